@@ -1,0 +1,1 @@
+"""megatron_lite: Megatron-style LLM pretraining."""

@@ -1,0 +1,303 @@
+"""Configuration dataclasses, validated per concern.
+
+Every check raises `ConfigError` with one line that names the flags (Megatron's spelling), their values
+and a valid alternative. `validate_layout` runs before any process group exists, so a bad layout stops
+every rank at start-up instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the flag, value and fix."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest_multiples(value: int, step: int) -> str:
+    lo = (value // step) * step
+    hi = lo + step
+    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`, Megatron `--use-rope-scaling`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer. Defaults follow Megatron-LM's GPT defaults (LayerNorm, GELU, biases,
+    learned positions, tied embeddings); Llama sets RMSNorm, SwiGLU, RoPE, no biases, untied output."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    num_query_groups: int | None = None  # grouped-query attention; default = num_attention_heads
+    kv_channels: int | None = None  # head_dim; default hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    make_vocab_size_divisible_by: int = 128
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's gelu_new, Megatron --openai-gelu) | swiglu
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # Qwen2: bias on QKV only
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    recompute_granularity: str | None = None  # None | full | selective
+    recompute_method: str | None = None  # uniform | block (full only)
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # Derived sizes -----------------------------------------------------------------------------
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Megatron's padding: a multiple of make_vocab_size_divisible_by x TP. Padding never changes a
+        result here: padded rows are zero, never looked up, and masked out of the softmax."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    # Checks of the model alone ---------------------------------------------------------------
+    def validate(self) -> None:
+        for flag, value in (
+            ("--num-layers", self.num_layers),
+            ("--hidden-size", self.hidden_size),
+            ("--num-attention-heads", self.num_attention_heads),
+            ("--vocab-size", self.vocab_size),
+            ("--ffn-hidden-size", self.ffn_size),
+            ("--num-query-groups", self.query_groups),
+            ("--max-position-embeddings", self.max_position_embeddings),
+            ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} {value} must be a positive integer")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; pass --kv-channels explicitly or use heads in "
+                f"{_divisors(self.hidden_size)[-6:]}"
+            )
+        if self.num_attention_heads % self.query_groups:
+            raise ConfigError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
+                f"{self.query_groups}; use --num-query-groups in {_divisors(self.num_attention_heads)}"
+            )
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation {self.activation!r} is not supported; use one of {ACTIVATIONS}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ConfigError(
+                f"--position-embedding-type {self.position_embedding_type} is not supported; "
+                f"use one of {POSITION_EMBEDDINGS}"
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {self.head_dim}")
+        for flag, p in (("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)):
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"{flag} {p} must be in [0, 1)")
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity {g} is not supported; use full or selective")
+        if g == "full":
+            if m not in ("uniform", "block"):
+                raise ConfigError(
+                    f"--recompute-granularity full needs --recompute-method uniform|block (got {m}); "
+                    "e.g. --recompute-method uniform --recompute-num-layers 1"
+                )
+            if n is None or n < 1:
+                raise ConfigError(
+                    f"--recompute-granularity full needs --recompute-num-layers >= 1 (got {n}); "
+                    "e.g. --recompute-num-layers 1"
+                )
+        elif m is not None or n is not None:
+            raise ConfigError(
+                f"--recompute-method {m} / --recompute-num-layers {n} apply only with "
+                "--recompute-granularity full; add it or drop them"
+            )
+        bad = [x for x in self.recompute_modules if x not in RECOMPUTE_MODULES]
+        if bad:
+            raise ConfigError(f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is split. Rank order is Megatron's: TP fastest, then CP, DP, PP; the expert grid is
+    expert-TP, EP, expert-DP, PP."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # default: same as TP
+    virtual_pipeline_model_parallel_size: int | None = None  # model chunks per pipeline rank
+    sequence_parallel: bool = False
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        e = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if e is None else e
+
+    @property
+    def vp(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.etp * self.ep * self.pp)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch geometry (the training issue adds the optimizer and schedule beside it)."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # default: micro_batch_size x data-parallel size
+    seq_length: int = 1024
+
+    def num_micro_batches(self, dp: int) -> int:
+        gbs = self.global_batch_size or self.micro_batch_size * dp
+        return gbs // (self.micro_batch_size * dp)
+
+
+def validate_layout(
+    model: ModelConfig, parallel: ParallelConfig, world_size: int, training: TrainingConfig | None = None
+) -> None:
+    """Every check that depends on how the job is split. Runs before any collective."""
+    tp, pp, cp, vp = parallel.tp, parallel.pp, parallel.cp, parallel.vp
+    for flag, value in (
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+        ("--context-parallel-size", cp),
+        ("--expert-model-parallel-size", parallel.ep),
+        ("--expert-tensor-parallel-size", parallel.etp),
+        ("--num-virtual-stages-per-pipeline-rank", vp),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
+    if world_size % (tp * pp * cp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
+            f"choose sizes whose product divides {world_size} (one of {_divisors(world_size)}) or launch a multiple of "
+            f"{tp * pp * cp} ranks"
+        )
+    etp, ep = parallel.etp, parallel.ep
+    if world_size % (etp * ep * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}; "
+            f"choose sizes whose product divides {world_size}"
+        )
+    heads, groups = model.num_attention_heads, model.query_groups
+    if heads % tp:
+        ok = [d for d in _divisors(heads) if d <= world_size]
+        raise ConfigError(
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
+            f"use --tensor-model-parallel-size in {ok}"
+        )
+    if groups % tp:
+        ok = [d for d in _divisors(groups) if d <= world_size]
+        raise ConfigError(
+            f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+            f"use --tensor-model-parallel-size in {ok} or more query groups"
+        )
+    if model.ffn_size % tp:
+        raise ConfigError(
+            f"--ffn-hidden-size {model.ffn_size} is not divisible by --tensor-model-parallel-size {tp}; "
+            f"use --ffn-hidden-size {_nearest_multiples(model.ffn_size, tp)}"
+        )
+    stages = pp * vp
+    if model.num_layers % stages:
+        raise ConfigError(
+            f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(model.num_layers, stages)}"
+            f" or a pipeline size in {_divisors(model.num_layers)}"
+        )
+    if training is None:
+        return
+    seq = training.seq_length
+    if seq < 1 or training.micro_batch_size < 1:
+        raise ConfigError(
+            f"--seq-length {seq} and --micro-batch-size {training.micro_batch_size} must be positive"
+        )
+    if model.position_embedding_type == "learned_absolute" and seq > model.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}; "
+            f"raise --max-position-embeddings to at least {seq}"
+        )
+    if parallel.sequence_parallel and tp > 1 and seq % tp:
+        raise ConfigError(
+            f"--seq-length {seq} is not divisible by --tensor-model-parallel-size {tp} with "
+            f"--sequence-parallel; use --seq-length {_nearest_multiples(seq, tp)} or drop --sequence-parallel"
+        )
+    dp = parallel.data_parallel_size(world_size)
+    mbs = training.micro_batch_size
+    gbs = training.global_batch_size
+    if gbs is not None and (gbs < 1 or gbs % (mbs * dp)):
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size "
+            f"{dp} = {mbs * dp}; use --global-batch-size {_nearest_multiples(gbs, mbs * dp)}"
+        )
+

@@ -1,0 +1,101 @@
+"""Self-attention with grouped-query heads, split across tensor-parallel ranks by query group."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.models.rope import apply_rope
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.tensor_parallel.random import checkpoint
+
+
+def qkv_output_size(config: ModelConfig) -> int:
+    """Rows of the fused QKV weight. The layout is grouped per query group: for each of the query
+    groups, its (heads / groups) query heads, then its key head, then its value head, each head_dim
+    rows. Tensor parallelism therefore splits whole groups, and the layout does not depend on TP."""
+    per_group = config.num_attention_heads // config.query_groups + 2
+    return config.query_groups * per_group * config.head_dim
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask, through PyTorch's scaled_dot_product_attention.
+    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] -> [batch, seq, heads*head_dim].
+    The heads here are this rank's shard, so attention dropout draws from the per-TP-rank generator."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.dropout = config.attention_dropout
+        self.scale = config.head_dim**-0.5
+        self.rng = ctx.rng
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s, heads, d = q.shape
+        kv_heads = k.shape[2]
+        if kv_heads != heads:  # grouped-query: query head i reads key/value head i // (heads / kv_heads)
+            rep = heads // kv_heads
+            k = k.unsqueeze(3).expand(b, s, kv_heads, rep, d).reshape(b, s, heads, d)
+            v = v.unsqueeze(3).expand(b, s, kv_heads, rep, d).reshape(b, s, heads, d)
+        p = self.dropout if self.training else 0.0
+        rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=True, scale=self.scale
+            )
+        return out.transpose(1, 2).reshape(b, s, heads * d)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        tp = ctx.tp
+        sp = ctx.sequence_parallel
+        self.head_dim = config.head_dim
+        self.heads_per_group = config.num_attention_heads // config.query_groups
+        self.local_groups = config.query_groups // tp.size
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_output_size(config),
+            tp,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            sequence_parallel=sp,
+            init_std=config.init_method_std,
+            device=device,
+            dtype=dtype,
+        )
+        self.core_attention = CoreAttention(config, ctx)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            tp,
+            bias=config.add_bias_linear,
+            sequence_parallel=sp,
+            init_std=config.init_method_std / (2.0 * config.num_layers) ** 0.5,
+            device=device,
+            dtype=dtype,
+        )
+        self.recompute_core_attention = False  # set by the transformer block (selective recompute)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden]."""
+        qkv = self.linear_qkv(x)  # [seq, batch, local groups * (heads/group + 2) * head_dim]
+        s, b, _ = qkv.shape
+        qkv = qkv.transpose(0, 1).reshape(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.local_groups * self.heads_per_group, self.head_dim)
+        k = k.squeeze(3)
+        v = v.squeeze(3)
+        if rope is not None:
+            cos, sin = rope
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        if self.recompute_core_attention and self.training:
+            out = checkpoint(self.core_attention, self.core_attention.rng, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.linear_proj(out.transpose(0, 1))

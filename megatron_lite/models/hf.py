@@ -1,0 +1,228 @@
+"""Hugging Face <-> megatron_lite: configs and full (layout-free) state dicts.
+
+Supported: LlamaForCausalLM, MistralForCausalLM (no sliding window yet), Qwen2ForCausalLM (QKV bias) and
+GPT2LMHeadModel. A field that changes the math and that we do not implement is refused, never ignored.
+Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
+GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q; k; v] over all heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
+
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _arch(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "gpt2": "GPT2LMHeadModel"}.get(hf_config.model_type, hf_config.model_type)
+
+
+def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
+    # transformers 5 keeps RoPE settings in `rope_parameters`; 4.x in rope_theta / rope_scaling.
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    base = float(params.get("rope_theta", 10000.0))
+    if kind == "default":
+        return base, None
+    if kind == "llama3":
+        return base, RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3")
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+    arch = _arch(hf_config)
+    if arch in LLAMA_LIKE:
+        c = hf_config
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
+        if getattr(c, "mlp_bias", False):
+            raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
+        if getattr(c, "use_sliding_window", False) or (arch == "MistralForCausalLM" and c.sliding_window):
+            raise ConfigError(f"config.json sliding_window={c.sliding_window} is not supported yet for {arch}")
+        attention_bias = getattr(c, "attention_bias", False)
+        if attention_bias and arch != "Qwen2ForCausalLM":
+            raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
+        base, scaling = _rope(c)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kwargs = dict(
+            num_layers=c.num_hidden_layers,
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            num_query_groups=c.num_key_value_heads or c.num_attention_heads,
+            kv_channels=head_dim,
+            ffn_hidden_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            max_position_embeddings=c.max_position_embeddings,
+            normalization="RMSNorm",
+            norm_epsilon=c.rms_norm_eps,
+            activation="swiglu",
+            position_embedding_type="rope",
+            rotary_base=base,
+            rope_scaling=scaling,
+            add_bias_linear=False,
+            add_qkv_bias=arch == "Qwen2ForCausalLM",
+            untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+            hidden_dropout=0.0,
+            attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+        )
+    elif arch == "GPT2LMHeadModel":
+        c = hf_config
+        if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise ConfigError(f"config.json activation_function {c.activation_function!r} is not supported")
+        if c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or not c.scale_attn_weights:
+            raise ConfigError("config.json GPT-2 attention scaling variants are not supported")
+        kwargs = dict(
+            num_layers=c.n_layer,
+            hidden_size=c.n_embd,
+            num_attention_heads=c.n_head,
+            ffn_hidden_size=c.n_inner or 4 * c.n_embd,
+            vocab_size=c.vocab_size,
+            max_position_embeddings=c.n_positions,
+            normalization="LayerNorm",
+            norm_epsilon=c.layer_norm_epsilon,
+            activation="gelu" if c.activation_function == "gelu" else "gelu_tanh",
+            position_embedding_type="learned_absolute",
+            add_bias_linear=True,
+            untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", True),
+            hidden_dropout=c.resid_pdrop,
+            attention_dropout=c.attn_pdrop,
+        )
+    else:
+        raise ConfigError(f"config.json architecture {arch!r} is not supported; supported: {LLAMA_LIKE + ('GPT2LMHeadModel',)}")
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[q; k; v] (heads in order) -> grouped per query group: [q_g..., k_g, v_g] for each group g."""
+    rest = q.shape[1:]
+    return torch.cat(
+        [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1
+    ).reshape(-1, *rest)
+
+
+def _ungroup_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = config.query_groups, config.head_dim
+    per = config.num_attention_heads // g
+    rest = qkv.shape[1:]
+    x = qkv.reshape(g, (per + 2) * d, *rest)
+    q, k, v = x.split([per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+    """HF tensors (or their gradients: the map is linear) -> our full, unpadded state dict."""
+    out: dict[str, torch.Tensor] = {}
+    L = "decoder.layers"
+    if arch in LLAMA_LIKE:
+        out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            att = p + "self_attn."
+            out[f"{L}.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+            for kind in ("weight", "bias"):
+                if f"{att}q_proj.{kind}" in hf:
+                    out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(
+                        hf[f"{att}q_proj.{kind}"], hf[f"{att}k_proj.{kind}"], hf[f"{att}v_proj.{kind}"],
+                        config.query_groups,
+                    )
+            out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+            out[f"{L}.{i}.pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+            out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
+                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+            )
+            out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if not config.tied_embeddings:
+            out["output_layer.weight"] = hf["lm_head.weight"]
+        return out
+    if arch == "GPT2LMHeadModel":
+        h = config.hidden_size
+        out["embedding.word_embeddings.weight"] = hf["transformer.wte.weight"]
+        out["embedding.position_embeddings.weight"] = hf["transformer.wpe.weight"]
+        for i in range(config.num_layers):
+            p = f"transformer.h.{i}."
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[f"{L}.{i}.{ours}.weight"] = hf[f"{p}{theirs}.weight"]
+                out[f"{L}.{i}.{ours}.bias"] = hf[f"{p}{theirs}.bias"]
+            # Conv1D stores [in, out]; c_attn's output columns are [q; k; v] over all heads.
+            q, k, v = hf[p + "attn.c_attn.weight"].t().split(h, dim=0)
+            out[f"{L}.{i}.self_attention.linear_qkv.weight"] = _group_qkv(q, k, v, config.query_groups)
+            qb, kb, vb = hf[p + "attn.c_attn.bias"].split(h, dim=0)
+            out[f"{L}.{i}.self_attention.linear_qkv.bias"] = _group_qkv(qb, kb, vb, config.query_groups)
+            out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[p + "attn.c_proj.weight"].t()
+            out[f"{L}.{i}.self_attention.linear_proj.bias"] = hf[p + "attn.c_proj.bias"]
+            out[f"{L}.{i}.mlp.linear_fc1.weight"] = hf[p + "mlp.c_fc.weight"].t()
+            out[f"{L}.{i}.mlp.linear_fc1.bias"] = hf[p + "mlp.c_fc.bias"]
+            out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.c_proj.weight"].t()
+            out[f"{L}.{i}.mlp.linear_fc2.bias"] = hf[p + "mlp.c_proj.bias"]
+        out["decoder.final_layernorm.weight"] = hf["transformer.ln_f.weight"]
+        out["decoder.final_layernorm.bias"] = hf["transformer.ln_f.bias"]
+        if not config.tied_embeddings:
+            out["output_layer.weight"] = hf["lm_head.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+    raise ConfigError(f"architecture {arch!r} is not supported")
+
+
+def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+    """The inverse of `state_dict_from_hf` (tied models get `lm_head.weight` = the embedding)."""
+    hf: dict[str, torch.Tensor] = {}
+    L = "decoder.layers"
+    if arch in LLAMA_LIKE:
+        hf["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            hf[p + "input_layernorm.weight"] = ours[f"{L}.{i}.input_layernorm.weight"]
+            for kind in ("weight", "bias"):
+                key = f"{L}.{i}.self_attention.linear_qkv.{kind}"
+                if key in ours:
+                    q, k, v = _ungroup_qkv(ours[key], config)
+                    hf[f"{p}self_attn.q_proj.{kind}"], hf[f"{p}self_attn.k_proj.{kind}"] = q, k
+                    hf[f"{p}self_attn.v_proj.{kind}"] = v
+            hf[p + "self_attn.o_proj.weight"] = ours[f"{L}.{i}.self_attention.linear_proj.weight"]
+            hf[p + "post_attention_layernorm.weight"] = ours[f"{L}.{i}.pre_mlp_layernorm.weight"]
+            gate, up = ours[f"{L}.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
+            hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
+            hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
+        hf["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
+        hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+        return {k: v.contiguous() for k, v in hf.items()}
+    if arch == "GPT2LMHeadModel":
+        hf["transformer.wte.weight"] = ours["embedding.word_embeddings.weight"]
+        hf["transformer.wpe.weight"] = ours["embedding.position_embeddings.weight"]
+        for i in range(config.num_layers):
+            p = f"transformer.h.{i}."
+            for ours_name, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                hf[f"{p}{theirs}.weight"] = ours[f"{L}.{i}.{ours_name}.weight"]
+                hf[f"{p}{theirs}.bias"] = ours[f"{L}.{i}.{ours_name}.bias"]
+            q, k, v = _ungroup_qkv(ours[f"{L}.{i}.self_attention.linear_qkv.weight"], config)
+            hf[p + "attn.c_attn.weight"] = torch.cat([q, k, v], dim=0).t()
+            qb, kb, vb = _ungroup_qkv(ours[f"{L}.{i}.self_attention.linear_qkv.bias"], config)
+            hf[p + "attn.c_attn.bias"] = torch.cat([qb, kb, vb], dim=0)
+            hf[p + "attn.c_proj.weight"] = ours[f"{L}.{i}.self_attention.linear_proj.weight"].t()
+            hf[p + "attn.c_proj.bias"] = ours[f"{L}.{i}.self_attention.linear_proj.bias"]
+            hf[p + "mlp.c_fc.weight"] = ours[f"{L}.{i}.mlp.linear_fc1.weight"].t()
+            hf[p + "mlp.c_fc.bias"] = ours[f"{L}.{i}.mlp.linear_fc1.bias"]
+            hf[p + "mlp.c_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"].t()
+            hf[p + "mlp.c_proj.bias"] = ours[f"{L}.{i}.mlp.linear_fc2.bias"]
+        hf["transformer.ln_f.weight"] = ours["decoder.final_layernorm.weight"]
+        hf["transformer.ln_f.bias"] = ours["decoder.final_layernorm.bias"]
+        hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+        return {k: v.contiguous() for k, v in hf.items()}
+    raise ConfigError(f"architecture {arch!r} is not supported")

@@ -1,0 +1,52 @@
+"""The feed-forward block: fc1 (column-parallel) -> activation -> fc2 (row-parallel)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        ffn = config.ffn_size
+        self.activation = config.activation
+        # SwiGLU's fc1 stacks two logical blocks, gate then up; each is split across TP on its own so a
+        # rank holds [gate_r; up_r] and the pairing of gate and up columns never crosses ranks.
+        fc1_out = [ffn, ffn] if self.activation == "swiglu" else ffn
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            fc1_out,
+            ctx.tp,
+            bias=config.add_bias_linear,
+            sequence_parallel=ctx.sequence_parallel,
+            init_std=config.init_method_std,
+            device=device,
+            dtype=dtype,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            ffn,
+            config.hidden_size,
+            ctx.tp,
+            bias=config.add_bias_linear,
+            sequence_parallel=ctx.sequence_parallel,
+            init_std=config.init_method_std / (2.0 * config.num_layers) ** 0.5,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)

@@ -1,0 +1,47 @@
+"""Normalisation layers (plain PyTorch; the kernels issue puts fused Triton kernels behind them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: statistics in fp32, the weight applied in the input dtype (as transformers does)."""
+
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.weight.init_method = ("ones",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.weight.init_method = ("ones",)
+        self.bias.init_method = ("zeros",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def build_norm(config: ModelConfig, sequence_parallel: bool, device=None, dtype=torch.float32) -> nn.Module:
+    """A norm over the hidden size. Its parameters are replicated across TP; under sequence parallelism
+    each rank normalises only its sequence shard, so their gradients are marked for a TP all-reduce."""
+    cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    norm = cls(config.hidden_size, config.norm_epsilon, device=device, dtype=dtype)
+    for p in norm.parameters():
+        p.sequence_parallel = sequence_parallel
+    return norm

@@ -1,0 +1,59 @@
+"""Rotary position embeddings in Hugging Face's rotate-half convention (first half / second half of
+head_dim), with optional Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megatron_lite.config import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None, device=None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.base = base
+        self.scaling = scaling
+        # Not a checkpointed tensor: derived from the config, recomputed on load (and after meta init).
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, scaling).to(device), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling).to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [*positions.shape, head_dim] in fp32, for integer `positions`."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., heads, head_dim]; cos/sin broadcastable to x once a heads axis is added before head_dim."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    return x * cos + rotate_half(x) * sin

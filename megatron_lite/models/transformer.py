@@ -1,0 +1,114 @@
+"""Transformer layers and the block that stacks them, with Megatron's activation recomputation.
+
+A layer reads like the single-device math: pre-norm attention and MLP with residuals. Communication
+lives inside the parallel linear layers; the only layout-dependent choice here is which generator
+hidden dropout draws from (per TP rank when the activations are sequence-sharded, shared otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.models.attention import SelfAttention
+from megatron_lite.models.mlp import MLP
+from megatron_lite.models.norms import build_norm
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.tensor_parallel.random import RNGStatesTracker, checkpoint
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, rng: RNGStatesTracker, sharded: bool) -> torch.Tensor:
+    """Dropout on the residual stream. `sharded`: each rank holds different activations (a sequence
+    shard), so masks come from the per-rank generator; otherwise all TP ranks draw the same mask."""
+    if not training or p == 0.0:
+        return x
+    with rng.fork() if sharded else contextlib.nullcontext():
+        return F.dropout(x, p, training=True)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, layer_number: int, device=None, dtype=torch.float32
+    ) -> None:
+        super().__init__()
+        self.layer_number = layer_number  # global, 0-based: the same at any pipeline layout
+        self.hidden_dropout = config.hidden_dropout
+        self.rng = ctx.rng
+        self.sequence_parallel = ctx.sequence_parallel
+        self.input_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
+        self.self_attention = SelfAttention(config, ctx, device, dtype)
+        self.pre_mlp_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
+        self.mlp = MLP(config, ctx, device, dtype)
+        selective = config.recompute_granularity == "selective"
+        self.recompute = {m: selective and m in config.recompute_modules for m in ("layernorm", "mlp")}
+        self.self_attention.recompute_core_attention = selective and "core_attn" in config.recompute_modules
+
+    def _maybe_recompute(self, name: str, fn, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute[name] and self.training:
+            return checkpoint(fn, self.rng, x)
+        return fn(x)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        h = self._maybe_recompute("layernorm", self.input_layernorm, x)
+        h = self.self_attention(h, rope)
+        x = x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
+        h = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, x)
+        h = self._maybe_recompute("mlp", self.mlp, h)
+        return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
+
+
+class TransformerBlock(nn.Module):
+    """The layers this rank runs, `layer_offset` being the global number of the first one, and the
+    final norm when this rank holds the last layer.
+
+    Full recomputation (`--recompute-granularity full`): `uniform` checkpoints consecutive groups of
+    `--recompute-num-layers` layers; `block` checkpoints each of the first `--recompute-num-layers`
+    layers and runs the rest normally."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        num_layers: int,
+        layer_offset: int = 0,
+        final_norm: bool = True,
+        device=None,
+        dtype=torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.rng = ctx.rng
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, ctx, layer_offset + i, device, dtype) for i in range(num_layers)
+        )
+        self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype) if final_norm else None
+
+    def _run(self, start: int, end: int, rope):
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers[start:end]:
+                x = layer(x, rope)
+            return x
+
+        return fn
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        cfg = self.config
+        n = len(self.layers)
+        if cfg.recompute_granularity == "full" and self.training:
+            k = cfg.recompute_num_layers
+            if cfg.recompute_method == "uniform":
+                for start in range(0, n, k):
+                    x = checkpoint(self._run(start, min(start + k, n), rope), self.rng, x)
+            else:  # block
+                for i in range(n):
+                    run = self._run(i, i + 1, rope)
+                    x = checkpoint(run, self.rng, x) if i < k else run(x)
+        else:
+            x = self._run(0, n, rope)(x)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x

@@ -1,0 +1,289 @@
+"""Process groups for every parallelism, built once and passed to the layers that need them.
+
+The rank grid is pure data (`RankGrid`): which ranks share a tensor-, context-, data- or pipeline-parallel
+group follows from the sizes alone, so it can be printed and tested without processes. `ParallelContext`
+turns the grid into process groups for one rank; layers receive the `Group` they communicate over
+explicitly, never by reading global state (Megatron's global `parallel_state` is a known source of
+wrong-group gradient bugs).
+
+Rank order is Megatron's: rank = tp + TP*(cp + CP*(dp + DP*pp)). Expert layers use their own grid,
+rank = etp + ETP*(ep + EP*(edp + EDP*pp)), so the expert tensor-parallel size may differ from TP; the
+pipeline groups of both grids coincide because PP is the slowest dimension of each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig, validate_layout
+from megatron_lite.tensor_parallel.random import RNGStatesTracker
+
+DECODER_DIMS = ("tp", "cp", "dp", "pp")
+EXPERT_DIMS = ("etp", "ep", "edp", "pp")
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Ranks laid out on named dimensions, the first varying fastest."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for name, size in zip(self.names, self.sizes):
+            out[name] = rank % size
+            rank //= size
+        return out
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank, stride = 0, 1
+        for name, size in zip(self.names, self.sizes):
+            rank += coords[name] * stride
+            stride *= size
+        return rank
+
+    def groups(self, dims: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """All groups of ranks that differ only along `dims` (each group sorted by rank)."""
+        fixed = [n for n in self.names if n not in dims]
+        size = dict(zip(self.names, self.sizes))
+        out = []
+        for fixed_vals in itertools.product(*(range(size[n]) for n in fixed)):
+            base = dict(zip(fixed, fixed_vals))
+            members = []
+            for vals in itertools.product(*(range(size[d]) for d in dims)):
+                members.append(self.rank_of({**base, **dict(zip(dims, vals))}))
+            out.append(tuple(sorted(members)))
+        return sorted(out)
+
+    def group_of(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
+        return next(g for g in self.groups(dims) if rank in g)
+
+
+def decoder_grid(parallel: ParallelConfig, world_size: int) -> RankGrid:
+    return RankGrid(DECODER_DIMS, (parallel.tp, parallel.cp, parallel.data_parallel_size(world_size), parallel.pp))
+
+
+def expert_grid(parallel: ParallelConfig, world_size: int) -> RankGrid:
+    edp = parallel.expert_data_parallel_size(world_size)
+    return RankGrid(EXPERT_DIMS, (parallel.etp, parallel.ep, edp, parallel.pp))
+
+
+@dataclass
+class Group:
+    """One rank's view of a process group: its members, its own index, and the handle.
+
+    `handle` is None when the group has one member (no communication ever happens) or when the context
+    was built for inspection only (dry runs, meta-device models)."""
+
+    ranks: tuple[int, ...]
+    rank: int  # index of this process within `ranks`
+    handle: dist.ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        if self.handle is None:
+            raise RuntimeError(
+                f"group {self.ranks} has no process group: this ParallelContext was built for inspection "
+                "(ParallelContext.virtual); build it with ParallelContext.build to communicate"
+            )
+        return self.handle
+
+    @staticmethod
+    def single() -> Group:
+        return Group(ranks=(0,), rank=0)
+
+
+# Each group kind: which grid and which dimensions vary inside it.
+_GROUP_DIMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tp": ("decoder", ("tp",)),
+    "cp": ("decoder", ("cp",)),
+    "dp": ("decoder", ("dp",)),
+    "dp_cp": ("decoder", ("cp", "dp")),  # dense gradients are reduced over DP x CP
+    "pp": ("decoder", ("pp",)),
+    "mp": ("decoder", ("tp", "pp")),  # model-parallel group (grad norm across shards)
+    "tp_cp": ("decoder", ("tp", "cp")),
+    "etp": ("expert", ("etp",)),
+    "ep": ("expert", ("ep",)),
+    "edp": ("expert", ("edp",)),
+}
+
+
+@dataclass
+class ParallelContext:
+    """Everything a layer needs to know about the layout, for one rank."""
+
+    parallel: ParallelConfig
+    world_size: int
+    rank: int
+    groups: dict[str, Group]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rng: RNGStatesTracker = field(default_factory=RNGStatesTracker)
+
+    # Short names used throughout the layers.
+    @property
+    def tp(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def cp(self) -> Group:
+        return self.groups["cp"]
+
+    @property
+    def dp(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def dp_cp(self) -> Group:
+        return self.groups["dp_cp"]
+
+    @property
+    def pp(self) -> Group:
+        return self.groups["pp"]
+
+    @property
+    def mp(self) -> Group:
+        return self.groups["mp"]
+
+    @property
+    def ep(self) -> Group:
+        return self.groups["ep"]
+
+    @property
+    def etp(self) -> Group:
+        return self.groups["etp"]
+
+    @property
+    def edp(self) -> Group:
+        return self.groups["edp"]
+
+    @property
+    def embedding(self) -> Group:
+        """First and last pipeline stage of this rank's pipeline (tied-embedding gradients)."""
+        return self.groups["embedding"]
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallel.sequence_parallel and self.parallel.tp > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    def seed(self, seed: int) -> None:
+        """Megatron's seeding: the default generator is the same on every TP rank (dropout on activations
+        replicated across TP draws the same mask), the tracked model-parallel generator differs per TP
+        rank (dropout inside TP regions and in sequence-sharded regions)."""
+        default_seed = seed + 100 * self.pp.rank
+        torch.manual_seed(default_seed)
+        self.rng.reset()
+        self.rng.add("model-parallel", default_seed + 2718 + self.tp.rank, self.device)
+        self.rng.add("expert-parallel", default_seed + 2718 + 100 * self.ep.rank + self.etp.rank, self.device)
+
+    # Construction ------------------------------------------------------------------------------
+    @classmethod
+    def _groups_for(cls, parallel: ParallelConfig, world_size: int, rank: int) -> dict[str, tuple[int, ...]]:
+        grids = {"decoder": decoder_grid(parallel, world_size), "expert": expert_grid(parallel, world_size)}
+        members = {k: grids[g].group_of(rank, dims) for k, (g, dims) in _GROUP_DIMS.items()}
+        pp_ranks = members["pp"]
+        members["embedding"] = tuple(sorted({pp_ranks[0], pp_ranks[-1]}))
+        return members
+
+    @classmethod
+    def virtual(
+        cls, parallel: ParallelConfig, world_size: int = 1, rank: int = 0, device: torch.device | None = None
+    ) -> ParallelContext:
+        """A context with sizes and ranks but no process groups: for single-process runs, dry runs and
+        building a model on the meta device as a given rank would."""
+        members = cls._groups_for(parallel, world_size, rank)
+        groups = {k: Group(ranks=m, rank=m.index(rank)) for k, m in members.items()}
+        return cls(
+            parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device or _default_device()
+        )
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig, device: torch.device | None = None) -> ParallelContext:
+        """Create every process group of the layout. The default group must already be initialised.
+
+        All ranks call `new_group` for every group in the same order (a requirement of
+        torch.distributed); groups with one member, and duplicates of a rank set, are not created."""
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        kinds = list(_GROUP_DIMS) + ["embedding"]
+        grids = {"decoder": decoder_grid(parallel, world_size), "expert": expert_grid(parallel, world_size)}
+        handles: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for kind in kinds:
+            if kind == "embedding":
+                all_groups = sorted(
+                    {tuple(sorted({g[0], g[-1]})) for g in grids["decoder"].groups(("pp",))}
+                )
+            else:
+                grid, dims = _GROUP_DIMS[kind]
+                all_groups = grids[grid].groups(dims)
+            for ranks in all_groups:
+                if len(ranks) > 1 and ranks not in handles:
+                    handles[ranks] = (
+                        dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks))
+                    )
+        members = cls._groups_for(parallel, world_size, rank)
+        groups = {k: Group(ranks=m, rank=m.index(rank), handle=handles.get(m)) for k, m in members.items()}
+        return cls(
+            parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device or _default_device()
+        )
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={g.rank}/{g.size}" for k, g in self.groups.items())
+
+
+def _default_device() -> torch.device:
+    """CUDA when there is a GPU and the job is not a gloo (CPU) job; CPU otherwise."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def initialize(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    training: TrainingConfig | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> ParallelContext:
+    """The start-up path of every job: validate the whole layout first (so a bad configuration stops with
+    one line on every rank and no collective is ever started), then join the default group (NCCL on
+    CUDA, gloo on CPU) and build every group. Under torchrun the world comes from the environment."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    validate_layout(model, parallel, world_size, training)
+    if world_size == 1 and not dist.is_initialized():
+        return ParallelContext.virtual(parallel, 1, 0)
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return ParallelContext.build(parallel)

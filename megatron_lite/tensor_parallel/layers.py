@@ -1,0 +1,186 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Each parameter carries what the rest of the system needs to know about it:
+  * `shard_spec` (a ShardSpec) and `shard_rank` when it is split across tensor-parallel ranks;
+  * `sequence_parallel = True` when it is replicated across TP but, under sequence parallelism, each rank
+    sees only its sequence shard, so its gradient must be summed over TP (see grads.py);
+  * `init_method`: ("normal", std), ("zeros",) or ("ones",), applied to the full tensor (see init.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.parallel_context import Group
+from megatron_lite.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron_lite.tensor_parallel.sharding import ShardSpec
+
+
+def _param(shape: tuple[int, ...], device, dtype, init_method: tuple) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    p.init_method = init_method
+    return p
+
+
+def _shard(p: nn.Parameter, spec: ShardSpec, rank: int) -> nn.Parameter:
+    p.shard_spec = spec
+    p.shard_rank = rank
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (output features) across TP: each rank computes its slice
+    of the output features. Under sequence parallelism the input arrives sharded along the sequence
+    and is all-gathered first (its gradient reduce-scattered back).
+
+    `output_size` may be a list of logical blocks stacked along the output dimension (SwiGLU's gate
+    and up): each block is split across ranks separately, so a rank holds [gate_r; up_r].
+    `padded_output_size` pads a single block (the vocabulary) so TP divides it."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int | Sequence[int],
+        tp: Group,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        padded_output_size: int | None = None,
+        skip_weight_param_allocation: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        sizes = (output_size,) if isinstance(output_size, int) else tuple(output_size)
+        padded = (padded_output_size,) if padded_output_size is not None else sizes
+        if padded_output_size is not None and len(sizes) != 1:
+            raise ValueError("padded_output_size applies to a single output block")
+        self.tp = tp
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.spec = ShardSpec(0, sizes, padded, tp.size)
+        out_local = self.spec.shard_size
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            w = _param((out_local, input_size), device, dtype, ("normal", init_std))
+            self.weight = _shard(w, self.spec, tp.rank)
+        if bias:
+            self.bias = _shard(_param((out_local,), device, dtype, ("zeros",)), self.spec, tp.rank)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp)
+        y = F.linear(x, weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.tp)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (input features) across TP: each rank multiplies its
+    slice of the input features and the partial outputs are summed (all-reduce), or, under sequence
+    parallelism, summed and scattered along the sequence (reduce-scatter). The bias is added once,
+    after the reduction."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: Group,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence parallelism needs input_is_parallel=True")
+        self.tp = tp
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        spec = ShardSpec.even(1, input_size, tp.size)
+        w = _param((output_size, spec.shard_size), device, dtype, ("normal", init_std))
+        self.weight = _shard(w, spec, tp.rank)
+        if bias:
+            self.bias = _param((output_size,), device, dtype, ("zeros",))
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows across TP. Each rank looks up the ids in its range
+    (zeros elsewhere) and the partial results are summed across TP; with `reduce_scatter_embeddings`
+    the sum is also scattered along the sequence (sequence parallelism).
+
+    Input ids are [batch, seq]; output is [seq, batch, hidden] (the layout of the residual stream).
+    The table is padded to `padded_vocab_size` (a multiple of TP); padded rows are zero and never
+    looked up."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_vocab_size: int,
+        hidden_size: int,
+        tp: Group,
+        *,
+        reduce_scatter_embeddings: bool = False,
+        init_std: float = 0.02,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        spec = ShardSpec(0, (vocab_size,), (padded_vocab_size,), tp.size)
+        self.vocab_start = tp.rank * spec.shard_size
+        self.vocab_end = self.vocab_start + spec.shard_size
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings and tp.size > 1
+        w = _param((spec.shard_size, hidden_size), device, dtype, ("normal", init_std))
+        self.weight = _shard(w, spec, tp.rank)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.t()
+        if self.tp.size > 1:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp)
+        return reduce_from_tensor_model_parallel_region(out, self.tp)

@@ -1,0 +1,93 @@
+"""Dropout randomness under tensor parallelism, and recomputation that replays it.
+
+Activations replicated across TP ranks must see the same dropout mask on every rank (the default
+generator, seeded identically on all TP ranks); activations that differ per rank (a head shard inside
+attention, a sequence shard under sequence parallelism) draw from a tracked generator seeded per TP rank.
+`checkpoint` recomputes a region in the backward with both the default and the tracked generators
+restored, so recomputation reproduces the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named generator states swapped into the device's default generator for the span of a `fork`."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, torch.Tensor] = {}
+        self._devices: dict[str, torch.device] = {}
+
+    def reset(self) -> None:
+        self._states.clear()
+        self._devices.clear()
+
+    def add(self, name: str, seed: int, device: torch.device | str = "cpu") -> None:
+        device = torch.device(device)
+        if name in self._states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        self._states[name] = gen.get_state()
+        self._devices[name] = device
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        for k, v in states.items():
+            self._states[k] = v.clone()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel") -> Iterator[None]:
+        if name not in self._states:
+            raise RuntimeError(
+                f"RNG state {name!r} is not seeded: call ParallelContext.seed(seed) before running the model"
+            )
+        device = self._devices[name]
+        outer = _get_state(device)
+        _set_state(device, self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _get_state(device)
+            _set_state(device, outer)
+
+
+def checkpoint(fn: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) -> Any:
+    """Activation recomputation: run `fn(*args)` without keeping its intermediates; the backward
+    recomputes them with the default generator and every tracked generator as they were here."""
+    saved = tracker.get_states()
+    first_call = [True]
+
+    def run(*inner: Any) -> Any:
+        if first_call[0]:
+            first_call[0] = False
+            return fn(*inner)
+        current = tracker.get_states()
+        tracker.set_states(saved)
+        try:
+            return fn(*inner)
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

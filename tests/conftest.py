@@ -1,0 +1,30 @@
+"""Shared fixtures: `dist(world_size, fn, *args)` runs `fn` on every rank of a persistent gloo world."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_pool import WorkerPool
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def _pools():
+    pools: dict[int, WorkerPool] = {}
+    yield pools
+    for pool in pools.values():
+        if not pool.broken:
+            pool.close()
+
+
+@pytest.fixture
+def dist(_pools):
+    def run(world_size: int, fn, *args, **kwargs):
+        pool = _pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = _pools[world_size] = WorkerPool(world_size)
+        return pool.run(fn, *args, **kwargs)
+
+    return run

@@ -1,0 +1,71 @@
+"""Small model configurations and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.config import ModelConfig, ParallelConfig
+from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.parallel_context import ParallelContext
+
+VOCAB = 250  # not a multiple of 4 x make_vocab_size_divisible_by (2): TP=2 and TP=4 must pad
+
+
+def llama_config(**kw) -> ModelConfig:
+    """Llama-shaped: RMSNorm, SwiGLU, RoPE with a non-default base, GQA (8 heads, 4 groups), no biases,
+    untied output layer."""
+    base = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
+        vocab_size=VOCAB, make_vocab_size_divisible_by=2, max_position_embeddings=64,
+        normalization="RMSNorm", norm_epsilon=1e-6, activation="swiglu", position_embedding_type="rope",
+        rotary_base=5000.0, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def gpt2_config(**kw) -> ModelConfig:
+    """GPT-2-shaped: LayerNorm, tanh GELU, learned positions, biases, tied embeddings."""
+    base = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, make_vocab_size_divisible_by=2,
+        max_position_embeddings=64, normalization="LayerNorm", activation="gelu_tanh",
+        position_embedding_type="learned_absolute", add_bias_linear=True,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+CONFIGS = {"llama": llama_config, "gpt2": gpt2_config}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Per-tensor relative error ||a - b|| / ||b||."""
+    a, b = a.double(), b.double()
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float((a - b).norm())
+
+
+def perturbed_full_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The full weights of a model initialised from `seed`, with norm weights and biases moved away from
+    their 1 / 0 init, so a bias applied twice or a norm weight applied to the wrong shard shows up."""
+    model = GPTModel(config, ParallelContext.virtual(ParallelConfig()), seed=seed)
+    state = model.full_state_dict()
+    gen = torch.Generator().manual_seed(seed + 1)
+    return {k: (v + 0.1 * torch.randn(v.shape, generator=gen)) if v.ndim == 1 else v.clone() for k, v in state.items()}
+
+
+def specs(config: ModelConfig, parallel: ParallelConfig, world_size: int) -> dict:
+    """ShardSpec of every parameter (by global name) under a layout, from a meta-device model."""
+    model = GPTModel(config, ParallelContext.virtual(parallel, world_size, 0), device="meta")
+    return {model.global_name(n): getattr(p, "shard_spec", None) for n, p in model.named_parameters()}
+
+
+def unshard_all(per_rank: list[dict[str, torch.Tensor]], spec_map: dict, tp: int) -> dict[str, torch.Tensor]:
+    """Full tensors from TP ranks 0..tp-1 (the first tensor-parallel group)."""
+    out = {}
+    for name, spec in spec_map.items():
+        shards = [per_rank[r][name] for r in range(tp)]
+        out[name] = shards[0] if spec is None else spec.unshard(shards)
+    return out
