@@ -32,7 +32,7 @@ def _nearest_multiples(value: int, step: int) -> str:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`, Megatron `--use-rope-scaling`)."""
+    """Llama-3 frequency-dependent RoPE scaling (HF `rope_type: llama3`, Megatron `--use-rope-scaling`)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -85,7 +85,9 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        return (
+            self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        )
 
     @property
     def tied_embeddings(self) -> bool:
@@ -123,7 +125,9 @@ class ModelConfig:
                 f"{self.query_groups}; use --num-query-groups in {_divisors(self.num_attention_heads)}"
             )
         if self.normalization not in NORMALIZATIONS:
-            raise ConfigError(f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}")
+            raise ConfigError(
+                f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}"
+            )
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not supported; use one of {ACTIVATIONS}")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -133,7 +137,10 @@ class ModelConfig:
             )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {self.head_dim}")
-        for flag, p in (("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)):
+        for flag, p in (
+            ("--hidden-dropout", self.hidden_dropout),
+            ("--attention-dropout", self.attention_dropout),
+        ):
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"{flag} {p} must be in [0, 1)")
         self._validate_recompute()
@@ -160,7 +167,9 @@ class ModelConfig:
             )
         bad = [x for x in self.recompute_modules if x not in RECOMPUTE_MODULES]
         if bad:
-            raise ConfigError(f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}")
+            raise ConfigError(
+                f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}"
+            )
 
 
 @dataclass(frozen=True)
@@ -240,8 +249,8 @@ def validate_layout(
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
-            f"choose sizes whose product divides {world_size} (one of {_divisors(world_size)}) or launch a multiple of "
-            f"{tp * pp * cp} ranks"
+            f"choose sizes whose product divides {world_size} (one of {_divisors(world_size)}) "
+            f"or launch a multiple of {tp * pp * cp} ranks"
         )
     etp, ep = parallel.etp, parallel.ep
     if world_size % (etp * ep * pp):
@@ -251,17 +260,21 @@ def validate_layout(
             f"choose sizes whose product divides {world_size}"
         )
     heads, groups = model.num_attention_heads, model.query_groups
+    # TP sizes that would work with everything else unchanged.
+    ok_tp = [
+        d
+        for d in _divisors(groups)
+        if heads % d == 0 and model.ffn_size % d == 0 and world_size % (d * pp * cp) == 0
+    ]
     if heads % tp:
-        ok = [d for d in _divisors(heads) if d <= world_size]
         raise ConfigError(
             f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
-            f"use --tensor-model-parallel-size in {ok}"
+            f"use --tensor-model-parallel-size in {ok_tp}"
         )
     if groups % tp:
-        ok = [d for d in _divisors(groups) if d <= world_size]
         raise ConfigError(
             f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
-            f"use --tensor-model-parallel-size in {ok} or more query groups"
+            f"use --tensor-model-parallel-size in {ok_tp} or more query groups"
         )
     if model.ffn_size % tp:
         raise ConfigError(
@@ -270,10 +283,11 @@ def validate_layout(
         )
     stages = pp * vp
     if model.num_layers % stages:
+        ok_pp = [d for d in _divisors(world_size // (tp * cp)) if model.num_layers % (d * vp) == 0]
         raise ConfigError(
             f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
             f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(model.num_layers, stages)}"
-            f" or a pipeline size in {_divisors(model.num_layers)}"
+            f" or a pipeline size in {ok_pp}"
         )
     if training is None:
         return
@@ -300,4 +314,3 @@ def validate_layout(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size "
             f"{dp} = {mbs * dp}; use --global-batch-size {_nearest_multiples(gbs, mbs * dp)}"
         )
-

@@ -74,7 +74,9 @@ class RankGrid:
 
 
 def decoder_grid(parallel: ParallelConfig, world_size: int) -> RankGrid:
-    return RankGrid(DECODER_DIMS, (parallel.tp, parallel.cp, parallel.data_parallel_size(world_size), parallel.pp))
+    return RankGrid(
+        DECODER_DIMS, (parallel.tp, parallel.cp, parallel.data_parallel_size(world_size), parallel.pp)
+    )
 
 
 def expert_grid(parallel: ParallelConfig, world_size: int) -> RankGrid:
@@ -219,7 +221,11 @@ class ParallelContext:
         members = cls._groups_for(parallel, world_size, rank)
         groups = {k: Group(ranks=m, rank=m.index(rank)) for k, m in members.items()}
         return cls(
-            parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device or _default_device()
+            parallel=parallel,
+            world_size=world_size,
+            rank=rank,
+            groups=groups,
+            device=device or _default_device(),
         )
 
     @classmethod
@@ -234,9 +240,7 @@ class ParallelContext:
         handles: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for kind in kinds:
             if kind == "embedding":
-                all_groups = sorted(
-                    {tuple(sorted({g[0], g[-1]})) for g in grids["decoder"].groups(("pp",))}
-                )
+                all_groups = sorted({tuple(sorted({g[0], g[-1]})) for g in grids["decoder"].groups(("pp",))})
             else:
                 grid, dims = _GROUP_DIMS[kind]
                 all_groups = grids[grid].groups(dims)
@@ -248,7 +252,11 @@ class ParallelContext:
         members = cls._groups_for(parallel, world_size, rank)
         groups = {k: Group(ranks=m, rank=m.index(rank), handle=handles.get(m)) for k, m in members.items()}
         return cls(
-            parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device or _default_device()
+            parallel=parallel,
+            world_size=world_size,
+            rank=rank,
+            groups=groups,
+            device=device or _default_device(),
         )
 
     def describe(self) -> str:
@@ -285,5 +293,7 @@ def initialize(
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
     return ParallelContext.build(parallel)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_pool import WorkerPool
 
 torch.set_num_threads(2)

@@ -69,7 +69,10 @@ def _worker(rank: int, world: int, init_file: str, tasks: mp.Queue, results: mp.
     torch.set_num_threads(1)  # eight ranks on two cores: one thread each, or they thrash into timeouts
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(rank)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=GLOO_TIMEOUT_S),
     )
     while True:
@@ -99,8 +102,11 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r], self._results),
-                        daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, self._init_file, self._tasks[r], self._results),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in self._procs:

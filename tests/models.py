@@ -15,11 +15,23 @@ def llama_config(**kw) -> ModelConfig:
     """Llama-shaped: RMSNorm, SwiGLU, RoPE with a non-default base, GQA (8 heads, 4 groups), no biases,
     untied output layer."""
     base = dict(
-        num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
-        vocab_size=VOCAB, make_vocab_size_divisible_by=2, max_position_embeddings=64,
-        normalization="RMSNorm", norm_epsilon=1e-6, activation="swiglu", position_embedding_type="rope",
-        rotary_base=5000.0, add_bias_linear=False, untie_embeddings_and_output_weights=True,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=96,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=2,
+        max_position_embeddings=64,
+        normalization="RMSNorm",
+        norm_epsilon=1e-6,
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=5000.0,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     base.update(kw)
     return ModelConfig(**base)
@@ -28,10 +40,18 @@ def llama_config(**kw) -> ModelConfig:
 def gpt2_config(**kw) -> ModelConfig:
     """GPT-2-shaped: LayerNorm, tanh GELU, learned positions, biases, tied embeddings."""
     base = dict(
-        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, make_vocab_size_divisible_by=2,
-        max_position_embeddings=64, normalization="LayerNorm", activation="gelu_tanh",
-        position_embedding_type="learned_absolute", add_bias_linear=True,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=2,
+        max_position_embeddings=64,
+        normalization="LayerNorm",
+        activation="gelu_tanh",
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     base.update(kw)
     return ModelConfig(**base)
@@ -53,7 +73,10 @@ def perturbed_full_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.
     model = GPTModel(config, ParallelContext.virtual(ParallelConfig()), seed=seed)
     state = model.full_state_dict()
     gen = torch.Generator().manual_seed(seed + 1)
-    return {k: (v + 0.1 * torch.randn(v.shape, generator=gen)) if v.ndim == 1 else v.clone() for k, v in state.items()}
+    return {
+        k: (v + 0.1 * torch.randn(v.shape, generator=gen)) if v.ndim == 1 else v.clone()
+        for k, v in state.items()
+    }
 
 
 def specs(config: ModelConfig, parallel: ParallelConfig, world_size: int) -> dict:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_pool import get_context
+from models import CONFIGS, VOCAB, perturbed_full_state, rel, specs, unshard_all
+
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron_lite.tensor_parallel.sharding import ShardSpec
-from models import CONFIGS, VOCAB, perturbed_full_state, rel, specs, unshard_all
 
 TOL = 1e-5
 SEQ, BATCH = 16, 2

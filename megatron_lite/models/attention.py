@@ -45,7 +45,12 @@ class CoreAttention(nn.Module):
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=True, scale=self.scale
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                dropout_p=p,
+                is_causal=True,
+                scale=self.scale,
             )
         return out.transpose(1, 2).reshape(b, s, heads * d)
 

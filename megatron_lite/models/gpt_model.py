@@ -110,7 +110,7 @@ class GPTModel(nn.Module):
         if m is None:
             return name
         number = self.decoder.layers[int(m.group(1))].layer_number
-        return f"decoder.layers.{number}.{name[m.end():]}"
+        return f"decoder.layers.{number}.{name[m.end() :]}"
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.global_name)
@@ -125,7 +125,9 @@ class GPTModel(nn.Module):
         return local_full_state_dict(self, self.global_name)
 
     def output_weight(self) -> torch.Tensor:
-        return self.embedding.word_embeddings.weight if self.config.tied_embeddings else self.output_layer.weight
+        return (
+            self.embedding.word_embeddings.weight if self.config.tied_embeddings else self.output_layer.weight
+        )
 
     # Forward ------------------------------------------------------------------------------------
     def forward(

@@ -21,8 +21,12 @@ def _arch(hf_config: Any) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     if archs:
         return archs[0]
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "gpt2": "GPT2LMHeadModel"}.get(hf_config.model_type, hf_config.model_type)
+    return {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "gpt2": "GPT2LMHeadModel",
+    }.get(hf_config.model_type, hf_config.model_type)
 
 
 def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
@@ -50,14 +54,20 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     if arch in LLAMA_LIKE:
         c = hf_config
         if getattr(c, "hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
+            raise ConfigError(
+                f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu"
+            )
         if getattr(c, "mlp_bias", False):
             raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
         if getattr(c, "use_sliding_window", False) or (arch == "MistralForCausalLM" and c.sliding_window):
-            raise ConfigError(f"config.json sliding_window={c.sliding_window} is not supported yet for {arch}")
+            raise ConfigError(
+                f"config.json sliding_window={c.sliding_window} is not supported yet for {arch}"
+            )
         attention_bias = getattr(c, "attention_bias", False)
         if attention_bias and arch != "Qwen2ForCausalLM":
-            raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
+            raise ConfigError(
+                f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}"
+            )
         base, scaling = _rope(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kwargs = dict(
@@ -104,7 +114,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             attention_dropout=c.attn_pdrop,
         )
     else:
-        raise ConfigError(f"config.json architecture {arch!r} is not supported; supported: {LLAMA_LIKE + ('GPT2LMHeadModel',)}")
+        supported = ", ".join(LLAMA_LIKE + ("GPT2LMHeadModel",))
+        raise ConfigError(f"config.json architecture {arch!r} is not supported; supported: {supported}")
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
 
@@ -126,7 +137,9 @@ def _ungroup_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, 
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+def state_dict_from_hf(
+    hf: dict[str, torch.Tensor], config: ModelConfig, arch: str
+) -> dict[str, torch.Tensor]:
     """HF tensors (or their gradients: the map is linear) -> our full, unpadded state dict."""
     out: dict[str, torch.Tensor] = {}
     L = "decoder.layers"
@@ -139,7 +152,9 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
             for kind in ("weight", "bias"):
                 if f"{att}q_proj.{kind}" in hf:
                     out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(
-                        hf[f"{att}q_proj.{kind}"], hf[f"{att}k_proj.{kind}"], hf[f"{att}v_proj.{kind}"],
+                        hf[f"{att}q_proj.{kind}"],
+                        hf[f"{att}k_proj.{kind}"],
+                        hf[f"{att}v_proj.{kind}"],
                         config.query_groups,
                     )
             out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
@@ -180,7 +195,9 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
     raise ConfigError(f"architecture {arch!r} is not supported")
 
 
-def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+def state_dict_to_hf(
+    ours: dict[str, torch.Tensor], config: ModelConfig, arch: str
+) -> dict[str, torch.Tensor]:
     """The inverse of `state_dict_from_hf` (tied models get `lm_head.weight` = the embedding)."""
     hf: dict[str, torch.Tensor] = {}
     L = "decoder.layers"

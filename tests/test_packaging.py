@@ -1,0 +1,60 @@
+"""The package installs as megatron_lite with kernels/ as megatron_lite.kernels and never as a global
+`kernels` module (an unrelated PyPI package owns that name and transformers probes for it)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_kernels_importable_under_package_only(tmp_path):
+    import megatron_lite.kernels
+
+    assert pathlib.Path(megatron_lite.kernels.__file__).resolve().parent == ROOT / "kernels"
+    # Outside the checkout (where the folder itself is not on sys.path) the install provides no `kernels`.
+    probe = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert not out.stdout.strip().startswith(str(ROOT)), out.stdout
+
+
+def test_dependencies():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = meta["dependencies"]
+    names = [d.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower() for d in deps]
+    assert "apex" not in names and not any("apex" in n for n in names)
+    assert {"torch", "triton", "einops", "wandb", "numpy", "safetensors", "tokenizers"} <= set(names)
+    triton = next(d for d in deps if d.startswith("triton"))
+    assert "platform_system" in triton and "Linux" in triton
+    assert {"pytest", "transformers", "peft"} <= set(meta["optional-dependencies"]["test"])
+
+
+@pytest.mark.slow
+def test_wheel_maps_kernels_into_the_package(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    wheel = next(tmp_path.glob("megatron_lite-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "megatron_lite/kernels/__init__.py" in names
+    assert not any(n.startswith("kernels/") for n in names), [n for n in names if n.startswith("kernels/")]

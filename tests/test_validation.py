@@ -1,0 +1,170 @@
+"""Every bad layout stops at start-up with one line naming the flags, their values and a valid alternative,
+before any process group exists (so no rank can be left waiting in a collective). The alternative the
+message suggests is checked to be valid."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch.distributed as dist
+from models import llama_config
+
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig, validate_layout
+from megatron_lite.parallel_context import initialize
+
+P = ParallelConfig
+T = TrainingConfig
+
+# (world size, model overrides, parallel, training, message pattern, a fix the message proposes)
+CASES = {
+    "world not divisible by TP x PP x CP": (
+        6,
+        {},
+        P(tensor_model_parallel_size=4),
+        None,
+        r"^world size 6 is not divisible by --tensor-model-parallel-size 4 x "
+        r"--pipeline-model-parallel-size 1 x --context-parallel-size 1 = 4; .*one of \[1, 2, 3, 6\]",
+        ("parallel", P(tensor_model_parallel_size=2)),
+    ),
+    "world not divisible with PP and CP": (
+        8,
+        {},
+        P(tensor_model_parallel_size=2, pipeline_model_parallel_size=3),
+        None,
+        r"^world size 8 is not divisible by --tensor-model-parallel-size 2 x "
+        r"--pipeline-model-parallel-size 3 x --context-parallel-size 1 = 6",
+        ("parallel", P(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    ),
+    "heads not divisible by TP": (
+        8,
+        {"num_attention_heads": 12, "num_query_groups": 12, "hidden_size": 96},
+        P(tensor_model_parallel_size=8),
+        None,
+        r"^--num-attention-heads 12 is not divisible by --tensor-model-parallel-size 8; use "
+        r"--tensor-model-parallel-size in \[1, 2, 4\]",
+        ("parallel", P(tensor_model_parallel_size=4)),
+    ),
+    "query groups not divisible by TP": (
+        4,
+        {"num_query_groups": 2},
+        P(tensor_model_parallel_size=4),
+        None,
+        r"^--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4; use "
+        r"--tensor-model-parallel-size in \[1, 2\]",
+        ("parallel", P(tensor_model_parallel_size=2)),
+    ),
+    "layers not divisible by PP": (
+        4,
+        {"num_layers": 10},
+        P(pipeline_model_parallel_size=4),
+        None,
+        r"^--num-layers 10 is not divisible by --pipeline-model-parallel-size 4 x 1 virtual stages = 4; use "
+        r"--num-layers 8 or 12 or a pipeline size in \[1, 2\]",
+        ("model", {"num_layers": 12}),
+    ),
+    "layers not divisible by PP x VP": (
+        4,
+        {"num_layers": 12},
+        P(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2),
+        None,
+        r"^--num-layers 12 is not divisible by --pipeline-model-parallel-size 4 x 2 virtual stages = 8; use "
+        r"--num-layers 8 or 16",
+        ("model", {"num_layers": 16}),
+    ),
+    "global batch not divisible by micro batch x DP": (
+        4,
+        {},
+        P(),
+        T(micro_batch_size=2, global_batch_size=10, seq_length=16),
+        r"^--global-batch-size 10 is not divisible by --micro-batch-size 2 x data-parallel size 4 = 8; use "
+        r"--global-batch-size 8 or 16",
+        ("training", T(micro_batch_size=2, global_batch_size=16, seq_length=16)),
+    ),
+    "sequence not divisible by TP under SP": (
+        4,
+        {},
+        P(tensor_model_parallel_size=4, sequence_parallel=True),
+        T(seq_length=30),
+        r"^--seq-length 30 is not divisible by --tensor-model-parallel-size 4 with --sequence-parallel; use "
+        r"--seq-length 28 or 32 or drop --sequence-parallel",
+        ("training", T(seq_length=32)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_layout_one_line_before_any_collective(case, monkeypatch):
+    world, model_kw, parallel, training, pattern, (what, fix) = CASES[case]
+    model = llama_config(**model_kw)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError) as err:
+        initialize(model, parallel, training)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert re.search(pattern, msg), msg
+    # Stopped before joining any process group: no collective was, or could have been, started.
+    assert not dist.is_initialized()
+    # The alternative the message proposes is valid.
+    if what == "parallel":
+        parallel = fix
+    elif what == "model":
+        model = dataclasses.replace(model, **fix)
+    else:
+        training = fix
+    validate_layout(model, parallel, world, training)
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (
+            {"num_attention_heads": 8, "num_query_groups": 3},
+            r"--num-attention-heads 8 is not divisible by --num-query-groups 3",
+        ),
+        (
+            {"hidden_size": 60, "num_attention_heads": 8},
+            r"--hidden-size 60 is not divisible by --num-attention-heads 8",
+        ),
+        ({"normalization": "BatchNorm"}, r"--normalization BatchNorm is not supported"),
+        (
+            {"recompute_granularity": "full"},
+            r"--recompute-granularity full needs --recompute-method uniform\|block",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_method": "uniform"},
+            r"--recompute-granularity full needs --recompute-num-layers >= 1",
+        ),
+        ({"recompute_method": "block"}, r"apply only with --recompute-granularity full"),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ("core_attn", "moe")},
+            r"--recompute-modules moe not supported",
+        ),
+        ({"hidden_dropout": 1.5}, r"--hidden-dropout 1.5 must be in \[0, 1\)"),
+    ],
+)
+def test_bad_model_config_one_line(kwargs, pattern):
+    with pytest.raises(ConfigError) as err:
+        llama_config(**kwargs)
+    assert "\n" not in str(err.value)
+    assert re.search(pattern, str(err.value)), str(err.value)
+
+
+def test_good_layout_single_process_needs_no_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ctx = initialize(llama_config(), ParallelConfig(), TrainingConfig(seq_length=16))
+    assert ctx.tp.size == 1 and ctx.dp.size == 1 and not dist.is_initialized()
+
+
+def test_model_config_defaults_are_megatron_gpt():
+    c = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    assert (c.normalization, c.activation, c.position_embedding_type) == (
+        "LayerNorm",
+        "gelu",
+        "learned_absolute",
+    )
+    assert c.tied_embeddings and c.add_bias_linear and c.ffn_size == 256 and c.head_dim == 16
+    assert c.padded_vocab_size(1) == 128 and c.padded_vocab_size(4) == 512
