@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dist_pool import WorkerPool
 
 torch.set_num_threads(2)

@@ -7,6 +7,7 @@ import torch
 from megatron_lite.config import ModelConfig, ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import named_param_meta
 
 VOCAB = 250  # not a multiple of 4 x make_vocab_size_divisible_by (2): TP=2 and TP=4 must pad
 
@@ -82,7 +83,7 @@ def perturbed_full_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.
 def specs(config: ModelConfig, parallel: ParallelConfig, world_size: int) -> dict:
     """ShardSpec of every parameter (by global name) under a layout, from a meta-device model."""
     model = GPTModel(config, ParallelContext.virtual(parallel, world_size, 0), device="meta")
-    return {model.global_name(n): getattr(p, "shard_spec", None) for n, p in model.named_parameters()}
+    return {model.global_name(n): meta.shard for n, _, meta in named_param_meta(model)}
 
 
 def unshard_all(per_rank: list[dict[str, torch.Tensor]], spec_map: dict, tp: int) -> dict[str, torch.Tensor]:

@@ -8,12 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from models import rel
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.models.hf import config_from_hf, state_dict_from_hf, state_dict_to_hf
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import named_param_meta
+
+from models import rel
 
 TOL = 1e-5
 V = 250
@@ -113,18 +115,27 @@ def _hf_model(name):
     return hf, hf_config, cls.__name__
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_logits_and_grads_equal_transformers(name):
+def test_logits_and_grads_equal_transformers(name, device):
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on a GPU too
     hf, hf_config, arch = _hf_model(name)
+    hf = hf.to(device)
     config = config_from_hf(hf_config)
-    ctx = ParallelContext.virtual(ParallelConfig())
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device(device))
     ctx.seed(0)
     model = GPTModel(config, ctx).eval()
     model.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, arch))
 
     gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, V, (2, 24), generator=gen)
-    labels = torch.randint(0, V, (2, 24), generator=gen)
+    ids = torch.randint(0, V, (2, 24), generator=gen).to(device)
+    labels = torch.randint(0, V, (2, 24), generator=gen).to(device)
 
     ref_logits = hf(ids).logits
     ref_loss = F.cross_entropy(ref_logits.reshape(-1, V), labels.reshape(-1))
@@ -138,11 +149,11 @@ def test_logits_and_grads_equal_transformers(name):
         "loss": rel(loss.detach(), ref_loss.detach()),
     }
     hf_grads = state_dict_from_hf({n: p.grad for n, p in hf.named_parameters()}, config, arch)
-    ours = {model.global_name(n): p for n, p in model.named_parameters()}
+    ours = {model.global_name(n): (p, meta.shard) for n, p, meta in named_param_meta(model)}
     assert set(hf_grads) == set(ours)
     for k, g in hf_grads.items():
-        spec = getattr(ours[k], "shard_spec", None)
-        mine = ours[k].grad if spec is None else spec.unshard([ours[k].grad])  # trims vocab padding
+        p, spec = ours[k]
+        mine = p.grad if spec is None else spec.unshard([p.grad])  # trims vocab padding
         errors[k] = rel(mine, g)
     bad = {k: v for k, v in errors.items() if not v < TOL}
     assert not bad, f"{name}: {bad}"

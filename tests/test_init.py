@@ -8,11 +8,13 @@ import math
 
 import pytest
 import torch
-from models import CONFIGS, VOCAB
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import named_param_meta
+
+from models import CONFIGS, VOCAB
 
 
 def _full_weights(config, tp: int, seed: int = 3) -> dict[str, torch.Tensor]:
@@ -24,8 +26,8 @@ def _full_weights(config, tp: int, seed: int = 3) -> dict[str, torch.Tensor]:
         for r in range(tp)
     ]
     out = {}
-    for name, p in ranks[0].named_parameters():
-        spec = getattr(p, "shard_spec", None)
+    for name, _, meta in named_param_meta(ranks[0]):
+        spec = meta.shard
         shards = [dict(m.named_parameters())[name].detach() for m in ranks]
         if spec is None:
             assert all(torch.equal(s, shards[0]) for s in shards), f"{name} differs across TP ranks"

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_pool import get_context
-from models import rel
 
 from megatron_lite.config import ParallelConfig
+from megatron_lite.parameters import named_param_meta
 from megatron_lite.tensor_parallel import mappings as M
 from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.tensor_parallel.layers import (
@@ -20,6 +19,9 @@ from megatron_lite.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+
+from dist_pool import get_context
+from models import rel
 
 TOL = 1e-6
 
@@ -127,7 +129,7 @@ def check_row_parallel(sequence_parallel: bool, input_is_parallel: bool):
     )
     w, b = _rand(1, OUT, IN), _rand(2, OUT)
     with torch.no_grad():
-        layer.weight.copy_(layer.weight.shard_spec.shard(w, tp.rank))
+        layer.weight.copy_(layer.spec.shard(w, tp.rank))
         layer.bias.copy_(b)
     x, gy = _rand(3, S, B, IN), _rand(4, S, B, OUT)
     xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
@@ -136,15 +138,16 @@ def check_row_parallel(sequence_parallel: bool, input_is_parallel: bool):
     xin = (x.chunk(n, -1)[tp.rank] if input_is_parallel else x).clone().requires_grad_(True)
     y = layer(xin)
     y.backward(gy.chunk(n, 0)[tp.rank] if sequence_parallel else gy)
+    meta = {n: m for n, _, m in named_param_meta(layer)}
     bias_grad = layer.bias.grad.clone()
     if sequence_parallel:  # each rank saw its sequence shard: the bias gradient is partial
         torch.distributed.all_reduce(bias_grad, group=tp.pg)
     return {
         "fwd": rel(y, yr.detach().chunk(n, 0)[tp.rank] if sequence_parallel else yr.detach()),
         "grad x": rel(xin.grad, xr.grad.chunk(n, -1)[tp.rank] if input_is_parallel else xr.grad),
-        "grad w": rel(layer.weight.grad, layer.weight.shard_spec.shard(wr.grad, tp.rank)),
+        "grad w": rel(layer.weight.grad, layer.spec.shard(wr.grad, tp.rank)),
         "grad b": rel(bias_grad, br.grad),
-        "bias marked sequence_parallel": float(layer.bias.sequence_parallel != sequence_parallel),
+        "bias marked sequence_parallel": float(meta["bias"].sequence_parallel != sequence_parallel),
     }
 
 
@@ -156,7 +159,7 @@ def check_vocab_embedding(reduce_scatter: bool):
     emb = VocabParallelEmbedding(V, Vp, H, tp, reduce_scatter_embeddings=reduce_scatter)
     w = _rand(1, V, H)
     with torch.no_grad():
-        emb.weight.copy_(emb.weight.shard_spec.shard(w, tp.rank))
+        emb.weight.copy_(emb.spec.shard(w, tp.rank))
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(2))
     gy = _rand(3, S, B, H)
     wr = w.clone().requires_grad_(True)
@@ -164,7 +167,7 @@ def check_vocab_embedding(reduce_scatter: bool):
     yr.backward(gy)
     y = emb(ids)
     y.backward(gy.chunk(n, 0)[tp.rank] if reduce_scatter else gy)
-    spec = emb.weight.shard_spec
+    spec = emb.spec
     pad_rows = emb.weight.grad[~spec.padding_mask(tp.rank)]
     return {
         "fwd": rel(y, yr.detach().chunk(n, 0)[tp.rank] if reduce_scatter else yr.detach()),

@@ -8,6 +8,7 @@ import pytest
 from megatron_lite.config import ModelConfig, ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import named_param_meta
 
 LLAMA3_70B = dict(
     num_layers=80,
@@ -49,9 +50,7 @@ def test_70b_on_meta(tp):
     assert 70.5e9 < full < 70.6e9  # Llama-3-70B's published size
     assert sum(p.numel() for p in params) == per_rank
     full_numel = sum(
-        p.shard_spec.full_size * p.numel() // p.shape[p.shard_spec.dim]
-        if hasattr(p, "shard_spec")
-        else p.numel()
-        for p in params
+        p.numel() if meta.shard is None else meta.shard.full_size * p.numel() // p.shape[meta.shard.dim]
+        for _, p, meta in named_param_meta(model)
     )
     assert full_numel == full

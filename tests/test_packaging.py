@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -39,21 +40,12 @@ def test_dependencies():
 
 @pytest.mark.slow
 def test_wheel_maps_kernels_into_the_package(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        check=True,
-    )
+    # Build from a copy: setuptools writes build/ and *.egg-info into the source tree.
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "wandb", ".pytest_cache")
+    shutil.copytree(ROOT, src, ignore=skip)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*cmd, "-w", str(tmp_path), str(src)], check=True)
     wheel = next(tmp_path.glob("megatron_lite-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "megatron_lite/kernels/__init__.py" in names

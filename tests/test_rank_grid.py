@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import get_context
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.parallel_context import ParallelContext, decoder_grid, expert_grid
+
+from dist_pool import get_context
 
 
 def test_megatron_documented_example():

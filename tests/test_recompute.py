@@ -8,8 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-from dist_pool import get_context
-from models import CONFIGS, VOCAB
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.attention import CoreAttention
@@ -17,6 +15,9 @@ from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.models.mlp import MLP
 from megatron_lite.models.transformer import TransformerLayer
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
+
+from dist_pool import get_context
+from models import CONFIGS, VOCAB
 
 RECOMPUTE = {
     "none": {},
@@ -49,7 +50,7 @@ def run_with_recompute(name: str, sp: bool, recompute: str, dropout: float):
         loss = model(ids, labels=labels).mean()
         loss.backward()
         losses.append(loss.detach())
-    allreduce_sequence_parallel_grads(model.parameters(), ctx.tp)
+    allreduce_sequence_parallel_grads(model, ctx.tp)
     return {
         "losses": torch.stack(losses),
         "grads": {n: p.grad for n, p in model.named_parameters()},

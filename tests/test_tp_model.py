@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_pool import get_context
-from models import CONFIGS, VOCAB, perturbed_full_state, rel, specs, unshard_all
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron_lite.tensor_parallel.sharding import ShardSpec
+
+from dist_pool import get_context
+from models import CONFIGS, VOCAB, perturbed_full_state, rel, specs, unshard_all
 
 TOL = 1e-5
 SEQ, BATCH = 16, 2
@@ -32,7 +33,7 @@ def forward_backward(config, parallel, full_state, ids, labels, reduce_sp_grads=
     loss = model(ids, labels=labels).mean()
     loss.backward()
     if reduce_sp_grads:
-        allreduce_sequence_parallel_grads(model.parameters(), ctx.tp)
+        allreduce_sequence_parallel_grads(model, ctx.tp)
     grads = {model.global_name(n): p.grad for n, p in model.named_parameters()}
     return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads}
 

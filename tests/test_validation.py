@@ -9,10 +9,11 @@ import re
 
 import pytest
 import torch.distributed as dist
-from models import llama_config
 
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig, validate_layout
 from megatron_lite.parallel_context import initialize
+
+from models import llama_config
 
 P = ParallelConfig
 T = TrainingConfig

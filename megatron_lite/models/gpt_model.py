@@ -17,6 +17,7 @@ from megatron_lite.models.rope import RotaryEmbedding
 from megatron_lite.models.transformer import TransformerBlock, dropout
 from megatron_lite.models.weights import init_parameters, load_full_state_dict, local_full_state_dict
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_lite.tensor_parallel.mappings import split_dim0
@@ -51,8 +52,8 @@ class LanguageModelEmbedding(nn.Module):
             self.position_embeddings = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, device=device, dtype=dtype
             )
-            self.position_embeddings.weight.init_method = ("normal", config.init_method_std)
-            self.position_embeddings.weight.sequence_parallel = ctx.sequence_parallel
+            meta = ParamMeta(("normal", config.init_method_std), sequence_parallel=ctx.sequence_parallel)
+            set_param_meta(self.position_embeddings, "weight", meta)
         else:
             self.position_embeddings = None
 

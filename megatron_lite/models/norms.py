@@ -7,16 +7,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.parameters import ParamMeta, set_param_meta
 
 
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: statistics in fp32, the weight applied in the input dtype (as transformers does)."""
 
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=torch.float32) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=torch.float32
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
-        self.weight.init_method = ("ones",)
+        set_param_meta(self, "weight", ParamMeta(("ones",), sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -25,13 +28,15 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=torch.float32) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=torch.float32
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
-        self.weight.init_method = ("ones",)
-        self.bias.init_method = ("zeros",)
+        set_param_meta(self, "weight", ParamMeta(("ones",), sequence_parallel=sequence_parallel))
+        set_param_meta(self, "bias", ParamMeta(("zeros",), sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
@@ -41,7 +46,4 @@ def build_norm(config: ModelConfig, sequence_parallel: bool, device=None, dtype=
     """A norm over the hidden size. Its parameters are replicated across TP; under sequence parallelism
     each rank normalises only its sequence shard, so their gradients are marked for a TP all-reduce."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    norm = cls(config.hidden_size, config.norm_epsilon, device=device, dtype=dtype)
-    for p in norm.parameters():
-        p.sequence_parallel = sequence_parallel
-    return norm
+    return cls(config.hidden_size, config.norm_epsilon, sequence_parallel, device=device, dtype=dtype)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from megatron_lite.parameters import ParamMeta, named_param_meta
+
 NameFn = Callable[[str], str]
 
 
@@ -21,14 +23,18 @@ def param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}/{name}".encode())
 
 
-def full_shape(p: nn.Parameter) -> tuple[int, ...]:
-    spec = getattr(p, "shard_spec", None)
-    return tuple(p.shape) if spec is None else spec.full_shape(p.shape)
+def full_shape(p: torch.Tensor, meta: ParamMeta) -> tuple[int, ...]:
+    return tuple(p.shape) if meta.shard is None else meta.shard.full_shape(p.shape)
 
 
-def _full_init(p: nn.Parameter, name: str, seed: int) -> torch.Tensor:
-    kind, *args = getattr(p, "init_method", ("normal", 0.02))
-    shape = full_shape(p)
+def to_shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
+    """This rank's piece of a full tensor."""
+    return full if meta.shard is None else meta.shard.shard(full, meta.shard_rank)
+
+
+def _full_init(p: torch.Tensor, meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
+    kind, *args = meta.init
+    shape = full_shape(p, meta)
     if kind == "zeros":
         return torch.zeros(shape, device=p.device, dtype=torch.float32)
     if kind == "ones":
@@ -40,18 +46,11 @@ def _full_init(p: nn.Parameter, name: str, seed: int) -> torch.Tensor:
     raise ValueError(f"unknown init method {kind!r} for {name}")
 
 
-def to_shard(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of the full tensor `full` for parameter `p`."""
-    spec = getattr(p, "shard_spec", None)
-    return full if spec is None else spec.shard(full, p.shard_rank)
-
-
 @torch.no_grad()
 def init_parameters(module: nn.Module, seed: int, global_name: NameFn = lambda n: n) -> None:
-    for name, p in module.named_parameters():
-        if p.is_meta:
-            continue
-        p.copy_(to_shard(p, _full_init(p, global_name(name), seed)))
+    for name, p, meta in named_param_meta(module):
+        if not p.is_meta:
+            p.copy_(to_shard(_full_init(p, meta, global_name(name), seed), meta))
 
 
 @torch.no_grad()
@@ -59,23 +58,22 @@ def load_full_state_dict(
     module: nn.Module, state: dict[str, torch.Tensor], global_name: NameFn = lambda n: n
 ) -> None:
     """Load full, unpadded tensors (keyed by global names) into a module sharded any way."""
-    params = {global_name(n): p for n, p in module.named_parameters()}
+    params = {global_name(n): (p, meta) for n, p, meta in named_param_meta(module)}
     missing = sorted(set(params) - set(state))
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    for name, p in params.items():
+    for name, (p, meta) in params.items():
         full = state[name]
-        if tuple(full.shape) != full_shape(p):
-            raise ValueError(f"{name}: expected full shape {full_shape(p)}, got {tuple(full.shape)}")
-        p.copy_(to_shard(p, full.to(device=p.device, dtype=torch.float32)))
+        if tuple(full.shape) != full_shape(p, meta):
+            raise ValueError(f"{name}: expected full shape {full_shape(p, meta)}, got {tuple(full.shape)}")
+        p.copy_(to_shard(full.to(device=p.device, dtype=torch.float32), meta))
 
 
 def local_full_state_dict(module: nn.Module, global_name: NameFn = lambda n: n) -> dict[str, torch.Tensor]:
     """Full tensors from a module that is not sharded across ranks (TP = 1): padding trimmed."""
     out = {}
-    for name, p in module.named_parameters():
-        spec = getattr(p, "shard_spec", None)
-        if spec is not None and spec.tp_size != 1:
-            raise ValueError(f"{name} is sharded over {spec.tp_size} ranks; gather the shards instead")
-        out[global_name(name)] = (p if spec is None else spec.unshard([p])).detach()
+    for name, p, meta in named_param_meta(module):
+        if meta.tensor_parallel:
+            raise ValueError(f"{name} is sharded over {meta.shard.tp_size} ranks; gather the shards instead")
+        out[global_name(name)] = (p if meta.shard is None else meta.shard.unshard([p])).detach()
     return out

@@ -1,10 +1,8 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
-Each parameter carries what the rest of the system needs to know about it:
-  * `shard_spec` (a ShardSpec) and `shard_rank` when it is split across tensor-parallel ranks;
-  * `sequence_parallel = True` when it is replicated across TP but, under sequence parallelism, each rank
-    sees only its sequence shard, so its gradient must be summed over TP (see grads.py);
-  * `init_method`: ("normal", std), ("zeros",) or ("ones",), applied to the full tensor (see init.py).
+Each layer registers a ParamMeta per parameter (megatron_lite/parameters.py): how the local tensor is cut
+from the full one (ShardSpec), how the full tensor is initialised, and whether its gradient is partial
+under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.parallel_context import Group
+from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -27,16 +26,9 @@ from megatron_lite.tensor_parallel.mappings import (
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
-def _param(shape: tuple[int, ...], device, dtype, init_method: tuple) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    p.init_method = init_method
-    return p
-
-
-def _shard(p: nn.Parameter, spec: ShardSpec, rank: int) -> nn.Parameter:
-    p.shard_spec = spec
-    p.shard_rank = rank
-    return p
+def _add_param(module: nn.Module, name: str, shape: tuple[int, ...], device, dtype, meta: ParamMeta) -> None:
+    setattr(module, name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+    set_param_meta(module, name, meta)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -76,10 +68,10 @@ class ColumnParallelLinear(nn.Module):
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            w = _param((out_local, input_size), device, dtype, ("normal", init_std))
-            self.weight = _shard(w, self.spec, tp.rank)
+            meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
+            _add_param(self, "weight", (out_local, input_size), device, dtype, meta)
         if bias:
-            self.bias = _shard(_param((out_local,), device, dtype, ("zeros",)), self.spec, tp.rank)
+            _add_param(self, "bias", (out_local,), device, dtype, ParamMeta(("zeros",), self.spec, tp.rank))
         else:
             self.bias = None
 
@@ -122,12 +114,12 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and tp.size > 1
-        spec = ShardSpec.even(1, input_size, tp.size)
-        w = _param((output_size, spec.shard_size), device, dtype, ("normal", init_std))
-        self.weight = _shard(w, spec, tp.rank)
+        self.spec = ShardSpec.even(1, input_size, tp.size)
+        meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
+        _add_param(self, "weight", (output_size, self.spec.shard_size), device, dtype, meta)
         if bias:
-            self.bias = _param((output_size,), device, dtype, ("zeros",))
-            self.bias.sequence_parallel = self.sequence_parallel
+            meta = ParamMeta(init=("zeros",), sequence_parallel=self.sequence_parallel)
+            _add_param(self, "bias", (output_size,), device, dtype, meta)
         else:
             self.bias = None
 
@@ -166,12 +158,12 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        spec = ShardSpec(0, (vocab_size,), (padded_vocab_size,), tp.size)
-        self.vocab_start = tp.rank * spec.shard_size
-        self.vocab_end = self.vocab_start + spec.shard_size
+        self.spec = ShardSpec(0, (vocab_size,), (padded_vocab_size,), tp.size)
+        self.vocab_start = tp.rank * self.spec.shard_size
+        self.vocab_end = self.vocab_start + self.spec.shard_size
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and tp.size > 1
-        w = _param((spec.shard_size, hidden_size), device, dtype, ("normal", init_std))
-        self.weight = _shard(w, spec, tp.rank)
+        meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
+        _add_param(self, "weight", (self.spec.shard_size, hidden_size), device, dtype, meta)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.t()
