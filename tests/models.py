@@ -71,7 +71,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def perturbed_full_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """The full weights of a model initialised from `seed`, with norm weights and biases moved away from
     their 1 / 0 init, so a bias applied twice or a norm weight applied to the wrong shard shows up."""
-    model = GPTModel(config, ParallelContext.virtual(ParallelConfig()), seed=seed)
+    model = GPTModel(config, ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu")), seed=seed)
     state = model.full_state_dict()
     gen = torch.Generator().manual_seed(seed + 1)
     return {

@@ -21,7 +21,11 @@ def _full_weights(config, tp: int, seed: int = 3) -> dict[str, torch.Tensor]:
     """Build the model as each of `tp` ranks would (no processes needed) and reassemble full tensors."""
     ranks = [
         GPTModel(
-            config, ParallelContext.virtual(ParallelConfig(tensor_model_parallel_size=tp), tp, r), seed=seed
+            config,
+            ParallelContext.virtual(
+                ParallelConfig(tensor_model_parallel_size=tp), tp, r, device=torch.device("cpu")
+            ),
+            seed=seed,
         )
         for r in range(tp)
     ]
