@@ -225,10 +225,6 @@ class TrainingConfig:
     global_batch_size: int | None = None  # default: micro_batch_size x data-parallel size
     seq_length: int = 1024
 
-    def num_micro_batches(self, dp: int) -> int:
-        gbs = self.global_batch_size or self.micro_batch_size * dp
-        return gbs // (self.micro_batch_size * dp)
-
 
 def validate_layout(
     model: ModelConfig, parallel: ParallelConfig, world_size: int, training: TrainingConfig | None = None

@@ -108,10 +108,6 @@ class Group:
             )
         return self.handle
 
-    @staticmethod
-    def single() -> Group:
-        return Group(ranks=(0,), rank=0)
-
 
 # Each group kind: which grid and which dimensions vary inside it.
 _GROUP_DIMS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -121,11 +117,29 @@ _GROUP_DIMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dp_cp": ("decoder", ("cp", "dp")),  # dense gradients are reduced over DP x CP
     "pp": ("decoder", ("pp",)),
     "mp": ("decoder", ("tp", "pp")),  # model-parallel group (grad norm across shards)
-    "tp_cp": ("decoder", ("tp", "cp")),
     "etp": ("expert", ("etp",)),
     "ep": ("expert", ("ep",)),
     "edp": ("expert", ("edp",)),
 }
+
+
+def all_groups(parallel: ParallelConfig, world_size: int) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of every kind, as sorted rank tuples: the whole layout as data."""
+    grids = {"decoder": decoder_grid(parallel, world_size), "expert": expert_grid(parallel, world_size)}
+    out = {kind: grids[grid].groups(dims) for kind, (grid, dims) in _GROUP_DIMS.items()}
+    # Tied embeddings: the first and last stage of each pipeline share the word embeddings.
+    out["embedding"] = sorted({tuple(sorted({g[0], g[-1]})) for g in out["pp"]})
+    return out
+
+
+def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, chunk: int) -> range:
+    """Global layer numbers of model chunk `chunk` (a virtual stage) on pipeline rank `pp_rank`.
+
+    Megatron's interleaved assignment: the layers are cut into pp_size * vp_size equal stages and stage
+    s = chunk * pp_size + pp_rank runs on that rank, so consecutive stages sit on consecutive ranks."""
+    per_stage = num_layers // (pp_size * vp_size)
+    start = (chunk * pp_size + pp_rank) * per_stage
+    return range(start, start + per_stage)
 
 
 @dataclass
@@ -182,6 +196,11 @@ class ParallelContext:
         return self.groups["embedding"]
 
     @property
+    def vp_size(self) -> int:
+        """Model chunks (virtual pipeline stages) per pipeline rank."""
+        return self.parallel.vp
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.parallel.sequence_parallel and self.parallel.tp > 1
 
@@ -205,12 +224,13 @@ class ParallelContext:
 
     # Construction ------------------------------------------------------------------------------
     @classmethod
-    def _groups_for(cls, parallel: ParallelConfig, world_size: int, rank: int) -> dict[str, tuple[int, ...]]:
-        grids = {"decoder": decoder_grid(parallel, world_size), "expert": expert_grid(parallel, world_size)}
-        members = {k: grids[g].group_of(rank, dims) for k, (g, dims) in _GROUP_DIMS.items()}
-        pp_ranks = members["pp"]
-        members["embedding"] = tuple(sorted({pp_ranks[0], pp_ranks[-1]}))
-        return members
+    def _make(cls, parallel, world_size, rank, handles, device) -> ParallelContext:
+        groups = {}
+        for kind, members in all_groups(parallel, world_size).items():
+            ranks = next(g for g in members if rank in g)
+            groups[kind] = Group(ranks=ranks, rank=ranks.index(rank), handle=handles.get(ranks))
+        device = device if device is not None else _default_device()
+        return cls(parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device)
 
     @classmethod
     def virtual(
@@ -218,46 +238,23 @@ class ParallelContext:
     ) -> ParallelContext:
         """A context with sizes and ranks but no process groups: for single-process runs, dry runs and
         building a model on the meta device as a given rank would."""
-        members = cls._groups_for(parallel, world_size, rank)
-        groups = {k: Group(ranks=m, rank=m.index(rank)) for k, m in members.items()}
-        return cls(
-            parallel=parallel,
-            world_size=world_size,
-            rank=rank,
-            groups=groups,
-            device=device or _default_device(),
-        )
+        return cls._make(parallel, world_size, rank, {}, device)
 
     @classmethod
     def build(cls, parallel: ParallelConfig, device: torch.device | None = None) -> ParallelContext:
         """Create every process group of the layout. The default group must already be initialised.
 
         All ranks call `new_group` for every group in the same order (a requirement of
-        torch.distributed); groups with one member, and duplicates of a rank set, are not created."""
+        torch.distributed); groups with one member, and repeats of a rank set, are not created."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        kinds = list(_GROUP_DIMS) + ["embedding"]
-        grids = {"decoder": decoder_grid(parallel, world_size), "expert": expert_grid(parallel, world_size)}
         handles: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for kind in kinds:
-            if kind == "embedding":
-                all_groups = sorted({tuple(sorted({g[0], g[-1]})) for g in grids["decoder"].groups(("pp",))})
-            else:
-                grid, dims = _GROUP_DIMS[kind]
-                all_groups = grids[grid].groups(dims)
-            for ranks in all_groups:
+        for members in all_groups(parallel, world_size).values():
+            for ranks in members:
                 if len(ranks) > 1 and ranks not in handles:
                     handles[ranks] = (
                         dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks))
                     )
-        members = cls._groups_for(parallel, world_size, rank)
-        groups = {k: Group(ranks=m, rank=m.index(rank), handle=handles.get(m)) for k, m in members.items()}
-        return cls(
-            parallel=parallel,
-            world_size=world_size,
-            rank=rank,
-            groups=groups,
-            device=device or _default_device(),
-        )
+        return cls._make(parallel, world_size, rank, handles, device)
 
     def describe(self) -> str:
         return " ".join(f"{k}={g.rank}/{g.size}" for k, g in self.groups.items())

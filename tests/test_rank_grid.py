@@ -8,7 +8,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ParallelConfig
-from megatron_lite.parallel_context import ParallelContext, decoder_grid, expert_grid
+from megatron_lite.parallel_context import (
+    ParallelContext,
+    all_groups,
+    chunk_layers,
+    decoder_grid,
+    expert_grid,
+)
 
 from dist_pool import get_context
 
@@ -89,3 +95,19 @@ def test_real_groups_reduce_over_their_members(dist, parallel):
         for kind, (total, ranks) in res.items():
             assert rank in ranks
             assert total == sum(ranks), (rank, kind, ranks)
+
+
+def test_virtual_pipeline_chunks_interleave_across_ranks():
+    # 8 layers, PP=2, 2 chunks per rank: stages of 2 layers, stage s on rank s % 2.
+    got = {(r, c): list(chunk_layers(8, 2, 2, r, c)) for r in range(2) for c in range(2)}
+    assert got == {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}
+    # Without virtual stages it is plain contiguous stages; every layer is placed exactly once.
+    assert [list(chunk_layers(8, 4, 1, r, 0)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    placed = sorted(n for r in range(4) for c in range(3) for n in chunk_layers(24, 4, 3, r, c))
+    assert placed == list(range(24))
+
+
+def test_embedding_groups_pair_first_and_last_stage():
+    groups = all_groups(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=4), 16)
+    assert groups["embedding"] == [(0, 12), (1, 13), (2, 14), (3, 15)]
+    assert all_groups(ParallelConfig(), 2)["embedding"] == [(0,), (1,)]

@@ -56,6 +56,15 @@ CASES = {
         r"--tensor-model-parallel-size in \[1, 2\]",
         ("parallel", P(tensor_model_parallel_size=2)),
     ),
+    "ffn hidden size not divisible by TP": (
+        4,
+        {"ffn_hidden_size": 90},
+        P(tensor_model_parallel_size=4),
+        None,
+        r"^--ffn-hidden-size 90 is not divisible by --tensor-model-parallel-size 4; "
+        r"use --ffn-hidden-size 88 or 92",
+        ("model", {"ffn_hidden_size": 92}),
+    ),
     "layers not divisible by PP": (
         4,
         {"num_layers": 10},

@@ -84,7 +84,10 @@ class SelfAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
-        self.recompute_core_attention = False  # set by the transformer block (selective recompute)
+        # Selective recomputation (Megatron's default module): keep only q, k, v for the backward.
+        self.recompute_core_attention = (
+            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+        )
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden]."""

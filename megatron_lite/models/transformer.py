@@ -45,7 +45,6 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, ctx, device, dtype)
         selective = config.recompute_granularity == "selective"
         self.recompute = {m: selective and m in config.recompute_modules for m in ("layernorm", "mlp")}
-        self.self_attention.recompute_core_attention = selective and "core_attn" in config.recompute_modules
 
     def _maybe_recompute(self, name: str, fn, x: torch.Tensor) -> torch.Tensor:
         if self.recompute[name] and self.training:
