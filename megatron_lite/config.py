@@ -90,6 +90,11 @@ class ModelConfig:
         )
 
     @property
+    def output_layer_init_std(self) -> float:
+        """Megatron's scaled init for the projections that write into the residual stream."""
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+    @property
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 

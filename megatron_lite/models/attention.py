@@ -80,7 +80,7 @@ class SelfAttention(nn.Module):
             tp,
             bias=config.add_bias_linear,
             sequence_parallel=sp,
-            init_std=config.init_method_std / (2.0 * config.num_layers) ** 0.5,
+            init_std=config.output_layer_init_std,
             device=device,
             dtype=dtype,
         )

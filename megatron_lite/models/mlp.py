@@ -35,7 +35,7 @@ class MLP(nn.Module):
             ctx.tp,
             bias=config.add_bias_linear,
             sequence_parallel=ctx.sequence_parallel,
-            init_std=config.init_method_std / (2.0 * config.num_layers) ** 0.5,
+            init_std=config.output_layer_init_std,
             device=device,
             dtype=dtype,
         )
