@@ -9,6 +9,8 @@ finalize_model_grads). Without it, norm weights drift apart across TP ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,17 +19,20 @@ from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import named_param_meta
 
 
-def allreduce_sequence_parallel_grads(model: nn.Module, tp: Group) -> None:
-    """Sum the gradients of sequence-parallel parameters over TP, coalesced into one all-reduce."""
+def allreduce_sequence_parallel_grads(
+    model: nn.Module, tp: Group, grad_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.grad
+) -> None:
+    """Sum the gradients of sequence-parallel parameters over TP, coalesced into one all-reduce.
+    `grad_of` finds a parameter's gradient (`.grad`, or the data-parallel wrapper's main gradient)."""
     if tp.size == 1:
         return
-    params = [p for _, p, meta in named_param_meta(model) if meta.sequence_parallel and p.grad is not None]
-    if not params:
+    grads = [grad_of(p) for _, p, meta in named_param_meta(model) if meta.sequence_parallel]
+    grads = [g for g in grads if g is not None]
+    if not grads:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=tp.pg)
     offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,152 @@
+"""Data parallelism with a contiguous fp32 gradient buffer and bucketed all-reduce.
+
+Gradients accumulate into one flat fp32 buffer (per process group), laid out in reverse registration
+order, which is roughly the order the backward produces them. The buffer is cut into buckets; with
+`overlap_grad_reduce`, a bucket's all-reduce is launched as soon as every gradient in it is final, while
+the backward continues. Buckets are launched strictly in order on every rank, so all ranks issue the
+same collectives in the same sequence. Inside `no_sync()` (all but the last micro-batch of gradient
+accumulation) gradients only accumulate.
+
+The loss is normalised by the number of tokens in the whole global batch before the backward, so
+gradients are summed (not averaged) across data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.parallel_context import Group, ParallelContext
+
+
+@dataclass
+class _Bucket:
+    index: int
+    params: list[nn.Parameter]
+    data: torch.Tensor
+    pending: set[int] = field(default_factory=set)
+    handle: dist.Work | None = None
+    launched: bool = False
+
+
+class GradBuffer:
+    """A flat fp32 buffer holding the main gradient of each parameter, cut into buckets."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group, bucket_numel: int | None) -> None:
+        self.group = group
+        device = params[0].device
+        self.data = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        self.main_grad: dict[int, torch.Tensor] = {}
+        self.buckets: list[_Bucket] = []
+        start = offset = 0
+        current: list[nn.Parameter] = []
+        for p in params:
+            self.main_grad[id(p)] = self.data[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            current.append(p)
+            if bucket_numel is not None and offset - start >= bucket_numel:
+                self._add_bucket(current, start, offset)
+                start, current = offset, []
+        if current:
+            self._add_bucket(current, start, offset)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0
+
+    def _add_bucket(self, params, start, end) -> None:
+        self.buckets.append(_Bucket(len(self.buckets), list(params), self.data[start:end]))
+
+    def reset(self) -> None:
+        for b in self.buckets:
+            b.pending = {id(p) for p in b.params}
+            b.handle, b.launched = None, False
+        self._next = 0
+
+    def mark_ready(self, p: nn.Parameter, overlap: bool, events: list | None) -> None:
+        bucket = self.bucket_of[id(p)]
+        bucket.pending.discard(id(p))
+        if overlap:
+            self._launch_ready(events, async_op=True)
+
+    def _launch_ready(self, events: list | None, async_op: bool, force: bool = False) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.pending and not force:
+                return
+            if self.group.size > 1:
+                b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
+            b.launched = True
+            if events is not None:
+                events.append(("launch", b.index))
+            self._next += 1
+
+    def finish(self, events: list | None) -> None:
+        self._launch_ready(events, async_op=True, force=True)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+        self.reset()
+
+
+class DistributedDataParallel(nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        ctx: ParallelContext,
+        *,
+        overlap_grad_reduce: bool = False,
+        bucket_size: int | None = None,
+        record_events: bool = False,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.overlap_grad_reduce = overlap_grad_reduce
+        params = [p for p in module.parameters() if p.requires_grad]
+        if overlap_grad_reduce and bucket_size is None:
+            bucket_size = max(40_000_000, 1_000_000 * ctx.dp_cp.size)  # Megatron's default
+        self.buffer = GradBuffer(
+            list(reversed(params)), ctx.dp_cp, bucket_size if overlap_grad_reduce else None
+        )
+        self.buffer.reset()
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._sync = True
+        self.events: list | None = [] if record_events else None
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def main_grad(self, p: nn.Parameter) -> torch.Tensor:
+        return self.buffer.main_grad[id(p)]
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        self.buffer.main_grad[id(p)].add_(p.grad)
+        p.grad = None
+        if self._sync:
+            if self.events is not None:
+                self.events.append(("ready", self._names[id(p)]))
+            self.buffer.mark_ready(p, self.overlap_grad_reduce, self.events)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (all but the last micro-batch)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def finish_grad_sync(self) -> None:
+        """Launch whatever buckets are left and wait for every reduction."""
+        self.buffer.finish(self.events)
+
+    def zero_grad_buffer(self) -> None:
+        self.buffer.data.zero_()
+        self.buffer.reset()
+        if self.events is not None:
+            self.events.clear()

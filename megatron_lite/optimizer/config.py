@@ -1,0 +1,76 @@
+"""Optimizer, learning-rate schedule and mixed-precision settings (Megatron's flags and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import ConfigError
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None  # default: --train-iters
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: int | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # a constant loss scale under fp16; dynamic when None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_apex_adam: bool = False  # NVIDIA apex FusedAdam, when installed
+
+    def __post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ConfigError(
+                f"--lr-decay-style {self.lr_decay_style} is not supported; use one of {DECAY_STYLES}"
+            )
+        if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ConfigError(
+                f"--lr-wsd-decay-style {self.lr_wsd_decay_style} is not supported; "
+                f"use one of {WSD_DECAY_STYLES}"
+            )
+        if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
+            raise ConfigError(
+                "--lr-decay-style WSD needs --lr-wsd-decay-iters N (the length of the final decay)"
+            )
+        if self.lr_warmup_iters < 0:
+            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must be >= 0")
+        if self.clip_grad < 0:
+            raise ConfigError(f"--clip-grad {self.clip_grad} must be >= 0 (0 disables clipping)")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError(
+                f"--adam-beta1 {self.adam_beta1} / --adam-beta2 {self.adam_beta2} must be in [0, 1)"
+            )
+        if self.hysteresis < 1:
+            raise ConfigError(f"--hysteresis {self.hysteresis} must be >= 1")
+
+    def validate_schedule(self, train_iters: int) -> None:
+        decay = self.lr_decay_iters or train_iters
+        if self.lr_decay_style != "constant" and self.lr_warmup_iters >= decay:
+            raise ConfigError(
+                f"--lr-warmup-iters {self.lr_warmup_iters} must be below --lr-decay-iters {decay}; "
+                f"use --lr-warmup-iters {max(decay // 10, 0)}"
+            )
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters > decay:
+            raise ConfigError(
+                f"--lr-wsd-decay-iters {self.lr_wsd_decay_iters} exceeds --lr-decay-iters {decay}"
+            )

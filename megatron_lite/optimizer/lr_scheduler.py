@@ -1,0 +1,62 @@
+"""Megatron's learning-rate schedule: linear warmup from --lr-warmup-init, then constant, linear, cosine,
+inverse-square-root or WSD (warmup-stable-decay) down to --min-lr, held at --min-lr after the decay.
+
+Steps count optimizer iterations. Like Megatron, the schedule is evaluated at the number of completed
+steps, so with warmup the first iteration runs at --lr-warmup-init (0 by default)."""
+
+from __future__ import annotations
+
+import math
+
+from megatron_lite.optimizer.config import OptimizerConfig
+
+
+class LRScheduler:
+    def __init__(self, config: OptimizerConfig, train_iters: int) -> None:
+        config.validate_schedule(train_iters)
+        self.config = config
+        self.decay_steps = config.lr_decay_iters or train_iters
+        self.num_steps = 0
+
+    def lr_at(self, step: int) -> float:
+        c = self.config
+        max_lr, min_lr, warmup = c.lr, c.min_lr, c.lr_warmup_iters
+        if warmup > 0 and step <= warmup:
+            return c.lr_warmup_init + (max_lr - c.lr_warmup_init) * step / warmup
+        if c.lr_decay_style == "constant":
+            return max_lr
+        if step > self.decay_steps:
+            return min_lr
+        if c.lr_decay_style == "inverse-square-root":
+            return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(step, 1) ** 0.5)
+        ratio = (step - warmup) / (self.decay_steps - warmup)
+        if c.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif c.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD: stable at max_lr, then the last lr_wsd_decay_iters steps decay
+            anneal_start = self.decay_steps - c.lr_wsd_decay_iters
+            if step <= anneal_start:
+                coeff = 1.0
+            else:
+                r = (step - anneal_start) / c.lr_wsd_decay_iters
+                coeff = {
+                    "linear": 1.0 - r,
+                    "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                    "exponential": 2.0 * 0.5**r - 1.0,
+                    "minus_sqrt": 1.0 - math.sqrt(r),
+                }[c.lr_wsd_decay_style]
+        return min_lr + coeff * (max_lr - min_lr)
+
+    @property
+    def lr(self) -> float:
+        return self.lr_at(self.num_steps)
+
+    def step(self) -> None:
+        self.num_steps += 1
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])

@@ -1,0 +1,99 @@
+"""One training iteration: micro-batches with gradient accumulation, gradient finalisation, optimizer step.
+
+The loss of a global batch is the mean over every loss-bearing token in it. Each rank divides its token
+losses by that global count (one small all-reduce before the forward), so the data-parallel reduction
+is a plain sum and the result does not depend on how the batch was split over ranks or micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.distributed.ddp import DistributedDataParallel
+from megatron_lite.optimizer.lr_scheduler import LRScheduler
+from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron_lite.parallel_context import Group, ParallelContext
+from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
+
+MicroBatch = dict[str, torch.Tensor]  # tokens, labels, loss_mask: [micro_batch, seq]; position_ids optional
+
+
+@dataclass
+class StepMetrics:
+    lm_loss: float
+    grad_norm: float | None
+    lr: float
+    loss_scale: float
+    updated: bool
+    num_tokens: int
+
+
+def _sum_over(value: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size > 1:
+        dist.all_reduce(value, group=group.pg)
+    return value
+
+
+def global_token_count(micro_batches: list[MicroBatch], ctx: ParallelContext) -> torch.Tensor:
+    local = sum(mb["loss_mask"].sum() for mb in micro_batches).to(torch.float64)
+    return _sum_over(local.reshape(1), ctx.dp_cp)[0]
+
+
+def forward_backward(
+    model: DistributedDataParallel,
+    micro_batches: list[MicroBatch],
+    num_tokens: torch.Tensor,
+    loss_scale: float,
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch (no pipelining); returns this rank's summed token loss."""
+    total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
+    scale = loss_scale / float(num_tokens)
+    last = len(micro_batches) - 1
+    for i, mb in enumerate(micro_batches):
+        with model.no_sync() if i < last else contextlib.nullcontext():
+            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"])
+            loss_sum = (token_loss.float() * mb["loss_mask"]).sum()
+            (loss_sum * scale).backward()
+        total += loss_sum.detach().double()
+    return total
+
+
+def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None:
+    """Every reduction the layout needs before the optimizer sees the gradients."""
+    model.finish_grad_sync()
+    allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad)
+
+
+def train_step(
+    model: DistributedDataParallel,
+    optimizer: MixedPrecisionOptimizer,
+    scheduler: LRScheduler,
+    micro_batches: list[MicroBatch],
+    ctx: ParallelContext,
+) -> StepMetrics:
+    model.zero_grad_buffer()
+    num_tokens = global_token_count(micro_batches, ctx)
+    loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
+    finalize_grads(model, ctx)
+    lr = scheduler.lr
+    result = optimizer.step(lr)
+    if result.updated:
+        scheduler.step()
+    lm_loss = _sum_over(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens
+    return StepMetrics(
+        float(lm_loss), result.grad_norm, lr, result.loss_scale, result.updated, int(num_tokens)
+    )
+
+
+@torch.no_grad()
+def eval_step(model: torch.nn.Module, micro_batches: list[MicroBatch], ctx: ParallelContext) -> float:
+    num_tokens = global_token_count(micro_batches, ctx)
+    total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
+    for mb in micro_batches:
+        token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"])
+        total += (token_loss.float() * mb["loss_mask"]).sum().double()
+    return float(_sum_over(total.reshape(1), ctx.dp_cp)[0] / num_tokens)
