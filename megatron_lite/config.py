@@ -85,9 +85,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return (
-            self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
-        )
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
     @property
     def output_layer_init_std(self) -> float:
@@ -130,9 +128,7 @@ class ModelConfig:
                 f"{self.query_groups}; use --num-query-groups in {_divisors(self.num_attention_heads)}"
             )
         if self.normalization not in NORMALIZATIONS:
-            raise ConfigError(
-                f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}"
-            )
+            raise ConfigError(f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not supported; use one of {ACTIVATIONS}")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -172,9 +168,7 @@ class ModelConfig:
             )
         bad = [x for x in self.recompute_modules if x not in RECOMPUTE_MODULES]
         if bad:
-            raise ConfigError(
-                f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}"
-            )
+            raise ConfigError(f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}")
 
 
 @dataclass(frozen=True)
@@ -224,11 +218,23 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """Batch geometry (the training issue adds the optimizer and schedule beside it)."""
+    """Batch geometry, length of the run and its cadences."""
 
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default: micro_batch_size x data-parallel size
     seq_length: int = 1024
+    train_iters: int = 100
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: int | None = None
+
+    def global_batch(self, dp: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * dp
 
 
 def validate_layout(
@@ -263,9 +269,7 @@ def validate_layout(
     heads, groups = model.num_attention_heads, model.query_groups
     # TP sizes that would work with everything else unchanged.
     ok_tp = [
-        d
-        for d in _divisors(groups)
-        if heads % d == 0 and model.ffn_size % d == 0 and world_size % (d * pp * cp) == 0
+        d for d in _divisors(groups) if heads % d == 0 and model.ffn_size % d == 0 and world_size % (d * pp * cp) == 0
     ]
     if heads % tp:
         raise ConfigError(
@@ -293,10 +297,16 @@ def validate_layout(
     if training is None:
         return
     seq = training.seq_length
+    if training.train_iters < 1:
+        raise ConfigError(f"--train-iters {training.train_iters} must be >= 1")
+    for flag, value in (
+        ("--log-interval", training.log_interval),
+        ("--eval-interval", training.eval_interval),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
     if seq < 1 or training.micro_batch_size < 1:
-        raise ConfigError(
-            f"--seq-length {seq} and --micro-batch-size {training.micro_batch_size} must be positive"
-        )
+        raise ConfigError(f"--seq-length {seq} and --micro-batch-size {training.micro_batch_size} must be positive")
     if model.position_embedding_type == "learned_absolute" and seq > model.max_position_embeddings:
         raise ConfigError(
             f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}; "

@@ -74,9 +74,7 @@ class RankGrid:
 
 
 def decoder_grid(parallel: ParallelConfig, world_size: int) -> RankGrid:
-    return RankGrid(
-        DECODER_DIMS, (parallel.tp, parallel.cp, parallel.data_parallel_size(world_size), parallel.pp)
-    )
+    return RankGrid(DECODER_DIMS, (parallel.tp, parallel.cp, parallel.data_parallel_size(world_size), parallel.pp))
 
 
 def expert_grid(parallel: ParallelConfig, world_size: int) -> RankGrid:
@@ -251,9 +249,7 @@ class ParallelContext:
         for members in all_groups(parallel, world_size).values():
             for ranks in members:
                 if len(ranks) > 1 and ranks not in handles:
-                    handles[ranks] = (
-                        dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks))
-                    )
+                    handles[ranks] = dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks))
         return cls._make(parallel, world_size, rank, handles, device)
 
     def describe(self) -> str:
@@ -290,7 +286,5 @@ def initialize(
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     return ParallelContext.build(parallel)

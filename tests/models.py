@@ -74,10 +74,7 @@ def perturbed_full_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.
     model = GPTModel(config, ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu")), seed=seed)
     state = model.full_state_dict()
     gen = torch.Generator().manual_seed(seed + 1)
-    return {
-        k: (v + 0.1 * torch.randn(v.shape, generator=gen)) if v.ndim == 1 else v.clone()
-        for k, v in state.items()
-    }
+    return {k: (v + 0.1 * torch.randn(v.shape, generator=gen)) if v.ndim == 1 else v.clone() for k, v in state.items()}
 
 
 def specs(config: ModelConfig, parallel: ParallelConfig, world_size: int) -> dict:

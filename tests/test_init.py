@@ -22,9 +22,7 @@ def _full_weights(config, tp: int, seed: int = 3) -> dict[str, torch.Tensor]:
     ranks = [
         GPTModel(
             config,
-            ParallelContext.virtual(
-                ParallelConfig(tensor_model_parallel_size=tp), tp, r, device=torch.device("cpu")
-            ),
+            ParallelContext.virtual(ParallelConfig(tensor_model_parallel_size=tp), tp, r, device=torch.device("cpu")),
             seed=seed,
         )
         for r in range(tp)

@@ -62,9 +62,7 @@ def check_mappings():
     errs["scatter_to_tp fwd"] = rel(y, shard_last(full(0), r))
     errs["scatter_to_tp bwd"] = rel(gx, torch.cat([gfull(k) for k in range(n)], dim=-1))
     # gather_from_tp: concatenates every rank's slice; backward keeps this rank's slice.
-    y, gx = run(
-        M.gather_from_tensor_model_parallel_region, lambda k: shard_last(full(k), k), lambda k: full(50)
-    )
+    y, gx = run(M.gather_from_tensor_model_parallel_region, lambda k: shard_last(full(k), k), lambda k: full(50))
     errs["gather_from_tp fwd"] = rel(y, torch.cat([shard_last(full(k), k) for k in range(n)], dim=-1))
     errs["gather_from_tp bwd"] = rel(gx, shard_last(full(50), r))
     # scatter_to_sp: keeps this rank's sequence shard; backward gathers.
@@ -107,9 +105,7 @@ def check_column_parallel(sequence_parallel: bool, gather_output: bool, blocks: 
     y = layer(xin)
     my_gy = gy if gather_output else layer.spec.shard(gy.movedim(-1, 0), tp.rank).movedim(0, -1)
     y.backward(my_gy)
-    want_y = (
-        yr.detach() if gather_output else layer.spec.shard(yr.detach().movedim(-1, 0), tp.rank).movedim(0, -1)
-    )
+    want_y = yr.detach() if gather_output else layer.spec.shard(yr.detach().movedim(-1, 0), tp.rank).movedim(0, -1)
     want_gx = xr.grad.chunk(n, 0)[tp.rank] if sequence_parallel else xr.grad
     return {
         "fwd": rel(y, want_y),
@@ -172,8 +168,7 @@ def check_vocab_embedding(reduce_scatter: bool):
     return {
         "fwd": rel(y, yr.detach().chunk(n, 0)[tp.rank] if reduce_scatter else yr.detach()),
         "grad w": rel(emb.weight.grad, spec.shard(wr.grad, tp.rank)),
-        "padding rows zero": float(pad_rows.abs().sum())
-        + float(emb.weight[~spec.padding_mask(tp.rank)].abs().sum()),
+        "padding rows zero": float(pad_rows.abs().sum()) + float(emb.weight[~spec.padding_mask(tp.rank)].abs().sum()),
     }
 
 

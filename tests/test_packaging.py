@@ -21,9 +21,7 @@ def test_kernels_importable_under_package_only(tmp_path):
     assert pathlib.Path(megatron_lite.kernels.__file__).resolve().parent == ROOT / "kernels"
     # Outside the checkout (where the folder itself is not on sys.path) the install provides no `kernels`.
     probe = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
-    out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert not out.stdout.strip().startswith(str(ROOT)), out.stdout
 
 

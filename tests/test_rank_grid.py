@@ -28,9 +28,7 @@ def test_megatron_documented_example():
 
 
 def test_order_tp_cp_dp_pp_and_partitions():
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2
-    )
+    parallel = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2)
     g = decoder_grid(parallel, 16)
     assert g.sizes == (2, 2, 2, 2)
     assert g.coords(13) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1}

@@ -24,16 +24,12 @@ RECOMPUTE = {
     "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
     "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
     "selective": dict(recompute_granularity="selective"),
-    "selective-all": dict(
-        recompute_granularity="selective", recompute_modules=("core_attn", "layernorm", "mlp")
-    ),
+    "selective-all": dict(recompute_granularity="selective", recompute_modules=("core_attn", "layernorm", "mlp")),
 }
 
 
 def run_with_recompute(name: str, sp: bool, recompute: str, dropout: float):
-    config = CONFIGS[name](
-        num_layers=3, hidden_dropout=dropout, attention_dropout=dropout, **RECOMPUTE[recompute]
-    )
+    config = CONFIGS[name](num_layers=3, hidden_dropout=dropout, attention_dropout=dropout, **RECOMPUTE[recompute])
     ctx = get_context(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp))
     ctx.seed(123)
     model = GPTModel(config, ctx, seed=7).train()

@@ -25,11 +25,7 @@ SEQ, BATCH = 16, 2
 
 def forward_backward(config, parallel, full_state, ids, labels, reduce_sp_grads=True):
     """Runs on every rank (and, with a virtual context, on one process)."""
-    ctx = (
-        get_context(parallel)
-        if parallel.tp > 1
-        else ParallelContext.virtual(parallel, device=torch.device("cpu"))
-    )
+    ctx = get_context(parallel) if parallel.tp > 1 else ParallelContext.virtual(parallel, device=torch.device("cpu"))
     ctx.seed(0)
     model = GPTModel(config, ctx)
     model.load_full_state_dict(full_state)

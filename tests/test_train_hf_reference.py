@@ -35,9 +35,17 @@ def megatron_lr(step: int) -> float:
 
 def test_ten_iterations_equal_transformers_with_torch_adamw():
     hf_config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
-        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
     )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).float().train()
@@ -47,16 +55,27 @@ def test_ten_iterations_equal_transformers_with_torch_adamw():
     model = GPTModel(config, ctx)
     model.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "LlamaForCausalLM"))
 
-    optim = OptimizerConfig(lr=LR, min_lr=MIN_LR, lr_decay_style="cosine", lr_warmup_iters=WARMUP,
-                            weight_decay=WD, clip_grad=CLIP, adam_beta2=0.95)
+    optim = OptimizerConfig(
+        lr=LR,
+        min_lr=MIN_LR,
+        lr_decay_style="cosine",
+        lr_warmup_iters=WARMUP,
+        weight_decay=WD,
+        clip_grad=CLIP,
+        adam_beta2=0.95,
+    )
     ddp = DistributedDataParallel(model, ctx)
     opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
     sched = LRScheduler(optim, ITERS)
 
     decay = [p for p in hf.parameters() if p.ndim > 1]
     no_decay = [p for p in hf.parameters() if p.ndim == 1]
-    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    ref_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     data = MockGPTDataset(V, SEQ, seed=3)
     clipped = 0
     for it in range(ITERS):

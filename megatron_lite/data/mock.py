@@ -8,9 +8,7 @@ import torch
 
 
 class MockGPTDataset:
-    def __init__(
-        self, vocab_size: int, seq_length: int, seed: int = 1234, num_samples: int = 1 << 40
-    ) -> None:
+    def __init__(self, vocab_size: int, seq_length: int, seed: int = 1234, num_samples: int = 1 << 40) -> None:
         self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.seed = seed
@@ -35,7 +33,5 @@ class MockGPTDataset:
         }
 
 
-def collate(
-    samples: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu"
-) -> dict[str, torch.Tensor]:
+def collate(samples: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     return {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}

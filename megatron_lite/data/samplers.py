@@ -15,9 +15,7 @@ def micro_batch_indices(
     `consumed_samples`."""
     per_step = micro_batch_size * dp_size
     if global_batch_size % per_step:
-        raise ValueError(
-            f"global batch {global_batch_size} is not a multiple of {micro_batch_size} x {dp_size}"
-        )
+        raise ValueError(f"global batch {global_batch_size} is not a multiple of {micro_batch_size} x {dp_size}")
     out = []
     for m in range(global_batch_size // per_step):
         start = consumed_samples + m * per_step + dp_rank * micro_batch_size

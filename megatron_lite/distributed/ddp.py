@@ -108,9 +108,7 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         if overlap_grad_reduce and bucket_size is None:
             bucket_size = max(40_000_000, 1_000_000 * ctx.dp_cp.size)  # Megatron's default
-        self.buffer = GradBuffer(
-            list(reversed(params)), ctx.dp_cp, bucket_size if overlap_grad_reduce else None
-        )
+        self.buffer = GradBuffer(list(reversed(params)), ctx.dp_cp, bucket_size if overlap_grad_reduce else None)
         self.buffer.reset()
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._sync = True

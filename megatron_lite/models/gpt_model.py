@@ -126,9 +126,7 @@ class GPTModel(nn.Module):
         return local_full_state_dict(self, self.global_name)
 
     def output_weight(self) -> torch.Tensor:
-        return (
-            self.embedding.word_embeddings.weight if self.config.tied_embeddings else self.output_layer.weight
-        )
+        return self.embedding.word_embeddings.weight if self.config.tied_embeddings else self.output_layer.weight
 
     # Forward ------------------------------------------------------------------------------------
     def forward(

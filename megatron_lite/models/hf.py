@@ -54,20 +54,14 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     if arch in LLAMA_LIKE:
         c = hf_config
         if getattr(c, "hidden_act", "silu") != "silu":
-            raise ConfigError(
-                f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu"
-            )
+            raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
         if getattr(c, "mlp_bias", False):
             raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
         if getattr(c, "use_sliding_window", False) or (arch == "MistralForCausalLM" and c.sliding_window):
-            raise ConfigError(
-                f"config.json sliding_window={c.sliding_window} is not supported yet for {arch}"
-            )
+            raise ConfigError(f"config.json sliding_window={c.sliding_window} is not supported yet for {arch}")
         attention_bias = getattr(c, "attention_bias", False)
         if attention_bias and arch != "Qwen2ForCausalLM":
-            raise ConfigError(
-                f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}"
-            )
+            raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
         base, scaling = _rope(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kwargs = dict(
@@ -137,9 +131,7 @@ def _ungroup_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, 
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def state_dict_from_hf(
-    hf: dict[str, torch.Tensor], config: ModelConfig, arch: str
-) -> dict[str, torch.Tensor]:
+def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
     """HF tensors (or their gradients: the map is linear) -> our full, unpadded state dict."""
     out: dict[str, torch.Tensor] = {}
     L = "decoder.layers"
@@ -195,9 +187,7 @@ def state_dict_from_hf(
     raise ConfigError(f"architecture {arch!r} is not supported")
 
 
-def state_dict_to_hf(
-    ours: dict[str, torch.Tensor], config: ModelConfig, arch: str
-) -> dict[str, torch.Tensor]:
+def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
     """The inverse of `state_dict_from_hf` (tied models get `lm_head.weight` = the embedding)."""
     hf: dict[str, torch.Tensor] = {}
     L = "decoder.layers"

@@ -84,9 +84,7 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(config, ctx, layer_offset + i, device, dtype) for i in range(num_layers)
         )
-        self.final_layernorm = (
-            build_norm(config, ctx.sequence_parallel, device, dtype) if final_norm else None
-        )
+        self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype) if final_norm else None
 
     def _run(self, start: int, end: int, rope):
         def fn(x: torch.Tensor) -> torch.Tensor:

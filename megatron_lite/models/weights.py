@@ -54,9 +54,7 @@ def init_parameters(module: nn.Module, seed: int, global_name: NameFn = lambda n
 
 
 @torch.no_grad()
-def load_full_state_dict(
-    module: nn.Module, state: dict[str, torch.Tensor], global_name: NameFn = lambda n: n
-) -> None:
+def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor], global_name: NameFn = lambda n: n) -> None:
     """Load full, unpadded tensors (keyed by global names) into a module sharded any way."""
     params = {global_name(n): (p, meta) for n, p, meta in named_param_meta(module)}
     missing = sorted(set(params) - set(state))

@@ -40,26 +40,19 @@ class OptimizerConfig:
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
         if self.lr_decay_style not in DECAY_STYLES:
-            raise ConfigError(
-                f"--lr-decay-style {self.lr_decay_style} is not supported; use one of {DECAY_STYLES}"
-            )
+            raise ConfigError(f"--lr-decay-style {self.lr_decay_style} is not supported; use one of {DECAY_STYLES}")
         if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
             raise ConfigError(
-                f"--lr-wsd-decay-style {self.lr_wsd_decay_style} is not supported; "
-                f"use one of {WSD_DECAY_STYLES}"
+                f"--lr-wsd-decay-style {self.lr_wsd_decay_style} is not supported; use one of {WSD_DECAY_STYLES}"
             )
         if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
-            raise ConfigError(
-                "--lr-decay-style WSD needs --lr-wsd-decay-iters N (the length of the final decay)"
-            )
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the length of the final decay)")
         if self.lr_warmup_iters < 0:
             raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must be >= 0")
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad {self.clip_grad} must be >= 0 (0 disables clipping)")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise ConfigError(
-                f"--adam-beta1 {self.adam_beta1} / --adam-beta2 {self.adam_beta2} must be in [0, 1)"
-            )
+            raise ConfigError(f"--adam-beta1 {self.adam_beta1} / --adam-beta2 {self.adam_beta2} must be in [0, 1)")
         if self.hysteresis < 1:
             raise ConfigError(f"--hysteresis {self.hysteresis} must be >= 1")
 
@@ -71,6 +64,4 @@ class OptimizerConfig:
                 f"use --lr-warmup-iters {max(decay // 10, 0)}"
             )
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters > decay:
-            raise ConfigError(
-                f"--lr-wsd-decay-iters {self.lr_wsd_decay_iters} exceeds --lr-decay-iters {decay}"
-            )
+            raise ConfigError(f"--lr-wsd-decay-iters {self.lr_wsd_decay_iters} exceeds --lr-decay-iters {decay}")

@@ -48,9 +48,7 @@ def _adamw(groups, config: OptimizerConfig, device: torch.device) -> torch.optim
 
 
 class MixedPrecisionOptimizer:
-    def __init__(
-        self, model: nn.Module, grad_of: GradOf, config: OptimizerConfig, ctx: ParallelContext
-    ) -> None:
+    def __init__(self, model: nn.Module, grad_of: GradOf, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config = config
         self.ctx = ctx
         self.grad_of = grad_of

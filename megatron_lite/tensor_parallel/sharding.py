@@ -50,9 +50,7 @@ class ShardSpec:
         if full.shape[self.dim] != self.full_size:
             raise ValueError(f"expected size {self.full_size} along dim {self.dim}, got {tuple(full.shape)}")
         pieces = []
-        for block, size, padded in zip(
-            full.split(list(self.sizes), dim=self.dim), self.sizes, self.padded_sizes
-        ):
+        for block, size, padded in zip(full.split(list(self.sizes), dim=self.dim), self.sizes, self.padded_sizes):
             step = padded // self.tp_size
             lo, hi = rank * step, (rank + 1) * step
             real = block.narrow(self.dim, min(lo, size), max(0, min(hi, size) - lo))

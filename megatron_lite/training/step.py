@@ -84,9 +84,7 @@ def train_step(
     if result.updated:
         scheduler.step()
     lm_loss = _sum_over(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens
-    return StepMetrics(
-        float(lm_loss), result.grad_norm, lr, result.loss_scale, result.updated, int(num_tokens)
-    )
+    return StepMetrics(float(lm_loss), result.grad_norm, lr, result.loss_scale, result.updated, int(num_tokens))
 
 
 @torch.no_grad()

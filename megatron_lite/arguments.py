@@ -1,0 +1,391 @@
+"""Command-line flags, with Megatron-LM's names, turned into the config dataclasses.
+
+A Megatron script ports by changing its entry point: every flag here keeps Megatron's spelling and
+default. Flags that Megatron's example scripts use and we do not implement are refused with one line
+naming them (never silently ignored); flags that change nothing here (e.g. --use-mcore-models) are
+accepted and reported at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
+from megatron_lite.data.config import TOKENIZER_TYPES, DataConfig
+from megatron_lite.optimizer.config import DECAY_STYLES, WSD_DECAY_STYLES, OptimizerConfig
+from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig
+
+# Megatron flags (from its example scripts) that change nothing here: accepted, and reported at start-up
+# with the reason. True where the flag takes a value.
+ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
+    "use_mcore_models": (False, "megatron_lite has one model implementation"),
+    "use_flash_attn": (
+        False,
+        "attention runs through scaled_dot_product_attention (flash on CUDA when eligible)",
+    ),
+    "attention_backend": (True, "scaled_dot_product_attention picks its backend"),
+    "accumulate_allreduce_grads_in_fp32": (
+        False,
+        "main gradients are always accumulated and reduced in fp32",
+    ),
+    "attention_softmax_in_fp32": (False, "the softmax runs in fp32 for low-precision inputs"),
+    "calculate_per_token_loss": (
+        False,
+        "the loss is always averaged over the tokens of the whole global batch",
+    ),
+    "cross_entropy_loss_fusion": (False, "the vocab-parallel cross-entropy is used either way"),
+    "log_throughput": (False, "throughput is always logged"),
+    "no_masked_softmax_fusion": (False, "there is no fused masked softmax to disable"),
+    "no_bias_swiglu_fusion": (False, "there is no fused bias-SwiGLU to disable"),
+    "no_bias_gelu_fusion": (False, "there is no fused bias-GELU to disable"),
+    "no_bias_dropout_fusion": (False, "there is no fused bias-dropout to disable"),
+    "no_rope_fusion": (False, "there is no fused RoPE to disable"),
+    "no_gradient_accumulation_fusion": (False, "there is no fused weight-gradient accumulation to disable"),
+    "no_create_attention_mask_in_dataloader": (False, "no attention mask is ever built (causal SDPA)"),
+    "no_mmap_bin_files": (False, "indexed datasets are always memory-mapped"),
+    "manual_gc": (False, "Python's garbage collector is left to run normally"),
+    "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
+    "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
+    "no_position_embedding": (False, "implied by --position-embedding-type rope/none"),
+}
+
+# Megatron flags we do not implement: refused with one line naming the flag and why.
+REFUSED: dict[str, str] = {
+    "use_distributed_optimizer": "the distributed optimizer (ZeRO-1/2) is planned (issue 10)",
+    "overlap_param_gather": "parameter all-gather overlap comes with the distributed optimizer (issue 10)",
+    "num_experts": "mixture of experts is planned (issue 5)",
+    "moe_router_topk": "mixture of experts is planned (issue 5)",
+    "moe_router_load_balancing_type": "mixture of experts is planned (issue 5)",
+    "moe_aux_loss_coeff": "mixture of experts is planned (issue 5)",
+    "moe_token_dispatcher_type": "mixture of experts is planned (issue 5)",
+    "moe_grouped_gemm": "mixture of experts is planned (issue 5)",
+    "tp_comm_overlap": "tensor-parallel communication overlap is planned (issue 9)",
+    "fp8_format": "fp8 training is not implemented",
+    "fp8_amax_history_len": "fp8 training is not implemented",
+    "fp8_amax_compute_algo": "fp8 training is not implemented",
+    "fp8_param_gather": "fp8 training is not implemented",
+    "grad_reduce_in_bf16": "gradients are always reduced in fp32",
+    "decoupled_lr": "a separate learning rate for embeddings is not implemented",
+    "decoupled_min_lr": "a separate learning rate for embeddings is not implemented",
+    "apply_layernorm_1p": "zero-centred norm weights are not implemented",
+    "train_samples": "sample-based training is not implemented; use --train-iters",
+    "lr_decay_samples": "sample-based schedules are not implemented; use --lr-decay-iters",
+    "lr_warmup_samples": "sample-based schedules are not implemented; use --lr-warmup-iters",
+    "rampup_batch_size": "batch-size ramp-up is not implemented",
+    "reset_position_ids": "resetting position ids at document boundaries is not implemented",
+    "reset_attention_mask": "document-level attention masks are not implemented",
+    "tiktoken_pattern": "tiktoken tokenizers are not supported; use --tokenizer-type HuggingFaceTokenizer",
+    "profile": "the profiler hook is not implemented",
+    "profile_step_start": "the profiler hook is not implemented",
+    "profile_step_end": "the profiler hook is not implemented",
+}
+
+
+def _bool(p: argparse._ArgumentGroup, flag: str, help: str) -> None:
+    p.add_argument(flag, action="store_true", help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="megatron_lite GPT/Llama pretraining (launch with torchrun). Flag names follow Megatron-LM.",
+        allow_abbrev=False,
+    )
+    m = parser.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, required=False)
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size")
+    m.add_argument("--num-attention-heads", type=int)
+    _bool(m, "--group-query-attention", "use --num-query-groups key/value heads")
+    m.add_argument("--num-query-groups", type=int, default=1)
+    m.add_argument("--kv-channels", type=int, help="head dim; default hidden / heads")
+    m.add_argument("--max-position-embeddings", type=int)
+    m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    m.add_argument("--norm-epsilon", type=float, default=1e-5)
+    _bool(m, "--swiglu", "SwiGLU MLP (Llama)")
+    _bool(m, "--openai-gelu", "tanh-approximated GELU (GPT-2's gelu_new)")
+    m.add_argument(
+        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "none"]
+    )
+    m.add_argument("--rotary-base", type=float, default=10000.0)
+    m.add_argument("--rotary-percent", type=float, default=1.0, help="only 1.0 (rotate the whole head) is supported")
+    _bool(m, "--use-rope-scaling", "Llama-3 RoPE frequency scaling")
+    m.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    _bool(m, "--untie-embeddings-and-output-weights", "separate output layer (Llama)")
+    _bool(m, "--disable-bias-linear", "no biases in linear layers (Llama)")
+    _bool(m, "--add-qkv-bias", "bias on QKV only (Qwen2)")
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--hidden-dropout", type=float, default=0.1)
+    m.add_argument("--attention-dropout", type=float, default=0.1)
+    m.add_argument("--recompute-granularity", choices=["full", "selective"])
+    m.add_argument("--recompute-method", choices=["uniform", "block"])
+    m.add_argument("--recompute-num-layers", type=int)
+    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"])
+    m.add_argument("--kernel-impl", choices=["torch", "triton"], default=None, help="default: triton on CUDA")
+
+    d = parser.add_argument_group("distributed")
+    d.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    d.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    d.add_argument("--context-parallel-size", type=int, default=1)
+    d.add_argument("--expert-model-parallel-size", type=int, default=1)
+    d.add_argument("--expert-tensor-parallel-size", type=int)
+    d.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    d.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    _bool(d, "--sequence-parallel", "Megatron sequence parallelism (needs TP > 1)")
+    _bool(d, "--overlap-grad-reduce", "launch each gradient bucket's all-reduce during the backward")
+    d.add_argument("--ddp-bucket-size", type=int)
+    d.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
+    d.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    t = parser.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, default=1)
+    t.add_argument("--global-batch-size", type=int)
+    t.add_argument("--seq-length", type=int)
+    t.add_argument("--train-iters", type=int)
+    t.add_argument("--exit-interval", type=int)
+    t.add_argument("--exit-duration-in-mins", type=float)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--eval-interval", type=int, default=1000)
+    t.add_argument("--eval-iters", type=int, default=100)
+    _bool(t, "--dry-run", "build on the meta device, validate, print parameters and memory per rank, exit")
+
+    o = parser.add_argument_group("optimizer and learning rate")
+    o.add_argument("--optimizer", default="adam", choices=["adam"])
+    o.add_argument("--lr", type=float, default=1e-4)
+    o.add_argument("--min-lr", type=float, default=0.0)
+    o.add_argument("--lr-decay-style", default="linear", choices=list(DECAY_STYLES))
+    o.add_argument("--lr-decay-iters", type=int)
+    o.add_argument("--lr-warmup-iters", type=int, default=0)
+    o.add_argument("--lr-warmup-fraction", type=float)
+    o.add_argument("--lr-warmup-init", type=float, default=0.0)
+    o.add_argument("--lr-wsd-decay-style", default="exponential", choices=list(WSD_DECAY_STYLES))
+    o.add_argument("--lr-wsd-decay-iters", type=int)
+    o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--clip-grad", type=float, default=1.0)
+    o.add_argument("--adam-beta1", type=float, default=0.9)
+    o.add_argument("--adam-beta2", type=float, default=0.999)
+    o.add_argument("--adam-eps", type=float, default=1e-8)
+    _bool(o, "--use-apex-adam", "NVIDIA apex FusedAdam (must be installed)")
+
+    p = parser.add_argument_group("mixed precision")
+    _bool(p, "--bf16", "bf16 weights and activations, fp32 main weights and gradients")
+    _bool(p, "--fp16", "fp16 with dynamic loss scaling")
+    p.add_argument("--loss-scale", type=float, help="constant loss scale (fp16); dynamic when unset")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    p.add_argument("--min-loss-scale", type=float, default=1.0)
+    p.add_argument("--loss-scale-window", type=int, default=1000)
+    p.add_argument("--hysteresis", type=int, default=2)
+
+    a = parser.add_argument_group("data")
+    a.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...; default: embedded corpus")
+    a.add_argument("--split", default="969,30,1")
+    _bool(a, "--mock-data", "synthetic tokens (needs --vocab-size)")
+    a.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES))
+    a.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    a.add_argument("--vocab-file")
+    a.add_argument("--merge-file")
+    a.add_argument("--vocab-size", type=int)
+    a.add_argument("--data-cache-path")
+    a.add_argument("--num-workers", type=int, default=0)
+    _bool(a, "--eod-mask-loss", "no loss on end-of-document tokens")
+
+    c = parser.add_argument_group("checkpointing")
+    c.add_argument("--save")
+    c.add_argument("--load")
+    c.add_argument("--save-interval", type=int)
+    _bool(c, "--no-load-optim", "load weights but not the optimizer state")
+    _bool(c, "--no-load-rng", "do not restore random-number-generator states")
+    _bool(c, "--finetune", "load weights only and start from iteration 0")
+    _bool(c, "--use-checkpoint-args", "take the model configuration from the checkpoint")
+    _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-jsonl", help="write one JSON object per logged iteration to this file")
+    g.add_argument("--wandb-project")
+    g.add_argument("--wandb-exp-name")
+    g.add_argument("--wandb-save-dir")
+    g.add_argument("--tensorboard-dir")
+
+    x = parser.add_argument_group("Megatron flags accepted without effect (reported at start-up)")
+    for name, (takes_value, why) in ACCEPTED_NO_OPS.items():
+        flag = "--" + name.replace("_", "-")
+        if takes_value:
+            x.add_argument(flag, default=None, help=why)
+        else:
+            x.add_argument(flag, action="store_true", help=why)
+    r = parser.add_argument_group("Megatron flags not implemented (refused with the reason)")
+    for name, why in REFUSED.items():
+        r.add_argument("--" + name.replace("_", "-"), nargs="*", default=None, help=why)
+    return parser
+
+
+def _require(ns: argparse.Namespace, *names: str) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(ns, n) is None]
+    if missing:
+        raise ConfigError(f"missing required flag(s): {' '.join(missing)}")
+
+
+def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
+    for name, why in REFUSED.items():
+        if getattr(ns, name) is not None:
+            raise ConfigError(f"--{name.replace('_', '-')} is not supported: {why}; remove the flag")
+    _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
+    if ns.rotary_percent != 1.0:
+        raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
+    for flag, value, issue in (
+        ("--pipeline-model-parallel-size", ns.pipeline_model_parallel_size, "issue 4"),
+        ("--context-parallel-size", ns.context_parallel_size, "issue 8"),
+        ("--expert-model-parallel-size", ns.expert_model_parallel_size, "issue 5"),
+    ):
+        if value != 1:
+            raise ConfigError(f"{flag} {value} is not supported yet ({issue}); use {flag} 1")
+    if ns.kernel_impl == "triton":
+        raise ConfigError(
+            "--kernel-impl triton is not available yet (Triton kernels: issue 6); use --kernel-impl torch"
+        )
+    vocab = ns.vocab_size
+    model = ModelConfig(
+        num_layers=ns.num_layers,
+        hidden_size=ns.hidden_size,
+        num_attention_heads=ns.num_attention_heads,
+        vocab_size=vocab if vocab is not None else 1,  # replaced once the tokenizer is known
+        ffn_hidden_size=ns.ffn_hidden_size,
+        num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
+        kv_channels=ns.kv_channels,
+        max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
+        make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
+        normalization=ns.normalization,
+        norm_epsilon=ns.norm_epsilon,
+        activation="swiglu" if ns.swiglu else ("gelu_tanh" if ns.openai_gelu else "gelu"),
+        position_embedding_type=ns.position_embedding_type,
+        rotary_base=ns.rotary_base,
+        rope_scaling=RopeScaling(factor=ns.rope_scaling_factor) if ns.use_rope_scaling else None,
+        add_bias_linear=not ns.disable_bias_linear,
+        add_qkv_bias=ns.add_qkv_bias,
+        untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights,
+        init_method_std=ns.init_method_std,
+        hidden_dropout=ns.hidden_dropout,
+        attention_dropout=ns.attention_dropout,
+        recompute_granularity=ns.recompute_granularity,
+        recompute_method=ns.recompute_method,
+        recompute_num_layers=ns.recompute_num_layers,
+        recompute_modules=tuple(ns.recompute_modules),
+    )
+    vp = ns.num_virtual_stages_per_pipeline_rank
+    if ns.num_layers_per_virtual_pipeline_stage is not None:
+        per_rank = ns.num_layers // ns.pipeline_model_parallel_size
+        if per_rank % ns.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {ns.num_layers_per_virtual_pipeline_stage} does not "
+                f"divide the {per_rank} layers of each pipeline rank"
+            )
+        vp = per_rank // ns.num_layers_per_virtual_pipeline_stage
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=ns.tensor_model_parallel_size,
+        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
+        context_parallel_size=ns.context_parallel_size,
+        expert_model_parallel_size=ns.expert_model_parallel_size,
+        expert_tensor_parallel_size=ns.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
+        sequence_parallel=ns.sequence_parallel,
+    )
+    training = TrainingConfig(
+        micro_batch_size=ns.micro_batch_size,
+        global_batch_size=ns.global_batch_size,
+        seq_length=ns.seq_length,
+        train_iters=ns.train_iters,
+        seed=ns.seed,
+        log_interval=ns.log_interval,
+        eval_interval=ns.eval_interval,
+        eval_iters=ns.eval_iters,
+        exit_interval=ns.exit_interval,
+        exit_duration_in_mins=ns.exit_duration_in_mins,
+        overlap_grad_reduce=ns.overlap_grad_reduce,
+        ddp_bucket_size=ns.ddp_bucket_size,
+    )
+    warmup = ns.lr_warmup_iters
+    if ns.lr_warmup_fraction is not None:
+        warmup = int(ns.lr_warmup_fraction * (ns.lr_decay_iters or ns.train_iters))
+    optimizer = OptimizerConfig(
+        lr=ns.lr,
+        min_lr=ns.min_lr,
+        lr_decay_style=ns.lr_decay_style,
+        lr_decay_iters=ns.lr_decay_iters,
+        lr_warmup_iters=warmup,
+        lr_warmup_init=ns.lr_warmup_init,
+        lr_wsd_decay_style=ns.lr_wsd_decay_style,
+        lr_wsd_decay_iters=ns.lr_wsd_decay_iters,
+        weight_decay=ns.weight_decay,
+        adam_beta1=ns.adam_beta1,
+        adam_beta2=ns.adam_beta2,
+        adam_eps=ns.adam_eps,
+        clip_grad=ns.clip_grad,
+        bf16=ns.bf16,
+        fp16=ns.fp16,
+        loss_scale=ns.loss_scale,
+        initial_loss_scale=ns.initial_loss_scale,
+        min_loss_scale=ns.min_loss_scale,
+        loss_scale_window=ns.loss_scale_window,
+        hysteresis=ns.hysteresis,
+        use_apex_adam=ns.use_apex_adam,
+    )
+    data = DataConfig(
+        data_path=tuple(ns.data_path or ()),
+        split=ns.split,
+        mock_data=ns.mock_data,
+        tokenizer_type=ns.tokenizer_type,
+        tokenizer_model=ns.tokenizer_model,
+        vocab_file=ns.vocab_file,
+        merge_file=ns.merge_file,
+        vocab_size=ns.vocab_size,
+        data_cache_path=ns.data_cache_path,
+        num_workers=ns.num_workers,
+        eod_mask_loss=ns.eod_mask_loss,
+    )
+    checkpoint = CheckpointConfig(
+        save=ns.save,
+        load=ns.load,
+        save_interval=ns.save_interval,
+        no_load_optim=ns.no_load_optim,
+        no_load_rng=ns.no_load_rng,
+        finetune=ns.finetune,
+        use_checkpoint_args=ns.use_checkpoint_args,
+        exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
+    )
+    logging = LoggingConfig(
+        log_jsonl=ns.log_jsonl,
+        wandb_project=ns.wandb_project,
+        wandb_exp_name=ns.wandb_exp_name,
+        wandb_save_dir=ns.wandb_save_dir,
+        tensorboard_dir=ns.tensorboard_dir,
+    )
+    return JobConfig(
+        model=model,
+        parallel=parallel,
+        training=training,
+        optimizer=optimizer,
+        data=data,
+        checkpoint=checkpoint,
+        logging=logging,
+        dry_run=ns.dry_run,
+        distributed_backend=ns.distributed_backend,
+        distributed_timeout_minutes=ns.distributed_timeout_minutes,
+        kernel_impl=ns.kernel_impl or "torch",
+    )
+
+
+def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
+    """Lines describing the accepted-but-ineffective flags this job passed."""
+    return [
+        f"--{n.replace('_', '-')} has no effect: {why}"
+        for n, (_, why) in ACCEPTED_NO_OPS.items()
+        if getattr(ns, n, None) not in (None, False)
+    ]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
+    ns = build_parser().parse_args(argv)
+    return ns, job_config_from_args(ns)

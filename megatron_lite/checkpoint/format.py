@@ -1,0 +1,126 @@
+"""The on-disk format: layout-free tensor pieces in safetensors, everything else in JSON. No pickle, so
+loading a checkpoint never runs code.
+
+Every tensor is stored as pieces of its full, unpadded form: a piece is a contiguous range along one
+dimension of the full tensor, with the full tensor's global shape in the index. Each rank writes the
+pieces it owns, so the files depend on the layout but their meaning does not: any other layout reads the
+ranges it needs from whichever pieces cover them. Fused tensors are stored in their layout-free order
+(QKV grouped per query group; SwiGLU's fc1 as [gate; up], each rank writing a gate piece and an up piece
+rather than its interleaved [gate_r; up_r]); vocabulary padding is never stored.
+
+    <dir>/latest_checkpointed_iteration.txt   the newest complete iteration (written last)
+    <dir>/iter_0000010/metadata.json          iteration, samples, configs, layout, scheduler, scaler
+    <dir>/iter_0000010/index_r00003.json      the pieces rank 3 wrote: name -> shape, dim, pieces
+    <dir>/iter_0000010/tensors_r00003.safetensors
+    <dir>/iter_0000010/rng_r00003.safetensors
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lite.parameters import ParamMeta
+
+FORMAT = "megatron_lite/1"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class Piece:
+    dim: int
+    full_start: int  # offset along `dim` in the full tensor
+    length: int
+    local_start: int  # offset along `dim` in this rank's tensor
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def local_pieces(shape: tuple[int, ...], meta: ParamMeta) -> list[Piece]:
+    """The ranges of the full tensor that this rank's tensor holds (padding excluded)."""
+    spec = meta.shard
+    if spec is None:
+        return [Piece(0, 0, shape[0], 0)]
+    out, block_offset, local = [], 0, 0
+    for size, padded in zip(spec.sizes, spec.padded_sizes):
+        step = padded // spec.tp_size
+        lo = meta.shard_rank * step
+        real = max(0, min(lo + step, size) - lo)
+        if real:
+            out.append(Piece(spec.dim, block_offset + lo, real, local))
+        local += step
+        block_offset += size
+    return out
+
+
+def full_shape(shape: tuple[int, ...], meta: ParamMeta) -> list[int]:
+    return list(shape) if meta.shard is None else list(meta.shard.full_shape(shape))
+
+
+# Atomic file writes -----------------------------------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write) -> None:
+    """Write through `write(tmp_path)`, fsync, then rename into place: a reader sees the old file or the
+    complete new one, never a torn one."""
+    tmp = f"{path}.partial"
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_write_json(path: str, obj) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+
+    atomic_write(path, write)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Move a fully written directory into place (replacing an older copy of the same iteration)."""
+    if os.path.exists(final):
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().clone()

@@ -1,0 +1,116 @@
+"""From the data flags to a tokenizer and train/valid/test datasets.
+
+Three sources: --mock-data (synthetic, NullTokenizer), --data-path (indexed datasets, a tokenizer from
+the flags), or neither: the embedded corpus and its trained tokenizer. The model's vocabulary is
+--vocab-size when given, else the tokenizer's; a dataset holding a token id beyond it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from megatron_lite.config import ConfigError
+from megatron_lite.data.config import DataConfig
+from megatron_lite.data.embedded import build_embedded_corpus
+from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, file_lock, split_document_ranges
+from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.mock import MockGPTDataset
+from megatron_lite.data.tokenizers import HuggingFaceTokenizer, NullTokenizer, build_tokenizer
+
+
+@dataclass
+class DataSource:
+    tokenizer: object
+    vocab_size: int
+    prefixes: list[tuple[float, str]]  # (weight, prefix); empty for mock data
+    description: str
+
+
+def resolve_data(data: DataConfig, log=print) -> DataSource:
+    if data.mock_data:
+        if data.tokenizer_type not in (None, "NullTokenizer"):
+            tok = build_tokenizer(
+                data.tokenizer_type,
+                model=data.tokenizer_model,
+                vocab_file=data.vocab_file,
+                merge_file=data.merge_file,
+                vocab_size=data.vocab_size,
+            )
+        elif data.vocab_size is None:
+            raise ConfigError("--mock-data needs --vocab-size N (or a tokenizer)")
+        else:
+            tok = NullTokenizer(data.vocab_size)
+        return DataSource(tok, tok.vocab_size, [], "mock data")
+    if data.data_path:
+        if data.tokenizer_type is None:
+            raise ConfigError("--data-path needs --tokenizer-type (and its files) to know the vocabulary")
+        tok = build_tokenizer(
+            data.tokenizer_type,
+            model=data.tokenizer_model,
+            vocab_file=data.vocab_file,
+            merge_file=data.merge_file,
+            vocab_size=data.vocab_size,
+        )
+        vocab = data.vocab_size if data.vocab_size and data.tokenizer_type != "NullTokenizer" else tok.vocab_size
+        return DataSource(tok, vocab, data.blend, f"{len(data.blend)} indexed dataset(s)")
+    prefix, tok_path = build_embedded_corpus(log=log)
+    tok = HuggingFaceTokenizer(tok_path)
+    return DataSource(tok, tok.vocab_size, [(1.0, prefix)], f"embedded corpus {prefix}")
+
+
+def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str) -> None:
+    """The largest token id of a dataset (cached by file size) must fit the vocabulary."""
+    key = os.path.join(cache_dir, "max_token_" + os.path.abspath(indexed.prefix).replace(os.sep, "_") + ".json")
+    size = os.path.getsize(indexed.prefix + ".bin")
+    with file_lock(key + ".lock"):
+        cached = json.load(open(key)) if os.path.exists(key) else None
+        if cached is None or cached.get("size") != size:
+            cached = {"size": size, "max_token": indexed.max_token()}
+            json.dump(cached, open(key, "w"))
+    if cached["max_token"] >= vocab_size:
+        raise ConfigError(
+            f"--data-path {indexed.prefix} holds token id {cached['max_token']} but the vocabulary has {vocab_size} "
+            f"ids (--vocab-size / tokenizer); use the tokenizer the data was made with"
+        )
+
+
+def build_datasets(
+    source: DataSource, data: DataConfig, num_samples: tuple[int, int, int], seq_length: int, seed: int
+) -> tuple:
+    """(train, valid, test); a split with no samples requested is None."""
+    if not source.prefixes:
+        return tuple(
+            MockGPTDataset(source.vocab_size, seq_length, seed=seed + 1000 * i) if n else None
+            for i, n in enumerate(num_samples)
+        )
+    eod_mask = data.eod_mask_loss
+    weights = [w for w, _ in source.prefixes]
+    total_w = sum(weights)
+    splits: list[list] = [[], [], []]
+    for w, prefix in source.prefixes:
+        indexed = IndexedDataset(prefix)
+        cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+        _check_vocab(indexed, source.vocab_size, cache_dir)
+        ranges = split_document_ranges(len(indexed), data.split_weights)
+        for s, (lo, hi) in enumerate(ranges):
+            if num_samples[s] == 0 or hi <= lo:
+                splits[s].append(None)
+                continue
+            # Megatron's 0.5% margin so the blend never runs a component dry.
+            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if len(source.prefixes) > 1 else num_samples[s]
+            splits[s].append(
+                GPTDataset(indexed, (lo, hi), n, seq_length, seed + s, cache_dir, source.tokenizer.eod, eod_mask)
+            )
+    out = []
+    for s, parts in enumerate(splits):
+        if num_samples[s] == 0 or all(p is None for p in parts):
+            out.append(None)
+        elif len(parts) == 1:
+            out.append(parts[0])
+        else:
+            kept = [(p, w) for p, w in zip(parts, weights) if p is not None]
+            out.append(BlendedDataset([p for p, _ in kept], [w for _, w in kept], num_samples[s]))
+    return tuple(out)

@@ -1,0 +1,65 @@
+"""Data settings: where samples come from and how they are tokenized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_lite.config import ConfigError
+
+TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer", "GPT2BPETokenizer")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Megatron's --data-path: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights need not sum to 1).
+    data_path: tuple[str, ...] = field(default_factory=tuple)
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None  # a tokenizer.json (HuggingFaceTokenizer)
+    vocab_file: str | None = None  # GPT2BPETokenizer
+    merge_file: str | None = None
+    vocab_size: int | None = None  # NullTokenizer / --mock-data
+    data_cache_path: str | None = None
+    num_workers: int = 0
+    eod_mask_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_type is not None and self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ConfigError(
+                f"--tokenizer-type {self.tokenizer_type} is not supported; use one of {', '.join(TOKENIZER_TYPES)}"
+            )
+        if self.mock_data and self.data_path:
+            raise ConfigError("--mock-data and --data-path are exclusive; drop one")
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(x) for x in parts if x.strip()]
+        except ValueError:
+            weights = []
+        if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ConfigError(f"--split {self.split!r} must be up to three non-negative weights, e.g. 969,30,1")
+        if len(self.data_path) > 1:
+            if len(self.data_path) % 2:
+                raise ConfigError(
+                    f"--data-path with several datasets takes weight/prefix pairs, got {len(self.data_path)} items"
+                )
+            for w in self.data_path[0::2]:
+                try:
+                    if float(w) < 0:
+                        raise ValueError
+                except ValueError:
+                    raise ConfigError(f"--data-path weight {w!r} is not a non-negative number") from None
+
+    @property
+    def split_weights(self) -> tuple[float, float, float]:
+        w = [float(x) for x in self.split.replace("/", ",").split(",") if x.strip()]
+        w += [0.0] * (3 - len(w))
+        total = sum(w)
+        return (w[0] / total, w[1] / total, w[2] / total)
+
+    @property
+    def blend(self) -> list[tuple[float, str]]:
+        """(weight, prefix) pairs of --data-path."""
+        if len(self.data_path) == 1:
+            return [(1.0, self.data_path[0])]
+        return [(float(w), p) for w, p in zip(self.data_path[0::2], self.data_path[1::2])]

@@ -1,0 +1,91 @@
+"""The default corpus: real text every machine with Python already has, the standard library's own
+sources, with a byte-level BPE tokenizer trained on it. Built once (a minute or less) and cached, so the
+main command trains on real data with no download.
+
+Cache: $MEGATRON_LITE_CACHE or ~/.cache/megatron_lite, one folder per Python version and vocabulary
+size. Concurrent ranks wait on a file lock while the first one builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+import time
+
+from megatron_lite.data.gpt_dataset import file_lock
+from megatron_lite.data.indexed import IndexedDatasetWriter
+
+EOD = "<|endoftext|>"
+
+
+def cache_root() -> str:
+    return os.environ.get("MEGATRON_LITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "megatron_lite"))
+
+
+def _stdlib_files(max_bytes: int) -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    out, total = [], 0
+    for f in files:
+        size = os.path.getsize(f)
+        if total + size > max_bytes:
+            continue
+        out.append(f)
+        total += size
+    return out
+
+
+def build_embedded_corpus(
+    vocab_size: int = 4096, max_bytes: int = 12_000_000, root: str | None = None, log=print
+) -> tuple[str, str]:
+    """(dataset prefix, tokenizer.json path), building them first if needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = os.path.join(
+        root or cache_root(),
+        f"embedded-py{sys.version_info[0]}{sys.version_info[1]}-v{vocab_size}-b{max_bytes}",
+    )
+    prefix = os.path.join(folder, "stdlib_text_document")
+    tok_path = os.path.join(folder, "tokenizer.json")
+    done = os.path.join(folder, "done.json")
+    with file_lock(os.path.join(folder, ".lock")):
+        if os.path.exists(done):
+            return prefix, tok_path
+        t0 = time.time()
+        files = _stdlib_files(max_bytes)
+        texts = [open(f, encoding="utf-8", errors="replace").read() for f in files]
+        log(
+            f"embedded corpus: {len(files)} files, {sum(map(len, texts)) / 1e6:.1f} MB of Python's standard "
+            f"library; training a {vocab_size}-token BPE tokenizer"
+        )
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOD],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        tok.save(tok_path + ".partial")
+        os.replace(tok_path + ".partial", tok_path)
+        eod = tok.token_to_id(EOD)
+        writer = IndexedDatasetWriter(prefix, tok.get_vocab_size())
+        n_tokens = 0
+        for start in range(0, len(texts), 256):
+            for enc in tok.encode_batch(texts[start : start + 256]):
+                writer.add_document(enc.ids + [eod])
+                n_tokens += len(enc.ids) + 1
+            log(f"embedded corpus: tokenized {min(start + 256, len(texts))}/{len(texts)} files")
+        writer.finalize()
+        with open(done + ".partial", "w") as f:
+            json.dump({"files": len(files), "tokens": n_tokens, "vocab_size": tok.get_vocab_size()}, f)
+        os.replace(done + ".partial", done)
+        log(f"embedded corpus: {n_tokens / 1e6:.2f}M tokens in {time.time() - t0:.0f} s, cached in {folder}")
+    return prefix, tok_path

@@ -1,0 +1,125 @@
+"""Megatron's memory-mapped indexed dataset (`PREFIX.bin` + `PREFIX.idx`), read and written compatibly, so
+data preprocessed for Megatron-LM trains here and the other way round.
+
+.idx: b"MMIDIDX\\x00\\x00", version <Q = 1, dtype code <B, sequence count <Q, document count <Q, then
+sequence lengths (int32), sequence byte offsets into .bin (int64), document boundaries (int64, indices
+into the sequences, starting with 0). .bin: the token ids of every sequence, back to back.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from megatron_lite.config import ConfigError
+
+HEADER = b"MMIDIDX\x00\x00"
+DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+class IndexedDatasetWriter:
+    """Append documents, then `finalize()`; the files appear only when complete (written to temporary
+    names and renamed)."""
+
+    def __init__(self, prefix: str, vocab_size: int) -> None:
+        self.prefix = prefix
+        self.dtype = token_dtype(vocab_size)
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        self._bin = open(prefix + ".bin.partial", "wb")
+        self._lengths: list[int] = []
+
+    def add_document(self, ids) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        self._bin.write(arr.tobytes(order="C"))
+        self._lengths.append(len(arr))
+
+    def finalize(self) -> None:
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        lengths = np.asarray(self._lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            pointers[1:] = np.cumsum(lengths[:-1].astype(np.int64)) * self.dtype.itemsize
+        docs = np.arange(len(lengths) + 1, dtype=np.int64)
+        with open(self.prefix + ".idx.partial", "wb") as f:
+            f.write(HEADER)
+            f.write(struct.pack("<Q", 1))
+            f.write(struct.pack("<B", CODES[self.dtype]))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(docs)))
+            f.write(lengths.tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(docs.tobytes(order="C"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.prefix + ".bin.partial", self.prefix + ".bin")
+        os.replace(self.prefix + ".idx.partial", self.prefix + ".idx")
+
+
+class IndexedDataset:
+    """Documents of token ids, memory-mapped. Every inconsistency in the files is a one-line error naming
+    the file."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        idx, bin_ = prefix + ".idx", prefix + ".bin"
+        for path in (idx, bin_):
+            if not os.path.isfile(path):
+                raise ConfigError(f"--data-path {prefix}: missing {path} (run tools/preprocess_data.py)")
+        size = os.path.getsize(idx)
+        with open(idx, "rb") as f:
+            head = f.read(34)
+        if len(head) < 34 or head[:9] != HEADER:
+            raise ConfigError(f"{idx} is not a Megatron indexed-dataset index (bad header)")
+        version, code = struct.unpack("<Q", head[9:17])[0], head[17]
+        if version != 1 or code not in DTYPES:
+            raise ConfigError(f"{idx}: unsupported version {version} or dtype code {code}")
+        n_seq, n_doc = struct.unpack("<Q", head[18:26])[0], struct.unpack("<Q", head[26:34])[0]
+        expected = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if size != expected:
+            raise ConfigError(f"{idx} is truncated or corrupt: {size} bytes, expected {expected}")
+        self.dtype = np.dtype(DTYPES[code])
+        index = np.memmap(idx, mode="r", dtype=np.uint8)
+        self.lengths = np.frombuffer(index, dtype=np.int32, count=n_seq, offset=34)
+        self.pointers = np.frombuffer(index, dtype=np.int64, count=n_seq, offset=34 + 4 * n_seq)
+        self.document_indices = np.frombuffer(index, dtype=np.int64, count=n_doc, offset=34 + 12 * n_seq)
+        bin_size = os.path.getsize(bin_)
+        need = int(self.pointers[-1] + self.lengths[-1] * self.dtype.itemsize) if n_seq else 0
+        if bin_size < need:
+            raise ConfigError(f"{bin_} is truncated: {bin_size} bytes, the index needs {need}")
+        self._bin = np.memmap(bin_, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence `index`."""
+        n = int(self.lengths[index]) - offset if length is None else length
+        start = int(self.pointers[index]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=n, offset=start)
+
+    def max_token(self) -> int:
+        if not len(self):
+            return -1
+        return int(np.frombuffer(self._bin, dtype=self.dtype).max())

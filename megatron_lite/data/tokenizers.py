@@ -1,0 +1,107 @@
+"""Tokenizers: a Hugging Face tokenizer.json (through the `tokenizers` library), GPT-2 BPE from
+vocab.json + merges.txt, a byte-level fallback, and Megatron's NullTokenizer for --mock-data."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_lite.config import ConfigError
+
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+
+
+class ByteLevelTokenizer:
+    """UTF-8 bytes as tokens 0..255, end-of-document 256. Needs no files."""
+
+    vocab_size = 257
+    eod = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is space-separated ids; the end-of-document id is vocab_size, so
+    the model's vocabulary is --vocab-size + 1."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.eod = int(vocab_size)
+        self.vocab_size = int(vocab_size) + 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+class HuggingFaceTokenizer:
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        if not os.path.isfile(path):
+            raise ConfigError(f"--tokenizer-model {path}: no such file (expected a tokenizer.json)")
+        self.path = path
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eod = next((vocab[t] for t in EOD_CANDIDATES if t in vocab), None)
+        if eod is None:
+            raise ConfigError(f"--tokenizer-model {path} has no end-of-document token (one of {EOD_CANDIDATES})")
+        self.eod = eod
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such file (GPT2BPETokenizer needs --vocab-file and --merge-file)")
+        vocab = json.load(open(vocab_file))
+        merges = [tuple(line.split()) for line in open(merge_file).read().splitlines()[1:] if line.strip()]
+        tok = Tokenizer(models.BPE(vocab, merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        self.path = vocab_file
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        if "<|endoftext|>" not in vocab:
+            raise ConfigError(f"--vocab-file {vocab_file} has no <|endoftext|> token")
+        self.eod = vocab["<|endoftext|>"]
+
+
+def build_tokenizer(
+    tokenizer_type: str | None,
+    *,
+    model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    vocab_size: int | None = None,
+):
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not model:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
+        return HuggingFaceTokenizer(model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "ByteLevelTokenizer":
+        return ByteLevelTokenizer()
+    raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported")

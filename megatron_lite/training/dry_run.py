@@ -1,0 +1,69 @@
+"""--dry-run: validate the whole configuration for the world size and print, per rank, the parameters and
+an estimate of memory, building the model on the meta device (nothing is allocated)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megatron_lite.config import validate_layout
+from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.training.configs import JobConfig
+
+
+def _vocab(job: JobConfig) -> int:
+    if job.data.vocab_size:
+        return job.data.vocab_size + (
+            1 if job.data.tokenizer_type in (None, "NullTokenizer") and job.data.mock_data else 0
+        )
+    if job.data.tokenizer_type == "HuggingFaceTokenizer" and job.data.tokenizer_model:
+        from megatron_lite.data.tokenizers import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(job.data.tokenizer_model).vocab_size
+    return 4096  # the embedded corpus's tokenizer
+
+
+def activation_bytes(job: JobConfig, bytes_per_value: int) -> float:
+    """Per-layer activation memory of one micro-batch (Korthikanti et al. 2022: s b h (34 + 5 a s / h)
+    bytes in 16-bit, divided by TP with sequence parallelism); selective recomputation drops the attention
+    term, full recomputation keeps only each layer's input."""
+    m, t, p = job.model, job.training, job.parallel
+    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    scale = bytes_per_value / 2
+    if m.recompute_granularity == "full":
+        return 2 * s * b * h * scale / (p.tp if p.sequence_parallel else 1)
+    per = s * b * h * (34 + (0 if m.recompute_granularity == "selective" else 5 * a * s / h))
+    return per * scale / p.tp if p.sequence_parallel else (s * b * h * 10 + (per - s * b * h * 10) / p.tp) * scale
+
+
+def dry_run(job: JobConfig) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model_cfg = dataclasses.replace(job.model, vocab_size=_vocab(job))
+    validate_layout(model_cfg, job.parallel, world, job.training)
+    job.optimizer.validate_schedule(job.training.train_iters)
+    low = job.optimizer.bf16 or job.optimizer.fp16
+    # weights (2 or 4 bytes) + fp32 gradient buffer (4) + fp32 main copy when low precision (4) + Adam (8)
+    per_param = (2 + 4 + 4 + 8) if low else (4 + 4 + 8)
+    print(f"dry run: world size {world}, {job.parallel}")
+    seen = {}
+    for rank in range(world):
+        ctx = ParallelContext.virtual(job.parallel, world, rank)
+        key = (ctx.tp.rank, ctx.pp.rank)
+        if key in seen:
+            continue
+        model = GPTModel(model_cfg, ctx, device="meta")
+        n = sum(p.numel() for p in model.parameters())
+        act = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4) * model_cfg.num_layers
+        seen[key] = n
+        print(
+            f"  rank {rank} (tp {ctx.tp.rank}, pp {ctx.pp.rank}): {n / 1e9:.3f}B parameters, "
+            f"{n * per_param / 2**30:.1f} GiB weights+grads+optimizer, ~{act / 2**30:.1f} GiB activations "
+            f"per micro-batch"
+        )
+    total = sum(seen.values()) if job.parallel.tp * job.parallel.pp == len(seen) else None
+    print(
+        f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}"
+        + (f", {total / 1e9:.2f}B parameters over the model-parallel ranks" if total else "")
+    )
+    return 0

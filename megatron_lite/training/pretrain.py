@@ -1,0 +1,266 @@
+"""The pretraining job: validate everything, build the model, data, optimizer and loggers, resume if a
+checkpoint exists, train, evaluate, save.
+
+Start-up order matters: every check that can be made from the flags and the files (layout, schedule,
+data files, the --load directory) runs before the process group is joined, so a bad input stops every
+rank with one line instead of leaving some rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.arguments import accepted_no_ops, parse_args
+from megatron_lite.checkpoint.checkpointing import (
+    TrainState,
+    find_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
+from megatron_lite.config import ConfigError, ModelConfig, validate_layout
+from megatron_lite.data.builder import build_datasets, resolve_data
+from megatron_lite.data.mock import collate
+from megatron_lite.data.samplers import micro_batch_indices
+from megatron_lite.distributed.ddp import DistributedDataParallel
+from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.optimizer.lr_scheduler import LRScheduler
+from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron_lite.parallel_context import ParallelContext, initialize
+from megatron_lite.training.configs import JobConfig
+from megatron_lite.training.flops import flops_per_token, peak_flops
+from megatron_lite.training.logger import MetricsLogger
+from megatron_lite.training.step import eval_step, train_step
+
+# Model fields whose change alters the weights' meaning; a flag that conflicts with the checkpoint's
+# value is an error (dropout and recomputation may change freely).
+_ARCH_FIELDS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "vocab_size": "--vocab-size/--tokenizer-*",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "max_position_embeddings": "--max-position-embeddings",
+    "normalization": "--normalization",
+    "norm_epsilon": "--norm-epsilon",
+    "activation": "--swiglu/--openai-gelu",
+    "position_embedding_type": "--position-embedding-type",
+    "rotary_base": "--rotary-base",
+    "rope_scaling": "--use-rope-scaling",
+    "add_bias_linear": "--disable-bias-linear",
+    "add_qkv_bias": "--add-qkv-bias",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+}
+
+
+def _model_from_checkpoint(saved: dict, current: ModelConfig, use_checkpoint_args: bool, path: str) -> ModelConfig:
+    saved_model = dict(saved["model"])
+    if saved_model.get("rope_scaling") is not None:
+        from megatron_lite.config import RopeScaling
+
+        saved_model["rope_scaling"] = RopeScaling(**saved_model["rope_scaling"])
+    saved_model["recompute_modules"] = tuple(saved_model.get("recompute_modules", ()))
+    if use_checkpoint_args:
+        keep = {k: getattr(current, k) for k in saved_model if k not in _ARCH_FIELDS}
+        return ModelConfig(**{**saved_model, **keep})
+    for field, flag in _ARCH_FIELDS.items():
+        if saved_model.get(field) != getattr(current, field):
+            raise ConfigError(
+                f"{flag} gives {field}={getattr(current, field)!r} but the checkpoint in {path} has "
+                f"{saved_model.get(field)!r}; drop the flag or pass --use-checkpoint-args"
+            )
+    return current
+
+
+def _logging_rank(ctx: ParallelContext) -> bool:
+    return ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp_cp.rank == 0
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class _Batches:
+    """Micro-batches of the global batch starting at `consumed` samples, for this data-parallel rank."""
+
+    def __init__(self, dataset, job: JobConfig, ctx: ParallelContext) -> None:
+        self.dataset = dataset
+        self.gbs = job.training.global_batch(ctx.dp.size)
+        self.mbs = job.training.micro_batch_size
+        self.ctx = ctx
+
+    def get(self, consumed: int) -> list[dict[str, torch.Tensor]]:
+        idx = micro_batch_indices(consumed, self.gbs, self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
+        return [collate([self.dataset[i] for i in ix], self.ctx.device) for ix in idx]
+
+
+def run(job: JobConfig, notes: list[str]) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_layout(job.model, job.parallel, world_size, job.training)
+    job.optimizer.validate_schedule(job.training.train_iters)
+    rank = int(os.environ.get("RANK", "0"))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    ckpt_path = None
+    if job.checkpoint.load:
+        ckpt_path = find_checkpoint(job.checkpoint.load)
+        if ckpt_path is None:
+            if job.checkpoint.exit_on_missing_checkpoint:
+                raise ConfigError(
+                    f"--load {job.checkpoint.load} holds no checkpoint and --exit-on-missing-checkpoint is set"
+                )
+            say(f"no checkpoint in --load {job.checkpoint.load}: starting from scratch")
+    source = resolve_data(job.data, log=say)
+    model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
+    if ckpt_path is not None:
+        model_cfg = _model_from_checkpoint(
+            read_metadata(ckpt_path)["config"], model_cfg, job.checkpoint.use_checkpoint_args, ckpt_path
+        )
+    job = dataclasses.replace(job, model=model_cfg)
+    validate_layout(job.model, job.parallel, world_size, job.training)
+
+    ctx = initialize(
+        job.model,
+        job.parallel,
+        job.training,
+        backend=job.distributed_backend,
+        timeout_s=job.distributed_timeout_minutes * 60,
+    )
+    ctx.seed(job.training.seed)
+    log = MetricsLogger(job, enabled=_logging_rank(ctx))
+    for line in notes:
+        log.info(line)
+    log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
+
+    dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
+    model = GPTModel(job.model, ctx, seed=job.training.seed, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}), vocabulary {job.model.vocab_size}")
+    ddp = DistributedDataParallel(
+        model,
+        ctx,
+        overlap_grad_reduce=job.training.overlap_grad_reduce,
+        bucket_size=job.training.ddp_bucket_size,
+    )
+    optimizer = MixedPrecisionOptimizer(model, ddp.main_grad, job.optimizer, ctx)
+    scheduler = LRScheduler(job.optimizer, job.training.train_iters)
+    state = TrainState()
+    if ckpt_path is not None:
+        state = load_checkpoint(
+            ckpt_path,
+            model,
+            optimizer,
+            scheduler,
+            ctx,
+            load_optim=not job.checkpoint.no_load_optim,
+            load_rng=not job.checkpoint.no_load_rng,
+            finetune=job.checkpoint.finetune,
+        )
+        log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
+
+    t = job.training
+    gbs = t.global_batch(ctx.dp.size)
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+    train_ds, valid_ds, _ = build_datasets(
+        source, job.data, (t.train_iters * gbs, evals * gbs, 0), t.seq_length, t.seed
+    )
+    train_batches = _Batches(train_ds, job, ctx)
+    flops = flops_per_token(job.model, t.seq_length) * gbs * t.seq_length
+    peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
+    start_time = time.time()
+    window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0}
+    metrics = None
+    while state.iteration < t.train_iters:
+        tic = time.time()
+        batches = train_batches.get(state.consumed_samples)
+        data_time = time.time() - tic
+        metrics = train_step(ddp, optimizer, scheduler, batches, ctx)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        state.iteration += 1
+        state.consumed_samples += gbs
+        window["loss"] += metrics.lm_loss
+        window["n"] += 1
+        window["time"] += time.time() - tic
+        window["data"] += data_time
+        window["skipped"] += 0 if metrics.updated else 1
+        if state.iteration % t.log_interval == 0:
+            it_time = window["time"] / window["n"]
+            tflops = flops / it_time / ctx.world_size / 1e12
+            log.log(
+                state.iteration,
+                {
+                    "lm_loss": window["loss"] / window["n"],
+                    "lr": metrics.lr,
+                    "grad_norm": metrics.grad_norm,
+                    "loss_scale": metrics.loss_scale,
+                    "iteration_time": it_time,
+                    "tokens_per_sec": gbs * t.seq_length / it_time,
+                    "tflops_per_gpu": tflops,
+                    "mfu": tflops * 1e12 / peak if peak else None,
+                    "data_time_fraction": window["data"] / window["time"],
+                    "peak_memory_bytes": _peak_memory(ctx.device),
+                    "consumed_samples": state.consumed_samples,
+                    "skipped_iterations": window["skipped"],
+                },
+            )
+            window = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0}
+        if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            model.eval()
+            valid = _Batches(valid_ds, job, ctx)
+            losses = [eval_step(ddp, valid.get(i * gbs), ctx) for i in range(t.eval_iters)]
+            model.train()
+            log.log(state.iteration, {"lm_loss": sum(losses) / len(losses)}, kind="validation")
+        if job.checkpoint.save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
+            path = save_checkpoint(job.checkpoint.save, state, model, optimizer, scheduler, ctx, job.to_dict())
+            log.info(f"saved {path}")
+        if _should_exit(t, state, start_time, ctx):
+            log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
+            break
+    if job.checkpoint.save and not (
+        job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0
+    ):
+        path = save_checkpoint(job.checkpoint.save, state, model, optimizer, scheduler, ctx, job.to_dict())
+        log.info(f"saved {path}")
+    log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
+    log.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _should_exit(t, state: TrainState, start_time: float, ctx: ParallelContext) -> bool:
+    if t.exit_interval and state.iteration % t.exit_interval == 0:
+        return True
+    if t.exit_duration_in_mins is None:
+        return False
+    # Every rank must take the same decision, or some would wait in the next step's collectives.
+    flag = torch.tensor([1.0 if (time.time() - start_time) / 60 > t.exit_duration_in_mins else 0.0], device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        ns, job = parse_args(argv)
+        if job.dry_run:
+            from megatron_lite.training.dry_run import dry_run
+
+            return dry_run(job)
+        return run(job, accepted_no_ops(ns))
+    except ConfigError as e:
+        rank = os.environ.get("RANK", "0")
+        print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 2
