@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 import torch
+
+# The embedded corpus (and dataset index caches) for tests live in the repo's pytest cache, not in the home
+# directory; set before any worker pool is spawned so every rank sees the same place.
+os.environ.setdefault(
+    "MEGATRON_LITE_CACHE", str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "megatron_lite")
+)
 
 from dist_pool import WorkerPool
 

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ParallelConfig
+from megatron_lite.data.builder import build_datasets, resolve_data
+from megatron_lite.data.config import DataConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.distributed.ddp import DistributedDataParallel
@@ -23,28 +25,36 @@ from dist_pool import get_context
 from models import CONFIGS
 
 TOL = 1e-4
+EMBEDDED_VOCAB = 4096
 ITERS, SEQ = 10, 16
 OPTIM = OptimizerConfig(
     lr=3e-3, min_lr=3e-4, lr_decay_style="cosine", lr_warmup_iters=2, weight_decay=0.1, clip_grad=1.0
 )
 
 
-def train_run(name, parallel, gbs, mbs, overlap=False, bucket_size=None, optim=OPTIM):
+def _dataset(data: str, vocab: int):
+    if data == "mock":
+        return MockGPTDataset(vocab, SEQ, seed=7)
+    source = resolve_data(DataConfig())  # the embedded corpus: real text, a trained BPE tokenizer
+    return build_datasets(source, DataConfig(), (ITERS * 8, 0, 0), SEQ, seed=7)[0]
+
+
+def train_run(name, parallel, gbs, mbs, overlap=False, bucket_size=None, optim=OPTIM, data="mock"):
     if dist.is_initialized():
         ctx = get_context(parallel)
     else:
         ctx = ParallelContext.virtual(parallel, device=torch.device("cpu"))
-    config = CONFIGS[name]()
+    config = CONFIGS[name]() if data == "mock" else CONFIGS[name](vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
     model = GPTModel(config, ctx, seed=1234)
     ddp = DistributedDataParallel(model, ctx, overlap_grad_reduce=overlap, bucket_size=bucket_size)
     opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
     sched = LRScheduler(optim, ITERS)
-    data = MockGPTDataset(config.vocab_size, SEQ, seed=7)
+    dataset = _dataset(data, config.vocab_size)
     history = []
     for it in range(ITERS):
         idx = micro_batch_indices(it * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
-        batches = [collate([data[i] for i in ix], ctx.device) for ix in idx]
+        batches = [collate([dataset[i] for i in ix], ctx.device) for ix in idx]
         m = train_step(ddp, opt, sched, batches, ctx)
         history.append((m.lm_loss, m.grad_norm, m.lr))
     return history
@@ -64,12 +74,13 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("data", ["mock", "embedded"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_training_equals_single_process(dist, name, layout):
+def test_training_equals_single_process(dist, name, layout, data):
     world, parallel, gbs, mbs = LAYOUTS[layout]
-    ref = train_run(name, ParallelConfig(), gbs, gbs)  # one process, the whole batch at once
-    results = dist(world, train_run, name, parallel, gbs, mbs)
+    ref = train_run(name, ParallelConfig(), gbs, gbs, data=data)  # one process, the whole batch at once
+    results = dist(world, train_run, name, parallel, gbs, mbs, data=data)
     for rank_history in results:
         _compare(rank_history, ref)
     losses = [h[0] for h in ref]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import sysconfig
 import time
@@ -24,12 +25,19 @@ def cache_root() -> str:
     return os.environ.get("MEGATRON_LITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "megatron_lite"))
 
 
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
+CORPUS_VERSION = 2  # bump when the corpus recipe changes, so caches are rebuilt
+
+
 def _stdlib_files(max_bytes: int) -> list[str]:
+    """Standard-library modules (not tests, not codec tables), in a fixed shuffled order, so that the
+    train/valid/test split (consecutive document ranges) draws each split from the same kind of text."""
     root = sysconfig.get_paths()["stdlib"]
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    random.Random(1234).shuffle(files)
     out, total = [], 0
     for f in files:
         size = os.path.getsize(f)
@@ -48,7 +56,7 @@ def build_embedded_corpus(
 
     folder = os.path.join(
         root or cache_root(),
-        f"embedded-py{sys.version_info[0]}{sys.version_info[1]}-v{vocab_size}-b{max_bytes}",
+        f"embedded{CORPUS_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}-v{vocab_size}-b{max_bytes}",
     )
     prefix = os.path.join(folder, "stdlib_text_document")
     tok_path = os.path.join(folder, "tokenizer.json")

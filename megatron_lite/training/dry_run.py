@@ -37,6 +37,17 @@ def activation_bytes(job: JobConfig, bytes_per_value: int) -> float:
     return per * scale / p.tp if p.sequence_parallel else (s * b * h * 10 + (per - s * b * h * 10) / p.tp) * scale
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+ACCELERATOR_BYTES = 80 * 2**30  # an H100/A100 80 GB; the warning below is against this
+
+
 def dry_run(job: JobConfig) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model_cfg = dataclasses.replace(job.model, vocab_size=_vocab(job))
@@ -45,25 +56,31 @@ def dry_run(job: JobConfig) -> int:
     low = job.optimizer.bf16 or job.optimizer.fp16
     # weights (2 or 4 bytes) + fp32 gradient buffer (4) + fp32 main copy when low precision (4) + Adam (8)
     per_param = (2 + 4 + 4 + 8) if low else (4 + 4 + 8)
+    act = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4) * model_cfg.num_layers
     print(f"dry run: world size {world}, {job.parallel}")
-    seen = {}
+    groups: dict[int, list[int]] = {}
     for rank in range(world):
         ctx = ParallelContext.virtual(job.parallel, world, rank)
-        key = (ctx.tp.rank, ctx.pp.rank)
-        if key in seen:
-            continue
+        if ctx.dp_cp.rank != 0:
+            continue  # data-parallel replicas hold the same
         model = GPTModel(model_cfg, ctx, device="meta")
-        n = sum(p.numel() for p in model.parameters())
-        act = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4) * model_cfg.num_layers
-        seen[key] = n
+        groups.setdefault(sum(p.numel() for p in model.parameters()), []).append(rank)
+    worst = 0.0
+    for n, ranks in sorted(groups.items(), reverse=True):
+        states = n * per_param
+        worst = max(worst, states + act)
         print(
-            f"  rank {rank} (tp {ctx.tp.rank}, pp {ctx.pp.rank}): {n / 1e9:.3f}B parameters, "
-            f"{n * per_param / 2**30:.1f} GiB weights+grads+optimizer, ~{act / 2**30:.1f} GiB activations "
-            f"per micro-batch"
+            f"  ranks {ranks} (and their data-parallel replicas): {_count(n)} parameters, {_bytes(states)} "
+            f"weights+gradients+optimizer, ~{_bytes(act)} activations per micro-batch"
         )
-    total = sum(seen.values()) if job.parallel.tp * job.parallel.pp == len(seen) else None
+    total = sum(n * len(r) for n, r in groups.items())
     print(
-        f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}"
-        + (f", {total / 1e9:.2f}B parameters over the model-parallel ranks" if total else "")
+        f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}, "
+        f"{_count(total)} parameters summed over the model-parallel shards"
     )
+    if worst > ACCELERATOR_BYTES:
+        print(
+            f"warning: the largest rank needs ~{_bytes(worst)}, more than an 80 GiB accelerator; shard further "
+            "(tensor/pipeline parallelism, recomputation) or wait for the distributed optimizer (issue 10)"
+        )
     return 0

@@ -120,7 +120,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     f"--load {job.checkpoint.load} holds no checkpoint and --exit-on-missing-checkpoint is set"
                 )
             say(f"no checkpoint in --load {job.checkpoint.load}: starting from scratch")
-    source = resolve_data(job.data, log=say)
+    # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.
+    source = resolve_data(job.data, log=lambda m: print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True))
     model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
     if ckpt_path is not None:
         model_cfg = _model_from_checkpoint(
@@ -178,6 +179,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
     flops = flops_per_token(job.model, t.seq_length) * gbs * t.seq_length
     peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
     start_time = time.time()
+    if state.iteration >= t.train_iters:
+        log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
     window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0}
     metrics = None
     while state.iteration < t.train_iters:

@@ -1,0 +1,198 @@
+"""The pretraining entry point: --help, bad input that stops with one line before any collective, and a
+real single-process run. (Multi-rank runs: tests/test_pretrain_torchrun.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from megatron_lite.data.indexed import IndexedDatasetWriter
+from megatron_lite.training.pretrain import main
+
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+    "--global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --train-iters 3"
+).split()
+
+
+def _run(argv, capsys, monkeypatch, world=1):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    rc = main([*TINY, *argv])
+    out = capsys.readouterr()
+    assert not dist.is_initialized()  # nothing here may ever join a process group
+    return rc, out.out, out.err
+
+
+def _one_line_error(rc, err, *fragments):
+    assert rc == 2, err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def _dataset(tmp_path, max_id=99, docs=40):
+    prefix = str(tmp_path / "data" / "toy_text_document")
+    w = IndexedDatasetWriter(prefix, vocab_size=max_id + 1)
+    rng = np.random.default_rng(0)
+    for _ in range(docs):
+        w.add_document(rng.integers(0, max_id + 1, size=int(rng.integers(20, 60))))
+    w.finalize()
+    return prefix
+
+
+def test_help_groups_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for group in ("model:", "distributed:", "training:", "mixed precision:", "data:", "checkpointing:", "logging:"):
+        assert group in out
+    assert "--use-distributed-optimizer" in out and "--tensor-model-parallel-size" in out
+
+
+def test_missing_data_files(tmp_path, capsys, monkeypatch):
+    rc, _, err = _run(
+        ["--data-path", str(tmp_path / "nope"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+        capsys,
+        monkeypatch,
+    )
+    _one_line_error(rc, err, "--data-path", "missing", "nope.idx")
+
+
+def test_truncated_bin(tmp_path, capsys, monkeypatch):
+    prefix = _dataset(tmp_path)
+    size = os.path.getsize(prefix + ".bin")
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(size - 10)
+    rc, _, err = _run(
+        ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], capsys, monkeypatch
+    )
+    _one_line_error(rc, err, prefix + ".bin", "truncated")
+
+
+def test_truncated_idx(tmp_path, capsys, monkeypatch):
+    prefix = _dataset(tmp_path)
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(50)
+    rc, _, err = _run(
+        ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], capsys, monkeypatch
+    )
+    _one_line_error(rc, err, prefix + ".idx", "truncated or corrupt")
+
+
+def test_data_vocabulary_exceeds_vocab_size(tmp_path, capsys, monkeypatch):
+    prefix = _dataset(tmp_path, max_id=150)
+    rc, _, err = _run(
+        ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], capsys, monkeypatch
+    )
+    _one_line_error(rc, err, "--data-path", "token id 150", "vocabulary has 101")
+
+
+def test_load_directory_that_is_not_a_checkpoint(tmp_path, capsys, monkeypatch):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "notes.txt").write_text("hello")
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--load", str(tmp_path / "ckpt")], capsys, monkeypatch)
+    _one_line_error(rc, err, "--load", "not a megatron_lite checkpoint")
+
+
+def test_missing_load_dir_starts_from_scratch_unless_told_otherwise(tmp_path, capsys, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--load", ckpt, "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    assert f"no checkpoint in --load {ckpt}: starting from scratch" in out
+    assert os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
+    rc, _, err = _run(
+        ["--mock-data", "--vocab-size", "100", "--load", str(tmp_path / "other"), "--exit-on-missing-checkpoint"],
+        capsys,
+        monkeypatch,
+    )
+    _one_line_error(rc, err, "--load", "--exit-on-missing-checkpoint")
+
+
+def test_flag_conflicting_with_checkpoint(tmp_path, capsys, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    argv = ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--train-iters", "5"]
+    rc, _, err = _run([*argv, "--hidden-size", "64"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--hidden-size", "hidden_size=64", "32", "--use-checkpoint-args")
+    # With --use-checkpoint-args the checkpoint's architecture wins and training continues from it.
+    rc, out, err = _run([*argv, "--hidden-size", "64", "--use-checkpoint-args"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "loaded" in out and "iteration 3" in out
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--use-distributed-optimizer"], ["--use-distributed-optimizer", "issue 10"]),
+        (["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size", "not implemented"]),
+        (["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size 2", "issue 4"]),
+        (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
+        (["--mock-data"], ["--mock-data needs --vocab-size"]),
+    ],
+)
+def test_refused_flags(argv, fragments, capsys, monkeypatch):
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    _one_line_error(rc, err, *fragments)
+
+
+def test_bad_layout_stops_before_any_process_group(capsys, monkeypatch):
+    rc, _, err = _run(
+        ["--mock-data", "--vocab-size", "100", "--tensor-model-parallel-size", "3"], capsys, monkeypatch, world=4
+    )
+    _one_line_error(rc, err, "world size 4", "--tensor-model-parallel-size 3")
+
+
+def test_single_process_run_with_indexed_data(tmp_path, capsys, monkeypatch):
+    prefix = _dataset(tmp_path)
+    log = tmp_path / "m.jsonl"
+    rc, out, err = _run(
+        [
+            "--data-path",
+            prefix,
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+            "--log-jsonl",
+            str(log),
+            "--use-mcore-models",
+            "--split",
+            "90,10,0",
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "1",
+        ],
+        capsys,
+        monkeypatch,
+    )
+    assert rc == 0, err
+    assert "--use-mcore-models has no effect" in out
+    import json
+
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [r for r in records if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    keys = {
+        "lm_loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "iteration_time",
+        "tokens_per_sec",
+        "tflops_per_gpu",
+        "mfu",
+        "data_time_fraction",
+        "peak_memory_bytes",
+        "consumed_samples",
+    }
+    assert keys <= set(train[0])
+    assert train[0]["mfu"] is None  # no known peak on a CPU
+    assert any("validation" in r for r in records)
