@@ -48,3 +48,20 @@ def test_wheel_maps_kernels_into_the_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "megatron_lite/kernels/__init__.py" in names
     assert not any(n.startswith("kernels/") for n in names), [n for n in names if n.startswith("kernels/")]
+
+
+def test_ci_runs_the_readme_test_command():
+    import re
+
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    test_cmd = next(b.strip() for b in blocks if "pytest" in b)
+    assert test_cmd in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_subpackage_is_listed_for_installation():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        "megatron_lite." + str(p.parent.relative_to(ROOT / "megatron_lite")).replace("/", ".")
+        for p in (ROOT / "megatron_lite").glob("*/__init__.py")
+    }
+    assert found | {"megatron_lite", "megatron_lite.kernels"} == listed

@@ -42,7 +42,7 @@ def test_resume_is_exact_tp2_dp2(tmp_path):
         "--micro-batch-size 1 --global-batch-size 8 --tensor-model-parallel-size 2 --lr 3e-3 "
         "--lr-warmup-iters 2 --lr-decay-style cosine --log-interval 1 --eval-iters 0 --hidden-dropout 0.1 "
         "--attention-dropout 0.1 --normalization RMSNorm --swiglu --position-embedding-type rope "
-        "--disable-bias-linear --untie-embeddings-and-output-weights"
+        "--disable-bias-linear --untie-embeddings-and-output-weights --distributed-backend gloo"
     ).split()
     torchrun(4, [*args, "--log-jsonl", str(tmp_path / "straight.jsonl")], tmp_path)
     ckpt = str(tmp_path / "ckpt")

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Training-step time of megatron_lite (one process) beside a Hugging Face transformers LlamaForCausalLM
+trained by torch.optim.AdamW, on the same weights and batches, in one run. Steps alternate between the two
+so drift in the machine's speed hits both alike; the median of each is reported with their ratio.
+
+    python tools/bench_train_step.py                      # small, CPU
+    python tools/bench_train_step.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 --seq-length 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+
+    import transformers
+
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.distributed.ddp import DistributedDataParallel
+    from megatron_lite.models.gpt_model import GPTModel
+    from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.training.step import train_step
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    hf_config = transformers.LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.ffn_hidden_size or int(8 * args.hidden_size / 3) // 64 * 64,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_query_groups,
+        max_position_embeddings=args.seq_length,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).train()
+    config = config_from_hf(hf_config)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=device)
+    ctx.seed(0)
+    ours = GPTModel(config, ctx, dtype=dtype)
+    ours.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "LlamaForCausalLM"))
+    optim = OptimizerConfig(lr=1e-4, bf16=args.bf16, clip_grad=1.0)
+    ddp = DistributedDataParallel(ours, ctx)
+    opt = MixedPrecisionOptimizer(ours, ddp.main_grad, optim, ctx)
+    sched = LRScheduler(optim, 10**9)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=device.type == "cuda")
+    data = MockGPTDataset(args.vocab_size, args.seq_length, seed=0)
+    batches = [
+        collate([data[i * args.micro_batch_size + j] for j in range(args.micro_batch_size)], device)
+        for i in range(args.warmup + args.iters)
+    ]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step_ours(batch):
+        train_step(ddp, opt, sched, [batch], ctx)
+
+    def step_hf(batch):
+        hf_opt.zero_grad(set_to_none=True)
+        logits = hf(batch["tokens"]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, args.vocab_size), batch["labels"].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        hf_opt.step()
+
+    times = {"megatron_lite": [], "transformers": []}
+    for i, batch in enumerate(batches):
+        for name, fn in (("megatron_lite", step_ours), ("transformers", step_hf)):
+            sync()
+            t0 = time.perf_counter()
+            fn(batch)
+            sync()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = args.micro_batch_size * args.seq_length
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "step_time_s": med,
+        "tokens_per_s": {k: tokens / v for k, v in med.items()},
+        "ratio_transformers_over_megatron_lite": med["transformers"] / med["megatron_lite"],
+    }
+    print(f"{'':16}{'step time (ms)':>16}{'tokens/s':>12}")
+    for k in times:
+        print(f"{k:16}{med[k] * 1e3:>16.1f}{tokens / med[k]:>12.0f}")
+    print(
+        f"speed-up of megatron_lite over transformers: {result['ratio_transformers_over_megatron_lite']:.2f}x "
+        f"({result['device']}, {result['dtype']}, {args.iters} timed steps each, medians)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run, for a lent accelerator (or any CUDA machine). Writes logs and
+# JSON under $OUT (default ./device_out); prints one status line per check.
+#   OUT=/tmp/out bash tools/device_checks.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MEGATRON_LITE_CACHE=${MEGATRON_LITE_CACHE:-/tmp/megatron_lite_cache}
+nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+
+# 1. The suite (fast part) on this machine's torch: CUDA variants run, gloo tests run on the CPU.
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" --junitxml="$OUT/junit_fast.xml" tests \
+    > "$OUT/pytest_fast.log" 2>&1
+echo "pytest (not slow): rc=$? $(tail -n 1 "$OUT/pytest_fast.log")"
+
+# 2. Whole jobs under torchrun (gloo): exact resume, dry runs of the shipped scripts.
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_pretrain_torchrun.py -k "resume or dry_run" \
+    > "$OUT/pytest_torchrun.log" 2>&1
+echo "pytest (torchrun): rc=$? $(tail -n 1 "$OUT/pytest_torchrun.log")"
+
+# 3. A real bf16 training job on the GPU (NCCL, fused AdamW, MFU against the datasheet peak), saved at
+#    iteration 20 and resumed to 30.
+ARGS=(--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention
+      --num-query-groups 8 --seq-length 2048 --normalization RMSNorm --swiglu --position-embedding-type rope
+      --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0
+      --micro-batch-size 4 --global-batch-size 16 --train-iters 30 --lr 3e-4 --lr-warmup-iters 5
+      --lr-decay-style cosine --bf16 --mock-data --vocab-size 32000 --log-interval 5 --eval-iters 0
+      --recompute-granularity selective --overlap-grad-reduce)
+rm -rf /tmp/gpu_ckpt
+timeout 180 torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py "${ARGS[@]}" --exit-interval 20 \
+    --save /tmp/gpu_ckpt --log-jsonl "$OUT/gpu_train.jsonl" > "$OUT/gpu_train.log" 2>&1
+echo "gpu train: rc=$? $(grep -c lm_loss "$OUT/gpu_train.jsonl" 2>/dev/null) records"
+timeout 120 torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py "${ARGS[@]}" --load /tmp/gpu_ckpt \
+    --log-jsonl "$OUT/gpu_train.jsonl" > "$OUT/gpu_resume.log" 2>&1
+echo "gpu resume: rc=$? $(grep -o 'loaded [^,]*' "$OUT/gpu_resume.log")"
+
+# 4. Training step against transformers + torch AdamW, bf16, side by side.
+timeout 180 python3 tools/bench_train_step.py --device cuda --bf16 --num-layers 8 --hidden-size 2048 \
+    --num-attention-heads 16 --num-query-groups 8 --vocab-size 32000 --seq-length 2048 --micro-batch-size 4 \
+    --warmup 3 --iters 10 --json "$OUT/bench_train_step.json" > "$OUT/bench_train_step.log" 2>&1
+echo "bench: rc=$? $(tail -n 1 "$OUT/bench_train_step.log")"
