@@ -386,6 +386,115 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     ]
 
 
+# Flags whose value defines the weights: given explicitly with a different value than the checkpoint's, they
+# are an error unless --use-checkpoint-args (then the checkpoint's value wins).
+ARCH_DESTS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "kv_channels",
+    "max_position_embeddings",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "openai_gelu",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "untie_embeddings_and_output_weights",
+    "disable_bias_linear",
+    "add_qkv_bias",
+    "make_vocab_size_divisible_by",
+)
+
+
+def defaults_from_checkpoint(saved: dict) -> dict:
+    """Flag values (argparse dests) of the job that wrote a checkpoint: the model, data, batch, schedule and
+    optimizer settings. The layout, logging and checkpoint flags are not taken over."""
+    m, t, o, d = saved["model"], saved["training"], saved["optimizer"], saved["data"]
+    out = {
+        k: m[k]
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "kv_channels",
+            "max_position_embeddings",
+            "normalization",
+            "norm_epsilon",
+            "position_embedding_type",
+            "rotary_base",
+            "add_qkv_bias",
+            "untie_embeddings_and_output_weights",
+            "make_vocab_size_divisible_by",
+            "init_method_std",
+            "hidden_dropout",
+            "attention_dropout",
+        )
+    }
+    out["group_query_attention"] = m["num_query_groups"] is not None
+    out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
+    out["swiglu"] = m["activation"] == "swiglu"
+    out["openai_gelu"] = m["activation"] == "gelu_tanh"
+    out["use_rope_scaling"] = m["rope_scaling"] is not None
+    if m["rope_scaling"] is not None:
+        out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
+    out["disable_bias_linear"] = not m["add_bias_linear"]
+    out.update(
+        {
+            k: t[k]
+            for k in (
+                "micro_batch_size",
+                "global_batch_size",
+                "seq_length",
+                "train_iters",
+                "seed",
+                "log_interval",
+                "eval_interval",
+                "eval_iters",
+            )
+        }
+    )
+    out.update({k: v for k, v in o.items()})
+    out.update({k: v for k, v in d.items() if k != "data_path"})
+    out["data_path"] = list(d["data_path"]) or None
+    return out
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    actions = parser._option_string_actions
+    return {actions[tok.split("=")[0]].dest for tok in argv if tok.split("=")[0] in actions}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
-    ns = build_parser().parse_args(argv)
+    """Parse the flags. With --load pointing at a checkpoint, flags not given take the checkpoint's values,
+    so `--load DIR` alone rebuilds and continues the run."""
+    import sys
+
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    path = find_checkpoint(ns.load) if ns.load else None
+    if path is not None:
+        saved = defaults_from_checkpoint(read_metadata(path)["config"])
+        given = _explicit_dests(parser, argv)
+        conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
+        if conflicts and not ns.use_checkpoint_args:
+            d = conflicts[0]
+            raise ConfigError(
+                f"--{d.replace('_', '-')} {getattr(ns, d)} conflicts with the checkpoint in {path} "
+                f"({saved.get(d)}); drop the flag, or pass --use-checkpoint-args to take the checkpoint's value"
+            )
+        parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
+        ns = parser.parse_args(argv)
+        if ns.use_checkpoint_args:
+            for d in ARCH_DESTS:
+                setattr(ns, d, saved.get(d, getattr(ns, d)))
     return ns, job_config_from_args(ns)

@@ -120,11 +120,25 @@ def test_flag_conflicting_with_checkpoint(tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     argv = ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--train-iters", "5"]
     rc, _, err = _run([*argv, "--hidden-size", "64"], capsys, monkeypatch)
-    _one_line_error(rc, err, "--hidden-size", "hidden_size=64", "32", "--use-checkpoint-args")
+    _one_line_error(rc, err, "--hidden-size 64", "conflicts with the checkpoint", "(32)", "--use-checkpoint-args")
     # With --use-checkpoint-args the checkpoint's architecture wins and training continues from it.
     rc, out, err = _run([*argv, "--hidden-size", "64", "--use-checkpoint-args"], capsys, monkeypatch)
     assert rc == 0, err
     assert "loaded" in out and "iteration 3" in out
+
+
+def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(
+        ["--mock-data", "--vocab-size", "100", "--save", ckpt, "--swiglu", "--normalization", "RMSNorm"],
+        capsys,
+        monkeypatch,
+    )
+    assert rc == 0, err
+    rc = main(["--load", ckpt, "--train-iters", "5"])  # no model, data or batch flags at all
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "loaded" in out.out and "iteration 3" in out.out and "iteration      5/5" in out.out
 
 
 @pytest.mark.parametrize(

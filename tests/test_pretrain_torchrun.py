@@ -88,3 +88,35 @@ def test_demo_trains_logs_wandb_offline_and_checkpoints(tmp_path):
     assert recs[-1]["iteration"] == 60 and recs[-1]["lm_loss"] < recs[0]["lm_loss"] - 1.0
     assert list((tmp_path / "demo" / "wandb").glob("offline-run-*"))
     assert (tmp_path / "demo" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "60"
+
+
+def test_cli_tp2_dp2_equals_single_process(tmp_path):
+    """The whole job (flags, data, loop, logging) at TP=2 x DP=2 with sequence parallelism and gradient
+    accumulation logs the same per-iteration lm_loss and grad_norm as one process (embedded corpus)."""
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--seq-length 32 --train-iters 10 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 "
+        "--lr-decay-style cosine --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 "
+        "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --distributed-backend gloo"
+    ).split()
+    torchrun(1, [*args, "--micro-batch-size", "8", "--log-jsonl", str(tmp_path / "one.jsonl")], tmp_path)
+    torchrun(
+        4,
+        [
+            *args,
+            "--micro-batch-size",
+            "1",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--log-jsonl",
+            str(tmp_path / "four.jsonl"),
+        ],
+        tmp_path,
+    )
+    one, four = records(tmp_path / "one.jsonl"), records(tmp_path / "four.jsonl")
+    assert len(one) == len(four) == 10
+    for a, b in zip(one, four):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)

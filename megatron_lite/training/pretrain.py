@@ -39,46 +39,15 @@ from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.step import eval_step, train_step
 
-# Model fields whose change alters the weights' meaning; a flag that conflicts with the checkpoint's
-# value is an error (dropout and recomputation may change freely).
-_ARCH_FIELDS = {
-    "num_layers": "--num-layers",
-    "hidden_size": "--hidden-size",
-    "num_attention_heads": "--num-attention-heads",
-    "vocab_size": "--vocab-size/--tokenizer-*",
-    "ffn_hidden_size": "--ffn-hidden-size",
-    "num_query_groups": "--num-query-groups",
-    "kv_channels": "--kv-channels",
-    "max_position_embeddings": "--max-position-embeddings",
-    "normalization": "--normalization",
-    "norm_epsilon": "--norm-epsilon",
-    "activation": "--swiglu/--openai-gelu",
-    "position_embedding_type": "--position-embedding-type",
-    "rotary_base": "--rotary-base",
-    "rope_scaling": "--use-rope-scaling",
-    "add_bias_linear": "--disable-bias-linear",
-    "add_qkv_bias": "--add-qkv-bias",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-}
 
-
-def _model_from_checkpoint(saved: dict, current: ModelConfig, use_checkpoint_args: bool, path: str) -> ModelConfig:
-    saved_model = dict(saved["model"])
-    if saved_model.get("rope_scaling") is not None:
-        from megatron_lite.config import RopeScaling
-
-        saved_model["rope_scaling"] = RopeScaling(**saved_model["rope_scaling"])
-    saved_model["recompute_modules"] = tuple(saved_model.get("recompute_modules", ()))
-    if use_checkpoint_args:
-        keep = {k: getattr(current, k) for k in saved_model if k not in _ARCH_FIELDS}
-        return ModelConfig(**{**saved_model, **keep})
-    for field, flag in _ARCH_FIELDS.items():
-        if saved_model.get(field) != getattr(current, field):
-            raise ConfigError(
-                f"{flag} gives {field}={getattr(current, field)!r} but the checkpoint in {path} has "
-                f"{saved_model.get(field)!r}; drop the flag or pass --use-checkpoint-args"
-            )
-    return current
+def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> None:
+    """The flags were already reconciled with the checkpoint (arguments.parse_args); what can still differ
+    is what the data source decides, the vocabulary."""
+    if saved["model"]["vocab_size"] != current.vocab_size:
+        raise ConfigError(
+            f"the tokenizer/--vocab-size gives a vocabulary of {current.vocab_size} but the checkpoint in {path} "
+            f"has {saved['model']['vocab_size']}; use the tokenizer the checkpoint was trained with"
+        )
 
 
 def _logging_rank(ctx: ParallelContext) -> bool:
@@ -124,9 +93,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     source = resolve_data(job.data, log=lambda m: print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True))
     model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
     if ckpt_path is not None:
-        model_cfg = _model_from_checkpoint(
-            read_metadata(ckpt_path)["config"], model_cfg, job.checkpoint.use_checkpoint_args, ckpt_path
-        )
+        _check_against_checkpoint(read_metadata(ckpt_path)["config"], model_cfg, ckpt_path)
     job = dataclasses.replace(job, model=model_cfg)
     validate_layout(job.model, job.parallel, world_size, job.training)
 
