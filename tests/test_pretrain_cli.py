@@ -210,3 +210,42 @@ def test_single_process_run_with_indexed_data(tmp_path, capsys, monkeypatch):
     assert keys <= set(train[0])
     assert train[0]["mfu"] is None  # no known peak on a CPU
     assert any("validation" in r for r in records)
+
+
+def test_checkpoint_holds_only_safetensors_and_json(tmp_path, capsys, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", str(ckpt), "--bf16"], capsys, monkeypatch)
+    assert rc == 0, err
+    files = [p for p in ckpt.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} == {".safetensors", ".json", ".txt"}
+    for p in files:
+        head = p.read_bytes()[:2]
+        assert head != b"\x80\x04" and head[:1] != b"\x80", f"{p} looks like a pickle"
+    import json
+
+    from safetensors import safe_open
+
+    index = json.loads((ckpt / "iter_0000003" / "index_r00000.json").read_text())
+    kinds = {name.split("/")[0] for name in index}
+    assert kinds == {"model", "main", "exp_avg", "exp_avg_sq"}  # bf16 weights, fp32 main weights, moments
+    with safe_open(str(ckpt / "iter_0000003" / "tensors_r00000.safetensors"), framework="pt") as f:
+        dtypes = {k.split("/")[0]: str(f.get_tensor(k).dtype) for k in f.keys()}
+    assert dtypes["model"] == "torch.bfloat16" and dtypes["main"] == "torch.float32"
+    # The vocabulary is stored unpadded (100 + the NullTokenizer's end-of-document id), whatever the padding.
+    assert index["model/embedding.word_embeddings.weight"]["shape"] == [101, 32]
+
+
+def test_finetune_and_no_load_optim(tmp_path, capsys, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--load", ckpt, "--finetune"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "loaded" in out and "iteration 0" in out and "iteration      3/3" in out  # trained 3 more from 0
+    rc, out, err = _run(
+        ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--no-load-optim", "--train-iters", "5"],
+        capsys,
+        monkeypatch,
+    )
+    assert rc == 0, err
+    assert "iteration 3" in out and "iteration      5/5" in out
