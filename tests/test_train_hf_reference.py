@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 import transformers
+from test_hf_reference import V, _llama
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
@@ -22,7 +23,7 @@ from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.training.step import train_step
 
 ITERS, WARMUP, LR, MIN_LR, WD, CLIP = 10, 3, 2e-3, 2e-4, 0.1, 0.5
-V, SEQ, BATCH = 250, 16, 4
+SEQ, BATCH = 16, 4
 
 
 def megatron_lr(step: int) -> float:
@@ -34,19 +35,8 @@ def megatron_lr(step: int) -> float:
 
 
 def test_ten_iterations_equal_transformers_with_torch_adamw():
-    hf_config = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        rope_theta=5000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
+    hf_config = _llama()  # the same GQA / RoPE-base / epsilon configuration as the logits reference
+    hf_config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).float().train()
     config = config_from_hf(hf_config)

@@ -21,7 +21,7 @@ import time
 
 from megatron_lite.config import ConfigError
 from megatron_lite.data.indexed import IndexedDatasetWriter
-from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.tokenizers import tokenizer_from_flags
 
 _TOK = None
 _ARGS = None
@@ -30,13 +30,7 @@ _ARGS = None
 def _init(args: argparse.Namespace) -> None:
     global _TOK, _ARGS
     _ARGS = args
-    _TOK = build_tokenizer(
-        args.tokenizer_type,
-        model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-    )
+    _TOK = tokenizer_from_flags(args)
 
 
 def _encode(item: tuple[str, str]) -> tuple[dict[str, list[int]], int]:

@@ -18,7 +18,7 @@ from megatron_lite.data.embedded import build_embedded_corpus
 from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, file_lock, split_document_ranges
 from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.mock import MockGPTDataset
-from megatron_lite.data.tokenizers import HuggingFaceTokenizer, NullTokenizer, build_tokenizer
+from megatron_lite.data.tokenizers import HuggingFaceTokenizer, NullTokenizer, tokenizer_from_flags
 
 
 @dataclass
@@ -32,13 +32,7 @@ class DataSource:
 def resolve_data(data: DataConfig, log=print) -> DataSource:
     if data.mock_data:
         if data.tokenizer_type not in (None, "NullTokenizer"):
-            tok = build_tokenizer(
-                data.tokenizer_type,
-                model=data.tokenizer_model,
-                vocab_file=data.vocab_file,
-                merge_file=data.merge_file,
-                vocab_size=data.vocab_size,
-            )
+            tok = tokenizer_from_flags(data)
         elif data.vocab_size is None:
             raise ConfigError("--mock-data needs --vocab-size N (or a tokenizer)")
         else:
@@ -47,13 +41,7 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
     if data.data_path:
         if data.tokenizer_type is None:
             raise ConfigError("--data-path needs --tokenizer-type (and its files) to know the vocabulary")
-        tok = build_tokenizer(
-            data.tokenizer_type,
-            model=data.tokenizer_model,
-            vocab_file=data.vocab_file,
-            merge_file=data.merge_file,
-            vocab_size=data.vocab_size,
-        )
+        tok = tokenizer_from_flags(data)
         vocab = data.vocab_size if data.vocab_size and data.tokenizer_type != "NullTokenizer" else tok.vocab_size
         return DataSource(tok, vocab, data.blend, f"{len(data.blend)} indexed dataset(s)")
     prefix, tok_path = build_embedded_corpus(log=log)

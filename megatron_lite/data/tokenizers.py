@@ -105,3 +105,15 @@ def build_tokenizer(
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported")
+
+
+def tokenizer_from_flags(flags):
+    """The tokenizer named by an object with Megatron's tokenizer flags as attributes (a DataConfig, or an
+    argparse namespace): tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size."""
+    return build_tokenizer(
+        flags.tokenizer_type,
+        model=flags.tokenizer_model,
+        vocab_file=flags.vocab_file,
+        merge_file=flags.merge_file,
+        vocab_size=flags.vocab_size,
+    )
