@@ -249,3 +249,20 @@ def test_finetune_and_no_load_optim(tmp_path, capsys, monkeypatch):
     )
     assert rc == 0, err
     assert "iteration 3" in out and "iteration      5/5" in out
+
+
+@pytest.mark.slow
+def test_data_loader_workers_give_the_same_run(tmp_path, capsys, monkeypatch):
+    import json
+
+    prefix = _dataset(tmp_path)
+    base = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--train-iters", "4"]
+    for workers in (0, 2):
+        rc, _, err = _run(
+            [*base, "--num-workers", str(workers), "--log-jsonl", str(tmp_path / f"w{workers}.jsonl")],
+            capsys,
+            monkeypatch,
+        )
+        assert rc == 0, err
+    runs = [[json.loads(x)["lm_loss"] for x in (tmp_path / f"w{w}.jsonl").read_text().splitlines()] for w in (0, 2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 4

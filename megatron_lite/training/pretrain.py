@@ -61,17 +61,48 @@ def _peak_memory(device: torch.device) -> int:
 
 
 class _Batches:
-    """Micro-batches of the global batch starting at `consumed` samples, for this data-parallel rank."""
+    """Micro-batches of the global batch starting at `consumed` samples, for this data-parallel rank.
 
-    def __init__(self, dataset, job: JobConfig, ctx: ParallelContext) -> None:
+    With --num-workers > 0, worker processes load the micro-batches of the coming iterations ahead of time
+    (torch DataLoader); the order is the same as without them, so the data stays layout-independent."""
+
+    def __init__(self, dataset, job: JobConfig, ctx: ParallelContext, num_workers: int = 0) -> None:
         self.dataset = dataset
         self.gbs = job.training.global_batch(ctx.dp.size)
         self.mbs = job.training.micro_batch_size
         self.ctx = ctx
+        self.num_workers = num_workers
+        self._loader = None
+        self._next = None
+
+    def _indices(self, consumed: int) -> list[list[int]]:
+        return micro_batch_indices(consumed, self.gbs, self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
 
     def get(self, consumed: int) -> list[dict[str, torch.Tensor]]:
-        idx = micro_batch_indices(consumed, self.gbs, self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
-        return [collate([self.dataset[i] for i in ix], self.ctx.device) for ix in idx]
+        if self.num_workers == 0:
+            return [collate([self.dataset[i] for i in ix], self.ctx.device) for ix in self._indices(consumed)]
+        if self._loader is None or consumed != self._next:
+
+            def order(start=consumed):
+                while True:
+                    yield from self._indices(start)
+                    start += self.gbs
+
+            # Its own generator: the loader must not draw its worker seeds from the global one dropout uses.
+            loader = torch.utils.data.DataLoader(
+                self.dataset,
+                batch_sampler=order(),
+                num_workers=self.num_workers,
+                collate_fn=collate,
+                pin_memory=self.ctx.device.type == "cuda",
+                generator=torch.Generator().manual_seed(0),
+            )
+            self._loader = iter(loader)
+        self._next = consumed + self.gbs
+        count = self.gbs // (self.mbs * self.ctx.dp.size)
+        return [
+            {k: v.to(self.ctx.device, non_blocking=True) for k, v in next(self._loader).items()} for _ in range(count)
+        ]
 
 
 def run(job: JobConfig, notes: list[str]) -> int:
@@ -142,7 +173,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     train_ds, valid_ds, _ = build_datasets(
         source, job.data, (t.train_iters * gbs, evals * gbs, 0), t.seq_length, t.seed
     )
-    train_batches = _Batches(train_ds, job, ctx)
+    train_batches = _Batches(train_ds, job, ctx, job.data.num_workers)
     flops = flops_per_token(job.model, t.seq_length) * gbs * t.seq_length
     peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
     start_time = time.time()
