@@ -65,3 +65,16 @@ def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
     assert all(torch.equal(v["exp_avg"], moments[id(k)]) for k, v in opt.inner.state.items())
     after = train_step(ddp, opt, sched, _batch(1), ctx)  # the next step runs normally
     assert after.updated and after.loss_scale == 2.0**15 and sched.num_steps == steps + 1
+
+
+def test_fp16_default_hysteresis_halves_on_the_second_overflow():
+    """Megatron's default --hysteresis 2: the first overflow only skips, the second in a row also halves."""
+    optim = OptimizerConfig(lr=1e-3, fp16=True, initial_loss_scale=2.0**16)
+    ctx, model, ddp, opt, sched = _setup(torch.float16, optim)
+    handle = model.decoder.layers[0].mlp.linear_fc1.weight.register_hook(lambda g: g * float("inf"))
+    first = train_step(ddp, opt, sched, _batch(0), ctx)
+    second = train_step(ddp, opt, sched, _batch(1), ctx)
+    handle.remove()
+    assert not first.updated and first.loss_scale == 2.0**16
+    assert not second.updated and second.loss_scale == 2.0**15
+    assert sched.num_steps == 0
