@@ -183,6 +183,8 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None  # default: same as TP
     virtual_pipeline_model_parallel_size: int | None = None  # model chunks per pipeline rank
     sequence_parallel: bool = False
+    decoder_first_pipeline_num_layers: int | None = None  # uneven first stage
+    decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
 
     @property
     def tp(self) -> int:
@@ -237,6 +239,40 @@ class TrainingConfig:
         return self.global_batch_size or self.micro_batch_size * dp
 
 
+def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: int = 0, tp_cp: int = 1) -> list[int]:
+    """Layers of each virtual stage s = chunk * PP + pipeline rank: an even split, or Megatron's uneven
+    first/last stages (--decoder-first/last-pipeline-num-layers) with the rest split evenly between the
+    other stages. Never drops a layer: a split that is not exact is a one-line error."""
+    pp, vp = parallel.pp, parallel.vp
+    first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
+    stages = pp * vp
+    if first is None and last is None:
+        if num_layers % stages:
+            ok_pp = [d for d in _divisors(max(world_size // tp_cp, 1)) if num_layers % (d * vp) == 0]
+            raise ConfigError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(num_layers, stages)}"
+                f" or a pipeline size in {ok_pp}"
+            )
+        return [num_layers // stages] * stages
+    if vp > 1 or pp < 2:
+        raise ConfigError(
+            "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 and no virtual stages"
+        )
+    fixed = [x for x in (first, last) if x is not None]
+    if any(x < 1 for x in fixed) or sum(fixed) > num_layers:
+        raise ConfigError(f"--decoder-first/last-pipeline-num-layers {fixed} do not fit in --num-layers {num_layers}")
+    middle = pp - len(fixed)
+    rest = num_layers - sum(fixed)
+    if (middle == 0 and rest) or (middle > 0 and (rest % middle or rest == 0)):
+        raise ConfigError(
+            f"--num-layers {num_layers} minus the uneven stages {fixed} leaves {rest} layers, which do not split "
+            f"evenly over the other {middle} pipeline stage(s); adjust --decoder-first/last-pipeline-num-layers"
+        )
+    each = rest // middle if middle else 0
+    return [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
+
+
 def validate_layout(
     model: ModelConfig, parallel: ParallelConfig, world_size: int, training: TrainingConfig | None = None
 ) -> None:
@@ -286,14 +322,7 @@ def validate_layout(
             f"--ffn-hidden-size {model.ffn_size} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --ffn-hidden-size {_nearest_multiples(model.ffn_size, tp)}"
         )
-    stages = pp * vp
-    if model.num_layers % stages:
-        ok_pp = [d for d in _divisors(world_size // (tp * cp)) if model.num_layers % (d * vp) == 0]
-        raise ConfigError(
-            f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-            f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(model.num_layers, stages)}"
-            f" or a pipeline size in {ok_pp}"
-        )
+    stage_layer_counts(model.num_layers, parallel, world_size, tp * cp)  # raises on a split that cannot be made
     if training is None:
         return
     seq = training.seq_length
@@ -324,4 +353,11 @@ def validate_layout(
         raise ConfigError(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size "
             f"{dp} = {mbs * dp}; use --global-batch-size {_nearest_multiples(gbs, mbs * dp)}"
+        )
+    micro = training.global_batch(dp) // (mbs * dp)
+    if vp > 1 and micro % pp:
+        raise ConfigError(
+            f"the interleaved schedule needs micro-batches per step ({micro} = --global-batch-size "
+            f"{training.global_batch(dp)} / (--micro-batch-size {mbs} x data-parallel {dp})) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; use --global-batch-size {_nearest_multiples(micro, pp)} x {mbs * dp}"
         )

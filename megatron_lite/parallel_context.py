@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig, validate_layout
+from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig, stage_layer_counts, validate_layout
 from megatron_lite.tensor_parallel.random import RNGStatesTracker
 
 DECODER_DIMS = ("tp", "cp", "dp", "pp")
@@ -130,14 +130,19 @@ def all_groups(parallel: ParallelConfig, world_size: int) -> dict[str, list[tupl
     return out
 
 
-def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, chunk: int) -> range:
+def chunk_layers(
+    num_layers: int, pp_size: int, vp_size: int, pp_rank: int, chunk: int, parallel: ParallelConfig | None = None
+) -> range:
     """Global layer numbers of model chunk `chunk` (a virtual stage) on pipeline rank `pp_rank`.
 
-    Megatron's interleaved assignment: the layers are cut into pp_size * vp_size equal stages and stage
-    s = chunk * pp_size + pp_rank runs on that rank, so consecutive stages sit on consecutive ranks."""
-    per_stage = num_layers // (pp_size * vp_size)
-    start = (chunk * pp_size + pp_rank) * per_stage
-    return range(start, start + per_stage)
+    Megatron's interleaved assignment: virtual stage s = chunk * pp_size + pp_rank, consecutive stages on
+    consecutive ranks; layers are split evenly, or unevenly at the ends (see config.stage_layer_counts)."""
+    if parallel is None:
+        parallel = ParallelConfig(pipeline_model_parallel_size=pp_size, virtual_pipeline_model_parallel_size=vp_size)
+    counts = stage_layer_counts(num_layers, parallel)
+    stage = chunk * pp_size + pp_rank
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 @dataclass
@@ -225,7 +230,8 @@ class ParallelContext:
     def _make(cls, parallel, world_size, rank, handles, device) -> ParallelContext:
         groups = {}
         for kind, members in all_groups(parallel, world_size).items():
-            ranks = next(g for g in members if rank in g)
+            # Middle pipeline stages belong to no embedding group: a group of their own, no communication.
+            ranks = next((g for g in members if rank in g), (rank,))
             groups[kind] = Group(ranks=ranks, rank=ranks.index(rank), handle=handles.get(ranks))
         device = device if device is not None else _default_device()
         return cls(parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device)

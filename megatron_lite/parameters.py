@@ -26,6 +26,9 @@ class ParamMeta:
     # Replicated across TP but fed only this rank's sequence shard under sequence parallelism: the
     # gradient is partial and must be summed over TP (see tensor_parallel/grads.py).
     sequence_parallel: bool = False
+    # The last pipeline stage's copy of tied word embeddings: kept equal to the first stage's by an all-reduce
+    # of their gradients, counted once in the grad norm and stored once in checkpoints (under the original).
+    embedding_copy: bool = False
 
     @property
     def tensor_parallel(self) -> bool:

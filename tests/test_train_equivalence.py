@@ -4,6 +4,8 @@ equal to the single-process run within 1e-4 relative."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ from megatron_lite.data.config import DataConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.distributed.ddp import DistributedDataParallel
-from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
@@ -39,14 +41,16 @@ def _dataset(data: str, vocab: int):
     return build_datasets(source, DataConfig(), (ITERS * 8, 0, 0), SEQ, seed=7)[0]
 
 
-def train_run(name, parallel, gbs, mbs, overlap=False, bucket_size=None, optim=OPTIM, data="mock"):
+def train_run(name, parallel, gbs, mbs, overlap=False, bucket_size=None, optim=OPTIM, data="mock", layers=2):
     if dist.is_initialized():
         ctx = get_context(parallel)
     else:
         ctx = ParallelContext.virtual(parallel, device=torch.device("cpu"))
-    config = CONFIGS[name]() if data == "mock" else CONFIGS[name](vocab_size=EMBEDDED_VOCAB)
+    config = CONFIGS[name](num_layers=layers)
+    if data != "mock":
+        config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
-    model = GPTModel(config, ctx, seed=1234)
+    model = build_model(config, ctx, seed=1234)
     ddp = DistributedDataParallel(model, ctx, overlap_grad_reduce=overlap, bucket_size=bucket_size)
     opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
     sched = LRScheduler(optim, ITERS)

@@ -97,7 +97,7 @@ def save_checkpoint(
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
     for kind, entries in _state_tensors(model, optimizer).items():
         for gname, t, meta in entries:
-            if not _owns_copy(ctx, meta.tensor_parallel):
+            if meta.embedding_copy or not _owns_copy(ctx, meta.tensor_parallel):
                 continue
             rec = {
                 "shape": full_shape(tuple(t.shape), meta),

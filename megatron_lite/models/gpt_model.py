@@ -7,6 +7,7 @@ vocabulary slice, and the loss is computed from them without gathering the vocab
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -16,8 +17,8 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.models.rope import RotaryEmbedding
 from megatron_lite.models.transformer import TransformerBlock, dropout
 from megatron_lite.models.weights import init_parameters, load_full_state_dict, local_full_state_dict
-from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import ParamMeta, set_param_meta
+from megatron_lite.parallel_context import ParallelContext, chunk_layers
+from megatron_lite.parameters import ParamMeta, named_param_meta, set_param_meta
 from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_lite.tensor_parallel.mappings import split_dim0
@@ -68,6 +69,10 @@ class LanguageModelEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
+    """The model, or one pipeline stage of it: `layers` are the global layer numbers it runs,
+    `pre_process` adds the embeddings (first stage), `post_process` the final norm, output layer and loss
+    (last stage). A middle stage takes and returns hidden states [seq (shard), batch, hidden]."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -76,37 +81,50 @@ class GPTModel(nn.Module):
         seed: int = 1234,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        layers: range | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
     ) -> None:
         super().__init__()
         device = torch.device(device) if device is not None else ctx.device
+        layers = range(config.num_layers) if layers is None else layers
         self.config = config
         self.tp = ctx.tp
         self.vocab_size = config.vocab_size
-        self.embedding = LanguageModelEmbedding(config, ctx, device, dtype)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embedding = LanguageModelEmbedding(config, ctx, device, dtype) if pre_process else None
         self.rotary_pos_emb = (
             RotaryEmbedding(config.head_dim, config.rotary_base, config.rope_scaling, device=device)
             if config.position_embedding_type == "rope"
             else None
         )
-        self.decoder = TransformerBlock(config, ctx, config.num_layers, 0, True, device, dtype)
-        self.output_layer = ColumnParallelLinear(
-            config.hidden_size,
-            config.vocab_size,
-            ctx.tp,
-            bias=False,
-            sequence_parallel=ctx.sequence_parallel,
-            init_std=config.init_method_std,
-            padded_output_size=config.padded_vocab_size(ctx.tp.size),
-            skip_weight_param_allocation=config.tied_embeddings,
-            device=device,
-            dtype=dtype,
-        )
+        self.decoder = TransformerBlock(config, ctx, len(layers), layers.start, post_process, device, dtype)
+        self.output_layer = None
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                config.vocab_size,
+                ctx.tp,
+                bias=False,
+                sequence_parallel=ctx.sequence_parallel,
+                init_std=config.init_method_std,
+                padded_output_size=config.padded_vocab_size(ctx.tp.size),
+                skip_weight_param_allocation=config.tied_embeddings and pre_process,
+                device=device,
+                dtype=dtype,
+            )
+            if config.tied_embeddings and not pre_process:
+                # The last stage holds a copy of the first stage's word embeddings (same name, same init).
+                meta = next(m for n, _, m in named_param_meta(self.output_layer) if n == "weight")
+                set_param_meta(self.output_layer, "weight", dataclasses.replace(meta, embedding_copy=True))
         if device.type != "meta":
             self.init_weights(seed)
 
     # Weights ------------------------------------------------------------------------------------
     def global_name(self, name: str) -> str:
         """A parameter's name with the global layer number, the same under any pipeline split."""
+        if name == "output_layer.weight" and self.config.tied_embeddings and not self.pre_process:
+            return "embedding.word_embeddings.weight"
         m = _LAYER.match(name)
         if m is None:
             return name
@@ -126,7 +144,9 @@ class GPTModel(nn.Module):
         return local_full_state_dict(self, self.global_name)
 
     def output_weight(self) -> torch.Tensor:
-        return self.embedding.word_embeddings.weight if self.config.tied_embeddings else self.output_layer.weight
+        if self.config.tied_embeddings and self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
 
     # Forward ------------------------------------------------------------------------------------
     def forward(
@@ -134,17 +154,58 @@ class GPTModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [batch, seq] when `labels` is given, else this rank's logits
-        [batch, seq, padded_vocab / TP]."""
+        [batch, seq, padded_vocab / TP]; a stage without the output layer returns its hidden states."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-        x = self.embedding(input_ids, position_ids)
+        x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         rope = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         x = self.decoder(x, rope)
+        if not self.post_process:
+            return x
         logits = self.output_layer(x, weight=self.output_weight())  # [seq, batch, vocab shard]
         if labels is None:
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_size)
         return loss.t()
+
+
+class ModelChunks(nn.ModuleList):
+    """This rank's model chunks (one per virtual pipeline stage; one without pipelining)."""
+
+    def global_name(self, name: str) -> str:
+        chunk, rest = name.split(".", 1)
+        return self[int(chunk)].global_name(rest)
+
+    def forward(self, *args, **kwargs):
+        if len(self) != 1:
+            raise RuntimeError("a pipelined model runs through the pipeline executor, chunk by chunk")
+        return self[0](*args, **kwargs)
+
+
+def build_model(
+    config: ModelConfig, ctx: ParallelContext, *, seed: int = 1234, device=None, dtype: torch.dtype = torch.float32
+) -> ModelChunks:
+    """The chunks this rank runs: virtual stage s = chunk * PP + pipeline rank holds its layers; the first
+    stage has the embeddings, the last the output layer and loss."""
+    pp, vp = ctx.pp.size, ctx.vp_size
+    chunks = []
+    for c in range(vp):
+        stage = c * pp + ctx.pp.rank
+        layers = chunk_layers(config.num_layers, pp, vp, ctx.pp.rank, c, ctx.parallel)
+        chunks.append(
+            GPTModel(
+                config,
+                ctx,
+                seed=seed,
+                device=device,
+                dtype=dtype,
+                layers=layers,
+                pre_process=stage == 0,
+                post_process=stage == pp * vp - 1,
+            )
+        )
+    return ModelChunks(chunks)

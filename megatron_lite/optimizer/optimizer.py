@@ -61,7 +61,7 @@ class MixedPrecisionOptimizer:
             self.names.append(name)
             self.params.append(p)
             self.main_params.append(main)
-            counted.append(meta.tensor_parallel or ctx.tp.rank == 0)
+            counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             # No weight decay on norms and biases (the one-dimensional parameters), as in Megatron.
             (no_decay if p.ndim == 1 else decay).append(main)
         self._counted = counted

@@ -14,9 +14,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.distributed.ddp import DistributedDataParallel
+from megatron_lite.models.gpt_model import ModelChunks
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import Group, ParallelContext
+from megatron_lite.parameters import named_param_meta
+from megatron_lite.pipeline_parallel.executor import run_pipeline
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 
 MicroBatch = dict[str, torch.Tensor]  # tokens, labels, loss_mask: [micro_batch, seq]; position_ids optional
@@ -62,10 +65,42 @@ def forward_backward(
     return total
 
 
+def _chunks(model: DistributedDataParallel) -> list:
+    return list(model.module) if isinstance(model.module, ModelChunks) else [model.module]
+
+
+def _pipelined(model: DistributedDataParallel, ctx: ParallelContext) -> bool:
+    return ctx.pp.size > 1 or len(_chunks(model)) > 1
+
+
+def _run_pipeline(model, micro_batches, ctx, scale: float, forward_only: bool) -> torch.Tensor:
+    chunks = _chunks(model)
+    b, s = micro_batches[0]["tokens"].shape
+    seq = s // ctx.tp.size if ctx.sequence_parallel else s
+    shape = (seq, b, chunks[0].config.hidden_size)
+    dtype = next(chunks[0].parameters()).dtype
+    return run_pipeline(chunks, ctx, micro_batches, shape, dtype, scale, forward_only)
+
+
+def allreduce_embedding_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None:
+    """Tied embeddings under pipelining: the first stage's word embeddings and the last stage's copy get
+    the sum of both gradients, so the two stay equal."""
+    if ctx.embedding.size == 1 or not _chunks(model)[0].config.tied_embeddings:
+        return
+    grads = [
+        model.main_grad(p)
+        for name, p, _ in named_param_meta(model.module)
+        if model.module.global_name(name) == "embedding.word_embeddings.weight"
+    ]
+    for g in grads:
+        dist.all_reduce(g, group=ctx.embedding.pg)
+
+
 def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None:
     """Every reduction the layout needs before the optimizer sees the gradients."""
     model.finish_grad_sync()
     allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad)
+    allreduce_embedding_grads(model, ctx)
 
 
 def train_step(
@@ -77,7 +112,12 @@ def train_step(
 ) -> StepMetrics:
     model.zero_grad_buffer()
     num_tokens = global_token_count(micro_batches, ctx)
-    loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
+    if _pipelined(model, ctx):
+        with model.no_sync():  # buckets are reduced once the whole schedule has run
+            loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / float(num_tokens), False)
+        loss_sum = _sum_over(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
+    else:
+        loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
     finalize_grads(model, ctx)
     lr = scheduler.lr
     result = optimizer.step(lr)
@@ -88,10 +128,13 @@ def train_step(
 
 
 @torch.no_grad()
-def eval_step(model: torch.nn.Module, micro_batches: list[MicroBatch], ctx: ParallelContext) -> float:
+def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], ctx: ParallelContext) -> float:
     num_tokens = global_token_count(micro_batches, ctx)
-    total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
-    for mb in micro_batches:
-        token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"])
-        total += (token_loss.float() * mb["loss_mask"]).sum().double()
+    if _pipelined(model, ctx):
+        total = _sum_over(_run_pipeline(model, micro_batches, ctx, 1.0, True).reshape(1), ctx.pp)[0]
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
+        for mb in micro_batches:
+            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"])
+            total += (token_loss.float() * mb["loss_mask"]).sum().double()
     return float(_sum_over(total.reshape(1), ctx.dp_cp)[0] / num_tokens)

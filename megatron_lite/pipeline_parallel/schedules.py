@@ -1,0 +1,221 @@
+"""Pipeline schedules as data.
+
+`build_schedule(pp, vp, num_microbatches, rank)` returns the ordered list of actions one rank performs in
+one training step: forwards and backwards of micro-batch m on model chunk c, and the sends and receives
+that connect them. A small executor (executor.py) runs the list; here everything is pure, so schedules
+can be printed (`python -m megatron_lite.pipeline_parallel.schedules 4 2 8`) and checked without processes.
+
+Stages: chunk c on pipeline rank r is virtual stage s = c * pp + r (Megatron's interleaved placement).
+Stage s receives activations from stage s - 1 and gradients from stage s + 1.
+
+Communication order: sends are asynchronous; receives block. Between two ranks, messages are received in
+exactly the order they were sent (NCCL matches point-to-point messages by order, not by tag), so before
+a compute step needs message X from a peer, the receiver takes every earlier message of that peer first
+and keeps it until it is needed. The receive actions are placed accordingly, and `check_schedules` proves
+for a whole pipeline that every send meets its receive in order and that nobody waits forever.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = "F", "B"
+SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD = "SF", "RF", "SB", "RB"
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # F, B, SF (send activation), RF (receive activation), SB (send gradient), RB (receive gradient)
+    microbatch: int
+    chunk: int  # the model chunk on this rank the data belongs to
+    peer: int = -1  # pipeline rank of the other side, for communication
+
+    def __str__(self) -> str:
+        peer = f"@{self.peer}" if self.peer >= 0 else ""
+        return f"{self.kind}{self.microbatch}.{self.chunk}{peer}"
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def validate(pp: int, vp: int, num_microbatches: int) -> None:
+    if pp < 1 or vp < 1 or num_microbatches < 1:
+        raise ScheduleError(
+            f"pipeline size {pp}, virtual stages {vp} and micro-batches {num_microbatches} must be >= 1"
+        )
+    if vp > 1 and num_microbatches % pp:
+        raise ScheduleError(
+            f"the interleaved schedule needs the number of micro-batches ({num_microbatches}) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; use --global-batch-size so that global / (micro x data-parallel) "
+            f"is a multiple of {pp}"
+        )
+
+
+def compute_order(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[tuple]:
+    """The forwards and backwards of one rank, in order: (kind, microbatch, chunk)."""
+    validate(pp, vp, num_microbatches)
+    m = num_microbatches
+    if forward_only:
+        return [(FORWARD, mb, c) for mb, c in _forward_sequence(pp, vp, m)]
+    if pp == 1 and vp == 1:  # no pipelining: plain gradient accumulation
+        return [step for mb in range(m) for step in ((FORWARD, mb, 0), (BACKWARD, mb, 0))]
+    fwd = _forward_sequence(pp, vp, m)
+    bwd = _backward_sequence(pp, vp, m)
+    total = len(fwd)
+    if vp == 1:
+        warmup = min(pp - rank - 1, total)  # 1F1B: p - r - 1 forwards before the first backward
+    else:
+        warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)  # Megatron's interleaved warm-up
+    order = [(FORWARD, *fwd[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append((FORWARD, *fwd[warmup + k]))
+        order.append((BACKWARD, *bwd[k]))
+    order += [(BACKWARD, *bwd[k]) for k in range(total - warmup, total)]
+    return order
+
+
+def _forward_sequence(pp: int, vp: int, m: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of the forwards: groups of pp micro-batches go through chunk 0, then chunk 1, ..."""
+    if vp == 1:
+        return [(mb, 0) for mb in range(m)]
+    out = []
+    for k in range(m * vp):
+        group, within = divmod(k, pp * vp)
+        out.append((group * pp + within % pp, within // pp))
+    return out
+
+
+def _backward_sequence(pp: int, vp: int, m: int) -> list[tuple[int, int]]:
+    return [(mb, vp - 1 - c) for mb, c in _forward_sequence(pp, vp, m)]
+
+
+def _neighbours(pp: int, vp: int, rank: int, chunk: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(rank, chunk) of the previous and next virtual stage, None at the ends of the pipeline."""
+    stage = chunk * pp + rank
+    prev = None if stage == 0 else ((stage - 1) % pp, (stage - 1) // pp)
+    nxt = None if stage == pp * vp - 1 else ((stage + 1) % pp, (stage + 1) // pp)
+    return prev, nxt
+
+
+def _sends(pp: int, vp: int, rank: int, order: list[tuple]) -> dict[int, list[tuple]]:
+    """Per destination rank, the messages this rank sends, in order: (kind, microbatch, destination chunk)."""
+    out: dict[int, list[tuple]] = defaultdict(list)
+    for kind, mb, c in order:
+        prev, nxt = _neighbours(pp, vp, rank, c)
+        if kind == FORWARD and nxt is not None:
+            out[nxt[0]].append((RECV_FORWARD, mb, nxt[1]))
+        if kind == BACKWARD and prev is not None:
+            out[prev[0]].append((RECV_BACKWARD, mb, prev[1]))
+    return out
+
+
+def build_schedule(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[Action]:
+    orders = [compute_order(pp, vp, num_microbatches, r, forward_only) for r in range(pp)]
+    incoming = {src: _sends(pp, vp, src, orders[src]).get(rank, []) for src in range(pp) if src != rank}
+    if pp == 1:
+        incoming = {0: _sends(pp, vp, 0, orders[0]).get(0, [])} if vp > 1 else {}
+    taken = defaultdict(int)  # per source: how many of its messages have been received
+    received = set()
+    actions: list[Action] = []
+
+    def receive(src: int, message: tuple) -> None:
+        queue = incoming[src]
+        while message not in received:
+            kind, mb, c = queue[taken[src]]
+            taken[src] += 1
+            received.add((kind, mb, c))
+            actions.append(Action(kind, mb, c, src))
+
+    for kind, mb, c in orders[rank]:
+        prev, nxt = _neighbours(pp, vp, rank, c)
+        if kind == FORWARD and prev is not None:
+            receive(prev[0], (RECV_FORWARD, mb, c))
+        if kind == BACKWARD and nxt is not None and not forward_only:
+            receive(nxt[0], (RECV_BACKWARD, mb, c))
+        actions.append(Action(kind, mb, c))
+        if kind == FORWARD and nxt is not None:
+            actions.append(Action(SEND_FORWARD, mb, c, nxt[0]))
+        if kind == BACKWARD and prev is not None:
+            actions.append(Action(SEND_BACKWARD, mb, c, prev[0]))
+    return actions
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """The most micro-batch forwards whose backward has not run yet (activations kept alive)."""
+    live = peak = 0
+    for a in actions:
+        if a.kind == FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == BACKWARD:
+            live -= 1
+    return peak
+
+
+def check_schedules(pp: int, vp: int, num_microbatches: int, forward_only: bool = False) -> None:
+    """Every forward precedes its backward; every send meets its receive on the peer, in the same order;
+    the whole pipeline runs to the end with blocking receives and asynchronous sends (no deadlock)."""
+    scheds = [build_schedule(pp, vp, num_microbatches, r, forward_only) for r in range(pp)]
+    for r, acts in enumerate(scheds):
+        seen = set()
+        for a in acts:
+            if a.kind == FORWARD:
+                seen.add((a.microbatch, a.chunk))
+            if a.kind == BACKWARD and (a.microbatch, a.chunk) not in seen:
+                raise ScheduleError(f"rank {r}: backward of {a.microbatch}.{a.chunk} before its forward")
+        expected = vp * num_microbatches
+        for kind in (FORWARD,) + (() if forward_only else (BACKWARD,)):
+            n = sum(a.kind == kind for a in acts)
+            if n != expected:
+                raise ScheduleError(f"rank {r}: {n} {kind} steps, expected {expected}")
+    pairs: dict[tuple[int, int], list] = defaultdict(list)
+    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    for r, acts in enumerate(scheds):
+        for a in acts:
+            if a.kind in (SEND_FORWARD, SEND_BACKWARD):
+                _, nxt = _neighbours(pp, vp, r, a.chunk)
+                prev, _ = _neighbours(pp, vp, r, a.chunk)
+                dest_chunk = nxt[1] if a.kind == SEND_FORWARD else prev[1]
+                msg = (RECV_FORWARD if a.kind == SEND_FORWARD else RECV_BACKWARD, a.microbatch, dest_chunk)
+                pairs[(r, a.peer)].append(msg)
+            if a.kind in (RECV_FORWARD, RECV_BACKWARD):
+                recvs[(a.peer, r)].append((a.kind, a.microbatch, a.chunk))
+    if set(pairs) != set(recvs):
+        raise ScheduleError(f"pairs with sends {sorted(pairs)} differ from pairs with receives {sorted(recvs)}")
+    for pair, sent in pairs.items():
+        if sent != recvs[pair]:
+            raise ScheduleError(f"rank {pair[0]} -> {pair[1]}: sends {sent} but receives {recvs[pair]}")
+    _simulate(scheds)
+
+
+def _simulate(scheds: list[list[Action]]) -> None:
+    """Run every rank's list with asynchronous sends and blocking receives; fail on a deadlock."""
+    pos = [0] * len(scheds)
+    sent: dict[tuple[int, int], int] = defaultdict(int)
+    got: dict[tuple[int, int], int] = defaultdict(int)
+    while any(p < len(s) for p, s in zip(pos, scheds)):
+        progressed = False
+        for r, acts in enumerate(scheds):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if a.kind in (RECV_FORWARD, RECV_BACKWARD):
+                    if got[(a.peer, r)] >= sent[(a.peer, r)]:
+                        break  # blocked until the peer sends
+                    got[(a.peer, r)] += 1
+                elif a.kind in (SEND_FORWARD, SEND_BACKWARD):
+                    sent[(r, a.peer)] += 1
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(scheds[r][pos[r]]) for r in range(len(scheds)) if pos[r] < len(scheds[r])}
+            raise ScheduleError(f"deadlock: ranks wait at {stuck}")
+
+
+if __name__ == "__main__":
+    pp_, vp_, m_ = (int(x) for x in sys.argv[1:4])
+    check_schedules(pp_, vp_, m_)
+    for r_ in range(pp_):
+        print(f"rank {r_}: " + " ".join(str(a) for a in build_schedule(pp_, vp_, m_, r_)))
