@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--expert-tensor-parallel-size", type=int)
     d.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     d.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    d.add_argument("--decoder-first-pipeline-num-layers", type=int, help="layers of the first stage (uneven split)")
+    d.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers of the last stage (uneven split)")
     _bool(d, "--sequence-parallel", "Megatron sequence parallelism (needs TP > 1)")
     _bool(d, "--overlap-grad-reduce", "launch each gradient bucket's all-reduce during the backward")
     d.add_argument("--ddp-bucket-size", type=int)
@@ -236,7 +238,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     if ns.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
     for flag, value, issue in (
-        ("--pipeline-model-parallel-size", ns.pipeline_model_parallel_size, "issue 4"),
         ("--context-parallel-size", ns.context_parallel_size, "issue 8"),
         ("--expert-model-parallel-size", ns.expert_model_parallel_size, "issue 5"),
     ):
@@ -291,6 +292,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         expert_tensor_parallel_size=ns.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=ns.sequence_parallel,
+        decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,
     )
     training = TrainingConfig(
         micro_batch_size=ns.micro_batch_size,

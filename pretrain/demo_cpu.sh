@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tiny CPU demo: 4 ranks (tensor parallel 2 with sequence parallelism x data parallel 2) pretrain a
+# The tiny CPU demo: 4 ranks (tensor parallel 2 with sequence parallelism x pipeline parallel 2) pretrain a
 # small Llama-shaped model on the embedded corpus (Python's standard library, tokenized by a BPE trained
 # on it; built once and cached), with an offline W&B run and a checkpoint. A few minutes on 2 cores.
 #
@@ -18,7 +18,7 @@ ARGS=(
     --normalization RMSNorm --swiglu --position-embedding-type rope --rotary-base 10000
     --untie-embeddings-and-output-weights --disable-bias-linear
     --hidden-dropout 0.0 --attention-dropout 0.0
-    --tensor-model-parallel-size 2 --sequence-parallel --distributed-backend gloo
+    --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --distributed-backend gloo
     --micro-batch-size 4 --global-batch-size 16
     --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95

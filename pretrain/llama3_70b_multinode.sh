@@ -2,9 +2,8 @@
 # Llama-3-70B across nodes with torchrun's c10d rendezvous. Run the same command on every node:
 #   NNODES=8 RDZV_HOST=node0.example MASTER_PORT=29500 TOKENIZER=... DATA_PATH=... bash pretrain/llama3_70b_multinode.sh
 #   DRY_RUN=1 bash pretrain/llama3_70b_multinode.sh   # validate and print memory per rank, allocate nothing
-# TP=8 within a node, data parallel across nodes, full recomputation. At 70B the weights, gradients and
-# Adam states of a TP=8 shard exceed an 80 GiB GPU: this layout needs pipeline parallelism (issue 4) or
-# the distributed optimizer (issue 10); the dry run says so.
+# TP=8 within a node, 4 pipeline stages with interleaving (4 chunks of 5 layers per rank) across nodes,
+# data parallel over the rest (DP=2 on 8 nodes), full recomputation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-8}
@@ -24,6 +23,7 @@ ARGS=(
     --untie-embeddings-and-output-weights --disable-bias-linear
     --hidden-dropout 0.0 --attention-dropout 0.0 --init-method-std 0.008
     --tensor-model-parallel-size 8 --sequence-parallel
+    --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 5
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --micro-batch-size 1 --global-batch-size 512
     --train-iters 100000 --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters 2000
@@ -33,7 +33,7 @@ ARGS=(
     --data-path "$DATA_PATH" --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 500
     --log-interval 10 --eval-interval 1000 --eval-iters 10
-    --wandb-project llama3_70b --wandb-exp-name "llama3_70b_tp8_n${NNODES}"
+    --wandb-project llama3_70b --wandb-exp-name "llama3_70b_tp8_pp4_n${NNODES}"
 )
 
 if [[ -n "${DRY_RUN:-}" ]]; then

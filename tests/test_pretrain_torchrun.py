@@ -34,20 +34,35 @@ def records(path) -> list[dict]:
     return [json.loads(line) for line in open(path) if "lm_loss" in json.loads(line)]
 
 
-def test_resume_is_exact_tp2_dp2(tmp_path):
+RESUME_LAYOUTS = {
+    "tp2-dp2": ["--tensor-model-parallel-size", "2"],
+    "pp2-vp2": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+        "--num-layers",
+        "4",
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_resume_is_exact(tmp_path, layout):
     """10 iterations straight vs 5 + save + --load + 5: identical lm_loss (and grad norm) at 6-10, with
     dropout on, so RNG states, data position, optimizer moments and schedule must all come back."""
     args = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 10 "
-        "--micro-batch-size 1 --global-batch-size 8 --tensor-model-parallel-size 2 --lr 3e-3 "
+        "--micro-batch-size 1 --global-batch-size 8 --lr 3e-3 "
         "--lr-warmup-iters 2 --lr-decay-style cosine --log-interval 1 --eval-iters 0 --hidden-dropout 0.1 "
         "--attention-dropout 0.1 --normalization RMSNorm --swiglu --position-embedding-type rope "
         "--disable-bias-linear --untie-embeddings-and-output-weights --distributed-backend gloo"
-    ).split()
-    torchrun(4, [*args, "--log-jsonl", str(tmp_path / "straight.jsonl")], tmp_path)
+    ).split() + RESUME_LAYOUTS[layout]
+    n = 4 if layout == "tp2-dp2" else 2
+    torchrun(n, [*args, "--log-jsonl", str(tmp_path / "straight.jsonl")], tmp_path)
     ckpt = str(tmp_path / "ckpt")
-    torchrun(4, [*args, "--exit-interval", "5", "--save", ckpt, "--log-jsonl", str(tmp_path / "a.jsonl")], tmp_path)
-    out = torchrun(4, [*args, "--load", ckpt, "--save", ckpt, "--log-jsonl", str(tmp_path / "b.jsonl")], tmp_path)
+    torchrun(n, [*args, "--exit-interval", "5", "--save", ckpt, "--log-jsonl", str(tmp_path / "a.jsonl")], tmp_path)
+    out = torchrun(n, [*args, "--load", ckpt, "--save", ckpt, "--log-jsonl", str(tmp_path / "b.jsonl")], tmp_path)
     assert "loaded" in out.stdout and "iteration 5" in out.stdout
     straight = records(tmp_path / "straight.jsonl")
     resumed = records(tmp_path / "a.jsonl") + records(tmp_path / "b.jsonl")

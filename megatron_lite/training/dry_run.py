@@ -7,8 +7,9 @@ import dataclasses
 import os
 
 from megatron_lite.config import validate_layout
-from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.pipeline_parallel.schedules import build_schedule, max_in_flight
 from megatron_lite.training.configs import JobConfig
 
 
@@ -56,24 +57,29 @@ def dry_run(job: JobConfig) -> int:
     low = job.optimizer.bf16 or job.optimizer.fp16
     # weights (2 or 4 bytes) + fp32 gradient buffer (4) + fp32 main copy when low precision (4) + Adam (8)
     per_param = (2 + 4 + 4 + 8) if low else (4 + 4 + 8)
-    act = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4) * model_cfg.num_layers
+    per_layer = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4)
+    dp = job.parallel.data_parallel_size(world)
+    micro = job.training.global_batch(dp) // (job.training.micro_batch_size * dp)
     print(f"dry run: world size {world}, {job.parallel}")
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, float], list[int]] = {}
     for rank in range(world):
         ctx = ParallelContext.virtual(job.parallel, world, rank)
         if ctx.dp_cp.rank != 0:
             continue  # data-parallel replicas hold the same
-        model = GPTModel(model_cfg, ctx, device="meta")
-        groups.setdefault(sum(p.numel() for p in model.parameters()), []).append(rank)
+        chunks = build_model(model_cfg, ctx, device="meta")
+        layers = sum(len(c.decoder.layers) for c in chunks)
+        in_flight = max(max_in_flight(build_schedule(ctx.pp.size, ctx.vp_size, micro, ctx.pp.rank)), 1)
+        act = per_layer * layers / len(chunks) * in_flight  # micro-batches alive at once, each through a chunk
+        groups.setdefault((sum(p.numel() for p in chunks.parameters()), act), []).append(rank)
     worst = 0.0
-    for n, ranks in sorted(groups.items(), reverse=True):
+    for (n, act), ranks in sorted(groups.items(), reverse=True):
         states = n * per_param
         worst = max(worst, states + act)
         print(
             f"  ranks {ranks} (and their data-parallel replicas): {_count(n)} parameters, {_bytes(states)} "
-            f"weights+gradients+optimizer, ~{_bytes(act)} activations per micro-batch"
+            f"weights+gradients+optimizer, ~{_bytes(act)} activations at the schedule's peak"
         )
-    total = sum(n * len(r) for n, r in groups.items())
+    total = sum(n * len(r) for (n, _), r in groups.items())
     print(
         f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}, "
         f"{_count(total)} parameters summed over the model-parallel shards"

@@ -30,7 +30,7 @@ from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.distributed.ddp import DistributedDataParallel
-from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext, initialize
@@ -142,7 +142,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
 
     dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
-    model = GPTModel(job.model, ctx, seed=job.training.seed, dtype=dtype)
+    model = build_model(job.model, ctx, seed=job.training.seed, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}), vocabulary {job.model.vocab_size}")
     ddp = DistributedDataParallel(
