@@ -122,3 +122,33 @@ def test_pp2_tied_embeddings(dist):
     ref = train_run("gpt2", ParallelConfig(), 8, 8, layers=4)
     for history in dist(2, train_run, "gpt2", P(pipeline_model_parallel_size=2), 8, 2, layers=4):
         _compare(history, ref)
+
+
+def live_outputs(parallel, m):
+    import torch
+
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.pipeline_parallel.executor import run_pipeline
+
+    from dist_pool import get_context
+    from models import llama_config
+
+    ctx = get_context(parallel)
+    ctx.seed(0)
+    chunks = build_model(llama_config(num_layers=4), ctx)
+    data = MockGPTDataset(250, 16, seed=0)
+    batches = [collate([data[i]]) for i in range(m)]
+    stats = {}
+    run_pipeline(list(chunks), ctx, batches, (16, 1, 64), torch.float32, 1.0, stats=stats)
+    return ctx.pp.rank, stats["max_live_outputs"]
+
+
+@pytest.mark.parametrize("pp,vp", [(4, 1), (2, 2)])
+def test_activations_alive_respect_the_bound(dist, pp, vp):
+    parallel = P(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    m = 8
+    for rank, live in dist(pp, live_outputs, parallel, m):
+        bound = min(pp - rank, m) if vp == 1 else min((pp - rank - 1) * 2 + (vp - 1) * pp + 1, m * vp)
+        assert 1 <= live <= bound, (rank, live, bound)
+        assert live == max_in_flight(build_schedule(pp, vp, m, rank))  # what the schedule promised, no more

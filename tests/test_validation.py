@@ -83,6 +83,15 @@ CASES = {
         r"--num-layers 8 or 16",
         ("model", {"num_layers": 16}),
     ),
+    "interleaving needs micro-batches multiple of PP": (
+        4,
+        {"num_layers": 8},
+        P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        T(micro_batch_size=1, global_batch_size=6, seq_length=16),
+        r"^the interleaved schedule needs micro-batches per step \(3 = --global-batch-size 6 / "
+        r"\(--micro-batch-size 1 x data-parallel 2\)\) to be a multiple of --pipeline-model-parallel-size 2",
+        ("training", T(micro_batch_size=1, global_batch_size=8, seq_length=16)),
+    ),
     "global batch not divisible by micro batch x DP": (
         4,
         {},

@@ -2,9 +2,10 @@
 
 Activations and their gradients travel between neighbouring stages with point-to-point sends and
 receives on the pipeline group. Their shape is known from the configuration ([seq / TP under sequence
-parallelism, micro-batch, hidden]), so no shape is ever exchanged. Sends are asynchronous (their handles
-are kept, with the tensors, until the step ends); receives block, in the order the schedule lists them.
-A stage keeps a micro-batch's input and output only until its backward has run.
+parallelism, micro-batch, hidden]), so no shape is ever exchanged. Consecutive communication actions of
+the schedule go out as one batch_isend_irecv; the receives of a batch are waited for before the next
+compute step, the sends only at the end of the step (their tensors are kept alive until then). A stage
+keeps a micro-batch's input and output only until its backward has run.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def run_pipeline(
     dtype: torch.dtype,
     loss_scale: float = 1.0,
     forward_only: bool = False,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """Forward (and backward) every micro-batch through this rank's chunks. Returns the summed token loss
-    on the rank holding the last stage, zero elsewhere; `loss_scale` multiplies the loss before backward."""
+    on the rank holding the last stage, zero elsewhere; `loss_scale` multiplies the loss before backward.
+    `stats`, when given, receives the most micro-batch outputs this rank held at once."""
     pp, vp = ctx.pp.size, len(chunks)
     actions = build_schedule(pp, vp, len(micro_batches), ctx.pp.rank, forward_only)
     device = ctx.device
@@ -46,19 +49,35 @@ def run_pipeline(
     group = ctx.pp.pg if pp > 1 else None
     last_chunk = vp - 1 if ctx.pp.rank == pp - 1 else None
 
+    batch: list[dist.P2POp] = []  # consecutive communication actions, sent as one batch
+    recv_works: list = []
+    peak = 0
+
+    def flush() -> None:
+        if batch:
+            for op, work in zip(batch, dist.batch_isend_irecv(batch)):
+                (recv_works if op.op is dist.irecv else pending).append((work, op.tensor))
+            batch.clear()
+        for work, _ in recv_works:
+            work.wait()
+        recv_works.clear()
+
     for a in actions:
         key = (a.microbatch, a.chunk)
         if a.kind in (RECV_FORWARD, RECV_BACKWARD):
             buf = torch.empty(activation_shape, dtype=dtype, device=device)
-            dist.recv(buf, src=ctx.pp.ranks[a.peer], group=group)
+            batch.append(dist.P2POp(dist.irecv, buf, ctx.pp.ranks[a.peer], group))
             received[(a.kind, *key)] = buf
-        elif a.kind in (SEND_FORWARD, SEND_BACKWARD):
+            continue
+        if a.kind in (SEND_FORWARD, SEND_BACKWARD):
             if a.kind == SEND_FORWARD:  # keep the output for the backward, unless there is none
                 t = (outputs.pop(key) if forward_only else outputs[key]).detach().contiguous()
             else:
                 t = input_grads.pop(key).contiguous()
-            pending.append((dist.isend(t, dst=ctx.pp.ranks[a.peer], group=group), t))
-        elif a.kind == FORWARD:
+            batch.append(dist.P2POp(dist.isend, t, ctx.pp.ranks[a.peer], group))
+            continue
+        flush()  # the next compute may need what was just received
+        if a.kind == FORWARD:
             mb = micro_batches[a.microbatch]
             chunk = chunks[a.chunk]
             x = received.pop((RECV_FORWARD, *key), None)
@@ -73,9 +92,9 @@ def run_pipeline(
                     out = loss_sum * loss_scale
                 else:
                     out = chunk(mb["tokens"], mb.get("position_ids"), hidden_states=x)
-            outputs[key] = out
-            if forward_only and a.chunk == last_chunk:
-                outputs.pop(key)
+            if not (forward_only and a.chunk == last_chunk):
+                outputs[key] = out
+            peak = max(peak, len(outputs))
         elif a.kind == BACKWARD:
             out = outputs.pop(key)
             grad = received.pop((RECV_BACKWARD, *key), None)
@@ -83,6 +102,9 @@ def run_pipeline(
             x = inputs.pop(key, None)
             if x is not None:
                 input_grads[key] = x.grad
+    flush()
+    if stats is not None:
+        stats["max_live_outputs"] = peak
     for handle, _ in pending:
         handle.wait()
     return total
