@@ -12,61 +12,25 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _run_tool(script: str, flags: str, out: pathlib.Path) -> str:
+    cmd = [sys.executable, str(ROOT / "tools" / script), *flags.split(), "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_bench_train_step_reports_a_ratio(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_train_step.py"),
-            "--num-layers",
-            "1",
-            "--hidden-size",
-            "64",
-            "--vocab-size",
-            "512",
-            "--seq-length",
-            "32",
-            "--warmup",
-            "1",
-            "--iters",
-            "2",
-            "--device",
-            "cpu",
-            "--json",
-            str(tmp_path / "r.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
+    flags = "--num-layers 1 --hidden-size 64 --vocab-size 512 --seq-length 32 --warmup 1 --iters 2 --device cpu"
+    stdout = _run_tool("bench_train_step.py", flags, tmp_path / "r.json")
     result = json.loads((tmp_path / "r.json").read_text())
     assert set(result["step_time_s"]) == {"megatron_lite", "transformers"}
     assert result["ratio_transformers_over_megatron_lite"] > 0
-    assert "speed-up of megatron_lite over transformers" in out.stdout
+    assert "speed-up of megatron_lite over transformers" in stdout
 
 
 @pytest.mark.slow
 def test_bench_pipeline_reports_bubble_and_ratio(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_pipeline.py"),
-            "--pp",
-            "2",
-            "--microbatches",
-            "2",
-            "--forward-ms",
-            "2",
-            "--repeats",
-            "1",
-            "--json",
-            str(tmp_path / "r.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
+    _run_tool("bench_pipeline.py", "--pp 2 --microbatches 2 --forward-ms 2 --repeats 1", tmp_path / "r.json")
     rows = json.loads((tmp_path / "r.json").read_text())
     assert [r["schedule"] for r in rows] == ["1F1B", "interleaved 1F1B"]
     assert rows[0]["theory_bubble"] == 0.5 and rows[1]["theory_bubble"] == 0.25
