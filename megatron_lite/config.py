@@ -70,6 +70,22 @@ class ModelConfig:
     recompute_method: str | None = None  # uniform | block (full only)
     recompute_num_layers: int | None = None
     recompute_modules: tuple[str, ...] = ("core_attn",)
+    # Mixture of experts (Megatron's names); dense when num_experts is None.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (else top-k, then softmax)
+    moe_ffn_hidden_size: int | None = None  # default: ffn_hidden_size
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None  # dropless when None
+    moe_token_drop_policy: str = "probs"  # probs | position
+    moe_layer_freq: int | tuple[int, ...] = 1  # every Nth layer is MoE, or a 0/1 pattern per layer
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
 
     def __post_init__(self) -> None:
         self.validate()
@@ -145,6 +161,49 @@ class ModelConfig:
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"{flag} {p} must be in [0, 1)")
         self._validate_recompute()
+        self._validate_moe()
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.num_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return layer % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer])
+
+    def _validate_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        e, k = self.num_experts, self.moe_router_topk
+        if e < 1:
+            raise ConfigError(f"--num-experts {e} must be >= 1")
+        if not 1 <= k <= e:
+            raise ConfigError(f"--moe-router-topk {k} must be between 1 and --num-experts {e}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ConfigError(f"--moe-router-score-function {self.moe_router_score_function} is not softmax|sigmoid")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ConfigError(
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron and "
+                "DeepSeek-V3); add it or drop the expert bias"
+            )
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+            raise ConfigError(
+                f"--moe-router-load-balancing-type {self.moe_router_load_balancing_type} is not "
+                "aux_loss|seq_aux_loss|none"
+            )
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ConfigError(f"--moe-token-drop-policy {self.moe_token_drop_policy} is not probs|position")
+        if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+            raise ConfigError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type} is not alltoall|allgather")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ConfigError(f"--moe-expert-capacity-factor {self.moe_expert_capacity_factor} must be > 0")
+        if not isinstance(self.moe_layer_freq, int) and len(self.moe_layer_freq) != self.num_layers:
+            raise ConfigError(
+                f"--moe-layer-freq pattern has {len(self.moe_layer_freq)} entries for --num-layers {self.num_layers}"
+            )
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
@@ -317,6 +376,26 @@ def validate_layout(
             f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --tensor-model-parallel-size in {ok_tp} or more query groups"
         )
+    if model.num_experts is not None:
+        ep = parallel.ep
+        if model.num_experts % ep:
+            ok = [d for d in _divisors(model.num_experts) if world_size % (d * parallel.etp * pp) == 0]
+            raise ConfigError(
+                f"--num-experts {model.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
+                f"use --expert-model-parallel-size in {ok}"
+            )
+        if parallel.etp != tp:
+            raise ConfigError(
+                f"--expert-tensor-parallel-size {parallel.etp} different from --tensor-model-parallel-size {tp} is "
+                "not supported yet; drop --expert-tensor-parallel-size"
+            )
+        if model.moe_ffn_size % parallel.etp:
+            raise ConfigError(
+                f"--moe-ffn-hidden-size {model.moe_ffn_size} is not divisible by --expert-tensor-parallel-size "
+                f"{parallel.etp}"
+            )
+    elif parallel.ep > 1:
+        raise ConfigError(f"--expert-model-parallel-size {parallel.ep} needs --num-experts")
     if model.ffn_size % tp:
         raise ConfigError(
             f"--ffn-hidden-size {model.ffn_size} is not divisible by --tensor-model-parallel-size {tp}; "

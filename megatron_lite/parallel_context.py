@@ -115,6 +115,8 @@ _GROUP_DIMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dp_cp": ("decoder", ("cp", "dp")),  # dense gradients are reduced over DP x CP
     "pp": ("decoder", ("pp",)),
     "mp": ("decoder", ("tp", "pp")),  # model-parallel group (grad norm across shards)
+    "tp_cp_dp": ("decoder", ("tp", "cp", "dp")),  # every replica of a stage (MoE expert-bias token counts)
+    "emp": ("expert", ("etp", "ep", "pp")),  # expert-model-parallel group (grad norm across expert shards)
     "etp": ("expert", ("etp",)),
     "ep": ("expert", ("ep",)),
     "edp": ("expert", ("edp",)),
@@ -192,6 +194,14 @@ class ParallelContext:
     @property
     def edp(self) -> Group:
         return self.groups["edp"]
+
+    @property
+    def tp_cp_dp(self) -> Group:
+        return self.groups["tp_cp_dp"]
+
+    @property
+    def emp(self) -> Group:
+        return self.groups["emp"]
 
     @property
     def embedding(self) -> Group:

@@ -29,6 +29,9 @@ class ParamMeta:
     # The last pipeline stage's copy of tied word embeddings: kept equal to the first stage's by an all-reduce
     # of their gradients, counted once in the grad norm and stored once in checkpoints (under the original).
     embedding_copy: bool = False
+    # An expert's weight: it lives on one expert-parallel rank, its gradient is reduced over the
+    # expert-data-parallel group, and the grad norm sums it over the expert-model-parallel group.
+    expert: bool = False
 
     @property
     def tensor_parallel(self) -> bool:
