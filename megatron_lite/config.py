@@ -184,6 +184,8 @@ class ModelConfig:
             raise ConfigError(f"--moe-router-topk {k} must be between 1 and --num-experts {e}")
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ConfigError(f"--moe-router-score-function {self.moe_router_score_function} is not softmax|sigmoid")
+        if self.add_bias_linear:
+            raise ConfigError("--num-experts needs --disable-bias-linear (biases in experts are not supported yet)")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ConfigError(
                 "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron and "

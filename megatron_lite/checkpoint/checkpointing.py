@@ -52,9 +52,14 @@ def _barrier(ctx: ParallelContext) -> None:
         dist.barrier()
 
 
-def _owns_copy(ctx: ParallelContext, tensor_parallel: bool) -> bool:
-    """One copy of each piece is written: by data-parallel rank 0, and for replicated tensors by TP rank 0."""
-    return ctx.dp_cp.rank == 0 and (tensor_parallel or ctx.tp.rank == 0)
+def _owns_copy(ctx: ParallelContext, meta) -> bool:
+    """One copy of each piece is written: by data-parallel rank 0 (expert-data-parallel rank 0 for
+    experts), and for tensors replicated across (expert-)TP by its rank 0."""
+    if meta.embedding_copy:
+        return False
+    if meta.expert:
+        return ctx.edp.rank == 0 and (meta.tensor_parallel or ctx.etp.rank == 0)
+    return ctx.dp_cp.rank == 0 and (meta.tensor_parallel or ctx.tp.rank == 0)
 
 
 def _state_tensors(model, optimizer) -> dict[str, list]:
@@ -97,7 +102,7 @@ def save_checkpoint(
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
     for kind, entries in _state_tensors(model, optimizer).items():
         for gname, t, meta in entries:
-            if meta.embedding_copy or not _owns_copy(ctx, meta.tensor_parallel):
+            if not _owns_copy(ctx, meta):
                 continue
             rec = {
                 "shape": full_shape(tuple(t.shape), meta),

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.parallel_context import Group, ParallelContext
+from megatron_lite.parameters import named_param_meta
 
 
 @dataclass
@@ -105,11 +106,21 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
+        expert = {id(p): meta.expert for _, p, meta in named_param_meta(module)}
         params = [p for p in module.parameters() if p.requires_grad]
         if overlap_grad_reduce and bucket_size is None:
             bucket_size = max(40_000_000, 1_000_000 * ctx.dp_cp.size)  # Megatron's default
-        self.buffer = GradBuffer(list(reversed(params)), ctx.dp_cp, bucket_size if overlap_grad_reduce else None)
-        self.buffer.reset()
+        size = bucket_size if overlap_grad_reduce else None
+        # Dense gradients are summed over data x context parallelism; an expert's over the ranks holding
+        # the same expert (expert-data-parallel).
+        groups = (
+            ([p for p in params if not expert[id(p)]], ctx.dp_cp),
+            ([p for p in params if expert[id(p)]], ctx.edp),
+        )
+        self.buffers = [GradBuffer(list(reversed(ps)), group, size) for ps, group in groups if ps]
+        self.buffer_of = {pid: b for b in self.buffers for pid in b.main_grad}
+        for b in self.buffers:
+            b.reset()
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._sync = True
         self.events: list | None = [] if record_events else None
@@ -119,16 +130,22 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @property
+    def buffer(self) -> GradBuffer:
+        """The dense gradient buffer."""
+        return self.buffers[0]
+
     def main_grad(self, p: nn.Parameter) -> torch.Tensor:
-        return self.buffer.main_grad[id(p)]
+        return self.buffer_of[id(p)].main_grad[id(p)]
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        self.buffer.main_grad[id(p)].add_(p.grad)
+        buffer = self.buffer_of[id(p)]
+        buffer.main_grad[id(p)].add_(p.grad)
         p.grad = None
         if self._sync:
             if self.events is not None:
                 self.events.append(("ready", self._names[id(p)]))
-            self.buffer.mark_ready(p, self.overlap_grad_reduce, self.events)
+            buffer.mark_ready(p, self.overlap_grad_reduce, self.events)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -141,10 +158,12 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Launch whatever buckets are left and wait for every reduction."""
-        self.buffer.finish(self.events)
+        for b in self.buffers:
+            b.finish(self.events)
 
     def zero_grad_buffer(self) -> None:
-        self.buffer.data.zero_()
-        self.buffer.reset()
+        for b in self.buffers:
+            b.data.zero_()
+            b.reset()
         if self.events is not None:
             self.events.clear()

@@ -24,6 +24,7 @@ from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, VocabPara
 from megatron_lite.tensor_parallel.mappings import split_dim0
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -91,6 +92,7 @@ class GPTModel(nn.Module):
         self.config = config
         self.tp = ctx.tp
         self.vocab_size = config.vocab_size
+        self.first_expert = ctx.ep.rank * (config.num_experts // ctx.ep.size) if config.num_experts else 0
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = LanguageModelEmbedding(config, ctx, device, dtype) if pre_process else None
         self.rotary_pos_emb = (
@@ -129,7 +131,9 @@ class GPTModel(nn.Module):
         if m is None:
             return name
         number = self.decoder.layers[int(m.group(1))].layer_number
-        return f"decoder.layers.{number}.{name[m.end() :]}"
+        name = f"decoder.layers.{number}.{name[m.end() :]}"
+        # Experts by their global index: the same name whichever expert-parallel rank holds them.
+        return _EXPERT.sub(lambda e: f".mlp.experts.{self.first_expert + int(e.group(1))}.", name)
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.global_name)

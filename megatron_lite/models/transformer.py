@@ -17,6 +17,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.models.attention import SelfAttention
 from megatron_lite.models.mlp import MLP
 from megatron_lite.models.norms import build_norm
+from megatron_lite.moe.layer import MoELayer
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.random import RNGStatesTracker, checkpoint
 
@@ -42,7 +43,11 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
         self.self_attention = SelfAttention(config, ctx, device, dtype)
         self.pre_mlp_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
-        self.mlp = MLP(config, ctx, device, dtype)
+        self.mlp = (
+            MoELayer(config, ctx, device, dtype)
+            if config.is_moe_layer(layer_number)
+            else MLP(config, ctx, device, dtype)
+        )
         selective = config.recompute_granularity == "selective"
         self.recompute = {m: selective and m in config.recompute_modules for m in ("layernorm", "mlp")}
 

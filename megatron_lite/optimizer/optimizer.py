@@ -52,7 +52,7 @@ class MixedPrecisionOptimizer:
         self.config = config
         self.ctx = ctx
         self.grad_of = grad_of
-        self.names, self.params, self.main_params, counted = [], [], [], []
+        self.names, self.params, self.main_params, counted, expert = [], [], [], [], []
         decay, no_decay = [], []
         for name, p, meta in named_param_meta(model):
             if not p.requires_grad:
@@ -62,9 +62,14 @@ class MixedPrecisionOptimizer:
             self.params.append(p)
             self.main_params.append(main)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
+            expert.append(meta.expert)
             # No weight decay on norms and biases (the one-dimensional parameters), as in Megatron.
             (no_decay if p.ndim == 1 else decay).append(main)
         self._counted = counted
+        self._expert = expert
+        # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
+        # must still join the expert group's reduction.
+        self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
         groups = [
             {"params": decay, "weight_decay": config.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -88,18 +93,28 @@ class MixedPrecisionOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.ctx.mp.size > 1:
-            dist.all_reduce(t, op=op, group=self.ctx.mp.pg)
-        return t
-
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        mine = [g for g, c in zip(grads, self._counted) if c]
-        if mine:
-            sq = torch.stack([g.float().norm() for g in mine]).pow(2).sum()
-        else:
-            sq = torch.zeros((), device=grads[0].device)
-        return float(self._all_reduce(sq.double()).sqrt())
+        """Dense shards summed over the model-parallel group (TP x PP), experts over the expert-model-parallel
+        group (expert-TP x EP x PP): each parameter counted exactly once."""
+        total = 0.0
+        for want_expert, group in ((False, self.ctx.mp), (True, self.ctx.emp)):
+            if want_expert and not self._moe:
+                continue
+            mine = [g for g, c, e in zip(grads, self._counted, self._expert) if c and e == want_expert]
+            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+            if mine:
+                sq += torch.stack([g.float().norm() for g in mine]).pow(2).sum().double()
+            if group.size > 1:
+                dist.all_reduce(sq, group=group.pg)
+            total += float(sq)
+        return total**0.5
+
+    def _any_rank(self, flag: bool, device) -> bool:
+        """True if any rank has the flag: an overflow in any shard skips the step everywhere."""
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -107,10 +122,8 @@ class MixedPrecisionOptimizer:
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
             torch._foreach_mul_(grads, inv)
-            found = torch.tensor(
-                [0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0], device=grads[0].device
-            )
-            if self._all_reduce(found, dist.ReduceOp.MAX).item() > 0:
+            finite = all(bool(torch.isfinite(g).all()) for g in grads)
+            if self._any_rank(not finite, grads[0].device):
                 self.scaler.update(True)
                 return StepResult(False, None, self.scaler.scale)
         norm = self.grad_norm(grads)

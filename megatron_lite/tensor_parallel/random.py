@@ -73,6 +73,15 @@ class RNGStatesTracker:
             _set_state(device, outer)
 
 
+_RECOMPUTING = [0]
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed region is being recomputed in the backward (so layers that record
+    statistics in their forward do not count twice)."""
+    return _RECOMPUTING[0] > 0
+
+
 def checkpoint(fn: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) -> Any:
     """Activation recomputation: run `fn(*args)` without keeping its intermediates; the backward
     recomputes them with the default generator and every tracked generator as they were here."""
@@ -85,9 +94,11 @@ def checkpoint(fn: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) ->
             return fn(*inner)
         current = tracker.get_states()
         tracker.set_states(saved)
+        _RECOMPUTING[0] += 1
         try:
             return fn(*inner)
         finally:
+            _RECOMPUTING[0] -= 1
             tracker.set_states(current)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.models.gpt_model import ModelChunks
+from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import Group, ParallelContext
@@ -33,6 +34,7 @@ class StepMetrics:
     loss_scale: float
     updated: bool
     num_tokens: int
+    moe: dict | None = None  # routing metrics of MoE models (moe/stats.py)
 
 
 def _sum_over(value: torch.Tensor, group: Group) -> torch.Tensor:
@@ -112,6 +114,10 @@ def train_step(
 ) -> StepMetrics:
     model.zero_grad_buffer()
     num_tokens = global_token_count(micro_batches, ctx)
+    config = _chunks(model)[0].config
+    layers = moe_stats.moe_layers(model.module) if config.num_experts else {}
+    if config.num_experts:
+        moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
     if _pipelined(model, ctx):
         with model.no_sync():  # buckets are reduced once the whole schedule has run
             loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / float(num_tokens), False)
@@ -119,12 +125,13 @@ def train_step(
     else:
         loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
     finalize_grads(model, ctx)
+    moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     lr = scheduler.lr
     result = optimizer.step(lr)
     if result.updated:
         scheduler.step()
     lm_loss = _sum_over(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens
-    return StepMetrics(float(lm_loss), result.grad_norm, lr, result.loss_scale, result.updated, int(num_tokens))
+    return StepMetrics(float(lm_loss), result.grad_norm, lr, result.loss_scale, result.updated, int(num_tokens), moe)
 
 
 @torch.no_grad()

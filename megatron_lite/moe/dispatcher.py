@@ -1,0 +1,62 @@
+"""Moving tokens to their experts and back.
+
+alltoall: sort this rank's (token, expert) pairs by expert, exchange the counts, send each expert-parallel
+rank the tokens of its experts (all_to_all_single with uneven splits), regroup by local expert, run the
+experts, and reverse every step; outputs are combined with the routing weights by a scatter-add.
+allgather: all-gather the tokens and routing of the expert-parallel group, run the local experts on the
+tokens routed to them, combine, and reduce-scatter the partial outputs back to their ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.moe.comm import all_to_all, exchange_counts
+from megatron_lite.moe.experts import LocalExperts
+from megatron_lite.moe.router import Routing
+from megatron_lite.parallel_context import Group
+from megatron_lite.tensor_parallel.mappings import all_gather_dim0, gather_from_sequence_parallel_region
+from megatron_lite.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region as reduce_scatter_dim0
+
+
+def _pairs(routing: Routing):
+    """(token, expert, weight) of every kept pair."""
+    t, k = routing.indices.shape
+    keep = routing.keep.reshape(-1)
+    tokens = torch.arange(t, device=routing.indices.device).repeat_interleave(k)[keep]
+    return tokens, routing.indices.reshape(-1)[keep], routing.probs.reshape(-1)[keep]
+
+
+def alltoall_dispatch(x: torch.Tensor, routing: Routing, experts: LocalExperts, ep: Group, num_experts: int):
+    token, expert, weight = _pairs(routing)
+    order = torch.argsort(expert, stable=True)
+    token, expert, weight = token[order], expert[order], weight[order]
+    n_local = num_experts // ep.size
+    send = torch.bincount(expert, minlength=num_experts).view(ep.size, n_local)
+    recv = exchange_counts(send, ep)  # recv[r, j]: tokens rank r sends to my expert j
+    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    received = all_to_all(x[token], ep, out_splits, in_splits)  # grouped by (source rank, local expert)
+    sizes = recv.reshape(-1).tolist()
+    chunks = received.split(sizes)
+    by_expert = [chunks[r * n_local + j] for j in range(n_local) for r in range(ep.size)]
+    out = experts(torch.cat(by_expert) if by_expert else received, recv.sum(0).tolist())
+    out_chunks = out.split([sizes[r * n_local + j] for j in range(n_local) for r in range(ep.size)])
+    back = [out_chunks[j * ep.size + r] for r in range(ep.size) for j in range(n_local)]
+    returned = all_to_all(torch.cat(back) if back else out, ep, in_splits, out_splits)
+    y = torch.zeros_like(x, dtype=returned.dtype)
+    return y.index_add(0, token, returned * weight.unsqueeze(-1).to(returned.dtype))
+
+
+def allgather_dispatch(x: torch.Tensor, routing: Routing, experts: LocalExperts, ep: Group, num_experts: int):
+    xs = gather_from_sequence_parallel_region(x, ep)  # backward: reduce-scatter over EP
+    probs = gather_from_sequence_parallel_region(routing.probs, ep)
+    indices = all_gather_dim0(routing.indices, ep)
+    keep = all_gather_dim0(routing.keep.to(torch.uint8), ep).bool()  # gloo gathers no bools
+    token, expert, weight = _pairs(Routing(probs, indices, keep, routing.counts, None, None))
+    local = (expert >= experts.first) & (expert < experts.first + experts.num_local)
+    token, expert, weight = token[local], expert[local] - experts.first, weight[local]
+    order = torch.argsort(expert, stable=True)
+    token, expert, weight = token[order], expert[order], weight[order]
+    out = experts(xs[token], torch.bincount(expert, minlength=experts.num_local).tolist())
+    y = torch.zeros_like(xs, dtype=out.dtype).index_add(0, token, out * weight.unsqueeze(-1).to(out.dtype))
+    return reduce_scatter_dim0(y, ep)

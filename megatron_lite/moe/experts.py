@@ -1,0 +1,54 @@
+"""This rank's experts: feed-forward blocks whose weights are split over the expert-tensor-parallel group
+like a column/row-parallel MLP, but with no communication inside. The MoE layer gathers the tokens of the
+TP group before the experts and reduces after combining, so one reduction serves every expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.parallel_context import Group
+from megatron_lite.parameters import ParamMeta, set_param_meta
+from megatron_lite.tensor_parallel.sharding import ShardSpec
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, config: ModelConfig, etp: Group, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        f, h = config.moe_ffn_size, config.hidden_size
+        self.swiglu = config.activation == "swiglu"
+        self.activation = config.activation
+        fc1 = ShardSpec.even(0, (f, f) if self.swiglu else (f,), etp.size)
+        fc2 = ShardSpec.even(1, f, etp.size)
+        self.fc1_weight = nn.Parameter(torch.empty(fc1.shard_size, h, device=device, dtype=dtype))
+        self.fc2_weight = nn.Parameter(torch.empty(h, fc2.shard_size, device=device, dtype=dtype))
+        set_param_meta(self, "fc1_weight", ParamMeta(("normal", config.init_method_std), fc1, etp.rank, expert=True))
+        set_param_meta(
+            self, "fc2_weight", ParamMeta(("normal", config.output_layer_init_std), fc2, etp.rank, expert=True)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.fc1_weight)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return F.linear(h, self.fc2_weight)  # partial over the expert-TP group
+
+
+class LocalExperts(nn.Module):
+    """Experts [ep_rank * n, (ep_rank + 1) * n) of the model's experts."""
+
+    def __init__(self, config: ModelConfig, ep: Group, etp: Group, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        self.num_local = config.num_experts // ep.size
+        self.first = ep.rank * self.num_local
+        self.local_experts = nn.ModuleList(ExpertMLP(config, etp, device, dtype) for _ in range(self.num_local))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
+        outs = [expert(chunk) for expert, chunk in zip(self.local_experts, x.split(counts))]
+        return torch.cat(outs) if outs else x[:0]

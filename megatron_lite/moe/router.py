@@ -1,0 +1,108 @@
+"""Top-k routing in fp32: scores, selection, capacity-based dropping and the load-balancing losses.
+
+softmax (Mixtral): top-k of the logits, then a softmax over the k selected (equal to renormalised top-k of
+the full softmax); with --moe-router-pre-softmax, a softmax over all experts, then top-k, not renormalised.
+sigmoid (DeepSeek-V3): sigmoid scores; an optional per-expert bias is added for the selection only; the k
+selected scores are normalised to sum to one.
+
+Load-balancing loss (Switch/GShard, Megatron's normalisation): coeff * E * sum_e f_e * P_e with
+f_e = tokens routed to e / (tokens * k) and P_e the mean score of e over the tokens; `seq_aux_loss`
+computes it per sequence and averages; z-loss = coeff * mean(logsumexp(logits)^2). Counts come from the
+routing before capacity dropping. All statistics are over this micro-batch's tokens (the full sequence:
+the MoE layer gathers it under sequence parallelism), so they do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.parameters import ParamMeta, set_param_meta
+
+
+@dataclass
+class Routing:
+    probs: torch.Tensor  # [T, k] weights of the selected experts (0 where dropped)
+    indices: torch.Tensor  # [T, k] selected experts
+    keep: torch.Tensor  # [T, k] bool: False where capacity dropped the pair
+    counts: torch.Tensor  # [E] tokens routed to each expert, before dropping
+    aux_loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        e = config.num_experts
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size, device=device, dtype=dtype))
+        # Under tensor parallelism the routing weights multiply TP-partial expert outputs (the reduction
+        # comes after the combine), so the router's gradient is partial on each TP rank.
+        set_param_meta(self, "weight", ParamMeta(("normal", config.init_method_std), sequence_parallel=tp_size > 1))
+        if config.moe_router_enable_expert_bias:
+            self.expert_bias = nn.Parameter(torch.empty(e, device=device, dtype=torch.float32), requires_grad=False)
+            set_param_meta(self, "expert_bias", ParamMeta(("zeros",)))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor, seq_batch: tuple[int, int]) -> Routing:
+        """x: [T, hidden] with T = seq * batch, sequence-major (the [seq, batch] layout flattened)."""
+        c = self.config
+        k, e = c.moe_router_topk, c.num_experts
+        logits = F.linear(x.float(), self.weight.float())
+        z_loss = None
+        if c.moe_z_loss_coeff:
+            z_loss = c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if c.moe_router_score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            if c.moe_router_pre_softmax:
+                probs, indices = torch.topk(scores, k, dim=-1)
+            else:
+                top, indices = torch.topk(logits, k, dim=-1)
+                probs = torch.softmax(top, dim=-1)
+            aux_scores = scores
+        else:
+            scores = torch.sigmoid(logits)
+            select = scores + self.expert_bias if self.expert_bias is not None else scores
+            _, indices = torch.topk(select, k, dim=-1)
+            probs = scores.gather(-1, indices)
+            if k > 1:
+                probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+            aux_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        counts = torch.bincount(indices.reshape(-1), minlength=e)
+        aux_loss = self._balance_loss(aux_scores, indices, counts, seq_batch)
+        keep = self._capacity_keep(probs, indices, x.shape[0])
+        probs = probs * keep
+        return Routing(probs, indices, keep, counts, aux_loss, z_loss)
+
+    def _balance_loss(self, scores, indices, counts, seq_batch) -> torch.Tensor | None:
+        c = self.config
+        kind, coeff, k, e = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_router_topk, c.num_experts
+        if kind == "none" or not coeff:
+            return None
+        t = scores.shape[0]
+        if kind == "aux_loss":
+            f = counts.float() / (t * k)
+            return coeff * e * (f * scores.mean(0)).sum()
+        s, b = seq_batch  # per sequence: tokens t = i * b + j belong to sequence j
+        per_seq = F.one_hot(indices, e).sum(1).float().view(s, b, e).sum(0) / (s * k)  # [b, E]
+        return coeff * e * (per_seq * scores.view(s, b, e).mean(0)).sum(-1).mean()
+
+    def _capacity_keep(self, probs, indices, t: int) -> torch.Tensor:
+        c = self.config
+        if c.moe_expert_capacity_factor is None:
+            return torch.ones_like(indices, dtype=torch.bool)
+        e, k = c.num_experts, c.moe_router_topk
+        capacity = math.ceil(t * k / e * c.moe_expert_capacity_factor)
+        routed = torch.zeros(t, e, device=probs.device, dtype=probs.dtype).scatter(1, indices, probs.detach() + 1)
+        if c.moe_token_drop_policy == "probs":  # keep each expert's most confident tokens
+            top = torch.topk(routed, min(capacity, t), dim=0).indices
+            kept = torch.zeros_like(routed, dtype=torch.bool).scatter(0, top, True) & (routed > 0)
+        else:  # position: the earliest tokens of the sequence
+            kept = (routed > 0) & (torch.cumsum((routed > 0).int(), dim=0) <= capacity)
+        return kept.gather(1, indices)

@@ -1,0 +1,81 @@
+"""Per-step MoE bookkeeping outside the model: the weight of the auxiliary losses, the aux-loss-free
+expert-bias update, and the routing metrics (tokens per expert, imbalance, dropped pairs, losses).
+
+Token counts are summed over every replica of the stage (TP x CP x DP) and divided by TP, whose ranks
+route the same tokens; so every replica updates its expert bias identically, and the counts are those
+of the whole global batch, as on one process. Layers on other pipeline stages are summed in over PP, so
+the logging rank reports every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.models.transformer import TransformerLayer
+from megatron_lite.moe.layer import MoELayer
+from megatron_lite.parallel_context import ParallelContext
+
+
+def moe_layers(model: nn.Module) -> dict[int, MoELayer]:
+    """Global layer number -> MoE layer, for the layers this rank holds."""
+    return {
+        m.layer_number: m.mlp
+        for m in model.modules()
+        if isinstance(m, TransformerLayer) and isinstance(m.mlp, MoELayer)
+    }
+
+
+def prepare_step(layers: dict[int, MoELayer], num_microbatches: int, loss_scale: float, ctx: ParallelContext) -> None:
+    """Each micro-batch's auxiliary loss weighs 1 / (all micro-batches of the global batch)."""
+    for layer in layers.values():
+        layer.aux_loss_scale = loss_scale / (num_microbatches * ctx.dp_cp.size)
+        layer.reset_stats()
+
+
+@torch.no_grad()
+def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's aux-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
+    counts = counts.to(bias.device, torch.float32)
+    bias += rate * torch.sign(counts.mean() - counts)
+
+
+def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx: ParallelContext) -> dict:
+    """Reduce the statistics of the step, update the expert biases, and return the metrics."""
+    n_layers, e = config.num_layers, config.num_experts
+    # Per layer: [counts (E), aux loss, z loss, routed pairs, dropped pairs]
+    table = torch.zeros(n_layers, e + 4, dtype=torch.float64)
+    for number, layer in layers.items():
+        st = layer.stats
+        table[number, :e] = st["counts"]
+        table[number, e:] = torch.tensor([st["aux_loss"], st["z_loss"], st["routed"], st["dropped"]])
+    table = table.to(ctx.device)
+    if ctx.tp_cp_dp.size > 1:
+        dist.all_reduce(table, group=ctx.tp_cp_dp.pg)
+    table /= ctx.tp.size  # TP ranks route the same tokens
+    for number, layer in layers.items():
+        if layer.router.expert_bias is not None:
+            update_expert_bias(layer.router.expert_bias, table[number, :e], config.moe_router_bias_update_rate)
+    if ctx.pp.size > 1:
+        dist.all_reduce(table, group=ctx.pp.pg)
+    table = table.cpu()
+    micro = num_microbatches * ctx.dp_cp.size
+    per_layer = {}
+    for number in range(n_layers):
+        if not config.is_moe_layer(number):
+            continue
+        counts = table[number, :e]
+        per_layer[number] = {
+            "tokens_per_expert": [int(c) for c in counts.tolist()],
+            "imbalance": float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0,
+        }
+    moe = [n for n in range(n_layers) if config.is_moe_layer(n)]
+    routed, dropped = table[moe, e + 2].sum(), table[moe, e + 3].sum()
+    return {
+        "aux_loss": float(table[moe, e].sum()) / micro,
+        "z_loss": float(table[moe, e + 1].sum()) / micro,
+        "dropped_fraction": float(dropped / routed) if routed > 0 else 0.0,
+        "max_imbalance": max((v["imbalance"] for v in per_layer.values()), default=0.0),
+        "layers": per_layer,
+    }

@@ -1,0 +1,224 @@
+"""Mixture of experts: training under expert parallelism equals one process (lm_loss, auxiliary loss and
+grad norm per iteration within 1e-4), dropped tokens match under a capacity factor, and the aux-loss-free
+expert bias balances load identically on every replica.
+
+The auxiliary loss is a statistic of each micro-batch (as in Megatron), so the single-process reference
+runs the same micro-batch size: the global batch is then cut into the same micro-batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import ConfigError, ParallelConfig, validate_layout
+from megatron_lite.data.mock import MockGPTDataset, collate
+from megatron_lite.data.samplers import micro_batch_indices
+from megatron_lite.distributed.ddp import DistributedDataParallel
+from megatron_lite.models.gpt_model import build_model
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.lr_scheduler import LRScheduler
+from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.training.step import train_step
+
+from dist_pool import get_context
+from models import llama_config
+
+ITERS, SEQ, TOL = 10, 16, 1e-4
+OPTIM = OptimizerConfig(lr=3e-3, lr_warmup_iters=2, lr_decay_style="cosine", min_lr=3e-4, weight_decay=0.1)
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_aux_loss_coeff=1e-2,
+    moe_z_loss_coeff=1e-3,
+    num_layers=2,
+)
+
+
+def moe_config(**kw):
+    return llama_config(**{**MOE, **kw})
+
+
+def moe_run(config, parallel, gbs, mbs, iters=ITERS, skew=0.0):
+    ctx = (
+        get_context(parallel)
+        if dist.is_initialized()
+        else ParallelContext.virtual(parallel, device=torch.device("cpu"))
+    )
+    ctx.seed(1234)
+    model = build_model(config, ctx, seed=1234)
+    if skew:  # push every token towards expert 0, so the expert bias has work to do
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "router"):
+                    m.router.weight[0] += skew
+    ddp = DistributedDataParallel(model, ctx)
+    opt = MixedPrecisionOptimizer(model, ddp.main_grad, OPTIM, ctx)
+    sched = LRScheduler(OPTIM, iters)
+    data = MockGPTDataset(config.vocab_size, SEQ, seed=3)
+    out = []
+    for it in range(iters):
+        idx = micro_batch_indices(it * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
+        m = train_step(ddp, opt, sched, [collate([data[i] for i in ix]) for ix in idx], ctx)
+        biases = [
+            mod.router.expert_bias.clone()
+            for mod in model.modules()
+            if hasattr(mod, "router") and mod.router.expert_bias is not None
+        ]
+        out.append(
+            {
+                "lm_loss": m.lm_loss,
+                "grad_norm": m.grad_norm,
+                "aux": m.moe["aux_loss"],
+                "z": m.moe["z_loss"],
+                "dropped": m.moe["dropped_fraction"],
+                "layers": m.moe["layers"],
+                "bias": biases,
+            }
+        )
+    return out
+
+
+def _close(a, b, what, it):
+    assert abs(a - b) <= TOL * max(abs(b), 1e-8), f"iteration {it + 1}: {what} {a} vs {b}"
+
+
+def _compare(history, ref):
+    for it, (h, r) in enumerate(zip(history, ref)):
+        for key in ("lm_loss", "grad_norm", "aux", "z"):
+            _close(h[key], r[key], key, it)
+        assert h["layers"] == r["layers"], f"iteration {it + 1}: tokens per expert differ"
+        assert h["dropped"] == r["dropped"]
+
+
+P = ParallelConfig
+LAYOUTS = {
+    "ep2": (2, P(expert_model_parallel_size=2)),
+    "ep4": (4, P(expert_model_parallel_size=4)),
+    "ep2-tp2-sp": (4, P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+    "ep2-dp2": (4, P(expert_model_parallel_size=2)),  # EP=2 inside DP=4: two copies of each expert
+}
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_equals_single_process(dist, layout, dispatcher):
+    world, parallel = LAYOUTS[layout]
+    config = moe_config(moe_token_dispatcher_type=dispatcher)
+    ref = moe_run(config, ParallelConfig(), 8, 2)
+    results = dist(world, moe_run, config, parallel, 8, 2)
+    for history in results:
+        _compare(history, ref)
+    assert ref[0]["aux"] > 0 and ref[0]["z"] > 0  # both losses are really in play
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_the_same_tokens_as_one_process(dist, policy):
+    config = moe_config(moe_expert_capacity_factor=1.0, moe_token_drop_policy=policy)
+    ref = moe_run(config, ParallelConfig(), 8, 2, iters=4, skew=0.5)
+    assert ref[0]["dropped"] > 0  # the skew makes experts overflow
+    for history in dist(2, moe_run, config, P(expert_model_parallel_size=2), 8, 2, 4, 0.5):
+        _compare(history, ref)
+
+
+def test_expert_bias_moves_load_towards_balance():
+    """A deliberately skewed sigmoid router (expert 0 scores highest for every token) and the training
+    step's bias update: the load evens out."""
+    from megatron_lite.moe.router import TopKRouter
+    from megatron_lite.moe.stats import update_expert_bias
+
+    config = moe_config(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+    )
+    router = TopKRouter(config, tp_size=1)
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randn(64, generator=gen)
+    x = torch.randn(512, 64, generator=gen) + 2 * shared  # tokens share a common direction
+    with torch.no_grad():
+        router.weight.normal_(0, 0.02, generator=gen)
+        router.weight[0] += shared / shared.norm()  # ... which expert 0 prefers
+        router.expert_bias.zero_()
+    imbalance = []
+    for _ in range(100):
+        counts = router(x, (512, 1)).counts.double()
+        imbalance.append(float(counts.max() / counts.mean()))
+        update_expert_bias(router.expert_bias, counts, rate=0.01)
+    assert imbalance[0] == 2.0  # expert 0 takes every token (top-2 of 4)
+    # Sign updates settle into a small oscillation around balance.
+    assert max(imbalance[-10:]) <= 1.35 and sum(imbalance[-20:]) / 20 < 1.2, imbalance
+    assert router.expert_bias[0] < 0 < router.expert_bias[1:].max()
+
+
+def test_expert_bias_is_identical_on_every_replica(dist):
+    """At EP=2 x DP=2 the bias, updated from token counts over the whole data-parallel domain, is the
+    same on every rank and equal to the one-process run's after each step."""
+    config = moe_config(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.01,
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+    )
+    ref = moe_run(config, ParallelConfig(), 8, 2, iters=6)
+    assert any(b.abs().sum() > 0 for b in ref[-1]["bias"])
+    for history in dist(4, moe_run, config, P(expert_model_parallel_size=2), 8, 2, 6):
+        for it, (h, r) in enumerate(zip(history, ref)):
+            _compare([h], [r])
+            for b, rb in zip(h["bias"], r["bias"]):
+                assert torch.equal(b, rb), f"iteration {it + 1}: expert bias differs from one process"
+
+
+@pytest.mark.parametrize(
+    "model_kw,parallel,world,fragment",
+    [
+        (
+            {"num_experts": 6},
+            P(expert_model_parallel_size=4),
+            4,
+            "--num-experts 6 is not divisible by --expert-model-parallel-size 4",
+        ),
+        (
+            {},
+            P(expert_model_parallel_size=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            6,
+            "world size 6 is not divisible",
+        ),
+        ({"moe_router_topk": 5}, P(), 1, "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+        (
+            {"moe_router_enable_expert_bias": True},
+            P(),
+            1,
+            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid",
+        ),
+        (
+            {},
+            P(expert_model_parallel_size=2, expert_tensor_parallel_size=1, tensor_model_parallel_size=2),
+            4,
+            "--expert-tensor-parallel-size 1 different from --tensor-model-parallel-size 2",
+        ),
+    ],
+)
+def test_bad_moe_configuration_is_one_line(model_kw, parallel, world, fragment):
+    with pytest.raises(ConfigError) as err:
+        validate_layout(moe_config(**model_kw), parallel, world)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dense_and_expert_parameters_are_placed_and_named_by_global_expert():
+    config = moe_config()
+    names = []
+    for rank in range(2):
+        ctx = ParallelContext.virtual(P(expert_model_parallel_size=2), 2, rank)
+        model = build_model(config, ctx, device="meta")
+        names.append({model.global_name(n) for n, _ in model.named_parameters() if "experts" in n})
+    assert names[0].isdisjoint(names[1])  # each expert lives on one EP rank
+    one = build_model(config, ParallelContext.virtual(P()), device="meta")
+    assert names[0] | names[1] == {one.global_name(n) for n, _ in one.named_parameters() if "experts" in n}
+    assert dataclasses.replace(config, num_experts=None).is_moe_layer(0) is False
