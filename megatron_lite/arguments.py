@@ -54,12 +54,7 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
 REFUSED: dict[str, str] = {
     "use_distributed_optimizer": "the distributed optimizer (ZeRO-1/2) is planned (issue 10)",
     "overlap_param_gather": "parameter all-gather overlap comes with the distributed optimizer (issue 10)",
-    "num_experts": "mixture of experts is planned (issue 5)",
-    "moe_router_topk": "mixture of experts is planned (issue 5)",
-    "moe_router_load_balancing_type": "mixture of experts is planned (issue 5)",
-    "moe_aux_loss_coeff": "mixture of experts is planned (issue 5)",
-    "moe_token_dispatcher_type": "mixture of experts is planned (issue 5)",
-    "moe_grouped_gemm": "mixture of experts is planned (issue 5)",
+    "moe_grouped_gemm": "grouped GEMM for experts comes with the Triton kernels (issue 6); experts run in a loop",
     "tp_comm_overlap": "tensor-parallel communication overlap is planned (issue 9)",
     "fp8_format": "fp8 training is not implemented",
     "fp8_amax_history_len": "fp8 training is not implemented",
@@ -123,6 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--recompute-method", choices=["uniform", "block"])
     m.add_argument("--recompute-num-layers", type=int)
     m.add_argument("--recompute-modules", nargs="+", default=["core_attn"])
+    e = parser.add_argument_group("mixture of experts")
+    e.add_argument("--num-experts", type=int)
+    e.add_argument("--moe-router-topk", type=int, default=2)
+    e.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    _bool(e, "--moe-router-pre-softmax", "softmax over all experts before top-k")
+    e.add_argument("--moe-ffn-hidden-size", type=int)
+    e.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
+    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    e.add_argument("--moe-z-loss-coeff", type=float)
+    _bool(e, "--moe-router-enable-expert-bias", "aux-loss-free balancing (needs sigmoid scores)")
+    e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    e.add_argument("--moe-expert-capacity-factor", type=float, help="dropless when unset")
+    e.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=int)
+    e.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall")
     m.add_argument("--kernel-impl", choices=["torch", "triton"], default=None, help="default: triton on CUDA")
 
     d = parser.add_argument_group("distributed")
@@ -224,6 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _layer_freq(text) -> int | tuple[int, ...]:
+    """Megatron's --moe-layer-freq: an integer N, or a per-layer pattern ("0,1,1" or "[0,1,1]")."""
+    if isinstance(text, (int, tuple, list)):
+        return text if isinstance(text, int) else tuple(text)
+    body = str(text).strip().strip("[]() ")
+    try:
+        values = [int(x) for x in body.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--moe-layer-freq {text!r} must be an integer or a comma-separated 0/1 list") from None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
 def _require(ns: argparse.Namespace, *names: str) -> None:
     missing = ["--" + n.replace("_", "-") for n in names if getattr(ns, n) is None]
     if missing:
@@ -237,10 +260,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
     if ns.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
-    for flag, value, issue in (
-        ("--context-parallel-size", ns.context_parallel_size, "issue 8"),
-        ("--expert-model-parallel-size", ns.expert_model_parallel_size, "issue 5"),
-    ):
+    for flag, value, issue in (("--context-parallel-size", ns.context_parallel_size, "issue 8"),):
         if value != 1:
             raise ConfigError(f"{flag} {value} is not supported yet ({issue}); use {flag} 1")
     if ns.kernel_impl == "triton":
@@ -274,6 +294,21 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         recompute_method=ns.recompute_method,
         recompute_num_layers=ns.recompute_num_layers,
         recompute_modules=tuple(ns.recompute_modules),
+        num_experts=ns.num_experts,
+        moe_router_topk=ns.moe_router_topk,
+        moe_router_score_function=ns.moe_router_score_function,
+        moe_router_pre_softmax=ns.moe_router_pre_softmax,
+        moe_ffn_hidden_size=ns.moe_ffn_hidden_size,
+        moe_router_load_balancing_type=ns.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=ns.moe_aux_loss_coeff,
+        moe_z_loss_coeff=ns.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=ns.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=ns.moe_router_bias_update_rate,
+        moe_expert_capacity_factor=ns.moe_expert_capacity_factor,
+        moe_token_drop_policy=ns.moe_token_drop_policy,
+        moe_layer_freq=_layer_freq(ns.moe_layer_freq),
+        moe_shared_expert_intermediate_size=ns.moe_shared_expert_intermediate_size,
+        moe_token_dispatcher_type=ns.moe_token_dispatcher_type,
     )
     vp = ns.num_virtual_stages_per_pipeline_rank
     if ns.num_layers_per_virtual_pipeline_stage is not None:
@@ -412,6 +447,10 @@ ARCH_DESTS = (
     "disable_bias_linear",
     "add_qkv_bias",
     "make_vocab_size_divisible_by",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_enable_expert_bias",
 )
 
 
@@ -448,6 +487,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     if m["rope_scaling"] is not None:
         out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
     out["disable_bias_linear"] = not m["add_bias_linear"]
+    out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})
     out.update(
         {
             k: t[k]

@@ -38,6 +38,17 @@ class ParamMeta:
         return self.shard is not None and self.shard.tp_size > 1
 
 
+def owns_copy(meta: ParamMeta, ctx) -> bool:
+    """Whether this rank holds the one copy of its piece that is counted and stored: data-parallel rank 0
+    (expert-data-parallel rank 0 for experts), and for tensors replicated across (expert-)TP its rank 0;
+    never the last stage's copy of tied embeddings."""
+    if meta.embedding_copy:
+        return False
+    if meta.expert:
+        return ctx.edp.rank == 0 and (meta.tensor_parallel or ctx.etp.rank == 0)
+    return ctx.dp_cp.rank == 0 and (meta.tensor_parallel or ctx.tp.rank == 0)
+
+
 def set_param_meta(module: nn.Module, name: str, meta: ParamMeta) -> None:
     if name not in module._parameters:
         raise KeyError(f"{type(module).__name__} has no parameter {name!r}")

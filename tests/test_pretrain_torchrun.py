@@ -71,7 +71,7 @@ def test_resume_is_exact(tmp_path, layout):
         assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
 
 
-SCRIPTS = ["demo_cpu.sh", "llama3_8b.sh", "llama3_70b_multinode.sh", "llama3_70b.sbatch"]
+SCRIPTS = ["demo_cpu.sh", "mixtral_cpu_demo.sh", "llama3_8b.sh", "llama3_70b_multinode.sh", "llama3_70b.sbatch"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -135,3 +135,22 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path):
     for a, b in zip(one, four):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+
+
+def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):
+    env = {**os.environ, "RUN_DIR": str(tmp_path / "mix"), "TRAIN_ITERS": "30", "WANDB_MODE": "offline"}
+    env.pop("WANDB_API_KEY", None)
+    out = subprocess.run(
+        ["bash", str(ROOT / "pretrain" / "mixtral_cpu_demo.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    last = records(tmp_path / "mix" / "metrics.jsonl")[-1]
+    assert last["iteration"] == 30 and last["moe_aux_loss"] > 0 and last["moe_max_imbalance"] >= 1.0
+    per_layer = last["moe_tokens_per_expert"]
+    assert sorted(per_layer) == ["0", "1", "2", "3"] and all(len(v) == 8 for v in per_layer.values())
+    # every routed pair counted: batch 16 x seq 128 tokens, top-2
+    assert all(sum(v) == 16 * 128 * 2 for v in per_layer.values())
+    run = next((tmp_path / "mix" / "wandb").glob("offline-run-*"))
+    blob = b"".join(p.read_bytes() for p in run.rglob("*.wandb"))
+    for key in (b"moe_aux_loss", b"moe_max_imbalance", b"moe_layer0_imbalance", b"moe_dropped_fraction"):
+        assert key in blob, key

@@ -38,7 +38,7 @@ from megatron_lite.checkpoint.format import (
 )
 from megatron_lite.config import ConfigError
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import named_param_meta
+from megatron_lite.parameters import named_param_meta, owns_copy
 
 
 @dataclass
@@ -50,16 +50,6 @@ class TrainState:
 def _barrier(ctx: ParallelContext) -> None:
     if ctx.world_size > 1:
         dist.barrier()
-
-
-def _owns_copy(ctx: ParallelContext, meta) -> bool:
-    """One copy of each piece is written: by data-parallel rank 0 (expert-data-parallel rank 0 for
-    experts), and for tensors replicated across (expert-)TP by its rank 0."""
-    if meta.embedding_copy:
-        return False
-    if meta.expert:
-        return ctx.edp.rank == 0 and (meta.tensor_parallel or ctx.etp.rank == 0)
-    return ctx.dp_cp.rank == 0 and (meta.tensor_parallel or ctx.tp.rank == 0)
 
 
 def _state_tensors(model, optimizer) -> dict[str, list]:
@@ -102,7 +92,7 @@ def save_checkpoint(
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
     for kind, entries in _state_tensors(model, optimizer).items():
         for gname, t, meta in entries:
-            if not _owns_copy(ctx, meta):
+            if not owns_copy(meta, ctx):
                 continue
             rec = {
                 "shape": full_shape(tuple(t.shape), meta),

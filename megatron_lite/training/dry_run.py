@@ -9,6 +9,7 @@ import os
 from megatron_lite.config import validate_layout
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import named_param_meta, owns_copy
 from megatron_lite.pipeline_parallel.schedules import build_schedule, max_in_flight
 from megatron_lite.training.configs import JobConfig
 
@@ -62,11 +63,13 @@ def dry_run(job: JobConfig) -> int:
     micro = job.training.global_batch(dp) // (job.training.micro_batch_size * dp)
     print(f"dry run: world size {world}, {job.parallel}")
     groups: dict[tuple[int, float], list[int]] = {}
+    total = 0
     for rank in range(world):
         ctx = ParallelContext.virtual(job.parallel, world, rank)
-        if ctx.dp_cp.rank != 0:
-            continue  # data-parallel replicas hold the same
         chunks = build_model(model_cfg, ctx, device="meta")
+        total += sum(p.numel() for _, p, meta in named_param_meta(chunks) if owns_copy(meta, ctx))
+        if ctx.dp_cp.rank != 0:
+            continue  # data-parallel replicas hold the same (experts aside, which the total counts)
         layers = sum(len(c.decoder.layers) for c in chunks)
         in_flight = max(max_in_flight(build_schedule(ctx.pp.size, ctx.vp_size, micro, ctx.pp.rank)), 1)
         act = per_layer * layers / len(chunks) * in_flight  # micro-batches alive at once, each through a chunk
@@ -79,10 +82,10 @@ def dry_run(job: JobConfig) -> int:
             f"  ranks {ranks} (and their data-parallel replicas): {_count(n)} parameters, {_bytes(states)} "
             f"weights+gradients+optimizer, ~{_bytes(act)} activations at the schedule's peak"
         )
-    total = sum(n * len(r) for (n, _), r in groups.items())
+
     print(
         f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}, "
-        f"{_count(total)} parameters summed over the model-parallel shards"
+        f"{_count(total)} parameters in all (vocabulary padding included)"
     )
     if worst > ACCELERATOR_BYTES:
         print(

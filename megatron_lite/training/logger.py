@@ -83,7 +83,9 @@ class MetricsLogger:
             return
         record = {"iteration": iteration, **metrics} if kind == "train" else {"iteration": iteration, kind: metrics}
         if kind == "train":
-            fields = " | ".join(f"{k}: {_fmt(v)}" for k, v in metrics.items() if v is not None)
+            fields = " | ".join(
+                f"{k}: {_fmt(v)}" for k, v in metrics.items() if v is not None and not isinstance(v, (dict, list))
+            )
             self.info(f"iteration {iteration:>6}/{self.train_iters} | {fields}")
         else:
             self.info(f"{kind} at iteration {iteration} | " + " | ".join(f"{k}: {_fmt(v)}" for k, v in metrics.items()))

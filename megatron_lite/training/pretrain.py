@@ -50,6 +50,17 @@ def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> N
         )
 
 
+def _moe_metrics(moe: dict | None) -> dict:
+    """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL."""
+    if moe is None:
+        return {}
+    out = {f"moe_{k}": moe[k] for k in ("aux_loss", "z_loss", "dropped_fraction", "max_imbalance")}
+    for layer, st in moe["layers"].items():
+        out[f"moe_layer{layer}_imbalance"] = st["imbalance"]
+    out["moe_tokens_per_expert"] = {str(layer): st["tokens_per_expert"] for layer, st in moe["layers"].items()}
+    return out
+
+
 def _logging_rank(ctx: ParallelContext) -> bool:
     return ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp_cp.rank == 0
 
@@ -213,6 +224,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     "peak_memory_bytes": _peak_memory(ctx.device),
                     "consumed_samples": state.consumed_samples,
                     "skipped_iterations": window["skipped"],
+                    **_moe_metrics(metrics.moe),
                 },
             )
             window = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0}
