@@ -93,11 +93,20 @@ def _gpt2():
     )
 
 
+def _mixtral():
+    return transformers.MixtralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
     "qwen2": (_qwen2, transformers.Qwen2ForCausalLM),
     "gpt2": (_gpt2, transformers.GPT2LMHeadModel),
+    "mixtral": (_mixtral, transformers.MixtralForCausalLM),
 }
 
 
@@ -168,3 +177,21 @@ def test_hf_state_dict_round_trip_is_exact(name):
     for k, v in back.items():
         assert torch.equal(v, original[k]), k
     assert set(back) == set(original)
+
+
+def test_mixtral_on_disk_names_map_like_module_names(tmp_path):
+    """save_pretrained writes block_sparse_moe.experts.{e}.w1/w2/w3; reading those gives the same weights."""
+    from safetensors.torch import load_file
+
+    hf, hf_config, arch = _hf_model("mixtral")
+    config = config_from_hf(hf_config)
+    hf.save_pretrained(tmp_path)
+    on_disk = {}
+    for f in tmp_path.glob("*.safetensors"):
+        on_disk.update(load_file(str(f)))
+    assert any("block_sparse_moe.experts.0.w1" in k for k in on_disk)  # really the on-disk naming
+    from_disk = state_dict_from_hf(on_disk, config, arch)
+    from_modules = state_dict_from_hf(hf.state_dict(), config, arch)
+    assert from_disk.keys() == from_modules.keys()
+    for k in from_modules:
+        assert torch.equal(from_disk[k], from_modules[k]), k

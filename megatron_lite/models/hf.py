@@ -14,7 +14,7 @@ import torch
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
 
 
 def _arch(hf_config: Any) -> str:
@@ -25,6 +25,7 @@ def _arch(hf_config: Any) -> str:
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
+        "mixtral": "MixtralForCausalLM",
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
 
@@ -57,7 +58,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
         if getattr(c, "mlp_bias", False):
             raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
-        if getattr(c, "use_sliding_window", False) or (arch == "MistralForCausalLM" and c.sliding_window):
+        windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM") and c.sliding_window
+        if getattr(c, "use_sliding_window", False) or windowed:
             raise ConfigError(f"config.json sliding_window={c.sliding_window} is not supported yet for {arch}")
         attention_bias = getattr(c, "attention_bias", False)
         if attention_bias and arch != "Qwen2ForCausalLM":
@@ -85,6 +87,17 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             hidden_dropout=0.0,
             attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
         )
+        if arch == "MixtralForCausalLM":
+            if getattr(c, "router_jitter_noise", 0.0):
+                raise ConfigError(f"config.json router_jitter_noise={c.router_jitter_noise} is not supported")
+            # transformers adds its (k-times larger) aux loss only with output_router_logits; the weights'
+            # math is the router and the experts, so the auxiliary loss is left to the training flags.
+            kwargs.update(
+                num_experts=c.num_local_experts,
+                moe_router_topk=c.num_experts_per_tok,
+                moe_ffn_hidden_size=c.intermediate_size,
+                moe_aux_loss_coeff=0.0,
+            )
     elif arch == "GPT2LMHeadModel":
         c = hf_config
         if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
@@ -131,6 +144,26 @@ def _ungroup_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, 
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _experts_from_hf(hf: dict, p: str, ours: str, num_experts: int) -> dict:
+    """Mixtral experts, from transformers' fused module tensors (mlp.gate, mlp.experts.gate_up_proj [E, 2I, H]
+    = [gate; up], mlp.experts.down_proj [E, H, I]) or from the on-disk names save_pretrained writes
+    (block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 = gate, w3 = up, w2 = down)."""
+    out = {}
+    if p + "mlp.gate.weight" in hf:
+        out[f"{ours}.router.weight"] = hf[p + "mlp.gate.weight"]
+        for e in range(num_experts):
+            out[f"{ours}.experts.{e}.linear_fc1.weight"] = hf[p + "mlp.experts.gate_up_proj"][e]
+            out[f"{ours}.experts.{e}.linear_fc2.weight"] = hf[p + "mlp.experts.down_proj"][e]
+        return out
+    q = p + "block_sparse_moe."
+    out[f"{ours}.router.weight"] = hf[q + "gate.weight"]
+    for e in range(num_experts):
+        w = f"{q}experts.{e}."
+        out[f"{ours}.experts.{e}.linear_fc1.weight"] = torch.cat([hf[w + "w1.weight"], hf[w + "w3.weight"]], dim=0)
+        out[f"{ours}.experts.{e}.linear_fc2.weight"] = hf[w + "w2.weight"]
+    return out
+
+
 def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
     """HF tensors (or their gradients: the map is linear) -> our full, unpadded state dict."""
     out: dict[str, torch.Tensor] = {}
@@ -151,10 +184,13 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
                     )
             out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
             out[f"{L}.{i}.pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-            out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
-                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
-            )
-            out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+            if config.num_experts:
+                out.update(_experts_from_hf(hf, p, f"{L}.{i}.mlp", config.num_experts))
+            else:
+                out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
+                    [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+                )
+                out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
         if not config.tied_embeddings:
             out["output_layer.weight"] = hf["lm_head.weight"]
@@ -204,9 +240,19 @@ def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: s
                     hf[f"{p}self_attn.v_proj.{kind}"] = v
             hf[p + "self_attn.o_proj.weight"] = ours[f"{L}.{i}.self_attention.linear_proj.weight"]
             hf[p + "post_attention_layernorm.weight"] = ours[f"{L}.{i}.pre_mlp_layernorm.weight"]
-            gate, up = ours[f"{L}.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
-            hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
-            hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
+            if config.num_experts:
+                m, n = f"{L}.{i}.mlp", config.num_experts
+                hf[p + "mlp.gate.weight"] = ours[f"{m}.router.weight"]
+                hf[p + "mlp.experts.gate_up_proj"] = torch.stack(
+                    [ours[f"{m}.experts.{e}.linear_fc1.weight"] for e in range(n)]
+                )
+                hf[p + "mlp.experts.down_proj"] = torch.stack(
+                    [ours[f"{m}.experts.{e}.linear_fc2.weight"] for e in range(n)]
+                )
+            else:
+                gate, up = ours[f"{L}.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
+                hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
+                hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
         hf["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
         hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
         return {k: v.contiguous() for k, v in hf.items()}

@@ -14,6 +14,15 @@ from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
+class _Weight(nn.Module):
+    """Holds one weight, so experts read like Megatron's (`linear_fc1.weight`) in names and checkpoints."""
+
+    def __init__(self, shape, meta: ParamMeta, device, dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        set_param_meta(self, "weight", meta)
+
+
 class ExpertMLP(nn.Module):
     def __init__(self, config: ModelConfig, etp: Group, device=None, dtype=torch.float32) -> None:
         super().__init__()
@@ -22,21 +31,22 @@ class ExpertMLP(nn.Module):
         self.activation = config.activation
         fc1 = ShardSpec.even(0, (f, f) if self.swiglu else (f,), etp.size)
         fc2 = ShardSpec.even(1, f, etp.size)
-        self.fc1_weight = nn.Parameter(torch.empty(fc1.shard_size, h, device=device, dtype=dtype))
-        self.fc2_weight = nn.Parameter(torch.empty(h, fc2.shard_size, device=device, dtype=dtype))
-        set_param_meta(self, "fc1_weight", ParamMeta(("normal", config.init_method_std), fc1, etp.rank, expert=True))
-        set_param_meta(
-            self, "fc2_weight", ParamMeta(("normal", config.output_layer_init_std), fc2, etp.rank, expert=True)
+        std, out_std = config.init_method_std, config.output_layer_init_std
+        self.linear_fc1 = _Weight(
+            (fc1.shard_size, h), ParamMeta(("normal", std), fc1, etp.rank, expert=True), device, dtype
+        )
+        self.linear_fc2 = _Weight(
+            (h, fc2.shard_size), ParamMeta(("normal", out_std), fc2, etp.rank, expert=True), device, dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.fc1_weight)
+        h = F.linear(x, self.linear_fc1.weight)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return F.linear(h, self.fc2_weight)  # partial over the expert-TP group
+        return F.linear(h, self.linear_fc2.weight)  # partial over the expert-TP group
 
 
 class LocalExperts(nn.Module):
