@@ -35,3 +35,15 @@ def test_bench_pipeline_reports_bubble_and_ratio(tmp_path):
     assert [r["schedule"] for r in rows] == ["1F1B", "interleaved 1F1B"]
     assert rows[0]["theory_bubble"] == 0.5 and rows[1]["theory_bubble"] == 0.25
     assert all(r["torch_over_ours"] > 0 and r["measured_bubble"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_moe_dispatcher_reports_both_dispatchers(tmp_path):
+    _run_tool(
+        "bench_moe_dispatcher.py",
+        "--ep 2 --tokens 64 --hidden-size 32 --ffn-hidden-size 32 --num-experts 4 --warmup 1 --iters 1",
+        tmp_path / "r.json",
+    )
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {(r["dispatcher"], r["ep"]) for r in rows} == {("alltoall", 2), ("allgather", 2)}
+    assert all(r["tokens_per_s"] > 0 for r in rows)

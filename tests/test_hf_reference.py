@@ -95,9 +95,18 @@ def _gpt2():
 
 def _mixtral():
     return transformers.MixtralConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5,
-        max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
 
 

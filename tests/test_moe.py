@@ -101,6 +101,7 @@ LAYOUTS = {
     "ep4": (4, P(expert_model_parallel_size=4)),
     "ep2-tp2-sp": (4, P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
     "ep2-dp2": (4, P(expert_model_parallel_size=2)),  # EP=2 inside DP=4: two copies of each expert
+    "pp2-ep2": (4, P(expert_model_parallel_size=2, pipeline_model_parallel_size=2)),
 }
 
 

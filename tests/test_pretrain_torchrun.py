@@ -35,15 +35,12 @@ def records(path) -> list[dict]:
 
 
 RESUME_LAYOUTS = {
-    "tp2-dp2": ["--tensor-model-parallel-size", "2"],
-    "pp2-vp2": [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--num-virtual-stages-per-pipeline-rank",
-        "2",
-        "--num-layers",
-        "4",
-    ],
+    "tp2-dp2": "--tensor-model-parallel-size 2".split(),
+    "pp2-vp2": "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --num-layers 4".split(),
+    "moe-ep2": (
+        "--num-experts 4 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2 "
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias"
+    ).split(),
 }
 
 
@@ -69,6 +66,7 @@ def test_resume_is_exact(tmp_path, layout):
     assert [r["iteration"] for r in resumed] == list(range(1, 11))
     for s, r in zip(straight[5:], resumed[5:]):
         assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
+        assert s.get("moe_aux_loss") == r.get("moe_aux_loss")  # routing (and the expert bias) came back too
 
 
 SCRIPTS = ["demo_cpu.sh", "mixtral_cpu_demo.sh", "llama3_8b.sh", "llama3_70b_multinode.sh", "llama3_70b.sbatch"]

@@ -59,7 +59,7 @@ def _state_tensors(model, optimizer) -> dict[str, list]:
     for name, p, meta in named_param_meta(model):
         gname = model.global_name(name)
         out["model"].append((gname, p, meta))
-        if optimizer is None:
+        if optimizer is None or id(p) not in main_of:  # frozen (e.g. the MoE expert bias): weights only
             continue
         main = main_of[id(p)]
         if main is not p:
@@ -234,7 +234,7 @@ def load_checkpoint(
     if optimizer is not None and load_optim and not finetune:
         main_of = dict(zip(map(id, optimizer.params), optimizer.main_params))
         for name, p, pmeta in named_param_meta(model):
-            main = main_of[id(p)]
+            main = main_of.get(id(p), p)  # frozen parameters are not in the optimizer
             if main is not p:
                 key = f"main/{model.global_name(name)}"
                 if key in reader.index:
@@ -279,10 +279,10 @@ def _load_adam(reader: _Reader, model, optimizer, step: int) -> None:
     state = {}
     main_of = dict(zip(map(id, optimizer.params), optimizer.main_params))
     for name, p, pmeta in named_param_meta(model):
-        main = main_of[id(p)]
         gname = model.global_name(name)
-        if f"exp_avg/{gname}" not in reader.index:
+        if id(p) not in main_of or f"exp_avg/{gname}" not in reader.index:
             continue
+        main = main_of[id(p)]
         entry = {"step": torch.tensor(float(step))}
         for kind in ("exp_avg", "exp_avg_sq"):
             t = torch.zeros_like(main)

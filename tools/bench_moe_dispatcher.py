@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""MoE token dispatchers side by side: tokens per second through one MoE layer, forward and backward, for
+the all-to-all dispatcher and the all-gather dispatcher at expert-parallel sizes 2 and 4, on the same
+layer, weights and tokens, in one run (gloo on CPU by default; NCCL with --device cuda and enough GPUs).
+
+    python tools/bench_moe_dispatcher.py
+    python tools/bench_moe_dispatcher.py --tokens 8192 --hidden-size 1024 --num-experts 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
+    torch.set_num_threads(max(1, args.threads // world))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+    from megatron_lite.config import ModelConfig, ParallelConfig
+    from megatron_lite.moe.layer import MoELayer
+    from megatron_lite.parallel_context import ParallelContext
+
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    ctx = ParallelContext.build(ParallelConfig(expert_model_parallel_size=world), device=device)
+    base = ModelConfig(
+        num_layers=1,
+        hidden_size=args.hidden_size,
+        num_attention_heads=8,
+        vocab_size=128,
+        activation="swiglu",
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        num_experts=args.num_experts,
+        moe_router_topk=args.topk,
+        moe_ffn_hidden_size=args.ffn_hidden_size,
+    )
+    rows = []
+    x = torch.randn(args.tokens, 1, args.hidden_size, generator=torch.Generator().manual_seed(rank)).to(device)
+    for kind in ("alltoall", "allgather"):
+        torch.manual_seed(0)
+        layer = MoELayer(dataclasses.replace(base, moe_token_dispatcher_type=kind), ctx, device=device)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.02)
+        times = []
+        for i in range(args.warmup + args.iters):
+            inp = x.clone().requires_grad_(True)
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            layer(inp).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        rows.append({"dispatcher": kind, "ep": world, "step_s": step, "tokens_per_s": args.tokens * world / step})
+    if rank == 0:
+        json.dump(rows, open(out_path, "w"))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ep", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--ffn-hidden-size", type=int, default=512)
+    ap.add_argument("--num-experts", type=int, default=8)
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows = []
+    for ep in args.ep:
+        with tempfile.TemporaryDirectory() as tmp:
+            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "rows.json")
+            mp.start_processes(_worker, args=(ep, init, args, out), nprocs=ep, start_method="spawn")
+            rows += json.load(open(out))
+    print(f"{'EP':>3}  {'alltoall tok/s':>15}  {'allgather tok/s':>16}  {'alltoall / allgather':>21}")
+    for ep in args.ep:
+        a2a = next(r for r in rows if r["ep"] == ep and r["dispatcher"] == "alltoall")
+        ag = next(r for r in rows if r["ep"] == ep and r["dispatcher"] == "allgather")
+        print(
+            f"{ep:>3}  {a2a['tokens_per_s']:>15.0f}  {ag['tokens_per_s']:>16.0f}  "
+            f"{a2a['tokens_per_s'] / ag['tokens_per_s']:>21.2f}"
+        )
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
