@@ -223,3 +223,28 @@ def test_dense_and_expert_parameters_are_placed_and_named_by_global_expert():
     one = build_model(config, ParallelContext.virtual(P()), device="meta")
     assert names[0] | names[1] == {one.global_name(n) for n, _ in one.named_parameters() if "experts" in n}
     assert dataclasses.replace(config, num_experts=None).is_moe_layer(0) is False
+
+
+VARIANTS = {
+    "seq-aux-pre-softmax": (
+        2,
+        P(expert_model_parallel_size=2),
+        dict(moe_router_load_balancing_type="seq_aux_loss", moe_router_pre_softmax=True),
+    ),
+    "shared-expert-pattern-sigmoid-tp2-sp": (
+        4,
+        P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+        dict(moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1), moe_router_score_function="sigmoid"),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_moe_variants_equal_single_process(dist, variant):
+    world, parallel, kw = VARIANTS[variant]
+    config = moe_config(**kw)
+    ref = moe_run(config, ParallelConfig(), 8, 2, iters=5)
+    for history in dist(world, moe_run, config, parallel, 8, 2, 5):
+        _compare(history, ref)
+    if "moe_layer_freq" in kw:
+        assert list(ref[0]["layers"]) == [1]  # only layer 1 is MoE

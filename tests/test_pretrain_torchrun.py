@@ -69,7 +69,14 @@ def test_resume_is_exact(tmp_path, layout):
         assert s.get("moe_aux_loss") == r.get("moe_aux_loss")  # routing (and the expert bias) came back too
 
 
-SCRIPTS = ["demo_cpu.sh", "mixtral_cpu_demo.sh", "llama3_8b.sh", "llama3_70b_multinode.sh", "llama3_70b.sbatch"]
+SCRIPTS = [
+    "demo_cpu.sh",
+    "mixtral_cpu_demo.sh",
+    "mixtral_8x7b.sh",
+    "llama3_8b.sh",
+    "llama3_70b_multinode.sh",
+    "llama3_70b.sbatch",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
