@@ -1,1 +1,26 @@
-"""Triton kernels (importable as megatron_lite.kernels); filled in by the kernels issue."""
+"""Triton kernels for megatron_lite (installed as megatron_lite.kernels).
+
+Each op has three layers (Triton kernels + launcher, an autograd Function, this functional entry) and a
+plain-PyTorch reference beside it that is both the fallback (no Triton, or CPU tensors outside the
+interpreter) and the tests' oracle. `LAUNCHES` counts kernel launches so tests can prove a kernel ran.
+"""
+
+from megatron_lite.kernels._common import HAVE_TRITON, LAUNCHES, compile_for_gpu, triton_usable
+from megatron_lite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from megatron_lite.kernels.rope import apply_rope, apply_rope_reference
+from megatron_lite.kernels.swiglu import swiglu, swiglu_reference
+
+__all__ = [
+    "HAVE_TRITON",
+    "LAUNCHES",
+    "compile_for_gpu",
+    "triton_usable",
+    "rms_norm",
+    "rms_norm_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "swiglu",
+    "swiglu_reference",
+    "apply_rope",
+    "apply_rope_reference",
+]

@@ -8,6 +8,10 @@ import pathlib
 import pytest
 import torch
 
+# Triton kernels run through the interpreter where there is no GPU; it must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The embedded corpus (and dataset index caches) for tests live in the repo's pytest cache, not in the home
 # directory; set before any worker pool is spawned so every rank sees the same place.
 os.environ.setdefault(

@@ -1,0 +1,55 @@
+"""Shared pieces of the kernels: whether Triton can run here, a launch counter (tests prove a kernel really
+ran rather than a silent fallback), and compiling a kernel for a GPU target without a GPU.
+
+On a CPU, Triton runs its kernels through the interpreter when TRITON_INTERPRET=1 was set before triton was
+imported (the test suite does this); without it, the functional entries use the PyTorch references.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+
+try:
+    import triton  # noqa: F401 - Linux only; elsewhere every op uses its PyTorch reference
+    import triton.language as tl  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - macOS laptops, dry runs
+    HAVE_TRITON = False
+
+LAUNCHES: Counter = Counter()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_usable(*tensors: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors, or anywhere under the interpreter."""
+    if not HAVE_TRITON:
+        return False
+    return all(t.is_cuda for t in tensors) or interpreting()
+
+
+def launched(name: str) -> None:
+    LAUNCHES[name] += 1
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def compile_for_gpu(kernel, signature: dict, constexprs: dict, capability: int = 90):
+    """Compile a @triton.jit kernel for a CUDA target (Hopper by default) on any machine, GPU or not:
+    catches code the interpreter accepts but the GPU compiler rejects. Returns the compiled kernel (its
+    `asm` holds ptx and cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # interpreter wraps the function
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32))

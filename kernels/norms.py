@@ -1,0 +1,261 @@
+"""RMSNorm and LayerNorm, each optionally fused with the residual add before it.
+
+Layers: Triton kernels (one row per program forward; backward programs each own a run of rows and write a
+partial weight gradient), launchers, autograd Functions, functional entries, and plain-PyTorch references.
+The forward saves only its input (the summed residual stream when fused), the weights and one fp32
+statistic per row; the normalised rows are recomputed in the backward. Statistics in fp32; the weight is
+applied to the normalised value cast to the input dtype, as transformers does.
+
+    y = rms_norm(x, w, eps)                     y, s = rms_norm(x, w, eps, residual=r)   # s = x + r
+    y = layer_norm(x, w, b, eps)                y, s = layer_norm(x, w, b, eps, residual=r)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _norm_fwd(
+        X,
+        R,
+        W,
+        B,
+        Y,
+        S,
+        STAT1,
+        STAT2,
+        stride_x,
+        stride_r,
+        stride_y,
+        stride_s,
+        N,
+        eps,
+        HAS_RES: tl.constexpr,
+        IS_RMS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=mask)
+        if IS_RMS:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+            xhat = x * rstd
+        else:
+            mean = tl.sum(x, axis=0) / N
+            diff = tl.where(mask, x - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
+            xhat = diff * rstd
+            tl.store(STAT2 + row, mean)
+        tl.store(STAT1 + row, rstd)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = xhat.to(Y.dtype.element_ty).to(tl.float32) * w
+        if not IS_RMS:
+            y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_bwd(
+        DY,
+        X,
+        W,
+        STAT1,
+        STAT2,
+        DX,
+        DW,
+        DB,
+        stride_dy,
+        stride_x,
+        stride_dx,
+        rows,
+        N,
+        rows_per_prog,
+        IS_RMS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        db = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(0, rows_per_prog):
+            row = pid * rows_per_prog + i
+            if row < rows:
+                dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+                rstd = tl.load(STAT1 + row)
+                if IS_RMS:
+                    xhat = x * rstd
+                else:
+                    xhat = tl.where(mask, x - tl.load(STAT2 + row), 0.0) * rstd
+                wdy = w * dy
+                c1 = tl.sum(xhat * wdy, axis=0) / N
+                if IS_RMS:
+                    dx = (wdy - xhat * c1) * rstd
+                else:
+                    dx = (wdy - xhat * c1 - tl.sum(wdy, axis=0) / N) * rstd
+                tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+                dw += dy * xhat
+                db += dy
+        tl.store(DW + pid * N + cols, dw, mask=mask)
+        if not IS_RMS:
+            tl.store(DB + pid * N + cols, db, mask=mask)
+
+
+def _programs(rows: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return min(rows, torch.cuda.get_device_properties(device).multi_processor_count * 4)
+    return min(rows, 8)
+
+
+class _NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, is_rms):
+        shape = x.shape
+        n = shape[-1]
+        x2 = x.reshape(-1, n).contiguous()
+        rows = x2.shape[0]
+        r2 = residual.reshape(-1, n).contiguous() if residual is not None else x2
+        y = torch.empty_like(x2)
+        s = torch.empty_like(x2) if residual is not None else x2
+        stat1 = torch.empty(rows, dtype=torch.float32, device=x.device)
+        stat2 = torch.empty(rows, dtype=torch.float32, device=x.device)
+        b = bias if bias is not None else weight
+        _norm_fwd[(rows,)](
+            x2,
+            r2,
+            weight,
+            b,
+            y,
+            s,
+            stat1,
+            stat2,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            s.stride(0),
+            n,
+            eps,
+            HAS_RES=residual is not None,
+            IS_RMS=is_rms,
+            BLOCK=next_pow2(n),
+        )
+        launched("rms_norm_fwd" if is_rms else "layer_norm_fwd")
+        ctx.save_for_backward(s, weight, stat1, stat2)
+        ctx.is_rms, ctx.has_bias, ctx.has_res, ctx.shape = is_rms, bias is not None, residual is not None, shape
+        y = y.view(shape)
+        return (y, s.view(shape)) if residual is not None else y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        s, weight, stat1, stat2 = ctx.saved_tensors
+        n = s.shape[-1]
+        dy2 = dy.reshape(-1, n).contiguous()
+        rows = s.shape[0]
+        dx = torch.empty_like(s)
+        g = _programs(rows, s.device)
+        per = (rows + g - 1) // g
+        dw = torch.empty(g, n, dtype=torch.float32, device=s.device)
+        db = torch.empty(g, n, dtype=torch.float32, device=s.device)
+        _norm_bwd[(g,)](
+            dy2,
+            s,
+            weight,
+            stat1,
+            stat2,
+            dx,
+            dw,
+            db,
+            dy2.stride(0),
+            s.stride(0),
+            dx.stride(0),
+            rows,
+            n,
+            per,
+            IS_RMS=ctx.is_rms,
+            BLOCK=next_pow2(n),
+        )
+        launched("rms_norm_bwd" if ctx.is_rms else "layer_norm_bwd")
+        dx = dx.view(ctx.shape)
+        if ds is not None:  # the summed residual stream also flows on
+            dx = dx + ds
+        dweight = dw.sum(0).to(weight.dtype)
+        dbias = db.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return dx, dweight, dbias, (dx if ctx.has_res else None), None, None
+
+
+# References (the oracle and the fallback) ------------------------------------------------------------
+def rms_norm_reference(x, weight, eps, residual=None):
+    s = x + residual if residual is not None else x
+    sf = s.float()
+    y = weight * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+    return (y, s) if residual is not None else y
+
+
+def layer_norm_reference(x, weight, bias, eps, residual=None):
+    s = x + residual if residual is not None else x
+    y = F.layer_norm(s.float(), (s.shape[-1],), weight.float(), bias.float(), eps).to(s.dtype)
+    return (y, s) if residual is not None else y
+
+
+# Functional entries ----------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x (or of x + residual, also returned). Triton when usable, else the reference."""
+    if triton_usable(x):
+        return _NormFunction.apply(x, weight, None, residual, eps, True)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
+    if triton_usable(x):
+        return _NormFunction.apply(x, weight, bias, residual, eps, False)
+    return layer_norm_reference(x, weight, bias, eps, residual)
+
+
+def _cases() -> list[tuple]:
+    out = []
+    for t in ("bf16", "fp32"):
+        for rms in (True, False):
+            for res in (True, False):
+                sig = {
+                    **{n: f"*{t}" for n in "X R W B Y S".split()},
+                    "STAT1": "*fp32",
+                    "STAT2": "*fp32",
+                    **dict.fromkeys(["stride_x", "stride_r", "stride_y", "stride_s", "N"], "i32"),
+                    "eps": "fp32",
+                    "HAS_RES": "constexpr",
+                    "IS_RMS": "constexpr",
+                    "BLOCK": "constexpr",
+                }
+                out.append(
+                    (f"norm_fwd_{t}_rms{rms}_res{res}", _norm_fwd, sig, {"HAS_RES": res, "IS_RMS": rms, "BLOCK": 4096})
+                )
+            sig = {
+                **{n: f"*{t}" for n in "DY X W".split()},
+                "STAT1": "*fp32",
+                "STAT2": "*fp32",
+                "DX": f"*{t}",
+                "DW": "*fp32",
+                "DB": "*fp32",
+                **dict.fromkeys(["stride_dy", "stride_x", "stride_dx", "rows", "N", "rows_per_prog"], "i32"),
+                "IS_RMS": "constexpr",
+                "BLOCK": "constexpr",
+            }
+            out.append((f"norm_bwd_{t}_rms{rms}", _norm_bwd, sig, {"IS_RMS": rms, "BLOCK": 4096}))
+    return out
+
+
+COMPILE_CASES = _cases() if HAVE_TRITON else []

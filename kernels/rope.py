@@ -1,0 +1,151 @@
+"""Rotary position embeddings, Hugging Face's rotate-half convention: for x = [x1, x2] (halves of
+head_dim), y = x * cos + [-x2, x1] * sin. x is [batch, seq, heads, head_dim]; cos and sin are
+[seq, head_dim] (or [batch, seq, head_dim] for per-sample positions). The backward is the transposed
+rotation; nothing but cos and sin is saved."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rope(
+        X,
+        COS,
+        SIN,
+        Y,
+        stride_xb,
+        stride_xs,
+        stride_xh,
+        stride_cb,
+        stride_cs,
+        stride_yb,
+        stride_ys,
+        stride_yh,
+        seq,
+        heads,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BACKWARD: tl.constexpr,
+    ):
+        pid = tl.program_id(0)  # one (batch, position, head) row
+        h = pid % heads
+        s = (pid // heads) % seq
+        b = pid // (heads * seq)
+        d = tl.arange(0, BLOCK)
+        mask = d < HALF
+        x_row = X + b * stride_xb + s * stride_xs + h * stride_xh
+        c_row = b * stride_cb + s * stride_cs
+        x1 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + c_row + d, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + c_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + c_row + d, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + c_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        if BACKWARD:  # the transpose of the rotation
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        y_row = Y + b * stride_yb + s * stride_ys + h * stride_yh
+        tl.store(y_row + d, y1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_row + HALF + d, y2.to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    b, s, h, d = x.shape
+    cos3 = cos if cos.dim() == 3 else cos.unsqueeze(0)
+    sin3 = sin if sin.dim() == 3 else sin.unsqueeze(0)
+    cos3, sin3 = cos3.contiguous(), sin3.contiguous()
+    stride_cb = cos3.stride(0) if cos3.shape[0] > 1 else 0
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _rope[(b * s * h,)](
+        x,
+        cos3,
+        sin3,
+        y,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        stride_cb,
+        cos3.stride(1),
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        s,
+        h,
+        HALF=d // 2,
+        BLOCK=next_pow2(d // 2),
+        BACKWARD=backward,
+    )
+    launched("rope_bwd" if backward else "rope_fwd")
+    return y
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _launch(x, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _launch(dy, cos, sin, backward=True), None, None
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if triton_usable(x) and x.shape[-1] % 2 == 0 and x.stride(-1) == 1:
+        return _RoPE.apply(x, cos, sin)
+    return apply_rope_reference(x, cos, sin)
+
+
+COMPILE_CASES = (
+    [
+        (
+            f"rope_{t}_bwd{bwd}",
+            _rope,
+            {
+                "X": f"*{t}",
+                "COS": "*fp32",
+                "SIN": "*fp32",
+                "Y": f"*{t}",
+                **dict.fromkeys(
+                    [
+                        "stride_xb",
+                        "stride_xs",
+                        "stride_xh",
+                        "stride_cb",
+                        "stride_cs",
+                        "stride_yb",
+                        "stride_ys",
+                        "stride_yh",
+                        "seq",
+                        "heads",
+                    ],
+                    "i32",
+                ),
+                "HALF": "constexpr",
+                "BLOCK": "constexpr",
+                "BACKWARD": "constexpr",
+            },
+            {"HALF": 64, "BLOCK": 64, "BACKWARD": bwd},
+        )
+        for t in ("bf16", "fp32")
+        for bwd in (False, True)
+    ]
+    if HAVE_TRITON
+    else []
+)

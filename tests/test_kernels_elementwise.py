@@ -1,0 +1,141 @@
+"""Norms, SwiGLU and RoPE kernels, forward and backward, against their PyTorch references and against the
+transformers modules, on odd shapes (not powers of two, a single row, more rows than one block); each test
+proves a Triton kernel ran. On a CPU the kernels run under TRITON_INTERPRET=1 (see conftest.py).
+
+Tolerances (fp32, per tensor ||a-b||/||b||) follow Liger-Kernel's: 1e-5. bf16 needs a GPU: the interpreter
+has no bf16 arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from megatron_lite import kernels as K
+
+from models import rel
+
+SHAPES = [(1, 7), (5, 33), (3, 4, 100), (130, 48)]
+TOL = 1e-5
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
+)
+
+
+def _rand(*shape, seed=0, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+def _grads(fn, *inputs, seed=9):
+    ins = [t.clone().requires_grad_(True) for t in inputs]
+    out = fn(*ins)
+    outs = out if isinstance(out, tuple) else (out,)
+    gs = [_rand(*o.shape, seed=seed + i, dtype=o.dtype, device=o.device) for i, o in enumerate(outs)]
+    torch.autograd.backward(outs, gs)
+    return [o.detach() for o in outs], [t.grad for t in ins]
+
+
+def _check(name, fn, ref, inputs, tol=TOL):
+    before = K.LAUNCHES[f"{name}_fwd"], K.LAUNCHES[f"{name}_bwd"]
+    outs, grads = _grads(fn, *inputs)
+    r_outs, r_grads = _grads(ref, *inputs)
+    assert K.LAUNCHES[f"{name}_fwd"] > before[0] and K.LAUNCHES[f"{name}_bwd"] > before[1], "no kernel ran"
+    for a, b in zip(outs + grads, r_outs + r_grads):
+        assert rel(a.float(), b.float()) < tol, (name, rel(a.float(), b.float()))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(shape, residual):
+    x, w = _rand(*shape), _rand(shape[-1], seed=1) + 1
+    r = _rand(*shape, seed=2)
+    if residual:
+        _check(
+            "rms_norm",
+            lambda a, b, c: K.rms_norm(a, b, 1e-6, residual=c),
+            lambda a, b, c: K.rms_norm_reference(a, b, 1e-6, residual=c),
+            [x, w, r],
+        )
+    else:
+        _check("rms_norm", lambda a, b: K.rms_norm(a, b, 1e-6), lambda a, b: K.rms_norm_reference(a, b, 1e-6), [x, w])
+
+
+def test_rms_norm_equals_transformers():
+    x = _rand(4, 9, 64)
+    hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(_rand(64, seed=3))
+    assert rel(K.rms_norm(x, hf.weight.detach(), 1e-5), hf(x).detach()) < TOL
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm(shape, residual):
+    x, w, b = _rand(*shape), _rand(shape[-1], seed=1) + 1, _rand(shape[-1], seed=5)
+    r = _rand(*shape, seed=2)
+    if residual:
+        _check(
+            "layer_norm",
+            lambda a, w_, b_, c: K.layer_norm(a, w_, b_, 1e-5, residual=c),
+            lambda a, w_, b_, c: K.layer_norm_reference(a, w_, b_, 1e-5, residual=c),
+            [x, w, b, r],
+        )
+    else:
+        _check(
+            "layer_norm",
+            lambda a, w_, b_: K.layer_norm(a, w_, b_, 1e-5),
+            lambda a, w_, b_: K.layer_norm_reference(a, w_, b_, 1e-5),
+            [x, w, b],
+        )
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (7, 130), (2, 3, 1500)])
+def test_swiglu(shape):
+    _check("swiglu", K.swiglu, K.swiglu_reference, [_rand(*shape), _rand(*shape, seed=1)])
+
+
+def test_swiglu_equals_llama_mlp_activation():
+    g, u = _rand(6, 40), _rand(6, 40, seed=1)
+    act = transformers.activations.ACT2FN["silu"]
+    assert rel(K.swiglu(g, u), act(g) * u) < TOL
+
+
+@pytest.mark.parametrize("b,s,h,d", [(1, 1, 1, 8), (2, 7, 3, 20), (3, 5, 4, 64)])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_rope(b, s, h, d, per_batch):
+    x = _rand(b, s, h, d)
+    ang = _rand(b if per_batch else 1, s, d // 2, seed=4).repeat(1, 1, 2)
+    cos, sin = ang.cos(), ang.sin()
+    if not per_batch:
+        cos, sin = cos[0], sin[0]
+    _check("rope", lambda t: K.apply_rope(t, cos, sin), lambda t: K.apply_rope_reference(t, cos, sin), [x])
+
+
+def test_rope_equals_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = _rand(2, 3, 5, 16), _rand(2, 2, 5, 16, seed=1)  # transformers: [batch, heads, seq, dim]
+    ang = _rand(2, 5, 8, seed=2).repeat(1, 1, 2)
+    hq, hk = apply_rotary_pos_emb(q, k, ang.cos(), ang.sin())
+    ours_q = K.apply_rope(q.transpose(1, 2), ang.cos(), ang.sin()).transpose(1, 2)
+    ours_k = K.apply_rope(k.transpose(1, 2), ang.cos(), ang.sin()).transpose(1, 2)
+    assert rel(ours_q, hq) < TOL and rel(ours_k, hk) < TOL
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu", "rope"])
+def test_bf16_on_gpu(op):
+    dev, bf = "cuda", torch.bfloat16
+    x = _rand(64, 4096, dtype=bf, device=dev)
+    w = _rand(4096, seed=1, dtype=bf, device=dev) + 1
+    if op == "rms_norm":
+        a, b = K.rms_norm(x, w, 1e-5), K.rms_norm_reference(x, w, 1e-5)
+    elif op == "layer_norm":
+        a, b = K.layer_norm(x, w, w * 0, 1e-5), K.layer_norm_reference(x, w, w * 0, 1e-5)
+    elif op == "swiglu":
+        a, b = K.swiglu(x, w.expand_as(x)), K.swiglu_reference(x, w.expand_as(x))
+    else:
+        t = _rand(2, 128, 8, 128, dtype=bf, device=dev)
+        ang = _rand(128, 64, seed=2, device=dev).repeat(1, 2)
+        a, b = K.apply_rope(t, ang.cos(), ang.sin()), K.apply_rope_reference(t, ang.cos(), ang.sin())
+    assert rel(a.float(), b.float()) < 2e-2
