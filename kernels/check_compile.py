@@ -13,7 +13,7 @@ import importlib
 import json
 import sys
 
-MODULES = ("norms", "swiglu", "rope")
+MODULES = ("norms", "swiglu", "rope", "cross_entropy")
 
 
 def all_cases() -> list[tuple]:

@@ -1,0 +1,293 @@
+"""Fused linear cross-entropy: loss = CE(hidden @ weight^T, labels) without ever holding the full logits.
+
+Tokens go through in chunks: a chunk's logits [chunk, vocab] are computed, one Triton kernel takes each
+row's max, sum of exponentials, target logit and sum of logits, and a second turns the chunk's logits, in
+place, into their gradient; two GEMMs then give the chunk's hidden gradient and add to the weight
+gradient. Peak extra memory is O(chunk x vocab) instead of O(tokens x vocab).
+
+Under tensor parallelism `weight` is this rank's vocabulary shard (rows [vocab_start, vocab_start + V_local)
+of the vocabulary); the row statistics are combined over `tp_group` (max, then sums), so only [tokens]-sized
+tensors cross ranks, and the returned hidden gradient is this shard's part (the caller's TP reduction sums
+it, as for a column-parallel output layer). Columns at or beyond `vocab_size` (padding) take no probability.
+
+With reduction "mean" or "sum" the gradients are computed in the forward pass and scaled by the incoming
+gradient; with "none" the backward recomputes the chunks with each token's incoming gradient.
+Options: z-loss (coeff * logsumexp^2 per token) and label smoothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ce_stats(LOGITS, LABELS, STATS, stride_l, V_local, vocab_start, vocab_size, BLOCK: tl.constexpr):
+        """Per row: [max, sum exp(x - max), target logit (0 if not here), sum of logits] over real columns."""
+        row = tl.program_id(0)
+        label = tl.load(LABELS + row)
+        # A large finite floor rather than -inf: a block (or shard) of padding only must not give inf - inf.
+        m = tl.zeros([], dtype=tl.float32) - 1e30
+        s = tl.zeros([], dtype=tl.float32)
+        total = tl.zeros([], dtype=tl.float32)
+        target = tl.zeros([], dtype=tl.float32)
+        for start in range(0, V_local, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            real = (cols < V_local) & (vocab_start + cols < vocab_size)
+            x = tl.load(LOGITS + row * stride_l + cols, mask=real, other=-1e30).to(tl.float32)
+            new_m = tl.maximum(m, tl.max(x, axis=0))
+            s = s * tl.exp(m - new_m) + tl.sum(tl.where(real, tl.exp(x - new_m), 0.0), axis=0)
+            m = new_m
+            total += tl.sum(tl.where(real, x, 0.0), axis=0)
+            target += tl.sum(tl.where(real & (vocab_start + cols == label), x, 0.0), axis=0)
+        tl.store(STATS + row * 4 + 0, m)
+        tl.store(STATS + row * 4 + 1, s)
+        tl.store(STATS + row * 4 + 2, target)
+        tl.store(STATS + row * 4 + 3, total)
+
+    @triton.jit
+    def _ce_grad(
+        LOGITS, LABELS, LSE, SCALE, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing, BLOCK: tl.constexpr
+    ):
+        """In place: logits -> d loss / d logits = (softmax * (1 + 2 z lse) - (1-eps) onehot - eps / V) * scale."""
+        row = tl.program_id(0)
+        label = tl.load(LABELS + row)
+        lse = tl.load(LSE + row)
+        scale = tl.load(SCALE + row)
+        for start in range(0, V_local, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < V_local
+            real = inside & (vocab_start + cols < vocab_size)
+            x = tl.load(LOGITS + row * stride_l + cols, mask=inside, other=0.0).to(tl.float32)
+            p = tl.where(real, tl.exp(x - lse), 0.0)
+            g = p * (1.0 + 2.0 * z_coeff * lse)
+            g -= tl.where(real & (vocab_start + cols == label), 1.0 - smoothing, 0.0)
+            g -= tl.where(real, smoothing / vocab_size, 0.0)
+            tl.store(LOGITS + row * stride_l + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=inside)
+
+    COMPILE_CASES = [
+        (
+            f"ce_stats_{t}",
+            _ce_stats,
+            {
+                "LOGITS": f"*{t}",
+                "LABELS": "*i64",
+                "STATS": "*fp32",
+                "stride_l": "i32",
+                "V_local": "i32",
+                "vocab_start": "i32",
+                "vocab_size": "i32",
+                "BLOCK": "constexpr",
+            },
+            {"BLOCK": 1024},
+        )
+        for t in ("bf16", "fp32")
+    ] + [
+        (
+            f"ce_grad_{t}",
+            _ce_grad,
+            {
+                "LOGITS": f"*{t}",
+                "LABELS": "*i64",
+                "LSE": "*fp32",
+                "SCALE": "*fp32",
+                "stride_l": "i32",
+                "V_local": "i32",
+                "vocab_start": "i32",
+                "vocab_size": "i32",
+                "z_coeff": "fp32",
+                "smoothing": "fp32",
+                "BLOCK": "constexpr",
+            },
+            {"BLOCK": 1024},
+        )
+        for t in ("bf16", "fp32")
+    ]
+else:  # pragma: no cover
+    COMPILE_CASES = []
+
+
+def _chunk_size(tokens: int, vocab: int, hidden: int) -> int:
+    # About as many logits per chunk as the hidden states hold elements (Liger's rule).
+    return max(1, min(tokens, next_pow2(max(1, -(-tokens // max(1, -(-vocab // hidden)))))))
+
+
+def _row_stats(logits, labels, group, vocab_start, vocab_size):
+    """(lse, target logit, sum of logits) per row, combined over the vocabulary shards of `group`."""
+    rows, v = logits.shape
+    stats = torch.empty(rows, 4, dtype=torch.float32, device=logits.device)
+    _ce_stats[(rows,)](
+        logits, labels, stats, logits.stride(0), v, vocab_start, vocab_size, BLOCK=min(1024, next_pow2(v))
+    )
+    launched("cross_entropy_stats")
+    m, s, target, total = stats.unbind(1)
+    if group is not None and dist.get_world_size(group) > 1:
+        gm = m.clone()
+        dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
+        s = s * torch.exp(m - gm)
+        sums = torch.stack([s, target, total])
+        dist.all_reduce(sums, group=group)
+        m, (s, target, total) = gm, sums.unbind(0)
+    return m + torch.log(s), target, total
+
+
+def _pass(
+    hidden,
+    weight,
+    labels,
+    ignore_index,
+    group,
+    vocab_start,
+    vocab_size,
+    z_coeff,
+    smoothing,
+    row_scale,
+    want_grads,
+    chunk,
+):
+    """One sweep over the chunks: per-token losses, and (optionally) the gradients for `row_scale`."""
+    tokens = hidden.shape[0]
+    losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    dh = torch.empty_like(hidden) if want_grads else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grads else None
+    for start in range(0, tokens, chunk):
+        h = hidden[start : start + chunk]
+        lab = labels[start : start + chunk]
+        logits = h @ weight.t()  # [chunk, V_local], the only vocabulary-sized buffer
+        lse, target, total = _row_stats(logits, lab, group, vocab_start, vocab_size)
+        loss = lse - (1.0 - smoothing) * target - smoothing * total / vocab_size + z_coeff * lse * lse
+        ignored = lab == ignore_index
+        losses[start : start + chunk] = loss.masked_fill(ignored, 0.0)
+        if want_grads:
+            scale = row_scale[start : start + chunk].float().masked_fill(ignored, 0.0).contiguous()
+            _ce_grad[(logits.shape[0],)](
+                logits,
+                lab,
+                lse.contiguous(),
+                scale,
+                logits.stride(0),
+                logits.shape[1],
+                vocab_start,
+                vocab_size,
+                z_coeff,
+                smoothing,
+                BLOCK=min(1024, next_pow2(logits.shape[1])),
+            )
+            launched("cross_entropy_grad")
+            dh[start : start + chunk] = logits @ weight
+            dw += logits.t().float() @ h.float()
+    return losses, dh, dw
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, labels, ignore_index, reduction, group, vocab_start, vocab_size, z_coeff, smoothing, chunk
+    ):
+        hidden, labels = hidden.contiguous(), labels.contiguous()
+        n_valid = (labels != ignore_index).sum().clamp(min=1)
+        eager = reduction in ("mean", "sum")
+        row_scale = torch.full(
+            (hidden.shape[0],), 1.0 / float(n_valid) if reduction == "mean" else 1.0, device=hidden.device
+        )
+        args = (ignore_index, group, vocab_start, vocab_size, z_coeff, smoothing)
+        losses, dh, dw = _pass(hidden, weight, labels, *args, row_scale, eager, chunk)
+        ctx.args, ctx.chunk, ctx.reduction = args, chunk, reduction
+        if eager:
+            ctx.save_for_backward(dh, dw.to(weight.dtype))
+            return losses.sum() / n_valid if reduction == "mean" else losses.sum()
+        ctx.save_for_backward(hidden, weight, labels)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduction in ("mean", "sum"):
+            dh, dw = ctx.saved_tensors
+            return dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), *([None] * 9)
+        hidden, weight, labels = ctx.saved_tensors
+        _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad.contiguous(), True, ctx.chunk)
+        return dh, dw.to(weight.dtype), *([None] * 9)
+
+
+def fused_linear_cross_entropy_reference(
+    hidden,
+    weight,
+    labels,
+    ignore_index=-100,
+    reduction="mean",
+    tp_group=None,
+    z_loss_coeff=0.0,
+    label_smoothing=0.0,
+    vocab_start=0,
+    vocab_size=None,
+):
+    """Full logits, single shard (no TP): the oracle."""
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    logits = (hidden @ weight.t()).float()[:, : vocab_size - vocab_start]
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    loss = (loss + z_loss_coeff * lse * lse).masked_fill(labels == ignore_index, 0.0)
+    if reduction == "none":
+        return loss
+    return loss.sum() / (labels != ignore_index).sum().clamp(min=1) if reduction == "mean" else loss.sum()
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    tp_group=None,
+    z_loss_coeff: float = 0.0,
+    label_smoothing: float = 0.0,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """hidden [tokens, H], weight [V_local, H] (a vocabulary shard under TP), labels [tokens] (global ids).
+
+    vocab_start: this shard's first vocabulary id (default: TP rank x V_local); vocab_size: the real
+    vocabulary (default: V_local x TP), columns beyond it are padding."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction {reduction!r} is not mean|sum|none")
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    v_local = weight.shape[0]
+    vocab_start = rank * v_local if vocab_start is None else vocab_start
+    vocab_size = v_local * tp if vocab_size is None else vocab_size
+    if not triton_usable(hidden):
+        if tp > 1:
+            raise RuntimeError("fused_linear_cross_entropy over a TP group needs the Triton path")
+        return fused_linear_cross_entropy_reference(
+            hidden,
+            weight,
+            labels,
+            ignore_index,
+            reduction,
+            None,
+            z_loss_coeff,
+            label_smoothing,
+            vocab_start,
+            vocab_size,
+        )
+    chunk = chunk_size or _chunk_size(hidden.shape[0], v_local, hidden.shape[1])
+    return _FusedLinearCE.apply(
+        hidden,
+        weight,
+        labels,
+        ignore_index,
+        reduction,
+        tp_group,
+        vocab_start,
+        vocab_size,
+        float(z_loss_coeff),
+        float(label_smoothing),
+        chunk,
+    )
