@@ -7,6 +7,11 @@ interpreter) and the tests' oracle. `LAUNCHES` counts kernel launches so tests c
 
 from megatron_lite.kernels._common import HAVE_TRITON, LAUNCHES, compile_for_gpu, triton_usable
 from megatron_lite.kernels.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
+from megatron_lite.kernels.flash_attention import (
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_reference,
+)
 from megatron_lite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from megatron_lite.kernels.rope import apply_rope, apply_rope_reference
 from megatron_lite.kernels.swiglu import swiglu, swiglu_reference
@@ -26,4 +31,7 @@ __all__ = [
     "apply_rope_reference",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_reference",
 ]
