@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite import kernels as K
+
 from models import rel
 
 TOL = 1e-5
@@ -16,8 +17,11 @@ TOL = 1e-5
 
 def _qkv(b, sq, sk, h, hkv, d, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, sq, h, d, generator=g), torch.randn(b, sk, hkv, d, generator=g),
-            torch.randn(b, sk, hkv, d, generator=g))
+    return (
+        torch.randn(b, sq, h, d, generator=g),
+        torch.randn(b, sk, hkv, d, generator=g),
+        torch.randn(b, sk, hkv, d, generator=g),
+    )
 
 
 CASES = [  # batch, seq_q, seq_k, heads, kv_heads, head_dim, causal
@@ -50,8 +54,12 @@ def test_forward_backward_and_lse(b, sq, sk, h, hkv, d, causal):
 def test_equals_torch_sdpa():
     q, k, v = _qkv(2, 24, 24, 4, 2, 16)
     ours = K.flash_attention(q, k, v, causal=True)
-    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
-                                          v.repeat_interleave(2, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.repeat_interleave(2, 2).transpose(1, 2),
+        v.repeat_interleave(2, 2).transpose(1, 2),
+        is_causal=True,
+    ).transpose(1, 2)
     assert rel(ours, sdpa) < TOL
 
 
@@ -76,8 +84,9 @@ def test_exposed_backward_merges_blocks_exactly():
     assert rel(torch.cat([dk1, dk2], 1), ins[1].grad) < TOL and rel(torch.cat([dv1, dv2], 1), ins[2].grad) < TOL
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 "
-                    "arithmetic")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
+)
 def test_bf16_on_gpu():
     q, k, v = (t.cuda().bfloat16() for t in _qkv(2, 512, 512, 8, 2, 128))
     ref = K.flash_attention_reference(q, k, v).float()
