@@ -235,6 +235,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _kernel_impl(requested: str | None) -> str:
+    """Triton on CUDA, PyTorch on a CPU, unless asked; Triton where it cannot run is refused, not ignored."""
+    import os
+
+    import torch
+
+    from megatron_lite.kernels import HAVE_TRITON
+
+    runnable = HAVE_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    if requested is None:
+        return "triton" if runnable and torch.cuda.is_available() else "torch"
+    if requested == "triton" and not runnable:
+        raise ConfigError(
+            "--kernel-impl triton needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 for the slow CPU "
+            "interpreter); use --kernel-impl torch"
+        )
+    return requested
+
+
 def _layer_freq(text) -> int | tuple[int, ...]:
     """Megatron's --moe-layer-freq: an integer N, or a per-layer pattern ("0,1,1" or "[0,1,1]")."""
     if isinstance(text, (int, tuple, list)):
@@ -263,10 +282,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     for flag, value, issue in (("--context-parallel-size", ns.context_parallel_size, "issue 8"),):
         if value != 1:
             raise ConfigError(f"{flag} {value} is not supported yet ({issue}); use {flag} 1")
-    if ns.kernel_impl == "triton":
-        raise ConfigError(
-            "--kernel-impl triton is not available yet (Triton kernels: issue 6); use --kernel-impl torch"
-        )
+    kernel_impl = _kernel_impl(ns.kernel_impl)
     vocab = ns.vocab_size
     model = ModelConfig(
         num_layers=ns.num_layers,
@@ -294,6 +310,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         recompute_method=ns.recompute_method,
         recompute_num_layers=ns.recompute_num_layers,
         recompute_modules=tuple(ns.recompute_modules),
+        kernel_impl=kernel_impl,
         num_experts=ns.num_experts,
         moe_router_topk=ns.moe_router_topk,
         moe_router_score_function=ns.moe_router_score_function,
@@ -411,7 +428,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         dry_run=ns.dry_run,
         distributed_backend=ns.distributed_backend,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,
-        kernel_impl=ns.kernel_impl or "torch",
     )
 
 

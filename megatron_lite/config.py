@@ -86,6 +86,8 @@ class ModelConfig:
     moe_layer_freq: int | tuple[int, ...] = 1  # every Nth layer is MoE, or a 0/1 pattern per layer
     moe_shared_expert_intermediate_size: int | None = None
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+    # Which implementation runs the norms, SwiGLU, RoPE, attention and loss: our Triton kernels or PyTorch.
+    kernel_impl: str = "torch"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -162,6 +164,8 @@ class ModelConfig:
                 raise ConfigError(f"{flag} {p} must be in [0, 1)")
         self._validate_recompute()
         self._validate_moe()
+        if self.kernel_impl not in ("torch", "triton"):
+            raise ConfigError(f"--kernel-impl {self.kernel_impl} is not torch|triton")
 
     @property
     def moe_ffn_size(self) -> int:

@@ -266,3 +266,13 @@ def test_data_loader_workers_give_the_same_run(tmp_path, capsys, monkeypatch):
         assert rc == 0, err
     runs = [[json.loads(x)["lm_loss"] for x in (tmp_path / f"w{w}.jsonl").read_text().splitlines()] for w in (0, 2)]
     assert runs[0] == runs[1] and len(runs[0]) == 4
+
+
+def test_kernel_impl_triton_where_it_cannot_run_is_refused(capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU can run the kernels")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--kernel-impl", "triton"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--kernel-impl triton needs a CUDA GPU", "--kernel-impl torch")

@@ -41,22 +41,34 @@ def _dataset(data: str, vocab: int):
     return build_datasets(source, DataConfig(), (ITERS * 8, 0, 0), SEQ, seed=7)[0]
 
 
-def train_run(name, parallel, gbs, mbs, overlap=False, bucket_size=None, optim=OPTIM, data="mock", layers=2):
+def train_run(
+    name,
+    parallel,
+    gbs,
+    mbs,
+    overlap=False,
+    bucket_size=None,
+    optim=OPTIM,
+    data="mock",
+    layers=2,
+    iters=ITERS,
+    kernel_impl="torch",
+):
     if dist.is_initialized():
         ctx = get_context(parallel)
     else:
         ctx = ParallelContext.virtual(parallel, device=torch.device("cpu"))
-    config = CONFIGS[name](num_layers=layers)
+    config = CONFIGS[name](num_layers=layers, kernel_impl=kernel_impl)
     if data != "mock":
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234)
     ddp = DistributedDataParallel(model, ctx, overlap_grad_reduce=overlap, bucket_size=bucket_size)
     opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
-    sched = LRScheduler(optim, ITERS)
+    sched = LRScheduler(optim, iters)
     dataset = _dataset(data, config.vocab_size)
     history = []
-    for it in range(ITERS):
+    for it in range(iters):
         idx = micro_batch_indices(it * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
         batches = [collate([dataset[i] for i in ix], ctx.device) for ix in idx]
         m = train_step(ddp, opt, sched, batches, ctx)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.models.rope import apply_rope
 from megatron_lite.parallel_context import ParallelContext
@@ -33,15 +34,18 @@ class CoreAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.scale = config.head_dim**-0.5
         self.rng = ctx.rng
+        self.triton = config.kernel_impl == "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s, heads, d = q.shape
+        p = self.dropout if self.training else 0.0
+        if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
+            return K.flash_attention(q, k, v, causal=True, softmax_scale=self.scale).reshape(b, s, heads * d)
         kv_heads = k.shape[2]
         if kv_heads != heads:  # grouped-query: query head i reads key/value head i // (heads / kv_heads)
             rep = heads // kv_heads
             k = k.unsqueeze(3).expand(b, s, kv_heads, rep, d).reshape(b, s, heads, d)
             v = v.unsqueeze(3).expand(b, s, kv_heads, rep, d).reshape(b, s, heads, d)
-        p = self.dropout if self.training else 0.0
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(
@@ -85,6 +89,7 @@ class SelfAttention(nn.Module):
             dtype=dtype,
         )
         # Selective recomputation (Megatron's default module): keep only q, k, v for the backward.
+        self.rope = K.apply_rope if config.kernel_impl == "triton" else apply_rope
         self.recompute_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
@@ -100,8 +105,8 @@ class SelfAttention(nn.Module):
         v = v.squeeze(3)
         if rope is not None:
             cos, sin = rope
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            q = self.rope(q, cos, sin)
+            k = self.rope(k, cos, sin)
         if self.recompute_core_attention and self.training:
             out = checkpoint(self.core_attention, self.core_attention.rng, q, k, v)
         else:

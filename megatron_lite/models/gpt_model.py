@@ -13,6 +13,7 @@ import re
 import torch
 from torch import nn
 
+from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.models.rope import RotaryEmbedding
 from megatron_lite.models.transformer import TransformerBlock, dropout
@@ -153,6 +154,26 @@ class GPTModel(nn.Module):
         return self.output_layer.weight
 
     # Forward ------------------------------------------------------------------------------------
+    def _fused_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Output layer and cross-entropy in chunks (Triton): the logits never exist in full. Padding rows
+        of the vocabulary (at the end of the last shards) are left out of the weight."""
+        x = self.output_layer.gather_input(x)  # [seq, batch, hidden] on every TP rank
+        s, b, h = x.shape
+        weight = self.output_weight()
+        start = self.tp.rank * weight.shape[0]
+        real = max(0, min(weight.shape[0], self.vocab_size - start))
+        loss = K.fused_linear_cross_entropy(
+            x.reshape(s * b, h),
+            weight[:real],
+            labels.t().reshape(s * b),
+            reduction="none",
+            tp_group=self.tp.pg if self.tp.size > 1 else None,
+            vocab_start=start,
+            vocab_size=self.vocab_size,
+        )
+        return loss.view(s, b).t()
+
+    # Forward ------------------------------------------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -170,6 +191,8 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rope)
         if not self.post_process:
             return x
+        if labels is not None and self.config.kernel_impl == "triton":
+            return self._fused_loss(x, labels)
         logits = self.output_layer(x, weight=self.output_weight())  # [seq, batch, vocab shard]
         if labels is None:
             return logits.transpose(0, 1)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -16,6 +17,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn = config.ffn_size
         self.activation = config.activation
+        self.triton = config.kernel_impl == "triton"
         # SwiGLU's fc1 stacks two logical blocks, gate then up; each is split across TP on its own so a
         # rank holds [gate_r; up_r] and the pairing of gate and up columns never crosses ranks.
         fc1_out = [ffn, ffn] if self.activation == "swiglu" else ffn
@@ -44,7 +46,7 @@ class MLP(nn.Module):
         h = self.linear_fc1(x)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = K.swiglu(gate, up) if self.triton else F.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
         else:

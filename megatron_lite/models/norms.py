@@ -6,44 +6,70 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.parameters import ParamMeta, set_param_meta
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm: statistics in fp32, the weight applied in the input dtype (as transformers does)."""
+    """Llama's RMSNorm: statistics in fp32, the weight applied in the input dtype (as transformers does).
+    With `residual`, normalises x + residual and returns (normalised, x + residual) in one pass."""
 
     def __init__(
-        self, hidden_size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=torch.float32
+        self,
+        hidden_size: int,
+        eps: float,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=torch.float32,
+        kernel_impl: str = "torch",
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.triton = kernel_impl == "triton"
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         set_param_meta(self, "weight", ParamMeta(("ones",), sequence_parallel=sequence_parallel))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        fn = K.rms_norm if self.triton else K.rms_norm_reference
+        return fn(x, self.weight, self.eps, residual=residual)
 
 
 class LayerNorm(nn.Module):
     def __init__(
-        self, hidden_size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=torch.float32
+        self,
+        hidden_size: int,
+        eps: float,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=torch.float32,
+        kernel_impl: str = "torch",
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.triton = kernel_impl == "triton"
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         set_param_meta(self, "weight", ParamMeta(("ones",), sequence_parallel=sequence_parallel))
         set_param_meta(self, "bias", ParamMeta(("zeros",), sequence_parallel=sequence_parallel))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.triton:
+            return K.layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
+        s = x + residual if residual is not None else x
+        y = F.layer_norm(s, (s.shape[-1],), self.weight, self.bias, self.eps)
+        return (y, s) if residual is not None else y
 
 
 def build_norm(config: ModelConfig, sequence_parallel: bool, device=None, dtype=torch.float32) -> nn.Module:
     """A norm over the hidden size. Its parameters are replicated across TP; under sequence parallelism
     each rank normalises only its sequence shard, so their gradients are marked for a TP all-reduce."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return cls(config.hidden_size, config.norm_epsilon, sequence_parallel, device=device, dtype=dtype)
+    return cls(
+        config.hidden_size,
+        config.norm_epsilon,
+        sequence_parallel,
+        device=device,
+        dtype=dtype,
+        kernel_impl=config.kernel_impl,
+    )

@@ -51,16 +51,17 @@ class TransformerLayer(nn.Module):
         selective = config.recompute_granularity == "selective"
         self.recompute = {m: selective and m in config.recompute_modules for m in ("layernorm", "mlp")}
 
-    def _maybe_recompute(self, name: str, fn, x: torch.Tensor) -> torch.Tensor:
+    def _maybe_recompute(self, name: str, fn, *args: torch.Tensor):
         if self.recompute[name] and self.training:
-            return checkpoint(fn, self.rng, x)
-        return fn(x)
+            return checkpoint(fn, self.rng, *args)
+        return fn(*args)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         h = self._maybe_recompute("layernorm", self.input_layernorm, x)
         h = self.self_attention(h, rope)
-        x = x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
-        h = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, x)
+        h = dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
+        # x + h and its norm in one pass (one kernel with --kernel-impl triton)
+        h, x = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, h, x)
         h = self._maybe_recompute("mlp", self.mlp, h)
         return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
 

@@ -75,15 +75,18 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.bias = None
 
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as every TP rank needs it: all-gathered along the sequence under sequence parallelism
+        (gradient reduce-scattered back), else as is (gradient all-reduced)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.tp)
+        return copy_to_tensor_model_parallel_region(x, self.tp)
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp)
-        y = F.linear(x, weight, self.bias)
+        y = F.linear(self.gather_input(x), weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp)
         return y

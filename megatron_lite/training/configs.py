@@ -48,7 +48,6 @@ class JobConfig:
     dry_run: bool = False
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
-    kernel_impl: str = "torch"
 
     def to_dict(self) -> dict:
         return asdict(self)

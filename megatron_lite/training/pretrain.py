@@ -150,6 +150,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
     log = MetricsLogger(job, enabled=_logging_rank(ctx))
     for line in notes:
         log.info(line)
+    if job.model.kernel_impl == "triton" and job.model.attention_dropout > 0:
+        log.info("--attention-dropout > 0: attention runs through PyTorch's SDPA (the flash kernel has no dropout)")
+    log.info(f"kernels: {job.model.kernel_impl}")
     log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
 
     dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
