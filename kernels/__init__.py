@@ -12,6 +12,14 @@ from megatron_lite.kernels.flash_attention import (
     flash_attention_backward,
     flash_attention_reference,
 )
+from megatron_lite.kernels.moe import (
+    grouped_gemm,
+    grouped_gemm_reference,
+    moe_permute,
+    moe_permute_reference,
+    moe_unpermute,
+    moe_unpermute_reference,
+)
 from megatron_lite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from megatron_lite.kernels.rope import apply_rope, apply_rope_reference
 from megatron_lite.kernels.swiglu import swiglu, swiglu_reference
@@ -34,4 +42,10 @@ __all__ = [
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_reference",
+    "moe_permute",
+    "moe_permute_reference",
+    "moe_unpermute",
+    "moe_unpermute_reference",
+    "grouped_gemm",
+    "grouped_gemm_reference",
 ]

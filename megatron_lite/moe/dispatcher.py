@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite import kernels as K
 from megatron_lite.moe.comm import all_to_all, exchange_counts
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import Routing
@@ -27,15 +28,17 @@ def _pairs(routing: Routing):
     return tokens, routing.indices.reshape(-1)[keep], routing.probs.reshape(-1)[keep]
 
 
-def alltoall_dispatch(x: torch.Tensor, routing: Routing, experts: LocalExperts, ep: Group, num_experts: int):
-    token, expert, weight = _pairs(routing)
-    order = torch.argsort(expert, stable=True)
-    token, expert, weight = token[order], expert[order], weight[order]
+def alltoall_dispatch(
+    x: torch.Tensor, routing: Routing, experts: LocalExperts, ep: Group, num_experts: int, triton: bool = False
+):
     n_local = num_experts // ep.size
-    send = torch.bincount(expert, minlength=num_experts).view(ep.size, n_local)
+    kept = routing.indices[routing.keep]
+    send = torch.bincount(kept, minlength=num_experts).view(ep.size, n_local)
     recv = exchange_counts(send, ep)  # recv[r, j]: tokens rank r sends to my expert j
     in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-    received = all_to_all(x[token], ep, out_splits, in_splits)  # grouped by (source rank, local expert)
+    permute = K.moe_permute if triton else K.moe_permute_reference
+    permuted, row_map = permute(x, routing.indices, routing.keep)  # kept pairs, sorted by expert
+    received = all_to_all(permuted, ep, out_splits, in_splits)  # grouped by (source rank, local expert)
     sizes = recv.reshape(-1).tolist()
     chunks = received.split(sizes)
     by_expert = [chunks[r * n_local + j] for j in range(n_local) for r in range(ep.size)]
@@ -43,8 +46,8 @@ def alltoall_dispatch(x: torch.Tensor, routing: Routing, experts: LocalExperts, 
     out_chunks = out.split([sizes[r * n_local + j] for j in range(n_local) for r in range(ep.size)])
     back = [out_chunks[j * ep.size + r] for r in range(ep.size) for j in range(n_local)]
     returned = all_to_all(torch.cat(back) if back else out, ep, in_splits, out_splits)
-    y = torch.zeros_like(x, dtype=returned.dtype)
-    return y.index_add(0, token, returned * weight.unsqueeze(-1).to(returned.dtype))
+    unpermute = K.moe_unpermute if triton else K.moe_unpermute_reference
+    return unpermute(returned, row_map, routing.probs.to(returned.dtype))
 
 
 def allgather_dispatch(x: torch.Tensor, routing: Routing, experts: LocalExperts, ep: Group, num_experts: int):

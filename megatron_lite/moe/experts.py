@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
@@ -56,9 +57,21 @@ class LocalExperts(nn.Module):
         super().__init__()
         self.num_local = config.num_experts // ep.size
         self.first = ep.rank * self.num_local
+        self.triton = config.kernel_impl == "triton"
         self.local_experts = nn.ModuleList(ExpertMLP(config, etp, device, dtype) for _ in range(self.num_local))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
+        if self.triton and self.local_experts[0].swiglu:
+            return self._grouped(x, counts)
         outs = [expert(chunk) for expert, chunk in zip(self.local_experts, x.split(counts))]
         return torch.cat(outs) if outs else x[:0]
+
+    def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """All local experts in two grouped GEMMs (Triton). The experts' weights are stacked per call, a copy
+        a grouped parameter layout would avoid."""
+        c = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        gate, up = K.grouped_gemm(x, w1, c).chunk(2, dim=-1)
+        return K.grouped_gemm(K.swiglu(gate.contiguous(), up.contiguous()), w2, c)

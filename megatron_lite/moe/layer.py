@@ -85,8 +85,13 @@ class MoELayer(nn.Module):
         s, b, h = full.shape
         tokens = full.reshape(s * b, h)
         routing = self.router(tokens, (s, b))
-        dispatch = alltoall_dispatch if self.config.moe_token_dispatcher_type == "alltoall" else allgather_dispatch
-        y = dispatch(tokens, routing, self.experts, self.ep, self.config.num_experts).to(x.dtype).reshape(s, b, h)
+        if self.config.moe_token_dispatcher_type == "alltoall":
+            y = alltoall_dispatch(
+                tokens, routing, self.experts, self.ep, self.config.num_experts, self.config.kernel_impl == "triton"
+            )
+        else:
+            y = allgather_dispatch(tokens, routing, self.experts, self.ep, self.config.num_experts)
+        y = y.to(x.dtype).reshape(s, b, h)
         y = (
             reduce_scatter_to_sequence_parallel_region(y, self.tp)
             if self.sequence_parallel
