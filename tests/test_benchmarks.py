@@ -47,3 +47,15 @@ def test_bench_moe_dispatcher_reports_both_dispatchers(tmp_path):
     rows = json.loads((tmp_path / "r.json").read_text())
     assert {(r["dispatcher"], r["ep"]) for r in rows} == {("alltoall", 2), ("allgather", 2)}
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--size", "tiny", "--device", "cpu", "--reps", "1",
+           "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"rms_norm", "layer_norm", "swiglu", "rope", "flash_attention", "fused_linear_cross_entropy"}
+    assert {r["impl"] for r in rows} >= {"megatron_lite", "eager"}
+    assert "| flash_attention | megatron_lite | fwd+bwd |" in (tmp_path / "kernels.md").read_text()
