@@ -42,3 +42,8 @@ timeout 180 python3 tools/bench_train_step.py --device cuda --bf16 --num-layers 
     --num-attention-heads 16 --num-query-groups 8 --vocab-size 32000 --seq-length 2048 --micro-batch-size 4 \
     --warmup 3 --iters 10 --json "$OUT/bench_train_step.json" > "$OUT/bench_train_step.log" 2>&1
 echo "bench: rc=$? $(tail -n 1 "$OUT/bench_train_step.log")"
+
+# 5. Kernels at Llama-3-8B shapes in bf16 beside eager / torch.compile (targets: issue 6); the table goes to
+#    $OUT/bench/kernels.md, to be committed under docs/ with the device named.
+timeout 480 python3 tools/bench_kernels.py --size llama8b --out-dir "$OUT/bench" > "$OUT/bench_kernels.log" 2>&1
+echo "bench kernels: rc=$? $(grep -c '"kernel"' "$OUT/bench_kernels.log") rows"
