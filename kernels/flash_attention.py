@@ -22,6 +22,21 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _load_block(PTR, base, idx, stride, limit, dims, dmask):
+        """Rows `idx` (< limit) of a [seq, head_dim] slice starting at PTR + base; zeros elsewhere."""
+        return tl.load(
+            PTR + base + idx[:, None] * stride + dims[None, :], mask=(idx[:, None] < limit) & dmask[None, :], other=0.0
+        )
+
+    @triton.jit
+    def _visible(rows, cols, seq_q, seq_k, offset, CAUSAL: tl.constexpr):
+        """[rows, cols] pairs inside both sequences and, when causal, key <= query + offset (bottom right)."""
+        valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None] + offset)
+        return valid
+
+    @triton.jit
     def _fwd(
         Q,
         K,
@@ -72,14 +87,10 @@ if HAVE_TRITON:
             end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
         for start_n in range(0, end, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
-            k = tl.load(K + b * skb + kvh * skh + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0)
+            k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
+            v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
             s = tl.dot(q, tl.trans(k)) * scale
-            valid = cols[None, :] < seq_k
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + offset)
-            s = tl.where(valid, s, float("-inf"))
+            s = tl.where(_visible(rows, cols, seq_q, seq_k, offset, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
@@ -136,8 +147,8 @@ if HAVE_TRITON:
         dims = tl.arange(0, BLOCK_D)
         dmask = dims < head_dim
         kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
-        k = tl.load(K + b * skb + kvh * skh + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0)
+        k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
+        v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         first = 0
@@ -147,16 +158,12 @@ if HAVE_TRITON:
             h = kvh * group + j
             for start_m in range(first, seq_q, BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
-                q_mask = (rows[:, None] < seq_q) & dmask[None, :]
-                q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0)
-                do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sds + dims[None, :], mask=q_mask, other=0.0)
+                q = _load_block(Q, b * sqb + h * sqh, rows, sqs, seq_q, dims, dmask)
+                do = _load_block(DO, b * sdb + h * sdh, rows, sds, seq_q, dims, dmask)
                 lse = tl.load(LSE + (b * heads + h) * seq_q + rows, mask=rows < seq_q, other=0.0)
                 delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=rows < seq_q, other=0.0)
                 s = tl.dot(q, tl.trans(k)) * scale
-                valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-                if CAUSAL:
-                    valid = valid & (cols[None, :] <= rows[:, None] + offset)
-                p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+                p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do)
                 dp = tl.dot(do, tl.trans(v))
                 ds = p * (dp - delta[:, None]) * scale
@@ -209,8 +216,8 @@ if HAVE_TRITON:
         dims = tl.arange(0, BLOCK_D)
         dmask = dims < head_dim
         q_mask = (rows[:, None] < seq_q) & dmask[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sds + dims[None, :], mask=q_mask, other=0.0)
+        q = _load_block(Q, b * sqb + h * sqh, rows, sqs, seq_q, dims, dmask)
+        do = _load_block(DO, b * sdb + h * sdh, rows, sds, seq_q, dims, dmask)
         lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -219,14 +226,10 @@ if HAVE_TRITON:
             end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
         for start_n in range(0, end, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
-            kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
-            k = tl.load(K + b * skb + kvh * skh + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0)
+            k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
+            v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
             s = tl.dot(q, tl.trans(k)) * scale
-            valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + offset)
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None]) * scale
             dq += tl.dot(ds.to(k.dtype), k)
         tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -218,10 +218,6 @@ class ParallelContext:
         return self.parallel.sequence_parallel and self.parallel.tp > 1
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp.rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp.rank == self.pp.size - 1
 

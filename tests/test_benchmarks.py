@@ -50,8 +50,18 @@ def test_bench_moe_dispatcher_reports_both_dispatchers(tmp_path):
 
 
 def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--size", "tiny", "--device", "cpu", "--reps", "1",
-           "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "bench_kernels.py"),
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--reps",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]

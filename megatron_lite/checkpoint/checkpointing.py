@@ -55,7 +55,7 @@ def _barrier(ctx: ParallelContext) -> None:
 def _state_tensors(model, optimizer) -> dict[str, list]:
     """kind -> [(global name, local tensor, meta)] for every tensor that is saved."""
     out: dict[str, list] = {"model": [], "main": [], "exp_avg": [], "exp_avg_sq": []}
-    main_of = dict(zip(map(id, optimizer.params), optimizer.main_params)) if optimizer else {}
+    main_of = optimizer.main_of if optimizer else {}
     for name, p, meta in named_param_meta(model):
         gname = model.global_name(name)
         out["model"].append((gname, p, meta))
@@ -232,7 +232,7 @@ def load_checkpoint(
     for gname, t, pmeta in entries["model"]:
         reader.fill(f"model/{gname}", t, local_pieces(tuple(t.shape), pmeta))
     if optimizer is not None and load_optim and not finetune:
-        main_of = dict(zip(map(id, optimizer.params), optimizer.main_params))
+        main_of = optimizer.main_of
         for name, p, pmeta in named_param_meta(model):
             main = main_of.get(id(p), p)  # frozen parameters are not in the optimizer
             if main is not p:
@@ -277,7 +277,7 @@ def _load_adam(reader: _Reader, model, optimizer, step: int) -> None:
         for idx, p in zip(group_sd["params"], group["params"]):
             index_of[id(p)] = idx
     state = {}
-    main_of = dict(zip(map(id, optimizer.params), optimizer.main_params))
+    main_of = optimizer.main_of
     for name, p, pmeta in named_param_meta(model):
         gname = model.global_name(name)
         if id(p) not in main_of or f"exp_avg/{gname}" not in reader.index:

@@ -10,7 +10,6 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
-from megatron_lite.models.rope import apply_rope
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint
@@ -89,7 +88,7 @@ class SelfAttention(nn.Module):
             dtype=dtype,
         )
         # Selective recomputation (Megatron's default module): keep only q, k, v for the backward.
-        self.rope = K.apply_rope if config.kernel_impl == "triton" else apply_rope
+        self.rope = K.apply_rope if config.kernel_impl == "triton" else K.apply_rope_reference
         self.recompute_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )

@@ -12,6 +12,14 @@ from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+def activate(h: torch.Tensor, activation: str, triton: bool = False) -> torch.Tensor:
+    """The MLP activation on fc1's output: SwiGLU on its [gate; up] halves, or (tanh-)GELU."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return K.swiglu(gate, up) if triton else F.silu(gate) * up
+    return F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32) -> None:
         super().__init__()
@@ -43,12 +51,4 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = K.swiglu(gate, up) if self.triton else F.silu(gate) * up
-        elif self.activation == "gelu_tanh":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            h = F.gelu(h)
-        return self.linear_fc2(h)
+        return self.linear_fc2(activate(self.linear_fc1(x), self.activation, self.triton))

@@ -1,4 +1,4 @@
-"""Normalisation layers (plain PyTorch; the kernels issue puts fused Triton kernels behind them)."""
+"""Normalisation layers: the Triton kernels or their PyTorch references (--kernel-impl)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.parameters import ParamMeta, set_param_meta
 
 
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm: statistics in fp32, the weight applied in the input dtype (as transformers does).
-    With `residual`, normalises x + residual and returns (normalised, x + residual) in one pass."""
+class _Norm(nn.Module):
+    """A weight over the hidden size (ones at init), replicated across TP; `sequence_parallel` marks its
+    gradient partial when each rank normalises only its sequence shard."""
 
     def __init__(
         self,
@@ -29,13 +29,18 @@ class RMSNorm(nn.Module):
         self.triton = kernel_impl == "triton"
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         set_param_meta(self, "weight", ParamMeta(("ones",), sequence_parallel=sequence_parallel))
+
+
+class RMSNorm(_Norm):
+    """Llama's RMSNorm: statistics in fp32, the weight applied in the input dtype (as transformers does).
+    With `residual`, normalises x + residual and returns (normalised, x + residual) in one pass."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         fn = K.rms_norm if self.triton else K.rms_norm_reference
         return fn(x, self.weight, self.eps, residual=residual)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_Norm):
     def __init__(
         self,
         hidden_size: int,
@@ -45,12 +50,8 @@ class LayerNorm(nn.Module):
         dtype=torch.float32,
         kernel_impl: str = "torch",
     ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.triton = kernel_impl == "triton"
-        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        super().__init__(hidden_size, eps, sequence_parallel, device, dtype, kernel_impl)
         self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
-        set_param_meta(self, "weight", ParamMeta(("ones",), sequence_parallel=sequence_parallel))
         set_param_meta(self, "bias", ParamMeta(("zeros",), sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

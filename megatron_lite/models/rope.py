@@ -1,5 +1,6 @@
 """Rotary position embeddings in Hugging Face's rotate-half convention (first half / second half of
-head_dim), with optional Llama-3 frequency scaling."""
+head_dim), with optional Llama-3 frequency scaling: the cos/sin tables. Applying them is
+kernels.apply_rope (Triton) or kernels.apply_rope_reference (PyTorch)."""
 
 from __future__ import annotations
 
@@ -45,15 +46,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., heads, head_dim]; cos/sin broadcastable to x once a heads axis is added before head_dim."""
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    return x * cos + rotate_half(x) * sin

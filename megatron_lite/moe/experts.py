@@ -10,6 +10,7 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
+from megatron_lite.models.mlp import activate
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.sharding import ShardSpec
@@ -41,12 +42,7 @@ class ExpertMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.linear_fc1.weight)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        h = activate(F.linear(x, self.linear_fc1.weight), self.activation)
         return F.linear(h, self.linear_fc2.weight)  # partial over the expert-TP group
 
 
@@ -73,5 +69,4 @@ class LocalExperts(nn.Module):
         c = torch.tensor(counts, dtype=torch.int64, device=x.device)
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
-        gate, up = K.grouped_gemm(x, w1, c).chunk(2, dim=-1)
-        return K.grouped_gemm(K.swiglu(gate.contiguous(), up.contiguous()), w2, c)
+        return K.grouped_gemm(activate(K.grouped_gemm(x, w1, c), "swiglu", triton=True).contiguous(), w2, c)

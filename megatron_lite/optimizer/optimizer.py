@@ -65,6 +65,7 @@ class MixedPrecisionOptimizer:
             expert.append(meta.expert)
             # No weight decay on norms and biases (the one-dimensional parameters), as in Megatron.
             (no_decay if p.ndim == 1 else decay).append(main)
+        self.main_of = {id(p): main for p, main in zip(self.params, self.main_params)}  # by id(model param)
         self._counted = counted
         self._expert = expert
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers

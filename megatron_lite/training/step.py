@@ -18,10 +18,11 @@ from megatron_lite.models.gpt_model import ModelChunks
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
-from megatron_lite.parallel_context import Group, ParallelContext
+from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
 from megatron_lite.pipeline_parallel.executor import run_pipeline
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
+from megatron_lite.tensor_parallel.mappings import all_reduce
 
 MicroBatch = dict[str, torch.Tensor]  # tokens, labels, loss_mask: [micro_batch, seq]; position_ids optional
 
@@ -37,15 +38,9 @@ class StepMetrics:
     moe: dict | None = None  # routing metrics of MoE models (moe/stats.py)
 
 
-def _sum_over(value: torch.Tensor, group: Group) -> torch.Tensor:
-    if group.size > 1:
-        dist.all_reduce(value, group=group.pg)
-    return value
-
-
 def global_token_count(micro_batches: list[MicroBatch], ctx: ParallelContext) -> torch.Tensor:
     local = sum(mb["loss_mask"].sum() for mb in micro_batches).to(torch.float64)
-    return _sum_over(local.reshape(1), ctx.dp_cp)[0]
+    return all_reduce(local.reshape(1), ctx.dp_cp)[0]
 
 
 def forward_backward(
@@ -121,7 +116,7 @@ def train_step(
     if _pipelined(model, ctx):
         with model.no_sync():  # buckets are reduced once the whole schedule has run
             loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / float(num_tokens), False)
-        loss_sum = _sum_over(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
+        loss_sum = all_reduce(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
     else:
         loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
     finalize_grads(model, ctx)
@@ -130,7 +125,7 @@ def train_step(
     result = optimizer.step(lr)
     if result.updated:
         scheduler.step()
-    lm_loss = _sum_over(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens
+    lm_loss = all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens
     return StepMetrics(float(lm_loss), result.grad_norm, lr, result.loss_scale, result.updated, int(num_tokens), moe)
 
 
@@ -138,10 +133,10 @@ def train_step(
 def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], ctx: ParallelContext) -> float:
     num_tokens = global_token_count(micro_batches, ctx)
     if _pipelined(model, ctx):
-        total = _sum_over(_run_pipeline(model, micro_batches, ctx, 1.0, True).reshape(1), ctx.pp)[0]
+        total = all_reduce(_run_pipeline(model, micro_batches, ctx, 1.0, True).reshape(1), ctx.pp)[0]
     else:
         total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
         for mb in micro_batches:
             token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"])
             total += (token_loss.float() * mb["loss_mask"]).sum().double()
-    return float(_sum_over(total.reshape(1), ctx.dp_cp)[0] / num_tokens)
+    return float(all_reduce(total.reshape(1), ctx.dp_cp)[0] / num_tokens)
