@@ -90,7 +90,8 @@ if HAVE_TRITON:
             k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
             v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
             s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(_visible(rows, cols, seq_q, seq_k, offset, CAUSAL), s, float("-inf"))
+            # No row bound here: padded query rows keep finite scores (they are never stored), so no inf - inf.
+            s = tl.where(_visible(rows, cols, start_m + BLOCK_M, seq_k, offset, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
