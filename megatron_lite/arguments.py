@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(c, "--finetune", "load weights only and start from iteration 0")
     _bool(c, "--use-checkpoint-args", "take the model configuration from the checkpoint")
     _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
+    _bool(c, "--async-save", "write checkpoints in a background thread while training continues")
+    c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
@@ -409,6 +411,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         finetune=ns.finetune,
         use_checkpoint_args=ns.use_checkpoint_args,
         exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
+        async_save=ns.async_save,
+        ckpt_keep_last=ns.ckpt_keep_last,
     )
     logging = LoggingConfig(
         log_jsonl=ns.log_jsonl,

@@ -225,7 +225,7 @@ def test_checkpoint_holds_only_safetensors_and_json(tmp_path, capsys, monkeypatc
 
     from safetensors import safe_open
 
-    index = json.loads((ckpt / "iter_0000003" / "index_r00000.json").read_text())
+    index = json.loads((ckpt / "iter_0000003" / "index_r00000.json").read_text())["tensors"]
     kinds = {name.split("/")[0] for name in index}
     assert kinds == {"model", "main", "exp_avg", "exp_avg_sq"}  # bf16 weights, fp32 main weights, moments
     with safe_open(str(ckpt / "iter_0000003" / "tensors_r00000.safetensors"), framework="pt") as f:

@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,15 @@ from megatron_lite.checkpoint.format import (
     atomic_write,
     atomic_write_json,
     atomic_write_text,
+    complete_iterations,
     cpu_contiguous,
+    file_digest,
     full_shape,
     iteration_dir,
     local_pieces,
     read_tracker,
     replace_dir,
+    verify_file,
 )
 from megatron_lite.config import ConfigError
 from megatron_lite.parallel_context import ParallelContext
@@ -78,16 +82,18 @@ def _adam_step(optimizer) -> int:
     return 0
 
 
-def save_checkpoint(
-    root: str, state: TrainState, model, optimizer, scheduler, ctx: ParallelContext, job_dict: dict
-) -> str:
-    final = iteration_dir(root, state.iteration)
-    tmp = final + ".tmp"
-    if ctx.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(ctx)
+@dataclass
+class _Snapshot:
+    """One rank's share of a checkpoint, copied to CPU memory: what the writer (possibly a background
+    thread) puts on disk while training goes on."""
+
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    index: dict[str, dict]
+    rng: dict[str, torch.Tensor]
+
+
+def _snapshot(model, optimizer, ctx: ParallelContext) -> _Snapshot:
     tensors, index = {}, {}
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
     for kind, entries in _state_tensors(model, optimizer).items():
@@ -106,33 +112,153 @@ def save_checkpoint(
                 rec["dim"] = pc.dim
                 rec["pieces"].append({"file": fname, "key": key, "start": pc.full_start, "length": pc.length})
             index[f"{kind}/{gname}"] = rec
-    if tensors:
-        atomic_write(os.path.join(tmp, fname), lambda path: save_file(tensors, path))
-    atomic_write_json(os.path.join(tmp, f"index_r{ctx.rank:05d}.json"), index)
     rng = {"cpu": torch.get_rng_state(), **{f"tracker/{k}": v for k, v in ctx.rng.get_states().items()}}
     if torch.cuda.is_available() and ctx.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
-    atomic_write(
-        os.path.join(tmp, f"rng_r{ctx.rank:05d}.safetensors"),
-        lambda path: save_file({k: v.contiguous() for k, v in rng.items()}, path),
-    )
-    _barrier(ctx)
+    rng = {k: v.detach().cpu().contiguous().clone() for k, v in rng.items()}
+    return _Snapshot(ctx.rank, tensors, index, rng)
+
+
+def _write_rank_files(tmp: str, snap: _Snapshot) -> None:
+    """This rank's tensor file, RNG file and index (with the files' sizes and checksums), each atomic."""
+    files = {}
+    if snap.tensors:
+        fname = f"tensors_r{snap.rank:05d}.safetensors"
+        atomic_write(os.path.join(tmp, fname), lambda path: save_file(snap.tensors, path))
+        files[fname] = file_digest(os.path.join(tmp, fname))
+    fname = f"rng_r{snap.rank:05d}.safetensors"
+    atomic_write(os.path.join(tmp, fname), lambda path: save_file(snap.rng, path))
+    files[fname] = file_digest(os.path.join(tmp, fname))
+    atomic_write_json(os.path.join(tmp, f"index_r{snap.rank:05d}.json"), {"tensors": snap.index, "files": files})
+
+
+def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job_dict: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "iteration": state.iteration,
+        "consumed_samples": state.consumed_samples,
+        "config": job_dict,
+        "layout": {"world_size": ctx.world_size, **{k: g.size for k, g in ctx.groups.items()}},
+        "scheduler": scheduler.state_dict() if scheduler else None,
+        "grad_scaler": optimizer.scaler.state_dict() if optimizer and optimizer.scaler else None,
+        "adam_step": _adam_step(optimizer) if optimizer else 0,
+    }
+
+
+def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> str:
+    """Rank 0, once every rank's files are in `tmp`: metadata.json (with the index files' checksums), the
+    rename to iter_N, and only then the `latest` tracker; then the oldest checkpoints beyond `keep_last`."""
+    meta = dict(meta)
+    meta["files"] = {
+        os.path.basename(f): file_digest(f)["sha256"] for f in sorted(glob.glob(os.path.join(tmp, "index_r*.json")))
+    }
+    atomic_write_json(os.path.join(tmp, "metadata.json"), meta)
+    final = iteration_dir(root, meta["iteration"])
+    replace_dir(tmp, final)
+    atomic_write_text(os.path.join(root, TRACKER), str(meta["iteration"]))
+    if keep_last:
+        for old in complete_iterations(root)[:-keep_last]:
+            if old != meta["iteration"]:
+                shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+    return final
+
+
+def _prepare_tmp(root: str, iteration: int, ctx: ParallelContext) -> str:
+    tmp = iteration_dir(root, iteration) + ".tmp"
     if ctx.rank == 0:
-        meta = {
-            "format": FORMAT,
-            "iteration": state.iteration,
-            "consumed_samples": state.consumed_samples,
-            "config": job_dict,
-            "layout": {"world_size": ctx.world_size, **{k: g.size for k, g in ctx.groups.items()}},
-            "scheduler": scheduler.state_dict() if scheduler else None,
-            "grad_scaler": optimizer.scaler.state_dict() if optimizer and optimizer.scaler else None,
-            "adam_step": _adam_step(optimizer) if optimizer else 0,
-        }
-        atomic_write_json(os.path.join(tmp, "metadata.json"), meta)
-        replace_dir(tmp, final)
-        atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(ctx)
+    return tmp
+
+
+def save_checkpoint(
+    root: str,
+    state: TrainState,
+    model,
+    optimizer,
+    scheduler,
+    ctx: ParallelContext,
+    job_dict: dict,
+    *,
+    keep_last: int | None = None,
+) -> str:
+    """Save synchronously: every rank writes its files into iter_N.tmp, then rank 0 publishes it."""
+    tmp = _prepare_tmp(root, state.iteration, ctx)
+    _write_rank_files(tmp, _snapshot(model, optimizer, ctx))
+    _barrier(ctx)
+    final = iteration_dir(root, state.iteration)
+    if ctx.rank == 0:
+        publish(root, tmp, _metadata(state, optimizer, scheduler, ctx, job_dict), keep_last)
     _barrier(ctx)
     return final
+
+
+class AsyncSaver:
+    """--async-save: the state is copied to CPU memory at the save (the only pause training sees) and a
+    background thread on each rank writes it. Each iteration `poll` asks every rank (one tiny all-reduce,
+    only while a save is in flight) whether its writer has finished; once all have, rank 0 publishes the
+    checkpoint. Until then the `latest` tracker still names the previous checkpoint, so a job killed
+    meanwhile resumes from that one."""
+
+    def __init__(self, root: str, ctx: ParallelContext, keep_last: int | None = None) -> None:
+        self.root, self.ctx, self.keep_last = root, ctx, keep_last
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: tuple[str, dict] | None = None
+
+    def save(self, state: TrainState, model, optimizer, scheduler, job_dict: dict) -> str | None:
+        """Start saving; returns the previous checkpoint's directory if this had to publish it first."""
+        previous = self.finish()  # one save in flight at a time
+        tmp = _prepare_tmp(self.root, state.iteration, self.ctx)
+        snap = _snapshot(model, optimizer, self.ctx)
+        meta = _metadata(state, optimizer, scheduler, self.ctx, job_dict)
+        self._pending = (tmp, meta)
+        self._error = None
+
+        def write() -> None:
+            try:
+                _write_rank_files(tmp, snap)
+            except BaseException as e:  # noqa: B036 - reported by poll on every rank
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name=f"async-save-{state.iteration}", daemon=True)
+        self._thread.start()
+        return previous
+
+    def poll(self, wait: bool = False) -> str | None:
+        """Publish the in-flight checkpoint if every rank has written its files (waiting for that when
+        `wait`); returns the published directory, or None. Every rank must call it at the same points."""
+        if self._pending is None:
+            return None
+        if wait:
+            self._thread.join()
+        flags = torch.tensor(
+            [0.0 if self._thread.is_alive() else 1.0, 1.0 if self._error else 0.0], device=self.ctx.device
+        )
+        if self.ctx.world_size > 1:
+            done = flags[:1].clone()
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            failed = flags[1:].clone()
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            flags = torch.cat([done, failed])
+        if flags[1].item() > 0:
+            tmp, meta = self._pending
+            self._pending = None
+            mine = f": {type(self._error).__name__}: {self._error}" if self._error else ""
+            raise RuntimeError(f"async save of iteration {meta['iteration']} into {tmp} failed on a rank{mine}")
+        if flags[0].item() < 1:
+            return None
+        tmp, meta = self._pending
+        self._pending = None
+        if self.ctx.rank == 0:
+            publish(self.root, tmp, meta, self.keep_last)
+        _barrier(self.ctx)
+        return iteration_dir(self.root, meta["iteration"])
+
+    def finish(self) -> str | None:
+        return self.poll(wait=True)
 
 
 # Loading ----------------------------------------------------------------------------------------
@@ -156,8 +282,16 @@ def find_checkpoint(root: str | None) -> str | None:
     return path
 
 
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e})") from None
+
+
 def read_metadata(path: str) -> dict:
-    meta = json.load(open(os.path.join(path, "metadata.json")))
+    meta = _read_json(os.path.join(path, "metadata.json"))
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path}/metadata.json has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
@@ -166,23 +300,36 @@ def read_metadata(path: str) -> dict:
 class _Reader:
     """Reads ranges of full tensors from the pieces every rank of the saving job wrote."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, meta: dict) -> None:
         self.path = path
         self.index: dict[str, dict] = {}
-        for f in sorted(glob.glob(os.path.join(path, "index_r*.json"))):
-            for name, rec in json.load(open(f)).items():
+        self.files: dict[str, dict] = {}  # file name -> the size and sha256 its writer recorded
+        for fname, digest in sorted(meta.get("files", {}).items()):
+            full = os.path.join(path, fname)
+            if not os.path.isfile(full) or file_digest(full)["sha256"] != digest:
+                raise ConfigError(f"checkpoint file {full} is missing or fails its sha256 check (truncated/corrupted)")
+            rec = _read_json(full)
+            self.files.update(rec["files"])
+            for name, t in rec["tensors"].items():
                 if name in self.index:
-                    self.index[name]["pieces"] += rec["pieces"]
+                    self.index[name]["pieces"] += t["pieces"]
                 else:
-                    self.index[name] = rec
+                    self.index[name] = t
         self._files: dict[str, object] = {}
+
+    def verify(self, fname: str) -> str:
+        full = os.path.join(self.path, fname)
+        if fname not in self.files:
+            raise ConfigError(f"checkpoint {self.path}: no index lists {fname}")
+        verify_file(full, self.files[fname])
+        return full
 
     def _open(self, fname: str):
         if fname not in self._files:
-            full = os.path.join(self.path, fname)
+            full = self.verify(fname)
             try:
                 self._files[fname] = safe_open(full, framework="pt")
-            except Exception as e:  # a truncated or corrupt file
+            except Exception as e:  # a corrupt file whose checksum was forged along with it
                 raise ConfigError(f"checkpoint file {full} cannot be read ({type(e).__name__}: {e})") from None
         return self._files[fname]
 
@@ -227,7 +374,7 @@ def load_checkpoint(
     finetune: bool = False,
 ) -> TrainState:
     meta = read_metadata(path)
-    reader = _Reader(path)
+    reader = _Reader(path, meta)
     entries = _state_tensors(model, optimizer if load_optim else None)
     for gname, t, pmeta in entries["model"]:
         reader.fill(f"model/{gname}", t, local_pieces(tuple(t.shape), pmeta))
@@ -255,8 +402,9 @@ def load_checkpoint(
     same_layout = meta["layout"].get("world_size") == ctx.world_size and all(
         meta["layout"].get(k) == g.size for k, g in ctx.groups.items()
     )
-    rng_file = os.path.join(path, f"rng_r{ctx.rank:05d}.safetensors")
-    if load_rng and not finetune and same_layout and os.path.exists(rng_file):
+    rng_name = f"rng_r{ctx.rank:05d}.safetensors"
+    if load_rng and not finetune and same_layout and rng_name in reader.files:
+        rng_file = reader.verify(rng_name)
         with safe_open(rng_file, framework="pt") as f:
             torch.set_rng_state(f.get_tensor("cpu"))
             ctx.rng.set_states(

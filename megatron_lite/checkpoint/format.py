@@ -9,16 +9,23 @@ ranges it needs from whichever pieces cover them. Fused tensors are stored in th
 rather than its interleaved [gate_r; up_r]); vocabulary padding is never stored.
 
     <dir>/latest_checkpointed_iteration.txt   the newest complete iteration (written last)
-    <dir>/iter_0000010/metadata.json          iteration, samples, configs, layout, scheduler, scaler
-    <dir>/iter_0000010/index_r00003.json      the pieces rank 3 wrote: name -> shape, dim, pieces
+    <dir>/iter_0000010/metadata.json          iteration, samples, configs, layout, scheduler, scaler, and
+                                              the sha256 of every index file
+    <dir>/iter_0000010/index_r00003.json      the pieces rank 3 wrote (name -> shape, dim, pieces) and the
+                                              size and sha256 of its tensor and RNG files
     <dir>/iter_0000010/tensors_r00003.safetensors
     <dir>/iter_0000010/rng_r00003.safetensors
+
+The checksums chain from metadata.json to every file, so a truncated or corrupted file is found before a
+single tensor is used, and the error names it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -26,7 +33,7 @@ import torch
 
 from megatron_lite.parameters import ParamMeta
 
-FORMAT = "megatron_lite/1"
+FORMAT = "megatron_lite/2"
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -38,8 +45,51 @@ class Piece:
     local_start: int  # offset along `dim` in this rank's tensor
 
 
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def complete_iterations(root: str) -> list[int]:
+    """Iterations with a finished checkpoint directory under `root` (not `.tmp` leftovers), oldest first."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        m = _ITER_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, "metadata.json")):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def file_digest(path: str) -> dict:
+    """Size and sha256 of a file, read in 16 MiB blocks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def verify_file(path: str, expected: dict) -> None:
+    """A one-line error naming the file when its size or checksum is not what the writer recorded."""
+    from megatron_lite.config import ConfigError
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint file {path} is missing")
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        raise ConfigError(
+            f"checkpoint file {path} is {size} bytes, the writer recorded {expected['bytes']}: the file is "
+            "truncated or was overwritten; load an older checkpoint (edit latest_checkpointed_iteration.txt)"
+        )
+    if file_digest(path)["sha256"] != expected["sha256"]:
+        raise ConfigError(
+            f"checkpoint file {path} fails its sha256 check: the file is corrupted; load an older checkpoint "
+            "(edit latest_checkpointed_iteration.txt)"
+        )
 
 
 def local_pieces(shape: tuple[int, ...], meta: ParamMeta) -> list[Piece]:

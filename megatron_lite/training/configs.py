@@ -19,8 +19,15 @@ class CheckpointConfig:
     finetune: bool = False  # load weights only; start at iteration 0
     use_checkpoint_args: bool = False
     exit_on_missing_checkpoint: bool = False
+    async_save: bool = False  # write in a background thread while training goes on
+    ckpt_keep_last: int | None = None  # delete older checkpoints, keeping the newest N
 
     def __post_init__(self) -> None:
+        if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
+            raise ConfigError(f"--ckpt-keep-last {self.ckpt_keep_last} must be >= 1 (omit it to keep every checkpoint)")
+        if (self.async_save or self.ckpt_keep_last) and not self.save:
+            flag = "--async-save" if self.async_save else "--ckpt-keep-last"
+            raise ConfigError(f"{flag} needs --save DIR")
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError(f"--save-interval {self.save_interval} must be >= 1")
         if self.save_interval is not None and not self.save:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_lite.arguments import accepted_no_ops, parse_args
 from megatron_lite.checkpoint.checkpointing import (
+    AsyncSaver,
     TrainState,
     find_checkpoint,
     load_checkpoint,
@@ -195,7 +196,23 @@ def run(job: JobConfig, notes: list[str]) -> int:
         log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
     window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0}
     metrics = None
+    ck = job.checkpoint
+    saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
+
+    def save() -> None:
+        if saver is not None:
+            if previous := saver.save(state, model, optimizer, scheduler, job.to_dict()):
+                log.info(f"saved {previous} (async)")
+            log.info(f"iteration {state.iteration}: async save started")
+        else:
+            path = save_checkpoint(
+                ck.save, state, model, optimizer, scheduler, ctx, job.to_dict(), keep_last=ck.ckpt_keep_last
+            )
+            log.info(f"saved {path}")
+
     while state.iteration < t.train_iters:
+        if saver is not None and (path := saver.poll()):
+            log.info(f"saved {path} (async)")
         tic = time.time()
         batches = train_batches.get(state.consumed_samples)
         data_time = time.time() - tic
@@ -237,17 +254,15 @@ def run(job: JobConfig, notes: list[str]) -> int:
             losses = [eval_step(ddp, valid.get(i * gbs), ctx) for i in range(t.eval_iters)]
             model.train()
             log.log(state.iteration, {"lm_loss": sum(losses) / len(losses)}, kind="validation")
-        if job.checkpoint.save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
-            path = save_checkpoint(job.checkpoint.save, state, model, optimizer, scheduler, ctx, job.to_dict())
-            log.info(f"saved {path}")
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            save()
         if _should_exit(t, state, start_time, ctx):
             log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
             break
-    if job.checkpoint.save and not (
-        job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0
-    ):
-        path = save_checkpoint(job.checkpoint.save, state, model, optimizer, scheduler, ctx, job.to_dict())
-        log.info(f"saved {path}")
+    if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
+        save()
+    if saver is not None and (path := saver.finish()):
+        log.info(f"saved {path} (async)")
     log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
     log.close()
     if dist.is_initialized():

@@ -1,0 +1,205 @@
+"""Checkpoint reliability: a job killed with SIGKILL in the middle of a save leaves the previous checkpoint
+loadable and `latest` on it; a truncated or corrupted file is a one-line error naming it; --async-save
+writes the same bytes as a synchronous save; --ckpt-keep-last prunes; nothing in a checkpoint path can
+unpickle."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors import safe_open
+
+from megatron_lite.training.pretrain import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+    "--global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data --vocab-size 100"
+).split()
+
+
+def _run(argv, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    rc = main([*TINY, *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _one_line_error(rc, err, *fragments):
+    assert rc == 2, err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def _tensors(path: str) -> dict:
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "tensors_r*.safetensors"))):
+        with safe_open(f, framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@pytest.fixture
+def saved(tmp_path, capsys, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--train-iters", "3", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    return ckpt
+
+
+def test_truncated_shard_is_a_one_line_error(saved, capsys, monkeypatch):
+    shard = os.path.join(saved, "iter_0000003", "tensors_r00000.safetensors")
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    rc, _, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
+    _one_line_error(rc, err, shard, "truncated", f"{size // 2} bytes")
+
+
+def test_corrupted_shard_is_a_one_line_error(saved, capsys, monkeypatch):
+    shard = os.path.join(saved, "iter_0000003", "tensors_r00000.safetensors")
+    data = bytearray(open(shard, "rb").read())
+    data[-5] ^= 0xFF  # same size, one flipped byte inside a tensor
+    open(shard, "wb").write(bytes(data))
+    rc, _, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
+    _one_line_error(rc, err, shard, "sha256")
+
+
+def test_corrupted_index_is_a_one_line_error(saved, capsys, monkeypatch):
+    index = os.path.join(saved, "iter_0000003", "index_r00000.json")
+    text = open(index).read()
+    open(index, "w").write(text.replace('"length": ', '"length": 1', 1))
+    rc, _, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
+    _one_line_error(rc, err, index, "sha256")
+
+
+def test_keep_last(tmp_path, capsys, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    argv = ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "1", "--ckpt-keep-last", "2"]
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "iter_0000004",
+        "iter_0000005",
+        "latest_checkpointed_iteration.txt",
+    ]
+    rc, _, err = _run(["--train-iters", "5", "--save", str(ckpt), "--ckpt-keep-last", "0"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--ckpt-keep-last 0", ">= 1")
+
+
+def test_async_save_writes_what_a_synchronous_save_writes(tmp_path, capsys, monkeypatch):
+    sync, asyn = str(tmp_path / "sync"), str(tmp_path / "async")
+    base = ["--train-iters", "4", "--save-interval", "2", "--hidden-dropout", "0.1"]
+    rc, _, err = _run([*base, "--save", sync], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, out, err = _run([*base, "--save", asyn, "--async-save"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "iteration 2: async save started" in out and "iter_0000002 (async)" in out
+    assert "iter_0000004 (async)" in out
+    for it in ("iter_0000002", "iter_0000004"):
+        a, b = _tensors(os.path.join(sync, it)), _tensors(os.path.join(asyn, it))
+        assert a.keys() == b.keys() and a
+        for k in a:
+            assert a[k].equal(b[k]), k
+    assert open(os.path.join(asyn, "latest_checkpointed_iteration.txt")).read() == "4"
+    # And the asynchronously saved checkpoint resumes like the synchronous one.
+    curves = {}
+    for name, path in (("sync", sync), ("async", asyn)):
+        jsonl = tmp_path / f"{name}.jsonl"
+        rc, out, err = _run(["--train-iters", "6", "--load", path, "--log-jsonl", str(jsonl)], capsys, monkeypatch)
+        assert rc == 0, err and "iteration 4" in out
+        records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        curves[name] = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in records if "grad_norm" in r]
+    assert [c[0] for c in curves["sync"]] == [5, 6]
+    assert curves["sync"] == curves["async"]
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+    """A job big enough that a save takes a while is killed the moment a save has started writing; the
+    tracker still names the previous checkpoint, and a new job resumes from it."""
+    ckpt = tmp_path / "ckpt"
+    args = (
+        "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+        "--global-batch-size 1 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data --vocab-size 8000 "
+        f"--train-iters 100 --save-interval 1 --save {ckpt} --untie-embeddings-and-output-weights"
+    ).split()
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "pretrain" / "pretrain_gpt.py"), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    killed_during = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            tracker = ckpt / "latest_checkpointed_iteration.txt"
+            if tracker.exists():
+                # A later save in progress: its .tmp directory already holds a partial or complete file.
+                tmps = [p for p in ckpt.glob("iter_*.tmp") if any(p.iterdir())]
+                if tmps:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed_during = tmps[0].name
+                    break
+            time.sleep(0.001)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert killed_during is not None, f"never caught a save in progress (exit {proc.returncode})"
+    assert proc.returncode == -signal.SIGKILL
+    latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert f"iter_{latest:07d}.tmp" != killed_during or (ckpt / f"iter_{latest:07d}").is_dir()
+    assert (ckpt / f"iter_{latest:07d}" / "metadata.json").is_file()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    rc = main(["--load", str(ckpt), "--train-iters", str(latest + 1)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert f"iteration {latest}," in out.out and "loaded" in out.out
+
+
+def test_no_pickle_anywhere_in_checkpoint_paths(saved):
+    """Every file of a saved checkpoint is safetensors (its JSON header checked), JSON or the tracker text;
+    and no source file loads with pickle: torch.load only with weights_only=True, no pickle import."""
+
+    for p in pathlib.Path(saved).rglob("*"):
+        if not p.is_file():
+            continue
+        data = p.read_bytes()
+        assert not data.startswith(b"\x80"), f"{p} starts like a pickle"
+        if p.suffix == ".safetensors":
+            n = int.from_bytes(data[:8], "little")
+            json.loads(data[8 : 8 + n])  # the header is JSON; the rest raw tensor bytes
+        elif p.suffix == ".json":
+            json.loads(data)
+        else:
+            assert p.name == "latest_checkpointed_iteration.txt" and data.strip().isdigit()
+    offenders = []
+    for src in [
+        *ROOT.glob("megatron_lite/**/*.py"),
+        *ROOT.glob("kernels/*.py"),
+        *ROOT.glob("tools/**/*.py"),
+        *ROOT.glob("pretrain/*.py"),
+    ]:
+        text = src.read_text()
+        for m in re.finditer(r"torch\.load\(([^)]*)\)", text):
+            if "weights_only=True" not in m.group(1):
+                offenders.append(f"{src}: torch.load without weights_only=True")
+        if re.search(r"^\s*(import pickle|from pickle|import cloudpickle|import dill)", text, re.M):
+            offenders.append(f"{src}: imports a pickler")
+    assert not offenders, offenders
