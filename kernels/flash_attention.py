@@ -2,9 +2,12 @@
 
 q [batch, seq_q, heads, head_dim]; k, v [batch, seq_k, kv_heads, head_dim]; heads % kv_heads == 0. Causal
 masking is aligned to the bottom right (query i sees keys j <= i + seq_k - seq_q), as decoding with a KV
-cache needs; seq_q <= seq_k then. The forward keeps only O and the log-sum-exp per query (fp32); the
-backward recomputes the probabilities block by block (FlashAttention-2): one kernel per key block
-accumulates dK and dV over every query head of its group (no atomics), another per query block
+cache needs; seq_q <= seq_k then. A sliding window (Mistral / Hugging Face `sliding_window`, causal only)
+further limits query i to the last `window_size` keys up to its position P = i + seq_k - seq_q, itself
+included: P - window_size < j <= P. The window is a runtime kernel argument, so one compiled kernel serves
+every window; key blocks wholly outside it are skipped. The forward keeps only O and the log-sum-exp per
+query (fp32); the backward recomputes the probabilities block by block (FlashAttention-2): one kernel per
+key block accumulates dK and dV over every query head of its group (no atomics), another per query block
 accumulates dQ. `flash_attention_backward` is exposed so ring attention can merge blocks exactly.
 """
 
@@ -29,14 +32,16 @@ if HAVE_TRITON:
         )
 
     @triton.jit
-    def _visible(rows, cols, seq_q, seq_k, offset, CAUSAL: tl.constexpr):
-        """[rows, cols] pairs inside both sequences and, when causal, key <= query + offset (bottom right)."""
+    def _visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL: tl.constexpr):
+        """[rows, cols] pairs inside both sequences and, when causal, 0 <= query + offset - key < WINDOW: the key
+        is at or before the query (bottom right) and among its last WINDOW keys (WINDOW >= seq_k: no window)."""
         valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
         if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None] + offset)
+            dist = rows[:, None] + offset - cols[None, :]
+            valid = valid & (dist >= 0) & (dist < WINDOW)
         return valid
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["WINDOW"])  # one kernel for every window, 1 and multiples of 16 too
     def _fwd(
         Q,
         K,
@@ -61,6 +66,7 @@ if HAVE_TRITON:
         seq_k,
         scale,
         head_dim,
+        WINDOW,
         CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -82,22 +88,29 @@ if HAVE_TRITON:
         m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lo = 0
         end = seq_k
-        if CAUSAL:
+        if CAUSAL:  # keys before the first row's window or after the last row's position are hidden from the block
+            lo = tl.maximum(start_m + offset - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
-        for start_n in range(0, end, BLOCK_N):
+        for start_n in range(lo, end, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
             v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
             s = tl.dot(q, tl.trans(k)) * scale
-            # No row bound here: padded query rows keep finite scores (they are never stored), so no inf - inf.
-            s = tl.where(_visible(rows, cols, start_m + BLOCK_M, seq_k, offset, CAUSAL), s, float("-inf"))
+            # No row bound here: padded query rows (never stored) keep the scores they get.
+            s = tl.where(_visible(rows, cols, start_m + BLOCK_M, seq_k, offset, WINDOW, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
+            # A row may see no key of a block so far (its window starts further on, or a padded row's window lies
+            # past seq_k): subtract 0 rather than -inf, so p and alpha are 0, never inf - inf = NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
             lsum = lsum * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        # Every real row sees at least its own key (lsum >= 1); only padded rows, never stored, can have lsum 0.
+        lsum = tl.where(lsum > 0.0, lsum, 1.0)
         o = acc / lsum[:, None]
         tl.store(
             O + b * sob + h * soh + rows[:, None] * sos + dims[None, :],
@@ -106,7 +119,7 @@ if HAVE_TRITON:
         )
         tl.store(LSE + bh * seq_q + rows, m + tl.log(lsum), mask=rows < seq_q)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["WINDOW"])  # one kernel for every window, 1 and multiples of 16 too
     def _bwd_dkdv(
         Q,
         K,
@@ -134,6 +147,7 @@ if HAVE_TRITON:
         seq_k,
         scale,
         head_dim,
+        WINDOW,
         CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -153,18 +167,21 @@ if HAVE_TRITON:
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         first = 0
-        if CAUSAL:  # earlier queries cannot see this key block
+        last = seq_q
+        if CAUSAL:  # earlier queries cannot see this key block, nor later ones whose window starts past it
             first = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
+            last = tl.minimum(seq_q, start_n + BLOCK_N - 1 + WINDOW - offset)
         for j in range(0, group):
             h = kvh * group + j
-            for start_m in range(first, seq_q, BLOCK_M):
+            for start_m in range(first, last, BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
                 q = _load_block(Q, b * sqb + h * sqh, rows, sqs, seq_q, dims, dmask)
                 do = _load_block(DO, b * sdb + h * sdh, rows, sds, seq_q, dims, dmask)
                 lse = tl.load(LSE + (b * heads + h) * seq_q + rows, mask=rows < seq_q, other=0.0)
                 delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=rows < seq_q, other=0.0)
                 s = tl.dot(q, tl.trans(k)) * scale
-                p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+                visible = _visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL)
+                p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do)
                 dp = tl.dot(do, tl.trans(v))
                 ds = p * (dp - delta[:, None]) * scale
@@ -176,7 +193,7 @@ if HAVE_TRITON:
             DV + b * svb + kvh * svh + cols[:, None] * svs + dims[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["WINDOW"])  # one kernel for every window, 1 and multiples of 16 too
     def _bwd_dq(
         Q,
         K,
@@ -203,6 +220,7 @@ if HAVE_TRITON:
         seq_k,
         scale,
         head_dim,
+        WINDOW,
         CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -222,15 +240,17 @@ if HAVE_TRITON:
         lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lo = 0
         end = seq_k
-        if CAUSAL:
+        if CAUSAL:  # as in the forward
+            lo = tl.maximum(start_m + offset - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
-        for start_n in range(0, end, BLOCK_N):
+        for start_n in range(lo, end, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
             v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
             s = tl.dot(q, tl.trans(k)) * scale
-            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
+            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None]) * scale
             dq += tl.dot(ds.to(k.dtype), k)
         tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -242,15 +262,28 @@ def _blocks(head_dim: int) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 64} if head_dim <= 128 else {"BLOCK_M": 32, "BLOCK_N": 32}
 
 
-def _check(q, k, v, causal):
+def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
+    """The kernels' WINDOW argument: the window clamped to seq_k (a window of seq_k or more hides no key), seq_k
+    when there is none. Raises on a window without causal masking or below 1."""
+    if window_size is None:
+        return seq_k
+    if not causal:
+        raise ValueError(f"window_size={window_size} needs causal=True (a sliding window looks back from the query)")
+    if window_size < 1:
+        raise ValueError(f"window_size must be >= 1 or None, got {window_size}")
+    return min(int(window_size), seq_k)
+
+
+def _check(q, k, v, causal, window_size=None):
     b, sq, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or h % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
     if causal and sq > k.shape[1]:
         raise ValueError(f"causal attention with bottom-right alignment needs seq_q {sq} <= seq_k {k.shape[1]}")
+    _window(window_size, causal, k.shape[1])
 
 
-def _forward(q, k, v, causal, scale):
+def _forward(q, k, v, causal, scale, window_size=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
@@ -273,6 +306,7 @@ def _forward(q, k, v, causal, scale):
         sk,
         scale,
         d,
+        _window(window_size, causal, sk),
         CAUSAL=causal,
         BLOCK_D=next_pow2(max(d, 16)),
         **cfg,
@@ -281,22 +315,34 @@ def _forward(q, k, v, causal, scale):
     return o, lse
 
 
-def flash_attention_backward(q, k, v, o, lse, do, causal: bool = True, softmax_scale: float | None = None):
+def flash_attention_backward(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    window_size: int | None = None,
+):
     """dq, dk, dv of attention, given its output o and log-sum-exp lse [batch, heads, seq_q] (fp32)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    window = _window(window_size, causal, sk)
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cfg = _blocks(d)
     common = dict(CAUSAL=causal, BLOCK_D=next_pow2(max(d, 16)), **cfg)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     _bwd_dkdv[(triton.cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides, h, h // hkv, sq, sk, scale, d, **common
+        q, k, v, do, lse, delta, dk, dv, *strides, h, h // hkv, sq, sk, scale, d, window, **common
     )
     _bwd_dq[(triton.cdiv(sq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, do, lse, delta, dq, *strides, h, h // hkv, sq, sk, scale, d, **common
+        q, k, v, do, lse, delta, dq, *strides, h, h // hkv, sq, sk, scale, d, window, **common
     )
     launched("flash_attention_bwd")
     return dq, dk, dv
@@ -304,23 +350,25 @@ def flash_attention_backward(q, k, v, o, lse, do, causal: bool = True, softmax_s
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
+    def forward(ctx, q, k, v, causal, scale, window_size):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _forward(q, k, v, causal, scale)
+        o, lse = _forward(q, k, v, causal, scale, window_size)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.window_size = causal, scale, window_size
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*flash_attention_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale), None, None)
+        grads = flash_attention_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size)
+        return (*grads, None, None, None)
 
 
-def flash_attention_reference(q, k, v, causal=True, softmax_scale=None, return_lse=False):
+def flash_attention_reference(q, k, v, causal=True, softmax_scale=None, return_lse=False, *, window_size=None):
     """Plain PyTorch, fp32 math: the oracle and the fallback."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    window = _window(window_size, causal, sk)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     kk = k.repeat_interleave(h // hkv, dim=2)
     vv = v.repeat_interleave(h // hkv, dim=2)
@@ -328,7 +376,8 @@ def flash_attention_reference(q, k, v, causal=True, softmax_scale=None, return_l
     if causal:
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+        dist = i + (sk - sq) - j  # query position minus key position
+        s = s.masked_fill((dist < 0) | (dist >= window), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv.float()).to(q.dtype)
     return (o, lse) if return_lse else o
@@ -341,12 +390,16 @@ def flash_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    *,
+    window_size: int | None = None,
 ):
-    _check(q, k, v, causal)
+    """Attention of q over k, v (layouts in the module docstring); window_size: Mistral-style sliding window
+    (causal only; None: none). Returns o, and the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse."""
+    _check(q, k, v, causal, window_size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not triton_usable(q, k, v):
-        return flash_attention_reference(q, k, v, causal, scale, return_lse)
-    o, lse = _FlashAttention.apply(q, k, v, causal, scale)
+        return flash_attention_reference(q, k, v, causal, scale, return_lse, window_size=window_size)
+    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size)
     return (o, lse) if return_lse else o
 
 
@@ -369,6 +422,7 @@ def _cases() -> list[tuple]:
                 "seq_k": "i32",
                 "scale": "fp32",
                 "head_dim": "i32",
+                "WINDOW": "i32",
                 "CAUSAL": "constexpr",
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",

@@ -1,8 +1,11 @@
 """Flash attention kernels against the plain-PyTorch reference and transformers' SDPA path: forward, log-sum-exp
 and backward, grouped-query heads, causal (bottom-right aligned when seq_q < seq_k) and not, odd sizes; each
-test proves the Triton kernels ran. CPU: Triton interpreter, fp32."""
+test proves the Triton kernels ran. Sliding-window attention (Mistral's `sliding_window`) against an oracle with
+a mask built from the definition. CPU: Triton interpreter, fp32."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -84,6 +87,80 @@ def test_exposed_backward_merges_blocks_exactly():
     assert rel(torch.cat([dk1, dk2], 1), ins[1].grad) < TOL and rel(torch.cat([dv1, dv2], 1), ins[2].grad) < TOL
 
 
+def _window_oracle(q, k, v, window):
+    """Plain softmax attention, independent of our reference: query i sits at position P = i + seq_k - seq_q and
+    sees key j iff j <= P and P - j < window (the last `window` keys, itself included). Returns o, lse."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    off = sk - sq
+    mask = torch.tensor([[j <= i + off and i + off - j < window for j in range(sk)] for i in range(sq)])
+    kk = k.repeat_interleave(h // hkv, dim=2).transpose(1, 2)  # [b, h, sk, d]
+    vv = v.repeat_interleave(h // hkv, dim=2).transpose(1, 2)
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) / math.sqrt(d)  # [b, h, sq, sk]
+    s = s.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(s, dim=-1) @ vv).transpose(1, 2), torch.logsumexp(s, dim=-1)
+
+
+WINDOW_CASES = [  # batch, seq_q, seq_k, heads, kv_heads, head_dim, window
+    (2, 24, 24, 4, 2, 16, 5),
+    (1, 40, 40, 4, 2, 16, 5),  # 3 blocks of 16 (interpreter): whole key blocks skipped before the window
+    (2, 7, 40, 4, 2, 16, 5),  # seq_q < seq_k: bottom-right positions 33..39; keys 0..28 are seen by no query
+    (1, 13, 37, 2, 1, 20, 20),  # window wider than a block, odd head_dim
+    (1, 19, 19, 2, 2, 8, 1),  # every query sees only itself
+]
+
+
+def _run_windowed(fn, q, k, v, do, window):
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    if fn is _window_oracle:
+        o, lse = fn(*ins, window)
+    else:
+        o, lse = fn(*ins, causal=True, return_lse=True, window_size=window)
+    o.backward(do)
+    return [o.detach(), lse.detach()] + [t.grad for t in ins]
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,window", WINDOW_CASES)
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_sliding_window_equals_masked_oracle(impl, b, sq, sk, h, hkv, d, window):
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=1)
+    do = torch.randn(b, sq, h, d, generator=torch.Generator().manual_seed(6))
+    fn = K.flash_attention if impl == "triton" else K.flash_attention_reference
+    before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
+    ours = _run_windowed(fn, q, k, v, do, window)
+    launched = K.LAUNCHES["flash_attention_fwd"] > before[0] and K.LAUNCHES["flash_attention_bwd"] > before[1]
+    assert launched == (impl == "triton")
+    oracle = _run_windowed(_window_oracle, q, k, v, do, window)
+    for name, a, r in zip(["o", "lse", "dq", "dk", "dv"], ours, oracle):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, r) < TOL, (name, rel(a, r))
+    # the window really restricts: plain causal attention differs
+    assert rel(ours[0], K.flash_attention_reference(q, k, v, causal=True)) > 1e-2
+
+
+@pytest.mark.parametrize("sq,sk", [(24, 24), (7, 40)])
+def test_window_at_least_seq_k_is_no_window(sq, sk):
+    q, k, v = _qkv(1, sq, sk, 4, 2, 16, seed=2)
+    do = torch.randn(1, sq, 4, 16, generator=torch.Generator().manual_seed(7))
+    for fn in (K.flash_attention, K.flash_attention_reference):
+        plain = _run_windowed(fn, q, k, v, do, None)
+        for window in (sk, sk + 100):
+            for name, a, r in zip(["o", "lse", "dq", "dk", "dv"], _run_windowed(fn, q, k, v, do, window), plain):
+                assert torch.equal(a, r), (fn.__name__, window, name)
+
+
+def test_window_needs_causal_and_a_positive_size():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 8)
+    for fn in (K.flash_attention, K.flash_attention_reference):
+        with pytest.raises(ValueError, match="causal"):
+            fn(q, k, v, causal=False, window_size=4)
+        with pytest.raises(ValueError, match=">= 1"):
+            fn(q, k, v, causal=True, window_size=0)
+    o, lse = K.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="causal"):
+        K.flash_attention_backward(q, k, v, o, lse, torch.ones_like(o), causal=False, window_size=4)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
 )
@@ -91,3 +168,5 @@ def test_bf16_on_gpu():
     q, k, v = (t.cuda().bfloat16() for t in _qkv(2, 512, 512, 8, 2, 128))
     ref = K.flash_attention_reference(q, k, v).float()
     assert rel(K.flash_attention(q, k, v).float(), ref) < 2e-2
+    ref = K.flash_attention_reference(q, k, v, window_size=100).float()
+    assert rel(K.flash_attention(q, k, v, window_size=100).float(), ref) < 2e-2
