@@ -77,6 +77,18 @@ REFUSED: dict[str, str] = {
 }
 
 
+def _window_size(text: str) -> int:
+    """'(L, R)' or 'L,R' -> the number of keys each query sees (L + 1); only causal windows (R = 0)."""
+    parts = [p.strip() for p in text.strip().strip("()").split(",")]
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a window (left,right), e.g. 4095,0") from None
+    if right != 0 or left < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: only causal windows (left >= 0, right = 0) are supported")
+    return left + 1
+
+
 def _bool(p: argparse._ArgumentGroup, flag: str, help: str) -> None:
     p.add_argument(flag, action="store_true", help=help)
 
@@ -107,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rotary-percent", type=float, default=1.0, help="only 1.0 (rotate the whole head) is supported")
     _bool(m, "--use-rope-scaling", "Llama-3 RoPE frequency scaling")
     m.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    m.add_argument(
+        "--window-size",
+        type=_window_size,
+        help="sliding-window attention as (left, right) like Megatron/Transformer Engine, e.g. 4095,0: each "
+        "token sees itself and the 4095 before it (Mistral's sliding_window 4096); right must be 0",
+    )
     _bool(m, "--untie-embeddings-and-output-weights", "separate output layer (Llama)")
     _bool(m, "--disable-bias-linear", "no biases in linear layers (Llama)")
     _bool(m, "--add-qkv-bias", "bias on QKV only (Qwen2)")
@@ -301,7 +319,13 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         activation="swiglu" if ns.swiglu else ("gelu_tanh" if ns.openai_gelu else "gelu"),
         position_embedding_type=ns.position_embedding_type,
         rotary_base=ns.rotary_base,
-        rope_scaling=RopeScaling(factor=ns.rope_scaling_factor) if ns.use_rope_scaling else None,
+        # The checkpoint's full Llama-3 parameters (low/high frequency factors, original length) have no flags.
+        rope_scaling=RopeScaling(
+            **{**(getattr(ns, "rope_scaling_params", None) or {}), "factor": ns.rope_scaling_factor}
+        )
+        if ns.use_rope_scaling
+        else None,
+        sliding_window=ns.window_size,
         add_bias_linear=not ns.disable_bias_linear,
         add_qkv_bias=ns.add_qkv_bias,
         untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights,
@@ -463,6 +487,7 @@ ARCH_DESTS = (
     "rotary_base",
     "use_rope_scaling",
     "rope_scaling_factor",
+    "window_size",
     "untie_embeddings_and_output_weights",
     "disable_bias_linear",
     "add_qkv_bias",
@@ -506,6 +531,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["use_rope_scaling"] = m["rope_scaling"] is not None
     if m["rope_scaling"] is not None:
         out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
+        out["rope_scaling_params"] = m["rope_scaling"]
+    out["window_size"] = m.get("sliding_window")
     out["disable_bias_linear"] = not m["add_bias_linear"]
     out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})
     out.update(
@@ -557,6 +584,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
             )
         parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
         ns = parser.parse_args(argv)
+        ns.rope_scaling_params = saved.get("rope_scaling_params")
         if ns.use_checkpoint_args:
             for d in ARCH_DESTS:
                 setattr(ns, d, saved.get(d, getattr(ns, d)))

@@ -60,6 +60,8 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Sliding-window attention (Mistral): each token sees the last `sliding_window` tokens, itself included.
+    sliding_window: int | None = None
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Qwen2: bias on QKV only
     untie_embeddings_and_output_weights: bool = False
@@ -156,6 +158,8 @@ class ModelConfig:
             )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"--window-size gives a sliding window of {self.sliding_window} tokens; it must be >= 1")
         for flag, p in (
             ("--hidden-dropout", self.hidden_dropout),
             ("--attention-dropout", self.attention_dropout),

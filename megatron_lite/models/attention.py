@@ -23,10 +23,26 @@ def qkv_output_size(config: ModelConfig) -> int:
     return config.query_groups * per_group * config.head_dim
 
 
+def attention_mask(seq_q: int, seq_k: int, window: int | None, device) -> torch.Tensor | None:
+    """Where query i may look, [seq_q, seq_k] (True = visible), or None for the plain causal square. The
+    causal mask is aligned to the bottom right (query i sits at position i + seq_k - seq_q, as with a KV
+    cache), and a sliding window keeps the last `window` keys up to that position."""
+    if window is None and seq_q == seq_k:
+        return None
+    pos = torch.arange(seq_q, device=device).unsqueeze(1) + (seq_k - seq_q)
+    keys = torch.arange(seq_k, device=device).unsqueeze(0)
+    visible = keys <= pos
+    if window is not None:
+        visible &= pos - keys < window
+    return visible
+
+
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with a causal mask, through PyTorch's scaled_dot_product_attention.
-    q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] -> [batch, seq, heads*head_dim].
-    The heads here are this rank's shard, so attention dropout draws from the per-TP-rank generator."""
+    """softmax(q k^T / sqrt(d)) v with a causal mask (and a sliding window when configured), through
+    PyTorch's scaled_dot_product_attention or our flash kernel.
+    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim] -> [batch, seq_q, heads*head_dim]
+    (seq_k > seq_q with a KV cache). The heads here are this rank's shard, so attention dropout draws from
+    the per-TP-rank generator."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
@@ -34,34 +50,42 @@ class CoreAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.rng = ctx.rng
         self.triton = config.kernel_impl == "triton"
+        self.window = config.sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s, heads, d = q.shape
+        sk = k.shape[1]
         p = self.dropout if self.training else 0.0
         if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
-            return K.flash_attention(q, k, v, causal=True, softmax_scale=self.scale).reshape(b, s, heads * d)
+            out = K.flash_attention(q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window)
+            return out.reshape(b, s, heads * d)
         kv_heads = k.shape[2]
         if kv_heads != heads:  # grouped-query: query head i reads key/value head i // (heads / kv_heads)
             rep = heads // kv_heads
-            k = k.unsqueeze(3).expand(b, s, kv_heads, rep, d).reshape(b, s, heads, d)
-            v = v.unsqueeze(3).expand(b, s, kv_heads, rep, d).reshape(b, s, heads, d)
+            k = k.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
+            v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
+        mask = attention_mask(s, sk, self.window, q.device)
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
                 v.transpose(1, 2),
+                attn_mask=mask,
                 dropout_p=p,
-                is_causal=True,
+                is_causal=mask is None,
                 scale=self.scale,
             )
         return out.transpose(1, 2).reshape(b, s, heads * d)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32, layer_number: int = 0
+    ) -> None:
         super().__init__()
         tp = ctx.tp
+        self.layer_number = layer_number
         sp = ctx.sequence_parallel
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.query_groups
@@ -93,8 +117,9 @@ class SelfAttention(nn.Module):
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden]."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None) -> torch.Tensor:
+        """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden]. With `kv_cache` (inference), the
+        new keys and values are appended to this layer's cache and attention reads all of them."""
         qkv = self.linear_qkv(x)  # [seq, batch, local groups * (heads/group + 2) * head_dim]
         s, b, _ = qkv.shape
         qkv = qkv.transpose(0, 1).reshape(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -106,6 +131,8 @@ class SelfAttention(nn.Module):
             cos, sin = rope
             q = self.rope(q, cos, sin)
             k = self.rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer_number, k, v)
         if self.recompute_core_attention and self.training:
             out = checkpoint(self.core_attention, self.core_attention.rng, q, k, v)
         else:

@@ -180,15 +180,18 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        kv_cache=None,
     ) -> torch.Tensor:
         """Per-token loss [batch, seq] when `labels` is given, else this rank's logits
-        [batch, seq, padded_vocab / TP]; a stage without the output layer returns its hidden states."""
+        [batch, seq, padded_vocab / TP]; a stage without the output layer returns its hidden states.
+        `kv_cache` (inference): `position_ids` continue from the cached tokens, whose keys and values the
+        attention layers read and extend."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         rope = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        x = self.decoder(x, rope)
+        x = self.decoder(x, rope, kv_cache)
         if not self.post_process:
             return x
         if labels is not None and self.config.kernel_impl == "triton":

@@ -1,7 +1,8 @@
 """Hugging Face <-> megatron_lite: configs and full (layout-free) state dicts.
 
-Supported: LlamaForCausalLM, MistralForCausalLM (no sliding window yet), Qwen2ForCausalLM (QKV bias) and
-GPT2LMHeadModel. A field that changes the math and that we do not implement is refused, never ignored.
+Supported: LlamaForCausalLM, MistralForCausalLM (with its sliding window), Qwen2ForCausalLM (QKV bias),
+MixtralForCausalLM and GPT2LMHeadModel. A field that changes the math and that we do not implement is
+refused, never ignored.
 Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
 GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q; k; v] over all heads.
 """
@@ -58,9 +59,11 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
         if getattr(c, "mlp_bias", False):
             raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
-        windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM") and c.sliding_window
-        if getattr(c, "use_sliding_window", False) or windowed:
-            raise ConfigError(f"config.json sliding_window={c.sliding_window} is not supported yet for {arch}")
+        if getattr(c, "use_sliding_window", False):  # Qwen2: windows on some layers only (max_window_layers)
+            raise ConfigError(f"config.json use_sliding_window=true is not supported for {arch}")
+        window = getattr(c, "sliding_window", None) if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+        if getattr(c, "layer_types", None) and any(t != "full_attention" for t in c.layer_types) and not window:
+            raise ConfigError(f"config.json layer_types {sorted(set(c.layer_types))} are not supported for {arch}")
         attention_bias = getattr(c, "attention_bias", False)
         if attention_bias and arch != "Qwen2ForCausalLM":
             raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
@@ -81,6 +84,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             position_embedding_type="rope",
             rotary_base=base,
             rope_scaling=scaling,
+            sliding_window=int(window) if window else None,
             add_bias_linear=False,
             add_qkv_bias=arch == "Qwen2ForCausalLM",
             untie_embeddings_and_output_weights=not c.tie_word_embeddings,
@@ -223,8 +227,12 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
     raise ConfigError(f"architecture {arch!r} is not supported")
 
 
-def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
-    """The inverse of `state_dict_from_hf` (tied models get `lm_head.weight` = the embedding)."""
+def state_dict_to_hf(
+    ours: dict[str, torch.Tensor], config: ModelConfig, arch: str, on_disk: bool = False
+) -> dict[str, torch.Tensor]:
+    """The inverse of `state_dict_from_hf`. By default the names of transformers' modules (tied models get
+    `lm_head.weight` = the embedding); with `on_disk` the names of a Hub checkpoint file: Mixtral experts
+    as block_sparse_moe.experts.{e}.w1/w3/w2, and no `lm_head.weight` when the embeddings are tied."""
     hf: dict[str, torch.Tensor] = {}
     L = "decoder.layers"
     if arch in LLAMA_LIKE:
@@ -240,7 +248,14 @@ def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: s
                     hf[f"{p}self_attn.v_proj.{kind}"] = v
             hf[p + "self_attn.o_proj.weight"] = ours[f"{L}.{i}.self_attention.linear_proj.weight"]
             hf[p + "post_attention_layernorm.weight"] = ours[f"{L}.{i}.pre_mlp_layernorm.weight"]
-            if config.num_experts:
+            if config.num_experts and on_disk:
+                m, q = f"{L}.{i}.mlp", p + "block_sparse_moe."
+                hf[q + "gate.weight"] = ours[f"{m}.router.weight"]
+                for e in range(config.num_experts):
+                    gate, up = ours[f"{m}.experts.{e}.linear_fc1.weight"].chunk(2, dim=0)
+                    hf[f"{q}experts.{e}.w1.weight"], hf[f"{q}experts.{e}.w3.weight"] = gate, up
+                    hf[f"{q}experts.{e}.w2.weight"] = ours[f"{m}.experts.{e}.linear_fc2.weight"]
+            elif config.num_experts:
                 m, n = f"{L}.{i}.mlp", config.num_experts
                 hf[p + "mlp.gate.weight"] = ours[f"{m}.router.weight"]
                 hf[p + "mlp.experts.gate_up_proj"] = torch.stack(
@@ -254,7 +269,8 @@ def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: s
                 hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
                 hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
         hf["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
-        hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+        if not (on_disk and config.tied_embeddings):
+            hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
         return {k: v.contiguous() for k, v in hf.items()}
     if arch == "GPT2LMHeadModel":
         hf["transformer.wte.weight"] = ours["embedding.word_embeddings.weight"]
@@ -276,6 +292,127 @@ def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, arch: s
             hf[p + "mlp.c_proj.bias"] = ours[f"{L}.{i}.mlp.linear_fc2.bias"]
         hf["transformer.ln_f.weight"] = ours["decoder.final_layernorm.weight"]
         hf["transformer.ln_f.bias"] = ours["decoder.final_layernorm.bias"]
-        hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+        if not (on_disk and config.tied_embeddings):
+            hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
         return {k: v.contiguous() for k, v in hf.items()}
     raise ConfigError(f"architecture {arch!r} is not supported")
+
+
+# config.json ------------------------------------------------------------------------------------
+def architecture_for(config: ModelConfig) -> str:
+    """The Hugging Face class that computes what `config` computes."""
+    if config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm":
+        return "GPT2LMHeadModel"
+    if config.position_embedding_type != "rope" or config.normalization != "RMSNorm" or config.activation != "swiglu":
+        raise ConfigError(
+            f"no Hugging Face architecture computes this model ({config.normalization}, {config.activation}, "
+            f"{config.position_embedding_type} positions); supported: Llama/Mistral/Qwen2/Mixtral, GPT-2"
+        )
+    if config.num_experts:
+        return "MixtralForCausalLM"
+    if config.add_qkv_bias:
+        return "Qwen2ForCausalLM"
+    if config.sliding_window:
+        return "MistralForCausalLM"
+    return "LlamaForCausalLM"
+
+
+def _check_exportable(c: ModelConfig, arch: str) -> None:
+    """What `arch` cannot express is a one-line error, never silently dropped."""
+    problems = []
+    if arch == "GPT2LMHeadModel":
+        if not c.add_bias_linear:
+            problems.append("GPT-2 needs biases (drop --disable-bias-linear)")
+        if c.ffn_size and c.activation not in ("gelu", "gelu_tanh"):
+            problems.append(f"activation {c.activation}")
+    else:
+        if c.add_bias_linear:
+            problems.append("biases on every linear layer (Llama-family models have none)")
+        if c.num_experts:
+            if c.moe_router_score_function != "softmax" or c.moe_router_enable_expert_bias:
+                problems.append("a sigmoid router or expert bias (Mixtral routes by softmax)")
+            if c.moe_shared_expert_intermediate_size or c.moe_layer_freq != 1:
+                problems.append("shared experts or dense layers between MoE layers")
+    if problems:
+        raise ConfigError(f"cannot export to {arch}: {'; '.join(problems)}")
+
+
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "GPT2LMHeadModel": "gpt2",
+}
+
+
+def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dtype: str = "float32") -> dict:
+    """config.json for `arch` computing what `config` computes. Fields of `base` (the config.json the
+    weights came with: token ids, generation settings) are kept unless they change the math."""
+    c = config
+    out = dict(base or {})
+    out.update(architectures=[arch], model_type=MODEL_TYPES[arch], vocab_size=c.vocab_size, torch_dtype=dtype)
+    out.pop("dtype", None)
+    _check_exportable(c, arch)
+    if arch == "GPT2LMHeadModel":
+        out.update(
+            n_embd=c.hidden_size,
+            n_layer=c.num_layers,
+            n_head=c.num_attention_heads,
+            n_inner=c.ffn_size,
+            n_positions=c.max_position_embeddings,
+            activation_function="gelu" if c.activation == "gelu" else "gelu_new",
+            layer_norm_epsilon=c.norm_epsilon,
+            resid_pdrop=c.hidden_dropout,
+            embd_pdrop=c.hidden_dropout,
+            attn_pdrop=c.attention_dropout,
+            scale_attn_weights=True,
+            scale_attn_by_inverse_layer_idx=False,
+            reorder_and_upcast_attn=False,
+            tie_word_embeddings=c.tied_embeddings,
+            initializer_range=c.init_method_std,
+        )
+        return out
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if c.rope_scaling is not None:
+        r = c.rope_scaling
+        rope.update(
+            rope_type="llama3",
+            factor=r.factor,
+            low_freq_factor=r.low_freq_factor,
+            high_freq_factor=r.high_freq_factor,
+            original_max_position_embeddings=r.original_max_position_embeddings,
+        )
+    for legacy in ("rope_theta", "rope_scaling", "rope_parameters"):
+        out.pop(legacy, None)
+    out.update(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.moe_ffn_hidden_size or c.ffn_size if c.num_experts else c.ffn_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.query_groups,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_epsilon,
+        hidden_act="silu",
+        tie_word_embeddings=c.tied_embeddings,
+        attention_dropout=c.attention_dropout,
+        initializer_range=c.init_method_std,
+        # transformers >= 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
+        rope_parameters=rope,
+        rope_theta=c.rotary_base,
+        rope_scaling=None if c.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+    )
+    if arch in ("LlamaForCausalLM",):
+        out.update(attention_bias=False, mlp_bias=False)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        out["sliding_window"] = c.sliding_window
+    if arch == "Qwen2ForCausalLM":
+        out.update(use_sliding_window=False, sliding_window=None)
+    if arch == "MixtralForCausalLM":
+        out.update(
+            num_local_experts=c.num_experts,
+            num_experts_per_tok=c.moe_router_topk,
+            router_jitter_noise=0.0,
+        )
+    return out

@@ -41,7 +41,7 @@ class TransformerLayer(nn.Module):
         self.rng = ctx.rng
         self.sequence_parallel = ctx.sequence_parallel
         self.input_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
-        self.self_attention = SelfAttention(config, ctx, device, dtype)
+        self.self_attention = SelfAttention(config, ctx, device, dtype, layer_number)
         self.pre_mlp_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
         self.mlp = (
             MoELayer(config, ctx, device, dtype)
@@ -56,9 +56,9 @@ class TransformerLayer(nn.Module):
             return checkpoint(fn, self.rng, *args)
         return fn(*args)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None) -> torch.Tensor:
         h = self._maybe_recompute("layernorm", self.input_layernorm, x)
-        h = self.self_attention(h, rope)
+        h = self.self_attention(h, rope, kv_cache)
         h = dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
         # x + h and its norm in one pass (one kernel with --kernel-impl triton)
         h, x = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, h, x)
@@ -100,10 +100,13 @@ class TransformerBlock(nn.Module):
 
         return fn
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None) -> torch.Tensor:
         cfg = self.config
         n = len(self.layers)
-        if cfg.recompute_granularity == "full" and self.training:
+        if kv_cache is not None:  # inference: no recomputation
+            for layer in self.layers:
+                x = layer(x, rope, kv_cache)
+        elif cfg.recompute_granularity == "full" and self.training:
             k = cfg.recompute_num_layers
             if cfg.recompute_method == "uniform":
                 for start in range(0, n, k):

@@ -1,0 +1,322 @@
+"""Hugging Face checkpoint directories <-> megatron_lite checkpoints, exactly.
+
+Hugging Face -> ours: config.json gives the model configuration (every field that changes the math is
+honoured or refused, see models/hf.py), the safetensors files give the weights, mapped to our full,
+unpadded names and written as a one-piece-per-tensor checkpoint at iteration 0: any layout loads it.
+The tokenizer files travel along in <save>/hf/, and the checkpoint's data settings name them.
+
+Ours -> Hugging Face: the full tensors are read from whatever layout wrote the checkpoint, mapped back
+to the Hub's names (Mixtral experts as w1/w3/w2, no lm_head when tied) and written as safetensors with a
+config.json that transformers' from_pretrained loads. Only safetensors are read: a pickled
+pytorch_model.bin is refused, because loading it could run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import types
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, publish, read_metadata
+from megatron_lite.checkpoint.format import FORMAT, atomic_write, atomic_write_json, file_digest, iteration_dir
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
+from megatron_lite.data.config import DataConfig
+from megatron_lite.models.hf import (
+    _arch,
+    architecture_for,
+    config_from_hf,
+    hf_config_dict,
+    state_dict_from_hf,
+    state_dict_to_hf,
+)
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.training.configs import JobConfig
+
+SHARD_BYTES = 5 * 1024**3
+# Files of a Hugging Face model directory that are not weights and travel with them.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+HF_DIR = "hf"  # under a converted checkpoint's root: the original config.json and tokenizer files
+
+# transformers' class defaults for the fields we read, used when transformers is not installed (a field
+# equal to its default may be absent from config.json). tests/test_convert.py checks them against transformers.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        max_position_embeddings=2048,
+    ),
+    "mistral": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        sliding_window=4096,
+        attention_dropout=0.0,
+        max_position_embeddings=4096 * 32,
+    ),
+    "qwen2": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        max_position_embeddings=32768,
+    ),
+    "mixtral": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        hidden_act="silu",
+        sliding_window=None,
+        attention_dropout=0.0,
+        router_jitter_noise=0.0,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096 * 32,
+    ),
+    "gpt2": dict(
+        tie_word_embeddings=True,
+        n_inner=None,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        reorder_and_upcast_attn=False,
+        resid_pdrop=0.1,
+        attn_pdrop=0.1,
+        n_positions=1024,
+    ),
+}
+
+
+# Hugging Face side -------------------------------------------------------------------------------
+def load_hf_config(path: str) -> tuple[Any, dict]:
+    """(config object, raw config.json) of a Hugging Face model directory. With transformers installed its
+    own config class reads the file (exact defaults); without it, config.json over HF_DEFAULTS."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"--load-dir {path} has no config.json; point it at a Hugging Face model directory")
+    raw = json.load(open(cfg_path))
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        merged = {**HF_DEFAULTS.get(raw.get("model_type", ""), {}), **raw}
+        return types.SimpleNamespace(**merged), raw
+    return AutoConfig.from_pretrained(path), raw
+
+
+def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    elif any(f.endswith(".bin") for f in os.listdir(path)):
+        raise ConfigError(
+            f"{path} holds only pickled .bin weights; loading them could run code. Re-save them as safetensors "
+            "(transformers: model.save_pretrained(dir, safe_serialization=True)) and convert that"
+        )
+    else:
+        raise ConfigError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    out = {}
+    for f in files:
+        full = os.path.join(path, f)
+        try:
+            with safe_open(full, framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+        except Exception as e:
+            raise ConfigError(f"{full} cannot be read ({type(e).__name__}: {e})") from None
+    return out
+
+
+def write_hf_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, side_from: list[str]) -> None:
+    """safetensors shards (with an index when more than one), config.json and the side files."""
+    os.makedirs(path, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for fname, shard in zip(names, shards):
+        atomic_write(os.path.join(path, fname), lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {k: fname for fname, shard in zip(names, shards) for k in shard}
+        atomic_write_json(
+            os.path.join(path, "model.safetensors.index.json"),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    for src in side_from:
+        for f in SIDE_FILES:
+            if os.path.isfile(os.path.join(src, f)) and not os.path.exists(os.path.join(path, f)):
+                shutil.copyfile(os.path.join(src, f), os.path.join(path, f))
+    atomic_write_json(os.path.join(path, "config.json"), config)
+
+
+# megatron_lite side ------------------------------------------------------------------------------
+def model_config_from_dict(d: dict) -> ModelConfig:
+    """A ModelConfig from the `model` section of a checkpoint's metadata."""
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    for key in ("recompute_modules", "moe_layer_freq"):
+        if isinstance(d.get(key), list):
+            d[key] = tuple(d[key])
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in known})
+
+
+def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict: dict, extra: dict) -> str:
+    """Weights only (no optimizer state), one piece per tensor, at iteration 0, files of at most 5 GiB."""
+    tmp = iteration_dir(root, 0) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    files: list[dict[str, torch.Tensor]] = [{}]
+    index, size = {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if files[-1] and size + nbytes > SHARD_BYTES:
+            files.append({})
+            size = 0
+        fname = f"tensors_r00000_{len(files) - 1:03d}.safetensors"
+        key = f"model/{name}@0"
+        files[-1][key] = t.contiguous()
+        size += nbytes
+        index[f"model/{name}"] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "dim": 0,
+            "pieces": [{"file": fname, "key": key, "start": 0, "length": t.shape[0]}],
+        }
+    digests = {}
+    for i, shard in enumerate(files):
+        fname = f"tensors_r00000_{i:03d}.safetensors"
+        atomic_write(os.path.join(tmp, fname), lambda p, s=shard: save_file(s, p))
+        digests[fname] = file_digest(os.path.join(tmp, fname))
+    atomic_write_json(os.path.join(tmp, "index_r00000.json"), {"tensors": index, "files": digests})
+    meta = {
+        "format": FORMAT,
+        "iteration": 0,
+        "consumed_samples": 0,
+        "config": job_dict,
+        "layout": {"world_size": 1},
+        "scheduler": None,
+        "grad_scaler": None,
+        "adam_step": 0,
+        **extra,
+    }
+    return publish(root, tmp, meta)
+
+
+def read_model_tensors(load_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, full unpadded model tensors by our names) of the newest checkpoint under `load_dir`,
+    whatever layout wrote it."""
+    path = find_checkpoint(load_dir)
+    if path is None:
+        raise ConfigError(f"--load-dir {load_dir} holds no megatron_lite checkpoint")
+    meta = read_metadata(path)
+    reader = _Reader(path, meta)
+    out = {}
+    for name, rec in reader.index.items():
+        if name.startswith("model/"):
+            out[name.removeprefix("model/")] = reader.read(name, 0, rec["shape"][rec["dim"]], rec["dim"])
+    return meta, out
+
+
+# The two directions ------------------------------------------------------------------------------
+def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
+    hf_config, raw = load_hf_config(load_dir)
+    arch = _arch(hf_config)
+    config = config_from_hf(hf_config)
+    log(f"{load_dir}: {arch}, {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}")
+    hf = read_hf_tensors(load_dir)
+    ours = state_dict_from_hf(hf, config, arch)
+    unused = set(hf) - _used_hf_names(hf, config, arch)
+    if unused:
+        raise ConfigError(f"{load_dir} holds tensors the {arch} mapping does not use: {sorted(unused)[:5]}")
+    os.makedirs(save_dir, exist_ok=True)
+    side = os.path.join(save_dir, HF_DIR)
+    os.makedirs(side, exist_ok=True)
+    for f in ("config.json", *SIDE_FILES):
+        if os.path.isfile(os.path.join(load_dir, f)):
+            shutil.copyfile(os.path.join(load_dir, f), os.path.join(side, f))
+    tokenizer = os.path.join(os.path.abspath(side), "tokenizer.json")
+    data = (
+        DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer)
+        if os.path.isfile(tokenizer)
+        else DataConfig()
+    )
+    seq = min(config.max_position_embeddings, 4096)
+    job = JobConfig(
+        model=config,
+        parallel=ParallelConfig(),
+        training=TrainingConfig(seq_length=seq),
+        optimizer=OptimizerConfig(),
+        data=data,
+    )
+    path = write_model_checkpoint(save_dir, ours, job.to_dict(), {"converted_from": {"hf": arch}})
+    log(f"wrote {path}: {len(ours)} tensors")
+    return path
+
+
+def _used_hf_names(hf: dict, config: ModelConfig, arch: str) -> set[str]:
+    """The HF names the mapping reads: the inverse mapping's names, plus the fused-module alternatives."""
+    names = set(state_dict_to_hf(state_dict_from_hf(hf, config, arch), config, arch, on_disk=True))
+    names |= set(state_dict_to_hf(state_dict_from_hf(hf, config, arch), config, arch))
+    # Buffers some exports include: rotary inverse frequencies and GPT-2's causal-mask buffers.
+    names |= {k for k in hf if k.endswith(("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias"))}
+    return names
+
+
+def megatron_lite_to_hf(load_dir: str, save_dir: str, dtype: str | None = None, log=print) -> None:
+    meta, ours = read_model_tensors(load_dir)
+    saved = meta["config"]
+    config = model_config_from_dict(saved["model"])
+    arch = architecture_for(config)
+    base, side_from = None, []
+    side = os.path.join(load_dir, HF_DIR)
+    if os.path.isfile(os.path.join(side, "config.json")):
+        original = json.load(open(os.path.join(side, "config.json")))
+        if (original.get("architectures") or [None])[0] == arch:
+            base = original
+        side_from.append(side)
+    tok = (saved.get("data") or {}).get("tokenizer_model")
+    if tok and os.path.isfile(tok):
+        side_from.append(os.path.dirname(tok))
+    hf = state_dict_to_hf(ours, config, arch, on_disk=True)
+    if dtype is not None:
+        target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        hf = {k: v.to(target) for k, v in hf.items()}
+    out_dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
+    write_hf_dir(save_dir, hf, hf_config_dict(config, arch, base, out_dtype), side_from)
+    log(f"wrote {save_dir}: {arch}, {len(hf)} tensors ({out_dtype}) from iteration {meta['iteration']}")

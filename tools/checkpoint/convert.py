@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Convert checkpoints between Hugging Face and megatron_lite, exactly, in either direction.
+
+    python tools/checkpoint/convert.py --loader hf --saver megatron_lite --load-dir Llama-3-8B --save-dir ckpt
+    python tools/checkpoint/convert.py --loader megatron_lite --saver hf --load-dir ckpt --save-dir out_hf
+
+Supported Hugging Face architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+MixtralForCausalLM, GPT2LMHeadModel. A megatron_lite checkpoint saved under any layout converts as is;
+one converted from Hugging Face loads under any layout (`pretrain_gpt.py --load ckpt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_lite.checkpoint.hf_convert import hf_to_megatron_lite, megatron_lite_to_hf
+from megatron_lite.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--loader", choices=["hf", "megatron_lite"], required=True)
+    p.add_argument("--saver", choices=["hf", "megatron_lite"], required=True)
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument(
+        "--target-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of the Hugging Face weights written (default: as stored)",
+    )
+    args = p.parse_args(argv)
+    try:
+        if args.loader == args.saver:
+            raise ConfigError(f"--loader and --saver are both {args.loader}; nothing to convert")
+        if args.loader == "hf":
+            if args.target_dtype:
+                raise ConfigError("--target-dtype applies to --saver hf; megatron_lite keeps the source dtype")
+            hf_to_megatron_lite(args.load_dir, args.save_dir)
+        else:
+            megatron_lite_to_hf(args.load_dir, args.save_dir, args.target_dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
