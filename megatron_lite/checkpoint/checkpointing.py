@@ -337,6 +337,8 @@ class _Reader:
         rec = self.index.get(name)
         if rec is None:
             raise ConfigError(f"checkpoint {self.path} has no tensor {name}")
+        if dim != rec["dim"]:  # stored in pieces along another dimension: take the range from each piece
+            return self._read_across(name, rec, start, length, dim)
         parts, pos = [], start
         for pc in sorted(rec["pieces"], key=lambda p: p["start"]):
             lo, hi = pc["start"], pc["start"] + pc["length"]
@@ -353,6 +355,19 @@ class _Reader:
         if pos != start + length:
             raise ConfigError(f"checkpoint {self.path}: {name} lacks rows [{pos}, {start + length}) along dim {dim}")
         return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+    def _read_across(self, name: str, rec: dict, start: int, length: int, dim: int) -> torch.Tensor:
+        parts, pos = [], 0
+        for pc in sorted(rec["pieces"], key=lambda p: p["start"]):
+            if pc["start"] != pos:
+                break
+            index = [slice(None)] * len(rec["shape"])
+            index[dim] = slice(start, start + length)
+            parts.append(self._open(pc["file"]).get_slice(pc["key"])[tuple(index)])
+            pos += pc["length"]
+        if pos != rec["shape"][rec["dim"]]:
+            raise ConfigError(f"checkpoint {self.path}: {name} lacks rows from {pos} along dim {rec['dim']}")
+        return torch.cat(parts, dim=rec["dim"]) if len(parts) > 1 else parts[0]
 
     def fill(self, name: str, target: torch.Tensor, pieces: list[Piece]) -> None:
         with torch.no_grad():

@@ -1,0 +1,121 @@
+"""Autoregressive generation under any TP x PP layout, with a KV cache.
+
+Each step runs the new tokens (the whole prompt first, then one token) through the virtual pipeline
+stages in order, hidden states passed stage to stage by point-to-point sends; the last stage gathers the
+vocabulary shards, picks the next token (greedy, or temperature / top-p sampling from a seeded generator)
+and broadcasts it over the pipeline group, so every rank extends the same sequence. Log-probabilities are
+those of the model's own distribution (before temperature and top-p)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_lite.inference.kv_cache import KVCache
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.tensor_parallel.mappings import all_gather_last
+
+
+@dataclass
+class SamplingConfig:
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"--temperature {self.temperature} must be > 0 (or use --greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p {self.top_p} must be in (0, 1]")
+
+
+def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache) -> torch.Tensor | None:
+    """The new tokens through every virtual stage; the last stage returns full-vocabulary logits [n, V]."""
+    pp, vp = ctx.pp.size, len(chunks)
+    n = len(ids)
+    tokens = torch.tensor([ids], device=ctx.device)
+    positions = torch.arange(cache.offset, cache.offset + n, device=ctx.device).unsqueeze(0)
+    config = chunks[0].config
+    dtype = next(chunks[0].parameters()).dtype
+    hidden = None
+    out = None
+    for stage in range(pp * vp):
+        rank, chunk = stage % pp, stage // pp
+        if rank != ctx.pp.rank:
+            continue
+        if stage > 0 and pp > 1:
+            hidden = torch.empty(n, 1, config.hidden_size, dtype=dtype, device=ctx.device)
+            dist.recv(hidden, ctx.pp.ranks[(stage - 1) % pp], group=ctx.pp.pg)
+        y = chunks[chunk](tokens, positions, hidden_states=hidden, kv_cache=cache)
+        if stage == pp * vp - 1:
+            logits = y[0]  # [n, padded vocab / TP]
+            if ctx.tp.size > 1:
+                logits = all_gather_last(logits.contiguous(), ctx.tp)
+            out = logits[:, : config.vocab_size].float()
+        elif pp > 1:
+            dist.send(y.contiguous(), ctx.pp.ranks[(stage + 1) % pp], group=ctx.pp.pg)
+        else:
+            hidden = y
+    cache.advance(n)
+    return out
+
+
+def _choose(logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator) -> int:
+    if s.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.double().cpu() / s.temperature, dim=-1)
+    if s.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p  # the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(
+    chunks,
+    ctx: ParallelContext,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    stop_ids: tuple[int, ...] = (),
+) -> dict:
+    """Returns generated_ids on every rank; logprobs and prompt_logprobs on the last pipeline stage."""
+    sampling = sampling or SamplingConfig()
+    for c in chunks:
+        c.eval()
+    max_pos = chunks[0].config.max_position_embeddings
+    if len(prompt) + max_new_tokens > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
+        raise ValueError(f"prompt + --max-new-tokens = {len(prompt) + max_new_tokens} exceeds {max_pos} positions")
+    gen = torch.Generator().manual_seed(sampling.seed)
+    cache = KVCache(len(prompt) + max_new_tokens)
+    generated: list[int] = []
+    logprobs: list[float] = []
+    prompt_logprobs: list[float] | None = None
+    new = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = _forward(chunks, ctx, new, cache)
+        choice = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+        if logits is not None:
+            logp = F.log_softmax(logits, dim=-1)
+            if prompt_logprobs is None:
+                targets = torch.tensor(prompt[1:], device=logp.device, dtype=torch.long)
+                prompt_logprobs = logp[:-1].gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            token = _choose(logits[-1], sampling, gen)
+            choice[0], choice[1] = token, float(logp[-1, token])
+        if ctx.pp.size > 1:
+            dist.broadcast(choice, ctx.pp.ranks[-1], group=ctx.pp.pg)
+        token = int(choice[0])
+        generated.append(token)
+        logprobs.append(float(choice[1]))
+        if token in stop_ids:
+            break
+        new = [token]
+    out = {"generated_ids": generated}
+    if ctx.is_last_stage:
+        out.update(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return out

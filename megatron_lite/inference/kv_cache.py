@@ -1,0 +1,33 @@
+"""The key/value cache of autoregressive decoding: each attention layer's keys and values of every token
+seen so far, so a new token attends to them without recomputing them."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per global layer number: keys and values [batch, max_len, local kv heads, head_dim], filled up to
+    `offset` tokens. Attention layers call `append`; the engine calls `advance` once all layers of the
+    forward have appended (every layer of this rank sees the same new tokens)."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.offset = 0
+        self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s = k.shape[:2]
+        end = self.offset + s
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache holds {self.max_len} tokens; {end} were asked for")
+        if layer not in self._store:
+            shape = (b, self.max_len, *k.shape[2:])
+            self._store[layer] = (k.new_zeros(shape), v.new_zeros(shape))
+        keys, values = self._store[layer]
+        keys[:, self.offset : end] = k
+        values[:, self.offset : end] = v
+        return keys[:, :end], values[:, :end]
+
+    def advance(self, n: int) -> None:
+        self.offset += n

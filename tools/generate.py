@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Generate text from a megatron_lite checkpoint (saved under any layout, or converted from Hugging Face),
+on one process or under torchrun at any tensor / pipeline / expert parallel size, with a KV cache.
+
+    python tools/generate.py --load ckpt --prompt "The capital of France is" --max-new-tokens 20 --greedy
+    torchrun --nproc-per-node 4 tools/generate.py --load ckpt --prompt-ids 1,450,7483 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --output-json out.json
+
+--output-json writes generated_ids, logprobs (of each generated token) and prompt_logprobs (of each prompt
+token after the first), log-probabilities of the model's own distribution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+from megatron_lite.checkpoint.hf_convert import model_config_from_dict
+from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig, validate_layout
+from megatron_lite.data.tokenizers import tokenizer_from_flags
+from megatron_lite.inference.generation import SamplingConfig, generate
+from megatron_lite.models.gpt_model import build_model
+from megatron_lite.parallel_context import initialize
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="a megatron_lite checkpoint directory (its --save)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--stop-ids", default="", help="comma-separated ids that end generation (e.g. the EOS id)")
+    p.add_argument("--output-json")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--bf16", action="store_true", help="run in bf16 (default fp32)")
+    p.add_argument("--kernel-impl", choices=["torch", "triton"], default="torch")
+    p.add_argument("--distributed-backend", choices=["nccl", "gloo"])
+    return p
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r} is not a comma-separated list of token ids") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    path = find_checkpoint(args.load)
+    if path is None:
+        raise ConfigError(f"--load {args.load} holds no checkpoint")
+    meta = read_metadata(path)
+    saved = meta["config"]
+    model_cfg = dataclasses.replace(
+        model_config_from_dict(saved["model"]),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        kernel_impl=args.kernel_impl,
+    )
+    tokenizer = None
+    if args.prompt is not None:
+        data = argparse.Namespace(**{**{"tokenizer_type": None, "tokenizer_model": None}, **saved.get("data", {})})
+        if data.tokenizer_type in (None, "NullTokenizer"):
+            raise ConfigError(f"--prompt needs a tokenizer, and the checkpoint in {path} names none; use --prompt-ids")
+        tokenizer = tokenizer_from_flags(data)
+        prompt = tokenizer.encode(args.prompt)
+    else:
+        prompt = _ids(args.prompt_ids, "--prompt-ids")
+    if not prompt or max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
+        raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}); got {prompt[:8]}")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    sampling = SamplingConfig(args.greedy, args.temperature, args.top_p, args.seed)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+    training = TrainingConfig(micro_batch_size=1, seq_length=len(prompt) + args.max_new_tokens)
+    validate_layout(model_cfg, parallel, world, training)
+    ctx = initialize(model_cfg, parallel, training, backend=args.distributed_backend)
+    model = build_model(model_cfg, ctx, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    load_checkpoint(path, model, None, None, ctx, load_rng=False)
+    out = generate(model, ctx, prompt, args.max_new_tokens, sampling, tuple(_ids(args.stop_ids, "--stop-ids")))
+    writer = ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp.rank == 0
+    if writer:
+        result = {"prompt_ids": prompt, **out, "checkpoint": path, "iteration": meta["iteration"]}
+        if tokenizer is not None:
+            result["text"] = tokenizer.decode(out["generated_ids"])
+        print(result.get("text", " ".join(map(str, out["generated_ids"]))), flush=True)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
