@@ -50,7 +50,14 @@ SIDE_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
-HF_DIR = "hf"  # under a converted checkpoint's root: the original config.json and tokenizer files
+HF_DIR = "hf"
+MODEL_TYPES_CLASSES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "mixtral": "MixtralConfig",
+    "gpt2": "GPT2Config",
+}  # under a converted checkpoint's root: the original config.json and tokenizer files
 
 # transformers' class defaults for the fields we read, used when transformers is not installed (a field
 # equal to its default may be absent from config.json). tests/test_convert.py checks them against transformers.

@@ -391,7 +391,6 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.query_groups,
-        head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.norm_epsilon,
         hidden_act="silu",
@@ -403,6 +402,8 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         rope_theta=c.rotary_base,
         rope_scaling=None if c.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
     )
+    if c.head_dim != c.hidden_size // c.num_attention_heads or out.get("head_dim") is not None:
+        out["head_dim"] = c.head_dim
     if arch in ("LlamaForCausalLM",):
         out.update(attention_bias=False, mlp_bias=False)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
