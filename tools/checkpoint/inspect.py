@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Print what a megatron_lite checkpoint holds: iteration, the layout that saved it, the model config,
+every tensor (full shape, dtype, pieces) and the total size. Reads JSON only, never tensor data, unless
+--verify is given (then every file's checksum is checked too).
+
+    python tools/checkpoint/inspect.py ckpt            # the newest checkpoint under ckpt
+    python tools/checkpoint/inspect.py ckpt/iter_0000100 --json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file's folder comes first on sys.path, and this file would shadow the standard
+# library's `inspect` (which torch imports): take the folder off before importing anything else.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, read_metadata  # noqa: E402
+from megatron_lite.config import ConfigError  # noqa: E402
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def describe(path: str, verify: bool = False) -> dict:
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        found = find_checkpoint(path)
+        if found is None:
+            raise ConfigError(f"{path} holds no megatron_lite checkpoint")
+        path = found
+    meta = read_metadata(path)
+    reader = _Reader(path, meta)  # checks every index file against metadata.json
+    if verify:
+        for fname in reader.files:
+            reader.verify(fname)
+    tensors = {}
+    for name, rec in sorted(reader.index.items()):
+        tensors[name] = {"shape": rec["shape"], "dtype": rec["dtype"], "pieces": len(rec["pieces"])}
+    model = meta["config"].get("model", {})
+    return {
+        "path": path,
+        "iteration": meta["iteration"],
+        "consumed_samples": meta["consumed_samples"],
+        "layout": meta["layout"],
+        "model": model,
+        "converted_from": meta.get("converted_from"),
+        "tensors": tensors,
+        "kinds": sorted({n.split("/")[0] for n in tensors}),
+        "parameters": sum(_numel(t["shape"]) for n, t in tensors.items() if n.startswith("model/")),
+        "total_bytes": sum(f["bytes"] for f in reader.files.values()),
+        "files": len(reader.files),
+        "verified": verify,
+    }
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="a --save directory, or one iter_NNNNNNN directory in it")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.add_argument("--verify", action="store_true", help="also check every file's size and sha256")
+    args = p.parse_args(argv)
+    try:
+        d = describe(args.path, args.verify)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    lay = ", ".join(f"{k}={v}" for k, v in d["layout"].items())
+    m = d["model"]
+    print(f"checkpoint   {d['path']}")
+    print(f"iteration    {d['iteration']} ({d['consumed_samples']} samples consumed)")
+    print(f"saved under  {lay}")
+    if d["converted_from"]:
+        print(f"converted    from {d['converted_from']}")
+    arch = ", ".join(
+        f"{k}={m[k]}"
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "vocab_size",
+            "normalization",
+            "activation",
+            "position_embedding_type",
+            "num_experts",
+            "sliding_window",
+        )
+        if m.get(k) is not None
+    )
+    print(f"model        {arch}")
+    print(f"state        {', '.join(d['kinds'])}; {d['parameters'] / 1e6:.2f}M parameters")
+    verified = " (checksums verified)" if d["verified"] else ""
+    print(f"size         {_human(d['total_bytes'])} in {d['files']} files{verified}")
+    print("tensors:")
+    width = max((len(n) for n in d["tensors"]), default=0)
+    for name, t in d["tensors"].items():
+        print(f"  {name:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {t['pieces']} piece(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
