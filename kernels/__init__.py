@@ -10,6 +10,7 @@ from megatron_lite.kernels.cross_entropy import fused_linear_cross_entropy, fuse
 from megatron_lite.kernels.flash_attention import (
     flash_attention,
     flash_attention_backward,
+    flash_attention_backward_reference,
     flash_attention_reference,
 )
 from megatron_lite.kernels.moe import (
@@ -41,6 +42,7 @@ __all__ = [
     "fused_linear_cross_entropy_reference",
     "flash_attention",
     "flash_attention_backward",
+    "flash_attention_backward_reference",
     "flash_attention_reference",
     "moe_permute",
     "moe_permute_reference",

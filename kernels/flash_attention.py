@@ -383,6 +383,39 @@ def flash_attention_reference(q, k, v, causal=True, softmax_scale=None, return_l
     return (o, lse) if return_lse else o
 
 
+def flash_attention_backward_reference(
+    q, k, v, o, lse, do, causal: bool = True, softmax_scale: float | None = None, *, window_size: int | None = None
+):
+    """Plain PyTorch (fp32 math) dq, dk, dv given the output o and log-sum-exp lse [batch, heads, seq_q] of a
+    forward: P = exp(S - lse), dS = P * (dP - rowsum(dO * O)). With the o and lse of a larger attention that
+    this block is part of (ring attention), the results are this block's share of the exact gradients."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    window = _window(window_size, causal, sk)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    rep = h // hkv
+    qf, of, dof = q.float(), o.float(), do.float()
+    kk = k.float().repeat_interleave(rep, dim=2)
+    vv = v.float().repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kk) * scale
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        dist = i + (sk - sq) - j
+        s = s.masked_fill((dist < 0) | (dist >= window), float("-inf"))
+    p = torch.exp(s - lse.float().unsqueeze(-1))
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dof, vv)
+    delta = (of * dof).sum(-1).transpose(1, 2).unsqueeze(-1)  # [b, h, sq, 1]
+    ds = p * (dp - delta) * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf)
+    if rep > 1:  # the query heads of a group share one key/value head: sum their gradients
+        dk = dk.reshape(b, sk, hkv, rep, d).sum(3)
+        dv = dv.reshape(b, sk, hkv, rep, d).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,

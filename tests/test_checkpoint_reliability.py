@@ -203,3 +203,19 @@ def test_no_pickle_anywhere_in_checkpoint_paths(saved):
         if re.search(r"^\s*(import pickle|from pickle|import cloudpickle|import dill)", text, re.M):
             offenders.append(f"{src}: imports a pickler")
     assert not offenders, offenders
+
+
+def test_format_1_checkpoints_still_load(saved, capsys, monkeypatch):
+    """Checkpoints written before checksums (format megatron_lite/1: index files hold the tensor records,
+    metadata.json lists no files) load as before."""
+    it = os.path.join(saved, "iter_0000003")
+    for f in glob.glob(os.path.join(it, "index_r*.json")):
+        rec = json.load(open(f))
+        json.dump(rec["tensors"], open(f, "w"))
+    meta = json.load(open(os.path.join(it, "metadata.json")))
+    meta["format"] = "megatron_lite/1"
+    del meta["files"]
+    json.dump(meta, open(os.path.join(it, "metadata.json"), "w"))
+    rc, out, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "loaded" in out and "iteration 3" in out

@@ -115,3 +115,55 @@ def test_moe_checkpoint_loads_under_any_expert_layout(dist, tmp_path):
         for history in dist(4, run, MOE, P(expert_model_parallel_size=ep), 2, None, ckpt):
             _compare(history, continued, f"ep{ep}")
     _compare(run(MOE, P(), 2, None, ckpt), continued, "one process")
+
+
+def async_vs_sync(root: str) -> list[str]:
+    """At TP=2 x DP=2: an async save (published by `poll` on every rank, after further training steps)
+    holds exactly what a synchronous save of the same state holds."""
+    import os
+
+    from safetensors import safe_open
+
+    from megatron_lite.checkpoint.checkpointing import AsyncSaver
+    from megatron_lite.training.step import train_step
+
+    parallel = P(tensor_model_parallel_size=2)
+    ctx = get_context(parallel)
+    config = llama_config(num_layers=2)
+    ctx.seed(1234)
+    model = build_model(config, ctx, seed=1234)
+    ddp = DistributedDataParallel(model, ctx)
+    opt = MixedPrecisionOptimizer(model, ddp.main_grad, OPTIM, ctx)
+    sched = LRScheduler(OPTIM, TOTAL)
+    data = MockGPTDataset(config.vocab_size, SEQ, seed=7)
+
+    def step(i):
+        idx = micro_batch_indices(i * GBS, GBS, 2, ctx.dp.rank, ctx.dp.size)
+        train_step(ddp, opt, sched, [collate([data[j] for j in ix]) for ix in idx], ctx)
+
+    step(0)
+    state = TrainState(1, GBS)
+    save_checkpoint(os.path.join(root, "sync"), state, model, opt, sched, ctx, {})
+    saver = AsyncSaver(os.path.join(root, "async"), ctx)
+    saver.save(state, model, opt, sched, {})
+    published = []
+    for i in (1, 2):  # training goes on (and changes the weights) while the writer works
+        step(i)
+        published.append(saver.poll())
+    published.append(saver.finish())
+    assert [p for p in published if p] == [os.path.join(root, "async", "iter_0000001")]
+    mismatched = []
+    if ctx.rank == 0:
+        for f in sorted(os.listdir(os.path.join(root, "sync", "iter_0000001"))):
+            if not f.startswith("tensors_"):
+                continue
+            with safe_open(os.path.join(root, "sync", "iter_0000001", f), "pt") as a:
+                with safe_open(os.path.join(root, "async", "iter_0000001", f), "pt") as b:
+                    assert set(a.keys()) == set(b.keys())
+                    mismatched += [k for k in a.keys() if not a.get_tensor(k).equal(b.get_tensor(k))]
+    return mismatched
+
+
+def test_async_save_at_tp2_dp2(dist, tmp_path):
+    for mismatched in dist(4, async_vs_sync, str(tmp_path)):
+        assert mismatched == []

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from megatron_lite.checkpoint.format import (
     FORMAT,
+    FORMAT_V1,
     TRACKER,
     Piece,
     atomic_write,
@@ -292,7 +293,7 @@ def _read_json(path: str) -> dict:
 
 def read_metadata(path: str) -> dict:
     meta = _read_json(os.path.join(path, "metadata.json"))
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, FORMAT_V1):
         raise ConfigError(f"{path}/metadata.json has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
 
@@ -315,10 +316,21 @@ class _Reader:
                     self.index[name]["pieces"] += t["pieces"]
                 else:
                     self.index[name] = t
+        self.checksummed = meta["format"] != FORMAT_V1
+        if not self.checksummed:  # format 1 (before checksums): index files hold the tensor records only
+            for f in sorted(glob.glob(os.path.join(path, "index_r*.json"))):
+                for name, t in _read_json(f).items():
+                    self.index.setdefault(name, {**t, "pieces": []})["pieces"] += t["pieces"]
+                    for pc in t["pieces"]:
+                        self.files.setdefault(pc["file"], {})
+            rngs = glob.glob(os.path.join(path, "rng_r*.safetensors"))
+            self.files.update({os.path.basename(f): {} for f in rngs})
         self._files: dict[str, object] = {}
 
     def verify(self, fname: str) -> str:
         full = os.path.join(self.path, fname)
+        if not self.checksummed:
+            return full
         if fname not in self.files:
             raise ConfigError(f"checkpoint {self.path}: no index lists {fname}")
         verify_file(full, self.files[fname])

@@ -34,6 +34,7 @@ import torch
 from megatron_lite.parameters import ParamMeta
 
 FORMAT = "megatron_lite/2"
+FORMAT_V1 = "megatron_lite/1"  # still read: no checksums, index files hold the tensor records only
 TRACKER = "latest_checkpointed_iteration.txt"
 
 

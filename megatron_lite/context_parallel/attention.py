@@ -1,0 +1,226 @@
+"""Attention over a sequence split across the context-parallel group (zigzag order, see zigzag.py).
+q, k, v are this rank's part: [batch, local seq, heads, head_dim]; k, v may have fewer (grouped) heads.
+
+- `p2p` (ring): key/value blocks travel the ring with batched isend/irecv, each exchange posted before the
+  block in hand is computed; partial outputs merge exactly through their log-sum-exp. The backward recomputes
+  each block from the final output and log-sum-exp, and the key/value gradients travel the ring with their
+  block until they reach its owner.
+- `a2a` (all-to-all, DeepSpeed-Ulysses): sequence-sharded -> head-sharded before attention and back after.
+- `allgather`: every rank gathers all keys and values; their gradients are reduce-scattered back.
+
+Block attention runs through our flash kernel (`triton`) or its PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import kernels as K
+from megatron_lite.context_parallel.zigzag import gathered_positions
+from megatron_lite.parallel_context import Group
+from megatron_lite.tensor_parallel.mappings import all_gather_dim0, reduce_scatter_dim0
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, triton: bool):
+    fn = K.flash_attention if triton else K.flash_attention_reference
+    o, lse = fn(q, k, v, causal, scale, True)
+    return o.float(), lse.float()
+
+
+def _block_backward(q, k, v, o, lse, do, causal: bool, scale: float, triton: bool):
+    fn = K.flash_attention_backward if triton else K.flash_attention_backward_reference
+    return fn(q, k, v, o, lse, do, causal, scale)
+
+
+def _merge(o, lse, o_new, lse_new):
+    """Two partial softmax results over disjoint key sets -> the result over their union (fp32)."""
+    lse_out = torch.logaddexp(lse, lse_new)
+    w_old = torch.exp(lse - lse_out).transpose(1, 2).unsqueeze(-1)  # [b, s, h, 1]
+    w_new = torch.exp(lse_new - lse_out).transpose(1, 2).unsqueeze(-1)
+    return o * w_old + o_new * w_new, lse_out
+
+
+def _ring_exchange(tensors: list[torch.Tensor], group: Group) -> tuple[list[torch.Tensor], list]:
+    """Send `tensors` to the next rank of the ring and receive the previous rank's into new buffers."""
+    nxt = group.ranks[(group.rank + 1) % group.size]
+    prv = group.ranks[(group.rank - 1) % group.size]
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group.pg) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, prv, group.pg) for t in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _ring_block(i: int, rank: int, causal: bool) -> str:
+    """Which part of the step-i block rank `rank` computes: the kv block comes from rank (rank - i) % cp.
+    'causal': all local queries vs all local keys under the causal mask (step 0); 'all': everything;
+    'first_keys': all queries vs the block's first chunk (an earlier rank's: its late chunk is in the
+    future); 'last_queries': the local late chunk vs the whole block (a later rank's chunks are both in the
+    local early chunk's future and the late chunk's past)."""
+    if not causal:
+        return "all"
+    if i == 0:
+        return "causal"
+    return "first_keys" if i <= rank else "last_queries"  # i <= rank: the block's owner rank - i is earlier
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group: Group, causal: bool, scale: float, triton: bool):
+        cp, r = group.size, group.rank
+        c = q.shape[1] // 2
+        b, s, h, _ = q.shape
+        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        kb, vb = k, v
+        for i in range(cp):
+            works = []
+            if i < cp - 1:
+                (kn, vn), works = _ring_exchange([kb, vb], group)
+            part = _ring_block(i, r, causal)
+            if part in ("all", "causal"):
+                o, lse = _merge(o, lse, *_block_forward(q, kb, vb, part == "causal", scale, triton))
+            elif part == "first_keys":
+                o, lse = _merge(o, lse, *_block_forward(q, kb[:, :c], vb[:, :c], False, scale, triton))
+            else:
+                o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *_block_forward(q[:, c:], kb, vb, False, scale, triton))
+                o = torch.cat([o[:, :c], o2], 1)
+                lse = torch.cat([lse[:, :, :c], lse2], 2)
+            _wait(works)
+            if i < cp - 1:
+                kb, vb = kn, vn
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.triton = group, causal, scale, triton
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        group, causal, scale, triton = ctx.group, ctx.causal, ctx.scale, ctx.triton
+        cp, r = group.size, group.rank
+        c = q.shape[1] // 2
+        do = do.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        kb, vb = k, v
+        for i in range(cp):
+            kv_works = []
+            if i < cp - 1:  # the keys and values are needed unchanged downstream: send them right away
+                (kn, vn), kv_works = _ring_exchange([kb, vb], group)
+            part = _ring_block(i, r, causal)
+            if part in ("all", "causal"):
+                gq, gk, gv = _block_backward(q, kb, vb, o, lse, do, part == "causal", scale, triton)
+                dq += gq
+                dk += gk
+                dv += gv
+            elif part == "first_keys":
+                gq, gk, gv = _block_backward(q, kb[:, :c], vb[:, :c], o, lse, do, False, scale, triton)
+                dq += gq
+                dk[:, :c] += gk
+                dv[:, :c] += gv
+            else:
+                gq, gk, gv = _block_backward(
+                    q[:, c:], kb, vb, o[:, c:], lse[:, :, c:].contiguous(), do[:, c:], False, scale, triton
+                )
+                dq[:, c:] += gq
+                dk += gk
+                dv += gv
+            # This block's key/value gradients follow it round the ring; after the last step, to its owner.
+            (dk, dv), g_works = _ring_exchange([dk, dv], group)
+            _wait(kv_works + g_works)
+            if i < cp - 1:
+                kb, vb = kn, vn
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False):
+    """Causal (zigzag-split) or full attention of the local queries over the whole sequence's keys."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if group.size == 1:
+        return (
+            K.flash_attention(q, k, v, causal, scale) if triton else K.flash_attention_reference(q, k, v, causal, scale)
+        )
+    return _RingAttention.apply(q, k, v, group, causal, scale, triton)
+
+
+# All-to-all (Ulysses) -----------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """Split `scatter_dim` into the group's ranks, exchange, concatenate the received parts (in rank
+    order) along `gather_dim`. Its backward is the same exchange with the dimensions swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(g.contiguous(), ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    send = torch.stack(x.chunk(group.size, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group.pg)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def a2a_attention(q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False):
+    """Sequence-sharded -> head-sharded, attention over the whole sequence (put back in natural order), and
+    back. Query heads must divide by the group size; key/value heads that do not are repeated to one per
+    query head first."""
+    cp = group.size
+    b, s, h, d = q.shape
+    if k.shape[2] % cp:
+        rep = h // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    q, k, v = (_AllToAll.apply(t, group, 2, 1) for t in (q, k, v))  # [b, s * cp, heads / cp, d]
+    pos = gathered_positions(s * cp, cp, q.device)
+    order = torch.argsort(pos)
+    q, k, v = (t.index_select(1, order) for t in (q, k, v))
+    fn = K.flash_attention if triton else K.flash_attention_reference
+    o = fn(q, k, v, causal, scale if scale is not None else d**-0.5)
+    return _AllToAll.apply(o.index_select(1, pos), group, 1, 2)  # back to zigzag order, then to our part
+
+
+# All-gather --------------------------------------------------------------------------------------
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence (dim 1); the backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return all_gather_dim0(x.transpose(0, 1).contiguous(), group).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_dim0(g.transpose(0, 1).contiguous(), ctx.group).transpose(0, 1), None
+
+
+def allgather_attention(q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False):
+    """Every rank gathers the whole sequence's keys and values; each local query chunk attends to the keys
+    up to its own end (bottom-right-aligned causal mask)."""
+    cp, s = group.size, q.shape[1]
+    c = s // 2
+    pos = gathered_positions(s * cp, cp, q.device)
+    order = torch.argsort(pos)
+    k, v = (_GatherSeq.apply(t, group).index_select(1, order) for t in (k, v))
+    fn = K.flash_attention if triton else K.flash_attention_reference
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if not causal:
+        return fn(q, k, v, False, scale)
+    r = group.rank
+    ends = ((r + 1) * c, (2 * cp - r) * c)  # each local chunk sees the keys up to its own last position
+    outs = [fn(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale) for i, end in enumerate(ends)]
+    return torch.cat(outs, 1)
+
+
+IMPLEMENTATIONS = {"p2p": ring_attention, "a2a": a2a_attention, "allgather": allgather_attention}
