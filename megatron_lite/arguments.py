@@ -157,7 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = parser.add_argument_group("distributed")
     d.add_argument("--tensor-model-parallel-size", type=int, default=1)
     d.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    d.add_argument("--context-parallel-size", type=int, default=1)
+    d.add_argument("--context-parallel-size", type=int, default=1, help="split each sequence over this many ranks")
+    d.add_argument(
+        "--cp-comm-type",
+        default="p2p",
+        help="context-parallel attention: p2p (ring, zigzag load balance), a2a (all-to-all over heads), allgather",
+    )
+    d.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+")
     d.add_argument("--expert-model-parallel-size", type=int, default=1)
     d.add_argument("--expert-tensor-parallel-size", type=int)
     d.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
@@ -299,9 +305,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
     if ns.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
-    for flag, value, issue in (("--context-parallel-size", ns.context_parallel_size, "issue 8"),):
-        if value != 1:
-            raise ConfigError(f"{flag} {value} is not supported yet ({issue}); use {flag} 1")
+    if ns.hierarchical_context_parallel_sizes is not None:
+        raise ConfigError(
+            "--hierarchical-context-parallel-sizes (--cp-comm-type a2a+p2p) is not supported; use --cp-comm-type "
+            "p2p, a2a or allgather"
+        )
     kernel_impl = _kernel_impl(ns.kernel_impl)
     vocab = ns.vocab_size
     model = ModelConfig(
@@ -366,6 +374,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         tensor_model_parallel_size=ns.tensor_model_parallel_size,
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
         context_parallel_size=ns.context_parallel_size,
+        cp_comm_type=ns.cp_comm_type,
         expert_model_parallel_size=ns.expert_model_parallel_size,
         expert_tensor_parallel_size=ns.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=vp,

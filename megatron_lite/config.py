@@ -254,6 +254,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     decoder_first_pipeline_num_layers: int | None = None  # uneven first stage
     decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
+    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all) | allgather
 
     @property
     def tp(self) -> int:
@@ -342,6 +343,35 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
     return [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
 
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+
+
+def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    cp, tp = parallel.cp, parallel.tp
+    if parallel.cp_comm_type not in CP_COMM_TYPES:
+        raise ConfigError(
+            f"--cp-comm-type {parallel.cp_comm_type} is not supported; use one of {', '.join(CP_COMM_TYPES)}"
+        )
+    if cp == 1:
+        return
+    local_heads = model.num_attention_heads // tp
+    if parallel.cp_comm_type == "a2a" and local_heads % cp:
+        raise ConfigError(
+            f"--cp-comm-type a2a splits attention heads over context-parallel ranks: --num-attention-heads "
+            f"{model.num_attention_heads} / --tensor-model-parallel-size {tp} = {local_heads} is not divisible by "
+            f"--context-parallel-size {cp}; use --cp-comm-type p2p or a CP size dividing {local_heads}"
+        )
+    if model.num_experts is not None:
+        raise ConfigError("--context-parallel-size > 1 with --num-experts is not supported yet; use CP 1 for MoE")
+    if model.sliding_window is not None:
+        raise ConfigError("--context-parallel-size > 1 with --window-size is not supported yet")
+    if model.attention_dropout > 0:
+        raise ConfigError(
+            f"--attention-dropout {model.attention_dropout} with --context-parallel-size {cp}: context-parallel "
+            "attention has no dropout; use --attention-dropout 0"
+        )
+
+
 def validate_layout(
     model: ModelConfig, parallel: ParallelConfig, world_size: int, training: TrainingConfig | None = None
 ) -> None:
@@ -412,6 +442,7 @@ def validate_layout(
             f"use --ffn-hidden-size {_nearest_multiples(model.ffn_size, tp)}"
         )
     stage_layer_counts(model.num_layers, parallel, world_size, tp * cp)  # raises on a split that cannot be made
+    _validate_context_parallel(model, parallel)
     if training is None:
         return
     seq = training.seq_length
@@ -429,6 +460,17 @@ def validate_layout(
         raise ConfigError(
             f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}; "
             f"raise --max-position-embeddings to at least {seq}"
+        )
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(
+            f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} (the zigzag "
+            f"split cuts the sequence into 2 x CP chunks); use --seq-length {_nearest_multiples(seq, 2 * cp)}"
+        )
+    if cp > 1 and parallel.sequence_parallel and tp > 1 and (seq // cp) % tp:
+        raise ConfigError(
+            f"--seq-length {seq} / --context-parallel-size {cp} = {seq // cp} tokens per CP rank is not divisible "
+            f"by --tensor-model-parallel-size {tp} with --sequence-parallel; use --seq-length in "
+            f"{_nearest_multiples(seq, 2 * cp * tp)}"
         )
     if parallel.sequence_parallel and tp > 1 and seq % tp:
         raise ConfigError(

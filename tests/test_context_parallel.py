@@ -94,3 +94,34 @@ def test_block_backward_reference_matches_autograd():
         grads = K.flash_attention_backward_reference(q.detach(), k.detach(), v.detach(), o.detach(), lse, do, causal)
         for mine, t in zip(grads, (q, k, v)):
             assert torch.allclose(mine, t.grad, atol=1e-5), causal
+
+
+# Training equivalence ------------------------------------------------------------------------------
+CP_LAYOUTS = {
+    "cp2-p2p": (2, P(context_parallel_size=2), 4, 2),
+    "cp4-p2p": (4, P(context_parallel_size=4), 4, 2),
+    "cp2-a2a": (2, P(context_parallel_size=2, cp_comm_type="a2a"), 4, 2),
+    "cp2-allgather": (2, P(context_parallel_size=2, cp_comm_type="allgather"), 4, 2),
+    "cp2-tp2-sp": (4, P(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True), 4, 2),
+    "cp2-pp2": (4, P(context_parallel_size=2, pipeline_model_parallel_size=2), 4, 1),
+    "cp2-dp2": (4, P(context_parallel_size=2), 4, 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_training_with_context_parallelism_equals_single_process(dist, layout):
+    from test_train_equivalence import _compare, train_run
+
+    world, parallel, gbs, mbs = CP_LAYOUTS[layout]
+    ref = train_run("llama", P(), gbs, gbs)
+    for history in dist(world, train_run, "llama", parallel, gbs, mbs):
+        _compare(history, ref)
+
+
+def test_learned_positions_follow_the_split(dist):
+    """GPT-2's learned position embeddings (and tied embeddings) under CP=2: positions are global."""
+    from test_train_equivalence import _compare, train_run
+
+    ref = train_run("gpt2", P(), 4, 4)
+    for history in dist(2, train_run, "gpt2", P(context_parallel_size=2), 4, 2):
+        _compare(history, ref)

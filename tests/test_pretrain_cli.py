@@ -146,7 +146,7 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     [
         (["--use-distributed-optimizer"], ["--use-distributed-optimizer", "issue 10"]),
         (["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size", "not implemented"]),
-        (["--context-parallel-size", "2"], ["--context-parallel-size 2", "issue 8"]),
+        (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
     ],

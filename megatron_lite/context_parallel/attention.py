@@ -45,7 +45,7 @@ def _ring_exchange(tensors: list[torch.Tensor], group: Group) -> tuple[list[torc
     """Send `tensors` to the next rank of the ring and receive the previous rank's into new buffers."""
     nxt = group.ranks[(group.rank + 1) % group.size]
     prv = group.ranks[(group.rank - 1) % group.size]
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group.pg) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prv, group.pg) for t in received]
     return received, dist.batch_isend_irecv(ops)

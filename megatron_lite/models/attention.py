@@ -10,6 +10,7 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel.attention import IMPLEMENTATIONS as CP_ATTENTION
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint
@@ -51,11 +52,18 @@ class CoreAttention(nn.Module):
         self.rng = ctx.rng
         self.triton = config.kernel_impl == "triton"
         self.window = config.sliding_window
+        # Context parallelism: this rank holds a (zigzag) part of the sequence; attention over the whole of
+        # it is a parallel layer that communicates over the CP group.
+        self.cp = ctx.cp if ctx.cp.size > 1 else None
+        self.cp_attention = CP_ATTENTION[ctx.parallel.cp_comm_type]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s, heads, d = q.shape
         sk = k.shape[1]
         p = self.dropout if self.training else 0.0
+        if self.cp is not None:
+            out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton)
+            return out.reshape(b, s, heads * d)
         if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
             out = K.flash_attention(q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window)
             return out.reshape(b, s, heads * d)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lite.context_parallel.zigzag import slice_batch
 from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.models.gpt_model import ModelChunks
 from megatron_lite.moe import stats as moe_stats
@@ -36,6 +37,13 @@ class StepMetrics:
     updated: bool
     num_tokens: int
     moe: dict | None = None  # routing metrics of MoE models (moe/stats.py)
+
+
+def context_parallel_part(micro_batches: list[MicroBatch], ctx: ParallelContext) -> list[MicroBatch]:
+    """Under context parallelism every CP rank loads the same micro-batches and keeps its zigzag part."""
+    if ctx.cp.size == 1:
+        return micro_batches
+    return [slice_batch(mb, ctx.cp.size, ctx.cp.rank) for mb in micro_batches]
 
 
 def global_token_count(micro_batches: list[MicroBatch], ctx: ParallelContext) -> torch.Tensor:
@@ -108,6 +116,7 @@ def train_step(
     ctx: ParallelContext,
 ) -> StepMetrics:
     model.zero_grad_buffer()
+    micro_batches = context_parallel_part(micro_batches, ctx)
     num_tokens = global_token_count(micro_batches, ctx)
     config = _chunks(model)[0].config
     layers = moe_stats.moe_layers(model.module) if config.num_experts else {}
@@ -131,6 +140,7 @@ def train_step(
 
 @torch.no_grad()
 def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], ctx: ParallelContext) -> float:
+    micro_batches = context_parallel_part(micro_batches, ctx)
     num_tokens = global_token_count(micro_batches, ctx)
     if _pipelined(model, ctx):
         total = all_reduce(_run_pipeline(model, micro_batches, ctx, 1.0, True).reshape(1), ctx.pp)[0]
