@@ -44,7 +44,7 @@ def test_zigzag_split_round_trips(cp):
         zigzag_positions(s + 1, cp, 0)
 
 
-def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16):
+def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16, triton: bool = False):
     """Relative errors of this rank's output and q/k/v gradients against full attention (fp64 oracle)."""
     from megatron_lite.context_parallel.attention import IMPLEMENTATIONS
 
@@ -63,7 +63,7 @@ def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16):
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv)
     out.backward(do)
     mine = [split_sequence(t, 1, cp, ctx.cp.rank).float().requires_grad_() for t in (q, k, v)]
-    o = IMPLEMENTATIONS[comm](*mine, ctx.cp, causal)
+    o = IMPLEMENTATIONS[comm](*mine, ctx.cp, causal, triton=triton)
     o.backward(split_sequence(do, 1, cp, ctx.cp.rank).float())
     pairs = [(o, out)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
     errs = []
@@ -80,6 +80,18 @@ def test_attention_equals_full_attention(dist, cp, comm):
         for kv_heads in (4, 2, 1):
             for errs in dist(cp, attention_vs_full, comm, causal, kv_heads):
                 assert max(errs) < 1e-5, (comm, cp, causal, kv_heads, errs)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_attention_through_the_flash_kernel(dist, comm):
+    """The same with our Triton flash kernel doing the blocks (the GPU path; here under the interpreter)."""
+    from megatron_lite.kernels._common import HAVE_TRITON
+
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    for causal in (True, False):
+        for errs in dist(2, attention_vs_full, comm, causal, 2, 32, True):
+            assert max(errs) < 1e-4, (comm, causal, errs)
 
 
 def test_block_backward_reference_matches_autograd():

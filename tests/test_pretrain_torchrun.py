@@ -112,7 +112,8 @@ def test_demo_trains_logs_wandb_offline_and_checkpoints(tmp_path):
 
 def test_cli_tp2_dp2_equals_single_process(tmp_path):
     """The whole job (flags, data, loop, logging) at TP=2 x DP=2 with sequence parallelism and gradient
-    accumulation logs the same per-iteration lm_loss and grad_norm as one process (embedded corpus)."""
+    accumulation, and under context parallelism, logs the same per-iteration lm_loss and grad_norm as one
+    process (embedded corpus)."""
     args = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
         "--seq-length 32 --train-iters 10 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 "
@@ -140,6 +141,17 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path):
     for a, b in zip(one, four):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+    # Context parallelism from the command line: CP=2 (ring) x DP=2 and CP=2 (all-to-all), the same run.
+    for name, n, extra in (
+        ("cp2_p2p_dp2", 4, ["--micro-batch-size", "2", "--context-parallel-size", "2"]),
+        ("cp2_a2a", 2, ["--micro-batch-size", "4", "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    ):
+        torchrun(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")], tmp_path)
+        cp = records(tmp_path / f"{name}.jsonl")
+        assert len(cp) == 10
+        for a, b in zip(one, cp):
+            assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (name, a, b)
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a, b)
 
 
 def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):

@@ -110,6 +110,31 @@ CASES = {
         r"--seq-length 28 or 32 or drop --sequence-parallel",
         ("training", T(seq_length=32)),
     ),
+    "sequence not divisible by 2 x CP": (
+        4,
+        {},
+        P(context_parallel_size=4),
+        T(seq_length=20),
+        r"^--seq-length 20 is not divisible by 2 x --context-parallel-size 4 = 8 .*use --seq-length 16 or 24",
+        ("training", T(seq_length=24)),
+    ),
+    "heads not divisible by CP under a2a": (
+        4,
+        {"num_attention_heads": 6, "num_query_groups": 6, "hidden_size": 48},
+        P(context_parallel_size=4, cp_comm_type="a2a"),
+        T(seq_length=16),
+        r"^--cp-comm-type a2a splits attention heads .* --num-attention-heads 6 / --tensor-model-parallel-size 1 "
+        r"= 6 is not divisible by --context-parallel-size 4; use --cp-comm-type p2p",
+        ("parallel", P(context_parallel_size=4)),
+    ),
+    "unknown CP communication type": (
+        2,
+        {},
+        P(context_parallel_size=2, cp_comm_type="ring"),
+        None,
+        r"^--cp-comm-type ring is not supported; use one of p2p, a2a, allgather",
+        ("parallel", P(context_parallel_size=2)),
+    ),
 }
 
 

@@ -29,13 +29,14 @@ def _vocab(job: JobConfig) -> int:
 def activation_bytes(job: JobConfig, bytes_per_value: int) -> float:
     """Per-layer activation memory of one micro-batch (Korthikanti et al. 2022: s b h (34 + 5 a s / h)
     bytes in 16-bit, divided by TP with sequence parallelism); selective recomputation drops the attention
-    term, full recomputation keeps only each layer's input."""
+    term, full recomputation keeps only each layer's input. Under CP, per rank: seq / CP tokens."""
     m, t, p = job.model, job.training, job.parallel
-    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    # Under context parallelism a rank holds seq / CP tokens (whose queries still see every key).
+    full, s, b, h, a = t.seq_length, t.seq_length // p.cp, t.micro_batch_size, m.hidden_size, m.num_attention_heads
     scale = bytes_per_value / 2
     if m.recompute_granularity == "full":
         return 2 * s * b * h * scale / (p.tp if p.sequence_parallel else 1)
-    per = s * b * h * (34 + (0 if m.recompute_granularity == "selective" else 5 * a * s / h))
+    per = s * b * h * (34 + (0 if m.recompute_granularity == "selective" else 5 * a * full / h))
     return per * scale / p.tp if p.sequence_parallel else (s * b * h * 10 + (per - s * b * h * 10) / p.tp) * scale
 
 
