@@ -69,3 +69,20 @@ def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
     assert kernels == {"rms_norm", "layer_norm", "swiglu", "rope", "flash_attention", "fused_linear_cross_entropy"}
     assert {r["impl"] for r in rows} >= {"megatron_lite", "eager"}
     assert "| flash_attention | megatron_lite | fwd+bwd |" in (tmp_path / "kernels.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_context_parallel_reports_memory_per_rank(tmp_path):
+    stdout = _run_tool(
+        "bench_context_parallel.py",
+        "--seq-length 256 --cp 1 2 --comm p2p a2a --hidden-size 32 --num-layers 1 --warmup 0 --iters 1",
+        tmp_path / "r.json",
+    )
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {(r["cp"], r["comm"]) for r in rows} == {(1, "none"), (2, "p2p"), (2, "a2a")}
+    one = next(r for r in rows if r["cp"] == 1)["activation_bytes"]
+    for r in rows:
+        assert r["step_s"] > 0 and r["activation_bytes"] > 0
+        if r["cp"] == 2:  # half the tokens per rank: well under the one-rank activations
+            assert r["activation_bytes"] < 0.75 * one, r
+    assert "ring / all-to-all" in stdout

@@ -33,6 +33,32 @@ def _block_backward(q, k, v, o, lse, do, causal: bool, scale: float, triton: boo
     return fn(q, k, v, o, lse, do, causal, scale)
 
 
+class _ReferenceAttention(torch.autograd.Function):
+    """The PyTorch block attention with the flash kernel's memory behaviour: only q, k, v, o and the
+    log-sum-exp are kept for the backward (the probabilities are recomputed there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        o, lse = K.flash_attention_reference(q, k, v, causal, scale, True)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        grads = K.flash_attention_backward_reference(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale)
+        return (*grads, None, None)
+
+
+def _attention(q, k, v, causal: bool, scale: float, triton: bool):
+    """Differentiable attention on one rank: the flash kernel, or the PyTorch reference without stored
+    probabilities."""
+    if triton:
+        return K.flash_attention(q, k, v, causal, scale)
+    return _ReferenceAttention.apply(q, k, v, causal, scale)
+
+
 def _merge(o, lse, o_new, lse_new):
     """Two partial softmax results over disjoint key sets -> the result over their union (fp32)."""
     lse_out = torch.logaddexp(lse, lse_new)
@@ -186,8 +212,7 @@ def a2a_attention(q, k, v, group: Group, causal: bool = True, scale: float | Non
     pos = gathered_positions(s * cp, cp, q.device)
     order = torch.argsort(pos)
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
-    fn = K.flash_attention if triton else K.flash_attention_reference
-    o = fn(q, k, v, causal, scale if scale is not None else d**-0.5)
+    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton)
     return _AllToAll.apply(o.index_select(1, pos), group, 1, 2)  # back to zigzag order, then to our part
 
 
@@ -213,13 +238,14 @@ def allgather_attention(q, k, v, group: Group, causal: bool = True, scale: float
     pos = gathered_positions(s * cp, cp, q.device)
     order = torch.argsort(pos)
     k, v = (_GatherSeq.apply(t, group).index_select(1, order) for t in (k, v))
-    fn = K.flash_attention if triton else K.flash_attention_reference
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if not causal:
-        return fn(q, k, v, False, scale)
+        return _attention(q, k, v, False, scale, triton)
     r = group.rank
     ends = ((r + 1) * c, (2 * cp - r) * c)  # each local chunk sees the keys up to its own last position
-    outs = [fn(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale) for i, end in enumerate(ends)]
+    outs = [
+        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton) for i, end in enumerate(ends)
+    ]
     return torch.cat(outs, 1)
 
 

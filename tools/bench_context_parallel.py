@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Context parallelism at a long sequence: activation memory per rank and step time against the CP size,
+for the ring (p2p), all-to-all (a2a) and all-gather attention, side by side in one run (gloo on CPU by
+default; NCCL with --device cuda and enough GPUs).
+
+Activation memory is counted from the tensors autograd saves for the backward during one forward (distinct
+storages, parameters excluded): what a step must hold at its peak, on CPU as on GPU, without the
+allocator's caching in the way.
+
+    python tools/bench_context_parallel.py                       # seq 8192, CP 1/2/4, p2p and a2a
+    python tools/bench_context_parallel.py --seq-length 16384 --cp 1 2 4 8 --comm p2p a2a allgather
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _saved_bytes(params: set[int]):
+    """A saved_tensors_hooks pair that records the distinct non-parameter storages autograd keeps."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    return seen, pack, lambda t: t
+
+
+def _worker(rank: int, world: int, init: str, args, comm: str, out_path: str) -> None:
+    torch.set_num_threads(max(1, args.threads // world))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+    from megatron_lite.config import ModelConfig, ParallelConfig
+    from megatron_lite.context_parallel.zigzag import slice_batch
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    ctx = ParallelContext.build(ParallelConfig(context_parallel_size=world, cp_comm_type=comm), device=device)
+    config = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.heads,
+        vocab_size=args.vocab_size,
+        max_position_embeddings=args.seq_length,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        kernel_impl="triton" if args.device == "cuda" else "torch",
+    )
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(config, ctx, seed=1, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (1, args.seq_length + 1), generator=gen)
+    mb = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, args.seq_length)}
+    mb = {k: v.to(device) for k, v in slice_batch(mb, world, rank).items()} if world > 1 else mb
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    times, activation = [], 0
+    for i in range(args.warmup + args.iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        seen, pack, unpack = _saved_bytes(params)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = (model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"]).float() * mb["loss_mask"]).sum()
+        activation = sum(seen.values())
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    peak = torch.tensor([float(activation)], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        row = {"cp": world, "comm": comm, "activation_bytes": int(peak.item()), "step_s": statistics.median(times)}
+        json.dump(row, open(out_path, "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--comm", nargs="+", default=["p2p", "a2a"], choices=["p2p", "a2a", "allgather"])
+    ap.add_argument("--seq-length", type=int, default=8192)
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--vocab-size", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows = []
+    for cp in args.cp:
+        for comm in args.comm if cp > 1 else ["none"]:
+            with tempfile.TemporaryDirectory() as tmp:
+                init, out = os.path.join(tmp, "init"), os.path.join(tmp, "row.json")
+                c = comm if cp > 1 else "p2p"
+                mp.start_processes(_worker, args=(cp, init, args, c, out), nprocs=cp, start_method="spawn")
+                row = json.load(open(out))
+                row["comm"] = comm
+                rows.append(row)
+    base = next((r for r in rows if r["cp"] == 1), rows[0])
+    print(f"sequence {args.seq_length}, hidden {args.hidden_size}, {args.num_layers} layers, {args.device}")
+    print(f"{'CP':>3}  {'comm':>9}  {'activations/rank':>17}  {'vs CP=1':>8}  {'ideal 1/CP':>10}  {'step (s)':>9}")
+    for r in rows:
+        print(
+            f"{r['cp']:>3}  {r['comm']:>9}  {r['activation_bytes'] / 2**20:>13.1f} MiB  "
+            f"{r['activation_bytes'] / base['activation_bytes']:>8.3f}  {1 / r['cp']:>10.3f}  {r['step_s']:>9.3f}"
+        )
+    for cp in sorted({r["cp"] for r in rows if r["cp"] > 1}):
+        by = {r["comm"]: r for r in rows if r["cp"] == cp}
+        if "p2p" in by and "a2a" in by:
+            print(f"CP={cp}: ring / all-to-all step time {by['p2p']['step_s'] / by['a2a']['step_s']:.2f}")
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
