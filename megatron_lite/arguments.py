@@ -55,7 +55,6 @@ REFUSED: dict[str, str] = {
     "use_distributed_optimizer": "the distributed optimizer (ZeRO-1/2) is planned (issue 10)",
     "overlap_param_gather": "parameter all-gather overlap comes with the distributed optimizer (issue 10)",
     "moe_grouped_gemm": "grouped GEMM for experts comes with the Triton kernels (issue 6); experts run in a loop",
-    "tp_comm_overlap": "tensor-parallel communication overlap is planned (issue 9)",
     "fp8_format": "fp8 training is not implemented",
     "fp8_amax_history_len": "fp8 training is not implemented",
     "fp8_amax_compute_algo": "fp8 training is not implemented",
@@ -172,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers of the last stage (uneven split)")
     _bool(d, "--sequence-parallel", "Megatron sequence parallelism (needs TP > 1)")
     _bool(d, "--overlap-grad-reduce", "launch each gradient bucket's all-reduce during the backward")
+    _bool(d, "--tp-comm-overlap", "sequence-parallel GEMMs as TP rings overlapping all-gather / reduce-scatter")
+    _bool(d, "--overlap-p2p-comm", "pipeline: wait on each receive only when its data is needed (default with VP)")
+    _bool(d, "--no-overlap-p2p-communication", "pipeline: wait on every receive before the next compute")
+    _bool(
+        d,
+        "--overlap-moe-expert-parallel-comm",
+        "MoE: dispatch in chunks, each chunk's all-to-all under the previous chunk's experts",
+    )
     d.add_argument("--ddp-bucket-size", type=int)
     d.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
     d.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -379,6 +386,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         expert_tensor_parallel_size=ns.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=ns.sequence_parallel,
+        tp_comm_overlap=ns.tp_comm_overlap,
+        overlap_p2p_comm=False if ns.no_overlap_p2p_communication else (True if ns.overlap_p2p_comm else None),
+        overlap_moe_expert_parallel_comm=ns.overlap_moe_expert_parallel_comm,
         decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,
     )

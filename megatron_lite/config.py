@@ -255,6 +255,9 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None  # uneven first stage
     decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
     cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all) | allgather
+    tp_comm_overlap: bool = False  # sequence-parallel GEMMs as rings overlapping their all-gather/reduce-scatter
+    overlap_p2p_comm: bool | None = None  # pipeline receives waited on lazily; default: on with virtual stages
+    overlap_moe_expert_parallel_comm: bool = False  # MoE dispatch in chunks, all-to-all under the experts
 
     @property
     def tp(self) -> int:
@@ -443,6 +446,12 @@ def validate_layout(
         )
     stage_layer_counts(model.num_layers, parallel, world_size, tp * cp)  # raises on a split that cannot be made
     _validate_context_parallel(model, parallel)
+    if parallel.tp_comm_overlap and not (tp > 1 and parallel.sequence_parallel):
+        raise ConfigError(
+            f"--tp-comm-overlap overlaps sequence parallelism's all-gather and reduce-scatter: it needs "
+            f"--sequence-parallel and --tensor-model-parallel-size > 1 (got {tp}"
+            f"{'' if parallel.sequence_parallel else ', no --sequence-parallel'}); add them or drop the flag"
+        )
     if training is None:
         return
     seq = training.seq_length

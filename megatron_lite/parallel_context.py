@@ -13,6 +13,7 @@ pipeline groups of both grids coincide because PP is the slowest dimension of ea
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_lite.comm_timer import CommTimer
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig, stage_layer_counts, validate_layout
 from megatron_lite.tensor_parallel.random import RNGStatesTracker
 
@@ -92,6 +94,11 @@ class Group:
     ranks: tuple[int, ...]
     rank: int  # index of this process within `ranks`
     handle: dist.ProcessGroup | None = None
+    timer: CommTimer | None = None  # shared by the context's groups: exposed communication time
+
+    def blocked(self):
+        """Time what runs inside as communication the compute path waits for."""
+        return self.timer.blocked() if self.timer is not None else contextlib.nullcontext()
 
     @property
     def size(self) -> int:
@@ -235,12 +242,17 @@ class ParallelContext:
     @classmethod
     def _make(cls, parallel, world_size, rank, handles, device) -> ParallelContext:
         groups = {}
+        timer = CommTimer()
         for kind, members in all_groups(parallel, world_size).items():
             # Middle pipeline stages belong to no embedding group: a group of their own, no communication.
             ranks = next((g for g in members if rank in g), (rank,))
-            groups[kind] = Group(ranks=ranks, rank=ranks.index(rank), handle=handles.get(ranks))
+            groups[kind] = Group(ranks=ranks, rank=ranks.index(rank), handle=handles.get(ranks), timer=timer)
         device = device if device is not None else _default_device()
         return cls(parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device)
+
+    @property
+    def comm_timer(self) -> CommTimer | None:
+        return self.tp.timer
 
     @classmethod
     def virtual(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_lite import kernels as K
 from megatron_lite.context_parallel.zigzag import gathered_positions
 from megatron_lite.parallel_context import Group
+from megatron_lite.ring import ring_exchange, wait
 from megatron_lite.tensor_parallel.mappings import all_gather_dim0, reduce_scatter_dim0
 
 
@@ -67,21 +68,6 @@ def _merge(o, lse, o_new, lse_new):
     return o * w_old + o_new * w_new, lse_out
 
 
-def _ring_exchange(tensors: list[torch.Tensor], group: Group) -> tuple[list[torch.Tensor], list]:
-    """Send `tensors` to the next rank of the ring and receive the previous rank's into new buffers."""
-    nxt = group.ranks[(group.rank + 1) % group.size]
-    prv = group.ranks[(group.rank - 1) % group.size]
-    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group.pg) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, prv, group.pg) for t in received]
-    return received, dist.batch_isend_irecv(ops)
-
-
-def _wait(works) -> None:
-    for w in works:
-        w.wait()
-
-
 def _ring_block(i: int, rank: int, causal: bool) -> str:
     """Which part of the step-i block rank `rank` computes: the kv block comes from rank (rank - i) % cp.
     'causal': all local queries vs all local keys under the causal mask (step 0); 'all': everything;
@@ -107,7 +93,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             works = []
             if i < cp - 1:
-                (kn, vn), works = _ring_exchange([kb, vb], group)
+                (kn, vn), works = ring_exchange([kb, vb], group)
             part = _ring_block(i, r, causal)
             if part in ("all", "causal"):
                 o, lse = _merge(o, lse, *_block_forward(q, kb, vb, part == "causal", scale, triton))
@@ -117,7 +103,7 @@ class _RingAttention(torch.autograd.Function):
                 o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *_block_forward(q[:, c:], kb, vb, False, scale, triton))
                 o = torch.cat([o[:, :c], o2], 1)
                 lse = torch.cat([lse[:, :, :c], lse2], 2)
-            _wait(works)
+            wait(works, group)
             if i < cp - 1:
                 kb, vb = kn, vn
         out = o.to(q.dtype)
@@ -139,7 +125,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             kv_works = []
             if i < cp - 1:  # the keys and values are needed unchanged downstream: send them right away
-                (kn, vn), kv_works = _ring_exchange([kb, vb], group)
+                (kn, vn), kv_works = ring_exchange([kb, vb], group)
             part = _ring_block(i, r, causal)
             if part in ("all", "causal"):
                 gq, gk, gv = _block_backward(q, kb, vb, o, lse, do, part == "causal", scale, triton)
@@ -159,8 +145,8 @@ class _RingAttention(torch.autograd.Function):
                 dk += gk
                 dv += gv
             # This block's key/value gradients follow it round the ring; after the last step, to its owner.
-            (dk, dv), g_works = _ring_exchange([dk, dv], group)
-            _wait(kv_works + g_works)
+            (dk, dv), g_works = ring_exchange([dk, dv], group)
+            wait(kv_works + g_works, group)
             if i < cp - 1:
                 kb, vb = kn, vn
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
@@ -195,7 +181,8 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     send = torch.stack(x.chunk(group.size, dim=scatter_dim)).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group.pg)
+    with group.blocked():
+        dist.all_to_all_single(recv, send, group=group.pg)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 

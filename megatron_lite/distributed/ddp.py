@@ -79,7 +79,8 @@ class GradBuffer:
             if b.pending and not force:
                 return
             if self.group.size > 1:
-                b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
+                with self.group.blocked() if not async_op else contextlib.nullcontext():
+                    b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
             b.launched = True
             if events is not None:
                 events.append(("launch", b.index))
@@ -87,9 +88,10 @@ class GradBuffer:
 
     def finish(self, events: list | None) -> None:
         self._launch_ready(events, async_op=True, force=True)
-        for b in self.buckets:
-            if b.handle is not None:
-                b.handle.wait()
+        with self.group.blocked() if self.group.size > 1 else contextlib.nullcontext():
+            for b in self.buckets:
+                if b.handle is not None:
+                    b.handle.wait()
         self.reset()
 
 

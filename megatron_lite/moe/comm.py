@@ -11,7 +11,8 @@ from megatron_lite.parallel_context import Group
 
 def _all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.pg)
+    with group.blocked():
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.pg)
     return out
 
 
@@ -39,5 +40,6 @@ def exchange_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size == 1:
         return counts
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out.view(-1), counts.contiguous().view(-1), group=group.pg)
+    with group.blocked():
+        dist.all_to_all_single(out.view(-1), counts.contiguous().view(-1), group=group.pg)
     return out

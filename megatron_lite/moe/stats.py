@@ -52,13 +52,15 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
         table[number, e:] = torch.tensor([st["aux_loss"], st["z_loss"], st["routed"], st["dropped"]])
     table = table.to(ctx.device)
     if ctx.tp_cp_dp.size > 1:
-        dist.all_reduce(table, group=ctx.tp_cp_dp.pg)
+        with ctx.tp_cp_dp.blocked():
+            dist.all_reduce(table, group=ctx.tp_cp_dp.pg)
     table /= ctx.tp.size  # TP ranks route the same tokens
     for number, layer in layers.items():
         if layer.router.expert_bias is not None:
             update_expert_bias(layer.router.expert_bias, table[number, :e], config.moe_router_bias_update_rate)
     if ctx.pp.size > 1:
-        dist.all_reduce(table, group=ctx.pp.pg)
+        with ctx.pp.blocked():
+            dist.all_reduce(table, group=ctx.pp.pg)
     table = table.cpu()
     micro = num_microbatches * ctx.dp_cp.size
     per_layer = {}

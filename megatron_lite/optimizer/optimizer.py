@@ -106,7 +106,8 @@ class MixedPrecisionOptimizer:
             if mine:
                 sq += torch.stack([g.float().norm() for g in mine]).pow(2).sum().double()
             if group.size > 1:
-                dist.all_reduce(sq, group=group.pg)
+                with group.blocked():
+                    dist.all_reduce(sq, group=group.pg)
             total += float(sq)
         return total**0.5
 
@@ -114,7 +115,8 @@ class MixedPrecisionOptimizer:
         """True if any rank has the flag: an overflow in any shard skips the step everywhere."""
         t = torch.tensor([1.0 if flag else 0.0], device=device)
         if dist.is_initialized() and self.ctx.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            with self.ctx.tp.blocked():  # the context's timer (any of its groups)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() > 0
 
     @torch.no_grad()

@@ -58,8 +58,9 @@ def run_pipeline(
             for op, work in zip(batch, dist.batch_isend_irecv(batch)):
                 (recv_works if op.op is dist.irecv else pending).append((work, op.tensor))
             batch.clear()
-        for work, _ in recv_works:
-            work.wait()
+        with ctx.pp.blocked():
+            for work, _ in recv_works:
+                work.wait()
         recv_works.clear()
 
     for a in actions:
@@ -105,6 +106,7 @@ def run_pipeline(
     flush()
     if stats is not None:
         stats["max_live_outputs"] = peak
-    for handle, _ in pending:
-        handle.wait()
+    with ctx.pp.blocked():
+        for handle, _ in pending:
+            handle.wait()
     return total

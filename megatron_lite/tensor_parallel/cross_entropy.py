@@ -28,7 +28,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             x[..., real:] = float("-inf")
         logits_max = x.max(dim=-1).values
         if group.size > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group.pg)
+            with group.blocked():
+                dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group.pg)
         x = x - logits_max.unsqueeze(-1)  # a new tensor: the input logits are never modified
 
         outside = (target < start) | (target >= start + local_vocab)

@@ -31,7 +31,8 @@ def allreduce_sequence_parallel_grads(
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp.pg)
+    with tp.blocked():
+        dist.all_reduce(flat, group=tp.pg)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

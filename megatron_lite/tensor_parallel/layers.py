@@ -23,6 +23,7 @@ from megatron_lite.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_lite.tensor_parallel.overlap import column_parallel_overlapped, row_parallel_overlapped
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
@@ -52,6 +53,7 @@ class ColumnParallelLinear(nn.Module):
         init_std: float = 0.02,
         padded_output_size: int | None = None,
         skip_weight_param_allocation: bool = False,
+        comm_overlap: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -63,6 +65,8 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp.size > 1
+        # --tp-comm-overlap: the input's all-gather runs as a ring, chunk by chunk under the GEMM.
+        self.comm_overlap = comm_overlap and self.sequence_parallel
         self.spec = ShardSpec(0, sizes, padded, tp.size)
         out_local = self.spec.shard_size
         if skip_weight_param_allocation:
@@ -86,7 +90,11 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
-        y = F.linear(self.gather_input(x), weight, self.bias)
+        if self.comm_overlap:
+            y = column_parallel_overlapped(x, weight, self.tp)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(self.gather_input(x), weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp)
         return y
@@ -108,6 +116,7 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
+        comm_overlap: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -117,6 +126,8 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and tp.size > 1
+        # --tp-comm-overlap: the output's reduce-scatter runs as a ring, chunk by chunk under the GEMM.
+        self.comm_overlap = comm_overlap and self.sequence_parallel
         self.spec = ShardSpec.even(1, input_size, tp.size)
         meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
         _add_param(self, "weight", (output_size, self.spec.shard_size), device, dtype, meta)
@@ -129,11 +140,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp)
-        y = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.tp)
+        if self.comm_overlap:
+            y = row_parallel_overlapped(x, self.weight, self.tp)
+        elif self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp)
         else:
-            y = reduce_from_tensor_model_parallel_region(y, self.tp)
+            y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
 

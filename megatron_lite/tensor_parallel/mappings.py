@@ -33,7 +33,8 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group.pg)
+    with group.blocked():
+        dist.all_reduce(x, group=group.pg)
     return x
 
 
@@ -42,7 +43,8 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=group.pg)
+    with group.blocked():
+        _all_gather_single(out, x, group=group.pg)
     return out
 
 
@@ -53,13 +55,14 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
         raise ValueError(f"dim 0 of size {x.shape[0]} does not split over {group.size} ranks")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    try:
-        _reduce_scatter_single(out, x, group=group.pg)
-    except RuntimeError:  # gloo in older torch releases lacks reduce_scatter: same result, more traffic
-        if dist.get_backend(group.pg) != "gloo":
-            raise
-        dist.all_reduce(x, group=group.pg)
-        out.copy_(split_dim0(x, group))
+    with group.blocked():
+        try:
+            _reduce_scatter_single(out, x, group=group.pg)
+        except RuntimeError:  # gloo in older torch releases lacks reduce_scatter: same result, more traffic
+            if dist.get_backend(group.pg) != "gloo":
+                raise
+            dist.all_reduce(x, group=group.pg)
+            out.copy_(split_dim0(x, group))
     return out
 
 

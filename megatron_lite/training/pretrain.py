@@ -199,7 +199,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     start_time = time.time()
     if state.iteration >= t.train_iters:
         log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
-    window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0}
+    window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}
     metrics = None
     ck = job.checkpoint
     saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
@@ -231,6 +231,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
         window["time"] += time.time() - tic
         window["data"] += data_time
         window["skipped"] += 0 if metrics.updated else 1
+        window["step"] += metrics.step_seconds
+        window["comm"] += metrics.comm_exposed_seconds
         if state.iteration % t.log_interval == 0:
             it_time = window["time"] / window["n"]
             tflops = flops / it_time / ctx.world_size / 1e12
@@ -246,13 +248,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     "tflops_per_gpu": tflops,
                     "mfu": tflops * 1e12 / peak if peak else None,
                     "data_time_fraction": window["data"] / window["time"],
+                    "comm_exposed_fraction": window["comm"] / window["step"] if window["step"] else 0.0,
                     "peak_memory_bytes": _peak_memory(ctx.device),
                     "consumed_samples": state.consumed_samples,
                     "skipped_iterations": window["skipped"],
                     **_moe_metrics(metrics.moe),
                 },
             )
-            window = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0}
+            window = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}
         if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             model.eval()
             valid = _Batches(valid_ds, job, ctx)

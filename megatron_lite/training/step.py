@@ -8,6 +8,7 @@ is a plain sum and the result does not depend on how the batch was split over ra
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,12 @@ class StepMetrics:
     updated: bool
     num_tokens: int
     moe: dict | None = None  # routing metrics of MoE models (moe/stats.py)
+    step_seconds: float = 0.0
+    comm_exposed_seconds: float = 0.0  # time blocked in communication (megatron_lite/comm_timer.py)
+
+    @property
+    def comm_exposed_fraction(self) -> float:
+        return self.comm_exposed_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
 
 
 def context_parallel_part(micro_batches: list[MicroBatch], ctx: ParallelContext) -> list[MicroBatch]:
@@ -98,7 +105,8 @@ def allreduce_embedding_grads(model: DistributedDataParallel, ctx: ParallelConte
         if model.module.global_name(name) == "embedding.word_embeddings.weight"
     ]
     for g in grads:
-        dist.all_reduce(g, group=ctx.embedding.pg)
+        with ctx.embedding.blocked():
+            dist.all_reduce(g, group=ctx.embedding.pg)
 
 
 def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None:
@@ -115,6 +123,10 @@ def train_step(
     micro_batches: list[MicroBatch],
     ctx: ParallelContext,
 ) -> StepMetrics:
+    start = time.perf_counter()
+    timer = ctx.comm_timer
+    if timer is not None:
+        timer.take()
     model.zero_grad_buffer()
     micro_batches = context_parallel_part(micro_batches, ctx)
     num_tokens = global_token_count(micro_batches, ctx)
@@ -134,8 +146,20 @@ def train_step(
     result = optimizer.step(lr)
     if result.updated:
         scheduler.step()
-    lm_loss = all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens
-    return StepMetrics(float(lm_loss), result.grad_norm, lr, result.loss_scale, result.updated, int(num_tokens), moe)
+    lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return StepMetrics(
+        lm_loss,
+        result.grad_norm,
+        lr,
+        result.loss_scale,
+        result.updated,
+        int(num_tokens),
+        moe,
+        step_seconds=time.perf_counter() - start,
+        comm_exposed_seconds=timer.take() if timer is not None else 0.0,
+    )
 
 
 @torch.no_grad()

@@ -1,0 +1,143 @@
+"""--tp-comm-overlap: the sequence-parallel GEMMs decomposed into TP ring steps, each step's GEMM running
+while the next chunk travels (batched isend/irecv; on CUDA, NCCL moves it on its own stream).
+
+All-gather + GEMM (column-parallel, X sharded along the sequence): at step i this rank multiplies the
+sequence chunk it holds (rank r - i's) into that chunk's rows of the output, while passing the chunk on.
+
+GEMM + reduce-scatter (row-parallel): at step i this rank computes its partial product for the chunk that
+ends on rank r - 1 - i after the remaining steps, adds the partial sum that arrived for it, and passes it
+on; after TP steps each rank holds the full sum of its own chunk.
+
+The backward of each is the other: the column layer's input gradient is a GEMM + reduce-scatter, with the
+weight gradient computed from the input chunks gathered again round the same ring; the row layer's input
+gradient is an all-gather (of the output gradient) + GEMM, the weight gradient accumulated chunk by chunk.
+Every per-chunk GEMM writes straight into its slice of the output. Results equal all-gather-then-matmul and
+matmul-then-reduce-scatter (tests/test_tp_overlap.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.parallel_context import Group
+from megatron_lite.ring import ring_exchange, wait
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+    """out[...] = a @ w^T for a [rows, batch, k], w [n, k], out [rows, batch, n] (a contiguous view)."""
+    torch.matmul(a.reshape(-1, a.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+
+
+def _wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW contribution dy^T x for dy [rows, batch, n], x [rows, batch, k] -> [n, k] (fp32 accumulation)."""
+    return dy.reshape(-1, dy.shape[-1]).t().float() @ x.reshape(-1, x.shape[-1]).float()
+
+
+def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
+    """[AG(x)] @ w^T with x [c, batch, k] this rank's sequence chunk -> [TP * c, batch, n]."""
+    tp, r, c = group.size, group.rank, x.shape[0]
+    out = torch.empty((tp * c, *x.shape[1:-1], w.shape[0]), dtype=x.dtype, device=x.device)
+    cur = x.contiguous()
+    for i in range(tp):
+        works = []
+        if i < tp - 1:
+            (nxt,), works = ring_exchange([cur], group)
+        j = (r - i) % tp
+        _mm_into(out[j * c : (j + 1) * c], cur, w)
+        wait(works, group)
+        if i < tp - 1:
+            cur = nxt
+    return out
+
+
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
+    """RS(x @ w^T) along the sequence with x [TP * c, batch, k] -> [c, batch, n], this rank's chunk."""
+    tp, r = group.size, group.rank
+    c = x.shape[0] // tp
+    acc = None
+    for i in range(tp):
+        j = (r - 1 - i) % tp
+        part = torch.empty((c, *x.shape[1:-1], w.shape[0]), dtype=x.dtype, device=x.device)
+        _mm_into(part, x[j * c : (j + 1) * c], w)
+        if acc is not None:
+            part += acc
+        if i == tp - 1:
+            return part
+        (acc,), works = ring_exchange([part], group)
+        wait(works, group)
+    raise AssertionError("unreachable")
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, group: Group):
+        ctx.save_for_backward(x, w)
+        ctx.group = group
+        return all_gather_matmul(x, w, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        group = ctx.group
+        tp, r, c = group.size, group.rank, x.shape[0]
+        dy = dy.contiguous()
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        x_cur, acc = x.contiguous(), None
+        for i in range(tp):
+            x_works, x_next = [], None
+            if i < tp - 1:  # the input chunks go round again for the weight gradient
+                (x_next,), x_works = ring_exchange([x_cur], group)
+            j = (r - 1 - i) % tp  # input gradient: GEMM + reduce-scatter
+            part = dy[j * c : (j + 1) * c].reshape(-1, dy.shape[-1]) @ w
+            part = part.view(c, *dy.shape[1:-1], w.shape[1])
+            if acc is not None:
+                part += acc
+            g_works = []
+            if i < tp - 1:
+                (acc,), g_works = ring_exchange([part], group)
+            k = (r - i) % tp  # weight gradient from the input chunk in hand, while both transfers run
+            dw += _wgrad(dy[k * c : (k + 1) * c], x_cur)
+            wait(x_works + g_works, group)
+            if i < tp - 1:
+                x_cur = x_next
+            else:
+                dx = part
+        return dx, dw.to(w.dtype), None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, group: Group):
+        ctx.save_for_backward(x, w)
+        ctx.group = group
+        return matmul_reduce_scatter(x, w, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        group = ctx.group
+        tp, r, c = group.size, group.rank, dy.shape[0]
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        cur = dy.contiguous()
+        for i in range(tp):  # all-gather of the output gradient + GEMM
+            works = []
+            if i < tp - 1:
+                (nxt,), works = ring_exchange([cur], group)
+            j = (r - i) % tp
+            torch.matmul(cur.reshape(-1, cur.shape[-1]), w, out=dx[j * c : (j + 1) * c].view(-1, w.shape[1]))
+            dw += _wgrad(cur, x[j * c : (j + 1) * c])
+            wait(works, group)
+            if i < tp - 1:
+                cur = nxt
+        return dx, dw.to(w.dtype), None
+
+
+def column_parallel_overlapped(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable [AG(x)] @ w^T, overlapped."""
+    return _AllGatherMatmul.apply(x, w, group)
+
+
+def row_parallel_overlapped(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable RS(x @ w^T), overlapped."""
+    return _MatmulReduceScatter.apply(x, w, group)
