@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite import kernels as K
-from megatron_lite.moe.comm import all_to_all, exchange_counts
+from megatron_lite.moe.comm import all_to_all, all_to_all_start, all_to_all_wait, exchange_counts
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import Routing
 from megatron_lite.parallel_context import Group
@@ -48,6 +48,51 @@ def alltoall_dispatch(
     returned = all_to_all(torch.cat(back) if back else out, ep, in_splits, out_splits)
     unpermute = K.moe_unpermute if triton else K.moe_unpermute_reference
     return unpermute(returned, row_map, routing.probs.to(returned.dtype))
+
+
+def alltoall_dispatch_overlapped(
+    x: torch.Tensor,
+    routing: Routing,
+    experts: LocalExperts,
+    ep: Group,
+    num_experts: int,
+    triton: bool = False,
+    num_chunks: int = 2,
+):
+    """The all-to-all dispatch in chunks of tokens (--overlap-moe-expert-parallel-comm): every chunk's
+    exchange is posted up front; while the experts run chunk i, chunk i+1's tokens arrive and chunk i-1's
+    outputs travel back. The backward posts each gradient exchange as soon as it is known and waits for it
+    only where it is used, so it overlaps the other chunks' expert backward. Routing (and any capacity
+    dropping) was decided on all tokens before the split, so the result equals the unchunked dispatch."""
+    n_local = num_experts // ep.size
+    t = x.shape[0]
+    bounds = [t * i // num_chunks for i in range(num_chunks + 1)]
+    permute = K.moe_permute if triton else K.moe_permute_reference
+    unpermute = K.moe_unpermute if triton else K.moe_unpermute_reference
+    plans = []
+    for a, b in zip(bounds, bounds[1:]):
+        indices, keep = routing.indices[a:b], routing.keep[a:b]
+        send = torch.bincount(indices[keep], minlength=num_experts).view(ep.size, n_local)
+        recv = exchange_counts(send, ep)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        permuted, row_map = permute(x[a:b], indices, keep)
+        buf, handle = all_to_all_start(permuted, ep, out_splits, in_splits)
+        plans.append((a, b, recv, in_splits, out_splits, row_map, buf, handle))
+    started = []
+    for _, _, recv, in_splits, out_splits, _, buf, handle in plans:
+        received = all_to_all_wait(buf, ep, out_splits, in_splits, handle)
+        sizes = recv.reshape(-1).tolist()
+        chunks = received.split(sizes)
+        by_expert = [chunks[r * n_local + j] for j in range(n_local) for r in range(ep.size)]
+        out = experts(torch.cat(by_expert) if by_expert else received, recv.sum(0).tolist())
+        out_chunks = out.split([sizes[r * n_local + j] for j in range(n_local) for r in range(ep.size)])
+        back = [out_chunks[j * ep.size + r] for r in range(ep.size) for j in range(n_local)]
+        started.append(all_to_all_start(torch.cat(back) if back else out, ep, in_splits, out_splits))
+    ys = []
+    for (a, b, _, in_splits, out_splits, row_map, _, _), (buf, handle) in zip(plans, started):
+        returned = all_to_all_wait(buf, ep, in_splits, out_splits, handle)
+        ys.append(unpermute(returned, row_map, routing.probs[a:b].to(returned.dtype)))
+    return torch.cat(ys)
 
 
 def allgather_dispatch(x: torch.Tensor, routing: Routing, experts: LocalExperts, ep: Group, num_experts: int):

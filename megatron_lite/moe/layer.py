@@ -21,7 +21,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.models.mlp import MLP
-from megatron_lite.moe.dispatcher import allgather_dispatch, alltoall_dispatch
+from megatron_lite.moe.dispatcher import allgather_dispatch, alltoall_dispatch, alltoall_dispatch_overlapped
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import TopKRouter
 from megatron_lite.parallel_context import ParallelContext
@@ -52,6 +52,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.tp, self.ep = ctx.tp, ctx.ep
+        self.overlap_comm = ctx.parallel.overlap_moe_expert_parallel_comm
         self.sequence_parallel = ctx.sequence_parallel
         self.router = TopKRouter(config, ctx.tp.size, device, dtype)
         self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype)
@@ -85,10 +86,11 @@ class MoELayer(nn.Module):
         s, b, h = full.shape
         tokens = full.reshape(s * b, h)
         routing = self.router(tokens, (s, b))
-        if self.config.moe_token_dispatcher_type == "alltoall":
-            y = alltoall_dispatch(
-                tokens, routing, self.experts, self.ep, self.config.num_experts, self.config.kernel_impl == "triton"
-            )
+        triton = self.config.kernel_impl == "triton"
+        if self.config.moe_token_dispatcher_type == "alltoall" and self.overlap_comm and self.ep.size > 1:
+            y = alltoall_dispatch_overlapped(tokens, routing, self.experts, self.ep, self.config.num_experts, triton)
+        elif self.config.moe_token_dispatcher_type == "alltoall":
+            y = alltoall_dispatch(tokens, routing, self.experts, self.ep, self.config.num_experts, triton)
         else:
             y = allgather_dispatch(tokens, routing, self.experts, self.ep, self.config.num_experts)
         y = y.to(x.dtype).reshape(s, b, h)

@@ -3,8 +3,10 @@
 Activations and their gradients travel between neighbouring stages with point-to-point sends and
 receives on the pipeline group. Their shape is known from the configuration ([seq / TP under sequence
 parallelism, micro-batch, hidden]), so no shape is ever exchanged. Consecutive communication actions of
-the schedule go out as one batch_isend_irecv; the receives of a batch are waited for before the next
-compute step, the sends only at the end of the step (their tensors are kept alive until then). A stage
+the schedule go out as one batch_isend_irecv as early as the schedule lists them; a receive is waited for
+before the next compute step, or, with --overlap-p2p-comm (default with virtual stages, as in Megatron),
+only when the compute that reads it comes; sends are waited for at the end of the step (their tensors are
+kept alive until then). A stage
 keeps a micro-batch's input and output only until its backward has run.
 """
 
@@ -50,18 +52,29 @@ def run_pipeline(
     last_chunk = vp - 1 if ctx.pp.rank == pp - 1 else None
 
     batch: list[dist.P2POp] = []  # consecutive communication actions, sent as one batch
-    recv_works: list = []
+    recv_works: dict[int, object] = {}  # id(receive buffer) -> its work, until waited on
     peak = 0
+    # --overlap-p2p-comm (default with virtual stages): a receive is waited on only when the compute that
+    # reads it comes, so transfers run under the computes in between; otherwise before the next compute.
+    lazy = ctx.parallel.overlap_p2p_comm if ctx.parallel.overlap_p2p_comm is not None else vp > 1
 
     def flush() -> None:
         if batch:
             for op, work in zip(batch, dist.batch_isend_irecv(batch)):
-                (recv_works if op.op is dist.irecv else pending).append((work, op.tensor))
+                if op.op is dist.irecv:
+                    recv_works[id(op.tensor)] = work
+                else:
+                    pending.append((work, op.tensor))
             batch.clear()
-        with ctx.pp.blocked():
-            for work, _ in recv_works:
-                work.wait()
-        recv_works.clear()
+        if not lazy:
+            wait_for(*recv_works)
+
+    def wait_for(*buffer_ids: int) -> None:
+        works = [recv_works.pop(i) for i in buffer_ids if i in recv_works]
+        if works:
+            with ctx.pp.blocked():
+                for work in works:
+                    work.wait()
 
     for a in actions:
         key = (a.microbatch, a.chunk)
@@ -83,6 +96,7 @@ def run_pipeline(
             chunk = chunks[a.chunk]
             x = received.pop((RECV_FORWARD, *key), None)
             if x is not None:
+                wait_for(id(x))
                 x.requires_grad_(not forward_only)
                 inputs[key] = x
             with torch.no_grad() if forward_only else torch.enable_grad():
@@ -99,11 +113,14 @@ def run_pipeline(
         elif a.kind == BACKWARD:
             out = outputs.pop(key)
             grad = received.pop((RECV_BACKWARD, *key), None)
+            if grad is not None:
+                wait_for(id(grad))
             torch.autograd.backward(out, grad_tensors=grad)
             x = inputs.pop(key, None)
             if x is not None:
                 input_grads[key] = x.grad
     flush()
+    wait_for(*recv_works)
     if stats is not None:
         stats["max_live_outputs"] = peak
     with ctx.pp.blocked():
