@@ -312,6 +312,13 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
     if ns.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
+    if ns.overlap_p2p_comm and ns.no_overlap_p2p_communication:
+        raise ConfigError("--overlap-p2p-comm and --no-overlap-p2p-communication contradict each other; keep one")
+    if ns.overlap_moe_expert_parallel_comm and ns.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError(
+            f"--overlap-moe-expert-parallel-comm overlaps the all-to-all dispatcher's exchanges; it does nothing with "
+            f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
+        )
     if ns.hierarchical_context_parallel_sizes is not None:
         raise ConfigError(
             "--hierarchical-context-parallel-sizes (--cp-comm-type a2a+p2p) is not supported; use --cp-comm-type "

@@ -86,3 +86,18 @@ def test_bench_context_parallel_reports_memory_per_rank(tmp_path):
         if r["cp"] == 2:  # half the tokens per rank: well under the one-rank activations
             assert r["activation_bytes"] < 0.75 * one, r
     assert "ring / all-to-all" in stdout
+
+
+@pytest.mark.slow
+def test_bench_comm_overlap_reports_both_paths(tmp_path):
+    stdout = _run_tool(
+        "bench_comm_overlap.py",
+        "--hidden-size 256 --seq-length 32 --warmup 0 --iters 1 --gemm --gemm-iters 1",
+        tmp_path / "r.json",
+    )
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [r["tp_comm_overlap"] for r in result["layer"]] == [False, True]
+    assert all(r["step_s"] > 0 and 0 <= r["comm_exposed_fraction"] < 1 for r in result["layer"])
+    assert result["layer"][0]["comm_exposed_fraction"] > 0  # the plain path blocks in its collectives
+    assert result["gemm"]["chunked_over_monolithic"] > 0
+    assert "overlapped / plain step time" in stdout

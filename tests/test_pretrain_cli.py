@@ -204,6 +204,7 @@ def test_single_process_run_with_indexed_data(tmp_path, capsys, monkeypatch):
         "tflops_per_gpu",
         "mfu",
         "data_time_fraction",
+        "comm_exposed_fraction",
         "peak_memory_bytes",
         "consumed_samples",
     }

@@ -47,3 +47,9 @@ echo "bench: rc=$? $(tail -n 1 "$OUT/bench_train_step.log")"
 #    $OUT/bench/kernels.md, to be committed under docs/ with the device named.
 timeout 480 python3 tools/bench_kernels.py --size llama8b --out-dir "$OUT/bench" > "$OUT/bench_kernels.log" 2>&1
 echo "bench kernels: rc=$? $(grep -c '"kernel"' "$OUT/bench_kernels.log") rows"
+
+# 6. The cost of decomposing a GEMM for --tp-comm-overlap (issue 9): per-chunk GEMMs (TP=8 chunks of an 8k
+#    sequence, Llama-3-8B fc1 shard) against one GEMM, bf16; target >= 0.90x. One GPU suffices.
+timeout 120 python3 tools/bench_comm_overlap.py --device cuda --skip-layer --gemm --tp 8 --seq-length 8192 \
+    --gemm-iters 50 --json "$OUT/bench_comm_overlap.json" > "$OUT/bench_comm_overlap.log" 2>&1
+echo "bench gemm decomposition: rc=$? $(tail -n 1 "$OUT/bench_comm_overlap.log")"

@@ -8,9 +8,10 @@ GEMM + reduce-scatter (row-parallel): at step i this rank computes its partial p
 ends on rank r - 1 - i after the remaining steps, adds the partial sum that arrived for it, and passes it
 on; after TP steps each rank holds the full sum of its own chunk.
 
-The backward of each is the other: the column layer's input gradient is a GEMM + reduce-scatter, with the
-weight gradient computed from the input chunks gathered again round the same ring; the row layer's input
-gradient is an all-gather (of the output gradient) + GEMM, the weight gradient accumulated chunk by chunk.
+The backward of each is the other: the column layer's input gradient is a GEMM + reduce-scatter, while the
+input chunks go round the same ring again for the weight gradient; the row layer's input gradient is an
+all-gather (of the output gradient) + GEMM. Each weight gradient is then one GEMM over the gathered
+chunks (accumulating it chunk by chunk would re-read the whole gradient TP times).
 Every per-chunk GEMM writes straight into its slice of the output. Results equal all-gather-then-matmul and
 matmul-then-reduce-scatter (tests/test_tp_overlap.py).
 """
@@ -26,11 +27,6 @@ from megatron_lite.ring import ring_exchange, wait
 def _mm_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
     """out[...] = a @ w^T for a [rows, batch, k], w [n, k], out [rows, batch, n] (a contiguous view)."""
     torch.matmul(a.reshape(-1, a.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
-
-
-def _wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dW contribution dy^T x for dy [rows, batch, n], x [rows, batch, k] -> [n, k] (fp32 accumulation)."""
-    return dy.reshape(-1, dy.shape[-1]).t().float() @ x.reshape(-1, x.shape[-1]).float()
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
@@ -81,28 +77,31 @@ class _AllGatherMatmul(torch.autograd.Function):
         group = ctx.group
         tp, r, c = group.size, group.rank, x.shape[0]
         dy = dy.contiguous()
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        # The input chunks go round the ring again (into one buffer, for a single weight-gradient GEMM)
+        # while the input gradient is computed chunk by chunk and reduce-scattered round the same ring.
+        x_full = torch.empty((tp * c, *x.shape[1:]), dtype=x.dtype, device=x.device)
         x_cur, acc = x.contiguous(), None
         for i in range(tp):
+            k = (r - i) % tp
+            x_full[k * c : (k + 1) * c] = x_cur
             x_works, x_next = [], None
-            if i < tp - 1:  # the input chunks go round again for the weight gradient
+            if i < tp - 1:
                 (x_next,), x_works = ring_exchange([x_cur], group)
-            j = (r - 1 - i) % tp  # input gradient: GEMM + reduce-scatter
-            part = dy[j * c : (j + 1) * c].reshape(-1, dy.shape[-1]) @ w
-            part = part.view(c, *dy.shape[1:-1], w.shape[1])
+            j = (r - 1 - i) % tp
+            part = torch.empty((c, *dy.shape[1:-1], w.shape[1]), dtype=dy.dtype, device=dy.device)
+            torch.matmul(dy[j * c : (j + 1) * c].reshape(-1, dy.shape[-1]), w, out=part.view(-1, w.shape[1]))
             if acc is not None:
                 part += acc
             g_works = []
             if i < tp - 1:
                 (acc,), g_works = ring_exchange([part], group)
-            k = (r - i) % tp  # weight gradient from the input chunk in hand, while both transfers run
-            dw += _wgrad(dy[k * c : (k + 1) * c], x_cur)
             wait(x_works + g_works, group)
             if i < tp - 1:
                 x_cur = x_next
             else:
                 dx = part
-        return dx, dw.to(w.dtype), None
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
+        return dx, dw, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -118,19 +117,20 @@ class _MatmulReduceScatter(torch.autograd.Function):
         group = ctx.group
         tp, r, c = group.size, group.rank, dy.shape[0]
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        dy_full = torch.empty((tp * c, *dy.shape[1:]), dtype=dy.dtype, device=dy.device)
         cur = dy.contiguous()
-        for i in range(tp):  # all-gather of the output gradient + GEMM
+        for i in range(tp):  # all-gather of the output gradient + GEMM, chunk by chunk
             works = []
             if i < tp - 1:
                 (nxt,), works = ring_exchange([cur], group)
             j = (r - i) % tp
+            dy_full[j * c : (j + 1) * c] = cur
             torch.matmul(cur.reshape(-1, cur.shape[-1]), w, out=dx[j * c : (j + 1) * c].view(-1, w.shape[1]))
-            dw += _wgrad(cur, x[j * c : (j + 1) * c])
             wait(works, group)
             if i < tp - 1:
                 cur = nxt
-        return dx, dw.to(w.dtype), None
+        dw = dy_full.reshape(-1, dy_full.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dx, dw, None
 
 
 def column_parallel_overlapped(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:

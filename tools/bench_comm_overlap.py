@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Communication overlap, measured: one Llama-3-8B-shaped transformer layer (hidden 4096, 32 heads on 8
+query groups, SwiGLU 14336) under tensor + sequence parallelism, forward + backward, with and without
+--tp-comm-overlap, side by side in one run: step time and the exposed-communication fraction (time blocked
+in communication / step time, megatron_lite/comm_timer.py). gloo on CPU by default; NCCL with --device cuda.
+
+With --gemm (one GPU is enough), the cost of decomposing: the per-chunk GEMM sequence the ring runs (TP
+chunks of the sequence, each written into its slice of the output) against one monolithic GEMM at the same
+shapes, and torch's fused all-gather-matmul (torch.distributed._symmetric_memory) where it is available.
+
+    python tools/bench_comm_overlap.py                       # TP=2 on CPU, sequence 256
+    torchrun-free on a GPU box:  python tools/bench_comm_overlap.py --device cuda --tp 8 --seq-length 8192 --gemm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336)
+
+
+def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
+    torch.set_num_threads(max(1, args.threads // world))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+    from megatron_lite.config import ModelConfig, ParallelConfig
+    from megatron_lite.models.transformer import TransformerLayer
+    from megatron_lite.parallel_context import ParallelContext
+
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    shape = {**LLAMA3_8B, **({"hidden_size": args.hidden_size} if args.hidden_size else {})}
+    config = ModelConfig(
+        num_layers=1,
+        vocab_size=128,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        kernel_impl="triton" if args.device == "cuda" else "torch",
+        **shape,
+    )
+    rows = []
+    s_local = args.seq_length // world
+    x0 = torch.randn(s_local, args.micro_batch_size, config.hidden_size, generator=torch.Generator().manual_seed(rank))
+    for overlap in (False, True):
+        parallel = ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True, tp_comm_overlap=overlap)
+        ctx = ParallelContext.build(parallel, device=device)
+        torch.manual_seed(0)
+        layer = TransformerLayer(config, ctx, 0, device=device, dtype=dtype)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.02)
+        from megatron_lite.models.rope import RotaryEmbedding
+
+        rope = RotaryEmbedding(config.head_dim, config.rotary_base, device=device)
+        cos_sin = rope(torch.arange(args.seq_length, device=device).unsqueeze(0))
+        x = x0.to(device, dtype)
+        times, fractions = [], []
+        for i in range(args.warmup + args.iters):
+            inp = x.clone().requires_grad_(True)
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            ctx.comm_timer.take()
+            t0 = time.perf_counter()
+            layer(inp, cos_sin).float().square().mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            step = time.perf_counter() - t0
+            comm = ctx.comm_timer.take()
+            dist.barrier()
+            if i >= args.warmup:
+                times.append(step)
+                fractions.append(comm / step)
+        rows.append(
+            {
+                "tp_comm_overlap": overlap,
+                "tp": world,
+                "step_s": statistics.median(times),
+                "comm_exposed_fraction": statistics.median(fractions),
+            }
+        )
+        del layer
+    if rank == 0:
+        json.dump(rows, open(out_path, "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gemm_decomposition(args) -> dict:
+    """Per-chunk GEMMs (TP chunks of the gathered sequence into output slices) vs one GEMM, on one device."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens = args.seq_length * args.micro_batch_size
+    h, n = LLAMA3_8B["hidden_size"], 2 * LLAMA3_8B["ffn_hidden_size"] // args.tp  # the fc1 shard: gate + up
+    x = torch.randn(tokens, h, device=device, dtype=dtype)
+    w = torch.randn(n, h, device=device, dtype=dtype)
+    out = torch.empty(tokens, n, device=device, dtype=dtype)
+    c = tokens // args.tp
+
+    def mono():
+        torch.matmul(x, w.t(), out=out)
+
+    def chunked():
+        for j in range(args.tp):
+            torch.matmul(x[j * c : (j + 1) * c], w.t(), out=out[j * c : (j + 1) * c])
+
+    def timeit(fn):
+        for _ in range(3):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(args.gemm_iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / args.gemm_iters
+
+    flops = 2 * tokens * h * n
+    t_mono, t_chunk = timeit(mono), timeit(chunked)
+    result = {
+        "shape": [tokens, h, n],
+        "chunks": args.tp,
+        "monolithic_tflops": flops / t_mono / 1e12,
+        "chunked_tflops": flops / t_chunk / 1e12,
+        "chunked_over_monolithic": t_mono / t_chunk,
+        "symmetric_memory_fused": "unavailable: needs torch.distributed._symmetric_memory and >= 2 GPUs",
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--seq-length", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--hidden-size", type=int, help="override Llama-3-8B's 4096 (smaller for quick runs)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--gemm", action="store_true", help="also time the per-chunk GEMMs against one GEMM")
+    ap.add_argument("--gemm-iters", type=int, default=20)
+    ap.add_argument("--skip-layer", action="store_true", help="only the GEMM comparison (one device)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    result: dict = {}
+    if not args.skip_layer:
+        with tempfile.TemporaryDirectory() as tmp:
+            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "rows.json")
+            mp.start_processes(_worker, args=(args.tp, init, args, out), nprocs=args.tp, start_method="spawn")
+            rows = json.load(open(out))
+        result["layer"] = rows
+        plain, ovl = rows
+        print(f"Llama-3-8B-shaped layer, TP={args.tp} + SP, seq {args.seq_length}, {args.device}, fwd+bwd")
+        print(f"{'':>22} {'step (s)':>10} {'comm_exposed_fraction':>22}")
+        for r in rows:
+            name = "--tp-comm-overlap" if r["tp_comm_overlap"] else "plain"
+            print(f"{name:>22} {r['step_s']:>10.3f} {r['comm_exposed_fraction']:>22.3f}")
+        print(f"overlapped / plain step time: {ovl['step_s'] / plain['step_s']:.3f}")
+        result["overlapped_over_plain"] = ovl["step_s"] / plain["step_s"]
+    if args.gemm:
+        g = gemm_decomposition(args)
+        result["gemm"] = g
+        print(
+            f"GEMM {g['shape']} in {g['chunks']} chunks: {g['chunked_tflops']:.1f} vs monolithic "
+            f"{g['monolithic_tflops']:.1f} TFLOP/s ({g['chunked_over_monolithic']:.3f}x); fused AG-matmul: "
+            f"{g['symmetric_memory_fused']}"
+        )
+    if args.json:
+        json.dump(result, open(args.json, "w"), indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
