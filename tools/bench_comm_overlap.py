@@ -6,7 +6,8 @@ in communication / step time, megatron_lite/comm_timer.py). gloo on CPU by defau
 
 With --gemm (one GPU is enough), the cost of decomposing: the per-chunk GEMM sequence the ring runs (TP
 chunks of the sequence, each written into its slice of the output) against one monolithic GEMM at the same
-shapes, and torch's fused all-gather-matmul (torch.distributed._symmetric_memory) where it is available.
+shapes. (Torch's fused all-gather-matmul, torch.distributed._symmetric_memory, needs several GPUs: not
+compared yet.)
 
     python tools/bench_comm_overlap.py                       # TP=2 on CPU, sequence 256
     torchrun-free on a GPU box:  python tools/bench_comm_overlap.py --device cuda --tp 8 --seq-length 8192 --gemm
@@ -139,7 +140,8 @@ def gemm_decomposition(args) -> dict:
         "monolithic_tflops": flops / t_mono / 1e12,
         "chunked_tflops": flops / t_chunk / 1e12,
         "chunked_over_monolithic": t_mono / t_chunk,
-        "symmetric_memory_fused": "unavailable: needs torch.distributed._symmetric_memory and >= 2 GPUs",
+        # torch's fused all-gather-matmul needs a multi-GPU process group; this comparison runs on one device.
+        "symmetric_memory_fused": "not measured (needs >= 2 GPUs and torch.distributed._symmetric_memory)",
     }
     return result
 
