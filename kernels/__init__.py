@@ -13,6 +13,7 @@ from megatron_lite.kernels.flash_attention import (
     flash_attention_backward_reference,
     flash_attention_reference,
 )
+from megatron_lite.kernels.gemm import linear, linear_reference, matmul_into
 from megatron_lite.kernels.moe import (
     grouped_gemm,
     grouped_gemm_reference,
@@ -27,6 +28,9 @@ from megatron_lite.kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "HAVE_TRITON",
+    "linear",
+    "linear_reference",
+    "matmul_into",
     "LAUNCHES",
     "compile_for_gpu",
     "triton_usable",

@@ -132,14 +132,23 @@ def gemm_decomposition(args) -> dict:
             torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) / args.gemm_iters
 
+    def triton_chunked():  # what --tp-comm-overlap runs with --kernel-impl triton
+        from megatron_lite import kernels as K
+
+        for j in range(args.tp):
+            K.matmul_into(out[j * c : (j + 1) * c], x[j * c : (j + 1) * c], w)
+
     flops = 2 * tokens * h * n
     t_mono, t_chunk = timeit(mono), timeit(chunked)
+    t_triton = timeit(triton_chunked) if device.type == "cuda" else None
     result = {
         "shape": [tokens, h, n],
         "chunks": args.tp,
         "monolithic_tflops": flops / t_mono / 1e12,
         "chunked_tflops": flops / t_chunk / 1e12,
         "chunked_over_monolithic": t_mono / t_chunk,
+        "triton_chunked_tflops": flops / t_triton / 1e12 if t_triton else None,
+        "triton_chunked_over_monolithic": t_mono / t_triton if t_triton else None,
         # torch's fused all-gather-matmul needs a multi-GPU process group; this comparison runs on one device.
         "symmetric_memory_fused": "not measured (needs >= 2 GPUs and torch.distributed._symmetric_memory)",
     }
@@ -184,6 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
             f"{g['monolithic_tflops']:.1f} TFLOP/s ({g['chunked_over_monolithic']:.3f}x); fused AG-matmul: "
             f"{g['symmetric_memory_fused']}"
         )
+        if g["triton_chunked_tflops"]:
+            print(
+                f"  our Triton GEMM, chunked: {g['triton_chunked_tflops']:.1f} TFLOP/s "
+                f"({g['triton_chunked_over_monolithic']:.3f}x of the monolithic cuBLAS GEMM)"
+            )
     if args.json:
         json.dump(result, open(args.json, "w"), indent=1)
     return result

@@ -54,6 +54,7 @@ class ColumnParallelLinear(nn.Module):
         padded_output_size: int | None = None,
         skip_weight_param_allocation: bool = False,
         comm_overlap: bool = False,
+        triton_gemm: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -67,6 +68,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and tp.size > 1
         # --tp-comm-overlap: the input's all-gather runs as a ring, chunk by chunk under the GEMM.
         self.comm_overlap = comm_overlap and self.sequence_parallel
+        self.triton_gemm = triton_gemm  # the overlapped ring's per-chunk GEMMs through our Triton kernel
         self.spec = ShardSpec(0, sizes, padded, tp.size)
         out_local = self.spec.shard_size
         if skip_weight_param_allocation:
@@ -91,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
         if self.comm_overlap:
-            y = column_parallel_overlapped(x, weight, self.tp)
+            y = column_parallel_overlapped(x, weight, self.tp, self.triton_gemm)
             y = y if self.bias is None else y + self.bias
         else:
             y = F.linear(self.gather_input(x), weight, self.bias)
@@ -117,6 +119,7 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         init_std: float = 0.02,
         comm_overlap: bool = False,
+        triton_gemm: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -128,6 +131,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and tp.size > 1
         # --tp-comm-overlap: the output's reduce-scatter runs as a ring, chunk by chunk under the GEMM.
         self.comm_overlap = comm_overlap and self.sequence_parallel
+        self.triton_gemm = triton_gemm
         self.spec = ShardSpec.even(1, input_size, tp.size)
         meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
         _add_param(self, "weight", (output_size, self.spec.shard_size), device, dtype, meta)
@@ -141,7 +145,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp)
         if self.comm_overlap:
-            y = row_parallel_overlapped(x, self.weight, self.tp)
+            y = row_parallel_overlapped(x, self.weight, self.tp, self.triton_gemm)
         elif self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp)
         else:

@@ -20,16 +20,22 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite import kernels as K
 from megatron_lite.parallel_context import Group
 from megatron_lite.ring import ring_exchange, wait
 
 
-def _mm_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
-    """out[...] = a @ w^T for a [rows, batch, k], w [n, k], out [rows, batch, n] (a contiguous view)."""
-    torch.matmul(a.reshape(-1, a.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+def _mm_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, triton: bool = False) -> None:
+    """out[...] = a @ w^T for a [rows, batch, k], w [n, k], out [rows, batch, n] (a contiguous view): our
+    Triton GEMM writing into the slice with `triton` (CUDA), else torch.matmul(out=...)."""
+    a2, o2 = a.reshape(-1, a.shape[-1]), out.view(-1, out.shape[-1])
+    if triton:
+        K.matmul_into(o2, a2, w)
+    else:
+        torch.matmul(a2, w.t(), out=o2)
 
 
-def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
+def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group, triton: bool = False) -> torch.Tensor:
     """[AG(x)] @ w^T with x [c, batch, k] this rank's sequence chunk -> [TP * c, batch, n]."""
     tp, r, c = group.size, group.rank, x.shape[0]
     out = torch.empty((tp * c, *x.shape[1:-1], w.shape[0]), dtype=x.dtype, device=x.device)
@@ -39,14 +45,14 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.T
         if i < tp - 1:
             (nxt,), works = ring_exchange([cur], group)
         j = (r - i) % tp
-        _mm_into(out[j * c : (j + 1) * c], cur, w)
+        _mm_into(out[j * c : (j + 1) * c], cur, w, triton)
         wait(works, group)
         if i < tp - 1:
             cur = nxt
     return out
 
 
-def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group, triton: bool = False) -> torch.Tensor:
     """RS(x @ w^T) along the sequence with x [TP * c, batch, k] -> [c, batch, n], this rank's chunk."""
     tp, r = group.size, group.rank
     c = x.shape[0] // tp
@@ -54,7 +60,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group) -> tor
     for i in range(tp):
         j = (r - 1 - i) % tp
         part = torch.empty((c, *x.shape[1:-1], w.shape[0]), dtype=x.dtype, device=x.device)
-        _mm_into(part, x[j * c : (j + 1) * c], w)
+        _mm_into(part, x[j * c : (j + 1) * c], w, triton)
         if acc is not None:
             part += acc
         if i == tp - 1:
@@ -66,10 +72,10 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group) -> tor
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, group: Group):
+    def forward(ctx, x, w, group: Group, triton: bool):
         ctx.save_for_backward(x, w)
-        ctx.group = group
-        return all_gather_matmul(x, w, group)
+        ctx.group, ctx.triton = group, triton
+        return all_gather_matmul(x, w, group, triton)
 
     @staticmethod
     def backward(ctx, dy):
@@ -89,7 +95,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 (x_next,), x_works = ring_exchange([x_cur], group)
             j = (r - 1 - i) % tp
             part = torch.empty((c, *dy.shape[1:-1], w.shape[1]), dtype=dy.dtype, device=dy.device)
-            torch.matmul(dy[j * c : (j + 1) * c].reshape(-1, dy.shape[-1]), w, out=part.view(-1, w.shape[1]))
+            _mm_into(part, dy[j * c : (j + 1) * c], w.t(), ctx.triton)
             if acc is not None:
                 part += acc
             g_works = []
@@ -101,15 +107,15 @@ class _AllGatherMatmul(torch.autograd.Function):
             else:
                 dx = part
         dw = dy.reshape(-1, dy.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, group: Group):
+    def forward(ctx, x, w, group: Group, triton: bool):
         ctx.save_for_backward(x, w)
-        ctx.group = group
-        return matmul_reduce_scatter(x, w, group)
+        ctx.group, ctx.triton = group, triton
+        return matmul_reduce_scatter(x, w, group, triton)
 
     @staticmethod
     def backward(ctx, dy):
@@ -125,19 +131,19 @@ class _MatmulReduceScatter(torch.autograd.Function):
                 (nxt,), works = ring_exchange([cur], group)
             j = (r - i) % tp
             dy_full[j * c : (j + 1) * c] = cur
-            torch.matmul(cur.reshape(-1, cur.shape[-1]), w, out=dx[j * c : (j + 1) * c].view(-1, w.shape[1]))
+            _mm_into(dx[j * c : (j + 1) * c], cur, w.t(), ctx.triton)
             wait(works, group)
             if i < tp - 1:
                 cur = nxt
         dw = dy_full.reshape(-1, dy_full.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def column_parallel_overlapped(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
-    """Differentiable [AG(x)] @ w^T, overlapped."""
-    return _AllGatherMatmul.apply(x, w, group)
+def column_parallel_overlapped(x: torch.Tensor, w: torch.Tensor, group: Group, triton: bool = False) -> torch.Tensor:
+    """Differentiable [AG(x)] @ w^T, overlapped; per-chunk GEMMs by our Triton kernel with `triton`."""
+    return _AllGatherMatmul.apply(x, w, group, triton)
 
 
-def row_parallel_overlapped(x: torch.Tensor, w: torch.Tensor, group: Group) -> torch.Tensor:
-    """Differentiable RS(x @ w^T), overlapped."""
-    return _MatmulReduceScatter.apply(x, w, group)
+def row_parallel_overlapped(x: torch.Tensor, w: torch.Tensor, group: Group, triton: bool = False) -> torch.Tensor:
+    """Differentiable RS(x @ w^T), overlapped; per-chunk GEMMs by our Triton kernel with `triton`."""
+    return _MatmulReduceScatter.apply(x, w, group, triton)

@@ -1,0 +1,47 @@
+"""The Triton GEMM (writing into a strided output slice) against torch.matmul; CPU: interpreter, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lite import kernels as K
+
+from models import rel
+
+
+def test_matmul_into_a_slice_of_a_larger_output():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 40, generator=g)
+    w = torch.randn(24, 40, generator=g)
+    out = torch.full((3, 37, 24), 7.0)
+    before = K.LAUNCHES["gemm"]
+    K.matmul_into(out[1], x, w)
+    if K.HAVE_TRITON:
+        assert K.LAUNCHES["gemm"] == before + 1  # the kernel ran, not the fallback
+    assert rel(out[1], x @ w.t()) < 1e-6
+    assert torch.all(out[0] == 7.0) and torch.all(out[2] == 7.0)  # nothing written outside the slice
+    # Transposed operands (strides, not copies): dY W and dY^T X as the backward uses them.
+    dy = torch.randn(37, 24, generator=g)
+    assert rel(K.matmul_into(torch.empty(37, 40), dy, w.t()), dy @ w) < 1e-6
+    assert rel(K.matmul_into(torch.empty(24, 40), dy.t(), x.t()), dy.t() @ x) < 1e-6
+
+
+def test_linear_forward_and_backward():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(19, 33, generator=g, requires_grad=True)
+    w = torch.randn(21, 33, generator=g, requires_grad=True)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    dy = torch.randn(19, 21, generator=g)
+    K.linear(x, w).backward(dy)
+    K.linear_reference(x2, w2).backward(dy)
+    assert rel(x.grad, x2.grad) < 1e-6 and rel(w.grad, w2.grad) < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 needs a GPU: the interpreter has no bf16 arithmetic")
+def test_bf16_on_gpu():
+    x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(2000, 768, device="cuda", dtype=torch.bfloat16)
+    K.matmul_into(out[500:1500], x, w)
+    assert rel(out[500:1500].float(), x.float() @ w.float().t()) < 1e-2
