@@ -58,21 +58,15 @@ def _barrier(ctx: ParallelContext) -> None:
 
 
 def _state_tensors(model, optimizer) -> dict[str, list]:
-    """kind -> [(global name, local tensor, meta)] for every tensor that is saved."""
+    """kind -> [(global name, local tensor, meta)] for every tensor that is saved. With the distributed
+    optimizer, gathering the full main weights and moments is a collective over the data-parallel group."""
     out: dict[str, list] = {"model": [], "main": [], "exp_avg": [], "exp_avg_sq": []}
-    main_of = optimizer.main_of if optimizer else {}
+    full = optimizer.gather_full_state() if optimizer is not None else {}
     for name, p, meta in named_param_meta(model):
         gname = model.global_name(name)
         out["model"].append((gname, p, meta))
-        if optimizer is None or id(p) not in main_of:  # frozen (e.g. the MoE expert bias): weights only
-            continue
-        main = main_of[id(p)]
-        if main is not p:
-            out["main"].append((gname, main, meta))
-        state = optimizer.inner.state.get(main, {})
-        for kind in ("exp_avg", "exp_avg_sq"):
-            if kind in state:
-                out[kind].append((gname, state[kind], meta))
+        for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
+            out[kind].append((gname, t, meta))
     return out
 
 
@@ -402,30 +396,28 @@ def load_checkpoint(
 ) -> TrainState:
     meta = read_metadata(path)
     reader = _Reader(path, meta)
-    entries = _state_tensors(model, optimizer if load_optim else None)
-    for gname, t, pmeta in entries["model"]:
-        reader.fill(f"model/{gname}", t, local_pieces(tuple(t.shape), pmeta))
+    for name, p, pmeta in named_param_meta(model):
+        reader.fill(f"model/{model.global_name(name)}", p, local_pieces(tuple(p.shape), pmeta))
     if optimizer is not None and load_optim and not finetune:
-        main_of = optimizer.main_of
+        values = {}
         for name, p, pmeta in named_param_meta(model):
-            main = main_of.get(id(p), p)  # frozen parameters are not in the optimizer
-            if main is not p:
-                key = f"main/{model.global_name(name)}"
+            if not optimizer.holds(p):
+                continue
+            d = {}
+            for kind in ("main", "exp_avg", "exp_avg_sq"):
+                key = f"{kind}/{model.global_name(name)}"
                 if key in reader.index:
-                    reader.fill(key, main, local_pieces(tuple(main.shape), pmeta))
-                else:
-                    with torch.no_grad():
-                        main.copy_(p)
-        _load_adam(reader, model, optimizer, meta["adam_step"])
+                    t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    reader.fill(key, t, local_pieces(tuple(p.shape), pmeta))
+                    d[kind] = t
+            values[id(p)] = d
+        optimizer.load_full_state(values, meta["adam_step"])
         if scheduler is not None and meta.get("scheduler"):
             scheduler.load_state_dict(meta["scheduler"])
         if optimizer.scaler is not None and meta.get("grad_scaler"):
             optimizer.scaler.load_state_dict(meta["grad_scaler"])
     elif optimizer is not None:
-        with torch.no_grad():
-            for p, main in zip(optimizer.params, optimizer.main_params):
-                if main is not p:
-                    main.copy_(p)
+        optimizer.sync_main_from_model()
     same_layout = meta["layout"].get("world_size") == ctx.world_size and all(
         meta["layout"].get(k) == g.size for k, g in ctx.groups.items()
     )
@@ -442,27 +434,3 @@ def load_checkpoint(
     if finetune:
         return TrainState(0, 0)
     return TrainState(int(meta["iteration"]), int(meta["consumed_samples"]))
-
-
-def _load_adam(reader: _Reader, model, optimizer, step: int) -> None:
-    inner = optimizer.inner
-    sd = inner.state_dict()
-    index_of = {}
-    for group_sd, group in zip(sd["param_groups"], inner.param_groups):
-        for idx, p in zip(group_sd["params"], group["params"]):
-            index_of[id(p)] = idx
-    state = {}
-    main_of = optimizer.main_of
-    for name, p, pmeta in named_param_meta(model):
-        gname = model.global_name(name)
-        if id(p) not in main_of or f"exp_avg/{gname}" not in reader.index:
-            continue
-        main = main_of[id(p)]
-        entry = {"step": torch.tensor(float(step))}
-        for kind in ("exp_avg", "exp_avg_sq"):
-            t = torch.zeros_like(main)
-            reader.fill(f"{kind}/{gname}", t, local_pieces(tuple(main.shape), pmeta))
-            entry[kind] = t
-        state[index_of[id(main)]] = entry
-    sd["state"] = state
-    inner.load_state_dict(sd)

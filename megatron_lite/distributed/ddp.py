@@ -23,6 +23,7 @@ from torch import nn
 
 from megatron_lite.parallel_context import Group, ParallelContext
 from megatron_lite.parameters import named_param_meta
+from megatron_lite.tensor_parallel.mappings import reduce_scatter_tensor
 
 
 @dataclass
@@ -33,33 +34,60 @@ class _Bucket:
     pending: set[int] = field(default_factory=set)
     handle: dist.Work | None = None
     launched: bool = False
+    shard_out: torch.Tensor | None = None  # sharded buffers: where the reduce-scatter writes
 
 
 class GradBuffer:
-    """A flat fp32 buffer holding the main gradient of each parameter, cut into buckets."""
+    """A flat fp32 buffer holding the main gradient of each parameter, cut into buckets.
 
-    def __init__(self, params: list[nn.Parameter], group: Group, bucket_numel: int | None) -> None:
+    `sharded` (the distributed optimizer): each bucket is padded to a multiple of the group size and
+    reduce-scattered instead of all-reduced; group rank d then holds the summed gradient of the d-th equal
+    part of every bucket (`shard_range`), the only part its optimizer steps."""
+
+    def __init__(
+        self, params: list[nn.Parameter], group: Group, bucket_numel: int | None, sharded: bool = False
+    ) -> None:
         self.group = group
+        self.sharded = sharded
         device = params[0].device
-        self.data = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
-        self.main_grad: dict[int, torch.Tensor] = {}
-        self.buckets: list[_Bucket] = []
+        self.offset: dict[int, int] = {}  # id(param) -> its start in the flat buffer
+        layout: list[tuple[list[nn.Parameter], int, int]] = []
         start = offset = 0
         current: list[nn.Parameter] = []
         for p in params:
-            self.main_grad[id(p)] = self.data[offset : offset + p.numel()].view(p.shape)
+            self.offset[id(p)] = offset
             offset += p.numel()
             current.append(p)
             if bucket_numel is not None and offset - start >= bucket_numel:
-                self._add_bucket(current, start, offset)
+                offset = self._pad(offset, start)
+                layout.append((current, start, offset))
                 start, current = offset, []
         if current:
-            self._add_bucket(current, start, offset)
+            offset = self._pad(offset, start)
+            layout.append((current, start, offset))
+        self.data = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.main_grad = {
+            id(p): self.data[self.offset[id(p)] : self.offset[id(p)] + p.numel()].view(p.shape) for p in params
+        }
+        self.buckets: list[_Bucket] = []
+        self.bucket_bounds: list[tuple[int, int]] = []
+        for ps, lo, hi in layout:
+            self.buckets.append(_Bucket(len(self.buckets), list(ps), self.data[lo:hi]))
+            self.bucket_bounds.append((lo, hi))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
 
-    def _add_bucket(self, params, start, end) -> None:
-        self.buckets.append(_Bucket(len(self.buckets), list(params), self.data[start:end]))
+    def _pad(self, end: int, start: int) -> int:
+        """A sharded bucket's length is a multiple of the group size, so it splits into equal parts."""
+        if not self.sharded:
+            return end
+        n = self.group.size
+        return start + -(-(end - start) // n) * n
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """The flat ranges this rank owns: its part of every bucket (sharded buffers)."""
+        n, d = self.group.size, self.group.rank
+        return [(lo + d * (hi - lo) // n, lo + (d + 1) * (hi - lo) // n) for lo, hi in self.bucket_bounds]
 
     def reset(self) -> None:
         for b in self.buckets:
@@ -80,7 +108,12 @@ class GradBuffer:
                 return
             if self.group.size > 1:
                 with self.group.blocked() if not async_op else contextlib.nullcontext():
-                    b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
+                    if self.sharded:  # the summed gradient of this rank's part lands in its own slot
+                        n = self.group.size
+                        b.shard_out = torch.empty(b.data.numel() // n, dtype=b.data.dtype, device=b.data.device)
+                        b.handle = reduce_scatter_tensor(b.shard_out, b.data, group=self.group.pg, async_op=async_op)
+                    else:
+                        b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
             b.launched = True
             if events is not None:
                 events.append(("launch", b.index))
@@ -92,6 +125,11 @@ class GradBuffer:
             for b in self.buckets:
                 if b.handle is not None:
                     b.handle.wait()
+        if self.sharded and self.group.size > 1:
+            n, d = self.group.size, self.group.rank
+            for b in self.buckets:
+                b.data.view(n, -1)[d].copy_(b.shard_out)
+                b.shard_out = None
         self.reset()
 
 
@@ -104,6 +142,7 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: bool = False,
         bucket_size: int | None = None,
         record_events: bool = False,
+        use_distributed_optimizer: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -119,7 +158,10 @@ class DistributedDataParallel(nn.Module):
             ([p for p in params if not expert[id(p)]], ctx.dp_cp),
             ([p for p in params if expert[id(p)]], ctx.edp),
         )
-        self.buffers = [GradBuffer(list(reversed(ps)), group, size) for ps, group in groups if ps]
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.buffers = [
+            GradBuffer(list(reversed(ps)), group, size, sharded=use_distributed_optimizer) for ps, group in groups if ps
+        ]
         self.buffer_of = {pid: b for b in self.buffers for pid in b.main_grad}
         for b in self.buffers:
             b.reset()

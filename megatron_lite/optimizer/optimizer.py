@@ -47,6 +47,27 @@ def _adamw(groups, config: OptimizerConfig, device: torch.device) -> torch.optim
     return torch.optim.AdamW(groups, **kw)
 
 
+def make_scaler(config: OptimizerConfig):
+    if not config.fp16:
+        return None
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    return DynamicGradScaler(
+        config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window, config.hysteresis
+    )
+
+
+def _load_adam_state(inner: torch.optim.Optimizer, states: dict) -> None:
+    """Install Adam state (main tensor -> {step, exp_avg, exp_avg_sq}) through load_state_dict."""
+    sd = inner.state_dict()
+    index_of = {}
+    for group_sd, group in zip(sd["param_groups"], inner.param_groups):
+        for idx, p in zip(group_sd["params"], group["params"]):
+            index_of[id(p)] = idx
+    sd["state"] = {index_of[id(main)]: entry for main, entry in states.items()}
+    inner.load_state_dict(sd)
+
+
 class MixedPrecisionOptimizer:
     def __init__(self, model: nn.Module, grad_of: GradOf, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config = config
@@ -76,19 +97,43 @@ class MixedPrecisionOptimizer:
             {"params": no_decay, "weight_decay": 0.0},
         ]
         self.inner = _adamw([g for g in groups if g["params"]], config, self.params[0].device)
-        if config.fp16:
-            self.scaler = (
-                ConstantGradScaler(config.loss_scale)
-                if config.loss_scale
-                else DynamicGradScaler(
-                    config.initial_loss_scale,
-                    config.min_loss_scale,
-                    config.loss_scale_window,
-                    config.hysteresis,
-                )
-            )
-        else:
-            self.scaler = None
+        self.scaler = make_scaler(config)
+
+    # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
+    def holds(self, p: nn.Parameter) -> bool:
+        return id(p) in self.main_of
+
+    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """id(model param) -> fp32 main weights (when separate from the model's) and Adam moments, shaped
+        like the parameter."""
+        out = {}
+        for p, main in zip(self.params, self.main_params):
+            d = {} if main is p else {"main": main}
+            d.update({k: v for k, v in self.inner.state.get(main, {}).items() if k in ("exp_avg", "exp_avg_sq")})
+            out[id(p)] = d
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, values: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        """The inverse of `gather_full_state`; a parameter without saved main weights takes the model's."""
+        states = {}
+        for p, main in zip(self.params, self.main_params):
+            d = values.get(id(p), {})
+            if main is not p:
+                main.copy_(d.get("main", p))
+            if "exp_avg" in d:
+                states[main] = {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": d["exp_avg"],
+                    "exp_avg_sq": d["exp_avg_sq"],
+                }
+        _load_adam_state(self.inner, states)
+
+    @torch.no_grad()
+    def sync_main_from_model(self) -> None:
+        for p, main in zip(self.params, self.main_params):
+            if main is not p:
+                main.copy_(p)
 
     @property
     def loss_scale(self) -> float:

@@ -25,6 +25,8 @@ from megatron_lite.parallel_context import Group
 # the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+reduce_scatter_tensor = _reduce_scatter_single  # (output, input, group=, async_op=): for callers outside here
+all_gather_tensor = _all_gather_single
 
 
 # Raw collectives --------------------------------------------------------------------------------
