@@ -52,8 +52,7 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
 
 # Megatron flags we do not implement: refused with one line naming the flag and why.
 REFUSED: dict[str, str] = {
-    "use_distributed_optimizer": "the distributed optimizer (ZeRO-1/2) is planned (issue 10)",
-    "overlap_param_gather": "parameter all-gather overlap comes with the distributed optimizer (issue 10)",
+    "overlap_param_gather": "overlapping the parameter all-gather with the next forward is not implemented yet",
     "moe_grouped_gemm": "grouped GEMM for experts comes with the Triton kernels (issue 6); experts run in a loop",
     "fp8_format": "fp8 training is not implemented",
     "fp8_amax_history_len": "fp8 training is not implemented",
@@ -207,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr-wsd-decay-style", default="exponential", choices=list(WSD_DECAY_STYLES))
     o.add_argument("--lr-wsd-decay-iters", type=int)
     o.add_argument("--weight-decay", type=float, default=0.01)
+    _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
     o.add_argument("--clip-grad", type=float, default=1.0)
     o.add_argument("--adam-beta1", type=float, default=0.9)
     o.add_argument("--adam-beta2", type=float, default=0.999)
@@ -417,6 +417,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     if ns.lr_warmup_fraction is not None:
         warmup = int(ns.lr_warmup_fraction * (ns.lr_decay_iters or ns.train_iters))
     optimizer = OptimizerConfig(
+        use_distributed_optimizer=ns.use_distributed_optimizer,
         lr=ns.lr,
         min_lr=ns.min_lr,
         lr_decay_style=ns.lr_decay_style,

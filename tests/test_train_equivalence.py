@@ -53,6 +53,7 @@ def train_run(
     layers=2,
     iters=ITERS,
     kernel_impl="torch",
+    distributed_optimizer=False,
 ):
     if dist.is_initialized():
         ctx = get_context(parallel)
@@ -63,8 +64,19 @@ def train_run(
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234)
-    ddp = DistributedDataParallel(model, ctx, overlap_grad_reduce=overlap, bucket_size=bucket_size)
-    opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
+    ddp = DistributedDataParallel(
+        model,
+        ctx,
+        overlap_grad_reduce=overlap,
+        bucket_size=bucket_size,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    if distributed_optimizer:
+        from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
+
+        opt = DistributedOptimizer(model, ddp, optim, ctx)
+    else:
+        opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
     sched = LRScheduler(optim, iters)
     dataset = _dataset(data, config.vocab_size)
     history = []

@@ -13,6 +13,7 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 @dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 1e-4
+    use_distributed_optimizer: bool = False  # ZeRO-1: main weights and moments sharded over data parallelism
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
     lr_decay_iters: int | None = None  # default: --train-iters

@@ -32,6 +32,7 @@ from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.models.gpt_model import build_model
+from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext, initialize
@@ -170,8 +171,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
         ctx,
         overlap_grad_reduce=job.training.overlap_grad_reduce,
         bucket_size=job.training.ddp_bucket_size,
+        use_distributed_optimizer=job.optimizer.use_distributed_optimizer,
     )
-    optimizer = MixedPrecisionOptimizer(model, ddp.main_grad, job.optimizer, ctx)
+    if job.optimizer.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(model, ddp, job.optimizer, ctx)
+    else:
+        optimizer = MixedPrecisionOptimizer(model, ddp.main_grad, job.optimizer, ctx)
     scheduler = LRScheduler(job.optimizer, job.training.train_iters)
     state = TrainState()
     if ckpt_path is not None:

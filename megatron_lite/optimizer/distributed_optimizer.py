@@ -1,0 +1,212 @@
+"""--use-distributed-optimizer (Megatron's name; ZeRO-1): fp32 main weights and Adam moments sharded over the
+data-parallel group (experts: the expert-data-parallel group).
+
+The DDP gradient buffers are sharded (distributed/ddp.py): each bucket is reduce-scattered, and data-parallel
+rank d owns the d-th equal part of every bucket. This optimizer keeps main weights and moments only for the
+owned parts: for each parameter, the flat range of it that falls in this rank's parts. A step updates those,
+then the new weights are all-gathered bucket by bucket into every rank's model parameters.
+
+The grad norm is exact: each rank sums the squares of its owned ranges of the parameters it counts (the same
+counting rules as without sharding), summed over the data-parallel group, then over the model-parallel one.
+Checkpoints hold full tensors as before (gathered at save, sliced at load), so a checkpoint saved with the
+distributed optimizer loads without it, under another DP size, and the other way round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.distributed.ddp import DistributedDataParallel, GradBuffer
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.optimizer import StepResult, _adamw, _load_adam_state, make_scaler
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import named_param_meta
+from megatron_lite.tensor_parallel.mappings import all_gather_tensor
+
+
+class _Shard:
+    """The part [lo, hi) (flat, within the parameter) of a parameter this rank owns."""
+
+    def __init__(self, p: nn.Parameter, buffer: GradBuffer, lo: int, hi: int, counted: bool, expert: bool):
+        self.p, self.buffer, self.lo, self.hi = p, buffer, lo, hi
+        self.counted, self.expert = counted, expert
+        self.main = p.detach().reshape(-1)[lo:hi].float().clone()
+        self.grad = buffer.main_grad[id(p)].view(-1)[lo:hi]  # a view into the reduced part of the bucket
+
+
+class DistributedOptimizer:
+    def __init__(
+        self, model: nn.Module, ddp: DistributedDataParallel, config: OptimizerConfig, ctx: ParallelContext
+    ) -> None:
+        if not ddp.use_distributed_optimizer:
+            raise ValueError("DistributedOptimizer needs DistributedDataParallel(use_distributed_optimizer=True)")
+        self.config, self.ctx, self.ddp = config, ctx, ddp
+        meta_of = {id(p): m for _, p, m in named_param_meta(model)}
+        self.shards: list[_Shard] = []
+        for buffer in ddp.buffers:
+            ranges = buffer.shard_ranges()
+            for pid, offset in buffer.offset.items():
+                p = next(q for b in buffer.buckets for q in b.params if id(q) == pid)
+                meta = meta_of[pid]
+                counted = (meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy
+                for lo, hi in ranges:
+                    a, b = max(lo, offset), min(hi, offset + p.numel())
+                    if b > a:
+                        self.shards.append(_Shard(p, buffer, a - offset, b - offset, counted, meta.expert))
+        self._held = {id(p) for b in ddp.buffers for q in b.buckets for p in q.params}
+        self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
+        decay = [s.main for s in self.shards if s.p.ndim > 1]  # no weight decay on norms and biases
+        no_decay = [s.main for s in self.shards if s.p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        device = next(model.parameters()).device
+        if not groups:  # a rank that owns nothing (tiny models at large DP) still takes part in every collective
+            groups = [{"params": [torch.zeros(0, device=device)], "weight_decay": 0.0}]
+        self.inner = _adamw(groups, config, device)
+        self.scaler = make_scaler(config)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _sum_over(self, value: torch.Tensor, *groups) -> torch.Tensor:
+        for g in groups:
+            if g.size > 1:
+                with g.blocked():
+                    dist.all_reduce(value, group=g.pg)
+        return value
+
+    def grad_norm(self) -> float:
+        total = 0.0
+        for want_expert, groups in ((False, (self.ctx.dp_cp, self.ctx.mp)), (True, (self.ctx.edp, self.ctx.emp))):
+            if want_expert and not self._moe:
+                continue
+            mine = [s.grad for s in self.shards if s.counted and s.expert == want_expert]
+            sq = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+            if mine:
+                sq += torch.stack([g.float().norm() for g in mine]).pow(2).sum().double()
+            total += float(self._sum_over(sq, *groups))
+        return total**0.5
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            with self.ctx.tp.blocked():
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        grads = [s.grad for s in self.shards]
+        if self.scaler is not None:
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            finite = all(bool(torch.isfinite(g).all()) for g in grads)
+            if self._any_rank(not finite):
+                self.scaler.update(True)
+                return StepResult(False, None, self.scaler.scale)
+        norm = self.grad_norm()
+        if self.config.clip_grad > 0:
+            coeff = self.config.clip_grad / (norm + 1e-6)
+            if coeff < 1.0 and grads:
+                torch._foreach_mul_(grads, coeff)
+        for s in self.shards:
+            s.main.grad = s.grad
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        for s in self.shards:
+            s.main.grad = None
+        self._gather_params()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        return StepResult(True, norm, self.loss_scale)
+
+    def _gather_params(self) -> None:
+        """Every rank's updated parts, all-gathered bucket by bucket into the model parameters."""
+        for buffer in self.ddp.buffers:
+            self._gather_buffer(buffer, "param")
+
+    def _gather_buffer(self, buffer: GradBuffer, what: str, values=None) -> dict[int, torch.Tensor]:
+        """All-gather, bucket by bucket, this rank's part of `what` ('param': updated weights written into the
+        model; else a dict kind -> per-shard tensors to assemble into full parameter-shaped tensors)."""
+        n, d = buffer.group.size, buffer.group.rank
+        by_param: dict[int, list[_Shard]] = {}
+        for s in self.shards:
+            if s.buffer is buffer:
+                by_param.setdefault(id(s.p), []).append(s)
+        full: dict[int, torch.Tensor] = {}
+        for bucket, (lo, hi) in zip(buffer.buckets, buffer.bucket_bounds):
+            part = (hi - lo) // n
+            dtype = bucket.params[0].dtype if what == "param" else torch.float32
+            mine = torch.zeros(part, dtype=dtype, device=buffer.data.device)
+            own_lo = lo + d * part
+            for p in bucket.params:
+                po = buffer.offset[id(p)]
+                for s in by_param.get(id(p), []):
+                    src = s.main if what == "param" else values[id(s)]
+                    start = po + s.lo - own_lo
+                    mine[start : start + (s.hi - s.lo)] = src
+            gathered = torch.empty(hi - lo, dtype=dtype, device=buffer.data.device)
+            if n > 1:
+                with buffer.group.blocked():
+                    all_gather_tensor(gathered, mine, group=buffer.group.pg)
+            else:
+                gathered.copy_(mine)
+            for p in bucket.params:
+                po = buffer.offset[id(p)] - lo
+                flat = gathered[po : po + p.numel()].view(p.shape)
+                if what == "param":
+                    p.detach().copy_(flat)
+                else:
+                    full[id(p)] = flat.clone()
+        return full
+
+    # Checkpoint interface ---------------------------------------------------------------------------
+    def holds(self, p: nn.Parameter) -> bool:
+        return id(p) in self._held
+
+    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Full fp32 main weights and moments of every parameter (a collective over the DP group)."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        kinds = {"main": {id(s): s.main for s in self.shards}}
+        # Adam state exists once a step has run, on every rank that owns something; ranks owning nothing
+        # must still join the same gathers, so all ranks decide together.
+        if self._any_rank(bool(self.inner.state)):
+            for kind in ("exp_avg", "exp_avg_sq"):
+                kinds[kind] = {id(s): self.inner.state[s.main][kind] for s in self.shards}
+        for kind, values in kinds.items():
+            for buffer in self.ddp.buffers:
+                for pid, t in self._gather_buffer(buffer, kind, values).items():
+                    out.setdefault(pid, {})[kind] = t
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, values: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        states = {}
+        for s in self.shards:
+            d = values.get(id(s.p), {})
+            s.main.copy_(d["main"].reshape(-1)[s.lo : s.hi] if "main" in d else s.p.reshape(-1)[s.lo : s.hi])
+            if "exp_avg" in d:
+                states[s.main] = {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": d["exp_avg"].reshape(-1)[s.lo : s.hi].clone(),
+                    "exp_avg_sq": d["exp_avg_sq"].reshape(-1)[s.lo : s.hi].clone(),
+                }
+        if states:
+            _load_adam_state(self.inner, states)
+
+    @torch.no_grad()
+    def sync_main_from_model(self) -> None:
+        for s in self.shards:
+            s.main.copy_(s.p.reshape(-1)[s.lo : s.hi])
+
+    # Memory accounting --------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: fp32 main weights and Adam moments of its parts."""
+        total = sum(s.main.numel() * s.main.element_size() for s in self.shards)
+        for st in self.inner.state.values():
+            total += sum(v.numel() * v.element_size() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+        return total
