@@ -250,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-jsonl", help="write one JSON object per logged iteration to this file")
+    _bool(g, "--log-memory-breakdown", "log bytes of parameters, gradients, optimizer state and peak activations")
     g.add_argument("--wandb-project")
     g.add_argument("--wandb-exp-name")
     g.add_argument("--wandb-save-dir")
@@ -471,6 +472,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         wandb_exp_name=ns.wandb_exp_name,
         wandb_save_dir=ns.wandb_save_dir,
         tensorboard_dir=ns.tensorboard_dir,
+        log_memory_breakdown=ns.log_memory_breakdown,
     )
     return JobConfig(
         model=model,

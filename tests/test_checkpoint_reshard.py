@@ -35,7 +35,14 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_los
 P = ParallelConfig
 
 
-def run(config_kw: dict, parallel: ParallelConfig, mbs: int, save: str | None = None, load: str | None = None):
+def run(
+    config_kw: dict,
+    parallel: ParallelConfig,
+    mbs: int,
+    save: str | None = None,
+    load: str | None = None,
+    distributed_optimizer: bool = False,
+):
     """Train to iteration TOTAL (from the checkpoint in `load` if given), saving at SAVE_AT into `save`;
     returns (iteration, lm_loss, grad_norm) for every iteration run."""
     from megatron_lite.training.step import train_step
@@ -48,8 +55,13 @@ def run(config_kw: dict, parallel: ParallelConfig, mbs: int, save: str | None = 
     config = llama_config(num_layers=4, **config_kw)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234 if load is None else 999)  # loading must overwrite every weight
-    ddp = DistributedDataParallel(model, ctx)
-    opt = MixedPrecisionOptimizer(model, ddp.main_grad, OPTIM, ctx)
+    ddp = DistributedDataParallel(model, ctx, use_distributed_optimizer=distributed_optimizer)
+    if distributed_optimizer:
+        from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
+
+        opt = DistributedOptimizer(model, ddp, OPTIM, ctx)
+    else:
+        opt = MixedPrecisionOptimizer(model, ddp.main_grad, OPTIM, ctx)
     sched = LRScheduler(OPTIM, TOTAL)
     state = TrainState()
     if load is not None:
@@ -167,3 +179,19 @@ def async_vs_sync(root: str) -> list[str]:
 def test_async_save_at_tp2_dp2(dist, tmp_path):
     for mismatched in dist(4, async_vs_sync, str(tmp_path)):
         assert mismatched == []
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_checkpoint_loads_without_it(dist, tmp_path):
+    """Saved with the distributed optimizer at TP=2 x DP=4, loaded at TP=1 x DP=2 without it (and at DP=4
+    with it again from a plain checkpoint): the runs continue exactly as the original job."""
+    ckpt = str(tmp_path / "zero1")
+    original = dist(8, run, {}, P(tensor_model_parallel_size=2), 1, ckpt, None, True)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    for history in dist(2, run, {}, P(), 4, None, ckpt, False):
+        _compare(history, continued, "tp1-dp2 without the distributed optimizer")
+    plain = str(tmp_path / "plain")
+    original = dist(2, run, {}, P(), 4, plain, None, False)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    for history in dist(4, run, {}, P(), 2, None, plain, True):
+        _compare(history, continued, "dp4 with the distributed optimizer")

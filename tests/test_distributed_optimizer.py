@@ -75,3 +75,38 @@ def test_distributed_optimizer_with_experts(dist):
     ref = moe_run(config, P(), 8, 2)
     for history in dist(4, moe_dist_run, config, P(expert_model_parallel_size=2), 8, 2):
         moe_compare(history, ref)
+
+
+def optimizer_state_bytes(dp: int) -> int:
+    """Optimizer-state bytes on this rank after one step with the distributed optimizer."""
+    import torch
+    import torch.distributed as dist
+    from test_train_equivalence import OPTIM
+
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.data.samplers import micro_batch_indices
+    from megatron_lite.distributed.ddp import DistributedDataParallel
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.training.step import train_step
+
+    from models import llama_config
+
+    ctx = get_context(P()) if dist.is_initialized() else ParallelContext.virtual(P(), device=torch.device("cpu"))
+    model = build_model(llama_config(num_layers=2), ctx, seed=1)
+    ddp = DistributedDataParallel(model, ctx, use_distributed_optimizer=True)
+    opt = DistributedOptimizer(model, ddp, OPTIM, ctx)
+    data = MockGPTDataset(250, 16, seed=1)
+    idx = micro_batch_indices(0, 8, 2, ctx.dp.rank, ctx.dp.size)
+    train_step(ddp, opt, LRScheduler(OPTIM, 10), [collate([data[i] for i in ix]) for ix in idx], ctx)
+    return opt.state_bytes()
+
+
+def test_optimizer_state_per_rank_falls_to_a_quarter_at_dp4(dist):
+    one = optimizer_state_bytes(1)
+    per_rank = dist(4, optimizer_state_bytes, 4)
+    for b in per_rank:
+        assert abs(b - one / 4) <= 0.05 * one / 4, (b, one)
+    assert sum(per_rank) >= one  # nothing is lost: the parts cover every parameter (plus padding)

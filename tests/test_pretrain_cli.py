@@ -277,3 +277,19 @@ def test_kernel_impl_triton_where_it_cannot_run_is_refused(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--kernel-impl", "triton"], capsys, monkeypatch)
     _one_line_error(rc, err, "--kernel-impl triton needs a CUDA GPU", "--kernel-impl torch")
+
+
+def test_memory_breakdown_is_logged(tmp_path, capsys, monkeypatch):
+    import json
+
+    jsonl = tmp_path / "m.jsonl"
+    argv = ["--mock-data", "--vocab-size", "100", "--log-memory-breakdown", "--log-jsonl", str(jsonl)]
+    rc, _, err = _run([*argv, "--use-distributed-optimizer"], capsys, monkeypatch)
+    assert rc == 0, err
+    rec = [json.loads(line) for line in jsonl.read_text().splitlines()][-1]
+    params = rec["mem_params_bytes"]
+    # fp32 on one rank: 2 layers x (QKV + proj + fc1 + fc2 = 12 h^2) + tied embedding, biases and norms.
+    assert params >= (2 * 12 * 32 * 32 + 101 * 32) * 4
+    assert rec["mem_grads_bytes"] == params  # one fp32 gradient per parameter (buckets unpadded at DP=1)
+    assert rec["mem_optimizer_bytes"] == 3 * params  # fp32 main weights + two Adam moments
+    assert rec["mem_activations_bytes"] > 0

@@ -84,6 +84,10 @@ class GradBuffer:
         n = self.group.size
         return start + -(-(end - start) // n) * n
 
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this buffer holds on this rank."""
+        return self.data.numel() * self.data.element_size()
+
     def shard_ranges(self) -> list[tuple[int, int]]:
         """The flat ranges this rank owns: its part of every bucket (sharded buffers)."""
         n, d = self.group.size, self.group.rank

@@ -129,6 +129,13 @@ class MixedPrecisionOptimizer:
                 }
         _load_adam_state(self.inner, states)
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state: separate fp32 main weights and Adam moments."""
+        total = sum(m.numel() * m.element_size() for p, m in zip(self.params, self.main_params) if m is not p)
+        for st in self.inner.state.values():
+            total += sum(v.numel() * v.element_size() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+        return total
+
     @torch.no_grad()
     def sync_main_from_model(self) -> None:
         for p, main in zip(self.params, self.main_params):

@@ -36,6 +36,7 @@ from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext, initialize
+from megatron_lite.training import memory
 from megatron_lite.training.configs import JobConfig
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
@@ -226,7 +227,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         tic = time.time()
         batches = train_batches.get(state.consumed_samples)
         data_time = time.time() - tic
-        metrics = train_step(ddp, optimizer, scheduler, batches, ctx)
+        metrics = train_step(ddp, optimizer, scheduler, batches, ctx, job.logging.log_memory_breakdown)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         state.iteration += 1
@@ -258,6 +259,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     "consumed_samples": state.consumed_samples,
                     "skipped_iterations": window["skipped"],
                     **_moe_metrics(metrics.moe),
+                    **(
+                        memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
+                        if job.logging.log_memory_breakdown
+                        else {}
+                    ),
                 },
             )
             window = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}

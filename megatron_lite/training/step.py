@@ -25,6 +25,7 @@ from megatron_lite.parameters import named_param_meta
 from megatron_lite.pipeline_parallel.executor import run_pipeline
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron_lite.tensor_parallel.mappings import all_reduce
+from megatron_lite.training import memory
 
 MicroBatch = dict[str, torch.Tensor]  # tokens, labels, loss_mask: [micro_batch, seq]; position_ids optional
 
@@ -40,6 +41,7 @@ class StepMetrics:
     moe: dict | None = None  # routing metrics of MoE models (moe/stats.py)
     step_seconds: float = 0.0
     comm_exposed_seconds: float = 0.0  # time blocked in communication (megatron_lite/comm_timer.py)
+    activation_bytes: int | None = None  # peak of saved activations, when measured (training/memory.py)
 
     @property
     def comm_exposed_fraction(self) -> float:
@@ -122,8 +124,10 @@ def train_step(
     scheduler: LRScheduler,
     micro_batches: list[MicroBatch],
     ctx: ParallelContext,
+    measure_activations: bool = False,
 ) -> StepMetrics:
     start = time.perf_counter()
+    measuring, meter = memory.measure(model.module if measure_activations else None)
     timer = ctx.comm_timer
     if timer is not None:
         timer.take()
@@ -135,11 +139,12 @@ def train_step(
     if config.num_experts:
         moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
     if _pipelined(model, ctx):
-        with model.no_sync():  # buckets are reduced once the whole schedule has run
+        with model.no_sync(), measuring:  # buckets are reduced once the whole schedule has run
             loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / float(num_tokens), False)
         loss_sum = all_reduce(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
     else:
-        loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
+        with measuring:
+            loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
     finalize_grads(model, ctx)
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     lr = scheduler.lr
@@ -159,6 +164,7 @@ def train_step(
         moe,
         step_seconds=time.perf_counter() - start,
         comm_exposed_seconds=timer.take() if timer is not None else 0.0,
+        activation_bytes=meter.peak if meter is not None else None,
     )
 
 

@@ -1,0 +1,61 @@
+"""Memory per rank, counted from tensors (the same on CPU and GPU, independent of any allocator's caching):
+parameters, gradient buffers, optimizer state, and the peak of activations saved for the backward.
+
+Activations are counted through autograd's saved-tensor hooks during the step: each storage a forward saves
+(parameters excluded) is added once when first saved and released when the saved tensor is freed after its
+backward; the peak of the running sum is the step's activation memory (with pipelining, several
+micro-batches' activations are alive at once, and the peak says so)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ActivationMeter:
+    def __init__(self, model: nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._params or ptr in self._live or storage.nbytes() == 0:
+            return t
+        self._live[ptr] = storage.nbytes()
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(t, self._free, ptr)
+        return t
+
+    def _free(self, ptr: int) -> None:
+        self.current -= self._live.pop(ptr, 0)
+
+    def measuring(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+def measure(model: nn.Module | None):
+    """(context manager, meter) — a no-op context and None when `model` is None."""
+    if model is None:
+        return contextlib.nullcontext(), None
+    meter = ActivationMeter(model)
+    return meter.measuring(), meter
+
+
+def breakdown(model: nn.Module, ddp, optimizer, activation_bytes: int) -> dict[str, int]:
+    return {
+        "mem_params_bytes": tensor_bytes(model.parameters()),
+        "mem_grads_bytes": sum(b.grad_bytes() for b in ddp.buffers),
+        "mem_optimizer_bytes": optimizer.state_bytes(),
+        "mem_activations_bytes": activation_bytes,
+    }
