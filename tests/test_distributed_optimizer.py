@@ -110,3 +110,13 @@ def test_optimizer_state_per_rank_falls_to_a_quarter_at_dp4(dist):
     for b in per_rank:
         assert abs(b - one / 4) <= 0.05 * one / 4, (b, one)
     assert sum(per_rank) >= one  # nothing is lost: the parts cover every parameter (plus padding)
+
+
+def test_distributed_optimizer_with_tied_embeddings_across_stages(dist):
+    """GPT-2 (tied embeddings) at PP=2 x DP=2: the first stage's embedding and the last stage's copy sit at
+    different places in their stages' buffers, so their gradients are summed before the reduce-scatter."""
+    ref = train_run("gpt2", P(), 8, 8, layers=4)
+    for history in dist(
+        4, train_run, "gpt2", P(pipeline_model_parallel_size=2), 8, 2, layers=4, distributed_optimizer=True
+    ):
+        _compare(history, ref)

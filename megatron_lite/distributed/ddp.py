@@ -163,6 +163,14 @@ class DistributedDataParallel(nn.Module):
             ([p for p in params if expert[id(p)]], ctx.edp),
         )
         self.use_distributed_optimizer = use_distributed_optimizer
+        configs = [m.config for m in module.modules() if hasattr(getattr(m, "config", None), "tied_embeddings")]
+        tied_across_stages = ctx.pp.size > 1 and any(c.tied_embeddings for c in configs)
+        if use_distributed_optimizer and overlap_grad_reduce and tied_across_stages:
+            # The embedding copies must be summed before their buckets are reduce-scattered (step.py).
+            raise ValueError(
+                "--use-distributed-optimizer with --overlap-grad-reduce and embeddings tied across pipeline "
+                "stages is not supported yet; drop --overlap-grad-reduce or use --untie-embeddings-and-output-weights"
+            )
         self.buffers = [
             GradBuffer(list(reversed(ps)), group, size, sharded=use_distributed_optimizer) for ps, group in groups if ps
         ]

@@ -123,6 +123,16 @@ class _Batches:
 def run(job: JobConfig, notes: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(job.model, job.parallel, world_size, job.training)
+    if (
+        job.optimizer.use_distributed_optimizer
+        and job.training.overlap_grad_reduce
+        and job.parallel.pp > 1
+        and job.model.tied_embeddings
+    ):
+        raise ConfigError(
+            "--use-distributed-optimizer with --overlap-grad-reduce and embeddings tied across pipeline stages "
+            "is not supported yet; drop --overlap-grad-reduce or add --untie-embeddings-and-output-weights"
+        )
     job.optimizer.validate_schedule(job.training.train_iters)
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)

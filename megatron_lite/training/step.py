@@ -112,7 +112,17 @@ def allreduce_embedding_grads(model: DistributedDataParallel, ctx: ParallelConte
 
 
 def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None:
-    """Every reduction the layout needs before the optimizer sees the gradients."""
+    """Every reduction the layout needs before the optimizer sees the gradients.
+
+    With the distributed optimizer a rank holds the data-parallel sum of only its part of each bucket. The
+    tied embedding's two copies sit at different places in their stages' buffers, so their gradients are
+    summed first, on the full local gradients. (TP ranks share one buffer layout, so the sequence-parallel
+    sums over TP stay correct on the owned parts after the reduce-scatter.)"""
+    if model.use_distributed_optimizer:
+        allreduce_embedding_grads(model, ctx)
+        model.finish_grad_sync()
+        allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad)
+        return
     model.finish_grad_sync()
     allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad)
     allreduce_embedding_grads(model, ctx)
