@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr-wsd-decay-iters", type=int)
     o.add_argument("--weight-decay", type=float, default=0.01)
     _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
+    o.add_argument(
+        "--zero-stage", type=int, default=1, help="2: with --use-distributed-optimizer, shard gradients too (ZeRO-2)"
+    )
     o.add_argument("--clip-grad", type=float, default=1.0)
     o.add_argument("--adam-beta1", type=float, default=0.9)
     o.add_argument("--adam-beta2", type=float, default=0.999)
@@ -419,6 +422,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         warmup = int(ns.lr_warmup_fraction * (ns.lr_decay_iters or ns.train_iters))
     optimizer = OptimizerConfig(
         use_distributed_optimizer=ns.use_distributed_optimizer,
+        zero_stage=ns.zero_stage,
         lr=ns.lr,
         min_lr=ns.min_lr,
         lr_decay_style=ns.lr_decay_style,

@@ -54,6 +54,7 @@ def train_run(
     iters=ITERS,
     kernel_impl="torch",
     distributed_optimizer=False,
+    zero_stage=1,
 ):
     if dist.is_initialized():
         ctx = get_context(parallel)
@@ -70,6 +71,7 @@ def train_run(
         overlap_grad_reduce=overlap,
         bucket_size=bucket_size,
         use_distributed_optimizer=distributed_optimizer,
+        zero_stage=zero_stage,
     )
     if distributed_optimizer:
         from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer

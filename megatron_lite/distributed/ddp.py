@@ -30,11 +30,14 @@ from megatron_lite.tensor_parallel.mappings import reduce_scatter_tensor
 class _Bucket:
     index: int
     params: list[nn.Parameter]
-    data: torch.Tensor
+    data: torch.Tensor | None  # None while a ZeRO-2 bucket holds no gradient
+    lo: int = 0  # its range in the buffer's flat index space
+    hi: int = 0
     pending: set[int] = field(default_factory=set)
     handle: dist.Work | None = None
     launched: bool = False
-    shard_out: torch.Tensor | None = None  # sharded buffers: where the reduce-scatter writes
+    shard_grad: torch.Tensor | None = None  # sharded: the reduced gradient of this rank's part
+    scratch: torch.Tensor | None = None  # ZeRO-2: a reduce-scatter in flight writes here
 
 
 class GradBuffer:
@@ -42,20 +45,30 @@ class GradBuffer:
 
     `sharded` (the distributed optimizer): each bucket is padded to a multiple of the group size and
     reduce-scattered instead of all-reduced; group rank d then holds the summed gradient of the d-th equal
-    part of every bucket (`shard_range`), the only part its optimizer steps."""
+    part of every bucket (`shard_grad`, laid out as `shard_ranges`), the only part its optimizer steps.
+    `zero_stage` 2 also drops each bucket's full gradient once it is reduce-scattered, after every
+    micro-batch: a bucket's full storage exists only while its gradients are being produced, and the
+    persistent gradient memory per rank is the parts, about 1/DP."""
 
     def __init__(
-        self, params: list[nn.Parameter], group: Group, bucket_numel: int | None, sharded: bool = False
+        self,
+        params: list[nn.Parameter],
+        group: Group,
+        bucket_numel: int | None,
+        sharded: bool = False,
+        zero_stage: int = 1,
     ) -> None:
         self.group = group
         self.sharded = sharded
-        device = params[0].device
+        self.transient = sharded and zero_stage >= 2
+        self.device = params[0].device
         self.offset: dict[int, int] = {}  # id(param) -> its start in the flat buffer
+        self.shape: dict[int, torch.Size] = {}
         layout: list[tuple[list[nn.Parameter], int, int]] = []
         start = offset = 0
         current: list[nn.Parameter] = []
         for p in params:
-            self.offset[id(p)] = offset
+            self.offset[id(p)], self.shape[id(p)] = offset, p.shape
             offset += p.numel()
             current.append(p)
             if bucket_numel is not None and offset - start >= bucket_numel:
@@ -65,16 +78,19 @@ class GradBuffer:
         if current:
             offset = self._pad(offset, start)
             layout.append((current, start, offset))
-        self.data = torch.zeros(offset, dtype=torch.float32, device=device)
-        self.main_grad = {
-            id(p): self.data[self.offset[id(p)] : self.offset[id(p)] + p.numel()].view(p.shape) for p in params
-        }
+        self.numel = offset
+        self.data = None if self.transient else torch.zeros(offset, dtype=torch.float32, device=self.device)
         self.buckets: list[_Bucket] = []
         self.bucket_bounds: list[tuple[int, int]] = []
         for ps, lo, hi in layout:
-            self.buckets.append(_Bucket(len(self.buckets), list(ps), self.data[lo:hi]))
+            data = None if self.data is None else self.data[lo:hi]
+            b = _Bucket(len(self.buckets), list(ps), data, lo, hi)
+            if sharded:
+                b.shard_grad = torch.zeros((hi - lo) // group.size, dtype=torch.float32, device=self.device)
+            self.buckets.append(b)
             self.bucket_bounds.append((lo, hi))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.peak_transient = 0  # ZeRO-2: most bytes of full bucket storage alive at once
         self._next = 0
 
     def _pad(self, end: int, start: int) -> int:
@@ -84,14 +100,37 @@ class GradBuffer:
         n = self.group.size
         return start + -(-(end - start) // n) * n
 
+    def holds(self, p: nn.Parameter) -> bool:
+        return id(p) in self.offset
+
+    def grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        """The parameter's full main gradient (a view into its bucket; ZeRO-2 allocates the bucket now)."""
+        b = self.bucket_of[id(p)]
+        if b.data is None:
+            b.data = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=self.device)
+            live = sum(x.data.numel() for x in self.buckets if x.data is not None) * 4
+            self.peak_transient = max(self.peak_transient, live)
+        start = self.offset[id(p)] - b.lo
+        return b.data[start : start + p.numel()].view(p.shape)
+
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage this buffer holds on this rank."""
-        return self.data.numel() * self.data.element_size()
+        """Persistent gradient storage on this rank: the full buffer, or with ZeRO-2 the reduced parts."""
+        if self.transient:
+            return sum(b.shard_grad.numel() * 4 for b in self.buckets)
+        shards = sum(b.shard_grad.numel() * 4 for b in self.buckets) if self.sharded else 0
+        return self.data.numel() * self.data.element_size() + shards
 
     def shard_ranges(self) -> list[tuple[int, int]]:
         """The flat ranges this rank owns: its part of every bucket (sharded buffers)."""
         n, d = self.group.size, self.group.rank
         return [(lo + d * (hi - lo) // n, lo + (d + 1) * (hi - lo) // n) for lo, hi in self.bucket_bounds]
+
+    def shard_view(self, p: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient of the parameter's flat range [lo, hi), which this rank owns."""
+        b = self.bucket_of[id(p)]
+        own_lo = b.lo + self.group.rank * (b.hi - b.lo) // self.group.size
+        start = self.offset[id(p)] + lo - own_lo
+        return b.shard_grad[start : start + hi - lo]
 
     def reset(self) -> None:
         for b in self.buckets:
@@ -99,11 +138,35 @@ class GradBuffer:
             b.handle, b.launched = None, False
         self._next = 0
 
+    def zero(self) -> None:
+        if self.data is not None:
+            self.data.zero_()
+        for b in self.buckets:
+            if self.transient:
+                b.data = None
+            if b.shard_grad is not None:
+                b.shard_grad.zero_()
+        self.reset()
+
     def mark_ready(self, p: nn.Parameter, overlap: bool, events: list | None) -> None:
         bucket = self.bucket_of[id(p)]
         bucket.pending.discard(id(p))
-        if overlap:
+        if self.transient and not bucket.pending:
+            self._reduce_transient(bucket)
+        elif overlap:
             self._launch_ready(events, async_op=True)
+
+    def _reduce_transient(self, b: _Bucket) -> None:
+        """ZeRO-2: reduce-scatter a complete bucket into its part, add it up, and drop the full storage."""
+        if self.group.size > 1:
+            out = torch.empty_like(b.shard_grad)
+            with self.group.blocked():
+                reduce_scatter_tensor(out, b.data, group=self.group.pg)
+            b.shard_grad += out
+        else:
+            b.shard_grad += b.data
+        b.data = None
+        b.pending = {id(p) for p in b.params}
 
     def _launch_ready(self, events: list | None, async_op: bool, force: bool = False) -> None:
         while self._next < len(self.buckets):
@@ -112,28 +175,29 @@ class GradBuffer:
                 return
             if self.group.size > 1:
                 with self.group.blocked() if not async_op else contextlib.nullcontext():
-                    if self.sharded:  # the summed gradient of this rank's part lands in its own slot
-                        n = self.group.size
-                        b.shard_out = torch.empty(b.data.numel() // n, dtype=b.data.dtype, device=b.data.device)
-                        b.handle = reduce_scatter_tensor(b.shard_out, b.data, group=self.group.pg, async_op=async_op)
+                    if self.sharded:  # the summed gradient of this rank's part lands in its slot
+                        b.handle = reduce_scatter_tensor(b.shard_grad, b.data, group=self.group.pg, async_op=async_op)
                     else:
                         b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
+            elif self.sharded:
+                b.shard_grad.copy_(b.data)
             b.launched = True
             if events is not None:
                 events.append(("launch", b.index))
             self._next += 1
 
     def finish(self, events: list | None) -> None:
+        if self.transient:  # buckets whose gradients did not all arrive (unused parameters): reduce them too
+            for b in self.buckets:
+                if b.data is not None:
+                    self._reduce_transient(b)
+            self.reset()
+            return
         self._launch_ready(events, async_op=True, force=True)
         with self.group.blocked() if self.group.size > 1 else contextlib.nullcontext():
             for b in self.buckets:
                 if b.handle is not None:
                     b.handle.wait()
-        if self.sharded and self.group.size > 1:
-            n, d = self.group.size, self.group.rank
-            for b in self.buckets:
-                b.data.view(n, -1)[d].copy_(b.shard_out)
-                b.shard_out = None
         self.reset()
 
 
@@ -147,6 +211,7 @@ class DistributedDataParallel(nn.Module):
         bucket_size: int | None = None,
         record_events: bool = False,
         use_distributed_optimizer: bool = False,
+        zero_stage: int = 1,
     ) -> None:
         super().__init__()
         self.module = module
@@ -165,16 +230,21 @@ class DistributedDataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         configs = [m.config for m in module.modules() if hasattr(getattr(m, "config", None), "tied_embeddings")]
         tied_across_stages = ctx.pp.size > 1 and any(c.tied_embeddings for c in configs)
-        if use_distributed_optimizer and overlap_grad_reduce and tied_across_stages:
+        if use_distributed_optimizer and (overlap_grad_reduce or zero_stage >= 2) and tied_across_stages:
             # The embedding copies must be summed before their buckets are reduce-scattered (step.py).
             raise ValueError(
                 "--use-distributed-optimizer with --overlap-grad-reduce and embeddings tied across pipeline "
                 "stages is not supported yet; drop --overlap-grad-reduce or use --untie-embeddings-and-output-weights"
             )
+        if zero_stage >= 2 and not use_distributed_optimizer:
+            raise ValueError("ZeRO stage 2 shards gradients for the distributed optimizer: use_distributed_optimizer")
+        self.zero_stage = zero_stage
         self.buffers = [
-            GradBuffer(list(reversed(ps)), group, size, sharded=use_distributed_optimizer) for ps, group in groups if ps
+            GradBuffer(list(reversed(ps)), group, size, sharded=use_distributed_optimizer, zero_stage=zero_stage)
+            for ps, group in groups
+            if ps
         ]
-        self.buffer_of = {pid: b for b in self.buffers for pid in b.main_grad}
+        self.buffer_of = {pid: b for b in self.buffers for pid in b.offset}
         for b in self.buffers:
             b.reset()
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -192,13 +262,13 @@ class DistributedDataParallel(nn.Module):
         return self.buffers[0]
 
     def main_grad(self, p: nn.Parameter) -> torch.Tensor:
-        return self.buffer_of[id(p)].main_grad[id(p)]
+        return self.buffer_of[id(p)].grad_view(p)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         buffer = self.buffer_of[id(p)]
-        buffer.main_grad[id(p)].add_(p.grad)
+        buffer.grad_view(p).add_(p.grad)
         p.grad = None
-        if self._sync:
+        if self._sync or buffer.transient:  # ZeRO-2 reduces every micro-batch's gradients
             if self.events is not None:
                 self.events.append(("ready", self._names[id(p)]))
             buffer.mark_ready(p, self.overlap_grad_reduce, self.events)
@@ -212,6 +282,32 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = True
 
+    def sequence_parallel_shard_sum(self, tp: Group) -> None:
+        """Sharded buffers: the TP sum of sequence-parallel parameters' gradients, on this rank's reduced
+        parts (TP ranks share one buffer layout, so they own the same parts)."""
+        if tp.size == 1:
+            return
+        sp = {id(p) for _, p, meta in named_param_meta(self.module) if meta.sequence_parallel}
+        views = []
+        for buffer in self.buffers:
+            for (lo, hi), b in zip(buffer.shard_ranges(), buffer.buckets):
+                for p in b.params:
+                    if id(p) not in sp:
+                        continue
+                    po = buffer.offset[id(p)]
+                    a, z = max(lo, po), min(hi, po + p.numel())
+                    if z > a:
+                        views.append(buffer.shard_view(p, a - po, z - po))
+        if not views:
+            return
+        flat = torch.cat(views)
+        with tp.blocked():
+            dist.all_reduce(flat, group=tp.pg)
+        offset = 0
+        for v in views:
+            v.copy_(flat[offset : offset + v.numel()])
+            offset += v.numel()
+
     def finish_grad_sync(self) -> None:
         """Launch whatever buckets are left and wait for every reduction."""
         for b in self.buffers:
@@ -219,7 +315,6 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         for b in self.buffers:
-            b.data.zero_()
-            b.reset()
+            b.zero()
         if self.events is not None:
             self.events.clear()

@@ -14,6 +14,7 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 class OptimizerConfig:
     lr: float = 1e-4
     use_distributed_optimizer: bool = False  # ZeRO-1: main weights and moments sharded over data parallelism
+    zero_stage: int = 1  # 2: gradients too (each bucket's full gradient dropped once reduce-scattered)
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
     lr_decay_iters: int | None = None  # default: --train-iters
@@ -54,6 +55,15 @@ class OptimizerConfig:
             raise ConfigError(f"--clip-grad {self.clip_grad} must be >= 0 (0 disables clipping)")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"--adam-beta1 {self.adam_beta1} / --adam-beta2 {self.adam_beta2} must be in [0, 1)")
+        if self.zero_stage not in (1, 2):
+            raise ConfigError(
+                f"--zero-stage {self.zero_stage} is not supported: 1 or 2 with --use-distributed-optimizer "
+                "(stage 3, sharded parameters, is planned through PyTorch FSDP2)"
+            )
+        if self.zero_stage == 2 and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "--zero-stage 2 shards gradients for the distributed optimizer: add --use-distributed-optimizer"
+            )
         if self.hysteresis < 1:
             raise ConfigError(f"--hysteresis {self.hysteresis} must be >= 1")
 

@@ -33,7 +33,7 @@ class _Shard:
         self.p, self.buffer, self.lo, self.hi = p, buffer, lo, hi
         self.counted, self.expert = counted, expert
         self.main = p.detach().reshape(-1)[lo:hi].float().clone()
-        self.grad = buffer.main_grad[id(p)].view(-1)[lo:hi]  # a view into the reduced part of the bucket
+        self.grad = buffer.shard_view(p, lo, hi)  # the reduced gradient of this part
 
 
 class DistributedOptimizer:
@@ -47,8 +47,8 @@ class DistributedOptimizer:
         self.shards: list[_Shard] = []
         for buffer in ddp.buffers:
             ranges = buffer.shard_ranges()
-            for pid, offset in buffer.offset.items():
-                p = next(q for b in buffer.buckets for q in b.params if id(q) == pid)
+            for p in (q for b in buffer.buckets for q in b.params):
+                pid, offset = id(p), buffer.offset[id(p)]
                 meta = meta_of[pid]
                 counted = (meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy
                 for lo, hi in ranges:
@@ -141,7 +141,7 @@ class DistributedOptimizer:
         for bucket, (lo, hi) in zip(buffer.buckets, buffer.bucket_bounds):
             part = (hi - lo) // n
             dtype = bucket.params[0].dtype if what == "param" else torch.float32
-            mine = torch.zeros(part, dtype=dtype, device=buffer.data.device)
+            mine = torch.zeros(part, dtype=dtype, device=buffer.device)
             own_lo = lo + d * part
             for p in bucket.params:
                 po = buffer.offset[id(p)]
@@ -149,7 +149,7 @@ class DistributedOptimizer:
                     src = s.main if what == "param" else values[id(s)]
                     start = po + s.lo - own_lo
                     mine[start : start + (s.hi - s.lo)] = src
-            gathered = torch.empty(hi - lo, dtype=dtype, device=buffer.data.device)
+            gathered = torch.empty(hi - lo, dtype=dtype, device=buffer.device)
             if n > 1:
                 with buffer.group.blocked():
                     all_gather_tensor(gathered, mine, group=buffer.group.pg)

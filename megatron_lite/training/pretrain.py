@@ -125,13 +125,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
     validate_layout(job.model, job.parallel, world_size, job.training)
     if (
         job.optimizer.use_distributed_optimizer
-        and job.training.overlap_grad_reduce
+        and (job.training.overlap_grad_reduce or job.optimizer.zero_stage >= 2)
         and job.parallel.pp > 1
         and job.model.tied_embeddings
     ):
+        flag = "--zero-stage 2" if job.optimizer.zero_stage >= 2 else "--overlap-grad-reduce"
         raise ConfigError(
-            "--use-distributed-optimizer with --overlap-grad-reduce and embeddings tied across pipeline stages "
-            "is not supported yet; drop --overlap-grad-reduce or add --untie-embeddings-and-output-weights"
+            f"--use-distributed-optimizer with {flag} and embeddings tied across pipeline stages is not supported "
+            f"yet; drop {flag} or add --untie-embeddings-and-output-weights"
         )
     job.optimizer.validate_schedule(job.training.train_iters)
     rank = int(os.environ.get("RANK", "0"))
@@ -183,6 +184,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         overlap_grad_reduce=job.training.overlap_grad_reduce,
         bucket_size=job.training.ddp_bucket_size,
         use_distributed_optimizer=job.optimizer.use_distributed_optimizer,
+        zero_stage=job.optimizer.zero_stage,
     )
     if job.optimizer.use_distributed_optimizer:
         optimizer = DistributedOptimizer(model, ddp, job.optimizer, ctx)

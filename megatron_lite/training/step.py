@@ -121,7 +121,7 @@ def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None
     if model.use_distributed_optimizer:
         allreduce_embedding_grads(model, ctx)
         model.finish_grad_sync()
-        allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad)
+        model.sequence_parallel_shard_sum(ctx.tp)
         return
     model.finish_grad_sync()
     allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad)
