@@ -172,6 +172,7 @@ def test_zero_stage_2_gradient_bytes_per_rank_fall_to_a_quarter(dist):
 
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.parallel_context import ParallelContext
+
     from models import llama_config
 
     model = build_model(llama_config(num_layers=2), ParallelContext.virtual(P(), device=torch.device("cpu")))
