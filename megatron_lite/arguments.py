@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr-wsd-decay-iters", type=int)
     o.add_argument("--weight-decay", type=float, default=0.01)
     _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
+    _bool(o, "--use-torch-fsdp2", "ZeRO-3 through PyTorch FSDP2: parameters sharded over data parallelism")
     o.add_argument(
         "--zero-stage", type=int, default=1, help="2: with --use-distributed-optimizer, shard gradients too (ZeRO-2)"
     )
@@ -423,6 +424,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     optimizer = OptimizerConfig(
         use_distributed_optimizer=ns.use_distributed_optimizer,
         zero_stage=ns.zero_stage,
+        use_torch_fsdp2=ns.use_torch_fsdp2,
         lr=ns.lr,
         min_lr=ns.min_lr,
         lr_decay_style=ns.lr_decay_style,

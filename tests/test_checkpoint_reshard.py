@@ -42,6 +42,7 @@ def run(
     save: str | None = None,
     load: str | None = None,
     distributed_optimizer: bool = False,
+    fsdp2: bool = False,
 ):
     """Train to iteration TOTAL (from the checkpoint in `load` if given), saving at SAVE_AT into `save`;
     returns (iteration, lm_loss, grad_norm) for every iteration run."""
@@ -55,8 +56,16 @@ def run(
     config = llama_config(num_layers=4, **config_kw)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234 if load is None else 999)  # loading must overwrite every weight
-    ddp = DistributedDataParallel(model, ctx, use_distributed_optimizer=distributed_optimizer)
-    if distributed_optimizer:
+    if fsdp2:
+        from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
+
+        ddp = FSDP2Model(model, ctx, None)
+        opt = FSDP2Optimizer(ddp, OPTIM, ctx)
+    else:
+        ddp = DistributedDataParallel(model, ctx, use_distributed_optimizer=distributed_optimizer)
+    if fsdp2:
+        pass
+    elif distributed_optimizer:
         from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 
         opt = DistributedOptimizer(model, ddp, OPTIM, ctx)
@@ -195,3 +204,19 @@ def test_distributed_optimizer_checkpoint_loads_without_it(dist, tmp_path):
     continued = [h for h in original[0] if h[0] > SAVE_AT]
     for history in dist(4, run, {}, P(), 2, None, plain, True):
         _compare(history, continued, "dp4 with the distributed optimizer")
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_loads_without_it_and_back(dist, tmp_path):
+    """Saved under FSDP2 at DP=4, loaded at DP=2 without it; saved without it at DP=2, loaded under FSDP2 at
+    DP=4 (with TP=2): each run continues as the original job."""
+    ckpt = str(tmp_path / "fsdp2")
+    original = dist(4, run, {}, P(), 2, ckpt, None, False, True)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    for history in dist(2, run, {}, P(), 4, None, ckpt, False, False):
+        _compare(history, continued, "dp2 without FSDP2")
+    plain = str(tmp_path / "plain")
+    original = dist(2, run, {}, P(), 4, plain, None, False, False)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    for history in dist(4, run, {}, P(tensor_model_parallel_size=2), 2, None, plain, False, True):
+        _compare(history, continued, "tp2 x dp2 under FSDP2")

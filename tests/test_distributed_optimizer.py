@@ -182,3 +182,50 @@ def test_zero_stage_2_gradient_bytes_per_rank_fall_to_a_quarter(dist):
     for persistent, transient in dist(4, gradient_bytes, 2):
         assert abs(persistent - params / 4) <= 0.10 * params / 4, (persistent, params)
         assert transient < params / 4  # the full gradient exists only a few buckets at a time
+
+
+FSDP2 = {
+    "dp2": (2, P(), 4, 2),
+    "tp2-sp-dp2": (4, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(FSDP2))
+def test_fsdp2_equals_single_process(dist, layout):
+    world, parallel, gbs, mbs = FSDP2[layout]
+    ref = train_run("llama", P(), gbs, gbs)
+    for history in dist(world, train_run, "llama", parallel, gbs, mbs, fsdp2=True):
+        _compare(history, ref)
+
+
+def fsdp2_param_bytes() -> int:
+    import torch.distributed as dist
+
+    from megatron_lite.distributed.fsdp import FSDP2Model
+    from megatron_lite.models.gpt_model import build_model
+
+    from models import llama_config
+
+    ctx = get_context(P())
+    model = FSDP2Model(build_model(llama_config(num_layers=2), ctx, seed=1), ctx, None)
+    local = sum(p.to_local().numel() * 4 for p in model.module.parameters())
+    dist.barrier()
+    return local
+
+
+def test_fsdp2_parameter_bytes_per_rank_fall_to_a_quarter(dist):
+    import torch
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    from models import llama_config
+
+    full = sum(
+        p.numel() * 4
+        for p in build_model(
+            llama_config(num_layers=2), ParallelContext.virtual(P(), device=torch.device("cpu"))
+        ).parameters()
+    )
+    for local in dist(4, fsdp2_param_bytes):
+        assert abs(local - full / 4) <= 0.10 * full / 4, (local, full)

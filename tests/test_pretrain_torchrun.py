@@ -145,6 +145,18 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path):
     for name, n, extra in (
         ("cp2_p2p_dp2", 4, ["--micro-batch-size", "2", "--context-parallel-size", "2"]),
         ("cp2_a2a", 2, ["--micro-batch-size", "4", "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+        # ZeRO-2 with overlapped bucket reduce-scatters, and ZeRO-3 through FSDP2, both under TP=2 + SP.
+        (
+            "zero2",
+            4,
+            "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
+            "--zero-stage 2 --overlap-grad-reduce --ddp-bucket-size 20000".split(),
+        ),
+        (
+            "fsdp2",
+            4,
+            "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-torch-fsdp2".split(),
+        ),
     ):
         torchrun(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")], tmp_path)
         cp = records(tmp_path / f"{name}.jsonl")

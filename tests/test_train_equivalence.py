@@ -55,6 +55,7 @@ def train_run(
     kernel_impl="torch",
     distributed_optimizer=False,
     zero_stage=1,
+    fsdp2=False,
 ):
     if dist.is_initialized():
         ctx = get_context(parallel)
@@ -65,19 +66,28 @@ def train_run(
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234)
-    ddp = DistributedDataParallel(
-        model,
-        ctx,
-        overlap_grad_reduce=overlap,
-        bucket_size=bucket_size,
-        use_distributed_optimizer=distributed_optimizer,
-        zero_stage=zero_stage,
+    if fsdp2:
+        from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
+
+        ddp = FSDP2Model(model, ctx, None)
+        opt = FSDP2Optimizer(ddp, optim, ctx)
+    ddp = (
+        ddp
+        if fsdp2
+        else DistributedDataParallel(
+            model,
+            ctx,
+            overlap_grad_reduce=overlap,
+            bucket_size=bucket_size,
+            use_distributed_optimizer=distributed_optimizer,
+            zero_stage=zero_stage,
+        )
     )
     if distributed_optimizer:
         from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 
         opt = DistributedOptimizer(model, ddp, optim, ctx)
-    else:
+    elif not fsdp2:
         opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
     sched = LRScheduler(optim, iters)
     dataset = _dataset(data, config.vocab_size)

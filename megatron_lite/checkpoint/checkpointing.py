@@ -64,7 +64,8 @@ def _state_tensors(model, optimizer) -> dict[str, list]:
     full = optimizer.gather_full_state() if optimizer is not None else {}
     for name, p, meta in named_param_meta(model):
         gname = model.global_name(name)
-        out["model"].append((gname, p, meta))
+        # FSDP2 keeps parameters sharded over data parallelism (DTensors): saved as the full tensor.
+        out["model"].append((gname, p.full_tensor() if hasattr(p, "full_tensor") else p, meta))
         for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
             out[kind].append((gname, t, meta))
     return out
@@ -397,6 +398,14 @@ def load_checkpoint(
     meta = read_metadata(path)
     reader = _Reader(path, meta)
     for name, p, pmeta in named_param_meta(model):
+        if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
+            from torch.distributed.tensor import distribute_tensor
+
+            full = torch.zeros(p.shape, dtype=p.dtype, device=ctx.device)
+            reader.fill(f"model/{model.global_name(name)}", full, local_pieces(tuple(p.shape), pmeta))
+            with torch.no_grad():
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
+            continue
         reader.fill(f"model/{model.global_name(name)}", p, local_pieces(tuple(p.shape), pmeta))
     if optimizer is not None and load_optim and not finetune:
         values = {}

@@ -282,6 +282,9 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = True
 
+    def grad_bytes(self) -> int:
+        return sum(b.grad_bytes() for b in self.buffers)
+
     def sequence_parallel_shard_sum(self, tp: Group) -> None:
         """Sharded buffers: the TP sum of sequence-parallel parameters' gradients, on this rank's reduced
         parts (TP ranks share one buffer layout, so they own the same parts)."""

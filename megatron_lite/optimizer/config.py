@@ -15,6 +15,7 @@ class OptimizerConfig:
     lr: float = 1e-4
     use_distributed_optimizer: bool = False  # ZeRO-1: main weights and moments sharded over data parallelism
     zero_stage: int = 1  # 2: gradients too (each bucket's full gradient dropped once reduce-scattered)
+    use_torch_fsdp2: bool = False  # ZeRO-3 through PyTorch FSDP2: parameters sharded over data parallelism
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
     lr_decay_iters: int | None = None  # default: --train-iters
@@ -60,6 +61,9 @@ class OptimizerConfig:
                 f"--zero-stage {self.zero_stage} is not supported: 1 or 2 with --use-distributed-optimizer "
                 "(stage 3, sharded parameters, is planned through PyTorch FSDP2)"
             )
+        if self.use_torch_fsdp2 and (self.use_distributed_optimizer or self.fp16):
+            flag = "--use-distributed-optimizer" if self.use_distributed_optimizer else "--fp16"
+            raise ConfigError(f"--use-torch-fsdp2 with {flag} is not supported; FSDP2 shards the fp32 weights itself")
         if self.zero_stage == 2 and not self.use_distributed_optimizer:
             raise ConfigError(
                 "--zero-stage 2 shards gradients for the distributed optimizer: add --use-distributed-optimizer"

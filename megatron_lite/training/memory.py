@@ -21,7 +21,13 @@ def tensor_bytes(tensors) -> int:
 
 class ActivationMeter:
     def __init__(self, model: nn.Module) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._params = set()
+        for p in model.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
+            try:
+                self._params.add(t.untyped_storage().data_ptr())
+            except RuntimeError:  # a resharded FSDP2 parameter has no storage of its own
+                continue
         self._live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -54,8 +60,9 @@ def measure(model: nn.Module | None):
 
 def breakdown(model: nn.Module, ddp, optimizer, activation_bytes: int) -> dict[str, int]:
     return {
-        "mem_params_bytes": tensor_bytes(model.parameters()),
-        "mem_grads_bytes": sum(b.grad_bytes() for b in ddp.buffers),
+        # FSDP2 parameters are DTensors: count this rank's shard.
+        "mem_params_bytes": tensor_bytes(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()),
+        "mem_grads_bytes": ddp.grad_bytes(),
         "mem_optimizer_bytes": optimizer.state_bytes(),
         "mem_activations_bytes": activation_bytes,
     }

@@ -31,6 +31,7 @@ from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.distributed.ddp import DistributedDataParallel
+from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
@@ -134,6 +135,22 @@ def run(job: JobConfig, notes: list[str]) -> int:
             f"--use-distributed-optimizer with {flag} and embeddings tied across pipeline stages is not supported "
             f"yet; drop {flag} or add --untie-embeddings-and-output-weights"
         )
+    if job.optimizer.use_torch_fsdp2:
+        p = job.parallel
+        unsupported = [
+            f"{flag} {value}"
+            for flag, value, ok in (
+                ("--pipeline-model-parallel-size", p.pp, p.pp == 1),
+                ("--context-parallel-size", p.cp, p.cp == 1),
+                ("--num-experts", job.model.num_experts, job.model.num_experts is None),
+                ("--overlap-grad-reduce", True, not job.training.overlap_grad_reduce),
+            )
+            if not ok
+        ]
+        if unsupported:
+            raise ConfigError(
+                f"--use-torch-fsdp2 composes with tensor and data parallelism only so far; not with {unsupported[0]}"
+            )
     job.optimizer.validate_schedule(job.training.train_iters)
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -175,18 +192,26 @@ def run(job: JobConfig, notes: list[str]) -> int:
     log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
 
     dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
-    model = build_model(job.model, ctx, seed=job.training.seed, dtype=dtype)
+    fsdp2 = job.optimizer.use_torch_fsdp2
+    # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
+    model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}), vocabulary {job.model.vocab_size}")
-    ddp = DistributedDataParallel(
-        model,
-        ctx,
-        overlap_grad_reduce=job.training.overlap_grad_reduce,
-        bucket_size=job.training.ddp_bucket_size,
-        use_distributed_optimizer=job.optimizer.use_distributed_optimizer,
-        zero_stage=job.optimizer.zero_stage,
+    ddp = (
+        FSDP2Model(model, ctx, dtype if dtype != torch.float32 else None)
+        if fsdp2
+        else DistributedDataParallel(
+            model,
+            ctx,
+            overlap_grad_reduce=job.training.overlap_grad_reduce,
+            bucket_size=job.training.ddp_bucket_size,
+            use_distributed_optimizer=job.optimizer.use_distributed_optimizer,
+            zero_stage=job.optimizer.zero_stage,
+        )
     )
-    if job.optimizer.use_distributed_optimizer:
+    if fsdp2:
+        optimizer = FSDP2Optimizer(ddp, job.optimizer, ctx)
+    elif job.optimizer.use_distributed_optimizer:
         optimizer = DistributedOptimizer(model, ddp, job.optimizer, ctx)
     else:
         optimizer = MixedPrecisionOptimizer(model, ddp.main_grad, job.optimizer, ctx)

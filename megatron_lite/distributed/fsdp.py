@@ -1,0 +1,176 @@
+"""--use-torch-fsdp2: ZeRO-3 through PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`), composed with our
+tensor parallelism (2-D: TP inside each layer, parameters sharded over the data-parallel group).
+
+Each transformer layer, then each model chunk, is wrapped with `fully_shard` on a device mesh made from the
+data-parallel group: parameters live sharded along dim 0 (DTensors); FSDP2 all-gathers a layer's parameters
+before it runs and reduce-scatters its gradients after its backward. The mixed-precision policy computes in
+bf16 when --bf16 is given and always reduces in fp32; the sharded parameters themselves stay fp32 and are the
+optimizer's main weights. Our loss is already normalised over the global batch, so gradients are summed, not
+averaged, over data-parallel ranks (FSDP2's mean times the DP size).
+
+`FSDP2Model` offers what the training step needs from the data-parallel wrapper; `FSDP2Optimizer` is AdamW on
+the sharded parameters with our exact grad norm (local shards summed over DP, then over TP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.optimizer import StepResult, _adamw, _load_adam_state
+from megatron_lite.parallel_context import Group, ParallelContext
+from megatron_lite.parameters import named_param_meta
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FSDP2Model(nn.Module):
+    def __init__(self, module: nn.Module, ctx: ParallelContext, param_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from megatron_lite.models.transformer import TransformerLayer
+
+        self.ctx = ctx
+        group: Group = ctx.dp_cp
+        device_type = ctx.device.type
+        if not dist.is_initialized():  # one process without torchrun: FSDP2 still needs a (trivial) group
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self.mesh = (
+            DeviceMesh.from_group(group.pg, device_type)
+            if group.size > 1
+            else DeviceMesh(device_type, [dist.get_rank() if dist.is_initialized() else 0])
+        )
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
+        for chunk in chunks:
+            for m in chunk.modules():
+                if isinstance(m, TransformerLayer):
+                    fully_shard(m, mesh=self.mesh, mp_policy=policy)
+            fully_shard(chunk, mesh=self.mesh, mp_policy=policy)
+        self.module = module
+        self.use_distributed_optimizer = False
+        self.buffers_ = []
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield  # FSDP2 reduce-scatters after every micro-batch's backward; the sharded gradients accumulate
+
+    def finish_grad_sync(self) -> None:
+        """FSDP2 has reduce-scattered when the backward returns, as a mean over DP; our loss is normalised
+        over the global batch, so the gradient wanted is the sum. (Setting FSDP2's divide factor to 1
+        would need ReduceOp.PREMUL_SUM, which gloo lacks.)"""
+        n = self.ctx.dp_cp.size
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        if n > 1 and grads:
+            torch._foreach_mul_(grads, float(n))
+
+    def zero_grad_buffer(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def main_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """This rank's shard of the summed gradient (the same shard on every TP rank)."""
+        return None if p.grad is None else _local(p.grad)
+
+    def sequence_parallel_shard_sum(self, tp: Group) -> None:
+        from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
+
+        allreduce_sequence_parallel_grads(self.module, tp, self.main_grad)
+
+    def grad_bytes(self) -> int:
+        return sum(_local(p.grad).numel() * 4 for p in self.module.parameters() if p.grad is not None)
+
+
+class FSDP2Optimizer:
+    def __init__(self, model: FSDP2Model, config: OptimizerConfig, ctx: ParallelContext) -> None:
+        self.config, self.ctx, self.model = config, ctx, model
+        self.params, counted, decay, no_decay = [], [], [], []
+        for _, p, meta in named_param_meta(model.module):
+            if not p.requires_grad:
+                continue
+            self.params.append(p)
+            counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
+            (no_decay if p.ndim == 1 else decay).append(p)
+        self._counted = counted
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.inner = _adamw([g for g in groups if g["params"]], config, ctx.device)
+        self.scaler = None
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        mine = [_local(p.grad) for p, c in zip(self.params, self._counted) if c and p.grad is not None]
+        if mine:
+            sq += torch.stack([g.float().norm() for g in mine]).pow(2).sum().double()
+        for g in (self.ctx.dp_cp, self.ctx.mp):
+            if g.size > 1:
+                with g.blocked():
+                    dist.all_reduce(sq, group=g.pg)
+        return float(sq) ** 0.5
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        norm = self.grad_norm()
+        if self.config.clip_grad > 0:
+            coeff = self.config.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                torch._foreach_mul_([_local(p.grad) for p in self.params if p.grad is not None], coeff)
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        return StepResult(True, norm, 1.0)
+
+    # Checkpoint interface: full tensors, gathered over the data-parallel group ------------------------
+    def holds(self, p: nn.Parameter) -> bool:
+        return any(p is q for q in self.params)
+
+    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        out = {}
+        for p in self.params:
+            st = self.inner.state.get(p, {})
+            out[id(p)] = {k: st[k].full_tensor() for k in ("exp_avg", "exp_avg_sq") if k in st}
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, values: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        states = {}
+        for p in self.params:
+            d = values.get(id(p), {})
+            if "main" in d:
+                p.copy_(distribute_tensor(d["main"].to(p.dtype), p.device_mesh, p.placements))
+            if "exp_avg" in d:
+                states[p] = {
+                    "step": torch.tensor(float(step)),
+                    **{k: distribute_tensor(d[k], p.device_mesh, p.placements) for k in ("exp_avg", "exp_avg_sq")},
+                }
+        if states:
+            _load_adam_state(self.inner, states)
+
+    def sync_main_from_model(self) -> None:
+        pass  # the sharded parameters are the main weights
+
+    def state_bytes(self) -> int:
+        return sum(
+            _local(v).numel() * v.element_size()
+            for st in self.inner.state.values()
+            for k, v in st.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        )
