@@ -290,8 +290,7 @@ def test_memory_breakdown_is_logged(tmp_path, capsys, monkeypatch):
     params = rec["mem_params_bytes"]
     # fp32 on one rank: 2 layers x (QKV + proj + fc1 + fc2 = 12 h^2) + tied embedding, biases and norms.
     assert params >= (2 * 12 * 32 * 32 + 101 * 32) * 4
-    # One fp32 gradient per parameter in the bucket buffer, plus (ZeRO-1) this rank's reduced part of it,
-    # the whole of it at DP=1 (buckets unpadded at DP=1).
-    assert rec["mem_grads_bytes"] == 2 * params
+    # One fp32 gradient per parameter (buckets unpadded at DP=1); ZeRO-1 reduces this rank's part in place.
+    assert rec["mem_grads_bytes"] == params
     assert rec["mem_optimizer_bytes"] == 3 * params  # fp32 main weights + two Adam moments
     assert rec["mem_activations_bytes"] > 0

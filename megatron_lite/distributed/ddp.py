@@ -85,8 +85,10 @@ class GradBuffer:
         for ps, lo, hi in layout:
             data = None if self.data is None else self.data[lo:hi]
             b = _Bucket(len(self.buckets), list(ps), data, lo, hi)
-            if sharded:
+            if sharded and self.transient:
                 b.shard_grad = torch.zeros((hi - lo) // group.size, dtype=torch.float32, device=self.device)
+            elif sharded:  # ZeRO-1: the reduced part lives in place, in this rank's slot of the bucket
+                b.shard_grad = data.view(group.size, -1)[group.rank]
             self.buckets.append(b)
             self.bucket_bounds.append((lo, hi))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -117,8 +119,7 @@ class GradBuffer:
         """Persistent gradient storage on this rank: the full buffer, or with ZeRO-2 the reduced parts."""
         if self.transient:
             return sum(b.shard_grad.numel() * 4 for b in self.buckets)
-        shards = sum(b.shard_grad.numel() * 4 for b in self.buckets) if self.sharded else 0
-        return self.data.numel() * self.data.element_size() + shards
+        return self.data.numel() * self.data.element_size()
 
     def shard_ranges(self) -> list[tuple[int, int]]:
         """The flat ranges this rank owns: its part of every bucket (sharded buffers)."""
@@ -140,11 +141,10 @@ class GradBuffer:
 
     def zero(self) -> None:
         if self.data is not None:
-            self.data.zero_()
+            self.data.zero_()  # (ZeRO-1 parts are views into it)
         for b in self.buckets:
             if self.transient:
                 b.data = None
-            if b.shard_grad is not None:
                 b.shard_grad.zero_()
         self.reset()
 
@@ -175,12 +175,11 @@ class GradBuffer:
                 return
             if self.group.size > 1:
                 with self.group.blocked() if not async_op else contextlib.nullcontext():
-                    if self.sharded:  # the summed gradient of this rank's part lands in its slot
-                        b.handle = reduce_scatter_tensor(b.shard_grad, b.data, group=self.group.pg, async_op=async_op)
+                    if self.sharded:  # the summed part lands in scratch, then in this rank's slot (finish)
+                        b.scratch = torch.empty_like(b.shard_grad)
+                        b.handle = reduce_scatter_tensor(b.scratch, b.data, group=self.group.pg, async_op=async_op)
                     else:
                         b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
-            elif self.sharded:
-                b.shard_grad.copy_(b.data)
             b.launched = True
             if events is not None:
                 events.append(("launch", b.index))
@@ -198,6 +197,10 @@ class GradBuffer:
             for b in self.buckets:
                 if b.handle is not None:
                     b.handle.wait()
+        for b in self.buckets:
+            if b.scratch is not None:
+                b.shard_grad.copy_(b.scratch)
+                b.scratch = None
         self.reset()
 
 
