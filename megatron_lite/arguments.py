@@ -52,7 +52,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
 
 # Megatron flags we do not implement: refused with one line naming the flag and why.
 REFUSED: dict[str, str] = {
-    "overlap_param_gather": "overlapping the parameter all-gather with the next forward is not implemented yet",
     "moe_grouped_gemm": "grouped GEMM for experts comes with the Triton kernels (issue 6); experts run in a loop",
     "fp8_format": "fp8 training is not implemented",
     "fp8_amax_history_len": "fp8 training is not implemented",
@@ -207,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr-wsd-decay-iters", type=int)
     o.add_argument("--weight-decay", type=float, default=0.01)
     _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
+    _bool(
+        o,
+        "--overlap-param-gather",
+        "with --use-distributed-optimizer: all-gather updated weights under the next forward",
+    )
     _bool(o, "--use-torch-fsdp2", "ZeRO-3 through PyTorch FSDP2: parameters sharded over data parallelism")
     o.add_argument(
         "--zero-stage", type=int, default=1, help="2: with --use-distributed-optimizer, shard gradients too (ZeRO-2)"
@@ -425,6 +429,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         use_distributed_optimizer=ns.use_distributed_optimizer,
         zero_stage=ns.zero_stage,
         use_torch_fsdp2=ns.use_torch_fsdp2,
+        overlap_param_gather=ns.overlap_param_gather,
         lr=ns.lr,
         min_lr=ns.min_lr,
         lr_decay_style=ns.lr_decay_style,

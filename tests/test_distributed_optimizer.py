@@ -122,6 +122,15 @@ def test_distributed_optimizer_with_tied_embeddings_across_stages(dist):
         _compare(history, ref)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlap_param_gather_equals_single_process(dist, world):
+    """--overlap-param-gather: the weights' all-gathers are waited on module by module in the next forward."""
+    ref = train_run("llama", P(), 8, 8)
+    kw = dict(distributed_optimizer=True, overlap_param_gather=True, bucket_size=3000, overlap=True)
+    for history in dist(world, train_run, "llama", P(), 8, 2, **kw):
+        _compare(history, ref)
+
+
 ZERO2 = {
     "dp2": (2, P(), 4, 2, None),
     "dp4-accumulate-buckets": (4, P(), 8, 1, 2000),

@@ -56,6 +56,7 @@ def train_run(
     distributed_optimizer=False,
     zero_stage=1,
     fsdp2=False,
+    overlap_param_gather=False,
 ):
     if dist.is_initialized():
         ctx = get_context(parallel)
@@ -86,7 +87,7 @@ def train_run(
     if distributed_optimizer:
         from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 
-        opt = DistributedOptimizer(model, ddp, optim, ctx)
+        opt = DistributedOptimizer(model, ddp, optim, ctx, overlap_param_gather=overlap_param_gather)
     elif not fsdp2:
         opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
     sched = LRScheduler(optim, iters)

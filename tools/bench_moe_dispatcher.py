@@ -71,6 +71,7 @@ def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
         rows.append({"dispatcher": kind, "ep": world, "step_s": step, "tokens_per_s": args.tokens * world / step})
     if rank == 0:
         json.dump(rows, open(out_path, "w"))
+    dist.barrier()  # gloo aborts at exit ("terminate called ...") if a rank leaves while a peer still talks
     dist.destroy_process_group()
 
 

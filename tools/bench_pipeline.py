@@ -130,6 +130,7 @@ def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(rows, fh)
+    dist.barrier()  # gloo aborts at exit ("terminate called ...") if a rank leaves while a peer still talks
     dist.destroy_process_group()
 
 

@@ -61,6 +61,8 @@ def _state_tensors(model, optimizer) -> dict[str, list]:
     """kind -> [(global name, local tensor, meta)] for every tensor that is saved. With the distributed
     optimizer, gathering the full main weights and moments is a collective over the data-parallel group."""
     out: dict[str, list] = {"model": [], "main": [], "exp_avg": [], "exp_avg_sq": []}
+    if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
+        optimizer.finish_param_sync()  # --overlap-param-gather: the model's weights must be current
     full = optimizer.gather_full_state() if optimizer is not None else {}
     for name, p, meta in named_param_meta(model):
         gname = model.global_name(name)

@@ -16,6 +16,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False  # ZeRO-1: main weights and moments sharded over data parallelism
     zero_stage: int = 1  # 2: gradients too (each bucket's full gradient dropped once reduce-scattered)
     use_torch_fsdp2: bool = False  # ZeRO-3 through PyTorch FSDP2: parameters sharded over data parallelism
+    overlap_param_gather: bool = False  # distributed optimizer: weights' all-gathers under the next forward
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
     lr_decay_iters: int | None = None  # default: --train-iters
@@ -64,6 +65,11 @@ class OptimizerConfig:
         if self.use_torch_fsdp2 and (self.use_distributed_optimizer or self.fp16):
             flag = "--use-distributed-optimizer" if self.use_distributed_optimizer else "--fp16"
             raise ConfigError(f"--use-torch-fsdp2 with {flag} is not supported; FSDP2 shards the fp32 weights itself")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "--overlap-param-gather overlaps the distributed optimizer's all-gathers; "
+                "add --use-distributed-optimizer or drop the flag"
+            )
         if self.zero_stage == 2 and not self.use_distributed_optimizer:
             raise ConfigError(
                 "--zero-stage 2 shards gradients for the distributed optimizer: add --use-distributed-optimizer"

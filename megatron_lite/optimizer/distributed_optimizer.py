@@ -38,7 +38,12 @@ class _Shard:
 
 class DistributedOptimizer:
     def __init__(
-        self, model: nn.Module, ddp: DistributedDataParallel, config: OptimizerConfig, ctx: ParallelContext
+        self,
+        model: nn.Module,
+        ddp: DistributedDataParallel,
+        config: OptimizerConfig,
+        ctx: ParallelContext,
+        overlap_param_gather: bool = False,
     ) -> None:
         if not ddp.use_distributed_optimizer:
             raise ValueError("DistributedOptimizer needs DistributedDataParallel(use_distributed_optimizer=True)")
@@ -66,6 +71,16 @@ class DistributedOptimizer:
             groups = [{"params": [torch.zeros(0, device=device)], "weight_decay": 0.0}]
         self.inner = _adamw(groups, config, device)
         self.scaler = make_scaler(config)
+        # --overlap-param-gather: the updated weights' all-gathers run under the next forward; each module
+        # waits for its parameters' buckets just before it runs.
+        self.overlap_param_gather = overlap_param_gather
+        self._in_flight: dict[int, tuple] = {}  # id(bucket) -> (buffer, bucket, gathered, work)
+        self._bucket_of_param = {id(p): (buf, b) for buf in ddp.buffers for b in buf.buckets for p in b.params}
+        if overlap_param_gather:
+            for m in model.modules():
+                own = [p for p in m._parameters.values() if p is not None and id(p) in self._bucket_of_param]
+                if own:
+                    m.register_forward_pre_hook(lambda mod, args, own=own: self._wait_for(own))
 
     @property
     def loss_scale(self) -> float:
@@ -125,32 +140,67 @@ class DistributedOptimizer:
         return StepResult(True, norm, self.loss_scale)
 
     def _gather_params(self) -> None:
-        """Every rank's updated parts, all-gathered bucket by bucket into the model parameters."""
+        """Every rank's updated parts, all-gathered bucket by bucket into the model parameters; with
+        --overlap-param-gather only launched here, first-used buckets first (the reverse of their order)."""
+        if not self.overlap_param_gather:
+            for buffer in self.ddp.buffers:
+                self._gather_buffer(buffer, "param")
+            return
         for buffer in self.ddp.buffers:
-            self._gather_buffer(buffer, "param")
+            for bucket, (lo, hi) in reversed(list(zip(buffer.buckets, buffer.bucket_bounds))):
+                mine = self._own_part(buffer, bucket, lo, hi, "param")
+                gathered = torch.empty(hi - lo, dtype=mine.dtype, device=buffer.device)
+                work = (
+                    all_gather_tensor(gathered, mine, group=buffer.group.pg, async_op=True)
+                    if buffer.group.size > 1
+                    else None
+                )
+                if work is None:
+                    gathered.copy_(mine)
+                self._in_flight[id(bucket)] = (buffer, bucket, lo, gathered, work)
+
+    @torch.no_grad()
+    def _wait_for(self, params) -> None:
+        for p in params:
+            _, bucket = self._bucket_of_param[id(p)]
+            entry = self._in_flight.pop(id(bucket), None)
+            if entry is None:
+                continue
+            buffer, bucket, lo, gathered, work = entry
+            if work is not None:
+                with buffer.group.blocked():
+                    work.wait()
+            for q in bucket.params:
+                start = buffer.offset[id(q)] - lo
+                q.detach().copy_(gathered[start : start + q.numel()].view(q.shape))
+
+    def finish_param_sync(self) -> None:
+        """Wait for every in-flight parameter all-gather (before a checkpoint, an evaluation, the end)."""
+        for _, bucket, *_ in list(self._in_flight.values()):
+            self._wait_for(bucket.params[:1])
+
+    def _own_part(self, buffer: GradBuffer, bucket, lo: int, hi: int, what: str, values=None) -> torch.Tensor:
+        """This rank's part of a bucket: updated weights ('param', in the model's dtype) or a kind of state."""
+        n, d = buffer.group.size, buffer.group.rank
+        part = (hi - lo) // n
+        dtype = bucket.params[0].dtype if what == "param" else torch.float32
+        mine = torch.zeros(part, dtype=dtype, device=buffer.device)
+        own_lo = lo + d * part
+        for s in self.shards:
+            if s.buffer is buffer and self._bucket_of_param[id(s.p)][1] is bucket:
+                src = s.main if what == "param" else values[id(s)]
+                start = buffer.offset[id(s.p)] + s.lo - own_lo
+                mine[start : start + (s.hi - s.lo)] = src
+        return mine
 
     def _gather_buffer(self, buffer: GradBuffer, what: str, values=None) -> dict[int, torch.Tensor]:
         """All-gather, bucket by bucket, this rank's part of `what` ('param': updated weights written into the
         model; else a dict kind -> per-shard tensors to assemble into full parameter-shaped tensors)."""
-        n, d = buffer.group.size, buffer.group.rank
-        by_param: dict[int, list[_Shard]] = {}
-        for s in self.shards:
-            if s.buffer is buffer:
-                by_param.setdefault(id(s.p), []).append(s)
         full: dict[int, torch.Tensor] = {}
         for bucket, (lo, hi) in zip(buffer.buckets, buffer.bucket_bounds):
-            part = (hi - lo) // n
-            dtype = bucket.params[0].dtype if what == "param" else torch.float32
-            mine = torch.zeros(part, dtype=dtype, device=buffer.device)
-            own_lo = lo + d * part
-            for p in bucket.params:
-                po = buffer.offset[id(p)]
-                for s in by_param.get(id(p), []):
-                    src = s.main if what == "param" else values[id(s)]
-                    start = po + s.lo - own_lo
-                    mine[start : start + (s.hi - s.lo)] = src
-            gathered = torch.empty(hi - lo, dtype=dtype, device=buffer.device)
-            if n > 1:
+            mine = self._own_part(buffer, bucket, lo, hi, what, values)
+            gathered = torch.empty(hi - lo, dtype=mine.dtype, device=buffer.device)
+            if buffer.group.size > 1:
                 with buffer.group.blocked():
                     all_gather_tensor(gathered, mine, group=buffer.group.pg)
             else:

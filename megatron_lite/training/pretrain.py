@@ -212,7 +212,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
     if fsdp2:
         optimizer = FSDP2Optimizer(ddp, job.optimizer, ctx)
     elif job.optimizer.use_distributed_optimizer:
-        optimizer = DistributedOptimizer(model, ddp, job.optimizer, ctx)
+        optimizer = DistributedOptimizer(
+            model, ddp, job.optimizer, ctx, overlap_param_gather=job.optimizer.overlap_param_gather
+        )
     else:
         optimizer = MixedPrecisionOptimizer(model, ddp.main_grad, job.optimizer, ctx)
     scheduler = LRScheduler(job.optimizer, job.training.train_iters)
@@ -305,6 +307,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
             )
             window = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}
         if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            if hasattr(optimizer, "finish_param_sync"):
+                optimizer.finish_param_sync()
             model.eval()
             valid = _Batches(valid_ds, job, ctx)
             losses = [eval_step(ddp, valid.get(i * gbs), ctx) for i in range(t.eval_iters)]
