@@ -17,7 +17,7 @@ def ring_exchange(tensors: list[torch.Tensor], group: Group) -> tuple[list[torch
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group.pg) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prv, group.pg) for t in received]
-    return received, dist.batch_isend_irecv(ops)
+    return received, dist.batch_isend_irecv(ops)  # one work per op (gloo) or one for the batch (NCCL): wait all
 
 
 def wait(works, group: Group) -> None:

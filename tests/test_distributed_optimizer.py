@@ -30,7 +30,7 @@ def test_distributed_optimizer_equals_single_process(dist, layout):
         _compare(history, ref)
 
 
-def moe_dist_run(config, parallel, gbs, mbs):
+def moe_dist_run(config, parallel, gbs, mbs, overlap_param_gather=False):
     """test_moe.moe_run with the distributed optimizer."""
     from test_moe import ITERS, OPTIM, SEQ
 
@@ -45,8 +45,10 @@ def moe_dist_run(config, parallel, gbs, mbs):
     ctx = get_context(parallel)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234)
-    ddp = DistributedDataParallel(model, ctx, use_distributed_optimizer=True)
-    opt = DistributedOptimizer(model, ddp, OPTIM, ctx)
+    ddp = DistributedDataParallel(
+        model, ctx, use_distributed_optimizer=True, overlap_grad_reduce=overlap_param_gather, bucket_size=3000
+    )
+    opt = DistributedOptimizer(model, ddp, OPTIM, ctx, overlap_param_gather=overlap_param_gather)
     sched = LRScheduler(OPTIM, ITERS)
     data = MockGPTDataset(config.vocab_size, SEQ, seed=3)
     out = []
@@ -74,6 +76,9 @@ def test_distributed_optimizer_with_experts(dist):
     config = moe_config()
     ref = moe_run(config, P(), 8, 2)
     for history in dist(4, moe_dist_run, config, P(expert_model_parallel_size=2), 8, 2):
+        moe_compare(history, ref)
+    # --overlap-param-gather: expert weights are read by the MoE layer, never by their own modules.
+    for history in dist(4, moe_dist_run, config, P(expert_model_parallel_size=2), 8, 2, True):
         moe_compare(history, ref)
 
 
@@ -191,6 +196,13 @@ def test_zero_stage_2_gradient_bytes_per_rank_fall_to_a_quarter(dist):
     for persistent, transient in dist(4, gradient_bytes, 2):
         assert abs(persistent - params / 4) <= 0.10 * params / 4, (persistent, params)
         assert transient < params / 4  # the full gradient exists only a few buckets at a time
+
+
+def test_fsdp2_with_data_parallel_size_one(dist):
+    """TP=2 x DP=1 under FSDP2: singleton data-parallel groups created alike on every rank."""
+    ref = train_run("llama", P(), 4, 4)
+    for history in dist(2, train_run, "llama", P(tensor_model_parallel_size=2), 4, 4, fsdp2=True):
+        _compare(history, ref)
 
 
 FSDP2 = {

@@ -147,17 +147,20 @@ def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> st
     """Rank 0, once every rank's files are in `tmp`: metadata.json (with the index files' checksums), the
     rename to iter_N, and only then the `latest` tracker; then the oldest checkpoints beyond `keep_last`."""
     meta = dict(meta)
-    meta["files"] = {
-        os.path.basename(f): file_digest(f)["sha256"] for f in sorted(glob.glob(os.path.join(tmp, "index_r*.json")))
-    }
+    indexes = sorted(glob.glob(os.path.join(tmp, "index_r*.json")))
+    expected = meta["layout"].get("world_size", 1)
+    if len(indexes) != expected:
+        raise RuntimeError(f"{tmp} holds {len(indexes)} index files for {expected} ranks; not publishing it")
+    meta["files"] = {os.path.basename(f): file_digest(f)["sha256"] for f in indexes}
     atomic_write_json(os.path.join(tmp, "metadata.json"), meta)
     final = iteration_dir(root, meta["iteration"])
     replace_dir(tmp, final)
     atomic_write_text(os.path.join(root, TRACKER), str(meta["iteration"]))
     if keep_last:
-        for old in complete_iterations(root)[:-keep_last]:
-            if old != meta["iteration"]:
-                shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+        # Only checkpoints up to this one count: newer ones belong to a run the tracker was moved back from.
+        upto = [i for i in complete_iterations(root) if i <= meta["iteration"]]
+        for old in upto[:-keep_last]:
+            shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
     return final
 
 
@@ -263,7 +266,8 @@ class AsyncSaver:
 def find_checkpoint(root: str | None) -> str | None:
     """The newest complete checkpoint directory under `root`; None when `root` is missing or empty.
     A directory that holds something else is a one-line error."""
-    if not root or not os.path.isdir(root) or not os.listdir(root):
+    leftovers = (".tmp", ".old", ".partial")  # a save killed before the first checkpoint was published
+    if not root or not os.path.isdir(root) or all(n.endswith(leftovers) for n in os.listdir(root)):
         return None
     try:
         iteration = read_tracker(root)
@@ -275,6 +279,10 @@ def find_checkpoint(root: str | None) -> str | None:
             "--save directory of a run, or at an empty directory to start from scratch"
         )
     path = iteration_dir(root, iteration)
+    if not os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
+        os.path.join(path + ".old", "metadata.json")
+    ):
+        path += ".old"  # killed while a re-save of this iteration swapped directories: the old copy is whole
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise ConfigError(f"--load {root}: {TRACKER} names iteration {iteration} but {path}/metadata.json is missing")
     return path
@@ -421,6 +429,12 @@ def load_checkpoint(
                     t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                     reader.fill(key, t, local_pieces(tuple(p.shape), pmeta))
                     d[kind] = t
+            if "main" not in d and p.dtype != torch.float32:
+                # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
+                # weights are the main weights; read them at full precision, not from the bf16 copy.
+                t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                reader.fill(f"model/{model.global_name(name)}", t, local_pieces(tuple(p.shape), pmeta))
+                d["main"] = t
             values[id(p)] = d
         optimizer.load_full_state(values, meta["adam_step"])
         if scheduler is not None and meta.get("scheduler"):

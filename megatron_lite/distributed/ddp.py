@@ -151,8 +151,12 @@ class GradBuffer:
     def mark_ready(self, p: nn.Parameter, overlap: bool, events: list | None) -> None:
         bucket = self.bucket_of[id(p)]
         bucket.pending.discard(id(p))
-        if self.transient and not bucket.pending:
-            self._reduce_transient(bucket)
+        if self.transient:  # strictly in bucket order on every rank, like the launches below
+            while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+                self._reduce_transient(self.buckets[self._next])
+                self._next += 1
+            if self._next == len(self.buckets):  # this micro-batch is done: the next one starts over
+                self.reset()
         elif overlap:
             self._launch_ready(events, async_op=True)
 
@@ -166,7 +170,6 @@ class GradBuffer:
         else:
             b.shard_grad += b.data
         b.data = None
-        b.pending = {id(p) for p in b.params}
 
     def _launch_ready(self, events: list | None, async_op: bool, force: bool = False) -> None:
         while self._next < len(self.buckets):
@@ -186,8 +189,8 @@ class GradBuffer:
             self._next += 1
 
     def finish(self, events: list | None) -> None:
-        if self.transient:  # buckets whose gradients did not all arrive (unused parameters): reduce them too
-            for b in self.buckets:
+        if self.transient:  # the rest, in order (buckets with unused parameters among them)
+            for b in self.buckets[self._next :]:
                 if b.data is not None:
                     self._reduce_transient(b)
             self.reset()

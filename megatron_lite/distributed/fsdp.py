@@ -45,11 +45,15 @@ class FSDP2Model(nn.Module):
         if not dist.is_initialized():  # one process without torchrun: FSDP2 still needs a (trivial) group
             backend = "nccl" if device_type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        self.mesh = (
-            DeviceMesh.from_group(group.pg, device_type)
-            if group.size > 1
-            else DeviceMesh(device_type, [dist.get_rank() if dist.is_initialized() else 0])
-        )
+        if group.size > 1:
+            self.mesh = DeviceMesh.from_group(group.pg, device_type)
+        elif dist.get_world_size() > 1:
+            # DP = 1 inside a larger job: every rank creates every singleton group, in the same order, as
+            # new_group requires, and keeps its own.
+            singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+            self.mesh = DeviceMesh.from_group(singles[dist.get_rank()], device_type)
+        else:
+            self.mesh = DeviceMesh(device_type, [0])
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
         for chunk in chunks:

@@ -107,8 +107,11 @@ def generate(
                 prompt_logprobs = logp[:-1].gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
             token = _choose(logits[-1], sampling, gen)
             choice[0], choice[1] = token, float(logp[-1, token])
-        if ctx.pp.size > 1:
-            dist.broadcast(choice, ctx.pp.ranks[-1], group=ctx.pp.pg)
+        # One decision for the whole world: the last stage's to every stage, then TP rank 0's and DP rank
+        # 0's to their groups, so no replica can pick (or stop on) a token of its own.
+        for group, src in ((ctx.pp, ctx.pp.ranks[-1]), (ctx.tp, ctx.tp.ranks[0]), (ctx.dp, ctx.dp.ranks[0])):
+            if group.size > 1:
+                dist.broadcast(choice, src, group=group.pg)
         token = int(choice[0])
         generated.append(token)
         logprobs.append(float(choice[1]))

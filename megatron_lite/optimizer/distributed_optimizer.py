@@ -77,10 +77,35 @@ class DistributedOptimizer:
         self._in_flight: dict[int, tuple] = {}  # id(bucket) -> (buffer, bucket, gathered, work)
         self._bucket_of_param = {id(p): (buf, b) for buf in ddp.buffers for b in buf.buckets for p in b.params}
         if overlap_param_gather:
-            for m in model.modules():
-                own = [p for p in m._parameters.values() if p is not None and id(p) in self._bucket_of_param]
-                if own:
-                    m.register_forward_pre_hook(lambda mod, args, own=own: self._wait_for(own))
+            self._register_waits(model)
+
+    def _register_waits(self, model: nn.Module) -> None:
+        """Forward pre-hooks that wait for a module's buckets just before it runs. Some weights are read by
+        an enclosing module without their own module being called: experts (read by the MoE layer's
+        dispatch and grouped GEMM) and the output layer under the fused loss (read by the model). Those are
+        waited for by the enclosing module's hook."""
+        from megatron_lite.moe.layer import MoELayer
+
+        held = self._bucket_of_param
+        covered: set[int] = set()
+
+        def hook(module: nn.Module, params: list) -> None:
+            module.register_forward_pre_hook(lambda mod, args, params=params: self._wait_for(params))
+
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                params = [p for p in m.parameters() if id(p) in held]
+                covered |= {id(p) for p in params}
+                hook(m, params)
+            output = getattr(m, "output_layer", None)
+            if isinstance(output, nn.Module):
+                params = [p for p in output.parameters() if id(p) in held]
+                covered |= {id(p) for p in params}
+                hook(m, params)
+        for m in model.modules():
+            own = [p for p in m._parameters.values() if p is not None and id(p) in held and id(p) not in covered]
+            if own:
+                hook(m, own)
 
     @property
     def loss_scale(self) -> float:

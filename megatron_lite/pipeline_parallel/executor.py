@@ -60,7 +60,10 @@ def run_pipeline(
 
     def flush() -> None:
         if batch:
-            for op, work in zip(batch, dist.batch_isend_irecv(batch)):
+            works = dist.batch_isend_irecv(batch)
+            if len(works) != len(batch):  # NCCL coalesces a batch into one work: it stands for every op
+                works = [works[0]] * len(batch)
+            for op, work in zip(batch, works):
                 if op.op is dist.irecv:
                     recv_works[id(op.tensor)] = work
                 else:
