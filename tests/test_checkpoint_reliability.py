@@ -219,3 +219,38 @@ def test_format_1_checkpoints_still_load(saved, capsys, monkeypatch):
     rc, out, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
     assert rc == 0, err
     assert "loaded" in out and "iteration 3" in out
+
+
+def test_a_killed_first_save_does_not_block_a_restart(tmp_path, capsys, monkeypatch):
+    """Killed during its very first save, a job leaves only iter_N.tmp; rerun with the same --load/--save,
+    it starts from scratch instead of refusing the directory."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000002.tmp").mkdir(parents=True)
+    (ckpt / "iter_0000002.tmp" / "tensors_r00000.safetensors.partial").write_bytes(b"\0" * 10)
+    rc, out, err = _run(["--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt)], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "starting from scratch" in out
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_keep_last_leaves_newer_checkpoints_of_an_abandoned_run(tmp_path):
+    """After the tracker was moved back (to 100), saving 150 with --ckpt-keep-last 2 prunes only among
+    checkpoints up to 150; the abandoned run's 200 and 300 stay for the user to decide."""
+    from megatron_lite.checkpoint.checkpointing import publish
+
+    root = tmp_path / "ckpt"
+    for it in (50, 100, 200, 300):
+        d = root / f"iter_{it:07d}"
+        d.mkdir(parents=True)
+        (d / "metadata.json").write_text("{}")
+    tmp = root / "iter_0000150.tmp"
+    tmp.mkdir()
+    (tmp / "index_r00000.json").write_text('{"tensors": {}, "files": {}}')
+    publish(str(root), str(tmp), {"iteration": 150, "layout": {"world_size": 1}}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "iter_0000100",
+        "iter_0000150",
+        "iter_0000200",
+        "iter_0000300",
+    ]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "150"
