@@ -56,18 +56,20 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group, triton
     """RS(x @ w^T) along the sequence with x [TP * c, batch, k] -> [c, batch, n], this rank's chunk."""
     tp, r = group.size, group.rank
     c = x.shape[0] // tp
-    acc = None
-    for i in range(tp):
+
+    def partial(i: int) -> torch.Tensor:
         j = (r - 1 - i) % tp
-        part = torch.empty((c, *x.shape[1:-1], w.shape[0]), dtype=x.dtype, device=x.device)
-        _mm_into(part, x[j * c : (j + 1) * c], w, triton)
-        if acc is not None:
-            part += acc
-        if i == tp - 1:
-            return part
+        out = torch.empty((c, *x.shape[1:-1], w.shape[0]), dtype=x.dtype, device=x.device)
+        _mm_into(out, x[j * c : (j + 1) * c], w, triton)
+        return out
+
+    part = partial(0)
+    for i in range(1, tp):
         (acc,), works = ring_exchange([part], group)
+        part = partial(i)  # the next chunk's GEMM runs while the running sum travels
         wait(works, group)
-    raise AssertionError("unreachable")
+        part += acc
+    return part
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -86,26 +88,27 @@ class _AllGatherMatmul(torch.autograd.Function):
         # The input chunks go round the ring again (into one buffer, for a single weight-gradient GEMM)
         # while the input gradient is computed chunk by chunk and reduce-scattered round the same ring.
         x_full = torch.empty((tp * c, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        x_cur, acc = x.contiguous(), None
+        x_cur = x.contiguous()
+
+        def partial(i: int) -> torch.Tensor:  # the input gradient's partial sum for chunk (r - 1 - i)
+            j = (r - 1 - i) % tp
+            out = torch.empty((c, *dy.shape[1:-1], w.shape[1]), dtype=dy.dtype, device=dy.device)
+            _mm_into(out, dy[j * c : (j + 1) * c], w.t(), ctx.triton)
+            return out
+
+        part = partial(0)
         for i in range(tp):
             k = (r - i) % tp
             x_full[k * c : (k + 1) * c] = x_cur
-            x_works, x_next = [], None
-            if i < tp - 1:
-                (x_next,), x_works = ring_exchange([x_cur], group)
-            j = (r - 1 - i) % tp
-            part = torch.empty((c, *dy.shape[1:-1], w.shape[1]), dtype=dy.dtype, device=dy.device)
-            _mm_into(part, dy[j * c : (j + 1) * c], w.t(), ctx.triton)
-            if acc is not None:
-                part += acc
-            g_works = []
-            if i < tp - 1:
-                (acc,), g_works = ring_exchange([part], group)
-            wait(x_works + g_works, group)
-            if i < tp - 1:
-                x_cur = x_next
-            else:
-                dx = part
+            if i == tp - 1:
+                break
+            # Both transfers (the input chunk onward, the running sum onward) run under the next GEMM.
+            (x_next, acc), works = ring_exchange([x_cur, part], group)
+            part = partial(i + 1)
+            wait(works, group)
+            part += acc
+            x_cur = x_next
+        dx = part
         dw = dy.reshape(-1, dy.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
         return dx, dw, None, None
 
