@@ -67,7 +67,7 @@ def _state_tensors(model, optimizer) -> dict[str, list]:
     for name, p, meta in named_param_meta(model):
         gname = model.global_name(name)
         # FSDP2 keeps parameters sharded over data parallelism (DTensors): saved as the full tensor.
-        out["model"].append((gname, p.full_tensor() if hasattr(p, "full_tensor") else p, meta))
+        out["model"].append((gname, p.full_tensor().cpu() if hasattr(p, "full_tensor") else p, meta))
         for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
             out[kind].append((gname, t, meta))
     return out
@@ -426,13 +426,13 @@ def load_checkpoint(
             for kind in ("main", "exp_avg", "exp_avg_sq"):
                 key = f"{kind}/{model.global_name(name)}"
                 if key in reader.index:
-                    t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    t = torch.zeros(p.shape, dtype=torch.float32)  # on the host: the optimizer keeps its part
                     reader.fill(key, t, local_pieces(tuple(p.shape), pmeta))
                     d[kind] = t
             if "main" not in d and p.dtype != torch.float32:
                 # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
                 # weights are the main weights; read them at full precision, not from the bf16 copy.
-                t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                t = torch.zeros(p.shape, dtype=torch.float32)
                 reader.fill(f"model/{model.global_name(name)}", t, local_pieces(tuple(p.shape), pmeta))
                 d["main"] = t
             values[id(p)] = d

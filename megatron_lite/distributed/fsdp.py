@@ -148,7 +148,7 @@ class FSDP2Optimizer:
         out = {}
         for p in self.params:
             st = self.inner.state.get(p, {})
-            out[id(p)] = {k: st[k].full_tensor() for k in ("exp_avg", "exp_avg_sq") if k in st}
+            out[id(p)] = {k: st[k].full_tensor().cpu() for k in ("exp_avg", "exp_avg_sq") if k in st}
         return out
 
     @torch.no_grad()
@@ -159,11 +159,14 @@ class FSDP2Optimizer:
         for p in self.params:
             d = values.get(id(p), {})
             if "main" in d:
-                p.copy_(distribute_tensor(d["main"].to(p.dtype), p.device_mesh, p.placements))
+                p.copy_(distribute_tensor(d["main"].to(p.device, p.dtype), p.device_mesh, p.placements))
             if "exp_avg" in d:
                 states[p] = {
                     "step": torch.tensor(float(step)),
-                    **{k: distribute_tensor(d[k], p.device_mesh, p.placements) for k in ("exp_avg", "exp_avg_sq")},
+                    **{
+                        k: distribute_tensor(d[k].to(p.device), p.device_mesh, p.placements)
+                        for k in ("exp_avg", "exp_avg_sq")
+                    },
                 }
         if states:
             _load_adam_state(self.inner, states)

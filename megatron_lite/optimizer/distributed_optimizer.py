@@ -236,7 +236,7 @@ class DistributedOptimizer:
                 if what == "param":
                     p.detach().copy_(flat)
                 else:
-                    full[id(p)] = flat.clone()
+                    full[id(p)] = flat.to("cpu", copy=True)  # staged on the host: one bucket on the device
         return full
 
     # Checkpoint interface ---------------------------------------------------------------------------
