@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import TOKENIZER_TYPES, DataConfig
 from megatron_lite.optimizer.config import DECAY_STYLES, WSD_DECAY_STYLES, OptimizerConfig
@@ -506,94 +507,6 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         for n, (_, why) in ACCEPTED_NO_OPS.items()
         if getattr(ns, n, None) not in (None, False)
     ]
-
-
-# Flags whose value defines the weights: given explicitly with a different value than the checkpoint's, they
-# are an error unless --use-checkpoint-args (then the checkpoint's value wins).
-ARCH_DESTS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "group_query_attention",
-    "num_query_groups",
-    "kv_channels",
-    "max_position_embeddings",
-    "normalization",
-    "norm_epsilon",
-    "swiglu",
-    "openai_gelu",
-    "position_embedding_type",
-    "rotary_base",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "window_size",
-    "untie_embeddings_and_output_weights",
-    "disable_bias_linear",
-    "add_qkv_bias",
-    "make_vocab_size_divisible_by",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
-    "moe_router_enable_expert_bias",
-)
-
-
-def defaults_from_checkpoint(saved: dict) -> dict:
-    """Flag values (argparse dests) of the job that wrote a checkpoint: the model, data, batch, schedule and
-    optimizer settings. The layout, logging and checkpoint flags are not taken over."""
-    m, t, o, d = saved["model"], saved["training"], saved["optimizer"], saved["data"]
-    out = {
-        k: m[k]
-        for k in (
-            "num_layers",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "kv_channels",
-            "max_position_embeddings",
-            "normalization",
-            "norm_epsilon",
-            "position_embedding_type",
-            "rotary_base",
-            "add_qkv_bias",
-            "untie_embeddings_and_output_weights",
-            "make_vocab_size_divisible_by",
-            "init_method_std",
-            "hidden_dropout",
-            "attention_dropout",
-        )
-    }
-    out["group_query_attention"] = m["num_query_groups"] is not None
-    out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
-    out["swiglu"] = m["activation"] == "swiglu"
-    out["openai_gelu"] = m["activation"] == "gelu_tanh"
-    out["use_rope_scaling"] = m["rope_scaling"] is not None
-    if m["rope_scaling"] is not None:
-        out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
-        out["rope_scaling_params"] = m["rope_scaling"]
-    out["window_size"] = m.get("sliding_window")
-    out["disable_bias_linear"] = not m["add_bias_linear"]
-    out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})
-    out.update(
-        {
-            k: t[k]
-            for k in (
-                "micro_batch_size",
-                "global_batch_size",
-                "seq_length",
-                "train_iters",
-                "seed",
-                "log_interval",
-                "eval_interval",
-                "eval_iters",
-            )
-        }
-    )
-    out.update({k: v for k, v in o.items()})
-    out.update({k: v for k, v in d.items() if k != "data_path"})
-    out["data_path"] = list(d["data_path"]) or None
-    return out
 
 
 def _explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
