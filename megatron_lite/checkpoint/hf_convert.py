@@ -157,9 +157,8 @@ def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_hf_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, side_from: list[str]) -> None:
-    """safetensors shards (with an index when more than one), config.json and the side files."""
-    os.makedirs(path, exist_ok=True)
+def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most SHARD_BYTES each (a larger tensor alone in its group)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -169,6 +168,13 @@ def write_hf_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, side
             size = 0
         shards[-1][name] = t.contiguous()
         size += nbytes
+    return shards
+
+
+def write_hf_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, side_from: list[str]) -> None:
+    """safetensors shards (with an index when more than one), config.json and the side files."""
+    os.makedirs(path, exist_ok=True)
+    shards = _shards(tensors)
     names = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -208,23 +214,18 @@ def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict
     tmp = iteration_dir(root, 0) + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    files: list[dict[str, torch.Tensor]] = [{}]
-    index, size = {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if files[-1] and size + nbytes > SHARD_BYTES:
-            files.append({})
-            size = 0
-        fname = f"tensors_r00000_{len(files) - 1:03d}.safetensors"
-        key = f"model/{name}@0"
-        files[-1][key] = t.contiguous()
-        size += nbytes
-        index[f"model/{name}"] = {
-            "shape": list(t.shape),
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "dim": 0,
-            "pieces": [{"file": fname, "key": key, "start": 0, "length": t.shape[0]}],
-        }
+    files = _shards({f"model/{name}@0": t for name, t in tensors.items()})
+    index = {}
+    for i, shard in enumerate(files):
+        for key, t in shard.items():
+            index[key.removesuffix("@0")] = {
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "dim": 0,
+                "pieces": [
+                    {"file": f"tensors_r00000_{i:03d}.safetensors", "key": key, "start": 0, "length": t.shape[0]}
+                ],
+            }
     digests = {}
     for i, shard in enumerate(files):
         fname = f"tensors_r00000_{i:03d}.safetensors"
