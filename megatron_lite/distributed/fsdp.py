@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.optimizer.config import OptimizerConfig
-from megatron_lite.optimizer.optimizer import StepResult, _adamw, _load_adam_state
+from megatron_lite.optimizer.optimizer import StepResult, _adamw, _load_adam_state, squared_norm
 from megatron_lite.parallel_context import Group, ParallelContext
 from megatron_lite.parameters import named_param_meta
 
@@ -118,15 +118,8 @@ class FSDP2Optimizer:
         return 1.0
 
     def grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         mine = [_local(p.grad) for p, c in zip(self.params, self._counted) if c and p.grad is not None]
-        if mine:
-            sq += torch.stack([g.float().norm() for g in mine]).pow(2).sum().double()
-        for g in (self.ctx.dp_cp, self.ctx.mp):
-            if g.size > 1:
-                with g.blocked():
-                    dist.all_reduce(sq, group=g.pg)
-        return float(sq) ** 0.5
+        return squared_norm(mine, self.ctx.device, self.ctx.dp_cp, self.ctx.mp) ** 0.5
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:

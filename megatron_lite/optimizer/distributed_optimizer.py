@@ -15,12 +15,18 @@ distributed optimizer loads without it, under another DP size, and the other way
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.distributed.ddp import DistributedDataParallel, GradBuffer
 from megatron_lite.optimizer.config import OptimizerConfig
-from megatron_lite.optimizer.optimizer import StepResult, _adamw, _load_adam_state, make_scaler
+from megatron_lite.optimizer.optimizer import (
+    StepResult,
+    _adamw,
+    _load_adam_state,
+    any_rank,
+    make_scaler,
+    squared_norm,
+)
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
 from megatron_lite.tensor_parallel.mappings import all_gather_tensor
@@ -111,31 +117,14 @@ class DistributedOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def _sum_over(self, value: torch.Tensor, *groups) -> torch.Tensor:
-        for g in groups:
-            if g.size > 1:
-                with g.blocked():
-                    dist.all_reduce(value, group=g.pg)
-        return value
-
     def grad_norm(self) -> float:
         total = 0.0
         for want_expert, groups in ((False, (self.ctx.dp_cp, self.ctx.mp)), (True, (self.ctx.edp, self.ctx.emp))):
             if want_expert and not self._moe:
                 continue
             mine = [s.grad for s in self.shards if s.counted and s.expert == want_expert]
-            sq = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-            if mine:
-                sq += torch.stack([g.float().norm() for g in mine]).pow(2).sum().double()
-            total += float(self._sum_over(sq, *groups))
+            total += squared_norm(mine, self.ctx.device, *groups)
         return total**0.5
-
-    def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
-        if dist.is_initialized() and self.ctx.world_size > 1:
-            with self.ctx.tp.blocked():
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item() > 0
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -144,7 +133,7 @@ class DistributedOptimizer:
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
             finite = all(bool(torch.isfinite(g).all()) for g in grads)
-            if self._any_rank(not finite):
+            if any_rank(not finite, self.ctx):
                 self.scaler.update(True)
                 return StepResult(False, None, self.scaler.scale)
         norm = self.grad_norm()
@@ -249,7 +238,7 @@ class DistributedOptimizer:
         kinds = {"main": {id(s): s.main for s in self.shards}}
         # Adam state exists once a step has run, on every rank that owns something; ranks owning nothing
         # must still join the same gathers, so all ranks decide together.
-        if self._any_rank(bool(self.inner.state)):
+        if any_rank(bool(self.inner.state), self.ctx):
             for kind in ("exp_avg", "exp_avg_sq"):
                 kinds[kind] = {id(s): self.inner.state[s.main][kind] for s in self.shards}
         for kind, values in kinds.items():

@@ -47,6 +47,27 @@ def _adamw(groups, config: OptimizerConfig, device: torch.device) -> torch.optim
     return torch.optim.AdamW(groups, **kw)
 
 
+def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
+    """Sum of the squares of `grads` (fp64), then summed over each group in turn."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    if grads:
+        sq += torch.stack([g.float().norm() for g in grads]).pow(2).sum().double()
+    for group in groups:
+        if group.size > 1:
+            with group.blocked():
+                dist.all_reduce(sq, group=group.pg)
+    return float(sq)
+
+
+def any_rank(flag: bool, ctx: ParallelContext) -> bool:
+    """True if any rank has the flag: an overflow in any shard skips the step everywhere."""
+    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+    if dist.is_initialized() and ctx.world_size > 1:
+        with ctx.tp.blocked():  # the context's timer (any of its groups)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0
+
+
 def make_scaler(config: OptimizerConfig):
     if not config.fp16:
         return None
@@ -154,22 +175,8 @@ class MixedPrecisionOptimizer:
             if want_expert and not self._moe:
                 continue
             mine = [g for g, c, e in zip(grads, self._counted, self._expert) if c and e == want_expert]
-            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-            if mine:
-                sq += torch.stack([g.float().norm() for g in mine]).pow(2).sum().double()
-            if group.size > 1:
-                with group.blocked():
-                    dist.all_reduce(sq, group=group.pg)
-            total += float(sq)
+            total += squared_norm(mine, grads[0].device, group)
         return total**0.5
-
-    def _any_rank(self, flag: bool, device) -> bool:
-        """True if any rank has the flag: an overflow in any shard skips the step everywhere."""
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        if dist.is_initialized() and self.ctx.world_size > 1:
-            with self.ctx.tp.blocked():  # the context's timer (any of its groups)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item() > 0
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -178,7 +185,7 @@ class MixedPrecisionOptimizer:
             inv = 1.0 / self.scaler.scale
             torch._foreach_mul_(grads, inv)
             finite = all(bool(torch.isfinite(g).all()) for g in grads)
-            if self._any_rank(not finite, grads[0].device):
+            if any_rank(not finite, self.ctx):
                 self.scaler.update(True)
                 return StepResult(False, None, self.scaler.scale)
         norm = self.grad_norm(grads)

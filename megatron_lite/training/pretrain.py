@@ -167,11 +167,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
     source = resolve_data(job.data, log=lambda m: print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True))
     model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
     if ckpt_path is not None:
-        saved_vocab = read_metadata(ckpt_path)["config"]["model"]["vocab_size"]
+        saved = read_metadata(ckpt_path)["config"]
+        saved_vocab = saved["model"]["vocab_size"]
         if source.vocab_size < saved_vocab:  # e.g. Qwen2: the embedding has rows the tokenizer never emits
             say(f"the data's vocabulary ({source.vocab_size}) is smaller than the checkpoint's: using {saved_vocab}")
             model_cfg = dataclasses.replace(model_cfg, vocab_size=saved_vocab)
-        _check_against_checkpoint(read_metadata(ckpt_path)["config"], model_cfg, ckpt_path)
+        _check_against_checkpoint(saved, model_cfg, ckpt_path)
     job = dataclasses.replace(job, model=model_cfg)
     validate_layout(job.model, job.parallel, world_size, job.training)
 
