@@ -8,6 +8,8 @@ EP=1."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.training.wrap import wrap_for_training
 
 from dist_pool import get_context
 from models import llama_config
@@ -56,21 +59,8 @@ def run(
     config = llama_config(num_layers=4, **config_kw)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234 if load is None else 999)  # loading must overwrite every weight
-    if fsdp2:
-        from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
-
-        ddp = FSDP2Model(model, ctx, None)
-        opt = FSDP2Optimizer(ddp, OPTIM, ctx)
-    else:
-        ddp = DistributedDataParallel(model, ctx, use_distributed_optimizer=distributed_optimizer)
-    if fsdp2:
-        pass
-    elif distributed_optimizer:
-        from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
-
-        opt = DistributedOptimizer(model, ddp, OPTIM, ctx)
-    else:
-        opt = MixedPrecisionOptimizer(model, ddp.main_grad, OPTIM, ctx)
+    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=distributed_optimizer, use_torch_fsdp2=fsdp2)
+    ddp, opt = wrap_for_training(model, ctx, optim)
     sched = LRScheduler(OPTIM, TOTAL)
     state = TrainState()
     if load is not None:

@@ -4,6 +4,8 @@ accumulation; optimizer-state bytes per rank fall to 1/DP; its checkpoints load 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_train_equivalence import _compare, train_run
 
@@ -30,88 +32,52 @@ def test_distributed_optimizer_equals_single_process(dist, layout):
         _compare(history, ref)
 
 
-def moe_dist_run(config, parallel, gbs, mbs, overlap_param_gather=False):
-    """test_moe.moe_run with the distributed optimizer."""
-    from test_moe import ITERS, OPTIM, SEQ
-
-    from megatron_lite.data.mock import MockGPTDataset, collate
-    from megatron_lite.data.samplers import micro_batch_indices
-    from megatron_lite.distributed.ddp import DistributedDataParallel
-    from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
-    from megatron_lite.optimizer.lr_scheduler import LRScheduler
-    from megatron_lite.training.step import train_step
-
-    ctx = get_context(parallel)
-    ctx.seed(1234)
-    model = build_model(config, ctx, seed=1234)
-    ddp = DistributedDataParallel(
-        model, ctx, use_distributed_optimizer=True, overlap_grad_reduce=overlap_param_gather, bucket_size=3000
-    )
-    opt = DistributedOptimizer(model, ddp, OPTIM, ctx, overlap_param_gather=overlap_param_gather)
-    sched = LRScheduler(OPTIM, ITERS)
-    data = MockGPTDataset(config.vocab_size, SEQ, seed=3)
-    out = []
-    for it in range(ITERS):
-        idx = micro_batch_indices(it * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
-        m = train_step(ddp, opt, sched, [collate([data[i] for i in ix]) for ix in idx], ctx)
-        out.append(
-            {
-                "lm_loss": m.lm_loss,
-                "grad_norm": m.grad_norm,
-                "aux": m.moe["aux_loss"],
-                "z": m.moe["z_loss"],
-                "dropped": m.moe["dropped_fraction"],
-                "layers": m.moe["layers"],
-            }
-        )
-    return out
-
-
 def test_distributed_optimizer_with_experts(dist):
     """EP=2 inside DP=4: dense state sharded over DP=4, expert state over the expert-data-parallel group."""
+    from test_moe import ITERS, OPTIM, moe_config, moe_run
     from test_moe import _compare as moe_compare
-    from test_moe import moe_config, moe_run
 
     config = moe_config()
     ref = moe_run(config, P(), 8, 2)
-    for history in dist(4, moe_dist_run, config, P(expert_model_parallel_size=2), 8, 2):
+    zero1 = dataclasses.replace(OPTIM, use_distributed_optimizer=True)
+    for history in dist(4, moe_run, config, P(expert_model_parallel_size=2), 8, 2, optim=zero1, bucket_size=3000):
         moe_compare(history, ref)
     # --overlap-param-gather: expert weights are read by the MoE layer, never by their own modules.
-    for history in dist(4, moe_dist_run, config, P(expert_model_parallel_size=2), 8, 2, True):
+    overlapped = dataclasses.replace(zero1, overlap_param_gather=True)
+    for history in dist(4, moe_run, config, P(expert_model_parallel_size=2), 8, 2, ITERS, 0.0, overlapped, True, 3000):
         moe_compare(history, ref)
 
 
-def optimizer_state_bytes(dp: int) -> int:
-    """Optimizer-state bytes on this rank after one step with the distributed optimizer."""
+def one_zero_step(zero_stage: int) -> tuple[int, int, int]:
+    """On this rank after one step with the distributed optimizer (2000-element buckets): optimizer-state
+    bytes, persistent gradient bytes, and the peak of transient full-bucket gradient bytes."""
     import torch
     import torch.distributed as dist
     from test_train_equivalence import OPTIM
 
     from megatron_lite.data.mock import MockGPTDataset, collate
     from megatron_lite.data.samplers import micro_batch_indices
-    from megatron_lite.distributed.ddp import DistributedDataParallel
     from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
     from megatron_lite.optimizer.lr_scheduler import LRScheduler
     from megatron_lite.parallel_context import ParallelContext
     from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
 
     from models import llama_config
 
     ctx = get_context(P()) if dist.is_initialized() else ParallelContext.virtual(P(), device=torch.device("cpu"))
     model = build_model(llama_config(num_layers=2), ctx, seed=1)
-    ddp = DistributedDataParallel(model, ctx, use_distributed_optimizer=True)
-    opt = DistributedOptimizer(model, ddp, OPTIM, ctx)
+    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=True, zero_stage=zero_stage)
+    ddp, opt = wrap_for_training(model, ctx, optim, overlap_grad_reduce=True, bucket_size=2000)
     data = MockGPTDataset(250, 16, seed=1)
     idx = micro_batch_indices(0, 8, 2, ctx.dp.rank, ctx.dp.size)
     train_step(ddp, opt, LRScheduler(OPTIM, 10), [collate([data[i] for i in ix]) for ix in idx], ctx)
-    return opt.state_bytes()
+    return opt.state_bytes(), ddp.grad_bytes(), max(b.peak_transient for b in ddp.buffers)
 
 
 def test_optimizer_state_per_rank_falls_to_a_quarter_at_dp4(dist):
-    one = optimizer_state_bytes(1)
-    per_rank = dist(4, optimizer_state_bytes, 4)
+    one = one_zero_step(1)[0]
+    per_rank = [r[0] for r in dist(4, one_zero_step, 1)]
     for b in per_rank:
         assert abs(b - one / 4) <= 0.05 * one / 4, (b, one)
     assert sum(per_rank) >= one  # nothing is lost: the parts cover every parameter (plus padding)
@@ -152,35 +118,6 @@ def test_zero_stage_2_equals_single_process(dist, layout):
         _compare(history, ref)
 
 
-def gradient_bytes(zero_stage: int) -> tuple[int, int]:
-    """(persistent gradient bytes, peak transient bucket bytes) on this rank after one step, small buckets."""
-    import torch
-    import torch.distributed as dist
-    from test_train_equivalence import OPTIM
-
-    from megatron_lite.data.mock import MockGPTDataset, collate
-    from megatron_lite.data.samplers import micro_batch_indices
-    from megatron_lite.distributed.ddp import DistributedDataParallel
-    from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
-    from megatron_lite.optimizer.lr_scheduler import LRScheduler
-    from megatron_lite.parallel_context import ParallelContext
-    from megatron_lite.training.step import train_step
-
-    from models import llama_config
-
-    ctx = get_context(P()) if dist.is_initialized() else ParallelContext.virtual(P(), device=torch.device("cpu"))
-    model = build_model(llama_config(num_layers=2), ctx, seed=1)
-    ddp = DistributedDataParallel(
-        model, ctx, use_distributed_optimizer=True, zero_stage=zero_stage, overlap_grad_reduce=True, bucket_size=2000
-    )
-    opt = DistributedOptimizer(model, ddp, OPTIM, ctx)
-    data = MockGPTDataset(250, 16, seed=1)
-    idx = micro_batch_indices(0, 8, 2, ctx.dp.rank, ctx.dp.size)
-    train_step(ddp, opt, LRScheduler(OPTIM, 10), [collate([data[i] for i in ix]) for ix in idx], ctx)
-    return sum(b.grad_bytes() for b in ddp.buffers), max(b.peak_transient for b in ddp.buffers)
-
-
 def test_zero_stage_2_gradient_bytes_per_rank_fall_to_a_quarter(dist):
     import torch
 
@@ -191,9 +128,9 @@ def test_zero_stage_2_gradient_bytes_per_rank_fall_to_a_quarter(dist):
 
     model = build_model(llama_config(num_layers=2), ParallelContext.virtual(P(), device=torch.device("cpu")))
     params = sum(p.numel() for p in model.parameters()) * 4  # one fp32 gradient per parameter
-    full, _ = gradient_bytes(1)  # stage 1 on one rank keeps the whole buffer
+    full = one_zero_step(1)[1]  # stage 1 on one rank keeps the whole buffer
     assert full >= params
-    for persistent, transient in dist(4, gradient_bytes, 2):
+    for _, persistent, transient in dist(4, one_zero_step, 2):
         assert abs(persistent - params / 4) <= 0.10 * params / 4, (persistent, params)
         assert transient < params / 4  # the full gradient exists only a few buckets at a time
 

@@ -16,13 +16,12 @@ import torch.distributed as dist
 from megatron_lite.config import ConfigError, ParallelConfig, validate_layout
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
-from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
-from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.training.step import train_step
+from megatron_lite.training.wrap import wrap_for_training
 
 from dist_pool import get_context
 from models import llama_config
@@ -43,7 +42,7 @@ def moe_config(**kw):
     return llama_config(**{**MOE, **kw})
 
 
-def moe_run(config, parallel, gbs, mbs, iters=ITERS, skew=0.0):
+def moe_run(config, parallel, gbs, mbs, iters=ITERS, skew=0.0, optim=OPTIM, overlap=False, bucket_size=None):
     ctx = (
         get_context(parallel)
         if dist.is_initialized()
@@ -56,9 +55,8 @@ def moe_run(config, parallel, gbs, mbs, iters=ITERS, skew=0.0):
             for m in model.modules():
                 if hasattr(m, "router"):
                     m.router.weight[0] += skew
-    ddp = DistributedDataParallel(model, ctx)
-    opt = MixedPrecisionOptimizer(model, ddp.main_grad, OPTIM, ctx)
-    sched = LRScheduler(OPTIM, iters)
+    ddp, opt = wrap_for_training(model, ctx, optim, overlap_grad_reduce=overlap, bucket_size=bucket_size)
+    sched = LRScheduler(optim, iters)
     data = MockGPTDataset(config.vocab_size, SEQ, seed=3)
     out = []
     for it in range(iters):

@@ -15,13 +15,12 @@ from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
-from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
-from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.training.step import train_step
+from megatron_lite.training.wrap import wrap_for_training
 
 from dist_pool import get_context
 from models import CONFIGS
@@ -67,29 +66,15 @@ def train_run(
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234)
-    if fsdp2:
-        from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
-
-        ddp = FSDP2Model(model, ctx, None)
-        opt = FSDP2Optimizer(ddp, optim, ctx)
-    ddp = (
-        ddp
-        if fsdp2
-        else DistributedDataParallel(
-            model,
-            ctx,
-            overlap_grad_reduce=overlap,
-            bucket_size=bucket_size,
-            use_distributed_optimizer=distributed_optimizer,
-            zero_stage=zero_stage,
-        )
+    flags = dict(
+        use_distributed_optimizer=distributed_optimizer,
+        zero_stage=zero_stage,
+        use_torch_fsdp2=fsdp2,
+        overlap_param_gather=overlap_param_gather,
     )
-    if distributed_optimizer:
-        from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
-
-        opt = DistributedOptimizer(model, ddp, optim, ctx, overlap_param_gather=overlap_param_gather)
-    elif not fsdp2:
-        opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
+    ddp, opt = wrap_for_training(
+        model, ctx, dataclasses.replace(optim, **flags), overlap_grad_reduce=overlap, bucket_size=bucket_size
+    )
     sched = LRScheduler(optim, iters)
     dataset = _dataset(data, config.vocab_size)
     history = []

@@ -30,18 +30,15 @@ from megatron_lite.config import ConfigError, ModelConfig, validate_layout
 from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
-from megatron_lite.distributed.ddp import DistributedDataParallel
-from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
 from megatron_lite.models.gpt_model import build_model
-from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
-from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext, initialize
 from megatron_lite.training import memory
 from megatron_lite.training.configs import JobConfig
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.step import eval_step, train_step
+from megatron_lite.training.wrap import wrap_for_training
 
 
 def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> None:
@@ -198,26 +195,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
     model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}), vocabulary {job.model.vocab_size}")
-    ddp = (
-        FSDP2Model(model, ctx, dtype if dtype != torch.float32 else None)
-        if fsdp2
-        else DistributedDataParallel(
-            model,
-            ctx,
-            overlap_grad_reduce=job.training.overlap_grad_reduce,
-            bucket_size=job.training.ddp_bucket_size,
-            use_distributed_optimizer=job.optimizer.use_distributed_optimizer,
-            zero_stage=job.optimizer.zero_stage,
-        )
+    ddp, optimizer = wrap_for_training(
+        model,
+        ctx,
+        job.optimizer,
+        overlap_grad_reduce=job.training.overlap_grad_reduce,
+        bucket_size=job.training.ddp_bucket_size,
+        compute_dtype=dtype if dtype != torch.float32 else None,
     )
-    if fsdp2:
-        optimizer = FSDP2Optimizer(ddp, job.optimizer, ctx)
-    elif job.optimizer.use_distributed_optimizer:
-        optimizer = DistributedOptimizer(
-            model, ddp, job.optimizer, ctx, overlap_param_gather=job.optimizer.overlap_param_gather
-        )
-    else:
-        optimizer = MixedPrecisionOptimizer(model, ddp.main_grad, job.optimizer, ctx)
     scheduler = LRScheduler(job.optimizer, job.training.train_iters)
     state = TrainState()
     if ckpt_path is not None:

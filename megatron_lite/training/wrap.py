@@ -1,0 +1,40 @@
+"""The data-parallel wrapper and optimizer a job trains with, chosen by the optimizer flags: plain DDP +
+mixed-precision AdamW, the distributed optimizer (ZeRO-1/2), or FSDP2 (ZeRO-3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lite.distributed.ddp import DistributedDataParallel
+from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
+from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron_lite.parallel_context import ParallelContext
+
+
+def wrap_for_training(
+    model: nn.Module,
+    ctx: ParallelContext,
+    optim: OptimizerConfig,
+    *,
+    overlap_grad_reduce: bool = False,
+    bucket_size: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+):
+    """(data-parallel wrapper, optimizer). `compute_dtype`: FSDP2's compute dtype (its weights stay fp32)."""
+    if optim.use_torch_fsdp2:
+        ddp = FSDP2Model(model, ctx, compute_dtype)
+        return ddp, FSDP2Optimizer(ddp, optim, ctx)
+    ddp = DistributedDataParallel(
+        model,
+        ctx,
+        overlap_grad_reduce=overlap_grad_reduce,
+        bucket_size=bucket_size,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        zero_stage=optim.zero_stage,
+    )
+    if optim.use_distributed_optimizer:
+        return ddp, DistributedOptimizer(model, ddp, optim, ctx, overlap_param_gather=optim.overlap_param_gather)
+    return ddp, MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
