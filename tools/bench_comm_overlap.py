@@ -19,22 +19,16 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _world import spawn  # tools/_world.py, beside this script
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336)
 
 
-def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
-    torch.set_num_threads(max(1, args.threads // world))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, args) -> list[dict]:
     from megatron_lite.config import ModelConfig, ParallelConfig
     from megatron_lite.models.transformer import TransformerLayer
     from megatron_lite.parallel_context import ParallelContext
@@ -96,10 +90,7 @@ def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
             }
         )
         del layer
-    if rank == 0:
-        json.dump(rows, open(out_path, "w"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def gemm_decomposition(args) -> dict:
@@ -172,10 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     result: dict = {}
     if not args.skip_layer:
-        with tempfile.TemporaryDirectory() as tmp:
-            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "rows.json")
-            mp.start_processes(_worker, args=(args.tp, init, args, out), nprocs=args.tp, start_method="spawn")
-            rows = json.load(open(out))
+        rows = spawn(_worker, args.tp, args)
         result["layer"] = rows
         plain, ovl = rows
         print(f"Llama-3-8B-shaped layer, TP={args.tp} + SP, seq {args.seq_length}, {args.device}, fwd+bwd")

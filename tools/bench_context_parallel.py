@@ -17,12 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _world import spawn  # tools/_world.py, beside this script
 
 
 def _saved_bytes(params: set[int]):
@@ -38,12 +37,7 @@ def _saved_bytes(params: set[int]):
     return seen, pack, lambda t: t
 
 
-def _worker(rank: int, world: int, init: str, args, comm: str, out_path: str) -> None:
-    torch.set_num_threads(max(1, args.threads // world))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, args, comm: str) -> dict:
     from megatron_lite.config import ModelConfig, ParallelConfig
     from megatron_lite.context_parallel.zigzag import slice_batch
     from megatron_lite.models.gpt_model import build_model
@@ -91,11 +85,7 @@ def _worker(rank: int, world: int, init: str, args, comm: str, out_path: str) ->
         model.zero_grad(set_to_none=True)
     peak = torch.tensor([float(activation)], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        row = {"cp": world, "comm": comm, "activation_bytes": int(peak.item()), "step_s": statistics.median(times)}
-        json.dump(row, open(out_path, "w"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"cp": world, "comm": comm, "activation_bytes": int(peak.item()), "step_s": statistics.median(times)}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -116,13 +106,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for cp in args.cp:
         for comm in args.comm if cp > 1 else ["none"]:
-            with tempfile.TemporaryDirectory() as tmp:
-                init, out = os.path.join(tmp, "init"), os.path.join(tmp, "row.json")
-                c = comm if cp > 1 else "p2p"
-                mp.start_processes(_worker, args=(cp, init, args, c, out), nprocs=cp, start_method="spawn")
-                row = json.load(open(out))
-                row["comm"] = comm
-                rows.append(row)
+            row = spawn(_worker, cp, args, comm if cp > 1 else "p2p")
+            row["comm"] = comm
+            rows.append(row)
     base = next((r for r in rows if r["cp"] == 1), rows[0])
     print(f"sequence {args.seq_length}, hidden {args.hidden_size}, {args.num_layers} layers, {args.device}")
     print(f"{'CP':>3}  {'comm':>9}  {'activations/rank':>17}  {'vs CP=1':>8}  {'ideal 1/CP':>10}  {'step (s)':>9}")

@@ -14,20 +14,14 @@ import dataclasses
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _world import spawn  # tools/_world.py, beside this script
 
 
-def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
-    torch.set_num_threads(max(1, args.threads // world))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, args) -> list[dict]:
     from megatron_lite.config import ModelConfig, ParallelConfig
     from megatron_lite.moe.layer import MoELayer
     from megatron_lite.parallel_context import ParallelContext
@@ -69,10 +63,7 @@ def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
                 times.append(time.perf_counter() - t0)
         step = statistics.median(times)
         rows.append({"dispatcher": kind, "ep": world, "step_s": step, "tokens_per_s": args.tokens * world / step})
-    if rank == 0:
-        json.dump(rows, open(out_path, "w"))
-    dist.barrier()  # gloo aborts at exit ("terminate called ...") if a rank leaves while a peer still talks
-    dist.destroy_process_group()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -91,10 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     rows = []
     for ep in args.ep:
-        with tempfile.TemporaryDirectory() as tmp:
-            init, out = os.path.join(tmp, "init"), os.path.join(tmp, "rows.json")
-            mp.start_processes(_worker, args=(ep, init, args, out), nprocs=ep, start_method="spawn")
-            rows += json.load(open(out))
+        rows += spawn(_worker, ep, args)
     print(f"{'EP':>3}  {'alltoall tok/s':>15}  {'allgather tok/s':>16}  {'alltoall / allgather':>21}")
     for ep in args.ep:
         a2a = next(r for r in rows if r["ep"] == ep and r["dispatcher"] == "alltoall")
