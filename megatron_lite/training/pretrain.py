@@ -38,7 +38,7 @@ from megatron_lite.training.configs import JobConfig
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.step import eval_step, train_step
-from megatron_lite.training.wrap import wrap_for_training
+from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
 
 def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> None:
@@ -121,33 +121,7 @@ class _Batches:
 def run(job: JobConfig, notes: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(job.model, job.parallel, world_size, job.training)
-    if (
-        job.optimizer.use_distributed_optimizer
-        and (job.training.overlap_grad_reduce or job.optimizer.zero_stage >= 2)
-        and job.parallel.pp > 1
-        and job.model.tied_embeddings
-    ):
-        flag = "--zero-stage 2" if job.optimizer.zero_stage >= 2 else "--overlap-grad-reduce"
-        raise ConfigError(
-            f"--use-distributed-optimizer with {flag} and embeddings tied across pipeline stages is not supported "
-            f"yet; drop {flag} or add --untie-embeddings-and-output-weights"
-        )
-    if job.optimizer.use_torch_fsdp2:
-        p = job.parallel
-        unsupported = [
-            f"{flag} {value}"
-            for flag, value, ok in (
-                ("--pipeline-model-parallel-size", p.pp, p.pp == 1),
-                ("--context-parallel-size", p.cp, p.cp == 1),
-                ("--num-experts", job.model.num_experts, job.model.num_experts is None),
-                ("--overlap-grad-reduce", True, not job.training.overlap_grad_reduce),
-            )
-            if not ok
-        ]
-        if unsupported:
-            raise ConfigError(
-                f"--use-torch-fsdp2 composes with tensor and data parallelism only so far; not with {unsupported[0]}"
-            )
+    validate_sharding(job.model, job.parallel, job.training, job.optimizer)
     job.optimizer.validate_schedule(job.training.train_iters)
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -6,12 +6,45 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
+
+
+def validate_sharding(
+    model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, optim: OptimizerConfig
+) -> None:
+    """What the distributed optimizer and FSDP2 do not compose with yet (also the planner's filter)."""
+    if (
+        optim.use_distributed_optimizer
+        and (training.overlap_grad_reduce or optim.zero_stage >= 2)
+        and parallel.pp > 1
+        and model.tied_embeddings
+    ):
+        flag = "--zero-stage 2" if optim.zero_stage >= 2 else "--overlap-grad-reduce"
+        raise ConfigError(
+            f"--use-distributed-optimizer with {flag} and embeddings tied across pipeline stages is not supported "
+            f"yet; drop {flag} or add --untie-embeddings-and-output-weights"
+        )
+    if optim.use_torch_fsdp2:
+        unsupported = [
+            f"{flag} {value}"
+            for flag, value, ok in (
+                ("--pipeline-model-parallel-size", parallel.pp, parallel.pp == 1),
+                ("--context-parallel-size", parallel.cp, parallel.cp == 1),
+                ("--num-experts", model.num_experts, model.num_experts is None),
+                ("--overlap-grad-reduce", True, not training.overlap_grad_reduce),
+            )
+            if not ok
+        ]
+        if unsupported:
+            raise ConfigError(
+                f"--use-torch-fsdp2 composes with tensor and data parallelism only so far; not with {unsupported[0]}"
+            )
 
 
 def wrap_for_training(

@@ -1,0 +1,211 @@
+"""Step time of a layout from a cost model: one global set of efficiency constants, nothing per model.
+
+Per micro-batch and pipeline stage, each transformer layer costs (forward + backward = 3x the forward's
+GEMMs; +1 forward per recomputed part):
+  GEMMs        2 m k n FLOPs at EFF.gemm of the peak, plus moving their operands at EFF.memory of the memory
+               bandwidth (the second term is what makes narrow models slower per FLOP)
+  attention    the causal half of q.k^T and p.v (forward 2 s q per token, backward 2.5x) at EFF.attention
+  elementwise  norms, RoPE, activation, residuals and dropout: ELEMENTWISE_PASSES reads/writes of the
+               hidden state per layer at EFF.memory of the memory bandwidth
+  launches     OPS_PER_LAYER operators, each costing the accelerator's launch time
+  TP           sequence parallelism: 4 all-gathers + 4 reduce-scatters of the layer's activations
+               (all-reduces without SP), exposed unless --tp-comm-overlap hides EFF.tp_overlap of them
+  CP           ring attention passes K and V around the ring under the attention compute
+  EP           two all-to-alls forward, two backward, of each token's top-k copies
+Then: the pipeline bubble (p - 1) / (v m) of the compute, p2p sends, the data-parallel gradient reduction
+(and parameter all-gather for ZeRO/FSDP) exposed beyond the backward it overlaps, and the optimizer step
+(memory-bound). Collectives run over NVLink while their group stays inside a node, else the network, at
+EFF.comm of the link's bandwidth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.planner.hardware import Cluster
+from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.memory import stage_params
+from megatron_lite.training.flops import flops_per_token
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    gemm: float = 0.65  # of peak FLOP/s
+    attention: float = 0.50
+    memory: float = 0.80  # of memory bandwidth
+    comm: float = 0.75  # of link bandwidth
+    tp_overlap: float = 0.6  # share of TP communication hidden with --tp-comm-overlap
+    dp_overlap: float = 0.9  # share of the backward the gradient reduction can hide under
+    contention: float = 0.1  # communication hidden under compute still slows it by this share of its time
+
+
+EFF = Efficiency()
+OPS_PER_LAYER = {"triton": 40, "torch": 150}  # operators launched per layer, forward and backward
+
+
+def elementwise_values(model: ModelConfig, tp: int, sp: bool) -> float:
+    """Values read and written per token by one layer's forward outside GEMMs and attention (the backward
+    moves about twice as many). Fused kernels (ours, Transformer Engine, torch.compile) read and write each
+    tensor once per op; eager PyTorch runs every step of a norm, RoPE or activation as its own kernel, with
+    fp32 upcasts in the norms."""
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.query_groups * d
+    f = model.ffn_size if not model.num_experts else model.moe_ffn_size * model.moe_router_topk
+    swiglu = model.activation == "swiglu"
+    rope = model.position_embedding_type == "rope"
+    norm_div = tp if sp else 1
+    if model.kernel_impl == "triton":
+        norms = 2 * 3 * h  # read x (+ residual), write y (+ sum)
+        act = 3 * f / tp if swiglu else 2 * f / tp
+        rot = 2 * (q + kv) / tp if rope else 0
+        residual = 3 * h + (2 * h if model.hidden_dropout else 0)
+        return norms / norm_div + act + rot + residual / norm_div
+    norms = 2 * 14 * h  # upcast, square, mean, rsqrt, scale, downcast, weight (fp32 steps count double)
+    act = 5 * f / tp if swiglu else 4 * f / tp
+    rot = 10 * (q + kv) / tp if rope else 0
+    layout_copies = 4 * (2 * q + 2 * kv) / tp  # [s, b, heads, d] <-> [b, heads, s, d] around attention
+    residual = 6 * h + (4 * h if model.hidden_dropout else 0)
+    return norms / norm_div + act + rot + layout_copies + residual / norm_div
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float  # all micro-batches through the busiest stage, recomputation included
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    bubble: float
+    pp_comm: float
+    dp_comm: float  # exposed part
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.bubble + self.pp_comm + self.dp_comm
+        ) + self.optimizer
+
+
+def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency) -> float:
+    g = cl.gpu
+    return 2 * m * k * n / (g.peak_flops * eff.gemm) + a * (m * k + k * n + m * n) / (g.memory_bandwidth * eff.memory)
+
+
+def _ring(bytes_: float, size: int, span: int, cl: Cluster, eff: Efficiency) -> float:
+    """An all-gather or reduce-scatter of a `bytes_` tensor over `size` ranks (all-reduce = 2 of them)."""
+    if size <= 1:
+        return 0.0
+    return (size - 1) / size * bytes_ / (cl.bandwidth(span) * eff.comm) + (size - 1) * cl.link_latency
+
+
+def step_time(
+    model: ModelConfig,
+    layout: Layout,
+    seq_length: int,
+    global_batch_size: int,
+    cl: Cluster,
+    bf16: bool = True,
+    tp_comm_overlap: bool = False,
+    eff: Efficiency = EFF,
+) -> StepTime:
+    a = 2 if bf16 else 4
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.query_groups * d
+    tp, cp, pp, vp, ep = layout.tp, layout.cp, layout.pp, layout.vp, layout.ep
+    m = layout.micro_batch_size * seq_length / cp  # tokens of a micro-batch on this rank
+    swiglu = model.activation == "swiglu"
+    g = cl.gpu
+
+    # The busiest stage: the one with most layers, plus the output layer on the last
+    stages = [stage_params(model, layout, r) for r in range(pp)] if pp > 1 else [stage_params(model, layout, 0)]
+    per_stage = []
+    for r, st in enumerate(stages):
+        fwd = 0.0  # one micro-batch's forward
+        recompute_fwd = 0.0
+        attn_total = 0.0
+        for layer in st.layers:
+            attn = _gemm(m, h, (q + 2 * kv) / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
+            if model.is_moe_layer(layer):
+                f, k = model.moe_ffn_size, model.moe_router_topk
+                mlp = _gemm(m, h, model.num_experts, a, cl, eff)
+                mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m * k, f / tp, h, a, cl, eff)
+            else:
+                f = model.ffn_size
+                mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m, f / tp, h, a, cl, eff)
+            # causal attention over the whole sequence (this rank's queries see all earlier keys)
+            core = 2 * m * seq_length * q / tp / (g.peak_flops * eff.attention)
+            if model.sliding_window:
+                core *= min(1.0, 2 * model.sliding_window / seq_length)
+            elem = elementwise_values(model, tp, layout.sp) * m * a / (g.memory_bandwidth * eff.memory)
+            fwd += attn + mlp + core + elem + OPS_PER_LAYER[model.kernel_impl] / 3 * g.launch_seconds
+            attn_total += core
+            if layout.recompute == "full":
+                recompute_fwd += attn + mlp + core + elem
+            elif layout.recompute == "selective":
+                recompute_fwd += core
+            elif layout.recompute == "op":  # torchtitan's per-op policy: every other matmul, all elementwise
+                recompute_fwd += (attn + mlp) / 2 + elem
+        if r == pp - 1:
+            vocab = model.padded_vocab_size(tp) / tp
+            fwd += _gemm(m, h, vocab, a, cl, eff) + m * vocab * 4 / (g.memory_bandwidth * eff.memory)
+        # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
+        per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
+        per_stage.append((per_mb, st))
+    per_mb, st = max(per_stage, key=lambda x: x[0])
+    micro = max(layout.micro_batches(global_batch_size), 1)
+    compute = micro * per_mb
+    bubble = (pp - 1) / (vp * micro) * compute if pp > 1 else 0.0
+
+    layers = len(st.layers)
+    act = m * h * a  # one micro-batch's hidden states on this rank (full sequence part)
+    tp_comm = 0.0
+    if tp > 1:
+        per_layer = 8 * _ring(act, tp, tp, cl, eff)  # SP: 4 AG + 4 RS; without SP: 4 all-reduces = 8 rings
+        tp_comm = micro * layers * per_layer * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
+    cp_comm = 0.0
+    if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
+        block = 2 * m * kv / tp * a
+        ring = 3 * (cp - 1) * block / (cl.bandwidth(tp * cp) * eff.comm)
+        attn_time = 3.5 * 2 * m * seq_length * q / tp / (g.peak_flops * eff.attention)
+        # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
+        merge = 3 * (cp - 1) * 3 * m * q / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
+        cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
+    ep_comm = 0.0
+    if model.num_experts and ep > 1:
+        moe_layers = sum(1 for i in st.layers if model.is_moe_layer(i))
+        tokens = m * model.moe_router_topk * h * a / (tp if layout.sp else 1)
+        ep_comm = micro * moe_layers * 4 * _ring(tokens, ep, tp * ep, cl, eff)
+    pp_comm = 0.0
+    if pp > 1:
+        send = act / (tp if layout.sp else 1)
+        pp_comm = 2 * micro * vp * (send / (cl.bandwidth(cl.gpus_per_node + 1) * eff.comm) + cl.link_latency)
+
+    # Data parallelism: fp32 gradients reduced once per step, after the last micro-batch's backward
+    # (with FSDP2, parameters gathered and gradients reduced per micro-batch, layer by layer).
+    dp_cp = layout.dp * cp
+    span = tp * dp_cp
+    n = st.total
+    grads = 4 * n
+    if layout.sharding == "none":
+        comm = 2 * _ring(grads, dp_cp, span, cl, eff)
+    elif layout.sharding in ("dist-opt", "zero2"):
+        comm = _ring(grads, dp_cp, span, cl, eff) + _ring(a * n, dp_cp, span, cl, eff)
+    else:  # fsdp2: all-gather for forward and backward, reduce-scatter, every micro-batch
+        comm = micro * (2 * _ring(a * n, dp_cp, span, cl, eff) + _ring(grads, dp_cp, span, cl, eff))
+    # gradients reduce under the last micro-batch's backward; ZeRO's parameter all-gather under the next
+    # step's first forward; FSDP2 gathers and reduces layer by layer under the whole step's compute
+    window = {"none": 2 / 3, "dist-opt": 1.0, "zero2": 1.0}.get(layout.sharding)
+    hide = eff.dp_overlap * (compute if window is None else per_mb * window)
+    dp_comm = max(0.0, comm - hide) + eff.contention * min(comm, hide) if dp_cp > 1 else 0.0
+    # optimizer: read grads and moments, write moments, main and weights (~28 bytes per local parameter)
+    local = n / dp_cp if layout.sharding != "none" else n
+    optimizer = 28 * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
+    return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
+
+
+def throughput(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, t: StepTime, cl: Cluster):
+    """(tokens/s per GPU, model TFLOP/s per GPU, MFU)."""
+    tokens = global_batch_size * seq_length
+    tps = tokens / t.total / layout.world
+    flops = flops_per_token(model, seq_length) * tps
+    return tps, flops / 1e12, flops / cl.gpu.peak_flops

@@ -1,0 +1,80 @@
+"""One candidate way to run a job: the parallel sizes, how weights and optimizer state are sharded across
+data-parallel ranks, recomputation, and the batch geometry."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
+
+SHARDINGS = ("none", "dist-opt", "zero2", "fsdp2")  # DDP, ZeRO-1, ZeRO-2, ZeRO-3 through FSDP2
+RECOMPUTES = ("none", "selective", "full")  # what we run; "op" (torchtitan's per-op policy) is priced only
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sharding: str = "none"
+    recompute: str = "none"
+    micro_batch_size: int = 1
+    sequence_parallel: bool = True  # with TP > 1 (Megatron's recommendation; off only when asked)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vp if self.vp > 1 else None,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            sequence_parallel=self.sp,
+        )
+
+    def training_config(self, global_batch_size: int, seq_length: int) -> TrainingConfig:
+        return TrainingConfig(
+            micro_batch_size=self.micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length
+        )
+
+    def model_config(self, model: ModelConfig) -> ModelConfig:
+        """The model as this layout runs it: Megatron's recomputation flags."""
+        if self.recompute == "none":
+            return dataclasses.replace(
+                model, recompute_granularity=None, recompute_method=None, recompute_num_layers=None
+            )
+        if self.recompute == "selective":
+            return dataclasses.replace(
+                model, recompute_granularity="selective", recompute_method=None, recompute_num_layers=None
+            )
+        return dataclasses.replace(
+            model, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+
+    def micro_batches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.micro_batch_size * self.dp)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}" + ("+SP" if self.sp else ""), f"PP{self.pp}"]
+        if self.vp > 1:
+            parts.append(f"VP{self.vp}")
+        parts += [f"DP{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        parts.append({"none": "ddp", "dist-opt": "zero1", "zero2": "zero2", "fsdp2": "fsdp2"}[self.sharding])
+        parts.append(f"recompute={self.recompute}")
+        parts.append(f"mbs={self.micro_batch_size}")
+        return " ".join(parts)

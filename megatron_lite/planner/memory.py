@@ -1,0 +1,257 @@
+"""Memory per GPU of a layout, from the model's dimensions alone (no model is built).
+
+Parameters are counted as our layers hold them (vocabulary padded to a multiple of
+make_vocab_size_divisible_by x TP, grouped-query QKV split by query group, a tied output layer copied onto
+the last pipeline stage). Gradients live in an fp32 buffer; Adam keeps two fp32 moments plus an fp32 main
+copy of low-precision weights (the distributed optimizer always keeps its own fp32 copy of its shard).
+
+Activations are the tensors autograd saves for the backward, per token of one micro-batch, counted from our
+own layers the way `training/memory.py`'s meter counts them (each storage once). The terms, in values per
+token and layer (h hidden, q = heads x head_dim, kv = groups x head_dim, f the FFN size):
+  norm (each of two)   RMSNorm: input and normalised input (2h) + 1/rms (fp32); LayerNorm: input + mean, 1/std
+                       (the Triton kernels save only the input and their statistics)
+  linear inputs        the normalised input fed to QKV and fc1 (2h), all-gathered (full sequence) under SP
+  attention (/TP)      Triton flash: roped q and k, v, output, output copy for the projection, log-sum-exp;
+                       PyTorch SDPA: the same with k and v expanded to every query head (grouped-query), or
+                       the fused QKV output itself when there is no RoPE
+  MLP (/TP)            SwiGLU: fc1 output (2f), SiLU output and fc2 input (PyTorch 4f; Triton saves gate, up
+                       and fc2 input, 3f); GELU: fc1 output and fc2 input (2f)
+Norm terms are divided by TP under sequence parallelism. Full recomputation keeps only each layer's input;
+selective recomputation (core attention) keeps q, k, v instead of the attention's outputs. Pipeline
+schedules keep several micro-batches alive: the count comes from the schedule itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig, stage_layer_counts
+from megatron_lite.planner.layout import Layout
+
+ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
+MAIN_COPY = 4  # fp32 main weights
+
+
+@dataclass(frozen=True)
+class StageParams:
+    dense: int  # parameters sharded over the data-parallel group (x CP)
+    expert: int  # expert parameters, sharded over the expert-data-parallel group
+    layers: tuple[int, ...]  # global numbers of the layers this rank runs
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def _mlp_params(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> int:
+    fc1 = f * (2 if swiglu else 1) // tp
+    return h * fc1 + f // tp * h + ((fc1 + h) if bias else 0)
+
+
+def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer on one rank."""
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.query_groups * d
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    qkv_bias = model.add_bias_linear or model.add_qkv_bias
+    attn = h * (q + 2 * kv) // tp + ((q + 2 * kv) // tp if qkv_bias else 0) + q // tp * h
+    attn += h if model.add_bias_linear else 0
+    swiglu = model.activation == "swiglu"
+    if not model.is_moe_layer(layer):
+        return 2 * norm + attn + _mlp_params(h, model.ffn_size, swiglu, model.add_bias_linear, tp), 0
+    e = model.num_experts
+    dense = 2 * norm + attn + e * h + (e if model.moe_router_enable_expert_bias else 0)
+    if model.moe_shared_expert_intermediate_size:
+        dense += _mlp_params(h, model.moe_shared_expert_intermediate_size, swiglu, model.add_bias_linear, tp)
+    expert = e // ep * _mlp_params(h, model.moe_ffn_size, swiglu, False, tp)
+    return dense, expert
+
+
+def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
+    """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
+    h, tp = model.hidden_size, layout.tp
+    counts = stage_layer_counts(model.num_layers, layout.parallel_config())
+    dense = expert = 0
+    layers: list[int] = []
+    first_layer = 0
+    for vstage, n in enumerate(counts):
+        if vstage % layout.pp == pp_rank:
+            for layer in range(first_layer, first_layer + n):
+                a, b = layer_params(model, layer, tp, layout.ep)
+                dense, expert = dense + a, expert + b
+                layers.append(layer)
+        first_layer += n
+    vocab = model.padded_vocab_size(tp) // tp * h
+    if pp_rank == 0:
+        dense += vocab
+        if model.position_embedding_type == "learned_absolute":
+            dense += model.max_position_embeddings * h
+    if pp_rank == layout.pp - 1:
+        dense += h * (2 if model.normalization == "LayerNorm" else 1)
+        if model.untie_embeddings_and_output_weights or layout.pp > 1:
+            dense += vocab  # the output layer, or the last stage's copy of the tied embedding
+    return StageParams(dense, expert, tuple(layers))
+
+
+def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str) -> float:
+    """Bytes saved per token (of this rank's sequence part) by one transformer layer; `a` bytes per value."""
+    h, d = model.hidden_size, model.head_dim
+    q, kv, heads = model.num_attention_heads * d, model.query_groups * d, model.num_attention_heads
+    tp, sp, triton = layout.tp, layout.sp, model.kernel_impl == "triton"
+    rope = model.position_embedding_type == "rope"
+    norm_div = tp if sp else 1
+    if recompute == "full":
+        return h * a / norm_div
+    rms = model.normalization == "RMSNorm"
+    if triton:
+        norm = h * a + 8
+    else:
+        norm = 2 * h * a + 4 if rms else h * a + 8
+    total = 2 * norm / norm_div + 2 * h * a  # two norms, and the inputs of QKV and fc1
+    if recompute == "selective":  # the checkpoint keeps q, k, v (v, or all three, views of the QKV output)
+        attn = ((q + kv if rope else 0) + (q + 2 * kv) + q) * a
+    elif triton:
+        attn = (3 * q + 2 * kv) * a + heads * 4
+    elif rope:
+        kv_saved = kv + (q + 2 * kv) if kv == q else 2 * q  # MHA: k roped, v a view of QKV; GQA: expanded
+        attn = (q + kv_saved + 2 * q) * a + heads * 4
+    else:
+        attn = (q + 2 * kv) * a + q * a + heads * 4 + (0 if model.add_bias_linear else q * a)
+    swiglu = model.activation == "swiglu"
+    if model.is_moe_layer(layer):
+        f, k = model.moe_ffn_size, model.moe_router_topk
+        per = ((3 if triton else 4) * f if swiglu else 2 * f) * a / tp
+        # router scores (fp32), then each token's top-k copies through an expert (expected, balanced)
+        total += attn / tp + model.num_experts * 4 * 3 + k * (2 * h * a + per)
+    else:
+        f = model.ffn_size
+        total += (attn + ((3 if triton else 4) * f if swiglu else 2 * f) * a) / tp
+    if model.hidden_dropout > 0:
+        total += 2 * h / norm_div  # one byte per element of each dropout mask
+    return total
+
+
+def _chunk_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list[int]]:
+    """The global layer numbers of each model chunk (virtual stage chunk * PP + pp_rank) on this rank."""
+    counts = stage_layer_counts(model.num_layers, layout.parallel_config())
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [
+        list(range(starts[c * layout.pp + pp_rank], starts[c * layout.pp + pp_rank] + counts[c * layout.pp + pp_rank]))
+        for c in range(layout.vp)
+    ]
+
+
+def activation_bytes(
+    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, micro: int, bf16: bool
+) -> float:
+    """Peak of the activations one rank of pipeline stage `pp_rank` keeps for the backward, following its
+    schedule: each forward of a chunk adds that chunk's activations until the matching backward."""
+    from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, build_schedule
+
+    a = 2 if bf16 else 4
+    tokens = seq_length // layout.cp * layout.micro_batch_size
+    h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
+    chunk_bytes = []
+    for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
+        per_token = sum(layer_activation_bytes(model, layout, a, i, layout.recompute) for i in layers)
+        if model.position_embedding_type == "rope" and layout.recompute != "full":
+            per_token += 2 * model.head_dim * 4  # cos and sin of every position, fp32
+        if c == 0 and pp_rank == 0:
+            per_token += 8  # input ids
+        if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
+            if model.kernel_impl == "triton":
+                per_token += (h * a + 8) / norm_div + h * a + 8  # the fused loss keeps its input and labels
+            else:
+                norm = 2 * h * a + 4 if model.normalization == "RMSNorm" else h * a + 8
+                vocab = model.padded_vocab_size(layout.tp) // layout.tp
+                per_token += norm / norm_div + h * a + vocab * 4 + 10  # logits (fp32), labels and masks
+        chunk_bytes.append(per_token * tokens)
+    if layout.pp == 1:
+        return chunk_bytes[0]  # micro-batches run forward and backward one after another
+    # A received input is saved by the chunk's first op; the executor still holds it until the chunk's next
+    # backward has run, so it outlives its micro-batch's other activations by one backward.
+    received = [0.0 if (c == 0 and pp_rank == 0) else h * a / norm_div * tokens for c in range(layout.vp)]
+    live = peak = 0.0
+    held = [0.0] * layout.vp
+    for action in build_schedule(layout.pp, layout.vp, micro, pp_rank):
+        c = action.chunk
+        if action.kind == FORWARD:
+            live += chunk_bytes[c]
+            peak = max(peak, live)
+        elif action.kind == BACKWARD:
+            live -= chunk_bytes[c] - received[c] + held[c]
+            held[c] = received[c]
+    return peak
+
+
+def recompute_transient_bytes(model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, bf16: bool) -> float:
+    """With recomputation, one layer's activations are rebuilt at a time during the backward (inside the
+    checkpoint, where the activation meter does not see them)."""
+    layers = stage_params(model, layout, pp_rank).layers
+    if layout.recompute == "none" or not layers:
+        return 0.0
+    a, i = 2 if bf16 else 4, layers[-1]
+    tokens = seq_length // layout.cp * layout.micro_batch_size
+    rebuilt = layer_activation_bytes(model, layout, a, i, "none") - layer_activation_bytes(
+        model, layout, a, i, layout.recompute
+    )
+    return rebuilt * tokens
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for the backward, at the schedule's peak
+    transient: float = 0.0  # rebuilt by recomputation, or FSDP2's gathered layers
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "mem_params_bytes": self.params,
+            "mem_grads_bytes": self.grads,
+            "mem_optimizer_bytes": self.optimizer,
+            "mem_activations_bytes": self.activations,
+        }
+
+
+def rank_memory(
+    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool, pp_rank: int
+) -> Memory:
+    """Bytes held by one rank of pipeline stage `pp_rank`."""
+    counts = stage_params(model, layout, pp_rank)
+    dp_cp = layout.dp * layout.cp
+    edp = max(dp_cp * layout.tp // (layout.tp * layout.ep), 1)  # expert-data-parallel (expert TP = TP)
+    param_bytes = 2 if bf16 else 4
+    if layout.sharding == "fsdp2":
+        # fp32 shards; bf16 copies are gathered a layer at a time for compute
+        params = 4 * (counts.dense / dp_cp + counts.expert / edp)
+        grads = params
+        optimizer = ADAM_MOMENTS / 4 * params
+    else:
+        params = param_bytes * counts.total
+        grads = 4 * counts.total
+        if layout.sharding == "zero2":
+            grads = 4 * (counts.dense / dp_cp + counts.expert / edp)
+        if layout.sharding in ("dist-opt", "zero2"):
+            optimizer = (ADAM_MOMENTS + MAIN_COPY) * (counts.dense / dp_cp + counts.expert / edp)
+        else:
+            optimizer = (ADAM_MOMENTS + (MAIN_COPY if bf16 else 0)) * counts.total
+    micro = max(layout.micro_batches(global_batch_size), 1)
+    act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16)
+    transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16)
+    if layout.sharding == "fsdp2":  # one layer's gathered weights in compute precision, plus the next prefetched
+        transient += 2 * param_bytes * counts.total / max(len(counts.layers), 1)
+    return Memory(params, grads, optimizer, act, transient)
+
+
+def peak_rank_memory(
+    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool
+) -> tuple[int, Memory]:
+    """(pipeline rank, memory) of the rank that needs the most."""
+    ranks = sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
+    mems = [(r, rank_memory(model, layout, seq_length, global_batch_size, bf16, r)) for r in ranks]
+    return max(mems, key=lambda x: x[1].total)

@@ -1,0 +1,119 @@
+"""Every layout of a model on a cluster: the ones our validation refuses (with its reason), the ones that do
+not fit in memory, and the rest ranked by the cost model's step time."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from megatron_lite.config import ConfigError, ModelConfig, validate_layout
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.planner.cost import StepTime, step_time, throughput
+from megatron_lite.planner.hardware import GIB, Cluster
+from megatron_lite.planner.layout import RECOMPUTES, SHARDINGS, Layout
+from megatron_lite.planner.memory import Memory, peak_rank_memory
+from megatron_lite.training.wrap import validate_sharding
+
+RESERVED_BYTES = 3 * GIB  # CUDA context, NCCL buffers
+USABLE_FRACTION = 0.92  # the allocator's fragmentation and transient buffers
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    reason: str | None = None  # why it cannot run (validation or memory); None when it fits
+    memory: Memory | None = None
+    time: StepTime | None = None
+    tokens_per_second: float = 0.0  # per GPU
+    tflops: float = 0.0  # model TFLOP/s per GPU
+    mfu: float = 0.0
+
+
+def optimizer_config(layout: Layout, bf16: bool) -> OptimizerConfig:
+    return OptimizerConfig(
+        bf16=bf16,
+        use_distributed_optimizer=layout.sharding in ("dist-opt", "zero2"),
+        zero_stage=2 if layout.sharding == "zero2" else 1,
+        use_torch_fsdp2=layout.sharding == "fsdp2",
+        overlap_param_gather=layout.sharding in ("dist-opt", "zero2"),
+    )
+
+
+def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool) -> str | None:
+    """Our own start-up validation of this layout: its one-line error, or None."""
+    training = dataclasses.replace(
+        layout.training_config(global_batch_size, seq_length), overlap_grad_reduce=layout.sharding != "fsdp2"
+    )
+    try:
+        cfg = layout.model_config(model)
+        cfg.validate()
+        validate_layout(cfg, layout.parallel_config(), layout.world, training)
+        validate_sharding(cfg, layout.parallel_config(), training, optimizer_config(layout, bf16))
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelConfig, world: int, gpus_per_node: int, global_batch_size: int) -> list[Layout]:
+    """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
+    2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8."""
+    out = []
+    pow2 = [1, 2, 4, 8, 16, 32]
+    experts = _divisors(model.num_experts) if model.num_experts else [1]
+    for tp, cp in itertools.product([d for d in pow2 if d <= gpus_per_node], pow2):
+        if world % (tp * cp):
+            continue
+        for pp in _divisors(world // (tp * cp)):
+            dp = world // (tp * cp * pp)
+            for vp, ep, sharding, recompute, mbs in itertools.product(
+                [1, 2, 4] if pp > 1 else [1], experts, SHARDINGS, RECOMPUTES, [1, 2, 4, 8]
+            ):
+                if global_batch_size % (mbs * dp) or (dp * cp * tp) % ep:
+                    continue
+                out.append(Layout(tp, pp, vp, dp, cp, ep, sharding, recompute, mbs))
+    return out
+
+
+def evaluate(
+    model: ModelConfig,
+    layout: Layout,
+    seq_length: int,
+    global_batch_size: int,
+    cl: Cluster,
+    bf16: bool = True,
+    tp_comm_overlap: bool = False,
+) -> Candidate:
+    reason = check(model, layout, seq_length, global_batch_size, bf16)
+    if reason:
+        return Candidate(layout, reason)
+    cfg = layout.model_config(model)
+    _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16)
+    usable = cl.gpu.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
+    if mem.total > usable:
+        reason = f"needs {mem.total / GIB:.1f} GiB per GPU, more than the {usable / GIB:.1f} GiB usable"
+        return Candidate(layout, reason, mem)
+    t = step_time(cfg, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap and layout.sp)
+    tps, tflops, mfu = throughput(cfg, layout, seq_length, global_batch_size, t, cl)
+    return Candidate(layout, None, mem, t, tps, tflops, mfu)
+
+
+def plan(
+    model: ModelConfig,
+    cl: Cluster,
+    seq_length: int,
+    global_batch_size: int,
+    bf16: bool = True,
+    tp_comm_overlap: bool = False,
+) -> tuple[list[Candidate], list[Candidate]]:
+    """(layouts that fit, fastest first; layouts refused or too big)."""
+    fits, rejected = [], []
+    for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size):
+        c = evaluate(model, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap)
+        (rejected if c.reason else fits).append(c)
+    fits.sort(key=lambda c: (c.time.total, c.memory.total))
+    return fits, rejected
