@@ -1,13 +1,14 @@
 """A world of processes for the benchmark scripts: `spawn(worker, world, args, *extra)` runs
 `worker(rank, world, args, *extra)` on `world` ranks (gloo on CPU; NCCL, one GPU per rank, with
 args.device == "cuda"; args.threads split between them) and returns what rank 0 returned (JSON-able).
-Every rank passes a barrier before leaving the process group: gloo aborts at exit ("terminate called
-without an active exception") when a rank leaves while a peer still talks."""
+Every rank passes a barrier, then exits at once: gloo aborts at exit ("terminate called without an active
+exception") when a rank tears its groups down while a peer still talks."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -26,7 +27,11 @@ def _entry(rank: int, world: int, tmp: str, worker, args, extra: tuple) -> None:
         with open(os.path.join(tmp, "out.json"), "w") as f:
             json.dump(out, f)
     dist.barrier()
-    dist.destroy_process_group()
+    # Leave without tearing the groups down: with many subgroups, gloo's teardown races a peer's and aborts
+    # now and then ("terminate called without an active exception"); every rank is past its last collective.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(worker, world: int, args, *extra):

@@ -7,7 +7,7 @@ GEMMs; +1 forward per recomputed part):
   attention    the causal half of q.k^T and p.v (forward 2 s q per token, backward 2.5x) at EFF.attention
   elementwise  norms, RoPE, activation, residuals and dropout: ELEMENTWISE_PASSES reads/writes of the
                hidden state per layer at EFF.memory of the memory bandwidth
-  launches     OPS_PER_LAYER operators, each costing the accelerator's launch time
+  launches     the implementation's operators per layer, each costing the accelerator's launch time
   TP           sequence parallelism: 4 all-gathers + 4 reduce-scatters of the layer's activations
                (all-reduces without SP), exposed unless --tp-comm-overlap hides EFF.tp_overlap of them
   CP           ring attention passes K and V around the ring under the attention compute
@@ -30,20 +30,37 @@ from megatron_lite.training.flops import flops_per_token
 
 @dataclass(frozen=True)
 class Efficiency:
-    gemm: float = 0.65  # of peak FLOP/s
+    gemm: float = 0.60  # of peak FLOP/s
     attention: float = 0.50
-    memory: float = 0.80  # of memory bandwidth
+    memory: float = 0.70  # of memory bandwidth
     comm: float = 0.75  # of link bandwidth
-    tp_overlap: float = 0.6  # share of TP communication hidden with --tp-comm-overlap
-    dp_overlap: float = 0.9  # share of the backward the gradient reduction can hide under
+    tp_overlap: float = 0.95  # share of TP communication hidden with --tp-comm-overlap
+    dp_overlap: float = 1.0  # share of the backward the gradient reduction can hide under
     contention: float = 0.1  # communication hidden under compute still slows it by this share of its time
 
 
 EFF = Efficiency()
-OPS_PER_LAYER = {"triton": 40, "torch": 150}  # operators launched per layer, forward and backward
 
 
-def elementwise_values(model: ModelConfig, tp: int, sp: bool) -> float:
+@dataclass(frozen=True)
+class Implementation:
+    """What the software fuses, which sets how often activations cross memory outside the GEMMs."""
+
+    fused_elementwise: bool  # norms, RoPE, activations as single kernels (ours, Transformer Engine, compile)
+    fused_cross_entropy: bool  # logits consumed in chunks by the loss kernel (ours), else materialised
+    ops_per_layer: int  # operators launched per layer, forward and backward
+
+
+IMPLEMENTATIONS = {
+    "triton": Implementation(True, True, 40),  # our kernels
+    "torch": Implementation(False, False, 150),  # eager PyTorch (ours with --kernel-impl torch, torchtitan)
+    "transformer-engine": Implementation(True, False, 50),  # Megatron-Core with TE
+    "torch-compile": Implementation(True, False, 40),
+}
+CE_BYTES = {True: 16, False: 40}  # bytes moved per logit, forward and backward (fused chunks / eager fp32 CE)
+
+
+def elementwise_values(model: ModelConfig, tp: int, sp: bool, impl: Implementation) -> float:
     """Values read and written per token by one layer's forward outside GEMMs and attention (the backward
     moves about twice as many). Fused kernels (ours, Transformer Engine, torch.compile) read and write each
     tensor once per op; eager PyTorch runs every step of a norm, RoPE or activation as its own kernel, with
@@ -54,7 +71,7 @@ def elementwise_values(model: ModelConfig, tp: int, sp: bool) -> float:
     swiglu = model.activation == "swiglu"
     rope = model.position_embedding_type == "rope"
     norm_div = tp if sp else 1
-    if model.kernel_impl == "triton":
+    if impl.fused_elementwise:
         norms = 2 * 3 * h  # read x (+ residual), write y (+ sum)
         act = 3 * f / tp if swiglu else 2 * f / tp
         rot = 2 * (q + kv) / tp if rope else 0
@@ -91,11 +108,20 @@ def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency) ->
     return 2 * m * k * n / (g.peak_flops * eff.gemm) + a * (m * k + k * n + m * n) / (g.memory_bandwidth * eff.memory)
 
 
-def _ring(bytes_: float, size: int, span: int, cl: Cluster, eff: Efficiency) -> float:
-    """An all-gather or reduce-scatter of a `bytes_` tensor over `size` ranks (all-reduce = 2 of them)."""
-    if size <= 1:
+def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff: Efficiency) -> float:
+    """A collective over `size` ranks at most `span` ranks apart, as a ring: all-gather and reduce-scatter
+    move (n-1)/n of the tensor, an all-reduce twice that, p2p (and all-to-all) the tensor once. Measured
+    collectives (a CPU's gloo) use their own latency and bandwidth; else the link's at EFF.comm."""
+    if size <= 1 or bytes_ <= 0:
         return 0.0
-    return (size - 1) / size * bytes_ / (cl.bandwidth(span) * eff.comm) + (size - 1) * cl.link_latency
+    volume = {"all_reduce": 2 * (size - 1) / size, "p2p": 1.0}.get(kind, (size - 1) / size)
+    steps = {"all_reduce": 2 * (size - 1), "p2p": 1}.get(kind, size - 1)
+    measured = cl.collectives or {}
+    if kind in measured or (kind == "all_to_all" and "all_gather" in measured):
+        latency, bandwidth = measured[kind if kind in measured else "all_gather"]
+    else:
+        latency, bandwidth = cl.link_latency, cl.bandwidth(span) * eff.comm
+    return volume * bytes_ / bandwidth + steps * latency
 
 
 def step_time(
@@ -107,7 +133,10 @@ def step_time(
     bf16: bool = True,
     tp_comm_overlap: bool = False,
     eff: Efficiency = EFF,
+    impl: Implementation | None = None,
 ) -> StepTime:
+    """`impl`: what runs the model (default: what its --kernel-impl selects in megatron_lite)."""
+    impl = impl or IMPLEMENTATIONS[model.kernel_impl]
     a = 2 if bf16 else 4
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * d, model.query_groups * d
@@ -136,8 +165,8 @@ def step_time(
             core = 2 * m * seq_length * q / tp / (g.peak_flops * eff.attention)
             if model.sliding_window:
                 core *= min(1.0, 2 * model.sliding_window / seq_length)
-            elem = elementwise_values(model, tp, layout.sp) * m * a / (g.memory_bandwidth * eff.memory)
-            fwd += attn + mlp + core + elem + OPS_PER_LAYER[model.kernel_impl] / 3 * g.launch_seconds
+            elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
+            fwd += attn + mlp + core + elem + impl.ops_per_layer / 3 * g.launch_seconds
             attn_total += core
             if layout.recompute == "full":
                 recompute_fwd += attn + mlp + core + elem
@@ -147,7 +176,8 @@ def step_time(
                 recompute_fwd += (attn + mlp) / 2 + elem
         if r == pp - 1:
             vocab = model.padded_vocab_size(tp) / tp
-            fwd += _gemm(m, h, vocab, a, cl, eff) + m * vocab * 4 / (g.memory_bandwidth * eff.memory)
+            ce = m * vocab * CE_BYTES[impl.fused_cross_entropy] / 3  # counted with the forward, x3 below
+            fwd += _gemm(m, h, vocab, a, cl, eff) + ce / (g.memory_bandwidth * eff.memory)
         # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
         per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
         per_stage.append((per_mb, st))
@@ -160,12 +190,23 @@ def step_time(
     act = m * h * a  # one micro-batch's hidden states on this rank (full sequence part)
     tp_comm = 0.0
     if tp > 1:
-        per_layer = 8 * _ring(act, tp, tp, cl, eff)  # SP: 4 AG + 4 RS; without SP: 4 all-reduces = 8 rings
-        tp_comm = micro * layers * per_layer * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
+        if layout.sp:  # per layer 4 all-gathers and 4 reduce-scatters (forward and backward)
+            per_layer = 4 * (
+                _collective("all_gather", act, tp, tp, cl, eff) + _collective("reduce_scatter", act, tp, tp, cl, eff)
+            )
+            # embedding reduce-scatter, output layer all-gather, and their backward twins
+            per_mb = 2 * (
+                _collective("all_gather", act, tp, tp, cl, eff) + _collective("reduce_scatter", act, tp, tp, cl, eff)
+            )
+        else:  # per layer 2 all-reduces forward, 2 backward; embedding and output layer one each
+            per_layer = 4 * _collective("all_reduce", act, tp, tp, cl, eff)
+            per_mb = 2 * _collective("all_reduce", act, tp, tp, cl, eff)
+        per_mb += 3 * _collective("all_reduce", m * 4, tp, tp, cl, eff)  # vocab-parallel loss: max, sum, target
+        tp_comm = micro * (layers * per_layer + per_mb) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
         block = 2 * m * kv / tp * a
-        ring = 3 * (cp - 1) * block / (cl.bandwidth(tp * cp) * eff.comm)
+        ring = (cp - 1) * (3 * _collective("p2p", block, cp, tp * cp, cl, eff))
         attn_time = 3.5 * 2 * m * seq_length * q / tp / (g.peak_flops * eff.attention)
         # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
         merge = 3 * (cp - 1) * 3 * m * q / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
@@ -174,11 +215,11 @@ def step_time(
     if model.num_experts and ep > 1:
         moe_layers = sum(1 for i in st.layers if model.is_moe_layer(i))
         tokens = m * model.moe_router_topk * h * a / (tp if layout.sp else 1)
-        ep_comm = micro * moe_layers * 4 * _ring(tokens, ep, tp * ep, cl, eff)
+        ep_comm = micro * moe_layers * 4 * _collective("all_to_all", tokens, ep, tp * ep, cl, eff)
     pp_comm = 0.0
-    if pp > 1:
+    if pp > 1:  # each micro-batch's activation forward and gradient backward, per model chunk
         send = act / (tp if layout.sp else 1)
-        pp_comm = 2 * micro * vp * (send / (cl.bandwidth(cl.gpus_per_node + 1) * eff.comm) + cl.link_latency)
+        pp_comm = 2 * micro * vp * _collective("p2p", send, 2, cl.gpus_per_node + 1, cl, eff)
 
     # Data parallelism: fp32 gradients reduced once per step, after the last micro-batch's backward
     # (with FSDP2, parameters gathered and gradients reduced per micro-batch, layer by layer).
@@ -187,11 +228,13 @@ def step_time(
     n = st.total
     grads = 4 * n
     if layout.sharding == "none":
-        comm = 2 * _ring(grads, dp_cp, span, cl, eff)
+        comm = _collective("all_reduce", grads, dp_cp, span, cl, eff)
     elif layout.sharding in ("dist-opt", "zero2"):
-        comm = _ring(grads, dp_cp, span, cl, eff) + _ring(a * n, dp_cp, span, cl, eff)
+        comm = _collective("reduce_scatter", grads, dp_cp, span, cl, eff)
+        comm += _collective("all_gather", a * n, dp_cp, span, cl, eff)
     else:  # fsdp2: all-gather for forward and backward, reduce-scatter, every micro-batch
-        comm = micro * (2 * _ring(a * n, dp_cp, span, cl, eff) + _ring(grads, dp_cp, span, cl, eff))
+        comm = 2 * _collective("all_gather", a * n, dp_cp, span, cl, eff)
+        comm = micro * (comm + _collective("reduce_scatter", grads, dp_cp, span, cl, eff))
     # gradients reduce under the last micro-batch's backward; ZeRO's parameter all-gather under the next
     # step's first forward; FSDP2 gathers and reduces layer by layer under the whole step's compute
     window = {"none": 2 / 3, "dist-opt": 1.0, "zero2": 1.0}.get(layout.sharding)

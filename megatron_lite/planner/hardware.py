@@ -36,6 +36,8 @@ class Cluster:
     nvlink_bandwidth: float  # bytes/s per GPU, one direction, inside a node
     network_bandwidth: float  # bytes/s per GPU between nodes
     link_latency: float = 10e-6  # seconds per collective step
+    # measured {kind: (latency per step, achieved bandwidth)}; when given, used instead of the link figures
+    collectives: dict[str, tuple[float, float]] | None = None
 
     @property
     def world(self) -> int:
@@ -97,25 +99,66 @@ def measure_cpu() -> Accelerator:
     return Accelerator("CPU (measured)", flops, bandwidth, mem, op)
 
 
-def measure_link(group=None) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) of the process group's all-reduce, as the ring model counts them."""
+def measure_collectives(group=None, reps: int = 20) -> dict[str, tuple[float, float]]:
+    """{kind: (latency s, bandwidth bytes/s)} of this process group's collectives, as the ring formulas of
+    the cost model count them, each timed between bursts of compute as training interleaves them (a rank
+    waking from a blocking wait costs more than a collective in a tight loop). Kinds: all_reduce,
+    all_gather, reduce_scatter, p2p (a send/receive pair between neighbours)."""
+    import time
+
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
-    small, large = torch.zeros(1), torch.zeros(2**20)  # 4 MiB
+    rank = dist.get_rank(group)
+    a, b = torch.randn(128, 512), torch.randn(512, 512)
 
-    def reduce(t):
-        return lambda: [dist.all_reduce(t, group=group) for _ in range(5)]
+    def compute():
+        for _ in range(4):
+            a @ b
 
-    t_small = _best_of(reduce(small)) / 5
-    t_large = _best_of(reduce(large)) / 5
-    steps = 2 * (n - 1)
-    latency = t_small / steps
-    bandwidth = 2 * (n - 1) / n * large.numel() * 4 / max(t_large - t_small, 1e-9)
-    return bandwidth, latency
+    def timed(fn) -> float:
+        compute()
+        fn()
+        dist.barrier(group)
+        start = time.perf_counter()
+        for _ in range(reps):
+            compute()
+            fn()
+        return (time.perf_counter() - start) / reps
+
+    base = timed(lambda: None)
+    out = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        times = {}
+        for numel in (1024, 2**18):  # 4 KiB and 1 MiB
+            x = torch.zeros(numel)
+            if kind == "all_reduce":
+                fn = lambda x=x: dist.all_reduce(x, group=group)  # noqa: E731
+            elif kind == "all_gather":
+                fn = lambda x=x: dist.all_gather_into_tensor(torch.empty(n * x.numel()), x, group=group)  # noqa: E731
+            elif kind == "reduce_scatter":
+                fn = lambda x=x: dist.reduce_scatter_tensor(torch.empty(x.numel() // n), x, group=group)  # noqa: E731
+            else:
+                peer = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
+                src = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
+
+                def fn(x=x, peer=peer, src=src):
+                    ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty_like(x), src)]
+                    for w in dist.batch_isend_irecv(ops):
+                        w.wait()
+
+            times[numel * 4] = max(timed(fn) - base, 1e-7)
+        (s1, t1), (s2, t2) = sorted(times.items())
+        # the cost model charges a ring collective (n-1)/n * bytes / bandwidth (x2 for all-reduce)
+        volume = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}.get(kind, (n - 1) / n)
+        bandwidth = volume * (s2 - s1) / max(t2 - t1, 1e-9)
+        steps = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(kind, n - 1)
+        out[kind] = (max(t1 - volume * s1 / bandwidth, 0.0) / steps, bandwidth)
+    return out
 
 
-def cpu_cluster(processes: int, link_bandwidth: float, link_latency: float) -> Cluster:
-    """One machine running `processes` single-threaded ranks over gloo."""
-    return Cluster(measure_cpu(), processes, 1, link_bandwidth, link_bandwidth, link_latency)
+def cpu_cluster(processes: int, collectives: dict[str, tuple[float, float]]) -> Cluster:
+    """One machine running `processes` single-threaded ranks over gloo, its collectives as measured."""
+    bw = collectives["all_reduce"][1]
+    return Cluster(measure_cpu(), processes, 1, bw, bw, collectives["all_reduce"][0], collectives)

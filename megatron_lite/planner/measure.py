@@ -30,8 +30,8 @@ def measure_layout(
     ctx: ParallelContext | None = None,
     bf16: bool = False,
 ) -> dict:
-    """{"step_seconds": median over `iters` steps after one warm-up, "memory": this rank's breakdown after
-    the first step (activations measured in it)}."""
+    """{"step_seconds": median over `iters` steps after one warm-up, "comm_exposed_seconds": likewise,
+    "memory": this rank's breakdown after the first step (activations measured in it)}."""
     ctx = ctx or ParallelContext.build(layout.parallel_config())
     cfg = layout.model_config(model)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -41,7 +41,7 @@ def measure_layout(
     ddp, opt = wrap_for_training(net, ctx, optim, overlap_grad_reduce=not fsdp2, compute_dtype=dtype)
     sched = LRScheduler(optim, iters + 1)
     data = MockGPTDataset(cfg.vocab_size, seq_length, seed=1)
-    times, breakdown = [], None
+    times, comm, breakdown = [], [], None
     for it in range(iters + 1):
         idx = micro_batch_indices(
             it * global_batch_size, global_batch_size, layout.micro_batch_size, ctx.dp.rank, ctx.dp.size
@@ -52,4 +52,10 @@ def measure_layout(
             breakdown = memory.breakdown(net, ddp, opt, m.activation_bytes)
         else:
             times.append(m.step_seconds)
-    return {"step_seconds": statistics.median(times), "memory": breakdown, "pp_rank": ctx.pp.rank}
+            comm.append(m.comm_exposed_seconds)
+    return {
+        "step_seconds": statistics.median(times),
+        "comm_exposed_seconds": statistics.median(comm),
+        "memory": breakdown,
+        "pp_rank": ctx.pp.rank,
+    }

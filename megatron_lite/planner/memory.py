@@ -22,9 +22,11 @@ schedules keep several micro-batches alive: the count comes from the schedule it
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig, stage_layer_counts
+from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
 from megatron_lite.planner.layout import Layout
 
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
@@ -66,6 +68,7 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     return dense, expert
 
 
+@functools.lru_cache(maxsize=65536)
 def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
     """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
     h, tp = model.hidden_size, layout.tp
@@ -140,12 +143,16 @@ def _chunk_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list
     ]
 
 
+@functools.lru_cache(maxsize=4096)
+def _compute_order(pp: int, vp: int, micro: int, rank: int) -> tuple:
+    return tuple(compute_order(pp, vp, micro, rank))
+
+
 def activation_bytes(
     model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, micro: int, bf16: bool
 ) -> float:
     """Peak of the activations one rank of pipeline stage `pp_rank` keeps for the backward, following its
     schedule: each forward of a chunk adds that chunk's activations until the matching backward."""
-    from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, build_schedule
 
     a = 2 if bf16 else 4
     tokens = seq_length // layout.cp * layout.micro_batch_size
@@ -172,12 +179,11 @@ def activation_bytes(
     received = [0.0 if (c == 0 and pp_rank == 0) else h * a / norm_div * tokens for c in range(layout.vp)]
     live = peak = 0.0
     held = [0.0] * layout.vp
-    for action in build_schedule(layout.pp, layout.vp, micro, pp_rank):
-        c = action.chunk
-        if action.kind == FORWARD:
+    for kind, _, c in _compute_order(layout.pp, layout.vp, micro, pp_rank):
+        if kind == FORWARD:
             live += chunk_bytes[c]
             peak = max(peak, live)
-        elif action.kind == BACKWARD:
+        elif kind == BACKWARD:
             live -= chunk_bytes[c] - received[c] + held[c]
             held[c] = received[c]
     return peak

@@ -1,0 +1,309 @@
+#!/usr/bin/env python
+"""Which parallel layouts of a model fit a cluster, how much memory each needs per GPU, and how fast each
+should run, best first (megatron_lite/planner has the memory and cost models).
+
+    python tools/plan_parallelism.py --script pretrain/llama3_8b.sh --gpu H100 --gpus-per-node 8 --nodes 1
+    python tools/plan_parallelism.py --hf-config path/to/config.json --seq-length 4096 --global-batch-size 512 \\
+        --gpu H200 --nodes 4
+    python tools/plan_parallelism.py --gpu H100 --nodes 2 -- --num-layers 32 --hidden-size 4096 ...  (our flags)
+    python tools/plan_parallelism.py --published     # the cost model beside published throughput
+    python tools/plan_parallelism.py --check-cpu     # the cost model beside layouts measured on this CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
+from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.search import Candidate, evaluate, plan
+
+
+def script_args(path: str) -> tuple[list[str], int]:
+    """The pretrain flags of a shipped launch script (its ARGS=( ... ) array, expanded by bash with the
+    script's own defaults) and the world size it launches (GPUS_PER_NODE x NNODES)."""
+    text = open(path).read()
+    block = re.search(r"^ARGS=\($.*?^\)$", text, re.S | re.M)
+    if block is None:
+        raise SystemExit(f"--script {path}: no ARGS=( ... ) array found; pass the model flags after --")
+    defaults = "\n".join(re.findall(r"^[A-Z_]+=\$\{[A-Z_]+:-[^\n]*\}$", text, re.M))
+    world = 'echo -n "$((${GPUS_PER_NODE:-8} * ${NNODES:-1}))"'
+    program = f"{defaults}\n{block.group(0)}\nprintf '%s\\0' \"${{ARGS[@]}}\"\n{world}"
+    out = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout
+    *argv, world = out.split("\0")
+    return argv, int(world)
+
+
+def model_from_flags(argv: list[str]) -> tuple[ModelConfig, object]:
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.training.dry_run import _vocab
+
+    _, job = parse_args(argv)
+    return dataclasses.replace(job.model, vocab_size=_vocab(job)), job
+
+
+def model_from_hf(path: str) -> ModelConfig:
+    from megatron_lite.checkpoint.hf_convert import load_hf_config
+    from megatron_lite.models.hf import config_from_hf
+
+    directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if not os.path.isdir(path) and os.path.basename(path) != "config.json":
+        raise SystemExit(f"--hf-config {path}: give a Hugging Face model directory or its config.json")
+    hf, _ = load_hf_config(directory)
+    return config_from_hf(hf)
+
+
+def job_layout(job, world: int) -> Layout:
+    """The layout a parsed job runs with."""
+    p, o, m = job.parallel, job.optimizer, job.model
+    sharding = (
+        "fsdp2"
+        if o.use_torch_fsdp2
+        else ("zero2" if o.zero_stage >= 2 else "dist-opt")
+        if (o.use_distributed_optimizer)
+        else "none"
+    )
+    return Layout(
+        tp=p.tp,
+        pp=p.pp,
+        vp=p.vp,
+        dp=p.data_parallel_size(world),
+        cp=p.cp,
+        ep=p.ep,
+        sharding=sharding,
+        recompute=m.recompute_granularity or "none",
+        micro_batch_size=job.training.micro_batch_size,
+        sequence_parallel=p.sequence_parallel,
+    )
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:6.1f}"
+
+
+def row(i: int | str, c: Candidate) -> str:
+    m, t = c.memory, c.time
+    return (
+        f"{i!s:>4}  {c.layout.describe():<52} {_gib(m.params)} {_gib(m.grads)} {_gib(m.optimizer)} "
+        f"{_gib(m.activations + m.transient)} {_gib(m.total)}  {t.total:8.3f} {c.tokens_per_second:10.0f} "
+        f"{c.tflops:8.1f} {c.mfu:6.1%}"
+    )
+
+
+HEADER = (
+    f"{'#':>4}  {'layout':<52} {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6}  "
+    f"{'step s':>8} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6}"
+)
+
+
+def reason_group(reason: str) -> str:
+    return "does not fit in memory" if reason.startswith("needs ") else re.sub(r"-?\d+(\.\d+)?", "N", reason)
+
+
+def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None) -> dict:
+    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap)
+    g = cl.gpu
+    print(
+        f"model: {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
+        f" ({model.query_groups} groups), FFN {model.ffn_size}, vocabulary {model.vocab_size}"
+        + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
+        + f"; global batch {gbs} x {seq} tokens, {'bf16' if bf16 else 'fp32'}, --kernel-impl {model.kernel_impl}"
+    )
+    print(
+        f"cluster: {cl.nodes} x {cl.gpus_per_node} {g.name} ({g.memory_bytes / GIB:.0f} GiB, "
+        f"{g.peak_flops / 1e12:.0f} TFLOP/s peak), NVLink {cl.nvlink_bandwidth / 1e9:.0f} GB/s, "
+        f"network {cl.network_bandwidth / 1e9:.0f} GB/s per GPU"
+    )
+    print(f"memory per GPU in GiB (the busiest pipeline stage); step time and MFU from the cost model\n{HEADER}")
+    for i, c in enumerate(fits[:top], 1):
+        print(row(i, c))
+    if len(fits) > top:
+        print(f"  ... and {len(fits) - top} more layouts that fit, slower (--top N shows more)")
+    if not fits:
+        print("  no layout fits: add GPUs, or shorten the sequence / micro-batch")
+    result = {"fits": [_as_dict(c) for c in fits[:top]], "fitting": len(fits), "rejected": len(rejected)}
+    if yours is not None:
+        c = evaluate(model, yours, seq, gbs, cl, bf16, tp_comm_overlap)
+        if c.reason:
+            print(f"your layout {yours.describe()}: {c.reason}")
+        else:
+            rank = next((i for i, f in enumerate(fits, 1) if f.layout == yours), "-")
+            print(f"your layout, rank {rank} of {len(fits)}:\n{row(rank, c)}")
+        result["yours"] = _as_dict(c)
+    groups = collections.Counter(reason_group(c.reason) for c in rejected)
+    print(f"{len(rejected)} layouts cannot run:")
+    for reason, count in groups.most_common():
+        example = next(c for c in rejected if reason_group(c.reason) == reason)
+        print(f"  {count:5d}  {example.reason}  (e.g. {example.layout.describe()})")
+    return result
+
+
+def _as_dict(c: Candidate) -> dict:
+    d = {"layout": dataclasses.asdict(c.layout), "describe": c.layout.describe(), "reason": c.reason}
+    if c.memory is not None:
+        d["memory"] = dataclasses.asdict(c.memory) | {"total": c.memory.total}
+    if c.time is not None:
+        d["step_seconds"] = c.time.total
+        d["time"] = dataclasses.asdict(c.time)
+        d.update(tokens_per_second_per_gpu=c.tokens_per_second, tflops_per_gpu=c.tflops, mfu=c.mfu)
+    return d
+
+
+# --check-cpu: a small Llama trained for real on this machine's cores, one single-threaded process per rank.
+CPU_MODEL = dict(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=704,
+    vocab_size=2048,
+    max_position_embeddings=256,
+    normalization="RMSNorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    kernel_impl="torch",
+)
+CPU_SEQ, CPU_GBS = 256, 8
+CPU_LAYOUTS = [
+    Layout(micro_batch_size=2),
+    Layout(micro_batch_size=2, recompute="full"),
+    Layout(dp=2, micro_batch_size=2),
+    Layout(dp=2, micro_batch_size=2, sharding="dist-opt"),
+    Layout(tp=2, micro_batch_size=2),
+    Layout(tp=2, micro_batch_size=2, sequence_parallel=False),
+    Layout(pp=2, micro_batch_size=1),
+    Layout(cp=2, micro_batch_size=2),
+]
+
+
+def _cpu_worker(rank: int, world: int, args, layout: Layout) -> dict:
+    from megatron_lite.planner.hardware import measure_collectives
+    from megatron_lite.planner.measure import measure_layout
+
+    out = measure_layout(ModelConfig(**CPU_MODEL), layout, CPU_SEQ, CPU_GBS, iters=args.iters)
+    if world > 1:
+        out["collectives"] = measure_collectives()
+    return out
+
+
+def check_cpu(log=print, iters: int = 5) -> dict:
+    """Each CPU layout's measured step time beside the cost model's, as ratios to the first layout."""
+    import torch
+    from _world import spawn  # tools/_world.py, beside this script
+
+    from megatron_lite.planner.cost import step_time
+    from megatron_lite.planner.hardware import cpu_cluster
+
+    measured, collectives = [], []
+    for layout in CPU_LAYOUTS:
+        args = argparse.Namespace(device="cpu", threads=layout.world, iters=iters)
+        out = spawn(_cpu_worker, layout.world, args, layout)
+        measured.append(out["step_seconds"])
+        if "collectives" in out:
+            collectives.append(out["collectives"])
+        log(
+            f"  measured {layout.describe():<44} {out['step_seconds']:.3f} s, "
+            f"{out['comm_exposed_seconds']:.3f} s blocked in communication"
+        )
+    torch.set_num_threads(1)
+    # each kind's latency and bandwidth: the median over the worlds that measured them
+    kinds = {k: tuple(statistics.median(c[k][i] for c in collectives) for i in (0, 1)) for k in collectives[0]}
+    cl = cpu_cluster(2, kinds)
+    cpu = cl.gpu
+    model = ModelConfig(**CPU_MODEL)
+    predicted = [
+        step_time(layout.model_config(model), layout, CPU_SEQ, CPU_GBS, cl, bf16=False).total for layout in CPU_LAYOUTS
+    ]
+    log(
+        f"CPU (one thread): matmul {cpu.peak_flops / 1e9:.0f} GFLOP/s, copy {cpu.memory_bandwidth / 1e9:.0f} GB/s, "
+        f"{cpu.launch_seconds * 1e6:.1f} us per operator; gloo between compute: "
+        + ", ".join(f"{k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s" for k, (lat, bw) in kinds.items())
+    )
+    log(f"{'layout':<44} {'measured s':>10} {'predicted s':>11} {'measured':>9} {'predicted':>9} {'error':>6}")
+    rows = []
+    for layout, m, p in zip(CPU_LAYOUTS, measured, predicted):
+        rm, rp = m / measured[0], p / predicted[0]
+        rows.append(
+            {"layout": layout.describe(), "measured": m, "predicted": p, "ratio_measured": rm, "ratio_predicted": rp}
+        )
+        log(f"{layout.describe():<44} {m:10.3f} {p:11.3f} {rm:9.2f} {rp:9.2f} {rp / rm - 1:6.0%}")
+    return {"rows": rows, "cpu": dataclasses.asdict(cpu), "collectives": kinds}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--script", help="a launch script whose ARGS=( ... ) holds pretrain flags (pretrain/*.sh)")
+    src.add_argument("--hf-config", help="a Hugging Face config.json (or its directory)")
+    src.add_argument("--published", action="store_true", help="compare the cost model with published runs")
+    src.add_argument("--check-cpu", action="store_true", help="compare the cost model with layouts run on this CPU")
+    p.add_argument("--global-batch-size", type=int, help="sequences per step (default: the script's)")
+    p.add_argument("--seq-length", type=int, help="tokens per sequence (default: the script's)")
+    p.add_argument("--gpu", default="H100", choices=sorted(ACCELERATORS))
+    p.add_argument("--gpus-per-node", type=int, help="default: the script's GPUS_PER_NODE, else 8")
+    p.add_argument("--nodes", type=int, help="default: the script's NNODES, else 1")
+    p.add_argument("--nvlink-bandwidth", type=float, help="GB/s per GPU inside a node (default 450; A100 300)")
+    p.add_argument("--network-bandwidth", type=float, help="GB/s per GPU between nodes (default 50)")
+    p.add_argument("--fp32", action="store_true", help="plan fp32 training (default bf16)")
+    p.add_argument("--kernel-impl", choices=["triton", "torch"], default="triton")
+    p.add_argument("--tp-comm-overlap", action="store_true", help="price TP communication as overlapped")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--iters", type=int, default=5, help="--check-cpu: timed steps per layout (after one warm-up)")
+    p.add_argument("--json", help="also write the result here")
+    args = p.parse_args(argv)
+
+    if args.published:
+        from megatron_lite.planner.published import compare
+
+        result = compare(print)
+    elif args.check_cpu:
+        result = check_cpu(print, iters=args.iters)
+    else:
+        job, world = None, None
+        if args.script:
+            script_flags, world = script_args(args.script)
+            model, job = model_from_flags(script_flags + flags)
+        elif args.hf_config:
+            model = model_from_hf(args.hf_config)
+        elif flags:
+            model, job = model_from_flags(flags)
+        else:
+            p.error("give a model: --script FILE, --hf-config FILE, or pretrain flags after --")
+        model = dataclasses.replace(model, kernel_impl=args.kernel_impl)
+        seq = args.seq_length or (job.training.seq_length if job else None)
+        gbs = args.global_batch_size or (job.training.global_batch_size if job else None)
+        if not seq or not gbs:
+            p.error("--seq-length and --global-batch-size are needed (the model source does not give them)")
+        gpn = args.gpus_per_node or (min(world, 8) if world else 8)
+        nodes = args.nodes or (max(world // gpn, 1) if world else 1)
+        cl = cluster(args.gpu, gpn, nodes, args.nvlink_bandwidth, args.network_bandwidth)
+        yours = (
+            job_layout(job, cl.world)
+            if job is not None and cl.world % (job.parallel.tp * job.parallel.pp * job.parallel.cp) == 0
+            else None
+        )
+        result = print_plan(model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
