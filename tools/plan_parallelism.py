@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 
@@ -142,7 +141,9 @@ def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | 
     groups = collections.Counter(reason_group(c.reason) for c in rejected)
     print(f"{len(rejected)} layouts cannot run:")
     for reason, count in groups.most_common():
-        example = next(c for c in rejected if reason_group(c.reason) == reason)
+        members = [c for c in rejected if reason_group(c.reason) == reason]
+        # too big: show the one that comes closest to fitting
+        example = min(members, key=lambda c: c.memory.total) if members[0].memory else members[0]
         print(f"  {count:5d}  {example.reason}  (e.g. {example.layout.describe()})")
     return result
 
@@ -190,13 +191,15 @@ CPU_LAYOUTS = [
 
 
 def _cpu_worker(rank: int, world: int, args, layout: Layout) -> dict:
-    from megatron_lite.planner.hardware import measure_collectives
     from megatron_lite.planner.measure import measure_layout
 
-    out = measure_layout(ModelConfig(**CPU_MODEL), layout, CPU_SEQ, CPU_GBS, iters=args.iters)
-    if world > 1:
-        out["collectives"] = measure_collectives()
-    return out
+    return measure_layout(ModelConfig(**CPU_MODEL), layout, CPU_SEQ, CPU_GBS, iters=args.iters)
+
+
+def _collectives_worker(rank: int, world: int, args) -> dict:
+    from megatron_lite.planner.hardware import measure_collectives
+
+    return measure_collectives()
 
 
 def check_cpu(log=print, iters: int = 5) -> dict:
@@ -207,20 +210,17 @@ def check_cpu(log=print, iters: int = 5) -> dict:
     from megatron_lite.planner.cost import step_time
     from megatron_lite.planner.hardware import cpu_cluster
 
-    measured, collectives = [], []
+    measured = []
     for layout in CPU_LAYOUTS:
         args = argparse.Namespace(device="cpu", threads=layout.world, iters=iters)
         out = spawn(_cpu_worker, layout.world, args, layout)
         measured.append(out["step_seconds"])
-        if "collectives" in out:
-            collectives.append(out["collectives"])
         log(
             f"  measured {layout.describe():<44} {out['step_seconds']:.3f} s, "
             f"{out['comm_exposed_seconds']:.3f} s blocked in communication"
         )
+    kinds = {k: tuple(v) for k, v in spawn(_collectives_worker, 2, argparse.Namespace(device="cpu", threads=2)).items()}
     torch.set_num_threads(1)
-    # each kind's latency and bandwidth: the median over the worlds that measured them
-    kinds = {k: tuple(statistics.median(c[k][i] for c in collectives) for i in (0, 1)) for k in collectives[0]}
     cl = cpu_cluster(2, kinds)
     cpu = cl.gpu
     model = ModelConfig(**CPU_MODEL)

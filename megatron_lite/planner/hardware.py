@@ -99,7 +99,7 @@ def measure_cpu() -> Accelerator:
     return Accelerator("CPU (measured)", flops, bandwidth, mem, op)
 
 
-def measure_collectives(group=None, reps: int = 20) -> dict[str, tuple[float, float]]:
+def measure_collectives(group=None, reps: int = 30) -> dict[str, tuple[float, float]]:
     """{kind: (latency s, bandwidth bytes/s)} of this process group's collectives, as the ring formulas of
     the cost model count them, each timed between bursts of compute as training interleaves them (a rank
     waking from a blocking wait costs more than a collective in a tight loop). Kinds: all_reduce,
@@ -118,20 +118,27 @@ def measure_collectives(group=None, reps: int = 20) -> dict[str, tuple[float, fl
             a @ b
 
     def timed(fn) -> float:
+        """Mean over `reps` of (compute + collective) minus the compute alone, alternated so drift in the
+        machine's speed hits both."""
         compute()
         fn()
-        dist.barrier(group)
-        start = time.perf_counter()
+        spent = 0.0
         for _ in range(reps):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            compute()
+            t1 = time.perf_counter()
+            dist.barrier(group)
+            t2 = time.perf_counter()
             compute()
             fn()
-        return (time.perf_counter() - start) / reps
+            spent += time.perf_counter() - t2 - (t1 - t0)
+        return spent / reps
 
-    base = timed(lambda: None)
     out = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         times = {}
-        for numel in (1024, 2**18):  # 4 KiB and 1 MiB
+        for numel in (1024, 2**20):  # 4 KiB and 4 MiB
             x = torch.zeros(numel)
             if kind == "all_reduce":
                 fn = lambda x=x: dist.all_reduce(x, group=group)  # noqa: E731
@@ -148,11 +155,12 @@ def measure_collectives(group=None, reps: int = 20) -> dict[str, tuple[float, fl
                     for w in dist.batch_isend_irecv(ops):
                         w.wait()
 
-            times[numel * 4] = max(timed(fn) - base, 1e-7)
+            times[numel * 4] = max(timed(fn), 1e-7)
         (s1, t1), (s2, t2) = sorted(times.items())
         # the cost model charges a ring collective (n-1)/n * bytes / bandwidth (x2 for all-reduce)
         volume = {"all_reduce": 2 * (n - 1) / n, "p2p": 1.0}.get(kind, (n - 1) / n)
-        bandwidth = volume * (s2 - s1) / max(t2 - t1, 1e-9)
+        # noise can make the small transfer look as slow as the large one: then charge it all to bandwidth
+        bandwidth = volume * (s2 - s1) / (t2 - t1) if t2 > 2 * t1 else volume * s2 / t2
         steps = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(kind, n - 1)
         out[kind] = (max(t1 - volume * s1 / bandwidth, 0.0) / steps, bandwidth)
     return out
