@@ -15,7 +15,7 @@ from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import TOKENIZER_TYPES, DataConfig
 from megatron_lite.optimizer.config import DECAY_STYLES, WSD_DECAY_STYLES, OptimizerConfig
-from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig
+from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
 
 # Megatron flags (from its example scripts) that change nothing here: accepted, and reported at start-up
 # with the reason. True where the flag takes a value.
@@ -256,6 +256,31 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(c, "--async-save", "write checkpoints in a background thread while training continues")
     c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")
 
+    f = parser.add_argument_group("fault tolerance")
+    _bool(f, "--no-auto-resume", "with --save DIR holding a checkpoint and no --load, start over instead of resuming")
+    _bool(f, "--exit-signal-handler", "on --exit-signal, every rank saves at the next iteration and exits 0")
+    f.add_argument("--exit-signal", default="SIGTERM", help="the signal --exit-signal-handler acts on")
+    f.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_true",
+        default=True,
+        help="(default) a non-finite loss or gradient norm skips the update and applies --nan-policy",
+    )
+    f.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
+    f.add_argument(
+        "--nan-policy",
+        default="halt",
+        help="skip (the step), halt (naming the iteration, rank and parameter) or rollback (to the last "
+        "checkpoint, skipping the offending batch)",
+    )
+    _bool(f, "--check-for-spiky-loss", "report a loss whose z-score over the last iterations exceeds a bound")
+    f.add_argument("--spiky-loss-window", type=int, default=50, help="iterations the z-score is taken over")
+    f.add_argument("--spiky-loss-zscore", type=float, default=6.0, help="a loss above mean + Z std is a spike")
+    f.add_argument("--spiky-loss-policy", default="report", help="report, or rollback like --nan-policy rollback")
+    _bool(f, "--log-straggler", "per-rank step and compute time (min, median, max, slowest rank) every log interval")
+    _bool(f, "--disable-flight-recorder", "do not record collectives (a hang then ends only at the gloo/NCCL timeout)")
+
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-jsonl", help="write one JSON object per logged iteration to this file")
@@ -452,6 +477,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         loss_scale_window=ns.loss_scale_window,
         hysteresis=ns.hysteresis,
         use_apex_adam=ns.use_apex_adam,
+        check_for_nan_in_loss_and_grad=ns.check_for_nan_in_loss_and_grad,
     )
     data = DataConfig(
         data_path=tuple(ns.data_path or ()),
@@ -486,6 +512,19 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         tensorboard_dir=ns.tensorboard_dir,
         log_memory_breakdown=ns.log_memory_breakdown,
     )
+    resilience = ResilienceConfig(
+        auto_resume=not ns.no_auto_resume,
+        exit_signal_handler=ns.exit_signal_handler,
+        exit_signal=ns.exit_signal,
+        nan_policy=ns.nan_policy,
+        check_for_spiky_loss=ns.check_for_spiky_loss,
+        spiky_loss_window=ns.spiky_loss_window,
+        spiky_loss_zscore=ns.spiky_loss_zscore,
+        spiky_loss_policy=ns.spiky_loss_policy,
+        log_straggler=ns.log_straggler,
+        flight_recorder=not ns.disable_flight_recorder,
+    )
+    resilience.validate(checkpoint)
     return JobConfig(
         model=model,
         parallel=parallel,
@@ -494,6 +533,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         data=data,
         checkpoint=checkpoint,
         logging=logging,
+        resilience=resilience,
         dry_run=ns.dry_run,
         distributed_backend=ns.distributed_backend,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,

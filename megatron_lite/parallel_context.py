@@ -310,5 +310,9 @@ def initialize(
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        else:
+            # Workers restarted by torchrun (--max-restarts) fail to form gloo's full mesh eagerly
+            # ("connectFullMesh failed"); connecting pairs on first use works.
+            os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     return ParallelContext.build(parallel)

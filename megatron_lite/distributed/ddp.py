@@ -94,6 +94,11 @@ class GradBuffer:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.peak_transient = 0  # ZeRO-2: most bytes of full bucket storage alive at once
         self._next = 0
+        # --check-for-nan-in-loss-and-grad: per bucket, the first non-finite element of this rank's own
+        # gradient before the reduction mixes it with the others' (a device tensor, -1 when none; read only
+        # when the step's norm turns out non-finite, so no synchronisation in the normal case).
+        self.check_finite = False
+        self.first_bad: dict[int, torch.Tensor] = {}
 
     def _pad(self, end: int, start: int) -> int:
         """A sharded bucket's length is a multiple of the group size, so it splits into equal parts."""
@@ -140,6 +145,7 @@ class GradBuffer:
         self._next = 0
 
     def zero(self) -> None:
+        self.first_bad = {}
         if self.data is not None:
             self.data.zero_()  # (ZeRO-1 parts are views into it)
         for b in self.buckets:
@@ -160,8 +166,27 @@ class GradBuffer:
         elif overlap:
             self._launch_ready(events, async_op=True)
 
+    def _note_local(self, b: _Bucket) -> None:
+        if not self.check_finite or b.data is None:
+            return
+        bad = ~torch.isfinite(b.data)
+        first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), torch.tensor(-1, device=b.data.device))
+        prev = self.first_bad.get(b.index)
+        self.first_bad[b.index] = first if prev is None else torch.where(prev >= 0, prev, first)
+
+    def first_nonfinite(self) -> nn.Parameter | None:
+        """The first parameter, in the order their gradients were produced, whose local gradient on this
+        rank was non-finite before the reduction (None when every one was finite)."""
+        for b in self.buckets:
+            idx = int(self.first_bad[b.index]) if b.index in self.first_bad else -1
+            if idx >= 0:
+                flat = b.lo + idx
+                return next((p for p in b.params if self.offset[id(p)] <= flat < self.offset[id(p)] + p.numel()), None)
+        return None
+
     def _reduce_transient(self, b: _Bucket) -> None:
         """ZeRO-2: reduce-scatter a complete bucket into its part, add it up, and drop the full storage."""
+        self._note_local(b)
         if self.group.size > 1:
             out = torch.empty_like(b.shard_grad)
             with self.group.blocked():
@@ -176,6 +201,7 @@ class GradBuffer:
             b = self.buckets[self._next]
             if b.pending and not force:
                 return
+            self._note_local(b)
             if self.group.size > 1:
                 with self.group.blocked() if not async_op else contextlib.nullcontext():
                     if self.sharded:  # the summed part lands in scratch, then in this rank's slot (finish)
@@ -290,6 +316,18 @@ class DistributedDataParallel(nn.Module):
 
     def grad_bytes(self) -> int:
         return sum(b.grad_bytes() for b in self.buffers)
+
+    def check_finite(self, enabled: bool = True) -> None:
+        """Note where this rank's own gradients first turn non-finite, before each reduction."""
+        for b in self.buffers:
+            b.check_finite = enabled
+
+    def first_nonfinite_param(self) -> str | None:
+        """The name of the first parameter whose local gradient was non-finite on this rank, if any."""
+        for b in self.buffers:
+            if (p := b.first_nonfinite()) is not None:
+                return self._names[id(p)]
+        return None
 
     def sequence_parallel_shard_sum(self, tp: Group) -> None:
         """Sharded buffers: the TP sum of sequence-parallel parameters' gradients, on this rank's reduced

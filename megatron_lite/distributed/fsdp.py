@@ -15,6 +15,7 @@ the sharded parameters with our exact grad norm (local shards summed over DP, th
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -97,6 +98,17 @@ class FSDP2Model(nn.Module):
     def grad_bytes(self) -> int:
         return sum(_local(p.grad).numel() * 4 for p in self.module.parameters() if p.grad is not None)
 
+    def check_finite(self, enabled: bool = True) -> None:
+        """FSDP2 reduces inside its own hooks: only the reduced shards can be inspected."""
+
+    def first_nonfinite_param(self) -> str | None:
+        """The first parameter whose shard of the reduced gradient is non-finite on this rank (FSDP2 mixes
+        the ranks' gradients before we see them, so this names the parameter, not the rank it came from)."""
+        for name, p in self.module.named_parameters():
+            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+                return name
+        return None
+
 
 class FSDP2Optimizer:
     def __init__(self, model: FSDP2Model, config: OptimizerConfig, ctx: ParallelContext) -> None:
@@ -124,6 +136,8 @@ class FSDP2Optimizer:
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         norm = self.grad_norm()
+        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
+            return StepResult(False, norm, 1.0)  # every rank computed the same norm
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0:

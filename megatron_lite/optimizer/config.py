@@ -37,6 +37,9 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_apex_adam: bool = False  # NVIDIA apex FusedAdam, when installed
+    # A non-finite gradient norm skips the update on every rank (the norm is reduced over all of them);
+    # the training loop then applies --nan-policy.
+    check_for_nan_in_loss_and_grad: bool = True
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:

@@ -14,6 +14,8 @@ distributed optimizer loads without it, under another DP size, and the other way
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -137,6 +139,8 @@ class DistributedOptimizer:
                 self.scaler.update(True)
                 return StepResult(False, None, self.scaler.scale)
         norm = self.grad_norm()
+        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
+            return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0 and grads:

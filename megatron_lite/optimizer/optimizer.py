@@ -11,6 +11,7 @@ data-parallel reduction all DP ranks hold the same gradients, so no DP reduction
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -189,6 +190,8 @@ class MixedPrecisionOptimizer:
                 self.scaler.update(True)
                 return StepResult(False, None, self.scaler.scale)
         norm = self.grad_norm(grads)
+        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
+            return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0:

@@ -44,6 +44,47 @@ class LoggingConfig:
     log_memory_breakdown: bool = False  # per rank: parameter, gradient, optimizer and activation bytes
 
 
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+NAN_POLICIES = ("skip", "halt", "rollback")
+SPIKE_POLICIES = ("report", "rollback")
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    """What keeps a long job going and makes its failures explain themselves."""
+
+    auto_resume: bool = True  # with --save DIR holding a checkpoint and no --load, resume from it
+    exit_signal_handler: bool = False  # the signal makes every rank save at the next iteration and exit 0
+    exit_signal: str = "SIGTERM"
+    nan_policy: str = "halt"  # on a non-finite loss or gradient (--check-for-nan-in-loss-and-grad)
+    check_for_spiky_loss: bool = False
+    spiky_loss_window: int = 50
+    spiky_loss_zscore: float = 6.0
+    spiky_loss_policy: str = "report"
+    log_straggler: bool = False
+    flight_recorder: bool = True  # record collectives; a hang past the timeout ends the job with a report
+
+    def __post_init__(self) -> None:
+        for flag, value, choices in (
+            ("--exit-signal", self.exit_signal, SIGNALS),
+            ("--nan-policy", self.nan_policy, NAN_POLICIES),
+            ("--spiky-loss-policy", self.spiky_loss_policy, SPIKE_POLICIES),
+        ):
+            if value not in choices:
+                raise ConfigError(f"{flag} {value} is not one of {', '.join(choices)}")
+        if self.spiky_loss_window < 10 or self.spiky_loss_zscore <= 0:
+            raise ConfigError(
+                f"--spiky-loss-window {self.spiky_loss_window} must be >= 10 and --spiky-loss-zscore "
+                f"{self.spiky_loss_zscore} positive"
+            )
+
+    def validate(self, checkpoint: CheckpointConfig) -> None:
+        rollback = self.nan_policy == "rollback" or (self.check_for_spiky_loss and self.spiky_loss_policy == "rollback")
+        if rollback and not (checkpoint.save or checkpoint.load):
+            flag = "--nan-policy rollback" if self.nan_policy == "rollback" else "--spiky-loss-policy rollback"
+            raise ConfigError(f"{flag} rolls back to the last checkpoint: it needs --save DIR (with --save-interval)")
+
+
 @dataclass(frozen=True)
 class JobConfig:
     model: ModelConfig
@@ -53,6 +94,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     dry_run: bool = False
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0

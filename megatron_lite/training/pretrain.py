@@ -33,6 +33,8 @@ from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext, initialize
+from megatron_lite.resilience.flight_recorder import FlightRecorder
+from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
 from megatron_lite.training import memory
 from megatron_lite.training.configs import JobConfig
 from megatron_lite.training.flops import flops_per_token, peak_flops
@@ -126,6 +128,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     ckpt_path = None
+    ck = job.checkpoint
+    if not ck.load and ck.save and job.resilience.auto_resume and find_checkpoint(ck.save):
+        # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped.
+        say(f"--save {ck.save} holds a checkpoint: resuming from it (--no-auto-resume starts over)")
+        job = dataclasses.replace(job, checkpoint=dataclasses.replace(ck, load=ck.save))
     if job.checkpoint.load:
         ckpt_path = find_checkpoint(job.checkpoint.load)
         if ckpt_path is None:
@@ -147,13 +154,18 @@ def run(job: JobConfig, notes: list[str]) -> int:
     job = dataclasses.replace(job, model=model_cfg)
     validate_layout(job.model, job.parallel, world_size, job.training)
 
+    timeout_s = job.distributed_timeout_minutes * 60
+    recorder_on = job.resilience.flight_recorder and world_size > 1
     ctx = initialize(
         job.model,
         job.parallel,
         job.training,
         backend=job.distributed_backend,
-        timeout_s=job.distributed_timeout_minutes * 60,
+        # the flight recorder reports a hang at the timeout; the backend's own error comes later, if at all
+        timeout_s=2 * timeout_s + 60 if recorder_on else timeout_s,
     )
+    check_config_agreement(job.to_dict(), ctx.device)
+    recorder = FlightRecorder(timeout_s).install() if recorder_on else None
     ctx.seed(job.training.seed)
     log = MetricsLogger(job, enabled=_logging_rank(ctx))
     for line in notes:
@@ -207,6 +219,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}
     metrics = None
     ck = job.checkpoint
+    guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx.rank, ctx.device, log)
     saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
 
     def save() -> None:
@@ -223,12 +236,22 @@ def run(job: JobConfig, notes: list[str]) -> int:
     while state.iteration < t.train_iters:
         if saver is not None and (path := saver.poll()):
             log.info(f"saved {path} (async)")
+        while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
+            log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
+            state.consumed_samples += gbs
+        guard.before_iteration(state.iteration + 1)
         tic = time.time()
         batches = train_batches.get(state.consumed_samples)
         data_time = time.time() - tic
-        metrics = train_step(ddp, optimizer, scheduler, batches, ctx, job.logging.log_memory_breakdown)
+        with guard.during_step(state.iteration + 1, model):
+            metrics = train_step(ddp, optimizer, scheduler, batches, ctx, job.logging.log_memory_breakdown)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
+        action = guard.after_step(state.iteration + 1, state.consumed_samples, metrics, ddp)
+        if action == ROLLBACK:
+            state = _rollback(job, model, optimizer, scheduler, ctx, log, state)
+            guard.after_rollback()
+            continue
         state.iteration += 1
         state.consumed_samples += gbs
         window["loss"] += metrics.lm_loss
@@ -258,6 +281,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     "consumed_samples": state.consumed_samples,
                     "skipped_iterations": window["skipped"],
                     **_moe_metrics(metrics.moe),
+                    **guard.log_metrics(),
                     **(
                         memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
                         if job.logging.log_memory_breakdown
@@ -279,16 +303,39 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if _should_exit(t, state, start_time, ctx):
             log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
             break
+        if guard.should_exit():
+            log.info(f"{job.resilience.exit_signal} received: saving at iteration {state.iteration} and exiting")
+            if not ck.save:
+                log.info("no --save: exiting without a checkpoint")
+            break
     if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
         save()
     if saver is not None and (path := saver.finish()):
         log.info(f"saved {path} (async)")
     log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
     log.close()
+    if recorder is not None:
+        recorder.uninstall()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _rollback(job: JobConfig, model, optimizer, scheduler, ctx: ParallelContext, log, state: TrainState) -> TrainState:
+    """Every rank reloads the newest complete checkpoint (the Supervisor has noted the batch to skip)."""
+    root = job.checkpoint.save or job.checkpoint.load
+    path = find_checkpoint(root)
+    if path is None:
+        raise TrainingHalted(
+            f"iteration {state.iteration + 1}: a rollback was asked for but {root} holds no checkpoint yet; "
+            "save more often (--save-interval) or use --nan-policy skip"
+        )
+    if hasattr(optimizer, "finish_param_sync"):
+        optimizer.finish_param_sync()
+    restored = load_checkpoint(path, model, optimizer, scheduler, ctx)
+    log.info(f"rolled back to {path}: iteration {restored.iteration}, sample {restored.consumed_samples}")
+    return restored
 
 
 def _should_exit(t, state: TrainState, start_time: float, ctx: ParallelContext) -> bool:
@@ -315,3 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingHalted as e:
+        rank = os.environ.get("RANK", "0")
+        print(f"halted (rank {rank}): {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # every rank halts at the same point: leave together
+            dist.barrier()
+            dist.destroy_process_group()
+        return 3

@@ -68,6 +68,7 @@ def wrap_for_training(
         use_distributed_optimizer=optim.use_distributed_optimizer,
         zero_stage=optim.zero_stage,
     )
+    ddp.check_finite(optim.check_for_nan_in_loss_and_grad)
     if optim.use_distributed_optimizer:
         return ddp, DistributedOptimizer(model, ddp, optim, ctx, overlap_param_gather=optim.overlap_param_gather)
     return ddp, MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)

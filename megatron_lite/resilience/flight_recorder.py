@@ -1,0 +1,288 @@
+"""A flight recorder of collectives: every rank remembers its recent collectives (operation, group,
+shapes, call site) and counts them per group; a watchdog thread turns a collective that has not completed
+within the timeout into a report naming which ranks wait in which collective and which rank is missing
+(has not reached it) or ahead (went past it), then ends the process so the launcher tears the job down.
+
+Each rank publishes its state to the job's key-value store (the one init_process_group rendezvoused
+through) once a second from the watchdog thread, so the report can be built while the main thread is
+blocked in C++. Collectives are recorded by wrapping torch.distributed's functions, which every
+collective in megatron_lite goes through; asynchronous ones are recorded when started and their waits
+when waited on."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+WRAPPED = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@dataclass
+class Entry:
+    group: str  # the group's global ranks, e.g. "0,1"
+    seq: int  # this rank's count of collectives on that group, this one included
+    op: str
+    shapes: list
+    site: str
+    start: float
+    end: float | None = None
+
+    def describe(self) -> str:
+        return f"#{self.seq} {self.op} on ranks [{self.group}] {self.shapes} at {self.site}"
+
+
+def _site() -> str:
+    """The first caller outside torch and this module: where the collective was asked for."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_TORCH) or path.startswith(_HERE)):
+            shown = os.path.relpath(path) if path.startswith(os.getcwd()) else path
+            return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+def _shapes(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(list(a.shape))
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], dist.P2POp):
+            out.append([f"{op.op.__name__}->{op.peer}:{list(op.tensor.shape)}" for op in a])
+    return out
+
+
+class _Work:
+    """An asynchronous collective's handle: its wait is timed like a blocking collective."""
+
+    def __init__(self, work, recorder: FlightRecorder, entry: Entry) -> None:
+        self._work, self._recorder, self._entry = work, recorder, entry
+
+    def wait(self, *args, **kwargs):
+        with self._recorder._inside(self._entry, waiting=True):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@dataclass
+class _State:
+    counts: dict = field(default_factory=dict)  # group -> seq of the last collective entered there
+    last: dict = field(default_factory=dict)  # group -> description of that collective
+    current: dict | None = None  # the collective being waited in, or None while computing
+
+
+_INSTALLED: list[FlightRecorder] = []
+
+
+def installed() -> FlightRecorder | None:
+    return _INSTALLED[-1] if _INSTALLED else None
+
+
+class FlightRecorder:
+    def __init__(self, timeout_s: float, history: int = 64, store=None, exit_on_hang: bool = True) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout_s = timeout_s
+        self.history: collections.deque[Entry] = collections.deque(maxlen=history)
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.exit_on_hang = exit_on_hang
+        self.state = _State()
+        self._lock = threading.Lock()
+        self._current: Entry | None = None
+        self._originals: dict = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.report: str | None = None
+
+    # Recording ---------------------------------------------------------------------------------
+    def _group_key(self, group) -> str:
+        if group is None or group is dist.group.WORLD:
+            return ",".join(map(str, range(self.world)))
+        return ",".join(map(str, dist.get_process_group_ranks(group)))
+
+    def _enter(self, op: str, args, kwargs) -> Entry:
+        group = kwargs.get("group")
+        if op == "batch_isend_irecv":
+            ops = args[0] if args else kwargs.get("p2p_op_list", [])
+            group = ops[0].group if ops else None
+            key = ",".join(sorted({str(self.rank)} | {str(o.peer) for o in ops}, key=int))
+        else:
+            key = self._group_key(group)
+        with self._lock:
+            seq = self.state.counts.get(key, 0) + 1
+            entry = Entry(key, seq, op, _shapes(args), _site(), time.time())
+            self.state.counts[key] = seq
+            self.state.last[key] = entry.describe()
+            self.history.append(entry)
+        return entry
+
+    class _Inside:
+        def __init__(self, recorder: FlightRecorder, entry: Entry, waiting: bool) -> None:
+            self.recorder, self.entry, self.waiting = recorder, entry, waiting
+
+        def __enter__(self):
+            r = self.recorder
+            with r._lock:
+                r._current = self.entry
+                r._current_since = time.time()
+                r._current_waiting = self.waiting
+            return self
+
+        def __exit__(self, *exc):
+            r = self.recorder
+            with r._lock:
+                self.entry.end = time.time()
+                r._current = None
+            return False
+
+    def _inside(self, entry: Entry, waiting: bool = False) -> _Inside:
+        return FlightRecorder._Inside(self, entry, waiting)
+
+    def _wrap(self, name: str, fn):
+        recorder = self
+
+        def wrapper(*args, **kwargs):
+            fn = recorder._originals[name]  # looked up per call: the fault injector may swap it
+            entry = recorder._enter(name, args, kwargs)
+            if kwargs.get("async_op") or name == "batch_isend_irecv":
+                works = fn(*args, **kwargs)
+                if works is None:
+                    return None
+                if isinstance(works, list):
+                    return [_Work(w, recorder, entry) for w in works]
+                return _Work(works, recorder, entry)
+            with recorder._inside(entry):
+                return fn(*args, **kwargs)
+
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    def install(self) -> FlightRecorder:
+        for name in WRAPPED:
+            fn = getattr(dist, name)
+            self._originals[name] = fn
+            setattr(dist, name, self._wrap(name, fn))
+        self._thread = threading.Thread(target=self._watch, name="megatron_lite-flight-recorder", daemon=True)
+        self._thread.start()
+        _INSTALLED.append(self)
+        return self
+
+    def uninstall(self) -> None:
+        self._stop.set()
+        if self in _INSTALLED:
+            _INSTALLED.remove(self)
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # Publishing and watching -------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        with self._lock:
+            cur = self._current
+            return {
+                "rank": self.rank,
+                "time": time.time(),
+                "counts": dict(self.state.counts),
+                "last": dict(self.state.last),
+                "current": None
+                if cur is None
+                else {**asdict(cur), "since": self._current_since, "waiting": self._current_waiting},
+            }
+
+    def _publish(self) -> None:
+        try:
+            self.store.set(f"megatron_lite/flight_recorder/{self.rank}", json.dumps(self._snapshot()))
+        except Exception:  # the store may be gone at shutdown: nothing to report then
+            pass
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            self._publish()
+            with self._lock:
+                cur, since = self._current, getattr(self, "_current_since", 0.0)
+            if cur is not None and time.time() - since > self.timeout_s:
+                self.report = self.build_report(cur, time.time() - since)
+                print(self.report, file=sys.stderr, flush=True)
+                if self.exit_on_hang:
+                    os._exit(1)
+                return
+
+    def _peers(self) -> dict[int, dict]:
+        out = {}
+        for r in range(self.world):
+            try:
+                if self.store.check([f"megatron_lite/flight_recorder/{r}"]):
+                    out[r] = json.loads(self.store.get(f"megatron_lite/flight_recorder/{r}"))
+            except Exception:
+                continue
+        return out
+
+    def build_report(self, entry: Entry, waited: float) -> str:
+        """Who waits in `entry`, who has not reached it and who went past it, from every rank's state."""
+        self._publish()
+        peers = self._peers()
+        members = [int(r) for r in entry.group.split(",")]
+        lines = [
+            f"hang: rank {self.rank} has waited {waited:.0f} s (--distributed-timeout-minutes "
+            f"{self.timeout_s / 60:g}) in collective {entry.describe()}"
+        ]
+        missing, ahead, waiting = [], [], []
+        for r in members:
+            p = peers.get(r)
+            if p is None:
+                lines.append(f"  rank {r}: no state published (the process may be gone)")
+                missing.append(r)
+                continue
+            n = p["counts"].get(entry.group, 0)
+            cur = p["current"]
+            where = (
+                f"waiting for {p['time'] - cur['since']:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] "
+                f"at {cur['site']}"
+                if cur
+                else "computing (in no collective)"
+            )
+            if n < entry.seq:
+                missing.append(r)
+                last = p["last"].get(entry.group, "none")
+                lines.append(
+                    f"  rank {r}: MISSING: has not entered #{entry.seq} on this group (last: {last}); now {where}"
+                )
+            elif n > entry.seq:
+                ahead.append(r)
+                lines.append(f"  rank {r}: AHEAD: went past #{entry.seq} on this group to #{n}; now {where}")
+            else:
+                waiting.append(r)
+                lines.append(f"  rank {r}: {where}")
+        lines.append(
+            f"summary: ranks {waiting} wait in {entry.op} #{entry.seq} on ranks [{entry.group}]"
+            + (f"; rank(s) {missing} never reached it" if missing else "")
+            + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
+        )
+        recent = "; ".join(e.describe() for e in list(self.history)[-5:])
+        lines.append(f"rank {self.rank}'s last collectives: {recent}")
+        return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""Per-iteration guards of the training loop: non-finite loss or gradients (--check-for-nan-in-loss-and-grad),
+loss spikes (--check-for-spiky-loss) and the exit signal (--exit-signal-handler). Every decision is
+taken by all ranks together (an all-reduce of a flag), so no rank ever proceeds alone."""
+
+from __future__ import annotations
+
+import math
+import signal
+import statistics
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+NAN_POLICIES = ("skip", "halt", "rollback")
+SPIKE_POLICIES = ("report", "rollback")
+
+
+def agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank if any rank's flag is set."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def non_finite(loss: float, grad_norm: float | None) -> bool:
+    """A non-finite loss or gradient norm. Both are already reduced over every rank (the loss over data and
+    context parallelism and the pipeline, the norm over every parameter), so every rank sees the same."""
+    return not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+
+
+class SpikeDetector:
+    """A loss whose z-score against the previous `window` losses exceeds `threshold` (after `window`
+    iterations of history). Spikes are not added to the history, so one does not hide the next."""
+
+    def __init__(self, window: int = 50, threshold: float = 6.0) -> None:
+        self.window, self.threshold = window, threshold
+        self.losses: deque[float] = deque(maxlen=window)
+
+    def zscore(self, loss: float) -> float | None:
+        if len(self.losses) < max(self.window // 2, 5):
+            return None
+        mean = statistics.fmean(self.losses)
+        std = statistics.pstdev(self.losses)
+        return (loss - mean) / max(std, 1e-6 * max(abs(mean), 1.0))
+
+    def observe(self, loss: float) -> float | None:
+        """The loss's z-score when it is a spike, else None (the loss joins the history)."""
+        z = self.zscore(loss)
+        if z is not None and z > self.threshold:
+            return z
+        self.losses.append(loss)
+        return None
+
+    def reset(self) -> None:
+        self.losses.clear()
+
+
+class ExitSignal:
+    """--exit-signal-handler: the signal only sets a flag; the loop checks it at each iteration boundary,
+    all ranks together, then saves and exits."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signum
+        self.received = False
+        self._previous = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def should_exit(self, device: torch.device) -> bool:
+        return agree(self.received, device)
+
+    def restore(self) -> None:
+        signal.signal(self.signum, self._previous)

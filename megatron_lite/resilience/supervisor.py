@@ -1,0 +1,146 @@
+"""What the training loop asks of the resilience features, in one place: before and around each step
+(fault injection), after it (non-finite loss or gradient, loss spikes: what --nan-policy and
+--spiky-loss-policy say to do), at each log interval (straggler report) and at each iteration boundary
+(the exit signal). Every decision that changes what ranks do next is taken by all ranks together."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.resilience.guards import ExitSignal, SpikeDetector, agree, non_finite
+from megatron_lite.resilience.inject import Injector
+from megatron_lite.resilience.straggler import describe, straggler_report
+from megatron_lite.training.configs import ResilienceConfig
+
+OK, SKIPPED, ROLLBACK = "ok", "skipped", "rollback"
+
+
+class TrainingHalted(RuntimeError):
+    """--nan-policy halt (or nothing to roll back to): the message says where and what."""
+
+
+def check_config_agreement(config: dict, device: torch.device) -> None:
+    """Every rank must run the same configuration; a rank launched with other flags would otherwise meet the
+    others in mismatched collectives. One all-gather of a hash, before any training collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    hashes = [int(t) for t in every]
+    if len(set(hashes)) > 1:
+        from megatron_lite.config import ConfigError
+
+        groups: dict[int, list[int]] = {}
+        for r, h in enumerate(hashes):
+            groups.setdefault(h, []).append(r)
+        parts = "; ".join(f"ranks {rs}: {h:014x}" for h, rs in groups.items())
+        raise ConfigError(f"the ranks were launched with different configurations (hashes of their flags: {parts})")
+
+
+class Supervisor:
+    def __init__(self, config: ResilienceConfig, check_nan: bool, rank: int, device: torch.device, log) -> None:
+        self.config, self.check_nan, self.rank, self.device, self.log = config, check_nan, rank, device, log
+        self.injector = Injector(rank)
+        self.spikes = (
+            SpikeDetector(config.spiky_loss_window, config.spiky_loss_zscore) if config.check_for_spiky_loss else None
+        )
+        self.exit = ExitSignal(getattr(signal, config.exit_signal)) if config.exit_signal_handler else None
+        self.skip_samples: set[int] = set()  # batches (by consumed-samples position) a rollback skips
+        self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}
+
+    # Around the step ---------------------------------------------------------------------------
+    def before_iteration(self, iteration: int) -> None:
+        self.injector.before_iteration(iteration)
+
+    def during_step(self, iteration: int, model: torch.nn.Module):
+        return self.injector.during_step(iteration, model)
+
+    def skip_batch(self, consumed_samples: int) -> bool:
+        """True when a rollback marked the batch starting at this position as one to skip."""
+        return consumed_samples in self.skip_samples
+
+    def after_step(self, iteration: int, consumed_before: int, metrics, ddp) -> str:
+        """OK, SKIPPED (the update was not applied) or ROLLBACK; raises TrainingHalted under --nan-policy halt."""
+        self.window["step"] += metrics.step_seconds
+        self.window["compute"] += metrics.step_seconds - metrics.comm_exposed_seconds
+        self.window["n"] += 1
+        if self.check_nan and non_finite(metrics.lm_loss, metrics.grad_norm):
+            self.window["nonfinite"] += 1
+            return self._non_finite(iteration, consumed_before, metrics, ddp)
+        if self.spikes is not None and (z := self.spikes.observe(metrics.lm_loss)) is not None:
+            self.window["spikes"] += 1
+            self.window["zscore"] = max(self.window["zscore"], z)
+            self.log.info(
+                f"iteration {iteration}: loss spike: lm_loss {metrics.lm_loss:.4f} is {z:.1f} standard deviations "
+                f"above the last {len(self.spikes.losses)} iterations' mean"
+            )
+            if self.config.spiky_loss_policy == "rollback":
+                self.skip_samples.add(consumed_before)
+                return ROLLBACK
+        return OK
+
+    def _non_finite(self, iteration: int, consumed_before: int, metrics, ddp) -> str:
+        what = f"lm_loss {metrics.lm_loss}, grad norm {metrics.grad_norm}"
+        policy = self.config.nan_policy
+        if policy == "skip":
+            self.log.info(f"iteration {iteration}: non-finite {what}: update skipped on every rank (--nan-policy skip)")
+            return SKIPPED
+        if policy == "rollback":
+            self.skip_samples.add(consumed_before)
+            self.log.info(
+                f"iteration {iteration}: non-finite {what}: rolling back to the last checkpoint and skipping the "
+                f"batch at sample {consumed_before} (--nan-policy rollback)"
+            )
+            return ROLLBACK
+        raise TrainingHalted(self.halt_message(iteration, what, ddp))
+
+    def halt_message(self, iteration: int, what: str, ddp) -> str:
+        """Which ranks' own gradients were non-finite, and in which parameter first (gathered everywhere)."""
+        mine = ddp.first_nonfinite_param() if hasattr(ddp, "first_nonfinite_param") else None
+        every = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        bad = [(r, name) for r, name in enumerate(every) if name is not None]
+        where = (
+            "; ".join(f"rank {r}: first in {name}" for r, name in bad)
+            if bad
+            else "no rank's own gradient was non-finite (the loss itself, or an overflow in the reduction)"
+        )
+        return (
+            f"iteration {iteration}: non-finite {what}; halting every rank (--nan-policy halt). "
+            f"Non-finite local gradients: {where}"
+        )
+
+    # Log interval and iteration boundary -------------------------------------------------------
+    def log_metrics(self) -> dict:
+        """Metrics for this log interval's record (and the straggler line on the console)."""
+        w, out = self.window, {}
+        if self.spikes is not None:
+            out.update(loss_spikes=w["spikes"], loss_spike_max_zscore=w["zscore"])
+        if self.check_nan:
+            out["nonfinite_iterations"] = w["nonfinite"]
+        if self.config.log_straggler and w["n"]:
+            report = straggler_report(w["step"] / w["n"], w["compute"] / w["n"], self.device)
+            self.log.info(describe(report))
+            out.update(report)
+        self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}
+        return out
+
+    def should_exit(self) -> bool:
+        return self.exit is not None and self.exit.should_exit(self.device)
+
+    def after_rollback(self) -> None:
+        if self.spikes is not None:
+            self.spikes.reset()
+
+    @staticmethod
+    def agree(flag: bool, device: torch.device) -> bool:
+        return agree(flag, device)
