@@ -326,7 +326,9 @@ class DistributedDataParallel(nn.Module):
         """The name of the first parameter whose local gradient was non-finite on this rank, if any."""
         for b in self.buffers:
             if (p := b.first_nonfinite()) is not None:
-                return self._names[id(p)]
+                name = self._names[id(p)]
+                # the checkpoint's name (global layer and expert numbers), not the chunk-local one
+                return self.module.global_name(name) if hasattr(self.module, "global_name") else name
         return None
 
     def sequence_parallel_shard_sum(self, tp: Group) -> None:

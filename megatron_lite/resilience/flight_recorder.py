@@ -35,6 +35,7 @@ WRAPPED = (
     "recv",
 )
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(_HERE))  # shown paths are relative to the checkout
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -52,16 +53,17 @@ class Entry:
         return f"#{self.seq} {self.op} on ranks [{self.group}] {self.shapes} at {self.site}"
 
 
-def _site() -> str:
-    """The first caller outside torch and this module: where the collective was asked for."""
-    frame = sys._getframe(2)
-    while frame is not None:
+def _site(depth: int = 2) -> str:
+    """Where the collective was asked for: the first `depth` callers outside torch and this module (the
+    communication helper, then the code that called it)."""
+    frame, found = sys._getframe(2), []
+    while frame is not None and len(found) < depth:
         path = frame.f_code.co_filename
         if not (path.startswith(_TORCH) or path.startswith(_HERE)):
-            shown = os.path.relpath(path) if path.startswith(os.getcwd()) else path
-            return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+            shown = os.path.relpath(path, _ROOT) if path.startswith(_ROOT) else path
+            found.append(f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})")
         frame = frame.f_back
-    return "?"
+    return " <- ".join(found) or "?"
 
 
 def _shapes(args) -> list:
@@ -168,7 +170,8 @@ class FlightRecorder:
             fn = recorder._originals[name]  # looked up per call: the fault injector may swap it
             entry = recorder._enter(name, args, kwargs)
             if kwargs.get("async_op") or name == "batch_isend_irecv":
-                works = fn(*args, **kwargs)
+                with recorder._inside(entry):  # starting one can block too
+                    works = fn(*args, **kwargs)
                 if works is None:
                     return None
                 if isinstance(works, list):

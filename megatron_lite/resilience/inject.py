@@ -58,9 +58,12 @@ class Injector:
         self.faults = [f for f in faults if f.rank == rank and (f.kind != "kill" or f.restart == restart)]
 
     def _due(self, kind: str, iteration: int) -> Fault | None:
-        return next(
-            (f for f in self.faults if f.kind == kind and (f.iteration is None or f.iteration == iteration)), None
-        )
+        """The fault of this kind for this iteration; one-off faults fire once (a rollback replays the
+        iteration with the same number, and must meet a healthy step)."""
+        f = next((f for f in self.faults if f.kind == kind and (f.iteration is None or f.iteration == iteration)), None)
+        if f is not None and f.iteration is not None:
+            self.faults.remove(f)
+        return f
 
     def before_iteration(self, iteration: int) -> None:
         if self._due("kill", iteration):

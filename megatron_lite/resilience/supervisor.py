@@ -12,7 +12,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from megatron_lite.resilience.guards import ExitSignal, SpikeDetector, agree, non_finite
+from megatron_lite.resilience.guards import ExitSignal, SpikeDetector, non_finite
 from megatron_lite.resilience.inject import Injector
 from megatron_lite.resilience.straggler import describe, straggler_report
 from megatron_lite.training.configs import ResilienceConfig
@@ -53,6 +53,8 @@ class Supervisor:
         )
         self.exit = ExitSignal(getattr(signal, config.exit_signal)) if config.exit_signal_handler else None
         self.skip_samples: set[int] = set()  # batches (by consumed-samples position) a rollback skips
+        self.rollbacks_without_progress = 0  # rollbacks since training last got past the previous one
+        self.rollback_point = -1
         self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}
 
     # Around the step ---------------------------------------------------------------------------
@@ -82,9 +84,23 @@ class Supervisor:
                 f"above the last {len(self.spikes.losses)} iterations' mean"
             )
             if self.config.spiky_loss_policy == "rollback":
-                self.skip_samples.add(consumed_before)
-                return ROLLBACK
+                return self._rollback(iteration, consumed_before, f"a loss spike (z-score {z:.1f})")
         return OK
+
+    MAX_ROLLBACKS = 3  # in a row without getting past the previous failure: the cause is not one batch
+
+    def _rollback(self, iteration: int, consumed_before: int, what: str) -> str:
+        if iteration > self.rollback_point:
+            self.rollbacks_without_progress = 0
+        self.rollbacks_without_progress += 1
+        self.rollback_point = max(self.rollback_point, iteration)
+        if self.rollbacks_without_progress > self.MAX_ROLLBACKS:
+            raise TrainingHalted(
+                f"iteration {iteration}: {what} again after {self.MAX_ROLLBACKS} rollbacks that skipped the offending "
+                "batches: the cause is not a single batch; halting (inspect the last checkpoint)"
+            )
+        self.skip_samples.add(consumed_before)
+        return ROLLBACK
 
     def _non_finite(self, iteration: int, consumed_before: int, metrics, ddp) -> str:
         what = f"lm_loss {metrics.lm_loss}, grad norm {metrics.grad_norm}"
@@ -93,12 +109,11 @@ class Supervisor:
             self.log.info(f"iteration {iteration}: non-finite {what}: update skipped on every rank (--nan-policy skip)")
             return SKIPPED
         if policy == "rollback":
-            self.skip_samples.add(consumed_before)
             self.log.info(
                 f"iteration {iteration}: non-finite {what}: rolling back to the last checkpoint and skipping the "
                 f"batch at sample {consumed_before} (--nan-policy rollback)"
             )
-            return ROLLBACK
+            return self._rollback(iteration, consumed_before, f"non-finite {what}")
         raise TrainingHalted(self.halt_message(iteration, what, ddp))
 
     def halt_message(self, iteration: int, what: str, ddp) -> str:
@@ -140,7 +155,3 @@ class Supervisor:
     def after_rollback(self) -> None:
         if self.spikes is not None:
             self.spikes.reset()
-
-    @staticmethod
-    def agree(flag: bool, device: torch.device) -> bool:
-        return agree(flag, device)
