@@ -289,6 +289,23 @@ def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _attempt_store(timeout_s: float):
+    """Under torchrun, the launcher's store with keys of this restart attempt only. The store outlives a
+    failed attempt, and the process-group keys are the same in every attempt: a restarted worker could
+    read a dead peer's address before the peer rewrote it ("failed to connect ... Connection refused").
+    None (the default env:// path) outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"megatron_lite/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def initialize(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -314,5 +331,8 @@ def initialize(
             # Workers restarted by torchrun (--max-restarts) fail to form gloo's full mesh eagerly
             # ("connectFullMesh failed"); connecting pairs on first use works.
             os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        store = _attempt_store(timeout_s)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), store=store
+        )
     return ParallelContext.build(parallel)

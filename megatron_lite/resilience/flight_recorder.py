@@ -97,6 +97,22 @@ class _State:
     current: dict | None = None  # the collective being waited in, or None while computing
 
 
+def _own_store():
+    """A store client of our own: a TCPStore client is not safe to share between threads, and the main
+    thread's one is what gloo exchanges addresses through (sharing it broke torchrun restarts). Falls
+    back to the default store where the job has no TCP store to connect to."""
+    from datetime import timedelta
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (host and port):
+        return dist.distributed_c10d._get_default_store()
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(
+        f"megatron_lite/flight_recorder/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt}", client
+    )
+
+
 _INSTALLED: list[FlightRecorder] = []
 
 
@@ -109,7 +125,7 @@ class FlightRecorder:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout_s = timeout_s
         self.history: collections.deque[Entry] = collections.deque(maxlen=history)
-        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = store if store is not None else _own_store()
         self.exit_on_hang = exit_on_hang
         self.state = _State()
         self._lock = threading.Lock()
