@@ -68,10 +68,12 @@ class Supervisor:
         """True when a rollback marked the batch starting at this position as one to skip."""
         return consumed_samples in self.skip_samples
 
-    def after_step(self, iteration: int, consumed_before: int, metrics, ddp) -> str:
-        """OK, SKIPPED (the update was not applied) or ROLLBACK; raises TrainingHalted under --nan-policy halt."""
-        self.window["step"] += metrics.step_seconds
-        self.window["compute"] += metrics.step_seconds - metrics.comm_exposed_seconds
+    def after_step(self, iteration: int, consumed_before: int, metrics, ddp, seconds: float) -> str:
+        """OK, SKIPPED (the update was not applied) or ROLLBACK; raises TrainingHalted under --nan-policy halt.
+        `seconds`: this rank's whole iteration (data and host work included): less the time it spent blocked
+        in communication, it is the rank's own work, which a straggler has more of."""
+        self.window["step"] += seconds
+        self.window["compute"] += seconds - metrics.comm_exposed_seconds
         self.window["n"] += 1
         if self.check_nan and non_finite(metrics.lm_loss, metrics.grad_norm):
             self.window["nonfinite"] += 1

@@ -239,6 +239,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
             log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
             state.consumed_samples += gbs
+        start = time.time()
         guard.before_iteration(state.iteration + 1)
         tic = time.time()
         batches = train_batches.get(state.consumed_samples)
@@ -247,7 +248,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             metrics = train_step(ddp, optimizer, scheduler, batches, ctx, job.logging.log_memory_breakdown)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        action = guard.after_step(state.iteration + 1, state.consumed_samples, metrics, ddp)
+        action = guard.after_step(state.iteration + 1, state.consumed_samples, metrics, ddp, time.time() - start)
         if action == ROLLBACK:
             state = _rollback(job, model, optimizer, scheduler, ctx, log, state)
             guard.after_rollback()

@@ -1,0 +1,198 @@
+"""Fault tolerance under plain torchrun (gloo, CPU, 2 ranks, data parallel): a killed worker restarted by
+torchrun, SIGTERM to the launcher, NaN gradients under each --nan-policy, a rank that skips a collective, a
+slow rank, and one job run as two torchrun "nodes" with c10d rendezvous. Faults are injected through
+MEGATRON_LITE_INJECT_FAULT (megatron_lite/resilience/inject.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from test_pretrain_torchrun import ROOT
+
+pytestmark = pytest.mark.slow
+
+ARGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+    "--global-batch-size 4 --lr 3e-3 --lr-decay-style constant --log-interval 1 --eval-iters 0 --mock-data "
+    "--vocab-size 128 --distributed-backend gloo --normalization RMSNorm --swiglu --position-embedding-type rope "
+    "--disable-bias-linear"
+).split()
+
+
+def launcher(nproc: int, extra: list[str], *, restarts: int = 0, nodes: tuple[int, str] | None = None) -> list[str]:
+    rdzv = ["--standalone"] if nodes is None else ["--nnodes", str(nodes[0]), "--rdzv-backend", "c10d",
+                                                   "--rdzv-endpoint", nodes[1], "--rdzv-id", "two-nodes"]  # fmt: skip
+    return [
+        sys.executable, "-m", "torch.distributed.run", *rdzv, "--max-restarts", str(restarts),
+        "--nproc-per-node", str(nproc), str(ROOT / "pretrain" / "pretrain_gpt.py"), *ARGS, *extra,
+    ]  # fmt: skip
+
+
+def run(cwd, extra: list[str], fault: str | None = None, restarts: int = 0, timeout: float = 300):
+    env = {**os.environ, **({"MEGATRON_LITE_INJECT_FAULT": fault} if fault else {})}
+    start = time.time()
+    out = subprocess.run(launcher(2, extra, restarts=restarts), cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=timeout)  # fmt: skip
+    out.seconds = time.time() - start
+    return out
+
+
+def records(path) -> dict[int, dict]:
+    """The last record logged for each iteration (a restarted or rolled-back job logs some twice)."""
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        if "lm_loss" in r and "kind" not in r:
+            out[r["iteration"]] = r
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["lm_loss"] == b["lm_loss"] and a["grad_norm"] == b["grad_norm"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """10 uninterrupted iterations."""
+    d = tmp_path_factory.mktemp("reference")
+    out = run(d, ["--train-iters", "10", "--log-jsonl", str(d / "r.jsonl")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return records(d / "r.jsonl")
+
+
+def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, reference):
+    """Rank 1 SIGKILLed as iteration 6 starts (checkpoints every 2): torchrun --max-restarts 1 restarts both
+    workers, they resume from iteration 4 under --save (auto-resume), and iterations 5-10 equal the
+    uninterrupted run's."""
+    extra = ["--train-iters", "10", "--save", str(tmp_path / "ck"), "--save-interval", "2",
+             "--log-jsonl", str(tmp_path / "k.jsonl")]  # fmt: skip
+    out = run(tmp_path, extra, fault="kill,rank=1,iteration=6", restarts=1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resuming from it" in out.stdout and "loaded" in out.stdout and "iteration 4" in out.stdout
+    got = records(tmp_path / "k.jsonl")
+    assert sorted(got) == list(range(1, 11))
+    for it in range(1, 11):
+        assert same(got[it], reference[it]), (it, got[it], reference[it])
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_path):
+    """SIGTERM to torchrun mid-run: torchrun forwards it, every worker finishes its iteration, saves and
+    exits well within torchrun's 30 s grace period; a job started again continues exactly."""
+    ck, log = tmp_path / "ck", tmp_path / "a.jsonl"
+    env = {**os.environ, "MEGATRON_LITE_INJECT_FAULT": "slow,rank=0,seconds=0.2"}
+    cmd = launcher(2, ["--train-iters", "200", "--save", str(ck), "--exit-signal-handler", "--log-jsonl", str(log)])
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not log.exists() or len(records(log)) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    output = proc.communicate(timeout=60)[0]
+    assert time.time() - start < 30, output[-3000:]
+    saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert f"SIGTERM received: saving at iteration {saved} and exiting" in output
+    assert f"done: iteration {saved}" in output
+    assert 3 <= saved < 200
+    # torchrun reports the signal itself (exit 1, SignalException), though the workers saved and exited 0
+    assert proc.returncode != 0 and "SignalException" in output
+    n = saved + 3
+    out = run(tmp_path, ["--train-iters", str(n), "--save", str(ck), "--log-jsonl", str(tmp_path / "b.jsonl")])
+    assert out.returncode == 0 and f"iteration {saved}" in out.stdout, out.stderr[-3000:]
+    ref = run(tmp_path, ["--train-iters", str(n), "--log-jsonl", str(tmp_path / "ref.jsonl")])
+    assert ref.returncode == 0
+    first, resumed, straight = records(log), records(tmp_path / "b.jsonl"), records(tmp_path / "ref.jsonl")
+    for it in range(1, n + 1):
+        assert same((first if it <= saved else resumed)[it], straight[it]), it
+
+
+def test_nan_policies(tmp_path):
+    """A NaN gradient on rank 1 in iteration 5. skip: the update is skipped everywhere and training goes on;
+    rollback: back to iteration 4's checkpoint, the batch skipped; halt: every rank stops with the iteration,
+    the rank and the parameter. Skip and rollback then meet the same weights and batches (rollback's
+    iteration k is skip's k + 1): had any rank gone on alone, they could not."""
+    fault = "nan,rank=1,iteration=5"
+    # no dropout: the skipped iteration draws dropout masks that a rollback (restoring the RNG) does not
+    nodrop = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    skip = run(tmp_path, [*nodrop, "--train-iters", "9", "--nan-policy", "skip", "--log-jsonl",
+                          str(tmp_path / "s.jsonl")], fault)  # fmt: skip
+    assert skip.returncode == 0, skip.stderr[-3000:]
+    assert "iteration 5: non-finite" in skip.stdout and "update skipped on every rank" in skip.stdout
+    s = records(tmp_path / "s.jsonl")
+    assert s[5]["skipped_iterations"] == 1 and s[5]["nonfinite_iterations"] == 1 and math.isnan(s[5]["grad_norm"])
+    assert all(math.isfinite(s[i]["grad_norm"]) for i in (6, 7, 8, 9))
+
+    extra = [*nodrop, "--train-iters", "8", "--nan-policy", "rollback", "--save", str(tmp_path / "ck"),
+             "--save-interval", "2", "--log-jsonl", str(tmp_path / "r.jsonl")]  # fmt: skip
+    rollback = run(tmp_path, extra, fault)
+    assert rollback.returncode == 0, rollback.stderr[-3000:]
+    assert "rolled back to" in rollback.stdout and "skipping the batch at sample 16" in rollback.stdout
+    r = records(tmp_path / "r.jsonl")
+    for it in (1, 2, 3, 4):
+        assert same(r[it], s[it])
+    for it in (5, 6, 7, 8):
+        assert same(r[it], s[it + 1]), (it, r[it], s[it + 1])
+
+    halt = run(tmp_path, ["--train-iters", "8", "--log-jsonl", str(tmp_path / "h.jsonl")], fault, timeout=120)
+    assert halt.returncode != 0
+    err = halt.stderr
+    assert err.count("halted (rank") == 2  # both ranks stopped, at the same iteration
+    assert "iteration 5: non-finite" in err and "rank 1: first in embedding.word_embeddings.weight" in err
+    assert max(records(tmp_path / "h.jsonl")) == 4
+
+
+def test_a_rank_that_skips_a_collective_ends_the_job_with_a_report(tmp_path):
+    """Rank 1 returns from an all-reduce without taking part, then waits in its next collective: with a
+    15 s timeout the job ends in well under a minute, and the report names rank 1 and the collective."""
+    out = run(tmp_path, ["--train-iters", "8", "--distributed-timeout-minutes", "0.25"],
+              "skip_collective,rank=1,iteration=3", timeout=200)  # fmt: skip
+    assert out.returncode != 0
+    assert out.seconds < 15 + 45, out.seconds
+    err = out.stderr
+    assert "hang: rank 0 has waited" in err and "in collective #" in err and "all_reduce on ranks [0,1]" in err
+    assert "rank 1: AHEAD: went past" in err and "rank(s) [1] skipped it and went ahead" in err
+
+
+def test_straggler_report_names_the_slow_rank(tmp_path):
+    out = run(tmp_path, ["--train-iters", "4", "--log-interval", "2", "--log-straggler",
+                         "--log-jsonl", str(tmp_path / "g.jsonl")], "slow,rank=1,seconds=0.3")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stragglers:" in out.stdout and "slowest rank 1" in out.stdout
+    r = records(tmp_path / "g.jsonl")
+    assert r[4]["straggler_slowest_rank"] == 1 and r[4]["straggler_compute_max"] > 0.25
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_with_c10d_rendezvous_match_one_node(tmp_path, reference):
+    """Two torchrun launchers of one process each, joined by c10d rendezvous (--nnodes 2), as the shipped
+    multi-node scripts launch: the same losses as the one-node job."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    extra = ["--train-iters", "10", "--log-jsonl", str(tmp_path / "n.jsonl")]
+    procs = [
+        subprocess.Popen(
+            launcher(1, extra, nodes=(2, endpoint)),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs[0][-2000:] + outputs[1][-2000:]
+    got = records(tmp_path / "n.jsonl")
+    assert sorted(got) == list(range(1, 11))
+    for it in range(1, 11):
+        assert same(got[it], reference[it]), it
