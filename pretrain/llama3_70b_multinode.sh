@@ -34,6 +34,7 @@ ARGS=(
     --save "$CKPT" --load "$CKPT" --save-interval 500
     --log-interval 10 --eval-interval 1000 --eval-iters 10
     --wandb-project llama3_70b --wandb-exp-name "llama3_70b_tp8_pp4_n${NNODES}"
+    --exit-signal-handler --log-straggler
 )
 
 if [[ -n "${DRY_RUN:-}" ]]; then

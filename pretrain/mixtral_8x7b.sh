@@ -33,6 +33,7 @@ ARGS=(
     --save "$CKPT" --load "$CKPT" --save-interval 500
     --log-interval 10 --eval-interval 1000 --eval-iters 10
     --wandb-project mixtral --wandb-exp-name "mixtral_8x7b_pp4_ep8_n${NNODES}"
+    --exit-signal-handler
 )
 
 if [[ -n "${DRY_RUN:-}" ]]; then

@@ -1,0 +1,69 @@
+"""Pieces of the fault-tolerance machinery without launching jobs: the start-up configuration check, the
+loss-spike detector, the fault-injection grammar and the flags' validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_lite.config import ConfigError
+from megatron_lite.resilience.guards import SpikeDetector
+from megatron_lite.resilience.inject import Fault, parse
+
+
+def _agree(config: dict) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.resilience.supervisor import check_config_agreement
+
+    mine = dict(config, lr=config["lr"] * (1 + dist.get_rank() // 2))  # ranks 2 and 3 differ
+    try:
+        check_config_agreement(mine, torch.device("cpu"))
+    except ConfigError as e:
+        return str(e)
+    return "agreed"
+
+
+def test_ranks_with_different_configurations_are_refused_before_training(dist):
+    results = dist(4, _agree, {"lr": 1e-3, "layers": 2})
+    assert len(set(results)) == 1  # every rank raises the same error
+    assert "launched with different configurations" in results[0]
+    assert "ranks [0, 1]" in results[0] and "ranks [2, 3]" in results[0]
+    assert dist(2, _agree, {"lr": 1e-3}) == ["agreed", "agreed"]
+
+
+def test_spike_detector():
+    d = SpikeDetector(window=20, threshold=6.0)
+    losses = [3.0 + 0.01 * ((i * 7) % 5) for i in range(20)]
+    assert all(d.observe(x) is None for x in losses)
+    z = d.observe(3.5)
+    assert z is not None and z > 6
+    assert d.observe(3.03) is None  # the spike did not enter the history
+    assert len(d.losses) == 20
+
+
+def test_fault_injection_grammar():
+    assert parse("kill,rank=1,iteration=6;slow,rank=0,seconds=0.5") == [
+        Fault("kill", 1, 6),
+        Fault("slow", 0, None, 0, 0.5),
+    ]
+    with pytest.raises(ValueError, match="unknown fault"):
+        parse("explode,rank=0")
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--nan-policy", "ignore"], "--nan-policy ignore is not one of skip, halt, rollback"),
+        (["--nan-policy", "rollback"], "--nan-policy rollback rolls back to the last checkpoint: it needs --save"),
+        (["--check-for-spiky-loss", "--spiky-loss-policy", "rollback"], "--spiky-loss-policy rollback rolls back"),
+        (["--exit-signal-handler", "--exit-signal", "SIGHUP"], "--exit-signal SIGHUP is not one of"),
+        (["--check-for-spiky-loss", "--spiky-loss-window", "3"], "--spiky-loss-window 3 must be >= 10"),
+    ],
+)
+def test_fault_tolerance_flags_are_validated(flags, message):
+    from megatron_lite.arguments import parse_args
+
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data"
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_args([*base.split(), *flags])
