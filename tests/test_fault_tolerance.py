@@ -100,6 +100,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_pat
     saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert f"SIGTERM received: saving at iteration {saved} and exiting" in output
     assert f"done: iteration {saved}" in output
+    assert all(f"[rank {r}] saved and exiting with code 0 after SIGTERM" in output for r in (0, 1))
     assert 3 <= saved < 200
     # torchrun reports the signal itself (exit 1, SignalException), though the workers saved and exited 0
     assert proc.returncode != 0 and "SignalException" in output

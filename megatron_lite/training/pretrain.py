@@ -219,6 +219,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}
     metrics = None
     ck = job.checkpoint
+    signalled = False
     guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx.rank, ctx.device, log)
     saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
 
@@ -308,6 +309,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.info(f"{job.resilience.exit_signal} received: saving at iteration {state.iteration} and exiting")
             if not ck.save:
                 log.info("no --save: exiting without a checkpoint")
+            signalled = True
             break
     if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
         save()
@@ -320,6 +322,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if signalled:  # every rank says so: the launcher reports the signal, not its workers' exit codes
+        print(f"[rank {ctx.rank}] saved and exiting with code 0 after {job.resilience.exit_signal}", flush=True)
     return 0
 
 
