@@ -22,12 +22,17 @@ from megatron_lite.kernels.moe import (
     moe_unpermute,
     moe_unpermute_reference,
 )
+from megatron_lite.kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference, quantize_nf4
 from megatron_lite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from megatron_lite.kernels.rope import apply_rope, apply_rope_reference
 from megatron_lite.kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "HAVE_TRITON",
+    "NF4Weight",
+    "quantize_nf4",
+    "dequantize_nf4",
+    "dequantize_nf4_reference",
     "linear",
     "linear_reference",
     "matmul_into",
