@@ -43,6 +43,10 @@ def _full_init(p: torch.Tensor, meta: ParamMeta, name: str, seed: int) -> torch.
         gen = torch.Generator(device=p.device)
         gen.manual_seed(param_seed(seed, name))
         return torch.empty(shape, device=p.device, dtype=torch.float32).normal_(0.0, args[0], generator=gen)
+    if kind == "uniform":  # U(-bound, bound): LoRA's A, as PEFT's kaiming_uniform(a=sqrt(5)) draws it
+        gen = torch.Generator(device=p.device)
+        gen.manual_seed(param_seed(seed, name))
+        return torch.empty(shape, device=p.device, dtype=torch.float32).uniform_(-args[0], args[0], generator=gen)
     raise ValueError(f"unknown init method {kind!r} for {name}")
 
 

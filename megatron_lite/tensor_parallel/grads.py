@@ -26,7 +26,7 @@ def allreduce_sequence_parallel_grads(
     `grad_of` finds a parameter's gradient (`.grad`, or the data-parallel wrapper's main gradient)."""
     if tp.size == 1:
         return
-    grads = [grad_of(p) for _, p, meta in named_param_meta(model) if meta.sequence_parallel]
+    grads = [grad_of(p) for _, p, meta in named_param_meta(model) if meta.sequence_parallel and p.requires_grad]
     grads = [g for g in grads if g is not None]
     if not grads:
         return

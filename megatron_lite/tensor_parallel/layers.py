@@ -70,6 +70,7 @@ class ColumnParallelLinear(nn.Module):
         self.comm_overlap = comm_overlap and self.sequence_parallel
         self.triton_gemm = triton_gemm  # the overlapped ring's per-chunk GEMMs through our Triton kernel
         self.spec = ShardSpec(0, sizes, padded, tp.size)
+        self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
         out_local = self.spec.shard_size
         if skip_weight_param_allocation:
             self.weight = None
@@ -96,7 +97,10 @@ class ColumnParallelLinear(nn.Module):
             y = column_parallel_overlapped(x, weight, self.tp, self.triton_gemm)
             y = y if self.bias is None else y + self.bias
         else:
-            y = F.linear(self.gather_input(x), weight, self.bias)
+            x_full = self.gather_input(x)
+            y = F.linear(x_full, weight, self.bias)
+            if self.lora is not None:  # the adapters read the same (gathered) input: one reduction of its grad
+                y = y + self.lora(x_full)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp)
         return y
@@ -133,6 +137,7 @@ class RowParallelLinear(nn.Module):
         self.comm_overlap = comm_overlap and self.sequence_parallel
         self.triton_gemm = triton_gemm
         self.spec = ShardSpec.even(1, input_size, tp.size)
+        self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
         meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
         _add_param(self, "weight", (output_size, self.spec.shard_size), device, dtype, meta)
         if bias:
@@ -146,10 +151,14 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tensor_model_parallel_region(x, self.tp)
         if self.comm_overlap:
             y = row_parallel_overlapped(x, self.weight, self.tp, self.triton_gemm)
-        elif self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp)
         else:
-            y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp)
+            partial = F.linear(x, self.weight)
+            if self.lora is not None:  # summed by the layer's own reduction
+                partial = partial + self.lora(x)
+            if self.sequence_parallel:
+                y = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
+            else:
+                y = reduce_from_tensor_model_parallel_region(partial, self.tp)
         return y if self.bias is None else y + self.bias
 
 

@@ -104,7 +104,7 @@ def allreduce_embedding_grads(model: DistributedDataParallel, ctx: ParallelConte
     grads = [
         model.main_grad(p)
         for name, p, _ in named_param_meta(model.module)
-        if model.module.global_name(name) == "embedding.word_embeddings.weight"
+        if model.module.global_name(name) == "embedding.word_embeddings.weight" and p.requires_grad
     ]
     for g in grads:
         with ctx.embedding.blocked():

@@ -1,0 +1,80 @@
+"""LoRA (Hu et al. 2021) inside the parallel linear layers: y = W x + (alpha / r) B A x, W frozen.
+
+Column-parallel layer (output split over TP): A [r, in] is replicated and B [out / TP, r] split like the
+output. Each rank's B sees only its output slice, so A's gradient is partial on each rank and summed over
+TP (it is marked like a sequence-parallel weight). The input is the layer's own (all-gathered under SP),
+so the input gradient of the LoRA path joins the layer's own reduction.
+Row-parallel layer (input split over TP): A [r, in / TP] split like the input and B [out, r] replicated;
+the LoRA output is added to this rank's partial output before the layer's reduction (all-reduce or
+reduce-scatter), which therefore sums it too: B's gradient is partial and summed over TP.
+That one all-reduce of the replicated matrix's gradient is the only communication LoRA adds.
+
+Fused layers carry one adapter per projection, as PEFT has them per Hugging Face module: the QKV layer q, k
+and v (their outputs placed into the grouped layout), SwiGLU's fc1 gate and up."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.parameters import ParamMeta, set_param_meta
+from megatron_lite.tensor_parallel.sharding import ShardSpec
+
+
+class LoRAPair(nn.Module):
+    """A [r, in (local)] and B [out (local), r], with their sharding and initialisation (A uniform with
+    PEFT's bound 1/sqrt(in), B zero, so the adapted layer starts equal to the base)."""
+
+    def __init__(self, in_full: int, out_full: int, rank: int, tp, split: str, device, dtype) -> None:
+        super().__init__()
+        n = tp.size
+        if split == "out":  # column-parallel: B split like the output, A replicated with a partial gradient
+            a_spec, b_spec = None, ShardSpec.even(0, out_full, n)
+            a_shape, b_shape = (rank, in_full), (out_full // n, rank)
+        else:  # row-parallel: A split like the input, B replicated with a partial gradient
+            a_spec, b_spec = ShardSpec.even(1, in_full, n), None
+            a_shape, b_shape = (rank, in_full // n), (out_full, rank)
+        self.A = nn.Parameter(torch.empty(a_shape, device=device, dtype=dtype))
+        self.B = nn.Parameter(torch.empty(b_shape, device=device, dtype=dtype))
+        bound = 1.0 / math.sqrt(in_full)
+        set_param_meta(self, "A", ParamMeta(("uniform", bound), a_spec, tp.rank, sequence_parallel=a_spec is None))
+        set_param_meta(self, "B", ParamMeta(("zeros",), b_spec, tp.rank, sequence_parallel=b_spec is None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.A), self.B)
+
+
+class LoRA(nn.Module):
+    """The adapters of one parallel linear layer; `forward(x)` returns the scaled LoRA output in the layer's
+    local output layout."""
+
+    def __init__(
+        self,
+        in_full: int,
+        outputs: dict[str, int],
+        rank: int,
+        alpha: float,
+        dropout: float,
+        tp,
+        split: str,
+        layout=None,
+        device=None,
+        dtype=torch.float32,
+    ) -> None:
+        super().__init__()
+        self.scaling = alpha / rank
+        self.dropout = dropout
+        self.pairs = nn.ModuleDict(
+            {name: LoRAPair(in_full, out, rank, tp, split, device, dtype) for name, out in outputs.items()}
+        )
+        self.layout = layout  # local outputs by name -> the layer's local output (fused layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout > 0 and self.training:
+            x = F.dropout(x, self.dropout)
+        outs = {name: pair(x) for name, pair in self.pairs.items()}
+        y = self.layout(outs) if self.layout is not None else next(iter(outs.values()))
+        return y * self.scaling

@@ -1,0 +1,97 @@
+"""Adding LoRA adapters to a built model: which layers, in which layout, frozen base, layout-free init."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.lora.adapters import LoRA
+from megatron_lite.models.weights import _full_init, to_shard
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import named_param_meta
+from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+# Our layer names and the Hugging Face projections they hold (PEFT's target_modules).
+TARGETS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = tuple(TARGETS)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"--lora-rank {self.rank} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"--lora-dropout {self.dropout} must be in [0, 1)")
+        bad = [t for t in self.target_modules if t not in TARGETS]
+        if bad:
+            raise ConfigError(f"--lora-target-modules {' '.join(bad)}: choose from {' '.join(TARGETS)}")
+
+
+def _qkv_layout(config: ModelConfig, tp_size: int):
+    groups = config.query_groups // tp_size
+    per_group_q = config.num_attention_heads // config.query_groups * config.head_dim
+
+    def layout(outs: dict[str, torch.Tensor]) -> torch.Tensor:
+        q, k, v = outs["q"], outs["k"], outs["v"]
+        lead = q.shape[:-1]
+        parts = [q.view(*lead, groups, per_group_q), k.view(*lead, groups, -1), v.view(*lead, groups, -1)]
+        return torch.cat(parts, dim=-1).reshape(*lead, -1)  # per local group: its q heads, then k, then v
+
+    return layout
+
+
+def _fc1_layout(outs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([outs["gate"], outs["up"]], dim=-1)  # a rank holds [gate_r; up_r]
+
+
+def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig, tp) -> LoRA:
+    h, d = config.hidden_size, config.head_dim
+    q, kv, f = config.num_attention_heads * d, config.query_groups * d, config.ffn_size
+    kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=tp,
+              device=module.weight.device, dtype=module.weight.dtype)  # fmt: skip
+    if leaf == "linear_qkv":
+        return LoRA(h, {"q": q, "k": kv, "v": kv}, split="out", layout=_qkv_layout(config, tp.size), **kw)
+    if leaf == "linear_fc1":
+        if config.activation == "swiglu":
+            return LoRA(h, {"gate": f, "up": f}, split="out", layout=_fc1_layout, **kw)
+        return LoRA(h, {"fc1": f}, split="out", **kw)
+    if leaf == "linear_proj":
+        return LoRA(q, {"proj": h}, split="in", **kw)
+    return LoRA(f, {"fc2": h}, split="in", **kw)
+
+
+def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: ParallelContext, seed: int) -> int:
+    """Freeze every weight of `model` (a GPTModel or its pipeline chunks) and add adapters to the target
+    layers, initialised layout-free from `seed`. Returns the number of adapter parameters on this rank."""
+    if config.num_experts:
+        raise ConfigError("LoRA on mixture-of-experts models is not supported yet (experts need their own adapters)")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in lora.target_modules or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if module.comm_overlap:
+            raise ConfigError("LoRA with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap")
+        module.lora = _adapter(leaf, module, config, lora, ctx.tp)
+    count = 0
+    global_name = getattr(model, "global_name", lambda n: n)
+    with torch.no_grad():
+        for name, p, meta in named_param_meta(model):
+            if ".lora." in name:
+                p.copy_(to_shard(_full_init(p, meta, global_name(name), seed), meta))
+                count += p.numel()
+    return count
