@@ -91,5 +91,6 @@ def test_adapters_start_as_the_identity_and_only_they_train():
     torch.testing.assert_close(adapted(ids), base(ids), rtol=1e-5, atol=1e-6)
     h, d, f = config.hidden_size, config.head_dim, config.ffn_size
     q, kv = config.num_attention_heads * d, config.query_groups * d
-    per_layer = 4 * (h + q + 2 * kv) + 4 * (q + h) + 4 * (2 * h + 2 * f) + 4 * (f + h)
+    r = 4  # one (A, B) pair per projection, r * (in + out) each: q, k, v; o; gate, up; down
+    per_layer = r * ((h + q) + 2 * (h + kv)) + r * (q + h) + 2 * r * (h + f) + r * (f + h)
     assert n == 2 * per_layer == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
