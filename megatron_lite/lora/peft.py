@@ -1,0 +1,105 @@
+"""LoRA adapters out of megatron_lite: as a PEFT adapter (adapter_model.safetensors + adapter_config.json,
+what `PeftModel.from_pretrained` loads onto the Hugging Face base), or merged into the base weights.
+
+Our adapters sit one per Hugging Face projection (q, k, v, o, gate, up, down), so each maps to a PEFT
+module one to one: A [r, in] and B [out, r], with the projection's rows in Hugging Face order (our
+grouped-QKV layout is only the base weight's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.lora.apply import LoraConfig
+from megatron_lite.models.hf import LLAMA_LIKE, _group_qkv
+
+# our (layer, adapter) -> the Hugging Face module inside a decoder layer
+HF_MODULES = {
+    ("self_attention.linear_qkv", "q"): "self_attn.q_proj",
+    ("self_attention.linear_qkv", "k"): "self_attn.k_proj",
+    ("self_attention.linear_qkv", "v"): "self_attn.v_proj",
+    ("self_attention.linear_proj", "proj"): "self_attn.o_proj",
+    ("mlp.linear_fc1", "gate"): "mlp.gate_proj",
+    ("mlp.linear_fc1", "up"): "mlp.up_proj",
+    ("mlp.linear_fc2", "fc2"): "mlp.down_proj",
+}
+_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.pairs\.(\w+)\.(A|B)$")
+
+
+def split_lora(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(base weights, adapter weights) of a full state dict."""
+    lora = {k: v for k, v in state.items() if ".lora." in k}
+    return {k: v for k, v in state.items() if k not in lora}, lora
+
+
+def to_peft(
+    lora_state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig, arch: str
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """PEFT's tensors and adapter_config.json for our adapters."""
+    if arch not in LLAMA_LIKE:
+        raise ConfigError(f"--saver hf-peft supports Llama-like models (separate q/k/v projections), not {arch}")
+    tensors, modules = {}, set()
+    for key, value in lora_state.items():
+        m = _KEY.match(key)
+        if m is None or (m.group(2), m.group(3)) not in HF_MODULES:
+            raise ConfigError(f"{key} is not a LoRA adapter of a projection PEFT knows")
+        layer, hf = m.group(1), HF_MODULES[(m.group(2), m.group(3))]
+        modules.add(hf.split(".")[-1])
+        tensors[f"base_model.model.model.layers.{layer}.{hf}.lora_{m.group(4)}.weight"] = value.contiguous()
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+    }
+    return tensors, adapter_config
+
+
+def write_peft(directory: str, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+
+
+def merge(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """Base weights with every adapter folded in, W + (alpha / r) B A, in our layout (no LoRA keys left)."""
+    base, adapters = split_lora(state)
+    merged = {k: v.clone() for k, v in base.items()}
+    scale = lora.alpha / lora.rank
+    delta = {}
+    for key in adapters:
+        m = _KEY.match(key)
+        if m is None or m.group(4) != "A":
+            continue
+        b = adapters[key[:-1] + "B"]
+        delta[(int(m.group(1)), m.group(2), m.group(3))] = scale * (b.float() @ adapters[key].float())
+    for i in range(config.num_layers):
+        qkv = f"decoder.layers.{i}.self_attention.linear_qkv.weight"
+        if (i, "self_attention.linear_qkv", "q") in delta:
+            d = [delta[(i, "self_attention.linear_qkv", x)] for x in "qkv"]
+            merged[qkv] = merged[qkv] + _group_qkv(*d, config.query_groups).to(merged[qkv].dtype)
+        fc1 = f"decoder.layers.{i}.mlp.linear_fc1.weight"
+        if (i, "mlp.linear_fc1", "gate") in delta:
+            d = torch.cat([delta[(i, "mlp.linear_fc1", "gate")], delta[(i, "mlp.linear_fc1", "up")]])
+            merged[fc1] = merged[fc1] + d.to(merged[fc1].dtype)
+        elif (i, "mlp.linear_fc1", "fc1") in delta:
+            merged[fc1] = merged[fc1] + delta[(i, "mlp.linear_fc1", "fc1")].to(merged[fc1].dtype)
+        for layer, name in (("self_attention.linear_proj", "proj"), ("mlp.linear_fc2", "fc2")):
+            if (i, layer, name) in delta:
+                key = f"decoder.layers.{i}.{layer}.weight"
+                merged[key] = merged[key] + delta[(i, layer, name)].to(merged[key].dtype)
+    return merged

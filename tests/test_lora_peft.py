@@ -1,0 +1,99 @@
+"""LoRA adapters leave megatron_lite in the formats Hugging Face users load: a tiny Llama converted from
+transformers, LoRA-fine-tuned a few steps here, exported as a PEFT adapter that `PeftModel.from_pretrained`
+puts on the Hugging Face base with our logits (fp32, 1e-4), and merged into full weights that equal
+W + (alpha / r) B A and give the same logits in transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lite.config import ParallelConfig
+from megatron_lite.lora.apply import LoraConfig, apply_lora
+from megatron_lite.lora.peft import merge, split_lora, to_peft, write_peft
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """(HF base model, our fine-tuned model, its full state, config)."""
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, rope_theta=5000.0,
+                                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    config = config_from_hf(hf_cfg, make_vocab_size_divisible_by=1)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    model = build_model(config, ctx, seed=1)
+    model[0].load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "LlamaForCausalLM"))
+    apply_lora(model, config, LORA, ctx, seed=3)
+    optim = OptimizerConfig(lr=2e-2, lr_decay_style="constant", weight_decay=0.0)
+    ddp, opt = wrap_for_training(model, ctx, optim)
+    sched = LRScheduler(optim, 4)
+    data = MockGPTDataset(200, 16, seed=2)
+    for it in range(4):
+        train_step(ddp, opt, sched, [collate([data[4 * it + j] for j in range(4)])], ctx)
+    model.eval()
+    return hf, model, model[0].full_state_dict(), config
+
+
+def test_peft_loads_our_adapter_with_our_logits(tuned, tmp_path):
+    hf, model, state, config = tuned
+    _, adapters = split_lora(state)
+    assert any(v.abs().max() > 0 for k, v in adapters.items() if k.endswith(".B"))  # training moved B
+    tensors, adapter_config = to_peft(adapters, config, LORA, "LlamaForCausalLM")
+    write_peft(str(tmp_path / "adapter"), tensors, adapter_config)
+    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+        ours = model(ids)[..., :200]
+    assert (ours - theirs).abs().max() < 1e-4
+    with torch.no_grad(), peft_model.disable_adapter():  # and the adapter matters: the base alone differs
+        assert (peft_model(ids).logits - theirs).abs().max() > 1e-3
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(tensors)  # every projection's A and B arrived
+
+
+def test_merged_export_is_base_plus_scaled_b_a(tuned):
+    from megatron_lite.models.hf import state_dict_to_hf
+
+    hf, model, state, config = tuned
+    base, adapters = split_lora(state)
+    merged = merge(state, config, LORA)
+    assert not any(".lora." in k for k in merged)
+    hf_merged = state_dict_to_hf(merged, config, "LlamaForCausalLM")
+    hf_base = state_dict_to_hf(base, config, "LlamaForCausalLM")
+    scale = LORA.alpha / LORA.rank
+    for hf_name, ours in (("self_attn.q_proj", "self_attention.linear_qkv.lora.pairs.q"),
+                          ("self_attn.v_proj", "self_attention.linear_qkv.lora.pairs.v"),
+                          ("mlp.up_proj", "mlp.linear_fc1.lora.pairs.up"),
+                          ("mlp.down_proj", "mlp.linear_fc2.lora.pairs.fc2")):  # fmt: skip
+        a, b = adapters[f"decoder.layers.1.{ours}.A"], adapters[f"decoder.layers.1.{ours}.B"]
+        expected = hf_base[f"model.layers.1.{hf_name}.weight"] + scale * b @ a
+        torch.testing.assert_close(hf_merged[f"model.layers.1.{hf_name}.weight"], expected, rtol=0, atol=1e-6)
+    fresh = transformers.LlamaForCausalLM(hf.config).eval()
+    fresh.load_state_dict(hf_merged, strict=False)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (fresh(ids).logits - model(ids)[..., :200]).abs().max() < 1e-4
+
+
+def test_gpt2_export_is_refused():
+    from models import gpt2_config
+
+    with pytest.raises(Exception, match="Llama-like"):
+        to_peft({}, gpt2_config(), LORA, "GPT2LMHeadModel")
