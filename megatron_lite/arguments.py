@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import TOKENIZER_TYPES, DataConfig
+from megatron_lite.lora.config import LoraConfig, target_modules
 from megatron_lite.optimizer.config import DECAY_STYLES, WSD_DECAY_STYLES, OptimizerConfig
 from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
 
@@ -243,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--data-cache-path")
     a.add_argument("--num-workers", type=int, default=0)
     _bool(a, "--eod-mask-loss", "no loss on end-of-document tokens")
+    _bool(a, "--sft", "--data-path is a JSONL file of {prompt, response} records; loss on the responses only")
 
     c = parser.add_argument_group("checkpointing")
     c.add_argument("--save")
@@ -255,6 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
     _bool(c, "--async-save", "write checkpoints in a background thread while training continues")
     c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")
+
+    lo = parser.add_argument_group("LoRA fine-tuning")
+    lo.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on a frozen base (0: off)")
+    lo.add_argument("--lora-alpha", type=float, default=16.0, help="adapters scaled by alpha / rank")
+    lo.add_argument("--lora-dropout", type=float, default=0.0)
+    lo.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        help="our layer names or PEFT's (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
+    )
+    _bool(lo, "--qlora", "store the frozen base in NF4 (not yet wired into training: refused)")
 
     f = parser.add_argument_group("fault tolerance")
     _bool(f, "--no-auto-resume", "with --save DIR holding a checkpoint and no --load, start over instead of resuming")
@@ -491,6 +505,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         data_cache_path=ns.data_cache_path,
         num_workers=ns.num_workers,
         eod_mask_loss=ns.eod_mask_loss,
+        sft=ns.sft,
     )
     checkpoint = CheckpointConfig(
         save=ns.save,
@@ -525,6 +540,13 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         flight_recorder=not ns.disable_flight_recorder,
     )
     resilience.validate(checkpoint)
+    lora = None
+    if ns.qlora:
+        raise ConfigError(
+            "--qlora: NF4 base weights exist (megatron_lite.kernels.nf4) but are not wired into training yet"
+        )
+    if ns.lora_rank:
+        lora = LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, target_modules(ns.lora_target_modules))
     return JobConfig(
         model=model,
         parallel=parallel,
@@ -534,6 +556,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         checkpoint=checkpoint,
         logging=logging,
         resilience=resilience,
+        lora=lora,
         dry_run=ns.dry_run,
         distributed_backend=ns.distributed_backend,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,

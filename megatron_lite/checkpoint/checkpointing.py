@@ -408,6 +408,8 @@ def load_checkpoint(
     meta = read_metadata(path)
     reader = _Reader(path, meta)
     for name, p, pmeta in named_param_meta(model):
+        if ".lora." in name and f"model/{model.global_name(name)}" not in reader.index:
+            continue  # LoRA adapters on a base checkpoint: they keep their initialisation
         if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
             from torch.distributed.tensor import distribute_tensor
 

@@ -306,10 +306,44 @@ def _used_hf_names(hf: dict, config: ModelConfig, arch: str) -> set[str]:
     return names
 
 
-def megatron_lite_to_hf(load_dir: str, save_dir: str, dtype: str | None = None, log=print) -> None:
+def _lora_config(saved: dict):
+    from megatron_lite.lora.config import LoraConfig
+
+    lora = saved.get("lora")
+    return None if not lora else LoraConfig(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"]))
+
+
+def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print) -> None:
+    """The checkpoint's LoRA adapters as a PEFT adapter directory (onto the Hugging Face base it came from)."""
+    from megatron_lite.lora.peft import split_lora, to_peft, write_peft
+
+    meta, ours = read_model_tensors(load_dir)
+    saved = meta["config"]
+    lora = _lora_config(saved)
+    if lora is None:
+        raise ConfigError(f"--load-dir {load_dir}: the checkpoint was not trained with LoRA (--lora-rank)")
+    config = model_config_from_dict(saved["model"])
+    tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, architecture_for(config))
+    write_peft(save_dir, tensors, adapter_config)
+    log(f"wrote {save_dir}: PEFT LoRA adapter, rank {lora.rank}, {len(tensors)} tensors, iteration {meta['iteration']}")
+
+
+def megatron_lite_to_hf(
+    load_dir: str, save_dir: str, dtype: str | None = None, log=print, merge_lora: bool = False
+) -> None:
     meta, ours = read_model_tensors(load_dir)
     saved = meta["config"]
     config = model_config_from_dict(saved["model"])
+    if any(".lora." in k for k in ours):
+        lora = _lora_config(saved)
+        if not merge_lora or lora is None:
+            raise ConfigError(
+                f"--load-dir {load_dir} holds LoRA adapters: add --merge-lora to fold them into the weights, or "
+                "use --saver hf-peft to write the adapter alone"
+            )
+        from megatron_lite.lora.peft import merge
+
+        ours = merge(ours, config, lora)
     arch = architecture_for(config)
     base, side_from = None, []
     side = os.path.join(load_dir, HF_DIR)

@@ -38,6 +38,11 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
         else:
             tok = NullTokenizer(data.vocab_size)
         return DataSource(tok, tok.vocab_size, [], "mock data")
+    if data.sft:
+        if len(data.data_path) != 1 or data.tokenizer_type is None:
+            raise ConfigError("--sft needs one --data-path (a JSONL file of prompt/response records) and a tokenizer")
+        tok = tokenizer_from_flags(data)
+        return DataSource(tok, tok.vocab_size, [(1.0, data.data_path[0])], f"SFT records {data.data_path[0]}")
     if data.data_path:
         if data.tokenizer_type is None:
             raise ConfigError("--data-path needs --tokenizer-type (and its files) to know the vocabulary")
@@ -69,6 +74,11 @@ def build_datasets(
     source: DataSource, data: DataConfig, num_samples: tuple[int, int, int], seq_length: int, seed: int
 ) -> tuple:
     """(train, valid, test); a split with no samples requested is None."""
+    if data.sft:
+        from megatron_lite.data.sft import SFTDataset
+
+        train = SFTDataset(source.prefixes[0][1], source.tokenizer, seq_length, seed)
+        return (train if num_samples[0] else None, None, None)
     if not source.prefixes:
         return tuple(
             MockGPTDataset(source.vocab_size, seq_length, seed=seed + 1000 * i) if n else None

@@ -23,6 +23,7 @@ class DataConfig:
     data_cache_path: str | None = None
     num_workers: int = 0
     eod_mask_loss: bool = False
+    sft: bool = False  # --data-path is a JSONL file of prompt/response records (loss on responses only)
 
     def __post_init__(self) -> None:
         if self.tokenizer_type is not None and self.tokenizer_type not in TOKENIZER_TYPES:

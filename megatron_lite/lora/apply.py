@@ -2,42 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.lora.adapters import LoRA
+from megatron_lite.lora.config import TARGETS, LoraConfig  # noqa: F401 - LoraConfig re-exported
 from megatron_lite.models.weights import _full_init, to_shard
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-# Our layer names and the Hugging Face projections they hold (PEFT's target_modules).
-TARGETS = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = tuple(TARGETS)
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"--lora-rank {self.rank} must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"--lora-dropout {self.dropout} must be in [0, 1)")
-        bad = [t for t in self.target_modules if t not in TARGETS]
-        if bad:
-            raise ConfigError(f"--lora-target-modules {' '.join(bad)}: choose from {' '.join(TARGETS)}")
 
 
 def _qkv_layout(config: ModelConfig, tp_size: int):

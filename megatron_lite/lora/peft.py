@@ -14,7 +14,7 @@ import re
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.lora.apply import LoraConfig
+from megatron_lite.lora.config import LoraConfig
 from megatron_lite.models.hf import LLAMA_LIKE, _group_qkv
 
 # our (layer, adapter) -> the Hugging Face module inside a decoder layer

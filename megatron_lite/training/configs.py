@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
+from megatron_lite.lora.config import LoraConfig
 from megatron_lite.optimizer.config import OptimizerConfig
 
 
@@ -95,6 +96,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    lora: LoraConfig | None = None  # fine-tune LoRA adapters on a frozen base
     dry_run: bool = False
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0

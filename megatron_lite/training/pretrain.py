@@ -30,6 +30,7 @@ from megatron_lite.config import ConfigError, ModelConfig, validate_layout
 from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
+from megatron_lite.lora.apply import apply_lora
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext, initialize
@@ -181,6 +182,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
     model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}), vocabulary {job.model.vocab_size}")
+    if job.lora is not None:
+        n = apply_lora(model, job.model, job.lora, ctx, seed=job.training.seed)
+        log.info(
+            f"LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on {' '.join(job.lora.target_modules)}: "
+            f"{n / 1e6:.3f}M trainable parameters on this rank, the base frozen"
+        )
     ddp, optimizer = wrap_for_training(
         model,
         ctx,

@@ -3,6 +3,9 @@
 
     python tools/checkpoint/convert.py --loader hf --saver megatron_lite --load-dir Llama-3-8B --save-dir ckpt
     python tools/checkpoint/convert.py --loader megatron_lite --saver hf --load-dir ckpt --save-dir out_hf
+    python tools/checkpoint/convert.py --loader megatron_lite --saver hf-peft --load-dir lora_ckpt --save-dir adapter
+    python tools/checkpoint/convert.py --loader megatron_lite --saver hf --merge-lora --load-dir lora_ckpt \\
+        --save-dir merged
 
 Supported Hugging Face architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 MixtralForCausalLM, GPT2LMHeadModel. A megatron_lite checkpoint saved under any layout converts as is;
@@ -14,14 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lite.checkpoint.hf_convert import hf_to_megatron_lite, megatron_lite_to_hf
+from megatron_lite.checkpoint.hf_convert import hf_to_megatron_lite, megatron_lite_to_hf, megatron_lite_to_peft
 from megatron_lite.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loader", choices=["hf", "megatron_lite"], required=True)
-    p.add_argument("--saver", choices=["hf", "megatron_lite"], required=True)
+    p.add_argument("--saver", choices=["hf", "hf-peft", "megatron_lite"], required=True)
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument(
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["fp32", "bf16", "fp16"],
         help="dtype of the Hugging Face weights written (default: as stored)",
     )
+    p.add_argument("--merge-lora", action="store_true", help="--saver hf: fold LoRA adapters into the weights")
     args = p.parse_args(argv)
     try:
         if args.loader == args.saver:
@@ -37,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.target_dtype:
                 raise ConfigError("--target-dtype applies to --saver hf; megatron_lite keeps the source dtype")
             hf_to_megatron_lite(args.load_dir, args.save_dir)
+        elif args.saver == "hf-peft":
+            megatron_lite_to_peft(args.load_dir, args.save_dir)
         else:
-            megatron_lite_to_hf(args.load_dir, args.save_dir, args.target_dtype)
+            megatron_lite_to_hf(args.load_dir, args.save_dir, args.target_dtype, merge_lora=args.merge_lora)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

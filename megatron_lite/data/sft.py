@@ -1,0 +1,60 @@
+"""Supervised fine-tuning data: a JSONL file of {"prompt": ..., "response": ...} records. Each sample is the
+prompt's tokens, the response's and an end-of-document token, cut or padded to the sequence length; the loss
+mask is 1 only where the label is a response (or the final end-of-document) token, so the prompt and the
+padding never count. The loss is averaged over the response tokens of the whole global batch (as
+Megatron's --calculate-per-token-loss does), so data parallelism equals one process however the masked
+tokens fall. Samples are visited in a seeded permutation, epoch after epoch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from megatron_lite.config import ConfigError
+
+
+class SFTDataset:
+    def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
+        self.records = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    prompt, response = r["prompt"], r["response"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    expected = 'a JSON object with "prompt" and "response"'
+                    raise ConfigError(f"{path}:{n}: expected {expected} ({e})") from e
+                self.records.append((tokenizer.encode(prompt), tokenizer.encode(response)))
+        if not self.records:
+            raise ConfigError(f"{path} holds no prompt/response records")
+        self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
+        self.pad = self.eod if pad_id is None else pad_id
+
+    def __len__(self) -> int:
+        return 1 << 40  # epochs repeat
+
+    def _record(self, index: int) -> tuple[list[int], list[int]]:
+        n = len(self.records)
+        epoch, i = divmod(index, n)
+        order = np.random.default_rng(self.seed + epoch).permutation(n)
+        return self.records[int(order[i])]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        prompt, response = self._record(index)
+        ids = (prompt + response + [self.eod])[: self.seq_length + 1]
+        # label j is ids[j + 1]: a response token (or the closing end-of-document) when j + 1 >= len(prompt)
+        mask = [1.0 if j + 1 >= len(prompt) else 0.0 for j in range(len(ids) - 1)]
+        pad = self.seq_length + 1 - len(ids)
+        ids = ids + [self.pad] * pad
+        mask = mask + [0.0] * pad
+        seq = torch.tensor(ids, dtype=torch.long)
+        return {
+            "tokens": seq[:-1].clone(),
+            "labels": seq[1:].clone(),
+            "loss_mask": torch.tensor(mask, dtype=torch.float32),
+            "position_ids": torch.arange(self.seq_length),
+        }

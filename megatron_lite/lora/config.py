@@ -1,0 +1,46 @@
+"""LoRA settings (--lora-rank, --lora-alpha, --lora-dropout, --lora-target-modules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import ConfigError
+
+# Our layer names and the Hugging Face projections they hold (PEFT's target_modules).
+TARGETS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = tuple(TARGETS)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"--lora-rank {self.rank} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"--lora-dropout {self.dropout} must be in [0, 1)")
+        bad = [t for t in self.target_modules if t not in TARGETS]
+        if bad:
+            raise ConfigError(f"--lora-target-modules {' '.join(bad)}: choose from {' '.join(TARGETS)}")
+
+
+def target_modules(names: list[str]) -> tuple[str, ...]:
+    """Our layer names from ours or PEFT's (q_proj, k_proj, v_proj -> linear_qkv; ...): a fused layer gets
+    the adapters of all its projections."""
+    out = []
+    for name in names:
+        ours = name if name in TARGETS else next((t for t, hf in TARGETS.items() if name in hf), None)
+        if ours is None:
+            known = " ".join(list(TARGETS) + [h for hs in TARGETS.values() for h in hs])
+            raise ConfigError(f"--lora-target-modules {name}: choose from {known}")
+        if ours not in out:
+            out.append(ours)
+    return tuple(out)

@@ -1,0 +1,93 @@
+"""LoRA fine-tuning end to end, as a user runs it: a tiny Llama from transformers converted to megatron_lite,
+fine-tuned with `pretrain_gpt.py --finetune --lora-rank 4 --sft` on prompt/response JSONL (loss on
+responses only) under torchrun at TP=2, exported with `convert.py --saver hf-peft`; PEFT on the Hugging
+Face base gives the logits of our fine-tuned model (fp32, 1e-4), and `--merge-lora` writes full weights
+that give them too."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from test_pretrain_torchrun import ROOT, torchrun
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.slow
+
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def _tokenizer(path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "[UNK]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+def _convert(*args: str) -> None:
+    spec = importlib.util.spec_from_file_location("convert", ROOT / "tools" / "checkpoint" / "convert.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(list(args)) == 0
+
+
+def test_lora_fine_tune_export_and_load_in_peft(tmp_path):
+    hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "lora"
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir, safe_serialization=True)
+    _tokenizer(hf_dir / "tokenizer.json")
+    _convert("--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(hf_dir), "--save-dir", str(ckpt))
+    gen = torch.Generator().manual_seed(1)
+    with open(tmp_path / "sft.jsonl", "w") as f:
+        for _ in range(40):
+            words = [WORDS[int(i)] for i in torch.randint(0, len(WORDS), (12,), generator=gen)]
+            f.write(json.dumps({"prompt": " ".join(words[:5]), "response": " ".join(words[5:])}) + "\n")
+    args = [
+        "--load", str(ckpt), "--finetune", "--save", str(out), "--lora-rank", "4", "--lora-alpha", "8",
+        "--sft", "--data-path", str(tmp_path / "sft.jsonl"), "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", str(hf_dir / "tokenizer.json"), "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "4", "--lr", "2e-2", "--lr-decay-style", "constant",
+        "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    ]  # fmt: skip
+    run = torchrun(2, args, tmp_path)
+    assert "LoRA rank 4" in run.stdout and "the base frozen" in run.stdout
+    _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", str(out), "--save-dir",
+             str(tmp_path / "adapter"))  # fmt: skip
+    _convert("--loader", "megatron_lite", "--saver", "hf", "--merge-lora", "--load-dir", str(out), "--save-dir",
+             str(tmp_path / "merged"))  # fmt: skip
+
+    # our fine-tuned model, one process, from the checkpoint the TP=2 job wrote
+    from megatron_lite.checkpoint.hf_convert import model_config_from_dict, read_model_tensors
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.lora.apply import apply_lora
+    from megatron_lite.lora.config import LoraConfig
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    meta, tensors = read_model_tensors(str(out))
+    config = model_config_from_dict(meta["config"]["model"])
+    model = build_model(config, ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu")), seed=1)
+    apply_lora(model, config, LoraConfig(4, 8.0), ParallelContext.virtual(ParallelConfig()), seed=0)
+    model[0].load_full_state_dict(tensors)
+    model.eval()
+    ids = torch.randint(2, 122, (2, 16), generator=gen)
+    with torch.no_grad():
+        ours = model(ids)[..., :128]
+        base = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+        with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        assert (with_adapter(ids).logits - ours).abs().max() < 1e-4
+        with with_adapter.disable_adapter():
+            assert (with_adapter(ids).logits - ours).abs().max() > 1e-3  # fine-tuning changed the model
+        merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert (merged(ids).logits - ours).abs().max() < 1e-4
+    # base weights untouched by training
+    base_ckpt = read_model_tensors(str(ckpt))[1]
+    assert all(torch.equal(tensors[k], v) for k, v in base_ckpt.items())

@@ -1,0 +1,44 @@
+"""Prompt/response records for supervised fine-tuning: the loss mask covers the response (and its closing
+end-of-document token) only, never the prompt or the padding; bad records are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_lite.config import ConfigError
+from megatron_lite.data.sft import SFTDataset
+
+
+class Words:
+    eod = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w) for w in text.split()]
+
+
+def test_loss_mask_covers_the_response_only(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "5 6 7", "response": "8 9"}) + "\n")
+    s = SFTDataset(str(path), Words(), seq_length=8, seed=0)[0]
+    assert s["tokens"].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert s["labels"].tolist() == [6, 7, 8, 9, 0, 0, 0, 0]
+    # labels 8, 9 and the closing end-of-document count; the prompt's own next tokens and the padding do not
+    assert s["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]
+
+
+def test_long_records_are_cut_and_epochs_reshuffle(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}", "response": "1 2 3 4 5 6 7 8 9"}) + "\n" for i in range(5)))
+    d = SFTDataset(str(path), Words(), seq_length=4, seed=0)
+    assert d[0]["tokens"].numel() == 4 and d[0]["loss_mask"].tolist() == [1, 1, 1, 1]
+    first, second = [int(d[i]["tokens"][0]) for i in range(5)], [int(d[5 + i]["tokens"][0]) for i in range(5)]
+    assert sorted(first) == sorted(second) == list(range(5)) and first != second
+
+
+def test_bad_records_are_refused(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1"}\n')
+    with pytest.raises(ConfigError, match=r"d.jsonl:1: expected a JSON object with \"prompt\" and \"response\""):
+        SFTDataset(str(path), Words(), seq_length=4, seed=0)
