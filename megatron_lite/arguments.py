@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         help="our layer names or PEFT's (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
     )
-    _bool(lo, "--qlora", "store the frozen base in NF4 (not yet wired into training: refused)")
+    _bool(lo, "--qlora", "store the adapted layers' frozen weights in NF4 (4.127 bits per parameter)")
 
     f = parser.add_argument_group("fault tolerance")
     _bool(f, "--no-auto-resume", "with --save DIR holding a checkpoint and no --load, start over instead of resuming")
@@ -541,12 +541,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     )
     resilience.validate(checkpoint)
     lora = None
-    if ns.qlora:
-        raise ConfigError(
-            "--qlora: NF4 base weights exist (megatron_lite.kernels.nf4) but are not wired into training yet"
-        )
+    if ns.qlora and not ns.lora_rank:
+        raise ConfigError("--qlora trains LoRA adapters on an NF4 base: add --lora-rank R")
     if ns.lora_rank:
-        lora = LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, target_modules(ns.lora_target_modules))
+        targets = target_modules(ns.lora_target_modules)
+        lora = LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora)
     return JobConfig(
         model=model,
         parallel=parallel,

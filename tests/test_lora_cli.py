@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,3 +93,23 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path):
     # base weights untouched by training
     base_ckpt = read_model_tensors(str(ckpt))[1]
     assert all(torch.equal(tensors[k], v) for k, v in base_ckpt.items())
+
+
+def test_qlora_from_the_command_line(tmp_path):
+    """--qlora on one process: the adapted layers' weights go to NF4 after the base loads, training runs,
+    and the memory breakdown counts the NF4 storage as the parameters' bytes."""
+    args = [
+        "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+        "--mock-data", "--vocab-size", "100", "--normalization", "RMSNorm", "--swiglu",
+        "--position-embedding-type", "rope", "--disable-bias-linear", "--lora-rank", "4", "--qlora",
+        "--log-interval", "1", "--eval-iters", "0", "--log-memory-breakdown", "--log-jsonl", str(tmp_path / "q.jsonl"),
+    ]  # fmt: skip
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain" / "pretrain_gpt.py"), *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "QLoRA:" in out.stdout and "bits per parameter" in out.stdout
+    rec = [json.loads(line) for line in open(tmp_path / "q.jsonl") if "lm_loss" in line][-1]
+    h, f, r = 128, 256, 4  # adapters: r (in + out) per projection; q, k, v, o, gate, up, down
+    adapters = 2 * (r * (3 * (h + h)) + r * (h + h) + 2 * r * (h + f) + r * (f + h))
+    assert rec["mem_optimizer_bytes"] == 8 * adapters  # Adam moments of the adapters only (fp32 weights)

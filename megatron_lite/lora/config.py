@@ -21,6 +21,7 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = tuple(TARGETS)
+    qlora: bool = False  # the adapted layers' frozen weights stored in NF4 (4.127 bits per parameter)
 
     def __post_init__(self) -> None:
         if self.rank < 1:

@@ -71,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
         self.triton_gemm = triton_gemm  # the overlapped ring's per-chunk GEMMs through our Triton kernel
         self.spec = ShardSpec(0, sizes, padded, tp.size)
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
+        self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
         out_local = self.spec.shard_size
         if skip_weight_param_allocation:
             self.weight = None
@@ -91,14 +92,19 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        if weight is None:
+        if weight is None and self.nf4 is None:
             raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
         if self.comm_overlap:
             y = column_parallel_overlapped(x, weight, self.tp, self.triton_gemm)
             y = y if self.bias is None else y + self.bias
         else:
             x_full = self.gather_input(x)
-            y = F.linear(x_full, weight, self.bias)
+            if self.nf4 is not None:  # QLoRA: the frozen weight in NF4, dequantised as it is used
+                from megatron_lite.lora.qlora import nf4_linear
+
+                y = nf4_linear(x_full, self.nf4) + (0 if self.bias is None else self.bias)
+            else:
+                y = F.linear(x_full, weight, self.bias)
             if self.lora is not None:  # the adapters read the same (gathered) input: one reduction of its grad
                 y = y + self.lora(x_full)
         if self.gather_output:
@@ -138,6 +144,7 @@ class RowParallelLinear(nn.Module):
         self.triton_gemm = triton_gemm
         self.spec = ShardSpec.even(1, input_size, tp.size)
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
+        self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
         meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
         _add_param(self, "weight", (output_size, self.spec.shard_size), device, dtype, meta)
         if bias:
@@ -152,7 +159,12 @@ class RowParallelLinear(nn.Module):
         if self.comm_overlap:
             y = row_parallel_overlapped(x, self.weight, self.tp, self.triton_gemm)
         else:
-            partial = F.linear(x, self.weight)
+            if self.nf4 is not None:  # QLoRA: the frozen weight in NF4, dequantised as it is used
+                from megatron_lite.lora.qlora import nf4_linear
+
+                partial = nf4_linear(x, self.nf4)
+            else:
+                partial = F.linear(x, self.weight)
             if self.lora is not None:  # summed by the layer's own reduction
                 partial = partial + self.lora(x)
             if self.sequence_parallel:

@@ -58,10 +58,17 @@ def measure(model: nn.Module | None):
     return meter.measuring(), meter
 
 
+def _nf4_bytes(model: nn.Module) -> int:
+    from megatron_lite.lora.qlora import nf4_bytes
+
+    return nf4_bytes(model)
+
+
 def breakdown(model: nn.Module, ddp, optimizer, activation_bytes: int) -> dict[str, int]:
     return {
         # FSDP2 parameters are DTensors: count this rank's shard.
-        "mem_params_bytes": tensor_bytes(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()),
+        "mem_params_bytes": tensor_bytes(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+        + _nf4_bytes(model),  # QLoRA's quantised base weights are buffers, not parameters
         "mem_grads_bytes": ddp.grad_bytes(),
         "mem_optimizer_bytes": optimizer.state_bytes(),
         "mem_activations_bytes": activation_bytes,

@@ -210,6 +210,13 @@ def run(job: JobConfig, notes: list[str]) -> int:
             finetune=job.checkpoint.finetune,
         )
         log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
+    if job.lora is not None and job.lora.qlora:
+        from megatron_lite.lora.qlora import nf4_bytes, quantize_base
+
+        n = quantize_base(model)
+        log.info(
+            f"QLoRA: {n / 1e6:.2f}M base weights in NF4, {8 * nf4_bytes(model) / max(n, 1):.3f} bits per parameter"
+        )
 
     t = job.training
     gbs = t.global_batch(ctx.dp.size)
