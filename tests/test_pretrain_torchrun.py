@@ -76,6 +76,7 @@ SCRIPTS = [
     "llama3_8b.sh",
     "llama3_70b_multinode.sh",
     "llama3_70b.sbatch",
+    "finetune_llama3_8b_lora.sh",
 ]
 
 

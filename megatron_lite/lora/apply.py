@@ -65,7 +65,7 @@ def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: Par
     global_name = getattr(model, "global_name", lambda n: n)
     with torch.no_grad():
         for name, p, meta in named_param_meta(model):
-            if ".lora." in name:
+            if ".lora." in name and not p.is_meta:
                 p.copy_(to_shard(_full_init(p, meta, global_name(name), seed), meta))
                 count += p.numel()
     return count

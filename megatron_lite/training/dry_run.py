@@ -68,16 +68,26 @@ def dry_run(job: JobConfig) -> int:
     for rank in range(world):
         ctx = ParallelContext.virtual(job.parallel, world, rank)
         chunks = build_model(model_cfg, ctx, device="meta")
+        if job.lora is not None:
+            from megatron_lite.lora.apply import apply_lora
+
+            apply_lora(chunks, model_cfg, job.lora, ctx, seed=0)
         total += sum(p.numel() for _, p, meta in named_param_meta(chunks) if owns_copy(meta, ctx))
         if ctx.dp_cp.rank != 0:
             continue  # data-parallel replicas hold the same (experts aside, which the total counts)
         layers = sum(len(c.decoder.layers) for c in chunks)
         in_flight = max(max_in_flight(build_schedule(ctx.pp.size, ctx.vp_size, micro, ctx.pp.rank)), 1)
         act = per_layer * layers / len(chunks) * in_flight  # micro-batches alive at once, each through a chunk
-        groups.setdefault((sum(p.numel() for p in chunks.parameters()), act), []).append(rank)
+        trainable = sum(p.numel() for p in chunks.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in chunks.parameters() if not p.requires_grad)
+        # QLoRA stores the adapted layers' weights in NF4
+        nf4 = sum(m.weight.numel() for m in chunks.modules() if getattr(m, "lora", None) is not None)
+        nf4 = nf4 if job.lora is not None and job.lora.qlora else 0
+        groups.setdefault((trainable + frozen, trainable, nf4, act), []).append(rank)
     worst = 0.0
-    for (n, act), ranks in sorted(groups.items(), reverse=True):
-        states = n * per_param
+    for (n, trainable, nf4, act), ranks in sorted(groups.items(), reverse=True):
+        # a frozen (LoRA base) weight has no gradient or optimizer state: its bytes only (NF4: 4.127 bits)
+        states = trainable * per_param + (n - trainable - nf4) * (2 if low else 4) + nf4 * 4.127 / 8
         worst = max(worst, states + act)
         print(
             f"  ranks {ranks} (and their data-parallel replicas): {_count(n)} parameters, {_bytes(states)} "
@@ -91,6 +101,7 @@ def dry_run(job: JobConfig) -> int:
     if worst > ACCELERATOR_BYTES:
         print(
             f"warning: the largest rank needs ~{_bytes(worst)}, more than an 80 GiB accelerator; shard further "
-            "(tensor/pipeline parallelism, recomputation) or wait for the distributed optimizer (issue 10)"
+            "(tensor/pipeline parallelism, recomputation, --use-distributed-optimizer, --use-torch-fsdp2); "
+            "tools/plan_parallelism.py lists the layouts that fit"
         )
     return 0
