@@ -6,6 +6,8 @@ element high), the dynamic 8-bit map for the block maxima in blocks of 256; the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -98,15 +100,33 @@ def test_four_point_one_two_seven_bits_per_parameter():
     assert abs(quantize_nf4(torch.randn(256, 256), double_quant=False).bits_per_parameter() - 4.5) < 1e-9
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+
+
+def _on(q, device: str, dtype: torch.dtype = torch.float32):
+    moved = {f: getattr(q, f).to(device) for f in ("packed", "absmax", "qabsmax", "stats_absmax", "code8")
+             if getattr(q, f) is not None}  # fmt: skip
+    return dataclasses.replace(q, dtype=dtype, **moved)
+
+
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("shape", [(33, 65), (1, 7)])
+@pytest.mark.parametrize("shape", [(33, 65), (1, 7), (256, 320)])
 def test_triton_dequantisation_equals_the_reference(double_quant, shape):
     gen = torch.Generator().manual_seed(3)
-    q = quantize_nf4(torch.randn(shape, generator=gen), double_quant=double_quant)
+    q = _on(quantize_nf4(torch.randn(shape, generator=gen), double_quant=double_quant), DEVICE)
     before = LAUNCHES["nf4_dequant"]
     got = dequantize_nf4(q)
     assert LAUNCHES["nf4_dequant"] == before + 1  # the kernel ran, not the fallback
     assert torch.equal(got, dequantize_nf4_reference(q))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
+)
+def test_triton_dequantisation_to_bf16_on_gpu():
+    q = _on(quantize_nf4(torch.randn(512, 384, generator=torch.Generator().manual_seed(4))), "cuda", torch.bfloat16)
+    got, ref = dequantize_nf4(q), dequantize_nf4_reference(q)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
 
 
 def test_real_converted_weights():
