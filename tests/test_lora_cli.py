@@ -113,3 +113,39 @@ def test_qlora_from_the_command_line(tmp_path):
     h, f, r = 128, 256, 4  # adapters: r (in + out) per projection; q, k, v, o, gate, up, down
     adapters = 2 * (r * (3 * (h + h)) + r * (h + h) + 2 * r * (h + f) + r * (f + h))
     assert rec["mem_optimizer_bytes"] == 8 * adapters  # Adam moments of the adapters only (fp32 weights)
+
+
+def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path):
+    """A QLoRA checkpoint holds the adapters and records its base: a job started again (auto-resume) loads the
+    base, quantises it, loads the adapters and continues exactly; --merge-lora folds the adapters into the
+    unquantised base."""
+    model = [
+        "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data",
+        "--vocab-size", "100", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-2",
+        "--lr-decay-style", "constant",
+    ]  # fmt: skip
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, str(ROOT / "pretrain" / "pretrain_gpt.py"), *model, *extra],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        return out.stdout
+
+    run("--train-iters", "1", "--save", str(tmp_path / "base"))
+    lora = ["--load", str(tmp_path / "base"), "--finetune", "--lora-rank", "4", "--qlora", "--train-iters", "4"]
+    run(*lora, "--save", str(tmp_path / "q"), "--exit-interval", "2", "--log-jsonl", str(tmp_path / "a.jsonl"))
+    resumed = run(*lora, "--save", str(tmp_path / "q"), "--log-jsonl", str(tmp_path / "b.jsonl"))
+    assert "loaded the QLoRA base" in resumed and "iteration 2" in resumed
+    run(*lora, "--save", str(tmp_path / "straight"), "--log-jsonl", str(tmp_path / "s.jsonl"))
+
+    def losses(name):
+        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(tmp_path / name)) if "lm_loss" in r}
+
+    straight, first, second = losses("s.jsonl"), losses("a.jsonl"), losses("b.jsonl")
+    assert [first[1], first[2], second[3], second[4]] == [straight[i] for i in (1, 2, 3, 4)]
+    _convert("--loader", "megatron_lite", "--saver", "hf", "--merge-lora", "--load-dir", str(tmp_path / "q"),
+             "--save-dir", str(tmp_path / "merged"))  # fmt: skip
+    assert (tmp_path / "merged" / "config.json").exists()

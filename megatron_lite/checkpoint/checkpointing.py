@@ -404,12 +404,16 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
+    skip_missing_frozen: bool = False,
 ) -> TrainState:
+    """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
+    the adapters; its base was loaded first)."""
     meta = read_metadata(path)
     reader = _Reader(path, meta)
     for name, p, pmeta in named_param_meta(model):
-        if ".lora." in name and f"model/{model.global_name(name)}" not in reader.index:
-            continue  # LoRA adapters on a base checkpoint: they keep their initialisation
+        key = f"model/{model.global_name(name)}"
+        if key not in reader.index and (".lora." in name or (skip_missing_frozen and not p.requires_grad)):
+            continue  # LoRA adapters on a base checkpoint keep their initialisation
         if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
             from torch.distributed.tensor import distribute_tensor
 

@@ -343,6 +343,14 @@ def megatron_lite_to_hf(
             )
         from megatron_lite.lora.peft import merge
 
+        if (saved.get("lora") or {}).get("qlora"):  # adapters only: the base comes from the checkpoint they recorded
+            base_dir = saved["lora"].get("base")
+            if not base_dir or find_checkpoint(base_dir) is None:
+                raise ConfigError(
+                    f"--load-dir {load_dir} holds QLoRA adapters; their base checkpoint {base_dir!r} is gone"
+                )
+            ours = {**read_model_tensors(base_dir)[1], **ours}
+            log(f"merging the QLoRA adapters onto the unquantised base {base_dir}")
         ours = merge(ours, config, lora)
     arch = architecture_for(config)
     base, side_from = None, []

@@ -22,6 +22,8 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = tuple(TARGETS)
     qlora: bool = False  # the adapted layers' frozen weights stored in NF4 (4.127 bits per parameter)
+    # QLoRA checkpoints hold adapters, not the NF4 base: the base checkpoint they were trained on (recorded)
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 1:

@@ -130,10 +130,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     ckpt_path = None
     ck = job.checkpoint
-    if not ck.load and ck.save and job.resilience.auto_resume and find_checkpoint(ck.save):
-        # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped.
-        say(f"--save {ck.save} holds a checkpoint: resuming from it (--no-auto-resume starts over)")
-        job = dataclasses.replace(job, checkpoint=dataclasses.replace(ck, load=ck.save))
+    if ck.save and ck.load != ck.save and job.resilience.auto_resume and find_checkpoint(ck.save):
+        # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
+        # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
+        start = f" instead of --load {ck.load}" if ck.load else ""
+        say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over)")
+        job = dataclasses.replace(job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False))
     if job.checkpoint.load:
         ckpt_path = find_checkpoint(job.checkpoint.load)
         if ckpt_path is None:
@@ -154,6 +156,19 @@ def run(job: JobConfig, notes: list[str]) -> int:
         _check_against_checkpoint(saved, model_cfg, ckpt_path)
     job = dataclasses.replace(job, model=model_cfg)
     validate_layout(job.model, job.parallel, world_size, job.training)
+    base_path = None
+    if job.lora is not None and job.lora.qlora:
+        # A QLoRA checkpoint holds adapters only: its base loads first, from the checkpoint it recorded.
+        saved_lora = (saved.get("lora") or {}) if ckpt_path is not None else {}
+        base_dir = saved_lora.get("base") if saved_lora.get("qlora") else job.checkpoint.load
+        if saved_lora.get("qlora"):
+            base_path = find_checkpoint(base_dir) if base_dir else None
+            if base_path is None:
+                raise ConfigError(
+                    f"{ckpt_path} holds QLoRA adapters trained on the base checkpoint {base_dir!r}, which is gone; "
+                    "restore it or start again from a base with --load BASE --finetune"
+                )
+        job = dataclasses.replace(job, lora=dataclasses.replace(job.lora, base=base_dir))
 
     timeout_s = job.distributed_timeout_minutes * 60
     recorder_on = job.resilience.flight_recorder and world_size > 1
@@ -199,6 +214,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
     scheduler = LRScheduler(job.optimizer, job.training.train_iters)
     state = TrainState()
     if ckpt_path is not None:
+        if base_path is not None:
+            load_checkpoint(base_path, model, None, None, ctx, finetune=True)
+            log.info(f"loaded the QLoRA base {base_path}")
         state = load_checkpoint(
             ckpt_path,
             model,
@@ -208,6 +226,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             load_optim=not job.checkpoint.no_load_optim,
             load_rng=not job.checkpoint.no_load_rng,
             finetune=job.checkpoint.finetune,
+            skip_missing_frozen=base_path is not None,
         )
         log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
     if job.lora is not None and job.lora.qlora:
