@@ -9,19 +9,7 @@ import signal
 import statistics
 from collections import deque
 
-import torch
-import torch.distributed as dist
-
-NAN_POLICIES = ("skip", "halt", "rollback")
-SPIKE_POLICIES = ("report", "rollback")
-
-
-def agree(flag: bool, device: torch.device) -> bool:
-    """True on every rank if any rank's flag is set."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+from megatron_lite.optimizer.optimizer import any_rank
 
 
 def non_finite(loss: float, grad_norm: float | None) -> bool:
@@ -69,8 +57,8 @@ class ExitSignal:
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def should_exit(self, device: torch.device) -> bool:
-        return agree(self.received, device)
+    def should_exit(self, ctx) -> bool:
+        return any_rank(self.received, ctx)
 
     def restore(self) -> None:
         signal.signal(self.signum, self._previous)

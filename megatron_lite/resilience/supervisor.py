@@ -45,9 +45,9 @@ def check_config_agreement(config: dict, device: torch.device) -> None:
 
 
 class Supervisor:
-    def __init__(self, config: ResilienceConfig, check_nan: bool, rank: int, device: torch.device, log) -> None:
-        self.config, self.check_nan, self.rank, self.device, self.log = config, check_nan, rank, device, log
-        self.injector = Injector(rank)
+    def __init__(self, config: ResilienceConfig, check_nan: bool, ctx, log) -> None:
+        self.config, self.check_nan, self.ctx, self.log = config, check_nan, ctx, log
+        self.injector = Injector(ctx.rank)
         self.spikes = (
             SpikeDetector(config.spiky_loss_window, config.spiky_loss_zscore) if config.check_for_spiky_loss else None
         )
@@ -145,14 +145,14 @@ class Supervisor:
         if self.check_nan:
             out["nonfinite_iterations"] = w["nonfinite"]
         if self.config.log_straggler and w["n"]:
-            report = straggler_report(w["step"] / w["n"], w["compute"] / w["n"], self.device)
+            report = straggler_report(w["step"] / w["n"], w["compute"] / w["n"], self.ctx.device)
             self.log.info(describe(report))
             out.update(report)
         self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}
         return out
 
     def should_exit(self) -> bool:
-        return self.exit is not None and self.exit.should_exit(self.device)
+        return self.exit is not None and self.exit.should_exit(self.ctx)
 
     def after_rollback(self) -> None:
         if self.spikes is not None:

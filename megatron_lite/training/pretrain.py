@@ -33,6 +33,7 @@ from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
+from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext, initialize
 from megatron_lite.resilience.flight_recorder import FlightRecorder
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
@@ -253,7 +254,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     metrics = None
     ck = job.checkpoint
     signalled = False
-    guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx.rank, ctx.device, log)
+    guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log)
     saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
 
     def save() -> None:
@@ -382,10 +383,7 @@ def _should_exit(t, state: TrainState, start_time: float, ctx: ParallelContext) 
     if t.exit_duration_in_mins is None:
         return False
     # Every rank must take the same decision, or some would wait in the next step's collectives.
-    flag = torch.tensor([1.0 if (time.time() - start_time) / 60 > t.exit_duration_in_mins else 0.0], device=ctx.device)
-    if ctx.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return any_rank((time.time() - start_time) / 60 > t.exit_duration_in_mins, ctx)
 
 
 def main(argv: list[str] | None = None) -> int:
