@@ -22,7 +22,7 @@ from megatron_lite.kernels.moe import (
     moe_unpermute,
     moe_unpermute_reference,
 )
-from megatron_lite.kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference, quantize_nf4
+from megatron_lite.kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from megatron_lite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from megatron_lite.kernels.rope import apply_rope, apply_rope_reference
 from megatron_lite.kernels.swiglu import swiglu, swiglu_reference
@@ -33,6 +33,7 @@ __all__ = [
     "quantize_nf4",
     "dequantize_nf4",
     "dequantize_nf4_reference",
+    "nf4_linear",
     "linear",
     "linear_reference",
     "matmul_into",

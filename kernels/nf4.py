@@ -9,7 +9,8 @@ minus their mean as 8-bit codes of bitsandbytes' dynamic map, in blocks of 256 w
 4 + 8/64 + 32/(64*256) = 4.127 bits per parameter.
 
 Quantisation runs once (loading a base model) in PyTorch; dequantisation, on every use of the weight, is a
-Triton kernel with the PyTorch reference beside it as fallback and test oracle."""
+Triton kernel with the PyTorch reference beside it as fallback and test oracle; `nf4_linear` is the layer
+that uses it (an autograd Function that dequantises again in the backward rather than keep the weight)."""
 
 from __future__ import annotations
 
@@ -175,6 +176,27 @@ def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
     )
     launched("nf4_dequant")
     return out
+
+
+class _NF4Linear(torch.autograd.Function):
+    """y = x W^T with W dequantised from NF4; the backward dequantises again instead of keeping W (only x is
+    saved). W is frozen: no gradient for it."""
+
+    @staticmethod
+    def forward(ctx, x, q: NF4Weight):
+        ctx.q = q
+        ctx.save_for_backward(x)
+        return torch.nn.functional.linear(x, dequantize_nf4(q).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return dy @ dequantize_nf4(ctx.q).to(dy.dtype), None
+
+
+def nf4_linear(x: torch.Tensor, q: NF4Weight) -> torch.Tensor:
+    """A linear layer whose frozen weight is stored in NF4 (QLoRA's base)."""
+    return _NF4Linear.apply(x, q)
 
 
 COMPILE_CASES = (

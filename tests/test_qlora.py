@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import ParallelConfig
-from megatron_lite.kernels.nf4 import dequantize_nf4_reference, quantize_nf4
+from megatron_lite.kernels.nf4 import dequantize_nf4_reference, nf4_linear, quantize_nf4
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.config import LoraConfig
-from megatron_lite.lora.qlora import NF4Storage, nf4_bytes, nf4_linear, quantize_base
+from megatron_lite.lora.qlora import NF4Storage, nf4_bytes, quantize_base
 
 from models import llama_config
 
@@ -30,7 +30,7 @@ def test_nf4_linear_is_the_dense_layer_of_the_dequantised_weight():
     x2 = x.detach().clone().requires_grad_()
     meter = ActivationMeter(torch.nn.Linear(1, 1))
     with meter.measuring():
-        y = nf4_linear(x, storage)
+        y = nf4_linear(x, storage.weight())
     assert meter.peak == x.numel() * 4  # the input only: no dense weight kept for the backward
     torch.testing.assert_close(y, F.linear(x2, dense), rtol=0, atol=1e-6)
     dy = torch.randn_like(y)

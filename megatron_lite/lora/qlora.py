@@ -8,11 +8,9 @@ offset, 256-block maxima) are per shard."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.kernels.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
+from megatron_lite.kernels.nf4 import NF4Weight, quantize_nf4
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -34,26 +32,6 @@ class NF4Storage(nn.Module):
 
     def nbytes(self) -> int:
         return self.weight().nbytes()
-
-
-class _NF4Linear(torch.autograd.Function):
-    """y = x W^T with W dequantised from NF4; the backward dequantises again instead of keeping W."""
-
-    @staticmethod
-    def forward(ctx, x, storage: NF4Storage):
-        ctx.storage = storage
-        ctx.save_for_backward(x)
-        return F.linear(x, dequantize_nf4(storage.weight()).to(x.dtype))
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        w = dequantize_nf4(ctx.storage.weight()).to(dy.dtype)
-        return dy @ w, None
-
-
-def nf4_linear(x: torch.Tensor, storage: NF4Storage) -> torch.Tensor:
-    return _NF4Linear.apply(x, storage)
 
 
 def quantize_base(model: nn.Module) -> int:

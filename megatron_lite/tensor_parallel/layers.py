@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.kernels.nf4 import nf4_linear
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.mappings import (
@@ -100,9 +101,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x_full = self.gather_input(x)
             if self.nf4 is not None:  # QLoRA: the frozen weight in NF4, dequantised as it is used
-                from megatron_lite.lora.qlora import nf4_linear
-
-                y = nf4_linear(x_full, self.nf4) + (0 if self.bias is None else self.bias)
+                y = nf4_linear(x_full, self.nf4.weight()) + (0 if self.bias is None else self.bias)
             else:
                 y = F.linear(x_full, weight, self.bias)
             if self.lora is not None:  # the adapters read the same (gathered) input: one reduction of its grad
@@ -160,9 +159,7 @@ class RowParallelLinear(nn.Module):
             y = row_parallel_overlapped(x, self.weight, self.tp, self.triton_gemm)
         else:
             if self.nf4 is not None:  # QLoRA: the frozen weight in NF4, dequantised as it is used
-                from megatron_lite.lora.qlora import nf4_linear
-
-                partial = nf4_linear(x, self.nf4)
+                partial = nf4_linear(x, self.nf4.weight())
             else:
                 partial = F.linear(x, self.weight)
             if self.lora is not None:  # summed by the layer's own reduction
