@@ -20,7 +20,7 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line naming the flag, value and fix."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -38,6 +38,18 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+# The architecture flags of a Llama-shaped model (RMSNorm, SwiGLU, RoPE, no biases, no dropout), for configs
+# built in code: ModelConfig(**LLAMA_ARCHITECTURE, num_layers=..., ...).
+LLAMA_ARCHITECTURE = dict(
+    normalization="RMSNorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 @dataclass(frozen=True)
@@ -140,12 +152,12 @@ class ModelConfig:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; pass --kv-channels explicitly or use heads in "
-                f"{_divisors(self.hidden_size)[-6:]}"
+                f"{divisors(self.hidden_size)[-6:]}"
             )
         if self.num_attention_heads % self.query_groups:
             raise ConfigError(
                 f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
-                f"{self.query_groups}; use --num-query-groups in {_divisors(self.num_attention_heads)}"
+                f"{self.query_groups}; use --num-query-groups in {divisors(self.num_attention_heads)}"
             )
         if self.normalization not in NORMALIZATIONS:
             raise ConfigError(f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}")
@@ -321,7 +333,7 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
     stages = pp * vp
     if first is None and last is None:
         if num_layers % stages:
-            ok_pp = [d for d in _divisors(max(world_size // tp_cp, 1)) if num_layers % (d * vp) == 0]
+            ok_pp = [d for d in divisors(max(world_size // tp_cp, 1)) if num_layers % (d * vp) == 0]
             raise ConfigError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
                 f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(num_layers, stages)}"
@@ -394,7 +406,7 @@ def validate_layout(
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
-            f"choose sizes whose product divides {world_size} (one of {_divisors(world_size)}) "
+            f"choose sizes whose product divides {world_size} (one of {divisors(world_size)}) "
             f"or launch a multiple of {tp * pp * cp} ranks"
         )
     etp, ep = parallel.etp, parallel.ep
@@ -407,7 +419,7 @@ def validate_layout(
     heads, groups = model.num_attention_heads, model.query_groups
     # TP sizes that would work with everything else unchanged.
     ok_tp = [
-        d for d in _divisors(groups) if heads % d == 0 and model.ffn_size % d == 0 and world_size % (d * pp * cp) == 0
+        d for d in divisors(groups) if heads % d == 0 and model.ffn_size % d == 0 and world_size % (d * pp * cp) == 0
     ]
     if heads % tp:
         raise ConfigError(
@@ -422,7 +434,7 @@ def validate_layout(
     if model.num_experts is not None:
         ep = parallel.ep
         if model.num_experts % ep:
-            ok = [d for d in _divisors(model.num_experts) if world_size % (d * parallel.etp * pp) == 0]
+            ok = [d for d in divisors(model.num_experts) if world_size % (d * parallel.etp * pp) == 0]
             raise ConfigError(
                 f"--num-experts {model.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
                 f"use --expert-model-parallel-size in {ok}"

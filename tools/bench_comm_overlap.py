@@ -29,7 +29,7 @@ LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_query_groups=8, f
 
 
 def _worker(rank: int, world: int, args) -> list[dict]:
-    from megatron_lite.config import ModelConfig, ParallelConfig
+    from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig, ParallelConfig
     from megatron_lite.models.transformer import TransformerLayer
     from megatron_lite.parallel_context import ParallelContext
 
@@ -39,13 +39,8 @@ def _worker(rank: int, world: int, args) -> list[dict]:
     config = ModelConfig(
         num_layers=1,
         vocab_size=128,
-        normalization="RMSNorm",
-        activation="swiglu",
-        position_embedding_type="rope",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         kernel_impl="triton" if args.device == "cuda" else "torch",
+        **LLAMA_ARCHITECTURE,
         **shape,
     )
     rows = []

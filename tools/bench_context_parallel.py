@@ -38,7 +38,7 @@ def _saved_bytes(params: set[int]):
 
 
 def _worker(rank: int, world: int, args, comm: str) -> dict:
-    from megatron_lite.config import ModelConfig, ParallelConfig
+    from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig, ParallelConfig
     from megatron_lite.context_parallel.zigzag import slice_batch
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.parallel_context import ParallelContext
@@ -51,13 +51,8 @@ def _worker(rank: int, world: int, args, comm: str) -> dict:
         num_attention_heads=args.heads,
         vocab_size=args.vocab_size,
         max_position_embeddings=args.seq_length,
-        normalization="RMSNorm",
-        activation="swiglu",
-        position_embedding_type="rope",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         kernel_impl="triton" if args.device == "cuda" else "torch",
+        **LLAMA_ARCHITECTURE,
     )
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(config, ctx, seed=1, dtype=dtype)

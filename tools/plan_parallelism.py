@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.search import Candidate, evaluate, plan
@@ -63,14 +63,9 @@ def model_from_hf(path: str) -> ModelConfig:
 
 def job_layout(job, world: int) -> Layout:
     """The layout a parsed job runs with."""
-    p, o, m = job.parallel, job.optimizer, job.model
-    sharding = (
-        "fsdp2"
-        if o.use_torch_fsdp2
-        else ("zero2" if o.zero_stage >= 2 else "dist-opt")
-        if (o.use_distributed_optimizer)
-        else "none"
-    )
+    from megatron_lite.planner.search import sharding_of
+
+    p, m = job.parallel, job.model
     return Layout(
         tp=p.tp,
         pp=p.pp,
@@ -78,7 +73,7 @@ def job_layout(job, world: int) -> Layout:
         dp=p.data_parallel_size(world),
         cp=p.cp,
         ep=p.ep,
-        sharding=sharding,
+        sharding=sharding_of(job.optimizer),
         recompute=m.recompute_granularity or "none",
         micro_batch_size=job.training.micro_batch_size,
         sequence_parallel=p.sequence_parallel,
@@ -160,7 +155,7 @@ def _as_dict(c: Candidate) -> dict:
 
 
 # --check-cpu: a small Llama trained for real on this machine's cores, one single-threaded process per rank.
-CPU_MODEL = dict(
+CPU_MODEL = ModelConfig(
     num_layers=4,
     hidden_size=256,
     num_attention_heads=8,
@@ -168,14 +163,9 @@ CPU_MODEL = dict(
     ffn_hidden_size=704,
     vocab_size=2048,
     max_position_embeddings=256,
-    normalization="RMSNorm",
-    activation="swiglu",
-    position_embedding_type="rope",
-    add_bias_linear=False,
     untie_embeddings_and_output_weights=True,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
     kernel_impl="torch",
+    **LLAMA_ARCHITECTURE,
 )
 CPU_SEQ, CPU_GBS = 256, 8
 CPU_LAYOUTS = [
@@ -193,7 +183,7 @@ CPU_LAYOUTS = [
 def _cpu_worker(rank: int, world: int, args, layout: Layout) -> dict:
     from megatron_lite.planner.measure import measure_layout
 
-    return measure_layout(ModelConfig(**CPU_MODEL), layout, CPU_SEQ, CPU_GBS, iters=args.iters)
+    return measure_layout(CPU_MODEL, layout, CPU_SEQ, CPU_GBS, iters=args.iters)
 
 
 def _collectives_worker(rank: int, world: int, args) -> dict:
@@ -223,7 +213,7 @@ def check_cpu(log=print, iters: int = 5) -> dict:
     torch.set_num_threads(1)
     cl = cpu_cluster(2, kinds)
     cpu = cl.gpu
-    model = ModelConfig(**CPU_MODEL)
+    model = CPU_MODEL
     predicted = [
         step_time(layout.model_config(model), layout, CPU_SEQ, CPU_GBS, cl, bf16=False).total for layout in CPU_LAYOUTS
     ]

@@ -146,7 +146,7 @@ def step_time(
     g = cl.gpu
 
     # The busiest stage: the one with most layers, plus the output layer on the last
-    stages = [stage_params(model, layout, r) for r in range(pp)] if pp > 1 else [stage_params(model, layout, 0)]
+    stages = [stage_params(model, layout, r) for r in range(pp)]
     per_stage = []
     for r, st in enumerate(stages):
         fwd = 0.0  # one micro-batch's forward

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
 from megatron_lite.planner.cost import IMPLEMENTATIONS, step_time, throughput
 from megatron_lite.planner.hardware import cluster
 from megatron_lite.planner.layout import Layout
@@ -51,14 +51,9 @@ def llama3(layers: int, hidden: int, heads: int, ffn: int, impl: str) -> ModelCo
         ffn_hidden_size=ffn,
         vocab_size=128256,
         max_position_embeddings=8192,
-        normalization="RMSNorm",
-        activation="swiglu",
-        position_embedding_type="rope",
-        add_bias_linear=False,
         untie_embeddings_and_output_weights=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         kernel_impl=impl,
+        **LLAMA_ARCHITECTURE,
     )
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from megatron_lite.config import ConfigError, ModelConfig, validate_layout
+from megatron_lite.config import ConfigError, ModelConfig, divisors, validate_layout
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.planner.cost import StepTime, step_time, throughput
 from megatron_lite.planner.hardware import GIB, Cluster
@@ -40,6 +40,15 @@ def optimizer_config(layout: Layout, bf16: bool) -> OptimizerConfig:
     )
 
 
+def sharding_of(optim: OptimizerConfig) -> str:
+    """The inverse of `optimizer_config`: which of SHARDINGS a job's optimizer flags select."""
+    if optim.use_torch_fsdp2:
+        return "fsdp2"
+    if optim.use_distributed_optimizer:
+        return "zero2" if optim.zero_stage >= 2 else "dist-opt"
+    return "none"
+
+
 def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool) -> str | None:
     """Our own start-up validation of this layout: its one-line error, or None."""
     training = dataclasses.replace(
@@ -55,20 +64,16 @@ def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size
     return None
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts(model: ModelConfig, world: int, gpus_per_node: int, global_batch_size: int) -> list[Layout]:
     """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
     2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8."""
     out = []
     pow2 = [1, 2, 4, 8, 16, 32]
-    experts = _divisors(model.num_experts) if model.num_experts else [1]
+    experts = divisors(model.num_experts) if model.num_experts else [1]
     for tp, cp in itertools.product([d for d in pow2 if d <= gpus_per_node], pow2):
         if world % (tp * cp):
             continue
-        for pp in _divisors(world // (tp * cp)):
+        for pp in divisors(world // (tp * cp)):
             dp = world // (tp * cp * pp)
             for vp, ep, sharding, recompute, mbs in itertools.product(
                 [1, 2, 4] if pp > 1 else [1], experts, SHARDINGS, RECOMPUTES, [1, 2, 4, 8]

@@ -12,6 +12,7 @@ when waited on."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -94,7 +95,6 @@ class _Work:
 class _State:
     counts: dict = field(default_factory=dict)  # group -> seq of the last collective entered there
     last: dict = field(default_factory=dict)  # group -> description of that collective
-    current: dict | None = None  # the collective being waited in, or None while computing
 
 
 def _own_store():
@@ -129,7 +129,8 @@ class FlightRecorder:
         self.exit_on_hang = exit_on_hang
         self.state = _State()
         self._lock = threading.Lock()
-        self._current: Entry | None = None
+        # the collective being waited in (entry, since when, whether in an async wait), None while computing
+        self._current: tuple[Entry, float, bool] | None = None
         self._originals: dict = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -157,27 +158,16 @@ class FlightRecorder:
             self.history.append(entry)
         return entry
 
-    class _Inside:
-        def __init__(self, recorder: FlightRecorder, entry: Entry, waiting: bool) -> None:
-            self.recorder, self.entry, self.waiting = recorder, entry, waiting
-
-        def __enter__(self):
-            r = self.recorder
-            with r._lock:
-                r._current = self.entry
-                r._current_since = time.time()
-                r._current_waiting = self.waiting
-            return self
-
-        def __exit__(self, *exc):
-            r = self.recorder
-            with r._lock:
-                self.entry.end = time.time()
-                r._current = None
-            return False
-
-    def _inside(self, entry: Entry, waiting: bool = False) -> _Inside:
-        return FlightRecorder._Inside(self, entry, waiting)
+    @contextlib.contextmanager
+    def _inside(self, entry: Entry, waiting: bool = False):
+        with self._lock:
+            self._current = (entry, time.time(), waiting)
+        try:
+            yield
+        finally:
+            with self._lock:
+                entry.end = time.time()
+                self._current = None
 
     def _wrap(self, name: str, fn):
         recorder = self
@@ -228,9 +218,7 @@ class FlightRecorder:
                 "time": time.time(),
                 "counts": dict(self.state.counts),
                 "last": dict(self.state.last),
-                "current": None
-                if cur is None
-                else {**asdict(cur), "since": self._current_since, "waiting": self._current_waiting},
+                "current": None if cur is None else {**asdict(cur[0]), "since": cur[1], "waiting": cur[2]},
             }
 
     def _publish(self) -> None:
@@ -243,9 +231,9 @@ class FlightRecorder:
         while not self._stop.wait(1.0):
             self._publish()
             with self._lock:
-                cur, since = self._current, getattr(self, "_current_since", 0.0)
-            if cur is not None and time.time() - since > self.timeout_s:
-                self.report = self.build_report(cur, time.time() - since)
+                cur = self._current
+            if cur is not None and time.time() - cur[1] > self.timeout_s:
+                self.report = self.build_report(cur[0], time.time() - cur[1])
                 print(self.report, file=sys.stderr, flush=True)
                 if self.exit_on_hang:
                     os._exit(1)
