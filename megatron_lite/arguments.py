@@ -15,65 +15,9 @@ from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import TOKENIZER_TYPES, DataConfig
 from megatron_lite.lora.config import LoraConfig, target_modules
+from megatron_lite.megatron_flags import add_megatron_flag_groups, refuse_unsupported
 from megatron_lite.optimizer.config import DECAY_STYLES, WSD_DECAY_STYLES, OptimizerConfig
 from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
-
-# Megatron flags (from its example scripts) that change nothing here: accepted, and reported at start-up
-# with the reason. True where the flag takes a value.
-ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
-    "use_mcore_models": (False, "megatron_lite has one model implementation"),
-    "use_flash_attn": (
-        False,
-        "attention runs through scaled_dot_product_attention (flash on CUDA when eligible)",
-    ),
-    "attention_backend": (True, "scaled_dot_product_attention picks its backend"),
-    "accumulate_allreduce_grads_in_fp32": (
-        False,
-        "main gradients are always accumulated and reduced in fp32",
-    ),
-    "attention_softmax_in_fp32": (False, "the softmax runs in fp32 for low-precision inputs"),
-    "calculate_per_token_loss": (
-        False,
-        "the loss is always averaged over the tokens of the whole global batch",
-    ),
-    "cross_entropy_loss_fusion": (False, "the vocab-parallel cross-entropy is used either way"),
-    "log_throughput": (False, "throughput is always logged"),
-    "no_masked_softmax_fusion": (False, "there is no fused masked softmax to disable"),
-    "no_bias_swiglu_fusion": (False, "there is no fused bias-SwiGLU to disable"),
-    "no_bias_gelu_fusion": (False, "there is no fused bias-GELU to disable"),
-    "no_bias_dropout_fusion": (False, "there is no fused bias-dropout to disable"),
-    "no_rope_fusion": (False, "there is no fused RoPE to disable"),
-    "no_gradient_accumulation_fusion": (False, "there is no fused weight-gradient accumulation to disable"),
-    "no_create_attention_mask_in_dataloader": (False, "no attention mask is ever built (causal SDPA)"),
-    "no_mmap_bin_files": (False, "indexed datasets are always memory-mapped"),
-    "manual_gc": (False, "Python's garbage collector is left to run normally"),
-    "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
-    "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
-    "no_position_embedding": (False, "implied by --position-embedding-type rope/none"),
-}
-
-# Megatron flags we do not implement: refused with one line naming the flag and why.
-REFUSED: dict[str, str] = {
-    "moe_grouped_gemm": "grouped GEMM for experts comes with the Triton kernels (issue 6); experts run in a loop",
-    "fp8_format": "fp8 training is not implemented",
-    "fp8_amax_history_len": "fp8 training is not implemented",
-    "fp8_amax_compute_algo": "fp8 training is not implemented",
-    "fp8_param_gather": "fp8 training is not implemented",
-    "grad_reduce_in_bf16": "gradients are always reduced in fp32",
-    "decoupled_lr": "a separate learning rate for embeddings is not implemented",
-    "decoupled_min_lr": "a separate learning rate for embeddings is not implemented",
-    "apply_layernorm_1p": "zero-centred norm weights are not implemented",
-    "train_samples": "sample-based training is not implemented; use --train-iters",
-    "lr_decay_samples": "sample-based schedules are not implemented; use --lr-decay-iters",
-    "lr_warmup_samples": "sample-based schedules are not implemented; use --lr-warmup-iters",
-    "rampup_batch_size": "batch-size ramp-up is not implemented",
-    "reset_position_ids": "resetting position ids at document boundaries is not implemented",
-    "reset_attention_mask": "document-level attention masks are not implemented",
-    "tiktoken_pattern": "tiktoken tokenizers are not supported; use --tokenizer-type HuggingFaceTokenizer",
-    "profile": "the profiler hook is not implemented",
-    "profile_step_start": "the profiler hook is not implemented",
-    "profile_step_end": "the profiler hook is not implemented",
-}
 
 
 def _window_size(text: str) -> int:
@@ -304,16 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-save-dir")
     g.add_argument("--tensorboard-dir")
 
-    x = parser.add_argument_group("Megatron flags accepted without effect (reported at start-up)")
-    for name, (takes_value, why) in ACCEPTED_NO_OPS.items():
-        flag = "--" + name.replace("_", "-")
-        if takes_value:
-            x.add_argument(flag, default=None, help=why)
-        else:
-            x.add_argument(flag, action="store_true", help=why)
-    r = parser.add_argument_group("Megatron flags not implemented (refused with the reason)")
-    for name, why in REFUSED.items():
-        r.add_argument("--" + name.replace("_", "-"), nargs="*", default=None, help=why)
+    add_megatron_flag_groups(parser)
     return parser
 
 
@@ -355,9 +290,7 @@ def _require(ns: argparse.Namespace, *names: str) -> None:
 
 
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
-    for name, why in REFUSED.items():
-        if getattr(ns, name) is not None:
-            raise ConfigError(f"--{name.replace('_', '-')} is not supported: {why}; remove the flag")
+    refuse_unsupported(ns)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
     if ns.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
@@ -560,15 +493,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         distributed_backend=ns.distributed_backend,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,
     )
-
-
-def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
-    """Lines describing the accepted-but-ineffective flags this job passed."""
-    return [
-        f"--{n.replace('_', '-')} has no effect: {why}"
-        for n, (_, why) in ACCEPTED_NO_OPS.items()
-        if getattr(ns, n, None) not in (None, False)
-    ]
 
 
 def _explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:

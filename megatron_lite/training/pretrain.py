@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_lite.arguments import accepted_no_ops, parse_args
+from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint.checkpointing import (
     AsyncSaver,
     TrainState,
@@ -31,6 +31,7 @@ from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.lora.apply import apply_lora
+from megatron_lite.megatron_flags import accepted_no_ops
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import any_rank
