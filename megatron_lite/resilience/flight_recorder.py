@@ -94,7 +94,7 @@ class _Work:
 @dataclass
 class _State:
     counts: dict = field(default_factory=dict)  # group -> seq of the last collective entered there
-    last: dict = field(default_factory=dict)  # group -> description of that collective
+    last: dict = field(default_factory=dict)  # group -> the last collective entered there
 
 
 def _own_store():
@@ -154,7 +154,7 @@ class FlightRecorder:
             seq = self.state.counts.get(key, 0) + 1
             entry = Entry(key, seq, op, _shapes(args), _site(), time.time())
             self.state.counts[key] = seq
-            self.state.last[key] = entry.describe()
+            self.state.last[key] = entry  # described when published, not on every collective
             self.history.append(entry)
         return entry
 
@@ -217,7 +217,7 @@ class FlightRecorder:
                 "rank": self.rank,
                 "time": time.time(),
                 "counts": dict(self.state.counts),
-                "last": dict(self.state.last),
+                "last": {k: e.describe() for k, e in self.state.last.items()},
                 "current": None if cur is None else {**asdict(cur[0]), "since": cur[1], "waiting": cur[2]},
             }
 
