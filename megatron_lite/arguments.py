@@ -479,6 +479,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     if ns.lora_rank:
         targets = target_modules(ns.lora_target_modules)
         lora = LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora)
+        lora.validate(model.num_experts, parallel.tp_comm_overlap)
     return JobConfig(
         model=model,
         parallel=parallel,

@@ -94,3 +94,21 @@ def test_adapters_start_as_the_identity_and_only_they_train():
     r = 4  # one (A, B) pair per projection, r * (in + out) each: q, k, v; o; gate, up; down
     per_layer = r * ((h + q) + 2 * (h + kv)) + r * (q + h) + 2 * r * (h + f) + r * (f + h)
     assert n == 2 * per_layer == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num-experts", "4", "--disable-bias-linear"], "--lora-rank with --num-experts is not supported yet"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
+         "--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap"),
+        (["--lora-target-modules", "q_proj", "lm_head"], "--lora-target-modules lm_head: choose from"),
+    ],
+)  # fmt: skip
+def test_what_lora_does_not_compose_with_is_refused_with_the_flags(flags, message):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
+
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data"
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*base.split(), "--lora-rank", "4", *flags])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.config import ModelConfig
 from megatron_lite.lora.adapters import LoRA
 from megatron_lite.lora.config import TARGETS, LoraConfig  # noqa: F401 - LoraConfig re-exported
 from megatron_lite.models.weights import _full_init, to_shard
@@ -50,16 +50,13 @@ def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig
 def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: ParallelContext, seed: int) -> int:
     """Freeze every weight of `model` (a GPTModel or its pipeline chunks) and add adapters to the target
     layers, initialised layout-free from `seed`. Returns the number of adapter parameters on this rank."""
-    if config.num_experts:
-        raise ConfigError("LoRA on mixture-of-experts models is not supported yet (experts need their own adapters)")
+    lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap)
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in lora.target_modules or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
-        if module.comm_overlap:
-            raise ConfigError("LoRA with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap")
         module.lora = _adapter(leaf, module, config, lora, ctx.tp)
     count = 0
     global_name = getattr(model, "global_name", lambda n: n)

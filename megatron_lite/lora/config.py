@@ -34,6 +34,13 @@ class LoraConfig:
         if bad:
             raise ConfigError(f"--lora-target-modules {' '.join(bad)}: choose from {' '.join(TARGETS)}")
 
+    def validate(self, num_experts: int | None, tp_comm_overlap: bool) -> None:
+        """What LoRA does not compose with yet; checked with the flags, before any collective."""
+        if num_experts:
+            raise ConfigError("--lora-rank with --num-experts is not supported yet (experts need their own adapters)")
+        if tp_comm_overlap:
+            raise ConfigError("--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap")
+
 
 def target_modules(names: list[str]) -> tuple[str, ...]:
     """Our layer names from ours or PEFT's (q_proj, k_proj, v_proj -> linear_qkv; ...): a fused layer gets
