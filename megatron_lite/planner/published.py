@@ -2,12 +2,13 @@
 (planner/cost.py): nothing here is tuned per row. Each row says where it comes from and what of its setup
 had to be assumed.
 
-torchtitan (docs/performance.md, H100 96GB HBM2e at 500 W, 8 per node, 400 Gb/s per GPU between nodes;
-Llama 3.1 8B / 3 70B, bf16, sequence 8192 from the Llama-3 8B train config of the time): Table 1 and 3 rows
-without torch.compile are eager PyTorch (our --kernel-impl torch prices that: unfused norms, RoPE and
-activations); the async-TP benchmark's bf16 "vanilla TP" rows ran under torch.compile, whose fusion we
-price as our fused kernels. torchtitan's selective checkpointing is its per-op policy (every other matmul
-and all elementwise ops recomputed).
+torchtitan (docs/performance.md and benchmarks/llama3_h100_202412_torchtitan.md, H100 96GB HBM2e at
+500 W, 8 per node, 400 Gb/s per GPU between nodes; Llama 3.1 8B / 3 70B, bf16, sequence 8192 from the
+Llama-3 8B train config of the time): Table 1 and 3 rows without torch.compile are eager PyTorch (our
+--kernel-impl torch prices that: unfused norms, RoPE and activations); those with torch.compile (not
+Float8), and the async-TP benchmark's bf16 "vanilla TP" rows, which also ran compiled, are priced with
+compile's fusion, like our fused kernels. torchtitan's selective checkpointing is its per-op policy (every
+other matmul and all elementwise ops recomputed).
 
 Megatron-Core weak scaling (README, H100 SXM, sequence 4096, vocabulary 131072, GPT with 4h GELU MLP and
 full multi-head attention, data-parallel 48, --overlap-grad-reduce --overlap-param-gather
@@ -99,6 +100,10 @@ def _zero1(dp: int, tp: int = 1, pp: int = 1) -> Layout:
 ROWS = [
     _tt("Llama 3.1 8B, 8 GPUs, FSDP, eager (Table 1)", L8_EAGER, _fsdp(8, "op", 2), 16, 1, 5762, "torch"),
     _tt("Llama 3.1 8B, 128 GPUs, FSDP, eager (Table 3)", L8_EAGER, _fsdp(128, "op", 2), 256, 16, 5605, "torch"),
+    _tt("Llama 3.1 8B, 8 GPUs, FSDP, compiled (Table 1)", L8_FUSED, _fsdp(8, "op", 2), 16, 1, 6667,
+        "torch-compile"),
+    _tt("Llama 3.1 8B, 128 GPUs, FSDP, compiled (Table 3)", L8_FUSED, _fsdp(128, "op", 2), 256, 16, 6514,
+        "torch-compile"),
     _tt("Llama 3.1 8B, 64 GPUs, FSDP 8 x TP 8, compiled (async-TP bench, vanilla TP)", L8_FUSED,
         _fsdp(8, "op", 12, tp=8), 96, 8, 4378, "torch-compile"),
     _tt("Llama 3 70B, 256 GPUs, FSDP 32 x TP 8, compiled, full AC (async-TP bench, vanilla TP)", L70_FUSED,
@@ -151,7 +156,19 @@ def compare(log=print, recommendations: bool = True) -> dict:
     if recommendations:
         log("\nThe planner's top layout for each published model, cluster and batch (megatron_lite, Triton kernels):")
         out["recommendations"] = []
+        seen = set()
         for r in ROWS:
+            # eager and compiled rows of one model, cluster and batch share a recommendation
+            key = (
+                dataclasses.replace(r.model, kernel_impl="triton"),
+                r.gpu,
+                r.nodes,
+                r.seq_length,
+                r.global_batch_size,
+            )
+            if key in seen:
+                continue
+            seen.add(key)
             best = recommend(r)
             unit = r.metric.split("/")[0]
             value = (best.tokens_per_second if unit == "tokens" else best.tflops) if best else 0.0
