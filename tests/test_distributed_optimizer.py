@@ -83,13 +83,25 @@ def test_optimizer_state_per_rank_falls_to_a_quarter_at_dp4(dist):
     assert sum(per_rank) >= one  # nothing is lost: the parts cover every parameter (plus padding)
 
 
-def test_distributed_optimizer_with_tied_embeddings_across_stages(dist):
+TIED = {
+    "zero1": dict(),
+    "zero1-overlap": dict(overlap=True, bucket_size=20_000),
+    "zero2": dict(zero_stage=2),
+    "zero2-overlap-vp2": dict(zero_stage=2, overlap=True, bucket_size=20_000, vp=2),
+    "zero1-overlap-vp2": dict(overlap=True, bucket_size=20_000, vp=2),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED))
+def test_distributed_optimizer_with_tied_embeddings_across_stages(dist, case):
     """GPT-2 (tied embeddings) at PP=2 x DP=2: the first stage's embedding and the last stage's copy sit at
-    different places in their stages' buffers, so their gradients are summed before the reduce-scatter."""
+    different places in their stages' buffers, so their gradients are summed before the reduce-scatter, also
+    when the other buckets are reduced under the backward (--overlap-grad-reduce) or every micro-batch
+    (ZeRO-2)."""
+    kw = dict(TIED[case])
+    parallel = P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=kw.pop("vp", None))
     ref = train_run("gpt2", P(), 8, 8, layers=4)
-    for history in dist(
-        4, train_run, "gpt2", P(pipeline_model_parallel_size=2), 8, 2, layers=4, distributed_optimizer=True
-    ):
+    for history in dist(4, train_run, "gpt2", parallel, 8, 2, layers=4, distributed_optimizer=True, **kw):
         _compare(history, ref)
 
 

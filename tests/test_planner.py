@@ -135,6 +135,12 @@ def test_memory_estimate_within_ten_percent(dist, case):
     _check("llama", layout, dist(layout.world, measure, "llama", layout), skip=skip)
 
 
+def test_memory_estimate_zero2_with_embeddings_tied_across_stages(dist):
+    """ZeRO-2 keeps the tied embedding's gradient whole on the first and last stage for the whole step."""
+    layout = Layout(pp=2, dp=2, sharding="zero2", micro_batch_size=1)
+    _check("gpt2", layout, dist(4, measure, "gpt2", layout))
+
+
 def test_memory_estimate_with_experts(dist):
     layout = Layout(dp=4, ep=2, sharding="dist-opt", micro_batch_size=2)
     # expert activations depend on where the router sends tokens; the estimate assumes a balanced router

@@ -5,7 +5,15 @@ order, which is roughly the order the backward produces them. The buffer is cut 
 `overlap_grad_reduce`, a bucket's all-reduce is launched as soon as every gradient in it is final, while
 the backward continues. Buckets are launched strictly in order on every rank, so all ranks issue the
 same collectives in the same sequence. Inside `no_sync()` (all but the last micro-batch of gradient
-accumulation) gradients only accumulate.
+accumulation) gradients only accumulate. Under pipelining the whole schedule runs inside `no_sync()` and
+the executor opens `final_grads()` around each model chunk's last backward, so a chunk's buckets are
+reduced while the other chunks' backward continues (Megatron's grad_sync_func).
+
+Embeddings tied across pipeline stages: the first stage's word embeddings and the last stage's copy must
+be summed over the embedding group before the data-parallel reduction (a reduce-scatter would leave each
+rank the sum of different parts of the two). Their gradients therefore sit in buckets of their own at the
+end of the buffer, held back from early launches and, under ZeRO-2, kept whole across micro-batches; the
+step reduces them after the embedding all-reduce (step.finalize_grads).
 
 The loss is normalised by the number of tokens in the whole global batch before the backward, so
 gradients are summed (not averaged) across data-parallel ranks.
@@ -38,6 +46,7 @@ class _Bucket:
     launched: bool = False
     shard_grad: torch.Tensor | None = None  # sharded: the reduced gradient of this rank's part
     scratch: torch.Tensor | None = None  # ZeRO-2: a reduce-scatter in flight writes here
+    held: bool = False  # tied across pipeline stages: reduced only at the end of the step
 
 
 class GradBuffer:
@@ -57,7 +66,11 @@ class GradBuffer:
         bucket_numel: int | None,
         sharded: bool = False,
         zero_stage: int = 1,
+        held: set[int] | None = None,
     ) -> None:
+        """`held`: ids of parameters whose buckets wait for the end of the step (tied embeddings; they
+        must come last in `params`)."""
+        held = held or set()
         self.group = group
         self.sharded = sharded
         self.transient = sharded and zero_stage >= 2
@@ -68,6 +81,10 @@ class GradBuffer:
         start = offset = 0
         current: list[nn.Parameter] = []
         for p in params:
+            if id(p) in held and current and not any(id(x) in held for x in current):
+                offset = self._pad(offset, start)  # held parameters start a bucket of their own
+                layout.append((current, start, offset))
+                start, current = offset, []
             self.offset[id(p)], self.shape[id(p)] = offset, p.shape
             offset += p.numel()
             current.append(p)
@@ -84,7 +101,9 @@ class GradBuffer:
         self.bucket_bounds: list[tuple[int, int]] = []
         for ps, lo, hi in layout:
             data = None if self.data is None else self.data[lo:hi]
-            b = _Bucket(len(self.buckets), list(ps), data, lo, hi)
+            b = _Bucket(len(self.buckets), list(ps), data, lo, hi, held=any(id(p) in held for p in ps))
+            if self.buckets and self.buckets[-1].held and not b.held:
+                raise ValueError("held parameters must come last in the gradient buffer")
             if sharded and self.transient:
                 b.shard_grad = torch.zeros((hi - lo) // group.size, dtype=torch.float32, device=self.device)
             elif sharded:  # ZeRO-1: the reduced part lives in place, in this rank's slot of the bucket
@@ -92,6 +111,7 @@ class GradBuffer:
             self.buckets.append(b)
             self.bucket_bounds.append((lo, hi))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.free = sum(1 for b in self.buckets if not b.held)  # buckets reduced as soon as they are complete
         self.peak_transient = 0  # ZeRO-2: most bytes of full bucket storage alive at once
         self._next = 0
         # --check-for-nan-in-loss-and-grad: per bucket, the first non-finite element of this rank's own
@@ -121,9 +141,10 @@ class GradBuffer:
         return b.data[start : start + p.numel()].view(p.shape)
 
     def grad_bytes(self) -> int:
-        """Persistent gradient storage on this rank: the full buffer, or with ZeRO-2 the reduced parts."""
+        """Persistent gradient storage on this rank: the full buffer, or with ZeRO-2 the reduced parts (and
+        the held buckets whole, which live for the whole step)."""
         if self.transient:
-            return sum(b.shard_grad.numel() * 4 for b in self.buckets)
+            return sum(b.shard_grad.numel() * 4 + (b.hi - b.lo) * 4 * b.held for b in self.buckets)
         return self.data.numel() * self.data.element_size()
 
     def shard_ranges(self) -> list[tuple[int, int]]:
@@ -158,11 +179,11 @@ class GradBuffer:
         bucket = self.bucket_of[id(p)]
         bucket.pending.discard(id(p))
         if self.transient:  # strictly in bucket order on every rank, like the launches below
-            while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            while self._next < self.free and not self.buckets[self._next].pending:
                 self._reduce_transient(self.buckets[self._next])
                 self._next += 1
-            if self._next == len(self.buckets):  # this micro-batch is done: the next one starts over
-                self.reset()
+            if self._next == self.free and not any(b.pending for b in self.buckets[self.free :]):
+                self.reset()  # this micro-batch is done: the next one starts over (held buckets stay whole)
         elif overlap:
             self._launch_ready(events, async_op=True)
 
@@ -199,7 +220,7 @@ class GradBuffer:
     def _launch_ready(self, events: list | None, async_op: bool, force: bool = False) -> None:
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
-            if b.pending and not force:
+            if (b.pending or b.held) and not force:
                 return
             self._note_local(b)
             if self.group.size > 1:
@@ -260,19 +281,19 @@ class DistributedDataParallel(nn.Module):
             ([p for p in params if expert[id(p)]], ctx.edp),
         )
         self.use_distributed_optimizer = use_distributed_optimizer
-        configs = [m.config for m in module.modules() if hasattr(getattr(m, "config", None), "tied_embeddings")]
-        tied_across_stages = ctx.pp.size > 1 and any(c.tied_embeddings for c in configs)
-        if use_distributed_optimizer and (overlap_grad_reduce or zero_stage >= 2) and tied_across_stages:
-            # The embedding copies must be summed before their buckets are reduce-scattered (step.py).
-            raise ValueError(
-                "--use-distributed-optimizer with --overlap-grad-reduce and embeddings tied across pipeline "
-                "stages is not supported yet; drop --overlap-grad-reduce or use --untie-embeddings-and-output-weights"
-            )
         if zero_stage >= 2 and not use_distributed_optimizer:
             raise ValueError("ZeRO stage 2 shards gradients for the distributed optimizer: use_distributed_optimizer")
         self.zero_stage = zero_stage
+        held = {id(p) for p in self.tied_across_stages(module, ctx)}
         self.buffers = [
-            GradBuffer(list(reversed(ps)), group, size, sharded=use_distributed_optimizer, zero_stage=zero_stage)
+            GradBuffer(
+                [p for p in reversed(ps) if id(p) not in held] + [p for p in ps if id(p) in held],
+                group,
+                size,
+                sharded=use_distributed_optimizer,
+                zero_stage=zero_stage,
+                held=held,
+            )
             for ps, group in groups
             if ps
         ]
@@ -284,6 +305,18 @@ class DistributedDataParallel(nn.Module):
         self.events: list | None = [] if record_events else None
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @staticmethod
+    def tied_across_stages(module: nn.Module, ctx: ParallelContext) -> list[nn.Parameter]:
+        """This rank's copy of word embeddings tied between the first and last pipeline stage, if any."""
+        configs = [m.config for m in module.modules() if hasattr(getattr(m, "config", None), "tied_embeddings")]
+        if ctx.embedding.size == 1 or not hasattr(module, "global_name") or not any(c.tied_embeddings for c in configs):
+            return []
+        return [
+            p
+            for name, p in module.named_parameters()
+            if p.requires_grad and module.global_name(name) == "embedding.word_embeddings.weight"
+        ]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -304,6 +337,16 @@ class DistributedDataParallel(nn.Module):
             if self.events is not None:
                 self.events.append(("ready", self._names[id(p)]))
             buffer.mark_ready(p, self.overlap_grad_reduce, self.events)
+
+    @contextlib.contextmanager
+    def final_grads(self) -> Iterator[None]:
+        """Inside `no_sync()`: the gradients produced here are final for this step (a pipeline chunk's last
+        backward), so their buckets are reduced as they complete."""
+        outer, self._sync = self._sync, True
+        try:
+            yield
+        finally:
+            self._sync = outer
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -12,6 +12,10 @@ keeps a micro-batch's input and output only until its backward has run.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import torch
 import torch.distributed as dist
 
@@ -35,10 +39,13 @@ def run_pipeline(
     loss_scale: float = 1.0,
     forward_only: bool = False,
     stats: dict | None = None,
+    final_grads: Callable[[], AbstractContextManager] | None = None,
 ) -> torch.Tensor:
     """Forward (and backward) every micro-batch through this rank's chunks. Returns the summed token loss
     on the rank holding the last stage, zero elsewhere; `loss_scale` multiplies the loss before backward.
-    `stats`, when given, receives the most micro-batch outputs this rank held at once."""
+    `stats`, when given, receives the most micro-batch outputs this rank held at once. `final_grads`, when
+    given, is entered around each chunk's last backward: the data-parallel wrapper's signal that the
+    chunk's gradients are final, so their reduction can start under the remaining backward."""
     pp, vp = ctx.pp.size, len(chunks)
     actions = build_schedule(pp, vp, len(micro_batches), ctx.pp.rank, forward_only)
     device = ctx.device
@@ -50,6 +57,7 @@ def run_pipeline(
     pending = []  # (handle, tensor) of sends in flight
     group = ctx.pp.pg if pp > 1 else None
     last_chunk = vp - 1 if ctx.pp.rank == pp - 1 else None
+    last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == BACKWARD}
 
     batch: list[dist.P2POp] = []  # consecutive communication actions, sent as one batch
     recv_works: dict[int, object] = {}  # id(receive buffer) -> its work, until waited on
@@ -79,7 +87,7 @@ def run_pipeline(
                 for work in works:
                     work.wait()
 
-    for a in actions:
+    for i, a in enumerate(actions):
         key = (a.microbatch, a.chunk)
         if a.kind in (RECV_FORWARD, RECV_BACKWARD):
             buf = torch.empty(activation_shape, dtype=dtype, device=device)
@@ -118,7 +126,9 @@ def run_pipeline(
             grad = received.pop((RECV_BACKWARD, *key), None)
             if grad is not None:
                 wait_for(id(grad))
-            torch.autograd.backward(out, grad_tensors=grad)
+            final = final_grads is not None and last_backward[a.chunk] == i
+            with final_grads() if final else contextlib.nullcontext():
+                torch.autograd.backward(out, grad_tensors=grad)
             x = inputs.pop(key, None)
             if x is not None:
                 input_grads[key] = x.grad

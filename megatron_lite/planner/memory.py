@@ -242,6 +242,9 @@ def rank_memory(
         grads = 4 * counts.total
         if layout.sharding == "zero2":
             grads = 4 * (counts.dense / dp_cp + counts.expert / edp)
+            if model.tied_embeddings and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
+                # the tied copy's gradient stays whole for the step (reduced after the embedding all-reduce)
+                grads += 4 * model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
         if layout.sharding in ("dist-opt", "zero2"):
             optimizer = (ADAM_MOMENTS + MAIN_COPY) * (counts.dense / dp_cp + counts.expert / edp)
         else:

@@ -93,7 +93,8 @@ def _run_pipeline(model, micro_batches, ctx, scale: float, forward_only: bool) -
     seq = s // ctx.tp.size if ctx.sequence_parallel else s
     shape = (seq, b, chunks[0].config.hidden_size)
     dtype = next(chunks[0].parameters()).dtype
-    return run_pipeline(chunks, ctx, micro_batches, shape, dtype, scale, forward_only)
+    final = None if forward_only else model.final_grads  # each chunk's buckets reduce under the rest
+    return run_pipeline(chunks, ctx, micro_batches, shape, dtype, scale, forward_only, final_grads=final)
 
 
 def allreduce_embedding_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None:
@@ -149,7 +150,7 @@ def train_step(
     if config.num_experts:
         moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
     if _pipelined(model, ctx):
-        with model.no_sync(), measuring:  # buckets are reduced once the whole schedule has run
+        with model.no_sync(), measuring:  # a chunk's buckets are reduced once its last backward runs
             loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / float(num_tokens), False)
         loss_sum = all_reduce(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
     else:

@@ -19,17 +19,6 @@ def validate_sharding(
     model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, optim: OptimizerConfig
 ) -> None:
     """What the distributed optimizer and FSDP2 do not compose with yet (also the planner's filter)."""
-    if (
-        optim.use_distributed_optimizer
-        and (training.overlap_grad_reduce or optim.zero_stage >= 2)
-        and parallel.pp > 1
-        and model.tied_embeddings
-    ):
-        flag = "--zero-stage 2" if optim.zero_stage >= 2 else "--overlap-grad-reduce"
-        raise ConfigError(
-            f"--use-distributed-optimizer with {flag} and embeddings tied across pipeline stages is not supported "
-            f"yet; drop {flag} or add --untie-embeddings-and-output-weights"
-        )
     if optim.use_torch_fsdp2:
         unsupported = [
             f"{flag} {value}"
