@@ -11,6 +11,8 @@ import torch
 # Triton kernels run through the interpreter where there is no GPU; it must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # fp32 kernel tests compare at fp32 tolerances: tl.dot must not round its fp32 inputs to tf32 on a GPU
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 # The embedded corpus (and dataset index caches) for tests live in the repo's pytest cache, not in the home
 # directory; set before any worker pool is spawned so every rank sees the same place.

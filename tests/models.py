@@ -9,6 +9,21 @@ from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
 
+# Where the kernel tests put their tensors: a GPU where there is one (compiled Triton kernels), else the CPU
+# (the Triton interpreter, see conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def triton_on_cpu_tensors() -> bool:
+    """Whether Triton kernels can run on CPU tensors here (gloo ranks hold CPU tensors): only under the
+    interpreter, which conftest.py turns on where there is no GPU."""
+    import os
+
+    from megatron_lite.kernels._common import HAVE_TRITON
+
+    return HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 VOCAB = 250  # not a multiple of 4 x make_vocab_size_divisible_by (2): TP=2 and TP=4 must pad
 
 

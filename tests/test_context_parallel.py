@@ -85,10 +85,10 @@ def test_attention_equals_full_attention(dist, cp, comm):
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_attention_through_the_flash_kernel(dist, comm):
     """The same with our Triton flash kernel doing the blocks (the GPU path; here under the interpreter)."""
-    from megatron_lite.kernels._common import HAVE_TRITON
+    from models import triton_on_cpu_tensors
 
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
+    if not triton_on_cpu_tensors():
+        pytest.skip("gloo ranks hold CPU tensors: Triton runs them only under its interpreter (or not installed)")
     for causal in (True, False):
         for errs in dist(2, attention_vs_full, comm, causal, 2, 32, True):
             assert max(errs) < 1e-4, (comm, causal, errs)

@@ -19,20 +19,20 @@ from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 
 from dist_pool import get_context
-from models import CONFIGS, VOCAB, rel
+from models import CONFIGS, DEVICE, VOCAB, rel
 
 TOL = 1e-5
 
 
 def loss_and_grads(name, impl, parallel=None):
     parallel = parallel or ParallelConfig()
-    ctx = get_context(parallel) if parallel.tp > 1 else ParallelContext.virtual(parallel, device=torch.device("cpu"))
+    ctx = get_context(parallel) if parallel.tp > 1 else ParallelContext.virtual(parallel, device=DEVICE)
     ctx.seed(0)
     config = dataclasses.replace(CONFIGS[name](), kernel_impl=impl)
     model = GPTModel(config, ctx, seed=3)
     gen = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen)
-    loss = model(ids, labels=labels)
+    loss = model(ids.to(ctx.device), labels=labels.to(ctx.device))
     loss.mean().backward()
     allreduce_sequence_parallel_grads(model, ctx.tp)
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -76,13 +76,13 @@ def moe_loss_and_grads(impl, parallel=None):
     from test_moe import moe_config
 
     parallel = parallel or ParallelConfig()
-    ctx = get_context(parallel) if parallel.ep > 1 else ParallelContext.virtual(parallel, device=torch.device("cpu"))
+    ctx = get_context(parallel) if parallel.ep > 1 else ParallelContext.virtual(parallel, device=DEVICE)
     ctx.seed(0)
     model = GPTModel(moe_config(kernel_impl=impl, moe_expert_capacity_factor=1.0), ctx, seed=3)
     model.train()
     gen = torch.Generator().manual_seed(1 + ctx.dp.rank)
     ids, labels = torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen)
-    loss = model(ids, labels=labels)
+    loss = model(ids.to(ctx.device), labels=labels.to(ctx.device))
     loss.mean().backward()
     return loss.detach(), {model.global_name(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
 

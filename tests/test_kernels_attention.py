@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron_lite import kernels as K
 
-from models import rel
+from models import DEVICE, rel
 
 TOL = 1e-5
 
@@ -21,9 +21,9 @@ TOL = 1e-5
 def _qkv(b, sq, sk, h, hkv, d, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (
-        torch.randn(b, sq, h, d, generator=g),
-        torch.randn(b, sk, hkv, d, generator=g),
-        torch.randn(b, sk, hkv, d, generator=g),
+        torch.randn(b, sq, h, d, generator=g).to(DEVICE),
+        torch.randn(b, sk, hkv, d, generator=g).to(DEVICE),
+        torch.randn(b, sk, hkv, d, generator=g).to(DEVICE),
     )
 
 
@@ -39,7 +39,7 @@ CASES = [  # batch, seq_q, seq_k, heads, kv_heads, head_dim, causal
 @pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal", CASES)
 def test_forward_backward_and_lse(b, sq, sk, h, hkv, d, causal):
     q, k, v = _qkv(b, sq, sk, h, hkv, d)
-    do = torch.randn(b, sq, h, d, generator=torch.Generator().manual_seed(5))
+    do = torch.randn(b, sq, h, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
 
     def run(fn):
@@ -93,7 +93,8 @@ def _window_oracle(q, k, v, window):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     off = sk - sq
-    mask = torch.tensor([[j <= i + off and i + off - j < window for j in range(sk)] for i in range(sq)])
+    seen = [[j <= i + off and i + off - j < window for j in range(sk)] for i in range(sq)]
+    mask = torch.tensor(seen, device=q.device)
     kk = k.repeat_interleave(h // hkv, dim=2).transpose(1, 2)  # [b, h, sk, d]
     vv = v.repeat_interleave(h // hkv, dim=2).transpose(1, 2)
     s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) / math.sqrt(d)  # [b, h, sq, sk]
@@ -124,7 +125,7 @@ def _run_windowed(fn, q, k, v, do, window):
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_sliding_window_equals_masked_oracle(impl, b, sq, sk, h, hkv, d, window):
     q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=1)
-    do = torch.randn(b, sq, h, d, generator=torch.Generator().manual_seed(6))
+    do = torch.randn(b, sq, h, d, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     fn = K.flash_attention if impl == "triton" else K.flash_attention_reference
     before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
     ours = _run_windowed(fn, q, k, v, do, window)
@@ -141,7 +142,7 @@ def test_sliding_window_equals_masked_oracle(impl, b, sq, sk, h, hkv, d, window)
 @pytest.mark.parametrize("sq,sk", [(24, 24), (7, 40)])
 def test_window_at_least_seq_k_is_no_window(sq, sk):
     q, k, v = _qkv(1, sq, sk, 4, 2, 16, seed=2)
-    do = torch.randn(1, sq, 4, 16, generator=torch.Generator().manual_seed(7))
+    do = torch.randn(1, sq, 4, 16, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     for fn in (K.flash_attention, K.flash_attention_reference):
         plain = _run_windowed(fn, q, k, v, do, None)
         for window in (sk, sk + 100):

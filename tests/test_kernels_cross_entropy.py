@@ -12,27 +12,27 @@ from megatron_lite import kernels as K
 from megatron_lite.config import ParallelConfig
 
 from dist_pool import get_context
-from models import rel
+from models import DEVICE, rel
 
 TOL = 1e-5
 
 
-def _data(tokens=37, hidden=24, vocab=50, seed=0):
+def _data(tokens=37, hidden=24, vocab=50, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(tokens, hidden, generator=g)
     w = torch.randn(vocab, hidden, generator=g) * 0.5
     labels = torch.randint(0, vocab, (tokens,), generator=g)
     labels[::7] = -100
-    return h, w, labels
+    return h.to(device), w.to(device), labels.to(device)
 
 
 def _run(fn, h, w, labels, reduction, **kw):
     h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     loss = fn(h, w, labels, reduction=reduction, **kw)
     g = (
-        torch.randn(loss.shape, generator=torch.Generator().manual_seed(3))
+        torch.randn(loss.shape, generator=torch.Generator().manual_seed(3)).to(loss.device)
         if reduction == "none"
-        else torch.tensor(0.7)
+        else torch.tensor(0.7, device=loss.device)
     )
     loss.backward(g)
     return loss.detach(), h.grad, w.grad
@@ -56,7 +56,8 @@ def test_matches_reference(reduction, z, smooth, chunk):
 def test_padded_vocabulary_takes_no_probability():
     h, w, labels = _data(vocab=50)
     labels = labels.clamp(max=44)
-    padded = torch.cat([w[:45], 100 * torch.ones(5, w.shape[1])])  # rows 45.. are padding with huge logits
+    # rows 45.. are padding with huge logits
+    padded = torch.cat([w[:45], 100 * torch.ones(5, w.shape[1], device=w.device)])
     ours = _run(K.fused_linear_cross_entropy, h, padded, labels, "mean", vocab_size=45)
     ref = _run(K.fused_linear_cross_entropy_reference, h, w[:45], labels, "mean")
     assert rel(ours[0], ref[0]) < TOL and rel(ours[1], ref[1]) < TOL
@@ -64,7 +65,7 @@ def test_padded_vocabulary_takes_no_probability():
 
 
 def _tp_data():
-    h, w, labels = _data(vocab=52)  # 50 real ids, padded to 52 so two shards split it
+    h, w, labels = _data(vocab=52, device="cpu")  # 50 real ids, padded to 52 so two shards split it (gloo)
     return h, w, torch.where(labels >= 50, labels - 50, labels)
 
 

@@ -13,7 +13,7 @@ import transformers
 
 from megatron_lite import kernels as K
 
-from models import rel
+from models import DEVICE, rel
 
 SHAPES = [(1, 7), (5, 33), (3, 4, 100), (130, 48)]
 TOL = 1e-5
@@ -22,7 +22,7 @@ needs_gpu = pytest.mark.skipif(
 )
 
 
-def _rand(*shape, seed=0, dtype=torch.float32, device="cpu"):
+def _rand(*shape, seed=0, dtype=torch.float32, device=DEVICE):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
 
 
@@ -62,7 +62,7 @@ def test_rms_norm(shape, residual):
 
 def test_rms_norm_equals_transformers():
     x = _rand(4, 9, 64)
-    hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(64, eps=1e-5)
+    hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(64, eps=1e-5).to(DEVICE)
     with torch.no_grad():
         hf.weight.copy_(_rand(64, seed=3))
     assert rel(K.rms_norm(x, hf.weight.detach(), 1e-5), hf(x).detach()) < TOL

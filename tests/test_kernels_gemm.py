@@ -7,14 +7,14 @@ import torch
 
 from megatron_lite import kernels as K
 
-from models import rel
+from models import DEVICE, rel
 
 
 def test_matmul_into_a_slice_of_a_larger_output():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 40, generator=g)
-    w = torch.randn(24, 40, generator=g)
-    out = torch.full((3, 37, 24), 7.0)
+    x = torch.randn(37, 40, generator=g).to(DEVICE)
+    w = torch.randn(24, 40, generator=g).to(DEVICE)
+    out = torch.full((3, 37, 24), 7.0, device=DEVICE)
     before = K.LAUNCHES["gemm"]
     K.matmul_into(out[1], x, w)
     if K.HAVE_TRITON:
@@ -22,17 +22,17 @@ def test_matmul_into_a_slice_of_a_larger_output():
     assert rel(out[1], x @ w.t()) < 1e-6
     assert torch.all(out[0] == 7.0) and torch.all(out[2] == 7.0)  # nothing written outside the slice
     # Transposed operands (strides, not copies): dY W and dY^T X as the backward uses them.
-    dy = torch.randn(37, 24, generator=g)
-    assert rel(K.matmul_into(torch.empty(37, 40), dy, w.t()), dy @ w) < 1e-6
-    assert rel(K.matmul_into(torch.empty(24, 40), dy.t(), x.t()), dy.t() @ x) < 1e-6
+    dy = torch.randn(37, 24, generator=g).to(DEVICE)
+    assert rel(K.matmul_into(torch.empty(37, 40, device=DEVICE), dy, w.t()), dy @ w) < 1e-6
+    assert rel(K.matmul_into(torch.empty(24, 40, device=DEVICE), dy.t(), x.t()), dy.t() @ x) < 1e-6
 
 
 def test_linear_forward_and_backward():
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(19, 33, generator=g, requires_grad=True)
-    w = torch.randn(21, 33, generator=g, requires_grad=True)
+    x = torch.randn(19, 33, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(21, 33, generator=g).to(DEVICE).requires_grad_()
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    dy = torch.randn(19, 21, generator=g)
+    dy = torch.randn(19, 21, generator=g).to(DEVICE)
     K.linear(x, w).backward(dy)
     K.linear_reference(x2, w2).backward(dy)
     assert rel(x.grad, x2.grad) < 1e-6 and rel(w.grad, w2.grad) < 1e-6

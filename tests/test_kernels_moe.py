@@ -9,7 +9,7 @@ import torch
 
 from megatron_lite import kernels as K
 
-from models import rel
+from models import DEVICE, rel
 
 TOL = 1e-5
 
@@ -20,7 +20,7 @@ def _routing(t=23, k=2, e=5, h=20, seed=0, drop=True):
     indices = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     keep = torch.rand(t, k, generator=g) > 0.2 if drop else None
     probs = torch.rand(t, k, generator=g)
-    return x, indices, keep, probs
+    return x.to(DEVICE), indices.to(DEVICE), None if keep is None else keep.to(DEVICE), probs.to(DEVICE)
 
 
 @pytest.mark.parametrize("drop", [False, True])
@@ -32,7 +32,7 @@ def test_permute_then_unpermute(drop):
         xs, ps = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
         permuted, row_map = permute(xs, indices, keep)
         y = unpermute(permuted * 2.0 + 1.0, row_map, ps)  # some "expert" in between
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(3)))
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y.device))
         return [permuted.detach(), row_map.float(), y.detach(), xs.grad, ps.grad]
 
     ours = run(K.moe_permute, K.moe_unpermute)
@@ -41,21 +41,21 @@ def test_permute_then_unpermute(drop):
     for name, a, b in zip(["permuted", "row_map", "y", "dx", "dprobs"], ours, ref):
         assert rel(a, b) < TOL, name
     sorted_experts = indices.reshape(-1)[(keep.reshape(-1) if drop else slice(None))].sort().values
-    assert torch.equal(ours[0].shape[0] * torch.ones(1), torch.tensor([float(len(sorted_experts))]))
+    assert ours[0].shape[0] == len(sorted_experts)
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 17, 1], [33], [0, 0, 3]])
 def test_grouped_gemm(counts):
     g = torch.Generator().manual_seed(0)
     counts_t = torch.tensor(counts)
-    x = torch.randn(int(counts_t.sum()), 24, generator=g)
-    w = torch.randn(len(counts), 36, 24, generator=g)
+    x = torch.randn(int(counts_t.sum()), 24, generator=g).to(DEVICE)
+    w = torch.randn(len(counts), 36, 24, generator=g).to(DEVICE)
     before = K.LAUNCHES["grouped_gemm_bwd"]
 
     def run(fn):
         xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         y = fn(xs, ws, counts_t)
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device))
         return [y.detach(), xs.grad, ws.grad]
 
     ours, ref = run(K.grouped_gemm), run(K.grouped_gemm_reference)

@@ -16,7 +16,7 @@ from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import rank_memory, stage_params
 
 from dist_pool import get_context
-from models import gpt2_config, llama_config
+from models import DEVICE, gpt2_config, llama_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ, GBS = 32, 8
@@ -70,8 +70,8 @@ def measure(name: str, layout: Layout, kernel_impl: str = "torch") -> dict:
     parallel = layout.parallel_config()
     if dist.is_initialized():
         ctx = get_context(parallel)
-    else:
-        ctx = ParallelContext.virtual(parallel, device=torch.device("cpu"))
+    else:  # the Triton kernels run on a GPU where there is one, else through the CPU's interpreter
+        ctx = ParallelContext.virtual(parallel, device=DEVICE if kernel_impl == "triton" else torch.device("cpu"))
     return measure_layout(config, layout, SEQ, GBS, iters=1, ctx=ctx)
 
 

@@ -55,10 +55,10 @@ def test_overlapped_gemm_equals_reference(dist, tp, kind):
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_overlapped_gemm_through_the_triton_kernel(dist, kind):
     """The per-chunk GEMMs by our Triton kernel (the CUDA path; here under the interpreter)."""
-    from megatron_lite.kernels import HAVE_TRITON
+    from models import triton_on_cpu_tensors
 
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
+    if not triton_on_cpu_tensors():
+        pytest.skip("gloo ranks hold CPU tensors: Triton runs them only under its interpreter (or not installed)")
     for errs in dist(2, overlap_vs_reference, kind, True):
         assert max(errs) < 1e-6, errs
 

@@ -11,9 +11,17 @@ nvidia-smi -L > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
 
-# 1. The suite (fast part) on this machine's torch: CUDA variants run, gloo tests run on the CPU.
+# 1a. The kernel tests on the GPU: fp32 against the references (tl.dot in ieee fp32, conftest.py) and bf16
+#     (issue 6), every kernel compiled for this device.
+KERNEL_TESTS=(tests/test_kernels_attention.py tests/test_kernels_cross_entropy.py tests/test_kernels_elementwise.py
+              tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py)
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT/junit_kernels.xml" "${KERNEL_TESTS[@]}" \
+    > "$OUT/pytest_kernels.log" 2>&1
+echo "pytest (kernels on the GPU): rc=$? $(tail -n 1 "$OUT/pytest_kernels.log")"
+
+# 1b. The rest of the suite (fast part) on this machine's torch: CUDA variants run, gloo tests on the CPU.
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" --junitxml="$OUT/junit_fast.xml" tests \
-    > "$OUT/pytest_fast.log" 2>&1
+    $(printf -- '--ignore=%s ' "${KERNEL_TESTS[@]}") > "$OUT/pytest_fast.log" 2>&1
 echo "pytest (not slow): rc=$? $(tail -n 1 "$OUT/pytest_fast.log")"
 
 # 2. Whole jobs under torchrun (gloo): exact resume, dry runs of the shipped scripts.
