@@ -210,3 +210,15 @@ def test_fsdp2_checkpoint_loads_without_it_and_back(dist, tmp_path):
     continued = [h for h in original[0] if h[0] > SAVE_AT]
     for history in dist(4, run, {}, P(tensor_model_parallel_size=2), 2, None, plain, False, True):
         _compare(history, continued, "tp2 x dp2 under FSDP2")
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_under_pipeline_and_context_parallelism(dist, tmp_path):
+    """Saved under FSDP2 at PP=2 x DP=2 (each stage gathers its own shards), loaded under FSDP2 at CP=2 x DP=2:
+    the run continues as the original job."""
+    ckpt = str(tmp_path / "fsdp2-pp")
+    original = dist(4, run, {}, P(pipeline_model_parallel_size=2), 1, ckpt, None, False, True)
+    _check_everyone_agrees(original)
+    continued = [h for h in original[-1] if h[0] > SAVE_AT]
+    for history in dist(4, run, {}, P(context_parallel_size=2), 2, None, ckpt, False, True):
+        _compare(history, continued, "cp2 x dp2 under FSDP2")

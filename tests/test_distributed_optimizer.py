@@ -154,17 +154,21 @@ def test_fsdp2_with_data_parallel_size_one(dist):
         _compare(history, ref)
 
 
-FSDP2 = {
-    "dp2": (2, P(), 4, 2),
-    "tp2-sp-dp2": (4, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 1),
+FSDP2 = {  # world, layout, global batch, micro-batch, model, layers
+    "dp2": (2, P(), 4, 2, "llama", 2),
+    "tp2-sp-dp2": (4, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 1, "llama", 2),
+    "pp2-dp2": (4, P(pipeline_model_parallel_size=2), 8, 1, "llama", 2),
+    "pp2-vp2-dp2": (4, P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 8, 1, "llama", 4),
+    "pp2-dp2-tied": (4, P(pipeline_model_parallel_size=2), 8, 2, "gpt2", 4),  # the two copies' shards summed
+    "cp2-dp2": (4, P(context_parallel_size=2), 4, 1, "llama", 2),  # parameters sharded over DP x CP
 }
 
 
 @pytest.mark.parametrize("layout", list(FSDP2))
 def test_fsdp2_equals_single_process(dist, layout):
-    world, parallel, gbs, mbs = FSDP2[layout]
-    ref = train_run("llama", P(), gbs, gbs)
-    for history in dist(world, train_run, "llama", parallel, gbs, mbs, fsdp2=True):
+    world, parallel, gbs, mbs, name, layers = FSDP2[layout]
+    ref = train_run(name, P(), gbs, gbs, layers=layers)
+    for history in dist(world, train_run, name, parallel, gbs, mbs, fsdp2=True, layers=layers):
         _compare(history, ref)
 
 

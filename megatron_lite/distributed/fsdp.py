@@ -8,6 +8,11 @@ bf16 when --bf16 is given and always reduces in fp32; the sharded parameters the
 optimizer's main weights. Our loss is already normalised over the global batch, so gradients are summed, not
 averaged, over data-parallel ranks (FSDP2's mean times the DP size).
 
+Under pipelining each model chunk is its own FSDP2 root and every micro-batch's backward reduce-scatters its
+layers' gradients, so the executor's interleaving of chunks needs nothing more; tied embeddings are summed
+shard by shard over the embedding group (first and last stage shard them alike over equal DP groups). With
+context parallelism the mesh is DP x CP, the group over which gradients are summed anyway.
+
 `FSDP2Model` offers what the training step needs from the data-parallel wrapper; `FSDP2Optimizer` is AdamW on
 the sharded parameters with our exact grad norm (local shards summed over DP, then over TP).
 """
@@ -72,6 +77,10 @@ class FSDP2Model(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield  # FSDP2 reduce-scatters after every micro-batch's backward; the sharded gradients accumulate
+
+    @contextlib.contextmanager
+    def final_grads(self) -> Iterator[None]:
+        yield  # (a pipeline chunk's last backward: nothing left to start, every backward was reduced)
 
     def finish_grad_sync(self) -> None:
         """FSDP2 has reduce-scattered when the backward returns, as a mean over DP; our loss is normalised
