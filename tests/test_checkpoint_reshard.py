@@ -222,3 +222,15 @@ def test_fsdp2_checkpoint_under_pipeline_and_context_parallelism(dist, tmp_path)
     continued = [h for h in original[-1] if h[0] > SAVE_AT]
     for history in dist(4, run, {}, P(context_parallel_size=2), 2, None, ckpt, False, True):
         _compare(history, continued, "cp2 x dp2 under FSDP2")
+
+
+@pytest.mark.slow
+def test_fsdp2_moe_checkpoint_loads_without_it(dist, tmp_path):
+    """Experts sharded by FSDP2 over the expert-data-parallel group (EP=2 x DP=4), saved, and loaded at DP=2
+    without FSDP2 or expert parallelism: the run continues as the original job."""
+    ckpt = str(tmp_path / "fsdp2-moe")
+    original = dist(4, run, MOE, P(expert_model_parallel_size=2), 2, ckpt, None, False, True)
+    _check_everyone_agrees(original)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    for history in dist(2, run, MOE, P(), 2, None, ckpt, False, False):  # same micro-batches (the aux loss's)
+        _compare(history, continued, "dp2 without FSDP2 or EP")

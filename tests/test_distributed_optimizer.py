@@ -172,6 +172,22 @@ def test_fsdp2_equals_single_process(dist, layout):
         _compare(history, ref)
 
 
+@pytest.mark.parametrize("overlap_dispatch", [False, True])
+def test_fsdp2_with_experts(dist, overlap_dispatch):
+    """EP=2 inside DP=4 under FSDP2: dense parameters sharded over DP=4, each rank's experts over the ranks
+    holding the same experts (expert-data-parallel, 2); also with the chunked, overlapped all-to-all, which
+    calls the experts once per chunk."""
+    from test_moe import OPTIM, moe_config, moe_run
+    from test_moe import _compare as moe_compare
+
+    config = moe_config()
+    ref = moe_run(config, P(), 8, 2)
+    fsdp2 = dataclasses.replace(OPTIM, use_torch_fsdp2=True)
+    parallel = P(expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=overlap_dispatch)
+    for history in dist(4, moe_run, config, parallel, 8, 2, optim=fsdp2):
+        moe_compare(history, ref)
+
+
 def fsdp2_param_bytes() -> int:
     import torch.distributed as dist
 

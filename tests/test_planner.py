@@ -5,6 +5,7 @@ line plans a shipped script and a Hugging Face config."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -143,8 +144,9 @@ def test_memory_estimate_zero2_with_embeddings_tied_across_stages(dist):
     _check("gpt2", layout, dist(4, measure, "gpt2", layout))
 
 
-def test_memory_estimate_with_experts(dist):
-    layout = Layout(dp=4, ep=2, sharding="dist-opt", micro_batch_size=2)
+@pytest.mark.parametrize("sharding", ["dist-opt", "fsdp2"])
+def test_memory_estimate_with_experts(dist, sharding):
+    layout = Layout(dp=4, ep=2, sharding=sharding, micro_batch_size=2)
     # expert activations depend on where the router sends tokens; the estimate assumes a balanced router
     _check("moe", layout, dist(4, measure, "moe", layout), skip=("mem_activations_bytes",))
 
@@ -189,19 +191,26 @@ def test_plan_from_a_hugging_face_config(tmp_path):
 
 def test_planner_refuses_what_pretrain_refuses():
     """The search filters with the checks pretrain runs at start-up: same message."""
-    from megatron_lite.config import ConfigError
+    from megatron_lite.config import ConfigError, validate_layout
     from megatron_lite.planner.search import check, optimizer_config
     from megatron_lite.training.wrap import validate_sharding
 
-    config = moe_llama(num_layers=4)
-    bad = Layout(pp=2, dp=2, sharding="fsdp2")
+    config = llama_config(num_layers=4)
+    bad = Layout(pp=3, dp=1)
     reason = check(config, bad, SEQ, GBS, True)
     with pytest.raises(ConfigError) as e:
-        validate_sharding(config, bad.parallel_config(), bad.training_config(GBS, SEQ), optimizer_config(bad, True))
-    assert reason == str(e.value) and "--num-experts" in reason
-    assert "not divisible" in check(config, Layout(pp=3, dp=1), SEQ, GBS, True)
+        validate_layout(config, bad.parallel_config(), bad.world, bad.training_config(GBS, SEQ))
+    assert reason == str(e.value) and "not divisible" in reason
+    fsdp2 = Layout(dp=2, sharding="fsdp2")
+    overlapped = dataclasses.replace(fsdp2.training_config(GBS, SEQ), overlap_grad_reduce=True)
+    with pytest.raises(ConfigError, match="drop --overlap-grad-reduce"):
+        validate_sharding(config, fsdp2.parallel_config(), overlapped, optimizer_config(fsdp2, True))
+    assert check(config, fsdp2, SEQ, GBS, True) is None  # the planner never pairs the two
     assert check(config, Layout(tp=2, pp=2, dp=2), SEQ, GBS, True) is None
-    assert check(llama_config(num_layers=4), bad, SEQ, GBS, True) is None  # FSDP2 with PP: a dense model runs
+    # FSDP2 with pipeline, context and expert parallelism: each runs
+    assert check(config, Layout(pp=2, dp=2, sharding="fsdp2"), SEQ, GBS, True) is None
+    assert check(config, Layout(cp=2, dp=2, sharding="fsdp2"), SEQ, GBS, True) is None
+    assert check(moe_llama(num_layers=4), Layout(ep=2, dp=2, sharding="fsdp2"), SEQ, GBS, True) is None
 
 
 # The cost model against published throughput (deterministic: no timing). Rows outside 15% are listed with

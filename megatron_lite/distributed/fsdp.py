@@ -11,7 +11,9 @@ averaged, over data-parallel ranks (FSDP2's mean times the DP size).
 Under pipelining each model chunk is its own FSDP2 root and every micro-batch's backward reduce-scatters its
 layers' gradients, so the executor's interleaving of chunks needs nothing more; tied embeddings are summed
 shard by shard over the embedding group (first and last stage shard them alike over equal DP groups). With
-context parallelism the mesh is DP x CP, the group over which gradients are summed anyway.
+context parallelism the mesh is DP x CP, the group over which gradients are summed anyway. Under expert
+parallelism each layer's experts are a `fully_shard` unit of their own on the expert-data-parallel mesh (the
+ranks holding the same experts), inside their layer's unit on the data-parallel mesh.
 
 `FSDP2Model` offers what the training step needs from the data-parallel wrapper; `FSDP2Optimizer` is AdamW on
 the sharded parameters with our exact grad norm (local shards summed over DP, then over TP).
@@ -44,29 +46,43 @@ class FSDP2Model(nn.Module):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from megatron_lite.models.transformer import TransformerLayer
+        from megatron_lite.moe.experts import LocalExperts
 
         self.ctx = ctx
-        group: Group = ctx.dp_cp
         device_type = ctx.device.type
         if not dist.is_initialized():  # one process without torchrun: FSDP2 still needs a (trivial) group
             backend = "nccl" if device_type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        if group.size > 1:
-            self.mesh = DeviceMesh.from_group(group.pg, device_type)
-        elif dist.get_world_size() > 1:
-            # DP = 1 inside a larger job: every rank creates every singleton group, in the same order, as
-            # new_group requires, and keeps its own.
-            singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
-            self.mesh = DeviceMesh.from_group(singles[dist.get_rank()], device_type)
-        else:
-            self.mesh = DeviceMesh(device_type, [0])
+        singles: list = []
+
+        def mesh_of(group: Group) -> DeviceMesh:
+            if group.size > 1:
+                return DeviceMesh.from_group(group.pg, device_type)
+            if dist.get_world_size() == 1:
+                return DeviceMesh(device_type, [0])
+            # a group of one inside a larger job: every rank creates every singleton group, in the same order,
+            # as new_group requires (once), and keeps its own
+            if not singles:
+                singles.extend(dist.new_group([r]) for r in range(dist.get_world_size()))
+            return DeviceMesh.from_group(singles[dist.get_rank()], device_type)
+
+        self.mesh = mesh_of(ctx.dp_cp)
+        # experts are sharded over the ranks that hold the same experts (expert-data-parallel), the rest over DP
+        # (decided from the config, the same on every rank: a stage without MoE layers still joins new_group)
+        self.moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in module.modules())
+        expert_mesh = mesh_of(ctx.edp) if self.moe else None
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
         for chunk in chunks:
             for m in chunk.modules():
+                if isinstance(m, LocalExperts):
+                    fully_shard(m, mesh=expert_mesh, mp_policy=policy)
+            for m in chunk.modules():
                 if isinstance(m, TransformerLayer):
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
             fully_shard(chunk, mesh=self.mesh, mp_policy=policy)
+        # (after fully_shard, which swaps every parameter for a sharded one)
+        self.expert = {id(p) for _, p, meta in named_param_meta(module) if meta.expert}
         self.module = module
         self.use_distributed_optimizer = False
         self.buffers_ = []
@@ -86,10 +102,14 @@ class FSDP2Model(nn.Module):
         """FSDP2 has reduce-scattered when the backward returns, as a mean over DP; our loss is normalised
         over the global batch, so the gradient wanted is the sum. (Setting FSDP2's divide factor to 1
         would need ReduceOp.PREMUL_SUM, which gloo lacks.)"""
-        n = self.ctx.dp_cp.size
-        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
-        if n > 1 and grads:
-            torch._foreach_mul_(grads, float(n))
+        for expert, n in ((False, self.ctx.dp_cp.size), (True, self.ctx.edp.size)):
+            grads = [
+                _local(p.grad)
+                for p in self.module.parameters()
+                if p.grad is not None and (id(p) in self.expert) == expert
+            ]
+            if n > 1 and grads:
+                torch._foreach_mul_(grads, float(n))
 
     def zero_grad_buffer(self) -> None:
         for p in self.module.parameters():
@@ -122,14 +142,15 @@ class FSDP2Model(nn.Module):
 class FSDP2Optimizer:
     def __init__(self, model: FSDP2Model, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config, self.ctx, self.model = config, ctx, model
-        self.params, counted, decay, no_decay = [], [], [], []
+        self.params, counted, expert, decay, no_decay = [], [], [], [], []
         for _, p, meta in named_param_meta(model.module):
             if not p.requires_grad:
                 continue
             self.params.append(p)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
+            expert.append(meta.expert)
             (no_decay if p.ndim == 1 else decay).append(p)
-        self._counted = counted
+        self._counted, self._expert = counted, expert
         groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.inner = _adamw([g for g in groups if g["params"]], config, ctx.device)
         self.scaler = None
@@ -139,8 +160,19 @@ class FSDP2Optimizer:
         return 1.0
 
     def grad_norm(self) -> float:
-        mine = [_local(p.grad) for p, c in zip(self.params, self._counted) if c and p.grad is not None]
-        return squared_norm(mine, self.ctx.device, self.ctx.dp_cp, self.ctx.mp) ** 0.5
+        """Local shards summed over the group they are sharded over, then over the model-parallel group:
+        dense over DP x CP and TP x PP, experts over expert-DP and expert-TP x EP x PP."""
+        total = 0.0
+        for want_expert, groups in ((False, (self.ctx.dp_cp, self.ctx.mp)), (True, (self.ctx.edp, self.ctx.emp))):
+            if want_expert and not self.model.moe:
+                continue
+            mine = [
+                _local(p.grad)
+                for p, c, e in zip(self.params, self._counted, self._expert)
+                if c and e == want_expert and p.grad is not None
+            ]
+            total += squared_norm(mine, self.ctx.device, *groups)
+        return total**0.5
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:

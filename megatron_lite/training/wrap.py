@@ -19,11 +19,6 @@ def validate_sharding(
     model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, optim: OptimizerConfig
 ) -> None:
     """What the distributed optimizer and FSDP2 do not compose with yet (also the planner's filter)."""
-    if optim.use_torch_fsdp2 and model.num_experts:
-        raise ConfigError(
-            f"--use-torch-fsdp2 with --num-experts {model.num_experts} is not supported yet (experts would need "
-            "their own expert-data-parallel mesh); use --use-distributed-optimizer for MoE models"
-        )
     if optim.use_torch_fsdp2 and training.overlap_grad_reduce:
         raise ConfigError(
             "--use-torch-fsdp2 overlaps its gradient reduce-scatters by itself; drop --overlap-grad-reduce"
