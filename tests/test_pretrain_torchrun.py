@@ -158,6 +158,8 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path):
             4,
             "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-torch-fsdp2".split(),
         ),
+        # FSDP2 under pipeline parallelism (one layer per stage), each stage sharded over DP=2
+        ("fsdp2_pp2", 4, "--micro-batch-size 2 --pipeline-model-parallel-size 2 --use-torch-fsdp2".split()),
     ):
         torchrun(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")], tmp_path)
         cp = records(tmp_path / f"{name}.jsonl")
