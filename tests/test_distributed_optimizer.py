@@ -1,6 +1,6 @@
 """The distributed optimizer (--use-distributed-optimizer, ZeRO-1): training equals one process per iteration
 (lm_loss, grad_norm within 1e-4) at DP=2 and 4, with TP=2, PP=2 with virtual stages, EP=2 and gradient
-accumulation; optimizer-state bytes per rank fall to 1/DP; its checkpoints load without it, and back."""
+accumulation, and CP=2; optimizer-state bytes per rank fall to 1/DP; its checkpoints load without it, and back."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ LAYOUTS = {
     "dp2-accumulate": (2, P(), 8, 1, 2),
     "tp2-sp-dp2": (4, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 1, 2),
     "pp2-vp2-dp2": (8, P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 8, 1, 4),
+    "cp2-dp2": (4, P(context_parallel_size=2), 4, 1, 2),  # state sharded over DP x CP
 }
 
 
@@ -118,6 +119,7 @@ ZERO2 = {
     "dp2": (2, P(), 4, 2, None),
     "dp4-accumulate-buckets": (4, P(), 8, 1, 2000),
     "tp2-sp-dp2": (4, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 1, 3000),
+    "cp2-dp2-buckets": (4, P(context_parallel_size=2), 4, 1, 2000),
 }
 
 
