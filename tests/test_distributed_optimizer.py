@@ -106,6 +106,46 @@ def test_distributed_optimizer_with_tied_embeddings_across_stages(dist, case):
         _compare(history, ref)
 
 
+def tied_nan_report(distributed_optimizer: bool, zero_stage: int, overlap: bool):
+    """GPT-2 at PP2 x DP2 with a NaN put into the last stage's tied copy on one rank: what each rank's NaN
+    check names as the first non-finite local gradient."""
+    import torch
+    from test_train_equivalence import CONFIGS, OPTIM, _dataset
+
+    from megatron_lite.data.mock import collate
+    from megatron_lite.data.samplers import micro_batch_indices
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
+
+    ctx = get_context(P(pipeline_model_parallel_size=2))
+    config = CONFIGS["gpt2"](num_layers=4)
+    model = build_model(config, ctx, seed=1234)
+    flags = dict(use_distributed_optimizer=distributed_optimizer, zero_stage=zero_stage)
+    optim = dataclasses.replace(OPTIM, check_for_nan_in_loss_and_grad=True, **flags)
+    bucket = 20_000 if overlap else None
+    ddp, opt = wrap_for_training(model, ctx, optim, overlap_grad_reduce=overlap, bucket_size=bucket)
+    if ctx.pp.rank == 1 and ctx.dp.rank == 0:
+        for name, p in model.named_parameters():
+            if name.endswith("output_layer.weight"):
+                p.register_hook(lambda g: torch.full_like(g, float("nan")))
+    data = _dataset("mock", config.vocab_size)
+    idx = micro_batch_indices(0, 8, 2, ctx.dp.rank, ctx.dp.size)
+    train_step(ddp, opt, LRScheduler(optim, 3), [collate([data[i] for i in ix]) for ix in idx], ctx)
+    return (ctx.pp.rank, ctx.dp.rank), ddp.first_nonfinite_param()
+
+
+@pytest.mark.parametrize(
+    "distributed_optimizer,zero_stage,overlap", [(False, 1, True), (True, 1, False), (True, 1, True), (True, 2, False)]
+)
+def test_nan_in_the_tied_copy_is_reported_by_its_own_rank_only(dist, distributed_optimizer, zero_stage, overlap):
+    """The tied gradient is checked before the first and last stage sum it, so the first stage's ranks, whose
+    own gradients are finite, do not report the other stage's NaN."""
+    reports = dict(dist(4, tied_nan_report, distributed_optimizer, zero_stage, overlap))
+    assert reports == {(0, 0): None, (0, 1): None, (1, 0): "embedding.word_embeddings.weight", (1, 1): None}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_overlap_param_gather_equals_single_process(dist, world):
     """--overlap-param-gather: the weights' all-gathers are waited on module by module in the next forward."""
@@ -188,6 +228,41 @@ def test_fsdp2_with_experts(dist, overlap_dispatch):
     parallel = P(expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=overlap_dispatch)
     for history in dist(4, moe_run, config, parallel, 8, 2, optim=fsdp2):
         moe_compare(history, ref)
+
+
+def fsdp2_bf16_losses(pp: int) -> list[float]:
+    """Three steps of FSDP2 computing in bf16 (fp32 sharded weights) on two ranks: PP=2 or DP=2."""
+    import torch
+    from test_train_equivalence import CONFIGS, OPTIM, _dataset
+
+    from megatron_lite.data.mock import collate
+    from megatron_lite.data.samplers import micro_batch_indices
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
+
+    ctx = get_context(P(pipeline_model_parallel_size=pp))
+    config = CONFIGS["llama"](num_layers=2)
+    model = build_model(config, ctx, seed=1234)
+    optim = dataclasses.replace(OPTIM, use_torch_fsdp2=True, bf16=True)
+    ddp, opt = wrap_for_training(model, ctx, optim, compute_dtype=torch.bfloat16)
+    data, sched, losses = _dataset("mock", config.vocab_size), LRScheduler(optim, 3), []
+    for it in range(3):
+        idx = micro_batch_indices(it * 4, 4, 1, ctx.dp.rank, ctx.dp.size)
+        losses.append(train_step(ddp, opt, sched, [collate([data[i] for i in ix]) for ix in idx], ctx).lm_loss)
+    return losses
+
+
+def test_fsdp2_bf16_under_pipelining_sends_what_it_computes(dist):
+    """Activations travel between stages in the compute dtype (bf16), not the fp32 of FSDP2's parameters:
+    PP=2 repeats itself exactly and agrees with DP=2."""
+    pp2 = dist(2, fsdp2_bf16_losses, 2)[0]
+    assert dist(2, fsdp2_bf16_losses, 2)[0] == pp2
+    dp2 = dist(2, fsdp2_bf16_losses, 1)[0]
+    assert abs(pp2[0] - dp2[0]) <= 1e-5 * dp2[0], (pp2, dp2)  # the same first forward
+    for a, b in zip(pp2, dp2):
+        assert abs(a - b) <= 1e-2 * b, (pp2, dp2)
 
 
 def fsdp2_param_bytes() -> int:

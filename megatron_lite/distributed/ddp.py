@@ -47,6 +47,7 @@ class _Bucket:
     shard_grad: torch.Tensor | None = None  # sharded: the reduced gradient of this rank's part
     scratch: torch.Tensor | None = None  # ZeRO-2: a reduce-scatter in flight writes here
     held: bool = False  # tied across pipeline stages: reduced only at the end of the step
+    noted: bool = False  # its local gradient was already checked for the NaN report (before the tied sum)
 
 
 class GradBuffer:
@@ -167,6 +168,8 @@ class GradBuffer:
 
     def zero(self) -> None:
         self.first_bad = {}
+        for b in self.buckets:
+            b.noted = False
         if self.data is not None:
             self.data.zero_()  # (ZeRO-1 parts are views into it)
         for b in self.buckets:
@@ -187,9 +190,16 @@ class GradBuffer:
         elif overlap:
             self._launch_ready(events, async_op=True)
 
+    def note_held_local(self) -> None:
+        """Before the tied gradients are summed with the other stage's: note this rank's own."""
+        for b in self.buckets:
+            if b.held:
+                self._note_local(b)
+
     def _note_local(self, b: _Bucket) -> None:
-        if not self.check_finite or b.data is None:
+        if not self.check_finite or b.data is None or b.noted:
             return
+        b.noted = b.held  # a held bucket holds the whole step's gradient: noted once, before any mixing
         bad = ~torch.isfinite(b.data)
         first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), torch.tensor(-1, device=b.data.device))
         prev = self.first_bad.get(b.index)
@@ -399,6 +409,11 @@ class DistributedDataParallel(nn.Module):
         for v in views:
             v.copy_(flat[offset : offset + v.numel()])
             offset += v.numel()
+
+    def note_tied_local(self) -> None:
+        """For the NaN report: record this rank's own tied-embedding gradient before the embedding all-reduce."""
+        for b in self.buffers:
+            b.note_held_local()
 
     def finish_grad_sync(self) -> None:
         """Launch whatever buckets are left and wait for every reduction."""

@@ -84,6 +84,7 @@ class FSDP2Model(nn.Module):
         # (after fully_shard, which swaps every parameter for a sharded one)
         self.expert = {id(p) for _, p, meta in named_param_meta(module) if meta.expert}
         self.module = module
+        self.compute_dtype = param_dtype  # None: the parameters' own (fp32)
         self.use_distributed_optimizer = False
         self.buffers_ = []
 
@@ -135,7 +136,7 @@ class FSDP2Model(nn.Module):
         the ranks' gradients before we see them, so this names the parameter, not the rank it came from)."""
         for name, p in self.module.named_parameters():
             if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
-                return name
+                return self.module.global_name(name) if hasattr(self.module, "global_name") else name
         return None
 
 

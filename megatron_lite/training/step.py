@@ -92,7 +92,8 @@ def _run_pipeline(model, micro_batches, ctx, scale: float, forward_only: bool) -
     b, s = micro_batches[0]["tokens"].shape
     seq = s // ctx.tp.size if ctx.sequence_parallel else s
     shape = (seq, b, chunks[0].config.hidden_size)
-    dtype = next(chunks[0].parameters()).dtype
+    # the dtype the chunks compute in (FSDP2 keeps fp32 parameters and computes in its param_dtype)
+    dtype = getattr(model, "compute_dtype", None) or next(chunks[0].parameters()).dtype
     final = None if forward_only else model.final_grads  # each chunk's buckets reduce under the rest
     return run_pipeline(chunks, ctx, micro_batches, shape, dtype, scale, forward_only, final_grads=final)
 
@@ -102,6 +103,8 @@ def allreduce_embedding_grads(model: DistributedDataParallel, ctx: ParallelConte
     the sum of both gradients, so the two stay equal."""
     if ctx.embedding.size == 1 or not _chunks(model)[0].config.tied_embeddings:
         return
+    if hasattr(model, "note_tied_local"):
+        model.note_tied_local()  # the NaN check sees this rank's own gradient, before the other stage's is added
     grads = [
         model.main_grad(p)
         for name, p, _ in named_param_meta(model.module)
