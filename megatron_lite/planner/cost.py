@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import stage_params
+from megatron_lite.planner.memory import cached_compute_order, stage_params
 from megatron_lite.training.flops import flops_per_token
 
 
@@ -124,6 +125,46 @@ def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff
     return volume * bytes_ / bandwidth + steps * latency
 
 
+def _durations(layout: Layout, micro: int, per_mb: float, eff: Efficiency) -> list[tuple[str, int, float]]:
+    """Pipeline rank 0's forwards and backwards in order (it starts first and finishes last), each chunk's
+    share of a micro-batch's time: (kind, chunk, seconds); overlap stretches what the link can use."""
+    f, b = per_mb / 3 / layout.vp * eff.dp_overlap, 2 * per_mb / 3 / layout.vp * eff.dp_overlap
+    order = cached_compute_order(layout.pp, layout.vp, micro, 0)
+    return [(k, c, f if k == FORWARD else b) for k, _, c in order]
+
+
+def _exposed_reduction(layout: Layout, micro: int, per_mb: float, seconds: float, eff: Efficiency) -> float:
+    """The step's gradient reduction past the end of the backward: each chunk's buckets (1/VP of it) go out
+    from the start of that chunk's last backward (DDP.final_grads), one chunk after another on the link."""
+    steps = _durations(layout, micro, per_mb, eff)
+    end, t, start = sum(d for *_, d in steps), 0.0, {}
+    for kind, chunk, d in steps:
+        if kind == BACKWARD:
+            start[chunk] = t  # the last one wins
+        t += d
+    free = 0.0
+    for ready in sorted(start.values()):
+        free = max(free, ready) + seconds / layout.vp
+    return max(0.0, free - end)
+
+
+def _exposed_gather(layout: Layout, micro: int, per_mb: float, seconds: float, eff: Efficiency) -> float:
+    """--overlap-param-gather: the updated weights' all-gathers go out at the step's start, chunk by chunk;
+    each chunk waits for its own before its first forward ends."""
+    if seconds <= 0:
+        return 0.0
+    t, need = 0.0, {}
+    for kind, chunk, d in _durations(layout, micro, per_mb, eff):
+        if kind == FORWARD and chunk not in need:
+            need[chunk] = t + d
+        t += d
+    done, stall = 0.0, 0.0
+    for chunk in sorted(need, key=need.get):
+        done += seconds / layout.vp
+        stall = max(stall, done - need[chunk])
+    return stall
+
+
 def step_time(
     model: ModelConfig,
     layout: Layout,
@@ -195,14 +236,14 @@ def step_time(
                 _collective("all_gather", act, tp, tp, cl, eff) + _collective("reduce_scatter", act, tp, tp, cl, eff)
             )
             # embedding reduce-scatter, output layer all-gather, and their backward twins
-            per_mb = 2 * (
+            edges = 2 * (
                 _collective("all_gather", act, tp, tp, cl, eff) + _collective("reduce_scatter", act, tp, tp, cl, eff)
             )
         else:  # per layer 2 all-reduces forward, 2 backward; embedding and output layer one each
             per_layer = 4 * _collective("all_reduce", act, tp, tp, cl, eff)
-            per_mb = 2 * _collective("all_reduce", act, tp, tp, cl, eff)
-        per_mb += 3 * _collective("all_reduce", m * 4, tp, tp, cl, eff)  # vocab-parallel loss: max, sum, target
-        tp_comm = micro * (layers * per_layer + per_mb) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
+            edges = 2 * _collective("all_reduce", act, tp, tp, cl, eff)
+        edges += 3 * _collective("all_reduce", m * 4, tp, tp, cl, eff)  # vocab-parallel loss: max, sum, target
+        tp_comm = micro * (layers * per_layer + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
         block = 2 * m * kv / tp * a
@@ -221,25 +262,29 @@ def step_time(
         send = act / (tp if layout.sp else 1)
         pp_comm = 2 * micro * vp * _collective("p2p", send, 2, cl.gpus_per_node + 1, cl, eff)
 
-    # Data parallelism: fp32 gradients reduced once per step, after the last micro-batch's backward
-    # (with FSDP2, parameters gathered and gradients reduced per micro-batch, layer by layer).
+    # Data parallelism (fp32 gradients, compute-precision parameters), as our runtime schedules it
     dp_cp = layout.dp * cp
     span = tp * dp_cp
     n = st.total
     grads = 4 * n
-    if layout.sharding == "none":
-        comm = _collective("all_reduce", grads, dp_cp, span, cl, eff)
-    elif layout.sharding in ("dist-opt", "zero2"):
-        comm = _collective("reduce_scatter", grads, dp_cp, span, cl, eff)
-        comm += _collective("all_gather", a * n, dp_cp, span, cl, eff)
-    else:  # fsdp2: all-gather for forward and backward, reduce-scatter, every micro-batch
-        comm = 2 * _collective("all_gather", a * n, dp_cp, span, cl, eff)
-        comm = micro * (comm + _collective("reduce_scatter", grads, dp_cp, span, cl, eff))
-    # gradients reduce under the last micro-batch's backward; ZeRO's parameter all-gather under the next
-    # step's first forward; FSDP2 gathers and reduces layer by layer under the whole step's compute
-    window = {"none": 2 / 3, "dist-opt": 1.0, "zero2": 1.0}.get(layout.sharding)
-    hide = eff.dp_overlap * (compute if window is None else per_mb * window)
-    dp_comm = max(0.0, comm - hide) + eff.contention * min(comm, hide) if dp_cp > 1 else 0.0
+    dp_comm = 0.0
+    if dp_cp > 1:
+        if layout.sharding == "fsdp2":  # gathers (forward, backward) and reduce-scatters every micro-batch,
+            comm = 2 * _collective("all_gather", a * n, dp_cp, span, cl, eff)  # layer by layer under the step
+            comm = micro * (comm + _collective("reduce_scatter", grads, dp_cp, span, cl, eff))
+            exposed = max(0.0, comm - eff.dp_overlap * compute)
+        else:
+            kind = "all_reduce" if layout.sharding == "none" else "reduce_scatter"
+            reduce = _collective(kind, grads, dp_cp, span, cl, eff)
+            gather = _collective("all_gather", a * n, dp_cp, span, cl, eff) if layout.sharding != "none" else 0.0
+            if layout.sharding == "zero2":  # every micro-batch's gradients, each under its own backward
+                exposed = micro * max(0.0, reduce - eff.dp_overlap * 2 / 3 * per_mb)
+                comm = micro * reduce + gather
+            else:  # once a step, each model chunk's buckets under the backward left after its last one
+                exposed = _exposed_reduction(layout, micro, per_mb, reduce, eff)
+                comm = reduce + gather
+            exposed += _exposed_gather(layout, micro, per_mb, gather, eff)
+        dp_comm = exposed + eff.contention * (comm - exposed)
     # optimizer: read grads and moments, write moments, main and weights (~28 bytes per local parameter)
     local = n / dp_cp if layout.sharding != "none" else n
     optimizer = 28 * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds

@@ -144,7 +144,7 @@ def _chunk_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list
 
 
 @functools.lru_cache(maxsize=4096)
-def _compute_order(pp: int, vp: int, micro: int, rank: int) -> tuple:
+def cached_compute_order(pp: int, vp: int, micro: int, rank: int) -> tuple:
     return tuple(compute_order(pp, vp, micro, rank))
 
 
@@ -179,7 +179,7 @@ def activation_bytes(
     received = [0.0 if (c == 0 and pp_rank == 0) else h * a / norm_div * tokens for c in range(layout.vp)]
     live = peak = 0.0
     held = [0.0] * layout.vp
-    for kind, _, c in _compute_order(layout.pp, layout.vp, micro, pp_rank):
+    for kind, _, c in cached_compute_order(layout.pp, layout.vp, micro, pp_rank):
         if kind == FORWARD:
             live += chunk_bytes[c]
             peak = max(peak, live)
