@@ -88,3 +88,27 @@ def test_pipeline_reduces_buckets_under_the_last_backward(dist, vp):
         assert kinds.count("ready") == len({name for k, name in events if k == "ready"})
         assert len(held) == 1 and held[0] == n_buckets - 1, (stage, held)  # both stages hold the tied copy
         assert events.index(("launch", held[0])) > last_ready  # after the embedding all-reduce
+
+
+def test_zero2_buffer_keeps_gradients_queued_behind_an_unused_parameter():
+    """ZeRO-2 reduces buckets strictly in order, every micro-batch. A parameter without a gradient in the last
+    micro-batches holds its bucket open; the gradients that later buckets, and earlier ones refilled after it,
+    receive meanwhile are reduced at the end of the step, none dropped (one rank, so reduced = summed)."""
+    from torch import nn
+
+    from megatron_lite.distributed.ddp import GradBuffer
+    from megatron_lite.parallel_context import Group
+
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    buffer = GradBuffer(params, Group(ranks=(0,), rank=0), 2, sharded=True, zero_stage=2)
+    buffer.zero()
+    expected = [0.0, 0.0, 0.0]
+    for mb in range(4):
+        for i, p in enumerate(params):
+            if i == 1 and mb >= 2:  # e.g. an expert no token reached
+                continue
+            buffer.grad_view(p).add_(float(mb + 1))
+            expected[i] += mb + 1
+            buffer.mark_ready(p, False, None)
+    buffer.finish(None)
+    assert [b.shard_grad.tolist() for b in buffer.buckets] == [[e, e] for e in expected]

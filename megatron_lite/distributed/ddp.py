@@ -246,8 +246,8 @@ class GradBuffer:
             self._next += 1
 
     def finish(self, events: list | None) -> None:
-        if self.transient:  # the rest, in order (buckets with unused parameters among them)
-            for b in self.buckets[self._next :]:
+        if self.transient:  # what is still whole, in order: held buckets, and behind a bucket left incomplete
+            for b in self.buckets:  # by an unused parameter, later micro-batches' gradients of earlier buckets
                 if b.data is not None:
                     self._reduce_transient(b)
             self.reset()
