@@ -90,6 +90,9 @@ TIED = {
     "zero2": dict(zero_stage=2),
     "zero2-overlap-vp2": dict(zero_stage=2, overlap=True, bucket_size=20_000, vp=2),
     "zero1-overlap-vp2": dict(overlap=True, bucket_size=20_000, vp=2),
+    # and the updated weights' all-gathers waited on module by module in the next forward, chunk by chunk
+    "zero1-overlap-vp2-param-gather": dict(overlap=True, bucket_size=20_000, vp=2, overlap_param_gather=True),
+    "zero2-overlap-param-gather": dict(zero_stage=2, overlap=True, bucket_size=20_000, overlap_param_gather=True),
 }
 
 
