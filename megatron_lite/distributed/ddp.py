@@ -34,6 +34,18 @@ from megatron_lite.parameters import named_param_meta
 from megatron_lite.tensor_parallel.mappings import reduce_scatter_tensor
 
 
+def tied_embedding_copies(module: nn.Module, ctx: ParallelContext) -> list[nn.Parameter]:
+    """This rank's copy of word embeddings tied between the first and last pipeline stage, if any."""
+    configs = [m.config for m in module.modules() if hasattr(getattr(m, "config", None), "tied_embeddings")]
+    if ctx.embedding.size == 1 or not hasattr(module, "global_name") or not any(c.tied_embeddings for c in configs):
+        return []
+    return [
+        p
+        for name, p in module.named_parameters()
+        if p.requires_grad and module.global_name(name) == "embedding.word_embeddings.weight"
+    ]
+
+
 @dataclass
 class _Bucket:
     index: int
@@ -47,7 +59,6 @@ class _Bucket:
     shard_grad: torch.Tensor | None = None  # sharded: the reduced gradient of this rank's part
     scratch: torch.Tensor | None = None  # ZeRO-2: a reduce-scatter in flight writes here
     held: bool = False  # tied across pipeline stages: reduced only at the end of the step
-    noted: bool = False  # its local gradient was already checked for the NaN report (before the tied sum)
 
 
 class GradBuffer:
@@ -168,8 +179,6 @@ class GradBuffer:
 
     def zero(self) -> None:
         self.first_bad = {}
-        for b in self.buckets:
-            b.noted = False
         if self.data is not None:
             self.data.zero_()  # (ZeRO-1 parts are views into it)
         for b in self.buckets:
@@ -191,15 +200,15 @@ class GradBuffer:
             self._launch_ready(events, async_op=True)
 
     def note_held_local(self) -> None:
-        """Before the tied gradients are summed with the other stage's: note this rank's own."""
+        """Before anything mixes the held (tied) gradients with another rank's: note this rank's own. Their
+        reductions do not note them again."""
         for b in self.buckets:
             if b.held:
                 self._note_local(b)
 
     def _note_local(self, b: _Bucket) -> None:
-        if not self.check_finite or b.data is None or b.noted:
+        if not self.check_finite or b.data is None:
             return
-        b.noted = b.held  # a held bucket holds the whole step's gradient: noted once, before any mixing
         bad = ~torch.isfinite(b.data)
         first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), torch.tensor(-1, device=b.data.device))
         prev = self.first_bad.get(b.index)
@@ -217,7 +226,8 @@ class GradBuffer:
 
     def _reduce_transient(self, b: _Bucket) -> None:
         """ZeRO-2: reduce-scatter a complete bucket into its part, add it up, and drop the full storage."""
-        self._note_local(b)
+        if not b.held:
+            self._note_local(b)
         if self.group.size > 1:
             out = torch.empty_like(b.shard_grad)
             with self.group.blocked():
@@ -232,7 +242,8 @@ class GradBuffer:
             b = self.buckets[self._next]
             if (b.pending or b.held) and not force:
                 return
-            self._note_local(b)
+            if not b.held:
+                self._note_local(b)
             if self.group.size > 1:
                 with self.group.blocked() if not async_op else contextlib.nullcontext():
                     if self.sharded:  # the summed part lands in scratch, then in this rank's slot (finish)
@@ -294,7 +305,7 @@ class DistributedDataParallel(nn.Module):
         if zero_stage >= 2 and not use_distributed_optimizer:
             raise ValueError("ZeRO stage 2 shards gradients for the distributed optimizer: use_distributed_optimizer")
         self.zero_stage = zero_stage
-        held = {id(p) for p in self.tied_across_stages(module, ctx)}
+        held = {id(p) for p in tied_embedding_copies(module, ctx)}
         self.buffers = [
             GradBuffer(
                 [p for p in reversed(ps) if id(p) not in held] + [p for p in ps if id(p) in held],
@@ -315,18 +326,6 @@ class DistributedDataParallel(nn.Module):
         self.events: list | None = [] if record_events else None
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
-
-    @staticmethod
-    def tied_across_stages(module: nn.Module, ctx: ParallelContext) -> list[nn.Parameter]:
-        """This rank's copy of word embeddings tied between the first and last pipeline stage, if any."""
-        configs = [m.config for m in module.modules() if hasattr(getattr(m, "config", None), "tied_embeddings")]
-        if ctx.embedding.size == 1 or not hasattr(module, "global_name") or not any(c.tied_embeddings for c in configs):
-            return []
-        return [
-            p
-            for name, p in module.named_parameters()
-            if p.requires_grad and module.global_name(name) == "embedding.word_embeddings.weight"
-        ]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -411,7 +410,7 @@ class DistributedDataParallel(nn.Module):
             offset += v.numel()
 
     def note_tied_local(self) -> None:
-        """For the NaN report: record this rank's own tied-embedding gradient before the embedding all-reduce."""
+        """For the NaN report: record this rank's own tied-embedding gradient before any reduction of it."""
         for b in self.buffers:
             b.note_held_local()
 

@@ -131,6 +131,9 @@ class FSDP2Model(nn.Module):
     def check_finite(self, enabled: bool = True) -> None:
         """FSDP2 reduces inside its own hooks: only the reduced shards can be inspected."""
 
+    def note_tied_local(self) -> None:
+        """(Nothing to note: FSDP2 reduces inside its own hooks, see check_finite.)"""
+
     def first_nonfinite_param(self) -> str | None:
         """The first parameter whose shard of the reduced gradient is non-finite on this rank (FSDP2 mixes
         the ranks' gradients before we see them, so this names the parameter, not the rank it came from)."""

@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.context_parallel.zigzag import slice_batch
-from megatron_lite.distributed.ddp import DistributedDataParallel
+from megatron_lite.distributed.ddp import DistributedDataParallel, tied_embedding_copies
 from megatron_lite.models.gpt_model import ModelChunks
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import named_param_meta
 from megatron_lite.pipeline_parallel.executor import run_pipeline
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron_lite.tensor_parallel.mappings import all_reduce
@@ -101,16 +100,7 @@ def _run_pipeline(model, micro_batches, ctx, scale: float, forward_only: bool) -
 def allreduce_embedding_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None:
     """Tied embeddings under pipelining: the first stage's word embeddings and the last stage's copy get
     the sum of both gradients, so the two stay equal."""
-    if ctx.embedding.size == 1 or not _chunks(model)[0].config.tied_embeddings:
-        return
-    if hasattr(model, "note_tied_local"):
-        model.note_tied_local()  # the NaN check sees this rank's own gradient, before the other stage's is added
-    grads = [
-        model.main_grad(p)
-        for name, p, _ in named_param_meta(model.module)
-        if model.module.global_name(name) == "embedding.word_embeddings.weight" and p.requires_grad
-    ]
-    for g in grads:
+    for g in [model.main_grad(p) for p in tied_embedding_copies(model.module, ctx)]:
         with ctx.embedding.blocked():
             dist.all_reduce(g, group=ctx.embedding.pg)
 
@@ -122,6 +112,7 @@ def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None
     tied embedding's two copies sit at different places in their stages' buffers, so their gradients are
     summed first, on the full local gradients. (TP ranks share one buffer layout, so the sequence-parallel
     sums over TP stay correct on the owned parts after the reduce-scatter.)"""
+    model.note_tied_local()  # the NaN check sees this rank's own tied gradient, before any reduction mixes it
     if model.use_distributed_optimizer:
         allreduce_embedding_grads(model, ctx)
         model.finish_grad_sync()
