@@ -294,3 +294,11 @@ def test_memory_breakdown_is_logged(tmp_path, capsys, monkeypatch):
     assert rec["mem_grads_bytes"] == params
     assert rec["mem_optimizer_bytes"] == 3 * params  # fp32 main weights + two Adam moments
     assert rec["mem_activations_bytes"] > 0
+
+
+def test_fsdp2_with_overlap_grad_reduce_is_refused_before_any_process_group(capsys, monkeypatch):
+    """FSDP2 overlaps its reduce-scatters itself: the flag pair stops at start-up with the fix in one line
+    (on 4 ranks at PP=2, which FSDP2 otherwise accepts)."""
+    argv = ["--mock-data", "--vocab-size", "100", "--use-torch-fsdp2", "--overlap-grad-reduce"]
+    rc, _, err = _run([*argv, "--pipeline-model-parallel-size", "2"], capsys, monkeypatch, world=4)
+    _one_line_error(rc, err, "--use-torch-fsdp2", "drop --overlap-grad-reduce")
