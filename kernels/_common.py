@@ -42,14 +42,20 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def compile_for_gpu(kernel, signature: dict, constexprs: dict, capability: int = 90):
+def warps_for(block: int) -> int:
+    """Warps for a program that holds one row of `block` elements: enough threads that each keeps a few
+    16-byte vectors in registers (Liger-Kernel's calculate_settings uses the same steps)."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def compile_for_gpu(kernel, signature: dict, constexprs: dict, capability: int = 90, options: dict | None = None):
     """Compile a @triton.jit kernel for a CUDA target (Hopper by default) on any machine, GPU or not:
-    catches code the interpreter accepts but the GPU compiler rejects. Returns the compiled kernel (its
-    `asm` holds ptx and cubin)."""
+    catches code the interpreter accepts but the GPU compiler rejects. `options`: num_warps, num_stages (as
+    an autotuning config sets them). Returns the compiled kernel (its `asm` holds ptx and cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # interpreter wraps the function
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32))
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)

@@ -2,7 +2,8 @@
 
     python -m megatron_lite.kernels.check_compile [--capability 90]
 
-Each kernel module lists its cases in COMPILE_CASES: (name, kernel, signature, constexprs). Run without
+Each kernel module lists its cases in COMPILE_CASES: (name, kernel, signature, constexprs[, options]), options
+being num_warps / num_stages where an autotuning config sets them. Run without
 TRITON_INTERPRET (the interpreter patches parts of triton.language that the compiler then trips over).
 Prints one line per case and exits non-zero if any fails."""
 
@@ -31,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lite.kernels._common import compile_for_gpu
 
     results = {}
-    for name, kernel, signature, constexprs in all_cases():
+    for name, kernel, signature, constexprs, *options in all_cases():
         try:
-            compiled = compile_for_gpu(kernel, signature, constexprs, args.capability)
+            compiled = compile_for_gpu(kernel, signature, constexprs, args.capability, *options)
             ok = len(compiled.asm["cubin"]) > 0 and f".target sm_{args.capability}" in compiled.asm["ptx"]
             results[name] = "ok" if ok else "no cubin"
         except Exception as e:  # report every failure, not just the first

@@ -113,9 +113,16 @@ else:  # pragma: no cover
     COMPILE_CASES = []
 
 
-def _chunk_size(tokens: int, vocab: int, hidden: int) -> int:
-    # About as many logits per chunk as the hidden states hold elements (Liger's rule).
-    return max(1, min(tokens, next_pow2(max(1, -(-tokens // max(1, -(-vocab // hidden)))))))
+CHUNK_LOGITS_BYTES = 256 << 20
+
+
+def _chunk_size(tokens: int, vocab: int, element_size: int = 2) -> int:
+    """Rows per chunk: as many as fill CHUNK_LOGITS_BYTES of logits, whatever the token count, so the extra memory
+    stays O(chunk x vocab). Not Liger's rule (as many logits as the hidden states hold elements): every chunk
+    re-reads and re-writes the whole weight gradient, and at Llama-3's vocabulary that rule cuts 4096 tokens
+    into 32 chunks of 128 rows."""
+    rows = 1 << max(0, (CHUNK_LOGITS_BYTES // max(1, vocab * element_size)).bit_length() - 1)
+    return max(1, min(tokens, rows))
 
 
 def _row_stats(logits, labels, group, vocab_start, vocab_size):
@@ -155,7 +162,9 @@ def _pass(
     tokens = hidden.shape[0]
     losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if want_grads else None
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grads else None
+    # The weight gradient accumulates in the weight's dtype, one GEMM epilogue per chunk (as Liger does): an fp32
+    # copy would double its memory, and an fp32 GEMM per chunk would run at a fraction of the bf16 rate.
+    dw = torch.zeros_like(weight) if want_grads else None
     for start in range(0, tokens, chunk):
         h = hidden[start : start + chunk]
         lab = labels[start : start + chunk]
@@ -181,7 +190,7 @@ def _pass(
             )
             launched("cross_entropy_grad")
             dh[start : start + chunk] = logits @ weight
-            dw += logits.t().float() @ h.float()
+            dw.addmm_(logits.t(), h)
     return losses, dh, dw
 
 
@@ -200,7 +209,7 @@ class _FusedLinearCE(torch.autograd.Function):
         losses, dh, dw = _pass(hidden, weight, labels, *args, row_scale, eager, chunk)
         ctx.args, ctx.chunk, ctx.reduction = args, chunk, reduction
         if eager:
-            ctx.save_for_backward(dh, dw.to(weight.dtype))
+            ctx.save_for_backward(dh, dw)
             return losses.sum() / n_valid if reduction == "mean" else losses.sum()
         ctx.save_for_backward(hidden, weight, labels)
         return losses
@@ -212,7 +221,7 @@ class _FusedLinearCE(torch.autograd.Function):
             return dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), *([None] * 9)
         hidden, weight, labels = ctx.saved_tensors
         _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad.contiguous(), True, ctx.chunk)
-        return dh, dw.to(weight.dtype), *([None] * 9)
+        return dh, dw, *([None] * 9)
 
 
 def fused_linear_cross_entropy_reference(
@@ -277,7 +286,7 @@ def fused_linear_cross_entropy(
             vocab_start,
             vocab_size,
         )
-    chunk = chunk_size or _chunk_size(hidden.shape[0], v_local, hidden.shape[1])
+    chunk = chunk_size or _chunk_size(hidden.shape[0], v_local, hidden.element_size())
     return _FusedLinearCE.apply(
         hidden,
         weight,

@@ -41,6 +41,47 @@ if HAVE_TRITON:
             valid = valid & (dist >= 0) & (dist < WINDOW)
         return valid
 
+    @triton.jit
+    def _fwd_block(
+        q,
+        K,
+        V,
+        kv,
+        sks,
+        svs,
+        rows,
+        start_n,
+        rows_end,
+        seq_k,
+        offset,
+        WINDOW,
+        scale,
+        dims,
+        dmask,
+        m,
+        lsum,
+        acc,
+        CAUSAL: tl.constexpr,
+        MASKED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """One key block of the online softmax; MASKED: apply the visibility mask (blocks on an edge)."""
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_block(K, kv[0], cols, sks, seq_k, dims, dmask)
+        v = _load_block(V, kv[1], cols, svs, seq_k, dims, dmask)
+        s = tl.dot(q, tl.trans(k)) * scale
+        if MASKED:  # no row bound here: padded query rows (never stored) keep the scores they get
+            s = tl.where(_visible(rows, cols, rows_end, seq_k, offset, WINDOW, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row may see no key of a block so far (its window starts further on, or a padded row's window lies
+        # past seq_k): subtract 0 rather than -inf, so p and alpha are 0, never inf - inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, lsum, acc
+
     @triton.jit(do_not_specialize=["WINDOW"])  # one kernel for every window, 1 and multiples of 16 too
     def _fwd(
         Q,
@@ -72,7 +113,8 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        start_m = tl.program_id(0) * BLOCK_M
+        # Causal work grows with the query block: the last ones go first, so the light ones fill the final wave.
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
         bh = tl.program_id(1)
         b, h = bh // heads, bh % heads
         kvh = h // group
@@ -93,22 +135,88 @@ if HAVE_TRITON:
         if CAUSAL:  # keys before the first row's window or after the last row's position are hidden from the block
             lo = tl.maximum(start_m + offset - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
-        for start_n in range(lo, end, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
-            v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
-            s = tl.dot(q, tl.trans(k)) * scale
-            # No row bound here: padded query rows (never stored) keep the scores they get.
-            s = tl.where(_visible(rows, cols, start_m + BLOCK_M, seq_k, offset, WINDOW, CAUSAL), s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            # A row may see no key of a block so far (its window starts further on, or a padded row's window lies
-            # past seq_k): subtract 0 rather than -inf, so p and alpha are 0, never inf - inf = NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        # Key blocks every row of this block sees whole (inside seq_k, at or before the first row's position, inside
+        # the last row's window) skip the mask: [lo, full_lo) and [full_hi, end) are masked, the middle is not.
+        full_hi = seq_k // BLOCK_N * BLOCK_N
+        full_lo = lo
+        if CAUSAL:
+            full_hi = tl.minimum(full_hi, (start_m + offset + 1) // BLOCK_N * BLOCK_N)
+            full_lo = tl.maximum(lo, tl.cdiv(start_m + BLOCK_M + offset - WINDOW, BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(tl.minimum(full_hi, end), lo)
+        full_lo = tl.minimum(full_lo, full_hi)
+        kv = (b * skb + kvh * skh, b * svb + kvh * svh)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            m, lsum, acc = _fwd_block(
+                q,
+                K,
+                V,
+                kv,
+                sks,
+                svs,
+                rows,
+                start_n,
+                start_m + BLOCK_M,
+                seq_k,
+                offset,
+                WINDOW,
+                scale,
+                dims,
+                dmask,
+                m,
+                lsum,
+                acc,
+                CAUSAL,
+                True,
+                BLOCK_N,
+            )
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            m, lsum, acc = _fwd_block(
+                q,
+                K,
+                V,
+                kv,
+                sks,
+                svs,
+                rows,
+                start_n,
+                start_m + BLOCK_M,
+                seq_k,
+                offset,
+                WINDOW,
+                scale,
+                dims,
+                dmask,
+                m,
+                lsum,
+                acc,
+                CAUSAL,
+                False,
+                BLOCK_N,
+            )
+        for start_n in range(full_hi, end, BLOCK_N):
+            m, lsum, acc = _fwd_block(
+                q,
+                K,
+                V,
+                kv,
+                sks,
+                svs,
+                rows,
+                start_n,
+                start_m + BLOCK_M,
+                seq_k,
+                offset,
+                WINDOW,
+                scale,
+                dims,
+                dmask,
+                m,
+                lsum,
+                acc,
+                CAUSAL,
+                True,
+                BLOCK_N,
+            )
         # Every real row sees at least its own key (lsum >= 1); only padded rows, never stored, can have lsum 0.
         lsum = tl.where(lsum > 0.0, lsum, 1.0)
         o = acc / lsum[:, None]
@@ -118,6 +226,85 @@ if HAVE_TRITON:
             mask=(rows[:, None] < seq_q) & dmask[None, :],
         )
         tl.store(LSE + bh * seq_q + rows, m + tl.log(lsum), mask=rows < seq_q)
+
+    @triton.jit
+    def _dkdv_block(
+        Q,
+        DO,
+        LSE,
+        DELTA,
+        qo,
+        bh,
+        sqs,
+        sds,
+        k,
+        v,
+        cols,
+        start_m,
+        seq_q,
+        seq_k,
+        offset,
+        WINDOW,
+        scale,
+        dims,
+        dmask,
+        dk,
+        dv,
+        CAUSAL: tl.constexpr,
+        MASKED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """One query block's share of a key block's dK and dV; MASKED: apply the visibility mask."""
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = _load_block(Q, qo[0], rows, sqs, seq_q, dims, dmask)
+        do = _load_block(DO, qo[1], rows, sds, seq_q, dims, dmask)
+        lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+        delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        p = tl.exp(s - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL), p, 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None]) * scale
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        return dk, dv
+
+    @triton.jit
+    def _dq_block(
+        K,
+        V,
+        kv,
+        sks,
+        svs,
+        q,
+        do,
+        lse,
+        delta,
+        rows,
+        start_n,
+        seq_q,
+        seq_k,
+        offset,
+        WINDOW,
+        scale,
+        dims,
+        dmask,
+        dq,
+        CAUSAL: tl.constexpr,
+        MASKED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """One key block's share of a query block's dQ; MASKED: apply the visibility mask."""
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_block(K, kv[0], cols, sks, seq_k, dims, dmask)
+        v = _load_block(V, kv[1], cols, svs, seq_k, dims, dmask)
+        s = tl.dot(q, tl.trans(k)) * scale
+        p = tl.exp(s - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL), p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None]) * scale
+        return dq + tl.dot(ds.to(k.dtype), k)
 
     @triton.jit(do_not_specialize=["WINDOW"])  # one kernel for every window, 1 and multiples of 16 too
     def _bwd_dkdv(
@@ -171,21 +358,101 @@ if HAVE_TRITON:
         if CAUSAL:  # earlier queries cannot see this key block, nor later ones whose window starts past it
             first = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
             last = tl.minimum(seq_q, start_n + BLOCK_N - 1 + WINDOW - offset)
+        # Query blocks that see this whole key block (every row at or after its last key, inside the window of its
+        # first key, rows and keys inside their sequences) skip the mask: [full_lo, full_hi); the edges keep it.
+        full_lo = first
+        full_hi = seq_q // BLOCK_M * BLOCK_M
+        if CAUSAL:
+            full_lo = tl.maximum(first, tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
+            full_hi = tl.minimum(full_hi, tl.maximum(start_n + WINDOW - offset, 0) // BLOCK_M * BLOCK_M)
+        if start_n + BLOCK_N > seq_k:
+            full_hi = full_lo
+        full_lo = tl.minimum(full_lo, last)
+        full_hi = tl.maximum(tl.minimum(full_hi, last), full_lo)
         for j in range(0, group):
-            h = kvh * group + j
-            for start_m in range(first, last, BLOCK_M):
-                rows = start_m + tl.arange(0, BLOCK_M)
-                q = _load_block(Q, b * sqb + h * sqh, rows, sqs, seq_q, dims, dmask)
-                do = _load_block(DO, b * sdb + h * sdh, rows, sds, seq_q, dims, dmask)
-                lse = tl.load(LSE + (b * heads + h) * seq_q + rows, mask=rows < seq_q, other=0.0)
-                delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=rows < seq_q, other=0.0)
-                s = tl.dot(q, tl.trans(k)) * scale
-                visible = _visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL)
-                p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None]) * scale
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            bh = b * heads + kvh * group + j
+            qo = (b * sqb + (kvh * group + j) * sqh, b * sdb + (kvh * group + j) * sdh)
+            for start_m in range(first, full_lo, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    Q,
+                    DO,
+                    LSE,
+                    DELTA,
+                    qo,
+                    bh,
+                    sqs,
+                    sds,
+                    k,
+                    v,
+                    cols,
+                    start_m,
+                    seq_q,
+                    seq_k,
+                    offset,
+                    WINDOW,
+                    scale,
+                    dims,
+                    dmask,
+                    dk,
+                    dv,
+                    CAUSAL,
+                    True,
+                    BLOCK_M,
+                )
+            for start_m in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    Q,
+                    DO,
+                    LSE,
+                    DELTA,
+                    qo,
+                    bh,
+                    sqs,
+                    sds,
+                    k,
+                    v,
+                    cols,
+                    start_m,
+                    seq_q,
+                    seq_k,
+                    offset,
+                    WINDOW,
+                    scale,
+                    dims,
+                    dmask,
+                    dk,
+                    dv,
+                    CAUSAL,
+                    False,
+                    BLOCK_M,
+                )
+            for start_m in range(full_hi, last, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    Q,
+                    DO,
+                    LSE,
+                    DELTA,
+                    qo,
+                    bh,
+                    sqs,
+                    sds,
+                    k,
+                    v,
+                    cols,
+                    start_m,
+                    seq_q,
+                    seq_k,
+                    offset,
+                    WINDOW,
+                    scale,
+                    dims,
+                    dmask,
+                    dk,
+                    dv,
+                    CAUSAL,
+                    True,
+                    BLOCK_M,
+                )
         tl.store(
             DK + b * skb + kvh * skh + cols[:, None] * sks + dims[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask
         )
@@ -226,7 +493,8 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        start_m = tl.program_id(0) * BLOCK_M
+        # Causal work grows with the query block: the last ones go first, so the light ones fill the final wave.
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
         bh = tl.program_id(1)
         b, h = bh // heads, bh % heads
         kvh = h // group
@@ -245,21 +513,114 @@ if HAVE_TRITON:
         if CAUSAL:  # as in the forward
             lo = tl.maximum(start_m + offset - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
-        for start_n in range(lo, end, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
-            v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
-            s = tl.dot(q, tl.trans(k)) * scale
-            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None]) * scale
-            dq += tl.dot(ds.to(k.dtype), k)
+        full_hi = seq_k // BLOCK_N * BLOCK_N  # unmasked key blocks, as in the forward
+        full_lo = lo
+        if CAUSAL:
+            full_hi = tl.minimum(full_hi, (start_m + offset + 1) // BLOCK_N * BLOCK_N)
+            full_lo = tl.maximum(lo, tl.cdiv(start_m + BLOCK_M + offset - WINDOW, BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(tl.minimum(full_hi, end), lo)
+        full_lo = tl.minimum(full_lo, full_hi)
+        kv = (b * skb + kvh * skh, b * svb + kvh * svh)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            dq = _dq_block(
+                K,
+                V,
+                kv,
+                sks,
+                svs,
+                q,
+                do,
+                lse,
+                delta,
+                rows,
+                start_n,
+                seq_q,
+                seq_k,
+                offset,
+                WINDOW,
+                scale,
+                dims,
+                dmask,
+                dq,
+                CAUSAL,
+                True,
+                BLOCK_N,
+            )
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            dq = _dq_block(
+                K,
+                V,
+                kv,
+                sks,
+                svs,
+                q,
+                do,
+                lse,
+                delta,
+                rows,
+                start_n,
+                seq_q,
+                seq_k,
+                offset,
+                WINDOW,
+                scale,
+                dims,
+                dmask,
+                dq,
+                CAUSAL,
+                False,
+                BLOCK_N,
+            )
+        for start_n in range(full_hi, end, BLOCK_N):
+            dq = _dq_block(
+                K,
+                V,
+                kv,
+                sks,
+                svs,
+                q,
+                do,
+                lse,
+                delta,
+                rows,
+                start_n,
+                seq_q,
+                seq_k,
+                offset,
+                WINDOW,
+                scale,
+                dims,
+                dmask,
+                dq,
+                CAUSAL,
+                True,
+                BLOCK_N,
+            )
         tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
-def _blocks(head_dim: int) -> dict:
+if HAVE_TRITON:
+    # On a GPU each kernel picks its tiles by timing these once per (head_dim, causal) (Triton's autotuner); the
+    # interpreter runs one fixed small config. Tiles too large for shared memory are skipped by the autotuner.
+    def _configs(shapes):
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
+
+    _TUNE_KEY = ["head_dim", "CAUSAL"]
+    # (BLOCK_M queries, BLOCK_N keys, warps, stages)
+    _FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)]
+    # dK/dV: one program per key block, so wide BLOCK_N and narrow query steps; dQ the other way round.
+    _DKDV_TILES = [(32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 3), (16, 64, 4, 4)]
+    _DQ_TILES = [(128, 32, 8, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3), (64, 16, 4, 4)]
+    _fwd_tuned = triton.autotune(_configs(_FWD_TILES), key=_TUNE_KEY)(_fwd)
+    _bwd_dkdv_tuned = triton.autotune(_configs(_DKDV_TILES), key=_TUNE_KEY)(_bwd_dkdv)
+    _bwd_dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY)(_bwd_dq)
+
+
+def _kernel(plain, tuned):
+    """The kernel to launch and its fixed tiles: the autotuned one on a GPU, fixed small tiles when interpreting."""
     if interpreting():
-        return {"BLOCK_M": 16, "BLOCK_N": 16}
-    return {"BLOCK_M": 64, "BLOCK_N": 64} if head_dim <= 128 else {"BLOCK_M": 32, "BLOCK_N": 32}
+        return plain, {"BLOCK_M": 16, "BLOCK_N": 16}
+    return tuned, {}
 
 
 def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
@@ -288,9 +649,8 @@ def _forward(q, k, v, causal, scale, window_size=None):
     sk, hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    cfg = _blocks(d)
-    grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
-    _fwd[grid](
+    kernel, cfg = _kernel(_fwd, _fwd_tuned)
+    kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * h)](
         q,
         k,
         v,
@@ -335,14 +695,15 @@ def flash_attention_backward(
     window = _window(window_size, causal, sk)
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    cfg = _blocks(d)
-    common = dict(CAUSAL=causal, BLOCK_D=next_pow2(max(d, 16)), **cfg)
+    common = dict(CAUSAL=causal, BLOCK_D=next_pow2(max(d, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    _bwd_dkdv[(triton.cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides, h, h // hkv, sq, sk, scale, d, window, **common
+    kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned)
+    kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), b * hkv)](
+        q, k, v, do, lse, delta, dk, dv, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )
-    _bwd_dq[(triton.cdiv(sq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, do, lse, delta, dq, *strides, h, h // hkv, sq, sk, scale, d, window, **common
+    kernel, cfg = _kernel(_bwd_dq, _bwd_dq_tuned)
+    kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * h)](
+        q, k, v, do, lse, delta, dq, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )
     launched("flash_attention_bwd")
     return dq, dk, dv
@@ -489,6 +850,17 @@ def _cases() -> list[tuple]:
                 **base,
             }
             out.append((f"flash_bwd_dq_{t}_causal{causal}", _bwd_dq, sig, consts))
+    # The largest tiles each kernel's autotuner may pick, as a GPU would build them (bf16, head_dim 128).
+    for name, kernel, (m, n, w, st) in (
+        ("fwd", _fwd, _FWD_TILES[1]),
+        ("bwd_dkdv", _bwd_dkdv, _DKDV_TILES[2]),
+        ("bwd_dq", _bwd_dq, _DQ_TILES[2]),
+    ):
+        case = next(c for c in out if c[0] == f"flash_{name}_bf16_causalTrue")
+        consts = {**case[3], "BLOCK_M": m, "BLOCK_N": n}
+        out.append(
+            (f"flash_{name}_bf16_tiles{m}x{n}_w{w}_s{st}", kernel, case[2], consts, {"num_warps": w, "num_stages": st})
+        )
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable, warps_for
 
 if HAVE_TRITON:
     import triton
@@ -150,6 +150,7 @@ class _NormFunction(torch.autograd.Function):
             HAS_RES=residual is not None,
             IS_RMS=is_rms,
             BLOCK=next_pow2(n),
+            num_warps=warps_for(next_pow2(n)),
         )
         launched("rms_norm_fwd" if is_rms else "layer_norm_fwd")
         ctx.save_for_backward(s, weight, stat1, stat2)
@@ -185,6 +186,7 @@ class _NormFunction(torch.autograd.Function):
             per,
             IS_RMS=ctx.is_rms,
             BLOCK=next_pow2(n),
+            num_warps=warps_for(next_pow2(n)),
         )
         launched("rms_norm_bwd" if ctx.is_rms else "layer_norm_bwd")
         dx = dx.view(ctx.shape)

@@ -31,29 +31,33 @@ if HAVE_TRITON:
         heads,
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
+        BLOCK_H: tl.constexpr,
         BACKWARD: tl.constexpr,
     ):
-        pid = tl.program_id(0)  # one (batch, position, head) row
-        h = pid % heads
-        s = (pid // heads) % seq
-        b = pid // (heads * seq)
-        d = tl.arange(0, BLOCK)
-        mask = d < HALF
-        x_row = X + b * stride_xb + s * stride_xs + h * stride_xh
+        # One (batch, position) per program, all its heads at once: cos and sin are read once per position, and
+        # each program moves heads x head_dim elements rather than one head's row.
+        pid = tl.program_id(0)
+        s = pid % seq
+        b = pid // seq
+        hh = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK)[None, :]
+        dmask = d < HALF
+        mask = (hh < heads) & dmask
+        x_row = X + b * stride_xb + s * stride_xs + hh * stride_xh
         c_row = b * stride_cb + s * stride_cs
         x1 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        c1 = tl.load(COS + c_row + d, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(COS + c_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + c_row + d, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + c_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + c_row + d, mask=dmask, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + c_row + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + c_row + d, mask=dmask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + c_row + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         if BACKWARD:  # the transpose of the rotation
             y1 = x1 * c1 + x2 * s2
             y2 = x2 * c2 - x1 * s1
         else:
             y1 = x1 * c1 - x2 * s1
             y2 = x2 * c2 + x1 * s2
-        y_row = Y + b * stride_yb + s * stride_ys + h * stride_yh
+        y_row = Y + b * stride_yb + s * stride_ys + hh * stride_yh
         tl.store(y_row + d, y1.to(Y.dtype.element_ty), mask=mask)
         tl.store(y_row + HALF + d, y2.to(Y.dtype.element_ty), mask=mask)
 
@@ -65,7 +69,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     cos3, sin3 = cos3.contiguous(), sin3.contiguous()
     stride_cb = cos3.stride(0) if cos3.shape[0] > 1 else 0
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _rope[(b * s * h,)](
+    _rope[(b * s,)](
         x,
         cos3,
         sin3,
@@ -82,6 +86,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
         h,
         HALF=d // 2,
         BLOCK=next_pow2(d // 2),
+        BLOCK_H=next_pow2(h),
         BACKWARD=backward,
     )
     launched("rope_bwd" if backward else "rope_fwd")
@@ -139,9 +144,10 @@ COMPILE_CASES = (
                 ),
                 "HALF": "constexpr",
                 "BLOCK": "constexpr",
+                "BLOCK_H": "constexpr",
                 "BACKWARD": "constexpr",
             },
-            {"HALF": 64, "BLOCK": 64, "BACKWARD": bwd},
+            {"HALF": 64, "BLOCK": 64, "BLOCK_H": 32, "BACKWARD": bwd},
         )
         for t in ("bf16", "fp32")
         for bwd in (False, True)

@@ -108,6 +108,7 @@ WINDOW_CASES = [  # batch, seq_q, seq_k, heads, kv_heads, head_dim, window
     (2, 7, 40, 4, 2, 16, 5),  # seq_q < seq_k: bottom-right positions 33..39; keys 0..28 are seen by no query
     (1, 13, 37, 2, 1, 20, 20),  # window wider than a block, odd head_dim
     (1, 19, 19, 2, 2, 8, 1),  # every query sees only itself
+    (1, 100, 100, 2, 1, 16, 40),  # window of several blocks: unmasked key blocks between the two masked edges
 ]
 
 

@@ -93,4 +93,7 @@ def test_memory_is_per_chunk_not_per_token():
     import importlib
 
     ce = importlib.import_module("megatron_lite.kernels.cross_entropy")
-    assert ce._chunk_size(tokens=8192, vocab=128256, hidden=4096) <= 512
+    chunks = [ce._chunk_size(tokens=t, vocab=128256, element_size=2) for t in (8192, 65536, 1 << 20)]
+    assert chunks[0] == chunks[1] == chunks[2], chunks  # the buffer does not grow with the tokens
+    assert chunks[0] * 128256 * 2 <= ce.CHUNK_LOGITS_BYTES
+    assert ce._chunk_size(tokens=100, vocab=128256) == 100  # never more rows than tokens

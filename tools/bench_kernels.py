@@ -7,12 +7,18 @@ GB/s (memory-bound ops, against the copy bandwidth measured in the same run) or 
     python tools/bench_kernels.py --size tiny                                   # any machine (CPU: interpreter)
     python tools/bench_kernels.py --size llama8b --out-dir docs/bench           # one GPU, bf16, Llama-3-8B shapes
 
-Writes <out-dir>/kernels.json and <out-dir>/kernels.md.
+Memory-bound kernels are set against two copies timed in the same run: a 2 GiB device-to-device copy (the
+bandwidth ceiling) and a copy of as many bytes as the kernel moves (the same size, launch and tail effects).
+Attention's reference is PyTorch's SDPA with the flash backend forced; the backward time is fwd+bwd minus fwd.
+The fused cross-entropy's memory is also given without the gradients it must return (the weight gradient
+alone is vocab x hidden). Every case first checks our output against the reference (relative error).
+Writes <out-dir>/kernels.json and <out-dir>/kernels.md after every case, and the targets of issue 6 last.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -38,7 +44,7 @@ def _time_ms(fn, device, reps: int) -> float:
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=5, rep=max(20, reps * 10)))
+        return float(triton.testing.do_bench(fn, warmup=5, rep=max(20, reps * 10), return_mode="median"))
     fn()
     times = []
     for _ in range(reps):
@@ -69,6 +75,12 @@ def _fwd_bwd(fn, inputs, grad_like=True):
     return run
 
 
+def _flce_chunked(hh, ww, labels, chunk):
+    from megatron_lite import kernels as K
+
+    return K.fused_linear_cross_entropy(hh, ww, labels, chunk_size=chunk)
+
+
 def cases(s: dict, dtype, device):
     from megatron_lite import kernels as K
 
@@ -94,7 +106,28 @@ def cases(s: dict, dtype, device):
     def unfused_ce(hh, ww):
         return F.cross_entropy((hh @ ww.t()).float(), labels)
 
+    expand_kv: list[bool] = []
+
+    def sdpa(a, c, e):
+        # PyTorch's flash backend on a GPU (the target's reference); plain SDPA elsewhere.
+        args = (a.transpose(1, 2), c.transpose(1, 2), e.transpose(1, 2))
+        if device.type != "cuda":
+            return F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=nh != nkv).transpose(1, 2)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            if not expand_kv:
+                try:
+                    return F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=nh != nkv).transpose(1, 2)
+                except RuntimeError as e:  # a flash backend without grouped-query support: repeat K and V heads
+                    print(f"SDPA flash backend refused enable_gqa ({str(e)[:120]}); repeating K and V heads instead")
+                    expand_kv.append(True)
+            rep = nh // nkv
+            ex = (args[0], args[1].repeat_interleave(rep, dim=1), args[2].repeat_interleave(rep, dim=1))
+            return F.scaled_dot_product_attention(*ex, is_causal=True).transpose(1, 2)
+
     flops_attn = 4 * b * nh * sq * sq * d / 2  # causal
+    chunk_rows = sorted({max(1, t // 16), max(1, t // 4), t})  # fused CE variants: chunk size trades memory for time
     out = [
         dict(
             name="rms_norm",
@@ -112,6 +145,7 @@ def cases(s: dict, dtype, device):
             eager=lambda a, ww, bb: F.layer_norm(a, (h,), ww, bb, 1e-5),
             bytes_fwd=2 * x.numel() * el,
             bytes_bwd=3 * x.numel() * el,
+            compile=False,
             liger=None,
         ),
         dict(
@@ -130,15 +164,16 @@ def cases(s: dict, dtype, device):
             eager=lambda a: K.apply_rope_reference(a, cos, sin),
             bytes_fwd=2 * q.numel() * el,
             bytes_bwd=2 * q.numel() * el,
+            compile=False,
             liger=None,
         ),
         dict(
             name="flash_attention",
             inputs=[q, k, vv],
             ours=lambda a, c, e: K.flash_attention(a, c, e, causal=True),
-            eager=lambda a, c, e: F.scaled_dot_product_attention(
-                a.transpose(1, 2), c.transpose(1, 2), e.transpose(1, 2), is_causal=True, enable_gqa=nh != nkv
-            ).transpose(1, 2),
+            eager=sdpa,
+            eager_name="sdpa_flash" if device.type == "cuda" else "sdpa",
+            compile=False,
             flops_fwd=flops_attn,
             flops_bwd=2.5 * flops_attn,
             liger=None,
@@ -148,12 +183,16 @@ def cases(s: dict, dtype, device):
             inputs=[hid, wout],
             ours=lambda hh, ww: K.fused_linear_cross_entropy(hh, ww, labels),
             eager=unfused_ce,
+            variants={
+                f"megatron_lite chunk={c}": functools.partial(_flce_chunked, labels=labels, chunk=c) for c in chunk_rows
+            },
             flops_fwd=2 * t * h * v,
             flops_bwd=4 * t * h * v,
             liger="fused_linear_cross_entropy",
         ),
     ]
-    return out
+    first = ("flash_attention", "fused_linear_cross_entropy")  # the targets that need most time go first
+    return sorted(out, key=lambda c: (c["name"] not in first, first.index(c["name"]) if c["name"] in first else 0))
 
 
 def _liger(kind):
@@ -168,15 +207,99 @@ def _liger(kind):
     return None
 
 
-def copy_bandwidth(device, dtype) -> float | None:
-    """GB/s of a device-to-device copy of 2 GiB (read + write), the ceiling for memory-bound kernels."""
+def copy_bandwidth(device, dtype, moved_bytes: int = 2 << 30) -> float | None:
+    """GB/s of a device-to-device copy that moves `moved_bytes` (read + write; 2 GiB by default, the ceiling
+    for memory-bound kernels). Random data, never zeros."""
     if device.type != "cuda":
         return None
-    n = (1 << 30) // torch.tensor([], dtype=dtype).element_size()
-    src = torch.empty(n, dtype=dtype, device=device)
+    n = max(1, moved_bytes // 2 // torch.tensor([], dtype=dtype).element_size())
+    src = torch.randn(n, device=device).to(dtype)
     dst = torch.empty_like(src)
     ms = _time_ms(lambda: dst.copy_(src), device, 10)
     return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+TARGETS = """Targets (issue 6, one H200, bf16): norms, SwiGLU and RoPE >= 0.85 of the copy bandwidth; flash attention
+forward >= 1.0x and backward >= 0.8x the speed of SDPA's flash backend; fused linear cross-entropy <= 5% of the
+unfused peak memory and no slower than torch.compile of the unfused loss."""
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per target: the measured numbers and whether they meet it."""
+
+    def get(kernel, impl, kind):
+        return next((r for r in rows if r["kernel"] == kernel and r["impl"] == impl and r["pass"] == kind), None)
+
+    lines = []
+    for kernel in ("rms_norm", "layer_norm", "swiglu", "rope"):
+        for kind in ("fwd", "fwd+bwd"):
+            r = get(kernel, "megatron_lite", kind)
+            if r and r.get("fraction_of_copy_bw") is not None:
+                big, same = r["fraction_of_copy_bw"], r.get("fraction_of_same_size_copy")
+                ok = "meets" if big >= 0.85 else "misses"
+                lines.append(f"{kernel} {kind}: {big:.2f} of the 2 GiB copy, {same:.2f} of a same-size copy: {ok} 0.85")
+    ours_f, ref_f = get("flash_attention", "megatron_lite", "fwd"), get("flash_attention", "sdpa_flash", "fwd")
+    ours_b, ref_b = get("flash_attention", "megatron_lite", "fwd+bwd"), get("flash_attention", "sdpa_flash", "fwd+bwd")
+    if ours_f and ref_f:
+        x = ref_f["ms"] / ours_f["ms"]
+        lines.append(
+            f"flash_attention fwd: {x:.2f}x SDPA flash ({ours_f['TFLOP/s']:.0f} vs {ref_f['TFLOP/s']:.0f} "
+            f"TFLOP/s): {'meets' if x >= 1.0 else 'misses'} 1.0x"
+        )
+    if ours_f and ref_f and ours_b and ref_b:
+        ob, rb = ours_b["ms"] - ours_f["ms"], ref_b["ms"] - ref_f["ms"]
+        x = rb / ob
+        lines.append(
+            f"flash_attention bwd: {x:.2f}x SDPA flash ({ob:.2f} vs {rb:.2f} ms): "
+            f"{'meets' if x >= 0.8 else 'misses'} 0.8x"
+        )
+    ce = [r for r in rows if r["kernel"] == "fused_linear_cross_entropy" and r["pass"] == "fwd+bwd"]
+    eager = next((r for r in ce if r["impl"] == "eager"), None)
+    comp = next((r for r in ce if r["impl"] == "torch.compile"), None)
+    for r in ce:
+        if not r["impl"].startswith("megatron_lite") or not eager or eager["peak_memory_bytes"] is None:
+            continue
+        mem = r["peak_memory_bytes"] / eager["peak_memory_bytes"]
+        work = r["working_bytes"] / max(1, eager["working_bytes"])
+        speed = f", {comp['ms'] / r['ms']:.2f}x the speed of torch.compile" if comp else ""
+        lines.append(
+            f"{r['impl']} fwd+bwd: peak {mem:.1%} of unfused ({work:.1%} without the returned gradients){speed}: "
+            f"memory {'meets' if mem <= 0.05 else 'misses'} 5%"
+            + (f", speed {'meets' if comp['ms'] >= r['ms'] else 'misses'}" if comp else "")
+        )
+    return lines
+
+
+def _write(out_dir: str, meta: dict, rows: list[dict]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kernels.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows, "targets": verdicts(rows)}, fh, indent=1)
+    with open(os.path.join(out_dir, "kernels.md"), "w") as fh:
+        fh.write(f"# Kernel benchmark: {meta['device']}, {meta['dtype']}, size {meta['size']}\n\n")
+        fh.write(f"{meta['torch']}; shapes {meta['shapes']}\n\n")
+        bw, peak = meta["copy_bandwidth_GBps"], meta["peak_flops"]
+        fh.write(f"copy bandwidth (2 GiB): {bw and round(bw)} GB/s; datasheet peak: {peak and peak / 1e12} TFLOP/s\n\n")
+        fh.write(
+            "| kernel | impl | pass | ms | peak MiB | GB/s or TFLOP/s | of 2 GiB copy / of peak | of same-size copy "
+            "| rel. err. vs reference |\n|---|---|---|---|---|---|---|---|---|\n"
+        )
+        for r in rows:
+            rate = r.get("GB/s", r.get("TFLOP/s"))
+            frac = r.get("fraction_of_copy_bw", r.get("fraction_of_peak"))
+            same = r.get("fraction_of_same_size_copy")
+            mem = f"{r['peak_memory_bytes'] / 2**20:.1f}" if r["peak_memory_bytes"] is not None else "-"
+            err = r.get("rel_err")
+            fh.write(
+                f"| {r['kernel']} | {r['impl']} | {r['pass']} | {r['ms']:.3f} | {mem} | {rate:.1f} | "
+                f"{'-' if frac is None else f'{frac:.2f}'} | {'-' if same is None else f'{same:.2f}'} | "
+                f"{'-' if err is None else f'{err:.1e}'} |\n"
+            )
+        fh.write("\n" + TARGETS + "\n\n" + "\n".join(f"- {v}" for v in verdicts(rows)) + "\n")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -185,6 +308,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (default on CUDA)")
+    ap.add_argument(
+        "--compile-kernels",
+        default=None,
+        help="comma-separated kernels to time under torch.compile (default: those without a fused PyTorch op: "
+        "rms_norm, swiglu, fused_linear_cross_entropy); 'all' for every one",
+    )
+    ap.add_argument("--kernels", default=None, help="comma-separated subset of kernels to run (default: all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args(argv)
@@ -193,60 +323,85 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     use_compile = args.compile or device.type == "cuda"
+    compile_only = None if args.compile_kernels in (None, "all") else set(args.compile_kernels.split(","))
     from megatron_lite.training.flops import peak_flops
 
     peak = peak_flops(device, dtype != torch.float32)
     bw = copy_bandwidth(device, dtype)
-    rows = []
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+        "dtype": str(dtype).removeprefix("torch."),
+        "size": args.size,
+        "shapes": SIZES[args.size],
+        "copy_bandwidth_GBps": bw,
+        "peak_flops": peak,
+        "torch": f"torch {torch.__version__}",
+    }
+    try:
+        import triton
+
+        meta["torch"] += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    rows: list[dict] = []
+    wanted = None if args.kernels is None else set(args.kernels.split(","))
     for case in cases(SIZES[args.size], dtype, device):
-        impls = {"megatron_lite": case["ours"], "eager": case["eager"]}
-        if use_compile:
+        if wanted is not None and case["name"] not in wanted:
+            continue
+        impls = {"megatron_lite": case["ours"], case.get("eager_name", "eager"): case["eager"]}
+        impls.update(case.get("variants", {}))
+        if use_compile and (case.get("compile", True) if compile_only is None else case["name"] in compile_only):
             impls["torch.compile"] = torch.compile(case["eager"])
         if case.get("liger") and _liger(case["liger"]):
             impls["liger"] = _liger(case["liger"])
+        ins = case["inputs"]
+        with torch.no_grad():
+            reference = case["eager"](*ins)
+            reference = reference[0] if isinstance(reference, tuple) else reference
+        grad_bytes = sum(t.numel() * t.element_size() for t in ins if t.is_floating_point())
+        same_bw = {}
         for impl, fn in impls.items():
+            with torch.no_grad():
+                out = fn(*ins)
+                err = _rel_err(out[0] if isinstance(out, tuple) else out, reference)
             for kind in ("fwd", "fwd+bwd"):
-                ins = case["inputs"]
                 run = (lambda fn=fn, ins=ins: fn(*ins)) if kind == "fwd" else _fwd_bwd(fn, ins)
                 with torch.no_grad() if kind == "fwd" else torch.enable_grad():
                     ms = _time_ms(run, device, args.reps)
                     mem = _peak_bytes(run, device)
                 row = {"kernel": case["name"], "impl": impl, "pass": kind, "ms": ms, "peak_memory_bytes": mem}
+                row["rel_err"] = err
+                if kind == "fwd+bwd" and mem is not None:
+                    row["working_bytes"] = mem - grad_bytes  # beyond the gradients the op must return
                 if "bytes_fwd" in case:
                     moved = case["bytes_fwd"] + (case["bytes_bwd"] if kind == "fwd+bwd" else 0)
                     row["GB/s"] = moved / ms / 1e6
                     row["fraction_of_copy_bw"] = row["GB/s"] / bw if bw else None
+                    if kind not in same_bw:
+                        same_bw[kind] = copy_bandwidth(device, dtype, moved)
+                    row["fraction_of_same_size_copy"] = row["GB/s"] / same_bw[kind] if same_bw[kind] else None
                 else:
                     work = case["flops_fwd"] + (case["flops_bwd"] if kind == "fwd+bwd" else 0)
                     row["TFLOP/s"] = work / ms / 1e9
                     row["fraction_of_peak"] = row["TFLOP/s"] * 1e12 / peak if peak else None
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
-        "dtype": str(dtype).removeprefix("torch."),
-        "size": args.size,
-        "copy_bandwidth_GBps": bw,
-        "peak_flops": peak,
-        "torch": torch.__version__,
-    }
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "kernels.json"), "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    with open(os.path.join(args.out_dir, "kernels.md"), "w") as fh:
-        fh.write(f"# Kernel benchmark — {meta['device']}, {meta['dtype']}, size {args.size}\n\n")
-        fh.write(f"copy bandwidth: {bw and round(bw)} GB/s; peak: {peak and peak / 1e12} TFLOP/s\n\n")
-        fh.write(
-            "| kernel | impl | pass | ms | peak MiB | GB/s or TFLOP/s | of ceiling |\n|---|---|---|---|---|---|---|\n"
-        )
-        for r in rows:
-            rate = r.get("GB/s", r.get("TFLOP/s"))
-            frac = r.get("fraction_of_copy_bw", r.get("fraction_of_peak"))
-            mem = f"{r['peak_memory_bytes'] / 2**20:.1f}" if r["peak_memory_bytes"] is not None else "-"
-            fh.write(
-                f"| {r['kernel']} | {r['impl']} | {r['pass']} | {r['ms']:.3f} | {mem} | {rate:.1f} | "
-                f"{'-' if frac is None else f'{frac:.2f}'} |\n"
-            )
+        if case["name"] == "flash_attention" and device.type == "cuda":  # the tiles each kernel's autotuner chose
+            import importlib
+
+            fa = importlib.import_module("megatron_lite.kernels.flash_attention")
+            meta["flash_attention_tiles"] = {
+                k: str(getattr(getattr(fa, k), "best_config", None))
+                for k in ("_fwd_tuned", "_bwd_dkdv_tuned", "_bwd_dq_tuned")
+            }
+            print(json.dumps(meta["flash_attention_tiles"]), flush=True)
+        _write(args.out_dir, meta, rows)  # after every case: a run cut short still leaves its table
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _write(args.out_dir, meta, rows)
+    print(TARGETS)
+    for line in verdicts(rows):
+        print(line, flush=True)
     return rows
 
 
