@@ -155,16 +155,18 @@ def _pass(
     z_coeff,
     smoothing,
     row_scale,
-    want_grads,
+    want_dh,
+    want_dw,
     chunk,
 ):
-    """One sweep over the chunks: per-token losses, and (optionally) the gradients for `row_scale`."""
+    """One sweep over the chunks: per-token losses, and the gradients asked for (for `row_scale`)."""
     tokens = hidden.shape[0]
+    want_grads = want_dh or want_dw
     losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-    dh = torch.empty_like(hidden) if want_grads else None
+    dh = torch.empty_like(hidden) if want_dh else None
     # The weight gradient accumulates in the weight's dtype, one GEMM epilogue per chunk (as Liger does): an fp32
     # copy would double its memory, and an fp32 GEMM per chunk would run at a fraction of the bf16 rate.
-    dw = torch.zeros_like(weight) if want_grads else None
+    dw = torch.zeros_like(weight) if want_dw else None
     for start in range(0, tokens, chunk):
         h = hidden[start : start + chunk]
         lab = labels[start : start + chunk]
@@ -189,9 +191,17 @@ def _pass(
                 BLOCK=min(1024, next_pow2(logits.shape[1])),
             )
             launched("cross_entropy_grad")
-            dh[start : start + chunk] = logits @ weight
-            dw.addmm_(logits.t(), h)
+            if want_dh:
+                dh[start : start + chunk] = logits @ weight
+            if want_dw:
+                dw.addmm_(logits.t(), h)
     return losses, dh, dw
+
+
+def _reduce(losses, labels, ignore_index, reduction):
+    if reduction == "none":
+        return losses
+    return losses.sum() / (labels != ignore_index).sum().clamp(min=1) if reduction == "mean" else losses.sum()
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -201,26 +211,31 @@ class _FusedLinearCE(torch.autograd.Function):
     ):
         hidden, labels = hidden.contiguous(), labels.contiguous()
         n_valid = (labels != ignore_index).sum().clamp(min=1)
-        eager = reduction in ("mean", "sum")
+        # mean / sum: the gradients are known up to the incoming scalar, so they are made in this pass, and only
+        # those that will be asked for (no weight gradient for a frozen output layer, as under LoRA).
+        want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        eager = reduction in ("mean", "sum") and (want_dh or want_dw)
         row_scale = torch.full(
             (hidden.shape[0],), 1.0 / float(n_valid) if reduction == "mean" else 1.0, device=hidden.device
         )
         args = (ignore_index, group, vocab_start, vocab_size, z_coeff, smoothing)
-        losses, dh, dw = _pass(hidden, weight, labels, *args, row_scale, eager, chunk)
+        losses, dh, dw = _pass(hidden, weight, labels, *args, row_scale, eager and want_dh, eager and want_dw, chunk)
         ctx.args, ctx.chunk, ctx.reduction = args, chunk, reduction
-        if eager:
+        if reduction in ("mean", "sum"):
             ctx.save_for_backward(dh, dw)
-            return losses.sum() / n_valid if reduction == "mean" else losses.sum()
-        ctx.save_for_backward(hidden, weight, labels)
-        return losses
+        else:
+            ctx.save_for_backward(hidden, weight, labels)
+        return _reduce(losses, labels, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.reduction in ("mean", "sum"):
             dh, dw = ctx.saved_tensors
-            return dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), *([None] * 9)
+            dh = None if dh is None else dh * grad.to(dh.dtype)
+            return dh, None if dw is None else dw * grad.to(dw.dtype), *([None] * 9)
         hidden, weight, labels = ctx.saved_tensors
-        _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad.contiguous(), True, ctx.chunk)
+        want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad.contiguous(), want_dh, want_dw, ctx.chunk)
         return dh, dw, *([None] * 9)
 
 
@@ -287,6 +302,11 @@ def fused_linear_cross_entropy(
             vocab_size,
         )
     chunk = chunk_size or _chunk_size(hidden.shape[0], v_local, hidden.element_size())
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):  # evaluation: losses only
+        args = (ignore_index, tp_group, vocab_start, vocab_size, float(z_loss_coeff), float(label_smoothing))
+        hidden, labels = hidden.contiguous(), labels.contiguous()
+        losses, _, _ = _pass(hidden, weight, labels, *args, None, False, False, chunk)
+        return _reduce(losses, labels, ignore_index, reduction)
     return _FusedLinearCE.apply(
         hidden,
         weight,

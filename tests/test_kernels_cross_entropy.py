@@ -53,6 +53,26 @@ def test_matches_reference(reduction, z, smooth, chunk):
         assert rel(a, b) < TOL, rel(a, b)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_evaluation_and_a_frozen_output_layer_make_only_the_gradients_asked_for(reduction):
+    """Under no_grad the losses come without any gradient pass; with the output layer frozen (LoRA) the hidden
+    gradient is still exact and the weight gets none."""
+    h, w, labels = _data()
+    ref = K.fused_linear_cross_entropy_reference(h, w, labels, reduction=reduction)
+    before = K.LAUNCHES["cross_entropy_grad"], K.LAUNCHES["cross_entropy_stats"]
+    with torch.no_grad():
+        loss = K.fused_linear_cross_entropy(h, w, labels, reduction=reduction, chunk_size=8)
+    assert K.LAUNCHES["cross_entropy_stats"] > before[1]  # the kernels ran ...
+    assert K.LAUNCHES["cross_entropy_grad"] == before[0]  # ... and made no gradient
+    assert rel(loss, ref) < TOL
+    hs, wf = h.clone().requires_grad_(True), w.clone()  # wf: frozen
+    hr = h.clone().requires_grad_(True)
+    up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(4)).to(loss.device)
+    K.fused_linear_cross_entropy(hs, wf, labels, reduction=reduction, chunk_size=8).backward(up)
+    K.fused_linear_cross_entropy_reference(hr, w, labels, reduction=reduction).backward(up)
+    assert wf.grad is None and rel(hs.grad, hr.grad) < TOL
+
+
 def test_padded_vocabulary_takes_no_probability():
     h, w, labels = _data(vocab=50)
     labels = labels.clamp(max=44)

@@ -81,6 +81,13 @@ def _flce_chunked(hh, ww, labels, chunk):
     return K.fused_linear_cross_entropy(hh, ww, labels, chunk_size=chunk)
 
 
+def _flce_per_token(hh, ww, labels):
+    """As the model calls it: per-token losses, reduced outside; the backward recomputes each chunk's logits."""
+    from megatron_lite import kernels as K
+
+    return K.fused_linear_cross_entropy(hh, ww, labels, reduction="none").mean()
+
+
 def cases(s: dict, dtype, device):
     from megatron_lite import kernels as K
 
@@ -184,7 +191,11 @@ def cases(s: dict, dtype, device):
             ours=lambda hh, ww: K.fused_linear_cross_entropy(hh, ww, labels),
             eager=unfused_ce,
             variants={
-                f"megatron_lite chunk={c}": functools.partial(_flce_chunked, labels=labels, chunk=c) for c in chunk_rows
+                "megatron_lite per-token": functools.partial(_flce_per_token, labels=labels),
+                **{
+                    f"megatron_lite chunk={c}": functools.partial(_flce_chunked, labels=labels, chunk=c)
+                    for c in chunk_rows
+                },
             },
             flops_fwd=2 * t * h * v,
             flops_bwd=4 * t * h * v,
