@@ -230,9 +230,13 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.reduction in ("mean", "sum"):
+            # Scaled in place: a second vocab x hidden weight gradient would double the op's peak memory.
+            if getattr(ctx, "scaled", False):
+                raise RuntimeError("fused_linear_cross_entropy (mean/sum) supports one backward per forward")
+            ctx.scaled = True
             dh, dw = ctx.saved_tensors
-            dh = None if dh is None else dh * grad.to(dh.dtype)
-            return dh, None if dw is None else dw * grad.to(dw.dtype), *([None] * 9)
+            dh = None if dh is None else dh.mul_(grad.to(dh.dtype))
+            return dh, None if dw is None else dw.mul_(grad.to(dw.dtype)), *([None] * 9)
         hidden, weight, labels = ctx.saved_tensors
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad.contiguous(), want_dh, want_dw, ctx.chunk)

@@ -13,6 +13,7 @@ accumulates dQ. `flash_attention_backward` is exposed so ring attention can merg
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -606,20 +607,26 @@ if HAVE_TRITON:
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
 
     _TUNE_KEY = ["head_dim", "CAUSAL"]
+    # The chosen tiles are cached on disk (Triton's cache), so later runs on this machine, a resumed job among
+    # them, pick the same tiles and round the same way. Triton before 3.3 has no such option.
+    _TUNE_OPTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     # (BLOCK_M queries, BLOCK_N keys, warps, stages)
     _FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)]
     # dK/dV: one program per key block, so wide BLOCK_N and narrow query steps; dQ the other way round.
     _DKDV_TILES = [(32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 3), (16, 64, 4, 4)]
     _DQ_TILES = [(128, 32, 8, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3), (64, 16, 4, 4)]
-    _fwd_tuned = triton.autotune(_configs(_FWD_TILES), key=_TUNE_KEY)(_fwd)
-    _bwd_dkdv_tuned = triton.autotune(_configs(_DKDV_TILES), key=_TUNE_KEY)(_bwd_dkdv)
-    _bwd_dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY)(_bwd_dq)
+    _fwd_tuned = triton.autotune(_configs(_FWD_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_fwd)
+    _bwd_dkdv_tuned = triton.autotune(_configs(_DKDV_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_bwd_dkdv)
+    _bwd_dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_bwd_dq)
 
 
-def _kernel(plain, tuned):
-    """The kernel to launch and its fixed tiles: the autotuned one on a GPU, fixed small tiles when interpreting."""
+def _kernel(plain, tuned, dtype: torch.dtype):
+    """The kernel to launch and its fixed tiles: fixed small tiles when interpreting; on a GPU, fp32 (tests, not
+    training) takes one fixed tile, other dtypes the autotuned kernel."""
     if interpreting():
         return plain, {"BLOCK_M": 16, "BLOCK_N": 16}
+    if dtype == torch.float32:
+        return plain, {"BLOCK_M": 32, "BLOCK_N": 32}
     return tuned, {}
 
 
@@ -649,7 +656,7 @@ def _forward(q, k, v, causal, scale, window_size=None):
     sk, hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    kernel, cfg = _kernel(_fwd, _fwd_tuned)
+    kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
     kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * h)](
         q,
         k,
@@ -697,11 +704,11 @@ def flash_attention_backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = dict(CAUSAL=causal, BLOCK_D=next_pow2(max(d, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned)
+    kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned, q.dtype)
     kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )
-    kernel, cfg = _kernel(_bwd_dq, _bwd_dq_tuned)
+    kernel, cfg = _kernel(_bwd_dq, _bwd_dq_tuned, q.dtype)
     kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * h)](
         q, k, v, do, lse, delta, dq, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )

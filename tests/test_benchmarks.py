@@ -114,3 +114,35 @@ def test_plan_parallelism_check_cpu_reports_measured_and_predicted(tmp_path):
     assert all(r["measured"] > 0 and r["predicted"] > 0 for r in result["rows"])
     assert set(result["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert "measured" in stdout and "predicted" in stdout
+
+
+def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
+    """The verdicts the GPU run prints: ratios from the rows given, and no exception for a failed or missing row
+    (the benchmark writes them after every case, so one would end the run)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_kernels import verdicts
+
+    def row(kernel, impl, kind, ms, **kw):
+        return {"kernel": kernel, "impl": impl, "pass": kind, "ms": ms, **kw}
+
+    rows = [
+        row("rms_norm", "megatron_lite", "fwd", 1.0, fraction_of_copy_bw=0.9, fraction_of_same_size_copy=None),
+        row("swiglu", "megatron_lite", "fwd+bwd", 1.0, fraction_of_copy_bw=0.5, fraction_of_same_size_copy=0.6),
+        row("flash_attention", "megatron_lite", "fwd", 1.0, **{"TFLOP/s": 400.0}),
+        row("flash_attention", "megatron_lite", "fwd+bwd", 3.0, **{"TFLOP/s": 450.0}),
+        row("flash_attention", "sdpa_flash", "fwd", 1.2, **{"TFLOP/s": 333.0}),
+        row("flash_attention", "sdpa_flash", "fwd+bwd", 2.4, **{"TFLOP/s": 560.0}),
+        row("fused_linear_cross_entropy", "eager", "fwd+bwd", 10.0, peak_memory_bytes=100, working_bytes=80),
+        row("fused_linear_cross_entropy", "megatron_lite", "fwd+bwd", 9.0, peak_memory_bytes=4, working_bytes=2),
+        {"kernel": "fused_linear_cross_entropy", "impl": "torch.compile", "error": "OutOfMemoryError: ..."},
+    ]
+    lines = verdicts(rows)
+    text = "\n".join(lines)
+    assert "rms_norm fwd: 0.90 of the 2 GiB copy, - of a same-size copy: meets 0.85" in text
+    assert "swiglu fwd+bwd: 0.50 of the 2 GiB copy, 0.60 of a same-size copy: misses 0.85" in text
+    assert "flash_attention fwd: 1.20x SDPA flash" in text and "meets 1.0x" in text
+    # backward = fwd+bwd - fwd: ours 2.0 ms, SDPA's 1.2 ms -> 0.60x
+    assert "flash_attention bwd: 0.60x SDPA flash" in text and "misses 0.8x" in text
+    assert "peak 4.0% of unfused (2.5% without the returned gradients)" in text and "memory meets 5%" in text
+    assert "torch.compile" not in text  # its row failed: no speed verdict rather than an exception
+    assert verdicts([]) == []

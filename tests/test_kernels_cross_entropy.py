@@ -117,3 +117,14 @@ def test_memory_is_per_chunk_not_per_token():
     assert chunks[0] == chunks[1] == chunks[2], chunks  # the buffer does not grow with the tokens
     assert chunks[0] * 128256 * 2 <= ce.CHUNK_LOGITS_BYTES
     assert ce._chunk_size(tokens=100, vocab=128256) == 100  # never more rows than tokens
+
+
+def test_mean_loss_scales_its_saved_gradients_once():
+    """mean/sum scale the gradients made in the forward in place (no second vocab x hidden buffer), so a second
+    backward through the same graph must refuse rather than scale them again."""
+    h, w, labels = _data()
+    hs = h.clone().requires_grad_(True)
+    loss = K.fused_linear_cross_entropy(hs, w.clone().requires_grad_(True), labels)
+    (loss * 2).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        loss.backward()

@@ -243,6 +243,8 @@ unfused peak memory and no slower than torch.compile of the unfused loss."""
 def verdicts(rows: list[dict]) -> list[str]:
     """One line per target: the measured numbers and whether they meet it."""
 
+    rows = [r for r in rows if "error" not in r]
+
     def get(kernel, impl, kind):
         return next((r for r in rows if r["kernel"] == kernel and r["impl"] == impl and r["pass"] == kind), None)
 
@@ -253,7 +255,8 @@ def verdicts(rows: list[dict]) -> list[str]:
             if r and r.get("fraction_of_copy_bw") is not None:
                 big, same = r["fraction_of_copy_bw"], r.get("fraction_of_same_size_copy")
                 ok = "meets" if big >= 0.85 else "misses"
-                lines.append(f"{kernel} {kind}: {big:.2f} of the 2 GiB copy, {same:.2f} of a same-size copy: {ok} 0.85")
+                same = "-" if same is None else f"{same:.2f}"
+                lines.append(f"{kernel} {kind}: {big:.2f} of the 2 GiB copy, {same} of a same-size copy: {ok} 0.85")
     ours_f, ref_f = get("flash_attention", "megatron_lite", "fwd"), get("flash_attention", "sdpa_flash", "fwd")
     ours_b, ref_b = get("flash_attention", "megatron_lite", "fwd+bwd"), get("flash_attention", "sdpa_flash", "fwd+bwd")
     if ours_f and ref_f:
@@ -262,7 +265,7 @@ def verdicts(rows: list[dict]) -> list[str]:
             f"flash_attention fwd: {x:.2f}x SDPA flash ({ours_f['TFLOP/s']:.0f} vs {ref_f['TFLOP/s']:.0f} "
             f"TFLOP/s): {'meets' if x >= 1.0 else 'misses'} 1.0x"
         )
-    if ours_f and ref_f and ours_b and ref_b:
+    if ours_f and ref_f and ours_b and ref_b and ours_b["ms"] > ours_f["ms"] and ref_b["ms"] > ref_f["ms"]:
         ob, rb = ours_b["ms"] - ours_f["ms"], ref_b["ms"] - ref_f["ms"]
         x = rb / ob
         lines.append(
@@ -273,7 +276,7 @@ def verdicts(rows: list[dict]) -> list[str]:
     eager = next((r for r in ce if r["impl"] == "eager"), None)
     comp = next((r for r in ce if r["impl"] == "torch.compile"), None)
     for r in ce:
-        if not r["impl"].startswith("megatron_lite") or not eager or eager["peak_memory_bytes"] is None:
+        if not r["impl"].startswith("megatron_lite") or not eager or not eager["peak_memory_bytes"]:
             continue
         mem = r["peak_memory_bytes"] / eager["peak_memory_bytes"]
         work = r["working_bytes"] / max(1, eager["working_bytes"])
@@ -284,6 +287,40 @@ def verdicts(rows: list[dict]) -> list[str]:
             + (f", speed {'meets' if comp['ms'] >= r['ms'] else 'misses'}" if comp else "")
         )
     return lines
+
+
+def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak) -> list[dict]:
+    """Forward and forward+backward rows of one implementation of one case."""
+    ins = case["inputs"]
+    with torch.no_grad():
+        reference = case["eager"](*ins)
+        reference = reference[0] if isinstance(reference, tuple) else reference
+        out = fn(*ins)
+        err = _rel_err(out[0] if isinstance(out, tuple) else out, reference)
+        del out, reference
+    grad_bytes = sum(t.numel() * t.element_size() for t in ins if t.is_floating_point())
+    rows = []
+    for kind in ("fwd", "fwd+bwd"):
+        run = (lambda fn=fn, ins=ins: fn(*ins)) if kind == "fwd" else _fwd_bwd(fn, ins)
+        with torch.no_grad() if kind == "fwd" else torch.enable_grad():
+            ms = _time_ms(run, device, reps)
+            mem = _peak_bytes(run, device)
+        row = {"kernel": case["name"], "impl": impl, "pass": kind, "ms": ms, "peak_memory_bytes": mem, "rel_err": err}
+        if kind == "fwd+bwd" and mem is not None:
+            row["working_bytes"] = mem - grad_bytes  # beyond the gradients the op must return
+        if "bytes_fwd" in case:
+            moved = case["bytes_fwd"] + (case["bytes_bwd"] if kind == "fwd+bwd" else 0)
+            row["GB/s"] = moved / ms / 1e6
+            row["fraction_of_copy_bw"] = row["GB/s"] / bw if bw else None
+            same = copy_bandwidth(device, dtype, moved)
+            row["fraction_of_same_size_copy"] = row["GB/s"] / same if same else None
+        else:
+            work = case["flops_fwd"] + (case["flops_bwd"] if kind == "fwd+bwd" else 0)
+            row["TFLOP/s"] = work / ms / 1e9
+            row["fraction_of_peak"] = row["TFLOP/s"] * 1e12 / peak if peak else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def _write(out_dir: str, meta: dict, rows: list[dict]) -> None:
@@ -299,7 +336,7 @@ def _write(out_dir: str, meta: dict, rows: list[dict]) -> None:
             "| kernel | impl | pass | ms | peak MiB | GB/s or TFLOP/s | of 2 GiB copy / of peak | of same-size copy "
             "| rel. err. vs reference |\n|---|---|---|---|---|---|---|---|---|\n"
         )
-        for r in rows:
+        for r in (r for r in rows if "error" not in r):
             rate = r.get("GB/s", r.get("TFLOP/s"))
             frac = r.get("fraction_of_copy_bw", r.get("fraction_of_peak"))
             same = r.get("fraction_of_same_size_copy")
@@ -310,6 +347,9 @@ def _write(out_dir: str, meta: dict, rows: list[dict]) -> None:
                 f"{'-' if frac is None else f'{frac:.2f}'} | {'-' if same is None else f'{same:.2f}'} | "
                 f"{'-' if err is None else f'{err:.1e}'} |\n"
             )
+        errors = [r for r in rows if "error" in r]
+        if errors:
+            fh.write("\nFailed: " + "; ".join(f"{r['kernel']} {r['impl']}: {r['error']}" for r in errors) + "\n")
         fh.write("\n" + TARGETS + "\n\n" + "\n".join(f"- {v}" for v in verdicts(rows)) + "\n")
 
 
@@ -356,59 +396,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
         pass
     rows: list[dict] = []
     wanted = None if args.kernels is None else set(args.kernels.split(","))
-    for case in cases(SIZES[args.size], dtype, device):
-        if wanted is not None and case["name"] not in wanted:
-            continue
-        impls = {"megatron_lite": case["ours"], case.get("eager_name", "eager"): case["eager"]}
-        impls.update(case.get("variants", {}))
-        if use_compile and (case.get("compile", True) if compile_only is None else case["name"] in compile_only):
-            impls["torch.compile"] = torch.compile(case["eager"])
-        if case.get("liger") and _liger(case["liger"]):
-            impls["liger"] = _liger(case["liger"])
-        ins = case["inputs"]
-        with torch.no_grad():
-            reference = case["eager"](*ins)
-            reference = reference[0] if isinstance(reference, tuple) else reference
-        grad_bytes = sum(t.numel() * t.element_size() for t in ins if t.is_floating_point())
-        same_bw = {}
-        for impl, fn in impls.items():
-            with torch.no_grad():
-                out = fn(*ins)
-                err = _rel_err(out[0] if isinstance(out, tuple) else out, reference)
-            for kind in ("fwd", "fwd+bwd"):
-                run = (lambda fn=fn, ins=ins: fn(*ins)) if kind == "fwd" else _fwd_bwd(fn, ins)
-                with torch.no_grad() if kind == "fwd" else torch.enable_grad():
-                    ms = _time_ms(run, device, args.reps)
-                    mem = _peak_bytes(run, device)
-                row = {"kernel": case["name"], "impl": impl, "pass": kind, "ms": ms, "peak_memory_bytes": mem}
-                row["rel_err"] = err
-                if kind == "fwd+bwd" and mem is not None:
-                    row["working_bytes"] = mem - grad_bytes  # beyond the gradients the op must return
-                if "bytes_fwd" in case:
-                    moved = case["bytes_fwd"] + (case["bytes_bwd"] if kind == "fwd+bwd" else 0)
-                    row["GB/s"] = moved / ms / 1e6
-                    row["fraction_of_copy_bw"] = row["GB/s"] / bw if bw else None
-                    if kind not in same_bw:
-                        same_bw[kind] = copy_bandwidth(device, dtype, moved)
-                    row["fraction_of_same_size_copy"] = row["GB/s"] / same_bw[kind] if same_bw[kind] else None
-                else:
-                    work = case["flops_fwd"] + (case["flops_bwd"] if kind == "fwd+bwd" else 0)
-                    row["TFLOP/s"] = work / ms / 1e9
-                    row["fraction_of_peak"] = row["TFLOP/s"] * 1e12 / peak if peak else None
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        if case["name"] == "flash_attention" and device.type == "cuda":  # the tiles each kernel's autotuner chose
-            import importlib
+    selected = [c for c in cases(SIZES[args.size], dtype, device) if wanted is None or c["name"] in wanted]
+    # Two phases: first every kernel beside its eager reference, then torch.compile (cold compiles take the most
+    # time; the fused cross-entropy's, which a target needs, goes first), so a run cut short loses the least.
+    for phase in ("direct", "compiled"):
+        for case in selected:
+            if phase == "direct":
+                impls = {"megatron_lite": case["ours"], case.get("eager_name", "eager"): case["eager"]}
+                impls.update(case.get("variants", {}))
+                if case.get("liger") and _liger(case["liger"]):
+                    impls["liger"] = _liger(case["liger"])
+            elif use_compile and (case.get("compile", True) if compile_only is None else case["name"] in compile_only):
+                impls = {"torch.compile": torch.compile(case["eager"])}
+            else:
+                continue
+            for impl, fn in impls.items():
+                try:
+                    rows += _measure(case, impl, fn, device, dtype, args.reps, bw, peak)
+                except Exception as e:  # one implementation failing (out of memory, a compile error) loses one row
+                    rows.append({"kernel": case["name"], "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(json.dumps(rows[-1]), flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            if case["name"] == "flash_attention" and device.type == "cuda" and phase == "direct":
+                import importlib
 
-            fa = importlib.import_module("megatron_lite.kernels.flash_attention")
-            meta["flash_attention_tiles"] = {
-                k: str(getattr(getattr(fa, k), "best_config", None))
-                for k in ("_fwd_tuned", "_bwd_dkdv_tuned", "_bwd_dq_tuned")
-            }
-            print(json.dumps(meta["flash_attention_tiles"]), flush=True)
-        _write(args.out_dir, meta, rows)  # after every case: a run cut short still leaves its table
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+                fa = importlib.import_module("megatron_lite.kernels.flash_attention")
+                meta["flash_attention_tiles"] = {  # the tiles each kernel's autotuner chose
+                    k: str(getattr(getattr(fa, k), "best_config", None))
+                    for k in ("_fwd_tuned", "_bwd_dkdv_tuned", "_bwd_dq_tuned")
+                }
+                print(json.dumps(meta["flash_attention_tiles"]), flush=True)
+            _write(args.out_dir, meta, rows)  # after every case: a run cut short still leaves its table
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     _write(args.out_dir, meta, rows)
     print(TARGETS)
     for line in verdicts(rows):

@@ -28,7 +28,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/pytest_kernels.log" | head -n 20
 
 # 2. Kernels at Llama-3-8B shapes in bf16 beside SDPA's flash backend / eager / torch.compile (targets: issue 6);
 #    the table goes to $OUT/bench/kernels.md, to be committed under docs/ with the device named.
-timeout ${BENCH_TIMEOUT:-270} python3 tools/bench_kernels.py --size ${BENCH_SIZE:-llama8b} --out-dir "$OUT/bench" \
+timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_kernels.py --size ${BENCH_SIZE:-llama8b} --out-dir "$OUT/bench" \
     > "$OUT/bench_kernels.log" 2>&1
 stamp "bench kernels: rc=$? $(grep -c '"kernel"' "$OUT/bench_kernels.log") rows"
 grep -vE '^\{"kernel"' "$OUT/bench_kernels.log" | grep -vE "Warning|warn" | tail -n 30
