@@ -281,3 +281,22 @@ def test_cost_model_keeps_the_published_order(source):
     from megatron_lite.planner.published import compare
 
     assert compare(lambda *a: None, recommendations=False)["order_kept"][source]
+
+
+def test_a_measured_accelerator_is_not_discounted_again():
+    """Efficiency factors are fractions of a datasheet peak; a CPU's measured matmul and copy rates already are
+    what a kernel achieves, so the model prices them at full rate (before, --check-cpu's one-process step came
+    out 35-40% slower than measured, which skewed every communication-heavy layout's ratio)."""
+    from megatron_lite.planner.cost import Efficiency, step_time
+    from megatron_lite.planner.hardware import ACCELERATORS, Cluster
+
+    gpu = ACCELERATORS["H100"]
+    sheet = Cluster(gpu, 8, 1, 450e9, 50e9)
+    measured = Cluster(dataclasses.replace(gpu, measured=True), 8, 1, 450e9, 50e9)
+    from megatron_lite.planner.published import L8_FUSED
+
+    model, layout = L8_FUSED, Layout(dp=8, micro_batch_size=1)  # Llama 3.1 8B: GEMM-bound, not launch-bound
+    full_rate = Efficiency(gemm=1.0, attention=1.0, memory=1.0)
+    a = step_time(model, layout, 4096, 8, measured)
+    assert a.compute == pytest.approx(step_time(model, layout, 4096, 8, sheet, eff=full_rate).compute)
+    assert a.compute < 0.8 * step_time(model, layout, 4096, 8, sheet).compute

@@ -12,6 +12,9 @@ class Accelerator:
     memory_bandwidth: float  # bytes/s
     memory_bytes: float
     launch_seconds: float  # host cost of one operator (kernel launch, or a PyTorch op on a CPU)
+    # True when peak_flops and memory_bandwidth were measured here (rates a real kernel achieved), not taken
+    # from a datasheet: the cost model's efficiency factors, fractions of a datasheet peak, then do not apply.
+    measured: bool = False
 
 
 GIB = 2**30
@@ -96,7 +99,7 @@ def measure_cpu() -> Accelerator:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         pass
-    return Accelerator("CPU (measured)", flops, bandwidth, mem, op)
+    return Accelerator("CPU (measured)", flops, bandwidth, mem, op, measured=True)
 
 
 def measure_collectives(group=None, reps: int = 30) -> dict[str, tuple[float, float]]:
