@@ -601,12 +601,13 @@ if HAVE_TRITON:
 
 
 if HAVE_TRITON:
-    # On a GPU each kernel picks its tiles by timing these once per (head_dim, causal) (Triton's autotuner); the
-    # interpreter runs one fixed small config. Tiles too large for shared memory are skipped by the autotuner.
+    # On a GPU each kernel picks its tiles by timing these once per head_dim, causality and sequence lengths
+    # (Triton's autotuner; bf16/fp16 only, see _kernel); the interpreter runs one fixed small config. Tiles too
+    # large for shared memory are skipped by the autotuner.
     def _configs(shapes):
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
 
-    _TUNE_KEY = ["head_dim", "CAUSAL"]
+    _TUNE_KEY = ["head_dim", "CAUSAL", "seq_q", "seq_k"]  # a training run has one or two sequence lengths
     # The chosen tiles are cached on disk (Triton's cache), so later runs on this machine, a resumed job among
     # them, pick the same tiles and round the same way. Triton before 3.3 has no such option.
     _TUNE_OPTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
