@@ -32,3 +32,9 @@ timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_kernels.py --size ${BENCH_SIZE
     > "$OUT/bench_kernels.log" 2>&1
 stamp "bench kernels: rc=$? $(grep -c '"kernel"' "$OUT/bench_kernels.log") rows"
 grep -vE '^\{"kernel"' "$OUT/bench_kernels.log" | grep -vE "Warning|warn" | tail -n 30
+
+# 3. The cost of decomposing a GEMM for --tp-comm-overlap (issue 9): per-chunk GEMMs (TP=8 chunks of an 8k
+#    sequence, Llama-3-8B fc1 shard) against one GEMM, bf16; target >= 0.90x. One GPU suffices.
+timeout ${GEMM_TIMEOUT:-60} python3 tools/bench_comm_overlap.py --device cuda --skip-layer --gemm --tp 8 --seq-length 8192 \
+    --gemm-iters 50 --json "$OUT/bench_comm_overlap.json" > "$OUT/bench_comm_overlap.log" 2>&1
+stamp "bench gemm decomposition: rc=$? $(tail -n 1 "$OUT/bench_comm_overlap.log")"
