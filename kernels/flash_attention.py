@@ -43,6 +43,25 @@ if HAVE_TRITON:
         return valid
 
     @triton.jit
+    def _key_spans(start_m, offset, seq_k, WINDOW, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The key blocks a query block visits, [lo, end), and among them those every row sees whole (inside
+        seq_k, at or before the first row's position, inside the last row's window), [full_lo, full_hi): the mask
+        is needed only in [lo, full_lo) and [full_hi, end)."""
+        lo = 0
+        end = seq_k
+        full_hi = seq_k // BLOCK_N * BLOCK_N
+        if CAUSAL:  # keys before the first row's window or after the last row's position are hidden from the block
+            lo = tl.maximum(start_m + offset - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
+            full_hi = tl.minimum(full_hi, (start_m + offset + 1) // BLOCK_N * BLOCK_N)
+        full_lo = lo
+        if CAUSAL:
+            full_lo = tl.maximum(lo, tl.cdiv(start_m + BLOCK_M + offset - WINDOW, BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(tl.minimum(full_hi, end), lo)
+        full_lo = tl.minimum(full_lo, full_hi)
+        return lo, full_lo, full_hi, end
+
+    @triton.jit
     def _fwd_block(
         q,
         K,
@@ -131,93 +150,35 @@ if HAVE_TRITON:
         m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        lo = 0
-        end = seq_k
-        if CAUSAL:  # keys before the first row's window or after the last row's position are hidden from the block
-            lo = tl.maximum(start_m + offset - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-            end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
-        # Key blocks every row of this block sees whole (inside seq_k, at or before the first row's position, inside
-        # the last row's window) skip the mask: [lo, full_lo) and [full_hi, end) are masked, the middle is not.
-        full_hi = seq_k // BLOCK_N * BLOCK_N
-        full_lo = lo
-        if CAUSAL:
-            full_hi = tl.minimum(full_hi, (start_m + offset + 1) // BLOCK_N * BLOCK_N)
-            full_lo = tl.maximum(lo, tl.cdiv(start_m + BLOCK_M + offset - WINDOW, BLOCK_N) * BLOCK_N)
-        full_hi = tl.maximum(tl.minimum(full_hi, end), lo)
-        full_lo = tl.minimum(full_lo, full_hi)
+        lo, full_lo, full_hi, end = _key_spans(start_m, offset, seq_k, WINDOW, CAUSAL, BLOCK_M, BLOCK_N)
         kv = (b * skb + kvh * skh, b * svb + kvh * svh)
-        for start_n in range(lo, full_lo, BLOCK_N):
-            m, lsum, acc = _fwd_block(
-                q,
-                K,
-                V,
-                kv,
-                sks,
-                svs,
-                rows,
-                start_n,
-                start_m + BLOCK_M,
-                seq_k,
-                offset,
-                WINDOW,
-                scale,
-                dims,
-                dmask,
-                m,
-                lsum,
-                acc,
-                CAUSAL,
-                True,
-                BLOCK_N,
-            )
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            m, lsum, acc = _fwd_block(
-                q,
-                K,
-                V,
-                kv,
-                sks,
-                svs,
-                rows,
-                start_n,
-                start_m + BLOCK_M,
-                seq_k,
-                offset,
-                WINDOW,
-                scale,
-                dims,
-                dmask,
-                m,
-                lsum,
-                acc,
-                CAUSAL,
-                False,
-                BLOCK_N,
-            )
-        for start_n in range(full_hi, end, BLOCK_N):
-            m, lsum, acc = _fwd_block(
-                q,
-                K,
-                V,
-                kv,
-                sks,
-                svs,
-                rows,
-                start_n,
-                start_m + BLOCK_M,
-                seq_k,
-                offset,
-                WINDOW,
-                scale,
-                dims,
-                dmask,
-                m,
-                lsum,
-                acc,
-                CAUSAL,
-                True,
-                BLOCK_N,
-            )
+        for part in tl.static_range(3):  # edge blocks (masked), blocks every row sees whole, edge blocks again
+            a = lo if part == 0 else (full_lo if part == 1 else full_hi)
+            z = full_lo if part == 0 else (full_hi if part == 1 else end)
+            for start_n in range(a, z, BLOCK_N):
+                m, lsum, acc = _fwd_block(
+                    q,
+                    K,
+                    V,
+                    kv,
+                    sks,
+                    svs,
+                    rows,
+                    start_n,
+                    start_m + BLOCK_M,
+                    seq_k,
+                    offset,
+                    WINDOW,
+                    scale,
+                    dims,
+                    dmask,
+                    m,
+                    lsum,
+                    acc,
+                    CAUSAL,
+                    part != 1,
+                    BLOCK_N,
+                )
         # Every real row sees at least its own key (lsum >= 1); only padded rows, never stored, can have lsum 0.
         lsum = tl.where(lsum > 0.0, lsum, 1.0)
         o = acc / lsum[:, None]
@@ -373,87 +334,36 @@ if HAVE_TRITON:
         for j in range(0, group):
             bh = b * heads + kvh * group + j
             qo = (b * sqb + (kvh * group + j) * sqh, b * sdb + (kvh * group + j) * sdh)
-            for start_m in range(first, full_lo, BLOCK_M):
-                dk, dv = _dkdv_block(
-                    Q,
-                    DO,
-                    LSE,
-                    DELTA,
-                    qo,
-                    bh,
-                    sqs,
-                    sds,
-                    k,
-                    v,
-                    cols,
-                    start_m,
-                    seq_q,
-                    seq_k,
-                    offset,
-                    WINDOW,
-                    scale,
-                    dims,
-                    dmask,
-                    dk,
-                    dv,
-                    CAUSAL,
-                    True,
-                    BLOCK_M,
-                )
-            for start_m in range(full_lo, full_hi, BLOCK_M):
-                dk, dv = _dkdv_block(
-                    Q,
-                    DO,
-                    LSE,
-                    DELTA,
-                    qo,
-                    bh,
-                    sqs,
-                    sds,
-                    k,
-                    v,
-                    cols,
-                    start_m,
-                    seq_q,
-                    seq_k,
-                    offset,
-                    WINDOW,
-                    scale,
-                    dims,
-                    dmask,
-                    dk,
-                    dv,
-                    CAUSAL,
-                    False,
-                    BLOCK_M,
-                )
-            for start_m in range(full_hi, last, BLOCK_M):
-                dk, dv = _dkdv_block(
-                    Q,
-                    DO,
-                    LSE,
-                    DELTA,
-                    qo,
-                    bh,
-                    sqs,
-                    sds,
-                    k,
-                    v,
-                    cols,
-                    start_m,
-                    seq_q,
-                    seq_k,
-                    offset,
-                    WINDOW,
-                    scale,
-                    dims,
-                    dmask,
-                    dk,
-                    dv,
-                    CAUSAL,
-                    True,
-                    BLOCK_M,
-                )
+            for part in tl.static_range(3):  # edge query blocks (masked), those that see it whole, edge again
+                a = first if part == 0 else (full_lo if part == 1 else full_hi)
+                z = full_lo if part == 0 else (full_hi if part == 1 else last)
+                for start_m in range(a, z, BLOCK_M):
+                    dk, dv = _dkdv_block(
+                        Q,
+                        DO,
+                        LSE,
+                        DELTA,
+                        qo,
+                        bh,
+                        sqs,
+                        sds,
+                        k,
+                        v,
+                        cols,
+                        start_m,
+                        seq_q,
+                        seq_k,
+                        offset,
+                        WINDOW,
+                        scale,
+                        dims,
+                        dmask,
+                        dk,
+                        dv,
+                        CAUSAL,
+                        part != 1,
+                        BLOCK_M,
+                    )
         tl.store(
             DK + b * skb + kvh * skh + cols[:, None] * sks + dims[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask
         )
@@ -509,94 +419,36 @@ if HAVE_TRITON:
         lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        lo = 0
-        end = seq_k
-        if CAUSAL:  # as in the forward
-            lo = tl.maximum(start_m + offset - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-            end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
-        full_hi = seq_k // BLOCK_N * BLOCK_N  # unmasked key blocks, as in the forward
-        full_lo = lo
-        if CAUSAL:
-            full_hi = tl.minimum(full_hi, (start_m + offset + 1) // BLOCK_N * BLOCK_N)
-            full_lo = tl.maximum(lo, tl.cdiv(start_m + BLOCK_M + offset - WINDOW, BLOCK_N) * BLOCK_N)
-        full_hi = tl.maximum(tl.minimum(full_hi, end), lo)
-        full_lo = tl.minimum(full_lo, full_hi)
+        lo, full_lo, full_hi, end = _key_spans(start_m, offset, seq_k, WINDOW, CAUSAL, BLOCK_M, BLOCK_N)
         kv = (b * skb + kvh * skh, b * svb + kvh * svh)
-        for start_n in range(lo, full_lo, BLOCK_N):
-            dq = _dq_block(
-                K,
-                V,
-                kv,
-                sks,
-                svs,
-                q,
-                do,
-                lse,
-                delta,
-                rows,
-                start_n,
-                seq_q,
-                seq_k,
-                offset,
-                WINDOW,
-                scale,
-                dims,
-                dmask,
-                dq,
-                CAUSAL,
-                True,
-                BLOCK_N,
-            )
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            dq = _dq_block(
-                K,
-                V,
-                kv,
-                sks,
-                svs,
-                q,
-                do,
-                lse,
-                delta,
-                rows,
-                start_n,
-                seq_q,
-                seq_k,
-                offset,
-                WINDOW,
-                scale,
-                dims,
-                dmask,
-                dq,
-                CAUSAL,
-                False,
-                BLOCK_N,
-            )
-        for start_n in range(full_hi, end, BLOCK_N):
-            dq = _dq_block(
-                K,
-                V,
-                kv,
-                sks,
-                svs,
-                q,
-                do,
-                lse,
-                delta,
-                rows,
-                start_n,
-                seq_q,
-                seq_k,
-                offset,
-                WINDOW,
-                scale,
-                dims,
-                dmask,
-                dq,
-                CAUSAL,
-                True,
-                BLOCK_N,
-            )
+        for part in tl.static_range(3):  # as in the forward
+            a = lo if part == 0 else (full_lo if part == 1 else full_hi)
+            z = full_lo if part == 0 else (full_hi if part == 1 else end)
+            for start_n in range(a, z, BLOCK_N):
+                dq = _dq_block(
+                    K,
+                    V,
+                    kv,
+                    sks,
+                    svs,
+                    q,
+                    do,
+                    lse,
+                    delta,
+                    rows,
+                    start_n,
+                    seq_q,
+                    seq_k,
+                    offset,
+                    WINDOW,
+                    scale,
+                    dims,
+                    dmask,
+                    dq,
+                    CAUSAL,
+                    part != 1,
+                    BLOCK_N,
+                )
         tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
