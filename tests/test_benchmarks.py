@@ -143,6 +143,9 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
     assert "flash_attention fwd: 1.20x SDPA flash" in text and "meets 1.0x" in text
     # backward = fwd+bwd - fwd: ours 2.0 ms, SDPA's 1.2 ms -> 0.60x
     assert "flash_attention bwd: 0.60x SDPA flash" in text and "misses 0.8x" in text
-    assert "peak 4.0% of unfused (2.5% without the returned gradients)" in text and "memory meets 5%" in text
+    assert (
+        "2.5% of the unfused loss's memory beyond the returned gradients (whole peak 4.0%; the gradients alone" in text
+    )
+    assert "are 20% of the unfused peak)" in text and "memory meets 5%" in text
     assert "torch.compile" not in text  # its row failed: no speed verdict rather than an exception
     assert verdicts([]) == []
