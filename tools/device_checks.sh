@@ -38,3 +38,14 @@ grep -vE '^\{"kernel"' "$OUT/bench_kernels.log" | grep -vE "Warning|warn" | tail
 timeout ${GEMM_TIMEOUT:-60} python3 tools/bench_comm_overlap.py --device cuda --skip-layer --gemm --tp 8 --seq-length 8192 \
     --gemm-iters 50 --json "$OUT/bench_comm_overlap.json" > "$OUT/bench_comm_overlap.log" 2>&1
 stamp "bench gemm decomposition: rc=$? $(tail -n 1 "$OUT/bench_comm_overlap.log")"
+
+# 4. If time is left: a short bf16 training job on the GPU (NCCL, Triton kernels by default on CUDA, MFU against
+#    the datasheet peak), the whole stack end to end.
+timeout ${TRAIN_TIMEOUT:-90} torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py \
+    --num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention \
+    --num-query-groups 8 --seq-length 2048 --normalization RMSNorm --swiglu --position-embedding-type rope \
+    --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 \
+    --micro-batch-size 4 --global-batch-size 16 --train-iters 15 --lr 3e-4 --lr-warmup-iters 5 --bf16 \
+    --mock-data --vocab-size 32000 --log-interval 5 --eval-iters 0 --overlap-grad-reduce \
+    --log-jsonl "$OUT/gpu_train.jsonl" > "$OUT/gpu_train.log" 2>&1
+stamp "gpu train: rc=$? $(grep -c lm_loss "$OUT/gpu_train.jsonl" 2>/dev/null) records; $(tail -n 1 "$OUT/gpu_train.jsonl" 2>/dev/null | cut -c1-300)"
