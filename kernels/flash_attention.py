@@ -133,9 +133,10 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # Causal work grows with the query block: the last ones go first, so the light ones fill the final wave.
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-        bh = tl.program_id(1)
+        # Causal work grows with the query block, which sits on the grid's slow axis: every head's last (heaviest)
+        # block goes first and the light ones fill the final wave.
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        bh = tl.program_id(0)
         b, h = bh // heads, bh % heads
         kvh = h // group
         offset = seq_k - seq_q
@@ -302,8 +303,9 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        start_n = tl.program_id(0) * BLOCK_N
-        bkv = tl.program_id(1)
+        # Key block on the grid's slow axis: every head's first (heaviest, under causal masking) block goes first.
+        start_n = tl.program_id(1) * BLOCK_N
+        bkv = tl.program_id(0)
         kv_heads = heads // group
         b, kvh = bkv // kv_heads, bkv % kv_heads
         offset = seq_k - seq_q
@@ -404,9 +406,10 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # Causal work grows with the query block: the last ones go first, so the light ones fill the final wave.
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-        bh = tl.program_id(1)
+        # Causal work grows with the query block, which sits on the grid's slow axis: every head's last (heaviest)
+        # block goes first and the light ones fill the final wave.
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        bh = tl.program_id(0)
         b, h = bh // heads, bh % heads
         kvh = h // group
         offset = seq_k - seq_q
@@ -510,7 +513,7 @@ def _forward(q, k, v, causal, scale, window_size=None):
     o = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
-    kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * h)](
+    kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
         q,
         k,
         v,
@@ -558,11 +561,11 @@ def flash_attention_backward(
     common = dict(CAUSAL=causal, BLOCK_D=next_pow2(max(d, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned, q.dtype)
-    kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), b * hkv)](
+    kernel[lambda meta: (b * hkv, triton.cdiv(sk, meta["BLOCK_N"]))](
         q, k, v, do, lse, delta, dk, dv, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )
     kernel, cfg = _kernel(_bwd_dq, _bwd_dq_tuned, q.dtype)
-    kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * h)](
+    kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
         q, k, v, do, lse, delta, dq, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )
     launched("flash_attention_bwd")
