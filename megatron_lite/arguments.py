@@ -252,21 +252,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _kernel_impl(requested: str | None) -> str:
-    """Triton on CUDA, PyTorch on a CPU, unless asked; Triton where it cannot run is refused, not ignored."""
+def _kernel_impl(requested: str | None, backend: str | None = None) -> str:
+    """Triton on CUDA, PyTorch on a CPU, unless asked; Triton where it cannot run is refused, not ignored. A gloo
+    job runs on CPU tensors even on a GPU machine."""
     import os
 
     import torch
 
     from megatron_lite.kernels import HAVE_TRITON
 
-    runnable = HAVE_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    on_gpu = torch.cuda.is_available() and backend != "gloo"
+    runnable = HAVE_TRITON and (on_gpu or os.environ.get("TRITON_INTERPRET") == "1")
     if requested is None:
-        return "triton" if runnable and torch.cuda.is_available() else "torch"
+        return "triton" if runnable and on_gpu else "torch"
     if requested == "triton" and not runnable:
+        where = "--distributed-backend gloo runs on CPU tensors" if torch.cuda.is_available() else "no CUDA GPU"
         raise ConfigError(
-            "--kernel-impl triton needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 for the slow CPU "
-            "interpreter); use --kernel-impl torch"
+            f"--kernel-impl triton needs a CUDA GPU with triton installed ({where}); use --kernel-impl torch (or "
+            "TRITON_INTERPRET=1 for the slow CPU interpreter)"
         )
     return requested
 
@@ -306,7 +309,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             "--hierarchical-context-parallel-sizes (--cp-comm-type a2a+p2p) is not supported; use --cp-comm-type "
             "p2p, a2a or allgather"
         )
-    kernel_impl = _kernel_impl(ns.kernel_impl)
+    kernel_impl = _kernel_impl(ns.kernel_impl, ns.distributed_backend)
     vocab = ns.vocab_size
     model = ModelConfig(
         num_layers=ns.num_layers,

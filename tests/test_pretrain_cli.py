@@ -279,6 +279,23 @@ def test_kernel_impl_triton_where_it_cannot_run_is_refused(capsys, monkeypatch):
     _one_line_error(rc, err, "--kernel-impl triton needs a CUDA GPU", "--kernel-impl torch")
 
 
+def test_kernel_impl_follows_the_tensors_device_not_only_the_machine(monkeypatch):
+    """On a GPU machine a gloo job runs on CPU tensors: the default is then the PyTorch path, and an explicit
+    --kernel-impl triton is refused with the reason (before, the default was triton and the TP loss raised)."""
+    import torch
+
+    from megatron_lite.arguments import ConfigError, _kernel_impl
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # this machine's only stand-in for a GPU
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _kernel_impl(None, None) == "triton" and _kernel_impl(None, "nccl") == "triton"
+    assert _kernel_impl(None, "gloo") == "torch"
+    with pytest.raises(ConfigError, match="--distributed-backend gloo runs on CPU tensors"):
+        _kernel_impl("triton", "gloo")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs CPU tensors: an explicit request stands
+    assert _kernel_impl("triton", "gloo") == "triton"
+
+
 def test_memory_breakdown_is_logged(tmp_path, capsys, monkeypatch):
     import json
 

@@ -67,3 +67,13 @@ def test_fault_tolerance_flags_are_validated(flags, message):
     base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         parse_args([*base.split(), *flags])
+
+
+def test_backend_timeout_is_pushed_back_only_where_the_flight_recorder_sees_hangs():
+    """gloo blocks the host in a hung collective, so the recorder reports at the timeout and the backend's own
+    error comes later; NCCL returns once queued, the recorder is blind there, and NCCL keeps the timeout."""
+    from megatron_lite.training.pretrain import backend_timeout
+
+    assert backend_timeout("gloo", 600, recorder_on=True) == 2 * 600 + 60
+    assert backend_timeout("nccl", 600, recorder_on=True) == 600
+    assert backend_timeout("gloo", 600, recorder_on=False) == 600

@@ -194,7 +194,9 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rope, kv_cache)
         if not self.post_process:
             return x
-        if labels is not None and self.config.kernel_impl == "triton":
+        # The fused loss where Triton can run these tensors; elsewhere (CPU tensors on a GPU machine, outside the
+        # interpreter) the loss takes the vocab-parallel path, as every other kernel takes its reference.
+        if labels is not None and self.config.kernel_impl == "triton" and K.triton_usable(x):
             return self._fused_loss(x, labels)
         logits = self.output_layer(x, weight=self.output_weight())  # [seq, batch, vocab shard]
         if labels is None:

@@ -46,6 +46,14 @@ from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
 
+def backend_timeout(backend: str | None, timeout_s: float, recorder_on: bool) -> float:
+    """The process group's timeout. Under gloo a hung collective blocks the host, where the flight recorder
+    sees it and reports at the timeout, so the backend's own error is pushed later. NCCL calls return once
+    queued, so the recorder cannot see a hang there: NCCL's watchdog keeps the timeout asked for."""
+    nccl = (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "nccl"
+    return 2 * timeout_s + 60 if recorder_on and not nccl else timeout_s
+
+
 def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> None:
     """The flags were already reconciled with the checkpoint (arguments.parse_args); what can still differ
     is what the data source decides, the vocabulary (a tokenizer with more ids than the checkpoint's
@@ -179,8 +187,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         job.parallel,
         job.training,
         backend=job.distributed_backend,
-        # the flight recorder reports a hang at the timeout; the backend's own error comes later, if at all
-        timeout_s=2 * timeout_s + 60 if recorder_on else timeout_s,
+        timeout_s=backend_timeout(job.distributed_backend, timeout_s, recorder_on),
     )
     check_config_agreement(job.to_dict(), ctx.device)
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
