@@ -77,3 +77,33 @@ def test_backend_timeout_is_pushed_back_only_where_the_flight_recorder_sees_hang
     assert backend_timeout("gloo", 600, recorder_on=True) == 2 * 600 + 60
     assert backend_timeout("nccl", 600, recorder_on=True) == 600
     assert backend_timeout("gloo", 600, recorder_on=False) == 600
+
+
+def _recorded_ops() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.resilience.flight_recorder import FlightRecorder
+    from megatron_lite.tensor_parallel import mappings
+
+    from dist_pool import get_context
+
+    ctx = get_context(ParallelConfig(tensor_model_parallel_size=2))
+    rec = FlightRecorder(600, store=dist.HashStore(), exit_on_hang=False).install()
+    try:
+        x = torch.ones(4, 3)
+        mappings.all_gather_dim0(x, ctx.tp)  # sequence parallelism's gather
+        mappings.reduce_scatter_tensor(torch.empty(2, 3), x, group=ctx.tp.pg)  # what ZeRO's buckets call
+        mappings.all_gather_tensor(torch.empty(8, 3), x, group=ctx.tp.pg)  # the distributed optimizer's gather
+    finally:
+        rec.uninstall()
+    return [e.op for e in rec.history]
+
+
+def test_the_flight_recorder_sees_the_single_tensor_collectives(dist):
+    """Sequence parallelism's and ZeRO's all-gathers and reduce-scatters reach the flight recorder (they were
+    bound at import, before the recorder wrapped torch.distributed, so a hang in one went unreported)."""
+    for ops in dist(2, _recorded_ops):
+        assert len(ops) == 3, ops
+        assert "gather" in ops[0] and "scatter" in ops[1] and "gather" in ops[2], ops

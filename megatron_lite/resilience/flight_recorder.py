@@ -27,6 +27,8 @@ WRAPPED = (
     "all_reduce",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "all_gather_single",  # torch >= 2.13's names for the two above (absent before: skipped)
+    "reduce_scatter_single",
     "all_to_all_single",
     "all_gather",
     "broadcast",
@@ -191,7 +193,9 @@ class FlightRecorder:
 
     def install(self) -> FlightRecorder:
         for name in WRAPPED:
-            fn = getattr(dist, name)
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
             self._originals[name] = fn
             setattr(dist, name, self._wrap(name, fn))
         self._thread = threading.Thread(target=self._watch, name="megatron_lite-flight-recorder", daemon=True)

@@ -21,12 +21,18 @@ import torch.distributed as dist
 
 from megatron_lite.parallel_context import Group
 
-# torch 2.13 renamed the single-tensor collectives; older releases (the GPU image has 2.11) have only
-# the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-reduce_scatter_tensor = _reduce_scatter_single  # (output, input, group=, async_op=): for callers outside here
-all_gather_tensor = _all_gather_single
+
+# torch 2.13 renamed the single-tensor collectives; older releases (the GPU image has 2.11) have only the old
+# names. Looked up on torch.distributed at each call, not bound at import: the flight recorder (and the fault
+# injector) wrap them there after this module is loaded.
+def all_gather_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 
 # Raw collectives --------------------------------------------------------------------------------
@@ -46,7 +52,7 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     with group.blocked():
-        _all_gather_single(out, x, group=group.pg)
+        all_gather_tensor(out, x, group=group.pg)
     return out
 
 
@@ -59,7 +65,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     with group.blocked():
         try:
-            _reduce_scatter_single(out, x, group=group.pg)
+            reduce_scatter_tensor(out, x, group=group.pg)
         except RuntimeError:  # gloo in older torch releases lacks reduce_scatter: same result, more traffic
             if dist.get_backend(group.pg) != "gloo":
                 raise
