@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
@@ -30,3 +31,21 @@ def test_six_n_plus_attention(make):
     n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size  # padding rows are not real work
     expected = 6 * n + 12 * c.num_layers * s * c.num_attention_heads * c.head_dim
     assert flops_per_token(c, s) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H200", 989.4e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),  # shares "H100" with the SXM part: the specific entry must win
+        ("NVIDIA H200 NVL", 835e12),
+        ("Some Future GPU", None),
+    ],
+)
+def test_mfu_peak_is_the_datasheet_figure_of_the_named_card(monkeypatch, name, peak):
+    from megatron_lite.training.flops import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)  # no GPU here to name itself
+    assert peak_flops(torch.device("cuda"), low_precision=True) == peak

@@ -19,8 +19,11 @@ import torch
 from megatron_lite.config import ModelConfig
 
 # Dense peak tensor FLOP/s by datasheet: (bf16/fp16, fp32). Matched against torch.cuda.get_device_name().
+# More specific names first: the PCIe and NVL cards share a prefix with the SXM parts but not their clocks.
 PEAKS = [
     ("H100 PCIe", 756e12, 51e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H200 NVL", 835e12, 60e12),
     ("H100", 989.4e12, 67e12),
     ("H200", 989.4e12, 67e12),
     ("H800", 989.4e12, 67e12),
