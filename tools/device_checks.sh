@@ -15,7 +15,7 @@ stamp() { echo "[$(($(date +%s) - t0)) s] $*"; }
     > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
-stamp "install: rc=$?"
+stamp "install: rc=$? $(python3 -c 'import megatron_lite.kernels as K; print("kernels from", K.__file__)' 2>&1 | tail -n 1)"
 
 # 1. The kernel tests on the GPU: fp32 against the references (tl.dot in ieee fp32, conftest.py) and bf16
 #    (issue 6), every kernel compiled and autotuned for this device. Parallel: compiling dominates.
