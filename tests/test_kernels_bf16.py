@@ -72,23 +72,16 @@ def test_norms(dtype, residual, norm):
     rows, n = _shape(dtype, (300, 4096), (37, 200))
     x, w, b = _rand(rows, n, seed=0, dtype=dtype), _rand(n, seed=1, dtype=dtype) + 1, _rand(n, seed=2, dtype=dtype)
     r = _rand(rows, n, seed=3, dtype=dtype)
-    if norm == "rms_norm":
-        ours = lambda x, w, r: K.rms_norm(x, w, 1e-5, residual=r if residual else None)  # noqa: E731
-        ref = lambda x, w, r: K.rms_norm_reference(x, w, 1e-5, residual=r if residual else None)  # noqa: E731
-        inputs, names = [x, w, r], ["y", "dx", "dw", "dr"]
-    else:
-        ours = lambda x, w, b, r: K.layer_norm(x, w, b, 1e-5, residual=r if residual else None)  # noqa: E731
-        ref = lambda x, w, b, r: K.layer_norm_reference(x, w, b, 1e-5, residual=r if residual else None)  # noqa: E731
-        inputs, names = [x, w, b, r], ["y", "dx", "dw", "db", "dr"]
-    if residual:
-        names = names[:1] + ["sum"] + names[1:]
-    else:  # the residual input takes no part: no gradient for it
-        names = names[:-1]
-        inputs = inputs[:-1]
-        ours_, ref_ = ours, ref
-        ours = lambda *a: ours_(*a, None)  # noqa: E731
-        ref = lambda *a: ref_(*a, None)  # noqa: E731
-    _check(ours, ref, inputs, dtype, f"{norm}_bwd", names)
+    rms = norm == "rms_norm"
+    params = [w] if rms else [w, b]
+    fused, reference = (K.rms_norm, K.rms_norm_reference) if rms else (K.layer_norm, K.layer_norm_reference)
+
+    def call(fn):  # inputs: x, the norm's parameters, then the residual when there is one
+        return lambda x, *rest: fn(x, *rest[: len(params)], 1e-5, residual=rest[len(params)] if residual else None)
+
+    inputs = [x, *params] + ([r] if residual else [])
+    names = ["y", *(["sum"] if residual else []), "dx", "dw", *([] if rms else ["db"]), *(["dr"] if residual else [])]
+    _check(call(fused), call(reference), inputs, dtype, f"{norm}_bwd", names)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
