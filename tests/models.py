@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_lite.config import ModelConfig, ParallelConfig
@@ -22,6 +23,14 @@ def triton_on_cpu_tensors() -> bool:
     from megatron_lite.kernels._common import HAVE_TRITON
 
     return HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# For tests whose Triton kernels run on CPU tensors (gloo ranks, train_run): on a GPU machine, outside the
+# interpreter, Triton cannot run them and both sides of the comparison would be the PyTorch path.
+needs_triton_on_cpu = pytest.mark.skipif(
+    not triton_on_cpu_tensors(),
+    reason="gloo ranks hold CPU tensors: Triton runs them only under its interpreter (or not installed)",
+)
 
 
 VOCAB = 250  # not a multiple of 4 x make_vocab_size_divisible_by (2): TP=2 and TP=4 must pad

@@ -19,6 +19,7 @@ from megatron_lite.context_parallel.zigzag import (
 )
 
 from dist_pool import get_context
+from models import needs_triton_on_cpu
 
 P = ParallelConfig
 
@@ -82,13 +83,10 @@ def test_attention_equals_full_attention(dist, cp, comm):
                 assert max(errs) < 1e-5, (comm, cp, causal, kv_heads, errs)
 
 
+@needs_triton_on_cpu
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_attention_through_the_flash_kernel(dist, comm):
     """The same with our Triton flash kernel doing the blocks (the GPU path; here under the interpreter)."""
-    from models import triton_on_cpu_tensors
-
-    if not triton_on_cpu_tensors():
-        pytest.skip("gloo ranks hold CPU tensors: Triton runs them only under its interpreter (or not installed)")
     for causal in (True, False):
         for errs in dist(2, attention_vs_full, comm, causal, 2, 32, True):
             assert max(errs) < 1e-4, (comm, causal, errs)

@@ -12,7 +12,7 @@ from megatron_lite import kernels as K
 from megatron_lite.config import ParallelConfig
 
 from dist_pool import get_context
-from models import DEVICE, rel, triton_on_cpu_tensors
+from models import DEVICE, needs_triton_on_cpu, rel
 
 TOL = 1e-5
 
@@ -98,10 +98,9 @@ def tp_cross_entropy(reduction):
     return loss, dh, dw
 
 
+@needs_triton_on_cpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_vocab_parallel_over_two_ranks_equals_one_process(dist, reduction):
-    if not triton_on_cpu_tensors():
-        pytest.skip("gloo ranks hold CPU tensors: Triton runs them only under its interpreter (or not installed)")
     h, w, labels = _tp_data()
     ref = _run(K.fused_linear_cross_entropy_reference, h, w[:50], labels, reduction)
     for rank, (loss, dh, dw) in enumerate(dist(2, tp_cross_entropy, reduction)):

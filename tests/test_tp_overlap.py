@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron_lite.config import ParallelConfig
 
 from dist_pool import get_context
+from models import needs_triton_on_cpu
 
 P = ParallelConfig
 
@@ -52,13 +53,10 @@ def test_overlapped_gemm_equals_reference(dist, tp, kind):
         assert max(errs) < 1e-6, errs
 
 
+@needs_triton_on_cpu
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_overlapped_gemm_through_the_triton_kernel(dist, kind):
     """The per-chunk GEMMs by our Triton kernel (the CUDA path; here under the interpreter)."""
-    from models import triton_on_cpu_tensors
-
-    if not triton_on_cpu_tensors():
-        pytest.skip("gloo ranks hold CPU tensors: Triton runs them only under its interpreter (or not installed)")
     for errs in dist(2, overlap_vs_reference, kind, True):
         assert max(errs) < 1e-6, errs
 
