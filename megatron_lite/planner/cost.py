@@ -110,6 +110,9 @@ def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency) ->
     return 2 * m * k * n / (g.peak_flops * eff.gemm) + a * (m * k + k * n + m * n) / (g.memory_bandwidth * eff.memory)
 
 
+RINGS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff: Efficiency) -> float:
     """A collective over `size` ranks at most `span` ranks apart, as a ring: all-gather and reduce-scatter
     move (n-1)/n of the tensor, an all-reduce twice that, p2p (and all-to-all) the tensor once. Measured
@@ -122,7 +125,10 @@ def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff
     if kind in measured or (kind == "all_to_all" and "all_gather" in measured):
         latency, bandwidth = measured[kind if kind in measured else "all_gather"]
     else:
-        latency, bandwidth = cl.link_latency, cl.bandwidth(span) * eff.comm
+        # a ring collective's ranks `span // size` apart: that many of them share each node (all-to-all and
+        # p2p send each rank's own data through its own NIC, so they get one)
+        per_node = max(1, min(size, cl.gpus_per_node * size // span)) if kind in RINGS else 1
+        latency, bandwidth = cl.link_latency, cl.bandwidth(span, per_node) * eff.comm
     return volume * bytes_ / bandwidth + steps * latency
 
 

@@ -46,10 +46,16 @@ class Cluster:
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
 
-    def bandwidth(self, group_span: int) -> float:
+    def bandwidth(self, group_span: int, ranks_per_node: int = 1) -> float:
         """Bandwidth of a ring over ranks `group_span` consecutive ranks apart at most: NVLink while the
-        group stays inside a node, else the network (each GPU's own NIC sets a ring's pace)."""
-        return self.nvlink_bandwidth if group_span <= self.gpus_per_node else self.network_bandwidth
+        group stays inside a node, else the network. A ring that holds `ranks_per_node` of its ranks in each
+        node crosses the network through that many NICs at once (NCCL gives each channel its own NIC), so
+        its pace is their sum, unless NVLink, which carries the other (r-1)/r of each rank's sends, is slower.
+        (NCCL's multi-node ring on 8 x 400 Gb/s per node reaches 400-450 GB/s bus bandwidth.)"""
+        if group_span <= self.gpus_per_node:
+            return self.nvlink_bandwidth
+        r = max(1, ranks_per_node)
+        return 1.0 / max(1.0 / (r * self.network_bandwidth), (r - 1) / r / self.nvlink_bandwidth)
 
 
 def cluster(gpu: str, gpus_per_node: int, nodes: int, nvlink_gbps: float | None, network_gbps: float | None) -> Cluster:
