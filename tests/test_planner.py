@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import rank_memory, stage_params
+from megatron_lite.planner.memory import layer_params, rank_memory, stage_params
 
 from dist_pool import get_context
 from models import DEVICE, gpt2_config, llama_config
@@ -244,6 +244,29 @@ def test_a_ring_across_nodes_runs_through_every_nic_its_ranks_hold():
     assert rate("all_reduce", 8, 8) == pytest.approx(450)  # inside one node
 
 
+def test_fsdp_edges_are_exposed_even_when_compute_hides_the_rest():
+    """FSDP2 hides each layer's gathers and reduce-scatters under its neighbours' compute, but not those of a
+    micro-batch's edges: the embeddings, output layer and first layer are gathered before anything runs and
+    reduce-scattered after the last backward (before, the whole exchange counted as hidden here)."""
+    from megatron_lite.planner.cost import EFF, _collective, step_time
+    from megatron_lite.planner.hardware import cluster
+    from megatron_lite.planner.published import L8_FUSED
+
+    cl = cluster("H100", 8, 1, None, None)
+    layout = Layout(dp=8, sharding="fsdp2", micro_batch_size=1)
+    t = step_time(L8_FUSED, layout, 8192, 16, cl)  # 2 micro-batches of 8192 tokens: ~1 s each, comm ~0.2 s
+    edge = 2 * 128256 * 4096 + 4096 + layer_params(L8_FUSED, 0, 1, 1)[0]
+    edges = 2 * (
+        _collective("all_gather", 2 * edge, 8, 8, cl, EFF) + _collective("reduce_scatter", 4 * edge, 8, 8, cl, EFF)
+    )
+    n = stage_params(L8_FUSED, layout, 0).total
+    comm = 2 * (
+        2 * _collective("all_gather", 2 * n, 8, 8, cl, EFF) + _collective("reduce_scatter", 4 * n, 8, 8, cl, EFF)
+    )
+    assert comm < t.compute / 3  # the case this test is about
+    assert t.dp_comm == pytest.approx(edges + EFF.contention * (comm - edges))
+
+
 def test_data_parallel_reduction_hides_under_the_last_backward_at_any_tp():
     """Inside one node a DDP all-reduce much shorter than a micro-batch's backward is hidden (only contention
     shows), with and without TP: the window is the backward's compute, not the TP communication."""
@@ -299,7 +322,7 @@ def test_cost_model_within_15_percent_of_published(row):
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="the 8- and 128-GPU FSDP rows of one implementation are 2.3-2.7% apart; the model puts 128 "
-                "GPUs 0.3-0.5% ahead (a 16x smaller optimizer shard; 8 NICs per node carry the ring at 400 GB/s "
+                "GPUs just ahead (a 16x smaller optimizer shard; 8 NICs per node carry the ring at 400 GB/s "
                 "against NVLink's 450) and has no term for what else scale costs",
             ),
         ),

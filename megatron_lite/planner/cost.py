@@ -26,7 +26,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import cached_compute_order, stage_params
+from megatron_lite.planner.memory import cached_compute_order, layer_params, stage_params
 from megatron_lite.training.flops import flops_per_token
 
 
@@ -281,7 +281,15 @@ def step_time(
         if layout.sharding == "fsdp2":  # gathers (forward, backward) and reduce-scatters every micro-batch,
             comm = 2 * _collective("all_gather", a * n, dp_cp, span, cl, eff)  # layer by layer under the step
             comm = micro * (comm + _collective("reduce_scatter", grads, dp_cp, span, cl, eff))
-            exposed = max(0.0, comm - eff.dp_overlap * compute)
+            # except at each micro-batch's edges: the chunk's own unit (embeddings, output layer, final norm)
+            # and its first layer are gathered before anything runs, and reduce-scattered after the backward
+            first = sum(layer_params(model, st.layers[0], tp, ep)) if st.layers else 0
+            edge = n - sum(sum(layer_params(model, i, tp, ep)) for i in st.layers) + first
+            edges = micro * (
+                _collective("all_gather", a * edge, dp_cp, span, cl, eff)
+                + _collective("reduce_scatter", 4 * edge, dp_cp, span, cl, eff)
+            )
+            exposed = edges + max(0.0, comm - edges - eff.dp_overlap * compute)
         else:
             kind = "all_reduce" if layout.sharding == "none" else "reduce_scatter"
             reduce = _collective(kind, grads, dp_cp, span, cl, eff)
