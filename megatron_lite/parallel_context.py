@@ -242,12 +242,12 @@ class ParallelContext:
     @classmethod
     def _make(cls, parallel, world_size, rank, handles, device) -> ParallelContext:
         groups = {}
-        timer = CommTimer()
+        device = device if device is not None else _default_device()
+        timer = CommTimer(cuda=device.type == "cuda")
         for kind, members in all_groups(parallel, world_size).items():
             # Middle pipeline stages belong to no embedding group: a group of their own, no communication.
             ranks = next((g for g in members if rank in g), (rank,))
             groups[kind] = Group(ranks=ranks, rank=ranks.index(rank), handle=handles.get(ranks), timer=timer)
-        device = device if device is not None else _default_device()
         return cls(parallel=parallel, world_size=world_size, rank=rank, groups=groups, device=device)
 
     @property

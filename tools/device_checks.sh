@@ -20,7 +20,8 @@ stamp "install: rc=$? $(python3 -c 'import megatron_lite.kernels as K; print("ke
 # 1. The kernel tests on the GPU: fp32 against the references (tl.dot in ieee fp32, conftest.py) and bf16
 #    (issue 6), every kernel compiled and autotuned for this device. Parallel: compiling dominates.
 KERNEL_TESTS=(tests/test_kernels_bf16.py tests/test_kernels_attention.py tests/test_kernels_cross_entropy.py tests/test_kernels_elementwise.py
-              tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py)
+              tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py
+              tests/test_comm_timer.py)  # and the exposed-communication timer's CUDA events
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 timeout ${KERNEL_TEST_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider $XDIST -rs \
     --junitxml="$OUT/junit_kernels.xml" "${KERNEL_TESTS[@]}" > "$OUT/pytest_kernels.log" 2>&1
