@@ -1,6 +1,8 @@
 """LoRA inside the parallel layers (megatron_lite/lora): fine-tuning at TP=2 with sequence parallelism, at
 TP=2 without it, at PP=2 and at DP=2 equals one process per iteration (lm_loss and grad_norm within 1e-4),
-base weights stay bit-identical, only adapters are trained; the adapted model at init equals the base."""
+base weights stay bit-identical, only adapters are trained; the adapted model at init equals the base.
+Likewise a mixture-of-experts model with adapters on its routed experts, at EP=2, EP=2 x DP=2 and TP=2 + SP
+(expert-TP 2: the experts' adapters split like their weights)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,15 @@ from models import gpt2_config, llama_config
 P = ParallelConfig
 ITERS = 6
 LORA = LoraConfig(rank=4, alpha=8.0)
+EXPERT_LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj", "experts"))
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=1e-2)
+
+
+def moe_config(**kw):
+    return llama_config(**MOE, **kw)
+
+
+CONFIG = {"llama": llama_config, "gpt2": gpt2_config, "moe": moe_config}
 
 
 def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: int = 2, lora: LoraConfig = LORA):
@@ -37,7 +48,7 @@ def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: in
         if dist.is_initialized()
         else ParallelContext.virtual(parallel, device=torch.device("cpu"))
     )
-    config = (llama_config if name == "llama" else gpt2_config)(num_layers=layers)
+    config = CONFIG[name](num_layers=layers)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234)
     n_adapter = apply_lora(model, config, lora, ctx, seed=7)
@@ -62,6 +73,40 @@ LAYOUTS = {
     "pp2": (2, P(pipeline_model_parallel_size=2), 4, 1),
     "dp2": (2, P(), 4, 2),
 }
+
+
+MOE_LAYOUTS = {
+    "ep2": (2, P(expert_model_parallel_size=2), 4, 2),
+    "tp2-sp": (2, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 2),  # expert-TP 2 as well
+    "ep2-dp2": (4, P(expert_model_parallel_size=2), 4, 1),  # two copies of each expert's adapters
+}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_expert_lora_equals_one_process(dist, layout):
+    world, parallel, gbs, mbs = MOE_LAYOUTS[layout]
+    # the reference's micro-batches are the ranks' (the load-balancing loss is per micro-batch)
+    ref, unchanged, trainable, n = lora_run("moe", P(), gbs, mbs, 2, EXPERT_LORA)
+    assert unchanged and any(".mlp.experts." in t for t in trainable) and all(".lora." in t for t in trainable)
+    for history, unchanged, _, _ in dist(world, lora_run, "moe", parallel, gbs, mbs, 2, EXPERT_LORA):
+        assert unchanged
+        _compare(history, ref)
+
+
+def test_expert_adapters_start_as_the_identity_one_pair_per_expert_projection():
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    config = moe_config(num_layers=2)
+    ctx = ParallelContext.virtual(P(), device=torch.device("cpu"))
+    base = build_model(config, ctx, seed=3)
+    adapted = build_model(config, ctx, seed=3)
+    n = apply_lora(adapted, config, LoraConfig(rank=4, alpha=8.0, target_modules=("experts",)), ctx, seed=1)
+    ids = torch.randint(0, 250, (2, 16))
+    torch.testing.assert_close(adapted(ids), base(ids), rtol=1e-5, atol=1e-6)
+    h, f, r = config.hidden_size, config.moe_ffn_size, 4
+    assert n == 2 * 4 * (r * (h + 2 * f) + r * (f + h))  # 2 layers x 4 experts: fc1 (gate and up), fc2
+    assert n == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -99,7 +144,9 @@ def test_adapters_start_as_the_identity_and_only_they_train():
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--num-experts", "4", "--disable-bias-linear"], "--lora-rank with --num-experts is not supported yet"),
+        (["--lora-target-modules", "q_proj", "experts"], "--lora-target-modules experts: the model has no experts"),
+        (["--num-experts", "4", "--disable-bias-linear", "--qlora", "--lora-target-modules", "experts"],
+         r"--qlora with --lora-target-modules experts is not supported yet \(experts stay dense\)"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
          "--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap"),
         (["--lora-target-modules", "q_proj", "lm_head"], "--lora-target-modules lm_head: choose from"),

@@ -10,7 +10,12 @@ reduce-scatter), which therefore sums it too: B's gradient is partial and summed
 That one all-reduce of the replicated matrix's gradient is the only communication LoRA adds.
 
 Fused layers carry one adapter per projection, as PEFT has them per Hugging Face module: the QKV layer q, k
-and v (their outputs placed into the grouped layout), SwiGLU's fc1 gate and up."""
+and v (their outputs placed into the grouped layout), SwiGLU's fc1 gate and up. A routed expert carries one
+adapter on fc1 (gate and up together, as PEFT adapts Hugging Face's fused experts.gate_up_proj) and one on
+fc2, split over expert-TP like a column/row-parallel layer (fc1's B in gate and up blocks, like its weight):
+the MoE layer gathers the TP group's tokens before the experts and reduces after them, the same pattern, and
+the expert-TP group is the TP group (they must be equal), so the same TP sum completes the replicated
+matrices' gradients. They are expert parameters: reduced over expert-DP."""
 
 from __future__ import annotations
 
@@ -28,20 +33,24 @@ class LoRAPair(nn.Module):
     """A [r, in (local)] and B [out (local), r], with their sharding and initialisation (A uniform with
     PEFT's bound 1/sqrt(in), B zero, so the adapted layer starts equal to the base)."""
 
-    def __init__(self, in_full: int, out_full: int, rank: int, tp, split: str, device, dtype) -> None:
+    def __init__(
+        self, in_full: int, out_full: int | tuple[int, ...], rank: int, tp, split: str, device, dtype, expert=False
+    ) -> None:
         super().__init__()
         n = tp.size
         if split == "out":  # column-parallel: B split like the output, A replicated with a partial gradient
-            a_spec, b_spec = None, ShardSpec.even(0, out_full, n)
-            a_shape, b_shape = (rank, in_full), (out_full // n, rank)
+            a_spec, b_spec = None, ShardSpec.even(0, out_full, n)  # blocks (gate, up) split each, like the weight
+            a_shape, b_shape = (rank, in_full), (b_spec.shard_size, rank)
         else:  # row-parallel: A split like the input, B replicated with a partial gradient
             a_spec, b_spec = ShardSpec.even(1, in_full, n), None
-            a_shape, b_shape = (rank, in_full // n), (out_full, rank)
+            a_shape, b_shape = (rank, in_full // n), (int(out_full), rank)
         self.A = nn.Parameter(torch.empty(a_shape, device=device, dtype=dtype))
         self.B = nn.Parameter(torch.empty(b_shape, device=device, dtype=dtype))
         bound = 1.0 / math.sqrt(in_full)
-        set_param_meta(self, "A", ParamMeta(("uniform", bound), a_spec, tp.rank, sequence_parallel=a_spec is None))
-        set_param_meta(self, "B", ParamMeta(("zeros",), b_spec, tp.rank, sequence_parallel=b_spec is None))
+        a_meta = ParamMeta(("uniform", bound), a_spec, tp.rank, sequence_parallel=a_spec is None, expert=expert)
+        b_meta = ParamMeta(("zeros",), b_spec, tp.rank, sequence_parallel=b_spec is None, expert=expert)
+        set_param_meta(self, "A", a_meta)
+        set_param_meta(self, "B", b_meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(x, self.A), self.B)
@@ -54,7 +63,7 @@ class LoRA(nn.Module):
     def __init__(
         self,
         in_full: int,
-        outputs: dict[str, int],
+        outputs: dict[str, int | tuple[int, ...]],
         rank: int,
         alpha: float,
         dropout: float,
@@ -63,12 +72,13 @@ class LoRA(nn.Module):
         layout=None,
         device=None,
         dtype=torch.float32,
+        expert: bool = False,
     ) -> None:
         super().__init__()
         self.scaling = alpha / rank
         self.dropout = dropout
         self.pairs = nn.ModuleDict(
-            {name: LoRAPair(in_full, out, rank, tp, split, device, dtype) for name, out in outputs.items()}
+            {name: LoRAPair(in_full, out, rank, tp, split, device, dtype, expert) for name, out in outputs.items()}
         )
         self.layout = layout  # local outputs by name -> the layer's local output (fused layers)
 

@@ -9,6 +9,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.lora.adapters import LoRA
 from megatron_lite.lora.config import TARGETS, LoraConfig  # noqa: F401 - LoraConfig re-exported
 from megatron_lite.models.weights import _full_init, to_shard
+from megatron_lite.moe.experts import ExpertMLP
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -47,6 +48,15 @@ def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig
     return LoRA(f, {"fc2": h}, split="in", **kw)
 
 
+def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, etp) -> None:
+    h, f = config.hidden_size, config.moe_ffn_size
+    w = expert.linear_fc1.weight
+    kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=etp, device=w.device, dtype=w.dtype,
+              expert=True)  # fmt: skip
+    expert.linear_fc1.lora = LoRA(h, {"fc1": (f, f) if expert.swiglu else f}, split="out", **kw)
+    expert.linear_fc2.lora = LoRA(f, {"fc2": h}, split="in", **kw)
+
+
 def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: ParallelContext, seed: int) -> int:
     """Freeze every weight of `model` (a GPTModel or its pipeline chunks) and add adapters to the target
     layers, initialised layout-free from `seed`. Returns the number of adapter parameters on this rank."""
@@ -54,6 +64,8 @@ def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: Par
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):
+        if isinstance(module, ExpertMLP) and "experts" in lora.target_modules:
+            _expert_adapters(module, config, lora, ctx.etp)
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in lora.target_modules or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue

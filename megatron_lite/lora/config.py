@@ -6,13 +6,17 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError
 
-# Our layer names and the Hugging Face projections they hold (PEFT's target_modules).
+# Our layer names and the Hugging Face projections they hold (PEFT's target_modules). `experts`: every
+# routed expert's fc1 and fc2, which PEFT adapts as the 3-D parameters experts.gate_up_proj and
+# experts.down_proj (its target_parameters), one adapter per expert.
 TARGETS = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
     "linear_proj": ("o_proj",),
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
+    "experts": ("gate_up_proj",),
 }
+DENSE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,7 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = tuple(TARGETS)
+    target_modules: tuple[str, ...] = DENSE_TARGETS
     qlora: bool = False  # the adapted layers' frozen weights stored in NF4 (4.127 bits per parameter)
     # QLoRA checkpoints hold adapters, not the NF4 base: the base checkpoint they were trained on (recorded)
     base: str | None = None
@@ -36,8 +40,13 @@ class LoraConfig:
 
     def validate(self, num_experts: int | None, tp_comm_overlap: bool) -> None:
         """What LoRA does not compose with yet; checked with the flags, before any collective."""
-        if num_experts:
-            raise ConfigError("--lora-rank with --num-experts is not supported yet (experts need their own adapters)")
+        if "experts" in self.target_modules:
+            if not num_experts:
+                raise ConfigError("--lora-target-modules experts: the model has no experts; add --num-experts or "
+                                  "drop experts")  # fmt: skip
+            if self.qlora:
+                raise ConfigError("--qlora with --lora-target-modules experts is not supported yet (experts stay "
+                                  "dense); drop experts or --qlora")  # fmt: skip
         if tp_comm_overlap:
             raise ConfigError("--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap")
 
@@ -49,7 +58,7 @@ def target_modules(names: list[str]) -> tuple[str, ...]:
     for name in names:
         ours = name if name in TARGETS else next((t for t, hf in TARGETS.items() if name in hf), None)
         if ours is None:
-            known = " ".join(list(TARGETS) + [h for hs in TARGETS.values() for h in hs])
+            known = " ".join(dict.fromkeys(list(TARGETS) + [h for hs in TARGETS.values() for h in hs]))
             raise ConfigError(f"--lora-target-modules {name}: choose from {known}")
         if ours not in out:
             out.append(ours)

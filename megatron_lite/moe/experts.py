@@ -23,6 +23,11 @@ class _Weight(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         set_param_meta(self, "weight", meta)
+        self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning experts with them
+
+    def adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = x W^T, plus the adapters' output when there are adapters."""
+        return y if self.lora is None else y + self.lora(x)
 
 
 class ExpertMLP(nn.Module):
@@ -42,8 +47,8 @@ class ExpertMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = activate(F.linear(x, self.linear_fc1.weight), self.activation)
-        return F.linear(h, self.linear_fc2.weight)  # partial over the expert-TP group
+        h = activate(self.linear_fc1.adapted(x, F.linear(x, self.linear_fc1.weight)), self.activation)
+        return self.linear_fc2.adapted(h, F.linear(h, self.linear_fc2.weight))  # partial over the expert-TP group
 
 
 class LocalExperts(nn.Module):
@@ -69,4 +74,12 @@ class LocalExperts(nn.Module):
         c = torch.tensor(counts, dtype=torch.int64, device=x.device)
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
-        return K.grouped_gemm(activate(K.grouped_gemm(x, w1, c), "swiglu", triton=True).contiguous(), w2, c)
+        h = self._adapted("linear_fc1", x, counts, K.grouped_gemm(x, w1, c))
+        h = activate(h, "swiglu", triton=True).contiguous()
+        return self._adapted("linear_fc2", h, counts, K.grouped_gemm(h, w2, c))
+
+    def _adapted(self, which: str, x: torch.Tensor, counts: list[int], y: torch.Tensor) -> torch.Tensor:
+        """Each expert's adapters on its own rows (small GEMMs of rank r, one pair per expert)."""
+        if getattr(self.local_experts[0], which).lora is None:
+            return y
+        return y + torch.cat([getattr(e, which).lora(part) for e, part in zip(self.local_experts, x.split(counts))])
