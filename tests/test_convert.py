@@ -26,8 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _tool(path: str):
-    """A script under tools/ as a module (tools/checkpoint is never put on sys.path: its inspect.py would
-    shadow the standard library's)."""
+    """A script under tools/ as a module (loaded by path, without putting its folder on sys.path)."""
     spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_tool", ROOT / path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -347,9 +346,20 @@ def test_converted_checkpoint_continues_pretraining(converted, capsys, monkeypat
     assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")) is not None
 
 
+def test_scripts_run_as_scripts():
+    """Run as `python tools/checkpoint/convert.py`, a script's folder comes first on sys.path, so a file there
+    named like a standard-library module shadows it for torch too (tools/checkpoint/inspect.py did: every
+    README convert command failed at import while the tests, loading the module by path, passed)."""
+    scripts = [p for d in ("tools", "pretrain") for p in (ROOT / d).rglob("*.py")]
+    assert not [p for p in scripts if p.stem in sys.stdlib_module_names]
+    run = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--help"]
+    out = subprocess.run(run, capture_output=True, text=True, cwd=ROOT / "tools" / "checkpoint")
+    assert out.returncode == 0 and "--saver" in out.stdout, out.stderr[-2000:]
+
+
 def test_inspect(converted, tmp_path):
     _, _, ours, _ = converted["mixtral"]
-    run = [sys.executable, str(ROOT / "tools" / "checkpoint" / "inspect.py"), ours, "--verify"]
+    run = [sys.executable, str(ROOT / "tools" / "checkpoint" / "inspect_checkpoint.py"), ours, "--verify"]
     out = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for fragment in (

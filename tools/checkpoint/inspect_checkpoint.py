@@ -3,25 +3,19 @@
 every tensor (full shape, dtype, pieces) and the total size. Reads JSON only, never tensor data, unless
 --verify is given (then every file's checksum is checked too).
 
-    python tools/checkpoint/inspect.py ckpt            # the newest checkpoint under ckpt
-    python tools/checkpoint/inspect.py ckpt/iter_0000100 --json
+    python tools/checkpoint/inspect_checkpoint.py ckpt            # the newest checkpoint under ckpt
+    python tools/checkpoint/inspect_checkpoint.py ckpt/iter_0000100 --json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 
-# Run as a script, this file's folder comes first on sys.path, and this file would shadow the standard
-# library's `inspect` (which torch imports): take the folder off before importing anything else.
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, read_metadata  # noqa: E402
-from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, read_metadata
+from megatron_lite.config import ConfigError
 
 
 def _human(n: float) -> str:
