@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="p2p",
         help="context-parallel attention: p2p (ring, zigzag load balance), a2a (all-to-all over heads), allgather",
     )
-    d.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+")
+    d.add_argument(
+        "--hierarchical-context-parallel-sizes", type=int, nargs="+", help="not implemented (refused at start-up)"
+    )
     d.add_argument("--expert-model-parallel-size", type=int, default=1)
     d.add_argument("--expert-tensor-parallel-size", type=int)
     d.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)

@@ -13,9 +13,10 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "use_mcore_models": (False, "megatron_lite has one model implementation"),
     "use_flash_attn": (
         False,
-        "attention runs through scaled_dot_product_attention (flash on CUDA when eligible)",
+        "attention is flash attention either way: our Triton kernel with --kernel-impl triton (the default on "
+        "CUDA), scaled_dot_product_attention with --kernel-impl torch",
     ),
-    "attention_backend": (True, "scaled_dot_product_attention picks its backend"),
+    "attention_backend": (True, "--kernel-impl picks attention: our flash kernel (triton) or SDPA (torch)"),
     "accumulate_allreduce_grads_in_fp32": (
         False,
         "main gradients are always accumulated and reduced in fp32",
@@ -25,13 +26,20 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         False,
         "the loss is always averaged over the tokens of the whole global batch",
     ),
-    "cross_entropy_loss_fusion": (False, "the vocab-parallel cross-entropy is used either way"),
+    "cross_entropy_loss_fusion": (
+        False,
+        "--kernel-impl triton fuses the output layer with the loss (chunked, logits never whole) either way",
+    ),
+    "moe_grouped_gemm": (
+        False,
+        "experts run as grouped GEMMs with --kernel-impl triton (the default on CUDA), a loop with torch",
+    ),
     "log_throughput": (False, "throughput is always logged"),
     "no_masked_softmax_fusion": (False, "there is no fused masked softmax to disable"),
-    "no_bias_swiglu_fusion": (False, "there is no fused bias-SwiGLU to disable"),
+    "no_bias_swiglu_fusion": (False, "SwiGLU's fusion follows --kernel-impl (triton: fused, torch: not)"),
     "no_bias_gelu_fusion": (False, "there is no fused bias-GELU to disable"),
     "no_bias_dropout_fusion": (False, "there is no fused bias-dropout to disable"),
-    "no_rope_fusion": (False, "there is no fused RoPE to disable"),
+    "no_rope_fusion": (False, "RoPE's fusion follows --kernel-impl (triton: fused, torch: not)"),
     "no_gradient_accumulation_fusion": (False, "there is no fused weight-gradient accumulation to disable"),
     "no_create_attention_mask_in_dataloader": (False, "no attention mask is ever built (causal SDPA)"),
     "no_mmap_bin_files": (False, "indexed datasets are always memory-mapped"),
@@ -43,7 +51,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
 
 # Megatron flags we do not implement: refused with one line naming the flag and why.
 REFUSED: dict[str, str] = {
-    "moe_grouped_gemm": "grouped GEMM for experts comes with the Triton kernels (issue 6); experts run in a loop",
     "fp8_format": "fp8 training is not implemented",
     "fp8_amax_history_len": "fp8 training is not implemented",
     "fp8_amax_compute_algo": "fp8 training is not implemented",

@@ -156,6 +156,17 @@ def test_refused_flags(argv, fragments, capsys, monkeypatch):
     _one_line_error(rc, err, *fragments)
 
 
+def test_megatron_moe_and_fusion_flags_are_taken_and_explained():
+    """Flags every Megatron MoE script passes (--moe-grouped-gemm was refused while a Triton grouped GEMM
+    already ran the experts): accepted, each with the line start-up prints."""
+    from megatron_lite.arguments import build_parser
+    from megatron_lite.megatron_flags import accepted_no_ops
+
+    flags = ["--moe-grouped-gemm", "--use-flash-attn", "--no-rope-fusion", "--cross-entropy-loss-fusion"]
+    lines = accepted_no_ops(build_parser().parse_args(["--num-layers", "2", *flags]))
+    assert sorted(line.split()[0] for line in lines) == sorted(flags) and all("--kernel-impl" in line for line in lines)
+
+
 def test_bad_layout_stops_before_any_process_group(capsys, monkeypatch):
     rc, _, err = _run(
         ["--mock-data", "--vocab-size", "100", "--tensor-model-parallel-size", "3"], capsys, monkeypatch, world=4
