@@ -97,3 +97,107 @@ def test_gpt2_export_is_refused():
 
     with pytest.raises(Exception, match="Llama-like"):
         to_peft({}, gpt2_config(), LORA, "GPT2LMHeadModel")
+
+
+EXPERT_LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "experts"))
+
+
+@pytest.fixture(scope="module")
+def tuned_mixtral():
+    """A tiny Mixtral from transformers with adapters on q/k/v and on every routed expert, fine-tuned here."""
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
+
+    hf_cfg = transformers.MixtralConfig(vocab_size=200, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(hf_cfg).eval()
+    config = config_from_hf(hf_cfg, make_vocab_size_divisible_by=1)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    model = build_model(config, ctx, seed=1)
+    model[0].load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "MixtralForCausalLM"))
+    apply_lora(model, config, EXPERT_LORA, ctx, seed=3)
+    optim = OptimizerConfig(lr=2e-2, lr_decay_style="constant", weight_decay=0.0)
+    ddp, opt = wrap_for_training(model, ctx, optim)
+    sched = LRScheduler(optim, 4)
+    data = MockGPTDataset(200, 16, seed=2)
+    for it in range(4):
+        train_step(ddp, opt, sched, [collate([data[4 * it + j] for j in range(4)])], ctx)
+    model.eval()
+    return hf, model, model[0].full_state_dict(), config
+
+
+def test_peft_loads_our_expert_adapters_with_our_logits(tuned_mixtral, tmp_path):
+    """PEFT adapts Mixtral's fused expert parameters (target_parameters); our per-expert pairs, stacked in its
+    layout, give our logits on the Hugging Face base."""
+    from megatron_lite.models.hf import state_dict_to_hf
+
+    hf, model, state, config = tuned_mixtral
+    base, adapters = split_lora(state)
+    expert_b = [v for k, v in adapters.items() if ".mlp.experts." in k and k.endswith(".B")]
+    assert len(expert_b) == 2 * 2 * 4 and all(v.abs().max() > 0 for v in expert_b)  # every expert's B trained
+    tensors, adapter_config = to_peft(adapters, config, EXPERT_LORA, "MixtralForCausalLM")
+    assert adapter_config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    write_peft(str(tmp_path / "adapter"), tensors, adapter_config)
+    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+        ours = model(ids)[..., :200]
+        assert (ours - theirs).abs().max() < 1e-4
+        with peft_model.disable_adapter():
+            assert (peft_model(ids).logits - theirs).abs().max() > 1e-3
+        # the experts' adapters matter on their own: without them (attention's alone) the logits differ
+        no_experts = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+        write_peft(str(tmp_path / "attn_only"), no_experts, {**adapter_config, "target_parameters": []})
+        fresh = transformers.MixtralForCausalLM(hf.config).eval()  # (PEFT wrapped `hf` in place)
+        fresh.load_state_dict(state_dict_to_hf(base, config, "MixtralForCausalLM"), strict=False)
+        attn_only = peft.PeftModel.from_pretrained(fresh, str(tmp_path / "attn_only")).eval()
+        assert (attn_only(ids).logits - theirs).abs().max() > 1e-3
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(tensors)
+
+
+def test_merged_expert_export_is_base_plus_scaled_b_a(tuned_mixtral):
+    from megatron_lite.models.hf import state_dict_to_hf
+
+    hf, model, state, config = tuned_mixtral
+    base, adapters = split_lora(state)
+    hf_merged = state_dict_to_hf(merge(state, config, EXPERT_LORA), config, "MixtralForCausalLM")
+    hf_base = state_dict_to_hf(base, config, "MixtralForCausalLM")
+    scale = EXPERT_LORA.alpha / EXPERT_LORA.rank
+    for e in range(4):
+        for hf_name, ours in (
+            ("gate_up_proj", "linear_fc1.lora.pairs.fc1"),
+            ("down_proj", "linear_fc2.lora.pairs.fc2"),
+        ):
+            a, b = (
+                adapters[f"decoder.layers.1.mlp.experts.{e}.{ours}.A"],
+                adapters[f"decoder.layers.1.mlp.experts.{e}.{ours}.B"],
+            )
+            expected = hf_base[f"model.layers.1.mlp.experts.{hf_name}"][e] + scale * b @ a
+            torch.testing.assert_close(
+                hf_merged[f"model.layers.1.mlp.experts.{hf_name}"][e], expected, rtol=0, atol=1e-6
+            )
+    fresh = transformers.MixtralForCausalLM(hf.config).eval()
+    fresh.load_state_dict(hf_merged, strict=False)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (fresh(ids).logits - model(ids)[..., :200]).abs().max() < 1e-4
+
+
+def test_expert_adapters_with_dropout_are_not_exported_to_peft():
+    from models import llama_config
+
+    config = llama_config(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    key = "decoder.layers.0.mlp.experts.0.linear_fc1.lora.pairs.fc1.A"
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=("experts",))
+    with pytest.raises(Exception, match="PEFT's expert adapters take no dropout"):
+        to_peft({key: torch.zeros(4, 64)}, config, lora, "MixtralForCausalLM")

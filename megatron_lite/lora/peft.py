@@ -3,7 +3,13 @@ what `PeftModel.from_pretrained` loads onto the Hugging Face base), or merged in
 
 Our adapters sit one per Hugging Face projection (q, k, v, o, gate, up, down), so each maps to a PEFT
 module one to one: A [r, in] and B [out, r], with the projection's rows in Hugging Face order (our
-grouped-QKV layout is only the base weight's)."""
+grouped-QKV layout is only the base weight's).
+
+Routed experts (Mixtral): transformers holds a layer's experts as two 3-D parameters, experts.gate_up_proj
+[E, 2I, H] and experts.down_proj [E, H, I], which PEFT adapts through `target_parameters`: one lora_A
+[E r, in] whose rows are expert-major (expert e's A is rows e r .. e r + r), and one lora_B [out, r E] whose
+columns are rank-major (expert e's column j is column j E + e). Two targets on one module nest: the first
+listed (gate_up_proj) becomes the inner `base_layer`."""
 
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ HF_MODULES = {
     ("mlp.linear_fc2", "fc2"): "mlp.down_proj",
 }
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.pairs\.(\w+)\.(A|B)$")
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc1|linear_fc2)\.lora\.pairs\.\w+\.(A|B)$")
+# our expert weight -> (PEFT target parameter, its adapter's prefix inside the experts module)
+HF_EXPERT_PARAMS = {"linear_fc1": ("experts.gate_up_proj", "base_layer."), "linear_fc2": ("experts.down_proj", "")}
 
 
 def split_lora(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -43,13 +52,29 @@ def to_peft(
     if arch not in LLAMA_LIKE:
         raise ConfigError(f"--saver hf-peft supports Llama-like models (separate q/k/v projections), not {arch}")
     tensors, modules = {}, set()
+    experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
     for key, value in lora_state.items():
+        e = _EXPERT.match(key)
+        if e is not None:
+            experts.setdefault((int(e.group(1)), e.group(3), e.group(4)), {})[int(e.group(2))] = value
+            continue
         m = _KEY.match(key)
         if m is None or (m.group(2), m.group(3)) not in HF_MODULES:
             raise ConfigError(f"{key} is not a LoRA adapter of a projection PEFT knows")
         layer, hf = m.group(1), HF_MODULES[(m.group(2), m.group(3))]
         modules.add(hf.split(".")[-1])
         tensors[f"base_model.model.model.layers.{layer}.{hf}.lora_{m.group(4)}.weight"] = value.contiguous()
+    if experts and lora.dropout:
+        raise ConfigError(f"--saver hf-peft: PEFT's expert adapters take no dropout (--lora-dropout {lora.dropout}); "
+                          "export merged weights with --saver hf --merge-lora instead")  # fmt: skip
+    for (layer, ours, which), per_expert in experts.items():
+        stacked = [per_expert[e] for e in range(config.num_experts)]
+        if which == "A":  # [E r, in], expert-major rows
+            value = torch.cat(stacked, dim=0)
+        else:  # [out, r E], column j E + e = expert e's column j
+            value = torch.stack(stacked, dim=2).reshape(stacked[0].shape[0], -1)
+        prefix = HF_EXPERT_PARAMS[ours][1]
+        tensors[f"base_model.model.model.layers.{layer}.mlp.experts.{prefix}lora_{which}.weight"] = value.contiguous()
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -57,6 +82,7 @@ def to_peft(
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": sorted(modules),
+        "target_parameters": [HF_EXPERT_PARAMS[w][0] for w in HF_EXPERT_PARAMS if any(k[1] == w for k in experts)],
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -102,4 +128,9 @@ def merge(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig)
             if (i, layer, name) in delta:
                 key = f"decoder.layers.{i}.{layer}.weight"
                 merged[key] = merged[key] + delta[(i, layer, name)].to(merged[key].dtype)
+        for e in range(config.num_experts or 0):  # an expert's fc1 adapter covers gate and up together
+            for layer, name in ((f"mlp.experts.{e}.linear_fc1", "fc1"), (f"mlp.experts.{e}.linear_fc2", "fc2")):
+                if (i, layer, name) in delta:
+                    key = f"decoder.layers.{i}.{layer}.weight"
+                    merged[key] = merged[key] + delta[(i, layer, name)].to(merged[key].dtype)
     return merged
