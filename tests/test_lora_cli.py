@@ -1,6 +1,7 @@
-"""LoRA fine-tuning end to end, as a user runs it: a tiny Llama from transformers converted to megatron_lite,
-fine-tuned with `pretrain_gpt.py --finetune --lora-rank 4 --sft` on prompt/response JSONL (loss on
-responses only) under torchrun at TP=2, exported with `convert.py --saver hf-peft`; PEFT on the Hugging
+"""LoRA fine-tuning end to end, as a user runs it: a tiny Llama (and a tiny Mixtral) from transformers converted
+to megatron_lite, fine-tuned with `pretrain_gpt.py --finetune --lora-rank 4 --sft` on prompt/response JSONL
+(loss on responses only) under torchrun at TP=2 (Mixtral: EP=2, adapters on its experts too), exported with
+`convert.py --saver hf-peft`; PEFT on the Hugging
 Face base gives the logits of our fine-tuned model (fp32, 1e-4), and `--merge-lora` writes full weights
 that give them too."""
 
@@ -38,12 +39,30 @@ def _convert(*args: str) -> None:
     assert mod.main(list(args)) == 0
 
 
-def test_lora_fine_tune_export_and_load_in_peft(tmp_path):
+CASES = {
+    # dense: adapters on every projection, at TP=2 with sequence parallelism
+    "llama": (
+        lambda: transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False),
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ),
+    # mixture of experts: adapters on q, k, v and every routed expert, experts split over EP=2
+    "mixtral": (
+        lambda: transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2, tie_word_embeddings=False),
+        ["--expert-model-parallel-size", "2", "--lora-target-modules", "q_proj", "k_proj", "v_proj", "experts"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch):
     hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "lora"
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    make_config, layout = CASES[arch]
+    hf_class = transformers.AutoModelForCausalLM
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir, safe_serialization=True)
+    hf_class.from_config(make_config()).save_pretrained(hf_dir, safe_serialization=True)
     _tokenizer(hf_dir / "tokenizer.json")
     _convert("--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(hf_dir), "--save-dir", str(ckpt))
     gen = torch.Generator().manual_seed(1)
@@ -56,8 +75,7 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path):
         "--sft", "--data-path", str(tmp_path / "sft.jsonl"), "--tokenizer-type", "HuggingFaceTokenizer",
         "--tokenizer-model", str(hf_dir / "tokenizer.json"), "--seq-length", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", "4", "--lr", "2e-2", "--lr-decay-style", "constant",
-        "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo",
-        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo", *layout,
     ]  # fmt: skip
     run = torchrun(2, args, tmp_path)
     assert "LoRA rank 4" in run.stdout and "the base frozen" in run.stdout
@@ -66,29 +84,30 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path):
     _convert("--loader", "megatron_lite", "--saver", "hf", "--merge-lora", "--load-dir", str(out), "--save-dir",
              str(tmp_path / "merged"))  # fmt: skip
 
-    # our fine-tuned model, one process, from the checkpoint the TP=2 job wrote
-    from megatron_lite.checkpoint.hf_convert import model_config_from_dict, read_model_tensors
+    # our fine-tuned model, one process, from the checkpoint the two-process job wrote
+    from megatron_lite.checkpoint.hf_convert import _lora_config, model_config_from_dict, read_model_tensors
     from megatron_lite.config import ParallelConfig
     from megatron_lite.lora.apply import apply_lora
-    from megatron_lite.lora.config import LoraConfig
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.parallel_context import ParallelContext
 
     meta, tensors = read_model_tensors(str(out))
     config = model_config_from_dict(meta["config"]["model"])
+    lora = _lora_config(meta["config"])
+    assert ("experts" in lora.target_modules) == (arch == "mixtral")
     model = build_model(config, ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu")), seed=1)
-    apply_lora(model, config, LoraConfig(4, 8.0), ParallelContext.virtual(ParallelConfig()), seed=0)
+    apply_lora(model, config, lora, ParallelContext.virtual(ParallelConfig()), seed=0)
     model[0].load_full_state_dict(tensors)
     model.eval()
     ids = torch.randint(2, 122, (2, 16), generator=gen)
     with torch.no_grad():
         ours = model(ids)[..., :128]
-        base = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+        base = hf_class.from_pretrained(hf_dir).eval()
         with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
         assert (with_adapter(ids).logits - ours).abs().max() < 1e-4
         with with_adapter.disable_adapter():
             assert (with_adapter(ids).logits - ours).abs().max() > 1e-3  # fine-tuning changed the model
-        merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        merged = hf_class.from_pretrained(tmp_path / "merged").eval()
         assert (merged(ids).logits - ours).abs().max() < 1e-4
     # base weights untouched by training
     base_ckpt = read_model_tensors(str(ckpt))[1]
