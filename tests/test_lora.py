@@ -52,6 +52,10 @@ def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: in
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234)
     n_adapter = apply_lora(model, config, lora, ctx, seed=7)
+    if lora.qlora:
+        from megatron_lite.lora.qlora import quantize_base
+
+        quantize_base(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     optim = dataclasses.replace(OPTIM, lr=1e-2)  # adapters start at B = 0: a visible step in a few iterations
@@ -82,13 +86,18 @@ MOE_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_expert_lora_equals_one_process(dist, layout):
+@pytest.mark.parametrize(
+    "layout,lora",
+    [(layout, EXPERT_LORA) for layout in MOE_LAYOUTS]
+    + [("ep2", dataclasses.replace(EXPERT_LORA, qlora=True))],  # QLoRA: the experts' weights in NF4 too
+    ids=list(MOE_LAYOUTS) + ["ep2-qlora"],
+)
+def test_expert_lora_equals_one_process(dist, layout, lora):
     world, parallel, gbs, mbs = MOE_LAYOUTS[layout]
     # the reference's micro-batches are the ranks' (the load-balancing loss is per micro-batch)
-    ref, unchanged, trainable, n = lora_run("moe", P(), gbs, mbs, 2, EXPERT_LORA)
+    ref, unchanged, trainable, n = lora_run("moe", P(), gbs, mbs, 2, lora)
     assert unchanged and any(".mlp.experts." in t for t in trainable) and all(".lora." in t for t in trainable)
-    for history, unchanged, _, _ in dist(world, lora_run, "moe", parallel, gbs, mbs, 2, EXPERT_LORA):
+    for history, unchanged, _, _ in dist(world, lora_run, "moe", parallel, gbs, mbs, 2, lora):
         assert unchanged
         _compare(history, ref)
 
@@ -145,8 +154,6 @@ def test_adapters_start_as_the_identity_and_only_they_train():
     "flags,message",
     [
         (["--lora-target-modules", "q_proj", "experts"], "--lora-target-modules experts: the model has no experts"),
-        (["--num-experts", "4", "--disable-bias-linear", "--qlora", "--lora-target-modules", "experts"],
-         r"--qlora with --lora-target-modules experts is not supported yet \(experts stay dense\)"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
          "--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap"),
         (["--lora-target-modules", "q_proj", "lm_head"], "--lora-target-modules lm_head: choose from"),

@@ -82,3 +82,44 @@ def test_qlora_model_trains_adapters_on_an_nf4_base():
     assert b["mem_params_bytes"] == dense_params + nf4_bytes(model)
     assert b["mem_optimizer_bytes"] == 8 * n_adapter  # Adam moments of the adapters only (fp32 weights)
     assert b["mem_grads_bytes"] == 4 * n_adapter
+
+
+def test_qlora_on_experts_dequantises_each_expert_and_keeps_its_codes():
+    """Adapted experts store their frozen weights in NF4 like the adapted dense layers: the model at init is the
+    dense model holding each expert's NF4 reconstruction, training moves only adapters, and every expert's
+    weight counts at NF4's size."""
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.moe.experts import ExpertWeight
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
+
+    config = llama_config(num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    model, dense = build_model(config, ctx, seed=1), build_model(config, ctx, seed=1)
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "experts"), qlora=True)
+    apply_lora(model, config, lora, ctx, seed=2)
+    n_quantised = quantize_base(model)
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeight)]
+    assert len(experts) == 2 * 4 * 2 and all(m.weight is None and m.nf4 is not None for m in experts)
+    assert n_quantised == sum(m.nf4.weight().numel for m in model.modules() if getattr(m, "nf4", None) is not None)
+    twins = dict(dense.named_modules())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, NF4Storage):
+                twins[name.removesuffix(".nf4")].weight.copy_(dequantize_nf4_reference(module.weight()))
+    ids = torch.randint(0, 250, (2, 16))
+    torch.testing.assert_close(model(ids), dense(ids), rtol=1e-5, atol=1e-5)
+
+    codes = {n: b.clone() for n, b in model.named_buffers()}
+    optim = dataclasses.replace(OptimizerConfig(lr=1e-2), lr_decay_style="constant")
+    ddp, opt = wrap_for_training(model, ctx, optim)
+    sched = LRScheduler(optim, 2)
+    data = MockGPTDataset(250, 16, seed=1)
+    for it in range(2):
+        train_step(ddp, opt, sched, [collate([data[4 * it + j] for j in range(4)])], ctx)
+    assert all(torch.equal(b, codes[n]) for n, b in model.named_buffers())
+    assert all(p.grad is None or ".lora." in n for n, p in model.named_parameters())

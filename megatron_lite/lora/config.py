@@ -44,9 +44,6 @@ class LoraConfig:
             if not num_experts:
                 raise ConfigError("--lora-target-modules experts: the model has no experts; add --num-experts or "
                                   "drop experts")  # fmt: skip
-            if self.qlora:
-                raise ConfigError("--qlora with --lora-target-modules experts is not supported yet (experts stay "
-                                  "dense); drop experts or --qlora")  # fmt: skip
         if tp_comm_overlap:
             raise ConfigError("--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap")
 

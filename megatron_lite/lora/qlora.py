@@ -1,5 +1,5 @@
-"""QLoRA: the frozen base weights of the adapted layers stored in NF4 (kernels/nf4.py, 4.127 bits per
-parameter), dequantised on every use and again in the backward (only the layer's input is saved), so a
+"""QLoRA: the frozen base weights of the adapted layers and experts stored in NF4 (kernels/nf4.py, 4.127 bits
+per parameter), dequantised on every use and again in the backward (only the layer's input is saved), so a
 layer's dense weight exists only while its GEMM runs.
 
 Each rank quantises its own shard (as tensor-parallel QLoRA does): the 64-element blocks are the same as the
@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from megatron_lite.kernels.nf4 import NF4Weight, quantize_nf4
+from megatron_lite.moe.experts import ExpertWeight
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -39,7 +40,7 @@ def quantize_base(model: nn.Module) -> int:
     number of parameters quantised on this rank."""
     count = 0
     for module in model.modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module.lora is None:
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertWeight)) or module.lora is None:
             continue
         w = module.weight
         module.nf4 = NF4Storage(quantize_nf4(w.detach()))

@@ -10,13 +10,14 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
+from megatron_lite.kernels.nf4 import nf4_linear
 from megatron_lite.models.mlp import activate
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
-class _Weight(nn.Module):
+class ExpertWeight(nn.Module):
     """Holds one weight, so experts read like Megatron's (`linear_fc1.weight`) in names and checkpoints."""
 
     def __init__(self, shape, meta: ParamMeta, device, dtype) -> None:
@@ -24,9 +25,14 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         set_param_meta(self, "weight", meta)
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning experts with them
+        self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (W dequantised as it is used under QLoRA), plus the adapters' output when there are any."""
+        y = F.linear(x, self.weight) if self.nf4 is None else nf4_linear(x, self.nf4.weight())
+        return self.adapted(x, y)
 
     def adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y = x W^T, plus the adapters' output when there are adapters."""
         return y if self.lora is None else y + self.lora(x)
 
 
@@ -39,16 +45,16 @@ class ExpertMLP(nn.Module):
         fc1 = ShardSpec.even(0, (f, f) if self.swiglu else (f,), etp.size)
         fc2 = ShardSpec.even(1, f, etp.size)
         std, out_std = config.init_method_std, config.output_layer_init_std
-        self.linear_fc1 = _Weight(
+        self.linear_fc1 = ExpertWeight(
             (fc1.shard_size, h), ParamMeta(("normal", std), fc1, etp.rank, expert=True), device, dtype
         )
-        self.linear_fc2 = _Weight(
+        self.linear_fc2 = ExpertWeight(
             (h, fc2.shard_size), ParamMeta(("normal", out_std), fc2, etp.rank, expert=True), device, dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = activate(self.linear_fc1.adapted(x, F.linear(x, self.linear_fc1.weight)), self.activation)
-        return self.linear_fc2.adapted(h, F.linear(h, self.linear_fc2.weight))  # partial over the expert-TP group
+        h = activate(self.linear_fc1.linear(x), self.activation)
+        return self.linear_fc2.linear(h)  # partial over the expert-TP group
 
 
 class LocalExperts(nn.Module):
@@ -63,7 +69,8 @@ class LocalExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
-        if self.triton and self.local_experts[0].swiglu:
+        # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once)
+        if self.triton and self.local_experts[0].swiglu and self.local_experts[0].linear_fc1.nf4 is None:
             return self._grouped(x, counts)
         outs = [expert(chunk) for expert, chunk in zip(self.local_experts, x.split(counts))]
         return torch.cat(outs) if outs else x[:0]
