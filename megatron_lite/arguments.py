@@ -183,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--split", default="969,30,1")
     _bool(a, "--mock-data", "synthetic tokens (needs --vocab-size)")
     a.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES))
-    a.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    a.add_argument(
+        "--tokenizer-model",
+        help="tokenizer.json for HuggingFaceTokenizer; for Llama2Tokenizer / GPTSentencePieceTokenizer the "
+        "tokenizer.model (the tokenizer.json beside it is read) or that tokenizer.json",
+    )
     a.add_argument("--vocab-file")
     a.add_argument("--merge-file")
     a.add_argument("--vocab-size", type=int)

@@ -73,3 +73,58 @@ def test_bad_json_key_is_one_line(tmp_path):
         timeout=120,
     )
     assert out.returncode == 2 and out.stderr.strip().startswith("error:") and "--json-keys" in out.stderr
+
+
+def _sentencepiece_folder(folder: pathlib.Path, with_json: bool = True) -> pathlib.Path:
+    """A Llama-style tokenizer folder: tokenizer.model (SentencePiece; we never read it) and, when asked,
+    the Hugging Face tokenizer.json converted from it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x00")
+    if with_json:
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(40)}}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.model"
+
+
+def test_megatron_sentencepiece_tokenizers_read_the_tokenizer_json_beside_the_model(tmp_path):
+    """Llama2Tokenizer puts a BOS before every document and ends documents with </s>; GPTSentencePieceTokenizer
+    has no BOS. Both take the .model path a Megatron script passes."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    model = _sentencepiece_folder(tmp_path / "llama")
+    llama = build_tokenizer("Llama2Tokenizer", model=str(model))
+    assert llama.encode("w0 w5") == [1, 3, 8] and llama.encode_batch(["w1"]) == [[1, 4]]
+    assert llama.eod == 2 and llama.vocab_size == 43
+    gpt_sp = build_tokenizer("GPTSentencePieceTokenizer", model=str(tmp_path / "llama"))  # the folder works too
+    assert gpt_sp.encode("w0 w5") == [3, 8] and gpt_sp.eod == 2
+    bare = _sentencepiece_folder(tmp_path / "bare", with_json=False)
+    with pytest.raises(ConfigError, match="found none at .*tokenizer.json") as e:
+        build_tokenizer("Llama2Tokenizer", model=str(bare))
+    assert "\n" not in str(e.value)
+
+
+def test_megatron_mixtral_example_flags_parse(tmp_path):
+    """The flags of Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (with --moe-grouped-gemm,
+    commented out there, switched on), unchanged: a Megatron user ports the script by changing its entry point."""
+    from megatron_lite.arguments import parse_args
+
+    model = _sentencepiece_folder(tmp_path / "mixtral")
+    flags = f"""--use-mcore-models --disable-bias-linear --seq-length 256 --max-position-embeddings 2048
+        --num-layers 2 --hidden-size 256 --ffn-hidden-size 896 --num-attention-heads 2 --init-method-std 0.01
+        --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
+        --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion
+        --no-position-embedding --rotary-base 1000000 --num-experts 2 --moe-router-topk 2
+        --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm
+        --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
+        --tokenizer-type Llama2Tokenizer --tokenizer-model {model} --mock-data --split 99990,8,2
+        --micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 7 --min-lr 1.0e-5 --weight-decay 0.1
+        --clip-grad 1.0 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+        --expert-model-parallel-size 2 --use-distributed-optimizer --sequence-parallel --eval-iters 10
+        --no-load-optim --no-load-rng"""
+    _, job = parse_args(flags.split())
+    assert job.model.num_experts == 2 and job.parallel.ep == 2 and job.data.tokenizer_type == "Llama2Tokenizer"

@@ -20,6 +20,7 @@ import sys
 import time
 
 from megatron_lite.config import ConfigError
+from megatron_lite.data.config import TOKENIZER_TYPES
 from megatron_lite.data.indexed import IndexedDatasetWriter
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument(
         "--tokenizer-type",
         required=True,
-        choices=["HuggingFaceTokenizer", "GPT2BPETokenizer", "ByteLevelTokenizer", "NullTokenizer"],
+        choices=list(TOKENIZER_TYPES),
     )
     g.add_argument("--tokenizer-model")
     g.add_argument("--vocab-file")

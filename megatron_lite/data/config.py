@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 
 from megatron_lite.config import ConfigError
 
-TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer", "GPT2BPETokenizer")
+TOKENIZER_TYPES = (
+    "NullTokenizer",
+    "HuggingFaceTokenizer",
+    "ByteLevelTokenizer",
+    "GPT2BPETokenizer",
+    "Llama2Tokenizer",  # read through the tokenizer.json beside its tokenizer.model (data/tokenizers.py)
+    "GPTSentencePieceTokenizer",
+)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Tokenizers: a Hugging Face tokenizer.json (through the `tokenizers` library), GPT-2 BPE from
-vocab.json + merges.txt, a byte-level fallback, and Megatron's NullTokenizer for --mock-data."""
+"""Tokenizers: a Hugging Face tokenizer.json (through the `tokenizers` library), Megatron's SentencePiece
+tokenizers (Llama2Tokenizer, GPTSentencePieceTokenizer) through the tokenizer.json beside their .model, GPT-2
+BPE from vocab.json + merges.txt, a byte-level fallback, and Megatron's NullTokenizer for --mock-data."""
 
 from __future__ import annotations
 
@@ -64,6 +65,40 @@ class HuggingFaceTokenizer:
         return self._tok.decode(ids)
 
 
+class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
+    """Megatron's Llama2Tokenizer (a BOS before every document, EOD = </s>) and GPTSentencePieceTokenizer (no
+    BOS), which read a SentencePiece tokenizer.model. We read the Hugging Face tokenizer.json converted from that
+    model instead, which Llama and Mistral repositories ship beside it (the same ids for plain text): given the
+    .model file, its directory, or the tokenizer.json itself."""
+
+    def __init__(self, path: str | None, kind: str) -> None:
+        flag = f"--tokenizer-type {kind} --tokenizer-model {path}"
+        if not path:
+            raise ConfigError(f"--tokenizer-type {kind} needs --tokenizer-model (tokenizer.model or tokenizer.json)")
+        folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        json_path = path if path.endswith(".json") else os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(json_path):
+            raise ConfigError(
+                f"{flag}: megatron_lite reads the Hugging Face tokenizer.json converted from a SentencePiece model "
+                f"and found none at {json_path}; put the model's tokenizer.json there (Llama and Mistral "
+                "repositories ship one) or use --tokenizer-type HuggingFaceTokenizer"
+            )
+        super().__init__(json_path)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.bos = vocab.get("<s>") if kind == "Llama2Tokenizer" else None
+        if kind == "Llama2Tokenizer" and self.bos is None:
+            raise ConfigError(f"{flag}: {json_path} has no <s> token for Llama2Tokenizer's BOS")
+        if "</s>" in vocab:
+            self.eod = vocab["</s>"]  # SentencePiece's EOS, Megatron's EOD for these tokenizers
+
+    def encode(self, text: str) -> list[int]:
+        ids = super().encode(text)
+        return ids if self.bos is None else [self.bos, *ids]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [ids if self.bos is None else [self.bos, *ids] for ids in super().encode_batch(texts)]
+
+
 class GPT2BPETokenizer(HuggingFaceTokenizer):
     def __init__(self, vocab_file: str, merge_file: str) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -102,6 +137,8 @@ def build_tokenizer(
         return HuggingFaceTokenizer(model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type in ("Llama2Tokenizer", "GPTSentencePieceTokenizer"):
+        return SentencePieceFamilyTokenizer(model, tokenizer_type)
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported")

@@ -19,10 +19,10 @@ def _vocab(job: JobConfig) -> int:
         return job.data.vocab_size + (
             1 if job.data.tokenizer_type in (None, "NullTokenizer") and job.data.mock_data else 0
         )
-    if job.data.tokenizer_type == "HuggingFaceTokenizer" and job.data.tokenizer_model:
-        from megatron_lite.data.tokenizers import HuggingFaceTokenizer
+    if job.data.tokenizer_type not in (None, "NullTokenizer"):
+        from megatron_lite.data.tokenizers import tokenizer_from_flags
 
-        return HuggingFaceTokenizer(job.data.tokenizer_model).vocab_size
+        return tokenizer_from_flags(job.data).vocab_size
     return 4096  # the embedded corpus's tokenizer
 
 
