@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--global-batch-size", type=int)
     t.add_argument("--seq-length", type=int)
     t.add_argument("--train-iters", type=int)
+    t.add_argument("--train-samples", type=int, help="the run's length in samples (instead of --train-iters)")
     t.add_argument("--exit-interval", type=int)
     t.add_argument("--exit-duration-in-mins", type=float)
     t.add_argument("--seed", type=int, default=1234)
@@ -152,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr-warmup-init", type=float, default=0.0)
     o.add_argument("--lr-wsd-decay-style", default="exponential", choices=list(WSD_DECAY_STYLES))
     o.add_argument("--lr-wsd-decay-iters", type=int)
+    o.add_argument("--lr-decay-samples", type=int, help="with --train-samples (default: --train-samples)")
+    o.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
+    o.add_argument("--lr-wsd-decay-samples", type=int, help="with --train-samples")
     o.add_argument("--weight-decay", type=float, default=0.01)
     _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
     _bool(
@@ -299,9 +303,29 @@ def _require(ns: argparse.Namespace, *names: str) -> None:
         raise ConfigError(f"missing required flag(s): {' '.join(missing)}")
 
 
+def _check_run_length(ns: argparse.Namespace) -> None:
+    """Iteration-based or sample-based, never both (Megatron's rule), schedule flags in the run's unit."""
+    if ns.train_iters is None and ns.train_samples is None:
+        raise ConfigError("missing required flag: --train-iters N (or --train-samples N)")
+    if ns.train_iters is not None and ns.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples are exclusive; keep one")
+    by_iters = {"--lr-decay-iters": ns.lr_decay_iters, "--lr-warmup-iters": ns.lr_warmup_iters or None,
+                "--lr-wsd-decay-iters": ns.lr_wsd_decay_iters}  # fmt: skip
+    by_samples = {"--lr-decay-samples": ns.lr_decay_samples, "--lr-warmup-samples": ns.lr_warmup_samples or None,
+                  "--lr-wsd-decay-samples": ns.lr_wsd_decay_samples}  # fmt: skip
+    wrong = by_iters if ns.train_samples is not None else by_samples
+    for flag, value in wrong.items():
+        if value is not None:
+            run, other = (
+                ("--train-samples", "-samples") if ns.train_samples is not None else ("--train-iters", "-iters")
+            )
+            raise ConfigError(f"{flag} {value} does not go with {run}: use the {other} form of the flag")
+
+
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     refuse_unsupported(ns)
-    _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters")
+    _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    _check_run_length(ns)
     if ns.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
     if ns.overlap_p2p_comm and ns.no_overlap_p2p_communication:
@@ -395,7 +419,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=ns.global_batch_size,
         seq_length=ns.seq_length,
-        train_iters=ns.train_iters,
+        train_iters=ns.train_iters or 0,  # with --train-samples: resolved at start-up
+        train_samples=ns.train_samples,
         seed=ns.seed,
         log_interval=ns.log_interval,
         eval_interval=ns.eval_interval,
@@ -405,8 +430,10 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         overlap_grad_reduce=ns.overlap_grad_reduce,
         ddp_bucket_size=ns.ddp_bucket_size,
     )
-    warmup = ns.lr_warmup_iters
-    if ns.lr_warmup_fraction is not None:
+    warmup, warmup_samples = ns.lr_warmup_iters, ns.lr_warmup_samples
+    if ns.lr_warmup_fraction is not None and ns.train_samples is not None:
+        warmup_samples = int(ns.lr_warmup_fraction * (ns.lr_decay_samples or ns.train_samples))
+    elif ns.lr_warmup_fraction is not None:
         warmup = int(ns.lr_warmup_fraction * (ns.lr_decay_iters or ns.train_iters))
     optimizer = OptimizerConfig(
         use_distributed_optimizer=ns.use_distributed_optimizer,
@@ -421,6 +448,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         lr_warmup_init=ns.lr_warmup_init,
         lr_wsd_decay_style=ns.lr_wsd_decay_style,
         lr_wsd_decay_iters=ns.lr_wsd_decay_iters,
+        lr_decay_samples=ns.lr_decay_samples,
+        lr_warmup_samples=warmup_samples,
+        lr_wsd_decay_samples=ns.lr_wsd_decay_samples,
         weight_decay=ns.weight_decay,
         adam_beta1=ns.adam_beta1,
         adam_beta2=ns.adam_beta2,

@@ -7,6 +7,7 @@ every rank at start-up instead of hanging in a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -311,6 +312,9 @@ class TrainingConfig:
     global_batch_size: int | None = None  # default: micro_batch_size x data-parallel size
     seq_length: int = 1024
     train_iters: int = 100
+    # Megatron's --train-samples: the run's length in samples; train_iters is then resolved at start-up as
+    # train_samples // global batch (resolve_train_iters), once the data-parallel size is known.
+    train_samples: int | None = None
     seed: int = 1234
     log_interval: int = 100
     eval_interval: int = 1000
@@ -322,6 +326,16 @@ class TrainingConfig:
 
     def global_batch(self, dp: int) -> int:
         return self.global_batch_size or self.micro_batch_size * dp
+
+    def resolve_train_iters(self, dp: int) -> TrainingConfig:
+        """With --train-samples, the iterations it makes at this data-parallel size (Megatron's rule:
+        train_samples // global batch, the remainder not trained)."""
+        if self.train_samples is None:
+            return self
+        gbs = self.global_batch(dp)
+        if self.train_samples < gbs:
+            raise ConfigError(f"--train-samples {self.train_samples} is less than one global batch ({gbs} samples)")
+        return dataclasses.replace(self, train_iters=self.train_samples // gbs)
 
 
 def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: int = 0, tp_cp: int = 1) -> list[int]:
@@ -467,8 +481,10 @@ def validate_layout(
     if training is None:
         return
     seq = training.seq_length
-    if training.train_iters < 1:
+    if training.train_samples is None and training.train_iters < 1:
         raise ConfigError(f"--train-iters {training.train_iters} must be >= 1")
+    if training.train_samples is not None:
+        training.resolve_train_iters(parallel.data_parallel_size(world_size))  # raises if not one global batch
     for flag, value in (
         ("--log-interval", training.log_interval),
         ("--eval-interval", training.eval_interval),

@@ -167,6 +167,31 @@ def test_megatron_moe_and_fusion_flags_are_taken_and_explained():
     assert sorted(line.split()[0] for line in lines) == sorted(flags) and all("--kernel-impl" in line for line in lines)
 
 
+def test_sample_based_run(tmp_path, capsys, monkeypatch):
+    """--train-samples 10 at a global batch of 4: 2 iterations (Megatron's samples // batch), the warmup over 6
+    samples ending inside the second step."""
+    import json
+
+    log = tmp_path / "m.jsonl"
+    tiny = [a for a in TINY if a not in ("--train-iters", "3")]
+    argv = [*tiny, "--train-samples", "10", "--lr-warmup-samples", "6", "--lr-decay-style", "constant",
+            "--mock-data", "--vocab-size", "100", "--log-jsonl", str(log)]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "--train-samples 10: 2 iterations of 4 samples" in capsys.readouterr().out
+    train = [json.loads(line) for line in log.read_text().splitlines() if '"lm_loss"' in line]
+    assert [r["iteration"] for r in train] == [1, 2]
+    assert train[0]["lr"] == 0.0 and train[1]["lr"] == pytest.approx(1e-3 * 4 / 6)
+    for extra, fragment in (
+        (["--train-iters", "3"], "--train-iters and --train-samples are exclusive"),
+        (["--lr-warmup-iters", "2"], "--lr-warmup-iters 2 does not go with --train-samples"),
+        (["--global-batch-size", "16"], "--train-samples 10 is less than one global batch"),
+    ):
+        rc = main([*argv, *extra])
+        _one_line_error(rc, capsys.readouterr().err, fragment)
+
+
 def test_bad_layout_stops_before_any_process_group(capsys, monkeypatch):
     rc, _, err = _run(
         ["--mock-data", "--vocab-size", "100", "--tensor-model-parallel-size", "3"], capsys, monkeypatch, world=4

@@ -24,6 +24,10 @@ class OptimizerConfig:
     lr_warmup_init: float = 0.0
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: int | None = None
+    # Sample-based schedule (with --train-samples), in samples: Megatron's --lr-*-samples
+    lr_decay_samples: int | None = None  # default: --train-samples
+    lr_warmup_samples: int = 0
+    lr_wsd_decay_samples: int | None = None
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -52,10 +56,12 @@ class OptimizerConfig:
             raise ConfigError(
                 f"--lr-wsd-decay-style {self.lr_wsd_decay_style} is not supported; use one of {WSD_DECAY_STYLES}"
             )
-        if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
+        if self.lr_decay_style == "WSD" and not (self.lr_wsd_decay_iters or self.lr_wsd_decay_samples):
             raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the length of the final decay)")
-        if self.lr_warmup_iters < 0:
-            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must be >= 0")
+        if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
+            raise ConfigError(
+                f"--lr-warmup-iters/-samples {self.lr_warmup_iters or self.lr_warmup_samples} must be >= 0"
+            )
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad {self.clip_grad} must be >= 0 (0 disables clipping)")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
@@ -80,12 +86,23 @@ class OptimizerConfig:
         if self.hysteresis < 1:
             raise ConfigError(f"--hysteresis {self.hysteresis} must be >= 1")
 
-    def validate_schedule(self, train_iters: int) -> None:
-        decay = self.lr_decay_iters or train_iters
-        if self.lr_decay_style != "constant" and self.lr_warmup_iters >= decay:
+    @property
+    def sample_based(self) -> bool:
+        return bool(self.lr_decay_samples or self.lr_warmup_samples or self.lr_wsd_decay_samples)
+
+    def schedule(self, train_iters: int, train_samples: int | None = None) -> tuple[str, int, int, int | None]:
+        """(unit, warmup, decay, WSD decay) of the schedule: in iterations, or in samples when the run is
+        sample-based (--train-samples), as Megatron counts them."""
+        if train_samples is not None:
+            return "samples", self.lr_warmup_samples, self.lr_decay_samples or train_samples, self.lr_wsd_decay_samples
+        return "iters", self.lr_warmup_iters, self.lr_decay_iters or train_iters, self.lr_wsd_decay_iters
+
+    def validate_schedule(self, train_iters: int, train_samples: int | None = None) -> None:
+        unit, warmup, decay, wsd = self.schedule(train_iters, train_samples)
+        if self.lr_decay_style != "constant" and warmup >= decay:
             raise ConfigError(
-                f"--lr-warmup-iters {self.lr_warmup_iters} must be below --lr-decay-iters {decay}; "
-                f"use --lr-warmup-iters {max(decay // 10, 0)}"
+                f"--lr-warmup-{unit} {warmup} must be below --lr-decay-{unit} {decay}; "
+                f"use --lr-warmup-{unit} {max(decay // 10, 0)}"
             )
-        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters > decay:
-            raise ConfigError(f"--lr-wsd-decay-iters {self.lr_wsd_decay_iters} exceeds --lr-decay-iters {decay}")
+        if self.lr_decay_style == "WSD" and (wsd or 0) > decay:
+            raise ConfigError(f"--lr-wsd-decay-{unit} {wsd} exceeds --lr-decay-{unit} {decay}")

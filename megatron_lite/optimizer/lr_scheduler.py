@@ -2,7 +2,9 @@
 inverse-square-root or WSD (warmup-stable-decay) down to --min-lr, held at --min-lr after the decay.
 
 Steps count optimizer iterations. Like Megatron, the schedule is evaluated at the number of completed
-steps, so with warmup the first iteration runs at --lr-warmup-init (0 by default)."""
+steps, so with warmup the first iteration runs at --lr-warmup-init (0 by default). A sample-based run
+(--train-samples, --lr-*-samples) evaluates it at the samples consumed, a global batch per step, as Megatron
+does: warmup and decay lengths need not be whole iterations."""
 
 from __future__ import annotations
 
@@ -12,15 +14,19 @@ from megatron_lite.optimizer.config import OptimizerConfig
 
 
 class LRScheduler:
-    def __init__(self, config: OptimizerConfig, train_iters: int) -> None:
-        config.validate_schedule(train_iters)
+    def __init__(
+        self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None, samples_per_step: int = 1
+    ) -> None:
+        config.validate_schedule(train_iters, train_samples)
         self.config = config
-        self.decay_steps = config.lr_decay_iters or train_iters
+        _, self.warmup, self.decay_steps, self.wsd_steps = config.schedule(train_iters, train_samples)
+        self.unit = samples_per_step if train_samples is not None else 1  # schedule positions per step
         self.num_steps = 0
 
     def lr_at(self, step: int) -> float:
         c = self.config
-        max_lr, min_lr, warmup = c.lr, c.min_lr, c.lr_warmup_iters
+        max_lr, min_lr, warmup = c.lr, c.min_lr, self.warmup
+        step = step * self.unit
         if warmup > 0 and step <= warmup:
             return c.lr_warmup_init + (max_lr - c.lr_warmup_init) * step / warmup
         if c.lr_decay_style == "constant":
@@ -35,11 +41,11 @@ class LRScheduler:
         elif c.lr_decay_style == "cosine":
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         else:  # WSD: stable at max_lr, then the last lr_wsd_decay_iters steps decay
-            anneal_start = self.decay_steps - c.lr_wsd_decay_iters
+            anneal_start = self.decay_steps - self.wsd_steps
             if step <= anneal_start:
                 coeff = 1.0
             else:
-                r = (step - anneal_start) / c.lr_wsd_decay_iters
+                r = (step - anneal_start) / self.wsd_steps
                 coeff = {
                     "linear": 1.0 - r,
                     "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),

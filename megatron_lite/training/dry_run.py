@@ -55,7 +55,8 @@ def dry_run(job: JobConfig) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model_cfg = dataclasses.replace(job.model, vocab_size=_vocab(job))
     validate_layout(model_cfg, job.parallel, world, job.training)
-    job.optimizer.validate_schedule(job.training.train_iters)
+    job = dataclasses.replace(job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world)))
+    job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     low = job.optimizer.bf16 or job.optimizer.fp16
     # weights (2 or 4 bytes) + fp32 gradient buffer (4) + fp32 main copy when low precision (4) + Adam (8)
     per_param = (2 + 4 + 4 + 8) if low else (4 + 4 + 8)

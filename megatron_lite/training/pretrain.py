@@ -135,7 +135,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(job.model, job.parallel, world_size, job.training)
     validate_sharding(job.model, job.parallel, job.training, job.optimizer)
-    job.optimizer.validate_schedule(job.training.train_iters)
+    if job.training.train_samples is not None:  # sample-based: the iterations this data-parallel size makes
+        job = dataclasses.replace(
+            job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world_size))
+        )
+        t = job.training
+        notes = [*notes, f"--train-samples {t.train_samples}: {t.train_iters} iterations of "
+                 f"{t.global_batch(job.parallel.data_parallel_size(world_size))} samples"]  # fmt: skip
+    job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     ckpt_path = None
@@ -220,7 +227,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
         bucket_size=job.training.ddp_bucket_size,
         compute_dtype=dtype if dtype != torch.float32 else None,
     )
-    scheduler = LRScheduler(job.optimizer, job.training.train_iters)
+    scheduler = LRScheduler(
+        job.optimizer, job.training.train_iters, job.training.train_samples, job.training.global_batch(ctx.dp.size)
+    )
     state = TrainState()
     if ckpt_path is not None:
         if base_path is not None:
