@@ -562,6 +562,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
                 f"--{d.replace('_', '-')} {getattr(ns, d)} conflicts with the checkpoint in {path} "
                 f"({saved.get(d)}); drop the flag, or pass --use-checkpoint-args to take the checkpoint's value"
             )
+        # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
+        other = {"train_iters": "samples", "train_samples": "iters"}
+        for dest, unit in other.items():
+            if dest in given:
+                saved = {k: v for k, v in saved.items() if not (k.startswith("train_") or k.endswith(unit))}
         parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
         ns = parser.parse_args(argv)
         ns.rope_scaling_params = saved.get("rope_scaling_params")

@@ -175,7 +175,8 @@ def test_sample_based_run(tmp_path, capsys, monkeypatch):
     log = tmp_path / "m.jsonl"
     tiny = [a for a in TINY if a not in ("--train-iters", "3")]
     argv = [*tiny, "--train-samples", "10", "--lr-warmup-samples", "6", "--lr-decay-style", "constant",
-            "--mock-data", "--vocab-size", "100", "--log-jsonl", str(log)]  # fmt: skip
+            "--mock-data", "--vocab-size", "100", "--log-jsonl", str(log),
+            "--save", str(tmp_path / "ckpt")]  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     assert main(argv) == 0, capsys.readouterr().err
@@ -183,6 +184,11 @@ def test_sample_based_run(tmp_path, capsys, monkeypatch):
     train = [json.loads(line) for line in log.read_text().splitlines() if '"lm_loss"' in line]
     assert [r["iteration"] for r in train] == [1, 2]
     assert train[0]["lr"] == 0.0 and train[1]["lr"] == pytest.approx(1e-3 * 4 / 6)
+    # --load alone continues it, sample-based (12 more samples: 3 more iterations); --train-iters switches unit
+    assert main(["--load", str(tmp_path / "ckpt"), "--train-samples", "22"]) == 0
+    assert "iteration      5/5" in capsys.readouterr().out
+    assert main(["--load", str(tmp_path / "ckpt"), "--train-iters", "6"]) == 0
+    assert "iteration      6/6" in capsys.readouterr().out
     for extra, fragment in (
         (["--train-iters", "3"], "--train-iters and --train-samples are exclusive"),
         (["--lr-warmup-iters", "2"], "--lr-warmup-iters 2 does not go with --train-samples"),
