@@ -258,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name")
     g.add_argument("--wandb-save-dir")
     g.add_argument("--tensorboard-dir")
+    _bool(g, "--profile", "profile iterations (--profile-step-start, --profile-step-end] on --profile-ranks")
+    _bool(g, "--use-pytorch-profiler", "with --profile: a torch.profiler trace in --tensorboard-dir (else nsys)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", help="where --use-pytorch-profiler writes its trace (default: --tensorboard-dir)")
 
     add_megatron_flag_groups(parser)
     return parser
@@ -499,6 +505,12 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         wandb_save_dir=ns.wandb_save_dir,
         tensorboard_dir=ns.tensorboard_dir,
         log_memory_breakdown=ns.log_memory_breakdown,
+        profile=ns.profile,
+        use_pytorch_profiler=ns.use_pytorch_profiler,
+        profile_step_start=ns.profile_step_start,
+        profile_step_end=ns.profile_step_end,
+        profile_ranks=tuple(ns.profile_ranks),
+        profile_dir=ns.profile_dir or ns.tensorboard_dir,
     )
     resilience = ResilienceConfig(
         auto_resume=not ns.no_auto_resume,

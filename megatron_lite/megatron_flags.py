@@ -63,9 +63,6 @@ REFUSED: dict[str, str] = {
     "reset_position_ids": "resetting position ids at document boundaries is not implemented",
     "reset_attention_mask": "document-level attention masks are not implemented",
     "tiktoken_pattern": "tiktoken tokenizers are not supported; use --tokenizer-type HuggingFaceTokenizer",
-    "profile": "the profiler hook is not implemented",
-    "profile_step_start": "the profiler hook is not implemented",
-    "profile_step_end": "the profiler hook is not implemented",
 }
 
 

@@ -198,6 +198,27 @@ def test_sample_based_run(tmp_path, capsys, monkeypatch):
         _one_line_error(rc, capsys.readouterr().err, fragment)
 
 
+def test_profile_window_writes_a_torch_profiler_trace(tmp_path, capsys, monkeypatch):
+    """--profile --use-pytorch-profiler --profile-step-start 1 --profile-step-end 2: iteration 2 alone is traced,
+    into --profile-dir (--tensorboard-dir by default); the Nsight Systems form needs CUDA and is refused on a CPU
+    job."""
+    import json
+
+    tb = tmp_path / "tb"
+    flags = ["--mock-data", "--vocab-size", "100", "--profile", "--profile-step-start", "1", "--profile-step-end", "2"]
+    rc, out, err = _run([*flags, "--use-pytorch-profiler", "--profile-dir", str(tb)], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "profiling iterations 2..2" in out and "profiling done" in out
+    traces = list(tb.rglob("*.pt.trace.json"))
+    assert len(traces) == 1
+    names = {e.get("name", "") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names)  # the step's operators were recorded
+    rc, _, err = _run(flags, capsys, monkeypatch)
+    _one_line_error(rc, err, "--profile without --use-pytorch-profiler", "needs CUDA")
+    rc, _, err = _run([*flags, "--use-pytorch-profiler"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--use-pytorch-profiler writes its trace to --tensorboard-dir (or --profile-dir)")
+
+
 def test_bad_layout_stops_before_any_process_group(capsys, monkeypatch):
     rc, _, err = _run(
         ["--mock-data", "--vocab-size", "100", "--tensor-model-parallel-size", "3"], capsys, monkeypatch, world=4

@@ -43,6 +43,13 @@ class LoggingConfig:
     wandb_save_dir: str | None = None
     tensorboard_dir: str | None = None
     log_memory_breakdown: bool = False  # per rank: parameter, gradient, optimizer and activation bytes
+    # --profile (training/profiling.py): iterations after profile_step_start completed ones up to profile_step_end
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = (0,)
+    profile_dir: str | None = None  # ours: where the torch.profiler trace goes (default: --tensorboard-dir)
 
 
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")

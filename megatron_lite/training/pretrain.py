@@ -42,6 +42,7 @@ from megatron_lite.training import memory
 from megatron_lite.training.configs import JobConfig
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
+from megatron_lite.training.profiling import ProfileWindow, validate_profile
 from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
@@ -143,6 +144,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         notes = [*notes, f"--train-samples {t.train_samples}: {t.train_iters} iterations of "
                  f"{t.global_batch(job.parallel.data_parallel_size(world_size))} samples"]  # fmt: skip
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
+    validate_profile(job.logging, world_size, torch.cuda.is_available() and job.distributed_backend != "gloo")
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     ckpt_path = None
@@ -285,6 +287,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             )
             log.info(f"saved {path}")
 
+    profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
     while state.iteration < t.train_iters:
         if saver is not None and (path := saver.poll()):
             log.info(f"saved {path} (async)")
@@ -292,6 +295,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
             state.consumed_samples += gbs
         start = time.time()
+        profiler.before_step(state.iteration)
         guard.before_iteration(state.iteration + 1)
         tic = time.time()
         batches = train_batches.get(state.consumed_samples)
@@ -307,6 +311,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             continue
         state.iteration += 1
         state.consumed_samples += gbs
+        profiler.after_step(state.iteration)
         window["loss"] += metrics.lm_loss
         window["n"] += 1
         window["time"] += time.time() - tic
@@ -362,6 +367,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.info("no --save: exiting without a checkpoint")
             signalled = True
             break
+    profiler.close()  # a window the run ended inside
     if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
         save()
     if saver is not None and (path := saver.finish()):
