@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr-decay-samples", type=int, help="with --train-samples (default: --train-samples)")
     o.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
     o.add_argument("--lr-wsd-decay-samples", type=int, help="with --train-samples")
+    o.add_argument("--decoupled-lr", type=float, help="peak rate of the word embeddings and the output layer")
+    o.add_argument("--decoupled-min-lr", type=float, help="their floor (default: --min-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
     _bool(
@@ -457,6 +459,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         lr_decay_samples=ns.lr_decay_samples,
         lr_warmup_samples=warmup_samples,
         lr_wsd_decay_samples=ns.lr_wsd_decay_samples,
+        decoupled_lr=ns.decoupled_lr,
+        decoupled_min_lr=ns.decoupled_min_lr,
         weight_decay=ns.weight_decay,
         adam_beta1=ns.adam_beta1,
         adam_beta2=ns.adam_beta2,

@@ -56,8 +56,6 @@ REFUSED: dict[str, str] = {
     "fp8_amax_compute_algo": "fp8 training is not implemented",
     "fp8_param_gather": "fp8 training is not implemented",
     "grad_reduce_in_bf16": "gradients are always reduced in fp32",
-    "decoupled_lr": "a separate learning rate for embeddings is not implemented",
-    "decoupled_min_lr": "a separate learning rate for embeddings is not implemented",
     "apply_layernorm_1p": "zero-centred norm weights are not implemented",
     "rampup_batch_size": "batch-size ramp-up is not implemented",
     "reset_position_ids": "resetting position ids at document boundaries is not implemented",

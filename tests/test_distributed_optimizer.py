@@ -299,3 +299,25 @@ def test_fsdp2_parameter_bytes_per_rank_fall_to_a_quarter(dist):
     )
     for local in dist(4, fsdp2_param_bytes):
         assert abs(local - full / 4) <= 0.10 * full / 4, (local, full)
+
+
+DECOUPLED = {  # world, layout, global batch, micro-batch, model, layers, sharding
+    "dist-opt-pp2-dp2-tied": (4, P(pipeline_model_parallel_size=2), 8, 2, "gpt2", 4, "dist-opt"),
+    "fsdp2-dp2": (2, P(), 4, 2, "llama", 2, "fsdp2"),
+}
+
+
+@pytest.mark.parametrize("case", list(DECOUPLED))
+def test_decoupled_lr_under_sharded_optimizers_equals_single_process(dist, case):
+    """--decoupled-lr: the embeddings (and the last stage's tied copy) and the output layer take their own rate
+    in the distributed optimizer's shards and in FSDP2's, as in one process; and it changes the run."""
+    from test_train_equivalence import OPTIM
+
+    world, parallel, gbs, mbs, name, layers, sharding = DECOUPLED[case]
+    optim = dataclasses.replace(OPTIM, decoupled_lr=3 * OPTIM.lr, decoupled_min_lr=OPTIM.min_lr)
+    ref = train_run(name, P(), gbs, gbs, layers=layers, optim=optim)
+    plain = train_run(name, P(), gbs, gbs, layers=layers)
+    assert any(abs(a[0] - b[0]) > 1e-3 * abs(b[0]) for a, b in zip(ref, plain))
+    kw = dict(distributed_optimizer=True) if sharding == "dist-opt" else dict(fsdp2=True)
+    for history in dist(world, train_run, name, parallel, gbs, mbs, layers=layers, optim=optim, **kw):
+        _compare(history, ref)

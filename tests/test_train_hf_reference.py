@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers
@@ -26,15 +27,21 @@ ITERS, WARMUP, LR, MIN_LR, WD, CLIP = 10, 3, 2e-3, 2e-4, 0.1, 0.5
 SEQ, BATCH = 16, 4
 
 
-def megatron_lr(step: int) -> float:
-    """Megatron: linear warmup from 0 over WARMUP steps, cosine from LR to MIN_LR until ITERS."""
+DECOUPLED_LR, DECOUPLED_MIN_LR = 5e-3, 1e-3
+
+
+def megatron_lr(step: int, lr: float = LR, min_lr: float = MIN_LR) -> float:
+    """Megatron: linear warmup from 0 over WARMUP steps, cosine from the peak to the floor until ITERS."""
     if step <= WARMUP:
-        return LR * step / WARMUP
+        return lr * step / WARMUP
     ratio = (step - WARMUP) / (ITERS - WARMUP)
-    return MIN_LR + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (LR - MIN_LR)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - min_lr)
 
 
-def test_ten_iterations_equal_transformers_with_torch_adamw():
+@pytest.mark.parametrize("decoupled", [False, True], ids=["one-lr", "decoupled-lr"])
+def test_ten_iterations_equal_transformers_with_torch_adamw(decoupled):
+    """With --decoupled-lr the reference puts the embeddings and lm_head in AdamW groups of their own, at
+    Megatron's schedule with the decoupled peak and floor."""
     hf_config = _llama()  # the same GQA / RoPE-base / epsilon configuration as the logits reference
     hf_config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
@@ -53,19 +60,24 @@ def test_ten_iterations_equal_transformers_with_torch_adamw():
         weight_decay=WD,
         clip_grad=CLIP,
         adam_beta2=0.95,
+        decoupled_lr=DECOUPLED_LR if decoupled else None,
+        decoupled_min_lr=DECOUPLED_MIN_LR if decoupled else None,
     )
     ddp = DistributedDataParallel(model, ctx)
     opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
     sched = LRScheduler(optim, ITERS)
 
-    decay = [p for p in hf.parameters() if p.ndim > 1]
-    no_decay = [p for p in hf.parameters() if p.ndim == 1]
-    ref_opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    outer = {
+        n for n in dict(hf.named_parameters()) if decoupled and n in ("model.embed_tokens.weight", "lm_head.weight")
+    }
+    assert len(outer) == (2 if decoupled else 0)  # untied: two matrices
+    named = [(n, p) for n, p in hf.named_parameters() if n not in outer]
+    decay = [p for n, p in named if p.ndim > 1]
+    no_decay = [p for n, p in named if p.ndim == 1]
+    groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+    if decoupled:
+        groups.append({"params": [dict(hf.named_parameters())[n] for n in outer], "weight_decay": WD, "outer": True})
+    ref_opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
     data = MockGPTDataset(V, SEQ, seed=3)
     clipped = 0
     for it in range(ITERS):
@@ -78,7 +90,7 @@ def test_ten_iterations_equal_transformers_with_torch_adamw():
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP))
         for g in ref_opt.param_groups:
-            g["lr"] = megatron_lr(it)
+            g["lr"] = megatron_lr(it, DECOUPLED_LR, DECOUPLED_MIN_LR) if g.get("outer") else megatron_lr(it)
         ref_opt.step()
 
         assert ours.lr == megatron_lr(it)

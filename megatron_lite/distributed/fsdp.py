@@ -30,7 +30,15 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.optimizer.config import OptimizerConfig
-from megatron_lite.optimizer.optimizer import StepResult, _adamw, _load_adam_state, squared_norm
+from megatron_lite.optimizer.optimizer import (
+    StepResult,
+    _adamw,
+    _load_adam_state,
+    adam_groups,
+    is_embedding_or_output,
+    set_lr,
+    squared_norm,
+)
 from megatron_lite.parallel_context import Group, ParallelContext
 from megatron_lite.parameters import named_param_meta
 
@@ -146,17 +154,16 @@ class FSDP2Model(nn.Module):
 class FSDP2Optimizer:
     def __init__(self, model: FSDP2Model, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config, self.ctx, self.model = config, ctx, model
-        self.params, counted, expert, decay, no_decay = [], [], [], [], []
-        for _, p, meta in named_param_meta(model.module):
+        self.params, counted, expert, entries = [], [], [], []
+        for name, p, meta in named_param_meta(model.module):
             if not p.requires_grad:
                 continue
             self.params.append(p)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             expert.append(meta.expert)
-            (no_decay if p.ndim == 1 else decay).append(p)
+            entries.append((p, p.ndim, is_embedding_or_output(name)))
         self._counted, self._expert = counted, expert
-        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.inner = _adamw([g for g in groups if g["params"]], config, ctx.device)
+        self.inner = _adamw(adam_groups(entries, config), config, ctx.device)
         self.scaler = None
 
     @property
@@ -179,7 +186,7 @@ class FSDP2Optimizer:
         return total**0.5
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         norm = self.grad_norm()
         if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
             return StepResult(False, norm, 1.0)  # every rank computed the same norm
@@ -187,8 +194,7 @@ class FSDP2Optimizer:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
                 torch._foreach_mul_([_local(p.grad) for p in self.params if p.grad is not None], coeff)
-        for group in self.inner.param_groups:
-            group["lr"] = lr
+        set_lr(self.inner, lr, decoupled_lr)
         self.inner.step()
         return StepResult(True, norm, 1.0)
 

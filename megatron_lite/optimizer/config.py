@@ -28,6 +28,10 @@ class OptimizerConfig:
     lr_decay_samples: int | None = None  # default: --train-samples
     lr_warmup_samples: int = 0
     lr_wsd_decay_samples: int | None = None
+    # Megatron's --decoupled-lr / --decoupled-min-lr: the word embeddings' and the output layer's own peak and
+    # floor, on the same schedule shape (None: they follow --lr / --min-lr)
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -50,6 +54,12 @@ class OptimizerConfig:
             raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ConfigError("--decoupled-min-lr sets the floor of --decoupled-lr: add --decoupled-lr")
+        if self.decoupled_lr is not None and not 0 <= (self.decoupled_min_lr or 0.0) <= self.decoupled_lr:
+            raise ConfigError(
+                f"--decoupled-min-lr {self.decoupled_min_lr} must be in [0, --decoupled-lr {self.decoupled_lr}]"
+            )
         if self.lr_decay_style not in DECAY_STYLES:
             raise ConfigError(f"--lr-decay-style {self.lr_decay_style} is not supported; use one of {DECAY_STYLES}")
         if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:

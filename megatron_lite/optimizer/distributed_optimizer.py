@@ -25,8 +25,11 @@ from megatron_lite.optimizer.optimizer import (
     StepResult,
     _adamw,
     _load_adam_state,
+    adam_groups,
     any_rank,
+    is_embedding_or_output,
     make_scaler,
+    set_lr,
     squared_norm,
 )
 from megatron_lite.parallel_context import ParallelContext
@@ -57,6 +60,7 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer needs DistributedDataParallel(use_distributed_optimizer=True)")
         self.config, self.ctx, self.ddp = config, ctx, ddp
         meta_of = {id(p): m for _, p, m in named_param_meta(model)}
+        embedding = {id(p) for name, p, _ in named_param_meta(model) if is_embedding_or_output(name)}
         self.shards: list[_Shard] = []
         for buffer in ddp.buffers:
             ranges = buffer.shard_ranges()
@@ -70,10 +74,7 @@ class DistributedOptimizer:
                         self.shards.append(_Shard(p, buffer, a - offset, b - offset, counted, meta.expert))
         self._held = {id(p) for b in ddp.buffers for q in b.buckets for p in q.params}
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        decay = [s.main for s in self.shards if s.p.ndim > 1]  # no weight decay on norms and biases
-        no_decay = [s.main for s in self.shards if s.p.ndim <= 1]
-        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
+        groups = adam_groups([(s.main, s.p.ndim, id(s.p) in embedding) for s in self.shards], config)
         device = next(model.parameters()).device
         if not groups:  # a rank that owns nothing (tiny models at large DP) still takes part in every collective
             groups = [{"params": [torch.zeros(0, device=device)], "weight_decay": 0.0}]
@@ -129,7 +130,7 @@ class DistributedOptimizer:
         return total**0.5
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         grads = [s.grad for s in self.shards]
         if self.scaler is not None:
             if grads:
@@ -147,8 +148,7 @@ class DistributedOptimizer:
                 torch._foreach_mul_(grads, coeff)
         for s in self.shards:
             s.main.grad = s.grad
-        for group in self.inner.param_groups:
-            group["lr"] = lr
+        set_lr(self.inner, lr, decoupled_lr)
         self.inner.step()
         for s in self.shards:
             s.main.grad = None

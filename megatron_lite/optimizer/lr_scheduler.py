@@ -23,9 +23,12 @@ class LRScheduler:
         self.unit = samples_per_step if train_samples is not None else 1  # schedule positions per step
         self.num_steps = 0
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The schedule at `step`, peaking at --lr and settling at --min-lr (or the given peak and floor)."""
         c = self.config
-        max_lr, min_lr, warmup = c.lr, c.min_lr, self.warmup
+        max_lr = c.lr if max_lr is None else max_lr
+        min_lr = c.min_lr if min_lr is None else min_lr
+        warmup = self.warmup
         step = step * self.unit
         if warmup > 0 and step <= warmup:
             return c.lr_warmup_init + (max_lr - c.lr_warmup_init) * step / warmup
@@ -57,6 +60,16 @@ class LRScheduler:
     @property
     def lr(self) -> float:
         return self.lr_at(self.num_steps)
+
+    @property
+    def decoupled_lr(self) -> float | None:
+        """The embeddings' and output layer's rate (--decoupled-lr), on the same schedule; None when unset. Its
+        floor is --decoupled-min-lr, or --min-lr when that is not given (as in Megatron)."""
+        c = self.config
+        if c.decoupled_lr is None:
+            return None
+        floor = c.min_lr if c.decoupled_min_lr is None else c.decoupled_min_lr
+        return self.lr_at(self.num_steps, c.decoupled_lr, floor)
 
     def step(self) -> None:
         self.num_steps += 1

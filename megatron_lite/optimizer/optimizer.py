@@ -48,6 +48,31 @@ def _adamw(groups, config: OptimizerConfig, device: torch.device) -> torch.optim
     return torch.optim.AdamW(groups, **kw)
 
 
+def is_embedding_or_output(name: str) -> bool:
+    """The parameters --decoupled-lr applies to (Megatron's is_embedding_or_output_parameter): the word
+    embeddings and the output layer, by their names in any chunk or wrapper."""
+    return name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
+
+
+def adam_groups(entries, config: OptimizerConfig) -> list[dict]:
+    """AdamW's parameter groups for (tensor, parameter ndim, embedding or output) entries: no weight decay on
+    norms and biases (one-dimensional), as in Megatron; with --decoupled-lr, the embeddings and output layer
+    in groups of their own."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for tensor, ndim, embedding in entries:
+        decoupled = embedding and config.decoupled_lr is not None
+        groups.setdefault((ndim > 1, decoupled), []).append(tensor)
+    return [
+        {"params": params, "weight_decay": config.weight_decay if decay else 0.0, "decoupled": decoupled}
+        for (decay, decoupled), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+    ]
+
+
+def set_lr(inner: torch.optim.Optimizer, lr: float, decoupled_lr: float | None) -> None:
+    for group in inner.param_groups:
+        group["lr"] = decoupled_lr if group.get("decoupled") and decoupled_lr is not None else lr
+
+
 def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
     """Sum of the squares of `grads` (fp64), then summed over each group in turn."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
@@ -96,7 +121,7 @@ class MixedPrecisionOptimizer:
         self.ctx = ctx
         self.grad_of = grad_of
         self.names, self.params, self.main_params, counted, expert = [], [], [], [], []
-        decay, no_decay = [], []
+        entries = []
         for name, p, meta in named_param_meta(model):
             if not p.requires_grad:
                 continue
@@ -106,19 +131,14 @@ class MixedPrecisionOptimizer:
             self.main_params.append(main)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             expert.append(meta.expert)
-            # No weight decay on norms and biases (the one-dimensional parameters), as in Megatron.
-            (no_decay if p.ndim == 1 else decay).append(main)
+            entries.append((main, p.ndim, is_embedding_or_output(name)))
         self.main_of = {id(p): main for p, main in zip(self.params, self.main_params)}  # by id(model param)
         self._counted = counted
         self._expert = expert
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
         # must still join the expert group's reduction.
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        groups = [
-            {"params": decay, "weight_decay": config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        self.inner = _adamw([g for g in groups if g["params"]], config, self.params[0].device)
+        self.inner = _adamw(adam_groups(entries, config), config, self.params[0].device)
         self.scaler = make_scaler(config)
 
     # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
@@ -180,7 +200,7 @@ class MixedPrecisionOptimizer:
         return total**0.5
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         grads = [self.grad_of(p) for p in self.params]
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
@@ -198,8 +218,7 @@ class MixedPrecisionOptimizer:
                 torch._foreach_mul_(grads, coeff)
         for main, g in zip(self.main_params, grads):
             main.grad = g
-        for group in self.inner.param_groups:
-            group["lr"] = lr
+        set_lr(self.inner, lr, decoupled_lr)
         self.inner.step()
         for p, main in zip(self.params, self.main_params):
             main.grad = None  # the gradient is a view of the DP buffer; never let autograd accumulate into it

@@ -153,7 +153,7 @@ def train_step(
     finalize_grads(model, ctx)
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     lr = scheduler.lr
-    result = optimizer.step(lr)
+    result = optimizer.step(lr, scheduler.decoupled_lr)
     if result.updated:
         scheduler.step()
     lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens)
