@@ -536,6 +536,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         targets = target_modules(ns.lora_target_modules)
         lora = LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora)
         lora.validate(model.num_experts, parallel.tp_comm_overlap)
+        if lora.qlora and optimizer.use_torch_fsdp2:
+            raise ConfigError(
+                "--qlora with --use-torch-fsdp2 is not supported: FSDP2 shards the weights before they are "
+                "quantised; use --use-distributed-optimizer (or plain data parallelism) instead"
+            )
     return JobConfig(
         model=model,
         parallel=parallel,

@@ -56,6 +56,11 @@ def set_param_meta(module: nn.Module, name: str, meta: ParamMeta) -> None:
     registry[name] = meta
 
 
+def param_meta(module: nn.Module, name: str) -> ParamMeta:
+    """The metadata of `module`'s own parameter `name` (a replicated default when none was set)."""
+    return module.__dict__.get(_ATTR, {}).get(name, ParamMeta())
+
+
 def named_param_meta(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, ParamMeta]]:
     """(qualified name, parameter, metadata) for every parameter, shared ones once, in the order of
     `named_parameters()`."""

@@ -154,6 +154,7 @@ def test_adapters_start_as_the_identity_and_only_they_train():
     "flags,message",
     [
         (["--lora-target-modules", "q_proj", "experts"], "--lora-target-modules experts: the model has no experts"),
+        (["--qlora", "--use-torch-fsdp2"], "--qlora with --use-torch-fsdp2 is not supported"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
          "--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap"),
         (["--lora-target-modules", "q_proj", "lm_head"], "--lora-target-modules lm_head: choose from"),

@@ -32,11 +32,15 @@ def _tokenizer(path) -> None:
     tok.save(str(path))
 
 
-def _convert(*args: str) -> None:
-    spec = importlib.util.spec_from_file_location("convert", ROOT / "tools" / "checkpoint" / "convert.py")
+def _tool(path: str):
+    spec = importlib.util.spec_from_file_location(path.replace("/", "_")[:-3], ROOT / path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(list(args)) == 0
+    return mod
+
+
+def _convert(*args: str) -> None:
+    assert _tool("tools/checkpoint/convert.py").main(list(args)) == 0
 
 
 CASES = {
@@ -109,6 +113,14 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch):
             assert (with_adapter(ids).logits - ours).abs().max() > 1e-3  # fine-tuning changed the model
         merged = hf_class.from_pretrained(tmp_path / "merged").eval()
         assert (merged(ids).logits - ours).abs().max() < 1e-4
+        # tools/generate.py on the LoRA checkpoint generates from base + adapters (it once read the base alone)
+        prompt = [int(i) for i in ids[0, :6]]
+        expected = with_adapter.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 6:].tolist()
+    out_json = tmp_path / "gen.json"
+    argv = ["--load", str(out), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "6", "--greedy",
+            "--output-json", str(out_json)]  # fmt: skip
+    assert _tool("tools/generate.py").main(argv) == 0
+    assert json.loads(out_json.read_text())["generated_ids"] == expected
     # base weights untouched by training
     base_ckpt = read_model_tensors(str(ckpt))[1]
     assert all(torch.equal(tensors[k], v) for k, v in base_ckpt.items())

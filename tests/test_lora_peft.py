@@ -201,3 +201,34 @@ def test_expert_adapters_with_dropout_are_not_exported_to_peft():
     lora = LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=("experts",))
     with pytest.raises(Exception, match="PEFT's expert adapters take no dropout"):
         to_peft({key: torch.zeros(4, 64)}, config, lora, "MixtralForCausalLM")
+
+
+def test_merge_folds_every_adapter_kind_into_the_function():
+    """Merged weights give the adapted model's logits for every kind of adapted layer at once: grouped QKV,
+    output projection, dense and shared-expert gate/up and down, routed experts. (Before, a shared expert's
+    adapters were dropped from the merge.)"""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    from models import llama_config
+
+    config = llama_config(num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                          moe_shared_expert_intermediate_size=40, moe_layer_freq=(1, 0))  # fmt: skip
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+                                                         "experts"))  # fmt: skip
+    adapted = build_model(config, ctx, seed=1)
+    apply_lora(adapted, config, lora, ctx, seed=2)
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if n.endswith(".B"):
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    state = adapted[0].full_state_dict()
+    kinds = {k.split(".lora.pairs.")[0].split(".")[-1] for k in state if ".lora." in k}
+    assert any(".shared_expert" in k and ".lora." in k for k in state), sorted(state)[:20]
+    assert kinds == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    plain = build_model(config, ctx, seed=7)
+    plain[0].load_full_state_dict(merge(state, config, lora))
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids), adapted(ids), rtol=1e-4, atol=1e-5)

@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
-from megatron_lite.checkpoint.hf_convert import model_config_from_dict
+from megatron_lite.checkpoint.hf_convert import _lora_config, model_config_from_dict
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig, validate_layout
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.inference.generation import SamplingConfig, generate
+from megatron_lite.lora.apply import apply_lora
+from megatron_lite.lora.qlora import quantize_base
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import initialize
 
@@ -96,9 +98,21 @@ def run(args: argparse.Namespace) -> int:
     )
     training = TrainingConfig(micro_batch_size=1, seq_length=len(prompt) + args.max_new_tokens)
     validate_layout(model_cfg, parallel, world, training)
+    lora = _lora_config(saved)
+    base = find_checkpoint(lora.base) if lora is not None and lora.qlora and lora.base else None
+    if lora is not None and lora.qlora and base is None:
+        raise ConfigError(f"{path} holds QLoRA adapters trained on the base checkpoint {lora.base!r}, which is gone")
     ctx = initialize(model_cfg, parallel, training, backend=args.distributed_backend)
     model = build_model(model_cfg, ctx, dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    load_checkpoint(path, model, None, None, ctx, load_rng=False)
+    if lora is None:
+        load_checkpoint(path, model, None, None, ctx, load_rng=False)
+    else:  # the fine-tuned model is the base plus its adapters (QLoRA: on the base it recorded, in NF4)
+        apply_lora(model, model_cfg, lora, ctx, seed=0)
+        if base is not None:
+            load_checkpoint(base, model, None, None, ctx, load_rng=False, finetune=True)
+        load_checkpoint(path, model, None, None, ctx, load_rng=False, skip_missing_frozen=base is not None)
+        if lora.qlora:
+            quantize_base(model)
     out = generate(model, ctx, prompt, args.max_new_tokens, sampling, tuple(_ids(args.stop_ids, "--stop-ids")))
     writer = ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp.rank == 0
     if writer:

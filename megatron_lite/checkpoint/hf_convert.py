@@ -310,7 +310,10 @@ def _lora_config(saved: dict):
     from megatron_lite.lora.config import LoraConfig
 
     lora = saved.get("lora")
-    return None if not lora else LoraConfig(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"]))
+    if not lora:
+        return None
+    return LoraConfig(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"]),
+                      lora.get("qlora", False), lora.get("base"))  # fmt: skip
 
 
 def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print) -> None:

@@ -8,10 +8,10 @@ from torch import nn
 from megatron_lite.config import ModelConfig
 from megatron_lite.lora.adapters import LoRA
 from megatron_lite.lora.config import TARGETS, LoraConfig  # noqa: F401 - LoraConfig re-exported
-from megatron_lite.models.weights import _full_init, to_shard
+from megatron_lite.models.weights import _full_init, full_shape, to_shard
 from megatron_lite.moe.experts import ExpertMLP
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import named_param_meta
+from megatron_lite.parameters import named_param_meta, param_meta
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -32,9 +32,18 @@ def _fc1_layout(outs: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([outs["gate"], outs["up"]], dim=-1)  # a rank holds [gate_r; up_r]
 
 
+def _full_shape(module: nn.Module) -> tuple[int, ...]:
+    """The full (unsharded) shape of a layer's weight: a shared expert's MLP is narrower than the dense one."""
+    return full_shape(module.weight, param_meta(module, "weight"))
+
+
 def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig, tp) -> LoRA:
     h, d = config.hidden_size, config.head_dim
-    q, kv, f = config.num_attention_heads * d, config.query_groups * d, config.ffn_size
+    q, kv = config.num_attention_heads * d, config.query_groups * d
+    out_full, in_full = _full_shape(module)
+    f = out_full // 2 if leaf == "linear_fc1" and config.activation == "swiglu" else out_full
+    if leaf == "linear_fc2":
+        f = in_full
     kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=tp,
               device=module.weight.device, dtype=module.weight.dtype)  # fmt: skip
     if leaf == "linear_qkv":

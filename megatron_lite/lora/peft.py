@@ -102,35 +102,26 @@ def write_peft(directory: str, tensors: dict[str, torch.Tensor], adapter_config:
 
 
 def merge(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
-    """Base weights with every adapter folded in, W + (alpha / r) B A, in our layout (no LoRA keys left)."""
+    """Base weights with every adapter folded in, W + (alpha / r) B A, in our layout (no LoRA keys left). Each
+    adapted weight's pairs are placed as its layer lays them out: q, k and v into the grouped QKV rows, gate
+    and up stacked (dense and shared-expert fc1), a single pair as is (a routed expert's fc1 covers both)."""
     base, adapters = split_lora(state)
     merged = {k: v.clone() for k, v in base.items()}
     scale = lora.alpha / lora.rank
-    delta = {}
-    for key in adapters:
-        m = _KEY.match(key)
-        if m is None or m.group(4) != "A":
-            continue
-        b = adapters[key[:-1] + "B"]
-        delta[(int(m.group(1)), m.group(2), m.group(3))] = scale * (b.float() @ adapters[key].float())
-    for i in range(config.num_layers):
-        qkv = f"decoder.layers.{i}.self_attention.linear_qkv.weight"
-        if (i, "self_attention.linear_qkv", "q") in delta:
-            d = [delta[(i, "self_attention.linear_qkv", x)] for x in "qkv"]
-            merged[qkv] = merged[qkv] + _group_qkv(*d, config.query_groups).to(merged[qkv].dtype)
-        fc1 = f"decoder.layers.{i}.mlp.linear_fc1.weight"
-        if (i, "mlp.linear_fc1", "gate") in delta:
-            d = torch.cat([delta[(i, "mlp.linear_fc1", "gate")], delta[(i, "mlp.linear_fc1", "up")]])
-            merged[fc1] = merged[fc1] + d.to(merged[fc1].dtype)
-        elif (i, "mlp.linear_fc1", "fc1") in delta:
-            merged[fc1] = merged[fc1] + delta[(i, "mlp.linear_fc1", "fc1")].to(merged[fc1].dtype)
-        for layer, name in (("self_attention.linear_proj", "proj"), ("mlp.linear_fc2", "fc2")):
-            if (i, layer, name) in delta:
-                key = f"decoder.layers.{i}.{layer}.weight"
-                merged[key] = merged[key] + delta[(i, layer, name)].to(merged[key].dtype)
-        for e in range(config.num_experts or 0):  # an expert's fc1 adapter covers gate and up together
-            for layer, name in ((f"mlp.experts.{e}.linear_fc1", "fc1"), (f"mlp.experts.{e}.linear_fc2", "fc2")):
-                if (i, layer, name) in delta:
-                    key = f"decoder.layers.{i}.{layer}.weight"
-                    merged[key] = merged[key] + delta[(i, layer, name)].to(merged[key].dtype)
+    deltas: dict[str, dict[str, torch.Tensor]] = {}  # adapted layer -> {pair: scaled B A}
+    for key, a in adapters.items():
+        if key.endswith(".A"):
+            layer, pair = key[: -len(".A")].split(".lora.pairs.")
+            deltas.setdefault(layer, {})[pair] = scale * (adapters[key[:-1] + "B"].float() @ a.float())
+    for layer, d in deltas.items():
+        if set(d) == {"q", "k", "v"}:
+            delta = _group_qkv(d["q"], d["k"], d["v"], config.query_groups)
+        elif set(d) == {"gate", "up"}:
+            delta = torch.cat([d["gate"], d["up"]])
+        elif len(d) == 1:
+            delta = next(iter(d.values()))
+        else:
+            raise ConfigError(f"{layer}: adapters {sorted(d)} do not make one weight's update")
+        key = f"{layer}.weight"
+        merged[key] = merged[key] + delta.to(merged[key].dtype)
     return merged
