@@ -43,8 +43,19 @@ class CommTimer:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self._events.append((start, end))
+                if len(self._events) >= 256:  # outside a measured step (generation, evaluation) nobody takes
+                    self._fold_finished()
             elif outer:
                 self.seconds += time.perf_counter() - t0
+
+    def _fold_finished(self) -> None:
+        """Adds the regions the GPU has finished to the total and drops their events, without waiting."""
+        done = 0
+        while done < len(self._events) and self._events[done][1].query():
+            s, e = self._events[done]
+            self.seconds += s.elapsed_time(e) / 1e3
+            done += 1
+        del self._events[:done]
 
     def take(self) -> float:
         """Seconds counted since the last call (on CUDA, waits for the last region's end event)."""

@@ -32,7 +32,8 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     ),
     "moe_grouped_gemm": (
         False,
-        "experts run as grouped GEMMs with --kernel-impl triton (the default on CUDA), a loop with torch",
+        "SwiGLU experts run as grouped GEMMs with --kernel-impl triton (the default on CUDA; under --qlora "
+        "one by one), a loop with torch",
     ),
     "log_throughput": (False, "throughput is always logged"),
     "no_masked_softmax_fusion": (False, "there is no fused masked softmax to disable"),

@@ -46,3 +46,17 @@ def test_cuda_timer_counts_what_the_stream_waits_not_what_the_host_does():
     assert host_timer.take() < 0.2 * stall  # what the host clock would have reported
     assert 0.7 * stall < measured < 1.5 * stall, (measured, stall)
     assert timer.take() == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_cuda_timer_does_not_hold_events_nobody_takes():
+    """Generation and evaluation time their collectives too but never take(): finished regions are folded
+    into the total as the list grows, so their events do not pile up for a whole generation."""
+    timer = CommTimer(cuda=True)
+    for _ in range(1000):
+        with timer.blocked():
+            torch.cuda._sleep(1000)
+        if len(timer._events) == 255:
+            torch.cuda.synchronize()  # the next region's fold finds all of these finished
+    assert len(timer._events) < 300
+    assert timer.take() > 0 and not timer._events

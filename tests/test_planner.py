@@ -241,6 +241,8 @@ def test_a_ring_across_nodes_runs_through_every_nic_its_ranks_hold():
     assert rate("all_gather", 64, 128) == pytest.approx(200)  # TP2 inside: 4 of its ranks (and NICs) per node
     assert rate("reduce_scatter", 16, 128) == pytest.approx(50)  # TP8 inside: one rank per node
     assert rate("all_to_all", 128, 128) == pytest.approx(50)
+    assert rate("reduce_scatter", 12, 12) == pytest.approx(200)  # DP 12 over nodes of 8: one node holds only 4
+    assert rate("all_gather", 3, 12) == pytest.approx(50)  # TP4 inside, DP 3: 2 ranks, then 1, per node
     assert rate("all_reduce", 8, 8) == pytest.approx(450)  # inside one node
 
 

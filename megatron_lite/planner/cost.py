@@ -19,7 +19,9 @@ EFF.comm of the link's bandwidth."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
@@ -113,6 +115,18 @@ def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency) ->
 RINGS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
+@functools.lru_cache(maxsize=4096)
+def _ranks_per_node(size: int, span: int, gpus_per_node: int) -> int:
+    """Ranks of a group of `size` ranks `span // size` apart in its least-filled node (a group that does not
+    fill whole nodes, e.g. DP 12 over nodes of 8, has a node with only 4 of them)."""
+    stride = max(1, span // size)
+    if stride >= gpus_per_node:
+        return 1
+    if span % gpus_per_node == 0 and gpus_per_node % stride == 0:
+        return min(size, gpus_per_node // stride)
+    return min(collections.Counter(i * stride // gpus_per_node for i in range(size)).values())
+
+
 def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff: Efficiency) -> float:
     """A collective over `size` ranks at most `span` ranks apart, as a ring: all-gather and reduce-scatter
     move (n-1)/n of the tensor, an all-reduce twice that, p2p (and all-to-all) the tensor once. Measured
@@ -125,9 +139,9 @@ def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff
     if kind in measured or (kind == "all_to_all" and "all_gather" in measured):
         latency, bandwidth = measured[kind if kind in measured else "all_gather"]
     else:
-        # a ring collective's ranks `span // size` apart: that many of them share each node (all-to-all and
-        # p2p send each rank's own data through its own NIC, so they get one)
-        per_node = max(1, min(size, cl.gpus_per_node * size // span)) if kind in RINGS else 1
+        # a ring collective crosses nodes through as many NICs as the group's least-filled node holds ranks
+        # (all-to-all and p2p send each rank's own data through its own NIC, so they get one)
+        per_node = _ranks_per_node(size, span, cl.gpus_per_node) if kind in RINGS else 1
         latency, bandwidth = cl.link_latency, cl.bandwidth(span, per_node) * eff.comm
     return volume * bytes_ / bandwidth + steps * latency
 
@@ -281,9 +295,10 @@ def step_time(
         if layout.sharding == "fsdp2":  # gathers (forward, backward) and reduce-scatters every micro-batch,
             comm = 2 * _collective("all_gather", a * n, dp_cp, span, cl, eff)  # layer by layer under the step
             comm = micro * (comm + _collective("reduce_scatter", grads, dp_cp, span, cl, eff))
-            # except at each micro-batch's edges: the chunk's own unit (embeddings, output layer, final norm)
-            # and its first layer are gathered before anything runs, and reduce-scattered after the backward
-            first = sum(layer_params(model, st.layers[0], tp, ep)) if st.layers else 0
+            # except at each micro-batch's edges: the chunks' own units (embeddings, output layer, final norm)
+            # and each chunk's first layer are gathered before anything runs, and reduce-scattered after the
+            # backward
+            first = vp * sum(layer_params(model, st.layers[0], tp, ep)) if st.layers else 0
             edge = n - sum(sum(layer_params(model, i, tp, ep)) for i in st.layers) + first
             edges = micro * (
                 _collective("all_gather", a * edge, dp_cp, span, cl, eff)
