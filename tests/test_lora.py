@@ -29,7 +29,11 @@ def moe_config(**kw):
     return llama_config(**MOE, **kw)
 
 
-CONFIG = {"llama": llama_config, "gpt2": gpt2_config, "moe": moe_config}
+def moe_bias_config(**kw):  # aux-loss-free balancing: a router bias updated outside the gradient
+    return moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, **kw)
+
+
+CONFIG = {"llama": llama_config, "gpt2": gpt2_config, "moe": moe_config, "moe-bias": moe_bias_config}
 
 
 def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: int = 2, lora: LoraConfig = LORA):
@@ -100,6 +104,12 @@ def test_expert_lora_equals_one_process(dist, layout, lora):
     for history, unchanged, _, _ in dist(world, lora_run, "moe", parallel, gbs, mbs, 2, lora):
         assert unchanged
         _compare(history, ref)
+
+
+def test_lora_keeps_the_router_bias_of_aux_loss_free_balancing():
+    """The expert bias is part of the frozen base: under LoRA it stays as loaded (it was updated every step)."""
+    history, unchanged, trainable, _ = lora_run("moe-bias", P(), 4, 2, 2, EXPERT_LORA)
+    assert unchanged and all(".lora." in t for t in trainable) and len(history) == ITERS
 
 
 def test_expert_adapters_start_as_the_identity_one_pair_per_expert_projection():

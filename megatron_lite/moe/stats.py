@@ -56,7 +56,8 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
             dist.all_reduce(table, group=ctx.tp_cp_dp.pg)
     table /= ctx.tp.size  # TP ranks route the same tokens
     for number, layer in layers.items():
-        if layer.router.expert_bias is not None:
+        # the bias trains with the router: a frozen router (LoRA fine-tuning) keeps its bias too
+        if layer.router.expert_bias is not None and layer.router.weight.requires_grad:
             update_expert_bias(layer.router.expert_bias, table[number, :e], config.moe_router_bias_update_rate)
     if ctx.pp.size > 1:
         with ctx.pp.blocked():
