@@ -180,3 +180,11 @@ def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path):
     _convert("--loader", "megatron_lite", "--saver", "hf", "--merge-lora", "--load-dir", str(tmp_path / "q"),
              "--save-dir", str(tmp_path / "merged"))  # fmt: skip
     assert (tmp_path / "merged" / "config.json").exists()
+    # generation from the QLoRA checkpoint runs its adapters on its recorded base in NF4, not the bare base
+    logprobs = {}
+    for name in ("base", "q"):
+        argv = ["--load", str(tmp_path / name), "--prompt-ids", "5,17,33,2,9", "--max-new-tokens", "3", "--greedy",
+                "--output-json", str(tmp_path / f"{name}.json")]  # fmt: skip
+        assert _tool("tools/generate.py").main(argv) == 0
+        logprobs[name] = json.loads((tmp_path / f"{name}.json").read_text())["prompt_logprobs"]
+    assert max(abs(a - b) for a, b in zip(logprobs["base"], logprobs["q"])) > 1e-3
