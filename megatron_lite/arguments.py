@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-length", type=int)
     t.add_argument("--train-iters", type=int)
     t.add_argument("--train-samples", type=int, help="the run's length in samples (instead of --train-iters)")
+    t.add_argument(
+        "--rampup-batch-size",
+        type=int,
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="grow the global batch from START by INCREMENT over the first SAMPLES samples",
+    )
     t.add_argument("--exit-interval", type=int)
     t.add_argument("--exit-duration-in-mins", type=float)
     t.add_argument("--seed", type=int, default=1234)
@@ -429,6 +436,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         seq_length=ns.seq_length,
         train_iters=ns.train_iters or 0,  # with --train-samples: resolved at start-up
         train_samples=ns.train_samples,
+        rampup_batch_size=tuple(ns.rampup_batch_size) if ns.rampup_batch_size else None,
         seed=ns.seed,
         log_interval=ns.log_interval,
         eval_interval=ns.eval_interval,

@@ -88,6 +88,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
             )
         }
     )
+    if t.get("rampup_batch_size"):
+        out["rampup_batch_size"] = list(t["rampup_batch_size"])
     if t.get("train_samples") is not None:  # a sample-based run: its iterations follow from the samples again
         out.update(train_samples=t["train_samples"], train_iters=None)
     out.update({k: v for k, v in o.items()})

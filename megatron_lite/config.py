@@ -315,6 +315,9 @@ class TrainingConfig:
     # Megatron's --train-samples: the run's length in samples; train_iters is then resolved at start-up as
     # train_samples // global batch (resolve_train_iters), once the data-parallel size is known.
     train_samples: int | None = None
+    # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by INCREMENT
+    # in even steps over the first SAMPLES samples, then stays at --global-batch-size (batch_size_at)
+    rampup_batch_size: tuple[int, int, int] | None = None
     seed: int = 1234
     log_interval: int = 100
     eval_interval: int = 1000
@@ -327,15 +330,49 @@ class TrainingConfig:
     def global_batch(self, dp: int) -> int:
         return self.global_batch_size or self.micro_batch_size * dp
 
+    def batch_size_at(self, consumed: int, dp: int) -> int:
+        """The global batch of the step that starts after `consumed` samples (Megatron's ramp-up: the batch
+        steps up by INCREMENT every SAMPLES / ((final - START) / INCREMENT) samples)."""
+        final = self.global_batch(dp)
+        if self.rampup_batch_size is None:
+            return final
+        start, increment, ramp = self.rampup_batch_size
+        if consumed > ramp:
+            return final
+        per_increment = ramp / ((final - start) // increment)
+        return start + int(consumed / per_increment) * increment
+
+    def validate_rampup(self, dp: int) -> None:
+        if self.rampup_batch_size is None:
+            return
+        start, increment, ramp = self.rampup_batch_size
+        final, unit = self.global_batch(dp), self.micro_batch_size * dp
+        flag = f"--rampup-batch-size {start} {increment} {ramp}"
+        if not (0 < start < final and increment > 0 and ramp > 0 and (final - start) % increment == 0):
+            raise ConfigError(
+                f"{flag}: START must be below --global-batch-size {final}, which START + k x INCREMENT must reach, "
+                "and SAMPLES must be positive"
+            )
+        if start % unit or increment % unit:
+            raise ConfigError(
+                f"{flag}: every batch of the ramp must be a multiple of micro-batch x data-parallel size ({unit}); "
+                f"use START and INCREMENT multiples of {unit}"
+            )
+
     def resolve_train_iters(self, dp: int) -> TrainingConfig:
-        """With --train-samples, the iterations it makes at this data-parallel size (Megatron's rule:
-        train_samples // global batch, the remainder not trained)."""
+        """With --train-samples, the iterations it makes at this data-parallel size (Megatron's rule: the
+        ramp-up's iterations, then the rest // global batch, the remainder not trained)."""
         if self.train_samples is None:
             return self
         gbs = self.global_batch(dp)
-        if self.train_samples < gbs:
+        if self.rampup_batch_size is None and self.train_samples < gbs:
             raise ConfigError(f"--train-samples {self.train_samples} is less than one global batch ({gbs} samples)")
-        return dataclasses.replace(self, train_iters=self.train_samples // gbs)
+        iters = consumed = 0
+        ramp = self.rampup_batch_size[2] if self.rampup_batch_size else -1
+        while consumed <= ramp and consumed <= self.train_samples:
+            consumed += self.batch_size_at(consumed, dp)
+            iters += 1
+        return dataclasses.replace(self, train_iters=iters + max(0, self.train_samples - consumed) // gbs)
 
 
 def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: int = 0, tp_cp: int = 1) -> list[int]:
@@ -483,6 +520,7 @@ def validate_layout(
     seq = training.seq_length
     if training.train_samples is None and training.train_iters < 1:
         raise ConfigError(f"--train-iters {training.train_iters} must be >= 1")
+    training.validate_rampup(parallel.data_parallel_size(world_size))
     if training.train_samples is not None:
         training.resolve_train_iters(parallel.data_parallel_size(world_size))  # raises if not one global batch
     for flag, value in (

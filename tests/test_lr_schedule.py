@@ -36,3 +36,18 @@ def test_warmup_and_decay_are_counted_in_samples():
     cosine = LRScheduler(OptimizerConfig(lr=lr, lr_decay_style="cosine", lr_decay_samples=90), 25, 100, 4)
     assert cosine.lr_at(10) == pytest.approx(lr * 0.5 * (math.cos(math.pi * 40 / 90) + 1))
     assert cosine.lr_at(23) == 0.0  # past the decay's 90 samples: min_lr
+
+
+def test_rampup_iterations_and_refusals():
+    """--train-samples with a ramp counts the ramp's iterations one by one, then whole final batches (Megatron);
+    a ramp whose batches cannot be split into micro-batches, or never reach the final batch, is refused."""
+    from megatron_lite.config import ConfigError, TrainingConfig
+
+    t = TrainingConfig(micro_batch_size=2, global_batch_size=8, rampup_batch_size=(4, 4, 16), train_samples=50)
+    assert [t.batch_size_at(c, 1) for c in (0, 12, 16, 17)] == [4, 4, 8, 8]
+    assert t.resolve_train_iters(1).train_iters == 5 + (50 - 24) // 8  # 4, 4, 4, 4, 8 then three of 8
+    t.validate_rampup(1)
+    with pytest.raises(ConfigError, match="multiple of micro-batch x data-parallel size"):
+        TrainingConfig(micro_batch_size=4, global_batch_size=8, rampup_batch_size=(2, 2, 16)).validate_rampup(1)
+    with pytest.raises(ConfigError, match="START \\+ k x INCREMENT must reach"):
+        TrainingConfig(micro_batch_size=2, global_batch_size=8, rampup_batch_size=(2, 4, 16)).validate_rampup(1)

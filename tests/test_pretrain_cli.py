@@ -145,7 +145,7 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     "argv,fragments",
     [
         (["--fp8-format", "e4m3"], ["--fp8-format", "not implemented"]),
-        (["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size", "not implemented"]),
+        (["--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16", "reduced in fp32"]),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),

@@ -187,3 +187,41 @@ def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):
     assert b"comm_exposed_fraction" in blob  # the exposed-communication metric reaches W&B too
     for key in (b"moe_aux_loss", b"moe_max_imbalance", b"moe_layer0_imbalance", b"moe_dropped_fraction"):
         assert key in blob, key
+
+
+def test_rampup_batch_size_at_dp2_equals_single_process(tmp_path):
+    """--rampup-batch-size 4 4 16 with a global batch of 8: Megatron's ramp (the batch is START until the
+    consumed samples pass SAMPLES / increments, then grows by INCREMENT), the same samples at DP=2 as on one
+    process, and the schedule counted in samples (warmup of 2 iterations = 16 samples of the final batch)."""
+    import math
+
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
+        "--global-batch-size 8 --rampup-batch-size 4 4 16 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine "
+        "--log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 --distributed-backend gloo"
+    ).split()
+    torchrun(1, [*args, "--micro-batch-size", "4", "--log-jsonl", str(tmp_path / "one.jsonl")], tmp_path)
+    torchrun(2, [*args, "--micro-batch-size", "2", "--log-jsonl", str(tmp_path / "two.jsonl")], tmp_path)
+    one, two = records(tmp_path / "one.jsonl"), records(tmp_path / "two.jsonl")
+
+    def megatron_batch(consumed, start=4, increment=4, ramp=16, final=8):
+        per_increment = ramp / ((final - start) // increment)
+        return final if consumed > ramp else start + int(consumed / per_increment) * increment
+
+    consumed, batches, positions = 0, [], []
+    for _ in range(6):
+        positions.append(consumed)
+        batches.append(megatron_batch(consumed))
+        consumed += batches[-1]
+    assert [r["global_batch_size"] for r in one] == batches == [4, 4, 4, 4, 8, 8]
+    assert [r["consumed_samples"] for r in one] == [sum(batches[: i + 1]) for i in range(6)]
+
+    def lr(p, warmup=16, decay=48):
+        return (
+            3e-3 * p / warmup if p <= warmup else 3e-3 * 0.5 * (math.cos(math.pi * (p - warmup) / (decay - warmup)) + 1)
+        )
+
+    assert [r["lr"] for r in one] == pytest.approx([lr(p) for p in positions])
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)

@@ -15,21 +15,37 @@ from megatron_lite.optimizer.config import OptimizerConfig
 
 class LRScheduler:
     def __init__(
-        self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None, samples_per_step: int = 1
+        self,
+        config: OptimizerConfig,
+        train_iters: int,
+        train_samples: int | None = None,
+        samples_per_step: int = 1,
+        rampup: bool = False,
     ) -> None:
+        """`samples_per_step`: the (final) global batch. A sample-based run, or one whose batch ramps up
+        (--rampup-batch-size), counts its schedule in samples consumed, as Megatron does; an iteration-based
+        one with a ramp-up turns its iteration lengths into samples of the final batch."""
         config.validate_schedule(train_iters, train_samples)
         self.config = config
         _, self.warmup, self.decay_steps, self.wsd_steps = config.schedule(train_iters, train_samples)
-        self.unit = samples_per_step if train_samples is not None else 1  # schedule positions per step
+        self.sample_mode = train_samples is not None or rampup
+        if rampup and train_samples is None:
+            self.warmup, self.decay_steps = self.warmup * samples_per_step, self.decay_steps * samples_per_step
+            self.wsd_steps = self.wsd_steps * samples_per_step if self.wsd_steps else self.wsd_steps
+        self.unit = samples_per_step if self.sample_mode else 1  # schedule positions per (full) step
         self.num_steps = 0
+        self.position = 0  # steps taken, or samples consumed
 
     def lr_at(self, step: int, max_lr: float | None = None, min_lr: float | None = None) -> float:
-        """The schedule at `step`, peaking at --lr and settling at --min-lr (or the given peak and floor)."""
+        """The schedule after `step` full steps, peaking at --lr and settling at --min-lr (or the given
+        peak and floor)."""
+        return self._lr_at_position(step * self.unit, max_lr, min_lr)
+
+    def _lr_at_position(self, step: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
         c = self.config
         max_lr = c.lr if max_lr is None else max_lr
         min_lr = c.min_lr if min_lr is None else min_lr
         warmup = self.warmup
-        step = step * self.unit
         if warmup > 0 and step <= warmup:
             return c.lr_warmup_init + (max_lr - c.lr_warmup_init) * step / warmup
         if c.lr_decay_style == "constant":
@@ -59,7 +75,7 @@ class LRScheduler:
 
     @property
     def lr(self) -> float:
-        return self.lr_at(self.num_steps)
+        return self._lr_at_position(self.position)
 
     @property
     def decoupled_lr(self) -> float | None:
@@ -69,13 +85,16 @@ class LRScheduler:
         if c.decoupled_lr is None:
             return None
         floor = c.min_lr if c.decoupled_min_lr is None else c.decoupled_min_lr
-        return self.lr_at(self.num_steps, c.decoupled_lr, floor)
+        return self._lr_at_position(self.position, c.decoupled_lr, floor)
 
-    def step(self) -> None:
+    def step(self, samples: int | None = None) -> None:
+        """One optimizer step; `samples`: the global batch it took (counted in sample mode)."""
         self.num_steps += 1
+        self.position += samples if self.sample_mode and samples is not None else self.unit
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = int(state["num_steps"])
+        self.position = int(state.get("position", self.num_steps * self.unit))

@@ -93,17 +93,23 @@ class _Batches:
     With --num-workers > 0, worker processes load the micro-batches of the coming iterations ahead of time
     (torch DataLoader); the order is the same as without them, so the data stays layout-independent."""
 
-    def __init__(self, dataset, job: JobConfig, ctx: ParallelContext, num_workers: int = 0) -> None:
+    def __init__(
+        self, dataset, job: JobConfig, ctx: ParallelContext, num_workers: int = 0, rampup: bool = False
+    ) -> None:
         self.dataset = dataset
-        self.gbs = job.training.global_batch(ctx.dp.size)
+        self.training, self.rampup = job.training, rampup  # rampup: the batch grows (--rampup-batch-size)
         self.mbs = job.training.micro_batch_size
         self.ctx = ctx
         self.num_workers = num_workers
         self._loader = None
         self._next = None
 
+    def gbs(self, consumed: int) -> int:
+        dp = self.ctx.dp.size
+        return self.training.batch_size_at(consumed, dp) if self.rampup else self.training.global_batch(dp)
+
     def _indices(self, consumed: int) -> list[list[int]]:
-        return micro_batch_indices(consumed, self.gbs, self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
+        return micro_batch_indices(consumed, self.gbs(consumed), self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
 
     def get(self, consumed: int) -> list[dict[str, torch.Tensor]]:
         if self.num_workers == 0:
@@ -113,7 +119,7 @@ class _Batches:
             def order(start=consumed):
                 while True:
                     yield from self._indices(start)
-                    start += self.gbs
+                    start += self.gbs(start)
 
             # Its own generator: the loader must not draw its worker seeds from the global one dropout uses.
             loader = torch.utils.data.DataLoader(
@@ -125,8 +131,8 @@ class _Batches:
                 generator=torch.Generator().manual_seed(0),
             )
             self._loader = iter(loader)
-        self._next = consumed + self.gbs
-        count = self.gbs // (self.mbs * self.ctx.dp.size)
+        self._next = consumed + self.gbs(consumed)
+        count = self.gbs(consumed) // (self.mbs * self.ctx.dp.size)
         return [
             {k: v.to(self.ctx.device, non_blocking=True) for k, v in next(self._loader).items()} for _ in range(count)
         ]
@@ -230,7 +236,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
         compute_dtype=dtype if dtype != torch.float32 else None,
     )
     scheduler = LRScheduler(
-        job.optimizer, job.training.train_iters, job.training.train_samples, job.training.global_batch(ctx.dp.size)
+        job.optimizer,
+        job.training.train_iters,
+        job.training.train_samples,
+        job.training.global_batch(ctx.dp.size),
+        rampup=job.training.rampup_batch_size is not None,
     )
     state = TrainState()
     if ckpt_path is not None:
@@ -263,13 +273,23 @@ def run(job: JobConfig, notes: list[str]) -> int:
     train_ds, valid_ds, _ = build_datasets(
         source, job.data, (t.train_iters * gbs, evals * gbs, 0), t.seq_length, t.seed
     )
-    train_batches = _Batches(train_ds, job, ctx, job.data.num_workers)
-    flops = flops_per_token(job.model, t.seq_length) * gbs * t.seq_length
+    rampup = t.rampup_batch_size is not None
+    train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
+    flops_per_sample = flops_per_token(job.model, t.seq_length) * t.seq_length
     peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
     start_time = time.time()
     if state.iteration >= t.train_iters:
         log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
-    window: dict[str, float] = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}
+    window: dict[str, float] = {
+        "loss": 0.0,
+        "n": 0,
+        "time": 0.0,
+        "data": 0.0,
+        "skipped": 0,
+        "step": 0.0,
+        "comm": 0.0,
+        "samples": 0,
+    }
     metrics = None
     ck = job.checkpoint
     signalled = False
@@ -293,7 +313,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.info(f"saved {path} (async)")
         while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
             log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
-            state.consumed_samples += gbs
+            state.consumed_samples += train_batches.gbs(state.consumed_samples)
         start = time.time()
         profiler.before_step(state.iteration)
         guard.before_iteration(state.iteration + 1)
@@ -309,9 +329,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
             state = _rollback(job, model, optimizer, scheduler, ctx, log, state)
             guard.after_rollback()
             continue
+        step_gbs = train_batches.gbs(state.consumed_samples)
         state.iteration += 1
-        state.consumed_samples += gbs
+        state.consumed_samples += step_gbs
         profiler.after_step(state.iteration)
+        window["samples"] += step_gbs
         window["loss"] += metrics.lm_loss
         window["n"] += 1
         window["time"] += time.time() - tic
@@ -321,7 +343,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         window["comm"] += metrics.comm_exposed_seconds
         if state.iteration % t.log_interval == 0:
             it_time = window["time"] / window["n"]
-            tflops = flops / it_time / ctx.world_size / 1e12
+            tflops = flops_per_sample * window["samples"] / window["time"] / ctx.world_size / 1e12
             log.log(
                 state.iteration,
                 {
@@ -330,7 +352,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     "grad_norm": metrics.grad_norm,
                     "loss_scale": metrics.loss_scale,
                     "iteration_time": it_time,
-                    "tokens_per_sec": gbs * t.seq_length / it_time,
+                    "tokens_per_sec": window["samples"] * t.seq_length / window["time"],
+                    "global_batch_size": step_gbs,
                     "tflops_per_gpu": tflops,
                     "mfu": tflops * 1e12 / peak if peak else None,
                     "data_time_fraction": window["data"] / window["time"],
@@ -347,7 +370,16 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     ),
                 },
             )
-            window = {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0}
+            window = {
+                "loss": 0.0,
+                "n": 0,
+                "time": 0.0,
+                "data": 0.0,
+                "skipped": 0,
+                "step": 0.0,
+                "comm": 0.0,
+                "samples": 0,
+            }
         if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             if hasattr(optimizer, "finish_param_sync"):
                 optimizer.finish_param_sync()

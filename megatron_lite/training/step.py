@@ -137,6 +137,7 @@ def train_step(
     if timer is not None:
         timer.take()
     model.zero_grad_buffer()
+    samples = sum(int(mb["tokens"].shape[0]) for mb in micro_batches) * ctx.dp.size  # this step's global batch
     micro_batches = context_parallel_part(micro_batches, ctx)
     num_tokens = global_token_count(micro_batches, ctx)
     config = _chunks(model)[0].config
@@ -155,7 +156,7 @@ def train_step(
     lr = scheduler.lr
     result = optimizer.step(lr, scheduler.decoupled_lr)
     if result.updated:
-        scheduler.step()
+        scheduler.step(samples)
     lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
