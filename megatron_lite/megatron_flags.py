@@ -85,8 +85,11 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
 
 def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     """Lines describing the accepted-but-ineffective flags this job passed."""
-    return [
+    lines = [
         f"--{n.replace('_', '-')} has no effect: {why}"
         for n, (_, why) in ACCEPTED_NO_OPS.items()
         if getattr(ns, n, None) not in (None, False)
     ]
+    if getattr(ns, "sequence_parallel", False) and (getattr(ns, "tensor_model_parallel_size", 1) or 1) == 1:
+        lines.append("--sequence-parallel has no effect at --tensor-model-parallel-size 1 (Megatron turns it off)")
+    return lines

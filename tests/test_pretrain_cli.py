@@ -165,6 +165,9 @@ def test_megatron_moe_and_fusion_flags_are_taken_and_explained():
     flags = ["--moe-grouped-gemm", "--use-flash-attn", "--no-rope-fusion", "--cross-entropy-loss-fusion"]
     lines = accepted_no_ops(build_parser().parse_args(["--num-layers", "2", *flags]))
     assert sorted(line.split()[0] for line in lines) == sorted(flags) and all("--kernel-impl" in line for line in lines)
+    # Megatron's Mixtral example passes --sequence-parallel at TP=1: said, not silently kept
+    sp = accepted_no_ops(build_parser().parse_args(["--sequence-parallel"]))
+    assert sp == ["--sequence-parallel has no effect at --tensor-model-parallel-size 1 (Megatron turns it off)"]
 
 
 def test_sample_based_run(tmp_path, capsys, monkeypatch):
