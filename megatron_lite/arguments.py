@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-channels", type=int, help="head dim; default hidden / heads")
     m.add_argument("--max-position-embeddings", type=int)
     m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    _bool(m, "--apply-layernorm-1p", "store norm weights centred on zero (gamma - 1), applied as 1 + weight")
     m.add_argument("--norm-epsilon", type=float, default=1e-5)
     _bool(m, "--swiglu", "SwiGLU MLP (Llama)")
     _bool(m, "--openai-gelu", "tanh-approximated GELU (GPT-2's gelu_new)")
@@ -368,6 +369,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
         make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
         normalization=ns.normalization,
+        apply_layernorm_1p=ns.apply_layernorm_1p,
         norm_epsilon=ns.norm_epsilon,
         activation="swiglu" if ns.swiglu else ("gelu_tanh" if ns.openai_gelu else "gelu"),
         position_embedding_type=ns.position_embedding_type,

@@ -19,6 +19,7 @@ ARCH_DESTS = (
     "max_position_embeddings",
     "normalization",
     "norm_epsilon",
+    "apply_layernorm_1p",
     "swiglu",
     "openai_gelu",
     "position_embedding_type",
@@ -62,6 +63,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
             "attention_dropout",
         )
     }
+    out["apply_layernorm_1p"] = m.get("apply_layernorm_1p", False)
     out["group_query_attention"] = m["num_query_groups"] is not None
     out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
     out["swiglu"] = m["activation"] == "swiglu"

@@ -69,6 +69,9 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
+    # Megatron's --apply-layernorm-1p (Transformer Engine's zero-centred gamma): norm weights are stored as
+    # w = gamma - 1 (zeros at init) and applied as 1 + w
+    apply_layernorm_1p: bool = False
     activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's gelu_new, Megatron --openai-gelu) | swiglu
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0

@@ -57,7 +57,6 @@ REFUSED: dict[str, str] = {
     "fp8_amax_compute_algo": "fp8 training is not implemented",
     "fp8_param_gather": "fp8 training is not implemented",
     "grad_reduce_in_bf16": "gradients are always reduced in fp32",
-    "apply_layernorm_1p": "zero-centred norm weights are not implemented",
     "reset_position_ids": "resetting position ids at document boundaries is not implemented",
     "reset_attention_mask": "document-level attention masks are not implemented",
     "tiktoken_pattern": "tiktoken tokenizers are not supported; use --tokenizer-type HuggingFaceTokenizer",

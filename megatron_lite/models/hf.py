@@ -235,6 +235,8 @@ def state_dict_to_hf(
     as block_sparse_moe.experts.{e}.w1/w3/w2, and no `lm_head.weight` when the embeddings are tied."""
     hf: dict[str, torch.Tensor] = {}
     L = "decoder.layers"
+    if config.apply_layernorm_1p:  # Hugging Face norms hold gamma itself
+        ours = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in ours.items()}
     if arch in LLAMA_LIKE:
         hf["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
         for i in range(config.num_layers):

@@ -13,7 +13,8 @@ from megatron_lite.parameters import ParamMeta, set_param_meta
 
 class _Norm(nn.Module):
     """A weight over the hidden size (ones at init), replicated across TP; `sequence_parallel` marks its
-    gradient partial when each rank normalises only its sequence shard."""
+    gradient partial when each rank normalises only its sequence shard. `zero_centered` (--apply-layernorm-1p):
+    the weight is stored as gamma - 1, zeros at init, and applied as 1 + weight (the sum in fp32)."""
 
     def __init__(
         self,
@@ -23,12 +24,18 @@ class _Norm(nn.Module):
         device=None,
         dtype=torch.float32,
         kernel_impl: str = "torch",
+        zero_centered: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.triton = kernel_impl == "triton"
+        self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
-        set_param_meta(self, "weight", ParamMeta(("ones",), sequence_parallel=sequence_parallel))
+        init = ("zeros",) if zero_centered else ("ones",)
+        set_param_meta(self, "weight", ParamMeta(init, sequence_parallel=sequence_parallel))
+
+    def gamma(self) -> torch.Tensor:
+        return (self.weight.float() + 1.0).to(self.weight.dtype) if self.zero_centered else self.weight
 
 
 class RMSNorm(_Norm):
@@ -37,7 +44,7 @@ class RMSNorm(_Norm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         fn = K.rms_norm if self.triton else K.rms_norm_reference
-        return fn(x, self.weight, self.eps, residual=residual)
+        return fn(x, self.gamma(), self.eps, residual=residual)
 
 
 class LayerNorm(_Norm):
@@ -49,16 +56,17 @@ class LayerNorm(_Norm):
         device=None,
         dtype=torch.float32,
         kernel_impl: str = "torch",
+        zero_centered: bool = False,
     ) -> None:
-        super().__init__(hidden_size, eps, sequence_parallel, device, dtype, kernel_impl)
+        super().__init__(hidden_size, eps, sequence_parallel, device, dtype, kernel_impl, zero_centered)
         self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         set_param_meta(self, "bias", ParamMeta(("zeros",), sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.triton:
-            return K.layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
+            return K.layer_norm(x, self.gamma(), self.bias, self.eps, residual=residual)
         s = x + residual if residual is not None else x
-        y = F.layer_norm(s, (s.shape[-1],), self.weight, self.bias, self.eps)
+        y = F.layer_norm(s, (s.shape[-1],), self.gamma(), self.bias, self.eps)
         return (y, s) if residual is not None else y
 
 
@@ -73,4 +81,5 @@ def build_norm(config: ModelConfig, sequence_parallel: bool, device=None, dtype=
         device=device,
         dtype=dtype,
         kernel_impl=config.kernel_impl,
+        zero_centered=config.apply_layernorm_1p,
     )
