@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-jsonl", help="write one JSON object per logged iteration to this file")
     _bool(g, "--log-memory-breakdown", "log bytes of parameters, gradients, optimizer state and peak activations")
+    _bool(g, "--log-params-norm", "log the parameters' L2 norm (each counted once over the layout)")
+    _bool(g, "--log-num-zeros-in-grad", "log the number of zero entries in the gradients")
     g.add_argument("--wandb-project")
     g.add_argument("--wandb-exp-name")
     g.add_argument("--wandb-save-dir")
@@ -519,6 +521,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         wandb_save_dir=ns.wandb_save_dir,
         tensorboard_dir=ns.tensorboard_dir,
         log_memory_breakdown=ns.log_memory_breakdown,
+        log_params_norm=ns.log_params_norm,
+        log_num_zeros_in_grad=ns.log_num_zeros_in_grad,
         profile=ns.profile,
         use_pytorch_profiler=ns.use_pytorch_profiler,
         profile_step_start=ns.profile_step_start,

@@ -36,6 +36,7 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         "one by one), a loop with torch",
     ),
     "log_throughput": (False, "throughput is always logged"),
+    "log_timers_to_tensorboard": (False, "iteration, data and exposed-communication times are logged every interval"),
     "no_masked_softmax_fusion": (False, "there is no fused masked softmax to disable"),
     "no_bias_swiglu_fusion": (False, "SwiGLU's fusion follows --kernel-impl (triton: fused, torch: not)"),
     "no_bias_gelu_fusion": (False, "there is no fused bias-GELU to disable"),

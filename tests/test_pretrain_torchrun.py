@@ -120,7 +120,7 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path):
         "--seq-length 32 --train-iters 10 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 "
         "--lr-decay-style cosine --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 "
         "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
-        "--untie-embeddings-and-output-weights --distributed-backend gloo"
+        "--untie-embeddings-and-output-weights --distributed-backend gloo --log-params-norm --log-num-zeros-in-grad"
     ).split()
     torchrun(1, [*args, "--micro-batch-size", "8", "--log-jsonl", str(tmp_path / "one.jsonl")], tmp_path)
     torchrun(
@@ -142,6 +142,7 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path):
     for a, b in zip(one, four):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+        assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (a, b)
     # Context parallelism from the command line: CP=2 (ring) x DP=2 and CP=2 (all-to-all), the same run.
     for name, n, extra in (
         ("cp2_p2p_dp2", 4, ["--micro-batch-size", "2", "--context-parallel-size", "2"]),
@@ -167,6 +168,11 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path):
         for a, b in zip(one, cp):
             assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (name, a, b)
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a, b)
+            assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (name, a, b)
+            # zero gradient entries: the input embedding rows no token reached, the same set at TP=1 (TP=2
+            # pads the vocabulary further, and those rows count too, as in Megatron)
+            if "tensor-model-parallel-size" not in " ".join(extra):
+                assert a["num_zeros_in_grad"] == b["num_zeros_in_grad"] > 0, (name, a, b)
 
 
 def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):

@@ -35,6 +35,7 @@ from megatron_lite.optimizer.optimizer import (
     _adamw,
     _load_adam_state,
     adam_groups,
+    count_zeros,
     is_embedding_or_output,
     set_lr,
     squared_norm,
@@ -173,17 +174,26 @@ class FSDP2Optimizer:
     def grad_norm(self) -> float:
         """Local shards summed over the group they are sharded over, then over the model-parallel group:
         dense over DP x CP and TP x PP, experts over expert-DP and expert-TP x EP x PP."""
+        return self._counted_sum(lambda p: p.grad, squared_norm) ** 0.5
+
+    def _counted_sum(self, tensor_of, fn) -> float:
         total = 0.0
         for want_expert, groups in ((False, (self.ctx.dp_cp, self.ctx.mp)), (True, (self.ctx.edp, self.ctx.emp))):
             if want_expert and not self.model.moe:
                 continue
             mine = [
-                _local(p.grad)
+                _local(tensor_of(p))
                 for p, c, e in zip(self.params, self._counted, self._expert)
-                if c and e == want_expert and p.grad is not None
+                if c and e == want_expert and tensor_of(p) is not None
             ]
-            total += squared_norm(mine, self.ctx.device, *groups)
-        return total**0.5
+            total += fn(mine, self.ctx.device, *groups)
+        return total
+
+    def params_norm(self) -> float:
+        return self._counted_sum(lambda p: p, squared_norm) ** 0.5
+
+    def grad_zeros(self) -> int:
+        return int(self._counted_sum(lambda p: p.grad, count_zeros))
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:

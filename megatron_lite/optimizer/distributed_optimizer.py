@@ -27,6 +27,7 @@ from megatron_lite.optimizer.optimizer import (
     _load_adam_state,
     adam_groups,
     any_rank,
+    count_zeros,
     is_embedding_or_output,
     make_scaler,
     set_lr,
@@ -120,14 +121,24 @@ class DistributedOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def grad_norm(self) -> float:
+    def _counted_sum(self, tensor_of, fn) -> float:
+        """fn over each shard's tensor, summed over the groups it is sharded and split over."""
         total = 0.0
         for want_expert, groups in ((False, (self.ctx.dp_cp, self.ctx.mp)), (True, (self.ctx.edp, self.ctx.emp))):
             if want_expert and not self._moe:
                 continue
-            mine = [s.grad for s in self.shards if s.counted and s.expert == want_expert]
-            total += squared_norm(mine, self.ctx.device, *groups)
-        return total**0.5
+            mine = [tensor_of(s) for s in self.shards if s.counted and s.expert == want_expert]
+            total += fn(mine, self.ctx.device, *groups)
+        return total
+
+    def grad_norm(self) -> float:
+        return self._counted_sum(lambda s: s.grad, squared_norm) ** 0.5
+
+    def params_norm(self) -> float:
+        return self._counted_sum(lambda s: s.main, squared_norm) ** 0.5
+
+    def grad_zeros(self) -> int:
+        return int(self._counted_sum(lambda s: s.grad, count_zeros))
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:

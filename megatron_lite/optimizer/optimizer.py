@@ -85,6 +85,18 @@ def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
     return float(sq)
 
 
+def count_zeros(tensors: list[torch.Tensor], device, *groups) -> float:
+    """Zero entries of `tensors`, then summed over each group in turn (--log-num-zeros-in-grad)."""
+    n = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        n += t.numel() - torch.count_nonzero(t)
+    for group in groups:
+        if group.size > 1:
+            with group.blocked():
+                dist.all_reduce(n, group=group.pg)
+    return float(n)
+
+
 def any_rank(flag: bool, ctx: ParallelContext) -> bool:
     """True if any rank has the flag: an overflow in any shard skips the step everywhere."""
     t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
@@ -188,16 +200,28 @@ class MixedPrecisionOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """Dense shards summed over the model-parallel group (TP x PP), experts over the expert-model-parallel
-        group (expert-TP x EP x PP): each parameter counted exactly once."""
+    def _counted_sum(self, tensors: list[torch.Tensor], fn) -> float:
+        """fn over tensors aligned with the parameters: dense shards summed over the model-parallel group
+        (TP x PP), experts over the expert-model-parallel group (expert-TP x EP x PP): each parameter counted
+        exactly once."""
         total = 0.0
         for want_expert, group in ((False, self.ctx.mp), (True, self.ctx.emp)):
             if want_expert and not self._moe:
                 continue
-            mine = [g for g, c, e in zip(grads, self._counted, self._expert) if c and e == want_expert]
-            total += squared_norm(mine, grads[0].device, group)
-        return total**0.5
+            mine = [g for g, c, e in zip(tensors, self._counted, self._expert) if c and e == want_expert]
+            total += fn(mine, tensors[0].device, group)
+        return total
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        return self._counted_sum(grads, squared_norm) ** 0.5
+
+    def params_norm(self) -> float:
+        """--log-params-norm: the fp32 main weights' L2 norm, each parameter counted once."""
+        return self._counted_sum(self.main_params, squared_norm) ** 0.5
+
+    def grad_zeros(self) -> int:
+        """--log-num-zeros-in-grad: zero entries of the (reduced) gradients, each parameter counted once."""
+        return int(self._counted_sum([self.grad_of(p) for p in self.params], count_zeros))
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:

@@ -43,6 +43,8 @@ class LoggingConfig:
     wandb_save_dir: str | None = None
     tensorboard_dir: str | None = None
     log_memory_breakdown: bool = False  # per rank: parameter, gradient, optimizer and activation bytes
+    log_params_norm: bool = False  # Megatron's: the parameters' L2 norm after each step
+    log_num_zeros_in_grad: bool = False  # Megatron's: zero entries of the gradients
     # --profile (training/profiling.py): iterations after profile_step_start completed ones up to profile_step_end
     profile: bool = False
     use_pytorch_profiler: bool = False

@@ -321,7 +321,16 @@ def run(job: JobConfig, notes: list[str]) -> int:
         batches = train_batches.get(state.consumed_samples)
         data_time = time.time() - tic
         with guard.during_step(state.iteration + 1, model):
-            metrics = train_step(ddp, optimizer, scheduler, batches, ctx, job.logging.log_memory_breakdown)
+            metrics = train_step(
+                ddp,
+                optimizer,
+                scheduler,
+                batches,
+                ctx,
+                job.logging.log_memory_breakdown,
+                log_params_norm=job.logging.log_params_norm,
+                log_num_zeros_in_grad=job.logging.log_num_zeros_in_grad,
+            )
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         action = guard.after_step(state.iteration + 1, state.consumed_samples, metrics, ddp, time.time() - start)
@@ -361,6 +370,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     "peak_memory_bytes": _peak_memory(ctx.device),
                     "consumed_samples": state.consumed_samples,
                     "skipped_iterations": window["skipped"],
+                    **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
+                    **(
+                        {"num_zeros_in_grad": metrics.num_zeros_in_grad}
+                        if metrics.num_zeros_in_grad is not None
+                        else {}
+                    ),
                     **_moe_metrics(metrics.moe),
                     **guard.log_metrics(),
                     **(

@@ -41,6 +41,8 @@ class StepMetrics:
     step_seconds: float = 0.0
     comm_exposed_seconds: float = 0.0  # time blocked in communication (megatron_lite/comm_timer.py)
     activation_bytes: int | None = None  # peak of saved activations, when measured (training/memory.py)
+    params_norm: float | None = None  # --log-params-norm: after the update
+    num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad
 
     @property
     def comm_exposed_fraction(self) -> float:
@@ -130,6 +132,8 @@ def train_step(
     micro_batches: list[MicroBatch],
     ctx: ParallelContext,
     measure_activations: bool = False,
+    log_params_norm: bool = False,
+    log_num_zeros_in_grad: bool = False,
 ) -> StepMetrics:
     start = time.perf_counter()
     measuring, meter = memory.measure(model.module if measure_activations else None)
@@ -157,6 +161,8 @@ def train_step(
     result = optimizer.step(lr, scheduler.decoupled_lr)
     if result.updated:
         scheduler.step(samples)
+    zeros = optimizer.grad_zeros() if log_num_zeros_in_grad else None  # the reduced gradients, still in buffers
+    params_norm = optimizer.params_norm() if log_params_norm else None
     lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
@@ -171,6 +177,8 @@ def train_step(
         step_seconds=time.perf_counter() - start,
         comm_exposed_seconds=timer.take() if timer is not None else 0.0,
         activation_bytes=meter.peak if meter is not None else None,
+        params_norm=params_norm,
+        num_zeros_in_grad=zeros,
     )
 
 
