@@ -41,6 +41,8 @@ RESUME_LAYOUTS = {
         "--num-experts 4 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2 "
         "--moe-router-score-function sigmoid --moe-router-enable-expert-bias"
     ).split(),
+    # stopped mid-ramp (batches 4 x 6 then 8): the batch size and the schedule's sample position come back
+    "rampup-dp2": "--rampup-batch-size 4 4 24".split(),
 }
 
 
@@ -66,6 +68,7 @@ def test_resume_is_exact(tmp_path, layout):
     assert [r["iteration"] for r in resumed] == list(range(1, 11))
     for s, r in zip(straight[5:], resumed[5:]):
         assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
+        assert s["lr"] == r["lr"] and s["global_batch_size"] == r["global_batch_size"], (s, r)
         assert s.get("moe_aux_loss") == r.get("moe_aux_loss")  # routing (and the expert bias) came back too
 
 
