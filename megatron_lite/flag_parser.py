@@ -1,0 +1,271 @@
+"""The command-line flags themselves: Megatron-LM's names, defaults and groups (`--help` lists them by group).
+arguments.py turns the parsed flags into the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_lite.data.config import TOKENIZER_TYPES
+from megatron_lite.megatron_flags import add_megatron_flag_groups
+from megatron_lite.optimizer.config import DECAY_STYLES, WSD_DECAY_STYLES
+
+
+def _window_size(text: str) -> int:
+    """'(L, R)' or 'L,R' -> the number of keys each query sees (L + 1); only causal windows (R = 0)."""
+    parts = [p.strip() for p in text.strip().strip("()").split(",")]
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a window (left,right), e.g. 4095,0") from None
+    if right != 0 or left < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: only causal windows (left >= 0, right = 0) are supported")
+    return left + 1
+
+
+def _bool(p: argparse._ArgumentGroup, flag: str, help: str) -> None:
+    p.add_argument(flag, action="store_true", help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="megatron_lite GPT/Llama pretraining (launch with torchrun). Flag names follow Megatron-LM.",
+        allow_abbrev=False,
+    )
+    m = parser.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, required=False)
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size")
+    m.add_argument("--num-attention-heads", type=int)
+    _bool(m, "--group-query-attention", "use --num-query-groups key/value heads")
+    m.add_argument("--num-query-groups", type=int, default=1)
+    m.add_argument("--kv-channels", type=int, help="head dim; default hidden / heads")
+    m.add_argument("--max-position-embeddings", type=int)
+    m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    _bool(m, "--apply-layernorm-1p", "store norm weights centred on zero (gamma - 1), applied as 1 + weight")
+    m.add_argument("--norm-epsilon", type=float, default=1e-5)
+    _bool(m, "--swiglu", "SwiGLU MLP (Llama)")
+    _bool(m, "--openai-gelu", "tanh-approximated GELU (GPT-2's gelu_new)")
+    m.add_argument(
+        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "none"]
+    )
+    m.add_argument("--rotary-base", type=float, default=10000.0)
+    m.add_argument("--rotary-percent", type=float, default=1.0, help="only 1.0 (rotate the whole head) is supported")
+    _bool(m, "--use-rope-scaling", "Llama-3 RoPE frequency scaling")
+    m.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    m.add_argument(
+        "--window-size",
+        type=_window_size,
+        help="sliding-window attention as (left, right) like Megatron/Transformer Engine, e.g. 4095,0: each "
+        "token sees itself and the 4095 before it (Mistral's sliding_window 4096); right must be 0",
+    )
+    _bool(m, "--untie-embeddings-and-output-weights", "separate output layer (Llama)")
+    _bool(m, "--disable-bias-linear", "no biases in linear layers (Llama)")
+    _bool(m, "--add-qkv-bias", "bias on QKV only (Qwen2)")
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--hidden-dropout", type=float, default=0.1)
+    m.add_argument("--attention-dropout", type=float, default=0.1)
+    m.add_argument("--recompute-granularity", choices=["full", "selective"])
+    m.add_argument("--recompute-method", choices=["uniform", "block"])
+    m.add_argument("--recompute-num-layers", type=int)
+    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"])
+    e = parser.add_argument_group("mixture of experts")
+    e.add_argument("--num-experts", type=int)
+    e.add_argument("--moe-router-topk", type=int, default=2)
+    e.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    _bool(e, "--moe-router-pre-softmax", "softmax over all experts before top-k")
+    e.add_argument("--moe-ffn-hidden-size", type=int)
+    e.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
+    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    e.add_argument("--moe-z-loss-coeff", type=float)
+    _bool(e, "--moe-router-enable-expert-bias", "aux-loss-free balancing (needs sigmoid scores)")
+    e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    e.add_argument("--moe-expert-capacity-factor", type=float, help="dropless when unset")
+    e.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=int)
+    e.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall")
+    m.add_argument("--kernel-impl", choices=["torch", "triton"], default=None, help="default: triton on CUDA")
+
+    d = parser.add_argument_group("distributed")
+    d.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    d.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    d.add_argument("--context-parallel-size", type=int, default=1, help="split each sequence over this many ranks")
+    d.add_argument(
+        "--cp-comm-type",
+        default="p2p",
+        help="context-parallel attention: p2p (ring, zigzag load balance), a2a (all-to-all over heads), allgather",
+    )
+    d.add_argument(
+        "--hierarchical-context-parallel-sizes", type=int, nargs="+", help="not implemented (refused at start-up)"
+    )
+    d.add_argument("--expert-model-parallel-size", type=int, default=1)
+    d.add_argument("--expert-tensor-parallel-size", type=int)
+    d.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    d.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    d.add_argument("--decoder-first-pipeline-num-layers", type=int, help="layers of the first stage (uneven split)")
+    d.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers of the last stage (uneven split)")
+    _bool(d, "--sequence-parallel", "Megatron sequence parallelism (needs TP > 1)")
+    _bool(d, "--overlap-grad-reduce", "launch each gradient bucket's all-reduce during the backward")
+    _bool(d, "--tp-comm-overlap", "sequence-parallel GEMMs as TP rings overlapping all-gather / reduce-scatter")
+    _bool(d, "--overlap-p2p-comm", "pipeline: wait on each receive only when its data is needed (default with VP)")
+    _bool(d, "--no-overlap-p2p-communication", "pipeline: wait on every receive before the next compute")
+    _bool(
+        d,
+        "--overlap-moe-expert-parallel-comm",
+        "MoE: dispatch in chunks, each chunk's all-to-all under the previous chunk's experts",
+    )
+    d.add_argument("--ddp-bucket-size", type=int)
+    d.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
+    d.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    t = parser.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, default=1)
+    t.add_argument("--global-batch-size", type=int)
+    t.add_argument("--seq-length", type=int)
+    t.add_argument("--train-iters", type=int)
+    t.add_argument("--train-samples", type=int, help="the run's length in samples (instead of --train-iters)")
+    t.add_argument(
+        "--rampup-batch-size",
+        type=int,
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="grow the global batch from START by INCREMENT over the first SAMPLES samples",
+    )
+    t.add_argument("--exit-interval", type=int)
+    t.add_argument("--exit-duration-in-mins", type=float)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--eval-interval", type=int, default=1000)
+    t.add_argument("--eval-iters", type=int, default=100)
+    _bool(t, "--dry-run", "build on the meta device, validate, print parameters and memory per rank, exit")
+
+    o = parser.add_argument_group("optimizer and learning rate")
+    o.add_argument("--optimizer", default="adam", choices=["adam"])
+    o.add_argument("--lr", type=float, default=1e-4)
+    o.add_argument("--min-lr", type=float, default=0.0)
+    o.add_argument("--lr-decay-style", default="linear", choices=list(DECAY_STYLES))
+    o.add_argument("--lr-decay-iters", type=int)
+    o.add_argument("--lr-warmup-iters", type=int, default=0)
+    o.add_argument("--lr-warmup-fraction", type=float)
+    o.add_argument("--lr-warmup-init", type=float, default=0.0)
+    o.add_argument("--lr-wsd-decay-style", default="exponential", choices=list(WSD_DECAY_STYLES))
+    o.add_argument("--lr-wsd-decay-iters", type=int)
+    o.add_argument("--lr-decay-samples", type=int, help="with --train-samples (default: --train-samples)")
+    o.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
+    o.add_argument("--lr-wsd-decay-samples", type=int, help="with --train-samples")
+    o.add_argument("--decoupled-lr", type=float, help="peak rate of the word embeddings and the output layer")
+    o.add_argument("--decoupled-min-lr", type=float, help="their floor (default: --min-lr)")
+    o.add_argument("--weight-decay", type=float, default=0.01)
+    _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
+    _bool(
+        o,
+        "--overlap-param-gather",
+        "with --use-distributed-optimizer: all-gather updated weights under the next forward",
+    )
+    _bool(o, "--use-torch-fsdp2", "ZeRO-3 through PyTorch FSDP2: parameters sharded over data parallelism")
+    o.add_argument(
+        "--zero-stage", type=int, default=1, help="2: with --use-distributed-optimizer, shard gradients too (ZeRO-2)"
+    )
+    o.add_argument("--clip-grad", type=float, default=1.0)
+    o.add_argument("--adam-beta1", type=float, default=0.9)
+    o.add_argument("--adam-beta2", type=float, default=0.999)
+    o.add_argument("--adam-eps", type=float, default=1e-8)
+    _bool(o, "--use-apex-adam", "NVIDIA apex FusedAdam (must be installed)")
+
+    p = parser.add_argument_group("mixed precision")
+    _bool(p, "--bf16", "bf16 weights and activations, fp32 main weights and gradients")
+    _bool(p, "--fp16", "fp16 with dynamic loss scaling")
+    p.add_argument("--loss-scale", type=float, help="constant loss scale (fp16); dynamic when unset")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    p.add_argument("--min-loss-scale", type=float, default=1.0)
+    p.add_argument("--loss-scale-window", type=int, default=1000)
+    p.add_argument("--hysteresis", type=int, default=2)
+
+    a = parser.add_argument_group("data")
+    a.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...; default: embedded corpus")
+    a.add_argument("--split", default="969,30,1")
+    _bool(a, "--mock-data", "synthetic tokens (needs --vocab-size)")
+    a.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES))
+    a.add_argument(
+        "--tokenizer-model",
+        help="tokenizer.json for HuggingFaceTokenizer; for Llama2Tokenizer / GPTSentencePieceTokenizer the "
+        "tokenizer.model (the tokenizer.json beside it is read) or that tokenizer.json",
+    )
+    a.add_argument("--vocab-file")
+    a.add_argument("--merge-file")
+    a.add_argument("--vocab-size", type=int)
+    a.add_argument("--data-cache-path")
+    a.add_argument("--num-workers", type=int, default=0)
+    _bool(a, "--eod-mask-loss", "no loss on end-of-document tokens")
+    _bool(a, "--sft", "--data-path is a JSONL file of {prompt, response} records; loss on the responses only")
+
+    c = parser.add_argument_group("checkpointing")
+    c.add_argument("--save")
+    c.add_argument("--load")
+    c.add_argument("--save-interval", type=int)
+    _bool(c, "--no-load-optim", "load weights but not the optimizer state")
+    _bool(c, "--no-load-rng", "do not restore random-number-generator states")
+    _bool(c, "--finetune", "load weights only and start from iteration 0")
+    _bool(c, "--use-checkpoint-args", "take the model configuration from the checkpoint")
+    _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
+    _bool(c, "--async-save", "write checkpoints in a background thread while training continues")
+    c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")
+
+    lo = parser.add_argument_group("LoRA fine-tuning")
+    lo.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on a frozen base (0: off)")
+    lo.add_argument("--lora-alpha", type=float, default=16.0, help="adapters scaled by alpha / rank")
+    lo.add_argument("--lora-dropout", type=float, default=0.0)
+    lo.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        help="our layer names or PEFT's (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); add experts "
+        "for every routed expert's fc1 and fc2 (PEFT's experts.gate_up_proj and experts.down_proj)",
+    )
+    _bool(lo, "--qlora", "store the adapted layers' frozen weights in NF4 (4.127 bits per parameter)")
+
+    f = parser.add_argument_group("fault tolerance")
+    _bool(f, "--no-auto-resume", "with --save DIR holding a checkpoint and no --load, start over instead of resuming")
+    _bool(f, "--exit-signal-handler", "on --exit-signal, every rank saves at the next iteration and exits 0")
+    f.add_argument("--exit-signal", default="SIGTERM", help="the signal --exit-signal-handler acts on")
+    f.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_true",
+        default=True,
+        help="(default) a non-finite loss or gradient norm skips the update and applies --nan-policy",
+    )
+    f.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
+    f.add_argument(
+        "--nan-policy",
+        default="halt",
+        help="skip (the step), halt (naming the iteration, rank and parameter) or rollback (to the last "
+        "checkpoint, skipping the offending batch)",
+    )
+    _bool(f, "--check-for-spiky-loss", "report a loss whose z-score over the last iterations exceeds a bound")
+    f.add_argument("--spiky-loss-window", type=int, default=50, help="iterations the z-score is taken over")
+    f.add_argument("--spiky-loss-zscore", type=float, default=6.0, help="a loss above mean + Z std is a spike")
+    f.add_argument("--spiky-loss-policy", default="report", help="report, or rollback like --nan-policy rollback")
+    _bool(f, "--log-straggler", "per-rank step and compute time (min, median, max, slowest rank) every log interval")
+    _bool(f, "--disable-flight-recorder", "do not record collectives (a hang then ends only at the gloo/NCCL timeout)")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-jsonl", help="write one JSON object per logged iteration to this file")
+    _bool(g, "--log-memory-breakdown", "log bytes of parameters, gradients, optimizer state and peak activations")
+    _bool(g, "--log-params-norm", "log the parameters' L2 norm (each counted once over the layout)")
+    _bool(g, "--log-num-zeros-in-grad", "log the number of zero entries in the gradients")
+    g.add_argument("--wandb-project")
+    g.add_argument("--wandb-exp-name")
+    g.add_argument("--wandb-save-dir")
+    g.add_argument("--tensorboard-dir")
+    _bool(g, "--profile", "profile iterations (--profile-step-start, --profile-step-end] on --profile-ranks")
+    _bool(g, "--use-pytorch-profiler", "with --profile: a torch.profiler trace in --tensorboard-dir (else nsys)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", help="where --use-pytorch-profiler writes its trace (default: --tensorboard-dir)")
+
+    add_megatron_flag_groups(parser)
+    return parser
