@@ -77,6 +77,11 @@ def _moe_metrics(moe: dict | None) -> dict:
     return out
 
 
+def _new_window() -> dict[str, float]:
+    """What the loop sums between two log lines."""
+    return {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0, "samples": 0}
+
+
 def _logging_rank(ctx: ParallelContext) -> bool:
     return ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp_cp.rank == 0
 
@@ -280,16 +285,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     start_time = time.time()
     if state.iteration >= t.train_iters:
         log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
-    window: dict[str, float] = {
-        "loss": 0.0,
-        "n": 0,
-        "time": 0.0,
-        "data": 0.0,
-        "skipped": 0,
-        "step": 0.0,
-        "comm": 0.0,
-        "samples": 0,
-    }
+    window = _new_window()
     metrics = None
     ck = job.checkpoint
     signalled = False
@@ -385,16 +381,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     ),
                 },
             )
-            window = {
-                "loss": 0.0,
-                "n": 0,
-                "time": 0.0,
-                "data": 0.0,
-                "skipped": 0,
-                "step": 0.0,
-                "comm": 0.0,
-                "samples": 0,
-            }
+            window = _new_window()
         if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             if hasattr(optimizer, "finish_param_sync"):
                 optimizer.finish_param_sync()
