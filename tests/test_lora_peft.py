@@ -18,9 +18,8 @@ peft = pytest.importorskip("peft")
 LORA = LoraConfig(rank=4, alpha=8.0)
 
 
-@pytest.fixture(scope="module")
-def tuned(tmp_path_factory):
-    """(HF base model, our fine-tuned model, its full state, config)."""
+def fine_tune(hf_cfg, lora: LoraConfig):
+    """(HF base model, our model converted from it and LoRA-fine-tuned 4 steps here, its full state, config)."""
     from megatron_lite.data.mock import MockGPTDataset, collate
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
@@ -30,16 +29,14 @@ def tuned(tmp_path_factory):
     from megatron_lite.training.step import train_step
     from megatron_lite.training.wrap import wrap_for_training
 
-    hf_cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=4, rope_theta=5000.0,
-                                      tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    arch = type(hf).__name__
     config = config_from_hf(hf_cfg, make_vocab_size_divisible_by=1)
     ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
     model = build_model(config, ctx, seed=1)
-    model[0].load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "LlamaForCausalLM"))
-    apply_lora(model, config, LORA, ctx, seed=3)
+    model[0].load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, arch))
+    apply_lora(model, config, lora, ctx, seed=3)
     optim = OptimizerConfig(lr=2e-2, lr_decay_style="constant", weight_decay=0.0)
     ddp, opt = wrap_for_training(model, ctx, optim)
     sched = LRScheduler(optim, 4)
@@ -48,6 +45,14 @@ def tuned(tmp_path_factory):
         train_step(ddp, opt, sched, [collate([data[4 * it + j] for j in range(4)])], ctx)
     model.eval()
     return hf, model, model[0].full_state_dict(), config
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    hf_cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, rope_theta=5000.0,
+                                      tie_word_embeddings=False)  # fmt: skip
+    return fine_tune(hf_cfg, LORA)
 
 
 def test_peft_loads_our_adapter_with_our_logits(tuned, tmp_path):
@@ -105,33 +110,10 @@ EXPERT_LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "exper
 @pytest.fixture(scope="module")
 def tuned_mixtral():
     """A tiny Mixtral from transformers with adapters on q/k/v and on every routed expert, fine-tuned here."""
-    from megatron_lite.data.mock import MockGPTDataset, collate
-    from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
-    from megatron_lite.optimizer.config import OptimizerConfig
-    from megatron_lite.optimizer.lr_scheduler import LRScheduler
-    from megatron_lite.parallel_context import ParallelContext
-    from megatron_lite.training.step import train_step
-    from megatron_lite.training.wrap import wrap_for_training
-
     hf_cfg = transformers.MixtralConfig(vocab_size=200, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.MixtralForCausalLM(hf_cfg).eval()
-    config = config_from_hf(hf_cfg, make_vocab_size_divisible_by=1)
-    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
-    model = build_model(config, ctx, seed=1)
-    model[0].load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "MixtralForCausalLM"))
-    apply_lora(model, config, EXPERT_LORA, ctx, seed=3)
-    optim = OptimizerConfig(lr=2e-2, lr_decay_style="constant", weight_decay=0.0)
-    ddp, opt = wrap_for_training(model, ctx, optim)
-    sched = LRScheduler(optim, 4)
-    data = MockGPTDataset(200, 16, seed=2)
-    for it in range(4):
-        train_step(ddp, opt, sched, [collate([data[4 * it + j] for j in range(4)])], ctx)
-    model.eval()
-    return hf, model, model[0].full_state_dict(), config
+    return fine_tune(hf_cfg, EXPERT_LORA)
 
 
 def test_peft_loads_our_expert_adapters_with_our_logits(tuned_mixtral, tmp_path):

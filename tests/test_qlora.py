@@ -19,6 +19,17 @@ from megatron_lite.lora.qlora import NF4Storage, nf4_bytes, quantize_base
 from models import llama_config
 
 
+def assert_equals_dense_reconstruction(model, dense) -> None:
+    """The QLoRA model computes the dense model with each quantised weight replaced by its NF4 reconstruction."""
+    twins = dict(dense.named_modules())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, NF4Storage):
+                twins[name.removesuffix(".nf4")].weight.copy_(dequantize_nf4_reference(module.weight()))
+    ids = torch.randint(0, 250, (2, 16))
+    torch.testing.assert_close(model(ids), dense(ids), rtol=1e-5, atol=1e-5)
+
+
 def test_nf4_linear_is_the_dense_layer_of_the_dequantised_weight():
     from megatron_lite.training.memory import ActivationMeter
 
@@ -58,14 +69,7 @@ def test_qlora_model_trains_adapters_on_an_nf4_base():
     n_adapter = apply_lora(model, config, LoraConfig(rank=4, alpha=8.0, qlora=True), ctx, seed=2)
     n_quantised = quantize_base(model)
     assert abs(8 * nf4_bytes(model) / n_quantised - (4 + 8 / 64 + 32 / (64 * 256))) < 1e-9
-    # the QLoRA model at init is the dense model with each adapted weight replaced by its NF4 reconstruction
-    twins = dict(dense.named_modules())
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, NF4Storage):
-                twins[name.removesuffix(".nf4")].weight.copy_(dequantize_nf4_reference(module.weight()))
-    ids = torch.randint(0, 250, (2, 16))
-    torch.testing.assert_close(model(ids), dense(ids), rtol=1e-5, atol=1e-5)
+    assert_equals_dense_reconstruction(model, dense)
 
     codes = {n: b.clone() for n, b in model.named_buffers()}
     optim = dataclasses.replace(OptimizerConfig(lr=1e-2), lr_decay_style="constant")
@@ -106,13 +110,7 @@ def test_qlora_on_experts_dequantises_each_expert_and_keeps_its_codes():
     experts = [m for m in model.modules() if isinstance(m, ExpertWeight)]
     assert len(experts) == 2 * 4 * 2 and all(m.weight is None and m.nf4 is not None for m in experts)
     assert n_quantised == sum(m.nf4.weight().numel for m in model.modules() if getattr(m, "nf4", None) is not None)
-    twins = dict(dense.named_modules())
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, NF4Storage):
-                twins[name.removesuffix(".nf4")].weight.copy_(dequantize_nf4_reference(module.weight()))
-    ids = torch.randint(0, 250, (2, 16))
-    torch.testing.assert_close(model(ids), dense(ids), rtol=1e-5, atol=1e-5)
+    assert_equals_dense_reconstruction(model, dense)
 
     codes = {n: b.clone() for n, b in model.named_buffers()}
     optim = dataclasses.replace(OptimizerConfig(lr=1e-2), lr_decay_style="constant")
