@@ -89,7 +89,7 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch):
              str(tmp_path / "merged"))  # fmt: skip
 
     # our fine-tuned model, one process, from the checkpoint the two-process job wrote
-    from megatron_lite.checkpoint.hf_convert import _lora_config, model_config_from_dict, read_model_tensors
+    from megatron_lite.checkpoint.hf_convert import model_config_from_dict, read_model_tensors, saved_lora_config
     from megatron_lite.config import ParallelConfig
     from megatron_lite.lora.apply import apply_lora
     from megatron_lite.models.gpt_model import build_model
@@ -97,7 +97,7 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch):
 
     meta, tensors = read_model_tensors(str(out))
     config = model_config_from_dict(meta["config"]["model"])
-    lora = _lora_config(meta["config"])
+    lora = saved_lora_config(meta["config"])
     assert ("experts" in lora.target_modules) == (arch == "mixtral")
     model = build_model(config, ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu")), seed=1)
     apply_lora(model, config, lora, ParallelContext.virtual(ParallelConfig()), seed=0)

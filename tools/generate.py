@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
-from megatron_lite.checkpoint.hf_convert import _lora_config, model_config_from_dict
+from megatron_lite.checkpoint.hf_convert import model_config_from_dict, saved_lora_config
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig, validate_layout
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.inference.generation import SamplingConfig, generate
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     )
     training = TrainingConfig(micro_batch_size=1, seq_length=len(prompt) + args.max_new_tokens)
     validate_layout(model_cfg, parallel, world, training)
-    lora = _lora_config(saved)
+    lora = saved_lora_config(saved)
     base = find_checkpoint(lora.base) if lora is not None and lora.qlora and lora.base else None
     if lora is not None and lora.qlora and base is None:
         raise ConfigError(f"{path} holds QLoRA adapters trained on the base checkpoint {lora.base!r}, which is gone")

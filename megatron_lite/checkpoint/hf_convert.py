@@ -306,7 +306,8 @@ def _used_hf_names(hf: dict, config: ModelConfig, arch: str) -> set[str]:
     return names
 
 
-def _lora_config(saved: dict):
+def saved_lora_config(saved: dict):
+    """The LoraConfig a checkpoint was trained with (its metadata's `config`), or None without LoRA."""
     from megatron_lite.lora.config import LoraConfig
 
     lora = saved.get("lora")
@@ -322,7 +323,7 @@ def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print) -> None:
 
     meta, ours = read_model_tensors(load_dir)
     saved = meta["config"]
-    lora = _lora_config(saved)
+    lora = saved_lora_config(saved)
     if lora is None:
         raise ConfigError(f"--load-dir {load_dir}: the checkpoint was not trained with LoRA (--lora-rank)")
     config = model_config_from_dict(saved["model"])
@@ -338,7 +339,7 @@ def megatron_lite_to_hf(
     saved = meta["config"]
     config = model_config_from_dict(saved["model"])
     if any(".lora." in k for k in ours):
-        lora = _lora_config(saved)
+        lora = saved_lora_config(saved)
         if not merge_lora or lora is None:
             raise ConfigError(
                 f"--load-dir {load_dir} holds LoRA adapters: add --merge-lora to fold them into the weights, or "

@@ -40,21 +40,19 @@ def _full_shape(module: nn.Module) -> tuple[int, ...]:
 def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig, tp) -> LoRA:
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.query_groups * d
-    out_full, in_full = _full_shape(module)
-    f = out_full // 2 if leaf == "linear_fc1" and config.activation == "swiglu" else out_full
-    if leaf == "linear_fc2":
-        f = in_full
+    out_full, in_full = _full_shape(module)  # the MLP's own width (dense or shared expert)
     kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=tp,
               device=module.weight.device, dtype=module.weight.dtype)  # fmt: skip
     if leaf == "linear_qkv":
         return LoRA(h, {"q": q, "k": kv, "v": kv}, split="out", layout=_qkv_layout(config, tp.size), **kw)
     if leaf == "linear_fc1":
         if config.activation == "swiglu":
+            f = out_full // 2
             return LoRA(h, {"gate": f, "up": f}, split="out", layout=_fc1_layout, **kw)
-        return LoRA(h, {"fc1": f}, split="out", **kw)
+        return LoRA(h, {"fc1": out_full}, split="out", **kw)
     if leaf == "linear_proj":
         return LoRA(q, {"proj": h}, split="in", **kw)
-    return LoRA(f, {"fc2": h}, split="in", **kw)
+    return LoRA(in_full, {"fc2": h}, split="in", **kw)
 
 
 def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, etp) -> None:
