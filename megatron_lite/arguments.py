@@ -220,6 +220,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         clip_grad=ns.clip_grad,
         bf16=ns.bf16,
         fp16=ns.fp16,
+        grad_reduce_in_bf16=ns.grad_reduce_in_bf16,
         loss_scale=ns.loss_scale,
         initial_loss_scale=ns.initial_loss_scale,
         min_loss_scale=ns.min_loss_scale,

@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = parser.add_argument_group("mixed precision")
     _bool(p, "--bf16", "bf16 weights and activations, fp32 main weights and gradients")
     _bool(p, "--fp16", "fp16 with dynamic loss scaling")
+    _bool(
+        p,
+        "--grad-reduce-in-bf16",
+        "with --bf16: accumulate and reduce main gradients in bf16 (half the gradient memory and traffic); "
+        "the optimizer steps fp32 copies",
+    )
     p.add_argument("--loss-scale", type=float, help="constant loss scale (fp16); dynamic when unset")
     p.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     p.add_argument("--min-loss-scale", type=float, default=1.0)

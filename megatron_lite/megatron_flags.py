@@ -19,7 +19,7 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "attention_backend": (True, "--kernel-impl picks attention: our flash kernel (triton) or SDPA (torch)"),
     "accumulate_allreduce_grads_in_fp32": (
         False,
-        "main gradients are always accumulated and reduced in fp32",
+        "main gradients are accumulated and reduced in fp32 (unless --grad-reduce-in-bf16)",
     ),
     "attention_softmax_in_fp32": (False, "the softmax runs in fp32 for low-precision inputs"),
     "calculate_per_token_loss": (
@@ -49,6 +49,13 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
     "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
     "no_position_embedding": (False, "implied by --position-embedding-type rope/none"),
+    # Megatron reads it only for --tokenizer-type TikTokenizer, which is refused here (its examples pass it
+    # with NullTokenizer and mock data too)
+    "tiktoken_pattern": (
+        True,
+        "only TikTokenizer reads it, and tiktoken tokenizers are not supported; use --tokenizer-type "
+        "HuggingFaceTokenizer with the model's tokenizer.json",
+    ),
 }
 
 # Megatron flags we do not implement: refused with one line naming the flag and why.
@@ -57,10 +64,8 @@ REFUSED: dict[str, str] = {
     "fp8_amax_history_len": "fp8 training is not implemented",
     "fp8_amax_compute_algo": "fp8 training is not implemented",
     "fp8_param_gather": "fp8 training is not implemented",
-    "grad_reduce_in_bf16": "gradients are always reduced in fp32",
     "reset_position_ids": "resetting position ids at document boundaries is not implemented",
     "reset_attention_mask": "document-level attention masks are not implemented",
-    "tiktoken_pattern": "tiktoken tokenizers are not supported; use --tokenizer-type HuggingFaceTokenizer",
 }
 
 
@@ -78,6 +83,10 @@ def add_megatron_flag_groups(parser: argparse.ArgumentParser) -> None:
 
 
 def refuse_unsupported(ns: argparse.Namespace) -> None:
+    if getattr(ns, "accumulate_allreduce_grads_in_fp32", False) and getattr(ns, "grad_reduce_in_bf16", False):
+        raise ConfigError(
+            "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other; keep one"
+        )
     for name, why in REFUSED.items():
         if getattr(ns, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')} is not supported: {why}; remove the flag")
@@ -90,6 +99,8 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         for n, (_, why) in ACCEPTED_NO_OPS.items()
         if getattr(ns, n, None) not in (None, False)
     ]
+    if getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False):
+        lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     if getattr(ns, "sequence_parallel", False) and (getattr(ns, "tensor_model_parallel_size", 1) or 1) == 1:
         lines.append("--sequence-parallel has no effect at --tensor-model-parallel-size 1 (Megatron turns it off)")
     return lines

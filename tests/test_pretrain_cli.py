@@ -145,7 +145,11 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     "argv,fragments",
     [
         (["--fp8-format", "e4m3"], ["--fp8-format", "not implemented"]),
-        (["--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16", "reduced in fp32"]),
+        (["--grad-reduce-in-bf16", "--fp16"], ["--grad-reduce-in-bf16", "--fp16", "use --bf16"]),
+        (
+            ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+            ["--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16", "keep one"],
+        ),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
@@ -168,6 +172,69 @@ def test_megatron_moe_and_fusion_flags_are_taken_and_explained():
     # Megatron's Mixtral example passes --sequence-parallel at TP=1: said, not silently kept
     sp = accepted_no_ops(build_parser().parse_args(["--sequence-parallel"]))
     assert sp == ["--sequence-parallel has no effect at --tensor-model-parallel-size 1 (Megatron turns it off)"]
+    # --grad-reduce-in-bf16 in an fp32 run: said, not silently kept; with --bf16 it acts (no line)
+    fp32 = accepted_no_ops(build_parser().parse_args(["--grad-reduce-in-bf16"]))
+    assert fp32 == ["--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32"]
+    assert accepted_no_ops(build_parser().parse_args(["--grad-reduce-in-bf16", "--bf16"])) == []
+
+
+# Megatron-LM's examples/llama/train_llama3_8b_h200_bf16.sh, mock-data branch, its flags unchanged (the
+# `--split '99,1,0'` quotes included, as the script's unquoted array hands them over) except the model and run
+# sizes; CKPT stands for its checkpoint directory.
+MEGATRON_LLAMA3_8B_H200_BF16 = """--use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 224
+    --num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32
+    --max-position-embeddings 32 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0
+    --attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend fused
+    --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1
+    --global-batch-size 4 --train-samples 24 --lr-decay-samples 20 --lr-warmup-samples 4 --lr 0.00015
+    --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion
+    --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 --exit-duration-in-mins 235
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --tensor-model-parallel-size 1
+    --context-parallel-size 1 --sequence-parallel --mock-data --tokenizer-type NullTokenizer --vocab-size 1000
+    --data-cache-path CKPT/cache --tiktoken-pattern v2 --split '99,1,0' --no-create-attention-mask-in-dataloader
+    --no-mmap-bin-files --num-workers 1 --log-interval 1 --save-interval 1000 --log-throughput --profile
+    --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
+    --save CKPT --load CKPT --tensorboard-dir CKPT/tb --wandb-project megatron-lm-training
+    --wandb-exp-name llama3x-8b-bf16-tp1 --wandb-save-dir CKPT/wandb --log-params-norm --log-num-zeros-in-grad
+    --log-timers-to-tensorboard"""
+
+
+def test_megatron_llama3_h200_bf16_example_runs(tmp_path, capsys, monkeypatch):
+    """Megatron's Llama-3 8B H200 bf16 script ports by changing its entry point: every flag is taken, and it
+    trains with gradients reduced in bf16 through the distributed optimizer. Three of its flags need what a
+    CPU test machine lacks: --profile (Nsight Systems, refused without CUDA), --tensorboard-dir (the tensorboard
+    package, refused at start-up when absent) and the W&B flags (W&B runs in tests/test_pretrain_torchrun.py)."""
+    import importlib.util
+
+    from megatron_lite.arguments import parse_args
+
+    flags = MEGATRON_LLAMA3_8B_H200_BF16.replace("CKPT", str(tmp_path / "ckpt")).split()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    if importlib.util.find_spec("tensorboard") is None:
+        assert main(flags) == 2
+        _one_line_error(2, capsys.readouterr().err, "--tensorboard-dir", "pip install tensorboard")
+    else:
+        _, job = parse_args(flags)
+        assert job.logging.tensorboard_dir
+    drop = {"--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1, "--tensorboard-dir": 1}
+    drop |= {"--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1}
+    kept, skip = [], 0
+    for f in flags:
+        if skip:
+            skip -= 1
+        elif f in drop:
+            skip = drop[f]
+        else:
+            kept.append(f)
+    _, job = parse_args(kept)
+    assert job.optimizer.grad_reduce_in_bf16 and job.optimizer.use_distributed_optimizer
+    assert job.data.split_weights == (0.99, 0.01, 0.0)
+    assert main(kept) == 0
+    out = capsys.readouterr().out
+    assert "gradients reduced in bfloat16" in out and "--tiktoken-pattern has no effect" in out
+    assert "iteration      6/6" in out and "saved" in out
 
 
 def test_sample_based_run(tmp_path, capsys, monkeypatch):

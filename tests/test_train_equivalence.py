@@ -56,7 +56,10 @@ def train_run(
     zero_stage=1,
     fsdp2=False,
     overlap_param_gather=False,
+    bf16=False,
 ):
+    """Per iteration (lm_loss, grad_norm, lr). `bf16`: bf16 weights (FSDP2: bf16 compute on its fp32 shards)
+    with fp32 main weights, as --bf16."""
     if dist.is_initialized():
         ctx = get_context(parallel)
     else:
@@ -65,15 +68,22 @@ def train_run(
     if data != "mock":
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
-    model = build_model(config, ctx, seed=1234)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = build_model(config, ctx, seed=1234, dtype=torch.float32 if fsdp2 else dtype)
     flags = dict(
+        bf16=bf16,
         use_distributed_optimizer=distributed_optimizer,
         zero_stage=zero_stage,
         use_torch_fsdp2=fsdp2,
         overlap_param_gather=overlap_param_gather,
     )
     ddp, opt = wrap_for_training(
-        model, ctx, dataclasses.replace(optim, **flags), overlap_grad_reduce=overlap, bucket_size=bucket_size
+        model,
+        ctx,
+        dataclasses.replace(optim, **flags),
+        overlap_grad_reduce=overlap,
+        bucket_size=bucket_size,
+        compute_dtype=dtype if bf16 else None,
     )
     sched = LRScheduler(optim, iters)
     dataset = _dataset(data, config.vocab_size)

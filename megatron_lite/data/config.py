@@ -16,6 +16,13 @@ TOKENIZER_TYPES = (
 )
 
 
+def _split_weights(split: str) -> list[float]:
+    """--split's weights ("969,30,1" or "969/30/1"). Quotes around the whole are dropped: Megatron's example
+    scripts put `--split '99,1,0'` in a bash array expanded unquoted, which hands the quotes over too (Megatron
+    reads only the numbers out of the string)."""
+    return [float(x) for x in split.strip().strip("'\"").replace("/", ",").split(",") if x.strip()]
+
+
 @dataclass(frozen=True)
 class DataConfig:
     # Megatron's --data-path: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights need not sum to 1).
@@ -39,9 +46,8 @@ class DataConfig:
             )
         if self.mock_data and self.data_path:
             raise ConfigError("--mock-data and --data-path are exclusive; drop one")
-        parts = self.split.replace("/", ",").split(",")
         try:
-            weights = [float(x) for x in parts if x.strip()]
+            weights = _split_weights(self.split)
         except ValueError:
             weights = []
         if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
@@ -60,7 +66,7 @@ class DataConfig:
 
     @property
     def split_weights(self) -> tuple[float, float, float]:
-        w = [float(x) for x in self.split.replace("/", ",").split(",") if x.strip()]
+        w = _split_weights(self.split)
         w += [0.0] * (3 - len(w))
         total = sum(w)
         return (w[0] / total, w[1] / total, w[2] / total)

@@ -1,6 +1,7 @@
-"""Data parallelism with a contiguous fp32 gradient buffer and bucketed all-reduce.
+"""Data parallelism with a contiguous gradient buffer and bucketed all-reduce.
 
-Gradients accumulate into one flat fp32 buffer (per process group), laid out in reverse registration
+Gradients accumulate into one flat buffer (per process group; fp32, or bf16 with --grad-reduce-in-bf16 as
+in Megatron, which halves its memory and the reduction's bytes), laid out in reverse registration
 order, which is roughly the order the backward produces them. The buffer is cut into buckets; with
 `overlap_grad_reduce`, a bucket's all-reduce is launched as soon as every gradient in it is final, while
 the backward continues. Buckets are launched strictly in order on every rank, so all ranks issue the
@@ -62,7 +63,7 @@ class _Bucket:
 
 
 class GradBuffer:
-    """A flat fp32 buffer holding the main gradient of each parameter, cut into buckets.
+    """A flat buffer (of `dtype`) holding the main gradient of each parameter, cut into buckets.
 
     `sharded` (the distributed optimizer): each bucket is padded to a multiple of the group size and
     reduce-scattered instead of all-reduced; group rank d then holds the summed gradient of the d-th equal
@@ -79,6 +80,7 @@ class GradBuffer:
         sharded: bool = False,
         zero_stage: int = 1,
         held: set[int] | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         """`held`: ids of parameters whose buckets wait for the end of the step (tied embeddings; they
         must come last in `params`)."""
@@ -87,6 +89,7 @@ class GradBuffer:
         self.sharded = sharded
         self.transient = sharded and zero_stage >= 2
         self.device = params[0].device
+        self.dtype = dtype
         self.offset: dict[int, int] = {}  # id(param) -> its start in the flat buffer
         self.shape: dict[int, torch.Size] = {}
         layout: list[tuple[list[nn.Parameter], int, int]] = []
@@ -108,7 +111,7 @@ class GradBuffer:
             offset = self._pad(offset, start)
             layout.append((current, start, offset))
         self.numel = offset
-        self.data = None if self.transient else torch.zeros(offset, dtype=torch.float32, device=self.device)
+        self.data = None if self.transient else torch.zeros(offset, dtype=dtype, device=self.device)
         self.buckets: list[_Bucket] = []
         self.bucket_bounds: list[tuple[int, int]] = []
         for ps, lo, hi in layout:
@@ -117,7 +120,7 @@ class GradBuffer:
             if self.buckets and self.buckets[-1].held and not b.held:
                 raise ValueError("held parameters must come last in the gradient buffer")
             if sharded and self.transient:
-                b.shard_grad = torch.zeros((hi - lo) // group.size, dtype=torch.float32, device=self.device)
+                b.shard_grad = torch.zeros((hi - lo) // group.size, dtype=dtype, device=self.device)
             elif sharded:  # ZeRO-1: the reduced part lives in place, in this rank's slot of the bucket
                 b.shard_grad = data.view(group.size, -1)[group.rank]
             self.buckets.append(b)
@@ -146,8 +149,8 @@ class GradBuffer:
         """The parameter's full main gradient (a view into its bucket; ZeRO-2 allocates the bucket now)."""
         b = self.bucket_of[id(p)]
         if b.data is None:
-            b.data = torch.zeros(b.hi - b.lo, dtype=torch.float32, device=self.device)
-            live = sum(x.data.numel() for x in self.buckets if x.data is not None) * 4
+            b.data = torch.zeros(b.hi - b.lo, dtype=self.dtype, device=self.device)
+            live = sum(x.data.numel() for x in self.buckets if x.data is not None) * b.data.element_size()
             self.peak_transient = max(self.peak_transient, live)
         start = self.offset[id(p)] - b.lo
         return b.data[start : start + p.numel()].view(p.shape)
@@ -156,7 +159,8 @@ class GradBuffer:
         """Persistent gradient storage on this rank: the full buffer, or with ZeRO-2 the reduced parts (and
         the held buckets whole, which live for the whole step)."""
         if self.transient:
-            return sum(b.shard_grad.numel() * 4 + (b.hi - b.lo) * 4 * b.held for b in self.buckets)
+            size = torch.empty((), dtype=self.dtype).element_size()
+            return sum((b.shard_grad.numel() + (b.hi - b.lo) * b.held) * size for b in self.buckets)
         return self.data.numel() * self.data.element_size()
 
     def shard_ranges(self) -> list[tuple[int, int]]:
@@ -286,7 +290,9 @@ class DistributedDataParallel(nn.Module):
         record_events: bool = False,
         use_distributed_optimizer: bool = False,
         zero_stage: int = 1,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`grad_dtype`: what main gradients accumulate and are reduced in (bf16: --grad-reduce-in-bf16)."""
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -314,6 +320,7 @@ class DistributedDataParallel(nn.Module):
                 sharded=use_distributed_optimizer,
                 zero_stage=zero_stage,
                 held=held,
+                dtype=grad_dtype,
             )
             for ps, group in groups
             if ps

@@ -49,7 +49,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDP2Model(nn.Module):
-    def __init__(self, module: nn.Module, ctx: ParallelContext, param_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        ctx: ParallelContext,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """`reduce_dtype`: the reduce-scatters' (bf16 with --grad-reduce-in-bf16); the sharded gradients
+        accumulate in the fp32 of the sharded weights either way."""
         super().__init__()
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -80,7 +88,7 @@ class FSDP2Model(nn.Module):
         # (decided from the config, the same on every rank: a stage without MoE layers still joins new_group)
         self.moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in module.modules())
         expert_mesh = mesh_of(ctx.edp) if self.moe else None
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
         for chunk in chunks:
             for m in chunk.modules():

@@ -39,6 +39,9 @@ class OptimizerConfig:
     clip_grad: float = 1.0  # 0 disables clipping
     bf16: bool = False
     fp16: bool = False
+    # Megatron's --grad-reduce-in-bf16: with --bf16, main gradients accumulate and are reduced in bf16 (half
+    # the gradient memory and reduction bytes); the optimizer still steps fp32 copies of them
+    grad_reduce_in_bf16: bool = False
     loss_scale: float | None = None  # a constant loss scale under fp16; dynamic when None
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
@@ -52,6 +55,11 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+        if self.grad_reduce_in_bf16 and self.fp16:
+            raise ConfigError(
+                "--grad-reduce-in-bf16 with --fp16 is not supported: fp16 gradients are reduced in fp32; "
+                "use --bf16 or drop the flag"
+            )
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:
@@ -95,6 +103,13 @@ class OptimizerConfig:
             )
         if self.hysteresis < 1:
             raise ConfigError(f"--hysteresis {self.hysteresis} must be >= 1")
+
+    @property
+    def grad_dtype(self):
+        """The dtype main gradients accumulate and are reduced in."""
+        import torch
+
+        return torch.bfloat16 if self.bf16 and self.grad_reduce_in_bf16 else torch.float32
 
     @property
     def sample_based(self) -> bool:

@@ -28,6 +28,7 @@ from megatron_lite.optimizer.optimizer import (
     adam_groups,
     any_rank,
     count_zeros,
+    fp32,
     is_embedding_or_output,
     make_scaler,
     set_lr,
@@ -153,12 +154,13 @@ class DistributedOptimizer:
         norm = self.grad_norm()
         if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
             return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
+        grads = fp32(grads)
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0 and grads:
                 torch._foreach_mul_(grads, coeff)
-        for s in self.shards:
-            s.main.grad = s.grad
+        for s, g in zip(self.shards, grads):
+            s.main.grad = g
         set_lr(self.inner, lr, decoupled_lr)
         self.inner.step()
         for s in self.shards:

@@ -1,7 +1,8 @@
 """AdamW on fp32 main weights, with global grad-norm clipping and fp16 loss scaling.
 
 Model weights may be bf16/fp16; the optimizer then keeps fp32 main copies, steps them with fp32 gradients
-(the data-parallel wrapper accumulates main gradients in fp32) and copies them back. With fp32 model
+(the data-parallel wrapper accumulates main gradients in fp32, or in bf16 with --grad-reduce-in-bf16, copied
+up for the step) and copies them back. With fp32 model
 weights the main weights are the model weights.
 
 The global grad norm counts every parameter exactly once: tensor-parallel shards on every TP rank,
@@ -71,6 +72,12 @@ def adam_groups(entries, config: OptimizerConfig) -> list[dict]:
 def set_lr(inner: torch.optim.Optimizer, lr: float, decoupled_lr: float | None) -> None:
     for group in inner.param_groups:
         group["lr"] = decoupled_lr if group.get("decoupled") and decoupled_lr is not None else lr
+
+
+def fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients the fp32 main weights step with: bf16 main gradients (--grad-reduce-in-bf16) are copied
+    up, as Megatron does; fp32 ones are used in place."""
+    return [g if g.dtype == torch.float32 else g.float() for g in grads]
 
 
 def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
@@ -236,6 +243,7 @@ class MixedPrecisionOptimizer:
         norm = self.grad_norm(grads)
         if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
             return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
+        grads = fp32(grads)
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
@@ -245,7 +253,7 @@ class MixedPrecisionOptimizer:
         set_lr(self.inner, lr, decoupled_lr)
         self.inner.step()
         for p, main in zip(self.params, self.main_params):
-            main.grad = None  # the gradient is a view of the DP buffer; never let autograd accumulate into it
+            main.grad = None  # (a view of the DP buffer, or its fp32 copy): never let autograd accumulate into it
             if main is not p:
                 p.copy_(main)
         if self.scaler is not None:

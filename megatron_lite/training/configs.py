@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass, field
 
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
@@ -52,6 +53,15 @@ class LoggingConfig:
     profile_step_end: int = 12
     profile_ranks: tuple[int, ...] = (0,)
     profile_dir: str | None = None  # ours: where the torch.profiler trace goes (default: --tensorboard-dir)
+
+    def __post_init__(self) -> None:
+        # checked at start-up, not when the logger first imports them after the process groups are up
+        for flag, value, package in (
+            ("--wandb-project", self.wandb_project, "wandb"),
+            ("--tensorboard-dir", self.tensorboard_dir, "tensorboard"),
+        ):
+            if value and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{flag} {value} needs the {package} package: pip install {package} or drop {flag}")
 
 
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")

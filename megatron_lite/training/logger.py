@@ -67,10 +67,8 @@ class MetricsLogger:
             )
             self.info(f"W&B run {self._wandb.id} ({mode}) in {save_dir}")
         if self.config.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from e
+            from torch.utils.tensorboard import SummaryWriter  # (LoggingConfig checked that tensorboard is there)
+
             self._tb = SummaryWriter(self.config.tensorboard_dir)
 
     def info(self, message: str) -> None:

@@ -225,7 +225,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
     # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
     model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}), vocabulary {job.model.vocab_size}")
+    grads = str(job.optimizer.grad_dtype).removeprefix("torch.")
+    log.info(
+        f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}, gradients reduced in {grads}), "
+        f"vocabulary {job.model.vocab_size}"
+    )
     if job.lora is not None:
         n = apply_lora(model, job.model, job.lora, ctx, seed=job.training.seed)
         log.info(

@@ -36,7 +36,7 @@ def wrap_for_training(
 ):
     """(data-parallel wrapper, optimizer). `compute_dtype`: FSDP2's compute dtype (its weights stay fp32)."""
     if optim.use_torch_fsdp2:
-        ddp = FSDP2Model(model, ctx, compute_dtype)
+        ddp = FSDP2Model(model, ctx, compute_dtype, reduce_dtype=optim.grad_dtype)
         return ddp, FSDP2Optimizer(ddp, optim, ctx)
     ddp = DistributedDataParallel(
         model,
@@ -45,6 +45,7 @@ def wrap_for_training(
         bucket_size=bucket_size,
         use_distributed_optimizer=optim.use_distributed_optimizer,
         zero_stage=optim.zero_stage,
+        grad_dtype=optim.grad_dtype,
     )
     ddp.check_finite(optim.check_for_nan_in_loss_and_grad)
     if optim.use_distributed_optimizer:
