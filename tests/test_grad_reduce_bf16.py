@@ -84,15 +84,19 @@ def _compare(history, ref, tol):
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
 def test_data_parallel_bf16_reduction_equals_one_process(dist, sharding):
     kw = SHARDINGS[sharding]
-    fsdp2 = dict(fsdp2=True) if "fsdp2" in kw else {}
-    ref = train_run("llama", P(), 4, 2, optim=BF16_GRADS, bf16=True, **fsdp2)
-    _compare(ref, train_run("llama", P(), 4, 2, bf16=True, **fsdp2), BF16_TOL)  # fp32 gradient sums
+    if "fsdp2" in kw:  # (FSDP2 needs a process group: its one-process runs go to a world of one)
+        ref, one_fp32 = (
+            dist(1, train_run, "llama", P(), 4, 2, optim=o, bf16=True, fsdp2=True)[0] for o in (BF16_GRADS, OPTIM)
+        )
+    else:
+        ref, one_fp32 = (train_run("llama", P(), 4, 2, optim=o, bf16=True) for o in (BF16_GRADS, OPTIM))
+    _compare(ref, one_fp32, BF16_TOL)  # summed in fp32, one process: the same training within bf16's precision
     runs = dist(2, train_run, "llama", P(), 4, 2, optim=BF16_GRADS, bf16=True, **kw)
     for history in runs:
         _compare(history, ref, SAME_SUM_TOL)
     # the flag reaches the reduction: summed in fp32, the two ranks' gradients give another run
-    fp32_sums = dist(2, train_run, "llama", P(), 4, 2, bf16=True, **kw)[0]
-    assert any(a[1] != b[1] for a, b in zip(runs[0], fp32_sums))
+    dp_fp32 = dist(2, train_run, "llama", P(), 4, 2, bf16=True, **kw)[0]
+    assert any(a[1] != b[1] for a, b in zip(runs[0], dp_fp32))
 
 
 def gradient_bytes(grad_reduce_in_bf16: bool, zero_stage: int, distributed_optimizer: bool) -> int:
