@@ -61,7 +61,9 @@ def test_parameter_counts_equal_the_built_model(name, layout):
         assert (counts.dense, counts.expert) == (sum(p.numel() for p in chunks.parameters()) - expert, expert)
 
 
-def measure(name: str, layout: Layout, kernel_impl: str = "torch") -> dict:
+def measure(
+    name: str, layout: Layout, kernel_impl: str = "torch", bf16: bool = False, grads_bf16: bool = False
+) -> dict:
     import torch.distributed as dist
 
     from megatron_lite.parallel_context import ParallelContext
@@ -73,13 +75,15 @@ def measure(name: str, layout: Layout, kernel_impl: str = "torch") -> dict:
         ctx = get_context(parallel)
     else:  # the Triton kernels run on a GPU where there is one, else through the CPU's interpreter
         ctx = ParallelContext.virtual(parallel, device=DEVICE if kernel_impl == "triton" else torch.device("cpu"))
-    return measure_layout(config, layout, SEQ, GBS, iters=1, ctx=ctx)
+    return measure_layout(config, layout, SEQ, GBS, iters=1, ctx=ctx, bf16=bf16, grads_bf16=grads_bf16)
 
 
-def _check(name: str, layout: Layout, results: list[dict], kernel_impl: str = "torch", skip=()) -> None:
+def _check(
+    name: str, layout: Layout, results: list[dict], kernel_impl: str = "torch", skip=(), bf16=False, grads_bf16=False
+) -> None:
     config = layout.model_config(MODELS[name](num_layers=4, kernel_impl=kernel_impl))
     for r in results:
-        est = rank_memory(config, layout, SEQ, GBS, False, r["pp_rank"]).as_dict()
+        est = rank_memory(config, layout, SEQ, GBS, bf16, r["pp_rank"], grads_bf16).as_dict()
         for key, measured in r["memory"].items():
             if key in skip:
                 continue
@@ -136,6 +140,16 @@ def test_memory_estimate_within_ten_percent(dist, case):
     # report the gathered storage's size to the meter: its activation count is not memory (see the note).
     skip = ("mem_activations_bytes",) if layout.sharding == "fsdp2" else ()
     _check("llama", layout, dist(layout.world, measure, "llama", layout), skip=skip)
+
+
+@pytest.mark.parametrize("case", ["dp2", "dp4-zero2", "fsdp2-dp2"])
+def test_memory_estimate_with_gradients_in_bf16(dist, case):
+    """--bf16 --grad-reduce-in-bf16: bf16 weights and gradient buffers (FSDP2: fp32 shards either way), fp32
+    main weights and moments, each within 10% of the measured bytes. (Activations are not compared: the CPU's
+    bf16 ops save other tensors than a GPU's.)"""
+    layout = LAYOUTS[case]
+    results = dist(layout.world, measure, "llama", layout, "torch", True, True)
+    _check("llama", layout, results, skip=("mem_activations_bytes",), bf16=True, grads_bf16=True)
 
 
 def test_memory_estimate_zero2_with_embeddings_tied_across_stages(dist):
@@ -267,6 +281,29 @@ def test_fsdp_edges_are_exposed_even_when_compute_hides_the_rest():
     )
     assert comm < t.compute / 3  # the case this test is about
     assert t.dp_comm == pytest.approx(edges + EFF.contention * (comm - edges))
+
+
+def test_gradients_reduced_in_bf16_halve_the_reduction(capsys):
+    """--grad-reduce-in-bf16: the data-parallel reduction moves 2 bytes per gradient instead of 4 (DDP's
+    all-reduce, FSDP2's reduce-scatters), priced as such; the planner takes the flag from a script's flags."""
+    from megatron_lite.planner.cost import EFF, _collective, step_time
+    from megatron_lite.planner.hardware import cluster
+    from megatron_lite.planner.published import L8_FUSED
+
+    cl = cluster("H100", 8, 1, None, None)
+    layout = Layout(dp=8, micro_batch_size=1)
+    n = stage_params(L8_FUSED, layout, 0).total
+    for grads_bf16, size in ((False, 4), (True, 2)):
+        t = step_time(L8_FUSED, layout, 8192, 8, cl, grads_bf16=grads_bf16)
+        assert t.dp_comm == pytest.approx(EFF.contention * _collective("all_reduce", size * n, 8, 8, cl, EFF))
+    fsdp = Layout(dp=64, sharding="fsdp2", micro_batch_size=1)
+    slow, fast = (step_time(L8_FUSED, fsdp, 8192, 64, cluster("H100", 8, 8, None, None), grads_bf16=g) for g in (0, 1))
+    assert fast.dp_comm < slow.dp_comm and fast.compute == slow.compute
+    script = str(ROOT / "pretrain" / "llama3_8b.sh")
+    plain = _tool().main(["--script", script, "--top", "1"])
+    halved = _tool().main(["--script", script, "--top", "1", "--", "--grad-reduce-in-bf16"])
+    assert "(gradients reduced in bf16)" in capsys.readouterr().out
+    assert halved["yours"]["memory"]["grads"] == pytest.approx(plain["yours"]["memory"]["grads"] / 2)
 
 
 def test_data_parallel_reduction_hides_under_the_last_backward_at_any_tp():

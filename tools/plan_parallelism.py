@@ -103,14 +103,16 @@ def reason_group(reason: str) -> str:
     return "does not fit in memory" if reason.startswith("needs ") else re.sub(r"-?\d+(\.\d+)?", "N", reason)
 
 
-def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None) -> dict:
-    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap)
+def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False) -> dict:
+    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap, grads_bf16)
     g = cl.gpu
     print(
         f"model: {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
         f" ({model.query_groups} groups), FFN {model.ffn_size}, vocabulary {model.vocab_size}"
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
-        + f"; global batch {gbs} x {seq} tokens, {'bf16' if bf16 else 'fp32'}, --kernel-impl {model.kernel_impl}"
+        + f"; global batch {gbs} x {seq} tokens, {'bf16' if bf16 else 'fp32'}"
+        + (" (gradients reduced in bf16)" if bf16 and grads_bf16 else "")
+        + f", --kernel-impl {model.kernel_impl}"
     )
     print(
         f"cluster: {cl.nodes} x {cl.gpus_per_node} {g.name} ({g.memory_bytes / GIB:.0f} GiB, "
@@ -126,7 +128,7 @@ def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | 
         print("  no layout fits: add GPUs, or shorten the sequence / micro-batch")
     result = {"fits": [_as_dict(c) for c in fits[:top]], "fitting": len(fits), "rejected": len(rejected)}
     if yours is not None:
-        c = evaluate(model, yours, seq, gbs, cl, bf16, tp_comm_overlap)
+        c = evaluate(model, yours, seq, gbs, cl, bf16, tp_comm_overlap, grads_bf16)
         if c.reason:
             print(f"your layout {yours.describe()}: {c.reason}")
         else:
@@ -251,6 +253,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--nvlink-bandwidth", type=float, help="GB/s per GPU inside a node (default 450; A100 300)")
     p.add_argument("--network-bandwidth", type=float, help="GB/s per GPU between nodes (default 50)")
     p.add_argument("--fp32", action="store_true", help="plan fp32 training (default bf16)")
+    p.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="gradients accumulated and reduced in bf16 (default: the script's flag, else fp32)",
+    )
     p.add_argument("--kernel-impl", choices=["triton", "torch"], default="triton")
     p.add_argument("--tp-comm-overlap", action="store_true", help="price TP communication as overlapped")
     p.add_argument("--top", type=int, default=10)
@@ -288,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
             if job is not None and cl.world % (job.parallel.tp * job.parallel.pp * job.parallel.cp) == 0
             else None
         )
-        result = print_plan(model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours)
+        grads_bf16 = args.grad_reduce_in_bf16 or bool(job and job.optimizer.grad_reduce_in_bf16)
+        result = print_plan(model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours, grads_bf16)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

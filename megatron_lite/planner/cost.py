@@ -196,8 +196,10 @@ def step_time(
     tp_comm_overlap: bool = False,
     eff: Efficiency = EFF,
     impl: Implementation | None = None,
+    grads_bf16: bool = False,
 ) -> StepTime:
-    """`impl`: what runs the model (default: what its --kernel-impl selects in megatron_lite)."""
+    """`impl`: what runs the model (default: what its --kernel-impl selects in megatron_lite); `grads_bf16`:
+    --grad-reduce-in-bf16 (gradients reduced in bf16, half the bytes)."""
     impl = impl or IMPLEMENTATIONS[model.kernel_impl]
     if cl.gpu.measured:  # a measured rate already is what a GEMM or a copy achieves: no datasheet discount on it
         eff = dataclasses.replace(eff, gemm=1.0, attention=1.0, memory=1.0)
@@ -289,7 +291,7 @@ def step_time(
     dp_cp = layout.dp * cp
     span = tp * dp_cp
     n = st.total
-    grads = 4 * n
+    grads = (2 if bf16 and grads_bf16 else 4) * n  # the reduction's bytes
     dp_comm = 0.0
     if dp_cp > 1:
         if layout.sharding == "fsdp2":  # gathers (forward, backward) and reduce-scatters every micro-batch,

@@ -225,13 +225,21 @@ class Memory:
 
 
 def rank_memory(
-    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool, pp_rank: int
+    model: ModelConfig,
+    layout: Layout,
+    seq_length: int,
+    global_batch_size: int,
+    bf16: bool,
+    pp_rank: int,
+    grads_bf16: bool = False,
 ) -> Memory:
-    """Bytes held by one rank of pipeline stage `pp_rank`."""
+    """Bytes held by one rank of pipeline stage `pp_rank`. `grads_bf16`: --grad-reduce-in-bf16 (with bf16,
+    the gradient buffers hold bf16; FSDP2's sharded gradients stay fp32, only its reduce-scatters change)."""
     counts = stage_params(model, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
     edp = max(dp_cp * layout.tp // (layout.tp * layout.ep), 1)  # expert-data-parallel (expert TP = TP)
     param_bytes = 2 if bf16 else 4
+    grad_bytes = 2 if bf16 and grads_bf16 else 4
     if layout.sharding == "fsdp2":
         # fp32 shards; bf16 copies are gathered a layer at a time for compute
         params = 4 * (counts.dense / dp_cp + counts.expert / edp)
@@ -239,12 +247,12 @@ def rank_memory(
         optimizer = ADAM_MOMENTS / 4 * params
     else:
         params = param_bytes * counts.total
-        grads = 4 * counts.total
+        grads = grad_bytes * counts.total
         if layout.sharding == "zero2":
-            grads = 4 * (counts.dense / dp_cp + counts.expert / edp)
+            grads = grad_bytes * (counts.dense / dp_cp + counts.expert / edp)
             if model.tied_embeddings and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
                 # the tied copy's gradient stays whole for the step (reduced after the embedding all-reduce)
-                grads += 4 * model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
+                grads += grad_bytes * model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
         if layout.sharding in ("dist-opt", "zero2"):
             optimizer = (ADAM_MOMENTS + MAIN_COPY) * (counts.dense / dp_cp + counts.expert / edp)
         else:
@@ -258,9 +266,9 @@ def rank_memory(
 
 
 def peak_rank_memory(
-    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool
+    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool, grads_bf16: bool = False
 ) -> tuple[int, Memory]:
     """(pipeline rank, memory) of the rank that needs the most."""
     ranks = sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
-    mems = [(r, rank_memory(model, layout, seq_length, global_batch_size, bf16, r)) for r in ranks]
+    mems = [(r, rank_memory(model, layout, seq_length, global_batch_size, bf16, r, grads_bf16)) for r in ranks]
     return max(mems, key=lambda x: x[1].total)

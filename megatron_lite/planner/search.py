@@ -30,9 +30,10 @@ class Candidate:
     mfu: float = 0.0
 
 
-def optimizer_config(layout: Layout, bf16: bool) -> OptimizerConfig:
+def optimizer_config(layout: Layout, bf16: bool, grads_bf16: bool = False) -> OptimizerConfig:
     return OptimizerConfig(
         bf16=bf16,
+        grad_reduce_in_bf16=grads_bf16,
         use_distributed_optimizer=layout.sharding in ("dist-opt", "zero2"),
         zero_stage=2 if layout.sharding == "zero2" else 1,
         use_torch_fsdp2=layout.sharding == "fsdp2",
@@ -92,17 +93,21 @@ def evaluate(
     cl: Cluster,
     bf16: bool = True,
     tp_comm_overlap: bool = False,
+    grads_bf16: bool = False,
 ) -> Candidate:
+    """`grads_bf16`: --grad-reduce-in-bf16."""
     reason = check(model, layout, seq_length, global_batch_size, bf16)
     if reason:
         return Candidate(layout, reason)
     cfg = layout.model_config(model)
-    _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16)
+    _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16, grads_bf16)
     usable = cl.gpu.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
     if mem.total > usable:
         reason = f"needs {mem.total / GIB:.1f} GiB per GPU, more than the {usable / GIB:.1f} GiB usable"
         return Candidate(layout, reason, mem)
-    t = step_time(cfg, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap and layout.sp)
+    t = step_time(
+        cfg, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap and layout.sp, grads_bf16=grads_bf16
+    )
     tps, tflops, mfu = throughput(cfg, layout, seq_length, global_batch_size, t, cl)
     return Candidate(layout, None, mem, t, tps, tflops, mfu)
 
@@ -114,11 +119,12 @@ def plan(
     global_batch_size: int,
     bf16: bool = True,
     tp_comm_overlap: bool = False,
+    grads_bf16: bool = False,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """(layouts that fit, fastest first; layouts refused or too big)."""
     fits, rejected = [], []
     for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size):
-        c = evaluate(model, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap)
+        c = evaluate(model, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap, grads_bf16)
         (rejected if c.reason else fits).append(c)
     fits.sort(key=lambda c: (c.time.total, c.memory.total))
     return fits, rejected
