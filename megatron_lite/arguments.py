@@ -241,6 +241,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         data_cache_path=ns.data_cache_path,
         num_workers=ns.num_workers,
         eod_mask_loss=ns.eod_mask_loss,
+        reset_position_ids=ns.reset_position_ids,
+        reset_attention_mask=ns.reset_attention_mask,
         sft=ns.sft,
     )
     checkpoint = CheckpointConfig(

@@ -204,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--data-cache-path")
     a.add_argument("--num-workers", type=int, default=0)
     _bool(a, "--eod-mask-loss", "no loss on end-of-document tokens")
+    _bool(a, "--reset-position-ids", "positions restart at 0 after each end-of-document token")
+    _bool(
+        a,
+        "--reset-attention-mask",
+        "tokens attend only within their own document (attention then runs through SDPA with a document mask)",
+    )
     _bool(a, "--sft", "--data-path is a JSONL file of {prompt, response} records; loss on the responses only")
 
     c = parser.add_argument_group("checkpointing")

@@ -64,8 +64,6 @@ REFUSED: dict[str, str] = {
     "fp8_amax_history_len": "fp8 training is not implemented",
     "fp8_amax_compute_algo": "fp8 training is not implemented",
     "fp8_param_gather": "fp8 training is not implemented",
-    "reset_position_ids": "resetting position ids at document boundaries is not implemented",
-    "reset_attention_mask": "document-level attention masks are not implemented",
 }
 
 

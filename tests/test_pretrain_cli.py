@@ -152,6 +152,10 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
         ),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
+        (
+            ["--reset-attention-mask", "--context-parallel-size", "2"],
+            ["--reset-attention-mask", "--context-parallel-size 2", "no document masks"],
+        ),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
     ],
 )
@@ -294,6 +298,26 @@ def test_bad_layout_stops_before_any_process_group(capsys, monkeypatch):
         ["--mock-data", "--vocab-size", "100", "--tensor-model-parallel-size", "3"], capsys, monkeypatch, world=4
     )
     _one_line_error(rc, err, "world size 4", "--tensor-model-parallel-size 3")
+
+
+def test_document_flags_say_what_they_do(tmp_path, capsys, monkeypatch):
+    """--reset-position-ids / --reset-attention-mask: the SDPA document mask is announced; on mock data, which
+    packs no documents, both are said to have no effect. (What they compute: tests/test_documents.py.)"""
+    flags = [
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+        "--reset-position-ids",
+        "--reset-attention-mask",
+    ]
+    rc, out, err = _run(["--data-path", _dataset(tmp_path), *flags], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "--reset-attention-mask: attention runs through SDPA with a [batch, 1, seq, seq] document mask" in out
+    assert "no effect" not in out
+    rc, out, err = _run(["--mock-data", *flags[2:]], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "--reset-position-ids / --reset-attention-mask have no effect on mock or --sft data" in out
 
 
 def test_single_process_run_with_indexed_data(tmp_path, capsys, monkeypatch):

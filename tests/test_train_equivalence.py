@@ -5,6 +5,7 @@ equal to the single-process run within 1e-4 relative."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import torch.distributed as dist
 from megatron_lite.config import ParallelConfig
 from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.config import DataConfig
+from megatron_lite.data.gpt_dataset import GPTDataset
+from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.models.gpt_model import build_model
@@ -34,8 +37,17 @@ OPTIM = OptimizerConfig(
 
 
 def _dataset(data: str, vocab: int):
+    """'mock', 'embedded' (the embedded corpus), or 'documents:PREFIX' / 'packed:PREFIX': an indexed dataset
+    whose EOD id is vocab - 1, with and without --reset-position-ids --reset-attention-mask."""
     if data == "mock":
         return MockGPTDataset(vocab, SEQ, seed=7)
+    if data.startswith(("documents:", "packed:")):
+        kind, prefix = data.split(":", 1)
+        indexed = IndexedDataset(prefix)
+        reset = kind == "documents"
+        return GPTDataset(
+            indexed, (0, len(indexed)), ITERS * 8, SEQ, 7, os.path.dirname(prefix), vocab - 1, False, reset, reset
+        )
     source = resolve_data(DataConfig())  # the embedded corpus: real text, a trained BPE tokenizer
     return build_datasets(source, DataConfig(), (ITERS * 8, 0, 0), SEQ, seed=7)[0]
 
@@ -65,7 +77,7 @@ def train_run(
     else:
         ctx = ParallelContext.virtual(parallel, device=torch.device("cpu"))
     config = CONFIGS[name](num_layers=layers, kernel_impl=kernel_impl)
-    if data != "mock":
+    if data == "embedded":
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
     dtype = torch.bfloat16 if bf16 else torch.float32

@@ -100,7 +100,18 @@ def build_datasets(
             # Megatron's 0.5% margin so the blend never runs a component dry.
             n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if len(source.prefixes) > 1 else num_samples[s]
             splits[s].append(
-                GPTDataset(indexed, (lo, hi), n, seq_length, seed + s, cache_dir, source.tokenizer.eod, eod_mask)
+                GPTDataset(
+                    indexed,
+                    (lo, hi),
+                    n,
+                    seq_length,
+                    seed + s,
+                    cache_dir,
+                    source.tokenizer.eod,
+                    eod_mask,
+                    data.reset_position_ids,
+                    data.reset_attention_mask,
+                )
             )
     out = []
     for s, parts in enumerate(splits):

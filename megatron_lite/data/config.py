@@ -37,6 +37,10 @@ class DataConfig:
     data_cache_path: str | None = None
     num_workers: int = 0
     eod_mask_loss: bool = False
+    # Megatron's document flags: positions restart after each end-of-document token, and attention stays
+    # inside each document (data/documents.py)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     sft: bool = False  # --data-path is a JSONL file of prompt/response records (loss on responses only)
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import os
 import numpy as np
 import torch
 
+from megatron_lite.data.documents import document_ids, document_position_ids
 from megatron_lite.data.indexed import IndexedDataset
 
 
@@ -60,8 +61,12 @@ class GPTDataset:
         cache_dir: str,
         eod: int,
         eod_mask_loss: bool = False,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
     ) -> None:
         self.indexed = indexed
+        self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.seq_length = seq_length
         self.eod = eod
         self.eod_mask_loss = eod_mask_loss
@@ -124,12 +129,18 @@ class GPTDataset:
         mask = torch.ones(self.seq_length, dtype=torch.float32)
         if self.eod_mask_loss:
             mask[labels == self.eod] = 0.0
-        return {
-            "tokens": seq[:-1].clone(),
+        tokens = seq[:-1].clone()
+        sample = {
+            "tokens": tokens,
             "labels": labels,
             "loss_mask": mask,
-            "position_ids": torch.arange(self.seq_length),
+            "position_ids": (
+                document_position_ids(tokens, self.eod) if self.reset_position_ids else torch.arange(self.seq_length)
+            ),
         }
+        if self.reset_attention_mask:
+            sample["document_ids"] = document_ids(tokens, self.eod)
+        return sample
 
 
 class BlendedDataset:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,15 @@ def attention_mask(seq_q: int, seq_k: int, window: int | None, device) -> torch.
     return visible
 
 
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """Causal attention inside each document (--reset-attention-mask; the ids come from data/documents.py):
+    [batch, 1, seq, seq], True where query i may see key j."""
+    seq = documents.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    same = documents.unsqueeze(-1) == documents.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
+
+
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask (and a sliding window when configured), through
     PyTorch's scaled_dot_product_attention or our flash kernel.
@@ -57,14 +67,18 @@ class CoreAttention(nn.Module):
         self.cp = ctx.cp if ctx.cp.size > 1 else None
         self.cp_attention = CP_ATTENTION[ctx.parallel.cp_comm_type]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`attn_mask` [batch, 1, seq_q, seq_k] (True = visible, causal included): a document mask; it runs
+        through SDPA (the flash kernel has no document masks)."""
         b, s, heads, d = q.shape
         sk = k.shape[1]
         p = self.dropout if self.training else 0.0
-        if self.cp is not None:
+        if self.cp is not None:  # (document masks are refused with context parallelism at start-up)
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton)
             return out.reshape(b, s, heads * d)
-        if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
+        if self.triton and p == 0.0 and attn_mask is None:  # the flash kernel handles grouped-query heads itself
             out = K.flash_attention(q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window)
             return out.reshape(b, s, heads * d)
         kv_heads = k.shape[2]
@@ -73,6 +87,8 @@ class CoreAttention(nn.Module):
             k = k.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
             v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
         mask = attention_mask(s, sk, self.window, q.device)
+        if attn_mask is not None:
+            mask = attn_mask if mask is None else attn_mask & mask
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(
@@ -129,9 +145,12 @@ class SelfAttention(nn.Module):
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, attn_mask=None
+    ) -> torch.Tensor:
         """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden]. With `kv_cache` (inference), the
-        new keys and values are appended to this layer's cache and attention reads all of them."""
+        new keys and values are appended to this layer's cache and attention reads all of them. `attn_mask`:
+        a document mask (CoreAttention)."""
         qkv = self.linear_qkv(x)  # [seq, batch, local groups * (heads/group + 2) * head_dim]
         s, b, _ = qkv.shape
         qkv = qkv.transpose(0, 1).reshape(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -146,7 +165,9 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)
         if self.recompute_core_attention and self.training:
-            out = checkpoint(self.core_attention, self.core_attention.rng, q, k, v)
+            out = checkpoint(
+                functools.partial(self.core_attention, attn_mask=attn_mask), self.core_attention.rng, q, k, v
+            )
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, attn_mask)
         return self.linear_proj(out.transpose(0, 1))

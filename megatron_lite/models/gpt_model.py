@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
+from megatron_lite.models.attention import document_mask
 from megatron_lite.models.rope import RotaryEmbedding
 from megatron_lite.models.transformer import TransformerBlock, dropout
 from megatron_lite.models.weights import init_parameters, load_full_state_dict, local_full_state_dict
@@ -181,17 +182,20 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         kv_cache=None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [batch, seq] when `labels` is given, else this rank's logits
         [batch, seq, padded_vocab / TP]; a stage without the output layer returns its hidden states.
         `kv_cache` (inference): `position_ids` continue from the cached tokens, whose keys and values the
-        attention layers read and extend."""
+        attention layers read and extend. `document_ids` [batch, seq] (--reset-attention-mask): tokens attend
+        only to earlier tokens of their own document."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         rope = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        x = self.decoder(x, rope, kv_cache)
+        mask = document_mask(document_ids) if document_ids is not None else None
+        x = self.decoder(x, rope, kv_cache, attn_mask=mask)
         if not self.post_process:
             return x
         # The fused loss where Triton can run these tensors; elsewhere (CPU tensors on a GPU machine, outside the

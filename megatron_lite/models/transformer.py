@@ -56,9 +56,12 @@ class TransformerLayer(nn.Module):
             return checkpoint(fn, self.rng, *args)
         return fn(*args)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, attn_mask=None
+    ) -> torch.Tensor:
+        """`attn_mask` [batch, 1, seq, seq] (True = visible): a document mask in place of the causal square."""
         h = self._maybe_recompute("layernorm", self.input_layernorm, x)
-        h = self.self_attention(h, rope, kv_cache)
+        h = self.self_attention(h, rope, kv_cache, attn_mask)
         h = dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
         # x + h and its norm in one pass (one kernel with --kernel-impl triton)
         h, x = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, h, x)
@@ -92,15 +95,17 @@ class TransformerBlock(nn.Module):
         )
         self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype) if final_norm else None
 
-    def _run(self, start: int, end: int, rope):
+    def _run(self, start: int, end: int, rope, attn_mask=None):
         def fn(x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                x = layer(x, rope)
+                x = layer(x, rope, attn_mask=attn_mask)
             return x
 
         return fn
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, attn_mask=None
+    ) -> torch.Tensor:
         cfg = self.config
         n = len(self.layers)
         if kv_cache is not None:  # inference: no recomputation
@@ -110,13 +115,13 @@ class TransformerBlock(nn.Module):
             k = cfg.recompute_num_layers
             if cfg.recompute_method == "uniform":
                 for start in range(0, n, k):
-                    x = checkpoint(self._run(start, min(start + k, n), rope), self.rng, x)
+                    x = checkpoint(self._run(start, min(start + k, n), rope, attn_mask), self.rng, x)
             else:  # block
                 for i in range(n):
-                    run = self._run(i, i + 1, rope)
+                    run = self._run(i, i + 1, rope, attn_mask)
                     x = checkpoint(run, self.rng, x) if i < k else run(x)
         else:
-            x = self._run(0, n, rope)(x)
+            x = self._run(0, n, rope, attn_mask)(x)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -112,12 +112,20 @@ def run_pipeline(
                 inputs[key] = x
             with torch.no_grad() if forward_only else torch.enable_grad():
                 if a.chunk == last_chunk:
-                    token_loss = chunk(mb["tokens"], mb.get("position_ids"), labels=mb["labels"], hidden_states=x)
+                    token_loss = chunk(
+                        mb["tokens"],
+                        mb.get("position_ids"),
+                        labels=mb["labels"],
+                        hidden_states=x,
+                        document_ids=mb.get("document_ids"),
+                    )
                     loss_sum = (token_loss.float() * mb["loss_mask"]).sum()
                     total += loss_sum.detach().double()
                     out = loss_sum * loss_scale
                 else:
-                    out = chunk(mb["tokens"], mb.get("position_ids"), hidden_states=x)
+                    out = chunk(
+                        mb["tokens"], mb.get("position_ids"), hidden_states=x, document_ids=mb.get("document_ids")
+                    )
             if not (forward_only and a.chunk == last_chunk):
                 outputs[key] = out
             peak = max(peak, len(outputs))

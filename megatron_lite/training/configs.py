@@ -120,5 +120,12 @@ class JobConfig:
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
 
+    def __post_init__(self) -> None:
+        if self.data.reset_attention_mask and self.parallel.context_parallel_size > 1:
+            raise ConfigError(
+                f"--reset-attention-mask with --context-parallel-size {self.parallel.context_parallel_size} is not "
+                "supported: context-parallel attention has no document masks; drop one of them"
+            )
+
     def to_dict(self) -> dict:
         return asdict(self)

@@ -217,6 +217,17 @@ def run(job: JobConfig, notes: list[str]) -> int:
         log.info(line)
     if job.model.kernel_impl == "triton" and job.model.attention_dropout > 0:
         log.info("--attention-dropout > 0: attention runs through PyTorch's SDPA (the flash kernel has no dropout)")
+    if job.data.reset_attention_mask:
+        log.info(
+            "--reset-attention-mask: attention runs through PyTorch's SDPA with a [batch, 1, seq, seq] document "
+            "mask (the flash kernel has no document masks yet)"
+            if job.model.kernel_impl == "triton"
+            else "--reset-attention-mask: attention runs through SDPA with a [batch, 1, seq, seq] document mask"
+        )
+    if (job.data.reset_attention_mask or job.data.reset_position_ids) and (not source.prefixes or job.data.sft):
+        log.info(
+            "--reset-position-ids / --reset-attention-mask have no effect on mock or --sft data (no packed documents)"
+        )
     log.info(f"kernels: {job.model.kernel_impl}")
     log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
 

@@ -73,7 +73,9 @@ def forward_backward(
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         with model.no_sync() if i < last else contextlib.nullcontext():
-            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"])
+            token_loss = model(
+                mb["tokens"], mb.get("position_ids"), labels=mb["labels"], document_ids=mb.get("document_ids")
+            )
             loss_sum = (token_loss.float() * mb["loss_mask"]).sum()
             (loss_sum * scale).backward()
         total += loss_sum.detach().double()
@@ -191,6 +193,8 @@ def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], c
     else:
         total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
         for mb in micro_batches:
-            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"])
+            token_loss = model(
+                mb["tokens"], mb.get("position_ids"), labels=mb["labels"], document_ids=mb.get("document_ids")
+            )
             total += (token_loss.float() * mb["loss_mask"]).sum().double()
     return float(all_reduce(total.reshape(1), ctx.dp_cp)[0] / num_tokens)

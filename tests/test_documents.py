@@ -1,0 +1,116 @@
+"""Megatron's --reset-position-ids and --reset-attention-mask: documents packed into one sample are trained as
+if each were alone.
+
+- The ids follow Megatron's definition (`_get_ltor_masks_and_position_ids`): an end-of-document token belongs
+  to the document it ends; the next document starts after it, at position 0, seeing only itself.
+- The independent check: a packed sample [A EOD B] gives each document's tokens the loss, and each weight the
+  gradient, of that document run alone (torch and Triton kernels; learned positions and RoPE; recomputation).
+- Training equals one process under TP=2 + SP, PP=2 and DP=2 with the distributed optimizer (1e-4), on an
+  indexed dataset of short documents, where the flags change the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_train_equivalence import _compare, train_run
+
+from megatron_lite.config import ParallelConfig
+from megatron_lite.data.documents import document_ids, document_position_ids
+from megatron_lite.models.gpt_model import build_model
+from megatron_lite.parallel_context import ParallelContext
+
+from models import CONFIGS
+
+P = ParallelConfig
+EOD = 9
+
+
+def test_ids_follow_megatron():
+    # documents [5 4 EOD] [7 EOD] [EOD] [3 4]: worked out by hand from Megatron's loop, which for each EOD at
+    # index i masks keys <= i from queries > i and subtracts i + 1 - (previous document start) from later positions
+    tokens = torch.tensor([[5, 4, EOD, 7, EOD, EOD, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]])
+    assert document_ids(tokens, EOD).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 8]
+    assert document_position_ids(tokens, EOD).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+
+
+def _loss_and_grads(model, tokens, labels, positions, documents, weight):
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, positions, labels=labels, document_ids=documents)
+    (loss * weight).sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+CASES = {  # model, kernels, recomputation
+    "llama": ("llama", "torch", None),
+    "llama-triton": ("llama", "triton", None),
+    "llama-selective": ("llama", "torch", "selective"),
+    "llama-full": ("llama", "torch", "full"),
+    "gpt2": ("gpt2", "torch", None),  # learned absolute positions
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_packed_document_trains_as_if_alone(case):
+    name, impl, recompute = CASES[case]
+    kw = {"recompute_granularity": recompute} if recompute else {}
+    if recompute == "full":
+        kw.update(recompute_method="uniform", recompute_num_layers=1)
+    config = CONFIGS[name](num_layers=2, kernel_impl=impl, **kw)
+    model = build_model(config, ParallelContext.virtual(P(), device=torch.device("cpu")), seed=5)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.cat([torch.randint(0, EOD, (4,), generator=gen), torch.tensor([EOD])])  # ends with EOD
+    b = torch.randint(0, EOD, (7,), generator=gen)
+    packed = torch.cat([a, b])[None]
+    labels = torch.randint(0, EOD, packed.shape, generator=gen)
+    positions, documents = document_position_ids(packed, EOD), document_ids(packed, EOD)
+    in_b = (documents == 1).float()
+    loss, grads = _loss_and_grads(model, packed, labels, positions, documents, in_b)
+    alone, alone_grads = _loss_and_grads(model, b[None], labels[:, 5:], None, None, torch.ones(1, 7))
+    assert torch.allclose(loss[:, 5:], alone, rtol=1e-5, atol=1e-6), (loss[:, 5:], alone)
+    assert grads.keys() == alone_grads.keys()
+    for n, g in grads.items():
+        assert (g - alone_grads[n]).norm() <= 1e-4 * alone_grads[n].norm() + 1e-8, n
+    first, _ = _loss_and_grads(model, a[None], labels[:, :5], None, None, torch.ones(1, 5))
+    assert torch.allclose(loss[:, :5], first, rtol=1e-5, atol=1e-6)
+    # without either flag, B sees A (or sits at A's positions): its loss is another
+    for pos, docs in ((None, documents), (positions, None)):
+        other, _ = _loss_and_grads(model, packed, labels, pos, docs, in_b)
+        if docs is None or name == "gpt2":  # (RoPE is relative: under the mask, B's shifted positions cancel)
+            assert not torch.allclose(other[:, 5:], alone, rtol=1e-3), (case, pos is None)
+
+
+def short_documents(directory: str, vocab: int) -> str:
+    """An indexed dataset of 200 documents of 2 to 9 tokens, each ending with the EOD id vocab - 1."""
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    prefix = os.path.join(directory, "short_text_document")
+    if not os.path.exists(prefix + ".idx"):
+        w = IndexedDatasetWriter(prefix, vocab_size=vocab)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(200):
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            w.add_document(torch.cat([torch.randint(0, vocab - 1, (n,), generator=gen), torch.tensor([vocab - 1])]))
+        w.finalize()
+    return prefix
+
+
+LAYOUTS = {  # world, layout, global batch, micro-batch, keywords
+    "tp2-sp": (2, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 2, {}),
+    "pp2": (2, P(pipeline_model_parallel_size=2), 4, 1, {}),
+    "dp2-zero1": (2, P(), 4, 2, {"distributed_optimizer": True}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_document_masks_under_parallelism_equal_one_process(dist, tmp_path, layout):
+    world, parallel, gbs, mbs, kw = LAYOUTS[layout]
+    vocab = CONFIGS["llama"]().vocab_size
+    data = "documents:" + short_documents(str(tmp_path), vocab)
+    ref = train_run("llama", P(), gbs, gbs, data=data)
+    plain = train_run("llama", P(), gbs, gbs, data="packed:" + data.split(":", 1)[1])  # the flags change the run
+    assert any(abs(a[0] - b[0]) > 1e-3 * b[0] for a, b in zip(ref, plain))
+    for history in dist(world, train_run, "llama", parallel, gbs, mbs, data=data, **kw):
+        _compare(history, ref)
