@@ -9,6 +9,12 @@ every window; key blocks wholly outside it are skipped. The forward keeps only O
 query (fp32); the backward recomputes the probabilities block by block (FlashAttention-2): one kernel per
 key block accumulates dK and dV over every query head of its group (no atomics), another per query block
 accumulates dQ. `flash_attention_backward` is exposed so ring attention can merge blocks exactly.
+
+Document masks (`document_ids` [batch, seq], causal self-attention: Megatron's --reset-attention-mask): a query
+sees only earlier keys of its own document. Documents must be contiguous (ids never decrease along the
+sequence, as packing produces), so each token's document is the span [start, end) of positions: the kernels read
+those two numbers per token and skip the key (or query) blocks outside a block's documents, so the work falls
+with the documents' lengths squared instead of the sequence's.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ if HAVE_TRITON:
     def _configs(shapes):
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
 
-    _TUNE_KEY = ["head_dim", "CAUSAL", "seq_q", "seq_k"]  # a training run has one or two sequence lengths
+    _TUNE_KEY = ["head_dim", "CAUSAL", "DOCS", "seq_q", "seq_k"]  # a training run has one or two sequence lengths
     # The chosen tiles are cached on disk (Triton's cache), so later runs on this machine, a resumed job among
     # them, pick the same tiles and round the same way. Triton before 3.3 has no such option.
     _TUNE_OPTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -68,20 +74,47 @@ def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
     return min(int(window_size), seq_k)
 
 
-def _check(q, k, v, causal, window_size=None):
+def _check(q, k, v, causal, window_size=None, document_ids=None):
     b, sq, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or h % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
     if causal and sq > k.shape[1]:
         raise ValueError(f"causal attention with bottom-right alignment needs seq_q {sq} <= seq_k {k.shape[1]}")
+    if document_ids is not None and (not causal or sq != k.shape[1] or tuple(document_ids.shape) != (b, sq)):
+        raise ValueError(
+            f"document_ids {tuple(document_ids.shape)} need causal self-attention (seq_q == seq_k) and the shape "
+            f"[batch, seq] = {(b, sq)}"
+        )
     _window(window_size, causal, k.shape[1])
 
 
-def _forward(q, k, v, causal, scale, window_size=None):
+def document_spans(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's document as positions [start, end), int32 [batch, seq], for contiguous documents."""
+    b, s = document_ids.shape
+    pos = torch.arange(s, device=document_ids.device).expand(b, s)
+    new = torch.ones_like(document_ids, dtype=torch.bool)
+    new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # a document starts here
+    start = torch.cummax(torch.where(new, pos, 0), dim=1).values
+    last = torch.ones_like(new)
+    last[:, :-1] = new[:, 1:]  # a document ends here
+    end = torch.where(last, pos + 1, s).flip(1).cummin(dim=1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def _spans(document_ids, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The kernels' START and END arguments and DOCS flag (placeholders when there are no documents)."""
+    if document_ids is None:
+        none = torch.zeros(1, dtype=torch.int32, device=device)
+        return none, none, False
+    return (*document_spans(document_ids), True)
+
+
+def _forward(q, k, v, causal, scale, window_size=None, document_ids=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    start, end, docs = _spans(document_ids, q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
     kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
         q,
@@ -89,10 +122,13 @@ def _forward(q, k, v, causal, scale, window_size=None):
         v,
         o,
         lse,
+        start,
+        end,
         *q.stride()[:3],
         *k.stride()[:3],
         *v.stride()[:3],
         *o.stride()[:3],
+        start.stride(0),
         h,
         h // hkv,
         sq,
@@ -101,6 +137,7 @@ def _forward(q, k, v, causal, scale, window_size=None):
         d,
         _window(window_size, causal, sk),
         CAUSAL=causal,
+        DOCS=docs,
         BLOCK_D=next_pow2(max(d, 16)),
         **cfg,
     )
@@ -119,6 +156,7 @@ def flash_attention_backward(
     softmax_scale: float | None = None,
     *,
     window_size: int | None = None,
+    document_ids: torch.Tensor | None = None,
 ):
     """dq, dk, dv of attention, given its output o and log-sum-exp lse [batch, heads, seq_q] (fp32)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -128,15 +166,16 @@ def flash_attention_backward(
     window = _window(window_size, causal, sk)
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(CAUSAL=causal, BLOCK_D=next_pow2(max(d, 16)))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    start, end, docs = _spans(document_ids, q.device)
+    common = dict(CAUSAL=causal, DOCS=docs, BLOCK_D=next_pow2(max(d, 16)))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], start.stride(0))
     kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned, q.dtype)
     kernel[lambda meta: (b * hkv, triton.cdiv(sk, meta["BLOCK_N"]))](
-        q, k, v, do, lse, delta, dk, dv, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
+        q, k, v, do, lse, delta, dk, dv, start, end, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )
     kernel, cfg = _kernel(_bwd_dq, _bwd_dq_tuned, q.dtype)
     kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
-        q, k, v, do, lse, delta, dq, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
+        q, k, v, do, lse, delta, dq, start, end, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
     )
     launched("flash_attention_bwd")
     return dq, dk, dv
@@ -144,21 +183,38 @@ def flash_attention_backward(
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window_size):
+    def forward(ctx, q, k, v, causal, scale, window_size, document_ids):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _forward(q, k, v, causal, scale, window_size)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse = _forward(q, k, v, causal, scale, window_size, document_ids)
+        ctx.save_for_backward(q, k, v, o, lse, document_ids)
         ctx.causal, ctx.scale, ctx.window_size = causal, scale, window_size
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        grads = flash_attention_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size)
-        return (*grads, None, None, None)
+        q, k, v, o, lse, documents = ctx.saved_tensors
+        grads = flash_attention_backward(
+            q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size, document_ids=documents
+        )
+        return (*grads, None, None, None, None)
 
 
-def flash_attention_reference(q, k, v, causal=True, softmax_scale=None, return_lse=False, *, window_size=None):
+def _reference_mask(sq, sk, causal, window, document_ids, device) -> torch.Tensor | None:
+    """Hidden (query, key) pairs, [sq, sk] or [batch, 1, sq, sk] with documents; None when none is hidden."""
+    if not causal:
+        return None
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    dist = i + (sk - sq) - j  # query position minus key position
+    hidden = (dist < 0) | (dist >= window)
+    if document_ids is not None:  # a key of another document
+        hidden = hidden | (document_ids[:, :, None] != document_ids[:, None, :]).unsqueeze(1)
+    return hidden
+
+
+def flash_attention_reference(
+    q, k, v, causal=True, softmax_scale=None, return_lse=False, *, window_size=None, document_ids=None
+):
     """Plain PyTorch, fp32 math: the oracle and the fallback."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -167,18 +223,26 @@ def flash_attention_reference(q, k, v, causal=True, softmax_scale=None, return_l
     kk = k.repeat_interleave(h // hkv, dim=2)
     vv = v.repeat_interleave(h // hkv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * scale
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        dist = i + (sk - sq) - j  # query position minus key position
-        s = s.masked_fill((dist < 0) | (dist >= window), float("-inf"))
+    hidden = _reference_mask(sq, sk, causal, window, document_ids, q.device)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv.float()).to(q.dtype)
     return (o, lse) if return_lse else o
 
 
 def flash_attention_backward_reference(
-    q, k, v, o, lse, do, causal: bool = True, softmax_scale: float | None = None, *, window_size: int | None = None
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    window_size: int | None = None,
+    document_ids: torch.Tensor | None = None,
 ):
     """Plain PyTorch (fp32 math) dq, dk, dv given the output o and log-sum-exp lse [batch, heads, seq_q] of a
     forward: P = exp(S - lse), dS = P * (dP - rowsum(dO * O)). With the o and lse of a larger attention that
@@ -192,11 +256,9 @@ def flash_attention_backward_reference(
     kk = k.float().repeat_interleave(rep, dim=2)
     vv = v.float().repeat_interleave(rep, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kk) * scale
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        dist = i + (sk - sq) - j
-        s = s.masked_fill((dist < 0) | (dist >= window), float("-inf"))
+    hidden = _reference_mask(sq, sk, causal, window, document_ids, q.device)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     p = torch.exp(s - lse.float().unsqueeze(-1))
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
     dp = torch.einsum("bqhd,bkhd->bhqk", dof, vv)
@@ -219,14 +281,18 @@ def flash_attention(
     return_lse: bool = False,
     *,
     window_size: int | None = None,
+    document_ids: torch.Tensor | None = None,
 ):
     """Attention of q over k, v (layouts in the module docstring); window_size: Mistral-style sliding window
-    (causal only; None: none). Returns o, and the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse."""
-    _check(q, k, v, causal, window_size)
+    (causal only; None: none); document_ids [batch, seq]: contiguous documents that attend only to themselves
+    (causal self-attention). Returns o, and the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse."""
+    _check(q, k, v, causal, window_size, document_ids)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not triton_usable(q, k, v):
-        return flash_attention_reference(q, k, v, causal, scale, return_lse, window_size=window_size)
-    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size)
+        return flash_attention_reference(
+            q, k, v, causal, scale, return_lse, window_size=window_size, document_ids=document_ids
+        )
+    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size, document_ids)
     return (o, lse) if return_lse else o
 
 
@@ -251,16 +317,19 @@ def _cases() -> list[tuple]:
                 "head_dim": "i32",
                 "WINDOW": "i32",
                 "CAUSAL": "constexpr",
+                "DOCS": "constexpr",
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "BLOCK_D": "constexpr",
             }
-            consts = {"CAUSAL": causal, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128}
+            consts = {"CAUSAL": causal, "DOCS": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128}
             strides = lambda names: dict.fromkeys(names, "i32")  # noqa: E731
             sig = {
                 **{n: f"*{t}" for n in "Q K V O".split()},
                 "LSE": "*fp32",
-                **strides("sqb sqs sqh skb sks skh svb svs svh sob sos soh".split()),
+                "START": "*i32",
+                "END": "*i32",
+                **strides("sqb sqs sqh skb sks skh svb svs svh sob sos soh ssb".split()),
                 **base,
             }
             out.append((f"flash_fwd_{t}_causal{causal}", _fwd, sig, consts))
@@ -270,7 +339,9 @@ def _cases() -> list[tuple]:
                 "DELTA": "*fp32",
                 "DK": f"*{t}",
                 "DV": f"*{t}",
-                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh".split()),
+                "START": "*i32",
+                "END": "*i32",
+                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh ssb".split()),
                 **base,
             }
             out.append((f"flash_bwd_dkdv_{t}_causal{causal}", _bwd_dkdv, sig, consts))
@@ -279,10 +350,17 @@ def _cases() -> list[tuple]:
                 "LSE": "*fp32",
                 "DELTA": "*fp32",
                 "DQ": f"*{t}",
-                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh".split()),
+                "START": "*i32",
+                "END": "*i32",
+                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh ssb".split()),
                 **base,
             }
             out.append((f"flash_bwd_dq_{t}_causal{causal}", _bwd_dq, sig, consts))
+    # Document masks (causal only), as the GPU builds them
+    for name in ("fwd", "bwd_dkdv", "bwd_dq"):
+        for t in ("bf16", "fp32"):
+            case = next(c for c in out if c[0] == f"flash_{name}_{t}_causalTrue")
+            out.append((f"flash_{name}_{t}_documents", case[1], case[2], {**case[3], "DOCS": True}))
     # The largest tiles each kernel's autotuner may pick, as a GPU would build them (bf16, head_dim 128).
     for name, kernel, (m, n, w, st) in (
         ("fwd", _fwd, _FWD_TILES[1]),

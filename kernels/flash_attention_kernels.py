@@ -18,14 +18,29 @@ if HAVE_TRITON:
         )
 
     @triton.jit
-    def _visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL: tl.constexpr):
+    def _visible(rows, cols, seq_q, seq_k, offset, WINDOW, starts, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
         """[rows, cols] pairs inside both sequences and, when causal, 0 <= query + offset - key < WINDOW: the key
-        is at or before the query (bottom right) and among its last WINDOW keys (WINDOW >= seq_k: no window)."""
+        is at or before the query (bottom right) and among its last WINDOW keys (WINDOW >= seq_k: no window).
+        DOCS: also at or after the first key of the row's own document (`starts`, one per row)."""
         valid = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
         if CAUSAL:
             dist = rows[:, None] + offset - cols[None, :]
             valid = valid & (dist >= 0) & (dist < WINDOW)
+        if DOCS:
+            valid = valid & (cols[None, :] >= starts[:, None])
         return valid
+
+    @triton.jit
+    def _doc_key_spans(START, sb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Document masks (documents contiguous, so starts never decrease along the sequence): keys before the first
+        row's document are hidden from the whole query block, and only keys from the last row's document start on
+        are seen whole by every row."""
+        first_start = tl.load(START + sb + start_m)
+        last_start = tl.load(START + sb + tl.minimum(start_m + BLOCK_M, seq_q) - 1)
+        lo = tl.maximum(lo, first_start // BLOCK_N * BLOCK_N)
+        full_hi = tl.maximum(full_hi, lo)
+        full_lo = tl.minimum(tl.maximum(tl.maximum(full_lo, lo), tl.cdiv(last_start, BLOCK_N) * BLOCK_N), full_hi)
+        return lo, full_lo, full_hi
 
     @triton.jit
     def _key_spans(start_m, offset, seq_k, WINDOW, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -66,7 +81,9 @@ if HAVE_TRITON:
         m,
         lsum,
         acc,
+        starts,
         CAUSAL: tl.constexpr,
+        DOCS: tl.constexpr,
         MASKED: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -76,7 +93,7 @@ if HAVE_TRITON:
         v = _load_block(V, kv[1], cols, svs, seq_k, dims, dmask)
         s = tl.dot(q, tl.trans(k)) * scale
         if MASKED:  # no row bound here: padded query rows (never stored) keep the scores they get
-            s = tl.where(_visible(rows, cols, rows_end, seq_k, offset, WINDOW, CAUSAL), s, float("-inf"))
+            s = tl.where(_visible(rows, cols, rows_end, seq_k, offset, WINDOW, starts, CAUSAL, DOCS), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # A row may see no key of a block so far (its window starts further on, or a padded row's window lies
         # past seq_k): subtract 0 rather than -inf, so p and alpha are 0, never inf - inf = NaN.
@@ -94,6 +111,8 @@ if HAVE_TRITON:
         V,
         O,
         LSE,
+        START,
+        END,
         sqb,
         sqs,
         sqh,
@@ -106,6 +125,7 @@ if HAVE_TRITON:
         sob,
         sos,
         soh,
+        ssb,
         heads,
         group,
         seq_q,
@@ -114,6 +134,7 @@ if HAVE_TRITON:
         head_dim,
         WINDOW,
         CAUSAL: tl.constexpr,
+        DOCS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -137,6 +158,12 @@ if HAVE_TRITON:
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lo, full_lo, full_hi, end = _key_spans(start_m, offset, seq_k, WINDOW, CAUSAL, BLOCK_M, BLOCK_N)
+        starts = rows  # (unused without documents)
+        if DOCS:
+            lo, full_lo, full_hi = _doc_key_spans(
+                START, b * ssb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M, BLOCK_N
+            )
+            starts = tl.load(START + b * ssb + rows, mask=rows < seq_q, other=0)
         kv = (b * skb + kvh * skh, b * svb + kvh * svh)
         for part in tl.static_range(3):  # edge blocks (masked), blocks every row sees whole, edge blocks again
             a = lo if part == 0 else (full_lo if part == 1 else full_hi)
@@ -161,7 +188,9 @@ if HAVE_TRITON:
                     m,
                     lsum,
                     acc,
+                    starts,
                     CAUSAL,
+                    DOCS,
                     part != 1,
                     BLOCK_N,
                 )
@@ -198,12 +227,18 @@ if HAVE_TRITON:
         dmask,
         dk,
         dv,
+        START,
+        sb,
         CAUSAL: tl.constexpr,
+        DOCS: tl.constexpr,
         MASKED: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
         """One query block's share of a key block's dK and dV; MASKED: apply the visibility mask."""
         rows = start_m + tl.arange(0, BLOCK_M)
+        starts = rows  # (unused without documents)
+        if DOCS:
+            starts = tl.load(START + sb + rows, mask=rows < seq_q, other=0)
         q = _load_block(Q, qo[0], rows, sqs, seq_q, dims, dmask)
         do = _load_block(DO, qo[1], rows, sds, seq_q, dims, dmask)
         lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
@@ -211,7 +246,7 @@ if HAVE_TRITON:
         s = tl.dot(q, tl.trans(k)) * scale
         p = tl.exp(s - lse[:, None])
         if MASKED:
-            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL), p, 0.0)
+            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, starts, CAUSAL, DOCS), p, 0.0)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None]) * scale
@@ -239,7 +274,9 @@ if HAVE_TRITON:
         dims,
         dmask,
         dq,
+        starts,
         CAUSAL: tl.constexpr,
+        DOCS: tl.constexpr,
         MASKED: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -250,7 +287,7 @@ if HAVE_TRITON:
         s = tl.dot(q, tl.trans(k)) * scale
         p = tl.exp(s - lse[:, None])
         if MASKED:
-            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, CAUSAL), p, 0.0)
+            p = tl.where(_visible(rows, cols, seq_q, seq_k, offset, WINDOW, starts, CAUSAL, DOCS), p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None]) * scale
         return dq + tl.dot(ds.to(k.dtype), k)
 
@@ -264,6 +301,8 @@ if HAVE_TRITON:
         DELTA,
         DK,
         DV,
+        START,
+        END,
         sqb,
         sqs,
         sqh,
@@ -276,6 +315,7 @@ if HAVE_TRITON:
         sdb,
         sds,
         sdh,
+        ssb,
         heads,
         group,
         seq_q,
@@ -284,6 +324,7 @@ if HAVE_TRITON:
         head_dim,
         WINDOW,
         CAUSAL: tl.constexpr,
+        DOCS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -316,6 +357,10 @@ if HAVE_TRITON:
             full_hi = tl.minimum(full_hi, tl.maximum(start_n + WINDOW - offset, 0) // BLOCK_M * BLOCK_M)
         if start_n + BLOCK_N > seq_k:
             full_hi = full_lo
+        if DOCS:  # queries past the last key's document see none of the block; before the first key's end, all
+            last = tl.minimum(last, tl.load(END + b * ssb + tl.minimum(start_n + BLOCK_N, seq_k) - 1))
+            full_hi = tl.minimum(full_hi, tl.load(END + b * ssb + start_n) // BLOCK_M * BLOCK_M)
+            full_hi = tl.maximum(full_hi, full_lo)
         full_lo = tl.minimum(full_lo, last)
         full_hi = tl.maximum(tl.minimum(full_hi, last), full_lo)
         for j in range(0, group):
@@ -347,7 +392,10 @@ if HAVE_TRITON:
                         dmask,
                         dk,
                         dv,
+                        START,
+                        b * ssb,
                         CAUSAL,
+                        DOCS,
                         part != 1,
                         BLOCK_M,
                     )
@@ -367,6 +415,8 @@ if HAVE_TRITON:
         LSE,
         DELTA,
         DQ,
+        START,
+        END,
         sqb,
         sqs,
         sqh,
@@ -379,6 +429,7 @@ if HAVE_TRITON:
         sdb,
         sds,
         sdh,
+        ssb,
         heads,
         group,
         seq_q,
@@ -387,6 +438,7 @@ if HAVE_TRITON:
         head_dim,
         WINDOW,
         CAUSAL: tl.constexpr,
+        DOCS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -408,6 +460,12 @@ if HAVE_TRITON:
         delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lo, full_lo, full_hi, end = _key_spans(start_m, offset, seq_k, WINDOW, CAUSAL, BLOCK_M, BLOCK_N)
+        starts = rows  # (unused without documents)
+        if DOCS:
+            lo, full_lo, full_hi = _doc_key_spans(
+                START, b * ssb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M, BLOCK_N
+            )
+            starts = tl.load(START + b * ssb + rows, mask=rows < seq_q, other=0)
         kv = (b * skb + kvh * skh, b * svb + kvh * svh)
         for part in tl.static_range(3):  # as in the forward
             a = lo if part == 0 else (full_lo if part == 1 else full_hi)
@@ -433,7 +491,9 @@ if HAVE_TRITON:
                     dims,
                     dmask,
                     dq,
+                    starts,
                     CAUSAL,
+                    DOCS,
                     part != 1,
                     BLOCK_N,
                 )

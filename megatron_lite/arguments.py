@@ -220,7 +220,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         clip_grad=ns.clip_grad,
         bf16=ns.bf16,
         fp16=ns.fp16,
-        grad_reduce_in_bf16=ns.grad_reduce_in_bf16,
+        # --accumulate-allreduce-grads-in-fp32 wins (also over a value restored from a checkpoint's arguments)
+        grad_reduce_in_bf16=ns.grad_reduce_in_bf16 and not ns.accumulate_allreduce_grads_in_fp32,
         loss_scale=ns.loss_scale,
         initial_loss_scale=ns.initial_loss_scale,
         min_loss_scale=ns.min_loss_scale,

@@ -174,13 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(o, "--use-apex-adam", "NVIDIA apex FusedAdam (must be installed)")
 
     p = parser.add_argument_group("mixed precision")
-    _bool(p, "--bf16", "bf16 weights and activations, fp32 main weights and gradients")
+    _bool(p, "--bf16", "bf16 weights and activations, fp32 main weights and gradients (see --grad-reduce-in-bf16)")
     _bool(p, "--fp16", "fp16 with dynamic loss scaling")
     _bool(
         p,
         "--grad-reduce-in-bf16",
-        "with --bf16: accumulate and reduce main gradients in bf16 (half the gradient memory and traffic); "
-        "the optimizer steps fp32 copies",
+        "with --bf16: accumulate and reduce main gradients in bf16 (half the gradient buffers and traffic); "
+        "the optimizer steps fp32 copies made at the step",
     )
     p.add_argument("--loss-scale", type=float, help="constant loss scale (fp16); dynamic when unset")
     p.add_argument("--initial-loss-scale", type=float, default=2.0**32)
@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(
         a,
         "--reset-attention-mask",
-        "tokens attend only within their own document (attention then runs through SDPA with a document mask)",
+        "tokens attend only within their own document (the flash kernel skips other documents' blocks; "
+        "--kernel-impl torch: SDPA with a [batch, 1, seq, seq] mask)",
     )
     _bool(a, "--sft", "--data-path is a JSONL file of {prompt, response} records; loss on the responses only")
 

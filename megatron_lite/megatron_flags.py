@@ -19,7 +19,7 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "attention_backend": (True, "--kernel-impl picks attention: our flash kernel (triton) or SDPA (torch)"),
     "accumulate_allreduce_grads_in_fp32": (
         False,
-        "main gradients are accumulated and reduced in fp32 (unless --grad-reduce-in-bf16)",
+        "main gradients are accumulated and reduced in fp32 by default",
     ),
     "attention_softmax_in_fp32": (False, "the softmax runs in fp32 for low-precision inputs"),
     "calculate_per_token_loss": (
@@ -81,10 +81,6 @@ def add_megatron_flag_groups(parser: argparse.ArgumentParser) -> None:
 
 
 def refuse_unsupported(ns: argparse.Namespace) -> None:
-    if getattr(ns, "accumulate_allreduce_grads_in_fp32", False) and getattr(ns, "grad_reduce_in_bf16", False):
-        raise ConfigError(
-            "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other; keep one"
-        )
     for name, why in REFUSED.items():
         if getattr(ns, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')} is not supported: {why}; remove the flag")
@@ -97,7 +93,15 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         for n, (_, why) in ACCEPTED_NO_OPS.items()
         if getattr(ns, n, None) not in (None, False)
     ]
-    if getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False):
+    if getattr(ns, "accumulate_allreduce_grads_in_fp32", False) and getattr(ns, "grad_reduce_in_bf16", False):
+        # (the way back to fp32 when --grad-reduce-in-bf16 comes from a checkpoint's arguments)
+        lines = [x for x in lines if not x.startswith("--accumulate-allreduce-grads-in-fp32")]
+        lines.append(
+            "--accumulate-allreduce-grads-in-fp32 overrides --grad-reduce-in-bf16: gradients are reduced in fp32"
+        )
+    elif (
+        getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False)
+    ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     if getattr(ns, "sequence_parallel", False) and (getattr(ns, "tensor_model_parallel_size", 1) or 1) == 1:
         lines.append("--sequence-parallel has no effect at --tensor-model-parallel-size 1 (Megatron turns it off)")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_train_equivalence import _compare, train_run
 
+from megatron_lite import kernels as K
 from megatron_lite.config import ParallelConfig
 from megatron_lite.data.documents import document_ids, document_position_ids
 from megatron_lite.models.gpt_model import build_model
@@ -54,6 +55,8 @@ CASES = {  # model, kernels, recomputation
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_packed_document_trains_as_if_alone(case):
+    """Two rows, each two documents with the boundary at another place: the second documents' losses, and the
+    gradients of their summed loss, equal those of each run alone; the first documents' losses likewise."""
     name, impl, recompute = CASES[case]
     kw = {"recompute_granularity": recompute} if recompute else {}
     if recompute == "full":
@@ -61,25 +64,35 @@ def test_a_packed_document_trains_as_if_alone(case):
     config = CONFIGS[name](num_layers=2, kernel_impl=impl, **kw)
     model = build_model(config, ParallelContext.virtual(P(), device=torch.device("cpu")), seed=5)
     gen = torch.Generator().manual_seed(0)
-    a = torch.cat([torch.randint(0, EOD, (4,), generator=gen), torch.tensor([EOD])])  # ends with EOD
-    b = torch.randint(0, EOD, (7,), generator=gen)
-    packed = torch.cat([a, b])[None]
+    seq, firsts = 12, (5, 2)  # first documents of 5 and 2 tokens (EOD included)
+    rows = []
+    for n in firsts:
+        rows.append(torch.cat([torch.randint(0, EOD, (n - 1,), generator=gen), torch.tensor([EOD])]))
+        rows[-1] = torch.cat([rows[-1], torch.randint(0, EOD, (seq - n,), generator=gen)])
+    packed = torch.stack(rows)
     labels = torch.randint(0, EOD, packed.shape, generator=gen)
     positions, documents = document_position_ids(packed, EOD), document_ids(packed, EOD)
-    in_b = (documents == 1).float()
-    loss, grads = _loss_and_grads(model, packed, labels, positions, documents, in_b)
-    alone, alone_grads = _loss_and_grads(model, b[None], labels[:, 5:], None, None, torch.ones(1, 7))
-    assert torch.allclose(loss[:, 5:], alone, rtol=1e-5, atol=1e-6), (loss[:, 5:], alone)
+    second = (documents == 1).float()
+    launches = K.LAUNCHES["flash_attention_bwd"]
+    loss, grads = _loss_and_grads(model, packed, labels, positions, documents, second)
+    assert (K.LAUNCHES["flash_attention_bwd"] > launches) == (impl == "triton")  # the kernel's document masks
+    alone_grads: dict[str, torch.Tensor] = {}
+    for r, n in enumerate(firsts):
+        tail = slice(n, seq)
+        alone, g = _loss_and_grads(model, packed[r : r + 1, tail], labels[r : r + 1, tail], None, None, 1.0)
+        assert torch.allclose(loss[r : r + 1, tail], alone, rtol=1e-5, atol=1e-6), (r, loss[r, tail], alone)
+        alone_grads = {k: alone_grads.get(k, 0) + v for k, v in g.items()}
+        head = slice(0, n)
+        first, _ = _loss_and_grads(model, packed[r : r + 1, head], labels[r : r + 1, head], None, None, 1.0)
+        assert torch.allclose(loss[r : r + 1, head], first, rtol=1e-5, atol=1e-6), r
     assert grads.keys() == alone_grads.keys()
     for n, g in grads.items():
         assert (g - alone_grads[n]).norm() <= 1e-4 * alone_grads[n].norm() + 1e-8, n
-    first, _ = _loss_and_grads(model, a[None], labels[:, :5], None, None, torch.ones(1, 5))
-    assert torch.allclose(loss[:, :5], first, rtol=1e-5, atol=1e-6)
-    # without either flag, B sees A (or sits at A's positions): its loss is another
-    for pos, docs in ((None, documents), (positions, None)):
-        other, _ = _loss_and_grads(model, packed, labels, pos, docs, in_b)
-        if docs is None or name == "gpt2":  # (RoPE is relative: under the mask, B's shifted positions cancel)
-            assert not torch.allclose(other[:, 5:], alone, rtol=1e-3), (case, pos is None)
+    # without the mask the second documents see the first (and with learned positions, the reset matters too)
+    for pos, docs in ((positions, None), (None, documents)):
+        other, _ = _loss_and_grads(model, packed, labels, pos, docs, second)
+        if docs is None or name == "gpt2":  # (RoPE is relative: under the mask, shifted positions cancel)
+            assert not torch.allclose(other[:, 5:], loss[:, 5:], rtol=1e-3), (case, pos is None)
 
 
 def short_documents(directory: str, vocab: int) -> str:
@@ -95,6 +108,30 @@ def short_documents(directory: str, vocab: int) -> str:
             w.add_document(torch.cat([torch.randint(0, vocab - 1, (n,), generator=gen), torch.tensor([vocab - 1])]))
         w.finalize()
     return prefix
+
+
+def test_datasets_built_from_the_flags_carry_documents(tmp_path):
+    """The flags reach the samples through the dataset builder (what pretrain runs), and --eod-mask-loss drops
+    the loss where the input is EOD, as Megatron does: the first token of the next document, predicted from
+    the end of the previous one."""
+    from megatron_lite.data.builder import build_datasets, resolve_data
+    from megatron_lite.data.config import DataConfig
+
+    vocab = 50
+    prefix = short_documents(str(tmp_path), vocab)
+    kw = dict(data_path=(prefix,), tokenizer_type="NullTokenizer", vocab_size=vocab - 1, split="1,0,0")
+    plain = DataConfig(**kw)
+    config = DataConfig(**kw, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    source = resolve_data(config)
+    assert source.tokenizer.eod == vocab - 1
+    sample = build_datasets(source, config, (4, 0, 0), 16, seed=1)[0][0]
+    base = build_datasets(resolve_data(plain), plain, (4, 0, 0), 16, seed=1)[0][0]
+    tokens = sample["tokens"]
+    assert torch.equal(tokens, base["tokens"]) and (tokens == vocab - 1).any()
+    assert torch.equal(sample["document_ids"], document_ids(tokens, vocab - 1)) and "document_ids" not in base
+    assert torch.equal(sample["position_ids"], document_position_ids(tokens, vocab - 1))
+    assert torch.equal(sample["loss_mask"], (tokens != vocab - 1).float())
+    assert torch.equal(base["position_ids"], torch.arange(16)) and bool(base["loss_mask"].all())
 
 
 LAYOUTS = {  # world, layout, global batch, micro-batch, keywords

@@ -74,6 +74,14 @@ SHARDINGS = {  # train_run keywords: each DP=2 run sums two micro-batches of 2 o
 }
 
 
+MODEL_PARALLEL = {  # world, model, layout, micro-batch, keywords (DP=2 in each)
+    # the sequence-parallel norms' gradients summed over TP in bf16, then over DP
+    "tp2-sp-dp2": (4, "llama", P(tensor_model_parallel_size=2, sequence_parallel=True), 2, {}),
+    # GPT-2's embeddings tied across the two stages: their bf16 gradient summed over the embedding group first
+    "pp2-tied-dp2-zero1": (4, "gpt2", P(pipeline_model_parallel_size=2), 1, {"distributed_optimizer": True}),
+}
+
+
 def _compare(history, ref, tol):
     for it, ((loss, norm, lr), (rloss, rnorm, rlr)) in enumerate(zip(history, ref)):
         assert abs(loss - rloss) <= tol * abs(rloss), f"iteration {it + 1}: lm_loss {loss} vs {rloss}"
@@ -133,3 +141,11 @@ def test_gradient_bytes_per_rank_halve(dist, zero_stage, distributed_optimizer):
     bf16 = dist(2, gradient_bytes, True, zero_stage, distributed_optimizer)
     for a, b in zip(bf16, fp32):
         assert a * 2 == b, (a, b)
+
+
+@pytest.mark.parametrize("case", list(MODEL_PARALLEL))
+def test_bf16_reduction_under_model_parallelism_equals_one_process(dist, case):
+    world, name, parallel, mbs, kw = MODEL_PARALLEL[case]
+    ref = train_run(name, P(), 4, mbs, optim=BF16_GRADS, bf16=True)
+    for history in dist(world, train_run, name, parallel, 4, mbs, optim=BF16_GRADS, bf16=True, **kw):
+        _compare(history, ref, SAME_SUM_TOL)

@@ -163,6 +163,69 @@ def test_window_needs_causal_and_a_positive_size():
         K.flash_attention_backward(q, k, v, o, lse, torch.ones_like(o), causal=False, window_size=4)
 
 
+def _document_oracle(q, k, v, lengths):
+    """Each document of `lengths` (per batch row) run alone through plain causal softmax attention, the
+    results laid side by side: the definition of document masking, independent of our mask code. o, lse."""
+    outs, lses = [], []
+    for row, row_lengths in enumerate(lengths):
+        o_parts, l_parts, start = [], [], 0
+        for n in row_lengths:
+            sl = slice(start, start + n)
+            o, lse = _window_oracle(q[row : row + 1, sl], k[row : row + 1, sl], v[row : row + 1, sl], n)
+            o_parts.append(o)
+            l_parts.append(lse)
+            start += n
+        outs.append(torch.cat(o_parts, 1))
+        lses.append(torch.cat(l_parts, -1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+DOCUMENT_CASES = [  # heads, kv_heads, head_dim, documents per batch row (lengths; each row sums to seq)
+    (2, 1, 16, [[5, 1, 13], [19]]),  # a one-token document; a row that is one document
+    (4, 2, 16, [[40, 9, 2, 1, 20], [3, 3, 3, 63]]),  # documents across and inside blocks of 16; seq 72
+    (2, 2, 20, [[16, 16, 16, 1]]),  # documents on block boundaries, odd head_dim
+]
+
+
+@pytest.mark.parametrize("h,hkv,d,lengths", DOCUMENT_CASES)
+def test_document_masks_equal_each_document_alone(h, hkv, d, lengths):
+    """--reset-attention-mask in the kernel: forward, log-sum-exp and backward equal attention run on each
+    document separately; the reference's mask agrees; blocks outside a block's documents are skipped."""
+    b, seq = len(lengths), sum(lengths[0])
+    q, k, v = _qkv(b, seq, seq, h, hkv, d, seed=3)
+    do = torch.randn(b, seq, h, d, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    docs = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], device=DEVICE)
+
+    def run(fn):
+        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if fn is _document_oracle:
+            o, lse = fn(*ins, lengths)
+        else:
+            o, lse = fn(*ins, causal=True, return_lse=True, document_ids=docs)
+        o.backward(do)
+        return [o.detach(), lse.detach()] + [t.grad for t in ins]
+
+    before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
+    ours, ref, oracle = run(K.flash_attention), run(K.flash_attention_reference), run(_document_oracle)
+    assert K.LAUNCHES["flash_attention_fwd"] > before[0] and K.LAUNCHES["flash_attention_bwd"] > before[1]
+    for name, a, r, o in zip(["o", "lse", "dq", "dk", "dv"], ours, ref, oracle):
+        assert rel(a, o) < TOL and rel(r, o) < TOL, (name, rel(a, o), rel(r, o))
+    if any(len(row) > 1 for row in lengths):  # the documents really restrict
+        assert rel(ours[0], K.flash_attention_reference(q, k, v, causal=True)) > 1e-2
+
+
+def test_document_spans():
+    docs = torch.tensor([[0, 0, 0, 1, 2, 2, 3], [5, 5, 5, 5, 5, 5, 5]])
+    start, end = K.document_spans(docs)
+    assert start.tolist() == [[0, 0, 0, 3, 4, 4, 6], [0] * 7]
+    assert end.tolist() == [[3, 3, 3, 4, 6, 6, 7], [7] * 7]
+    q, k, v = _qkv(2, 7, 7, 2, 2, 8)
+    with pytest.raises(ValueError, match="document_ids"):
+        K.flash_attention(q, k, v, causal=False, document_ids=docs)
+    with pytest.raises(ValueError, match="document_ids"):
+        K.flash_attention(q, k, v, causal=True, document_ids=docs[:, :5])
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
 )

@@ -127,9 +127,9 @@ class GPTDataset:
         seq = torch.from_numpy(self.tokens(index).astype(np.int64))
         labels = seq[1:].clone()
         mask = torch.ones(self.seq_length, dtype=torch.float32)
-        if self.eod_mask_loss:
-            mask[labels == self.eod] = 0.0
         tokens = seq[:-1].clone()
+        if self.eod_mask_loss:  # Megatron's: no loss where the input is EOD (predicting the next document's start)
+            mask[tokens == self.eod] = 0.0
         sample = {
             "tokens": tokens,
             "labels": labels,

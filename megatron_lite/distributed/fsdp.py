@@ -4,9 +4,9 @@ tensor parallelism (2-D: TP inside each layer, parameters sharded over the data-
 Each transformer layer, then each model chunk, is wrapped with `fully_shard` on a device mesh made from the
 data-parallel group: parameters live sharded along dim 0 (DTensors); FSDP2 all-gathers a layer's parameters
 before it runs and reduce-scatters its gradients after its backward. The mixed-precision policy computes in
-bf16 when --bf16 is given and always reduces in fp32; the sharded parameters themselves stay fp32 and are the
-optimizer's main weights. Our loss is already normalised over the global batch, so gradients are summed, not
-averaged, over data-parallel ranks (FSDP2's mean times the DP size).
+bf16 when --bf16 is given and reduces in fp32 (bf16 with --grad-reduce-in-bf16); the sharded parameters
+themselves stay fp32 and are the optimizer's main weights. Our loss is already normalised over the global batch, so
+gradients are summed, not averaged, over data-parallel ranks (FSDP2's mean times the DP size).
 
 Under pipelining each model chunk is its own FSDP2 root and every micro-batch's backward reduce-scatters its
 layers' gradients, so the executor's interleaving of chunks needs nothing more; tied embeddings are summed

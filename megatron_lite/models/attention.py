@@ -68,18 +68,20 @@ class CoreAttention(nn.Module):
         self.cp_attention = CP_ATTENTION[ctx.parallel.cp_comm_type]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`attn_mask` [batch, 1, seq_q, seq_k] (True = visible, causal included): a document mask; it runs
-        through SDPA (the flash kernel has no document masks)."""
+        """`documents` [batch, seq]: each token's document (--reset-attention-mask); queries see only earlier keys
+        of their own document (the flash kernel skips the other documents' blocks; SDPA takes a mask)."""
         b, s, heads, d = q.shape
         sk = k.shape[1]
         p = self.dropout if self.training else 0.0
         if self.cp is not None:  # (document masks are refused with context parallelism at start-up)
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton)
             return out.reshape(b, s, heads * d)
-        if self.triton and p == 0.0 and attn_mask is None:  # the flash kernel handles grouped-query heads itself
-            out = K.flash_attention(q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window)
+        if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
+            out = K.flash_attention(
+                q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window, document_ids=documents
+            )
             return out.reshape(b, s, heads * d)
         kv_heads = k.shape[2]
         if kv_heads != heads:  # grouped-query: query head i reads key/value head i // (heads / kv_heads)
@@ -87,8 +89,8 @@ class CoreAttention(nn.Module):
             k = k.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
             v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
         mask = attention_mask(s, sk, self.window, q.device)
-        if attn_mask is not None:
-            mask = attn_mask if mask is None else attn_mask & mask
+        if documents is not None:
+            mask = document_mask(documents) if mask is None else document_mask(documents) & mask
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(
@@ -146,11 +148,11 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, attn_mask=None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
     ) -> torch.Tensor:
         """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden]. With `kv_cache` (inference), the
-        new keys and values are appended to this layer's cache and attention reads all of them. `attn_mask`:
-        a document mask (CoreAttention)."""
+        new keys and values are appended to this layer's cache and attention reads all of them. `documents`:
+        each token's document (CoreAttention)."""
         qkv = self.linear_qkv(x)  # [seq, batch, local groups * (heads/group + 2) * head_dim]
         s, b, _ = qkv.shape
         qkv = qkv.transpose(0, 1).reshape(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -166,8 +168,8 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.append(self.layer_number, k, v)
         if self.recompute_core_attention and self.training:
             out = checkpoint(
-                functools.partial(self.core_attention, attn_mask=attn_mask), self.core_attention.rng, q, k, v
+                functools.partial(self.core_attention, documents=documents), self.core_attention.rng, q, k, v
             )
         else:
-            out = self.core_attention(q, k, v, attn_mask)
+            out = self.core_attention(q, k, v, documents)
         return self.linear_proj(out.transpose(0, 1))

@@ -15,7 +15,6 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
-from megatron_lite.models.attention import document_mask
 from megatron_lite.models.rope import RotaryEmbedding
 from megatron_lite.models.transformer import TransformerBlock, dropout
 from megatron_lite.models.weights import init_parameters, load_full_state_dict, local_full_state_dict
@@ -194,8 +193,7 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         rope = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        mask = document_mask(document_ids) if document_ids is not None else None
-        x = self.decoder(x, rope, kv_cache, attn_mask=mask)
+        x = self.decoder(x, rope, kv_cache, documents=document_ids)
         if not self.post_process:
             return x
         # The fused loss where Triton can run these tensors; elsewhere (CPU tensors on a GPU machine, outside the

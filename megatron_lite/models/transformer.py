@@ -57,11 +57,11 @@ class TransformerLayer(nn.Module):
         return fn(*args)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, attn_mask=None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
     ) -> torch.Tensor:
-        """`attn_mask` [batch, 1, seq, seq] (True = visible): a document mask in place of the causal square."""
+        """`documents` [batch, seq]: each token's document (--reset-attention-mask), attention kept inside it."""
         h = self._maybe_recompute("layernorm", self.input_layernorm, x)
-        h = self.self_attention(h, rope, kv_cache, attn_mask)
+        h = self.self_attention(h, rope, kv_cache, documents)
         h = dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
         # x + h and its norm in one pass (one kernel with --kernel-impl triton)
         h, x = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, h, x)
@@ -95,19 +95,21 @@ class TransformerBlock(nn.Module):
         )
         self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype) if final_norm else None
 
-    def _run(self, start: int, end: int, rope, attn_mask=None):
+    def _run(self, start: int, end: int, rope, documents=None):
         def fn(x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                x = layer(x, rope, attn_mask=attn_mask)
+                x = layer(x, rope, documents=documents)
             return x
 
         return fn
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, attn_mask=None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
     ) -> torch.Tensor:
         cfg = self.config
         n = len(self.layers)
+        if kv_cache is not None and documents is not None:
+            raise ValueError("document masks are for training: inference with a KV cache takes one document")
         if kv_cache is not None:  # inference: no recomputation
             for layer in self.layers:
                 x = layer(x, rope, kv_cache)
@@ -115,13 +117,13 @@ class TransformerBlock(nn.Module):
             k = cfg.recompute_num_layers
             if cfg.recompute_method == "uniform":
                 for start in range(0, n, k):
-                    x = checkpoint(self._run(start, min(start + k, n), rope, attn_mask), self.rng, x)
+                    x = checkpoint(self._run(start, min(start + k, n), rope, documents), self.rng, x)
             else:  # block
                 for i in range(n):
-                    run = self._run(i, i + 1, rope, attn_mask)
+                    run = self._run(i, i + 1, rope, documents)
                     x = checkpoint(run, self.rng, x) if i < k else run(x)
         else:
-            x = self._run(0, n, rope, attn_mask)(x)
+            x = self._run(0, n, rope, documents)(x)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -287,11 +287,13 @@ def step_time(
         send = act / (tp if layout.sp else 1)
         pp_comm = 2 * micro * vp * _collective("p2p", send, 2, cl.gpus_per_node + 1, cl, eff)
 
-    # Data parallelism (fp32 gradients, compute-precision parameters), as our runtime schedules it
+    # Data parallelism (fp32 gradients, or bf16 with grads_bf16; compute-precision parameters), as our runtime
+    # schedules it
     dp_cp = layout.dp * cp
     span = tp * dp_cp
     n = st.total
-    grads = (2 if bf16 and grads_bf16 else 4) * n  # the reduction's bytes
+    grad_bytes = 2 if bf16 and grads_bf16 else 4  # per gradient, in the reduction
+    grads = grad_bytes * n
     dp_comm = 0.0
     if dp_cp > 1:
         if layout.sharding == "fsdp2":  # gathers (forward, backward) and reduce-scatters every micro-batch,
@@ -304,7 +306,7 @@ def step_time(
             edge = n - sum(sum(layer_params(model, i, tp, ep)) for i in st.layers) + first
             edges = micro * (
                 _collective("all_gather", a * edge, dp_cp, span, cl, eff)
-                + _collective("reduce_scatter", 4 * edge, dp_cp, span, cl, eff)
+                + _collective("reduce_scatter", grad_bytes * edge, dp_cp, span, cl, eff)
             )
             exposed = edges + max(0.0, comm - edges - eff.dp_overlap * compute)
         else:

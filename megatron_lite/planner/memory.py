@@ -2,8 +2,10 @@
 
 Parameters are counted as our layers hold them (vocabulary padded to a multiple of
 make_vocab_size_divisible_by x TP, grouped-query QKV split by query group, a tied output layer copied onto
-the last pipeline stage). Gradients live in an fp32 buffer; Adam keeps two fp32 moments plus an fp32 main
-copy of low-precision weights (the distributed optimizer always keeps its own fp32 copy of its shard).
+the last pipeline stage). Gradients live in an fp32 buffer (bf16 with --grad-reduce-in-bf16, whose optimizer
+step copies them to fp32 once the activations are freed: the peak is the larger of the two); Adam keeps two
+fp32 moments plus an fp32 main copy of low-precision weights (the distributed optimizer always keeps its own
+fp32 copy of its shard).
 
 Activations are the tensors autograd saves for the backward, per token of one micro-batch, counted from our
 own layers the way `training/memory.py`'s meter counts them (each storage once). The terms, in values per
@@ -262,6 +264,9 @@ def rank_memory(
     transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16)
     if layout.sharding == "fsdp2":  # one layer's gathered weights in compute precision, plus the next prefetched
         transient += 2 * param_bytes * counts.total / max(len(counts.layers), 1)
+    elif grad_bytes == 2:  # the step's fp32 copies of the gradients it updates (the activations are gone by then)
+        stepped = counts.total if layout.sharding == "none" else counts.dense / dp_cp + counts.expert / edp
+        transient = max(transient, 4 * stepped - act)
     return Memory(params, grads, optimizer, act, transient)
 
 

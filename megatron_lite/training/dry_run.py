@@ -58,8 +58,10 @@ def dry_run(job: JobConfig) -> int:
     job = dataclasses.replace(job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world)))
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     low = job.optimizer.bf16 or job.optimizer.fp16
-    # weights (2 or 4 bytes) + fp32 gradient buffer (4) + fp32 main copy when low precision (4) + Adam (8)
-    per_param = (2 + 4 + 4 + 8) if low else (4 + 4 + 8)
+    # weights (2 or 4 bytes) + gradient buffer (fp32: 4; bf16 with --grad-reduce-in-bf16: 2) + fp32 main copy when
+    # low precision (4) + Adam (8)
+    grads = job.optimizer.grad_dtype.itemsize
+    per_param = (2 + grads + 4 + 8) if low else (4 + grads + 8)
     per_layer = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4)
     dp = job.parallel.data_parallel_size(world)
     micro = job.training.global_batch(dp) // (job.training.micro_batch_size * dp)

@@ -219,9 +219,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
         log.info("--attention-dropout > 0: attention runs through PyTorch's SDPA (the flash kernel has no dropout)")
     if job.data.reset_attention_mask:
         log.info(
-            "--reset-attention-mask: attention runs through PyTorch's SDPA with a [batch, 1, seq, seq] document "
-            "mask (the flash kernel has no document masks yet)"
-            if job.model.kernel_impl == "triton"
+            "--reset-attention-mask: the flash kernel keeps attention inside each document, skipping other "
+            "documents' blocks"
+            if job.model.kernel_impl == "triton" and job.model.attention_dropout == 0
             else "--reset-attention-mask: attention runs through SDPA with a [batch, 1, seq, seq] document mask"
         )
     if (job.data.reset_attention_mask or job.data.reset_position_ids) and (not source.prefixes or job.data.sft):

@@ -26,7 +26,8 @@ from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grad
 from megatron_lite.tensor_parallel.mappings import all_reduce
 from megatron_lite.training import memory
 
-MicroBatch = dict[str, torch.Tensor]  # tokens, labels, loss_mask: [micro_batch, seq]; position_ids optional
+# tokens, labels, loss_mask: [micro_batch, seq]; position_ids and document_ids (--reset-attention-mask) optional
+MicroBatch = dict[str, torch.Tensor]
 
 
 @dataclass
