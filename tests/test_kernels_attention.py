@@ -236,3 +236,11 @@ def test_bf16_on_gpu():
     assert rel(K.flash_attention(q, k, v).float(), ref) < 2e-2
     ref = K.flash_attention_reference(q, k, v, window_size=100).float()
     assert rel(K.flash_attention(q, k, v, window_size=100).float(), ref) < 2e-2
+    docs = torch.tensor([[0] * 100 + [1] * 300 + [2] * 112], device="cuda")  # --reset-attention-mask's spans
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_ins = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    do = torch.randn_like(q)
+    K.flash_attention(*ins, document_ids=docs).backward(do)
+    ref = K.flash_attention_reference(*ref_ins, document_ids=docs)
+    ref.backward(do.float())
+    assert rel(ins[0].grad.float(), ref_ins[0].grad) < 2e-2 and rel(ins[1].grad.float(), ref_ins[1].grad) < 2e-2
