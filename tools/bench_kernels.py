@@ -10,6 +10,8 @@ GB/s (memory-bound ops, against the copy bandwidth measured in the same run) or 
 Memory-bound kernels are set against two copies timed in the same run: a 2 GiB device-to-device copy (the
 bandwidth ceiling) and a copy of as many bytes as the kernel moves (the same size, launch and tail effects).
 Attention's reference is PyTorch's SDPA with the flash backend forced; the backward time is fwd+bwd minus fwd.
+`flash_attention_documents` packs eight documents into each sequence (--reset-attention-mask) against SDPA with
+the boolean document mask; its TFLOP/s count only the documents' own causal squares, the work that is needed.
 The fused cross-entropy's memory is also given without the gradients it must return (the weight gradient
 alone is vocab x hidden). Every case first checks our output against the reference (relative error).
 Writes <out-dir>/kernels.json and <out-dir>/kernels.md after every case, and the targets of issue 6 last.
@@ -134,6 +136,18 @@ def cases(s: dict, dtype, device):
             return F.scaled_dot_product_attention(*ex, is_causal=True).transpose(1, 2)
 
     flops_attn = 4 * b * nh * sq * sq * d / 2  # causal
+    # --reset-attention-mask: eight documents per sequence; the useful work is each document's own causal square
+    n_docs = 8 if sq >= 64 else 2
+    docs = (torch.arange(sq) * n_docs // sq).to(device).expand(b, sq)
+    flops_docs = sum(4 * b * nh * int(n) ** 2 * d / 2 for n in torch.bincount(docs[0].cpu()))
+    doc_mask = (docs[:, :, None] == docs[:, None, :]).tril().unsqueeze(1)
+
+    def sdpa_documents(a, c, e):
+        # SDPA with the boolean mask (its memory-efficient backend on a GPU; flash takes no mask)
+        rep = nh // nkv
+        kv = (t.repeat_interleave(rep, 2).transpose(1, 2) for t in (c, e))
+        return F.scaled_dot_product_attention(a.transpose(1, 2), *kv, attn_mask=doc_mask).transpose(1, 2)
+
     chunk_rows = sorted({max(1, t // 16), max(1, t // 4), t})  # fused CE variants: chunk size trades memory for time
     out = [
         dict(
@@ -183,6 +197,17 @@ def cases(s: dict, dtype, device):
             compile=False,
             flops_fwd=flops_attn,
             flops_bwd=2.5 * flops_attn,
+            liger=None,
+        ),
+        dict(
+            name="flash_attention_documents",
+            inputs=[q, k, vv],
+            ours=lambda a, c, e: K.flash_attention(a, c, e, causal=True, document_ids=docs),
+            eager=sdpa_documents,
+            eager_name="sdpa_masked",
+            compile=False,
+            flops_fwd=flops_docs,
+            flops_bwd=2.5 * flops_docs,
             liger=None,
         ),
         dict(
