@@ -66,7 +66,16 @@ def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"rms_norm", "layer_norm", "swiglu", "rope", "flash_attention", "fused_linear_cross_entropy"}
+    assert kernels == {
+        "rms_norm",
+        "layer_norm",
+        "swiglu",
+        "rope",
+        "flash_attention",
+        "flash_attention_documents",
+        "fused_linear_cross_entropy",
+    }
+    assert all(r["rel_err"] < 1e-4 for r in rows if r["kernel"] == "flash_attention_documents")
     assert {r["impl"] for r in rows} >= {"megatron_lite", "eager"}
     assert "| flash_attention | megatron_lite | fwd+bwd |" in (tmp_path / "kernels.md").read_text()
 
