@@ -252,6 +252,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         save_interval=ns.save_interval,
         no_load_optim=ns.no_load_optim,
         no_load_rng=ns.no_load_rng,
+        no_save_optim=ns.no_save_optim,
+        no_save_rng=ns.no_save_rng,
         finetune=ns.finetune,
         use_checkpoint_args=ns.use_checkpoint_args,
         exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,

@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--data-cache-path")
     a.add_argument("--num-workers", type=int, default=0)
     _bool(a, "--eod-mask-loss", "no loss on end-of-document tokens")
+    a.add_argument(
+        "--dataloader-type",
+        choices=["single", "cyclic", "external"],
+        help="single (the default) and cyclic read the dataset's own seeded shuffle in order; external is refused",
+    )
     _bool(a, "--reset-position-ids", "positions restart at 0 after each end-of-document token")
     _bool(
         a,
@@ -219,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save-interval", type=int)
     _bool(c, "--no-load-optim", "load weights but not the optimizer state")
     _bool(c, "--no-load-rng", "do not restore random-number-generator states")
+    _bool(c, "--no-save-optim", "save weights without optimizer state or LR schedule (resume with --no-load-optim)")
+    _bool(c, "--no-save-rng", "save no random-number-generator states")
     _bool(c, "--finetune", "load weights only and start from iteration 0")
     _bool(c, "--use-checkpoint-args", "take the model configuration from the checkpoint")
     _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")

@@ -49,6 +49,14 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
     "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
     "no_position_embedding": (False, "implied by --position-embedding-type rope/none"),
+    "no_async_tensor_model_parallel_allreduce": (
+        False,
+        "deprecated in Megatron too; tensor-parallel communication overlaps with --tp-comm-overlap",
+    ),
+    "rerun_mode": (
+        True,
+        "megatron_lite has no re-run engine; non-finite losses and loss spikes follow --nan-policy / --spike-policy",
+    ),
     # Megatron reads it only for --tokenizer-type TikTokenizer, which is refused here (its examples pass it
     # with NullTokenizer and mock data too)
     "tiktoken_pattern": (
@@ -80,7 +88,15 @@ def add_megatron_flag_groups(parser: argparse.ArgumentParser) -> None:
         r.add_argument("--" + name.replace("_", "-"), nargs="*", default=None, help=why)
 
 
+DATALOADER_TYPES = ("single", "cyclic")
+
+
 def refuse_unsupported(ns: argparse.Namespace) -> None:
+    if getattr(ns, "dataloader_type", None) not in (None, *DATALOADER_TYPES):
+        raise ConfigError(
+            f"--dataloader-type {ns.dataloader_type} is not supported: an external data loader cannot be plugged "
+            f"in; use {' or '.join(DATALOADER_TYPES)} (remove the flag)"
+        )
     for name, why in REFUSED.items():
         if getattr(ns, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')} is not supported: {why}; remove the flag")
@@ -103,6 +119,13 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False)
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
+    if getattr(ns, "save_interval", None) and not getattr(ns, "save", None):  # Megatron ignores it too
+        lines.append(f"--save-interval {ns.save_interval} has no effect without --save")
+    if getattr(ns, "dataloader_type", None) == "cyclic":
+        lines.append(
+            "--dataloader-type cyclic has no effect: samples are read in the order of the dataset's own seeded "
+            "shuffle, which spans every epoch (as with single); global batch i holds the same samples at any DP size"
+        )
     if getattr(ns, "sequence_parallel", False) and (getattr(ns, "tensor_model_parallel_size", 1) or 1) == 1:
         lines.append("--sequence-parallel has no effect at --tensor-model-parallel-size 1 (Megatron turns it off)")
     return lines

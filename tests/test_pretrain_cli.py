@@ -3,6 +3,7 @@ real single-process run. (Multi-rank runs: tests/test_pretrain_torchrun.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -162,6 +163,11 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
         (["--grad-reduce-in-bf16", "--fp16"], ["--grad-reduce-in-bf16", "--fp16", "use --bf16"]),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
+        (["--dataloader-type", "external"], ["--dataloader-type external", "single or cyclic"]),
+        (
+            ["--mock-data", "--vocab-size", "100", "--no-save-optim", "--nan-policy", "rollback", "--save", "x"],
+            ["--nan-policy rollback", "--no-save-optim"],
+        ),
         (
             ["--reset-attention-mask", "--context-parallel-size", "2"],
             ["--reset-attention-mask", "--context-parallel-size 2", "no document masks"],
@@ -249,6 +255,65 @@ def test_megatron_llama3_h200_bf16_example_runs(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "gradients reduced in bfloat16" in out and "--tiktoken-pattern has no effect" in out
     assert "iteration      6/6" in out and "saved" in out
+
+
+# Megatron-LM's examples/llama/train_llama3.sh (AMD's), its flags unchanged (the `--eval-iters '-1'` of its
+# default written without quotes) except the model and run sizes and data: NullTokenizer on mock data in place
+# of a Hugging Face tokenizer download.
+MEGATRON_LLAMA3_AMD = """--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1
+    --num-layers 2 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4 --seq-length 32
+    --max-position-embeddings 131072 --untie-embeddings-and-output-weights --position-embedding-type rope
+    --no-position-embedding --swiglu --disable-bias-linear --init-method-std 0.02 --attention-dropout 0.0
+    --hidden-dropout 0.0 --normalization RMSNorm --micro-batch-size 1 --global-batch-size 8 --train-iters 3
+    --no-async-tensor-model-parallel-allreduce --bf16 --no-masked-softmax-fusion --tokenizer-type NullTokenizer
+    --vocab-size 1000 --dataloader-type cyclic --save-interval 200000 --log-interval 1 --eval-interval 320000
+    --eval-iters 10 --num-workers 0 --mock-data --log-interval 1 --log-throughput --no-save-optim --no-save-rng
+    --eval-iters -1 --group-query-attention --num-query-groups 2 --no-gradient-accumulation-fusion
+    --distributed-backend gloo --distributed-timeout-minutes 120 --overlap-grad-reduce --rerun-mode disabled
+    --use-distributed-optimizer --overlap-param-gather --use-flash-attn --sequence-parallel --use-mcore-models
+    --lr 1e-4 --min-lr 1e-5 --lr-decay-iters 320000 --lr-decay-style cosine --weight-decay 1.0e-1 --clip-grad 1.0
+    --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95"""
+
+
+def test_megatron_llama3_amd_example_runs(tmp_path, capsys, monkeypatch):
+    """The flags Megatron's Llama-3 example passes that nothing else here did: --dataloader-type cyclic,
+    --no-save-optim, --no-save-rng, --rerun-mode, --no-async-tensor-model-parallel-allreduce, and --save-interval
+    without --save (ignored by Megatron, said here). NCCL is its backend; gloo on this CPU."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(MEGATRON_LLAMA3_AMD.split()) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "--dataloader-type cyclic has no effect",
+        "--rerun-mode has no effect",
+        "--no-async-tensor-model-parallel-allreduce has no effect",
+        "--save-interval 200000 has no effect without --save",
+    ):
+        assert line in out, line
+    assert "iteration      3/3" in out
+
+
+def test_no_save_optim_and_rng(tmp_path, capsys, monkeypatch):
+    """--no-save-optim writes the weights alone and --no-save-rng no RNG files; resuming such a checkpoint asks
+    for --no-load-optim (or --finetune) in one line instead of silently starting Adam over."""
+    from megatron_lite.checkpoint.checkpointing import read_metadata
+
+    ckpt = tmp_path / "ckpt"
+    flags = ["--mock-data", "--vocab-size", "100", "--save", str(ckpt), "--no-save-optim", "--no-save-rng"]
+    rc, _, err = _run(flags, capsys, monkeypatch)
+    assert rc == 0, err
+    saved = ckpt / "iter_0000003"
+    assert not list(saved.glob("rng_r*")) and read_metadata(str(saved))["optimizer_saved"] is False
+    index = json.loads((saved / "index_r00000.json").read_text())["tensors"]
+    assert index and all(k.startswith("model/") for k in index)
+    rc = main(["--load", str(ckpt), "--train-iters", "5"])
+    _one_line_error(rc, capsys.readouterr().err, "--no-save-optim", "--no-load-optim")
+    assert main(["--load", str(ckpt), "--train-iters", "5", "--no-load-optim"]) == 0
+    assert "iteration      5/5" in capsys.readouterr().out
+    # and a full checkpoint keeps both
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", str(tmp_path / "full")], capsys, monkeypatch)
+    full = tmp_path / "full" / "iter_0000003"
+    assert list(full.glob("rng_r*")) and read_metadata(str(full))["optimizer_saved"] is True
 
 
 def test_sample_based_run(tmp_path, capsys, monkeypatch):

@@ -91,7 +91,7 @@ class _Snapshot:
     rng: dict[str, torch.Tensor]
 
 
-def _snapshot(model, optimizer, ctx: ParallelContext) -> _Snapshot:
+def _snapshot(model, optimizer, ctx: ParallelContext, save_rng: bool = True) -> _Snapshot:
     tensors, index = {}, {}
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
     for kind, entries in _state_tensors(model, optimizer).items():
@@ -110,6 +110,8 @@ def _snapshot(model, optimizer, ctx: ParallelContext) -> _Snapshot:
                 rec["dim"] = pc.dim
                 rec["pieces"].append({"file": fname, "key": key, "start": pc.full_start, "length": pc.length})
             index[f"{kind}/{gname}"] = rec
+    if not save_rng:  # --no-save-rng
+        return _Snapshot(ctx.rank, tensors, index, {})
     rng = {"cpu": torch.get_rng_state(), **{f"tracker/{k}": v for k, v in ctx.rng.get_states().items()}}
     if torch.cuda.is_available() and ctx.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
@@ -124,9 +126,10 @@ def _write_rank_files(tmp: str, snap: _Snapshot) -> None:
         fname = f"tensors_r{snap.rank:05d}.safetensors"
         atomic_write(os.path.join(tmp, fname), lambda path: save_file(snap.tensors, path))
         files[fname] = file_digest(os.path.join(tmp, fname))
-    fname = f"rng_r{snap.rank:05d}.safetensors"
-    atomic_write(os.path.join(tmp, fname), lambda path: save_file(snap.rng, path))
-    files[fname] = file_digest(os.path.join(tmp, fname))
+    if snap.rng:
+        fname = f"rng_r{snap.rank:05d}.safetensors"
+        atomic_write(os.path.join(tmp, fname), lambda path: save_file(snap.rng, path))
+        files[fname] = file_digest(os.path.join(tmp, fname))
     atomic_write_json(os.path.join(tmp, f"index_r{snap.rank:05d}.json"), {"tensors": snap.index, "files": files})
 
 
@@ -140,6 +143,7 @@ def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job
         "scheduler": scheduler.state_dict() if scheduler else None,
         "grad_scaler": optimizer.scaler.state_dict() if optimizer and optimizer.scaler else None,
         "adam_step": _adam_step(optimizer) if optimizer else 0,
+        "optimizer_saved": optimizer is not None,
     }
 
 
@@ -184,10 +188,16 @@ def save_checkpoint(
     job_dict: dict,
     *,
     keep_last: int | None = None,
+    save_optim: bool = True,
+    save_rng: bool = True,
 ) -> str:
-    """Save synchronously: every rank writes its files into iter_N.tmp, then rank 0 publishes it."""
+    """Save synchronously: every rank writes its files into iter_N.tmp, then rank 0 publishes it.
+    `save_optim` False (--no-save-optim): the weights without the optimizer state and LR schedule; `save_rng`
+    False (--no-save-rng): no random-number-generator states."""
+    if not save_optim:
+        optimizer, scheduler = None, None
     tmp = _prepare_tmp(root, state.iteration, ctx)
-    _write_rank_files(tmp, _snapshot(model, optimizer, ctx))
+    _write_rank_files(tmp, _snapshot(model, optimizer, ctx, save_rng))
     _barrier(ctx)
     final = iteration_dir(root, state.iteration)
     if ctx.rank == 0:
@@ -209,11 +219,16 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._pending: tuple[str, dict] | None = None
 
-    def save(self, state: TrainState, model, optimizer, scheduler, job_dict: dict) -> str | None:
-        """Start saving; returns the previous checkpoint's directory if this had to publish it first."""
+    def save(
+        self, state: TrainState, model, optimizer, scheduler, job_dict: dict, save_optim=True, save_rng=True
+    ) -> str | None:
+        """Start saving; returns the previous checkpoint's directory if this had to publish it first (the parts
+        saved as in save_checkpoint)."""
         previous = self.finish()  # one save in flight at a time
+        if not save_optim:
+            optimizer, scheduler = None, None
         tmp = _prepare_tmp(self.root, state.iteration, self.ctx)
-        snap = _snapshot(model, optimizer, self.ctx)
+        snap = _snapshot(model, optimizer, self.ctx, save_rng)
         meta = _metadata(state, optimizer, scheduler, self.ctx, job_dict)
         self._pending = (tmp, meta)
         self._error = None
@@ -409,6 +424,13 @@ def load_checkpoint(
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
     the adapters; its base was loaded first)."""
     meta = read_metadata(path)
+    if optimizer is not None and load_optim and not finetune and meta.get("optimizer_saved") is False:
+        if int(meta["iteration"]) > 0:  # (a converted or base checkpoint at iteration 0 starts fresh anyway)
+            raise ConfigError(
+                f"{path} was saved with --no-save-optim: it holds no optimizer state or LR schedule; add "
+                "--no-load-optim to go on from its weights with fresh Adam moments and LR schedule, or --finetune "
+                "to start over from them"
+            )
     reader = _Reader(path, meta)
     for name, p, pmeta in named_param_meta(model):
         key = f"model/{model.global_name(name)}"

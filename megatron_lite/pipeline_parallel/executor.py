@@ -30,6 +30,12 @@ from megatron_lite.pipeline_parallel.schedules import (
 )
 
 
+def documents(mb: dict) -> dict:
+    """The model's document_ids keyword when the micro-batch has them (--reset-attention-mask); models that never
+    see packed documents, such as benchmark stand-ins, need not take it."""
+    return {"document_ids": mb["document_ids"]} if "document_ids" in mb else {}
+
+
 def run_pipeline(
     chunks,
     ctx,
@@ -117,15 +123,13 @@ def run_pipeline(
                         mb.get("position_ids"),
                         labels=mb["labels"],
                         hidden_states=x,
-                        document_ids=mb.get("document_ids"),
+                        **documents(mb),
                     )
                     loss_sum = (token_loss.float() * mb["loss_mask"]).sum()
                     total += loss_sum.detach().double()
                     out = loss_sum * loss_scale
                 else:
-                    out = chunk(
-                        mb["tokens"], mb.get("position_ids"), hidden_states=x, document_ids=mb.get("document_ids")
-                    )
+                    out = chunk(mb["tokens"], mb.get("position_ids"), hidden_states=x, **documents(mb))
             if not (forward_only and a.chunk == last_chunk):
                 outputs[key] = out
             peak = max(peak, len(outputs))

@@ -18,6 +18,8 @@ class CheckpointConfig:
     save_interval: int | None = None
     no_load_optim: bool = False
     no_load_rng: bool = False
+    no_save_optim: bool = False  # weights only: resuming needs --no-load-optim (fresh moments) or --finetune
+    no_save_rng: bool = False
     finetune: bool = False  # load weights only; start at iteration 0
     use_checkpoint_args: bool = False
     exit_on_missing_checkpoint: bool = False
@@ -32,8 +34,6 @@ class CheckpointConfig:
             raise ConfigError(f"{flag} needs --save DIR")
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError(f"--save-interval {self.save_interval} must be >= 1")
-        if self.save_interval is not None and not self.save:
-            raise ConfigError("--save-interval needs --save DIR")
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,20 @@ class JobConfig:
     distributed_timeout_minutes: float = 10.0
 
     def __post_init__(self) -> None:
+        r = self.resilience
+        rollback = [
+            flag
+            for flag, on in (
+                ("--nan-policy", r.nan_policy == "rollback"),
+                ("--spiky-loss-policy", r.check_for_spiky_loss and r.spiky_loss_policy == "rollback"),
+            )
+            if on
+        ]
+        if self.checkpoint.no_save_optim and rollback:
+            raise ConfigError(
+                f"{rollback[0]} rollback restores the optimizer state from the last checkpoint, which "
+                "--no-save-optim leaves out; drop one of them"
+            )
         if self.data.reset_attention_mask and self.parallel.context_parallel_size > 1:
             raise ConfigError(
                 f"--reset-attention-mask with --context-parallel-size {self.parallel.context_parallel_size} is not "

@@ -306,15 +306,16 @@ def run(job: JobConfig, notes: list[str]) -> int:
     signalled = False
     guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log)
     saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
+    parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
 
     def save() -> None:
         if saver is not None:
-            if previous := saver.save(state, model, optimizer, scheduler, job.to_dict()):
+            if previous := saver.save(state, model, optimizer, scheduler, job.to_dict(), **parts):
                 log.info(f"saved {previous} (async)")
             log.info(f"iteration {state.iteration}: async save started")
         else:
             path = save_checkpoint(
-                ck.save, state, model, optimizer, scheduler, ctx, job.to_dict(), keep_last=ck.ckpt_keep_last
+                ck.save, state, model, optimizer, scheduler, ctx, job.to_dict(), keep_last=ck.ckpt_keep_last, **parts
             )
             log.info(f"saved {path}")
 

@@ -21,7 +21,7 @@ from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.pipeline_parallel.executor import run_pipeline
+from megatron_lite.pipeline_parallel.executor import documents, run_pipeline
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron_lite.tensor_parallel.mappings import all_reduce
 from megatron_lite.training import memory
@@ -74,9 +74,7 @@ def forward_backward(
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         with model.no_sync() if i < last else contextlib.nullcontext():
-            token_loss = model(
-                mb["tokens"], mb.get("position_ids"), labels=mb["labels"], document_ids=mb.get("document_ids")
-            )
+            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"], **documents(mb))
             loss_sum = (token_loss.float() * mb["loss_mask"]).sum()
             (loss_sum * scale).backward()
         total += loss_sum.detach().double()
@@ -194,8 +192,6 @@ def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], c
     else:
         total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
         for mb in micro_batches:
-            token_loss = model(
-                mb["tokens"], mb.get("position_ids"), labels=mb["labels"], document_ids=mb.get("document_ids")
-            )
+            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"], **documents(mb))
             total += (token_loss.float() * mb["loss_mask"]).sum().double()
     return float(all_reduce(total.reshape(1), ctx.dp_cp)[0] / num_tokens)
