@@ -10,11 +10,12 @@ query (fp32); the backward recomputes the probabilities block by block (FlashAtt
 key block accumulates dK and dV over every query head of its group (no atomics), another per query block
 accumulates dQ. `flash_attention_backward` is exposed so ring attention can merge blocks exactly.
 
-Document masks (`document_ids` [batch, seq], causal self-attention: Megatron's --reset-attention-mask): a query
-sees only earlier keys of its own document. Documents must be contiguous (ids never decrease along the
-sequence, as packing produces), so each token's document is the span [start, end) of positions: the kernels read
-those two numbers per token and skip the key (or query) blocks outside a block's documents, so the work falls
-with the documents' lengths squared instead of the sequence's.
+Document masks (`document_ids` [batch, seq_k], causal only: Megatron's --reset-attention-mask): a query sees only
+earlier keys of its own document, the queries being the last seq_q positions (bottom right, as above).
+Documents must be contiguous (ids never decrease along the sequence, as packing produces), so each key's
+document is the span [start, end) of positions: the kernels read those two numbers per position and skip the key
+(or query) blocks outside a block's documents, so the work falls with the documents' lengths squared instead of
+the sequence's.
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ def _check(q, k, v, causal, window_size=None, document_ids=None):
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
     if causal and sq > k.shape[1]:
         raise ValueError(f"causal attention with bottom-right alignment needs seq_q {sq} <= seq_k {k.shape[1]}")
-    if document_ids is not None and (not causal or sq != k.shape[1] or tuple(document_ids.shape) != (b, sq)):
+    if document_ids is not None and (not causal or tuple(document_ids.shape) != (b, k.shape[1])):
         raise ValueError(
-            f"document_ids {tuple(document_ids.shape)} need causal self-attention (seq_q == seq_k) and the shape "
-            f"[batch, seq] = {(b, sq)}"
+            f"document_ids {tuple(document_ids.shape)} need causal attention and the shape [batch, seq_k] = "
+            f"{(b, k.shape[1])}"
         )
     _window(window_size, causal, k.shape[1])
 
@@ -101,20 +102,31 @@ def document_spans(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
-def _spans(document_ids, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def query_key_spans(document_ids: torch.Tensor, seq_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' document arguments for queries that are the last seq_q of the keys' positions: per query its
+    first visible key index, int32 [batch, seq_q]; per key the first query index that no longer sees it,
+    int32 [batch, seq_k]."""
+    start, end = document_spans(document_ids)
+    offset = document_ids.shape[1] - seq_q
+    return start[:, offset:].contiguous(), (end - offset).clamp(min=0).to(torch.int32).contiguous()
+
+
+def _spans(document_ids, spans, seq_q, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The kernels' START and END arguments and DOCS flag (placeholders when there are no documents)."""
+    if spans is not None:
+        return spans[0].to(torch.int32).contiguous(), spans[1].to(torch.int32).contiguous(), True
     if document_ids is None:
         none = torch.zeros(1, dtype=torch.int32, device=device)
         return none, none, False
-    return (*document_spans(document_ids), True)
+    return (*query_key_spans(document_ids, seq_q), True)
 
 
-def _forward(q, k, v, causal, scale, window_size=None, document_ids=None):
+def _forward(q, k, v, causal, scale, window_size=None, document_ids=None, document_spans=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    start, end, docs = _spans(document_ids, q.device)
+    start, end, docs = _spans(document_ids, document_spans, sq, q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
     kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
         q,
@@ -129,6 +141,7 @@ def _forward(q, k, v, causal, scale, window_size=None, document_ids=None):
         *v.stride()[:3],
         *o.stride()[:3],
         start.stride(0),
+        end.stride(0),
         h,
         h // hkv,
         sq,
@@ -157,6 +170,7 @@ def flash_attention_backward(
     *,
     window_size: int | None = None,
     document_ids: torch.Tensor | None = None,
+    document_spans: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """dq, dk, dv of attention, given its output o and log-sum-exp lse [batch, heads, seq_q] (fp32)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -166,9 +180,9 @@ def flash_attention_backward(
     window = _window(window_size, causal, sk)
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    start, end, docs = _spans(document_ids, q.device)
+    start, end, docs = _spans(document_ids, document_spans, sq, q.device)
     common = dict(CAUSAL=causal, DOCS=docs, BLOCK_D=next_pow2(max(d, 16)))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], start.stride(0))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], start.stride(0), end.stride(0))
     kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned, q.dtype)
     kernel[lambda meta: (b * hkv, triton.cdiv(sk, meta["BLOCK_N"]))](
         q, k, v, do, lse, delta, dk, dv, start, end, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
@@ -183,37 +197,62 @@ def flash_attention_backward(
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window_size, document_ids):
+    def forward(ctx, q, k, v, causal, scale, window_size, document_ids, query_starts, key_ends):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _forward(q, k, v, causal, scale, window_size, document_ids)
-        ctx.save_for_backward(q, k, v, o, lse, document_ids)
+        spans = (query_starts, key_ends) if query_starts is not None else None
+        o, lse = _forward(q, k, v, causal, scale, window_size, document_ids, spans)
+        ctx.save_for_backward(q, k, v, o, lse, document_ids, query_starts, key_ends)
         ctx.causal, ctx.scale, ctx.window_size = causal, scale, window_size
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, documents = ctx.saved_tensors
+        q, k, v, o, lse, documents, starts, ends = ctx.saved_tensors
+        spans = (starts, ends) if starts is not None else None
         grads = flash_attention_backward(
-            q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size, document_ids=documents
+            q,
+            k,
+            v,
+            o,
+            lse,
+            do,
+            ctx.causal,
+            ctx.scale,
+            window_size=ctx.window_size,
+            document_ids=documents,
+            document_spans=spans,
         )
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
-def _reference_mask(sq, sk, causal, window, document_ids, device) -> torch.Tensor | None:
+def _reference_mask(sq, sk, causal, window, document_ids, device, spans=None) -> torch.Tensor | None:
     """Hidden (query, key) pairs, [sq, sk] or [batch, 1, sq, sk] with documents; None when none is hidden."""
-    if not causal:
-        return None
-    i = torch.arange(sq, device=device)[:, None]
     j = torch.arange(sk, device=device)[None, :]
-    dist = i + (sk - sq) - j  # query position minus key position
-    hidden = (dist < 0) | (dist >= window)
-    if document_ids is not None:  # a key of another document
-        hidden = hidden | (document_ids[:, :, None] != document_ids[:, None, :]).unsqueeze(1)
+    hidden = None
+    if causal:
+        i = torch.arange(sq, device=device)[:, None]
+        dist = i + (sk - sq) - j  # query position minus key position
+        hidden = (dist < 0) | (dist >= window)
+    if document_ids is not None:  # a key of another document (the queries are the last sq positions)
+        other = (document_ids[:, sk - sq :, None] != document_ids[:, None, :]).unsqueeze(1)
+        hidden = other if hidden is None else hidden | other
+    if spans is not None:  # keys before each query's first visible key
+        before = (j.unsqueeze(0) < spans[0][:, :, None]).unsqueeze(1)
+        hidden = before if hidden is None else hidden | before
     return hidden
 
 
 def flash_attention_reference(
-    q, k, v, causal=True, softmax_scale=None, return_lse=False, *, window_size=None, document_ids=None
+    q,
+    k,
+    v,
+    causal=True,
+    softmax_scale=None,
+    return_lse=False,
+    *,
+    window_size=None,
+    document_ids=None,
+    document_spans=None,
 ):
     """Plain PyTorch, fp32 math: the oracle and the fallback."""
     b, sq, h, d = q.shape
@@ -223,11 +262,14 @@ def flash_attention_reference(
     kk = k.repeat_interleave(h // hkv, dim=2)
     vv = v.repeat_interleave(h // hkv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * scale
-    hidden = _reference_mask(sq, sk, causal, window, document_ids, q.device)
+    hidden = _reference_mask(sq, sk, causal, window, document_ids, q.device, document_spans)
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv.float()).to(q.dtype)
+    # a query that sees no key at all (a ring block wholly before its document) gets o = 0 and lse = -inf, as
+    # in the kernel, so merging it changes nothing
+    p = torch.where(torch.isinf(lse).unsqueeze(-1), 0.0, torch.exp(s - lse.unsqueeze(-1)))
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vv.float()).to(q.dtype)
     return (o, lse) if return_lse else o
 
 
@@ -243,6 +285,7 @@ def flash_attention_backward_reference(
     *,
     window_size: int | None = None,
     document_ids: torch.Tensor | None = None,
+    document_spans: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Plain PyTorch (fp32 math) dq, dk, dv given the output o and log-sum-exp lse [batch, heads, seq_q] of a
     forward: P = exp(S - lse), dS = P * (dP - rowsum(dO * O)). With the o and lse of a larger attention that
@@ -256,10 +299,11 @@ def flash_attention_backward_reference(
     kk = k.float().repeat_interleave(rep, dim=2)
     vv = v.float().repeat_interleave(rep, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kk) * scale
-    hidden = _reference_mask(sq, sk, causal, window, document_ids, q.device)
+    hidden = _reference_mask(sq, sk, causal, window, document_ids, q.device, document_spans)
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
-    p = torch.exp(s - lse.float().unsqueeze(-1))
+    lse = lse.float().unsqueeze(-1)
+    p = torch.where(torch.isinf(lse), 0.0, torch.exp(s - lse))  # (a query that sees no key: see the forward)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
     dp = torch.einsum("bqhd,bkhd->bhqk", dof, vv)
     delta = (of * dof).sum(-1).transpose(1, 2).unsqueeze(-1)  # [b, h, sq, 1]
@@ -282,17 +326,29 @@ def flash_attention(
     *,
     window_size: int | None = None,
     document_ids: torch.Tensor | None = None,
+    document_spans: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Attention of q over k, v (layouts in the module docstring); window_size: Mistral-style sliding window
-    (causal only; None: none); document_ids [batch, seq]: contiguous documents that attend only to themselves
-    (causal self-attention). Returns o, and the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse."""
+    (causal only; None: none); document_ids [batch, seq_k]: contiguous documents that attend only to themselves
+    (causal only). document_spans: the kernels' own form, (first visible key of each query [batch, seq_q], first
+    query that no longer sees each key [batch, seq_k]), for blocks of a sequence split up (ring attention).
+    Returns o, and the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse."""
     _check(q, k, v, causal, window_size, document_ids)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not triton_usable(q, k, v):
         return flash_attention_reference(
-            q, k, v, causal, scale, return_lse, window_size=window_size, document_ids=document_ids
+            q,
+            k,
+            v,
+            causal,
+            scale,
+            return_lse,
+            window_size=window_size,
+            document_ids=document_ids,
+            document_spans=document_spans,
         )
-    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size, document_ids)
+    starts, ends = document_spans if document_spans is not None else (None, None)
+    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size, document_ids, starts, ends)
     return (o, lse) if return_lse else o
 
 
@@ -329,7 +385,7 @@ def _cases() -> list[tuple]:
                 "LSE": "*fp32",
                 "START": "*i32",
                 "END": "*i32",
-                **strides("sqb sqs sqh skb sks skh svb svs svh sob sos soh ssb".split()),
+                **strides("sqb sqs sqh skb sks skh svb svs svh sob sos soh ssb seb".split()),
                 **base,
             }
             out.append((f"flash_fwd_{t}_causal{causal}", _fwd, sig, consts))
@@ -341,7 +397,7 @@ def _cases() -> list[tuple]:
                 "DV": f"*{t}",
                 "START": "*i32",
                 "END": "*i32",
-                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh ssb".split()),
+                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh ssb seb".split()),
                 **base,
             }
             out.append((f"flash_bwd_dkdv_{t}_causal{causal}", _bwd_dkdv, sig, consts))
@@ -352,7 +408,7 @@ def _cases() -> list[tuple]:
                 "DQ": f"*{t}",
                 "START": "*i32",
                 "END": "*i32",
-                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh ssb".split()),
+                **strides("sqb sqs sqh skb sks skh svb svs svh sdb sds sdh ssb seb".split()),
                 **base,
             }
             out.append((f"flash_bwd_dq_{t}_causal{causal}", _bwd_dq, sig, consts))

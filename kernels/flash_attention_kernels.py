@@ -1,6 +1,10 @@
 """The Triton kernels of flash attention (flash_attention.py launches them): the forward, and the backward's dK/dV
 and dQ kernels, with the block helpers they share. Each kernel visits only the key (or query) blocks its block
-can see, and applies the visibility mask only on the blocks at an edge of that span."""
+can see, and applies the visibility mask only on the blocks at an edge of that span.
+
+Documents (DOCS): row i also sees only keys j >= START[i] (the first key of its document, in key indices), and
+END[j] is the first row that no longer sees key j (START[row] > j). Both never decrease (contiguous documents in
+position order), so a block's rows see a contiguous run of key blocks and the spans below stay exact."""
 
 from __future__ import annotations
 
@@ -31,12 +35,12 @@ if HAVE_TRITON:
         return valid
 
     @triton.jit
-    def _doc_key_spans(START, sb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _doc_key_spans(STARTS, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Document masks (documents contiguous, so starts never decrease along the sequence): keys before the first
         row's document are hidden from the whole query block, and only keys from the last row's document start on
         are seen whole by every row."""
-        first_start = tl.load(START + sb + start_m)
-        last_start = tl.load(START + sb + tl.minimum(start_m + BLOCK_M, seq_q) - 1)
+        first_start = tl.load(STARTS + start_m)
+        last_start = tl.load(STARTS + tl.minimum(start_m + BLOCK_M, seq_q) - 1)
         lo = tl.maximum(lo, first_start // BLOCK_N * BLOCK_N)
         full_hi = tl.maximum(full_hi, lo)
         full_lo = tl.minimum(tl.maximum(tl.maximum(full_lo, lo), tl.cdiv(last_start, BLOCK_N) * BLOCK_N), full_hi)
@@ -126,6 +130,7 @@ if HAVE_TRITON:
         sos,
         soh,
         ssb,
+        seb,
         heads,
         group,
         seq_q,
@@ -161,7 +166,7 @@ if HAVE_TRITON:
         starts = rows  # (unused without documents)
         if DOCS:
             lo, full_lo, full_hi = _doc_key_spans(
-                START, b * ssb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M, BLOCK_N
+                START + b * ssb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M, BLOCK_N
             )
             starts = tl.load(START + b * ssb + rows, mask=rows < seq_q, other=0)
         kv = (b * skb + kvh * skh, b * svb + kvh * svh)
@@ -316,6 +321,7 @@ if HAVE_TRITON:
         sds,
         sdh,
         ssb,
+        seb,
         heads,
         group,
         seq_q,
@@ -358,8 +364,8 @@ if HAVE_TRITON:
         if start_n + BLOCK_N > seq_k:
             full_hi = full_lo
         if DOCS:  # queries past the last key's document see none of the block; before the first key's end, all
-            last = tl.minimum(last, tl.load(END + b * ssb + tl.minimum(start_n + BLOCK_N, seq_k) - 1))
-            full_hi = tl.minimum(full_hi, tl.load(END + b * ssb + start_n) // BLOCK_M * BLOCK_M)
+            last = tl.minimum(last, tl.load(END + b * seb + tl.minimum(start_n + BLOCK_N, seq_k) - 1))
+            full_hi = tl.minimum(full_hi, tl.load(END + b * seb + start_n) // BLOCK_M * BLOCK_M)
             full_hi = tl.maximum(full_hi, full_lo)
         full_lo = tl.minimum(full_lo, last)
         full_hi = tl.maximum(tl.minimum(full_hi, last), full_lo)
@@ -430,6 +436,7 @@ if HAVE_TRITON:
         sds,
         sdh,
         ssb,
+        seb,
         heads,
         group,
         seq_q,
@@ -463,7 +470,7 @@ if HAVE_TRITON:
         starts = rows  # (unused without documents)
         if DOCS:
             lo, full_lo, full_hi = _doc_key_spans(
-                START, b * ssb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M, BLOCK_N
+                START + b * ssb, start_m, seq_q, lo, full_lo, full_hi, BLOCK_M, BLOCK_N
             )
             starts = tl.load(START + b * ssb + rows, mask=rows < seq_q, other=0)
         kv = (b * skb + kvh * skh, b * svb + kvh * svh)

@@ -45,8 +45,9 @@ def test_zigzag_split_round_trips(cp):
         zigzag_positions(s + 1, cp, 0)
 
 
-def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16, triton: bool = False):
-    """Relative errors of this rank's output and q/k/v gradients against full attention (fp64 oracle)."""
+def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16, triton: bool = False, documents=None):
+    """Relative errors of this rank's output and q/k/v gradients against full attention (fp64 oracle).
+    `documents`: per batch row, document lengths (--reset-attention-mask; the oracle masks by document)."""
     from megatron_lite.context_parallel.attention import IMPLEMENTATIONS
 
     cp = dist.get_world_size()
@@ -61,10 +62,16 @@ def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16, tri
     scores = torch.einsum("bqhd,bkhd->bhqk", full[0], kk) * d**-0.5
     if causal:
         scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    extra = {}
+    if documents is not None:
+        ids = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in documents])
+        other = ids[:, :, None] != ids[:, None, :]  # a key of another document
+        scores = scores.masked_fill(other.unsqueeze(1), float("-inf"))
+        extra["document_ids"] = ids
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv)
     out.backward(do)
     mine = [split_sequence(t, 1, cp, ctx.cp.rank).float().requires_grad_() for t in (q, k, v)]
-    o = IMPLEMENTATIONS[comm](*mine, ctx.cp, causal, triton=triton)
+    o = IMPLEMENTATIONS[comm](*mine, ctx.cp, causal, triton=triton, **extra)
     o.backward(split_sequence(do, 1, cp, ctx.cp.rank).float())
     pairs = [(o, out)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
     errs = []
@@ -90,6 +97,30 @@ def test_attention_through_the_flash_kernel(dist, comm):
     for causal in (True, False):
         for errs in dist(2, attention_vs_full, comm, causal, 2, 32, True):
             assert max(errs) < 1e-4, (comm, causal, errs)
+
+
+# documents across the zigzag chunks (16 positions: chunks of 4 at CP=2, of 2 at CP=4), a row that is one document
+DOCUMENTS = [[3, 6, 1, 6], [16]]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "allgather"])
+def test_document_masks_equal_full_attention(dist, cp, comm):
+    """--reset-attention-mask under each kind of context parallelism: every rank holds the whole sequence's
+    document ids; the ring's blocks (own, an earlier rank's early chunk, the late chunk) get their spans from the
+    positions on both sides, queries that see none of a block included."""
+    for kv_heads in (4, 1):
+        for errs in dist(cp, attention_vs_full, comm, True, kv_heads, 16, False, DOCUMENTS):
+            assert max(errs) < 1e-5, (comm, cp, kv_heads, errs)
+
+
+@needs_triton_on_cpu
+@pytest.mark.parametrize("comm", ["p2p", "allgather"])
+def test_document_masks_through_the_flash_kernel(dist, comm):
+    """The same with the flash kernel's document spans doing the blocks (CP=4: chunks of 4 over 32 positions)."""
+    documents = [[5, 13, 1, 13], [32]]
+    for errs in dist(4, attention_vs_full, comm, True, 2, 32, True, documents):
+        assert max(errs) < 1e-4, (comm, errs)
 
 
 def test_block_backward_reference_matches_autograd():

@@ -138,6 +138,11 @@ LAYOUTS = {  # world, layout, global batch, micro-batch, keywords
     "tp2-sp": (2, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 2, {}),
     "pp2": (2, P(pipeline_model_parallel_size=2), 4, 1, {}),
     "dp2-zero1": (2, P(), 4, 2, {"distributed_optimizer": True}),
+    # context parallelism: every rank holds the whole sequence's document ids (the attention itself, the flash
+    # kernel's included: tests/test_context_parallel.py -k document)
+    "cp2-ring": (2, P(context_parallel_size=2), 4, 2, {}),
+    "cp2-a2a": (2, P(context_parallel_size=2, cp_comm_type="a2a"), 4, 2, {}),
+    "cp2-allgather": (2, P(context_parallel_size=2, cp_comm_type="allgather"), 4, 2, {}),
 }
 
 

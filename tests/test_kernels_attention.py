@@ -214,6 +214,47 @@ def test_document_masks_equal_each_document_alone(h, hkv, d, lengths):
         assert rel(ours[0], K.flash_attention_reference(q, k, v, causal=True)) > 1e-2
 
 
+def _documents_oracle_bottom_right(q, k, v, docs):
+    """Plain softmax with the mask from the definition: query i sits at position P = i + seq_k - seq_q and sees
+    key j iff j <= P and docs[j] == docs[P]. o, lse."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    off = sk - sq
+    mask = torch.tensor(
+        [[[j <= i + off and docs[r, j] == docs[r, i + off] for j in range(sk)] for i in range(sq)] for r in range(b)],
+        device=q.device,
+    ).unsqueeze(1)
+    kk = k.repeat_interleave(h // hkv, dim=2).transpose(1, 2)
+    vv = v.repeat_interleave(h // hkv, dim=2).transpose(1, 2)
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) / math.sqrt(d)
+    s = s.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(s, dim=-1) @ vv).transpose(1, 2), torch.logsumexp(s, dim=-1)
+
+
+@pytest.mark.parametrize("sq,lengths", [(7, [[30, 10], [5, 5, 30]]), (20, [[16, 3, 53], [72]]), (40, [[1, 38, 1]])])
+def test_document_masks_with_fewer_queries_than_keys(sq, lengths):
+    """The queries are the last seq_q positions (what context parallelism's all-gather form computes, one query
+    chunk over the keys up to its end): documents, causality and the skipped blocks line up at that offset."""
+    b, sk = len(lengths), sum(lengths[0])
+    q, k, v = _qkv(b, sq, sk, 4, 2, 16, seed=4)
+    do = torch.randn(b, sq, 4, 16, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    docs = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], device=DEVICE)
+
+    def run(fn):
+        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if fn is _documents_oracle_bottom_right:
+            o, lse = fn(*ins, docs)
+        else:
+            o, lse = fn(*ins, causal=True, return_lse=True, document_ids=docs)
+        o.backward(do)
+        return [o.detach(), lse.detach()] + [t.grad for t in ins]
+
+    ours, ref, oracle = run(K.flash_attention), run(K.flash_attention_reference), run(_documents_oracle_bottom_right)
+    for name, a, r, o in zip(["o", "lse", "dq", "dk", "dv"], ours, ref, oracle):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, o) < TOL and rel(r, o) < TOL, (name, rel(a, o), rel(r, o))
+
+
 def test_document_spans():
     docs = torch.tensor([[0, 0, 0, 1, 2, 2, 3], [5, 5, 5, 5, 5, 5, 5]])
     start, end = K.document_spans(docs)
@@ -223,7 +264,7 @@ def test_document_spans():
     with pytest.raises(ValueError, match="document_ids"):
         K.flash_attention(q, k, v, causal=False, document_ids=docs)
     with pytest.raises(ValueError, match="document_ids"):
-        K.flash_attention(q, k, v, causal=True, document_ids=docs[:, :5])
+        K.flash_attention(q, k, v, causal=True, document_ids=docs[:, :5])  # not [batch, seq_k]
 
 
 @pytest.mark.skipif(

@@ -168,10 +168,6 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
             ["--mock-data", "--vocab-size", "100", "--no-save-optim", "--nan-policy", "rollback", "--save", "x"],
             ["--nan-policy rollback", "--no-save-optim"],
         ),
-        (
-            ["--reset-attention-mask", "--context-parallel-size", "2"],
-            ["--reset-attention-mask", "--context-parallel-size 2", "no document masks"],
-        ),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
     ],
 )

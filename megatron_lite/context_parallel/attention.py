@@ -8,7 +8,10 @@ q, k, v are this rank's part: [batch, local seq, heads, head_dim]; k, v may have
 - `a2a` (all-to-all, DeepSpeed-Ulysses): sequence-sharded -> head-sharded before attention and back after.
 - `allgather`: every rank gathers all keys and values; their gradients are reduce-scattered back.
 
-Block attention runs through our flash kernel (`triton`) or its PyTorch reference.
+Block attention runs through our flash kernel (`triton`) or its PyTorch reference. Document masks
+(--reset-attention-mask: `document_ids` [batch, whole sequence], natural order, on every rank) work with all
+three: `a2a` and `allgather` see the whole sequence in order; each ring block gets its queries' first visible
+keys and its keys' last viewers from the global positions of both sides (`_block_spans`).
 """
 
 from __future__ import annotations
@@ -17,21 +20,33 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import kernels as K
-from megatron_lite.context_parallel.zigzag import gathered_positions
+from megatron_lite.context_parallel.zigzag import gathered_positions, zigzag_positions
 from megatron_lite.parallel_context import Group
 from megatron_lite.ring import ring_exchange, wait
 from megatron_lite.tensor_parallel.mappings import all_gather_dim0, reduce_scatter_dim0
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, triton: bool):
+def _block_forward(q, k, v, causal: bool, scale: float, triton: bool, spans=None):
     fn = K.flash_attention if triton else K.flash_attention_reference
-    o, lse = fn(q, k, v, causal, scale, True)
+    o, lse = fn(q, k, v, causal, scale, True, document_spans=spans)
     return o.float(), lse.float()
 
 
-def _block_backward(q, k, v, o, lse, do, causal: bool, scale: float, triton: bool):
+def _block_backward(q, k, v, o, lse, do, causal: bool, scale: float, triton: bool, spans=None):
     fn = K.flash_attention_backward if triton else K.flash_attention_backward_reference
-    return fn(q, k, v, o, lse, do, causal, scale)
+    return fn(q, k, v, o, lse, do, causal, scale, document_spans=spans)
+
+
+def _block_spans(bounds, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """Document spans of a ring block, from global positions (each side ascending): per query the index of
+    the first key at or after its document's start, per key the index of the first query at or after its
+    document's end (the kernels' START and END). None without documents."""
+    if bounds is None:
+        return None
+    start, end = bounds  # [batch, whole sequence]: each position's document as [start, end)
+    first_key = torch.searchsorted(k_pos, start[:, q_pos].contiguous())
+    first_past = torch.searchsorted(q_pos, end[:, k_pos].contiguous())
+    return first_key.to(torch.int32), first_past.to(torch.int32)
 
 
 class _ReferenceAttention(torch.autograd.Function):
@@ -39,25 +54,27 @@ class _ReferenceAttention(torch.autograd.Function):
     log-sum-exp are kept for the backward (the probabilities are recomputed there)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        o, lse = K.flash_attention_reference(q, k, v, causal, scale, True)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, causal: bool, scale: float, documents):
+        o, lse = K.flash_attention_reference(q, k, v, causal, scale, True, document_ids=documents)
+        ctx.save_for_backward(q, k, v, o, lse, documents)
         ctx.causal, ctx.scale = causal, scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        grads = K.flash_attention_backward_reference(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale)
-        return (*grads, None, None)
+        q, k, v, o, lse, documents = ctx.saved_tensors
+        grads = K.flash_attention_backward_reference(
+            q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale, document_ids=documents
+        )
+        return (*grads, None, None, None)
 
 
-def _attention(q, k, v, causal: bool, scale: float, triton: bool):
+def _attention(q, k, v, causal: bool, scale: float, triton: bool, documents=None):
     """Differentiable attention on one rank: the flash kernel, or the PyTorch reference without stored
-    probabilities."""
+    probabilities. `documents` [batch, seq_k]: document ids of the keys (the queries are the last positions)."""
     if triton:
-        return K.flash_attention(q, k, v, causal, scale)
-    return _ReferenceAttention.apply(q, k, v, causal, scale)
+        return K.flash_attention(q, k, v, causal, scale, document_ids=documents)
+    return _ReferenceAttention.apply(q, k, v, causal, scale, documents)
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -81,12 +98,30 @@ def _ring_block(i: int, rank: int, causal: bool) -> str:
     return "first_keys" if i <= rank else "last_queries"  # i <= rank: the block's owner rank - i is earlier
 
 
+def _ring_spans(document_ids, group: Group, s: int, causal: bool) -> list:
+    """Each ring step's document spans on this rank (None without documents), for the part it computes."""
+    cp, r, c = group.size, group.rank, s // 2
+    if document_ids is None:
+        return [None] * cp
+    bounds = K.document_spans(document_ids)
+    q_pos = zigzag_positions(s * cp, cp, r, document_ids.device)
+    out = []
+    for i in range(cp):
+        k_pos = zigzag_positions(s * cp, cp, (r - i) % cp, document_ids.device)
+        part = _ring_block(i, r, causal)
+        qp = q_pos[c:] if part == "last_queries" else q_pos  # the local late chunk
+        kp = k_pos[:c] if part == "first_keys" else k_pos  # the block's early chunk
+        out.append(_block_spans(bounds, qp, kp))
+    return out
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, causal: bool, scale: float, triton: bool):
+    def forward(ctx, q, k, v, group: Group, causal: bool, scale: float, triton: bool, document_ids):
         cp, r = group.size, group.rank
         c = q.shape[1] // 2
         b, s, h, _ = q.shape
+        spans = _ring_spans(document_ids, group, s, causal)
         o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
         kb, vb = k, v
@@ -96,11 +131,12 @@ class _RingAttention(torch.autograd.Function):
                 (kn, vn), works = ring_exchange([kb, vb], group)
             part = _ring_block(i, r, causal)
             if part in ("all", "causal"):
-                o, lse = _merge(o, lse, *_block_forward(q, kb, vb, part == "causal", scale, triton))
+                o, lse = _merge(o, lse, *_block_forward(q, kb, vb, part == "causal", scale, triton, spans[i]))
             elif part == "first_keys":
-                o, lse = _merge(o, lse, *_block_forward(q, kb[:, :c], vb[:, :c], False, scale, triton))
+                o, lse = _merge(o, lse, *_block_forward(q, kb[:, :c], vb[:, :c], False, scale, triton, spans[i]))
             else:
-                o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *_block_forward(q[:, c:], kb, vb, False, scale, triton))
+                block = _block_forward(q[:, c:], kb, vb, False, scale, triton, spans[i])
+                o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *block)
                 o = torch.cat([o[:, :c], o2], 1)
                 lse = torch.cat([lse[:, :, :c], lse2], 2)
             wait(works, group)
@@ -108,13 +144,13 @@ class _RingAttention(torch.autograd.Function):
                 kb, vb = kn, vn
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.triton = group, causal, scale, triton
+        ctx.group, ctx.causal, ctx.scale, ctx.triton, ctx.spans = group, causal, scale, triton, spans
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        group, causal, scale, triton = ctx.group, ctx.causal, ctx.scale, ctx.triton
+        group, causal, scale, triton, spans = ctx.group, ctx.causal, ctx.scale, ctx.triton, ctx.spans
         cp, r = group.size, group.rank
         c = q.shape[1] // 2
         do = do.contiguous()
@@ -128,18 +164,18 @@ class _RingAttention(torch.autograd.Function):
                 (kn, vn), kv_works = ring_exchange([kb, vb], group)
             part = _ring_block(i, r, causal)
             if part in ("all", "causal"):
-                gq, gk, gv = _block_backward(q, kb, vb, o, lse, do, part == "causal", scale, triton)
+                gq, gk, gv = _block_backward(q, kb, vb, o, lse, do, part == "causal", scale, triton, spans[i])
                 dq += gq
                 dk += gk
                 dv += gv
             elif part == "first_keys":
-                gq, gk, gv = _block_backward(q, kb[:, :c], vb[:, :c], o, lse, do, False, scale, triton)
+                gq, gk, gv = _block_backward(q, kb[:, :c], vb[:, :c], o, lse, do, False, scale, triton, spans[i])
                 dq += gq
                 dk[:, :c] += gk
                 dv[:, :c] += gv
             else:
                 gq, gk, gv = _block_backward(
-                    q[:, c:], kb, vb, o[:, c:], lse[:, :, c:].contiguous(), do[:, c:], False, scale, triton
+                    q[:, c:], kb, vb, o[:, c:], lse[:, :, c:].contiguous(), do[:, c:], False, scale, triton, spans[i]
                 )
                 dq[:, c:] += gq
                 dk += gk
@@ -149,17 +185,21 @@ class _RingAttention(torch.autograd.Function):
             wait(kv_works + g_works, group)
             if i < cp - 1:
                 kb, vb = kn, vn
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False):
-    """Causal (zigzag-split) or full attention of the local queries over the whole sequence's keys."""
+def ring_attention(
+    q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False, document_ids=None
+):
+    """Causal (zigzag-split) or full attention of the local queries over the whole sequence's keys
+    (`document_ids`: the whole sequence's, natural order; causal only)."""
+    if document_ids is not None and not causal:
+        raise ValueError("document masks are causal")
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if group.size == 1:
-        return (
-            K.flash_attention(q, k, v, causal, scale) if triton else K.flash_attention_reference(q, k, v, causal, scale)
-        )
-    return _RingAttention.apply(q, k, v, group, causal, scale, triton)
+        fn = K.flash_attention if triton else K.flash_attention_reference
+        return fn(q, k, v, causal, scale, document_ids=document_ids)
+    return _RingAttention.apply(q, k, v, group, causal, scale, triton, document_ids)
 
 
 # All-to-all (Ulysses) -----------------------------------------------------------------------------
@@ -186,10 +226,12 @@ def _all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-def a2a_attention(q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False):
+def a2a_attention(
+    q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False, document_ids=None
+):
     """Sequence-sharded -> head-sharded, attention over the whole sequence (put back in natural order), and
     back. Query heads must divide by the group size; key/value heads that do not are repeated to one per
-    query head first."""
+    query head first. `document_ids`: the whole sequence's, in natural order."""
     cp = group.size
     b, s, h, d = q.shape
     if k.shape[2] % cp:
@@ -199,7 +241,7 @@ def a2a_attention(q, k, v, group: Group, causal: bool = True, scale: float | Non
     pos = gathered_positions(s * cp, cp, q.device)
     order = torch.argsort(pos)
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
-    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton)
+    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton, document_ids)
     return _AllToAll.apply(o.index_select(1, pos), group, 1, 2)  # back to zigzag order, then to our part
 
 
@@ -217,9 +259,12 @@ class _GatherSeq(torch.autograd.Function):
         return reduce_scatter_dim0(g.transpose(0, 1).contiguous(), ctx.group).transpose(0, 1), None
 
 
-def allgather_attention(q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False):
+def allgather_attention(
+    q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False, document_ids=None
+):
     """Every rank gathers the whole sequence's keys and values; each local query chunk attends to the keys
-    up to its own end (bottom-right-aligned causal mask)."""
+    up to its own end (bottom-right-aligned causal mask; with `document_ids`, the whole sequence's in natural
+    order, within its own documents)."""
     cp, s = group.size, q.shape[1]
     c = s // 2
     pos = gathered_positions(s * cp, cp, q.device)
@@ -227,11 +272,15 @@ def allgather_attention(q, k, v, group: Group, causal: bool = True, scale: float
     k, v = (_GatherSeq.apply(t, group).index_select(1, order) for t in (k, v))
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if not causal:
+        if document_ids is not None:
+            raise ValueError("document masks are causal")
         return _attention(q, k, v, False, scale, triton)
     r = group.rank
     ends = ((r + 1) * c, (2 * cp - r) * c)  # each local chunk sees the keys up to its own last position
+    docs = (None, None) if document_ids is None else tuple(document_ids[:, :end] for end in ends)
     outs = [
-        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton) for i, end in enumerate(ends)
+        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton, docs[i])
+        for i, end in enumerate(ends)
     ]
     return torch.cat(outs, 1)
 

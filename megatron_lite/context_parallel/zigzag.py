@@ -37,7 +37,8 @@ def unsplit_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 def slice_batch(mb: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str, torch.Tensor]:
     """A micro-batch ([batch, seq] tensors) cut to this CP rank's part, with its global position ids (RoPE
-    and learned positions must see where each token really is)."""
+    and learned positions must see where each token really is). Document ids stay whole: attention needs every
+    key's document."""
     out = dict(mb)
     b, s = mb["tokens"].shape
     if "position_ids" not in out:

@@ -75,8 +75,9 @@ class CoreAttention(nn.Module):
         b, s, heads, d = q.shape
         sk = k.shape[1]
         p = self.dropout if self.training else 0.0
-        if self.cp is not None:  # (document masks are refused with context parallelism at start-up)
-            out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton)
+        if self.cp is not None:  # documents: the whole sequence's ids (a2a and allgather; the ring is refused)
+            extra = {"document_ids": documents} if documents is not None else {}
+            out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
             return out.reshape(b, s, heads * d)
         if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
             out = K.flash_attention(

@@ -135,11 +135,6 @@ class JobConfig:
                 f"{rollback[0]} rollback restores the optimizer state from the last checkpoint, which "
                 "--no-save-optim leaves out; drop one of them"
             )
-        if self.data.reset_attention_mask and self.parallel.context_parallel_size > 1:
-            raise ConfigError(
-                f"--reset-attention-mask with --context-parallel-size {self.parallel.context_parallel_size} is not "
-                "supported: context-parallel attention has no document masks; drop one of them"
-            )
 
     def to_dict(self) -> dict:
         return asdict(self)
