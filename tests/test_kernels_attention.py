@@ -187,6 +187,23 @@ DOCUMENT_CASES = [  # heads, kv_heads, head_dim, documents per batch row (length
 ]
 
 
+def _document_ids(lengths) -> torch.Tensor:
+    """Per batch row, the document lengths -> each position's document id."""
+    return torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], device=DEVICE)
+
+
+def _run_documents(fn, q, k, v, do, docs, oracle_arg=None):
+    """o, lse, dq, dk, dv of `fn` with document masks: our kernel or reference (given the ids), or an oracle (given
+    `oracle_arg`)."""
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    if oracle_arg is not None:
+        o, lse = fn(*ins, oracle_arg)
+    else:
+        o, lse = fn(*ins, causal=True, return_lse=True, document_ids=docs)
+    o.backward(do)
+    return [o.detach(), lse.detach()] + [t.grad for t in ins]
+
+
 @pytest.mark.parametrize("h,hkv,d,lengths", DOCUMENT_CASES)
 def test_document_masks_equal_each_document_alone(h, hkv, d, lengths):
     """--reset-attention-mask in the kernel: forward, log-sum-exp and backward equal attention run on each
@@ -194,19 +211,10 @@ def test_document_masks_equal_each_document_alone(h, hkv, d, lengths):
     b, seq = len(lengths), sum(lengths[0])
     q, k, v = _qkv(b, seq, seq, h, hkv, d, seed=3)
     do = torch.randn(b, seq, h, d, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    docs = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], device=DEVICE)
-
-    def run(fn):
-        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        if fn is _document_oracle:
-            o, lse = fn(*ins, lengths)
-        else:
-            o, lse = fn(*ins, causal=True, return_lse=True, document_ids=docs)
-        o.backward(do)
-        return [o.detach(), lse.detach()] + [t.grad for t in ins]
-
+    docs = _document_ids(lengths)
     before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
-    ours, ref, oracle = run(K.flash_attention), run(K.flash_attention_reference), run(_document_oracle)
+    ours, ref = (_run_documents(fn, q, k, v, do, docs) for fn in (K.flash_attention, K.flash_attention_reference))
+    oracle = _run_documents(_document_oracle, q, k, v, do, docs, lengths)
     assert K.LAUNCHES["flash_attention_fwd"] > before[0] and K.LAUNCHES["flash_attention_bwd"] > before[1]
     for name, a, r, o in zip(["o", "lse", "dq", "dk", "dv"], ours, ref, oracle):
         assert rel(a, o) < TOL and rel(r, o) < TOL, (name, rel(a, o), rel(r, o))
@@ -238,18 +246,9 @@ def test_document_masks_with_fewer_queries_than_keys(sq, lengths):
     b, sk = len(lengths), sum(lengths[0])
     q, k, v = _qkv(b, sq, sk, 4, 2, 16, seed=4)
     do = torch.randn(b, sq, 4, 16, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-    docs = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], device=DEVICE)
-
-    def run(fn):
-        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        if fn is _documents_oracle_bottom_right:
-            o, lse = fn(*ins, docs)
-        else:
-            o, lse = fn(*ins, causal=True, return_lse=True, document_ids=docs)
-        o.backward(do)
-        return [o.detach(), lse.detach()] + [t.grad for t in ins]
-
-    ours, ref, oracle = run(K.flash_attention), run(K.flash_attention_reference), run(_documents_oracle_bottom_right)
+    docs = _document_ids(lengths)
+    ours, ref = (_run_documents(fn, q, k, v, do, docs) for fn in (K.flash_attention, K.flash_attention_reference))
+    oracle = _run_documents(_documents_oracle_bottom_right, q, k, v, do, docs, docs)
     for name, a, r, o in zip(["o", "lse", "dq", "dk", "dv"], ours, ref, oracle):
         assert torch.isfinite(a).all(), name
         assert rel(a, o) < TOL and rel(r, o) < TOL, (name, rel(a, o), rel(r, o))
