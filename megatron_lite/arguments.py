@@ -93,11 +93,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             f"--overlap-moe-expert-parallel-comm overlaps the all-to-all dispatcher's exchanges; it does nothing with "
             f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
         )
-    if ns.hierarchical_context_parallel_sizes is not None:
-        raise ConfigError(
-            "--hierarchical-context-parallel-sizes (--cp-comm-type a2a+p2p) is not supported; use --cp-comm-type "
-            "p2p, a2a or allgather"
-        )
     kernel_impl = _kernel_impl(ns.kernel_impl, ns.distributed_backend)
     vocab = ns.vocab_size
     model = ModelConfig(
@@ -164,6 +159,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
         context_parallel_size=ns.context_parallel_size,
         cp_comm_type=ns.cp_comm_type,
+        hierarchical_context_parallel_sizes=(
+            tuple(ns.hierarchical_context_parallel_sizes) if ns.hierarchical_context_parallel_sizes else None
+        ),
         expert_model_parallel_size=ns.expert_model_parallel_size,
         expert_tensor_parallel_size=ns.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=vp,

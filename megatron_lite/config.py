@@ -270,7 +270,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     decoder_first_pipeline_num_layers: int | None = None  # uneven first stage
     decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
-    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all) | allgather
+    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all) | allgather | a2a+p2p
+    # a2a+p2p (Megatron's --hierarchical-context-parallel-sizes A P): all-to-all inside groups of A adjacent CP
+    # ranks, a ring over the P groups
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     tp_comm_overlap: bool = False  # sequence-parallel GEMMs as rings overlapping their all-gather/reduce-scatter
     overlap_p2p_comm: bool | None = None  # pipeline receives waited on lazily; default: on with virtual stages
     overlap_moe_expert_parallel_comm: bool = False  # MoE dispatch in chunks, all-to-all under the experts
@@ -412,7 +415,7 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
     return [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
 
 
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -421,9 +424,26 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
         raise ConfigError(
             f"--cp-comm-type {parallel.cp_comm_type} is not supported; use one of {', '.join(CP_COMM_TYPES)}"
         )
+    sizes = parallel.hierarchical_context_parallel_sizes
+    if (parallel.cp_comm_type == "a2a+p2p") != (sizes is not None):
+        raise ConfigError(
+            "--cp-comm-type a2a+p2p and --hierarchical-context-parallel-sizes A P go together (A ranks exchange "
+            "heads all-to-all, a ring runs over the P groups); give both or neither"
+        )
+    if sizes is not None and (len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp):
+        raise ConfigError(
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} must be two sizes whose product is "
+            f"--context-parallel-size {cp}, e.g. 2 {max(cp // 2, 1)}"
+        )
     if cp == 1:
         return
     local_heads = model.num_attention_heads // tp
+    if sizes is not None and local_heads % sizes[0]:
+        raise ConfigError(
+            f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]} splits attention heads over groups of "
+            f"{sizes[0]}: --num-attention-heads {model.num_attention_heads} / --tensor-model-parallel-size {tp} = "
+            f"{local_heads} is not divisible by {sizes[0]}"
+        )
     if parallel.cp_comm_type == "a2a" and local_heads % cp:
         raise ConfigError(
             f"--cp-comm-type a2a splits attention heads over context-parallel ranks: --num-attention-heads "

@@ -95,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--cp-comm-type",
         default="p2p",
-        help="context-parallel attention: p2p (ring, zigzag load balance), a2a (all-to-all over heads), allgather",
+        help="context-parallel attention: p2p (ring, zigzag load balance), a2a (all-to-all over heads), allgather, "
+        "a2a+p2p (with --hierarchical-context-parallel-sizes)",
     )
     d.add_argument(
-        "--hierarchical-context-parallel-sizes", type=int, nargs="+", help="not implemented (refused at start-up)"
+        "--hierarchical-context-parallel-sizes",
+        type=int,
+        nargs="+",
+        help="A P with --cp-comm-type a2a+p2p: all-to-all in groups of A adjacent CP ranks, a ring over the P groups",
     )
     d.add_argument("--expert-model-parallel-size", type=int, default=1)
     d.add_argument("--expert-tensor-parallel-size", type=int)

@@ -136,6 +136,13 @@ def all_groups(parallel: ParallelConfig, world_size: int) -> dict[str, list[tupl
     out = {kind: grids[grid].groups(dims) for kind, (grid, dims) in _GROUP_DIMS.items()}
     # Tied embeddings: the first and last stage of each pipeline share the word embeddings.
     out["embedding"] = sorted({tuple(sorted({g[0], g[-1]})) for g in out["pp"]})
+    # Hierarchical context parallelism (a2a+p2p, sizes A x P): A adjacent CP ranks exchange heads all-to-all; the
+    # ranks at the same place in their groups form the ring (CP groups list their ranks in CP order)
+    sizes = parallel.hierarchical_context_parallel_sizes
+    if sizes:
+        inner = sizes[0]
+        out["cp_inner"] = sorted(g[i : i + inner] for g in out["cp"] for i in range(0, len(g), inner))
+        out["cp_outer"] = sorted(g[j::inner] for g in out["cp"] for j in range(inner))
     return out
 
 
@@ -173,6 +180,16 @@ class ParallelContext:
     @property
     def cp(self) -> Group:
         return self.groups["cp"]
+
+    @property
+    def cp_inner(self) -> Group:
+        """Hierarchical CP (a2a+p2p): this rank's all-to-all group of adjacent CP ranks."""
+        return self.groups["cp_inner"]
+
+    @property
+    def cp_outer(self) -> Group:
+        """Hierarchical CP (a2a+p2p): the ring over the all-to-all groups (the ranks at the same place in theirs)."""
+        return self.groups["cp_outer"]
 
     @property
     def dp(self) -> Group:

@@ -176,7 +176,8 @@ def get_context(parallel):
     from megatron_lite.parallel_context import ParallelContext
     from megatron_lite.tensor_parallel.random import RNGStatesTracker
 
-    key = (parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.etp)
+    hierarchical = parallel.hierarchical_context_parallel_sizes  # (its CP subgroups)
+    key = (parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.etp, hierarchical)
     if key not in _CONTEXTS:
         _CONTEXTS[key] = ParallelContext.build(parallel)
     return dataclasses.replace(_CONTEXTS[key], parallel=parallel, rng=RNGStatesTracker())

@@ -45,13 +45,21 @@ def test_zigzag_split_round_trips(cp):
         zigzag_positions(s + 1, cp, 0)
 
 
-def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16, triton: bool = False, documents=None):
+def attention_vs_full(
+    comm: str, causal: bool, kv_heads: int, seq: int = 16, triton: bool = False, documents=None, sizes=None
+):
     """Relative errors of this rank's output and q/k/v gradients against full attention (fp64 oracle).
-    `documents`: per batch row, document lengths (--reset-attention-mask; the oracle masks by document)."""
+    `documents`: per batch row, document lengths (--reset-attention-mask; the oracle masks by document);
+    `sizes`: a2a+p2p's hierarchical sizes."""
+    import functools
+
     from megatron_lite.context_parallel.attention import IMPLEMENTATIONS
 
     cp = dist.get_world_size()
-    ctx = get_context(P(context_parallel_size=cp))
+    ctx = get_context(P(context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes))
+    attend = IMPLEMENTATIONS[comm]
+    if sizes is not None:
+        attend = functools.partial(attend, inner=ctx.cp_inner, outer=ctx.cp_outer)
     g = torch.Generator().manual_seed(0)
     b, h, d = 2, 4, 8
     q = torch.randn(b, seq, h, d, generator=g, dtype=torch.float64)
@@ -71,7 +79,7 @@ def attention_vs_full(comm: str, causal: bool, kv_heads: int, seq: int = 16, tri
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv)
     out.backward(do)
     mine = [split_sequence(t, 1, cp, ctx.cp.rank).float().requires_grad_() for t in (q, k, v)]
-    o = IMPLEMENTATIONS[comm](*mine, ctx.cp, causal, triton=triton, **extra)
+    o = attend(*mine, ctx.cp, causal, triton=triton, **extra)
     o.backward(split_sequence(do, 1, cp, ctx.cp.rank).float())
     pairs = [(o, out)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
     errs = []
@@ -88,6 +96,18 @@ def test_attention_equals_full_attention(dist, cp, comm):
         for kv_heads in (4, 2, 1):
             for errs in dist(cp, attention_vs_full, comm, causal, kv_heads):
                 assert max(errs) < 1e-5, (comm, cp, causal, kv_heads, errs)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (4, 1), (1, 4)])
+def test_hierarchical_attention_equals_full_attention(dist, sizes):
+    """--cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes A P at CP=4: all-to-all inside the
+    adjacent pairs, a ring over them (and the two degenerate splits), with and without documents."""
+    for causal in (True, False):
+        for kv_heads in (4, 2, 1):
+            for errs in dist(4, attention_vs_full, "a2a+p2p", causal, kv_heads, 16, False, None, sizes):
+                assert max(errs) < 1e-5, (sizes, causal, kv_heads, errs)
+    for errs in dist(4, attention_vs_full, "a2a+p2p", True, 2, 16, False, DOCUMENTS, sizes):
+        assert max(errs) < 1e-5, (sizes, "documents", errs)
 
 
 @needs_triton_on_cpu
@@ -143,6 +163,12 @@ CP_LAYOUTS = {
     "cp4-p2p": (4, P(context_parallel_size=4), 4, 2),
     "cp2-a2a": (2, P(context_parallel_size=2, cp_comm_type="a2a"), 4, 2),
     "cp2-allgather": (2, P(context_parallel_size=2, cp_comm_type="allgather"), 4, 2),
+    "cp4-a2a+p2p": (
+        4,
+        P(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 2)),
+        4,
+        2,
+    ),
     "cp2-tp2-sp": (4, P(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True), 4, 2),
     "cp2-pp2": (4, P(context_parallel_size=2, pipeline_model_parallel_size=2), 4, 1),
     "cp2-dp2": (4, P(context_parallel_size=2), 4, 1),

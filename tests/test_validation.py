@@ -132,8 +132,24 @@ CASES = {
         {},
         P(context_parallel_size=2, cp_comm_type="ring"),
         None,
-        r"^--cp-comm-type ring is not supported; use one of p2p, a2a, allgather",
+        r"^--cp-comm-type ring is not supported; use one of p2p, a2a, allgather, a2a\+p2p",
         ("parallel", P(context_parallel_size=2)),
+    ),
+    "hierarchical CP sizes not multiplying to CP": (
+        4,
+        {},
+        P(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 3)),
+        T(seq_length=16),
+        r"^--hierarchical-context-parallel-sizes 2 3 must be two sizes whose product is --context-parallel-size 4",
+        ("parallel", P(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 2))),
+    ),
+    "a2a+p2p without its sizes": (
+        4,
+        {},
+        P(context_parallel_size=4, cp_comm_type="a2a+p2p"),
+        T(seq_length=16),
+        r"^--cp-comm-type a2a\+p2p and --hierarchical-context-parallel-sizes A P go together",
+        ("parallel", P(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(1, 4))),
     ),
 }
 

@@ -7,6 +7,9 @@ q, k, v are this rank's part: [batch, local seq, heads, head_dim]; k, v may have
   block until they reach its owner.
 - `a2a` (all-to-all, DeepSpeed-Ulysses): sequence-sharded -> head-sharded before attention and back after.
 - `allgather`: every rank gathers all keys and values; their gradients are reduce-scattered back.
+- `a2a+p2p` (hierarchical, sizes A x P): all-to-all over heads inside groups of A adjacent CP ranks, whose
+  parts sorted by position are again a zigzag pair (of chunks A times longer) of a CP group of P; the ring runs
+  over the P groups' ranks that hold the same heads.
 
 Block attention runs through our flash kernel (`triton`) or its PyTorch reference. Document masks
 (--reset-attention-mask: `document_ids` [batch, whole sequence], natural order, on every rank) work with all
@@ -219,6 +222,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    if group.size == 1:  # (a2a+p2p with groups of one: the ring alone)
+        return x
     send = torch.stack(x.chunk(group.size, dim=scatter_dim)).contiguous()
     recv = torch.empty_like(send)
     with group.blocked():
@@ -285,4 +290,40 @@ def allgather_attention(
     return torch.cat(outs, 1)
 
 
-IMPLEMENTATIONS = {"p2p": ring_attention, "a2a": a2a_attention, "allgather": allgather_attention}
+# Hierarchical (a2a+p2p) ----------------------------------------------------------------------------
+def hierarchical_attention(
+    q,
+    k,
+    v,
+    group: Group,
+    causal: bool = True,
+    scale: float | None = None,
+    triton: bool = False,
+    document_ids=None,
+    *,
+    inner: Group,
+    outer: Group,
+):
+    """`group`: the whole CP group (zigzag over its ranks); `inner`: this rank's A adjacent CP ranks; `outer`:
+    the ranks at the same place in the other groups. Adjacent ranks g*A..g*A+A-1 hold chunks g*A..(g+1)*A-1
+    early and their mirror images late: together, super-chunks g and 2P-1-g of the sequence cut in 2P."""
+    a = inner.size
+    b, s, h, d = q.shape
+    if k.shape[2] % a:
+        rep = h // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    q, k, v = (_AllToAll.apply(t, inner, 2, 1) for t in (q, k, v))  # [b, s * A, heads / A, d]
+    first = group.rank - inner.rank  # the CP rank of the group's first member
+    pos = torch.cat([zigzag_positions(s * group.size, group.size, first + i, q.device) for i in range(a)])
+    order = torch.argsort(pos)  # the group's parts by position: an early and a late super-chunk
+    q, k, v = (t.index_select(1, order) for t in (q, k, v))
+    o = ring_attention(q, k, v, outer, causal, scale, triton, document_ids)
+    return _AllToAll.apply(o.index_select(1, torch.argsort(order)), inner, 1, 2)
+
+
+IMPLEMENTATIONS = {
+    "p2p": ring_attention,
+    "a2a": a2a_attention,
+    "allgather": allgather_attention,
+    "a2a+p2p": hierarchical_attention,
+}

@@ -66,6 +66,8 @@ class CoreAttention(nn.Module):
         # it is a parallel layer that communicates over the CP group.
         self.cp = ctx.cp if ctx.cp.size > 1 else None
         self.cp_attention = CP_ATTENTION[ctx.parallel.cp_comm_type]
+        if ctx.parallel.cp_comm_type == "a2a+p2p":  # its two levels of groups
+            self.cp_attention = functools.partial(self.cp_attention, inner=ctx.cp_inner, outer=ctx.cp_outer)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
