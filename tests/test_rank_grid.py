@@ -109,3 +109,19 @@ def test_embedding_groups_pair_first_and_last_stage():
     groups = all_groups(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=4), 16)
     assert groups["embedding"] == [(0, 12), (1, 13), (2, 14), (3, 15)]
     assert all_groups(ParallelConfig(), 2)["embedding"] == [(0,), (1,)]
+
+
+def test_hierarchical_context_parallel_groups():
+    """Megatron's --hierarchical-context-parallel-sizes 2 4 (CP=8): every two adjacent CP ranks form the
+    all-to-all level, and the CP ranks of the same parity the ring; with TP=2 the CP ranks are 2 apart."""
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=2,
+        context_parallel_size=8,
+        cp_comm_type="a2a+p2p",
+        hierarchical_context_parallel_sizes=(2, 4),
+    )
+    groups = all_groups(parallel, 16)
+    assert groups["cp"] == [tuple(range(0, 16, 2)), tuple(range(1, 16, 2))]
+    assert (0, 2) in groups["cp_inner"] and (12, 14) in groups["cp_inner"] and len(groups["cp_inner"]) == 8
+    assert groups["cp_outer"] == [(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15)]
+    assert "cp_inner" not in all_groups(ParallelConfig(context_parallel_size=8), 8)
