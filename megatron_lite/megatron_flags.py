@@ -49,6 +49,11 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
     "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
     "no_position_embedding": (False, "implied by --position-embedding-type rope/none"),
+    "transformer_impl": (True, "--kernel-impl picks the layers' kernels: ours (triton) or PyTorch's (torch)"),
+    "use_contiguous_parameters_in_local_ddp": (
+        False,
+        "gradients always live in contiguous per-bucket buffers; parameters stay their own tensors",
+    ),
     "no_async_tensor_model_parallel_allreduce": (
         False,
         "deprecated in Megatron too; tensor-parallel communication overlaps with --tp-comm-overlap",
@@ -72,6 +77,9 @@ REFUSED: dict[str, str] = {
     "fp8_amax_history_len": "fp8 training is not implemented",
     "fp8_amax_compute_algo": "fp8 training is not implemented",
     "fp8_param_gather": "fp8 training is not implemented",
+    "fp8_margin": "fp8 training is not implemented",
+    "fp8_interval": "fp8 training is not implemented",
+    "fp8_recipe": "fp8 training is not implemented",
 }
 
 

@@ -160,6 +160,7 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     "argv,fragments",
     [
         (["--fp8-format", "e4m3"], ["--fp8-format", "not implemented"]),
+        (["--fp8-margin=0"], ["--fp8-margin", "not implemented"]),
         (["--grad-reduce-in-bf16", "--fp16"], ["--grad-reduce-in-bf16", "--fp16", "use --bf16"]),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
