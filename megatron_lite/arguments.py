@@ -194,6 +194,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     elif ns.lr_warmup_fraction is not None:
         warmup = int(ns.lr_warmup_fraction * (ns.lr_decay_iters or ns.train_iters))
     optimizer = OptimizerConfig(
+        optimizer=ns.optimizer,
+        sgd_momentum=ns.sgd_momentum,
         use_distributed_optimizer=ns.use_distributed_optimizer,
         zero_stage=ns.zero_stage,
         use_torch_fsdp2=ns.use_torch_fsdp2,

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(t, "--dry-run", "build on the meta device, validate, print parameters and memory per rank, exit")
 
     o = parser.add_argument_group("optimizer and learning rate")
-    o.add_argument("--optimizer", default="adam", choices=["adam"])
+    o.add_argument("--optimizer", default="adam", choices=["adam", "sgd"], help="adam (AdamW) or sgd")
+    o.add_argument("--sgd-momentum", type=float, default=0.9, help="with --optimizer sgd")
     o.add_argument("--lr", type=float, default=1e-4)
     o.add_argument("--min-lr", type=float, default=0.0)
     o.add_argument("--lr-decay-style", default="linear", choices=list(DECAY_STYLES))

@@ -46,6 +46,7 @@ def run(
     load: str | None = None,
     distributed_optimizer: bool = False,
     fsdp2: bool = False,
+    optimizer: str = "adam",
 ):
     """Train to iteration TOTAL (from the checkpoint in `load` if given), saving at SAVE_AT into `save`;
     returns (iteration, lm_loss, grad_norm) for every iteration run."""
@@ -59,7 +60,9 @@ def run(
     config = llama_config(num_layers=4, **config_kw)
     ctx.seed(1234)
     model = build_model(config, ctx, seed=1234 if load is None else 999)  # loading must overwrite every weight
-    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=distributed_optimizer, use_torch_fsdp2=fsdp2)
+    optim = dataclasses.replace(
+        OPTIM, use_distributed_optimizer=distributed_optimizer, use_torch_fsdp2=fsdp2, optimizer=optimizer
+    )
     ddp, opt = wrap_for_training(model, ctx, optim)
     sched = LRScheduler(OPTIM, TOTAL)
     state = TrainState()
@@ -75,7 +78,8 @@ def run(
         state.consumed_samples += GBS
         history.append((state.iteration, m.lm_loss, m.grad_norm))
         if save is not None and state.iteration == SAVE_AT:
-            save_checkpoint(save, state, model, opt, sched, ctx, {"model": {"vocab_size": config.vocab_size}})
+            job = {"model": {"vocab_size": config.vocab_size}, "optimizer": {"optimizer": optimizer}}
+            save_checkpoint(save, state, model, opt, sched, ctx, job)
     return history
 
 
@@ -194,6 +198,20 @@ def test_distributed_optimizer_checkpoint_loads_without_it(dist, tmp_path):
     continued = [h for h in original[0] if h[0] > SAVE_AT]
     for history in dist(4, run, {}, P(), 2, None, plain, True):
         _compare(history, continued, "dp4 with the distributed optimizer")
+
+
+def test_sgd_momentum_comes_back_under_another_layout(dist, tmp_path):
+    """--optimizer sgd: its momentum buffers are saved from the distributed optimizer's shards (TP=2 x DP=2) and
+    the run continues exactly at DP=2 without it; loading them into an Adam run is refused in one line."""
+    from megatron_lite.config import ConfigError
+
+    ckpt = str(tmp_path / "sgd")
+    original = dist(4, run, {}, P(tensor_model_parallel_size=2), 2, ckpt, None, True, False, "sgd")
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    for history in dist(2, run, {}, P(), 4, None, ckpt, False, False, "sgd"):
+        _compare(history, continued, "sgd at dp2 without the distributed optimizer")
+    with pytest.raises(ConfigError, match="holds --optimizer sgd state; this run uses --optimizer adam"):
+        run({}, P(), 8, None, ckpt)
 
 
 @pytest.mark.slow

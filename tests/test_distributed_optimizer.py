@@ -321,3 +321,17 @@ def test_decoupled_lr_under_sharded_optimizers_equals_single_process(dist, case)
     kw = dict(distributed_optimizer=True) if sharding == "dist-opt" else dict(fsdp2=True)
     for history in dist(world, train_run, name, parallel, gbs, mbs, layers=layers, optim=optim, **kw):
         _compare(history, ref)
+
+
+@pytest.mark.parametrize("sharding", ["dist-opt", "zero2", "fsdp2"])
+def test_sgd_under_sharded_optimizers_equals_single_process(dist, sharding):
+    """--optimizer sgd: momentum on each rank's shard (distributed optimizer, ZeRO-2) or on FSDP2's sharded
+    weights, as in one process; and it is another optimizer than Adam."""
+    from test_train_equivalence import OPTIM
+
+    sgd = dataclasses.replace(OPTIM, optimizer="sgd", sgd_momentum=0.9, lr=0.05, min_lr=0.005)
+    ref = train_run("llama", P(), 4, 4, optim=sgd)
+    assert any(abs(a[0] - b[0]) > 1e-3 * b[0] for a, b in zip(ref, train_run("llama", P(), 4, 4)))
+    kw = {"dist-opt": dict(distributed_optimizer=True), "zero2": dict(distributed_optimizer=True, zero_stage=2)}
+    for history in dist(2, train_run, "llama", P(), 4, 2, optim=sgd, **kw.get(sharding, {"fsdp2": True})):
+        _compare(history, ref)

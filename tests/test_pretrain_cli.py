@@ -165,6 +165,7 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
         (["--dataloader-type", "external"], ["--dataloader-type external", "single or cyclic"]),
+        (["--optimizer", "sgd", "--sgd-momentum", "1.5"], ["--sgd-momentum 1.5", "[0, 1)"]),
         (
             ["--mock-data", "--vocab-size", "100", "--no-save-optim", "--nan-policy", "rollback", "--save", "x"],
             ["--nan-policy rollback", "--no-save-optim"],
@@ -288,6 +289,12 @@ def test_megatron_llama3_amd_example_runs(tmp_path, capsys, monkeypatch):
     ):
         assert line in out, line
     assert "iteration      3/3" in out
+
+
+def test_sgd_run(capsys, monkeypatch):
+    flags = ["--mock-data", "--vocab-size", "100", "--optimizer", "sgd", "--sgd-momentum", "0.5"]
+    rc, out, err = _run(flags, capsys, monkeypatch)
+    assert rc == 0 and "iteration      3/3" in out, err
 
 
 def test_no_save_optim_and_rng(tmp_path, capsys, monkeypatch):

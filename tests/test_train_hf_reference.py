@@ -1,6 +1,7 @@
 """An independent reference for training: 10 single-process iterations of megatron_lite equal a
-transformers LlamaForCausalLM with the same weights trained by torch.optim.AdamW, with the learning rate
-computed here from Megatron's warmup + cosine formula and no weight decay on norms and biases."""
+transformers LlamaForCausalLM with the same weights trained by torch.optim.AdamW (or, for --optimizer sgd,
+torch.optim.SGD with momentum), with the learning rate computed here from Megatron's warmup + cosine formula and
+no weight decay on norms and biases."""
 
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ def megatron_lr(step: int, lr: float = LR, min_lr: float = MIN_LR) -> float:
     return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - min_lr)
 
 
-@pytest.mark.parametrize("decoupled", [False, True], ids=["one-lr", "decoupled-lr"])
-def test_ten_iterations_equal_transformers_with_torch_adamw(decoupled):
+@pytest.mark.parametrize(
+    "decoupled,optimizer", [(False, "adam"), (True, "adam"), (False, "sgd")], ids=["one-lr", "decoupled-lr", "sgd"]
+)
+def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, optimizer):
     """With --decoupled-lr the reference puts the embeddings and lm_head in AdamW groups of their own, at
     Megatron's schedule with the decoupled peak and floor."""
     hf_config = _llama()  # the same GQA / RoPE-base / epsilon configuration as the logits reference
@@ -60,6 +63,8 @@ def test_ten_iterations_equal_transformers_with_torch_adamw(decoupled):
         weight_decay=WD,
         clip_grad=CLIP,
         adam_beta2=0.95,
+        optimizer=optimizer,
+        sgd_momentum=0.8,
         decoupled_lr=DECOUPLED_LR if decoupled else None,
         decoupled_min_lr=DECOUPLED_MIN_LR if decoupled else None,
     )
@@ -77,7 +82,10 @@ def test_ten_iterations_equal_transformers_with_torch_adamw(decoupled):
     groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
     if decoupled:
         groups.append({"params": [dict(hf.named_parameters())[n] for n in outer], "weight_decay": WD, "outer": True})
-    ref_opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    if optimizer == "sgd":
+        ref_opt = torch.optim.SGD(groups, lr=LR, momentum=0.8)
+    else:
+        ref_opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
     data = MockGPTDataset(V, SEQ, seed=3)
     clipped = 0
     for it in range(ITERS):

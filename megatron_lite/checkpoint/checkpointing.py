@@ -42,6 +42,7 @@ from megatron_lite.checkpoint.format import (
     verify_file,
 )
 from megatron_lite.config import ConfigError
+from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 
@@ -60,7 +61,7 @@ def _barrier(ctx: ParallelContext) -> None:
 def _state_tensors(model, optimizer) -> dict[str, list]:
     """kind -> [(global name, local tensor, meta)] for every tensor that is saved. With the distributed
     optimizer, gathering the full main weights and moments is a collective over the data-parallel group."""
-    out: dict[str, list] = {"model": [], "main": [], "exp_avg": [], "exp_avg_sq": []}
+    out: dict[str, list] = {"model": [], "main": []}  # and the optimizer's state kinds
     if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
         optimizer.finish_param_sync()  # --overlap-param-gather: the model's weights must be current
     full = optimizer.gather_full_state() if optimizer is not None else {}
@@ -69,7 +70,7 @@ def _state_tensors(model, optimizer) -> dict[str, list]:
         # FSDP2 keeps parameters sharded over data parallelism (DTensors): saved as the full tensor.
         out["model"].append((gname, p.full_tensor().cpu() if hasattr(p, "full_tensor") else p, meta))
         for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
-            out[kind].append((gname, t, meta))
+            out.setdefault(kind, []).append((gname, t, meta))
     return out
 
 
@@ -424,6 +425,13 @@ def load_checkpoint(
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
     the adapters; its base was loaded first)."""
     meta = read_metadata(path)
+    saved = (meta.get("config") or {}).get("optimizer")
+    saved_with = saved.get("optimizer", "adam") if saved else None  # (None: a checkpoint that does not say)
+    if optimizer is not None and load_optim and not finetune and saved_with not in (None, optimizer.config.optimizer):
+        raise ConfigError(
+            f"{path} holds --optimizer {saved_with} state; this run uses --optimizer {optimizer.config.optimizer}: "
+            "add --no-load-optim to start its state fresh from these weights"
+        )
     if optimizer is not None and load_optim and not finetune and meta.get("optimizer_saved") is False:
         if int(meta["iteration"]) > 0:  # (a converted or base checkpoint at iteration 0 starts fresh anyway)
             raise ConfigError(
@@ -451,7 +459,7 @@ def load_checkpoint(
             if not optimizer.holds(p):
                 continue
             d = {}
-            for kind in ("main", "exp_avg", "exp_avg_sq"):
+            for kind in ("main", *state_kinds(optimizer.config)):
                 key = f"{kind}/{model.global_name(name)}"
                 if key in reader.index:
                     t = torch.zeros(p.shape, dtype=torch.float32)  # on the host: the optimizer keeps its part

@@ -32,13 +32,15 @@ from torch import nn
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.optimizer import (
     StepResult,
-    _adamw,
-    _load_adam_state,
+    _inner_optimizer,
     adam_groups,
     count_zeros,
     is_embedding_or_output,
+    load_inner_state,
     set_lr,
     squared_norm,
+    state_entry,
+    state_kinds,
 )
 from megatron_lite.parallel_context import Group, ParallelContext
 from megatron_lite.parameters import named_param_meta
@@ -172,7 +174,7 @@ class FSDP2Optimizer:
             expert.append(meta.expert)
             entries.append((p, p.ndim, is_embedding_or_output(name)))
         self._counted, self._expert = counted, expert
-        self.inner = _adamw(adam_groups(entries, config), config, ctx.device)
+        self.inner = _inner_optimizer(adam_groups(entries, config), config, ctx.device)
         self.scaler = None
 
     @property
@@ -224,7 +226,7 @@ class FSDP2Optimizer:
         out = {}
         for p in self.params:
             st = self.inner.state.get(p, {})
-            out[id(p)] = {k: st[k].full_tensor().cpu() for k in ("exp_avg", "exp_avg_sq") if k in st}
+            out[id(p)] = {k: st[k].full_tensor().cpu() for k in state_kinds(self.config) if k in st}
         return out
 
     @torch.no_grad()
@@ -236,16 +238,13 @@ class FSDP2Optimizer:
             d = values.get(id(p), {})
             if "main" in d:
                 p.copy_(distribute_tensor(d["main"].to(p.device, p.dtype), p.device_mesh, p.placements))
-            if "exp_avg" in d:
-                states[p] = {
-                    "step": torch.tensor(float(step)),
-                    **{
-                        k: distribute_tensor(d[k].to(p.device), p.device_mesh, p.placements)
-                        for k in ("exp_avg", "exp_avg_sq")
-                    },
-                }
+            entry = state_entry(
+                d, self.config, step, lambda t, p=p: distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
+            )
+            if entry is not None:
+                states[p] = entry
         if states:
-            _load_adam_state(self.inner, states)
+            load_inner_state(self.inner, states)
 
     def sync_main_from_model(self) -> None:
         pass  # the sharded parameters are the main weights
@@ -255,5 +254,5 @@ class FSDP2Optimizer:
             _local(v).numel() * v.element_size()
             for st in self.inner.state.values()
             for k, v in st.items()
-            if k in ("exp_avg", "exp_avg_sq")
+            if k in state_kinds(self.config)
         )

@@ -12,6 +12,8 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    optimizer: str = "adam"  # Megatron's --optimizer: adam (AdamW) or sgd (with --sgd-momentum)
+    sgd_momentum: float = 0.9
     lr: float = 1e-4
     use_distributed_optimizer: bool = False  # ZeRO-1: main weights and moments sharded over data parallelism
     zero_stage: int = 1  # 2: gradients too (each bucket's full gradient dropped once reduce-scattered)
@@ -55,6 +57,14 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"--optimizer {self.optimizer} is not supported; use adam or sgd")
+        if self.optimizer == "sgd" and (self.use_apex_adam or not 0 <= self.sgd_momentum < 1):
+            raise ConfigError(
+                "--use-apex-adam is Adam's; drop it with --optimizer sgd"
+                if self.use_apex_adam
+                else f"--sgd-momentum {self.sgd_momentum} must be in [0, 1)"
+            )
         if self.grad_reduce_in_bf16 and self.fp16:
             raise ConfigError(
                 "--grad-reduce-in-bf16 with --fp16 is not supported: fp16 gradients are reduced in fp32; "

@@ -23,16 +23,18 @@ from megatron_lite.distributed.ddp import DistributedDataParallel, GradBuffer
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.optimizer import (
     StepResult,
-    _adamw,
-    _load_adam_state,
+    _inner_optimizer,
     adam_groups,
     any_rank,
     count_zeros,
     fp32,
     is_embedding_or_output,
+    load_inner_state,
     make_scaler,
     set_lr,
     squared_norm,
+    state_entry,
+    state_kinds,
 )
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
@@ -80,7 +82,7 @@ class DistributedOptimizer:
         device = next(model.parameters()).device
         if not groups:  # a rank that owns nothing (tiny models at large DP) still takes part in every collective
             groups = [{"params": [torch.zeros(0, device=device)], "weight_decay": 0.0}]
-        self.inner = _adamw(groups, config, device)
+        self.inner = _inner_optimizer(groups, config, device)
         self.scaler = make_scaler(config)
         # --overlap-param-gather: the updated weights' all-gathers run under the next forward; each module
         # waits for its parameters' buckets just before it runs.
@@ -256,7 +258,7 @@ class DistributedOptimizer:
         # Adam state exists once a step has run, on every rank that owns something; ranks owning nothing
         # must still join the same gathers, so all ranks decide together.
         if any_rank(bool(self.inner.state), self.ctx):
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in state_kinds(self.config):
                 kinds[kind] = {id(s): self.inner.state[s.main][kind] for s in self.shards}
         for kind, values in kinds.items():
             for buffer in self.ddp.buffers:
@@ -270,14 +272,11 @@ class DistributedOptimizer:
         for s in self.shards:
             d = values.get(id(s.p), {})
             s.main.copy_(d["main"].reshape(-1)[s.lo : s.hi] if "main" in d else s.p.reshape(-1)[s.lo : s.hi])
-            if "exp_avg" in d:
-                states[s.main] = {
-                    "step": torch.tensor(float(step)),
-                    "exp_avg": d["exp_avg"].reshape(-1)[s.lo : s.hi].clone(),
-                    "exp_avg_sq": d["exp_avg_sq"].reshape(-1)[s.lo : s.hi].clone(),
-                }
+            entry = state_entry(d, self.config, step, lambda t, s=s: t.reshape(-1)[s.lo : s.hi].clone())
+            if entry is not None:
+                states[s.main] = entry
         if states:
-            _load_adam_state(self.inner, states)
+            load_inner_state(self.inner, states)
 
     @torch.no_grad()
     def sync_main_from_model(self) -> None:
@@ -288,6 +287,7 @@ class DistributedOptimizer:
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: fp32 main weights and Adam moments of its parts."""
         total = sum(s.main.numel() * s.main.element_size() for s in self.shards)
+        kinds = state_kinds(self.config)
         for st in self.inner.state.values():
-            total += sum(v.numel() * v.element_size() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+            total += sum(v.numel() * v.element_size() for k, v in st.items() if k in kinds)
         return total

@@ -36,7 +36,31 @@ class StepResult:
     loss_scale: float
 
 
-def _adamw(groups, config: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+def state_kinds(config: OptimizerConfig) -> tuple[str, ...]:
+    """The per-parameter state the optimizer keeps and checkpoints carry: Adam's two moments, SGD's momentum
+    buffer (nothing without momentum)."""
+    if config.optimizer == "sgd":
+        return ("momentum_buffer",) if config.sgd_momentum > 0 else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
+def state_entry(d: dict[str, torch.Tensor], config: OptimizerConfig, step: int, part=lambda t: t) -> dict | None:
+    """One parameter's optimizer state from saved tensors `d` (each passed through `part`: a shard's slice), for
+    `load_inner_state`; None when the checkpoint has none for it."""
+    kinds = state_kinds(config)
+    if not kinds or kinds[0] not in d:
+        return None
+    entry = {k: part(d[k]) for k in kinds}
+    if config.optimizer == "adam":
+        entry["step"] = torch.tensor(float(step))
+    return entry
+
+
+def _inner_optimizer(groups, config: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (Megatron's adam: decoupled weight decay), or with --optimizer sgd torch's SGD with
+    --sgd-momentum (weight decay added to the gradient), as Megatron builds them."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
     kw = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
     if config.use_apex_adam:
         try:
@@ -123,8 +147,9 @@ def make_scaler(config: OptimizerConfig):
     )
 
 
-def _load_adam_state(inner: torch.optim.Optimizer, states: dict) -> None:
-    """Install Adam state (main tensor -> {step, exp_avg, exp_avg_sq}) through load_state_dict."""
+def load_inner_state(inner: torch.optim.Optimizer, states: dict) -> None:
+    """Install optimizer state (main tensor -> {step, exp_avg, exp_avg_sq} or {momentum_buffer}) through
+    load_state_dict."""
     sd = inner.state_dict()
     index_of = {}
     for group_sd, group in zip(sd["param_groups"], inner.param_groups):
@@ -157,7 +182,7 @@ class MixedPrecisionOptimizer:
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
         # must still join the expert group's reduction.
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        self.inner = _adamw(adam_groups(entries, config), config, self.params[0].device)
+        self.inner = _inner_optimizer(adam_groups(entries, config), config, self.params[0].device)
         self.scaler = make_scaler(config)
 
     # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
@@ -165,12 +190,13 @@ class MixedPrecisionOptimizer:
         return id(p) in self.main_of
 
     def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """id(model param) -> fp32 main weights (when separate from the model's) and Adam moments, shaped
-        like the parameter."""
+        """id(model param) -> fp32 main weights (when separate from the model's) and the optimizer's state
+        (Adam moments, SGD momentum), shaped like the parameter."""
         out = {}
+        kinds = state_kinds(self.config)
         for p, main in zip(self.params, self.main_params):
             d = {} if main is p else {"main": main}
-            d.update({k: v for k, v in self.inner.state.get(main, {}).items() if k in ("exp_avg", "exp_avg_sq")})
+            d.update({k: v for k, v in self.inner.state.get(main, {}).items() if k in kinds})
             out[id(p)] = d
         return out
 
@@ -182,19 +208,16 @@ class MixedPrecisionOptimizer:
             d = values.get(id(p), {})
             if main is not p:
                 main.copy_(d.get("main", p))
-            if "exp_avg" in d:
-                states[main] = {
-                    "step": torch.tensor(float(step)),
-                    "exp_avg": d["exp_avg"],
-                    "exp_avg_sq": d["exp_avg_sq"],
-                }
-        _load_adam_state(self.inner, states)
+            if (entry := state_entry(d, self.config, step)) is not None:
+                states[main] = entry
+        load_inner_state(self.inner, states)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state: separate fp32 main weights and Adam moments."""
+        """Bytes of optimizer state: separate fp32 main weights and Adam moments (SGD momentum)."""
         total = sum(m.numel() * m.element_size() for p, m in zip(self.params, self.main_params) if m is not p)
+        kinds = state_kinds(self.config)
         for st in self.inner.state.values():
-            total += sum(v.numel() * v.element_size() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+            total += sum(v.numel() * v.element_size() for k, v in st.items() if k in kinds)
         return total
 
     @torch.no_grad()
