@@ -234,3 +234,42 @@ def test_rampup_batch_size_at_dp2_equals_single_process(tmp_path):
     for a, b in zip(one, two, strict=True):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+
+
+def test_document_masks_under_hierarchical_context_parallelism_equal_single_process(tmp_path):
+    """From the command line: packed documents (--reset-position-ids --reset-attention-mask --eod-mask-loss) on
+    an indexed dataset of short documents, CP=4 as Megatron's a2a+p2p 2 x 2, log what one process logs; the
+    flags change the run."""
+    import numpy as np
+
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    vocab = 100  # NullTokenizer: the EOD id is --vocab-size
+    prefix = str(tmp_path / "docs_text_document")
+    w = IndexedDatasetWriter(prefix, vocab_size=vocab + 1)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        w.add_document(np.append(rng.integers(0, vocab, size=int(rng.integers(2, 14))), vocab))
+    w.finalize()
+    args = (
+        f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
+        f"--global-batch-size 8 --micro-batch-size 4 --lr 3e-3 --log-interval 1 --eval-iters 0 --hidden-dropout 0 "
+        f"--attention-dropout 0 --normalization RMSNorm --swiglu --position-embedding-type rope "
+        f"--disable-bias-linear --distributed-backend gloo --data-path {prefix} --tokenizer-type NullTokenizer "
+        f"--vocab-size {vocab} --split 100,0,0"
+    ).split()
+    documents = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+    hierarchical = "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"
+    runs = {
+        "one": (1, documents),
+        "cp4": (4, [*documents, *hierarchical.split()]),
+        "plain": (1, []),
+    }
+    for name, (n, extra) in runs.items():
+        torchrun(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")], tmp_path)
+    one, cp4, plain = (records(tmp_path / f"{name}.jsonl") for name in runs)
+    assert len(one) == len(cp4) == 6
+    for a, b in zip(one, cp4):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+    assert any(abs(a["lm_loss"] - b["lm_loss"]) > 1e-3 * b["lm_loss"] for a, b in zip(one, plain))
