@@ -111,12 +111,17 @@ def query_key_spans(document_ids: torch.Tensor, seq_q: int) -> tuple[torch.Tenso
     return start[:, offset:].contiguous(), (end - offset).clamp(min=0).to(torch.int32).contiguous()
 
 
+_NO_SPANS: dict[torch.device, torch.Tensor] = {}
+
+
 def _spans(document_ids, spans, seq_q, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The kernels' START and END arguments and DOCS flag (placeholders when there are no documents)."""
     if spans is not None:
         return spans[0].to(torch.int32).contiguous(), spans[1].to(torch.int32).contiguous(), True
     if document_ids is None:
-        none = torch.zeros(1, dtype=torch.int32, device=device)
+        none = _NO_SPANS.get(device)
+        if none is None:  # one placeholder per device, not an allocation per call
+            none = _NO_SPANS[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return none, none, False
     return (*query_key_spans(document_ids, seq_q), True)
 
