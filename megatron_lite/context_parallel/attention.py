@@ -231,6 +231,15 @@ def _all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
+def _to_head_shards(q, k, v, group: Group):
+    """Sequence-sharded -> head-sharded over `group` (the parts in rank order). Key/value heads that do not
+    divide by the group size are repeated to one per query head first."""
+    if k.shape[2] % group.size:
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    return tuple(_AllToAll.apply(t, group, 2, 1) for t in (q, k, v))
+
+
 def a2a_attention(
     q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False, document_ids=None
 ):
@@ -239,10 +248,7 @@ def a2a_attention(
     query head first. `document_ids`: the whole sequence's, in natural order."""
     cp = group.size
     b, s, h, d = q.shape
-    if k.shape[2] % cp:
-        rep = h // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    q, k, v = (_AllToAll.apply(t, group, 2, 1) for t in (q, k, v))  # [b, s * cp, heads / cp, d]
+    q, k, v = _to_head_shards(q, k, v, group)  # [b, s * cp, heads / cp, d]
     pos = gathered_positions(s * cp, cp, q.device)
     order = torch.argsort(pos)
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
@@ -309,10 +315,7 @@ def hierarchical_attention(
     early and their mirror images late: together, super-chunks g and 2P-1-g of the sequence cut in 2P."""
     a = inner.size
     b, s, h, d = q.shape
-    if k.shape[2] % a:
-        rep = h // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    q, k, v = (_AllToAll.apply(t, inner, 2, 1) for t in (q, k, v))  # [b, s * A, heads / A, d]
+    q, k, v = _to_head_shards(q, k, v, inner)  # [b, s * A, heads / A, d]
     first = group.rank - inner.rank  # the CP rank of the group's first member
     pos = torch.cat([zigzag_positions(s * group.size, group.size, first + i, q.device) for i in range(a)])
     order = torch.argsort(pos)  # the group's parts by position: an early and a late super-chunk
