@@ -75,12 +75,19 @@ def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
     return min(int(window_size), seq_k)
 
 
-def _check(q, k, v, causal, window_size=None, document_ids=None):
+def _check(q, k, v, causal, window_size=None, document_ids=None, document_spans=None):
     b, sq, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or h % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
     if causal and sq > k.shape[1]:
         raise ValueError(f"causal attention with bottom-right alignment needs seq_q {sq} <= seq_k {k.shape[1]}")
+    if document_spans is not None and (
+        tuple(document_spans[0].shape) != (b, sq) or tuple(document_spans[1].shape) != (b, k.shape[1])
+    ):
+        raise ValueError(
+            f"document_spans {tuple(document_spans[0].shape)}, {tuple(document_spans[1].shape)} must be "
+            f"[batch, seq_q] = {(b, sq)} and [batch, seq_k] = {(b, k.shape[1])}"
+        )
     if document_ids is not None and (not causal or tuple(document_ids.shape) != (b, k.shape[1])):
         raise ValueError(
             f"document_ids {tuple(document_ids.shape)} need causal attention and the shape [batch, seq_k] = "
@@ -336,9 +343,10 @@ def flash_attention(
     """Attention of q over k, v (layouts in the module docstring); window_size: Mistral-style sliding window
     (causal only; None: none); document_ids [batch, seq_k]: contiguous documents that attend only to themselves
     (causal only). document_spans: the kernels' own form, (first visible key of each query [batch, seq_q], first
-    query that no longer sees each key [batch, seq_k]), for blocks of a sequence split up (ring attention).
+    query that no longer sees each key [batch, seq_k]), both non-decreasing, for blocks of a sequence split up
+    (ring attention; also without causal masking, for blocks whose keys all precede their queries).
     Returns o, and the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse."""
-    _check(q, k, v, causal, window_size, document_ids)
+    _check(q, k, v, causal, window_size, document_ids, document_spans)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not triton_usable(q, k, v):
         return flash_attention_reference(
@@ -417,11 +425,11 @@ def _cases() -> list[tuple]:
                 **base,
             }
             out.append((f"flash_bwd_dq_{t}_causal{causal}", _bwd_dq, sig, consts))
-    # Document masks (causal only), as the GPU builds them
+    # Document masks as the GPU builds them: causal, and without causal masking (ring blocks in the past)
     for name in ("fwd", "bwd_dkdv", "bwd_dq"):
-        for t in ("bf16", "fp32"):
-            case = next(c for c in out if c[0] == f"flash_{name}_{t}_causalTrue")
-            out.append((f"flash_{name}_{t}_documents", case[1], case[2], {**case[3], "DOCS": True}))
+        for t, causal in (("bf16", True), ("fp32", True), ("bf16", False)):
+            case = next(c for c in out if c[0] == f"flash_{name}_{t}_causal{causal}")
+            out.append((f"flash_{name}_{t}_documents_causal{causal}", case[1], case[2], {**case[3], "DOCS": True}))
     # The largest tiles each kernel's autotuner may pick, as a GPU would build them (bf16, head_dim 128).
     for name, kernel, (m, n, w, st) in (
         ("fwd", _fwd, _FWD_TILES[1]),

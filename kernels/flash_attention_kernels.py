@@ -199,7 +199,8 @@ if HAVE_TRITON:
                     part != 1,
                     BLOCK_N,
                 )
-        # Every real row sees at least its own key (lsum >= 1); only padded rows, never stored, can have lsum 0.
+        # A row that sees no key (padded rows, never stored; a ring block wholly before a query's document) has
+        # lsum 0: its output is 0 and its log-sum-exp -inf, so merging it changes nothing.
         lsum = tl.where(lsum > 0.0, lsum, 1.0)
         o = acc / lsum[:, None]
         tl.store(

@@ -210,8 +210,32 @@ def test_sgd_momentum_comes_back_under_another_layout(dist, tmp_path):
     continued = [h for h in original[0] if h[0] > SAVE_AT]
     for history in dist(2, run, {}, P(), 4, None, ckpt, False, False, "sgd"):
         _compare(history, continued, "sgd at dp2 without the distributed optimizer")
-    with pytest.raises(ConfigError, match="holds --optimizer sgd state; this run uses --optimizer adam"):
+    with pytest.raises(ConfigError, match=r"holds SGD momentum \(--optimizer sgd\); this run keeps Adam moments"):
         run({}, P(), 8, None, ckpt)
+
+
+def test_optimizer_state_of_another_kind_is_refused():
+    """SGD without momentum keeps no state: loading it into a run with momentum (or Adam) would silently start
+    from nothing, and the other way round drop what was saved; both are one-line errors. A --no-save-optim
+    checkpoint says that it holds nothing, whatever optimizer wrote it."""
+    from megatron_lite.checkpoint.checkpointing import _check_optimizer_state
+    from megatron_lite.config import ConfigError
+
+    def meta(optimizer, momentum, saved=True, iteration=3):
+        config = {"optimizer": {"optimizer": optimizer, "sgd_momentum": momentum}}
+        return {"config": config, "optimizer_saved": saved, "iteration": iteration}
+
+    sgd = dataclasses.replace(OPTIM, optimizer="sgd", sgd_momentum=0.9)
+    no_momentum = dataclasses.replace(sgd, sgd_momentum=0.0)
+    _check_optimizer_state("c", meta("sgd", 0.5), sgd)  # momentum values may differ; the state is the same kind
+    for saved, run_config, says in (
+        (meta("sgd", 0.0), sgd, "holds no state"),
+        (meta("sgd", 0.9), no_momentum, "keeps no state"),
+        (meta("adam", 0.9), sgd, "holds Adam moments"),
+        (meta("adam", 0.9, saved=False), sgd, "saved with --no-save-optim"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            _check_optimizer_state("c", saved, run_config)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_lite.data.indexed import IndexedDatasetWriter
@@ -318,6 +319,25 @@ def test_no_save_optim_and_rng(tmp_path, capsys, monkeypatch):
     rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", str(tmp_path / "full")], capsys, monkeypatch)
     full = tmp_path / "full" / "iter_0000003"
     assert list(full.glob("rng_r*")) and read_metadata(str(full))["optimizer_saved"] is True
+    # a job restarted on its own --save (auto-resume) goes on from the weights, as --no-load-optim would
+    rc, out, err = _run([*flags, "--train-iters", "5"], capsys, monkeypatch)
+    assert rc == 0 and "resuming from the weights with fresh optimizer state" in out and "iteration      5/5" in out
+
+
+def test_no_save_optim_saves_the_current_weights_under_overlapped_gathers(tmp_path, capsys, monkeypatch):
+    """--overlap-param-gather leaves the last step's weights in flight until the next forward: a weights-only
+    checkpoint waits for them like a full one (it saved the weights before the last step)."""
+    from safetensors.torch import load_file
+
+    zero = ["--mock-data", "--vocab-size", "100", "--use-distributed-optimizer", "--overlap-param-gather"]
+    weights = {}
+    for name, extra in (("full", []), ("weights", ["--no-save-optim"])):
+        rc, _, err = _run([*zero, *extra, "--save", str(tmp_path / name)], capsys, monkeypatch)
+        assert rc == 0, err
+        tensors = load_file(str(tmp_path / name / "iter_0000003" / "tensors_r00000.safetensors"))
+        weights[name] = {k: v for k, v in tensors.items() if k.startswith("model/")}
+    assert weights["full"].keys() == weights["weights"].keys()
+    assert all(torch.equal(weights["full"][k], weights["weights"][k]) for k in weights["full"])
 
 
 def test_sample_based_run(tmp_path, capsys, monkeypatch):

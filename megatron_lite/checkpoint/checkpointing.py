@@ -11,6 +11,7 @@ them, so the reader's layout need not be the writer's.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -72,6 +73,16 @@ def _state_tensors(model, optimizer) -> dict[str, list]:
         for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
             out.setdefault(kind, []).append((gname, t, meta))
     return out
+
+
+def _saved_parts(optimizer, scheduler, save_optim: bool):
+    """(optimizer, scheduler) a checkpoint takes its state from: none with --no-save-optim, once the model holds
+    its current weights (--overlap-param-gather may still be gathering them)."""
+    if save_optim:
+        return optimizer, scheduler
+    if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
+        optimizer.finish_param_sync()
+    return None, None
 
 
 def _adam_step(optimizer) -> int:
@@ -195,8 +206,7 @@ def save_checkpoint(
     """Save synchronously: every rank writes its files into iter_N.tmp, then rank 0 publishes it.
     `save_optim` False (--no-save-optim): the weights without the optimizer state and LR schedule; `save_rng`
     False (--no-save-rng): no random-number-generator states."""
-    if not save_optim:
-        optimizer, scheduler = None, None
+    optimizer, scheduler = _saved_parts(optimizer, scheduler, save_optim)
     tmp = _prepare_tmp(root, state.iteration, ctx)
     _write_rank_files(tmp, _snapshot(model, optimizer, ctx, save_rng))
     _barrier(ctx)
@@ -226,8 +236,7 @@ class AsyncSaver:
         """Start saving; returns the previous checkpoint's directory if this had to publish it first (the parts
         saved as in save_checkpoint)."""
         previous = self.finish()  # one save in flight at a time
-        if not save_optim:
-            optimizer, scheduler = None, None
+        optimizer, scheduler = _saved_parts(optimizer, scheduler, save_optim)
         tmp = _prepare_tmp(self.root, state.iteration, self.ctx)
         snap = _snapshot(model, optimizer, self.ctx, save_rng)
         meta = _metadata(state, optimizer, scheduler, self.ctx, job_dict)
@@ -410,6 +419,32 @@ class _Reader:
                 target.narrow(pc.dim, pc.local_start, pc.length).copy_(data)
 
 
+def _check_optimizer_state(path: str, meta: dict, config) -> None:
+    """The checkpoint holds the optimizer state this run would load: some (not --no-save-optim past iteration
+    0), and of the same kind (Adam's moments, SGD's momentum buffer or nothing)."""
+    if meta.get("optimizer_saved") is False:
+        if int(meta["iteration"]) > 0:  # (a converted or base checkpoint at iteration 0 starts fresh anyway)
+            raise ConfigError(
+                f"{path} was saved with --no-save-optim: it holds no optimizer state or LR schedule; add "
+                "--no-load-optim to go on from its weights with fresh optimizer state and LR schedule, or "
+                "--finetune to start over from them"
+            )
+        return
+    saved = (meta.get("config") or {}).get("optimizer")
+    if not saved:  # a checkpoint that does not say
+        return
+    saved_config = dataclasses.replace(
+        config, optimizer=saved.get("optimizer", "adam"), sgd_momentum=saved.get("sgd_momentum", 0.9)
+    )
+    if state_kinds(saved_config) != state_kinds(config):
+        describe = {("exp_avg", "exp_avg_sq"): "Adam moments", ("momentum_buffer",): "SGD momentum", (): "no state"}
+        raise ConfigError(
+            f"{path} holds {describe[state_kinds(saved_config)]} (--optimizer {saved_config.optimizer}); this run "
+            f"keeps {describe[state_kinds(config)]} (--optimizer {config.optimizer}): add --no-load-optim to start "
+            "the optimizer state fresh from these weights"
+        )
+
+
 def load_checkpoint(
     path: str,
     model,
@@ -425,20 +460,8 @@ def load_checkpoint(
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
     the adapters; its base was loaded first)."""
     meta = read_metadata(path)
-    saved = (meta.get("config") or {}).get("optimizer")
-    saved_with = saved.get("optimizer", "adam") if saved else None  # (None: a checkpoint that does not say)
-    if optimizer is not None and load_optim and not finetune and saved_with not in (None, optimizer.config.optimizer):
-        raise ConfigError(
-            f"{path} holds --optimizer {saved_with} state; this run uses --optimizer {optimizer.config.optimizer}: "
-            "add --no-load-optim to start its state fresh from these weights"
-        )
-    if optimizer is not None and load_optim and not finetune and meta.get("optimizer_saved") is False:
-        if int(meta["iteration"]) > 0:  # (a converted or base checkpoint at iteration 0 starts fresh anyway)
-            raise ConfigError(
-                f"{path} was saved with --no-save-optim: it holds no optimizer state or LR schedule; add "
-                "--no-load-optim to go on from its weights with fresh Adam moments and LR schedule, or --finetune "
-                "to start over from them"
-            )
+    if optimizer is not None and load_optim and not finetune:
+        _check_optimizer_state(path, meta, optimizer.config)
     reader = _Reader(path, meta)
     for name, p, pmeta in named_param_meta(model):
         key = f"model/{model.global_name(name)}"

@@ -77,7 +77,7 @@ class CoreAttention(nn.Module):
         b, s, heads, d = q.shape
         sk = k.shape[1]
         p = self.dropout if self.training else 0.0
-        if self.cp is not None:  # documents: the whole sequence's ids (a2a and allgather; the ring is refused)
+        if self.cp is not None:  # documents: the whole sequence's ids, on every CP rank
             extra = {"document_ids": documents} if documents is not None else {}
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
             return out.reshape(b, s, heads * d)

@@ -8,6 +8,7 @@ import os
 
 from megatron_lite.config import validate_layout
 from megatron_lite.models.gpt_model import build_model
+from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 from megatron_lite.pipeline_parallel.schedules import build_schedule, max_in_flight
@@ -59,9 +60,10 @@ def dry_run(job: JobConfig) -> int:
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     low = job.optimizer.bf16 or job.optimizer.fp16
     # weights (2 or 4 bytes) + gradient buffer (fp32: 4; bf16 with --grad-reduce-in-bf16: 2) + fp32 main copy when
-    # low precision (4) + Adam (8)
+    # low precision (4) + optimizer state (Adam's two moments: 8; SGD's momentum: 4, none without)
     grads = job.optimizer.grad_dtype.itemsize
-    per_param = (2 + grads + 4 + 8) if low else (4 + grads + 8)
+    state = 4 * len(state_kinds(job.optimizer))
+    per_param = (2 + grads + 4 + state) if low else (4 + grads + state)
     per_layer = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4)
     dp = job.parallel.data_parallel_size(world)
     micro = job.training.global_batch(dp) // (job.training.micro_batch_size * dp)
