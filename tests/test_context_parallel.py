@@ -135,6 +135,14 @@ def test_document_masks_equal_full_attention(dist, cp, comm):
 
 
 @needs_triton_on_cpu
+def test_hierarchical_attention_through_the_flash_kernel(dist):
+    """a2a+p2p (2 x 2) with the flash kernel doing the ring's blocks, with and without documents."""
+    for documents in (None, [[5, 13, 1, 13], [32]]):
+        for errs in dist(4, attention_vs_full, "a2a+p2p", True, 2, 32, True, documents, (2, 2)):
+            assert max(errs) < 1e-4, (documents, errs)
+
+
+@needs_triton_on_cpu
 @pytest.mark.parametrize("comm", ["p2p", "allgather"])
 def test_document_masks_through_the_flash_kernel(dist, comm):
     """The same with the flash kernel's document spans doing the blocks (CP=4: chunks of 4 over 32 positions)."""
