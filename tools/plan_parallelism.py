@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
+from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.search import Candidate, evaluate, plan
@@ -103,8 +104,10 @@ def reason_group(reason: str) -> str:
     return "does not fit in memory" if reason.startswith("needs ") else re.sub(r"-?\d+(\.\d+)?", "N", reason)
 
 
-def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False) -> dict:
-    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap, grads_bf16)
+def print_plan(
+    model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8
+) -> dict:
+    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap, grads_bf16, state_bytes)
     g = cl.gpu
     print(
         f"model: {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
@@ -112,6 +115,7 @@ def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | 
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
         + f"; global batch {gbs} x {seq} tokens, {'bf16' if bf16 else 'fp32'}"
         + (" (gradients reduced in bf16)" if bf16 and grads_bf16 else "")
+        + ("" if state_bytes == 8 else f", optimizer state {state_bytes} bytes per parameter (SGD)")
         + f", --kernel-impl {model.kernel_impl}"
     )
     print(
@@ -128,7 +132,7 @@ def print_plan(model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | 
         print("  no layout fits: add GPUs, or shorten the sequence / micro-batch")
     result = {"fits": [_as_dict(c) for c in fits[:top]], "fitting": len(fits), "rejected": len(rejected)}
     if yours is not None:
-        c = evaluate(model, yours, seq, gbs, cl, bf16, tp_comm_overlap, grads_bf16)
+        c = evaluate(model, yours, seq, gbs, cl, bf16, tp_comm_overlap, grads_bf16, state_bytes)
         if c.reason:
             print(f"your layout {yours.describe()}: {c.reason}")
         else:
@@ -296,7 +300,11 @@ def main(argv: list[str] | None = None) -> dict:
             else None
         )
         grads_bf16 = args.grad_reduce_in_bf16 or bool(job and job.optimizer.grad_reduce_in_bf16)
-        result = print_plan(model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours, grads_bf16)
+        # the optimizer's state per parameter: the script's (--optimizer sgd keeps one momentum buffer), else Adam's
+        state_bytes = 4 * len(state_kinds(job.optimizer)) if job is not None else 8
+        result = print_plan(
+            model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -197,9 +197,11 @@ def step_time(
     eff: Efficiency = EFF,
     impl: Implementation | None = None,
     grads_bf16: bool = False,
+    state_bytes: int = 8,
 ) -> StepTime:
     """`impl`: what runs the model (default: what its --kernel-impl selects in megatron_lite); `grads_bf16`:
-    --grad-reduce-in-bf16 (gradients reduced in bf16, half the bytes)."""
+    --grad-reduce-in-bf16 (gradients reduced in bf16, half the bytes); `state_bytes`: the optimizer's state per
+    parameter (Adam 8, SGD with momentum 4)."""
     impl = impl or IMPLEMENTATIONS[model.kernel_impl]
     if cl.gpu.measured:  # a measured rate already is what a GEMM or a copy achieves: no datasheet discount on it
         eff = dataclasses.replace(eff, gemm=1.0, attention=1.0, memory=1.0)
@@ -323,7 +325,8 @@ def step_time(
         dp_comm = exposed + eff.contention * (comm - exposed)
     # optimizer: read grads and moments, write moments, main and weights (~28 bytes per local parameter)
     local = n / dp_cp if layout.sharding != "none" else n
-    optimizer = 28 * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
+    # (read the gradient, read and write the state, write main weights and weights: 28 bytes with Adam)
+    optimizer = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
 
 

@@ -30,6 +30,7 @@ def measure_layout(
     ctx: ParallelContext | None = None,
     bf16: bool = False,
     grads_bf16: bool = False,
+    optimizer: str = "adam",
 ) -> dict:
     """{"step_seconds": median over `iters` steps after one warm-up, "comm_exposed_seconds": likewise,
     "memory": this rank's breakdown after the first step (activations measured in it)}."""
@@ -38,7 +39,7 @@ def measure_layout(
     dtype = torch.bfloat16 if bf16 else torch.float32
     fsdp2 = layout.sharding == "fsdp2"
     net = build_model(cfg, ctx, seed=1, dtype=torch.float32 if fsdp2 else dtype)
-    optim = optimizer_config(layout, bf16, grads_bf16)
+    optim = optimizer_config(layout, bf16, grads_bf16, optimizer)
     ddp, opt = wrap_for_training(net, ctx, optim, overlap_grad_reduce=not fsdp2, compute_dtype=dtype)
     sched = LRScheduler(optim, iters + 1)
     data = MockGPTDataset(cfg.vocab_size, seq_length, seed=1)

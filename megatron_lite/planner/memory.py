@@ -234,6 +234,7 @@ def rank_memory(
     bf16: bool,
     pp_rank: int,
     grads_bf16: bool = False,
+    state_bytes: int = ADAM_MOMENTS,
 ) -> Memory:
     """Bytes held by one rank of pipeline stage `pp_rank`. `grads_bf16`: --grad-reduce-in-bf16 (with bf16,
     the gradient buffers hold bf16; FSDP2's sharded gradients stay fp32, only its reduce-scatters change)."""
@@ -246,7 +247,7 @@ def rank_memory(
         # fp32 shards; bf16 copies are gathered a layer at a time for compute
         params = 4 * (counts.dense / dp_cp + counts.expert / edp)
         grads = params
-        optimizer = ADAM_MOMENTS / 4 * params
+        optimizer = state_bytes / 4 * params
     else:
         params = param_bytes * counts.total
         grads = grad_bytes * counts.total
@@ -256,9 +257,9 @@ def rank_memory(
                 # the tied copy's gradient stays whole for the step (reduced after the embedding all-reduce)
                 grads += grad_bytes * model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
         if layout.sharding in ("dist-opt", "zero2"):
-            optimizer = (ADAM_MOMENTS + MAIN_COPY) * (counts.dense / dp_cp + counts.expert / edp)
+            optimizer = (state_bytes + MAIN_COPY) * (counts.dense / dp_cp + counts.expert / edp)
         else:
-            optimizer = (ADAM_MOMENTS + (MAIN_COPY if bf16 else 0)) * counts.total
+            optimizer = (state_bytes + (MAIN_COPY if bf16 else 0)) * counts.total
     micro = max(layout.micro_batches(global_batch_size), 1)
     act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16)
     transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16)
@@ -271,9 +272,18 @@ def rank_memory(
 
 
 def peak_rank_memory(
-    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool, grads_bf16: bool = False
+    model: ModelConfig,
+    layout: Layout,
+    seq_length: int,
+    global_batch_size: int,
+    bf16: bool,
+    grads_bf16: bool = False,
+    state_bytes: int = ADAM_MOMENTS,
 ) -> tuple[int, Memory]:
-    """(pipeline rank, memory) of the rank that needs the most."""
+    """(pipeline rank, memory) of the rank that needs the most. `state_bytes`: the optimizer's state per
+    parameter (Adam's moments 8, SGD's momentum 4, none 0)."""
     ranks = sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
-    mems = [(r, rank_memory(model, layout, seq_length, global_batch_size, bf16, r, grads_bf16)) for r in ranks]
+    mems = [
+        (r, rank_memory(model, layout, seq_length, global_batch_size, bf16, r, grads_bf16, state_bytes)) for r in ranks
+    ]
     return max(mems, key=lambda x: x[1].total)

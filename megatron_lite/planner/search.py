@@ -30,8 +30,9 @@ class Candidate:
     mfu: float = 0.0
 
 
-def optimizer_config(layout: Layout, bf16: bool, grads_bf16: bool = False) -> OptimizerConfig:
+def optimizer_config(layout: Layout, bf16: bool, grads_bf16: bool = False, optimizer: str = "adam") -> OptimizerConfig:
     return OptimizerConfig(
+        optimizer=optimizer,
         bf16=bf16,
         grad_reduce_in_bf16=grads_bf16,
         use_distributed_optimizer=layout.sharding in ("dist-opt", "zero2"),
@@ -94,19 +95,28 @@ def evaluate(
     bf16: bool = True,
     tp_comm_overlap: bool = False,
     grads_bf16: bool = False,
+    state_bytes: int = 8,
 ) -> Candidate:
-    """`grads_bf16`: --grad-reduce-in-bf16."""
+    """`grads_bf16`: --grad-reduce-in-bf16; `state_bytes`: the optimizer's state per parameter (Adam 8, SGD 4)."""
     reason = check(model, layout, seq_length, global_batch_size, bf16)
     if reason:
         return Candidate(layout, reason)
     cfg = layout.model_config(model)
-    _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16, grads_bf16)
+    _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16, grads_bf16, state_bytes)
     usable = cl.gpu.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
     if mem.total > usable:
         reason = f"needs {mem.total / GIB:.1f} GiB per GPU, more than the {usable / GIB:.1f} GiB usable"
         return Candidate(layout, reason, mem)
     t = step_time(
-        cfg, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap and layout.sp, grads_bf16=grads_bf16
+        cfg,
+        layout,
+        seq_length,
+        global_batch_size,
+        cl,
+        bf16,
+        tp_comm_overlap and layout.sp,
+        grads_bf16=grads_bf16,
+        state_bytes=state_bytes,
     )
     tps, tflops, mfu = throughput(cfg, layout, seq_length, global_batch_size, t, cl)
     return Candidate(layout, None, mem, t, tps, tflops, mfu)
@@ -120,11 +130,12 @@ def plan(
     bf16: bool = True,
     tp_comm_overlap: bool = False,
     grads_bf16: bool = False,
+    state_bytes: int = 8,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """(layouts that fit, fastest first; layouts refused or too big)."""
     fits, rejected = [], []
     for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size):
-        c = evaluate(model, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap, grads_bf16)
+        c = evaluate(model, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap, grads_bf16, state_bytes)
         (rejected if c.reason else fits).append(c)
     fits.sort(key=lambda c: (c.time.total, c.memory.total))
     return fits, rejected
