@@ -8,7 +8,7 @@ interpreter) and the tests' oracle. `LAUNCHES` counts kernel launches so tests c
 from megatron_lite.kernels._common import HAVE_TRITON, LAUNCHES, compile_for_gpu, triton_usable
 from megatron_lite.kernels.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
 from megatron_lite.kernels.flash_attention import (
-    document_spans,
+    document_bounds,
     flash_attention,
     flash_attention_backward,
     flash_attention_backward_reference,
@@ -51,7 +51,7 @@ __all__ = [
     "apply_rope_reference",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
-    "document_spans",
+    "document_bounds",
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_backward_reference",

@@ -96,7 +96,7 @@ def _check(q, k, v, causal, window_size=None, document_ids=None, document_spans=
     _window(window_size, causal, k.shape[1])
 
 
-def document_spans(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's document as positions [start, end), int32 [batch, seq], for contiguous documents."""
     b, s = document_ids.shape
     pos = torch.arange(s, device=document_ids.device).expand(b, s)
@@ -113,7 +113,7 @@ def query_key_spans(document_ids: torch.Tensor, seq_q: int) -> tuple[torch.Tenso
     """The kernels' document arguments for queries that are the last seq_q of the keys' positions: per query its
     first visible key index, int32 [batch, seq_q]; per key the first query index that no longer sees it,
     int32 [batch, seq_k]."""
-    start, end = document_spans(document_ids)
+    start, end = document_bounds(document_ids)
     offset = document_ids.shape[1] - seq_q
     return start[:, offset:].contiguous(), (end - offset).clamp(min=0).to(torch.int32).contiguous()
 
@@ -121,24 +121,22 @@ def query_key_spans(document_ids: torch.Tensor, seq_q: int) -> tuple[torch.Tenso
 _NO_SPANS: dict[torch.device, torch.Tensor] = {}
 
 
-def _spans(document_ids, spans, seq_q, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _spans(spans, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The kernels' START and END arguments and DOCS flag (placeholders when there are no documents)."""
     if spans is not None:
         return spans[0].to(torch.int32).contiguous(), spans[1].to(torch.int32).contiguous(), True
-    if document_ids is None:
-        none = _NO_SPANS.get(device)
-        if none is None:  # one placeholder per device, not an allocation per call
-            none = _NO_SPANS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return none, none, False
-    return (*query_key_spans(document_ids, seq_q), True)
+    none = _NO_SPANS.get(device)
+    if none is None:  # one placeholder per device, not an allocation per call
+        none = _NO_SPANS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return none, none, False
 
 
-def _forward(q, k, v, causal, scale, window_size=None, document_ids=None, document_spans=None):
+def _forward(q, k, v, causal, scale, window_size=None, spans=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    start, end, docs = _spans(document_ids, document_spans, sq, q.device)
+    start, end, docs = _spans(spans, q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
     kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
         q,
@@ -192,7 +190,9 @@ def flash_attention_backward(
     window = _window(window_size, causal, sk)
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    start, end, docs = _spans(document_ids, document_spans, sq, q.device)
+    if document_ids is not None:
+        document_spans = query_key_spans(document_ids, sq)
+    start, end, docs = _spans(document_spans, q.device)
     common = dict(CAUSAL=causal, DOCS=docs, BLOCK_D=next_pow2(max(d, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], start.stride(0), end.stride(0))
     kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned, q.dtype)
@@ -209,32 +209,23 @@ def flash_attention_backward(
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window_size, document_ids, query_starts, key_ends):
+    def forward(ctx, q, k, v, causal, scale, window_size, query_starts, key_ends):
+        """`query_starts`, `key_ends`: the document spans, computed once for the forward and the backward."""
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         spans = (query_starts, key_ends) if query_starts is not None else None
-        o, lse = _forward(q, k, v, causal, scale, window_size, document_ids, spans)
-        ctx.save_for_backward(q, k, v, o, lse, document_ids, query_starts, key_ends)
+        o, lse = _forward(q, k, v, causal, scale, window_size, spans)
+        ctx.save_for_backward(q, k, v, o, lse, query_starts, key_ends)
         ctx.causal, ctx.scale, ctx.window_size = causal, scale, window_size
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, documents, starts, ends = ctx.saved_tensors
+        q, k, v, o, lse, starts, ends = ctx.saved_tensors
         spans = (starts, ends) if starts is not None else None
         grads = flash_attention_backward(
-            q,
-            k,
-            v,
-            o,
-            lse,
-            do,
-            ctx.causal,
-            ctx.scale,
-            window_size=ctx.window_size,
-            document_ids=documents,
-            document_spans=spans,
+            q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size, document_spans=spans
         )
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _reference_mask(sq, sk, causal, window, document_ids, device, spans=None) -> torch.Tensor | None:
@@ -360,8 +351,10 @@ def flash_attention(
             document_ids=document_ids,
             document_spans=document_spans,
         )
+    if document_ids is not None:
+        document_spans = query_key_spans(document_ids, q.shape[1])
     starts, ends = document_spans if document_spans is not None else (None, None)
-    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size, document_ids, starts, ends)
+    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size, starts, ends)
     return (o, lse) if return_lse else o
 
 

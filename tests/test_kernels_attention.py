@@ -254,9 +254,9 @@ def test_document_masks_with_fewer_queries_than_keys(sq, lengths):
         assert rel(a, o) < TOL and rel(r, o) < TOL, (name, rel(a, o), rel(r, o))
 
 
-def test_document_spans():
+def test_document_bounds():
     docs = torch.tensor([[0, 0, 0, 1, 2, 2, 3], [5, 5, 5, 5, 5, 5, 5]])
-    start, end = K.document_spans(docs)
+    start, end = K.document_bounds(docs)
     assert start.tolist() == [[0, 0, 0, 3, 4, 4, 6], [0] * 7]
     assert end.tolist() == [[3, 3, 3, 4, 6, 6, 7], [7] * 7]
     q, k, v = _qkv(2, 7, 7, 2, 2, 8)

@@ -106,7 +106,7 @@ def _ring_spans(document_ids, group: Group, s: int, causal: bool) -> list:
     cp, r, c = group.size, group.rank, s // 2
     if document_ids is None:
         return [None] * cp
-    bounds = K.document_spans(document_ids)
+    bounds = K.document_bounds(document_ids)
     q_pos = zigzag_positions(s * cp, cp, r, document_ids.device)
     out = []
     for i in range(cp):

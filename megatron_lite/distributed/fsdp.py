@@ -33,10 +33,10 @@ from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.optimizer import (
     StepResult,
     _inner_optimizer,
-    adam_groups,
     count_zeros,
     is_embedding_or_output,
     load_inner_state,
+    optimizer_groups,
     set_lr,
     squared_norm,
     state_entry,
@@ -174,7 +174,7 @@ class FSDP2Optimizer:
             expert.append(meta.expert)
             entries.append((p, p.ndim, is_embedding_or_output(name)))
         self._counted, self._expert = counted, expert
-        self.inner = _inner_optimizer(adam_groups(entries, config), config, ctx.device)
+        self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
         self.scaler = None
 
     @property
@@ -250,9 +250,6 @@ class FSDP2Optimizer:
         pass  # the sharded parameters are the main weights
 
     def state_bytes(self) -> int:
-        return sum(
-            _local(v).numel() * v.element_size()
-            for st in self.inner.state.values()
-            for k, v in st.items()
-            if k in state_kinds(self.config)
-        )
+        kinds = state_kinds(self.config)
+        states = self.inner.state.values()
+        return sum(_local(v).numel() * v.element_size() for st in states for k, v in st.items() if k in kinds)

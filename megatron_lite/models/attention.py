@@ -93,7 +93,8 @@ class CoreAttention(nn.Module):
             v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
         mask = attention_mask(s, sk, self.window, q.device)
         if documents is not None:
-            mask = document_mask(documents) if mask is None else document_mask(documents) & mask
+            inside = document_mask(documents)
+            mask = inside if mask is None else inside & mask
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(

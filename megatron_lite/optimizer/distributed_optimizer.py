@@ -24,13 +24,13 @@ from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.optimizer import (
     StepResult,
     _inner_optimizer,
-    adam_groups,
     any_rank,
     count_zeros,
     fp32,
     is_embedding_or_output,
     load_inner_state,
     make_scaler,
+    optimizer_groups,
     set_lr,
     squared_norm,
     state_entry,
@@ -78,7 +78,7 @@ class DistributedOptimizer:
                         self.shards.append(_Shard(p, buffer, a - offset, b - offset, counted, meta.expert))
         self._held = {id(p) for b in ddp.buffers for q in b.buckets for p in q.params}
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        groups = adam_groups([(s.main, s.p.ndim, id(s.p) in embedding) for s in self.shards], config)
+        groups = optimizer_groups([(s.main, s.p.ndim, id(s.p) in embedding) for s in self.shards], config)
         device = next(model.parameters()).device
         if not groups:  # a rank that owns nothing (tiny models at large DP) still takes part in every collective
             groups = [{"params": [torch.zeros(0, device=device)], "weight_decay": 0.0}]

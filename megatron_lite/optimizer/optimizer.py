@@ -79,8 +79,8 @@ def is_embedding_or_output(name: str) -> bool:
     return name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
 
 
-def adam_groups(entries, config: OptimizerConfig) -> list[dict]:
-    """AdamW's parameter groups for (tensor, parameter ndim, embedding or output) entries: no weight decay on
+def optimizer_groups(entries, config: OptimizerConfig) -> list[dict]:
+    """The optimizer's parameter groups for (tensor, parameter ndim, embedding or output) entries: no weight decay on
     norms and biases (one-dimensional), as in Megatron; with --decoupled-lr, the embeddings and output layer
     in groups of their own."""
     groups: dict[tuple[bool, bool], list] = {}
@@ -182,7 +182,7 @@ class MixedPrecisionOptimizer:
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
         # must still join the expert group's reduction.
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        self.inner = _inner_optimizer(adam_groups(entries, config), config, self.params[0].device)
+        self.inner = _inner_optimizer(optimizer_groups(entries, config), config, self.params[0].device)
         self.scaler = make_scaler(config)
 
     # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
