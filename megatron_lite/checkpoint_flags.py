@@ -30,6 +30,7 @@ ARCH_DESTS = (
     "untie_embeddings_and_output_weights",
     "disable_bias_linear",
     "add_qkv_bias",
+    "qk_layernorm",
     "make_vocab_size_divisible_by",
     "num_experts",
     "moe_ffn_hidden_size",
@@ -64,6 +65,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
         )
     }
     out["apply_layernorm_1p"] = m.get("apply_layernorm_1p", False)
+    out["qk_layernorm"] = m.get("qk_layernorm", False)  # (absent from older checkpoints)
     out["group_query_attention"] = m["num_query_groups"] is not None
     out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
     out["swiglu"] = m["activation"] == "swiglu"

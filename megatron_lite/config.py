@@ -80,6 +80,9 @@ class ModelConfig:
     sliding_window: int | None = None
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Qwen2: bias on QKV only
+    # Megatron's --qk-layernorm (Qwen3, OLMo-2 style per head): each query and key head is normalised over
+    # head_dim, with one weight shared by all heads (--normalization picks the norm), before RoPE
+    qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     hidden_dropout: float = 0.1
@@ -93,6 +96,11 @@ class ModelConfig:
     moe_router_topk: int = 2
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (else top-k, then softmax)
+    # Group-limited routing (DeepSeek-V3's node-limited routing): experts in num_groups equal groups; a token
+    # picks its top-k among the group_topk groups whose best topk // group_topk scores sum highest
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  # the selected experts' weights times this (DeepSeek-V3)
     moe_ffn_hidden_size: int | None = None  # default: ffn_hidden_size
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
     moe_aux_loss_coeff: float = 0.0
@@ -215,6 +223,23 @@ class ModelConfig:
                 "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron and "
                 "DeepSeek-V3); add it or drop the expert bias"
             )
+        g, gk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (g is None) != (gk is None):
+            raise ConfigError(
+                "--moe-router-num-groups and --moe-router-group-topk go together (group-limited routing); give both"
+            )
+        if g is not None:
+            if g < 1 or e % g:
+                raise ConfigError(f"--moe-router-num-groups {g} must divide --num-experts {e}")
+            if not 1 <= gk <= g:
+                raise ConfigError(f"--moe-router-group-topk {gk} must be between 1 and --moe-router-num-groups {g}")
+            if not gk <= k <= gk * (e // g):
+                raise ConfigError(
+                    f"--moe-router-topk {k} must be between --moe-router-group-topk {gk} and the experts of "
+                    f"those groups ({gk * (e // g)})"
+                )
+        if self.moe_router_topk_scaling_factor is not None and self.moe_router_topk_scaling_factor <= 0:
+            raise ConfigError(f"--moe-router-topk-scaling-factor {self.moe_router_topk_scaling_factor} must be > 0")
         if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ConfigError(
                 f"--moe-router-load-balancing-type {self.moe_router_load_balancing_type} is not "

@@ -4,6 +4,7 @@ arguments.py turns the parsed flags into the config dataclasses."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megatron_lite.data.config import TOKENIZER_TYPES
 from megatron_lite.megatron_flags import add_megatron_flag_groups
@@ -26,8 +27,24 @@ def _bool(p: argparse._ArgumentGroup, flag: str, help: str) -> None:
     p.add_argument(flag, action="store_true", help=help)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (not the usage of some 300 flags first), like every other start-up
+    error; an unknown flag is named as such, Megatron flags we lack included."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            flags = [a for a in message.removeprefix("unrecognized arguments: ").split() if a.startswith("-")]
+            if flags:
+                message = (
+                    f"{', '.join(flags)}: no such flag in megatron_lite (Megatron-LM flags we implement keep "
+                    "their names; remove it)"
+                )
+        print(f"error: {message}; {self.prog} --help lists the flags", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pretrain_gpt.py",
         description="megatron_lite GPT/Llama pretraining (launch with torchrun). Flag names follow Megatron-LM.",
         allow_abbrev=False,
@@ -62,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(m, "--untie-embeddings-and-output-weights", "separate output layer (Llama)")
     _bool(m, "--disable-bias-linear", "no biases in linear layers (Llama)")
     _bool(m, "--add-qkv-bias", "bias on QKV only (Qwen2)")
+    _bool(m, "--qk-layernorm", "normalise each query and key head over head_dim before RoPE (Qwen3)")
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -75,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-router-topk", type=int, default=2)
     e.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
     _bool(e, "--moe-router-pre-softmax", "softmax over all experts before top-k")
+    e.add_argument(
+        "--moe-router-num-groups",
+        type=int,
+        default=None,
+        help="group-limited routing: experts in this many equal groups (DeepSeek-V3: one per node)",
+    )
+    e.add_argument(
+        "--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups a token may use"
+    )
+    e.add_argument(
+        "--moe-router-topk-scaling-factor",
+        type=float,
+        default=None,
+        help="multiply the selected experts' routing weights by this (DeepSeek-V3: 2.5)",
+    )
     e.add_argument("--moe-ffn-hidden-size", type=int)
     e.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
     e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)

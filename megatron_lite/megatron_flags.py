@@ -58,6 +58,11 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         False,
         "deprecated in Megatron too; tensor-parallel communication overlaps with --tp-comm-overlap",
     ),
+    "local_rank": (True, "the local rank comes from the launcher's LOCAL_RANK environment variable"),
+    "moe_permute_fusion": (
+        False,
+        "the MoE token permutation is a fused kernel with --kernel-impl triton (the default on CUDA) either way",
+    ),
     "rerun_mode": (
         True,
         "megatron_lite has no re-run engine; non-finite losses and loss spikes follow --nan-policy / --spike-policy",

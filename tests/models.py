@@ -82,7 +82,12 @@ def gpt2_config(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-CONFIGS = {"llama": llama_config, "gpt2": gpt2_config}
+def qwen3_config(**kw) -> ModelConfig:
+    """Llama-shaped with per-head q/k RMSNorms (--qk-layernorm, Qwen3)."""
+    return llama_config(qk_layernorm=True, **kw)
+
+
+CONFIGS = {"llama": llama_config, "gpt2": gpt2_config, "qwen3": qwen3_config}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -254,3 +254,44 @@ def test_keep_last_leaves_newer_checkpoints_of_an_abandoned_run(tmp_path):
         "iter_0000300",
     ]
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "150"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"qk_layernorm": False},  # the checkpoint's q/k norms would be left unread
+        {"num_layers": 1},  # its second layer would be left unread
+        {"apply_layernorm_1p": True},  # its norms would be read as gamma - 1
+        {"add_bias_linear": False},  # its biases would be left unread
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, capsys, monkeypatch, change):
+    """Loading reads only the tensors the model asks for: a model of another shape would load in part
+    without a word. The checkpoint's model settings are compared first, in one line naming the flag."""
+    import dataclasses
+
+    import torch
+
+    from megatron_lite.checkpoint.checkpointing import (
+        find_checkpoint,
+        load_checkpoint,
+        model_config_from_dict,
+        read_metadata,
+    )
+    from megatron_lite.config import ConfigError, ParallelConfig
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--train-iters", "1", "--save", ckpt, "--qk-layernorm"], capsys, monkeypatch)
+    assert rc == 0, err
+    path = find_checkpoint(ckpt)
+    config = model_config_from_dict(read_metadata(path)["config"]["model"])
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    load_checkpoint(path, build_model(config, ctx), None, None, ctx, load_rng=False)  # the same shape loads
+    other = build_model(dataclasses.replace(config, **change), ctx)
+    with pytest.raises(ConfigError) as e:
+        load_checkpoint(path, other, None, None, ctx, load_rng=False)
+    field, value = next(iter(change.items()))
+    assert field in str(e.value) and f"this run builds {field}={value!r}" in str(e.value), str(e.value)

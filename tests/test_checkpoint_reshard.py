@@ -78,7 +78,7 @@ def run(
         state.consumed_samples += GBS
         history.append((state.iteration, m.lm_loss, m.grad_norm))
         if save is not None and state.iteration == SAVE_AT:
-            job = {"model": {"vocab_size": config.vocab_size}, "optimizer": {"optimizer": optimizer}}
+            job = {"model": dataclasses.asdict(config), "optimizer": {"optimizer": optimizer}}
             save_checkpoint(save, state, model, opt, sched, ctx, job)
     return history
 

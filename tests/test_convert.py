@@ -101,6 +101,35 @@ def _configs() -> dict:
             rope_theta=30000.0,
             **COMMON,
         ),
+        # Per-head q/k norms, head_dim 128 by default (not hidden / heads).
+        "qwen3": transformers.Qwen3Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            **COMMON,
+        ),
+        # q/k norms and experts, but a dense MLP on layer 1 (mlp_only_layers); renormalised top-k.
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            hidden_size=64,
+            intermediate_size=72,
+            moe_intermediate_size=40,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            rms_norm_eps=1e-5,
+            **COMMON,
+        ),
         # gelu_new, an inner size that is not 4 x hidden, a non-default epsilon, tied embeddings.
         "gpt2": transformers.GPT2Config(
             vocab_size=V,
@@ -227,7 +256,7 @@ def test_window_matters(converted):
     assert _rel(_hf_logits(unwindowed.eval(), ids), _hf_logits(model, ids)) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe"])
 def test_pp2_tp2_generation_equals_transformers(dist, converted, name):
     model, _, ours, _ = converted[name]
     greedy = _hf_greedy(model, PROMPT)

@@ -110,12 +110,55 @@ def _mixtral():
     )
 
 
+def _qwen3():
+    # Per-head q/k norms before RoPE, a head_dim that is not hidden / heads, tied embeddings.
+    return transformers.Qwen3Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+
+
+def _qwen3_moe(norm_topk_prob=False):
+    # Layer 0 dense (mlp_only_layers), layer 1 MoE; top-k of the full softmax, not renormalised, unless
+    # norm_topk_prob.
+    return transformers.Qwen3MoeConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=80,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=[0],
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
     "qwen2": (_qwen2, transformers.Qwen2ForCausalLM),
     "gpt2": (_gpt2, transformers.GPT2LMHeadModel),
     "mixtral": (_mixtral, transformers.MixtralForCausalLM),
+    "qwen3": (_qwen3, transformers.Qwen3ForCausalLM),
+    "qwen3_moe": (_qwen3_moe, transformers.Qwen3MoeForCausalLM),
+    "qwen3_moe_norm_topk": (lambda: _qwen3_moe(norm_topk_prob=True), transformers.Qwen3MoeForCausalLM),
 }
 
 

@@ -40,12 +40,12 @@ def loss_and_grads(name, impl, parallel=None):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3"])
 def test_triton_model_equals_torch_model(name):
     launches = sum(K.LAUNCHES.values())
     ours, ours_g = loss_and_grads(name, "triton")
     assert sum(K.LAUNCHES.values()) > launches
-    for kind in ("flash_attention_fwd", "cross_entropy_grad", "rope_fwd" if name == "llama" else "layer_norm_fwd"):
+    for kind in ("flash_attention_fwd", "cross_entropy_grad", "layer_norm_fwd" if name == "gpt2" else "rope_fwd"):
         assert K.LAUNCHES[kind] > 0, kind
     ref, ref_g = loss_and_grads(name, "torch")
     assert rel(ours, ref) < TOL

@@ -155,6 +155,62 @@ def test_expert_bias_moves_load_towards_balance():
     assert router.expert_bias[0] < 0 < router.expert_bias[1:].max()
 
 
+def _deepseek_v3_router(norm_topk_prob=True):
+    """transformers' DeepSeek-V3 router (an independent reference) and ours with the same weights and bias."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from megatron_lite.moe.router import TopKRouter
+
+    hf_config = transformers.DeepseekV3Config(
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=norm_topk_prob,
+    )
+    hf = DeepseekV3TopkRouter(hf_config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(16, 32, generator=gen))
+        hf.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
+    config = moe_config(
+        hidden_size=32,
+        num_experts=16,
+        moe_router_topk=4,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+        moe_router_topk_scaling_factor=2.5,
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+    )
+    ours = TopKRouter(config, tp_size=1)
+    with torch.no_grad():
+        ours.weight.copy_(hf.weight)
+        ours.expert_bias.copy_(hf.e_score_correction_bias)
+    return hf, ours, torch.randn(64, 32, generator=gen)
+
+
+def test_group_limited_routing_equals_deepseek_v3():
+    """Group-limited top-k with expert bias and scaled weights selects transformers' DeepSeek-V3 experts and
+    gives them its weights; and the groups matter (plain top-k of the same scores differs)."""
+    hf, ours, x = _deepseek_v3_router()
+    _, hf_weights, hf_indices = hf(x)
+    r = ours(x, (64, 1))
+    order_hf, order_ours = hf_indices.sort(-1), r.indices.sort(-1)
+    assert torch.equal(order_ours.values, order_hf.values)
+    theirs = hf_weights.gather(1, order_hf.indices)
+    assert torch.allclose(r.probs.gather(1, order_ours.indices), theirs, rtol=1e-6, atol=1e-7)
+    assert abs(float(r.probs.sum(-1).mean()) - 2.5) < 1e-5  # normalised, then scaled
+    select = torch.sigmoid(x @ ours.weight.t()) + ours.expert_bias
+    plain = select.topk(4, dim=-1).indices.sort(-1).values
+    assert not torch.equal(plain, order_ours.values)
+
+
 def test_expert_bias_is_identical_on_every_replica(dist):
     """At EP=2 x DP=2 the bias, updated from token counts over the whole data-parallel domain, is the
     same on every rank and equal to the one-process run's after each step."""
@@ -196,6 +252,14 @@ def test_expert_bias_is_identical_on_every_replica(dist):
             1,
             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid",
         ),
+        ({"moe_router_num_groups": 2}, P(), 1, "--moe-router-num-groups and --moe-router-group-topk go together"),
+        ({"moe_router_num_groups": 3, "moe_router_group_topk": 1}, P(), 1, "--moe-router-num-groups 3 must divide"),
+        (
+            {"moe_router_num_groups": 4, "moe_router_group_topk": 1},
+            P(),
+            1,
+            "--moe-router-topk 2 must be between --moe-router-group-topk 1 and the experts of those groups (1)",
+        ),
         (
             {},
             P(expert_model_parallel_size=2, expert_tensor_parallel_size=1, tensor_model_parallel_size=2),
@@ -233,6 +297,20 @@ VARIANTS = {
         4,
         P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
         dict(moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1), moe_router_score_function="sigmoid"),
+    ),
+    # DeepSeek-V3's router: sigmoid, expert bias, group-limited top-k, scaled weights; groups span EP ranks
+    "deepseek-v3-router-ep2": (
+        2,
+        P(expert_model_parallel_size=2),
+        dict(
+            num_experts=8,
+            moe_router_topk=4,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=4,
+            moe_router_group_topk=2,
+            moe_router_topk_scaling_factor=2.5,
+        ),
     ),
 }
 

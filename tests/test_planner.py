@@ -27,7 +27,12 @@ def moe_llama(**kw):
     return llama_config(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, **kw)
 
 
-MODELS = {"llama": llama_config, "gpt2": gpt2_config, "moe": moe_llama}
+MODELS = {
+    "llama": llama_config,
+    "gpt2": gpt2_config,
+    "moe": moe_llama,
+    "qk_layernorm": lambda **kw: gpt2_config(qk_layernorm=True, **kw),  # LayerNorm q/k norms: weight and bias
+}
 
 
 def _tool():
@@ -46,6 +51,7 @@ def _tool():
         ("llama", Layout(pp=4)),
         ("moe", Layout(tp=2, ep=2, dp=2)),
         ("moe", Layout(ep=4, dp=4, pp=2)),
+        ("qk_layernorm", Layout(tp=2, pp=2)),
     ],
 )
 def test_parameter_counts_equal_the_built_model(name, layout):

@@ -57,6 +57,21 @@ def test_help_groups_flags(capsys):
     assert "--use-distributed-optimizer" in out and "--tensor-model-parallel-size" in out
 
 
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--moe-input-jitter-eps", "0.01"], ["--moe-input-jitter-eps: no such flag"]),
+        (["--num-layers", "x"], ["--num-layers", "invalid int value: 'x'"]),
+        (["--kernel-impl", "cuda"], ["--kernel-impl", "invalid choice: 'cuda'"]),
+    ],
+)
+def test_flag_parsing_errors_are_one_line(argv, fragments, capsys):
+    """argparse's own errors (an unknown flag, a bad value) are one line too, not the usage of every flag."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    _one_line_error(e.value.code, capsys.readouterr().err, *fragments, "--help lists the flags")
+
+
 def test_missing_data_files(tmp_path, capsys, monkeypatch):
     rc, _, err = _run(
         ["--data-path", str(tmp_path / "nope"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
@@ -146,7 +161,8 @@ def test_gradient_precision_comes_back_with_the_run_and_can_be_turned_back(tmp_p
 def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     rc, _, err = _run(
-        ["--mock-data", "--vocab-size", "100", "--save", ckpt, "--swiglu", "--normalization", "RMSNorm"],
+        ["--mock-data", "--vocab-size", "100", "--save", ckpt, "--swiglu", "--normalization", "RMSNorm"]
+        + ["--qk-layernorm"],
         capsys,
         monkeypatch,
     )

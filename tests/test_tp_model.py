@@ -72,7 +72,7 @@ def _compare(dist, name, tp, sp, reduce_sp_grads=True):
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3"])
 def test_tp_equals_single_process(dist, name, tp, sp):
     errors = _compare(dist, name, tp, sp)
     bad = {k: v for k, v in errors.items() if not v < TOL}
@@ -87,3 +87,12 @@ def test_missing_sequence_parallel_grad_reduce_is_caught(dist, name):
     norm = {k: v for k, v in errors.items() if "layernorm.weight" in k and "rank" not in k}
     assert norm and min(norm.values()) > 1e-2, norm
     assert errors["logits"] < TOL  # the forward is still right; only the reduction is missing
+
+
+def test_missing_qk_layernorm_grad_reduce_is_caught(dist):
+    """--qk-layernorm without sequence parallelism: each TP rank normalises only its own heads, so the q/k
+    norm weights' gradients are partial there too; without the TP sum they disagree."""
+    errors = _compare(dist, "qwen3", 2, False, reduce_sp_grads=False)
+    qk = {k: v for k, v in errors.items() if ("q_layernorm" in k or "k_layernorm" in k) and "rank" not in k}
+    assert len(qk) == 4 and min(qk.values()) > 1e-2, qk
+    assert errors["logits"] < TOL

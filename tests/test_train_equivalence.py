@@ -133,3 +133,22 @@ def test_training_equals_single_process(dist, name, layout, data):
         _compare(rank_history, ref)
     losses = [h[0] for h in ref]
     assert losses[-1] < losses[0]  # it trains
+
+
+QK_LAYOUTS = {
+    # Each TP rank normalises only its own heads with the shared q/k norm weights: their gradients are
+    # partial sums over TP, with or without sequence parallelism.
+    "tp2": (2, ParallelConfig(tensor_model_parallel_size=2), 4, 2),
+    "tp2-sp-dp2": (4, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), 8, 2),
+    "tp2-cp2": (4, ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2), 4, 2),
+    "tp2-pp2": (4, ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4, 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(QK_LAYOUTS))
+def test_qk_layernorm_training_equals_single_process(dist, layout):
+    """--qk-layernorm (Qwen3) under tensor, sequence, context and pipeline parallelism."""
+    world, parallel, gbs, mbs = QK_LAYOUTS[layout]
+    ref = train_run("qwen3", ParallelConfig(), gbs, gbs)
+    for rank_history in dist(world, train_run, "qwen3", parallel, gbs, mbs):
+        _compare(rank_history, ref)

@@ -42,7 +42,7 @@ from megatron_lite.checkpoint.format import (
     replace_dir,
     verify_file,
 )
-from megatron_lite.config import ConfigError
+from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
 from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
@@ -419,6 +419,56 @@ class _Reader:
                 target.narrow(pc.dim, pc.local_start, pc.length).copy_(data)
 
 
+def model_config_from_dict(d: dict) -> ModelConfig:
+    """A ModelConfig from the `model` section of a checkpoint's metadata."""
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    for key in ("recompute_modules", "moe_layer_freq"):
+        if isinstance(d.get(key), list):
+            d[key] = tuple(d[key])
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in known})
+
+
+# Model settings that decide which tensors a model has, and how they are read. Loading only ever reads the
+# tensors the model asks for, so a checkpoint of another shape of model would load in part (a checkpoint's
+# q/k norms, biases or extra layers left unread) or be read wrongly (norms stored as gamma - 1): refused.
+STRUCTURE = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "query_groups": "--num-query-groups",
+    "head_dim": "--kv-channels",
+    "ffn_size": "--ffn-hidden-size",
+    "normalization": "--normalization",
+    "apply_layernorm_1p": "--apply-layernorm-1p",
+    "add_bias_linear": "--disable-bias-linear",
+    "add_qkv_bias": "--add-qkv-bias",
+    "qk_layernorm": "--qk-layernorm",
+    "position_embedding_type": "--position-embedding-type",
+    "tied_embeddings": "--untie-embeddings-and-output-weights",
+    "num_experts": "--num-experts",
+    "moe_layer_freq": "--moe-layer-freq",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+}
+
+
+def _check_model_structure(path: str, meta: dict, model) -> None:
+    saved = (meta.get("config") or {}).get("model") or {}
+    config = getattr(model, "config", None) or getattr(next(iter(model), None), "config", None)
+    if not {"num_layers", "hidden_size", "num_attention_heads"} <= saved.keys() or not isinstance(config, ModelConfig):
+        return  # a checkpoint that does not say (written by hand), or a model that does not
+    theirs = model_config_from_dict(saved)
+    for field, flag in STRUCTURE.items():
+        a, b = getattr(theirs, field), getattr(config, field)
+        if a != b:
+            raise ConfigError(
+                f"{path} holds a model with {field}={a!r}; this run builds {field}={b!r}: set {flag} as the "
+                "checkpoint has it (or pass --use-checkpoint-args), or load another checkpoint"
+            )
+
+
 def _check_optimizer_state(path: str, meta: dict, config) -> None:
     """The checkpoint holds the optimizer state this run would load: some (not --no-save-optim past iteration
     0), and of the same kind (Adam's moments, SGD's momentum buffer or nothing)."""
@@ -460,6 +510,7 @@ def load_checkpoint(
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
     the adapters; its base was loaded first)."""
     meta = read_metadata(path)
+    _check_model_structure(path, meta, model)
     if optimizer is not None and load_optim and not finetune:
         _check_optimizer_state(path, meta, optimizer.config)
     reader = _Reader(path, meta)

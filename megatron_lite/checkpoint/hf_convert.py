@@ -13,7 +13,6 @@ pytorch_model.bin is refused, because loading it could run code.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -24,9 +23,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, publish, read_metadata
+from megatron_lite.checkpoint.checkpointing import (
+    _Reader,
+    find_checkpoint,
+    model_config_from_dict,
+    publish,
+    read_metadata,
+)
 from megatron_lite.checkpoint.format import FORMAT, atomic_write, atomic_write_json, file_digest, iteration_dir
-from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.models.hf import (
     _arch,
@@ -55,6 +60,8 @@ MODEL_TYPES_CLASSES = {
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
     "gpt2": "GPT2Config",
 }  # under a converted checkpoint's root: the original config.json and tokenizer files
@@ -89,6 +96,33 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         use_sliding_window=False,
         attention_dropout=0.0,
         max_position_embeddings=32768,
+    ),
+    "qwen3": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        attention_bias=False,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        max_position_embeddings=32768,
+        head_dim=128,
+    ),
+    "qwen3_moe": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        attention_bias=False,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        max_position_embeddings=32768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     ),
     "mixtral": dict(
         tie_word_embeddings=False,
@@ -197,18 +231,6 @@ def write_hf_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, side
 
 
 # megatron_lite side ------------------------------------------------------------------------------
-def model_config_from_dict(d: dict) -> ModelConfig:
-    """A ModelConfig from the `model` section of a checkpoint's metadata."""
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    for key in ("recompute_modules", "moe_layer_freq"):
-        if isinstance(d.get(key), list):
-            d[key] = tuple(d[key])
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in d.items() if k in known})
-
-
 def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict: dict, extra: dict) -> str:
     """Weights only (no optimizer state), one piece per tensor, at iteration 0, files of at most 5 GiB."""
     tmp = iteration_dir(root, 0) + ".tmp"

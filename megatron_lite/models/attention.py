@@ -12,6 +12,7 @@ from torch import nn
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel.attention import IMPLEMENTATIONS as CP_ATTENTION
+from megatron_lite.models.norms import build_norm
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint
@@ -132,6 +133,11 @@ class SelfAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        if config.qk_layernorm:  # one weight over head_dim for all heads; this rank sees only its heads
+            self.q_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
+            self.k_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
+        else:
+            self.q_layernorm = self.k_layernorm = None
         self.core_attention = CoreAttention(config, ctx)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim,
@@ -164,6 +170,8 @@ class SelfAttention(nn.Module):
         q = q.reshape(b, s, self.local_groups * self.heads_per_group, self.head_dim)
         k = k.squeeze(3)
         v = v.squeeze(3)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             cos, sin = rope
             q = self.rope(q, cos, sin)

@@ -1,7 +1,8 @@
 """Hugging Face <-> megatron_lite: configs and full (layout-free) state dicts.
 
 Supported: LlamaForCausalLM, MistralForCausalLM (with its sliding window), Qwen2ForCausalLM (QKV bias),
-MixtralForCausalLM and GPT2LMHeadModel. A field that changes the math and that we do not implement is
+Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), MixtralForCausalLM and
+GPT2LMHeadModel. A field that changes the math and that we do not implement is
 refused, never ignored.
 Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
 GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q; k; v] over all heads.
@@ -15,7 +16,16 @@ import torch
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
+LLAMA_LIKE = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
+MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _arch(hf_config: Any) -> str:
@@ -26,6 +36,8 @@ def _arch(hf_config: Any) -> str:
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
@@ -67,6 +79,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         attention_bias = getattr(c, "attention_bias", False)
         if attention_bias and arch != "Qwen2ForCausalLM":
             raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            raise ConfigError(f"config.json shared_expert_intermediate_size is not supported for {arch}")
         base, scaling = _rope(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kwargs = dict(
@@ -87,6 +101,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             sliding_window=int(window) if window else None,
             add_bias_linear=False,
             add_qkv_bias=arch == "Qwen2ForCausalLM",
+            qk_layernorm=arch in QWEN3,
             untie_embeddings_and_output_weights=not c.tie_word_embeddings,
             hidden_dropout=0.0,
             attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
@@ -100,6 +115,19 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
                 num_experts=c.num_local_experts,
                 moe_router_topk=c.num_experts_per_tok,
                 moe_ffn_hidden_size=c.intermediate_size,
+                moe_aux_loss_coeff=0.0,
+            )
+        if arch == "Qwen3MoeForCausalLM" and c.num_experts:
+            # MoE on layers (i + 1) % decoder_sparse_step == 0 not in mlp_only_layers; dense layers use
+            # intermediate_size. norm_topk_prob=false: the top-k of the full softmax, not renormalised.
+            step, dense = int(getattr(c, "decoder_sparse_step", 1) or 1), set(getattr(c, "mlp_only_layers", []) or [])
+            pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(c.num_hidden_layers))
+            kwargs.update(
+                num_experts=c.num_experts,
+                moe_router_topk=c.num_experts_per_tok,
+                moe_ffn_hidden_size=c.moe_intermediate_size,
+                moe_router_pre_softmax=not c.norm_topk_prob,
+                moe_layer_freq=1 if all(pattern) else pattern,
                 moe_aux_loss_coeff=0.0,
             )
     elif arch == "GPT2LMHeadModel":
@@ -149,15 +177,25 @@ def _ungroup_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, 
 
 
 def _experts_from_hf(hf: dict, p: str, ours: str, num_experts: int) -> dict:
-    """Mixtral experts, from transformers' fused module tensors (mlp.gate, mlp.experts.gate_up_proj [E, 2I, H]
-    = [gate; up], mlp.experts.down_proj [E, H, I]) or from the on-disk names save_pretrained writes
-    (block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 = gate, w3 = up, w2 = down)."""
+    """Mixtral and Qwen3-MoE experts, from transformers' fused module tensors (mlp.gate, mlp.experts.gate_up_proj
+    [E, 2I, H] = [gate; up], mlp.experts.down_proj [E, H, I]) or from the on-disk names save_pretrained writes:
+    Mixtral's block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 = gate, w3 = up, w2 = down; Qwen3-MoE's
+    mlp.gate, mlp.experts.{e}.gate_proj / up_proj / down_proj."""
     out = {}
-    if p + "mlp.gate.weight" in hf:
+    if p + "mlp.experts.gate_up_proj" in hf:
         out[f"{ours}.router.weight"] = hf[p + "mlp.gate.weight"]
         for e in range(num_experts):
             out[f"{ours}.experts.{e}.linear_fc1.weight"] = hf[p + "mlp.experts.gate_up_proj"][e]
             out[f"{ours}.experts.{e}.linear_fc2.weight"] = hf[p + "mlp.experts.down_proj"][e]
+        return out
+    if p + "mlp.gate.weight" in hf:  # Qwen3-MoE on disk
+        out[f"{ours}.router.weight"] = hf[p + "mlp.gate.weight"]
+        for e in range(num_experts):
+            w = f"{p}mlp.experts.{e}."
+            out[f"{ours}.experts.{e}.linear_fc1.weight"] = torch.cat(
+                [hf[w + "gate_proj.weight"], hf[w + "up_proj.weight"]], dim=0
+            )
+            out[f"{ours}.experts.{e}.linear_fc2.weight"] = hf[w + "down_proj.weight"]
         return out
     q = p + "block_sparse_moe."
     out[f"{ours}.router.weight"] = hf[q + "gate.weight"]
@@ -187,8 +225,11 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
                         config.query_groups,
                     )
             out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+            if config.qk_layernorm:
+                out[f"{L}.{i}.self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
+                out[f"{L}.{i}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
             out[f"{L}.{i}.pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-            if config.num_experts:
+            if config.num_experts and config.is_moe_layer(i):
                 out.update(_experts_from_hf(hf, p, f"{L}.{i}.mlp", config.num_experts))
             else:
                 out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
@@ -249,15 +290,25 @@ def state_dict_to_hf(
                     hf[f"{p}self_attn.q_proj.{kind}"], hf[f"{p}self_attn.k_proj.{kind}"] = q, k
                     hf[f"{p}self_attn.v_proj.{kind}"] = v
             hf[p + "self_attn.o_proj.weight"] = ours[f"{L}.{i}.self_attention.linear_proj.weight"]
+            if config.qk_layernorm:
+                hf[p + "self_attn.q_norm.weight"] = ours[f"{L}.{i}.self_attention.q_layernorm.weight"]
+                hf[p + "self_attn.k_norm.weight"] = ours[f"{L}.{i}.self_attention.k_layernorm.weight"]
             hf[p + "post_attention_layernorm.weight"] = ours[f"{L}.{i}.pre_mlp_layernorm.weight"]
-            if config.num_experts and on_disk:
-                m, q = f"{L}.{i}.mlp", p + "block_sparse_moe."
+            moe = config.num_experts and config.is_moe_layer(i)
+            if moe and on_disk:
+                m = f"{L}.{i}.mlp"
+                # Mixtral: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2; Qwen3-MoE: mlp.experts.{e}.*_proj
+                q, names = (
+                    (p + "block_sparse_moe.", ("w1", "w3", "w2"))
+                    if arch == "MixtralForCausalLM"
+                    else (p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+                )
                 hf[q + "gate.weight"] = ours[f"{m}.router.weight"]
                 for e in range(config.num_experts):
                     gate, up = ours[f"{m}.experts.{e}.linear_fc1.weight"].chunk(2, dim=0)
-                    hf[f"{q}experts.{e}.w1.weight"], hf[f"{q}experts.{e}.w3.weight"] = gate, up
-                    hf[f"{q}experts.{e}.w2.weight"] = ours[f"{m}.experts.{e}.linear_fc2.weight"]
-            elif config.num_experts:
+                    hf[f"{q}experts.{e}.{names[0]}.weight"], hf[f"{q}experts.{e}.{names[1]}.weight"] = gate, up
+                    hf[f"{q}experts.{e}.{names[2]}.weight"] = ours[f"{m}.experts.{e}.linear_fc2.weight"]
+            elif moe:
                 m, n = f"{L}.{i}.mlp", config.num_experts
                 hf[p + "mlp.gate.weight"] = ours[f"{m}.router.weight"]
                 hf[p + "mlp.experts.gate_up_proj"] = torch.stack(
@@ -308,8 +359,10 @@ def architecture_for(config: ModelConfig) -> str:
     if config.position_embedding_type != "rope" or config.normalization != "RMSNorm" or config.activation != "swiglu":
         raise ConfigError(
             f"no Hugging Face architecture computes this model ({config.normalization}, {config.activation}, "
-            f"{config.position_embedding_type} positions); supported: Llama/Mistral/Qwen2/Mixtral, GPT-2"
+            f"{config.position_embedding_type} positions); supported: Llama/Mistral/Qwen2/Qwen3/Mixtral, GPT-2"
         )
+    if config.qk_layernorm:
+        return "Qwen3MoeForCausalLM" if config.num_experts else "Qwen3ForCausalLM"
     if config.num_experts:
         return "MixtralForCausalLM"
     if config.add_qkv_bias:
@@ -332,9 +385,17 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("biases on every linear layer (Llama-family models have none)")
         if c.num_experts:
             if c.moe_router_score_function != "softmax" or c.moe_router_enable_expert_bias:
-                problems.append("a sigmoid router or expert bias (Mixtral routes by softmax)")
-            if c.moe_shared_expert_intermediate_size or c.moe_layer_freq != 1:
-                problems.append("shared experts or dense layers between MoE layers")
+                problems.append(f"a sigmoid router or expert bias ({arch} routes by softmax)")
+            if c.moe_shared_expert_intermediate_size:
+                problems.append("shared experts")
+            if arch == "MixtralForCausalLM" and c.moe_layer_freq != 1:
+                problems.append("dense layers between MoE layers (Qwen3-MoE has them, with --qk-layernorm)")
+            if arch == "MixtralForCausalLM" and c.moe_router_pre_softmax:
+                problems.append("--moe-router-pre-softmax (Mixtral renormalises the top-k; Qwen3-MoE can not to)")
+        if arch in QWEN3 and c.add_qkv_bias:
+            problems.append("QKV bias with --qk-layernorm (Qwen3 has no QKV bias)")
+        if arch in QWEN3 and c.sliding_window:
+            problems.append("a sliding window with --qk-layernorm")
     if problems:
         raise ConfigError(f"cannot export to {arch}: {'; '.join(problems)}")
 
@@ -343,7 +404,9 @@ MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -389,7 +452,7 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         out.pop(legacy, None)
     out.update(
         hidden_size=c.hidden_size,
-        intermediate_size=c.moe_ffn_hidden_size or c.ffn_size if c.num_experts else c.ffn_size,
+        intermediate_size=c.moe_ffn_size if arch == "MixtralForCausalLM" else c.ffn_size,
         num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.query_groups,
@@ -404,14 +467,27 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         rope_theta=c.rotary_base,
         rope_scaling=None if c.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
     )
-    if c.head_dim != c.hidden_size // c.num_attention_heads or out.get("head_dim") is not None:
+    # (Qwen3's head_dim defaults to 128 whatever the hidden size, so it is always written there)
+    if c.head_dim != c.hidden_size // c.num_attention_heads or out.get("head_dim") is not None or arch in QWEN3:
         out["head_dim"] = c.head_dim
     if arch in ("LlamaForCausalLM",):
         out.update(attention_bias=False, mlp_bias=False)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         out["sliding_window"] = c.sliding_window
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", *QWEN3):
         out.update(use_sliding_window=False, sliding_window=None)
+        out.pop("layer_types", None)  # (transformers derives them: full attention everywhere)
+    if arch in QWEN3:
+        out["attention_bias"] = False
+    if arch == "Qwen3MoeForCausalLM":
+        out.update(
+            num_experts=c.num_experts,
+            num_experts_per_tok=c.moe_router_topk,
+            moe_intermediate_size=c.moe_ffn_size,
+            norm_topk_prob=not c.moe_router_pre_softmax,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
+        )
     if arch == "MixtralForCausalLM":
         out.update(
             num_local_experts=c.num_experts,

@@ -70,12 +70,15 @@ class LayerNorm(_Norm):
         return (y, s) if residual is not None else y
 
 
-def build_norm(config: ModelConfig, sequence_parallel: bool, device=None, dtype=torch.float32) -> nn.Module:
-    """A norm over the hidden size. Its parameters are replicated across TP; under sequence parallelism
-    each rank normalises only its sequence shard, so their gradients are marked for a TP all-reduce."""
+def build_norm(
+    config: ModelConfig, sequence_parallel: bool, device=None, dtype=torch.float32, size: int | None = None
+) -> nn.Module:
+    """A norm over the hidden size (or `size`). Its parameters are replicated across TP; when each rank
+    normalises only part of the activations (its sequence shard under sequence parallelism, its heads for
+    --qk-layernorm), `sequence_parallel` marks their gradients partial, for a TP all-reduce."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     return cls(
-        config.hidden_size,
+        size or config.hidden_size,
         config.norm_epsilon,
         sequence_parallel,
         device=device,

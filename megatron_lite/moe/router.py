@@ -4,6 +4,9 @@ softmax (Mixtral): top-k of the logits, then a softmax over the k selected (equa
 the full softmax); with --moe-router-pre-softmax, a softmax over all experts, then top-k, not renormalised.
 sigmoid (DeepSeek-V3): sigmoid scores; an optional per-expert bias is added for the selection only; the k
 selected scores are normalised to sum to one.
+Group-limited top-k (--moe-router-num-groups G --moe-router-group-topk g, Megatron's and DeepSeek-V3's): the
+experts form G equal groups, each scored by the sum of its best k // g selection scores; the top-k is taken
+within the g best groups only. --moe-router-topk-scaling-factor then scales the selected weights.
 
 Load-balancing loss (Switch/GShard, Megatron's normalisation): coeff * E * sum_e f_e * P_e with
 f_e = tokens routed to e / (tokens * k) and P_e the mean score of e over the tokens; `seq_aux_loss`
@@ -61,24 +64,40 @@ class TopKRouter(nn.Module):
         if c.moe_router_score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
             if c.moe_router_pre_softmax:
-                probs, indices = torch.topk(scores, k, dim=-1)
+                probs, indices = self._topk(scores)
             else:
-                top, indices = torch.topk(logits, k, dim=-1)
+                top, indices = self._topk(logits)
                 probs = torch.softmax(top, dim=-1)
             aux_scores = scores
         else:
             scores = torch.sigmoid(logits)
             select = scores + self.expert_bias if self.expert_bias is not None else scores
-            _, indices = torch.topk(select, k, dim=-1)
+            _, indices = self._topk(select)
             probs = scores.gather(-1, indices)
             if k > 1:
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
             aux_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        if c.moe_router_topk_scaling_factor is not None:
+            probs = probs * c.moe_router_topk_scaling_factor
         counts = torch.bincount(indices.reshape(-1), minlength=e)
         aux_loss = self._balance_loss(aux_scores, indices, counts, seq_batch)
         keep = self._capacity_keep(probs, indices, x.shape[0])
         probs = probs * keep
         return Routing(probs, indices, keep, counts, aux_loss, z_loss)
+
+    def _topk(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of [T, E] selection scores, within the best groups when routing is group-limited."""
+        c = self.config
+        k, groups = c.moe_router_topk, c.moe_router_num_groups
+        if groups is None:
+            return torch.topk(scores, k, dim=-1)
+        t, e = scores.shape
+        per_group = scores.view(t, groups, e // groups)
+        group_scores = per_group.topk(k // c.moe_router_group_topk, dim=-1).values.sum(-1)  # [T, G]
+        best = group_scores.topk(c.moe_router_group_topk, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
+        masked = scores.masked_fill(~allowed.repeat_interleave(e // groups, dim=1), float("-inf"))
+        return torch.topk(masked, k, dim=-1)
 
     def _balance_loss(self, scores, indices, counts, seq_batch) -> torch.Tensor | None:
         c = self.config

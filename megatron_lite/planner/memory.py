@@ -59,6 +59,7 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     qkv_bias = model.add_bias_linear or model.add_qkv_bias
     attn = h * (q + 2 * kv) // tp + ((q + 2 * kv) // tp if qkv_bias else 0) + q // tp * h
     attn += h if model.add_bias_linear else 0
+    attn += 2 * d * (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
     swiglu = model.activation == "swiglu"
     if not model.is_moe_layer(layer):
         return 2 * norm + attn + _mlp_params(h, model.ffn_size, swiglu, model.add_bias_linear, tp), 0
