@@ -218,6 +218,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         decoupled_lr=ns.decoupled_lr,
         decoupled_min_lr=ns.decoupled_min_lr,
         weight_decay=ns.weight_decay,
+        start_weight_decay=ns.start_weight_decay,
+        end_weight_decay=ns.end_weight_decay,
+        weight_decay_incr_style=ns.weight_decay_incr_style,
         adam_beta1=ns.adam_beta1,
         adam_beta2=ns.adam_beta2,
         adam_eps=ns.adam_eps,
@@ -321,6 +324,49 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     )
 
 
+# The schedule a checkpoint's scheduler state continues (Megatron's OptimizerParamScheduler values): on resume,
+# given flags that differ from the checkpoint's win (with a note), or not with --use-checkpoint-opt_param-scheduler.
+SCHEDULE_DESTS = (
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_warmup_iters",
+    "lr_warmup_samples",
+    "lr_warmup_init",
+    "lr_wsd_decay_style",
+    "lr_wsd_decay_iters",
+    "lr_wsd_decay_samples",
+    "decoupled_lr",
+    "decoupled_min_lr",
+    "weight_decay",
+    "start_weight_decay",
+    "end_weight_decay",
+    "weight_decay_incr_style",
+)
+
+
+def _schedule_from_checkpoint(ns: argparse.Namespace, saved: dict, given: set[str]) -> list[str]:
+    """Reconcile the schedule flags given on resume with the checkpoint's; returns the notes to log."""
+    changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
+    if ns.use_checkpoint_opt_param_scheduler:
+        for d in changed:
+            setattr(ns, d, saved[d])
+        # the checkpoint's decay length: its --lr-decay-iters, or the --train-iters it ran for
+        if ns.lr_decay_iters is None and saved.get("lr_decay_iters") is None and saved.get("train_iters"):
+            ns.lr_decay_iters = saved["train_iters"]
+        return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(changed)} kept"] if changed else []
+    if ns.override_opt_param_scheduler:
+        return []
+    return [
+        f"--{d.replace('_', '-')} {getattr(ns, d)} differs from the checkpoint's {saved[d]}: the schedule follows "
+        "the flag (Megatron stops unless --override-opt_param-scheduler; --use-checkpoint-opt_param-scheduler keeps "
+        "the checkpoint's)"
+        for d in changed
+    ]
+
+
 def _explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     actions = parser._option_string_actions
     return {actions[tok.split("=")[0]].dest for tok in argv if tok.split("=")[0] in actions}
@@ -336,6 +382,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt_param-scheduler (the flags' schedule) and --use-checkpoint-opt_param-scheduler (the "
+            "checkpoint's) are exclusive; pick one"
+        )
+    ns.schedule_notes = []
     path = find_checkpoint(ns.load) if ns.load else None
     if path is not None:
         saved = defaults_from_checkpoint(read_metadata(path)["config"])
@@ -355,6 +407,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
         ns = parser.parse_args(argv)
         ns.rope_scaling_params = saved.get("rope_scaling_params")
+        ns.schedule_notes = _schedule_from_checkpoint(ns, saved, given)
         if ns.use_checkpoint_args:
             for d in ARCH_DESTS:
                 setattr(ns, d, saved.get(d, getattr(ns, d)))

@@ -8,7 +8,7 @@ import sys
 
 from megatron_lite.data.config import TOKENIZER_TYPES
 from megatron_lite.megatron_flags import add_megatron_flag_groups
-from megatron_lite.optimizer.config import DECAY_STYLES, WSD_DECAY_STYLES
+from megatron_lite.optimizer.config import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 
 
 def _window_size(text: str) -> int:
@@ -195,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--decoupled-lr", type=float, help="peak rate of the word embeddings and the output layer")
     o.add_argument("--decoupled-min-lr", type=float, help="their floor (default: --min-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--start-weight-decay", type=float, help="weight decay at the start (linear|cosine increment)")
+    o.add_argument("--end-weight-decay", type=float, help="weight decay at the end of the run (linear|cosine)")
+    o.add_argument(
+        "--weight-decay-incr-style",
+        default="constant",
+        choices=list(WD_INCR_STYLES),
+        help="how weight decay goes from --start-weight-decay to --end-weight-decay over the run",
+    )
     _bool(o, "--use-distributed-optimizer", "shard fp32 main weights and Adam moments over data parallelism (ZeRO-1)")
     _bool(
         o,
@@ -266,6 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(c, "--no-save-rng", "save no random-number-generator states")
     _bool(c, "--finetune", "load weights only and start from iteration 0")
     _bool(c, "--use-checkpoint-args", "take the model configuration from the checkpoint")
+    _bool(
+        c,
+        "--override-opt_param-scheduler",
+        "on resume, the schedule flags given (learning rate, warmup, decay, weight decay) win over the checkpoint's, "
+        "without a note (they win anyway)",
+    )
+    _bool(
+        c,
+        "--use-checkpoint-opt_param-scheduler",
+        "on resume, keep the checkpoint's schedule (learning rate, warmup, decay, weight decay) whatever the flags say",
+    )
     _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
     _bool(c, "--async-save", "write checkpoints in a background thread while training continues")
     c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")

@@ -132,6 +132,7 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False)
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
+    lines += getattr(ns, "schedule_notes", [])
     if getattr(ns, "save_interval", None) and not getattr(ns, "save", None):  # Megatron ignores it too
         lines.append(f"--save-interval {ns.save_interval} has no effect without --save")
     if getattr(ns, "dataloader_type", None) == "cyclic":

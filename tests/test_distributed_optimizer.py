@@ -335,3 +335,20 @@ def test_sgd_under_sharded_optimizers_equals_single_process(dist, sharding):
     kw = {"dist-opt": dict(distributed_optimizer=True), "zero2": dict(distributed_optimizer=True, zero_stage=2)}
     for history in dist(2, train_run, "llama", P(), 4, 2, optim=sgd, **kw.get(sharding, {"fsdp2": True})):
         _compare(history, ref)
+
+
+@pytest.mark.parametrize("sharding", ["dist-opt", "fsdp2"])
+def test_weight_decay_increment_under_sharded_optimizers_equals_single_process(dist, sharding):
+    """--weight-decay-incr-style cosine reaches each rank's shard of the decaying groups, as in one process
+    (where it is checked against torch.optim in test_train_hf_reference); and it changes the run."""
+    from test_train_equivalence import OPTIM
+
+    wd = dataclasses.replace(
+        OPTIM, weight_decay_incr_style="cosine", start_weight_decay=0.0, end_weight_decay=5.0, lr=0.02
+    )
+    ref = train_run("llama", P(), 4, 4, optim=wd)
+    constant = train_run("llama", P(), 4, 4, optim=dataclasses.replace(OPTIM, lr=0.02))
+    assert any(abs(a[1] - b[1]) > 1e-3 * b[1] for a, b in zip(ref, constant))
+    kw = dict(distributed_optimizer=True) if sharding == "dist-opt" else dict(fsdp2=True)
+    for history in dist(2, train_run, "llama", P(), 4, 2, optim=wd, **kw):
+        _compare(history, ref)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -156,6 +157,54 @@ def test_gradient_precision_comes_back_with_the_run_and_can_be_turned_back(tmp_p
     assert main(["--load", ckpt, "--train-iters", "5", "--accumulate-allreduce-grads-in-fp32"]) == 0
     out = capsys.readouterr().out
     assert "gradients reduced in float32" in out and "overrides --grad-reduce-in-bf16" in out
+
+
+def _lrs(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\| lr: ([0-9.E+-]+) \|", out)]
+
+
+def test_schedule_flags_on_resume_follow_megatron(tmp_path, capsys, monkeypatch):
+    """Resuming with other schedule flags: they apply, with a line saying so (Megatron stops unless
+    --override-opt_param-scheduler, which says the same and is silent); --use-checkpoint-opt_param-scheduler
+    keeps the checkpoint's schedule whatever the flags say; both at once are refused."""
+    ckpt = str(tmp_path / "ckpt")
+    first = ["--mock-data", "--vocab-size", "100", "--save", ckpt, "--lr-decay-style", "cosine", "--train-iters", "8"]
+    rc, _, err = _run([*first, "--exit-interval", "3"], capsys, monkeypatch)  # saved at iteration 3 of 8
+    assert rc == 0, err
+    assert main(["--load", ckpt]) == 0
+    same = _lrs(capsys.readouterr().out)
+    schedule = ["--lr", "5e-3", "--min-lr", "1e-4", "--lr-decay-style", "linear"]
+    assert main(["--load", ckpt, *schedule, "--use-checkpoint-opt_param-scheduler"]) == 0
+    out = capsys.readouterr().out
+    assert _lrs(out) == same and len(same) == 5, (_lrs(out), same)
+    assert main(["--load", ckpt, "--lr", "5e-3"]) == 0
+    out = capsys.readouterr().out
+    assert _lrs(out) != same and "--lr 0.005 differs from the checkpoint's 0.001" in out
+    assert main(["--load", ckpt, "--lr", "5e-3", "--override-opt_param-scheduler"]) == 0
+    out = capsys.readouterr().out
+    assert _lrs(out) != same and "differs from the checkpoint" not in out
+    rc = main(["--load", ckpt, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+    _one_line_error(
+        rc, capsys.readouterr().err, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"
+    )
+
+
+def test_weight_decay_increment_flags(capsys, monkeypatch):
+    rc, out, err = _run(
+        ["--mock-data", "--vocab-size", "100", "--weight-decay-incr-style", "linear"]
+        + ["--start-weight-decay", "0.0", "--end-weight-decay", "0.1"],
+        capsys,
+        monkeypatch,
+    )
+    assert rc == 0, err
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--start-weight-decay", "0.0"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--start-weight-decay", "--weight-decay-incr-style linear|cosine")
+    rc, _, err = _run(
+        ["--mock-data", "--vocab-size", "100", "--weight-decay-incr-style", "cosine", "--end-weight-decay", "0.1"],
+        capsys,
+        monkeypatch,
+    )
+    _one_line_error(rc, err, "--weight-decay-incr-style cosine", "--start-weight-decay")
 
 
 def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):

@@ -31,6 +31,16 @@ SEQ, BATCH = 16, 4
 DECOUPLED_LR, DECOUPLED_MIN_LR = 5e-3, 1e-3
 
 
+START_WD, END_WD = 0.02, 0.3
+
+
+def megatron_wd(step: int, style: str) -> float:
+    """Megatron's weight-decay increment (OptimizerParamScheduler.get_wd) over the whole run (ITERS steps)."""
+    ratio = step / ITERS
+    coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+    return START_WD + coeff * (END_WD - START_WD)
+
+
 def megatron_lr(step: int, lr: float = LR, min_lr: float = MIN_LR) -> float:
     """Megatron: linear warmup from 0 over WARMUP steps, cosine from the peak to the floor until ITERS."""
     if step <= WARMUP:
@@ -40,11 +50,20 @@ def megatron_lr(step: int, lr: float = LR, min_lr: float = MIN_LR) -> float:
 
 
 @pytest.mark.parametrize(
-    "decoupled,optimizer", [(False, "adam"), (True, "adam"), (False, "sgd")], ids=["one-lr", "decoupled-lr", "sgd"]
+    "decoupled,optimizer,wd_style",
+    [
+        (False, "adam", "constant"),
+        (True, "adam", "constant"),
+        (False, "sgd", "constant"),
+        (True, "adam", "cosine"),
+        (False, "sgd", "linear"),
+    ],
+    ids=["one-lr", "decoupled-lr", "sgd", "wd-cosine-decoupled", "wd-linear-sgd"],
 )
-def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, optimizer):
+def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, optimizer, wd_style):
     """With --decoupled-lr the reference puts the embeddings and lm_head in AdamW groups of their own, at
-    Megatron's schedule with the decoupled peak and floor."""
+    Megatron's schedule with the decoupled peak and floor. With --weight-decay-incr-style linear|cosine, the
+    reference sets the decaying groups' weight decay from Megatron's formula, step by step."""
     hf_config = _llama()  # the same GQA / RoPE-base / epsilon configuration as the logits reference
     hf_config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
@@ -67,6 +86,9 @@ def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, opti
         sgd_momentum=0.8,
         decoupled_lr=DECOUPLED_LR if decoupled else None,
         decoupled_min_lr=DECOUPLED_MIN_LR if decoupled else None,
+        weight_decay_incr_style=wd_style,
+        start_weight_decay=None if wd_style == "constant" else START_WD,
+        end_weight_decay=None if wd_style == "constant" else END_WD,
     )
     ddp = DistributedDataParallel(model, ctx)
     opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
@@ -99,6 +121,8 @@ def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, opti
         norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP))
         for g in ref_opt.param_groups:
             g["lr"] = megatron_lr(it, DECOUPLED_LR, DECOUPLED_MIN_LR) if g.get("outer") else megatron_lr(it)
+            if wd_style != "constant" and g["weight_decay"] > 0:
+                g["weight_decay"] = megatron_wd(it, wd_style)
         ref_opt.step()
 
         assert ours.lr == megatron_lr(it)

@@ -206,7 +206,7 @@ class FSDP2Optimizer:
         return int(self._counted_sum(lambda p: p.grad, count_zeros))
 
     @torch.no_grad()
-    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
         norm = self.grad_norm()
         if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
             return StepResult(False, norm, 1.0)  # every rank computed the same norm
@@ -214,7 +214,7 @@ class FSDP2Optimizer:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
                 torch._foreach_mul_([_local(p.grad) for p in self.params if p.grad is not None], coeff)
-        set_lr(self.inner, lr, decoupled_lr)
+        set_lr(self.inner, lr, decoupled_lr, weight_decay)
         self.inner.step()
         return StepResult(True, norm, 1.0)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ConfigError
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
@@ -35,6 +36,11 @@ class OptimizerConfig:
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
+    # Megatron's weight-decay increment: from --start-weight-decay to --end-weight-decay over the whole run,
+    # linear or cosine; constant: --weight-decay throughout
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -80,6 +86,29 @@ class OptimizerConfig:
             )
         if self.lr_decay_style not in DECAY_STYLES:
             raise ConfigError(f"--lr-decay-style {self.lr_decay_style} is not supported; use one of {DECAY_STYLES}")
+        if self.weight_decay_incr_style not in WD_INCR_STYLES:
+            raise ConfigError(
+                f"--weight-decay-incr-style {self.weight_decay_incr_style} is not supported; use one of "
+                f"{WD_INCR_STYLES}"
+            )
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        if self.weight_decay_incr_style == "constant" and ends != (None, None):
+            flag = "--start-weight-decay" if self.start_weight_decay is not None else "--end-weight-decay"
+            raise ConfigError(
+                f"{flag} needs --weight-decay-incr-style linear|cosine (constant keeps --weight-decay "
+                f"{self.weight_decay})"
+            )
+        if self.weight_decay_incr_style != "constant":
+            if None in ends:
+                raise ConfigError(
+                    f"--weight-decay-incr-style {self.weight_decay_incr_style} needs --start-weight-decay and "
+                    "--end-weight-decay"
+                )
+            if not 0 <= ends[0] <= ends[1]:
+                raise ConfigError(
+                    f"--start-weight-decay {ends[0]} and --end-weight-decay {ends[1]} must satisfy 0 <= start <= end "
+                    "(Megatron's weight decay only increases)"
+                )
         if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
             raise ConfigError(
                 f"--lr-wsd-decay-style {self.lr_wsd_decay_style} is not supported; use one of {WSD_DECAY_STYLES}"

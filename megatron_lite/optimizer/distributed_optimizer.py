@@ -144,7 +144,7 @@ class DistributedOptimizer:
         return int(self._counted_sum(lambda s: s.grad, count_zeros))
 
     @torch.no_grad()
-    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
         grads = [s.grad for s in self.shards]
         if self.scaler is not None:
             if grads:
@@ -163,7 +163,7 @@ class DistributedOptimizer:
                 torch._foreach_mul_(grads, coeff)
         for s, g in zip(self.shards, grads):
             s.main.grad = g
-        set_lr(self.inner, lr, decoupled_lr)
+        set_lr(self.inner, lr, decoupled_lr, weight_decay)
         self.inner.step()
         for s in self.shards:
             s.main.grad = None

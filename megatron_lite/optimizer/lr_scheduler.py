@@ -1,5 +1,7 @@
 """Megatron's learning-rate schedule: linear warmup from --lr-warmup-init, then constant, linear, cosine,
-inverse-square-root or WSD (warmup-stable-decay) down to --min-lr, held at --min-lr after the decay.
+inverse-square-root or WSD (warmup-stable-decay) down to --min-lr, held at --min-lr after the decay. And its
+weight-decay increment (--weight-decay-incr-style linear|cosine): from --start-weight-decay to
+--end-weight-decay over the whole run (--train-iters or --train-samples).
 
 Steps count optimizer iterations. Like Megatron, the schedule is evaluated at the number of completed
 steps, so with warmup the first iteration runs at --lr-warmup-init (0 by default). A sample-based run
@@ -33,6 +35,7 @@ class LRScheduler:
             self.warmup, self.decay_steps = self.warmup * samples_per_step, self.decay_steps * samples_per_step
             self.wsd_steps = self.wsd_steps * samples_per_step if self.wsd_steps else self.wsd_steps
         self.unit = samples_per_step if self.sample_mode else 1  # schedule positions per (full) step
+        self.wd_steps = train_samples if train_samples is not None else train_iters * self.unit
         self.num_steps = 0
         self.position = 0  # steps taken, or samples consumed
 
@@ -86,6 +89,19 @@ class LRScheduler:
             return None
         floor = c.min_lr if c.decoupled_min_lr is None else c.decoupled_min_lr
         return self._lr_at_position(self.position, c.decoupled_lr, floor)
+
+    @property
+    def weight_decay(self) -> float | None:
+        """The decaying groups' weight decay now (Megatron's get_wd); None when constant (--weight-decay)."""
+        c = self.config
+        if c.weight_decay_incr_style == "constant":
+            return None
+        start, end = c.start_weight_decay, c.end_weight_decay
+        if self.position > self.wd_steps:
+            return end
+        ratio = self.position / self.wd_steps
+        coeff = ratio if c.weight_decay_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return start + coeff * (end - start)
 
     def step(self, samples: int | None = None) -> None:
         """One optimizer step; `samples`: the global batch it took (counted in sample mode)."""

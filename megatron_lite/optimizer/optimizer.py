@@ -88,14 +88,24 @@ def optimizer_groups(entries, config: OptimizerConfig) -> list[dict]:
         decoupled = embedding and config.decoupled_lr is not None
         groups.setdefault((ndim > 1, decoupled), []).append(tensor)
     return [
-        {"params": params, "weight_decay": config.weight_decay if decay else 0.0, "decoupled": decoupled}
+        {
+            "params": params,
+            "weight_decay": config.weight_decay if decay else 0.0,
+            "decay": decay,
+            "decoupled": decoupled,
+        }
         for (decay, decoupled), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
     ]
 
 
-def set_lr(inner: torch.optim.Optimizer, lr: float, decoupled_lr: float | None) -> None:
+def set_lr(
+    inner: torch.optim.Optimizer, lr: float, decoupled_lr: float | None, weight_decay: float | None = None
+) -> None:
+    """This step's rates; `weight_decay` (--weight-decay-incr-style linear|cosine) goes to the decaying groups."""
     for group in inner.param_groups:
         group["lr"] = decoupled_lr if group.get("decoupled") and decoupled_lr is not None else lr
+        if weight_decay is not None and group.get("decay"):
+            group["weight_decay"] = weight_decay
 
 
 def fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -254,7 +264,7 @@ class MixedPrecisionOptimizer:
         return int(self._counted_sum([self.grad_of(p) for p in self.params], count_zeros))
 
     @torch.no_grad()
-    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
         grads = [self.grad_of(p) for p in self.params]
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
@@ -273,7 +283,7 @@ class MixedPrecisionOptimizer:
                 torch._foreach_mul_(grads, coeff)
         for main, g in zip(self.main_params, grads):
             main.grad = g
-        set_lr(self.inner, lr, decoupled_lr)
+        set_lr(self.inner, lr, decoupled_lr, weight_decay)
         self.inner.step()
         for p, main in zip(self.params, self.main_params):
             main.grad = None  # (a view of the DP buffer, or its fp32 copy): never let autograd accumulate into it

@@ -159,7 +159,7 @@ def train_step(
     finalize_grads(model, ctx)
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     lr = scheduler.lr
-    result = optimizer.step(lr, scheduler.decoupled_lr)
+    result = optimizer.step(lr, scheduler.decoupled_lr, scheduler.weight_decay)
     if result.updated:
         scheduler.step(samples)
     zeros = optimizer.grad_zeros() if log_num_zeros_in_grad else None  # the reduced gradients, still in buffers
