@@ -27,16 +27,16 @@ def _bool(p: argparse._ArgumentGroup, flag: str, help: str) -> None:
     p.add_argument(flag, action="store_true", help=help)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (not the usage of some 300 flags first), like every other start-up
-    error; an unknown flag is named as such, Megatron flags we lack included."""
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (not the usage of every flag first), like every other start-up
+    error; an unknown flag is named as such, Megatron flags we lack included. The tools use it too."""
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
             flags = [a for a in message.removeprefix("unrecognized arguments: ").split() if a.startswith("-")]
             if flags:
                 message = (
-                    f"{', '.join(flags)}: no such flag in megatron_lite (Megatron-LM flags we implement keep "
+                    f"{', '.join(flags)}: no such flag in {self.prog} (Megatron-LM flags we implement keep "
                     "their names; remove it)"
                 )
         print(f"error: {message}; {self.prog} --help lists the flags", file=sys.stderr)
@@ -44,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="pretrain_gpt.py",
         description="megatron_lite GPT/Llama pretraining (launch with torchrun). Flag names follow Megatron-LM.",
         allow_abbrev=False,

@@ -441,3 +441,13 @@ def test_converted_checkpoint_trains_at_tp2_like_one_process(converted, tmp_path
     assert len(curves["one"]) == 3
     for (loss, norm), (rloss, rnorm) in zip(curves["tp2"], curves["one"]):
         assert abs(loss - rloss) <= 1e-5 * abs(rloss) and abs(norm - rnorm) <= 1e-5 * abs(rnorm)
+
+
+def test_bad_tool_flags_are_one_line(capsys):
+    """The tools' flag errors are one line, as pretrain_gpt.py's are."""
+    for tool, argv in ((convert, ["--loader", "x"]), (generate_cli, ["--load", "c", "--bogus", "1"])):
+        with pytest.raises(SystemExit) as e:
+            tool.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        assert "--help lists the flags" in err[0]

@@ -25,6 +25,7 @@ from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpo
 from megatron_lite.checkpoint.hf_convert import model_config_from_dict, saved_lora_config
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig, validate_layout
 from megatron_lite.data.tokenizers import tokenizer_from_flags
+from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.inference.generation import SamplingConfig, generate
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.qlora import quantize_base
@@ -33,7 +34,7 @@ from megatron_lite.parallel_context import initialize
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="a megatron_lite checkpoint directory (its --save)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")

@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
+from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--script", help="a launch script whose ARGS=( ... ) holds pretrain flags (pretrain/*.sh)")
     src.add_argument("--hf-config", help="a Hugging Face config.json (or its directory)")

@@ -23,6 +23,7 @@ from megatron_lite.config import ConfigError
 from megatron_lite.data.config import TOKENIZER_TYPES
 from megatron_lite.data.indexed import IndexedDatasetWriter
 from megatron_lite.data.tokenizers import tokenizer_from_flags
+from megatron_lite.flag_parser import OneLineErrorParser
 
 _TOK = None
 _ARGS = None
@@ -62,7 +63,7 @@ def _items(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True, help="files or globs")
     g.add_argument("--json-keys", nargs="+", default=["text"])

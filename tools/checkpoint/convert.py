@@ -19,10 +19,11 @@ import sys
 
 from megatron_lite.checkpoint.hf_convert import hf_to_megatron_lite, megatron_lite_to_hf, megatron_lite_to_peft
 from megatron_lite.config import ConfigError
+from megatron_lite.flag_parser import OneLineErrorParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loader", choices=["hf", "megatron_lite"], required=True)
     p.add_argument("--saver", choices=["hf", "hf-peft", "megatron_lite"], required=True)
     p.add_argument("--load-dir", required=True)

@@ -16,6 +16,7 @@ import sys
 
 from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, read_metadata
 from megatron_lite.config import ConfigError
+from megatron_lite.flag_parser import OneLineErrorParser
 
 
 def _human(n: float) -> str:
@@ -65,7 +66,7 @@ def _numel(shape: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="a --save directory, or one iter_NNNNNNN directory in it")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.add_argument("--verify", action="store_true", help="also check every file's size and sha256")
