@@ -80,12 +80,21 @@ def _check_run_length(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value} does not go with {run}: use the {other} form of the flag")
 
 
+def _activation(ns: argparse.Namespace) -> str:
+    chosen = [f for f in ("swiglu", "openai_gelu", "squared_relu") if getattr(ns, f)]
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"--{chosen[0].replace('_', '-')} and --{chosen[1].replace('_', '-')} both pick the activation"
+        )
+    return {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "squared_relu": "squared_relu"}.get(
+        chosen[0] if chosen else "", "gelu"
+    )
+
+
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     refuse_unsupported(ns)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     _check_run_length(ns)
-    if ns.rotary_percent != 1.0:
-        raise ConfigError(f"--rotary-percent {ns.rotary_percent} is not supported; only 1.0 (full rotary)")
     if ns.overlap_p2p_comm and ns.no_overlap_p2p_communication:
         raise ConfigError("--overlap-p2p-comm and --no-overlap-p2p-communication contradict each other; keep one")
     if ns.overlap_moe_expert_parallel_comm and ns.moe_token_dispatcher_type != "alltoall":
@@ -108,9 +117,10 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         normalization=ns.normalization,
         apply_layernorm_1p=ns.apply_layernorm_1p,
         norm_epsilon=ns.norm_epsilon,
-        activation="swiglu" if ns.swiglu else ("gelu_tanh" if ns.openai_gelu else "gelu"),
+        activation=_activation(ns),
         position_embedding_type=ns.position_embedding_type,
         rotary_base=ns.rotary_base,
+        rotary_percent=ns.rotary_percent,
         # The checkpoint's full Llama-3 parameters (low/high frequency factors, original length) have no flags.
         rope_scaling=RopeScaling(
             **{**(getattr(ns, "rope_scaling_params", None) or {}), "factor": ns.rope_scaling_factor}

@@ -22,6 +22,8 @@ ARCH_DESTS = (
     "apply_layernorm_1p",
     "swiglu",
     "openai_gelu",
+    "squared_relu",
+    "rotary_percent",
     "position_embedding_type",
     "rotary_base",
     "use_rope_scaling",
@@ -70,6 +72,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
     out["swiglu"] = m["activation"] == "swiglu"
     out["openai_gelu"] = m["activation"] == "gelu_tanh"
+    out["squared_relu"] = m["activation"] == "squared_relu"
+    out["rotary_percent"] = m.get("rotary_percent", 1.0)
     out["use_rope_scaling"] = m["rope_scaling"] is not None
     if m["rope_scaling"] is not None:
         out["rope_scaling_factor"] = m["rope_scaling"]["factor"]

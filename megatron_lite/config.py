@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
@@ -72,9 +72,14 @@ class ModelConfig:
     # Megatron's --apply-layernorm-1p (Transformer Engine's zero-centred gamma): norm weights are stored as
     # w = gamma - 1 (zeros at init) and applied as 1 + w
     apply_layernorm_1p: bool = False
-    activation: str = "gelu"  # gelu | gelu_tanh (GPT-2's gelu_new, Megatron --openai-gelu) | swiglu
+    # gelu | gelu_tanh (GPT-2's gelu_new, Megatron --openai-gelu) | swiglu | squared_relu (--squared-relu: relu(x)^2,
+    # Nemotron)
+    activation: str = "gelu"
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    # Megatron's --rotary-percent (Hugging Face's partial_rotary_factor): RoPE rotates the first
+    # int(head_dim * rotary_percent) dims of each head and passes the rest through
+    rotary_percent: float = 1.0
     rope_scaling: RopeScaling | None = None
     # Sliding-window attention (Mistral): each token sees the last `sliding_window` tokens, itself included.
     sliding_window: int | None = None
@@ -132,6 +137,10 @@ class ModelConfig:
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
     def output_layer_init_std(self) -> float:
         """Megatron's scaled init for the projections that write into the residual stream."""
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)
@@ -182,6 +191,11 @@ class ModelConfig:
             )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {self.head_dim}")
+        if not 0.0 < self.rotary_percent <= 1.0 or (self.position_embedding_type == "rope" and self.rotary_dim % 2):
+            raise ConfigError(
+                f"--rotary-percent {self.rotary_percent} must be in (0, 1] and rotate an even number of dims "
+                f"(head dim {self.head_dim} x {self.rotary_percent} = {self.head_dim * self.rotary_percent:g})"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"--window-size gives a sliding window of {self.sliding_window} tokens; it must be >= 1")
         for flag, p in (

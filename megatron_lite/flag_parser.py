@@ -63,11 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--norm-epsilon", type=float, default=1e-5)
     _bool(m, "--swiglu", "SwiGLU MLP (Llama)")
     _bool(m, "--openai-gelu", "tanh-approximated GELU (GPT-2's gelu_new)")
+    _bool(m, "--squared-relu", "squared ReLU activation, relu(x)^2 (Nemotron)")
     m.add_argument(
         "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "none"]
     )
     m.add_argument("--rotary-base", type=float, default=10000.0)
-    m.add_argument("--rotary-percent", type=float, default=1.0, help="only 1.0 (rotate the whole head) is supported")
+    m.add_argument(
+        "--rotary-percent", type=float, default=1.0, help="fraction of each head's dims RoPE rotates (the first ones)"
+    )
     _bool(m, "--use-rope-scaling", "Llama-3 RoPE frequency scaling")
     m.add_argument("--rope-scaling-factor", type=float, default=8.0)
     m.add_argument(

@@ -87,7 +87,19 @@ def qwen3_config(**kw) -> ModelConfig:
     return llama_config(qk_layernorm=True, **kw)
 
 
-CONFIGS = {"llama": llama_config, "gpt2": gpt2_config, "qwen3": qwen3_config}
+def nemotron_config(**kw) -> ModelConfig:
+    """Nemotron-shaped: LayerNorm with zero-centred gamma, squared ReLU, RoPE on half of each head, biases."""
+    base = dict(
+        normalization="LayerNorm",
+        apply_layernorm_1p=True,
+        activation="squared_relu",
+        position_embedding_type="rope",
+        rotary_percent=0.5,
+    )
+    return gpt2_config(**{**base, **kw})
+
+
+CONFIGS = {"llama": llama_config, "gpt2": gpt2_config, "qwen3": qwen3_config, "nemotron": nemotron_config}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -130,6 +130,17 @@ def _configs() -> dict:
             rms_norm_eps=1e-5,
             **COMMON,
         ),
+        # LayerNorm1P, squared ReLU, RoPE on half of each head (the default), GQA.
+        "nemotron": transformers.NemotronConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            norm_eps=2e-5,
+            rope_theta=30000.0,
+            **COMMON,
+        ),
         # gelu_new, an inner size that is not 4 x hidden, a non-default epsilon, tied embeddings.
         "gpt2": transformers.GPT2Config(
             vocab_size=V,
@@ -337,7 +348,11 @@ def test_defaults_without_transformers_match_transformers(model_type):
     """The fallback defaults (used when transformers is not installed) are transformers' class defaults."""
     cls = getattr(transformers, MODEL_TYPES_CLASSES[model_type])
     defaults = cls().to_dict()
-    legacy = {"rope_theta": (defaults.get("rope_parameters") or {}).get("rope_theta", defaults.get("rope_theta"))}
+    rope = defaults.get("rope_parameters") or {}
+    legacy = {
+        "rope_theta": rope.get("rope_theta", defaults.get("rope_theta")),
+        "partial_rotary_factor": rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor", 1.0)),
+    }
     for field, value in HF_DEFAULTS[model_type].items():
         got = legacy[field] if field in legacy else defaults.get(field, getattr(cls(), field, None))
         assert got == value, (model_type, field, got, value)

@@ -150,6 +150,26 @@ def _qwen3_moe(norm_topk_prob=False):
     )
 
 
+def _nemotron():
+    # LayerNorm1P (zero-centred gamma) with biases, squared ReLU, RoPE on 3/8 of each head, biases everywhere.
+    return transformers.NemotronConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.375,
+        rope_theta=20000.0,
+        norm_eps=1e-4,
+        attention_bias=True,
+        mlp_bias=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
@@ -159,6 +179,7 @@ CASES = {
     "qwen3": (_qwen3, transformers.Qwen3ForCausalLM),
     "qwen3_moe": (_qwen3_moe, transformers.Qwen3MoeForCausalLM),
     "qwen3_moe_norm_topk": (lambda: _qwen3_moe(norm_topk_prob=True), transformers.Qwen3MoeForCausalLM),
+    "nemotron": (_nemotron, transformers.NemotronForCausalLM),
 }
 
 

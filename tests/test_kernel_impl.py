@@ -40,7 +40,7 @@ def loss_and_grads(name, impl, parallel=None):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3", "nemotron"])
 def test_triton_model_equals_torch_model(name):
     launches = sum(K.LAUNCHES.values())
     ours, ours_g = loss_and_grads(name, "triton")

@@ -237,6 +237,11 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
             ["--nan-policy rollback", "--no-save-optim"],
         ),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
+        (["--mock-data", "--vocab-size", "100", "--swiglu", "--squared-relu"], ["--swiglu and --squared-relu"]),
+        (
+            ["--mock-data", "--vocab-size", "100", "--position-embedding-type", "rope", "--rotary-percent", "1.5"],
+            ["--rotary-percent 1.5 must be in (0, 1]"],
+        ),
     ],
 )
 def test_refused_flags(argv, fragments, capsys, monkeypatch):

@@ -146,9 +146,11 @@ QK_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(QK_LAYOUTS))
-def test_qk_layernorm_training_equals_single_process(dist, layout):
-    """--qk-layernorm (Qwen3) under tensor, sequence, context and pipeline parallelism."""
+@pytest.mark.parametrize("name", ["qwen3", "nemotron"])
+def test_newer_architectures_train_like_one_process(dist, name, layout):
+    """--qk-layernorm (Qwen3), and --rotary-percent 0.5 with --squared-relu and 1p LayerNorms (Nemotron), under
+    tensor, sequence, context (positions split in zigzag) and pipeline parallelism."""
     world, parallel, gbs, mbs = QK_LAYOUTS[layout]
-    ref = train_run("qwen3", ParallelConfig(), gbs, gbs)
-    for rank_history in dist(world, train_run, "qwen3", parallel, gbs, mbs):
+    ref = train_run(name, ParallelConfig(), gbs, gbs)
+    for rank_history in dist(world, train_run, name, parallel, gbs, mbs):
         _compare(rank_history, ref)

@@ -62,6 +62,7 @@ MODEL_TYPES_CLASSES = {
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",
+    "nemotron": "NemotronConfig",
     "mixtral": "MixtralConfig",
     "gpt2": "GPT2Config",
 }  # under a converted checkpoint's root: the original config.json and tokenizer files
@@ -123,6 +124,17 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         norm_topk_prob=False,
         decoder_sparse_step=1,
         mlp_only_layers=[],
+    ),
+    "nemotron": dict(
+        tie_word_embeddings=False,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        hidden_act="relu2",
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        max_position_embeddings=4096,
     ),
     "mixtral": dict(
         tie_word_embeddings=False,

@@ -157,6 +157,14 @@ class SelfAttention(nn.Module):
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
 
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on the first cos.shape[-1] dims of each head (all of them unless --rotary-percent < 1)."""
+        cos, sin = rope
+        r = cos.shape[-1]
+        if r == x.shape[-1]:
+            return self.rope(x, cos, sin)
+        return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
     ) -> torch.Tensor:
@@ -173,9 +181,7 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
-            cos, sin = rope
-            q = self.rope(q, cos, sin)
-            k = self.rope(k, cos, sin)
+            q, k = self._rotate(q, rope), self._rotate(k, rope)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)
         if self.recompute_core_attention and self.training:

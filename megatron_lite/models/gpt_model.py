@@ -97,7 +97,7 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = LanguageModelEmbedding(config, ctx, device, dtype) if pre_process else None
         self.rotary_pos_emb = (
-            RotaryEmbedding(config.head_dim, config.rotary_base, config.rope_scaling, device=device)
+            RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling, device=device)
             if config.position_embedding_type == "rope"
             else None
         )

@@ -1,9 +1,9 @@
 """Hugging Face <-> megatron_lite: configs and full (layout-free) state dicts.
 
 Supported: LlamaForCausalLM, MistralForCausalLM (with its sliding window), Qwen2ForCausalLM (QKV bias),
-Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), MixtralForCausalLM and
-GPT2LMHeadModel. A field that changes the math and that we do not implement is
-refused, never ignored.
+Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), NemotronForCausalLM (LayerNorm
+with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM and GPT2LMHeadModel. A field that
+changes the math and that we do not implement is refused, never ignored.
 Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
 GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q; k; v] over all heads.
 """
@@ -23,6 +23,7 @@ LLAMA_LIKE = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "NemotronForCausalLM",
 )
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
 MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -38,9 +39,16 @@ def _arch(hf_config: Any) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
+        "nemotron": "NemotronForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
+
+
+def _partial_rotary(hf_config: Any) -> float:
+    """partial_rotary_factor: in rope_parameters (transformers 5) or at the top level (4.x, config.json)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
 
 
 def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
@@ -67,9 +75,16 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
     if arch in LLAMA_LIKE:
         c = hf_config
-        if getattr(c, "hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
-        if getattr(c, "mlp_bias", False):
+        nemotron = arch == "NemotronForCausalLM"
+        act = "relu2" if nemotron else "silu"
+        if getattr(c, "hidden_act", act) != act:
+            raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only {act}")
+        if nemotron and getattr(c, "mlp_bias", False) != getattr(c, "attention_bias", False):
+            raise ConfigError(
+                f"config.json mlp_bias={c.mlp_bias} with attention_bias={c.attention_bias} is not supported: "
+                "biases are on every linear layer or none (--disable-bias-linear)"
+            )
+        if getattr(c, "mlp_bias", False) and not nemotron:
             raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
         if getattr(c, "use_sliding_window", False):  # Qwen2: windows on some layers only (max_window_layers)
             raise ConfigError(f"config.json use_sliding_window=true is not supported for {arch}")
@@ -77,11 +92,13 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         if getattr(c, "layer_types", None) and any(t != "full_attention" for t in c.layer_types) and not window:
             raise ConfigError(f"config.json layer_types {sorted(set(c.layer_types))} are not supported for {arch}")
         attention_bias = getattr(c, "attention_bias", False)
-        if attention_bias and arch != "Qwen2ForCausalLM":
+        if attention_bias and arch not in ("Qwen2ForCausalLM", "NemotronForCausalLM"):
             raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
         if getattr(c, "shared_expert_intermediate_size", 0):
             raise ConfigError(f"config.json shared_expert_intermediate_size is not supported for {arch}")
         base, scaling = _rope(c)
+        if _partial_rotary(c) != 1.0 and not nemotron:  # (their attention rotates whole heads)
+            raise ConfigError(f"config.json partial_rotary_factor={_partial_rotary(c)} is not supported for {arch}")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kwargs = dict(
             num_layers=c.num_hidden_layers,
@@ -92,14 +109,16 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             ffn_hidden_size=c.intermediate_size,
             vocab_size=c.vocab_size,
             max_position_embeddings=c.max_position_embeddings,
-            normalization="RMSNorm",
-            norm_epsilon=c.rms_norm_eps,
-            activation="swiglu",
+            normalization="LayerNorm" if nemotron else "RMSNorm",
+            apply_layernorm_1p=nemotron,  # Nemotron's LayerNorm1P stores gamma - 1, as we do with the flag
+            norm_epsilon=c.norm_eps if nemotron else c.rms_norm_eps,
+            activation="squared_relu" if nemotron else "swiglu",
             position_embedding_type="rope",
             rotary_base=base,
+            rotary_percent=_partial_rotary(c),
             rope_scaling=scaling,
             sliding_window=int(window) if window else None,
-            add_bias_linear=False,
+            add_bias_linear=nemotron and attention_bias,
             add_qkv_bias=arch == "Qwen2ForCausalLM",
             qk_layernorm=arch in QWEN3,
             untie_embeddings_and_output_weights=not c.tie_word_embeddings,
@@ -215,8 +234,10 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             att = p + "self_attn."
-            out[f"{L}.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-            for kind in ("weight", "bias"):
+            for kind in ("weight", "bias"):  # (LayerNorm: a bias too)
+                if p + f"input_layernorm.{kind}" in hf:
+                    out[f"{L}.{i}.input_layernorm.{kind}"] = hf[p + f"input_layernorm.{kind}"]
+                    out[f"{L}.{i}.pre_mlp_layernorm.{kind}"] = hf[p + f"post_attention_layernorm.{kind}"]
                 if f"{att}q_proj.{kind}" in hf:
                     out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(
                         hf[f"{att}q_proj.{kind}"],
@@ -225,18 +246,26 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
                         config.query_groups,
                     )
             out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+            if att + "o_proj.bias" in hf:
+                out[f"{L}.{i}.self_attention.linear_proj.bias"] = hf[att + "o_proj.bias"]
             if config.qk_layernorm:
                 out[f"{L}.{i}.self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
                 out[f"{L}.{i}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
-            out[f"{L}.{i}.pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
             if config.num_experts and config.is_moe_layer(i):
                 out.update(_experts_from_hf(hf, p, f"{L}.{i}.mlp", config.num_experts))
-            else:
+            elif config.activation == "swiglu":
                 out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
                     [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
                 )
                 out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+            else:  # Nemotron: up_proj -> squared ReLU -> down_proj
+                for kind in ("weight", "bias"):
+                    if p + f"mlp.up_proj.{kind}" in hf:
+                        out[f"{L}.{i}.mlp.linear_fc1.{kind}"] = hf[p + f"mlp.up_proj.{kind}"]
+                        out[f"{L}.{i}.mlp.linear_fc2.{kind}"] = hf[p + f"mlp.down_proj.{kind}"]
+        for kind in ("weight", "bias"):
+            if f"model.norm.{kind}" in hf:
+                out[f"decoder.final_layernorm.{kind}"] = hf[f"model.norm.{kind}"]
         if not config.tied_embeddings:
             out["output_layer.weight"] = hf["lm_head.weight"]
         return out
@@ -276,24 +305,29 @@ def state_dict_to_hf(
     as block_sparse_moe.experts.{e}.w1/w3/w2, and no `lm_head.weight` when the embeddings are tied."""
     hf: dict[str, torch.Tensor] = {}
     L = "decoder.layers"
-    if config.apply_layernorm_1p:  # Hugging Face norms hold gamma itself
-        ours = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in ours.items()}
+    # Hugging Face norms hold gamma itself, except Nemotron's LayerNorm1P, which holds gamma - 1 as we do with
+    # --apply-layernorm-1p
+    shift = int(config.apply_layernorm_1p) - int(arch == "NemotronForCausalLM")
+    if shift:
+        ours = {k: v + shift if k.endswith("layernorm.weight") else v for k, v in ours.items()}
     if arch in LLAMA_LIKE:
         hf["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            hf[p + "input_layernorm.weight"] = ours[f"{L}.{i}.input_layernorm.weight"]
             for kind in ("weight", "bias"):
+                if f"{L}.{i}.input_layernorm.{kind}" in ours:
+                    hf[p + f"input_layernorm.{kind}"] = ours[f"{L}.{i}.input_layernorm.{kind}"]
+                    hf[p + f"post_attention_layernorm.{kind}"] = ours[f"{L}.{i}.pre_mlp_layernorm.{kind}"]
+                if f"{L}.{i}.self_attention.linear_proj.{kind}" in ours:
+                    hf[p + f"self_attn.o_proj.{kind}"] = ours[f"{L}.{i}.self_attention.linear_proj.{kind}"]
                 key = f"{L}.{i}.self_attention.linear_qkv.{kind}"
                 if key in ours:
                     q, k, v = _ungroup_qkv(ours[key], config)
                     hf[f"{p}self_attn.q_proj.{kind}"], hf[f"{p}self_attn.k_proj.{kind}"] = q, k
                     hf[f"{p}self_attn.v_proj.{kind}"] = v
-            hf[p + "self_attn.o_proj.weight"] = ours[f"{L}.{i}.self_attention.linear_proj.weight"]
             if config.qk_layernorm:
                 hf[p + "self_attn.q_norm.weight"] = ours[f"{L}.{i}.self_attention.q_layernorm.weight"]
                 hf[p + "self_attn.k_norm.weight"] = ours[f"{L}.{i}.self_attention.k_layernorm.weight"]
-            hf[p + "post_attention_layernorm.weight"] = ours[f"{L}.{i}.pre_mlp_layernorm.weight"]
             moe = config.num_experts and config.is_moe_layer(i)
             if moe and on_disk:
                 m = f"{L}.{i}.mlp"
@@ -317,11 +351,18 @@ def state_dict_to_hf(
                 hf[p + "mlp.experts.down_proj"] = torch.stack(
                     [ours[f"{m}.experts.{e}.linear_fc2.weight"] for e in range(n)]
                 )
-            else:
+            elif config.activation == "swiglu":
                 gate, up = ours[f"{L}.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
                 hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
                 hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
-        hf["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
+            else:
+                for kind in ("weight", "bias"):
+                    if f"{L}.{i}.mlp.linear_fc1.{kind}" in ours:
+                        hf[p + f"mlp.up_proj.{kind}"] = ours[f"{L}.{i}.mlp.linear_fc1.{kind}"]
+                        hf[p + f"mlp.down_proj.{kind}"] = ours[f"{L}.{i}.mlp.linear_fc2.{kind}"]
+        for kind in ("weight", "bias"):
+            if f"decoder.final_layernorm.{kind}" in ours:
+                hf[f"model.norm.{kind}"] = ours[f"decoder.final_layernorm.{kind}"]
         if not (on_disk and config.tied_embeddings):
             hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
         return {k: v.contiguous() for k, v in hf.items()}
@@ -356,10 +397,14 @@ def architecture_for(config: ModelConfig) -> str:
     """The Hugging Face class that computes what `config` computes."""
     if config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm":
         return "GPT2LMHeadModel"
+    if config.position_embedding_type == "rope" and config.normalization == "LayerNorm":
+        if config.activation == "squared_relu":
+            return "NemotronForCausalLM"
     if config.position_embedding_type != "rope" or config.normalization != "RMSNorm" or config.activation != "swiglu":
         raise ConfigError(
             f"no Hugging Face architecture computes this model ({config.normalization}, {config.activation}, "
-            f"{config.position_embedding_type} positions); supported: Llama/Mistral/Qwen2/Qwen3/Mixtral, GPT-2"
+            f"{config.position_embedding_type} positions); supported: Llama/Mistral/Qwen2/Qwen3/Mixtral, Nemotron, "
+            "GPT-2"
         )
     if config.qk_layernorm:
         return "Qwen3MoeForCausalLM" if config.num_experts else "Qwen3ForCausalLM"
@@ -380,6 +425,15 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("GPT-2 needs biases (drop --disable-bias-linear)")
         if c.ffn_size and c.activation not in ("gelu", "gelu_tanh"):
             problems.append(f"activation {c.activation}")
+    elif arch == "NemotronForCausalLM":
+        for bad, what in (
+            (c.num_experts, "experts"),
+            (c.qk_layernorm, "q/k norms"),
+            (c.add_qkv_bias and not c.add_bias_linear, "QKV bias alone"),
+            (c.sliding_window, "a sliding window"),
+        ):
+            if bad:
+                problems.append(what)
     else:
         if c.add_bias_linear:
             problems.append("biases on every linear layer (Llama-family models have none)")
@@ -396,6 +450,8 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("QKV bias with --qk-layernorm (Qwen3 has no QKV bias)")
         if arch in QWEN3 and c.sliding_window:
             problems.append("a sliding window with --qk-layernorm")
+    if c.rotary_percent != 1.0 and arch not in ("NemotronForCausalLM", "GPT2LMHeadModel"):
+        problems.append(f"--rotary-percent {c.rotary_percent} ({arch} rotates whole heads)")
     if problems:
         raise ConfigError(f"cannot export to {arch}: {'; '.join(problems)}")
 
@@ -407,6 +463,7 @@ MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "NemotronForCausalLM": "nemotron",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -470,6 +527,14 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     # (Qwen3's head_dim defaults to 128 whatever the hidden size, so it is always written there)
     if c.head_dim != c.hidden_size // c.num_attention_heads or out.get("head_dim") is not None or arch in QWEN3:
         out["head_dim"] = c.head_dim
+    if c.rotary_percent != 1.0 or arch == "NemotronForCausalLM":
+        rope["partial_rotary_factor"] = c.rotary_percent
+        out["partial_rotary_factor"] = c.rotary_percent  # (transformers 4.x reads it here)
+        out["rope_parameters"] = rope
+    if arch == "NemotronForCausalLM":
+        out.pop("rms_norm_eps")
+        out.update(norm_eps=c.norm_epsilon, hidden_act="relu2", attention_bias=c.add_bias_linear)
+        out["mlp_bias"] = c.add_bias_linear
     if arch in ("LlamaForCausalLM",):
         out.update(attention_bias=False, mlp_bias=False)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
