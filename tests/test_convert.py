@@ -141,6 +141,34 @@ def _configs() -> dict:
             rope_theta=30000.0,
             **COMMON,
         ),
+        # Fused qkv_proj and gate_up_proj, a sliding window shorter than the test sequence, RoPE on half of each head.
+        "phi3": transformers.Phi3Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=7,
+            partial_rotary_factor=0.5,
+            rms_norm_eps=2e-5,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+            **COMMON,
+        ),
+        # Phi-4's shape: the Llama math in Phi-3's fused projections, so the export must go back to Phi-3, not Llama.
+        "phi4": transformers.Phi3Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=250000.0,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+            **COMMON,
+        ),
         # gelu_new, an inner size that is not 4 x hidden, a non-default epsilon, tied embeddings.
         "gpt2": transformers.GPT2Config(
             vocab_size=V,

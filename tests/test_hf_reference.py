@@ -170,6 +170,26 @@ def _nemotron():
     )
 
 
+def _phi3():
+    # Fused qkv_proj ([q; k; v]) and gate_up_proj, RoPE on 3/4 of each head (Phi-4-mini's factor).
+    return transformers.Phi3Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.75,
+        rope_theta=25000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=None,  # (transformers zeroes a padding row's embedding gradient; Megatron has no padding row)
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
@@ -180,6 +200,7 @@ CASES = {
     "qwen3_moe": (_qwen3_moe, transformers.Qwen3MoeForCausalLM),
     "qwen3_moe_norm_topk": (lambda: _qwen3_moe(norm_topk_prob=True), transformers.Qwen3MoeForCausalLM),
     "nemotron": (_nemotron, transformers.NemotronForCausalLM),
+    "phi3": (_phi3, transformers.Phi3ForCausalLM),
 }
 
 

@@ -63,6 +63,7 @@ MODEL_TYPES_CLASSES = {
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",
     "nemotron": "NemotronConfig",
+    "phi3": "Phi3Config",
     "mixtral": "MixtralConfig",
     "gpt2": "GPT2Config",
 }  # under a converted checkpoint's root: the original config.json and tokenizer files
@@ -133,6 +134,16 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         hidden_act="relu2",
         attention_bias=False,
         mlp_bias=False,
+        attention_dropout=0.0,
+        max_position_embeddings=4096,
+    ),
+    "phi3": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        partial_rotary_factor=1.0,
+        hidden_act="silu",
+        sliding_window=None,
         attention_dropout=0.0,
         max_position_embeddings=4096,
     ),
@@ -390,14 +401,14 @@ def megatron_lite_to_hf(
             ours = {**read_model_tensors(base_dir)[1], **ours}
             log(f"merging the QLoRA adapters onto the unquantised base {base_dir}")
         ours = merge(ours, config, lora)
-    arch = architecture_for(config)
-    base, side_from = None, []
+    base, side_from, original = None, [], {}
     side = os.path.join(load_dir, HF_DIR)
     if os.path.isfile(os.path.join(side, "config.json")):
         original = json.load(open(os.path.join(side, "config.json")))
-        if (original.get("architectures") or [None])[0] == arch:
-            base = original
         side_from.append(side)
+    arch = architecture_for(config, (original.get("architectures") or [None])[0])  # back to the weights' class
+    if (original.get("architectures") or [None])[0] == arch:
+        base = original
     tok = (saved.get("data") or {}).get("tokenizer_model")
     if tok and os.path.isfile(tok):
         side_from.append(os.path.dirname(tok))

@@ -49,8 +49,11 @@ def to_peft(
     lora_state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig, arch: str
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """PEFT's tensors and adapter_config.json for our adapters."""
-    if arch not in LLAMA_LIKE:
-        raise ConfigError(f"--saver hf-peft supports Llama-like models (separate q/k/v projections), not {arch}")
+    if arch not in LLAMA_LIKE or arch == "Phi3ForCausalLM":
+        raise ConfigError(
+            f"--saver hf-peft supports Llama-like models (separate q/k/v projections), not {arch}; export merged "
+            "weights with --saver hf --merge-lora"
+        )
     tensors, modules = {}, set()
     experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
     for key, value in lora_state.items():

@@ -1,7 +1,8 @@
 """Hugging Face <-> megatron_lite: configs and full (layout-free) state dicts.
 
 Supported: LlamaForCausalLM, MistralForCausalLM (with its sliding window), Qwen2ForCausalLM (QKV bias),
-Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), NemotronForCausalLM (LayerNorm
+Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), Phi3ForCausalLM (Phi-3, Phi-4:
+fused qkv_proj and gate_up_proj, partial RoPE, sliding window), NemotronForCausalLM (LayerNorm
 with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM and GPT2LMHeadModel. A field that
 changes the math and that we do not implement is refused, never ignored.
 Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
@@ -24,9 +25,11 @@ LLAMA_LIKE = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "NemotronForCausalLM",
+    "Phi3ForCausalLM",
 )
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
 MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM")  # rotate the first partial_rotary_factor of a head
 
 
 def _arch(hf_config: Any) -> str:
@@ -40,6 +43,7 @@ def _arch(hf_config: Any) -> str:
         "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "nemotron": "NemotronForCausalLM",
+        "phi3": "Phi3ForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
@@ -88,7 +92,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
         if getattr(c, "use_sliding_window", False):  # Qwen2: windows on some layers only (max_window_layers)
             raise ConfigError(f"config.json use_sliding_window=true is not supported for {arch}")
-        window = getattr(c, "sliding_window", None) if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+        windowed = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+        window = getattr(c, "sliding_window", None) if arch in windowed else None
         if getattr(c, "layer_types", None) and any(t != "full_attention" for t in c.layer_types) and not window:
             raise ConfigError(f"config.json layer_types {sorted(set(c.layer_types))} are not supported for {arch}")
         attention_bias = getattr(c, "attention_bias", False)
@@ -97,7 +102,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         if getattr(c, "shared_expert_intermediate_size", 0):
             raise ConfigError(f"config.json shared_expert_intermediate_size is not supported for {arch}")
         base, scaling = _rope(c)
-        if _partial_rotary(c) != 1.0 and not nemotron:  # (their attention rotates whole heads)
+        if _partial_rotary(c) != 1.0 and arch not in PARTIAL_ROTARY:  # (their attention rotates whole heads)
             raise ConfigError(f"config.json partial_rotary_factor={_partial_rotary(c)} is not supported for {arch}")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kwargs = dict(
@@ -238,6 +243,11 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
                 if p + f"input_layernorm.{kind}" in hf:
                     out[f"{L}.{i}.input_layernorm.{kind}"] = hf[p + f"input_layernorm.{kind}"]
                     out[f"{L}.{i}.pre_mlp_layernorm.{kind}"] = hf[p + f"post_attention_layernorm.{kind}"]
+                if f"{att}qkv_proj.{kind}" in hf:  # Phi-3: [q; k; v] in one projection
+                    q, k, v = hf[f"{att}qkv_proj.{kind}"].split(
+                        [config.num_attention_heads * config.head_dim, *[config.query_groups * config.head_dim] * 2]
+                    )
+                    out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(q, k, v, config.query_groups)
                 if f"{att}q_proj.{kind}" in hf:
                     out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(
                         hf[f"{att}q_proj.{kind}"],
@@ -253,6 +263,9 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
                 out[f"{L}.{i}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
             if config.num_experts and config.is_moe_layer(i):
                 out.update(_experts_from_hf(hf, p, f"{L}.{i}.mlp", config.num_experts))
+            elif p + "mlp.gate_up_proj.weight" in hf:  # Phi-3: [gate; up], our layout
+                out[f"{L}.{i}.mlp.linear_fc1.weight"] = hf[p + "mlp.gate_up_proj.weight"]
+                out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
             elif config.activation == "swiglu":
                 out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
                     [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
@@ -321,7 +334,9 @@ def state_dict_to_hf(
                 if f"{L}.{i}.self_attention.linear_proj.{kind}" in ours:
                     hf[p + f"self_attn.o_proj.{kind}"] = ours[f"{L}.{i}.self_attention.linear_proj.{kind}"]
                 key = f"{L}.{i}.self_attention.linear_qkv.{kind}"
-                if key in ours:
+                if key in ours and arch == "Phi3ForCausalLM":
+                    hf[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(_ungroup_qkv(ours[key], config), dim=0)
+                elif key in ours:
                     q, k, v = _ungroup_qkv(ours[key], config)
                     hf[f"{p}self_attn.q_proj.{kind}"], hf[f"{p}self_attn.k_proj.{kind}"] = q, k
                     hf[f"{p}self_attn.v_proj.{kind}"] = v
@@ -351,6 +366,9 @@ def state_dict_to_hf(
                 hf[p + "mlp.experts.down_proj"] = torch.stack(
                     [ours[f"{m}.experts.{e}.linear_fc2.weight"] for e in range(n)]
                 )
+            elif arch == "Phi3ForCausalLM":
+                hf[p + "mlp.gate_up_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc1.weight"]
+                hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
             elif config.activation == "swiglu":
                 gate, up = ours[f"{L}.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
                 hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
@@ -393,8 +411,29 @@ def state_dict_to_hf(
 
 
 # config.json ------------------------------------------------------------------------------------
-def architecture_for(config: ModelConfig) -> str:
-    """The Hugging Face class that computes what `config` computes."""
+def architecture_for(config: ModelConfig, preferred: str | None = None) -> str:
+    """The Hugging Face class that computes what `config` computes: `preferred` (the class the weights came
+    from) when it can, else the first that does."""
+    if preferred is not None and preferred != (first := _architecture(config)):
+        try:
+            _check_exportable(config, preferred)
+        except ConfigError:
+            return first
+        if preferred in _EQUIVALENT.get(first, ()):
+            return preferred
+        return first
+    return _architecture(config)
+
+
+# Classes that compute the same models (a Llama converted from Phi-3 goes back to Phi-3)
+_EQUIVALENT = {
+    "LlamaForCausalLM": ("MistralForCausalLM", "Phi3ForCausalLM"),
+    "MistralForCausalLM": ("Phi3ForCausalLM",),
+    "Phi3ForCausalLM": ("MistralForCausalLM",),
+}
+
+
+def _architecture(config: ModelConfig) -> str:
     if config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm":
         return "GPT2LMHeadModel"
     if config.position_embedding_type == "rope" and config.normalization == "LayerNorm":
@@ -412,6 +451,8 @@ def architecture_for(config: ModelConfig) -> str:
         return "MixtralForCausalLM"
     if config.add_qkv_bias:
         return "Qwen2ForCausalLM"
+    if config.rotary_percent != 1.0:
+        return "Phi3ForCausalLM"
     if config.sliding_window:
         return "MistralForCausalLM"
     return "LlamaForCausalLM"
@@ -450,7 +491,7 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("QKV bias with --qk-layernorm (Qwen3 has no QKV bias)")
         if arch in QWEN3 and c.sliding_window:
             problems.append("a sliding window with --qk-layernorm")
-    if c.rotary_percent != 1.0 and arch not in ("NemotronForCausalLM", "GPT2LMHeadModel"):
+    if c.rotary_percent != 1.0 and arch not in (*PARTIAL_ROTARY, "GPT2LMHeadModel"):
         problems.append(f"--rotary-percent {c.rotary_percent} ({arch} rotates whole heads)")
     if problems:
         raise ConfigError(f"cannot export to {arch}: {'; '.join(problems)}")
@@ -464,6 +505,7 @@ MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "NemotronForCausalLM": "nemotron",
+    "Phi3ForCausalLM": "phi3",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -527,7 +569,7 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     # (Qwen3's head_dim defaults to 128 whatever the hidden size, so it is always written there)
     if c.head_dim != c.hidden_size // c.num_attention_heads or out.get("head_dim") is not None or arch in QWEN3:
         out["head_dim"] = c.head_dim
-    if c.rotary_percent != 1.0 or arch == "NemotronForCausalLM":
+    if c.rotary_percent != 1.0 or arch in PARTIAL_ROTARY:
         rope["partial_rotary_factor"] = c.rotary_percent
         out["partial_rotary_factor"] = c.rotary_percent  # (transformers 4.x reads it here)
         out["rope_parameters"] = rope
@@ -537,7 +579,7 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         out["mlp_bias"] = c.add_bias_linear
     if arch in ("LlamaForCausalLM",):
         out.update(attention_bias=False, mlp_bias=False)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         out["sliding_window"] = c.sliding_window
     if arch in ("Qwen2ForCausalLM", *QWEN3):
         out.update(use_sliding_window=False, sliding_window=None)

@@ -8,8 +8,9 @@
         --save-dir merged
 
 Supported Hugging Face architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, GPT2LMHeadModel. A megatron_lite checkpoint saved
-under any layout converts as is; one converted from Hugging Face loads under any layout (`pretrain_gpt.py --load ckpt`).
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, NemotronForCausalLM,
+GPT2LMHeadModel. A megatron_lite checkpoint saved under any layout converts as is; one converted from Hugging
+Face loads under any layout (`pretrain_gpt.py --load ckpt`).
 """
 
 from __future__ import annotations
