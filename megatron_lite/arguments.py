@@ -281,6 +281,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         log_jsonl=ns.log_jsonl,
         wandb_project=ns.wandb_project,
         wandb_exp_name=ns.wandb_exp_name,
+        wandb_entity=ns.wandb_entity,
         wandb_save_dir=ns.wandb_save_dir,
         tensorboard_dir=ns.tensorboard_dir,
         log_memory_breakdown=ns.log_memory_breakdown,

@@ -338,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(g, "--log-num-zeros-in-grad", "log the number of zero entries in the gradients")
     g.add_argument("--wandb-project")
     g.add_argument("--wandb-exp-name")
+    g.add_argument("--wandb-entity", help="the W&B team or user the run is logged under (default: yours)")
     g.add_argument("--wandb-save-dir")
     g.add_argument("--tensorboard-dir")
     _bool(g, "--profile", "profile iterations (--profile-step-start, --profile-step-end] on --profile-ranks")

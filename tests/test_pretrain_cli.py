@@ -645,3 +645,29 @@ def test_fsdp2_with_overlap_grad_reduce_is_refused_before_any_process_group(caps
     argv = ["--mock-data", "--vocab-size", "100", "--use-torch-fsdp2", "--overlap-grad-reduce"]
     rc, _, err = _run([*argv, "--pipeline-model-parallel-size", "2"], capsys, monkeypatch, world=4)
     _one_line_error(rc, err, "--use-torch-fsdp2", "drop --overlap-grad-reduce")
+
+
+def test_wandb_entity_and_validation_perplexity(tmp_path):
+    """--wandb-entity reaches the (offline, real) W&B run; validation logs Megatron's perplexity exp(lm_loss)."""
+    import math
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [*TINY, "--mock-data", "--vocab-size", "100", "--eval-iters", "2", "--eval-interval", "3"]
+    argv += ["--wandb-project", "p", "--wandb-entity", "team-x", "--wandb-save-dir", str(tmp_path / "wb")]
+    argv += ["--log-jsonl", str(tmp_path / "m.jsonl")]
+    env = {**os.environ, "WANDB_MODE": "offline", "WORLD_SIZE": "1", "RANK": "0"}
+    env.pop("WANDB_API_KEY", None)
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "pretrain", "pretrain_gpt.py"), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    logs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/logs/debug.log"))
+    assert len(logs) == 1 and "finishing run team-x/p/" in logs[0].read_text()  # entity/project/run id
+    valid = [json.loads(line)["validation"] for line in open(tmp_path / "m.jsonl") if '"validation"' in line]
+    assert valid and all(abs(v["ppl"] - math.exp(v["lm_loss"])) < 1e-9 * v["ppl"] for v in valid)

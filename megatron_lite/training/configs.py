@@ -41,6 +41,7 @@ class LoggingConfig:
     log_jsonl: str | None = None
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
+    wandb_entity: str | None = None
     wandb_save_dir: str | None = None
     tensorboard_dir: str | None = None
     log_memory_breakdown: bool = False  # per rank: parameter, gradient, optimizer and activation bytes

@@ -61,6 +61,7 @@ class MetricsLogger:
             self._wandb = wandb.init(
                 project=self.config.wandb_project,
                 name=self.config.wandb_exp_name,
+                entity=self.config.wandb_entity,
                 dir=save_dir,
                 config=job.to_dict(),
                 mode=mode,

@@ -9,6 +9,7 @@ rank with one line instead of leaving some rank waiting in a collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import resource
 import sys
@@ -408,7 +409,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
             valid = _Batches(valid_ds, job, ctx)
             losses = [eval_step(ddp, valid.get(i * gbs), ctx) for i in range(t.eval_iters)]
             model.train()
-            log.log(state.iteration, {"lm_loss": sum(losses) / len(losses)}, kind="validation")
+            loss = sum(losses) / len(losses)
+            # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
+            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind="validation")
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             save()
         if _should_exit(t, state, start_time, ctx):
