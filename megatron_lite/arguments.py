@@ -249,6 +249,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     )
     data = DataConfig(
         data_path=tuple(ns.data_path or ()),
+        train_data_path=tuple(ns.train_data_path or ()),
+        valid_data_path=tuple(ns.valid_data_path or ()),
+        test_data_path=tuple(ns.test_data_path or ()),
         split=ns.split,
         mock_data=ns.mock_data,
         tokenizer_type=ns.tokenizer_type,

@@ -101,6 +101,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     if t.get("train_samples") is not None:  # a sample-based run: its iterations follow from the samples again
         out.update(train_samples=t["train_samples"], train_iters=None)
     out.update({k: v for k, v in o.items()})
-    out.update({k: v for k, v in d.items() if k != "data_path"})
-    out["data_path"] = list(d["data_path"]) or None
+    paths = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+    out.update({k: v for k, v in d.items() if k not in paths})
+    out.update({k: list(d.get(k) or ()) or None for k in paths})
     return out

@@ -239,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = parser.add_argument_group("data")
     a.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...; default: embedded corpus")
+    for split in ("train", "valid", "test"):
+        a.add_argument(
+            f"--{split}-data-path",
+            nargs="+",
+            help=f"the {split} split's own datasets (as --data-path), used whole; instead of --data-path and --split",
+        )
     a.add_argument("--split", default="969,30,1")
     _bool(a, "--mock-data", "synthetic tokens (needs --vocab-size)")
     a.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES))

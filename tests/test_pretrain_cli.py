@@ -671,3 +671,44 @@ def test_wandb_entity_and_validation_perplexity(tmp_path):
     assert len(logs) == 1 and "finishing run team-x/p/" in logs[0].read_text()  # entity/project/run id
     valid = [json.loads(line)["validation"] for line in open(tmp_path / "m.jsonl") if '"validation"' in line]
     assert valid and all(abs(v["ppl"] - math.exp(v["lm_loss"])) < 1e-9 * v["ppl"] for v in valid)
+
+
+def _ranged_dataset(tmp_path, name, lo, hi, docs=30):
+    """An indexed dataset whose tokens all lie in [lo, hi)."""
+    prefix = str(tmp_path / "data" / name)
+    w = IndexedDatasetWriter(prefix, vocab_size=100)
+    rng = np.random.default_rng(lo)
+    for _ in range(docs):
+        w.add_document(rng.integers(lo, hi, size=int(rng.integers(20, 60))))
+    w.finalize()
+    return prefix
+
+
+def test_per_split_data_paths(tmp_path, capsys, monkeypatch):
+    """--train-data-path / --valid-data-path (Megatron's): each split reads only its own datasets, whole (no
+    --split); a split without datasets has none; mixing them with --data-path is refused."""
+    from megatron_lite.data.builder import build_datasets, resolve_data
+    from megatron_lite.data.config import DataConfig
+
+    train_a, train_b = _ranged_dataset(tmp_path, "a", 0, 30), _ranged_dataset(tmp_path, "b", 30, 60)
+    valid = _ranged_dataset(tmp_path, "v", 60, 98)
+    data = DataConfig(
+        train_data_path=("2", train_a, "1", train_b),
+        valid_data_path=(valid,),
+        tokenizer_type="NullTokenizer",
+        vocab_size=100,
+    )
+    train_ds, valid_ds, test_ds = build_datasets(resolve_data(data), data, (60, 20, 10), 16, seed=1)
+    assert test_ds is None
+    train_tokens = torch.cat([torch.as_tensor(train_ds[i]["tokens"]) for i in range(60)])
+    valid_tokens = torch.cat([torch.as_tensor(valid_ds[i]["tokens"]) for i in range(20)])
+    assert int(train_tokens.max()) < 60 and bool((train_tokens >= 30).any()) and bool((train_tokens < 30).any())
+    assert int(valid_tokens.min()) >= 60  # the whole validation set, none of the training data
+    # The whole job, and the flags' errors.
+    common = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--eval-interval", "3", "--eval-iters", "1"]
+    rc, out, err = _run(["--train-data-path", train_a, "--valid-data-path", valid, *common], capsys, monkeypatch)
+    assert rc == 0 and "validation at iteration 3" in out, err
+    rc, _, err = _run(["--train-data-path", train_a, "--data-path", valid, *common], capsys, monkeypatch)
+    _one_line_error(rc, err, "--train-data-path gives each split its own datasets", "drop --data-path")
+    rc, _, err = _run(["--valid-data-path", valid, *common], capsys, monkeypatch)
+    _one_line_error(rc, err, "--valid-data-path needs --train-data-path")

@@ -1,7 +1,8 @@
 """From the data flags to a tokenizer and train/valid/test datasets.
 
-Three sources: --mock-data (synthetic, NullTokenizer), --data-path (indexed datasets, a tokenizer from
-the flags), or neither: the embedded corpus and its trained tokenizer. The model's vocabulary is
+Three sources: --mock-data (synthetic, NullTokenizer), --data-path (indexed datasets split by --split, a
+tokenizer from the flags) or --train/valid/test-data-path (each split its own datasets, used whole), or none:
+the embedded corpus and its trained tokenizer. The model's vocabulary is
 --vocab-size when given, else the tokenizer's; a dataset holding a token id beyond it is refused.
 """
 
@@ -27,6 +28,7 @@ class DataSource:
     vocab_size: int
     prefixes: list[tuple[float, str]]  # (weight, prefix); empty for mock data
     description: str
+    per_split: tuple[list[tuple[float, str]], ...] | None = None  # --train/valid/test-data-path blends
 
 
 def resolve_data(data: DataConfig, log=print) -> DataSource:
@@ -43,12 +45,18 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
             raise ConfigError("--sft needs one --data-path (a JSONL file of prompt/response records) and a tokenizer")
         tok = tokenizer_from_flags(data)
         return DataSource(tok, tok.vocab_size, [(1.0, data.data_path[0])], f"SFT records {data.data_path[0]}")
-    if data.data_path:
+    if data.data_path or data.train_data_path:
+        flag = "--data-path" if data.data_path else "--train-data-path"
         if data.tokenizer_type is None:
-            raise ConfigError("--data-path needs --tokenizer-type (and its files) to know the vocabulary")
+            raise ConfigError(f"{flag} needs --tokenizer-type (and its files) to know the vocabulary")
         tok = tokenizer_from_flags(data)
         vocab = data.vocab_size if data.vocab_size and data.tokenizer_type != "NullTokenizer" else tok.vocab_size
-        return DataSource(tok, vocab, data.blend, f"{len(data.blend)} indexed dataset(s)")
+        per_split = data.blend_per_split
+        if per_split is None:
+            return DataSource(tok, vocab, data.blend, f"{len(data.blend)} indexed dataset(s)")
+        counts = "/".join(str(len(b)) for b in per_split)
+        prefixes = [wp for b in per_split for wp in b]
+        return DataSource(tok, vocab, prefixes, f"train/valid/test from {counts} indexed dataset(s)", per_split)
     prefix, tok_path = build_embedded_corpus(log=log)
     tok = HuggingFaceTokenizer(tok_path)
     return DataSource(tok, tok.vocab_size, [(1.0, prefix)], f"embedded corpus {prefix}")
@@ -85,21 +93,29 @@ def build_datasets(
             for i, n in enumerate(num_samples)
         )
     eod_mask = data.eod_mask_loss
-    weights = [w for w, _ in source.prefixes]
-    total_w = sum(weights)
-    splits: list[list] = [[], [], []]
-    for w, prefix in source.prefixes:
-        indexed = IndexedDataset(prefix)
-        cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
-        _check_vocab(indexed, source.vocab_size, cache_dir)
-        ranges = split_document_ranges(len(indexed), data.split_weights)
-        for s, (lo, hi) in enumerate(ranges):
+    # Each split's blend: (weight, prefix, use the --split part of it) — or, per split, whole datasets.
+    if source.per_split is not None:
+        blends = [[(w, p, False) for w, p in b] for b in source.per_split]
+    else:
+        blends = [[(w, p, True) for w, p in source.prefixes]] * 3
+    opened: dict[str, IndexedDataset] = {}
+    out = []
+    for s, blend in enumerate(blends):
+        total_w = sum(w for w, _, _ in blend)
+        parts = []
+        for w, prefix, by_split in blend:
+            cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+            if prefix not in opened:
+                opened[prefix] = IndexedDataset(prefix)
+                _check_vocab(opened[prefix], source.vocab_size, cache_dir)
+            indexed = opened[prefix]
+            lo, hi = split_document_ranges(len(indexed), data.split_weights)[s] if by_split else (0, len(indexed))
             if num_samples[s] == 0 or hi <= lo:
-                splits[s].append(None)
+                parts.append(None)
                 continue
             # Megatron's 0.5% margin so the blend never runs a component dry.
-            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if len(source.prefixes) > 1 else num_samples[s]
-            splits[s].append(
+            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if len(blend) > 1 else num_samples[s]
+            parts.append(
                 GPTDataset(
                     indexed,
                     (lo, hi),
@@ -113,13 +129,11 @@ def build_datasets(
                     data.reset_attention_mask,
                 )
             )
-    out = []
-    for s, parts in enumerate(splits):
         if num_samples[s] == 0 or all(p is None for p in parts):
             out.append(None)
         elif len(parts) == 1:
             out.append(parts[0])
         else:
-            kept = [(p, w) for p, w in zip(parts, weights) if p is not None]
+            kept = [(p, w) for p, (w, _, _) in zip(parts, blend) if p is not None]
             out.append(BlendedDataset([p for p, _ in kept], [w for _, w in kept], num_samples[s]))
     return tuple(out)

@@ -27,6 +27,11 @@ def _split_weights(split: str) -> list[float]:
 class DataConfig:
     # Megatron's --data-path: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights need not sum to 1).
     data_path: tuple[str, ...] = field(default_factory=tuple)
+    # Megatron's --train-data-path / --valid-data-path / --test-data-path: each split from datasets of its own
+    # (same syntax as --data-path), used whole; instead of --data-path and --split
+    train_data_path: tuple[str, ...] = field(default_factory=tuple)
+    valid_data_path: tuple[str, ...] = field(default_factory=tuple)
+    test_data_path: tuple[str, ...] = field(default_factory=tuple)
     split: str = "969,30,1"
     mock_data: bool = False
     tokenizer_type: str | None = None
@@ -56,17 +61,22 @@ class DataConfig:
             weights = []
         if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split {self.split!r} must be up to three non-negative weights, e.g. 969,30,1")
-        if len(self.data_path) > 1:
-            if len(self.data_path) % 2:
-                raise ConfigError(
-                    f"--data-path with several datasets takes weight/prefix pairs, got {len(self.data_path)} items"
-                )
-            for w in self.data_path[0::2]:
-                try:
-                    if float(w) < 0:
-                        raise ValueError
-                except ValueError:
-                    raise ConfigError(f"--data-path weight {w!r} is not a non-negative number") from None
+        per_split = [f for f in ("train_data_path", "valid_data_path", "test_data_path") if getattr(self, f)]
+        if per_split and (self.data_path or self.mock_data or self.sft):
+            other = "--data-path" if self.data_path else ("--mock-data" if self.mock_data else "--sft")
+            raise ConfigError(
+                f"--{per_split[0].replace('_', '-')} gives each split its own datasets; drop {other} (or use "
+                "--data-path with --split)"
+            )
+        if per_split and not self.train_data_path:
+            raise ConfigError(f"--{per_split[0].replace('_', '-')} needs --train-data-path too")
+        for flag, paths in (
+            ("--data-path", self.data_path),
+            ("--train-data-path", self.train_data_path),
+            ("--valid-data-path", self.valid_data_path),
+            ("--test-data-path", self.test_data_path),
+        ):
+            _check_blend(flag, paths)
 
     @property
     def split_weights(self) -> tuple[float, float, float]:
@@ -78,6 +88,30 @@ class DataConfig:
     @property
     def blend(self) -> list[tuple[float, str]]:
         """(weight, prefix) pairs of --data-path."""
-        if len(self.data_path) == 1:
-            return [(1.0, self.data_path[0])]
-        return [(float(w), p) for w, p in zip(self.data_path[0::2], self.data_path[1::2])]
+        return _blend(self.data_path)
+
+    @property
+    def blend_per_split(self) -> tuple[list[tuple[float, str]], ...] | None:
+        """(weight, prefix) pairs of --train/valid/test-data-path; None when --data-path and --split are used."""
+        if not self.train_data_path:
+            return None
+        return tuple(_blend(p) for p in (self.train_data_path, self.valid_data_path, self.test_data_path))
+
+
+def _blend(paths: tuple[str, ...]) -> list[tuple[float, str]]:
+    if len(paths) == 1:
+        return [(1.0, paths[0])]
+    return [(float(w), p) for w, p in zip(paths[0::2], paths[1::2])]
+
+
+def _check_blend(flag: str, paths: tuple[str, ...]) -> None:
+    if len(paths) <= 1:
+        return
+    if len(paths) % 2:
+        raise ConfigError(f"{flag} with several datasets takes weight/prefix pairs, got {len(paths)} items")
+    for w in paths[0::2]:
+        try:
+            if float(w) < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{flag} weight {w!r} is not a non-negative number") from None
