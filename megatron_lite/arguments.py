@@ -197,6 +197,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         log_interval=ns.log_interval,
         eval_interval=ns.eval_interval,
         eval_iters=ns.eval_iters,
+        skip_train=ns.skip_train,
         exit_interval=ns.exit_interval,
         exit_duration_in_mins=ns.exit_duration_in_mins,
         overlap_grad_reduce=ns.overlap_grad_reduce,

@@ -367,6 +367,7 @@ class TrainingConfig:
     log_interval: int = 100
     eval_interval: int = 1000
     eval_iters: int = 100
+    skip_train: bool = False  # Megatron's --skip-train: evaluate the loaded model on the valid and test sets, exit
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     overlap_grad_reduce: bool = False

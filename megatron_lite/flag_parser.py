@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--eval-interval", type=int, default=1000)
     t.add_argument("--eval-iters", type=int, default=100)
+    _bool(t, "--skip-train", "no training: evaluate the (loaded) model on the valid and test sets, then exit")
     _bool(t, "--dry-run", "build on the meta device, validate, print parameters and memory per rank, exit")
 
     o = parser.add_argument_group("optimizer and learning rate")

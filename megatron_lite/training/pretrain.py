@@ -294,8 +294,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
     t = job.training
     gbs = t.global_batch(ctx.dp.size)
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
-    train_ds, valid_ds, _ = build_datasets(
-        source, job.data, (t.train_iters * gbs, evals * gbs, 0), t.seq_length, t.seed
+    train_ds, valid_ds, test_ds = build_datasets(
+        source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed
     )
     rampup = t.rampup_batch_size is not None
     train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
@@ -323,8 +323,23 @@ def run(job: JobConfig, notes: list[str]) -> int:
             )
             log.info(f"saved {path}")
 
+    def evaluate(dataset, kind: str) -> None:
+        """--eval-iters global batches of `dataset` (the same ones every time), logged with their perplexity."""
+        if hasattr(optimizer, "finish_param_sync"):
+            optimizer.finish_param_sync()
+        model.eval()
+        batches = _Batches(dataset, job, ctx)
+        losses = [eval_step(ddp, batches.get(i * gbs), ctx) for i in range(t.eval_iters)]
+        model.train()
+        loss = sum(losses) / len(losses)
+        # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
+        log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind)
+
     profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
-    while state.iteration < t.train_iters:
+    evaluated_at = None
+    if t.skip_train:
+        log.info(f"--skip-train: evaluating the model at iteration {state.iteration}, no training")
+    while state.iteration < t.train_iters and not t.skip_train:
         if saver is not None and (path := saver.poll()):
             log.info(f"saved {path} (async)")
         while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
@@ -403,15 +418,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
             )
             window = _new_window()
         if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
-            if hasattr(optimizer, "finish_param_sync"):
-                optimizer.finish_param_sync()
-            model.eval()
-            valid = _Batches(valid_ds, job, ctx)
-            losses = [eval_step(ddp, valid.get(i * gbs), ctx) for i in range(t.eval_iters)]
-            model.train()
-            loss = sum(losses) / len(losses)
-            # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
-            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind="validation")
+            evaluate(valid_ds, "validation")
+            evaluated_at = state.iteration
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             save()
         if _should_exit(t, state, start_time, ctx):
@@ -424,7 +432,13 @@ def run(job: JobConfig, notes: list[str]) -> int:
             signalled = True
             break
     profiler.close()  # a window the run ended inside
-    if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
+    # As Megatron, at the end: the validation set (unless just evaluated) and the test set.
+    if t.eval_iters > 0 and not signalled:
+        if valid_ds is not None and evaluated_at != state.iteration:
+            evaluate(valid_ds, "validation")
+        if test_ds is not None:
+            evaluate(test_ds, "test")
+    if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
         save()
     if saver is not None and (path := saver.finish()):
         log.info(f"saved {path} (async)")
