@@ -295,3 +295,24 @@ def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, capsys, monkey
         load_checkpoint(path, other, None, None, ctx, load_rng=False)
     field, value = next(iter(change.items()))
     assert field in str(e.value) and f"this run builds {field}={value!r}" in str(e.value), str(e.value)
+
+
+def test_moe_layer_patterns_compare_by_meaning():
+    """--moe-layer-freq 2 and the pattern (1, 0, 1, 0) build the same model; (0, 1, 0, 1) does not."""
+    import dataclasses
+
+    from megatron_lite.checkpoint.checkpointing import _check_model_structure
+    from megatron_lite.config import ConfigError, ParallelConfig
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    from models import llama_config
+
+    every_other = llama_config(num_layers=4, num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=2)
+    meta = {"config": {"model": dataclasses.asdict(every_other)}}
+    ctx = ParallelContext.virtual(ParallelConfig())
+    same = dataclasses.replace(every_other, moe_layer_freq=(1, 0, 1, 0))
+    _check_model_structure("ckpt", meta, build_model(same, ctx, device="meta"))
+    shifted = dataclasses.replace(every_other, moe_layer_freq=(0, 1, 0, 1))
+    with pytest.raises(ConfigError, match="moe_layer_freq"):
+        _check_model_structure("ckpt", meta, build_model(shifted, ctx, device="meta"))
