@@ -33,12 +33,20 @@ def _nearest_multiples(value: int, step: int) -> str:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 frequency-dependent RoPE scaling (HF `rope_type: llama3`, Megatron `--use-rope-scaling`)."""
+    """Frequency-dependent RoPE scaling: Llama 3's (HF `rope_type: llama3`, Megatron `--use-rope-scaling`), or
+    YaRN (HF `rope_type: yarn`, from a converted checkpoint): frequencies blended between extrapolation and
+    interpolation by `factor` over the band set by beta_fast / beta_slow, and cos / sin scaled by
+    `attention_factor`."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"  # llama3 | yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # YaRN's cos / sin scale (resolved from mscale / mscale_all_dim at conversion)
+    truncate: bool = True  # YaRN: round the correction band outwards to whole dims
 
 
 # The architecture flags of a Llama-shaped model (RMSNorm, SwiGLU, RoPE, no biases, no dropout), for configs
@@ -196,6 +204,8 @@ class ModelConfig:
                 f"--rotary-percent {self.rotary_percent} must be in (0, 1] and rotate an even number of dims "
                 f"(head dim {self.head_dim} x {self.rotary_percent} = {self.head_dim * self.rotary_percent:g})"
             )
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("llama3", "yarn"):
+            raise ConfigError(f"RoPE scaling type {self.rope_scaling.rope_type!r} is not supported; llama3 or yarn")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"--window-size gives a sliding window of {self.sliding_window} tokens; it must be >= 1")
         for flag, p in (

@@ -101,7 +101,7 @@ def _configs() -> dict:
             rope_theta=30000.0,
             **COMMON,
         ),
-        # Per-head q/k norms, head_dim 128 by default (not hidden / heads).
+        # Per-head q/k norms, head_dim 128 by default (not hidden / heads); YaRN with DeepSeek's mscale ratio.
         "qwen3": transformers.Qwen3Config(
             hidden_size=64,
             intermediate_size=96,
@@ -109,7 +109,14 @@ def _configs() -> dict:
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=32,
-            rope_theta=100000.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 100000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 8,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+            },
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,
             **COMMON,
@@ -342,7 +349,7 @@ def _edit_config(src: str, dst: pathlib.Path, **changes) -> str:
 @pytest.mark.parametrize(
     "name,changes,fragment",
     [
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, "rope type 'yarn'"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),

@@ -190,6 +190,21 @@ def _phi3():
     )
 
 
+def _qwen3_yarn():
+    # YaRN over an original context of 16 (so the ramp between extrapolated and interpolated dims falls inside
+    # head_dim), with transformers' default attention factor 0.1 ln(factor) + 1.
+    config = _qwen3()
+    config.rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": 100000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 8.0,
+        "beta_slow": 0.5,
+    }
+    return config
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
@@ -200,6 +215,7 @@ CASES = {
     "qwen3_moe": (_qwen3_moe, transformers.Qwen3MoeForCausalLM),
     "qwen3_moe_norm_topk": (lambda: _qwen3_moe(norm_topk_prob=True), transformers.Qwen3MoeForCausalLM),
     "nemotron": (_nemotron, transformers.NemotronForCausalLM),
+    "qwen3_yarn": (_qwen3_yarn, transformers.Qwen3ForCausalLM),
     "phi3": (_phi3, transformers.Phi3ForCausalLM),
 }
 

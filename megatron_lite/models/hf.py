@@ -11,6 +11,7 @@ GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -72,7 +73,27 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3")
+    if kind == "yarn":
+        original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+        factor = params.get("factor") or hf_config.max_position_embeddings / original  # (DeepSeek-V3's rule)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:  # as transformers: the paper's 0.1 ln(s) + 1, or DeepSeek's mscale ratio
+            m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        return base, RopeScaling(
+            factor=float(factor),
+            original_max_position_embeddings=original,
+            rope_type="yarn",
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            attention_factor=float(attention_factor),
+            truncate=bool(params.get("truncate", True)),
+        )
+    raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3, yarn")
 
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
@@ -538,7 +559,18 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         )
         return out
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
-    if c.rope_scaling is not None:
+    if c.rope_scaling is not None and c.rope_scaling.rope_type == "yarn":
+        r = c.rope_scaling
+        rope.update(
+            rope_type="yarn",
+            factor=r.factor,
+            original_max_position_embeddings=r.original_max_position_embeddings,
+            beta_fast=r.beta_fast,
+            beta_slow=r.beta_slow,
+            attention_factor=r.attention_factor,
+            truncate=r.truncate,
+        )
+    elif c.rope_scaling is not None:
         r = c.rope_scaling
         rope.update(
             rope_type="llama3",
