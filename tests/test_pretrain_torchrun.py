@@ -76,6 +76,7 @@ SCRIPTS = [
     "demo_cpu.sh",
     "mixtral_cpu_demo.sh",
     "mixtral_8x7b.sh",
+    "qwen3_30b_a3b.sh",
     "llama3_8b.sh",
     "llama3_70b_multinode.sh",
     "llama3_70b.sbatch",
