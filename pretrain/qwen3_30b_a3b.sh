@@ -2,8 +2,8 @@
 # Qwen3-30B-A3B-shaped MoE across nodes: 48 layers, 128 experts (top-8, 768 wide), per-head q/k norms
 # (--qk-layernorm), GQA 32/4 with head_dim 128. PP=2, EP=8, TP=1, data parallel over the rest (DP=16 on
 # 4 nodes of 8 GPUs, two copies of each expert), distributed optimizer, bf16 with bf16 gradient reduction.
-# Convert the Hugging Face model (tools/checkpoint/convert.py --loader hf) and point CKPT at it to continue
-# training it; the flags below match its config.json.
+# The architecture flags follow Qwen3-30B-A3B's published config.json; to continue training the released model,
+# convert it (tools/checkpoint/convert.py --loader hf) into CKPT: a flag that disagrees with it stops the job.
 #   NNODES=4 RDZV_HOST=node0 TOKENIZER=... DATA_PATH=... bash pretrain/qwen3_30b_a3b.sh   (on every node)
 #   DRY_RUN=1 bash pretrain/qwen3_30b_a3b.sh
 set -euo pipefail
