@@ -147,6 +147,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_router_num_groups=ns.moe_router_num_groups,
         moe_router_group_topk=ns.moe_router_group_topk,
         moe_router_topk_scaling_factor=ns.moe_router_topk_scaling_factor,
+        moe_router_dtype=ns.moe_router_dtype,
         moe_ffn_hidden_size=ns.moe_ffn_hidden_size,
         moe_router_load_balancing_type=ns.moe_router_load_balancing_type,
         moe_aux_loss_coeff=ns.moe_aux_loss_coeff,

@@ -114,6 +114,7 @@ class ModelConfig:
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_topk_scaling_factor: float | None = None  # the selected experts' weights times this (DeepSeek-V3)
+    moe_router_dtype: str = "fp32"  # Megatron's --moe-router-dtype: the routing computation in fp32 or fp64
     moe_ffn_hidden_size: int | None = None  # default: ffn_hidden_size
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
     moe_aux_loss_coeff: float = 0.0
@@ -262,6 +263,8 @@ class ModelConfig:
                     f"--moe-router-topk {k} must be between --moe-router-group-topk {gk} and the experts of "
                     f"those groups ({gk * (e // g)})"
                 )
+        if self.moe_router_dtype not in ("fp32", "fp64"):
+            raise ConfigError(f"--moe-router-dtype {self.moe_router_dtype} is not supported; fp32 or fp64")
         if self.moe_router_topk_scaling_factor is not None and self.moe_router_topk_scaling_factor <= 0:
             raise ConfigError(f"--moe-router-topk-scaling-factor {self.moe_router_topk_scaling_factor} must be > 0")
         if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):

@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups a token may use"
     )
     e.add_argument(
+        "--moe-router-dtype",
+        default="fp32",
+        choices=["fp32", "fp64"],
+        help="precision of the routing computation (logits, softmax or sigmoid, top-k, auxiliary losses)",
+    )
+    e.add_argument(
         "--moe-router-topk-scaling-factor",
         type=float,
         default=None,

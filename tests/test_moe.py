@@ -211,6 +211,26 @@ def test_group_limited_routing_equals_deepseek_v3():
     assert not torch.equal(plain, order_ours.values)
 
 
+def test_fp64_router_routes_in_fp64():
+    """--moe-router-dtype fp64: the routing matches a float64 computation of it (to fp64 precision before the
+    final cast), where the fp32 router is only fp32-close; the probabilities handed to the experts are fp32."""
+    from megatron_lite.moe.router import TopKRouter
+
+    config = moe_config(hidden_size=64, num_experts=8, moe_router_topk=2, moe_router_pre_softmax=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 64, generator=gen)
+    routers = {}
+    for dtype in ("fp32", "fp64"):
+        routers[dtype] = TopKRouter(dataclasses.replace(config, moe_router_dtype=dtype), tp_size=1)
+        with torch.no_grad():
+            routers[dtype].weight.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(1)))
+    exact = torch.softmax(x.double() @ routers["fp64"].weight.double().t(), dim=-1).topk(2, dim=-1).values
+    r64, r32 = routers["fp64"](x, (128, 1)), routers["fp32"](x, (128, 1))
+    assert r64.probs.dtype == torch.float32
+    assert torch.equal(r64.probs, exact.float())  # rounded once, from the fp64 result
+    assert not torch.equal(r32.probs, exact.float())  # fp32 arithmetic differs in the last bits
+
+
 def test_expert_bias_is_identical_on_every_replica(dist):
     """At EP=2 x DP=2 the bias, updated from token counts over the whole data-parallel domain, is the
     same on every rank and equal to the one-process run's after each step."""
@@ -311,6 +331,11 @@ VARIANTS = {
             moe_router_group_topk=2,
             moe_router_topk_scaling_factor=2.5,
         ),
+    ),
+    "fp64-router-ep2-tp2": (
+        4,
+        P(expert_model_parallel_size=2, tensor_model_parallel_size=2),
+        dict(moe_router_dtype="fp64"),
     ),
 }
 

@@ -1,4 +1,5 @@
-"""Top-k routing in fp32: scores, selection, capacity-based dropping and the load-balancing losses.
+"""Top-k routing in fp32 (or fp64, --moe-router-dtype): scores, selection, capacity-based dropping and the
+load-balancing losses.
 
 softmax (Mixtral): top-k of the logits, then a softmax over the k selected (equal to renormalised top-k of
 the full softmax); with --moe-router-pre-softmax, a softmax over all experts, then top-k, not renormalised.
@@ -57,7 +58,8 @@ class TopKRouter(nn.Module):
         """x: [T, hidden] with T = seq * batch, sequence-major (the [seq, batch] layout flattened)."""
         c = self.config
         k, e = c.moe_router_topk, c.num_experts
-        logits = F.linear(x.float(), self.weight.float())
+        dt = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
+        logits = F.linear(x.to(dt), self.weight.to(dt))
         z_loss = None
         if c.moe_z_loss_coeff:
             z_loss = c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -82,7 +84,8 @@ class TopKRouter(nn.Module):
         counts = torch.bincount(indices.reshape(-1), minlength=e)
         aux_loss = self._balance_loss(aux_scores, indices, counts, seq_batch)
         keep = self._capacity_keep(probs, indices, x.shape[0])
-        probs = probs * keep
+        probs = (probs * keep).float()  # the experts' side stays fp32 whatever the routing ran in
+        aux_loss, z_loss = (v.float() if v is not None else None for v in (aux_loss, z_loss))
         return Routing(probs, indices, keep, counts, aux_loss, z_loss)
 
     def _topk(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
