@@ -231,6 +231,11 @@ class ModelConfig:
             return layer % self.moe_layer_freq == 0
         return bool(self.moe_layer_freq[layer])
 
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Which layers are MoE: --moe-layer-freq 2 and the pattern (1, 0, 1, 0) give the same."""
+        return tuple(self.is_moe_layer(i) for i in range(self.num_layers))
+
     def _validate_moe(self) -> None:
         if self.num_experts is None:
             return

@@ -314,5 +314,5 @@ def test_moe_layer_patterns_compare_by_meaning():
     same = dataclasses.replace(every_other, moe_layer_freq=(1, 0, 1, 0))
     _check_model_structure("ckpt", meta, build_model(same, ctx, device="meta"))
     shifted = dataclasses.replace(every_other, moe_layer_freq=(0, 1, 0, 1))
-    with pytest.raises(ConfigError, match="moe_layer_freq"):
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
         _check_model_structure("ckpt", meta, build_model(shifted, ctx, device="meta"))

@@ -449,7 +449,7 @@ STRUCTURE = {
     "position_embedding_type": "--position-embedding-type",
     "tied_embeddings": "--untie-embeddings-and-output-weights",
     "num_experts": "--num-experts",
-    "moe_layer_freq": "--moe-layer-freq",
+    "moe_layers": "--moe-layer-freq",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
 }
 
@@ -462,8 +462,6 @@ def _check_model_structure(path: str, meta: dict, model) -> None:
     theirs = model_config_from_dict(saved)
     for field, flag in STRUCTURE.items():
         a, b = getattr(theirs, field), getattr(config, field)
-        if field == "moe_layer_freq" and theirs.num_layers == config.num_layers:  # 2 is (1, 0, 1, 0, ...)
-            a, b = ([c.is_moe_layer(i) for i in range(c.num_layers)] for c in (theirs, config))
         if a != b:
             raise ConfigError(
                 f"{path} holds a model with {field}={a!r}; this run builds {field}={b!r}: set {flag} as the "

@@ -70,6 +70,15 @@ MODEL_TYPES_CLASSES = {
 
 # transformers' class defaults for the fields we read, used when transformers is not installed (a field
 # equal to its default may be absent from config.json). tests/test_convert.py checks them against transformers.
+_QWEN = dict(  # the Qwen family's shared defaults
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    use_sliding_window=False,
+    attention_dropout=0.0,
+    max_position_embeddings=32768,
+)
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
         tie_word_embeddings=False,
@@ -90,35 +99,11 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         attention_dropout=0.0,
         max_position_embeddings=4096 * 32,
     ),
-    "qwen2": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        hidden_act="silu",
-        use_sliding_window=False,
-        attention_dropout=0.0,
-        max_position_embeddings=32768,
-    ),
-    "qwen3": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        hidden_act="silu",
-        attention_bias=False,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-        max_position_embeddings=32768,
-        head_dim=128,
-    ),
+    "qwen2": _QWEN,
+    "qwen3": dict(_QWEN, attention_bias=False, head_dim=128),
     "qwen3_moe": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        hidden_act="silu",
+        _QWEN,
         attention_bias=False,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-        max_position_embeddings=32768,
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,

@@ -98,18 +98,19 @@ def build_datasets(
         blends = [[(w, p, False) for w, p in b] for b in source.per_split]
     else:
         blends = [[(w, p, True) for w, p in source.prefixes]] * 3
-    opened: dict[str, IndexedDataset] = {}
+    opened: dict[str, tuple] = {}  # prefix -> (dataset, its cache directory, its --split document ranges)
     out = []
     for s, blend in enumerate(blends):
         total_w = sum(w for w, _, _ in blend)
         parts = []
         for w, prefix, by_split in blend:
-            cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
             if prefix not in opened:
-                opened[prefix] = IndexedDataset(prefix)
-                _check_vocab(opened[prefix], source.vocab_size, cache_dir)
-            indexed = opened[prefix]
-            lo, hi = split_document_ranges(len(indexed), data.split_weights)[s] if by_split else (0, len(indexed))
+                indexed = IndexedDataset(prefix)
+                cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+                _check_vocab(indexed, source.vocab_size, cache_dir)
+                opened[prefix] = (indexed, cache_dir, split_document_ranges(len(indexed), data.split_weights))
+            indexed, cache_dir, ranges = opened[prefix]
+            lo, hi = ranges[s] if by_split else (0, len(indexed))
             if num_samples[s] == 0 or hi <= lo:
                 parts.append(None)
                 continue

@@ -29,7 +29,6 @@ LLAMA_LIKE = (
     "Phi3ForCausalLM",
 )
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
-MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM")  # rotate the first partial_rotary_factor of a head
 
 
@@ -123,8 +122,9 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         if getattr(c, "shared_expert_intermediate_size", 0):
             raise ConfigError(f"config.json shared_expert_intermediate_size is not supported for {arch}")
         base, scaling = _rope(c)
-        if _partial_rotary(c) != 1.0 and arch not in PARTIAL_ROTARY:  # (their attention rotates whole heads)
-            raise ConfigError(f"config.json partial_rotary_factor={_partial_rotary(c)} is not supported for {arch}")
+        partial = _partial_rotary(c)
+        if partial != 1.0 and arch not in PARTIAL_ROTARY:  # (their attention rotates whole heads)
+            raise ConfigError(f"config.json partial_rotary_factor={partial} is not supported for {arch}")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kwargs = dict(
             num_layers=c.num_hidden_layers,
@@ -141,7 +141,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             activation="squared_relu" if nemotron else "swiglu",
             position_embedding_type="rope",
             rotary_base=base,
-            rotary_percent=_partial_rotary(c),
+            rotary_percent=partial,
             rope_scaling=scaling,
             sliding_window=int(window) if window else None,
             add_bias_linear=nemotron and attention_bias,
@@ -435,15 +435,14 @@ def state_dict_to_hf(
 def architecture_for(config: ModelConfig, preferred: str | None = None) -> str:
     """The Hugging Face class that computes what `config` computes: `preferred` (the class the weights came
     from) when it can, else the first that does."""
-    if preferred is not None and preferred != (first := _architecture(config)):
+    first = _architecture(config)
+    if preferred in _EQUIVALENT.get(first, ()):
         try:
             _check_exportable(config, preferred)
-        except ConfigError:
-            return first
-        if preferred in _EQUIVALENT.get(first, ()):
             return preferred
-        return first
-    return _architecture(config)
+        except ConfigError:
+            pass
+    return first
 
 
 # Classes that compute the same models (a Llama converted from Phi-3 goes back to Phi-3)
