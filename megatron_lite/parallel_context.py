@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.comm_timer import CommTimer
-from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig, stage_layer_counts, validate_layout
+from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.layout_validation import stage_layer_counts, validate_layout
 from megatron_lite.tensor_parallel.random import RNGStatesTracker
 
 DECODER_DIMS = ("tp", "cp", "dp", "pp")
@@ -152,7 +153,7 @@ def chunk_layers(
     """Global layer numbers of model chunk `chunk` (a virtual stage) on pipeline rank `pp_rank`.
 
     Megatron's interleaved assignment: virtual stage s = chunk * pp_size + pp_rank, consecutive stages on
-    consecutive ranks; layers are split evenly, or unevenly at the ends (see config.stage_layer_counts)."""
+    consecutive ranks; layers are split evenly, or unevenly at the ends (see layout_validation.stage_layer_counts)."""
     if parallel is None:
         parallel = ParallelConfig(pipeline_model_parallel_size=pp_size, virtual_pipeline_model_parallel_size=vp_size)
     counts = stage_layer_counts(num_layers, parallel)

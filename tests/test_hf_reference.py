@@ -11,7 +11,8 @@ import transformers
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
-from megatron_lite.models.hf import config_from_hf, state_dict_from_hf, state_dict_to_hf
+from megatron_lite.models.hf import config_from_hf
+from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
 

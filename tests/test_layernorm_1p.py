@@ -49,7 +49,7 @@ def test_zero_centred_norms_compute_the_plain_model_with_gamma_one_plus_w(name, 
 
 def test_hugging_face_export_holds_gamma():
     transformers = pytest.importorskip("transformers")
-    from megatron_lite.models.hf import state_dict_to_hf
+    from megatron_lite.models.hf_weights import state_dict_to_hf
 
     _, one_p, config = _pair("llama", "torch")
     one_p.to("cpu")

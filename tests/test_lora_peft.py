@@ -22,7 +22,8 @@ def fine_tune(hf_cfg, lora: LoraConfig):
     """(HF base model, our model converted from it and LoRA-fine-tuned 4 steps here, its full state, config)."""
     from megatron_lite.data.mock import MockGPTDataset, collate
     from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
+    from megatron_lite.models.hf import config_from_hf
+    from megatron_lite.models.hf_weights import state_dict_from_hf
     from megatron_lite.optimizer.config import OptimizerConfig
     from megatron_lite.optimizer.lr_scheduler import LRScheduler
     from megatron_lite.parallel_context import ParallelContext
@@ -74,7 +75,7 @@ def test_peft_loads_our_adapter_with_our_logits(tuned, tmp_path):
 
 
 def test_merged_export_is_base_plus_scaled_b_a(tuned):
-    from megatron_lite.models.hf import state_dict_to_hf
+    from megatron_lite.models.hf_weights import state_dict_to_hf
 
     hf, model, state, config = tuned
     base, adapters = split_lora(state)
@@ -119,7 +120,7 @@ def tuned_mixtral():
 def test_peft_loads_our_expert_adapters_with_our_logits(tuned_mixtral, tmp_path):
     """PEFT adapts Mixtral's fused expert parameters (target_parameters); our per-expert pairs, stacked in its
     layout, give our logits on the Hugging Face base."""
-    from megatron_lite.models.hf import state_dict_to_hf
+    from megatron_lite.models.hf_weights import state_dict_to_hf
 
     hf, model, state, config = tuned_mixtral
     base, adapters = split_lora(state)
@@ -148,7 +149,7 @@ def test_peft_loads_our_expert_adapters_with_our_logits(tuned_mixtral, tmp_path)
 
 
 def test_merged_expert_export_is_base_plus_scaled_b_a(tuned_mixtral):
-    from megatron_lite.models.hf import state_dict_to_hf
+    from megatron_lite.models.hf_weights import state_dict_to_hf
 
     hf, model, state, config = tuned_mixtral
     base, adapters = split_lora(state)

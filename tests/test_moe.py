@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import ConfigError, ParallelConfig, validate_layout
+from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
+from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler

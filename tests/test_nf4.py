@@ -133,7 +133,8 @@ def test_real_converted_weights():
     """Every matrix of a Llama built by transformers and converted to our layout: codes are the nearest
     levels and the error stays within the bound."""
     transformers = pytest.importorskip("transformers")
-    from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
+    from megatron_lite.models.hf import config_from_hf
+    from megatron_lite.models.hf_weights import state_dict_from_hf
 
     cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)  # fmt: skip

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from test_train_equivalence import _compare, train_run
 
-from megatron_lite.config import ConfigError, ParallelConfig, stage_layer_counts
+from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.pipeline_parallel.schedules import (
     BACKWARD,
     FORWARD,

@@ -234,7 +234,8 @@ def test_plan_from_a_hugging_face_config(tmp_path):
 
 def test_planner_refuses_what_pretrain_refuses():
     """The search filters with the checks pretrain runs at start-up: same message."""
-    from megatron_lite.config import ConfigError, validate_layout
+    from megatron_lite.config import ConfigError
+    from megatron_lite.layout_validation import validate_layout
     from megatron_lite.planner.search import check, optimizer_config
     from megatron_lite.training.wrap import validate_sharding
 

@@ -10,7 +10,8 @@ import re
 import pytest
 import torch.distributed as dist
 
-from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig, validate_layout
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.layout_validation import validate_layout
 from megatron_lite.parallel_context import initialize
 
 from models import llama_config

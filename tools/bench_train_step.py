@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_lite.data.mock import MockGPTDataset, collate
     from megatron_lite.distributed.ddp import DistributedDataParallel
     from megatron_lite.models.gpt_model import GPTModel
-    from megatron_lite.models.hf import config_from_hf, state_dict_from_hf
+    from megatron_lite.models.hf import config_from_hf
+    from megatron_lite.models.hf_weights import state_dict_from_hf
     from megatron_lite.optimizer.config import OptimizerConfig
     from megatron_lite.optimizer.lr_scheduler import LRScheduler
     from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer

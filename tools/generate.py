@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
 from megatron_lite.checkpoint.hf_convert import model_config_from_dict, saved_lora_config
-from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig, validate_layout
+from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.inference.generation import SamplingConfig, generate
+from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.qlora import quantize_base
 from megatron_lite.models.gpt_model import build_model

@@ -33,14 +33,8 @@ from megatron_lite.checkpoint.checkpointing import (
 from megatron_lite.checkpoint.format import FORMAT, atomic_write, atomic_write_json, file_digest, iteration_dir
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
-from megatron_lite.models.hf import (
-    _arch,
-    architecture_for,
-    config_from_hf,
-    hf_config_dict,
-    state_dict_from_hf,
-    state_dict_to_hf,
-)
+from megatron_lite.models.hf import _arch, architecture_for, config_from_hf, hf_config_dict
+from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
 

@@ -21,7 +21,8 @@ import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.lora.config import LoraConfig
-from megatron_lite.models.hf import LLAMA_LIKE, _group_qkv
+from megatron_lite.models.hf import LLAMA_LIKE
+from megatron_lite.models.hf_weights import _group_qkv
 
 # our (layer, adapter) -> the Hugging Face module inside a decoder layer
 HF_MODULES = {

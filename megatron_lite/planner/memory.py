@@ -27,7 +27,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from megatron_lite.config import ModelConfig, stage_layer_counts
+from megatron_lite.config import ModelConfig
+from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
 from megatron_lite.planner.layout import Layout
 

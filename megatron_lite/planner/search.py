@@ -7,7 +7,8 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from megatron_lite.config import ConfigError, ModelConfig, divisors, validate_layout
+from megatron_lite.config import ConfigError, ModelConfig, divisors
+from megatron_lite.layout_validation import validate_layout
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.planner.cost import StepTime, step_time, throughput
 from megatron_lite.planner.hardware import GIB, Cluster

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megatron_lite.config import validate_layout
+from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.parallel_context import ParallelContext

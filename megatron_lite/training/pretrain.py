@@ -27,10 +27,11 @@ from megatron_lite.checkpoint.checkpointing import (
     read_metadata,
     save_checkpoint,
 )
-from megatron_lite.config import ConfigError, ModelConfig, validate_layout
+from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
+from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.megatron_flags import accepted_no_ops
 from megatron_lite.models.gpt_model import build_model

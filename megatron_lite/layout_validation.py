@@ -1,0 +1,227 @@
+"""Start-up checks across the model, layout and training configs: the pipeline's layer split
+(`stage_layer_counts`) and every check that depends on how the job is split (`validate_layout`). They run
+before any process group exists, so a bad layout stops every rank with one line instead of hanging in a
+collective.
+"""
+
+from __future__ import annotations
+
+from megatron_lite.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    _nearest_multiples,
+    divisors,
+)
+
+
+def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: int = 0, tp_cp: int = 1) -> list[int]:
+    """Layers of each virtual stage s = chunk * PP + pipeline rank: an even split, or Megatron's uneven
+    first/last stages (--decoder-first/last-pipeline-num-layers) with the rest split evenly between the
+    other stages. Never drops a layer: a split that is not exact is a one-line error."""
+    pp, vp = parallel.pp, parallel.vp
+    first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
+    stages = pp * vp
+    if first is None and last is None:
+        if num_layers % stages:
+            ok_pp = [d for d in divisors(max(world_size // tp_cp, 1)) if num_layers % (d * vp) == 0]
+            raise ConfigError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(num_layers, stages)}"
+                f" or a pipeline size in {ok_pp}"
+            )
+        return [num_layers // stages] * stages
+    if vp > 1 or pp < 2:
+        raise ConfigError(
+            "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 and no virtual stages"
+        )
+    fixed = [x for x in (first, last) if x is not None]
+    if any(x < 1 for x in fixed) or sum(fixed) > num_layers:
+        raise ConfigError(f"--decoder-first/last-pipeline-num-layers {fixed} do not fit in --num-layers {num_layers}")
+    middle = pp - len(fixed)
+    rest = num_layers - sum(fixed)
+    if (middle == 0 and rest) or (middle > 0 and (rest % middle or rest == 0)):
+        raise ConfigError(
+            f"--num-layers {num_layers} minus the uneven stages {fixed} leaves {rest} layers, which do not split "
+            f"evenly over the other {middle} pipeline stage(s); adjust --decoder-first/last-pipeline-num-layers"
+        )
+    each = rest // middle if middle else 0
+    return [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
+
+
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+
+
+def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    cp, tp = parallel.cp, parallel.tp
+    if parallel.cp_comm_type not in CP_COMM_TYPES:
+        raise ConfigError(
+            f"--cp-comm-type {parallel.cp_comm_type} is not supported; use one of {', '.join(CP_COMM_TYPES)}"
+        )
+    sizes = parallel.hierarchical_context_parallel_sizes
+    if (parallel.cp_comm_type == "a2a+p2p") != (sizes is not None):
+        raise ConfigError(
+            "--cp-comm-type a2a+p2p and --hierarchical-context-parallel-sizes A P go together (A ranks exchange "
+            "heads all-to-all, a ring runs over the P groups); give both or neither"
+        )
+    if sizes is not None and (len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp):
+        raise ConfigError(
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} must be two sizes whose product is "
+            f"--context-parallel-size {cp}, e.g. 2 {max(cp // 2, 1)}"
+        )
+    if cp == 1:
+        return
+    local_heads = model.num_attention_heads // tp
+    if sizes is not None and local_heads % sizes[0]:
+        raise ConfigError(
+            f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]} splits attention heads over groups of "
+            f"{sizes[0]}: --num-attention-heads {model.num_attention_heads} / --tensor-model-parallel-size {tp} = "
+            f"{local_heads} is not divisible by {sizes[0]}"
+        )
+    if parallel.cp_comm_type == "a2a" and local_heads % cp:
+        raise ConfigError(
+            f"--cp-comm-type a2a splits attention heads over context-parallel ranks: --num-attention-heads "
+            f"{model.num_attention_heads} / --tensor-model-parallel-size {tp} = {local_heads} is not divisible by "
+            f"--context-parallel-size {cp}; use --cp-comm-type p2p or a CP size dividing {local_heads}"
+        )
+    if model.num_experts is not None:
+        raise ConfigError("--context-parallel-size > 1 with --num-experts is not supported yet; use CP 1 for MoE")
+    if model.sliding_window is not None:
+        raise ConfigError("--context-parallel-size > 1 with --window-size is not supported yet")
+    if model.attention_dropout > 0:
+        raise ConfigError(
+            f"--attention-dropout {model.attention_dropout} with --context-parallel-size {cp}: context-parallel "
+            "attention has no dropout; use --attention-dropout 0"
+        )
+
+
+def validate_layout(
+    model: ModelConfig, parallel: ParallelConfig, world_size: int, training: TrainingConfig | None = None
+) -> None:
+    """Every check that depends on how the job is split. Runs before any collective."""
+    tp, pp, cp, vp = parallel.tp, parallel.pp, parallel.cp, parallel.vp
+    for flag, value in (
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+        ("--context-parallel-size", cp),
+        ("--expert-model-parallel-size", parallel.ep),
+        ("--expert-tensor-parallel-size", parallel.etp),
+        ("--num-virtual-stages-per-pipeline-rank", vp),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
+    if world_size % (tp * pp * cp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}; "
+            f"choose sizes whose product divides {world_size} (one of {divisors(world_size)}) "
+            f"or launch a multiple of {tp * pp * cp} ranks"
+        )
+    etp, ep = parallel.etp, parallel.ep
+    if world_size % (etp * ep * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}; "
+            f"choose sizes whose product divides {world_size}"
+        )
+    heads, groups = model.num_attention_heads, model.query_groups
+    # TP sizes that would work with everything else unchanged.
+    ok_tp = [
+        d for d in divisors(groups) if heads % d == 0 and model.ffn_size % d == 0 and world_size % (d * pp * cp) == 0
+    ]
+    if heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
+            f"use --tensor-model-parallel-size in {ok_tp}"
+        )
+    if groups % tp:
+        raise ConfigError(
+            f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+            f"use --tensor-model-parallel-size in {ok_tp} or more query groups"
+        )
+    if model.num_experts is not None:
+        ep = parallel.ep
+        if model.num_experts % ep:
+            ok = [d for d in divisors(model.num_experts) if world_size % (d * parallel.etp * pp) == 0]
+            raise ConfigError(
+                f"--num-experts {model.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
+                f"use --expert-model-parallel-size in {ok}"
+            )
+        if parallel.etp != tp:
+            raise ConfigError(
+                f"--expert-tensor-parallel-size {parallel.etp} different from --tensor-model-parallel-size {tp} is "
+                "not supported yet; drop --expert-tensor-parallel-size"
+            )
+        if model.moe_ffn_size % parallel.etp:
+            raise ConfigError(
+                f"--moe-ffn-hidden-size {model.moe_ffn_size} is not divisible by --expert-tensor-parallel-size "
+                f"{parallel.etp}"
+            )
+    elif parallel.ep > 1:
+        raise ConfigError(f"--expert-model-parallel-size {parallel.ep} needs --num-experts")
+    if model.ffn_size % tp:
+        raise ConfigError(
+            f"--ffn-hidden-size {model.ffn_size} is not divisible by --tensor-model-parallel-size {tp}; "
+            f"use --ffn-hidden-size {_nearest_multiples(model.ffn_size, tp)}"
+        )
+    stage_layer_counts(model.num_layers, parallel, world_size, tp * cp)  # raises on a split that cannot be made
+    _validate_context_parallel(model, parallel)
+    if parallel.tp_comm_overlap and not (tp > 1 and parallel.sequence_parallel):
+        raise ConfigError(
+            f"--tp-comm-overlap overlaps sequence parallelism's all-gather and reduce-scatter: it needs "
+            f"--sequence-parallel and --tensor-model-parallel-size > 1 (got {tp}"
+            f"{'' if parallel.sequence_parallel else ', no --sequence-parallel'}); add them or drop the flag"
+        )
+    if training is None:
+        return
+    seq = training.seq_length
+    if training.train_samples is None and training.train_iters < 1:
+        raise ConfigError(f"--train-iters {training.train_iters} must be >= 1")
+    training.validate_rampup(parallel.data_parallel_size(world_size))
+    if training.train_samples is not None:
+        training.resolve_train_iters(parallel.data_parallel_size(world_size))  # raises if not one global batch
+    for flag, value in (
+        ("--log-interval", training.log_interval),
+        ("--eval-interval", training.eval_interval),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    if seq < 1 or training.micro_batch_size < 1:
+        raise ConfigError(f"--seq-length {seq} and --micro-batch-size {training.micro_batch_size} must be positive")
+    if model.position_embedding_type == "learned_absolute" and seq > model.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}; "
+            f"raise --max-position-embeddings to at least {seq}"
+        )
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(
+            f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} (the zigzag "
+            f"split cuts the sequence into 2 x CP chunks); use --seq-length {_nearest_multiples(seq, 2 * cp)}"
+        )
+    if cp > 1 and parallel.sequence_parallel and tp > 1 and (seq // cp) % tp:
+        raise ConfigError(
+            f"--seq-length {seq} / --context-parallel-size {cp} = {seq // cp} tokens per CP rank is not divisible "
+            f"by --tensor-model-parallel-size {tp} with --sequence-parallel; use --seq-length in "
+            f"{_nearest_multiples(seq, 2 * cp * tp)}"
+        )
+    if parallel.sequence_parallel and tp > 1 and seq % tp:
+        raise ConfigError(
+            f"--seq-length {seq} is not divisible by --tensor-model-parallel-size {tp} with "
+            f"--sequence-parallel; use --seq-length {_nearest_multiples(seq, tp)} or drop --sequence-parallel"
+        )
+    dp = parallel.data_parallel_size(world_size)
+    mbs = training.micro_batch_size
+    gbs = training.global_batch_size
+    if gbs is not None and (gbs < 1 or gbs % (mbs * dp)):
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size "
+            f"{dp} = {mbs * dp}; use --global-batch-size {_nearest_multiples(gbs, mbs * dp)}"
+        )
+    micro = training.global_batch(dp) // (mbs * dp)
+    if vp > 1 and micro % pp:
+        raise ConfigError(
+            f"the interleaved schedule needs micro-batches per step ({micro} = --global-batch-size "
+            f"{training.global_batch(dp)} / (--micro-batch-size {mbs} x data-parallel {dp})) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; use --global-batch-size {_nearest_multiples(micro, pp)} x {mbs * dp}"
+        )

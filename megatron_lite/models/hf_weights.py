@@ -1,0 +1,242 @@
+"""Hugging Face <-> megatron_lite weights: full (layout-free) state dicts of the classes models/hf.py supports,
+both ways. The map is linear, so it also carries gradients.
+
+Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
+GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q; k; v] over all heads;
+Phi-3 fuses qkv_proj ([q; k; v]) and gate_up_proj; Nemotron's LayerNorm1P holds gamma - 1, the others gamma;
+Mixtral's and Qwen3-MoE's experts are 3-D module tensors in memory and one file per expert on disk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.models.hf import LLAMA_LIKE
+
+
+def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[q; k; v] (heads in order) -> grouped per query group: [q_g..., k_g, v_g] for each group g."""
+    rest = q.shape[1:]
+    return torch.cat(
+        [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1
+    ).reshape(-1, *rest)
+
+
+def _ungroup_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = config.query_groups, config.head_dim
+    per = config.num_attention_heads // g
+    rest = qkv.shape[1:]
+    x = qkv.reshape(g, (per + 2) * d, *rest)
+    q, k, v = x.split([per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _experts_from_hf(hf: dict, p: str, ours: str, num_experts: int) -> dict:
+    """Mixtral and Qwen3-MoE experts, from transformers' fused module tensors (mlp.gate, mlp.experts.gate_up_proj
+    [E, 2I, H] = [gate; up], mlp.experts.down_proj [E, H, I]) or from the on-disk names save_pretrained writes:
+    Mixtral's block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 = gate, w3 = up, w2 = down; Qwen3-MoE's
+    mlp.gate, mlp.experts.{e}.gate_proj / up_proj / down_proj."""
+    out = {}
+    if p + "mlp.experts.gate_up_proj" in hf:
+        out[f"{ours}.router.weight"] = hf[p + "mlp.gate.weight"]
+        for e in range(num_experts):
+            out[f"{ours}.experts.{e}.linear_fc1.weight"] = hf[p + "mlp.experts.gate_up_proj"][e]
+            out[f"{ours}.experts.{e}.linear_fc2.weight"] = hf[p + "mlp.experts.down_proj"][e]
+        return out
+    if p + "mlp.gate.weight" in hf:  # Qwen3-MoE on disk
+        out[f"{ours}.router.weight"] = hf[p + "mlp.gate.weight"]
+        for e in range(num_experts):
+            w = f"{p}mlp.experts.{e}."
+            out[f"{ours}.experts.{e}.linear_fc1.weight"] = torch.cat(
+                [hf[w + "gate_proj.weight"], hf[w + "up_proj.weight"]], dim=0
+            )
+            out[f"{ours}.experts.{e}.linear_fc2.weight"] = hf[w + "down_proj.weight"]
+        return out
+    q = p + "block_sparse_moe."
+    out[f"{ours}.router.weight"] = hf[q + "gate.weight"]
+    for e in range(num_experts):
+        w = f"{q}experts.{e}."
+        out[f"{ours}.experts.{e}.linear_fc1.weight"] = torch.cat([hf[w + "w1.weight"], hf[w + "w3.weight"]], dim=0)
+        out[f"{ours}.experts.{e}.linear_fc2.weight"] = hf[w + "w2.weight"]
+    return out
+
+
+def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+    """HF tensors (or their gradients: the map is linear) -> our full, unpadded state dict."""
+    out: dict[str, torch.Tensor] = {}
+    L = "decoder.layers"
+    if arch in LLAMA_LIKE:
+        out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            att = p + "self_attn."
+            for kind in ("weight", "bias"):  # (LayerNorm: a bias too)
+                if p + f"input_layernorm.{kind}" in hf:
+                    out[f"{L}.{i}.input_layernorm.{kind}"] = hf[p + f"input_layernorm.{kind}"]
+                    out[f"{L}.{i}.pre_mlp_layernorm.{kind}"] = hf[p + f"post_attention_layernorm.{kind}"]
+                if f"{att}qkv_proj.{kind}" in hf:  # Phi-3: [q; k; v] in one projection
+                    q, k, v = hf[f"{att}qkv_proj.{kind}"].split(
+                        [config.num_attention_heads * config.head_dim, *[config.query_groups * config.head_dim] * 2]
+                    )
+                    out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(q, k, v, config.query_groups)
+                if f"{att}q_proj.{kind}" in hf:
+                    out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(
+                        hf[f"{att}q_proj.{kind}"],
+                        hf[f"{att}k_proj.{kind}"],
+                        hf[f"{att}v_proj.{kind}"],
+                        config.query_groups,
+                    )
+            out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+            if att + "o_proj.bias" in hf:
+                out[f"{L}.{i}.self_attention.linear_proj.bias"] = hf[att + "o_proj.bias"]
+            if config.qk_layernorm:
+                out[f"{L}.{i}.self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
+                out[f"{L}.{i}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
+            if config.num_experts and config.is_moe_layer(i):
+                out.update(_experts_from_hf(hf, p, f"{L}.{i}.mlp", config.num_experts))
+            elif p + "mlp.gate_up_proj.weight" in hf:  # Phi-3: [gate; up], our layout
+                out[f"{L}.{i}.mlp.linear_fc1.weight"] = hf[p + "mlp.gate_up_proj.weight"]
+                out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+            elif config.activation == "swiglu":
+                out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
+                    [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+                )
+                out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+            else:  # Nemotron: up_proj -> squared ReLU -> down_proj
+                for kind in ("weight", "bias"):
+                    if p + f"mlp.up_proj.{kind}" in hf:
+                        out[f"{L}.{i}.mlp.linear_fc1.{kind}"] = hf[p + f"mlp.up_proj.{kind}"]
+                        out[f"{L}.{i}.mlp.linear_fc2.{kind}"] = hf[p + f"mlp.down_proj.{kind}"]
+        for kind in ("weight", "bias"):
+            if f"model.norm.{kind}" in hf:
+                out[f"decoder.final_layernorm.{kind}"] = hf[f"model.norm.{kind}"]
+        if not config.tied_embeddings:
+            out["output_layer.weight"] = hf["lm_head.weight"]
+        return out
+    if arch == "GPT2LMHeadModel":
+        h = config.hidden_size
+        out["embedding.word_embeddings.weight"] = hf["transformer.wte.weight"]
+        out["embedding.position_embeddings.weight"] = hf["transformer.wpe.weight"]
+        for i in range(config.num_layers):
+            p = f"transformer.h.{i}."
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[f"{L}.{i}.{ours}.weight"] = hf[f"{p}{theirs}.weight"]
+                out[f"{L}.{i}.{ours}.bias"] = hf[f"{p}{theirs}.bias"]
+            # Conv1D stores [in, out]; c_attn's output columns are [q; k; v] over all heads.
+            q, k, v = hf[p + "attn.c_attn.weight"].t().split(h, dim=0)
+            out[f"{L}.{i}.self_attention.linear_qkv.weight"] = _group_qkv(q, k, v, config.query_groups)
+            qb, kb, vb = hf[p + "attn.c_attn.bias"].split(h, dim=0)
+            out[f"{L}.{i}.self_attention.linear_qkv.bias"] = _group_qkv(qb, kb, vb, config.query_groups)
+            out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[p + "attn.c_proj.weight"].t()
+            out[f"{L}.{i}.self_attention.linear_proj.bias"] = hf[p + "attn.c_proj.bias"]
+            out[f"{L}.{i}.mlp.linear_fc1.weight"] = hf[p + "mlp.c_fc.weight"].t()
+            out[f"{L}.{i}.mlp.linear_fc1.bias"] = hf[p + "mlp.c_fc.bias"]
+            out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.c_proj.weight"].t()
+            out[f"{L}.{i}.mlp.linear_fc2.bias"] = hf[p + "mlp.c_proj.bias"]
+        out["decoder.final_layernorm.weight"] = hf["transformer.ln_f.weight"]
+        out["decoder.final_layernorm.bias"] = hf["transformer.ln_f.bias"]
+        if not config.tied_embeddings:
+            out["output_layer.weight"] = hf["lm_head.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+    raise ConfigError(f"architecture {arch!r} is not supported")
+
+
+def state_dict_to_hf(
+    ours: dict[str, torch.Tensor], config: ModelConfig, arch: str, on_disk: bool = False
+) -> dict[str, torch.Tensor]:
+    """The inverse of `state_dict_from_hf`. By default the names of transformers' modules (tied models get
+    `lm_head.weight` = the embedding); with `on_disk` the names of a Hub checkpoint file: Mixtral experts
+    as block_sparse_moe.experts.{e}.w1/w3/w2, and no `lm_head.weight` when the embeddings are tied."""
+    hf: dict[str, torch.Tensor] = {}
+    L = "decoder.layers"
+    # Hugging Face norms hold gamma itself, except Nemotron's LayerNorm1P, which holds gamma - 1 as we do with
+    # --apply-layernorm-1p
+    shift = int(config.apply_layernorm_1p) - int(arch == "NemotronForCausalLM")
+    if shift:
+        ours = {k: v + shift if k.endswith("layernorm.weight") else v for k, v in ours.items()}
+    if arch in LLAMA_LIKE:
+        hf["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias"):
+                if f"{L}.{i}.input_layernorm.{kind}" in ours:
+                    hf[p + f"input_layernorm.{kind}"] = ours[f"{L}.{i}.input_layernorm.{kind}"]
+                    hf[p + f"post_attention_layernorm.{kind}"] = ours[f"{L}.{i}.pre_mlp_layernorm.{kind}"]
+                if f"{L}.{i}.self_attention.linear_proj.{kind}" in ours:
+                    hf[p + f"self_attn.o_proj.{kind}"] = ours[f"{L}.{i}.self_attention.linear_proj.{kind}"]
+                key = f"{L}.{i}.self_attention.linear_qkv.{kind}"
+                if key in ours and arch == "Phi3ForCausalLM":
+                    hf[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(_ungroup_qkv(ours[key], config), dim=0)
+                elif key in ours:
+                    q, k, v = _ungroup_qkv(ours[key], config)
+                    hf[f"{p}self_attn.q_proj.{kind}"], hf[f"{p}self_attn.k_proj.{kind}"] = q, k
+                    hf[f"{p}self_attn.v_proj.{kind}"] = v
+            if config.qk_layernorm:
+                hf[p + "self_attn.q_norm.weight"] = ours[f"{L}.{i}.self_attention.q_layernorm.weight"]
+                hf[p + "self_attn.k_norm.weight"] = ours[f"{L}.{i}.self_attention.k_layernorm.weight"]
+            moe = config.num_experts and config.is_moe_layer(i)
+            if moe and on_disk:
+                m = f"{L}.{i}.mlp"
+                # Mixtral: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2; Qwen3-MoE: mlp.experts.{e}.*_proj
+                q, names = (
+                    (p + "block_sparse_moe.", ("w1", "w3", "w2"))
+                    if arch == "MixtralForCausalLM"
+                    else (p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+                )
+                hf[q + "gate.weight"] = ours[f"{m}.router.weight"]
+                for e in range(config.num_experts):
+                    gate, up = ours[f"{m}.experts.{e}.linear_fc1.weight"].chunk(2, dim=0)
+                    hf[f"{q}experts.{e}.{names[0]}.weight"], hf[f"{q}experts.{e}.{names[1]}.weight"] = gate, up
+                    hf[f"{q}experts.{e}.{names[2]}.weight"] = ours[f"{m}.experts.{e}.linear_fc2.weight"]
+            elif moe:
+                m, n = f"{L}.{i}.mlp", config.num_experts
+                hf[p + "mlp.gate.weight"] = ours[f"{m}.router.weight"]
+                hf[p + "mlp.experts.gate_up_proj"] = torch.stack(
+                    [ours[f"{m}.experts.{e}.linear_fc1.weight"] for e in range(n)]
+                )
+                hf[p + "mlp.experts.down_proj"] = torch.stack(
+                    [ours[f"{m}.experts.{e}.linear_fc2.weight"] for e in range(n)]
+                )
+            elif arch == "Phi3ForCausalLM":
+                hf[p + "mlp.gate_up_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc1.weight"]
+                hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
+            elif config.activation == "swiglu":
+                gate, up = ours[f"{L}.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
+                hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
+                hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
+            else:
+                for kind in ("weight", "bias"):
+                    if f"{L}.{i}.mlp.linear_fc1.{kind}" in ours:
+                        hf[p + f"mlp.up_proj.{kind}"] = ours[f"{L}.{i}.mlp.linear_fc1.{kind}"]
+                        hf[p + f"mlp.down_proj.{kind}"] = ours[f"{L}.{i}.mlp.linear_fc2.{kind}"]
+        for kind in ("weight", "bias"):
+            if f"decoder.final_layernorm.{kind}" in ours:
+                hf[f"model.norm.{kind}"] = ours[f"decoder.final_layernorm.{kind}"]
+        if not (on_disk and config.tied_embeddings):
+            hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+        return {k: v.contiguous() for k, v in hf.items()}
+    if arch == "GPT2LMHeadModel":
+        hf["transformer.wte.weight"] = ours["embedding.word_embeddings.weight"]
+        hf["transformer.wpe.weight"] = ours["embedding.position_embeddings.weight"]
+        for i in range(config.num_layers):
+            p = f"transformer.h.{i}."
+            for ours_name, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                hf[f"{p}{theirs}.weight"] = ours[f"{L}.{i}.{ours_name}.weight"]
+                hf[f"{p}{theirs}.bias"] = ours[f"{L}.{i}.{ours_name}.bias"]
+            q, k, v = _ungroup_qkv(ours[f"{L}.{i}.self_attention.linear_qkv.weight"], config)
+            hf[p + "attn.c_attn.weight"] = torch.cat([q, k, v], dim=0).t()
+            qb, kb, vb = _ungroup_qkv(ours[f"{L}.{i}.self_attention.linear_qkv.bias"], config)
+            hf[p + "attn.c_attn.bias"] = torch.cat([qb, kb, vb], dim=0)
+            hf[p + "attn.c_proj.weight"] = ours[f"{L}.{i}.self_attention.linear_proj.weight"].t()
+            hf[p + "attn.c_proj.bias"] = ours[f"{L}.{i}.self_attention.linear_proj.bias"]
+            hf[p + "mlp.c_fc.weight"] = ours[f"{L}.{i}.mlp.linear_fc1.weight"].t()
+            hf[p + "mlp.c_fc.bias"] = ours[f"{L}.{i}.mlp.linear_fc1.bias"]
+            hf[p + "mlp.c_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"].t()
+            hf[p + "mlp.c_proj.bias"] = ours[f"{L}.{i}.mlp.linear_fc2.bias"]
+        hf["transformer.ln_f.weight"] = ours["decoder.final_layernorm.weight"]
+        hf["transformer.ln_f.bias"] = ours["decoder.final_layernorm.bias"]
+        if not (on_disk and config.tied_embeddings):
+            hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+        return {k: v.contiguous() for k, v in hf.items()}
+    raise ConfigError(f"architecture {arch!r} is not supported")
