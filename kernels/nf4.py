@@ -9,8 +9,9 @@ minus their mean as 8-bit codes of bitsandbytes' dynamic map, in blocks of 256 w
 4 + 8/64 + 32/(64*256) = 4.127 bits per parameter.
 
 Quantisation runs once (loading a base model) in PyTorch; dequantisation, on every use of the weight, is a
-Triton kernel with the PyTorch reference beside it as fallback and test oracle; `nf4_linear` is the layer
-that uses it (an autograd Function that dequantises again in the backward rather than keep the weight)."""
+Triton kernel (the block scales, one per 64 weights, decoded in PyTorch first) with the PyTorch reference
+beside it as fallback and test oracle; `nf4_linear` is the layer that uses it (an autograd Function that
+dequantises again in the backward rather than keep the weight)."""
 
 from __future__ import annotations
 
@@ -133,22 +134,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _nf4_dequant(
-        P, LEVELS, ABSMAX, QABSMAX, STATS, CODE8, OUT, n, offset,
-        BLOCKSIZE: tl.constexpr, STATS_BLOCKSIZE: tl.constexpr, DOUBLE: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+    def _nf4_dequant(P, LEVELS, SCALES, OUT, n, BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr):
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
         byte = tl.load(P + idx // 2, mask=mask, other=0).to(tl.int32)
         code = tl.where(idx % 2 == 0, byte >> 4, byte & 15)
         level = tl.load(LEVELS + code, mask=mask, other=0.0)
-        blk = idx // BLOCKSIZE
-        if DOUBLE:
-            qa = tl.load(QABSMAX + blk, mask=mask, other=0).to(tl.int32)
-            scale = tl.load(CODE8 + qa, mask=mask, other=0.0) * tl.load(STATS + blk // STATS_BLOCKSIZE, mask=mask)
-            scale = scale + offset
-        else:
-            scale = tl.load(ABSMAX + blk, mask=mask, other=0.0)
+        scale = tl.load(SCALES + idx // BLOCKSIZE, mask=mask, other=0.0)
         tl.store(OUT + idx, (level * scale).to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -158,21 +150,11 @@ def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
         return dequantize_nf4_reference(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.packed.device)
     levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=q.packed.device)
-    dummy = levels  # unused pointer slots of the other mode
+    # The block scales (one per 64 weights) are decoded in PyTorch: decoding them in the kernel lets the GPU
+    # compiler contract code * max + offset into one FMA, one rounding fewer than the reference, so a dequantised
+    # weight would differ from the reference (and from bitsandbytes, which also decodes the scales first).
     _nf4_dequant[(triton.cdiv(q.numel, BLOCK),)](
-        q.packed,
-        levels,
-        q.absmax if not q.double_quant else dummy,
-        q.qabsmax if q.double_quant else q.packed,
-        q.stats_absmax if q.double_quant else dummy,
-        q.code8 if q.double_quant else dummy,
-        out,
-        q.numel,
-        q.offset,
-        BLOCKSIZE=q.blocksize,
-        STATS_BLOCKSIZE=STATS_BLOCKSIZE,
-        DOUBLE=q.double_quant,
-        BLOCK=BLOCK,
+        q.packed, levels, q.block_scales().float().contiguous(), out, q.numel, BLOCKSIZE=q.blocksize, BLOCK=BLOCK
     )
     launched("nf4_dequant")
     return out
@@ -202,26 +184,19 @@ def nf4_linear(x: torch.Tensor, q: NF4Weight) -> torch.Tensor:
 COMPILE_CASES = (
     [
         (
-            f"nf4_dequant_{'double' if double else 'single'}_{t}",
+            f"nf4_dequant_{t}",
             _nf4_dequant,
             {
                 "P": "*u8",
                 "LEVELS": "*fp32",
-                "ABSMAX": "*fp32",
-                "QABSMAX": "*u8",
-                "STATS": "*fp32",
-                "CODE8": "*fp32",
+                "SCALES": "*fp32",
                 "OUT": f"*{t}",
                 "n": "i32",
-                "offset": "fp32",
                 "BLOCKSIZE": "constexpr",
-                "STATS_BLOCKSIZE": "constexpr",
-                "DOUBLE": "constexpr",
                 "BLOCK": "constexpr",
             },  # fmt: skip
-            {"BLOCKSIZE": BLOCKSIZE, "STATS_BLOCKSIZE": STATS_BLOCKSIZE, "DOUBLE": double, "BLOCK": BLOCK},
+            {"BLOCKSIZE": BLOCKSIZE, "BLOCK": BLOCK},
         )
-        for double in (True, False)
         for t in ("bf16", "fp32")
     ]
     if HAVE_TRITON
