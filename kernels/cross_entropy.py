@@ -165,8 +165,9 @@ def _pass(
     losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if want_dh else None
     # The weight gradient accumulates in the weight's dtype, one GEMM epilogue per chunk (as Liger does): an fp32
-    # copy would double its memory, and an fp32 GEMM per chunk would run at a fraction of the bf16 rate.
-    dw = torch.zeros_like(weight) if want_dw else None
+    # copy would double its memory, and an fp32 GEMM per chunk would run at a fraction of the bf16 rate. The first
+    # chunk writes it (no zero fill, no read of zeros: each is a pass over a vocab x hidden tensor).
+    dw = (torch.empty_like(weight) if tokens else torch.zeros_like(weight)) if want_dw else None
     for start in range(0, tokens, chunk):
         h = hidden[start : start + chunk]
         lab = labels[start : start + chunk]
@@ -194,7 +195,13 @@ def _pass(
             if want_dh:
                 dh[start : start + chunk] = logits @ weight
             if want_dw:
-                dw.addmm_(logits.t(), h)
+                if start == 0:
+                    torch.mm(logits.t(), h, out=dw)
+                else:
+                    dw.addmm_(logits.t(), h)
+        # Dropped before the next chunk's logits exist: otherwise two chunks' logits are alive at once, twice the
+        # op's working memory.
+        del logits
     return losses, dh, dw
 
 

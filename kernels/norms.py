@@ -113,9 +113,14 @@ if HAVE_TRITON:
             tl.store(DB + pid * N + cols, db, mask=mask)
 
 
+# Backward programs per multiprocessor: each walks its share of the rows and keeps one partial weight gradient,
+# so more programs hide more memory latency but add partial sums to reduce. tools/bench_kernels.py times others.
+BWD_PROGRAMS_PER_SM = 4
+
+
 def _programs(rows: int, device: torch.device) -> int:
     if device.type == "cuda":
-        return min(rows, torch.cuda.get_device_properties(device).multi_processor_count * 4)
+        return min(rows, torch.cuda.get_device_properties(device).multi_processor_count * BWD_PROGRAMS_PER_SM)
     return min(rows, 8)
 
 

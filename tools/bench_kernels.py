@@ -42,10 +42,28 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time_ms(fn, device, reps: int) -> float:
+def _graphed(fn, device):
+    """`fn` captured in a CUDA graph, after warm-up runs on a side stream (autotuning and compiling happen there).
+    Replays time the GPU's work alone: a memory-bound kernel at these sizes runs in tens of microseconds, about
+    what Python takes to launch it, so timed launch by launch it measures the launcher."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time_ms(fn, device, reps: int, graph: bool = False) -> float:
     if device.type == "cuda":
         import triton.testing
 
+        if graph:
+            fn = _graphed(fn, device)
         return float(triton.testing.do_bench(fn, warmup=5, rep=max(20, reps * 10), return_mode="median"))
     fn()
     times = []
@@ -67,14 +85,26 @@ def _peak_bytes(fn, device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device) - base)
 
 
-def _fwd_bwd(fn, inputs, grad_like=True):
+def _fwd_bwd(fn, inputs, grad_out):
+    """Forward and backward with a fixed incoming gradient (random; ones for a scalar loss), so the time is the
+    op's own: no cast or reduction of the output is added to it."""
+
     def run():
         ins = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
         out = fn(*ins)
         out = out[0] if isinstance(out, tuple) else out
-        (out.float().sum() if grad_like else out).backward()
+        torch.autograd.backward(out, grad_out)
 
     return run
+
+
+def _rms_programs(a, ww, n):
+    """rms_norm with another number of backward programs per multiprocessor (the setting stays until reset)."""
+    from megatron_lite import kernels as K
+    from megatron_lite.kernels import norms
+
+    norms.BWD_PROGRAMS_PER_SM = n
+    return K.rms_norm(a, ww, 1e-5)
 
 
 def _flce_chunked(hh, ww, labels, chunk):
@@ -157,6 +187,9 @@ def cases(s: dict, dtype, device):
             eager=eager_rms,
             bytes_fwd=2 * x.numel() * el,
             bytes_bwd=3 * x.numel() * el,
+            variants={f"megatron_lite bwd {n} programs/SM": functools.partial(_rms_programs, n=n) for n in (1, 2, 8)}
+            if device.type == "cuda"
+            else {},
             liger="rms_norm",
         ),
         dict(
@@ -251,7 +284,7 @@ def copy_bandwidth(device, dtype, moved_bytes: int = 2 << 30) -> float | None:
     n = max(1, moved_bytes // 2 // torch.tensor([], dtype=dtype).element_size())
     src = torch.randn(n, device=device).to(dtype)
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), device, 10)
+    ms = _time_ms(lambda: dst.copy_(src), device, 10, graph=True)  # timed as the memory-bound kernels are
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
@@ -319,7 +352,22 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak) -> list[dict]:
+def _profile(case: dict, impl: str, run, device) -> None:
+    """Print the GPU kernels of one call of `run` (forward+backward), the most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    run()
+    _sync(device)
+    with profile(activities=acts) as prof:
+        run()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=14)
+    print(f"## profile: {case['name']} / {impl}, forward+backward\n{table}", flush=True)
+
+
+def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, profile: bool = False) -> list[dict]:
     """Forward and forward+backward rows of one implementation of one case."""
     ins = case["inputs"]
     with torch.no_grad():
@@ -327,16 +375,29 @@ def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak) -> l
             reference = case["eager"](*ins)
             case["reference_out"] = reference[0] if isinstance(reference, tuple) else reference
         out = fn(*ins)
-        err = _rel_err(out[0] if isinstance(out, tuple) else out, case["reference_out"])
+        out = out[0] if isinstance(out, tuple) else out
+        err = _rel_err(out, case["reference_out"])
+        if "grad_out" not in case:  # the same incoming gradient for every implementation
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            grad = torch.randn(out.shape, generator=gen) if out.dim() else torch.ones(())
+            case["grad_out"] = grad.to(device=out.device, dtype=out.dtype)
         del out
     grad_bytes = sum(t.numel() * t.element_size() for t in ins if t.is_floating_point())
+    memory_bound = "bytes_fwd" in case
     rows = []
     for kind in ("fwd", "fwd+bwd"):
-        run = (lambda fn=fn, ins=ins: fn(*ins)) if kind == "fwd" else _fwd_bwd(fn, ins)
+        run = (lambda fn=fn, ins=ins: fn(*ins)) if kind == "fwd" else _fwd_bwd(fn, ins, case["grad_out"])
         with torch.no_grad() if kind == "fwd" else torch.enable_grad():
-            ms = _time_ms(run, device, reps)
+            launch_ms = _time_ms(run, device, reps)
+            ms, timing = launch_ms, "launches"
+            if memory_bound and device.type == "cuda":  # GPU time alone (see _graphed); launch by launch kept too
+                try:
+                    ms, timing = _time_ms(run, device, reps, graph=True), "cuda graph"
+                except Exception as e:  # noqa: BLE001 - an implementation that cannot be captured keeps launch timing
+                    timing = f"launches (capture failed: {type(e).__name__})"
             mem = _peak_bytes(run, device)
         row = {"kernel": case["name"], "impl": impl, "pass": kind, "ms": ms, "peak_memory_bytes": mem, "rel_err": err}
+        row.update(timing=timing, ms_launches=launch_ms)
         if kind == "fwd+bwd" and mem is not None:
             row["working_bytes"] = mem - grad_bytes  # beyond the gradients the op must return
         if "bytes_fwd" in case:
@@ -353,6 +414,8 @@ def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak) -> l
             row["fraction_of_peak"] = row["TFLOP/s"] * 1e12 / peak if peak else None
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if profile and kind == "fwd+bwd":
+            _profile(case, impl, run, device)
     return rows
 
 
@@ -366,8 +429,14 @@ def _write(out_dir: str, meta: dict, rows: list[dict]) -> None:
         bw, peak = meta["copy_bandwidth_GBps"], meta["peak_flops"]
         fh.write(f"copy bandwidth (2 GiB): {bw and round(bw)} GB/s; datasheet peak: {peak and peak / 1e12} TFLOP/s\n\n")
         fh.write(
-            "| kernel | impl | pass | ms | peak MiB | GB/s or TFLOP/s | of 2 GiB copy / of peak | of same-size copy "
-            "| rel. err. vs reference |\n|---|---|---|---|---|---|---|---|---|\n"
+            "Memory-bound kernels (norms, SwiGLU, RoPE) and the copies they are set against are timed as CUDA graph "
+            "replays, the GPU's work alone; 'ms, launch by launch' is the same work launched from Python each time, "
+            "which at these sizes is mostly the launcher's time. The backward takes a fixed random incoming "
+            "gradient.\n\n"
+        )
+        fh.write(
+            "| kernel | impl | pass | ms | ms, launch by launch | peak MiB | GB/s or TFLOP/s | of 2 GiB copy / of peak "
+            "| of same-size copy | rel. err. vs reference |\n|---|---|---|---|---|---|---|---|---|---|\n"
         )
         for r in (r for r in rows if "error" not in r):
             rate = r.get("GB/s", r.get("TFLOP/s"))
@@ -375,8 +444,15 @@ def _write(out_dir: str, meta: dict, rows: list[dict]) -> None:
             same = r.get("fraction_of_same_size_copy")
             mem = f"{r['peak_memory_bytes'] / 2**20:.1f}" if r["peak_memory_bytes"] is not None else "-"
             err = r.get("rel_err")
+            timing = r.get("timing", "launches")  # "-": timed launch by launch only (milliseconds-long kernels)
+            launches = (
+                "-"
+                if timing == "launches"
+                else f"{r['ms_launches']:.3f}" + ("" if timing == "cuda graph" else f" ({timing})")
+            )
             fh.write(
-                f"| {r['kernel']} | {r['impl']} | {r['pass']} | {r['ms']:.3f} | {mem} | {rate:.1f} | "
+                f"| {r['kernel']} | {r['impl']} | {r['pass']} | {r['ms']:.3f} | "
+                f"{launches} | {mem} | {rate:.1f} | "
                 f"{'-' if frac is None else f'{frac:.2f}'} | {'-' if same is None else f'{same:.2f}'} | "
                 f"{'-' if err is None else f'{err:.1e}'} |\n"
             )
@@ -400,6 +476,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     ap.add_argument("--kernels", default=None, help="comma-separated subset of kernels to run (default: all)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="comma-separated kernels whose forward+backward is also run once under torch.profiler, per "
+        "implementation: the time of each GPU kernel inside it, printed (where the time goes, not only how much)",
+    )
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -427,6 +509,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         meta["torch"] += f", triton {triton.__version__}"
     except ImportError:
         pass
+    from megatron_lite.kernels import norms
+
+    default_programs = norms.BWD_PROGRAMS_PER_SM
     rows: list[dict] = []
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     selected = [c for c in cases(SIZES[args.size], dtype, device) if wanted is None or c["name"] in wanted]
@@ -445,7 +530,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             for impl, fn in impls.items():
                 try:
-                    rows += _measure(case, impl, fn, device, dtype, args.reps, bw, peak)
+                    prof = case["name"] in set((args.profile or "").split(","))
+                    rows += _measure(case, impl, fn, device, dtype, args.reps, bw, peak, prof)
                 except Exception as e:  # one implementation failing (out of memory, a compile error) loses one row
                     rows.append({"kernel": case["name"], "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
                     print(json.dumps(rows[-1]), flush=True)
@@ -460,6 +546,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for k in ("_fwd_tuned", "_bwd_dkdv_tuned", "_bwd_dq_tuned")
                 }
                 print(json.dumps(meta["flash_attention_tiles"]), flush=True)
+            norms.BWD_PROGRAMS_PER_SM = default_programs  # a variant may have changed it
             _write(args.out_dir, meta, rows)  # after every case: a run cut short still leaves its table
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -5,6 +5,8 @@
 # to $OUT/kernels.md and $OUT/kernels.json (the device tool brings back at most 8 files). Prints one status line
 # per check, the benchmark's target verdicts last.
 #   OUT=/tmp/out bash tools/device_checks.sh
+# A rerun can narrow it: KERNEL_TESTS="tests/a.py tests/b.py", BENCH_ARGS="--profile fused_linear_cross_entropy",
+# SKIP_GEMM=1, SKIP_TRAIN=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_out}
@@ -27,9 +29,10 @@ pack
 
 # 1. The kernel tests on the GPU: fp32 against the references (tl.dot in ieee fp32, conftest.py) and bf16
 #    (issue 6), every kernel compiled and autotuned for this device. Parallel: compiling dominates.
-KERNEL_TESTS=(tests/test_kernels_bf16.py tests/test_kernels_attention.py tests/test_kernels_cross_entropy.py tests/test_kernels_elementwise.py
+DEFAULT_KERNEL_TESTS=(tests/test_kernels_bf16.py tests/test_kernels_attention.py tests/test_kernels_cross_entropy.py tests/test_kernels_elementwise.py
               tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py
               tests/test_comm_timer.py)  # and the exposed-communication timer's CUDA events
+read -r -a KERNEL_TESTS <<< "${KERNEL_TESTS:-${DEFAULT_KERNEL_TESTS[*]}}"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 timeout ${KERNEL_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider $XDIST -rs \
     --junitxml="$WORK/junit_kernels.xml" "${KERNEL_TESTS[@]}" > "$WORK/pytest_kernels.log" 2>&1
@@ -39,21 +42,21 @@ pack
 
 # 2. Kernels at Llama-3-8B shapes in bf16 beside SDPA's flash backend / eager / torch.compile (targets: issue 6);
 #    the table is $OUT/kernels.md, to be committed under docs/ with the device named.
-timeout ${BENCH_TIMEOUT:-270} python3 tools/bench_kernels.py --size ${BENCH_SIZE:-llama8b} --out-dir "$WORK/bench" \
+timeout ${BENCH_TIMEOUT:-270} python3 tools/bench_kernels.py --size ${BENCH_SIZE:-llama8b} --out-dir "$WORK/bench" ${BENCH_ARGS:-} \
     > "$WORK/bench_kernels.log" 2>&1
 stamp "bench kernels: rc=$? $(grep -c '"kernel"' "$WORK/bench_kernels.log") rows"
 pack
 
 # 3. The cost of decomposing a GEMM for --tp-comm-overlap (issue 9): per-chunk GEMMs (TP=8 chunks of an 8k
 #    sequence, Llama-3-8B fc1 shard) against one GEMM, bf16; target >= 0.90x. One GPU suffices.
-timeout ${GEMM_TIMEOUT:-30} python3 tools/bench_comm_overlap.py --device cuda --skip-layer --gemm --tp 8 --seq-length 8192 \
+[ -n "${SKIP_GEMM:-}" ] || timeout ${GEMM_TIMEOUT:-30} python3 tools/bench_comm_overlap.py --device cuda --skip-layer --gemm --tp 8 --seq-length 8192 \
     --gemm-iters 50 --json "$WORK/bench_comm_overlap.json" > "$WORK/bench_comm_overlap.log" 2>&1
 stamp "bench gemm decomposition: rc=$? $(tail -n 1 "$WORK/bench_comm_overlap.log")"
 pack
 
 # 4. If time is left: a short bf16 training job on the GPU (NCCL, Triton kernels by default on CUDA, MFU against
 #    the datasheet peak), the whole stack end to end.
-timeout ${TRAIN_TIMEOUT:-50} torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py \
+[ -n "${SKIP_TRAIN:-}" ] || timeout ${TRAIN_TIMEOUT:-50} torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py \
     --num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention \
     --num-query-groups 8 --seq-length 2048 --normalization RMSNorm --swiglu --position-embedding-type rope \
     --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 \
