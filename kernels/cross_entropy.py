@@ -71,44 +71,60 @@ if HAVE_TRITON:
             g -= tl.where(real, smoothing / vocab_size, 0.0)
             tl.store(LOGITS + row * stride_l + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=inside)
 
-    COMPILE_CASES = [
-        (
-            f"ce_stats_{t}",
-            _ce_stats,
-            {
-                "LOGITS": f"*{t}",
-                "LABELS": "*i64",
-                "STATS": "*fp32",
-                "stride_l": "i32",
-                "V_local": "i32",
-                "vocab_start": "i32",
-                "vocab_size": "i32",
-                "BLOCK": "constexpr",
-            },
-            {"BLOCK": 1024},
-        )
-        for t in ("bf16", "fp32")
-    ] + [
-        (
-            f"ce_grad_{t}",
-            _ce_grad,
-            {
-                "LOGITS": f"*{t}",
-                "LABELS": "*i64",
-                "LSE": "*fp32",
-                "SCALE": "*fp32",
-                "stride_l": "i32",
-                "V_local": "i32",
-                "vocab_start": "i32",
-                "vocab_size": "i32",
-                "z_coeff": "fp32",
-                "smoothing": "fp32",
-                "BLOCK": "constexpr",
-            },
-            {"BLOCK": 1024},
-        )
-        for t in ("bf16", "fp32")
-    ]
+    @triton.jit
+    def _scale_inplace(X, S, n, BLOCK: tl.constexpr):
+        """X *= S[0] in fp32 (the backward's incoming gradient on the gradients made in the forward)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # a weight gradient may pass 2^31
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(X + offs, (x * tl.load(S)).to(X.dtype.element_ty), mask=mask)
+
+    BLK = {"BLOCK": 4096}
+    COMPILE_CASES = (
+        [
+            (f"ce_scale_{t}", _scale_inplace, {"X": f"*{t}", "S": "*fp32", "n": "i64", "BLOCK": "constexpr"}, BLK)
+            for t in ("bf16", "fp32")
+        ]
+        + [
+            (
+                f"ce_stats_{t}",
+                _ce_stats,
+                {
+                    "LOGITS": f"*{t}",
+                    "LABELS": "*i64",
+                    "STATS": "*fp32",
+                    "stride_l": "i32",
+                    "V_local": "i32",
+                    "vocab_start": "i32",
+                    "vocab_size": "i32",
+                    "BLOCK": "constexpr",
+                },
+                {"BLOCK": 1024},
+            )
+            for t in ("bf16", "fp32")
+        ]
+        + [
+            (
+                f"ce_grad_{t}",
+                _ce_grad,
+                {
+                    "LOGITS": f"*{t}",
+                    "LABELS": "*i64",
+                    "LSE": "*fp32",
+                    "SCALE": "*fp32",
+                    "stride_l": "i32",
+                    "V_local": "i32",
+                    "vocab_start": "i32",
+                    "vocab_size": "i32",
+                    "z_coeff": "fp32",
+                    "smoothing": "fp32",
+                    "BLOCK": "constexpr",
+                },
+                {"BLOCK": 1024},
+            )
+            for t in ("bf16", "fp32")
+        ]
+    )
 else:  # pragma: no cover
     COMPILE_CASES = []
 
@@ -205,6 +221,16 @@ def _pass(
     return losses, dh, dw
 
 
+def _scale_(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """t *= grad (a 0-dim tensor), in place. One Triton pass: PyTorch's mul_ by a 0-dim CUDA tensor reads the
+    broadcast operand element by element and, on an H200, took 1.3 ms for a Llama-3 weight gradient (2 GB moved)."""
+    if not triton_usable(t) or not t.is_contiguous():
+        return t.mul_(grad.to(t.dtype))
+    block = 4096
+    _scale_inplace[(triton.cdiv(t.numel(), block),)](t, grad.float().reshape(1), t.numel(), BLOCK=block)
+    return t
+
+
 def _reduce(losses, labels, ignore_index, reduction):
     if reduction == "none":
         return losses
@@ -222,9 +248,9 @@ class _FusedLinearCE(torch.autograd.Function):
         # those that will be asked for (no weight gradient for a frozen output layer, as under LoRA).
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         eager = reduction in ("mean", "sum") and (want_dh or want_dw)
-        row_scale = torch.full(
-            (hidden.shape[0],), 1.0 / float(n_valid) if reduction == "mean" else 1.0, device=hidden.device
-        )
+        # On the device, no host sync: a float(n_valid) here stalled the launch queue every step.
+        ones = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        row_scale = ones / n_valid if reduction == "mean" else ones
         args = (ignore_index, group, vocab_start, vocab_size, z_coeff, smoothing)
         losses, dh, dw = _pass(hidden, weight, labels, *args, row_scale, eager and want_dh, eager and want_dw, chunk)
         ctx.args, ctx.chunk, ctx.reduction = args, chunk, reduction
@@ -242,8 +268,8 @@ class _FusedLinearCE(torch.autograd.Function):
                 raise RuntimeError("fused_linear_cross_entropy (mean/sum) supports one backward per forward")
             ctx.scaled = True
             dh, dw = ctx.saved_tensors
-            dh = None if dh is None else dh.mul_(grad.to(dh.dtype))
-            return dh, None if dw is None else dw.mul_(grad.to(dw.dtype)), *([None] * 9)
+            dh = None if dh is None else _scale_(dh, grad)
+            return dh, None if dw is None else _scale_(dw, grad), *([None] * 9)
         hidden, weight, labels = ctx.saved_tensors
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad.contiguous(), want_dh, want_dw, ctx.chunk)
