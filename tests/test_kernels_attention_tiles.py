@@ -1,0 +1,65 @@
+"""Every tile the flash-attention autotuner may pick computes attention, each kernel on its own.
+
+On a GPU the autotuner times its candidate tiles and keeps the fastest, so which tile runs changes from run to
+run (one H200 run passed test_kernels_bf16's windowed attention, the next gave dK 7% off). A tile that is wrong
+only at some shape would fail at random; here each candidate of each kernel (forward, dK/dV, dQ) is forced in
+turn, with its warps and stages on a GPU, the other two kernels on one fixed small tile, and the outputs and
+gradients compared with the fp32 reference. bf16 on a GPU at a size that spans many tiles; fp32 under the
+interpreter on a CPU, where the tile logic (spans, masks, edges) is checked but warps and stages are not. The
+window (200 keys on a CPU) is wide enough that every tile also meets key blocks its queries see whole."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from megatron_lite import kernels as K
+
+from models import DEVICE, rel
+
+FA = importlib.import_module("megatron_lite.kernels.flash_attention")
+GPU = torch.cuda.is_available()
+KINDS = {"fwd": ("_fwd", "_FWD_TILES"), "dkdv": ("_bwd_dkdv", "_DKDV_TILES"), "dq": ("_bwd_dq", "_DQ_TILES")}
+CASES = [
+    pytest.param(kind, tile, id=f"{kind}-{'x'.join(map(str, tile))}")
+    for kind, (_, tiles) in KINDS.items()
+    for tile in (getattr(FA, tiles) if hasattr(FA, tiles) else [])
+]
+FIXED = {"BLOCK_M": 32, "BLOCK_N": 32}  # the other kernels' tile (the fp32 one, which the fp32 tests cover)
+
+
+@pytest.mark.skipif(not CASES, reason="Triton is not installed")
+@pytest.mark.parametrize("window", [None, "window"])
+@pytest.mark.parametrize("kind,tile", CASES)
+def test_every_autotuner_tile_computes_attention(kind, tile, window, monkeypatch):
+    dtype = torch.bfloat16 if GPU else torch.float32
+    # Grouped-query, seq_q < seq_k (bottom-right causal), lengths no tile divides; a window shorter than both.
+    b, sq, sk, h, hkv, d = (2, 1000, 1100, 16, 4, 128) if GPU else (1, 300, 330, 2, 1, 16)
+    window = None if window is None else (300 if GPU else 200)
+    forced = getattr(FA, KINDS[kind][0])
+    m, n, warps, stages = tile
+
+    def kernel_for(plain, tuned, dt):
+        if plain is forced:
+            return plain, {"BLOCK_M": m, "BLOCK_N": n, **({"num_warps": warps, "num_stages": stages} if GPU else {})}
+        return plain, FIXED
+
+    monkeypatch.setattr(FA, "_kernel", kernel_for)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, up = (
+        torch.randn(b, s, nh, d, generator=gen).to(DEVICE, dtype) for s, nh in ((sq, h), (sk, hkv), (sk, hkv), (sq, h))
+    )
+
+    def run(fn, dt):
+        leaves = [t.detach().to(dt, copy=True).requires_grad_() for t in (q, k, v)]  # fresh leaves each run
+        o = fn(*leaves, causal=True, window_size=window)
+        o.backward(up.to(dt))
+        return [o.detach()] + [t.grad for t in leaves]
+
+    ours = run(K.flash_attention, dtype)
+    ref = run(K.flash_attention_reference, torch.float32)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # as test_kernels_bf16.py argues
+    errs = {name: rel(a.float(), r) for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref)}
+    assert all(e < tol for e in errs.values()), (kind, tile, window, errs)
