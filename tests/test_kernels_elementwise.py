@@ -89,6 +89,26 @@ def test_layer_norm(shape, residual):
         )
 
 
+@pytest.mark.parametrize("rows_per_step", [2, 4])
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_norm_backward_several_rows_per_step(norm, rows_per_step, monkeypatch):
+    """The backward's other tilings (the benchmark times them): rows that no step size divides, programs whose
+    share ends inside a step."""
+    from megatron_lite.kernels import norms
+
+    monkeypatch.setattr(norms, "BWD_ROWS_PER_STEP", rows_per_step)
+    x, w, b = _rand(37, 48), _rand(48, seed=1) + 1, _rand(48, seed=5)
+    if norm == "rms_norm":
+        _check(norm, lambda a, w_: K.rms_norm(a, w_, 1e-6), lambda a, w_: K.rms_norm_reference(a, w_, 1e-6), [x, w])
+    else:
+        _check(
+            norm,
+            lambda a, w_, b_: K.layer_norm(a, w_, b_, 1e-5),
+            lambda a, w_, b_: K.layer_norm_reference(a, w_, b_, 1e-5),
+            [x, w, b],
+        )
+
+
 @pytest.mark.parametrize("shape", [(1, 5), (7, 130), (2, 3, 1500)])
 def test_swiglu(shape):
     _check("swiglu", K.swiglu, K.swiglu_reference, [_rand(*shape), _rand(*shape, seed=1)])

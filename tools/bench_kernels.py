@@ -98,12 +98,17 @@ def _fwd_bwd(fn, inputs, grad_out):
     return run
 
 
-def _rms_programs(a, ww, n):
-    """rms_norm with another number of backward programs per multiprocessor (the setting stays until reset)."""
+DEFAULT_TILING: list[int] = []  # the norm backward's (programs per SM, rows per step), read by main
+
+
+def _rms_tiling(a, ww, programs=None, rows=None):
+    """rms_norm with another backward tiling: programs per multiprocessor, rows per step (the settings stay until
+    main resets them after the case)."""
     from megatron_lite import kernels as K
     from megatron_lite.kernels import norms
 
-    norms.BWD_PROGRAMS_PER_SM = n
+    norms.BWD_PROGRAMS_PER_SM = programs or DEFAULT_TILING[0]
+    norms.BWD_ROWS_PER_STEP = rows or DEFAULT_TILING[1]
     return K.rms_norm(a, ww, 1e-5)
 
 
@@ -187,7 +192,10 @@ def cases(s: dict, dtype, device):
             eager=eager_rms,
             bytes_fwd=2 * x.numel() * el,
             bytes_bwd=3 * x.numel() * el,
-            variants={f"megatron_lite bwd {n} programs/SM": functools.partial(_rms_programs, n=n) for n in (1, 2, 8)}
+            variants={
+                **{f"megatron_lite bwd {n} programs/SM": functools.partial(_rms_tiling, programs=n) for n in (1, 4)},
+                **{f"megatron_lite bwd {n} rows/step": functools.partial(_rms_tiling, rows=n) for n in (2, 4)},
+            }
             if device.type == "cuda"
             else {},
             liger="rms_norm",
@@ -515,7 +523,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         pass
     from megatron_lite.kernels import norms
 
-    default_programs = norms.BWD_PROGRAMS_PER_SM
+    DEFAULT_TILING[:] = [norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP]
     rows: list[dict] = []
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     selected = [c for c in cases(SIZES[args.size], dtype, device) if wanted is None or c["name"] in wanted]
@@ -550,7 +558,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for k in ("_fwd_tuned", "_bwd_dkdv_tuned", "_bwd_dq_tuned")
                 }
                 print(json.dumps(meta["flash_attention_tiles"]), flush=True)
-            norms.BWD_PROGRAMS_PER_SM = default_programs  # a variant may have changed it
+            norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP = DEFAULT_TILING  # a variant may have changed them
             _write(args.out_dir, meta, rows)  # after every case: a run cut short still leaves its table
             if device.type == "cuda":
                 torch.cuda.empty_cache()
