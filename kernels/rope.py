@@ -36,7 +36,7 @@ if HAVE_TRITON:
     ):
         # One (batch, position) per program, all its heads at once: cos and sin are read once per position, and
         # each program moves heads x head_dim elements rather than one head's row.
-        pid = tl.program_id(0)
+        pid = tl.program_id(0).to(tl.int64)  # batch x seq x heads x head_dim may pass 2^31
         s = pid % seq
         b = pid // seq
         hh = tl.arange(0, BLOCK_H)[:, None]

@@ -15,7 +15,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _swiglu_fwd(G, U, Y, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # tokens x ffn may pass 2^31
         mask = offs < n
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
@@ -24,7 +24,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _swiglu_bwd(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # tokens x ffn may pass 2^31
         mask = offs < n
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
