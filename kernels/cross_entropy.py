@@ -53,12 +53,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _ce_grad(
-        LOGITS, LABELS, LSE, SCALE, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing, BLOCK: tl.constexpr
-    ):
-        """In place: logits -> d loss / d logits = (softmax * (1 + 2 z lse) - (1-eps) onehot - eps / V) * scale."""
+        LOGITS, LABELS, STATS, SCALE, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """In place: logits -> d loss / d logits = (softmax * (1 + 2 z lse) - (1-eps) onehot - eps / V) * scale,
+        lse = max + log(sum of exponentials) from the row's (combined) statistics."""
         row = tl.program_id(0)
         label = tl.load(LABELS + row)
-        lse = tl.load(LSE + row)
+        lse = tl.load(STATS + row * 4) + tl.log(tl.load(STATS + row * 4 + 1))
         scale = tl.load(SCALE + row)
         for start in range(0, V_local, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -110,7 +112,7 @@ if HAVE_TRITON:
                 {
                     "LOGITS": f"*{t}",
                     "LABELS": "*i64",
-                    "LSE": "*fp32",
+                    "STATS": "*fp32",
                     "SCALE": "*fp32",
                     "stride_l": "i32",
                     "V_local": "i32",
@@ -141,23 +143,22 @@ def _chunk_size(tokens: int, vocab: int, element_size: int = 2) -> int:
     return max(1, min(tokens, rows))
 
 
-def _row_stats(logits, labels, group, vocab_start, vocab_size):
-    """(lse, target logit, sum of logits) per row, combined over the vocabulary shards of `group`."""
-    rows, v = logits.shape
-    stats = torch.empty(rows, 4, dtype=torch.float32, device=logits.device)
-    _ce_stats[(rows,)](
-        logits, labels, stats, logits.stride(0), v, vocab_start, vocab_size, BLOCK=min(1024, next_pow2(v))
-    )
+def _row_stats(logits, labels, stats, group, vocab_start, vocab_size) -> None:
+    """Into stats [rows, 4]: max, sum of exponentials, target logit and sum of logits per row, combined over the
+    vocabulary shards of `group` (the max taken first, the sums rescaled to it)."""
+    _ce_stats[(logits.shape[0],)](
+        logits, labels, stats, logits.stride(0), logits.shape[1], vocab_start, vocab_size,
+        BLOCK=min(1024, next_pow2(logits.shape[1])),
+    )  # fmt: skip
     launched("cross_entropy_stats")
-    m, s, target, total = stats.unbind(1)
     if group is not None and dist.get_world_size(group) > 1:
-        gm = m.clone()
-        dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
-        s = s * torch.exp(m - gm)
-        sums = torch.stack([s, target, total])
+        m = stats[:, 0].clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        stats[:, 1] *= torch.exp(stats[:, 0] - m)
+        stats[:, 0] = m
+        sums = stats[:, 1:].contiguous()
         dist.all_reduce(sums, group=group)
-        m, (s, target, total) = gm, sums.unbind(0)
-    return m + torch.log(s), target, total
+        stats[:, 1:] = sums
 
 
 def _pass(
@@ -175,41 +176,32 @@ def _pass(
     want_dw,
     chunk,
 ):
-    """One sweep over the chunks: per-token losses, and the gradients asked for (for `row_scale`)."""
+    """One sweep over the chunks: per-token losses, and the gradients asked for (for `row_scale`). Per chunk the
+    host launches the logits' GEMM, two kernels and the two gradient GEMMs; the losses come from the gathered
+    statistics after the loop (fewer launches: at Llama-3's vocabulary the H200 waited on the host)."""
     tokens = hidden.shape[0]
     want_grads = want_dh or want_dw
-    losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    stats = torch.empty(tokens, 4, dtype=torch.float32, device=hidden.device)
+    ignored = labels == ignore_index
     dh = torch.empty_like(hidden) if want_dh else None
     # The weight gradient accumulates in the weight's dtype, one GEMM epilogue per chunk (as Liger does): an fp32
     # copy would double its memory, and an fp32 GEMM per chunk would run at a fraction of the bf16 rate. The first
     # chunk writes it (no zero fill, no read of zeros: each is a pass over a vocab x hidden tensor).
     dw = (torch.empty_like(weight) if tokens else torch.zeros_like(weight)) if want_dw else None
+    scale = row_scale.float().masked_fill(ignored, 0.0).contiguous() if want_grads else None
     for start in range(0, tokens, chunk):
-        h = hidden[start : start + chunk]
-        lab = labels[start : start + chunk]
+        end = min(start + chunk, tokens)
+        h, lab = hidden[start:end], labels[start:end]
         logits = h @ weight.t()  # [chunk, V_local], the only vocabulary-sized buffer
-        lse, target, total = _row_stats(logits, lab, group, vocab_start, vocab_size)
-        loss = lse - (1.0 - smoothing) * target - smoothing * total / vocab_size + z_coeff * lse * lse
-        ignored = lab == ignore_index
-        losses[start : start + chunk] = loss.masked_fill(ignored, 0.0)
+        _row_stats(logits, lab, stats[start:end], group, vocab_start, vocab_size)
         if want_grads:
-            scale = row_scale[start : start + chunk].float().masked_fill(ignored, 0.0).contiguous()
-            _ce_grad[(logits.shape[0],)](
-                logits,
-                lab,
-                lse.contiguous(),
-                scale,
-                logits.stride(0),
-                logits.shape[1],
-                vocab_start,
-                vocab_size,
-                z_coeff,
-                smoothing,
-                BLOCK=min(1024, next_pow2(logits.shape[1])),
-            )
+            _ce_grad[(end - start,)](
+                logits, lab, stats[start:end], scale[start:end], logits.stride(0), logits.shape[1], vocab_start,
+                vocab_size, z_coeff, smoothing, BLOCK=min(1024, next_pow2(logits.shape[1])),
+            )  # fmt: skip
             launched("cross_entropy_grad")
             if want_dh:
-                dh[start : start + chunk] = logits @ weight
+                torch.mm(logits, weight, out=dh[start:end])
             if want_dw:
                 if start == 0:
                     torch.mm(logits.t(), h, out=dw)
@@ -218,7 +210,12 @@ def _pass(
         # Dropped before the next chunk's logits exist: otherwise two chunks' logits are alive at once, twice the
         # op's working memory.
         del logits
-    return losses, dh, dw
+    m, s, target, total = stats.unbind(1)
+    lse = m + torch.log(s)
+    loss = lse - target if smoothing == 0.0 else lse - (1.0 - smoothing) * target - smoothing * total / vocab_size
+    if z_coeff:
+        loss = loss + z_coeff * lse * lse
+    return loss.masked_fill(ignored, 0.0), dh, dw
 
 
 def _scale_(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
