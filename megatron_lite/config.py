@@ -96,6 +96,19 @@ class ModelConfig:
     # Megatron's --qk-layernorm (Qwen3, OLMo-2 style per head): each query and key head is normalised over
     # head_dim, with one weight shared by all heads (--normalization picks the norm), before RoPE
     qk_layernorm: bool = False
+    # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention and flags of the same names): the
+    # queries come through a q_lora_rank latent (or one projection when None), keys and values from one
+    # kv_lora_rank latent per token. Each query/key head is qk_head_dim dims without position and
+    # qk_pos_emb_head_dim dims with RoPE (one such key part shared by all heads); values have v_head_dim.
+    # --qk-layernorm puts an RMS norm on each latent. The softmax scale is (qk_head_dim + qk_pos_emb_head_dim)^-0.5,
+    # times YaRN's mscale(factor, mla_mscale_all_dim)^2 when the RoPE scaling is YaRN (DeepSeek-V3's mscale_all_dim).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_mscale_all_dim: float = 0.0
     untie_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     hidden_dropout: float = 0.1
@@ -147,7 +160,24 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def mla_q_head_dim(self) -> int:
+        """A query / key head of multi-latent attention: the part without position, then the RoPE part."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        if not self.multi_latent_attention:
+            return self.head_dim**-0.5
+        scale = self.mla_q_head_dim**-0.5
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "yarn" and self.mla_mscale_all_dim and s.factor > 1:
+            scale *= (0.1 * self.mla_mscale_all_dim * math.log(s.factor) + 1.0) ** 2  # YaRN's mscale, squared
+        return scale
 
     @property
     def output_layer_init_std(self) -> float:
@@ -217,6 +247,7 @@ class ModelConfig:
                 raise ConfigError(f"{flag} {p} must be in [0, 1)")
         self._validate_recompute()
         self._validate_moe()
+        self._validate_mla()
         if self.kernel_impl not in ("torch", "triton"):
             raise ConfigError(f"--kernel-impl {self.kernel_impl} is not torch|triton")
 
@@ -287,6 +318,44 @@ class ModelConfig:
             raise ConfigError(
                 f"--moe-layer-freq pattern has {len(self.moe_layer_freq)} entries for --num-layers {self.num_layers}"
             )
+
+    def _validate_mla(self) -> None:
+        if not self.multi_latent_attention:
+            return
+        for flag, value in (
+            ("--kv-lora-rank", self.kv_lora_rank),
+            ("--qk-head-dim", self.qk_head_dim),
+            ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim),
+            ("--v-head-dim", self.v_head_dim),
+            ("--q-lora-rank", 1 if self.q_lora_rank is None else self.q_lora_rank),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} {value} must be a positive integer (with --multi-latent-attention)")
+        if self.v_head_dim > self.mla_q_head_dim:
+            raise ConfigError(
+                f"--v-head-dim {self.v_head_dim} larger than --qk-head-dim + --qk-pos-emb-head-dim "
+                f"({self.mla_q_head_dim}) is not supported (values are padded to the query/key head)"
+            )
+        if self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+        if self.position_embedding_type != "rope":
+            raise ConfigError(
+                f"--multi-latent-attention needs --position-embedding-type rope (got {self.position_embedding_type})"
+            )
+        if self.query_groups != self.num_attention_heads:
+            raise ConfigError(
+                f"--multi-latent-attention gives every head its own key and value; --num-query-groups "
+                f"{self.query_groups} must equal --num-attention-heads {self.num_attention_heads} (drop "
+                "--group-query-attention)"
+            )
+        for flag, on in (
+            ("--rotary-percent", self.rotary_percent != 1.0),
+            ("--window-size", self.sliding_window is not None),
+            ("--add-qkv-bias", self.add_qkv_bias),
+            ("--add-bias-linear (biases)", self.add_bias_linear),
+        ):
+            if on:
+                raise ConfigError(f"--multi-latent-attention with {flag} is not supported; drop one of them")
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

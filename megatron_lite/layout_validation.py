@@ -140,6 +140,17 @@ def validate_layout(
             f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --tensor-model-parallel-size in {ok_tp} or more query groups"
         )
+    if model.multi_latent_attention:  # the down-projections split their latent outputs across TP
+        for flag, size in (
+            ("--q-lora-rank", model.q_lora_rank),
+            ("--kv-lora-rank + --qk-pos-emb-head-dim", model.kv_lora_rank + model.qk_pos_emb_head_dim),
+        ):
+            if size is not None and size % tp:
+                raise ConfigError(
+                    f"{flag} ({size}) is not divisible by --tensor-model-parallel-size {tp} (multi-latent attention "
+                    f"splits its down-projections across TP); use --tensor-model-parallel-size in "
+                    f"{[d for d in ok_tp if size % d == 0]}"
+                )
     if model.num_experts is not None:
         ep = parallel.ep
         if model.num_experts % ep:

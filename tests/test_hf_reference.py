@@ -206,6 +206,55 @@ def _qwen3_yarn():
     return config
 
 
+def _deepseek_v3():
+    # Multi-latent attention with a query latent, DeepSeek's interleaved RoPE rows, one dense layer then MoE layers
+    # with sigmoid routing, a score-correction bias (set below), two expert groups and a shared expert.
+    return transformers.DeepseekV3Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+def _deepseek_v3_dense_yarn():
+    # No query latent, RoPE rows not interleaved, dense layers only, YaRN with DeepSeek's mscale_all_dim (the
+    # softmax scale grows by mscale^2).
+    config = _deepseek_v3()
+    config.q_lora_rank = None
+    config.rope_interleave = False
+    config.first_k_dense_replace = config.num_hidden_layers
+    config.rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 8.0,
+        "beta_slow": 0.5,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.7,
+    }
+    return config
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
@@ -218,6 +267,8 @@ CASES = {
     "nemotron": (_nemotron, transformers.NemotronForCausalLM),
     "qwen3_yarn": (_qwen3_yarn, transformers.Qwen3ForCausalLM),
     "phi3": (_phi3, transformers.Phi3ForCausalLM),
+    "deepseek_v3": (_deepseek_v3, transformers.DeepseekV3ForCausalLM),
+    "deepseek_v3_dense_yarn": (_deepseek_v3_dense_yarn, transformers.DeepseekV3ForCausalLM),
 }
 
 
@@ -232,6 +283,9 @@ def _hf_model(name):
         for p in hf.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        for n, b in hf.named_buffers():  # DeepSeek-V3's score-correction bias: it must change which experts win
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     return hf, hf_config, cls.__name__
 
 
@@ -251,7 +305,8 @@ def test_logits_and_grads_equal_transformers(name, device):
     ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device(device))
     ctx.seed(0)
     model = GPTModel(config, ctx).eval()
-    model.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, arch))
+    interleave = getattr(hf_config, "rope_interleave", True)  # (DeepSeek-V3's RoPE row layout)
+    model.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, arch, interleave))
 
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, V, (2, 24), generator=gen).to(device)
@@ -268,8 +323,9 @@ def test_logits_and_grads_equal_transformers(name, device):
         "logits": rel(logits.detach(), ref_logits.detach()),
         "loss": rel(loss.detach(), ref_loss.detach()),
     }
-    hf_grads = state_dict_from_hf({n: p.grad for n, p in hf.named_parameters()}, config, arch)
-    ours = {model.global_name(n): (p, meta.shard) for n, p, meta in named_param_meta(model)}
+    hf_grads = state_dict_from_hf({n: p.grad for n, p in hf.named_parameters()}, config, arch, interleave)
+    # (not the expert bias: it moves by the routed counts, not by gradients, as transformers' buffer)
+    ours = {model.global_name(n): (p, meta.shard) for n, p, meta in named_param_meta(model) if p.requires_grad}
     assert set(hf_grads) == set(ours)
     for k, g in hf_grads.items():
         p, spec = ours[k]
@@ -284,7 +340,10 @@ def test_hf_state_dict_round_trip_is_exact(name):
     hf, hf_config, arch = _hf_model(name)
     config = config_from_hf(hf_config)
     original = hf.state_dict()
-    back = state_dict_to_hf(state_dict_from_hf(original, config, arch), config, arch)
+    interleave = getattr(hf_config, "rope_interleave", True)
+    back = state_dict_to_hf(
+        state_dict_from_hf(original, config, arch, interleave), config, arch, rope_interleave=interleave
+    )
     for k, v in back.items():
         assert torch.equal(v, original[k]), k
     assert set(back) == set(original)

@@ -292,8 +292,13 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     config = config_from_hf(hf_config)
     log(f"{load_dir}: {arch}, {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}")
     hf = read_hf_tensors(load_dir)
-    ours = state_dict_from_hf(hf, config, arch)
-    unused = set(hf) - _used_hf_names(hf, config, arch)
+    interleave = bool(getattr(hf_config, "rope_interleave", True))  # (DeepSeek-V3's RoPE row layout)
+    ours = state_dict_from_hf(hf, config, arch, interleave)
+    unused = set(hf) - _used_hf_names(hf, config, arch, interleave)
+    mtp = {k for k in unused if _layer_of(k) is not None and _layer_of(k) >= config.num_layers}
+    if mtp and getattr(hf_config, "num_nextn_predict_layers", 0):  # DeepSeek-V3's multi-token prediction layers
+        log(f"{load_dir}: {len(mtp)} tensors of the multi-token-prediction layers are not converted (no MTP yet)")
+        unused -= mtp
     if unused:
         raise ConfigError(f"{load_dir} holds tensors the {arch} mapping does not use: {sorted(unused)[:5]}")
     os.makedirs(save_dir, exist_ok=True)
@@ -321,10 +326,16 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     return path
 
 
-def _used_hf_names(hf: dict, config: ModelConfig, arch: str) -> set[str]:
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+
+
+def _used_hf_names(hf: dict, config: ModelConfig, arch: str, interleave: bool = True) -> set[str]:
     """The HF names the mapping reads: the inverse mapping's names, plus the fused-module alternatives."""
-    names = set(state_dict_to_hf(state_dict_from_hf(hf, config, arch), config, arch, on_disk=True))
-    names |= set(state_dict_to_hf(state_dict_from_hf(hf, config, arch), config, arch))
+    ours = state_dict_from_hf(hf, config, arch, interleave)
+    names = set(state_dict_to_hf(ours, config, arch, on_disk=True, rope_interleave=interleave))
+    names |= set(state_dict_to_hf(ours, config, arch, rope_interleave=interleave))
     # Buffers some exports include: rotary inverse frequencies and GPT-2's causal-mask buffers.
     names |= {k for k in hf if k.endswith(("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias"))}
     return names

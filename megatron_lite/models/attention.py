@@ -59,7 +59,7 @@ class CoreAttention(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.dropout = config.attention_dropout
-        self.scale = config.head_dim**-0.5
+        self.scale = config.softmax_scale
         self.rng = ctx.rng
         self.triton = config.kernel_impl == "triton"
         self.window = config.sliding_window

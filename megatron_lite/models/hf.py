@@ -4,8 +4,9 @@ its config.json. The weights' maps are in models/hf_weights.py.
 Supported: LlamaForCausalLM, MistralForCausalLM (with its sliding window), Qwen2ForCausalLM (QKV bias),
 Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), Phi3ForCausalLM (Phi-3, Phi-4:
 fused qkv_proj and gate_up_proj, partial RoPE, sliding window), NemotronForCausalLM (LayerNorm
-with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM and GPT2LMHeadModel. A field that
-changes the math and that we do not implement is refused, never ignored.
+with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM, DeepseekV3ForCausalLM (multi-latent
+attention, sigmoid routing with score-correction bias, expert groups, shared experts; Kimi-K2 too) and
+GPT2LMHeadModel. A field that changes the math and that we do not implement is refused, never ignored.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ LLAMA_LIKE = (
     "Qwen3MoeForCausalLM",
     "NemotronForCausalLM",
     "Phi3ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
 PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM")  # rotate the first partial_rotary_factor of a head
 
@@ -42,6 +45,7 @@ def _arch(hf_config: Any) -> str:
         "nemotron": "NemotronForCausalLM",
         "phi3": "Phi3ForCausalLM",
         "mixtral": "MixtralForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
 
@@ -92,9 +96,77 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
     raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3, yarn")
 
 
+def _deepseek_v3(c: Any) -> dict:
+    """DeepSeek-V3's config.json: multi-latent attention, then MoE layers after first_k_dense_replace dense ones."""
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {DEEPSEEK_V3}; only silu")
+    if getattr(c, "attention_bias", False):
+        raise ConfigError(f"config.json attention_bias=true is not supported for {DEEPSEEK_V3}")
+    if getattr(c, "topk_method", "noaux_tc") != "noaux_tc" or getattr(c, "scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(
+            f"config.json topk_method={getattr(c, 'topk_method', None)!r} / scoring_func="
+            f"{getattr(c, 'scoring_func', None)!r} are not supported: DeepSeek-V3's noaux_tc with sigmoid scores only"
+        )
+    if not getattr(c, "norm_topk_prob", True):
+        raise ConfigError(
+            "config.json norm_topk_prob=false is not supported: the sigmoid router renormalises its top-k (Megatron's)"
+        )
+    base, scaling = _rope(c)
+    params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    n = c.num_hidden_layers
+    kwargs: dict[str, Any] = dict(
+        num_layers=n,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        kv_channels=c.qk_nope_head_dim,  # (as Megatron's DeepSeek scripts pass --kv-channels; MLA does not read it)
+        ffn_hidden_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+        normalization="RMSNorm",
+        norm_epsilon=c.rms_norm_eps,
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=base,
+        rope_scaling=scaling,
+        add_bias_linear=False,
+        qk_layernorm=True,  # transformers normalises both latents (q's when there is one)
+        multi_latent_attention=True,
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_head_dim=c.qk_nope_head_dim,
+        qk_pos_emb_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        mla_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if scaling is not None else 0.0,
+        untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+    )
+    first_dense = int(c.first_k_dense_replace or 0)
+    if c.n_routed_experts and first_dense < n:
+        groups = c.n_group if (c.n_group or 1) > 1 else None
+        kwargs.update(
+            num_experts=c.n_routed_experts,
+            moe_router_topk=c.num_experts_per_tok,
+            moe_ffn_hidden_size=c.moe_intermediate_size,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,  # e_score_correction_bias: it picks the experts, not their weights
+            moe_router_num_groups=groups,
+            moe_router_group_topk=c.topk_group if groups else None,
+            moe_router_topk_scaling_factor=float(c.routed_scaling_factor) if c.routed_scaling_factor != 1 else None,
+            moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts
+            if c.n_shared_experts
+            else None,
+            moe_layer_freq=1 if first_dense == 0 else tuple(int(i >= first_dense) for i in range(n)),
+            moe_aux_loss_coeff=0.0,
+        )
+    return kwargs
+
+
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
-    if arch in LLAMA_LIKE:
+    if arch == DEEPSEEK_V3:
+        kwargs = _deepseek_v3(hf_config)
+    elif arch in LLAMA_LIKE:
         c = hf_config
         nemotron = arch == "NemotronForCausalLM"
         act = "relu2" if nemotron else "silu"
@@ -224,6 +296,8 @@ _EQUIVALENT = {
 
 
 def _architecture(config: ModelConfig) -> str:
+    if config.multi_latent_attention:
+        return DEEPSEEK_V3
     if config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm":
         return "GPT2LMHeadModel"
     if config.position_embedding_type == "rope" and config.normalization == "LayerNorm":
@@ -251,7 +325,9 @@ def _architecture(config: ModelConfig) -> str:
 def _check_exportable(c: ModelConfig, arch: str) -> None:
     """What `arch` cannot express is a one-line error, never silently dropped."""
     problems = []
-    if arch == "GPT2LMHeadModel":
+    if arch == DEEPSEEK_V3:
+        problems += _deepseek_v3_problems(c)
+    elif arch == "GPT2LMHeadModel":
         if not c.add_bias_linear:
             problems.append("GPT-2 needs biases (drop --disable-bias-linear)")
         if c.ffn_size and c.activation not in ("gelu", "gelu_tanh"):
@@ -287,6 +363,27 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
         raise ConfigError(f"cannot export to {arch}: {'; '.join(problems)}")
 
 
+def _deepseek_v3_problems(c: ModelConfig) -> list[str]:
+    problems = []
+    if not c.multi_latent_attention:
+        problems.append("DeepSeek-V3 attention is multi-latent (--multi-latent-attention)")
+    if not c.qk_layernorm:
+        problems.append("DeepSeek-V3 normalises its attention latents (--qk-layernorm)")
+    if c.normalization != "RMSNorm" or c.activation != "swiglu" or c.add_bias_linear:
+        problems.append("DeepSeek-V3 is RMSNorm, SwiGLU, no biases")
+    if c.num_experts:
+        if c.moe_router_score_function != "sigmoid":
+            problems.append("DeepSeek-V3 routes by sigmoid scores (--moe-router-score-function sigmoid)")
+        dense = [not m for m in c.moe_layers]
+        k = dense.index(False) if False in dense else len(dense)
+        if any(dense[k:]):
+            problems.append("dense layers after the first MoE layer (DeepSeek-V3 has first_k_dense_replace only)")
+        shared = c.moe_shared_expert_intermediate_size
+        if shared and shared % c.moe_ffn_size:
+            problems.append(f"a shared expert of {shared} (a multiple of --moe-ffn-hidden-size {c.moe_ffn_size})")
+    return problems
+
+
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -296,8 +393,35 @@ MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "NemotronForCausalLM": "nemotron",
     "Phi3ForCausalLM": "phi3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "GPT2LMHeadModel": "gpt2",
 }
+
+
+def _deepseek_v3_fields(c: ModelConfig) -> dict:
+    first_dense = c.moe_layers.index(True) if c.num_experts and any(c.moe_layers) else c.num_layers
+    shared = c.moe_shared_expert_intermediate_size
+    return dict(
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_head_dim,
+        qk_rope_head_dim=c.qk_pos_emb_head_dim,
+        head_dim=c.qk_pos_emb_head_dim,  # (transformers' rotary dim for DeepSeek-V3)
+        v_head_dim=c.v_head_dim,
+        rope_interleave=True,  # the weights are written with DeepSeek's interleaved RoPE rows
+        attention_bias=False,
+        first_k_dense_replace=first_dense,
+        n_routed_experts=c.num_experts or 1,
+        num_experts_per_tok=c.moe_router_topk if c.num_experts else 1,
+        moe_intermediate_size=c.moe_ffn_size,
+        n_shared_experts=shared // c.moe_ffn_size if shared else 0,
+        routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0,
+        n_group=c.moe_router_num_groups or 1,
+        topk_group=c.moe_router_group_topk or 1,
+        norm_topk_prob=True,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    )
 
 
 def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dtype: str = "float32") -> dict:
@@ -396,6 +520,10 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
             decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
         )
+    if arch == DEEPSEEK_V3:
+        out.update(_deepseek_v3_fields(c))
+        if c.rope_scaling is not None and c.rope_scaling.rope_type == "yarn":
+            rope["mscale_all_dim"] = c.mla_mscale_all_dim  # the softmax scale's factor (transformers reads it here)
     if arch == "MixtralForCausalLM":
         out.update(
             num_local_experts=c.num_experts,

@@ -62,8 +62,74 @@ def _experts_from_hf(hf: dict, p: str, ours: str, num_experts: int) -> dict:
     return out
 
 
-def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
-    """HF tensors (or their gradients: the map is linear) -> our full, unpadded state dict."""
+def _rope_rows(n: int, pe: int, offset: int, block: int, inverse: bool) -> torch.Tensor:
+    """Row order that turns DeepSeek's interleaved RoPE pairs (x0, x1), (x2, x3), ... into our rotate-half
+    layout [x0, x2, ..., x1, x3, ...] (or back, `inverse`), for the pe rows at `offset` of each of the n blocks of
+    `block` rows. The same order on queries and keys leaves every q.k, hence the model, unchanged."""
+    half = torch.cat([torch.arange(0, pe, 2), torch.arange(1, pe, 2)])
+    if inverse:
+        half = torch.argsort(half)
+    rows = torch.arange(n * block).view(n, block).clone()
+    rows[:, offset : offset + pe] = rows[:, offset : offset + pe][:, half]
+    return rows.reshape(-1)
+
+
+def _mla_from_hf(hf: dict, att: str, ours: str, c: ModelConfig, interleaved: bool) -> dict:
+    """DeepSeek-V3 attention: q_proj or q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj_with_mqa / kv_a_layernorm /
+    kv_b_proj, o_proj (same row layouts as ours, RoPE rows reordered when the checkpoint interleaves them)."""
+    h, qd, pe = c.num_attention_heads, c.mla_q_head_dim, c.qk_pos_emb_head_dim
+    q_rows = _rope_rows(h, pe, c.qk_head_dim, qd, inverse=False) if interleaved else slice(None)
+    kv_rows = _rope_rows(1, pe, c.kv_lora_rank, c.kv_lora_rank + pe, inverse=False) if interleaved else slice(None)
+    out = {}
+    if c.q_lora_rank is None:
+        out[f"{ours}.linear_q_proj.weight"] = hf[att + "q_proj.weight"][q_rows]
+    else:
+        out[f"{ours}.linear_q_down_proj.weight"] = hf[att + "q_a_proj.weight"]
+        out[f"{ours}.q_layernorm.weight"] = hf[att + "q_a_layernorm.weight"]
+        out[f"{ours}.linear_q_up_proj.weight"] = hf[att + "q_b_proj.weight"][q_rows]
+    out[f"{ours}.linear_kv_down_proj.weight"] = hf[att + "kv_a_proj_with_mqa.weight"][kv_rows]
+    out[f"{ours}.kv_layernorm.weight"] = hf[att + "kv_a_layernorm.weight"]
+    out[f"{ours}.linear_kv_up_proj.weight"] = hf[att + "kv_b_proj.weight"]
+    return out
+
+
+def _mla_to_hf(ours: dict, m: str, att: str, c: ModelConfig, interleaved: bool) -> dict:
+    """The inverse of _mla_from_hf (RoPE rows interleaved again for rope_interleave=true, DeepSeek's layout)."""
+    h, qd, pe = c.num_attention_heads, c.mla_q_head_dim, c.qk_pos_emb_head_dim
+    q_rows = _rope_rows(h, pe, c.qk_head_dim, qd, inverse=True) if interleaved else slice(None)
+    kv_rows = _rope_rows(1, pe, c.kv_lora_rank, c.kv_lora_rank + pe, inverse=True) if interleaved else slice(None)
+    hf = {}
+    if c.q_lora_rank is None:
+        hf[att + "q_proj.weight"] = ours[f"{m}.linear_q_proj.weight"][q_rows]
+    else:
+        hf[att + "q_a_proj.weight"] = ours[f"{m}.linear_q_down_proj.weight"]
+        hf[att + "q_a_layernorm.weight"] = ours[f"{m}.q_layernorm.weight"]
+        hf[att + "q_b_proj.weight"] = ours[f"{m}.linear_q_up_proj.weight"][q_rows]
+    hf[att + "kv_a_proj_with_mqa.weight"] = ours[f"{m}.linear_kv_down_proj.weight"][kv_rows]
+    hf[att + "kv_a_layernorm.weight"] = ours[f"{m}.kv_layernorm.weight"]
+    hf[att + "kv_b_proj.weight"] = ours[f"{m}.linear_kv_up_proj.weight"]
+    return hf
+
+
+def _shared_and_bias_from_hf(hf: dict, p: str, ours: str, c: ModelConfig) -> dict:
+    """DeepSeek-V3's MoE extras: the router's score-correction bias (our expert bias) and the shared experts."""
+    out = {}
+    if c.moe_router_enable_expert_bias and p + "mlp.gate.e_score_correction_bias" in hf:  # (absent from gradients)
+        out[f"{ours}.router.expert_bias"] = hf[p + "mlp.gate.e_score_correction_bias"].float()
+    if c.moe_shared_expert_intermediate_size:
+        s = p + "mlp.shared_experts."
+        out[f"{ours}.shared_expert.linear_fc1.weight"] = torch.cat(
+            [hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"]], dim=0
+        )
+        out[f"{ours}.shared_expert.linear_fc2.weight"] = hf[s + "down_proj.weight"]
+    return out
+
+
+def state_dict_from_hf(
+    hf: dict[str, torch.Tensor], config: ModelConfig, arch: str, rope_interleave: bool = True
+) -> dict[str, torch.Tensor]:
+    """HF tensors (or their gradients: the map is linear) -> our full, unpadded state dict. `rope_interleave`:
+    DeepSeek-V3's config flag (its RoPE dims stored as interleaved pairs; true in its checkpoints)."""
     out: dict[str, torch.Tensor] = {}
     L = "decoder.layers"
     if arch in LLAMA_LIKE:
@@ -80,21 +146,24 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
                         [config.num_attention_heads * config.head_dim, *[config.query_groups * config.head_dim] * 2]
                     )
                     out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(q, k, v, config.query_groups)
-                if f"{att}q_proj.{kind}" in hf:
+                if f"{att}q_proj.{kind}" in hf and not config.multi_latent_attention:
                     out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(
                         hf[f"{att}q_proj.{kind}"],
                         hf[f"{att}k_proj.{kind}"],
                         hf[f"{att}v_proj.{kind}"],
                         config.query_groups,
                     )
+            if config.multi_latent_attention:
+                out.update(_mla_from_hf(hf, att, f"{L}.{i}.self_attention", config, rope_interleave))
             out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
             if att + "o_proj.bias" in hf:
                 out[f"{L}.{i}.self_attention.linear_proj.bias"] = hf[att + "o_proj.bias"]
-            if config.qk_layernorm:
+            if config.qk_layernorm and not config.multi_latent_attention:
                 out[f"{L}.{i}.self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
                 out[f"{L}.{i}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
             if config.num_experts and config.is_moe_layer(i):
                 out.update(_experts_from_hf(hf, p, f"{L}.{i}.mlp", config.num_experts))
+                out.update(_shared_and_bias_from_hf(hf, p, f"{L}.{i}.mlp", config))
             elif p + "mlp.gate_up_proj.weight" in hf:  # Phi-3: [gate; up], our layout
                 out[f"{L}.{i}.mlp.linear_fc1.weight"] = hf[p + "mlp.gate_up_proj.weight"]
                 out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
@@ -143,7 +212,7 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig, arch: s
 
 
 def state_dict_to_hf(
-    ours: dict[str, torch.Tensor], config: ModelConfig, arch: str, on_disk: bool = False
+    ours: dict[str, torch.Tensor], config: ModelConfig, arch: str, on_disk: bool = False, rope_interleave: bool = True
 ) -> dict[str, torch.Tensor]:
     """The inverse of `state_dict_from_hf`. By default the names of transformers' modules (tied models get
     `lm_head.weight` = the embedding); with `on_disk` the names of a Hub checkpoint file: Mixtral experts
@@ -172,10 +241,21 @@ def state_dict_to_hf(
                     q, k, v = _ungroup_qkv(ours[key], config)
                     hf[f"{p}self_attn.q_proj.{kind}"], hf[f"{p}self_attn.k_proj.{kind}"] = q, k
                     hf[f"{p}self_attn.v_proj.{kind}"] = v
-            if config.qk_layernorm:
+            if config.multi_latent_attention:
+                hf.update(_mla_to_hf(ours, f"{L}.{i}.self_attention", p + "self_attn.", config, rope_interleave))
+            elif config.qk_layernorm:
                 hf[p + "self_attn.q_norm.weight"] = ours[f"{L}.{i}.self_attention.q_layernorm.weight"]
                 hf[p + "self_attn.k_norm.weight"] = ours[f"{L}.{i}.self_attention.k_layernorm.weight"]
             moe = config.num_experts and config.is_moe_layer(i)
+            if moe and arch == "DeepseekV3ForCausalLM":  # the router's correction bias and the shared experts
+                m = f"{L}.{i}.mlp"
+                bias = ours.get(f"{m}.router.expert_bias", torch.zeros(config.num_experts))  # (none: zeros)
+                hf[p + "mlp.gate.e_score_correction_bias"] = bias
+                if config.moe_shared_expert_intermediate_size:
+                    gate, up = ours[f"{m}.shared_expert.linear_fc1.weight"].chunk(2, dim=0)
+                    hf[p + "mlp.shared_experts.gate_proj.weight"] = gate
+                    hf[p + "mlp.shared_experts.up_proj.weight"] = up
+                    hf[p + "mlp.shared_experts.down_proj.weight"] = ours[f"{m}.shared_expert.linear_fc2.weight"]
             if moe and on_disk:
                 m = f"{L}.{i}.mlp"
                 # Mixtral: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2; Qwen3-MoE: mlp.experts.{e}.*_proj

@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.models.attention import SelfAttention
+from megatron_lite.models.mla import MultiLatentAttention
 from megatron_lite.models.mlp import MLP
 from megatron_lite.models.norms import build_norm
 from megatron_lite.moe.layer import MoELayer
@@ -41,7 +42,8 @@ class TransformerLayer(nn.Module):
         self.rng = ctx.rng
         self.sequence_parallel = ctx.sequence_parallel
         self.input_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
-        self.self_attention = SelfAttention(config, ctx, device, dtype, layer_number)
+        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, ctx, device, dtype, layer_number)
         self.pre_mlp_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
         self.mlp = (
             MoELayer(config, ctx, device, dtype)

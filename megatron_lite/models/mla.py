@@ -1,0 +1,130 @@
+"""Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention).
+
+Per token, queries come from a q_lora_rank latent (or straight from the hidden state when --q-lora-rank is
+unset), and keys and values from one kv_lora_rank latent plus a qk_pos_emb_head_dim RoPE part that every head
+shares. Each query/key head is [qk_head_dim dims without position, qk_pos_emb_head_dim dims with RoPE]; values
+have v_head_dim. With --qk-layernorm each latent is RMS-normalised before its up-projection.
+
+Tensor parallelism splits heads, as for ordinary attention: the up-projections are column-parallel and the
+output projection row-parallel. The down-projections are column-parallel with their output gathered, so every
+rank holds the whole latent (the split only divides their GEMM); the latents' norms then see identical inputs
+and gradients on every rank. The shared RoPE key part feeds only this rank's heads, so its gradient is partial:
+it enters through copy_to_tensor_model_parallel_region, whose backward sums it over TP.
+
+Values are zero-padded to the query/key head size for the attention kernels (the flash kernel, context-parallel
+attention and the KV cache take one head size) and the padding is cut from the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite import kernels as K
+from megatron_lite.config import ModelConfig
+from megatron_lite.models.attention import CoreAttention
+from megatron_lite.models.norms import build_norm
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron_lite.tensor_parallel.random import checkpoint
+
+
+class MultiLatentAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32, layer_number: int = 0
+    ) -> None:
+        super().__init__()
+        tp = ctx.tp
+        self.tp = tp
+        self.layer_number = layer_number
+        self.local_heads = config.num_attention_heads // tp.size
+        self.nope, self.pe, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        common = dict(
+            tp=tp,
+            bias=False,
+            sequence_parallel=ctx.sequence_parallel,
+            triton_gemm=config.kernel_impl == "triton",
+            init_std=config.init_method_std,
+            device=device,
+            dtype=dtype,
+        )
+        q_out = heads * config.mla_q_head_dim
+        latent_in = {**common, "sequence_parallel": False}  # a gathered latent (whole sequence): no second gather
+        if config.q_lora_rank is None:
+            self.linear_q_proj = ColumnParallelLinear(hidden, q_out, **common)
+            self.linear_q_down_proj = self.q_layernorm = self.linear_q_up_proj = None
+        else:
+            self.linear_q_proj = None
+            self.linear_q_down_proj = ColumnParallelLinear(hidden, config.q_lora_rank, gather_output=True, **common)
+            self.q_layernorm = (
+                build_norm(config, False, device, dtype, size=config.q_lora_rank) if config.qk_layernorm else None
+            )
+            self.linear_q_up_proj = ColumnParallelLinear(config.q_lora_rank, q_out, **latent_in)
+        self.linear_kv_down_proj = ColumnParallelLinear(
+            hidden, config.kv_lora_rank + config.qk_pos_emb_head_dim, gather_output=True, **common
+        )
+        self.kv_layernorm = (
+            build_norm(config, False, device, dtype, size=config.kv_lora_rank) if config.qk_layernorm else None
+        )
+        kv_out = heads * (config.qk_head_dim + config.v_head_dim)  # per head: [k without position, v]
+        self.linear_kv_up_proj = ColumnParallelLinear(config.kv_lora_rank, kv_out, **latent_in)
+        self.core_attention = CoreAttention(config, ctx)
+        self.linear_proj = RowParallelLinear(
+            heads * config.v_head_dim,
+            hidden,
+            tp,
+            bias=False,
+            sequence_parallel=ctx.sequence_parallel,
+            comm_overlap=ctx.parallel.tp_comm_overlap,
+            triton_gemm=config.kernel_impl == "triton",
+            init_std=config.output_layer_init_std,
+            device=device,
+            dtype=dtype,
+        )
+        self.rope = K.apply_rope if config.kernel_impl == "triton" else K.apply_rope_reference
+        self.recompute_core_attention = (
+            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+        )
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
+    ) -> torch.Tensor:
+        """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden] (SelfAttention's contract)."""
+        if self.linear_q_proj is not None:
+            q = self.linear_q_proj(x)
+        else:
+            latent = self.linear_q_down_proj(x)  # [seq (all of it under SP), batch, q_lora_rank]
+            q = self.linear_q_up_proj(self.q_layernorm(latent) if self.q_layernorm is not None else latent)
+        s, b, _ = q.shape
+        q = q.transpose(0, 1).reshape(b, s, self.local_heads, self.nope + self.pe)
+        kv_latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pe], dim=-1)
+        if self.kv_layernorm is not None:
+            kv_latent = self.kv_layernorm(kv_latent)
+        kv = self.linear_kv_up_proj(kv_latent).transpose(0, 1).reshape(b, s, self.local_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        # one RoPE key part for all heads, read by this rank's heads only: its gradient is summed over TP
+        k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp).transpose(0, 1).unsqueeze(2)  # [b, s, 1, pe]
+        q_nope, q_pe = q.split([self.nope, self.pe], dim=-1)
+        if rope is not None:
+            cos, sin = rope
+            q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe, cos, sin)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, s, self.local_heads, self.pe)], dim=-1)
+        pad = self.nope + self.pe - self.v_dim
+        v = F.pad(v, (0, pad)) if pad > 0 else v  # (v_head_dim > the q/k head: refused at config time)
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer_number, k, v)
+        if self.recompute_core_attention and self.training:
+            out = checkpoint(
+                functools.partial(self.core_attention, documents=documents), self.core_attention.rng, q, k, v
+            )
+        else:
+            out = self.core_attention(q, k, v, documents)
+        out = out.reshape(b, s, self.local_heads, self.nope + self.pe)[..., : self.v_dim]
+        return self.linear_proj(out.reshape(b, s, self.local_heads * self.v_dim).transpose(0, 1))
