@@ -131,6 +131,13 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         add_bias_linear=not ns.disable_bias_linear,
         add_qkv_bias=ns.add_qkv_bias,
         qk_layernorm=ns.qk_layernorm,
+        multi_latent_attention=ns.multi_latent_attention,
+        q_lora_rank=ns.q_lora_rank,
+        kv_lora_rank=ns.kv_lora_rank,
+        qk_head_dim=ns.qk_head_dim,
+        qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim,
+        v_head_dim=ns.v_head_dim,
+        mla_mscale_all_dim=getattr(ns, "mla_mscale_all_dim", 0.0),  # (from a converted checkpoint's YaRN)
         untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights,
         init_method_std=ns.init_method_std,
         hidden_dropout=ns.hidden_dropout,

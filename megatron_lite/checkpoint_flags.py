@@ -33,6 +33,12 @@ ARCH_DESTS = (
     "disable_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
     "make_vocab_size_divisible_by",
     "num_experts",
     "moe_ffn_hidden_size",
@@ -68,6 +74,16 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     }
     out["apply_layernorm_1p"] = m.get("apply_layernorm_1p", False)
     out["qk_layernorm"] = m.get("qk_layernorm", False)  # (absent from older checkpoints)
+    for k, default in (
+        ("multi_latent_attention", False),
+        ("q_lora_rank", None),
+        ("kv_lora_rank", 32),
+        ("qk_head_dim", 128),
+        ("qk_pos_emb_head_dim", 64),
+        ("v_head_dim", 128),
+        ("mla_mscale_all_dim", 0.0),
+    ):
+        out[k] = m.get(k, default)
     out["group_query_attention"] = m["num_query_groups"] is not None
     out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
     out["swiglu"] = m["activation"] == "swiglu"

@@ -82,7 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(m, "--untie-embeddings-and-output-weights", "separate output layer (Llama)")
     _bool(m, "--disable-bias-linear", "no biases in linear layers (Llama)")
     _bool(m, "--add-qkv-bias", "bias on QKV only (Qwen2)")
-    _bool(m, "--qk-layernorm", "normalise each query and key head over head_dim before RoPE (Qwen3)")
+    _bool(
+        m,
+        "--qk-layernorm",
+        "normalise each query and key head over head_dim before RoPE (Qwen3); with --multi-latent-attention, "
+        "RMS-normalise the query and key/value latents (DeepSeek)",
+    )
+    a = parser.add_argument_group("multi-latent attention (DeepSeek-V2/V3)")
+    _bool(a, "--multi-latent-attention", "queries, keys and values from low-rank latents, RoPE on separate dims")
+    a.add_argument("--q-lora-rank", type=int, help="rank of the query latent (default: no query latent)")
+    a.add_argument("--kv-lora-rank", type=int, default=32, help="rank of the key/value latent")
+    a.add_argument("--qk-head-dim", type=int, default=128, help="query/key dims per head without RoPE")
+    a.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key dims per head with RoPE")
+    a.add_argument("--v-head-dim", type=int, default=128, help="value dims per head")
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--hidden-dropout", type=float, default=0.1)

@@ -99,7 +99,38 @@ def nemotron_config(**kw) -> ModelConfig:
     return gpt2_config(**{**base, **kw})
 
 
-CONFIGS = {"llama": llama_config, "gpt2": gpt2_config, "qwen3": qwen3_config, "nemotron": nemotron_config}
+def deepseek_config(**kw) -> ModelConfig:
+    """DeepSeek-V3-shaped: multi-latent attention (a query latent, normalised latents, RoPE on 8 of each head's 20
+    query/key dims, values of 10), then a dense layer and MoE layers with sigmoid routing, an expert bias and a
+    shared expert."""
+    base = dict(
+        num_query_groups=None,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_head_dim=12,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=10,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=24,
+    )
+    base.update(kw)
+    base.setdefault("moe_layer_freq", tuple(int(i > 0) for i in range(base.get("num_layers", 2))))
+    return llama_config(**base)
+
+
+CONFIGS = {
+    "llama": llama_config,
+    "gpt2": gpt2_config,
+    "qwen3": qwen3_config,
+    "nemotron": nemotron_config,
+    "deepseek": deepseek_config,
+}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,6 +159,8 @@ def unshard_all(per_rank: list[dict[str, torch.Tensor]], spec_map: dict, tp: int
     """Full tensors from TP ranks 0..tp-1 (the first tensor-parallel group)."""
     out = {}
     for name, spec in spec_map.items():
+        if name not in per_rank[0]:  # (a parameter without a gradient: the MoE expert bias)
+            continue
         shards = [per_rank[r][name] for r in range(tp)]
         out[name] = shards[0] if spec is None else spec.unshard(shards)
     return out

@@ -146,10 +146,12 @@ QK_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(QK_LAYOUTS))
-@pytest.mark.parametrize("name", ["qwen3", "nemotron"])
+@pytest.mark.parametrize("name", ["qwen3", "nemotron", "deepseek"])
 def test_newer_architectures_train_like_one_process(dist, name, layout):
-    """--qk-layernorm (Qwen3), and --rotary-percent 0.5 with --squared-relu and 1p LayerNorms (Nemotron), under
-    tensor, sequence, context (positions split in zigzag) and pipeline parallelism."""
+    """--qk-layernorm (Qwen3), --rotary-percent 0.5 with --squared-relu and 1p LayerNorms (Nemotron), and
+    multi-latent attention with sigmoid-routed MoE (DeepSeek-V3: latents gathered across TP, the shared RoPE key
+    part's gradient summed over TP), under tensor, sequence, context (positions split in zigzag) and pipeline
+    parallelism."""
     world, parallel, gbs, mbs = QK_LAYOUTS[layout]
     ref = train_run(name, ParallelConfig(), gbs, gbs)
     for rank_history in dist(world, train_run, name, parallel, gbs, mbs):

@@ -446,6 +446,12 @@ STRUCTURE = {
     "add_bias_linear": "--disable-bias-linear",
     "add_qkv_bias": "--add-qkv-bias",
     "qk_layernorm": "--qk-layernorm",
+    "multi_latent_attention": "--multi-latent-attention",
+    "q_lora_rank": "--q-lora-rank",
+    "kv_lora_rank": "--kv-lora-rank",
+    "qk_head_dim": "--qk-head-dim",
+    "qk_pos_emb_head_dim": "--qk-pos-emb-head-dim",
+    "v_head_dim": "--v-head-dim",
     "position_embedding_type": "--position-embedding-type",
     "tied_embeddings": "--untie-embeddings-and-output-weights",
     "num_experts": "--num-experts",
@@ -462,6 +468,8 @@ def _check_model_structure(path: str, meta: dict, model) -> None:
     theirs = model_config_from_dict(saved)
     for field, flag in STRUCTURE.items():
         a, b = getattr(theirs, field), getattr(config, field)
+        if field == "head_dim" and theirs.multi_latent_attention and config.multi_latent_attention:
+            continue  # (multi-latent attention does not read --kv-channels)
         if a != b:
             raise ConfigError(
                 f"{path} holds a model with {field}={a!r}; this run builds {field}={b!r}: set {flag} as the "
