@@ -176,6 +176,28 @@ def _configs() -> dict:
             bos_token_id=2,
             **COMMON,
         ),
+        # Multi-latent attention (query latent, interleaved RoPE rows), one dense layer then MoE layers with sigmoid
+        # routing, the score-correction bias, two expert groups and a shared expert.
+        "deepseek_v3": transformers.DeepseekV3Config(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            **COMMON,
+        ),
         # gelu_new, an inner size that is not 4 x hidden, a non-default epsilon, tied embeddings.
         "gpt2": transformers.GPT2Config(
             vocab_size=V,
@@ -302,7 +324,7 @@ def test_window_matters(converted):
     assert _rel(_hf_logits(unwindowed.eval(), ids), _hf_logits(model, ids)) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3"])
 def test_pp2_tp2_generation_equals_transformers(dist, converted, name):
     model, _, ours, _ = converted[name]
     greedy = _hf_greedy(model, PROMPT)
