@@ -182,7 +182,7 @@ def _configs() -> dict:
             hidden_size=64,
             intermediate_size=96,
             moe_intermediate_size=24,
-            num_hidden_layers=3,
+            num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=4,
             q_lora_rank=32,
