@@ -10,7 +10,7 @@ from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.training.flops import flops_per_token
 
-from models import gpt2_config, llama_config
+from models import deepseek_config, gpt2_config, llama_config
 
 
 def test_gpt_matches_megatron_closed_form():
@@ -31,6 +31,22 @@ def test_six_n_plus_attention(make):
     n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size  # padding rows are not real work
     expected = 6 * n + 12 * c.num_layers * s * c.num_attention_heads * c.head_dim
     assert flops_per_token(c, s) == pytest.approx(expected, rel=1e-12)
+
+
+def test_mla_and_moe_count_the_work_each_token_does():
+    """DeepSeek-shaped (multi-latent attention, MoE with top-2 of 4 experts and a shared expert): 6 N_active +
+    6 L s heads (qk + v dims) per token, N_active counted from a real model (one expert's weights x top-k)."""
+    c = deepseek_config(num_layers=3)
+    s = 32
+    model = GPTModel(c, ParallelContext.virtual(ParallelConfig()), device="meta")
+    n = 0
+    for name, p in model.named_parameters():
+        if p.ndim != 2 or "embedding" in name:
+            continue
+        n += p.numel() * (c.moe_router_topk / c.num_experts if ".experts." in name else 1)
+    n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size
+    attention = 6 * c.num_layers * s * c.num_attention_heads * (c.mla_q_head_dim + c.v_head_dim)
+    assert flops_per_token(c, s) == pytest.approx(6 * n + attention, rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import layer_params, rank_memory, stage_params
 
 from dist_pool import get_context
-from models import DEVICE, gpt2_config, llama_config
+from models import DEVICE, deepseek_config, gpt2_config, llama_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ, GBS = 32, 8
@@ -32,6 +32,7 @@ MODELS = {
     "gpt2": gpt2_config,
     "moe": moe_llama,
     "qk_layernorm": lambda **kw: gpt2_config(qk_layernorm=True, **kw),  # LayerNorm q/k norms: weight and bias
+    "deepseek": deepseek_config,  # multi-latent attention, sigmoid-routed MoE with a shared expert
 }
 
 
@@ -52,6 +53,8 @@ def _tool():
         ("moe", Layout(tp=2, ep=2, dp=2)),
         ("moe", Layout(ep=4, dp=4, pp=2)),
         ("qk_layernorm", Layout(tp=2, pp=2)),
+        ("deepseek", Layout(tp=2, ep=2, dp=2)),
+        ("deepseek", Layout(pp=2, dp=2)),
     ],
 )
 def test_parameter_counts_equal_the_built_model(name, layout):

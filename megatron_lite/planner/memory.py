@@ -52,6 +52,17 @@ def _mlp_params(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> int:
     return h * fc1 + f // tp * h + ((fc1 + h) if bias else 0)
 
 
+def _mla_params(m: ModelConfig, tp: int) -> int:
+    """Multi-latent attention on one TP rank: down-projections split by rows, latent norms whole, up-projections
+    and the output projection split by heads."""
+    h, heads, qd, r = m.hidden_size, m.num_attention_heads, m.mla_q_head_dim, m.q_lora_rank
+    norm = (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
+    q = h * heads * qd // tp if r is None else h * r // tp + norm * r + r * heads * qd // tp
+    kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) // tp + norm * m.kv_lora_rank
+    kv += m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim) // tp
+    return q + kv + heads * m.v_head_dim // tp * h
+
+
 def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank."""
     h, d = model.hidden_size, model.head_dim
@@ -61,6 +72,8 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     attn = h * (q + 2 * kv) // tp + ((q + 2 * kv) // tp if qkv_bias else 0) + q // tp * h
     attn += h if model.add_bias_linear else 0
     attn += 2 * d * (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
+    if model.multi_latent_attention:
+        attn = _mla_params(model, tp)
     swiglu = model.activation == "swiglu"
     if not model.is_moe_layer(layer):
         return 2 * norm + attn + _mlp_params(h, model.ffn_size, swiglu, model.add_bias_linear, tp), 0

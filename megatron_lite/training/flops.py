@@ -6,7 +6,9 @@ Per token and layer, the forward pass multiplies by every weight once (2 FLOPs p
                                                 convention counts full, not causally halved, attention)
     projection    2 * heads * d * h
     MLP           2 * h * f * (3 if SwiGLU else 2)
-and once per token the output layer, 2 * h * V. Training is 3x the forward (backward = 2x forward);
+and once per token the output layer, 2 * h * V. A MoE layer counts its router, its top-k experts and its
+shared expert; multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims, p.v over
+v dims. Training is 3x the forward (backward = 2x forward);
 recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and heads * d = h this
 is Megatron's 72 B s L h^2 (1 + s / (6h) + V / (12 L h)) per batch, and in general 6 N + 12 L s heads d
 per token with N the matmul parameters (torchtitan's form); both are checked in tests/test_flops.py.
@@ -33,18 +35,30 @@ PEAKS = [
 ]
 
 
+def _attention_flops(c: ModelConfig, s: int) -> float:
+    """Forward FLOPs of one token's attention in one layer: projections, q.k^T and p.v over the full sequence."""
+    h, heads = c.hidden_size, c.num_attention_heads
+    if not c.multi_latent_attention:
+        d = c.head_dim
+        return 2 * h * (heads + 2 * c.query_groups) * d + 4 * s * heads * d + 2 * heads * d * h
+    qd, v, r = c.mla_q_head_dim, c.v_head_dim, c.q_lora_rank
+    q = 2 * h * heads * qd if r is None else 2 * h * r + 2 * r * heads * qd
+    kv = 2 * h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + 2 * c.kv_lora_rank * heads * (c.qk_head_dim + v)
+    return q + kv + 2 * s * heads * (qd + v) + 2 * heads * v * h
+
+
+def _mlp_flops(c: ModelConfig, layer: int) -> float:
+    """Forward FLOPs of one token's MLP: a MoE layer runs the router, its top-k experts and the shared expert."""
+    h, mult = c.hidden_size, 3 if c.activation == "swiglu" else 2
+    if not c.is_moe_layer(layer):
+        return 2 * h * c.ffn_size * mult
+    shared = c.moe_shared_expert_intermediate_size or 0
+    return 2 * h * c.num_experts + 2 * h * (c.moe_router_topk * c.moe_ffn_size + shared) * mult
+
+
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
-    h, d, heads, groups, f = (
-        config.hidden_size,
-        config.head_dim,
-        config.num_attention_heads,
-        config.query_groups,
-        config.ffn_size,
-    )
-    mlp = 3 if config.activation == "swiglu" else 2
-    per_layer = 2 * h * (heads + 2 * groups) * d + 4 * seq_length * heads * d + 2 * heads * d * h + 2 * h * f * mlp
-    forward = config.num_layers * per_layer + 2 * h * config.vocab_size
-    return 3.0 * forward
+    layers = sum(_attention_flops(config, seq_length) + _mlp_flops(config, i) for i in range(config.num_layers))
+    return 3.0 * (layers + 2 * config.hidden_size * config.vocab_size)
 
 
 def peak_flops(device: torch.device, low_precision: bool) -> float | None:
