@@ -37,10 +37,10 @@ def loss_and_grads(name, impl, parallel=None):
     loss.mean().backward()
     allreduce_sequence_parallel_grads(model, ctx.tp)
     assert (sum(K.LAUNCHES.values()) > launches) == (impl == "triton")  # the kernels ran, on this rank too
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}  # (not expert_bias)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3", "nemotron"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3", "nemotron", "deepseek"])
 def test_triton_model_equals_torch_model(name):
     launches = sum(K.LAUNCHES.values())
     ours, ours_g = loss_and_grads(name, "triton")
