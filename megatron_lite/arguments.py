@@ -9,6 +9,7 @@ accepted and reported at start-up.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 
 from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
@@ -43,16 +44,75 @@ def _kernel_impl(requested: str | None, backend: str | None = None) -> str:
     return requested
 
 
+def _list_expression(text: str) -> list[int]:
+    """Megatron's list expressions for per-layer patterns, e.g. "([0]*3+[1]*58)" or "[1,0]*4": lists of integers,
+    concatenated with + and repeated with * N, in parentheses. Parsed, never eval'd."""
+    tokens = re.findall(r"\d+|[\[\](),+*]|\S", text)
+    pos = 0
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take(expected: str | None = None) -> str:
+        nonlocal pos
+        tok = peek()
+        if tok is None or (expected is not None and tok != expected):
+            raise ValueError(f"expected {expected or 'more'} at token {pos}, got {tok!r}")
+        pos += 1
+        return tok
+
+    def atom() -> list[int]:
+        if peek() == "(":
+            take("(")
+            out = expr()
+            take(")")
+            return out
+        take("[")
+        out = []
+        while peek() != "]":
+            out.append(int(take()))
+            if peek() == ",":
+                take(",")
+        take("]")
+        return out
+
+    def term() -> list[int]:
+        out = atom()
+        while peek() == "*":
+            take("*")
+            out = out * int(take())
+        return out
+
+    def expr() -> list[int]:
+        out = term()
+        while peek() == "+":
+            take("+")
+            out = out + term()
+        return out
+
+    result = expr()
+    if pos != len(tokens):
+        raise ValueError(f"unexpected {tokens[pos]!r}")
+    return result
+
+
 def _layer_freq(text) -> int | tuple[int, ...]:
-    """Megatron's --moe-layer-freq: an integer N, or a per-layer pattern ("0,1,1" or "[0,1,1]")."""
+    """Megatron's --moe-layer-freq: an integer N, or a per-layer pattern ("0,1,1", "[0,1,1]" or a list
+    expression such as "([0]*3+[1]*58)")."""
     if isinstance(text, (int, tuple, list)):
         return text if isinstance(text, int) else tuple(text)
-    body = str(text).strip().strip("[]() ")
+    body = str(text).strip()
     try:
-        values = [int(x) for x in body.split(",") if x.strip()]
+        if any(c in body for c in "*+"):
+            values = _list_expression(body)
+        else:
+            values = [int(x) for x in body.strip("[]() ").split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"--moe-layer-freq {text!r} must be an integer or a comma-separated 0/1 list") from None
-    return values[0] if len(values) == 1 else tuple(values)
+        raise ConfigError(
+            f"--moe-layer-freq {text!r} must be an integer, a comma-separated 0/1 list or a list expression such as "
+            "'([0]*3+[1]*58)'"
+        ) from None
+    return values[0] if len(values) == 1 and not any(c in body for c in "*+") else tuple(values)
 
 
 def _require(ns: argparse.Namespace, *names: str) -> None:

@@ -735,3 +735,27 @@ def test_skip_train_evaluates_the_loaded_model(tmp_path, capsys, monkeypatch):
     assert len(valid) == 1 and abs(valid[0]["lm_loss"] - final_valid["lm_loss"]) < 1e-6 * final_valid["lm_loss"]
     assert any("test" in r for r in records)
     assert sorted(os.listdir(ckpt)) == before
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("([0]*3+[1]*5)", (0, 0, 0, 1, 1, 1, 1, 1)),
+        ("[1,0]*2", (1, 0, 1, 0)),
+        ("([0]+[1]*3)*2", (0, 1, 1, 1, 0, 1, 1, 1)),
+        ("0,1,1", (0, 1, 1)),
+        ("2", 2),
+    ],
+)
+def test_moe_layer_freq_takes_megatrons_list_expressions(text, expected):
+    """Megatron scripts write per-layer patterns as list expressions (DeepSeek-V3: "([0]*3+[1]*58)"); they are
+    parsed (never eval'd) into the same pattern."""
+    from megatron_lite.arguments import _layer_freq
+
+    assert _layer_freq(text) == expected
+
+
+@pytest.mark.parametrize("text", ["[0]*", "([0]*3", "__import__('os')", "[0]*x"])
+def test_bad_moe_layer_freq_is_one_line(text, capsys, monkeypatch):
+    rc, _, err = _run(["--num-experts", "4", "--moe-layer-freq", text, "--disable-bias-linear"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--moe-layer-freq", "list expression")

@@ -77,6 +77,7 @@ SCRIPTS = [
     "mixtral_cpu_demo.sh",
     "mixtral_8x7b.sh",
     "qwen3_30b_a3b.sh",
+    "deepseek_v3.sh",
     "llama3_8b.sh",
     "llama3_70b_multinode.sh",
     "llama3_70b.sbatch",
