@@ -385,7 +385,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     if ns.lora_rank:
         targets = target_modules(ns.lora_target_modules)
         lora = LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora)
-        lora.validate(model.num_experts, parallel.tp_comm_overlap)
+        lora.validate(model.num_experts, parallel.tp_comm_overlap, model.multi_latent_attention)
         if lora.qlora and optimizer.use_torch_fsdp2:
             raise ConfigError(
                 "--qlora with --use-torch-fsdp2 is not supported: FSDP2 shards the weights before they are "

@@ -230,7 +230,8 @@ class ModelConfig:
             )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {self.head_dim}")
-        if not 0.0 < self.rotary_percent <= 1.0 or (self.position_embedding_type == "rope" and self.rotary_dim % 2):
+        odd_rotary = self.position_embedding_type == "rope" and self.rotary_dim % 2 and not self.multi_latent_attention
+        if not 0.0 < self.rotary_percent <= 1.0 or odd_rotary:
             raise ConfigError(
                 f"--rotary-percent {self.rotary_percent} must be in (0, 1] and rotate an even number of dims "
                 f"(head dim {self.head_dim} x {self.rotary_percent} = {self.head_dim * self.rotary_percent:g})"
@@ -352,10 +353,11 @@ class ModelConfig:
             ("--rotary-percent", self.rotary_percent != 1.0),
             ("--window-size", self.sliding_window is not None),
             ("--add-qkv-bias", self.add_qkv_bias),
-            ("--add-bias-linear (biases)", self.add_bias_linear),
         ):
             if on:
                 raise ConfigError(f"--multi-latent-attention with {flag} is not supported; drop one of them")
+        if self.add_bias_linear:
+            raise ConfigError("--multi-latent-attention has no biases: add --disable-bias-linear")
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

@@ -759,3 +759,33 @@ def test_moe_layer_freq_takes_megatrons_list_expressions(text, expected):
 def test_bad_moe_layer_freq_is_one_line(text, capsys, monkeypatch):
     rc, _, err = _run(["--num-experts", "4", "--moe-layer-freq", text, "--disable-bias-linear"], capsys, monkeypatch)
     _one_line_error(rc, err, "--moe-layer-freq", "list expression")
+
+
+def test_lora_with_multi_latent_attention_is_refused(capsys, monkeypatch):
+    mla = "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8"
+    argv = [*mla.split(), "--v-head-dim", "8", "--position-embedding-type", "rope", "--disable-bias-linear"]
+    argv += ["--lora-rank", "4"]
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    _one_line_error(rc, err, "--lora-rank", "--multi-latent-attention")
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
+        (["--v-head-dim", "40"], "--v-head-dim 40"),
+        (["--qk-pos-emb-head-dim", "7"], "--qk-pos-emb-head-dim 7"),
+        (["--tensor-model-parallel-size", "2", "--kv-lora-rank", "7"], "--kv-lora-rank + --qk-pos-emb-head-dim"),
+    ],
+)
+def test_bad_multi_latent_attention_flags_are_one_line(argv, fragment, capsys, monkeypatch):
+    mla = "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8"
+    base = [*mla.split(), "--v-head-dim", "8", "--position-embedding-type", "rope", "--disable-bias-linear"]
+    rc, _, err = _run([*base, *argv], capsys, monkeypatch, world=2 if "--tensor-model-parallel-size" in argv else 1)
+    _one_line_error(rc, err, fragment)
+
+
+def test_multi_latent_attention_without_disable_bias_linear_says_so(capsys, monkeypatch):
+    mla = "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8"
+    rc, _, err = _run([*mla.split(), "--v-head-dim", "8", "--position-embedding-type", "rope"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--disable-bias-linear")

@@ -67,7 +67,7 @@ def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, e
 def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: ParallelContext, seed: int) -> int:
     """Freeze every weight of `model` (a GPTModel or its pipeline chunks) and add adapters to the target
     layers, initialised layout-free from `seed`. Returns the number of adapter parameters on this rank."""
-    lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap)
+    lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap, config.multi_latent_attention)
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):

@@ -38,8 +38,13 @@ class LoraConfig:
         if bad:
             raise ConfigError(f"--lora-target-modules {' '.join(bad)}: choose from {' '.join(TARGETS)}")
 
-    def validate(self, num_experts: int | None, tp_comm_overlap: bool) -> None:
+    def validate(self, num_experts: int | None, tp_comm_overlap: bool, multi_latent_attention: bool = False) -> None:
         """What LoRA does not compose with yet; checked with the flags, before any collective."""
+        if multi_latent_attention:
+            raise ConfigError(
+                "--lora-rank with --multi-latent-attention is not supported yet (its latent projections have no "
+                "adapters); drop one of them"
+            )
         if "experts" in self.target_modules:
             if not num_experts:
                 raise ConfigError("--lora-target-modules experts: the model has no experts; add --num-experts or "
