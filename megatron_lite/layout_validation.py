@@ -85,8 +85,11 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
             f"{model.num_attention_heads} / --tensor-model-parallel-size {tp} = {local_heads} is not divisible by "
             f"--context-parallel-size {cp}; use --cp-comm-type p2p or a CP size dividing {local_heads}"
         )
-    if model.num_experts is not None:
-        raise ConfigError("--context-parallel-size > 1 with --num-experts is not supported yet; use CP 1 for MoE")
+    if model.num_experts is not None and model.moe_expert_capacity_factor is not None:
+        raise ConfigError(
+            f"--moe-expert-capacity-factor with --context-parallel-size {cp} is not supported yet (capacity is per "
+            "rank, one process would count it over the whole sequence); use dropless MoE or CP 1"
+        )
     if model.sliding_window is not None:
         raise ConfigError("--context-parallel-size > 1 with --window-size is not supported yet")
     if model.attention_dropout > 0:

@@ -287,6 +287,12 @@ def test_expert_bias_is_identical_on_every_replica(dist):
             4,
             "--expert-tensor-parallel-size 1 different from --tensor-model-parallel-size 2",
         ),
+        (
+            {"moe_expert_capacity_factor": 1.0},
+            P(context_parallel_size=2),
+            2,
+            "--moe-expert-capacity-factor with --context-parallel-size 2 is not supported yet",
+        ),
     ],
 )
 def test_bad_moe_configuration_is_one_line(model_kw, parallel, world, fragment):
@@ -338,6 +344,20 @@ VARIANTS = {
         P(expert_model_parallel_size=2, tensor_model_parallel_size=2),
         dict(moe_router_dtype="fp64"),
     ),
+    # Context parallelism: each CP rank routes its zigzag part of the sequences; the auxiliary and z losses are
+    # its shares of the whole sequences' losses (expert counts summed over CP), adding up over CP.
+    "cp2": (2, P(context_parallel_size=2), {}),
+    "cp2-ep2-seq-aux": (
+        4,
+        P(context_parallel_size=2, expert_model_parallel_size=2),
+        dict(moe_router_load_balancing_type="seq_aux_loss"),
+    ),
+    "tp2-sp-cp2-expert-bias": (
+        4,
+        P(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2),
+        dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+             moe_shared_expert_intermediate_size=32),
+    ),  # fmt: skip
 }
 
 

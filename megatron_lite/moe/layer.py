@@ -54,7 +54,7 @@ class MoELayer(nn.Module):
         self.tp, self.ep = ctx.tp, ctx.ep
         self.overlap_comm = ctx.parallel.overlap_moe_expert_parallel_comm
         self.sequence_parallel = ctx.sequence_parallel
-        self.router = TopKRouter(config, ctx.tp.size, device, dtype)
+        self.router = TopKRouter(config, ctx.tp.size, device, dtype, cp=ctx.cp)
         self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,9 +41,15 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    def __init__(self, config: ModelConfig, tp_size: int, device=None, dtype=torch.float32) -> None:
+    """Top-k routing. `cp`: the context-parallel group, when this rank holds only a part of each sequence: the
+    auxiliary losses are then this part's share of the whole sequence's losses (expert counts summed over CP,
+    this part's scores over the whole sequence's token count), so the shares add up over CP to the loss one
+    process computes (the training step weighs them by 1 / (micro-batches x DP), not x CP)."""
+
+    def __init__(self, config: ModelConfig, tp_size: int, device=None, dtype=torch.float32, cp=None) -> None:
         super().__init__()
         self.config = config
+        self.cp = cp if cp is not None and cp.size > 1 else None
         e = config.num_experts
         self.weight = nn.Parameter(torch.empty(e, config.hidden_size, device=device, dtype=dtype))
         # Under tensor parallelism the routing weights multiply TP-partial expert outputs (the reduction
@@ -61,8 +68,9 @@ class TopKRouter(nn.Module):
         dt = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
         logits = F.linear(x.to(dt), self.weight.to(dt))
         z_loss = None
-        if c.moe_z_loss_coeff:
-            z_loss = c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        cp = self.cp.size if self.cp is not None else 1
+        if c.moe_z_loss_coeff:  # (this part's share of the mean over the whole sequence)
+            z_loss = c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).sum() / (logits.shape[0] * cp)
         if c.moe_router_score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
             if c.moe_router_pre_softmax:
@@ -107,13 +115,23 @@ class TopKRouter(nn.Module):
         kind, coeff, k, e = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_router_topk, c.num_experts
         if kind == "none" or not coeff:
             return None
-        t = scores.shape[0]
+        cp = self.cp.size if self.cp is not None else 1
+        t = scores.shape[0] * cp  # the whole sequences' tokens (each CP rank holds an equal part)
         if kind == "aux_loss":
-            f = counts.float() / (t * k)
-            return coeff * e * (f * scores.mean(0)).sum()
+            f = self._over_cp(counts.float()) / (t * k)
+            return coeff * e * (f * scores.sum(0) / t).sum()
         s, b = seq_batch  # per sequence: tokens t = i * b + j belong to sequence j
-        per_seq = F.one_hot(indices, e).sum(1).float().view(s, b, e).sum(0) / (s * k)  # [b, E]
-        return coeff * e * (per_seq * scores.view(s, b, e).mean(0)).sum(-1).mean()
+        s_all = s * cp
+        per_seq = self._over_cp(F.one_hot(indices, e).sum(1).float().view(s, b, e).sum(0)) / (s_all * k)  # [b, E]
+        return coeff * e * (per_seq * scores.view(s, b, e).sum(0) / s_all).sum(-1).mean()
+
+    def _over_cp(self, counts: torch.Tensor) -> torch.Tensor:
+        """Expert counts of the whole sequences: summed over the context-parallel ranks (no gradient)."""
+        if self.cp is None:
+            return counts
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.cp.pg)
+        return counts
 
     def _capacity_keep(self, probs, indices, t: int) -> torch.Tensor:
         c = self.config

@@ -28,9 +28,10 @@ def moe_layers(model: nn.Module) -> dict[int, MoELayer]:
 
 
 def prepare_step(layers: dict[int, MoELayer], num_microbatches: int, loss_scale: float, ctx: ParallelContext) -> None:
-    """Each micro-batch's auxiliary loss weighs 1 / (all micro-batches of the global batch)."""
+    """Each micro-batch's auxiliary loss weighs 1 / (all micro-batches of the global batch); a CP rank's loss is
+    its share of its micro-batch's (the router's), so the shares of the CP ranks add up."""
     for layer in layers.values():
-        layer.aux_loss_scale = loss_scale / (num_microbatches * ctx.dp_cp.size)
+        layer.aux_loss_scale = loss_scale / (num_microbatches * ctx.dp.size)
         layer.reset_stats()
 
 
@@ -63,7 +64,7 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
         with ctx.pp.blocked():
             dist.all_reduce(table, group=ctx.pp.pg)
     table = table.cpu()
-    micro = num_microbatches * ctx.dp_cp.size
+    micro = num_microbatches * ctx.dp.size  # (CP ranks hold shares of the same micro-batches' losses)
     per_layer = {}
     for number in range(n_layers):
         if not config.is_moe_layer(number):
