@@ -355,8 +355,11 @@ VARIANTS = {
     "tp2-sp-cp2-expert-bias": (
         4,
         P(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2),
-        dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-             moe_shared_expert_intermediate_size=32),
+        dict(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_shared_expert_intermediate_size=32,
+        ),
     ),  # fmt: skip
 }
 
