@@ -9,6 +9,7 @@ accepted and reported at start-up.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Sequence
 
@@ -115,6 +116,39 @@ def _layer_freq(text) -> int | tuple[int, ...]:
     return values[0] if len(values) == 1 and not any(c in body for c in "*+") else tuple(values)
 
 
+def _yarn_mscale(scale: float, m: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _mla_yarn(ns: argparse.Namespace) -> RopeScaling | None:
+    """Megatron's RoPE for multi-latent attention: YaRN unless --rope-type rope, over an original context of 4096
+    (MLATransformerConfig's), beta_fast 32, beta_slow 1, cos / sin times mscale(f, --mscale) / mscale(f,
+    --mscale-all-dim). A factor of 1 is plain RoPE (nothing is interpolated and both mscales are 1)."""
+    f, kind = ns.rotary_scaling_factor, ns.rope_type
+    if f <= 0:
+        raise ConfigError(f"--rotary-scaling-factor {f} must be > 0")
+    if kind == "yarn" and not ns.multi_latent_attention:
+        raise ConfigError(
+            "--rope-type yarn is supported with --multi-latent-attention only (for Llama-3 scaling use "
+            "--use-rope-scaling --rope-scaling-factor)"
+        )
+    if not ns.multi_latent_attention or f == 1.0:
+        return None
+    if kind == "rope":
+        raise ConfigError(
+            f"--rotary-scaling-factor {f} with --rope-type rope: the factor scales YaRN only; drop one of them"
+        )
+    return RopeScaling(
+        factor=f,
+        original_max_position_embeddings=4096,
+        rope_type="yarn",
+        beta_fast=32.0,
+        beta_slow=1.0,
+        attention_factor=_yarn_mscale(f, ns.mscale) / _yarn_mscale(f, ns.mscale_all_dim),
+        truncate=True,
+    )
+
+
 def _require(ns: argparse.Namespace, *names: str) -> None:
     missing = ["--" + n.replace("_", "-") for n in names if getattr(ns, n) is None]
     if missing:
@@ -186,7 +220,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             **{**(getattr(ns, "rope_scaling_params", None) or {}), "factor": ns.rope_scaling_factor}
         )
         if ns.use_rope_scaling
-        else None,
+        else _mla_yarn(ns),
         sliding_window=ns.window_size,
         add_bias_linear=not ns.disable_bias_linear,
         add_qkv_bias=ns.add_qkv_bias,
@@ -197,7 +231,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         qk_head_dim=ns.qk_head_dim,
         qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim,
         v_head_dim=ns.v_head_dim,
-        mla_mscale_all_dim=getattr(ns, "mla_mscale_all_dim", 0.0),  # (from a converted checkpoint's YaRN)
+        mla_mscale_all_dim=ns.mscale_all_dim if ns.multi_latent_attention else 0.0,
         untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights,
         init_method_std=ns.init_method_std,
         hidden_dropout=ns.hidden_dropout,

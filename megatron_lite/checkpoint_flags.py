@@ -39,6 +39,8 @@ ARCH_DESTS = (
     "qk_head_dim",
     "qk_pos_emb_head_dim",
     "v_head_dim",
+    "rotary_scaling_factor",
+    "mscale_all_dim",
     "make_vocab_size_divisible_by",
     "num_experts",
     "moe_ffn_hidden_size",
@@ -81,9 +83,11 @@ def defaults_from_checkpoint(saved: dict) -> dict:
         ("qk_head_dim", 128),
         ("qk_pos_emb_head_dim", 64),
         ("v_head_dim", 128),
-        ("mla_mscale_all_dim", 0.0),
     ):
         out[k] = m.get(k, default)
+    out["mscale_all_dim"] = m.get("mla_mscale_all_dim", 0.0)
+    rs = m["rope_scaling"]
+    out["rotary_scaling_factor"] = rs["factor"] if rs is not None and rs.get("rope_type") == "yarn" else 1.0
     out["group_query_attention"] = m["num_query_groups"] is not None
     out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
     out["swiglu"] = m["activation"] == "swiglu"

@@ -95,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--qk-head-dim", type=int, default=128, help="query/key dims per head without RoPE")
     a.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key dims per head with RoPE")
     a.add_argument("--v-head-dim", type=int, default=128, help="value dims per head")
+    a.add_argument(
+        "--rope-type",
+        choices=["rope", "yarn"],
+        help="RoPE kind; as in Megatron, multi-latent attention takes yarn by default (plain RoPE while "
+        "--rotary-scaling-factor is 1), other attention rope",
+    )
+    a.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN's factor (multi-latent attention)")
+    a.add_argument("--mscale", type=float, default=1.0, help="YaRN's mscale of cos / sin (multi-latent attention)")
+    a.add_argument(
+        "--mscale-all-dim",
+        type=float,
+        default=0.0,
+        help="YaRN's mscale_all_dim: cos / sin divided by, and the softmax scale times the square of, its mscale",
+    )
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--hidden-dropout", type=float, default=0.1)

@@ -142,6 +142,11 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False)
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
+    if getattr(ns, "rotary_scaling_factor", 1.0) != 1.0 and not getattr(ns, "multi_latent_attention", False):
+        lines.append(
+            f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "
+            "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
+        )
     lines += getattr(ns, "schedule_notes", [])
     if getattr(ns, "save_interval", None) and not getattr(ns, "save", None):  # Megatron ignores it too
         lines.append(f"--save-interval {ns.save_interval} has no effect without --save")

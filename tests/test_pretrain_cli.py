@@ -789,3 +789,79 @@ def test_multi_latent_attention_without_disable_bias_linear_says_so(capsys, monk
     mla = "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8"
     rc, _, err = _run([*mla.split(), "--v-head-dim", "8", "--position-embedding-type", "rope"], capsys, monkeypatch)
     _one_line_error(rc, err, "--disable-bias-linear")
+
+
+MLA_FLAGS = (
+    "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8 "
+    "--v-head-dim 8 --qk-layernorm --position-embedding-type rope --normalization RMSNorm --swiglu "
+    "--disable-bias-linear --vocab-size 64"
+).split()
+
+
+def test_mla_yarn_flags_build_what_deepseeks_config_json_does():
+    """Megatron's --rotary-scaling-factor / --mscale / --mscale-all-dim (YaRN, MLA's default RoPE) give the RoPE
+    scaling and softmax scale that a DeepSeek config.json with the same YaRN converts to, which the
+    transformers reference tests check against transformers itself."""
+    import transformers
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.models.hf import config_from_hf
+
+    yarn = "--rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707".split()
+    _, job = parse_args([*TINY, *MLA_FLAGS, *yarn])
+    hf = transformers.DeepseekV3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, first_k_dense_replace=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 0.707, "mscale_all_dim": 0.707},
+    )  # fmt: skip
+    ref = config_from_hf(hf)
+    assert job.model.rope_scaling == ref.rope_scaling
+    assert job.model.softmax_scale == pytest.approx(ref.softmax_scale, rel=1e-15)
+    assert job.model.softmax_scale > (8 + 8) ** -0.5  # mscale_all_dim really scales it
+    _, plain = parse_args([*TINY, *MLA_FLAGS])  # Megatron's default: YaRN with factor 1 is plain RoPE
+    assert plain.model.rope_scaling is None and plain.model.softmax_scale == (8 + 8) ** -0.5
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--rope-type", "rope", "--rotary-scaling-factor", "4"], "--rotary-scaling-factor 4.0 with --rope-type rope"),
+        (["--rotary-scaling-factor", "0"], "--rotary-scaling-factor 0.0 must be > 0"),
+    ],
+)
+def test_bad_mla_rope_flags_are_one_line(argv, fragment, capsys, monkeypatch):
+    rc, _, err = _run([*MLA_FLAGS, *argv], capsys, monkeypatch)
+    _one_line_error(rc, err, fragment)
+
+
+def test_rotary_scaling_factor_without_mla_is_reported_and_yarn_refused(capsys, monkeypatch):
+    """Megatron scripts for Llama pass --rotary-scaling-factor, which Megatron reads for MLA only."""
+    llama = "--position-embedding-type rope --normalization RMSNorm --swiglu --mock-data --vocab-size 64".split()
+    rc, out, err = _run([*llama, "--rotary-scaling-factor", "8"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "--rotary-scaling-factor 8.0 has no effect without --multi-latent-attention" in out + err
+    rc, _, err = _run([*llama, "--rope-type", "yarn"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--rope-type yarn is supported with --multi-latent-attention only")
+
+
+def test_load_alone_rebuilds_a_multi_latent_attention_run_with_yarn(tmp_path, capsys, monkeypatch):
+    """The MLA flags and the YaRN built from --rotary-scaling-factor / --mscale-all-dim come back from the
+    checkpoint (the model-shape check would stop the job otherwise); a conflicting explicit factor is refused."""
+    ckpt = str(tmp_path / "ckpt")
+    yarn = "--rotary-scaling-factor 8 --mscale 0.707 --mscale-all-dim 0.707".split()
+    rc, _, err = _run([*MLA_FLAGS, *yarn, "--mock-data", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    from megatron_lite.arguments import parse_args
+
+    _, saved_job = parse_args([*TINY, *MLA_FLAGS, *yarn])
+    rc = main(["--load", ckpt, "--train-iters", "5"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "loaded" in out.out and "iteration      5/5" in out.out
+    ns, job = parse_args(["--load", ckpt, "--train-iters", "5"])
+    assert job.model.rope_scaling == saved_job.model.rope_scaling and job.model.multi_latent_attention
+    assert job.model.softmax_scale == saved_job.model.softmax_scale
+    rc = main(["--load", ckpt, "--train-iters", "5", "--rotary-scaling-factor", "4"])
+    _one_line_error(rc, capsys.readouterr().err, "--rotary-scaling-factor")
