@@ -523,3 +523,32 @@ def test_bad_tool_flags_are_one_line(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
         assert "--help lists the flags" in err[0]
+
+
+def test_a_deepseek_v3_model_type_transformers_does_not_know_converts(converted, tmp_path):
+    """Kimi-K2 ships DeepseekV3ForCausalLM weights under model_type "kimi_k2" (remote code transformers cannot
+    load): its config.json is read over DeepSeek-V3's defaults, and the weights convert as DeepSeek-V3's."""
+    import json
+    import shutil
+
+    _, hf_dir, ours, _ = converted["deepseek_v3"]
+    kimi = tmp_path / "kimi"
+    shutil.copytree(hf_dir, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg["model_type"] = "kimi_k2"
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    out = str(tmp_path / "kimi_ours")
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(kimi), "--save-dir", out]) == 0
+    a, b = (_checkpoint_tensors(d) for d in (ours, out))
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _checkpoint_tensors(ckpt: str) -> dict:
+    """Every tensor of our checkpoint directory (its safetensors files, wherever they sit)."""
+    out = {}
+    for f in sorted(pathlib.Path(ckpt).rglob("*.safetensors")):
+        if "/hf/" in str(f):
+            continue
+        with safe_open(str(f), framework="pt") as h:
+            out.update({f"{f.name}:{k}": h.get_tensor(k) for k in h.keys()})
+    return out

@@ -189,9 +189,28 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
     try:
         from transformers import AutoConfig
     except ImportError:
-        merged = {**HF_DEFAULTS.get(raw.get("model_type", ""), {}), **raw}
-        return types.SimpleNamespace(**merged), raw
-    return AutoConfig.from_pretrained(path), raw
+        return _fallback_config(raw), raw
+    try:
+        return AutoConfig.from_pretrained(path), raw
+    except (ValueError, KeyError):
+        # A model type transformers does not know (Kimi-K2's "kimi_k2", shipped as remote code) whose class we
+        # convert (DeepseekV3ForCausalLM): its config.json over that class's defaults.
+        if not _fallback_model_type(raw):
+            raise
+        return _fallback_config(raw), raw
+
+
+def _fallback_model_type(raw: dict) -> str | None:
+    if raw.get("model_type") in HF_DEFAULTS:
+        return raw["model_type"]
+    from megatron_lite.models.hf import MODEL_TYPES
+
+    archs = raw.get("architectures") or []
+    return MODEL_TYPES.get(archs[0]) if archs else None
+
+
+def _fallback_config(raw: dict) -> Any:
+    return types.SimpleNamespace(**{**HF_DEFAULTS.get(_fallback_model_type(raw) or "", {}), **raw})
 
 
 def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
