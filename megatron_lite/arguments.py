@@ -17,7 +17,7 @@ from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.flag_parser import build_parser
-from megatron_lite.lora.config import LoraConfig, target_modules
+from megatron_lite.lora.config import LoraConfig, lora_for_model, target_modules
 from megatron_lite.megatron_flags import refuse_unsupported
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
@@ -418,7 +418,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         raise ConfigError("--qlora trains LoRA adapters on an NF4 base: add --lora-rank R")
     if ns.lora_rank:
         targets = target_modules(ns.lora_target_modules)
-        lora = LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora)
+        lora = lora_for_model(LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora), model)
         lora.validate(model.num_experts, parallel.tp_comm_overlap, model.multi_latent_attention)
         if lora.qlora and optimizer.use_torch_fsdp2:
             raise ConfigError(

@@ -16,7 +16,7 @@ from megatron_lite.config import ParallelConfig
 from megatron_lite.lora.apply import LoraConfig, apply_lora
 
 from dist_pool import get_context
-from models import gpt2_config, llama_config
+from models import deepseek_config, gpt2_config, llama_config
 
 P = ParallelConfig
 ITERS = 6
@@ -33,7 +33,13 @@ def moe_bias_config(**kw):  # aux-loss-free balancing: a router bias updated out
     return moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, **kw)
 
 
-CONFIG = {"llama": llama_config, "gpt2": gpt2_config, "moe": moe_config, "moe-bias": moe_bias_config}
+CONFIG = {
+    "llama": llama_config,
+    "gpt2": gpt2_config,
+    "moe": moe_config,
+    "moe-bias": moe_bias_config,
+    "deepseek": lambda **kw: deepseek_config(vocab_size=250, **kw),  # MLA: adapters on the latent projections
+}
 
 
 def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: int = 2, lora: LoraConfig = LORA):
@@ -128,7 +134,7 @@ def test_expert_adapters_start_as_the_identity_one_pair_per_expert_projection():
     assert n == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "deepseek"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_equals_one_process(dist, name, layout):
     world, parallel, gbs, mbs = LAYOUTS[layout]

@@ -215,3 +215,72 @@ def test_merge_folds_every_adapter_kind_into_the_function():
     ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(plain(ids), adapted(ids), rtol=1e-4, atol=1e-5)
+
+
+DEEPSEEK_LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+                                                              "experts"))  # fmt: skip
+
+
+DEEPSEEK_PEFT_LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj", "experts"))
+
+
+def _deepseek_config():
+    return transformers.DeepseekV3Config(
+        vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tuned_deepseek_peft():
+    """Adapters PEFT can carry on DeepSeek-V3: the latent projections, o_proj and the routed experts."""
+    return fine_tune(_deepseek_config(), DEEPSEEK_PEFT_LORA)
+
+
+@pytest.fixture(scope="module")
+def tuned_deepseek():
+    """A tiny DeepSeek-V3 (query latent, interleaved RoPE rows, a dense layer then MoE with a shared expert) with
+    adapters on every projection: linear_qkv means the four latent projections on an MLA model."""
+    return fine_tune(_deepseek_config(), DEEPSEEK_LORA)
+
+
+def test_peft_loads_our_deepseek_adapters_with_our_logits(tuned_deepseek_peft, tmp_path):
+    """PEFT names (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, routed experts) and the RoPE rows
+    of the B matrices in DeepSeek's interleaved order: transformers' logits equal ours."""
+    hf, model, state, config = tuned_deepseek_peft
+    _, adapters = split_lora(state)
+    tensors, adapter_config = to_peft(adapters, config, DEEPSEEK_PEFT_LORA, "DeepseekV3ForCausalLM")
+    mla = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+    assert mla == set(adapter_config["target_modules"]) and adapter_config["target_parameters"]
+    write_peft(str(tmp_path / "adapter"), tensors, adapter_config)
+    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+        ours = model(ids)[..., :200]
+        assert (ours - theirs).abs().max() < 1e-4
+        with peft_model.disable_adapter():
+            assert (peft_model(ids).logits - theirs).abs().max() > 1e-3
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(tensors)
+
+
+def test_merged_deepseek_export_gives_our_logits_in_transformers(tuned_deepseek):
+    from megatron_lite.models.hf_weights import state_dict_to_hf
+
+    hf, model, state, config = tuned_deepseek
+    merged = merge(state, config, DEEPSEEK_LORA)
+    fresh = transformers.DeepseekV3ForCausalLM(hf.config).eval()
+    fresh.load_state_dict(state_dict_to_hf(merged, config, "DeepseekV3ForCausalLM"), strict=False)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (fresh(ids).logits - model(ids)[..., :200]).abs().max() < 1e-4
+
+
+def test_deepseek_dense_mlp_adapters_are_not_exported_to_peft(tuned_deepseek):
+    """PEFT would put them on the routed experts (it maps gate/up/down_proj to the fused expert parameters)."""
+    _, _, state, config = tuned_deepseek
+    with pytest.raises(Exception, match="--merge-lora"):
+        to_peft(split_lora(state)[1], config, DEEPSEEK_LORA, "DeepseekV3ForCausalLM")

@@ -761,12 +761,16 @@ def test_bad_moe_layer_freq_is_one_line(text, capsys, monkeypatch):
     _one_line_error(rc, err, "--moe-layer-freq", "list expression")
 
 
-def test_lora_with_multi_latent_attention_is_refused(capsys, monkeypatch):
+def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refused(capsys, monkeypatch):
+    """linear_qkv (the default target) means MLA's latent projections on an MLA model; naming those on a model
+    without MLA is a one-line error."""
     mla = "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8"
     argv = [*mla.split(), "--v-head-dim", "8", "--position-embedding-type", "rope", "--disable-bias-linear"]
-    argv += ["--lora-rank", "4"]
-    rc, _, err = _run(argv, capsys, monkeypatch)
-    _one_line_error(rc, err, "--lora-rank", "--multi-latent-attention")
+    rc, out, err = _run([*argv, "--lora-rank", "4", "--mock-data", "--vocab-size", "64"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "iteration      3/3" in out
+    rc, _, err = _run(["--lora-rank", "4", "--lora-target-modules", "q_b_proj"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--lora-target-modules linear_q_up_proj", "--multi-latent-attention")
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.lora.adapters import LoRA
-from megatron_lite.lora.config import TARGETS, LoraConfig  # noqa: F401 - LoraConfig re-exported
+from megatron_lite.lora.config import MLA_TARGETS, TARGETS, LoraConfig, lora_for_model  # noqa: F401 - LoraConfig re-exported
 from megatron_lite.models.weights import _full_init, full_shape, to_shard
 from megatron_lite.moe.experts import ExpertMLP
 from megatron_lite.parallel_context import ParallelContext
@@ -51,7 +51,9 @@ def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig
             return LoRA(h, {"gate": f, "up": f}, split="out", layout=_fc1_layout, **kw)
         return LoRA(h, {"fc1": out_full}, split="out", **kw)
     if leaf == "linear_proj":
-        return LoRA(q, {"proj": h}, split="in", **kw)
+        return LoRA(in_full, {"proj": h}, split="in", **kw)  # (heads x head dim, or x v_head_dim under MLA)
+    if leaf in MLA_TARGETS:  # one projection each, column-parallel (the down-projections' outputs gathered after)
+        return LoRA(in_full, {leaf.removeprefix("linear_").removesuffix("_proj"): out_full}, split="out", **kw)
     return LoRA(in_full, {"fc2": h}, split="in", **kw)
 
 
@@ -67,6 +69,7 @@ def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, e
 def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: ParallelContext, seed: int) -> int:
     """Freeze every weight of `model` (a GPTModel or its pipeline chunks) and add adapters to the target
     layers, initialised layout-free from `seed`. Returns the number of adapter parameters on this rank."""
+    lora = lora_for_model(lora, config)
     lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap, config.multi_latent_attention)
     for p in model.parameters():
         p.requires_grad_(False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError
@@ -15,7 +16,14 @@ TARGETS = {
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
     "experts": ("gate_up_proj",),
+    # multi-latent attention (DeepSeek-V3): the query projection or its latent's two, the key/value latent's two
+    "linear_q_proj": (),  # (PEFT's q_proj names linear_qkv; on an MLA model linear_qkv means these projections)
+    "linear_q_down_proj": ("q_a_proj",),
+    "linear_q_up_proj": ("q_b_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("kv_b_proj",),
 }
+MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 DENSE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
@@ -40,11 +48,13 @@ class LoraConfig:
 
     def validate(self, num_experts: int | None, tp_comm_overlap: bool, multi_latent_attention: bool = False) -> None:
         """What LoRA does not compose with yet; checked with the flags, before any collective."""
-        if multi_latent_attention:
-            raise ConfigError(
-                "--lora-rank with --multi-latent-attention is not supported yet (its latent projections have no "
-                "adapters); drop one of them"
-            )
+        mla = [t for t in self.target_modules if t in MLA_TARGETS]
+        if mla and not multi_latent_attention:
+            raise ConfigError(f"--lora-target-modules {' '.join(mla)}: projections of --multi-latent-attention; "
+                              "this model has linear_qkv")  # fmt: skip
+        if multi_latent_attention and "linear_qkv" in self.target_modules:
+            raise ConfigError("--lora-target-modules linear_qkv: a --multi-latent-attention model has "
+                              f"{' '.join(MLA_TARGETS)} instead")  # fmt: skip
         if "experts" in self.target_modules:
             if not num_experts:
                 raise ConfigError("--lora-target-modules experts: the model has no experts; add --num-experts or "
@@ -65,3 +75,15 @@ def target_modules(names: list[str]) -> tuple[str, ...]:
         if ours not in out:
             out.append(ours)
     return tuple(out)
+
+
+def lora_for_model(lora: LoraConfig, config) -> LoraConfig:
+    """On a multi-latent attention model, linear_qkv (the default target, PEFT's q_proj / k_proj / v_proj)
+    means its attention input projections: the query projection (or its latent's two) and the key/value latent's
+    two."""
+    if not config.multi_latent_attention or "linear_qkv" not in lora.target_modules:
+        return lora
+    q = ("linear_q_proj",) if config.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+    mla = (*q, "linear_kv_down_proj", "linear_kv_up_proj")
+    targets = [t for t in lora.target_modules if t != "linear_qkv"] + [t for t in mla if t not in lora.target_modules]
+    return dataclasses.replace(lora, target_modules=tuple(targets))

@@ -22,7 +22,7 @@ import torch
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.lora.config import LoraConfig
 from megatron_lite.models.hf import LLAMA_LIKE
-from megatron_lite.models.hf_weights import _group_qkv
+from megatron_lite.models.hf_weights import _group_qkv, _rope_rows
 
 # our (layer, adapter) -> the Hugging Face module inside a decoder layer
 HF_MODULES = {
@@ -33,11 +33,31 @@ HF_MODULES = {
     ("mlp.linear_fc1", "gate"): "mlp.gate_proj",
     ("mlp.linear_fc1", "up"): "mlp.up_proj",
     ("mlp.linear_fc2", "fc2"): "mlp.down_proj",
+    ("mlp.shared_expert.linear_fc1", "gate"): "mlp.shared_experts.gate_proj",  # (DeepSeek-V3)
+    ("mlp.shared_expert.linear_fc1", "up"): "mlp.shared_experts.up_proj",
+    ("mlp.shared_expert.linear_fc2", "fc2"): "mlp.shared_experts.down_proj",
+    ("self_attention.linear_q_proj", "q"): "self_attn.q_proj",  # multi-latent attention (DeepSeek-V3)
+    ("self_attention.linear_q_down_proj", "q_down"): "self_attn.q_a_proj",
+    ("self_attention.linear_q_up_proj", "q_up"): "self_attn.q_b_proj",
+    ("self_attention.linear_kv_down_proj", "kv_down"): "self_attn.kv_a_proj_with_mqa",
+    ("self_attention.linear_kv_up_proj", "kv_up"): "self_attn.kv_b_proj",
 }
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.pairs\.(\w+)\.(A|B)$")
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc1|linear_fc2)\.lora\.pairs\.\w+\.(A|B)$")
 # our expert weight -> (PEFT target parameter, its adapter's prefix inside the experts module)
 HF_EXPERT_PARAMS = {"linear_fc1": ("experts.gate_up_proj", "base_layer."), "linear_fc2": ("experts.down_proj", "")}
+
+
+# MLA projections whose output holds RoPE dims
+_ROPE_ROWS = ("self_attention.linear_q_proj", "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj")
+
+
+def _rope_rows_of(module: str, c: ModelConfig) -> torch.Tensor:
+    """Row order from ours to DeepSeek's interleaved RoPE rows (the export writes rope_interleave=true)."""
+    pe = c.qk_pos_emb_head_dim
+    if module.endswith("kv_down_proj"):
+        return _rope_rows(1, pe, c.kv_lora_rank, c.kv_lora_rank + pe, inverse=True)
+    return _rope_rows(c.num_attention_heads, pe, c.qk_head_dim, c.mla_q_head_dim, inverse=True)
 
 
 def split_lora(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -55,6 +75,15 @@ def to_peft(
             f"--saver hf-peft supports Llama-like models (separate q/k/v projections), not {arch}; export merged "
             "weights with --saver hf --merge-lora"
         )
+    mlp = sorted({k.split(".lora.")[0] for k in lora_state if ".mlp." in k and ".mlp.experts." not in k})
+    if arch == "DeepseekV3ForCausalLM" and mlp:
+        # PEFT rewrites gate_proj / up_proj / down_proj targets of a model with fused experts into the routed
+        # experts' parameters: the dense and shared-expert adapters would land on the experts instead.
+        raise ConfigError(
+            f"--saver hf-peft: PEFT cannot target DeepSeek-V3's dense or shared-expert MLPs ({mlp[0]}, ...): it "
+            "maps gate_proj/up_proj/down_proj to the routed experts; export merged weights with --saver hf "
+            "--merge-lora, or adapt attention and experts only (--lora-target-modules linear_qkv linear_proj experts)"
+        )
     tensors, modules = {}, set()
     experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
     for key, value in lora_state.items():
@@ -67,6 +96,8 @@ def to_peft(
             raise ConfigError(f"{key} is not a LoRA adapter of a projection PEFT knows")
         layer, hf = m.group(1), HF_MODULES[(m.group(2), m.group(3))]
         modules.add(hf.split(".")[-1])
+        if m.group(4) == "B" and m.group(2) in _ROPE_ROWS:  # B's rows are the projection's: DeepSeek's RoPE order
+            value = value[_rope_rows_of(m.group(2), config)]
         tensors[f"base_model.model.model.layers.{layer}.{hf}.lora_{m.group(4)}.weight"] = value.contiguous()
     if experts and lora.dropout:
         raise ConfigError(f"--saver hf-peft: PEFT's expert adapters take no dropout (--lora-dropout {lora.dropout}); "
