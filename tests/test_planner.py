@@ -122,6 +122,8 @@ ONE_PROCESS = {
     "gpt2": Layout(micro_batch_size=2),
     "gpt2-selective": Layout(micro_batch_size=2, recompute="selective"),
     "moe": Layout(micro_batch_size=2),
+    "deepseek": Layout(micro_batch_size=2),  # multi-latent attention: latents whole, v padded
+    "deepseek-selective": Layout(micro_batch_size=2, recompute="selective"),
 }
 
 
@@ -163,6 +165,17 @@ def test_memory_estimate_within_ten_percent(dist, case):
     # report the gathered storage's size to the meter: its activation count is not memory (see the note).
     skip = ("mem_activations_bytes",) if layout.sharding == "fsdp2" else ()
     _check("llama", layout, dist(layout.world, measure, "llama", layout), skip=skip)
+
+
+@pytest.mark.parametrize("case", ["tp2-sp", "tp2", "cp2"])
+def test_memory_estimate_multi_latent_attention(dist, case):
+    """MLA under TP (latents whole on every rank, heads split) and CP, DeepSeek-shaped with MoE layers."""
+    layout = {
+        "tp2-sp": Layout(tp=2, micro_batch_size=2),
+        "tp2": Layout(tp=2, micro_batch_size=2, sequence_parallel=False),
+        "cp2": Layout(cp=2, micro_batch_size=2),
+    }[case]
+    _check("deepseek", layout, dist(layout.world, measure, "deepseek", layout))
 
 
 @pytest.mark.parametrize("case", ["dp2", "dp4-zero2", "fsdp2-dp2"])

@@ -112,6 +112,26 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
     return StageParams(dense, expert, tuple(layers))
 
 
+def _mla_activation_bytes(m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, triton: bool, recompute: str) -> float:
+    """Multi-latent attention's saved tensors per token, times TP (the caller divides by it): the latents and
+    their norms whole on every rank; per head q, k and the padded v (the attention's inputs), the output
+    projection's input and, without selective recomputation, the attention's output and log-sum-exp. Under
+    sequence parallelism the query and key/value down-projections each gather (and save) the layer's input."""
+    qd, heads = m.mla_q_head_dim, m.num_attention_heads
+
+    def latent(n: int) -> float:  # a latent's norm (when normalised) and the up-projection's input
+        if not m.qk_layernorm:
+            return n * a
+        return n * a + (n * a + 8 if triton else 2 * n * a + 4 if rms else n * a + 8)
+
+    latents = (latent(m.q_lora_rank) if m.q_lora_rank else 0) + latent(m.kv_lora_rank)
+    latents += m.hidden_size * a if sp else 0  # the second gathered copy of the input
+    attn = 3 * heads * qd * a + heads * m.v_head_dim * a
+    if recompute != "selective":
+        attn += heads * qd * a + heads * 4
+    return latents * tp + attn
+
+
 def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str) -> float:
     """Bytes saved per token (of this rank's sequence part) by one transformer layer; `a` bytes per value."""
     h, d = model.hidden_size, model.head_dim
@@ -136,6 +156,8 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
         attn = (q + kv_saved + 2 * q) * a + heads * 4
     else:
         attn = (q + 2 * kv) * a + q * a + heads * 4 + (0 if model.add_bias_linear else q * a)
+    if model.multi_latent_attention:
+        attn = _mla_activation_bytes(model, a, tp, sp, rms, triton, recompute)
     swiglu = model.activation == "swiglu"
     if model.is_moe_layer(layer):
         f, k = model.moe_ffn_size, model.moe_router_topk
@@ -178,7 +200,7 @@ def activation_bytes(
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
         per_token = sum(layer_activation_bytes(model, layout, a, i, layout.recompute) for i in layers)
         if model.position_embedding_type == "rope" and layout.recompute != "full":
-            per_token += 2 * model.head_dim * 4  # cos and sin of every position, fp32
+            per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         if c == 0 and pp_rank == 0:
             per_token += 8  # input ids
         if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
