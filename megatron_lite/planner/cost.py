@@ -107,6 +107,19 @@ class StepTime:
         ) + self.optimizer
 
 
+def _mla_gemms(model: ModelConfig, m: float, tp: int, a: int, cl: Cluster, eff: Efficiency) -> float:
+    """Multi-latent attention's projections: down-projections split over TP by their latent rows, up-projections
+    and the output projection by heads (values padded to the query/key head for the attention itself)."""
+    h, heads, qd, r = model.hidden_size, model.num_attention_heads, model.mla_q_head_dim, model.q_lora_rank
+    if r is None:
+        t = _gemm(m, h, heads * qd / tp, a, cl, eff)
+    else:
+        t = _gemm(m, h, r / tp, a, cl, eff) + _gemm(m, r, heads * qd / tp, a, cl, eff)
+    t += _gemm(m, h, (model.kv_lora_rank + model.qk_pos_emb_head_dim) / tp, a, cl, eff)
+    t += _gemm(m, model.kv_lora_rank, heads * (model.qk_head_dim + model.v_head_dim) / tp, a, cl, eff)
+    return t + _gemm(m, heads * model.v_head_dim / tp, h, a, cl, eff)
+
+
 def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency) -> float:
     g = cl.gpu
     return 2 * m * k * n / (g.peak_flops * eff.gemm) + a * (m * k + k * n + m * n) / (g.memory_bandwidth * eff.memory)
@@ -222,15 +235,22 @@ def step_time(
         attn_total = 0.0
         for layer in st.layers:
             attn = _gemm(m, h, (q + 2 * kv) / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
+            core_q = q  # the query dims each key is scored over (and the value dims)
+            if model.multi_latent_attention:
+                attn, core_q = _mla_gemms(model, m, tp, a, cl, eff), model.num_attention_heads * model.mla_q_head_dim
             if model.is_moe_layer(layer):
                 f, k = model.moe_ffn_size, model.moe_router_topk
                 mlp = _gemm(m, h, model.num_experts, a, cl, eff)
                 mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m * k, f / tp, h, a, cl, eff)
+                shared = model.moe_shared_expert_intermediate_size
+                if shared:  # every token through the shared expert too
+                    mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff)
+                    mlp += _gemm(m, shared / tp, h, a, cl, eff)
             else:
                 f = model.ffn_size
                 mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m, f / tp, h, a, cl, eff)
             # causal attention over the whole sequence (this rank's queries see all earlier keys)
-            core = 2 * m * seq_length * q / tp / (g.peak_flops * eff.attention)
+            core = 2 * m * seq_length * core_q / tp / (g.peak_flops * eff.attention)
             if model.sliding_window:
                 core *= min(1.0, 2 * model.sliding_window / seq_length)
             elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
