@@ -552,3 +552,31 @@ def _checkpoint_tensors(ckpt: str) -> dict:
         with safe_open(str(f), framework="pt") as h:
             out.update({f"{f.name}:{k}": h.get_tensor(k) for k in h.keys()})
     return out
+
+
+def test_mla_kv_cache_holds_the_latents(converted):
+    """Decoding with multi-latent attention caches each token's key/value latent and RoPE key part (as
+    transformers does), not every head's keys and values; generation through it equals transformers' (the TP=2
+    and PP=2 tests above)."""
+    import dataclasses
+
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+    from megatron_lite.checkpoint.hf_convert import model_config_from_dict
+    from megatron_lite.inference.generation import _forward
+    from megatron_lite.inference.kv_cache import KVCache
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    model, _, ours, _ = converted["deepseek_v3"]
+    path = find_checkpoint(ours)
+    config = dataclasses.replace(model_config_from_dict(read_metadata(path)["config"]["model"]), hidden_dropout=0.0)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    ours_model = build_model(config, ctx)
+    load_checkpoint(path, ours_model, None, None, ctx, load_rng=False)
+    ours_model.eval()
+    cache = KVCache(len(PROMPT))
+    with torch.no_grad():
+        logits = _forward(ours_model, ctx, PROMPT, cache)
+    assert _rel(logits, _hf_logits(model, PROMPT)) < 1e-4
+    for latents, k_pe in cache._store.values():
+        assert latents.shape[2:] == (1, config.kv_lora_rank) and k_pe.shape[2:] == (1, config.qk_pos_emb_head_dim)

@@ -7,9 +7,10 @@ import torch
 
 
 class KVCache:
-    """Per global layer number: keys and values [batch, max_len, local kv heads, head_dim], filled up to
-    `offset` tokens. Attention layers call `append`; the engine calls `advance` once all layers of the
-    forward have appended (every layer of this rank sees the same new tokens)."""
+    """Per global layer number: two tensors of every token so far, [batch, max_len, ...], filled up to `offset`
+    tokens: keys and values [.., local kv heads, head_dim], or what a layer expands them from (multi-latent
+    attention caches its key/value latent and RoPE key part). Attention layers call `append`; the engine calls
+    `advance` once all layers of the forward have appended (every layer of this rank sees the same new tokens)."""
 
     def __init__(self, max_len: int) -> None:
         self.max_len = max_len
@@ -22,8 +23,7 @@ class KVCache:
         if end > self.max_len:
             raise RuntimeError(f"KV cache holds {self.max_len} tokens; {end} were asked for")
         if layer not in self._store:
-            shape = (b, self.max_len, *k.shape[2:])
-            self._store[layer] = (k.new_zeros(shape), v.new_zeros(shape))
+            self._store[layer] = tuple(t.new_zeros((b, self.max_len, *t.shape[2:])) for t in (k, v))
         keys, values = self._store[layer]
         keys[:, self.offset : end] = k
         values[:, self.offset : end] = v

@@ -11,8 +11,10 @@ rank holds the whole latent (the split only divides their GEMM); the latents' no
 and gradients on every rank. The shared RoPE key part feeds only this rank's heads, so its gradient is partial:
 it enters through copy_to_tensor_model_parallel_region, whose backward sums it over TP.
 
-Values are zero-padded to the query/key head size for the attention kernels (the flash kernel, context-parallel
-attention and the KV cache take one head size) and the padding is cut from the output.
+Values are zero-padded to the query/key head size for the attention kernels (the flash kernel and
+context-parallel attention take one head size) and the padding is cut from the output. In inference the KV cache
+keeps the latents (kv_lora_rank + RoPE dims per token), as transformers does, and keys and values are expanded
+from them at each step.
 """
 
 from __future__ import annotations
@@ -106,20 +108,22 @@ class MultiLatentAttention(nn.Module):
         kv_latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pe], dim=-1)
         if self.kv_layernorm is not None:
             kv_latent = self.kv_layernorm(kv_latent)
-        kv = self.linear_kv_up_proj(kv_latent).transpose(0, 1).reshape(b, s, self.local_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         # one RoPE key part for all heads, read by this rank's heads only: its gradient is summed over TP
         k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp).transpose(0, 1).unsqueeze(2)  # [b, s, 1, pe]
         q_nope, q_pe = q.split([self.nope, self.pe], dim=-1)
         if rope is not None:
             cos, sin = rope
             q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe, cos, sin)
+        if kv_cache is not None:  # the cache keeps the latents (kv_lora_rank + pe per token, not heads x 2 x head)
+            latents, k_pe = kv_cache.append(self.layer_number, kv_latent.transpose(0, 1).unsqueeze(2), k_pe)
+            kv_latent = latents.squeeze(2).transpose(0, 1)  # [every token so far, b, kv_lora_rank]
+        t = kv_latent.shape[0]
+        kv = self.linear_kv_up_proj(kv_latent).transpose(0, 1).reshape(b, t, self.local_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(b, s, self.local_heads, self.pe)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, t, self.local_heads, self.pe)], dim=-1)
         pad = self.nope + self.pe - self.v_dim
         v = F.pad(v, (0, pad)) if pad > 0 else v  # (v_head_dim > the q/k head: refused at config time)
-        if kv_cache is not None:
-            k, v = kv_cache.append(self.layer_number, k, v)
         if self.recompute_core_attention and self.training:
             out = checkpoint(
                 functools.partial(self.core_attention, documents=documents), self.core_attention.rng, q, k, v
