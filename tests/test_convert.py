@@ -198,6 +198,27 @@ def _configs() -> dict:
             first_k_dense_replace=1,
             **COMMON,
         ),
+        # DeepSeek-V2-Lite's shape: no query latent, RoPE on interleaved pairs, softmax top-k (greedy), two shared
+        # experts.
+        "deepseek_v2": transformers.DeepseekV2Config(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=24,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            **COMMON,
+        ),
         # gelu_new, an inner size that is not 4 x hidden, a non-default epsilon, tied embeddings.
         "gpt2": transformers.GPT2Config(
             vocab_size=V,
@@ -324,7 +345,7 @@ def test_window_matters(converted):
     assert _rel(_hf_logits(unwindowed.eval(), ids), _hf_logits(model, ids)) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2"])
 def test_pp2_tp2_generation_equals_transformers(dist, converted, name):
     model, _, ours, _ = converted[name]
     greedy = _hf_greedy(model, PROMPT)

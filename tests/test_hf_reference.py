@@ -255,6 +255,42 @@ def _deepseek_v3_dense_yarn():
     return config
 
 
+def _deepseek_v2_lite():
+    # DeepSeek-V2-Lite's shape: no query latent, greedy top-k of the softmax (not renormalised), two shared experts.
+    return transformers.DeepseekV2Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+def _deepseek_v2_groups():
+    # DeepSeek-V2's group_limited_greedy (groups ranked by their best score) with a query latent and scaled weights.
+    config = _deepseek_v2_lite()
+    config.q_lora_rank = 32
+    config.topk_method = "group_limited_greedy"
+    config.n_group, config.topk_group = 4, 2  # top-3 experts from the best 2 of 4 groups: the groups matter
+    config.num_experts_per_tok = 3
+    config.routed_scaling_factor = 2.0
+    return config
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
@@ -269,6 +305,8 @@ CASES = {
     "phi3": (_phi3, transformers.Phi3ForCausalLM),
     "deepseek_v3": (_deepseek_v3, transformers.DeepseekV3ForCausalLM),
     "deepseek_v3_dense_yarn": (_deepseek_v3_dense_yarn, transformers.DeepseekV3ForCausalLM),
+    "deepseek_v2_lite": (_deepseek_v2_lite, transformers.DeepseekV2ForCausalLM),
+    "deepseek_v2_groups": (_deepseek_v2_groups, transformers.DeepseekV2ForCausalLM),
 }
 
 

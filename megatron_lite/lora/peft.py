@@ -76,7 +76,7 @@ def to_peft(
             "weights with --saver hf --merge-lora"
         )
     mlp = sorted({k.split(".lora.")[0] for k in lora_state if ".mlp." in k and ".mlp.experts." not in k})
-    if arch == "DeepseekV3ForCausalLM" and mlp:
+    if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") and mlp:
         # PEFT rewrites gate_proj / up_proj / down_proj targets of a model with fused experts into the routed
         # experts' parameters: the dense and shared-expert adapters would land on the experts instead.
         raise ConfigError(

@@ -5,7 +5,8 @@ Supported: LlamaForCausalLM, MistralForCausalLM (with its sliding window), Qwen2
 Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), Phi3ForCausalLM (Phi-3, Phi-4:
 fused qkv_proj and gate_up_proj, partial RoPE, sliding window), NemotronForCausalLM (LayerNorm
 with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM, DeepseekV3ForCausalLM (multi-latent
-attention, sigmoid routing with score-correction bias, expert groups, shared experts; Kimi-K2 too) and
+attention, sigmoid routing with score-correction bias, expert groups, shared experts; Kimi-K2 too),
+DeepseekV2ForCausalLM (softmax top-k routing) and
 GPT2LMHeadModel. A field that changes the math and that we do not implement is refused, never ignored.
 """
 
@@ -26,8 +27,11 @@ LLAMA_LIKE = (
     "NemotronForCausalLM",
     "Phi3ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM",
 )
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+DEEPSEEK_V2 = "DeepseekV2ForCausalLM"  # (and V2-Lite): softmax routing, RoPE always on interleaved pairs
+DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
 PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM")  # rotate the first partial_rotary_factor of a head
 
@@ -46,6 +50,7 @@ def _arch(hf_config: Any) -> str:
         "phi3": "Phi3ForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "deepseek_v3": "DeepseekV3ForCausalLM",
+        "deepseek_v2": "DeepseekV2ForCausalLM",
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
 
@@ -96,12 +101,15 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
     raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3, yarn")
 
 
-def _deepseek_v3(c: Any) -> dict:
-    """DeepSeek-V3's config.json: multi-latent attention, then MoE layers after first_k_dense_replace dense ones."""
+def _deepseek(c: Any, arch: str) -> dict:
+    """DeepSeek-V2/V3's config.json: multi-latent attention, then MoE layers after first_k_dense_replace dense
+    ones."""
     if getattr(c, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {DEEPSEEK_V3}; only silu")
-    if getattr(c, "attention_bias", False):
-        raise ConfigError(f"config.json attention_bias=true is not supported for {DEEPSEEK_V3}")
+        raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ConfigError(f"config.json attention_bias / mlp_bias=true is not supported for {arch}")
+    if arch == DEEPSEEK_V2:
+        return _deepseek_base(c) | _deepseek_v2_moe(c)
     if getattr(c, "topk_method", "noaux_tc") != "noaux_tc" or getattr(c, "scoring_func", "sigmoid") != "sigmoid":
         raise ConfigError(
             f"config.json topk_method={getattr(c, 'topk_method', None)!r} / scoring_func="
@@ -111,6 +119,61 @@ def _deepseek_v3(c: Any) -> dict:
         raise ConfigError(
             "config.json norm_topk_prob=false is not supported: the sigmoid router renormalises its top-k (Megatron's)"
         )
+    kwargs = _deepseek_base(c)
+    n, first_dense = c.num_hidden_layers, int(c.first_k_dense_replace or 0)
+    if c.n_routed_experts and first_dense < n:
+        groups = c.n_group if (c.n_group or 1) > 1 else None
+        kwargs.update(
+            _deepseek_moe_common(c),
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,  # e_score_correction_bias: it picks the experts, not their weights
+            moe_router_num_groups=groups,
+            moe_router_group_topk=c.topk_group if groups else None,
+        )
+    return kwargs
+
+
+def _deepseek_moe_common(c: Any) -> dict:
+    n, first_dense = c.num_hidden_layers, int(c.first_k_dense_replace or 0)
+    return dict(
+        num_experts=c.n_routed_experts,
+        moe_router_topk=c.num_experts_per_tok,
+        moe_ffn_hidden_size=c.moe_intermediate_size,
+        moe_router_topk_scaling_factor=float(c.routed_scaling_factor) if c.routed_scaling_factor != 1 else None,
+        moe_shared_expert_intermediate_size=(c.moe_intermediate_size * c.n_shared_experts) or None,
+        moe_layer_freq=1 if first_dense == 0 else tuple(int(i >= first_dense) for i in range(n)),
+        moe_aux_loss_coeff=0.0,
+    )
+
+
+def _deepseek_v2_moe(c: Any) -> dict:
+    """DeepSeek-V2's router (transformers' DeepseekV2TopkRouter): the top-k of the softmax over all experts, not
+    renormalised, times routed_scaling_factor; group_limited_greedy keeps the topk_group groups with the best
+    single score."""
+    n, first_dense = c.num_hidden_layers, int(c.first_k_dense_replace or 0)
+    if not c.n_routed_experts or first_dense >= n:
+        return {}
+    method, k = getattr(c, "topk_method", "greedy"), c.num_experts_per_tok
+    groups = None
+    if method == "group_limited_greedy" and (c.n_group or 1) > 1:
+        if k // c.topk_group != 1:
+            raise ConfigError(
+                f"config.json topk_method=group_limited_greedy with num_experts_per_tok={k}, topk_group={c.topk_group} "
+                "is not supported: groups are ranked by their best score there, by the sum of their top "
+                "num_experts_per_tok // topk_group scores here (Megatron's rule; equal only when that is 1)"
+            )
+        groups = c.n_group
+    elif method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(f"config.json topk_method={method!r} is not supported for {DEEPSEEK_V2}")
+    return _deepseek_moe_common(c) | dict(
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=True,  # softmax over all experts, top-k of it, no renormalisation
+        moe_router_num_groups=groups,
+        moe_router_group_topk=c.topk_group if groups else None,
+    )
+
+
+def _deepseek_base(c: Any) -> dict:
     base, scaling = _rope(c)
     params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     n = c.num_hidden_layers
@@ -141,31 +204,13 @@ def _deepseek_v3(c: Any) -> dict:
         hidden_dropout=0.0,
         attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
     )
-    first_dense = int(c.first_k_dense_replace or 0)
-    if c.n_routed_experts and first_dense < n:
-        groups = c.n_group if (c.n_group or 1) > 1 else None
-        kwargs.update(
-            num_experts=c.n_routed_experts,
-            moe_router_topk=c.num_experts_per_tok,
-            moe_ffn_hidden_size=c.moe_intermediate_size,
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,  # e_score_correction_bias: it picks the experts, not their weights
-            moe_router_num_groups=groups,
-            moe_router_group_topk=c.topk_group if groups else None,
-            moe_router_topk_scaling_factor=float(c.routed_scaling_factor) if c.routed_scaling_factor != 1 else None,
-            moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts
-            if c.n_shared_experts
-            else None,
-            moe_layer_freq=1 if first_dense == 0 else tuple(int(i >= first_dense) for i in range(n)),
-            moe_aux_loss_coeff=0.0,
-        )
     return kwargs
 
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
-    if arch == DEEPSEEK_V3:
-        kwargs = _deepseek_v3(hf_config)
+    if arch in DEEPSEEK:
+        kwargs = _deepseek(hf_config, arch)
     elif arch in LLAMA_LIKE:
         c = hf_config
         nemotron = arch == "NemotronForCausalLM"
@@ -292,12 +337,14 @@ _EQUIVALENT = {
     "LlamaForCausalLM": ("MistralForCausalLM", "Phi3ForCausalLM"),
     "MistralForCausalLM": ("Phi3ForCausalLM",),
     "Phi3ForCausalLM": ("MistralForCausalLM",),
+    DEEPSEEK_V3: (DEEPSEEK_V2,),  # (dense multi-latent attention models: the two compute the same)
 }
 
 
 def _architecture(config: ModelConfig) -> str:
     if config.multi_latent_attention:
-        return DEEPSEEK_V3
+        softmax = config.num_experts and config.moe_router_score_function == "softmax"
+        return DEEPSEEK_V2 if softmax else DEEPSEEK_V3
     if config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm":
         return "GPT2LMHeadModel"
     if config.position_embedding_type == "rope" and config.normalization == "LayerNorm":
@@ -325,8 +372,8 @@ def _architecture(config: ModelConfig) -> str:
 def _check_exportable(c: ModelConfig, arch: str) -> None:
     """What `arch` cannot express is a one-line error, never silently dropped."""
     problems = []
-    if arch == DEEPSEEK_V3:
-        problems += _deepseek_v3_problems(c)
+    if arch in DEEPSEEK:
+        problems += _deepseek_v3_problems(c, arch)
     elif arch == "GPT2LMHeadModel":
         if not c.add_bias_linear:
             problems.append("GPT-2 needs biases (drop --disable-bias-linear)")
@@ -363,8 +410,13 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
         raise ConfigError(f"cannot export to {arch}: {'; '.join(problems)}")
 
 
-def _deepseek_v3_problems(c: ModelConfig) -> list[str]:
+def _deepseek_v3_problems(c: ModelConfig, arch: str = DEEPSEEK_V3) -> list[str]:
     problems = []
+    if arch == DEEPSEEK_V2 and c.num_experts:
+        if c.moe_router_score_function != "softmax" or not c.moe_router_pre_softmax or c.moe_router_enable_expert_bias:
+            problems.append("DeepSeek-V2 routes by the top-k of a softmax, not renormalised (--moe-router-pre-softmax)")
+        if c.moe_router_num_groups and c.moe_router_topk // c.moe_router_group_topk != 1:
+            problems.append("group scores other than a group's best (DeepSeek-V2's group_limited_greedy)")
     if not c.multi_latent_attention:
         problems.append("DeepSeek-V3 attention is multi-latent (--multi-latent-attention)")
     if not c.qk_layernorm:
@@ -372,7 +424,7 @@ def _deepseek_v3_problems(c: ModelConfig) -> list[str]:
     if c.normalization != "RMSNorm" or c.activation != "swiglu" or c.add_bias_linear:
         problems.append("DeepSeek-V3 is RMSNorm, SwiGLU, no biases")
     if c.num_experts:
-        if c.moe_router_score_function != "sigmoid":
+        if c.moe_router_score_function != "sigmoid" and arch == DEEPSEEK_V3:
             problems.append("DeepSeek-V3 routes by sigmoid scores (--moe-router-score-function sigmoid)")
         dense = [not m for m in c.moe_layers]
         k = dense.index(False) if False in dense else len(dense)
@@ -394,6 +446,7 @@ MODEL_TYPES = {
     "NemotronForCausalLM": "nemotron",
     "Phi3ForCausalLM": "phi3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -520,8 +573,19 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
             decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
         )
-    if arch == DEEPSEEK_V3:
+    if arch in DEEPSEEK:
         out.update(_deepseek_v3_fields(c))
+        if arch == DEEPSEEK_V2:  # (always interleaved RoPE rows; softmax top-k routing)
+            out.pop("rope_interleave")
+            for k in ("scoring_func", "n_group", "topk_group"):
+                out.pop(k)
+            groups = c.moe_router_num_groups
+            out.update(
+                topk_method="group_limited_greedy" if groups else "greedy",
+                n_group=groups,
+                topk_group=c.moe_router_group_topk,
+                norm_topk_prob=False,
+            )
         if c.rope_scaling is not None and c.rope_scaling.rope_type == "yarn":
             rope["mscale_all_dim"] = c.mla_mscale_all_dim  # the softmax scale's factor (transformers reads it here)
     if arch == "MixtralForCausalLM":

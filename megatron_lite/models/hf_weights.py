@@ -247,10 +247,11 @@ def state_dict_to_hf(
                 hf[p + "self_attn.q_norm.weight"] = ours[f"{L}.{i}.self_attention.q_layernorm.weight"]
                 hf[p + "self_attn.k_norm.weight"] = ours[f"{L}.{i}.self_attention.k_layernorm.weight"]
             moe = config.num_experts and config.is_moe_layer(i)
-            if moe and arch == "DeepseekV3ForCausalLM":  # the router's correction bias and the shared experts
+            if moe and arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):  # shared experts (V3: the bias)
                 m = f"{L}.{i}.mlp"
-                bias = ours.get(f"{m}.router.expert_bias", torch.zeros(config.num_experts))  # (none: zeros)
-                hf[p + "mlp.gate.e_score_correction_bias"] = bias
+                if arch == "DeepseekV3ForCausalLM":
+                    bias = ours.get(f"{m}.router.expert_bias", torch.zeros(config.num_experts))  # (none: zeros)
+                    hf[p + "mlp.gate.e_score_correction_bias"] = bias
                 if config.moe_shared_expert_intermediate_size:
                     gate, up = ours[f"{m}.shared_expert.linear_fc1.weight"].chunk(2, dim=0)
                     hf[p + "mlp.shared_experts.gate_proj.weight"] = gate
