@@ -247,6 +247,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_router_pre_softmax=ns.moe_router_pre_softmax,
         moe_router_num_groups=ns.moe_router_num_groups,
         moe_router_group_topk=ns.moe_router_group_topk,
+        moe_router_group_score_topn=getattr(ns, "moe_router_group_score_topn", None),  # (a converted checkpoint's)
         moe_router_topk_scaling_factor=ns.moe_router_topk_scaling_factor,
         moe_router_dtype=ns.moe_router_dtype,
         moe_ffn_hidden_size=ns.moe_ffn_hidden_size,

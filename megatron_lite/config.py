@@ -127,6 +127,9 @@ class ModelConfig:
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_topk_scaling_factor: float | None = None  # the selected experts' weights times this (DeepSeek-V3)
+    # How many of a group's best scores rank the group: Megatron's topk // group_topk when None; converted
+    # checkpoints set their model's rule (transformers' DeepSeek-V3: 2, DeepSeek-V2's group_limited_greedy: 1)
+    moe_router_group_score_topn: int | None = None
     moe_router_dtype: str = "fp32"  # Megatron's --moe-router-dtype: the routing computation in fp32 or fp64
     moe_ffn_hidden_size: int | None = None  # default: ffn_hidden_size
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
@@ -295,6 +298,9 @@ class ModelConfig:
                 raise ConfigError(f"--moe-router-num-groups {g} must divide --num-experts {e}")
             if not 1 <= gk <= g:
                 raise ConfigError(f"--moe-router-group-topk {gk} must be between 1 and --moe-router-num-groups {g}")
+            n = self.moe_router_group_score_topn
+            if n is not None and not 1 <= n <= e // g:
+                raise ConfigError(f"moe_router_group_score_topn {n} must be between 1 and a group's {e // g} experts")
             if not gk <= k <= gk * (e // g):
                 raise ConfigError(
                     f"--moe-router-topk {k} must be between --moe-router-group-topk {gk} and the experts of "

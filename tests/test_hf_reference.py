@@ -291,6 +291,22 @@ def _deepseek_v2_groups():
     return config
 
 
+def _deepseek_v2_groups_by_best():
+    # DeepSeek-V2's own proportions (top-6 in 3 groups): groups ranked by their best score, where Megatron's rule
+    # would sum their top 6 // 3 = 2 (a converted checkpoint carries transformers' rule).
+    config = _deepseek_v2_groups()
+    config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok = 16, 4, 2, 4
+    return config
+
+
+def _deepseek_v3_groups_top2():
+    # transformers' DeepSeek-V3 ranks groups by their top 2 scores whatever top-k / topk_group is (here 4)
+    config = _deepseek_v3()
+    config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok = 16, 2, 1, 4
+    config.initializer_range = 0.3  # router logits that vary by token (else the correction bias alone picks)
+    return config
+
+
 CASES = {
     "llama": (_llama, transformers.LlamaForCausalLM),
     "llama3_rope_scaling": (_llama3_scaled, transformers.LlamaForCausalLM),
@@ -307,6 +323,8 @@ CASES = {
     "deepseek_v3_dense_yarn": (_deepseek_v3_dense_yarn, transformers.DeepseekV3ForCausalLM),
     "deepseek_v2_lite": (_deepseek_v2_lite, transformers.DeepseekV2ForCausalLM),
     "deepseek_v2_groups": (_deepseek_v2_groups, transformers.DeepseekV2ForCausalLM),
+    "deepseek_v2_groups_by_best": (_deepseek_v2_groups_by_best, transformers.DeepseekV2ForCausalLM),
+    "deepseek_v3_groups_top2": (_deepseek_v3_groups_top2, transformers.DeepseekV3ForCausalLM),
 }
 
 

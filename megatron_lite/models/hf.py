@@ -129,6 +129,8 @@ def _deepseek(c: Any, arch: str) -> dict:
             moe_router_enable_expert_bias=True,  # e_score_correction_bias: it picks the experts, not their weights
             moe_router_num_groups=groups,
             moe_router_group_topk=c.topk_group if groups else None,
+            # transformers' DeepSeek-V3 ranks groups by their top 2 scores
+            moe_router_group_score_topn=_group_score_topn(c.num_experts_per_tok, c.topk_group, 2) if groups else None,
         )
     return kwargs
 
@@ -156,12 +158,6 @@ def _deepseek_v2_moe(c: Any) -> dict:
     method, k = getattr(c, "topk_method", "greedy"), c.num_experts_per_tok
     groups = None
     if method == "group_limited_greedy" and (c.n_group or 1) > 1:
-        if k // c.topk_group != 1:
-            raise ConfigError(
-                f"config.json topk_method=group_limited_greedy with num_experts_per_tok={k}, topk_group={c.topk_group} "
-                "is not supported: groups are ranked by their best score there, by the sum of their top "
-                "num_experts_per_tok // topk_group scores here (Megatron's rule; equal only when that is 1)"
-            )
         groups = c.n_group
     elif method not in ("greedy", "group_limited_greedy"):
         raise ConfigError(f"config.json topk_method={method!r} is not supported for {DEEPSEEK_V2}")
@@ -170,7 +166,13 @@ def _deepseek_v2_moe(c: Any) -> dict:
         moe_router_pre_softmax=True,  # softmax over all experts, top-k of it, no renormalisation
         moe_router_num_groups=groups,
         moe_router_group_topk=c.topk_group if groups else None,
+        moe_router_group_score_topn=_group_score_topn(k, c.topk_group, 1) if groups else None,  # a group's best
     )
+
+
+def _group_score_topn(k: int, group_topk: int, hf_rule: int) -> int | None:
+    """The config's group-score rule: None where it is Megatron's (top k // group_topk), else transformers'."""
+    return None if k // group_topk == hf_rule else hf_rule
 
 
 def _deepseek_base(c: Any) -> dict:
@@ -410,13 +412,19 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
         raise ConfigError(f"cannot export to {arch}: {'; '.join(problems)}")
 
 
+def _group_topn(c: ModelConfig) -> int:
+    return c.moe_router_group_score_topn or c.moe_router_topk // c.moe_router_group_topk
+
+
 def _deepseek_v3_problems(c: ModelConfig, arch: str = DEEPSEEK_V3) -> list[str]:
     problems = []
     if arch == DEEPSEEK_V2 and c.num_experts:
         if c.moe_router_score_function != "softmax" or not c.moe_router_pre_softmax or c.moe_router_enable_expert_bias:
             problems.append("DeepSeek-V2 routes by the top-k of a softmax, not renormalised (--moe-router-pre-softmax)")
-        if c.moe_router_num_groups and c.moe_router_topk // c.moe_router_group_topk != 1:
+        if c.moe_router_num_groups and _group_topn(c) != 1:
             problems.append("group scores other than a group's best (DeepSeek-V2's group_limited_greedy)")
+    if arch == DEEPSEEK_V3 and c.num_experts and c.moe_router_num_groups and _group_topn(c) != 2:
+        problems.append(f"groups ranked by their top {_group_topn(c)} scores (transformers' DeepSeek-V3: top 2)")
     if not c.multi_latent_attention:
         problems.append("DeepSeek-V3 attention is multi-latent (--multi-latent-attention)")
     if not c.qk_layernorm:

@@ -104,7 +104,8 @@ class TopKRouter(nn.Module):
             return torch.topk(scores, k, dim=-1)
         t, e = scores.shape
         per_group = scores.view(t, groups, e // groups)
-        group_scores = per_group.topk(k // c.moe_router_group_topk, dim=-1).values.sum(-1)  # [T, G]
+        n = c.moe_router_group_score_topn or k // c.moe_router_group_topk  # (Megatron's rule by default)
+        group_scores = per_group.topk(n, dim=-1).values.sum(-1)  # [T, G]
         best = group_scores.topk(c.moe_router_group_topk, dim=-1).indices
         allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
         masked = scores.masked_fill(~allowed.repeat_interleave(e // groups, dim=1), float("-inf"))
