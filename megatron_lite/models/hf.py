@@ -375,7 +375,7 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
     """What `arch` cannot express is a one-line error, never silently dropped."""
     problems = []
     if arch in DEEPSEEK:
-        problems += _deepseek_v3_problems(c, arch)
+        problems += _deepseek_problems(c, arch)
     elif arch == "GPT2LMHeadModel":
         if not c.add_bias_linear:
             problems.append("GPT-2 needs biases (drop --disable-bias-linear)")
@@ -416,7 +416,7 @@ def _group_topn(c: ModelConfig) -> int:
     return c.moe_router_group_score_topn or c.moe_router_topk // c.moe_router_group_topk
 
 
-def _deepseek_v3_problems(c: ModelConfig, arch: str = DEEPSEEK_V3) -> list[str]:
+def _deepseek_problems(c: ModelConfig, arch: str = DEEPSEEK_V3) -> list[str]:
     problems = []
     if arch == DEEPSEEK_V2 and c.num_experts:
         if c.moe_router_score_function != "softmax" or not c.moe_router_pre_softmax or c.moe_router_enable_expert_bias:
@@ -459,7 +459,7 @@ MODEL_TYPES = {
 }
 
 
-def _deepseek_v3_fields(c: ModelConfig) -> dict:
+def _deepseek_fields(c: ModelConfig) -> dict:
     first_dense = c.moe_layers.index(True) if c.num_experts and any(c.moe_layers) else c.num_layers
     shared = c.moe_shared_expert_intermediate_size
     return dict(
@@ -582,7 +582,7 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
             mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
         )
     if arch in DEEPSEEK:
-        out.update(_deepseek_v3_fields(c))
+        out.update(_deepseek_fields(c))
         if arch == DEEPSEEK_V2:  # (always interleaved RoPE rows; softmax top-k routing)
             out.pop("rope_interleave")
             for k in ("scoring_func", "n_group", "topk_group"):
