@@ -64,6 +64,8 @@ def _list_expression(text: str) -> list[int]:
 
     def atom() -> list[int]:
         if peek() == "(":
+            if text.count("(") > 32:
+                raise ValueError("parentheses nested too deep")
             take("(")
             out = expr()
             take(")")
@@ -81,7 +83,10 @@ def _list_expression(text: str) -> list[int]:
         out = atom()
         while peek() == "*":
             take("*")
-            out = out * int(take())
+            n = int(take())
+            if len(out) * n > 100_000:  # (a layer pattern; never a list worth exhausting memory for)
+                raise ValueError("pattern too long")
+            out = out * n
         return out
 
     def expr() -> list[int]:
@@ -89,6 +94,8 @@ def _list_expression(text: str) -> list[int]:
         while peek() == "+":
             take("+")
             out = out + term()
+            if len(out) > 100_000:
+                raise ValueError("pattern too long")
         return out
 
     result = expr()
@@ -247,7 +254,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_router_pre_softmax=ns.moe_router_pre_softmax,
         moe_router_num_groups=ns.moe_router_num_groups,
         moe_router_group_topk=ns.moe_router_group_topk,
-        moe_router_group_score_topn=getattr(ns, "moe_router_group_score_topn", None),  # (a converted checkpoint's)
+        moe_router_group_score_topn=ns.moe_router_group_score_topn,
         moe_router_topk_scaling_factor=ns.moe_router_topk_scaling_factor,
         moe_router_dtype=ns.moe_router_dtype,
         moe_ffn_hidden_size=ns.moe_ffn_hidden_size,
@@ -420,7 +427,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     if ns.lora_rank:
         targets = target_modules(ns.lora_target_modules)
         lora = lora_for_model(LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora), model)
-        lora.validate(model.num_experts, parallel.tp_comm_overlap, model.multi_latent_attention)
+        lora.validate(
+            model.num_experts, parallel.tp_comm_overlap, model.multi_latent_attention, model.q_lora_rank is not None
+        )
         if lora.qlora and optimizer.use_torch_fsdp2:
             raise ConfigError(
                 "--qlora with --use-torch-fsdp2 is not supported: FSDP2 shards the weights before they are "

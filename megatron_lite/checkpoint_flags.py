@@ -46,6 +46,7 @@ ARCH_DESTS = (
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
     "moe_router_enable_expert_bias",
+    "moe_router_group_score_topn",
 )
 
 
@@ -87,7 +88,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
         out[k] = m.get(k, default)
     out["mscale_all_dim"] = m.get("mla_mscale_all_dim", 0.0)
     rs = m["rope_scaling"]
-    out["rotary_scaling_factor"] = rs["factor"] if rs is not None and rs.get("rope_type") == "yarn" else 1.0
+    mla_yarn = m.get("multi_latent_attention") and rs is not None and rs.get("rope_type") == "yarn"
+    out["rotary_scaling_factor"] = rs["factor"] if mla_yarn else 1.0
     out["group_query_attention"] = m["num_query_groups"] is not None
     out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
     out["swiglu"] = m["activation"] == "swiglu"

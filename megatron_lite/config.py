@@ -211,7 +211,7 @@ class ModelConfig:
         ):
             if value < 1:
                 raise ConfigError(f"{flag} {value} must be a positive integer")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads and not self.multi_latent_attention:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; pass --kv-channels explicitly or use heads in "
@@ -231,7 +231,7 @@ class ModelConfig:
                 f"--position-embedding-type {self.position_embedding_type} is not supported; "
                 f"use one of {POSITION_EMBEDDINGS}"
             )
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
+        if self.position_embedding_type == "rope" and self.head_dim % 2 and not self.multi_latent_attention:
             raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {self.head_dim}")
         odd_rotary = self.position_embedding_type == "rope" and self.rotary_dim % 2 and not self.multi_latent_attention
         if not 0.0 < self.rotary_percent <= 1.0 or odd_rotary:

@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups a token may use"
     )
     e.add_argument(
+        "--moe-router-group-score-topn",
+        type=int,
+        default=None,
+        help="group-limited routing: a group's score is the sum of its top N expert scores (default: Megatron's "
+        "top-k // group-topk; converted DeepSeek checkpoints carry their own: V3 2, V2 1)",
+    )
+    e.add_argument(
         "--moe-router-dtype",
         default="fp32",
         choices=["fp32", "fp64"],

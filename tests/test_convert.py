@@ -399,6 +399,9 @@ def _edit_config(src: str, dst: pathlib.Path, **changes) -> str:
         ("gpt2", {"activation_function": "relu"}, "activation_function"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scaling"),
         ("llama", {"architectures": ["FalconForCausalLM"], "model_type": "llama"}, "FalconForCausalLM"),
+        # transformers renormalises a top-1 sigmoid weight to 1; Megatron's router (ours) leaves a top-1 alone
+        ("deepseek_v3", {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "num_experts_per_tok=1"),
+        ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=false"),
     ],
 )
 def test_unsupported_fields_are_refused(converted, tmp_path, capsys, name, changes, fragment):
@@ -601,3 +604,11 @@ def test_mla_kv_cache_holds_the_latents(converted):
     assert _rel(logits, _hf_logits(model, PROMPT)) < 1e-4
     for latents, k_pe in cache._store.values():
         assert latents.shape[2:] == (1, config.kv_lora_rank) and k_pe.shape[2:] == (1, config.qk_pos_emb_head_dim)
+
+
+def test_a_model_type_transformers_does_not_know_is_refused_for_other_classes(converted, tmp_path, capsys):
+    """The config fallback is for DeepSeek classes under an unknown type (Kimi-K2) only; otherwise one line."""
+    src = _edit_config(converted["llama"][1], tmp_path / "hf", model_type="not_a_llama")
+    rc = convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", src, "--save-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "transformers cannot read it" in err[0], err

@@ -755,7 +755,9 @@ def test_moe_layer_freq_takes_megatrons_list_expressions(text, expected):
     assert _layer_freq(text) == expected
 
 
-@pytest.mark.parametrize("text", ["[0]*", "([0]*3", "__import__('os')", "[0]*x"])
+@pytest.mark.parametrize(
+    "text", ["[0]*", "([0]*3", "__import__('os')", "[0]*x", "[1]*9999999999", "(" * 40 + "[1]*2" + ")" * 40]
+)
 def test_bad_moe_layer_freq_is_one_line(text, capsys, monkeypatch):
     rc, _, err = _run(["--num-experts", "4", "--moe-layer-freq", text, "--disable-bias-linear"], capsys, monkeypatch)
     _one_line_error(rc, err, "--moe-layer-freq", "list expression")
@@ -869,3 +871,24 @@ def test_load_alone_rebuilds_a_multi_latent_attention_run_with_yarn(tmp_path, ca
     assert job.model.softmax_scale == saved_job.model.softmax_scale
     rc = main(["--load", ckpt, "--train-iters", "5", "--rotary-scaling-factor", "4"])
     _one_line_error(rc, capsys.readouterr().err, "--rotary-scaling-factor")
+
+
+def test_the_group_score_rule_comes_back_from_the_checkpoint(tmp_path, capsys, monkeypatch):
+    """A converted DeepSeek-V2 ranks expert groups by their best score (--moe-router-group-score-topn 1), not
+    Megatron's top-k // group-topk: resuming with --load alone must keep routing that way."""
+    from megatron_lite.arguments import parse_args
+
+    ckpt = str(tmp_path / "ckpt")
+    moe = "--num-experts 4 --moe-router-topk 2 --moe-router-num-groups 2 --moe-router-group-topk 1".split()
+    argv = [*moe, "--moe-router-group-score-topn", "1", "--disable-bias-linear", "--mock-data", "--vocab-size", "64"]
+    rc, _, err = _run([*argv, "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    _, job = parse_args(["--load", ckpt, "--train-iters", "5"])
+    assert job.model.moe_router_group_score_topn == 1
+
+
+def test_lora_targets_of_the_query_latent_follow_the_model(capsys, monkeypatch):
+    mla = "--multi-latent-attention --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 8".split()
+    argv = [*mla, "--position-embedding-type", "rope", "--disable-bias-linear", "--lora-rank", "4"]
+    rc, _, err = _run([*argv, "--lora-target-modules", "q_a_proj"], capsys, monkeypatch)  # no --q-lora-rank
+    _one_line_error(rc, err, "linear_q_down_proj", "no query latent")

@@ -216,11 +216,16 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         return _fallback_config(raw), raw
     try:
         return AutoConfig.from_pretrained(path), raw
-    except (ValueError, KeyError):
-        # A model type transformers does not know (Kimi-K2's "kimi_k2", shipped as remote code) whose class we
-        # convert (DeepseekV3ForCausalLM): its config.json over that class's defaults.
-        if not _fallback_model_type(raw):
-            raise
+    except (ValueError, KeyError) as e:
+        # A model type transformers does not know (Kimi-K2's "kimi_k2", shipped as remote code) of a DeepSeek
+        # class we convert: its config.json over that class's defaults. Any other failure stays an error.
+        from transformers import CONFIG_MAPPING
+
+        archs = raw.get("architectures") or [None]
+        deepseek = archs[0] in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+        if not deepseek or raw.get("model_type") in CONFIG_MAPPING:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{cfg_path}: transformers cannot read it ({first})") from e
         return _fallback_config(raw), raw
 
 

@@ -70,7 +70,8 @@ def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: Par
     """Freeze every weight of `model` (a GPTModel or its pipeline chunks) and add adapters to the target
     layers, initialised layout-free from `seed`. Returns the number of adapter parameters on this rank."""
     lora = lora_for_model(lora, config)
-    lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap, config.multi_latent_attention)
+    mla = config.multi_latent_attention
+    lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap, mla, config.q_lora_rank is not None)
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):

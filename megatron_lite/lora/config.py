@@ -46,12 +46,20 @@ class LoraConfig:
         if bad:
             raise ConfigError(f"--lora-target-modules {' '.join(bad)}: choose from {' '.join(TARGETS)}")
 
-    def validate(self, num_experts: int | None, tp_comm_overlap: bool, multi_latent_attention: bool = False) -> None:
+    def validate(
+        self, num_experts: int | None, tp_comm_overlap: bool, multi_latent_attention: bool = False, q_lora=None
+    ) -> None:
         """What LoRA does not compose with yet; checked with the flags, before any collective."""
         mla = [t for t in self.target_modules if t in MLA_TARGETS]
         if mla and not multi_latent_attention:
             raise ConfigError(f"--lora-target-modules {' '.join(mla)}: projections of --multi-latent-attention; "
                               "this model has linear_qkv")  # fmt: skip
+        if multi_latent_attention and q_lora is not None:
+            absent = ("linear_q_proj",) if q_lora else ("linear_q_down_proj", "linear_q_up_proj")
+            bad = [t for t in self.target_modules if t in absent]
+            if bad:
+                raise ConfigError(f"--lora-target-modules {' '.join(bad)}: this model has "
+                                  f"{'a' if q_lora else 'no'} query latent (--q-lora-rank)")  # fmt: skip
         if multi_latent_attention and "linear_qkv" in self.target_modules:
             raise ConfigError("--lora-target-modules linear_qkv: a --multi-latent-attention model has "
                               f"{' '.join(MLA_TARGETS)} instead")  # fmt: skip

@@ -115,9 +115,11 @@ def _deepseek(c: Any, arch: str) -> dict:
             f"config.json topk_method={getattr(c, 'topk_method', None)!r} / scoring_func="
             f"{getattr(c, 'scoring_func', None)!r} are not supported: DeepSeek-V3's noaux_tc with sigmoid scores only"
         )
-    if not getattr(c, "norm_topk_prob", True):
+    norm, k = getattr(c, "norm_topk_prob", True), getattr(c, "num_experts_per_tok", 2) or 2
+    if norm != (k > 1):  # (Megatron's sigmoid router renormalises a top-k of more than one, never a top-1)
         raise ConfigError(
-            "config.json norm_topk_prob=false is not supported: the sigmoid router renormalises its top-k (Megatron's)"
+            f"config.json norm_topk_prob={str(norm).lower()} with num_experts_per_tok={k} is not supported: the "
+            "sigmoid router renormalises its top-k exactly when k > 1 (Megatron's)"
         )
     kwargs = _deepseek_base(c)
     n, first_dense = c.num_hidden_layers, int(c.first_k_dense_replace or 0)
@@ -479,7 +481,7 @@ def _deepseek_fields(c: ModelConfig) -> dict:
         routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0,
         n_group=c.moe_router_num_groups or 1,
         topk_group=c.moe_router_group_topk or 1,
-        norm_topk_prob=True,
+        norm_topk_prob=bool(c.num_experts) and c.moe_router_topk > 1,  # (a top-1 is not renormalised here)
         topk_method="noaux_tc",
         scoring_func="sigmoid",
     )
