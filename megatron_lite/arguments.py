@@ -156,6 +156,28 @@ def _mla_yarn(ns: argparse.Namespace) -> RopeScaling | None:
     )
 
 
+def _check_yarn_against_checkpoint(ns: argparse.Namespace, saved: dict, given: set[str], path: str) -> None:
+    """An MLA checkpoint's YaRN keeps its resolved cos / sin factor, not --mscale: an explicit --mscale or
+    --rope-type that would build another RoPE is refused (they would otherwise be ignored)."""
+    params = saved.get("rope_scaling_params") or {}
+    if not saved.get("multi_latent_attention") or params.get("rope_type") != "yarn":
+        return
+    if "rope_type" in given and ns.rope_type != "yarn":
+        raise ConfigError(
+            f"--rope-type {ns.rope_type} conflicts with the checkpoint in {path} (YaRN); drop the flag, or pass "
+            "--use-checkpoint-args"
+        )
+    if "mscale" in given:
+        f = params["factor"]
+        factor = _yarn_mscale(f, ns.mscale) / _yarn_mscale(f, saved.get("mscale_all_dim") or 0.0)
+        if not math.isclose(factor, params.get("attention_factor", 1.0), rel_tol=1e-9):
+            raise ConfigError(
+                f"--mscale {ns.mscale} conflicts with the checkpoint in {path} (its YaRN scales cos / sin by "
+                f"{params.get('attention_factor')}, this would by {factor:.6g}); drop the flag, or pass "
+                "--use-checkpoint-args"
+            )
+
+
 def _require(ns: argparse.Namespace, *names: str) -> None:
     missing = ["--" + n.replace("_", "-") for n in names if getattr(ns, n) is None]
     if missing:
@@ -526,6 +548,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
                 f"--{d.replace('_', '-')} {getattr(ns, d)} conflicts with the checkpoint in {path} "
                 f"({saved.get(d)}); drop the flag, or pass --use-checkpoint-args to take the checkpoint's value"
             )
+        if not ns.use_checkpoint_args:
+            _check_yarn_against_checkpoint(ns, saved, given, path)
         # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
         other = {"train_iters": "samples", "train_samples": "iters"}
         for dest, unit in other.items():

@@ -325,7 +325,18 @@ CASES = {
     "deepseek_v2_groups": (_deepseek_v2_groups, transformers.DeepseekV2ForCausalLM),
     "deepseek_v2_groups_by_best": (_deepseek_v2_groups_by_best, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3_groups_top2": (_deepseek_v3_groups_top2, transformers.DeepseekV3ForCausalLM),
+    # more groups kept than experts picked (topk_group 3 > top-2): transformers allows it, Megatron's rule would not
+    "deepseek_v3_wide_groups": (
+        lambda: _with(_deepseek_v3_groups_top2(), n_group=4, topk_group=3, num_experts_per_tok=2),
+        transformers.DeepseekV3ForCausalLM,
+    ),
 }
+
+
+def _with(config, **fields):
+    for k, v in fields.items():
+        setattr(config, k, v)
+    return config
 
 
 def _hf_model(name):

@@ -892,3 +892,19 @@ def test_lora_targets_of_the_query_latent_follow_the_model(capsys, monkeypatch):
     argv = [*mla, "--position-embedding-type", "rope", "--disable-bias-linear", "--lora-rank", "4"]
     rc, _, err = _run([*argv, "--lora-target-modules", "q_a_proj"], capsys, monkeypatch)  # no --q-lora-rank
     _one_line_error(rc, err, "linear_q_down_proj", "no query latent")
+
+
+def test_explicit_yarn_flags_that_disagree_with_an_mla_checkpoint_are_refused(tmp_path, capsys, monkeypatch):
+    """The checkpoint keeps YaRN's resolved factor, not --mscale: a different --mscale (or --rope-type rope) on
+    resume would otherwise be ignored; the same --mscale is fine."""
+    ckpt = str(tmp_path / "ckpt")
+    yarn = "--rotary-scaling-factor 8 --mscale 0.707 --mscale-all-dim 0.707".split()
+    rc, _, err = _run([*MLA_FLAGS, *yarn, "--mock-data", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    from megatron_lite.arguments import parse_args
+
+    parse_args(["--load", ckpt, "--train-iters", "5", "--mscale", "0.707"])  # the same: accepted
+    rc = main(["--load", ckpt, "--train-iters", "5", "--mscale", "1.0"])
+    _one_line_error(rc, capsys.readouterr().err, "--mscale 1.0 conflicts")
+    rc = main(["--load", ckpt, "--train-iters", "5", "--rope-type", "rope"])
+    _one_line_error(rc, capsys.readouterr().err, "--rope-type rope conflicts")
