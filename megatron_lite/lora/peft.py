@@ -22,7 +22,7 @@ import torch
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.lora.config import LoraConfig
 from megatron_lite.models.hf import LLAMA_LIKE
-from megatron_lite.models.hf_weights import _group_qkv, _rope_rows
+from megatron_lite.models.hf_weights import _group_qkv, mla_rope_rows
 
 # our (layer, adapter) -> the Hugging Face module inside a decoder layer
 HF_MODULES = {
@@ -54,10 +54,8 @@ _ROPE_ROWS = ("self_attention.linear_q_proj", "self_attention.linear_q_up_proj",
 
 def _rope_rows_of(module: str, c: ModelConfig) -> torch.Tensor:
     """Row order from ours to DeepSeek's interleaved RoPE rows (the export writes rope_interleave=true)."""
-    pe = c.qk_pos_emb_head_dim
-    if module.endswith("kv_down_proj"):
-        return _rope_rows(1, pe, c.kv_lora_rank, c.kv_lora_rank + pe, inverse=True)
-    return _rope_rows(c.num_attention_heads, pe, c.qk_head_dim, c.mla_q_head_dim, inverse=True)
+    q_rows, kv_rows = mla_rope_rows(c, inverse=True)
+    return kv_rows if module.endswith("kv_down_proj") else q_rows
 
 
 def split_lora(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -74,12 +74,18 @@ def _rope_rows(n: int, pe: int, offset: int, block: int, inverse: bool) -> torch
     return rows.reshape(-1)
 
 
+def mla_rope_rows(c: ModelConfig, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query-projection rows, key/value down-projection rows) from DeepSeek's interleaved RoPE order to ours (or
+    back, `inverse`): the rows of every weight, or LoRA B, whose output holds RoPE dims."""
+    h, qd, pe = c.num_attention_heads, c.mla_q_head_dim, c.qk_pos_emb_head_dim
+    q = _rope_rows(h, pe, c.qk_head_dim, qd, inverse)
+    return q, _rope_rows(1, pe, c.kv_lora_rank, c.kv_lora_rank + pe, inverse)
+
+
 def _mla_from_hf(hf: dict, att: str, ours: str, c: ModelConfig, interleaved: bool) -> dict:
     """DeepSeek-V3 attention: q_proj or q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj_with_mqa / kv_a_layernorm /
     kv_b_proj, o_proj (same row layouts as ours, RoPE rows reordered when the checkpoint interleaves them)."""
-    h, qd, pe = c.num_attention_heads, c.mla_q_head_dim, c.qk_pos_emb_head_dim
-    q_rows = _rope_rows(h, pe, c.qk_head_dim, qd, inverse=False) if interleaved else slice(None)
-    kv_rows = _rope_rows(1, pe, c.kv_lora_rank, c.kv_lora_rank + pe, inverse=False) if interleaved else slice(None)
+    q_rows, kv_rows = mla_rope_rows(c, inverse=False) if interleaved else (slice(None), slice(None))
     out = {}
     if c.q_lora_rank is None:
         out[f"{ours}.linear_q_proj.weight"] = hf[att + "q_proj.weight"][q_rows]
@@ -95,9 +101,7 @@ def _mla_from_hf(hf: dict, att: str, ours: str, c: ModelConfig, interleaved: boo
 
 def _mla_to_hf(ours: dict, m: str, att: str, c: ModelConfig, interleaved: bool) -> dict:
     """The inverse of _mla_from_hf (RoPE rows interleaved again for rope_interleave=true, DeepSeek's layout)."""
-    h, qd, pe = c.num_attention_heads, c.mla_q_head_dim, c.qk_pos_emb_head_dim
-    q_rows = _rope_rows(h, pe, c.qk_head_dim, qd, inverse=True) if interleaved else slice(None)
-    kv_rows = _rope_rows(1, pe, c.kv_lora_rank, c.kv_lora_rank + pe, inverse=True) if interleaved else slice(None)
+    q_rows, kv_rows = mla_rope_rows(c, inverse=True) if interleaved else (slice(None), slice(None))
     hf = {}
     if c.q_lora_rank is None:
         hf[att + "q_proj.weight"] = ours[f"{m}.linear_q_proj.weight"][q_rows]
