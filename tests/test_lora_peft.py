@@ -56,22 +56,30 @@ def tuned():
     return fine_tune(hf_cfg, LORA)
 
 
+IDS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
+
+
+def peft_gives_our_logits(hf, model, tensors, adapter_config, directory):
+    """Write our adapter, load it with PEFT on the Hugging Face base and check: our logits (1e-4), the adapter
+    matters (the base alone differs by more than 1e-3), every A and B arrived. Returns (PEFT model, its logits)."""
+    write_peft(str(directory), tensors, adapter_config)
+    peft_model = peft.PeftModel.from_pretrained(hf, str(directory)).eval()
+    with torch.no_grad():
+        theirs = peft_model(IDS).logits
+        assert (model(IDS)[..., :200] - theirs).abs().max() < 1e-4
+        with peft_model.disable_adapter():
+            assert (peft_model(IDS).logits - theirs).abs().max() > 1e-3
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(tensors)  # every projection's A and B arrived
+    return peft_model, theirs
+
+
 def test_peft_loads_our_adapter_with_our_logits(tuned, tmp_path):
     hf, model, state, config = tuned
     _, adapters = split_lora(state)
     assert any(v.abs().max() > 0 for k, v in adapters.items() if k.endswith(".B"))  # training moved B
     tensors, adapter_config = to_peft(adapters, config, LORA, "LlamaForCausalLM")
-    write_peft(str(tmp_path / "adapter"), tensors, adapter_config)
-    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        theirs = peft_model(ids).logits
-        ours = model(ids)[..., :200]
-    assert (ours - theirs).abs().max() < 1e-4
-    with torch.no_grad(), peft_model.disable_adapter():  # and the adapter matters: the base alone differs
-        assert (peft_model(ids).logits - theirs).abs().max() > 1e-3
-    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
-    assert len(loaded) == len(tensors)  # every projection's A and B arrived
+    peft_gives_our_logits(hf, model, tensors, adapter_config, tmp_path / "adapter")
 
 
 def test_merged_export_is_base_plus_scaled_b_a(tuned):
@@ -128,24 +136,15 @@ def test_peft_loads_our_expert_adapters_with_our_logits(tuned_mixtral, tmp_path)
     assert len(expert_b) == 2 * 2 * 4 and all(v.abs().max() > 0 for v in expert_b)  # every expert's B trained
     tensors, adapter_config = to_peft(adapters, config, EXPERT_LORA, "MixtralForCausalLM")
     assert adapter_config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
-    write_peft(str(tmp_path / "adapter"), tensors, adapter_config)
-    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
+    _, theirs = peft_gives_our_logits(hf, model, tensors, adapter_config, tmp_path / "adapter")
     with torch.no_grad():
-        theirs = peft_model(ids).logits
-        ours = model(ids)[..., :200]
-        assert (ours - theirs).abs().max() < 1e-4
-        with peft_model.disable_adapter():
-            assert (peft_model(ids).logits - theirs).abs().max() > 1e-3
         # the experts' adapters matter on their own: without them (attention's alone) the logits differ
         no_experts = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
         write_peft(str(tmp_path / "attn_only"), no_experts, {**adapter_config, "target_parameters": []})
         fresh = transformers.MixtralForCausalLM(hf.config).eval()  # (PEFT wrapped `hf` in place)
         fresh.load_state_dict(state_dict_to_hf(base, config, "MixtralForCausalLM"), strict=False)
         attn_only = peft.PeftModel.from_pretrained(fresh, str(tmp_path / "attn_only")).eval()
-        assert (attn_only(ids).logits - theirs).abs().max() > 1e-3
-    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
-    assert len(loaded) == len(tensors)
+        assert (attn_only(IDS).logits - theirs).abs().max() > 1e-3
 
 
 def test_merged_expert_export_is_base_plus_scaled_b_a(tuned_mixtral):
@@ -254,17 +253,7 @@ def test_peft_loads_our_deepseek_adapters_with_our_logits(tuned_deepseek_peft, t
     tensors, adapter_config = to_peft(adapters, config, DEEPSEEK_PEFT_LORA, "DeepseekV3ForCausalLM")
     mla = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
     assert mla == set(adapter_config["target_modules"]) and adapter_config["target_parameters"]
-    write_peft(str(tmp_path / "adapter"), tensors, adapter_config)
-    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        theirs = peft_model(ids).logits
-        ours = model(ids)[..., :200]
-        assert (ours - theirs).abs().max() < 1e-4
-        with peft_model.disable_adapter():
-            assert (peft_model(ids).logits - theirs).abs().max() > 1e-3
-    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
-    assert len(loaded) == len(tensors)
+    peft_gives_our_logits(hf, model, tensors, adapter_config, tmp_path / "adapter")
 
 
 def test_merged_deepseek_export_gives_our_logits_in_transformers(tuned_deepseek):
