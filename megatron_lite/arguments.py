@@ -262,6 +262,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         v_head_dim=ns.v_head_dim,
         mla_mscale_all_dim=ns.mscale_all_dim if ns.multi_latent_attention else 0.0,
         untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights,
+        mtp_num_layers=ns.mtp_num_layers or 0,
+        mtp_loss_scaling_factor=ns.mtp_loss_scaling_factor,
         init_method_std=ns.init_method_std,
         hidden_dropout=ns.hidden_dropout,
         attention_dropout=ns.attention_dropout,

@@ -42,6 +42,7 @@ ARCH_DESTS = (
     "rotary_scaling_factor",
     "mscale_all_dim",
     "make_vocab_size_divisible_by",
+    "mtp_num_layers",
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
@@ -87,6 +88,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     ):
         out[k] = m.get(k, default)
     out["mscale_all_dim"] = m.get("mla_mscale_all_dim", 0.0)
+    out["mtp_num_layers"] = m.get("mtp_num_layers", 0) or None  # (absent from older checkpoints)
+    out["mtp_loss_scaling_factor"] = m.get("mtp_loss_scaling_factor", 0.1)
     rs = m["rope_scaling"]
     mla_yarn = m.get("multi_latent_attention") and rs is not None and rs.get("rope_type") == "yarn"
     out["rotary_scaling_factor"] = rs["factor"] if mla_yarn else 1.0

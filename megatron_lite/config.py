@@ -142,6 +142,12 @@ class ModelConfig:
     moe_layer_freq: int | tuple[int, ...] = 1  # every Nth layer is MoE, or a 0/1 pattern per layer
     moe_shared_expert_intermediate_size: int | None = None
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+    # Multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers, --mtp-loss-scaling-factor): after the
+    # last layer, depth k (1..mtp_num_layers) combines each position's hidden state with the embedding of the
+    # token k ahead and predicts the token k + 1 ahead through one more transformer layer and the shared output
+    # layer; its loss, averaged over depths and weighted by the factor, joins the training loss.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
     # Which implementation runs the norms, SwiGLU, RoPE, attention and loss: our Triton kernels or PyTorch.
     kernel_impl: str = "torch"
 
@@ -252,6 +258,10 @@ class ModelConfig:
         self._validate_recompute()
         self._validate_moe()
         self._validate_mla()
+        if self.mtp_num_layers < 0:
+            raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers} must be >= 0")
+        if self.mtp_num_layers and self.mtp_loss_scaling_factor < 0:
+            raise ConfigError(f"--mtp-loss-scaling-factor {self.mtp_loss_scaling_factor} must be >= 0")
         if self.kernel_impl not in ("torch", "triton"):
             raise ConfigError(f"--kernel-impl {self.kernel_impl} is not torch|triton")
 
@@ -260,8 +270,10 @@ class ModelConfig:
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Layers num_layers.. are the multi-token-prediction layers: the kind of the last decoder layer."""
         if self.num_experts is None:
             return False
+        layer = min(layer, self.num_layers - 1)
         if isinstance(self.moe_layer_freq, int):
             return layer % self.moe_layer_freq == 0
         return bool(self.moe_layer_freq[layer])

@@ -109,6 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="YaRN's mscale_all_dim: cos / sin divided by, and the softmax scale times the square of, its mscale",
     )
+    t = parser.add_argument_group("multi-token prediction (DeepSeek-V3)")
+    t.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        help="prediction depths after the last layer, each one transformer layer predicting one token further",
+    )
+    t.add_argument(
+        "--mtp-loss-scaling-factor",
+        type=float,
+        default=0.1,
+        help="weight of the MTP loss (averaged over depths) in the training loss",
+    )
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--hidden-dropout", type=float, default=0.1)

@@ -33,10 +33,12 @@ def test_six_n_plus_attention(make):
     assert flops_per_token(c, s) == pytest.approx(expected, rel=1e-12)
 
 
-def test_mla_and_moe_count_the_work_each_token_does():
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_mla_and_moe_count_the_work_each_token_does(mtp):
     """DeepSeek-shaped (multi-latent attention, MoE with top-2 of 4 experts and a shared expert): 6 N_active +
-    6 L s heads (qk + v dims) per token, N_active counted from a real model (one expert's weights x top-k)."""
-    c = deepseek_config(num_layers=3)
+    6 L s heads (qk + v dims) per token, N_active counted from a real model (one expert's weights x top-k). With
+    multi-token prediction, its layers count as layers and each depth runs the (shared) output layer again."""
+    c = deepseek_config(num_layers=3, mtp_num_layers=mtp)
     s = 32
     model = GPTModel(c, ParallelContext.virtual(ParallelConfig()), device="meta")
     n = 0
@@ -45,7 +47,8 @@ def test_mla_and_moe_count_the_work_each_token_does():
             continue
         n += p.numel() * (c.moe_router_topk / c.num_experts if ".experts." in name else 1)
     n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size
-    attention = 6 * c.num_layers * s * c.num_attention_heads * (c.mla_q_head_dim + c.v_head_dim)
+    n += mtp * c.hidden_size * c.vocab_size  # the output layer, once more per depth
+    attention = 6 * (c.num_layers + mtp) * s * c.num_attention_heads * (c.mla_q_head_dim + c.v_head_dim)
     assert flops_per_token(c, s) == pytest.approx(6 * n + attention, rel=1e-12)
 
 

@@ -33,6 +33,8 @@ MODELS = {
     "moe": moe_llama,
     "qk_layernorm": lambda **kw: gpt2_config(qk_layernorm=True, **kw),  # LayerNorm q/k norms: weight and bias
     "deepseek": deepseek_config,  # multi-latent attention, sigmoid-routed MoE with a shared expert
+    "deepseekmtp": lambda **kw: deepseek_config(mtp_num_layers=2, **kw),  # and two multi-token-prediction depths
+    "llamatiedmtp": lambda **kw: llama_config(untie_embeddings_and_output_weights=False, mtp_num_layers=1, **kw),
 }
 
 
@@ -55,6 +57,9 @@ def _tool():
         ("qk_layernorm", Layout(tp=2, pp=2)),
         ("deepseek", Layout(tp=2, ep=2, dp=2)),
         ("deepseek", Layout(pp=2, dp=2)),
+        ("deepseekmtp", Layout(tp=2, ep=2, dp=2)),
+        ("deepseekmtp", Layout(pp=2, dp=2)),  # the last stage's copy of the word embeddings
+        ("llamatiedmtp", Layout(pp=2)),
     ],
 )
 def test_parameter_counts_equal_the_built_model(name, layout):
@@ -124,6 +129,7 @@ ONE_PROCESS = {
     "moe": Layout(micro_batch_size=2),
     "deepseek": Layout(micro_batch_size=2),  # multi-latent attention: latents whole, v padded
     "deepseek-selective": Layout(micro_batch_size=2, recompute="selective"),
+    "deepseekmtp": Layout(micro_batch_size=2),
 }
 
 
@@ -443,3 +449,11 @@ def test_a_measured_accelerator_is_not_discounted_again():
     a = step_time(model, layout, 4096, 8, measured)
     assert a.compute == pytest.approx(step_time(model, layout, 4096, 8, sheet, eff=full_rate).compute)
     assert a.compute < 0.8 * step_time(model, layout, 4096, 8, sheet).compute
+
+
+@pytest.mark.parametrize("case", ["tp2-sp", "pp2"])
+def test_memory_estimate_multi_token_prediction(dist, case):
+    """Two MTP depths on the last stage (DeepSeek-shaped): their layers, inputs and losses, under TP with SP and
+    under PP (where the last stage also holds a copy of the word embeddings)."""
+    layout = {"tp2-sp": Layout(tp=2, micro_batch_size=2), "pp2": Layout(pp=2, micro_batch_size=2)}[case]
+    _check("deepseekmtp", layout, dist(layout.world, measure, "deepseekmtp", layout))

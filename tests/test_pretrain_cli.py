@@ -908,3 +908,24 @@ def test_explicit_yarn_flags_that_disagree_with_an_mla_checkpoint_are_refused(tm
     _one_line_error(rc, capsys.readouterr().err, "--mscale 1.0 conflicts")
     rc = main(["--load", ckpt, "--train-iters", "5", "--rope-type", "rope"])
     _one_line_error(rc, capsys.readouterr().err, "--rope-type rope conflicts")
+
+
+def test_load_alone_rebuilds_a_multi_token_prediction_run(tmp_path, capsys, monkeypatch):
+    """--mtp-num-layers and --mtp-loss-scaling-factor come back from the checkpoint (its MTP weights need the
+    depths); an explicit other depth count is refused, and a negative one is a one-line error."""
+    ckpt = str(tmp_path / "ckpt")
+    mtp = "--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3".split()
+    rc, out, err = _run([*MLA_FLAGS, *mtp, "--mock-data", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "mtp_2_loss" in out
+    from megatron_lite.arguments import parse_args
+
+    _, job = parse_args(["--load", ckpt, "--train-iters", "5"])
+    assert (job.model.mtp_num_layers, job.model.mtp_loss_scaling_factor) == (2, 0.3)
+    rc = main(["--load", ckpt, "--train-iters", "5"])
+    out = capsys.readouterr()
+    assert rc == 0 and "loaded" in out.out and "mtp_1_loss" in out.out, out.err
+    rc = main(["--load", ckpt, "--train-iters", "5", "--mtp-num-layers", "1"])
+    _one_line_error(rc, capsys.readouterr().err, "--mtp-num-layers")
+    rc, _, err = _run([*MLA_FLAGS, "--mock-data", "--mtp-num-layers", "-1"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--mtp-num-layers -1 must be >= 0")

@@ -43,6 +43,9 @@ RESUME_LAYOUTS = {
     ).split(),
     # stopped mid-ramp (batches 4 x 6 then 8): the batch size and the schedule's sample position come back
     "rampup-dp2": "--rampup-batch-size 4 4 24".split(),
+    # multi-token prediction on the last stage, with its copy of the word embeddings (never stored: the first
+    # stage's comes back into it)
+    "mtp-pp2": "--pipeline-model-parallel-size 2 --mtp-num-layers 1".split(),
 }
 
 
@@ -70,6 +73,8 @@ def test_resume_is_exact(tmp_path, layout):
         assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
         assert s["lr"] == r["lr"] and s["global_batch_size"] == r["global_batch_size"], (s, r)
         assert s.get("moe_aux_loss") == r.get("moe_aux_loss")  # routing (and the expert bias) came back too
+        assert s.get("mtp_1_loss") == r.get("mtp_1_loss")
+    assert ("mtp_1_loss" in straight[-1]) == (layout == "mtp-pp2")
 
 
 SCRIPTS = [

@@ -69,14 +69,15 @@ def train_run(
     fsdp2=False,
     overlap_param_gather=False,
     bf16=False,
+    mtp=0,
 ):
-    """Per iteration (lm_loss, grad_norm, lr). `bf16`: bf16 weights (FSDP2: bf16 compute on its fp32 shards)
-    with fp32 main weights, as --bf16."""
+    """Per iteration (lm_loss, grad_norm, lr), and with `mtp` depths (--mtp-num-layers) each depth's loss too.
+    `bf16`: bf16 weights (FSDP2: bf16 compute on its fp32 shards) with fp32 main weights, as --bf16."""
     if dist.is_initialized():
         ctx = get_context(parallel)
     else:
         ctx = ParallelContext.virtual(parallel, device=torch.device("cpu"))
-    config = CONFIGS[name](num_layers=layers, kernel_impl=kernel_impl)
+    config = CONFIGS[name](num_layers=layers, kernel_impl=kernel_impl, **({"mtp_num_layers": mtp} if mtp else {}))
     if data == "embedded":
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
@@ -104,7 +105,7 @@ def train_run(
         idx = micro_batch_indices(it * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
         batches = [collate([dataset[i] for i in ix], ctx.device) for ix in idx]
         m = train_step(ddp, opt, sched, batches, ctx)
-        history.append((m.lm_loss, m.grad_norm, m.lr))
+        history.append((m.lm_loss, m.grad_norm, m.lr, *([m.mtp_losses] if mtp else [])))
     return history
 
 

@@ -13,6 +13,7 @@ pytorch_model.bin is refused, because loading it could run code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -365,13 +366,17 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     config = config_from_hf(hf_config)
     log(f"{load_dir}: {arch}, {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}")
     hf = read_hf_tensors(load_dir)
+    # DeepSeek-V3's multi-token-prediction layers follow its last layer. (transformers' config defaults
+    # num_nextn_predict_layers to 1 and its model has none, so the file and the tensors decide.)
+    mtp = int(raw.get("num_nextn_predict_layers") or 0) if arch == "DeepseekV3ForCausalLM" else 0
+    if mtp and not any((_layer_of(k) or 0) >= config.num_layers for k in hf):
+        log(f"{load_dir}: config.json has num_nextn_predict_layers {mtp} but no such layers: converted without them")
+        mtp = 0
+    config = dataclasses.replace(config, mtp_num_layers=mtp)
     interleave = bool(getattr(hf_config, "rope_interleave", True))  # (DeepSeek-V3's RoPE row layout)
     ours = state_dict_from_hf(hf, config, arch, interleave)
+    _check_mtp_copies(hf, config, load_dir, log)
     unused = set(hf) - _used_hf_names(hf, config, arch, interleave)
-    mtp = {k for k in unused if _layer_of(k) is not None and _layer_of(k) >= config.num_layers}
-    if mtp and getattr(hf_config, "num_nextn_predict_layers", 0):  # DeepSeek-V3's multi-token prediction layers
-        log(f"{load_dir}: {len(mtp)} tensors of the multi-token-prediction layers are not converted (no MTP yet)")
-        unused -= mtp
     if unused:
         raise ConfigError(f"{load_dir} holds tensors the {arch} mapping does not use: {sorted(unused)[:5]}")
     os.makedirs(save_dir, exist_ok=True)
@@ -402,6 +407,20 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
 def _layer_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+
+
+def _check_mtp_copies(hf: dict, config: ModelConfig, load_dir: str, log) -> None:
+    """DeepSeek-V3 stores each MTP depth's embedding and output head as copies of the model's; MTP shares the
+    model's here, so a copy that differs is reported (and not converted)."""
+    for k in range(config.mtp_num_layers):
+        p = f"model.layers.{config.num_layers + k}."
+        head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+        for copy, original in (
+            (p + "embed_tokens.weight", hf["model.embed_tokens.weight"]),
+            (p + "shared_head.head.weight", head),
+        ):
+            if copy in hf and not torch.equal(hf[copy], original):
+                log(f"{load_dir}: {copy} differs from the model's own; multi-token prediction uses the model's")
 
 
 def _used_hf_names(hf: dict, config: ModelConfig, arch: str, interleave: bool = True) -> set[str]:

@@ -43,7 +43,7 @@ def slice_batch(mb: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str, to
     b, s = mb["tokens"].shape
     if "position_ids" not in out:
         out["position_ids"] = torch.arange(s, device=mb["tokens"].device).unsqueeze(0).expand(b, s)
-    for key in ("tokens", "labels", "loss_mask", "position_ids"):
-        if key in out:
-            out[key] = split_sequence(out[key], 1, cp, rank)
+    for key in out:  # (the multi-token-prediction inputs, mtp_*, are [batch, depths, seq])
+        if key in ("tokens", "labels", "loss_mask", "position_ids") or key.startswith("mtp_"):
+            out[key] = split_sequence(out[key], out[key].dim() - 1, cp, rank)
     return out

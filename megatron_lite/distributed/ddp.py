@@ -36,9 +36,11 @@ from megatron_lite.tensor_parallel.mappings import reduce_scatter_tensor
 
 
 def tied_embedding_copies(module: nn.Module, ctx: ParallelContext) -> list[nn.Parameter]:
-    """This rank's copy of word embeddings tied between the first and last pipeline stage, if any."""
+    """This rank's copy of word embeddings shared by the first and last pipeline stage, if any: tied to the
+    output layer, or read by multi-token prediction on the last stage."""
     configs = [m.config for m in module.modules() if hasattr(getattr(m, "config", None), "tied_embeddings")]
-    if ctx.embedding.size == 1 or not hasattr(module, "global_name") or not any(c.tied_embeddings for c in configs):
+    shared = any(c.tied_embeddings or getattr(c, "mtp_num_layers", 0) for c in configs)
+    if ctx.embedding.size == 1 or not hasattr(module, "global_name") or not shared:
         return []
     return [
         p

@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
+from megatron_lite.models.mtp import MultiTokenPredictionBlock
 from megatron_lite.models.rope import RotaryEmbedding
 from megatron_lite.models.transformer import TransformerBlock, dropout
 from megatron_lite.models.weights import init_parameters, load_full_state_dict, local_full_state_dict
@@ -25,6 +26,7 @@ from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, VocabPara
 from megatron_lite.tensor_parallel.mappings import split_dim0
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
@@ -95,7 +97,14 @@ class GPTModel(nn.Module):
         self.vocab_size = config.vocab_size
         self.first_expert = ctx.ep.rank * (config.num_experts // ctx.ep.size) if config.num_experts else 0
         self.pre_process, self.post_process = pre_process, post_process
-        self.embedding = LanguageModelEmbedding(config, ctx, device, dtype) if pre_process else None
+        # Multi-token prediction runs on the last stage and embeds tokens there too: a stage without the
+        # embeddings holds a copy of the word embeddings, kept equal like tied embeddings' (same name and init).
+        mtp = post_process and config.mtp_num_layers > 0
+        self.embedding = LanguageModelEmbedding(config, ctx, device, dtype) if pre_process or mtp else None
+        if mtp and not pre_process:
+            words = self.embedding.word_embeddings
+            meta = next(m for n, _, m in named_param_meta(words) if n == "weight")
+            set_param_meta(words, "weight", dataclasses.replace(meta, embedding_copy=True))
         self.rotary_pos_emb = (
             RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling, device=device)
             if config.position_embedding_type == "rope"
@@ -112,27 +121,29 @@ class GPTModel(nn.Module):
                 sequence_parallel=ctx.sequence_parallel,
                 init_std=config.init_method_std,
                 padded_output_size=config.padded_vocab_size(ctx.tp.size),
-                skip_weight_param_allocation=config.tied_embeddings and pre_process,
+                skip_weight_param_allocation=config.tied_embeddings and self.embedding is not None,
                 device=device,
                 dtype=dtype,
             )
-            if config.tied_embeddings and not pre_process:
+            if config.tied_embeddings and self.embedding is None:
                 # The last stage holds a copy of the first stage's word embeddings (same name, same init).
                 meta = next(m for n, _, m in named_param_meta(self.output_layer) if n == "weight")
                 set_param_meta(self.output_layer, "weight", dataclasses.replace(meta, embedding_copy=True))
+        self.mtp = MultiTokenPredictionBlock(config, ctx, device, dtype) if mtp else None
         if device.type != "meta":
             self.init_weights(seed)
 
     # Weights ------------------------------------------------------------------------------------
     def global_name(self, name: str) -> str:
         """A parameter's name with the global layer number, the same under any pipeline split."""
-        if name == "output_layer.weight" and self.config.tied_embeddings and not self.pre_process:
-            return "embedding.word_embeddings.weight"
+        if name == "output_layer.weight" and self.config.tied_embeddings and self.embedding is None:
+            return _WORD_EMBEDDINGS
         m = _LAYER.match(name)
-        if m is None:
+        if m is not None:
+            number = self.decoder.layers[int(m.group(1))].layer_number
+            name = f"decoder.layers.{number}.{name[m.end() :]}"
+        elif not name.startswith("mtp."):
             return name
-        number = self.decoder.layers[int(m.group(1))].layer_number
-        name = f"decoder.layers.{number}.{name[m.end() :]}"
         # Experts by their global index: the same name whichever expert-parallel rank holds them.
         return _EXPERT.sub(lambda e: f".mlp.experts.{self.first_expert + int(e.group(1))}.", name)
 
@@ -149,14 +160,15 @@ class GPTModel(nn.Module):
         return local_full_state_dict(self, self.global_name)
 
     def output_weight(self) -> torch.Tensor:
-        if self.config.tied_embeddings and self.pre_process:
+        if self.config.tied_embeddings and self.embedding is not None:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
     # Forward ------------------------------------------------------------------------------------
     def _fused_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Output layer and cross-entropy in chunks (Triton): the logits never exist in full. Padding rows
-        of the vocabulary (at the end of the last shards) are left out of the weight."""
+        of the vocabulary (at the end of the last shards) are left out of the weight. x: [seq (shard), batch,
+        hidden]; returns the loss per token [batch, seq]."""
         x = self.output_layer.gather_input(x)  # [seq, batch, hidden] on every TP rank
         s, b, h = x.shape
         weight = self.output_weight()
@@ -173,7 +185,15 @@ class GPTModel(nn.Module):
         )
         return loss.view(s, b).t()
 
-    # Forward ------------------------------------------------------------------------------------
+    def token_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The output layer and the cross-entropy of hidden states x [seq (shard), batch, hidden]: the loss
+        per token [batch, seq]. Fused (Triton) where Triton can run these tensors; elsewhere (CPU tensors on a
+        GPU machine, outside the interpreter) the vocab-parallel path, as every other kernel takes its reference."""
+        if self.config.kernel_impl == "triton" and K.triton_usable(x):
+            return self._fused_loss(x, labels)
+        logits = self.output_layer(x, weight=self.output_weight())  # [seq, batch, vocab shard]
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_size).t()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -182,12 +202,14 @@ class GPTModel(nn.Module):
         hidden_states: torch.Tensor | None = None,
         kv_cache=None,
         document_ids: torch.Tensor | None = None,
+        mtp: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Per-token loss [batch, seq] when `labels` is given, else this rank's logits
         [batch, seq, padded_vocab / TP]; a stage without the output layer returns its hidden states.
         `kv_cache` (inference): `position_ids` continue from the cached tokens, whose keys and values the
         attention layers read and extend. `document_ids` [batch, seq] (--reset-attention-mask): tokens attend
-        only to earlier tokens of their own document."""
+        only to earlier tokens of their own document. `mtp`: the multi-token-prediction inputs (models/mtp.py,
+        `mtp_inputs`); in training their losses join the returned loss's backward."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
@@ -196,15 +218,14 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rope, kv_cache, documents=document_ids)
         if not self.post_process:
             return x
-        # The fused loss where Triton can run these tensors; elsewhere (CPU tensors on a GPU machine, outside the
-        # interpreter) the loss takes the vocab-parallel path, as every other kernel takes its reference.
-        if labels is not None and self.config.kernel_impl == "triton" and K.triton_usable(x):
-            return self._fused_loss(x, labels)
-        logits = self.output_layer(x, weight=self.output_weight())  # [seq, batch, vocab shard]
         if labels is None:
-            return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_size)
-        return loss.t()
+            return self.output_layer(x, weight=self.output_weight()).transpose(0, 1)
+        loss = self.token_loss(x, labels)
+        if self.mtp is not None and self.training and kv_cache is None:
+            if mtp is None:
+                raise ValueError("a model with --mtp-num-layers trains on micro-batches with mtp_inputs added")
+            loss = self.mtp(x, self.embedding, self.token_loss, loss, mtp, rope, document_ids)
+        return loss
 
 
 class ModelChunks(nn.ModuleList):

@@ -297,6 +297,8 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("QKV bias with --qk-layernorm (Qwen3 has no QKV bias)")
         if arch in QWEN3 and c.sliding_window:
             problems.append("a sliding window with --qk-layernorm")
+    if c.mtp_num_layers and arch != DEEPSEEK_V3:
+        problems.append(f"multi-token prediction (--mtp-num-layers {c.mtp_num_layers}; only DeepSeek-V3 holds it)")
     if c.rotary_percent != 1.0 and arch not in (*PARTIAL_ROTARY, "GPT2LMHeadModel"):
         problems.append(f"--rotary-percent {c.rotary_percent} ({arch} rotates whole heads)")
     if problems:

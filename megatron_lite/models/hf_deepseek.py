@@ -32,7 +32,7 @@ def config_kwargs(c: Any, arch: str, rope: tuple[float, Any]) -> dict:
             f"config.json norm_topk_prob={str(norm).lower()} with num_experts_per_tok={k} is not supported: the "
             "sigmoid router renormalises its top-k exactly when k > 1 (Megatron's)"
         )
-    kwargs = _base(c, rope)
+    kwargs = _base(c, rope)  # (multi-token prediction: the converter reads num_nextn_predict_layers with the weights)
     n, first_dense = c.num_hidden_layers, int(c.first_k_dense_replace or 0)
     if c.n_routed_experts and first_dense < n:
         groups = c.n_group if (c.n_group or 1) > 1 else None
@@ -178,9 +178,10 @@ def config_fields(c: ModelConfig, arch: str) -> dict:
         norm_topk_prob=bool(c.num_experts) and c.moe_router_topk > 1,  # (a top-1 is not renormalised here)
         topk_method="noaux_tc",
         scoring_func="sigmoid",
+        num_nextn_predict_layers=c.mtp_num_layers,
     )
     if arch == DEEPSEEK_V2:  # (always interleaved RoPE rows; softmax top-k routing)
-        for k in ("rope_interleave", "scoring_func"):
+        for k in ("rope_interleave", "scoring_func", "num_nextn_predict_layers"):
             out.pop(k)
         groups = c.moe_router_num_groups
         out.update(

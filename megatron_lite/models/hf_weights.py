@@ -129,6 +129,32 @@ def _shared_and_bias_from_hf(hf: dict, p: str, ours: str, c: ModelConfig) -> dic
     return out
 
 
+def _our_layer(i: int, c: ModelConfig) -> str:
+    """Our name of HF layer i: a decoder layer, or past the last one a multi-token-prediction depth's layer."""
+    return f"decoder.layers.{i}" if i < c.num_layers else f"mtp.layers.{i - c.num_layers}.transformer_layer"
+
+
+def _mtp_from_hf(hf: dict, p: str, ours: str) -> dict:
+    """DeepSeek-V3's multi-token-prediction extras of one depth: enorm, hnorm, eh_proj ([embedding, hidden] in
+    its columns, as ours) and shared_head.norm. Its embed_tokens and shared_head.head are copies of the model's
+    embedding and output layer, which MTP shares here."""
+    out = {f"{ours}.{n}.weight": hf[f"{p}{n}.weight"] for n in ("enorm", "hnorm", "eh_proj")}
+    out[f"{ours}.final_layernorm.weight"] = hf[p + "shared_head.norm.weight"]
+    return out
+
+
+def _mtp_to_hf(ours: dict, m: str, p: str, on_disk: bool) -> dict:
+    """The inverse of _mtp_from_hf; on disk also the depth's copies of the embedding and output layer, as
+    DeepSeek-V3's checkpoints hold them."""
+    hf = {f"{p}{n}.weight": ours[f"{m}.{n}.weight"] for n in ("enorm", "hnorm", "eh_proj")}
+    hf[p + "shared_head.norm.weight"] = ours[f"{m}.final_layernorm.weight"]
+    if on_disk:  # (clones: safetensors refuses to write one storage under two names)
+        hf[p + "embed_tokens.weight"] = ours["embedding.word_embeddings.weight"].clone()
+        head = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+        hf[p + "shared_head.head.weight"] = head.clone()
+    return hf
+
+
 def state_dict_from_hf(
     hf: dict[str, torch.Tensor], config: ModelConfig, arch: str, rope_interleave: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -138,49 +164,52 @@ def state_dict_from_hf(
     L = "decoder.layers"
     if arch in LLAMA_LIKE:
         out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
-        for i in range(config.num_layers):
+        for i in range(config.num_layers + config.mtp_num_layers):  # (DeepSeek-V3: MTP layers after the last)
             p = f"model.layers.{i}."
+            o = _our_layer(i, config)
             att = p + "self_attn."
             for kind in ("weight", "bias"):  # (LayerNorm: a bias too)
                 if p + f"input_layernorm.{kind}" in hf:
-                    out[f"{L}.{i}.input_layernorm.{kind}"] = hf[p + f"input_layernorm.{kind}"]
-                    out[f"{L}.{i}.pre_mlp_layernorm.{kind}"] = hf[p + f"post_attention_layernorm.{kind}"]
+                    out[f"{o}.input_layernorm.{kind}"] = hf[p + f"input_layernorm.{kind}"]
+                    out[f"{o}.pre_mlp_layernorm.{kind}"] = hf[p + f"post_attention_layernorm.{kind}"]
                 if f"{att}qkv_proj.{kind}" in hf:  # Phi-3: [q; k; v] in one projection
                     q, k, v = hf[f"{att}qkv_proj.{kind}"].split(
                         [config.num_attention_heads * config.head_dim, *[config.query_groups * config.head_dim] * 2]
                     )
-                    out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(q, k, v, config.query_groups)
+                    out[f"{o}.self_attention.linear_qkv.{kind}"] = _group_qkv(q, k, v, config.query_groups)
                 if f"{att}q_proj.{kind}" in hf and not config.multi_latent_attention:
-                    out[f"{L}.{i}.self_attention.linear_qkv.{kind}"] = _group_qkv(
+                    out[f"{o}.self_attention.linear_qkv.{kind}"] = _group_qkv(
                         hf[f"{att}q_proj.{kind}"],
                         hf[f"{att}k_proj.{kind}"],
                         hf[f"{att}v_proj.{kind}"],
                         config.query_groups,
                     )
             if config.multi_latent_attention:
-                out.update(_mla_from_hf(hf, att, f"{L}.{i}.self_attention", config, rope_interleave))
-            out[f"{L}.{i}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+                out.update(_mla_from_hf(hf, att, f"{o}.self_attention", config, rope_interleave))
+            out[f"{o}.self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
             if att + "o_proj.bias" in hf:
-                out[f"{L}.{i}.self_attention.linear_proj.bias"] = hf[att + "o_proj.bias"]
+                out[f"{o}.self_attention.linear_proj.bias"] = hf[att + "o_proj.bias"]
             if config.qk_layernorm and not config.multi_latent_attention:
-                out[f"{L}.{i}.self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
-                out[f"{L}.{i}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
+                out[f"{o}.self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
+                out[f"{o}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
             if config.num_experts and config.is_moe_layer(i):
-                out.update(_experts_from_hf(hf, p, f"{L}.{i}.mlp", config.num_experts))
-                out.update(_shared_and_bias_from_hf(hf, p, f"{L}.{i}.mlp", config))
+                out.update(_experts_from_hf(hf, p, f"{o}.mlp", config.num_experts))
+                out.update(_shared_and_bias_from_hf(hf, p, f"{o}.mlp", config))
             elif p + "mlp.gate_up_proj.weight" in hf:  # Phi-3: [gate; up], our layout
-                out[f"{L}.{i}.mlp.linear_fc1.weight"] = hf[p + "mlp.gate_up_proj.weight"]
-                out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+                out[f"{o}.mlp.linear_fc1.weight"] = hf[p + "mlp.gate_up_proj.weight"]
+                out[f"{o}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
             elif config.activation == "swiglu":
-                out[f"{L}.{i}.mlp.linear_fc1.weight"] = torch.cat(
+                out[f"{o}.mlp.linear_fc1.weight"] = torch.cat(
                     [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
                 )
-                out[f"{L}.{i}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+                out[f"{o}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
             else:  # Nemotron: up_proj -> squared ReLU -> down_proj
                 for kind in ("weight", "bias"):
                     if p + f"mlp.up_proj.{kind}" in hf:
-                        out[f"{L}.{i}.mlp.linear_fc1.{kind}"] = hf[p + f"mlp.up_proj.{kind}"]
-                        out[f"{L}.{i}.mlp.linear_fc2.{kind}"] = hf[p + f"mlp.down_proj.{kind}"]
+                        out[f"{o}.mlp.linear_fc1.{kind}"] = hf[p + f"mlp.up_proj.{kind}"]
+                        out[f"{o}.mlp.linear_fc2.{kind}"] = hf[p + f"mlp.down_proj.{kind}"]
+        for k in range(config.mtp_num_layers):
+            out.update(_mtp_from_hf(hf, f"model.layers.{config.num_layers + k}.", f"mtp.layers.{k}"))
         for kind in ("weight", "bias"):
             if f"model.norm.{kind}" in hf:
                 out[f"decoder.final_layernorm.{kind}"] = hf[f"model.norm.{kind}"]
@@ -230,15 +259,16 @@ def state_dict_to_hf(
         ours = {k: v + shift if k.endswith("layernorm.weight") else v for k, v in ours.items()}
     if arch in LLAMA_LIKE:
         hf["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
-        for i in range(config.num_layers):
+        for i in range(config.num_layers + config.mtp_num_layers):
             p = f"model.layers.{i}."
+            o = _our_layer(i, config)
             for kind in ("weight", "bias"):
-                if f"{L}.{i}.input_layernorm.{kind}" in ours:
-                    hf[p + f"input_layernorm.{kind}"] = ours[f"{L}.{i}.input_layernorm.{kind}"]
-                    hf[p + f"post_attention_layernorm.{kind}"] = ours[f"{L}.{i}.pre_mlp_layernorm.{kind}"]
-                if f"{L}.{i}.self_attention.linear_proj.{kind}" in ours:
-                    hf[p + f"self_attn.o_proj.{kind}"] = ours[f"{L}.{i}.self_attention.linear_proj.{kind}"]
-                key = f"{L}.{i}.self_attention.linear_qkv.{kind}"
+                if f"{o}.input_layernorm.{kind}" in ours:
+                    hf[p + f"input_layernorm.{kind}"] = ours[f"{o}.input_layernorm.{kind}"]
+                    hf[p + f"post_attention_layernorm.{kind}"] = ours[f"{o}.pre_mlp_layernorm.{kind}"]
+                if f"{o}.self_attention.linear_proj.{kind}" in ours:
+                    hf[p + f"self_attn.o_proj.{kind}"] = ours[f"{o}.self_attention.linear_proj.{kind}"]
+                key = f"{o}.self_attention.linear_qkv.{kind}"
                 if key in ours and arch == "Phi3ForCausalLM":
                     hf[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(_ungroup_qkv(ours[key], config), dim=0)
                 elif key in ours:
@@ -246,13 +276,13 @@ def state_dict_to_hf(
                     hf[f"{p}self_attn.q_proj.{kind}"], hf[f"{p}self_attn.k_proj.{kind}"] = q, k
                     hf[f"{p}self_attn.v_proj.{kind}"] = v
             if config.multi_latent_attention:
-                hf.update(_mla_to_hf(ours, f"{L}.{i}.self_attention", p + "self_attn.", config, rope_interleave))
+                hf.update(_mla_to_hf(ours, f"{o}.self_attention", p + "self_attn.", config, rope_interleave))
             elif config.qk_layernorm:
-                hf[p + "self_attn.q_norm.weight"] = ours[f"{L}.{i}.self_attention.q_layernorm.weight"]
-                hf[p + "self_attn.k_norm.weight"] = ours[f"{L}.{i}.self_attention.k_layernorm.weight"]
+                hf[p + "self_attn.q_norm.weight"] = ours[f"{o}.self_attention.q_layernorm.weight"]
+                hf[p + "self_attn.k_norm.weight"] = ours[f"{o}.self_attention.k_layernorm.weight"]
             moe = config.num_experts and config.is_moe_layer(i)
             if moe and arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):  # shared experts (V3: the bias)
-                m = f"{L}.{i}.mlp"
+                m = f"{o}.mlp"
                 if arch == "DeepseekV3ForCausalLM":
                     bias = ours.get(f"{m}.router.expert_bias", torch.zeros(config.num_experts))  # (none: zeros)
                     hf[p + "mlp.gate.e_score_correction_bias"] = bias
@@ -262,7 +292,7 @@ def state_dict_to_hf(
                     hf[p + "mlp.shared_experts.up_proj.weight"] = up
                     hf[p + "mlp.shared_experts.down_proj.weight"] = ours[f"{m}.shared_expert.linear_fc2.weight"]
             if moe and on_disk:
-                m = f"{L}.{i}.mlp"
+                m = f"{o}.mlp"
                 # Mixtral: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2; Qwen3-MoE: mlp.experts.{e}.*_proj
                 q, names = (
                     (p + "block_sparse_moe.", ("w1", "w3", "w2"))
@@ -275,7 +305,7 @@ def state_dict_to_hf(
                     hf[f"{q}experts.{e}.{names[0]}.weight"], hf[f"{q}experts.{e}.{names[1]}.weight"] = gate, up
                     hf[f"{q}experts.{e}.{names[2]}.weight"] = ours[f"{m}.experts.{e}.linear_fc2.weight"]
             elif moe:
-                m, n = f"{L}.{i}.mlp", config.num_experts
+                m, n = f"{o}.mlp", config.num_experts
                 hf[p + "mlp.gate.weight"] = ours[f"{m}.router.weight"]
                 hf[p + "mlp.experts.gate_up_proj"] = torch.stack(
                     [ours[f"{m}.experts.{e}.linear_fc1.weight"] for e in range(n)]
@@ -284,17 +314,19 @@ def state_dict_to_hf(
                     [ours[f"{m}.experts.{e}.linear_fc2.weight"] for e in range(n)]
                 )
             elif arch == "Phi3ForCausalLM":
-                hf[p + "mlp.gate_up_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc1.weight"]
-                hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
+                hf[p + "mlp.gate_up_proj.weight"] = ours[f"{o}.mlp.linear_fc1.weight"]
+                hf[p + "mlp.down_proj.weight"] = ours[f"{o}.mlp.linear_fc2.weight"]
             elif config.activation == "swiglu":
-                gate, up = ours[f"{L}.{i}.mlp.linear_fc1.weight"].chunk(2, dim=0)
+                gate, up = ours[f"{o}.mlp.linear_fc1.weight"].chunk(2, dim=0)
                 hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
-                hf[p + "mlp.down_proj.weight"] = ours[f"{L}.{i}.mlp.linear_fc2.weight"]
+                hf[p + "mlp.down_proj.weight"] = ours[f"{o}.mlp.linear_fc2.weight"]
             else:
                 for kind in ("weight", "bias"):
-                    if f"{L}.{i}.mlp.linear_fc1.{kind}" in ours:
-                        hf[p + f"mlp.up_proj.{kind}"] = ours[f"{L}.{i}.mlp.linear_fc1.{kind}"]
-                        hf[p + f"mlp.down_proj.{kind}"] = ours[f"{L}.{i}.mlp.linear_fc2.{kind}"]
+                    if f"{o}.mlp.linear_fc1.{kind}" in ours:
+                        hf[p + f"mlp.up_proj.{kind}"] = ours[f"{o}.mlp.linear_fc1.{kind}"]
+                        hf[p + f"mlp.down_proj.{kind}"] = ours[f"{o}.mlp.linear_fc2.{kind}"]
+        for k in range(config.mtp_num_layers):
+            hf.update(_mtp_to_hf(ours, f"mtp.layers.{k}", f"model.layers.{config.num_layers + k}.", on_disk))
         for kind in ("weight", "bias"):
             if f"decoder.final_layernorm.{kind}" in ours:
                 hf[f"model.norm.{kind}"] = ours[f"decoder.final_layernorm.{kind}"]

@@ -44,7 +44,7 @@ def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) ->
 
 def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx: ParallelContext) -> dict:
     """Reduce the statistics of the step, update the expert biases, and return the metrics."""
-    n_layers, e = config.num_layers, config.num_experts
+    n_layers, e = config.num_layers + config.mtp_num_layers, config.num_experts  # (MTP layers numbered after)
     # Per layer: [counts (E), aux loss, z loss, routed pairs, dropped pairs]
     table = torch.zeros(n_layers, e + 4, dtype=torch.float64)
     for number, layer in layers.items():

@@ -31,9 +31,13 @@ from megatron_lite.pipeline_parallel.schedules import (
 
 
 def documents(mb: dict) -> dict:
-    """The model's document_ids keyword when the micro-batch has them (--reset-attention-mask); models that never
-    see packed documents, such as benchmark stand-ins, need not take it."""
-    return {"document_ids": mb["document_ids"]} if "document_ids" in mb else {}
+    """The model's keywords for what the micro-batch carries beyond tokens, positions and labels: document_ids
+    (--reset-attention-mask) and the multi-token-prediction inputs (--mtp-num-layers). Models that never see
+    them, such as benchmark stand-ins, need not take them."""
+    out = {"document_ids": mb["document_ids"]} if "document_ids" in mb else {}
+    if "mtp_tokens" in mb:
+        out["mtp"] = {k: v for k, v in mb.items() if k.startswith("mtp_")}
+    return out
 
 
 def run_pipeline(

@@ -265,7 +265,10 @@ def step_time(
         if r == pp - 1:
             vocab = model.padded_vocab_size(tp) / tp
             ce = m * vocab * CE_BYTES[impl.fused_cross_entropy] / 3  # counted with the forward, x3 below
-            fwd += _gemm(m, h, vocab, a, cl, eff) + ce / (g.memory_bandwidth * eff.memory)
+            fwd += (1 + model.mtp_num_layers) * (
+                _gemm(m, h, vocab, a, cl, eff) + ce / (g.memory_bandwidth * eff.memory)
+            )
+            fwd += model.mtp_num_layers * _gemm(m, 2 * h, h / tp, a, cl, eff)  # each MTP depth's eh_proj
         # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
         per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
         per_stage.append((per_mb, st))

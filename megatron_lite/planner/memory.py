@@ -106,9 +106,16 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
         if model.position_embedding_type == "learned_absolute":
             dense += model.max_position_embeddings * h
     if pp_rank == layout.pp - 1:
-        dense += h * (2 if model.normalization == "LayerNorm" else 1)
+        norm = h * (2 if model.normalization == "LayerNorm" else 1)
+        dense += norm
         if model.untie_embeddings_and_output_weights or layout.pp > 1:
             dense += vocab  # the output layer, or the last stage's copy of the tied embedding
+        for k in range(model.mtp_num_layers):  # multi-token prediction: 3 norms, eh_proj, a layer per depth
+            a, b = layer_params(model, model.num_layers + k, tp, layout.ep)
+            dense, expert = dense + a + 3 * norm + 2 * h * h // tp, expert + b
+            layers.append(model.num_layers + k)  # (its time is a layer's, numbered after the decoder's)
+        if model.mtp_num_layers and model.untie_embeddings_and_output_weights and layout.pp > 1:
+            dense += vocab  # the last stage's copy of the word embeddings, which MTP reads
     return StageParams(dense, expert, tuple(layers))
 
 
@@ -204,12 +211,20 @@ def activation_bytes(
         if c == 0 and pp_rank == 0:
             per_token += 8  # input ids
         if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
+            norm = 2 * h * a + 4 if model.normalization == "RMSNorm" else h * a + 8
             if model.kernel_impl == "triton":
-                per_token += (h * a + 8) / norm_div + h * a + 8  # the fused loss keeps its input and labels
+                loss = (h * a + 8) / norm_div + h * a + 8  # the fused loss keeps its input and labels
             else:
-                norm = 2 * h * a + 4 if model.normalization == "RMSNorm" else h * a + 8
                 vocab = model.padded_vocab_size(layout.tp) // layout.tp
-                per_token += norm / norm_div + h * a + vocab * 4 + 10  # logits (fp32), labels and masks
+                loss = norm / norm_div + h * a + vocab * 4 + 10  # logits (fp32), labels and masks
+            per_token += loss
+            for k in range(model.mtp_num_layers):
+                # a depth: its layer, the norms of the embedding and hidden state, eh_proj's input (whole under
+                # SP), its token ids, then a final norm and the loss as above
+                # (full recomputation checkpoints the decoder's layers, not these)
+                recompute = "none" if layout.recompute == "full" else layout.recompute
+                layer = layer_activation_bytes(model, layout, a, model.num_layers + k, recompute)
+                per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss
         chunk_bytes.append(per_token * tokens)
     if layout.pp == 1:
         return chunk_bytes[0]  # micro-batches run forward and backward one after another

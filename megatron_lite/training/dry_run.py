@@ -69,7 +69,7 @@ def dry_run(job: JobConfig) -> int:
     micro = job.training.global_batch(dp) // (job.training.micro_batch_size * dp)
     print(f"dry run: world size {world}, {job.parallel}")
     groups: dict[tuple[int, float], list[int]] = {}
-    total = 0
+    total = mtp = 0
     for rank in range(world):
         ctx = ParallelContext.virtual(job.parallel, world, rank)
         chunks = build_model(model_cfg, ctx, device="meta")
@@ -77,10 +77,12 @@ def dry_run(job: JobConfig) -> int:
             from megatron_lite.lora.apply import apply_lora
 
             apply_lora(chunks, model_cfg, job.lora, ctx, seed=0)
-        total += sum(p.numel() for _, p, meta in named_param_meta(chunks) if owns_copy(meta, ctx))
+        owned = [(chunks.global_name(n), p) for n, p, meta in named_param_meta(chunks) if owns_copy(meta, ctx)]
+        total += sum(p.numel() for _, p in owned)
+        mtp += sum(p.numel() for n, p in owned if n.startswith("mtp."))
         if ctx.dp_cp.rank != 0:
             continue  # data-parallel replicas hold the same (experts aside, which the total counts)
-        layers = sum(len(c.decoder.layers) for c in chunks)
+        layers = sum(len(c.decoder.layers) + (len(c.mtp.layers) if c.mtp is not None else 0) for c in chunks)
         in_flight = max(max_in_flight(build_schedule(ctx.pp.size, ctx.vp_size, micro, ctx.pp.rank)), 1)
         act = per_layer * layers / len(chunks) * in_flight  # micro-batches alive at once, each through a chunk
         trainable = sum(p.numel() for p in chunks.parameters() if p.requires_grad)
@@ -99,9 +101,11 @@ def dry_run(job: JobConfig) -> int:
             f"weights+gradients+optimizer, ~{_bytes(act)} activations at the schedule's peak"
         )
 
+    # (DeepSeek-V3's 671B are its main model's: its checkpoint's 685B include the multi-token-prediction module)
+    extra = f" + {_count(mtp)} in multi-token prediction" if mtp else ""
     print(
         f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}, "
-        f"{_count(total)} parameters in all (vocabulary padding included)"
+        f"{_count(total - mtp)} parameters{extra} (vocabulary padding included)"
     )
     if worst > ACCELERATOR_BYTES:
         print(

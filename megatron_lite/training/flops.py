@@ -8,10 +8,11 @@ Per token and layer, the forward pass multiplies by every weight once (2 FLOPs p
     MLP           2 * h * f * (3 if SwiGLU else 2)
 and once per token the output layer, 2 * h * V. A MoE layer counts its router, its top-k experts and its
 shared expert; multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims, p.v over
-v dims. Training is 3x the forward (backward = 2x forward);
-recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and heads * d = h this
-is Megatron's 72 B s L h^2 (1 + s / (6h) + V / (12 L h)) per batch, and in general 6 N + 12 L s heads d
-per token with N the matmul parameters (torchtitan's form); both are checked in tests/test_flops.py.
+v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward
+(backward = 2x forward); recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and
+heads * d = h this is Megatron's 72 B s L h^2 (1 + s / (6h) + V / (12 L h)) per batch, and in general
+6 N + 12 L s heads d per token with N the matmul parameters (torchtitan's form); both are checked in
+tests/test_flops.py.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ def _mlp_flops(c: ModelConfig, layer: int) -> float:
 
 
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
-    layers = sum(_attention_flops(config, seq_length) + _mlp_flops(config, i) for i in range(config.num_layers))
-    return 3.0 * (layers + 2 * config.hidden_size * config.vocab_size)
+    """Training FLOPs per token; each multi-token-prediction depth adds its projection of [embedding, hidden]
+    (2 * 2h * h), its transformer layer and another pass through the output layer."""
+    h, depths = config.hidden_size, config.mtp_num_layers
+    layers = sum(
+        _attention_flops(config, seq_length) + _mlp_flops(config, i) for i in range(config.num_layers + depths)
+    )
+    return 3.0 * (layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size)
 
 
 def peak_flops(device: torch.device, low_precision: bool) -> float | None:

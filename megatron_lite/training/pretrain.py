@@ -82,6 +82,7 @@ def _moe_metrics(moe: dict | None) -> dict:
 def _new_window() -> dict[str, float]:
     """What the loop sums between two log lines."""
     return {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0, "samples": 0}
+    # (with --mtp-num-layers also mtp_1_loss, ...: each depth's loss, summed like "loss")
 
 
 def _logging_rank(ctx: ParallelContext) -> bool:
@@ -376,6 +377,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
         profiler.after_step(state.iteration)
         window["samples"] += step_gbs
         window["loss"] += metrics.lm_loss
+        for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ...
+            window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
         window["n"] += 1
         window["time"] += time.time() - tic
         window["data"] += data_time
@@ -389,6 +392,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 state.iteration,
                 {
                     "lm_loss": window["loss"] / window["n"],
+                    **{k: v / window["n"] for k, v in window.items() if k.startswith("mtp_")},
                     "lr": metrics.lr,
                     "grad_norm": metrics.grad_norm,
                     "loss_scale": metrics.loss_scale,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_lite.context_parallel.zigzag import slice_batch
 from megatron_lite.distributed.ddp import DistributedDataParallel, tied_embedding_copies
 from megatron_lite.models.gpt_model import ModelChunks
+from megatron_lite.models.mtp import MultiTokenPredictionBlock, mtp_inputs
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
@@ -39,6 +40,7 @@ class StepMetrics:
     updated: bool
     num_tokens: int
     moe: dict | None = None  # routing metrics of MoE models (moe/stats.py)
+    mtp_losses: list[float] | None = None  # --mtp-num-layers: each depth's loss (the mean over its tokens)
     step_seconds: float = 0.0
     comm_exposed_seconds: float = 0.0  # time blocked in communication (megatron_lite/comm_timer.py)
     activation_bytes: int | None = None  # peak of saved activations, when measured (training/memory.py)
@@ -57,9 +59,49 @@ def context_parallel_part(micro_batches: list[MicroBatch], ctx: ParallelContext)
     return [slice_batch(mb, ctx.cp.size, ctx.cp.rank) for mb in micro_batches]
 
 
+def with_mtp_inputs(micro_batches: list[MicroBatch], config) -> list[MicroBatch]:
+    """--mtp-num-layers: each depth's shifted tokens, labels and mask, cut from the whole sequences (before the
+    context-parallel split)."""
+    if not config.mtp_num_layers:
+        return micro_batches
+    return [mtp_inputs(mb, config.mtp_num_layers) for mb in micro_batches]
+
+
 def global_token_count(micro_batches: list[MicroBatch], ctx: ParallelContext) -> torch.Tensor:
-    local = sum(mb["loss_mask"].sum() for mb in micro_batches).to(torch.float64)
-    return all_reduce(local.reshape(1), ctx.dp_cp)[0]
+    """The loss-bearing tokens of the global batch: [main loss, then each multi-token-prediction depth]."""
+    local = torch.stack(
+        [
+            torch.cat([mb["loss_mask"].sum().reshape(1), mb["mtp_loss_mask"].sum((0, 2))])
+            if "mtp_loss_mask" in mb
+            else mb["loss_mask"].sum().reshape(1)
+            for mb in micro_batches
+        ]
+    ).sum(0)
+    return all_reduce(local.to(torch.float64), ctx.dp_cp)
+
+
+def _mtp_blocks(model: DistributedDataParallel) -> list[MultiTokenPredictionBlock]:
+    return [m for m in model.module.modules() if isinstance(m, MultiTokenPredictionBlock)]
+
+
+def _prepare_mtp(model: DistributedDataParallel, counts: torch.Tensor, loss_scale: float) -> None:
+    """Each depth's loss is the mean over its tokens, weighted by mtp_loss_scaling_factor / depths."""
+    for block in _mtp_blocks(model):
+        block.take_loss_sums()
+        block.loss_scales = [loss_scale * block.weight / float(n) if n > 0 else 0.0 for n in counts.tolist()]
+
+
+def _mtp_losses(model: DistributedDataParallel, counts: torch.Tensor, ctx: ParallelContext) -> list[float] | None:
+    """Each depth's mean token loss over the global batch (the last stage's sums, reduced over DP x CP and PP)."""
+    if counts.numel() == 0:
+        return None
+    sums = torch.zeros(counts.numel(), dtype=torch.float64, device=ctx.device)
+    for block in _mtp_blocks(model):
+        taken = block.take_loss_sums()
+        if taken is not None:
+            sums += taken.to(ctx.device)
+    sums = all_reduce(all_reduce(sums, ctx.dp_cp), ctx.pp)
+    return [float(s / n) if n > 0 else 0.0 for s, n in zip(sums.tolist(), counts.tolist())]
 
 
 def forward_backward(
@@ -143,9 +185,11 @@ def train_step(
         timer.take()
     model.zero_grad_buffer()
     samples = sum(int(mb["tokens"].shape[0]) for mb in micro_batches) * ctx.dp.size  # this step's global batch
-    micro_batches = context_parallel_part(micro_batches, ctx)
-    num_tokens = global_token_count(micro_batches, ctx)
     config = _chunks(model)[0].config
+    micro_batches = context_parallel_part(with_mtp_inputs(micro_batches, config), ctx)
+    num_tokens, mtp_counts = global_token_count(micro_batches, ctx).split([1, config.mtp_num_layers])
+    num_tokens = num_tokens[0]
+    _prepare_mtp(model, mtp_counts, optimizer.loss_scale)
     layers = moe_stats.moe_layers(model.module) if config.num_experts else {}
     if config.num_experts:
         moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
@@ -158,6 +202,7 @@ def train_step(
             loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
     finalize_grads(model, ctx)
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
+    mtp_losses = _mtp_losses(model, mtp_counts, ctx)
     lr = scheduler.lr
     result = optimizer.step(lr, scheduler.decoupled_lr, scheduler.weight_decay)
     if result.updated:
@@ -175,6 +220,7 @@ def train_step(
         result.updated,
         int(num_tokens),
         moe,
+        mtp_losses,
         step_seconds=time.perf_counter() - start,
         comm_exposed_seconds=timer.take() if timer is not None else 0.0,
         activation_bytes=meter.peak if meter is not None else None,
@@ -186,7 +232,7 @@ def train_step(
 @torch.no_grad()
 def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], ctx: ParallelContext) -> float:
     micro_batches = context_parallel_part(micro_batches, ctx)
-    num_tokens = global_token_count(micro_batches, ctx)
+    num_tokens = global_token_count(micro_batches, ctx)[0]
     if _pipelined(model, ctx):
         total = all_reduce(_run_pipeline(model, micro_batches, ctx, 1.0, True).reshape(1), ctx.pp)[0]
     else:
