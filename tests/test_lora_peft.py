@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lite.config import ParallelConfig
+from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.lora.apply import LoraConfig, apply_lora
 from megatron_lite.lora.peft import merge, split_lora, to_peft, write_peft
 
@@ -273,3 +273,14 @@ def test_deepseek_dense_mlp_adapters_are_not_exported_to_peft(tuned_deepseek):
     _, _, state, config = tuned_deepseek
     with pytest.raises(Exception, match="--merge-lora"):
         to_peft(split_lora(state)[1], config, DEEPSEEK_LORA, "DeepseekV3ForCausalLM")
+
+
+def test_adapters_on_multi_token_prediction_layers_are_not_exported_to_peft():
+    """transformers' DeepSeek-V3 has no MTP layers to carry them: an error naming the layer, not a dropped adapter."""
+    from megatron_lite.models.hf import config_from_hf
+
+    config = config_from_hf(_deepseek_config(), mtp_num_layers=1)
+    key = "mtp.layers.0.transformer_layer.self_attention.linear_proj.lora"
+    adapters = {f"{key}.A.weight": torch.zeros(4, 40), f"{key}.B.weight": torch.zeros(64, 4)}
+    with pytest.raises(ConfigError, match="multi-token-prediction layers .*mtp.layers.0.*--merge-lora"):
+        to_peft(adapters, config, DEEPSEEK_PEFT_LORA, "DeepseekV3ForCausalLM")

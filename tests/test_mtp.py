@@ -266,3 +266,30 @@ def test_a_checkpoint_with_mtp_layers_converts_both_ways(tmp_path):
     lines.clear()
     hf_to_megatron_lite(str(src), str(tmp_path / "ours2"), log=lines.append)
     assert any("num_nextn_predict_layers 2 but no such layers" in line for line in lines)
+
+
+def test_full_recomputation_recomputes_the_depths_with_the_same_gradients():
+    """--recompute-granularity full checkpoints each depth's layer too (as Megatron's MTP): same loss and gradients.
+    (That the depths' activations are really dropped is test_planner's deepseekmtp-full memory case.)"""
+    from models import deepseek_config
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 200, (2, 16), generator=gen)
+    batch = mtp_inputs({"tokens": ids, "labels": torch.roll(ids, -1, 1), "loss_mask": torch.ones(2, 16)}, 2)
+    mtp = {k: v for k, v in batch.items() if k.startswith("mtp_")}
+    results = []
+    for recompute in (None, "full"):
+        kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+        config = deepseek_config(num_layers=2, mtp_num_layers=2, **kw)
+        ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+        ctx.seed(0)
+        model = GPTModel(config, ctx, seed=5).train()
+        model.mtp.loss_scales = [0.05, 0.05]
+        loss = model(ids, labels=batch["labels"], mtp=mtp).sum()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
+    assert any(n.startswith("mtp.") for n in grads_a)
+    for n in grads_a:
+        assert rel(grads_b[n], grads_a[n]) < 1e-6, n

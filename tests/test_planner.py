@@ -130,6 +130,7 @@ ONE_PROCESS = {
     "deepseek": Layout(micro_batch_size=2),  # multi-latent attention: latents whole, v padded
     "deepseek-selective": Layout(micro_batch_size=2, recompute="selective"),
     "deepseekmtp": Layout(micro_batch_size=2),
+    "deepseekmtp-full": Layout(micro_batch_size=4, recompute="full"),  # the depths' layers recomputed too
 }
 
 

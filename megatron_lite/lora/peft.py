@@ -82,6 +82,12 @@ def to_peft(
             "maps gate_proj/up_proj/down_proj to the routed experts; export merged weights with --saver hf "
             "--merge-lora, or adapt attention and experts only (--lora-target-modules linear_qkv linear_proj experts)"
         )
+    mtp = sorted(k for k in lora_state if k.startswith("mtp."))
+    if mtp:
+        raise ConfigError(
+            f"--saver hf-peft: transformers' {arch} has no multi-token-prediction layers for the adapters on "
+            f"{mtp[0].split('.lora.')[0]}, ...; export merged weights with --saver hf --merge-lora"
+        )
     tensors, modules = {}, set()
     experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
     for key, value in lora_state.items():

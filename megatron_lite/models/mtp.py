@@ -28,6 +28,7 @@ from megatron_lite.models.transformer import TransformerLayer
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear
 from megatron_lite.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megatron_lite.tensor_parallel.random import checkpoint
 
 MTP_KEYS = ("mtp_tokens", "mtp_labels", "mtp_loss_mask", "mtp_position_ids")
 
@@ -99,12 +100,19 @@ class MultiTokenPredictionLayer(nn.Module):
         )
         self.transformer_layer = TransformerLayer(config, ctx, layer_number, device, dtype)
         self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
+        self.rng = ctx.rng
+        self.recompute = config.recompute_granularity == "full"  # (as Megatron: the layer, like the decoder's)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, documents=None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], -1))  # [seq, batch, hidden]
         if self.sequence_parallel:  # back to this rank's sequence shard, as the layer expects
             x = scatter_to_sequence_parallel_region(x, self.tp)
-        return self.final_layernorm(self.transformer_layer(x, rope, documents=documents))
+
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            return self.transformer_layer(x, rope, documents=documents)
+
+        x = checkpoint(layer, self.rng, x) if self.recompute and self.training else layer(x)
+        return self.final_layernorm(x)
 
 
 class MultiTokenPredictionBlock(nn.Module):
