@@ -17,6 +17,7 @@ from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.flag_parser import build_parser
+from megatron_lite.layout_validation import parse_pipeline_layout
 from megatron_lite.lora.config import LoraConfig, lora_for_model, target_modules
 from megatron_lite.megatron_flags import refuse_unsupported
 from megatron_lite.optimizer.config import OptimizerConfig
@@ -302,6 +303,20 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
                 f"divide the {per_rank} layers of each pipeline rank"
             )
         vp = per_rank // ns.num_layers_per_virtual_pipeline_stage
+    layout = None
+    if ns.pipeline_model_parallel_layout is not None:
+        pp = ns.pipeline_model_parallel_size
+        layout = parse_pipeline_layout(ns.pipeline_model_parallel_layout, pp, ns.num_layers, ns.mtp_num_layers or 0)
+        if ns.decoder_first_pipeline_num_layers is not None or ns.decoder_last_pipeline_num_layers is not None:
+            raise ConfigError(
+                "--pipeline-model-parallel-layout places every layer: drop --decoder-first/last-pipeline-num-layers"
+            )
+        if vp not in (None, len(layout) // pp):
+            raise ConfigError(
+                f"--pipeline-model-parallel-layout has {len(layout)} stages, {len(layout) // pp} per pipeline rank, "
+                f"but the virtual-stage flags give {vp}; drop them (the layout decides)"
+            )
+        vp = len(layout) // pp if len(layout) > pp else None
     parallel = ParallelConfig(
         tensor_model_parallel_size=ns.tensor_model_parallel_size,
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
@@ -319,6 +334,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         overlap_moe_expert_parallel_comm=ns.overlap_moe_expert_parallel_comm,
         decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,
+        pipeline_layout=layout,
     )
     training = TrainingConfig(
         micro_batch_size=ns.micro_batch_size,

@@ -417,6 +417,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     decoder_first_pipeline_num_layers: int | None = None  # uneven first stage
     decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
+    # --pipeline-model-parallel-layout, parsed: the decoder layers of each virtual stage (chunk * PP + rank)
+    pipeline_layout: tuple[int, ...] | None = None
     cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all) | allgather | a2a+p2p
     # a2a+p2p (Megatron's --hierarchical-context-parallel-sizes A P): all-to-all inside groups of A adjacent CP
     # ranks, a ring over the P groups

@@ -6,6 +6,8 @@ collective.
 
 from __future__ import annotations
 
+import re
+
 from megatron_lite.config import (
     ConfigError,
     ModelConfig,
@@ -15,12 +17,69 @@ from megatron_lite.config import (
     divisors,
 )
 
+_LAYOUT_REPEAT = (re.compile(r"\(([^()]+)\)\*(\d+)"), re.compile(r"([^()|*])\*(\d+)"))
+
+
+def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: int = 0) -> tuple[int, ...]:
+    """Megatron's --pipeline-model-parallel-layout: the layers of every virtual stage, in stage order s = chunk *
+    PP + pipeline rank, separated by '|': E the embedding, t a transformer layer, m a multi-token-prediction layer,
+    L the loss; "x*n" and "(...)*n" repeat, commas are cosmetic ("Et*3|(tt|)*29,m|L"). Returns the decoder layers
+    of each stage. The embedding must open the first stage and the loss close the last; the MTP layers share the
+    loss's stage (Megatron can also give them a stage of their own; not supported here)."""
+    flag = "--pipeline-model-parallel-layout"
+
+    def repeat(m: re.Match) -> str:
+        if len(m.group(1)) * int(m.group(2)) > 100_000:  # (checked before the string is built)
+            raise ConfigError(f"{flag} {text!r} unrolls to more than 100000 characters")
+        return m.group(1) * int(m.group(2))
+
+    unrolled = text.replace(",", "").replace(" ", "")
+    for pattern in _LAYOUT_REPEAT:  # (parentheses do not nest in Megatron's grammar either)
+        unrolled = pattern.sub(repeat, unrolled)
+        if len(unrolled) > 100_000:
+            raise ConfigError(f"{flag} {text!r} unrolls to more than 100000 characters")
+    bad = sorted(set(unrolled) - set("EtmL|"))
+    if bad:
+        raise ConfigError(
+            f"{flag} {text!r}: unexpected {''.join(bad)!r}; use E (embedding), t (layer), m (MTP layer), L (loss), "
+            "'|' between stages, x*n and (...)*n to repeat"
+        )
+    stages = unrolled.split("|")
+    if len(stages) % pp:
+        raise ConfigError(
+            f"{flag} {text!r} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size {pp}"
+        )
+    flat = "".join(stages)
+    problems = []
+    if flat.count("E") != 1 or not stages[0].startswith("E"):
+        problems.append("E (the embedding) must open the first stage, once")
+    if flat.count("L") != 1 or not stages[-1].endswith("L"):
+        problems.append("L (the loss) must close the last stage, once")
+    if flat.count("t") != num_layers:
+        problems.append(f"it places {flat.count('t')} layers (t) for --num-layers {num_layers}")
+    if flat.count("m") != mtp_num_layers:
+        problems.append(f"it places {flat.count('m')} MTP layers (m) for --mtp-num-layers {mtp_num_layers}")
+    elif mtp_num_layers and stages[-1].rstrip("L")[-mtp_num_layers:] != "m" * mtp_num_layers:
+        problems.append("the MTP layers (m) must come last in the loss's stage, just before L (e.g. ...|tmL)")
+    if problems:
+        raise ConfigError(f"{flag} {text!r}: {'; '.join(problems)}")
+    return tuple(stage.count("t") for stage in stages)
+
 
 def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: int = 0, tp_cp: int = 1) -> list[int]:
-    """Layers of each virtual stage s = chunk * PP + pipeline rank: an even split, or Megatron's uneven
+    """Layers of each virtual stage s = chunk * PP + pipeline rank: an even split, Megatron's uneven
     first/last stages (--decoder-first/last-pipeline-num-layers) with the rest split evenly between the
-    other stages. Never drops a layer: a split that is not exact is a one-line error."""
+    other stages, or a --pipeline-model-parallel-layout. Never drops a layer: a split that is not exact is a
+    one-line error."""
     pp, vp = parallel.pp, parallel.vp
+    if parallel.pipeline_layout is not None:
+        counts = list(parallel.pipeline_layout)
+        if len(counts) != pp * vp or sum(counts) != num_layers:
+            raise ConfigError(
+                f"--pipeline-model-parallel-layout gives {len(counts)} stages of {sum(counts)} layers; the job has "
+                f"{pp} x {vp} stages and --num-layers {num_layers}"
+            )
+        return counts
     first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
     stages = pp * vp
     if first is None and last is None:

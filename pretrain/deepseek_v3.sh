@@ -2,8 +2,9 @@
 # DeepSeek-V3-shaped MoE (671B parameters, 37B active) across nodes: 61 layers (the first 3 dense), multi-latent
 # attention (query latent 1536, key/value latent 512, 128 + 64 RoPE dims per query/key head, 128 per value head,
 # latents RMS-normalised), 256 routed experts of 2048 (top-8 in 4 of 8 groups, sigmoid scores with the
-# aux-loss-free expert bias, weights x 2.5) plus one shared expert. PP=16 (3 + 14 x 4 + 2 layers: the first
-# stage holds the 3 dense ones with the embedding, the last 2 with the output layer), EP=64,
+# aux-loss-free expert bias, weights x 2.5) plus one shared expert. PP=16 in Megatron's layout syntax (3 + 14 x 4
+# + 2 layers: the first stage holds the 3 dense ones with the embedding, the last 2 with the MTP layer and the
+# loss), EP=64,
 # TP=1, data parallel over the rest, distributed optimizer, bf16 with bf16 gradient reduction.
 # The architecture flags follow DeepSeek-V3's config.json; to continue training the released model, convert it
 # (tools/checkpoint/convert.py --loader hf) into CKPT: its YaRN RoPE comes with the checkpoint, and a flag that
@@ -37,7 +38,7 @@ ARGS=(
     --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall --moe-grouped-gemm
     --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
     --expert-model-parallel-size 64
-    --pipeline-model-parallel-size 16 --decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 2
+    --pipeline-model-parallel-size 16 --pipeline-model-parallel-layout "Et*3|(t*4|)*14,t*2mL"
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
     --micro-batch-size 1 --global-batch-size 4096

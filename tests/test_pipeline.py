@@ -6,6 +6,8 @@ per-iteration lm_loss and grad_norm within 1e-4 of the single-process run."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_train_equivalence import _compare, train_run
 
@@ -92,6 +94,40 @@ def test_uneven_stages():
         )
 
 
+def test_megatron_pipeline_layout_strings():
+    """Megatron's grammar (E, t, m, L, '|', x*n, (...)*n, cosmetic commas) to layers per stage; a misplaced or
+    miscounted part is one line."""
+    from megatron_lite.layout_validation import parse_pipeline_layout as parse
+
+    assert parse("Et*3|(t*4|)*14,t*2mL", 16, 61, 1) == (3,) + (4,) * 14 + (2,)  # DeepSeek-V3 on PP=16
+    assert parse("Et|tt|t|L", 2, 4) == (1, 2, 1, 0)
+    for text, args, fragment in [
+        ("Et*3|(tt|)*29,m|L", (16, 61, 1), "the MTP layers (m) must come last in the loss's stage"),
+        ("Etx|L", (1, 1), "unexpected 'x'"),
+        ("Et|t|L", (2, 2), "has 3 stages, not a multiple of --pipeline-model-parallel-size 2"),
+        ("tE|tL", (2, 2), "E (the embedding) must open the first stage"),
+        ("Et|tt", (2, 3), "L (the loss) must close the last stage"),
+        ("Et|tL", (2, 3), "it places 2 layers (t) for --num-layers 3"),
+        ("(t*2)*999999999", (1, 3), "unrolls to more than 100000 characters"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            parse(text, *args)
+    assert stage_layer_counts(4, P(pipeline_model_parallel_size=2, pipeline_layout=(3, 1))) == [3, 1]
+    # the model's chunks hold those layers: virtual stage s = chunk * PP + rank
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    from models import llama_config
+
+    layout = (1, 2, 1, 0)
+    parallel = P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_layout=layout)
+    for rank in range(2):
+        chunks = build_model(llama_config(num_layers=4), ParallelContext.virtual(parallel, 2, rank), device="meta")
+        assert [len(c.decoder.layers) for c in chunks] == [layout[c * 2 + rank] for c in range(2)]
+    with pytest.raises(ConfigError, match="the job has 2 x 1 stages and --num-layers 5"):
+        stage_layer_counts(5, P(pipeline_model_parallel_size=2, pipeline_layout=(3, 1)))
+
+
 P = ParallelConfig
 LAYOUTS = {
     "pp2": (2, P(pipeline_model_parallel_size=2), 8, 1),
@@ -100,6 +136,26 @@ LAYOUTS = {
     "pp2-tp2-sp": (4, P(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True), 8, 2),
     "pp2-dp2": (4, P(pipeline_model_parallel_size=2), 8, 1),
     "pp2-uneven": (2, P(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1), 4, 1),
+    # --pipeline-model-parallel-layout "Et|tt|t|L", "E|t|tt|tL" and "Et|t||ttL": a last stage with the loss alone,
+    # a first with the embedding alone, a middle one with nothing (such stages pass activations and gradients on)
+    "pp2-vp2-layout-loss-alone": (
+        2,
+        P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_layout=(1, 2, 1, 0)),
+        8,
+        1,
+    ),
+    "pp2-vp2-layout-embedding-alone": (
+        2,
+        P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_layout=(0, 1, 2, 1)),
+        8,
+        1,
+    ),
+    "pp2-vp2-layout-empty-middle": (
+        2,
+        P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_layout=(1, 1, 0, 2)),
+        8,
+        1,
+    ),
 }
 
 
@@ -153,3 +209,22 @@ def test_activations_alive_respect_the_bound(dist, pp, vp):
         bound = min(pp - rank, m) if vp == 1 else min((pp - rank - 1) * 2 + (vp - 1) * pp + 1, m * vp)
         assert 1 <= live <= bound, (rank, live, bound)
         assert live == max_in_flight(build_schedule(pp, vp, m, rank))  # what the schedule promised, no more
+
+
+def test_the_layout_flag_sets_the_virtual_stages():
+    """As in Megatron the layout's stage count over PP gives the virtual stages; flags that would split the
+    layers otherwise are refused in one line."""
+    from megatron_lite.arguments import parse_args
+
+    base = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1".split()
+    base += ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--train-iters", "2"]
+    _, job = parse_args([*base, "--pipeline-model-parallel-layout", "Et|tt|t|L"])
+    assert job.parallel.vp == 2 and job.parallel.pipeline_layout == (1, 2, 1, 0)
+    _, job = parse_args([*base, "--pipeline-model-parallel-layout", "Ettt|tL"])
+    assert job.parallel.vp == 1 and job.parallel.pipeline_layout == (3, 1)
+    for extra, fragment in [
+        (["--num-virtual-stages-per-pipeline-rank", "4"], "the virtual-stage flags give 4"),
+        (["--decoder-first-pipeline-num-layers", "1"], "drop --decoder-first/last-pipeline-num-layers"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            parse_args([*base, "--pipeline-model-parallel-layout", "Et|tt|t|L", *extra])
