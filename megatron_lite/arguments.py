@@ -294,6 +294,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_shared_expert_intermediate_size=ns.moe_shared_expert_intermediate_size,
         moe_token_dispatcher_type=ns.moe_token_dispatcher_type,
     )
+    model.check_recompute_targets()
     vp = ns.num_virtual_stages_per_pipeline_rank
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         per_rank = ns.num_layers // ns.pipeline_model_parallel_size

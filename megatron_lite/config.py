@@ -14,7 +14,10 @@ from dataclasses import dataclass
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+# Megatron's selective-recompute modules: core attention; the two layer norms; a dense layer's MLP; a MoE layer
+# whole; its shared expert; its experts' activation (with fc2 here); MLA's up-projections and RoPE (with the core
+# attention here)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "moe_act", "mla_up_proj")
 
 
 class ConfigError(ValueError):
@@ -401,6 +404,20 @@ class ModelConfig:
         bad = [x for x in self.recompute_modules if x not in RECOMPUTE_MODULES]
         if bad:
             raise ConfigError(f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}")
+
+    def check_recompute_targets(self) -> None:
+        """--recompute-modules that name nothing in this model are refused (a start-up check of the user's
+        flags: the model's own sub-configs, such as a shared expert's dense MLP, may carry them)."""
+        if self.recompute_granularity != "selective":
+            return
+        for module, needs, what in (
+            ("moe", self.num_experts, "--num-experts"),
+            ("moe_act", self.num_experts, "--num-experts"),
+            ("shared_experts", self.num_experts and self.moe_shared_expert_intermediate_size, "shared experts"),
+            ("mla_up_proj", self.multi_latent_attention, "--multi-latent-attention"),
+        ):
+            if module in self.recompute_modules and not needs:
+                raise ConfigError(f"--recompute-modules {module} has nothing to recompute without {what}; drop it")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from megatron_lite.models.attention import CoreAttention
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.models.mlp import MLP
 from megatron_lite.models.transformer import TransformerLayer
+from megatron_lite.moe.layer import MoELayer
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
+from megatron_lite.training import memory
 
 from dist_pool import get_context
 from models import CONFIGS, VOCAB
@@ -28,30 +30,49 @@ RECOMPUTE = {
 }
 
 
+# Megatron's modules for MoE and multi-latent attention (DeepSeek-shaped: a dense layer, then MoE layers with a
+# shared expert)
+DEEPSEEK_RECOMPUTE = {
+    "none": {},
+    "moe": dict(recompute_granularity="selective", recompute_modules=("moe",)),
+    "moe_act": dict(recompute_granularity="selective", recompute_modules=("moe_act",)),
+    "shared_experts": dict(recompute_granularity="selective", recompute_modules=("shared_experts",)),
+    "mla_up_proj": dict(recompute_granularity="selective", recompute_modules=("mla_up_proj",)),
+    "deepseek-recipe": dict(
+        recompute_granularity="selective",
+        recompute_modules=("core_attn", "layernorm", "mla_up_proj", "moe_act", "shared_experts", "mlp"),
+    ),
+}
+
+
 def run_with_recompute(name: str, sp: bool, recompute: str, dropout: float):
-    config = CONFIGS[name](num_layers=3, hidden_dropout=dropout, attention_dropout=dropout, **RECOMPUTE[recompute])
+    table = DEEPSEEK_RECOMPUTE if name == "deepseek" else RECOMPUTE
+    config = CONFIGS[name](num_layers=3, hidden_dropout=dropout, attention_dropout=dropout, **table[recompute])
     ctx = get_context(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp))
     ctx.seed(123)
     model = GPTModel(config, ctx, seed=7).train()
-    calls = {"layer": 0, "core_attn": 0, "mlp": 0}
+    calls = {"layer": 0, "core_attn": 0, "mlp": 0, "moe": 0}
     for m in model.modules():
-        kind = {TransformerLayer: "layer", CoreAttention: "core_attn", MLP: "mlp"}.get(type(m))
+        kind = {TransformerLayer: "layer", CoreAttention: "core_attn", MLP: "mlp", MoELayer: "moe"}.get(type(m))
         if kind:
             m.register_forward_pre_hook(lambda *_, kind=kind: calls.__setitem__(kind, calls[kind] + 1))
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (2, 16), generator=gen)
     labels = torch.randint(0, VOCAB, (2, 16), generator=gen)
     losses = []
-    for _ in range(2):  # two steps: the generators must also be left where no recomputation leaves them
-        loss = model(ids, labels=labels).mean()
-        loss.backward()
-        losses.append(loss.detach())
+    measuring, meter = memory.measure(model)
+    with measuring:
+        for _ in range(2):  # two steps: the generators must also be left where no recomputation leaves them
+            loss = model(ids, labels=labels).mean()
+            loss.backward()
+            losses.append(loss.detach())
     allreduce_sequence_parallel_grads(model, ctx.tp)
     return {
         "losses": torch.stack(losses),
         "grads": {n: p.grad for n, p in model.named_parameters()},
         "calls": calls,
         "rng_after": torch.get_rng_state(),
+        "activation_peak": meter.peak,
     }
 
 
@@ -68,19 +89,50 @@ def test_recompute_gradients_identical_with_dropout(dist, name, sp):
             mine = out[rank]
             assert torch.equal(mine["losses"], base[rank]["losses"]), (recompute, rank)
             for k, g in base[rank]["grads"].items():
-                assert torch.equal(mine["grads"][k], g), f"{recompute} rank {rank}: gradient of {k} differs"
+                assert (g is None and mine["grads"][k] is None) or torch.equal(mine["grads"][k], g), (
+                    recompute,
+                    rank,
+                    k,
+                )
             assert torch.equal(mine["rng_after"], base[rank]["rng_after"]), recompute
     # Recomputation really happened (two steps, three layers): forward starts counted per module kind
     # (pre-hooks: non-reentrant checkpointing may stop a recomputation before a module returns).
     calls = {r: out[0]["calls"] for r, out in runs.items()}
-    assert calls["none"] == {"layer": 6, "core_attn": 6, "mlp": 6}
+    assert calls["none"] == {"layer": 6, "core_attn": 6, "mlp": 6, "moe": 0}
     assert calls["full-uniform"]["layer"] == 12
     assert calls["full-block"]["layer"] == 6 + 4
-    assert calls["selective"] == {"layer": 6, "core_attn": 12, "mlp": 6}
-    assert calls["selective-all"] == {"layer": 6, "core_attn": 12, "mlp": 12}
+    assert calls["selective"] == {"layer": 6, "core_attn": 12, "mlp": 6, "moe": 0}
+    assert calls["selective-all"] == {"layer": 6, "core_attn": 12, "mlp": 12, "moe": 0}
 
 
 def test_config_dataclass_is_frozen():
     config = CONFIGS["llama"]()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.num_layers = 3
+
+
+def test_megatron_recompute_modules_for_moe_and_mla(dist):
+    """DeepSeek-shaped at TP=2 with SP and dropout: each of Megatron's MoE / MLA modules gives the same losses and
+    gradients as no recomputation, recomputes what it names, and keeps fewer activations."""
+    runs = {r: dist(2, run_with_recompute, "deepseek", True, r, 0.2) for r in DEEPSEEK_RECOMPUTE}
+    base = runs["none"]
+    for recompute, out in runs.items():
+        for rank in range(2):
+            mine = out[rank]
+            assert torch.equal(mine["losses"], base[rank]["losses"]), (recompute, rank)
+            for k, g in base[rank]["grads"].items():
+                assert (g is None and mine["grads"][k] is None) or torch.equal(mine["grads"][k], g), (
+                    recompute,
+                    rank,
+                    k,
+                )
+            assert torch.equal(mine["rng_after"], base[rank]["rng_after"]), recompute
+        if recompute != "none":
+            assert mine["activation_peak"] < base[0]["activation_peak"], recompute
+    # two steps, three layers (one dense: its MLP; two MoE: their shared experts are MLPs too)
+    calls = {r: out[0]["calls"] for r, out in runs.items()}
+    assert calls["none"] == {"layer": 6, "core_attn": 6, "mlp": 6, "moe": 4}
+    assert calls["moe"] == {"layer": 6, "core_attn": 6, "mlp": 6 + 4, "moe": 8}  # "mlp" here: the shared experts
+    assert calls["shared_experts"] == {"layer": 6, "core_attn": 6, "mlp": 6 + 4, "moe": 4}
+    assert calls["mla_up_proj"] == {"layer": 6, "core_attn": 12, "mlp": 6, "moe": 4}
+    assert calls["deepseek-recipe"] == {"layer": 6, "core_attn": 12, "mlp": 6 + 2 + 4, "moe": 4}

@@ -201,8 +201,8 @@ def test_bad_layout_one_line_before_any_collective(case, monkeypatch):
         ),
         ({"recompute_method": "block"}, r"apply only with --recompute-granularity full"),
         (
-            {"recompute_granularity": "selective", "recompute_modules": ("core_attn", "moe")},
-            r"--recompute-modules moe not supported",
+            {"recompute_granularity": "selective", "recompute_modules": ("core_attn", "experts")},
+            r"--recompute-modules experts not supported",
         ),
         ({"hidden_dropout": 1.5}, r"--hidden-dropout 1.5 must be in \[0, 1\)"),
     ],
@@ -229,3 +229,23 @@ def test_model_config_defaults_are_megatron_gpt():
     )
     assert c.tied_embeddings and c.add_bias_linear and c.ffn_size == 256 and c.head_dim == 16
     assert c.padded_vocab_size(1) == 128 and c.padded_vocab_size(4) == 512
+
+
+@pytest.mark.parametrize(
+    "modules,pattern",
+    [
+        (("core_attn", "moe"), r"--recompute-modules moe has nothing to recompute without --num-experts; drop it"),
+        (
+            ("mla_up_proj",),
+            r"--recompute-modules mla_up_proj has nothing to recompute without --multi-latent-attention",
+        ),
+        (("shared_experts",), r"--recompute-modules shared_experts has nothing to recompute without shared experts"),
+    ],
+)
+def test_recompute_modules_naming_nothing_in_the_model_are_refused_at_start_up(modules, pattern):
+    from megatron_lite.arguments import parse_args
+
+    argv = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+    argv += "--train-iters 2 --recompute-granularity selective --recompute-modules " + " ".join(modules)
+    with pytest.raises(ConfigError, match=pattern):
+        parse_args(argv.split())

@@ -90,26 +90,39 @@ class MultiLatentAttention(nn.Module):
             dtype=dtype,
         )
         self.rope = K.apply_rope if config.kernel_impl == "triton" else K.apply_rope_reference
-        self.recompute_core_attention = (
-            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
-        )
+        modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
+        self.recompute_core_attention = "core_attn" in modules
+        # mla_up_proj: the up-projections, RoPE and the core attention recomputed together from the latents, so
+        # the per-head queries, keys and values are never kept (Megatron discards the up-projections' outputs)
+        self.recompute_up_proj = "mla_up_proj" in modules
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
     ) -> torch.Tensor:
         """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden] (SelfAttention's contract)."""
         if self.linear_q_proj is not None:
-            q = self.linear_q_proj(x)
+            q_in = self.linear_q_proj(x)  # the queries themselves
         else:
             latent = self.linear_q_down_proj(x)  # [seq (all of it under SP), batch, q_lora_rank]
-            q = self.linear_q_up_proj(self.q_layernorm(latent) if self.q_layernorm is not None else latent)
-        s, b, _ = q.shape
-        q = q.transpose(0, 1).reshape(b, s, self.local_heads, self.nope + self.pe)
+            q_in = self.q_layernorm(latent) if self.q_layernorm is not None else latent
         kv_latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pe], dim=-1)
         if self.kv_layernorm is not None:
             kv_latent = self.kv_layernorm(kv_latent)
         # one RoPE key part for all heads, read by this rank's heads only: its gradient is summed over TP
         k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp).transpose(0, 1).unsqueeze(2)  # [b, s, 1, pe]
+        if self.recompute_up_proj and self.training:
+            attend = functools.partial(self._attend, rope=rope, documents=documents)
+            out = checkpoint(attend, self.core_attention.rng, q_in, kv_latent, k_pe)
+        else:
+            out = self._attend(q_in, kv_latent, k_pe, rope, kv_cache, documents)
+        s, b = out.shape[1], out.shape[0]
+        return self.linear_proj(out.reshape(b, s, self.local_heads * self.v_dim).transpose(0, 1))
+
+    def _attend(self, q_in, kv_latent, k_pe, rope, kv_cache=None, documents=None) -> torch.Tensor:
+        """The up-projections, RoPE and the core attention: [batch, seq, local heads, v_head_dim]."""
+        q = q_in if self.linear_q_proj is not None else self.linear_q_up_proj(q_in)
+        s, b, _ = q.shape
+        q = q.transpose(0, 1).reshape(b, s, self.local_heads, self.nope + self.pe)
         q_nope, q_pe = q.split([self.nope, self.pe], dim=-1)
         if rope is not None:
             cos, sin = rope
@@ -124,11 +137,11 @@ class MultiLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(b, t, self.local_heads, self.pe)], dim=-1)
         pad = self.nope + self.pe - self.v_dim
         v = F.pad(v, (0, pad)) if pad > 0 else v  # (v_head_dim > the q/k head: refused at config time)
-        if self.recompute_core_attention and self.training:
+        # (inside the mla_up_proj checkpoint the attention is recomputed with it already)
+        if self.recompute_core_attention and self.training and not self.recompute_up_proj:
             out = checkpoint(
                 functools.partial(self.core_attention, documents=documents), self.core_attention.rng, q, k, v
             )
         else:
             out = self.core_attention(q, k, v, documents)
-        out = out.reshape(b, s, self.local_heads, self.nope + self.pe)[..., : self.v_dim]
-        return self.linear_proj(out.reshape(b, s, self.local_heads * self.v_dim).transpose(0, 1))
+        return out.reshape(b, s, self.local_heads, self.nope + self.pe)[..., : self.v_dim]

@@ -50,8 +50,10 @@ class TransformerLayer(nn.Module):
             if config.is_moe_layer(layer_number)
             else MLP(config, ctx, device, dtype)
         )
-        selective = config.recompute_granularity == "selective"
-        self.recompute = {m: selective and m in config.recompute_modules for m in ("layernorm", "mlp")}
+        modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
+        # (as in Megatron, "mlp" is a dense layer's MLP and "moe" a MoE layer's)
+        mlp = "moe" if config.is_moe_layer(layer_number) else "mlp"
+        self.recompute = {"layernorm": "layernorm" in modules, "mlp": mlp in modules}
 
     def _maybe_recompute(self, name: str, fn, *args: torch.Tensor):
         if self.recompute[name] and self.training:

@@ -14,6 +14,7 @@ from megatron_lite.kernels.nf4 import nf4_linear
 from megatron_lite.models.mlp import activate
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
+from megatron_lite.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
@@ -52,19 +53,38 @@ class ExpertMLP(nn.Module):
             (h, fc2.shard_size), ParamMeta(("normal", out_std), fc2, etp.rank, expert=True), device, dtype
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = activate(self.linear_fc1.linear(x), self.activation)
-        return self.linear_fc2.linear(h)  # partial over the expert-TP group
+    def forward(self, x: torch.Tensor, rng: RNGStatesTracker | None = None) -> torch.Tensor:
+        """Partial over the expert-TP group. `rng` (--recompute-modules moe_act): the activation and fc2 are
+        recomputed in the backward, so only fc1's output is kept (Megatron discards just the activation's
+        output; here fc2's GEMM runs again too)."""
+        y = self.linear_fc1.linear(x)
+        if rng is not None:
+            return checkpoint(self._act_fc2, rng, y)
+        return self._act_fc2(y)
+
+    def _act_fc2(self, y: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2.linear(activate(y, self.activation))
 
 
 class LocalExperts(nn.Module):
     """Experts [ep_rank * n, (ep_rank + 1) * n) of the model's experts."""
 
-    def __init__(self, config: ModelConfig, ep: Group, etp: Group, device=None, dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ep: Group,
+        etp: Group,
+        device=None,
+        dtype=torch.float32,
+        rng: RNGStatesTracker | None = None,
+    ) -> None:
         super().__init__()
         self.num_local = config.num_experts // ep.size
         self.first = ep.rank * self.num_local
         self.triton = config.kernel_impl == "triton"
+        selective = config.recompute_granularity == "selective"
+        self.recompute_act = selective and "moe_act" in config.recompute_modules and rng is not None
+        self.rng = rng
         self.local_experts = nn.ModuleList(ExpertMLP(config, etp, device, dtype) for _ in range(self.num_local))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -72,7 +92,8 @@ class LocalExperts(nn.Module):
         # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once)
         if self.triton and self.local_experts[0].swiglu and self.local_experts[0].linear_fc1.nf4 is None:
             return self._grouped(x, counts)
-        outs = [expert(chunk) for expert, chunk in zip(self.local_experts, x.split(counts))]
+        rng = self.rng if self.recompute_act and self.training else None
+        outs = [expert(chunk, rng) for expert, chunk in zip(self.local_experts, x.split(counts))]
         return torch.cat(outs) if outs else x[:0]
 
     def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -82,8 +103,12 @@ class LocalExperts(nn.Module):
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
         h = self._adapted("linear_fc1", x, counts, K.grouped_gemm(x, w1, c))
-        h = activate(h, "swiglu", triton=True).contiguous()
-        return self._adapted("linear_fc2", h, counts, K.grouped_gemm(h, w2, c))
+
+        def act_fc2(h: torch.Tensor) -> torch.Tensor:
+            h = activate(h, "swiglu", triton=True).contiguous()
+            return self._adapted("linear_fc2", h, counts, K.grouped_gemm(h, w2, c))
+
+        return checkpoint(act_fc2, self.rng, h) if self.recompute_act and self.training else act_fc2(h)
 
     def _adapted(self, which: str, x: torch.Tensor, counts: list[int], y: torch.Tensor) -> torch.Tensor:
         """Each expert's adapters on its own rows (small GEMMs of rank r, one pair per expert)."""

@@ -31,7 +31,7 @@ from megatron_lite.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron_lite.tensor_parallel.random import is_recomputing
+from megatron_lite.tensor_parallel.random import checkpoint, is_recomputing
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -55,7 +55,10 @@ class MoELayer(nn.Module):
         self.overlap_comm = ctx.parallel.overlap_moe_expert_parallel_comm
         self.sequence_parallel = ctx.sequence_parallel
         self.router = TopKRouter(config, ctx.tp.size, device, dtype, cp=ctx.cp)
-        self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype)
+        modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
+        self.rng = ctx.rng
+        self.recompute_shared = "shared_experts" in modules
+        self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype, rng=ctx.rng)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (
             MLP(dataclasses.replace(config, ffn_hidden_size=shared, num_experts=None), ctx, device, dtype)
@@ -100,7 +103,8 @@ class MoELayer(nn.Module):
             else reduce_from_tensor_model_parallel_region(y, self.tp)
         )
         if self.shared_expert is not None:
-            y = y + self.shared_expert(x)
+            recompute = self.recompute_shared and self.training
+            y = y + (checkpoint(self.shared_expert, self.rng, x) if recompute else self.shared_expert(x))
         losses = [v for v in (routing.aux_loss, routing.z_loss) if v is not None]
         if losses and self.training and torch.is_grad_enabled():
             y = _AttachAuxLoss.apply(y, sum(losses), self.aux_loss_scale / self.tp.size)
