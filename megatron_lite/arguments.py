@@ -296,6 +296,10 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     )
     model.check_recompute_targets()
     vp = ns.num_virtual_stages_per_pipeline_rank
+    if ns.num_layers_per_virtual_pipeline_stage is not None and ns.pipeline_model_parallel_layout is not None:
+        raise ConfigError(
+            "--pipeline-model-parallel-layout places every layer: drop --num-layers-per-virtual-pipeline-stage"
+        )
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         per_rank = ns.num_layers // ns.pipeline_model_parallel_size
         if per_rank % ns.num_layers_per_virtual_pipeline_stage:

@@ -88,7 +88,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     ):
         out[k] = m.get(k, default)
     out["mscale_all_dim"] = m.get("mla_mscale_all_dim", 0.0)
-    out["mtp_num_layers"] = m.get("mtp_num_layers", 0) or None  # (absent from older checkpoints)
+    out["mtp_num_layers"] = m.get("mtp_num_layers", 0)  # (absent from older checkpoints)
     out["mtp_loss_scaling_factor"] = m.get("mtp_loss_scaling_factor", 0.1)
     rs = m["rope_scaling"]
     mla_yarn = m.get("multi_latent_attention") and rs is not None and rs.get("rope_type") == "yarn"

@@ -199,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers of the last stage (uneven split)")
     d.add_argument(
         "--pipeline-model-parallel-layout",
-        help='the layers of every (virtual) stage, e.g. "Et*3|(tt|)*29,tmL": E embedding, t layer, m MTP layer, '
-        "L loss, | between stages; the stage count / PP gives the virtual stages",
+        help='the layers of every (virtual) stage, e.g. "Et*3|(t*4|)*14,t*2mL" (61 layers and an MTP layer on PP '
+        "16): E embedding, t layer, m MTP layer, L loss, | between stages; the stage count / PP gives the virtual "
+        "stages",
     )
     _bool(d, "--sequence-parallel", "Megatron sequence parallelism (needs TP > 1)")
     _bool(d, "--overlap-grad-reduce", "launch each gradient bucket's all-reduce during the backward")

@@ -23,21 +23,25 @@ _LAYOUT_REPEAT = (re.compile(r"\(([^()]+)\)\*(\d+)"), re.compile(r"([^()|*])\*(\
 def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: int = 0) -> tuple[int, ...]:
     """Megatron's --pipeline-model-parallel-layout: the layers of every virtual stage, in stage order s = chunk *
     PP + pipeline rank, separated by '|': E the embedding, t a transformer layer, m a multi-token-prediction layer,
-    L the loss; "x*n" and "(...)*n" repeat, commas are cosmetic ("Et*3|(tt|)*29,m|L"). Returns the decoder layers
+    L the loss; "x*n" and "(...)*n" repeat, commas are cosmetic ("Et*3|(t*4|)*14,t*2mL": DeepSeek-V3's 61 layers and
+    its MTP layer on PP=16). Returns the decoder layers
     of each stage. The embedding must open the first stage and the loss close the last; the MTP layers share the
-    loss's stage (Megatron can also give them a stage of their own; not supported here)."""
+    loss's stage (Megatron can also give them a stage of their own; not supported here), and every pipeline rank
+    holds a layer, the embedding or the loss."""
     flag = "--pipeline-model-parallel-layout"
 
+    grown = [0]  # characters the repeats of one pass add, counted before each is built
+
     def repeat(m: re.Match) -> str:
-        if len(m.group(1)) * int(m.group(2)) > 100_000:  # (checked before the string is built)
+        grown[0] += len(m.group(1)) * int(m.group(2))
+        if grown[0] > 100_000:
             raise ConfigError(f"{flag} {text!r} unrolls to more than 100000 characters")
         return m.group(1) * int(m.group(2))
 
     unrolled = text.replace(",", "").replace(" ", "")
     for pattern in _LAYOUT_REPEAT:  # (parentheses do not nest in Megatron's grammar either)
+        grown[0] = len(unrolled)
         unrolled = pattern.sub(repeat, unrolled)
-        if len(unrolled) > 100_000:
-            raise ConfigError(f"{flag} {text!r} unrolls to more than 100000 characters")
     bad = sorted(set(unrolled) - set("EtmL|"))
     if bad:
         raise ConfigError(
@@ -61,6 +65,9 @@ def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: i
         problems.append(f"it places {flat.count('m')} MTP layers (m) for --mtp-num-layers {mtp_num_layers}")
     elif mtp_num_layers and stages[-1].rstrip("L")[-mtp_num_layers:] != "m" * mtp_num_layers:
         problems.append("the MTP layers (m) must come last in the loss's stage, just before L (e.g. ...|tmL)")
+    idle = [r for r in range(1, pp - 1) if not any("t" in stages[c * pp + r] for c in range(len(stages) // pp))]
+    if idle:  # (such a rank would hold no parameter: nothing for its optimizer or data-parallel reduction)
+        problems.append(f"pipeline rank(s) {idle} hold no layer in any of their stages")
     if problems:
         raise ConfigError(f"{flag} {text!r}: {'; '.join(problems)}")
     return tuple(stage.count("t") for stage in stages)
@@ -238,6 +245,11 @@ def validate_layout(
             f"--ffn-hidden-size {model.ffn_size} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --ffn-hidden-size {_nearest_multiples(model.ffn_size, tp)}"
         )
+    if vp > 1 and pp == 1:
+        raise ConfigError(
+            f"{vp} virtual stages (--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage or "
+            "a --pipeline-model-parallel-layout with more stages than ranks) need --pipeline-model-parallel-size > 1"
+        )
     stage_layer_counts(model.num_layers, parallel, world_size, tp * cp)  # raises on a split that cannot be made
     if model.mtp_num_layers and pp > 1 and model.position_embedding_type == "learned_absolute":
         raise ConfigError(
@@ -268,6 +280,11 @@ def validate_layout(
             raise ConfigError(f"{flag} {value} must be >= 1")
     if seq < 1 or training.micro_batch_size < 1:
         raise ConfigError(f"--seq-length {seq} and --micro-batch-size {training.micro_batch_size} must be positive")
+    if model.mtp_num_layers >= seq:
+        raise ConfigError(
+            f"--mtp-num-layers {model.mtp_num_layers} predicts past --seq-length {seq}: no token would carry its "
+            f"last depth's loss; use fewer than {seq} depths"
+        )
     if model.position_embedding_type == "learned_absolute" and seq > model.max_position_embeddings:
         raise ConfigError(
             f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}; "

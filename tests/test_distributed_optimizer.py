@@ -206,6 +206,8 @@ FSDP2 = {  # world, layout, global batch, micro-batch, model, layers
     "pp2-vp2-dp2": (4, P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 8, 1, "llama", 4),
     "pp2-dp2-tied": (4, P(pipeline_model_parallel_size=2), 8, 2, "gpt2", 4),  # the two copies' shards summed
     "cp2-dp2": (4, P(context_parallel_size=2), 4, 1, "llama", 2),  # parameters sharded over DP x CP
+    # DeepSeek-shaped: the aux-loss-free expert bias is sharded like a parameter and updated shard by shard
+    "dp2-deepseek": (2, P(), 4, 2, "deepseek", 2),
 }
 
 

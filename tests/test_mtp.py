@@ -226,6 +226,29 @@ def test_mtp_with_learned_positions_under_pipelining_is_refused():
         validate_layout(gpt2_config(mtp_num_layers=1), ParallelConfig(pipeline_model_parallel_size=2), 2)
 
 
+def test_more_depths_than_the_sequence_holds_are_refused():
+    from megatron_lite.config import TrainingConfig
+
+    with pytest.raises(ConfigError, match="--mtp-num-layers 4 predicts past --seq-length 4"):
+        validate_layout(gpt2_config(mtp_num_layers=4), ParallelConfig(), 1, TrainingConfig(seq_length=4))
+
+
+def test_lora_leaves_the_depths_without_adapters():
+    """transformers' DeepSeek-V3, PEFT's base, has no MTP layers: adapters go on the main model only."""
+    from megatron_lite.lora.apply import LoraConfig, apply_lora
+
+    from models import deepseek_config
+
+    config = deepseek_config(num_layers=2, mtp_num_layers=1)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    model = GPTModel(config, ctx)
+    apply_lora(
+        model, config, LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj", "experts")), ctx, 0
+    )
+    adapted = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(n.startswith("decoder.") for n in adapted) and not any(n.startswith("mtp.") for n in adapted)
+
+
 def test_a_checkpoint_with_mtp_layers_converts_both_ways(tmp_path):
     """A DeepSeek-V3 directory whose config.json has num_nextn_predict_layers 2 and the layers after the last
     converts with two depths (restored from our checkpoint by --load), and back to the same tensors and config; a
@@ -258,6 +281,12 @@ def test_a_checkpoint_with_mtp_layers_converts_both_ways(tmp_path):
     assert json.loads((back / "config.json").read_text())["num_nextn_predict_layers"] == 2
     assert not any("differs" in line for line in lines)
 
+    # only one of the two depths in the files: a one-line error
+    part = {k: v.clone() for k, v in on_disk.items() if not k.startswith("model.layers.4.")}
+    save_file(part, str(src / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"num_nextn_predict_layers 2 but the files lack layer\(s\) \[4\]"):
+        hf_to_megatron_lite(str(src), str(tmp_path / "partial"), log=lines.append)
+
     # the same directory without the MTP tensors
     save_file(
         {k: v.clone() for k, v in on_disk.items() if not k.startswith(("model.layers.3.", "model.layers.4."))},
@@ -269,7 +298,7 @@ def test_a_checkpoint_with_mtp_layers_converts_both_ways(tmp_path):
 
 
 def test_full_recomputation_recomputes_the_depths_with_the_same_gradients():
-    """--recompute-granularity full checkpoints each depth's layer too (as Megatron's MTP): same loss and gradients.
+    """Full uniform recomputation checkpoints each depth's layer too (as Megatron's MTP): same loss and gradients.
     (That the depths' activations are really dropped is test_planner's deepseekmtp-full memory case.)"""
     from models import deepseek_config
 

@@ -109,6 +109,8 @@ def test_megatron_pipeline_layout_strings():
         ("Et|tt", (2, 3), "L (the loss) must close the last stage"),
         ("Et|tL", (2, 3), "it places 2 layers (t) for --num-layers 3"),
         ("(t*2)*999999999", (1, 3), "unrolls to more than 100000 characters"),
+        ("E(t*99999)*14000L", (1, 1), "unrolls to more than 100000 characters"),  # (before 1.4e9 are built)
+        ("Ett||ttL", (3, 4), "pipeline rank(s) [1] hold no layer in any of their stages"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             parse(text, *args)
@@ -225,6 +227,15 @@ def test_the_layout_flag_sets_the_virtual_stages():
     for extra, fragment in [
         (["--num-virtual-stages-per-pipeline-rank", "4"], "the virtual-stage flags give 4"),
         (["--decoder-first-pipeline-num-layers", "1"], "drop --decoder-first/last-pipeline-num-layers"),
+        (["--num-layers-per-virtual-pipeline-stage", "1"], "drop --num-layers-per-virtual-pipeline-stage"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             parse_args([*base, "--pipeline-model-parallel-layout", "Et|tt|t|L", *extra])
+    # more stages than pipeline ranks at PP=1: virtual stages without a pipeline, refused before any collective
+    from megatron_lite.layout_validation import validate_layout
+
+    pp1 = [*base[: base.index("--pipeline-model-parallel-size")], "--train-iters", "2"]
+    _, job = parse_args([*pp1, "--pipeline-model-parallel-layout", "Ett|ttL"])
+    assert job.parallel.pp == 1 and job.parallel.vp == 2
+    with pytest.raises(ConfigError, match="need --pipeline-model-parallel-size > 1"):
+        validate_layout(job.model, job.parallel, 1, job.training)

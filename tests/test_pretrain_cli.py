@@ -929,3 +929,9 @@ def test_load_alone_rebuilds_a_multi_token_prediction_run(tmp_path, capsys, monk
     _one_line_error(rc, capsys.readouterr().err, "--mtp-num-layers")
     rc, _, err = _run([*MLA_FLAGS, "--mock-data", "--mtp-num-layers", "-1"], capsys, monkeypatch)
     _one_line_error(rc, err, "--mtp-num-layers -1 must be >= 0")
+    # a checkpoint without MTP: an explicit --mtp-num-layers 0 agrees with it
+    plain = str(tmp_path / "plain")
+    rc, _, err = _run([*MLA_FLAGS, "--mock-data", "--save", plain], capsys, monkeypatch)
+    assert rc == 0, err
+    _, job = parse_args(["--load", plain, "--train-iters", "5", "--mtp-num-layers", "0"])
+    assert job.model.mtp_num_layers == 0

@@ -372,6 +372,13 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     if mtp and not any((_layer_of(k) or 0) >= config.num_layers for k in hf):
         log(f"{load_dir}: config.json has num_nextn_predict_layers {mtp} but no such layers: converted without them")
         mtp = 0
+    present = {_layer_of(k) for k in hf} - {None}
+    missing = [config.num_layers + k for k in range(mtp) if config.num_layers + k not in present]
+    if mtp and missing:
+        raise ConfigError(
+            f"{load_dir}: config.json has num_nextn_predict_layers {mtp} but the files lack layer(s) {missing}; "
+            "set num_nextn_predict_layers to the depths present (0 converts without them)"
+        )
     config = dataclasses.replace(config, mtp_num_layers=mtp)
     interleave = bool(getattr(hf_config, "rope_interleave", True))  # (DeepSeek-V3's RoPE row layout)
     ours = state_dict_from_hf(hf, config, arch, interleave)

@@ -68,13 +68,16 @@ def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, e
 
 def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: ParallelContext, seed: int) -> int:
     """Freeze every weight of `model` (a GPTModel or its pipeline chunks) and add adapters to the target
-    layers, initialised layout-free from `seed`. Returns the number of adapter parameters on this rank."""
+    layers (not the multi-token-prediction depths'), initialised layout-free from `seed`. Returns the number of
+    adapter parameters on this rank."""
     lora = lora_for_model(lora, config)
     mla = config.multi_latent_attention
     lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap, mla, config.q_lora_rank is not None)
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):
+        if ".mtp." in f".{name}.":  # the MTP depths stay frozen: transformers' DeepSeek-V3 (PEFT's base) has none
+            continue
         if isinstance(module, ExpertMLP) and "experts" in lora.target_modules:
             _expert_adapters(module, config, lora, ctx.etp)
         leaf = name.rsplit(".", 1)[-1]

@@ -52,7 +52,7 @@ def mtp_inputs(mb: dict[str, torch.Tensor], depths: int) -> dict[str, torch.Tens
     out = {key: [] for key in MTP_KEYS}
     for k in range(1, depths + 1):
         m = _shift_left(mask, k)
-        if docs is not None:  # the target (token i + k + 1, label of i + k) must be in token i's document
+        if docs is not None:  # the token embedded at depth k (i + k) must be in token i's document
             m = m * (_shift_left(docs, k) == docs).to(m.dtype)
         out["mtp_tokens"].append(_shift_left(tokens, k))
         out["mtp_labels"].append(_shift_left(labels, k))
@@ -101,7 +101,9 @@ class MultiTokenPredictionLayer(nn.Module):
         self.transformer_layer = TransformerLayer(config, ctx, layer_number, device, dtype)
         self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
         self.rng = ctx.rng
-        self.recompute = config.recompute_granularity == "full"  # (as Megatron: the layer, like the decoder's)
+        # As Megatron's MTP: each depth's layer is recomputed under full uniform recomputation (one layer a unit,
+        # whatever --recompute-num-layers says), not under block
+        self.recompute = config.recompute_granularity == "full" and config.recompute_method == "uniform"
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, documents=None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], -1))  # [seq, batch, hidden]

@@ -39,7 +39,12 @@ def prepare_step(layers: dict[int, MoELayer], num_microbatches: int, loss_scale:
 def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3's aux-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
     counts = counts.to(bias.device, torch.float32)
-    bias += rate * torch.sign(counts.mean() - counts)
+    delta = rate * torch.sign(counts.mean() - counts)
+    if type(bias).__name__ == "DTensor":  # FSDP2 shards it like a parameter: each rank updates its own shard
+        from torch.distributed.tensor import distribute_tensor
+
+        delta = distribute_tensor(delta, bias.device_mesh, bias.placements, src_data_rank=None)
+    bias += delta
 
 
 def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx: ParallelContext) -> dict:

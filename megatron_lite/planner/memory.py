@@ -221,6 +221,7 @@ def activation_bytes(
             for k in range(model.mtp_num_layers):
                 # a depth: its layer, the norms of the embedding and hidden state, eh_proj's input (whole under
                 # SP), its token ids, then a final norm and the loss as above
+                # (the planner's full recomputation is uniform, under which the depths are recomputed too)
                 layer = layer_activation_bytes(model, layout, a, model.num_layers + k, layout.recompute)
                 per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss
         chunk_bytes.append(per_token * tokens)

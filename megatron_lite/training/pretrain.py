@@ -377,8 +377,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
         profiler.after_step(state.iteration)
         window["samples"] += step_gbs
         window["loss"] += metrics.lm_loss
-        for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ...
-            window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
+        for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ... (over steps with tokens)
+            if v is not None:
+                window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
+                window[f"mtp_{k + 1}_n"] = window.get(f"mtp_{k + 1}_n", 0) + 1
         window["n"] += 1
         window["time"] += time.time() - tic
         window["data"] += data_time
@@ -392,7 +394,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 state.iteration,
                 {
                     "lm_loss": window["loss"] / window["n"],
-                    **{k: v / window["n"] for k, v in window.items() if k.startswith("mtp_")},
+                    **{
+                        k: v / window[k[:-4] + "n"]
+                        for k, v in window.items()
+                        if k.startswith("mtp_") and k.endswith("_loss")
+                    },
                     "lr": metrics.lr,
                     "grad_norm": metrics.grad_norm,
                     "loss_scale": metrics.loss_scale,

@@ -40,7 +40,8 @@ class StepMetrics:
     updated: bool
     num_tokens: int
     moe: dict | None = None  # routing metrics of MoE models (moe/stats.py)
-    mtp_losses: list[float] | None = None  # --mtp-num-layers: each depth's loss (the mean over its tokens)
+    # --mtp-num-layers: each depth's loss (the mean over its tokens; None for a depth without any)
+    mtp_losses: list[float | None] | None = None
     step_seconds: float = 0.0
     comm_exposed_seconds: float = 0.0  # time blocked in communication (megatron_lite/comm_timer.py)
     activation_bytes: int | None = None  # peak of saved activations, when measured (training/memory.py)
@@ -101,7 +102,7 @@ def _mtp_losses(model: DistributedDataParallel, counts: torch.Tensor, ctx: Paral
         if taken is not None:
             sums += taken.to(ctx.device)
     sums = all_reduce(all_reduce(sums, ctx.dp_cp), ctx.pp)
-    return [float(s / n) if n > 0 else 0.0 for s, n in zip(sums.tolist(), counts.tolist())]
+    return [float(s / n) if n > 0 else None for s, n in zip(sums.tolist(), counts.tolist())]  # (None: no tokens)
 
 
 def forward_backward(
