@@ -340,6 +340,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,
         pipeline_layout=layout,
+        account_for_embedding_in_pipeline_split=ns.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=ns.account_for_loss_in_pipeline_split,
     )
     training = TrainingConfig(
         micro_batch_size=ns.micro_batch_size,

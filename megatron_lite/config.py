@@ -436,6 +436,10 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
     # --pipeline-model-parallel-layout, parsed: the decoder layers of each virtual stage (chunk * PP + rank)
     pipeline_layout: tuple[int, ...] | None = None
+    # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding / the loss counts as one layer in
+    # the even split, so the first / last stage holds one layer fewer
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (all-to-all) | allgather | a2a+p2p
     # a2a+p2p (Megatron's --hierarchical-context-parallel-sizes A P): all-to-all inside groups of A adjacent CP
     # ranks, a ring over the P groups

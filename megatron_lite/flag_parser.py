@@ -197,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
     d.add_argument("--decoder-first-pipeline-num-layers", type=int, help="layers of the first stage (uneven split)")
     d.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers of the last stage (uneven split)")
+    _bool(
+        d,
+        "--account-for-embedding-in-pipeline-split",
+        "count the embedding as a layer: the first stage holds one fewer",
+    )
+    _bool(d, "--account-for-loss-in-pipeline-split", "count the loss as a layer: the last stage holds one fewer")
     d.add_argument(
         "--pipeline-model-parallel-layout",
         help='the layers of every (virtual) stage, e.g. "Et*3|(t*4|)*14,t*2mL" (61 layers and an MTP layer on PP '

@@ -79,6 +79,25 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
     other stages, or a --pipeline-model-parallel-layout. Never drops a layer: a split that is not exact is a
     one-line error."""
     pp, vp = parallel.pp, parallel.vp
+    extra = int(parallel.account_for_embedding_in_pipeline_split) + int(parallel.account_for_loss_in_pipeline_split)
+    if extra:
+        flags = "--account-for-embedding/loss-in-pipeline-split"
+        others = (parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers)
+        if parallel.pipeline_layout is not None or any(x is not None for x in others):
+            raise ConfigError(f"{flags} split the layers evenly: drop --decoder-first/last-pipeline-num-layers and "
+                              "--pipeline-model-parallel-layout, or these")  # fmt: skip
+        if (num_layers + extra) % (pp * vp):
+            fits = [int(x) - extra for x in _nearest_multiples(num_layers + extra, pp * vp).split(" or ")]
+            raise ConfigError(
+                f"--num-layers {num_layers} + {extra} ({flags}) is not divisible by {pp} x {vp} pipeline stages; "
+                f"use --num-layers {' or '.join(str(x) for x in fits if x > 0)}"
+            )
+        counts = [(num_layers + extra) // (pp * vp)] * (pp * vp)
+        counts[0] -= int(parallel.account_for_embedding_in_pipeline_split)
+        counts[-1] -= int(parallel.account_for_loss_in_pipeline_split)
+        if min(counts) < 0 or (pp > 2 and 0 in counts[1:-1]):
+            raise ConfigError(f"{flags} leave a stage without layers; use fewer pipeline stages")
+        return counts
     if parallel.pipeline_layout is not None:
         counts = list(parallel.pipeline_layout)
         if len(counts) != pp * vp or sum(counts) != num_layers:

@@ -56,6 +56,25 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "no_create_attention_mask_in_dataloader": (False, "no attention mask is ever built (causal SDPA)"),
     "no_mmap_bin_files": (False, "indexed datasets are always memory-mapped"),
     "manual_gc": (False, "Python's garbage collector is left to run normally"),
+    "manual_gc_interval": (True, "Python's garbage collector is left to run normally"),
+    "moe_router_fusion": (False, "the router's top-k and scores run as PyTorch ops, fused or not"),
+    "moe_shared_expert_overlap": (
+        False,
+        "the shared expert runs after the routed experts (the dispatch overlaps: --overlap-moe-expert-parallel-comm)",
+    ),
+    "moe_per_layer_logging": (False, "each MoE layer's imbalance is always logged (moe_layer<N>_imbalance)"),
+    "cross_entropy_fusion_impl": (
+        True,
+        "--kernel-impl triton fuses the output layer with the loss (our kernel, not Transformer Engine's)",
+    ),
+    "logging_level": (True, "the log says what happened at one level: start-up, each interval, checkpoints, errors"),
+    "timing_log_level": (True, "iteration, data and exposed-communication times are logged every interval"),
+    "dist_ckpt_strictness": (
+        True,
+        "loading is always strict: a missing, unexpected or misshapen tensor stops the job with its name",
+    ),
+    "auto_detect_ckpt_format": (False, "checkpoints are always safetensors + JSON"),
+    "ckpt_fully_parallel_load": (False, "each rank reads only the slices of the tensors it holds"),
     "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
     "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
     "no_position_embedding": (False, "implied by --position-embedding-type rope/none"),
@@ -95,6 +114,15 @@ REFUSED: dict[str, str] = {
     "fp8_margin": "fp8 training is not implemented",
     "fp8_interval": "fp8 training is not implemented",
     "fp8_recipe": "fp8 training is not implemented",
+    "enable_cuda_graph": "CUDA graphs are not implemented",
+    "cuda_graph_impl": "CUDA graphs are not implemented",
+    "moe_enable_deepep": "DeepEP is not used; --moe-token-dispatcher-type alltoall (or allgather) dispatches tokens",
+    "use_precision_aware_optimizer": "Adam's moments and main gradients stay fp32 (no precision-aware optimizer)",
+    "main_grads_dtype": "main gradients are fp32 (--grad-reduce-in-bf16 reduces them in bf16)",
+    "exp_avg_dtype": "Adam's moments stay fp32 (no precision-aware optimizer)",
+    "exp_avg_sq_dtype": "Adam's moments stay fp32 (no precision-aware optimizer)",
+    "optimizer_cpu_offload": "the optimizer state stays on the accelerator (no CPU offload)",
+    "moe_layer_recompute": "use --recompute-granularity selective --recompute-modules moe (its successor in Megatron)",
 }
 
 

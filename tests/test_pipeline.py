@@ -130,6 +130,25 @@ def test_megatron_pipeline_layout_strings():
         stage_layer_counts(5, P(pipeline_model_parallel_size=2, pipeline_layout=(3, 1)))
 
 
+def test_embedding_and_loss_counted_in_the_pipeline_split():
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: an even split of the layers plus one for each,
+    the first / last stage holding one fewer; a split that is not exact is one line."""
+    both = dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    assert stage_layer_counts(62, P(pipeline_model_parallel_size=16, **both)) == [3] + [4] * 14 + [3]
+    assert stage_layer_counts(6, P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, **both)) == [
+        1,
+        2,
+        2,
+        1,
+    ]
+    loss_only = P(pipeline_model_parallel_size=2, account_for_loss_in_pipeline_split=True)
+    assert stage_layer_counts(5, loss_only) == [3, 2]
+    with pytest.raises(ConfigError, match="use --num-layers 46 or 62"):
+        stage_layer_counts(61, P(pipeline_model_parallel_size=16, **both))
+    with pytest.raises(ConfigError, match="drop --decoder-first/last-pipeline-num-layers"):
+        stage_layer_counts(6, P(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2, **both))
+
+
 P = ParallelConfig
 LAYOUTS = {
     "pp2": (2, P(pipeline_model_parallel_size=2), 8, 1),

@@ -935,3 +935,51 @@ def test_load_alone_rebuilds_a_multi_token_prediction_run(tmp_path, capsys, monk
     assert rc == 0, err
     _, job = parse_args(["--load", plain, "--train-iters", "5", "--mtp-num-layers", "0"])
     assert job.model.mtp_num_layers == 0
+
+
+# Megatron's DeepSeek-V3 recipe flags (model sizes and data scaled down to a CPU): MLA, sigmoid-routed MoE with the
+# expert bias and groups, one MTP depth, selective recompute of MLA's up-projections, the experts' activation and the
+# norms, the embedding and loss counted in the pipeline split, and fusion / logging switches that change nothing here.
+MEGATRON_DEEPSEEK_V3 = """--num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --kv-channels 16
+    --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 12 --qk-pos-emb-head-dim 8
+    --v-head-dim 10 --qk-layernorm --seq-length 32 --max-position-embeddings 32 --normalization RMSNorm
+    --norm-epsilon 1e-6 --swiglu --position-embedding-type rope --untie-embeddings-and-output-weights
+    --disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 24
+    --moe-shared-expert-intermediate-size 24 --moe-layer-freq ([0]*1+[1]*2) --moe-router-score-function sigmoid
+    --moe-router-enable-expert-bias --moe-router-num-groups 4 --moe-router-group-topk 2
+    --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
+    --moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-permute-fusion --moe-router-fusion
+    --moe-shared-expert-overlap --moe-per-layer-logging --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
+    --recompute-granularity selective --recompute-modules mla_up_proj moe_act layernorm
+    --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+    --cross-entropy-loss-fusion --cross-entropy-fusion-impl te --manual-gc --manual-gc-interval 10
+    --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-4 --log-interval 1 --eval-iters 0
+    --mock-data --vocab-size 256 --tokenizer-type NullTokenizer --distributed-backend gloo"""
+
+
+def test_megatron_deepseek_v3_recipe_flags_run(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(MEGATRON_DEEPSEEK_V3.split()) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "--moe-router-fusion has no effect",
+        "--moe-shared-expert-overlap has no effect",
+        "--cross-entropy-fusion-impl has no effect",
+        "--manual-gc-interval has no effect",
+    ):
+        assert line in out, line
+    assert "iteration      3/3" in out and "mtp_1_loss" in out
+
+
+@pytest.mark.parametrize(
+    "flag,fragment",
+    [
+        (["--enable-cuda-graph"], "CUDA graphs are not implemented"),
+        (["--use-precision-aware-optimizer"], "no precision-aware optimizer"),
+        (["--moe-layer-recompute"], "--recompute-modules moe"),
+    ],
+)
+def test_megatron_flags_we_lack_are_refused_with_the_reason(flag, fragment, capsys, monkeypatch):
+    rc, _, err = _run(["--mock-data", "--vocab-size", "64", *flag], capsys, monkeypatch)
+    _one_line_error(rc, err, fragment)
