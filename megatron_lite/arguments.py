@@ -128,6 +128,22 @@ def _yarn_mscale(scale: float, m: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
+def _main_grads_bf16(ns: argparse.Namespace) -> bool:
+    """Megatron's --main-grads-dtype bf16 (with --use-precision-aware-optimizer): bf16 main gradients, which
+    --grad-reduce-in-bf16 gives here; --main-params-dtype fp16 has no counterpart (fp32 main weights only)."""
+    if getattr(ns, "main_params_dtype", None) == "fp16":
+        raise ConfigError("--main-params-dtype fp16 is not supported: main weights are fp32; drop the flag")
+    if getattr(ns, "main_grads_dtype", None) is None:
+        return False
+    if not ns.use_precision_aware_optimizer:
+        raise ConfigError(
+            f"--main-grads-dtype {ns.main_grads_dtype} needs --use-precision-aware-optimizer (as in Megatron)"
+        )
+    if ns.main_grads_dtype == "bf16" and not ns.bf16:
+        raise ConfigError("--main-grads-dtype bf16 needs --bf16 (bf16 main gradients reduce bf16 weights' gradients)")
+    return ns.main_grads_dtype == "bf16"
+
+
 def _mla_yarn(ns: argparse.Namespace) -> RopeScaling | None:
     """Megatron's RoPE for multi-latent attention: YaRN unless --rope-type rope, over an original context of 4096
     (MLATransformerConfig's), beta_fast 32, beta_slow 1, cos / sin times mscale(f, --mscale) / mscale(f,
@@ -396,13 +412,17 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         bf16=ns.bf16,
         fp16=ns.fp16,
         # --accumulate-allreduce-grads-in-fp32 wins (also over a value restored from a checkpoint's arguments)
-        grad_reduce_in_bf16=ns.grad_reduce_in_bf16 and not ns.accumulate_allreduce_grads_in_fp32,
+        grad_reduce_in_bf16=(ns.grad_reduce_in_bf16 or _main_grads_bf16(ns))
+        and not ns.accumulate_allreduce_grads_in_fp32,
         loss_scale=ns.loss_scale,
         initial_loss_scale=ns.initial_loss_scale,
         min_loss_scale=ns.min_loss_scale,
         loss_scale_window=ns.loss_scale_window,
         hysteresis=ns.hysteresis,
         use_apex_adam=ns.use_apex_adam,
+        use_precision_aware_optimizer=ns.use_precision_aware_optimizer,
+        exp_avg_dtype=ns.exp_avg_dtype,
+        exp_avg_sq_dtype=ns.exp_avg_sq_dtype,
         check_for_nan_in_loss_and_grad=ns.check_for_nan_in_loss_and_grad,
     )
     data = DataConfig(

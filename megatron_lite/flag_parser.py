@@ -285,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--adam-beta2", type=float, default=0.999)
     o.add_argument("--adam-eps", type=float, default=1e-8)
     _bool(o, "--use-apex-adam", "NVIDIA apex FusedAdam (must be installed)")
+    _bool(o, "--use-precision-aware-optimizer", "Adam's moments stored in --exp-avg-dtype / --exp-avg-sq-dtype")
+    o.add_argument("--exp-avg-dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="Adam's first moment")
+    o.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="Adam's second moment")
+    o.add_argument(
+        "--main-grads-dtype",
+        choices=["fp32", "bf16"],
+        help="with --use-precision-aware-optimizer: bf16 main gradients, as --grad-reduce-in-bf16",
+    )
+    o.add_argument("--main-params-dtype", choices=["fp32", "fp16"], help="main weights: fp32 only here")
 
     p = parser.add_argument_group("mixed precision")
     _bool(p, "--bf16", "bf16 weights and activations, fp32 main weights and gradients (see --grad-reduce-in-bf16)")

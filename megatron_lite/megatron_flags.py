@@ -117,10 +117,6 @@ REFUSED: dict[str, str] = {
     "enable_cuda_graph": "CUDA graphs are not implemented",
     "cuda_graph_impl": "CUDA graphs are not implemented",
     "moe_enable_deepep": "DeepEP is not used; --moe-token-dispatcher-type alltoall (or allgather) dispatches tokens",
-    "use_precision_aware_optimizer": "Adam's moments and main gradients stay fp32 (no precision-aware optimizer)",
-    "main_grads_dtype": "main gradients are fp32 (--grad-reduce-in-bf16 reduces them in bf16)",
-    "exp_avg_dtype": "Adam's moments stay fp32 (no precision-aware optimizer)",
-    "exp_avg_sq_dtype": "Adam's moments stay fp32 (no precision-aware optimizer)",
     "optimizer_cpu_offload": "the optimizer state stays on the accelerator (no CPU offload)",
     "moe_layer_recompute": "use --recompute-granularity selective --recompute-modules moe (its successor in Megatron)",
 }

@@ -976,7 +976,7 @@ def test_megatron_deepseek_v3_recipe_flags_run(capsys, monkeypatch):
     "flag,fragment",
     [
         (["--enable-cuda-graph"], "CUDA graphs are not implemented"),
-        (["--use-precision-aware-optimizer"], "no precision-aware optimizer"),
+        (["--optimizer-cpu-offload"], "no CPU offload"),
         (["--moe-layer-recompute"], "--recompute-modules moe"),
     ],
 )

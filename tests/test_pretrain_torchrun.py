@@ -46,6 +46,10 @@ RESUME_LAYOUTS = {
     # multi-token prediction on the last stage, with its copy of the word embeddings (never stored: the first
     # stage's comes back into it)
     "mtp-pp2": "--pipeline-model-parallel-size 2 --mtp-num-layers 1".split(),
+    # bf16 Adam moments, sharded by the distributed optimizer, saved and restored in their dtype
+    "bf16-moments-dp2": (
+        "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --use-distributed-optimizer"
+    ).split(),
 }
 
 

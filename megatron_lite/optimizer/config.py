@@ -56,6 +56,11 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_apex_adam: bool = False  # NVIDIA apex FusedAdam, when installed
+    # Megatron's --use-precision-aware-optimizer with --exp-avg-dtype / --exp-avg-sq-dtype: Adam's moments stored
+    # in fp32, bf16 or fp16 (the update itself in fp32; optimizer/adam.py)
+    use_precision_aware_optimizer: bool = False
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     # A non-finite gradient norm skips the update on every rank (the norm is reduced over all of them);
     # the training loop then applies --nan-policy.
     check_for_nan_in_loss_and_grad: bool = True
@@ -70,6 +75,16 @@ class OptimizerConfig:
                 "--use-apex-adam is Adam's; drop it with --optimizer sgd"
                 if self.use_apex_adam
                 else f"--sgd-momentum {self.sgd_momentum} must be in [0, 1)"
+            )
+        for flag, value in (("--exp-avg-dtype", self.exp_avg_dtype), ("--exp-avg-sq-dtype", self.exp_avg_sq_dtype)):
+            if value not in ("fp32", "bf16", "fp16"):
+                raise ConfigError(f"{flag} {value} is not fp32|bf16|fp16")
+            if value != "fp32" and not self.use_precision_aware_optimizer:
+                raise ConfigError(f"{flag} {value} needs --use-precision-aware-optimizer (as in Megatron)")
+        if self.use_precision_aware_optimizer and (self.optimizer != "adam" or self.use_apex_adam):
+            raise ConfigError(
+                "--use-precision-aware-optimizer is our Adam's: drop it with "
+                + ("--optimizer sgd" if self.optimizer != "adam" else "--use-apex-adam")
             )
         if self.grad_reduce_in_bf16 and self.fp16:
             raise ConfigError(

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.config import ConfigError
+from megatron_lite.optimizer.adam import DTYPES, PrecisionAwareAdamW
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_lite.parallel_context import ParallelContext
@@ -62,6 +63,9 @@ def _inner_optimizer(groups, config: OptimizerConfig, device: torch.device) -> t
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
     kw = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    if config.use_precision_aware_optimizer:
+        dtypes = {k: DTYPES[getattr(config, k)] for k in ("exp_avg_dtype", "exp_avg_sq_dtype")}
+        return PrecisionAwareAdamW(groups, **kw, **dtypes)
     if config.use_apex_adam:
         try:
             from apex.optimizers import FusedAdam  # NVIDIA apex, optional
