@@ -5,7 +5,8 @@
 # aux-loss-free expert bias, weights x 2.5) plus one shared expert. PP=16 in Megatron's layout syntax (3 + 14 x 4
 # + 2 layers: the first stage holds the 3 dense ones with the embedding, the last 2 with the MTP layer and the
 # loss), EP=64,
-# TP=1, data parallel over the rest, distributed optimizer, bf16 with bf16 gradient reduction.
+# TP=1, data parallel over the rest, distributed optimizer with AdamW's moments in bf16 (as the DeepSeek-V3
+# report), bf16 with bf16 gradient reduction.
 # The architecture flags follow DeepSeek-V3's config.json; to continue training the released model, convert it
 # (tools/checkpoint/convert.py --loader hf) into CKPT: its YaRN RoPE comes with the checkpoint, and a flag that
 # disagrees with it stops the job. One multi-token-prediction depth (DeepSeek-V3's MTP module, converted with the
@@ -41,6 +42,7 @@ ARGS=(
     --pipeline-model-parallel-size 16 --pipeline-model-parallel-layout "Et*3|(t*4|)*14,t*2mL"
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
     --micro-batch-size 1 --global-batch-size 4096
     --train-iters 500000 --lr 2.2e-4 --min-lr 2.2e-5 --lr-decay-style cosine --lr-warmup-iters 2000
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95

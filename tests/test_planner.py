@@ -195,12 +195,13 @@ def test_memory_estimate_with_gradients_in_bf16(dist, case):
     _check("llama", layout, results, skip=("mem_activations_bytes",), bf16=True, grads_bf16=True)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam-bf16"])
 @pytest.mark.parametrize("case", ["dp2", "dp4-zero1"])
-def test_memory_estimate_with_sgd(dist, case):
-    """--optimizer sgd keeps one fp32 momentum buffer per parameter (sharded under the distributed optimizer):
-    the estimate with 4 state bytes is within 10% of the measured breakdown."""
+def test_memory_estimate_with_4_bytes_of_state(dist, case, optimizer):
+    """--optimizer sgd keeps one fp32 momentum buffer per parameter, Adam with bf16 moments two bf16 ones (sharded
+    under the distributed optimizer): the estimate with 4 state bytes is within 10% of the measured breakdown."""
     layout = LAYOUTS[case]
-    results = dist(layout.world, measure, "llama", layout, "torch", False, False, "sgd")
+    results = dist(layout.world, measure, "llama", layout, "torch", False, False, optimizer)
     _check("llama", layout, results, state_bytes=4)
 
 
@@ -359,8 +360,13 @@ def test_gradients_reduced_in_bf16_halve_the_reduction(capsys):
     assert halved["yours"]["memory"]["grads"] == pytest.approx(plain["yours"]["memory"]["grads"] / 2)
     # a script's --optimizer sgd: one momentum buffer (4 bytes) beside the fp32 main weights (4), not Adam's 8 + 4
     sgd = _tool().main(["--script", script, "--top", "1", "--", "--optimizer", "sgd"])
-    assert "optimizer state 4 bytes per parameter (SGD)" in capsys.readouterr().out
+    assert "optimizer state 4 bytes per parameter" in capsys.readouterr().out
     assert sgd["yours"]["memory"]["optimizer"] == pytest.approx(plain["yours"]["memory"]["optimizer"] * 8 / 12)
+    # bf16 Adam moments (--use-precision-aware-optimizer): 4 bytes too
+    flags = "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16".split()
+    bf16_moments = _tool().main(["--script", script, "--top", "1", "--", *flags])
+    assert "optimizer state 4 bytes per parameter" in capsys.readouterr().out
+    assert bf16_moments["yours"]["memory"]["optimizer"] == pytest.approx(sgd["yours"]["memory"]["optimizer"])
 
 
 def test_data_parallel_reduction_hides_under_the_last_backward_at_any_tp():

@@ -23,7 +23,7 @@ import sys
 
 from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
 from megatron_lite.flag_parser import OneLineErrorParser
-from megatron_lite.optimizer.optimizer import state_kinds
+from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.search import Candidate, evaluate, plan
@@ -116,7 +116,7 @@ def print_plan(
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
         + f"; global batch {gbs} x {seq} tokens, {'bf16' if bf16 else 'fp32'}"
         + (" (gradients reduced in bf16)" if bf16 and grads_bf16 else "")
-        + ("" if state_bytes == 8 else f", optimizer state {state_bytes} bytes per parameter (SGD)")
+        + ("" if state_bytes == 8 else f", optimizer state {state_bytes} bytes per parameter")
         + f", --kernel-impl {model.kernel_impl}"
     )
     print(
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         grads_bf16 = args.grad_reduce_in_bf16 or bool(job and job.optimizer.grad_reduce_in_bf16)
         # the optimizer's state per parameter: the script's (--optimizer sgd keeps one momentum buffer), else Adam's
-        state_bytes = 4 * len(state_kinds(job.optimizer)) if job is not None else 8
+        state_bytes = state_bytes_per_param(job.optimizer) if job is not None else 8
         result = print_plan(
             model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes
         )

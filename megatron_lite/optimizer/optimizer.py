@@ -45,6 +45,14 @@ def state_kinds(config: OptimizerConfig) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
+def state_bytes_per_param(config: OptimizerConfig) -> int:
+    """Bytes of optimizer state per parameter: Adam's two moments in their dtypes (8 in fp32, 4 in bf16), SGD's
+    momentum buffer (4, none without momentum)."""
+    if config.optimizer == "sgd":
+        return 4 * len(state_kinds(config))
+    return sum(DTYPES[getattr(config, k)].itemsize for k in ("exp_avg_dtype", "exp_avg_sq_dtype"))
+
+
 def state_entry(d: dict[str, torch.Tensor], config: OptimizerConfig, step: int, part=lambda t: t) -> dict | None:
     """One parameter's optimizer state from saved tensors `d` (each passed through `part`: a shard's slice), for
     `load_inner_state`; None when the checkpoint has none for it."""

@@ -32,8 +32,13 @@ class Candidate:
 
 
 def optimizer_config(layout: Layout, bf16: bool, grads_bf16: bool = False, optimizer: str = "adam") -> OptimizerConfig:
+    """`optimizer`: adam, sgd, or adam-bf16 (Adam's moments in bf16, --use-precision-aware-optimizer)."""
+    optimizer, _, moments = optimizer.partition("-")
     return OptimizerConfig(
         optimizer=optimizer,
+        use_precision_aware_optimizer=bool(moments),
+        exp_avg_dtype=moments or "fp32",
+        exp_avg_sq_dtype=moments or "fp32",
         bf16=bf16,
         grad_reduce_in_bf16=grads_bf16,
         use_distributed_optimizer=layout.sharding in ("dist-opt", "zero2"),

@@ -8,7 +8,7 @@ import os
 
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.gpt_model import build_model
-from megatron_lite.optimizer.optimizer import state_kinds
+from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 from megatron_lite.pipeline_parallel.schedules import build_schedule, max_in_flight
@@ -60,9 +60,9 @@ def dry_run(job: JobConfig) -> int:
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     low = job.optimizer.bf16 or job.optimizer.fp16
     # weights (2 or 4 bytes) + gradient buffer (fp32: 4; bf16 with --grad-reduce-in-bf16: 2) + fp32 main copy when
-    # low precision (4) + optimizer state (Adam's two moments: 8; SGD's momentum: 4, none without)
+    # low precision (4) + optimizer state (Adam's two moments: 8, 4 in bf16; SGD's momentum: 4, none without)
     grads = job.optimizer.grad_dtype.itemsize
-    state = 4 * len(state_kinds(job.optimizer))
+    state = state_bytes_per_param(job.optimizer)
     per_param = (2 + grads + 4 + state) if low else (4 + grads + state)
     per_layer = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4)
     dp = job.parallel.data_parallel_size(world)
