@@ -317,7 +317,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             "--pipeline-model-parallel-layout places every layer: drop --num-layers-per-virtual-pipeline-stage"
         )
     if ns.num_layers_per_virtual_pipeline_stage is not None:
-        per_rank = ns.num_layers // ns.pipeline_model_parallel_size
+        # (as Megatron: an embedding or loss counted in the pipeline split counts here too)
+        counted = int(ns.account_for_embedding_in_pipeline_split) + int(ns.account_for_loss_in_pipeline_split)
+        per_rank = (ns.num_layers + counted) // ns.pipeline_model_parallel_size
         if per_rank % ns.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(
                 f"--num-layers-per-virtual-pipeline-stage {ns.num_layers_per_virtual_pipeline_stage} does not "
@@ -412,7 +414,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         bf16=ns.bf16,
         fp16=ns.fp16,
         # --accumulate-allreduce-grads-in-fp32 wins (also over a value restored from a checkpoint's arguments)
-        grad_reduce_in_bf16=(ns.grad_reduce_in_bf16 or _main_grads_bf16(ns))
+        grad_reduce_in_bf16=(_main_grads_bf16(ns) or ns.grad_reduce_in_bf16)  # (its checks run either way)
         and not ns.accumulate_allreduce_grads_in_fp32,
         loss_scale=ns.loss_scale,
         initial_loss_scale=ns.initial_loss_scale,
@@ -600,6 +602,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         for dest, unit in other.items():
             if dest in given:
                 saved = {k: v for k, v in saved.items() if not (k.startswith("train_") or k.endswith(unit))}
+        if ns.optimizer == "sgd" or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
+            for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
+                saved.pop(k, None)
         parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
         ns = parser.parse_args(argv)
         ns.rope_scaling_params = saved.get("rope_scaling_params")

@@ -410,6 +410,11 @@ class ModelConfig:
         flags: the model's own sub-configs, such as a shared expert's dense MLP, may carry them)."""
         if self.recompute_granularity != "selective":
             return
+        dense = not self.num_experts or not all(self.is_moe_layer(i) for i in range(self.num_layers))
+        if "mlp" in self.recompute_modules and not dense:
+            raise ConfigError(
+                "--recompute-modules mlp is a dense layer's MLP (as in Megatron) and every layer here is MoE; use moe"
+            )
         for module, needs, what in (
             ("moe", self.num_experts, "--num-experts"),
             ("moe_act", self.num_experts, "--num-experts"),

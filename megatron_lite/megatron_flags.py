@@ -172,6 +172,11 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
         )
     lines += getattr(ns, "schedule_notes", [])
+    if getattr(ns, "exp_avg_sq_dtype", "fp32") == "bf16" and getattr(ns, "adam_beta2", 0.0) > 0.996:
+        lines.append(
+            f"warning: with --exp-avg-sq-dtype bf16, --adam-beta2 {ns.adam_beta2} barely decays the second moment: "
+            "v x beta2 rounds back to v in bf16's 8 bits (as in Transformer Engine); beta2 <= 0.996 avoids it"
+        )
     if getattr(ns, "save_interval", None) and not getattr(ns, "save", None):  # Megatron ignores it too
         lines.append(f"--save-interval {ns.save_interval} has no effect without --save")
     if getattr(ns, "dataloader_type", None) == "cyclic":

@@ -253,6 +253,11 @@ def test_the_layout_flag_sets_the_virtual_stages():
     # more stages than pipeline ranks at PP=1: virtual stages without a pipeline, refused before any collective
     from megatron_lite.layout_validation import validate_layout
 
+    # the embedding and loss counted in the split count in --num-layers-per-virtual-pipeline-stage too (Megatron)
+    account = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    base2 = [*base[: base.index("--num-layers")], "--num-layers", "2", *base[base.index("--num-layers") + 2 :]]
+    _, job = parse_args([*base2, *account, "--num-layers-per-virtual-pipeline-stage", "1"])
+    assert job.parallel.vp == 2 and stage_layer_counts(2, job.parallel) == [0, 1, 1, 0]
     pp1 = [*base[: base.index("--pipeline-model-parallel-size")], "--train-iters", "2"]
     _, job = parse_args([*pp1, "--pipeline-model-parallel-layout", "Ett|ttL"])
     assert job.parallel.pp == 1 and job.parallel.vp == 2

@@ -983,3 +983,52 @@ def test_megatron_deepseek_v3_recipe_flags_run(capsys, monkeypatch):
 def test_megatron_flags_we_lack_are_refused_with_the_reason(flag, fragment, capsys, monkeypatch):
     rc, _, err = _run(["--mock-data", "--vocab-size", "64", *flag], capsys, monkeypatch)
     _one_line_error(rc, err, fragment)
+
+
+def _dry_run_state_bytes(argv, world, capsys, monkeypatch) -> dict[int, float]:
+    """--dry-run's per-rank weights+gradients+optimizer bytes, by pipeline-first rank of each printed group."""
+    import re
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    assert main([*TINY, *argv, "--dry-run"]) == 0
+    out = {}
+    for line in capsys.readouterr().out.splitlines():
+        m = re.search(r"ranks \[(\d+)[^\]]*\].*?, ([\d.]+) (GiB|MiB) weights\+gradients\+optimizer", line)
+        if m:
+            out[int(m.group(1))] = float(m.group(2)) * 2 ** (30 if m.group(3) == "GiB" else 20)
+    return out
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "flags,sharding",
+    [
+        ([], "none"),
+        (["--use-distributed-optimizer"], "dist-opt"),
+        (["--use-distributed-optimizer", "--zero-stage", "2"], "zero2"),
+        (["--use-torch-fsdp2"], "fsdp2"),
+        (["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+          "--exp-avg-sq-dtype", "bf16"], "dist-opt"),
+    ],
+)  # fmt: skip
+def test_dry_run_memory_follows_the_sharding(flags, sharding, bf16, capsys, monkeypatch):
+    """The dry run's weights + gradients + optimizer per rank equal the planner's, whose estimates the planner
+    tests hold within 10% of measured bytes: the distributed optimizer shards the main weights and moments over
+    DP, ZeRO-2 the gradients too, FSDP2 everything (dense over DP, experts over expert-DP)."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.planner.layout import Layout
+    from megatron_lite.planner.memory import rank_memory
+
+    model = "--num-experts 4 --expert-model-parallel-size 2 --disable-bias-linear --vocab-size 64 --mock-data"
+    argv = [*model.split(), "--global-batch-size", "8", *flags, *(["--bf16"] if bf16 else [])]
+    printed = _dry_run_state_bytes(argv, 4, capsys, monkeypatch)
+    _, job = parse_args([*TINY, *argv])
+    layout = Layout(dp=4, ep=2, sharding=sharding, micro_batch_size=2)
+    state = 4 if "--exp-avg-dtype" in flags else 8
+    est = rank_memory(job.model, layout, 16, 8, bf16, 0, state_bytes=state)
+    expected = est.params + est.grads + est.optimizer
+    assert printed and all(abs(v - expected) <= 0.01 * expected + 2**20 / 20 for v in printed.values()), (
+        printed,
+        expected,
+    )

@@ -38,6 +38,8 @@ DEEPSEEK_RECOMPUTE = {
     "moe_act": dict(recompute_granularity="selective", recompute_modules=("moe_act",)),
     "shared_experts": dict(recompute_granularity="selective", recompute_modules=("shared_experts",)),
     "mla_up_proj": dict(recompute_granularity="selective", recompute_modules=("mla_up_proj",)),
+    # the whole MoE layer recomputed: its shared expert and experts' activation are not checkpointed again inside
+    "moe-nested": dict(recompute_granularity="selective", recompute_modules=("moe", "moe_act", "shared_experts")),
     "deepseek-recipe": dict(
         recompute_granularity="selective",
         recompute_modules=("core_attn", "layernorm", "mla_up_proj", "moe_act", "shared_experts", "mlp"),
@@ -133,6 +135,7 @@ def test_megatron_recompute_modules_for_moe_and_mla(dist):
     calls = {r: out[0]["calls"] for r, out in runs.items()}
     assert calls["none"] == {"layer": 6, "core_attn": 6, "mlp": 6, "moe": 4}
     assert calls["moe"] == {"layer": 6, "core_attn": 6, "mlp": 6 + 4, "moe": 8}  # "mlp" here: the shared experts
+    assert calls["moe-nested"] == calls["moe"]
     assert calls["shared_experts"] == {"layer": 6, "core_attn": 6, "mlp": 6 + 4, "moe": 4}
     assert calls["mla_up_proj"] == {"layer": 6, "core_attn": 12, "mlp": 6, "moe": 4}
     assert calls["deepseek-recipe"] == {"layer": 6, "core_attn": 12, "mlp": 6 + 2 + 4, "moe": 4}

@@ -240,6 +240,10 @@ def test_model_config_defaults_are_megatron_gpt():
             r"--recompute-modules mla_up_proj has nothing to recompute without --multi-latent-attention",
         ),
         (("shared_experts",), r"--recompute-modules shared_experts has nothing to recompute without shared experts"),
+        (
+            ("mlp", "--num-experts", "4", "--disable-bias-linear"),
+            r"--recompute-modules mlp is a dense layer's MLP \(as in Megatron\) and every layer here is MoE; use moe",
+        ),
     ],
 )
 def test_recompute_modules_naming_nothing_in_the_model_are_refused_at_start_up(modules, pattern):

@@ -79,6 +79,11 @@ class OptimizerConfig:
         for flag, value in (("--exp-avg-dtype", self.exp_avg_dtype), ("--exp-avg-sq-dtype", self.exp_avg_sq_dtype)):
             if value not in ("fp32", "bf16", "fp16"):
                 raise ConfigError(f"{flag} {value} is not fp32|bf16|fp16")
+            if value == "fp16":  # g^2 (1 - beta2) underflows fp16 for ordinary gradients without a scale
+                raise ConfigError(
+                    f"{flag} fp16 is not supported: fp16 moments need per-tensor scaling (Transformer Engine's), "
+                    "which is not implemented; use bf16"
+                )
             if value != "fp32" and not self.use_precision_aware_optimizer:
                 raise ConfigError(f"{flag} {value} needs --use-precision-aware-optimizer (as in Megatron)")
         if self.use_precision_aware_optimizer and (self.optimizer != "adam" or self.use_apex_adam):

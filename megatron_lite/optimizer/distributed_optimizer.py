@@ -33,6 +33,7 @@ from megatron_lite.optimizer.optimizer import (
     optimizer_groups,
     set_lr,
     squared_norm,
+    state_dtype,
     state_entry,
     state_kinds,
 )
@@ -216,7 +217,8 @@ class DistributedOptimizer:
         """This rank's part of a bucket: updated weights ('param', in the model's dtype) or a kind of state."""
         n, d = buffer.group.size, buffer.group.rank
         part = (hi - lo) // n
-        dtype = bucket.params[0].dtype if what == "param" else torch.float32
+        # (state in the dtype the optimizer keeps it, decided by the config so every rank gathers the same dtype)
+        dtype = bucket.params[0].dtype if what == "param" else state_dtype(self.config, what)
         mine = torch.zeros(part, dtype=dtype, device=buffer.device)
         own_lo = lo + d * part
         for s in self.shards:

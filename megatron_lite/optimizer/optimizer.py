@@ -71,8 +71,8 @@ def _inner_optimizer(groups, config: OptimizerConfig, device: torch.device) -> t
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
     kw = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
-    if config.use_precision_aware_optimizer:
-        dtypes = {k: DTYPES[getattr(config, k)] for k in ("exp_avg_dtype", "exp_avg_sq_dtype")}
+    dtypes = {k: DTYPES[getattr(config, k)] for k in ("exp_avg_dtype", "exp_avg_sq_dtype")}
+    if any(d != torch.float32 for d in dtypes.values()):  # (fp32 moments: torch's own, fused on CUDA)
         return PrecisionAwareAdamW(groups, **kw, **dtypes)
     if config.use_apex_adam:
         try:
@@ -169,9 +169,21 @@ def make_scaler(config: OptimizerConfig):
     )
 
 
+def state_dtype(config: OptimizerConfig, kind: str) -> torch.dtype:
+    """The dtype the optimizer keeps state `kind` in (Adam's moments: --exp-avg-dtype / --exp-avg-sq-dtype)."""
+    return DTYPES[getattr(config, f"{kind}_dtype")] if kind in ("exp_avg", "exp_avg_sq") else torch.float32
+
+
 def load_inner_state(inner: torch.optim.Optimizer, states: dict) -> None:
     """Install optimizer state (main tensor -> {step, exp_avg, exp_avg_sq} or {momentum_buffer}) through
-    load_state_dict."""
+    load_state_dict; low-precision moments directly in their dtype (load_state_dict would first make fp32 copies of
+    them all, the memory they exist to save)."""
+    if isinstance(inner, PrecisionAwareAdamW):
+        for main, entry in states.items():
+            inner.state[main] = {
+                k: v if k == "step" else v.to(device=main.device, dtype=inner.dtypes[k]) for k, v in entry.items()
+            }
+        return
     sd = inner.state_dict()
     index_of = {}
     for group_sd, group in zip(sd["param_groups"], inner.param_groups):
