@@ -78,6 +78,14 @@ def run_with_recompute(name: str, sp: bool, recompute: str, dropout: float):
     }
 
 
+def _assert_identical(mine: dict, base: dict, what) -> None:
+    """Bit-identical losses, gradients (None where the reference has none) and generator state after the run."""
+    assert torch.equal(mine["losses"], base["losses"]), what
+    for k, g in base["grads"].items():
+        assert (g is None and mine["grads"][k] is None) or torch.equal(mine["grads"][k], g), (*what, k)
+    assert torch.equal(mine["rng_after"], base["rng_after"]), what
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_recompute_gradients_identical_with_dropout(dist, name, sp):
@@ -88,15 +96,7 @@ def test_recompute_gradients_identical_with_dropout(dist, name, sp):
         # Dropout is really on: the loss differs from the dropout-free run.
         assert not torch.allclose(base[rank]["losses"], no_dropout[rank]["losses"])
         for recompute, out in runs.items():
-            mine = out[rank]
-            assert torch.equal(mine["losses"], base[rank]["losses"]), (recompute, rank)
-            for k, g in base[rank]["grads"].items():
-                assert (g is None and mine["grads"][k] is None) or torch.equal(mine["grads"][k], g), (
-                    recompute,
-                    rank,
-                    k,
-                )
-            assert torch.equal(mine["rng_after"], base[rank]["rng_after"]), recompute
+            _assert_identical(out[rank], base[rank], (recompute, rank))
     # Recomputation really happened (two steps, three layers): forward starts counted per module kind
     # (pre-hooks: non-reentrant checkpointing may stop a recomputation before a module returns).
     calls = {r: out[0]["calls"] for r, out in runs.items()}
@@ -120,17 +120,9 @@ def test_megatron_recompute_modules_for_moe_and_mla(dist):
     base = runs["none"]
     for recompute, out in runs.items():
         for rank in range(2):
-            mine = out[rank]
-            assert torch.equal(mine["losses"], base[rank]["losses"]), (recompute, rank)
-            for k, g in base[rank]["grads"].items():
-                assert (g is None and mine["grads"][k] is None) or torch.equal(mine["grads"][k], g), (
-                    recompute,
-                    rank,
-                    k,
-                )
-            assert torch.equal(mine["rng_after"], base[rank]["rng_after"]), recompute
+            _assert_identical(out[rank], base[rank], (recompute, rank))
         if recompute != "none":
-            assert mine["activation_peak"] < base[0]["activation_peak"], recompute
+            assert out[0]["activation_peak"] < base[0]["activation_peak"], recompute
     # two steps, three layers (one dense: its MLP; two MoE: their shared experts are MLPs too)
     calls = {r: out[0]["calls"] for r, out in runs.items()}
     assert calls["none"] == {"layer": 6, "core_attn": 6, "mlp": 6, "moe": 4}

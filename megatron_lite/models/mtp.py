@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.models.attach_loss import attach_loss
 from megatron_lite.models.norms import build_norm
 from megatron_lite.models.transformer import TransformerLayer
 from megatron_lite.parallel_context import ParallelContext
@@ -59,21 +60,6 @@ def mtp_inputs(mb: dict[str, torch.Tensor], depths: int) -> dict[str, torch.Tens
         out["mtp_loss_mask"].append(m)
         out["mtp_position_ids"].append(_shift_left(positions, k))
     return {**mb, **{key: torch.stack(v, 1) for key, v in out.items()}}
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Passes `y` through; in the backward hands `loss` the gradient `scale`."""
-
-    @staticmethod
-    def forward(ctx, y, loss, scale):
-        ctx.scale = scale
-        ctx.save_for_backward(loss)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (loss,) = ctx.saved_tensors
-        return g, torch.full_like(loss, ctx.scale), None
 
 
 class MultiTokenPredictionLayer(nn.Module):
@@ -150,6 +136,6 @@ class MultiTokenPredictionBlock(nn.Module):
             loss_sum = (token_loss.float() * mtp["mtp_loss_mask"][:, k]).sum()
             sums.append(loss_sum.detach().double())
             if torch.is_grad_enabled():
-                main_loss = _AttachLoss.apply(main_loss, loss_sum, self.loss_scales[k])
+                main_loss = attach_loss(main_loss, loss_sum, self.loss_scales[k])
         self._loss_sums.append(torch.stack(sums))
         return main_loss

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.models.attach_loss import attach_loss
 from megatron_lite.models.mlp import MLP
 from megatron_lite.moe.dispatcher import allgather_dispatch, alltoall_dispatch, alltoall_dispatch_overlapped
 from megatron_lite.moe.experts import LocalExperts
@@ -32,19 +33,6 @@ from megatron_lite.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_lite.tensor_parallel.random import checkpoint, is_recomputing
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, loss, scale):
-        ctx.scale = scale
-        ctx.save_for_backward(loss)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (loss,) = ctx.saved_tensors
-        return g, torch.full_like(loss, ctx.scale), None
 
 
 class MoELayer(nn.Module):
@@ -107,7 +95,7 @@ class MoELayer(nn.Module):
             y = y + (checkpoint(self.shared_expert, self.rng, x) if recompute else self.shared_expert(x))
         losses = [v for v in (routing.aux_loss, routing.z_loss) if v is not None]
         if losses and self.training and torch.is_grad_enabled():
-            y = _AttachAuxLoss.apply(y, sum(losses), self.aux_loss_scale / self.tp.size)
+            y = attach_loss(y, sum(losses), self.aux_loss_scale / self.tp.size)
         if not is_recomputing():
             st = self.stats
             st["counts"] += routing.counts.detach().double().cpu()
