@@ -464,3 +464,13 @@ def test_memory_estimate_multi_token_prediction(dist, case):
     under PP (where the last stage also holds a copy of the word embeddings)."""
     layout = {"tp2-sp": Layout(tp=2, micro_batch_size=2), "pp2": Layout(pp=2, micro_batch_size=2)}[case]
     _check("deepseekmtp", layout, dist(layout.world, measure, "deepseekmtp", layout))
+
+
+def test_a_scripts_uneven_pipeline_split_is_planned_as_written():
+    """deepseek_v3.sh splits 61 layers 3 + 14 x 4 + 2 over PP=16 (--pipeline-model-parallel-layout): the planner
+    evaluates that layout, stage by stage, where it refused it as an uneven split before."""
+    result = _tool().main(["--script", str(ROOT / "pretrain" / "deepseek_v3.sh"), "--top", "1"])
+    yours = result["yours"]
+    assert yours["reason"] is None and tuple(yours["layout"]["stages"]) == (3,) + (4,) * 14 + (2,)
+    assert "PP16(3/4/4/4/4/4/4/4/4/4/4/4/4/4/4/2)" in yours["describe"]
+    assert yours["memory"]["total"] > 0 and yours["mfu"] > 0

@@ -65,10 +65,15 @@ def model_from_hf(path: str) -> ModelConfig:
 
 def job_layout(job, world: int) -> Layout:
     """The layout a parsed job runs with."""
+    from megatron_lite.layout_validation import stage_layer_counts
     from megatron_lite.planner.search import sharding_of
 
     p, m = job.parallel, job.model
+    uneven = p.pipeline_layout is not None or p.decoder_first_pipeline_num_layers is not None
+    uneven = uneven or p.decoder_last_pipeline_num_layers is not None
+    uneven = uneven or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
     return Layout(
+        stages=tuple(stage_layer_counts(m.num_layers, p)) if uneven else None,
         tp=p.tp,
         pp=p.pp,
         vp=p.vp,

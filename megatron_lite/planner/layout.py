@@ -24,6 +24,8 @@ class Layout:
     recompute: str = "none"
     micro_batch_size: int = 1
     sequence_parallel: bool = True  # with TP > 1 (Megatron's recommendation; off only when asked)
+    # the layers of each virtual stage when not an even split (a script's uneven first/last stages or layout)
+    stages: tuple[int, ...] | None = None
 
     @property
     def world(self) -> int:
@@ -41,6 +43,7 @@ class Layout:
             context_parallel_size=self.cp,
             expert_model_parallel_size=self.ep,
             sequence_parallel=self.sp,
+            pipeline_layout=self.stages,
         )
 
     def training_config(self, global_batch_size: int, seq_length: int) -> TrainingConfig:
@@ -67,6 +70,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}" + ("+SP" if self.sp else ""), f"PP{self.pp}"]
+        if self.stages is not None:
+            parts[-1] += "(" + "/".join(str(n) for n in self.stages) + ")"
         if self.vp > 1:
             parts.append(f"VP{self.vp}")
         parts += [f"DP{self.dp}"]
