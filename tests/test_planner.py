@@ -474,3 +474,22 @@ def test_a_scripts_uneven_pipeline_split_is_planned_as_written():
     assert yours["reason"] is None and tuple(yours["layout"]["stages"]) == (3,) + (4,) * 14 + (2,)
     assert "PP16(3/4/4/4/4/4/4/4/4/4/4/4/4/4/4/2)" in yours["describe"]
     assert yours["memory"]["total"] > 0 and yours["mfu"] > 0
+
+
+def test_the_search_tries_uneven_pipeline_splits_when_asked():
+    """--uneven-pipeline: a pipeline size whose stages do not divide the layers is tried with lighter end stages
+    (61 layers on 16 stages: 3, 3, 4 x 13, 3), which the even split refuses."""
+    from megatron_lite.planner.hardware import cluster
+    from megatron_lite.planner.search import evaluate, layouts, uneven_stages
+
+    assert uneven_stages(61, 16) == (3, 3) + (4,) * 13 + (3,)
+    assert uneven_stages(5, 4) == (1, 1, 2, 1) and uneven_stages(64, 16) is None
+    model = llama_config(num_layers=61)
+    even, uneven = layouts(model, 16, 8, 64), layouts(model, 16, 8, 64, uneven=True)
+    assert len(even) == len(uneven)
+    staged = [x for x in uneven if x.stages is not None]
+    assert staged and all(sum(x.stages) == 61 and len(x.stages) == x.pp * x.vp for x in staged)
+    cl = cluster("H100", 8, 2, None, None)
+    layout = next(x for x in staged if x.pp == 2 and x.vp == 1 and x.sharding == "none")
+    assert evaluate(model, layout, 32, 64, cl).reason is None
+    assert "not divisible" in evaluate(model, dataclasses.replace(layout, stages=None), 32, 64, cl).reason

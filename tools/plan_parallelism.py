@@ -111,9 +111,10 @@ def reason_group(reason: str) -> str:
 
 
 def print_plan(
-    model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8
-) -> dict:
-    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap, grads_bf16, state_bytes)
+    model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
+    uneven=False,
+) -> dict:  # fmt: skip
+    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap, grads_bf16, state_bytes, uneven)
     g = cl.gpu
     print(
         f"model: {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
@@ -270,6 +271,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--kernel-impl", choices=["triton", "torch"], default="triton")
     p.add_argument("--tp-comm-overlap", action="store_true", help="price TP communication as overlapped")
+    p.add_argument(
+        "--uneven-pipeline",
+        action="store_true",
+        help="also try pipeline sizes whose stages the layers do not divide, with lighter end stages (as a "
+        "--pipeline-model-parallel-layout would run them)",
+    )
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--iters", type=int, default=5, help="--check-cpu: timed steps per layout (after one warm-up)")
     p.add_argument("--json", help="also write the result here")
@@ -309,8 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
         # the optimizer's state per parameter: the script's (--optimizer sgd keeps one momentum buffer), else Adam's
         state_bytes = state_bytes_per_param(job.optimizer) if job is not None else 8
         result = print_plan(
-            model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes
-        )
+            model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes,
+            args.uneven_pipeline,
+        )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -72,9 +72,26 @@ def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size
     return None
 
 
-def layouts(model: ModelConfig, world: int, gpus_per_node: int, global_batch_size: int) -> list[Layout]:
+def uneven_stages(num_layers: int, stages: int) -> tuple[int, ...] | None:
+    """Layers of `stages` virtual stages when they do not divide `num_layers`: as many as the largest share on each,
+    one fewer on the end stages first (the first holds the embedding, the last the loss), then on their
+    neighbours. None when the split is even, or would leave a middle stage empty."""
+    if num_layers % stages == 0:
+        return None
+    base = -(-num_layers // stages)
+    counts = [base] * stages
+    order = [i for pair in zip(range(stages), reversed(range(stages))) for i in pair]
+    for i in order[: base * stages - num_layers]:
+        counts[i] -= 1
+    return tuple(counts) if min(counts[1:-1] or [1]) > 0 else None
+
+
+def layouts(
+    model: ModelConfig, world: int, gpus_per_node: int, global_batch_size: int, uneven: bool = False
+) -> list[Layout]:
     """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
-    2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8."""
+    2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8. `uneven`: pipeline
+    sizes whose stages the layers do not divide are tried with lighter end stages (`uneven_stages`)."""
     out = []
     pow2 = [1, 2, 4, 8, 16, 32]
     experts = divisors(model.num_experts) if model.num_experts else [1]
@@ -88,7 +105,8 @@ def layouts(model: ModelConfig, world: int, gpus_per_node: int, global_batch_siz
             ):
                 if global_batch_size % (mbs * dp) or (dp * cp * tp) % ep:
                     continue
-                out.append(Layout(tp, pp, vp, dp, cp, ep, sharding, recompute, mbs))
+                stages = uneven_stages(model.num_layers, pp * vp) if uneven and pp > 1 else None
+                out.append(Layout(tp, pp, vp, dp, cp, ep, sharding, recompute, mbs, stages=stages))
     return out
 
 
@@ -137,10 +155,11 @@ def plan(
     tp_comm_overlap: bool = False,
     grads_bf16: bool = False,
     state_bytes: int = 8,
+    uneven: bool = False,
 ) -> tuple[list[Candidate], list[Candidate]]:
-    """(layouts that fit, fastest first; layouts refused or too big)."""
+    """(layouts that fit, fastest first; layouts refused or too big). `uneven`: see `layouts`."""
     fits, rejected = [], []
-    for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size):
+    for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven):
         c = evaluate(model, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap, grads_bf16, state_bytes)
         (rejected if c.reason else fits).append(c)
     fits.sort(key=lambda c: (c.time.total, c.memory.total))
