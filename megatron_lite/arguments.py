@@ -9,12 +9,11 @@ accepted and reported at start-up.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from collections.abc import Sequence
 
-from megatron_lite.checkpoint_flags import ARCH_DESTS, defaults_from_checkpoint
-from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
+from megatron_lite.checkpoint_flags import flags_from_checkpoint
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig, yarn_mscale
 from megatron_lite.data.config import DataConfig
 from megatron_lite.flag_parser import build_parser
 from megatron_lite.layout_validation import parse_pipeline_layout
@@ -124,10 +123,6 @@ def _layer_freq(text) -> int | tuple[int, ...]:
     return values[0] if len(values) == 1 and not any(c in body for c in "*+") else tuple(values)
 
 
-def _yarn_mscale(scale: float, m: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-
 def _main_grads_bf16(ns: argparse.Namespace) -> bool:
     """Megatron's --main-grads-dtype bf16 (with --use-precision-aware-optimizer): bf16 main gradients, which
     --grad-reduce-in-bf16 gives here; --main-params-dtype fp16 has no counterpart (fp32 main weights only)."""
@@ -168,31 +163,9 @@ def _mla_yarn(ns: argparse.Namespace) -> RopeScaling | None:
         rope_type="yarn",
         beta_fast=32.0,
         beta_slow=1.0,
-        attention_factor=_yarn_mscale(f, ns.mscale) / _yarn_mscale(f, ns.mscale_all_dim),
+        attention_factor=yarn_mscale(f, ns.mscale) / yarn_mscale(f, ns.mscale_all_dim),
         truncate=True,
     )
-
-
-def _check_yarn_against_checkpoint(ns: argparse.Namespace, saved: dict, given: set[str], path: str) -> None:
-    """An MLA checkpoint's YaRN keeps its resolved cos / sin factor, not --mscale: an explicit --mscale or
-    --rope-type that would build another RoPE is refused (they would otherwise be ignored)."""
-    params = saved.get("rope_scaling_params") or {}
-    if not saved.get("multi_latent_attention") or params.get("rope_type") != "yarn":
-        return
-    if "rope_type" in given and ns.rope_type != "yarn":
-        raise ConfigError(
-            f"--rope-type {ns.rope_type} conflicts with the checkpoint in {path} (YaRN); drop the flag, or pass "
-            "--use-checkpoint-args"
-        )
-    if "mscale" in given:
-        f = params["factor"]
-        factor = _yarn_mscale(f, ns.mscale) / _yarn_mscale(f, saved.get("mscale_all_dim") or 0.0)
-        if not math.isclose(factor, params.get("attention_factor", 1.0), rel_tol=1e-9):
-            raise ConfigError(
-                f"--mscale {ns.mscale} conflicts with the checkpoint in {path} (its YaRN scales cos / sin by "
-                f"{params.get('attention_factor')}, this would by {factor:.6g}); drop the flag, or pass "
-                "--use-checkpoint-args"
-            )
 
 
 def _require(ns: argparse.Namespace, *names: str) -> None:
@@ -520,54 +493,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     )
 
 
-# The schedule a checkpoint's scheduler state continues (Megatron's OptimizerParamScheduler values): on resume,
-# given flags that differ from the checkpoint's win (with a note), or not with --use-checkpoint-opt_param-scheduler.
-SCHEDULE_DESTS = (
-    "lr",
-    "min_lr",
-    "lr_decay_style",
-    "lr_decay_iters",
-    "lr_decay_samples",
-    "lr_warmup_iters",
-    "lr_warmup_samples",
-    "lr_warmup_init",
-    "lr_wsd_decay_style",
-    "lr_wsd_decay_iters",
-    "lr_wsd_decay_samples",
-    "decoupled_lr",
-    "decoupled_min_lr",
-    "weight_decay",
-    "start_weight_decay",
-    "end_weight_decay",
-    "weight_decay_incr_style",
-)
-
-
-def _schedule_from_checkpoint(ns: argparse.Namespace, saved: dict, given: set[str]) -> list[str]:
-    """Reconcile the schedule flags given on resume with the checkpoint's; returns the notes to log."""
-    changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
-    if ns.use_checkpoint_opt_param_scheduler:
-        for d in changed:
-            setattr(ns, d, saved[d])
-        # the checkpoint's decay length: its --lr-decay-iters, or the --train-iters it ran for
-        if ns.lr_decay_iters is None and saved.get("lr_decay_iters") is None and saved.get("train_iters"):
-            ns.lr_decay_iters = saved["train_iters"]
-        return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(changed)} kept"] if changed else []
-    if ns.override_opt_param_scheduler:
-        return []
-    return [
-        f"--{d.replace('_', '-')} {getattr(ns, d)} differs from the checkpoint's {saved[d]}: the schedule follows "
-        "the flag (Megatron stops unless --override-opt_param-scheduler; --use-checkpoint-opt_param-scheduler keeps "
-        "the checkpoint's)"
-        for d in changed
-    ]
-
-
-def _explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    actions = parser._option_string_actions
-    return {actions[tok.split("=")[0]].dest for tok in argv if tok.split("=")[0] in actions}
-
-
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
     """Parse the flags. With --load pointing at a checkpoint, flags not given take the checkpoint's values,
     so `--load DIR` alone rebuilds and continues the run."""
@@ -586,30 +511,5 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     ns.schedule_notes = []
     path = find_checkpoint(ns.load) if ns.load else None
     if path is not None:
-        saved = defaults_from_checkpoint(read_metadata(path)["config"])
-        given = _explicit_dests(parser, argv)
-        conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
-        if conflicts and not ns.use_checkpoint_args:
-            d = conflicts[0]
-            raise ConfigError(
-                f"--{d.replace('_', '-')} {getattr(ns, d)} conflicts with the checkpoint in {path} "
-                f"({saved.get(d)}); drop the flag, or pass --use-checkpoint-args to take the checkpoint's value"
-            )
-        if not ns.use_checkpoint_args:
-            _check_yarn_against_checkpoint(ns, saved, given, path)
-        # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
-        other = {"train_iters": "samples", "train_samples": "iters"}
-        for dest, unit in other.items():
-            if dest in given:
-                saved = {k: v for k, v in saved.items() if not (k.startswith("train_") or k.endswith(unit))}
-        if ns.optimizer == "sgd" or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
-            for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
-                saved.pop(k, None)
-        parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
-        ns = parser.parse_args(argv)
-        ns.rope_scaling_params = saved.get("rope_scaling_params")
-        ns.schedule_notes = _schedule_from_checkpoint(ns, saved, given)
-        if ns.use_checkpoint_args:
-            for d in ARCH_DESTS:
-                setattr(ns, d, saved.get(d, getattr(ns, d)))
+        ns = flags_from_checkpoint(parser, argv, ns, read_metadata(path)["config"], path)
     return ns, job_config_from_args(ns)

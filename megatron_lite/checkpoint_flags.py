@@ -1,10 +1,17 @@
 """The flag values a checkpoint carries: `pretrain_gpt.py --load DIR` alone rebuilds the run that wrote it.
 
-arguments.parse_args takes these as defaults for flags not given, and refuses an explicit flag that would
-change the weights' architecture (ARCH_DESTS) unless --use-checkpoint-args.
+`flags_from_checkpoint` (called by arguments.parse_args) takes these as defaults for flags not given, refuses an
+explicit flag that would change the weights' architecture (ARCH_DESTS) unless --use-checkpoint-args, and notes
+schedule flags that differ from the checkpoint's.
 """
 
 from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+
+from megatron_lite.config import ConfigError, yarn_mscale
 
 # Flags whose value defines the weights: given explicitly with a different value than the checkpoint's, they
 # are an error unless --use-checkpoint-args (then the checkpoint's value wins).
@@ -130,3 +137,108 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out.update({k: v for k, v in d.items() if k not in paths})
     out.update({k: list(d.get(k) or ()) or None for k in paths})
     return out
+
+
+def _check_yarn(ns: argparse.Namespace, saved: dict, given: set[str], path: str) -> None:
+    """An MLA checkpoint's YaRN keeps its resolved cos / sin factor, not --mscale: an explicit --mscale or
+    --rope-type that would build another RoPE is refused (they would otherwise be ignored)."""
+    params = saved.get("rope_scaling_params") or {}
+    if not saved.get("multi_latent_attention") or params.get("rope_type") != "yarn":
+        return
+    if "rope_type" in given and ns.rope_type != "yarn":
+        raise ConfigError(
+            f"--rope-type {ns.rope_type} conflicts with the checkpoint in {path} (YaRN); drop the flag, or pass "
+            "--use-checkpoint-args"
+        )
+    if "mscale" in given:
+        f = params["factor"]
+        factor = yarn_mscale(f, ns.mscale) / yarn_mscale(f, saved.get("mscale_all_dim") or 0.0)
+        if not math.isclose(factor, params.get("attention_factor", 1.0), rel_tol=1e-9):
+            raise ConfigError(
+                f"--mscale {ns.mscale} conflicts with the checkpoint in {path} (its YaRN scales cos / sin by "
+                f"{params.get('attention_factor')}, this would by {factor:.6g}); drop the flag, or pass "
+                "--use-checkpoint-args"
+            )
+
+
+# The schedule a checkpoint's scheduler state continues (Megatron's OptimizerParamScheduler values): on resume,
+# given flags that differ from the checkpoint's win (with a note), or not with --use-checkpoint-opt_param-scheduler.
+SCHEDULE_DESTS = (
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_warmup_iters",
+    "lr_warmup_samples",
+    "lr_warmup_init",
+    "lr_wsd_decay_style",
+    "lr_wsd_decay_iters",
+    "lr_wsd_decay_samples",
+    "decoupled_lr",
+    "decoupled_min_lr",
+    "weight_decay",
+    "start_weight_decay",
+    "end_weight_decay",
+    "weight_decay_incr_style",
+)
+
+
+def _schedule_notes(ns: argparse.Namespace, saved: dict, given: set[str]) -> list[str]:
+    """Reconcile the schedule flags given on resume with the checkpoint's; returns the notes to log."""
+    changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
+    if ns.use_checkpoint_opt_param_scheduler:
+        for d in changed:
+            setattr(ns, d, saved[d])
+        # the checkpoint's decay length: its --lr-decay-iters, or the --train-iters it ran for
+        if ns.lr_decay_iters is None and saved.get("lr_decay_iters") is None and saved.get("train_iters"):
+            ns.lr_decay_iters = saved["train_iters"]
+        return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(changed)} kept"] if changed else []
+    if ns.override_opt_param_scheduler:
+        return []
+    return [
+        f"--{d.replace('_', '-')} {getattr(ns, d)} differs from the checkpoint's {saved[d]}: the schedule follows "
+        "the flag (Megatron stops unless --override-opt_param-scheduler; --use-checkpoint-opt_param-scheduler keeps "
+        "the checkpoint's)"
+        for d in changed
+    ]
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    actions = parser._option_string_actions
+    return {actions[tok.split("=")[0]].dest for tok in argv if tok.split("=")[0] in actions}
+
+
+def flags_from_checkpoint(
+    parser: argparse.ArgumentParser, argv: Sequence[str], ns: argparse.Namespace, config: dict, path: str
+) -> argparse.Namespace:
+    """The flags of `argv` parsed again with the checkpoint's values (its metadata's `config`) as the defaults of
+    flags not given: an explicit flag that would change the weights' architecture is refused (unless
+    --use-checkpoint-args), schedule flags that differ are noted (ns.schedule_notes)."""
+    saved = defaults_from_checkpoint(config)
+    given = explicit_dests(parser, argv)
+    conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
+    if conflicts and not ns.use_checkpoint_args:
+        d = conflicts[0]
+        raise ConfigError(
+            f"--{d.replace('_', '-')} {getattr(ns, d)} conflicts with the checkpoint in {path} "
+            f"({saved.get(d)}); drop the flag, or pass --use-checkpoint-args to take the checkpoint's value"
+        )
+    if not ns.use_checkpoint_args:
+        _check_yarn(ns, saved, given, path)
+    # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
+    other = {"train_iters": "samples", "train_samples": "iters"}
+    for dest, unit in other.items():
+        if dest in given:
+            saved = {k: v for k, v in saved.items() if not (k.startswith("train_") or k.endswith(unit))}
+    if ns.optimizer == "sgd" or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
+        for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            saved.pop(k, None)
+    parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
+    ns = parser.parse_args(argv)
+    ns.rope_scaling_params = saved.get("rope_scaling_params")
+    ns.schedule_notes = _schedule_notes(ns, saved, given)
+    if ns.use_checkpoint_args:
+        for d in ARCH_DESTS:
+            setattr(ns, d, saved.get(d, getattr(ns, d)))
+    return ns

@@ -34,6 +34,11 @@ def _nearest_multiples(value: int, step: int) -> str:
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched `scale` times: 0.1 m ln(scale) + 1 (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Frequency-dependent RoPE scaling: Llama 3's (HF `rope_type: llama3`, Megatron `--use-rope-scaling`), or
@@ -188,7 +193,7 @@ class ModelConfig:
         scale = self.mla_q_head_dim**-0.5
         s = self.rope_scaling
         if s is not None and s.rope_type == "yarn" and self.mla_mscale_all_dim and s.factor > 1:
-            scale *= (0.1 * self.mla_mscale_all_dim * math.log(s.factor) + 1.0) ** 2  # YaRN's mscale, squared
+            scale *= yarn_mscale(s.factor, self.mla_mscale_all_dim) ** 2
         return scale
 
     @property

@@ -12,10 +12,9 @@ GPT2LMHeadModel. A field that changes the math and that we do not implement is r
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
+from megatron_lite.config import ConfigError, ModelConfig, RopeScaling, yarn_mscale
 from megatron_lite.models import hf_deepseek
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3
 
@@ -81,13 +80,12 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
         original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
         factor = params.get("factor") or hf_config.max_position_embeddings / original  # (DeepSeek-V3's rule)
 
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
         attention_factor = params.get("attention_factor")
         if attention_factor is None:  # as transformers: the paper's 0.1 ln(s) + 1, or DeepSeek's mscale ratio
             m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+            attention_factor = (
+                yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+            )
         return base, RopeScaling(
             factor=float(factor),
             original_max_position_embeddings=original,
