@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from test_hf_reference import _deepseek_v2_lite
 
 from megatron_lite.checkpoint.hf_convert import HF_DEFAULTS, MODEL_TYPES_CLASSES
 from megatron_lite.config import ParallelConfig
@@ -200,25 +201,7 @@ def _configs() -> dict:
         ),
         # DeepSeek-V2-Lite's shape: no query latent, RoPE on interleaved pairs, softmax top-k (greedy), two shared
         # experts.
-        "deepseek_v2": transformers.DeepseekV2Config(
-            hidden_size=64,
-            intermediate_size=96,
-            moe_intermediate_size=24,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=None,
-            kv_lora_rank=16,
-            qk_nope_head_dim=12,
-            qk_rope_head_dim=8,
-            v_head_dim=10,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=2,
-            first_k_dense_replace=1,
-            topk_method="greedy",
-            **COMMON,
-        ),
+        "deepseek_v2": _deepseek_v2_lite(num_hidden_layers=4, **COMMON),
         # gelu_new, an inner size that is not 4 x hidden, a non-default epsilon, tied embeddings.
         "gpt2": transformers.GPT2Config(
             vocab_size=V,

@@ -255,9 +255,9 @@ def _deepseek_v3_dense_yarn():
     return config
 
 
-def _deepseek_v2_lite():
+def _deepseek_v2_lite(**overrides):
     # DeepSeek-V2-Lite's shape: no query latent, greedy top-k of the softmax (not renormalised), two shared experts.
-    return transformers.DeepseekV2Config(
+    fields = dict(
         vocab_size=V,
         hidden_size=64,
         intermediate_size=96,
@@ -278,6 +278,7 @@ def _deepseek_v2_lite():
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
+    return transformers.DeepseekV2Config(**{**fields, **overrides})
 
 
 def _deepseek_v2_groups():
