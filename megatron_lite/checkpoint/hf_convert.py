@@ -369,12 +369,12 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     # DeepSeek-V3's multi-token-prediction layers follow its last layer. (transformers' config defaults
     # num_nextn_predict_layers to 1 and its model has none, so the file and the tensors decide.)
     mtp = int(raw.get("num_nextn_predict_layers") or 0) if arch == "DeepseekV3ForCausalLM" else 0
-    if mtp and not any((_layer_of(k) or 0) >= config.num_layers for k in hf):
+    present = {_layer_of(k) for k in hf} - {None}
+    if mtp and max(present, default=-1) < config.num_layers:
         log(f"{load_dir}: config.json has num_nextn_predict_layers {mtp} but no such layers: converted without them")
         mtp = 0
-    present = {_layer_of(k) for k in hf} - {None}
     missing = [config.num_layers + k for k in range(mtp) if config.num_layers + k not in present]
-    if mtp and missing:
+    if missing:
         raise ConfigError(
             f"{load_dir}: config.json has num_nextn_predict_layers {mtp} but the files lack layer(s) {missing}; "
             "set num_nextn_predict_layers to the depths present (0 converts without them)"

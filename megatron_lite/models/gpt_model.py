@@ -30,6 +30,13 @@ _WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
+def _mark_embedding_copy(module: nn.Module) -> None:
+    """`module.weight` is the last stage's copy of the first stage's word embeddings: summed with it over the
+    embedding group, counted and stored once (ParamMeta.embedding_copy)."""
+    meta = next(m for n, _, m in named_param_meta(module) if n == "weight")
+    set_param_meta(module, "weight", dataclasses.replace(meta, embedding_copy=True))
+
+
 class LanguageModelEmbedding(nn.Module):
     """Word embeddings (vocabulary-parallel), learned absolute positions when configured, dropout.
 
@@ -102,9 +109,7 @@ class GPTModel(nn.Module):
         mtp = post_process and config.mtp_num_layers > 0
         self.embedding = LanguageModelEmbedding(config, ctx, device, dtype) if pre_process or mtp else None
         if mtp and not pre_process:
-            words = self.embedding.word_embeddings
-            meta = next(m for n, _, m in named_param_meta(words) if n == "weight")
-            set_param_meta(words, "weight", dataclasses.replace(meta, embedding_copy=True))
+            _mark_embedding_copy(self.embedding.word_embeddings)
         self.rotary_pos_emb = (
             RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling, device=device)
             if config.position_embedding_type == "rope"
@@ -127,8 +132,7 @@ class GPTModel(nn.Module):
             )
             if config.tied_embeddings and self.embedding is None:
                 # The last stage holds a copy of the first stage's word embeddings (same name, same init).
-                meta = next(m for n, _, m in named_param_meta(self.output_layer) if n == "weight")
-                set_param_meta(self.output_layer, "weight", dataclasses.replace(meta, embedding_copy=True))
+                _mark_embedding_copy(self.output_layer)
         self.mtp = MultiTokenPredictionBlock(config, ctx, device, dtype) if mtp else None
         if device.type != "meta":
             self.init_weights(seed)

@@ -277,6 +277,36 @@ class Memory:
         }
 
 
+def parameter_state_bytes(
+    dense: float,
+    expert: float,
+    dp_cp: int,
+    edp: int,
+    sharding: str,
+    bf16: bool,
+    grads_bf16: bool = False,
+    state_bytes: int = ADAM_MOMENTS,
+    whole_grads: float = 0,
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of `dense` and `expert` trainable parameters replicated over `dp_cp`
+    and `edp` ranks: weights in compute precision (bf16: 2 bytes), gradient buffers (bf16 with `grads_bf16`),
+    fp32 main copies in low precision and the optimizer's `state_bytes`. The distributed optimizer shards the
+    main copies (kept even of fp32 weights) and state, ZeRO-2 the gradients too (but `whole_grads` parameters'),
+    FSDP2 everything in fp32 shards that are the main weights."""
+    local = dense / dp_cp + expert / edp
+    if sharding == "fsdp2":
+        params = 4 * local  # bf16 copies are gathered a layer at a time for compute
+        return params, params, state_bytes / 4 * params
+    total = dense + expert
+    grad_bytes = 2 if bf16 and grads_bf16 else 4
+    grads = grad_bytes * ((local + whole_grads) if sharding == "zero2" else total)
+    if sharding in ("dist-opt", "zero2"):
+        optimizer = (state_bytes + MAIN_COPY) * local
+    else:
+        optimizer = (state_bytes + (MAIN_COPY if bf16 else 0)) * total
+    return (2 if bf16 else 4) * total, grads, optimizer
+
+
 def rank_memory(
     model: ModelConfig,
     layout: Layout,
@@ -294,23 +324,12 @@ def rank_memory(
     edp = max(dp_cp * layout.tp // (layout.tp * layout.ep), 1)  # expert-data-parallel (expert TP = TP)
     param_bytes = 2 if bf16 else 4
     grad_bytes = 2 if bf16 and grads_bf16 else 4
-    if layout.sharding == "fsdp2":
-        # fp32 shards; bf16 copies are gathered a layer at a time for compute
-        params = 4 * (counts.dense / dp_cp + counts.expert / edp)
-        grads = params
-        optimizer = state_bytes / 4 * params
-    else:
-        params = param_bytes * counts.total
-        grads = grad_bytes * counts.total
-        if layout.sharding == "zero2":
-            grads = grad_bytes * (counts.dense / dp_cp + counts.expert / edp)
-            if model.tied_embeddings and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
-                # the tied copy's gradient stays whole for the step (reduced after the embedding all-reduce)
-                grads += grad_bytes * model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
-        if layout.sharding in ("dist-opt", "zero2"):
-            optimizer = (state_bytes + MAIN_COPY) * (counts.dense / dp_cp + counts.expert / edp)
-        else:
-            optimizer = (state_bytes + (MAIN_COPY if bf16 else 0)) * counts.total
+    whole = 0  # the tied copy's gradient stays whole for the step under ZeRO-2 (reduced after the embedding all-reduce)
+    if model.tied_embeddings and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
+        whole = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
+    params, grads, optimizer = parameter_state_bytes(
+        counts.dense, counts.expert, dp_cp, edp, layout.sharding, bf16, grads_bf16, state_bytes, whole
+    )
     micro = max(layout.micro_batches(global_batch_size), 1)
     act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16)
     transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16)

@@ -13,6 +13,7 @@ from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 from megatron_lite.pipeline_parallel.schedules import build_schedule, max_in_flight
+from megatron_lite.planner.memory import parameter_state_bytes
 from megatron_lite.planner.search import sharding_of
 from megatron_lite.training.configs import JobConfig
 
@@ -62,20 +63,6 @@ def dry_run(job: JobConfig) -> int:
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     low = job.optimizer.bf16 or job.optimizer.fp16
     sharding = sharding_of(job.optimizer)
-
-    def param_bytes(count: int, dp: int) -> float:
-        """Weights (2 or 4 bytes), gradient buffer (fp32: 4; bf16 with --grad-reduce-in-bf16: 2), fp32 main copy
-        in low precision (4) and optimizer state (Adam's moments: 8, 4 in bf16; SGD's momentum: 4) of `count`
-        trainable parameters replicated over `dp` ranks: the distributed optimizer shards main weights and state
-        over them, ZeRO-2 the gradients too, FSDP2 everything (fp32 shards that are the main weights)."""
-        grads, state = job.optimizer.grad_dtype.itemsize, state_bytes_per_param(job.optimizer)
-        if sharding == "fsdp2":
-            return count * (4 + 4 + state) / dp
-        # (the distributed optimizer keeps fp32 main copies of its shards even of fp32 weights)
-        weights, main = (2 if low else 4), (4 if low or sharding != "none" else 0)
-        sharded = main + state + (grads if sharding == "zero2" else 0)
-        return count * (weights + (0 if sharding == "zero2" else grads) + sharded / (dp if sharding != "none" else 1))
-
     per_layer = activation_bytes(dataclasses.replace(job, model=model_cfg), 2 if low else 4)
     dp = job.parallel.data_parallel_size(world)
     micro = job.training.global_batch(dp) // (job.training.micro_batch_size * dp)
@@ -104,10 +91,13 @@ def dry_run(job: JobConfig) -> int:
         # QLoRA stores the adapted layers' weights in NF4
         nf4 = sum(m.weight.numel() for m in chunks.modules() if getattr(m, "lora", None) is not None)
         nf4 = nf4 if job.lora is not None and job.lora.qlora else 0
-        trained = param_bytes(dense, ctx.dp_cp.size) + param_bytes(expert, ctx.edp.size)
-        if sharding == "zero2":  # a tied embedding copy's gradient stays whole for the step (reduced after the
-            tied = tied_embedding_copies(chunks, ctx)  # embedding all-reduce)
-            trained += sum(p.numel() for p in tied) * job.optimizer.grad_dtype.itemsize * (1 - 1 / ctx.dp_cp.size)
+        whole = sum(p.numel() for p in tied_embedding_copies(chunks, ctx))  # (ZeRO-2 keeps their gradients whole)
+        trained = sum(
+            parameter_state_bytes(
+                dense, expert, ctx.dp_cp.size, ctx.edp.size, sharding, low, job.optimizer.grad_reduce_in_bf16,
+                state_bytes_per_param(job.optimizer), whole,
+            )
+        )  # fmt: skip
         groups.setdefault((dense + expert + frozen, trained, frozen, nf4, act), []).append(rank)
     worst = 0.0
     for (n, trained, frozen, nf4, act), ranks in sorted(groups.items(), reverse=True):
