@@ -54,8 +54,6 @@ class TransformerLayer(nn.Module):
         # (as in Megatron, "mlp" is a dense layer's MLP and "moe" a MoE layer's)
         mlp = "moe" if config.is_moe_layer(layer_number) else "mlp"
         self.recompute = {"layernorm": "layernorm" in modules, "mlp": mlp in modules}
-        if self.recompute["mlp"] and isinstance(self.mlp, MoELayer):  # the whole layer is recomputed: nothing inside
-            self.mlp.recompute_shared = self.mlp.experts.recompute_act = False
 
     def _maybe_recompute(self, name: str, fn, *args: torch.Tensor):
         if self.recompute[name] and self.training:

@@ -82,8 +82,9 @@ class LocalExperts(nn.Module):
         self.num_local = config.num_experts // ep.size
         self.first = ep.rank * self.num_local
         self.triton = config.kernel_impl == "triton"
-        selective = config.recompute_granularity == "selective"
-        self.recompute_act = selective and "moe_act" in config.recompute_modules and rng is not None
+        modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
+        # (with "moe" the whole layer is recomputed: the activation is not checkpointed again inside)
+        self.recompute_act = "moe_act" in modules and "moe" not in modules and rng is not None
         self.rng = rng
         self.local_experts = nn.ModuleList(ExpertMLP(config, etp, device, dtype) for _ in range(self.num_local))
 

@@ -45,7 +45,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, ctx.tp.size, device, dtype, cp=ctx.cp)
         modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
         self.rng = ctx.rng
-        self.recompute_shared = "shared_experts" in modules
+        # (with "moe" the whole layer is recomputed by the transformer layer: nothing inside is checkpointed again)
+        self.recompute_shared = "shared_experts" in modules and "moe" not in modules
         self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype, rng=ctx.rng)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (
