@@ -11,11 +11,17 @@ tensors cross ranks, and the returned hidden gradient is this shard's part (the 
 it, as for a column-parallel output layer). Columns at or beyond `vocab_size` (padding) take no probability.
 
 With reduction "mean" or "sum" the gradients are computed in the forward pass and scaled by the incoming
-gradient; with "none" the backward recomputes the chunks with each token's incoming gradient.
+gradient. With "none" the backward recomputes the chunks with each token's incoming gradient, unless the caller
+passes grads_in_forward=True, as the model does: its per-token losses are summed (tokens outside the loss mask
+carry ignore_index), so every counted token receives one and the same gradient. The gradients are then made in
+the forward too and the backward only scales them (three vocabulary GEMMs, not four); it checks that promise on
+the incoming gradient (one host sync) and recomputes when it does not hold.
 Options: z-loss (coeff * logsumexp^2 per token) and label smoothing.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -234,43 +240,86 @@ def _reduce(losses, labels, ignore_index, reduction):
     return losses.sum() / (labels != ignore_index).sum().clamp(min=1) if reduction == "mean" else losses.sum()
 
 
+_warned_recompute = False
+
+
+def _common_gradient(grad, labels, ignore_index, group) -> tuple[torch.Tensor, bool]:
+    """The one gradient every counted token received (0 when none is counted), and whether they all did receive
+    the same one (agreed over `group`, so no vocabulary shard recomputes alone and waits in a collective)."""
+    counted = labels != ignore_index
+    if grad.numel() == 0:
+        return grad.new_zeros(()), True
+    hi = torch.where(counted, grad, float("-inf")).amax()
+    lo = torch.where(counted, grad, float("inf")).amin()
+    anyone = counted.any()
+    same = ((hi == lo) | ~anyone).to(torch.int32)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+    return torch.where(anyone, hi, 0.0), bool(same)
+
+
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, labels, ignore_index, reduction, group, vocab_start, vocab_size, z_coeff, smoothing, chunk
-    ):
+        ctx, hidden, weight, labels, ignore_index, reduction, group, vocab_start, vocab_size, z_coeff, smoothing, chunk,
+        grads_in_forward,
+    ):  # fmt: skip
         hidden, labels = hidden.contiguous(), labels.contiguous()
         n_valid = (labels != ignore_index).sum().clamp(min=1)
-        # mean / sum: the gradients are known up to the incoming scalar, so they are made in this pass, and only
-        # those that will be asked for (no weight gradient for a frozen output layer, as under LoRA).
+        # mean / sum (and "none" with grads_in_forward): the gradients are known up to the incoming scalar, so they
+        # are made in this pass, and only those that will be asked for (no weight gradient for a frozen output
+        # layer, as under LoRA).
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        eager = reduction in ("mean", "sum") and (want_dh or want_dw)
+        eager = (reduction in ("mean", "sum") or grads_in_forward) and (want_dh or want_dw)
         # On the device, no host sync: a float(n_valid) here stalled the launch queue every step.
         ones = torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         row_scale = ones / n_valid if reduction == "mean" else ones
         args = (ignore_index, group, vocab_start, vocab_size, z_coeff, smoothing)
         losses, dh, dw = _pass(hidden, weight, labels, *args, row_scale, eager and want_dh, eager and want_dw, chunk)
-        ctx.args, ctx.chunk, ctx.reduction = args, chunk, reduction
+        ctx.args, ctx.chunk, ctx.reduction, ctx.eager = args, chunk, reduction, eager
         if reduction in ("mean", "sum"):
             ctx.save_for_backward(dh, dw)
+        elif eager:  # the inputs too, for a backward that breaks the promise
+            ctx.save_for_backward(hidden, weight, labels, dh, dw)
         else:
             ctx.save_for_backward(hidden, weight, labels)
         return _reduce(losses, labels, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.reduction in ("mean", "sum"):
+        none = [None] * 10
+        if ctx.eager:
             # Scaled in place: a second vocab x hidden weight gradient would double the op's peak memory.
             if getattr(ctx, "scaled", False):
-                raise RuntimeError("fused_linear_cross_entropy (mean/sum) supports one backward per forward")
+                raise RuntimeError(f"fused_linear_cross_entropy ({ctx.reduction}) supports one backward per forward")
             ctx.scaled = True
+        if ctx.reduction in ("mean", "sum"):
             dh, dw = ctx.saved_tensors
             dh = None if dh is None else _scale_(dh, grad)
-            return dh, None if dw is None else _scale_(dw, grad), *([None] * 9)
-        hidden, weight, labels = ctx.saved_tensors
+            return dh, None if dw is None else _scale_(dw, grad), *none
+        grad = grad.float().contiguous()
+        if ctx.eager:
+            hidden, weight, labels, dh, dw = ctx.saved_tensors
+            # A row's hidden gradient scales by its own token's gradient, whatever the others got; the weight
+            # gradient sums over tokens, so it takes one scale only if every counted token got the same.
+            common, same = _common_gradient(grad, labels, *ctx.args[:2]) if dw is not None else (None, True)
+            if same:
+                dh = None if dh is None else dh.mul_(grad.masked_fill(labels == ctx.args[0], 0.0)[:, None])
+                return dh, None if dw is None else _scale_(dw, common), *none
+            global _warned_recompute
+            if not _warned_recompute:
+                _warned_recompute = True
+                warnings.warn(
+                    "fused_linear_cross_entropy(grads_in_forward=True): the counted tokens received different "
+                    "gradients, so the logits are recomputed (give tokens that should not count ignore_index "
+                    "instead of a zero weight)",
+                    stacklevel=2,
+                )
+        else:
+            hidden, weight, labels = ctx.saved_tensors
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad.contiguous(), want_dh, want_dw, ctx.chunk)
-        return dh, dw, *([None] * 9)
+        _, dh, dw = _pass(hidden, weight, labels, *ctx.args, grad, want_dh, want_dw, ctx.chunk)
+        return dh, dw, *none
 
 
 def fused_linear_cross_entropy_reference(
@@ -308,11 +357,14 @@ def fused_linear_cross_entropy(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    grads_in_forward: bool = False,
 ) -> torch.Tensor:
     """hidden [tokens, H], weight [V_local, H] (a vocabulary shard under TP), labels [tokens] (global ids).
 
     vocab_start: this shard's first vocabulary id (default: TP rank x V_local); vocab_size: the real
-    vocabulary (default: V_local x TP), columns beyond it are padding."""
+    vocabulary (default: V_local x TP), columns beyond it are padding. grads_in_forward (reduction "none"):
+    the caller will give every counted token the same gradient (it sums the losses, with any scale), so the
+    gradients are made in the forward pass; the backward checks it (see the module's docstring)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction {reduction!r} is not mean|sum|none")
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -353,4 +405,5 @@ def fused_linear_cross_entropy(
         float(z_loss_coeff),
         float(label_smoothing),
         chunk,
+        grads_in_forward,
     )

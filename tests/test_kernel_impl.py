@@ -14,8 +14,11 @@ from test_train_equivalence import train_run
 from megatron_lite import kernels as K
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.models.mtp import mtp_inputs
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.pipeline_parallel.executor import documents
+from megatron_lite.tensor_parallel.cross_entropy import counted_labels
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 
 from dist_pool import get_context
@@ -85,9 +88,47 @@ def test_triton_model_at_tp2_sp_equals_torch(dist):
         assert all(rel(grads[k], rgrads[k]) < TOL for k in rgrads)
 
 
+def masked_loss_and_grads(name, impl, mtp_depths=0):
+    """As the training loop calls the model: labels outside the loss mask set to -100 (counted_labels) and the
+    per-token losses summed under the mask with one scale (with MTP depths, theirs attached)."""
+    ctx = ParallelContext.virtual(ParallelConfig(), device=DEVICE)
+    ctx.seed(0)
+    config = dataclasses.replace(CONFIGS[name](), kernel_impl=impl, mtp_num_layers=mtp_depths)
+    model = GPTModel(config, ctx, seed=3).train()
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen)
+    mask = (torch.rand(2, 16, generator=gen) > 0.3).float()
+    mb = {"tokens": ids, "labels": labels, "loss_mask": mask}
+    mb = {k: v.to(ctx.device) for k, v in (mtp_inputs(mb, mtp_depths) if mtp_depths else mb).items()}
+    loss = model(mb["tokens"], labels=counted_labels(mb["labels"], mb["loss_mask"]), **documents(mb))
+    ((loss.float() * mb["loss_mask"]).sum() * 0.3).backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("name,mtp_depths", [("llama", 0), ("deepseek", 2)])
+def test_masked_training_loss_computes_each_chunks_logits_once(name, mtp_depths):
+    """Under the training loop's masked sum the fused cross-entropy makes its gradients in the forward (the last
+    loss computed: the main one, or the last MTP depth's) and the backward recomputes no logits but those of the
+    losses before it; the result equals the torch path's."""
+    import warnings
+
+    before = K.LAUNCHES["cross_entropy_stats"], K.LAUNCHES["cross_entropy_grad"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the recompute warning would fail the test
+        ours, ours_g = masked_loss_and_grads(name, "triton", mtp_depths)
+    stats, grads = K.LAUNCHES["cross_entropy_stats"] - before[0], K.LAUNCHES["cross_entropy_grad"] - before[1]
+    # one chunk per loss here: a loss made in the forward runs stats once, a recomputed one twice
+    assert (stats, grads) == (1 + 2 * mtp_depths, 1 + mtp_depths)
+    ref, ref_g = masked_loss_and_grads(name, "torch", mtp_depths)
+    assert rel(ours, ref) < TOL
+    bad = {k: rel(ours_g[k], ref_g[k]) for k in ref_g if not rel(ours_g[k], ref_g[k]) < TOL}
+    assert not bad, bad
+
+
 @needs_triton_on_cpu
 def test_twenty_steps_same_loss_curve():
     launches = K.LAUNCHES["flash_attention_fwd"]
+    ce = K.LAUNCHES["cross_entropy_stats"], K.LAUNCHES["cross_entropy_grad"]
     optim = OptimizerConfig(lr=3e-3, lr_warmup_iters=2, lr_decay_style="cosine")
     curves = {
         impl: [
@@ -97,6 +138,8 @@ def test_twenty_steps_same_loss_curve():
     }
     assert len(curves["triton"]) == 20
     assert K.LAUNCHES["flash_attention_fwd"] > launches  # the triton run ran the kernels
+    # the training loop's loss makes its gradients in the forward: no chunk's logits computed twice
+    assert K.LAUNCHES["cross_entropy_stats"] - ce[0] == K.LAUNCHES["cross_entropy_grad"] - ce[1] > 0
     for a, b in zip(curves["triton"], curves["torch"]):
         assert abs(a - b) <= 1e-4 * abs(b), (a, b)
 

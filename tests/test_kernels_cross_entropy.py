@@ -26,13 +26,15 @@ def _data(tokens=37, hidden=24, vocab=50, seed=0, device=DEVICE):
     return h.to(device), w.to(device), labels.to(device)
 
 
-def _run(fn, h, w, labels, reduction, **kw):
+def _run(fn, h, w, labels, reduction, uniform=False, **kw):
+    """Forward and backward; the per-token gradient ("none") is random, or with `uniform` 0.7 for every token
+    (what summing the losses gives, ignored tokens included: their gradient must not matter)."""
     h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     loss = fn(h, w, labels, reduction=reduction, **kw)
     g = (
         torch.randn(loss.shape, generator=torch.Generator().manual_seed(3)).to(loss.device)
-        if reduction == "none"
-        else torch.tensor(0.7, device=loss.device)
+        if reduction == "none" and not uniform
+        else torch.full(loss.shape, 0.7, device=loss.device)
     )
     loss.backward(g)
     return loss.detach(), h.grad, w.grad
@@ -73,6 +75,27 @@ def test_evaluation_and_a_frozen_output_layer_make_only_the_gradients_asked_for(
     assert wf.grad is None and rel(hs.grad, hr.grad) < TOL
 
 
+@pytest.mark.parametrize("uniform", [True, False])
+def test_per_token_losses_with_gradients_made_in_the_forward(uniform):
+    """reduction "none" with grads_in_forward (the model's call): when every counted token gets one gradient,
+    the backward only scales what the forward made (each chunk's logits computed once); when they differ it
+    says so and recomputes, exact either way."""
+    import warnings
+
+    h, w, labels = _data()
+    chunks = -(-h.shape[0] // 8)
+    before = K.LAUNCHES["cross_entropy_stats"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = _run(K.fused_linear_cross_entropy, h, w, labels, "none", uniform, chunk_size=8, grads_in_forward=True)
+    assert K.LAUNCHES["cross_entropy_stats"] - before == (1 if uniform else 2) * chunks
+    recomputed = [str(c.message) for c in caught if "recomputed" in str(c.message)]
+    assert bool(recomputed) != uniform, recomputed
+    ref = _run(K.fused_linear_cross_entropy_reference, h, w, labels, "none", uniform)
+    for a, b in zip(ours, ref):
+        assert rel(a, b) < TOL, rel(a, b)
+
+
 def test_padded_vocabulary_takes_no_probability():
     h, w, labels = _data(vocab=50)
     labels = labels.clamp(max=44)
@@ -89,21 +112,25 @@ def _tp_data():
     return h, w, torch.where(labels >= 50, labels - 50, labels)
 
 
-def tp_cross_entropy(reduction):
+def tp_cross_entropy(reduction, uniform=False, grads_in_forward=False):
     ctx = get_context(ParallelConfig(tensor_model_parallel_size=dist.get_world_size()))
     h, w, labels = _tp_data()
     shard = w.chunk(ctx.tp.size)[ctx.tp.rank]
-    loss, dh, dw = _run(K.fused_linear_cross_entropy, h, shard, labels, reduction, tp_group=ctx.tp.pg, vocab_size=50)
+    kw = {"tp_group": ctx.tp.pg, "vocab_size": 50, "grads_in_forward": grads_in_forward}
+    loss, dh, dw = _run(K.fused_linear_cross_entropy, h, shard, labels, reduction, uniform, **kw)
     dist.all_reduce(dh, group=ctx.tp.pg)  # the caller's TP reduction of the hidden gradient
     return loss, dh, dw
 
 
 @needs_triton_on_cpu
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_vocab_parallel_over_two_ranks_equals_one_process(dist, reduction):
+@pytest.mark.parametrize(
+    "reduction,uniform,grads_in_forward",
+    [("mean", False, False), ("none", False, False), ("none", True, True), ("none", False, True)],
+)
+def test_vocab_parallel_over_two_ranks_equals_one_process(dist, reduction, uniform, grads_in_forward):
     h, w, labels = _tp_data()
-    ref = _run(K.fused_linear_cross_entropy_reference, h, w[:50], labels, reduction)
-    for rank, (loss, dh, dw) in enumerate(dist(2, tp_cross_entropy, reduction)):
+    ref = _run(K.fused_linear_cross_entropy_reference, h, w[:50], labels, reduction, uniform)
+    for rank, (loss, dh, dw) in enumerate(dist(2, tp_cross_entropy, reduction, uniform, grads_in_forward)):
         assert rel(loss, ref[0]) < TOL and rel(dh, ref[1]) < TOL
         full_dw = torch.cat([ref[2], torch.zeros(2, ref[2].shape[1])])
         assert rel(dw, full_dw.chunk(2)[rank]) < TOL

@@ -38,10 +38,12 @@ def test_each_depth_reads_the_tokens_labels_and_mask_k_ahead():
             for i in range(9):
                 ahead = i + k < 9
                 assert out["mtp_tokens"][b, k - 1, i] == (tokens[b, i + k] if ahead else 0)
-                assert out["mtp_labels"][b, k - 1, i] == (labels[b, i + k] if ahead else 0)
                 assert out["mtp_position_ids"][b, k - 1, i] == (i + k if ahead else 0)
                 same_doc = ahead and docs[b, i + k] == docs[b, i]
+                counted = same_doc and mask[b, i + k] > 0
                 assert out["mtp_loss_mask"][b, k - 1, i] == (mask[b, i + k] if same_doc else 0)
+                # a token the mask leaves out is labelled -100 (counted_labels), so the fused loss ignores it
+                assert out["mtp_labels"][b, k - 1, i] == (labels[b, i + k] if counted else -100)
 
 
 def _hf_mtp_reference(depths: int):

@@ -118,11 +118,12 @@ def _flce_chunked(hh, ww, labels, chunk):
     return K.fused_linear_cross_entropy(hh, ww, labels, chunk_size=chunk)
 
 
-def _flce_per_token(hh, ww, labels):
-    """As the model calls it: per-token losses, reduced outside; the backward recomputes each chunk's logits."""
+def _flce_per_token(hh, ww, labels, grads_in_forward):
+    """Per-token losses reduced outside. grads_in_forward (as the model calls it): the gradients are made in the
+    forward; without it the backward recomputes each chunk's logits."""
     from megatron_lite import kernels as K
 
-    return K.fused_linear_cross_entropy(hh, ww, labels, reduction="none").mean()
+    return K.fused_linear_cross_entropy(hh, ww, labels, reduction="none", grads_in_forward=grads_in_forward).mean()
 
 
 def cases(s: dict, dtype, device):
@@ -257,7 +258,10 @@ def cases(s: dict, dtype, device):
             ours=lambda hh, ww: K.fused_linear_cross_entropy(hh, ww, labels),
             eager=unfused_ce,
             variants={
-                "megatron_lite per-token": functools.partial(_flce_per_token, labels=labels),
+                "megatron_lite per-token": functools.partial(_flce_per_token, labels=labels, grads_in_forward=True),
+                "megatron_lite per-token, recomputed": functools.partial(
+                    _flce_per_token, labels=labels, grads_in_forward=False
+                ),
                 **{
                     f"megatron_lite chunk={c}": functools.partial(_flce_chunked, labels=labels, chunk=c)
                     for c in chunk_rows

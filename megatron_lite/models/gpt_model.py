@@ -169,7 +169,7 @@ class GPTModel(nn.Module):
         return self.output_layer.weight
 
     # Forward ------------------------------------------------------------------------------------
-    def _fused_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _fused_loss(self, x: torch.Tensor, labels: torch.Tensor, grads_in_forward: bool) -> torch.Tensor:
         """Output layer and cross-entropy in chunks (Triton): the logits never exist in full. Padding rows
         of the vocabulary (at the end of the last shards) are left out of the weight. x: [seq (shard), batch,
         hidden]; returns the loss per token [batch, seq]."""
@@ -186,15 +186,19 @@ class GPTModel(nn.Module):
             tp_group=self.tp.pg if self.tp.size > 1 else None,
             vocab_start=start,
             vocab_size=self.vocab_size,
+            grads_in_forward=grads_in_forward,
         )
         return loss.view(s, b).t()
 
-    def token_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def token_loss(self, x: torch.Tensor, labels: torch.Tensor, grads_in_forward: bool = False) -> torch.Tensor:
         """The output layer and the cross-entropy of hidden states x [seq (shard), batch, hidden]: the loss
         per token [batch, seq]. Fused (Triton) where Triton can run these tensors; elsewhere (CPU tensors on a
-        GPU machine, outside the interpreter) the vocab-parallel path, as every other kernel takes its reference."""
+        GPU machine, outside the interpreter) the vocab-parallel path, as every other kernel takes its reference.
+        grads_in_forward: the fused path makes its gradients in the forward (the caller sums the losses; see
+        `forward`); only for the loss computed last, as each such loss holds a vocab x hidden weight gradient
+        until its backward."""
         if self.config.kernel_impl == "triton" and K.triton_usable(x):
-            return self._fused_loss(x, labels)
+            return self._fused_loss(x, labels, grads_in_forward)
         logits = self.output_layer(x, weight=self.output_weight())  # [seq, batch, vocab shard]
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_size).t()
 
@@ -213,7 +217,12 @@ class GPTModel(nn.Module):
         `kv_cache` (inference): `position_ids` continue from the cached tokens, whose keys and values the
         attention layers read and extend. `document_ids` [batch, seq] (--reset-attention-mask): tokens attend
         only to earlier tokens of their own document. `mtp`: the multi-token-prediction inputs (models/mtp.py,
-        `mtp_inputs`); in training their losses join the returned loss's backward."""
+        `mtp_inputs`); in training their losses join the returned loss's backward.
+
+        The training loop sums the per-token losses with one scale, and labels the tokens outside the loss mask
+        -100 (`counted_labels`): then every counted token's loss gets the same gradient, and the fused
+        cross-entropy makes its gradients in the forward instead of recomputing the logits (any other
+        gradient is still exact, at the cost of that recomputation and a warning)."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
@@ -224,8 +233,9 @@ class GPTModel(nn.Module):
             return x
         if labels is None:
             return self.output_layer(x, weight=self.output_weight()).transpose(0, 1)
-        loss = self.token_loss(x, labels)
-        if self.mtp is not None and self.training and kv_cache is None:
+        run_mtp = self.mtp is not None and self.training and kv_cache is None
+        loss = self.token_loss(x, labels, grads_in_forward=not run_mtp)
+        if run_mtp:
             if mtp is None:
                 raise ValueError("a model with --mtp-num-layers trains on micro-batches with mtp_inputs added")
             loss = self.mtp(x, self.embedding, self.token_loss, loss, mtp, rope, document_ids)

@@ -27,6 +27,7 @@ from megatron_lite.models.attach_loss import attach_loss
 from megatron_lite.models.norms import build_norm
 from megatron_lite.models.transformer import TransformerLayer
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.tensor_parallel.cross_entropy import counted_labels
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear
 from megatron_lite.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_lite.tensor_parallel.random import checkpoint
@@ -56,7 +57,7 @@ def mtp_inputs(mb: dict[str, torch.Tensor], depths: int) -> dict[str, torch.Tens
         if docs is not None:  # the token embedded at depth k (i + k) must be in token i's document
             m = m * (_shift_left(docs, k) == docs).to(m.dtype)
         out["mtp_tokens"].append(_shift_left(tokens, k))
-        out["mtp_labels"].append(_shift_left(labels, k))
+        out["mtp_labels"].append(counted_labels(_shift_left(labels, k), m))
         out["mtp_loss_mask"].append(m)
         out["mtp_position_ids"].append(_shift_left(positions, k))
     return {**mb, **{key: torch.stack(v, 1) for key, v in out.items()}}
@@ -125,14 +126,15 @@ class MultiTokenPredictionBlock(nn.Module):
 
     def forward(self, hidden, embed, token_loss_fn, main_loss, mtp: dict[str, torch.Tensor], rope, documents=None):
         """`hidden`: the main model's final hidden states; `embed(tokens, positions)` the shared embedding;
-        `token_loss_fn(x, labels)` the shared output layer and loss, per token [batch, seq]. Returns
+        `token_loss_fn(x, labels, grads_in_forward)` the shared output layer and loss, per token [batch, seq]. Returns
         `main_loss` with every depth's loss attached to its backward."""
         sums = []
         for k, layer in enumerate(self.layers):
             embedded = embed(mtp["mtp_tokens"][:, k], mtp["mtp_position_ids"][:, k])
             # As in Megatron, the next depth reads this depth's normalised output, the one the output layer reads.
             hidden = layer(hidden, embedded, rope, documents)
-            token_loss = token_loss_fn(hidden, mtp["mtp_labels"][:, k])
+            last = k == len(self.layers) - 1  # its backward runs first: the one loss that holds its gradients
+            token_loss = token_loss_fn(hidden, mtp["mtp_labels"][:, k], grads_in_forward=last)
             loss_sum = (token_loss.float() * mtp["mtp_loss_mask"][:, k]).sum()
             sums.append(loss_sum.detach().double())
             if torch.is_grad_enabled():

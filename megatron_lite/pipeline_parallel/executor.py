@@ -28,6 +28,7 @@ from megatron_lite.pipeline_parallel.schedules import (
     SEND_FORWARD,
     build_schedule,
 )
+from megatron_lite.tensor_parallel.cross_entropy import counted_labels
 
 
 def documents(mb: dict) -> dict:
@@ -125,7 +126,7 @@ def run_pipeline(
                     token_loss = chunk(
                         mb["tokens"],
                         mb.get("position_ids"),
-                        labels=mb["labels"],
+                        labels=counted_labels(mb["labels"], mb["loss_mask"]),
                         hidden_states=x,
                         **documents(mb),
                     )

@@ -210,12 +210,17 @@ def activation_bytes(
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         if c == 0 and pp_rank == 0:
             per_token += 8  # input ids
+        whole = 0.0  # bytes per micro-batch, whatever its tokens
         if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
             norm = 2 * h * a + 4 if model.normalization == "RMSNorm" else h * a + 8
+            vocab = model.padded_vocab_size(layout.tp) // layout.tp
             if model.kernel_impl == "triton":
                 loss = (h * a + 8) / norm_div + h * a + 8  # the fused loss keeps its input and labels
+                # the loss computed last makes its gradients in the forward and keeps them until its backward:
+                # the hidden gradient and the output layer's weight gradient
+                per_token += h * a
+                whole += vocab * h * a
             else:
-                vocab = model.padded_vocab_size(layout.tp) // layout.tp
                 loss = norm / norm_div + h * a + vocab * 4 + 10  # logits (fp32), labels and masks
             per_token += loss
             for k in range(model.mtp_num_layers):
@@ -224,7 +229,7 @@ def activation_bytes(
                 # (the planner's full recomputation is uniform, under which the depths are recomputed too)
                 layer = layer_activation_bytes(model, layout, a, model.num_layers + k, layout.recompute)
                 per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss
-        chunk_bytes.append(per_token * tokens)
+        chunk_bytes.append(per_token * tokens + whole)
     if layout.pp == 1:
         return chunk_bytes[0]  # micro-batches run forward and backward one after another
     # A received input is saved by the chunk's first op; the executor still holds it until the chunk's next

@@ -14,6 +14,15 @@ import torch.distributed as dist
 from megatron_lite.parallel_context import Group
 from megatron_lite.tensor_parallel.mappings import all_reduce
 
+IGNORE_INDEX = -100
+
+
+def counted_labels(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The labels with every token the loss mask leaves out set to IGNORE_INDEX: its loss is then 0 and every
+    counted token's loss gets the same gradient from a masked sum, which lets the fused cross-entropy make its
+    gradients in the forward (models/gpt_model.py)."""
+    return labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod

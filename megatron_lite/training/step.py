@@ -23,6 +23,7 @@ from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.pipeline_parallel.executor import documents, run_pipeline
+from megatron_lite.tensor_parallel.cross_entropy import counted_labels
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron_lite.tensor_parallel.mappings import all_reduce
 from megatron_lite.training import memory
@@ -117,7 +118,8 @@ def forward_backward(
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         with model.no_sync() if i < last else contextlib.nullcontext():
-            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"], **documents(mb))
+            labels = counted_labels(mb["labels"], mb["loss_mask"])
+            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=labels, **documents(mb))
             loss_sum = (token_loss.float() * mb["loss_mask"]).sum()
             (loss_sum * scale).backward()
         total += loss_sum.detach().double()
