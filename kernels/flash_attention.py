@@ -1,6 +1,7 @@
 """Flash attention (forward and backward) with grouped-query heads and the log-sum-exp.
 
-q [batch, seq_q, heads, head_dim]; k, v [batch, seq_k, kv_heads, head_dim]; heads % kv_heads == 0. Causal
+q [batch, seq_q, heads, head_dim]; k [batch, seq_k, kv_heads, head_dim]; v [batch, seq_k, kv_heads, v_head_dim]
+(v_head_dim may differ, as in multi-latent attention; the output has it); heads % kv_heads == 0. Causal
 masking is aligned to the bottom right (query i sees keys j <= i + seq_k - seq_q), as decoding with a KV
 cache needs; seq_q <= seq_k then. A sliding window (Mistral / Hugging Face `sliding_window`, causal only)
 further limits query i to the last `window_size` keys up to its position P = i + seq_k - seq_q, itself
@@ -39,7 +40,8 @@ if HAVE_TRITON:
     def _configs(shapes):
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
 
-    _TUNE_KEY = ["head_dim", "CAUSAL", "DOCS", "seq_q", "seq_k"]  # a training run has one or two sequence lengths
+    # (a training run has one or two sequence lengths)
+    _TUNE_KEY = ["head_dim", "v_dim", "CAUSAL", "DOCS", "seq_q", "seq_k"]
     # The chosen tiles are cached on disk (Triton's cache), so later runs on this machine, a resumed job among
     # them, pick the same tiles and round the same way. Triton before 3.3 has no such option.
     _TUNE_OPTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -80,7 +82,7 @@ def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
 
 def _check(q, k, v, causal, window_size=None, document_ids=None, document_spans=None):
     b, sq, h, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or h % k.shape[2]:
+    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or h % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
     if causal and sq > k.shape[1]:
         raise ValueError(f"causal attention with bottom-right alignment needs seq_q {sq} <= seq_k {k.shape[1]}")
@@ -137,7 +139,7 @@ def _spans(spans, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
 def _forward(q, k, v, causal, scale, window_size=None, spans=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    o = torch.empty_like(q)
+    o = q.new_empty(b, sq, h, v.shape[-1])
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     start, end, docs = _spans(spans, q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
@@ -161,10 +163,12 @@ def _forward(q, k, v, causal, scale, window_size=None, spans=None):
         sk,
         scale,
         d,
+        v.shape[-1],
         _window(window_size, causal, sk),
         CAUSAL=causal,
         DOCS=docs,
         BLOCK_D=next_pow2(max(d, 16)),
+        BLOCK_DV=next_pow2(max(v.shape[-1], 16)),
         **cfg,
     )
     launched("flash_attention_fwd")
@@ -196,15 +200,17 @@ def flash_attention_backward(
     if document_ids is not None:
         document_spans = query_key_spans(document_ids, sq)
     start, end, docs = _spans(document_spans, q.device)
-    common = dict(CAUSAL=causal, DOCS=docs, BLOCK_D=next_pow2(max(d, 16)))
+    dv_dim = v.shape[-1]
+    common = dict(CAUSAL=causal, DOCS=docs, BLOCK_D=next_pow2(max(d, 16)), BLOCK_DV=next_pow2(max(dv_dim, 16)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], start.stride(0), end.stride(0))
+    sizes = (h, h // hkv, sq, sk, scale, d, dv_dim, window)
     kernel, cfg = _kernel(_bwd_dkdv, _bwd_dkdv_tuned, q.dtype)
     kernel[lambda meta: (b * hkv, triton.cdiv(sk, meta["BLOCK_N"]))](
-        q, k, v, do, lse, delta, dk, dv, start, end, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
+        q, k, v, do, lse, delta, dk, dv, start, end, *strides, *sizes, **common, **cfg
     )
     kernel, cfg = _kernel(_bwd_dq, _bwd_dq_tuned, q.dtype)
     kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
-        q, k, v, do, lse, delta, dq, start, end, *strides, h, h // hkv, sq, sk, scale, d, window, **common, **cfg
+        q, k, v, do, lse, delta, dq, start, end, *strides, *sizes, **common, **cfg
     )
     launched("flash_attention_bwd")
     return dq, dk, dv
@@ -318,7 +324,7 @@ def flash_attention_backward_reference(
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf)
     if rep > 1:  # the query heads of a group share one key/value head: sum their gradients
         dk = dk.reshape(b, sk, hkv, rep, d).sum(3)
-        dv = dv.reshape(b, sk, hkv, rep, d).sum(3)
+        dv = dv.reshape(b, sk, hkv, rep, v.shape[-1]).sum(3)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -380,14 +386,16 @@ def _cases() -> list[tuple]:
                 "seq_k": "i32",
                 "scale": "fp32",
                 "head_dim": "i32",
+                "v_dim": "i32",
                 "WINDOW": "i32",
                 "CAUSAL": "constexpr",
                 "DOCS": "constexpr",
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "BLOCK_D": "constexpr",
+                "BLOCK_DV": "constexpr",
             }
-            consts = {"CAUSAL": causal, "DOCS": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128}
+            consts = {"CAUSAL": causal, "DOCS": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_DV": 128}
             strides = lambda names: dict.fromkeys(names, "i32")  # noqa: E731
             sig = {
                 **{n: f"*{t}" for n in "Q K V O".split()},
@@ -437,6 +445,11 @@ def _cases() -> list[tuple]:
         out.append(
             (f"flash_{name}_bf16_tiles{m}x{n}_w{w}_s{st}", kernel, case[2], consts, {"num_warps": w, "num_stages": st})
         )
+    # Multi-latent attention (DeepSeek-V3): query/key heads of 192 (a block of 256) and values of 128
+    for name in ("fwd", "bwd_dkdv", "bwd_dq"):
+        case = next(c for c in out if c[0] == f"flash_{name}_bf16_causalTrue")
+        consts = {**case[3], "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 256, "BLOCK_DV": 128}
+        out.append((f"flash_{name}_bf16_mla_d192_dv128", case[1], case[2], consts))
     return out
 
 

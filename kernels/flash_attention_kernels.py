@@ -82,6 +82,8 @@ if HAVE_TRITON:
         scale,
         dims,
         dmask,
+        vdims,
+        vmask,
         m,
         lsum,
         acc,
@@ -94,7 +96,7 @@ if HAVE_TRITON:
         """One key block of the online softmax; MASKED: apply the visibility mask (blocks on an edge)."""
         cols = start_n + tl.arange(0, BLOCK_N)
         k = _load_block(K, kv[0], cols, sks, seq_k, dims, dmask)
-        v = _load_block(V, kv[1], cols, svs, seq_k, dims, dmask)
+        v = _load_block(V, kv[1], cols, svs, seq_k, vdims, vmask)
         s = tl.dot(q, tl.trans(k)) * scale
         if MASKED:  # no row bound here: padded query rows (never stored) keep the scores they get
             s = tl.where(_visible(rows, cols, rows_end, seq_k, offset, WINDOW, starts, CAUSAL, DOCS), s, float("-inf"))
@@ -137,12 +139,14 @@ if HAVE_TRITON:
         seq_k,
         scale,
         head_dim,
+        v_dim,
         WINDOW,
         CAUSAL: tl.constexpr,
         DOCS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
     ):
         # Causal work grows with the query block, which sits on the grid's slow axis: every head's last (heaviest)
         # block goes first and the light ones fill the final wave.
@@ -154,6 +158,8 @@ if HAVE_TRITON:
         rows = start_m + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, BLOCK_D)
         dmask = dims < head_dim
+        vdims = tl.arange(0, BLOCK_DV)  # values may be narrower than queries and keys (multi-latent attention)
+        vmask = vdims < v_dim
         q = tl.load(
             Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :],
             mask=(rows[:, None] < seq_q) & dmask[None, :],
@@ -161,7 +167,7 @@ if HAVE_TRITON:
         )
         m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         lo, full_lo, full_hi, end = _key_spans(start_m, offset, seq_k, WINDOW, CAUSAL, BLOCK_M, BLOCK_N)
         starts = rows  # (unused without documents)
         if DOCS:
@@ -190,6 +196,8 @@ if HAVE_TRITON:
                     scale,
                     dims,
                     dmask,
+                    vdims,
+                    vmask,
                     m,
                     lsum,
                     acc,
@@ -204,9 +212,9 @@ if HAVE_TRITON:
         lsum = tl.where(lsum > 0.0, lsum, 1.0)
         o = acc / lsum[:, None]
         tl.store(
-            O + b * sob + h * soh + rows[:, None] * sos + dims[None, :],
+            O + b * sob + h * soh + rows[:, None] * sos + vdims[None, :],
             o.to(O.dtype.element_ty),
-            mask=(rows[:, None] < seq_q) & dmask[None, :],
+            mask=(rows[:, None] < seq_q) & vmask[None, :],
         )
         tl.store(LSE + bh * seq_q + rows, m + tl.log(lsum), mask=rows < seq_q)
 
@@ -231,6 +239,8 @@ if HAVE_TRITON:
         scale,
         dims,
         dmask,
+        vdims,
+        vmask,
         dk,
         dv,
         START,
@@ -246,7 +256,7 @@ if HAVE_TRITON:
         if DOCS:
             starts = tl.load(START + sb + rows, mask=rows < seq_q, other=0)
         q = _load_block(Q, qo[0], rows, sqs, seq_q, dims, dmask)
-        do = _load_block(DO, qo[1], rows, sds, seq_q, dims, dmask)
+        do = _load_block(DO, qo[1], rows, sds, seq_q, vdims, vmask)
         lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
@@ -279,6 +289,8 @@ if HAVE_TRITON:
         scale,
         dims,
         dmask,
+        vdims,
+        vmask,
         dq,
         starts,
         CAUSAL: tl.constexpr,
@@ -289,7 +301,7 @@ if HAVE_TRITON:
         """One key block's share of a query block's dQ; MASKED: apply the visibility mask."""
         cols = start_n + tl.arange(0, BLOCK_N)
         k = _load_block(K, kv[0], cols, sks, seq_k, dims, dmask)
-        v = _load_block(V, kv[1], cols, svs, seq_k, dims, dmask)
+        v = _load_block(V, kv[1], cols, svs, seq_k, vdims, vmask)
         s = tl.dot(q, tl.trans(k)) * scale
         p = tl.exp(s - lse[:, None])
         if MASKED:
@@ -329,12 +341,14 @@ if HAVE_TRITON:
         seq_k,
         scale,
         head_dim,
+        v_dim,
         WINDOW,
         CAUSAL: tl.constexpr,
         DOCS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
     ):
         # Key block on the grid's slow axis: every head's first (heaviest, under causal masking) block goes first.
         start_n = tl.program_id(1) * BLOCK_N
@@ -345,11 +359,12 @@ if HAVE_TRITON:
         cols = start_n + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, BLOCK_D)
         dmask = dims < head_dim
-        kv_mask = (cols[:, None] < seq_k) & dmask[None, :]
+        vdims = tl.arange(0, BLOCK_DV)  # values may be narrower than queries and keys (multi-latent attention)
+        vmask = vdims < v_dim
         k = _load_block(K, b * skb + kvh * skh, cols, sks, seq_k, dims, dmask)
-        v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, dims, dmask)
+        v = _load_block(V, b * svb + kvh * svh, cols, svs, seq_k, vdims, vmask)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         first = 0
         last = seq_q
         if CAUSAL:  # earlier queries cannot see this key block, nor later ones whose window starts past it
@@ -397,6 +412,8 @@ if HAVE_TRITON:
                         scale,
                         dims,
                         dmask,
+                        vdims,
+                        vmask,
                         dk,
                         dv,
                         START,
@@ -406,12 +423,11 @@ if HAVE_TRITON:
                         part != 1,
                         BLOCK_M,
                     )
-        tl.store(
-            DK + b * skb + kvh * skh + cols[:, None] * sks + dims[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask
-        )
-        tl.store(
-            DV + b * svb + kvh * svh + cols[:, None] * svs + dims[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask
-        )
+        rows_in = cols[:, None] < seq_k
+        dk_ptr = DK + b * skb + kvh * skh + cols[:, None] * sks + dims[None, :]
+        tl.store(dk_ptr, dk.to(DK.dtype.element_ty), mask=rows_in & dmask[None, :])
+        dv_ptr = DV + b * svb + kvh * svh + cols[:, None] * svs + vdims[None, :]
+        tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=rows_in & vmask[None, :])
 
     @triton.jit(do_not_specialize=["WINDOW"])  # one kernel for every window, 1 and multiples of 16 too
     def _bwd_dq(
@@ -444,12 +460,14 @@ if HAVE_TRITON:
         seq_k,
         scale,
         head_dim,
+        v_dim,
         WINDOW,
         CAUSAL: tl.constexpr,
         DOCS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
     ):
         # Causal work grows with the query block, which sits on the grid's slow axis: every head's last (heaviest)
         # block goes first and the light ones fill the final wave.
@@ -461,9 +479,11 @@ if HAVE_TRITON:
         rows = start_m + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, BLOCK_D)
         dmask = dims < head_dim
+        vdims = tl.arange(0, BLOCK_DV)  # values may be narrower than queries and keys (multi-latent attention)
+        vmask = vdims < v_dim
         q_mask = (rows[:, None] < seq_q) & dmask[None, :]
         q = _load_block(Q, b * sqb + h * sqh, rows, sqs, seq_q, dims, dmask)
-        do = _load_block(DO, b * sdb + h * sdh, rows, sds, seq_q, dims, dmask)
+        do = _load_block(DO, b * sdb + h * sdh, rows, sds, seq_q, vdims, vmask)
         lse = tl.load(LSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         delta = tl.load(DELTA + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -498,6 +518,8 @@ if HAVE_TRITON:
                     scale,
                     dims,
                     dmask,
+                    vdims,
+                    vmask,
                     dq,
                     starts,
                     CAUSAL,

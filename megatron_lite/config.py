@@ -359,11 +359,6 @@ class ModelConfig:
         ):
             if value < 1:
                 raise ConfigError(f"{flag} {value} must be a positive integer (with --multi-latent-attention)")
-        if self.v_head_dim > self.mla_q_head_dim:
-            raise ConfigError(
-                f"--v-head-dim {self.v_head_dim} larger than --qk-head-dim + --qk-pos-emb-head-dim "
-                f"({self.mla_q_head_dim}) is not supported (values are padded to the query/key head)"
-            )
         if self.qk_pos_emb_head_dim % 2:
             raise ConfigError(f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
         if self.position_embedding_type != "rope":

@@ -19,7 +19,7 @@ from megatron_lite.context_parallel.zigzag import (
 )
 
 from dist_pool import get_context
-from models import needs_triton_on_cpu
+from models import needs_triton_on_cpu, triton_on_cpu_tensors
 
 P = ParallelConfig
 
@@ -46,11 +46,18 @@ def test_zigzag_split_round_trips(cp):
 
 
 def attention_vs_full(
-    comm: str, causal: bool, kv_heads: int, seq: int = 16, triton: bool = False, documents=None, sizes=None
+    comm: str,
+    causal: bool,
+    kv_heads: int,
+    seq: int = 16,
+    triton: bool = False,
+    documents=None,
+    sizes=None,
+    v_dim: int = 8,
 ):
     """Relative errors of this rank's output and q/k/v gradients against full attention (fp64 oracle).
     `documents`: per batch row, document lengths (--reset-attention-mask; the oracle masks by document);
-    `sizes`: a2a+p2p's hierarchical sizes."""
+    `sizes`: a2a+p2p's hierarchical sizes; `v_dim`: the values' head size (the queries' and keys' is 8)."""
     import functools
 
     from megatron_lite.context_parallel.attention import IMPLEMENTATIONS
@@ -63,8 +70,8 @@ def attention_vs_full(
     g = torch.Generator().manual_seed(0)
     b, h, d = 2, 4, 8
     q = torch.randn(b, seq, h, d, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(b, seq, kv_heads, d, generator=g, dtype=torch.float64) for _ in range(2))
-    do = torch.randn(b, seq, h, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, seq, kv_heads, dim, generator=g, dtype=torch.float64) for dim in (d, v_dim))
+    do = torch.randn(b, seq, h, v_dim, generator=g, dtype=torch.float64)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     kk, vv = (t.repeat_interleave(h // kv_heads, dim=2) for t in full[1:])
     scores = torch.einsum("bqhd,bkhd->bhqk", full[0], kk) * d**-0.5
@@ -117,6 +124,19 @@ def test_attention_through_the_flash_kernel(dist, comm):
     for causal in (True, False):
         for errs in dist(2, attention_vs_full, comm, causal, 2, 32, True):
             assert max(errs) < 1e-4, (comm, causal, errs)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "allgather", "a2a+p2p"])
+def test_values_of_another_head_size(dist, comm):
+    """Multi-latent attention's values (v_head_dim other than the query/key head) travel unpadded through each
+    kind of context parallelism, on the PyTorch blocks and, for the ring, the flash kernel's."""
+    sizes = (1, 2) if comm == "a2a+p2p" else None
+    for v_dim in (5, 12):
+        for errs in dist(2, attention_vs_full, comm, True, 2, 16, False, None, sizes, v_dim):
+            assert max(errs) < 1e-5, (comm, v_dim, errs)
+    if comm == "p2p" and triton_on_cpu_tensors():  # (gloo ranks: the interpreter, or a GPU run)
+        for errs in dist(2, attention_vs_full, comm, True, 2, 32, True, None, None, 5):
+            assert max(errs) < 1e-4, (comm, "triton", errs)
 
 
 # documents across the zigzag chunks (16 positions: chunks of 4 at CP=2, of 2 at CP=4), a row that is one document

@@ -323,6 +323,8 @@ CASES = {
     "deepseek_v3": (_deepseek_v3, transformers.DeepseekV3ForCausalLM),
     "deepseek_v3_dense_yarn": (_deepseek_v3_dense_yarn, transformers.DeepseekV3ForCausalLM),
     "deepseek_v2_lite": (_deepseek_v2_lite, transformers.DeepseekV2ForCausalLM),
+    # values wider than the query/key heads (24 > 12 + 8): nothing pads or cuts them
+    "deepseek_v2_wide_values": (lambda: _deepseek_v2_lite(v_head_dim=24), transformers.DeepseekV2ForCausalLM),
     "deepseek_v2_groups": (_deepseek_v2_groups, transformers.DeepseekV2ForCausalLM),
     "deepseek_v2_groups_by_best": (_deepseek_v2_groups_by_best, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3_groups_top2": (_deepseek_v3_groups_top2, transformers.DeepseekV3ForCausalLM),

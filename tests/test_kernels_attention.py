@@ -66,6 +66,51 @@ def test_equals_torch_sdpa():
     assert rel(ours, sdpa) < TOL
 
 
+@pytest.mark.parametrize(
+    "sq,sk,h,hkv,d,dv,causal,documents",
+    [
+        (19, 19, 4, 2, 24, 16, True, None),  # multi-latent attention: values narrower than queries and keys
+        (7, 30, 2, 1, 24, 10, True, [[12, 18]]),  # fewer queries than keys, documents
+        (21, 13, 3, 3, 16, 20, False, None),  # values wider
+    ],
+)
+def test_values_of_another_head_size(sq, sk, h, hkv, d, dv, causal, documents):
+    """v [batch, seq_k, kv_heads, v_head_dim] with v_head_dim != head_dim (DeepSeek's MLA: 192 and 128) runs
+    without padding: output, log-sum-exp and every gradient against the reference, and the reference's output
+    against PyTorch's SDPA, which takes such values too."""
+    q, k, _ = _qkv(1, sq, sk, h, hkv, d, seed=6)
+    v = torch.randn(1, sk, hkv, dv, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    do = torch.randn(1, sq, h, dv, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    docs = _document_ids(documents) if documents else None
+    before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
+
+    def run(fn):
+        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        o, lse = fn(*ins, causal=causal, return_lse=True, document_ids=docs)
+        o.backward(do)
+        return [o.detach(), lse.detach()] + [t.grad for t in ins]
+
+    ours, ref = run(K.flash_attention), run(K.flash_attention_reference)
+    assert K.LAUNCHES["flash_attention_fwd"] > before[0] and K.LAUNCHES["flash_attention_bwd"] > before[1]
+    assert ours[0].shape == (1, sq, h, dv) and ours[4].shape == v.shape
+    for name, a, r in zip(["o", "lse", "dq", "dk", "dv"], ours, ref):
+        assert rel(a, r) < TOL, (name, rel(a, r))
+    mask = None
+    if causal:  # bottom right; documents by id
+        i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+        mask = (j <= i).to(DEVICE)
+        if docs is not None:
+            mask = mask & (docs[0, sk - sq :, None] == docs[0, None, :])
+    rep = h // hkv
+    sdpa = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.repeat_interleave(rep, 2).transpose(1, 2),
+        v.repeat_interleave(rep, 2).transpose(1, 2),
+        attn_mask=mask,
+    ).transpose(1, 2)
+    assert rel(ref[0], sdpa) < TOL
+
+
 def test_exposed_backward_merges_blocks_exactly():
     """Attention over keys split in two blocks, merged with the log-sum-exps, equals attention over all
     keys; the exposed backward of each block gives the full gradient pieces (what ring attention does)."""

@@ -779,7 +779,6 @@ def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refus
     "argv,fragment",
     [
         (["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2"),
-        (["--v-head-dim", "40"], "--v-head-dim 40"),
         (["--qk-pos-emb-head-dim", "7"], "--qk-pos-emb-head-dim 7"),
         (["--tensor-model-parallel-size", "2", "--kv-lora-rank", "7"], "--kv-lora-rank + --qk-pos-emb-head-dim"),
     ],

@@ -1,5 +1,6 @@
 """Attention over a sequence split across the context-parallel group (zigzag order, see zigzag.py).
-q, k, v are this rank's part: [batch, local seq, heads, head_dim]; k, v may have fewer (grouped) heads.
+q, k, v are this rank's part: [batch, local seq, heads, head_dim]; k, v may have fewer (grouped) heads, and v
+another head size (multi-latent attention), which the output takes.
 
 - `p2p` (ring): key/value blocks travel the ring with batched isend/irecv, each exchange posted before the
   block in hand is computed; partial outputs merge exactly through their log-sum-exp. The backward recomputes
@@ -125,7 +126,7 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[1] // 2
         b, s, h, _ = q.shape
         spans = _ring_spans(document_ids, group, s, causal)
-        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
         kb, vb = k, v
         for i in range(cp):

@@ -52,7 +52,8 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask (and a sliding window when configured), through
     PyTorch's scaled_dot_product_attention or our flash kernel.
-    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim] -> [batch, seq_q, heads*head_dim]
+    q: [batch, seq_q, heads, head_dim]; k: [batch, seq_k, kv_heads, head_dim]; v: [batch, seq_k, kv_heads,
+    v_head_dim] -> [batch, seq_q, heads * v_head_dim]
     (seq_k > seq_q with a KV cache). The heads here are this rank's shard, so attention dropout draws from
     the per-TP-rank generator."""
 
@@ -81,21 +82,24 @@ class CoreAttention(nn.Module):
         if self.cp is not None:  # documents: the whole sequence's ids, on every CP rank
             extra = {"document_ids": documents} if documents is not None else {}
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
-            return out.reshape(b, s, heads * d)
+            return out.reshape(b, s, -1)
         if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
             out = K.flash_attention(
                 q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window, document_ids=documents
             )
-            return out.reshape(b, s, heads * d)
+            return out.reshape(b, s, -1)
         kv_heads = k.shape[2]
         if kv_heads != heads:  # grouped-query: query head i reads key/value head i // (heads / kv_heads)
             rep = heads // kv_heads
             k = k.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
-            v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
+            v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, v.shape[-1]).reshape(b, sk, heads, -1)
         mask = attention_mask(s, sk, self.window, q.device)
         if documents is not None:
             inside = document_mask(documents)
             mask = inside if mask is None else inside & mask
+        dv = v.shape[-1]
+        if dv < d:  # SDPA's fused backends take one head size; its math fallback would keep the probabilities
+            v = F.pad(v, (0, d - dv))
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(
@@ -107,7 +111,7 @@ class CoreAttention(nn.Module):
                 is_causal=mask is None,
                 scale=self.scale,
             )
-        return out.transpose(1, 2).reshape(b, s, heads * d)
+        return out.transpose(1, 2)[..., :dv].reshape(b, s, -1)
 
 
 class SelfAttention(nn.Module):

@@ -11,8 +11,9 @@ rank holds the whole latent (the split only divides their GEMM); the latents' no
 and gradients on every rank. The shared RoPE key part feeds only this rank's heads, so its gradient is partial:
 it enters through copy_to_tensor_model_parallel_region, whose backward sums it over TP.
 
-Values are zero-padded to the query/key head size for the attention kernels (the flash kernel and
-context-parallel attention take one head size) and the padding is cut from the output. In inference the KV cache
+Values keep their own head size through the attention kernels (the flash kernel, context-parallel attention and
+SDPA all take a v_head_dim other than the query/key head's), so no padding is stored, multiplied or sent. In
+inference the KV cache
 keeps the latents (kv_lora_rank + RoPE dims per token), as transformers does, and keys and values are expanded
 from them at each step.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite import kernels as K
@@ -135,8 +135,6 @@ class MultiLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, t, self.local_heads, self.pe)], dim=-1)
-        pad = self.nope + self.pe - self.v_dim
-        v = F.pad(v, (0, pad)) if pad > 0 else v  # (v_head_dim > the q/k head: refused at config time)
         # (inside the mla_up_proj checkpoint the attention is recomputed with it already)
         if self.recompute_core_attention and self.training and not self.recompute_up_proj:
             out = checkpoint(
@@ -144,4 +142,4 @@ class MultiLatentAttention(nn.Module):
             )
         else:
             out = self.core_attention(q, k, v, documents)
-        return out.reshape(b, s, self.local_heads, self.nope + self.pe)[..., : self.v_dim]
+        return out.reshape(b, s, self.local_heads, self.v_dim)

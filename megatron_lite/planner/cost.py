@@ -109,7 +109,7 @@ class StepTime:
 
 def _mla_gemms(model: ModelConfig, m: float, tp: int, a: int, cl: Cluster, eff: Efficiency) -> float:
     """Multi-latent attention's projections: down-projections split over TP by their latent rows, up-projections
-    and the output projection by heads (values padded to the query/key head for the attention itself)."""
+    and the output projection by heads."""
     h, heads, qd, r = model.hidden_size, model.num_attention_heads, model.mla_q_head_dim, model.q_lora_rank
     if r is None:
         t = _gemm(m, h, heads * qd / tp, a, cl, eff)
@@ -237,7 +237,9 @@ def step_time(
             attn = _gemm(m, h, (q + 2 * kv) / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
             core_q = q  # the query dims each key is scored over (and the value dims)
             if model.multi_latent_attention:
-                attn, core_q = _mla_gemms(model, m, tp, a, cl, eff), model.num_attention_heads * model.mla_q_head_dim
+                attn = _mla_gemms(model, m, tp, a, cl, eff)
+                # q.k^T over the query/key head and p.v over the (unpadded) value head: their mean counts both
+                core_q = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim) / 2
             if model.is_moe_layer(layer):
                 f, k = model.moe_ffn_size, model.moe_router_topk
                 mlp = _gemm(m, h, model.num_experts, a, cl, eff)

@@ -55,9 +55,9 @@ def measure_layout(
         else:
             times.append(m.step_seconds)
             comm.append(m.comm_exposed_seconds)
-    return {
-        "step_seconds": statistics.median(times),
-        "comm_exposed_seconds": statistics.median(comm),
+    return {  # (None with iters=0: the memory alone)
+        "step_seconds": statistics.median(times) if times else None,
+        "comm_exposed_seconds": statistics.median(comm) if comm else None,
         "memory": breakdown,
         "pp_rank": ctx.pp.rank,
     }

@@ -121,8 +121,9 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
 
 def _mla_activation_bytes(m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, triton: bool, recompute: str) -> float:
     """Multi-latent attention's saved tensors per token, times TP (the caller divides by it): the latents and
-    their norms whole on every rank; per head q, k and the padded v (the attention's inputs), the output
-    projection's input and, without selective recomputation, the attention's output and log-sum-exp. Under
+    their norms whole on every rank; per head q, k and v (the attention's inputs; v padded to the query/key head
+    for SDPA), the output projection's input and, without selective recomputation, the attention's output and
+    log-sum-exp. Under
     sequence parallelism the query and key/value down-projections each gather (and save) the layer's input."""
     qd, heads = m.mla_q_head_dim, m.num_attention_heads
 
@@ -133,9 +134,13 @@ def _mla_activation_bytes(m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, 
 
     latents = (latent(m.q_lora_rank) if m.q_lora_rank else 0) + latent(m.kv_lora_rank)
     latents += m.hidden_size * a if sp else 0  # the second gathered copy of the input
-    attn = 3 * heads * qd * a + heads * m.v_head_dim * a
-    if recompute != "selective":
-        attn += heads * qd * a + heads * 4
+    v = m.v_head_dim
+    if triton:  # the flash kernel takes v unpadded; the output projection's input is a copy of its output
+        attn = (2 * qd + 2 * v) * heads * a + ((v * a + 4) * heads if recompute != "selective" else 0)
+    else:  # SDPA's fused kernels take one head size: v padded to it, the output cut to v (a copy)
+        attn = 3 * heads * qd * a + heads * v * a
+        if recompute != "selective":
+            attn += heads * qd * a + heads * 4
     return latents * tp + attn
 
 
