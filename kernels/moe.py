@@ -5,6 +5,7 @@
         row_map: [T, k] position of each pair in `permuted` (-1 where dropped)
     y = moe_unpermute(expert_out [N, H], row_map, probs [T, k])    # y[t] = sum_j probs[t, j] * out[row_map[t, j]]
     out = grouped_gemm(x [N, K], weights [E, N_out, K], counts [E])  # rows of expert e times weights[e]^T
+    out = grouped_gemm(x, [w_0, ..., w_E-1], counts)  # per-expert weights (parameters): stacked only while used
 
 The index bookkeeping (a stable sort of expert ids) runs in PyTorch; the row movement, the weighted combine
 and the GEMMs are Triton kernels with their backward passes.
@@ -295,54 +296,90 @@ def _mm(x, w, offs, tile_e, tile_m, out_cols, transpose_w: bool):
     return y
 
 
+def _grouped_forward(x, w, counts):
+    """y and the tiles the backward reuses."""
+    offs, tile_e, tile_m = _tiles(counts, _cfg()[0])
+    y = _mm(x, w, offs, tile_e, tile_m, w.shape[1], transpose_w=False)
+    launched("grouped_gemm_fwd")
+    return y, (offs, tile_e, tile_m)
+
+
+def _grouped_backward(x, w, dy, offs, tile_e, tile_m, want_dw: bool):
+    """dx and dw (None unless wanted: frozen experts under LoRA) of y = grouped_gemm(x, w)."""
+    dy = dy.contiguous()
+    dx = _mm(dy, w, offs, tile_e, tile_m, w.shape[2], transpose_w=True)
+    launched("grouped_gemm_bwd")
+    if not want_dw:
+        return dx, None
+    bm, bn, bk = _cfg()
+    e, n, k = w.shape
+    dw = torch.zeros(e, n, k, dtype=torch.float32, device=w.device)
+    _grouped_mm_dw[(e, triton.cdiv(n, bn) * triton.cdiv(k, bk))](
+        x,
+        dy,
+        dw,
+        offs,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        dy.stride(0),
+        dy.stride(1),
+        *dw.stride(),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+    )
+    return dx, dw.to(w.dtype)
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts):
         x, w = x.contiguous(), w.contiguous()
-        bm = _cfg()[0]
-        offs, tile_e, tile_m = _tiles(counts, bm)
-        y = _mm(x, w, offs, tile_e, tile_m, w.shape[1], transpose_w=False)
-        launched("grouped_gemm_fwd")
-        ctx.save_for_backward(x, w, offs, tile_e, tile_m)
+        y, tiles = _grouped_forward(x, w, counts)
+        ctx.save_for_backward(x, w, *tiles)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w, offs, tile_e, tile_m = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = _mm(dy, w, offs, tile_e, tile_m, w.shape[2], transpose_w=True)
-        bm, bn, bk = _cfg()
-        e, n, k = w.shape
-        dw = torch.zeros(e, n, k, dtype=torch.float32, device=w.device)
-        _grouped_mm_dw[(e, triton.cdiv(n, bn) * triton.cdiv(k, bk))](
-            x,
-            dy,
-            dw,
-            offs,
-            n,
-            k,
-            x.stride(0),
-            x.stride(1),
-            dy.stride(0),
-            dy.stride(1),
-            *dw.stride(),
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-        )
-        launched("grouped_gemm_bwd")
-        return dx, dw.to(w.dtype), None
+        return *_grouped_backward(x, w, dy, offs, tile_e, tile_m, ctx.needs_input_grad[1]), None
+
+
+class _GroupedGemmPerExpert(torch.autograd.Function):
+    """The grouped GEMM over per-expert weights: they are stacked for the kernels in the forward and again in the
+    backward, and only the parameters themselves are saved, so no copy of every expert's weights waits for the
+    backward (a stacked copy saved per MoE layer and micro-batch would hold as much again as the experts)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, *ws):
+        x = x.contiguous()
+        y, tiles = _grouped_forward(x, torch.stack(ws), counts)
+        ctx.save_for_backward(x, *tiles, *ws)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, tile_e, tile_m, *ws = ctx.saved_tensors
+        dx, dw = _grouped_backward(x, torch.stack(ws), dy, offs, tile_e, tile_m, any(ctx.needs_input_grad[2:]))
+        return dx, None, *(dw.unbind(0) if dw is not None else [None] * len(ws))
 
 
 def grouped_gemm_reference(x, w, counts):
     outs = [chunk @ w[e].t() for e, chunk in enumerate(x.split(counts.tolist()))]
-    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
+    return torch.cat(outs) if outs else x.new_zeros(0, w[0].shape[0] if isinstance(w, (list, tuple)) else w.shape[1])
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [N, K] rows grouped by expert (counts[e] rows each), w [E, N_out, K] -> [N, N_out]."""
-    if triton_usable(x, w):
-        return _GroupedGemm.apply(x, w, counts.to(device=x.device, dtype=torch.int64))
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor | list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    """x [N, K] rows grouped by expert (counts[e] rows each), w [E, N_out, K] (or E weights [N_out, K], the
+    experts' own parameters) -> [N, N_out]."""
+    per_expert = isinstance(w, (list, tuple))
+    if triton_usable(x, *(w if per_expert else [w])):
+        counts = counts.to(device=x.device, dtype=torch.int64)
+        if per_expert:
+            return _GroupedGemmPerExpert.apply(x, counts, *w)
+        return _GroupedGemm.apply(x, w, counts)
     return grouped_gemm_reference(x, w, counts)
 
 

@@ -62,3 +62,14 @@ def test_grouped_gemm(counts):
     assert K.LAUNCHES["grouped_gemm_bwd"] > before
     for name, a, b in zip(["y", "dx", "dw"], ours, ref):
         assert rel(a, b) < TOL, name
+    # the experts' own weights (as the MoE layer passes them): each gets its gradient, and nothing but the
+    # parameters themselves is saved for the backward (no stacked copy)
+    xs = x.clone().requires_grad_(True)
+    ws = [w[e].clone().requires_grad_(True) for e in range(len(counts))]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = K.grouped_gemm(xs, ws, counts_t)
+    assert not [t for t in saved if t.dim() == 3], [tuple(t.shape) for t in saved]
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device))
+    assert rel(y.detach(), ref[0]) < TOL and rel(xs.grad, ref[1]) < TOL
+    assert rel(torch.stack([t.grad for t in ws]), ref[2]) < TOL

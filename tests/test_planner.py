@@ -144,10 +144,11 @@ def test_memory_estimate_one_process(case):
     _check(name, layout, [measure(name, layout)])
 
 
-@pytest.mark.parametrize("name", ["llama", "mla"])
+@pytest.mark.parametrize("name", ["llama", "mla", "moe"])
 def test_memory_estimate_with_the_triton_kernels(name):
     """The kernels save less than PyTorch's ops (inputs and statistics only; multi-latent attention's values
-    unpadded); the fused loss keeps the gradients it made in the forward. Run through the interpreter: one step
+    unpadded; the grouped GEMM saves no stacked copy of the experts' weights); the fused loss keeps the gradients
+    it made in the forward. Run through the interpreter: one step
     of one micro-batch, no timed steps (without pipelining the peak is one micro-batch's)."""
     layout = Layout(micro_batch_size=2)
     _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton")

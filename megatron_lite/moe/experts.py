@@ -98,11 +98,11 @@ class LocalExperts(nn.Module):
         return torch.cat(outs) if outs else x[:0]
 
     def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """All local experts in two grouped GEMMs (Triton). The experts' weights are stacked per call, a copy
-        a grouped parameter layout would avoid."""
+        """All local experts in two grouped GEMMs (Triton). The kernel stacks the experts' weights while it runs
+        (a copy a grouped parameter layout would avoid) and saves only the parameters for the backward."""
         c = torch.tensor(counts, dtype=torch.int64, device=x.device)
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        w1 = [e.linear_fc1.weight for e in self.local_experts]
+        w2 = [e.linear_fc2.weight for e in self.local_experts]
         h = self._adapted("linear_fc1", x, counts, K.grouped_gemm(x, w1, c))
 
         def act_fc2(h: torch.Tensor) -> torch.Tensor:
