@@ -240,9 +240,6 @@ def _reduce(losses, labels, ignore_index, reduction):
     return losses.sum() / (labels != ignore_index).sum().clamp(min=1) if reduction == "mean" else losses.sum()
 
 
-_warned_recompute = False
-
-
 def _common_gradient(grad, labels, ignore_index, group) -> tuple[torch.Tensor, bool]:
     """The one gradient every counted token received (0 when none is counted), and whether they all did receive
     the same one (agreed over `group`, so no vocabulary shard recomputes alone and waits in a collective)."""
@@ -288,12 +285,12 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         none = [None] * 10
-        if ctx.eager:
-            # Scaled in place: a second vocab x hidden weight gradient would double the op's peak memory.
-            if getattr(ctx, "scaled", False):
-                raise RuntimeError(f"fused_linear_cross_entropy ({ctx.reduction}) supports one backward per forward")
-            ctx.scaled = True
+        # The gradients made in the forward are scaled in place (a second vocab x hidden weight gradient would
+        # double the op's peak memory), so only one backward may use them.
+        if getattr(ctx, "scaled", False):
+            raise RuntimeError(f"fused_linear_cross_entropy ({ctx.reduction}) supports one backward per forward")
         if ctx.reduction in ("mean", "sum"):
+            ctx.scaled = True
             dh, dw = ctx.saved_tensors
             dh = None if dh is None else _scale_(dh, grad)
             return dh, None if dw is None else _scale_(dw, grad), *none
@@ -304,17 +301,16 @@ class _FusedLinearCE(torch.autograd.Function):
             # gradient sums over tokens, so it takes one scale only if every counted token got the same.
             common, same = _common_gradient(grad, labels, *ctx.args[:2]) if dw is not None else (None, True)
             if same:
+                ctx.scaled = True
                 dh = None if dh is None else dh.mul_(grad.masked_fill(labels == ctx.args[0], 0.0)[:, None])
                 return dh, None if dw is None else _scale_(dw, common), *none
-            global _warned_recompute
-            if not _warned_recompute:
-                _warned_recompute = True
-                warnings.warn(
-                    "fused_linear_cross_entropy(grads_in_forward=True): the counted tokens received different "
-                    "gradients, so the logits are recomputed (give tokens that should not count ignore_index "
-                    "instead of a zero weight)",
-                    stacklevel=2,
-                )
+            # (Python's default filter shows it once)
+            warnings.warn(
+                "fused_linear_cross_entropy(grads_in_forward=True): the counted tokens received different "
+                "gradients, so the logits are recomputed (give tokens that should not count ignore_index "
+                "instead of a zero weight)",
+                stacklevel=2,
+            )
         else:
             hidden, weight, labels = ctx.saved_tensors
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -186,7 +186,8 @@ class GPTModel(nn.Module):
             tp_group=self.tp.pg if self.tp.size > 1 else None,
             vocab_start=start,
             vocab_size=self.vocab_size,
-            grads_in_forward=grads_in_forward,
+            # (not in fp16: gradients made at unit scale would lose the small probabilities that loss scaling keeps)
+            grads_in_forward=grads_in_forward and x.dtype != torch.float16,
         )
         return loss.view(s, b).t()
 

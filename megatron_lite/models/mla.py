@@ -133,6 +133,7 @@ class MultiLatentAttention(nn.Module):
         t = kv_latent.shape[0]
         kv = self.linear_kv_up_proj(kv_latent).transpose(0, 1).reshape(b, t, self.local_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        v = v.contiguous()  # a view would keep the whole up-projection output alive where v is saved (ring, recompute)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, t, self.local_heads, self.pe)], dim=-1)
         # (inside the mla_up_proj checkpoint the attention is recomputed with it already)
