@@ -88,16 +88,15 @@ class CoreAttention(nn.Module):
                 q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window, document_ids=documents
             )
             return out.reshape(b, s, -1)
-        kv_heads = k.shape[2]
+        kv_heads, dv = k.shape[2], v.shape[-1]
         if kv_heads != heads:  # grouped-query: query head i reads key/value head i // (heads / kv_heads)
             rep = heads // kv_heads
             k = k.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
-            v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, v.shape[-1]).reshape(b, sk, heads, -1)
+            v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, dv).reshape(b, sk, heads, dv)
         mask = attention_mask(s, sk, self.window, q.device)
         if documents is not None:
             inside = document_mask(documents)
             mask = inside if mask is None else inside & mask
-        dv = v.shape[-1]
         if dv < d:  # SDPA's fused backends take one head size; its math fallback would keep the probabilities
             v = F.pad(v, (0, d - dv))
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()

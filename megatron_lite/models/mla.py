@@ -13,9 +13,8 @@ it enters through copy_to_tensor_model_parallel_region, whose backward sums it o
 
 Values keep their own head size through the attention kernels (the flash kernel, context-parallel attention and
 SDPA all take a v_head_dim other than the query/key head's), so no padding is stored, multiplied or sent. In
-inference the KV cache
-keeps the latents (kv_lora_rank + RoPE dims per token), as transformers does, and keys and values are expanded
-from them at each step.
+inference the KV cache keeps the latents (kv_lora_rank + RoPE dims per token), as transformers does, and keys and
+values are expanded from them at each step.
 """
 
 from __future__ import annotations

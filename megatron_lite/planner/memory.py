@@ -123,8 +123,8 @@ def _mla_activation_bytes(m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, 
     """Multi-latent attention's saved tensors per token, times TP (the caller divides by it): the latents and
     their norms whole on every rank; per head q, k and v (the attention's inputs; v padded to the query/key head
     for SDPA), the output projection's input and, without selective recomputation, the attention's output and
-    log-sum-exp. Under
-    sequence parallelism the query and key/value down-projections each gather (and save) the layer's input."""
+    log-sum-exp. Under sequence parallelism the query and key/value down-projections each gather (and save) the
+    layer's input."""
     qd, heads = m.mla_q_head_dim, m.num_attention_heads
 
     def latent(n: int) -> float:  # a latent's norm (when normalised) and the up-projection's input
