@@ -151,14 +151,18 @@ def test_nan_policies(tmp_path):
 
 def test_a_rank_that_skips_a_collective_ends_the_job_with_a_report(tmp_path):
     """Rank 1 returns from an all-reduce without taking part, then waits in its next collective: with a
-    15 s timeout the job ends in well under a minute, and the report names rank 1 and the collective."""
-    out = run(tmp_path, ["--train-iters", "8", "--distributed-timeout-minutes", "0.25"],
-              "skip_collective,rank=1,iteration=3", timeout=200)  # fmt: skip
+    15 s timeout the job ends in well under a minute, and the report names rank 1 and the collective. Rank 0
+    is held back 5 s in that iteration, so rank 1 starts waiting first and its watchdog fires first: the
+    report is still about the collective rank 0 waits in (CI once saw rank 1 fire first by chance, and its
+    report described only its own wait)."""
+    fault = "skip_collective,rank=1,iteration=3;slow,rank=0,iteration=3,seconds=5"
+    out = run(tmp_path, ["--train-iters", "8", "--distributed-timeout-minutes", "0.25"], fault, timeout=200)
     assert out.returncode != 0
-    assert out.seconds < 15 + 45, out.seconds
+    assert out.seconds < 15 + 5 + 45, out.seconds  # gloo's own timeout would take 2 x 15 + 60 s
     err = out.stderr
-    assert "hang: rank 0 has waited" in err and "in collective #" in err and "all_reduce on ranks [0,1]" in err
+    assert "hang: rank 0 has waited" in err and "in collective #" in err and "all_reduce on ranks [0,1]" in err, err
     assert "rank 1: AHEAD: went past" in err and "rank(s) [1] skipped it and went ahead" in err
+    assert "(reported by rank 1, which waits" in err
 
 
 def test_straggler_report_names_the_slow_rank(tmp_path):

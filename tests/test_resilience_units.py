@@ -107,3 +107,51 @@ def test_the_flight_recorder_sees_the_single_tensor_collectives(dist):
     for ops in dist(2, _recorded_ops):
         assert len(ops) == 3, ops
         assert "gather" in ops[0] and "scatter" in ops[1] and "gather" in ops[2], ops
+
+
+def _published(seq_by_group: dict, current: dict | None, now: float) -> dict:
+    """A rank's state as its watchdog publishes it to the store."""
+    return {"time": now, "counts": seq_by_group, "last": {}, "current": current}
+
+
+def test_the_hang_report_is_about_the_skipped_collective_whichever_rank_fires_first():
+    """Rank 1 skipped all-reduce #3 and waits in #4; rank 0 waits in #3. Rank 1 entered its wait first, so on a
+    loaded machine its watchdog can fire first and end the job before rank 0's does (CI saw this): both
+    reports must name rank 0's wait in #3 and rank 1 as the one that went past it."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+
+    def entry(seq: int, start: float) -> Entry:
+        return Entry("0,1", seq, "all_reduce", [[8]], "training/step.py:10 (reduce)", start)
+
+    e3, e4 = entry(3, now - 14), entry(4, now - 17)
+    waits = {"since": None, "waiting": False}
+    peers = {
+        0: _published({"0,1": 3}, {**e3.__dict__, **waits, "since": e3.start}, now),
+        1: _published({"0,1": 4}, {**e4.__dict__, **waits, "since": e4.start}, now),
+    }
+    from_rank_1 = hang_report(1, 15.0, e4, 17.0, peers)
+    from_rank_0 = hang_report(0, 15.0, e3, 16.0, peers)
+    for report in (from_rank_0, from_rank_1):
+        first = report.splitlines()[0]
+        assert first.startswith("hang: rank 0 has waited") and "#3 all_reduce on ranks [0,1]" in first, report
+        assert "rank 1: AHEAD: went past #3 on this group to #4" in report, report
+        assert "summary: ranks [0] wait in all_reduce #3 on ranks [0,1]; rank(s) [1] skipped it" in report, report
+    assert "reported by rank 1, which waits 17 s in the later #4 all_reduce" in from_rank_1
+    assert "reported by" not in from_rank_0
+
+
+def test_the_hang_report_names_a_missing_rank():
+    """Rank 1 computes forever (never reaches #3): rank 0's report calls it missing."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    e3 = Entry("0,1", 3, "all_reduce", [[8]], "x.py:1 (f)", 984.0)
+    peers = {
+        0: _published({"0,1": 3}, {**e3.__dict__, "since": 984.0, "waiting": False}, 1000.0),
+        1: _published({"0,1": 2}, None, 1000.0),
+    }
+    report = hang_report(0, 15.0, e3, 16.0, peers)
+    assert report.startswith("hang: rank 0 has waited 16 s")
+    assert "rank 1: MISSING: has not entered #3" in report and "computing (in no collective)" in report
+    assert "rank(s) [1] never reached it" in report

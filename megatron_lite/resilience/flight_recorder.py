@@ -256,44 +256,67 @@ class FlightRecorder:
     def build_report(self, entry: Entry, waited: float) -> str:
         """Who waits in `entry`, who has not reached it and who went past it, from every rank's state."""
         self._publish()
-        peers = self._peers()
-        members = [int(r) for r in entry.group.split(",")]
-        lines = [
-            f"hang: rank {self.rank} has waited {waited:.0f} s (--distributed-timeout-minutes "
-            f"{self.timeout_s / 60:g}) in collective {entry.describe()}"
-        ]
-        missing, ahead, waiting = [], [], []
-        for r in members:
-            p = peers.get(r)
-            if p is None:
-                lines.append(f"  rank {r}: no state published (the process may be gone)")
-                missing.append(r)
-                continue
-            n = p["counts"].get(entry.group, 0)
-            cur = p["current"]
-            where = (
-                f"waiting for {p['time'] - cur['since']:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] "
-                f"at {cur['site']}"
-                if cur
-                else "computing (in no collective)"
-            )
-            if n < entry.seq:
-                missing.append(r)
-                last = p["last"].get(entry.group, "none")
-                lines.append(
-                    f"  rank {r}: MISSING: has not entered #{entry.seq} on this group (last: {last}); now {where}"
-                )
-            elif n > entry.seq:
-                ahead.append(r)
-                lines.append(f"  rank {r}: AHEAD: went past #{entry.seq} on this group to #{n}; now {where}")
-            else:
-                waiting.append(r)
-                lines.append(f"  rank {r}: {where}")
-        lines.append(
-            f"summary: ranks {waiting} wait in {entry.op} #{entry.seq} on ranks [{entry.group}]"
-            + (f"; rank(s) {missing} never reached it" if missing else "")
-            + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
-        )
         recent = "; ".join(e.describe() for e in list(self.history)[-5:])
-        lines.append(f"rank {self.rank}'s last collectives: {recent}")
-        return "\n".join(lines)
+        return hang_report(self.rank, self.timeout_s, entry, waited, self._peers()) + (
+            f"\nrank {self.rank}'s last collectives: {recent}"
+        )
+
+
+def _root(entry: Entry, waited: float, peers: dict[int, dict]) -> tuple[Entry, float, int | None]:
+    """The collective the hang began in. A rank that skipped one goes on to wait in the next collective of
+    the group, possibly before the others reach the one it skipped, so its watchdog may fire first: when a
+    member waits in an earlier collective of the same group, the report is about that one, whichever
+    rank's watchdog writes it. Returns the entry, how long it has been waited in, and who waits in it
+    (None: this rank)."""
+    best: tuple[Entry, float, int | None] = (entry, waited, None)
+    for r in (int(m) for m in entry.group.split(",")):
+        cur = (peers.get(r) or {}).get("current")
+        if cur and cur["group"] == entry.group and cur["seq"] < best[0].seq:
+            fields = {k: cur[k] for k in Entry.__dataclass_fields__ if k in cur}
+            best = (Entry(**fields), peers[r]["time"] - cur["since"], r)
+    return best
+
+
+def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers: dict[int, dict]) -> str:
+    """The report of rank `rank`, stuck `waited` seconds in `entry`, from every rank's published state."""
+    root, root_waited, waiter = _root(entry, waited, peers)
+    who = rank if waiter is None else waiter
+    lines = [
+        f"hang: rank {who} has waited {root_waited:.0f} s (--distributed-timeout-minutes "
+        f"{timeout_s / 60:g}) in collective {root.describe()}"
+        + ("" if waiter is None else f" (reported by rank {rank}, which waits {waited:.0f} s in the later "
+           f"#{entry.seq} {entry.op} of that group)")
+    ]  # fmt: skip
+    entry = root  # the rest describes every member against the collective the hang began in
+    members = [int(r) for r in entry.group.split(",")]
+    missing, ahead, waiting = [], [], []
+    for r in members:
+        p = peers.get(r)
+        if p is None:
+            lines.append(f"  rank {r}: no state published (the process may be gone)")
+            missing.append(r)
+            continue
+        n = p["counts"].get(entry.group, 0)
+        cur = p["current"]
+        where = (
+            f"waiting for {p['time'] - cur['since']:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] "
+            f"at {cur['site']}"
+            if cur
+            else "computing (in no collective)"
+        )
+        if n < entry.seq:
+            missing.append(r)
+            last = p["last"].get(entry.group, "none")
+            lines.append(f"  rank {r}: MISSING: has not entered #{entry.seq} on this group (last: {last}); now {where}")
+        elif n > entry.seq:
+            ahead.append(r)
+            lines.append(f"  rank {r}: AHEAD: went past #{entry.seq} on this group to #{n}; now {where}")
+        else:
+            waiting.append(r)
+            lines.append(f"  rank {r}: {where}")
+    lines.append(
+        f"summary: ranks {waiting} wait in {entry.op} #{entry.seq} on ranks [{entry.group}]"
+        + (f"; rank(s) {missing} never reached it" if missing else "")
+        + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
+    )
+    return "\n".join(lines)

@@ -6,7 +6,8 @@ MEGATRON_LITE_INJECT_FAULT="KIND,rank=R,iteration=I[,restart=K][,seconds=S]" (se
   skip_collective return from this rank's first all-reduce in iteration I without taking part in it, then
                   block in its next collective (as a rank that went ahead would wait there; without
                   sending, so no peer receives mismatched data)
-  slow            sleep S seconds (default 0.5) in every iteration of this rank (a straggler)
+  slow            sleep S seconds (default 0.5) in every iteration of this rank (a straggler), or only in
+                  iteration I when given
 
 Nothing happens unless the variable is set."""
 
