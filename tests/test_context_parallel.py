@@ -220,3 +220,44 @@ def test_learned_positions_follow_the_split(dist):
     ref = train_run("gpt2", P(), 4, 4)
     for history in dist(2, train_run, "gpt2", P(context_parallel_size=2), 4, 2):
         _compare(history, ref)
+
+
+def _ring_bytes_sent(cp_width: int, k_dim: int, v_dim: int, kv_heads: int) -> int:
+    """Bytes this rank's ring sends in one attention forward and backward (k, v shaped as the model makes them)."""
+    sent = []
+    real = dist.batch_isend_irecv
+
+    def spy(ops):
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real(ops)
+
+    from megatron_lite.context_parallel.attention import ring_attention
+
+    ctx = get_context(P(context_parallel_size=cp_width))
+    g = torch.Generator().manual_seed(0)
+    b, s, h = 2, 8, 4  # this rank's part of the sequence
+    q = torch.randn(b, s, h, k_dim, generator=g, requires_grad=True)
+    k = torch.randn(b, s, kv_heads, k_dim, generator=g, requires_grad=True)
+    v = torch.randn(b, s, kv_heads, v_dim, generator=g, requires_grad=True)
+    dist.batch_isend_irecv = spy
+    try:
+        ring_attention(q, k, v, ctx.cp, True).sum().backward()
+    finally:
+        dist.batch_isend_irecv = real
+    return sum(sent)
+
+
+def test_the_planner_counts_the_bytes_the_ring_sends(dist):
+    """The planner's context-parallel cost sends what the ring sends: grouped-query keys and values, and
+    multi-latent attention's up-projected ones (every head; query/key head 12 = 8 + 4 RoPE, values 6)."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.planner.cost import ring_blocks
+
+    gqa = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64)
+    mla = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, multi_latent_attention=True,
+                      position_embedding_type="rope", add_bias_linear=False,
+                      qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)  # fmt: skip
+    for model, shapes in ((gqa, (8, 8, 2)), (mla, (12, 6, 4))):
+        block, sends = ring_blocks(model, tokens=2 * 8, tp=1, cp=2, a=4)
+        for measured in dist(2, _ring_bytes_sent, 2, *shapes):
+            assert measured == block * sends, (model.multi_latent_attention, measured, block, sends)

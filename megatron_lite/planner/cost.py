@@ -298,11 +298,14 @@ def step_time(
         tp_comm = micro * (layers * per_layer + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
-        block = 2 * m * kv / tp * a
-        ring = (cp - 1) * (3 * _collective("p2p", block, cp, tp * cp, cl, eff))
-        attn_time = 3.5 * 2 * m * seq_length * q / tp / (g.peak_flops * eff.attention)
+        block, sends = ring_blocks(model, m, tp, cp, a)
+        ring = sends * _collective("p2p", block, cp, tp * cp, cl, eff)
+        mla, heads = model.multi_latent_attention, model.num_attention_heads
+        core_q = heads * (model.mla_q_head_dim + model.v_head_dim) / 2 if mla else q
+        out = heads * model.v_head_dim if mla else q
+        attn_time = 3.5 * 2 * m * seq_length * core_q / tp / (g.peak_flops * eff.attention)
         # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
-        merge = 3 * (cp - 1) * 3 * m * q / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
+        merge = 3 * (cp - 1) * 3 * m * out / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
         cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
     ep_comm = 0.0
     if model.num_experts and ep > 1:
@@ -353,6 +356,19 @@ def step_time(
     # (read the gradient, read and write the state, write main weights and weights: 28 bytes with Adam)
     optimizer = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
+
+
+def ring_blocks(model: ModelConfig, tokens: float, tp: int, cp: int, a: int) -> tuple[float, int]:
+    """Context parallelism's ring in one layer and micro-batch: the bytes of one key/value block (one rank's
+    `tokens`, its TP share of the heads) and how many blocks each rank sends, forward and backward. The
+    forward passes keys and values on cp - 1 times; the backward again, and their gradients cp times (the last
+    hop takes each to its owner). Multi-latent attention rings its up-projected keys and values: every head,
+    at the query/key and the value head sizes."""
+    if model.multi_latent_attention:
+        width = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim)
+    else:
+        width = 2 * model.query_groups * model.head_dim
+    return tokens * width / tp * a, 3 * cp - 2
 
 
 def throughput(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, t: StepTime, cl: Cluster):
