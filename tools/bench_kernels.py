@@ -10,6 +10,8 @@ GB/s (memory-bound ops, against the copy bandwidth measured in the same run) or 
 Memory-bound kernels are set against two copies timed in the same run: a 2 GiB device-to-device copy (the
 bandwidth ceiling) and a copy of as many bytes as the kernel moves (the same size, launch and tail effects).
 Attention's reference is PyTorch's SDPA with the flash backend forced; the backward time is fwd+bwd minus fwd.
+`flash_attention_mla` has multi-latent attention's head sizes (query/key 1.5 x head_dim, values head_dim: 192
+and 128 as in DeepSeek-V3); its TFLOP/s count q.k^T at 192 and p.v at 128, for the padded runs too.
 `flash_attention_documents` packs eight documents into each sequence (--reset-attention-mask) against SDPA with
 the boolean document mask; its TFLOP/s count only the documents' own causal squares, the work that is needed.
 The fused cross-entropy's memory is also given without the gradients it must return (the weight gradient
@@ -184,6 +186,25 @@ def cases(s: dict, dtype, device):
         kv = (t.repeat_interleave(rep, 2).transpose(1, 2) for t in (c, e))
         return F.scaled_dot_product_attention(a.transpose(1, 2), *kv, attn_mask=doc_mask).transpose(1, 2)
 
+    # Multi-latent attention's heads (DeepSeek-V3: query/key 192, values 128; every head its own keys): ours takes
+    # the values as they are; SDPA's fused backends need one head size, so it (and our padded variant, what MLA
+    # ran before the kernel took values of their own size) pads them to 192 and cuts the output.
+    qd, dv = d + d // 2, d
+    qm, km, vm = rand(b, sq, nh, qd), rand(b, sq, nh, qd), rand(b, sq, nh, dv)
+    flops_mla = 2 * b * nh * sq * sq * (qd + dv) / 2  # q.k^T over qd and p.v over dv, causal
+
+    def padded(attend):
+        return lambda a, c, e: attend(a, c, F.pad(e, (0, qd - dv)))[..., :dv]
+
+    def sdpa_mla(a, c, e):
+        args = (a.transpose(1, 2), c.transpose(1, 2), e.transpose(1, 2))
+        if device.type != "cuda":
+            return F.scaled_dot_product_attention(*args, is_causal=True).transpose(1, 2)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(*args, is_causal=True).transpose(1, 2)
+
     chunk_rows = sorted({max(1, t // 16), max(1, t // 4), t})  # fused CE variants: chunk size trades memory for time
     out = [
         dict(
@@ -250,6 +271,19 @@ def cases(s: dict, dtype, device):
             compile=False,
             flops_fwd=flops_docs,
             flops_bwd=2.5 * flops_docs,
+            liger=None,
+        ),
+        dict(
+            name="flash_attention_mla",
+            inputs=[qm, km, vm],
+            ours=lambda a, c, e: K.flash_attention(a, c, e, causal=True),
+            eager=padded(sdpa_mla),
+            eager_name="sdpa_flash_padded" if device.type == "cuda" else "sdpa_padded",
+            last=True,
+            variants={"megatron_lite padded": padded(lambda a, c, e: K.flash_attention(a, c, e, causal=True))},
+            compile=False,
+            flops_fwd=flops_mla,
+            flops_bwd=2.5 * flops_mla,
             liger=None,
         ),
         dict(
@@ -345,6 +379,12 @@ def verdicts(rows: list[dict]) -> list[str]:
         lines.append(
             f"flash_attention bwd: {x:.2f}x SDPA flash ({ob:.2f} vs {rb:.2f} ms): "
             f"{'meets' if x >= 0.8 else 'misses'} 0.8x"
+        )
+    mla = {r["impl"]: r for r in rows if r["kernel"] == "flash_attention_mla" and r["pass"] == "fwd+bwd"}
+    if "megatron_lite" in mla and len(mla) > 1:  # no target: values of their own size against padded ones
+        others = ", ".join(f"{k} {r['ms']:.2f} ms" for k, r in mla.items() if k != "megatron_lite")
+        lines.append(
+            f"flash_attention_mla fwd+bwd (no target): megatron_lite {mla['megatron_lite']['ms']:.2f} ms; {others}"
         )
     ce = [r for r in rows if r["kernel"] == "fused_linear_cross_entropy" and r["pass"] == "fwd+bwd"]
     eager = next((r for r in ce if r["impl"] == "eager"), None)
@@ -533,14 +573,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     selected = [c for c in cases(SIZES[args.size], dtype, device) if wanted is None or c["name"] in wanted]
     # Two phases: first every kernel beside its eager reference, then torch.compile (cold compiles take the most
     # time; the fused cross-entropy's, which a target needs, goes first), so a run cut short loses the least.
-    for phase in ("direct", "compiled"):
+    # Cases with no target (last=True) go after both phases.
+    for phase in ("direct", "compiled", "last"):
         for case in selected:
-            if phase == "direct":
+            compiled = case.get("compile", True) if compile_only is None else case["name"] in compile_only
+            if phase != "compiled" and (phase == "last") == bool(case.get("last")):
                 impls = {"megatron_lite": case["ours"], case.get("eager_name", "eager"): case["eager"]}
                 impls.update(case.get("variants", {}))
                 if case.get("liger") and _liger(case["liger"]):
                     impls["liger"] = _liger(case["liger"])
-            elif use_compile and (case.get("compile", True) if compile_only is None else case["name"] in compile_only):
+            elif phase == "compiled" and use_compile and compiled and not case.get("last"):
                 impls = {"torch.compile": torch.compile(case["eager"])}
             else:
                 continue
