@@ -151,7 +151,7 @@ if HAVE_TRITON:
         # Causal work grows with the query block, which sits on the grid's slow axis: every head's last (heaviest)
         # block goes first and the light ones fill the final wave.
         start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # batch x seq x heads x head_dim may pass 2^31
         b, h = bh // heads, bh % heads
         kvh = h // group
         offset = seq_k - seq_q
@@ -352,7 +352,7 @@ if HAVE_TRITON:
     ):
         # Key block on the grid's slow axis: every head's first (heaviest, under causal masking) block goes first.
         start_n = tl.program_id(1) * BLOCK_N
-        bkv = tl.program_id(0)
+        bkv = tl.program_id(0).to(tl.int64)  # batch x seq x heads x head_dim may pass 2^31
         kv_heads = heads // group
         b, kvh = bkv // kv_heads, bkv % kv_heads
         offset = seq_k - seq_q
@@ -472,7 +472,7 @@ if HAVE_TRITON:
         # Causal work grows with the query block, which sits on the grid's slow axis: every head's last (heaviest)
         # block goes first and the light ones fill the final wave.
         start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # batch x seq x heads x head_dim may pass 2^31
         b, h = bh // heads, bh % heads
         kvh = h // group
         offset = seq_k - seq_q

@@ -24,7 +24,7 @@ if HAVE_TRITON:
     @triton.jit
     def _gather_rows(X, SRC, Y, H, BLOCK: tl.constexpr):
         """Y[n] = X[SRC[n]]."""
-        n = tl.program_id(0)
+        n = tl.program_id(0).to(tl.int64)  # rows x hidden may pass 2^31
         src = tl.load(SRC + n)
         for start in range(0, H, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -34,7 +34,7 @@ if HAVE_TRITON:
     @triton.jit
     def _combine(OUT, MAP, W, Y, H, k, BLOCK: tl.constexpr):
         """Y[t] = sum_j W[t, j] * OUT[MAP[t, j]] over the kept pairs (MAP >= 0); also the permute backward."""
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # tokens x hidden may pass 2^31
         for start in range(0, H, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             m = cols < H
@@ -49,7 +49,7 @@ if HAVE_TRITON:
     @triton.jit
     def _combine_bwd(DY, OUT, MAP, W, DOUT, DW, H, k, BLOCK: tl.constexpr):
         """DOUT[MAP[t, j]] = W[t, j] * DY[t];  DW[t, j] = <DY[t], OUT[MAP[t, j]]>."""
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # tokens x hidden may pass 2^31
         for j in range(0, k):
             pos = tl.load(MAP + t * k + j)
             if pos >= 0:

@@ -135,7 +135,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _nf4_dequant(P, LEVELS, SCALES, OUT, n, BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr):
-        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # a weight may pass 2^31 values
         mask = idx < n
         byte = tl.load(P + idx // 2, mask=mask, other=0).to(tl.int32)
         code = tl.where(idx % 2 == 0, byte >> 4, byte & 15)

@@ -1,0 +1,96 @@
+"""Kernels on tensors of more than 2^31 elements (GPU only: each needs several GB). A program id times a
+row or batch stride is int32 arithmetic in Triton, which wraps past 2^31 and reads or writes elsewhere; the
+kernels widen those products to int64. Each test checks the rows beyond the 2^31st element against the
+reference computed on those rows alone, and the first rows too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_lite import kernels as K
+from megatron_lite.kernels.moe import moe_permute_reference, moe_unpermute_reference
+from megatron_lite.kernels.nf4 import NF4_LEVELS, NF4Weight
+
+# A dry run of the tests' own logic on the CPU (interpreter, fp32): LARGE_KERNEL_TESTS_ON_CPU=16384 stands that
+# many elements in for 2^31.
+DRY = int(os.environ.get("LARGE_KERNEL_TESTS_ON_CPU", "0"))
+DEV, DT, BIG = ("cpu", torch.float32, DRY) if DRY else ("cuda", torch.bfloat16, 2**31)
+pytestmark = pytest.mark.skipif(not DRY and not torch.cuda.is_available(), reason="needs a CUDA GPU with ~40 GB free")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_flash_attention_past_2_31_elements():
+    s, h, d = 64, 1, 64
+    b = BIG // (s * h * d) + 2  # the last two sequences start past element 2^31
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v, do = (torch.randn(b, s, h, d, device=DEV, dtype=DT, generator=g) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
+    o = K.flash_attention(*leaves, causal=True)
+    o.backward(do)
+    assert (K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]) == (before[0] + 1, before[1] + 1)
+    for i in (0, b - 1):
+        ref = [t[i : i + 1].detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+        ro = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True)
+        ro.backward(do[i : i + 1].float().transpose(1, 2))
+        assert _rel(o[i : i + 1], ro.transpose(1, 2)) < 1e-2, i
+        for leaf, r in zip(leaves, ref):
+            assert _rel(leaf.grad[i : i + 1], r.grad.transpose(1, 2)) < 2e-2, i
+
+
+def test_moe_permute_and_unpermute_past_2_31_elements():
+    hidden, topk = 4096, 8
+    tokens = BIG // (hidden * topk) + 64  # permuted rows x hidden pass 2^31
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=DT, generator=g)
+    indices = torch.randint(0, 16, (tokens, topk), device=DEV, generator=g)
+    before = K.LAUNCHES["moe_permute"], K.LAUNCHES["moe_unpermute"]
+    y, row_map = K.moe_permute(x, indices)
+    ref, ref_map = moe_permute_reference(x, indices)
+    assert torch.equal(row_map, ref_map) and torch.equal(y[:64], ref[:64]) and torch.equal(y[-64:], ref[-64:])
+    del y, ref, x, indices, row_map, ref_map
+
+    tokens = BIG // hidden + 64  # tokens x hidden pass 2^31: the combine's own rows
+    out = torch.randn(tokens, hidden, device=DEV, dtype=DT, generator=g).requires_grad_()
+    row_map = torch.arange(tokens, device=DEV).flip(0).view(tokens, 1)
+    probs = torch.rand(tokens, 1, device=DEV, generator=g).requires_grad_()
+    got = K.moe_unpermute(out, row_map, probs)
+    dy = torch.randn_like(got)
+    got.backward(dy)
+    assert K.LAUNCHES["moe_permute"] == before[0] + 1 and K.LAUNCHES["moe_unpermute"] == before[1] + 1
+    for rows in (slice(0, 64), slice(tokens - 64, tokens)):
+        src = row_map[rows, 0]
+        o = out.detach()[src].requires_grad_()
+        p = probs.detach()[rows].requires_grad_()
+        expect = moe_unpermute_reference(o, torch.arange(64, device=DEV).view(64, 1), p)
+        expect.backward(dy[rows])
+        assert _rel(got[rows], expect) < 1e-2
+        assert _rel(out.grad[src], o.grad) < 1e-2 and _rel(probs.grad[rows], p.grad) < 1e-2
+
+
+def test_nf4_dequantisation_past_2_31_values():
+    n = BIG + 4096
+    blocks = n // 64
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = NF4Weight(
+        packed=torch.randint(0, 256, (n // 2,), device=DEV, dtype=torch.uint8, generator=g),
+        shape=torch.Size([n]),
+        dtype=DT,
+        blocksize=64,
+        absmax=torch.rand(blocks, device=DEV, generator=g) + 0.5,
+    )
+    before = K.LAUNCHES["nf4_dequant"]
+    w = K.dequantize_nf4(q)
+    assert K.LAUNCHES["nf4_dequant"] == before + 1  # the kernel ran, not the reference
+    levels = torch.tensor(NF4_LEVELS, device=DEV)
+    for start in (0, n - 4096):
+        packed = q.packed[start // 2 : (start + 4096) // 2]
+        codes = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1).long()
+        scale = q.absmax[start // q.blocksize : (start + 4096) // q.blocksize].repeat_interleave(q.blocksize)
+        assert torch.equal(w[start : start + 4096], (levels[codes] * scale).to(DT)), start
