@@ -261,3 +261,34 @@ def test_the_planner_counts_the_bytes_the_ring_sends(dist):
         block, sends = ring_blocks(model, tokens=2 * 8, tp=1, cp=2, a=4)
         for measured in dist(2, _ring_bytes_sent, 2, *shapes):
             assert measured == block * sends, (model.multi_latent_attention, measured, block, sends)
+
+
+def _ring_grads_with_regenerated_inputs(regenerate: bool):
+    """Latents -> q, k, v (as multi-latent attention's up-projection makes them) -> the ring; with `regenerate`,
+    the q, k, v the ring saves are dropped and made again in its backward (--recompute-modules mla_up_proj)."""
+    from megatron_lite.context_parallel.attention import ring_attention
+    from megatron_lite.models.mla import Regenerated
+
+    ctx = get_context(P(context_parallel_size=2))
+    g = torch.Generator().manual_seed(ctx.cp.rank)
+    latent = torch.randn(2, 8, 16, generator=g, requires_grad=True)
+    w_q, w_k, w_v = (torch.randn(16, 4 * n, generator=g, requires_grad=True) for n in (12, 12, 6))
+
+    def make():
+        return tuple((latent @ w).view(2, 8, 4, -1) for w in (w_q, w_k, w_v))
+
+    q, k, v = make()
+    if regenerate:
+        with Regenerated(make, (q, k, v)).hooks():
+            o = ring_attention(q, k, v, ctx.cp, True)
+    else:
+        o = ring_attention(q, k, v, ctx.cp, True)
+    del q, k, v
+    o.backward(torch.randn(o.shape, generator=g))
+    return [t.grad for t in (latent, w_q, w_k, w_v)]
+
+
+def test_the_ring_takes_regenerated_queries_keys_and_values(dist):
+    for kept, regenerated in zip(dist(2, _ring_grads_with_regenerated_inputs, False),
+                                 dist(2, _ring_grads_with_regenerated_inputs, True)):  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(kept, regenerated))

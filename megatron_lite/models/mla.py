@@ -91,8 +91,8 @@ class MultiLatentAttention(nn.Module):
         self.rope = K.apply_rope if config.kernel_impl == "triton" else K.apply_rope_reference
         modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
         self.recompute_core_attention = "core_attn" in modules
-        # mla_up_proj: the up-projections, RoPE and the core attention recomputed together from the latents, so
-        # the per-head queries, keys and values are never kept (Megatron discards the up-projections' outputs)
+        # mla_up_proj: the per-head queries, keys and values (the up-projections' and RoPE's outputs) are not kept
+        # but made again from the latents in the backward (Megatron discards the up-projections' outputs)
         self.recompute_up_proj = "mla_up_proj" in modules
 
     def forward(
@@ -109,9 +109,17 @@ class MultiLatentAttention(nn.Module):
             kv_latent = self.kv_layernorm(kv_latent)
         # one RoPE key part for all heads, read by this rank's heads only: its gradient is summed over TP
         k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp).transpose(0, 1).unsqueeze(2)  # [b, s, 1, pe]
-        if self.recompute_up_proj and self.training:
+        if self.recompute_up_proj and self.training and self.recompute_core_attention:
+            # both modules: one checkpoint recomputes the up-projections and the attention from the latents
             attend = functools.partial(self._attend, rope=rope, documents=documents)
             out = checkpoint(attend, self.core_attention.rng, q_in, kv_latent, k_pe)
+        elif self.recompute_up_proj and self.training:
+            # mla_up_proj alone (Megatron's): the attention keeps its output and is not run again; the per-head
+            # q, k, v it saves are dropped and made again from the latents when its backward asks for them
+            make = functools.partial(self._up_project, q_in, kv_latent, k_pe, rope)
+            q, k, v = make()
+            with Regenerated(make, (q, k, v)).hooks():
+                out = self.core_attention(q, k, v, documents)
         else:
             out = self._attend(q_in, kv_latent, k_pe, rope, kv_cache, documents)
         s, b = out.shape[1], out.shape[0]
@@ -119,6 +127,16 @@ class MultiLatentAttention(nn.Module):
 
     def _attend(self, q_in, kv_latent, k_pe, rope, kv_cache=None, documents=None) -> torch.Tensor:
         """The up-projections, RoPE and the core attention: [batch, seq, local heads, v_head_dim]."""
+        q, k, v = self._up_project(q_in, kv_latent, k_pe, rope, kv_cache)
+        # (inside the mla_up_proj checkpoint the attention is recomputed with it already)
+        if self.recompute_core_attention and self.training and not self.recompute_up_proj:
+            return checkpoint(
+                functools.partial(self.core_attention, documents=documents), self.core_attention.rng, q, k, v
+            )
+        return self.core_attention(q, k, v, documents)
+
+    def _up_project(self, q_in, kv_latent, k_pe, rope, kv_cache=None):
+        """The up-projections and RoPE: per-head q, k [batch, seq, local heads, qk head] and v (v_head_dim)."""
         q = q_in if self.linear_q_proj is not None else self.linear_q_up_proj(q_in)
         s, b, _ = q.shape
         q = q.transpose(0, 1).reshape(b, s, self.local_heads, self.nope + self.pe)
@@ -135,11 +153,35 @@ class MultiLatentAttention(nn.Module):
         v = v.contiguous()  # a view would keep the whole up-projection output alive where v is saved (ring, recompute)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, t, self.local_heads, self.pe)], dim=-1)
-        # (inside the mla_up_proj checkpoint the attention is recomputed with it already)
-        if self.recompute_core_attention and self.training and not self.recompute_up_proj:
-            out = checkpoint(
-                functools.partial(self.core_attention, documents=documents), self.core_attention.rng, q, k, v
-            )
-        else:
-            out = self.core_attention(q, k, v, documents)
-        return out.reshape(b, s, self.local_heads, self.v_dim)
+        return q, k, v
+
+
+class Regenerated:
+    """Tensors an operation saves for its backward, dropped after the forward and made again by `make` (no
+    gradient: the graph that made them in the forward still carries theirs) when the backward first unpacks
+    one. Recognised by storage, so the views the operation saves (transposes, reshapes) are regenerated
+    too; whatever else it saves passes to the enclosing saved-tensor hooks (an activation meter), if any."""
+
+    def __init__(self, make, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.make, self.values = make, None
+        self.index = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}  # no reference kept
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self.outer = top(False) if top is not None else None
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        i = self.index.get(t.untyped_storage().data_ptr())
+        if i is None:
+            return None, self.outer[0](t) if self.outer else t
+        return i, t.size(), t.stride(), t.storage_offset()
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if packed[0] is None:
+            return self.outer[1](packed[1]) if self.outer else packed[1]
+        if self.values is None:
+            with torch.no_grad():
+                self.values = self.make()
+        i, size, stride, offset = packed
+        return self.values[i].as_strided(size, stride, offset)
