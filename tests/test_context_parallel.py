@@ -267,7 +267,7 @@ def _ring_grads_with_regenerated_inputs(regenerate: bool):
     """Latents -> q, k, v (as multi-latent attention's up-projection makes them) -> the ring; with `regenerate`,
     the q, k, v the ring saves are dropped and made again in its backward (--recompute-modules mla_up_proj)."""
     from megatron_lite.context_parallel.attention import ring_attention
-    from megatron_lite.models.mla import Regenerated
+    from megatron_lite.tensor_parallel.random import Regenerated
 
     ctx = get_context(P(context_parallel_size=2))
     g = torch.Generator().manual_seed(ctx.cp.rank)

@@ -31,7 +31,7 @@ from megatron_lite.models.norms import build_norm
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from megatron_lite.tensor_parallel.random import checkpoint
+from megatron_lite.tensor_parallel.random import Regenerated, checkpoint
 
 
 class MultiLatentAttention(nn.Module):
@@ -154,34 +154,3 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, t, self.local_heads, self.pe)], dim=-1)
         return q, k, v
-
-
-class Regenerated:
-    """Tensors an operation saves for its backward, dropped after the forward and made again by `make` (no
-    gradient: the graph that made them in the forward still carries theirs) when the backward first unpacks
-    one. Recognised by storage, so the views the operation saves (transposes, reshapes) are regenerated
-    too; whatever else it saves passes to the enclosing saved-tensor hooks (an activation meter), if any."""
-
-    def __init__(self, make, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.make, self.values = make, None
-        self.index = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}  # no reference kept
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        self.outer = top(False) if top is not None else None
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor):
-        i = self.index.get(t.untyped_storage().data_ptr())
-        if i is None:
-            return None, self.outer[0](t) if self.outer else t
-        return i, t.size(), t.stride(), t.storage_offset()
-
-    def _unpack(self, packed) -> torch.Tensor:
-        if packed[0] is None:
-            return self.outer[1](packed[1]) if self.outer else packed[1]
-        if self.values is None:
-            with torch.no_grad():
-                self.values = self.make()
-        i, size, stride, offset = packed
-        return self.values[i].as_strided(size, stride, offset)

@@ -4,6 +4,8 @@ TP group before the experts and reduces after combining, so one reduction serves
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +16,7 @@ from megatron_lite.kernels.nf4 import nf4_linear
 from megatron_lite.models.mlp import activate
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
-from megatron_lite.tensor_parallel.random import RNGStatesTracker, checkpoint
+from megatron_lite.tensor_parallel.random import Regenerated
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
@@ -37,6 +39,17 @@ class ExpertWeight(nn.Module):
         return y if self.lora is None else y + self.lora(x)
 
 
+def _swiglu_contiguous(h: torch.Tensor) -> torch.Tensor:
+    return activate(h, "swiglu", triton=True).contiguous()
+
+
+def regenerated(make, fn) -> torch.Tensor:
+    """fn(make()), with the copy of make()'s output that fn saves dropped and made again in its backward."""
+    a = make()
+    with Regenerated(make, (a,)).hooks():
+        return fn(a)
+
+
 class ExpertMLP(nn.Module):
     def __init__(self, config: ModelConfig, etp: Group, device=None, dtype=torch.float32) -> None:
         super().__init__()
@@ -53,17 +66,12 @@ class ExpertMLP(nn.Module):
             (h, fc2.shard_size), ParamMeta(("normal", out_std), fc2, etp.rank, expert=True), device, dtype
         )
 
-    def forward(self, x: torch.Tensor, rng: RNGStatesTracker | None = None) -> torch.Tensor:
-        """Partial over the expert-TP group. `rng` (--recompute-modules moe_act): the activation and fc2 are
-        recomputed in the backward, so only fc1's output is kept (Megatron discards just the activation's
-        output; here fc2's GEMM runs again too)."""
+    def forward(self, x: torch.Tensor, regenerate_act: bool = False) -> torch.Tensor:
+        """Partial over the expert-TP group. `regenerate_act` (--recompute-modules moe_act, as Megatron's): the
+        activation's output, which fc2 saves, is dropped and computed again from fc1's output in the backward."""
         y = self.linear_fc1.linear(x)
-        if rng is not None:
-            return checkpoint(self._act_fc2, rng, y)
-        return self._act_fc2(y)
-
-    def _act_fc2(self, y: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2.linear(activate(y, self.activation))
+        make = functools.partial(activate, y, self.activation)
+        return regenerated(make, self.linear_fc2.linear) if regenerate_act else self.linear_fc2.linear(make())
 
 
 class LocalExperts(nn.Module):
@@ -76,7 +84,6 @@ class LocalExperts(nn.Module):
         etp: Group,
         device=None,
         dtype=torch.float32,
-        rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
         self.num_local = config.num_experts // ep.size
@@ -84,8 +91,7 @@ class LocalExperts(nn.Module):
         self.triton = config.kernel_impl == "triton"
         modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
         # (with "moe" the whole layer is recomputed: the activation is not checkpointed again inside)
-        self.recompute_act = "moe_act" in modules and "moe" not in modules and rng is not None
-        self.rng = rng
+        self.recompute_act = "moe_act" in modules and "moe" not in modules
         self.local_experts = nn.ModuleList(ExpertMLP(config, etp, device, dtype) for _ in range(self.num_local))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -93,8 +99,8 @@ class LocalExperts(nn.Module):
         # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once)
         if self.triton and self.local_experts[0].swiglu and self.local_experts[0].linear_fc1.nf4 is None:
             return self._grouped(x, counts)
-        rng = self.rng if self.recompute_act and self.training else None
-        outs = [expert(chunk, rng) for expert, chunk in zip(self.local_experts, x.split(counts))]
+        regenerate = self.recompute_act and self.training
+        outs = [expert(chunk, regenerate) for expert, chunk in zip(self.local_experts, x.split(counts))]
         return torch.cat(outs) if outs else x[:0]
 
     def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -105,11 +111,11 @@ class LocalExperts(nn.Module):
         w2 = [e.linear_fc2.weight for e in self.local_experts]
         h = self._adapted("linear_fc1", x, counts, K.grouped_gemm(x, w1, c))
 
-        def act_fc2(h: torch.Tensor) -> torch.Tensor:
-            h = activate(h, "swiglu", triton=True).contiguous()
-            return self._adapted("linear_fc2", h, counts, K.grouped_gemm(h, w2, c))
+        def fc2(a: torch.Tensor) -> torch.Tensor:
+            return self._adapted("linear_fc2", a, counts, K.grouped_gemm(a, w2, c))
 
-        return checkpoint(act_fc2, self.rng, h) if self.recompute_act and self.training else act_fc2(h)
+        make = functools.partial(_swiglu_contiguous, h)
+        return regenerated(make, fc2) if self.recompute_act and self.training else fc2(make())
 
     def _adapted(self, which: str, x: torch.Tensor, counts: list[int], y: torch.Tensor) -> torch.Tensor:
         """Each expert's adapters on its own rows (small GEMMs of rank r, one pair per expert)."""

@@ -47,7 +47,7 @@ class MoELayer(nn.Module):
         self.rng = ctx.rng
         # (with "moe" the whole layer is recomputed by the transformer layer: nothing inside is checkpointed again)
         self.recompute_shared = "shared_experts" in modules and "moe" not in modules
-        self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype, rng=ctx.rng)
+        self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (
             MLP(dataclasses.replace(config, ffn_hidden_size=shared, num_experts=None), ctx, device, dtype)

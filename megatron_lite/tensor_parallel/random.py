@@ -4,7 +4,8 @@ Activations replicated across TP ranks must see the same dropout mask on every r
 generator, seeded identically on all TP ranks); activations that differ per rank (a head shard inside
 attention, a sequence shard under sequence parallelism) draw from a tracked generator seeded per TP rank.
 `checkpoint` recomputes a region in the backward with both the default and the tracked generators
-restored, so recomputation reproduces the same masks.
+restored, so recomputation reproduces the same masks. `Regenerated` drops chosen tensors an operation saves
+and makes them again when its backward needs them (the operation itself is not run again).
 """
 
 from __future__ import annotations
@@ -102,3 +103,34 @@ def checkpoint(fn: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) ->
             tracker.set_states(current)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+class Regenerated:
+    """Tensors an operation saves for its backward, dropped after the forward and made again by `make` (no
+    gradient: the graph that made them in the forward still carries theirs) when the backward first unpacks
+    one. Recognised by storage, so the views the operation saves (transposes, reshapes) are regenerated
+    too; whatever else it saves passes to the enclosing saved-tensor hooks (an activation meter), if any."""
+
+    def __init__(self, make, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.make, self.values = make, None
+        self.index = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}  # no reference kept
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self.outer = top(False) if top is not None else None
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        i = self.index.get(t.untyped_storage().data_ptr())
+        if i is None:
+            return None, self.outer[0](t) if self.outer else t
+        return i, t.size(), t.stride(), t.storage_offset()
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if packed[0] is None:
+            return self.outer[1](packed[1]) if self.outer else packed[1]
+        if self.values is None:
+            with torch.no_grad():
+                self.values = self.make()
+        i, size, stride, offset = packed
+        return self.values[i].as_strided(size, stride, offset)
