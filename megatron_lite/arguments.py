@@ -432,6 +432,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
         async_save=ns.async_save,
         ckpt_keep_last=ns.ckpt_keep_last,
+        ckpt_step=ns.ckpt_step,
     )
     logging = LoggingConfig(
         log_jsonl=ns.log_jsonl,
@@ -509,7 +510,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
             "checkpoint's) are exclusive; pick one"
         )
     ns.schedule_notes = []
-    path = find_checkpoint(ns.load) if ns.load else None
+    path = find_checkpoint(ns.load, ns.ckpt_step) if ns.load else None
     if path is not None:
         ns = flags_from_checkpoint(parser, argv, ns, read_metadata(path)["config"], path)
     return ns, job_config_from_args(ns)

@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save")
     c.add_argument("--load")
     c.add_argument("--save-interval", type=int)
+    c.add_argument("--ckpt-step", type=int, help="load this iteration's checkpoint under --load (default: the newest)")
     _bool(c, "--no-load-optim", "load weights but not the optimizer state")
     _bool(c, "--no-load-rng", "do not restore random-number-generator states")
     _bool(c, "--no-save-optim", "save weights without optimizer state or LR schedule (resume with --no-load-optim)")

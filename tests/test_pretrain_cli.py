@@ -189,6 +189,21 @@ def test_schedule_flags_on_resume_follow_megatron(tmp_path, capsys, monkeypatch)
     )
 
 
+def test_ckpt_step_loads_that_iteration_or_names_the_ones_there(tmp_path, capsys, monkeypatch):
+    """Megatron's --ckpt-step: the checkpoint of that iteration instead of the newest; one that is not there, or
+    no --load, is a one-line error naming what is."""
+    ckpt = str(tmp_path / "ckpt")
+    data = ["--mock-data", "--vocab-size", "100"]
+    rc, _, err = _run([*data, "--save", ckpt, "--save-interval", "2"], capsys, monkeypatch)
+    assert rc == 0 and sorted(os.listdir(ckpt))[:2] == ["iter_0000002", "iter_0000003"], err
+    rc, out, err = _run([*data, "--load", ckpt, "--ckpt-step", "2"], capsys, monkeypatch)
+    assert rc == 0 and "iteration 2," in out and "iteration      3/" in out, err
+    rc, _, err = _run([*data, "--load", ckpt, "--ckpt-step", "1"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--ckpt-step 1", "no complete checkpoint of iteration 1", "[2, 3]")
+    rc, _, err = _run([*data, "--ckpt-step", "2"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--ckpt-step 2", "give --load DIR")
+
+
 def test_weight_decay_increment_flags(capsys, monkeypatch):
     rc, out, err = _run(
         ["--mock-data", "--vocab-size", "100", "--weight-decay-incr-style", "linear"]

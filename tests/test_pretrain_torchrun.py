@@ -55,8 +55,9 @@ RESUME_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
 def test_resume_is_exact(tmp_path, layout):
-    """10 iterations straight vs 5 + save + --load + 5: identical lm_loss (and grad norm) at 6-10, with
-    dropout on, so RNG states, data position, optimizer moments and schedule must all come back."""
+    """10 iterations straight (saving at 5) vs --load --ckpt-step 5 + 5: identical lm_loss (and grad norm) at
+    6-10, with dropout on, so RNG states, data position, optimizer moments and schedule must all come back.
+    (Stopping with --exit-interval and resuming from the newest checkpoint: tests/test_pretrain_cli.py.)"""
     args = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 10 "
         "--micro-batch-size 1 --global-batch-size 8 --lr 3e-3 "
@@ -65,15 +66,16 @@ def test_resume_is_exact(tmp_path, layout):
         "--disable-bias-linear --untie-embeddings-and-output-weights --distributed-backend gloo"
     ).split() + RESUME_LAYOUTS[layout]
     n = 4 if layout == "tp2-dp2" else 2
-    torchrun(n, [*args, "--log-jsonl", str(tmp_path / "straight.jsonl")], tmp_path)
     ckpt = str(tmp_path / "ckpt")
-    torchrun(n, [*args, "--exit-interval", "5", "--save", ckpt, "--log-jsonl", str(tmp_path / "a.jsonl")], tmp_path)
-    out = torchrun(n, [*args, "--load", ckpt, "--save", ckpt, "--log-jsonl", str(tmp_path / "b.jsonl")], tmp_path)
+    straight_run = [*args, "--save", ckpt, "--save-interval", "5", "--log-jsonl", str(tmp_path / "straight.jsonl")]
+    torchrun(n, straight_run, tmp_path)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"
+    out = torchrun(n, [*args, "--load", ckpt, "--ckpt-step", "5", "--log-jsonl", str(tmp_path / "b.jsonl")], tmp_path)
     assert "loaded" in out.stdout and "iteration 5" in out.stdout
-    straight = records(tmp_path / "straight.jsonl")
-    resumed = records(tmp_path / "a.jsonl") + records(tmp_path / "b.jsonl")
-    assert [r["iteration"] for r in resumed] == list(range(1, 11))
-    for s, r in zip(straight[5:], resumed[5:]):
+    straight, resumed = records(tmp_path / "straight.jsonl"), records(tmp_path / "b.jsonl")
+    assert [r["iteration"] for r in straight] == list(range(1, 11))
+    assert [r["iteration"] for r in resumed] == list(range(6, 11))
+    for s, r in zip(straight[5:], resumed):
         assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
         assert s["lr"] == r["lr"] and s["global_batch_size"] == r["global_batch_size"], (s, r)
         assert s.get("moe_aux_loss") == r.get("moe_aux_loss")  # routing (and the expert bias) came back too

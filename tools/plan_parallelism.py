@@ -205,8 +205,9 @@ def _collectives_worker(rank: int, world: int, args) -> dict:
     return measure_collectives()
 
 
-def check_cpu(log=print, iters: int = 5) -> dict:
-    """Each CPU layout's measured step time beside the cost model's, as ratios to the first layout."""
+def check_cpu(log=print, iters: int = 5, layouts: int | None = None) -> dict:
+    """Each CPU layout's measured step time beside the cost model's, as ratios to the first layout (the first
+    `layouts` of them when given)."""
     import torch
     from _world import spawn  # tools/_world.py, beside this script
 
@@ -214,7 +215,8 @@ def check_cpu(log=print, iters: int = 5) -> dict:
     from megatron_lite.planner.hardware import cpu_cluster
 
     measured = []
-    for layout in CPU_LAYOUTS:
+    chosen = CPU_LAYOUTS[:layouts] if layouts else CPU_LAYOUTS
+    for layout in chosen:
         args = argparse.Namespace(device="cpu", threads=layout.world, iters=iters)
         out = spawn(_cpu_worker, layout.world, args, layout)
         measured.append(out["step_seconds"])
@@ -228,7 +230,7 @@ def check_cpu(log=print, iters: int = 5) -> dict:
     cpu = cl.gpu
     model = CPU_MODEL
     predicted = [
-        step_time(layout.model_config(model), layout, CPU_SEQ, CPU_GBS, cl, bf16=False).total for layout in CPU_LAYOUTS
+        step_time(layout.model_config(model), layout, CPU_SEQ, CPU_GBS, cl, bf16=False).total for layout in chosen
     ]
     log(
         f"CPU (one thread): matmul {cpu.peak_flops / 1e9:.0f} GFLOP/s, copy {cpu.memory_bandwidth / 1e9:.0f} GB/s, "
@@ -237,7 +239,7 @@ def check_cpu(log=print, iters: int = 5) -> dict:
     )
     log(f"{'layout':<44} {'measured s':>10} {'predicted s':>11} {'measured':>9} {'predicted':>9} {'error':>6}")
     rows = []
-    for layout, m, p in zip(CPU_LAYOUTS, measured, predicted):
+    for layout, m, p in zip(chosen, measured, predicted):
         rm, rp = m / measured[0], p / predicted[0]
         rows.append(
             {"layout": layout.describe(), "measured": m, "predicted": p, "ratio_measured": rm, "ratio_predicted": rp}
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--iters", type=int, default=5, help="--check-cpu: timed steps per layout (after one warm-up)")
+    p.add_argument("--layouts", type=int, default=None, help="--check-cpu: only the first N layouts (default: all)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
 
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         result = compare(print)
     elif args.check_cpu:
-        result = check_cpu(print, iters=args.iters)
+        result = check_cpu(print, iters=args.iters, layouts=args.layouts)
     else:
         job, world = None, None
         if args.script:

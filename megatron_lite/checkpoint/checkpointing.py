@@ -288,12 +288,23 @@ class AsyncSaver:
 
 
 # Loading ----------------------------------------------------------------------------------------
-def find_checkpoint(root: str | None) -> str | None:
-    """The newest complete checkpoint directory under `root`; None when `root` is missing or empty.
-    A directory that holds something else is a one-line error."""
+def find_checkpoint(root: str | None, step: int | None = None) -> str | None:
+    """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); None when
+    `root` is missing or empty. A directory that holds something else is a one-line error."""
     leftovers = (".tmp", ".old", ".partial")  # a save killed before the first checkpoint was published
     if not root or not os.path.isdir(root) or all(n.endswith(leftovers) for n in os.listdir(root)):
+        if step is not None:
+            raise ConfigError(f"--ckpt-step {step}: --load {root} holds no checkpoint")
         return None
+    if step is not None:
+        path = iteration_dir(root, step)
+        if not os.path.isfile(os.path.join(path, "metadata.json")):
+            have = complete_iterations(root)
+            raise ConfigError(
+                f"--ckpt-step {step}: --load {root} has no complete checkpoint of iteration {step} "
+                f"(it has {have or 'none'}); pick one of those or drop --ckpt-step for the newest"
+            )
+        return path
     try:
         iteration = read_tracker(root)
     except ValueError as e:

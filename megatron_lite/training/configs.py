@@ -25,6 +25,7 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     async_save: bool = False  # write in a background thread while training goes on
     ckpt_keep_last: int | None = None  # delete older checkpoints, keeping the newest N
+    ckpt_step: int | None = None  # load this iteration's checkpoint instead of the newest
 
     def __post_init__(self) -> None:
         if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
@@ -32,6 +33,8 @@ class CheckpointConfig:
         if (self.async_save or self.ckpt_keep_last) and not self.save:
             flag = "--async-save" if self.async_save else "--ckpt-keep-last"
             raise ConfigError(f"{flag} needs --save DIR")
+        if self.ckpt_step is not None and not self.load:
+            raise ConfigError(f"--ckpt-step {self.ckpt_step} picks a checkpoint under --load: give --load DIR")
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError(f"--save-interval {self.save_interval} must be >= 1")
 

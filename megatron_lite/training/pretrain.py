@@ -168,12 +168,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
         # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
         start = f" instead of --load {ck.load}" if ck.load else ""
         say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over)")
-        job = dataclasses.replace(job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False))
+        job = dataclasses.replace(job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False, ckpt_step=None))
         if ck.no_save_optim and not ck.no_load_optim:  # its own checkpoints hold no optimizer state
             say("--no-save-optim: resuming from the weights with fresh optimizer state and LR schedule")
             job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, no_load_optim=True))
     if job.checkpoint.load:
-        ckpt_path = find_checkpoint(job.checkpoint.load)
+        ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step)
         if ckpt_path is None:
             if job.checkpoint.exit_on_missing_checkpoint:
                 raise ConfigError(
