@@ -126,6 +126,7 @@ def fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [g if g.dtype == torch.float32 else g.float() for g in grads]
 
 
+@torch.no_grad()  # (also given parameters, for --log-params-norm: no graph is built through them)
 def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
     """Sum of the squares of `grads` (fp64), then summed over each group in turn."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
