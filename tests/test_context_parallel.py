@@ -277,11 +277,13 @@ def _ring_grads_with_regenerated_inputs(regenerate: bool):
     def make():
         return tuple((latent @ w).view(2, 8, 4, -1) for w in (w_q, w_k, w_v))
 
-    q, k, v = make()
     if regenerate:
-        with Regenerated(make, (q, k, v)).hooks():
+        regen = Regenerated()
+        q, k, v = regen.first(make)
+        with regen.hooks():
             o = ring_attention(q, k, v, ctx.cp, True)
     else:
+        q, k, v = make()
         o = ring_attention(q, k, v, ctx.cp, True)
     del q, k, v
     o.backward(torch.randn(o.shape, generator=g))

@@ -168,9 +168,11 @@ def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path):
     run("--train-iters", "1", "--save", str(tmp_path / "base"))
     lora = ["--load", str(tmp_path / "base"), "--finetune", "--lora-rank", "4", "--qlora", "--train-iters", "4"]
     run(*lora, "--save", str(tmp_path / "q"), "--exit-interval", "2", "--log-jsonl", str(tmp_path / "a.jsonl"))
-    resumed = run(*lora, "--save", str(tmp_path / "q"), "--log-jsonl", str(tmp_path / "b.jsonl"))
-    assert "loaded the QLoRA base" in resumed and "iteration 2" in resumed
     run(*lora, "--save", str(tmp_path / "straight"), "--log-jsonl", str(tmp_path / "s.jsonl"))
+    # the base goes on training meanwhile: the adapters resume on the iteration they were trained on, not the newest
+    run("--train-iters", "2", "--load", str(tmp_path / "base"), "--save", str(tmp_path / "base"))
+    resumed = run(*lora, "--save", str(tmp_path / "q"), "--log-jsonl", str(tmp_path / "b.jsonl"))
+    assert "loaded the QLoRA base" in resumed and "iter_0000001" in resumed and "iteration 2" in resumed
 
     def losses(name):
         return {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(tmp_path / name)) if "lm_loss" in r}

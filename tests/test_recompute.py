@@ -47,12 +47,22 @@ DEEPSEEK_RECOMPUTE = {
 }
 
 
-def run_with_recompute(name: str, sp: bool, recompute: str, dropout: float):
+def run_with_recompute(name: str, sp: bool, recompute: str, dropout: float, lora_targets: tuple[str, ...] = ()):
+    """`lora_targets`: adapters (dropout 0.2, nonzero B) on these layers, the rest frozen."""
     table = DEEPSEEK_RECOMPUTE if name == "deepseek" else RECOMPUTE
     config = CONFIGS[name](num_layers=3, hidden_dropout=dropout, attention_dropout=dropout, **table[recompute])
     ctx = get_context(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp))
     ctx.seed(123)
     model = GPTModel(config, ctx, seed=7).train()
+    if lora_targets:
+        from megatron_lite.lora.apply import apply_lora
+        from megatron_lite.lora.config import LoraConfig
+
+        apply_lora(model, config, LoraConfig(rank=4, dropout=0.2, target_modules=lora_targets), ctx, seed=5)
+        with torch.no_grad():  # B starts at zero; nonzero, each dropout mask shapes the output
+            for n, p in model.named_parameters():
+                if n.endswith(".B"):
+                    p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
     calls = {"layer": 0, "core_attn": 0, "mlp": 0, "moe": 0}
     for m in model.modules():
         kind = {TransformerLayer: "layer", CoreAttention: "core_attn", MLP: "mlp", MoELayer: "moe"}.get(type(m))
@@ -129,6 +139,11 @@ def test_megatron_recompute_modules_for_moe_and_mla(dist):
     for rank in range(2):
         _assert_identical(no_dropout["mla_up_proj"][rank], no_dropout["none"][rank], ("mla_up_proj", rank))
     assert no_dropout["mla_up_proj"][0]["activation_peak"] < no_dropout["none"][0]["activation_peak"]
+    # LoRA adapters with dropout on the up-projections: the regenerated q, k, v draw the forward's masks
+    up = ("linear_q_up_proj", "linear_kv_up_proj")
+    adapted = {r: dist(2, run_with_recompute, "deepseek", True, r, 0.0, up) for r in ("none", "mla_up_proj")}
+    for rank in range(2):
+        _assert_identical(adapted["mla_up_proj"][rank], adapted["none"][rank], ("mla_up_proj", "lora", rank))
     # two steps, three layers (one dense: its MLP; two MoE: their shared experts are MLPs too)
     calls = {r: out[0]["calls"] for r, out in runs.items()}
     assert calls["none"] == {"layer": 6, "core_attn": 6, "mlp": 6, "moe": 4}

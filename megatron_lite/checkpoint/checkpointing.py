@@ -289,8 +289,11 @@ class AsyncSaver:
 
 # Loading ----------------------------------------------------------------------------------------
 def find_checkpoint(root: str | None, step: int | None = None) -> str | None:
-    """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); None when
-    `root` is missing or empty. A directory that holds something else is a one-line error."""
+    """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); `root`
+    itself when it is one iteration's directory; None when `root` is missing or empty. A directory that holds
+    something else is a one-line error."""
+    if root and step is None and os.path.isfile(os.path.join(root, "metadata.json")):
+        return root  # (a QLoRA checkpoint records its base this way: that iteration, not the newest)
     leftovers = (".tmp", ".old", ".partial")  # a save killed before the first checkpoint was published
     if not root or not os.path.isdir(root) or all(n.endswith(leftovers) for n in os.listdir(root)):
         if step is not None:

@@ -116,9 +116,9 @@ class MultiLatentAttention(nn.Module):
         elif self.recompute_up_proj and self.training:
             # mla_up_proj alone (Megatron's): the attention keeps its output and is not run again; the per-head
             # q, k, v it saves are dropped and made again from the latents when its backward asks for them
-            make = functools.partial(self._up_project, q_in, kv_latent, k_pe, rope)
-            q, k, v = make()
-            with Regenerated(make, (q, k, v)).hooks():
+            regen = Regenerated(self.core_attention.rng)  # (LoRA adapters on the up-projections may drop out)
+            q, k, v = regen.first(functools.partial(self._up_project, q_in, kv_latent, k_pe, rope))
+            with regen.hooks():
                 out = self.core_attention(q, k, v, documents)
         else:
             out = self._attend(q_in, kv_latent, k_pe, rope, kv_cache, documents)

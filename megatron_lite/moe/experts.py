@@ -39,14 +39,11 @@ class ExpertWeight(nn.Module):
         return y if self.lora is None else y + self.lora(x)
 
 
-def _swiglu_contiguous(h: torch.Tensor) -> torch.Tensor:
-    return activate(h, "swiglu", triton=True).contiguous()
-
-
 def regenerated(make, fn) -> torch.Tensor:
-    """fn(make()), with the copy of make()'s output that fn saves dropped and made again in its backward."""
-    a = make()
-    with Regenerated(make, (a,)).hooks():
+    """fn(make()), with make()'s output, which fn saves, dropped and made again in its backward."""
+    regen = Regenerated()
+    a = regen.first(make)
+    with regen.hooks():
         return fn(a)
 
 
@@ -114,7 +111,11 @@ class LocalExperts(nn.Module):
         def fc2(a: torch.Tensor) -> torch.Tensor:
             return self._adapted("linear_fc2", a, counts, K.grouped_gemm(a, w2, c))
 
-        make = functools.partial(_swiglu_contiguous, h)
+        # the halves made contiguous here are what the SwiGLU kernel saves, so regenerating from them keeps
+        # nothing more (from fc1's output itself, that would stay alive beside the kernel's copies)
+        gate, up = (t.contiguous() for t in h.chunk(2, dim=-1))
+        del h
+        make = functools.partial(K.swiglu, gate, up)
         return regenerated(make, fc2) if self.recompute_act and self.training else fc2(make())
 
     def _adapted(self, which: str, x: torch.Tensor, counts: list[int], y: torch.Tensor) -> torch.Tensor:

@@ -108,14 +108,33 @@ def checkpoint(fn: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) ->
 class Regenerated:
     """Tensors an operation saves for its backward, dropped after the forward and made again by `make` (no
     gradient: the graph that made them in the forward still carries theirs) when the backward first unpacks
-    one. Recognised by storage, so the views the operation saves (transposes, reshapes) are regenerated
-    too; whatever else it saves passes to the enclosing saved-tensor hooks (an activation meter), if any."""
+    one, with the default generator and the tracked ones as `make` first found them (a LoRA adapter's dropout
+    inside it draws the same mask). Recognised by storage, so the views the operation saves (transposes,
+    reshapes) are regenerated too; whatever else it saves passes to the enclosing saved-tensor hooks (an
+    activation meter), if any. What `make` reads stays alive until then: it should read tensors that are
+    saved anyway (a linear layer's input), or the saving is lost.
 
-    def __init__(self, make, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.make, self.values = make, None
-        self.index = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}  # no reference kept
+        regen = Regenerated(tracker)
+        q, k, v = regen.first(make)     # make() as the forward runs it, with its graph
+        with regen.hooks():
+            out = attention(q, k, v)    # saves q, k, v: dropped, made again in the backward
+    """
+
+    def __init__(self, tracker: RNGStatesTracker | None = None) -> None:
+        self.tracker, self.make, self.values = tracker, None, None
+        self.index: dict[int, int] = {}
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         self.outer = top(False) if top is not None else None
+
+    def first(self, make: Callable[[], Any]) -> Any:
+        self.make = make
+        self.tracked = self.tracker.get_states() if self.tracker is not None else None
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        out = make()
+        for i, t in enumerate(out if isinstance(out, tuple) else (out,)):
+            self.index[t.untyped_storage().data_ptr()] = i  # no reference kept
+        return out
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -130,7 +149,23 @@ class Regenerated:
         if packed[0] is None:
             return self.outer[1](packed[1]) if self.outer else packed[1]
         if self.values is None:
-            with torch.no_grad():
-                self.values = self.make()
+            out = self._remake()
+            self.values = out if isinstance(out, tuple) else (out,)
         i, size, stride, offset = packed
         return self.values[i].as_strided(size, stride, offset)
+
+    def _remake(self) -> Any:
+        cuda = self.cuda_state is not None
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [], enabled=True):
+            torch.set_rng_state(self.cpu_state)
+            if cuda:
+                torch.cuda.set_rng_state(self.cuda_state)
+            current = self.tracker.get_states() if self.tracker is not None else None
+            if current is not None:
+                self.tracker.set_states(self.tracked)
+            try:
+                with torch.no_grad():
+                    return self.make()
+            finally:
+                if current is not None:
+                    self.tracker.set_states(current)

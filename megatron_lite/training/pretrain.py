@@ -196,7 +196,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
     if job.lora is not None and job.lora.qlora:
         # A QLoRA checkpoint holds adapters only: its base loads first, from the checkpoint it recorded.
         saved_lora = (saved.get("lora") or {}) if ckpt_path is not None else {}
-        base_dir = saved_lora.get("base") if saved_lora.get("qlora") else job.checkpoint.load
+        if saved_lora.get("qlora"):
+            base_dir = saved_lora.get("base")
+        else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
+            whole = ckpt_path is not None and not ckpt_path.endswith(".old")
+            base_dir = ckpt_path if whole else job.checkpoint.load
         if saved_lora.get("qlora"):
             base_path = find_checkpoint(base_dir) if base_dir else None
             if base_path is None:
