@@ -204,6 +204,19 @@ def test_ckpt_step_loads_that_iteration_or_names_the_ones_there(tmp_path, capsys
     _one_line_error(rc, err, "--ckpt-step 2", "give --load DIR")
 
 
+def test_a_rollback_goes_back_to_a_checkpoint_not_past_the_iteration(tmp_path, capsys, monkeypatch):
+    """Started from iteration 1 (--ckpt-step) in a directory that also holds 2 to 4 of an earlier run, a NaN at
+    iteration 3 rolls back to 2, the newest checkpoint not past it, not forward to 4."""
+    ckpt = str(tmp_path / "ckpt")
+    data = ["--mock-data", "--vocab-size", "100", "--train-iters", "4", "--save", ckpt]
+    rc, _, err = _run([*data, "--save-interval", "1"], capsys, monkeypatch)
+    assert rc == 0, err
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=3")
+    rc, out, err = _run([*data, "--load", ckpt, "--ckpt-step", "1", "--nan-policy", "rollback"], capsys, monkeypatch)
+    assert rc == 0 and "rolled back to" in out, out + err
+    assert "iter_0000002: iteration 2" in out and "iter_0000004: iteration 4" not in out, out
+
+
 def test_weight_decay_increment_flags(capsys, monkeypatch):
     rc, out, err = _run(
         ["--mock-data", "--vocab-size", "100", "--weight-decay-incr-style", "linear"]

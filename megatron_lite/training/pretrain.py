@@ -27,6 +27,7 @@ from megatron_lite.checkpoint.checkpointing import (
     read_metadata,
     save_checkpoint,
 )
+from megatron_lite.checkpoint.format import complete_iterations
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
@@ -180,6 +181,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     f"--load {job.checkpoint.load} holds no checkpoint and --exit-on-missing-checkpoint is set"
                 )
             say(f"no checkpoint in --load {job.checkpoint.load}: starting from scratch")
+        elif job.checkpoint.ckpt_step is not None:
+            say(
+                f"--ckpt-step {job.checkpoint.ckpt_step}: loading {ckpt_path} (a restart with these flags loads it "
+                "again; drop --ckpt-step to resume from the newest)"
+            )
     # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.
     source = resolve_data(job.data, log=lambda m: print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True))
     model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
@@ -470,9 +476,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
 
 
 def _rollback(job: JobConfig, model, optimizer, scheduler, ctx: ParallelContext, log, state: TrainState) -> TrainState:
-    """Every rank reloads the newest complete checkpoint (the Supervisor has noted the batch to skip)."""
+    """Every rank reloads the newest complete checkpoint not past this iteration (the Supervisor has noted the
+    batch to skip): a job started from an older one (--ckpt-step, --finetune) may share its directory with newer."""
     root = job.checkpoint.save or job.checkpoint.load
-    path = find_checkpoint(root)
+    done = [i for i in complete_iterations(root) if i <= state.iteration]
+    path = find_checkpoint(root, max(done)) if done else None
     if path is None:
         raise TrainingHalted(
             f"iteration {state.iteration + 1}: a rollback was asked for but {root} holds no checkpoint yet; "
