@@ -222,7 +222,7 @@ def test_learned_positions_follow_the_split(dist):
         _compare(history, ref)
 
 
-def _ring_bytes_sent(cp_width: int, k_dim: int, v_dim: int, kv_heads: int) -> int:
+def _ring_bytes_sent(cp_width: int, k_dim: int, v_dim: int, kv_heads: int, dtype=torch.float32) -> int:
     """Bytes this rank's ring sends in one attention forward and backward (k, v shaped as the model makes them)."""
     sent = []
     real = dist.batch_isend_irecv
@@ -236,9 +236,9 @@ def _ring_bytes_sent(cp_width: int, k_dim: int, v_dim: int, kv_heads: int) -> in
     ctx = get_context(P(context_parallel_size=cp_width))
     g = torch.Generator().manual_seed(0)
     b, s, h = 2, 8, 4  # this rank's part of the sequence
-    q = torch.randn(b, s, h, k_dim, generator=g, requires_grad=True)
-    k = torch.randn(b, s, kv_heads, k_dim, generator=g, requires_grad=True)
-    v = torch.randn(b, s, kv_heads, v_dim, generator=g, requires_grad=True)
+    q = torch.randn(b, s, h, k_dim, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, s, kv_heads, k_dim, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, s, kv_heads, v_dim, generator=g).to(dtype).requires_grad_()
     dist.batch_isend_irecv = spy
     try:
         ring_attention(q, k, v, ctx.cp, True).sum().backward()
@@ -258,9 +258,10 @@ def test_the_planner_counts_the_bytes_the_ring_sends(dist):
                       position_embedding_type="rope", add_bias_linear=False,
                       qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)  # fmt: skip
     for model, shapes in ((gqa, (8, 8, 2)), (mla, (12, 6, 4))):
-        block, sends = ring_blocks(model, tokens=2 * 8, tp=1, cp=2, a=4)
-        for measured in dist(2, _ring_bytes_sent, 2, *shapes):
-            assert measured == block * sends, (model.multi_latent_attention, measured, block, sends)
+        for dtype, a in ((torch.float32, 4), (torch.bfloat16, 2)):  # (the gradients travel in fp32 either way)
+            expected = sum(block * n for block, n in ring_blocks(model, tokens=2 * 8, tp=1, cp=2, a=a))
+            for measured in dist(2, _ring_bytes_sent, 2, *shapes, dtype):
+                assert measured == expected, (model.multi_latent_attention, dtype, measured, expected)
 
 
 def _ring_grads_with_regenerated_inputs(regenerate: bool):

@@ -298,8 +298,7 @@ def step_time(
         tp_comm = micro * (layers * per_layer + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
-        block, sends = ring_blocks(model, m, tp, cp, a)
-        ring = sends * _collective("p2p", block, cp, tp * cp, cl, eff)
+        ring = sum(n * _collective("p2p", block, cp, tp * cp, cl, eff) for block, n in ring_blocks(model, m, tp, cp, a))
         mla, heads = model.multi_latent_attention, model.num_attention_heads
         core_q = heads * (model.mla_q_head_dim + model.v_head_dim) / 2 if mla else q
         out = heads * model.v_head_dim if mla else q
@@ -358,17 +357,18 @@ def step_time(
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
 
 
-def ring_blocks(model: ModelConfig, tokens: float, tp: int, cp: int, a: int) -> tuple[float, int]:
-    """Context parallelism's ring in one layer and micro-batch: the bytes of one key/value block (one rank's
-    `tokens`, its TP share of the heads) and how many blocks each rank sends, forward and backward. The
-    forward passes keys and values on cp - 1 times; the backward again, and their gradients cp times (the last
-    hop takes each to its owner). Multi-latent attention rings its up-projected keys and values: every head,
-    at the query/key and the value head sizes."""
+def ring_blocks(model: ModelConfig, tokens: float, tp: int, cp: int, a: int) -> list[tuple[float, int]]:
+    """Context parallelism's ring in one layer and micro-batch, as (bytes of one block, blocks each rank sends):
+    a block is one rank's `tokens` of keys and values, its TP share of the heads. The forward passes keys and
+    values on cp - 1 times and the backward again; their gradients, accumulated in fp32, go round cp times (the
+    last hop takes each to its owner). Multi-latent attention rings its up-projected keys and values: every
+    head, at the query/key and the value head sizes."""
     if model.multi_latent_attention:
         width = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim)
     else:
         width = 2 * model.query_groups * model.head_dim
-    return tokens * width / tp * a, 3 * cp - 2
+    block = tokens * width / tp
+    return [(block * a, 2 * (cp - 1)), (block * 4, cp)]
 
 
 def throughput(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, t: StepTime, cl: Cluster):
