@@ -136,7 +136,20 @@ def _spans(spans, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return none, none, False
 
 
+def _check_offsets(q, k, v) -> None:
+    """The kernels address a batch entry and head in int64 but the positions inside one sequence in int32."""
+    sq, h = q.shape[1], q.shape[2]
+    for name, n in (("q", q[0].numel()), ("k", k[0].numel()), ("v", v[0].numel()), ("the output", sq * h * v.shape[3])):
+        if n >= 2**31:
+            raise ValueError(
+                f"flash_attention: one sequence of {name} holds {n} values (q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}), past the kernels' 32-bit offsets inside a sequence (2^31): split it across "
+                "ranks with --context-parallel-size, or its heads with more --tensor-model-parallel-size"
+            )
+
+
 def _forward(q, k, v, causal, scale, window_size=None, spans=None):
+    _check_offsets(q, k, v)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     o = q.new_empty(b, sq, h, v.shape[-1])
@@ -192,6 +205,7 @@ def flash_attention_backward(
     """dq, dk, dv of attention, given its output o and log-sum-exp lse [batch, heads, seq_q] (fp32)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    _check_offsets(q, k, v)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     window = _window(window_size, causal, sk)
@@ -360,6 +374,7 @@ def flash_attention(
             document_ids=document_ids,
             document_spans=document_spans,
         )
+    _check_offsets(q, k, v)  # (before the autograd Function copies them contiguous)
     if document_ids is not None:
         document_spans = query_key_spans(document_ids, q.shape[1])
     starts, ends = document_spans if document_spans is not None else (None, None)

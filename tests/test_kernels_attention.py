@@ -329,3 +329,13 @@ def test_bf16_on_gpu():
     ref = K.flash_attention_reference(*ref_ins, document_ids=docs)
     ref.backward(do.float())
     assert rel(ins[0].grad.float(), ref_ins[0].grad) < 2e-2 and rel(ins[1].grad.float(), ref_ins[1].grad) < 2e-2
+
+
+def test_a_sequence_past_the_kernels_offsets_is_refused_with_the_fix():
+    """Positions inside one sequence are int32 in the kernels: a sequence of more than 2^31 values (here an
+    expanded view, nothing allocated) is refused before any copy or launch, naming the way to split it."""
+    q = torch.zeros(1, 1, 1, 64, device=DEVICE).expand(1, 2**25 + 1, 1, 64)
+    if not K.triton_usable(q):
+        pytest.skip("Triton cannot run on these tensors (the reference path has no such limit)")
+    with pytest.raises(ValueError, match="past the kernels' 32-bit offsets.*--context-parallel-size"):
+        K.flash_attention(q, q, q, causal=True)
