@@ -26,7 +26,7 @@ from megatron_lite.kernels.moe import (
 from megatron_lite.kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from megatron_lite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from megatron_lite.kernels.rope import apply_rope, apply_rope_reference
-from megatron_lite.kernels.swiglu import swiglu, swiglu_reference
+from megatron_lite.kernels.swiglu import swiglu, swiglu_reference, swiglu_stacked, swiglu_stacked_reference
 
 __all__ = [
     "HAVE_TRITON",
@@ -47,6 +47,8 @@ __all__ = [
     "layer_norm_reference",
     "swiglu",
     "swiglu_reference",
+    "swiglu_stacked",
+    "swiglu_stacked_reference",
     "apply_rope",
     "apply_rope_reference",
     "fused_linear_cross_entropy",

@@ -70,6 +70,7 @@ def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
         "rms_norm",
         "layer_norm",
         "swiglu",
+        "swiglu_stacked",
         "rope",
         "flash_attention",
         "flash_attention_documents",

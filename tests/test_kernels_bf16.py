@@ -92,6 +92,13 @@ def test_swiglu(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_stacked(dtype):
+    rows, n = _shape(dtype, (256, 2 * 14336), (19, 2 * 150))
+    h = _rand(rows, n, seed=0, dtype=dtype)
+    _check(K.swiglu_stacked, K.swiglu_stacked_reference, [h], dtype, "swiglu_bwd", ["y", "dh"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope(dtype):
     b, s, h, d = _shape(dtype, (2, 512, 32, 128), (2, 7, 3, 16))
     x = _rand(b, s, h, d, seed=0, dtype=dtype)

@@ -114,6 +114,57 @@ def test_swiglu(shape):
     _check("swiglu", K.swiglu, K.swiglu_reference, [_rand(*shape), _rand(*shape, seed=1)])
 
 
+@pytest.mark.parametrize("shape", [(1, 5), (7, 130), (2, 3, 1500)])
+def test_swiglu_stacked(shape):
+    """fc1's output [..., 2f] = [gate; up], the MLP's layout: its gradient comes back whole."""
+    _check("swiglu", K.swiglu_stacked, K.swiglu_stacked_reference, [_rand(*shape[:-1], 2 * shape[-1])])
+
+
+@pytest.mark.parametrize("layout", ["halves", "broadcast_up", "two_strides", "transposed"])
+def test_swiglu_on_strided_inputs(layout):
+    """Views are read through their row stride (the halves of fc1's output, a broadcast row, gate and up
+    with different row strides); a layout with no unit column stride is copied first. Same values and
+    gradients as the reference either way."""
+    if layout == "halves":
+        inputs, make = [_rand(2, 3, 2 * 70)], lambda t: t.chunk(2, dim=-1)
+    elif layout == "broadcast_up":
+        inputs, make = [_rand(2, 3, 70), _rand(70, seed=1)], lambda g, u: (g, u.expand_as(g))
+    elif layout == "two_strides":
+        inputs, make = [_rand(2, 3, 100), _rand(2, 3, 70, seed=1)], lambda g, u: (g[..., 10:80], u)
+    else:
+        inputs, make = [_rand(2, 3, 70, 2)], lambda t: (t[..., 0].transpose(0, 1), t[..., 1].transpose(0, 1))
+    _check("swiglu", lambda *t: K.swiglu(*make(*t)), lambda *t: K.swiglu_reference(*make(*t)), inputs)
+
+
+def test_swiglu_takes_a_broadcast_gradient():
+    """A loss like (y * w).sum() hands the backward a gradient with row stride 0."""
+    h, w = _rand(5, 2 * 40), _rand(40, seed=1)
+    grads = []
+    for fn in (K.swiglu_stacked, K.swiglu_stacked_reference):
+        x = h.clone().requires_grad_(True)
+        (fn(x) * w).sum().backward()
+        grads.append(x.grad)
+    assert rel(*grads) < TOL
+
+
+def test_swiglu_saves_fc1_output_in_place():
+    """The kernels keep only fc1's output for the backward: no contiguous copies of gate and up (an extra
+    2 x tokens x f written and held per layer)."""
+    h = _rand(4, 2 * 96).requires_grad_(True)
+    for fn in (K.swiglu_stacked, lambda t: K.swiglu(*t.chunk(2, dim=-1))):
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(h * 1.0)
+        assert saved, "nothing saved"
+        storages = {t.untyped_storage().data_ptr() for t in saved}
+        assert len(storages) == 1 and sum(t.untyped_storage().nbytes() for t in saved[:1]) == h.numel() * 4
+
+
 def test_swiglu_equals_llama_mlp_activation():
     g, u = _rand(6, 40), _rand(6, 40, seed=1)
     act = transformers.activations.ACT2FN["silu"]

@@ -242,6 +242,15 @@ def cases(s: dict, dtype, device):
             bytes_bwd=5 * gate.numel() * el,
             liger="swiglu",
         ),
+        dict(  # the MLP's call: fc1's output [gate; up] read in place, its gradient written as one tensor
+            name="swiglu_stacked",
+            inputs=[torch.cat([gate, up], dim=-1)],
+            ours=K.swiglu_stacked,
+            eager=K.swiglu_stacked_reference,
+            bytes_fwd=3 * gate.numel() * el,
+            bytes_bwd=5 * gate.numel() * el,
+            liger=None,
+        ),
         dict(
             name="rope",
             inputs=[q],
@@ -421,7 +430,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--compile-kernels",
         default=None,
         help="comma-separated kernels to time under torch.compile (default: those without a fused PyTorch op: "
-        "rms_norm, swiglu, fused_linear_cross_entropy); 'all' for every one",
+        "rms_norm, swiglu, swiglu_stacked, fused_linear_cross_entropy); 'all' for every one",
     )
     ap.add_argument("--kernels", default=None, help="comma-separated subset of kernels to run (default: all)")
     ap.add_argument("--reps", type=int, default=3)

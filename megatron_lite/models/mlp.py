@@ -15,8 +15,10 @@ from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParall
 def activate(h: torch.Tensor, activation: str, triton: bool = False) -> torch.Tensor:
     """The MLP activation on fc1's output: SwiGLU on its [gate; up] halves, squared ReLU, or (tanh-)GELU."""
     if activation == "swiglu":
+        if triton:
+            return K.swiglu_stacked(h)  # reads the halves in place and returns h's gradient whole
         gate, up = h.chunk(2, dim=-1)
-        return K.swiglu(gate, up) if triton else F.silu(gate) * up
+        return F.silu(gate) * up
     if activation == "squared_relu":
         return F.relu(h).square()
     return F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")

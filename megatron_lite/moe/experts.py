@@ -111,11 +111,8 @@ class LocalExperts(nn.Module):
         def fc2(a: torch.Tensor) -> torch.Tensor:
             return self._adapted("linear_fc2", a, counts, K.grouped_gemm(a, w2, c))
 
-        # the halves made contiguous here are what the SwiGLU kernel saves, so regenerating from them keeps
-        # nothing more (from fc1's output itself, that would stay alive beside the kernel's copies)
-        gate, up = (t.contiguous() for t in h.chunk(2, dim=-1))
-        del h
-        make = functools.partial(K.swiglu, gate, up)
+        # (the SwiGLU kernel saves fc1's output h itself, so regenerating from h keeps nothing more alive)
+        make = functools.partial(K.swiglu_stacked, h)
         return regenerated(make, fc2) if self.recompute_act and self.training else fc2(make())
 
     def _adapted(self, which: str, x: torch.Tensor, counts: list[int], y: torch.Tensor) -> torch.Tensor:
