@@ -233,6 +233,19 @@ def test_a_killed_first_save_does_not_block_a_restart(tmp_path, capsys, monkeypa
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
 
 
+@pytest.mark.parametrize("ckpt_step", [None, 3])
+def test_a_resave_killed_mid_swap_loads_the_old_copy(saved, capsys, monkeypatch, ckpt_step):
+    """A re-save of an iteration moves the whole old directory to iter_N.old, then the new one in: killed between
+    the two moves, only iter_N.old is whole. The newest checkpoint and --ckpt-step N both load it."""
+    it = pathlib.Path(saved) / "iter_0000003"
+    it.rename(it.with_name(it.name + ".old"))
+    step = [] if ckpt_step is None else ["--ckpt-step", str(ckpt_step)]
+    rc, out, err = _run(["--train-iters", "4", "--load", saved, *step], capsys, monkeypatch)
+    assert rc == 0, err
+    assert re.search(r"iteration\s+4/", out), out
+    assert not re.search(r"iteration\s+[123]/", out), out  # resumed at iteration 3, not from scratch
+
+
 def test_keep_last_leaves_newer_checkpoints_of_an_abandoned_run(tmp_path):
     """After the tracker was moved back (to 100), saving 150 with --ckpt-keep-last 2 prunes only among
     checkpoints up to 150; the abandoned run's 200 and 300 stay for the user to decide."""

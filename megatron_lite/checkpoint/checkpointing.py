@@ -300,8 +300,8 @@ def find_checkpoint(root: str | None, step: int | None = None) -> str | None:
             raise ConfigError(f"--ckpt-step {step}: --load {root} holds no checkpoint")
         return None
     if step is not None:
-        path = iteration_dir(root, step)
-        if not os.path.isfile(os.path.join(path, "metadata.json")):
+        path = _whole(iteration_dir(root, step))
+        if path is None:
             have = complete_iterations(root)
             raise ConfigError(
                 f"--ckpt-step {step}: --load {root} has no complete checkpoint of iteration {step} "
@@ -317,14 +317,20 @@ def find_checkpoint(root: str | None, step: int | None = None) -> str | None:
             f"--load {root} is not a megatron_lite checkpoint directory (no {TRACKER}); point --load at the "
             "--save directory of a run, or at an empty directory to start from scratch"
         )
-    path = iteration_dir(root, iteration)
-    if not os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
-        os.path.join(path + ".old", "metadata.json")
-    ):
-        path += ".old"  # killed while a re-save of this iteration swapped directories: the old copy is whole
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise ConfigError(f"--load {root}: {TRACKER} names iteration {iteration} but {path}/metadata.json is missing")
+    path = _whole(iteration_dir(root, iteration))
+    if path is None:
+        missing = os.path.join(iteration_dir(root, iteration), "metadata.json")
+        raise ConfigError(f"--load {root}: {TRACKER} names iteration {iteration} but {missing} is missing")
     return path
+
+
+def _whole(path: str) -> str | None:
+    """An iteration's directory if it is complete; else its `.old` copy if that one is (a job killed while a
+    re-save of the same iteration swapped directories: format.replace_dir); else None."""
+    for candidate in (path, path + ".old"):
+        if os.path.isfile(os.path.join(candidate, "metadata.json")):
+            return candidate
+    return None
 
 
 def _read_json(path: str) -> dict:
