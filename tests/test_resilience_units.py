@@ -155,3 +155,48 @@ def test_the_hang_report_names_a_missing_rank():
     assert report.startswith("hang: rank 0 has waited 16 s")
     assert "rank 1: MISSING: has not entered #3" in report and "computing (in no collective)" in report
     assert "rank(s) [1] never reached it" in report
+
+
+def test_the_hang_report_follows_a_missing_rank_into_another_group():
+    """Pipeline-like hang: ranks 0 and 1 share a data-parallel all-reduce; rank 1 never reaches it because it
+    waits in a send/recv with rank 3, which computes forever (and rank 2, in the same p2p group, is dead). The
+    report names the all-reduce, then follows rank 1's wait to the ranks that hold it up."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+    ar = Entry("0,1", 5, "all_reduce", [[8]], "ddp.py:1 (sync)", now - 20)
+    p2p = Entry("1,2,3", 7, "batch_isend_irecv", [], "schedule.py:9 (send)", now - 30)
+    peers = {
+        0: _published({"0,1": 5}, {**ar.__dict__, "since": ar.start, "waiting": False}, now),
+        1: _published({"0,1": 4, "1,2,3": 7}, {**p2p.__dict__, "since": p2p.start, "waiting": False}, now),
+        3: _published({"1,2,3": 6}, None, now),
+    }
+    report = hang_report(0, 15.0, ar, 20.0, peers)
+    assert "rank 1: MISSING: has not entered #5" in report, report
+    held = [line for line in report.splitlines() if line.strip().startswith("held up by:")]
+    assert len(held) == 1, report
+    assert "rank 1 waits in #7 batch_isend_irecv on ranks [1,2,3] at schedule.py:9" in held[0], report
+    assert "rank 2, which published no state" in held[0] and "rank 3, which is computing" in held[0], report
+    assert "rank 1, which" not in held[0], report  # rank 1 entered its own wait
+
+
+def test_the_hang_report_follows_a_chain_of_waits_without_looping():
+    """Rank 1 waits on rank 2 in group [1,2]; rank 2 waits on rank 1 in group [1,2]'s next collective: a
+    cycle. The report follows each wait once and ends."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+    ar = Entry("0,1", 2, "all_reduce", [[8]], "a.py:1 (f)", now - 20)
+    w1 = Entry("1,2", 3, "send", [], "b.py:1 (g)", now - 25)
+    w2 = Entry("2,3", 1, "recv", [], "c.py:1 (h)", now - 25)
+    w3 = Entry("1,3", 4, "all_reduce", [], "d.py:1 (k)", now - 25)
+    peers = {
+        0: _published({"0,1": 2}, {**ar.__dict__, "since": ar.start}, now),
+        1: _published({"0,1": 1, "1,2": 3, "1,3": 3}, {**w1.__dict__, "since": w1.start}, now),
+        2: _published({"1,2": 2, "2,3": 1}, {**w2.__dict__, "since": w2.start}, now),
+        3: _published({"2,3": 0, "1,3": 4}, {**w3.__dict__, "since": w3.start}, now),
+    }
+    report = hang_report(0, 15.0, ar, 20.0, peers)
+    held = [line for line in report.splitlines() if line.strip().startswith("held up by:")]
+    assert [h.split(" waits in ")[0].split()[-1] for h in held] == ["1", "2", "3"], report
+    assert "rank 1, which waits in #3 send on ranks [1,2]" in held[2], report

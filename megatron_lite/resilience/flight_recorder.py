@@ -319,4 +319,35 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
         + (f"; rank(s) {missing} never reached it" if missing else "")
         + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
     )
-    return "\n".join(lines)
+    return "\n".join(lines + _chain(entry, missing, peers))
+
+
+def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str]:
+    """Where the missing ranks are held up: a rank that never reached the collective may itself wait in one of
+    another group (a pipeline send, an expert all-to-all) that some other rank has not entered. Follows those
+    waits from group to group, so the report ends at the rank that holds everything up."""
+    lines, seen, todo = [], {(entry.group, entry.seq)}, list(missing)
+    followed: set[int] = set()
+    while todo:
+        r = todo.pop(0)
+        cur = (peers.get(r) or {}).get("current")
+        if r in followed or not cur or (cur["group"], cur["seq"]) in seen:
+            continue
+        followed.add(r)
+        seen.add((cur["group"], cur["seq"]))
+        held = []
+        for m in (int(x) for x in cur["group"].split(",")):
+            p = peers.get(m)
+            if p is None:
+                held.append(f"rank {m}, which published no state (the process may be gone)")
+            elif p["counts"].get(cur["group"], 0) < cur["seq"]:
+                now = p["current"]
+                now = f"waits in #{now['seq']} {now['op']} on ranks [{now['group']}]" if now else "is computing"
+                held.append(f"rank {m}, which {now}")
+                todo.append(m)
+        if held:
+            lines.append(
+                f"  held up by: rank {r} waits in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] at "
+                f"{cur['site']}, not yet entered by {'; '.join(held)}"
+            )
+    return lines
