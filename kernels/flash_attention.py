@@ -32,7 +32,7 @@ from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, n
 if HAVE_TRITON:
     import triton
 
-    from megatron_lite.kernels.flash_attention_kernels import _bwd_dkdv, _bwd_dq, _fwd
+    from megatron_lite.kernels.flash_attention_kernels import _bwd_delta, _bwd_dkdv, _bwd_dq, _fwd
 
     # On a GPU each kernel picks its tiles by timing these once per head_dim, causality and sequence lengths
     # (Triton's autotuner; bf16/fp16 only, see _kernel); the interpreter runs one fixed small config. Tiles too
@@ -208,7 +208,7 @@ def flash_attention_backward(
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     window = _window(window_size, causal, sk)
-    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
+    delta = _delta(o, do)  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if document_ids is not None:
         document_spans = query_key_spans(document_ids, sq)
@@ -227,6 +227,19 @@ def flash_attention_backward(
     )
     launched("flash_attention_bwd")
     return dq, dk, dv
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """sum(o * do) over the value dimension, in fp32, [batch, heads, seq_q]; o and do contiguous, one shape."""
+    b, sq, h, dv = o.shape
+    delta = torch.empty(b, h, sq, dtype=torch.float32, device=o.device)
+    block_dv = next_pow2(max(dv, 16))
+    block_m = min(64, max(16, 4096 // block_dv))  # about 4096 values of each per program
+    if delta.numel():
+        _bwd_delta[(b * h, triton.cdiv(sq, block_m))](
+            o, do, delta, *o.stride()[:3], h, sq, dv, BLOCK_M=block_m, BLOCK_DV=block_dv
+        )
+    return delta
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -459,6 +472,12 @@ def _cases() -> list[tuple]:
         out.append(
             (f"flash_{name}_bf16_tiles{m}x{n}_w{w}_s{st}", kernel, case[2], consts, {"num_warps": w, "num_stages": st})
         )
+    for t in ("bf16", "fp32"):
+        sig = {"O": f"*{t}", "DO": f"*{t}", "DELTA": "*fp32"}
+        sig.update({**dict.fromkeys("sob sos soh heads seq_q v_dim".split(), "i32"), "BLOCK_M": "constexpr"})
+        for block_m, block_dv in ((32, 128), (16, 256)):
+            consts = {"BLOCK_M": block_m, "BLOCK_DV": block_dv}
+            out.append((f"flash_bwd_delta_{t}_dv{block_dv}", _bwd_delta, {**sig, "BLOCK_DV": "constexpr"}, consts))
     # Multi-latent attention (DeepSeek-V3): query/key heads of 192 (a block of 256) and values of 128
     for name in ("fwd", "bwd_dkdv", "bwd_dq"):
         case = next(c for c in out if c[0] == f"flash_{name}_bf16_causalTrue")

@@ -528,3 +528,17 @@ if HAVE_TRITON:
                     BLOCK_N,
                 )
         tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _bwd_delta(O, DO, DELTA, sob, sos, soh, heads, seq_q, v_dim, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """DELTA [batch, heads, seq_q] (fp32) = the sum over the value dimension of O * DO (O and DO of one
+        layout), FlashAttention-2's preprocessing: one read of each, where PyTorch wrote fp32 copies of both."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // heads, bh % heads
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_DV)
+        mask = (rows[:, None] < seq_q) & (dims[None, :] < v_dim)
+        at = b * sob + h * soh + rows[:, None] * sos + dims[None, :]
+        o = tl.load(O + at, mask=mask, other=0.0).to(tl.float32)
+        do = tl.load(DO + at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DELTA + bh * seq_q + rows, tl.sum(o * do, axis=1), mask=rows < seq_q)
