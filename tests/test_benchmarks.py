@@ -68,6 +68,7 @@ def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
     kernels = {r["kernel"] for r in rows}
     assert kernels == {
         "rms_norm",
+        "rms_norm_residual",
         "layer_norm",
         "swiglu",
         "swiglu_stacked",

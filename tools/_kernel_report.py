@@ -20,7 +20,7 @@ def verdicts(rows: list[dict]) -> list[str]:
         return next((r for r in rows if r["kernel"] == kernel and r["impl"] == impl and r["pass"] == kind), None)
 
     lines = []
-    for kernel in ("rms_norm", "layer_norm", "swiglu", "swiglu_stacked", "rope"):
+    for kernel in ("rms_norm", "rms_norm_residual", "layer_norm", "swiglu", "swiglu_stacked", "rope"):
         for kind in ("fwd", "fwd+bwd"):
             r = get(kernel, "megatron_lite", kind)
             if r and r.get("fraction_of_copy_bw") is not None:

@@ -95,8 +95,10 @@ def _fwd_bwd(fn, inputs, grad_out):
     def run():
         ins = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
         out = fn(*ins)
-        out = out[0] if isinstance(out, tuple) else out
-        torch.autograd.backward(out, grad_out)
+        if isinstance(out, tuple) and all(o.shape == grad_out.shape for o in out):  # a norm's (y, x + residual)
+            torch.autograd.backward(list(out), [grad_out] * len(out))
+        else:
+            torch.autograd.backward(out[0] if isinstance(out, tuple) else out, grad_out)
 
     return run
 
@@ -222,6 +224,15 @@ def cases(s: dict, dtype, device):
             if device.type == "cuda"
             else {},
             liger="rms_norm",
+        ),
+        dict(  # the model's pre-MLP call: x + residual and its norm; the backward takes both outputs' gradients
+            name="rms_norm_residual",
+            inputs=[x, w, hid],
+            ours=lambda a, ww, r: K.rms_norm(a, ww, 1e-5, residual=r),
+            eager=lambda a, ww, r: K.rms_norm_reference(a, ww, 1e-5, residual=r),
+            bytes_fwd=4 * x.numel() * el,
+            bytes_bwd=4 * x.numel() * el,
+            liger=None,
         ),
         dict(
             name="layer_norm",
@@ -430,7 +441,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--compile-kernels",
         default=None,
         help="comma-separated kernels to time under torch.compile (default: those without a fused PyTorch op: "
-        "rms_norm, swiglu, swiglu_stacked, fused_linear_cross_entropy); 'all' for every one",
+        "rms_norm, rms_norm_residual, swiglu, swiglu_stacked, fused_linear_cross_entropy); 'all' for every one",
     )
     ap.add_argument("--kernels", default=None, help="comma-separated subset of kernels to run (default: all)")
     ap.add_argument("--reps", type=int, default=3)
