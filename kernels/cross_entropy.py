@@ -81,11 +81,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _scale_inplace(X, S, n, BLOCK: tl.constexpr):
-        """X *= S[0] in fp32 (the backward's incoming gradient on the gradients made in the forward)."""
+        """X *= S[0] in fp32 (the backward's incoming gradient on the gradients made in the forward). A gradient of
+        exactly 1 (loss.backward() on the mean loss) touches nothing: the device decides, so the host never waits
+        to read it, and the common case skips a pass over the vocab x hidden weight gradient."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # a weight gradient may pass 2^31
-        mask = offs < n
+        s = tl.load(S)
+        mask = offs < tl.where(s != 1.0, n, 0)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(X + offs, (x * tl.load(S)).to(X.dtype.element_ty), mask=mask)
+        tl.store(X + offs, (x * s).to(X.dtype.element_ty), mask=mask)
 
     BLK = {"BLOCK": 4096}
     COMPILE_CASES = (

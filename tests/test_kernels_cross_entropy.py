@@ -147,6 +147,21 @@ def test_memory_is_per_chunk_not_per_token():
     assert ce._chunk_size(tokens=100, vocab=128256) == 100  # never more rows than tokens
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.7, -1.0])
+def test_the_incoming_gradient_scales_the_saved_gradients(scale):
+    """mean: the gradients made in the forward times the backward's incoming scalar; exactly 1 (loss.backward()),
+    the kernel leaves them as they are, and any other value, however close, scales them."""
+    h, w, labels = _data(tokens=300, vocab=40)
+    got, ref = [], []
+    for fn, out in ((K.fused_linear_cross_entropy, got), (K.fused_linear_cross_entropy_reference, ref)):
+        hs, ws = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = fn(hs, ws, labels)
+        loss.backward(torch.tensor(scale, device=loss.device)) if scale != 1.0 else loss.backward()
+        out += [hs.grad, ws.grad]
+    for a, b in zip(got, ref):
+        assert rel(a, b) < TOL, (scale, rel(a, b))
+
+
 def test_mean_loss_scales_its_saved_gradients_once():
     """mean/sum scale the gradients made in the forward in place (no second vocab x hidden buffer), so a second
     backward through the same graph must refuse rather than scale them again."""
