@@ -169,7 +169,7 @@ def test_the_hang_report_follows_a_missing_rank_into_another_group():
     peers = {
         0: _published({"0,1": 5}, {**ar.__dict__, "since": ar.start, "waiting": False}, now),
         1: _published({"0,1": 4, "1,2,3": 7}, {**p2p.__dict__, "since": p2p.start, "waiting": False}, now),
-        3: _published({"1,2,3": 6}, None, now),
+        3: _published({"3,4": 6}, None, now),  # (a p2p entry is keyed by each rank's own peers)
     }
     report = hang_report(0, 15.0, ar, 20.0, peers)
     assert "rank 1: MISSING: has not entered #5" in report, report
@@ -178,6 +178,38 @@ def test_the_hang_report_follows_a_missing_rank_into_another_group():
     assert "rank 1 waits in #7 batch_isend_irecv on ranks [1,2,3] at schedule.py:9" in held[0], report
     assert "rank 2, which published no state" in held[0] and "rank 3, which is computing" in held[0], report
     assert "rank 1, which" not in held[0], report  # rank 1 entered its own wait
+    # rank 3 in an exchange of its own (with counts that cannot be compared): not named as holding rank 1 up
+    e3 = Entry("2,3", 2, "batch_isend_irecv", [], "schedule.py:9 (recv)", now - 25)
+    peers[3] = _published({"2,3": 2}, {**e3.__dict__, "since": e3.start, "waiting": False}, now)
+    held = [line for line in hang_report(0, 15.0, ar, 20.0, peers).splitlines() if "held up by:" in line]
+    assert len(held) == 1 and "rank 2, which published" in held[0] and "rank 3" not in held[0], held
+
+
+@pytest.mark.parametrize("peer_busy", [True, False])
+def test_a_point_to_point_hang_does_not_compare_counts_across_ranks(peer_busy):
+    """Each rank keys its batch_isend_irecv by its own peers (rank 0: "0,1"; rank 1, a middle stage: "0,1,2"), so
+    rank 1's count under "0,1" says nothing: it is in an exchange of its own, or computing, never 'MISSING'."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+    mine = Entry("0,1", 4, "batch_isend_irecv", [], "schedule.py:9 (send)", now - 20)
+    theirs = Entry("0,1,2", 9, "batch_isend_irecv", [], "schedule.py:9 (recv)", now - 18)
+    peers = {
+        0: _published({"0,1": 4}, {**mine.__dict__, "since": mine.start}, now),
+        1: _published({"0,1,2": 9}, {**theirs.__dict__, "since": theirs.start} if peer_busy else None, now),
+        2: _published({"1,2": 3}, None, now),
+    }
+    report = hang_report(0, 15.0, mine, 20.0, peers)
+    assert "MISSING" not in report and "AHEAD" not in report, report
+    summary = next(line for line in report.splitlines() if line.startswith("summary:"))
+    if peer_busy:
+        assert "rank(s) [1] wait in exchanges of their own" in summary, report
+        assert (
+            "rank 1 waits in #9 batch_isend_irecv on ranks [0,1,2]" in report and "rank 2, which is computing" in report
+        )
+    else:
+        assert "rank(s) [1] are in no point-to-point exchange" in summary, report
+        assert "computing (in no collective)" in report, report
 
 
 def test_the_hang_report_follows_a_chain_of_waits_without_looping():
@@ -187,8 +219,8 @@ def test_the_hang_report_follows_a_chain_of_waits_without_looping():
 
     now = 1000.0
     ar = Entry("0,1", 2, "all_reduce", [[8]], "a.py:1 (f)", now - 20)
-    w1 = Entry("1,2", 3, "send", [], "b.py:1 (g)", now - 25)
-    w2 = Entry("2,3", 1, "recv", [], "c.py:1 (h)", now - 25)
+    w1 = Entry("1,2", 3, "all_to_all_single", [], "b.py:1 (g)", now - 25)
+    w2 = Entry("2,3", 1, "all_gather", [], "c.py:1 (h)", now - 25)
     w3 = Entry("1,3", 4, "all_reduce", [], "d.py:1 (k)", now - 25)
     peers = {
         0: _published({"0,1": 2}, {**ar.__dict__, "since": ar.start}, now),
@@ -199,4 +231,4 @@ def test_the_hang_report_follows_a_chain_of_waits_without_looping():
     report = hang_report(0, 15.0, ar, 20.0, peers)
     held = [line for line in report.splitlines() if line.strip().startswith("held up by:")]
     assert [h.split(" waits in ")[0].split()[-1] for h in held] == ["1", "2", "3"], report
-    assert "rank 1, which waits in #3 send on ranks [1,2]" in held[2], report
+    assert "rank 1, which waits in #3 all_to_all_single on ranks [1,2]" in held[2], report

@@ -298,13 +298,13 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
             continue
         n = p["counts"].get(entry.group, 0)
         cur = p["current"]
-        where = (
-            f"waiting for {p['time'] - cur['since']:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] "
-            f"at {cur['site']}"
-            if cur
-            else "computing (in no collective)"
-        )
-        if n < entry.seq:
+        where = _where(p)
+        if entry.op in P2P and r != who:
+            # A point-to-point exchange is keyed by each rank's own peers, so counts do not line up across ranks:
+            # a peer is either in an exchange of its own now or elsewhere.
+            (waiting if cur and cur["op"] in P2P else missing).append(r)
+            lines.append(f"  rank {r}: now {where}")
+        elif n < entry.seq:
             missing.append(r)
             last = p["last"].get(entry.group, "none")
             lines.append(f"  rank {r}: MISSING: has not entered #{entry.seq} on this group (last: {last}); now {where}")
@@ -314,18 +314,44 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
         else:
             waiting.append(r)
             lines.append(f"  rank {r}: {where}")
-    lines.append(
-        f"summary: ranks {waiting} wait in {entry.op} #{entry.seq} on ranks [{entry.group}]"
-        + (f"; rank(s) {missing} never reached it" if missing else "")
-        + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
-    )
-    return "\n".join(lines + _chain(entry, missing, peers))
+    if entry.op in P2P:
+        lines.append(
+            f"summary: rank {who} waits in {entry.op} #{entry.seq} with ranks [{entry.group}]"
+            + (
+                f"; rank(s) {[r for r in waiting if r != who]} wait in exchanges of their own"
+                if len(waiting) > 1
+                else ""
+            )
+            + (f"; rank(s) {missing} are in no point-to-point exchange" if missing else "")
+        )
+    else:
+        lines.append(
+            f"summary: ranks {waiting} wait in {entry.op} #{entry.seq} on ranks [{entry.group}]"
+            + (f"; rank(s) {missing} never reached it" if missing else "")
+            + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
+        )
+    # (a peer in a point-to-point exchange of its own may itself wait on a third rank: followed too)
+    follow = missing + ([r for r in waiting if r != who] if entry.op in P2P else [])
+    return "\n".join(lines + _chain(entry, follow, peers))
+
+
+P2P = ("batch_isend_irecv", "send", "recv")
+
+
+def _where(p: dict) -> str:
+    cur = p["current"]
+    if not cur:
+        return "computing (in no collective)"
+    waited = p["time"] - cur["since"]
+    return f"waiting for {waited:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] at {cur['site']}"
 
 
 def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str]:
     """Where the missing ranks are held up: a rank that never reached the collective may itself wait in one of
     another group (a pipeline send, an expert all-to-all) that some other rank has not entered. Follows those
-    waits from group to group, so the report ends at the rank that holds everything up."""
+    waits from group to group, so the report ends at the rank that holds everything up. In a point-to-point
+    exchange (keyed by each rank's own peers, so counts do not compare) every peer not in an exchange of its
+    own is named."""
     lines, seen, todo = [], {(entry.group, entry.seq)}, list(missing)
     followed: set[int] = set()
     while todo:
@@ -338,12 +364,21 @@ def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str
         held = []
         for m in (int(x) for x in cur["group"].split(",")):
             p = peers.get(m)
+            if m == r:
+                continue
             if p is None:
                 held.append(f"rank {m}, which published no state (the process may be gone)")
-            elif p["counts"].get(cur["group"], 0) < cur["seq"]:
-                now = p["current"]
-                now = f"waits in #{now['seq']} {now['op']} on ranks [{now['group']}]" if now else "is computing"
-                held.append(f"rank {m}, which {now}")
+                continue
+            now = p["current"]
+            if cur["op"] in P2P:
+                stuck = not now or now["op"] not in P2P
+            else:
+                stuck = p["counts"].get(cur["group"], 0) < cur["seq"]
+            if stuck:
+                held.append(
+                    f"rank {m}, which "
+                    + (f"waits in #{now['seq']} {now['op']} on ranks [{now['group']}]" if now else "is computing")
+                )
                 todo.append(m)
         if held:
             lines.append(
