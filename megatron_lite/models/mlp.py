@@ -12,6 +12,21 @@ from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+class _SquaredReLU(torch.autograd.Function):
+    """relu(h)^2 keeping only h for the backward. Autograd's relu-then-square keeps relu's output instead, so an
+    activation regenerated from h (--recompute-modules moe_act) would hold h beside it and free nothing."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return F.relu(h).square()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        return dy * (2.0 * F.relu(h))  # what autograd's square then relu backward give, bit for bit
+
+
 def activate(h: torch.Tensor, activation: str, triton: bool = False) -> torch.Tensor:
     """The MLP activation on fc1's output: SwiGLU on its [gate; up] halves, squared ReLU, or (tanh-)GELU."""
     if activation == "swiglu":
@@ -20,7 +35,7 @@ def activate(h: torch.Tensor, activation: str, triton: bool = False) -> torch.Te
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
     if activation == "squared_relu":
-        return F.relu(h).square()
+        return _SquaredReLU.apply(h)
     return F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
