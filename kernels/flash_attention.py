@@ -236,7 +236,7 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     block_dv = next_pow2(max(dv, 16))
     block_m = min(64, max(16, 4096 // block_dv))  # about 4096 values of each per program
     if delta.numel():
-        _bwd_delta[(b * h, triton.cdiv(sq, block_m))](
+        _bwd_delta[(b * h * triton.cdiv(sq, block_m),)](
             o, do, delta, *o.stride()[:3], h, sq, dv, BLOCK_M=block_m, BLOCK_DV=block_dv
         )
     return delta

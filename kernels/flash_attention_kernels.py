@@ -533,9 +533,12 @@ if HAVE_TRITON:
     def _bwd_delta(O, DO, DELTA, sob, sos, soh, heads, seq_q, v_dim, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
         """DELTA [batch, heads, seq_q] (fp32) = the sum over the value dimension of O * DO (O and DO of one
         layout), FlashAttention-2's preprocessing: one read of each, where PyTorch wrote fp32 copies of both."""
-        bh = tl.program_id(0).to(tl.int64)
+        # one grid axis (up to 2^31 programs): the second is capped at 65535 blocks
+        pid = tl.program_id(0).to(tl.int64)
+        blocks = tl.cdiv(seq_q, BLOCK_M)
+        bh = pid // blocks
         b, h = bh // heads, bh % heads
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = (pid % blocks).to(tl.int32) * BLOCK_M + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, BLOCK_DV)
         mask = (rows[:, None] < seq_q) & (dims[None, :] < v_dim)
         at = b * sob + h * soh + rows[:, None] * sos + dims[None, :]

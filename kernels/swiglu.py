@@ -127,7 +127,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up of one shape (either may be a strided view, read in place)."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
-    if triton_usable(gate, up):
+    if triton_usable(gate, up) and gate.dim() and gate.shape[-1]:  # (no rows of width 0 to address)
         return _SwiGLU.apply(gate, up)
     return swiglu_reference(gate, up)
 
@@ -136,7 +136,7 @@ def swiglu_stacked(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for h = [gate; up] along its last dimension (fc1's output in a SwiGLU MLP)."""
     if h.shape[-1] % 2:
         raise ValueError(f"swiglu_stacked: the last dimension of {tuple(h.shape)} is odd; it stacks [gate; up]")
-    if triton_usable(h):
+    if triton_usable(h) and h.dim() and h.shape[-1]:
         return _SwiGLUStacked.apply(h)
     return swiglu_stacked_reference(h)
 

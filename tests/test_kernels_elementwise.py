@@ -137,14 +137,26 @@ def test_swiglu_on_strided_inputs(layout):
 
 
 def test_swiglu_takes_a_broadcast_gradient():
-    """A loss like (y * w).sum() hands the backward a gradient with row stride 0."""
+    """A loss like (y.sum(0) * w).sum() hands the backward a gradient expanded over rows (row stride 0)."""
     h, w = _rand(5, 2 * 40), _rand(40, seed=1)
+    seen = []
     grads = []
     for fn in (K.swiglu_stacked, K.swiglu_stacked_reference):
         x = h.clone().requires_grad_(True)
-        (fn(x) * w).sum().backward()
+        y = fn(x)
+        y.register_hook(lambda g: seen.append(g.stride()))
+        (y.sum(0) * w).sum().backward()
         grads.append(x.grad)
+    assert seen[0] == (0, 1), seen  # the case this test is about
     assert rel(*grads) < TOL
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 8), ()])
+def test_swiglu_on_empty_and_scalar_inputs(shape):
+    g, u = torch.randn(shape), torch.randn(shape)
+    assert torch.equal(K.swiglu(g, u), K.swiglu_reference(g, u))
+    if shape and shape[-1] % 2 == 0:
+        assert torch.equal(K.swiglu_stacked(g), K.swiglu_stacked_reference(g))
 
 
 def test_swiglu_saves_fc1_output_in_place():
