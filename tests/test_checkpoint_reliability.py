@@ -237,8 +237,11 @@ def test_a_killed_first_save_does_not_block_a_restart(tmp_path, capsys, monkeypa
 def test_a_resave_killed_mid_swap_loads_the_old_copy(saved, capsys, monkeypatch, ckpt_step):
     """A re-save of an iteration moves the whole old directory to iter_N.old, then the new one in: killed between
     the two moves, only iter_N.old is whole. The newest checkpoint and --ckpt-step N both load it."""
+    from megatron_lite.checkpoint.format import complete_iterations
+
     it = pathlib.Path(saved) / "iter_0000003"
     it.rename(it.with_name(it.name + ".old"))
+    assert complete_iterations(saved) == [3]  # what a rollback and --ckpt-step's error message choose from
     step = [] if ckpt_step is None else ["--ckpt-step", str(ckpt_step)]
     rc, out, err = _run(["--train-iters", "4", "--load", saved, *step], capsys, monkeypatch)
     assert rc == 0, err

@@ -176,7 +176,8 @@ def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> st
         # Only checkpoints up to this one count: newer ones belong to a run the tracker was moved back from.
         upto = [i for i in complete_iterations(root) if i <= meta["iteration"]]
         for old in upto[:-keep_last]:
-            shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+            for path in (iteration_dir(root, old), iteration_dir(root, old) + ".old"):
+                shutil.rmtree(path, ignore_errors=True)
     return final
 
 

@@ -46,7 +46,7 @@ class Piece:
     local_start: int  # offset along `dim` in this rank's tensor
 
 
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_ITER_DIR = re.compile(r"^iter_(\d{7})(?:\.old)?$")  # .old: the whole copy a re-save killed mid-swap left
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -54,12 +54,13 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def complete_iterations(root: str) -> list[int]:
-    """Iterations with a finished checkpoint directory under `root` (not `.tmp` leftovers), oldest first."""
-    out = []
+    """Iterations with a finished checkpoint directory under `root` (not `.tmp` leftovers; an `.old` copy counts),
+    oldest first."""
+    out = set()
     for name in os.listdir(root) if os.path.isdir(root) else []:
         m = _ITER_DIR.match(name)
         if m and os.path.isfile(os.path.join(root, name, "metadata.json")):
-            out.append(int(m.group(1)))
+            out.add(int(m.group(1)))
     return sorted(out)
 
 
