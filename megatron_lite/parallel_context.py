@@ -14,6 +14,7 @@ pipeline groups of both grids coincide because PP is the slowest dimension of ea
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -133,6 +134,13 @@ _GROUP_DIMS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def all_groups(parallel: ParallelConfig, world_size: int) -> dict[str, list[tuple[int, ...]]]:
     """Every group of every kind, as sorted rank tuples: the whole layout as data."""
+    return {kind: list(members) for kind, members in _all_groups(parallel, world_size).items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _all_groups(parallel: ParallelConfig, world_size: int) -> dict[str, list[tuple[int, ...]]]:
+    """(Cached: a dry run builds a context for every rank of the job, and each asked for the same layout; at
+    DeepSeek-V3's 1024 ranks that took 70 s. all_groups hands out copies, so no caller can change it.)"""
     grids = {"decoder": decoder_grid(parallel, world_size), "expert": expert_grid(parallel, world_size)}
     out = {kind: grids[grid].groups(dims) for kind, (grid, dims) in _GROUP_DIMS.items()}
     # Tied embeddings: the first and last stage of each pipeline share the word embeddings.
