@@ -352,20 +352,19 @@ def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str
     waits from group to group, so the report ends at the rank that holds everything up. In a point-to-point
     exchange (keyed by each rank's own peers, so counts do not compare) every peer not in an exchange of its
     own is named."""
+    # each wait once (a rank followed again finds its own wait seen): cycles end
     lines, seen, todo = [], {(entry.group, entry.seq)}, list(missing)
-    followed: set[int] = set()
     while todo:
         r = todo.pop(0)
         cur = (peers.get(r) or {}).get("current")
-        if r in followed or not cur or (cur["group"], cur["seq"]) in seen:
+        if not cur or (cur["group"], cur["seq"]) in seen:
             continue
-        followed.add(r)
         seen.add((cur["group"], cur["seq"]))
         held = []
         for m in (int(x) for x in cur["group"].split(",")):
-            p = peers.get(m)
             if m == r:
                 continue
+            p = peers.get(m)
             if p is None:
                 held.append(f"rank {m}, which published no state (the process may be gone)")
                 continue
