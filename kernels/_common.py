@@ -17,10 +17,19 @@ try:
     import triton.language as tl  # noqa: F401
 
     HAVE_TRITON = True
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        from ._interpreter import skip_repeated_patching
+
+        skip_repeated_patching()
 except ImportError:  # pragma: no cover - macOS laptops, dry runs
     HAVE_TRITON = False
 
 LAUNCHES: Counter = Counter()
+
+# The edge of the fixed tiles flash attention and the grouped GEMM use under the interpreter. The interpreter's
+# cost is per operation, not per element, so a model runs faster on bigger tiles; the kernel unit tests set 16
+# (tests/conftest.py) so that their small, odd shapes cross many tile boundaries.
+INTERPRETER_TILE = 32
 
 
 def interpreting() -> bool:

@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_lite.kernels import _common
 from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, triton_usable
 
 if HAVE_TRITON:
@@ -62,7 +63,7 @@ def _kernel(plain, tuned, dtype: torch.dtype):
     """The kernel to launch and its fixed tiles: fixed small tiles when interpreting; on a GPU, fp32 (tests, not
     training) takes one fixed tile, other dtypes the autotuned kernel."""
     if interpreting():
-        return plain, {"BLOCK_M": 16, "BLOCK_N": 16}
+        return plain, {"BLOCK_M": _common.INTERPRETER_TILE, "BLOCK_N": _common.INTERPRETER_TILE}
     if dtype == torch.float32:
         return plain, {"BLOCK_M": 32, "BLOCK_N": 32}
     return tuned, {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite.kernels import _common
 from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, triton_usable
 
 if HAVE_TRITON:
@@ -262,7 +263,8 @@ def _tiles(counts: torch.Tensor, block_m: int):
 
 
 def _cfg():
-    return (16, 16, 16) if interpreting() else (64, 64, 32)
+    t = _common.INTERPRETER_TILE
+    return (t, t, t) if interpreting() else (64, 64, 32)
 
 
 def _mm(x, w, offs, tile_e, tile_m, out_cols, transpose_w: bool):

@@ -8,6 +8,7 @@ layout_validation.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,12 @@ class ConfigError(ValueError):
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=1024)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)  # the planner's search asks for the same few often
 
 
 def _nearest_multiples(value: int, step: int) -> str:

@@ -43,3 +43,13 @@ def dist(_pools):
         return pool.run(fn, *args, **kwargs)
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _small_interpreter_tiles(request, monkeypatch):
+    """The kernel unit tests run the interpreter on 16-wide tiles, so that their small, odd shapes cross many
+    tile boundaries; model-level tests keep the default (kernels/_common.py: INTERPRETER_TILE), which is faster."""
+    if request.module.__name__.startswith("test_kernels_"):
+        from megatron_lite.kernels import _common
+
+        monkeypatch.setattr(_common, "INTERPRETER_TILE", 16)

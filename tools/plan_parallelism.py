@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -106,6 +107,7 @@ HEADER = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def reason_group(reason: str) -> str:
     return "does not fit in memory" if reason.startswith("needs ") else re.sub(r"-?\d+(\.\d+)?", "N", reason)
 

@@ -4,6 +4,7 @@ data-parallel ranks, recomputation, and the batch geometry."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
@@ -53,17 +54,7 @@ class Layout:
 
     def model_config(self, model: ModelConfig) -> ModelConfig:
         """The model as this layout runs it: Megatron's recomputation flags."""
-        if self.recompute == "none":
-            return dataclasses.replace(
-                model, recompute_granularity=None, recompute_method=None, recompute_num_layers=None
-            )
-        if self.recompute == "selective":
-            return dataclasses.replace(
-                model, recompute_granularity="selective", recompute_method=None, recompute_num_layers=None
-            )
-        return dataclasses.replace(
-            model, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
+        return _with_recompute(model, self.recompute)
 
     def micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.dp)
@@ -83,3 +74,16 @@ class Layout:
         parts.append(f"recompute={self.recompute}")
         parts.append(f"mbs={self.micro_batch_size}")
         return " ".join(parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_recompute(model: ModelConfig, recompute: str) -> ModelConfig:
+    # Cached (the configs are frozen): a search asks for the same three per model hundreds of thousands of
+    # times, and each replace re-validates the whole config.
+    if recompute == "none":
+        return dataclasses.replace(model, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    if recompute == "selective":
+        return dataclasses.replace(
+            model, recompute_granularity="selective", recompute_method=None, recompute_num_layers=None
+        )
+    return dataclasses.replace(model, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

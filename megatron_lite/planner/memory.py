@@ -93,10 +93,14 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
     dense = expert = 0
     layers: list[int] = []
     first_layer = 0
+    by_kind: dict[bool, tuple[int, int]] = {}  # a layer's count depends on it only through is_moe_layer
     for vstage, n in enumerate(counts):
         if vstage % layout.pp == pp_rank:
             for layer in range(first_layer, first_layer + n):
-                a, b = layer_params(model, layer, tp, layout.ep)
+                moe = model.is_moe_layer(layer)
+                if moe not in by_kind:
+                    by_kind[moe] = layer_params(model, layer, tp, layout.ep)
+                a, b = by_kind[moe]
                 dense, expert = dense + a, expert + b
                 layers.append(layer)
         first_layer += n
@@ -209,8 +213,16 @@ def activation_bytes(
     tokens = seq_length // layout.cp * layout.micro_batch_size
     h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
     chunk_bytes = []
+    by_kind: dict[bool, float] = {}  # a layer's bytes depend on it only through is_moe_layer
+
+    def layer_bytes(i: int) -> float:
+        moe = model.is_moe_layer(i)
+        if moe not in by_kind:
+            by_kind[moe] = layer_activation_bytes(model, layout, a, i, layout.recompute)
+        return by_kind[moe]
+
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
-        per_token = sum(layer_activation_bytes(model, layout, a, i, layout.recompute) for i in layers)
+        per_token = sum(layer_bytes(i) for i in layers)
         if model.position_embedding_type == "rope" and layout.recompute != "full":
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         if c == 0 and pp_rank == 0:

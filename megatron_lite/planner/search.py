@@ -63,8 +63,7 @@ def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size
         layout.training_config(global_batch_size, seq_length), overlap_grad_reduce=layout.sharding != "fsdp2"
     )
     try:
-        cfg = layout.model_config(model)
-        cfg.validate()
+        cfg = layout.model_config(model)  # validated as it is made
         validate_layout(cfg, layout.parallel_config(), layout.world, training)
         validate_sharding(cfg, layout.parallel_config(), training, optimizer_config(layout, bf16))
     except (ConfigError, ValueError) as e:
