@@ -17,10 +17,6 @@ try:
     import triton.language as tl  # noqa: F401
 
     HAVE_TRITON = True
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        from ._interpreter import skip_repeated_patching
-
-        skip_repeated_patching()
 except ImportError:  # pragma: no cover - macOS laptops, dry runs
     HAVE_TRITON = False
 
@@ -34,6 +30,12 @@ INTERPRETER_TILE = 32
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if HAVE_TRITON and interpreting():
+    from ._interpreter import skip_repeated_patching
+
+    skip_repeated_patching()
 
 
 def triton_usable(*tensors: torch.Tensor) -> bool:
