@@ -27,7 +27,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def _pools():
-    pools: dict[int, WorkerPool] = {}
+    pools: dict = {}  # world size -> pool; ("jobs", world size) -> a bare pool (pretrain_jobs)
     yield pools
     for pool in pools.values():
         if not pool.broken:
@@ -41,6 +41,22 @@ def dist(_pools):
         if pool is None or pool.broken:
             pool = _pools[world_size] = WorkerPool(world_size)
         return pool.run(fn, *args, **kwargs)
+
+    return run
+
+
+@pytest.fixture
+def pretrain_job(_pools, tmp_path):
+    """`pretrain_job(world_size, argv)`: a whole pretraining job (pretrain_gpt.py's main) on the ranks of a
+    persistent bare pool, started as torchrun starts its workers (tests/pretrain_jobs.py)."""
+    from pretrain_jobs import run_job
+
+    def run(world_size: int, argv: list[str], **kwargs):
+        key = ("jobs", world_size)
+        pool = _pools.get(key)
+        if pool is None or pool.broken:
+            pool = _pools[key] = WorkerPool(world_size, init_group=False)
+        return run_job(pool, argv, tmp_path, **kwargs)
 
     return run
 

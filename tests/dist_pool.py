@@ -63,19 +63,22 @@ def unpack(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank: int, world: int, init_file: str, tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker(rank: int, world: int, init_file: str | None, tasks: mp.Queue, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # eight ranks on two cores: one thread each, or they thrash into timeouts
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(rank)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=GLOO_TIMEOUT_S),
-    )
+    if init_file is None:  # a bare pool: each task joins (and leaves) a world of its own, as a job does
+        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+        )
     while True:
         task = tasks.get()
         if task is None:
@@ -98,12 +101,16 @@ class RankError(AssertionError):
 
 
 class WorkerPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, init_group: bool = True) -> None:
+        """`init_group=False`: the workers join no process group (their tasks start their own, as the
+        ranks of a job under torchrun do: tests/pretrain_jobs.py)."""
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        fd, self._init_file = tempfile.mkstemp(prefix=f"ml_pool{world_size}_")
-        os.close(fd)
-        os.unlink(self._init_file)  # FileStore creates it
+        self._init_file = None
+        if init_group:
+            fd, self._init_file = tempfile.mkstemp(prefix=f"ml_pool{world_size}_")
+            os.close(fd)
+            os.unlink(self._init_file)  # FileStore creates it
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
@@ -168,7 +175,7 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        if os.path.exists(self._init_file):
+        if self._init_file is not None and os.path.exists(self._init_file):
             os.unlink(self._init_file)
 
 

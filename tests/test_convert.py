@@ -504,7 +504,7 @@ def test_generate_under_torchrun_tp2_pp2(converted, tmp_path):
 
 
 @pytest.mark.slow
-def test_converted_checkpoint_trains_at_tp2_like_one_process(converted, tmp_path):
+def test_converted_checkpoint_trains_at_tp2_like_one_process(converted, tmp_path, pretrain_job):
     """pretrain_gpt.py --load <converted> at TP=2 with sequence parallelism: the same per-iteration lm_loss
     and grad_norm as on one process."""
     _, _, ours, _ = converted["llama"]
@@ -514,7 +514,7 @@ def test_converted_checkpoint_trains_at_tp2_like_one_process(converted, tmp_path
     curves = {}
     for name, n, extra in (("one", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
         jsonl = tmp_path / f"{name}.jsonl"
-        _torchrun(n, "pretrain/pretrain_gpt.py", [*base, *extra, "--log-jsonl", str(jsonl)], tmp_path)
+        pretrain_job(n, [*base, *extra, "--log-jsonl", str(jsonl)])
         recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
         curves[name] = [(r["lm_loss"], r["grad_norm"]) for r in recs if "grad_norm" in r]
     assert len(curves["one"]) == 3

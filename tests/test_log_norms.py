@@ -1,6 +1,6 @@
 """--log-params-norm and --log-num-zeros-in-grad (Megatron's): on one process they are the plain L2 norm of
 every parameter after the step and the count of zero gradient entries; under other layouts (TP, SP, ZeRO-2,
-FSDP2, PP) test_pretrain_torchrun.py checks that the job logs the same values as one process."""
+FSDP2, PP) test_pretrain_layouts.py checks that the job logs the same values as one process."""
 
 from __future__ import annotations
 

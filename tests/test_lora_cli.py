@@ -1,6 +1,6 @@
 """LoRA fine-tuning end to end, as a user runs it: a tiny Llama (and a tiny Mixtral) from transformers converted
 to megatron_lite, fine-tuned with `pretrain_gpt.py --finetune --lora-rank 4 --sft` on prompt/response JSONL
-(loss on responses only) under torchrun at TP=2 (Mixtral: EP=2, adapters on its experts too), exported with
+(loss on responses only) at TP=2 (Mixtral: EP=2, adapters on its experts too), exported with
 `convert.py --saver hf-peft`; PEFT on the Hugging
 Face base gives the logits of our fine-tuned model (fp32, 1e-4), and `--merge-lora` writes full weights
 that give them too."""
@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_pretrain_torchrun import ROOT, torchrun
+from test_pretrain_torchrun import ROOT
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -61,7 +59,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("arch", list(CASES))
-def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch):
+def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch, pretrain_job):
     hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "lora"
     make_config, layout = CASES[arch]
     hf_class = transformers.AutoModelForCausalLM
@@ -81,8 +79,8 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch):
         "--global-batch-size", "4", "--train-iters", "4", "--lr", "2e-2", "--lr-decay-style", "constant",
         "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo", *layout,
     ]  # fmt: skip
-    run = torchrun(2, args, tmp_path)
-    assert "LoRA rank 4" in run.stdout and "the base frozen" in run.stdout
+    run = pretrain_job(2, args)
+    assert "LoRA rank 4" in run and "the base frozen" in run
     _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", str(out), "--save-dir",
              str(tmp_path / "adapter"))  # fmt: skip
     _convert("--loader", "megatron_lite", "--saver", "hf", "--merge-lora", "--load-dir", str(out), "--save-dir",
@@ -126,7 +124,7 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch):
     assert all(torch.equal(tensors[k], v) for k, v in base_ckpt.items())
 
 
-def test_qlora_from_the_command_line(tmp_path):
+def test_qlora_from_the_command_line(tmp_path, pretrain_job):
     """--qlora on one process: the adapted layers' weights go to NF4 after the base loads, training runs,
     and the memory breakdown counts the NF4 storage as the parameters' bytes."""
     args = [
@@ -136,17 +134,15 @@ def test_qlora_from_the_command_line(tmp_path):
         "--position-embedding-type", "rope", "--disable-bias-linear", "--lora-rank", "4", "--qlora",
         "--log-interval", "1", "--eval-iters", "0", "--log-memory-breakdown", "--log-jsonl", str(tmp_path / "q.jsonl"),
     ]  # fmt: skip
-    out = subprocess.run([sys.executable, str(ROOT / "pretrain" / "pretrain_gpt.py"), *args], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "QLoRA:" in out.stdout and "bits per parameter" in out.stdout
+    out = pretrain_job(1, args)
+    assert "QLoRA:" in out and "bits per parameter" in out
     rec = [json.loads(line) for line in open(tmp_path / "q.jsonl") if "lm_loss" in line][-1]
     h, f, r = 128, 256, 4  # adapters: r (in + out) per projection; q, k, v, o, gate, up, down
     adapters = 2 * (r * (3 * (h + h)) + r * (h + h) + 2 * r * (h + f) + r * (f + h))
     assert rec["mem_optimizer_bytes"] == 8 * adapters  # Adam moments of the adapters only (fp32 weights)
 
 
-def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path):
+def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path, pretrain_job):
     """A QLoRA checkpoint holds the adapters and records its base: a job started again (auto-resume) loads the
     base, quantises it, loads the adapters and continues exactly; --merge-lora folds the adapters into the
     unquantised base."""
@@ -160,10 +156,7 @@ def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path):
     ]  # fmt: skip
 
     def run(*extra):
-        out = subprocess.run([sys.executable, str(ROOT / "pretrain" / "pretrain_gpt.py"), *model, *extra],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-        return out.stdout
+        return pretrain_job(1, [*model, *extra])
 
     run("--train-iters", "1", "--save", str(tmp_path / "base"))
     lora = ["--load", str(tmp_path / "base"), "--finetune", "--lora-rank", "4", "--qlora", "--train-iters", "4"]

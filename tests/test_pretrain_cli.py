@@ -1,5 +1,5 @@
 """The pretraining entry point: --help, bad input that stops with one line before any collective, and a
-real single-process run. (Multi-rank runs: tests/test_pretrain_torchrun.py.)"""
+real single-process run. (Multi-rank runs: tests/test_pretrain_layouts.py and tests/test_pretrain_torchrun.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Whole jobs under torchrun: exact resume at TP=2 x DP=2, the shipped scripts' dry runs, and the demo."""
+"""Whole jobs under torchrun: exact resume at TP=2 x DP=2 in fresh processes (and under other layouts), the
+shipped scripts' dry runs, and the demos."""
 
 from __future__ import annotations
 
@@ -53,8 +54,13 @@ RESUME_LAYOUTS = {
 }
 
 
+# The restart itself (new processes under torchrun) is taken at TP=2 x DP=2; the other layouts add what their
+# checkpoints hold, and run both jobs on a persistent pool's ranks (tests/pretrain_jobs.py), ~25 s less each.
+UNDER_TORCHRUN = {"tp2-dp2"}
+
+
 @pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
-def test_resume_is_exact(tmp_path, layout):
+def test_resume_is_exact(tmp_path, layout, pretrain_job):
     """10 iterations straight (saving at 5) vs --load --ckpt-step 5 + 5: identical lm_loss (and grad norm) at
     6-10, with dropout on, so RNG states, data position, optimizer moments and schedule must all come back.
     (Stopping with --exit-interval and resuming from the newest checkpoint: tests/test_pretrain_cli.py.)"""
@@ -66,12 +72,15 @@ def test_resume_is_exact(tmp_path, layout):
         "--disable-bias-linear --untie-embeddings-and-output-weights --distributed-backend gloo"
     ).split() + RESUME_LAYOUTS[layout]
     n = 4 if layout == "tp2-dp2" else 2
+
+    def job(argv: list[str]) -> str:
+        return torchrun(n, argv, tmp_path).stdout if layout in UNDER_TORCHRUN else pretrain_job(n, argv)
+
     ckpt = str(tmp_path / "ckpt")
-    straight_run = [*args, "--save", ckpt, "--save-interval", "5", "--log-jsonl", str(tmp_path / "straight.jsonl")]
-    torchrun(n, straight_run, tmp_path)
+    job([*args, "--save", ckpt, "--save-interval", "5", "--log-jsonl", str(tmp_path / "straight.jsonl")])
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"
-    out = torchrun(n, [*args, "--load", ckpt, "--ckpt-step", "5", "--log-jsonl", str(tmp_path / "b.jsonl")], tmp_path)
-    assert "loaded" in out.stdout and "iteration 5" in out.stdout
+    out = job([*args, "--load", ckpt, "--ckpt-step", "5", "--log-jsonl", str(tmp_path / "b.jsonl")])
+    assert "loaded" in out and "iteration 5" in out
     straight, resumed = records(tmp_path / "straight.jsonl"), records(tmp_path / "b.jsonl")
     assert [r["iteration"] for r in straight] == list(range(1, 11))
     assert [r["iteration"] for r in resumed] == list(range(6, 11))
@@ -127,70 +136,6 @@ def test_demo_trains_logs_wandb_offline_and_checkpoints(tmp_path):
     assert (tmp_path / "demo" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "60"
 
 
-def test_cli_tp2_dp2_equals_single_process(tmp_path):
-    """The whole job (flags, data, loop, logging) at TP=2 x DP=2 with sequence parallelism and gradient
-    accumulation, and under context parallelism, logs the same per-iteration lm_loss and grad_norm as one
-    process (embedded corpus)."""
-    args = (
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
-        "--seq-length 32 --train-iters 10 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 "
-        "--lr-decay-style cosine --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 "
-        "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
-        "--untie-embeddings-and-output-weights --distributed-backend gloo --log-params-norm --log-num-zeros-in-grad"
-    ).split()
-    torchrun(1, [*args, "--micro-batch-size", "8", "--log-jsonl", str(tmp_path / "one.jsonl")], tmp_path)
-    torchrun(
-        4,
-        [
-            *args,
-            "--micro-batch-size",
-            "1",
-            "--tensor-model-parallel-size",
-            "2",
-            "--sequence-parallel",
-            "--log-jsonl",
-            str(tmp_path / "four.jsonl"),
-        ],
-        tmp_path,
-    )
-    one, four = records(tmp_path / "one.jsonl"), records(tmp_path / "four.jsonl")
-    assert len(one) == len(four) == 10
-    for a, b in zip(one, four):
-        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
-        assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (a, b)
-    # Context parallelism from the command line: CP=2 (ring) x DP=2 and CP=2 (all-to-all), the same run.
-    for name, n, extra in (
-        ("cp2_p2p_dp2", 4, ["--micro-batch-size", "2", "--context-parallel-size", "2"]),
-        ("cp2_a2a", 2, ["--micro-batch-size", "4", "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
-        # ZeRO-2 with overlapped bucket reduce-scatters, and ZeRO-3 through FSDP2, both under TP=2 + SP.
-        (
-            "zero2",
-            4,
-            "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
-            "--zero-stage 2 --overlap-grad-reduce --ddp-bucket-size 20000".split(),
-        ),
-        (
-            "fsdp2",
-            4,
-            "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-torch-fsdp2".split(),
-        ),
-        # FSDP2 under pipeline parallelism (one layer per stage), each stage sharded over DP=2
-        ("fsdp2_pp2", 4, "--micro-batch-size 2 --pipeline-model-parallel-size 2 --use-torch-fsdp2".split()),
-    ):
-        torchrun(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")], tmp_path)
-        cp = records(tmp_path / f"{name}.jsonl")
-        assert len(cp) == 10
-        for a, b in zip(one, cp):
-            assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (name, a, b)
-            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a, b)
-            assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (name, a, b)
-            # zero gradient entries: the input embedding rows no token reached, the same set at TP=1 (TP=2
-            # pads the vocabulary further, and those rows count too, as in Megatron)
-            if "tensor-model-parallel-size" not in " ".join(extra):
-                assert a["num_zeros_in_grad"] == b["num_zeros_in_grad"] > 0, (name, a, b)
-
-
 def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):
     env = {**os.environ, "RUN_DIR": str(tmp_path / "mix"), "TRAIN_ITERS": "30", "WANDB_MODE": "offline"}
     env.pop("WANDB_API_KEY", None)
@@ -209,80 +154,3 @@ def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):
     assert b"comm_exposed_fraction" in blob  # the exposed-communication metric reaches W&B too
     for key in (b"moe_aux_loss", b"moe_max_imbalance", b"moe_layer0_imbalance", b"moe_dropped_fraction"):
         assert key in blob, key
-
-
-def test_rampup_batch_size_at_dp2_equals_single_process(tmp_path):
-    """--rampup-batch-size 4 4 16 with a global batch of 8: Megatron's ramp (the batch is START until the
-    consumed samples pass SAMPLES / increments, then grows by INCREMENT), the same samples at DP=2 as on one
-    process, and the schedule counted in samples (warmup of 2 iterations = 16 samples of the final batch)."""
-    import math
-
-    args = (
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
-        "--global-batch-size 8 --rampup-batch-size 4 4 16 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine "
-        "--log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 --distributed-backend gloo"
-    ).split()
-    torchrun(1, [*args, "--micro-batch-size", "4", "--log-jsonl", str(tmp_path / "one.jsonl")], tmp_path)
-    torchrun(2, [*args, "--micro-batch-size", "2", "--log-jsonl", str(tmp_path / "two.jsonl")], tmp_path)
-    one, two = records(tmp_path / "one.jsonl"), records(tmp_path / "two.jsonl")
-
-    def megatron_batch(consumed, start=4, increment=4, ramp=16, final=8):
-        per_increment = ramp / ((final - start) // increment)
-        return final if consumed > ramp else start + int(consumed / per_increment) * increment
-
-    consumed, batches, positions = 0, [], []
-    for _ in range(6):
-        positions.append(consumed)
-        batches.append(megatron_batch(consumed))
-        consumed += batches[-1]
-    assert [r["global_batch_size"] for r in one] == batches == [4, 4, 4, 4, 8, 8]
-    assert [r["consumed_samples"] for r in one] == [sum(batches[: i + 1]) for i in range(6)]
-
-    def lr(p, warmup=16, decay=48):
-        return (
-            3e-3 * p / warmup if p <= warmup else 3e-3 * 0.5 * (math.cos(math.pi * (p - warmup) / (decay - warmup)) + 1)
-        )
-
-    assert [r["lr"] for r in one] == pytest.approx([lr(p) for p in positions])
-    for a, b in zip(one, two, strict=True):
-        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
-
-
-def test_document_masks_under_hierarchical_context_parallelism_equal_single_process(tmp_path):
-    """From the command line: packed documents (--reset-position-ids --reset-attention-mask --eod-mask-loss) on
-    an indexed dataset of short documents, CP=4 as Megatron's a2a+p2p 2 x 2, log what one process logs; the
-    flags change the run."""
-    import numpy as np
-
-    from megatron_lite.data.indexed import IndexedDatasetWriter
-
-    vocab = 100  # NullTokenizer: the EOD id is --vocab-size
-    prefix = str(tmp_path / "docs_text_document")
-    w = IndexedDatasetWriter(prefix, vocab_size=vocab + 1)
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        w.add_document(np.append(rng.integers(0, vocab, size=int(rng.integers(2, 14))), vocab))
-    w.finalize()
-    args = (
-        f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
-        f"--global-batch-size 8 --micro-batch-size 4 --lr 3e-3 --log-interval 1 --eval-iters 0 --hidden-dropout 0 "
-        f"--attention-dropout 0 --normalization RMSNorm --swiglu --position-embedding-type rope "
-        f"--disable-bias-linear --distributed-backend gloo --data-path {prefix} --tokenizer-type NullTokenizer "
-        f"--vocab-size {vocab} --split 100,0,0"
-    ).split()
-    documents = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
-    hierarchical = "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"
-    runs = {
-        "one": (1, documents),
-        "cp4": (4, [*documents, *hierarchical.split()]),
-        "plain": (1, []),
-    }
-    for name, (n, extra) in runs.items():
-        torchrun(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")], tmp_path)
-    one, cp4, plain = (records(tmp_path / f"{name}.jsonl") for name in runs)
-    assert len(one) == len(cp4) == 6
-    for a, b in zip(one, cp4):
-        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
-    assert any(abs(a["lm_loss"] - b["lm_loss"]) > 1e-3 * b["lm_loss"] for a, b in zip(one, plain))

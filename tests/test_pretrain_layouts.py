@@ -1,0 +1,144 @@
+"""Whole jobs (flags, data, loop, logging: pretrain_gpt.py's main) under parallel layouts log what one process
+logs. Each rank runs in a persistent pool, started as torchrun starts its workers (tests/pretrain_jobs.py);
+the launcher itself is tested in tests/test_pretrain_torchrun.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in open(path) if "lm_loss" in json.loads(line)]
+
+
+def test_cli_tp2_dp2_equals_single_process(tmp_path, pretrain_job):
+    """The whole job (flags, data, loop, logging) at TP=2 x DP=2 with sequence parallelism and gradient
+    accumulation, and under context parallelism, logs the same per-iteration lm_loss and grad_norm as one
+    process (embedded corpus)."""
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--seq-length 32 --train-iters 10 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 "
+        "--lr-decay-style cosine --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 "
+        "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --distributed-backend gloo --log-params-norm --log-num-zeros-in-grad"
+    ).split()
+    pretrain_job(1, [*args, "--micro-batch-size", "8", "--log-jsonl", str(tmp_path / "one.jsonl")])
+    tp2_sp = "--micro-batch-size 1 --tensor-model-parallel-size 2 --sequence-parallel".split()
+    pretrain_job(4, [*args, *tp2_sp, "--log-jsonl", str(tmp_path / "four.jsonl")])
+    one, four = records(tmp_path / "one.jsonl"), records(tmp_path / "four.jsonl")
+    assert len(one) == len(four) == 10
+    for a, b in zip(one, four):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+        assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (a, b)
+    # Context parallelism from the command line: CP=2 (ring) x DP=2 and CP=2 (all-to-all), the same run.
+    for name, n, extra in (
+        ("cp2_p2p_dp2", 4, ["--micro-batch-size", "2", "--context-parallel-size", "2"]),
+        ("cp2_a2a", 2, ["--micro-batch-size", "4", "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+        # ZeRO-2 with overlapped bucket reduce-scatters, and ZeRO-3 through FSDP2, both under TP=2 + SP.
+        (
+            "zero2",
+            4,
+            "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
+            "--zero-stage 2 --overlap-grad-reduce --ddp-bucket-size 20000".split(),
+        ),
+        (
+            "fsdp2",
+            4,
+            "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel --use-torch-fsdp2".split(),
+        ),
+        # FSDP2 under pipeline parallelism (one layer per stage), each stage sharded over DP=2
+        ("fsdp2_pp2", 4, "--micro-batch-size 2 --pipeline-model-parallel-size 2 --use-torch-fsdp2".split()),
+    ):
+        pretrain_job(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
+        cp = records(tmp_path / f"{name}.jsonl")
+        assert len(cp) == 10
+        for a, b in zip(one, cp):
+            assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (name, a, b)
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a, b)
+            assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (name, a, b)
+            # zero gradient entries: the input embedding rows no token reached, the same set at TP=1 (TP=2
+            # pads the vocabulary further, and those rows count too, as in Megatron)
+            if "tensor-model-parallel-size" not in " ".join(extra):
+                assert a["num_zeros_in_grad"] == b["num_zeros_in_grad"] > 0, (name, a, b)
+
+
+def test_rampup_batch_size_at_dp2_equals_single_process(tmp_path, pretrain_job):
+    """--rampup-batch-size 4 4 16 with a global batch of 8: Megatron's ramp (the batch is START until the
+    consumed samples pass SAMPLES / increments, then grows by INCREMENT), the same samples at DP=2 as on one
+    process, and the schedule counted in samples (warmup of 2 iterations = 16 samples of the final batch)."""
+    import math
+
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
+        "--global-batch-size 8 --rampup-batch-size 4 4 16 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine "
+        "--log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 --distributed-backend gloo"
+    ).split()
+    pretrain_job(1, [*args, "--micro-batch-size", "4", "--log-jsonl", str(tmp_path / "one.jsonl")])
+    pretrain_job(2, [*args, "--micro-batch-size", "2", "--log-jsonl", str(tmp_path / "two.jsonl")])
+    one, two = records(tmp_path / "one.jsonl"), records(tmp_path / "two.jsonl")
+
+    def megatron_batch(consumed, start=4, increment=4, ramp=16, final=8):
+        per_increment = ramp / ((final - start) // increment)
+        return final if consumed > ramp else start + int(consumed / per_increment) * increment
+
+    consumed, batches, positions = 0, [], []
+    for _ in range(6):
+        positions.append(consumed)
+        batches.append(megatron_batch(consumed))
+        consumed += batches[-1]
+    assert [r["global_batch_size"] for r in one] == batches == [4, 4, 4, 4, 8, 8]
+    assert [r["consumed_samples"] for r in one] == [sum(batches[: i + 1]) for i in range(6)]
+
+    def lr(p, warmup=16, decay=48):
+        return (
+            3e-3 * p / warmup if p <= warmup else 3e-3 * 0.5 * (math.cos(math.pi * (p - warmup) / (decay - warmup)) + 1)
+        )
+
+    assert [r["lr"] for r in one] == pytest.approx([lr(p) for p in positions])
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+
+
+def test_document_masks_under_hierarchical_context_parallelism_equal_single_process(tmp_path, pretrain_job):
+    """From the command line: packed documents (--reset-position-ids --reset-attention-mask --eod-mask-loss) on
+    an indexed dataset of short documents, CP=4 as Megatron's a2a+p2p 2 x 2, log what one process logs; the
+    flags change the run."""
+    import numpy as np
+
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    vocab = 100  # NullTokenizer: the EOD id is --vocab-size
+    prefix = str(tmp_path / "docs_text_document")
+    w = IndexedDatasetWriter(prefix, vocab_size=vocab + 1)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        w.add_document(np.append(rng.integers(0, vocab, size=int(rng.integers(2, 14))), vocab))
+    w.finalize()
+    args = (
+        f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
+        f"--global-batch-size 8 --micro-batch-size 4 --lr 3e-3 --log-interval 1 --eval-iters 0 --hidden-dropout 0 "
+        f"--attention-dropout 0 --normalization RMSNorm --swiglu --position-embedding-type rope "
+        f"--disable-bias-linear --distributed-backend gloo --data-path {prefix} --tokenizer-type NullTokenizer "
+        f"--vocab-size {vocab} --split 100,0,0"
+    ).split()
+    documents = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+    hierarchical = "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"
+    runs = {
+        "one": (1, documents),
+        "cp4": (4, [*documents, *hierarchical.split()]),
+        "plain": (1, []),
+    }
+    for name, (n, extra) in runs.items():
+        pretrain_job(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
+    one, cp4, plain = (records(tmp_path / f"{name}.jsonl") for name in runs)
+    assert len(one) == len(cp4) == 6
+    for a, b in zip(one, cp4):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+    assert any(abs(a["lm_loss"] - b["lm_loss"]) > 1e-3 * b["lm_loss"] for a, b in zip(one, plain))
