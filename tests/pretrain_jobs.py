@@ -27,14 +27,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _main_on_rank(argv: list[str], master_port: int, log_dir: str, cwd: str) -> int:
-    """One rank of the job, in directory `cwd`: its stdout and stderr go to log_dir/rank{RANK}.log; returns
-    main's exit code."""
+def _main_on_rank(argv: list[str], master_port: int, log_dir: str, cwd: str, extra_env: dict[str, str]) -> int:
+    """One rank of the job, in directory `cwd` with `extra_env` set: its stdout and stderr go to
+    log_dir/rank{RANK}.log; returns main's exit code."""
     import torch.distributed as dist
 
     from megatron_lite.training.pretrain import main
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), **extra_env}
     os.environ.update(env)
     home = os.getcwd()
     os.chdir(cwd)
@@ -71,18 +71,21 @@ def _logs(log_dir: str, world_size: int) -> list[str]:
     return out
 
 
-def run_job(pool: WorkerPool, argv: list[str], tmp_path, timeout: float = 180) -> str:
-    """Run the job on every rank of `pool` (a WorkerPool(n, init_group=False)) in `tmp_path`; fail with each
-    failing rank's log unless every rank's main returned 0. Returns the ranks' logs, joined."""
+def run_job(
+    pool: WorkerPool, argv: list[str], tmp_path, env: dict[str, str] | None = None, exit_code: int = 0, timeout=180
+) -> str:
+    """Run the job on every rank of `pool` (a WorkerPool(n, init_group=False)) in `tmp_path`, with `env` added
+    to the ranks' environment; fail with each failing rank's log unless every rank's main returned `exit_code`.
+    Returns the ranks' logs, joined."""
     log_dir = tempfile.mkdtemp(prefix="job_", dir=tmp_path)
     try:
-        codes = pool.run(_main_on_rank, argv, _free_port(), log_dir, str(tmp_path), timeout=timeout)
+        codes = pool.run(_main_on_rank, argv, _free_port(), log_dir, str(tmp_path), env or {}, timeout=timeout)
     except RankError as e:
         logs = _logs(log_dir, pool.world_size)
         tails = "\n".join(f"--- rank {r}'s log:\n{log[-2000:]}" for r, log in enumerate(logs))
         raise RankError(f"{e}\n{tails}") from None
     logs = _logs(log_dir, pool.world_size)
-    failed = [r for r, rc in enumerate(codes) if rc != 0]
+    failed = [r for r, rc in enumerate(codes) if rc != exit_code]
     if failed:  # a failed job may have left state behind: the next test gets a fresh pool
         pool.close(force=True)
     assert not failed, "\n".join(f"--- rank {r} exited with {codes[r]}:\n{logs[r][-3000:]}" for r in failed)

@@ -1,7 +1,8 @@
-"""Fault tolerance under plain torchrun (gloo, CPU, 2 ranks, data parallel): a killed worker restarted by
-torchrun, SIGTERM to the launcher, NaN gradients under each --nan-policy, a rank that skips a collective, a
-slow rank, and one job run as two torchrun "nodes" with c10d rendezvous. Faults are injected through
-MEGATRON_LITE_INJECT_FAULT (megatron_lite/resilience/inject.py)."""
+"""Fault tolerance (gloo, CPU, 2 ranks, data parallel). Under plain torchrun: a killed worker restarted by
+torchrun, SIGTERM to the launcher, a rank that skips a collective, and one job run as two torchrun "nodes"
+with c10d rendezvous. On a persistent pool's ranks (the training loop's own policies): NaN gradients under
+each --nan-policy and a slow rank. Faults are injected through MEGATRON_LITE_INJECT_FAULT
+(megatron_lite/resilience/inject.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from test_pretrain_torchrun import ROOT
 
 pytestmark = pytest.mark.slow
+ENV = "MEGATRON_LITE_INJECT_FAULT"
 
 ARGS = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
@@ -37,7 +39,7 @@ def launcher(nproc: int, extra: list[str], *, restarts: int = 0, nodes: tuple[in
 
 
 def run(cwd, extra: list[str], fault: str | None = None, restarts: int = 0, timeout: float = 300):
-    env = {**os.environ, **({"MEGATRON_LITE_INJECT_FAULT": fault} if fault else {})}
+    env = {**os.environ, **({ENV: fault} if fault else {})}
     start = time.time()
     out = subprocess.run(launcher(2, extra, restarts=restarts), cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=timeout)  # fmt: skip
@@ -87,7 +89,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_pat
     """SIGTERM to torchrun mid-run: torchrun forwards it, every worker finishes its iteration, saves and
     exits well within torchrun's 30 s grace period; a job started again continues exactly."""
     ck, log = tmp_path / "ck", tmp_path / "a.jsonl"
-    env = {**os.environ, "MEGATRON_LITE_INJECT_FAULT": "slow,rank=0,seconds=0.2"}
+    env = {**os.environ, ENV: "slow,rank=0,seconds=0.2"}
     cmd = launcher(2, ["--train-iters", "200", "--save", str(ck), "--exit-signal-handler", "--log-jsonl", str(log)])
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
@@ -114,37 +116,36 @@ def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_pat
         assert same((first if it <= saved else resumed)[it], straight[it]), it
 
 
-def test_nan_policies(tmp_path):
+def test_nan_policies(tmp_path, pretrain_job):
     """A NaN gradient on rank 1 in iteration 5. skip: the update is skipped everywhere and training goes on;
     rollback: back to iteration 4's checkpoint, the batch skipped; halt: every rank stops with the iteration,
     the rank and the parameter. Skip and rollback then meet the same weights and batches (rollback's
-    iteration k is skip's k + 1): had any rank gone on alone, they could not."""
-    fault = "nan,rank=1,iteration=5"
+    iteration k is skip's k + 1): had any rank gone on alone, they could not. (Policies of the training loop,
+    not the launcher: the jobs run on a persistent pool's ranks, tests/pretrain_jobs.py.)"""
+    fault = {ENV: "nan,rank=1,iteration=5"}
     # no dropout: the skipped iteration draws dropout masks that a rollback (restoring the RNG) does not
     nodrop = ["--hidden-dropout", "0", "--attention-dropout", "0"]
-    skip = run(tmp_path, [*nodrop, "--train-iters", "9", "--nan-policy", "skip", "--log-jsonl",
-                          str(tmp_path / "s.jsonl")], fault)  # fmt: skip
-    assert skip.returncode == 0, skip.stderr[-3000:]
-    assert "iteration 5: non-finite" in skip.stdout and "update skipped on every rank" in skip.stdout
+    skip = pretrain_job(2, [*ARGS, *nodrop, "--train-iters", "9", "--nan-policy", "skip", "--log-jsonl",
+                            str(tmp_path / "s.jsonl")], env=fault)  # fmt: skip
+    assert "iteration 5: non-finite" in skip and "update skipped on every rank" in skip
     s = records(tmp_path / "s.jsonl")
     assert s[5]["skipped_iterations"] == 1 and s[5]["nonfinite_iterations"] == 1 and math.isnan(s[5]["grad_norm"])
     assert all(math.isfinite(s[i]["grad_norm"]) for i in (6, 7, 8, 9))
 
     extra = [*nodrop, "--train-iters", "8", "--nan-policy", "rollback", "--save", str(tmp_path / "ck"),
              "--save-interval", "2", "--log-jsonl", str(tmp_path / "r.jsonl")]  # fmt: skip
-    rollback = run(tmp_path, extra, fault)
-    assert rollback.returncode == 0, rollback.stderr[-3000:]
-    assert "rolled back to" in rollback.stdout and "skipping the batch at sample 16" in rollback.stdout
+    rollback = pretrain_job(2, [*ARGS, *extra], env=fault)
+    assert "rolled back to" in rollback and "skipping the batch at sample 16" in rollback
     r = records(tmp_path / "r.jsonl")
     for it in (1, 2, 3, 4):
         assert same(r[it], s[it])
     for it in (5, 6, 7, 8):
         assert same(r[it], s[it + 1]), (it, r[it], s[it + 1])
 
-    halt = run(tmp_path, ["--train-iters", "8", "--log-jsonl", str(tmp_path / "h.jsonl")], fault, timeout=120)
-    assert halt.returncode != 0
-    err = halt.stderr
-    assert err.count("halted (rank") == 2  # both ranks stopped, at the same iteration
+    # both ranks stop (exit code 3), at the same iteration
+    err = pretrain_job(2, [*ARGS, "--train-iters", "8", "--log-jsonl", str(tmp_path / "h.jsonl")], env=fault,
+                       exit_code=3)  # fmt: skip
+    assert err.count("halted (rank") == 2
     assert "iteration 5: non-finite" in err and "rank 1: first in embedding.word_embeddings.weight" in err
     assert max(records(tmp_path / "h.jsonl")) == 4
 
@@ -165,11 +166,10 @@ def test_a_rank_that_skips_a_collective_ends_the_job_with_a_report(tmp_path):
     assert "(reported by rank 1, which waits" in err
 
 
-def test_straggler_report_names_the_slow_rank(tmp_path):
-    out = run(tmp_path, ["--train-iters", "4", "--log-interval", "2", "--log-straggler",
-                         "--log-jsonl", str(tmp_path / "g.jsonl")], "slow,rank=1,seconds=0.3")  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "stragglers:" in out.stdout and "slowest rank 1" in out.stdout
+def test_straggler_report_names_the_slow_rank(tmp_path, pretrain_job):
+    out = pretrain_job(2, [*ARGS, "--train-iters", "4", "--log-interval", "2", "--log-straggler", "--log-jsonl",
+                           str(tmp_path / "g.jsonl")], env={ENV: "slow,rank=1,seconds=0.3"})  # fmt: skip
+    assert "stragglers:" in out and "slowest rank 1" in out
     r = records(tmp_path / "g.jsonl")
     assert r[4]["straggler_slowest_rank"] == 1 and r[4]["straggler_compute_max"] > 0.25
 
