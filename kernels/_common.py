@@ -26,6 +26,10 @@ LAUNCHES: Counter = Counter()
 # cost is per operation, not per element, so a model runs faster on bigger tiles; the kernel unit tests set 16
 # (tests/conftest.py) so that their small, odd shapes cross many tile boundaries.
 INTERPRETER_TILE = 32
+# Elements per program of the flat element-wise kernels (NF4 dequantisation) under the interpreter. A GPU's
+# 1024 makes each of a QLoRA model's weights hundreds of programs, each paying the interpreter's per-operation
+# cost; the NF4 unit tests set 1024 back (tests/conftest.py).
+INTERPRETER_BLOCK = 16384
 
 
 def interpreting() -> bool:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, triton_usable
+from megatron_lite.kernels import _common
+from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, triton_usable
 
 # The 16 NF4 levels (QLoRA appendix; bitsandbytes' code book), ascending.
 NF4_LEVELS = (
@@ -153,8 +154,9 @@ def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
     # The block scales (one per 64 weights) are decoded in PyTorch: decoding them in the kernel lets the GPU
     # compiler contract code * max + offset into one FMA, one rounding fewer than the reference, so a dequantised
     # weight would differ from the reference (and from bitsandbytes, which also decodes the scales first).
-    _nf4_dequant[(triton.cdiv(q.numel, BLOCK),)](
-        q.packed, levels, q.block_scales().float().contiguous(), out, q.numel, BLOCKSIZE=q.blocksize, BLOCK=BLOCK
+    block = _common.INTERPRETER_BLOCK if interpreting() else BLOCK
+    _nf4_dequant[(triton.cdiv(q.numel, block),)](
+        q.packed, levels, q.block_scales().float().contiguous(), out, q.numel, BLOCKSIZE=q.blocksize, BLOCK=block
     )
     launched("nf4_dequant")
     return out

@@ -120,6 +120,30 @@ def test_triton_dequantisation_equals_the_reference(double_quant, shape):
     assert torch.equal(got, dequantize_nf4_reference(q))
 
 
+def test_these_tests_run_the_gpus_blocks_and_a_launch_reads_the_interpreters(monkeypatch):
+    """tests/conftest.py gives these tests the GPU's 1024-element blocks (their odd shapes cross block
+    boundaries); under the interpreter, model-level tests run bigger blocks (kernels/_common.py:
+    INTERPRETER_BLOCK, fewer programs), read at each launch, with the same result."""
+    from megatron_lite.kernels import _common, nf4
+
+    assert _common.INTERPRETER_BLOCK == nf4.BLOCK == 1024
+    if not _common.interpreting():
+        pytest.skip("the interpreter's block size: under TRITON_INTERPRET=1 only")
+    grids, kernel = [], nf4._nf4_dequant
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(nf4, "_nf4_dequant", Spy())
+    q = quantize_nf4(torch.randn(33, 65, generator=torch.Generator().manual_seed(5)))
+    for block in (1024, 16384):
+        monkeypatch.setattr(_common, "INTERPRETER_BLOCK", block)
+        assert torch.equal(dequantize_nf4(q), dequantize_nf4_reference(q))
+    assert grids == [(3,), (1,)]  # 2145 elements
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
 )
