@@ -61,13 +61,11 @@ def same(a: dict, b: dict) -> bool:
     return a["lm_loss"] == b["lm_loss"] and a["grad_norm"] == b["grad_norm"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """10 uninterrupted iterations."""
-    d = tmp_path_factory.mktemp("reference")
-    out = run(d, ["--train-iters", "10", "--log-jsonl", str(d / "r.jsonl")])
-    assert out.returncode == 0, out.stderr[-3000:]
-    return records(d / "r.jsonl")
+@pytest.fixture
+def reference(tmp_path, pretrain_job):
+    """10 uninterrupted iterations (the oracle: on the persistent pool's ranks, tests/pretrain_jobs.py)."""
+    pretrain_job(2, [*ARGS, "--train-iters", "10", "--log-jsonl", str(tmp_path / "r.jsonl")])
+    return records(tmp_path / "r.jsonl")
 
 
 def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, reference):
