@@ -6,9 +6,9 @@ imports torch, then torch._dynamo (torch.optim's constructor pulls it in), and t
 ~15 s of a 4-rank job's ~20 s. Here each rank of a bare WorkerPool (tests/dist_pool.py) calls
 pretrain_gpt.py's `main(argv)` with the environment torchrun gives its workers (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the job validates its flags, joins a gloo world
-of its own (env://), trains, and leaves it, as under torchrun. The launcher itself (rendezvous, restarts,
-signals, exit codes) and resuming in fresh processes stay tested under torchrun: tests/test_pretrain_torchrun.py
-and tests/test_fault_tolerance.py.
+of its own (env://), trains, and leaves it, as under torchrun. The launcher itself (rendezvous, restarts in
+fresh processes that resume exactly, signals, exit codes) stays tested under torchrun: tests/test_fault_tolerance.py,
+and the demos and dry runs in tests/test_pretrain_torchrun.py.
 """
 
 from __future__ import annotations

@@ -15,6 +15,55 @@ def records(path) -> list[dict]:
     return [json.loads(line) for line in open(path) if "lm_loss" in json.loads(line)]
 
 
+RESUME_LAYOUTS = {
+    "tp2-dp2": "--tensor-model-parallel-size 2".split(),
+    "pp2-vp2": "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --num-layers 4".split(),
+    "moe-ep2": (
+        "--num-experts 4 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2 "
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias"
+    ).split(),
+    # stopped mid-ramp (batches 4 x 6 then 8): the batch size and the schedule's sample position come back
+    "rampup-dp2": "--rampup-batch-size 4 4 24".split(),
+    # multi-token prediction on the last stage, with its copy of the word embeddings (never stored: the first
+    # stage's comes back into it)
+    "mtp-pp2": "--pipeline-model-parallel-size 2 --mtp-num-layers 1".split(),
+    # bf16 Adam moments, sharded by the distributed optimizer, saved and restored in their dtype
+    "bf16-moments-dp2": (
+        "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --use-distributed-optimizer"
+    ).split(),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_resume_is_exact(tmp_path, layout, pretrain_job):
+    """10 iterations straight (saving at 5) vs --load --ckpt-step 5 + 5: identical lm_loss (and grad norm) at
+    6-10, with dropout on, so RNG states, data position, optimizer moments and schedule must all come back.
+    (Stopping with --exit-interval and resuming from the newest checkpoint: tests/test_pretrain_cli.py; a
+    restart in new processes, torchrun's own and after SIGTERM: tests/test_fault_tolerance.py.)"""
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 10 "
+        "--micro-batch-size 1 --global-batch-size 8 --lr 3e-3 "
+        "--lr-warmup-iters 2 --lr-decay-style cosine --log-interval 1 --eval-iters 0 --hidden-dropout 0.1 "
+        "--attention-dropout 0.1 --normalization RMSNorm --swiglu --position-embedding-type rope "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --distributed-backend gloo"
+    ).split() + RESUME_LAYOUTS[layout]
+    n = 4 if layout == "tp2-dp2" else 2
+    ckpt = str(tmp_path / "ckpt")
+    pretrain_job(n, [*args, "--save", ckpt, "--save-interval", "5", "--log-jsonl", str(tmp_path / "straight.jsonl")])
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"
+    out = pretrain_job(n, [*args, "--load", ckpt, "--ckpt-step", "5", "--log-jsonl", str(tmp_path / "b.jsonl")])
+    assert "loaded" in out and "iteration 5" in out
+    straight, resumed = records(tmp_path / "straight.jsonl"), records(tmp_path / "b.jsonl")
+    assert [r["iteration"] for r in straight] == list(range(1, 11))
+    assert [r["iteration"] for r in resumed] == list(range(6, 11))
+    for s, r in zip(straight[5:], resumed):
+        assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
+        assert s["lr"] == r["lr"] and s["global_batch_size"] == r["global_batch_size"], (s, r)
+        assert s.get("moe_aux_loss") == r.get("moe_aux_loss")  # routing (and the expert bias) came back too
+        assert s.get("mtp_1_loss") == r.get("mtp_1_loss")
+    assert ("mtp_1_loss" in straight[-1]) == (layout == "mtp-pp2")
+
+
 def test_cli_tp2_dp2_equals_single_process(tmp_path, pretrain_job):
     """The whole job (flags, data, loop, logging) at TP=2 x DP=2 with sequence parallelism and gradient
     accumulation, and under context parallelism, logs the same per-iteration lm_loss and grad_norm as one
