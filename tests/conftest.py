@@ -34,13 +34,19 @@ def _pools():
             pool.close()
 
 
+def _pool(pools: dict, world_size: int, init_group: bool = True) -> WorkerPool:
+    """The session's pool of this kind and size, started again if a failure broke it."""
+    key = world_size if init_group else ("jobs", world_size)
+    pool = pools.get(key)
+    if pool is None or pool.broken:
+        pool = pools[key] = WorkerPool(world_size, init_group=init_group)
+    return pool
+
+
 @pytest.fixture
 def dist(_pools):
     def run(world_size: int, fn, *args, **kwargs):
-        pool = _pools.get(world_size)
-        if pool is None or pool.broken:
-            pool = _pools[world_size] = WorkerPool(world_size)
-        return pool.run(fn, *args, **kwargs)
+        return _pool(_pools, world_size).run(fn, *args, **kwargs)
 
     return run
 
@@ -52,11 +58,7 @@ def pretrain_job(_pools, tmp_path):
     from pretrain_jobs import run_job
 
     def run(world_size: int, argv: list[str], **kwargs):
-        key = ("jobs", world_size)
-        pool = _pools.get(key)
-        if pool is None or pool.broken:
-            pool = _pools[key] = WorkerPool(world_size, init_group=False)
-        return run_job(pool, argv, tmp_path, **kwargs)
+        return run_job(_pool(_pools, world_size, init_group=False), argv, tmp_path, **kwargs)
 
     return run
 

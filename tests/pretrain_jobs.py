@@ -21,7 +21,8 @@ import tempfile
 from dist_pool import RankError, WorkerPool
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a job's MASTER_PORT or a rendezvous endpoint)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,7 +80,7 @@ def run_job(
     Returns the ranks' logs, joined."""
     log_dir = tempfile.mkdtemp(prefix="job_", dir=tmp_path)
     try:
-        codes = pool.run(_main_on_rank, argv, _free_port(), log_dir, str(tmp_path), env or {}, timeout=timeout)
+        codes = pool.run(_main_on_rank, argv, free_port(), log_dir, str(tmp_path), env or {}, timeout=timeout)
     except RankError as e:
         logs = _logs(log_dir, pool.world_size)
         tails = "\n".join(f"--- rank {r}'s log:\n{log[-2000:]}" for r, log in enumerate(logs))

@@ -10,13 +10,14 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 from test_pretrain_torchrun import ROOT
+
+from pretrain_jobs import free_port
 
 pytestmark = pytest.mark.slow
 ENV = "MEGATRON_LITE_INJECT_FAULT"
@@ -172,16 +173,10 @@ def test_straggler_report_names_the_slow_rank(tmp_path, pretrain_job):
     assert r[4]["straggler_slowest_rank"] == 1 and r[4]["straggler_compute_max"] > 0.25
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_with_c10d_rendezvous_match_one_node(tmp_path, reference):
     """Two torchrun launchers of one process each, joined by c10d rendezvous (--nnodes 2), as the shipped
     multi-node scripts launch: the same losses as the one-node job."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     extra = ["--train-iters", "10", "--log-jsonl", str(tmp_path / "n.jsonl")]
     procs = [
         subprocess.Popen(

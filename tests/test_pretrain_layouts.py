@@ -1,18 +1,13 @@
 """Whole jobs (flags, data, loop, logging: pretrain_gpt.py's main) under parallel layouts log what one process
 logs. Each rank runs in a persistent pool, started as torchrun starts its workers (tests/pretrain_jobs.py);
-the launcher itself is tested in tests/test_pretrain_torchrun.py."""
+the launcher itself (restarts, signals, rendezvous) is tested in tests/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from test_pretrain_torchrun import records
 
 pytestmark = pytest.mark.slow
-
-
-def records(path) -> list[dict]:
-    return [json.loads(line) for line in open(path) if "lm_loss" in json.loads(line)]
 
 
 RESUME_LAYOUTS = {
