@@ -26,14 +26,25 @@ LAUNCHES: Counter = Counter()
 # cost is per operation, not per element, so a model runs faster on bigger tiles; the kernel unit tests set 16
 # (tests/conftest.py) so that their small, odd shapes cross many tile boundaries.
 INTERPRETER_TILE = 32
-# Elements per program of the flat element-wise kernels (NF4 dequantisation) under the interpreter. A GPU's
-# 1024 makes each of a QLoRA model's weights hundreds of programs, each paying the interpreter's per-operation
-# cost; the NF4 unit tests set 1024 back (tests/conftest.py).
+# Elements per program of the element-wise kernels under the interpreter: NF4 dequantisation's flat blocks, and
+# the whole rows the norms, RoPE and SwiGLU take at once (rows_per_program). A GPU's 1024-element blocks and one
+# row per program make a model's step thousands of programs, each paying the interpreter's per-operation cost;
+# the kernel unit tests set smaller values back (tests/conftest.py) so that their shapes span many programs.
 INTERPRETER_BLOCK = 16384
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def rows_per_program(row_elements: int, rows: int) -> int:
+    """Rows one program of a row-wise kernel (norms, RoPE, SwiGLU) takes: one on a GPU, where the kernels were
+    tuned that way; under the interpreter as many whole rows as fit in INTERPRETER_BLOCK elements (a power of
+    two, at least one, at most the rows there are), since its cost is per operation, not per element."""
+    if not interpreting():
+        return 1
+    fit = max(1, INTERPRETER_BLOCK // max(1, row_elements))
+    return max(1, min(next_pow2(rows), 1 << (fit.bit_length() - 1)))
 
 
 if HAVE_TRITON and interpreting():

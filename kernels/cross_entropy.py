@@ -27,57 +27,66 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, rows_per_program, triton_usable
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    # Both row kernels take ROWS rows per program as [ROWS, BLOCK] tiles: 1 on a GPU, more under the interpreter.
     @triton.jit
-    def _ce_stats(LOGITS, LABELS, STATS, stride_l, V_local, vocab_start, vocab_size, BLOCK: tl.constexpr):
+    def _ce_stats(
+        LOGITS, LABELS, STATS, rows, stride_l, V_local, vocab_start, vocab_size, BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):  # fmt: skip
         """Per row: [max, sum exp(x - max), target logit (0 if not here), sum of logits] over real columns."""
-        row = tl.program_id(0)
-        label = tl.load(LABELS + row)
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rmask = row < rows
+        label = tl.load(LABELS + row, mask=rmask, other=-1)[:, None]
         # A large finite floor rather than -inf: a block (or shard) of padding only must not give inf - inf.
-        m = tl.zeros([], dtype=tl.float32) - 1e30
-        s = tl.zeros([], dtype=tl.float32)
-        total = tl.zeros([], dtype=tl.float32)
-        target = tl.zeros([], dtype=tl.float32)
+        m = tl.zeros([ROWS], dtype=tl.float32) - 1e30
+        s = tl.zeros([ROWS], dtype=tl.float32)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        target = tl.zeros([ROWS], dtype=tl.float32)
         for start in range(0, V_local, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            real = (cols < V_local) & (vocab_start + cols < vocab_size)
-            x = tl.load(LOGITS + row * stride_l + cols, mask=real, other=-1e30).to(tl.float32)
-            new_m = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - new_m) + tl.sum(tl.where(real, tl.exp(x - new_m), 0.0), axis=0)
+            cols = start + tl.arange(0, BLOCK)[None, :]
+            real = rmask[:, None] & (cols < V_local) & (vocab_start + cols < vocab_size)
+            x = tl.load(LOGITS + row[:, None] * stride_l + cols, mask=real, other=-1e30).to(tl.float32)
+            new_m = tl.maximum(m, tl.max(x, axis=1))
+            s = s * tl.exp(m - new_m) + tl.sum(tl.where(real, tl.exp(x - new_m[:, None]), 0.0), axis=1)
             m = new_m
-            total += tl.sum(tl.where(real, x, 0.0), axis=0)
-            target += tl.sum(tl.where(real & (vocab_start + cols == label), x, 0.0), axis=0)
-        tl.store(STATS + row * 4 + 0, m)
-        tl.store(STATS + row * 4 + 1, s)
-        tl.store(STATS + row * 4 + 2, target)
-        tl.store(STATS + row * 4 + 3, total)
+            total += tl.sum(tl.where(real, x, 0.0), axis=1)
+            target += tl.sum(tl.where(real & (vocab_start + cols == label), x, 0.0), axis=1)
+        tl.store(STATS + row * 4 + 0, m, mask=rmask)
+        tl.store(STATS + row * 4 + 1, s, mask=rmask)
+        tl.store(STATS + row * 4 + 2, target, mask=rmask)
+        tl.store(STATS + row * 4 + 3, total, mask=rmask)
 
     @triton.jit
     def _ce_grad(
-        LOGITS, LABELS, STATS, SCALE, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing,
-        BLOCK: tl.constexpr,
+        LOGITS, LABELS, STATS, SCALE, rows, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing,
+        BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
         """In place: logits -> d loss / d logits = (softmax * (1 + 2 z lse) - (1-eps) onehot - eps / V) * scale,
         lse = max + log(sum of exponentials) from the row's (combined) statistics."""
-        row = tl.program_id(0)
-        label = tl.load(LABELS + row)
-        lse = tl.load(STATS + row * 4) + tl.log(tl.load(STATS + row * 4 + 1))
-        scale = tl.load(SCALE + row)
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rmask = row < rows
+        label = tl.load(LABELS + row, mask=rmask, other=-1)[:, None]
+        lse = tl.load(STATS + row * 4, mask=rmask, other=0.0) + tl.log(
+            tl.load(STATS + row * 4 + 1, mask=rmask, other=1.0)
+        )
+        lse = lse[:, None]
+        scale = tl.load(SCALE + row, mask=rmask, other=0.0)[:, None]
         for start in range(0, V_local, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            inside = cols < V_local
+            cols = start + tl.arange(0, BLOCK)[None, :]
+            inside = rmask[:, None] & (cols < V_local)
             real = inside & (vocab_start + cols < vocab_size)
-            x = tl.load(LOGITS + row * stride_l + cols, mask=inside, other=0.0).to(tl.float32)
+            x = tl.load(LOGITS + row[:, None] * stride_l + cols, mask=inside, other=0.0).to(tl.float32)
             p = tl.where(real, tl.exp(x - lse), 0.0)
             g = p * (1.0 + 2.0 * z_coeff * lse)
             g -= tl.where(real & (vocab_start + cols == label), 1.0 - smoothing, 0.0)
             g -= tl.where(real, smoothing / vocab_size, 0.0)
-            tl.store(LOGITS + row * stride_l + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=inside)
+            tl.store(LOGITS + row[:, None] * stride_l + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _scale_inplace(X, S, n, BLOCK: tl.constexpr):
@@ -104,13 +113,15 @@ if HAVE_TRITON:
                     "LOGITS": f"*{t}",
                     "LABELS": "*i64",
                     "STATS": "*fp32",
+                    "rows": "i32",
                     "stride_l": "i32",
                     "V_local": "i32",
                     "vocab_start": "i32",
                     "vocab_size": "i32",
                     "BLOCK": "constexpr",
+                    "ROWS": "constexpr",
                 },
-                {"BLOCK": 1024},
+                {"BLOCK": 1024, "ROWS": 1},
             )
             for t in ("bf16", "fp32")
         ]
@@ -123,6 +134,7 @@ if HAVE_TRITON:
                     "LABELS": "*i64",
                     "STATS": "*fp32",
                     "SCALE": "*fp32",
+                    "rows": "i32",
                     "stride_l": "i32",
                     "V_local": "i32",
                     "vocab_start": "i32",
@@ -130,8 +142,9 @@ if HAVE_TRITON:
                     "z_coeff": "fp32",
                     "smoothing": "fp32",
                     "BLOCK": "constexpr",
+                    "ROWS": "constexpr",
                 },
-                {"BLOCK": 1024},
+                {"BLOCK": 1024, "ROWS": 1},
             )
             for t in ("bf16", "fp32")
         ]
@@ -152,12 +165,18 @@ def _chunk_size(tokens: int, vocab: int, element_size: int = 2) -> int:
     return max(1, min(tokens, rows))
 
 
+def _tiles(logits: torch.Tensor) -> dict:
+    """The row kernels' tiles: up to 1024 columns a step, one row per program on a GPU."""
+    block = min(1024, next_pow2(logits.shape[1]))
+    return {"BLOCK": block, "ROWS": rows_per_program(block, logits.shape[0])}
+
+
 def _row_stats(logits, labels, stats, group, vocab_start, vocab_size) -> None:
     """Into stats [rows, 4]: max, sum of exponentials, target logit and sum of logits per row, combined over the
     vocabulary shards of `group` (the max taken first, the sums rescaled to it)."""
-    _ce_stats[(logits.shape[0],)](
-        logits, labels, stats, logits.stride(0), logits.shape[1], vocab_start, vocab_size,
-        BLOCK=min(1024, next_pow2(logits.shape[1])),
+    rows, tiles = logits.shape[0], _tiles(logits)
+    _ce_stats[(triton.cdiv(rows, tiles["ROWS"]),)](
+        logits, labels, stats, rows, logits.stride(0), logits.shape[1], vocab_start, vocab_size, **tiles
     )  # fmt: skip
     launched("cross_entropy_stats")
     if group is not None and dist.get_world_size(group) > 1:
@@ -204,9 +223,10 @@ def _pass(
         logits = h @ weight.t()  # [chunk, V_local], the only vocabulary-sized buffer
         _row_stats(logits, lab, stats[start:end], group, vocab_start, vocab_size)
         if want_grads:
-            _ce_grad[(end - start,)](
-                logits, lab, stats[start:end], scale[start:end], logits.stride(0), logits.shape[1], vocab_start,
-                vocab_size, z_coeff, smoothing, BLOCK=min(1024, next_pow2(logits.shape[1])),
+            tiles = _tiles(logits)
+            _ce_grad[(triton.cdiv(end - start, tiles["ROWS"]),)](
+                logits, lab, stats[start:end], scale[start:end], end - start, logits.stride(0), logits.shape[1],
+                vocab_start, vocab_size, z_coeff, smoothing, **tiles,
             )  # fmt: skip
             launched("cross_entropy_grad")
             if want_dh:

@@ -1,6 +1,6 @@
 """RMSNorm and LayerNorm, each optionally fused with the residual add before it.
 
-Layers: Triton kernels (one row per program forward; backward programs each own a run of rows and write a
+Layers: Triton kernels (one row per program forward on a GPU; backward programs each own a run of rows and write a
 partial weight gradient), launchers, autograd Functions, functional entries, and plain-PyTorch references.
 The forward saves only its input (the summed residual stream when fused), the weights and one fp32
 statistic per row; the normalised rows are recomputed in the backward. Statistics in fp32; the weight is
@@ -15,7 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable, warps_for
+from megatron_lite.kernels._common import (
+    HAVE_TRITON,
+    interpreting,
+    launched,
+    next_pow2,
+    rows_per_program,
+    triton_usable,
+    warps_for,
+)
 
 if HAVE_TRITON:
     import triton
@@ -35,33 +43,38 @@ if HAVE_TRITON:
         stride_r,
         stride_y,
         stride_s,
+        rows,
         N,
         eps,
         HAS_RES: tl.constexpr,
         IS_RMS: tl.constexpr,
         BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)  # tokens x hidden may pass 2^31
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
+        # ROWS rows per program as one [ROWS, BLOCK] tile: 1 on a GPU, more under the interpreter
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # tokens x hidden may pass 2^31
+        rmask = row < rows
+        cols = tl.arange(0, BLOCK)[None, :]
+        cmask = cols < N
+        mask = rmask & cmask
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=mask)
         if IS_RMS:
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / N + eps)
             xhat = x * rstd
         else:
-            mean = tl.sum(x, axis=0) / N
+            mean = tl.sum(x, axis=1)[:, None] / N
             diff = tl.where(mask, x - mean, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
+            rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1)[:, None] / N + eps)
             xhat = diff * rstd
-            tl.store(STAT2 + row, mean)
-        tl.store(STAT1 + row, rstd)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(STAT2 + row, mean, mask=rmask)
+        tl.store(STAT1 + row, rstd, mask=rmask)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
         y = xhat.to(Y.dtype.element_ty).to(tl.float32) * w
         if not IS_RMS:
-            y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+            y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -134,10 +147,13 @@ BWD_PROGRAMS_PER_SM = 2
 BWD_ROWS_PER_STEP = 1
 
 
-def _programs(rows: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return min(rows, torch.cuda.get_device_properties(device).multi_processor_count * BWD_PROGRAMS_PER_SM)
-    return min(rows, 8)
+def _programs(rows: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows per step) of the backward."""
+    if device.type == "cuda" and not interpreting():
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return min(rows, sms * BWD_PROGRAMS_PER_SM), BWD_ROWS_PER_STEP
+    step = max(BWD_ROWS_PER_STEP, rows_per_program(block, rows))  # (under the interpreter: many rows at once)
+    return min(8, triton.cdiv(rows, step)), step
 
 
 class _NormFunction(torch.autograd.Function):
@@ -153,7 +169,8 @@ class _NormFunction(torch.autograd.Function):
         stat1 = torch.empty(rows, dtype=torch.float32, device=x.device)
         stat2 = torch.empty(rows, dtype=torch.float32, device=x.device)
         b = bias if bias is not None else weight
-        _norm_fwd[(rows,)](
+        per = rows_per_program(next_pow2(n), rows)
+        _norm_fwd[(triton.cdiv(rows, per),)](
             x2,
             r2,
             weight,
@@ -166,11 +183,13 @@ class _NormFunction(torch.autograd.Function):
             r2.stride(0),
             y.stride(0),
             s.stride(0),
+            rows,
             n,
             eps,
             HAS_RES=residual is not None,
             IS_RMS=is_rms,
             BLOCK=next_pow2(n),
+            ROWS=per,
             num_warps=warps_for(next_pow2(n)),
         )
         launched("rms_norm_fwd" if is_rms else "layer_norm_fwd")
@@ -187,7 +206,7 @@ class _NormFunction(torch.autograd.Function):
         rows = s.shape[0]
         dx = torch.empty_like(s)
         ds2 = ds.reshape(-1, n).contiguous() if ds is not None else dy2  # (a placeholder when there is none)
-        g = _programs(rows, s.device)
+        g, step = _programs(rows, next_pow2(n), s.device)
         per = (rows + g - 1) // g
         dw = torch.empty(g, n, dtype=torch.float32, device=s.device)
         db = torch.empty(g, n, dtype=torch.float32, device=s.device)
@@ -211,8 +230,8 @@ class _NormFunction(torch.autograd.Function):
             IS_RMS=ctx.is_rms,
             HAS_DS=ds is not None,
             BLOCK=next_pow2(n),
-            ROWS=BWD_ROWS_PER_STEP,
-            num_warps=warps_for(next_pow2(n) * BWD_ROWS_PER_STEP),
+            ROWS=step,
+            num_warps=warps_for(next_pow2(n) * step),
         )
         launched("rms_norm_bwd" if ctx.is_rms else "layer_norm_bwd")
         dx = dx.view(ctx.shape)  # (with ds: the summed residual stream's own gradient included)
@@ -260,15 +279,15 @@ def _cases() -> list[tuple]:
                     **{n: f"*{t}" for n in "X R W B Y S".split()},
                     "STAT1": "*fp32",
                     "STAT2": "*fp32",
-                    **dict.fromkeys(["stride_x", "stride_r", "stride_y", "stride_s", "N"], "i32"),
+                    **dict.fromkeys(["stride_x", "stride_r", "stride_y", "stride_s", "rows", "N"], "i32"),
                     "eps": "fp32",
                     "HAS_RES": "constexpr",
                     "IS_RMS": "constexpr",
                     "BLOCK": "constexpr",
+                    "ROWS": "constexpr",
                 }
-                out.append(
-                    (f"norm_fwd_{t}_rms{rms}_res{res}", _norm_fwd, sig, {"HAS_RES": res, "IS_RMS": rms, "BLOCK": 4096})
-                )
+                consts = {"HAS_RES": res, "IS_RMS": rms, "BLOCK": 4096, "ROWS": 1}
+                out.append((f"norm_fwd_{t}_rms{rms}_res{res}", _norm_fwd, sig, consts))
             sig = {
                 **{n: f"*{t}" for n in "DY X W".split()},
                 "STAT1": "*fp32",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, rows_per_program, triton_usable
 
 if HAVE_TRITON:
     import triton
@@ -29,19 +29,22 @@ if HAVE_TRITON:
         stride_yh,
         seq,
         heads,
+        positions,
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BACKWARD: tl.constexpr,
+        POS: tl.constexpr,
     ):
-        # One (batch, position) per program, all its heads at once: cos and sin are read once per position, and
-        # each program moves heads x head_dim elements rather than one head's row.
-        pid = tl.program_id(0).to(tl.int64)  # batch x seq x heads x head_dim may pass 2^31
-        s = pid % seq
-        b = pid // seq
-        hh = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK)[None, :]
-        dmask = d < HALF
+        # POS (batch, position) pairs per program (1 on a GPU, more under the interpreter), all their heads at
+        # once: cos and sin are read once per position, and each program moves heads x head_dim elements rather
+        # than one head's row. Tiles are [POS, heads, half of head_dim].
+        p = tl.program_id(0).to(tl.int64) * POS + tl.arange(0, POS)[:, None, None]  # may pass 2^31 elements
+        s = p % seq
+        b = p // seq
+        hh = tl.arange(0, BLOCK_H)[None, :, None]
+        d = tl.arange(0, BLOCK)[None, None, :]
+        dmask = (d < HALF) & (p < positions)
         mask = (hh < heads) & dmask
         x_row = X + b * stride_xb + s * stride_xs + hh * stride_xh
         c_row = b * stride_cb + s * stride_cs
@@ -69,7 +72,9 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     cos3, sin3 = cos3.contiguous(), sin3.contiguous()
     stride_cb = cos3.stride(0) if cos3.shape[0] > 1 else 0
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _rope[(b * s,)](
+    block, block_h = next_pow2(d // 2), next_pow2(h)
+    pos = rows_per_program(block * block_h, b * s)
+    _rope[(triton.cdiv(b * s, pos),)](
         x,
         cos3,
         sin3,
@@ -84,10 +89,12 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
         y.stride(2),
         s,
         h,
+        b * s,
         HALF=d // 2,
-        BLOCK=next_pow2(d // 2),
-        BLOCK_H=next_pow2(h),
+        BLOCK=block,
+        BLOCK_H=block_h,
         BACKWARD=backward,
+        POS=pos,
     )
     launched("rope_bwd" if backward else "rope_fwd")
     return y
@@ -139,6 +146,7 @@ COMPILE_CASES = (
                         "stride_yh",
                         "seq",
                         "heads",
+                        "positions",
                     ],
                     "i32",
                 ),
@@ -146,8 +154,9 @@ COMPILE_CASES = (
                 "BLOCK": "constexpr",
                 "BLOCK_H": "constexpr",
                 "BACKWARD": "constexpr",
+                "POS": "constexpr",
             },
-            {"HALF": 64, "BLOCK": 64, "BLOCK_H": 32, "BACKWARD": bwd},
+            {"HALF": 64, "BLOCK": 64, "BLOCK_H": 32, "BACKWARD": bwd, "POS": 1},
         )
         for t in ("bf16", "fp32")
         for bwd in (False, True)

@@ -10,29 +10,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, rows_per_program, triton_usable
 
-BLOCK = 1024  # columns per program at most; a program handles one row
+BLOCK = 1024  # columns per program at most; a program handles one row on a GPU
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    # ROWS rows per program (1 on a GPU, more under the interpreter), BLOCK columns: [ROWS, BLOCK] tiles
     @triton.jit
-    def _swiglu_fwd(G, U, Y, cols, s_g, s_u, BLOCK: tl.constexpr):  # Y: [rows, cols], contiguous
-        row = tl.program_id(0).to(tl.int64)  # rows x row stride may pass 2^31
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = c < cols
+    def _swiglu_fwd(G, U, Y, rows, cols, s_g, s_u, BLOCK: tl.constexpr, ROWS: tl.constexpr):  # Y: contiguous
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # rows x stride may pass 2^31
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = (row < rows) & (c < cols)
         g = tl.load(G + row * s_g + c, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * s_u + c, mask=mask, other=0.0).to(tl.float32)
         y = g * tl.sigmoid(g) * u
         tl.store(Y + row * cols + c, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_bwd(DY, G, U, DG, DU, cols, s_dy, s_g, s_u, s_d, BLOCK: tl.constexpr):  # DG, DU: stride s_d
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = c < cols
+    def _swiglu_bwd(
+        DY, G, U, DG, DU, rows, cols, s_dy, s_g, s_u, s_d, BLOCK: tl.constexpr, ROWS: tl.constexpr
+    ):  # DG, DU: stride s_d
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = (row < rows) & (c < cols)
         dy = tl.load(DY + row * s_dy + c, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + row * s_g + c, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * s_u + c, mask=mask, other=0.0).to(tl.float32)
@@ -53,25 +56,26 @@ def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
         return t.contiguous().view(-1, cols)
 
 
-def _grid(rows: int, cols: int) -> tuple[tuple[int, int], int]:
+def _grid(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
     block = min(BLOCK, next_pow2(max(cols, 16)))
-    return (rows, triton.cdiv(cols, block)), block
+    per = rows_per_program(block, rows)
+    return (triton.cdiv(rows, per), triton.cdiv(cols, block)), {"BLOCK": block, "ROWS": per}
 
 
 def _forward(g: torch.Tensor, u: torch.Tensor, y: torch.Tensor) -> None:
     """[rows, cols] views with unit column stride; y contiguous."""
     if y.numel():
-        grid, block = _grid(*y.shape)
-        _swiglu_fwd[grid](g, u, y, y.shape[1], g.stride(0), u.stride(0), BLOCK=block)
+        grid, tiles = _grid(*y.shape)
+        _swiglu_fwd[grid](g, u, y, *y.shape, g.stride(0), u.stride(0), **tiles)
     launched("swiglu_fwd")
 
 
 def _backward(dy, g, u, dg, du) -> None:
     """dg and du share one row stride (separate tensors, or the halves of h's gradient)."""
     if dy.numel():
-        grid, block = _grid(*dy.shape)
+        grid, tiles = _grid(*dy.shape)
         strides = (dy.stride(0), g.stride(0), u.stride(0), dg.stride(0))
-        _swiglu_bwd[grid](dy, g, u, dg, du, dy.shape[1], *strides, BLOCK=block)
+        _swiglu_bwd[grid](dy, g, u, dg, du, *dy.shape, *strides, **tiles)
     launched("swiglu_bwd")
 
 
@@ -141,15 +145,15 @@ def swiglu_stacked(h: torch.Tensor) -> torch.Tensor:
     return swiglu_stacked_reference(h)
 
 
-_STRIDES = {"cols": "i32", "s_g": "i32", "s_u": "i32"}
-_BWD_STRIDES = {"cols": "i32", **{f"s_{n}": "i32" for n in ("dy", "g", "u", "d")}}
+_STRIDES = {"rows": "i32", "cols": "i32", "s_g": "i32", "s_u": "i32"}
+_BWD_STRIDES = {"rows": "i32", "cols": "i32", **{f"s_{n}": "i32" for n in ("dy", "g", "u", "d")}}
 COMPILE_CASES = (
     [
         (
             f"swiglu_fwd_{t}",
             _swiglu_fwd,
-            {**{n: f"*{t}" for n in "G U Y".split()}, **_STRIDES, "BLOCK": "constexpr"},
-            {"BLOCK": BLOCK},
+            {**{n: f"*{t}" for n in "G U Y".split()}, **_STRIDES, "BLOCK": "constexpr", "ROWS": "constexpr"},
+            {"BLOCK": BLOCK, "ROWS": 1},
         )
         for t in ("bf16", "fp32")
     ]
@@ -157,8 +161,8 @@ COMPILE_CASES = (
         (
             f"swiglu_bwd_{t}",
             _swiglu_bwd,
-            {**{n: f"*{t}" for n in "DY G U DG DU".split()}, **_BWD_STRIDES, "BLOCK": "constexpr"},
-            {"BLOCK": BLOCK},
+            {**{n: f"*{t}" for n in "DY G U DG DU".split()}, **_BWD_STRIDES, "BLOCK": "constexpr", "ROWS": "constexpr"},
+            {"BLOCK": BLOCK, "ROWS": 1},
         )
         for t in ("bf16", "fp32")
     ]

@@ -65,13 +65,15 @@ def pretrain_job(_pools, tmp_path):
 
 @pytest.fixture(autouse=True)
 def _small_interpreter_tiles(request, monkeypatch):
-    """The kernel unit tests run the interpreter on 16-wide tiles and the NF4 tests on the GPU's 1024-element
-    blocks, so that their small, odd shapes cross many tile and block boundaries; model-level tests keep the
-    defaults (kernels/_common.py: INTERPRETER_TILE, INTERPRETER_BLOCK), which are faster."""
+    """The kernel unit tests run the interpreter on 16-wide tiles and one row per program (as on a GPU), and the
+    NF4 tests on the GPU's 1024-element blocks, so that their small, odd shapes cross many tile, row and block
+    boundaries; model-level tests keep the defaults (kernels/_common.py: INTERPRETER_TILE, INTERPRETER_BLOCK),
+    which are faster. (The row kernels' several rows per program have tests of their own.)"""
     from megatron_lite.kernels import _common
 
     if request.module.__name__.startswith("test_kernels_"):
         monkeypatch.setattr(_common, "INTERPRETER_TILE", 16)
+        monkeypatch.setattr(_common, "INTERPRETER_BLOCK", 1)
     if request.module.__name__ == "test_nf4":
         from megatron_lite.kernels import nf4
 

@@ -171,3 +171,23 @@ def test_mean_loss_scales_its_saved_gradients_once():
     (loss * 2).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per forward"):
         loss.backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_row_kernels_take_several_rows_per_program_under_the_interpreter(reduction, monkeypatch):
+    """Under the interpreter the row statistics and the logits' gradient take as many whole rows per program as
+    fit in INTERPRETER_BLOCK elements (the model-level tests run that way): here 4 rows of a 64-column block per
+    program, over 37 tokens in chunks of 16 (programs that end past a chunk's last row), a padded vocabulary,
+    z-loss and label smoothing."""
+    from megatron_lite.kernels import _common
+
+    monkeypatch.setattr(_common, "INTERPRETER_BLOCK", 256)
+    assert _common.rows_per_program(64, 16) == 4 and _common.rows_per_program(64, 5) == 4
+    h, w, labels = _data(vocab=50)
+    padded = torch.cat([w[:45], 100 * torch.ones(5, w.shape[1], device=w.device)])
+    labels = labels.masked_fill(labels >= 45, 3)
+    kw = dict(z_loss_coeff=1e-3, label_smoothing=0.1, vocab_size=45)
+    ours = _run(K.fused_linear_cross_entropy, h, padded, labels, reduction, chunk_size=16, **kw)
+    ref = _run(K.fused_linear_cross_entropy_reference, h, padded, labels, reduction, **kw)
+    for a, b in zip(ours, ref):
+        assert rel(a, b) < TOL, rel(a, b)

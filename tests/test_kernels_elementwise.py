@@ -222,3 +222,67 @@ def test_bf16_on_gpu(op):
         ang = _rand(128, 64, seed=2, device=dev).repeat(1, 2)
         a, b = K.apply_rope(t, ang.cos(), ang.sin()), K.apply_rope_reference(t, ang.cos(), ang.sin())
     assert rel(a.float(), b.float()) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "op,shape,rows_per_program",
+    [
+        ("rms_norm", (37, 48), 4),  # 10 programs of 4 rows, the last holding 1
+        ("rms_norm_residual", (3, 5, 100), 2),
+        ("layer_norm", (37, 48), 4),
+        ("layer_norm_residual", (13, 30), 8),
+        ("rope", (2, 7, 3, 20), 4),  # positions per program: 14 positions of 3 (of 4) heads x 10 (of 16) dims
+        ("rope_per_batch", (3, 5, 4, 16), 8),  # 15 positions: 8 and 7
+        ("swiglu", (7, 130), 1),  # a 256-column block: one row at a time
+        ("swiglu_stacked", (2, 9, 20), 16),  # 18 rows: 16 and 2
+    ],
+)
+def test_row_kernels_take_several_rows_per_program_under_the_interpreter(op, shape, rows_per_program, monkeypatch):
+    """Under the interpreter the norms, RoPE and SwiGLU take as many whole rows per program as fit in
+    INTERPRETER_BLOCK elements (the model-level tests run that way); here at 256 elements, with row counts no
+    program size divides, against the references."""
+    from megatron_lite.kernels import _common
+
+    monkeypatch.setattr(_common, "INTERPRETER_BLOCK", 256)
+    x = _rand(*shape)
+    w, b = _rand(shape[-1], seed=1) + 1, _rand(shape[-1], seed=5)
+    if op.startswith("rope"):
+        b_, s_, h_, d_ = shape
+        block = _common.next_pow2(d_ // 2) * _common.next_pow2(h_)
+        assert _common.rows_per_program(block, b_ * s_) == rows_per_program
+        ang = _rand(b_ if op == "rope_per_batch" else 1, s_, d_ // 2, seed=4).repeat(1, 1, 2)
+        cos, sin = (ang.cos(), ang.sin()) if op == "rope_per_batch" else (ang.cos()[0], ang.sin()[0])
+        _check("rope", lambda t: K.apply_rope(t, cos, sin), lambda t: K.apply_rope_reference(t, cos, sin), [x])
+        return
+    rows = x.numel() // shape[-1]
+    if op.startswith("swiglu"):
+        cols = shape[-1] // 2 if op == "swiglu_stacked" else shape[-1]
+        assert _common.rows_per_program(max(16, _common.next_pow2(cols)), rows) == rows_per_program
+        if op == "swiglu":
+            _check("swiglu", K.swiglu, K.swiglu_reference, [x, _rand(*shape, seed=1)])
+        else:
+            _check("swiglu", K.swiglu_stacked, K.swiglu_stacked_reference, [x])
+        return
+    assert _common.rows_per_program(_common.next_pow2(shape[-1]), rows) == rows_per_program
+    r = _rand(*shape, seed=2)
+    if op == "rms_norm":
+        _check(op, lambda a, w_: K.rms_norm(a, w_, 1e-6), lambda a, w_: K.rms_norm_reference(a, w_, 1e-6), [x, w])
+    elif op == "rms_norm_residual":
+        fn, ref = K.rms_norm, K.rms_norm_reference
+        _check(
+            "rms_norm",
+            lambda a, w_, c: fn(a, w_, 1e-6, residual=c),
+            lambda a, w_, c: ref(a, w_, 1e-6, residual=c),
+            [x, w, r],
+        )
+    elif op == "layer_norm":
+        fn, ref = K.layer_norm, K.layer_norm_reference
+        _check(op, lambda a, w_, b_: fn(a, w_, b_, 1e-5), lambda a, w_, b_: ref(a, w_, b_, 1e-5), [x, w, b])
+    else:
+        fn, ref = K.layer_norm, K.layer_norm_reference
+        _check(
+            "layer_norm",
+            lambda a, w_, b_, c: fn(a, w_, b_, 1e-5, residual=c),
+            lambda a, w_, b_, c: ref(a, w_, b_, 1e-5, residual=c),
+            [x, w, b, r],
+        )
