@@ -195,16 +195,16 @@ CPU_LAYOUTS = [
 ]
 
 
-def _cpu_worker(rank: int, world: int, args, layout: Layout) -> dict:
+def _cpu_worker(rank: int, world: int, args, layouts: list[Layout], collectives: bool) -> dict:
+    """Every layout of this world size in turn (each built afresh on its own groups, one warm-up step), then,
+    with `collectives`, gloo's latency and bandwidth between compute."""
+    from megatron_lite.planner.hardware import measure_collectives
     from megatron_lite.planner.measure import measure_layout
 
-    return measure_layout(CPU_MODEL, layout, CPU_SEQ, CPU_GBS, iters=args.iters)
-
-
-def _collectives_worker(rank: int, world: int, args) -> dict:
-    from megatron_lite.planner.hardware import measure_collectives
-
-    return measure_collectives()
+    out = {"layouts": [measure_layout(CPU_MODEL, layout, CPU_SEQ, CPU_GBS, iters=args.iters) for layout in layouts]}
+    if collectives:
+        out["collectives"] = measure_collectives()
+    return out
 
 
 def check_cpu(log=print, iters: int = 5, layouts: int | None = None) -> dict:
@@ -216,17 +216,23 @@ def check_cpu(log=print, iters: int = 5, layouts: int | None = None) -> dict:
     from megatron_lite.planner.cost import step_time
     from megatron_lite.planner.hardware import cpu_cluster
 
-    measured = []
     chosen = CPU_LAYOUTS[:layouts] if layouts else CPU_LAYOUTS
-    for layout in chosen:
-        args = argparse.Namespace(device="cpu", threads=layout.world, iters=iters)
-        out = spawn(_cpu_worker, layout.world, args, layout)
-        measured.append(out["step_seconds"])
-        log(
-            f"  measured {layout.describe():<44} {out['step_seconds']:.3f} s, "
-            f"{out['comm_exposed_seconds']:.3f} s blocked in communication"
-        )
-    kinds = {k: tuple(v) for k, v in spawn(_collectives_worker, 2, argparse.Namespace(device="cpu", threads=2)).items()}
+    # one world per world size (starting processes costs more than a small layout's steps), the collectives
+    # measured on the 2-rank one
+    sizes = sorted({layout.world for layout in chosen} | {2})
+    results, kinds = {}, {}
+    for size in sizes:
+        group = [layout for layout in chosen if layout.world == size]
+        args = argparse.Namespace(device="cpu", threads=size, iters=iters)
+        out = spawn(_cpu_worker, size, args, group, size == 2)
+        kinds.update({k: tuple(v) for k, v in out.get("collectives", {}).items()})
+        for layout, r in zip(group, out["layouts"]):
+            results[layout] = r
+            log(
+                f"  measured {layout.describe():<44} {r['step_seconds']:.3f} s, "
+                f"{r['comm_exposed_seconds']:.3f} s blocked in communication"
+            )
+    measured = [results[layout]["step_seconds"] for layout in chosen]
     torch.set_num_threads(1)
     cl = cpu_cluster(2, kinds)
     cpu = cl.gpu
