@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from megatron_lite import kernels as K
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not K.HAVE_TRITON, reason="needs triton (Linux)")
@@ -36,3 +39,52 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     failed = {k: v for k, v in results.items() if v != "ok"}
     assert out.returncode == 0 and not failed, (failed, out.stderr[-2000:])
     assert len(results) >= 20  # every module's cases were found
+
+
+def _compare_ptx():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compare_ptx
+
+    return compare_ptx
+
+
+def test_ptx_counts_read_memory_and_synchronisation_instructions():
+    """tools/compare_ptx.py's summary of a kernel's PTX: global loads and stores (16-byte ones apart), barriers,
+    shuffles; a difference in any of them is reported and fails the comparison."""
+    cp = _compare_ptx()
+    ptx = """
+        ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+        @%p1 ld.global.b16 { %rs1 }, [ %rd2 + 0 ];
+        st.global.v4.b32 [ %rd3 + 0 ], { %r1, %r2, %r3, %r4 };
+        st.global.b32 [ %rd4 + 0 ], { %r5 };
+        bar.sync 0;
+        shfl.sync.bfly.b32 %r6, %r7, 16, 31, -1;
+        ld.shared.b32 %r8, [ %r9 + 0 ];
+    """
+    counts = cp.ptx_counts(ptx)
+    assert counts == {
+        "ld.global": 2,
+        "ld.global 16B": 1,
+        "st.global": 2,
+        "st.global 16B": 1,
+        "barriers": 1,
+        "shuffles": 1,
+    }
+    old = {"k": counts | {"shared bytes": 16}, "gone": counts | {"shared bytes": 0}}
+    lines, same = cp.compare(old, {"k": counts | {"shared bytes": 16}})
+    assert same and lines == ["k: same", "gone: only in the old version"]
+    lines, same = cp.compare(old, {"k": counts | {"ld.global 16B": 0, "shared bytes": 16}})
+    assert not same and lines[0] == "k: DIFFERS: ld.global 16B 1 -> 0"
+
+
+@pytest.mark.skipif(not K.HAVE_TRITON, reason="needs triton (Linux)")
+def test_compare_ptx_compiles_two_versions_of_the_kernels(tmp_path):
+    """End to end: a revision's kernels (git archive) and the same revision again, compiled for Hopper in two
+    fresh interpreters; aligned as the JIT compiles them, SwiGLU's loads and stores are 16-byte vectors."""
+    tool = str(ROOT / "tools" / "compare_ptx.py")
+    cmd = [sys.executable, tool, "--rev", "HEAD", "--to", "HEAD", "--kernels", "swiglu", "--json", str(tmp_path / "c")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "swiglu_fwd_bf16: same" in done.stdout and "all cases the same" in done.stdout
+    fwd = json.loads((tmp_path / "c").read_text())["new"]["swiglu_fwd_bf16"]
+    assert fwd["ld.global 16B"] == fwd["ld.global"] > 0 and fwd["st.global 16B"] == fwd["st.global"] > 0
