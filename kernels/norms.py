@@ -99,6 +99,7 @@ if HAVE_TRITON:
         HAS_DS: tl.constexpr,
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         # HAS_DS: the gradient of the summed residual stream (the fused add's second output) is added to dx here,
         # not in a pass of its own over three tensors.
@@ -111,7 +112,9 @@ if HAVE_TRITON:
         dw = tl.zeros([BLOCK], dtype=tl.float32)
         db = tl.zeros([BLOCK], dtype=tl.float32)
         r = tl.arange(0, ROWS)[:, None]
-        for i in range(0, rows_per_prog, ROWS):
+        # STAGES > 1: the compiler prefetches the next steps' rows into shared memory (cp.async) while this one
+        # reduces, so a program's loads no longer wait behind its reduction and store
+        for i in tl.range(0, rows_per_prog, ROWS, num_stages=STAGES):
             row = pid * rows_per_prog + i + r  # [ROWS, 1]; the last step may run past this program's share
             rmask = (row < rows) & (i + r < rows_per_prog)
             m2 = rmask & mask[None, :]
@@ -142,9 +145,12 @@ if HAVE_TRITON:
 # Backward programs per multiprocessor: each walks its share of the rows and keeps one partial weight gradient,
 # so more programs hide more memory latency but add partial sums to reduce (and registers limit how many run at
 # once). On an H200 at 4096 x 4096 bf16, RMSNorm forward+backward took 80, 67, 78 and 73 us at 1, 2, 4 and 8.
-# BWD_ROWS_PER_STEP: rows each program takes at once. tools/bench_kernels.py times other settings of both.
+# BWD_ROWS_PER_STEP: rows each program takes at once. BWD_STAGES: software-pipelining depth of the row loop (1: none,
+# as measured on the H200; 3 holds 32-49 KB of rows in shared memory per program at 4096 bf16 columns).
+# tools/bench_kernels.py times other settings of all three.
 BWD_PROGRAMS_PER_SM = 2
 BWD_ROWS_PER_STEP = 1
+BWD_STAGES = 1
 
 
 def _programs(rows: int, block: int, device: torch.device) -> tuple[int, int]:
@@ -231,6 +237,7 @@ class _NormFunction(torch.autograd.Function):
             HAS_DS=ds is not None,
             BLOCK=next_pow2(n),
             ROWS=step,
+            STAGES=BWD_STAGES,
             num_warps=warps_for(next_pow2(n) * step),
         )
         launched("rms_norm_bwd" if ctx.is_rms else "layer_norm_bwd")
@@ -301,12 +308,18 @@ def _cases() -> list[tuple]:
                 "HAS_DS": "constexpr",
                 "BLOCK": "constexpr",
                 "ROWS": "constexpr",
+                "STAGES": "constexpr",
             }
             for rows in (1, 2, 4):  # the default and the settings the benchmark times
                 for has_ds in (True, False):
-                    consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": rows}
+                    consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": rows, "STAGES": 1}
                     opts = {"num_warps": warps_for(4096 * rows)}
                     out.append((f"norm_bwd_{t}_rms{rms}_ds{has_ds}_rows{rows}", _norm_bwd, sig, consts, opts))
+            if t == "bf16":  # the pipelined row loop the benchmark times (the model's call: with ds)
+                for stages in (2, 3):
+                    consts = {"IS_RMS": rms, "HAS_DS": True, "BLOCK": 4096, "ROWS": 1, "STAGES": stages}
+                    name = f"norm_bwd_{t}_rms{rms}_dsTrue_rows1_stages{stages}"
+                    out.append((name, _norm_bwd, sig, consts, {"num_warps": warps_for(4096)}))
     return out
 
 

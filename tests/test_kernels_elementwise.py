@@ -89,14 +89,16 @@ def test_layer_norm(shape, residual):
         )
 
 
-@pytest.mark.parametrize("rows_per_step", [2, 4])
+@pytest.mark.parametrize("rows_per_step,stages", [(2, 1), (4, 1), (1, 3)])
 @pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
-def test_norm_backward_several_rows_per_step(norm, rows_per_step, monkeypatch):
+def test_norm_backward_several_rows_per_step(norm, rows_per_step, stages, monkeypatch):
     """The backward's other tilings (the benchmark times them): rows that no step size divides, programs whose
-    share ends inside a step."""
+    share ends inside a step; and the pipelined row loop (the interpreter runs it as a plain loop: this checks
+    the code path, the Hopper compile check the pipelining)."""
     from megatron_lite.kernels import norms
 
     monkeypatch.setattr(norms, "BWD_ROWS_PER_STEP", rows_per_step)
+    monkeypatch.setattr(norms, "BWD_STAGES", stages)
     x, w, b = _rand(37, 48), _rand(48, seed=1) + 1, _rand(48, seed=5)
     if norm == "rms_norm":
         _check(norm, lambda a, w_: K.rms_norm(a, w_, 1e-6), lambda a, w_: K.rms_norm_reference(a, w_, 1e-6), [x, w])

@@ -103,17 +103,18 @@ def _fwd_bwd(fn, inputs, grad_out):
     return run
 
 
-DEFAULT_TILING: list[int] = []  # the norm backward's (programs per SM, rows per step), read by main
+DEFAULT_TILING: list[int] = []  # the norm backward's (programs per SM, rows per step, stages), read by main
 
 
-def _rms_tiling(a, ww, programs=None, rows=None):
-    """rms_norm with another backward tiling: programs per multiprocessor, rows per step (the settings stay until
-    main resets them after the case)."""
+def _rms_tiling(a, ww, programs=None, rows=None, stages=None):
+    """rms_norm with another backward tiling: programs per multiprocessor, rows per step, software-pipelining
+    stages of the row loop (the settings stay until main resets them after the case)."""
     from megatron_lite import kernels as K
     from megatron_lite.kernels import norms
 
     norms.BWD_PROGRAMS_PER_SM = programs or DEFAULT_TILING[0]
     norms.BWD_ROWS_PER_STEP = rows or DEFAULT_TILING[1]
+    norms.BWD_STAGES = stages or DEFAULT_TILING[2]
     return K.rms_norm(a, ww, 1e-5)
 
 
@@ -220,6 +221,7 @@ def cases(s: dict, dtype, device):
             variants={
                 **{f"megatron_lite bwd {n} programs/SM": functools.partial(_rms_tiling, programs=n) for n in (1, 4)},
                 **{f"megatron_lite bwd {n} rows/step": functools.partial(_rms_tiling, rows=n) for n in (2, 4)},
+                **{f"megatron_lite bwd {n} stages": functools.partial(_rms_tiling, stages=n) for n in (2, 3)},
             }
             if device.type == "cuda"
             else {},
@@ -480,7 +482,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         pass
     from megatron_lite.kernels import norms
 
-    DEFAULT_TILING[:] = [norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP]
+    DEFAULT_TILING[:] = [norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES]
     rows: list[dict] = []
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     selected = [c for c in cases(SIZES[args.size], dtype, device) if wanted is None or c["name"] in wanted]
@@ -517,7 +519,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for k in ("_fwd_tuned", "_bwd_dkdv_tuned", "_bwd_dq_tuned")
                 }
                 print(json.dumps(meta["flash_attention_tiles"]), flush=True)
-            norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP = DEFAULT_TILING  # a variant may have changed them
+            # a variant may have changed them
+            norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES = DEFAULT_TILING
             write_report(args.out_dir, meta, rows)  # after every case: a run cut short still leaves its table
             if device.type == "cuda":
                 torch.cuda.empty_cache()
