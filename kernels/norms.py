@@ -213,6 +213,7 @@ class _NormFunction(torch.autograd.Function):
         dx = torch.empty_like(s)
         ds2 = ds.reshape(-1, n).contiguous() if ds is not None else dy2  # (a placeholder when there is none)
         g, step = _programs(rows, next_pow2(n), s.device)
+        g = max(g, 1)  # no rows (an empty micro-batch): one program that writes zero partial sums
         per = (rows + g - 1) // g
         dw = torch.empty(g, n, dtype=torch.float32, device=s.device)
         db = torch.empty(g, n, dtype=torch.float32, device=s.device)

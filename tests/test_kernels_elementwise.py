@@ -89,6 +89,18 @@ def test_layer_norm(shape, residual):
         )
 
 
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_norms_on_no_rows(norm):
+    """An empty input (no tokens) gives an empty output and zero weight gradients, as the reference does (the
+    backward divided the rows among zero programs before)."""
+    x, w, b = _rand(0, 24), _rand(24, seed=1) + 1, _rand(24, seed=5)
+    if norm == "rms_norm":
+        _check(norm, lambda a, w_: K.rms_norm(a, w_, 1e-6), lambda a, w_: K.rms_norm_reference(a, w_, 1e-6), [x, w])
+    else:
+        fn, ref = K.layer_norm, K.layer_norm_reference
+        _check(norm, lambda a, w_, b_: fn(a, w_, b_, 1e-5), lambda a, w_, b_: ref(a, w_, b_, 1e-5), [x, w, b])
+
+
 @pytest.mark.parametrize("rows_per_step,stages", [(2, 1), (4, 1), (1, 3)])
 @pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
 def test_norm_backward_several_rows_per_step(norm, rows_per_step, stages, monkeypatch):
