@@ -29,7 +29,8 @@ INTERPRETER_TILE = 32
 # Elements per program of the element-wise kernels under the interpreter: NF4 dequantisation's flat blocks, and
 # the whole rows the norms, RoPE and SwiGLU take at once (rows_per_program). A GPU's 1024-element blocks and one
 # row per program make a model's step thousands of programs, each paying the interpreter's per-operation cost;
-# the kernel unit tests set smaller values back (tests/conftest.py) so that their shapes span many programs.
+# the kernel unit tests set smaller values back (tests/conftest.py) so that their shapes span many programs. At or
+# below a kernel's GPU block (1 gives one row per program) the kernels run the GPU's tiling.
 INTERPRETER_BLOCK = 16384
 
 

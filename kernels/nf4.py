@@ -154,7 +154,7 @@ def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
     # The block scales (one per 64 weights) are decoded in PyTorch: decoding them in the kernel lets the GPU
     # compiler contract code * max + offset into one FMA, one rounding fewer than the reference, so a dequantised
     # weight would differ from the reference (and from bitsandbytes, which also decodes the scales first).
-    block = _common.INTERPRETER_BLOCK if interpreting() else BLOCK
+    block = max(BLOCK, _common.INTERPRETER_BLOCK) if interpreting() else BLOCK  # (never below the GPU's)
     _nf4_dequant[(triton.cdiv(q.numel, block),)](
         q.packed, levels, q.block_scales().float().contiguous(), out, q.numel, BLOCKSIZE=q.blocksize, BLOCK=block
     )

@@ -65,6 +65,7 @@ def test_ptx_counts_read_memory_and_synchronisation_instructions():
     assert counts == {
         "ld.global": 2,
         "ld.global 16B": 1,
+        "cp.async": 0,
         "st.global": 2,
         "st.global 16B": 1,
         "barriers": 1,
@@ -75,6 +76,8 @@ def test_ptx_counts_read_memory_and_synchronisation_instructions():
     assert same and lines == ["k: same", "gone: only in the old version"]
     lines, same = cp.compare(old, {"k": counts | {"ld.global 16B": 0, "shared bytes": 16}})
     assert not same and lines[0] == "k: DIFFERS: ld.global 16B 1 -> 0"
+    assert cp.compare({"a": counts}, {"b": counts})[1] is False  # nothing shared: nothing shown the same
+    assert cp.ptx_counts("cp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 16, %r2;")["cp.async"] == 1
 
 
 @pytest.mark.skipif(not K.HAVE_TRITON, reason="needs triton (Linux)")
@@ -85,6 +88,6 @@ def test_compare_ptx_compiles_two_versions_of_the_kernels(tmp_path):
     cmd = [sys.executable, tool, "--rev", "HEAD", "--to", "HEAD", "--kernels", "swiglu", "--json", str(tmp_path / "c")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "swiglu_fwd_bf16: same" in done.stdout and "all cases the same" in done.stdout
+    assert "swiglu_fwd_bf16: same" in done.stdout and "all 4 shared cases the same" in done.stdout
     fwd = json.loads((tmp_path / "c").read_text())["new"]["swiglu_fwd_bf16"]
     assert fwd["ld.global 16B"] == fwd["ld.global"] > 0 and fwd["st.global 16B"] == fwd["st.global"] > 0
