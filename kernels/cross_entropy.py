@@ -171,10 +171,10 @@ def _tiles(logits: torch.Tensor) -> dict:
     return {"BLOCK": block, "ROWS": rows_per_program(block, logits.shape[0])}
 
 
-def _row_stats(logits, labels, stats, group, vocab_start, vocab_size) -> None:
+def _row_stats(logits, labels, stats, group, vocab_start, vocab_size, tiles: dict) -> None:
     """Into stats [rows, 4]: max, sum of exponentials, target logit and sum of logits per row, combined over the
-    vocabulary shards of `group` (the max taken first, the sums rescaled to it)."""
-    rows, tiles = logits.shape[0], _tiles(logits)
+    vocabulary shards of `group` (the max taken first, the sums rescaled to it). `tiles`: _tiles(logits)."""
+    rows = logits.shape[0]
     _ce_stats[(triton.cdiv(rows, tiles["ROWS"]),)](
         logits, labels, stats, rows, logits.stride(0), logits.shape[1], vocab_start, vocab_size, **tiles
     )  # fmt: skip
@@ -221,9 +221,9 @@ def _pass(
         end = min(start + chunk, tokens)
         h, lab = hidden[start:end], labels[start:end]
         logits = h @ weight.t()  # [chunk, V_local], the only vocabulary-sized buffer
-        _row_stats(logits, lab, stats[start:end], group, vocab_start, vocab_size)
+        tiles = _tiles(logits)  # (both row kernels' tiles, once a chunk)
+        _row_stats(logits, lab, stats[start:end], group, vocab_start, vocab_size, tiles)
         if want_grads:
-            tiles = _tiles(logits)
             _ce_grad[(triton.cdiv(end - start, tiles["ROWS"]),)](
                 logits, lab, stats[start:end], scale[start:end], end - start, logits.stride(0), logits.shape[1],
                 vocab_start, vocab_size, z_coeff, smoothing, **tiles,
