@@ -67,16 +67,18 @@ def compare(old: dict, new: dict) -> tuple[list[str], bool]:
 def _compile(kernel, signature: dict, constexprs: dict, capability: int, options: dict | None):
     """As the JIT compiles at aligned shapes (Llama's: every size and stride a multiple of 16): pointers 16-byte
     aligned and integer arguments divisible by 16, so loads vectorise as they do on the GPU (the suite's compile
-    check assumes neither, which keeps it general but vectorises nothing)."""
+    check assumes neither, which keeps it general but vectorises nothing). Not kernels._common.compile_for_gpu:
+    the old revision's copy of it may not take the alignment."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-    names = list(signature)
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t != "constexpr"}
-    aligned = {k: v for k, v in aligned.items() if not signature[names[k[0]]].startswith("fp")}
+    # pointers and integers (not constexprs, not floats), by argument position
+    aligned = {
+        (i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t != "constexpr" and t[:2] != "fp"
+    }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
