@@ -61,6 +61,12 @@ def triton_usable(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) or interpreting()
 
 
+def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
+    """Whether every element of each tensor lies less than 2^31 elements past its first: kernels that address
+    rows and columns as int32 index x stride products (the GEMMs' inner loops) would wrap past that."""
+    return all(t.numel() == 0 or sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) < 2**31 for t in tensors)
+
+
 def launched(name: str) -> None:
     LAUNCHES[name] += 1
 

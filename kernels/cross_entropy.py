@@ -40,7 +40,7 @@ if HAVE_TRITON:
         ROWS: tl.constexpr,
     ):  # fmt: skip
         """Per row: [max, sum exp(x - max), target logit (0 if not here), sum of logits] over real columns."""
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # rows x stride may pass 2^31
         rmask = row < rows
         label = tl.load(LABELS + row, mask=rmask, other=-1)[:, None]
         # A large finite floor rather than -inf: a block (or shard) of padding only must not give inf - inf.
@@ -69,7 +69,7 @@ if HAVE_TRITON:
     ):  # fmt: skip
         """In place: logits -> d loss / d logits = (softmax * (1 + 2 z lse) - (1-eps) onehot - eps / V) * scale,
         lse = max + log(sum of exponentials) from the row's (combined) statistics."""
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # rows x stride may pass 2^31
         rmask = row < rows
         label = tl.load(LABELS + row, mask=rmask, other=-1)[:, None]
         lse = tl.load(STATS + row * 4, mask=rmask, other=0.0) + tl.log(

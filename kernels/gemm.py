@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, offsets_fit_int32, triton_usable
 
 if HAVE_TRITON:
     import triton
@@ -74,8 +74,11 @@ def _config() -> dict:
 def matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """out[:] = x @ w^T for x [M, K], w [N, K], out [M, N] (any strides); the Triton kernel where it can
     run, torch.matmul(out=...) elsewhere (which needs `out` contiguous)."""
-    if not triton_usable(x, w, out):
-        return torch.matmul(x, w.t(), out=out)
+    if not triton_usable(x, w, out) or not offsets_fit_int32(x, w, out):
+        # (past 2^31 elements the kernel's int32 offsets would wrap; out= needs a contiguous output)
+        if out.is_contiguous():
+            return torch.matmul(x, w.t(), out=out)
+        return out.copy_(x @ w.t())
     m, k = x.shape
     n = w.shape[0]
     cfg = _config()

@@ -131,7 +131,7 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
     ):
         """DW[e] = DY[rows of e]^T @ X[rows of e]; programs over (e, n block, k block)."""
-        e = tl.program_id(0)
+        e = tl.program_id(0).to(tl.int64)  # experts x N x K may pass 2^31
         n_blocks = tl.cdiv(N, BLOCK_N)
         nb, kb = tl.program_id(1) % n_blocks, tl.program_id(1) // n_blocks
         start, end = tl.load(OFFS + e), tl.load(OFFS + e + 1)

@@ -38,6 +38,37 @@ def test_linear_forward_and_backward():
     assert rel(x.grad, x2.grad) < 1e-6 and rel(w.grad, w2.grad) < 1e-6
 
 
+def test_offsets_past_2_31_elements_are_detected():
+    """The GEMM addresses rows and columns as int32 index x stride products; a tensor spanning 2^31 elements
+    or more (counted from its strides: a transposed view spans as much as its base) must not reach it."""
+    from megatron_lite.kernels._common import offsets_fit_int32
+
+    meta = dict(device="meta")
+    assert offsets_fit_int32(torch.empty(2**16, 2**15, **meta))  # 2^31 elements: the last is 2^31 - 1 in
+    assert not offsets_fit_int32(torch.empty(2**16, 2**15 + 1, **meta))
+    assert not offsets_fit_int32(torch.empty(2**16 + 1, 2**15, **meta).t())  # dY^T as the backward passes it
+    assert not offsets_fit_int32(torch.empty(4, 4), torch.empty(3, 2**31, **meta)[:, :1])  # any of them
+    assert offsets_fit_int32(torch.empty(0, 2**40, **meta))  # nothing to address
+
+
+def test_matmul_into_falls_back_where_offsets_would_wrap(monkeypatch):
+    """Past 2^31 elements matmul_into takes torch.matmul (here forced on small tensors), into a contiguous
+    output and into a strided one."""
+    from megatron_lite.kernels import gemm
+
+    monkeypatch.setattr(gemm, "offsets_fit_int32", lambda *t: False)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(9, 8, generator=g).to(DEVICE), torch.randn(5, 8, generator=g).to(DEVICE)
+    before = K.LAUNCHES["gemm"]
+    out = torch.full((2, 9, 5), 7.0, device=DEVICE)
+    K.matmul_into(out[1], x, w)
+    strided = torch.full((5, 9), 7.0, device=DEVICE)
+    K.matmul_into(strided.t(), x, w)
+    assert K.LAUNCHES["gemm"] == before  # the kernel did not run
+    assert rel(out[1], x @ w.t()) < 1e-6 and torch.all(out[0] == 7.0)
+    assert rel(strided.t(), x @ w.t()) < 1e-6
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 needs a GPU: the interpreter has no bf16 arithmetic")
 def test_bf16_on_gpu():
     x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)

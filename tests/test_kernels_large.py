@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_lite import kernels as K
+from megatron_lite.kernels.cross_entropy import fused_linear_cross_entropy_reference
 from megatron_lite.kernels.moe import moe_permute_reference, moe_unpermute_reference
 from megatron_lite.kernels.nf4 import NF4_LEVELS, NF4Weight
 
@@ -87,6 +88,52 @@ def test_moe_permute_and_unpermute_past_2_31_elements():
         expect.backward(dy[rows])
         assert _rel(got[rows], expect) < 1e-2
         assert _rel(out.grad[src], o.grad) < 1e-2 and _rel(probs.grad[rows], p.grad) < 1e-2
+
+
+def test_fused_cross_entropy_past_2_31_logits():
+    """One chunk of logits (an explicit chunk_size x the vocabulary) past 2^31 elements: the row kernels'
+    row x stride offsets. Per-token losses and hidden-state gradients of the first and last rows against the
+    reference on those rows alone."""
+    vocab, h = min(65536, BIG // 64), 64
+    tokens = BIG // vocab + 64  # the last 64 rows of logits start past element 2^31
+    g = torch.Generator(device=DEV).manual_seed(0)
+    hidden = (torch.randn(tokens, h, device=DEV, dtype=DT, generator=g) / h**0.5).requires_grad_()
+    weight = torch.randn(vocab, h, device=DEV, dtype=DT, generator=g)
+    labels = torch.randint(0, vocab, (tokens,), device=DEV, generator=g)
+    dy = torch.rand(tokens, device=DEV, generator=g)  # a different gradient per token: the scale rows too
+    before = K.LAUNCHES["cross_entropy_stats"], K.LAUNCHES["cross_entropy_grad"]
+    losses = K.fused_linear_cross_entropy(hidden, weight, labels, reduction="none", chunk_size=tokens)
+    losses.backward(dy)
+    # the backward recomputes the statistics (this reduction's gradients are not made in the forward)
+    assert K.LAUNCHES["cross_entropy_stats"] > before[0] and K.LAUNCHES["cross_entropy_grad"] == before[1] + 1
+    for rows in (slice(0, 64), slice(tokens - 64, tokens)):
+        x = hidden.detach()[rows].float().requires_grad_()
+        expect = fused_linear_cross_entropy_reference(x, weight.float(), labels[rows], reduction="none")
+        expect.backward(dy[rows])
+        assert _rel(losses[rows], expect) < 1e-2, rows
+        assert _rel(hidden.grad[rows], x.grad) < 2e-2, rows
+
+
+def test_grouped_gemm_weight_gradient_past_2_31_elements():
+    """Stacked expert weights of more than 2^31 elements: the weight-gradient kernel's expert x stride offset.
+    The last expert's output and gradients against the reference on its rows alone, and the first's."""
+    n = k = min(4096, int(BIG**0.5) // 4)
+    experts, per = BIG // (n * k) + 2, 4  # the last two experts' weights start past element 2^31
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(experts * per, k, device=DEV, dtype=DT, generator=g).requires_grad_()
+    w = (torch.randn(experts, n, k, device=DEV, dtype=DT, generator=g) / k**0.5).requires_grad_()
+    counts = torch.full((experts,), per, device=DEV)
+    before = K.LAUNCHES["grouped_gemm_fwd"], K.LAUNCHES["grouped_gemm_bwd"]
+    y = K.grouped_gemm(x, w, counts)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert (K.LAUNCHES["grouped_gemm_fwd"], K.LAUNCHES["grouped_gemm_bwd"]) == (before[0] + 1, before[1] + 1)
+    for e in (0, experts - 1):
+        rows = slice(e * per, (e + 1) * per)
+        xe, we = x.detach()[rows].float().requires_grad_(), w.detach()[e].float().requires_grad_()
+        (xe @ we.t()).backward(dy[rows].float())
+        assert _rel(y[rows], xe @ we.t()) < 1e-2, e
+        assert _rel(x.grad[rows], xe.grad) < 2e-2 and _rel(w.grad[e], we.grad) < 2e-2, e
 
 
 def test_nf4_dequantisation_past_2_31_values():
