@@ -219,6 +219,17 @@ def test_format_1_checkpoints_still_load(saved, capsys, monkeypatch):
     rc, out, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
     assert rc == 0, err
     assert "loaded" in out and "iteration 3" in out
+    # inspect_checkpoint reads it too (it took every file's size from the checksums format 1 does not record)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "inspect_checkpoint", pathlib.Path(__file__).parents[1] / "tools" / "checkpoint" / "inspect_checkpoint.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([it, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "it records no checksums to verify" in out and "checksums verified" not in out, out
 
 
 def test_a_killed_first_save_does_not_block_a_restart(tmp_path, capsys, monkeypatch):
@@ -279,6 +290,8 @@ def test_keep_last_leaves_newer_checkpoints_of_an_abandoned_run(tmp_path):
         {"num_layers": 1},  # its second layer would be left unread
         {"apply_layernorm_1p": True},  # its norms would be read as gamma - 1
         {"add_bias_linear": False},  # its biases would be left unread
+        {"vocab_size": 64},  # its embedding read in part
+        {"mtp_num_layers": 1},  # a prediction depth the checkpoint never trained
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -317,7 +330,7 @@ def test_moe_layer_patterns_compare_by_meaning():
     """--moe-layer-freq 2 and the pattern (1, 0, 1, 0) build the same model; (0, 1, 0, 1) does not."""
     import dataclasses
 
-    from megatron_lite.checkpoint.checkpointing import _check_model_structure
+    from megatron_lite.checkpoint.compatibility import check_model_structure
     from megatron_lite.config import ConfigError, ParallelConfig
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.parallel_context import ParallelContext
@@ -328,7 +341,7 @@ def test_moe_layer_patterns_compare_by_meaning():
     meta = {"config": {"model": dataclasses.asdict(every_other)}}
     ctx = ParallelContext.virtual(ParallelConfig())
     same = dataclasses.replace(every_other, moe_layer_freq=(1, 0, 1, 0))
-    _check_model_structure("ckpt", meta, build_model(same, ctx, device="meta"))
+    check_model_structure("ckpt", meta, build_model(same, ctx, device="meta"))
     shifted = dataclasses.replace(every_other, moe_layer_freq=(0, 1, 0, 1))
     with pytest.raises(ConfigError, match="--moe-layer-freq"):
-        _check_model_structure("ckpt", meta, build_model(shifted, ctx, device="meta"))
+        check_model_structure("ckpt", meta, build_model(shifted, ctx, device="meta"))

@@ -218,7 +218,7 @@ def test_optimizer_state_of_another_kind_is_refused():
     """SGD without momentum keeps no state: loading it into a run with momentum (or Adam) would silently start
     from nothing, and the other way round drop what was saved; both are one-line errors. A --no-save-optim
     checkpoint says that it holds nothing, whatever optimizer wrote it."""
-    from megatron_lite.checkpoint.checkpointing import _check_optimizer_state
+    from megatron_lite.checkpoint.compatibility import check_optimizer_state
     from megatron_lite.config import ConfigError
 
     def meta(optimizer, momentum, saved=True, iteration=3):
@@ -227,7 +227,7 @@ def test_optimizer_state_of_another_kind_is_refused():
 
     sgd = dataclasses.replace(OPTIM, optimizer="sgd", sgd_momentum=0.9)
     no_momentum = dataclasses.replace(sgd, sgd_momentum=0.0)
-    _check_optimizer_state("c", meta("sgd", 0.5), sgd)  # momentum values may differ; the state is the same kind
+    check_optimizer_state("c", meta("sgd", 0.5), sgd)  # momentum values may differ; the state is the same kind
     for saved, run_config, says in (
         (meta("sgd", 0.0), sgd, "holds no state"),
         (meta("sgd", 0.9), no_momentum, "keeps no state"),
@@ -235,7 +235,7 @@ def test_optimizer_state_of_another_kind_is_refused():
         (meta("adam", 0.9, saved=False), sgd, "saved with --no-save-optim"),
     ):
         with pytest.raises(ConfigError, match=says):
-            _check_optimizer_state("c", saved, run_config)
+            check_optimizer_state("c", saved, run_config)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -394,6 +395,57 @@ def test_unsupported_fields_are_refused(converted, tmp_path, capsys, name, chang
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
+
+
+@pytest.mark.parametrize(
+    "base,changes,fragment",
+    [
+        ("gpt2", {"qk_layernorm": True}, "q/k norms"),
+        ("gpt2", {"sliding_window": 3}, "a sliding window"),
+        ("gpt2", {"num_query_groups": 2}, "grouped-query attention"),
+        ("gpt2", {"kv_channels": 8}, "--kv-channels 8"),
+        ("mixtral", {"moe_router_topk_scaling_factor": 2.5}, "--moe-router-topk-scaling-factor 2.5"),
+        ("mixtral", {"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "group-limited routing"),
+    ],
+)
+def test_what_the_hf_class_cannot_compute_is_refused_on_export(base, changes, fragment):
+    """Export names what the target class would silently drop (each of these gave other logits in
+    transformers, or failed to load there), and passes the same model without it."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.models.hf import _architecture, hf_config_dict
+
+    from models import gpt2_config, llama_config
+
+    make = gpt2_config if base == "gpt2" else lambda **kw: llama_config(num_experts=4, moe_router_topk=2, **kw)
+    clean = make()
+    hf_config_dict(clean, _architecture(clean))  # the model without the feature exports
+    model = make(**changes)
+    arch = _architecture(model)
+    assert arch == ("GPT2LMHeadModel" if base == "gpt2" else "MixtralForCausalLM")
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        hf_config_dict(model, arch)
+
+
+def test_an_export_replaces_the_weights_of_an_earlier_one(monkeypatch, tmp_path):
+    """Exporting into a directory that holds an earlier export leaves only the new weights: a stale
+    model.safetensors beside a new index (or stale shards beside a new single file) would be read by
+    transformers and by us differently."""
+    from safetensors.torch import load_file
+
+    from megatron_lite.checkpoint import hf_convert
+
+    out = str(tmp_path / "hf")
+    a, b = {"w": torch.zeros(64, 64), "v": torch.zeros(64)}, {"w": torch.ones(64, 64), "v": torch.ones(64)}
+    hf_convert.write_hf_dir(out, a, {"a": 1}, [])
+    monkeypatch.setattr(hf_convert, "SHARD_BYTES", 1024)  # B in shards, as a model over 5 GiB is
+    hf_convert.write_hf_dir(out, b, {"b": 1}, [])
+    files = sorted(os.listdir(out))
+    assert "model.safetensors" not in files and "model.safetensors.index.json" in files, files
+    assert torch.equal(hf_convert.read_hf_tensors(out)["w"], b["w"])
+    monkeypatch.setattr(hf_convert, "SHARD_BYTES", 5 << 30)
+    hf_convert.write_hf_dir(out, a, {"a": 1}, [])  # and back to one file: no shard or index left over
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["w"], a["w"])
 
 
 def test_pickled_weights_are_refused(converted, tmp_path, capsys):

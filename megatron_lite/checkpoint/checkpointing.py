@@ -11,7 +11,6 @@ them, so the reader's layout need not be the writer's.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -24,6 +23,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_lite.checkpoint.compatibility import (
+    check_adapters_have_a_home,
+    check_model_structure,
+    check_optimizer_state,
+)
+from megatron_lite.checkpoint.compatibility import model_config_from_dict as model_config_from_dict
 from megatron_lite.checkpoint.format import (
     FORMAT,
     FORMAT_V1,
@@ -42,7 +47,7 @@ from megatron_lite.checkpoint.format import (
     replace_dir,
     verify_file,
 )
-from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
+from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
@@ -440,90 +445,6 @@ class _Reader:
                 target.narrow(pc.dim, pc.local_start, pc.length).copy_(data)
 
 
-def model_config_from_dict(d: dict) -> ModelConfig:
-    """A ModelConfig from the `model` section of a checkpoint's metadata."""
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    for key in ("recompute_modules", "moe_layer_freq"):
-        if isinstance(d.get(key), list):
-            d[key] = tuple(d[key])
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in d.items() if k in known})
-
-
-# Model settings that decide which tensors a model has, and how they are read. Loading only ever reads the
-# tensors the model asks for, so a checkpoint of another shape of model would load in part (a checkpoint's
-# q/k norms, biases or extra layers left unread) or be read wrongly (norms stored as gamma - 1): refused.
-STRUCTURE = {
-    "num_layers": "--num-layers",
-    "hidden_size": "--hidden-size",
-    "num_attention_heads": "--num-attention-heads",
-    "query_groups": "--num-query-groups",
-    "head_dim": "--kv-channels",
-    "ffn_size": "--ffn-hidden-size",
-    "normalization": "--normalization",
-    "apply_layernorm_1p": "--apply-layernorm-1p",
-    "add_bias_linear": "--disable-bias-linear",
-    "add_qkv_bias": "--add-qkv-bias",
-    "qk_layernorm": "--qk-layernorm",
-    "multi_latent_attention": "--multi-latent-attention",
-    "q_lora_rank": "--q-lora-rank",
-    "kv_lora_rank": "--kv-lora-rank",
-    "qk_head_dim": "--qk-head-dim",
-    "qk_pos_emb_head_dim": "--qk-pos-emb-head-dim",
-    "v_head_dim": "--v-head-dim",
-    "position_embedding_type": "--position-embedding-type",
-    "tied_embeddings": "--untie-embeddings-and-output-weights",
-    "num_experts": "--num-experts",
-    "moe_layers": "--moe-layer-freq",
-    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
-}
-
-
-def _check_model_structure(path: str, meta: dict, model) -> None:
-    saved = (meta.get("config") or {}).get("model") or {}
-    config = getattr(model, "config", None) or getattr(next(iter(model), None), "config", None)
-    if not {"num_layers", "hidden_size", "num_attention_heads"} <= saved.keys() or not isinstance(config, ModelConfig):
-        return  # a checkpoint that does not say (written by hand), or a model that does not
-    theirs = model_config_from_dict(saved)
-    for field, flag in STRUCTURE.items():
-        a, b = getattr(theirs, field), getattr(config, field)
-        if field == "head_dim" and theirs.multi_latent_attention and config.multi_latent_attention:
-            continue  # (multi-latent attention does not read --kv-channels)
-        if a != b:
-            raise ConfigError(
-                f"{path} holds a model with {field}={a!r}; this run builds {field}={b!r}: set {flag} as the "
-                "checkpoint has it (or pass --use-checkpoint-args), or load another checkpoint"
-            )
-
-
-def _check_optimizer_state(path: str, meta: dict, config) -> None:
-    """The checkpoint holds the optimizer state this run would load: some (not --no-save-optim past iteration
-    0), and of the same kind (Adam's moments, SGD's momentum buffer or nothing)."""
-    if meta.get("optimizer_saved") is False:
-        if int(meta["iteration"]) > 0:  # (a converted or base checkpoint at iteration 0 starts fresh anyway)
-            raise ConfigError(
-                f"{path} was saved with --no-save-optim: it holds no optimizer state or LR schedule; add "
-                "--no-load-optim to go on from its weights with fresh optimizer state and LR schedule, or "
-                "--finetune to start over from them"
-            )
-        return
-    saved = (meta.get("config") or {}).get("optimizer")
-    if not saved:  # a checkpoint that does not say
-        return
-    saved_config = dataclasses.replace(
-        config, optimizer=saved.get("optimizer", "adam"), sgd_momentum=saved.get("sgd_momentum", 0.9)
-    )
-    if state_kinds(saved_config) != state_kinds(config):
-        describe = {("exp_avg", "exp_avg_sq"): "Adam moments", ("momentum_buffer",): "SGD momentum", (): "no state"}
-        raise ConfigError(
-            f"{path} holds {describe[state_kinds(saved_config)]} (--optimizer {saved_config.optimizer}); this run "
-            f"keeps {describe[state_kinds(config)]} (--optimizer {config.optimizer}): add --no-load-optim to start "
-            "the optimizer state fresh from these weights"
-        )
-
-
 def load_checkpoint(
     path: str,
     model,
@@ -539,10 +460,11 @@ def load_checkpoint(
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
     the adapters; its base was loaded first)."""
     meta = read_metadata(path)
-    _check_model_structure(path, meta, model)
+    check_model_structure(path, meta, model)
     if optimizer is not None and load_optim and not finetune:
-        _check_optimizer_state(path, meta, optimizer.config)
+        check_optimizer_state(path, meta, optimizer.config)
     reader = _Reader(path, meta)
+    check_adapters_have_a_home(path, reader, model)
     for name, p, pmeta in named_param_meta(model):
         key = f"model/{model.global_name(name)}"
         if key not in reader.index and (".lora." in name or (skip_missing_frozen and not p.requires_grad)):

@@ -14,6 +14,7 @@ pytorch_model.bin is refused, because loading it could run code.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -284,6 +285,13 @@ def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 def write_hf_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, side_from: list[str]) -> None:
     """safetensors shards (with an index when more than one), config.json and the side files."""
     os.makedirs(path, exist_ok=True)
+    # An earlier export's weights go first: transformers reads model.safetensors before an index and we read the
+    # index first, so a leftover of either kind would give the two different weights beside the new config.
+    stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
+    stale += [os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]
+    for f in stale:
+        if os.path.isfile(f):
+            os.remove(f)
     shards = _shards(tensors)
     names = (
         ["model.safetensors"]

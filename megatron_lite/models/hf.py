@@ -270,6 +270,15 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("GPT-2 needs biases (drop --disable-bias-linear)")
         if c.ffn_size and c.activation not in ("gelu", "gelu_tanh"):
             problems.append(f"activation {c.activation}")
+        for bad, what in (
+            (c.qk_layernorm, "q/k norms"),
+            (c.sliding_window, "a sliding window"),
+            (c.query_groups != c.num_attention_heads, "grouped-query attention"),
+            (c.head_dim * c.num_attention_heads != c.hidden_size, f"--kv-channels {c.head_dim} x heads != hidden"),
+            (c.num_experts, "experts"),
+        ):
+            if bad:
+                problems.append(what)
     elif arch == "NemotronForCausalLM":
         for bad, what in (
             (c.num_experts, "experts"),
@@ -289,6 +298,12 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
                 problems.append("shared experts")
             if arch == "MixtralForCausalLM" and c.moe_layer_freq != 1:
                 problems.append("dense layers between MoE layers (Qwen3-MoE has them, with --qk-layernorm)")
+            scale = c.moe_router_topk_scaling_factor
+            if scale is not None and scale != 1.0:
+                problems.append(f"--moe-router-topk-scaling-factor {scale:g} ({arch} does not scale the top-k)")
+            groups = c.moe_router_num_groups
+            if groups and (c.moe_router_group_topk or groups) < groups:
+                problems.append("group-limited routing (--moe-router-num-groups / --moe-router-group-topk)")
             if arch == "MixtralForCausalLM" and c.moe_router_pre_softmax:
                 problems.append("--moe-router-pre-softmax (Mixtral renormalises the top-k; Qwen3-MoE can not to)")
         if arch in QWEN3 and c.add_qkv_bias:

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.loader == args.saver:
             raise ConfigError(f"--loader and --saver are both {args.loader}; nothing to convert")
         if args.loader == "hf":
+            if args.saver != "megatron_lite":
+                raise ConfigError(f"--loader hf converts to --saver megatron_lite, not {args.saver}")
             if args.target_dtype:
                 raise ConfigError("--target-dtype applies to --saver hf; megatron_lite keeps the source dtype")
             hf_to_megatron_lite(args.load_dir, args.save_dir)

@@ -52,9 +52,10 @@ def describe(path: str, verify: bool = False) -> dict:
         "tensors": tensors,
         "kinds": sorted({n.split("/")[0] for n in tensors}),
         "parameters": sum(_numel(t["shape"]) for n, t in tensors.items() if n.startswith("model/")),
-        "total_bytes": sum(f["bytes"] for f in reader.files.values()),
+        # (format-1 checkpoints record no digests or sizes: their files are measured)
+        "total_bytes": sum(f.get("bytes") or os.path.getsize(os.path.join(path, n)) for n, f in reader.files.items()),
         "files": len(reader.files),
-        "verified": verify,
+        "verified": verify and reader.checksummed,  # (format 1 recorded none)
     }
 
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model        {arch}")
     print(f"state        {', '.join(d['kinds'])}; {d['parameters'] / 1e6:.2f}M parameters")
     verified = " (checksums verified)" if d["verified"] else ""
+    if args.verify and not d["verified"]:
+        verified = " (a format-1 checkpoint: it records no checksums to verify)"
     print(f"size         {_human(d['total_bytes'])} in {d['files']} files{verified}")
     print("tensors:")
     width = max((len(n) for n in d["tensors"]), default=0)
