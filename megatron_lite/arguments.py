@@ -351,11 +351,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         overlap_grad_reduce=ns.overlap_grad_reduce,
         ddp_bucket_size=ns.ddp_bucket_size,
     )
-    warmup, warmup_samples = ns.lr_warmup_iters, ns.lr_warmup_samples
-    if ns.lr_warmup_fraction is not None and ns.train_samples is not None:
-        warmup_samples = int(ns.lr_warmup_fraction * (ns.lr_decay_samples or ns.train_samples))
-    elif ns.lr_warmup_fraction is not None:
-        warmup = int(ns.lr_warmup_fraction * (ns.lr_decay_iters or ns.train_iters))
     optimizer = OptimizerConfig(
         optimizer=ns.optimizer,
         sgd_momentum=ns.sgd_momentum,
@@ -367,12 +362,13 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         min_lr=ns.min_lr,
         lr_decay_style=ns.lr_decay_style,
         lr_decay_iters=ns.lr_decay_iters,
-        lr_warmup_iters=warmup,
+        lr_warmup_iters=ns.lr_warmup_iters,
         lr_warmup_init=ns.lr_warmup_init,
         lr_wsd_decay_style=ns.lr_wsd_decay_style,
         lr_wsd_decay_iters=ns.lr_wsd_decay_iters,
         lr_decay_samples=ns.lr_decay_samples,
-        lr_warmup_samples=warmup_samples,
+        lr_warmup_samples=ns.lr_warmup_samples,
+        lr_warmup_fraction=ns.lr_warmup_fraction,
         lr_wsd_decay_samples=ns.lr_wsd_decay_samples,
         decoupled_lr=ns.decoupled_lr,
         decoupled_min_lr=ns.decoupled_min_lr,
@@ -504,6 +500,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.lr_warmup_fraction is not None and (ns.lr_warmup_iters or ns.lr_warmup_samples):
+        # (checked on the flags given, before a checkpoint's values fill the others in)
+        flag = "--lr-warmup-iters" if ns.lr_warmup_iters else "--lr-warmup-samples"
+        raise ConfigError(f"--lr-warmup-fraction and {flag} are exclusive (as in Megatron); keep one")
     if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
         raise ConfigError(
             "--override-opt_param-scheduler (the flags' schedule) and --use-checkpoint-opt_param-scheduler (the "

@@ -133,6 +133,15 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     if t.get("train_samples") is not None:  # a sample-based run: its iterations follow from the samples again
         out.update(train_samples=t["train_samples"], train_iters=None)
     out.update({k: v for k, v in o.items()})
+    lora = saved.get("lora")  # a LoRA run's adapters are built again (else they would not be loaded)
+    if lora:
+        out.update(
+            lora_rank=lora["rank"],
+            lora_alpha=lora["alpha"],
+            lora_dropout=lora["dropout"],
+            lora_target_modules=list(lora["target_modules"]),
+            qlora=lora.get("qlora", False),
+        )
     paths = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
     out.update({k: v for k, v in d.items() if k not in paths})
     out.update({k: list(d.get(k) or ()) or None for k in paths})
@@ -161,6 +170,12 @@ def _check_yarn(ns: argparse.Namespace, saved: dict, given: set[str], path: str)
             )
 
 
+# The run's length and schedule lengths in each unit: a length given in the other unit replaces these.
+RUN_LENGTH = {
+    "iters": ("train_iters", "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"),
+    "samples": ("train_samples", "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"),
+}
+
 # The schedule a checkpoint's scheduler state continues (Megatron's OptimizerParamScheduler values): on resume,
 # given flags that differ from the checkpoint's win (with a note), or not with --use-checkpoint-opt_param-scheduler.
 SCHEDULE_DESTS = (
@@ -171,6 +186,7 @@ SCHEDULE_DESTS = (
     "lr_decay_samples",
     "lr_warmup_iters",
     "lr_warmup_samples",
+    "lr_warmup_fraction",
     "lr_warmup_init",
     "lr_wsd_decay_style",
     "lr_wsd_decay_iters",
@@ -184,15 +200,14 @@ SCHEDULE_DESTS = (
 )
 
 
-def _schedule_notes(ns: argparse.Namespace, saved: dict, given: set[str]) -> list[str]:
-    """Reconcile the schedule flags given on resume with the checkpoint's; returns the notes to log."""
+def _schedule_notes(ns: argparse.Namespace, saved: dict, given: set[str], full: dict) -> list[str]:
+    """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those
+    this run takes as defaults); returns the notes to log."""
     changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
     if ns.use_checkpoint_opt_param_scheduler:
         for d in changed:
             setattr(ns, d, saved[d])
-        # the checkpoint's decay length: its --lr-decay-iters, or the --train-iters it ran for
-        if ns.lr_decay_iters is None and saved.get("lr_decay_iters") is None and saved.get("train_iters"):
-            ns.lr_decay_iters = saved["train_iters"]
+        _keep_decay_length(ns, full)
         return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(changed)} kept"] if changed else []
     if ns.override_opt_param_scheduler:
         return []
@@ -202,6 +217,21 @@ def _schedule_notes(ns: argparse.Namespace, saved: dict, given: set[str]) -> lis
         "the checkpoint's)"
         for d in changed
     ]
+
+
+def _keep_decay_length(ns: argparse.Namespace, full: dict) -> None:
+    """--use-checkpoint-opt_param-scheduler: the decay runs over the checkpoint's length (its --lr-decay-iters or
+    -samples, else the run length it was saved with), whatever length this run is given, in this run's unit."""
+    by_samples = full.get("lr_decay_samples") or full.get("train_samples")
+    by_iters = full.get("lr_decay_iters") or full.get("train_iters")
+    if ns.train_samples is not None:
+        if by_samples is None and by_iters:
+            by_samples = by_iters * full["global_batch_size"]
+        ns.lr_decay_samples = by_samples or ns.lr_decay_samples
+    elif by_iters is not None or by_samples is None:
+        ns.lr_decay_iters = by_iters or ns.lr_decay_iters
+    else:  # a sample-based checkpoint continued by iterations: its length in whole batches
+        ns.lr_decay_iters = max(1, round(by_samples / ns.global_batch_size))
 
 
 def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -226,18 +256,26 @@ def flags_from_checkpoint(
         )
     if not ns.use_checkpoint_args:
         _check_yarn(ns, saved, given, path)
+    if saved.get("lora_rank") and "lora_rank" in given and ns.lora_rank != saved["lora_rank"]:
+        raise ConfigError(
+            f"--lora-rank {ns.lora_rank} conflicts with the rank-{saved['lora_rank']} LoRA adapters in {path}: drop "
+            "the flag (they load at their own rank), or fold them into the weights first (tools/checkpoint/"
+            "convert.py --saver hf --merge-lora, then --loader hf) and start new adapters from those"
+        )
+    full = saved  # (the checkpoint's own schedule, for --use-checkpoint-opt_param-scheduler)
     # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
-    other = {"train_iters": "samples", "train_samples": "iters"}
-    for dest, unit in other.items():
+    for dest, other in (("train_iters", "samples"), ("train_samples", "iters")):
         if dest in given:
-            saved = {k: v for k, v in saved.items() if not (k.startswith("train_") or k.endswith(unit))}
+            saved = {k: v for k, v in saved.items() if k not in RUN_LENGTH[other]}
+    if given & {"lr_warmup_iters", "lr_warmup_samples"}:  # a warmup length given replaces the saved fraction
+        saved.pop("lr_warmup_fraction", None)
     if ns.optimizer == "sgd" or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
         for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
             saved.pop(k, None)
     parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
-    ns.schedule_notes = _schedule_notes(ns, saved, given)
+    ns.schedule_notes = _schedule_notes(ns, saved, given, full)
     if ns.use_checkpoint_args:
         for d in ARCH_DESTS:
             setattr(ns, d, saved.get(d, getattr(ns, d)))

@@ -14,23 +14,30 @@ from models import deepseek_config, gpt2_config, llama_config
 
 
 def test_gpt_matches_megatron_closed_form():
+    """Megatron's num_floating_point_operations halves core attention for the causal mask (its closed form's
+    s / (6h) becomes s / (12h)); the earlier full-attention form is causal=False."""
     c = gpt2_config(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50304)
     B, s, L, h, V = 8, 2048, 24, 2048, 50304
-    megatron = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
-    assert flops_per_token(c, s) * B * s == pytest.approx(megatron, rel=1e-12)
+    causal = 72 * B * s * L * h * h * (1 + s / (12 * h) + V / (12 * L * h))
+    full = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert flops_per_token(c, s) * B * s == pytest.approx(causal, rel=1e-12)
+    assert flops_per_token(c, s, causal=False) * B * s == pytest.approx(full, rel=1e-12)
 
 
 @pytest.mark.parametrize("make", [llama_config, gpt2_config])
 def test_six_n_plus_attention(make):
-    """torchtitan's form: 6 N + 12 L s heads d per token, N = parameters of every matmul (the output
-    layer included, the input embedding and norms and biases excluded), counted from a real model."""
+    """torchtitan's form: 6 N + 12 L s heads d per token (6 L s heads d causally halved), N = parameters of
+    every matmul (the output layer included, the input embedding and norms and biases excluded), counted from a
+    real model."""
     c = make(untie_embeddings_and_output_weights=True)
     s = 32
     model = GPTModel(c, ParallelContext.virtual(ParallelConfig()), device="meta")
     n = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embedding" not in name)
     n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size  # padding rows are not real work
-    expected = 6 * n + 12 * c.num_layers * s * c.num_attention_heads * c.head_dim
-    assert flops_per_token(c, s) == pytest.approx(expected, rel=1e-12)
+    full = 6 * n + 12 * c.num_layers * s * c.num_attention_heads * c.head_dim
+    assert flops_per_token(c, s, causal=False) == pytest.approx(full, rel=1e-12)
+    causal = 6 * n + 6 * c.num_layers * s * c.num_attention_heads * c.head_dim
+    assert flops_per_token(c, s) == pytest.approx(causal, rel=1e-12)
 
 
 @pytest.mark.parametrize("mtp", [0, 2])
@@ -49,7 +56,8 @@ def test_mla_and_moe_count_the_work_each_token_does(mtp):
     n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size
     n += mtp * c.hidden_size * c.vocab_size  # the output layer, once more per depth
     attention = 6 * (c.num_layers + mtp) * s * c.num_attention_heads * (c.mla_q_head_dim + c.v_head_dim)
-    assert flops_per_token(c, s) == pytest.approx(6 * n + attention, rel=1e-12)
+    assert flops_per_token(c, s, causal=False) == pytest.approx(6 * n + attention, rel=1e-12)
+    assert flops_per_token(c, s) == pytest.approx(6 * n + attention / 2, rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -51,3 +51,60 @@ def test_rampup_iterations_and_refusals():
         TrainingConfig(micro_batch_size=4, global_batch_size=8, rampup_batch_size=(2, 2, 16)).validate_rampup(1)
     with pytest.raises(ConfigError, match="START \\+ k x INCREMENT must reach"):
         TrainingConfig(micro_batch_size=2, global_batch_size=8, rampup_batch_size=(2, 4, 16)).validate_rampup(1)
+
+
+def _megatron_linear(lr: float, warmup: float, decay: float, samples: float) -> float:
+    """Megatron's OptimizerParamScheduler.get_lr, linear decay to 0, at `samples` consumed (its num_steps)."""
+    if warmup > 0 and samples <= warmup:
+        return lr * samples / warmup
+    return lr * max(0.0, 1 - (samples - warmup) / (decay - warmup))
+
+
+def test_a_run_resumed_in_the_other_unit_goes_on_where_it_was():
+    """The position is kept in samples whichever unit the run counts in (Megatron's num_steps), so a run saved
+    by --train-samples and resumed by --train-iters (or the other way) continues its schedule; before, the
+    position kept its own unit and the resumed schedule was read at the wrong place (LR 0 at once)."""
+    lr, gbs = 1e-3, 4
+    cfg = OptimizerConfig(lr=lr, lr_decay_style="linear")
+    by_samples = LRScheduler(cfg, 2, train_samples=8, samples_per_step=gbs)
+    for _ in range(2):
+        by_samples.step(gbs)
+    by_iters = LRScheduler(cfg, 6, samples_per_step=gbs)  # --train-iters 6: decay over 24 samples
+    by_iters.load_state_dict(by_samples.state_dict())
+    assert by_iters.lr == pytest.approx(_megatron_linear(lr, 0, 24, 8))
+    back = LRScheduler(cfg, 0, train_samples=40, samples_per_step=gbs)
+    back.load_state_dict(by_iters.state_dict())
+    assert back.lr == pytest.approx(_megatron_linear(lr, 0, 40, 8))
+    # a checkpoint from before the position was always in samples: an iteration-based run counted steps
+    old = LRScheduler(cfg, 6, samples_per_step=gbs)
+    old.load_state_dict({"num_steps": 2, "position": 2})
+    assert old.lr == pytest.approx(_megatron_linear(lr, 0, 24, 8))
+
+
+def test_warmup_fraction_and_inverse_square_root_count_samples():
+    """--lr-warmup-fraction is a share of the decay's samples, not rounded down to whole iterations (0.075 of 20
+    iterations of 8 is 12 samples, 1.5 iterations); inverse-square-root without warmup decays by the samples
+    consumed (Megatron's max_lr * sqrt(max(warmup, 1) / max(samples, 1)))."""
+    lr, gbs = 1e-3, 8
+    frac = LRScheduler(OptimizerConfig(lr=lr, lr_warmup_fraction=0.075), 20, samples_per_step=gbs)
+    assert [frac.lr_at(i) for i in range(3)] == pytest.approx(
+        [_megatron_linear(lr, 12, 160, i * gbs) for i in range(3)]
+    )
+    tiny = LRScheduler(OptimizerConfig(lr=lr, lr_warmup_fraction=0.001), 500, samples_per_step=gbs)
+    assert tiny.lr_at(0) == 0.0  # a warmup of 4 samples still starts at --lr-warmup-init
+    rsqrt = LRScheduler(OptimizerConfig(lr=lr, lr_decay_style="inverse-square-root"), 20, samples_per_step=gbs)
+    assert [rsqrt.lr_at(i) for i in (1, 4)] == pytest.approx([lr / math.sqrt(8), lr / math.sqrt(32)])
+
+
+def test_a_constant_loss_scale_given_on_resume_is_the_scale():
+    """Megatron's constant scaler loads nothing: --loss-scale given on resume wins over the checkpoint's scale;
+    a dynamic scaler takes a constant one's scale and starts its trackers afresh."""
+    from megatron_lite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    dynamic = DynamicGradScaler(2.0**32, 1.0, 1000, 2)
+    constant = ConstantGradScaler(1024)
+    constant.load_state_dict(dynamic.state_dict())
+    assert constant.scale == 1024
+    fresh = DynamicGradScaler(2.0**16, 1.0, 1000, 2)
+    fresh.load_state_dict(ConstantGradScaler(128).state_dict())
+    assert fresh.scale == 128 and fresh.state_dict() == {"scale": 128, "growth_tracker": 0, "hysteresis_tracker": 2}

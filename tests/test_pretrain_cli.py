@@ -183,6 +183,10 @@ def test_schedule_flags_on_resume_follow_megatron(tmp_path, capsys, monkeypatch)
     assert main(["--load", ckpt, "--lr", "5e-3", "--override-opt_param-scheduler"]) == 0
     out = capsys.readouterr().out
     assert _lrs(out) != same and "differs from the checkpoint" not in out
+    # a longer run under the checkpoint's schedule: its decay ends where it did (iteration 8), held at --min-lr
+    assert main(["--load", ckpt, "--train-iters", "10", "--use-checkpoint-opt_param-scheduler"]) == 0
+    longer = _lrs(capsys.readouterr().out)
+    assert longer[:5] == same and longer[5:] == [0.0, 0.0], longer
     rc = main(["--load", ckpt, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
     _one_line_error(
         rc, capsys.readouterr().err, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"
@@ -265,6 +269,7 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
             ["--nan-policy rollback", "--no-save-optim"],
         ),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
+        (["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.3"], ["--lr-warmup-fraction and --lr-warmup-iters"]),
         (["--mock-data", "--vocab-size", "100", "--swiglu", "--squared-relu"], ["--swiglu and --squared-relu"]),
         (
             ["--mock-data", "--vocab-size", "100", "--position-embedding-type", "rope", "--rotary-percent", "1.5"],
@@ -469,6 +474,22 @@ def test_sample_based_run(tmp_path, capsys, monkeypatch):
         _one_line_error(rc, capsys.readouterr().err, fragment)
 
 
+def test_a_run_length_in_either_unit_keeps_the_rest_of_the_checkpoints_run(tmp_path, capsys, monkeypatch):
+    """Resuming with --train-iters or --train-samples replaces the run's length and schedule lengths, nothing
+    else: the data paths (--train-data-path was dropped, with the embedded corpus trained on instead) and
+    --eval-iters (dropped by --train-samples, for ending in "iters") stay the checkpoint's."""
+    from megatron_lite.arguments import parse_args
+
+    prefix, ckpt = _dataset(tmp_path), str(tmp_path / "ckpt")
+    argv = ["--train-data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--eval-iters", "0", "--save", ckpt]  # fmt: skip
+    rc, _, err = _run([*argv, "--train-iters", "1"], capsys, monkeypatch)
+    assert rc == 0, err
+    for length in (["--train-iters", "9"], ["--train-samples", "40"], []):
+        ns, _ = parse_args(["--load", ckpt, *length])
+        assert ns.train_data_path == [prefix] and ns.eval_iters == 0, (length, ns.train_data_path, ns.eval_iters)
+
+
 def test_profile_window_writes_a_torch_profiler_trace(tmp_path, capsys, monkeypatch):
     """--profile --use-pytorch-profiler --profile-step-start 1 --profile-step-end 2: iteration 2 alone is traced,
     into --profile-dir (--tensorboard-dir by default); the Nsight Systems form needs CUDA and is refused on a CPU
@@ -604,6 +625,44 @@ def test_finetune_and_no_load_optim(tmp_path, capsys, monkeypatch):
     )
     assert rc == 0, err
     assert "iteration 3" in out and "iteration      5/5" in out
+
+
+def _losses(out: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \| lm_loss: ([\d.]+)", out)}
+
+
+def test_a_lora_run_resumed_with_load_alone_keeps_its_adapters(tmp_path, capsys, monkeypatch):
+    """--load DIR alone rebuilds the run that wrote it, LoRA included (its adapters were dropped without a word
+    and the whole base trained on): iterations 3-4 equal a straight 4-iteration LoRA run. A model without
+    adapters refuses a checkpoint that holds them, and an explicit other --lora-rank is a one-line error."""
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+    from megatron_lite.checkpoint.hf_convert import model_config_from_dict
+    from megatron_lite.config import ConfigError, ParallelConfig
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    data = ["--mock-data", "--vocab-size", "100", "--lr-decay-style", "constant"]
+    base, lora, straight = (str(tmp_path / n) for n in ("base", "lora", "straight"))
+    rc, _, err = _run([*data, "--train-iters", "1", "--save", base], capsys, monkeypatch)
+    assert rc == 0, err
+    adapt = [*data, "--load", base, "--finetune", "--lora-rank", "4"]
+    rc, _, err = _run([*adapt, "--train-iters", "2", "--save", lora], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, out, err = _run(["--load", lora, "--save", lora, "--train-iters", "4"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "LoRA rank 4" in out and "iteration 2" in out, out
+    resumed = _losses(out)
+    rc, out, err = _run([*adapt, "--train-iters", "4", "--save", straight], capsys, monkeypatch)
+    assert rc == 0, err
+    assert sorted(resumed) == [3, 4] and resumed == {k: v for k, v in _losses(out).items() if k > 2}, (resumed, out)
+
+    rc, _, err = _run(["--load", lora, "--lora-rank", "8"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--lora-rank 8 conflicts with the rank-4 LoRA adapters")
+    path = find_checkpoint(lora)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    plain = build_model(model_config_from_dict(read_metadata(path)["config"]["model"]), ctx)
+    with pytest.raises(ConfigError, match="holds LoRA adapters .* and this model has none"):
+        load_checkpoint(path, plain, None, None, ctx, load_rng=False)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ class OptimizerConfig:
     # Sample-based schedule (with --train-samples), in samples: Megatron's --lr-*-samples
     lr_decay_samples: int | None = None  # default: --train-samples
     lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None  # warmup as this share of the decay (replaces -iters / -samples)
     lr_wsd_decay_samples: int | None = None
     # Megatron's --decoupled-lr / --decoupled-min-lr: the word embeddings' and the output layer's own peak and
     # floor, on the same schedule shape (None: they follow --lr / --min-lr)
@@ -135,6 +136,8 @@ class OptimizerConfig:
             )
         if self.lr_decay_style == "WSD" and not (self.lr_wsd_decay_iters or self.lr_wsd_decay_samples):
             raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the length of the final decay)")
+        if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
+            raise ConfigError(f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in [0, 1)")
         if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
             raise ConfigError(
                 f"--lr-warmup-iters/-samples {self.lr_warmup_iters or self.lr_warmup_samples} must be >= 0"
@@ -174,12 +177,19 @@ class OptimizerConfig:
     def sample_based(self) -> bool:
         return bool(self.lr_decay_samples or self.lr_warmup_samples or self.lr_wsd_decay_samples)
 
-    def schedule(self, train_iters: int, train_samples: int | None = None) -> tuple[str, int, int, int | None]:
-        """(unit, warmup, decay, WSD decay) of the schedule: in iterations, or in samples when the run is
-        sample-based (--train-samples), as Megatron counts them."""
+    def schedule(self, train_iters: int, train_samples: int | None = None) -> tuple[str, float, int, int | None]:
+        """(unit, warmup, decay, WSD decay) of the schedule as the flags give them: in iterations, or in samples
+        when the run is sample-based (--train-samples). --lr-warmup-fraction is a share of the decay, not
+        rounded to whole iterations (Megatron takes it of the decay's samples)."""
         if train_samples is not None:
-            return "samples", self.lr_warmup_samples, self.lr_decay_samples or train_samples, self.lr_wsd_decay_samples
-        return "iters", self.lr_warmup_iters, self.lr_decay_iters or train_iters, self.lr_wsd_decay_iters
+            unit, warmup, decay = "samples", self.lr_warmup_samples, self.lr_decay_samples or train_samples
+            wsd = self.lr_wsd_decay_samples
+        else:
+            unit, warmup, decay = "iters", self.lr_warmup_iters, self.lr_decay_iters or train_iters
+            wsd = self.lr_wsd_decay_iters
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return unit, warmup, decay, wsd
 
     def validate_schedule(self, train_iters: int, train_samples: int | None = None) -> None:
         unit, warmup, decay, wsd = self.schedule(train_iters, train_samples)

@@ -15,7 +15,7 @@ class ConstantGradScaler:
         return {"scale": self.scale}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        """Nothing: --loss-scale given on resume is the scale (as Megatron's constant scaler does)."""
 
 
 class DynamicGradScaler:
@@ -59,5 +59,6 @@ class DynamicGradScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
-        self._growth_tracker = int(state["growth_tracker"])
-        self._hysteresis_tracker = int(state["hysteresis_tracker"])
+        # (a constant scaler's checkpoint has no trackers: the dynamic one starts them afresh from its scale)
+        self._growth_tracker = int(state.get("growth_tracker", 0))
+        self._hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))

@@ -3,10 +3,11 @@ inverse-square-root or WSD (warmup-stable-decay) down to --min-lr, held at --min
 weight-decay increment (--weight-decay-incr-style linear|cosine): from --start-weight-decay to
 --end-weight-decay over the whole run (--train-iters or --train-samples).
 
-Steps count optimizer iterations. Like Megatron, the schedule is evaluated at the number of completed
-steps, so with warmup the first iteration runs at --lr-warmup-init (0 by default). A sample-based run
-(--train-samples, --lr-*-samples) evaluates it at the samples consumed, a global batch per step, as Megatron
-does: warmup and decay lengths need not be whole iterations."""
+Like Megatron's OptimizerParamScheduler, the schedule is evaluated at the samples consumed by the completed
+steps, so with warmup the first iteration runs at --lr-warmup-init (0 by default). An iteration-based run's
+lengths (--train-iters, --lr-*-iters) become samples of the global batch, a sample-based run's (--train-samples,
+--lr-*-samples) are samples already: warmup and decay need not be whole iterations, and a run resumed in the
+other unit goes on where it was."""
 
 from __future__ import annotations
 
@@ -24,20 +25,20 @@ class LRScheduler:
         samples_per_step: int = 1,
         rampup: bool = False,
     ) -> None:
-        """`samples_per_step`: the (final) global batch. A sample-based run, or one whose batch ramps up
-        (--rampup-batch-size), counts its schedule in samples consumed, as Megatron does; an iteration-based
-        one with a ramp-up turns its iteration lengths into samples of the final batch."""
+        """`samples_per_step`: the (final) global batch, which turns iteration lengths into samples. A
+        sample-based run, or one whose batch ramps up (--rampup-batch-size), counts the batch each step took;
+        another counts `samples_per_step` a step."""
         config.validate_schedule(train_iters, train_samples)
         self.config = config
         _, self.warmup, self.decay_steps, self.wsd_steps = config.schedule(train_iters, train_samples)
-        self.sample_mode = train_samples is not None or rampup
-        if rampup and train_samples is None:
+        if train_samples is None:  # iteration lengths in samples of the (final) global batch
             self.warmup, self.decay_steps = self.warmup * samples_per_step, self.decay_steps * samples_per_step
             self.wsd_steps = self.wsd_steps * samples_per_step if self.wsd_steps else self.wsd_steps
-        self.unit = samples_per_step if self.sample_mode else 1  # schedule positions per (full) step
+        self.unit = samples_per_step  # schedule positions per (full) step
+        self.count_batches = train_samples is not None or rampup
         self.wd_steps = train_samples if train_samples is not None else train_iters * self.unit
         self.num_steps = 0
-        self.position = 0  # steps taken, or samples consumed
+        self.position = 0  # samples consumed
 
     def lr_at(self, step: int, max_lr: float | None = None, min_lr: float | None = None) -> float:
         """The schedule after `step` full steps, peaking at --lr and settling at --min-lr (or the given
@@ -106,11 +107,16 @@ class LRScheduler:
     def step(self, samples: int | None = None) -> None:
         """One optimizer step; `samples`: the global batch it took (counted in sample mode)."""
         self.num_steps += 1
-        self.position += samples if self.sample_mode and samples is not None else self.unit
+        self.position += samples if self.count_batches and samples is not None else self.unit
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "position": self.position}
+        return {"num_steps": self.num_steps, "position": self.position, "position_unit": "samples"}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = int(state["num_steps"])
-        self.position = int(state.get("position", self.num_steps * self.unit))
+        position = int(state.get("position", self.num_steps))
+        if state.get("position_unit") != "samples" and position == self.num_steps:
+            # an older iteration-based run counted steps (a sample-based one counted samples, which equal the
+            # steps only at one sample a step, where the two agree)
+            position = self.num_steps * self.unit
+        self.position = position

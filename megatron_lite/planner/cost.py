@@ -375,5 +375,7 @@ def throughput(model: ModelConfig, layout: Layout, seq_length: int, global_batch
     """(tokens/s per GPU, model TFLOP/s per GPU, MFU)."""
     tokens = global_batch_size * seq_length
     tps = tokens / t.total / layout.world
-    flops = flops_per_token(model, seq_length) * tps
+    # (in the convention of the published figures the model is held against: full, not causally halved,
+    # attention, as Megatron counted it when it published them and as torchtitan counts it)
+    flops = flops_per_token(model, seq_length, causal=False) * tps
     return tps, flops / 1e12, flops / cl.gpu.peak_flops

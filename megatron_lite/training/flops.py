@@ -2,17 +2,19 @@
 
 Per token and layer, the forward pass multiplies by every weight once (2 FLOPs per multiply-add):
     QKV           2 * h * (heads + 2 * groups) * d
-    attention     2 * 2 * s * heads * d        (q.k^T and p.v over the full sequence: Megatron's
-                                                convention counts full, not causally halved, attention)
+    attention     2 * 2 * s * heads * d / 2    (q.k^T and p.v; causal: half the scores are masked out,
+                                                as Megatron's num_floating_point_operations counts them)
     projection    2 * heads * d * h
     MLP           2 * h * f * (3 if SwiGLU else 2)
 and once per token the output layer, 2 * h * V. A MoE layer counts its router, its top-k experts and its
 shared expert; multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims, p.v over
 v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward
 (backward = 2x forward); recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and
-heads * d = h this is Megatron's 72 B s L h^2 (1 + s / (6h) + V / (12 L h)) per batch, and in general
-6 N + 12 L s heads d per token with N the matmul parameters (torchtitan's form); both are checked in
-tests/test_flops.py.
+heads * d = h this is 72 B s L h^2 (1 + s / (12h) + V / (12 L h)) per batch, and in general 6 N + 6 L s heads d
+per token with N the matmul parameters. With causal=False, attention over the full sequence: Megatron's
+earlier 72 B s L h^2 (1 + s / (6h) + V / (12 L h)) and torchtitan's 6 N + 12 L s heads d, the convention of
+the throughput figures they published. All are checked in tests/test_flops.py. (Megatron counts the padded
+vocabulary's logits too; padding is no real work, so it is not counted here.)
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ PEAKS = [
 ]
 
 
-def _attention_flops(c: ModelConfig, s: int) -> float:
-    """Forward FLOPs of one token's attention in one layer: projections, q.k^T and p.v over the full sequence."""
+def _attention_flops(c: ModelConfig, s: float) -> float:
+    """Forward FLOPs of one token's attention in one layer: projections, q.k^T and p.v over `s` keys."""
     h, heads = c.hidden_size, c.num_attention_heads
     if not c.multi_latent_attention:
         d = c.head_dim
@@ -57,13 +59,14 @@ def _mlp_flops(c: ModelConfig, layer: int) -> float:
     return 2 * h * c.num_experts + 2 * h * (c.moe_router_topk * c.moe_ffn_size + shared) * mult
 
 
-def flops_per_token(config: ModelConfig, seq_length: int) -> float:
+def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True) -> float:
     """Training FLOPs per token; each multi-token-prediction depth adds its projection of [embedding, hidden]
-    (2 * 2h * h), its transformer layer and another pass through the output layer."""
+    (2 * 2h * h), its transformer layer and another pass through the output layer. `causal`: a token's attention
+    counts half the sequence (Megatron's current convention); False: the whole of it (see the module's
+    docstring)."""
     h, depths = config.hidden_size, config.mtp_num_layers
-    layers = sum(
-        _attention_flops(config, seq_length) + _mlp_flops(config, i) for i in range(config.num_layers + depths)
-    )
+    keys = seq_length / 2 if causal else seq_length
+    layers = sum(_attention_flops(config, keys) + _mlp_flops(config, i) for i in range(config.num_layers + depths))
     return 3.0 * (layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size)
 
 
