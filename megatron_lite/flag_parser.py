@@ -311,7 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hysteresis", type=int, default=2)
 
     a = parser.add_argument_group("data")
-    a.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...; default: embedded corpus")
+    a.add_argument(
+        "--data-path",
+        nargs="+",
+        help="PREFIX, W1 PREFIX1 W2 PREFIX2 ..., or PREFIX1 PREFIX2 ... (weighted by size); default: embedded corpus",
+    )
     for split in ("train", "valid", "test"):
         a.add_argument(
             f"--{split}-data-path",

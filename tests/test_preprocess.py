@@ -128,3 +128,26 @@ def test_megatron_mixtral_example_flags_parse(tmp_path):
         --no-load-optim --no-load-rng"""
     _, job = parse_args(flags.split())
     assert job.model.num_experts == 2 and job.parallel.ep == 2 and job.data.tokenizer_type == "Llama2Tokenizer"
+
+
+def test_empty_and_sentence_list_documents_follow_megatron(tmp_path):
+    """Megatron's Encoder.encode: a list-valued text is the document's sentences, one sequence each, empty ones
+    dropped; --append-eod ends the document's last sentence; an empty document has no EOD and no sequence, only
+    a document boundary (IndexedDatasetBuilder.add_document with no lengths)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import preprocess_data
+
+    src = tmp_path / "in.jsonl"
+    texts = ["ab", "", "cd", ["ef", "", "g"], []]
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prefix = str(tmp_path / "o")
+    argv = ["--input", str(src), "--output-prefix", prefix, "--tokenizer-type", "ByteLevelTokenizer", "--append-eod"]
+    assert preprocess_data.main(argv) == 0
+    ds = IndexedDataset(prefix + "_text_document")
+    # bytes: a b c d e f g = 97..103; EOD 256
+    assert [ds.get(i).tolist() for i in range(len(ds))] == [[97, 98, 256], [99, 100, 256], [101, 102], [103, 256]]
+    assert ds.document_indices.tolist() == [0, 1, 1, 2, 4, 4]
+    # without --append-eod: the same sequences, no EOD
+    assert preprocess_data.main([*argv[:3], prefix + "_no_eod", *argv[4:6]]) == 0
+    ds = IndexedDataset(prefix + "_no_eod_text_document")
+    assert [ds.get(i).tolist() for i in range(len(ds))] == [[97, 98], [99, 100], [101, 102], [103]]

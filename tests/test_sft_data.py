@@ -42,3 +42,24 @@ def test_bad_records_are_refused(tmp_path):
     path.write_text('{"prompt": "1"}\n')
     with pytest.raises(ConfigError, match=r"d.jsonl:1: expected a JSON object with \"prompt\" and \"response\""):
         SFTDataset(str(path), Words(), seq_length=4, seed=0)
+
+
+def test_a_bos_adding_tokenizer_puts_one_bos_per_sample(tmp_path):
+    """Llama2Tokenizer starts every encode with <s>; prompt and response are encoded apart, yet the sample is
+    <s> prompt response </s>: one BOS, and the loss only on the response and </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "answer": 5, "yes": 6}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
+    tok = build_tokenizer("Llama2Tokenizer", model=str(tmp_path / "tokenizer.model"))
+    assert tok.encode("answer yes") == [1, 5, 6]  # the tokenizer does add a BOS each time
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "hello world", "response": "answer yes"}) + "\n")
+    s = SFTDataset(str(path), tok, seq_length=8, seed=0)[0]
+    assert s["tokens"].tolist() == [1, 3, 4, 5, 6, 2, 2, 2]
+    assert [lab for lab, m in zip(s["labels"].tolist(), s["loss_mask"].tolist()) if m] == [5, 6, 2]

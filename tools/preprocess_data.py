@@ -35,7 +35,10 @@ def _init(args: argparse.Namespace) -> None:
     _TOK = tokenizer_from_flags(args)
 
 
-def _encode(item: tuple[str, str]) -> tuple[dict[str, list[int]], int]:
+def _encode(item: tuple[str, str]) -> tuple[dict[str, tuple[list[int], list[int]]], int]:
+    """Each key's (token ids, sentence lengths), as Megatron's Encoder.encode: a list-valued text is the
+    document's sentences, one sequence each; empty sentences are dropped; an empty document gets no EOD and
+    writes no sequence."""
     kind, payload = item
     if kind == "text":
         texts = {"text": payload}
@@ -44,10 +47,19 @@ def _encode(item: tuple[str, str]) -> tuple[dict[str, list[int]], int]:
         texts = {k: doc[k] for k in _ARGS.json_keys}
     out = {}
     for key, text in texts.items():
-        ids = _TOK.encode(text)
-        if _ARGS.append_eod:
+        ids: list[int] = []
+        lens: list[int] = []
+        for sentence in text if isinstance(text, list) else [text]:
+            if not isinstance(sentence, str):
+                raise TypeError(f'"{key}" holds {type(sentence).__name__}, expected a string or a list of strings')
+            sentence_ids = _TOK.encode(sentence)
+            if sentence_ids:
+                ids.extend(sentence_ids)
+                lens.append(len(sentence_ids))
+        if ids and _ARGS.append_eod:
             ids.append(_TOK.eod)
-        out[key] = ids
+            lens[-1] += 1
+        out[key] = (ids, lens)
     return out, len(payload.encode("utf-8"))
 
 
@@ -102,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = pool.imap(_encode, _items(args), chunksize=64) if pool else map(_encode, _items(args))
         for encoded, size in results:
-            for key, ids in encoded.items():
-                writers[key].add_document(ids)
+            for key, (ids, lens) in encoded.items():
+                writers[key].add_document(ids, lens)
             docs += 1
             nbytes += size
             if docs % args.log_interval == 0:
@@ -113,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    except (KeyError, json.JSONDecodeError) as e:
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
         print(f"error: input document {docs + 1}: {type(e).__name__}: {e} (check --json-keys)", file=sys.stderr)
         return 2
     finally:

@@ -26,9 +26,9 @@ from megatron_lite.data.tokenizers import HuggingFaceTokenizer, NullTokenizer, t
 class DataSource:
     tokenizer: object
     vocab_size: int
-    prefixes: list[tuple[float, str]]  # (weight, prefix); empty for mock data
+    prefixes: list[tuple[float | None, str]]  # (weight, prefix), weight None: by size; empty for mock data
     description: str
-    per_split: tuple[list[tuple[float, str]], ...] | None = None  # --train/valid/test-data-path blends
+    per_split: tuple[list[tuple[float | None, str]], ...] | None = None  # --train/valid/test-data-path blends
 
 
 def resolve_data(data: DataConfig, log=print) -> DataSource:
@@ -63,9 +63,11 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
 
 
 def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str) -> None:
-    """The largest token id of a dataset (cached by file size) must fit the vocabulary."""
+    """The largest token id of a dataset (cached by the .bin's size, mtime and inode: a re-preprocessed corpus
+    of the same size is scanned again) must fit the vocabulary."""
     key = os.path.join(cache_dir, "max_token_" + os.path.abspath(indexed.prefix).replace(os.sep, "_") + ".json")
-    size = os.path.getsize(indexed.prefix + ".bin")
+    st = os.stat(indexed.prefix + ".bin")
+    size = [st.st_size, st.st_mtime_ns, st.st_ino]
     with file_lock(key + ".lock"):
         cached = json.load(open(key)) if os.path.exists(key) else None
         if cached is None or cached.get("size") != size:
@@ -101,8 +103,9 @@ def build_datasets(
     opened: dict[str, tuple] = {}  # prefix -> (dataset, its cache directory, its --split document ranges)
     out = []
     for s, blend in enumerate(blends):
-        total_w = sum(w for w, _, _ in blend)
-        parts = []
+        # The components with documents in this split, found before sizing any: one whose split is empty
+        # (a small dataset's test part) drops out and the others' shares grow to fill the split.
+        live = []
         for w, prefix, by_split in blend:
             if prefix not in opened:
                 indexed = IndexedDataset(prefix)
@@ -112,14 +115,20 @@ def build_datasets(
             indexed, cache_dir, ranges = opened[prefix]
             lo, hi = ranges[s] if by_split else (0, len(indexed))
             if num_samples[s] == 0 or hi <= lo:
-                parts.append(None)
                 continue
-            # Megatron's 0.5% margin so the blend never runs a component dry.
-            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if len(blend) > 1 else num_samples[s]
+            if w is None:  # prefixes without weights: Megatron weighs each by its samples in one epoch of the split
+                w = max(int(indexed.lengths[lo:hi].sum()) - 1, 0) // seq_length
+            if w > 0:
+                live.append((w, indexed, cache_dir, (lo, hi)))
+        total_w = sum(w for w, *_ in live)
+        parts = []
+        for w, indexed, cache_dir, doc_range in live:
+            # Megatron's 0.5% margin; ceil(N * share) alone already covers what the blend draws.
+            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if len(live) > 1 else num_samples[s]
             parts.append(
                 GPTDataset(
                     indexed,
-                    (lo, hi),
+                    doc_range,
                     n,
                     seq_length,
                     seed + s,
@@ -130,11 +139,10 @@ def build_datasets(
                     data.reset_attention_mask,
                 )
             )
-        if num_samples[s] == 0 or all(p is None for p in parts):
+        if not parts:
             out.append(None)
         elif len(parts) == 1:
             out.append(parts[0])
         else:
-            kept = [(p, w) for p, (w, _, _) in zip(parts, blend) if p is not None]
-            out.append(BlendedDataset([p for p, _ in kept], [w for _, w in kept], num_samples[s]))
+            out.append(BlendedDataset(parts, [w for w, *_ in live], num_samples[s]))
     return tuple(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megatron_lite.config import ConfigError
@@ -25,7 +26,8 @@ def _split_weights(split: str) -> list[float]:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # Megatron's --data-path: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (weights need not sum to 1).
+    # Megatron's --data-path: "PREFIX", "W1 PREFIX1 W2 PREFIX2 ..." (weights need not sum to 1), or
+    # "PREFIX1 PREFIX2 ..." (blended in proportion to their sizes).
     data_path: tuple[str, ...] = field(default_factory=tuple)
     # Megatron's --train-data-path / --valid-data-path / --test-data-path: each split from datasets of its own
     # (same syntax as --data-path), used whole; instead of --data-path and --split
@@ -86,32 +88,51 @@ class DataConfig:
         return (w[0] / total, w[1] / total, w[2] / total)
 
     @property
-    def blend(self) -> list[tuple[float, str]]:
-        """(weight, prefix) pairs of --data-path."""
+    def blend(self) -> list[tuple[float | None, str]]:
+        """(weight, prefix) pairs of --data-path; weight None: by size (prefixes given without weights)."""
         return _blend(self.data_path)
 
     @property
-    def blend_per_split(self) -> tuple[list[tuple[float, str]], ...] | None:
+    def blend_per_split(self) -> tuple[list[tuple[float | None, str]], ...] | None:
         """(weight, prefix) pairs of --train/valid/test-data-path; None when --data-path and --split are used."""
         if not self.train_data_path:
             return None
         return tuple(_blend(p) for p in (self.train_data_path, self.valid_data_path, self.test_data_path))
 
 
-def _blend(paths: tuple[str, ...]) -> list[tuple[float, str]]:
+def _number(token: str) -> float | None:
+    try:
+        return float(token)
+    except ValueError:
+        return None
+
+
+def _blend(paths: tuple[str, ...]) -> list[tuple[float | None, str]]:
+    """Megatron's get_blend_from_list: "W1 P1 W2 P2 ..." when every other item is a number, else prefixes only,
+    whose weight None means: in proportion to their sizes."""
     if len(paths) == 1:
         return [(1.0, paths[0])]
-    return [(float(w), p) for w, p in zip(paths[0::2], paths[1::2])]
+    weights = [_number(w) for w in paths[0::2]]
+    if len(paths) % 2 or any(w is None for w in weights):
+        return [(None, p) for p in paths]
+    return [(float(w), p) for w, p in zip(weights, paths[1::2])]
 
 
 def _check_blend(flag: str, paths: tuple[str, ...]) -> None:
     if len(paths) <= 1:
         return
-    if len(paths) % 2:
-        raise ConfigError(f"{flag} with several datasets takes weight/prefix pairs, got {len(paths)} items")
-    for w in paths[0::2]:
-        try:
-            if float(w) < 0:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"{flag} weight {w!r} is not a non-negative number") from None
+    blend = _blend(paths)
+    if blend[0][0] is None:
+        # prefixes only; a number among them is a weight whose prefix (or the other weights) went missing
+        stray = next((p for _, p in blend if _number(p) is not None), None)
+        if stray is not None:
+            raise ConfigError(
+                f"{flag} {' '.join(paths)}: {stray!r} looks like a weight; give a weight before every prefix "
+                "(W1 PREFIX1 W2 PREFIX2 ...) or prefixes only"
+            )
+        return
+    for (w, _), raw in zip(blend, paths[0::2]):
+        if not (0 <= w < math.inf):
+            raise ConfigError(f"{flag} weight {raw!r} is not a non-negative number")
+    if sum(w for w, _ in blend) <= 0:
+        raise ConfigError(f"{flag} weights {' '.join(paths[0::2])} sum to 0; give at least one a positive weight")

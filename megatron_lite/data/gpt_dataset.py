@@ -3,7 +3,8 @@ whose index arrays are built once and cached; train/valid/test splits by documen
 
 Sample j of an epoch-concatenated document stream starts at token j * seq_length and holds seq_length + 1
 tokens (inputs and shifted labels). The document order (per epoch) and the sample order are seeded
-permutations, so the dataset is a pure function of (files, split, seed, seq_length, num_samples).
+permutations, so the dataset is a pure function of (files, split, seed, seq_length, num_samples). Splits,
+blending and the final-epoch rule follow Megatron-core.
 """
 
 from __future__ import annotations
@@ -41,13 +42,22 @@ def _save_npy(path: str, arr: np.ndarray) -> None:
 
 
 def split_document_ranges(num_docs: int, weights: tuple[float, float, float]) -> list[tuple[int, int]]:
-    """Megatron's split: consecutive document ranges proportional to the weights."""
-    bounds = [0]
+    """Megatron-core's split: part i is documents [round(cum[i] * N), round(cum[i + 1] * N)) with cum the
+    running sum of the normalised weights (convert_split_vector_to_split_matrix), Python's round as there."""
+    cum = [0.0]
     for w in weights:
-        bounds.append(bounds[-1] + int(round(w * num_docs)))
-    diff = bounds[-1] - num_docs
-    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+        cum.append(cum[-1] + w)
+    return [
+        (int(round(cum[i] * float(num_docs))), int(round(cum[i + 1] * float(num_docs)))) if weights[i] > 0 else (0, 0)
+        for i in range(3)
+    ]
+
+
+def index_signature(indexed: IndexedDataset, doc_range: tuple[int, int]) -> str:
+    """A digest of the document lengths in `doc_range`: the sample indices depend on nothing else of the files,
+    so a re-preprocessed corpus (same .bin size, other documents or order) never reuses stale indices."""
+    lo, hi = doc_range
+    return hashlib.md5(np.ascontiguousarray(indexed.lengths[lo:hi]).tobytes()).hexdigest()
 
 
 class GPTDataset:
@@ -77,6 +87,7 @@ class GPTDataset:
             [
                 os.path.abspath(indexed.prefix),
                 os.path.getsize(indexed.prefix + ".bin"),
+                index_signature(indexed, doc_range),
                 list(doc_range),
                 num_samples,
                 seq_length,
@@ -99,6 +110,13 @@ class GPTDataset:
         if tokens_per_epoch <= self.seq_length:
             raise ValueError(f"{self.indexed.prefix}: {tokens_per_epoch} tokens cannot fill one sample")
         epochs = max(1, math.ceil((num_samples * self.seq_length + 1) / tokens_per_epoch))
+        # Megatron-core's separate_final_epoch: when the last epoch is < 80% used, the samples of the full
+        # epochs are shuffled among themselves and come first, so the run reads every document once before
+        # any twice (else a 1.05-epoch run would skip ~1/5 of the corpus).
+        full = (epochs - 1) * tokens_per_epoch
+        sans_final = (full - 1) // self.seq_length if epochs > 1 else 0
+        per_epoch = (tokens_per_epoch - 1) // self.seq_length
+        separate = epochs > 1 and num_samples - sans_final < int(0.80 * per_epoch)
         rng = np.random.RandomState(seed)
         doc_index = np.concatenate([rng.permutation(docs) for _ in range(epochs)])
         total = (epochs * tokens_per_epoch - 1) // self.seq_length
@@ -107,7 +125,12 @@ class GPTDataset:
         pos = np.searchsorted(ends, starts, side="right")
         offset = starts - np.where(pos > 0, ends[np.maximum(pos - 1, 0)], 0)
         sample_index = np.stack([pos, offset], axis=1)
-        shuffle_index = rng.permutation(total).astype(np.int64)
+        if separate:  # samples [0, sans_final) end inside the full epochs (their extra label token too)
+            shuffle_index = np.concatenate(
+                [rng.permutation(sans_final), sans_final + rng.permutation(total - sans_final)]
+            ).astype(np.int64)
+        else:
+            shuffle_index = rng.permutation(total).astype(np.int64)
         return doc_index, sample_index, shuffle_index
 
     def __len__(self) -> int:
@@ -143,21 +166,28 @@ class GPTDataset:
         return sample
 
 
+def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset, sample within it) of each of `size` blended samples: sample i comes from the dataset furthest
+    behind its share, w * max(i, 1) - count, the first on ties (Megatron's helpers.cpp build_blending_indices)."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    counts = np.zeros(len(w), dtype=np.int64)
+    dataset_index = np.zeros(size, dtype=np.int64)
+    sample_index = np.zeros(size, dtype=np.int64)
+    for i in range(size):
+        k = int(np.argmax(w * max(i, 1) - counts))
+        dataset_index[i] = k
+        sample_index[i] = counts[k]
+        counts[k] += 1
+    return dataset_index, sample_index
+
+
 class BlendedDataset:
-    """Samples drawn from several datasets in proportion to their weights, deterministically: sample i
-    comes from the dataset furthest behind its share (Megatron's greedy blending)."""
+    """Samples drawn from several datasets in proportion to their weights, deterministically (see
+    blending_indices)."""
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int) -> None:
-        w = np.asarray(weights, dtype=np.float64)
-        w = w / w.sum()
-        counts = np.zeros(len(datasets), dtype=np.int64)
-        self.dataset_index = np.zeros(num_samples, dtype=np.int64)
-        self.sample_index = np.zeros(num_samples, dtype=np.int64)
-        for i in range(num_samples):
-            k = int(np.argmax(w * (i + 1) - counts))
-            self.dataset_index[i] = k
-            self.sample_index[i] = counts[k]
-            counts[k] += 1
+        self.dataset_index, self.sample_index = blending_indices(weights, num_samples)
         self.datasets = datasets
 
     def __len__(self) -> int:

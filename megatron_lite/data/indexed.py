@@ -43,11 +43,18 @@ class IndexedDatasetWriter:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(prefix + ".bin.partial", "wb")
         self._lengths: list[int] = []
+        self._docs = [0]  # document boundaries, indices into the sequences
 
-    def add_document(self, ids) -> None:
+    def add_document(self, ids, lengths: list[int] | None = None) -> None:
+        """One document: its tokens, as one sequence or as sequences of `lengths` (Megatron's sentences;
+        `[]` for an empty document, which then adds a document boundary and no sequence, as Megatron's)."""
         arr = np.asarray(ids, dtype=self.dtype)
+        lengths = [len(arr)] if lengths is None else [int(n) for n in lengths]
+        if sum(lengths) != len(arr):
+            raise ValueError(f"sequence lengths {lengths} do not add up to the document's {len(arr)} tokens")
         self._bin.write(arr.tobytes(order="C"))
-        self._lengths.append(len(arr))
+        self._lengths.extend(lengths)
+        self._docs.append(len(self._lengths))
 
     def finalize(self) -> None:
         self._bin.flush()
@@ -57,7 +64,7 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             pointers[1:] = np.cumsum(lengths[:-1].astype(np.int64)) * self.dtype.itemsize
-        docs = np.arange(len(lengths) + 1, dtype=np.int64)
+        docs = np.asarray(self._docs, dtype=np.int64)
         with open(self.prefix + ".idx.partial", "wb") as f:
             f.write(HEADER)
             f.write(struct.pack("<Q", 1))

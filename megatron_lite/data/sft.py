@@ -1,9 +1,10 @@
 """Supervised fine-tuning data: a JSONL file of {"prompt": ..., "response": ...} records. Each sample is the
-prompt's tokens, the response's and an end-of-document token, cut or padded to the sequence length; the loss
-mask is 1 only where the label is a response (or the final end-of-document) token, so the prompt and the
-padding never count. The loss is averaged over the response tokens of the whole global batch (as
-Megatron's --calculate-per-token-loss does), so data parallelism equals one process however the masked
-tokens fall. Samples are visited in a seeded permutation, epoch after epoch."""
+prompt's tokens (with the tokenizer's BOS, if it adds one), the response's (without: one BOS per sequence)
+and an end-of-document token, cut or padded to the sequence length; the loss mask is 1 only where the label
+is a response (or the final end-of-document) token, so the prompt and the padding never count. The loss is
+averaged over the response tokens of the whole global batch (as Megatron's --calculate-per-token-loss does),
+so data parallelism equals one process however the masked tokens fall. Samples are visited in a seeded
+permutation, epoch after epoch."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megatron_lite.config import ConfigError
 class SFTDataset:
     def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
         self.records = []
+        bos = getattr(tokenizer, "bos", None)
         with open(path) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -28,7 +30,12 @@ class SFTDataset:
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     expected = 'a JSON object with "prompt" and "response"'
                     raise ConfigError(f"{path}:{n}: expected {expected} ({e})") from e
-                self.records.append((tokenizer.encode(prompt), tokenizer.encode(response)))
+                ids = tokenizer.encode(response)
+                # A tokenizer that starts every encode with BOS (Llama2Tokenizer): one BOS per sequence, the
+                # prompt's, else a mid-sequence <s> would be trained on.
+                if bos is not None and ids[:1] == [bos]:
+                    ids = ids[1:]
+                self.records.append((tokenizer.encode(prompt), ids))
         if not self.records:
             raise ConfigError(f"{path} holds no prompt/response records")
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod

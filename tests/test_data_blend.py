@@ -1,0 +1,131 @@
+"""Blends of indexed datasets (--data-path W1 P1 W2 P2 ... or P1 P2 ...), checked against Megatron-core's rules:
+helpers.cpp build_blending_indices for the order, get_blend_from_list and the builder's by-size weights for
+prefixes without weights, and every component sized for what the blend draws from it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_lite.config import ConfigError
+from megatron_lite.data.builder import DataSource, build_datasets
+from megatron_lite.data.config import DataConfig
+from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset
+from megatron_lite.data.indexed import IndexedDatasetWriter
+from megatron_lite.data.tokenizers import ByteLevelTokenizer
+
+
+class _Endless:
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _corpus(prefix: str, ndocs: int, lo: int, hi: int, length: int = 20, seed: int = 0) -> str:
+    """ndocs documents of `length` tokens (the last one EOD = 256), the others drawn from [lo, hi)."""
+    rng = np.random.RandomState(seed)
+    w = IndexedDatasetWriter(prefix, 257)
+    for _ in range(ndocs):
+        w.add_document([*rng.randint(lo, hi, length - 1), 256])
+    w.finalize()
+    return prefix
+
+
+def _build(data: DataConfig, sizes: tuple[int, int, int], seq: int = 8) -> tuple:
+    tok = ByteLevelTokenizer()
+    return build_datasets(DataSource(tok, tok.vocab_size, data.blend, ""), data, sizes, seq, 1234)
+
+
+def _origin(sample: dict, ranges: dict[str, tuple[int, int]]) -> str:
+    """Which dataset a sample's tokens come from (each dataset draws its tokens from its own id range)."""
+    toks = sample["tokens"][sample["tokens"] != 256]
+    names = [n for n, (lo, hi) in ranges.items() if bool(((toks >= lo) & (toks < hi)).all())]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def test_blending_order_follows_megatron():
+    """Hand-worked helpers.cpp rule for weights 0.3/0.7: sample i goes to argmax w * max(i, 1) - count (first on
+    ties). i=0,1 both use max(i, 1) = 1: errors (.3, .7) -> 1, then (.3, -.3) -> 0; i=2: (-.4, .4) -> 1; i=3:
+    (-.1, .1) -> 1; i=4: (.2, -.2) -> 0; ..."""
+    b = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 10)
+    assert b.dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]
+    assert b.sample_index.tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6]
+
+
+@pytest.mark.parametrize("weights", [[1, 2, 3], [0.2, 0.3, 0.5], [5, 1]])
+def test_blending_order_matches_the_reference_loop(weights):
+    """Megatron's build_blending_indices written out (a strict > scan, so the first maximum wins)."""
+    w = np.asarray(weights, np.float64) / sum(weights)
+    counts = [0] * len(w)
+    expected = []
+    for i in range(50):
+        errors = [w[k] * max(i, 1.0) - counts[k] for k in range(len(w))]
+        best = 0
+        for k in range(1, len(w)):
+            if errors[k] > errors[best]:
+                best = k
+        expected.append(best)
+        counts[best] += 1
+    assert BlendedDataset([_Endless() for _ in w], weights, 50).dataset_index.tolist() == expected
+
+
+def test_a_component_with_an_empty_split_drops_out_and_the_others_fill_it(tmp_path):
+    """B has 100 documents: under --split 969,30,1 its test part is [round(.999 * 100), round(1.0 * 100)) =
+    empty. The test split blends A and C alone, 1:2, and every one of its samples must be readable."""
+    a = _corpus(str(tmp_path / "a"), 1000, 0, 80, seed=1)
+    b = _corpus(str(tmp_path / "b"), 100, 80, 160, seed=2)
+    c = _corpus(str(tmp_path / "c"), 1000, 160, 240, seed=3)
+    data = DataConfig(data_path=("1", a, "1", b, "2", c), tokenizer_type="ByteLevelTokenizer")
+    n = 60
+    _, _, test = _build(data, (n, n, n))
+    assert len(test) >= n
+    origins = [_origin(test[i], {"a": (0, 80), "b": (80, 160), "c": (160, 240)}) for i in range(n)]
+    assert "b" not in origins
+    # the renormalised shares: C gets 2/3 of the samples, within the one sample the greedy rule allows
+    assert abs(origins.count("c") - 2 * n / 3) <= 1
+
+
+def test_a_two_way_blend_with_one_empty_split_is_the_other_dataset(tmp_path):
+    a = _corpus(str(tmp_path / "a"), 1000, 0, 80, seed=1)
+    b = _corpus(str(tmp_path / "b"), 100, 80, 160, seed=2)
+    data = DataConfig(data_path=("0.5", a, "0.5", b), tokenizer_type="ByteLevelTokenizer")
+    _, _, test = _build(data, (40, 40, 40))
+    assert isinstance(test, GPTDataset) and len(test) >= 40
+    assert {_origin(test[i], {"a": (0, 80), "b": (80, 160)}) for i in range(40)} == {"a"}
+
+
+def test_prefixes_without_weights_blend_by_size(tmp_path):
+    """Megatron's `--data-path A B` (get_blend_from_list: weights None): each dataset weighs its samples in one
+    epoch of the split; A holds 3x B's tokens, so 3/4 of the samples come from A."""
+    a = _corpus(str(tmp_path / "a"), 300, 0, 80, seed=1)
+    b = _corpus(str(tmp_path / "b"), 100, 80, 160, seed=2)
+    data = DataConfig(data_path=(a, b), tokenizer_type="ByteLevelTokenizer", split="1,0,0")
+    assert data.blend == [(None, a), (None, b)]
+    n = 200
+    train, valid, test = _build(data, (n, 0, 0))
+    assert valid is None and test is None
+    origins = [_origin(train[i], {"a": (0, 80), "b": (80, 160)}) for i in range(n)]
+    # one-epoch samples: (300 * 20 - 1) // 8 = 749 and (100 * 20 - 1) // 8 = 249
+    assert abs(origins.count("a") - n * 749 / (749 + 249)) <= 1
+    # the same for the per-split flags
+    data = DataConfig(train_data_path=(a, b), tokenizer_type="ByteLevelTokenizer")
+    assert data.blend_per_split[0] == [(None, a), (None, b)]
+
+
+@pytest.mark.parametrize(
+    "paths, words",
+    [
+        (("0.3", "/d/a", "/d/b"), ["--data-path", "'0.3' looks like a weight"]),
+        (("0.3", "/d/a", "/d/b", "0.7"), ["--data-path", "'0.3' looks like a weight"]),
+        (("1", "/d/a", "-2", "/d/b"), ["--data-path weight '-2'"]),
+        (("0", "/d/a", "0", "/d/b"), ["--data-path weights 0 0 sum to 0"]),
+    ],
+)
+def test_malformed_blends_are_one_line_errors(paths, words):
+    with pytest.raises(ConfigError) as e:
+        DataConfig(data_path=paths)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg

@@ -1,0 +1,120 @@
+"""GPTDataset's index arrays against Megatron-core's rules: the --split document ranges
+(convert_split_vector_to_split_matrix + _build_megatron_dataset_splits), the separate final epoch
+(_build_document_sample_shuffle_indices), and an index cache that never outlives the files it was built from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_lite.data.config import DataConfig
+from megatron_lite.data.gpt_dataset import GPTDataset, split_document_ranges
+from megatron_lite.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+
+@pytest.mark.parametrize(
+    "split, n, expected",
+    [
+        # cumulative .969/.999/1: [0, round(47.481)), [47, round(48.951)), [49, 49)
+        ("969,30,1", 49, [(0, 47), (47, 49), (49, 49)]),
+        # cumulative .25/.5/1 of 3: round(.75) = 1, round(1.5) = 2 (Python's round, half to even)
+        ("1,1,2", 3, [(0, 1), (1, 2), (2, 3)]),
+        # round(.98 * 25 = 24.5) = 24; a zero weight is an empty part
+        ("98,2,0", 25, [(0, 24), (24, 25), (0, 0)]),
+        ("90,5,5", 5, [(0, 4), (4, 5), (5, 5)]),
+    ],
+)
+def test_split_ranges_follow_megatron_core(split, n, expected):
+    assert split_document_ranges(n, DataConfig(split=split).split_weights) == expected
+
+
+def test_split_ranges_are_the_rounded_cumulative_weights():
+    """For every size: part i is [round(cum[i] * N), round(cum[i + 1] * N)), so the parts tile [0, N)."""
+    for split in ("969,30,1", "98,2,0", "1,1,2", "90,5,5", "8,1,1"):
+        w = DataConfig(split=split).split_weights
+        cum = [0.0, w[0], w[0] + w[1], w[0] + w[1] + w[2]]
+        for n in range(1, 2000):
+            got = split_document_ranges(n, w)
+            want = [(round(cum[i] * n), round(cum[i + 1] * n)) for i in range(3)]
+            assert [r for r in got if r[1] > r[0]] == [r for r in want if r[1] > r[0]], (split, n)
+
+
+def _write(prefix: str, docs: list[list[int]]) -> IndexedDataset:
+    w = IndexedDatasetWriter(prefix, 1000)
+    for d in docs:
+        w.add_document(d)
+    w.finalize()
+    return IndexedDataset(prefix)
+
+
+def _is_prefix_permutation(shuffle: np.ndarray, k: int) -> bool:
+    return sorted(int(x) for x in shuffle[:k]) == list(range(k))
+
+
+def test_a_short_final_epoch_is_read_after_every_document(tmp_path):
+    """200 documents of 65 tokens (every token of document i is i), 64-token samples: one epoch is
+    (200 * 65 - 1) // 64 = 203 samples. A run of 213 samples (1.05 epochs) must read every document before it
+    reads one twice: Megatron shuffles the full epochs' samples apart from the final epoch's, first, when the
+    final epoch contributes fewer than int(0.8 * 203) = 162 samples."""
+    ndoc, length, seq = 200, 65, 64
+    ix = _write(str(tmp_path / "c"), [[i] * length for i in range(ndoc)])
+    per_epoch = (ndoc * length - 1) // seq
+    assert per_epoch == 203
+    n = 213
+    ds = GPTDataset(ix, (0, ndoc), n, seq, 1234, str(tmp_path / "cache"), 999)
+    read = set()
+    for i in range(n):
+        read |= set(ds.tokens(i)[:-1].tolist())
+    assert read == set(range(ndoc))
+    assert _is_prefix_permutation(ds.shuffle_index, per_epoch)
+
+
+@pytest.mark.parametrize("final, separate", [(1, True), (161, True), (162, False), (203, False)])
+def test_the_final_epoch_threshold_is_megatrons(tmp_path, final, separate):
+    """separate iff samples from the final epoch < int(0.80 * samples per epoch) (= 162 here), two epochs."""
+    ndoc, length, seq = 200, 65, 64
+    ix = _write(str(tmp_path / "c"), [[i] * length for i in range(ndoc)])
+    n = 203 + final
+    ds = GPTDataset(ix, (0, ndoc), n, seq, 7, str(tmp_path / "cache"), 999)
+    assert len(ds) == (2 * ndoc * length - 1) // seq  # two epochs
+    assert _is_prefix_permutation(ds.shuffle_index, 203) == separate
+    assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
+
+
+def test_a_reprocessed_corpus_of_the_same_size_rebuilds_the_indices(tmp_path):
+    """The same documents written again in another order: same .bin size, other document lengths in each place.
+    The dataset must read what a fresh build on the new files reads, not the old files' cached indices."""
+    rng = np.random.RandomState(0)
+    docs = [[*rng.randint(0, 255, n), 256] for n in rng.randint(1, 60, 40)]
+    prefix = str(tmp_path / "corpus_text_document")
+    cache = str(tmp_path / "cache")
+    GPTDataset(_write(prefix, docs), (0, 40), 50, 16, 1, cache, 256)
+    ix = _write(prefix, [docs[i] for i in rng.permutation(40)])
+    ds = GPTDataset(ix, (0, 40), 50, 16, 1, cache, 256)
+    fresh = GPTDataset(ix, (0, 40), 50, 16, 1, str(tmp_path / "fresh"), 256)
+    assert len(ds) == len(fresh)
+    for i in range(len(ds)):
+        assert np.array_equal(ds.tokens(i), fresh.tokens(i)), i
+    # and the stream itself: sample j is tokens [j * 16, j * 16 + 17) of the documents in doc_index order
+    stream = np.concatenate([ix.get(int(k)) for k in ds.doc_index])
+    for i in range(len(ds)):
+        j = int(ds.shuffle_index[i])
+        assert np.array_equal(ds.tokens(i), stream[j * 16 : j * 16 + 17]), i
+
+
+def test_the_vocabulary_check_rescans_a_rewritten_corpus(tmp_path):
+    """The largest-token cache is keyed by more than the .bin size: a corpus rewritten with the same size but a
+    token beyond the vocabulary is refused, not passed on the old file's cached maximum."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.data.builder import DataSource, build_datasets
+    from megatron_lite.data.tokenizers import NullTokenizer
+
+    prefix = str(tmp_path / "c")
+    data = DataConfig(data_path=(prefix,), tokenizer_type="NullTokenizer", vocab_size=100)
+    tok = NullTokenizer(100)
+    source = DataSource(tok, tok.vocab_size, data.blend, "")
+    _write(prefix, [[1] * 30 + [100] for _ in range(10)])
+    build_datasets(source, data, (4, 0, 0), 8, 1)
+    _write(prefix, [[150] * 30 + [100] for _ in range(10)])  # same size, token 150 > vocabulary 101
+    with pytest.raises(ConfigError, match="holds token id 150"):
+        build_datasets(source, data, (4, 0, 0), 8, 1)
