@@ -43,7 +43,9 @@ if HAVE_TRITON:
             for j in range(0, k):
                 pos = tl.load(MAP + t * k + j)
                 w = tl.where(pos >= 0, tl.load(W + t * k + j).to(tl.float32), 0.0)  # dropped pairs weigh 0
-                row = tl.load(OUT + tl.maximum(pos, 0) * H + cols, mask=m, other=0.0).to(tl.float32)
+                # a dropped pair reads nothing (0 * a stand-in row would turn an inf there into NaN)
+                live = cols < tl.where(pos >= 0, H, 0)
+                row = tl.load(OUT + tl.maximum(pos, 0) * H + cols, mask=live, other=0.0).to(tl.float32)
                 acc += w * row
             tl.store(Y + t * H + cols, acc.to(Y.dtype.element_ty), mask=m)
 
@@ -233,7 +235,11 @@ def moe_permute_reference(x, indices, keep=None):
 def moe_unpermute_reference(out, row_map, probs):
     t, k = row_map.shape
     valid = row_map >= 0
+    if out.shape[0] == 0:  # every pair dropped (a chunk past the experts' capacity): nothing to gather
+        return out.new_zeros(t, out.shape[1])
     rows = out[row_map.clamp(min=0).reshape(-1)].view(t, k, -1)
+    # dropped pairs read row 0 as a stand-in: zeroed, not multiplied by 0 (an inf there would give NaN)
+    rows = rows.masked_fill(~valid.unsqueeze(-1), 0.0)
     w = (probs * valid).to(out.dtype).unsqueeze(-1)
     return (rows * w).sum(1)
 

@@ -120,7 +120,7 @@ def _layer_freq(text) -> int | tuple[int, ...]:
             f"--moe-layer-freq {text!r} must be an integer, a comma-separated 0/1 list or a list expression such as "
             "'([0]*3+[1]*58)'"
         ) from None
-    return values[0] if len(values) == 1 and not any(c in body for c in "*+") else tuple(values)
+    return values[0] if len(values) == 1 and not any(c in body for c in "*+[](),") else tuple(values)
 
 
 def _main_grads_bf16(ns: argparse.Namespace) -> bool:

@@ -348,6 +348,12 @@ class ModelConfig:
             raise ConfigError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type} is not alltoall|allgather")
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
             raise ConfigError(f"--moe-expert-capacity-factor {self.moe_expert_capacity_factor} must be > 0")
+        if isinstance(self.moe_layer_freq, int) and self.moe_layer_freq < 1:
+            raise ConfigError(f"--moe-layer-freq {self.moe_layer_freq} must be >= 1 (every Nth layer is MoE)")
+        if not isinstance(self.moe_layer_freq, int) and not set(self.moe_layer_freq) <= {0, 1}:
+            raise ConfigError(
+                f"--moe-layer-freq pattern {list(self.moe_layer_freq)} may hold only 0 (dense) and 1 (MoE)"
+            )
         if not isinstance(self.moe_layer_freq, int) and len(self.moe_layer_freq) != self.num_layers:
             raise ConfigError(
                 f"--moe-layer-freq pattern has {len(self.moe_layer_freq)} entries for --num-layers {self.num_layers}"

@@ -73,3 +73,19 @@ def test_grouped_gemm(counts):
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device))
     assert rel(y.detach(), ref[0]) < TOL and rel(xs.grad, ref[1]) < TOL
     assert rel(torch.stack([t.grad for t in ws]), ref[2]) < TOL
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_dropped_pairs_read_nothing(impl):
+    """A dropped pair (row_map -1) contributes exactly nothing: not 0 x a stand-in row, which is NaN when that
+    row holds an inf; and a chunk whose every pair was dropped (no expert output rows at all) combines to zeros
+    (the overlapped all-to-all's second chunk past the experts' capacity indexed an empty tensor)."""
+    unpermute = K.moe_unpermute if impl == "triton" else K.moe_unpermute_reference
+    out = torch.randn(3, 8).to(DEVICE)
+    out[0] = float("inf")
+    row_map = torch.tensor([[1, -1], [2, 0]]).to(DEVICE)  # token 0's second pair dropped
+    probs = torch.tensor([[0.6, 0.4], [0.5, 0.5]]).to(DEVICE)
+    y = unpermute(out, row_map, probs)
+    assert torch.equal(y[0], 0.6 * out[1]) and not torch.isfinite(y[1]).all()  # token 1 does read the inf row
+    empty = unpermute(torch.zeros(0, 8, device=DEVICE), torch.full((4, 2), -1, device=DEVICE), probs.repeat(2, 1))
+    assert empty.shape == (4, 8) and not empty.any()

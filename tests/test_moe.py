@@ -156,6 +156,33 @@ def test_expert_bias_moves_load_towards_balance():
     assert router.expert_bias[0] < 0 < router.expert_bias[1:].max()
 
 
+def test_expert_bias_follows_the_tokens_each_expert_kept():
+    """Under a capacity factor the bias update counts the tokens each expert processed, after dropping (Megatron's
+    local_tokens_per_expert): capping the overloaded experts lowers the mean, which can flip an expert's update
+    (counting the tokens routed before dropping moved one the other way)."""
+    from megatron_lite.moe.layer import MoELayer
+    from megatron_lite.moe.stats import finish_step
+
+    config = moe_config(num_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
+                        moe_router_enable_expert_bias=True, moe_expert_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
+                        moe_z_loss_coeff=None, moe_router_bias_update_rate=0.01)  # fmt: skip
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    layer = MoELayer(config, ctx)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.randn(8, config.hidden_size, generator=gen))
+        layer.router.expert_bias.zero_()
+    x = torch.randn(32, 2, config.hidden_size, generator=gen)
+    layer(x)
+    routed, kept = layer.stats["counts"], layer.stats["kept"]
+    capacity = -(-64 * 2 // 8)  # ceil(tokens * k / experts * 1.0)
+    assert kept.max() <= capacity < routed.max() and kept.sum() == routed.sum() - layer.stats["dropped"]
+    finish_step({0: layer}, config, 1, ctx)
+    expected = 0.01 * torch.sign(kept.mean() - kept).float()
+    assert torch.equal(layer.router.expert_bias, expected)
+    assert not torch.equal(torch.sign(routed.mean() - routed), torch.sign(kept.mean() - kept))  # the case in point
+
+
 def _deepseek_v3_router(norm_topk_prob=True):
     """transformers' DeepSeek-V3 router (an independent reference) and ours with the same weights and bias."""
     import transformers
@@ -210,6 +237,52 @@ def test_group_limited_routing_equals_deepseek_v3():
     select = torch.sigmoid(x @ ours.weight.t()) + ours.expert_bias
     plain = select.topk(4, dim=-1).indices.sort(-1).values
     assert not torch.equal(plain, order_ours.values)
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_balance_losses_count_a_plain_top_k_of_the_unbiased_scores(kind):
+    """With an expert bias and group-limited routing, the balance losses count each expert's tokens by a plain
+    top-k of the unbiased, normalised scores (Megatron's compute_routing_scores_for_aux_loss), not by the
+    routing the bias and groups chose: Megatron's switch loss, E * coeff * sum_e f_e P_e, computed here by hand."""
+    from megatron_lite.moe.router import TopKRouter
+
+    _, _, x = _deepseek_v3_router()
+    config = dataclasses.replace(
+        _deepseek_v3_router()[1].config, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type=kind
+    )
+    router = TopKRouter(config, tp_size=1)
+    with torch.no_grad():
+        router.weight.copy_(_deepseek_v3_router()[1].weight)
+        router.expert_bias.copy_(3.0 * torch.arange(16.0) / 16)  # strong enough to change the routing
+    s, b = (64, 1) if kind == "aux_loss" else (16, 4)
+    r = router(x, (s, b))
+    scores = torch.sigmoid(x @ router.weight.t())
+    scores = scores / scores.sum(-1, keepdim=True)
+    plain = scores.topk(4, dim=-1).indices
+    assert not torch.equal(plain.sort(-1).values, r.indices.sort(-1).values)  # the bias did change the routing
+    one_hot = torch.zeros(64, 16).scatter(1, plain, 1.0)
+    if kind == "aux_loss":
+        expected = 0.01 * 16 * (one_hot.sum(0) / (64 * 4) * scores.sum(0) / 64).sum()
+    else:  # per sequence j (tokens i * b + j), then the mean over sequences
+        f = one_hot.view(s, b, 16).sum(0) / (s * 4)
+        expected = (0.01 * 16 * (f * scores.view(s, b, 16).sum(0) / s).sum(-1)).mean()
+    assert float(r.aux_loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_capacity_ranks_by_probability_beyond_fp32_resolution_near_one():
+    """The probs drop policy keeps each expert's most probable tokens even when the probabilities are tiny (ranked
+    as probs + 1 in fp32, 1e-14 and 1e-37 both rounded to 1.0 and tied)."""
+    from megatron_lite.moe.router import TopKRouter
+
+    config = moe_config(num_experts=2, moe_router_topk=1, moe_expert_capacity_factor=0.5, moe_aux_loss_coeff=0.0,
+                        moe_z_loss_coeff=None)  # fmt: skip
+    router = TopKRouter(config, tp_size=1)
+    for tiny, small in ((0, 1), (1, 0)):  # either order (how topk breaks ties is not ours to rely on)
+        probs = torch.tensor([[0.0], [0.0], [0.9], [0.8]])
+        probs[tiny], probs[small] = 1e-37, 1e-14
+        indices = torch.tensor([[0], [0], [1], [1]])
+        keep = router._capacity_keep(probs, indices, 4)  # capacity ceil(4 * 1 / 2 * 0.5) = 1 per expert
+        assert keep[small] and not keep[tiny] and keep.view(-1)[2:].tolist() == [True, False], (tiny, keep)
 
 
 def test_fp64_router_routes_in_fp64():

@@ -832,6 +832,7 @@ def test_skip_train_evaluates_the_loaded_model(tmp_path, capsys, monkeypatch):
         ("([0]+[1]*3)*2", (0, 1, 1, 1, 0, 1, 1, 1)),
         ("0,1,1", (0, 1, 1)),
         ("2", 2),
+        ("[1]", (1,)),  # a one-layer pattern stays a pattern (as an int, [0] read as "every 0th layer")
     ],
 )
 def test_moe_layer_freq_takes_megatrons_list_expressions(text, expected):
@@ -848,6 +849,16 @@ def test_moe_layer_freq_takes_megatrons_list_expressions(text, expected):
 def test_bad_moe_layer_freq_is_one_line(text, capsys, monkeypatch):
     rc, _, err = _run(["--num-experts", "4", "--moe-layer-freq", text, "--disable-bias-linear"], capsys, monkeypatch)
     _one_line_error(rc, err, "--moe-layer-freq", "list expression")
+
+
+@pytest.mark.parametrize(
+    "text,fragment", [("0", "--moe-layer-freq 0 must be >= 1"), ("2,1", "may hold only 0 (dense) and 1 (MoE)")]
+)
+def test_a_moe_layer_freq_out_of_range_is_one_line(text, fragment, capsys, monkeypatch):
+    """(--moe-layer-freq 0 divided by zero; a pattern entry of 2 counted as MoE)"""
+    argv = ["--num-layers", "2", "--num-experts", "4", "--moe-layer-freq", text, "--disable-bias-linear"]
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    _one_line_error(rc, err, fragment)
 
 
 def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refused(capsys, monkeypatch):

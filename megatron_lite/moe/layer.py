@@ -60,7 +60,8 @@ class MoELayer(nn.Module):
     def reset_stats(self) -> None:
         e = self.config.num_experts
         self.stats = {
-            "counts": torch.zeros(e, dtype=torch.float64),
+            "counts": torch.zeros(e, dtype=torch.float64),  # tokens routed to each expert
+            "kept": torch.zeros(e, dtype=torch.float64),  # of those, the ones its capacity kept
             "routed": 0.0,
             "dropped": 0.0,
             "aux_loss": 0.0,
@@ -100,6 +101,8 @@ class MoELayer(nn.Module):
         if not is_recomputing():
             st = self.stats
             st["counts"] += routing.counts.detach().double().cpu()
+            kept = torch.bincount(routing.indices[routing.keep], minlength=self.config.num_experts)
+            st["kept"] += kept.detach().double().cpu()
             st["routed"] += float(routing.keep.numel())
             st["dropped"] += float((~routing.keep).sum())
             st["aux_loss"] += float(routing.aux_loss.detach()) if routing.aux_loss is not None else 0.0

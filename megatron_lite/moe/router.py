@@ -90,7 +90,13 @@ class TopKRouter(nn.Module):
         if c.moe_router_topk_scaling_factor is not None:
             probs = probs * c.moe_router_topk_scaling_factor
         counts = torch.bincount(indices.reshape(-1), minlength=e)
-        aux_loss = self._balance_loss(aux_scores, indices, counts, seq_batch)
+        aux_indices, aux_counts = indices, counts
+        if self.expert_bias is not None or c.moe_router_num_groups:
+            # the balance losses count a plain top-k of the unbiased scores, without groups (Megatron's
+            # compute_routing_scores_for_aux_loss; DeepSeek-V3's sequence-wise loss likewise)
+            aux_indices = torch.topk(aux_scores, k, dim=-1).indices
+            aux_counts = torch.bincount(aux_indices.reshape(-1), minlength=e)
+        aux_loss = self._balance_loss(aux_scores, aux_indices, aux_counts, seq_batch)
         keep = self._capacity_keep(probs, indices, x.shape[0])
         probs = (probs * keep).float()  # the experts' side stays fp32 whatever the routing ran in
         aux_loss, z_loss = (v.float() if v is not None else None for v in (aux_loss, z_loss))
@@ -140,10 +146,14 @@ class TopKRouter(nn.Module):
             return torch.ones_like(indices, dtype=torch.bool)
         e, k = c.num_experts, c.moe_router_topk
         capacity = math.ceil(t * k / e * c.moe_expert_capacity_factor)
-        routed = torch.zeros(t, e, device=probs.device, dtype=probs.dtype).scatter(1, indices, probs.detach() + 1)
+        # each expert's routed tokens by their probability, the others at -inf (not probs + 1, which ties
+        # probabilities closer than fp32's resolution near 1)
+        routed = torch.full((t, e), float("-inf"), device=probs.device, dtype=torch.float32)
+        routed = routed.scatter(1, indices, probs.detach().float())
+        is_routed = routed > float("-inf")
         if c.moe_token_drop_policy == "probs":  # keep each expert's most confident tokens
             top = torch.topk(routed, min(capacity, t), dim=0).indices
-            kept = torch.zeros_like(routed, dtype=torch.bool).scatter(0, top, True) & (routed > 0)
+            kept = torch.zeros_like(routed, dtype=torch.bool).scatter(0, top, True) & is_routed
         else:  # position: the earliest tokens of the sequence
-            kept = (routed > 0) & (torch.cumsum((routed > 0).int(), dim=0) <= capacity)
+            kept = is_routed & (torch.cumsum(is_routed.int(), dim=0) <= capacity)
         return kept.gather(1, indices)

@@ -50,12 +50,13 @@ def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) ->
 def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx: ParallelContext) -> dict:
     """Reduce the statistics of the step, update the expert biases, and return the metrics."""
     n_layers, e = config.num_layers + config.mtp_num_layers, config.num_experts  # (MTP layers numbered after)
-    # Per layer: [counts (E), aux loss, z loss, routed pairs, dropped pairs]
-    table = torch.zeros(n_layers, e + 4, dtype=torch.float64)
+    # Per layer: [routed counts (E), kept counts (E), aux loss, z loss, routed pairs, dropped pairs]
+    table = torch.zeros(n_layers, 2 * e + 4, dtype=torch.float64)
     for number, layer in layers.items():
         st = layer.stats
         table[number, :e] = st["counts"]
-        table[number, e:] = torch.tensor([st["aux_loss"], st["z_loss"], st["routed"], st["dropped"]])
+        table[number, e : 2 * e] = st["kept"]
+        table[number, 2 * e :] = torch.tensor([st["aux_loss"], st["z_loss"], st["routed"], st["dropped"]])
     table = table.to(ctx.device)
     if ctx.tp_cp_dp.size > 1:
         with ctx.tp_cp_dp.blocked():
@@ -64,7 +65,8 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
     for number, layer in layers.items():
         # the bias trains with the router: a frozen router (LoRA fine-tuning) keeps its bias too
         if layer.router.expert_bias is not None and layer.router.weight.requires_grad:
-            update_expert_bias(layer.router.expert_bias, table[number, :e], config.moe_router_bias_update_rate)
+            # by the tokens each expert processed, after capacity dropping (Megatron's local_tokens_per_expert)
+            update_expert_bias(layer.router.expert_bias, table[number, e : 2 * e], config.moe_router_bias_update_rate)
     if ctx.pp.size > 1:
         with ctx.pp.blocked():
             dist.all_reduce(table, group=ctx.pp.pg)
@@ -80,10 +82,10 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
             "imbalance": float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0,
         }
     moe = [n for n in range(n_layers) if config.is_moe_layer(n)]
-    routed, dropped = table[moe, e + 2].sum(), table[moe, e + 3].sum()
+    routed, dropped = table[moe, 2 * e + 2].sum(), table[moe, 2 * e + 3].sum()
     return {
-        "aux_loss": float(table[moe, e].sum()) / micro,
-        "z_loss": float(table[moe, e + 1].sum()) / micro,
+        "aux_loss": float(table[moe, 2 * e].sum()) / micro,
+        "z_loss": float(table[moe, 2 * e + 1].sum()) / micro,
         "dropped_fraction": float(dropped / routed) if routed > 0 else 0.0,
         "max_imbalance": max((v["imbalance"] for v in per_layer.values()), default=0.0),
         "layers": per_layer,
