@@ -448,6 +448,34 @@ def test_an_export_replaces_the_weights_of_an_earlier_one(monkeypatch, tmp_path)
     assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["w"], a["w"])
 
 
+def test_generate_from_text_encodes_and_stops_as_transformers(tmp_path):
+    """generate.py --prompt on a converted Llama whose tokenizer's post-processor adds <|begin_of_text|>: the
+    prompt is encoded as transformers encodes it (BOS included; without it the model continued another prompt)
+    and generation stops at the tokenizer's eos_token, as transformers' generate does."""
+    from test_preprocess import _llama3_style_folder
+
+    tok_dir = tmp_path / "tok"
+    _llama3_style_folder(tok_dir, "w6")  # (an end token this random model does emit, so greedy has a stop)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=8, eos_token_id=6, initializer_range=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    args = ["--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(tmp_path / "hf")]
+    assert convert.main([*args, "--save-dir", str(tmp_path / "ours")]) == 0
+    text, out = "w1 w2 w3", tmp_path / "o.json"
+    argv = ["--load", str(tmp_path / "ours"), "--prompt", text, "--max-new-tokens", "20", "--greedy"]
+    assert generate_cli.main([*argv, "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    enc = tok(text, return_tensors="pt")
+    hf = model.generate(**enc, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, enc.input_ids.shape[1] :]
+    assert r["prompt_ids"] == enc.input_ids[0].tolist() == [8, 1, 2, 3]
+    assert r["generated_ids"] == hf.tolist() and hf.tolist()[-1] == 6 and len(hf) < 20, (r["generated_ids"], hf)
+
+
 def test_pickled_weights_are_refused(converted, tmp_path, capsys):
     src = _edit_config(converted["llama"][1], tmp_path / "hf")
     os.remove(os.path.join(src, "model.safetensors"))

@@ -108,6 +108,47 @@ def test_megatron_sentencepiece_tokenizers_read_the_tokenizer_json_beside_the_mo
     assert "\n" not in str(e.value)
 
 
+def _llama3_style_folder(folder: pathlib.Path, eos: str | None) -> str:
+    """A tokenizer.json whose post-processor puts <|begin_of_text|> before the text (as Llama-3's does), and a
+    tokenizer_config.json naming `eos` its eos_token (none when None)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<｜end▁of▁sentence｜>"]
+    vocab = {**{f"w{i}": i for i in range(8)}, **{t: 8 + i for i, t in enumerate(specials)}, "<unk>": 12}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 8)]
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": eos}
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return str(folder / "tokenizer.json")
+
+
+@pytest.mark.parametrize("eos", ["<|eot_id|>", "<｜end▁of▁sentence｜>", None])
+def test_huggingface_tokenizer_encodes_and_ends_documents_as_transformers(tmp_path, eos):
+    """Megatron's HuggingFaceTokenizer encodes as transformers' tokenizer(text).input_ids (the post-processor's
+    BOS included: without it a converted Llama-3 generated from another prompt), and its end-of-document id is
+    transformers' eos_token_id (an instruct model's <|eot_id|>, DeepSeek's end-of-sentence token, which the
+    candidate list lacked); without a tokenizer_config.json eos_token, the candidates still decide."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_lite.data.sft import SFTDataset
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    path = _llama3_style_folder(tmp_path / "tok", eos)
+    ours = build_tokenizer("HuggingFaceTokenizer", model=path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert ours.encode("w1 w2 w3") == theirs("w1 w2 w3").input_ids == [8, 1, 2, 3]
+    assert ours.encode_batch(["w4", "w5 w6"]) == [theirs(t).input_ids for t in ("w4", "w5 w6")]
+    assert ours.eod == (theirs.eos_token_id if eos else 9)  # <|end_of_text|>, the first candidate it holds
+    records = tmp_path / "sft.jsonl"
+    records.write_text(json.dumps({"prompt": "w1 w2", "response": "w3"}) + "\n")
+    sample = SFTDataset(str(records), ours, 8, seed=0)[0]
+    assert sample["tokens"].tolist().count(8) == 1  # one BOS per sequence, the prompt's
+
+
 def test_megatron_mixtral_example_flags_parse(tmp_path):
     """The flags of Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (with --moe-grouped-gemm,
     commented out there, switched on), unchanged: a Megatron user ports the script by changing its entry point."""

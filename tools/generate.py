@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--stop-ids", default="", help="comma-separated ids that end generation (e.g. the EOS id)")
+    p.add_argument(
+        "--stop-ids",
+        default=None,
+        help="comma-separated ids that end generation (default: with --prompt, the tokenizer's end-of-document id, "
+        "as Megatron and transformers stop; with --prompt-ids, none)",
+    )
     p.add_argument("--output-json")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -115,7 +120,11 @@ def run(args: argparse.Namespace) -> int:
         load_checkpoint(path, model, None, None, ctx, load_rng=False, skip_missing_frozen=base is not None)
         if lora.qlora:
             quantize_base(model)
-    out = generate(model, ctx, prompt, args.max_new_tokens, sampling, tuple(_ids(args.stop_ids, "--stop-ids")))
+    if args.stop_ids is not None:
+        stop = tuple(_ids(args.stop_ids, "--stop-ids")) if args.stop_ids.strip() else ()
+    else:
+        stop = (tokenizer.eod,) if tokenizer is not None else ()
+    out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop)
     writer = ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp.rank == 0
     if writer:
         result = {"prompt_ids": prompt, **out, "checkpoint": path, "iteration": meta["iteration"]}

@@ -40,7 +40,22 @@ class NullTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+def _config_eos(path: str) -> str | None:
+    """The eos_token of the tokenizer_config.json beside a tokenizer.json (the id transformers calls
+    eos_token_id), or None without one."""
+    config = os.path.join(os.path.dirname(path) or ".", "tokenizer_config.json")
+    try:
+        eos = json.load(open(config)).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
 class HuggingFaceTokenizer:
+    """Megatron's HuggingFaceTokenizer: text encoded as transformers' tokenizer(text).input_ids does, with the
+    special tokens its post-processor adds (Llama-3's <|begin_of_text|>); the end-of-document id is the
+    tokenizer_config.json's eos_token where there is one, else the first of EOD_CANDIDATES in the vocabulary."""
+
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
 
@@ -50,16 +65,27 @@ class HuggingFaceTokenizer:
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eod = next((vocab[t] for t in EOD_CANDIDATES if t in vocab), None)
+        eos = _config_eos(path)
+        eod = vocab[eos] if eos in vocab else next((vocab[t] for t in EOD_CANDIDATES if t in vocab), None)
         if eod is None:
-            raise ConfigError(f"--tokenizer-model {path} has no end-of-document token (one of {EOD_CANDIDATES})")
+            raise ConfigError(
+                f"--tokenizer-model {path} has no end-of-document token (no tokenizer_config.json eos_token beside "
+                f"it, and none of {EOD_CANDIDATES})"
+            )
         self.eod = eod
+        # the one token the post-processor puts before the text, if any (SFT keeps one per sequence)
+        plain, full = self._plain(["x"])[0], self._tok.encode("x").ids
+        prefix = full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
+        self.bos = prefix[0] if len(prefix) == 1 else None
+
+    def _plain(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch(texts)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -92,11 +118,11 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
             self.eod = vocab["</s>"]  # SentencePiece's EOS, Megatron's EOD for these tokenizers
 
     def encode(self, text: str) -> list[int]:
-        ids = super().encode(text)
-        return ids if self.bos is None else [self.bos, *ids]
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [ids if self.bos is None else [self.bos, *ids] for ids in super().encode_batch(texts)]
+        # (Megatron's SentencePiece tokenizers add their own BOS, not the tokenizer.json's post-processor's)
+        return [ids if self.bos is None else [self.bos, *ids] for ids in self._plain(texts)]
 
 
 class GPT2BPETokenizer(HuggingFaceTokenizer):

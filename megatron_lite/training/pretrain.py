@@ -341,9 +341,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
             optimizer.finish_param_sync()
         model.eval()
         batches = _Batches(dataset, job, ctx)
-        losses = [eval_step(ddp, batches.get(i * gbs), ctx) for i in range(t.eval_iters)]
+        sums = [eval_step(ddp, batches.get(i * gbs), ctx) for i in range(t.eval_iters)]
         model.train()
-        loss = sum(losses) / len(losses)
+        # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
+        loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
         # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
         log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind)
 

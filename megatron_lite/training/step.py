@@ -233,7 +233,11 @@ def train_step(
 
 
 @torch.no_grad()
-def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], ctx: ParallelContext) -> float:
+def eval_step(
+    model: DistributedDataParallel, micro_batches: list[MicroBatch], ctx: ParallelContext
+) -> tuple[float, float]:
+    """(summed loss, counted tokens) of one global batch: an evaluation divides its totals once, as Megatron's
+    evaluate() does, so batches that count more tokens weigh more (and one that counts none adds nothing)."""
     micro_batches = context_parallel_part(micro_batches, ctx)
     num_tokens = global_token_count(micro_batches, ctx)[0]
     if _pipelined(model, ctx):
@@ -243,4 +247,4 @@ def eval_step(model: DistributedDataParallel, micro_batches: list[MicroBatch], c
         for mb in micro_batches:
             token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"], **documents(mb))
             total += (token_loss.float() * mb["loss_mask"]).sum().double()
-    return float(all_reduce(total.reshape(1), ctx.dp_cp)[0] / num_tokens)
+    return float(all_reduce(total.reshape(1), ctx.dp_cp)[0]), float(num_tokens)
