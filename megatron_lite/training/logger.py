@@ -47,6 +47,7 @@ class MetricsLogger:
         self._jsonl = None
         self._wandb = None
         self._tb = None
+        self._last_iteration = self._wandb_step = self._step_offset = 0  # (W&B's step, see log)
         if not enabled:
             return
         if self.config.log_jsonl:
@@ -92,7 +93,12 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record) + "\n")
         flat = {f"{kind}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
         if self._wandb is not None:
-            self._wandb.log(flat, step=iteration)
+            # W&B drops a step below its last: iterations a rollback replays go on after it (the iteration goes
+            # along as a field)
+            if iteration < self._last_iteration:
+                self._step_offset = self._wandb_step - iteration + 1
+            self._last_iteration, self._wandb_step = iteration, iteration + self._step_offset
+            self._wandb.log({**flat, "iteration": iteration}, step=self._wandb_step)
         if self._tb is not None:
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, iteration)

@@ -82,7 +82,8 @@ def _moe_metrics(moe: dict | None) -> dict:
 
 def _new_window() -> dict[str, float]:
     """What the loop sums between two log lines."""
-    return {"loss": 0.0, "n": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0, "samples": 0}
+    return {"loss": 0.0, "n": 0, "updated": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0,
+            "samples": 0}  # fmt: skip
     # (with --mtp-num-layers also mtp_1_loss, ...: each depth's loss, summed like "loss")
 
 
@@ -148,6 +149,7 @@ class _Batches:
 
 
 def run(job: JobConfig, notes: list[str]) -> int:
+    job_start = time.time()  # --exit-duration-in-mins counts start-up too (Megatron's _TRAIN_START_TIME)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(job.model, job.parallel, world_size, job.training)
     validate_sharding(job.model, job.parallel, job.training, job.optimizer)
@@ -319,7 +321,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     window = _new_window()
     metrics = None
     ck = job.checkpoint
-    signalled = False
+    signalled = exiting = False
     guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log)
     saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
     parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
@@ -377,8 +379,13 @@ def run(job: JobConfig, notes: list[str]) -> int:
             )
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        action = guard.after_step(state.iteration + 1, state.consumed_samples, metrics, ddp, time.time() - start)
+        try:
+            action = guard.after_step(state.iteration + 1, state.consumed_samples, metrics, ddp, time.time() - start)
+        except TrainingHalted:  # (every rank halts at this point) a save in flight is published first
+            _finish_async_save(saver, log)
+            raise
         if action == ROLLBACK:
+            _finish_async_save(saver, log)  # it may be the checkpoint to go back to
             state = _rollback(job, model, optimizer, scheduler, ctx, log, state)
             guard.after_rollback()
             continue
@@ -387,9 +394,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
         state.consumed_samples += step_gbs
         profiler.after_step(state.iteration)
         window["samples"] += step_gbs
-        window["loss"] += metrics.lm_loss
+        # (a skipped iteration's loss, non-finite, is not averaged in: Megatron's training_log counts it apart)
+        window["loss"] += metrics.lm_loss if metrics.updated else 0.0
+        window["updated"] += 1 if metrics.updated else 0
         for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ... (over steps with tokens)
-            if v is not None:
+            if v is not None and metrics.updated:
                 window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
                 window[f"mtp_{k + 1}_n"] = window.get(f"mtp_{k + 1}_n", 0) + 1
         window["n"] += 1
@@ -404,7 +413,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.log(
                 state.iteration,
                 {
-                    "lm_loss": window["loss"] / window["n"],
+                    "lm_loss": window["loss"] / window["updated"] if window["updated"] else math.nan,
                     **{
                         k: v / window[k[:-4] + "n"]
                         for k, v in window.items()
@@ -444,8 +453,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
             evaluated_at = state.iteration
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             save()
-        if _should_exit(t, state, start_time, ctx):
+        if _should_exit(t, state, job_start, ctx):
+            # saved and gone, as Megatron's checkpoint_and_decide_exit: no final evaluation to outlast a time limit
             log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
+            exiting = True
             break
         if guard.should_exit():
             log.info(f"{job.resilience.exit_signal} received: saving at iteration {state.iteration} and exiting")
@@ -454,16 +465,15 @@ def run(job: JobConfig, notes: list[str]) -> int:
             signalled = True
             break
     profiler.close()  # a window the run ended inside
-    # As Megatron, at the end: the validation set (unless just evaluated) and the test set.
-    if t.eval_iters > 0 and not signalled:
+    # As Megatron's pretrain(): the final save, then the validation set (unless just evaluated) and the test set
+    if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
+        save()
+    _finish_async_save(saver, log)
+    if t.eval_iters > 0 and not signalled and not exiting:
         if valid_ds is not None and evaluated_at != state.iteration:
             evaluate(valid_ds, "validation")
         if test_ds is not None:
             evaluate(test_ds, "test")
-    if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
-        save()
-    if saver is not None and (path := saver.finish()):
-        log.info(f"saved {path} (async)")
     log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
     log.close()
     if recorder is not None:
@@ -474,6 +484,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
     if signalled:  # every rank says so: the launcher reports the signal, not its workers' exit codes
         print(f"[rank {ctx.rank}] saved and exiting with code 0 after {job.resilience.exit_signal}", flush=True)
     return 0
+
+
+def _finish_async_save(saver, log) -> None:
+    """Publish an --async-save still being written (every rank calls it at the same point)."""
+    if saver is not None and (path := saver.finish()):
+        log.info(f"saved {path} (async)")
 
 
 def _rollback(job: JobConfig, model, optimizer, scheduler, ctx: ParallelContext, log, state: TrainState) -> TrainState:
@@ -494,13 +510,13 @@ def _rollback(job: JobConfig, model, optimizer, scheduler, ctx: ParallelContext,
     return restored
 
 
-def _should_exit(t, state: TrainState, start_time: float, ctx: ParallelContext) -> bool:
+def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -> bool:
     if t.exit_interval and state.iteration % t.exit_interval == 0:
         return True
     if t.exit_duration_in_mins is None:
         return False
     # Every rank must take the same decision, or some would wait in the next step's collectives.
-    return any_rank((time.time() - start_time) / 60 > t.exit_duration_in_mins, ctx)
+    return any_rank((time.time() - job_start) / 60 > t.exit_duration_in_mins, ctx)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,133 @@
+"""How a run ends, as Megatron's train loop ends it: the save before the final evaluation, an exit by
+--exit-interval / --exit-duration-in-mins that saves and goes (its clock counting start-up), an --async-save
+in flight published before a halt or a rollback, the loss average over applied steps only, and W&B steps that
+survive a rollback's replayed iterations. Single process, in-process runs."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from test_pretrain_cli import _run
+
+DATA = ["--mock-data", "--vocab-size", "100"]
+
+
+def _order(out: str, *fragments: str) -> list[int]:
+    return [out.index(f) for f in fragments]
+
+
+def test_the_final_save_comes_before_the_final_evaluation(tmp_path, capsys, monkeypatch):
+    """A run that ends normally saves, then evaluates (Megatron's pretrain()); one that ends by --exit-interval
+    saves and exits without evaluating (checkpoint_and_decide_exit), so a long evaluation never delays the save."""
+    argv = [*DATA, "--train-iters", "4", "--eval-iters", "2", "--eval-interval", "100", "--save-interval", "100"]
+    rc, out, err = _run([*argv, "--save", str(tmp_path / "a")], capsys, monkeypatch)
+    assert rc == 0, err
+    saved, valid, test = _order(out, "saved ", "validation at iteration 4", "test at iteration 4")
+    assert saved < valid < test, out
+    rc, out, err = _run([*argv, "--save", str(tmp_path / "b"), "--exit-interval", "3"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "exiting at iteration 3" in out and "saved " in out and "iter_0000003" in out
+    assert "validation at" not in out and "test at" not in out, out
+
+
+def test_exit_duration_counts_the_start_up(tmp_path, capsys, monkeypatch):
+    """--exit-duration-in-mins is measured from the start of the job (Megatron's _TRAIN_START_TIME), not from
+    the first iteration: a start-up longer than the limit exits after one iteration (it trained them all)."""
+    import megatron_lite.training.pretrain as pretrain
+
+    real = pretrain.build_datasets
+
+    def slow(*a, **kw):
+        time.sleep(2.0)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pretrain, "build_datasets", slow)
+    argv = [*DATA, "--train-iters", "20", "--exit-duration-in-mins", "0.02", "--save", str(tmp_path / "c")]
+    rc, out, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    assert "exiting at iteration 1 " in out and "iteration     20/20" not in out, out
+
+
+def test_a_skipped_step_is_not_averaged_into_the_logged_loss(tmp_path, capsys, monkeypatch):
+    """--nan-policy skip: the non-finite step's loss stays out of the window's lm_loss (it made the whole
+    window's NaN), and is counted as skipped (Megatron's training_log)."""
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=2")  # (a NaN gradient)
+    losses = {}
+    for interval in (1, 3):
+        log = tmp_path / f"m{interval}.jsonl"
+        argv = [*DATA, "--train-iters", "3", "--nan-policy", "skip", "--log-jsonl", str(log)]
+        rc, _, err = _run([*argv, "--log-interval", str(interval)], capsys, monkeypatch)
+        assert rc == 0, err
+        losses[interval] = [json.loads(line) for line in log.read_text().splitlines()]
+    each = [r["lm_loss"] for r in losses[1]]
+    window = losses[3][-1]
+    assert window["skipped_iterations"] == 1
+    assert window["lm_loss"] == pytest.approx((each[0] + each[2]) / 2, rel=1e-12), (window, each)
+    assert window["lm_loss"] != pytest.approx(sum(each) / 3, rel=1e-9)
+
+
+def _slow_writes(monkeypatch):
+    from megatron_lite.checkpoint import checkpointing
+
+    real = checkpointing._write_rank_files
+
+    def slow(*a, **kw):
+        time.sleep(0.5)  # a large checkpoint: still being written when the next iterations come
+        return real(*a, **kw)
+
+    monkeypatch.setattr(checkpointing, "_write_rank_files", slow)
+
+
+def test_an_async_save_in_flight_is_published_before_a_halt(tmp_path, capsys, monkeypatch):
+    """--nan-policy halt with --async-save: the checkpoint being written is published before the job stops
+    (it was abandoned as iter_N.tmp, and the last good checkpoint lost)."""
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint
+
+    _slow_writes(monkeypatch)
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=3")
+    ckpt = str(tmp_path / "ck")
+    argv = [*DATA, "--train-iters", "6", "--save", ckpt, "--save-interval", "2", "--async-save"]
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    assert rc == 3 and "halted" in err, err
+    assert find_checkpoint(ckpt).endswith("iter_0000002")
+
+
+def test_a_rollback_waits_for_the_async_save_it_may_go_back_to(tmp_path, capsys, monkeypatch):
+    """--nan-policy rollback with --async-save: the checkpoint still being written is published, then rolled
+    back to (the rollback found no checkpoint and halted)."""
+    _slow_writes(monkeypatch)
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=3")
+    ckpt = str(tmp_path / "ck")
+    argv = [*DATA, "--train-iters", "4", "--save", ckpt, "--save-interval", "2", "--async-save"]
+    rc, out, err = _run([*argv, "--nan-policy", "rollback"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "rolled back to" in out and "iter_0000002: iteration 2" in out, out
+
+
+def test_wandb_steps_keep_growing_through_a_rollback():
+    """A rollback replays iterations W&B has seen: its step keeps growing (W&B drops a step below its last)
+    and the iteration goes along as a field; validation at the same iteration shares the training's step. (The
+    W&B run is a recorder here: what is checked is the step arithmetic.)"""
+    from megatron_lite.training.logger import MetricsLogger
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def log(self, data, step):
+            self.calls.append((step, data["iteration"]))
+
+    logger = MetricsLogger.__new__(MetricsLogger)
+    logger.enabled, logger.train_iters = True, 9
+    logger._jsonl = logger._tb = None
+    logger._last_iteration = logger._wandb_step = logger._step_offset = 0
+    logger._wandb = Recorder()
+    for it in (1, 2, 3, 4, 5, 6, 5, 6, 7):  # rolled back to 4 after 6
+        logger.log(it, {"lm_loss": 1.0})
+        if it == 6:
+            logger.log(it, {"lm_loss": 1.0}, kind="validation")
+    steps = [s for s, _ in logger._wandb.calls]
+    assert steps == [1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 9], steps
+    assert [i for _, i in logger._wandb.calls] == [1, 2, 3, 4, 5, 6, 6, 5, 6, 6, 7]
