@@ -285,6 +285,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     )
     model.check_recompute_targets()
     vp = ns.num_virtual_stages_per_pipeline_rank
+    if ns.num_layers_per_virtual_pipeline_stage is not None and vp is not None:
+        raise ConfigError(  # (Megatron's validate_args allows one of the two)
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank both set the virtual "
+            "stages; keep one"
+        )
     if ns.num_layers_per_virtual_pipeline_stage is not None and ns.pipeline_model_parallel_layout is not None:
         raise ConfigError(
             "--pipeline-model-parallel-layout places every layer: drop --num-layers-per-virtual-pipeline-stage"

@@ -334,6 +334,14 @@ def validate_layout(
             f"{dp} = {mbs * dp}; use --global-batch-size {_nearest_multiples(gbs, mbs * dp)}"
         )
     micro = training.global_batch(dp) // (mbs * dp)
+    ramp = training.rampup_batch_size
+    if vp > 1 and ramp and any((b // (mbs * dp)) % pp for b in ramp[:2]):
+        # (the ramp's batches are START, START + INCREMENT, ...: each must interleave too)
+        raise ConfigError(
+            f"--rampup-batch-size {' '.join(map(str, ramp))}: with virtual pipeline stages the ramp's START and "
+            f"INCREMENT must each hold a multiple of --pipeline-model-parallel-size {pp} micro-batches "
+            f"(--micro-batch-size {mbs} x data-parallel {dp} samples each)"
+        )
     if vp > 1 and micro % pp:
         raise ConfigError(
             f"the interleaved schedule needs micro-batches per step ({micro} = --global-batch-size "

@@ -269,6 +269,17 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
             ["--nan-policy rollback", "--no-save-optim"],
         ),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+            ],
+            ["--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"],
+        ),  # fmt: skip
         (["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.3"], ["--lr-warmup-fraction and --lr-warmup-iters"]),
         (["--mock-data", "--vocab-size", "100", "--swiglu", "--squared-relu"], ["--swiglu and --squared-relu"]),
         (

@@ -93,6 +93,15 @@ CASES = {
         r"\(--micro-batch-size 1 x data-parallel 2\)\) to be a multiple of --pipeline-model-parallel-size 2",
         ("training", T(micro_batch_size=1, global_batch_size=8, seq_length=16)),
     ),
+    "a batch ramp under interleaving": (  # (accepted, then the first step's schedule refused 1 micro-batch)
+        2,
+        {"num_layers": 8},
+        P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        T(micro_batch_size=1, global_batch_size=8, seq_length=16, rampup_batch_size=(1, 1, 64)),
+        r"^--rampup-batch-size 1 1 64: with virtual pipeline stages the ramp's START and INCREMENT must each hold a "
+        r"multiple of --pipeline-model-parallel-size 2 micro-batches",
+        ("training", T(micro_batch_size=1, global_batch_size=8, seq_length=16, rampup_batch_size=(2, 2, 64))),
+    ),
     "global batch not divisible by micro batch x DP": (
         4,
         {},
