@@ -262,6 +262,12 @@ def flags_from_checkpoint(
             "the flag (they load at their own rank), or fold them into the weights first (tools/checkpoint/"
             "convert.py --saver hf --merge-lora, then --loader hf) and start new adapters from those"
         )
+    if saved.get("lora_rank") and "lora_alpha" in given and ns.lora_alpha != saved["lora_alpha"]:
+        # (the adapters' product is scaled by alpha / rank: another alpha is another trained function)
+        raise ConfigError(
+            f"--lora-alpha {ns.lora_alpha:g} conflicts with the LoRA adapters in {path}, trained at alpha "
+            f"{saved['lora_alpha']:g}: drop the flag"
+        )
     full = saved  # (the checkpoint's own schedule, for --use-checkpoint-opt_param-scheduler)
     # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
     for dest, other in (("train_iters", "samples"), ("train_samples", "iters")):

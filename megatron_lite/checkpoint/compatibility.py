@@ -99,16 +99,21 @@ def check_optimizer_state(path: str, meta: dict, config) -> None:
 
 
 def check_adapters_have_a_home(path: str, reader, model) -> None:
-    """A checkpoint's LoRA adapters on layers this model holds, but a model without LoRA: loading only what the
-    model asks for would drop them without a word (and train the base)."""
-    names = [f"model/{model.global_name(n)}" for n, _, _ in named_param_meta(model)]
-    if any(".lora." in n for n in names):
+    """Every LoRA adapter the checkpoint holds on a layer this model holds is one the model has: loading reads
+    only what the model asks for, so a model without LoRA, or with fewer --lora-target-modules, would drop
+    trained adapters without a word."""
+    names = {f"model/{model.global_name(n)}" for n, _, _ in named_param_meta(model)}
+    layers = {n.rsplit(".", 1)[0] for n in names if ".lora." not in n}
+    dropped = sorted(k for k in reader.index if ".lora." in k and k.split(".lora.")[0] in layers and k not in names)
+    if not dropped:
         return
-    layers = {n.rsplit(".", 1)[0] for n in names}
-    dropped = [k for k in reader.index if ".lora." in k and k.split(".lora.")[0] in layers]
-    if dropped:
+    if not any(".lora." in n for n in names):
         raise ConfigError(
             f"{path} holds LoRA adapters ({dropped[0]}, ...) and this model has none: rebuild them with the "
             "checkpoint's --lora-rank, or fold them into the weights first (tools/checkpoint/convert.py --saver hf "
             "--merge-lora)"
         )
+    raise ConfigError(
+        f"{path} holds LoRA adapters this run does not build ({dropped[0]}, ...): give the checkpoint's "
+        "--lora-target-modules (or drop the flag to take them from it)"
+    )

@@ -33,6 +33,7 @@ HF_MODULES = {
     ("mlp.linear_fc1", "gate"): "mlp.gate_proj",
     ("mlp.linear_fc1", "up"): "mlp.up_proj",
     ("mlp.linear_fc2", "fc2"): "mlp.down_proj",
+    ("mlp.linear_fc1", "fc1"): "mlp.up_proj",  # (a non-gated MLP: Nemotron's up_proj)
     ("mlp.shared_expert.linear_fc1", "gate"): "mlp.shared_experts.gate_proj",  # (DeepSeek-V3)
     ("mlp.shared_expert.linear_fc1", "up"): "mlp.shared_experts.up_proj",
     ("mlp.shared_expert.linear_fc2", "fc2"): "mlp.shared_experts.down_proj",
@@ -47,6 +48,10 @@ _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc1
 # our expert weight -> (PEFT target parameter, its adapter's prefix inside the experts module)
 HF_EXPERT_PARAMS = {"linear_fc1": ("experts.gate_up_proj", "base_layer."), "linear_fc2": ("experts.down_proj", "")}
 
+
+# Classes whose MLP targets PEFT converts onto fused expert parameters (its transformers weight conversions:
+# DeepSeek's, and qwen2_moe's, which Qwen3-MoE shares)
+FUSED_EXPERT_CONVERSIONS = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM")
 
 # MLA projections whose output holds RoPE dims
 _ROPE_ROWS = ("self_attention.linear_q_proj", "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj")
@@ -74,11 +79,11 @@ def to_peft(
             "weights with --saver hf --merge-lora"
         )
     mlp = sorted({k.split(".lora.")[0] for k in lora_state if ".mlp." in k and ".mlp.experts." not in k})
-    if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") and mlp:
+    if arch in FUSED_EXPERT_CONVERSIONS and mlp:
         # PEFT rewrites gate_proj / up_proj / down_proj targets of a model with fused experts into the routed
         # experts' parameters: the dense and shared-expert adapters would land on the experts instead.
         raise ConfigError(
-            f"--saver hf-peft: PEFT cannot target DeepSeek-V3's dense or shared-expert MLPs ({mlp[0]}, ...): it "
+            f"--saver hf-peft: PEFT cannot target {arch}'s dense or shared-expert MLPs ({mlp[0]}, ...): it "
             "maps gate_proj/up_proj/down_proj to the routed experts; export merged weights with --saver hf "
             "--merge-lora, or adapt attention and experts only (--lora-target-modules linear_qkv linear_proj experts)"
         )
