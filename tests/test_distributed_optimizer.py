@@ -49,7 +49,7 @@ def test_distributed_optimizer_with_experts(dist):
         moe_compare(history, ref)
 
 
-def one_zero_step(zero_stage: int) -> tuple[int, int, int]:
+def one_zero_step(zero_stage: int, overlap: bool = True) -> tuple[int, int, int]:
     """On this rank after one step with the distributed optimizer (2000-element buckets): optimizer-state
     bytes, persistent gradient bytes, and the peak of transient full-bucket gradient bytes."""
     import torch
@@ -69,11 +69,19 @@ def one_zero_step(zero_stage: int) -> tuple[int, int, int]:
     ctx = get_context(P()) if dist.is_initialized() else ParallelContext.virtual(P(), device=torch.device("cpu"))
     model = build_model(llama_config(num_layers=2), ctx, seed=1)
     optim = dataclasses.replace(OPTIM, use_distributed_optimizer=True, zero_stage=zero_stage)
-    ddp, opt = wrap_for_training(model, ctx, optim, overlap_grad_reduce=True, bucket_size=2000)
+    ddp, opt = wrap_for_training(model, ctx, optim, overlap_grad_reduce=overlap, bucket_size=2000)
     data = MockGPTDataset(250, 16, seed=1)
     idx = micro_batch_indices(0, 8, 2, ctx.dp.rank, ctx.dp.size)
     train_step(ddp, opt, LRScheduler(OPTIM, 10), [collate([data[i] for i in ix]) for ix in idx], ctx)
     return opt.state_bytes(), ddp.grad_bytes(), max(b.peak_transient for b in ddp.buffers)
+
+
+def test_zero_stage_2_holds_one_bucket_whole_without_overlap_too():
+    """Without --overlap-grad-reduce ZeRO-2 still reduces bucket by bucket: only the bucket being produced
+    exists whole (one bucket per buffer had held every gradient at once: ZeRO-1's peak)."""
+    whole = one_zero_step(1, overlap=False)[1]  # stage 1 on one rank keeps the whole buffer
+    peak = one_zero_step(2, overlap=False)[2]
+    assert peak == one_zero_step(2)[2] and peak < whole / 4, (peak, whole)
 
 
 def test_optimizer_state_per_rank_falls_to_a_quarter_at_dp4(dist):

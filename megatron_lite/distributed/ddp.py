@@ -300,9 +300,12 @@ class DistributedDataParallel(nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         expert = {id(p): meta.expert for _, p, meta in named_param_meta(module)}
         params = [p for p in module.parameters() if p.requires_grad]
-        if overlap_grad_reduce and bucket_size is None:
+        # Buckets with --overlap-grad-reduce (Megatron: one per buffer without), and always under ZeRO-2, whose
+        # memory saving is that only the bucket being produced exists whole
+        bucketed = overlap_grad_reduce or (use_distributed_optimizer and zero_stage >= 2)
+        if bucketed and bucket_size is None:
             bucket_size = max(40_000_000, 1_000_000 * ctx.dp_cp.size)  # Megatron's default
-        size = bucket_size if overlap_grad_reduce else None
+        size = bucket_size if bucketed else None
         # Dense gradients are summed over data x context parallelism; an expert's over the ranks holding
         # the same expert (expert-data-parallel).
         groups = (
