@@ -612,6 +612,16 @@ def test_bad_tool_flags_are_one_line(capsys):
         assert "--help lists the flags" in err[0]
 
 
+def test_hf_loads_convert_only_to_megatron_lite(tmp_path, capsys):
+    """--loader hf with --saver hf-peft wrote a megatron_lite checkpoint (every HF load went the one way)."""
+    args = ["--loader", "hf", "--saver", "hf-peft", "--load-dir", str(tmp_path / "in")]
+    args += ["--save-dir", str(tmp_path / "o")]
+    assert convert.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--loader hf converts to --saver megatron_lite, not hf-peft" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_deepseek_v3_model_type_transformers_does_not_know_converts(converted, tmp_path):
     """Kimi-K2 ships DeepseekV3ForCausalLM weights under model_type "kimi_k2" (remote code transformers cannot
     load): its config.json is read over DeepSeek-V3's defaults, and the weights convert as DeepSeek-V3's."""
