@@ -268,7 +268,8 @@ def flags_from_checkpoint(
             f"--lora-alpha {ns.lora_alpha:g} conflicts with the LoRA adapters in {path}, trained at alpha "
             f"{saved['lora_alpha']:g}: drop the flag"
         )
-    full = saved  # (the checkpoint's own schedule, for --use-checkpoint-opt_param-scheduler)
+    # `full` keeps the checkpoint's own schedule (--use-checkpoint-opt_param-scheduler); `saved` is trimmed below
+    full, saved = saved, dict(saved)
     # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
     for dest, other in (("train_iters", "samples"), ("train_samples", "iters")):
         if dest in given:

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         if lora.qlora:
             quantize_base(model)
     if args.stop_ids is not None:
-        stop = tuple(_ids(args.stop_ids, "--stop-ids")) if args.stop_ids.strip() else ()
+        stop = tuple(_ids(args.stop_ids, "--stop-ids"))
     else:
         stop = (tokenizer.eod,) if tokenizer is not None else ()
     out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop)

@@ -459,18 +459,18 @@ def saved_lora_config(saved: dict):
                       lora.get("qlora", False), lora.get("base"))  # fmt: skip
 
 
-def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> dict:
-    """The config.json a converted checkpoint came with (under <root>/hf/, beside the iteration directories;
-    `load_dir` may be the root or one iteration), with the directory it lies in as "_side_dir"; else that of the
-    checkpoint this one's run started from (--load, a fine-tuning's base: its `saved` config names it); {}."""
+def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dict, str | None]:
+    """(the config.json a converted checkpoint came with, the directory it lies in): under <root>/hf/, beside the
+    iteration directories (`load_dir` may be the root or one iteration); else that of the checkpoint this one's
+    run started from (--load, a fine-tuning's base: its `saved` config names it); ({}, None) without."""
     for root in (load_dir, os.path.dirname(os.path.normpath(load_dir))):
         side = os.path.join(root, HF_DIR)
         if os.path.isfile(os.path.join(side, "config.json")):
-            return {**json.load(open(os.path.join(side, "config.json"))), "_side_dir": side}
+            return json.load(open(os.path.join(side, "config.json"))), side
     parent = (saved.get("checkpoint") or {}).get("load")
     path = find_checkpoint(parent) if parent and depth > 0 and os.path.isdir(parent) else None
     if path is None or os.path.normpath(parent) == os.path.normpath(load_dir):
-        return {}
+        return {}, None
     return _original_hf_config(parent, read_metadata(path)["config"], depth - 1)
 
 
@@ -484,7 +484,7 @@ def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print) -> None:
     if lora is None:
         raise ConfigError(f"--load-dir {load_dir}: the checkpoint was not trained with LoRA (--lora-rank)")
     config = model_config_from_dict(saved["model"])
-    original = _original_hf_config(load_dir, saved)
+    original, _ = _original_hf_config(load_dir, saved)
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # (a Phi-3 stays a Phi-3)
     tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, arch)
     write_peft(save_dir, tensors, adapter_config)
@@ -515,10 +515,8 @@ def megatron_lite_to_hf(
             ours = {**read_model_tensors(base_dir)[1], **ours}
             log(f"merging the QLoRA adapters onto the unquantised base {base_dir}")
         ours = merge(ours, config, lora)
-    base, side_from = None, []
-    original = _original_hf_config(load_dir, saved)
-    if original:
-        side_from.append(original.pop("_side_dir"))
+    original, side = _original_hf_config(load_dir, saved)
+    base, side_from = None, [side] if side else []
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # back to the weights' class
     if (original.get("architectures") or [None])[0] == arch:
         base = original

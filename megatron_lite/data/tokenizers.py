@@ -56,6 +56,8 @@ class HuggingFaceTokenizer:
     special tokens its post-processor adds (Llama-3's <|begin_of_text|>); the end-of-document id is the
     tokenizer_config.json's eos_token where there is one, else the first of EOD_CANDIDATES in the vocabulary."""
 
+    bos: int | None = None  # the one token encode puts before the text, if any (SFT keeps one per sequence)
+
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
 
@@ -73,7 +75,7 @@ class HuggingFaceTokenizer:
                 f"it, and none of {EOD_CANDIDATES})"
             )
         self.eod = eod
-        # the one token the post-processor puts before the text, if any (SFT keeps one per sequence)
+        # (the post-processor's, found by encoding with and without it)
         plain, full = self._plain(["x"])[0], self._tok.encode("x").ids
         prefix = full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
         self.bos = prefix[0] if len(prefix) == 1 else None
