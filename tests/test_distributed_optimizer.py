@@ -171,6 +171,8 @@ ZERO2 = {
     "dp4-accumulate-buckets": (4, P(), 8, 1, 2000),
     "tp2-sp-dp2": (4, P(tensor_model_parallel_size=2, sequence_parallel=True), 4, 1, 3000),
     "cp2-dp2-buckets": (4, P(context_parallel_size=2), 4, 1, 2000),
+    # buckets without --overlap-grad-reduce: each reduced, blocking, once its gradients are in
+    "dp2-buckets-no-overlap": (2, P(), 4, 1, 2000),
 }
 
 
@@ -178,7 +180,8 @@ ZERO2 = {
 def test_zero_stage_2_equals_single_process(dist, layout):
     world, parallel, gbs, mbs, bucket = ZERO2[layout]
     ref = train_run("llama", P(), gbs, gbs)
-    kw = dict(distributed_optimizer=True, zero_stage=2, bucket_size=bucket, overlap=bucket is not None)
+    overlap = bucket is not None and not layout.endswith("no-overlap")
+    kw = dict(distributed_optimizer=True, zero_stage=2, bucket_size=bucket, overlap=overlap)
     for history in dist(world, train_run, "llama", parallel, gbs, mbs, **kw):
         _compare(history, ref)
 
