@@ -262,6 +262,15 @@ def flags_from_checkpoint(
             "the flag (they load at their own rank), or fold them into the weights first (tools/checkpoint/"
             "convert.py --saver hf --merge-lora, then --loader hf) and start new adapters from those"
         )
+    if saved.get("lora_rank") and "lora_target_modules" in given:
+        from megatron_lite.lora.config import target_modules
+
+        ours = target_modules(ns.lora_target_modules)  # (PEFT's names given are ours here)
+        if set(ours) != set(saved["lora_target_modules"]):
+            raise ConfigError(
+                f"--lora-target-modules {' '.join(ns.lora_target_modules)} differs from the adapters in {path} (on "
+                f"{' '.join(saved['lora_target_modules'])}): drop the flag to take them from the checkpoint"
+            )
     if saved.get("lora_rank") and "lora_alpha" in given and ns.lora_alpha != saved["lora_alpha"]:
         # (the adapters' product is scaled by alpha / rank: another alpha is another trained function)
         raise ConfigError(

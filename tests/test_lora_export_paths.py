@@ -108,7 +108,8 @@ def test_qwen3_moe_dense_layer_adapters_are_refused_for_peft():
 
 def test_a_resume_keeps_every_trained_adapter_at_its_scale(tmp_path, capsys, monkeypatch):
     """Resuming a LoRA run with fewer --lora-target-modules would drop the other adapters, and another
-    --lora-alpha would rescale them: both are one-line errors."""
+    --lora-alpha would rescale them: both are one-line errors, from the flags, before any process group (the
+    load-time check behind them, for callers of load_checkpoint, is tested below)."""
     from megatron_lite.training.pretrain import main
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -116,8 +117,30 @@ def test_a_resume_keeps_every_trained_adapter_at_its_scale(tmp_path, capsys, mon
     _, out = _fine_tune(tmp_path, cfg, monkeypatch, "--lora-alpha", "12")
     capsys.readouterr()
     for extra, fragment in (
-        (["--lora-target-modules", "linear_qkv"], "holds LoRA adapters this run does not build"),
+        (["--lora-target-modules", "linear_qkv"], "--lora-target-modules linear_qkv differs from the adapters"),
         (["--lora-alpha", "64"], "--lora-alpha 64 conflicts with the LoRA adapters"),
     ):
         rc = main(["--load", out, "--save", out, "--train-iters", "5", *extra])
         _one_line_error(rc, capsys.readouterr().err, fragment)
+
+
+def test_load_checkpoint_refuses_adapters_the_model_does_not_build(tmp_path, monkeypatch):
+    """Behind the flags: a model built with fewer adapters than a checkpoint holds refuses it at load."""
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+    from megatron_lite.checkpoint.hf_convert import model_config_from_dict
+    from megatron_lite.config import ConfigError, ParallelConfig
+    from megatron_lite.lora.apply import apply_lora
+    from megatron_lite.lora.config import LoraConfig
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    _, out = _fine_tune(tmp_path, cfg, monkeypatch)
+    path = find_checkpoint(out)
+    config = model_config_from_dict(read_metadata(path)["config"]["model"])
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    model = build_model(config, ctx)
+    apply_lora(model, config, LoraConfig(rank=4, target_modules=("linear_qkv",)), ctx, seed=0)
+    with pytest.raises(ConfigError, match="holds LoRA adapters this run does not build"):
+        load_checkpoint(path, model, None, None, ctx, load_rng=False)
