@@ -20,7 +20,7 @@ from safetensors import safe_open
 from test_hf_reference import _deepseek_v2_lite
 
 from megatron_lite.checkpoint.hf_convert import HF_DEFAULTS, MODEL_TYPES_CLASSES
-from megatron_lite.config import ParallelConfig
+from megatron_lite.config import ParallelConfig, RopeScaling
 
 from dist_pool import get_context
 
@@ -386,6 +386,8 @@ def _edit_config(src: str, dst: pathlib.Path, **changes) -> str:
         # transformers renormalises a top-1 sigmoid weight to 1; Megatron's router (ours) leaves a top-1 alone
         ("deepseek_v3", {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "num_experts_per_tok=1"),
         ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=false"),
+        # transformers runs the attention latents' norms at 1e-6 whatever rms_norm_eps says
+        ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
     ],
 )
 def test_unsupported_fields_are_refused(converted, tmp_path, capsys, name, changes, fragment):
@@ -406,6 +408,11 @@ def test_unsupported_fields_are_refused(converted, tmp_path, capsys, name, chang
         ("gpt2", {"kv_channels": 8}, "--kv-channels 8"),
         ("mixtral", {"moe_router_topk_scaling_factor": 2.5}, "--moe-router-topk-scaling-factor 2.5"),
         ("mixtral", {"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "group-limited routing"),
+        ("mixtral", {"add_qkv_bias": True}, "QKV bias"),
+        ("qwen2", {"sliding_window": 4}, "a sliding window"),
+        ("phi3", {"rope_scaling": RopeScaling()}, "llama3 RoPE scaling"),
+        ("phi3", {"rope_scaling": RopeScaling(rope_type="yarn", factor=4.0)}, "yarn RoPE scaling"),
+        ("deepseek", {"norm_epsilon": 1e-5}, "--norm-epsilon 1e-05 on the attention latents"),
     ],
 )
 def test_what_the_hf_class_cannot_compute_is_refused_on_export(base, changes, fragment):
@@ -414,16 +421,56 @@ def test_what_the_hf_class_cannot_compute_is_refused_on_export(base, changes, fr
     from megatron_lite.config import ConfigError
     from megatron_lite.models.hf import _architecture, hf_config_dict
 
-    from models import gpt2_config, llama_config
+    from models import deepseek_config, gpt2_config, llama_config
 
-    make = gpt2_config if base == "gpt2" else lambda **kw: llama_config(num_experts=4, moe_router_topk=2, **kw)
+    make, arch = {
+        "gpt2": (gpt2_config, "GPT2LMHeadModel"),
+        "mixtral": (lambda **kw: llama_config(num_experts=4, moe_router_topk=2, **kw), "MixtralForCausalLM"),
+        "qwen2": (lambda **kw: llama_config(add_qkv_bias=True, **kw), "Qwen2ForCausalLM"),
+        "phi3": (lambda **kw: llama_config(rotary_percent=0.5, **kw), "Phi3ForCausalLM"),
+        "deepseek": (deepseek_config, "DeepseekV3ForCausalLM"),
+    }[base]
     clean = make()
     hf_config_dict(clean, _architecture(clean))  # the model without the feature exports
     model = make(**changes)
-    arch = _architecture(model)
-    assert arch == ("GPT2LMHeadModel" if base == "gpt2" else "MixtralForCausalLM")
+    assert _architecture(model) == arch
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         hf_config_dict(model, arch)
+
+
+def test_every_norm_is_exported_as_gamma_under_layernorm_1p():
+    """--apply-layernorm-1p stores gamma - 1; a Hugging Face DeepSeek holds gamma in every norm, MTP's enorm and
+    hnorm included (they had been written as gamma - 1, zeros at init)."""
+    from megatron_lite.models.hf_weights import state_dict_to_hf
+
+    from models import deepseek_config, perturbed_full_state
+
+    config = deepseek_config(mtp_num_layers=1, apply_layernorm_1p=True)
+    ours = perturbed_full_state(config)
+    hf = state_dict_to_hf(ours, config, "DeepseekV3ForCausalLM")
+    n = config.num_layers
+    for our_key, hf_key in (
+        ("mtp.layers.0.enorm.weight", f"model.layers.{n}.enorm.weight"),
+        ("mtp.layers.0.hnorm.weight", f"model.layers.{n}.hnorm.weight"),
+        ("mtp.layers.0.final_layernorm.weight", f"model.layers.{n}.shared_head.norm.weight"),
+        ("decoder.layers.0.self_attention.kv_layernorm.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"),
+        ("decoder.final_layernorm.weight", "model.norm.weight"),
+    ):
+        torch.testing.assert_close(hf[hf_key], ours[our_key] + 1, msg=hf_key)
+
+
+def test_phi3_export_loads_in_transformers_without_a_base_config():
+    """Without the config.json the weights came with, Phi-3's class default pad_token_id (32000) lay past a
+    smaller vocabulary and transformers refused to build the model."""
+    from megatron_lite.models.hf import _architecture, hf_config_dict
+
+    from models import llama_config
+
+    config = llama_config(rotary_percent=0.5)
+    assert config.vocab_size < 32000
+    out = hf_config_dict(config, _architecture(config))
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**out))
+    assert model.model.embed_tokens.num_embeddings == config.vocab_size
 
 
 def test_an_export_replaces_the_weights_of_an_earlier_one(monkeypatch, tmp_path):

@@ -310,6 +310,12 @@ def _check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("QKV bias with --qk-layernorm (Qwen3 has no QKV bias)")
         if arch in QWEN3 and c.sliding_window:
             problems.append("a sliding window with --qk-layernorm")
+        if arch == "Qwen2ForCausalLM" and c.sliding_window:
+            problems.append("a sliding window with --add-qkv-bias (exported as Qwen2, whose window we do not write)")
+        if arch == "MixtralForCausalLM" and c.add_qkv_bias:
+            problems.append("QKV bias (--add-qkv-bias; Mixtral's attention has none)")
+        if arch == "Phi3ForCausalLM" and c.rope_scaling is not None:
+            problems.append(f"{c.rope_scaling.rope_type} RoPE scaling (Phi-3 takes only longrope)")
     if c.mtp_num_layers and arch != DEEPSEEK_V3:
         problems.append(f"multi-token prediction (--mtp-num-layers {c.mtp_num_layers}; only DeepSeek-V3 holds it)")
     if c.rotary_percent != 1.0 and arch not in (*PARTIAL_ROTARY, "GPT2LMHeadModel"):
@@ -340,6 +346,8 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     out = dict(base or {})
     out.update(architectures=[arch], model_type=MODEL_TYPES[arch], vocab_size=c.vocab_size, torch_dtype=dtype)
     out.pop("dtype", None)
+    # (without a base config.json, a class default such as Phi-3's 32000 would be read, past a smaller vocabulary)
+    out.setdefault("pad_token_id", None)
     _check_exportable(c, arch)
     if arch == "GPT2LMHeadModel":
         out.update(

@@ -88,8 +88,19 @@ def _group_score_topn(k: int, group_topk: int, hf_rule: int) -> int | None:
     return None if k // group_topk == hf_rule else hf_rule
 
 
+# transformers builds DeepSeek's q/kv latent norms with their class default eps, not rms_norm_eps; Megatron (and we)
+# use --norm-epsilon for every norm, so the two agree only at this value (that of every DeepSeek release)
+LATENT_NORM_EPS = 1e-6
+
+
 def _base(c: Any, rope: tuple[float, Any]) -> dict:
     base, scaling = rope
+    if c.rms_norm_eps != LATENT_NORM_EPS:
+        raise ConfigError(
+            f"config.json rms_norm_eps={c.rms_norm_eps:g} is not supported: transformers runs DeepSeek's attention "
+            f"latent norms at {LATENT_NORM_EPS:g} whatever rms_norm_eps says, and megatron_lite (as Megatron) uses "
+            "one --norm-epsilon for every norm"
+        )
     params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     n = c.num_hidden_layers
     kwargs: dict[str, Any] = dict(
@@ -139,6 +150,11 @@ def export_problems(c: ModelConfig, arch: str) -> list[str]:
         problems.append("DeepSeek-V3 attention is multi-latent (--multi-latent-attention)")
     if not c.qk_layernorm:
         problems.append("DeepSeek-V3 normalises its attention latents (--qk-layernorm)")
+    elif c.norm_epsilon != LATENT_NORM_EPS:
+        problems.append(
+            f"--norm-epsilon {c.norm_epsilon:g} on the attention latents (transformers' DeepSeek runs them at "
+            f"{LATENT_NORM_EPS:g} whatever rms_norm_eps says)"
+        )
     if c.normalization != "RMSNorm" or c.activation != "swiglu" or c.add_bias_linear:
         problems.append("DeepSeek-V3 is RMSNorm, SwiGLU, no biases")
     if c.num_experts:

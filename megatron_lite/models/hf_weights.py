@@ -255,8 +255,9 @@ def state_dict_to_hf(
     # Hugging Face norms hold gamma itself, except Nemotron's LayerNorm1P, which holds gamma - 1 as we do with
     # --apply-layernorm-1p
     shift = int(config.apply_layernorm_1p) - int(arch == "NemotronForCausalLM")
-    if shift:
-        ours = {k: v + shift if k.endswith("layernorm.weight") else v for k, v in ours.items()}
+    if shift:  # (every norm: the layers', the latents', the final one, and MTP's enorm and hnorm)
+        norm = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")
+        ours = {k: v + shift if k.endswith(norm) else v for k, v in ours.items()}
     if arch in LLAMA_LIKE:
         hf["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
         for i in range(config.num_layers + config.mtp_num_layers):
