@@ -726,6 +726,26 @@ def test_mla_kv_cache_holds_the_latents(converted):
         assert latents.shape[2:] == (1, config.kv_lora_rank) and k_pe.shape[2:] == (1, config.qk_pos_emb_head_dim)
 
 
+@pytest.mark.parametrize(
+    "parallel,fragment",
+    [
+        (dict(context_parallel_size=2), "--context-parallel-size 2"),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), "--sequence-parallel"),
+    ],
+)
+def test_generation_refuses_cp_and_sp(parallel, fragment):
+    """Under CP the prompt and cache were read as each rank's zigzag shard (other tokens, rank by rank): a
+    one-line refusal before any step, as under SP."""
+    from megatron_lite.inference.generation import SamplingConfig, generate
+    from megatron_lite.parallel_context import ParallelContext
+
+    ctx = ParallelContext.virtual(ParallelConfig(**parallel), world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        generate([], ctx, PROMPT, 2)  # (refused before the model is touched)
+    with pytest.raises(ValueError, match="--temperature nan"):
+        SamplingConfig(greedy=False, temperature=float("nan"))
+
+
 def test_a_model_type_transformers_does_not_know_is_refused_for_other_classes(converted, tmp_path, capsys):
     """The config fallback is for DeepSeek classes under an unknown type (Kimi-K2) only; otherwise one line."""
     src = _edit_config(converted["llama"][1], tmp_path / "hf", model_type="not_a_llama")

@@ -1,4 +1,4 @@
-"""Autoregressive generation under any TP x PP layout, with a KV cache.
+"""Autoregressive generation under any TP x PP (x EP) layout, with a KV cache; not under CP or SP.
 
 Each step runs the new tokens (the whole prompt first, then one token) through the virtual pipeline
 stages in order, hidden states passed stage to stage by point-to-point sends; the last stage gathers the
@@ -27,7 +27,7 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.greedy and self.temperature <= 0:
+        if not self.greedy and not self.temperature > 0:  # (NaN included)
             raise ValueError(f"--temperature {self.temperature} must be > 0 (or use --greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p {self.top_p} must be in (0, 1]")
@@ -86,6 +86,11 @@ def generate(
 ) -> dict:
     """Returns generated_ids on every rank; logprobs and prompt_logprobs on the last pipeline stage."""
     sampling = sampling or SamplingConfig()
+    # Context parallelism would take the prompt and the cache for each rank's zigzag shard of a sequence, and
+    # sequence parallelism splits the tokens of one step: generation runs neither (refused, not wrong logits).
+    if ctx.cp.size > 1 or ctx.sequence_parallel:
+        what = f"--context-parallel-size {ctx.cp.size}" if ctx.cp.size > 1 else "--sequence-parallel"
+        raise ValueError(f"generation does not run under {what}: build the model for it without (TP x PP x EP only)")
     for c in chunks:
         c.eval()
     max_pos = chunks[0].config.max_position_embeddings
