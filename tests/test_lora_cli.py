@@ -155,13 +155,17 @@ def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path, pretrain_job):
         "--lr-decay-style", "constant",
     ]  # fmt: skip
 
-    def run(*extra):
-        return pretrain_job(1, [*model, *extra])
+    def run(*extra, env=None):
+        return pretrain_job(1, [*model, *extra], env=env)
 
     run("--train-iters", "1", "--save", str(tmp_path / "base"))
     lora = ["--load", str(tmp_path / "base"), "--finetune", "--lora-rank", "4", "--qlora", "--train-iters", "4"]
     run(*lora, "--save", str(tmp_path / "q"), "--exit-interval", "2", "--log-jsonl", str(tmp_path / "a.jsonl"))
     run(*lora, "--save", str(tmp_path / "straight"), "--log-jsonl", str(tmp_path / "s.jsonl"))
+    # a rollback reads the job's own adapters-only checkpoint onto the quantised base
+    nan = {"MEGATRON_LITE_INJECT_FAULT": "nan,rank=0,iteration=3"}
+    rolled = run(*lora, "--save", str(tmp_path / "rb"), "--save-interval", "2", "--nan-policy", "rollback", env=nan)
+    assert f"rolled back to {tmp_path / 'rb'}/iter_0000002: iteration 2" in rolled, rolled[-3000:]
     # the base goes on training meanwhile: the adapters resume on the iteration they were trained on, not the newest
     run("--train-iters", "2", "--load", str(tmp_path / "base"), "--save", str(tmp_path / "base"))
     resumed = run(*lora, "--save", str(tmp_path / "q"), "--log-jsonl", str(tmp_path / "b.jsonl"))

@@ -106,6 +106,24 @@ def test_a_rollback_waits_for_the_async_save_it_may_go_back_to(tmp_path, capsys,
     assert "rolled back to" in out and "iter_0000002: iteration 2" in out, out
 
 
+@pytest.mark.parametrize("own_save", [False, True])
+def test_a_rollback_to_the_starting_checkpoint_reads_it_with_the_start_flags(tmp_path, capsys, monkeypatch, own_save):
+    """--load BASE --no-load-optim --nan-policy rollback, BASE saved with --no-save-optim: before this job's first
+    save the rollback goes back to BASE as the job loaded it (it read BASE's absent optimizer state and failed
+    telling the user to add the --no-load-optim they had given; with --save elsewhere it found nothing there and
+    halted)."""
+    base = str(tmp_path / "base")
+    rc, _, err = _run([*DATA, "--train-iters", "2", "--save", base, "--no-save-optim"], capsys, monkeypatch)
+    assert rc == 0, err
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=4")
+    argv = [*DATA, "--train-iters", "5", "--load", base, "--no-load-optim", "--nan-policy", "rollback"]
+    if own_save:
+        argv += ["--save", str(tmp_path / "own"), "--save-interval", "100"]
+    rc, out, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    assert f"rolled back to {base}/iter_0000002: iteration 2" in out, out
+
+
 def test_wandb_steps_keep_growing_through_a_rollback():
     """A rollback replays iterations W&B has seen: its step keeps growing (W&B drops a step below its last)
     and the iteration goes along as a field; validation at the same iteration shares the training's step. (The

@@ -386,7 +386,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             raise
         if action == ROLLBACK:
             _finish_async_save(saver, log)  # it may be the checkpoint to go back to
-            state = _rollback(job, model, optimizer, scheduler, ctx, log, state)
+            state = _rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path)
             guard.after_rollback()
             continue
         step_gbs = train_batches.gbs(state.consumed_samples)
@@ -492,12 +492,24 @@ def _finish_async_save(saver, log) -> None:
         log.info(f"saved {path} (async)")
 
 
-def _rollback(job: JobConfig, model, optimizer, scheduler, ctx: ParallelContext, log, state: TrainState) -> TrainState:
+def _rollback(
+    job: JobConfig,
+    model,
+    optimizer,
+    scheduler,
+    ctx: ParallelContext,
+    log,
+    state: TrainState,
+    start: str | None,
+    qlora_base: str | None,
+) -> TrainState:
     """Every rank reloads the newest complete checkpoint not past this iteration (the Supervisor has noted the
-    batch to skip): a job started from an older one (--ckpt-step, --finetune) may share its directory with newer."""
-    root = job.checkpoint.save or job.checkpoint.load
+    batch to skip): a job started from an older one (--ckpt-step, --finetune) may share its directory with newer.
+    Before this job's first save, that is the checkpoint it started from (`start`), read as it was then."""
+    ck = job.checkpoint
+    root = ck.save or ck.load
     done = [i for i in complete_iterations(root) if i <= state.iteration]
-    path = find_checkpoint(root, max(done)) if done else None
+    path = find_checkpoint(root, max(done)) if done else start
     if path is None:
         raise TrainingHalted(
             f"iteration {state.iteration + 1}: a rollback was asked for but {root} holds no checkpoint yet; "
@@ -505,7 +517,16 @@ def _rollback(job: JobConfig, model, optimizer, scheduler, ctx: ParallelContext,
         )
     if hasattr(optimizer, "finish_param_sync"):
         optimizer.finish_param_sync()
-    restored = load_checkpoint(path, model, optimizer, scheduler, ctx)
+    if path == start:  # with the flags it was loaded with (--no-load-optim, --finetune, --no-load-rng)
+        how = dict(
+            load_optim=not ck.no_load_optim,
+            load_rng=not ck.no_load_rng,
+            finetune=ck.finetune,
+            skip_missing_frozen=qlora_base is not None,
+        )
+    else:  # a checkpoint of this job's own (with optimizer state: --no-save-optim with a rollback is refused)
+        how = {}
+    restored = load_checkpoint(path, model, optimizer, scheduler, ctx, **how)
     log.info(f"rolled back to {path}: iteration {restored.iteration}, sample {restored.consumed_samples}")
     return restored
 
