@@ -68,6 +68,23 @@ def test_a_skipped_step_is_not_averaged_into_the_logged_loss(tmp_path, capsys, m
     assert window["lm_loss"] != pytest.approx(sum(each) / 3, rel=1e-9)
 
 
+def test_a_global_batch_without_loss_tokens_steps_with_zero_gradients(tmp_path, capsys, monkeypatch):
+    """--sft with a prompt that fills the sequence: no label is kept. The step runs with zero gradients (Megatron's
+    finalize_model_grads skips the 1/num_tokens scaling; here it divided by zero), says so, and logs no loss
+    rather than tripping the NaN check."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": " ".join(str(i % 90 + 1) for i in range(300)), "response": "5 6"}) + "\n")
+    log = tmp_path / "m.jsonl"
+    argv = ["--sft", "--data-path", str(data), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    rc, out, err = _run(
+        [*argv, "--train-iters", "2", "--log-interval", "1", "--log-jsonl", str(log)], capsys, monkeypatch
+    )
+    assert rc == 0, err
+    assert "iteration 1: every label of the global batch is masked: no loss, zero gradients" in out, out
+    records = [json.loads(line) for line in log.read_text().splitlines() if "lm_loss" in line]
+    assert len(records) == 2 and all(r["skipped_iterations"] == 0 and r["grad_norm"] == 0.0 for r in records), records
+
+
 def _slow_writes(monkeypatch):
     from megatron_lite.checkpoint import checkpointing
 

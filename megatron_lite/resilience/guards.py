@@ -34,7 +34,11 @@ class SpikeDetector:
         return (loss - mean) / max(std, 1e-6 * max(abs(mean), 1.0))
 
     def observe(self, loss: float) -> float | None:
-        """The loss's z-score when it is a spike, else None (the loss joins the history)."""
+        """The loss's z-score when it is a spike, else None (the loss joins the history). A non-finite loss is
+        the NaN check's (--check-for-nan-in-loss-and-grad): it neither counts as a spike nor joins the history,
+        where it would make every later statistic NaN (or raise)."""
+        if not math.isfinite(loss):
+            return None
         z = self.zscore(loss)
         if z is not None and z > self.threshold:
             return z

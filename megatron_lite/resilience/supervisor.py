@@ -75,7 +75,9 @@ class Supervisor:
         self.window["step"] += seconds
         self.window["compute"] += seconds - metrics.comm_exposed_seconds
         self.window["n"] += 1
-        if self.check_nan and non_finite(metrics.lm_loss, metrics.grad_norm):
+        # (a global batch without one loss-bearing token has no loss, NaN, and zero gradients: not a fault)
+        loss = metrics.lm_loss if metrics.num_tokens > 0 else 0.0
+        if self.check_nan and non_finite(loss, metrics.grad_norm):
             self.window["nonfinite"] += 1
             return self._non_finite(iteration, consumed_before, metrics, ddp)
         if self.spikes is not None and (z := self.spikes.observe(metrics.lm_loss)) is not None:

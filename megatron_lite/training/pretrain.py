@@ -82,7 +82,7 @@ def _moe_metrics(moe: dict | None) -> dict:
 
 def _new_window() -> dict[str, float]:
     """What the loop sums between two log lines."""
-    return {"loss": 0.0, "n": 0, "updated": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0,
+    return {"loss": 0.0, "n": 0, "losses": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0,
             "samples": 0}  # fmt: skip
     # (with --mtp-num-layers also mtp_1_loss, ...: each depth's loss, summed like "loss")
 
@@ -394,9 +394,13 @@ def run(job: JobConfig, notes: list[str]) -> int:
         state.consumed_samples += step_gbs
         profiler.after_step(state.iteration)
         window["samples"] += step_gbs
-        # (a skipped iteration's loss, non-finite, is not averaged in: Megatron's training_log counts it apart)
-        window["loss"] += metrics.lm_loss if metrics.updated else 0.0
-        window["updated"] += 1 if metrics.updated else 0
+        # (a skipped iteration's loss, non-finite, is not averaged in: Megatron's training_log counts it apart;
+        # nor is the NaN of a global batch without loss-bearing tokens)
+        has_loss = metrics.updated and metrics.num_tokens > 0
+        window["loss"] += metrics.lm_loss if has_loss else 0.0
+        window["losses"] += 1 if has_loss else 0
+        if metrics.num_tokens == 0:
+            log.info(f"iteration {state.iteration}: every label of the global batch is masked: no loss, zero gradients")
         for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ... (over steps with tokens)
             if v is not None and metrics.updated:
                 window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
@@ -413,7 +417,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.log(
                 state.iteration,
                 {
-                    "lm_loss": window["loss"] / window["updated"] if window["updated"] else math.nan,
+                    "lm_loss": window["loss"] / window["losses"] if window["losses"] else math.nan,
                     **{
                         k: v / window[k[:-4] + "n"]
                         for k, v in window.items()

@@ -8,6 +8,7 @@ is a plain sum and the result does not depend on how the batch was split over ra
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -114,7 +115,7 @@ def forward_backward(
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch (no pipelining); returns this rank's summed token loss."""
     total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
-    scale = loss_scale / float(num_tokens)
+    scale = loss_scale / max(float(num_tokens), 1.0)  # (no loss-bearing token: zero gradients, as in Megatron)
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         with model.no_sync() if i < last else contextlib.nullcontext():
@@ -198,7 +199,7 @@ def train_step(
         moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
     if _pipelined(model, ctx):
         with model.no_sync(), measuring:  # a chunk's buckets are reduced once its last backward runs
-            loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / float(num_tokens), False)
+            loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / max(float(num_tokens), 1.0), False)
         loss_sum = all_reduce(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
     else:
         with measuring:
@@ -212,7 +213,7 @@ def train_step(
         scheduler.step(samples)
     zeros = optimizer.grad_zeros() if log_num_zeros_in_grad else None  # the reduced gradients, still in buffers
     params_norm = optimizer.params_norm() if log_params_norm else None
-    lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens)
+    lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens) if num_tokens > 0 else math.nan
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     return StepMetrics(
