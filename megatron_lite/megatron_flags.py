@@ -94,7 +94,7 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     ),
     "rerun_mode": (
         True,
-        "megatron_lite has no re-run engine; non-finite losses and loss spikes follow --nan-policy / --spike-policy",
+        "megatron_lite has no re-run engine; non-finite losses follow --nan-policy, loss spikes --spiky-loss-policy",
     ),
     # Megatron reads it only for --tokenizer-type TikTokenizer, which is refused here (its examples pass it
     # with NullTokenizer and mock data too)

@@ -118,3 +118,17 @@ def test_the_vocabulary_check_rescans_a_rewritten_corpus(tmp_path):
     _write(prefix, [[150] * 30 + [100] for _ in range(10)])  # same size, token 150 > vocabulary 101
     with pytest.raises(ConfigError, match="holds token id 150"):
         build_datasets(source, data, (4, 0, 0), 8, 1)
+
+
+def test_a_corpus_shorter_than_one_sample_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """A --data-path whose split cannot fill one sample: one line naming the flags and the fix (it was a
+    ValueError traceback on every rank, naming neither)."""
+    from test_pretrain_cli import _one_line_error, _run
+
+    prefix = str(tmp_path / "short_text_document")
+    w = IndexedDatasetWriter(prefix, vocab_size=100)
+    w.add_document(np.arange(1, 13))
+    w.finalize()
+    flags = ["--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    rc, _, err = _run(flags, capsys, monkeypatch)
+    _one_line_error(rc, err, f"--data-path {prefix}", "hold 12 tokens", "--seq-length 16 + 1")

@@ -62,6 +62,13 @@ def test_fault_injection_grammar():
         (["--check-for-spiky-loss", "--spiky-loss-policy", "rollback"], "--spiky-loss-policy rollback rolls back"),
         (["--exit-signal-handler", "--exit-signal", "SIGHUP"], "--exit-signal SIGHUP is not one of"),
         (["--check-for-spiky-loss", "--spiky-loss-window", "3"], "--spiky-loss-window 3 must be >= 10"),
+        (["--check-for-spiky-loss", "--spiky-loss-zscore", "nan"], "--spiky-loss-zscore nan positive"),
+        # accepted and then inert: each acts on a check that is off
+        (["--spiky-loss-policy", "rollback", "--save", "x"], "--spiky-loss-policy rollback acts on the loss spikes"),
+        (["--nan-policy", "skip", "--no-check-for-nan-in-loss-and-grad"], "--nan-policy skip acts on the non-finite"),
+        # 0 made the hang watchdog report a healthy run as hung; below 0 the store's socket failed in C++
+        (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0 must be a positive"),
+        (["--distributed-timeout-minutes", "-1"], "--distributed-timeout-minutes -1 must be a positive"),
     ],
 )
 def test_fault_tolerance_flags_are_validated(flags, message):
@@ -235,3 +242,17 @@ def test_the_hang_report_follows_a_chain_of_waits_without_looping():
     held = [line for line in report.splitlines() if line.strip().startswith("held up by:")]
     assert [h.split(" waits in ")[0].split()[-1] for h in held] == ["1", "2", "3"], report
     assert "rank 1, which waits in #3 all_to_all_single on ranks [1,2]" in held[2], report
+
+
+@pytest.mark.parametrize("flag", ["--save", "--log-jsonl"])
+def test_output_paths_that_cannot_be_made_are_refused_at_start_up(tmp_path, capsys, monkeypatch, flag):
+    """A --save (or --log-jsonl, ...) under a regular file: one line before any process group. (--save failed at
+    the first save on rank 0 alone, after the training before it, the other ranks waiting in a barrier.)"""
+    from test_pretrain_cli import _one_line_error, _run
+
+    (tmp_path / "afile").write_text("")
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", flag, str(tmp_path / "afile" / "x")], capsys, monkeypatch)
+    _one_line_error(rc, err, flag, "afile is a file, not a directory")
+    if flag == "--log-jsonl":  # (and a directory where a file goes)
+        rc, _, err = _run(["--mock-data", "--vocab-size", "100", flag, str(tmp_path)], capsys, monkeypatch)
+        _one_line_error(rc, err, flag, "is a directory")

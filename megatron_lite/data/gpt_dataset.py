@@ -19,6 +19,7 @@ import os
 import numpy as np
 import torch
 
+from megatron_lite.config import ConfigError
 from megatron_lite.data.documents import document_ids, document_position_ids
 from megatron_lite.data.indexed import IndexedDataset
 
@@ -108,7 +109,12 @@ class GPTDataset:
         lengths = self.indexed.lengths[docs].astype(np.int64)
         tokens_per_epoch = int(lengths.sum())
         if tokens_per_epoch <= self.seq_length:
-            raise ValueError(f"{self.indexed.prefix}: {tokens_per_epoch} tokens cannot fill one sample")
+            # (every rank builds or waits for these indices, so every rank raises: no collective is left waiting)
+            raise ConfigError(
+                f"--data-path {self.indexed.prefix}: this split's {len(docs)} documents hold {tokens_per_epoch} "
+                "tokens, fewer than one sample of --seq-length "
+                f"{self.seq_length} + 1: add data, shorten --seq-length or change --split"
+            )
         epochs = max(1, math.ceil((num_samples * self.seq_length + 1) / tokens_per_epoch))
         # Megatron-core's separate_final_epoch: when the last epoch is < 80% used, the samples of the full
         # epochs are shuffled among themselves and come first, so the run reads every document once before

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 from dataclasses import asdict, dataclass, field
 
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
@@ -96,7 +98,7 @@ class ResilienceConfig:
         ):
             if value not in choices:
                 raise ConfigError(f"{flag} {value} is not one of {', '.join(choices)}")
-        if self.spiky_loss_window < 10 or self.spiky_loss_zscore <= 0:
+        if self.spiky_loss_window < 10 or not self.spiky_loss_zscore > 0:  # (NaN included)
             raise ConfigError(
                 f"--spiky-loss-window {self.spiky_loss_window} must be >= 10 and --spiky-loss-zscore "
                 f"{self.spiky_loss_zscore} positive"
@@ -134,6 +136,21 @@ class JobConfig:
             )
             if on
         ]
+        if not 0 < self.distributed_timeout_minutes < math.inf:  # (0 made the hang watchdog fire on a healthy run)
+            raise ConfigError(
+                f"--distributed-timeout-minutes {self.distributed_timeout_minutes:g} must be a positive number of "
+                "minutes (default 10)"
+            )
+        if r.spiky_loss_policy != "report" and not r.check_for_spiky_loss:
+            raise ConfigError(
+                f"--spiky-loss-policy {r.spiky_loss_policy} acts on the loss spikes --check-for-spiky-loss finds: "
+                "add --check-for-spiky-loss"
+            )
+        if r.nan_policy != "halt" and not self.optimizer.check_for_nan_in_loss_and_grad:
+            raise ConfigError(
+                f"--nan-policy {r.nan_policy} acts on the non-finite losses --check-for-nan-in-loss-and-grad finds, "
+                "which --no-check-for-nan-in-loss-and-grad turns off: drop one of them"
+            )
         if self.checkpoint.no_save_optim and rollback:
             raise ConfigError(
                 f"{rollback[0]} rollback restores the optimizer state from the last checkpoint, which "
@@ -142,3 +159,24 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_output_paths(job: JobConfig) -> None:
+    """The directories and files the job will write can be made: checked at start-up, before any process group
+    (a --save under a regular file failed on rank 0 alone at the first save, the others waiting in a barrier)."""
+    dirs = [("--save", job.checkpoint.save), ("--tensorboard-dir", job.logging.tensorboard_dir)]
+    dirs += [("--profile-dir", job.logging.profile_dir), ("--wandb-save-dir", job.logging.wandb_save_dir)]
+    files = [("--log-jsonl", job.logging.log_jsonl)]
+    for flag, path, is_dir in [(f, p, True) for f, p in dirs] + [(f, p, False) for f, p in files]:
+        if not path:
+            continue
+        if os.path.exists(path) and os.path.isdir(path) != is_dir:
+            kind = "a file" if is_dir else "a directory"
+            raise ConfigError(f"{flag} {path} is {kind}; give a {'directory' if is_dir else 'file'} path")
+        parent = os.path.abspath(path if is_dir else os.path.dirname(os.path.abspath(path)))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ConfigError(f"{flag} {path} cannot be created: {parent} is a file, not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{flag} {path} cannot be written: {parent} is not writable by this user")

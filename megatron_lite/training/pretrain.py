@@ -42,7 +42,7 @@ from megatron_lite.parallel_context import ParallelContext, initialize
 from megatron_lite.resilience.flight_recorder import FlightRecorder
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
 from megatron_lite.training import memory
-from megatron_lite.training.configs import JobConfig
+from megatron_lite.training.configs import JobConfig, check_output_paths
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
@@ -153,6 +153,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(job.model, job.parallel, world_size, job.training)
     validate_sharding(job.model, job.parallel, job.training, job.optimizer)
+    check_output_paths(job)
     if job.training.train_samples is not None:  # sample-based: the iterations this data-parallel size makes
         job = dataclasses.replace(
             job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world_size))

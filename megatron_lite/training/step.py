@@ -199,7 +199,9 @@ def train_step(
         moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
     if _pipelined(model, ctx):
         with model.no_sync(), measuring:  # a chunk's buckets are reduced once its last backward runs
-            loss_sum = _run_pipeline(model, micro_batches, ctx, optimizer.loss_scale / max(float(num_tokens), 1.0), False)
+            loss_sum = _run_pipeline(
+                model, micro_batches, ctx, optimizer.loss_scale / max(float(num_tokens), 1.0), False
+            )
         loss_sum = all_reduce(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
     else:
         with measuring:
