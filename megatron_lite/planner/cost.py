@@ -283,18 +283,20 @@ def step_time(
     act = m * h * a  # one micro-batch's hidden states on this rank (full sequence part)
     tp_comm = 0.0
     if tp > 1:
+        gather, scatter = (_collective(k, act, tp, tp, cl, eff) for k in ("all_gather", "reduce_scatter"))
+        reduce = _collective("all_reduce", act, tp, tp, cl, eff)
         if layout.sp:  # per layer 4 all-gathers and 4 reduce-scatters (forward and backward)
-            per_layer = 4 * (
-                _collective("all_gather", act, tp, tp, cl, eff) + _collective("reduce_scatter", act, tp, tp, cl, eff)
-            )
+            per_layer = 4 * (gather + scatter)
             # embedding reduce-scatter, output layer all-gather, and their backward twins
-            edges = 2 * (
-                _collective("all_gather", act, tp, tp, cl, eff) + _collective("reduce_scatter", act, tp, tp, cl, eff)
-            )
+            edges = 2 * (gather + scatter)
         else:  # per layer 2 all-reduces forward, 2 backward; embedding and output layer one each
-            per_layer = 4 * _collective("all_reduce", act, tp, tp, cl, eff)
-            edges = 2 * _collective("all_reduce", act, tp, tp, cl, eff)
+            per_layer = 4 * reduce
+            edges = 2 * reduce
         edges += 3 * _collective("all_reduce", m * 4, tp, tp, cl, eff)  # vocab-parallel loss: max, sum, target
+        if layout.recompute == "full":  # each layer's forward runs again, its collectives included, up to the
+            # last one whose output the backward keeps (torch's non-reentrant checkpoint stops there, before the
+            # layer's final reduction): 2 all-gathers and 1 reduce-scatter under SP, else 1 all-reduce (counted)
+            per_layer += 2 * gather + scatter if layout.sp else reduce
         tp_comm = micro * (layers * per_layer + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
@@ -306,28 +308,44 @@ def step_time(
         # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
         merge = 3 * (cp - 1) * 3 * m * out / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
         cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
+        if layout.recompute in ("full", "selective"):  # the recomputed attention passes K and V round again
+            kv_block = ring_blocks(model, m, tp, cp, a)[0][0]
+            ring_fwd = (cp - 1) * _collective("p2p", kv_block, cp, tp * cp, cl, eff)
+            cp_comm += micro * layers * (max(0.0, ring_fwd - attn_time / 3.5) + merge / 3)
     ep_comm = 0.0
     if model.num_experts and ep > 1:
         moe_layers = sum(1 for i in st.layers if model.is_moe_layer(i))
-        tokens = m * model.moe_router_topk * h * a / (tp if layout.sp else 1)
-        ep_comm = micro * moe_layers * 4 * _collective("all_to_all", tokens, ep, tp * ep, cl, eff)
+        # every TP rank routes the whole (gathered) sequence: MoELayer gathers it first, under SP too
+        tokens = m * model.moe_router_topk * h * a
+        a2a = 4 + (2 if layout.recompute == "full" else 0)  # dispatch and combine, forward and backward (+ again)
+        ep_comm = micro * moe_layers * a2a * _collective("all_to_all", tokens, ep, tp * ep, cl, eff)
     pp_comm = 0.0
     if pp > 1:  # each micro-batch's activation forward and gradient backward, per model chunk
         send = act / (tp if layout.sp else 1)
-        pp_comm = 2 * micro * vp * _collective("p2p", send, 2, cl.gpus_per_node + 1, cl, eff)
+        # neighbouring stages are world / PP ranks apart: inside a node only when the whole job is (else some
+        # stage boundary crosses nodes, and the pipeline goes at its pace)
+        pp_comm = 2 * micro * vp * _collective("p2p", send, 2, layout.world, cl, eff)
 
     # Data parallelism (fp32 gradients, or bf16 with grads_bf16; compute-precision parameters), as our runtime
     # schedules it
     dp_cp = layout.dp * cp
+    edp = max(dp_cp // ep, 1)  # experts are replicated (and reduced, and sharded) over expert-DP, not DP x CP
     span = tp * dp_cp
     n = st.total
     grad_bytes = 2 if bf16 and grads_bf16 else 4  # per gradient, in the reduction
-    grads = grad_bytes * n
+
+    def over_dp(kind: str, bytes_per_param: float) -> float:
+        """One collective over the dense parameters' group and one over the experts'."""
+        return sum(
+            _collective(kind, bytes_per_param * count, size, span, cl, eff)
+            for count, size in ((st.dense, dp_cp), (st.expert, edp))
+        )
+
     dp_comm = 0.0
     if dp_cp > 1:
         if layout.sharding == "fsdp2":  # gathers (forward, backward) and reduce-scatters every micro-batch,
-            comm = 2 * _collective("all_gather", a * n, dp_cp, span, cl, eff)  # layer by layer under the step
-            comm = micro * (comm + _collective("reduce_scatter", grads, dp_cp, span, cl, eff))
+            comm = 2 * over_dp("all_gather", a)  # layer by layer under the step
+            comm = micro * (comm + over_dp("reduce_scatter", grad_bytes))
             # except at each micro-batch's edges: the chunks' own units (embeddings, output layer, final norm)
             # and each chunk's first layer are gathered before anything runs, and reduce-scattered after the
             # backward
@@ -340,8 +358,8 @@ def step_time(
             exposed = edges + max(0.0, comm - edges - eff.dp_overlap * compute)
         else:
             kind = "all_reduce" if layout.sharding == "none" else "reduce_scatter"
-            reduce = _collective(kind, grads, dp_cp, span, cl, eff)
-            gather = _collective("all_gather", a * n, dp_cp, span, cl, eff) if layout.sharding != "none" else 0.0
+            reduce = over_dp(kind, grad_bytes)
+            gather = over_dp("all_gather", a) if layout.sharding != "none" else 0.0
             if layout.sharding == "zero2":  # every micro-batch's gradients, each under its own backward
                 exposed = micro * max(0.0, reduce - eff.dp_overlap * 2 / 3 * per_mb)
                 comm = micro * reduce + gather
@@ -351,7 +369,7 @@ def step_time(
             exposed += _exposed_gather(layout, micro, per_mb, gather, eff)
         dp_comm = exposed + eff.contention * (comm - exposed)
     # optimizer: read grads and moments, write moments, main and weights (~28 bytes per local parameter)
-    local = n / dp_cp if layout.sharding != "none" else n
+    local = st.dense / dp_cp + st.expert / edp if layout.sharding != "none" else n
     # (read the gradient, read and write the state, write main weights and weights: 28 bytes with Adam)
     optimizer = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
@@ -378,4 +396,4 @@ def throughput(model: ModelConfig, layout: Layout, seq_length: int, global_batch
     # (in the convention of the published figures the model is held against: full, not causally halved,
     # attention, as Megatron counted it when it published them and as torchtitan counts it)
     flops = flops_per_token(model, seq_length, causal=False) * tps
-    return tps, flops / 1e12, flops / cl.gpu.peak_flops
+    return tps, flops / 1e12, flops / cl.gpu.mfu_peak

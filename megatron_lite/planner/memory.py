@@ -374,8 +374,10 @@ def peak_rank_memory(
 ) -> tuple[int, Memory]:
     """(pipeline rank, memory) of the rank that needs the most. `state_bytes`: the optimizer's state per
     parameter (Adam's moments 8, SGD's momentum 4, none 0)."""
-    ranks = sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
+    # every rank: an uneven split, a --pipeline-model-parallel-layout or the MoE layers' places can make a middle
+    # one the heaviest (rank 1 holds the most micro-batches in flight but need not hold the most layers)
     mems = [
-        (r, rank_memory(model, layout, seq_length, global_batch_size, bf16, r, grads_bf16, state_bytes)) for r in ranks
+        (r, rank_memory(model, layout, seq_length, global_batch_size, bf16, r, grads_bf16, state_bytes))
+        for r in range(layout.pp)
     ]
     return max(mems, key=lambda x: x[1].total)

@@ -1,0 +1,172 @@
+"""Terms of the planner's cost and memory models held against what the runtime does: the collectives a step
+issues (counted here on gloo), the group each gradient is reduced over, the rank that needs the most memory,
+the link between pipeline stages, and the peak MFU is reported against."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
+from megatron_lite.planner import cost
+from megatron_lite.planner.hardware import ACCELERATORS, cluster
+from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.memory import peak_rank_memory, rank_memory, stage_params
+from megatron_lite.planner.search import uneven_stages
+from megatron_lite.training.flops import flops_per_token
+
+from dist_pool import get_context
+from models import llama_config
+
+SEQ = 32
+
+
+def _llama(layers: int = 32, **kw) -> ModelConfig:
+    return ModelConfig(
+        num_layers=layers,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=8192,
+        untie_embeddings_and_output_weights=True,
+        kernel_impl="triton",
+        **LLAMA_ARCHITECTURE,
+        **kw,
+    )
+
+
+def test_peak_memory_is_that_of_the_heaviest_pipeline_rank():
+    """An uneven split (3, 3, 4, ..., 4, 3 layers) makes rank 2 heavier than ranks 0, 1 and the last, the only
+    ones looked at before: a layout that ran out of memory there was listed as fitting."""
+    model = _llama(61)
+    layout = Layout(pp=16, micro_batch_size=1, stages=uneven_stages(61, 16))
+    every = [rank_memory(model, layout, 8192, 64, True, r).total for r in range(16)]
+    rank, mem = peak_rank_memory(model, layout, 8192, 64, True)
+    assert mem.total == max(every) and rank not in (0, 1, 15), (rank, every)
+
+
+def test_expert_gradients_and_state_go_over_the_expert_data_parallel_group(monkeypatch):
+    """At EP = DP = 8 each expert lives on one rank: its gradients need no reduction and its optimizer state is
+    all local. The model had reduced them over all 8 ranks and stepped 1/8 of them."""
+    model = _llama(32, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336)
+    layout = Layout(pp=4, dp=8, ep=8, sharding="dist-opt", micro_batch_size=1)
+    cl = cluster("H100", 8, 4, None, None)
+    st = stage_params(model, layout, 3)  # the busiest stage: the last, with the output layer
+    calls = []
+    real = cost._collective
+
+    def record(kind, bytes_, size, span, cl_, eff):
+        calls.append((kind, bytes_, size))
+        return real(kind, bytes_, size, span, cl_, eff)
+
+    monkeypatch.setattr(cost, "_collective", record)
+    t = cost.step_time(model, layout, 4096, 256, cl)
+    reduced = {(b, size) for kind, b, size in calls if kind == "reduce_scatter"}
+    assert reduced == {(4 * st.dense, 8), (4 * st.expert, 1)}, reduced
+    local = st.dense / 8 + st.expert
+    expected = 28 * local / (cl.gpu.memory_bandwidth * cost.EFF.memory) + 10 * cl.gpu.launch_seconds
+    assert t.optimizer == pytest.approx(expected, rel=1e-12)
+
+
+def _count(layout_kw: dict, moe: bool) -> dict:
+    """Collectives one step issues on this rank: TP all-gathers and reduce-scatters, EP all-to-all bytes."""
+    import torch.distributed as dist
+
+    from megatron_lite.planner.measure import measure_layout
+
+    layout = Layout(**layout_kw)
+    extra = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48) if moe else {}
+    config = llama_config(num_layers=2, kernel_impl="torch", **extra)
+    ctx = get_context(layout.parallel_config())
+    counts = collections.Counter()
+    names = [n for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)]
+    names += ["all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"]
+    real = {n: getattr(dist, n) for n in names}
+
+    def wrap(name):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            if name == "all_to_all_single" and group is not None and group is ctx.ep.handle:
+                t = args[1] if len(args) > 1 else kwargs["input"]
+                if t.is_floating_point():
+                    counts["ep_bytes"] += t.numel() * t.element_size()
+            elif ctx.tp.size > 1 and group is ctx.tp.handle:
+                counts["tp"] += 1
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(dist, n, wrap(n))
+    try:
+        torch.set_num_threads(1)
+        measure_layout(config, layout, SEQ, 2 * layout.dp, iters=0, ctx=ctx)
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+    return dict(counts)
+
+
+def _latency_only(cl):
+    """A cluster where a collective costs its ring steps (one second each), whatever its size."""
+    return dataclasses.replace(cl, link_latency=1.0, nvlink_bandwidth=float("inf"), network_bandwidth=float("inf"))
+
+
+def test_recomputation_and_sequence_parallel_moe_cost_what_the_runtime_sends(dist):
+    """Full recomputation runs each layer's TP collectives again, up to the last one its backward needs: the
+    model charged none of them. Under SP every TP rank still routes the whole gathered sequence through the EP
+    all-to-all: the model divided those bytes by TP."""
+    cl = cluster("H100", 8, 1, None, None)
+    llama = llama_config(num_layers=2, kernel_impl="torch")
+    runtime, model = {}, {}
+    for rec in ("none", "full"):
+        kw = dict(tp=2, micro_batch_size=2, recompute=rec)
+        runtime[rec] = dist(2, _count, kw, False)[0]["tp"]
+        layout = Layout(**kw)
+        model[rec] = cost.step_time(layout.model_config(llama), layout, SEQ, 2, _latency_only(cl), bf16=False).tp_comm
+    assert runtime["full"] > runtime["none"]
+    # (at TP = 2 an all-gather or a reduce-scatter is one ring step)
+    assert model["full"] - model["none"] == runtime["full"] - runtime["none"], (model, runtime)
+
+    moe = llama_config(num_layers=2, kernel_impl="torch", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    sent, charged = {}, {}
+    bandwidth_only = dataclasses.replace(cl, link_latency=0.0)
+    for tp in (1, 2):
+        kw = dict(tp=tp, dp=4 // tp, ep=2, micro_batch_size=2)
+        sent[tp] = sum(r["ep_bytes"] for r in dist(4, _count, kw, True)) / 4
+        layout = Layout(**kw)
+        charged[tp] = cost.step_time(layout.model_config(moe), layout, SEQ, 2 * kw["dp"], bandwidth_only, bf16=False)
+        charged[tp] = charged[tp].ep_comm
+    assert charged[2] / charged[1] == pytest.approx(sent[2] / sent[1], rel=0.02), (charged, sent)
+
+
+def test_pipeline_stages_inside_one_node_talk_over_nvlink():
+    """TP2 x PP2 x DP2 on one node of 8: both stages' ranks share the node; the model priced the p2p over the
+    network whatever the layout. Over two nodes a stage boundary crosses them."""
+    layout = Layout(tp=2, pp=2, dp=2, micro_batch_size=1)
+    model = _llama(32)
+    one, two = cluster("H100", 8, 1, None, None), cluster("H100", 8, 2, None, None)
+    send = 8192 * 4096 * 2 / 2  # a micro-batch's activations, their SP share
+    micro = layout.micro_batches(64)
+    nvlink = 2 * micro * (send / (one.nvlink_bandwidth * cost.EFF.comm) + one.link_latency)
+    assert cost.step_time(model, layout, 8192, 64, one).pp_comm == pytest.approx(nvlink, rel=1e-9)
+    wide = Layout(tp=2, pp=2, dp=4, micro_batch_size=1)
+    network = 2 * wide.micro_batches(64) * (send / (two.network_bandwidth * cost.EFF.comm) + two.link_latency)
+    assert cost.step_time(model, wide, 8192, 64, two).pp_comm == pytest.approx(network, rel=1e-9)
+
+
+def test_mfu_on_the_96gb_h100_is_against_the_sxm_peak():
+    """Timing takes the 500 W part's midpoint peak; MFU is reported against the SXM peak, as torchtitan does."""
+    cl = cluster("H100-96GB", 8, 1, None, None)
+    model = _llama(32)
+    layout = Layout(dp=8, micro_batch_size=1)
+    t = cost.step_time(model, layout, 8192, 64, cl)
+    tps, tflops, mfu = cost.throughput(model, layout, 8192, 64, t, cl)
+    assert mfu == pytest.approx(tflops * 1e12 / 989.4e12, rel=1e-12)
+    assert ACCELERATORS["H100-96GB"].peak_flops < 989.4e12
+    assert tflops * 1e12 == pytest.approx(flops_per_token(model, 8192, causal=False) * tps, rel=1e-12)
