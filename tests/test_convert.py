@@ -726,6 +726,34 @@ def test_mla_kv_cache_holds_the_latents(converted):
         assert latents.shape[2:] == (1, config.kv_lora_rank) and k_pe.shape[2:] == (1, config.qk_pos_emb_head_dim)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (1, 1.0), (7, 0.8), (0, 0.7), (40, 0.9)])
+def test_sampling_keeps_what_transformers_keeps(top_k, top_p):
+    """temperature, then top-k (ties with the k-th kept), then top-p over what is left: the distribution equals
+    softmax of the scores transformers' warpers leave, in that order, on 200 random rows (with ties for top-k)."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from megatron_lite.inference.generation import SamplingConfig, sampling_distribution
+
+    gen = torch.Generator().manual_seed(top_k)
+    config = SamplingConfig(greedy=False, temperature=0.7, top_p=top_p, top_k=top_k)
+    warpers = [TemperatureLogitsWarper(0.7)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    for row in range(200):
+        logits = torch.randn(50, generator=gen, dtype=torch.float64) * 3
+        if row % 4 == 0 and top_p == 1:  # ties, at the k-th value too (at top-p's edge which tie stays is arbitrary)
+            logits = logits.round()
+        scores = logits.unsqueeze(0)
+        for w in warpers:
+            scores = w(None, scores)
+        expected = torch.softmax(scores[0], -1)
+        torch.testing.assert_close(sampling_distribution(logits, config), expected, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "parallel,fragment",
     [

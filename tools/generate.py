@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--stop-ids",
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}); got {prompt[:8]}")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    sampling = SamplingConfig(args.greedy, args.temperature, args.top_p, args.seed)
+    sampling = SamplingConfig(args.greedy, args.temperature, args.top_p, args.seed, args.top_k)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

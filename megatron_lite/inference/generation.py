@@ -2,7 +2,7 @@
 
 Each step runs the new tokens (the whole prompt first, then one token) through the virtual pipeline
 stages in order, hidden states passed stage to stage by point-to-point sends; the last stage gathers the
-vocabulary shards, picks the next token (greedy, or temperature / top-p sampling from a seeded generator)
+vocabulary shards, picks the next token (greedy, or temperature / top-k / top-p sampling from a seeded generator)
 and broadcasts it over the pipeline group, so every rank extends the same sequence. Log-probabilities are
 those of the model's own distribution (before temperature and top-p)."""
 
@@ -25,12 +25,15 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0  # 0: no top-k filter (applied before top-p, as transformers does)
 
     def __post_init__(self) -> None:
         if not self.greedy and not self.temperature > 0:  # (NaN included)
             raise ValueError(f"--temperature {self.temperature} must be > 0 (or use --greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p {self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k {self.top_k} must be >= 0 (0: no top-k filter)")
 
 
 def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache) -> torch.Tensor | None:
@@ -67,12 +70,21 @@ def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache) -> to
 def _choose(logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator) -> int:
     if s.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double().cpu() / s.temperature, dim=-1)
+    return int(torch.multinomial(sampling_distribution(logits, s), 1, generator=gen))
+
+
+def sampling_distribution(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
+    """What a token is drawn from: softmax(logits / temperature), cut to the top k, then to the smallest prefix
+    reaching top_p, renormalised (float64, on the CPU)."""
+    scaled = logits.double().cpu() / s.temperature
+    if 0 < s.top_k < scaled.numel():  # the k most likely (and any tied with the k-th), as transformers keeps
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, s.top_k).values[-1], -torch.inf)
+    probs = torch.softmax(scaled, dim=-1)
     if s.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p  # the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+    return probs / probs.sum()
 
 
 @torch.no_grad()
