@@ -125,6 +125,15 @@ def run(args: argparse.Namespace) -> int:
         stop = tuple(_ids(args.stop_ids, "--stop-ids"))
     else:
         stop = (tokenizer.eod,) if tokenizer is not None else ()
+    cf = model_cfg.moe_expert_capacity_factor
+    if cf is not None and ctx.rank == 0:
+        print(
+            f"note: the checkpoint's --moe-expert-capacity-factor {cf:g} drops tokens by each forward's count, as "
+            "Megatron's inference does: the prompt's forward may drop some, a one-token step never does, so the "
+            "log-probabilities differ from those of one forward over the whole sequence",
+            file=sys.stderr,
+            flush=True,
+        )
     out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop)
     writer = ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp.rank == 0
     if writer:
