@@ -140,7 +140,8 @@ def _spans(spans, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
 def _check_offsets(q, k, v) -> None:
     """The kernels address a batch entry and head in int64 but the positions inside one sequence in int32."""
     sq, h = q.shape[1], q.shape[2]
-    for name, n in (("q", q[0].numel()), ("k", k[0].numel()), ("v", v[0].numel()), ("the output", sq * h * v.shape[3])):
+    per = [("q", q), ("k", k), ("v", v)]
+    for name, n in [(name, t[0].numel() if len(t) else 0) for name, t in per] + [("the output", sq * h * v.shape[3])]:
         if n >= 2**31:
             raise ValueError(
                 f"flash_attention: one sequence of {name} holds {n} values (q {tuple(q.shape)}, k {tuple(k.shape)}, "
@@ -154,6 +155,8 @@ def _forward(q, k, v, causal, scale, window_size=None, spans=None):
     sk, hkv = k.shape[1], k.shape[2]
     o = q.new_empty(b, sq, h, v.shape[-1])
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    if b == 0:  # an empty batch: nothing to launch
+        return o, lse
     start, end, docs = _spans(spans, q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
     kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
@@ -201,16 +204,22 @@ def flash_attention_backward(
     window_size: int | None = None,
     document_ids: torch.Tensor | None = None,
     document_spans: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dlse: torch.Tensor | None = None,
 ):
-    """dq, dk, dv of attention, given its output o and log-sum-exp lse [batch, heads, seq_q] (fp32)."""
+    """dq, dk, dv of attention, given its output o and log-sum-exp lse [batch, heads, seq_q] (fp32). `dlse`: the
+    gradient reaching lse itself, when a loss uses it (d lse / d score = the probability)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))  # (the kernels index lse as [b, h, sq])
     _check_offsets(q, k, v)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if b == 0:  # an empty batch: nothing to launch
+        return dq, dk, dv
     window = _window(window_size, causal, sk)
     delta = _delta(o, do)  # [b, h, sq]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dlse is not None:  # dS = P (dP - delta) + P dlse
+        delta = delta - dlse.float()
     if document_ids is not None:
         document_spans = query_key_spans(document_ids, sq)
     start, end, docs = _spans(document_spans, q.device)
@@ -252,14 +261,16 @@ class _FlashAttention(torch.autograd.Function):
         o, lse = _forward(q, k, v, causal, scale, window_size, spans)
         ctx.save_for_backward(q, k, v, o, lse, query_starts, key_ends)
         ctx.causal, ctx.scale, ctx.window_size = causal, scale, window_size
+        ctx.set_materialize_grads(False)  # (an unused lse gets no gradient pass of its own)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, starts, ends = ctx.saved_tensors
         spans = (starts, ends) if starts is not None else None
+        do = do if do is not None else torch.zeros_like(o)
         grads = flash_attention_backward(
-            q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size, document_spans=spans
+            q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size, document_spans=spans, dlse=dlse
         )
         return (*grads, None, None, None, None, None)
 

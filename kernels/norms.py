@@ -72,7 +72,7 @@ if HAVE_TRITON:
             tl.store(STAT2 + row, mean, mask=rmask)
         tl.store(STAT1 + row, rstd, mask=rmask)
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = xhat.to(Y.dtype.element_ty).to(tl.float32) * w
+        y = xhat.to(X.dtype.element_ty).to(tl.float32) * w  # (rounded to the input's dtype, as the reference)
         if not IS_RMS:
             y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -170,11 +170,16 @@ class _NormFunction(torch.autograd.Function):
         x2 = x.reshape(-1, n).contiguous()
         rows = x2.shape[0]
         r2 = residual.reshape(-1, n).contiguous() if residual is not None else x2
-        y = torch.empty_like(x2)
+        # RMSNorm's output takes the weight's dtype where it is wider (weight * xhat.to(x.dtype), as transformers)
+        y = torch.empty_like(x2, dtype=torch.promote_types(x.dtype, weight.dtype) if is_rms else x.dtype)
         s = torch.empty_like(x2) if residual is not None else x2
         stat1 = torch.empty(rows, dtype=torch.float32, device=x.device)
         stat2 = torch.empty(rows, dtype=torch.float32, device=x.device)
-        b = bias if bias is not None else weight
+        weight = weight.contiguous()  # (the kernels read them by column index alone)
+        if is_rms:
+            b = weight  # (a placeholder: RMSNorm reads no bias)
+        else:  # a LayerNorm without bias adds zeros
+            b = bias.contiguous() if bias is not None else torch.zeros_like(weight)
         per = rows_per_program(next_pow2(n), rows)
         _norm_fwd[(triton.cdiv(rows, per),)](
             x2,
@@ -258,7 +263,8 @@ def rms_norm_reference(x, weight, eps, residual=None):
 
 def layer_norm_reference(x, weight, bias, eps, residual=None):
     s = x + residual if residual is not None else x
-    y = F.layer_norm(s.float(), (s.shape[-1],), weight.float(), bias.float(), eps).to(s.dtype)
+    b = bias.float() if bias is not None else None
+    y = F.layer_norm(s.float(), (s.shape[-1],), weight.float(), b, eps).to(s.dtype)
     return (y, s) if residual is not None else y
 
 
@@ -271,7 +277,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ):
     if triton_usable(x):
         return _NormFunction.apply(x, weight, bias, residual, eps, False)

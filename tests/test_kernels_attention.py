@@ -37,21 +37,42 @@ CASES = [  # batch, seq_q, seq_k, heads, kv_heads, head_dim, causal
 
 
 @pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal", CASES)
-def test_forward_backward_and_lse(b, sq, sk, h, hkv, d, causal):
+@pytest.mark.parametrize("lse_in_loss", [False, True])
+def test_forward_backward_and_lse(b, sq, sk, h, hkv, d, causal, lse_in_loss):
+    """With `lse_in_loss` the loss also reads the returned log-sum-exp: its gradient reaches q and k (it was
+    dropped, dq and dk wrong by 100%)."""
     q, k, v = _qkv(b, sq, sk, h, hkv, d)
-    do = torch.randn(b, sq, h, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    do = torch.randn(b, sq, h, d, generator=g).to(DEVICE)
+    dlse = torch.randn(b, h, sq, generator=g).to(DEVICE)
     before = K.LAUNCHES["flash_attention_fwd"], K.LAUNCHES["flash_attention_bwd"]
 
     def run(fn):
         ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
         o, lse = fn(*ins, causal=causal, return_lse=True)
-        o.backward(do)
+        ((o * do).sum() + ((lse * dlse).sum() if lse_in_loss else 0.0)).backward()
         return [o.detach(), lse.detach()] + [t.grad for t in ins]
 
     ours, ref = run(K.flash_attention), run(K.flash_attention_reference)
     assert K.LAUNCHES["flash_attention_fwd"] > before[0] and K.LAUNCHES["flash_attention_bwd"] > before[1]
     for name, a, r in zip(["o", "lse", "dq", "dk", "dv"], ours, ref):
         assert rel(a, r) < TOL, (name, rel(a, r))
+
+
+def test_exposed_backward_reads_any_lse_layout_and_an_empty_batch():
+    """flash_attention_backward given a strided lse (a slice of a longer one, as a caller holding several
+    blocks passes) equals the contiguous one (the kernels had read it as contiguous); an empty batch runs."""
+    q, k, v = _qkv(2, 12, 12, 2, 2, 16)
+    o, lse = K.flash_attention(q, k, v, causal=True, return_lse=True)
+    do = torch.randn_like(o)
+    wide = torch.cat([torch.zeros_like(lse), lse], dim=2)[:, :, 12:]  # the same values, not contiguous
+    assert not wide.is_contiguous()
+    for a, b in zip(K.flash_attention_backward(q, k, v, o, wide, do), K.flash_attention_backward(q, k, v, o, lse, do)):
+        assert torch.equal(a, b)
+    empty = [t[:0].clone().requires_grad_(True) for t in (q, k, v)]
+    out = K.flash_attention(*empty, causal=True)
+    out.sum().backward()
+    assert out.shape == (0, 12, 2, 16) and empty[0].grad.shape == (0, 12, 2, 16)
 
 
 def test_equals_torch_sdpa():

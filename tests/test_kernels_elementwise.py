@@ -101,6 +101,55 @@ def test_norms_on_no_rows(norm):
         _check(norm, lambda a, w_, b_: fn(a, w_, b_, 1e-5), lambda a, w_, b_: ref(a, w_, b_, 1e-5), [x, w, b])
 
 
+@pytest.mark.parametrize("view", ["strided", "broadcast"])
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_norm_weights_of_any_layout(norm, view):
+    """A weight (and bias) that is a strided or broadcast view: the kernels read them by column index, and had
+    read a stride-2 view's gaps (and past a stride-0 view's one value)."""
+
+    def lay(t):
+        if view == "strided":
+            return torch.stack([t, torch.zeros_like(t)], 1)[:, 0]  # the same values, stride 2
+        return t[:1].expand(t.shape[0])  # stride 0
+
+    x, w, b = _rand(5, 33), _rand(33, seed=1) + 1, _rand(33, seed=5)
+    if norm == "rms_norm":
+        fn, ref = K.rms_norm, K.rms_norm_reference
+        _check(norm, lambda a, w_: fn(a, lay(w_), 1e-6), lambda a, w_: ref(a, lay(w_), 1e-6), [x, w])
+    else:
+        fn, ref = K.layer_norm, K.layer_norm_reference
+        _check(
+            norm,
+            lambda a, w_, b_: fn(a, lay(w_), lay(b_), 1e-5),
+            lambda a, w_, b_: ref(a, lay(w_), lay(b_), 1e-5),
+            [x, w, b],
+        )
+
+
+def test_layer_norm_without_bias():
+    """layer_norm(x, w, None): no bias, as F.layer_norm (the kernel had added the weight as the bias, and the
+    reference raised)."""
+    x, w = _rand(7, 40), _rand(40, seed=1) + 1
+    fn, ref = K.layer_norm, K.layer_norm_reference
+    _check("layer_norm", lambda a, w_: fn(a, w_, None, 1e-5), lambda a, w_: ref(a, w_, None, 1e-5), [x, w])
+    assert rel(K.layer_norm(x, w, None, 1e-5), torch.nn.functional.layer_norm(x, (40,), w, None, 1e-5)) < TOL
+
+
+def test_rms_norm_output_takes_the_wider_dtype_of_input_and_weight():
+    """fp16 rows with an fp32 weight give fp32, as the reference and LlamaRMSNorm do (weight * x_hat.to(fp16));
+    the kernel had returned fp16."""
+    x, w = _rand(6, 48, dtype=torch.float16), _rand(48, seed=1) + 1
+    hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(48, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    before = K.LAUNCHES["rms_norm_fwd"]
+    y = K.rms_norm(x, w, 1e-6)
+    assert K.LAUNCHES["rms_norm_fwd"] > before
+    expected = hf(x).detach()
+    assert y.dtype == K.rms_norm_reference(x, w, 1e-6).dtype == expected.dtype == torch.float32
+    assert rel(y, expected) < 1e-6  # (both round x_hat to fp16 before the weight)
+
+
 @pytest.mark.parametrize("rows_per_step,stages", [(2, 1), (4, 1), (1, 3)])
 @pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
 def test_norm_backward_several_rows_per_step(norm, rows_per_step, stages, monkeypatch):
