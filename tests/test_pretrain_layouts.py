@@ -111,6 +111,32 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path, pretrain_job):
                 assert a["num_zeros_in_grad"] == b["num_zeros_in_grad"] > 0, (name, a, b)
 
 
+def test_fsdp2_after_evaluations_equals_single_process(tmp_path, pretrain_job):
+    """An evaluation (a forward with no backward) left FSDP2's root units gathered: the next step added its
+    gradient to the last one for the embeddings, final norm and output layer, and a save right after wrote
+    them without their Adam moments. Evaluating every 2 iterations and saving at 4, FSDP2 at DP=2 equals one
+    process per iteration, and a run resumed from 4 equals the straight one."""
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
+        "--global-batch-size 4 --micro-batch-size 2 --lr 3e-3 --lr-decay-style constant --log-interval 1 "
+        "--eval-interval 2 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0 --normalization RMSNorm "
+        "--swiglu --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
+        "--distributed-backend gloo"
+    ).split()
+    pretrain_job(1, [*args, "--log-jsonl", str(tmp_path / "one.jsonl")])
+    ckpt = str(tmp_path / "ckpt")
+    fsdp = [*args, "--use-torch-fsdp2"]
+    pretrain_job(2, [*fsdp, "--save", ckpt, "--save-interval", "4", "--log-jsonl", str(tmp_path / "fsdp.jsonl")])
+    pretrain_job(2, [*fsdp, "--load", ckpt, "--ckpt-step", "4", "--log-jsonl", str(tmp_path / "resumed.jsonl")])
+    one, sharded, resumed = (records(tmp_path / f"{n}.jsonl") for n in ("one", "fsdp", "resumed"))
+    assert len(one) == len(sharded) == 6 and [r["iteration"] for r in resumed] == [5, 6]
+    for a, b in zip(one, sharded):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+    for s, r in zip(sharded[4:], resumed):
+        assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
+
+
 def test_rampup_batch_size_at_dp2_equals_single_process(tmp_path, pretrain_job):
     """--rampup-batch-size 4 4 16 with a global batch of 8: Megatron's ramp (the batch is START until the
     consumed samples pass SAMPLES / increments, then grows by INCREMENT), the same samples at DP=2 as on one

@@ -131,6 +131,16 @@ class FSDP2Model(nn.Module):
             if n > 1 and grads:
                 torch._foreach_mul_(grads, float(n))
 
+    def reshard(self) -> None:
+        """Back to the sharded parameters after a forward with no backward (an evaluation): FSDP2 keeps each
+        chunk's root unit (embeddings, final norm, output layer) gathered after its forward, and registered
+        there the gathered copies hid the sharded parameters from zero_grad_buffer and the checkpoint."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def zero_grad_buffer(self) -> None:
         for p in self.module.parameters():
             p.grad = None

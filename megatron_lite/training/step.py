@@ -250,4 +250,6 @@ def eval_step(
         for mb in micro_batches:
             token_loss = model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"], **documents(mb))
             total += (token_loss.float() * mb["loss_mask"]).sum().double()
+    if hasattr(model, "reshard"):  # (FSDP2: no backward follows to reshard what the forward gathered)
+        model.reshard()
     return float(all_reduce(total.reshape(1), ctx.dp_cp)[0]), float(num_tokens)
