@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
 
+SHARDING = ("use_distributed_optimizer", "zero_stage", "use_torch_fsdp2", "overlap_param_gather")
+
 # Flags whose value defines the weights: given explicitly with a different value than the checkpoint's, they
 # are an error unless --use-checkpoint-args (then the checkpoint's value wins).
 ARCH_DESTS = (
@@ -132,7 +134,9 @@ def defaults_from_checkpoint(saved: dict) -> dict:
         out["rampup_batch_size"] = list(t["rampup_batch_size"])
     if t.get("train_samples") is not None:  # a sample-based run: its iterations follow from the samples again
         out.update(train_samples=t["train_samples"], train_iters=None)
-    out.update({k: v for k, v in o.items()})
+    # (the sharding of the optimizer state is a layout choice, as TP and PP sizes are: not taken over, or its
+    # store_true flags could never be turned off for a checkpoint that loads under any layout)
+    out.update({k: v for k, v in o.items() if k not in SHARDING})
     lora = saved.get("lora")  # a LoRA run's adapters are built again (else they would not be loaded)
     if lora:
         out.update(

@@ -276,3 +276,23 @@ def test_fsdp2_moe_checkpoint_loads_without_it(dist, tmp_path):
     continued = [h for h in original[0] if h[0] > SAVE_AT]
     for history in dist(2, run, MOE, P(), 2, None, ckpt, False, False):  # same micro-batches (the aux loss's)
         _compare(history, continued, "dp2 without FSDP2 or EP")
+
+
+def test_load_alone_does_not_take_over_the_checkpoints_sharding(tmp_path, capsys, monkeypatch):
+    """A checkpoint saved with --use-distributed-optimizer --zero-stage 2 loads with or without it, or under FSDP2,
+    from the command line: its sharding flags (store_true, with no way to turn them off) were taken over as
+    defaults, and another sharding refused as a conflict."""
+    from test_pretrain_cli import _run
+
+    from megatron_lite.arguments import parse_args
+
+    ckpt = str(tmp_path / "ckpt")
+    data = ["--mock-data", "--vocab-size", "100"]
+    rc, _, err = _run([*data, "--save", ckpt, "--use-distributed-optimizer", "--zero-stage", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    _, job = parse_args(["--load", ckpt, *data])
+    assert not job.optimizer.use_distributed_optimizer and job.optimizer.zero_stage == 1
+    _, job = parse_args(["--load", ckpt, *data, "--use-torch-fsdp2"])
+    assert job.optimizer.use_torch_fsdp2 and not job.optimizer.use_distributed_optimizer
+    rc, out, err = _run([*data, "--load", ckpt, "--train-iters", "4"], capsys, monkeypatch)
+    assert rc == 0 and "iteration      4/" in out, err
