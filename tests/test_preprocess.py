@@ -127,6 +127,22 @@ def _llama3_style_folder(folder: pathlib.Path, eos: str | None) -> str:
     return str(folder / "tokenizer.json")
 
 
+@pytest.mark.parametrize("in_map", [False, True])
+def test_the_eos_of_special_tokens_map_json_is_the_end_of_document(tmp_path, in_map):
+    """A special_tokens_map.json's eos_token is transformers' eos_token_id (Megatron's eod), over the
+    tokenizer_config.json's where both name one: the map alone had been ignored, and a candidate taken."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    path = _llama3_style_folder(tmp_path / "tok", None if in_map else "<|end_of_text|>")
+    if in_map:
+        (tmp_path / "tok" / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|eot_id|>"}}))
+    else:  # both: the map wins
+        (tmp_path / "tok" / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert build_tokenizer("HuggingFaceTokenizer", model=path).eod == theirs.eos_token_id == 10
+
+
 @pytest.mark.parametrize("eos", ["<|eot_id|>", "<｜end▁of▁sentence｜>", None])
 def test_huggingface_tokenizer_encodes_and_ends_documents_as_transformers(tmp_path, eos):
     """Megatron's HuggingFaceTokenizer encodes as transformers' tokenizer(text).input_ids (the post-processor's

@@ -141,6 +141,21 @@ def test_a_rollback_to_the_starting_checkpoint_reads_it_with_the_start_flags(tmp
     assert f"rolled back to {base}/iter_0000002: iteration 2" in out, out
 
 
+def test_a_halted_run_closes_its_logger(tmp_path, capsys, monkeypatch):
+    """--nan-policy halt: the run's logger is closed (W&B's run finished, the JSONL closed) before main returns 3,
+    as at a normal end; it had been left open, and wandb.finish never called."""
+    from megatron_lite.training import logger
+
+    closed = []
+    real = logger.MetricsLogger.close
+    monkeypatch.setattr(logger.MetricsLogger, "close", lambda self: (closed.append(True), real(self)))
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=2")
+    log = tmp_path / "m.jsonl"
+    rc, _, err = _run([*DATA, "--train-iters", "4", "--log-jsonl", str(log)], capsys, monkeypatch)
+    assert rc == 3 and "halted" in err, err
+    assert closed == [True] and log.read_text().count("lm_loss") == 1
+
+
 def test_wandb_steps_keep_growing_through_a_rollback():
     """A rollback replays iterations W&B has seen: its step keeps growing (W&B drops a step below its last)
     and the iteration goes along as a field; validation at the same iteration shares the training's step. (The
@@ -154,11 +169,15 @@ def test_wandb_steps_keep_growing_through_a_rollback():
         def log(self, data, step):
             self.calls.append((step, data["iteration"]))
 
-    logger = MetricsLogger.__new__(MetricsLogger)
-    logger.enabled, logger.train_iters = True, 9
-    logger._jsonl = logger._tb = None
-    logger._last_iteration = logger._wandb_step = logger._step_offset = 0
-    logger._wandb = Recorder()
+    def fresh():
+        logger = MetricsLogger.__new__(MetricsLogger)
+        logger.enabled, logger.train_iters = True, 9
+        logger._jsonl = logger._tb = None
+        logger._last_iteration = logger._last_train = logger._wandb_step = logger._step_offset = 0
+        logger._wandb = Recorder()
+        return logger
+
+    logger = fresh()
     for it in (1, 2, 3, 4, 5, 6, 5, 6, 7):  # rolled back to 4 after 6
         logger.log(it, {"lm_loss": 1.0})
         if it == 6:
@@ -166,3 +185,9 @@ def test_wandb_steps_keep_growing_through_a_rollback():
     steps = [s for s, _ in logger._wandb.calls]
     assert steps == [1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 9], steps
     assert [i for _, i in logger._wandb.calls] == [1, 2, 3, 4, 5, 6, 6, 5, 6, 6, 7]
+    # logging every 2: the replay's first log is the iteration logged last (it had shared its step, and W&B
+    # merged the two into one row)
+    logger = fresh()
+    for it in (2, 4, 4, 6):  # rolled back to 3 after 5
+        logger.log(it, {"lm_loss": 1.0})
+    assert [s for s, _ in logger._wandb.calls] == [2, 4, 5, 7], logger._wandb.calls

@@ -41,20 +41,25 @@ class NullTokenizer:
 
 
 def _config_eos(path: str) -> str | None:
-    """The eos_token of the tokenizer_config.json beside a tokenizer.json (the id transformers calls
-    eos_token_id), or None without one."""
-    config = os.path.join(os.path.dirname(path) or ".", "tokenizer_config.json")
-    try:
-        eos = json.load(open(config)).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return eos.get("content") if isinstance(eos, dict) else eos
+    """The eos_token beside a tokenizer.json (the token transformers' eos_token_id names, Megatron's eod): from
+    special_tokens_map.json, which transformers lets override tokenizer_config.json, else from the latter; None
+    without either."""
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            eos = json.load(open(os.path.join(os.path.dirname(path) or ".", name))).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos:
+            return eos
+    return None
 
 
 class HuggingFaceTokenizer:
     """Megatron's HuggingFaceTokenizer: text encoded as transformers' tokenizer(text).input_ids does, with the
-    special tokens its post-processor adds (Llama-3's <|begin_of_text|>); the end-of-document id is the
-    tokenizer_config.json's eos_token where there is one, else the first of EOD_CANDIDATES in the vocabulary."""
+    special tokens its post-processor adds (Llama-3's <|begin_of_text|>); the end-of-document id is the eos_token
+    of special_tokens_map.json or tokenizer_config.json where there is one, else the first of EOD_CANDIDATES in
+    the vocabulary."""
 
     bos: int | None = None  # the one token encode puts before the text, if any (SFT keeps one per sequence)
 
@@ -71,8 +76,8 @@ class HuggingFaceTokenizer:
         eod = vocab[eos] if eos in vocab else next((vocab[t] for t in EOD_CANDIDATES if t in vocab), None)
         if eod is None:
             raise ConfigError(
-                f"--tokenizer-model {path} has no end-of-document token (no tokenizer_config.json eos_token beside "
-                f"it, and none of {EOD_CANDIDATES})"
+                f"--tokenizer-model {path} has no end-of-document token (no eos_token in a special_tokens_map.json or "
+                f"tokenizer_config.json beside it, and none of {EOD_CANDIDATES})"
             )
         self.eod = eod
         # (the post-processor's, found by encoding with and without it)

@@ -47,7 +47,7 @@ class MetricsLogger:
         self._jsonl = None
         self._wandb = None
         self._tb = None
-        self._last_iteration = self._wandb_step = self._step_offset = 0  # (W&B's step, see log)
+        self._last_iteration = self._last_train = self._wandb_step = self._step_offset = 0  # (W&B's step, see log)
         if not enabled:
             return
         if self.config.log_jsonl:
@@ -93,10 +93,14 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record) + "\n")
         flat = {f"{kind}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
         if self._wandb is not None:
-            # W&B drops a step below its last: iterations a rollback replays go on after it (the iteration goes
-            # along as a field)
-            if iteration < self._last_iteration:
+            # W&B drops a step below its last, and merges calls at one step: iterations a rollback replays go on
+            # after it (the iteration goes along as a field), the last one logged included (an evaluation shares
+            # its training's step)
+            replayed = kind == "train" and iteration <= self._last_train
+            if iteration < self._last_iteration or replayed:
                 self._step_offset = self._wandb_step - iteration + 1
+            if kind == "train":
+                self._last_train = iteration
             self._last_iteration, self._wandb_step = iteration, iteration + self._step_offset
             self._wandb.log({**flat, "iteration": iteration}, step=self._wandb_step)
         if self._tb is not None:
@@ -110,3 +114,4 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+        self._jsonl = self._wandb = self._tb = None  # (closed once)

@@ -232,255 +232,270 @@ def run(job: JobConfig, notes: list[str]) -> int:
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
     ctx.seed(job.training.seed)
     log = MetricsLogger(job, enabled=_logging_rank(ctx))
-    for line in notes:
-        log.info(line)
-    if job.model.kernel_impl == "triton" and job.model.attention_dropout > 0:
-        log.info("--attention-dropout > 0: attention runs through PyTorch's SDPA (the flash kernel has no dropout)")
-    if job.data.reset_attention_mask:
-        log.info(
-            "--reset-attention-mask: the flash kernel keeps attention inside each document, skipping other "
-            "documents' blocks"
-            if job.model.kernel_impl == "triton" and job.model.attention_dropout == 0
-            else "--reset-attention-mask: attention runs through SDPA with a [batch, 1, seq, seq] document mask"
-        )
-    if (job.data.reset_attention_mask or job.data.reset_position_ids) and (not source.prefixes or job.data.sft):
-        log.info(
-            "--reset-position-ids / --reset-attention-mask have no effect on mock or --sft data (no packed documents)"
-        )
-    log.info(f"kernels: {job.model.kernel_impl}")
-    log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
-
-    dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
-    fsdp2 = job.optimizer.use_torch_fsdp2
-    # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
-    model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    grads = str(job.optimizer.grad_dtype).removeprefix("torch.")
-    log.info(
-        f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}, gradients reduced in {grads}), "
-        f"vocabulary {job.model.vocab_size}"
-    )
-    if job.lora is not None:
-        n = apply_lora(model, job.model, job.lora, ctx, seed=job.training.seed)
-        log.info(
-            f"LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on {' '.join(job.lora.target_modules)}: "
-            f"{n / 1e6:.3f}M trainable parameters on this rank, the base frozen"
-        )
-    ddp, optimizer = wrap_for_training(
-        model,
-        ctx,
-        job.optimizer,
-        overlap_grad_reduce=job.training.overlap_grad_reduce,
-        bucket_size=job.training.ddp_bucket_size,
-        compute_dtype=dtype if dtype != torch.float32 else None,
-    )
-    scheduler = LRScheduler(
-        job.optimizer,
-        job.training.train_iters,
-        job.training.train_samples,
-        job.training.global_batch(ctx.dp.size),
-        rampup=job.training.rampup_batch_size is not None,
-    )
-    state = TrainState()
-    if ckpt_path is not None:
-        if base_path is not None:
-            load_checkpoint(base_path, model, None, None, ctx, finetune=True)
-            log.info(f"loaded the QLoRA base {base_path}")
-        state = load_checkpoint(
-            ckpt_path,
-            model,
-            optimizer,
-            scheduler,
-            ctx,
-            load_optim=not job.checkpoint.no_load_optim,
-            load_rng=not job.checkpoint.no_load_rng,
-            finetune=job.checkpoint.finetune,
-            skip_missing_frozen=base_path is not None,
-        )
-        log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
-    if job.lora is not None and job.lora.qlora:
-        from megatron_lite.lora.qlora import nf4_bytes, quantize_base
-
-        n = quantize_base(model)
-        log.info(
-            f"QLoRA: {n / 1e6:.2f}M base weights in NF4, {8 * nf4_bytes(model) / max(n, 1):.3f} bits per parameter"
-        )
-
-    t = job.training
-    gbs = t.global_batch(ctx.dp.size)
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
-    train_ds, valid_ds, test_ds = build_datasets(
-        source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed
-    )
-    rampup = t.rampup_batch_size is not None
-    train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
-    flops_per_sample = flops_per_token(job.model, t.seq_length) * t.seq_length
-    peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
-    start_time = time.time()
-    if state.iteration >= t.train_iters:
-        log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
-    window = _new_window()
-    metrics = None
-    ck = job.checkpoint
-    signalled = exiting = False
-    guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log)
-    saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
-    parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
-
-    def save() -> None:
-        if saver is not None:
-            if previous := saver.save(state, model, optimizer, scheduler, job.to_dict(), **parts):
-                log.info(f"saved {previous} (async)")
-            log.info(f"iteration {state.iteration}: async save started")
-        else:
-            path = save_checkpoint(
-                ck.save, state, model, optimizer, scheduler, ctx, job.to_dict(), keep_last=ck.ckpt_keep_last, **parts
+    try:  # the logger is closed however the run ends (a halt too: W&B's run finished)
+        for line in notes:
+            log.info(line)
+        if job.model.kernel_impl == "triton" and job.model.attention_dropout > 0:
+            log.info("--attention-dropout > 0: attention runs through PyTorch's SDPA (the flash kernel has no dropout)")
+        if job.data.reset_attention_mask:
+            log.info(
+                "--reset-attention-mask: the flash kernel keeps attention inside each document, skipping other "
+                "documents' blocks"
+                if job.model.kernel_impl == "triton" and job.model.attention_dropout == 0
+                else "--reset-attention-mask: attention runs through SDPA with a [batch, 1, seq, seq] document mask"
             )
-            log.info(f"saved {path}")
+        if (job.data.reset_attention_mask or job.data.reset_position_ids) and (not source.prefixes or job.data.sft):
+            log.info(
+                "--reset-position-ids / --reset-attention-mask have no effect on mock or --sft data "
+                "(no packed documents)"
+            )
+        log.info(f"kernels: {job.model.kernel_impl}")
+        log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
 
-    def evaluate(dataset, kind: str) -> None:
-        """--eval-iters global batches of `dataset` (the same ones every time), logged with their perplexity."""
-        if hasattr(optimizer, "finish_param_sync"):
-            optimizer.finish_param_sync()
-        model.eval()
-        batches = _Batches(dataset, job, ctx)
-        sums = [eval_step(ddp, batches.get(i * gbs), ctx) for i in range(t.eval_iters)]
-        model.train()
-        # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
-        loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
-        # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
-        log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind)
-
-    profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
-    evaluated_at = None
-    if t.skip_train:
-        log.info(f"--skip-train: evaluating the model at iteration {state.iteration}, no training")
-    while state.iteration < t.train_iters and not t.skip_train:
-        if saver is not None and (path := saver.poll()):
-            log.info(f"saved {path} (async)")
-        while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
-            log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
-            state.consumed_samples += train_batches.gbs(state.consumed_samples)
-        start = time.time()
-        profiler.before_step(state.iteration)
-        guard.before_iteration(state.iteration + 1)
-        tic = time.time()
-        batches = train_batches.get(state.consumed_samples)
-        data_time = time.time() - tic
-        with guard.during_step(state.iteration + 1, model):
-            metrics = train_step(
-                ddp,
+        dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
+        fsdp2 = job.optimizer.use_torch_fsdp2
+        # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
+        model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        grads = str(job.optimizer.grad_dtype).removeprefix("torch.")
+        log.info(
+            f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}, gradients reduced in {grads}), "
+            f"vocabulary {job.model.vocab_size}"
+        )
+        if job.lora is not None:
+            n = apply_lora(model, job.model, job.lora, ctx, seed=job.training.seed)
+            log.info(
+                f"LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on {' '.join(job.lora.target_modules)}: "
+                f"{n / 1e6:.3f}M trainable parameters on this rank, the base frozen"
+            )
+        ddp, optimizer = wrap_for_training(
+            model,
+            ctx,
+            job.optimizer,
+            overlap_grad_reduce=job.training.overlap_grad_reduce,
+            bucket_size=job.training.ddp_bucket_size,
+            compute_dtype=dtype if dtype != torch.float32 else None,
+        )
+        scheduler = LRScheduler(
+            job.optimizer,
+            job.training.train_iters,
+            job.training.train_samples,
+            job.training.global_batch(ctx.dp.size),
+            rampup=job.training.rampup_batch_size is not None,
+        )
+        state = TrainState()
+        if ckpt_path is not None:
+            if base_path is not None:
+                load_checkpoint(base_path, model, None, None, ctx, finetune=True)
+                log.info(f"loaded the QLoRA base {base_path}")
+            state = load_checkpoint(
+                ckpt_path,
+                model,
                 optimizer,
                 scheduler,
-                batches,
                 ctx,
-                job.logging.log_memory_breakdown,
-                log_params_norm=job.logging.log_params_norm,
-                log_num_zeros_in_grad=job.logging.log_num_zeros_in_grad,
+                load_optim=not job.checkpoint.no_load_optim,
+                load_rng=not job.checkpoint.no_load_rng,
+                finetune=job.checkpoint.finetune,
+                skip_missing_frozen=base_path is not None,
             )
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        try:
-            action = guard.after_step(state.iteration + 1, state.consumed_samples, metrics, ddp, time.time() - start)
-        except TrainingHalted:  # (every rank halts at this point) a save in flight is published first
-            _finish_async_save(saver, log)
-            raise
-        if action == ROLLBACK:
-            _finish_async_save(saver, log)  # it may be the checkpoint to go back to
-            state = _rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path)
-            guard.after_rollback()
-            continue
-        step_gbs = train_batches.gbs(state.consumed_samples)
-        state.iteration += 1
-        state.consumed_samples += step_gbs
-        profiler.after_step(state.iteration)
-        window["samples"] += step_gbs
-        # (a skipped iteration's loss, non-finite, is not averaged in: Megatron's training_log counts it apart;
-        # nor is the NaN of a global batch without loss-bearing tokens)
-        has_loss = metrics.updated and metrics.num_tokens > 0
-        window["loss"] += metrics.lm_loss if has_loss else 0.0
-        window["losses"] += 1 if has_loss else 0
-        if metrics.num_tokens == 0:
-            log.info(f"iteration {state.iteration}: every label of the global batch is masked: no loss, zero gradients")
-        for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ... (over steps with tokens)
-            if v is not None and metrics.updated:
-                window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
-                window[f"mtp_{k + 1}_n"] = window.get(f"mtp_{k + 1}_n", 0) + 1
-        window["n"] += 1
-        window["time"] += time.time() - tic
-        window["data"] += data_time
-        window["skipped"] += 0 if metrics.updated else 1
-        window["step"] += metrics.step_seconds
-        window["comm"] += metrics.comm_exposed_seconds
-        if state.iteration % t.log_interval == 0:
-            it_time = window["time"] / window["n"]
-            tflops = flops_per_sample * window["samples"] / window["time"] / ctx.world_size / 1e12
-            log.log(
-                state.iteration,
-                {
-                    "lm_loss": window["loss"] / window["losses"] if window["losses"] else math.nan,
-                    **{
-                        k: v / window[k[:-4] + "n"]
-                        for k, v in window.items()
-                        if k.startswith("mtp_") and k.endswith("_loss")
+            log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
+        if job.lora is not None and job.lora.qlora:
+            from megatron_lite.lora.qlora import nf4_bytes, quantize_base
+
+            n = quantize_base(model)
+            log.info(
+                f"QLoRA: {n / 1e6:.2f}M base weights in NF4, {8 * nf4_bytes(model) / max(n, 1):.3f} bits per parameter"
+            )
+
+        t = job.training
+        gbs = t.global_batch(ctx.dp.size)
+        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+        train_ds, valid_ds, test_ds = build_datasets(
+            source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed
+        )
+        rampup = t.rampup_batch_size is not None
+        train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
+        flops_per_sample = flops_per_token(job.model, t.seq_length) * t.seq_length
+        peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
+        start_time = time.time()
+        if state.iteration >= t.train_iters:
+            log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
+        window = _new_window()
+        metrics = None
+        ck = job.checkpoint
+        signalled = exiting = False
+        guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log)
+        saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
+        parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
+
+        def save() -> None:
+            if saver is not None:
+                if previous := saver.save(state, model, optimizer, scheduler, job.to_dict(), **parts):
+                    log.info(f"saved {previous} (async)")
+                log.info(f"iteration {state.iteration}: async save started")
+            else:
+                path = save_checkpoint(
+                    ck.save,
+                    state,
+                    model,
+                    optimizer,
+                    scheduler,
+                    ctx,
+                    job.to_dict(),
+                    keep_last=ck.ckpt_keep_last,
+                    **parts,
+                )
+                log.info(f"saved {path}")
+
+        def evaluate(dataset, kind: str) -> None:
+            """--eval-iters global batches of `dataset` (the same ones every time), logged with their perplexity."""
+            if hasattr(optimizer, "finish_param_sync"):
+                optimizer.finish_param_sync()
+            model.eval()
+            batches = _Batches(dataset, job, ctx)
+            sums = [eval_step(ddp, batches.get(i * gbs), ctx) for i in range(t.eval_iters)]
+            model.train()
+            # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
+            loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
+            # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
+            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind)
+
+        profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
+        evaluated_at = None
+        if t.skip_train:
+            log.info(f"--skip-train: evaluating the model at iteration {state.iteration}, no training")
+        while state.iteration < t.train_iters and not t.skip_train:
+            if saver is not None and (path := saver.poll()):
+                log.info(f"saved {path} (async)")
+            while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
+                log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
+                state.consumed_samples += train_batches.gbs(state.consumed_samples)
+            start = time.time()
+            profiler.before_step(state.iteration)
+            guard.before_iteration(state.iteration + 1)
+            tic = time.time()
+            batches = train_batches.get(state.consumed_samples)
+            data_time = time.time() - tic
+            with guard.during_step(state.iteration + 1, model):
+                metrics = train_step(
+                    ddp,
+                    optimizer,
+                    scheduler,
+                    batches,
+                    ctx,
+                    job.logging.log_memory_breakdown,
+                    log_params_norm=job.logging.log_params_norm,
+                    log_num_zeros_in_grad=job.logging.log_num_zeros_in_grad,
+                )
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            try:
+                action = guard.after_step(
+                    state.iteration + 1, state.consumed_samples, metrics, ddp, time.time() - start
+                )
+            except TrainingHalted:  # (every rank halts at this point) a save in flight is published first
+                _finish_async_save(saver, log)
+                raise
+            if action == ROLLBACK:
+                _finish_async_save(saver, log)  # it may be the checkpoint to go back to
+                state = _rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path)
+                guard.after_rollback()
+                continue
+            step_gbs = train_batches.gbs(state.consumed_samples)
+            state.iteration += 1
+            state.consumed_samples += step_gbs
+            profiler.after_step(state.iteration)
+            window["samples"] += step_gbs
+            # (a skipped iteration's loss, non-finite, is not averaged in: Megatron's training_log counts it apart;
+            # nor is the NaN of a global batch without loss-bearing tokens)
+            has_loss = metrics.updated and metrics.num_tokens > 0
+            window["loss"] += metrics.lm_loss if has_loss else 0.0
+            window["losses"] += 1 if has_loss else 0
+            if metrics.num_tokens == 0:
+                log.info(
+                    f"iteration {state.iteration}: every label of the global batch is masked: no loss, zero gradients"
+                )
+            for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ... (over steps with tokens)
+                if v is not None and metrics.updated:
+                    window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
+                    window[f"mtp_{k + 1}_n"] = window.get(f"mtp_{k + 1}_n", 0) + 1
+            window["n"] += 1
+            window["time"] += time.time() - tic
+            window["data"] += data_time
+            window["skipped"] += 0 if metrics.updated else 1
+            window["step"] += metrics.step_seconds
+            window["comm"] += metrics.comm_exposed_seconds
+            if state.iteration % t.log_interval == 0:
+                it_time = window["time"] / window["n"]
+                tflops = flops_per_sample * window["samples"] / window["time"] / ctx.world_size / 1e12
+                log.log(
+                    state.iteration,
+                    {
+                        "lm_loss": window["loss"] / window["losses"] if window["losses"] else math.nan,
+                        **{
+                            k: v / window[k[:-4] + "n"]
+                            for k, v in window.items()
+                            if k.startswith("mtp_") and k.endswith("_loss")
+                        },
+                        "lr": metrics.lr,
+                        "grad_norm": metrics.grad_norm,
+                        "loss_scale": metrics.loss_scale,
+                        "iteration_time": it_time,
+                        "tokens_per_sec": window["samples"] * t.seq_length / window["time"],
+                        "global_batch_size": step_gbs,
+                        "tflops_per_gpu": tflops,
+                        "mfu": tflops * 1e12 / peak if peak else None,
+                        "data_time_fraction": window["data"] / window["time"],
+                        "comm_exposed_fraction": window["comm"] / window["step"] if window["step"] else 0.0,
+                        "peak_memory_bytes": _peak_memory(ctx.device),
+                        "consumed_samples": state.consumed_samples,
+                        "skipped_iterations": window["skipped"],
+                        **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
+                        **(
+                            {"num_zeros_in_grad": metrics.num_zeros_in_grad}
+                            if metrics.num_zeros_in_grad is not None
+                            else {}
+                        ),
+                        **_moe_metrics(metrics.moe),
+                        **guard.log_metrics(),
+                        **(
+                            memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
+                            if job.logging.log_memory_breakdown
+                            else {}
+                        ),
                     },
-                    "lr": metrics.lr,
-                    "grad_norm": metrics.grad_norm,
-                    "loss_scale": metrics.loss_scale,
-                    "iteration_time": it_time,
-                    "tokens_per_sec": window["samples"] * t.seq_length / window["time"],
-                    "global_batch_size": step_gbs,
-                    "tflops_per_gpu": tflops,
-                    "mfu": tflops * 1e12 / peak if peak else None,
-                    "data_time_fraction": window["data"] / window["time"],
-                    "comm_exposed_fraction": window["comm"] / window["step"] if window["step"] else 0.0,
-                    "peak_memory_bytes": _peak_memory(ctx.device),
-                    "consumed_samples": state.consumed_samples,
-                    "skipped_iterations": window["skipped"],
-                    **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
-                    **(
-                        {"num_zeros_in_grad": metrics.num_zeros_in_grad}
-                        if metrics.num_zeros_in_grad is not None
-                        else {}
-                    ),
-                    **_moe_metrics(metrics.moe),
-                    **guard.log_metrics(),
-                    **(
-                        memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
-                        if job.logging.log_memory_breakdown
-                        else {}
-                    ),
-                },
-            )
-            window = _new_window()
-        if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
-            evaluate(valid_ds, "validation")
-            evaluated_at = state.iteration
-        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+                )
+                window = _new_window()
+            if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+                evaluate(valid_ds, "validation")
+                evaluated_at = state.iteration
+            if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+                save()
+            if _should_exit(t, state, job_start, ctx):
+                # saved and gone, as Megatron's checkpoint_and_decide_exit: no final evaluation to outlast a time limit
+                log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
+                exiting = True
+                break
+            if guard.should_exit():
+                log.info(f"{job.resilience.exit_signal} received: saving at iteration {state.iteration} and exiting")
+                if not ck.save:
+                    log.info("no --save: exiting without a checkpoint")
+                signalled = True
+                break
+        profiler.close()  # a window the run ended inside
+        # As Megatron's pretrain(): the final save, then the validation set (unless just evaluated) and the test set
+        if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             save()
-        if _should_exit(t, state, job_start, ctx):
-            # saved and gone, as Megatron's checkpoint_and_decide_exit: no final evaluation to outlast a time limit
-            log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
-            exiting = True
-            break
-        if guard.should_exit():
-            log.info(f"{job.resilience.exit_signal} received: saving at iteration {state.iteration} and exiting")
-            if not ck.save:
-                log.info("no --save: exiting without a checkpoint")
-            signalled = True
-            break
-    profiler.close()  # a window the run ended inside
-    # As Megatron's pretrain(): the final save, then the validation set (unless just evaluated) and the test set
-    if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
-        save()
-    _finish_async_save(saver, log)
-    if t.eval_iters > 0 and not signalled and not exiting:
-        if valid_ds is not None and evaluated_at != state.iteration:
-            evaluate(valid_ds, "validation")
-        if test_ds is not None:
-            evaluate(test_ds, "test")
-    log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
-    log.close()
+        _finish_async_save(saver, log)
+        if t.eval_iters > 0 and not signalled and not exiting:
+            if valid_ds is not None and evaluated_at != state.iteration:
+                evaluate(valid_ds, "validation")
+            if test_ds is not None:
+                evaluate(test_ds, "test")
+        log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
+    finally:
+        log.close()
     if recorder is not None:
         recorder.uninstall()
     if dist.is_initialized():
