@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from megatron_lite.checkpoint_flags import flags_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig, yarn_mscale
 from megatron_lite.data.config import DataConfig
+from megatron_lite.data.tokenizers import tokenizer_file
 from megatron_lite.flag_parser import build_parser
 from megatron_lite.layout_validation import parse_pipeline_layout
 from megatron_lite.lora.config import LoraConfig, lora_for_model, target_modules
@@ -409,7 +410,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         split=ns.split,
         mock_data=ns.mock_data,
         tokenizer_type=ns.tokenizer_type,
-        tokenizer_model=ns.tokenizer_model,
+        tokenizer_model=tokenizer_file(ns.tokenizer_model),  # (a model directory: its tokenizer.json)
         vocab_file=ns.vocab_file,
         merge_file=ns.merge_file,
         vocab_size=ns.vocab_size,

@@ -143,6 +143,21 @@ def test_the_eos_of_special_tokens_map_json_is_the_end_of_document(tmp_path, in_
     assert build_tokenizer("HuggingFaceTokenizer", model=path).eod == theirs.eos_token_id == 10
 
 
+def test_a_model_directory_is_a_tokenizer_model(tmp_path):
+    """--tokenizer-model DIR (a Hugging Face model directory, as Megatron takes) stands for DIR/tokenizer.json,
+    for the tokenizer and in the run's config (what conversion reads back); it was refused."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    path = _llama3_style_folder(tmp_path / "tok", "<|eot_id|>")
+    assert build_tokenizer("HuggingFaceTokenizer", model=str(tmp_path / "tok")).eod == 10
+    flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 1 --mock-data"
+    _, job = parse_args(
+        [*flags.split(), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok")]
+    )
+    assert job.data.tokenizer_model == path
+
+
 @pytest.mark.parametrize("eos", ["<|eot_id|>", "<｜end▁of▁sentence｜>", None])
 def test_huggingface_tokenizer_encodes_and_ends_documents_as_transformers(tmp_path, eos):
     """Megatron's HuggingFaceTokenizer encodes as transformers' tokenizer(text).input_ids (the post-processor's

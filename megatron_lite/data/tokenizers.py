@@ -55,6 +55,13 @@ def _config_eos(path: str) -> str | None:
     return None
 
 
+def tokenizer_file(path: str | None) -> str | None:
+    """A model directory given as --tokenizer-model (as Megatron takes one) stands for its tokenizer.json."""
+    if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return os.path.join(path, "tokenizer.json")
+    return path
+
+
 class HuggingFaceTokenizer:
     """Megatron's HuggingFaceTokenizer: text encoded as transformers' tokenizer(text).input_ids does, with the
     special tokens its post-processor adds (Llama-3's <|begin_of_text|>); the end-of-document id is the eos_token
@@ -66,8 +73,11 @@ class HuggingFaceTokenizer:
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
 
+        path = tokenizer_file(path)
         if not os.path.isfile(path):
-            raise ConfigError(f"--tokenizer-model {path}: no such file (expected a tokenizer.json)")
+            raise ConfigError(
+                f"--tokenizer-model {path}: no such file (expected a tokenizer.json, or a directory holding one)"
+            )
         self.path = path
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
