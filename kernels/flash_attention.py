@@ -140,8 +140,8 @@ def _spans(spans, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
 def _check_offsets(q, k, v) -> None:
     """The kernels address a batch entry and head in int64 but the positions inside one sequence in int32."""
     sq, h = q.shape[1], q.shape[2]
-    per = [("q", q), ("k", k), ("v", v)]
-    for name, n in [(name, t[0].numel() if len(t) else 0) for name, t in per] + [("the output", sq * h * v.shape[3])]:
+    one = [("q", q.shape[1:].numel()), ("k", k.shape[1:].numel()), ("v", v.shape[1:].numel())]  # (batch 0 too)
+    for name, n in [*one, ("the output", sq * h * v.shape[3])]:
         if n >= 2**31:
             raise ValueError(
                 f"flash_attention: one sequence of {name} holds {n} values (q {tuple(q.shape)}, k {tuple(k.shape)}, "

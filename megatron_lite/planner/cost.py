@@ -300,7 +300,8 @@ def step_time(
         tp_comm = micro * (layers * per_layer + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
-        ring = sum(n * _collective("p2p", block, cp, tp * cp, cl, eff) for block, n in ring_blocks(model, m, tp, cp, a))
+        blocks = ring_blocks(model, m, tp, cp, a)
+        ring = sum(n * _collective("p2p", block, cp, tp * cp, cl, eff) for block, n in blocks)
         mla, heads = model.multi_latent_attention, model.num_attention_heads
         core_q = heads * (model.mla_q_head_dim + model.v_head_dim) / 2 if mla else q
         out = heads * model.v_head_dim if mla else q
@@ -309,8 +310,7 @@ def step_time(
         merge = 3 * (cp - 1) * 3 * m * out / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
         cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
         if layout.recompute in ("full", "selective"):  # the recomputed attention passes K and V round again
-            kv_block = ring_blocks(model, m, tp, cp, a)[0][0]
-            ring_fwd = (cp - 1) * _collective("p2p", kv_block, cp, tp * cp, cl, eff)
+            ring_fwd = (cp - 1) * _collective("p2p", blocks[0][0], cp, tp * cp, cl, eff)  # (the K/V blocks)
             cp_comm += micro * layers * (max(0.0, ring_fwd - attn_time / 3.5) + merge / 3)
     ep_comm = 0.0
     if model.num_experts and ep > 1:

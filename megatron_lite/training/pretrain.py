@@ -288,17 +288,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if base_path is not None:
                 load_checkpoint(base_path, model, None, None, ctx, finetune=True)
                 log.info(f"loaded the QLoRA base {base_path}")
-            state = load_checkpoint(
-                ckpt_path,
-                model,
-                optimizer,
-                scheduler,
-                ctx,
-                load_optim=not job.checkpoint.no_load_optim,
-                load_rng=not job.checkpoint.no_load_rng,
-                finetune=job.checkpoint.finetune,
-                skip_missing_frozen=base_path is not None,
-            )
+            state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **_start_load(job, base_path))
             log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
         if job.lora is not None and job.lora.qlora:
             from megatron_lite.lora.qlora import nf4_bytes, quantize_base
@@ -512,6 +502,18 @@ def _finish_async_save(saver, log) -> None:
         log.info(f"saved {path} (async)")
 
 
+def _start_load(job: JobConfig, qlora_base: str | None) -> dict:
+    """How the checkpoint a job starts from is loaded: --no-load-optim, --no-load-rng, --finetune; a QLoRA
+    checkpoint's base weights come from `qlora_base`, loaded before it."""
+    ck = job.checkpoint
+    return dict(
+        load_optim=not ck.no_load_optim,
+        load_rng=not ck.no_load_rng,
+        finetune=ck.finetune,
+        skip_missing_frozen=qlora_base is not None,
+    )
+
+
 def _rollback(
     job: JobConfig,
     model,
@@ -537,15 +539,9 @@ def _rollback(
         )
     if hasattr(optimizer, "finish_param_sync"):
         optimizer.finish_param_sync()
-    if path == start:  # with the flags it was loaded with (--no-load-optim, --finetune, --no-load-rng)
-        how = dict(
-            load_optim=not ck.no_load_optim,
-            load_rng=not ck.no_load_rng,
-            finetune=ck.finetune,
-            skip_missing_frozen=qlora_base is not None,
-        )
-    else:  # a checkpoint of this job's own (with optimizer state: --no-save-optim with a rollback is refused)
-        how = {}
+    # the starting checkpoint with the flags it was loaded with; one of this job's own with everything (its
+    # optimizer state included: --no-save-optim with a rollback is refused)
+    how = _start_load(job, qlora_base) if path == start else {}
     restored = load_checkpoint(path, model, optimizer, scheduler, ctx, **how)
     log.info(f"rolled back to {path}: iteration {restored.iteration}, sample {restored.consumed_samples}")
     return restored

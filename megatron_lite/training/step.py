@@ -108,14 +108,11 @@ def _mtp_losses(model: DistributedDataParallel, counts: torch.Tensor, ctx: Paral
 
 
 def forward_backward(
-    model: DistributedDataParallel,
-    micro_batches: list[MicroBatch],
-    num_tokens: torch.Tensor,
-    loss_scale: float,
+    model: DistributedDataParallel, micro_batches: list[MicroBatch], num_tokens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Forward and backward of every micro-batch (no pipelining); returns this rank's summed token loss."""
+    """Forward and backward of every micro-batch (no pipelining), each loss sum times `scale`; returns this
+    rank's summed token loss."""
     total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
-    scale = loss_scale / max(float(num_tokens), 1.0)  # (no loss-bearing token: zero gradients, as in Megatron)
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         with model.no_sync() if i < last else contextlib.nullcontext():
@@ -197,15 +194,14 @@ def train_step(
     layers = moe_stats.moe_layers(model.module) if config.num_experts else {}
     if config.num_experts:
         moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
+    scale = optimizer.loss_scale / max(float(num_tokens), 1.0)  # (no loss-bearing token: zero gradients, as Megatron)
     if _pipelined(model, ctx):
         with model.no_sync(), measuring:  # a chunk's buckets are reduced once its last backward runs
-            loss_sum = _run_pipeline(
-                model, micro_batches, ctx, optimizer.loss_scale / max(float(num_tokens), 1.0), False
-            )
+            loss_sum = _run_pipeline(model, micro_batches, ctx, scale, False)
         loss_sum = all_reduce(loss_sum.reshape(1), ctx.pp)[0]  # the loss lives on the last stage
     else:
         with measuring:
-            loss_sum = forward_backward(model, micro_batches, num_tokens, optimizer.loss_scale)
+            loss_sum = forward_backward(model, micro_batches, num_tokens, scale)
     finalize_grads(model, ctx)
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     mtp_losses = _mtp_losses(model, mtp_counts, ctx)
