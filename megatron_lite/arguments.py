@@ -185,6 +185,12 @@ def _check_run_length(ns: argparse.Namespace) -> None:
                 "--lr-wsd-decay-iters": ns.lr_wsd_decay_iters}  # fmt: skip
     by_samples = {"--lr-decay-samples": ns.lr_decay_samples, "--lr-warmup-samples": ns.lr_warmup_samples or None,
                   "--lr-wsd-decay-samples": ns.lr_wsd_decay_samples}  # fmt: skip
+    if ns.rampup_batch_size is not None and ns.train_samples is None:
+        # (the ramp's steps take fewer samples than the iteration lengths' final batches: the decay would never end)
+        raise ConfigError(
+            f"--rampup-batch-size {' '.join(map(str, ns.rampup_batch_size))} needs a sample-based run, as in "
+            "Megatron: give --train-samples (and --lr-*-samples) instead of --train-iters"
+        )
     wrong = by_iters if ns.train_samples is not None else by_samples
     for flag, value in wrong.items():
         if value is not None:
@@ -435,6 +441,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         async_save=ns.async_save,
         ckpt_keep_last=ns.ckpt_keep_last,
         ckpt_step=ns.ckpt_step,
+        use_checkpoint_opt_param_scheduler=ns.use_checkpoint_opt_param_scheduler,
     )
     logging = LoggingConfig(
         log_jsonl=ns.log_jsonl,

@@ -208,19 +208,30 @@ def _schedule_notes(ns: argparse.Namespace, saved: dict, given: set[str], full: 
     """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those
     this run takes as defaults); returns the notes to log."""
     changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
+    old_gbs, gbs = full.get("global_batch_size"), ns.global_batch_size
+    new_batch = None not in (old_gbs, gbs) and gbs != old_gbs
     if ns.use_checkpoint_opt_param_scheduler:
         for d in changed:
             setattr(ns, d, saved[d])
         _keep_decay_length(ns, full)
-        return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(changed)} kept"] if changed else []
+        # (the scheduler's state holds the lengths in samples: LRScheduler's keep_saved_lengths)
+        kept = changed + ([f"warmup and decay lengths in samples (batches of {old_gbs})"] if new_batch else [])
+        return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(kept)} kept"] if kept else []
     if ns.override_opt_param_scheduler:
         return []
-    return [
+    notes = [
         f"--{d.replace('_', '-')} {getattr(ns, d)} differs from the checkpoint's {saved[d]}: the schedule follows "
         "the flag (Megatron stops unless --override-opt_param-scheduler; --use-checkpoint-opt_param-scheduler keeps "
         "the checkpoint's)"
         for d in changed
     ]
+    if new_batch and ns.train_samples is None:  # the position is in samples: the lengths move under it
+        notes.append(
+            f"--global-batch-size {gbs} differs from the checkpoint's {old_gbs}: the schedule's iteration lengths "
+            f"now count batches of {gbs}, from the samples consumed so far (--use-checkpoint-opt_param-scheduler "
+            "keeps the checkpoint's lengths in samples)"
+        )
+    return notes
 
 
 def _keep_decay_length(ns: argparse.Namespace, full: dict) -> None:

@@ -17,7 +17,8 @@ RESUME_LAYOUTS = {
         "--num-experts 4 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2 "
         "--moe-router-score-function sigmoid --moe-router-enable-expert-bias"
     ).split(),
-    # stopped mid-ramp (batches 4 x 6 then 8): the batch size and the schedule's sample position come back
+    # stopped mid-ramp (batches 4 x 6 then 8): the batch size and the schedule's sample position come back (a
+    # ramp is sample-based: its 56 samples are the same 10 iterations)
     "rampup-dp2": "--rampup-batch-size 4 4 24".split(),
     # multi-token prediction on the last stage, with its copy of the word embeddings (never stored: the first
     # stage's comes back into it)
@@ -42,6 +43,10 @@ def test_resume_is_exact(tmp_path, layout, pretrain_job):
         "--attention-dropout 0.1 --normalization RMSNorm --swiglu --position-embedding-type rope "
         "--disable-bias-linear --untie-embeddings-and-output-weights --distributed-backend gloo"
     ).split() + RESUME_LAYOUTS[layout]
+    if layout.startswith("rampup"):  # in samples: the ramp's 4 x 6 + 8 x 4 are the same 10 iterations
+        swap = {"--train-iters": ("--train-samples", "56"), "--lr-warmup-iters": ("--lr-warmup-samples", "16")}
+        for i in [i for i, a in enumerate(args) if a in swap]:
+            args[i : i + 2] = swap[args[i]]
     n = 4 if layout == "tp2-dp2" else 2
     ckpt = str(tmp_path / "ckpt")
     pretrain_job(n, [*args, "--save", ckpt, "--save-interval", "5", "--log-jsonl", str(tmp_path / "straight.jsonl")])
@@ -140,12 +145,13 @@ def test_fsdp2_after_evaluations_equals_single_process(tmp_path, pretrain_job):
 def test_rampup_batch_size_at_dp2_equals_single_process(tmp_path, pretrain_job):
     """--rampup-batch-size 4 4 16 with a global batch of 8: Megatron's ramp (the batch is START until the
     consumed samples pass SAMPLES / increments, then grows by INCREMENT), the same samples at DP=2 as on one
-    process, and the schedule counted in samples (warmup of 2 iterations = 16 samples of the final batch)."""
+    process, and the schedule counted in samples (the ramp is sample-based, as Megatron requires: its decay ends
+    at --train-samples)."""
     import math
 
     args = (
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
-        "--global-batch-size 8 --rampup-batch-size 4 4 16 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine "
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-samples 32 "
+        "--global-batch-size 8 --rampup-batch-size 4 4 16 --lr 3e-3 --lr-warmup-samples 16 --lr-decay-style cosine "
         "--log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 --distributed-backend gloo"
     ).split()
     pretrain_job(1, [*args, "--micro-batch-size", "4", "--log-jsonl", str(tmp_path / "one.jsonl")])
@@ -164,7 +170,7 @@ def test_rampup_batch_size_at_dp2_equals_single_process(tmp_path, pretrain_job):
     assert [r["global_batch_size"] for r in one] == batches == [4, 4, 4, 4, 8, 8]
     assert [r["consumed_samples"] for r in one] == [sum(batches[: i + 1]) for i in range(6)]
 
-    def lr(p, warmup=16, decay=48):
+    def lr(p, warmup=16, decay=32):
         return (
             3e-3 * p / warmup if p <= warmup else 3e-3 * 0.5 * (math.cos(math.pi * (p - warmup) / (decay - warmup)) + 1)
         )

@@ -94,6 +94,9 @@ def _adam_step(optimizer) -> int:
     for state in optimizer.inner.state.values():
         if "step" in state:
             return int(float(state["step"]))
+    for group in optimizer.inner.param_groups:  # apex's FusedAdam counts its steps per group
+        if "step" in group:
+            return int(float(group["step"]))
     return 0
 
 

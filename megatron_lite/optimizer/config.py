@@ -165,6 +165,33 @@ class OptimizerConfig:
             )
         if self.hysteresis < 1:
             raise ConfigError(f"--hysteresis {self.hysteresis} must be >= 1")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Values Megatron's scheduler and scaler assert on, and signs no optimizer takes (torch's AdamW refuses
+        a negative eps only at its first step)."""
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"--lr-warmup-init {self.lr_warmup_init} must be in [0, --lr {self.lr}]")
+        for flag, value in (("--weight-decay", self.weight_decay), ("--adam-eps", self.adam_eps)):
+            if not value >= 0:
+                raise ConfigError(f"{flag} {value} must be >= 0")
+        for flag, value in (
+            ("--lr-decay-iters", self.lr_decay_iters),
+            ("--lr-decay-samples", self.lr_decay_samples),
+            ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters),
+            ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples),
+        ):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} {value} must be >= 1 (omit it for the default)")
+        # the dynamic loss scaler's (Megatron's DynamicGradScaler asserts these)
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ConfigError(f"--loss-scale {self.loss_scale} must be > 0 (omit it for dynamic scaling)")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ConfigError(
+                f"--min-loss-scale {self.min_loss_scale} must be in (0, --initial-loss-scale {self.initial_loss_scale}]"
+            )
+        if self.loss_scale_window < 1:
+            raise ConfigError(f"--loss-scale-window {self.loss_scale_window} must be >= 1")
 
     @property
     def grad_dtype(self):

@@ -24,10 +24,13 @@ class LRScheduler:
         train_samples: int | None = None,
         samples_per_step: int = 1,
         rampup: bool = False,
+        keep_saved_lengths: bool = False,
     ) -> None:
         """`samples_per_step`: the (final) global batch, which turns iteration lengths into samples. A
         sample-based run, or one whose batch ramps up (--rampup-batch-size), counts the batch each step took;
-        another counts `samples_per_step` a step."""
+        another counts `samples_per_step` a step. `keep_saved_lengths` (--use-checkpoint-opt_param-scheduler):
+        a loaded state's warmup, decay and weight-decay lengths replace these, in samples as Megatron keeps them
+        (so a new global batch or run length leaves them as they were)."""
         config.validate_schedule(train_iters, train_samples)
         self.config = config
         _, self.warmup, self.decay_steps, self.wsd_steps = config.schedule(train_iters, train_samples)
@@ -37,6 +40,7 @@ class LRScheduler:
         self.unit = samples_per_step  # schedule positions per (full) step
         self.count_batches = train_samples is not None or rampup
         self.wd_steps = train_samples if train_samples is not None else train_iters * self.unit
+        self.keep_saved_lengths = keep_saved_lengths
         self.num_steps = 0
         self.position = 0  # samples consumed
 
@@ -110,10 +114,15 @@ class LRScheduler:
         self.position += samples if self.count_batches and samples is not None else self.unit
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "position": self.position, "position_unit": "samples"}
+        lengths = dict(warmup=self.warmup, decay=self.decay_steps, wsd=self.wsd_steps, weight_decay=self.wd_steps)
+        return {"num_steps": self.num_steps, "position": self.position, "position_unit": "samples", "lengths": lengths}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = int(state["num_steps"])
+        if self.keep_saved_lengths and "lengths" in state:  # (older checkpoints: the flags' lengths)
+            saved = state["lengths"]
+            self.warmup, self.decay_steps, self.wsd_steps = saved["warmup"], saved["decay"], saved["wsd"]
+            self.wd_steps = saved["weight_decay"]
         position = int(state.get("position", self.num_steps))
         if state.get("position_unit") != "samples" and position == self.num_steps:
             # an older iteration-based run counted steps (a sample-based one counted samples, which equal the

@@ -192,6 +192,13 @@ def load_inner_state(inner: torch.optim.Optimizer, states: dict) -> None:
             index_of[id(p)] = idx
     sd["state"] = {index_of[id(main)]: entry for main, entry in states.items()}
     inner.load_state_dict(sd)
+    if type(inner).__name__ == "FusedAdam":
+        # apex keeps one step per parameter group ("assume same step across group") and reads no per-parameter
+        # step: without this its bias correction would start again at step 1 over warm moments
+        steps = [float(e["step"]) for e in states.values() if "step" in e]
+        for group in inner.param_groups:
+            if steps:
+                group["step"] = int(steps[0])
 
 
 class MixedPrecisionOptimizer:

@@ -28,6 +28,8 @@ class CheckpointConfig:
     async_save: bool = False  # write in a background thread while training goes on
     ckpt_keep_last: int | None = None  # delete older checkpoints, keeping the newest N
     ckpt_step: int | None = None  # load this iteration's checkpoint instead of the newest
+    # the loaded schedule's lengths (in samples) win over this run's flags (Megatron's flag)
+    use_checkpoint_opt_param_scheduler: bool = False
 
     def __post_init__(self) -> None:
         if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:

@@ -282,6 +282,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             job.training.train_samples,
             job.training.global_batch(ctx.dp.size),
             rampup=job.training.rampup_batch_size is not None,
+            keep_saved_lengths=job.checkpoint.use_checkpoint_opt_param_scheduler,
         )
         state = TrainState()
         if ckpt_path is not None:

@@ -1,0 +1,84 @@
+"""The schedule of a resumed run (Megatron's --use-checkpoint-opt_param-scheduler keeps the checkpoint's, in
+samples), and the values the optimizer's flags must have (one line each, as Megatron's asserts)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch.distributed as dist
+
+from megatron_lite.config import ConfigError
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.training.pretrain import main
+
+RUN = (
+    "--mock-data --vocab-size 100 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --train-iters 8 "
+    "--lr-warmup-iters 2 --lr-decay-style cosine --weight-decay-incr-style linear --start-weight-decay 0 "
+    "--end-weight-decay 0.1"
+).split()
+
+
+def _job(argv, jsonl, capsys, monkeypatch) -> tuple[list[dict], str]:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main([*argv, "--log-jsonl", str(jsonl)]) == 0
+    assert not dist.is_initialized()
+    rows = [json.loads(line) for line in open(jsonl)]
+    return [r for r in rows if "lm_loss" in r and "kind" not in r], capsys.readouterr().out
+
+
+def test_the_checkpoints_schedule_keeps_its_lengths(tmp_path, capsys, monkeypatch):
+    """Saved at iteration 3 of 8, resumed with --use-checkpoint-opt_param-scheduler: with a longer --train-iters
+    the weight decay still rises over the first run's 32 samples (the losses are the straight run's: the decay
+    followed the new length); with another --global-batch-size the warmup and decay keep their samples (8 and
+    32), as Megatron keeps them (they became 2 and 8 batches of the new size: warmup began again)."""
+    ckpt = str(tmp_path / "ckpt")
+    straight, _ = _job([*RUN, "--save", ckpt, "--save-interval", "3"], tmp_path / "a.jsonl", capsys, monkeypatch)
+    keep = ["--load", ckpt, "--ckpt-step", "3", "--use-checkpoint-opt_param-scheduler"]
+    longer, _ = _job([*RUN, *keep, "--train-iters", "16", "--exit-interval", "8"], tmp_path / "b.jsonl", capsys,
+                     monkeypatch)  # fmt: skip
+    assert [r["lm_loss"] for r in longer] == [r["lm_loss"] for r in straight[3:]]
+    wider, out = _job([*RUN, *keep, "--global-batch-size", "8"], tmp_path / "c.jsonl", capsys, monkeypatch)
+    assert "the checkpoint's warmup and decay lengths in samples (batches of 4) kept" in out
+
+    def megatron_lr(samples, warmup=8, decay=32):
+        if samples <= warmup:
+            return 1e-3 * samples / warmup
+        return 1e-3 * 0.5 * (math.cos(math.pi * min(1.0, (samples - warmup) / (decay - warmup))) + 1)
+
+    assert [r["lr"] for r in wider] == pytest.approx([megatron_lr(12 + 8 * i) for i in range(5)], rel=1e-9)
+    _, out = _job([*RUN, "--load", ckpt, "--ckpt-step", "3", "--global-batch-size", "8"], tmp_path / "d.jsonl",
+                  capsys, monkeypatch)  # fmt: skip
+    assert "--global-batch-size 8 differs from the checkpoint's 4: the schedule's iteration lengths" in out
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(lr=1e-3, lr_warmup_init=1e-2), "--lr-warmup-init 0.01 must be in [0, --lr 0.001]"),
+        (dict(min_loss_scale=0.0), "--min-loss-scale 0.0 must be in (0, --initial-loss-scale"),
+        (dict(initial_loss_scale=16.0, min_loss_scale=1024.0), "--min-loss-scale 1024.0 must be in (0,"),
+        (dict(loss_scale_window=0), "--loss-scale-window 0 must be >= 1"),
+        (dict(loss_scale=0.0), "--loss-scale 0.0 must be > 0"),
+        (dict(weight_decay=-0.1), "--weight-decay -0.1 must be >= 0"),
+        (dict(adam_eps=-1.0), "--adam-eps -1.0 must be >= 0"),
+        (dict(lr_decay_iters=0), "--lr-decay-iters 0 must be >= 1"),
+        (dict(lr_decay_style="WSD", lr_wsd_decay_iters=0), "--lr-decay-style WSD needs"),
+    ],
+)
+def test_optimizer_values_megatron_asserts_on_are_one_line(kw, fragment):
+    with pytest.raises(ConfigError) as e:
+        OptimizerConfig(**kw)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_batch_ramp_needs_a_sample_based_run(capsys, monkeypatch):
+    """Megatron refuses --rampup-batch-size with --train-iters: the ramp's steps take fewer samples than the
+    iteration lengths count, so the decay never reached --min-lr."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main([*RUN, "--rampup-batch-size", "2", "2", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --rampup-batch-size 2 2 8 needs a sample-based run") and "\n" not in err
