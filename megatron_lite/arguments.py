@@ -12,13 +12,13 @@ import argparse
 import re
 from collections.abc import Sequence
 
-from megatron_lite.checkpoint_flags import flags_from_checkpoint
+from megatron_lite.checkpoint_flags import explicit_dests, flags_from_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig, yarn_mscale
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.tokenizers import tokenizer_file
 from megatron_lite.flag_parser import build_parser
 from megatron_lite.layout_validation import parse_pipeline_layout
-from megatron_lite.lora.config import LoraConfig, lora_for_model, target_modules
+from megatron_lite.lora.config import LoraConfig, has_dense_mlp, lora_for_model, target_modules
 from megatron_lite.megatron_flags import refuse_unsupported
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
@@ -480,7 +480,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         targets = target_modules(ns.lora_target_modules)
         lora = lora_for_model(LoraConfig(ns.lora_rank, ns.lora_alpha, ns.lora_dropout, targets, ns.qlora), model)
         lora.validate(
-            model.num_experts, parallel.tp_comm_overlap, model.multi_latent_attention, model.q_lora_rank is not None
+            model.num_experts,
+            parallel.tp_comm_overlap,
+            model.multi_latent_attention,
+            model.q_lora_rank is not None,
+            dense_mlp=has_dense_mlp(model),
         )
         if lora.qlora and optimizer.use_torch_fsdp2:
             raise ConfigError(
@@ -526,4 +530,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     path = find_checkpoint(ns.load, ns.ckpt_step) if ns.load else None
     if path is not None:
         ns = flags_from_checkpoint(parser, argv, ns, read_metadata(path)["config"], path)
+    lora_only = [d for d in ("lora_alpha", "lora_dropout", "lora_target_modules") if d in explicit_dests(parser, argv)]
+    if lora_only and not ns.lora_rank:  # (without a rank there are no adapters: every weight would train)
+        raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA adapters: add --lora-rank R, or drop it")
     return ns, job_config_from_args(ns)

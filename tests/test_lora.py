@@ -174,6 +174,12 @@ def test_adapters_start_as_the_identity_and_only_they_train():
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
          "--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap"),
         (["--lora-target-modules", "q_proj", "lm_head"], "--lora-target-modules lm_head: choose from"),
+        # every layer MoE, no shared expert: no linear_fc1 / linear_fc2 anywhere (PEFT: "not found")
+        (["--num-experts", "4", "--disable-bias-linear", "--lora-target-modules", "gate_proj", "down_proj"],
+         "--lora-target-modules linear_fc1 linear_fc2: every layer is MoE without a shared expert"),
+        # without a rank there are no adapters: the run would have trained every weight
+        (["--lora-rank", "0", "--lora-target-modules", "q_proj"], "--lora-target-modules sets up LoRA adapters: add"),
+        (["--lora-rank", "0", "--lora-dropout", "0.1"], "--lora-dropout sets up LoRA adapters: add --lora-rank R"),
     ],
 )  # fmt: skip
 def test_what_lora_does_not_compose_with_is_refused_with_the_flags(flags, message):
@@ -183,3 +189,45 @@ def test_what_lora_does_not_compose_with_is_refused_with_the_flags(flags, messag
     base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data"
     with pytest.raises(ConfigError, match=message):
         parse_args([*base.split(), "--lora-rank", "4", *flags])
+
+
+def dropout_masks(config_kw: dict) -> dict[str, list[bool]]:
+    """Each adapter's dropped input (--lora-dropout 0.5) in one training forward at TP=2 + SP: which
+    entries were zeroed, per adapter pair, on this rank."""
+    from megatron_lite.models.gpt_model import build_model
+
+    ctx = get_context(P(tensor_model_parallel_size=2, sequence_parallel=True))
+    config = llama_config(num_layers=1, **config_kw)
+    ctx.seed(5)
+    model = build_model(config, ctx, seed=5)
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") + (("experts",) if config.num_experts else ())
+    apply_lora(model, config, LoraConfig(rank=4, alpha=8.0, dropout=0.5, target_modules=targets), ctx, seed=1)
+    seen = {}
+
+    def record(name, inputs):
+        seen.setdefault(name, (inputs[0] == 0).flatten())
+
+    for name, module in model.named_modules():
+        if name.endswith(".lora.pairs." + name.rsplit(".", 1)[-1]):
+            module.register_forward_pre_hook(lambda m, a, name=name: record(name, a))
+    model.train()
+    model(torch.randint(0, config.vocab_size, (2, 16)))
+    return {k: v.tolist() for k, v in seen.items()}
+
+
+@pytest.mark.parametrize("kind", ["dense", "experts"])
+def test_lora_dropout_draws_a_mask_per_adapter_and_per_rank_where_the_input_is_split(dist, kind):
+    """As PEFT's per-module dropout, q, k and v (gate and up) each drop their input with their own mask; a
+    row-parallel adapter (o, down, an expert's fc2) sees this rank's slice of the features and drops it with
+    the model-parallel (expert-parallel) generator, not with the same mask on both TP ranks; a column-parallel
+    one sees the whole input on each rank and drops it alike there (its TP-summed gradient needs that)."""
+    one, two = dist(2, dropout_masks, dict(num_experts=2, moe_ffn_hidden_size=48) if kind == "experts" else {})
+    assert one.keys() == two.keys() and one
+    for name in one:
+        row = name.rsplit(".", 1)[-1] in ("proj", "fc2")
+        assert (one[name] != two[name]) == row, name
+        assert 0.3 < sum(one[name]) / len(one[name]) < 0.7, name
+    fused = sorted(k for k in one if k.rsplit(".", 1)[-1] in ("q", "k", "v", "gate", "up"))
+    assert fused or kind == "experts"
+    for a, b in zip(fused, fused[1:]):
+        assert a.rsplit(".", 1)[0] != b.rsplit(".", 1)[0] or one[a] != one[b], (a, b)

@@ -15,10 +15,17 @@ adapter on fc1 (gate and up together, as PEFT adapts Hugging Face's fused expert
 fc2, split over expert-TP like a column/row-parallel layer (fc1's B in gate and up blocks, like its weight):
 the MoE layer gathers the TP group's tokens before the experts and reduces after them, the same pattern, and
 the expert-TP group is the TP group (they must be equal), so the same TP sum completes the replicated
-matrices' gradients. They are expert parameters: reduced over expert-DP."""
+matrices' gradients. They are expert parameters: reduced over expert-DP.
+
+--lora-dropout drops each adapter's input with a mask of its own, as PEFT's per-module dropout does. A
+column-parallel layer's input is the same on every TP rank and so is its mask (the default generator, the
+same across TP); a row-parallel layer's input is this rank's slice of the features, dropped with the
+model-parallel generator (the expert-parallel one in an expert), which differs per rank, as Megatron draws
+dropout on activations split over TP."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -73,10 +80,14 @@ class LoRA(nn.Module):
         device=None,
         dtype=torch.float32,
         expert: bool = False,
+        rng=None,
     ) -> None:
         super().__init__()
         self.scaling = alpha / rank
         self.dropout = dropout
+        # (row-parallel: the per-rank generator; `rng`, the context's tracker, is only needed then)
+        self.rng = rng if split == "in" and tp.size > 1 else None
+        self.rng_name = "expert-parallel" if expert else "model-parallel"
         self.pairs = nn.ModuleDict(
             {name: LoRAPair(in_full, out, rank, tp, split, device, dtype, expert) for name, out in outputs.items()}
         )
@@ -84,7 +95,9 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout > 0 and self.training:
-            x = F.dropout(x, self.dropout)
-        outs = {name: pair(x) for name, pair in self.pairs.items()}
+            with self.rng.fork(self.rng_name) if self.rng is not None else contextlib.nullcontext():
+                outs = {name: pair(F.dropout(x, self.dropout)) for name, pair in self.pairs.items()}
+        else:
+            outs = {name: pair(x) for name, pair in self.pairs.items()}
         y = self.layout(outs) if self.layout is not None else next(iter(outs.values()))
         return y * self.scaling

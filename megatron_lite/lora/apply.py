@@ -7,7 +7,13 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.lora.adapters import LoRA
-from megatron_lite.lora.config import MLA_TARGETS, TARGETS, LoraConfig, lora_for_model  # noqa: F401 - LoraConfig re-exported
+from megatron_lite.lora.config import (  # noqa: F401 - LoraConfig re-exported
+    MLA_TARGETS,
+    TARGETS,
+    LoraConfig,
+    has_dense_mlp,
+    lora_for_model,
+)
 from megatron_lite.models.weights import _full_init, full_shape, to_shard
 from megatron_lite.moe.experts import ExpertMLP
 from megatron_lite.parallel_context import ParallelContext
@@ -37,11 +43,11 @@ def _full_shape(module: nn.Module) -> tuple[int, ...]:
     return full_shape(module.weight, param_meta(module, "weight"))
 
 
-def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig, tp) -> LoRA:
+def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig, tp, rng) -> LoRA:
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.query_groups * d
     out_full, in_full = _full_shape(module)  # the MLP's own width (dense or shared expert)
-    kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=tp,
+    kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=tp, rng=rng,
               device=module.weight.device, dtype=module.weight.dtype)  # fmt: skip
     if leaf == "linear_qkv":
         return LoRA(h, {"q": q, "k": kv, "v": kv}, split="out", layout=_qkv_layout(config, tp.size), **kw)
@@ -57,11 +63,11 @@ def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig
     return LoRA(in_full, {"fc2": h}, split="in", **kw)
 
 
-def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, etp) -> None:
+def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, etp, rng) -> None:
     h, f = config.hidden_size, config.moe_ffn_size
     w = expert.linear_fc1.weight
     kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=etp, device=w.device, dtype=w.dtype,
-              expert=True)  # fmt: skip
+              expert=True, rng=rng)  # fmt: skip
     expert.linear_fc1.lora = LoRA(h, {"fc1": (f, f) if expert.swiglu else f}, split="out", **kw)
     expert.linear_fc2.lora = LoRA(f, {"fc2": h}, split="in", **kw)
 
@@ -72,18 +78,19 @@ def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: Par
     adapter parameters on this rank."""
     lora = lora_for_model(lora, config)
     mla = config.multi_latent_attention
-    lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap, mla, config.q_lora_rank is not None)
+    lora.validate(config.num_experts, ctx.parallel.tp_comm_overlap, mla, config.q_lora_rank is not None,
+                  dense_mlp=has_dense_mlp(config))  # fmt: skip
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):
         if ".mtp." in f".{name}.":  # the MTP depths stay frozen: transformers' DeepSeek-V3 (PEFT's base) has none
             continue
         if isinstance(module, ExpertMLP) and "experts" in lora.target_modules:
-            _expert_adapters(module, config, lora, ctx.etp)
+            _expert_adapters(module, config, lora, ctx.etp, ctx.rng)
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in lora.target_modules or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
-        module.lora = _adapter(leaf, module, config, lora, ctx.tp)
+        module.lora = _adapter(leaf, module, config, lora, ctx.tp, ctx.rng)
     count = 0
     global_name = getattr(model, "global_name", lambda n: n)
     with torch.no_grad():

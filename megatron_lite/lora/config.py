@@ -47,9 +47,22 @@ class LoraConfig:
             raise ConfigError(f"--lora-target-modules {' '.join(bad)}: choose from {' '.join(TARGETS)}")
 
     def validate(
-        self, num_experts: int | None, tp_comm_overlap: bool, multi_latent_attention: bool = False, q_lora=None
+        self,
+        num_experts: int | None,
+        tp_comm_overlap: bool,
+        multi_latent_attention: bool = False,
+        q_lora=None,
+        dense_mlp: bool = True,
     ) -> None:
-        """What LoRA does not compose with yet; checked with the flags, before any collective."""
+        """What LoRA does not compose with yet, and targets the model does not have; checked with the flags,
+        before any collective. `dense_mlp`: some layer has linear_fc1 / linear_fc2 (a dense MLP or a shared
+        expert)."""
+        present = [t for t in self.target_modules if dense_mlp or t not in ("linear_fc1", "linear_fc2")]
+        if not present:  # (PEFT: "Target modules ... not found in the base model")
+            raise ConfigError(
+                f"--lora-target-modules {' '.join(self.target_modules)}: every layer is MoE without a shared "
+                "expert, so no layer has these; adapt experts and/or the attention (linear_qkv linear_proj)"
+            )
         mla = [t for t in self.target_modules if t in MLA_TARGETS]
         if mla and not multi_latent_attention:
             raise ConfigError(f"--lora-target-modules {' '.join(mla)}: projections of --multi-latent-attention; "
@@ -69,6 +82,11 @@ class LoraConfig:
                                   "drop experts")  # fmt: skip
         if tp_comm_overlap:
             raise ConfigError("--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap")
+
+
+def has_dense_mlp(config) -> bool:
+    """Whether some decoder layer has linear_fc1 / linear_fc2: a dense MLP, or an MoE layer's shared expert."""
+    return not all(config.moe_layers) or config.moe_shared_expert_intermediate_size is not None
 
 
 def target_modules(names: list[str]) -> tuple[str, ...]:
