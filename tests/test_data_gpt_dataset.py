@@ -132,3 +132,69 @@ def test_a_corpus_shorter_than_one_sample_is_a_one_line_error(tmp_path, capsys, 
     flags = ["--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     rc, _, err = _run(flags, capsys, monkeypatch)
     _one_line_error(rc, err, f"--data-path {prefix}", "hold 12 tokens", "--seq-length 16 + 1")
+
+
+def test_the_vocabulary_check_survives_its_cache_and_long_paths(tmp_path):
+    """Its cache is named by a hash (a prefix of 258 characters made a name past the file system's 255-byte
+    limit) and written atomically; an unreadable one (a write cut short) is scanned again, not a traceback.
+    The scan reads only what the index covers: a .bin longer than that may end in anything (Megatron ignores
+    it too)."""
+    from megatron_lite.data.builder import DataSource, build_datasets
+    from megatron_lite.data.tokenizers import NullTokenizer
+
+    folder = tmp_path / ("d" * 200)
+    folder.mkdir()
+    prefix = str(folder / ("c" * 50))
+    data = DataConfig(data_path=(prefix,), tokenizer_type="NullTokenizer", vocab_size=100)
+    tok = NullTokenizer(100)
+    source = DataSource(tok, tok.vocab_size, data.blend, "")
+    _write(prefix, [[1] * 30 + [100] for _ in range(10)])
+    with open(prefix + ".bin", "ab") as f:
+        f.write(b"\xff\xff\xff")  # not indexed (odd length: not even a whole uint16)
+    assert IndexedDataset(prefix).max_token() == 100
+    build_datasets(source, data, (4, 0, 0), 8, 1)
+    caches = list((folder / "cache").glob("max_token_*.json"))
+    assert len(caches) == 1, list((folder / "cache").iterdir())
+    caches[0].write_text("{")  # cut short
+    build_datasets(source, data, (4, 0, 0), 8, 1)
+    assert caches[0].read_text().startswith('{"size"')
+
+
+def test_blend_indices_are_cached_and_a_train_split_without_documents_is_one_line(tmp_path, capsys, monkeypatch):
+    """The blend's indices are built once and read back from --data-cache-path (a Python loop per sample:
+    minutes for a real run's, at every start); a --split giving training nothing is one line (it was a
+    TypeError once the model was built)."""
+    from test_data_blend import _Endless
+    from test_pretrain_cli import _one_line_error, _run
+
+    from megatron_lite.data.gpt_dataset import BlendedDataset
+
+    first = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 1000, str(tmp_path))
+    (cached,) = tmp_path.glob("blend-*.npy")
+    again = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 1000, str(tmp_path))
+    plain = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 1000)
+    assert isinstance(again.dataset_index, np.memmap) and not isinstance(plain.dataset_index, np.memmap)
+    for b in (first, again):
+        assert np.array_equal(b.dataset_index, plain.dataset_index)
+        assert np.array_equal(b.sample_index, plain.sample_index)
+    prefix = str(tmp_path / "c")
+    _write(prefix, [[1] * 30 + [100] for _ in range(10)])
+    flags = ["--data-path", prefix, "--split", "0,100,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    rc, _, err = _run(flags, capsys, monkeypatch)
+    _one_line_error(rc, err, "the train split holds no documents (--split 0,100,0", "--skip-train")
+
+
+def test_a_blend_reads_on_past_its_samples_after_a_rollback_skipped_a_batch(tmp_path, capsys, monkeypatch):
+    """A rollback skips the offending global batch, so the run reads one batch past --train-iters x the
+    global batch, which is all a blend holds: those samples are its first ones again (an IndexError)."""
+    from test_pretrain_cli import _run
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for k, prefix in enumerate((a, b)):
+        _write(prefix, [[k + 1] * 30 + [100] for _ in range(10)])
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=3")
+    flags = ["--data-path", "0.5", a, "0.5", b, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    rc, out, err = _run([*flags, "--save", str(tmp_path / "ck"), "--save-interval", "1", "--nan-policy",
+                         "rollback"], capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    assert "skipping the batch at sample 8" in out and "consumed_samples: 16" in out

@@ -223,3 +223,30 @@ def test_empty_and_sentence_list_documents_follow_megatron(tmp_path):
     assert preprocess_data.main([*argv[:3], prefix + "_no_eod", *argv[4:6]]) == 0
     ds = IndexedDataset(prefix + "_no_eod_text_document")
     assert [ds.get(i).tolist() for i in range(len(ds))] == [[97, 98], [99, 100], [101, 102], [103]]
+
+
+def _preprocess(tmp_path, src: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
+    tool = str(ROOT / "tools" / "preprocess_data.py")
+    argv = [sys.executable, tool, "--input", str(src), "--output-prefix", str(tmp_path / "o"), *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_input_the_tokenizer_cannot_read_is_one_line(tmp_path):
+    """Text that is not UTF-8 (read by the main process, also with workers), NullTokenizer text that is not ids
+    or ids past its vocabulary (they overflowed the uint16 .bin): one line each, no traceback; a tokenizer.json
+    the tokenizers library cannot parse likewise."""
+    from megatron_lite.config import ConfigError
+
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(json.dumps({"text": "ok"}).encode() + b'\n{"text": "caf\xe9"}\n')
+    for workers in ("1", "2"):
+        out = _preprocess(tmp_path, bad, "--tokenizer-type", "ByteLevelTokenizer", "--workers", workers)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not UTF-8" in out.stderr, out.stderr
+    for text, fragment in (("1 x 2", "space-separated token ids"), ("1 70000", "token id 70000 is outside")):
+        src = tmp_path / "ids.jsonl"
+        src.write_text(json.dumps({"text": text}) + "\n")
+        out = _preprocess(tmp_path, src, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr
+    (tmp_path / "tokenizer.json").write_text("{oops")
+    with pytest.raises(ConfigError, match="is not a tokenizer.json the tokenizers library reads"):
+        HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))

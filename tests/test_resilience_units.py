@@ -244,7 +244,7 @@ def test_the_hang_report_follows_a_chain_of_waits_without_looping():
     assert "rank 1, which waits in #3 all_to_all_single on ranks [1,2]" in held[2], report
 
 
-@pytest.mark.parametrize("flag", ["--save", "--log-jsonl"])
+@pytest.mark.parametrize("flag", ["--save", "--log-jsonl", "--data-cache-path"])
 def test_output_paths_that_cannot_be_made_are_refused_at_start_up(tmp_path, capsys, monkeypatch, flag):
     """A --save (or --log-jsonl, ...) under a regular file: one line before any process group. (--save failed at
     the first save on rank 0 alone, after the training before it, the other ranks waiting in a barrier.)"""

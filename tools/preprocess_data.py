@@ -128,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         print(f"error: input document {docs + 1}: {type(e).__name__}: {e} (check --json-keys)", file=sys.stderr)
         return 2
+    except UnicodeDecodeError as e:  # (read in this process: the document number is the last one read)
+        print(f"error: input after document {docs}: not UTF-8 ({e}); convert the file to UTF-8", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the tokenizer's (NullTokenizer: text that is not ids of the vocabulary)
+        print(f"error: input document {docs + 1}: {e}", file=sys.stderr)
+        return 2
     finally:
         if pool:
             pool.close()

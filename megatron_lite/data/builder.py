@@ -8,6 +8,7 @@ the embedded corpus and its trained tokenizer. The model's vocabulary is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -65,14 +66,21 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
 def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str) -> None:
     """The largest token id of a dataset (cached by the .bin's size, mtime and inode: a re-preprocessed corpus
     of the same size is scanned again) must fit the vocabulary."""
-    key = os.path.join(cache_dir, "max_token_" + os.path.abspath(indexed.prefix).replace(os.sep, "_") + ".json")
+    # (named by a hash of the path: the path itself can pass the file system's 255-byte limit on a name)
+    key = os.path.join(cache_dir, f"max_token_{hashlib.md5(os.path.abspath(indexed.prefix).encode()).hexdigest()}.json")
     st = os.stat(indexed.prefix + ".bin")
     size = [st.st_size, st.st_mtime_ns, st.st_ino]
     with file_lock(key + ".lock"):
-        cached = json.load(open(key)) if os.path.exists(key) else None
-        if cached is None or cached.get("size") != size:
+        try:
+            with open(key) as f:
+                cached = json.load(f)
+        except (OSError, ValueError):  # none yet, or unreadable (a write cut short before they were atomic)
+            cached = None
+        if not isinstance(cached, dict) or cached.get("size") != size:
             cached = {"size": size, "max_token": indexed.max_token()}
-            json.dump(cached, open(key, "w"))
+            with open(key + ".partial", "w") as f:
+                json.dump(cached, f)
+            os.replace(key + ".partial", key)
     if cached["max_token"] >= vocab_size:
         raise ConfigError(
             f"--data-path {indexed.prefix} holds token id {cached['max_token']} but the vocabulary has {vocab_size} "
@@ -144,5 +152,5 @@ def build_datasets(
         elif len(parts) == 1:
             out.append(parts[0])
         else:
-            out.append(BlendedDataset(parts, [w for w, *_ in live], num_samples[s]))
+            out.append(BlendedDataset(parts, [w for w, *_ in live], num_samples[s], live[0][2]))
     return tuple(out)

@@ -176,24 +176,35 @@ def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.nd
     """(dataset, sample within it) of each of `size` blended samples: sample i comes from the dataset furthest
     behind its share, w * max(i, 1) - count, the first on ties (Megatron's helpers.cpp build_blending_indices)."""
     w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
-    counts = np.zeros(len(w), dtype=np.int64)
-    dataset_index = np.zeros(size, dtype=np.int64)
-    sample_index = np.zeros(size, dtype=np.int64)
-    for i in range(size):
-        k = int(np.argmax(w * max(i, 1) - counts))
-        dataset_index[i] = k
-        sample_index[i] = counts[k]
-        counts[k] += 1
-    return dataset_index, sample_index
+    w = (w / w.sum()).tolist()
+    counts = [0] * len(w)
+    dataset_index, sample_index = [0] * size, [0] * size
+    for i in range(size):  # (Python floats, the same float64 arithmetic as numpy's, ten times faster per step)
+        m = i if i > 1 else 1
+        best, top = 0, w[0] * m - counts[0]
+        for k in range(1, len(w)):
+            if (v := w[k] * m - counts[k]) > top:  # (strictly: the first on ties, as argmax)
+                best, top = k, v
+        dataset_index[i], sample_index[i] = best, counts[best]
+        counts[best] += 1
+    return np.array(dataset_index, dtype=np.int64), np.array(sample_index, dtype=np.int64)
 
 
 class BlendedDataset:
     """Samples drawn from several datasets in proportion to their weights, deterministically (see
-    blending_indices)."""
+    blending_indices); the indices are cached in `cache_dir` (they depend on the weights and size only), as
+    Megatron caches its blend's."""
 
-    def __init__(self, datasets: list, weights: list[float], num_samples: int) -> None:
-        self.dataset_index, self.sample_index = blending_indices(weights, num_samples)
+    def __init__(self, datasets: list, weights: list[float], num_samples: int, cache_dir: str | None = None) -> None:
+        if cache_dir is None:
+            self.dataset_index, self.sample_index = blending_indices(weights, num_samples)
+        else:
+            digest = hashlib.md5(json.dumps([[float(x) for x in weights], num_samples]).encode()).hexdigest()
+            path = os.path.join(cache_dir, f"blend-{digest}.npy")
+            with file_lock(os.path.join(cache_dir, f"blend-{digest}.lock")):
+                if not os.path.exists(path):
+                    _save_npy(path, np.stack(blending_indices(weights, num_samples)))
+            self.dataset_index, self.sample_index = np.load(path, mmap_mode="r")
         self.datasets = datasets
 
     def __len__(self) -> int:

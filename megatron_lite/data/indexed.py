@@ -129,4 +129,6 @@ class IndexedDataset:
     def max_token(self) -> int:
         if not len(self):
             return -1
-        return int(np.frombuffer(self._bin, dtype=self.dtype).max())
+        # the bytes the index covers (Megatron reads nothing else: a longer .bin may end in anything)
+        end = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize
+        return int(np.frombuffer(self._bin[:end], dtype=self.dtype).max()) if end else -1

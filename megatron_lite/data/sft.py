@@ -40,6 +40,7 @@ class SFTDataset:
             raise ConfigError(f"{path} holds no prompt/response records")
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
         self.pad = self.eod if pad_id is None else pad_id
+        self._order = (None, None)  # (epoch, its permutation of the records)
 
     def __len__(self) -> int:
         return 1 << 40  # epochs repeat
@@ -47,8 +48,9 @@ class SFTDataset:
     def _record(self, index: int) -> tuple[list[int], list[int]]:
         n = len(self.records)
         epoch, i = divmod(index, n)
-        order = np.random.default_rng(self.seed + epoch).permutation(n)
-        return self.records[int(order[i])]
+        if self._order[0] != epoch:  # one permutation per epoch, drawn once
+            self._order = (epoch, np.random.default_rng(self.seed + epoch).permutation(n))
+        return self.records[int(self._order[1][i])]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         prompt, response = self._record(index)

@@ -34,7 +34,13 @@ class NullTokenizer:
         self.vocab_size = int(vocab_size) + 1
 
     def encode(self, text: str) -> list[int]:
-        return [int(x) for x in text.split()]
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError as e:
+            raise ValueError(f"NullTokenizer reads space-separated token ids: {e}") from None
+        if bad := [i for i in ids if not 0 <= i < self.vocab_size]:  # (the end-of-document id included)
+            raise ValueError(f"NullTokenizer: token id {bad[0]} is outside --vocab-size {self.eod} (+1: the EOD)")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids)
@@ -79,7 +85,13 @@ class HuggingFaceTokenizer:
                 f"--tokenizer-model {path}: no such file (expected a tokenizer.json, or a directory holding one)"
             )
         self.path = path
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # (the tokenizers library raises a bare Exception on a malformed file)
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(
+                f"--tokenizer-model {path} is not a tokenizer.json the tokenizers library reads: {msg}"
+            ) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         eos = _config_eos(path)

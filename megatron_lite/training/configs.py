@@ -168,6 +168,7 @@ def check_output_paths(job: JobConfig) -> None:
     (a --save under a regular file failed on rank 0 alone at the first save, the others waiting in a barrier)."""
     dirs = [("--save", job.checkpoint.save), ("--tensorboard-dir", job.logging.tensorboard_dir)]
     dirs += [("--profile-dir", job.logging.profile_dir), ("--wandb-save-dir", job.logging.wandb_save_dir)]
+    dirs += [("--data-cache-path", job.data.data_cache_path)]  # (the dataset indices are built there)
     files = [("--log-jsonl", job.logging.log_jsonl)]
     for flag, path, is_dir in [(f, p, True) for f, p in dirs] + [(f, p, False) for f, p in files]:
         if not path:

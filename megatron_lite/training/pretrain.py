@@ -119,7 +119,9 @@ class _Batches:
         return self.training.batch_size_at(consumed, dp) if self.rampup else self.training.global_batch(dp)
 
     def _indices(self, consumed: int) -> list[list[int]]:
-        return micro_batch_indices(consumed, self.gbs(consumed), self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
+        ix = micro_batch_indices(consumed, self.gbs(consumed), self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
+        n = len(self.dataset)  # (batches a rollback skipped read past the split's samples: its first ones again)
+        return [[i % n for i in micro] for micro in ix]
 
     def get(self, consumed: int) -> list[dict[str, torch.Tensor]]:
         if self.num_workers == 0:
@@ -305,6 +307,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
         train_ds, valid_ds, test_ds = build_datasets(
             source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed
         )
+        if train_ds is None and not t.skip_train:  # (every rank finds the same: none waits in a collective)
+            raise ConfigError(
+                f"the train split holds no documents (--split {job.data.split} of --data-path, or "
+                "--train-data-path): give it some, or --skip-train to evaluate only"
+            )
         rampup = t.rampup_batch_size is not None
         train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
         flops_per_sample = flops_per_token(job.model, t.seq_length) * t.seq_length
