@@ -20,7 +20,7 @@ class SFTDataset:
     def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
         self.records = []
         bos = getattr(tokenizer, "bos", None)
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -52,7 +52,7 @@ def _config_eos(path: str) -> str | None:
     without either."""
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         try:
-            eos = json.load(open(os.path.join(os.path.dirname(path) or ".", name))).get("eos_token")
+            eos = json.load(open(os.path.join(os.path.dirname(path) or ".", name), encoding="utf-8")).get("eos_token")
         except (OSError, ValueError, AttributeError):
             continue
         eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -161,8 +161,9 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file (GPT2BPETokenizer needs --vocab-file and --merge-file)")
-        vocab = json.load(open(vocab_file))
-        merges = [tuple(line.split()) for line in open(merge_file).read().splitlines()[1:] if line.strip()]
+        vocab = json.load(open(vocab_file, encoding="utf-8"))  # (GPT-2's byte-level symbols: not ASCII)
+        lines = open(merge_file, encoding="utf-8").read().splitlines()[1:]
+        merges = [tuple(line.split()) for line in lines if line.strip()]
         tok = Tokenizer(models.BPE(vocab, merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
