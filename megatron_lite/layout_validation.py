@@ -257,9 +257,15 @@ def validate_layout(
                 f"--moe-ffn-hidden-size {model.moe_ffn_size} is not divisible by --expert-tensor-parallel-size "
                 f"{parallel.etp}"
             )
+        shared = model.moe_shared_expert_intermediate_size
+        if shared is not None and shared % tp:  # (the shared expert is a dense MLP split over TP)
+            raise ConfigError(
+                f"--moe-shared-expert-intermediate-size {shared} is not divisible by --tensor-model-parallel-size "
+                f"{tp}; use {_nearest_multiples(shared, tp)}"
+            )
     elif parallel.ep > 1:
         raise ConfigError(f"--expert-model-parallel-size {parallel.ep} needs --num-experts")
-    if model.ffn_size % tp:
+    if model.ffn_size % tp and not all(model.moe_layers):  # (every layer MoE: no dense MLP is built)
         raise ConfigError(
             f"--ffn-hidden-size {model.ffn_size} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --ffn-hidden-size {_nearest_multiples(model.ffn_size, tp)}"

@@ -217,7 +217,7 @@ FSDP2 = {  # world, layout, global batch, micro-batch, model, layers
     "pp2-vp2-dp2": (4, P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 8, 1, "llama", 4),
     "pp2-dp2-tied": (4, P(pipeline_model_parallel_size=2), 8, 2, "gpt2", 4),  # the two copies' shards summed
     "cp2-dp2": (4, P(context_parallel_size=2), 4, 1, "llama", 2),  # parameters sharded over DP x CP
-    # DeepSeek-shaped: the aux-loss-free expert bias is sharded like a parameter and updated shard by shard
+    # DeepSeek-shaped: the aux-loss-free expert bias, left out of the sharding, updated alike on every rank
     "dp2-deepseek": (2, P(), 4, 2, "deepseek", 2),
 }
 
@@ -279,6 +279,41 @@ def test_fsdp2_bf16_under_pipelining_sends_what_it_computes(dist):
     assert abs(pp2[0] - dp2[0]) <= 1e-5 * dp2[0], (pp2, dp2)  # the same first forward
     for a, b in zip(pp2, dp2):
         assert abs(a - b) <= 1e-2 * b, (pp2, dp2)
+
+
+def fsdp2_bf16_router_bias() -> list:
+    """The expert bias each router adds in its forward under FSDP2 computing in bf16."""
+    import torch
+
+    from megatron_lite.distributed.fsdp import FSDP2Model
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.moe.router import TopKRouter
+
+    from models import llama_config
+
+    ctx = get_context(P())
+    config = llama_config(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_router_score_function="sigmoid",
+                          moe_router_enable_expert_bias=True)  # fmt: skip
+    model = build_model(config, ctx, seed=1)
+    seen = []
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            with torch.no_grad():
+                m.expert_bias.copy_(torch.tensor([0.5, 0.501, 0.502, 0.503]))
+            m.register_forward_pre_hook(lambda mod, _: seen.append(mod.expert_bias.detach().clone()))
+    wrapped = FSDP2Model(model, ctx, torch.bfloat16)
+    tokens = torch.randint(0, config.vocab_size, (1, 8))
+    wrapped(tokens, labels=tokens).sum().backward()
+    return [(t.dtype, t.tolist()) for t in seen]
+
+
+def test_fsdp2_in_bf16_routes_with_the_fp32_expert_bias(dist):
+    """Megatron keeps the expert bias fp32 whatever the model computes in: its updates (1e-3) are below bf16's
+    resolution at 0.5, where FSDP2's bf16 copy rounded 0.501 to 0.5 and 0.503 to 0.50390625."""
+    import torch
+
+    for seen in dist(2, fsdp2_bf16_router_bias):
+        assert seen and all(t == (torch.float32, torch.tensor([0.5, 0.501, 0.502, 0.503]).tolist()) for t in seen)
 
 
 def fsdp2_param_bytes() -> int:

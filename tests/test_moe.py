@@ -366,12 +366,28 @@ def test_expert_bias_is_identical_on_every_replica(dist):
             2,
             "--moe-expert-capacity-factor with --context-parallel-size 2 is not supported yet",
         ),
+        (  # (a ValueError from the sharding once the model was built)
+            {"moe_shared_expert_intermediate_size": 17},
+            P(tensor_model_parallel_size=2),
+            2,
+            "--moe-shared-expert-intermediate-size 17 is not divisible by --tensor-model-parallel-size 2",
+        ),
+        (  # the dense width counts where a layer is dense (an all-MoE model's was refused for nothing)
+            {"ffn_hidden_size": 97, "moe_layer_freq": (1, 0)},
+            P(tensor_model_parallel_size=2),
+            2,
+            "--ffn-hidden-size 97 is not divisible by --tensor-model-parallel-size 2",
+        ),
     ],
 )
 def test_bad_moe_configuration_is_one_line(model_kw, parallel, world, fragment):
     with pytest.raises(ConfigError) as err:
         validate_layout(moe_config(**model_kw), parallel, world)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_all_moe_model_needs_no_dense_width_divisible_by_tp():
+    validate_layout(moe_config(ffn_hidden_size=97), P(tensor_model_parallel_size=2), 2)
 
 
 def test_dense_and_expert_parameters_are_placed_and_named_by_global_expert():
@@ -446,3 +462,28 @@ def test_moe_variants_equal_single_process(dist, variant):
         _compare(history, ref)
     if "moe_layer_freq" in kw:
         assert list(ref[0]["layers"]) == [1]  # only layer 1 is MoE
+
+
+def test_moe_losses_are_logged_as_megatron_logs_them():
+    """Megatron's load_balancing_loss and z_loss: each MoE layer's loss before its coefficient, the mean over the
+    MoE layers and micro-batches (MoEAuxLossAutoScaler's tracker). They were logged times the coefficient and
+    summed over the layers (about 0.04 for 1.0 on four balanced layers at --moe-aux-loss-coeff 1e-2)."""
+    from megatron_lite.moe.router import TopKRouter
+
+    config = moe_config(num_layers=3, moe_layer_freq=(1, 0, 1))
+    ctx = ParallelContext.virtual(P(), device=torch.device("cpu"))
+    ctx.seed(1)
+    model = build_model(config, ctx, seed=1)
+    seen = []
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            m.register_forward_hook(lambda mod, args, out: seen.append((float(out.aux_loss), float(out.z_loss))))
+    ddp, opt = wrap_for_training(model, ctx, OPTIM)
+    data = MockGPTDataset(config.vocab_size, SEQ, seed=3)
+    batches = [collate([data[0], data[1]]), collate([data[2], data[3]])]  # two micro-batches
+    moe = train_step(ddp, opt, LRScheduler(OPTIM, 10), batches, ctx).moe
+    assert len(seen) == 4  # two MoE layers, two micro-batches
+    aux = sum(a for a, _ in seen) / len(seen) / config.moe_aux_loss_coeff
+    z = sum(z for _, z in seen) / len(seen) / config.moe_z_loss_coeff
+    assert moe["aux_loss"] == pytest.approx(aux, rel=1e-6) and 0.5 < aux < 4
+    assert moe["z_loss"] == pytest.approx(z, rel=1e-6)

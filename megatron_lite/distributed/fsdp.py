@@ -22,6 +22,7 @@ the sharded parameters with our exact grad norm (local shards summed over DP, th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Iterator
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.optimizer import (
     StepResult,
@@ -91,15 +93,25 @@ class FSDP2Model(nn.Module):
         self.moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in module.modules())
         expert_mesh = mesh_of(ctx.edp) if self.moe else None
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # The routers' expert biases stay whole fp32 tensors on every rank (Megatron keeps them fp32 whatever
+        # the model's dtype): a bf16 copy rounds 0.5 + 1e-3 to 0.5, so the routing never saw most updates.
+        kw = {}
+        if biases := {m.expert_bias for m in module.modules() if getattr(m, "expert_bias", None) is not None}:
+            if "ignored_params" not in inspect.signature(fully_shard).parameters:
+                raise ConfigError(
+                    "--use-torch-fsdp2 with --moe-router-enable-expert-bias needs PyTorch >= 2.7 (fully_shard's "
+                    "ignored_params keeps the bias in fp32); upgrade torch or use --use-distributed-optimizer"
+                )
+            kw = dict(ignored_params=biases)
         chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
         for chunk in chunks:
             for m in chunk.modules():
                 if isinstance(m, LocalExperts):
-                    fully_shard(m, mesh=expert_mesh, mp_policy=policy)
+                    fully_shard(m, mesh=expert_mesh, mp_policy=policy, **kw)
             for m in chunk.modules():
                 if isinstance(m, TransformerLayer):
-                    fully_shard(m, mesh=self.mesh, mp_policy=policy)
-            fully_shard(chunk, mesh=self.mesh, mp_policy=policy)
+                    fully_shard(m, mesh=self.mesh, mp_policy=policy, **kw)
+            fully_shard(chunk, mesh=self.mesh, mp_policy=policy, **kw)
         # (after fully_shard, which swaps every parameter for a sharded one)
         self.expert = {id(p) for _, p, meta in named_param_meta(module) if meta.expert}
         self.module = module

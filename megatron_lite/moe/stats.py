@@ -39,12 +39,7 @@ def prepare_step(layers: dict[int, MoELayer], num_microbatches: int, loss_scale:
 def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3's aux-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
     counts = counts.to(bias.device, torch.float32)
-    delta = rate * torch.sign(counts.mean() - counts)
-    if type(bias).__name__ == "DTensor":  # FSDP2 shards it like a parameter: each rank updates its own shard
-        from torch.distributed.tensor import distribute_tensor
-
-        delta = distribute_tensor(delta, bias.device_mesh, bias.placements, src_data_rank=None)
-    bias += delta
+    bias += rate * torch.sign(counts.mean() - counts)  # (FSDP2 leaves it whole: every rank updates it alike)
 
 
 def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx: ParallelContext) -> dict:
@@ -83,9 +78,13 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
         }
     moe = [n for n in range(n_layers) if config.is_moe_layer(n)]
     routed, dropped = table[moe, 2 * e + 2].sum(), table[moe, 2 * e + 3].sum()
+    # logged as Megatron logs them: the mean over MoE layers, before the coefficient (--moe-aux-loss-coeff 1e-2
+    # on a balanced router logs about 1, not 1e-2 x layers)
+    per = micro * max(len(moe), 1)
+    aux_coeff, z_coeff = config.moe_aux_loss_coeff or 1.0, config.moe_z_loss_coeff or 1.0
     return {
-        "aux_loss": float(table[moe, 2 * e].sum()) / micro,
-        "z_loss": float(table[moe, 2 * e + 1].sum()) / micro,
+        "aux_loss": float(table[moe, 2 * e].sum()) / per / aux_coeff,
+        "z_loss": float(table[moe, 2 * e + 1].sum()) / per / z_coeff,
         "dropped_fraction": float(dropped / routed) if routed > 0 else 0.0,
         "max_imbalance": max((v["imbalance"] for v in per_layer.values()), default=0.0),
         "layers": per_layer,
