@@ -16,6 +16,7 @@ from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.pipeline_parallel.schedules import (
     BACKWARD,
     FORWARD,
+    Action,
     ScheduleError,
     build_schedule,
     check_schedules,
@@ -41,6 +42,25 @@ def test_schedules_are_consistent_and_deadlock_free(pp, vp):
                 assert max_in_flight(acts) <= min(pp - r, m)
             else:
                 assert max_in_flight(acts) <= min((pp - r - 1) * 2 + (vp - 1) * pp + 1, m * vp)
+
+
+@pytest.mark.parametrize("pp,vp", [(2, 1), (4, 1), (2, 2), (4, 2), (3, 3), (8, 4)])
+def test_batches_complete_under_nccls_grouped_point_to_point(pp, vp):
+    """Under NCCL a batch_isend_irecv completes only when each of its operations meets its partner in the batch
+    the peer runs, and a rank's batches run in turn. The interleaved schedule's batches, formed between
+    computes, did not: at PP=2 x VP=2 rank 0's send of a gradient waited for a receive queued behind rank 1's
+    own send, which waited for rank 0 (gloo, which buffers sends, never showed it)."""
+    from megatron_lite.pipeline_parallel.schedules import _simulate_batches
+
+    for m in (pp, 2 * pp, 3 * pp + (vp == 1)):
+        for forward_only in (False, True):
+            _simulate_batches([build_schedule(pp, vp, m, r, forward_only) for r in range(pp)])
+    # what locked there, in small: each rank's send in a batch ahead of the receive its peer's send waits for
+    a = Action
+    rank0 = [a(FORWARD, 0, 0), a("SF", 0, 0, 1), a(FORWARD, 1, 0), a("RB", 0, 0, 1)]
+    rank1 = [a(BACKWARD, 0, 0), a("SB", 0, 0, 0), a(FORWARD, 1, 0), a("RF", 0, 0, 0)]
+    with pytest.raises(ScheduleError, match="deadlock under grouped point-to-point"):
+        _simulate_batches([rank0, rank1])
 
 
 def test_1f1b_order_is_warmup_steady_cooldown():

@@ -3,7 +3,8 @@
 Activations and their gradients travel between neighbouring stages with point-to-point sends and
 receives on the pipeline group. Their shape is known from the configuration ([seq / TP under sequence
 parallelism, micro-batch, hidden]), so no shape is ever exchanged. Consecutive communication actions of
-the schedule go out as one batch_isend_irecv as early as the schedule lists them; a receive is waited for
+the schedule (up to a compute or a FLUSH: batches that complete under NCCL's rule, schedules.py) go out
+as one batch_isend_irecv as early as the schedule lists them; a receive is waited for
 before the next compute step, or, with --overlap-p2p-comm (default with virtual stages, as in Megatron),
 only when the compute that reads it comes; sends are waited for at the end of the step (their tensors are
 kept alive until then). A stage
@@ -112,7 +113,7 @@ def run_pipeline(
                 t = input_grads.pop(key).contiguous()
             batch.append(dist.P2POp(dist.isend, t, ctx.pp.ranks[a.peer], group))
             continue
-        flush()  # the next compute may need what was just received
+        flush()  # the next compute may need what was just received (a FLUSH action does only this)
         if a.kind == FORWARD:
             mb = micro_batches[a.microbatch]
             chunk = chunks[a.chunk]

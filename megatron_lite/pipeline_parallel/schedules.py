@@ -8,11 +8,19 @@ can be printed (`python -m megatron_lite.pipeline_parallel.schedules 4 2 8`) and
 Stages: chunk c on pipeline rank r is virtual stage s = c * pp + r (Megatron's interleaved placement).
 Stage s receives activations from stage s - 1 and gradients from stage s + 1.
 
-Communication order: sends are asynchronous; receives block. Between two ranks, messages are received in
-exactly the order they were sent (NCCL matches point-to-point messages by order, not by tag), so before
-a compute step needs message X from a peer, the receiver takes every earlier message of that peer first
-and keeps it until it is needed. The receive actions are placed accordingly, and `check_schedules` proves
-for a whole pipeline that every send meets its receive in order and that nobody waits forever.
+Communication order: between two ranks, messages are received in exactly the order they were sent (NCCL
+matches point-to-point messages by order, not by tag), so before a compute step needs message X from a
+peer, the receiver takes every earlier message of that peer first and keeps it until it is needed. The
+executor posts the communication between two computes (or up to a FLUSH) as one batch_isend_irecv, and
+under NCCL a batch completes only when every operation in it meets its partner in the partner's batch then
+running (a send may block until its receive is posted; a rank's batches run one after another). 1F1B's
+receives, placed just before the compute that needs them, meet that. The interleaved schedule's would not
+(a rank's send to the previous stage waits in a batch that its neighbour's own send queues behind), so
+there the communication goes in rounds, as Megatron pairs its batches: every rank computes what it can,
+then each message computed goes out in the next round and its receiver posts the receive in that same
+round (FLUSH ends a rank's batch of a round). `check_schedules` proves for a whole pipeline that every send
+meets its receive in order, that nobody waits forever with buffered sends (gloo), and that the batches
+complete under NCCL's rule.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from dataclasses import dataclass
 
 FORWARD, BACKWARD = "F", "B"
 SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD = "SF", "RF", "SB", "RB"
+FLUSH = "X"  # the communication listed since the last compute or FLUSH goes out as one batch
+COMM = (SEND_FORWARD, RECV_FORWARD, SEND_BACKWARD, RECV_BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,51 @@ def _sends(pp: int, vp: int, rank: int, order: list[tuple]) -> dict[int, list[tu
     return out
 
 
+def _rounds(pp: int, vp: int, orders: list[list[tuple]], forward_only: bool) -> list[list[Action]]:
+    """Every rank's actions with the communication in global rounds: each rank runs the computes whose inputs
+    have arrived, then every message computed goes out, sent and received in the same round (a FLUSH ends
+    each rank's part of a round). A rank's batch in round t meets only partners' batches of round t, so under
+    NCCL's rule every round completes once the earlier ones have."""
+    pos, out = [0] * pp, [[] for _ in range(pp)]
+    arrived: list[set] = [set() for _ in range(pp)]
+    outbox: list[list[tuple]] = [[] for _ in range(pp)]  # (send action, destination rank, receive action)
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, mb, c = orders[r][pos[r]]
+                prev, nxt = _neighbours(pp, vp, r, c)
+                need = (RECV_FORWARD, mb, c) if kind == FORWARD and prev else None
+                need = (RECV_BACKWARD, mb, c) if kind == BACKWARD and nxt and not forward_only else need
+                if need is not None and need not in arrived[r]:
+                    break
+                out[r].append(Action(kind, mb, c))
+                if kind == FORWARD and nxt is not None:
+                    outbox[r].append((Action(SEND_FORWARD, mb, c, nxt[0]), nxt[0], (RECV_FORWARD, mb, nxt[1])))
+                if kind == BACKWARD and prev is not None:
+                    outbox[r].append((Action(SEND_BACKWARD, mb, c, prev[0]), prev[0], (RECV_BACKWARD, mb, prev[1])))
+                pos[r] += 1
+                progressed = True
+        busy = set()
+        for r in range(pp):  # (in each pair's order: a rank's sends to a peer go out in the order computed)
+            for send, dest, (kind, mb, c) in outbox[r]:
+                out[r].append(send)
+                out[dest].append(Action(kind, mb, c, r))
+                arrived[dest].add((kind, mb, c))
+                busy |= {r, dest}
+                progressed = True
+            outbox[r].clear()
+        for r in busy:
+            out[r].append(Action(FLUSH, -1, -1))
+        if not progressed:
+            raise ScheduleError(f"no round makes progress: ranks wait at {[o[p : p + 1] for o, p in zip(orders, pos)]}")
+    return out
+
+
 def build_schedule(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[Action]:
     orders = [compute_order(pp, vp, num_microbatches, r, forward_only) for r in range(pp)]
+    if vp > 1 and pp > 1:
+        return _rounds(pp, vp, orders, forward_only)[rank]
     incoming = {src: _sends(pp, vp, src, orders[src]).get(rank, []) for src in range(pp) if src != rank}
     if pp == 1:
         incoming = {0: _sends(pp, vp, 0, orders[0]).get(0, [])} if vp > 1 else {}
@@ -189,6 +242,47 @@ def check_schedules(pp: int, vp: int, num_microbatches: int, forward_only: bool 
         if sent != recvs[pair]:
             raise ScheduleError(f"rank {pair[0]} -> {pair[1]}: sends {sent} but receives {recvs[pair]}")
     _simulate(scheds)
+    _simulate_batches(scheds)
+
+
+def _batches(actions: list[Action]) -> list[list[Action]]:
+    """A rank's communication as the executor posts it: what lies between two computes or FLUSHes."""
+    out, current = [], []
+    for a in actions:
+        if a.kind in COMM:
+            current.append(a)
+        elif current:
+            out.append(current)
+            current = []
+    return out + ([current] if current else [])
+
+
+def _simulate_batches(scheds: list[list[Action]]) -> None:
+    """NCCL's rule: a rank's batches run one after another, and an operation completes only when its partner
+    is in the batch the peer is running; fail when no batch can complete."""
+    batches, labelled = [_batches(s) for s in scheds], []
+    for r, rank_batches in enumerate(batches):
+        count: dict[tuple[int, int], int] = defaultdict(int)
+        labelled.append([])
+        for batch in rank_batches:
+            ops = set()
+            for a in batch:
+                pair = (r, a.peer) if a.kind in (SEND_FORWARD, SEND_BACKWARD) else (a.peer, r)
+                ops.add((pair, count[pair]))  # the pair's n-th message
+                count[pair] += 1
+            labelled[-1].append(ops)
+    head, matched = [0] * len(scheds), set()
+    while any(h < len(b) for h, b in zip(head, batches)):
+        running = {r: labelled[r][h] for r, h in enumerate(head) if h < len(labelled[r])}
+        # an operation completes once both sides' batches holding it run (the peer's: sum(pair) - r)
+        new = {op for r, ops in running.items() for op in ops if op in running.get(sum(op[0]) - r, ())} - matched
+        matched |= new
+        done = [r for r, ops in running.items() if ops <= matched]
+        if not done and not new:
+            stuck = {r: [str(a) for a in batches[r][head[r]]] for r in running}
+            raise ScheduleError(f"deadlock under grouped point-to-point (NCCL): ranks wait in {stuck}")
+        for r in done:
+            head[r] += 1
 
 
 def _simulate(scheds: list[list[Action]]) -> None:
