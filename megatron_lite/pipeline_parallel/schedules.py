@@ -16,11 +16,11 @@ under NCCL a batch completes only when every operation in it meets its partner i
 running (a send may block until its receive is posted; a rank's batches run one after another). 1F1B's
 receives, placed just before the compute that needs them, meet that. The interleaved schedule's would not
 (a rank's send to the previous stage waits in a batch that its neighbour's own send queues behind), so
-there the communication goes in rounds, as Megatron pairs its batches: every rank computes what it can,
-then each message computed goes out in the next round and its receiver posts the receive in that same
-round (FLUSH ends a rank's batch of a round). `check_schedules` proves for a whole pipeline that every send
-meets its receive in order, that nobody waits forever with buffered sends (gloo), and that the batches
-complete under NCCL's rule.
+there the communication goes in rounds, as Megatron pairs its batches: every rank runs its next compute if
+its input is there, then each message computed goes out in the round that follows and its receiver posts
+the receive in that same round (FLUSH ends a rank's batch of a round). `check_schedules` proves for a whole
+pipeline that every send meets its receive in order, that nobody waits forever with buffered sends (gloo),
+and that the batches complete under NCCL's rule.
 """
 
 from __future__ import annotations
@@ -123,9 +123,9 @@ def _sends(pp: int, vp: int, rank: int, order: list[tuple]) -> dict[int, list[tu
 
 
 def _rounds(pp: int, vp: int, orders: list[list[tuple]], forward_only: bool) -> list[list[Action]]:
-    """Every rank's actions with the communication in global rounds: each rank runs the computes whose inputs
-    have arrived, then every message computed goes out, sent and received in the same round (a FLUSH ends
-    each rank's part of a round). A rank's batch in round t meets only partners' batches of round t, so under
+    """Every rank's actions with the communication in global rounds: each rank runs its next compute if its
+    input has arrived, then every message computed goes out, sent and received in the same round (a FLUSH
+    ends each rank's part of a round). A rank's batch in round t meets only partners' batches of round t, so under
     NCCL's rule every round completes once the earlier ones have."""
     pos, out = [0] * pp, [[] for _ in range(pp)]
     arrived: list[set] = [set() for _ in range(pp)]
@@ -133,13 +133,13 @@ def _rounds(pp: int, vp: int, orders: list[list[tuple]], forward_only: bool) -> 
     while any(p < len(o) for p, o in zip(pos, orders)):
         progressed = False
         for r in range(pp):
-            while pos[r] < len(orders[r]):
+            if pos[r] < len(orders[r]):  # one compute a round: its output goes out in the round that follows it
                 kind, mb, c = orders[r][pos[r]]
                 prev, nxt = _neighbours(pp, vp, r, c)
                 need = (RECV_FORWARD, mb, c) if kind == FORWARD and prev else None
                 need = (RECV_BACKWARD, mb, c) if kind == BACKWARD and nxt and not forward_only else need
                 if need is not None and need not in arrived[r]:
-                    break
+                    continue
                 out[r].append(Action(kind, mb, c))
                 if kind == FORWARD and nxt is not None:
                     outbox[r].append((Action(SEND_FORWARD, mb, c, nxt[0]), nxt[0], (RECV_FORWARD, mb, nxt[1])))
