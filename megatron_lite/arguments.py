@@ -200,6 +200,20 @@ def _check_run_length(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value} does not go with {run}: use the {other} form of the flag")
 
 
+def _ffn_hidden_size(ns: argparse.Namespace) -> int | None:
+    """--ffn-hidden-size, or Megatron's default: 4 x hidden, and with --swiglu 2/3 of that rounded down to a
+    multiple of 64 (the gate and up projections together then hold about what one 4 x hidden one would)."""
+    if ns.ffn_hidden_size is not None or not ns.swiglu:
+        return ns.ffn_hidden_size
+    size = int((4 * ns.hidden_size * 2 / 3) / 64) * 64
+    if size == 0:
+        raise ConfigError(
+            f"--swiglu without --ffn-hidden-size: Megatron's default, 8 x hidden / 3 rounded down to a multiple of "
+            f"64, is 0 for --hidden-size {ns.hidden_size}; give --ffn-hidden-size"
+        )
+    return size
+
+
 def _activation(ns: argparse.Namespace) -> str:
     chosen = [f for f in ("swiglu", "openai_gelu", "squared_relu") if getattr(ns, f)]
     if len(chosen) > 1:
@@ -212,6 +226,11 @@ def _activation(ns: argparse.Namespace) -> str:
 
 
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
+    # Megatron's older spellings, read as its validate_args reads them
+    if ns.use_rotary_position_embeddings:
+        ns.position_embedding_type = "rope"
+    if ns.recompute_activations:
+        ns.recompute_granularity = "selective"
     refuse_unsupported(ns)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     _check_run_length(ns)
@@ -229,7 +248,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         hidden_size=ns.hidden_size,
         num_attention_heads=ns.num_attention_heads,
         vocab_size=vocab if vocab is not None else 1,  # replaced once the tokenizer is known
-        ffn_hidden_size=ns.ffn_hidden_size,
+        ffn_hidden_size=_ffn_hidden_size(ns),
         num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
         kv_channels=ns.kv_channels,
         max_position_embeddings=ns.max_position_embeddings or ns.seq_length,

@@ -149,6 +149,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     paths = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
     out.update({k: v for k, v in d.items() if k not in paths})
     out.update({k: list(d.get(k) or ()) or None for k in paths})
+    if out["ffn_hidden_size"] is None:  # saved before --swiglu took Megatron's default: built 4 x hidden wide
+        out["ffn_hidden_size"] = 4 * m["hidden_size"]
     return out
 
 

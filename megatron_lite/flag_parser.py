@@ -23,8 +23,8 @@ def _window_size(text: str) -> int:
     return left + 1
 
 
-def _bool(p: argparse._ArgumentGroup, flag: str, help: str) -> None:
-    p.add_argument(flag, action="store_true", help=help)
+def _bool(p: argparse._ArgumentGroup, flag: str, help: str, *aliases: str) -> None:
+    p.add_argument(flag, *aliases, action="store_true", help=help)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = parser.add_argument_group("model")
     m.add_argument("--num-layers", type=int, required=False)
     m.add_argument("--hidden-size", type=int)
-    m.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size")
+    m.add_argument(
+        "--ffn-hidden-size", type=int, help="default 4 x hidden size; with --swiglu int(8 x hidden / 3 / 64) x 64"
+    )
     m.add_argument("--num-attention-heads", type=int)
     _bool(m, "--group-query-attention", "use --num-query-groups key/value heads")
     m.add_argument("--num-query-groups", type=int, default=1)
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "none"]
     )
+    _bool(m, "--use-rotary-position-embeddings", "Megatron's deprecated spelling of --position-embedding-type rope")
     m.add_argument("--rotary-base", type=float, default=10000.0)
     m.add_argument(
         "--rotary-percent", type=float, default=1.0, help="fraction of each head's dims RoPE rotates (the first ones)"
@@ -126,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden-dropout", type=float, default=0.1)
     m.add_argument("--attention-dropout", type=float, default=0.1)
     m.add_argument("--recompute-granularity", choices=["full", "selective"])
+    _bool(m, "--recompute-activations", "Megatron's older spelling of --recompute-granularity selective")
     m.add_argument("--recompute-method", choices=["uniform", "block"])
     m.add_argument("--recompute-num-layers", type=int)
     m.add_argument("--recompute-modules", nargs="+", default=["core_attn"])
@@ -353,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = parser.add_argument_group("checkpointing")
     c.add_argument("--save")
     c.add_argument("--load")
-    c.add_argument("--save-interval", type=int)
+    c.add_argument("--save-interval", "--persistent-save-interval", type=int)  # (Megatron takes both)
     c.add_argument("--ckpt-step", type=int, help="load this iteration's checkpoint under --load (default: the newest)")
     _bool(c, "--no-load-optim", "load weights but not the optimizer state")
     _bool(c, "--no-load-rng", "do not restore random-number-generator states")
@@ -366,11 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--override-opt_param-scheduler",
         "on resume, the schedule flags given (learning rate, warmup, decay, weight decay) win over the checkpoint's, "
         "without a note (they win anyway)",
+        "--override-opt-param-scheduler",
     )
     _bool(
         c,
         "--use-checkpoint-opt_param-scheduler",
         "on resume, keep the checkpoint's schedule (learning rate, warmup, decay, weight decay) whatever the flags say",
+        "--use-checkpoint-opt-param-scheduler",
     )
     _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
     _bool(c, "--async-save", "write checkpoints in a background thread while training continues")

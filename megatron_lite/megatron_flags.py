@@ -77,7 +77,20 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "ckpt_fully_parallel_load": (False, "each rank reads only the slices of the tensors it holds"),
     "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
     "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
-    "no_position_embedding": (False, "implied by --position-embedding-type rope/none"),
+    "no_position_embedding": (False, "implied by --position-embedding-type rope/none (refused with learned_absolute)"),
+    # checkpoint and logging machinery of Megatron's (its examples and functional tests pass them)
+    "ckpt_fully_parallel_save": (False, "each rank writes only the slices of the tensors it holds"),
+    "no_ckpt_fully_parallel_save": (False, "each rank writes only the slices of the tensors it holds"),
+    "use_dist_ckpt": (False, "checkpoints are always layout-free (safetensors + JSON), loadable under any layout"),
+    "dist_ckpt_format": (True, "checkpoints are always safetensors + JSON"),
+    "use_persistent_ckpt_worker": (False, "--async-save writes in a background thread of each rank"),
+    "ckpt_assume_constant_structure": (False, "each save writes the whole state; nothing is cached between saves"),
+    "timing_log_option": (True, "iteration, data and exposed-communication times are logged every interval"),
+    "no_persist_layer_norm": (False, "there is no persistent layer-norm kernel to disable"),
+    "no_log_loss_scale_to_tensorboard": (False, "loss_scale is logged every --log-interval to every sink"),
+    # (values other than 1 are refused: refuse_unsupported)
+    "num_distributed_optimizer_instances": (True, "one distributed-optimizer instance over the data-parallel group"),
+    "rotary_seq_len_interpolation_factor": (True, "RoPE positions are not interpolated (a factor of 1)"),
     "transformer_impl": (True, "--kernel-impl picks the layers' kernels: ours (triton) or PyTorch's (torch)"),
     "use_contiguous_parameters_in_local_ddp": (
         False,
@@ -119,6 +132,10 @@ REFUSED: dict[str, str] = {
     "moe_enable_deepep": "DeepEP is not used; --moe-token-dispatcher-type alltoall (or allgather) dispatches tokens",
     "optimizer_cpu_offload": "the optimizer state stays on the accelerator (no CPU offload)",
     "moe_layer_recompute": "use --recompute-granularity selective --recompute-modules moe (its successor in Megatron)",
+    "deterministic_mode": (
+        "PyTorch and the kernels are not switched to deterministic algorithms (CPU runs repeat exactly; GPU runs "
+        "are not guaranteed to)"
+    ),
 }
 
 
@@ -147,6 +164,16 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
     for name, why in REFUSED.items():
         if getattr(ns, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')} is not supported: {why}; remove the flag")
+    for name in ("num_distributed_optimizer_instances", "rotary_seq_len_interpolation_factor"):
+        value = getattr(ns, name, None)
+        if value is not None and value.strip() not in ("1", "1.0"):
+            raise ConfigError(f"--{name.replace('_', '-')} {value} is not supported: only 1; remove the flag")
+    if getattr(ns, "no_position_embedding", False) and ns.position_embedding_type == "learned_absolute":
+        # (Megatron: "--no-position-embedding is deprecated, use --position-embedding-type")
+        raise ConfigError(
+            "--no-position-embedding with --position-embedding-type learned_absolute (the default): Megatron "
+            "refuses it too; use --position-embedding-type rope (or none)"
+        )
 
 
 def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
@@ -171,6 +198,10 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "
             "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
         )
+    for flag, means in (("use_rotary_position_embeddings", "--position-embedding-type rope"),
+                        ("recompute_activations", "--recompute-granularity selective")):  # fmt: skip
+        if getattr(ns, flag, False):
+            lines.append(f"--{flag.replace('_', '-')}: {means} (Megatron's older spelling)")
     lines += getattr(ns, "schedule_notes", [])
     if getattr(ns, "exp_avg_sq_dtype", "fp32") == "bf16" and getattr(ns, "adam_beta2", 0.0) > 0.996:
         lines.append(

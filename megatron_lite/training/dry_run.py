@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megatron_lite.config import ConfigError
 from megatron_lite.distributed.ddp import tied_embedding_copies
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.gpt_model import build_model
@@ -19,14 +20,20 @@ from megatron_lite.training.configs import JobConfig
 
 
 def _vocab(job: JobConfig) -> int:
-    if job.data.vocab_size:
-        return job.data.vocab_size + (
-            1 if job.data.tokenizer_type in (None, "NullTokenizer") and job.data.mock_data else 0
-        )
-    if job.data.tokenizer_type not in (None, "NullTokenizer"):
+    """The vocabulary the run would have (builder.resolve_data's), refused where the run would refuse it."""
+    d = job.data
+    if d.tokenizer_type not in (None, "NullTokenizer"):
         from megatron_lite.data.tokenizers import tokenizer_from_flags
 
-        return tokenizer_from_flags(job.data).vocab_size
+        return d.vocab_size or tokenizer_from_flags(d).vocab_size
+    if d.tokenizer_type == "NullTokenizer" or d.mock_data:
+        if not d.vocab_size:
+            flag = "--mock-data" if d.mock_data else "--tokenizer-type NullTokenizer"
+            raise ConfigError(f"{flag} needs --vocab-size N")
+        return d.vocab_size + 1  # (NullTokenizer's end-of-document id)
+    if d.data_path or d.train_data_path:
+        flag = "--data-path" if d.data_path else "--train-data-path"
+        raise ConfigError(f"{flag} needs --tokenizer-type (and its files) to know the vocabulary")
     return 4096  # the embedded corpus's tokenizer
 
 

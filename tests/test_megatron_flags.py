@@ -1,0 +1,83 @@
+"""A Megatron script's flags mean here what they mean in Megatron-LM (megatron/training/arguments.py): its
+derived defaults, its older spellings, and the flags of its examples that change nothing here."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint_flags import defaults_from_checkpoint
+from megatron_lite.config import ConfigError
+from megatron_lite.megatron_flags import accepted_no_ops
+
+BASE = "--num-layers 2 --hidden-size 768 --num-attention-heads 12 --seq-length 32 --train-iters 4".split()
+MOCK = [*BASE, "--mock-data", "--vocab-size", "100"]
+
+
+def test_swiglu_without_a_width_takes_megatrons_default():
+    """validate_args: int(4 h x 2/3 / 64) x 64, 2048 at h = 768 (it was 4 h = 3072: the MLP 1.5x too wide); a
+    checkpoint saved before keeps the 4 h its weights were built with."""
+    assert parse_args([*MOCK, "--swiglu"])[1].model.ffn_size == 2048
+    assert parse_args([*MOCK, "--swiglu", "--ffn-hidden-size", "3000"])[1].model.ffn_size == 3000
+    assert parse_args(MOCK)[1].model.ffn_size == 3072
+    with pytest.raises(ConfigError, match="is 0 for --hidden-size 16; give --ffn-hidden-size"):
+        parse_args([*MOCK, "--hidden-size", "16", "--num-attention-heads", "4", "--swiglu"])
+    _, job = parse_args([*MOCK, "--swiglu"])
+    saved = job.to_dict()
+    saved["model"]["ffn_hidden_size"] = None  # (as saved before)
+    assert defaults_from_checkpoint(saved)["ffn_hidden_size"] == 4 * 768
+
+
+def test_older_spellings_read_as_megatron_reads_them():
+    ns, job = parse_args([*MOCK, "--use-rotary-position-embeddings", "--no-position-embedding",
+                          "--recompute-activations", "--override-opt-param-scheduler", "--persistent-save-interval",
+                          "5"])  # fmt: skip
+    assert job.model.position_embedding_type == "rope" and job.model.recompute_granularity == "selective"
+    assert ns.override_opt_param_scheduler and job.checkpoint.save_interval == 5
+    notes = "\n".join(accepted_no_ops(ns))
+    assert "--use-rotary-position-embeddings: --position-embedding-type rope" in notes
+    assert "--recompute-activations: --recompute-granularity selective" in notes
+    assert parse_args([*MOCK, "--use-checkpoint-opt-param-scheduler"])[0].use_checkpoint_opt_param_scheduler
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--no-position-embedding"], "--no-position-embedding with --position-embedding-type learned_absolute"),
+        (["--deterministic-mode"], "--deterministic-mode is not supported"),
+        (["--num-distributed-optimizer-instances", "2"], "--num-distributed-optimizer-instances 2 is not supported"),
+        (["--rotary-seq-len-interpolation-factor", "4"], "--rotary-seq-len-interpolation-factor 4 is not supported"),
+    ],
+)
+def test_what_megatron_refuses_or_we_lack_is_one_line(flags, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_args([*MOCK, *flags])
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_flags_of_megatrons_examples_that_change_nothing_here_are_reported():
+    flags = ["--ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save", "--use-dist-ckpt", "--dist-ckpt-format",
+             "torch_dist", "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure", "--timing-log-option",
+             "minmax", "--no-persist-layer-norm", "--no-log-loss-scale-to-tensorboard",
+             "--num-distributed-optimizer-instances", "1", "--rotary-seq-len-interpolation-factor", "1"]  # fmt: skip
+    notes = accepted_no_ops(parse_args([*MOCK, *flags])[0])
+    for flag in (f for f in flags if f.startswith("--")):
+        assert any(n.startswith(f"{flag} has no effect: ") for n in notes), flag
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--mock-data"], "--mock-data needs --vocab-size N"),
+        (["--data-path", "corpus_text_document", "--vocab-file", "v.json"], "--data-path needs --tokenizer-type"),
+    ],
+)
+def test_a_dry_run_refuses_the_vocabulary_the_run_would_refuse(flags, fragment, capsys, monkeypatch):
+    """Megatron's GPT-3 175B example gives --vocab-file without --tokenizer-type: the dry run said "ok" with a
+    made-up vocabulary of 4096 that the run would never have."""
+    from megatron_lite.training.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main([*BASE, *flags, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and fragment in err and "\n" not in err
