@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-router-dtype",
         default="fp32",
         choices=["fp32", "fp64"],
-        help="precision of the routing computation (logits, softmax or sigmoid, top-k, auxiliary losses)",
+        help="precision of the routing computation (logits, softmax or sigmoid, top-k, auxiliary losses); never "
+        "below fp32 (Megatron's default routes in the model's dtype)",
     )
     e.add_argument(
         "--moe-router-topk-scaling-factor",
