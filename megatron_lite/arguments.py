@@ -185,7 +185,7 @@ def _check_run_length(ns: argparse.Namespace) -> None:
                 "--lr-wsd-decay-iters": ns.lr_wsd_decay_iters}  # fmt: skip
     by_samples = {"--lr-decay-samples": ns.lr_decay_samples, "--lr-warmup-samples": ns.lr_warmup_samples or None,
                   "--lr-wsd-decay-samples": ns.lr_wsd_decay_samples}  # fmt: skip
-    if ns.rampup_batch_size is not None and ns.train_samples is None:
+    if ns.rampup_batch_size is not None and ns.train_samples is None and not getattr(ns, "old_rampup", False):
         # (the ramp's steps take fewer samples than the iteration lengths' final batches: the decay would never end)
         raise ConfigError(
             f"--rampup-batch-size {' '.join(map(str, ns.rampup_batch_size))} needs a sample-based run, as in "
@@ -226,11 +226,6 @@ def _activation(ns: argparse.Namespace) -> str:
 
 
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
-    # Megatron's older spellings, read as its validate_args reads them
-    if ns.use_rotary_position_embeddings:
-        ns.position_embedding_type = "rope"
-    if ns.recompute_activations:
-        ns.recompute_granularity = "selective"
     refuse_unsupported(ns)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     _check_run_length(ns)
@@ -548,7 +543,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     ns.schedule_notes = []
     path = find_checkpoint(ns.load, ns.ckpt_step) if ns.load else None
     if path is not None:
-        ns = flags_from_checkpoint(parser, argv, ns, read_metadata(path)["config"], path)
+        meta = read_metadata(path)
+        ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"))
+        given = explicit_dests(parser, argv)
+        if ns.rampup_batch_size and ns.train_samples is None and not given & {"rampup_batch_size", "train_iters"}:
+            ns.old_rampup = True  # (saved before the refusal: it resumes as it ran)
+            ns.schedule_notes.append(
+                "the checkpoint ramps its batch in an iteration-based run, which Megatron refuses (the decay ends "
+                "past the samples the run consumes); it goes on as it ran (--train-samples makes it sample-based)"
+            )
     lora_only = [d for d in ("lora_alpha", "lora_dropout", "lora_target_modules") if d in explicit_dests(parser, argv)]
     if lora_only and not ns.lora_rank:  # (without a rank there are no adapters: every weight would train)
         raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA adapters: add --lora-rank R, or drop it")

@@ -206,7 +206,9 @@ SCHEDULE_DESTS = (
 )
 
 
-def _schedule_notes(ns: argparse.Namespace, saved: dict, given: set[str], full: dict) -> list[str]:
+def _schedule_notes(
+    ns: argparse.Namespace, saved: dict, given: set[str], full: dict, has_lengths: bool = True
+) -> list[str]:
     """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those
     this run takes as defaults); returns the notes to log."""
     changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
@@ -218,6 +220,13 @@ def _schedule_notes(ns: argparse.Namespace, saved: dict, given: set[str], full: 
         _keep_decay_length(ns, full)
         # (the scheduler's state holds the lengths in samples: LRScheduler's keep_saved_lengths)
         kept = changed + ([f"warmup and decay lengths in samples (batches of {old_gbs})"] if new_batch else [])
+        if new_batch and not has_lengths and ns.train_samples is None:
+            kept = kept[:-1]  # (saved before the lengths were: its iteration lengths count the new batches)
+            return [
+                *([f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(kept)} kept"] if kept else []),
+                f"--global-batch-size {gbs} differs from the checkpoint's {old_gbs}, which predates schedule lengths "
+                f"in samples: its iteration lengths now count batches of {gbs}",
+            ]
         return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(kept)} kept"] if kept else []
     if ns.override_opt_param_scheduler:
         return []
@@ -257,7 +266,12 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
 
 
 def flags_from_checkpoint(
-    parser: argparse.ArgumentParser, argv: Sequence[str], ns: argparse.Namespace, config: dict, path: str
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    ns: argparse.Namespace,
+    config: dict,
+    path: str,
+    scheduler: dict | None = None,
 ) -> argparse.Namespace:
     """The flags of `argv` parsed again with the checkpoint's values (its metadata's `config`) as the defaults of
     flags not given: an explicit flag that would change the weights' architecture is refused (unless
@@ -308,7 +322,8 @@ def flags_from_checkpoint(
     parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
-    ns.schedule_notes = _schedule_notes(ns, saved, given, full)
+    # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
+    ns.schedule_notes = _schedule_notes(ns, saved, given, full, "lengths" in (scheduler or {"lengths": None}))
     if ns.use_checkpoint_args:
         for d in ARCH_DESTS:
             setattr(ns, d, saved.get(d, getattr(ns, d)))

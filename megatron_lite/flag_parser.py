@@ -69,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "none"]
     )
-    _bool(m, "--use-rotary-position-embeddings", "Megatron's deprecated spelling of --position-embedding-type rope")
+    m.add_argument(
+        "--use-rotary-position-embeddings",
+        dest="position_embedding_type",
+        action="store_const",
+        const="rope",
+        help="Megatron's deprecated spelling of --position-embedding-type rope",
+    )
     m.add_argument("--rotary-base", type=float, default=10000.0)
     m.add_argument(
         "--rotary-percent", type=float, default=1.0, help="fraction of each head's dims RoPE rotates (the first ones)"
@@ -129,7 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden-dropout", type=float, default=0.1)
     m.add_argument("--attention-dropout", type=float, default=0.1)
     m.add_argument("--recompute-granularity", choices=["full", "selective"])
-    _bool(m, "--recompute-activations", "Megatron's older spelling of --recompute-granularity selective")
+    m.add_argument(
+        "--recompute-activations",
+        dest="recompute_granularity",
+        action="store_const",
+        const="selective",
+        help="Megatron's older spelling of --recompute-granularity selective",
+    )
     m.add_argument("--recompute-method", choices=["uniform", "block"])
     m.add_argument("--recompute-num-layers", type=int)
     m.add_argument("--recompute-modules", nargs="+", default=["core_attn"])

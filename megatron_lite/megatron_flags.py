@@ -198,10 +198,6 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "
             "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
         )
-    for flag, means in (("use_rotary_position_embeddings", "--position-embedding-type rope"),
-                        ("recompute_activations", "--recompute-granularity selective")):  # fmt: skip
-        if getattr(ns, flag, False):
-            lines.append(f"--{flag.replace('_', '-')}: {means} (Megatron's older spelling)")
     lines += getattr(ns, "schedule_notes", [])
     if getattr(ns, "exp_avg_sq_dtype", "fp32") == "bf16" and getattr(ns, "adam_beta2", 0.0) > 0.996:
         lines.append(

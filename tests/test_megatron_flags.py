@@ -34,10 +34,15 @@ def test_older_spellings_read_as_megatron_reads_them():
                           "5"])  # fmt: skip
     assert job.model.position_embedding_type == "rope" and job.model.recompute_granularity == "selective"
     assert ns.override_opt_param_scheduler and job.checkpoint.save_interval == 5
-    notes = "\n".join(accepted_no_ops(ns))
-    assert "--use-rotary-position-embeddings: --position-embedding-type rope" in notes
-    assert "--recompute-activations: --recompute-granularity selective" in notes
     assert parse_args([*MOCK, "--use-checkpoint-opt-param-scheduler"])[0].use_checkpoint_opt_param_scheduler
+    # the older spelling is the flag: against a checkpoint of learned positions it conflicts as the flag does
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    saved = parse_args(MOCK)[1].to_dict()
+    argv = [*MOCK, "--use-rotary-position-embeddings"]
+    with pytest.raises(ConfigError, match="--position-embedding-type rope conflicts with the checkpoint"):
+        flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
 
 
 @pytest.mark.parametrize(

@@ -72,14 +72,18 @@ def test_apex_fused_adam_resumes_its_step_count(tmp_path, monkeypatch):
             opt.step(1e-3)
 
     straight, opt = make()
-    steps(straight, opt, range(5))
+    steps(straight, opt, range(7))
     first, opt = make()
     steps(first, opt, range(3))
-    sched = LRScheduler(config, 5)
-    save_checkpoint(str(tmp_path), TrainState(3, 3), first, opt, sched, ctx, {})
-    resumed, opt = make()
-    load_checkpoint(str(tmp_path / "iter_0000003"), resumed, opt, LRScheduler(config, 5), ctx)
+    save_checkpoint(str(tmp_path), TrainState(3, 3), first, opt, LRScheduler(config, 7), ctx, {})
+    resumed, opt = make()  # and again from the resumed run's own checkpoint (a stale step came back there)
+    load_checkpoint(str(tmp_path / "iter_0000003"), resumed, opt, LRScheduler(config, 7), ctx)
     assert {g["step"] for g in opt.inner.param_groups if g["params"]} == {3}
     steps(resumed, opt, range(3, 5))
-    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+    save_checkpoint(str(tmp_path), TrainState(5, 5), resumed, opt, LRScheduler(config, 7), ctx, {})
+    again, opt = make()
+    load_checkpoint(str(tmp_path / "iter_0000005"), again, opt, LRScheduler(config, 7), ctx)
+    assert {g["step"] for g in opt.inner.param_groups if g["params"]} == {5}
+    steps(again, opt, range(5, 7))
+    for (name, a), b in zip(straight.named_parameters(), again.parameters()):
         assert torch.equal(a, b), name

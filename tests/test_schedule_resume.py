@@ -53,6 +53,13 @@ def test_the_checkpoints_schedule_keeps_its_lengths(tmp_path, capsys, monkeypatc
     _, out = _job([*RUN, "--load", ckpt, "--ckpt-step", "3", "--global-batch-size", "8"], tmp_path / "d.jsonl",
                   capsys, monkeypatch)  # fmt: skip
     assert "--global-batch-size 8 differs from the checkpoint's 4: the schedule's iteration lengths" in out
+    # a checkpoint saved before the lengths were: no claim that they were kept
+    meta_path = tmp_path / "ckpt" / "iter_0000003" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["scheduler"]["lengths"]
+    meta_path.write_text(json.dumps(meta))
+    _, out = _job([*RUN, *keep, "--global-batch-size", "8"], tmp_path / "e.jsonl", capsys, monkeypatch)
+    assert "lengths in samples (batches of 4) kept" not in out and "predates schedule lengths in samples" in out
 
 
 @pytest.mark.parametrize(
@@ -82,3 +89,22 @@ def test_a_batch_ramp_needs_a_sample_based_run(capsys, monkeypatch):
     assert main([*RUN, "--rampup-batch-size", "2", "2", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --rampup-batch-size 2 2 8 needs a sample-based run") and "\n" not in err
+
+
+def test_a_checkpoint_of_an_iteration_based_ramp_still_resumes(monkeypatch):
+    """Saved before the refusal (a ramp with --train-iters was accepted): --load alone goes on as it ran, with a
+    note; a ramp or --train-iters given again is refused as for a new run."""
+    import megatron_lite.checkpoint.checkpointing as ck
+    from megatron_lite.arguments import parse_args
+
+    base = [*RUN[: RUN.index("--train-iters")], "--global-batch-size", "8"]
+    _, job = parse_args([*base, "--train-samples", "64", "--rampup-batch-size", "2", "2", "16"])
+    config = job.to_dict()
+    config["training"].update(train_samples=None, train_iters=10)  # as the old iteration-based ramp saved it
+    monkeypatch.setattr(ck, "find_checkpoint", lambda *a, **k: "ckpt/iter_0000003")
+    monkeypatch.setattr(ck, "read_metadata", lambda path: {"config": config})
+    ns, job = parse_args(["--load", "ckpt"])
+    assert job.training.rampup_batch_size == (2, 2, 16) and job.training.train_iters == 10
+    assert any("which Megatron refuses" in n for n in ns.schedule_notes)
+    with pytest.raises(ConfigError, match="needs a sample-based run"):
+        parse_args(["--load", "ckpt", "--train-iters", "12"])

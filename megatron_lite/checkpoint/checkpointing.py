@@ -91,12 +91,12 @@ def _saved_parts(optimizer, scheduler, save_optim: bool):
 
 
 def _adam_step(optimizer) -> int:
+    for group in optimizer.inner.param_groups:  # apex's FusedAdam counts its steps per group, and only there
+        if "step" in group:
+            return int(float(group["step"]))
     for state in optimizer.inner.state.values():
         if "step" in state:
             return int(float(state["step"]))
-    for group in optimizer.inner.param_groups:  # apex's FusedAdam counts its steps per group
-        if "step" in group:
-            return int(float(group["step"]))
     return 0
 
 

@@ -199,6 +199,8 @@ def load_inner_state(inner: torch.optim.Optimizer, states: dict) -> None:
         for group in inner.param_groups:
             if steps:
                 group["step"] = int(steps[0])
+        for st in inner.state.values():  # (a per-parameter step apex never advances would go stale)
+            st.pop("step", None)
 
 
 class MixedPrecisionOptimizer:
