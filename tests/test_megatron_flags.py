@@ -86,3 +86,15 @@ def test_a_dry_run_refuses_the_vocabulary_the_run_would_refuse(flags, fragment, 
     assert main([*BASE, *flags, "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and fragment in err and "\n" not in err
+
+
+def test_a_dry_run_counts_the_vocabulary_the_run_would_use(capsys, monkeypatch):
+    """Mock data with a tokenizer takes the tokenizer's vocabulary, whatever --vocab-size says (resolve_data);
+    the dry run took --vocab-size."""
+    from megatron_lite.data.tokenizers import ByteLevelTokenizer
+    from megatron_lite.training.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    flags = ["--mock-data", "--tokenizer-type", "ByteLevelTokenizer", "--vocab-size", "1000", "--dry-run"]
+    assert main([*BASE, *flags]) == 0
+    assert f"vocabulary {ByteLevelTokenizer().vocab_size}," in capsys.readouterr().out
