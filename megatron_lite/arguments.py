@@ -541,18 +541,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
             "checkpoint's) are exclusive; pick one"
         )
     ns.schedule_notes = []
+    given = explicit_dests(parser, argv)
     path = find_checkpoint(ns.load, ns.ckpt_step) if ns.load else None
     if path is not None:
         meta = read_metadata(path)
         ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"))
-        given = explicit_dests(parser, argv)
         if ns.rampup_batch_size and ns.train_samples is None and not given & {"rampup_batch_size", "train_iters"}:
             ns.old_rampup = True  # (saved before the refusal: it resumes as it ran)
             ns.schedule_notes.append(
                 "the checkpoint ramps its batch in an iteration-based run, which Megatron refuses (the decay ends "
                 "past the samples the run consumes); it goes on as it ran (--train-samples makes it sample-based)"
             )
-    lora_only = [d for d in ("lora_alpha", "lora_dropout", "lora_target_modules") if d in explicit_dests(parser, argv)]
+    lora_only = [d for d in ("lora_alpha", "lora_dropout", "lora_target_modules") if d in given]
     if lora_only and not ns.lora_rank:  # (without a rank there are no adapters: every weight would train)
         raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA adapters: add --lora-rank R, or drop it")
     return ns, job_config_from_args(ns)

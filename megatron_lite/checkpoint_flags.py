@@ -218,16 +218,19 @@ def _schedule_notes(
         for d in changed:
             setattr(ns, d, saved[d])
         _keep_decay_length(ns, full)
-        # (the scheduler's state holds the lengths in samples: LRScheduler's keep_saved_lengths)
-        kept = changed + ([f"warmup and decay lengths in samples (batches of {old_gbs})"] if new_batch else [])
-        if new_batch and not has_lengths and ns.train_samples is None:
-            kept = kept[:-1]  # (saved before the lengths were: its iteration lengths count the new batches)
-            return [
-                *([f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(kept)} kept"] if kept else []),
+        # (the scheduler's state holds the lengths in samples: LRScheduler's keep_saved_lengths; a checkpoint saved
+        # before they were counts its iteration lengths in the new batches)
+        lost = new_batch and not has_lengths and ns.train_samples is None
+        kept = changed + (
+            [f"warmup and decay lengths in samples (batches of {old_gbs})"] if new_batch and not lost else []
+        )
+        notes = [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(kept)} kept"] if kept else []
+        if lost:
+            notes.append(
                 f"--global-batch-size {gbs} differs from the checkpoint's {old_gbs}, which predates schedule lengths "
-                f"in samples: its iteration lengths now count batches of {gbs}",
-            ]
-        return [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(kept)} kept"] if kept else []
+                f"in samples: its iteration lengths now count batches of {gbs}"
+            )
+        return notes
     if ns.override_opt_param_scheduler:
         return []
     notes = [
@@ -323,7 +326,7 @@ def flags_from_checkpoint(
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
-    ns.schedule_notes = _schedule_notes(ns, saved, given, full, "lengths" in (scheduler or {"lengths": None}))
+    ns.schedule_notes = _schedule_notes(ns, saved, given, full, scheduler is None or "lengths" in scheduler)
     if ns.use_checkpoint_args:
         for d in ARCH_DESTS:
             setattr(ns, d, saved.get(d, getattr(ns, d)))

@@ -32,24 +32,33 @@ class DataSource:
     per_split: tuple[list[tuple[float | None, str]], ...] | None = None  # --train/valid/test-data-path blends
 
 
-def resolve_data(data: DataConfig, log=print) -> DataSource:
+def check_vocabulary_flags(data: DataConfig) -> None:
+    """What resolve_data needs to know the vocabulary, checked before anything is read (the dry run, which
+    reads nothing, checks the same)."""
     if data.mock_data:
-        if data.tokenizer_type not in (None, "NullTokenizer"):
-            tok = tokenizer_from_flags(data)
-        elif data.vocab_size is None:
+        if data.tokenizer_type in (None, "NullTokenizer") and data.vocab_size is None:
             raise ConfigError("--mock-data needs --vocab-size N (or a tokenizer)")
-        else:
-            tok = NullTokenizer(data.vocab_size)
-        return DataSource(tok, tok.vocab_size, [], "mock data")
-    if data.sft:
+    elif data.sft:
         if len(data.data_path) != 1 or data.tokenizer_type is None:
             raise ConfigError("--sft needs one --data-path (a JSONL file of prompt/response records) and a tokenizer")
+    elif (data.data_path or data.train_data_path) and data.tokenizer_type is None:
+        flag = "--data-path" if data.data_path else "--train-data-path"
+        raise ConfigError(f"{flag} needs --tokenizer-type (and its files) to know the vocabulary")
+
+
+def resolve_data(data: DataConfig, log=print) -> DataSource:
+    check_vocabulary_flags(data)
+    if data.mock_data:
+        tok = (
+            tokenizer_from_flags(data)
+            if data.tokenizer_type not in (None, "NullTokenizer")
+            else NullTokenizer(data.vocab_size)
+        )
+        return DataSource(tok, tok.vocab_size, [], "mock data")
+    if data.sft:
         tok = tokenizer_from_flags(data)
         return DataSource(tok, tok.vocab_size, [(1.0, data.data_path[0])], f"SFT records {data.data_path[0]}")
     if data.data_path or data.train_data_path:
-        flag = "--data-path" if data.data_path else "--train-data-path"
-        if data.tokenizer_type is None:
-            raise ConfigError(f"{flag} needs --tokenizer-type (and its files) to know the vocabulary")
         tok = tokenizer_from_flags(data)
         vocab = data.vocab_size if data.vocab_size and data.tokenizer_type != "NullTokenizer" else tok.vocab_size
         per_split = data.blend_per_split

@@ -196,9 +196,8 @@ def load_inner_state(inner: torch.optim.Optimizer, states: dict) -> None:
         # apex keeps one step per parameter group ("assume same step across group") and reads no per-parameter
         # step: without this its bias correction would start again at step 1 over warm moments
         steps = [float(e["step"]) for e in states.values() if "step" in e]
-        for group in inner.param_groups:
-            if steps:
-                group["step"] = int(steps[0])
+        for group in inner.param_groups if steps else ():
+            group["step"] = int(steps[0])
         for st in inner.state.values():  # (a per-parameter step apex never advances would go stale)
             st.pop("step", None)
 

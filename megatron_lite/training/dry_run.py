@@ -23,9 +23,11 @@ def _vocab(job: JobConfig) -> int:
     """The vocabulary the run would have, branch by branch as builder.resolve_data finds it (and refused where
     the run would refuse it), without reading any data. Where the run reads it from the tokenizer, a dry run on
     a machine without the tokenizer's files takes --vocab-size instead, when given."""
+    from megatron_lite.data.builder import check_vocabulary_flags
     from megatron_lite.data.tokenizers import tokenizer_from_flags
 
     d = job.data
+    check_vocabulary_flags(d)
 
     def from_tokenizer() -> int:
         try:
@@ -36,22 +38,12 @@ def _vocab(job: JobConfig) -> int:
             raise
 
     if d.mock_data:
-        if d.tokenizer_type not in (None, "NullTokenizer"):
-            return from_tokenizer()
-        if d.vocab_size is None:
-            raise ConfigError("--mock-data needs --vocab-size N (or a tokenizer)")
-        return d.vocab_size + 1  # (NullTokenizer's end-of-document id)
+        null = d.tokenizer_type in (None, "NullTokenizer")
+        return d.vocab_size + 1 if null else from_tokenizer()  # (NullTokenizer's end-of-document id)
     if d.sft:
-        if len(d.data_path) != 1 or d.tokenizer_type is None:
-            raise ConfigError("--sft needs one --data-path (a JSONL file of prompt/response records) and a tokenizer")
         return from_tokenizer()
     if d.data_path or d.train_data_path:
-        if d.tokenizer_type is None:
-            flag = "--data-path" if d.data_path else "--train-data-path"
-            raise ConfigError(f"{flag} needs --tokenizer-type (and its files) to know the vocabulary")
-        if d.vocab_size and d.tokenizer_type != "NullTokenizer":
-            return d.vocab_size
-        return from_tokenizer()
+        return d.vocab_size if d.vocab_size and d.tokenizer_type != "NullTokenizer" else from_tokenizer()
     return 4096  # the embedded corpus's tokenizer (the data flags given none)
 
 
