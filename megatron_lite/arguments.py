@@ -124,6 +124,22 @@ def _layer_freq(text) -> int | tuple[int, ...]:
     return values[0] if len(values) == 1 and not any(c in body for c in "*+[](),") else tuple(values)
 
 
+def _cp_comm_type(values, num_layers: int | None) -> str:
+    """Megatron's --cp-comm-type: one value, or one per layer. Every layer here shares its attention's
+    communication, so a list is taken when its values agree."""
+    if isinstance(values, str):
+        return values
+    if len(values) > 1 and num_layers is not None and len(values) != num_layers:
+        raise ConfigError(
+            f"--cp-comm-type gives {len(values)} values for --num-layers {num_layers}: give one, or one per layer"
+        )
+    if len(set(values)) > 1:
+        raise ConfigError(
+            f"--cp-comm-type {' '.join(values)}: a different type per layer is not supported; give one for all layers"
+        )
+    return values[0]
+
+
 def _main_grads_bf16(ns: argparse.Namespace) -> bool:
     """Megatron's --main-grads-dtype bf16 (with --use-precision-aware-optimizer): bf16 main gradients, which
     --grad-reduce-in-bf16 gives here; --main-params-dtype fp16 has no counterpart (fp32 main weights only)."""
@@ -343,7 +359,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         tensor_model_parallel_size=ns.tensor_model_parallel_size,
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
         context_parallel_size=ns.context_parallel_size,
-        cp_comm_type=ns.cp_comm_type,
+        cp_comm_type=_cp_comm_type(ns.cp_comm_type, ns.num_layers),
         hierarchical_context_parallel_sizes=(
             tuple(ns.hierarchical_context_parallel_sizes) if ns.hierarchical_context_parallel_sizes else None
         ),

@@ -198,9 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--context-parallel-size", type=int, default=1, help="split each sequence over this many ranks")
     d.add_argument(
         "--cp-comm-type",
-        default="p2p",
+        nargs="+",
+        default=["p2p"],
         help="context-parallel attention: p2p (ring, zigzag load balance), a2a (all-to-all over heads), allgather, "
-        "a2a+p2p (with --hierarchical-context-parallel-sizes)",
+        "a2a+p2p (with --hierarchical-context-parallel-sizes); Megatron's one value per layer is taken when all agree",
     )
     d.add_argument(
         "--hierarchical-context-parallel-sizes",

@@ -98,3 +98,22 @@ def test_a_dry_run_counts_the_vocabulary_the_run_would_use(capsys, monkeypatch):
     flags = ["--mock-data", "--tokenizer-type", "ByteLevelTokenizer", "--vocab-size", "1000", "--dry-run"]
     assert main([*BASE, *flags]) == 0
     assert f"vocabulary {ByteLevelTokenizer().vocab_size}," in capsys.readouterr().out
+
+
+def test_cp_comm_type_takes_megatrons_value_per_layer_when_they_agree():
+    """Megatron's --cp-comm-type takes one value or one per layer (nargs='+'); a script's `p2p p2p` was an
+    argparse error here. Values that differ between layers are one line, as is a count other than the layers'."""
+    assert parse_args(MOCK)[1].parallel.cp_comm_type == "p2p"
+    assert parse_args([*MOCK, "--cp-comm-type", "a2a"])[1].parallel.cp_comm_type == "a2a"
+    assert parse_args([*MOCK, "--cp-comm-type", "a2a", "a2a"])[1].parallel.cp_comm_type == "a2a"
+    for values, fragment in ((["p2p", "a2a"], "a different type per layer is not supported"),
+                             (["p2p"] * 3, "gives 3 values for --num-layers 2")):  # fmt: skip
+        with pytest.raises(ConfigError, match=fragment):
+            parse_args([*MOCK, "--cp-comm-type", *values])
+    # a layout flag: a resume may change it, in either form
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    saved = parse_args([*MOCK, "--cp-comm-type", "a2a"])[1].to_dict()
+    for argv in ([*MOCK, "--cp-comm-type", "p2p", "p2p"], MOCK):
+        flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
