@@ -191,3 +191,29 @@ def test_wandb_steps_keep_growing_through_a_rollback():
     for it in (2, 4, 4, 6):  # rolled back to 3 after 5
         logger.log(it, {"lm_loss": 1.0})
     assert [s for s, _ in logger._wandb.calls] == [2, 4, 5, 7], logger._wandb.calls
+
+
+def test_validation_goes_on_where_the_last_evaluation_stopped(tmp_path, capsys, monkeypatch):
+    """Megatron's evaluate(): each evaluation reads the next --eval-iters global batches of the validation set
+    and a resumed run goes on from the checkpoint's count (consumed_valid_samples); --skip-train and the test
+    set start at the beginning. Every evaluation here had read the same first batches."""
+    import megatron_lite.training.pretrain as pretrain
+
+    reads = []
+    real = pretrain._Batches.get
+    monkeypatch.setattr(pretrain._Batches, "get", lambda self, n: reads.append((id(self.dataset), n)) or real(self, n))
+
+    def valid_reads(argv):
+        reads.clear()
+        rc, _, err = _run([*DATA, "--eval-iters", "2", "--eval-interval", "1", "--split", "8,1,1", *argv],
+                          capsys, monkeypatch)  # fmt: skip
+        assert rc == 0, err
+        test = reads[-1][0]  # (the test set is evaluated last; training reads first, unless skipped)
+        train = reads[0][0] if "--skip-train" not in argv else None
+        assert [n for d, n in reads if d == test] == [0, 4]
+        return [n for d, n in reads if d not in (train, test)]
+
+    ckpt = str(tmp_path / "ckpt")  # a global batch is 4 samples
+    assert valid_reads(["--train-iters", "2", "--save", ckpt]) == [0, 4, 8, 12]
+    assert valid_reads(["--train-iters", "3", "--load", ckpt]) == [16, 20]
+    assert valid_reads(["--train-iters", "3", "--load", ckpt, "--skip-train"]) == [0, 4]

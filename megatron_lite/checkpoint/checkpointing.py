@@ -57,6 +57,7 @@ from megatron_lite.parameters import named_param_meta, owns_copy
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0  # validation samples evaluated so far: the next evaluation goes on from there
 
 
 def _barrier(ctx: ParallelContext) -> None:
@@ -158,6 +159,7 @@ def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job
         "format": FORMAT,
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
         "config": job_dict,
         "layout": {"world_size": ctx.world_size, **{k: g.size for k, g in ctx.groups.items()}},
         "scheduler": scheduler.state_dict() if scheduler else None,
@@ -521,5 +523,6 @@ def load_checkpoint(
             if "cuda" in f.keys() and ctx.device.type == "cuda":
                 torch.cuda.set_rng_state(f.get_tensor("cuda"), ctx.device)
     if finetune:
-        return TrainState(0, 0)
-    return TrainState(int(meta["iteration"]), int(meta["consumed_samples"]))
+        return TrainState(0, 0, 0)
+    # (a checkpoint saved before the validation samples were counted starts them again)
+    return TrainState(int(meta["iteration"]), int(meta["consumed_samples"]), int(meta.get("consumed_valid_samples", 0)))

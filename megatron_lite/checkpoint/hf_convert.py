@@ -342,6 +342,7 @@ def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict
         "format": FORMAT,
         "iteration": 0,
         "consumed_samples": 0,
+        "consumed_valid_samples": 0,
         "config": job_dict,
         "layout": {"world_size": 1},
         "scheduler": None,

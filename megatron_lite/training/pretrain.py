@@ -347,12 +347,17 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.info(f"saved {path}")
 
         def evaluate(dataset, kind: str) -> None:
-            """--eval-iters global batches of `dataset` (the same ones every time), logged with their perplexity."""
+            """--eval-iters global batches of `dataset`, logged with their perplexity. As Megatron's evaluate(): the
+            validation set goes on where the last evaluation stopped (its count is saved in checkpoints), from its
+            start under --skip-train; the test set, evaluated once, from its start."""
             if hasattr(optimizer, "finish_param_sync"):
                 optimizer.finish_param_sync()
             model.eval()
             batches = _Batches(dataset, job, ctx)
-            sums = [eval_step(ddp, batches.get(i * gbs), ctx) for i in range(t.eval_iters)]
+            start = state.consumed_valid_samples if kind == "validation" and not t.skip_train else 0
+            sums = [eval_step(ddp, batches.get(start + i * gbs), ctx) for i in range(t.eval_iters)]
+            if kind == "validation":
+                state.consumed_valid_samples += t.eval_iters * gbs
             model.train()
             # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
             loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
