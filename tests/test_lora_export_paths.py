@@ -89,6 +89,13 @@ def test_nemotron_adapters_load_in_peft_with_our_logits(tmp_path, monkeypatch):
         ours, theirs = model.eval()(ids)[..., :128], tuned(ids).logits
     assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
     assert (ours - untuned).abs().max() > 1e-3, (ours - untuned).abs().max()  # (the adapters do matter)
+    # the adapter names its base (the directory converted from), so PEFT's auto class loads both from it alone
+    with torch.no_grad():
+        auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+        assert (auto(ids).logits - theirs).abs().max() < 1e-6
+    assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", out, "--save-dir",
+                    str(tmp_path / "named"), "--base-model-name-or-path", "org/base") == 0  # fmt: skip
+    assert peft.PeftConfig.from_pretrained(tmp_path / "named").base_model_name_or_path == "org/base"
 
 
 def test_qwen3_moe_dense_layer_adapters_are_refused_for_peft():

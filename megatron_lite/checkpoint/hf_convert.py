@@ -32,7 +32,14 @@ from megatron_lite.checkpoint.checkpointing import (
     publish,
     read_metadata,
 )
-from megatron_lite.checkpoint.format import FORMAT, atomic_write, atomic_write_json, file_digest, iteration_dir
+from megatron_lite.checkpoint.format import (
+    _ITER_DIR,
+    FORMAT,
+    atomic_write,
+    atomic_write_json,
+    file_digest,
+    iteration_dir,
+)
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.models.hf import _arch, architecture_for, config_from_hf, hf_config_dict
@@ -415,7 +422,8 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
         optimizer=OptimizerConfig(),
         data=data,
     )
-    path = write_model_checkpoint(save_dir, ours, job.to_dict(), {"converted_from": {"hf": arch}})
+    source = {"hf": arch, "path": os.path.abspath(load_dir)}  # (the PEFT export's base_model_name_or_path)
+    path = write_model_checkpoint(save_dir, ours, job.to_dict(), {"converted_from": source})
     log(f"wrote {path}: {len(ours)} tensors")
     return path
 
@@ -464,7 +472,8 @@ def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dic
     """(the config.json a converted checkpoint came with, the directory it lies in): under <root>/hf/, beside the
     iteration directories (`load_dir` may be the root or one iteration); else that of the checkpoint this one's
     run started from (--load, a fine-tuning's base: its `saved` config names it); ({}, None) without."""
-    for root in (load_dir, os.path.dirname(os.path.normpath(load_dir))):
+    parent = os.path.dirname(os.path.normpath(load_dir))  # (its root, when `load_dir` is one iteration)
+    for root in (load_dir, parent) if _ITER_DIR.match(os.path.basename(os.path.normpath(load_dir))) else (load_dir,):
         side = os.path.join(root, HF_DIR)
         if os.path.isfile(os.path.join(side, "config.json")):
             return json.load(open(os.path.join(side, "config.json"))), side
@@ -475,8 +484,18 @@ def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dic
     return _original_hf_config(parent, read_metadata(path)["config"], depth - 1)
 
 
-def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print) -> None:
-    """The checkpoint's LoRA adapters as a PEFT adapter directory (onto the Hugging Face base it came from)."""
+def _hf_source(side: str | None) -> str | None:
+    """The Hugging Face directory that the checkpoint holding `side` (its hf/ directory) was converted from,
+    while it still holds the model."""
+    path = find_checkpoint(os.path.dirname(side)) if side else None
+    source = (read_metadata(path).get("converted_from") or {}).get("path") if path else None
+    return source if source and os.path.isfile(os.path.join(source, "config.json")) else None
+
+
+def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print, base_model: str | None = None) -> None:
+    """The checkpoint's LoRA adapters as a PEFT adapter directory (onto the Hugging Face base it came from).
+    Its base_model_name_or_path, which AutoPeftModelForCausalLM loads, is `base_model` (a hub name), else the
+    directory the base was converted from."""
     from megatron_lite.lora.peft import split_lora, to_peft, write_peft
 
     meta, ours = read_model_tensors(load_dir)
@@ -485,11 +504,17 @@ def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print) -> None:
     if lora is None:
         raise ConfigError(f"--load-dir {load_dir}: the checkpoint was not trained with LoRA (--lora-rank)")
     config = model_config_from_dict(saved["model"])
-    original, _ = _original_hf_config(load_dir, saved)
+    original, side = _original_hf_config(load_dir, saved)
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # (a Phi-3 stays a Phi-3)
     tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, arch)
+    adapter_config["base_model_name_or_path"] = base = base_model or _hf_source(side)
     write_peft(save_dir, tensors, adapter_config)
     log(f"wrote {save_dir}: PEFT LoRA adapter, rank {lora.rank}, {len(tensors)} tensors, iteration {meta['iteration']}")
+    if base is None:
+        log(
+            "no base model recorded (not converted from a Hugging Face directory here): PeftModel.from_pretrained "
+            "loads it onto a base you give; --base-model-name-or-path names one for AutoPeftModelForCausalLM"
+        )
 
 
 def megatron_lite_to_hf(

@@ -13,7 +13,6 @@ listed (gate_up_proj) becomes the inner `base_layer`."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -139,10 +138,12 @@ def to_peft(
 def write_peft(directory: str, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
     from safetensors.torch import save_file
 
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config, f, indent=2)
+    from megatron_lite.checkpoint.format import atomic_write, atomic_write_json
+
+    os.makedirs(directory, exist_ok=True)  # (each file whole or absent: a cut-short export is never half a file)
+    atomic_write(os.path.join(directory, "adapter_model.safetensors"),
+                 lambda path: save_file(tensors, path, metadata={"format": "pt"}))  # fmt: skip
+    atomic_write_json(os.path.join(directory, "adapter_config.json"), adapter_config)
 
 
 def merge(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:

@@ -35,8 +35,17 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of the Hugging Face weights written (default: as stored)",
     )
     p.add_argument("--merge-lora", action="store_true", help="--saver hf: fold LoRA adapters into the weights")
+    p.add_argument(
+        "--base-model-name-or-path",
+        help="--saver hf-peft: the adapter's base model for AutoPeftModelForCausalLM, e.g. a hub name (default: the "
+        "Hugging Face directory the base checkpoint was converted from, when it still exists)",
+    )
     args = p.parse_args(argv)
     try:
+        if args.base_model_name_or_path and args.saver != "hf-peft":
+            raise ConfigError(
+                f"--base-model-name-or-path names a PEFT adapter's base: --saver hf-peft, not {args.saver}"
+            )
         if args.loader == args.saver:
             raise ConfigError(f"--loader and --saver are both {args.loader}; nothing to convert")
         if args.loader == "hf":
@@ -46,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--target-dtype applies to --saver hf; megatron_lite keeps the source dtype")
             hf_to_megatron_lite(args.load_dir, args.save_dir)
         elif args.saver == "hf-peft":
-            megatron_lite_to_peft(args.load_dir, args.save_dir)
+            megatron_lite_to_peft(args.load_dir, args.save_dir, base_model=args.base_model_name_or_path)
         else:
             megatron_lite_to_hf(args.load_dir, args.save_dir, args.target_dtype, merge_lora=args.merge_lora)
     except ConfigError as e:
