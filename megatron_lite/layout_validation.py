@@ -17,7 +17,8 @@ from megatron_lite.config import (
     divisors,
 )
 
-_LAYOUT_REPEAT = (re.compile(r"\(([^()]+)\)\*(\d+)"), re.compile(r"([^()|*])\*(\d+)"))
+# (Megatron repeats any one character, '|' too: "E|*2tL" is "E||tL")
+_LAYOUT_REPEAT = (re.compile(r"\(([^()]+)\)\*(\d+)"), re.compile(r"([^()*])\*(\d+)"))
 
 
 def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: int = 0) -> tuple[int, ...]:

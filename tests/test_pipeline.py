@@ -121,6 +121,7 @@ def test_megatron_pipeline_layout_strings():
 
     assert parse("Et*3|(t*4|)*14,t*2mL", 16, 61, 1) == (3,) + (4,) * 14 + (2,)  # DeepSeek-V3 on PP=16
     assert parse("Et|tt|t|L", 2, 4) == (1, 2, 1, 0)
+    assert parse("Et|*3t*2L", 2, 3) == (1, 0, 0, 2)  # ('|' repeats as any character does in Megatron's)
     for text, args, fragment in [
         ("Et*3|(tt|)*29,m|L", (16, 61, 1), "the MTP layers (m) must come last in the loss's stage"),
         ("Etx|L", (1, 1), "unexpected 'x'"),
