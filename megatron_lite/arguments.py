@@ -558,7 +558,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         )
     ns.schedule_notes = []
     given = explicit_dests(parser, argv)
-    path = find_checkpoint(ns.load, ns.ckpt_step) if ns.load else None
+    path = find_checkpoint(ns.load, ns.ckpt_step, own=ns.load == ns.save) if ns.load else None
     if path is not None:
         meta = read_metadata(path)
         ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"))

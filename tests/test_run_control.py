@@ -217,3 +217,92 @@ def test_validation_goes_on_where_the_last_evaluation_stopped(tmp_path, capsys, 
     assert valid_reads(["--train-iters", "2", "--save", ckpt]) == [0, 4, 8, 12]
     assert valid_reads(["--train-iters", "3", "--load", ckpt]) == [16, 20]
     assert valid_reads(["--train-iters", "3", "--load", ckpt, "--skip-train"]) == [0, 4]
+
+
+def test_a_rollback_never_goes_to_the_run_this_job_went_back_from(tmp_path, capsys, monkeypatch):
+    """A job restarted from iteration 2 of a directory that holds 2, 4 and 6 (--ckpt-step 2) and rolled back at
+    iteration 5 before its own first save goes back to 2, where it started: it had loaded the abandoned run's 4."""
+    ckpt = str(tmp_path / "ck")
+    rc, _, err = _run([*DATA, "--train-iters", "6", "--save", ckpt, "--save-interval", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=5")
+    argv = [*DATA, "--train-iters", "6", "--load", ckpt, "--save", ckpt, "--ckpt-step", "2", "--save-interval", "10"]
+    rc, out, err = _run([*argv, "--nan-policy", "rollback", "--lr", "1e-4"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert f"rolled back to {ckpt}/iter_0000002: iteration 2" in out, out
+
+
+def _losses(path) -> dict[int, tuple[float, float]]:
+    records = [json.loads(line) for line in open(path)]
+    return {r["iteration"]: (r["lm_loss"], r["lr"]) for r in records if "lm_loss" in r and "validation" not in r}
+
+
+def test_a_restart_resumes_its_own_optimizer_state_whatever_the_start_flags(tmp_path, capsys, monkeypatch):
+    """Megatron's fine-tuning launch, --load BASE --no-load-optim --no-load-rng --save OUT, restarted (here: ended
+    by --exit-interval and launched again with the same flags): the restart resumes OUT with its optimizer state,
+    LR schedule and RNG, and goes on as the uninterrupted job (its warmup started over, the loss diverged)."""
+    base = str(tmp_path / "base")
+    warm = ["--lr", "1e-2", "--lr-warmup-iters", "4", "--lr-decay-style", "constant", "--hidden-dropout", "0.1"]
+    rc, _, err = _run([*DATA, *warm, "--train-iters", "4", "--save", base], capsys, monkeypatch)
+    assert rc == 0, err
+    tune = [
+        *DATA,
+        *warm,
+        "--train-iters",
+        "8",
+        "--load",
+        base,
+        "--no-load-optim",
+        "--no-load-rng",
+        "--save-interval",
+        "2",
+    ]
+    rc, _, err = _run([*tune, "--save", str(tmp_path / "ref"), "--log-jsonl", str(tmp_path / "ref.jsonl")],
+                      capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    out = ["--save", str(tmp_path / "out"), "--log-jsonl", str(tmp_path / "out.jsonl")]
+    rc, _, err = _run([*tune, *out, "--exit-interval", "6"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, text, err = _run([*tune, *out], capsys, monkeypatch)
+    assert rc == 0 and "resuming from it instead of --load" in text, err
+    ref, got = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "out.jsonl")
+    for it in (7, 8):
+        assert got[it][1] == ref[it][1] and got[it][0] == pytest.approx(ref[it][0], rel=1e-6, abs=0), (it, got, ref)
+
+
+def test_a_save_directory_without_a_tracker_file_is_resumed_or_started(tmp_path, capsys, monkeypatch):
+    """--save OUT holding the run's own logs but no checkpoint yet (a worker killed before the first save) starts
+    from scratch, with --load OUT too (Megatron's --load X --save X); one killed between publishing its first
+    checkpoint and writing the tracker file resumes that checkpoint. Every restart had stopped with 'not a
+    megatron_lite checkpoint directory'. A --load that is not the job's own directory is still refused."""
+    import shutil
+
+    from megatron_lite.checkpoint.format import TRACKER
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    for load in ([], ["--load", str(out)]):
+        rc, text, err = _run([*DATA, "--train-iters", "1", "--save", str(out), "--save-interval", "100", *load,
+                              "--exit-interval", "1"], capsys, monkeypatch)  # fmt: skip
+        assert rc == 0 and "loaded" not in text, err
+        (out / TRACKER).unlink()  # (killed before it was written)
+        rc, text, err = _run([*DATA, "--train-iters", "2", "--save", str(out), *load], capsys, monkeypatch)
+        assert rc == 0 and f"loaded {out}/iter_0000001: iteration 1" in text, err
+        for p in out.iterdir():
+            if p.name != "metrics.jsonl":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    rc, _, err = _run([*DATA, "--load", str(out), "--save", str(tmp_path / "elsewhere")], capsys, monkeypatch)
+    assert rc == 2 and "is not a megatron_lite checkpoint directory" in err, err
+
+
+def test_iterations_past_seven_digits_are_found(tmp_path):
+    """iter_10000000 (iteration_dir pads to 7 digits, no more) counts for --ckpt-keep-last and rollbacks."""
+    import os
+
+    from megatron_lite.checkpoint.format import complete_iterations, iteration_dir
+
+    for it in (9_999_999, 10_000_000):
+        os.makedirs(iteration_dir(str(tmp_path), it))
+        open(os.path.join(iteration_dir(str(tmp_path), it), "metadata.json"), "w").close()
+    assert complete_iterations(str(tmp_path)) == [9_999_999, 10_000_000]

@@ -46,7 +46,7 @@ class Piece:
     local_start: int  # offset along `dim` in this rank's tensor
 
 
-_ITER_DIR = re.compile(r"^iter_(\d{7})(?:\.old)?$")  # .old: the whole copy a re-save killed mid-swap left
+_ITER_DIR = re.compile(r"^iter_(\d{7,})(?:\.old)?$")  # .old: the whole copy a re-save killed mid-swap left
 
 
 def iteration_dir(root: str, iteration: int) -> str:

@@ -169,17 +169,21 @@ def run(job: JobConfig, notes: list[str]) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     ckpt_path = None
     ck = job.checkpoint
-    if ck.save and ck.load != ck.save and job.resilience.auto_resume and find_checkpoint(ck.save):
+    if ck.save and ck.load != ck.save and job.resilience.auto_resume and find_checkpoint(ck.save, own=True):
         # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
         # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
         start = f" instead of --load {ck.load}" if ck.load else ""
         say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over)")
-        job = dataclasses.replace(job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False, ckpt_step=None))
-        if ck.no_save_optim and not ck.no_load_optim:  # its own checkpoints hold no optimizer state
+        # --no-load-optim / --no-load-rng were for the starting checkpoint: its own holds what it saved
+        parts = dict(no_load_optim=ck.no_save_optim, no_load_rng=ck.no_save_rng)
+        job = dataclasses.replace(
+            job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False, ckpt_step=None, **parts)
+        )
+        if ck.no_save_optim:  # its own checkpoints hold no optimizer state
             say("--no-save-optim: resuming from the weights with fresh optimizer state and LR schedule")
-            job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, no_load_optim=True))
     if job.checkpoint.load:
-        ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step)
+        own = job.checkpoint.load == job.checkpoint.save  # (Megatron's --load X --save X: logs may lie in X)
+        ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step, own=own)
         if ckpt_path is None:
             if job.checkpoint.exit_on_missing_checkpoint:
                 raise ConfigError(
@@ -326,8 +330,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
         guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log)
         saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
         parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
+        saved: set[int] = set()  # iterations this job saved: the checkpoints a rollback may go back to
 
         def save() -> None:
+            saved.add(state.iteration)
             if saver is not None:
                 if previous := saver.save(state, model, optimizer, scheduler, job.to_dict(), **parts):
                     log.info(f"saved {previous} (async)")
@@ -402,7 +408,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 raise
             if action == ROLLBACK:
                 _finish_async_save(saver, log)  # it may be the checkpoint to go back to
-                state = _rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path)
+                state = _rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved)
                 guard.after_rollback()
                 continue
             step_gbs = train_batches.gbs(state.consumed_samples)
@@ -537,13 +543,15 @@ def _rollback(
     state: TrainState,
     start: str | None,
     qlora_base: str | None,
+    saved: set[int],
 ) -> TrainState:
-    """Every rank reloads the newest complete checkpoint not past this iteration (the Supervisor has noted the
-    batch to skip): a job started from an older one (--ckpt-step, --finetune) may share its directory with newer.
-    Before this job's first save, that is the checkpoint it started from (`start`), read as it was then."""
+    """Every rank reloads the newest complete checkpoint of this job's (`saved`) not past this iteration (the
+    Supervisor has noted the batch to skip); before its first, the checkpoint it started from (`start`), read as
+    it was then. A job started from an older checkpoint (--ckpt-step, --finetune) may share its directory with
+    the newer ones of the run it went back from: never those."""
     ck = job.checkpoint
     root = ck.save or ck.load
-    done = [i for i in complete_iterations(root) if i <= state.iteration]
+    done = [i for i in complete_iterations(root) if i <= state.iteration and i in saved]
     path = find_checkpoint(root, max(done)) if done else start
     if path is None:
         raise TrainingHalted(
