@@ -424,7 +424,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         clip_grad=ns.clip_grad,
         bf16=ns.bf16,
         fp16=ns.fp16,
-        # --accumulate-allreduce-grads-in-fp32 wins (also over a value restored from a checkpoint's arguments)
+        # --accumulate-allreduce-grads-in-fp32 wins over a value restored from a checkpoint's arguments (given
+        # with --grad-reduce-in-bf16, parse_args has dropped it: bf16 wins then, as in Megatron)
         grad_reduce_in_bf16=(_main_grads_bf16(ns) or ns.grad_reduce_in_bf16)  # (its checks run either way)
         and not ns.accumulate_allreduce_grads_in_fp32,
         loss_scale=ns.loss_scale,
@@ -558,6 +559,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         )
     ns.schedule_notes = []
     given = explicit_dests(parser, argv)
+    if "accumulate_allreduce_grads_in_fp32" in given and getattr(ns, "main_grads_dtype", None) == "bf16":
+        raise ConfigError(
+            "--accumulate-allreduce-grads-in-fp32 needs fp32 main gradients (as Megatron asserts), not "
+            "--main-grads-dtype bf16; drop one"
+        )
+    if {"grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"} <= given:
+        ns.accumulate_allreduce_grads_in_fp32 = False  # both given: bf16 wins, as in Megatron's validate_args
     path = find_checkpoint(ns.load, ns.ckpt_step, own=ns.load == ns.save) if ns.load else None
     if path is not None:
         meta = read_metadata(path)

@@ -117,3 +117,16 @@ def test_cp_comm_type_takes_megatrons_value_per_layer_when_they_agree():
     saved = parse_args([*MOCK, "--cp-comm-type", "a2a"])[1].to_dict()
     for argv in ([*MOCK, "--cp-comm-type", "p2p", "p2p"], MOCK):
         flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
+
+
+def test_bf16_gradient_reduction_wins_over_the_fp32_flag_given_with_it():
+    """Megatron's validate_args: --grad-reduce-in-bf16 turns --accumulate-allreduce-grads-in-fp32 off (scripts pass
+    the latter by habit: they got fp32 gradients here, twice the memory and traffic), and asserts fp32 main
+    gradients with the latter. Only a bf16 reduction restored from a checkpoint is turned back by the fp32 flag
+    (tests/test_pretrain_cli.py)."""
+    bf16 = [*MOCK, "--bf16", "--grad-reduce-in-bf16"]
+    assert parse_args([*bf16, "--accumulate-allreduce-grads-in-fp32"])[1].optimizer.grad_reduce_in_bf16
+    assert not parse_args([*MOCK, "--bf16", "--accumulate-allreduce-grads-in-fp32"])[1].optimizer.grad_reduce_in_bf16
+    with pytest.raises(ConfigError, match="--accumulate-allreduce-grads-in-fp32 needs fp32 main gradients"):
+        parse_args([*MOCK, "--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+                    "--accumulate-allreduce-grads-in-fp32"])  # fmt: skip
