@@ -262,7 +262,8 @@ class ParallelContext:
         torch.manual_seed(default_seed)
         self.rng.reset()
         self.rng.add("model-parallel", default_seed + 2718 + self.tp.rank, self.device)
-        self.rng.add("expert-parallel", default_seed + 2718 + 100 * self.ep.rank + self.etp.rank, self.device)
+        # (Megatron's offset: with +2718 it replayed the model-parallel stream wherever ep = 0 and etp = tp)
+        self.rng.add("expert-parallel", default_seed + 1024 + 100 * self.ep.rank + self.etp.rank, self.device)
 
     # Construction ------------------------------------------------------------------------------
     @classmethod

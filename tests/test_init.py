@@ -80,3 +80,26 @@ def test_megatron_init_scheme():
     # Distinct parameters draw from distinct streams.
     a, b = w["decoder.layers.0.mlp.linear_fc1.weight"], w["decoder.layers.1.mlp.linear_fc1.weight"]
     assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2), (2, 2)])
+def test_the_tracked_generators_draw_independent_streams(tp, ep):
+    """Megatron's seeds: the model-parallel generator at +2718 + tp rank, the expert-parallel one at +1024 +
+    100 ep rank + etp rank. The expert one was at +2718 too, so on every rank with ep rank 0 and etp = tp rank it
+    replayed the model-parallel stream (expert LoRA dropout masks equal to attention dropout's). The tracker
+    refuses a seed already in use, as Megatron's does."""
+    from megatron_lite.tensor_parallel.random import RNGStatesTracker
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    for rank in range(tp * ep):
+        ctx = ParallelContext.virtual(parallel, tp * ep, rank, device=torch.device("cpu"))
+        ctx.seed(1234)
+        draws = {}
+        for name in ("model-parallel", "expert-parallel"):
+            with ctx.rng.fork(name):
+                draws[name] = torch.rand(64)
+        assert not torch.equal(draws["model-parallel"], draws["expert-parallel"]), (tp, ep, rank)
+    tracker = RNGStatesTracker()
+    tracker.add("a", 7)
+    with pytest.raises(ValueError, match="RNG seed 7 of 'b' is already used by 'a'"):
+        tracker.add("b", 7)

@@ -37,15 +37,21 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self._states: dict[str, torch.Tensor] = {}
         self._devices: dict[str, torch.device] = {}
+        self._seeds: dict[str, int] = {}
 
     def reset(self) -> None:
         self._states.clear()
         self._devices.clear()
+        self._seeds.clear()
 
     def add(self, name: str, seed: int, device: torch.device | str = "cpu") -> None:
         device = torch.device(device)
         if name in self._states:
             raise ValueError(f"RNG state {name!r} already exists")
+        if seed in self._seeds.values():  # (as Megatron's tracker: two names would draw the same masks)
+            used = next(k for k, s in self._seeds.items() if s == seed)
+            raise ValueError(f"RNG seed {seed} of {name!r} is already used by {used!r}")
+        self._seeds[name] = seed
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         self._states[name] = gen.get_state()
