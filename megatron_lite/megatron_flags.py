@@ -204,6 +204,13 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             f"warning: with --exp-avg-sq-dtype bf16, --adam-beta2 {ns.adam_beta2} barely decays the second moment: "
             "v x beta2 rounds back to v in bf16's 8 bits (as in Transformer Engine); beta2 <= 0.996 avoids it"
         )
+    masked = [f for f in ("eod_mask_loss", "sft") if getattr(ns, f, False)]
+    if masked and not getattr(ns, "calculate_per_token_loss", False):  # (with the flag, its no-op line says so)
+        lines.append(
+            f"--{masked[0].replace('_', '-')}: micro-batches count different numbers of loss tokens; the loss is the "
+            "mean over the global batch's tokens (Megatron's --calculate-per-token-loss), not Megatron's default "
+            "mean of the micro-batches' means"
+        )
     if getattr(ns, "save_interval", None) and not getattr(ns, "save", None):  # Megatron ignores it too
         lines.append(f"--save-interval {ns.save_interval} has no effect without --save")
     if getattr(ns, "dataloader_type", None) == "cyclic":

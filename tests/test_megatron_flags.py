@@ -130,3 +130,15 @@ def test_bf16_gradient_reduction_wins_over_the_fp32_flag_given_with_it():
     with pytest.raises(ConfigError, match="--accumulate-allreduce-grads-in-fp32 needs fp32 main gradients"):
         parse_args([*MOCK, "--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
                     "--accumulate-allreduce-grads-in-fp32"])  # fmt: skip
+
+
+def test_a_loss_mask_says_how_the_loss_is_averaged():
+    """With --eod-mask-loss or --sft the micro-batches count different numbers of loss tokens, where Megatron's
+    default (a mean of the micro-batches' means) and ours (the global batch's token mean, its
+    --calculate-per-token-loss) differ: said at start-up; with the flag given, its own line says so instead."""
+    for flag in ("--eod-mask-loss", "--sft"):
+        lines = accepted_no_ops(parse_args([*MOCK, flag])[0])
+        assert any(x.startswith(f"{flag}: micro-batches count") for x in lines), lines
+    lines = accepted_no_ops(parse_args([*MOCK, "--eod-mask-loss", "--calculate-per-token-loss"])[0])
+    assert not any("micro-batches count" in x for x in lines) and any("calculate-per-token" in x for x in lines)
+    assert not any("micro-batches count" in x for x in accepted_no_ops(parse_args(MOCK)[0]))
