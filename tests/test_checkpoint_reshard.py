@@ -296,3 +296,41 @@ def test_load_alone_does_not_take_over_the_checkpoints_sharding(tmp_path, capsys
     assert job.optimizer.use_torch_fsdp2 and not job.optimizer.use_distributed_optimizer
     rc, out, err = _run([*data, "--load", ckpt, "--train-iters", "4"], capsys, monkeypatch)
     assert rc == 0 and "iteration      4/" in out, err
+
+
+def save_failing_on_rank0(root: str, stage: str):
+    """A save whose `stage` (writing a rank's files, or publishing) raises on rank 0 only: what each rank raised
+    and how long it took."""
+    import time
+
+    from megatron_lite.checkpoint import checkpointing
+
+    ctx = get_context(P())
+    model = build_model(llama_config(num_layers=1), ctx, seed=1)
+    if ctx.rank == 0:
+        real = getattr(checkpointing, stage)
+
+        def broken(*a, **kw):
+            raise OSError(28, "No space left on device")
+
+        setattr(checkpointing, stage, broken)
+    start = time.time()
+    try:
+        save_checkpoint(root, TrainState(1, 1), model, None, None, ctx, {})
+        raised = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        if ctx.rank == 0:
+            setattr(checkpointing, stage, real)
+    return raised, time.time() - start, find_checkpoint(root) if ctx.rank == 0 else None
+
+
+@pytest.mark.parametrize("stage", ["_write_rank_files", "publish"])
+def test_a_save_failing_on_one_rank_stops_every_rank_at_once(dist, tmp_path, stage):
+    """A full disk on rank 0 while the others wait: every rank raises in well under the collective timeout (they
+    waited in a barrier until it: 10 minutes by default), rank 0 its own error, and nothing is published."""
+    (r0, t0, found), (r1, t1, _) = dist(2, save_failing_on_rank0, str(tmp_path / "ck"), stage)
+    assert r0 == "OSError: [Errno 28] No space left on device" and found is None, r0
+    assert r1 is not None and "failed on another rank" in r1, r1
+    assert max(t0, t1) < 20, (t0, t1)

@@ -65,6 +65,27 @@ def _barrier(ctx: ParallelContext) -> None:
         dist.barrier()
 
 
+def _on_every_rank(ctx: ParallelContext, work, what: str):
+    """`work()` on this rank, then one tiny all-reduce in place of a barrier: when it failed on a rank (a full
+    disk, a directory it may not write), that rank raises its error and every other rank a line saying so,
+    where they had waited in the barrier until the timeout."""
+    error = None
+    try:
+        result = work()
+    except Exception as e:  # noqa: BLE001 - raised again below, after the others know
+        error, result = e, None
+    failed = error is not None
+    if ctx.world_size > 1:
+        flag = torch.tensor([1.0 if failed else 0.0], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = flag.item() > 0
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{what} failed on another rank (its error says why); the checkpoint was not published")
+    return result
+
+
 def _state_tensors(model, optimizer) -> dict[str, list]:
     """kind -> [(global name, local tensor, meta)] for every tensor that is saved. With the distributed
     optimizer, gathering the full main weights and moments is a collective over the data-parallel group."""
@@ -193,11 +214,14 @@ def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> st
 
 def _prepare_tmp(root: str, iteration: int, ctx: ParallelContext) -> str:
     tmp = iteration_dir(root, iteration) + ".tmp"
-    if ctx.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(ctx)
+
+    def make() -> None:
+        if ctx.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+    _on_every_rank(ctx, make, f"making {tmp}")
     return tmp
 
 
@@ -219,12 +243,11 @@ def save_checkpoint(
     False (--no-save-rng): no random-number-generator states."""
     optimizer, scheduler = _saved_parts(optimizer, scheduler, save_optim)
     tmp = _prepare_tmp(root, state.iteration, ctx)
-    _write_rank_files(tmp, _snapshot(model, optimizer, ctx, save_rng))
-    _barrier(ctx)
+    snap = _snapshot(model, optimizer, ctx, save_rng)  # (collectives with the distributed optimizer)
+    _on_every_rank(ctx, lambda: _write_rank_files(tmp, snap), f"writing {tmp}")
     final = iteration_dir(root, state.iteration)
-    if ctx.rank == 0:
-        publish(root, tmp, _metadata(state, optimizer, scheduler, ctx, job_dict), keep_last)
-    _barrier(ctx)
+    meta = _metadata(state, optimizer, scheduler, ctx, job_dict)
+    _on_every_rank(ctx, lambda: publish(root, tmp, meta, keep_last) if ctx.rank == 0 else None, f"publishing {final}")
     return final
 
 
@@ -289,10 +312,12 @@ class AsyncSaver:
             return None
         tmp, meta = self._pending
         self._pending = None
-        if self.ctx.rank == 0:
-            publish(self.root, tmp, meta, self.keep_last)
-        _barrier(self.ctx)
-        return iteration_dir(self.root, meta["iteration"])
+        final = iteration_dir(self.root, meta["iteration"])
+        _on_every_rank(
+            self.ctx, lambda: publish(self.root, tmp, meta, self.keep_last) if self.ctx.rank == 0 else None,
+            f"publishing {final}",
+        )  # fmt: skip
+        return final
 
     def finish(self) -> str | None:
         return self.poll(wait=True)
