@@ -60,7 +60,9 @@ if HAVE_TRITON:
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=mask)
+            x = x.to(S.dtype.element_ty)  # the sum returned is the one normalised (and the backward's)
+            tl.store(S + row * stride_s + cols, x, mask=mask)
+            x = x.to(tl.float32)
         if IS_RMS:
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / N + eps)
             xhat = x * rstd
@@ -270,8 +272,9 @@ def layer_norm_reference(x, weight, bias, eps, residual=None):
 
 # Functional entries ----------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm of x (or of x + residual, also returned). Triton when usable, else the reference."""
-    if triton_usable(x):
+    """RMSNorm of x (or of x + residual, also returned). Triton when usable, else the reference (which also
+    takes a residual of another dtype: the sum in their promoted dtype, as torch adds them)."""
+    if triton_usable(x) and (residual is None or residual.dtype == x.dtype):
         return _NormFunction.apply(x, weight, None, residual, eps, True)
     return rms_norm_reference(x, weight, eps, residual)
 
@@ -279,7 +282,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ):
-    if triton_usable(x):
+    if triton_usable(x) and (residual is None or residual.dtype == x.dtype):
         return _NormFunction.apply(x, weight, bias, residual, eps, False)
     return layer_norm_reference(x, weight, bias, eps, residual)
 

@@ -109,6 +109,9 @@ class _RoPE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
+        # the kernel steps the last dimension by 1: a gradient that does not (y.sum()'s expanded one, a
+        # permuted view's) is read from a copy, as the forward only takes such an x
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         return _launch(dy, cos, sin, backward=True), None, None
 
 

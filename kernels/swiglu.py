@@ -131,7 +131,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up of one shape (either may be a strided view, read in place)."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
-    if triton_usable(gate, up) and gate.dim() and gate.shape[-1]:  # (no rows of width 0 to address)
+    # (no rows of width 0 to address; gate and up of two dtypes: the reference's promoted product)
+    if triton_usable(gate, up) and gate.dim() and gate.shape[-1] and gate.dtype == up.dtype:
         return _SwiGLU.apply(gate, up)
     return swiglu_reference(gate, up)
 

@@ -268,6 +268,55 @@ def test_rope_equals_transformers():
     assert rel(ours_q, hq) < TOL and rel(ours_k, hk) < TOL
 
 
+@pytest.mark.parametrize("loss", ["sum", "permuted"])
+def test_rope_backward_takes_a_gradient_not_unit_stride_in_its_last_dimension(loss):
+    """y.sum() hands the backward an expanded gradient (every stride 0) and a product with a permuted view one
+    of last stride h; the kernel read the last dimension at stride 1 (relative error 0.94 or inf, and 1.2)."""
+    x = _rand(2, 5, 3, 8)
+    ang = _rand(5, 4, seed=4).repeat(1, 2)
+    w = _rand(2, 5, 8, 3, seed=5).permute(0, 1, 3, 2)  # (a view of last stride 3)
+    grads, seen = [], []
+    before = K.LAUNCHES["rope_bwd"]
+    for fn in (K.apply_rope, K.apply_rope_reference):
+        t = x.clone().requires_grad_(True)
+        y = fn(t, ang.cos(), ang.sin())
+        y.register_hook(lambda g: seen.append(g.stride(-1)))
+        (y.sum() if loss == "sum" else (y * w).sum()).backward()
+        grads.append(t.grad)
+    assert K.LAUNCHES["rope_bwd"] > before, "no kernel ran"
+    assert seen[0] != 1, seen  # the case this test is about
+    assert rel(*grads) < TOL, rel(*grads)
+
+
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_a_residual_norm_normalises_the_sum_it_returns(norm):
+    """fp16: y is the norm of the returned (rounded) s = x + r, as the reference, transformers and Megatron
+    compute it; the kernel had normalised the unrounded fp32 sum (3.9e-4 from the reference)."""
+    x, r, w, b = _rand(64, 96, dtype=torch.float16), _rand(64, 96, seed=1, dtype=torch.float16), _rand(96, seed=2), None
+    args = (w, 1e-5) if norm == "rms_norm" else (w, b, 1e-5)
+    refs = {"rms_norm": K.rms_norm_reference, "layer_norm": K.layer_norm_reference}
+    before = K.LAUNCHES[f"{norm}_fwd"]
+    y, s = getattr(K, norm)(x, *args, residual=r)
+    assert K.LAUNCHES[f"{norm}_fwd"] > before
+    ry, rs = refs[norm](x, *args, residual=r)
+    assert torch.equal(s, rs)
+    alone = getattr(K, norm)(s, *args)  # the kernel on the sum returned: the same arithmetic, so the same bits
+    assert rel(y.float(), alone.float()) < 1e-6, rel(y.float(), alone.float())
+    assert rel(y.float(), ry.float()) < 1e-3  # (fp16: the reference rounds once less before the weight)
+
+
+def test_inputs_of_two_dtypes_give_torchs_promoted_result():
+    """swiglu(fp16, fp32) and a norm of fp16 x with an fp32 residual: the reference's (torch's) promoted dtype,
+    where the kernels had rounded to the first input's dtype."""
+    g, u = _rand(4, 40, dtype=torch.float16), _rand(4, 40, seed=1)
+    assert K.swiglu(g, u).dtype == K.swiglu_reference(g, u).dtype == torch.float32
+    assert rel(K.swiglu(g, u), K.swiglu_reference(g, u)) < TOL
+    x, r, w = _rand(4, 40, dtype=torch.float16), _rand(4, 40, seed=1), _rand(40, seed=2)
+    y, s = K.rms_norm(x, w, 1e-5, residual=r)
+    ry, rs = K.rms_norm_reference(x, w, 1e-5, residual=r)
+    assert s.dtype == rs.dtype == torch.float32 and torch.equal(s, rs) and rel(y, ry) < TOL
+
+
 @needs_gpu
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu", "rope"])
 def test_bf16_on_gpu(op):
