@@ -306,3 +306,34 @@ def test_iterations_past_seven_digits_are_found(tmp_path):
         os.makedirs(iteration_dir(str(tmp_path), it))
         open(os.path.join(iteration_dir(str(tmp_path), it), "metadata.json"), "w").close()
     assert complete_iterations(str(tmp_path)) == [9_999_999, 10_000_000]
+
+
+def test_a_signal_during_start_up_saves_at_the_first_iteration(tmp_path, capsys, monkeypatch):
+    """--exit-signal-handler is installed at start-up, as Megatron's initialize installs it: SIGTERM while the
+    checkpoint loads is kept, and the job saves after its first iteration and exits 0 (the default action killed
+    it). The handler is put back when the run ends (an in-process caller's SIGTERM had been swallowed since)."""
+    import os
+    import signal
+
+    import megatron_lite.training.pretrain as pretrain
+
+    ckpt = str(tmp_path / "ck")
+    rc, _, err = _run([*DATA, "--train-iters", "2", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    real = pretrain.load_checkpoint
+
+    def load_and_signal(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pretrain, "load_checkpoint", load_and_signal)
+    caught = []  # (the caller's handler: a signal the job misses lands here instead of killing pytest)
+    before = signal.signal(signal.SIGTERM, lambda *a: caught.append(a[0]))
+    try:
+        rc, out, err = _run([*DATA, "--train-iters", "6", "--load", ckpt, "--save", ckpt, "--exit-signal-handler"],
+                            capsys, monkeypatch)  # fmt: skip
+        assert rc == 0 and "SIGTERM received: saving at iteration 3 and exiting" in out and not caught, err
+        os.kill(os.getpid(), signal.SIGTERM)  # after the run, the caller's handler again
+        assert caught == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)

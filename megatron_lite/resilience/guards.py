@@ -58,6 +58,12 @@ class ExitSignal:
         self.received = False
         self._previous = signal.signal(signum, self._handle)
 
+    @classmethod
+    def from_config(cls, config) -> ExitSignal | None:
+        """Installed when --exit-signal-handler asks for it (at start-up, as Megatron's initialize: a signal while
+        the checkpoint or data load is kept, and acted on at the first iteration)."""
+        return cls(getattr(signal, config.exit_signal)) if config.exit_signal_handler else None
+
     def _handle(self, signum, frame) -> None:
         self.received = True
 

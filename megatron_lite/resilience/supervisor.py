@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import signal
 
 import torch
 import torch.distributed as dist
@@ -45,13 +44,15 @@ def check_config_agreement(config: dict, device: torch.device) -> None:
 
 
 class Supervisor:
-    def __init__(self, config: ResilienceConfig, check_nan: bool, ctx, log) -> None:
+    def __init__(
+        self, config: ResilienceConfig, check_nan: bool, ctx, log, exit_signal: ExitSignal | None = None
+    ) -> None:
         self.config, self.check_nan, self.ctx, self.log = config, check_nan, ctx, log
         self.injector = Injector(ctx.rank)
         self.spikes = (
             SpikeDetector(config.spiky_loss_window, config.spiky_loss_zscore) if config.check_for_spiky_loss else None
         )
-        self.exit = ExitSignal(getattr(signal, config.exit_signal)) if config.exit_signal_handler else None
+        self.exit = exit_signal if exit_signal is not None else ExitSignal.from_config(config)
         self.skip_samples: set[int] = set()  # batches (by consumed-samples position) a rollback skips
         self.rollbacks_without_progress = 0  # rollbacks since training last got past the previous one
         self.rollback_point = -1

@@ -40,6 +40,7 @@ from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext, initialize
 from megatron_lite.resilience.flight_recorder import FlightRecorder
+from megatron_lite.resilience.guards import ExitSignal
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
 from megatron_lite.training import memory
 from megatron_lite.training.configs import JobConfig, check_output_paths
@@ -236,6 +237,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     )
     check_config_agreement(job.to_dict(), ctx.device)
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
+    exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
     ctx.seed(job.training.seed)
     log = MetricsLogger(job, enabled=_logging_rank(ctx))
     try:  # the logger is closed however the run ends (a halt too: W&B's run finished)
@@ -327,7 +329,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         metrics = None
         ck = job.checkpoint
         signalled = exiting = False
-        guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log)
+        guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log, exit_signal)
         saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
         parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
         saved: set[int] = set()  # iterations this job saved: the checkpoints a rollback may go back to
@@ -505,6 +507,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
     finally:
         log.close()
+        if exit_signal is not None:  # (the handler this run installed; an in-process caller gets its own back)
+            exit_signal.restore()
     if recorder is not None:
         recorder.uninstall()
     if dist.is_initialized():
