@@ -292,6 +292,7 @@ def test_keep_last_leaves_newer_checkpoints_of_an_abandoned_run(tmp_path):
         {"add_bias_linear": False},  # its biases would be left unread
         {"vocab_size": 64},  # its embedding read in part
         {"mtp_num_layers": 1},  # a prediction depth the checkpoint never trained
+        {"activation": "squared_relu"},  # the same shapes, another function
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -324,6 +325,36 @@ def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, capsys, monkey
         load_checkpoint(path, other, None, None, ctx, load_rng=False)
     field, value = next(iter(change.items()))
     assert field in str(e.value) and f"this run builds {field}={value!r}" in str(e.value), str(e.value)
+
+
+def test_a_tensor_of_another_shape_is_refused_whatever_the_settings_say(tmp_path, capsys, monkeypatch):
+    """The settings compared above are not all a tensor's shape depends on: each tensor's stored shape is compared
+    too (a SwiGLU checkpoint's fc1 had loaded into a GeLU model by its first half, a 64-row position table into
+    a 32-row one), in one line naming the tensor."""
+
+    import torch
+
+    from megatron_lite.checkpoint.checkpointing import (
+        find_checkpoint,
+        load_checkpoint,
+        model_config_from_dict,
+        read_metadata,
+    )
+    from megatron_lite.config import ConfigError, ParallelConfig
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--train-iters", "1", "--save", ckpt, "--position-embedding-type", "learned_absolute",
+                       "--max-position-embeddings", "32"], capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    path = find_checkpoint(ckpt)
+    meta = read_metadata(path)
+    meta["config"]["model"]["max_position_embeddings"] = 16  # (a field the structure check does not compare)
+    config = model_config_from_dict(meta["config"]["model"])
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"position_embeddings.weight is \[32, 32\] in the checkpoint but \[16, 32\]"):
+        load_checkpoint(path, build_model(config, ctx), None, None, ctx, load_rng=False)
 
 
 def test_moe_layer_patterns_compare_by_meaning():

@@ -210,7 +210,8 @@ def test_ckpt_step_loads_that_iteration_or_names_the_ones_there(tmp_path, capsys
 
 def test_a_rollback_goes_back_to_a_checkpoint_not_past_the_iteration(tmp_path, capsys, monkeypatch):
     """Started from iteration 1 (--ckpt-step) in a directory that also holds 2 to 4 of an earlier run, a NaN at
-    iteration 3 rolls back to 2, the newest checkpoint not past it, not forward to 4."""
+    iteration 3 rolls back to 1, where this job started: never forward to 4, nor to the earlier run's 2 (the run
+    the job went back from; tests/test_run_control.py)."""
     ckpt = str(tmp_path / "ckpt")
     data = ["--mock-data", "--vocab-size", "100", "--train-iters", "4", "--save", ckpt]
     rc, _, err = _run([*data, "--save-interval", "1"], capsys, monkeypatch)
@@ -218,7 +219,7 @@ def test_a_rollback_goes_back_to_a_checkpoint_not_past_the_iteration(tmp_path, c
     monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=3")
     rc, out, err = _run([*data, "--load", ckpt, "--ckpt-step", "1", "--nan-policy", "rollback"], capsys, monkeypatch)
     assert rc == 0 and "rolled back to" in out, out + err
-    assert "iter_0000002: iteration 2" in out and "iter_0000004: iteration 4" not in out, out
+    assert "rolled back to " + ckpt + "/iter_0000001: iteration 1" in out and "iter_0000004: iteration 4" not in out
 
 
 def test_weight_decay_increment_flags(capsys, monkeypatch):

@@ -48,7 +48,7 @@ from megatron_lite.checkpoint.format import (
     verify_file,
 )
 from megatron_lite.config import ConfigError
-from megatron_lite.optimizer.optimizer import state_kinds
+from megatron_lite.optimizer.optimizer import make_scaler, state_kinds
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 
@@ -366,6 +366,20 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     return path
 
 
+def _fresh_optimizer(optimizer, scheduler) -> None:
+    """Main weights from the model, and optimizer state, LR schedule and loss scale as a new run's: a rollback
+    to a start loaded without them (--no-load-optim, --finetune) forgets the pass it goes back from."""
+    optimizer.sync_main_from_model()
+    optimizer.inner.state.clear()
+    for group in optimizer.inner.param_groups:
+        if "step" in group:  # (apex's FusedAdam counts its steps per group)
+            group["step"] = 0
+    if scheduler is not None:
+        scheduler.num_steps = scheduler.position = 0
+    if optimizer.scaler is not None:
+        optimizer.scaler.load_state_dict(make_scaler(optimizer.config).state_dict())
+
+
 def _whole(path: str) -> str | None:
     """An iteration's directory if it is complete; else its `.old` copy if that one is (a job killed while a
     re-save of the same iteration swapped directories: format.replace_dir); else None."""
@@ -505,6 +519,9 @@ def load_checkpoint(
         key = f"model/{model.global_name(name)}"
         if key not in reader.index and (".lora." in name or (skip_missing_frozen and not p.requires_grad)):
             continue  # LoRA adapters on a base checkpoint keep their initialisation
+        stored, mine = (reader.index.get(key) or {}).get("shape"), full_shape(tuple(p.shape), pmeta)
+        if stored is not None and list(stored) != mine:  # (reading a range of a larger tensor would not fail)
+            raise ConfigError(f"{path}: {key[6:]} is {list(stored)} in the checkpoint but {mine} in this model")
         if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
             from torch.distributed.tensor import distribute_tensor
 
@@ -539,7 +556,7 @@ def load_checkpoint(
         if optimizer.scaler is not None and meta.get("grad_scaler"):
             optimizer.scaler.load_state_dict(meta["grad_scaler"])
     elif optimizer is not None:
-        optimizer.sync_main_from_model()
+        _fresh_optimizer(optimizer, scheduler)
     same_layout = meta["layout"].get("world_size") == ctx.world_size and all(
         meta["layout"].get(k) == g.size for k, g in ctx.groups.items()
     )

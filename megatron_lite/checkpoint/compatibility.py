@@ -33,6 +33,7 @@ STRUCTURE = {
     "query_groups": "--num-query-groups",
     "head_dim": "--kv-channels",
     "ffn_size": "--ffn-hidden-size",
+    "activation": "--swiglu / --squared-relu / --openai-gelu",  # (gelu and squared ReLU have the same shapes)
     "normalization": "--normalization",
     "apply_layernorm_1p": "--apply-layernorm-1p",
     "add_bias_linear": "--disable-bias-linear",
