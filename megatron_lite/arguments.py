@@ -543,7 +543,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     so `--load DIR` alone rebuilds and continues the run."""
     import sys
 
-    from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata, same_directory
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -559,14 +559,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         )
     ns.schedule_notes = []
     given = explicit_dests(parser, argv)
-    if "accumulate_allreduce_grads_in_fp32" in given and getattr(ns, "main_grads_dtype", None) == "bf16":
+    if "accumulate_allreduce_grads_in_fp32" in given and getattr(ns, "main_grads_dtype", None) == "bf16" and ns.bf16:
         raise ConfigError(
             "--accumulate-allreduce-grads-in-fp32 needs fp32 main gradients (as Megatron asserts), not "
             "--main-grads-dtype bf16; drop one"
         )
-    if {"grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"} <= given:
+    if {"grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"} <= given and ns.bf16:
         ns.accumulate_allreduce_grads_in_fp32 = False  # both given: bf16 wins, as in Megatron's validate_args
-    path = find_checkpoint(ns.load, ns.ckpt_step, own=ns.load == ns.save) if ns.load else None
+    path = find_checkpoint(ns.load, ns.ckpt_step, own=same_directory(ns.load, ns.save)) if ns.load else None
     if path is not None:
         meta = read_metadata(path)
         ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"))

@@ -96,6 +96,18 @@ def test_nemotron_adapters_load_in_peft_with_our_logits(tmp_path, monkeypatch):
     assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", out, "--save-dir",
                     str(tmp_path / "named"), "--base-model-name-or-path", "org/base") == 0  # fmt: skip
     assert peft.PeftConfig.from_pretrained(tmp_path / "named").base_model_name_or_path == "org/base"
+    # a newer checkpoint saved beside the converted one (--load ckpt --save ckpt) leaves the base found
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["--load", ckpt, "--save", ckpt, "--mock-data", "--vocab-size", "127", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1", "--eval-iters", "0",
+            "--no-load-optim", "--lora-rank", "4"]  # fmt: skip
+    from megatron_lite.training.pretrain import main
+
+    assert main(argv) == 0
+    assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", ckpt, "--save-dir",
+                    str(tmp_path / "beside")) == 0  # fmt: skip
+    base = peft.PeftConfig.from_pretrained(tmp_path / "beside").base_model_name_or_path
+    assert base == str(tmp_path / "hf"), base
 
 
 def test_qwen3_moe_dense_layer_adapters_are_refused_for_peft():

@@ -127,6 +127,9 @@ def test_bf16_gradient_reduction_wins_over_the_fp32_flag_given_with_it():
     bf16 = [*MOCK, "--bf16", "--grad-reduce-in-bf16"]
     assert parse_args([*bf16, "--accumulate-allreduce-grads-in-fp32"])[1].optimizer.grad_reduce_in_bf16
     assert not parse_args([*MOCK, "--bf16", "--accumulate-allreduce-grads-in-fp32"])[1].optimizer.grad_reduce_in_bf16
+    # (only under --bf16, as in Megatron: with --fp16 the fp32 flag stays, and the bf16 one is not refused)
+    fp16 = parse_args([*MOCK, "--fp16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"])[1]
+    assert not fp16.optimizer.grad_reduce_in_bf16
     with pytest.raises(ConfigError, match="--accumulate-allreduce-grads-in-fp32 needs fp32 main gradients"):
         parse_args([*MOCK, "--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
                     "--accumulate-allreduce-grads-in-fp32"])  # fmt: skip

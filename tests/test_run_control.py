@@ -282,7 +282,7 @@ def test_a_save_directory_without_a_tracker_file_is_resumed_or_started(tmp_path,
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text("")
-    for load in ([], ["--load", str(out)]):
+    for load in ([], ["--load", str(out)], ["--load", f"{out}/"]):  # (the same directory, however written)
         rc, text, err = _run([*DATA, "--train-iters", "1", "--save", str(out), "--save-interval", "100", *load,
                               "--exit-interval", "1"], capsys, monkeypatch)  # fmt: skip
         assert rc == 0 and "loaded" not in text, err
@@ -339,26 +339,38 @@ def test_a_signal_during_start_up_saves_at_the_first_iteration(tmp_path, capsys,
         signal.signal(signal.SIGTERM, before)
 
 
-def test_a_rollback_to_a_start_loaded_without_optimizer_state_replays_the_first_pass(tmp_path, capsys, monkeypatch):
-    """--load CKPT --no-load-optim and a rollback before the job's own first save: the replayed iterations equal
-    the first pass (fresh Adam moments, LR schedule and loss scale, as at the start); the rollback had kept the
-    moments and schedule of the pass it went back from (lr 3e-3 where the first pass ran at 0)."""
+@pytest.mark.parametrize("start", ["no_load_optim", "saved_without_state"])
+def test_a_rollback_to_a_start_loaded_without_optimizer_state_replays_the_first_pass(
+    tmp_path, capsys, monkeypatch, start
+):
+    """--load CKPT --no-load-optim, or a CKPT at iteration 0 that holds no optimizer state (as a conversion writes
+    them), and a rollback before the job's own first save: the replayed iterations equal the first pass (fresh
+    Adam moments, LR schedule and loss scale, as at the start); the rollback had kept the moments and schedule
+    of the pass it went back from (lr 3e-3 where the first pass ran at 0)."""
     ckpt, log = str(tmp_path / "ck"), tmp_path / "m.jsonl"
     flags = [*DATA, "--lr", "3e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--hidden-dropout", "0",
              "--attention-dropout", "0"]  # fmt: skip
-    rc, _, err = _run([*flags, "--train-iters", "3", "--save", ckpt], capsys, monkeypatch)
+    at = 3 if start == "no_load_optim" else 0
+    rc, _, err = _run([*flags, "--train-iters", str(at or 3), "--save", ckpt], capsys, monkeypatch)
     assert rc == 0, err
-    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=6")
-    rc, out, err = _run([*flags, "--train-iters", "6", "--load", ckpt, "--no-load-optim", "--nan-policy", "rollback",
+    if at == 0:  # its weights as a weights-only checkpoint at iteration 0 (what the conversion writes)
+        from megatron_lite.checkpoint.hf_convert import read_model_tensors, write_model_checkpoint
+
+        meta, tensors = read_model_tensors(ckpt)
+        ckpt = str(tmp_path / "weights")
+        write_model_checkpoint(ckpt, tensors, meta["config"], {})
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", f"nan,rank=0,iteration={at + 3}")
+    loaded = ["--no-load-optim"] if at else []
+    rc, out, err = _run([*flags, "--train-iters", str(at + 3), "--load", ckpt, *loaded, "--nan-policy", "rollback",
                          "--log-jsonl", str(log)], capsys, monkeypatch)  # fmt: skip
-    assert rc == 0 and "rolled back to" in out, err
+    assert rc == 0 and f"rolled back to {ckpt}/iter_{at:07d}" in out, out + err
     rows = [json.loads(line) for line in open(log)]
     rows = [
         (r["iteration"], r["lm_loss"], r["grad_norm"], r["lr"])
         for r in rows
         if "lm_loss" in r and "validation" not in r
     ]
-    first, replay = [r for r in rows[:2]], [r for r in rows if r[0] in (4, 5)][2:]
-    assert [r[0] for r in first] == [4, 5] and len(replay) == 2, rows
+    first, replay = rows[:2], [r for r in rows if r[0] in (at + 1, at + 2)][2:]
+    assert [r[0] for r in first] == [at + 1, at + 2] and len(replay) == 2, rows
     for a, b in zip(first, replay):
         assert a[3] == b[3] and a[1:3] == pytest.approx(b[1:3], rel=1e-6), (a, b)

@@ -48,7 +48,7 @@ from megatron_lite.checkpoint.format import (
     verify_file,
 )
 from megatron_lite.config import ConfigError
-from megatron_lite.optimizer.optimizer import make_scaler, state_kinds
+from megatron_lite.optimizer.optimizer import any_rank, make_scaler, state_kinds
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 
@@ -74,11 +74,7 @@ def _on_every_rank(ctx: ParallelContext, work, what: str):
         result = work()
     except Exception as e:  # noqa: BLE001 - raised again below, after the others know
         error, result = e, None
-    failed = error is not None
-    if ctx.world_size > 1:
-        flag = torch.tensor([1.0 if failed else 0.0], device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = flag.item() > 0
+    failed = any_rank(error is not None, ctx)
     if error is not None:
         raise error
     if failed:
@@ -366,9 +362,14 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     return path
 
 
+def same_directory(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
 def _fresh_optimizer(optimizer, scheduler) -> None:
     """Main weights from the model, and optimizer state, LR schedule and loss scale as a new run's: a rollback
-    to a start loaded without them (--no-load-optim, --finetune) forgets the pass it goes back from."""
+    to a start loaded without them (--no-load-optim, --finetune, or a checkpoint that holds none) forgets the
+    pass it goes back from."""
     optimizer.sync_main_from_model()
     optimizer.inner.state.clear()
     for group in optimizer.inner.param_groups:
@@ -531,6 +532,8 @@ def load_checkpoint(
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
             continue
         reader.fill(f"model/{model.global_name(name)}", p, local_pieces(tuple(p.shape), pmeta))
+    if optimizer is not None:  # what the checkpoint does not hold, or is not loaded, starts as a new run's
+        _fresh_optimizer(optimizer, scheduler)
     if optimizer is not None and load_optim and not finetune:
         values = {}
         for name, p, pmeta in named_param_meta(model):
@@ -555,8 +558,6 @@ def load_checkpoint(
             scheduler.load_state_dict(meta["scheduler"])
         if optimizer.scaler is not None and meta.get("grad_scaler"):
             optimizer.scaler.load_state_dict(meta["grad_scaler"])
-    elif optimizer is not None:
-        _fresh_optimizer(optimizer, scheduler)
     same_layout = meta["layout"].get("world_size") == ctx.world_size and all(
         meta["layout"].get(k) == g.size for k, g in ctx.groups.items()
     )

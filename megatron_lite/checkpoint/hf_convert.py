@@ -37,6 +37,7 @@ from megatron_lite.checkpoint.format import (
     FORMAT,
     atomic_write,
     atomic_write_json,
+    complete_iterations,
     file_digest,
     iteration_dir,
 )
@@ -487,9 +488,12 @@ def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dic
 def _hf_source(side: str | None) -> str | None:
     """The Hugging Face directory that the checkpoint holding `side` (its hf/ directory) was converted from,
     while it still holds the model."""
-    path = find_checkpoint(os.path.dirname(side)) if side else None
-    source = (read_metadata(path).get("converted_from") or {}).get("path") if path else None
-    return source if source and os.path.isfile(os.path.join(source, "config.json")) else None
+    root = os.path.dirname(side) if side else None
+    for it in complete_iterations(root) if root else ():  # the converted one (iteration 0), also under newer ones
+        source = (read_metadata(find_checkpoint(root, it)).get("converted_from") or {}).get("path")
+        if source and os.path.isfile(os.path.join(source, "config.json")):
+            return source
+    return None
 
 
 def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print, base_model: str | None = None) -> None:

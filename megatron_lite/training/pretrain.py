@@ -25,6 +25,7 @@ from megatron_lite.checkpoint.checkpointing import (
     find_checkpoint,
     load_checkpoint,
     read_metadata,
+    same_directory,
     save_checkpoint,
 )
 from megatron_lite.checkpoint.format import complete_iterations
@@ -170,7 +171,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     ckpt_path = None
     ck = job.checkpoint
-    if ck.save and ck.load != ck.save and job.resilience.auto_resume and find_checkpoint(ck.save, own=True):
+    if (
+        ck.save
+        and not same_directory(ck.load, ck.save)
+        and job.resilience.auto_resume
+        and find_checkpoint(ck.save, own=True)
+    ):
         # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
         # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
         start = f" instead of --load {ck.load}" if ck.load else ""
@@ -183,7 +189,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if ck.no_save_optim:  # its own checkpoints hold no optimizer state
             say("--no-save-optim: resuming from the weights with fresh optimizer state and LR schedule")
     if job.checkpoint.load:
-        own = job.checkpoint.load == job.checkpoint.save  # (Megatron's --load X --save X: logs may lie in X)
+        own = same_directory(job.checkpoint.load, ck.save)  # (Megatron's --load X --save X: logs may lie in X)
         ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step, own=own)
         if ckpt_path is None:
             if job.checkpoint.exit_on_missing_checkpoint:
@@ -237,9 +243,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
     )
     check_config_agreement(job.to_dict(), ctx.device)
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
-    exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
     ctx.seed(job.training.seed)
     log = MetricsLogger(job, enabled=_logging_rank(ctx))
+    exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
     try:  # the logger is closed however the run ends (a halt too: W&B's run finished)
         for line in notes:
             log.info(line)
