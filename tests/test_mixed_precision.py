@@ -1,5 +1,6 @@
 """Mixed precision: bf16 weights with fp32 main weights track the fp32 run; under fp16 an overflowing
-gradient skips exactly that step (weights, moments and schedule untouched) and halves the loss scale."""
+gradient skips exactly that step (weights, moments and schedule untouched) and halves the loss scale; fp16 at
+DP=2 (DDP and the distributed optimizer) equals one process, its loss scale and skipped steps included."""
 
 from __future__ import annotations
 
@@ -78,3 +79,56 @@ def test_fp16_default_hysteresis_halves_on_the_second_overflow():
     assert not first.updated and first.loss_scale == 2.0**16
     assert not second.updated and second.loss_scale == 2.0**15
     assert sched.num_steps == 0
+
+
+def fp16_run(iters: int, gbs: int, mbs: int, zero: bool, overflow_at: int | None = None):
+    """fp16 weights with the dynamic loss scale (window 2: it grows during the run), under this process's world
+    (one process, or the pool's ranks as DP); `overflow_at`: an inf in that iteration's gradient on the last
+    rank only. Returns (lm_loss, grad_norm, loss_scale, updated) per iteration."""
+    import torch.distributed as dist
+
+    from megatron_lite.data.samplers import micro_batch_indices
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.training.wrap import wrap_for_training
+
+    from dist_pool import get_context
+
+    ctx = get_context(ParallelConfig()) if dist.is_initialized() else ParallelContext.virtual(ParallelConfig())
+    ctx.seed(1234)
+    model = build_model(llama_config(num_layers=2), ctx, seed=1234, dtype=torch.float16)
+    optim = OptimizerConfig(lr=3e-3, clip_grad=1.0, fp16=True, initial_loss_scale=2.0**14, hysteresis=1,
+                            loss_scale_window=2, use_distributed_optimizer=zero)  # fmt: skip
+    ddp, opt = wrap_for_training(model, ctx, optim, overlap_grad_reduce=zero, bucket_size=3000 if zero else None)
+    sched = LRScheduler(optim, iters)
+    data = MockGPTDataset(250, 16, seed=7)
+    last = next(p for p in model.parameters() if p.requires_grad)
+    history = []
+    for it in range(iters):
+        poison = it == overflow_at and ctx.dp.rank == ctx.dp.size - 1
+        hook = last.register_hook(lambda g: g * float("inf")) if poison else None
+        idx = micro_batch_indices(it * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
+        m = train_step(ddp, opt, sched, [collate([data[i] for i in ix]) for ix in idx], ctx)
+        if hook is not None:
+            hook.remove()
+        history.append((m.lm_loss, m.grad_norm, m.loss_scale, m.updated))
+    return history
+
+
+def test_fp16_at_dp2_equals_one_process(dist):
+    """fp16 with the dynamic loss scale at DP=2 (plain DDP, and the distributed optimizer with overlapped
+    reduction) equals one process per iteration: lm_loss, grad_norm, loss scale and whether it stepped. An
+    overflow on one rank only skips the step on every rank and halves the scale as one process's overflow."""
+    ref = fp16_run(5, 4, 1, zero=False)  # (micro-batches of one everywhere: the same fp16 arithmetic per sample)
+    assert [h[2] for h in ref] != [ref[0][2]] * 5  # (the scale does move in this run)
+    for zero in (False, True):
+        for history in dist(2, fp16_run, 5, 4, 1, zero):
+            for a, b in zip(history, ref):
+                assert a[3] == b[3] and a[2] == b[2], (zero, history, ref)
+                # (fp16 weights: a main weight 1e-7 apart, from the sharded norm's summation order, can round to
+                # the neighbouring fp16 value, 1e-3 away; the DDP run agrees to 1e-6, the distributed one to 2e-5)
+                tol = 1e-4 if zero else 1e-5
+                assert abs(a[0] - b[0]) <= tol * abs(b[0]) and abs(a[1] - b[1]) <= tol * abs(b[1]), (zero, a, b)
+    skipped = dist(2, fp16_run, 4, 4, 1, False, 2)
+    for history in skipped:
+        assert [h[3] for h in history] == [True, True, False, True], history
+        assert history[2][2] == history[1][2] / 2, history
