@@ -132,6 +132,20 @@ def test_moe_checkpoint_loads_under_any_expert_layout(dist, tmp_path):
     _compare(run(MOE, P(), 2, None, ckpt), continued, "one process")
 
 
+def test_tied_padded_checkpoint_loads_across_pipeline_and_tensor_layouts(dist, tmp_path):
+    """Tied embeddings (the last stage's copy of the word embeddings) and a vocabulary padded to 128 rows per TP
+    rank: saved at PP=2, loaded at TP=2 (another padding) and on one process, the runs continue as the original."""
+    ckpt, tied = (
+        str(tmp_path / "tied"),
+        dict(untie_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128),
+    )
+    original = dist(2, run, tied, P(pipeline_model_parallel_size=2), 4, ckpt)
+    continued = [h for h in original[-1] if h[0] > SAVE_AT]  # (the last stage's record of the loss)
+    for history in dist(2, run, tied, P(tensor_model_parallel_size=2), 4, None, ckpt):
+        _compare(history, continued, "tp2")
+    _compare(run(tied, P(), 4, None, ckpt), continued, "one process")
+
+
 def async_vs_sync(root: str) -> list[str]:
     """At TP=2 x DP=2: an async save (published by `poll` on every rank, after further training steps)
     holds exactly what a synchronous save of the same state holds."""
