@@ -60,11 +60,6 @@ class TrainState:
     consumed_valid_samples: int = 0  # validation samples evaluated so far: the next evaluation goes on from there
 
 
-def _barrier(ctx: ParallelContext) -> None:
-    if ctx.world_size > 1:
-        dist.barrier()
-
-
 def _on_every_rank(ctx: ParallelContext, work, what: str):
     """`work()` on this rank, then one tiny all-reduce in place of a barrier: when it failed on a rank (a full
     disk, a directory it may not write), that rank raises its error and every other rank a line saying so,

@@ -52,7 +52,7 @@ class Supervisor:
         self.spikes = (
             SpikeDetector(config.spiky_loss_window, config.spiky_loss_zscore) if config.check_for_spiky_loss else None
         )
-        self.exit = exit_signal if exit_signal is not None else ExitSignal.from_config(config)
+        self.exit = exit_signal  # (installed by the job at start-up, and put back by it)
         self.skip_samples: set[int] = set()  # batches (by consumed-samples position) a rollback skips
         self.rollbacks_without_progress = 0  # rollbacks since training last got past the previous one
         self.rollback_point = -1

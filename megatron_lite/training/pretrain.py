@@ -25,10 +25,8 @@ from megatron_lite.checkpoint.checkpointing import (
     find_checkpoint,
     load_checkpoint,
     read_metadata,
-    same_directory,
     save_checkpoint,
 )
-from megatron_lite.checkpoint.format import complete_iterations
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
@@ -48,6 +46,7 @@ from megatron_lite.training.configs import JobConfig, check_output_paths
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
+from megatron_lite.training.resume import rollback, start_load, starting_checkpoint
 from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
@@ -169,39 +168,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     validate_profile(job.logging, world_size, torch.cuda.is_available() and job.distributed_backend != "gloo")
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
-    ckpt_path = None
-    ck = job.checkpoint
-    if (
-        ck.save
-        and not same_directory(ck.load, ck.save)
-        and job.resilience.auto_resume
-        and find_checkpoint(ck.save, own=True)
-    ):
-        # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
-        # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
-        start = f" instead of --load {ck.load}" if ck.load else ""
-        say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over)")
-        # --no-load-optim / --no-load-rng were for the starting checkpoint: its own holds what it saved
-        parts = dict(no_load_optim=ck.no_save_optim, no_load_rng=ck.no_save_rng)
-        job = dataclasses.replace(
-            job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False, ckpt_step=None, **parts)
-        )
-        if ck.no_save_optim:  # its own checkpoints hold no optimizer state
-            say("--no-save-optim: resuming from the weights with fresh optimizer state and LR schedule")
-    if job.checkpoint.load:
-        own = same_directory(job.checkpoint.load, ck.save)  # (Megatron's --load X --save X: logs may lie in X)
-        ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step, own=own)
-        if ckpt_path is None:
-            if job.checkpoint.exit_on_missing_checkpoint:
-                raise ConfigError(
-                    f"--load {job.checkpoint.load} holds no checkpoint and --exit-on-missing-checkpoint is set"
-                )
-            say(f"no checkpoint in --load {job.checkpoint.load}: starting from scratch")
-        elif job.checkpoint.ckpt_step is not None:
-            say(
-                f"--ckpt-step {job.checkpoint.ckpt_step}: loading {ckpt_path} (a restart with these flags loads it "
-                "again; drop --ckpt-step to resume from the newest)"
-            )
+    job, ckpt_path = starting_checkpoint(job, say)
     # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.
     source = resolve_data(job.data, log=lambda m: print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True))
     model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
@@ -303,7 +270,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if base_path is not None:
                 load_checkpoint(base_path, model, None, None, ctx, finetune=True)
                 log.info(f"loaded the QLoRA base {base_path}")
-            state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **_start_load(job, base_path))
+            state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **start_load(job, base_path))
             log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
         if job.lora is not None and job.lora.qlora:
             from megatron_lite.lora.qlora import nf4_bytes, quantize_base
@@ -416,7 +383,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 raise
             if action == ROLLBACK:
                 _finish_async_save(saver, log)  # it may be the checkpoint to go back to
-                state = _rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved)
+                state = rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved)
                 guard.after_rollback()
                 continue
             step_gbs = train_batches.gbs(state.consumed_samples)
@@ -529,53 +496,6 @@ def _finish_async_save(saver, log) -> None:
     """Publish an --async-save still being written (every rank calls it at the same point)."""
     if saver is not None and (path := saver.finish()):
         log.info(f"saved {path} (async)")
-
-
-def _start_load(job: JobConfig, qlora_base: str | None) -> dict:
-    """How the checkpoint a job starts from is loaded: --no-load-optim, --no-load-rng, --finetune; a QLoRA
-    checkpoint's base weights come from `qlora_base`, loaded before it."""
-    ck = job.checkpoint
-    return dict(
-        load_optim=not ck.no_load_optim,
-        load_rng=not ck.no_load_rng,
-        finetune=ck.finetune,
-        skip_missing_frozen=qlora_base is not None,
-    )
-
-
-def _rollback(
-    job: JobConfig,
-    model,
-    optimizer,
-    scheduler,
-    ctx: ParallelContext,
-    log,
-    state: TrainState,
-    start: str | None,
-    qlora_base: str | None,
-    saved: set[int],
-) -> TrainState:
-    """Every rank reloads the newest complete checkpoint of this job's (`saved`) not past this iteration (the
-    Supervisor has noted the batch to skip); before its first, the checkpoint it started from (`start`), read as
-    it was then. A job started from an older checkpoint (--ckpt-step, --finetune) may share its directory with
-    the newer ones of the run it went back from: never those."""
-    ck = job.checkpoint
-    root = ck.save or ck.load
-    done = [i for i in complete_iterations(root) if i <= state.iteration and i in saved]
-    path = find_checkpoint(root, max(done)) if done else start
-    if path is None:
-        raise TrainingHalted(
-            f"iteration {state.iteration + 1}: a rollback was asked for but {root} holds no checkpoint yet; "
-            "save more often (--save-interval) or use --nan-policy skip"
-        )
-    if hasattr(optimizer, "finish_param_sync"):
-        optimizer.finish_param_sync()
-    # the starting checkpoint with the flags it was loaded with; one of this job's own with everything (its
-    # optimizer state included: --no-save-optim with a rollback is refused)
-    how = _start_load(job, qlora_base) if path == start else {}
-    restored = load_checkpoint(path, model, optimizer, scheduler, ctx, **how)
-    log.info(f"rolled back to {path}: iteration {restored.iteration}, sample {restored.consumed_samples}")
-    return restored
 
 
 def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -> bool:

@@ -1,0 +1,99 @@
+"""Which checkpoint a job starts from (its --load, or its own --save directory when a restart finds one there)
+and which it goes back to in a rollback (its own newest, or that start, read as it was then)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_lite.checkpoint.checkpointing import TrainState, find_checkpoint, load_checkpoint, same_directory
+from megatron_lite.checkpoint.format import complete_iterations
+from megatron_lite.config import ConfigError
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.resilience.supervisor import TrainingHalted
+from megatron_lite.training.configs import JobConfig
+
+
+def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
+    """(the job, with --load pointed at its own checkpoints when it resumes them; the checkpoint it loads, or
+    None to start from scratch). Read before any process group exists: every rank finds the same."""
+    ckpt_path = None
+    ck = job.checkpoint
+    if (
+        ck.save
+        and not same_directory(ck.load, ck.save)
+        and job.resilience.auto_resume
+        and find_checkpoint(ck.save, own=True)
+    ):
+        # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
+        # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
+        start = f" instead of --load {ck.load}" if ck.load else ""
+        say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over)")
+        # --no-load-optim / --no-load-rng were for the starting checkpoint: its own holds what it saved
+        parts = dict(no_load_optim=ck.no_save_optim, no_load_rng=ck.no_save_rng)
+        job = dataclasses.replace(
+            job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False, ckpt_step=None, **parts)
+        )
+        if ck.no_save_optim:  # its own checkpoints hold no optimizer state
+            say("--no-save-optim: resuming from the weights with fresh optimizer state and LR schedule")
+    if job.checkpoint.load:
+        own = same_directory(job.checkpoint.load, ck.save)  # (Megatron's --load X --save X: logs may lie in X)
+        ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step, own=own)
+        if ckpt_path is None:
+            if job.checkpoint.exit_on_missing_checkpoint:
+                raise ConfigError(
+                    f"--load {job.checkpoint.load} holds no checkpoint and --exit-on-missing-checkpoint is set"
+                )
+            say(f"no checkpoint in --load {job.checkpoint.load}: starting from scratch")
+        elif job.checkpoint.ckpt_step is not None:
+            say(
+                f"--ckpt-step {job.checkpoint.ckpt_step}: loading {ckpt_path} (a restart with these flags loads it "
+                "again; drop --ckpt-step to resume from the newest)"
+            )
+    return job, ckpt_path
+
+
+def start_load(job: JobConfig, qlora_base: str | None) -> dict:
+    """How the checkpoint a job starts from is loaded: --no-load-optim, --no-load-rng, --finetune; a QLoRA
+    checkpoint's base weights come from `qlora_base`, loaded before it."""
+    ck = job.checkpoint
+    return dict(
+        load_optim=not ck.no_load_optim,
+        load_rng=not ck.no_load_rng,
+        finetune=ck.finetune,
+        skip_missing_frozen=qlora_base is not None,
+    )
+
+
+def rollback(
+    job: JobConfig,
+    model,
+    optimizer,
+    scheduler,
+    ctx: ParallelContext,
+    log,
+    state: TrainState,
+    start: str | None,
+    qlora_base: str | None,
+    saved: set[int],
+) -> TrainState:
+    """Every rank reloads the newest complete checkpoint of this job's (`saved`) not past this iteration (the
+    Supervisor has noted the batch to skip); before its first, the checkpoint it started from (`start`), read as
+    it was then. A job started from an older checkpoint (--ckpt-step, --finetune) may share its directory with
+    the newer ones of the run it went back from: never those."""
+    ck = job.checkpoint
+    root = ck.save or ck.load
+    done = [i for i in complete_iterations(root) if i <= state.iteration and i in saved]
+    path = find_checkpoint(root, max(done)) if done else start
+    if path is None:
+        raise TrainingHalted(
+            f"iteration {state.iteration + 1}: a rollback was asked for but {root} holds no checkpoint yet; "
+            "save more often (--save-interval) or use --nan-policy skip"
+        )
+    if hasattr(optimizer, "finish_param_sync"):
+        optimizer.finish_param_sync()
+    # the starting checkpoint with the flags it was loaded with; one of this job's own with everything (its
+    # optimizer state included: --no-save-optim with a rollback is refused)
+    how = start_load(job, qlora_base) if path == start else {}
+    restored = load_checkpoint(path, model, optimizer, scheduler, ctx, **how)
+    log.info(f"rolled back to {path}: iteration {restored.iteration}, sample {restored.consumed_samples}")
+    return restored
