@@ -42,7 +42,18 @@ CONFIG = {
 }
 
 
-def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: int = 2, lora: LoraConfig = LORA):
+def lora_run(
+    name: str,
+    parallel: ParallelConfig,
+    gbs: int,
+    mbs: int,
+    layers: int = 2,
+    lora: LoraConfig = LORA,
+    optim_kw: dict | None = None,
+    save: str | None = None,
+):
+    """(per-iteration history, base unchanged, trainable names, adapter count); with `save`, also the
+    `adam_step` of a checkpoint saved there after the last iteration."""
     import torch.distributed as dist
 
     from megatron_lite.data.mock import MockGPTDataset, collate
@@ -68,7 +79,8 @@ def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: in
         quantize_base(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    optim = dataclasses.replace(OPTIM, lr=1e-2)  # adapters start at B = 0: a visible step in a few iterations
+    # adapters start at B = 0: a visible step in a few iterations
+    optim = dataclasses.replace(OPTIM, lr=1e-2, **(optim_kw or {}))
     ddp, opt = wrap_for_training(model, ctx, optim)
     sched = LRScheduler(optim, ITERS)
     data = MockGPTDataset(250, 16, seed=1)
@@ -78,7 +90,16 @@ def lora_run(name: str, parallel: ParallelConfig, gbs: int, mbs: int, layers: in
         m = train_step(ddp, opt, sched, [collate([data[i] for i in ix]) for ix in idx], ctx)
         history.append((m.lm_loss, m.grad_norm, m.lr))
     unchanged = all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
-    return history, unchanged, trainable, n_adapter
+    if save is None:
+        return history, unchanged, trainable, n_adapter
+    import json
+    import os
+
+    from megatron_lite.checkpoint.checkpointing import TrainState, save_checkpoint
+
+    path = save_checkpoint(save, TrainState(ITERS, ITERS * gbs), model, opt, sched, ctx, {})
+    with open(os.path.join(path, "metadata.json")) as f:
+        return history, unchanged, trainable, n_adapter, json.load(f)["adam_step"]
 
 
 LAYOUTS = {
@@ -144,6 +165,24 @@ def test_lora_equals_one_process(dist, name, layout):
     assert all(h[1] > 0 for h in ref)  # the adapters get gradients from the first step (B = 0, A does not)
     for history, unchanged, _, _ in dist(world, lora_run, name, parallel, gbs, mbs, layers):
         assert unchanged  # base weights bit-identical after training
+        _compare(history, ref)
+
+
+@pytest.mark.parametrize(
+    "layout,optim_kw",
+    [((0, 4), {}), ((4, 0), {"use_distributed_optimizer": True})],
+    ids=["embedding-alone", "loss-alone-distributed-optimizer"],
+)
+def test_lora_with_a_pipeline_stage_that_trains_nothing(dist, tmp_path, layout, optim_kw):
+    """--pipeline-model-parallel-layout "E|ttttL" and "Etttt|L" under LoRA: one stage holds only frozen base
+    weights. Its optimizer has nothing to step (building it crashed), the first stage's backward has nothing to
+    run through (it raised), and the checkpoint's adam_step is the steps taken even where global rank 0 holds
+    no optimizer state (it read 0 there: a resume restarted Adam's bias correction over warm moments)."""
+    parallel = P(pipeline_model_parallel_size=2, pipeline_layout=layout)
+    ref, _, _, _ = lora_run("llama", P(), 4, 4, 4)
+    save = str(tmp_path / "ckpt")
+    for history, unchanged, _, _, adam_step in dist(2, lora_run, "llama", parallel, 4, 1, 4, LORA, optim_kw, save):
+        assert unchanged and adam_step == ITERS
         _compare(history, ref)
 
 

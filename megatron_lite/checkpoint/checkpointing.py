@@ -48,7 +48,7 @@ from megatron_lite.checkpoint.format import (
     verify_file,
 )
 from megatron_lite.config import ConfigError
-from megatron_lite.optimizer.optimizer import any_rank, make_scaler, state_kinds
+from megatron_lite.optimizer.optimizer import any_rank, state_kinds
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 
@@ -101,16 +101,6 @@ def _saved_parts(optimizer, scheduler, save_optim: bool):
     if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
         optimizer.finish_param_sync()
     return None, None
-
-
-def _adam_step(optimizer) -> int:
-    for group in optimizer.inner.param_groups:  # apex's FusedAdam counts its steps per group, and only there
-        if "step" in group:
-            return int(float(group["step"]))
-    for state in optimizer.inner.state.values():
-        if "step" in state:
-            return int(float(state["step"]))
-    return 0
 
 
 @dataclass
@@ -176,7 +166,7 @@ def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job
         "layout": {"world_size": ctx.world_size, **{k: g.size for k, g in ctx.groups.items()}},
         "scheduler": scheduler.state_dict() if scheduler else None,
         "grad_scaler": optimizer.scaler.state_dict() if optimizer and optimizer.scaler else None,
-        "adam_step": _adam_step(optimizer) if optimizer else 0,
+        "adam_step": optimizer.steps_taken if optimizer else 0,
         "optimizer_saved": optimizer is not None,
     }
 
@@ -365,15 +355,9 @@ def _fresh_optimizer(optimizer, scheduler) -> None:
     """Main weights from the model, and optimizer state, LR schedule and loss scale as a new run's: a rollback
     to a start loaded without them (--no-load-optim, --finetune, or a checkpoint that holds none) forgets the
     pass it goes back from."""
-    optimizer.sync_main_from_model()
-    optimizer.inner.state.clear()
-    for group in optimizer.inner.param_groups:
-        if "step" in group:  # (apex's FusedAdam counts its steps per group)
-            group["step"] = 0
+    optimizer.reset_state()
     if scheduler is not None:
         scheduler.num_steps = scheduler.position = 0
-    if optimizer.scaler is not None:
-        optimizer.scaler.load_state_dict(make_scaler(optimizer.config).state_dict())
 
 
 def _whole(path: str) -> str | None:

@@ -33,6 +33,7 @@ from torch import nn
 from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.optimizer import (
+    OptimizerBase,
     StepResult,
     _inner_optimizer,
     count_zeros,
@@ -184,7 +185,7 @@ class FSDP2Model(nn.Module):
         return None
 
 
-class FSDP2Optimizer:
+class FSDP2Optimizer(OptimizerBase):
     def __init__(self, model: FSDP2Model, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config, self.ctx, self.model = config, ctx, model
         self.params, counted, expert, entries = [], [], [], []
@@ -198,10 +199,6 @@ class FSDP2Optimizer:
         self._counted, self._expert = counted, expert
         self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
         self.scaler = None
-
-    @property
-    def loss_scale(self) -> float:
-        return 1.0
 
     def grad_norm(self) -> float:
         """Local shards summed over the group they are sharded over, then over the model-parallel group:
@@ -234,10 +231,12 @@ class FSDP2Optimizer:
             return StepResult(False, norm, 1.0)  # every rank computed the same norm
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_([_local(p.grad) for p in self.params if p.grad is not None], coeff)
+            grads = [_local(p.grad) for p in self.params if p.grad is not None]
+            if coeff < 1.0 and grads:
+                torch._foreach_mul_(grads, coeff)
         set_lr(self.inner, lr, decoupled_lr, weight_decay)
         self.inner.step()
+        self.steps_taken += 1
         return StepResult(True, norm, 1.0)
 
     # Checkpoint interface: full tensors, gathered over the data-parallel group ------------------------
@@ -267,6 +266,7 @@ class FSDP2Optimizer:
                 states[p] = entry
         if states:
             load_inner_state(self.inner, states)
+        self.steps_taken = step
 
     def sync_main_from_model(self) -> None:
         pass  # the sharded parameters are the main weights

@@ -22,6 +22,7 @@ from torch import nn
 from megatron_lite.distributed.ddp import DistributedDataParallel, GradBuffer
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.optimizer import (
+    OptimizerBase,
     StepResult,
     _inner_optimizer,
     any_rank,
@@ -52,7 +53,7 @@ class _Shard:
         self.grad = buffer.shard_view(p, lo, hi)  # the reduced gradient of this part
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(OptimizerBase):
     def __init__(
         self,
         model: nn.Module,
@@ -80,10 +81,7 @@ class DistributedOptimizer:
         self._held = {id(p) for b in ddp.buffers for q in b.buckets for p in q.params}
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
         groups = optimizer_groups([(s.main, s.p.ndim, id(s.p) in embedding) for s in self.shards], config)
-        device = next(model.parameters()).device
-        if not groups:  # a rank that owns nothing (tiny models at large DP) still takes part in every collective
-            groups = [{"params": [torch.zeros(0, device=device)], "weight_decay": 0.0}]
-        self.inner = _inner_optimizer(groups, config, device)
+        self.inner = _inner_optimizer(groups, config, ctx.device)
         self.scaler = make_scaler(config)
         # --overlap-param-gather: the updated weights' all-gathers run under the next forward; each module
         # waits for its parameters' buckets just before it runs.
@@ -120,10 +118,6 @@ class DistributedOptimizer:
             own = [p for p in m._parameters.values() if p is not None and id(p) in held and id(p) not in covered]
             if own:
                 hook(m, own)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
 
     def _counted_sum(self, tensor_of, fn) -> float:
         """fn over each shard's tensor, summed over the groups it is sharded and split over."""
@@ -166,6 +160,7 @@ class DistributedOptimizer:
             s.main.grad = g
         set_lr(self.inner, lr, decoupled_lr, weight_decay)
         self.inner.step()
+        self.steps_taken += 1
         for s in self.shards:
             s.main.grad = None
         self._gather_params()
@@ -279,6 +274,7 @@ class DistributedOptimizer:
                 states[s.main] = entry
         if states:
             load_inner_state(self.inner, states)
+        self.steps_taken = step
 
     @torch.no_grad()
     def sync_main_from_model(self) -> None:

@@ -68,6 +68,9 @@ def state_entry(d: dict[str, torch.Tensor], config: OptimizerConfig, step: int, 
 def _inner_optimizer(groups, config: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW (Megatron's adam: decoupled weight decay), or with --optimizer sgd torch's SGD with
     --sgd-momentum (weight decay added to the gradient), as Megatron builds them."""
+    if not groups:  # a rank that trains nothing (a pipeline stage holding only frozen LoRA base weights, or
+        # a distributed-optimizer rank owning no part) still steps with every other rank
+        groups = [{"params": [], "weight_decay": 0.0}]
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
     kw = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
@@ -202,7 +205,36 @@ def load_inner_state(inner: torch.optim.Optimizer, states: dict) -> None:
             st.pop("step", None)
 
 
-class MixedPrecisionOptimizer:
+class OptimizerBase:
+    """What the three optimizers (this one, the distributed optimizer, FSDP2's) share: the count of steps
+    taken, which checkpoints save as `adam_step` and every rank keeps alike (a rank holding no parameter has
+    no per-parameter step to read it from), and starting over."""
+
+    config: OptimizerConfig
+    inner: torch.optim.Optimizer
+    scaler: object
+    steps_taken: int = 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def sync_main_from_model(self) -> None:
+        raise NotImplementedError
+
+    def reset_state(self) -> None:
+        """Main weights from the model; optimizer state and loss scale as a new run's."""
+        self.sync_main_from_model()
+        self.inner.state.clear()
+        for group in self.inner.param_groups:
+            if "step" in group:  # (apex's FusedAdam counts its steps per group)
+                group["step"] = 0
+        self.steps_taken = 0
+        if self.scaler is not None:
+            self.scaler.load_state_dict(make_scaler(self.config).state_dict())
+
+
+class MixedPrecisionOptimizer(OptimizerBase):
     def __init__(self, model: nn.Module, grad_of: GradOf, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config = config
         self.ctx = ctx
@@ -225,7 +257,7 @@ class MixedPrecisionOptimizer:
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
         # must still join the expert group's reduction.
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        self.inner = _inner_optimizer(optimizer_groups(entries, config), config, self.params[0].device)
+        self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
         self.scaler = make_scaler(config)
 
     # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
@@ -254,6 +286,7 @@ class MixedPrecisionOptimizer:
             if (entry := state_entry(d, self.config, step)) is not None:
                 states[main] = entry
         load_inner_state(self.inner, states)
+        self.steps_taken = step
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state: separate fp32 main weights and Adam moments (SGD momentum)."""
@@ -269,10 +302,6 @@ class MixedPrecisionOptimizer:
             if main is not p:
                 main.copy_(p)
 
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
-
     def _counted_sum(self, tensors: list[torch.Tensor], fn) -> float:
         """fn over tensors aligned with the parameters: dense shards summed over the model-parallel group
         (TP x PP), experts over the expert-model-parallel group (expert-TP x EP x PP): each parameter counted
@@ -282,7 +311,7 @@ class MixedPrecisionOptimizer:
             if want_expert and not self._moe:
                 continue
             mine = [g for g, c, e in zip(tensors, self._counted, self._expert) if c and e == want_expert]
-            total += fn(mine, tensors[0].device, group)
+            total += fn(mine, self.ctx.device, group)
         return total
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
@@ -300,8 +329,8 @@ class MixedPrecisionOptimizer:
     def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
         grads = [self.grad_of(p) for p in self.params]
         if self.scaler is not None:
-            inv = 1.0 / self.scaler.scale
-            torch._foreach_mul_(grads, inv)
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
             finite = all(bool(torch.isfinite(g).all()) for g in grads)
             if any_rank(not finite, self.ctx):
                 self.scaler.update(True)
@@ -312,12 +341,13 @@ class MixedPrecisionOptimizer:
         grads = fp32(grads)
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
-            if coeff < 1.0:
+            if coeff < 1.0 and grads:
                 torch._foreach_mul_(grads, coeff)
         for main, g in zip(self.main_params, grads):
             main.grad = g
         set_lr(self.inner, lr, decoupled_lr, weight_decay)
         self.inner.step()
+        self.steps_taken += 1
         for p, main in zip(self.params, self.main_params):
             main.grad = None  # (a view of the DP buffer, or its fp32 copy): never let autograd accumulate into it
             if main is not p:

@@ -154,7 +154,8 @@ def run_pipeline(
                 wait_for(id(grad))
             final = final_grads is not None and last_backward[a.chunk] == i
             with final_grads() if final else contextlib.nullcontext():
-                torch.autograd.backward(out, grad_tensors=grad)
+                if out.requires_grad:  # (not on a first stage that trains nothing: LoRA's frozen embedding)
+                    torch.autograd.backward(out, grad_tensors=grad)
             x = inputs.pop(key, None)
             if x is not None:
                 input_grads[key] = x.grad
