@@ -34,7 +34,8 @@ def test_distributed_optimizer_equals_single_process(dist, layout):
 
 
 def test_distributed_optimizer_with_experts(dist):
-    """EP=2 inside DP=4: dense state sharded over DP=4, expert state over the expert-data-parallel group."""
+    """EP=2 inside DP=4: dense state sharded over DP=4, expert state over the expert-data-parallel group; ZeRO-1,
+    with --overlap-param-gather, and ZeRO-2."""
     from test_moe import ITERS, OPTIM, moe_config, moe_run
     from test_moe import _compare as moe_compare
 
@@ -46,6 +47,11 @@ def test_distributed_optimizer_with_experts(dist):
     # --overlap-param-gather: expert weights are read by the MoE layer, never by their own modules.
     overlapped = dataclasses.replace(zero1, overlap_param_gather=True)
     for history in dist(4, moe_run, config, P(expert_model_parallel_size=2), 8, 2, ITERS, 0.0, overlapped, True, 3000):
+        moe_compare(history, ref)
+    # ZeRO-2 with overlapped reduce-scatters: expert buckets freed over the expert-data-parallel group (2 ranks),
+    # dense ones over DP=4
+    zero2 = dataclasses.replace(zero1, zero_stage=2)
+    for history in dist(4, moe_run, config, P(expert_model_parallel_size=2), 8, 2, ITERS, 0.0, zero2, True, 3000):
         moe_compare(history, ref)
 
 
