@@ -179,8 +179,19 @@ def _configs() -> dict:
             **COMMON,
         ),
         # Multi-latent attention (query latent, interleaved RoPE rows), one dense layer then MoE layers with sigmoid
-        # routing, the score-correction bias, two expert groups and a shared expert.
+        # routing, the score-correction bias, two expert groups and a shared expert; YaRN with DeepSeek-V3's
+        # mscale = mscale_all_dim = 1 (the softmax scale grows by mscale(40)^2, 1.87x)
         "deepseek_v3": transformers.DeepseekV3Config(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "original_max_position_embeddings": 8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
             hidden_size=64,
             intermediate_size=96,
             moe_intermediate_size=24,

@@ -440,7 +440,9 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     if arch in DEEPSEEK:
         out.update(hf_deepseek.config_fields(c, arch))
         if c.rope_scaling is not None and c.rope_scaling.rope_type == "yarn":
-            rope["mscale_all_dim"] = c.mla_mscale_all_dim  # the softmax scale's factor (transformers reads it here)
+            # the softmax scale's factor, in both blocks: with both written, transformers 5 builds its rope
+            # parameters from rope_scaling (the scale came back without mscale^2), and 4.x reads only that one
+            rope["mscale_all_dim"] = out["rope_scaling"]["mscale_all_dim"] = c.mla_mscale_all_dim
     if arch == "MixtralForCausalLM":
         out.update(
             num_local_experts=c.num_experts,
