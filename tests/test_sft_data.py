@@ -37,11 +37,43 @@ def test_long_records_are_cut_and_epochs_reshuffle(tmp_path):
     assert sorted(first) == sorted(second) == list(range(5)) and first != second
 
 
-def test_bad_records_are_refused(tmp_path):
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ('{"prompt": "1"}', r"d.jsonl:1: expected a JSON object with \"prompt\" and \"response\""),
+        ('{"prompt": "1", "response": null}', r"d.jsonl:1: expected .* strings, got str and NoneType"),
+        ('{"prompt": "1", "response": "two"}', r"d.jsonl:1: the tokenizer cannot encode it \(ValueError"),
+    ],
+)
+def test_bad_records_are_refused(tmp_path, record, message):
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "1"}\n')
-    with pytest.raises(ConfigError, match=r"d.jsonl:1: expected a JSON object with \"prompt\" and \"response\""):
+    path.write_text(record + "\n")
+    with pytest.raises(ConfigError, match=message):
         SFTDataset(str(path), Words(), seq_length=4, seed=0)
+
+
+def test_a_tokenizer_adding_bos_and_eos_around_every_text_gives_one_of_each(tmp_path):
+    """A tokenizer.json whose post-processor is "<s> $A </s>" (Llama saved with add_eos_token): prompt and
+    response are encoded apart, yet the sample is <s> prompt response </s>, the loss on the response and </s>
+    only (it was <s> prompt </s> <s> response </s> </s>, training on the response's <s> and a doubled </s>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "answer": 5, "yes": 6}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", model=str(tmp_path / "tokenizer.json"))
+    assert tok.encode("answer yes") == [1, 5, 6, 2]  # the tokenizer does add both each time
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "hello world", "response": "answer yes"}) + "\n")
+    s = SFTDataset(str(path), tok, seq_length=8, seed=0)[0]
+    assert s["tokens"].tolist() == [1, 3, 4, 5, 6, 2, 2, 2]
+    assert [lab for lab, m in zip(s["labels"].tolist(), s["loss_mask"].tolist()) if m] == [5, 6, 2]
 
 
 def test_a_bos_adding_tokenizer_puts_one_bos_per_sample(tmp_path):

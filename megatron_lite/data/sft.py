@@ -1,6 +1,7 @@
 """Supervised fine-tuning data: a JSONL file of {"prompt": ..., "response": ...} records. Each sample is the
-prompt's tokens (with the tokenizer's BOS, if it adds one), the response's (without: one BOS per sequence)
-and an end-of-document token, cut or padded to the sequence length; the loss mask is 1 only where the label
+prompt's tokens (with the tokenizer's BOS, if it adds one), the response's (without: one BOS per sequence, and
+without an EOS the tokenizer adds after every text) and one end-of-document token, cut or padded to the
+sequence length; the loss mask is 1 only where the label
 is a response (or the final end-of-document) token, so the prompt and the padding never count. The loss is
 averaged over the response tokens of the whole global batch (as Megatron's --calculate-per-token-loss does),
 so data parallelism equals one process however the masked tokens fall. Samples are visited in a seeded
@@ -16,26 +17,42 @@ import torch
 from megatron_lite.config import ConfigError
 
 
+def _strip(ids: list[int], head: list[int], tail: list[int]) -> list[int]:
+    if head and ids[: len(head)] == head:
+        ids = ids[len(head) :]
+    if tail and ids[-len(tail) :] == tail:
+        ids = ids[: -len(tail)]
+    return ids
+
+
 class SFTDataset:
     def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
         self.records = []
-        bos = getattr(tokenizer, "bos", None)
+        # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
+        # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
+        prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
+                expected = 'a JSON object with "prompt" and "response" strings'
                 try:
                     r = json.loads(line)
                     prompt, response = r["prompt"], r["response"]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    expected = 'a JSON object with "prompt" and "response"'
                     raise ConfigError(f"{path}:{n}: expected {expected} ({e})") from e
-                ids = tokenizer.encode(response)
-                # A tokenizer that starts every encode with BOS (Llama2Tokenizer): one BOS per sequence, the
-                # prompt's, else a mid-sequence <s> would be trained on.
-                if bos is not None and ids[:1] == [bos]:
-                    ids = ids[1:]
-                self.records.append((tokenizer.encode(prompt), ids))
+                if not isinstance(prompt, str) or not isinstance(response, str):
+                    kinds = f"{type(prompt).__name__} and {type(response).__name__}"
+                    raise ConfigError(f"{path}:{n}: expected {expected}, got {kinds}")
+                try:
+                    p, ids = tokenizer.encode(prompt), tokenizer.encode(response)
+                except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
+                    raise ConfigError(f"{path}:{n}: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
+                p = _strip(p, [], suffix)
+                ids = _strip(ids, prefix, suffix)
+                if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
+                    ids = ids + [tokenizer.eod]
+                self.records.append((p, ids))
         if not self.records:
             raise ConfigError(f"{path} holds no prompt/response records")
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
@@ -54,7 +71,7 @@ class SFTDataset:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         prompt, response = self._record(index)
-        ids = (prompt + response + [self.eod])[: self.seq_length + 1]
+        ids = (prompt + response)[: self.seq_length + 1]
         # label j is ids[j + 1]: a response token (or the closing end-of-document) when j + 1 >= len(prompt)
         mask = [1.0 if j + 1 >= len(prompt) else 0.0 for j in range(len(ids) - 1)]
         pad = self.seq_length + 1 - len(ids)

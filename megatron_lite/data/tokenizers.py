@@ -102,10 +102,13 @@ class HuggingFaceTokenizer:
                 f"tokenizer_config.json beside it, and none of {EOD_CANDIDATES})"
             )
         self.eod = eod
-        # (the post-processor's, found by encoding with and without it)
+        # What the post-processor puts around every text (BOS before, some an EOS after: "<s> $A </s>"), found by
+        # encoding with and without it
         plain, full = self._plain(["x"])[0], self._tok.encode("x").ids
-        prefix = full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
-        self.bos = prefix[0] if len(prefix) == 1 else None
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+        self.prefix = [] if at is None else full[:at]
+        self.suffix = [] if at is None else full[at + len(plain) :]
+        self.bos = self.prefix[0] if len(self.prefix) == 1 else None
 
     def _plain(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
@@ -143,6 +146,7 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
         self.bos = vocab.get("<s>") if kind == "Llama2Tokenizer" else None
         if kind == "Llama2Tokenizer" and self.bos is None:
             raise ConfigError(f"{flag}: {json_path} has no <s> token for Llama2Tokenizer's BOS")
+        self.prefix, self.suffix = ([] if self.bos is None else [self.bos]), []
         if "</s>" in vocab:
             self.eod = vocab["</s>"]  # SentencePiece's EOS, Megatron's EOD for these tokenizers
 
