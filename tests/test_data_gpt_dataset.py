@@ -28,6 +28,20 @@ def test_split_ranges_follow_megatron_core(split, n, expected):
     assert split_document_ranges(n, DataConfig(split=split).split_weights) == expected
 
 
+@pytest.mark.parametrize("split", ["98,2,0", "98/2/0", "98 2 0", "'98, 2, 0'", " 98  2 0 "])
+def test_split_reads_the_numbers_as_megatron_does(split):
+    """Megatron's parse_and_normalize_split reads the numbers out of the string: "98 2 0" was refused here."""
+    assert DataConfig(split=split).split_weights == (0.98, 0.02, 0.0)
+
+
+@pytest.mark.parametrize("split", ["98,-2", "a,b", "1,2,3,4", "0,0,0", ""])
+def test_a_split_that_is_not_up_to_three_weights_is_refused(split):
+    from megatron_lite.config import ConfigError
+
+    with pytest.raises(ConfigError, match="must be up to three non-negative weights"):
+        DataConfig(split=split, mock_data=True)
+
+
 def test_split_ranges_are_the_rounded_cumulative_weights():
     """For every size: part i is [round(cum[i] * N), round(cum[i + 1] * N)), so the parts tile [0, N)."""
     for split in ("969,30,1", "98,2,0", "1,1,2", "90,5,5", "8,1,1"):

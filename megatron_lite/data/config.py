@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from megatron_lite.config import ConfigError
@@ -18,10 +19,10 @@ TOKENIZER_TYPES = (
 
 
 def _split_weights(split: str) -> list[float]:
-    """--split's weights ("969,30,1" or "969/30/1"). Quotes around the whole are dropped: Megatron's example
-    scripts put `--split '99,1,0'` in a bash array expanded unquoted, which hands the quotes over too (Megatron
-    reads only the numbers out of the string)."""
-    return [float(x) for x in split.strip().strip("'\"").replace("/", ",").split(",") if x.strip()]
+    """--split's weights ("969,30,1", "969/30/1" or "98 2 0": Megatron reads only the numbers out of the string).
+    Quotes around the whole are dropped: Megatron's example scripts put `--split '99,1,0'` in a bash array
+    expanded unquoted, which hands the quotes over too."""
+    return [float(x) for x in re.split(r"[,/\s]+", split.strip().strip("'\"")) if x]
 
 
 @dataclass(frozen=True)
