@@ -241,7 +241,8 @@ def test_input_the_tokenizer_cannot_read_is_one_line(tmp_path):
     bad.write_bytes(json.dumps({"text": "ok"}).encode() + b'\n{"text": "caf\xe9"}\n')
     for workers in ("1", "2"):
         out = _preprocess(tmp_path, bad, "--tokenizer-type", "ByteLevelTokenizer", "--workers", workers)
-        assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not UTF-8" in out.stderr, out.stderr
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "latin1.jsonl:2: not UTF-8 (byte 0xe9 at column 14)" in out.stderr, out.stderr
     for text, fragment in (("1 x 2", "space-separated token ids"), ("1 70000", "token id 70000 is outside")):
         src = tmp_path / "ids.jsonl"
         src.write_text(json.dumps({"text": text}) + "\n")
@@ -250,3 +251,20 @@ def test_input_the_tokenizer_cannot_read_is_one_line(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{oops")
     with pytest.raises(ConfigError, match="is not a tokenizer.json the tokenizers library reads"):
         HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def test_a_bad_document_is_named_by_its_line_also_with_workers(tmp_path):
+    """With --workers 2 a document without the key was reported at the first document of its 64-document
+    chunk (65 for line 100), and the workers went on through the whole input before the tool exited; a lone
+    surrogate escaped in the JSON was blamed on --json-keys."""
+    src = tmp_path / "in.jsonl"
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(1, 300)]
+    lines[99] = json.dumps({"body": "no text key"})
+    src.write_text("\n".join(lines) + "\n")
+    out = _preprocess(tmp_path, src, "--tokenizer-type", "ByteLevelTokenizer", "--workers", "2")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "in.jsonl:100: no key 'text' in the document (check --json-keys)" in out.stderr, out.stderr
+    src.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "half an emoji \\ud83d"}\n')
+    out = _preprocess(tmp_path, src, "--tokenizer-type", "ByteLevelTokenizer")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "in.jsonl:2: the text is not valid Unicode" in out.stderr and "--json-keys" not in out.stderr

@@ -35,15 +35,37 @@ def _init(args: argparse.Namespace) -> None:
     _TOK = tokenizer_from_flags(args)
 
 
-def _encode(item: tuple[str, str]) -> tuple[dict[str, tuple[list[int], list[int]]], int]:
+def _encode(item: tuple[str, str, str]) -> tuple[dict | None, int, str | None]:
+    """(each key's (token ids, sentence lengths), bytes read, None), or (None, 0, "file:line: what went wrong"):
+    the main process reports it in input order (a worker's exception surfaced at the first document of its
+    chunk)."""
+    where, kind, payload = item
+    try:
+        return _encode_document(kind, payload), len(payload.encode("utf-8")), None
+    except (KeyError, TypeError, ValueError, UnicodeError) as e:
+        return None, 0, f"{where}: {_explain(e)}"
+
+
+def _explain(e: Exception) -> str:
+    if isinstance(e, KeyError):
+        return f"no key {e} in the document (check --json-keys)"
+    if isinstance(e, json.JSONDecodeError):
+        return f"not a JSON object ({e})"
+    if isinstance(e, UnicodeEncodeError):  # json.loads takes an escaped lone surrogate ("\\ud83d") as text
+        return f"the text is not valid Unicode ({e.reason}: {e.object[e.start : e.end]!r}); fix the document"
+    return f"{type(e).__name__}: {e}"  # the tokenizer's (NullTokenizer: text that is not ids of the vocabulary)
+
+
+def _encode_document(kind: str, payload: str) -> dict[str, tuple[list[int], list[int]]]:
     """Each key's (token ids, sentence lengths), as Megatron's Encoder.encode: a list-valued text is the
     document's sentences, one sequence each; empty sentences are dropped; an empty document gets no EOD and
     writes no sequence."""
-    kind, payload = item
     if kind == "text":
         texts = {"text": payload}
     else:
         doc = json.loads(payload)
+        if not isinstance(doc, dict):
+            raise TypeError(f"the line holds a JSON {type(doc).__name__}, expected an object")
         texts = {k: doc[k] for k in _ARGS.json_keys}
     out = {}
     for key, text in texts.items():
@@ -52,6 +74,7 @@ def _encode(item: tuple[str, str]) -> tuple[dict[str, tuple[list[int], list[int]
         for sentence in text if isinstance(text, list) else [text]:
             if not isinstance(sentence, str):
                 raise TypeError(f'"{key}" holds {type(sentence).__name__}, expected a string or a list of strings')
+            sentence.encode("utf-8")  # (raises on a lone surrogate, which the tokenizer reports as a TypeError)
             sentence_ids = _TOK.encode(sentence)
             if sentence_ids:
                 ids.extend(sentence_ids)
@@ -60,18 +83,27 @@ def _encode(item: tuple[str, str]) -> tuple[dict[str, tuple[list[int], list[int]
             ids.append(_TOK.eod)
             lens[-1] += 1
         out[key] = (ids, lens)
-    return out, len(payload.encode("utf-8"))
+    return out
 
 
 def _items(args: argparse.Namespace):
+    """(where, kind, payload) per document. JSONL lines are decoded one by one, so text that is not UTF-8 is
+    reported at its own line and column."""
     for path in args.files:
         if args.text_files:
-            yield "text", open(path, encoding="utf-8", errors="replace").read()
-        else:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
-                        yield "json", line
+            yield path, "text", open(path, encoding="utf-8", errors="replace").read()
+            continue
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(
+                        f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); convert the "
+                        "file to UTF-8"
+                    ) from None
+                if line.strip():
+                    yield f"{path}:{n}", "json", line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start, docs, nbytes = time.time(), 0, 0
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_init, initargs=(args,)) if args.workers > 1 else None
+    finished = False
     try:
         results = pool.imap(_encode, _items(args), chunksize=64) if pool else map(_encode, _items(args))
-        for encoded, size in results:
+        for encoded, size, error in results:
+            if error is not None:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
             for key, (ids, lens) in encoded.items():
                 writers[key].add_document(ids, lens)
             docs += 1
@@ -125,18 +161,16 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
-        print(f"error: input document {docs + 1}: {type(e).__name__}: {e} (check --json-keys)", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError as e:  # (read in this process: the document number is the last one read)
-        print(f"error: input after document {docs}: not UTF-8 ({e}); convert the file to UTF-8", file=sys.stderr)
-        return 2
-    except ValueError as e:  # the tokenizer's (NullTokenizer: text that is not ids of the vocabulary)
-        print(f"error: input document {docs + 1}: {e}", file=sys.stderr)
+        finished = True
+    except ConfigError as e:  # (the input's, raised while reading it)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if pool:
-            pool.close()
+        if pool:  # on an error, stop the workers now: they would tokenize the rest of the corpus first
+            if finished:
+                pool.close()
+            else:
+                pool.terminate()
             pool.join()
     for key, w in writers.items():
         w.finalize()
