@@ -81,6 +81,25 @@ def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
     assert all(r["rel_err"] < 1e-4 for r in rows if r["kernel"] in ("flash_attention_documents", "flash_attention_mla"))
     assert {r["impl"] for r in rows} >= {"megatron_lite", "eager"}
     assert "| flash_attention | megatron_lite | fwd+bwd |" in (tmp_path / "kernels.md").read_text()
+    # a peer that is absent is said to be, not left out silently
+    liger = json.loads((tmp_path / "kernels.json").read_text())["meta"]["liger"]
+    assert liger in (tmp_path / "kernels.md").read_text() and ("liger" in {r["impl"] for r in rows}) == (
+        "not installed" not in liger
+    )
+
+
+def test_bench_kernels_compile_kernels_all_compiles_every_case(tmp_path):
+    """--compile-kernels all times RoPE (a case not compiled by default) under torch.compile too: 'all' had been
+    read as the default."""
+    flags = "--size tiny --device cpu --reps 1 --compile --compile-kernels all --kernels rope"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), *flags.split(), "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert {(r["impl"], r["pass"]) for r in rows if "error" not in r} >= {
+        ("torch.compile", "fwd"),
+        ("torch.compile", "fwd+bwd"),
+    }
 
 
 @pytest.mark.slow

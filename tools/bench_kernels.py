@@ -269,8 +269,9 @@ def cases(s: dict, dtype, device):
             inputs=[q],
             ours=lambda a: K.apply_rope(a, cos, sin),
             eager=lambda a: K.apply_rope_reference(a, cos, sin),
-            bytes_fwd=2 * q.numel() * el,
-            bytes_bwd=2 * q.numel() * el,
+            # x read and y written, and cos and sin read (fp32, once per position) in each pass
+            bytes_fwd=2 * q.numel() * el + 2 * cos.numel() * cos.element_size(),
+            bytes_bwd=2 * q.numel() * el + 2 * cos.numel() * cos.element_size(),
             compile=False,
             liger=None,
         ),
@@ -327,13 +328,14 @@ def cases(s: dict, dtype, device):
             flops_fwd=2 * t * h * v,
             flops_bwd=4 * t * h * v,
             liger="fused_linear_cross_entropy",
+            labels=labels,
         ),
     ]
     first = ("flash_attention", "fused_linear_cross_entropy")  # the targets that need most time go first
     return sorted(out, key=lambda c: (c["name"] not in first, first.index(c["name"]) if c["name"] in first else 0))
 
 
-def _liger(kind):
+def _liger(kind, labels=None):
     try:
         import liger_kernel.transformers.functional as LF  # optional
     except ImportError:
@@ -342,7 +344,19 @@ def _liger(kind):
         return lambda a, ww: LF.liger_rms_norm(a, ww, 1e-5)
     if kind == "swiglu":
         return LF.liger_swiglu
+    if kind == "fused_linear_cross_entropy" and hasattr(LF, "liger_fused_linear_cross_entropy"):
+        return lambda hh, ww: LF.liger_fused_linear_cross_entropy(hh, ww, labels)
     return None
+
+
+def _liger_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return "Liger-Kernel not installed (pip install liger-kernel to time it beside ours)"
+    return f"liger-kernel {version('liger-kernel')}"
 
 
 def copy_bandwidth(device, dtype, moved_bytes: int = 2 << 30) -> float | None:
@@ -460,7 +474,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     use_compile = args.compile or device.type == "cuda"
-    compile_only = None if args.compile_kernels in (None, "all") else set(args.compile_kernels.split(","))
+    # None: the cases' own choice; "all": every case
+    compile_only = (
+        args.compile_kernels if args.compile_kernels in (None, "all") else set(args.compile_kernels.split(","))
+    )
     from megatron_lite.training.flops import peak_flops
 
     peak = peak_flops(device, dtype != torch.float32)
@@ -473,6 +490,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "copy_bandwidth_GBps": bw,
         "peak_flops": peak,
         "torch": f"torch {torch.__version__}",
+        "liger": _liger_version(),
     }
     try:
         import triton
@@ -491,12 +509,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # Cases with no target (last=True) go after both phases.
     for phase in ("direct", "compiled", "last"):
         for case in selected:
-            compiled = case.get("compile", True) if compile_only is None else case["name"] in compile_only
+            if compile_only is None:
+                compiled = case.get("compile", True)
+            else:
+                compiled = compile_only == "all" or case["name"] in compile_only
             if phase != "compiled" and (phase == "last") == bool(case.get("last")):
                 impls = {"megatron_lite": case["ours"], case.get("eager_name", "eager"): case["eager"]}
                 impls.update(case.get("variants", {}))
-                if case.get("liger") and _liger(case["liger"]):
-                    impls["liger"] = _liger(case["liger"])
+                if case.get("liger") and _liger(case["liger"], case.get("labels")):
+                    impls["liger"] = _liger(case["liger"], case.get("labels"))
             elif phase == "compiled" and use_compile and compiled and not case.get("last"):
                 impls = {"torch.compile": torch.compile(case["eager"])}
             else:

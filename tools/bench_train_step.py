@@ -32,11 +32,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--kernel-impl",
+        choices=["triton", "torch"],
+        help="megatron_lite's kernels (default: as pretrain_gpt.py, Triton on a CUDA GPU, PyTorch on a CPU)",
+    )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
 
+    import dataclasses
+
     import transformers
 
+    from megatron_lite.arguments import _kernel_impl
     from megatron_lite.config import ParallelConfig
     from megatron_lite.data.mock import MockGPTDataset, collate
     from megatron_lite.distributed.ddp import DistributedDataParallel
@@ -65,7 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).train()
-    config = config_from_hf(hf_config)
+    # (what training runs with: config_from_hf leaves the PyTorch kernels)
+    kernel_impl = _kernel_impl(args.kernel_impl) if device.type == "cuda" or args.kernel_impl else "torch"
+    config = dataclasses.replace(config_from_hf(hf_config), kernel_impl=kernel_impl)
     ctx = ParallelContext.virtual(ParallelConfig(), device=device)
     ctx.seed(0)
     ours = GPTModel(config, ctx, dtype=dtype)
@@ -110,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
+        "kernel_impl": kernel_impl,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "step_time_s": med,
         "tokens_per_s": {k: tokens / v for k, v in med.items()},
@@ -120,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{k:16}{med[k] * 1e3:>16.1f}{tokens / med[k]:>12.0f}")
     print(
         f"speed-up of megatron_lite over transformers: {result['ratio_transformers_over_megatron_lite']:.2f}x "
-        f"({result['device']}, {result['dtype']}, {args.iters} timed steps each, medians)"
+        f"({result['device']}, {result['dtype']}, megatron_lite's {kernel_impl} kernels, {args.iters} timed steps "
+        "each, medians)"
     )
     if args.json:
         with open(args.json, "w") as f:
