@@ -40,6 +40,20 @@ def test_six_n_plus_attention(make):
     assert flops_per_token(c, s) == pytest.approx(causal, rel=1e-12)
 
 
+@pytest.mark.parametrize("window", [1, 5, 31, 32, 100])
+def test_a_sliding_window_counts_the_scores_it_computes(window):
+    """Mistral's window: attention counts the (query, key) pairs the causal window mask keeps, less the half
+    diagonal the causal convention leaves out (s / 2 keys per query, not (s + 1) / 2); the rest is unchanged."""
+    s = 32
+    c = llama_config(sliding_window=window)
+    mask = torch.ones(s, s).tril() - torch.ones(s, s).tril(-min(window, s))  # key j seen by query i
+    keys = float(mask.sum()) / s - min(window, s) / (2 * s)
+    per_key = 3 * 4 * c.num_layers * c.num_attention_heads * c.head_dim  # q.k^T and p.v, forward + backward
+    unwindowed = flops_per_token(llama_config(), s)
+    assert flops_per_token(c, s) == pytest.approx(unwindowed - per_key * (s / 2 - keys), rel=1e-12)
+    assert flops_per_token(c, s, causal=False) - flops_per_token(c, s) == pytest.approx(per_key * keys, rel=1e-12)
+
+
 @pytest.mark.parametrize("mtp", [0, 2])
 def test_mla_and_moe_count_the_work_each_token_does(mtp):
     """DeepSeek-shaped (multi-latent attention, MoE with top-2 of 4 experts and a shared expert): 6 N_active +
