@@ -263,6 +263,29 @@ def test_plan_from_a_hugging_face_config(tmp_path):
     assert 0 < best["mfu"] < 1
 
 
+def test_plan_from_pretrain_flags_takes_the_planners_sizes_and_the_vocabulary(capsys):
+    """The README's `plan_parallelism.py --seq-length 4096 --global-batch-size 256 -- <model flags>`: the
+    planner's sizes stand in for the job's and no --train-iters is needed (it raised "missing required flag"),
+    and --vocab-size is the model's vocabulary (it planned for the embedded corpus's 4096). Bad paths are one
+    line."""
+    model = (
+        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+        "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope "
+        "--untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256"
+    )
+    sizes = ["--seq-length", "4096", "--global-batch-size", "256"]
+    result = _tool().main(["--gpu", "A100", "--nodes", "2", *sizes, "--top", "1", "--", *model.split()])
+    assert "vocabulary 128256; global batch 256 x 4096 tokens" in capsys.readouterr().out
+    assert result["fits"]
+    for flags, message in (
+        (["--script", "nope.sh"], "error: --script nope.sh: no such file"),
+        (["--hf-config", "nope/config.json"], "error: --hf-config nope/config.json: no such file"),
+        ([*sizes, "--", "--num-layers", "2"], "error: missing required flag"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            _tool().main(flags)
+
+
 def test_planner_refuses_what_pretrain_refuses():
     """The search filters with the checks pretrain runs at start-up: same message."""
     from megatron_lite.config import ConfigError

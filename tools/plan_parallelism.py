@@ -33,6 +33,8 @@ from megatron_lite.planner.search import Candidate, evaluate, plan
 def script_args(path: str) -> tuple[list[str], int]:
     """The pretrain flags of a shipped launch script (its ARGS=( ... ) array, expanded by bash with the
     script's own defaults) and the world size it launches (GPUS_PER_NODE x NNODES)."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --script {path}: no such file")
     text = open(path).read()
     block = re.search(r"^ARGS=\($.*?^\)$", text, re.S | re.M)
     if block is None:
@@ -45,23 +47,46 @@ def script_args(path: str) -> tuple[list[str], int]:
     return argv, int(world)
 
 
-def model_from_flags(argv: list[str]) -> tuple[ModelConfig, object]:
+def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = None) -> tuple[ModelConfig, object]:
+    """The model and job of pretrain flags. The planner's --seq-length and --global-batch-size stand in for
+    the job's when these leave them out, and a plan trains nothing (--train-iters is not needed); with no
+    data flags, --vocab-size is the model's vocabulary."""
     from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
     from megatron_lite.training.dry_run import _vocab
 
-    _, job = parse_args(argv)
-    return dataclasses.replace(job.model, vocab_size=_vocab(job)), job
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    extra = []
+    for flag, value in (("--seq-length", seq), ("--global-batch-size", gbs)):
+        if value and flag not in given:
+            extra += [flag, str(value)]
+    if not given & {"--train-iters", "--train-samples"}:
+        extra += ["--train-iters", "1"]
+    try:
+        _, job = parse_args(argv + extra)
+        d = job.data
+        data = d.mock_data or d.sft or d.data_path or d.train_data_path
+        vocab = d.vocab_size if not data and d.vocab_size else _vocab(job)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    return dataclasses.replace(job.model, vocab_size=vocab), job
 
 
 def model_from_hf(path: str) -> ModelConfig:
     from megatron_lite.checkpoint.hf_convert import load_hf_config
+    from megatron_lite.config import ConfigError
     from megatron_lite.models.hf import config_from_hf
 
     directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
     if not os.path.isdir(path) and os.path.basename(path) != "config.json":
-        raise SystemExit(f"--hf-config {path}: give a Hugging Face model directory or its config.json")
-    hf, _ = load_hf_config(directory)
-    return config_from_hf(hf)
+        raise SystemExit(f"error: --hf-config {path}: give a Hugging Face model directory or its config.json")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise SystemExit(f"error: --hf-config {path}: no such file ({os.path.join(directory, 'config.json')})")
+    try:
+        hf, _ = load_hf_config(directory)
+        return config_from_hf(hf)
+    except ConfigError as e:
+        raise SystemExit(f"error: --hf-config {path}: {e}") from None
 
 
 def job_layout(job, world: int) -> Layout:
@@ -303,11 +328,11 @@ def main(argv: list[str] | None = None) -> dict:
         job, world = None, None
         if args.script:
             script_flags, world = script_args(args.script)
-            model, job = model_from_flags(script_flags + flags)
+            model, job = model_from_flags(script_flags + flags, args.seq_length, args.global_batch_size)
         elif args.hf_config:
             model = model_from_hf(args.hf_config)
         elif flags:
-            model, job = model_from_flags(flags)
+            model, job = model_from_flags(flags, args.seq_length, args.global_batch_size)
         else:
             p.error("give a model: --script FILE, --hf-config FILE, or pretrain flags after --")
         model = dataclasses.replace(model, kernel_impl=args.kernel_impl)

@@ -44,6 +44,13 @@ def check_vocabulary_flags(data: DataConfig) -> None:
     elif (data.data_path or data.train_data_path) and data.tokenizer_type is None:
         flag = "--data-path" if data.data_path else "--train-data-path"
         raise ConfigError(f"{flag} needs --tokenizer-type (and its files) to know the vocabulary")
+    elif not (data.data_path or data.train_data_path) and (data.vocab_size or data.tokenizer_type):
+        # (they were dropped silently: the model took the embedded corpus's 4096-token vocabulary)
+        flag = f"--vocab-size {data.vocab_size}" if data.vocab_size else f"--tokenizer-type {data.tokenizer_type}"
+        raise ConfigError(
+            f"{flag} without data: with no --data-path or --mock-data the job trains on the embedded corpus with "
+            "its own 4096-token tokenizer; add --mock-data (random tokens) or --data-path, or drop the flag"
+        )
 
 
 def resolve_data(data: DataConfig, log=print) -> DataSource:
