@@ -148,6 +148,20 @@ def test_a_corpus_shorter_than_one_sample_is_a_one_line_error(tmp_path, capsys, 
     _one_line_error(rc, err, f"--data-path {prefix}", "hold 12 tokens", "--seq-length 16 + 1")
 
 
+def test_a_split_without_validation_documents_says_there_is_no_evaluation(tmp_path, capsys, monkeypatch):
+    """--split 100,0,0 with --eval-iters > 0: evaluation is skipped and start-up says why (it said nothing)."""
+    from test_pretrain_cli import _run
+
+    prefix = str(tmp_path / "corpus_text_document")
+    _write(prefix, [[1 + (i + j) % 90 for j in range(40)] + [100] for i in range(8)])
+    flags = ["--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    rc, out, err = _run([*flags, "--eval-iters", "1", "--eval-interval", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "no validation evaluation: the validation split holds no documents (--split 100,0,0)" in out
+    assert "no test evaluation: the test split holds no documents (--split 100,0,0)" in out
+    assert "validation at iteration" not in out
+
+
 def test_the_vocabulary_check_survives_its_cache_and_long_paths(tmp_path):
     """Its cache is named by a hash (a prefix of 258 characters made a name past the file system's 255-byte
     limit) and written atomically; an unreadable one (a write cut short) is scanned again, not a traceback.

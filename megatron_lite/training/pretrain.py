@@ -291,6 +291,16 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 f"the train split holds no documents (--split {job.data.split} of --data-path, or "
                 "--train-data-path): give it some, or --skip-train to evaluate only"
             )
+        if t.eval_iters > 0:  # (evaluation was skipped without a word)
+            for ds, name, flag in (
+                (valid_ds, "validation", "--valid-data-path"),
+                (test_ds, "test", "--test-data-path"),
+            ):
+                if ds is None and job.data.sft:
+                    log.info(f"no {name} evaluation: --sft reads one set of records, all for training")
+                elif ds is None:
+                    given = f"--split {job.data.split}" if job.data.data_path else f"no {flag}"
+                    log.info(f"no {name} evaluation: the {name} split holds no documents ({given})")
         rampup = t.rampup_batch_size is not None
         train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
         flops_per_sample = flops_per_token(job.model, t.seq_length) * t.seq_length
