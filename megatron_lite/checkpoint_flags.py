@@ -207,10 +207,19 @@ SCHEDULE_DESTS = (
 
 
 def _schedule_notes(
-    ns: argparse.Namespace, saved: dict, given: set[str], full: dict, has_lengths: bool = True
+    ns: argparse.Namespace,
+    saved: dict,
+    given: set[str],
+    full: dict,
+    has_lengths: bool = True,
+    has_schedule: bool = True,
 ) -> list[str]:
     """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those
-    this run takes as defaults); returns the notes to log."""
+    this run takes as defaults); returns the notes to log. Nothing to reconcile where no schedule state is
+    loaded (--finetune, --no-load-optim, or a checkpoint that holds none, as a conversion's): the flags are the
+    schedule (the notes had compared them with a conversion's placeholder values)."""
+    if not has_schedule or ns.finetune or ns.no_load_optim:
+        return []
     changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
     old_gbs, gbs = full.get("global_batch_size"), ns.global_batch_size
     new_batch = None not in (old_gbs, gbs) and gbs != old_gbs
@@ -326,7 +335,9 @@ def flags_from_checkpoint(
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
-    ns.schedule_notes = _schedule_notes(ns, saved, given, full, scheduler is None or "lengths" in scheduler)
+    ns.schedule_notes = _schedule_notes(
+        ns, saved, given, full, scheduler is None or "lengths" in scheduler, scheduler is not None
+    )
     if ns.use_checkpoint_args:
         for d in ARCH_DESTS:
             setattr(ns, d, saved.get(d, getattr(ns, d)))

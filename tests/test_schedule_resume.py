@@ -62,6 +62,28 @@ def test_the_checkpoints_schedule_keeps_its_lengths(tmp_path, capsys, monkeypatc
     assert "lengths in samples (batches of 4) kept" not in out and "predates schedule lengths in samples" in out
 
 
+def test_a_run_that_loads_no_schedule_is_not_told_its_flags_differ(tmp_path, capsys, monkeypatch):
+    """--finetune, --no-load-optim, or a checkpoint without schedule state (a conversion's): the flags are the
+    schedule, so nothing is compared with the checkpoint's (a LoRA fine-tune of a converted model was told its
+    --lr "differs from the checkpoint's" placeholder, with Megatron's stop that does not apply); a resume that
+    loads the schedule still is."""
+    ckpt = str(tmp_path / "ckpt")
+    _job([*RUN, "--save", ckpt, "--save-interval", "3", "--train-iters", "3"], tmp_path / "a.jsonl", capsys,
+         monkeypatch)  # fmt: skip
+    other = ["--load", ckpt, "--lr", "5e-4", "--global-batch-size", "8"]
+    for flags in (["--finetune"], ["--no-load-optim"]):
+        _, out = _job([*RUN, *other, *flags], tmp_path / "b.jsonl", capsys, monkeypatch)
+        assert "differs from the checkpoint's" not in out, flags
+    meta_path = tmp_path / "ckpt" / "iter_0000003" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    _, out = _job([*RUN, *other], tmp_path / "c.jsonl", capsys, monkeypatch)
+    assert "--lr 0.0005 differs from the checkpoint's 0.001" in out and "--global-batch-size 8 differs" in out
+    meta["scheduler"] = None
+    meta_path.write_text(json.dumps(meta))
+    _, out = _job([*RUN, *other, "--no-load-rng"], tmp_path / "d.jsonl", capsys, monkeypatch)
+    assert "differs from the checkpoint's" not in out
+
+
 @pytest.mark.parametrize(
     "kw, fragment",
     [
