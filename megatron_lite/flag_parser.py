@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lite.data.config import TOKENIZER_TYPES
+from megatron_lite.data.config import TOKENIZER_TYPES, tokenizer_type_flag
 from megatron_lite.megatron_flags import add_megatron_flag_groups
 from megatron_lite.optimizer.config import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 
@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     a.add_argument("--split", default="969,30,1")
     _bool(a, "--mock-data", "synthetic tokens (needs --vocab-size)")
-    a.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES))
+    a.add_argument("--tokenizer-type", type=tokenizer_type_flag, metavar="{" + ",".join(TOKENIZER_TYPES) + "}")
     a.add_argument(
         "--tokenizer-model",
         help="tokenizer.json for HuggingFaceTokenizer; for Llama2Tokenizer / GPTSentencePieceTokenizer the "

@@ -64,6 +64,10 @@ def test_help_groups_flags(capsys):
         (["--moe-input-jitter-eps", "0.01"], ["--moe-input-jitter-eps: no such flag"]),
         (["--num-layers", "x"], ["--num-layers", "invalid int value: 'x'"]),
         (["--kernel-impl", "cuda"], ["--kernel-impl", "invalid choice: 'cuda'"]),
+        # Megatron's other tokenizer types: why not, and what to use (it was argparse's "invalid choice")
+        (["--tokenizer-type", "TikTokenizer"], ["TikTokenizer: tiktoken tokenizers are not supported; use Hugging"]),
+        (["--tokenizer-type", "SentencePieceTokenizer"], ["reads no SentencePiece .model files; use HuggingFace"]),
+        (["--tokenizer-type", "Tik"], ["Tik: not a tokenizer type; choose from NullTokenizer, HuggingFaceTokenizer"]),
     ],
 )
 def test_flag_parsing_errors_are_one_line(argv, fragments, capsys):
@@ -270,6 +274,9 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
             ["--nan-policy rollback", "--no-save-optim"],
         ),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
+        # with no data the embedded corpus's own tokenizer was used and these dropped silently
+        (["--vocab-size", "32000"], ["--vocab-size 32000 without data", "add --mock-data"]),
+        (["--tokenizer-type", "GPT2BPETokenizer"], ["--tokenizer-type GPT2BPETokenizer without data"]),
         (
             [
                 "--pipeline-model-parallel-size",

@@ -20,7 +20,7 @@ import sys
 import time
 
 from megatron_lite.config import ConfigError
-from megatron_lite.data.config import TOKENIZER_TYPES
+from megatron_lite.data.config import TOKENIZER_TYPES, tokenizer_type_flag
 from megatron_lite.data.indexed import IndexedDatasetWriter
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--text-files", action="store_true", help="inputs are plain text, one document per file")
     g = p.add_argument_group("tokenizer")
     g.add_argument(
-        "--tokenizer-type",
-        required=True,
-        choices=list(TOKENIZER_TYPES),
+        "--tokenizer-type", required=True, type=tokenizer_type_flag, metavar="{" + ",".join(TOKENIZER_TYPES) + "}"
     )
     g.add_argument("--tokenizer-model")
     g.add_argument("--vocab-file")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,27 @@ TOKENIZER_TYPES = (
     "Llama2Tokenizer",  # read through the tokenizer.json beside its tokenizer.model (data/tokenizers.py)
     "GPTSentencePieceTokenizer",
 )
+
+
+# Megatron's other --tokenizer-type values, each with why it is not taken and what to use
+UNSUPPORTED_TOKENIZERS = {
+    "TikTokenizer": "tiktoken tokenizers are not supported; use HuggingFaceTokenizer with the model's tokenizer.json",
+    "SentencePieceTokenizer": "megatron_lite reads no SentencePiece .model files; use HuggingFaceTokenizer with the "
+    "tokenizer.json converted from it (GPTSentencePieceTokenizer and Llama2Tokenizer read that one too)",
+    "BertWordPieceLowerCase": "BERT's tokenizers are for BERT models, which megatron_lite does not train",
+    "BertWordPieceCase": "BERT's tokenizers are for BERT models, which megatron_lite does not train",
+    "MultimodalTokenizer": "multimodal models are not supported",
+    "NullMultimodalTokenizer": "multimodal models are not supported",
+    "SFTTokenizer": "use --sft with HuggingFaceTokenizer (prompt/response JSONL records)",
+}
+
+
+def tokenizer_type_flag(value: str) -> str:
+    """argparse type of --tokenizer-type: one of ours, else one line saying why not."""
+    if value in TOKENIZER_TYPES:
+        return value
+    why = UNSUPPORTED_TOKENIZERS.get(value, f"not a tokenizer type; choose from {', '.join(TOKENIZER_TYPES)}")
+    raise argparse.ArgumentTypeError(f"{value}: {why}")
 
 
 def _split_weights(split: str) -> list[float]:
