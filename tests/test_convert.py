@@ -545,6 +545,16 @@ def test_pickled_weights_are_refused(converted, tmp_path, capsys):
     assert rc == 2 and "pickled" in err and "safetensors" in err
 
 
+def test_an_hf_directory_given_as_our_checkpoint_names_the_tools_flag(converted, tmp_path, capsys):
+    """--loader megatron_lite --load-dir <a Hugging Face directory>: the line names --load-dir and what to give
+    (it named --load and advised an empty directory "to start from scratch")."""
+    hf_dir = converted["llama"][1]
+    rc = convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", hf_dir, "--save-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--load-dir {hf_dir} is not a megatron_lite checkpoint directory" in err, err
+    assert "--load " not in err and "scratch" not in err
+
+
 @pytest.mark.parametrize("model_type", list(HF_DEFAULTS))
 def test_defaults_without_transformers_match_transformers(model_type):
     """The fallback defaults (used when transformers is not installed) are transformers' class defaults."""

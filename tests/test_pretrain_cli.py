@@ -784,14 +784,16 @@ def test_fsdp2_with_overlap_grad_reduce_is_refused_before_any_process_group(caps
 
 
 def test_wandb_entity_and_validation_perplexity(tmp_path):
-    """--wandb-entity reaches the (offline, real) W&B run; validation logs Megatron's perplexity exp(lm_loss)."""
+    """--wandb-entity reaches the (offline, real) W&B run, written under --save as Megatron's default
+    --wandb-save-dir (it was the working directory, on every node); validation logs Megatron's perplexity
+    exp(lm_loss)."""
     import math
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [*TINY, "--mock-data", "--vocab-size", "100", "--eval-iters", "2", "--eval-interval", "3"]
-    argv += ["--wandb-project", "p", "--wandb-entity", "team-x", "--wandb-save-dir", str(tmp_path / "wb")]
+    argv += ["--wandb-project", "p", "--wandb-entity", "team-x", "--save", str(tmp_path / "ckpt")]
     argv += ["--log-jsonl", str(tmp_path / "m.jsonl")]
     env = {**os.environ, "WANDB_MODE": "offline", "WORLD_SIZE": "1", "RANK": "0"}
     env.pop("WANDB_API_KEY", None)
@@ -801,9 +803,11 @@ def test_wandb_entity_and_validation_perplexity(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    logs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/logs/debug.log"))
+    assert not (tmp_path / "wandb").exists()
+    logs = list((tmp_path / "ckpt" / "wandb" / "wandb").glob("offline-run-*/logs/debug.log"))
     assert len(logs) == 1 and "finishing run team-x/p/" in logs[0].read_text()  # entity/project/run id
     valid = [json.loads(line)["validation"] for line in open(tmp_path / "m.jsonl") if '"validation"' in line]
     assert valid and all(abs(v["ppl"] - math.exp(v["lm_loss"])) < 1e-9 * v["ppl"] for v in valid)

@@ -305,12 +305,12 @@ class AsyncSaver:
 
 
 # Loading ----------------------------------------------------------------------------------------
-def find_checkpoint(root: str | None, step: int | None = None, own: bool = False) -> str | None:
+def find_checkpoint(root: str | None, step: int | None = None, own: bool = False, flag: str = "--load") -> str | None:
     """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); `root`
     itself when it is one iteration's directory; None when `root` is missing or empty. Without the tracker file
     (a job killed between publishing its first checkpoint and writing the tracker), the newest complete one.
-    A directory that holds something else is a one-line error, unless it is the job's own --save directory
-    (`own`): its logs may lie there before any checkpoint does."""
+    A directory that holds something else is a one-line error naming `flag` (the caller's), unless it is the
+    job's own --save directory (`own`): its logs may lie there before any checkpoint does."""
     if root and step is None and os.path.isfile(os.path.join(root, "metadata.json")):
         return root  # (a QLoRA checkpoint records its base this way: that iteration, not the newest)
     leftovers = (".tmp", ".old", ".partial")  # a save killed before the first checkpoint was published
@@ -336,10 +336,12 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     if iteration is None:
         if own:
             return None
-        raise ConfigError(
-            f"--load {root} is not a megatron_lite checkpoint directory (no {TRACKER}); point --load at the "
-            "--save directory of a run, or at an empty directory to start from scratch"
+        fix = (
+            "point --load at the --save directory of a run, or at an empty directory to start from scratch"
+            if flag == "--load"
+            else "give the --save directory of a run, or one of its iteration directories"
         )
+        raise ConfigError(f"{flag} {root} is not a megatron_lite checkpoint directory (no {TRACKER}); {fix}")
     path = _whole(iteration_dir(root, iteration))
     if path is None:
         missing = os.path.join(iteration_dir(root, iteration), "metadata.json")

@@ -364,7 +364,7 @@ def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict
 def read_model_tensors(load_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata, full unpadded model tensors by our names) of the newest checkpoint under `load_dir`,
     whatever layout wrote it."""
-    path = find_checkpoint(load_dir)
+    path = find_checkpoint(load_dir, flag="--load-dir")
     if path is None:
         raise ConfigError(f"--load-dir {load_dir} holds no megatron_lite checkpoint")
     meta = read_metadata(path)

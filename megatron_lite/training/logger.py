@@ -57,7 +57,8 @@ class MetricsLogger:
             import wandb  # only when asked for: W&B is heavy and absent from some images
 
             mode = _wandb_mode()
-            save_dir = self.config.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
+            # (as Megatron: beside the checkpoints, not in every node's working directory)
+            save_dir = self.config.wandb_save_dir or os.path.join(job.checkpoint.save or os.getcwd(), "wandb")
             os.makedirs(save_dir, exist_ok=True)
             self._wandb = wandb.init(
                 project=self.config.wandb_project,

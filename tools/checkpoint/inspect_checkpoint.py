@@ -29,7 +29,7 @@ def _human(n: float) -> str:
 
 def describe(path: str, verify: bool = False) -> dict:
     if not os.path.isfile(os.path.join(path, "metadata.json")):
-        found = find_checkpoint(path)
+        found = find_checkpoint(path, flag="checkpoint")
         if found is None:
             raise ConfigError(f"{path} holds no megatron_lite checkpoint")
         path = found
