@@ -545,6 +545,15 @@ def test_pickled_weights_are_refused(converted, tmp_path, capsys):
     assert rc == 2 and "pickled" in err and "safetensors" in err
 
 
+def test_help_lists_every_architecture_that_converts(converted, capsys):
+    """--help's list is the converter's own (it had left out both DeepSeek architectures)."""
+    with pytest.raises(SystemExit):
+        convert.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for model, *_ in converted.values():
+        assert type(model).__name__ in text, type(model).__name__
+
+
 def test_an_hf_directory_given_as_our_checkpoint_names_the_tools_flag(converted, tmp_path, capsys):
     """--loader megatron_lite --load-dir <a Hugging Face directory>: the line names --load-dir and what to give
     (it named --load and advised an empty directory "to start from scratch")."""

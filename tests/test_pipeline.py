@@ -63,6 +63,22 @@ def test_batches_complete_under_nccls_grouped_point_to_point(pp, vp):
         _simulate_batches([rank0, rank1])
 
 
+def test_the_schedule_printer_prints_readable_actions():
+    """`python -m megatron_lite.pipeline_parallel.schedules 4 2 8` (the README's): every action readable, the ends
+    of message batches as | (they printed as X-1.-1), and no arguments is the usage, not a traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "megatron_lite.pipeline_parallel.schedules"]
+    out = subprocess.run([*cmd, "4", "2", "8"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.count("rank ") == 4, out.stderr
+    for line in out.stdout.splitlines():
+        actions = line.split(": ", 1)[1].split()
+        assert all(a == "|" or re.fullmatch(r"(F|B)\d+\.\d+|(SF|RF|SB|RB)\d+\.\d+@\d", a) for a in actions), line
+    usage = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 1 and usage.stderr.startswith("usage: ") and "Traceback" not in usage.stderr
+
+
 def test_1f1b_order_is_warmup_steady_cooldown():
     order = [(k, mb) for k, mb, _ in compute_order(4, 1, 6, 1)]
     assert order[:2] == [(FORWARD, 0), (FORWARD, 1)]  # p - r - 1 = 2 warm-up forwards

@@ -43,6 +43,8 @@ class Action:
     peer: int = -1  # pipeline rank of the other side, for communication
 
     def __str__(self) -> str:
+        if self.kind == FLUSH:
+            return "|"  # (the end of a batch of messages)
         peer = f"@{self.peer}" if self.peer >= 0 else ""
         return f"{self.kind}{self.microbatch}.{self.chunk}{peer}"
 
@@ -308,8 +310,22 @@ def _simulate(scheds: list[list[Action]]) -> None:
             raise ScheduleError(f"deadlock: ranks wait at {stuck}")
 
 
+USAGE = """usage: python -m megatron_lite.pipeline_parallel.schedules PP VP MICROBATCHES
+
+Each pipeline rank's actions, checked for deadlock: F3.1 is the forward of micro-batch 3 in model chunk 1,
+B the backward; SF/RF send and receive an activation, SB/RB a gradient (@ the peer's pipeline rank); | ends a
+batch of messages posted together (one batch_isend_irecv)."""
+
 if __name__ == "__main__":
-    pp_, vp_, m_ = (int(x) for x in sys.argv[1:4])
-    check_schedules(pp_, vp_, m_)
+    try:
+        if len(sys.argv) != 4 or "-h" in sys.argv or "--help" in sys.argv:
+            raise ValueError
+        pp_, vp_, m_ = (int(x) for x in sys.argv[1:4])
+    except ValueError:
+        sys.exit(USAGE)
+    try:
+        check_schedules(pp_, vp_, m_)
+    except ScheduleError as e:
+        sys.exit(f"error: {e}")
     for r_ in range(pp_):
         print(f"rank {r_}: " + " ".join(str(a) for a in build_schedule(pp_, vp_, m_, r_)))

@@ -7,16 +7,14 @@
     python tools/checkpoint/convert.py --loader megatron_lite --saver hf --merge-lora --load-dir lora_ckpt \\
         --save-dir merged
 
-Supported Hugging Face architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, NemotronForCausalLM,
-GPT2LMHeadModel. A megatron_lite checkpoint saved under any layout converts as is; one converted from Hugging
-Face loads under any layout (`pretrain_gpt.py --load ckpt`).
+{architectures}
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from megatron_lite.checkpoint.hf_convert import hf_to_megatron_lite, megatron_lite_to_hf, megatron_lite_to_peft
 from megatron_lite.config import ConfigError
@@ -24,7 +22,19 @@ from megatron_lite.flag_parser import OneLineErrorParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_lite.models.hf import LLAMA_LIKE
+
+    # (the converter's own list: it cannot drift from what converts)
+    architectures = textwrap.fill(
+        f"Supported Hugging Face architectures: {', '.join((*LLAMA_LIKE, 'GPT2LMHeadModel'))}. A megatron_lite "
+        "checkpoint saved under any layout converts as is; one converted from Hugging Face loads under any layout "
+        "(`pretrain_gpt.py --load ckpt`).",
+        width=110,
+    )
+    p = OneLineErrorParser(
+        description=__doc__.replace("{architectures}", architectures),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--loader", choices=["hf", "megatron_lite"], required=True)
     p.add_argument("--saver", choices=["hf", "hf-peft", "megatron_lite"], required=True)
     p.add_argument("--load-dir", required=True)
