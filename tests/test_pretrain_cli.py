@@ -77,6 +77,28 @@ def test_flag_parsing_errors_are_one_line(argv, fragments, capsys):
     _one_line_error(e.value.code, capsys.readouterr().err, *fragments, "--help lists the flags")
 
 
+def test_a_start_up_error_is_said_once_per_node(capsys, monkeypatch):
+    """Before any process group every rank finds the same error: the node's first local rank says it, the others
+    exit quietly with the same code (torchrun showed it once per rank, in two forms)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    rc, _, err = _run(["--mock-data"], capsys, monkeypatch, world=2)
+    assert rc == 2 and err == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    rc, _, err = _run(["--mock-data"], capsys, monkeypatch, world=2)
+    _one_line_error(rc, err, "--mock-data needs --vocab-size")
+
+
+def test_a_lost_peer_is_recognised_by_its_transport_words():
+    from megatron_lite.training.pretrain import _peer_lost
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2472: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    assert _peer_lost(gloo) == "Read error [127.0.0.1]:2472: Connection reset by peer"
+    assert _peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
 def test_missing_data_files(tmp_path, capsys, monkeypatch):
     rc, _, err = _run(
         ["--data-path", str(tmp_path / "nope"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import torch
 import torch.distributed as dist
@@ -108,7 +109,11 @@ class Supervisor:
         return ROLLBACK
 
     def _non_finite(self, iteration: int, consumed_before: int, metrics, ddp) -> str:
-        what = f"lm_loss {metrics.lm_loss}, grad norm {metrics.grad_norm}"
+        # the values that are not finite, the others beside them ("non-finite lm_loss 5.59" read as a contradiction)
+        values = {"lm_loss": metrics.lm_loss, "grad norm": metrics.grad_norm}
+        bad = [k for k, v in values.items() if v is not None and not math.isfinite(v)]
+        good = [f"{k} {v:.6g}" for k, v in values.items() if v is not None and k not in bad]
+        what = " and ".join(f"{k} ({values[k]})" for k in bad) + (f" ({', '.join(good)})" if good else "")
         policy = self.config.nan_policy
         if policy == "skip":
             self.log.info(f"iteration {iteration}: non-finite {what}: update skipped on every rank (--nan-policy skip)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -517,6 +518,16 @@ def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -
     return any_rank((time.time() - job_start) / 60 > t.exit_duration_in_mins, ctx)
 
 
+def _peer_lost(e: BaseException) -> str | None:
+    """The transport's words when `e` says a peer rank went away (gloo: a connection reset or closed by the
+    peer; NCCL: a backend error), else None: such a rank is not the one to explain the failure, and its
+    traceback buried the one that does."""
+    text = str(e).split(". ")[0]
+    if isinstance(e, getattr(dist, "DistBackendError", ())) or re.search(r"by peer|Broken pipe", text):
+        return re.sub(r"^\[[^\]]*\]\s*", "", text).strip()[:200]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         ns, job = parse_args(argv)
@@ -527,8 +538,22 @@ def main(argv: list[str] | None = None) -> int:
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:
         rank = os.environ.get("RANK", "0")
-        print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        # Before any process group the flags and files are the same for every rank, and so is the error: said
+        # once per node (it was said by every rank, twice over in two forms); later, by each rank with its own.
+        if dist.is_initialized() or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        if not _peer_lost(e):
+            raise
+        rank = os.environ.get("RANK", "0")
+        print(
+            f"error (rank {rank}): a peer rank left a collective ({_peer_lost(e)}): another rank exited or its node "
+            "failed; the first failing rank's log says why",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except TrainingHalted as e:
         rank = os.environ.get("RANK", "0")
         print(f"halted (rank {rank}): {e}", file=sys.stderr, flush=True)
