@@ -1205,3 +1205,34 @@ def test_dry_run_memory_follows_the_sharding(flags, sharding, bf16, capsys, monk
         printed,
         expected,
     )
+
+
+def test_generate_prompts_a_checkpoint_trained_on_the_embedded_corpus(tmp_path, capsys, monkeypatch):
+    """The quick start's `generate.py --load runs/demo/checkpoints --prompt ...`: a job given no data flags
+    trained with the embedded corpus's tokenizer, which generation now takes (it said the checkpoint names no
+    tokenizer); a tokenizer path the checkpoint names but this machine lacks (relative to where training ran)
+    is one line pointing at --tokenizer-model, which takes its place."""
+    import importlib.util
+
+    from megatron_lite.data.embedded import build_embedded_corpus
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(root, "tools", "generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    ckpt = tmp_path / "ckpt"
+    rc, _, err = _run(["--train-iters", "1", "--save", str(ckpt)], capsys, monkeypatch)
+    assert rc == 0, err
+    argv = ["--load", str(ckpt), "--prompt", "def main(", "--max-new-tokens", "2", "--greedy"]
+    out = tmp_path / "g.json"
+    assert generate.main([*argv, "--output-json", str(out)]) == 0, capsys.readouterr().err
+    assert len(json.loads(out.read_text())["generated_ids"]) == 2
+    meta_path = next(ckpt.glob("iter_*")) / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["data"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="rel/tokenizer.json")
+    meta_path.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rel/tokenizer.json" in err and "pass --tokenizer-model" in err, err
+    assert generate.main([*argv, "--tokenizer-model", build_embedded_corpus()[1]]) == 0

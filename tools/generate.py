@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated ids that end generation (default: with --prompt, the tokenizer's end-of-document id, "
         "as Megatron and transformers stop; with --prompt-ids, none)",
     )
+    p.add_argument(
+        "--tokenizer-model",
+        help="with --prompt: the tokenizer (a tokenizer.json or its directory) in place of the one the checkpoint "
+        "names (a path relative to where training ran, or another machine's)",
+    )
     p.add_argument("--output-json")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -67,6 +72,40 @@ def _ids(text: str, flag: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{flag} {text!r} is not a comma-separated list of token ids") from None
+
+
+def _tokenizer(args: argparse.Namespace, data: dict, path: str, vocab_size: int):
+    """The tokenizer --prompt is encoded with: --tokenizer-model, else the one the checkpoint's job named, else
+    (a job given no data flags) the embedded corpus's, which it trained on."""
+    keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+    flags = argparse.Namespace(**{k: data.get(k) for k in keys})
+    no_data = not (data.get("data_path") or data.get("train_data_path") or data.get("mock_data") or data.get("sft"))
+    if args.tokenizer_model:
+        flags.tokenizer_model = args.tokenizer_model
+        if flags.tokenizer_type in (None, "NullTokenizer", "GPT2BPETokenizer"):
+            flags.tokenizer_type = "HuggingFaceTokenizer"
+    elif flags.tokenizer_type is None and no_data:
+        from megatron_lite.data.embedded import build_embedded_corpus
+
+        flags.tokenizer_type, flags.tokenizer_model = (
+            "HuggingFaceTokenizer",
+            build_embedded_corpus(log=lambda m: print(m, file=sys.stderr))[1],
+        )
+    if flags.tokenizer_type in (None, "NullTokenizer"):
+        raise ConfigError(
+            f"--prompt needs a tokenizer, and the checkpoint in {path} names none; pass --tokenizer-model, or use "
+            "--prompt-ids"
+        )
+    try:
+        tokenizer = tokenizer_from_flags(flags)
+    except ConfigError as e:
+        raise ConfigError(f"the checkpoint's tokenizer cannot be read here ({e}); pass --tokenizer-model") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of {vocab_size}: "
+            "it is not the one the model was trained with"
+        )
+    return tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,10 +126,7 @@ def run(args: argparse.Namespace) -> int:
     )
     tokenizer = None
     if args.prompt is not None:
-        data = argparse.Namespace(**{**{"tokenizer_type": None, "tokenizer_model": None}, **saved.get("data", {})})
-        if data.tokenizer_type in (None, "NullTokenizer"):
-            raise ConfigError(f"--prompt needs a tokenizer, and the checkpoint in {path} names none; use --prompt-ids")
-        tokenizer = tokenizer_from_flags(data)
+        tokenizer = _tokenizer(args, saved.get("data", {}), path, model_cfg.vocab_size)
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = _ids(args.prompt_ids, "--prompt-ids")
