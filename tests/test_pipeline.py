@@ -208,6 +208,13 @@ LAYOUTS = {
         8,
         1,
     ),
+    # "Ett||tt|L": the second rank's first virtual stage holds nothing at all (no parameter to take a dtype from)
+    "pp2-vp2-layout-empty-first-chunk": (
+        2,
+        P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_layout=(2, 0, 2, 0)),
+        8,
+        1,
+    ),
     "pp2-vp2-layout-empty-middle": (
         2,
         P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_layout=(1, 1, 0, 2)),

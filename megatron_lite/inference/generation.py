@@ -43,7 +43,7 @@ def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache) -> to
     tokens = torch.tensor([ids], device=ctx.device)
     positions = torch.arange(cache.offset, cache.offset + n, device=ctx.device).unsqueeze(0)
     config = chunks[0].config
-    dtype = next(chunks[0].parameters()).dtype
+    dtype = next(p for c in chunks for p in c.parameters()).dtype  # (a virtual stage may hold nothing)
     hidden = None
     out = None
     for stage in range(pp * vp):

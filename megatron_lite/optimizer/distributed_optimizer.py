@@ -111,7 +111,10 @@ class DistributedOptimizer(OptimizerBase):
                 hook(m, params)
             output = getattr(m, "output_layer", None)
             if isinstance(output, nn.Module):
-                params = [p for p in output.parameters() if id(p) in held]
+                # the weight the output layer multiplies by: with tied embeddings on the last stage of a pipeline
+                # with MTP, the embedding copy, otherwise first waited for after the loss had read it stale
+                tied = [m.output_weight()] if hasattr(m, "output_weight") else []
+                params = [p for p in [*output.parameters(), *tied] if id(p) in held]
                 covered |= {id(p) for p in params}
                 hook(m, params)
         for m in model.modules():

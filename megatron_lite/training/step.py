@@ -138,7 +138,8 @@ def _run_pipeline(model, micro_batches, ctx, scale: float, forward_only: bool) -
     seq = s // ctx.tp.size if ctx.sequence_parallel else s
     shape = (seq, b, chunks[0].config.hidden_size)
     # the dtype the chunks compute in (FSDP2 keeps fp32 parameters and computes in its param_dtype)
-    dtype = getattr(model, "compute_dtype", None) or next(chunks[0].parameters()).dtype
+    # (of any chunk: a virtual stage may hold nothing, "Ett||tt|L")
+    dtype = getattr(model, "compute_dtype", None) or next(p for c in chunks for p in c.parameters()).dtype
     final = None if forward_only else model.final_grads  # each chunk's buckets reduce under the rest
     return run_pipeline(chunks, ctx, micro_batches, shape, dtype, scale, forward_only, final_grads=final)
 
