@@ -88,15 +88,26 @@ def test_a_start_up_error_is_said_once_per_node(capsys, monkeypatch):
     _one_line_error(rc, err, "--mock-data needs --vocab-size")
 
 
-def test_a_lost_peer_is_recognised_by_its_transport_words():
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2472: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+)
+
+
+def _peer_lost_cases() -> list:
     from megatron_lite.training.pretrain import _peer_lost
 
-    gloo = RuntimeError(
-        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2472: "
-        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
-    )
-    assert _peer_lost(gloo) == "Read error [127.0.0.1]:2472: Connection reset by peer"
-    assert _peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    errors = [RuntimeError(GLOO_RESET), RuntimeError("mat1 and mat2 shapes cannot be multiplied"), BrokenPipeError()]
+    return [_peer_lost(e) for e in errors]
+
+
+def test_a_lost_peer_is_recognised_by_its_transport_words(dist):
+    """In a world of 2, gloo's reset connection is a lost peer, in its own words; an error of this rank's own (a
+    shape, a closed stdout) is not; outside a process group nothing is (a world-1 run's closed pipe was blamed on
+    a peer)."""
+    for got in dist(2, _peer_lost_cases):
+        assert got == ["Read error [127.0.0.1]:2472: Connection reset by peer", None, None]
+    assert _peer_lost_cases() == [None, None, None]
 
 
 def test_missing_data_files(tmp_path, capsys, monkeypatch):
@@ -1236,3 +1247,28 @@ def test_generate_prompts_a_checkpoint_trained_on_the_embedded_corpus(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rel/tokenizer.json" in err and "pass --tokenizer-model" in err, err
     assert generate.main([*argv, "--tokenizer-model", build_embedded_corpus()[1]]) == 0
+
+
+def test_lora_on_a_pretraining_checkpoint_resumes_exactly(tmp_path, capsys, monkeypatch):
+    """LoRA adapters started on a base run's checkpoint (no --finetune: the iteration goes on) and the run resumed
+    from its own save equals the uninterrupted run: the adapters' Adam step count starts at 0, not at the base
+    run's (saved as adam_step, a resume's bias correction had jumped ahead of the moments)."""
+    base = ["--mock-data", "--vocab-size", "100", "--lr", "1e-2"]
+    lora = [*base, "--lora-rank", "4", "--train-iters", "12", "--load", str(tmp_path / "base")]
+    rc, _, err = _run([*base, "--train-iters", "5", "--save", str(tmp_path / "base")], capsys, monkeypatch)
+    assert rc == 0, err
+    straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
+    assert _run([*lora, "--log-jsonl", str(straight)], capsys, monkeypatch)[0] == 0
+    own = ["--save", str(tmp_path / "lora"), "--save-interval", "7"]
+    assert _run([*lora, *own, "--exit-interval", "7"], capsys, monkeypatch)[0] == 0
+    meta = json.loads((tmp_path / "lora" / "iter_0000007" / "metadata.json").read_text())
+    assert meta["adam_step"] == 2  # iterations 6 and 7: the adapters' own steps
+    assert (
+        _run([*lora, *own, "--load", str(tmp_path / "lora"), "--log-jsonl", str(resumed)], capsys, monkeypatch)[0] == 0
+    )
+
+    def losses(path):
+        return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in map(json.loads, open(path)) if "lm_loss" in r}
+
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == list(range(8, 13)) and all(a[it] == b[it] for it in b), (a, b)

@@ -266,7 +266,7 @@ class FSDP2Optimizer(OptimizerBase):
                 states[p] = entry
         if states:
             load_inner_state(self.inner, states)
-        self.steps_taken = step
+        self._loaded(states, step)
 
     def sync_main_from_model(self) -> None:
         pass  # the sharded parameters are the main weights

@@ -277,7 +277,7 @@ class DistributedOptimizer(OptimizerBase):
                 states[s.main] = entry
         if states:
             load_inner_state(self.inner, states)
-        self.steps_taken = step
+        self._loaded(states, step)
 
     @torch.no_grad()
     def sync_main_from_model(self) -> None:

@@ -211,6 +211,7 @@ class OptimizerBase:
     no per-parameter step to read it from), and starting over."""
 
     config: OptimizerConfig
+    ctx: ParallelContext
     inner: torch.optim.Optimizer
     scaler: object
     steps_taken: int = 0
@@ -221,6 +222,12 @@ class OptimizerBase:
 
     def sync_main_from_model(self) -> None:
         raise NotImplementedError
+
+    def _loaded(self, states: dict, step: int) -> None:
+        """After load_full_state: the checkpoint's step count where it held state for what this optimizer trains
+        (on any rank: one may train nothing), else a new run's 0 (LoRA's new adapters on a base model's
+        checkpoint: its count was taken, and a resume's bias correction jumped ahead of the moments)."""
+        self.steps_taken = step if any_rank(bool(states), self.ctx) else 0
 
     def reset_state(self) -> None:
         """Main weights from the model; optimizer state and loss scale as a new run's."""
@@ -286,7 +293,7 @@ class MixedPrecisionOptimizer(OptimizerBase):
             if (entry := state_entry(d, self.config, step)) is not None:
                 states[main] = entry
         load_inner_state(self.inner, states)
-        self.steps_taken = step
+        self._loaded(states, step)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state: separate fp32 main weights and Adam moments (SGD momentum)."""

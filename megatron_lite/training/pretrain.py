@@ -522,6 +522,8 @@ def _peer_lost(e: BaseException) -> str | None:
     """The transport's words when `e` says a peer rank went away (gloo: a connection reset or closed by the
     peer; NCCL: a backend error), else None: such a rank is not the one to explain the failure, and its
     traceback buried the one that does."""
+    if isinstance(e, OSError) or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None  # (a closed stdout is a BrokenPipeError of this process, not a lost rank)
     text = str(e).split(". ")[0]
     if isinstance(e, getattr(dist, "DistBackendError", ())) or re.search(r"by peer|Broken pipe", text):
         return re.sub(r"^\[[^\]]*\]\s*", "", text).strip()[:200]
@@ -543,6 +545,13 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized() or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingHalted as e:
+        rank = os.environ.get("RANK", "0")
+        print(f"halted (rank {rank}): {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # every rank halts at the same point: leave together
+            dist.barrier()
+            dist.destroy_process_group()
+        return 3
     except Exception as e:
         if not _peer_lost(e):
             raise
@@ -554,10 +563,3 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return 1
-    except TrainingHalted as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"halted (rank {rank}): {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():  # every rank halts at the same point: leave together
-            dist.barrier()
-            dist.destroy_process_group()
-        return 3
