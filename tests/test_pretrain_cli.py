@@ -1240,6 +1240,10 @@ def test_generate_prompts_a_checkpoint_trained_on_the_embedded_corpus(tmp_path, 
     assert len(json.loads(out.read_text())["generated_ids"]) == 2
     meta_path = next(ckpt.glob("iter_*")) / "metadata.json"
     meta = json.loads(meta_path.read_text())
+    # a conversion's checkpoint names no data flags either, but its vocabulary is the model's: no guessing
+    meta_path.write_text(json.dumps({**meta, "converted_from": {"path": "hf"}}))
+    capsys.readouterr()
+    assert generate.main(argv) == 2 and "names none; pass --tokenizer-model" in capsys.readouterr().err
     meta["config"]["data"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="rel/tokenizer.json")
     meta_path.write_text(json.dumps(meta))
     capsys.readouterr()

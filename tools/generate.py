@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
 from megatron_lite.checkpoint.hf_convert import model_config_from_dict, saved_lora_config
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
+from megatron_lite.data.embedded import EMBEDDED_VOCAB
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.inference.generation import SamplingConfig, generate
@@ -74,12 +75,16 @@ def _ids(text: str, flag: str) -> list[int]:
         raise ConfigError(f"{flag} {text!r} is not a comma-separated list of token ids") from None
 
 
-def _tokenizer(args: argparse.Namespace, data: dict, path: str, vocab_size: int):
+def _tokenizer(args: argparse.Namespace, meta: dict, path: str, vocab_size: int):
     """The tokenizer --prompt is encoded with: --tokenizer-model, else the one the checkpoint's job named, else
-    (a job given no data flags) the embedded corpus's, which it trained on."""
+    (a training job given no data flags, whose vocabulary is the embedded corpus's) the embedded corpus's, which it
+    trained on."""
+    data = meta["config"].get("data", {})
     keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
     flags = argparse.Namespace(**{k: data.get(k) for k in keys})
     no_data = not (data.get("data_path") or data.get("train_data_path") or data.get("mock_data") or data.get("sft"))
+    # (a conversion's checkpoint names no data either: its vocabulary is the model's own, not the corpus's)
+    no_data = no_data and not meta.get("converted_from") and vocab_size == EMBEDDED_VOCAB
     if args.tokenizer_model:
         flags.tokenizer_model = args.tokenizer_model
         if flags.tokenizer_type in (None, "NullTokenizer", "GPT2BPETokenizer"):
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     )
     tokenizer = None
     if args.prompt is not None:
-        tokenizer = _tokenizer(args, saved.get("data", {}), path, model_cfg.vocab_size)
+        tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size)
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = _ids(args.prompt_ids, "--prompt-ids")

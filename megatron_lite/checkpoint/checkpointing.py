@@ -330,7 +330,7 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     try:
         iteration = read_tracker(root)
     except ValueError as e:
-        raise ConfigError(f"--load {root}: {e}") from None
+        raise ConfigError(f"{flag} {root}: {e}") from None
     if iteration is None and (have := complete_iterations(root)):
         iteration = have[-1]
     if iteration is None:
@@ -345,7 +345,7 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     path = _whole(iteration_dir(root, iteration))
     if path is None:
         missing = os.path.join(iteration_dir(root, iteration), "metadata.json")
-        raise ConfigError(f"--load {root}: {TRACKER} names iteration {iteration} but {missing} is missing")
+        raise ConfigError(f"{flag} {root}: {TRACKER} names iteration {iteration} but {missing} is missing")
     return path
 
 

@@ -48,8 +48,11 @@ def _stdlib_files(max_bytes: int) -> list[str]:
     return out
 
 
+EMBEDDED_VOCAB = 4096  # the size of the tokenizer trained on the corpus
+
+
 def build_embedded_corpus(
-    vocab_size: int = 4096, max_bytes: int = 12_000_000, root: str | None = None, log=print
+    vocab_size: int = EMBEDDED_VOCAB, max_bytes: int = 12_000_000, root: str | None = None, log=print
 ) -> tuple[str, str]:
     """(dataset prefix, tokenizer.json path), building them first if needed."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -44,7 +44,9 @@ def _vocab(job: JobConfig) -> int:
         return from_tokenizer()
     if d.data_path or d.train_data_path:
         return d.vocab_size if d.vocab_size and d.tokenizer_type != "NullTokenizer" else from_tokenizer()
-    return 4096  # the embedded corpus's tokenizer (the data flags given none)
+    from megatron_lite.data.embedded import EMBEDDED_VOCAB
+
+    return EMBEDDED_VOCAB  # the embedded corpus's tokenizer (the data flags given none)
 
 
 def activation_bytes(job: JobConfig, bytes_per_value: int) -> float:

@@ -300,7 +300,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 if ds is None and job.data.sft:
                     log.info(f"no {name} evaluation: --sft reads one set of records, all for training")
                 elif ds is None:
-                    given = f"--split {job.data.split}" if job.data.data_path else f"no {flag}"
+                    # (--split cuts --data-path's datasets and the embedded corpus; per-split paths are whole)
+                    given = f"no {flag}" if job.data.train_data_path else f"--split {job.data.split}"
                     log.info(f"no {name} evaluation: the {name} split holds no documents ({given})")
         rampup = t.rampup_batch_size is not None
         train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
