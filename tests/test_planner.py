@@ -277,6 +277,8 @@ def test_plan_from_pretrain_flags_takes_the_planners_sizes_and_the_vocabulary(ca
     result = _tool().main(["--gpu", "A100", "--nodes", "2", *sizes, "--top", "1", "--", *model.split()])
     assert "vocabulary 128256; global batch 256 x 4096 tokens" in capsys.readouterr().out
     assert result["fits"]
+    ramp = ["--rampup-batch-size", "16", "16", "1000"]  # (sample-based, as Megatron requires of a ramp)
+    assert _tool().main(["--gpu", "A100", "--nodes", "2", *sizes, "--top", "1", "--", *model.split(), *ramp])["fits"]
     for flags, message in (
         (["--script", "nope.sh"], "error: --script nope.sh: no such file"),
         (["--hf-config", "nope/config.json"], "error: --hf-config nope/config.json: no such file"),

@@ -264,6 +264,10 @@ def test_a_bad_document_is_named_by_its_line_also_with_workers(tmp_path):
     out = _preprocess(tmp_path, src, "--tokenizer-type", "ByteLevelTokenizer", "--workers", "2")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "in.jsonl:100: no key 'text' in the document (check --json-keys)" in out.stderr, out.stderr
+    # a later line that is not UTF-8 (read ahead by the pool's feeder) does not take the first error's place
+    src.write_bytes(src.read_bytes().replace(b'"doc 120"', b'"doc \xe9"'))
+    out = _preprocess(tmp_path, src, "--tokenizer-type", "ByteLevelTokenizer", "--workers", "2")
+    assert out.returncode == 2 and "in.jsonl:100: no key 'text'" in out.stderr, out.stderr
     src.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "half an emoji \\ud83d"}\n')
     out = _preprocess(tmp_path, src, "--tokenizer-type", "ByteLevelTokenizer")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr

@@ -60,8 +60,8 @@ def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = 
     for flag, value in (("--seq-length", seq), ("--global-batch-size", gbs)):
         if value and flag not in given:
             extra += [flag, str(value)]
-    if not given & {"--train-iters", "--train-samples"}:
-        extra += ["--train-iters", "1"]
+    if not given & {"--train-iters", "--train-samples"}:  # (a batch ramp is sample-based: Megatron's rule)
+        extra += ["--train-samples", "1000000000"] if "--rampup-batch-size" in given else ["--train-iters", "1"]
     try:
         _, job = parse_args(argv + extra)
         d = job.data

@@ -40,6 +40,8 @@ def _encode(item: tuple[str, str, str]) -> tuple[dict | None, int, str | None]:
     the main process reports it in input order (a worker's exception surfaced at the first document of its
     chunk)."""
     where, kind, payload = item
+    if kind == "error":
+        return None, 0, f"{where}: {payload}"
     try:
         return _encode_document(kind, payload), len(payload.encode("utf-8")), None
     except (KeyError, TypeError, ValueError, UnicodeError) as e:
@@ -98,10 +100,10 @@ def _items(args: argparse.Namespace):
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise ConfigError(
-                        f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); convert the "
-                        "file to UTF-8"
-                    ) from None
+                    # an item like any document's, so errors are reported in input order (as the first)
+                    why = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); convert the file to UTF-8"
+                    yield f"{path}:{n}", "error", why
+                    return
                 if line.strip():
                     yield f"{path}:{n}", "json", line
 
