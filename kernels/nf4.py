@@ -75,6 +75,12 @@ class NF4Weight:
     stats_absmax: torch.Tensor | None = None  # fp32 [ceil(blocks / 256)]
     offset: float = 0.0
     code8: torch.Tensor | None = None  # the dynamic map (256 fp32)
+    # A tensor-parallel shard quantised as part of its full weight (lora/qlora.py): the full weight's row of
+    # each of its rows and full-weight block of each of its column blocks (int32), so that its blocks find their
+    # double-quantisation statistics (`stats_absmax` is then the full weight's). None: the weight is whole.
+    block_rows: torch.Tensor | None = None
+    block_cols: torch.Tensor | None = None
+    blocks_per_row: int = 0  # the full weight's
 
     @property
     def numel(self) -> int:
@@ -86,7 +92,7 @@ class NF4Weight:
 
     def nbytes(self) -> int:
         """Bytes per weight storage: codes, scales and their scales (the two code books are shared)."""
-        parts = [self.packed, self.absmax, self.qabsmax, self.stats_absmax]
+        parts = [self.packed, self.absmax, self.qabsmax, self.stats_absmax, self.block_rows, self.block_cols]
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def bits_per_parameter(self) -> float:
@@ -96,8 +102,23 @@ class NF4Weight:
         """Each block's absolute maximum as dequantisation uses it (fp32)."""
         if not self.double_quant:
             return self.absmax
-        idx = torch.arange(self.qabsmax.numel(), device=self.qabsmax.device) // STATS_BLOCKSIZE
-        return self.code8[self.qabsmax.long()] * self.stats_absmax[idx] + self.offset
+        idx = torch.arange(self.qabsmax.numel(), device=self.qabsmax.device)
+        if self.block_rows is not None:  # the blocks' indices in the full weight
+            per_row = self.block_cols.numel()
+            idx = self.block_rows.long()[idx // per_row] * self.blocks_per_row + self.block_cols.long()[idx % per_row]
+        return self.code8[self.qabsmax.long()] * self.stats_absmax[idx // STATS_BLOCKSIZE] + self.offset
+
+
+def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """(8-bit codes of the block maxima minus their mean, each 256 codes' fp32 maximum, the mean, the dynamic
+    map the codes index)."""
+    offset = absmax.mean()
+    centred = absmax - offset
+    stats = _block_absmax(centred, STATS_BLOCKSIZE)
+    pad = torch.nn.functional.pad(centred, (0, -centred.numel() % STATS_BLOCKSIZE)).view(-1, STATS_BLOCKSIZE)
+    code8 = dynamic_map().to(absmax.device)
+    qabsmax = _nearest(pad / stats[:, None], code8).reshape(-1)[: absmax.numel()].to(torch.uint8)
+    return qabsmax, stats, float(offset), code8
 
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> NF4Weight:
@@ -113,13 +134,8 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool
     packed = (codes[0::2] << 4) | codes[1::2]
     q = NF4Weight(packed, w.shape, w.dtype, blocksize, absmax)
     if double_quant:
-        offset = absmax.mean()
-        centred = absmax - offset
-        stats = _block_absmax(centred, STATS_BLOCKSIZE)
-        pad = torch.nn.functional.pad(centred, (0, -centred.numel() % STATS_BLOCKSIZE)).view(-1, STATS_BLOCKSIZE)
-        code8 = dynamic_map().to(x.device)
-        qabsmax = _nearest(pad / stats[:, None], code8).reshape(-1)[: absmax.numel()].to(torch.uint8)
-        q = NF4Weight(packed, w.shape, w.dtype, blocksize, None, qabsmax, stats, float(offset), code8)
+        qabsmax, stats, offset, code8 = double_quantize(absmax)
+        q = NF4Weight(packed, w.shape, w.dtype, blocksize, None, qabsmax, stats, offset, code8)
     return q
 
 

@@ -291,6 +291,8 @@ def flags_from_checkpoint(
     saved = defaults_from_checkpoint(config)
     given = explicit_dests(parser, argv)
     conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
+    if not ns.group_query_attention and not saved["group_query_attention"]:  # (ignored without GQA, as in Megatron)
+        conflicts = [d for d in conflicts if d != "num_query_groups"]
     if conflicts and not ns.use_checkpoint_args:
         d = conflicts[0]
         raise ConfigError(
@@ -306,9 +308,13 @@ def flags_from_checkpoint(
             "convert.py --saver hf --merge-lora, then --loader hf) and start new adapters from those"
         )
     if saved.get("lora_rank") and "lora_target_modules" in given:
-        from megatron_lite.lora.config import target_modules
+        from megatron_lite.lora.config import LoraConfig, lora_for_model, target_modules
 
-        ours = target_modules(ns.lora_target_modules)  # (PEFT's names given are ours here)
+        # (PEFT's names given are ours here; on an MLA model linear_qkv is its projections, as when it was saved)
+        mla = argparse.Namespace(
+            multi_latent_attention=saved["multi_latent_attention"], q_lora_rank=saved["q_lora_rank"]
+        )
+        ours = lora_for_model(LoraConfig(target_modules=target_modules(ns.lora_target_modules)), mla).target_modules
         if set(ours) != set(saved["lora_target_modules"]):
             raise ConfigError(
                 f"--lora-target-modules {' '.join(ns.lora_target_modules)} differs from the adapters in {path} (on "

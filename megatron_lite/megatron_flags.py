@@ -198,6 +198,12 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "
             "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
         )
+    groups = getattr(ns, "num_query_groups", 1)
+    if not getattr(ns, "group_query_attention", False) and groups not in (1, getattr(ns, "num_attention_heads", 1)):
+        lines.append(
+            f"--num-query-groups {groups} has no effect without --group-query-attention (as in Megatron): every "
+            "head has its own key and value; add --group-query-attention for grouped-query attention"
+        )
     lines += getattr(ns, "schedule_notes", [])
     if getattr(ns, "exp_avg_sq_dtype", "fp32") == "bf16" and getattr(ns, "adam_beta2", 0.0) > 0.996:
         lines.append(

@@ -39,7 +39,12 @@ CONFIG = {
     "moe": moe_config,
     "moe-bias": moe_bias_config,
     "deepseek": lambda **kw: deepseek_config(vocab_size=250, **kw),  # MLA: adapters on the latent projections
+    # QLoRA at TP=2: every shard's rows whole 64-value blocks (linear_proj's 64 and linear_fc2's 128 columns)
+    "llama-wide": lambda **kw: llama_config(hidden_size=128, ffn_hidden_size=256, **kw),
+    "moe-wide": lambda **kw: llama_config(**{**MOE, "moe_ffn_hidden_size": 128}, hidden_size=128, **kw),
 }
+QLORA = dataclasses.replace(LORA, qlora=True)
+EXPERT_QLORA = dataclasses.replace(EXPERT_LORA, qlora=True)
 
 
 def lora_run(
@@ -76,7 +81,8 @@ def lora_run(
     if lora.qlora:
         from megatron_lite.lora.qlora import quantize_base
 
-        quantize_base(model)
+        _, per_shard = quantize_base(model, ctx)
+        assert not per_shard, per_shard  # (these tests' shards are whole blocks: quantised as the full weights)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     # adapters start at B = 0: a visible step in a few iterations
@@ -184,6 +190,72 @@ def test_lora_with_a_pipeline_stage_that_trains_nothing(dist, tmp_path, layout, 
     for history, unchanged, _, _, adam_step in dist(2, lora_run, "llama", parallel, 4, 1, 4, LORA, optim_kw, save):
         assert unchanged and adam_step == ITERS
         _compare(history, ref)
+
+
+@pytest.mark.parametrize("name,lora", [("llama-wide", QLORA), ("moe-wide", EXPERT_QLORA)], ids=["dense", "experts"])
+def test_qlora_equals_one_process_at_tp2(dist, name, lora):
+    """QLoRA at TP=2 with SP: each shard is quantised as its part of the full weight (it had its own block
+    statistics, so TP=2 trained another quantised model than TP=1)."""
+    ref, _, _, _ = lora_run(name, P(), 4, 2, 2, lora)
+    for history, unchanged, _, _ in dist(2, lora_run, name, LAYOUTS["tp2-sp"][1], 4, 2, 2, lora):
+        assert unchanged
+        _compare(history, ref)
+
+
+def _nf4_shards_and_full(name: str, lora: LoraConfig) -> list:
+    """(each quantised weight's dequantised shard, the same rows / columns of its TP=1 quantisation's)."""
+    from megatron_lite.kernels.nf4 import dequantize_nf4_reference
+    from megatron_lite.lora.qlora import quantize_base
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.parameters import param_meta
+
+    config = CONFIG[name](num_layers=2)
+    models = []
+    for ctx in (get_context(LAYOUTS["tp2-sp"][1]), ParallelContext.virtual(P(), device=torch.device("cpu"))):
+        model = build_model(config, ctx, seed=5)
+        apply_lora(model, config, lora, ctx, seed=7)
+        metas = {n: param_meta(m, "weight") for n, m in model.named_modules() if getattr(m, "lora", None)}
+        assert not quantize_base(model, ctx)[1]
+        models.append((model, metas))
+    (shards, metas), (full, _) = models
+    full_nf4 = {n: m for n, m in full.named_modules() if n.endswith(".nf4")}
+    out = []
+    for n, m in shards.named_modules():
+        if n.endswith(".nf4"):
+            meta = metas[n.removesuffix(".nf4")]
+            whole = dequantize_nf4_reference(full_nf4[n].weight())
+            out.append((dequantize_nf4_reference(m.weight()), meta.shard.shard(whole, meta.shard_rank)))
+    return out
+
+
+@pytest.mark.parametrize("name,lora", [("llama-wide", QLORA), ("moe-wide", EXPERT_QLORA)], ids=["dense", "experts"])
+def test_qlora_shards_dequantise_to_the_full_weights_rows(dist, name, lora):
+    """Bit for bit: a TP=2 shard's NF4 weight is the TP=1 quantisation's, rows and columns cut like the weight."""
+    for pairs in dist(2, _nf4_shards_and_full, name, lora):
+        assert len(pairs) >= 8
+        for shard, full in pairs:
+            assert torch.equal(shard, full)
+
+
+def _per_shard_weights(name: str) -> list[str]:
+    from megatron_lite.lora.qlora import quantize_base
+    from megatron_lite.models.gpt_model import build_model
+
+    ctx, config = get_context(LAYOUTS["tp2"][1]), CONFIG[name](num_layers=1)
+    model = build_model(config, ctx, seed=5)
+    apply_lora(model, config, QLORA, ctx, seed=7)
+    return quantize_base(model, ctx)[1]
+
+
+def test_qlora_names_the_shards_it_quantises_on_their_own(dist):
+    """Hidden 64, FFN 96 at TP=2: linear_proj's 32 and linear_fc2's 48 columns are not whole blocks, so those
+    shards are quantised on their own and named (start-up says their rounding depends on the TP size)."""
+    for names in dist(2, _per_shard_weights, "llama"):
+        assert names == [
+            "0.decoder.layers.0.self_attention.linear_proj.weight",
+            "0.decoder.layers.0.mlp.linear_fc2.weight",
+        ]
 
 
 def test_adapters_start_as_the_identity_and_only_they_train():

@@ -292,6 +292,18 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     assert "loaded" in out.out and "iteration 3" in out.out and "iteration      5/5" in out.out
 
 
+def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monkeypatch):
+    """--num-query-groups without --group-query-attention has no effect (as in Megatron): start-up says so, and
+    the same flags resume its checkpoint (they were refused, the checkpoint's groups read as 1)."""
+    flags = ["--mock-data", "--vocab-size", "100", "--num-query-groups", "2"]
+    rc, out, err = _run([*flags, "--save", str(tmp_path / "c")], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "--num-query-groups 2 has no effect without --group-query-attention" in out
+    rc, out, err = _run([*flags, "--load", str(tmp_path / "c"), "--train-iters", "4"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "iteration      4/4" in out
+
+
 @pytest.mark.parametrize(
     "argv,fragments",
     [
@@ -307,6 +319,11 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
             ["--nan-policy rollback", "--no-save-optim"],
         ),
         (["--mock-data"], ["--mock-data needs --vocab-size"]),
+        # adapters-only checkpoints whose base was random could never be loaded again
+        (
+            ["--mock-data", "--vocab-size", "100", "--lora-rank", "4", "--qlora", "--save", "x"],
+            ["--qlora with no base checkpoint loaded", "--save x", "add --load BASE --finetune"],
+        ),
         # with no data the embedded corpus's own tokenizer was used and these dropped silently
         (["--vocab-size", "32000"], ["--vocab-size 32000 without data", "add --mock-data"]),
         (["--tokenizer-type", "GPT2BPETokenizer"], ["--tokenizer-type GPT2BPETokenizer without data"]),
@@ -948,14 +965,19 @@ def test_a_moe_layer_freq_out_of_range_is_one_line(text, fragment, capsys, monke
     _one_line_error(rc, err, fragment)
 
 
-def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refused(capsys, monkeypatch):
-    """linear_qkv (the default target) means MLA's latent projections on an MLA model; naming those on a model
+def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refused(tmp_path, capsys, monkeypatch):
+    """linear_qkv (the default target) means MLA's latent projections on an MLA model, also when a resume names
+    it again (it was refused as differing from the checkpoint's expanded targets); naming those on a model
     without MLA is a one-line error."""
     mla = "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8"
     argv = [*mla.split(), "--v-head-dim", "8", "--position-embedding-type", "rope", "--disable-bias-linear"]
-    rc, out, err = _run([*argv, "--lora-rank", "4", "--mock-data", "--vocab-size", "64"], capsys, monkeypatch)
+    argv += ["--lora-rank", "4", "--lora-target-modules", "linear_qkv", "--mock-data", "--vocab-size", "64"]
+    rc, out, err = _run([*argv, "--save", str(tmp_path / "c")], capsys, monkeypatch)
     assert rc == 0, err
     assert "iteration      3/3" in out
+    rc, out, err = _run([*argv, "--load", str(tmp_path / "c"), "--train-iters", "4"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "iteration      4/4" in out
     rc, _, err = _run(["--lora-rank", "4", "--lora-target-modules", "q_b_proj"], capsys, monkeypatch)
     _one_line_error(rc, err, "--lora-target-modules linear_q_up_proj", "--multi-latent-attention")
 

@@ -67,7 +67,7 @@ def test_qlora_model_trains_adapters_on_an_nf4_base():
     model = build_model(config, ctx, seed=1)
     dense = build_model(config, ctx, seed=1)
     n_adapter = apply_lora(model, config, LoraConfig(rank=4, alpha=8.0, qlora=True), ctx, seed=2)
-    n_quantised = quantize_base(model)
+    n_quantised, _ = quantize_base(model, ctx)
     assert abs(8 * nf4_bytes(model) / n_quantised - (4 + 8 / 64 + 32 / (64 * 256))) < 1e-9
     assert_equals_dense_reconstruction(model, dense)
 
@@ -106,7 +106,7 @@ def test_qlora_on_experts_dequantises_each_expert_and_keeps_its_codes():
     model, dense = build_model(config, ctx, seed=1), build_model(config, ctx, seed=1)
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "experts"), qlora=True)
     apply_lora(model, config, lora, ctx, seed=2)
-    n_quantised = quantize_base(model)
+    n_quantised, _ = quantize_base(model, ctx)
     experts = [m for m in model.modules() if isinstance(m, ExpertWeight)]
     assert len(experts) == 2 * 4 * 2 and all(m.weight is None and m.nf4 is not None for m in experts)
     assert n_quantised == sum(m.nf4.weight().numel for m in model.modules() if getattr(m, "nf4", None) is not None)

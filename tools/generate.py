@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             load_checkpoint(base, model, None, None, ctx, load_rng=False, finetune=True)
         load_checkpoint(path, model, None, None, ctx, load_rng=False, skip_missing_frozen=base is not None)
         if lora.qlora:
-            quantize_base(model)
+            quantize_base(model, ctx)
     if args.stop_ids is not None:
         stop = tuple(_ids(args.stop_ids, "--stop-ids"))
     else:

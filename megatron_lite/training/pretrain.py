@@ -191,6 +191,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
         else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
             whole = ckpt_path is not None and not ckpt_path.endswith(".old")
             base_dir = ckpt_path if whole else job.checkpoint.load
+            if ckpt_path is None and job.checkpoint.save:  # adapters-only checkpoints on a base nobody can load
+                raise ConfigError(
+                    f"--qlora with no base checkpoint loaded (--load {job.checkpoint.load}): the checkpoints in "
+                    f"--save {job.checkpoint.save} would hold adapters for a random base that cannot be rebuilt; "
+                    "add --load BASE --finetune, or drop --save to try QLoRA on a random base"
+                )
+            if ckpt_path is None:
+                say("--qlora with no base checkpoint loaded: the adapters train on a randomly initialised base")
         if saved_lora.get("qlora"):
             base_path = find_checkpoint(base_dir) if base_dir else None
             if base_path is None:
@@ -276,10 +284,15 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if job.lora is not None and job.lora.qlora:
             from megatron_lite.lora.qlora import nf4_bytes, quantize_base
 
-            n = quantize_base(model)
+            n, per_shard = quantize_base(model, ctx)
             log.info(
                 f"QLoRA: {n / 1e6:.2f}M base weights in NF4, {8 * nf4_bytes(model) / max(n, 1):.3f} bits per parameter"
             )
+            if per_shard:  # (every rank of a TP group finds the same: rank 0's list speaks for all)
+                log.info(
+                    f"QLoRA: {len(per_shard)} weights ({per_shard[0]}, ...) quantised per tensor-parallel shard "
+                    "(a shard's rows are not whole 64-value blocks): their NF4 rounding depends on the TP size"
+                )
 
         t = job.training
         gbs = t.global_batch(ctx.dp.size)
