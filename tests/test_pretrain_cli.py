@@ -978,6 +978,18 @@ def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refus
     rc, out, err = _run([*argv, "--load", str(tmp_path / "c"), "--train-iters", "4"], capsys, monkeypatch)
     assert rc == 0, err
     assert "iteration      4/4" in out
+    # inspect_checkpoint names the latent attention and the adapters (its summary had the dense fields only)
+    import importlib.util
+    import pathlib
+
+    tool = pathlib.Path(__file__).parents[1] / "tools" / "checkpoint" / "inspect_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("inspect_checkpoint", tool)
+    inspect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect)
+    assert inspect.main([str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "MLA: q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8" in out
+    assert "LoRA: rank 4, alpha 16 on linear_q_down_proj linear_q_up_proj linear_kv_down_proj linear_kv_up_proj" in out
     rc, _, err = _run(["--lora-rank", "4", "--lora-target-modules", "q_b_proj"], capsys, monkeypatch)
     _one_line_error(rc, err, "--lora-target-modules linear_q_up_proj", "--multi-latent-attention")
 

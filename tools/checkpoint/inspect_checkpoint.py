@@ -15,6 +15,7 @@ import os
 import sys
 
 from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, read_metadata
+from megatron_lite.checkpoint_flags import SHARDING
 from megatron_lite.config import ConfigError
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -47,7 +48,10 @@ def describe(path: str, verify: bool = False) -> dict:
         "iteration": meta["iteration"],
         "consumed_samples": meta["consumed_samples"],
         "layout": meta["layout"],
+        "parallel": meta["config"].get("parallel", {}),
+        "sharding": {k: v for k, v in meta["config"].get("optimizer", {}).items() if k in SHARDING},
         "model": model,
+        "lora": meta["config"].get("lora"),
         "converted_from": meta.get("converted_from"),
         "tensors": tensors,
         "kinds": sorted({n.split("/")[0] for n in tensors}),
@@ -57,6 +61,34 @@ def describe(path: str, verify: bool = False) -> dict:
         "files": len(reader.files),
         "verified": verify and reader.checksummed,  # (format 1 recorded none)
     }
+
+
+def _features(m: dict, lora: dict | None) -> list[str]:
+    """The architecture's parts beyond the dense basics, one line each (those the model has)."""
+    out = []
+    if m.get("multi_latent_attention"):
+        q = f"q_lora_rank={m.get('q_lora_rank')}, " if m.get("q_lora_rank") else ""
+        out.append(f"MLA: {q}kv_lora_rank={m.get('kv_lora_rank')}, qk_head_dim={m.get('qk_head_dim')}, "
+                   f"qk_pos_emb_head_dim={m.get('qk_pos_emb_head_dim')}, v_head_dim={m.get('v_head_dim')}")  # fmt: skip
+    if m.get("num_experts"):
+        freq = m.get("moe_layer_freq", 1)
+        shared = m.get("moe_shared_expert_intermediate_size")
+        out.append(
+            f"MoE: top-{m.get('moe_router_topk')} of {m['num_experts']}, moe_ffn_hidden_size="
+            f"{m.get('moe_ffn_hidden_size') or m.get('ffn_hidden_size')}, moe_layer_freq "
+            + (str(freq) if isinstance(freq, int) else f"[{','.join(map(str, freq))}]")
+            + (f", shared expert {shared}" if shared else "")
+        )
+    if m.get("mtp_num_layers"):
+        out.append(f"MTP: {m['mtp_num_layers']} layer(s), loss scale {m.get('mtp_loss_scaling_factor')}")
+    if m.get("rope_scaling"):
+        rs = m["rope_scaling"]
+        out.append(f"RoPE scaling: {rs.get('rope_type', 'llama3')} x{rs.get('factor')}")
+    if lora:
+        kind = "QLoRA" if lora.get("qlora") else "LoRA"
+        base = f", base {lora['base']}" if lora.get("base") else ""
+        out.append(f"{kind}: rank {lora['rank']}, alpha {lora['alpha']:g} on {' '.join(lora['target_modules'])}{base}")
+    return out
 
 
 def _numel(shape: list[int]) -> int:
@@ -81,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(d, indent=1))
         return 0
     lay = ", ".join(f"{k}={v}" for k, v in d["layout"].items())
+    vp, sh = d["parallel"].get("virtual_pipeline_model_parallel_size"), d["sharding"]
+    lay += f", virtual stages={vp}" if vp else ""
+    if sh.get("use_torch_fsdp2"):
+        lay += ", FSDP2"
+    elif sh.get("use_distributed_optimizer"):
+        lay += f", distributed optimizer (ZeRO-{sh.get('zero_stage', 1)})"
     m = d["model"]
     print(f"checkpoint   {d['path']}")
     print(f"iteration    {d['iteration']} ({d['consumed_samples']} samples consumed)")
@@ -105,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if m.get(k) is not None
     )
     print(f"model        {arch}")
+    for line in _features(m, d["lora"]):
+        print(f"             {line}")
     print(f"state        {', '.join(d['kinds'])}; {d['parameters'] / 1e6:.2f}M parameters")
     verified = " (checksums verified)" if d["verified"] else ""
     if args.verify and not d["verified"]:
