@@ -76,8 +76,9 @@ class NF4Weight:
     offset: float = 0.0
     code8: torch.Tensor | None = None  # the dynamic map (256 fp32)
     # A tensor-parallel shard quantised as part of its full weight (lora/qlora.py): the full weight's row of
-    # each of its rows and full-weight block of each of its column blocks (int32), so that its blocks find their
-    # double-quantisation statistics (`stats_absmax` is then the full weight's). None: the weight is whole.
+    # each of its rows (None: the same rows) and full-weight block of each of its column blocks (int32), so that
+    # its blocks find their double-quantisation statistics (`stats_absmax` is then the full weight's). None:
+    # the weight is whole.
     block_rows: torch.Tensor | None = None
     block_cols: torch.Tensor | None = None
     blocks_per_row: int = 0  # the full weight's
@@ -103,9 +104,10 @@ class NF4Weight:
         if not self.double_quant:
             return self.absmax
         idx = torch.arange(self.qabsmax.numel(), device=self.qabsmax.device)
-        if self.block_rows is not None:  # the blocks' indices in the full weight
+        if self.block_cols is not None:  # the blocks' indices in the full weight
             per_row = self.block_cols.numel()
-            idx = self.block_rows.long()[idx // per_row] * self.blocks_per_row + self.block_cols.long()[idx % per_row]
+            rows = idx // per_row if self.block_rows is None else self.block_rows.long()[idx // per_row]
+            idx = rows * self.blocks_per_row + self.block_cols.long()[idx % per_row]
         return self.code8[self.qabsmax.long()] * self.stats_absmax[idx // STATS_BLOCKSIZE] + self.offset
 
 

@@ -88,6 +88,13 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "timing_log_option": (True, "iteration, data and exposed-communication times are logged every interval"),
     "no_persist_layer_norm": (False, "there is no persistent layer-norm kernel to disable"),
     "no_log_loss_scale_to_tensorboard": (False, "loss_scale is logged every --log-interval to every sink"),
+    "log_progress": (
+        False,
+        "no progress.txt is written; each checkpoint's save is logged, and --log-jsonl records every interval's "
+        "throughput and consumed samples",
+    ),
+    "log_energy": (False, "GPU energy is not measured"),
+    "no_barrier_with_level_1_timing": (False, "iteration times are measured without barriers"),
     # (values other than 1 are refused: refuse_unsupported)
     "num_distributed_optimizer_instances": (True, "one distributed-optimizer instance over the data-parallel group"),
     "rotary_seq_len_interpolation_factor": (True, "RoPE positions are not interpolated (a factor of 1)"),

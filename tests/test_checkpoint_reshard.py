@@ -309,7 +309,7 @@ def test_load_alone_does_not_take_over_the_checkpoints_sharding(tmp_path, capsys
     _, job = parse_args(["--load", ckpt, *data, "--use-torch-fsdp2"])
     assert job.optimizer.use_torch_fsdp2 and not job.optimizer.use_distributed_optimizer
     rc, out, err = _run([*data, "--load", ckpt, "--train-iters", "4"], capsys, monkeypatch)
-    assert rc == 0 and "iteration      4/" in out, err
+    assert rc == 0 and "iteration        4/" in out, err
 
 
 def save_failing_on_rank0(root: str, stage: str):

@@ -591,7 +591,7 @@ def test_converted_checkpoint_continues_pretraining(converted, capsys, monkeypat
     rc = main(argv)
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert "iteration 0" in out.out and "using 250" in out.out and "iteration      3/3" in out.out
+    assert "iteration 0" in out.out and "using 250" in out.out and "iteration        3/       3 |" in out.out
     # ... and the result converts back to a model transformers loads.
     assert (
         convert.main(

@@ -142,6 +142,22 @@ def test_qlora_from_the_command_line(tmp_path, pretrain_job):
     assert rec["mem_optimizer_bytes"] == 8 * adapters  # Adam moments of the adapters only (fp32 weights)
 
 
+def test_qlora_names_every_stages_shards_quantised_on_their_own(pretrain_job):
+    """TP=2 x PP=2: the first stage's dense linear_fc2 (96 / 2 = 48 columns, not whole 64-value blocks) is
+    quantised per shard; start-up names it although the logging rank (the last stage, whose experts' shards are
+    whole blocks) quantised none that way."""
+    args = [
+        "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "96",
+        "--num-experts", "4", "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size", "128", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
+        "--vocab-size", "100", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--lora-rank", "4", "--qlora",
+        "--lora-target-modules", "linear_fc2", "experts", "--eval-iters", "0",
+    ]  # fmt: skip
+    out = pretrain_job(4, args)
+    assert "QLoRA: 1 weights (stage 0 0.decoder.layers.0.mlp.linear_fc2.weight, ...) quantised per" in out, out[-3000:]
+
+
 def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path, pretrain_job):
     """A QLoRA checkpoint holds the adapters and records its base: a job started again (auto-resume) loads the
     base, quantises it, loads the adapters and continues exactly; --merge-lora folds the adapters into the

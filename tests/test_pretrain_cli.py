@@ -197,7 +197,7 @@ def test_gradient_precision_comes_back_with_the_run_and_can_be_turned_back(tmp_p
 
 
 def _lrs(out: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\| lr: ([0-9.E+-]+) \|", out)]
+    return [float(x) for x in re.findall(r"\| learning rate: ([0-9.E+-]+) \|", out)]
 
 
 def test_schedule_flags_on_resume_follow_megatron(tmp_path, capsys, monkeypatch):
@@ -238,7 +238,7 @@ def test_ckpt_step_loads_that_iteration_or_names_the_ones_there(tmp_path, capsys
     rc, _, err = _run([*data, "--save", ckpt, "--save-interval", "2"], capsys, monkeypatch)
     assert rc == 0 and sorted(os.listdir(ckpt))[:2] == ["iter_0000002", "iter_0000003"], err
     rc, out, err = _run([*data, "--load", ckpt, "--ckpt-step", "2"], capsys, monkeypatch)
-    assert rc == 0 and "iteration 2," in out and "iteration      3/" in out, err
+    assert rc == 0 and "iteration 2," in out and "iteration        3/" in out, err
     rc, _, err = _run([*data, "--load", ckpt, "--ckpt-step", "1"], capsys, monkeypatch)
     _one_line_error(rc, err, "--ckpt-step 1", "no complete checkpoint of iteration 1", "[2, 3]")
     rc, _, err = _run([*data, "--ckpt-step", "2"], capsys, monkeypatch)
@@ -289,7 +289,7 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     rc = main(["--load", ckpt, "--train-iters", "5"])  # no model, data or batch flags at all
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert "loaded" in out.out and "iteration 3" in out.out and "iteration      5/5" in out.out
+    assert "loaded" in out.out and "iteration 3" in out.out and "iteration        5/       5 |" in out.out
 
 
 def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monkeypatch):
@@ -301,7 +301,7 @@ def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monk
     assert "--num-query-groups 2 has no effect without --group-query-attention" in out
     rc, out, err = _run([*flags, "--load", str(tmp_path / "c"), "--train-iters", "4"], capsys, monkeypatch)
     assert rc == 0, err
-    assert "iteration      4/4" in out
+    assert "iteration        4/       4 |" in out
 
 
 @pytest.mark.parametrize(
@@ -322,6 +322,10 @@ def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monk
         # adapters-only checkpoints whose base was random could never be loaded again
         (
             ["--mock-data", "--vocab-size", "100", "--lora-rank", "4", "--qlora", "--save", "x"],
+            ["--qlora with no base checkpoint loaded", "--save x", "add --load BASE --finetune"],
+        ),
+        (
+            ["--mock-data", "--vocab-size", "100", "--lora-rank", "4", "--qlora", "--save", "x", "--dry-run"],
             ["--qlora with no base checkpoint loaded", "--save x", "add --load BASE --finetune"],
         ),
         # with no data the embedded corpus's own tokenizer was used and these dropped silently
@@ -425,7 +429,7 @@ def test_megatron_llama3_h200_bf16_example_runs(tmp_path, capsys, monkeypatch):
     assert main(kept) == 0
     out = capsys.readouterr().out
     assert "gradients reduced in bfloat16" in out and "--tiktoken-pattern has no effect" in out
-    assert "iteration      6/6" in out and "saved" in out
+    assert "iteration        6/       6 |" in out and "saved" in out
 
 
 # Megatron-LM's examples/llama/train_llama3.sh (AMD's), its flags unchanged (the `--eval-iters '-1'` of its
@@ -461,13 +465,13 @@ def test_megatron_llama3_amd_example_runs(tmp_path, capsys, monkeypatch):
         "--save-interval 200000 has no effect without --save",
     ):
         assert line in out, line
-    assert "iteration      3/3" in out
+    assert "iteration        3/       3 |" in out
 
 
 def test_sgd_run(capsys, monkeypatch):
     flags = ["--mock-data", "--vocab-size", "100", "--optimizer", "sgd", "--sgd-momentum", "0.5"]
     rc, out, err = _run(flags, capsys, monkeypatch)
-    assert rc == 0 and "iteration      3/3" in out, err
+    assert rc == 0 and "iteration        3/       3 |" in out, err
 
 
 def test_no_save_optim_and_rng(tmp_path, capsys, monkeypatch):
@@ -486,14 +490,18 @@ def test_no_save_optim_and_rng(tmp_path, capsys, monkeypatch):
     rc = main(["--load", str(ckpt), "--train-iters", "5"])
     _one_line_error(rc, capsys.readouterr().err, "--no-save-optim", "--no-load-optim")
     assert main(["--load", str(ckpt), "--train-iters", "5", "--no-load-optim"]) == 0
-    assert "iteration      5/5" in capsys.readouterr().out
+    assert "iteration        5/       5 |" in capsys.readouterr().out
     # and a full checkpoint keeps both
     rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", str(tmp_path / "full")], capsys, monkeypatch)
     full = tmp_path / "full" / "iter_0000003"
     assert list(full.glob("rng_r*")) and read_metadata(str(full))["optimizer_saved"] is True
     # a job restarted on its own --save (auto-resume) goes on from the weights, as --no-load-optim would
     rc, out, err = _run([*flags, "--train-iters", "5"], capsys, monkeypatch)
-    assert rc == 0 and "resuming from the weights with fresh optimizer state" in out and "iteration      5/5" in out
+    assert (
+        rc == 0
+        and "resuming from the weights with fresh optimizer state" in out
+        and "iteration        5/       5 |" in out
+    )
 
 
 def test_no_save_optim_saves_the_current_weights_under_overlapped_gathers(tmp_path, capsys, monkeypatch):
@@ -531,9 +539,9 @@ def test_sample_based_run(tmp_path, capsys, monkeypatch):
     assert train[0]["lr"] == 0.0 and train[1]["lr"] == pytest.approx(1e-3 * 4 / 6)
     # --load alone continues it, sample-based (12 more samples: 3 more iterations); --train-iters switches unit
     assert main(["--load", str(tmp_path / "ckpt"), "--train-samples", "22"]) == 0
-    assert "iteration      5/5" in capsys.readouterr().out
+    assert "iteration        5/       5 |" in capsys.readouterr().out
     assert main(["--load", str(tmp_path / "ckpt"), "--train-iters", "6"]) == 0
-    assert "iteration      6/6" in capsys.readouterr().out
+    assert "iteration        6/       6 |" in capsys.readouterr().out
     for extra, fragment in (
         (["--train-iters", "3"], "--train-iters and --train-samples are exclusive"),
         (["--lr-warmup-iters", "2"], "--lr-warmup-iters 2 does not go with --train-samples"),
@@ -716,18 +724,20 @@ def test_finetune_and_no_load_optim(tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--load", ckpt, "--finetune"], capsys, monkeypatch)
     assert rc == 0, err
-    assert "loaded" in out and "iteration 0" in out and "iteration      3/3" in out  # trained 3 more from 0
+    assert "loaded" in out and "iteration 0" in out and "iteration        3/       3 |" in out  # trained 3 more from 0
     rc, out, err = _run(
         ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--no-load-optim", "--train-iters", "5"],
         capsys,
         monkeypatch,
     )
     assert rc == 0, err
-    assert "iteration 3" in out and "iteration      5/5" in out
+    assert "iteration 3" in out and "iteration        5/       5 |" in out
 
 
 def _losses(out: str) -> dict[int, float]:
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \| lm_loss: ([\d.]+)", out)}
+    return {
+        int(m[1]): float(m[2]) for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*? \| lm loss: ([\d.E+-]+) \|", out)
+    }
 
 
 def test_a_lora_run_resumed_with_load_alone_keeps_its_adapters(tmp_path, capsys, monkeypatch):
@@ -861,6 +871,59 @@ def test_wandb_entity_and_validation_perplexity(tmp_path):
     assert len(logs) == 1 and "finishing run team-x/p/" in logs[0].read_text()  # entity/project/run id
     valid = [json.loads(line)["validation"] for line in open(tmp_path / "m.jsonl") if '"validation"' in line]
     assert valid and all(abs(v["ppl"] - math.exp(v["lm_loss"])) < 1e-9 * v["ppl"] for v in valid)
+    # Megatron's W&B keys (a dashboard built on its runs shows ours), ours-only metrics under train/, and its
+    # flat arguments as the run's config (runs filter on num_layers)
+    run = next((tmp_path / "ckpt" / "wandb" / "wandb").glob("offline-run-*"))
+    blob = b"".join(p.read_bytes() for p in run.rglob("*.wandb"))
+    for key in (
+        b"lm loss",
+        b"learning-rate",
+        b"grad-norm",
+        b"batch-size",
+        b"lm loss validation",
+        b"train/tokens_per_sec",
+    ):
+        assert key in blob, key
+    assert b"train/lm_loss" not in blob
+    config = b"".join(p.read_bytes() for p in run.rglob("config.yaml")) or blob
+    assert b"num_layers" in config and b"tensor_model_parallel_size" in config
+
+
+# Megatron's training_log and evaluate_and_print_results, as a parser written for its logs reads them
+MEGATRON_TRAIN_LINE = re.compile(
+    r" iteration\s+(\d+)/\s+(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \| "
+    r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \| learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \| "
+    r"lm loss: ([\d.E+-]+) \| loss scale: ([\d.]+) \| grad norm: ([\d.]+) \| num zeros: (\d+) \| "
+    r"params norm: ([\d.]+) \| number of skipped iterations:\s+(\d+) \|"
+)
+MEGATRON_VALID_LINE = re.compile(
+    r" validation loss at iteration (\d+)( on (?:validation|test) set)? \| lm loss value: ([\d.E+-]+) \| "
+    r"lm loss PPL: ([\d.E+-]+) \| "
+)
+
+
+def test_the_console_reads_as_megatrons(tmp_path, capsys, monkeypatch):
+    """The iteration line has Megatron's fields, labels, formats and order (a regex written for its logs reads
+    ours), values equal to the JSONL record's; evaluations print its validation line, the run's end evaluating the
+    validation set again (Megatron's pretrain(); it was skipped when just evaluated) and then the test set."""
+    log = tmp_path / "m.jsonl"
+    argv = ["--mock-data", "--vocab-size", "100", "--log-params-norm", "--log-num-zeros-in-grad", "--eval-iters", "1"]
+    rc, out, err = _run([*argv, "--eval-interval", "3", "--log-jsonl", str(log)], capsys, monkeypatch)
+    assert rc == 0, err
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [r for r in records if "lm_loss" in r]
+    lines = MEGATRON_TRAIN_LINE.findall(out)
+    assert [int(m[0]) for m in lines] == [r["iteration"] for r in train] == [1, 2, 3]
+    for m, r in zip(lines, train):
+        assert (int(m[1]), int(m[2]), int(m[6])) == (3, r["consumed_samples"], r["global_batch_size"])
+        assert float(m[7]) == pytest.approx(r["lm_loss"], rel=1e-6) and float(m[5]) == pytest.approx(r["lr"], rel=1e-6)
+        assert float(m[3]) == pytest.approx(1000 * r["iteration_time"], abs=0.06)
+        assert float(m[9]) == pytest.approx(r["grad_norm"], abs=6e-4) and int(m[10]) == r["num_zeros_in_grad"]
+    evals = MEGATRON_VALID_LINE.findall(out)
+    assert [(int(i), where) for i, where, _, _ in evals] == [(3, ""), (3, " on validation set"), (3, " on test set")]
+    logged = [r.get("validation", r.get("test")) for r in records if "lm_loss" not in r]
+    for (_, _, loss, ppl), r in zip(evals, logged):
+        assert float(loss) == pytest.approx(r["lm_loss"], rel=1e-6) and float(ppl) == pytest.approx(r["ppl"], rel=1e-6)
 
 
 def _ranged_dataset(tmp_path, name, lo, hi, docs=30):
@@ -897,7 +960,7 @@ def test_per_split_data_paths(tmp_path, capsys, monkeypatch):
     # The whole job, and the flags' errors.
     common = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--eval-interval", "3", "--eval-iters", "1"]
     rc, out, err = _run(["--train-data-path", train_a, "--valid-data-path", valid, *common], capsys, monkeypatch)
-    assert rc == 0 and "validation at iteration 3" in out, err
+    assert rc == 0 and " validation loss at iteration 3 |" in out, err
     rc, _, err = _run(["--train-data-path", train_a, "--data-path", valid, *common], capsys, monkeypatch)
     _one_line_error(rc, err, "--train-data-path gives each split its own datasets", "drop --data-path")
     rc, _, err = _run(["--valid-data-path", valid, *common], capsys, monkeypatch)
@@ -974,10 +1037,10 @@ def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refus
     argv += ["--lora-rank", "4", "--lora-target-modules", "linear_qkv", "--mock-data", "--vocab-size", "64"]
     rc, out, err = _run([*argv, "--save", str(tmp_path / "c")], capsys, monkeypatch)
     assert rc == 0, err
-    assert "iteration      3/3" in out
+    assert "iteration        3/       3 |" in out
     rc, out, err = _run([*argv, "--load", str(tmp_path / "c"), "--train-iters", "4"], capsys, monkeypatch)
     assert rc == 0, err
-    assert "iteration      4/4" in out
+    assert "iteration        4/       4 |" in out
     # inspect_checkpoint names the latent attention and the adapters (its summary had the dense fields only)
     import importlib.util
     import pathlib
@@ -1083,7 +1146,7 @@ def test_load_alone_rebuilds_a_multi_latent_attention_run_with_yarn(tmp_path, ca
     rc = main(["--load", ckpt, "--train-iters", "5"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert "loaded" in out.out and "iteration      5/5" in out.out
+    assert "loaded" in out.out and "iteration        5/       5 |" in out.out
     ns, job = parse_args(["--load", ckpt, "--train-iters", "5"])
     assert job.model.rope_scaling == saved_job.model.rope_scaling and job.model.multi_latent_attention
     assert job.model.softmax_scale == saved_job.model.softmax_scale
@@ -1135,14 +1198,14 @@ def test_load_alone_rebuilds_a_multi_token_prediction_run(tmp_path, capsys, monk
     mtp = "--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3".split()
     rc, out, err = _run([*MLA_FLAGS, *mtp, "--mock-data", "--save", ckpt], capsys, monkeypatch)
     assert rc == 0, err
-    assert "mtp_2_loss" in out
+    assert "mtp_2 loss: " in out
     from megatron_lite.arguments import parse_args
 
     _, job = parse_args(["--load", ckpt, "--train-iters", "5"])
     assert (job.model.mtp_num_layers, job.model.mtp_loss_scaling_factor) == (2, 0.3)
     rc = main(["--load", ckpt, "--train-iters", "5"])
     out = capsys.readouterr()
-    assert rc == 0 and "loaded" in out.out and "mtp_1_loss" in out.out, out.err
+    assert rc == 0 and "loaded" in out.out and "mtp_1 loss: " in out.out, out.err
     rc = main(["--load", ckpt, "--train-iters", "5", "--mtp-num-layers", "1"])
     _one_line_error(rc, capsys.readouterr().err, "--mtp-num-layers")
     rc, _, err = _run([*MLA_FLAGS, "--mock-data", "--mtp-num-layers", "-1"], capsys, monkeypatch)
@@ -1187,7 +1250,7 @@ def test_megatron_deepseek_v3_recipe_flags_run(capsys, monkeypatch):
         "--manual-gc-interval has no effect",
     ):
         assert line in out, line
-    assert "iteration      3/3" in out and "mtp_1_loss" in out
+    assert "iteration        3/       3 |" in out and "mtp_1 loss: " in out
 
 
 @pytest.mark.parametrize(

@@ -78,5 +78,5 @@ def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):
     run = next((tmp_path / "mix" / "wandb").glob("offline-run-*"))
     blob = b"".join(p.read_bytes() for p in run.rglob("*.wandb"))
     assert b"comm_exposed_fraction" in blob  # the exposed-communication metric reaches W&B too
-    for key in (b"moe_aux_loss", b"moe_max_imbalance", b"moe_layer0_imbalance", b"moe_dropped_fraction"):
+    for key in (b"load_balancing_loss", b"moe_max_imbalance", b"moe_layer0_imbalance", b"moe_dropped_fraction"):
         assert key in blob, key

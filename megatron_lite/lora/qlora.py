@@ -74,8 +74,9 @@ def quantize_shard(w: torch.Tensor, meta, group) -> NF4Weight | None:
     absmax[index] = q.absmax
     dist.all_reduce(absmax, group=group.pg)  # every block is one rank's: the full weight's maxima, exactly
     qabsmax, stats, offset, code8 = double_quantize(absmax)
+    same_rows = meta.shard.dim == 1  # (a row-parallel shard keeps every row: no map to store)
     return NF4Weight(q.packed, w.shape, w.dtype, BLOCKSIZE, None, qabsmax[index], stats, offset, code8,
-                     rows.int(), block_cols.int(), per_row)  # fmt: skip
+                     None if same_rows else rows.int(), block_cols.int(), per_row)  # fmt: skip
 
 
 def quantize_base(model: nn.Module, ctx) -> tuple[int, list[str]]:

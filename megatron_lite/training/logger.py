@@ -31,6 +31,82 @@ def _wandb_mode() -> str:
     return "offline"
 
 
+# Megatron's training_log, field by field: (our metric, its console label, its format), in its order; a
+# parser or dashboard written for Megatron's logs reads ours. Metrics Megatron has no field for follow.
+MEGATRON_CONSOLE = (
+    ("consumed_samples", "consumed samples", "{:12d}"),
+    ("iteration_time", "elapsed time per iteration (ms)", "ms"),  # (seconds in JSONL, as our other times)
+    ("tflops_per_gpu", "throughput per GPU (TFLOP/s/GPU)", "{:.1f}"),
+    ("lr", "learning rate", "{:.6E}"),
+    ("global_batch_size", "global batch size", "{:5d}"),
+    ("lm_loss", "lm loss", "{:.6E}"),
+    ("mtp_*_loss", None, "{:.6E}"),  # "mtp_1 loss", ...
+    ("moe_aux_loss", "load_balancing_loss", "{:.6E}"),
+    ("moe_z_loss", "z_loss", "{:.6E}"),
+    ("loss_scale", "loss scale", "{:.1f}"),
+    ("grad_norm", "grad norm", "{:.3f}"),
+    ("num_zeros_in_grad", "num zeros", "{}"),
+    ("params_norm", "params norm", "{:.3f}"),
+    ("skipped_iterations", "number of skipped iterations", "{:3d}"),
+    ("nonfinite_iterations", "number of nan iterations", "{:3d}"),
+)
+# Megatron's W&B / TensorBoard keys for the metrics it has (TensorBoard also gets its "<key> vs samples");
+# the others go under train/.
+MEGATRON_KEYS = {
+    "lm_loss": "lm loss",
+    "lr": "learning-rate",
+    "global_batch_size": "batch-size",
+    "loss_scale": "loss-scale",
+    "grad_norm": "grad-norm",
+    "num_zeros_in_grad": "num-zeros",
+    "params_norm": "params-norm",
+    "iteration_time": "iteration-time",
+    "tflops_per_gpu": "throughput",
+    "moe_aux_loss": "load_balancing_loss",
+    "moe_z_loss": "z_loss",
+    "consumed_samples": "samples vs steps",
+}
+
+
+def _megatron_key(key: str) -> str | None:
+    if key.startswith("mtp_") and key.endswith("_loss"):
+        return f"{key[:-5]} loss"  # Megatron's "mtp_1 loss"
+    return MEGATRON_KEYS.get(key)
+
+
+def train_line(iteration: int, train_iters: int, metrics: dict[str, Any]) -> str:
+    """Megatron's iteration line (its labels, formats and order), then the metrics it has no field for."""
+    parts = [f"iteration {iteration:8d}/{train_iters:8d}"]
+    shown = set()
+    for key, label, fmt in MEGATRON_CONSOLE:
+        keys = [k for k in metrics if k.startswith("mtp_") and k.endswith("_loss")] if "*" in key else [key]
+        for k in keys:
+            v = metrics.get(k)
+            shown.add(k)
+            if v is None or isinstance(v, (dict, list)):
+                continue
+            text = f"{v * 1000.0:.1f}" if fmt == "ms" else fmt.format(v)
+            parts.append(f"{label or _megatron_key(k)}: {text}")
+    rest = {k: v for k, v in metrics.items() if k not in shown and v is not None}
+    parts += [f"{k}: {_fmt(v)}" for k, v in rest.items() if not isinstance(v, (dict, list))]
+    return " | ".join(parts) + " |"
+
+
+def _flat_config(job: JobConfig) -> dict:
+    """The job's settings as one flat dict (Megatron hands W&B its flat arguments, so runs filter on
+    num_layers or tensor_model_parallel_size); a name two sections share keeps its section."""
+    nested = job.to_dict()
+    sections = {k: v for k, v in nested.items() if isinstance(v, dict)}
+    seen: dict[str, int] = {}
+    for sec in sections.values():
+        for k in sec:
+            seen[k] = seen.get(k, 0) + 1
+    flat = {k: v for k, v in nested.items() if not isinstance(v, dict)}
+    for name, sec in sections.items():
+        flat.update({(k if seen[k] == 1 else f"{name}.{k}"): v for k, v in sec.items()})
+    return flat
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         if value == 0 or math.isnan(value) or math.isinf(value):
@@ -48,6 +124,7 @@ class MetricsLogger:
         self._wandb = None
         self._tb = None
         self._last_iteration = self._last_train = self._wandb_step = self._step_offset = 0  # (W&B's step, see log)
+        self._samples = 0  # consumed by the last iteration logged: TensorBoard's "vs samples" axis
         if not enabled:
             return
         if self.config.log_jsonl:
@@ -65,7 +142,7 @@ class MetricsLogger:
                 name=self.config.wandb_exp_name,
                 entity=self.config.wandb_entity,
                 dir=save_dir,
-                config=job.to_dict(),
+                config=_flat_config(job),
                 mode=mode,
             )
             self.info(f"W&B run {self._wandb.id} ({mode}) in {save_dir}")
@@ -79,20 +156,27 @@ class MetricsLogger:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             print(f"[{stamp}] {message}", file=sys.stdout, flush=True)
 
-    def log(self, iteration: int, metrics: dict[str, Any], kind: str = "train") -> None:
+    def log(self, iteration: int, metrics: dict[str, Any], kind: str = "train", final: bool = False) -> None:
+        """One record: `kind` train, or validation / test with lm_loss and ppl (`final`: the evaluation at the
+        end of the run, which Megatron's line says)."""
         if not self.enabled:
             return
         record = {"iteration": iteration, **metrics} if kind == "train" else {"iteration": iteration, kind: metrics}
         if kind == "train":
-            fields = " | ".join(
-                f"{k}: {_fmt(v)}" for k, v in metrics.items() if v is not None and not isinstance(v, (dict, list))
-            )
-            self.info(f"iteration {iteration:>6}/{self.train_iters} | {fields}")
-        else:
-            self.info(f"{kind} at iteration {iteration} | " + " | ".join(f"{k}: {_fmt(v)}" for k, v in metrics.items()))
+            self.info(train_line(iteration, self.train_iters, metrics))
+            self._samples = metrics.get("consumed_samples", self._samples)
+        else:  # Megatron's evaluate_and_print_results, its test set's line included
+            at = f"iteration {iteration}" + (f" on {kind} set" if final else "")
+            line = f" validation loss at {at} | lm loss value: {metrics['lm_loss']:.6E} | "
+            line += f"lm loss PPL: {metrics['ppl']:.6E} | "
+            print(f"{'-' * (len(line) + 1)}\n{line}\n{'-' * (len(line) + 1)}", flush=True)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
-        flat = {f"{kind}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if kind == "train":
+            flat = {(_megatron_key(k) or f"train/{k}"): v for k, v in scalars.items()}
+        else:  # Megatron's "lm loss validation" (its test set's too; ours apart: "lm loss test")
+            flat = {f"lm loss {kind}": scalars["lm_loss"], f"lm loss {kind} ppl": scalars["ppl"]}
         if self._wandb is not None:
             # W&B drops a step below its last, and merges calls at one step: iterations a rollback replays go on
             # after it (the iteration goes along as a field), the last one logged included (an evaluation shares
@@ -107,6 +191,8 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, iteration)
+                if not k.startswith("train/") and k != "samples vs steps":
+                    self._tb.add_scalar(f"{k} vs samples", v, self._samples)
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -47,7 +47,7 @@ from megatron_lite.training.configs import JobConfig, check_output_paths
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
-from megatron_lite.training.resume import rollback, start_load, starting_checkpoint
+from megatron_lite.training.resume import check_qlora_base, rollback, start_load, starting_checkpoint
 from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
@@ -191,12 +191,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
             whole = ckpt_path is not None and not ckpt_path.endswith(".old")
             base_dir = ckpt_path if whole else job.checkpoint.load
-            if ckpt_path is None and job.checkpoint.save:  # adapters-only checkpoints on a base nobody can load
-                raise ConfigError(
-                    f"--qlora with no base checkpoint loaded (--load {job.checkpoint.load}): the checkpoints in "
-                    f"--save {job.checkpoint.save} would hold adapters for a random base that cannot be rebuilt; "
-                    "add --load BASE --finetune, or drop --save to try QLoRA on a random base"
-                )
+            check_qlora_base(job, ckpt_path)
             if ckpt_path is None:
                 say("--qlora with no base checkpoint loaded: the adapters train on a randomly initialised base")
         if saved_lora.get("qlora"):
@@ -285,10 +280,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
             from megatron_lite.lora.qlora import nf4_bytes, quantize_base
 
             n, per_shard = quantize_base(model, ctx)
+            if ctx.world_size > 1:  # (every stage's: the logging rank holds only the last one's layers)
+                found = [None] * ctx.world_size
+                dist.all_gather_object(found, [f"stage {ctx.pp.rank} {name}" for name in per_shard])
+                per_shard = sorted({name for names in found for name in names})
             log.info(
                 f"QLoRA: {n / 1e6:.2f}M base weights in NF4, {8 * nf4_bytes(model) / max(n, 1):.3f} bits per parameter"
             )
-            if per_shard:  # (every rank of a TP group finds the same: rank 0's list speaks for all)
+            if per_shard:
                 log.info(
                     f"QLoRA: {len(per_shard)} weights ({per_shard[0]}, ...) quantised per tensor-parallel shard "
                     "(a shard's rows are not whole 64-value blocks): their NF4 rounding depends on the TP size"
@@ -352,7 +351,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 )
                 log.info(f"saved {path}")
 
-        def evaluate(dataset, kind: str) -> None:
+        def evaluate(dataset, kind: str, final: bool = False) -> None:
             """--eval-iters global batches of `dataset`, logged with their perplexity. As Megatron's evaluate(): the
             validation set goes on where the last evaluation stopped (its count is saved in checkpoints), from its
             start under --skip-train; the test set, evaluated once, from its start."""
@@ -368,10 +367,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
             # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
             loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
             # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
-            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind)
+            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind, final=final)
 
         profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
-        evaluated_at = None
         if t.skip_train:
             log.info(f"--skip-train: evaluating the model at iteration {state.iteration}, no training")
         while state.iteration < t.train_iters and not t.skip_train:
@@ -441,7 +439,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.log(
                     state.iteration,
                     {
-                        "lm_loss": window["loss"] / window["losses"] if window["losses"] else math.nan,
+                        # (none when every step was skipped: Megatron's line leaves it out too)
+                        "lm_loss": window["loss"] / window["losses"] if window["losses"] else None,
                         **{
                             k: v / window[k[:-4] + "n"]
                             for k, v in window.items()
@@ -478,7 +477,6 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 window = _new_window()
             if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
                 evaluate(valid_ds, "validation")
-                evaluated_at = state.iteration
             if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
                 save()
             if _should_exit(t, state, job_start, ctx):
@@ -493,15 +491,15 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 signalled = True
                 break
         profiler.close()  # a window the run ended inside
-        # As Megatron's pretrain(): the final save, then the validation set (unless just evaluated) and the test set
+        # As Megatron's pretrain(): the final save, then the validation set and the test set
         if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             save()
         _finish_async_save(saver, log)
         if t.eval_iters > 0 and not signalled and not exiting:
-            if valid_ds is not None and evaluated_at != state.iteration:
-                evaluate(valid_ds, "validation")
+            if valid_ds is not None:  # (also when just evaluated, as Megatron: its next batches)
+                evaluate(valid_ds, "validation", final=True)
             if test_ds is not None:
-                evaluate(test_ds, "test")
+                evaluate(test_ds, "test", final=True)
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
     finally:
         log.close()
@@ -550,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.dry_run:
             from megatron_lite.training.dry_run import dry_run
 
+            check_qlora_base(job, starting_checkpoint(job, lambda *_: None)[1])  # (as the run would refuse)
             return dry_run(job)
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:

@@ -52,6 +52,17 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
     return job, ckpt_path
 
 
+def check_qlora_base(job: JobConfig, ckpt_path: str | None) -> None:
+    """QLoRA's checkpoints hold the adapters and name the base they were trained on: with no checkpoint loaded
+    the base is random, and the checkpoints it would save could never be loaded again."""
+    if job.lora is not None and job.lora.qlora and ckpt_path is None and job.checkpoint.save:
+        raise ConfigError(
+            f"--qlora with no base checkpoint loaded (--load {job.checkpoint.load}): the checkpoints in "
+            f"--save {job.checkpoint.save} would hold adapters for a random base that cannot be rebuilt; "
+            "add --load BASE --finetune, or drop --save to try QLoRA on a random base"
+        )
+
+
 def start_load(job: JobConfig, qlora_base: str | None) -> dict:
     """How the checkpoint a job starts from is loaded: --no-load-optim, --no-load-rng, --finetune; a QLoRA
     checkpoint's base weights come from `qlora_base`, loaded before it."""
