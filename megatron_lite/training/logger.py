@@ -76,7 +76,7 @@ def _megatron_key(key: str) -> str | None:
 
 def train_line(iteration: int, train_iters: int, metrics: dict[str, Any]) -> str:
     """Megatron's iteration line (its labels, formats and order), then the metrics it has no field for."""
-    parts = [f"iteration {iteration:8d}/{train_iters:8d}"]
+    parts = [f"iteration {iteration:8d}/{train_iters if train_iters is not None else '?':>8}"]
     shown = set()
     for key, label, fmt in MEGATRON_CONSOLE:
         keys = [k for k in metrics if k.startswith("mtp_") and k.endswith("_loss")] if "*" in key else [key]
@@ -85,7 +85,10 @@ def train_line(iteration: int, train_iters: int, metrics: dict[str, Any]) -> str
             shown.add(k)
             if v is None or isinstance(v, (dict, list)):
                 continue
-            text = f"{v * 1000.0:.1f}" if fmt == "ms" else fmt.format(v)
+            try:
+                text = f"{v * 1000.0:.1f}" if fmt == "ms" else fmt.format(int(v) if fmt.endswith("d}") else v)
+            except (TypeError, ValueError, OverflowError):  # (a NaN count, say: said as it is, never a crash)
+                text = _fmt(v)
             parts.append(f"{label or _megatron_key(k)}: {text}")
     rest = {k: v for k, v in metrics.items() if k not in shown and v is not None}
     parts += [f"{k}: {_fmt(v)}" for k, v in rest.items() if not isinstance(v, (dict, list))]
