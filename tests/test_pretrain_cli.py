@@ -902,6 +902,23 @@ MEGATRON_VALID_LINE = re.compile(
 )
 
 
+def test_moe_losses_are_the_windows_mean(tmp_path, capsys, monkeypatch):
+    """load_balancing_loss and z_loss over a log window are its steps' mean, as lm loss and as Megatron's (they
+    were the window's last step)."""
+    moe = ["--mock-data", "--vocab-size", "100", "--num-experts", "4", "--moe-aux-loss-coeff", "1e-2"]
+    moe += ["--moe-z-loss-coeff", "1e-3", "--disable-bias-linear"]
+    logged = {}
+    for interval in (1, 3):
+        log = tmp_path / f"m{interval}.jsonl"
+        rc, out, err = _run([*moe, "--log-interval", str(interval), "--log-jsonl", str(log)], capsys, monkeypatch)
+        assert rc == 0, err
+        logged[interval] = [json.loads(line) for line in log.read_text().splitlines() if "lm_loss" in line]
+    assert "load_balancing_loss: " in out and "z_loss: " in out
+    for k in ("moe_aux_loss", "moe_z_loss"):
+        each = [r[k] for r in logged[1]]
+        assert len(set(each)) == 3 and logged[3][-1][k] == pytest.approx(sum(each) / 3, rel=1e-12), (k, each)
+
+
 def test_the_console_reads_as_megatrons(tmp_path, capsys, monkeypatch):
     """The iteration line has Megatron's fields, labels, formats and order (a regex written for its logs reads
     ours), values equal to the JSONL record's; evaluations print its validation line, the run's end evaluating the

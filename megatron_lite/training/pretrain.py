@@ -72,7 +72,8 @@ def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> N
 
 
 def _moe_metrics(moe: dict | None) -> dict:
-    """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL."""
+    """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the aux and
+    z losses are then replaced by their means over the log window, as Megatron's)."""
     if moe is None:
         return {}
     out = {f"moe_{k}": moe[k] for k in ("aux_loss", "z_loss", "dropped_fraction", "max_imbalance")}
@@ -427,6 +428,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 if v is not None and metrics.updated:
                     window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
                     window[f"mtp_{k + 1}_n"] = window.get(f"mtp_{k + 1}_n", 0) + 1
+            for k in ("aux_loss", "z_loss"):  # Megatron's load_balancing_loss and z_loss: over the window too
+                if metrics.moe is not None and metrics.moe.get(k) is not None:
+                    window[f"moe_{k}_sum"] = window.get(f"moe_{k}_sum", 0.0) + metrics.moe[k]
+                    window[f"moe_{k}_n"] = window.get(f"moe_{k}_n", 0) + 1
             window["n"] += 1
             window["time"] += time.time() - tic
             window["data"] += data_time
@@ -466,6 +471,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
                             else {}
                         ),
                         **_moe_metrics(metrics.moe),
+                        **{
+                            f"moe_{k}": window[f"moe_{k}_sum"] / window[f"moe_{k}_n"]
+                            for k in ("aux_loss", "z_loss")
+                            if window.get(f"moe_{k}_n")
+                        },
                         **guard.log_metrics(),
                         **(
                             memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
