@@ -919,6 +919,36 @@ def test_moe_losses_are_the_windows_mean(tmp_path, capsys, monkeypatch):
         assert len(set(each)) == 3 and logged[3][-1][k] == pytest.approx(sum(each) / 3, rel=1e-12), (k, each)
 
 
+def test_moe_losses_go_under_the_names_megatron_tracks(capsys, monkeypatch):
+    """seq_aux_loss is Megatron's seq_load_balancing_loss (it was logged as load_balancing_loss); the z loss is
+    tracked only with --moe-z-loss-coeff; Megatron's number of nan iterations is there with the NaN check off."""
+    moe = ["--mock-data", "--vocab-size", "100", "--num-experts", "4", "--moe-aux-loss-coeff", "1e-2"]
+    moe += ["--disable-bias-linear", "--moe-router-load-balancing-type", "seq_aux_loss"]
+    rc, out, err = _run([*moe, "--no-check-for-nan-in-loss-and-grad"], capsys, monkeypatch)
+    assert rc == 0, err
+    lines = [line for line in out.splitlines() if "] iteration " in line]
+    assert len(lines) == 3 and all("| seq_load_balancing_loss: " in line for line in lines), lines
+    assert not any("| load_balancing_loss" in line or "z_loss" in line for line in lines), lines
+    assert all("| number of nan iterations:   0 |" in line for line in lines), lines
+
+
+def test_tensorboard_plots_an_evaluation_at_the_samples_consumed_by_then():
+    from megatron_lite.training.logger import MetricsLogger
+
+    class Writer:
+        calls: list = []
+
+        def add_scalar(self, key, value, step):
+            self.calls.append((key, step))
+
+    logger = MetricsLogger.__new__(MetricsLogger)
+    logger.enabled, logger.train_iters, logger._jsonl, logger._wandb, logger._tb = True, 9, None, None, Writer()
+    logger._samples = 0
+    logger.log(4, {"lm_loss": 1.0, "consumed_samples": 16})
+    logger.log(6, {"lm_loss": 1.0, "ppl": 2.7}, kind="validation", samples=24)  # (no training line at 6)
+    assert ("lm loss validation vs samples", 24) in Writer.calls and ("lm loss vs samples", 16) in Writer.calls
+
+
 def test_the_console_reads_as_megatrons(tmp_path, capsys, monkeypatch):
     """The iteration line has Megatron's fields, labels, formats and order (a regex written for its logs reads
     ours), values equal to the JSONL record's; evaluations print its validation line, the run's end evaluating the

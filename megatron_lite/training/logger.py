@@ -40,9 +40,10 @@ MEGATRON_CONSOLE = (
     ("lr", "learning rate", "{:.6E}"),
     ("global_batch_size", "global batch size", "{:5d}"),
     ("lm_loss", "lm loss", "{:.6E}"),
-    ("mtp_*_loss", None, "{:.6E}"),  # "mtp_1 loss", ...
     ("moe_aux_loss", "load_balancing_loss", "{:.6E}"),
+    ("moe_seq_aux_loss", "seq_load_balancing_loss", "{:.6E}"),
     ("moe_z_loss", "z_loss", "{:.6E}"),
+    ("mtp_*_loss", None, "{:.6E}"),  # "mtp_1 loss", ... (after the MoE losses, as Megatron's)
     ("loss_scale", "loss scale", "{:.1f}"),
     ("grad_norm", "grad norm", "{:.3f}"),
     ("num_zeros_in_grad", "num zeros", "{}"),
@@ -63,6 +64,7 @@ MEGATRON_KEYS = {
     "iteration_time": "iteration-time",
     "tflops_per_gpu": "throughput",
     "moe_aux_loss": "load_balancing_loss",
+    "moe_seq_aux_loss": "seq_load_balancing_loss",
     "moe_z_loss": "z_loss",
     "consumed_samples": "samples vs steps",
 }
@@ -159,12 +161,22 @@ class MetricsLogger:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             print(f"[{stamp}] {message}", file=sys.stdout, flush=True)
 
-    def log(self, iteration: int, metrics: dict[str, Any], kind: str = "train", final: bool = False) -> None:
+    def log(
+        self,
+        iteration: int,
+        metrics: dict[str, Any],
+        kind: str = "train",
+        final: bool = False,
+        samples: int | None = None,
+    ) -> None:
         """One record: `kind` train, or validation / test with lm_loss and ppl (`final`: the evaluation at the
-        end of the run, which Megatron's line says)."""
+        end of the run, which Megatron's line says; `samples`: the training samples consumed by then)."""
         if not self.enabled:
             return
         record = {"iteration": iteration, **metrics} if kind == "train" else {"iteration": iteration, kind: metrics}
+        if final:
+            record["final"] = True  # (in W&B it shares the iteration's step with an evaluation just before)
+        self._samples = samples if samples is not None else self._samples
         if kind == "train":
             self.info(train_line(iteration, self.train_iters, metrics))
             self._samples = metrics.get("consumed_samples", self._samples)

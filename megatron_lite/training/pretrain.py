@@ -71,12 +71,22 @@ def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> N
         )
 
 
-def _moe_metrics(moe: dict | None) -> dict:
-    """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the aux and
-    z losses are then replaced by their means over the log window, as Megatron's)."""
+def _moe_losses(moe: dict | None, config) -> dict[str, float]:
+    """The step's balancing and z losses under the names Megatron tracks: the load-balancing loss of the type in
+    use (none for --moe-router-load-balancing-type none), the z loss only with --moe-z-loss-coeff."""
     if moe is None:
         return {}
-    out = {f"moe_{k}": moe[k] for k in ("aux_loss", "z_loss", "dropped_fraction", "max_imbalance")}
+    kind = config.moe_router_load_balancing_type
+    out = {f"moe_{kind}": moe["aux_loss"]} if kind in ("aux_loss", "seq_aux_loss") else {}
+    return {**out, **({"moe_z_loss": moe["z_loss"]} if config.moe_z_loss_coeff is not None else {})}
+
+
+def _moe_metrics(moe: dict | None, config) -> dict:
+    """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the losses
+    are then replaced by their means over the log window, as Megatron's)."""
+    if moe is None:
+        return {}
+    out = {**_moe_losses(moe, config), **{f"moe_{k}": moe[k] for k in ("dropped_fraction", "max_imbalance")}}
     for layer, st in moe["layers"].items():
         out[f"moe_layer{layer}_imbalance"] = st["imbalance"]
     out["moe_tokens_per_expert"] = {str(layer): st["tokens_per_expert"] for layer, st in moe["layers"].items()}
@@ -368,7 +378,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
             # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
             loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
             # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
-            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind, final=final)
+            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind, final=final,
+                    samples=state.consumed_samples)  # fmt: skip
 
         profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
         if t.skip_train:
@@ -428,10 +439,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 if v is not None and metrics.updated:
                     window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
                     window[f"mtp_{k + 1}_n"] = window.get(f"mtp_{k + 1}_n", 0) + 1
-            for k in ("aux_loss", "z_loss"):  # Megatron's load_balancing_loss and z_loss: over the window too
-                if metrics.moe is not None and metrics.moe.get(k) is not None:
-                    window[f"moe_{k}_sum"] = window.get(f"moe_{k}_sum", 0.0) + metrics.moe[k]
-                    window[f"moe_{k}_n"] = window.get(f"moe_{k}_n", 0) + 1
+            for k, v in _moe_losses(metrics.moe, job.model).items():  # (Megatron's: over the window too)
+                window.setdefault("moe_losses", {}).setdefault(k, []).append(v)
+            # Megatron's "number of nan iterations" (with the NaN check on, its own count replaces this)
+            window["nan"] = window.get("nan", 0) + (metrics.num_tokens > 0 and not math.isfinite(metrics.lm_loss))
             window["n"] += 1
             window["time"] += time.time() - tic
             window["data"] += data_time
@@ -444,7 +455,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.log(
                     state.iteration,
                     {
-                        # (none when every step was skipped: Megatron's line leaves it out too)
+                        # (none when every step was skipped, rather than Megatron's 0 or a NaN)
                         "lm_loss": window["loss"] / window["losses"] if window["losses"] else None,
                         **{
                             k: v / window[k[:-4] + "n"]
@@ -470,12 +481,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
                             if metrics.num_zeros_in_grad is not None
                             else {}
                         ),
-                        **_moe_metrics(metrics.moe),
-                        **{
-                            f"moe_{k}": window[f"moe_{k}_sum"] / window[f"moe_{k}_n"]
-                            for k in ("aux_loss", "z_loss")
-                            if window.get(f"moe_{k}_n")
-                        },
+                        "nonfinite_iterations": window.get("nan", 0),
+                        **_moe_metrics(metrics.moe, job.model),
+                        **{k: sum(v) / len(v) for k, v in window.get("moe_losses", {}).items()},
                         **guard.log_metrics(),
                         **(
                             memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
