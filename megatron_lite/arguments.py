@@ -446,7 +446,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         test_data_path=tuple(ns.test_data_path or ()),
         split=ns.split,
         mock_data=ns.mock_data,
-        tokenizer_type=ns.tokenizer_type,
+        # (Megatron's pretrain_gpt.py defaults it to GPT2BPETokenizer: its GPT-3 scripts give only the two files)
+        tokenizer_type=ns.tokenizer_type or ("GPT2BPETokenizer" if ns.vocab_file and ns.merge_file else None),
         tokenizer_model=tokenizer_file(ns.tokenizer_model),  # (a model directory: its tokenizer.json)
         vocab_file=ns.vocab_file,
         merge_file=ns.merge_file,

@@ -94,6 +94,14 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         "throughput and consumed samples",
     ),
     "log_energy": (False, "GPU energy is not measured"),
+    "apply_query_key_layer_scaling": (
+        False,
+        "the softmax runs in fp32, so scores are not scaled by the layer number (the scaling cancels in the softmax)",
+    ),
+    "moe_use_legacy_grouped_gemm": (
+        False,
+        "there is one grouped GEMM (ours with --kernel-impl triton), no legacy one to choose",
+    ),
     "no_barrier_with_level_1_timing": (False, "iteration times are measured without barriers"),
     # (values other than 1 are refused: refuse_unsupported)
     "num_distributed_optimizer_instances": (True, "one distributed-optimizer instance over the data-parallel group"),
@@ -139,6 +147,10 @@ REFUSED: dict[str, str] = {
     "moe_enable_deepep": "DeepEP is not used; --moe-token-dispatcher-type alltoall (or allgather) dispatches tokens",
     "optimizer_cpu_offload": "the optimizer state stays on the accelerator (no CPU offload)",
     "moe_layer_recompute": "use --recompute-granularity selective --recompute-modules moe (its successor in Megatron)",
+    "moe_router_force_load_balancing": (
+        "forced balancing (random router scores, Megatron's benchmarking mode) is not implemented: routing follows "
+        "the router"
+    ),
     "deterministic_mode": (
         "PyTorch and the kernels are not switched to deterministic algorithms (CPU runs repeat exactly; GPU runs "
         "are not guaranteed to)"
@@ -168,9 +180,10 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
             f"--dataloader-type {ns.dataloader_type} is not supported: an external data loader cannot be plugged "
             f"in; use {' or '.join(DATALOADER_TYPES)} (remove the flag)"
         )
-    for name, why in REFUSED.items():
-        if getattr(ns, name) is not None:
-            raise ConfigError(f"--{name.replace('_', '-')} is not supported: {why}; remove the flag")
+    refused = [f"--{name.replace('_', '-')} ({why})" for name, why in REFUSED.items() if getattr(ns, name) is not None]
+    if refused:  # (all of them at once: a script with four fp8 flags was refused four times over)
+        flags = " ".join(r.split(" (")[0] for r in refused)
+        raise ConfigError(f"{flags} not supported: " + "; ".join(refused) + "; remove them")
     for name in ("num_distributed_optimizer_instances", "rotary_seq_len_interpolation_factor"):
         value = getattr(ns, name, None)
         if value is not None and value.strip() not in ("1", "1.0"):
@@ -204,6 +217,15 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         lines.append(
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "
             "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
+        )
+    if (
+        getattr(ns, "tokenizer_type", None) is None
+        and getattr(ns, "vocab_file", None)
+        and getattr(ns, "merge_file", None)
+    ):
+        lines.append(
+            "--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer reads them (Megatron's "
+            "pretrain_gpt.py default)"
         )
     groups = getattr(ns, "num_query_groups", 1)
     if not getattr(ns, "group_query_attention", False) and groups not in (1, getattr(ns, "num_attention_heads", 1)):

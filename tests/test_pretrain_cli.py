@@ -309,6 +309,11 @@ def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monk
     [
         (["--fp8-format", "e4m3"], ["--fp8-format", "not implemented"]),
         (["--fp8-margin=0"], ["--fp8-margin", "not implemented"]),
+        # every refused flag in one line (a script with four fp8 flags was refused four times over)
+        (
+            ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--moe-router-force-load-balancing"],
+            ["--fp8-format --fp8-amax-history-len --moe-router-force-load-balancing not supported", "random router"],
+        ),
         (["--grad-reduce-in-bf16", "--fp16"], ["--grad-reduce-in-bf16", "--fp16", "use --bf16"]),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
         (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
@@ -900,6 +905,38 @@ MEGATRON_VALID_LINE = re.compile(
     r" validation loss at iteration (\d+)( on (?:validation|test) set)? \| lm loss value: ([\d.E+-]+) \| "
     r"lm loss PPL: ([\d.E+-]+) \| "
 )
+
+
+def test_the_decoupled_rate_is_logged_as_megatron_logs_it(tmp_path, capsys, monkeypatch):
+    """--decoupled-lr trained the embeddings at its rate but was never logged (Megatron: "decoupled learning
+    rate" after "learning rate", W&B's decoupled-learning-rate)."""
+    log = tmp_path / "m.jsonl"
+    argv = ["--mock-data", "--vocab-size", "100", "--decoupled-lr", "5e-4", "--log-jsonl", str(log)]
+    rc, out, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    rates = [json.loads(line)["decoupled_lr"] for line in log.read_text().splitlines()]
+    shown = re.findall(r"\| learning rate: [\d.E+-]+ \| decoupled learning rate: ([\d.E+-]+) \| global batch", out)
+    assert len(rates) == 3 and [float(x) for x in shown] == pytest.approx(rates, rel=1e-6) and rates[0] > 1e-4
+
+
+def test_the_dry_run_says_what_the_run_would_of_the_flags(capsys, monkeypatch):
+    """--dry-run, which users validate a script with, prints the start-up lines on flags without effect too."""
+    argv = ["--mock-data", "--vocab-size", "100", "--dry-run", "--apply-query-key-layer-scaling"]
+    rc, out, err = _run([*argv, "--moe-use-legacy-grouped-gemm"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "--apply-query-key-layer-scaling has no effect: the softmax runs in fp32" in out
+    assert "--moe-use-legacy-grouped-gemm has no effect" in out
+
+
+def test_gpt2_files_without_a_tokenizer_type_take_gpt2_bpe(tmp_path, capsys, monkeypatch):
+    """Megatron's GPT-3 scripts give --vocab-file and --merge-file only (its pretrain_gpt.py defaults the type to
+    GPT2BPETokenizer): they ran into "--mock-data needs --vocab-size"."""
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(json.dumps({"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3}))
+    merges.write_text("#version: 0.2\na b\n")
+    rc, out, err = _run(["--mock-data", "--vocab-file", str(vocab), "--merge-file", str(merges)], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "GPT2BPETokenizer reads them" in out and "iteration        3/       3 |" in out
 
 
 def test_moe_losses_are_the_windows_mean(tmp_path, capsys, monkeypatch):

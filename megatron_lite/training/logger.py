@@ -38,6 +38,7 @@ MEGATRON_CONSOLE = (
     ("iteration_time", "elapsed time per iteration (ms)", "ms"),  # (seconds in JSONL, as our other times)
     ("tflops_per_gpu", "throughput per GPU (TFLOP/s/GPU)", "{:.1f}"),
     ("lr", "learning rate", "{:.6E}"),
+    ("decoupled_lr", "decoupled learning rate", "{:.6E}"),
     ("global_batch_size", "global batch size", "{:5d}"),
     ("lm_loss", "lm loss", "{:.6E}"),
     ("moe_aux_loss", "load_balancing_loss", "{:.6E}"),
@@ -56,6 +57,7 @@ MEGATRON_CONSOLE = (
 MEGATRON_KEYS = {
     "lm_loss": "lm loss",
     "lr": "learning-rate",
+    "decoupled_lr": "decoupled-learning-rate",
     "global_batch_size": "batch-size",
     "loss_scale": "loss-scale",
     "grad_norm": "grad-norm",

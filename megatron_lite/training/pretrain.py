@@ -463,6 +463,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                             if k.startswith("mtp_") and k.endswith("_loss")
                         },
                         "lr": metrics.lr,
+                        **({"decoupled_lr": metrics.decoupled_lr} if metrics.decoupled_lr is not None else {}),
                         "grad_norm": metrics.grad_norm,
                         "loss_scale": metrics.loss_scale,
                         "iteration_time": it_time,
@@ -567,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_lite.training.dry_run import dry_run
 
             check_qlora_base(job, starting_checkpoint(job, lambda *_: None)[1])  # (as the run would refuse)
+            for line in accepted_no_ops(ns):  # (what the run would say of the flags, said before its plan)
+                print(line, flush=True)
             return dry_run(job)
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:
@@ -575,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         # once per node (it was said by every rank, twice over in two forms); later, by each rank with its own.
         if dist.is_initialized() or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        else:  # a moment for the first local rank to say it: torchrun stops the others at the first exit
+            time.sleep(1.0)
         return 2
     except TrainingHalted as e:
         rank = os.environ.get("RANK", "0")

@@ -49,6 +49,7 @@ class StepMetrics:
     activation_bytes: int | None = None  # peak of saved activations, when measured (training/memory.py)
     params_norm: float | None = None  # --log-params-norm: after the update
     num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad
+    decoupled_lr: float | None = None  # --decoupled-lr: the embeddings' and output layer's rate, as `lr` the step's
 
     @property
     def comm_exposed_fraction(self) -> float:
@@ -206,8 +207,8 @@ def train_step(
     finalize_grads(model, ctx)
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     mtp_losses = _mtp_losses(model, mtp_counts, ctx)
-    lr = scheduler.lr
-    result = optimizer.step(lr, scheduler.decoupled_lr, scheduler.weight_decay)
+    lr, decoupled_lr = scheduler.lr, scheduler.decoupled_lr
+    result = optimizer.step(lr, decoupled_lr, scheduler.weight_decay)
     if result.updated:
         scheduler.step(samples)
     zeros = optimizer.grad_zeros() if log_num_zeros_in_grad else None  # the reduced gradients, still in buffers
@@ -229,6 +230,7 @@ def train_step(
         activation_bytes=meter.peak if meter is not None else None,
         params_norm=params_norm,
         num_zeros_in_grad=zeros,
+        decoupled_lr=decoupled_lr,
     )
 
 
