@@ -180,10 +180,12 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
             f"--dataloader-type {ns.dataloader_type} is not supported: an external data loader cannot be plugged "
             f"in; use {' or '.join(DATALOADER_TYPES)} (remove the flag)"
         )
-    refused = [f"--{name.replace('_', '-')} ({why})" for name, why in REFUSED.items() if getattr(ns, name) is not None]
+    refused = [(f"--{name.replace('_', '-')}", why) for name, why in REFUSED.items() if getattr(ns, name) is not None]
+    if len(refused) == 1:
+        raise ConfigError(f"{refused[0][0]} is not supported: {refused[0][1]}; remove the flag")
     if refused:  # (all of them at once: a script with four fp8 flags was refused four times over)
-        flags = " ".join(r.split(" (")[0] for r in refused)
-        raise ConfigError(f"{flags} not supported: " + "; ".join(refused) + "; remove them")
+        flags = " ".join(flag for flag, _ in refused)
+        raise ConfigError(f"{flags} are not supported: " + "; ".join(f"{f}: {w}" for f, w in refused) + "; remove them")
     for name in ("num_distributed_optimizer_instances", "rotary_seq_len_interpolation_factor"):
         value = getattr(ns, name, None)
         if value is not None and value.strip() not in ("1", "1.0"):
