@@ -40,9 +40,9 @@ class NF4Storage(nn.Module):
         return self.weight().nbytes()
 
 
-def _full_indices(w: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """(the full weight's row of each of this shard's rows, its column of each column, its row width), or None
-    when the weight is whole or its blocks would not be whole blocks of the full weight."""
+def _full_indices(w: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+    """(the full weight's row of each of this shard's rows, its column of each column, its shape), or None when
+    the weight is whole or its blocks would not be whole blocks of the full weight."""
     spec = meta.shard
     if spec is None or spec.tp_size == 1 or w.dim() != 2 or spec.sizes != spec.padded_sizes:
         return None
@@ -50,13 +50,13 @@ def _full_indices(w: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor, in
     local = spec.shard(full.view(-1, 1) if spec.dim == 0 else full.view(1, -1), meta.shard_rank).reshape(-1)
     rows = local if spec.dim == 0 else torch.arange(w.shape[0], device=w.device)
     cols = local if spec.dim == 1 else torch.arange(w.shape[1], device=w.device)
-    width = spec.full_shape(w.shape)[1]
+    full_rows, width = spec.full_shape(w.shape)
     if w.shape[1] % BLOCKSIZE or width % BLOCKSIZE:
         return None
     starts = cols.view(-1, BLOCKSIZE)
     if (starts[:, 0] % BLOCKSIZE).any() or (starts != starts[:, :1] + torch.arange(BLOCKSIZE, device=w.device)).any():
         return None
-    return rows, cols, width
+    return rows, cols, (full_rows, width)
 
 
 def quantize_shard(w: torch.Tensor, meta, group) -> NF4Weight | None:
@@ -65,12 +65,12 @@ def quantize_shard(w: torch.Tensor, meta, group) -> NF4Weight | None:
     found = _full_indices(w, meta)
     if found is None:
         return None
-    rows, cols, width = found
+    rows, cols, (full_rows, width) = found
     q = quantize_nf4(w, double_quant=False)  # codes and maxima of blocks that are the full weight's blocks
     per_row = width // BLOCKSIZE
     block_cols = cols[::BLOCKSIZE] // BLOCKSIZE
     index = (rows[:, None] * per_row + block_cols[None, :]).reshape(-1)
-    absmax = torch.zeros(meta.shard.full_shape(w.shape)[0] * per_row, device=w.device)
+    absmax = torch.zeros(full_rows * per_row, device=w.device)
     absmax[index] = q.absmax
     dist.all_reduce(absmax, group=group.pg)  # every block is one rank's: the full weight's maxima, exactly
     qabsmax, stats, offset, code8 = double_quantize(absmax)

@@ -89,3 +89,25 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
         "max_imbalance": max((v["imbalance"] for v in per_layer.values()), default=0.0),
         "layers": per_layer,
     }
+
+
+def log_losses(moe: dict | None, config) -> dict[str, float]:
+    """A step's balancing and z losses under the names Megatron tracks: the load-balancing loss of the type in use
+    (none for --moe-router-load-balancing-type none), the z loss only with --moe-z-loss-coeff."""
+    if moe is None:
+        return {}
+    kind = config.moe_router_load_balancing_type
+    out = {f"moe_{kind}": moe["aux_loss"]} if kind in ("aux_loss", "seq_aux_loss") else {}
+    return {**out, **({"moe_z_loss": moe["z_loss"]} if config.moe_z_loss_coeff is not None else {})}
+
+
+def log_metrics(moe: dict | None) -> dict:
+    """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the losses
+    are logged as their means over the log window: log_losses)."""
+    if moe is None:
+        return {}
+    out = {f"moe_{k}": moe[k] for k in ("dropped_fraction", "max_imbalance")}
+    for layer, st in moe["layers"].items():
+        out[f"moe_layer{layer}_imbalance"] = st["imbalance"]
+    out["moe_tokens_per_expert"] = {str(layer): st["tokens_per_expert"] for layer, st in moe["layers"].items()}
+    return out

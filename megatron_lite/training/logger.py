@@ -178,10 +178,9 @@ class MetricsLogger:
         record = {"iteration": iteration, **metrics} if kind == "train" else {"iteration": iteration, kind: metrics}
         if final:
             record["final"] = True  # (in W&B it shares the iteration's step with an evaluation just before)
-        self._samples = samples if samples is not None else self._samples
+        self._samples = samples if samples is not None else metrics.get("consumed_samples", self._samples)
         if kind == "train":
             self.info(train_line(iteration, self.train_iters, metrics))
-            self._samples = metrics.get("consumed_samples", self._samples)
         else:  # Megatron's evaluate_and_print_results, its test set's line included
             at = f"iteration {iteration}" + (f" on {kind} set" if final else "")
             line = f" validation loss at {at} | lm loss value: {metrics['lm_loss']:.6E} | "

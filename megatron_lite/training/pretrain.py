@@ -36,6 +36,7 @@ from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.megatron_flags import accepted_no_ops
 from megatron_lite.models.gpt_model import build_model
+from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext, initialize
@@ -71,33 +72,11 @@ def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> N
         )
 
 
-def _moe_losses(moe: dict | None, config) -> dict[str, float]:
-    """The step's balancing and z losses under the names Megatron tracks: the load-balancing loss of the type in
-    use (none for --moe-router-load-balancing-type none), the z loss only with --moe-z-loss-coeff."""
-    if moe is None:
-        return {}
-    kind = config.moe_router_load_balancing_type
-    out = {f"moe_{kind}": moe["aux_loss"]} if kind in ("aux_loss", "seq_aux_loss") else {}
-    return {**out, **({"moe_z_loss": moe["z_loss"]} if config.moe_z_loss_coeff is not None else {})}
-
-
-def _moe_metrics(moe: dict | None, config) -> dict:
-    """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the losses
-    are then replaced by their means over the log window, as Megatron's)."""
-    if moe is None:
-        return {}
-    out = {**_moe_losses(moe, config), **{f"moe_{k}": moe[k] for k in ("dropped_fraction", "max_imbalance")}}
-    for layer, st in moe["layers"].items():
-        out[f"moe_layer{layer}_imbalance"] = st["imbalance"]
-    out["moe_tokens_per_expert"] = {str(layer): st["tokens_per_expert"] for layer, st in moe["layers"].items()}
-    return out
-
-
-def _new_window() -> dict[str, float]:
-    """What the loop sums between two log lines."""
+def _new_window() -> dict:
+    """What the loop sums between two log lines; "means": per-step values logged as their mean over the window
+    (each MTP depth's loss, the MoE losses, as Megatron's)."""
     return {"loss": 0.0, "n": 0, "losses": 0, "time": 0.0, "data": 0.0, "skipped": 0, "step": 0.0, "comm": 0.0,
-            "samples": 0}  # fmt: skip
-    # (with --mtp-num-layers also mtp_1_loss, ...: each depth's loss, summed like "loss")
+            "samples": 0, "nan": 0, "means": {}}  # fmt: skip
 
 
 def _logging_rank(ctx: ParallelContext) -> bool:
@@ -437,12 +416,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 )
             for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ... (over steps with tokens)
                 if v is not None and metrics.updated:
-                    window[f"mtp_{k + 1}_loss"] = window.get(f"mtp_{k + 1}_loss", 0.0) + v
-                    window[f"mtp_{k + 1}_n"] = window.get(f"mtp_{k + 1}_n", 0) + 1
-            for k, v in _moe_losses(metrics.moe, job.model).items():  # (Megatron's: over the window too)
-                window.setdefault("moe_losses", {}).setdefault(k, []).append(v)
+                    window["means"].setdefault(f"mtp_{k + 1}_loss", []).append(v)
+            for k, v in moe_stats.log_losses(metrics.moe, job.model).items():
+                window["means"].setdefault(k, []).append(v)
             # Megatron's "number of nan iterations" (with the NaN check on, its own count replaces this)
-            window["nan"] = window.get("nan", 0) + (metrics.num_tokens > 0 and not math.isfinite(metrics.lm_loss))
+            window["nan"] += metrics.num_tokens > 0 and not math.isfinite(metrics.lm_loss)
             window["n"] += 1
             window["time"] += time.time() - tic
             window["data"] += data_time
@@ -457,11 +435,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     {
                         # (none when every step was skipped, rather than Megatron's 0 or a NaN)
                         "lm_loss": window["loss"] / window["losses"] if window["losses"] else None,
-                        **{
-                            k: v / window[k[:-4] + "n"]
-                            for k, v in window.items()
-                            if k.startswith("mtp_") and k.endswith("_loss")
-                        },
+                        **{k: sum(v) / len(v) for k, v in window["means"].items()},
                         "lr": metrics.lr,
                         **({"decoupled_lr": metrics.decoupled_lr} if metrics.decoupled_lr is not None else {}),
                         "grad_norm": metrics.grad_norm,
@@ -482,9 +456,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                             if metrics.num_zeros_in_grad is not None
                             else {}
                         ),
-                        "nonfinite_iterations": window.get("nan", 0),
-                        **_moe_metrics(metrics.moe, job.model),
-                        **{k: sum(v) / len(v) for k, v in window.get("moe_losses", {}).items()},
+                        "nonfinite_iterations": window["nan"],
+                        **moe_stats.log_metrics(metrics.moe),
                         **guard.log_metrics(),
                         **(
                             memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
