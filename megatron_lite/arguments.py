@@ -124,6 +124,25 @@ def _layer_freq(text) -> int | tuple[int, ...]:
     return values[0] if len(values) == 1 and not any(c in body for c in "*+[](),") else tuple(values)
 
 
+def _balancing(ns: argparse.Namespace) -> tuple[str, float]:
+    """Megatron's --moe-router-load-balancing-type and --moe-aux-loss-coeff take a list (one coefficient per
+    balancing type, the losses added); one type per run here."""
+    kinds, coeffs = ns.moe_router_load_balancing_type, ns.moe_aux_loss_coeff
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    coeffs = [coeffs] if isinstance(coeffs, (int, float)) else list(coeffs)
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"--moe-router-load-balancing-type {' '.join(kinds)}: combining balancing losses is not supported; give "
+            "one type (and one --moe-aux-loss-coeff)"
+        )
+    if len(coeffs) > 1:
+        raise ConfigError(
+            f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per balancing type, and "
+            f"--moe-router-load-balancing-type gives one ({kinds[0]})"
+        )
+    return kinds[0], coeffs[0]
+
+
 def _cp_comm_type(values, num_layers: int | None) -> str:
     """Megatron's --cp-comm-type: one value, or one per layer. Every layer here shares its attention's
     communication, so a list is taken when its values agree."""
@@ -145,7 +164,7 @@ def _main_grads_bf16(ns: argparse.Namespace) -> bool:
     --grad-reduce-in-bf16 gives here; --main-params-dtype fp16 has no counterpart (fp32 main weights only)."""
     if getattr(ns, "main_params_dtype", None) == "fp16":
         raise ConfigError("--main-params-dtype fp16 is not supported: main weights are fp32; drop the flag")
-    if getattr(ns, "main_grads_dtype", None) is None:
+    if getattr(ns, "main_grads_dtype", None) in (None, "fp32"):  # (fp32: the default, which Megatron takes alone)
         return False
     if not ns.use_precision_aware_optimizer:
         raise ConfigError(
@@ -309,8 +328,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_router_topk_scaling_factor=ns.moe_router_topk_scaling_factor,
         moe_router_dtype=ns.moe_router_dtype,
         moe_ffn_hidden_size=ns.moe_ffn_hidden_size,
-        moe_router_load_balancing_type=ns.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=ns.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=_balancing(ns)[0],
+        moe_aux_loss_coeff=_balancing(ns)[1],
         moe_z_loss_coeff=ns.moe_z_loss_coeff,
         moe_router_enable_expert_bias=ns.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=ns.moe_router_bias_update_rate,
@@ -399,6 +418,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         use_distributed_optimizer=ns.use_distributed_optimizer,
         zero_stage=ns.zero_stage,
         use_torch_fsdp2=ns.use_torch_fsdp2,
+        torch_fsdp2_reshard_after_forward=ns.torch_fsdp2_reshard_after_forward,
         overlap_param_gather=ns.overlap_param_gather,
         lr=ns.lr,
         min_lr=ns.min_lr,
@@ -482,6 +502,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         wandb_entity=ns.wandb_entity,
         wandb_save_dir=ns.wandb_save_dir,
         tensorboard_dir=ns.tensorboard_dir,
+        tensorboard_log_interval=ns.tensorboard_log_interval,
+        tensorboard_queue_size=ns.tensorboard_queue_size,
         log_memory_breakdown=ns.log_memory_breakdown,
         log_params_norm=ns.log_params_norm,
         log_num_zeros_in_grad=ns.log_num_zeros_in_grad,
@@ -547,8 +569,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata, same_directory
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    flags = [tok.split("=")[0] for tok in argv]
+    if "--encoder-seq-length" in flags:  # Megatron's other name: read as --seq-length, a checkpoint's included
+        if "--seq-length" in flags:
+            raise ConfigError("--encoder-seq-length is Megatron's other name for --seq-length: give one of them")
+        argv = [tok.replace("--encoder-seq-length", "--seq-length", 1) for tok in argv]
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if "--use-rotary-position-embeddings" in argv:  # (its conflicts with a checkpoint are the type flag's)
+        ns.position_embedding_type = "rope"
     if ns.lr_warmup_fraction is not None and (ns.lr_warmup_iters or ns.lr_warmup_samples):
         # (checked on the flags given, before a checkpoint's values fill the others in)
         flag = "--lr-warmup-iters" if ns.lr_warmup_iters else "--lr-warmup-samples"
@@ -577,6 +606,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
                 "the checkpoint ramps its batch in an iteration-based run, which Megatron refuses (the decay ends "
                 "past the samples the run consumes); it goes on as it ran (--train-samples makes it sample-based)"
             )
+    if "--use-rotary-position-embeddings" in argv:  # (Megatron's validate_args: whatever the type flag says)
+        ns.position_embedding_type = "rope"
+    if ns.fp16 and ns.loss_scale is None and ns.check_for_nan_in_loss_and_grad and "nan_policy" not in given:
+        # Megatron's validate_args: with dynamic loss scaling a non-finite loss or gradient is the scaler's signal
+        # (the step is skipped and the scale lowered), not a fault to halt on
+        ns.check_for_nan_in_loss_and_grad = False
+        ns.schedule_notes.append(
+            "--fp16 with a dynamic loss scale turns --check-for-nan-in-loss-and-grad off, as Megatron does: a "
+            "non-finite loss or gradient skips the step and lowers the scale (--loss-scale S, or --nan-policy, "
+            "keeps the check)"
+        )
     lora_only = [d for d in ("lora_alpha", "lora_dropout", "lora_target_modules") if d in given]
     if lora_only and not ns.lora_rank:  # (without a rank there are no adapters: every weight would train)
         raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA adapters: add --lora-rank R, or drop it")

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
 
-SHARDING = ("use_distributed_optimizer", "zero_stage", "use_torch_fsdp2", "overlap_param_gather")
+SHARDING = (
+    "use_distributed_optimizer",
+    "zero_stage",
+    "use_torch_fsdp2",
+    "torch_fsdp2_reshard_after_forward",
+    "overlap_param_gather",
+)
 
 # Flags whose value defines the weights: given explicitly with a different value than the checkpoint's, they
 # are an error unless --use-checkpoint-args (then the checkpoint's value wins).

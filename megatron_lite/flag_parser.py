@@ -180,8 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="multiply the selected experts' routing weights by this (DeepSeek-V3: 2.5)",
     )
     e.add_argument("--moe-ffn-hidden-size", type=int)
-    e.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
-    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    e.add_argument(
+        "--moe-router-load-balancing-type",
+        choices=["aux_loss", "seq_aux_loss", "none"],
+        nargs="+",
+        default="aux_loss",
+        help="one type (Megatron's list form is taken with one value)",
+    )
+    e.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0, help="the balancing type's coefficient")
     e.add_argument("--moe-z-loss-coeff", type=float)
     _bool(e, "--moe-router-enable-expert-bias", "aux-loss-free balancing (needs sigmoid scores)")
     e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
@@ -245,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--micro-batch-size", type=int, default=1)
     t.add_argument("--global-batch-size", type=int)
     t.add_argument("--seq-length", type=int)
+    t.add_argument("--encoder-seq-length", type=int, help="Megatron's other name for --seq-length")
     t.add_argument("--train-iters", type=int)
     t.add_argument("--train-samples", type=int, help="the run's length in samples (instead of --train-iters)")
     t.add_argument(
@@ -295,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with --use-distributed-optimizer: all-gather updated weights under the next forward",
     )
     _bool(o, "--use-torch-fsdp2", "ZeRO-3 through PyTorch FSDP2: parameters sharded over data parallelism")
+    o.add_argument(
+        "--torch-fsdp2-no-reshard-after-forward",
+        dest="torch_fsdp2_reshard_after_forward",
+        action="store_false",
+        help="with --use-torch-fsdp2: keep each layer's gathered weights from its forward to its backward (more "
+        "memory, one all-gather fewer per layer)",
+    )
     o.add_argument(
         "--zero-stage", type=int, default=1, help="2: with --use-distributed-optimizer, shard gradients too (ZeRO-2)"
     )
@@ -445,6 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-entity", help="the W&B team or user the run is logged under (default: yours)")
     g.add_argument("--wandb-save-dir")
     g.add_argument("--tensorboard-dir")
+    g.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="write each iteration's loss, learning rate, grad norm, ... to W&B and TensorBoard every N "
+        "iterations (Megatron's; the console and JSONL keep --log-interval's window means)",
+    )
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000, help="TensorBoard events queued before a flush")
     _bool(g, "--profile", "profile iterations (--profile-step-start, --profile-step-end] on --profile-ranks")
     _bool(g, "--use-pytorch-profiler", "with --profile: a torch.profiler trace in --tensorboard-dir (else nsys)")
     g.add_argument("--profile-step-start", type=int, default=10)

@@ -7,6 +7,8 @@ import argparse
 
 from megatron_lite.config import ConfigError
 
+TP_SWITCH = "--tp-comm-overlap decomposes the tensor-parallel GEMMs into ring steps; there is no per-collective switch"
+
 # Megatron flags (from its example scripts) that change nothing here: accepted, and reported at start-up
 # with the reason. True where the flag takes a value.
 ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
@@ -41,11 +43,12 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         "validation lm_loss and its perplexity always go to every sink (console, JSONL, W&B, TensorBoard)",
     ),
     "log_memory_to_tensorboard": (False, "peak memory is logged every --log-interval to every sink"),
-    "log_loss_scale_to_tensorboard": (False, "loss_scale is logged every --log-interval to every sink"),
-    "log_batch_size_to_tensorboard": (False, "global_batch_size is logged every --log-interval to every sink"),
+    "log_loss_scale_to_tensorboard": (False, "loss_scale goes to W&B/TensorBoard every --tensorboard-log-interval"),
+    "log_batch_size_to_tensorboard": (
+        False,
+        "global_batch_size goes to W&B/TensorBoard every --tensorboard-log-interval",
+    ),
     "log_world_size_to_tensorboard": (False, "the world size and every group's layout are logged at start-up"),
-    "tensorboard_log_interval": (True, "TensorBoard is written every --log-interval, like the other sinks"),
-    "tensorboard_queue_size": (True, "TensorBoard's writer keeps its default queue"),
     "log_timers_to_tensorboard": (False, "iteration, data and exposed-communication times are logged every interval"),
     "no_masked_softmax_fusion": (False, "there is no fused masked softmax to disable"),
     "no_bias_swiglu_fusion": (False, "SwiGLU's fusion follows --kernel-impl (triton: fused, torch: not)"),
@@ -87,7 +90,30 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "ckpt_assume_constant_structure": (False, "each save writes the whole state; nothing is cached between saves"),
     "timing_log_option": (True, "iteration, data and exposed-communication times are logged every interval"),
     "no_persist_layer_norm": (False, "there is no persistent layer-norm kernel to disable"),
-    "no_log_loss_scale_to_tensorboard": (False, "loss_scale is logged every --log-interval to every sink"),
+    # Megatron's store_false spellings (a flag-defaults review found scripts refused on them)
+    "no_align_grad_reduce": (False, "each pipeline stage starts its gradient reductions on its own"),
+    "no_align_param_gather": (False, "each pipeline stage starts its weight all-gathers on its own"),
+    "disable_tp_comm_overlap_ag": (False, TP_SWITCH),
+    "disable_tp_comm_overlap_rs": (False, TP_SWITCH),
+    "disable_tp_comm_bulk_dgrad": (False, TP_SWITCH),
+    "disable_tp_comm_bulk_wgrad": (False, TP_SWITCH),
+    "disable_tp_comm_split_ag": (False, TP_SWITCH),
+    "disable_tp_comm_split_rs": (False, TP_SWITCH),
+    "no_scatter_gather_tensors_in_pipeline": (False, "pipeline messages are sent as the stage holds them"),
+    "no_gradient_reduce_div_fusion": (False, "there is no fused division in the gradient reduction to disable"),
+    "no_initialization": (False, "weights are always initialised (a --load then overwrites them)"),
+    "no_clone_scatter_output_in_embedding": (False, "the embedding's scattered output is never cloned"),
+    "disable_gloo_process_groups": (False, "no gloo groups are made beside the --distributed-backend's own"),
+    "no_one_logger": (False, "there is no one-logger"),
+    "no_manual_gc_eval": (False, "Python's garbage collector is left to run normally"),
+    "disable_straggler_on_startup": (
+        False,
+        "--log-straggler reports from the first interval; nothing runs at start-up",
+    ),
+    "no_pin_cpu_grads": (False, "nothing is offloaded to the CPU"),
+    "no_pin_cpu_params": (False, "nothing is offloaded to the CPU"),
+    "disable_msc": (False, "paths are local files (no multi-storage client)"),
+    "no_log_loss_scale_to_tensorboard": (False, "loss_scale goes to W&B/TensorBoard every --tensorboard-log-interval"),
     "log_progress": (
         False,
         "no progress.txt is written; each checkpoint's save is logged, and --log-jsonl records every interval's "
@@ -247,6 +273,12 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             f"--{masked[0].replace('_', '-')}: micro-batches count different numbers of loss tokens; the loss is the "
             "mean over the global batch's tokens (Megatron's --calculate-per-token-loss), not Megatron's default "
             "mean of the micro-batches' means"
+        )
+    if getattr(ns, "check_for_spiky_loss", False):  # (the name is Megatron's, the rule is not)
+        lines.append(
+            f"--check-for-spiky-loss: a loss is a spike when it lies more than --spiky-loss-zscore "
+            f"{ns.spiky_loss_zscore:g} standard deviations above the last --spiky-loss-window {ns.spiky_loss_window} "
+            "iterations' mean (Megatron's flags a loss above 10x the largest seen, and re-runs the iteration)"
         )
     if getattr(ns, "save_interval", None) and not getattr(ns, "save", None):  # Megatron ignores it too
         lines.append(f"--save-interval {ns.save_interval} has no effect without --save")

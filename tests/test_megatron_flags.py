@@ -45,6 +45,55 @@ def test_older_spellings_read_as_megatron_reads_them():
         flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
 
 
+def test_validate_args_overrides_read_as_megatrons():
+    """Three of Megatron's validate_args rules (a flag-defaults review): --use-rotary-position-embeddings is rope
+    whatever --position-embedding-type says, in either order (the later flag won); --fp16 with a dynamic loss
+    scale turns the NaN check off, a non-finite loss being the scaler's signal (a run Megatron continues halted
+    here), and says so; --main-grads-dtype fp32, the default, needs no --use-precision-aware-optimizer."""
+    for order in (["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"],
+                  ["--position-embedding-type", "learned_absolute", "--use-rotary-position-embeddings"]):  # fmt: skip
+        assert parse_args([*MOCK, *order])[1].model.position_embedding_type == "rope"
+    ns, job = parse_args([*MOCK, "--fp16"])
+    assert not job.optimizer.check_for_nan_in_loss_and_grad
+    assert any("turns --check-for-nan-in-loss-and-grad off" in n for n in ns.schedule_notes)
+    for kept in (["--loss-scale", "128"], ["--nan-policy", "skip"]):
+        assert parse_args([*MOCK, "--fp16", *kept])[1].optimizer.check_for_nan_in_loss_and_grad, kept
+    assert parse_args([*MOCK, "--bf16"])[1].optimizer.check_for_nan_in_loss_and_grad
+    assert not parse_args([*MOCK, "--main-grads-dtype", "fp32"])[1].optimizer.grad_reduce_in_bf16
+
+
+def test_megatrons_store_false_spellings_and_encoder_seq_length_are_taken():
+    """Megatron's --no-*/--disable-* spellings were 'no such flag' (a script stopped on each): those that change
+    nothing here are accepted and said; --encoder-seq-length is --seq-length (both given: one line)."""
+    flags = ["--no-align-grad-reduce", "--no-align-param-gather", "--disable-tp-comm-overlap-ag", "--no-initialization"]
+    ns, job = parse_args([*BASE[:-4], "--train-iters", "4", "--mock-data", "--vocab-size", "100", *flags,
+                          "--encoder-seq-length", "48"])  # fmt: skip
+    assert job.training.seq_length == 48
+    said = accepted_no_ops(ns)
+    assert all(any(line.startswith(f"{f} has no effect") for line in said) for f in flags), said
+    with pytest.raises(ConfigError, match="--encoder-seq-length is Megatron's other name for --seq-length"):
+        parse_args([*MOCK, "--encoder-seq-length", "32"])
+    spikes = accepted_no_ops(parse_args([*MOCK, "--check-for-spiky-loss"])[0])  # (Megatron's name, another rule)
+    assert any("6 standard deviations above the last --spiky-loss-window 50" in line for line in spikes), spikes
+    with pytest.raises(ConfigError, match="--torch-fsdp2-no-reshard-after-forward acts on --use-torch-fsdp2"):
+        parse_args([*MOCK, "--torch-fsdp2-no-reshard-after-forward"])
+
+
+def test_megatrons_list_form_of_the_balancing_loss():
+    """Megatron's --moe-router-load-balancing-type / --moe-aux-loss-coeff take lists (nargs='+'): one value reads
+    as before; several are one line (two coefficients were 'unrecognized arguments: 1e-3')."""
+    moe = [*MOCK, "--num-experts", "4", "--disable-bias-linear"]
+    job = parse_args([*moe, "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2"])[1]
+    assert (job.model.moe_router_load_balancing_type, job.model.moe_aux_loss_coeff) == ("seq_aux_loss", 1e-2)
+    assert parse_args(moe)[1].model.moe_router_load_balancing_type == "aux_loss"
+    for flags, fragment in (
+        (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], "combining balancing losses"),
+        (["--moe-aux-loss-coeff", "1e-2", "1e-3"], "one coefficient per balancing type"),
+    ):
+        with pytest.raises(ConfigError, match=fragment):
+            parse_args([*moe, *flags])
+
+
 @pytest.mark.parametrize(
     "flags, fragment",
     [

@@ -851,16 +851,44 @@ def test_fsdp2_with_overlap_grad_reduce_is_refused_before_any_process_group(caps
     _one_line_error(rc, err, "--use-torch-fsdp2", "drop --overlap-grad-reduce")
 
 
+def _wandb_history(run_dir) -> list[dict]:
+    """The history rows of an offline W&B run, read back from its .wandb file (a LevelDB-style log of
+    protobuf records: 32 KiB blocks, each piece behind a 7-byte header, after the 7-byte file header)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(run_dir.glob("*.wandb")).read_bytes()
+    pos, piece, rows = 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # a block's zero-filled tail
+            pos += left
+            continue
+        piece, pos = piece + data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(piece)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            piece = b""
+    return rows
+
+
 def test_wandb_entity_and_validation_perplexity(tmp_path):
     """--wandb-entity reaches the (offline, real) W&B run, written under --save as Megatron's default
     --wandb-save-dir (it was the working directory, on every node); validation logs Megatron's perplexity
-    exp(lm_loss)."""
+    exp(lm_loss). As Megatron's training_log, W&B gets each iteration's own loss, grad norm and learning rate
+    (--tensorboard-log-interval, default 1) while the console and JSONL show --log-interval's window means (W&B
+    had the window's, every --log-interval only)."""
     import math
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [*TINY, "--mock-data", "--vocab-size", "100", "--eval-iters", "2", "--eval-interval", "3"]
+    argv += ["--log-interval", "3"]
     argv += ["--wandb-project", "p", "--wandb-entity", "team-x", "--save", str(tmp_path / "ckpt")]
     argv += ["--log-jsonl", str(tmp_path / "m.jsonl")]
     env = {**os.environ, "WANDB_MODE": "offline", "WORLD_SIZE": "1", "RANK": "0"}
@@ -895,6 +923,27 @@ def test_wandb_entity_and_validation_perplexity(tmp_path):
     assert b"train/lm_loss" not in blob
     config = b"".join(p.read_bytes() for p in run.rglob("config.yaml")) or blob
     assert b"num_layers" in config and b"tensor_model_parallel_size" in config
+    rows = {r["_step"]: r for r in _wandb_history(run)}
+    assert sorted(rows) == [1, 2, 3] and all("lm loss" in r and "grad-norm" in r for r in rows.values())
+    (window,) = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if "lm_loss" in r]
+    assert window["lm_loss"] == pytest.approx(sum(r["lm loss"] for r in rows.values()) / 3, rel=1e-6)
+    assert window["grad_norm"] == pytest.approx(rows[3]["grad-norm"]) != pytest.approx(rows[2]["grad-norm"])
+    assert "iteration-time" in rows[3] and "lm loss validation" in rows[3] and "iteration-time" not in rows[2]
+
+
+def test_wandb_config_names_the_vocabulary_as_megatron(monkeypatch):
+    """W&B's flat config has Megatron's vocab_size (the tokenizer's) and padded_vocab_size (the embedding's rows,
+    a multiple of 128 x TP); it had data.vocab_size (the --vocab-size flag, None with a real tokenizer) and
+    model.vocab_size, and no padded size."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.training.logger import _flat_config
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    _, job = parse_args([*TINY, "--mock-data", "--vocab-size", "1000", "--tensor-model-parallel-size", "2"])
+    flat = _flat_config(job)
+    assert (flat["vocab_size"], flat["padded_vocab_size"]) == (1000, 1024)
+    assert not [k for k in flat if k.endswith(".vocab_size")]
 
 
 # Megatron's training_log and evaluate_and_print_results, as a parser written for its logs reads them
@@ -981,12 +1030,41 @@ def test_tensorboard_plots_an_evaluation_at_the_samples_consumed_by_then():
         def add_scalar(self, key, value, step):
             self.calls.append((key, step))
 
+    from megatron_lite.training.configs import LoggingConfig
+
     logger = MetricsLogger.__new__(MetricsLogger)
     logger.enabled, logger.train_iters, logger._jsonl, logger._wandb, logger._tb = True, 9, None, None, Writer()
-    logger._samples = 0
+    logger._samples, logger.config = 0, LoggingConfig()
+    logger.step(4, {"lm_loss": 1.0, "consumed_samples": 16})
     logger.log(4, {"lm_loss": 1.0, "consumed_samples": 16})
     logger.log(6, {"lm_loss": 1.0, "ppl": 2.7}, kind="validation", samples=24)  # (no training line at 6)
     assert ("lm loss validation vs samples", 24) in Writer.calls and ("lm loss vs samples", 16) in Writer.calls
+
+
+def test_tensorboard_gets_each_iterations_values(tmp_path, capsys, monkeypatch):
+    """A real TensorBoard event file (skipped where the package is absent, as in CI): each iteration's own lm loss
+    and grad norm every --tensorboard-log-interval, the window's iteration time at --log-interval, the window's
+    mean loss in the JSONL; --tensorboard-queue-size reaches the writer."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    queues = []
+    real = SummaryWriter.__init__
+    monkeypatch.setattr(SummaryWriter, "__init__", lambda self, *a, **k: queues.append(k) or real(self, *a, **k))
+    argv = ["--mock-data", "--vocab-size", "100", "--train-iters", "4", "--log-interval", "4"]
+    argv += ["--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "2"]
+    rc, _, err = _run([*argv, "--tensorboard-queue-size", "7", "--log-jsonl", str(tmp_path / "m.jsonl")],
+                      capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    assert [q.get("max_queue") for q in queues] == [7]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    loss = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert sorted(loss) == [2, 4] and [e.step for e in events.Scalars("grad-norm")] == [2, 4]
+    assert [e.step for e in events.Scalars("iteration-time")] == [4]
+    (window,) = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if "lm_loss" in r]
+    assert window["lm_loss"] != pytest.approx(loss[4], rel=1e-6)  # (the mean of iterations 1-4)
 
 
 def test_the_console_reads_as_megatrons(tmp_path, capsys, monkeypatch):

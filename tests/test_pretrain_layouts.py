@@ -120,7 +120,8 @@ def test_fsdp2_after_evaluations_equals_single_process(tmp_path, pretrain_job):
     """An evaluation (a forward with no backward) left FSDP2's root units gathered: the next step added its
     gradient to the last one for the embeddings, final norm and output layer, and a save right after wrote
     them without their Adam moments. Evaluating every 2 iterations and saving at 4, FSDP2 at DP=2 equals one
-    process per iteration, and a run resumed from 4 equals the straight one."""
+    process per iteration, and a run resumed from 4 equals the straight one. With Megatron's
+    --torch-fsdp2-no-reshard-after-forward (layers stay gathered from forward to backward) too."""
     args = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 "
         "--global-batch-size 4 --micro-batch-size 2 --lr 3e-3 --lr-decay-style constant --log-interval 1 "
@@ -133,11 +134,15 @@ def test_fsdp2_after_evaluations_equals_single_process(tmp_path, pretrain_job):
     fsdp = [*args, "--use-torch-fsdp2"]
     pretrain_job(2, [*fsdp, "--save", ckpt, "--save-interval", "4", "--log-jsonl", str(tmp_path / "fsdp.jsonl")])
     pretrain_job(2, [*fsdp, "--load", ckpt, "--ckpt-step", "4", "--log-jsonl", str(tmp_path / "resumed.jsonl")])
-    one, sharded, resumed = (records(tmp_path / f"{n}.jsonl") for n in ("one", "fsdp", "resumed"))
-    assert len(one) == len(sharded) == 6 and [r["iteration"] for r in resumed] == [5, 6]
-    for a, b in zip(one, sharded):
+    kept = [*fsdp, "--torch-fsdp2-no-reshard-after-forward", "--log-jsonl", str(tmp_path / "kept.jsonl")]
+    pretrain_job(2, kept)
+    one, sharded, resumed, gathered = (records(tmp_path / f"{n}.jsonl") for n in ("one", "fsdp", "resumed", "kept"))
+    assert len(one) == len(sharded) == len(gathered) == 6 and [r["iteration"] for r in resumed] == [5, 6]
+    for a, b, c in zip(one, sharded, gathered):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+        assert abs(a["lm_loss"] - c["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, c)
+        assert abs(a["grad_norm"] - c["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, c)
     for s, r in zip(sharded[4:], resumed):
         assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
 

@@ -165,6 +165,7 @@ def test_wandb_steps_keep_growing_through_a_rollback():
     """A rollback replays iterations W&B has seen: its step keeps growing (W&B drops a step below its last)
     and the iteration goes along as a field; validation at the same iteration shares the training's step. (The
     W&B run is a recorder here: what is checked is the step arithmetic.)"""
+    from megatron_lite.training.configs import LoggingConfig
     from megatron_lite.training.logger import MetricsLogger
 
     class Recorder:
@@ -174,17 +175,19 @@ def test_wandb_steps_keep_growing_through_a_rollback():
         def log(self, data, step):
             self.calls.append((step, data["iteration"]))
 
-    def fresh():
+    def fresh(every=1):
         logger = MetricsLogger.__new__(MetricsLogger)
         logger.enabled, logger.train_iters = True, 9
+        logger.config = LoggingConfig(tensorboard_log_interval=every)
         logger._jsonl = logger._tb = None
         logger._last_iteration = logger._last_train = logger._wandb_step = logger._step_offset = logger._samples = 0
+        logger._opened = -1
         logger._wandb = Recorder()
         return logger
 
     logger = fresh()
     for it in (1, 2, 3, 4, 5, 6, 5, 6, 7):  # rolled back to 4 after 6
-        logger.log(it, {"lm_loss": 1.0})
+        logger.log(it, {"iteration_time": 1.0})
         if it == 6:
             logger.log(it, {"lm_loss": 1.0, "ppl": 2.7}, kind="validation")
     steps = [s for s, _ in logger._wandb.calls]
@@ -194,8 +197,26 @@ def test_wandb_steps_keep_growing_through_a_rollback():
     # merged the two into one row)
     logger = fresh()
     for it in (2, 4, 4, 6):  # rolled back to 3 after 5
-        logger.log(it, {"lm_loss": 1.0})
+        logger.log(it, {"iteration_time": 1.0})
     assert [s for s, _ in logger._wandb.calls] == [2, 4, 5, 7], logger._wandb.calls
+    # each iteration's own values (step(), every --tensorboard-log-interval) open its step; the window's metrics
+    # at --log-interval and an evaluation join it; a replayed iteration opens a new one
+    logger = fresh()
+    for it in (1, 2, 3, 4, 3, 4):  # rolled back to 2 after 4; the window logged every 2
+        logger.step(it, {"lm_loss": 1.0, "grad_norm": 2.0})
+        if it % 2 == 0:
+            logger.log(it, {"lm_loss": 1.0, "grad_norm": 2.0, "iteration_time": 1.0})
+            logger.log(it, {"lm_loss": 1.0, "ppl": 2.7}, kind="validation")
+    assert logger._wandb.calls == [(1, 1), (2, 2), (2, 2), (2, 2), (3, 3), (4, 4), (4, 4), (4, 4), (5, 3)] + [
+        (6, 4),
+        (6, 4),
+        (6, 4),
+    ]
+    logger = fresh(every=2)  # --tensorboard-log-interval 2: odd iterations' own values are not written
+    for it in (1, 2, 3):
+        logger.step(it, {"lm_loss": 1.0})
+        logger.log(it, {"lm_loss": 1.0, "iteration_time": 1.0})
+    assert logger._wandb.calls == [(1, 1), (2, 2), (2, 2), (3, 3)]
 
 
 def test_validation_goes_on_where_the_last_evaluation_stopped(tmp_path, capsys, monkeypatch):

@@ -60,9 +60,11 @@ class FSDP2Model(nn.Module):
         ctx: ParallelContext,
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype = torch.float32,
+        reshard_after_forward: bool = True,
     ) -> None:
         """`reduce_dtype`: the reduce-scatters' (bf16 with --grad-reduce-in-bf16); the sharded gradients
-        accumulate in the fp32 of the sharded weights either way."""
+        accumulate in the fp32 of the sharded weights either way. `reshard_after_forward` False: Megatron's
+        --torch-fsdp2-no-reshard-after-forward (the backward finds each layer still gathered)."""
         super().__init__()
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -96,14 +98,14 @@ class FSDP2Model(nn.Module):
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         # The routers' expert biases stay whole fp32 tensors on every rank (Megatron keeps them fp32 whatever
         # the model's dtype): a bf16 copy rounds 0.5 + 1e-3 to 0.5, so the routing never saw most updates.
-        kw = {}
+        kw: dict = dict(reshard_after_forward=reshard_after_forward)
         if biases := {m.expert_bias for m in module.modules() if getattr(m, "expert_bias", None) is not None}:
             if "ignored_params" not in inspect.signature(fully_shard).parameters:
                 raise ConfigError(
                     "--use-torch-fsdp2 with --moe-router-enable-expert-bias needs PyTorch >= 2.7 (fully_shard's "
                     "ignored_params keeps the bias in fp32); upgrade torch or use --use-distributed-optimizer"
                 )
-            kw = dict(ignored_params=biases)
+            kw["ignored_params"] = biases
         chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
         for chunk in chunks:
             for m in chunk.modules():

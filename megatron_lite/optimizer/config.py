@@ -19,6 +19,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False  # ZeRO-1: main weights and moments sharded over data parallelism
     zero_stage: int = 1  # 2: gradients too (each bucket's full gradient dropped once reduce-scattered)
     use_torch_fsdp2: bool = False  # ZeRO-3 through PyTorch FSDP2: parameters sharded over data parallelism
+    torch_fsdp2_reshard_after_forward: bool = True  # False: layers stay gathered from forward to backward
     overlap_param_gather: bool = False  # distributed optimizer: weights' all-gathers under the next forward
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
@@ -150,6 +151,10 @@ class OptimizerConfig:
             raise ConfigError(
                 f"--zero-stage {self.zero_stage} is not supported: 1 or 2 with --use-distributed-optimizer "
                 "(stage 3, sharded parameters, is planned through PyTorch FSDP2)"
+            )
+        if not self.torch_fsdp2_reshard_after_forward and not self.use_torch_fsdp2:
+            raise ConfigError(
+                "--torch-fsdp2-no-reshard-after-forward acts on --use-torch-fsdp2: add it or drop the flag"
             )
         if self.use_torch_fsdp2 and (self.use_distributed_optimizer or self.fp16):
             flag = "--use-distributed-optimizer" if self.use_distributed_optimizer else "--fp16"

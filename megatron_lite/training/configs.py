@@ -51,6 +51,8 @@ class LoggingConfig:
     wandb_entity: str | None = None
     wandb_save_dir: str | None = None
     tensorboard_dir: str | None = None
+    tensorboard_log_interval: int = 1  # Megatron's: each iteration's scalars to W&B and TensorBoard every N
+    tensorboard_queue_size: int = 1000
     log_memory_breakdown: bool = False  # per rank: parameter, gradient, optimizer and activation bytes
     log_params_norm: bool = False  # Megatron's: the parameters' L2 norm after each step
     log_num_zeros_in_grad: bool = False  # Megatron's: zero entries of the gradients
@@ -63,6 +65,12 @@ class LoggingConfig:
     profile_dir: str | None = None  # ours: where the torch.profiler trace goes (default: --tensorboard-dir)
 
     def __post_init__(self) -> None:
+        for flag, value in (
+            ("--tensorboard-log-interval", self.tensorboard_log_interval),
+            ("--tensorboard-queue-size", self.tensorboard_queue_size),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} {value} must be >= 1")
         # checked at start-up, not when the logger first imports them after the process groups are up
         for flag, value, package in (
             ("--wandb-project", self.wandb_project, "wandb"),

@@ -72,6 +72,28 @@ MEGATRON_KEYS = {
 }
 
 
+# What Megatron writes to W&B and TensorBoard each --tensorboard-log-interval iterations, as that iteration's
+# value (MetricsLogger.step); the window's other metrics (times, throughput, counts) go at --log-interval.
+STEP_METRICS = (
+    "lm_loss",
+    "lr",
+    "decoupled_lr",
+    "global_batch_size",
+    "loss_scale",
+    "grad_norm",
+    "num_zeros_in_grad",
+    "params_norm",
+    "moe_aux_loss",
+    "moe_seq_aux_loss",
+    "moe_z_loss",
+    "consumed_samples",
+)
+
+
+def _per_step(key: str) -> bool:
+    return key in STEP_METRICS or (key.startswith("mtp_") and key.endswith("_loss"))
+
+
 def _megatron_key(key: str) -> str | None:
     if key.startswith("mtp_") and key.endswith("_loss"):
         return f"{key[:-5]} loss"  # Megatron's "mtp_1 loss"
@@ -111,6 +133,12 @@ def _flat_config(job: JobConfig) -> dict:
     flat = {k: v for k, v in nested.items() if not isinstance(v, dict)}
     for name, sec in sections.items():
         flat.update({(k if seen[k] == 1 else f"{name}.{k}"): v for k, v in sec.items()})
+    # Megatron's vocab_size is the tokenizer's and padded_vocab_size the embedding's rows (the data section's
+    # --vocab-size is only the flag, None with a real tokenizer)
+    flat.pop("data.vocab_size", None)
+    flat.pop("model.vocab_size", None)
+    flat["vocab_size"] = job.model.vocab_size
+    flat["padded_vocab_size"] = job.model.padded_vocab_size(job.parallel.tensor_model_parallel_size)
     return flat
 
 
@@ -130,7 +158,8 @@ class MetricsLogger:
         self._jsonl = None
         self._wandb = None
         self._tb = None
-        self._last_iteration = self._last_train = self._wandb_step = self._step_offset = 0  # (W&B's step, see log)
+        self._last_iteration = self._last_train = self._wandb_step = self._step_offset = 0  # (W&B's step, see _emit)
+        self._opened = -1  # the iteration whose own values step() logged last
         self._samples = 0  # consumed by the last iteration logged: TensorBoard's "vs samples" axis
         if not enabled:
             return
@@ -156,7 +185,7 @@ class MetricsLogger:
         if self.config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # (LoggingConfig checked that tensorboard is there)
 
-            self._tb = SummaryWriter(self.config.tensorboard_dir)
+            self._tb = SummaryWriter(self.config.tensorboard_dir, max_queue=self.config.tensorboard_queue_size)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -188,20 +217,38 @@ class MetricsLogger:
             print(f"{'-' * (len(line) + 1)}\n{line}\n{'-' * (len(line) + 1)}", flush=True)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if kind == "train":
-            flat = {(_megatron_key(k) or f"train/{k}"): v for k, v in scalars.items()}
+        if kind == "train":  # (the per-iteration metrics went out in step())
+            self._emit(iteration, {k: v for k, v in metrics.items() if not _per_step(k)}, new_step=False)
         else:  # Megatron's "lm loss validation" (its test set's too; ours apart: "lm loss test")
-            flat = {f"lm loss {kind}": scalars["lm_loss"], f"lm loss {kind} ppl": scalars["ppl"]}
+            flat = {f"lm loss {kind}": metrics["lm_loss"], f"lm loss {kind} ppl": metrics["ppl"]}
+            self._emit(iteration, flat, new_step=False, named=True)
+
+    def step(self, iteration: int, metrics: dict[str, Any]) -> None:
+        """One iteration's own values (Megatron's loss_dict, learning rate, grad norm, ...) to W&B and
+        TensorBoard every --tensorboard-log-interval iterations, as Megatron's training_log writes them (the
+        console and JSONL show the --log-interval window's means instead)."""
+        if not self.enabled or (self._wandb is None and self._tb is None):
+            return
+        if iteration % self.config.tensorboard_log_interval == 0:
+            self._samples = metrics.get("consumed_samples", self._samples)
+            self._emit(iteration, {k: v for k, v in metrics.items() if _per_step(k)}, new_step=True)
+
+    def _emit(self, iteration: int, metrics: dict[str, Any], new_step: bool, named: bool = False) -> None:
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        flat = scalars if named else {(_megatron_key(k) or f"train/{k}"): v for k, v in scalars.items()}
+        if not flat:
+            return
         if self._wandb is not None:
             # W&B drops a step below its last, and merges calls at one step: iterations a rollback replays go on
-            # after it (the iteration goes along as a field), the last one logged included (an evaluation shares
-            # its training's step)
-            replayed = kind == "train" and iteration <= self._last_train
-            if iteration < self._last_iteration or replayed:
+            # after it (the iteration goes along as a field), the last one logged included. An iteration's
+            # window metrics join the step its own values opened; an evaluation joins its iteration's step.
+            joins = named or (not new_step and self._opened == iteration)
+            if iteration < self._last_iteration or (not joins and iteration <= self._last_train):
                 self._step_offset = self._wandb_step - iteration + 1
-            if kind == "train":
+            if not named:
                 self._last_train = iteration
+            if new_step:
+                self._opened = iteration
             self._last_iteration, self._wandb_step = iteration, iteration + self._step_offset
             self._wandb.log({**flat, "iteration": iteration}, step=self._wandb_step)
         if self._tb is not None:

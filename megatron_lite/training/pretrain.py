@@ -414,11 +414,22 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.info(
                     f"iteration {state.iteration}: every label of the global batch is masked: no loss, zero gradients"
                 )
-            for k, v in enumerate(metrics.mtp_losses or []):  # Megatron's "mtp_1 loss", ... (over steps with tokens)
-                if v is not None and metrics.updated:
-                    window["means"].setdefault(f"mtp_{k + 1}_loss", []).append(v)
-            for k, v in moe_stats.log_losses(metrics.moe, job.model).items():
+            # Megatron's "mtp_1 loss", ... (over steps with tokens), its MoE losses
+            losses = {f"mtp_{k + 1}_loss": v for k, v in enumerate(metrics.mtp_losses or []) if v is not None}
+            losses = {**(losses if metrics.updated else {}), **moe_stats.log_losses(metrics.moe, job.model)}
+            for k, v in losses.items():
                 window["means"].setdefault(k, []).append(v)
+            own = {  # (the step's own values, as the window's line shows its last step's)
+                "lr": metrics.lr,
+                **({"decoupled_lr": metrics.decoupled_lr} if metrics.decoupled_lr is not None else {}),
+                "grad_norm": metrics.grad_norm,
+                "loss_scale": metrics.loss_scale,
+                "global_batch_size": step_gbs,
+                "consumed_samples": state.consumed_samples,
+                **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
+                **({"num_zeros_in_grad": metrics.num_zeros_in_grad} if metrics.num_zeros_in_grad is not None else {}),
+            }
+            log.step(state.iteration, {**({"lm_loss": metrics.lm_loss} if has_loss else {}), **losses, **own})
             # Megatron's "number of nan iterations" (with the NaN check on, its own count replaces this)
             window["nan"] += metrics.num_tokens > 0 and not math.isfinite(metrics.lm_loss)
             window["n"] += 1
@@ -436,26 +447,15 @@ def run(job: JobConfig, notes: list[str]) -> int:
                         # (none when every step was skipped, rather than Megatron's 0 or a NaN)
                         "lm_loss": window["loss"] / window["losses"] if window["losses"] else None,
                         **{k: sum(v) / len(v) for k, v in window["means"].items()},
-                        "lr": metrics.lr,
-                        **({"decoupled_lr": metrics.decoupled_lr} if metrics.decoupled_lr is not None else {}),
-                        "grad_norm": metrics.grad_norm,
-                        "loss_scale": metrics.loss_scale,
+                        **own,
                         "iteration_time": it_time,
                         "tokens_per_sec": window["samples"] * t.seq_length / window["time"],
-                        "global_batch_size": step_gbs,
                         "tflops_per_gpu": tflops,
                         "mfu": tflops * 1e12 / peak if peak else None,
                         "data_time_fraction": window["data"] / window["time"],
                         "comm_exposed_fraction": window["comm"] / window["step"] if window["step"] else 0.0,
                         "peak_memory_bytes": _peak_memory(ctx.device),
-                        "consumed_samples": state.consumed_samples,
                         "skipped_iterations": window["skipped"],
-                        **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
-                        **(
-                            {"num_zeros_in_grad": metrics.num_zeros_in_grad}
-                            if metrics.num_zeros_in_grad is not None
-                            else {}
-                        ),
                         "nonfinite_iterations": window["nan"],
                         **moe_stats.log_metrics(metrics.moe),
                         **guard.log_metrics(),

@@ -36,7 +36,13 @@ def wrap_for_training(
 ):
     """(data-parallel wrapper, optimizer). `compute_dtype`: FSDP2's compute dtype (its weights stay fp32)."""
     if optim.use_torch_fsdp2:
-        ddp = FSDP2Model(model, ctx, compute_dtype, reduce_dtype=optim.grad_dtype)
+        ddp = FSDP2Model(
+            model,
+            ctx,
+            compute_dtype,
+            reduce_dtype=optim.grad_dtype,
+            reshard_after_forward=optim.torch_fsdp2_reshard_after_forward,
+        )
         return ddp, FSDP2Optimizer(ddp, optim, ctx)
     ddp = DistributedDataParallel(
         model,
