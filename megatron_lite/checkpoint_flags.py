@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
@@ -283,6 +284,18 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
     return {actions[tok.split("=")[0]].dest for tok in argv if tok.split("=")[0] in actions}
 
 
+def tokenizer_beside(recorded: str | None, path: str) -> str | None:
+    """A converted checkpoint's tokenizer travels in its hf/ directory, recorded by its absolute path: once the
+    checkpoint is moved or copied, the same file under this one's hf/ (`path`: the checkpoint or its root)."""
+    if not recorded or os.path.exists(recorded):
+        return recorded
+    for root in (path, os.path.dirname(os.path.normpath(path))):
+        moved = os.path.join(root, "hf", os.path.basename(recorded))
+        if os.path.isfile(moved):
+            return moved
+    return recorded
+
+
 def flags_from_checkpoint(
     parser: argparse.ArgumentParser,
     argv: Sequence[str],
@@ -295,6 +308,8 @@ def flags_from_checkpoint(
     flags not given: an explicit flag that would change the weights' architecture is refused (unless
     --use-checkpoint-args), schedule flags that differ are noted (ns.schedule_notes)."""
     saved = defaults_from_checkpoint(config)
+    if "tokenizer_model" in saved:
+        saved["tokenizer_model"] = tokenizer_beside(saved["tokenizer_model"], path)
     given = explicit_dests(parser, argv)
     conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
     if not ns.group_query_attention and not saved["group_query_attention"]:  # (ignored without GQA, as in Megatron)

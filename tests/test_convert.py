@@ -449,6 +449,35 @@ def test_what_the_hf_class_cannot_compute_is_refused_on_export(base, changes, fr
         hf_config_dict(model, arch)
 
 
+def test_exporting_a_trained_model_no_hf_class_computes_is_one_line(tmp_path, capsys, monkeypatch):
+    """A GPT-2-shaped model trained with --disable-bias-linear: the export's refusal came after the weights were
+    mapped, so a missing bias was a KeyError traceback instead of the line that says why. generate.py's
+    refusals name its own flags (they named --seq-length, --max-position-embeddings and --num-layers)."""
+    from megatron_lite.training.pretrain import main as pretrain_main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    flags = "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 "
+    flags += "--global-batch-size 1 --train-iters 1 --lr 1e-3 --eval-iters 0 --mock-data --vocab-size 128"
+    assert pretrain_main([*flags.split(), "--disable-bias-linear", "--save", str(tmp_path / "ours")]) == 0
+    capsys.readouterr()
+    args = ["--loader", "megatron_lite", "--saver", "hf", "--load-dir", str(tmp_path / "ours")]
+    assert convert.main([*args, "--save-dir", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: cannot export to GPT2LMHeadModel: GPT-2 needs biases (drop --disable-bias-linear)", err
+    ids = ["--load", str(tmp_path / "ours"), "--prompt-ids", ",".join(["5"] * 12)]
+    for extra, expected in (
+        (["--max-new-tokens", "8"], "the prompt's 12 tokens and --max-new-tokens 8 exceed the checkpoint's 16 learned"),
+        (
+            ["--pipeline-model-parallel-size", "3", "--max-new-tokens", "2"],
+            "layers do not split evenly over --pipeline-model-parallel-size 3",
+        ),
+    ):
+        assert generate_cli.main([*ids, *extra]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "--seq-length" not in err and "--num-layers" not in err, err
+
+
 def test_every_norm_is_exported_as_gamma_under_layernorm_1p():
     """--apply-layernorm-1p stores gamma - 1; a Hugging Face DeepSeek holds gamma in every norm, MTP's enorm and
     hnorm included (they had been written as gamma - 1, zeros at init)."""
@@ -532,6 +561,18 @@ def test_generate_from_text_encodes_and_stops_as_transformers(tmp_path):
     hf = model.generate(**enc, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, enc.input_ids.shape[1] :]
     assert r["prompt_ids"] == enc.input_ids[0].tolist() == [8, 1, 2, 3]
     assert r["generated_ids"] == hf.tolist() and hf.tolist()[-1] == 6 and len(hf) < 20, (r["generated_ids"], hf)
+    # generation_config.json's end tokens (Llama-3-Instruct's two): generation stopped at the tokenizer's alone.
+    # The checkpoint moved elsewhere still finds its tokenizer in its hf/ (the recorded absolute path is gone).
+    toks = hf.tolist()
+    at = next(i for i in range(1, len(toks)) if toks[i] != 6 and toks[i] not in toks[:i])
+    end = toks[at]
+    gen = json.loads((tmp_path / "ours" / "hf" / "generation_config.json").read_text())
+    (tmp_path / "ours" / "hf" / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [6, end]}))
+    (tmp_path / "ours").rename(tmp_path / "moved")
+    argv[1] = str(tmp_path / "moved")
+    assert generate_cli.main([*argv, "--output-json", str(out)]) == 0
+    ended = model.generate(**enc, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=[6, end])
+    assert json.loads(out.read_text())["generated_ids"] == ended[0, 4:].tolist() == toks[: at + 1]
 
 
 def test_pickled_weights_are_refused(converted, tmp_path, capsys):

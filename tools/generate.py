@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
-from megatron_lite.checkpoint.hf_convert import model_config_from_dict, saved_lora_config
+from megatron_lite.checkpoint.hf_convert import generation_eos_ids, model_config_from_dict, saved_lora_config
+from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.embedded import EMBEDDED_VOCAB
 from megatron_lite.data.tokenizers import tokenizer_from_flags
@@ -50,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stop-ids",
         default=None,
-        help="comma-separated ids that end generation (default: with --prompt, the tokenizer's end-of-document id, "
-        "as Megatron and transformers stop; with --prompt-ids, none)",
+        help="comma-separated ids that end generation (default: with --prompt, the tokenizer's end-of-document id "
+        "and a converted model's generation_config.json eos_token_id(s), as Megatron and transformers stop; with "
+        "--prompt-ids, none)",
     )
     p.add_argument(
         "--tokenizer-model",
@@ -82,6 +84,7 @@ def _tokenizer(args: argparse.Namespace, meta: dict, path: str, vocab_size: int)
     data = meta["config"].get("data", {})
     keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
     flags = argparse.Namespace(**{k: data.get(k) for k in keys})
+    flags.tokenizer_model = tokenizer_beside(flags.tokenizer_model, path)
     no_data = not (data.get("data_path") or data.get("train_data_path") or data.get("mock_data") or data.get("sft"))
     # (a conversion's checkpoint names no data either: its vocabulary is the model's own, not the corpus's)
     no_data = no_data and not meta.get("converted_from") and vocab_size == EMBEDDED_VOCAB
@@ -146,6 +149,19 @@ def run(args: argparse.Namespace) -> int:
         expert_model_parallel_size=args.expert_model_parallel_size,
     )
     training = TrainingConfig(micro_batch_size=1, seq_length=len(prompt) + args.max_new_tokens)
+    # (in this tool's terms first: the layout check below names the training flags, which are not this tool's)
+    positions, layers, pp = model_cfg.max_position_embeddings, model_cfg.num_layers, args.pipeline_model_parallel_size
+    if model_cfg.position_embedding_type == "learned_absolute" and training.seq_length > positions:
+        raise ConfigError(
+            f"the prompt's {len(prompt)} tokens and --max-new-tokens {args.max_new_tokens} exceed the checkpoint's "
+            f"{positions} learned positions: shorten the prompt or lower --max-new-tokens"
+        )
+    if pp > 0 and layers % pp:
+        fits = [d for d in range(1, layers + 1) if layers % d == 0]
+        raise ConfigError(
+            f"the checkpoint's {layers} layers do not split evenly over --pipeline-model-parallel-size {pp}: use one "
+            f"of {', '.join(map(str, fits))}"
+        )
     validate_layout(model_cfg, parallel, world, training)
     lora = saved_lora_config(saved)
     base = find_checkpoint(lora.base) if lora is not None and lora.qlora and lora.base else None
@@ -165,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
     if args.stop_ids is not None:
         stop = tuple(_ids(args.stop_ids, "--stop-ids"))
     else:
-        stop = (tokenizer.eod,) if tokenizer is not None else ()
+        # the tokenizer's end, and those the Hugging Face model's generation config stops at (transformers')
+        ends = [tokenizer.eod, *generation_eos_ids(path, saved)] if tokenizer is not None else []
+        stop = tuple(dict.fromkeys(i for i in ends if i is not None and 0 <= i < model_cfg.vocab_size))
     cf = model_cfg.moe_expert_capacity_factor
     if cf is not None and ctx.rank == 0:
         print(

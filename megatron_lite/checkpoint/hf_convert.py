@@ -43,7 +43,7 @@ from megatron_lite.checkpoint.format import (
 )
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
-from megatron_lite.models.hf import _arch, architecture_for, config_from_hf, hf_config_dict
+from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
@@ -485,6 +485,15 @@ def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dic
     return _original_hf_config(parent, read_metadata(path)["config"], depth - 1)
 
 
+def generation_eos_ids(load_dir: str, saved: dict) -> list[int]:
+    """The ids transformers' generate stops at for a converted checkpoint: its generation_config.json's
+    eos_token_id, else its config.json's (one id or a list, as Llama-3-Instruct's two end tokens); [] without."""
+    config, side = _original_hf_config(load_dir, saved)
+    path = os.path.join(side, "generation_config.json") if side else None
+    eos = (json.load(open(path)) if path and os.path.isfile(path) else config).get("eos_token_id")
+    return [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+
+
 def _hf_source(side: str | None) -> str | None:
     """The Hugging Face directory that the checkpoint holding `side` (its hf/ directory) was converted from,
     while it still holds the model."""
@@ -553,6 +562,7 @@ def megatron_lite_to_hf(
     tok = (saved.get("data") or {}).get("tokenizer_model")
     if tok and os.path.isfile(tok):
         side_from.append(os.path.dirname(tok))
+    check_exportable(config, arch)  # (before the weights are mapped: a missing tensor was a KeyError traceback)
     hf = state_dict_to_hf(ours, config, arch, on_disk=True)
     if dtype is not None:
         target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]

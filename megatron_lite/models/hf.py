@@ -216,7 +216,7 @@ def architecture_for(config: ModelConfig, preferred: str | None = None) -> str:
     first = _architecture(config)
     if preferred in _EQUIVALENT.get(first, ()):
         try:
-            _check_exportable(config, preferred)
+            check_exportable(config, preferred)
             return preferred
         except ConfigError:
             pass
@@ -260,7 +260,7 @@ def _architecture(config: ModelConfig) -> str:
     return "LlamaForCausalLM"
 
 
-def _check_exportable(c: ModelConfig, arch: str) -> None:
+def check_exportable(c: ModelConfig, arch: str) -> None:
     """What `arch` cannot express is a one-line error, never silently dropped."""
     problems = []
     if arch in DEEPSEEK:
@@ -348,7 +348,7 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     out.pop("dtype", None)
     # (without a base config.json, a class default such as Phi-3's 32000 would be read, past a smaller vocabulary)
     out.setdefault("pad_token_id", None)
-    _check_exportable(c, arch)
+    check_exportable(c, arch)
     if arch == "GPT2LMHeadModel":
         out.update(
             n_embd=c.hidden_size,
