@@ -698,6 +698,12 @@ def test_generate_under_torchrun_tp2_pp2(converted, tmp_path):
     args = ["--load", ours, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--greedy"]
     args += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--output-json", str(out)]
     _torchrun(4, "tools/generate.py", [*args, "--distributed-backend", "gloo"], tmp_path)
+    # a start-up error is said once per node (it was said by every rank), as pretrain_gpt.py says it
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    bad = [str(ROOT / "tools/generate.py"), "--load", ours, "--prompt-ids", "1,2", "--max-new-tokens", "0"]
+    res = subprocess.run([*cmd, *bad], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    said = [x for x in (res.stdout + res.stderr).splitlines() if "--max-new-tokens 0 must be >= 1" in x]
+    assert res.returncode != 0 and said == ["error: --max-new-tokens 0 must be >= 1"], res.stderr[-2000:]
     assert json.loads(out.read_text())["generated_ids"] == _hf_greedy(model, PROMPT)
 
 

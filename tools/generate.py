@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -214,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # (before the process group every rank has the same error: said once per node, as pretrain_gpt.py does)
+        if dist.is_initialized() or os.environ.get("LOCAL_RANK", "0") == "0":
+            rank = os.environ.get("RANK", "0")
+            print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        else:  # a moment for the first local rank to say it: torchrun stops the others at the first exit
+            time.sleep(1.0)
         return 2
 
 
