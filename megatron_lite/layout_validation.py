@@ -115,7 +115,7 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
             raise ConfigError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
                 f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(num_layers, stages)}"
-                f" or a pipeline size in {ok_pp}"
+                + (f" or a pipeline size in {ok_pp}" if ok_pp else " or fewer virtual stages")
             )
         return [num_layers // stages] * stages
     if vp > 1 or pp < 2:

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 
 import pytest
 import torch
@@ -286,6 +287,55 @@ def test_plan_from_pretrain_flags_takes_the_planners_sizes_and_the_vocabulary(ca
     ):
         with pytest.raises(SystemExit, match=message):
             _tool().main(flags)
+
+
+def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
+    """From a review of the tool as a user runs it: a script's --kernel-impl torch was planned as triton (17 GiB
+    fewer activations); a LoRA script was planned as full training (137 GiB against its 16); a TP=1 script's own
+    layout was never ranked (its SP flag differed from the search's); a DeepSeek-V3 config.json's MTP depth was
+    dropped; bad sizes were accepted (--nodes 0 read as 1) or crashed; "no layout fits" said to shorten the
+    sequence when the weights and optimizer state alone overflow; the assumptions and parameter count were
+    not said."""
+    script = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
+    torch_plan = _tool().main([*script, "--", "--kernel-impl", "torch"])
+    out = capsys.readouterr().out
+    assert "--kernel-impl torch" in out and "model: 8.03B parameters" in out and "assumed: Adam" in out
+    triton_plan = _tool().main(script)
+    assert "--kernel-impl triton" in capsys.readouterr().out
+    assert torch_plan["yours"]["memory"]["activations"] > 1.2 * triton_plan["yours"]["memory"]["activations"]
+    model = (
+        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+        "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 128256 "
+        "--untie-embeddings-and-output-weights --disable-bias-linear --use-distributed-optimizer "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    ).split()
+    _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
+    out = capsys.readouterr().out  # (TP 1 without --sequence-parallel: it was "rank -")
+    assert re.search(r"your layout, rank \d+ of", out), out[-600:]
+    with pytest.raises(SystemExit, match="LoRA fine-tuning \\(--lora-rank 16\\) is not modelled here"):
+        _tool().main(["--script", str(ROOT / "pretrain" / "finetune_llama3_8b_lora.sh")])
+    for flags in (["--nodes", "0"], ["--top", "0"], ["--network-bandwidth", "0"], ["--global-batch-size", "-64"]):
+        with pytest.raises(SystemExit):
+            _tool().main([*script, *flags])
+        assert "must be positive" in capsys.readouterr().err, flags
+    seventy = _tool().main(["--script", str(ROOT / "pretrain" / "llama3_70b_multinode.sh"), "--nodes", "1"])
+    assert not seventy["fits"] and "GPUs are needed to hold them" in capsys.readouterr().out
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=1024,
+    )  # fmt: skip
+    cfg.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    args = ["--hf-config", str(tmp_path), "--seq-length", "512", "--global-batch-size", "8", "--top", "1"]
+    with_mtp = _tool().main(args)
+    assert "(+1 MTP depth)" in capsys.readouterr().out
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
+    without = _tool().main(args)
+    assert with_mtp["fits"][0]["memory"]["params"] > without["fits"][0]["memory"]["params"]
 
 
 def test_planner_refuses_what_pretrain_refuses():

@@ -27,7 +27,7 @@ from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.search import Candidate, evaluate, plan
+from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, plan
 
 
 def script_args(path: str) -> tuple[list[str], int]:
@@ -38,9 +38,9 @@ def script_args(path: str) -> tuple[list[str], int]:
     text = open(path).read()
     block = re.search(r"^ARGS=\($.*?^\)$", text, re.S | re.M)
     if block is None:
-        raise SystemExit(f"--script {path}: no ARGS=( ... ) array found; pass the model flags after --")
-    defaults = "\n".join(re.findall(r"^[A-Z_]+=\$\{[A-Z_]+:-[^\n]*\}$", text, re.M))
-    world = 'echo -n "$((${GPUS_PER_NODE:-8} * ${NNODES:-1}))"'
+        raise SystemExit(f"error: --script {path}: no ARGS=( ... ) array found; pass the model flags after --")
+    defaults = "\n".join(re.findall(r"^[A-Z_]+=(?:\$\{[A-Z_]+:-[^\n]*\}|\d+)$", text, re.M))
+    world = 'echo -n "${NPROC:-$((${GPUS_PER_NODE:-8} * ${NNODES:-1}))}"'  # (the CPU demos launch NPROC ranks)
     program = f"{defaults}\n{block.group(0)}\nprintf '%s\\0' \"${{ARGS[@]}}\"\n{world}"
     out = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout
     *argv, world = out.split("\0")
@@ -55,6 +55,10 @@ def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = 
     from megatron_lite.config import ConfigError
     from megatron_lite.training.dry_run import _vocab
 
+    kernel = None  # (planned, not run: taken out so a CPU machine plans --kernel-impl triton too)
+    if "--kernel-impl" in argv and argv.index("--kernel-impl") + 1 < len(argv):
+        i = argv.index("--kernel-impl")
+        kernel, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     given = {a.split("=")[0] for a in argv if a.startswith("--")}
     extra = []
     for flag, value in (("--seq-length", seq), ("--global-batch-size", gbs)):
@@ -69,13 +73,20 @@ def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = 
         vocab = d.vocab_size if not data and d.vocab_size else _vocab(job)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
-    return dataclasses.replace(job.model, vocab_size=vocab), job
+    if job.lora is not None:
+        raise SystemExit(
+            f"error: {'QLoRA' if job.lora.qlora else 'LoRA'} fine-tuning (--lora-rank {job.lora.rank}) is not modelled "
+            "here: the planner prices training every weight, far above a frozen base's memory; pretrain_gpt.py with "
+            "the same flags and --dry-run counts a LoRA job's memory per rank"
+        )
+    model = dataclasses.replace(job.model, vocab_size=vocab)
+    return dataclasses.replace(model, kernel_impl=kernel or "triton"), job  # (triton: a GPU's default)
 
 
 def model_from_hf(path: str) -> ModelConfig:
     from megatron_lite.checkpoint.hf_convert import load_hf_config
     from megatron_lite.config import ConfigError
-    from megatron_lite.models.hf import config_from_hf
+    from megatron_lite.models.hf import _arch, config_from_hf
 
     directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
     if not os.path.isdir(path) and os.path.basename(path) != "config.json":
@@ -83,10 +94,15 @@ def model_from_hf(path: str) -> ModelConfig:
     if not os.path.isfile(os.path.join(directory, "config.json")):
         raise SystemExit(f"error: --hf-config {path}: no such file ({os.path.join(directory, 'config.json')})")
     try:
-        hf, _ = load_hf_config(directory)
-        return config_from_hf(hf)
+        hf, raw = load_hf_config(directory)
+        model = config_from_hf(hf)
     except ConfigError as e:
         raise SystemExit(f"error: --hf-config {path}: {e}") from None
+    except ValueError as e:  # (a config.json that is not JSON)
+        raise SystemExit(f"error: --hf-config {path}: {e}") from None
+    # DeepSeek-V3's multi-token-prediction depths train beside the model (the converter keeps those present)
+    mtp = int(raw.get("num_nextn_predict_layers") or 0) if _arch(hf) == "DeepseekV3ForCausalLM" else 0
+    return dataclasses.replace(model, mtp_num_layers=mtp, kernel_impl="triton")  # (triton: a GPU's default)
 
 
 def job_layout(job, world: int) -> Layout:
@@ -109,8 +125,12 @@ def job_layout(job, world: int) -> Layout:
         sharding=sharding_of(job.optimizer),
         recompute=m.recompute_granularity or "none",
         micro_batch_size=job.training.micro_batch_size,
-        sequence_parallel=p.sequence_parallel,
+        sequence_parallel=p.sequence_parallel or p.tp == 1,  # (no SP at TP 1: the search's form of it)
     )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _gib(x: float) -> str:
@@ -141,10 +161,17 @@ def print_plan(
     model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
     uneven=False,
 ) -> dict:  # fmt: skip
+    from megatron_lite.planner.memory import stage_params
+
     fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap, grads_bf16, state_bytes, uneven)
     g = cl.gpu
+    whole = stage_params(model, Layout(), 0)  # (one rank holding everything: the model's parameter count)
+    k, e = model.moe_router_topk, model.num_experts or 1
+    active = f", {_count(whole.dense + whole.expert * k // e)} active" if model.num_experts else ""
     print(
-        f"model: {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
+        f"model: {_count(whole.total)} parameters{active}"
+        + (f" (+{model.mtp_num_layers} MTP depth)" if model.mtp_num_layers else "")
+        + f"; {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
         f" ({model.query_groups} groups), FFN {model.ffn_size}, vocabulary {model.vocab_size}"
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
         + f"; global batch {gbs} x {seq} tokens, {'bf16' if bf16 else 'fp32'}"
@@ -157,14 +184,24 @@ def print_plan(
         f"{g.peak_flops / 1e12:.0f} TFLOP/s peak), NVLink {cl.nvlink_bandwidth / 1e9:.0f} GB/s, "
         f"network {cl.network_bandwidth / 1e9:.0f} GB/s per GPU"
     )
+    usable = g.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
+    print(
+        "assumed: "
+        + ("Adam with fp32 main weights and moments" if state_bytes == 8 else "fp32 main weights")
+        + f", balanced MoE routing, {usable / GIB:.1f} GiB usable per GPU ({USABLE_FRACTION:.0%} of "
+        f"{g.memory_bytes / GIB:.0f} GiB less {RESERVED_BYTES / GIB:.0f} GiB for CUDA and NCCL); 'activ' includes "
+        "recomputation's and FSDP2's transient buffers"
+    )
     print(f"memory per GPU in GiB (the busiest pipeline stage); step time and MFU from the cost model\n{HEADER}")
     for i, c in enumerate(fits[:top], 1):
         print(row(i, c))
     if len(fits) > top:
         print(f"  ... and {len(fits) - top} more layouts that fit, slower (--top N shows more)")
     if not fits:
-        print("  no layout fits: add GPUs, or shorten the sequence / micro-batch")
+        print(f"  no layout fits: {_why_none(rejected, usable, cl.world)}")
     result = {"fits": [_as_dict(c) for c in fits[:top]], "fitting": len(fits), "rejected": len(rejected)}
+    groups = collections.Counter(reason_group(c.reason) for c in rejected)
+    result["rejected_reasons"] = dict(groups)
     if yours is not None:
         c = evaluate(model, yours, seq, gbs, cl, bf16, tp_comm_overlap, grads_bf16, state_bytes)
         if c.reason:
@@ -173,7 +210,6 @@ def print_plan(
             rank = next((i for i, f in enumerate(fits, 1) if f.layout == yours), "-")
             print(f"your layout, rank {rank} of {len(fits)}:\n{row(rank, c)}")
         result["yours"] = _as_dict(c)
-    groups = collections.Counter(reason_group(c.reason) for c in rejected)
     print(f"{len(rejected)} layouts cannot run:")
     for reason, count in groups.most_common():
         members = [c for c in rejected if reason_group(c.reason) == reason]
@@ -181,6 +217,24 @@ def print_plan(
         example = min(members, key=lambda c: c.memory.total) if members[0].memory else members[0]
         print(f"  {count:5d}  {example.reason}  (e.g. {example.layout.describe()})")
     return result
+
+
+def _why_none(rejected: list[Candidate], usable: float, world: int) -> str:
+    """What to change when nothing fits: more GPUs when the weights, gradients and optimizer state alone
+    overflow every layout (a shorter sequence frees activations only), else the activations' levers."""
+    big = [c for c in rejected if c.memory is not None]
+    if not big:
+        return "every layout is refused (the reasons follow)"
+    state = min(big, key=lambda c: c.memory.params + c.memory.grads + c.memory.optimizer)
+    held = state.memory.params + state.memory.grads + state.memory.optimizer
+    if held > usable:
+        need = -(-int(held * world) // int(usable))
+        return (
+            f"the weights, gradients and optimizer state alone need {held / GIB:.1f} GiB per GPU at best "
+            f"({state.layout.describe()}), more than the {usable / GIB:.1f} GiB usable: about {need} GPUs are needed "
+            "to hold them, before activations"
+        )
+    return "shorten the sequence or the micro-batch, recompute, or add GPUs (the closest layouts follow)"
 
 
 def _as_dict(c: Candidate) -> dict:
@@ -304,7 +358,9 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="gradients accumulated and reduced in bf16 (default: the script's flag, else fp32)",
     )
-    p.add_argument("--kernel-impl", choices=["triton", "torch"], default="triton")
+    p.add_argument(
+        "--kernel-impl", choices=["triton", "torch"], help="default: the flags' --kernel-impl, else triton (a GPU's)"
+    )
     p.add_argument("--tp-comm-overlap", action="store_true", help="price TP communication as overlapped")
     p.add_argument(
         "--uneven-pipeline",
@@ -317,6 +373,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layouts", type=int, default=None, help="--check-cpu: only the first N layouts (default: all)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
+    for flag, value in (
+        ("--global-batch-size", args.global_batch_size),
+        ("--seq-length", args.seq_length),
+        ("--gpus-per-node", args.gpus_per_node),
+        ("--nodes", args.nodes),
+        ("--nvlink-bandwidth", args.nvlink_bandwidth),
+        ("--network-bandwidth", args.network_bandwidth),
+        ("--top", args.top),
+    ):
+        if value is not None and not value > 0:
+            p.error(f"{flag} {value:g} must be positive")
 
     if args.published:
         from megatron_lite.planner.published import compare
@@ -335,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
             model, job = model_from_flags(flags, args.seq_length, args.global_batch_size)
         else:
             p.error("give a model: --script FILE, --hf-config FILE, or pretrain flags after --")
-        model = dataclasses.replace(model, kernel_impl=args.kernel_impl)
+        if args.kernel_impl:
+            model = dataclasses.replace(model, kernel_impl=args.kernel_impl)
         seq = args.seq_length or (job.training.seq_length if job else None)
         gbs = args.global_batch_size or (job.training.global_batch_size if job else None)
         if not seq or not gbs:

@@ -128,7 +128,9 @@ def evaluate(
     _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16, grads_bf16, state_bytes)
     usable = cl.gpu.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
     if mem.total > usable:
-        reason = f"needs {mem.total / GIB:.1f} GiB per GPU, more than the {usable / GIB:.1f} GiB usable"
+        # (as many decimals as tell the two apart: never "needs 70.6 GiB, more than the 70.6 GiB usable")
+        digits = next((d for d in (1, 2, 3) if f"{mem.total / GIB:.{d}f}" != f"{usable / GIB:.{d}f}"), 4)
+        reason = f"needs {mem.total / GIB:.{digits}f} GiB per GPU, more than the {usable / GIB:.{digits}f} GiB usable"
         return Candidate(layout, reason, mem)
     t = step_time(
         cfg,
