@@ -412,3 +412,18 @@ def test_weight_decay_increment_under_sharded_optimizers_equals_single_process(d
     kw = dict(distributed_optimizer=True) if sharding == "dist-opt" else dict(fsdp2=True)
     for history in dist(2, train_run, "llama", P(), 4, 2, optim=wd, **kw):
         _compare(history, ref)
+
+
+def test_grad_norm_sums_squares_in_fp64():
+    """A review found one process's grad_norm 2.7e-5 off TP=2's and the distributed optimizer's (whose per-tensor
+    gradients agreed to 2e-7): an fp32 norm of the whole 4096-row tied embedding gradient erred by 1.8e-4 on its
+    square, the shards' smaller norms less. Summed in fp64, whole and sharded agree with the exact sum."""
+    import torch
+
+    from megatron_lite.optimizer.optimizer import squared_norm
+
+    g = torch.randn(4096 * 64 * 4, generator=torch.Generator().manual_seed(0)) * 1e-3 + 2e-3
+    exact = float((g.double() ** 2).sum())
+    assert abs(squared_norm([g.view(-1, 64), torch.zeros(0)], "cpu") / exact - 1) < 1e-12
+    assert abs(squared_norm(list(g.chunk(3)), "cpu") / exact - 1) < 1e-12
+    assert squared_norm([], "cpu") == 0.0

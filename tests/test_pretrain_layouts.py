@@ -82,7 +82,7 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path, pretrain_job):
     assert len(one) == len(four) == 10
     for a, b in zip(one, four):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
         assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (a, b)
     # Context parallelism from the command line: CP=2 (ring) x DP=2 and CP=2 (all-to-all), the same run.
     for name, n, extra in (
@@ -108,7 +108,8 @@ def test_cli_tp2_dp2_equals_single_process(tmp_path, pretrain_job):
         assert len(cp) == 10
         for a, b in zip(one, cp):
             assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (name, a, b)
-            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a, b)
+            # (1e-5: the norm sums squares in fp64; in fp32 one process's whole embedding was 3e-5 off the shards')
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (name, a, b)
             assert abs(a["params_norm"] - b["params_norm"]) <= 1e-4 * a["params_norm"], (name, a, b)
             # zero gradient entries: the input embedding rows no token reached, the same set at TP=1 (TP=2
             # pads the vocabulary further, and those rows count too, as in Megatron)

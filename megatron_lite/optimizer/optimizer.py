@@ -129,12 +129,22 @@ def fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [g if g.dtype == torch.float32 else g.float() for g in grads]
 
 
+FP64_CHUNK = 1 << 24  # values a norm casts to fp64 at a time (a bounded temporary, whatever the tensor's size)
+
+
+def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """In fp64: an fp32 norm of a large tensor was 1e-4 off (a 4096-row embedding gradient on CPU), so a layout
+    that sharded it logged another grad_norm than one process (the shards' smaller norms erred less)."""
+    parts = t.reshape(-1).split(FP64_CHUNK)
+    return torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) ** 2 for p in parts]).sum()
+
+
 @torch.no_grad()  # (also given parameters, for --log-params-norm: no graph is built through them)
 def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
-    """Sum of the squares of `grads` (fp64), then summed over each group in turn."""
+    """Sum of the squares of `grads` (accumulated in fp64), then summed over each group in turn."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     if grads:
-        sq += torch.stack([g.float().norm() for g in grads]).pow(2).sum().double()
+        sq += torch.stack([_sum_of_squares(g) for g in grads if g.numel()] or [sq]).sum()
     for group in groups:
         if group.size > 1:
             with group.blocked():
