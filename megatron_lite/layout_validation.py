@@ -176,8 +176,11 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
             f"--moe-expert-capacity-factor with --context-parallel-size {cp} is not supported yet (capacity is per "
             "rank, one process would count it over the whole sequence); use dropless MoE or CP 1"
         )
-    if model.sliding_window is not None:
-        raise ConfigError("--context-parallel-size > 1 with --window-size is not supported yet")
+    if model.sliding_window is not None and parallel.cp_comm_type not in ("a2a", "allgather"):
+        raise ConfigError(
+            f"--window-size with --cp-comm-type {parallel.cp_comm_type} is not supported: a sliding window runs under "
+            "--cp-comm-type a2a or allgather (as Transformer Engine's), which attend over the whole sequence"
+        )
     if model.attention_dropout > 0:
         raise ConfigError(
             f"--attention-dropout {model.attention_dropout} with --context-parallel-size {cp}: context-parallel "

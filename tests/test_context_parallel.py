@@ -54,10 +54,12 @@ def attention_vs_full(
     documents=None,
     sizes=None,
     v_dim: int = 8,
+    window: int | None = None,
 ):
     """Relative errors of this rank's output and q/k/v gradients against full attention (fp64 oracle).
     `documents`: per batch row, document lengths (--reset-attention-mask; the oracle masks by document);
-    `sizes`: a2a+p2p's hierarchical sizes; `v_dim`: the values' head size (the queries' and keys' is 8)."""
+    `sizes`: a2a+p2p's hierarchical sizes; `v_dim`: the values' head size (the queries' and keys' is 8);
+    `window`: a sliding window (each query sees itself and the window - 1 keys before it)."""
     import functools
 
     from megatron_lite.context_parallel.attention import IMPLEMENTATIONS
@@ -78,6 +80,10 @@ def attention_vs_full(
     if causal:
         scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
     extra = {}
+    if window is not None:
+        i = torch.arange(seq)
+        scores = scores.masked_fill((i[:, None] - i[None, :]) >= window, float("-inf"))
+        extra["window_size"] = window
     if documents is not None:
         ids = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in documents])
         other = ids[:, :, None] != ids[:, None, :]  # a key of another document
@@ -152,6 +158,20 @@ def test_document_masks_equal_full_attention(dist, cp, comm):
     for kv_heads in (4, 1):
         for errs in dist(cp, attention_vs_full, comm, True, kv_heads, 16, False, DOCUMENTS):
             assert max(errs) < 1e-5, (comm, cp, kv_heads, errs)
+
+
+@pytest.mark.parametrize("comm", ["a2a", "allgather"])
+def test_sliding_window_equals_full_attention(dist, comm):
+    """--window-size under the two kinds of context parallelism that see the whole sequence in order (Transformer
+    Engine's for a window): windows inside one zigzag chunk, across chunks and ranks, on the PyTorch blocks and
+    the flash kernel's."""
+    for cp in (2, 4):
+        for window in (2, 3, 6):
+            for errs in dist(cp, attention_vs_full, comm, True, 2, 16, False, None, None, 8, window):
+                assert max(errs) < 1e-5, (comm, cp, window, errs)
+    if triton_on_cpu_tensors():
+        for errs in dist(2, attention_vs_full, comm, True, 2, 32, True, None, None, 8, 5):
+            assert max(errs) < 1e-4, (comm, "triton", errs)
 
 
 @needs_triton_on_cpu

@@ -224,3 +224,38 @@ def test_document_masks_under_hierarchical_context_parallelism_equal_single_proc
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * a["lm_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
     assert any(abs(a["lm_loss"] - b["lm_loss"]) > 1e-3 * b["lm_loss"] for a, b in zip(one, plain))
+
+
+def test_sliding_window_under_context_parallelism_equals_single_process(tmp_path, pretrain_job):
+    """--window-size under --cp-comm-type a2a and allgather (Transformer Engine's context-parallel types for a
+    sliding window; it was refused with any CP): CP=2 logs what one process logs (with the a2a head split
+    under TP=2 too), and the window changes the run. The ring is still refused, in one line."""
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 "
+        "--global-batch-size 4 --micro-batch-size 2 --lr 3e-3 --log-interval 1 --eval-iters 0 --hidden-dropout 0 "
+        "--attention-dropout 0 --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+        "--distributed-backend gloo"
+    ).split()
+    window = ["--window-size", "5,0"]
+    pretrain_job(1, [*args, *window, "--log-jsonl", str(tmp_path / "one.jsonl")])
+    pretrain_job(1, [*args, "--log-jsonl", str(tmp_path / "full.jsonl")])
+    one, full = records(tmp_path / "one.jsonl"), records(tmp_path / "full.jsonl")
+    assert abs(one[-1]["lm_loss"] - full[-1]["lm_loss"]) > 1e-3  # (the window hides keys the run would see)
+    for name, n, extra in (
+        ("a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+        ("allgather", 2, ["--context-parallel-size", "2", "--cp-comm-type", "allgather"]),
+        ("tp2_a2a", 4, "--context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 2".split()),
+    ):
+        pretrain_job(n, [*args, *window, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
+        cp = records(tmp_path / f"{name}.jsonl")
+        assert len(cp) == len(one) == 4, name
+        for a, b in zip(one, cp):
+            assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * a["lm_loss"], (name, a, b)
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (name, a, b)
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
+    from megatron_lite.layout_validation import validate_layout
+
+    _, job = parse_args([*args, *window, "--context-parallel-size", "2", "--mock-data", "--vocab-size", "100"])
+    with pytest.raises(ConfigError, match="--window-size with --cp-comm-type p2p is not supported"):
+        validate_layout(job.model, job.parallel, 2, job.training)

@@ -58,27 +58,28 @@ class _ReferenceAttention(torch.autograd.Function):
     log-sum-exp are kept for the backward (the probabilities are recomputed there)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, documents):
-        o, lse = K.flash_attention_reference(q, k, v, causal, scale, True, document_ids=documents)
+    def forward(ctx, q, k, v, causal: bool, scale: float, documents, window):
+        o, lse = K.flash_attention_reference(q, k, v, causal, scale, True, window_size=window, document_ids=documents)
         ctx.save_for_backward(q, k, v, o, lse, documents)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.window = causal, scale, window
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, documents = ctx.saved_tensors
         grads = K.flash_attention_backward_reference(
-            q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale, document_ids=documents
+            q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale, window_size=ctx.window, document_ids=documents
         )
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
-def _attention(q, k, v, causal: bool, scale: float, triton: bool, documents=None):
+def _attention(q, k, v, causal: bool, scale: float, triton: bool, documents=None, window=None):
     """Differentiable attention on one rank: the flash kernel, or the PyTorch reference without stored
-    probabilities. `documents` [batch, seq_k]: document ids of the keys (the queries are the last positions)."""
+    probabilities. `documents` [batch, seq_k]: document ids of the keys (the queries are the last positions);
+    `window`: a sliding window over the keys before each query (bottom-right aligned, as the causal mask)."""
     if triton:
-        return K.flash_attention(q, k, v, causal, scale, document_ids=documents)
-    return _ReferenceAttention.apply(q, k, v, causal, scale, documents)
+        return K.flash_attention(q, k, v, causal, scale, window_size=window, document_ids=documents)
+    return _ReferenceAttention.apply(q, k, v, causal, scale, documents, window)
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -242,18 +243,27 @@ def _to_head_shards(q, k, v, group: Group):
 
 
 def a2a_attention(
-    q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False, document_ids=None
+    q,
+    k,
+    v,
+    group: Group,
+    causal: bool = True,
+    scale: float | None = None,
+    triton: bool = False,
+    document_ids=None,
+    window_size: int | None = None,
 ):
     """Sequence-sharded -> head-sharded, attention over the whole sequence (put back in natural order), and
     back. Query heads must divide by the group size; key/value heads that do not are repeated to one per
-    query head first. `document_ids`: the whole sequence's, in natural order."""
+    query head first. `document_ids`: the whole sequence's, in natural order; `window_size`: a sliding window
+    (the whole sequence is in order, so it is the one-device window)."""
     cp = group.size
     b, s, h, d = q.shape
     q, k, v = _to_head_shards(q, k, v, group)  # [b, s * cp, heads / cp, d]
     pos = gathered_positions(s * cp, cp, q.device)
     order = torch.argsort(pos)
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
-    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton, document_ids)
+    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton, document_ids, window_size)
     return _AllToAll.apply(o.index_select(1, pos), group, 1, 2)  # back to zigzag order, then to our part
 
 
@@ -272,11 +282,19 @@ class _GatherSeq(torch.autograd.Function):
 
 
 def allgather_attention(
-    q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False, document_ids=None
+    q,
+    k,
+    v,
+    group: Group,
+    causal: bool = True,
+    scale: float | None = None,
+    triton: bool = False,
+    document_ids=None,
+    window_size: int | None = None,
 ):
     """Every rank gathers the whole sequence's keys and values; each local query chunk attends to the keys
-    up to its own end (bottom-right-aligned causal mask; with `document_ids`, the whole sequence's in natural
-    order, within its own documents)."""
+    up to its own end (bottom-right-aligned causal mask and `window_size`; with `document_ids`, the whole
+    sequence's in natural order, within its own documents)."""
     cp, s = group.size, q.shape[1]
     c = s // 2
     pos = gathered_positions(s * cp, cp, q.device)
@@ -284,14 +302,14 @@ def allgather_attention(
     k, v = (_GatherSeq.apply(t, group).index_select(1, order) for t in (k, v))
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if not causal:
-        if document_ids is not None:
-            raise ValueError("document masks are causal")
+        if document_ids is not None or window_size is not None:
+            raise ValueError("document masks and sliding windows are causal")
         return _attention(q, k, v, False, scale, triton)
     r = group.rank
     ends = ((r + 1) * c, (2 * cp - r) * c)  # each local chunk sees the keys up to its own last position
     docs = (None, None) if document_ids is None else tuple(document_ids[:, :end] for end in ends)
     outs = [
-        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton, docs[i])
+        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton, docs[i], window_size)
         for i, end in enumerate(ends)
     ]
     return torch.cat(outs, 1)

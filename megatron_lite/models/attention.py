@@ -81,6 +81,7 @@ class CoreAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.cp is not None:  # documents: the whole sequence's ids, on every CP rank
             extra = {"document_ids": documents} if documents is not None else {}
+            extra |= {"window_size": self.window} if self.window is not None else {}  # (a2a and allgather only)
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
             return out.reshape(b, s, -1)
         if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
