@@ -606,17 +606,21 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
                 "the checkpoint ramps its batch in an iteration-based run, which Megatron refuses (the decay ends "
                 "past the samples the run consumes); it goes on as it ran (--train-samples makes it sample-based)"
             )
-    if "--use-rotary-position-embeddings" in argv:  # (Megatron's validate_args: whatever the type flag says)
-        ns.position_embedding_type = "rope"
-    if ns.fp16 and ns.loss_scale is None and ns.check_for_nan_in_loss_and_grad and "nan_policy" not in given:
-        # Megatron's validate_args: with dynamic loss scaling a non-finite loss or gradient is the scaler's signal
-        # (the step is skipped and the scale lowered), not a fault to halt on
-        ns.check_for_nan_in_loss_and_grad = False
-        ns.schedule_notes.append(
-            "--fp16 with a dynamic loss scale turns --check-for-nan-in-loss-and-grad off, as Megatron does: a "
-            "non-finite loss or gradient skips the step and lowers the scale (--loss-scale S, or --nan-policy, "
-            "keeps the check)"
-        )
+    if "--use-rotary-position-embeddings" in argv and not ns.use_checkpoint_args:
+        ns.position_embedding_type = "rope"  # (Megatron's validate_args: whatever the type flag says)
+    if ns.fp16 and "check_for_nan_in_loss_and_grad" not in given:
+        if ns.loss_scale is None and ns.nan_policy == "halt" and "nan_policy" not in given:
+            # Megatron's validate_args: with dynamic loss scaling a non-finite loss or gradient is the scaler's
+            # signal (the step is skipped and the scale lowered), not a fault to halt on
+            if ns.check_for_nan_in_loss_and_grad:
+                ns.schedule_notes.append(
+                    "--fp16 with a dynamic loss scale turns --check-for-nan-in-loss-and-grad off, as Megatron does: "
+                    "a non-finite loss or gradient skips the step and lowers the scale (--loss-scale S, or "
+                    "--nan-policy, keeps the check)"
+                )
+            ns.check_for_nan_in_loss_and_grad = False
+        else:  # (on resume, a checkpoint's False may be this rule's, from a run with a dynamic scale)
+            ns.check_for_nan_in_loss_and_grad = True
     lora_only = [d for d in ("lora_alpha", "lora_dropout", "lora_target_modules") if d in given]
     if lora_only and not ns.lora_rank:  # (without a rank there are no adapters: every weight would train)
         raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA adapters: add --lora-rank R, or drop it")

@@ -62,6 +62,25 @@ def test_validate_args_overrides_read_as_megatrons():
     assert not parse_args([*MOCK, "--main-grads-dtype", "fp32"])[1].optimizer.grad_reduce_in_bf16
 
 
+def test_validate_args_overrides_on_resume(monkeypatch):
+    """On --load the rules act as on a fresh run: the fp16 rule's stored False did not read as the user's
+    --no-check-for-nan-in-loss-and-grad (--nan-policy skip was refused, --loss-scale kept it off), and
+    --use-checkpoint-args takes the checkpoint's positions over the rotary spelling."""
+    import megatron_lite.checkpoint.checkpointing as checkpointing
+
+    def resume(saved_argv, argv):
+        config = parse_args(saved_argv)[1].to_dict()  # (what a save records)
+        monkeypatch.setattr(checkpointing, "find_checkpoint", lambda *a, **k: "ckpt/iter_0000003")
+        monkeypatch.setattr(checkpointing, "read_metadata", lambda path: {"config": config})
+        return parse_args(["--load", "ckpt", *argv])[1]
+
+    for kept in (["--nan-policy", "skip"], ["--loss-scale", "128"]):
+        assert resume([*MOCK, "--fp16"], kept).optimizer.check_for_nan_in_loss_and_grad, kept
+    assert not resume([*MOCK, "--fp16"], []).optimizer.check_for_nan_in_loss_and_grad
+    taken = resume(MOCK, ["--use-checkpoint-args", "--use-rotary-position-embeddings"])
+    assert taken.model.position_embedding_type == "learned_absolute"
+
+
 def test_megatrons_store_false_spellings_and_encoder_seq_length_are_taken():
     """Megatron's --no-*/--disable-* spellings were 'no such flag' (a script stopped on each): those that change
     nothing here are accepted and said; --encoder-seq-length is --seq-length (both given: one line)."""

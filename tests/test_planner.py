@@ -312,6 +312,13 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
     out = capsys.readouterr().out  # (TP 1 without --sequence-parallel: it was "rank -")
     assert re.search(r"your layout, rank \d+ of", out), out[-600:]
+    small = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000"
+    small = [*small.split(), "--position-embedding-type", "rope", "--attention-dropout", "0"]
+    _tool().main(["--top", "1", "--", *small, "--encoder-seq-length", "1024", "--kernel-impl=torch"])
+    assert "16 x 1024 tokens, bf16, --kernel-impl torch" in capsys.readouterr().out  # (the = form was not read)
+    window = [*small, "--seq-length", "1024", "--window-size", "255,0", "--context-parallel-size", "2"]
+    windowed = _tool().main(["--top", "1", "--", *window, "--cp-comm-type", "a2a"])
+    assert "which the planner does not price" in windowed["yours"]["reason"]  # (it named p2p, not given)
     with pytest.raises(SystemExit, match="LoRA fine-tuning \\(--lora-rank 16\\) is not modelled here"):
         _tool().main(["--script", str(ROOT / "pretrain" / "finetune_llama3_8b_lora.sh")])
     for flags in (["--nodes", "0"], ["--top", "0"], ["--network-bandwidth", "0"], ["--global-batch-size", "-64"]):

@@ -56,10 +56,15 @@ def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = 
     from megatron_lite.training.dry_run import _vocab
 
     kernel = None  # (planned, not run: taken out so a CPU machine plans --kernel-impl triton too)
-    if "--kernel-impl" in argv and argv.index("--kernel-impl") + 1 < len(argv):
-        i = argv.index("--kernel-impl")
-        kernel, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+    for i, tok in enumerate(argv):
+        if tok.startswith("--kernel-impl="):
+            kernel, argv = tok.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+            break
+        if tok == "--kernel-impl" and i + 1 < len(argv):
+            kernel, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+            break
     given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    given |= {"--seq-length"} if "--encoder-seq-length" in given else set()  # (Megatron's other name for it)
     extra = []
     for flag, value in (("--seq-length", seq), ("--global-batch-size", gbs)):
         if value and flag not in given:

@@ -62,6 +62,11 @@ def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size
     training = dataclasses.replace(
         layout.training_config(global_batch_size, seq_length), overlap_grad_reduce=layout.sharding != "fsdp2"
     )
+    if model.sliding_window is not None and layout.cp > 1:
+        return (
+            "a sliding window (--window-size) runs under --cp-comm-type a2a or allgather, which the planner does "
+            "not price (it prices the ring)"
+        )
     try:
         cfg = layout.model_config(model)  # validated as it is made
         validate_layout(cfg, layout.parallel_config(), layout.world, training)
