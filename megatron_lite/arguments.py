@@ -9,11 +9,11 @@ accepted and reported at start-up.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Sequence
 
+from megatron_lite import flag_values
 from megatron_lite.checkpoint_flags import explicit_dests, flags_from_checkpoint
-from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig, yarn_mscale
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.tokenizers import tokenizer_file
 from megatron_lite.flag_parser import build_parser
@@ -44,164 +44,6 @@ def _kernel_impl(requested: str | None, backend: str | None = None) -> str:
             "TRITON_INTERPRET=1 for the slow CPU interpreter)"
         )
     return requested
-
-
-def _list_expression(text: str) -> list[int]:
-    """Megatron's list expressions for per-layer patterns, e.g. "([0]*3+[1]*58)" or "[1,0]*4": lists of integers,
-    concatenated with + and repeated with * N, in parentheses. Parsed, never eval'd."""
-    tokens = re.findall(r"\d+|[\[\](),+*]|\S", text)
-    pos = 0
-
-    def peek() -> str | None:
-        return tokens[pos] if pos < len(tokens) else None
-
-    def take(expected: str | None = None) -> str:
-        nonlocal pos
-        tok = peek()
-        if tok is None or (expected is not None and tok != expected):
-            raise ValueError(f"expected {expected or 'more'} at token {pos}, got {tok!r}")
-        pos += 1
-        return tok
-
-    def atom() -> list[int]:
-        if peek() == "(":
-            if text.count("(") > 32:
-                raise ValueError("parentheses nested too deep")
-            take("(")
-            out = expr()
-            take(")")
-            return out
-        take("[")
-        out = []
-        while peek() != "]":
-            out.append(int(take()))
-            if peek() == ",":
-                take(",")
-        take("]")
-        return out
-
-    def term() -> list[int]:
-        out = atom()
-        while peek() == "*":
-            take("*")
-            n = int(take())
-            if len(out) * n > 100_000:  # (a layer pattern; never a list worth exhausting memory for)
-                raise ValueError("pattern too long")
-            out = out * n
-        return out
-
-    def expr() -> list[int]:
-        out = term()
-        while peek() == "+":
-            take("+")
-            out = out + term()
-            if len(out) > 100_000:
-                raise ValueError("pattern too long")
-        return out
-
-    result = expr()
-    if pos != len(tokens):
-        raise ValueError(f"unexpected {tokens[pos]!r}")
-    return result
-
-
-def _layer_freq(text) -> int | tuple[int, ...]:
-    """Megatron's --moe-layer-freq: an integer N, or a per-layer pattern ("0,1,1", "[0,1,1]" or a list
-    expression such as "([0]*3+[1]*58)")."""
-    if isinstance(text, (int, tuple, list)):
-        return text if isinstance(text, int) else tuple(text)
-    body = str(text).strip()
-    try:
-        if any(c in body for c in "*+"):
-            values = _list_expression(body)
-        else:
-            values = [int(x) for x in body.strip("[]() ").split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(
-            f"--moe-layer-freq {text!r} must be an integer, a comma-separated 0/1 list or a list expression such as "
-            "'([0]*3+[1]*58)'"
-        ) from None
-    return values[0] if len(values) == 1 and not any(c in body for c in "*+[](),") else tuple(values)
-
-
-def _balancing(ns: argparse.Namespace) -> tuple[str, float]:
-    """Megatron's --moe-router-load-balancing-type and --moe-aux-loss-coeff take a list (one coefficient per
-    balancing type, the losses added); one type per run here."""
-    kinds, coeffs = ns.moe_router_load_balancing_type, ns.moe_aux_loss_coeff
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-    coeffs = [coeffs] if isinstance(coeffs, (int, float)) else list(coeffs)
-    if len(kinds) > 1:
-        raise ConfigError(
-            f"--moe-router-load-balancing-type {' '.join(kinds)}: combining balancing losses is not supported; give "
-            "one type (and one --moe-aux-loss-coeff)"
-        )
-    if len(coeffs) > 1:
-        raise ConfigError(
-            f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per balancing type, and "
-            f"--moe-router-load-balancing-type gives one ({kinds[0]})"
-        )
-    return kinds[0], coeffs[0]
-
-
-def _cp_comm_type(values, num_layers: int | None) -> str:
-    """Megatron's --cp-comm-type: one value, or one per layer. Every layer here shares its attention's
-    communication, so a list is taken when its values agree."""
-    if isinstance(values, str):
-        return values
-    if len(values) > 1 and num_layers is not None and len(values) != num_layers:
-        raise ConfigError(
-            f"--cp-comm-type gives {len(values)} values for --num-layers {num_layers}: give one, or one per layer"
-        )
-    if len(set(values)) > 1:
-        raise ConfigError(
-            f"--cp-comm-type {' '.join(values)}: a different type per layer is not supported; give one for all layers"
-        )
-    return values[0]
-
-
-def _main_grads_bf16(ns: argparse.Namespace) -> bool:
-    """Megatron's --main-grads-dtype bf16 (with --use-precision-aware-optimizer): bf16 main gradients, which
-    --grad-reduce-in-bf16 gives here; --main-params-dtype fp16 has no counterpart (fp32 main weights only)."""
-    if getattr(ns, "main_params_dtype", None) == "fp16":
-        raise ConfigError("--main-params-dtype fp16 is not supported: main weights are fp32; drop the flag")
-    if getattr(ns, "main_grads_dtype", None) in (None, "fp32"):  # (fp32: the default, which Megatron takes alone)
-        return False
-    if not ns.use_precision_aware_optimizer:
-        raise ConfigError(
-            f"--main-grads-dtype {ns.main_grads_dtype} needs --use-precision-aware-optimizer (as in Megatron)"
-        )
-    if ns.main_grads_dtype == "bf16" and not ns.bf16:
-        raise ConfigError("--main-grads-dtype bf16 needs --bf16 (bf16 main gradients reduce bf16 weights' gradients)")
-    return ns.main_grads_dtype == "bf16"
-
-
-def _mla_yarn(ns: argparse.Namespace) -> RopeScaling | None:
-    """Megatron's RoPE for multi-latent attention: YaRN unless --rope-type rope, over an original context of 4096
-    (MLATransformerConfig's), beta_fast 32, beta_slow 1, cos / sin times mscale(f, --mscale) / mscale(f,
-    --mscale-all-dim). A factor of 1 is plain RoPE (nothing is interpolated and both mscales are 1)."""
-    f, kind = ns.rotary_scaling_factor, ns.rope_type
-    if f <= 0:
-        raise ConfigError(f"--rotary-scaling-factor {f} must be > 0")
-    if kind == "yarn" and not ns.multi_latent_attention:
-        raise ConfigError(
-            "--rope-type yarn is supported with --multi-latent-attention only (for Llama-3 scaling use "
-            "--use-rope-scaling --rope-scaling-factor)"
-        )
-    if not ns.multi_latent_attention or f == 1.0:
-        return None
-    if kind == "rope":
-        raise ConfigError(
-            f"--rotary-scaling-factor {f} with --rope-type rope: the factor scales YaRN only; drop one of them"
-        )
-    return RopeScaling(
-        factor=f,
-        original_max_position_embeddings=4096,
-        rope_type="yarn",
-        beta_fast=32.0,
-        beta_slow=1.0,
-        attention_factor=yarn_mscale(f, ns.mscale) / yarn_mscale(f, ns.mscale_all_dim),
-        truncate=True,
-    )
 
 
 def _require(ns: argparse.Namespace, *names: str) -> None:
@@ -235,31 +77,6 @@ def _check_run_length(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value} does not go with {run}: use the {other} form of the flag")
 
 
-def _ffn_hidden_size(ns: argparse.Namespace) -> int | None:
-    """--ffn-hidden-size, or Megatron's default: 4 x hidden, and with --swiglu 2/3 of that rounded down to a
-    multiple of 64 (the gate and up projections together then hold about what one 4 x hidden one would)."""
-    if ns.ffn_hidden_size is not None or not ns.swiglu:
-        return ns.ffn_hidden_size
-    size = int((4 * ns.hidden_size * 2 / 3) / 64) * 64
-    if size == 0:
-        raise ConfigError(
-            f"--swiglu without --ffn-hidden-size: Megatron's default, 8 x hidden / 3 rounded down to a multiple of "
-            f"64, is 0 for --hidden-size {ns.hidden_size}; give --ffn-hidden-size"
-        )
-    return size
-
-
-def _activation(ns: argparse.Namespace) -> str:
-    chosen = [f for f in ("swiglu", "openai_gelu", "squared_relu") if getattr(ns, f)]
-    if len(chosen) > 1:
-        raise ConfigError(
-            f"--{chosen[0].replace('_', '-')} and --{chosen[1].replace('_', '-')} both pick the activation"
-        )
-    return {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "squared_relu": "squared_relu"}.get(
-        chosen[0] if chosen else "", "gelu"
-    )
-
-
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     refuse_unsupported(ns)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -272,13 +89,14 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
         )
     kernel_impl = _kernel_impl(ns.kernel_impl, ns.distributed_backend)
+    balancing, aux_loss_coeff = flag_values.balancing(ns)
     vocab = ns.vocab_size
     model = ModelConfig(
         num_layers=ns.num_layers,
         hidden_size=ns.hidden_size,
         num_attention_heads=ns.num_attention_heads,
         vocab_size=vocab if vocab is not None else 1,  # replaced once the tokenizer is known
-        ffn_hidden_size=_ffn_hidden_size(ns),
+        ffn_hidden_size=flag_values.ffn_hidden_size(ns),
         num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
         kv_channels=ns.kv_channels,
         max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
@@ -286,7 +104,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         normalization=ns.normalization,
         apply_layernorm_1p=ns.apply_layernorm_1p,
         norm_epsilon=ns.norm_epsilon,
-        activation=_activation(ns),
+        activation=flag_values.activation(ns),
         position_embedding_type=ns.position_embedding_type,
         rotary_base=ns.rotary_base,
         rotary_percent=ns.rotary_percent,
@@ -295,7 +113,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             **{**(getattr(ns, "rope_scaling_params", None) or {}), "factor": ns.rope_scaling_factor}
         )
         if ns.use_rope_scaling
-        else _mla_yarn(ns),
+        else flag_values.mla_yarn(ns),
         sliding_window=ns.window_size,
         add_bias_linear=not ns.disable_bias_linear,
         add_qkv_bias=ns.add_qkv_bias,
@@ -328,14 +146,14 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_router_topk_scaling_factor=ns.moe_router_topk_scaling_factor,
         moe_router_dtype=ns.moe_router_dtype,
         moe_ffn_hidden_size=ns.moe_ffn_hidden_size,
-        moe_router_load_balancing_type=_balancing(ns)[0],
-        moe_aux_loss_coeff=_balancing(ns)[1],
+        moe_router_load_balancing_type=balancing,
+        moe_aux_loss_coeff=aux_loss_coeff,
         moe_z_loss_coeff=ns.moe_z_loss_coeff,
         moe_router_enable_expert_bias=ns.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=ns.moe_router_bias_update_rate,
         moe_expert_capacity_factor=ns.moe_expert_capacity_factor,
         moe_token_drop_policy=ns.moe_token_drop_policy,
-        moe_layer_freq=_layer_freq(ns.moe_layer_freq),
+        moe_layer_freq=flag_values.layer_freq(ns.moe_layer_freq),
         moe_shared_expert_intermediate_size=ns.moe_shared_expert_intermediate_size,
         moe_token_dispatcher_type=ns.moe_token_dispatcher_type,
     )
@@ -378,7 +196,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         tensor_model_parallel_size=ns.tensor_model_parallel_size,
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
         context_parallel_size=ns.context_parallel_size,
-        cp_comm_type=_cp_comm_type(ns.cp_comm_type, ns.num_layers),
+        cp_comm_type=flag_values.cp_comm_type(ns.cp_comm_type, ns.num_layers),
         hierarchical_context_parallel_sizes=(
             tuple(ns.hierarchical_context_parallel_sizes) if ns.hierarchical_context_parallel_sizes else None
         ),
@@ -446,7 +264,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         fp16=ns.fp16,
         # --accumulate-allreduce-grads-in-fp32 wins over a value restored from a checkpoint's arguments (given
         # with --grad-reduce-in-bf16, parse_args has dropped it: bf16 wins then, as in Megatron)
-        grad_reduce_in_bf16=(_main_grads_bf16(ns) or ns.grad_reduce_in_bf16)  # (its checks run either way)
+        grad_reduce_in_bf16=(flag_values.main_grads_bf16(ns) or ns.grad_reduce_in_bf16)  # (its checks run either way)
         and not ns.accumulate_allreduce_grads_in_fp32,
         loss_scale=ns.loss_scale,
         initial_loss_scale=ns.initial_loss_scale,

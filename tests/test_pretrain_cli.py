@@ -1170,7 +1170,7 @@ def test_skip_train_evaluates_the_loaded_model(tmp_path, capsys, monkeypatch):
 def test_moe_layer_freq_takes_megatrons_list_expressions(text, expected):
     """Megatron scripts write per-layer patterns as list expressions (DeepSeek-V3: "([0]*3+[1]*58)"); they are
     parsed (never eval'd) into the same pattern."""
-    from megatron_lite.arguments import _layer_freq
+    from megatron_lite.flag_values import layer_freq as _layer_freq
 
     assert _layer_freq(text) == expected
 

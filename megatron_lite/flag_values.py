@@ -1,0 +1,192 @@
+"""Megatron's flag values read as our config values: its per-layer lists and list expressions, its derived
+defaults (the SwiGLU width, MLA's YaRN), and the list forms of flags that take one value here."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from megatron_lite.config import ConfigError, RopeScaling, yarn_mscale
+
+
+def list_expression(text: str) -> list[int]:
+    """Megatron's list expressions for per-layer patterns, e.g. "([0]*3+[1]*58)" or "[1,0]*4": lists of integers,
+    concatenated with + and repeated with * N, in parentheses. Parsed, never eval'd."""
+    tokens = re.findall(r"\d+|[\[\](),+*]|\S", text)
+    pos = 0
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take(expected: str | None = None) -> str:
+        nonlocal pos
+        tok = peek()
+        if tok is None or (expected is not None and tok != expected):
+            raise ValueError(f"expected {expected or 'more'} at token {pos}, got {tok!r}")
+        pos += 1
+        return tok
+
+    def atom() -> list[int]:
+        if peek() == "(":
+            if text.count("(") > 32:
+                raise ValueError("parentheses nested too deep")
+            take("(")
+            out = expr()
+            take(")")
+            return out
+        take("[")
+        out = []
+        while peek() != "]":
+            out.append(int(take()))
+            if peek() == ",":
+                take(",")
+        take("]")
+        return out
+
+    def term() -> list[int]:
+        out = atom()
+        while peek() == "*":
+            take("*")
+            n = int(take())
+            if len(out) * n > 100_000:  # (a layer pattern; never a list worth exhausting memory for)
+                raise ValueError("pattern too long")
+            out = out * n
+        return out
+
+    def expr() -> list[int]:
+        out = term()
+        while peek() == "+":
+            take("+")
+            out = out + term()
+            if len(out) > 100_000:
+                raise ValueError("pattern too long")
+        return out
+
+    result = expr()
+    if pos != len(tokens):
+        raise ValueError(f"unexpected {tokens[pos]!r}")
+    return result
+
+
+def layer_freq(text) -> int | tuple[int, ...]:
+    """Megatron's --moe-layer-freq: an integer N, or a per-layer pattern ("0,1,1", "[0,1,1]" or a list
+    expression such as "([0]*3+[1]*58)")."""
+    if isinstance(text, (int, tuple, list)):
+        return text if isinstance(text, int) else tuple(text)
+    body = str(text).strip()
+    try:
+        if any(c in body for c in "*+"):
+            values = list_expression(body)
+        else:
+            values = [int(x) for x in body.strip("[]() ").split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--moe-layer-freq {text!r} must be an integer, a comma-separated 0/1 list or a list expression such as "
+            "'([0]*3+[1]*58)'"
+        ) from None
+    return values[0] if len(values) == 1 and not any(c in body for c in "*+[](),") else tuple(values)
+
+
+def balancing(ns: argparse.Namespace) -> tuple[str, float]:
+    """Megatron's --moe-router-load-balancing-type and --moe-aux-loss-coeff take a list (one coefficient per
+    balancing type, the losses added); one type per run here."""
+    kinds, coeffs = ns.moe_router_load_balancing_type, ns.moe_aux_loss_coeff
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    coeffs = [coeffs] if isinstance(coeffs, (int, float)) else list(coeffs)
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"--moe-router-load-balancing-type {' '.join(kinds)}: combining balancing losses is not supported; give "
+            "one type (and one --moe-aux-loss-coeff)"
+        )
+    if len(coeffs) > 1:
+        raise ConfigError(
+            f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per balancing type, and "
+            f"--moe-router-load-balancing-type gives one ({kinds[0]})"
+        )
+    return kinds[0], coeffs[0]
+
+
+def cp_comm_type(values, num_layers: int | None) -> str:
+    """Megatron's --cp-comm-type: one value, or one per layer. Every layer here shares its attention's
+    communication, so a list is taken when its values agree."""
+    if isinstance(values, str):
+        return values
+    if len(values) > 1 and num_layers is not None and len(values) != num_layers:
+        raise ConfigError(
+            f"--cp-comm-type gives {len(values)} values for --num-layers {num_layers}: give one, or one per layer"
+        )
+    if len(set(values)) > 1:
+        raise ConfigError(
+            f"--cp-comm-type {' '.join(values)}: a different type per layer is not supported; give one for all layers"
+        )
+    return values[0]
+
+
+def main_grads_bf16(ns: argparse.Namespace) -> bool:
+    """Megatron's --main-grads-dtype bf16 (with --use-precision-aware-optimizer): bf16 main gradients, which
+    --grad-reduce-in-bf16 gives here; --main-params-dtype fp16 has no counterpart (fp32 main weights only)."""
+    if getattr(ns, "main_params_dtype", None) == "fp16":
+        raise ConfigError("--main-params-dtype fp16 is not supported: main weights are fp32; drop the flag")
+    if getattr(ns, "main_grads_dtype", None) in (None, "fp32"):  # (fp32: the default, which Megatron takes alone)
+        return False
+    if not ns.use_precision_aware_optimizer:
+        raise ConfigError(
+            f"--main-grads-dtype {ns.main_grads_dtype} needs --use-precision-aware-optimizer (as in Megatron)"
+        )
+    if ns.main_grads_dtype == "bf16" and not ns.bf16:
+        raise ConfigError("--main-grads-dtype bf16 needs --bf16 (bf16 main gradients reduce bf16 weights' gradients)")
+    return ns.main_grads_dtype == "bf16"
+
+
+def mla_yarn(ns: argparse.Namespace) -> RopeScaling | None:
+    """Megatron's RoPE for multi-latent attention: YaRN unless --rope-type rope, over an original context of 4096
+    (MLATransformerConfig's), beta_fast 32, beta_slow 1, cos / sin times mscale(f, --mscale) / mscale(f,
+    --mscale-all-dim). A factor of 1 is plain RoPE (nothing is interpolated and both mscales are 1)."""
+    f, kind = ns.rotary_scaling_factor, ns.rope_type
+    if f <= 0:
+        raise ConfigError(f"--rotary-scaling-factor {f} must be > 0")
+    if kind == "yarn" and not ns.multi_latent_attention:
+        raise ConfigError(
+            "--rope-type yarn is supported with --multi-latent-attention only (for Llama-3 scaling use "
+            "--use-rope-scaling --rope-scaling-factor)"
+        )
+    if not ns.multi_latent_attention or f == 1.0:
+        return None
+    if kind == "rope":
+        raise ConfigError(
+            f"--rotary-scaling-factor {f} with --rope-type rope: the factor scales YaRN only; drop one of them"
+        )
+    return RopeScaling(
+        factor=f,
+        original_max_position_embeddings=4096,
+        rope_type="yarn",
+        beta_fast=32.0,
+        beta_slow=1.0,
+        attention_factor=yarn_mscale(f, ns.mscale) / yarn_mscale(f, ns.mscale_all_dim),
+        truncate=True,
+    )
+
+
+def ffn_hidden_size(ns: argparse.Namespace) -> int | None:
+    """--ffn-hidden-size, or Megatron's default: 4 x hidden, and with --swiglu 2/3 of that rounded down to a
+    multiple of 64 (the gate and up projections together then hold about what one 4 x hidden one would)."""
+    if ns.ffn_hidden_size is not None or not ns.swiglu:
+        return ns.ffn_hidden_size
+    size = int((4 * ns.hidden_size * 2 / 3) / 64) * 64
+    if size == 0:
+        raise ConfigError(
+            f"--swiglu without --ffn-hidden-size: Megatron's default, 8 x hidden / 3 rounded down to a multiple of "
+            f"64, is 0 for --hidden-size {ns.hidden_size}; give --ffn-hidden-size"
+        )
+    return size
+
+
+def activation(ns: argparse.Namespace) -> str:
+    chosen = [f for f in ("swiglu", "openai_gelu", "squared_relu") if getattr(ns, f)]
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"--{chosen[0].replace('_', '-')} and --{chosen[1].replace('_', '-')} both pick the activation"
+        )
+    return {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "squared_relu": "squared_relu"}.get(
+        chosen[0] if chosen else "", "gelu"
+    )
