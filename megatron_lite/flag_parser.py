@@ -27,6 +27,20 @@ def _bool(p: argparse._ArgumentGroup, flag: str, help: str, *aliases: str) -> No
     p.add_argument(flag, *aliases, action="store_true", help=help)
 
 
+def report_error(error: Exception, initialized: bool) -> None:
+    """A start-up error, said once per node: before the process group (`initialized` False) the flags and files
+    are the same for every rank, and so is the error, said by the first local rank; later, by each rank with
+    its own."""
+    import os
+    import time
+
+    rank = os.environ.get("RANK", "0")
+    if initialized or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"error: {error}" if rank == "0" else f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    else:  # a moment for the first local rank to say it: torchrun stops the others at the first exit
+        time.sleep(1.0)
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse whose errors are one line (not the usage of every flag first), like every other start-up
     error; an unknown flag is named as such, Megatron flags we lack included. The tools use it too."""

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.embedded import EMBEDDED_VOCAB
 from megatron_lite.data.tokenizers import tokenizer_from_flags
-from megatron_lite.flag_parser import OneLineErrorParser
+from megatron_lite.flag_parser import OneLineErrorParser, report_error
 from megatron_lite.inference.generation import SamplingConfig, generate
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
@@ -215,12 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except (ConfigError, ValueError) as e:
-        # (before the process group every rank has the same error: said once per node, as pretrain_gpt.py does)
-        if dist.is_initialized() or os.environ.get("LOCAL_RANK", "0") == "0":
-            rank = os.environ.get("RANK", "0")
-            print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        else:  # a moment for the first local rank to say it: torchrun stops the others at the first exit
-            time.sleep(1.0)
+        report_error(e, dist.is_initialized())  # (once per node, as pretrain_gpt.py says it)
         return 2
 
 

@@ -143,8 +143,9 @@ def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
 def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
     """Sum of the squares of `grads` (accumulated in fp64), then summed over each group in turn."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    if grads:
-        sq += torch.stack([_sum_of_squares(g) for g in grads if g.numel()] or [sq]).sum()
+    parts = [_sum_of_squares(g) for g in grads if g.numel()]
+    if parts:
+        sq += torch.stack(parts).sum()
     for group in groups:
         if group.size > 1:
             with group.blocked():

@@ -59,14 +59,14 @@ def sharding_of(optim: OptimizerConfig) -> str:
 
 def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool) -> str | None:
     """Our own start-up validation of this layout: its one-line error, or None."""
-    training = dataclasses.replace(
-        layout.training_config(global_batch_size, seq_length), overlap_grad_reduce=layout.sharding != "fsdp2"
-    )
     if model.sliding_window is not None and layout.cp > 1:
         return (
             "a sliding window (--window-size) runs under --cp-comm-type a2a or allgather, which the planner does "
             "not price (it prices the ring)"
         )
+    training = dataclasses.replace(
+        layout.training_config(global_batch_size, seq_length), overlap_grad_reduce=layout.sharding != "fsdp2"
+    )
     try:
         cfg = layout.model_config(model)  # validated as it is made
         validate_layout(cfg, layout.parallel_config(), layout.world, training)

@@ -72,26 +72,14 @@ MEGATRON_KEYS = {
 }
 
 
-# What Megatron writes to W&B and TensorBoard each --tensorboard-log-interval iterations, as that iteration's
-# value (MetricsLogger.step); the window's other metrics (times, throughput, counts) go at --log-interval.
-STEP_METRICS = (
-    "lm_loss",
-    "lr",
-    "decoupled_lr",
-    "global_batch_size",
-    "loss_scale",
-    "grad_norm",
-    "num_zeros_in_grad",
-    "params_norm",
-    "moe_aux_loss",
-    "moe_seq_aux_loss",
-    "moe_z_loss",
-    "consumed_samples",
-)
+# Of Megatron's metrics these are the --log-interval window's (times); the rest go to W&B and TensorBoard each
+# --tensorboard-log-interval iterations as that iteration's value (MetricsLogger.step). Ours-only metrics
+# (under train/) go with the window.
+WINDOW_METRICS = ("iteration_time", "tflops_per_gpu")
 
 
 def _per_step(key: str) -> bool:
-    return key in STEP_METRICS or (key.startswith("mtp_") and key.endswith("_loss"))
+    return _megatron_key(key) is not None and key not in WINDOW_METRICS
 
 
 def _megatron_key(key: str) -> str | None:

@@ -32,6 +32,7 @@ from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.builder import build_datasets, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
+from megatron_lite.flag_parser import report_error
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.megatron_flags import accepted_no_ops
@@ -546,13 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(job)
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:
-        rank = os.environ.get("RANK", "0")
-        # Before any process group the flags and files are the same for every rank, and so is the error: said
-        # once per node (it was said by every rank, twice over in two forms); later, by each rank with its own.
-        if dist.is_initialized() or os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        else:  # a moment for the first local rank to say it: torchrun stops the others at the first exit
-            time.sleep(1.0)
+        report_error(e, dist.is_initialized())  # (once per node: it was said by every rank, twice in two forms)
         return 2
     except TrainingHalted as e:
         rank = os.environ.get("RANK", "0")
