@@ -284,6 +284,61 @@ def test_the_planner_counts_the_bytes_the_ring_sends(dist):
                 assert measured == expected, (model.multi_latent_attention, dtype, measured, expected)
 
 
+def _collectives_called(comm_type: str, k_dim: int, v_dim: int, kv_heads: int) -> list[tuple[str, int]]:
+    """(kind, bytes) of each collective one a2a or allgather attention forward and backward calls on this rank,
+    bytes as the planner counts them: an all-to-all's tensor, an all-gather's output, a reduce-scatter's input."""
+    from megatron_lite.context_parallel import attention
+    from megatron_lite.tensor_parallel import mappings
+
+    calls = []
+    real = (dist.all_to_all_single, mappings.all_gather_tensor, mappings.reduce_scatter_tensor)
+
+    def spy(kind, fn, which):
+        def call(output, input, *args, **kwargs):
+            t = (output, input)[which]
+            calls.append((kind, t.numel() * t.element_size()))
+            return fn(output, input, *args, **kwargs)
+
+        return call
+
+    ctx = get_context(P(context_parallel_size=2, cp_comm_type=comm_type))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 4, k_dim, generator=g, requires_grad=True)
+    k = torch.randn(2, 8, kv_heads, k_dim, generator=g, requires_grad=True)
+    v = torch.randn(2, 8, kv_heads, v_dim, generator=g, requires_grad=True)
+    dist.all_to_all_single = spy("all_to_all", real[0], 1)
+    mappings.all_gather_tensor = spy("all_gather", real[1], 0)
+    mappings.reduce_scatter_tensor = spy("reduce_scatter", real[2], 1)
+    try:
+        attention.IMPLEMENTATIONS[comm_type](q, k, v, ctx.cp, True).sum().backward()
+    finally:
+        dist.all_to_all_single, mappings.all_gather_tensor, mappings.reduce_scatter_tensor = real
+    return calls
+
+
+@pytest.mark.parametrize("comm_type", ["a2a", "allgather"])
+def test_the_planner_counts_the_collectives_a2a_and_allgather_call(dist, comm_type):
+    """The planner's a2a and allgather costs price the collectives the attention calls: GQA keys and values (one
+    kv head, repeated per query head for a2a as it does not divide over CP; two, which do) and multi-latent
+    attention's up-projected heads (query/key head 12, values 6)."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.planner.cost import cp_collectives
+    from megatron_lite.planner.layout import Layout
+
+    base = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    mla = ModelConfig(**base, multi_latent_attention=True, position_embedding_type="rope", add_bias_linear=False,
+                      qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)  # fmt: skip
+    for model, shapes in (
+        (ModelConfig(**base, num_query_groups=1), (8, 8, 1)),
+        (ModelConfig(**base, num_query_groups=2), (8, 8, 2)),
+        (mla, (12, 6, 4)),
+    ):
+        layout = Layout(cp=2, cp_comm_type=comm_type)
+        expected = sorted(cp_collectives(model, layout, tokens=2 * 8, a=4))
+        for called in dist(2, _collectives_called, comm_type, *shapes):
+            assert sorted(called) == expected, (model.num_query_groups, model.multi_latent_attention)
+
+
 def _ring_grads_with_regenerated_inputs(regenerate: bool):
     """Latents -> q, k, v (as multi-latent attention's up-projection makes them) -> the ring; with `regenerate`,
     the q, k, v the ring saves are dropped and made again in its backward (--recompute-modules mla_up_proj)."""

@@ -166,6 +166,8 @@ LAYOUTS = {
     "pp2-vp2-dp2": Layout(pp=2, vp=2, dp=2, micro_batch_size=1),
     "pp4-full-recompute": Layout(pp=4, micro_batch_size=1, recompute="full"),
     "cp2": Layout(cp=2, micro_batch_size=2),
+    "cp2-a2a": Layout(cp=2, micro_batch_size=2, cp_comm_type="a2a"),
+    "cp2-allgather": Layout(cp=2, micro_batch_size=2, cp_comm_type="allgather"),
     "fsdp2-dp2": Layout(dp=2, sharding="fsdp2", micro_batch_size=2),
     "fsdp2-tp2-dp2": Layout(tp=2, dp=2, sharding="fsdp2", micro_batch_size=2),
     "fsdp2-pp2-dp2": Layout(pp=2, dp=2, sharding="fsdp2", micro_batch_size=1),
@@ -182,13 +184,15 @@ def test_memory_estimate_within_ten_percent(dist, case):
     _check("llama", layout, dist(layout.world, measure, "llama", layout), skip=skip)
 
 
-@pytest.mark.parametrize("case", ["tp2-sp", "tp2", "cp2"])
+@pytest.mark.parametrize("case", ["tp2-sp", "tp2", "cp2", "cp2-a2a", "cp4-allgather"])
 def test_memory_estimate_multi_latent_attention(dist, case):
     """MLA under TP (latents whole on every rank, heads split) and CP, DeepSeek-shaped with MoE layers."""
     layout = {
         "tp2-sp": Layout(tp=2, micro_batch_size=2),
         "tp2": Layout(tp=2, micro_batch_size=2, sequence_parallel=False),
         "cp2": Layout(cp=2, micro_batch_size=2),
+        "cp2-a2a": Layout(cp=2, micro_batch_size=2, cp_comm_type="a2a"),
+        "cp4-allgather": Layout(cp=4, micro_batch_size=2, cp_comm_type="allgather"),  # (it keeps 4x the keys)
     }[case]
     _check("deepseek", layout, dist(layout.world, measure, "deepseek", layout))
 
@@ -318,7 +322,10 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     assert "16 x 1024 tokens, bf16, --kernel-impl torch" in capsys.readouterr().out  # (the = form was not read)
     window = [*small, "--seq-length", "1024", "--window-size", "255,0", "--context-parallel-size", "2"]
     windowed = _tool().main(["--top", "1", "--", *window, "--cp-comm-type", "a2a"])
-    assert "which the planner does not price" in windowed["yours"]["reason"]  # (it named p2p, not given)
+    assert windowed["yours"]["reason"] is None and "CP2(a2a)" in windowed["yours"]["describe"]
+    hierarchical = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"]
+    windowless = [f for f in window if f not in ("--window-size", "255,0")]
+    assert "not a2a+p2p" in _tool().main(["--top", "1", "--", *windowless, *hierarchical])["yours"]["reason"]
     with pytest.raises(SystemExit, match="LoRA fine-tuning \\(--lora-rank 16\\) is not modelled here"):
         _tool().main(["--script", str(ROOT / "pretrain" / "finetune_llama3_8b_lora.sh")])
     for flags in (["--nodes", "0"], ["--top", "0"], ["--network-bandwidth", "0"], ["--global-batch-size", "-64"]):
@@ -376,6 +383,30 @@ OFF = {
     "GPT 70B (84 x 8192), TP8 PP2, 768 GPUs": "batch 384 from an unverified transcription: the data-parallel "
     "reduction (fp32, 48 nodes) outlasts the one micro-batch backward it hides under",
 }
+
+
+def test_context_parallelism_is_planned_as_the_ring_all_to_all_and_all_gather():
+    """CP layouts come as the ring and as a2a (all-gather too with a sliding window, which the ring refuses as
+    pretrain does); a2a and all-gather price their collectives exposed, the ring under its attention."""
+    from megatron_lite.planner.hardware import ACCELERATORS, Cluster
+    from megatron_lite.planner.search import evaluate, layouts
+
+    config = llama_config(num_layers=4, num_attention_heads=8, num_query_groups=4, hidden_size=512)
+    kinds = {lay.cp_comm_type for lay in layouts(config, 8, 8, 16) if lay.cp > 1}
+    assert kinds == {"p2p", "a2a"}
+    windowed = dataclasses.replace(config, sliding_window=256)
+    assert {lay.cp_comm_type for lay in layouts(windowed, 8, 8, 16) if lay.cp > 1} == {"p2p", "a2a", "allgather"}
+    cl = Cluster(ACCELERATORS["H100"], 8, 1, 450e9, 50e9)
+    ring, a2a, gather = (
+        evaluate(windowed, Layout(cp=4, dp=2, cp_comm_type=c), 8192, 16, cl) for c in ("p2p", "a2a", "allgather")
+    )
+    assert "--window-size with --cp-comm-type p2p is not supported" in ring.reason
+    assert a2a.reason is None and gather.reason is None and a2a.time.cp_comm > 0 and gather.time.cp_comm > 0
+    # without the window the ring hides its sends under 8192-token attention; a2a's all-to-alls are exposed
+    ring, a2a = (evaluate(config, Layout(cp=4, dp=2, cp_comm_type=c), 8192, 16, cl) for c in ("p2p", "a2a"))
+    assert a2a.time.cp_comm > ring.time.cp_comm
+    recomputed = evaluate(config, Layout(cp=4, dp=2, cp_comm_type="a2a", recompute="selective"), 8192, 16, cl)
+    assert recomputed.time.cp_comm == pytest.approx(1.5 * a2a.time.cp_comm)  # the forward's four again
 
 
 def test_a_ring_across_nodes_runs_through_every_nic_its_ranks_hold():

@@ -131,6 +131,7 @@ def job_layout(job, world: int) -> Layout:
         recompute=m.recompute_granularity or "none",
         micro_batch_size=job.training.micro_batch_size,
         sequence_parallel=p.sequence_parallel or p.tp == 1,  # (no SP at TP 1: the search's form of it)
+        cp_comm_type=p.cp_comm_type if p.cp > 1 else "p2p",
     )
 
 
@@ -276,6 +277,7 @@ CPU_LAYOUTS = [
     Layout(tp=2, micro_batch_size=2, sequence_parallel=False),
     Layout(pp=2, micro_batch_size=1),
     Layout(cp=2, micro_batch_size=2),
+    Layout(cp=2, micro_batch_size=2, cp_comm_type="a2a"),
 ]
 
 

@@ -10,7 +10,9 @@ GEMMs; +1 forward per recomputed part):
   launches     the implementation's operators per layer, each costing the accelerator's launch time
   TP           sequence parallelism: 4 all-gathers + 4 reduce-scatters of the layer's activations
                (all-reduces without SP), exposed unless --tp-comm-overlap hides EFF.tp_overlap of them
-  CP           ring attention passes K and V around the ring under the attention compute
+  CP           ring attention passes K and V around the ring under the attention compute; all-to-all
+               (a2a) trades sequence for heads of q, k, v and back for the output, exposed; all-gather
+               gathers K and V and reduce-scatters their gradients, exposed
   EP           two all-to-alls forward, two backward, of each token's top-k copies
 Then: the pipeline bubble (p - 1) / (v m) of the compute, p2p sends, the data-parallel gradient reduction
 (and parameter all-gather for ZeRO/FSDP) exposed beyond the backward it overlaps, and the optimizer step
@@ -299,7 +301,9 @@ def step_time(
             per_layer += 2 * gather + scatter if layout.sp else reduce
         tp_comm = micro * (layers * per_layer + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
-    if cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
+    if cp > 1 and layout.cp_comm_type != "p2p":
+        cp_comm = micro * layers * _exposed_cp(model, layout, m, a, cl, eff)
+    elif cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
         blocks = ring_blocks(model, m, tp, cp, a)
         ring = sum(n * _collective("p2p", block, cp, tp * cp, cl, eff) for block, n in blocks)
         mla, heads = model.multi_latent_attention, model.num_attention_heads
@@ -373,6 +377,37 @@ def step_time(
     # (read the gradient, read and write the state, write main weights and weights: 28 bytes with Adam)
     optimizer = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
+
+
+def cp_collectives(model: ModelConfig, layout: Layout, tokens: float, a: int) -> list[tuple[str, float]]:
+    """One layer's a2a or allgather context-parallel collectives, forward and backward, for one micro-batch of
+    `tokens` on this rank: (kind, bytes as `_collective` takes them). a2a: q, k and v from sequence to head
+    shards and the output back, the gradients of each the other way (key/value heads that do not divide over
+    CP are repeated to one per query head first); allgather: the whole sequence's keys and values gathered,
+    their gradients reduce-scattered."""
+    tp, cp = layout.tp, layout.cp
+    if model.multi_latent_attention:  # the up-projected heads, at the query/key and value head sizes
+        heads = model.num_attention_heads
+        q = k = heads * model.mla_q_head_dim
+        v = out = heads * model.v_head_dim
+    else:
+        q = out = model.num_attention_heads * model.head_dim
+        k = v = model.query_groups * model.head_dim
+        if layout.cp_comm_type == "a2a" and (model.query_groups // tp) % cp:
+            k = v = q
+    if layout.cp_comm_type == "a2a":
+        return [("all_to_all", tokens * w / tp * a) for w in (q, k, v, out)] * 2
+    return [(kind, cp * tokens * w / tp * a) for kind in ("all_gather", "reduce_scatter") for w in (k, v)]
+
+
+def _exposed_cp(model: ModelConfig, layout: Layout, tokens: float, a: int, cl: Cluster, eff: Efficiency) -> float:
+    """`cp_collectives` in seconds, none of them under compute (attention waits for them); recomputation
+    runs the forward's collectives again."""
+    calls = cp_collectives(model, layout, tokens, a)
+    span = layout.tp * layout.cp
+    seconds = [_collective(kind, b, layout.cp, span, cl, eff) for kind, b in calls]
+    forward = sum(seconds[: len(seconds) // 2])
+    return sum(seconds) + (forward if layout.recompute in ("full", "selective") else 0.0)
 
 
 def ring_blocks(model: ModelConfig, tokens: float, tp: int, cp: int, a: int) -> list[tuple[float, int]]:

@@ -25,6 +25,7 @@ class Layout:
     recompute: str = "none"
     micro_batch_size: int = 1
     sequence_parallel: bool = True  # with TP > 1 (Megatron's recommendation; off only when asked)
+    cp_comm_type: str = "p2p"  # with CP > 1: the ring, a2a (heads all-to-all) or allgather (keys and values)
     # the layers of each virtual stage when not an even split (a script's uneven first/last stages or layout)
     stages: tuple[int, ...] | None = None
 
@@ -44,6 +45,7 @@ class Layout:
             context_parallel_size=self.cp,
             expert_model_parallel_size=self.ep,
             sequence_parallel=self.sp,
+            cp_comm_type=self.cp_comm_type,
             pipeline_layout=self.stages,
         )
 
@@ -67,7 +69,7 @@ class Layout:
             parts.append(f"VP{self.vp}")
         parts += [f"DP{self.dp}"]
         if self.cp > 1:
-            parts.append(f"CP{self.cp}")
+            parts.append(f"CP{self.cp}" + ("" if self.cp_comm_type == "p2p" else f"({self.cp_comm_type})"))
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         parts.append({"none": "ddp", "dist-opt": "zero1", "zero2": "zero2", "fsdp2": "fsdp2"}[self.sharding])

@@ -174,6 +174,10 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
         attn = (q + 2 * kv) * a + q * a + heads * 4 + (0 if model.add_bias_linear else q * a)
     if model.multi_latent_attention:
         attn = _mla_activation_bytes(model, a, tp, sp, rms, triton, recompute)
+    if layout.cp > 1 and layout.cp_comm_type == "allgather" and recompute == "none":
+        # attention keeps the whole sequence's gathered keys and values, not only this rank's part
+        k_v = heads * (model.mla_q_head_dim + model.v_head_dim) if model.multi_latent_attention else 2 * kv
+        attn += (layout.cp - 1) * k_v * a
     swiglu = model.activation == "swiglu"
     if model.is_moe_layer(layer):
         f, k = model.moe_ffn_size, model.moe_router_topk

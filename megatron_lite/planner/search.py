@@ -16,6 +16,7 @@ from megatron_lite.planner.layout import RECOMPUTES, SHARDINGS, Layout
 from megatron_lite.planner.memory import Memory, peak_rank_memory
 from megatron_lite.training.wrap import validate_sharding
 
+PRICED_CP = ("p2p", "a2a", "allgather")  # (not the hierarchical a2a+p2p)
 RESERVED_BYTES = 3 * GIB  # CUDA context, NCCL buffers
 USABLE_FRACTION = 0.92  # the allocator's fragmentation and transient buffers
 
@@ -59,11 +60,8 @@ def sharding_of(optim: OptimizerConfig) -> str:
 
 def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool) -> str | None:
     """Our own start-up validation of this layout: its one-line error, or None."""
-    if model.sliding_window is not None and layout.cp > 1:
-        return (
-            "a sliding window (--window-size) runs under --cp-comm-type a2a or allgather, which the planner does "
-            "not price (it prices the ring)"
-        )
+    if layout.cp > 1 and layout.cp_comm_type not in PRICED_CP:
+        return f"the planner prices --cp-comm-type {', '.join(PRICED_CP)}, not {layout.cp_comm_type}"
     training = dataclasses.replace(
         layout.training_config(global_batch_size, seq_length), overlap_grad_reduce=layout.sharding != "fsdp2"
     )
@@ -94,11 +92,13 @@ def layouts(
     model: ModelConfig, world: int, gpus_per_node: int, global_batch_size: int, uneven: bool = False
 ) -> list[Layout]:
     """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
-    2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8. `uneven`: pipeline
-    sizes whose stages the layers do not divide are tried with lighter end stages (`uneven_stages`)."""
+    2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8; CP as the ring and
+    as all-to-all (all-gather too for a sliding window, which the ring refuses). `uneven`: pipeline sizes whose
+    stages the layers do not divide are tried with lighter end stages (`uneven_stages`)."""
     out = []
     pow2 = [1, 2, 4, 8, 16, 32]
     experts = divisors(model.num_experts) if model.num_experts else [1]
+    cp_types = PRICED_CP if model.sliding_window is not None else PRICED_CP[:2]
     for tp, cp in itertools.product([d for d in pow2 if d <= gpus_per_node], pow2):
         if world % (tp * cp):
             continue
@@ -110,7 +110,10 @@ def layouts(
                 if global_batch_size % (mbs * dp) or (dp * cp * tp) % ep:
                     continue
                 stages = uneven_stages(model.num_layers, pp * vp) if uneven and pp > 1 else None
-                out.append(Layout(tp, pp, vp, dp, cp, ep, sharding, recompute, mbs, stages=stages))
+                for comm in cp_types if cp > 1 else ("p2p",):
+                    out.append(
+                        Layout(tp, pp, vp, dp, cp, ep, sharding, recompute, mbs, stages=stages, cp_comm_type=comm)
+                    )
     return out
 
 
