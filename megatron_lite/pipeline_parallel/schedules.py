@@ -198,6 +198,40 @@ def build_schedule(pp: int, vp: int, num_microbatches: int, rank: int, forward_o
     return actions
 
 
+def send_releases(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> dict[int, int]:
+    """{index of a send in this rank's schedule: index of the receive after which that send has surely completed}.
+    The peer consumes the message in a compute, and whatever it sends back afterwards was sent after its
+    receive completed; once this rank has that reply, the send's buffer can go (gloo's sends report
+    completion only when waited, so without this every sent tensor would live to the end of the step).
+    Sends with no later reply (the step's last ones, a forward-only pipeline's) are absent."""
+    scheds = [build_schedule(pp, vp, num_microbatches, r, forward_only) for r in range(pp)]
+
+    def nth(acts: list[Action], kinds: tuple, peer: int) -> list[int]:
+        return [i for i, a in enumerate(acts) if a.kind in kinds and a.peer == peer]
+
+    out = {}
+    mine = scheds[rank]
+    for p in {a.peer for a in mine if a.kind in COMM}:
+        theirs = scheds[p]
+        sent, got = nth(mine, (SEND_FORWARD, SEND_BACKWARD), p), nth(theirs, (RECV_FORWARD, RECV_BACKWARD), rank)
+        replies, replies_got = (
+            nth(theirs, (SEND_FORWARD, SEND_BACKWARD), rank),
+            nth(mine, (RECV_FORWARD, RECV_BACKWARD), p),
+        )
+        for send, recv in zip(sent, got):
+            r = theirs[recv]
+            compute = FORWARD if r.kind == RECV_FORWARD else BACKWARD
+            used = next(
+                j
+                for j in range(recv, len(theirs))
+                if theirs[j].kind == compute and (theirs[j].microbatch, theirs[j].chunk) == (r.microbatch, r.chunk)
+            )
+            k = next((n for n, j in enumerate(replies) if j > used), None)
+            if k is not None:
+                out[send] = replies_got[k]
+    return out
+
+
 def max_in_flight(actions: list[Action]) -> int:
     """The most micro-batch forwards whose backward has not run yet (activations kept alive)."""
     live = peak = 0
