@@ -86,6 +86,7 @@ def _sentencepiece_folder(folder: pathlib.Path, with_json: bool = True) -> pathl
         vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(40)}}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.add_special_tokens(["<unk>", "<s>", "</s>"])  # (as a converted Llama tokenizer.json lists them)
         tok.save(str(folder / "tokenizer.json"))
     return folder / "tokenizer.model"
 
@@ -102,6 +103,11 @@ def test_megatron_sentencepiece_tokenizers_read_the_tokenizer_json_beside_the_mo
     assert llama.eod == 2 and llama.vocab_size == 43
     gpt_sp = build_tokenizer("GPTSentencePieceTokenizer", model=str(tmp_path / "llama"))  # the folder works too
     assert gpt_sp.encode("w0 w5") == [3, 8] and gpt_sp.eod == 2
+    # From a review: "</s>" or "<s>" written in a document is text to SentencePiece (Megatron's tokenizers), not
+    # an EOD or BOS mid-document (tokenizers matched them as the special tokens: [1, 3, 1, 4, 2, 5])
+    for tok, prefix in ((llama, [1]), (gpt_sp, [])):
+        ids = tok.encode("w0 <s>w1</s> w2")
+        assert ids[: len(prefix)] == prefix and not {1, 2} & set(ids[len(prefix) :]), ids
     bare = _sentencepiece_folder(tmp_path / "bare", with_json=False)
     with pytest.raises(ConfigError, match="found none at .*tokenizer.json") as e:
         build_tokenizer("Llama2Tokenizer", model=str(bare))

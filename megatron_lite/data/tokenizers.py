@@ -142,6 +142,9 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
                 "repositories ship one) or use --tokenizer-type HuggingFaceTokenizer"
             )
         super().__init__(json_path)
+        # SentencePiece never reads a control symbol from text: "</s>" in a document (HTML's strikethrough) is
+        # text, where the tokenizers library would match it as the special token (an EOD mid-document)
+        self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.bos = vocab.get("<s>") if kind == "Llama2Tokenizer" else None
         if kind == "Llama2Tokenizer" and self.bos is None:
