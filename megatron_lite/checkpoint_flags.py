@@ -331,9 +331,12 @@ def flags_from_checkpoint(
     if saved.get("lora_rank") and "lora_target_modules" in given:
         from megatron_lite.lora.config import LoraConfig, lora_for_model, target_modules
 
-        # (PEFT's names given are ours here; on an MLA model linear_qkv is its projections, as when it was saved)
+        # (PEFT's names given are ours here; on an MLA model linear_qkv is its projections, and without SwiGLU
+        # up_proj is linear_fc1, as when it was saved)
         mla = argparse.Namespace(
-            multi_latent_attention=saved["multi_latent_attention"], q_lora_rank=saved["q_lora_rank"]
+            multi_latent_attention=saved["multi_latent_attention"],
+            q_lora_rank=saved["q_lora_rank"],
+            activation="swiglu" if saved.get("swiglu") else "gelu",
         )
         ours = lora_for_model(LoraConfig(target_modules=target_modules(ns.lora_target_modules)), mla).target_modules
         if set(ours) != set(saved["lora_target_modules"]):

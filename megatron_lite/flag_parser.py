@@ -432,8 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-target-modules",
         nargs="+",
         default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-        help="our layer names or PEFT's (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); add experts "
-        "for every routed expert's fc1 and fc2 (PEFT's experts.gate_up_proj and experts.down_proj)",
+        help="our layer names or PEFT's (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), each projection "
+        "adapted alone (q_proj v_proj: not k); add experts for every routed expert's fc1 and fc2 (PEFT's "
+        "experts.gate_up_proj and experts.down_proj)",
     )
     _bool(lo, "--qlora", "store the adapted layers' frozen weights in NF4 (4.127 bits per parameter)")
 

@@ -744,6 +744,12 @@ def test_hf_loads_convert_only_to_megatron_lite(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--loader hf converts to --saver megatron_lite, not hf-peft" in err[0], err
     assert not (tmp_path / "o").exists()
+    # (from a review: --merge-lora beside another saver or loader exited 0 and folded nothing)
+    for loader, saver in (("megatron_lite", "hf-peft"), ("hf", "megatron_lite")):
+        argv = ["--loader", loader, "--saver", saver, "--merge-lora", "--load-dir", "in", "--save-dir", "o"]
+        assert convert.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--merge-lora folds LoRA adapters into the weights --saver hf writes" in err[0]
 
 
 def test_a_deepseek_v3_model_type_transformers_does_not_know_converts(converted, tmp_path):

@@ -142,6 +142,22 @@ def test_qlora_from_the_command_line(tmp_path, pretrain_job):
     assert rec["mem_optimizer_bytes"] == 8 * adapters  # Adam moments of the adapters only (fp32 weights)
 
 
+def test_lora_start_up_names_the_projections_it_adapts(pretrain_job):
+    """From a review: PEFT's `q_proj v_proj` were logged (and trained) as linear_qkv, k included; on an all-MoE
+    model the default dense-MLP targets adapt nothing, yet the log listed them."""
+    base = [
+        "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+        "--mock-data", "--vocab-size", "100", "--swiglu", "--disable-bias-linear", "--position-embedding-type",
+        "rope", "--lora-rank", "4", "--eval-iters", "0",
+    ]  # fmt: skip
+    out = pretrain_job(1, [*base, "--lora-target-modules", "q_proj", "v_proj"])
+    h, q, kv = 64, 64, 64  # (4 heads, no GQA) r (in + out) per adapter: q and v only
+    assert f"on linear_q linear_v: {4 * ((h + q) + (h + kv)) / 1e6:.3f}M trainable" in out, out[-2000:]
+    out = pretrain_job(1, [*base, "--num-experts", "2", "--moe-ffn-hidden-size", "32"])
+    assert "on linear_qkv linear_proj: " in out and "(linear_fc1 linear_fc2: no layer has a dense MLP" in out
+
+
 def test_qlora_names_every_stages_shards_quantised_on_their_own(pretrain_job):
     """TP=2 x PP=2: the first stage's dense linear_fc2 (96 / 2 = 48 columns, not whole 64-value blocks) is
     quantised per shard; start-up names it although the logging rank (the last stage, whose experts' shards are

@@ -75,6 +75,12 @@ def test_nemotron_adapters_load_in_peft_with_our_logits(tmp_path, monkeypatch):
     _, out = _fine_tune(tmp_path, cfg, monkeypatch)
     assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", out, "--save-dir",
                     str(tmp_path / "adapter")) == 0  # fmt: skip
+    # --target-dtype applies to the adapter's tensors (it was ignored, fp32 written)
+    assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--target-dtype", "bf16", "--load-dir", out,
+                    "--save-dir", str(tmp_path / "bf16")) == 0  # fmt: skip
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "adapter_model.safetensors").values()} == {torch.bfloat16}
     meta, tensors = read_model_tensors(out)
     config = model_config_from_dict(meta["config"]["model"])
     ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))

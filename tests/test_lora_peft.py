@@ -106,6 +106,35 @@ def test_merged_export_is_base_plus_scaled_b_a(tuned):
         assert (fresh(ids).logits - model(ids)[..., :200]).abs().max() < 1e-4
 
 
+def test_peft_target_names_adapt_only_the_named_projections(tmp_path):
+    """From a review: PEFT's default Llama targets `q_proj v_proj` trained k_proj too (q, k and v are one fused
+    layer here), and `gate_proj` adapted up_proj: a recipe ported from PEFT trained another model. Now each named
+    projection alone gets an adapter (the fused layer's other parts add zeros); the export names exactly those
+    modules, PEFT gives our logits, the merge equals the adapted function, and the parameter count is theirs."""
+    from megatron_lite.lora.config import target_modules
+
+    targets = target_modules(["q_proj", "v_proj", "gate_proj"])
+    assert targets == ("linear_q", "linear_v", "linear_fc1_gate")
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=targets)
+    hf_cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4,
+                                      tie_word_embeddings=False)  # fmt: skip
+    hf, model, state, config = fine_tune(hf_cfg, lora)
+    _, adapters = split_lora(state)
+    assert {k.split(".lora.pairs.")[1] for k in adapters} == {"q.A", "q.B", "v.A", "v.B", "gate.A", "gate.B"}
+    tensors, adapter_config = to_peft(adapters, config, lora, "LlamaForCausalLM")
+    assert adapter_config["target_modules"] == ["gate_proj", "q_proj", "v_proj"]
+    peft_model, _ = peft_gives_our_logits(hf, model, tensors, adapter_config, tmp_path / "adapter")
+    ours = sum(v.numel() for v in adapters.values())
+    assert ours == sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    plain = transformers.LlamaForCausalLM(hf_cfg).eval()
+    from megatron_lite.models.hf_weights import state_dict_to_hf
+
+    plain.load_state_dict(state_dict_to_hf(merge(state, config, lora), config, "LlamaForCausalLM"), strict=False)
+    with torch.no_grad():
+        assert (plain(IDS).logits - model(IDS)[..., :200]).abs().max() < 1e-4
+
+
 def test_gpt2_export_is_refused():
     from models import gpt2_config
 
@@ -175,14 +204,25 @@ def test_merged_expert_export_is_base_plus_scaled_b_a(tuned_mixtral):
         assert (fresh(ids).logits - model(ids)[..., :200]).abs().max() < 1e-4
 
 
-def test_expert_adapters_with_dropout_are_not_exported_to_peft():
+def test_expert_adapters_trained_with_dropout_export_without_it():
+    """PEFT refuses dropout on expert parameters, and dropout changes no output at inference: an adapter trained
+    with --lora-dropout exports with lora_dropout 0 (it was refused, leaving a large MoE the full merged export);
+    without experts the trained dropout is written."""
     from models import llama_config
 
-    config = llama_config(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
-    key = "decoder.layers.0.mlp.experts.0.linear_fc1.lora.pairs.fc1.A"
-    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=("experts",))
-    with pytest.raises(Exception, match="PEFT's expert adapters take no dropout"):
-        to_peft({key: torch.zeros(4, 64)}, config, lora, "MixtralForCausalLM")
+    config = llama_config(num_experts=2, moe_router_topk=2, moe_ffn_hidden_size=48)
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=("experts", "linear_qkv"))
+    q = "decoder.layers.0.self_attention.linear_qkv.lora.pairs.q."
+    attention = {q + "A": torch.zeros(4, 64), q + "B": torch.zeros(64, 4)}
+    experts = {
+        f"decoder.layers.0.mlp.experts.{e}.linear_fc1.lora.pairs.fc1.{m}": torch.zeros(shape)
+        for e in range(2)
+        for m, shape in (("A", (4, 64)), ("B", (96, 4)))
+    }
+    _, adapter_config = to_peft({**attention, **experts}, config, lora, "MixtralForCausalLM")
+    assert adapter_config["lora_dropout"] == 0.0 and adapter_config["target_parameters"]
+    _, adapter_config = to_peft(attention, config, lora, "MixtralForCausalLM")
+    assert adapter_config["lora_dropout"] == 0.1
 
 
 def test_merge_folds_every_adapter_kind_into_the_function():

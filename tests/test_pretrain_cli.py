@@ -334,7 +334,7 @@ def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monk
         ),
         (
             ["--mock-data", "--vocab-size", "100", "--lora-rank", "4", "--qlora", "--save", "x", "--dry-run"],
-            ["--qlora with no base checkpoint loaded", "--save x", "add --load BASE --finetune"],
+            ["--qlora with no base checkpoint loaded (--load None: not given)", "--save x", "add --load BASE"],
         ),
         # with no data the embedded corpus's own tokenizer was used and these dropped silently
         (["--vocab-size", "32000"], ["--vocab-size 32000 without data", "add --mock-data"]),

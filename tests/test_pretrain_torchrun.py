@@ -44,6 +44,21 @@ def test_shipped_script_dry_run(script):
     assert "dry run ok" in out.stdout
 
 
+def test_qlora_script_dry_run_on_a_machine_without_the_base():
+    """From a review: the LoRA script's QLORA=1 dry run stopped where its base checkpoint is absent (the script
+    says a dry run validates on any machine), naming --load as if it had not been given."""
+    out = subprocess.run(
+        ["bash", str(ROOT / "pretrain" / "finetune_llama3_8b_lora.sh")],
+        env={**os.environ, "DRY_RUN": "1", "QLORA": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "dry run ok" in out.stdout, out.stdout + out.stderr
+    assert "note: on this machine the run would stop: --qlora with no base checkpoint loaded" in out.stdout
+    assert ": no such directory)" in out.stdout
+
+
 def test_every_script_is_covered():
     shipped = sorted(p.name for p in (ROOT / "pretrain").iterdir() if p.suffix in (".sh", ".sbatch"))
     assert shipped == sorted(SCRIPTS)

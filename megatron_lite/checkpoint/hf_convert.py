@@ -239,6 +239,9 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         return _fallback_config(raw), raw
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --target-dtype
+
+
 def _fallback_model_type(raw: dict) -> str | None:
     if raw.get("model_type") in HF_DEFAULTS:
         return raw["model_type"]
@@ -505,10 +508,12 @@ def _hf_source(side: str | None) -> str | None:
     return None
 
 
-def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print, base_model: str | None = None) -> None:
+def megatron_lite_to_peft(
+    load_dir: str, save_dir: str, log=print, base_model: str | None = None, dtype: str | None = None
+) -> None:
     """The checkpoint's LoRA adapters as a PEFT adapter directory (onto the Hugging Face base it came from).
     Its base_model_name_or_path, which AutoPeftModelForCausalLM loads, is `base_model` (a hub name), else the
-    directory the base was converted from."""
+    directory the base was converted from. `dtype`: the adapter tensors' (default: as stored)."""
     from megatron_lite.lora.peft import split_lora, to_peft, write_peft
 
     meta, ours = read_model_tensors(load_dir)
@@ -520,9 +525,16 @@ def megatron_lite_to_peft(load_dir: str, save_dir: str, log=print, base_model: s
     original, side = _original_hf_config(load_dir, saved)
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # (a Phi-3 stays a Phi-3)
     tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, arch)
+    if dtype:
+        tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}  # (as the base's export)
     adapter_config["base_model_name_or_path"] = base = base_model or _hf_source(side)
     write_peft(save_dir, tensors, adapter_config)
     log(f"wrote {save_dir}: PEFT LoRA adapter, rank {lora.rank}, {len(tensors)} tensors, iteration {meta['iteration']}")
+    if lora.dropout and adapter_config["lora_dropout"] != lora.dropout:
+        log(
+            f"lora_dropout 0.0 written for the trained --lora-dropout {lora.dropout}: PEFT takes no dropout on expert "
+            "adapters; outputs are the same (dropout is off at inference), training on in PEFT runs without it"
+        )
     if base is None:
         log(
             "no base model recorded (not converted from a Hugging Face directory here): PeftModel.from_pretrained "
@@ -565,7 +577,7 @@ def megatron_lite_to_hf(
     check_exportable(config, arch)  # (before the weights are mapped: a missing tensor was a KeyError traceback)
     hf = state_dict_to_hf(ours, config, arch, on_disk=True)
     if dtype is not None:
-        target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        target = DTYPES[dtype]
         hf = {k: v.to(target) for k, v in hf.items()}
     out_dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
     write_hf_dir(save_dir, hf, hf_config_dict(config, arch, base, out_dtype), side_from)

@@ -9,9 +9,11 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.lora.adapters import LoRA
 from megatron_lite.lora.config import (  # noqa: F401 - LoraConfig re-exported
     MLA_TARGETS,
+    PARTS,
     TARGETS,
     LoraConfig,
     has_dense_mlp,
+    layer_parts,
     lora_for_model,
 )
 from megatron_lite.models.weights import _full_init, full_shape, to_shard
@@ -25,17 +27,23 @@ def _qkv_layout(config: ModelConfig, tp_size: int):
     groups = config.query_groups // tp_size
     per_group_q = config.num_attention_heads // config.query_groups * config.head_dim
 
+    widths = {"q": per_group_q, "k": config.head_dim, "v": config.head_dim}
+
     def layout(outs: dict[str, torch.Tensor]) -> torch.Tensor:
-        q, k, v = outs["q"], outs["k"], outs["v"]
-        lead = q.shape[:-1]
-        parts = [q.view(*lead, groups, per_group_q), k.view(*lead, groups, -1), v.view(*lead, groups, -1)]
+        some = next(iter(outs.values()))
+        lead = some.shape[:-1]
+        # (a part not adapted adds zeros: --lora-target-modules q_proj v_proj leaves k alone)
+        parts = [
+            outs[n].view(*lead, groups, -1) if n in outs else some.new_zeros(*lead, groups, widths[n]) for n in "qkv"
+        ]
         return torch.cat(parts, dim=-1).reshape(*lead, -1)  # per local group: its q heads, then k, then v
 
     return layout
 
 
 def _fc1_layout(outs: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([outs["gate"], outs["up"]], dim=-1)  # a rank holds [gate_r; up_r]
+    some = next(iter(outs.values()))  # (gate and up are as wide; one not adapted adds zeros)
+    return torch.cat([outs.get("gate", torch.zeros_like(some)), outs.get("up", torch.zeros_like(some))], dim=-1)
 
 
 def _full_shape(module: nn.Module) -> tuple[int, ...]:
@@ -50,11 +58,13 @@ def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig
     kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=tp, rng=rng,
               device=module.weight.device, dtype=module.weight.dtype)  # fmt: skip
     if leaf == "linear_qkv":
-        return LoRA(h, {"q": q, "k": kv, "v": kv}, split="out", layout=_qkv_layout(config, tp.size), **kw)
+        widths = {"q": q, "k": kv, "v": kv}
+        outs = {n: widths[n] for n in layer_parts(lora, leaf)}
+        return LoRA(h, outs, split="out", layout=_qkv_layout(config, tp.size), **kw)
     if leaf == "linear_fc1":
         if config.activation == "swiglu":
             f = out_full // 2
-            return LoRA(h, {"gate": f, "up": f}, split="out", layout=_fc1_layout, **kw)
+            return LoRA(h, dict.fromkeys(layer_parts(lora, leaf), f), split="out", layout=_fc1_layout, **kw)
         return LoRA(h, {"fc1": out_full}, split="out", **kw)
     if leaf == "linear_proj":
         return LoRA(in_full, {"proj": h}, split="in", **kw)  # (heads x head dim, or x v_head_dim under MLA)
@@ -88,7 +98,8 @@ def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: Par
         if isinstance(module, ExpertMLP) and "experts" in lora.target_modules:
             _expert_adapters(module, config, lora, ctx.etp, ctx.rng)
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in lora.target_modules or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        targeted = leaf in lora.target_modules or (leaf in PARTS and layer_parts(lora, leaf) is not None)
+        if not targeted or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         module.lora = _adapter(leaf, module, config, lora, ctx.tp, ctx.rng)
     count = 0

@@ -7,13 +7,19 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError
 
-# Our layer names and the Hugging Face projections they hold (PEFT's target_modules). `experts`: every
-# routed expert's fc1 and fc2, which PEFT adapts as the 3-D parameters experts.gate_up_proj and
-# experts.down_proj (its target_parameters), one adapter per expert.
+# Our layer names and the Hugging Face projections they hold (PEFT's target_modules). A fused layer's parts
+# are targets of their own (Megatron-Bridge's canonical names): PEFT's q_proj v_proj adapt q and v, not k.
+# `experts`: every routed expert's fc1 and fc2, which PEFT adapts as the 3-D parameters experts.gate_up_proj
+# and experts.down_proj (its target_parameters), one adapter per expert.
 TARGETS = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_qkv": (),  # q, k and v
+    "linear_q": ("q_proj",),
+    "linear_k": ("k_proj",),
+    "linear_v": ("v_proj",),
     "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc1": (),  # gate and up (SwiGLU), or the one fc1
+    "linear_fc1_gate": ("gate_proj",),
+    "linear_fc1_up": ("up_proj",),
     "linear_fc2": ("down_proj",),
     "experts": ("gate_up_proj",),
     # multi-latent attention (DeepSeek-V3): the query projection or its latent's two, the key/value latent's two
@@ -23,6 +29,9 @@ TARGETS = {
     "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
     "linear_kv_up_proj": ("kv_b_proj",),
 }
+# a fused layer -> its parts as targets, and the names of its adapters
+PARTS = {"linear_qkv": {"linear_q": "q", "linear_k": "k", "linear_v": "v"},
+         "linear_fc1": {"linear_fc1_gate": "gate", "linear_fc1_up": "up"}}  # fmt: skip
 MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 DENSE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -57,7 +66,8 @@ class LoraConfig:
         """What LoRA does not compose with yet, and targets the model does not have; checked with the flags,
         before any collective. `dense_mlp`: some layer has linear_fc1 / linear_fc2 (a dense MLP or a shared
         expert)."""
-        present = [t for t in self.target_modules if dense_mlp or t not in ("linear_fc1", "linear_fc2")]
+        mlp = ("linear_fc1", "linear_fc2", *PARTS["linear_fc1"])
+        present = [t for t in self.target_modules if dense_mlp or t not in mlp]
         if not present:  # (PEFT: "Target modules ... not found in the base model")
             raise ConfigError(
                 f"--lora-target-modules {' '.join(self.target_modules)}: every layer is MoE without a shared "
@@ -73,7 +83,7 @@ class LoraConfig:
             if bad:
                 raise ConfigError(f"--lora-target-modules {' '.join(bad)}: this model has "
                                   f"{'a' if q_lora else 'no'} query latent (--q-lora-rank)")  # fmt: skip
-        if multi_latent_attention and "linear_qkv" in self.target_modules:
+        if multi_latent_attention and any(t in self.target_modules for t in ("linear_qkv", *PARTS["linear_qkv"])):
             raise ConfigError("--lora-target-modules linear_qkv: a --multi-latent-attention model has "
                               f"{' '.join(MLA_TARGETS)} instead")  # fmt: skip
         if "experts" in self.target_modules:
@@ -90,8 +100,8 @@ def has_dense_mlp(config) -> bool:
 
 
 def target_modules(names: list[str]) -> tuple[str, ...]:
-    """Our layer names from ours or PEFT's (q_proj, k_proj, v_proj -> linear_qkv; ...): a fused layer gets
-    the adapters of all its projections."""
+    """Our target names from ours or PEFT's (q_proj -> linear_q, ...), each projection adapted only when named;
+    all parts of a fused layer are that layer's name (q_proj k_proj v_proj -> linear_qkv)."""
     out = []
     for name in names:
         ours = name if name in TARGETS else next((t for t, hf in TARGETS.items() if name in hf), None)
@@ -100,16 +110,49 @@ def target_modules(names: list[str]) -> tuple[str, ...]:
             raise ConfigError(f"--lora-target-modules {name}: choose from {known}")
         if ours not in out:
             out.append(ours)
+    for fused, parts in PARTS.items():
+        if fused in out or set(parts) <= set(out):
+            at = min(out.index(t) for t in (fused, *parts) if t in out)
+            out = [t for t in out if t not in parts and t != fused]
+            out.insert(at, fused)
     return tuple(out)
 
 
+def layer_parts(lora: LoraConfig, layer: str) -> tuple[str, ...] | None:
+    """The adapters `lora` puts on fused layer `layer` (linear_qkv, linear_fc1): all of them when the layer is a
+    target, the named parts, or None."""
+    if layer in lora.target_modules:
+        return tuple(PARTS[layer].values())
+    named = tuple(a for t, a in PARTS[layer].items() if t in lora.target_modules)
+    return named or None
+
+
 def lora_for_model(lora: LoraConfig, config) -> LoraConfig:
-    """On a multi-latent attention model, linear_qkv (the default target, PEFT's q_proj / k_proj / v_proj)
-    means its attention input projections: the query projection (or its latent's two) and the key/value latent's
-    two."""
-    if not config.multi_latent_attention or "linear_qkv" not in lora.target_modules:
-        return lora
-    q = ("linear_q_proj",) if config.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
-    mla = (*q, "linear_kv_down_proj", "linear_kv_up_proj")
-    targets = [t for t in lora.target_modules if t != "linear_qkv"] + [t for t in mla if t not in lora.target_modules]
-    return dataclasses.replace(lora, target_modules=tuple(targets))
+    """On a multi-latent attention model, linear_qkv (the default target) or any of its parts (PEFT's q_proj /
+    k_proj / v_proj) means its attention input projections: the query projection (or its latent's two) and the
+    key/value latent's two. Without SwiGLU, fc1 is one projection: linear_fc1_up (PEFT's up_proj, Nemotron's
+    fc1) is linear_fc1, and its gate refused."""
+    targets = list(lora.target_modules)
+    if config.activation != "swiglu" and any(t in targets for t in PARTS["linear_fc1"]):
+        if "linear_fc1_gate" in targets:
+            raise ConfigError(
+                f"--lora-target-modules gate_proj (linear_fc1_gate): --{config.activation} has no gate; its fc1 is "
+                "one projection (linear_fc1, PEFT's up_proj)"
+            )
+        targets[targets.index("linear_fc1_up")] = "linear_fc1"
+    qkv = ("linear_qkv", *PARTS["linear_qkv"])
+    if config.multi_latent_attention and any(t in targets for t in qkv):
+        q = ("linear_q_proj",) if config.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+        mla = (*q, "linear_kv_down_proj", "linear_kv_up_proj")
+        targets = [t for t in targets if t not in qkv] + [t for t in mla if t not in targets]
+    return dataclasses.replace(lora, target_modules=tuple(dict.fromkeys(targets)))
+
+
+def adapted_targets(lora: LoraConfig, config) -> tuple[list[str], list[str]]:
+    """(the targets that adapt some layer, those that adapt none): an all-MoE model without a shared expert
+    has no dense MLP for linear_fc1 / linear_fc2 (Megatron-Bridge would match them to the experts; here
+    `experts` names those)."""
+    mlp = ("linear_fc1", "linear_fc2", *PARTS["linear_fc1"])
+    lora = lora_for_model(lora, config)
+    absent = [] if has_dense_mlp(config) else [t for t in lora.target_modules if t in mlp]
+    return [t for t in lora.target_modules if t not in absent], absent

@@ -107,9 +107,6 @@ def to_peft(
         if m.group(4) == "B" and m.group(2) in _ROPE_ROWS:  # B's rows are the projection's: DeepSeek's RoPE order
             value = value[_rope_rows_of(m.group(2), config)]
         tensors[f"base_model.model.model.layers.{layer}.{hf}.lora_{m.group(4)}.weight"] = value.contiguous()
-    if experts and lora.dropout:
-        raise ConfigError(f"--saver hf-peft: PEFT's expert adapters take no dropout (--lora-dropout {lora.dropout}); "
-                          "export merged weights with --saver hf --merge-lora instead")  # fmt: skip
     for (layer, ours, which), per_expert in experts.items():
         stacked = [per_expert[e] for e in range(config.num_experts)]
         if which == "A":  # [E r, in], expert-major rows
@@ -123,7 +120,8 @@ def to_peft(
         "task_type": "CAUSAL_LM",
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
+        # PEFT refuses dropout on expert parameters (ParamWrapper); dropout changes no output at inference
+        "lora_dropout": 0.0 if experts else lora.dropout,
         "target_modules": sorted(modules),
         "target_parameters": [HF_EXPERT_PARAMS[w][0] for w in HF_EXPERT_PARAMS if any(k[1] == w for k in experts)],
         "bias": "none",
@@ -159,10 +157,13 @@ def merge(state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig)
             layer, pair = key[: -len(".A")].split(".lora.pairs.")
             deltas.setdefault(layer, {})[pair] = scale * (adapters[key[:-1] + "B"].float() @ a.float())
     for layer, d in deltas.items():
-        if set(d) == {"q", "k", "v"}:
-            delta = _group_qkv(d["q"], d["k"], d["v"], config.query_groups)
-        elif set(d) == {"gate", "up"}:
-            delta = torch.cat([d["gate"], d["up"]])
+        some = next(iter(d.values()))
+        if layer.endswith(".linear_qkv"):  # (a part not adapted adds nothing: zeros of its rows)
+            rows = {"q": config.num_attention_heads * config.head_dim, "k": config.query_groups * config.head_dim}
+            q, k, v = (d.get(n, some.new_zeros(rows.get(n, rows["k"]), some.shape[1])) for n in "qkv")
+            delta = _group_qkv(q, k, v, config.query_groups)
+        elif set(d) <= {"gate", "up"} and layer.endswith("linear_fc1"):
+            delta = torch.cat([d.get("gate", torch.zeros_like(some)), d.get("up", torch.zeros_like(some))])
         elif len(d) == 1:
             delta = next(iter(d.values()))
         else:

@@ -35,6 +35,7 @@ from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.flag_parser import report_error
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
+from megatron_lite.lora.config import adapted_targets
 from megatron_lite.megatron_flags import accepted_no_ops
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.moe import stats as moe_stats
@@ -240,9 +241,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
         )
         if job.lora is not None:
             n = apply_lora(model, job.model, job.lora, ctx, seed=job.training.seed)
+            on, absent = adapted_targets(job.lora, job.model)
             log.info(
-                f"LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on {' '.join(job.lora.target_modules)}: "
+                f"LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on {' '.join(on)}: "
                 f"{n / 1e6:.3f}M trainable parameters on this rank, the base frozen"
+                + (f" ({' '.join(absent)}: no layer has a dense MLP, nothing adapted)" if absent else "")
             )
         ddp, optimizer = wrap_for_training(
             model,
@@ -541,7 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         if job.dry_run:
             from megatron_lite.training.dry_run import dry_run
 
-            check_qlora_base(job, starting_checkpoint(job, lambda *_: None)[1])  # (as the run would refuse)
+            try:  # (the run would refuse; a dry run on a machine without the --load base says so and goes on)
+                check_qlora_base(job, starting_checkpoint(job, lambda *_: None)[1])
+            except ConfigError as e:
+                if not job.checkpoint.load:
+                    raise
+                print(f"note: on this machine the run would stop: {e}", flush=True)
             for line in accepted_no_ops(ns):  # (what the run would say of the flags, said before its plan)
                 print(line, flush=True)
             return dry_run(job)

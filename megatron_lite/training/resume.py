@@ -4,6 +4,7 @@ and which it goes back to in a rollback (its own newest, or that start, read as 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from megatron_lite.checkpoint.checkpointing import TrainState, find_checkpoint, load_checkpoint, same_directory
 from megatron_lite.checkpoint.format import complete_iterations
@@ -56,8 +57,10 @@ def check_qlora_base(job: JobConfig, ckpt_path: str | None) -> None:
     """QLoRA's checkpoints hold the adapters and name the base they were trained on: with no checkpoint loaded
     the base is random, and the checkpoints it would save could never be loaded again."""
     if job.lora is not None and job.lora.qlora and ckpt_path is None and job.checkpoint.save:
+        load = job.checkpoint.load
+        why = "not given" if not load else "no such directory" if not os.path.isdir(load) else "no checkpoint in it"
         raise ConfigError(
-            f"--qlora with no base checkpoint loaded (--load {job.checkpoint.load}): the checkpoints in "
+            f"--qlora with no base checkpoint loaded (--load {load}: {why}): the checkpoints in "
             f"--save {job.checkpoint.save} would hold adapters for a random base that cannot be rebuilt; "
             "add --load BASE --finetune, or drop --save to try QLoRA on a random base"
         )

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--target-dtype",
         choices=["fp32", "bf16", "fp16"],
-        help="dtype of the Hugging Face weights written (default: as stored)",
+        help="dtype of the Hugging Face weights (or --saver hf-peft's adapter tensors) written (default: as stored)",
     )
     p.add_argument("--merge-lora", action="store_true", help="--saver hf: fold LoRA adapters into the weights")
     p.add_argument(
@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.loader == args.saver:
             raise ConfigError(f"--loader and --saver are both {args.loader}; nothing to convert")
+        if args.merge_lora and (args.loader, args.saver) != ("megatron_lite", "hf"):
+            raise ConfigError(
+                f"--merge-lora folds LoRA adapters into the weights --saver hf writes, not --loader {args.loader} "
+                f"--saver {args.saver}"
+                + ("; --saver hf-peft writes the adapter alone" if args.saver == "hf-peft" else "")
+            )
         if args.loader == "hf":
             if args.saver != "megatron_lite":
                 raise ConfigError(f"--loader hf converts to --saver megatron_lite, not {args.saver}")
@@ -65,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--target-dtype applies to --saver hf; megatron_lite keeps the source dtype")
             hf_to_megatron_lite(args.load_dir, args.save_dir)
         elif args.saver == "hf-peft":
-            megatron_lite_to_peft(args.load_dir, args.save_dir, base_model=args.base_model_name_or_path)
+            megatron_lite_to_peft(
+                args.load_dir, args.save_dir, base_model=args.base_model_name_or_path, dtype=args.target_dtype
+            )
         else:
             megatron_lite_to_hf(args.load_dir, args.save_dir, args.target_dtype, merge_lora=args.merge_lora)
     except ConfigError as e:
