@@ -37,6 +37,32 @@ def test_long_records_are_cut_and_epochs_reshuffle(tmp_path):
     assert sorted(first) == sorted(second) == list(range(5)) and first != second
 
 
+def test_a_long_prompt_loses_its_start_not_the_response(tmp_path):
+    """From a review: a prompt reaching --seq-length left no response token in the sample (no loss, silently);
+    Megatron-Bridge cuts the input. The prompt keeps its BOS and its end, and the cut records are counted."""
+
+    class Bos(Words):
+        prefix, suffix = [1], []
+
+        def encode(self, text: str) -> list[int]:
+            return [1, *super().encode(text)]
+
+    path = tmp_path / "d.jsonl"
+    records = [("10 11 12 13 14 15 16 17 18 19", "7 8"), ("10 11", "7 8"), ("10", " ".join(["5"] * 12))]
+    path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in records))
+    d = SFTDataset(str(path), Bos(), seq_length=8, seed=0)
+    assert d.records[0] == ([1, 15, 16, 17, 18, 19], [7, 8, 0])  # BOS, the prompt's end, the whole response
+    assert d.records[1] == ([1, 10, 11], [7, 8, 0])  # fits: as is
+    assert d.records[2] == ([1, 10], [5] * 7)  # a response alone too long keeps the prompt (half) and its start
+    assert d.cut == (1, 1)
+    by_prompt = {tuple(s["tokens"].tolist()[:2]): s for s in (d[i] for i in range(3))}
+    assert by_prompt[(1, 15)]["loss_mask"].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    # TRL's "completion" names the response; a prompt rendered by a chat template starts with the BOS's text,
+    # which the tokenizer reads as BOS before adding its own: one is kept (they were two)
+    path.write_text(json.dumps({"prompt": "1 10", "completion": "7"}) + "\n")
+    assert SFTDataset(str(path), Bos(), seq_length=8, seed=0).records == [([1, 10], [7, 0])]
+
+
 @pytest.mark.parametrize(
     "record,message",
     [

@@ -1,7 +1,11 @@
-"""Supervised fine-tuning data: a JSONL file of {"prompt": ..., "response": ...} records. Each sample is the
+"""Supervised fine-tuning data: a JSONL file of {"prompt": ..., "response": ...} records ("completion" for
+"response", as TRL's prompt-completion data). A prompt rendered by a chat template whose text starts with the
+BOS the tokenizer adds too keeps one. Each sample is the
 prompt's tokens (with the tokenizer's BOS, if it adds one), the response's (without: one BOS per sequence, and
-without an EOS the tokenizer adds after every text) and one end-of-document token, cut or padded to the
-sequence length; the loss mask is 1 only where the label
+without an EOS the tokenizer adds after every text) and one end-of-document token, padded to the sequence
+length. A record longer than that loses the start of its prompt (after its BOS), not its response, as
+Megatron-Bridge's SFT data cuts the input; a response that alone fills the sequence keeps half of it for the
+prompt and loses its own end. The loss mask is 1 only where the label
 is a response (or the final end-of-document) token, so the prompt and the padding never count. The loss is
 averaged over the response tokens of the whole global batch (as Megatron's --calculate-per-token-loss does),
 so data parallelism equals one process however the masked tokens fall. Samples are visited in a seeded
@@ -25,6 +29,20 @@ def _strip(ids: list[int], head: list[int], tail: list[int]) -> list[int]:
     return ids
 
 
+def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple[list[int], list[int], bool, bool]:
+    """(prompt, response, prompt cut, response cut) within `length` tokens. The prompt keeps its first `bos`
+    tokens and its end (which the response follows), and at least one token, whose label is the response's
+    first."""
+    if len(prompt) + len(response) <= length:
+        return prompt, response, False, False
+    keep = max(1, min(len(prompt), length - len(response) if len(response) < length else length // 2))
+    cut_prompt = keep < len(prompt)
+    if cut_prompt:
+        head = prompt[:bos] if keep > bos else []
+        prompt = head + prompt[len(prompt) - (keep - len(head)) :]
+    return prompt, response[: length - len(prompt)], cut_prompt, len(prompt) + len(response) > length
+
+
 class SFTDataset:
     def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
         self.records = []
@@ -35,10 +53,13 @@ class SFTDataset:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                expected = 'a JSON object with "prompt" and "response" strings'
+                expected = 'a JSON object with "prompt" and "response" (or TRL\'s "completion") strings'
                 try:
                     r = json.loads(line)
-                    prompt, response = r["prompt"], r["response"]
+                    prompt, response = (
+                        r["prompt"],
+                        r["response"] if "response" in r or "completion" not in r else r["completion"],
+                    )
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise ConfigError(f"{path}:{n}: expected {expected} ({e})") from e
                 if not isinstance(prompt, str) or not isinstance(response, str):
@@ -49,12 +70,16 @@ class SFTDataset:
                 except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
                     raise ConfigError(f"{path}:{n}: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
                 p = _strip(p, [], suffix)
+                if prefix and p[: 2 * len(prefix)] == prefix + prefix:  # a chat template's rendered BOS, then ours
+                    p = p[len(prefix) :]
                 ids = _strip(ids, prefix, suffix)
                 if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
                     ids = ids + [tokenizer.eod]
-                self.records.append((p, ids))
+                self.records.append(_fit(p, ids, seq_length + 1, len(prefix) if p[: len(prefix)] == prefix else 0))
         if not self.records:
             raise ConfigError(f"{path} holds no prompt/response records")
+        self.cut = (sum(c for *_, c, _ in self.records), sum(c for *_, c in self.records))  # (prompts, responses)
+        self.records = [(p, r) for p, r, *_ in self.records]
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
         self.pad = self.eod if pad_id is None else pad_id
         self._order = (None, None)  # (epoch, its permutation of the records)

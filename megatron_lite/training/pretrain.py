@@ -293,6 +293,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
         train_ds, valid_ds, test_ds = build_datasets(
             source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed
         )
+        prompts, responses = getattr(train_ds, "cut", (0, 0))
+        if prompts or responses:
+            log.info(
+                f"--sft: {prompts} of {len(train_ds.records)} records longer than --seq-length {t.seq_length} + 1 "
+                f"lost the start of their prompt; {responses} (a response alone too long) lost the end of theirs"
+            )
         if train_ds is None and not t.skip_train:  # (every rank finds the same: none waits in a collective)
             raise ConfigError(
                 f"the train split holds no documents (--split {job.data.split} of --data-path, or "
