@@ -278,10 +278,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         check_for_nan_in_loss_and_grad=ns.check_for_nan_in_loss_and_grad,
     )
     data = DataConfig(
-        data_path=tuple(ns.data_path or ()),
-        train_data_path=tuple(ns.train_data_path or ()),
-        valid_data_path=tuple(ns.valid_data_path or ()),
-        test_data_path=tuple(ns.test_data_path or ()),
+        **flag_values.data_paths(ns),
         split=ns.split,
         mock_data=ns.mock_data,
         # (Megatron's pretrain_gpt.py defaults it to GPT2BPETokenizer: its GPT-3 scripts give only the two files)

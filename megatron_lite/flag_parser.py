@@ -368,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
             nargs="+",
             help=f"the {split} split's own datasets (as --data-path), used whole; instead of --data-path and --split",
         )
+    a.add_argument("--data-args-path", help="a file holding the --data-path words (for blends too long to type)")
+    a.add_argument(
+        "--per-split-data-args-path",
+        help='a JSON file {"train": [...], "valid": [...], "test": [...]}: the --{train,valid,test}-data-path words',
+    )
     a.add_argument("--split", default="969,30,1")
     _bool(a, "--mock-data", "synthetic tokens (needs --vocab-size)")
     a.add_argument("--tokenizer-type", type=tokenizer_type_flag, metavar="{" + ",".join(TOKENIZER_TYPES) + "}")

@@ -190,3 +190,43 @@ def activation(ns: argparse.Namespace) -> str:
     return {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "squared_relu": "squared_relu"}.get(
         chosen[0] if chosen else "", "gelu"
     )
+
+
+def data_paths(ns: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """--data-path and --{train,valid,test}-data-path, or Megatron's files holding them for blends too long for a
+    command line: --data-args-path (the --data-path words, whitespace-separated) and --per-split-data-args-path
+    (JSON: {"train": [...] or "...", "valid": ..., "test": ...})."""
+    import json
+
+    out = {
+        k: tuple(getattr(ns, k) or ()) for k in ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+    }
+    given = [k for k, v in out.items() if v]
+    for flag, path in (
+        ("--data-args-path", ns.data_args_path),
+        ("--per-split-data-args-path", ns.per_split_data_args_path),
+    ):
+        if path is None:
+            continue
+        if given:
+            raise ConfigError(f"{flag} {path} and --{given[0].replace('_', '-')}: give the datasets one way")
+        try:
+            text = open(path, encoding="utf-8").read()
+        except OSError as e:
+            raise ConfigError(f"{flag} {path}: {e.strerror}") from None
+        if flag == "--data-args-path":
+            out["data_path"] = tuple(text.split())
+            given = ["data_args_path"]
+            continue
+        try:
+            splits = json.loads(text)
+            unknown = set(splits) - {"train", "valid", "test"}
+            if not isinstance(splits, dict) or unknown:
+                raise ValueError(f"keys {sorted(unknown)}" if isinstance(splits, dict) else "not an object")
+        except ValueError as e:
+            raise ConfigError(
+                f'{flag} {path}: expected JSON {{"train": [...], "valid": [...], "test": [...]}} ({e})'
+            ) from None
+        for split, value in splits.items():
+            out[f"{split}_data_path"] = tuple(value.split() if isinstance(value, str) else map(str, value))
+    return out

@@ -164,6 +164,26 @@ def test_a_model_directory_is_a_tokenizer_model(tmp_path):
     assert job.data.tokenizer_model == path
 
 
+def test_a_hub_id_in_the_local_cache_is_a_tokenizer_model(tmp_path, monkeypatch):
+    """Megatron's scripts pass a hub id (AutoTokenizer.from_pretrained); it was "no such file". One already in the
+    local Hugging Face cache reads its snapshot (with its tokenizer_config.json's eos); one not there says how
+    to get it. Nothing is downloaded."""
+    hub = pytest.importorskip("huggingface_hub")
+    from megatron_lite.config import ConfigError
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    snapshot = tmp_path / "hub" / "models--org--tok" / "snapshots" / "abc123"
+    _llama3_style_folder(snapshot, "<|eot_id|>")
+    (tmp_path / "hub" / "models--org--tok" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tok" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    tok = build_tokenizer("HuggingFaceTokenizer", model="org/tok")
+    assert tok.path == str(snapshot / "tokenizer.json") and tok.eod == 10
+    with pytest.raises(ConfigError, match=r"org/other: no such file .* not in the local cache: download it first"):
+        build_tokenizer("HuggingFaceTokenizer", model="org/other")
+
+
 @pytest.mark.parametrize("eos", ["<|eot_id|>", "<｜end▁of▁sentence｜>", None])
 def test_huggingface_tokenizer_encodes_and_ends_documents_as_transformers(tmp_path, eos):
     """Megatron's HuggingFaceTokenizer encodes as transformers' tokenizer(text).input_ids (the post-processor's
@@ -278,3 +298,24 @@ def test_a_bad_document_is_named_by_its_line_also_with_workers(tmp_path):
     out = _preprocess(tmp_path, src, "--tokenizer-type", "ByteLevelTokenizer")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "in.jsonl:2: the text is not valid Unicode" in out.stderr and "--json-keys" not in out.stderr
+
+
+def test_inputs_keep_their_order_and_megatrons_other_flags_are_said(tmp_path, capsys):
+    """From a review: `--input b.jsonl a.jsonl` was written a then b (sorted), which moved documents between the
+    --split parts; --partitions and --keep-sequential-samples were "no such flag"; --split-sentences said no more
+    than that, and leaving it out changes what is written."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import preprocess_data
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"text": f"from {name}"}) + "\n")
+    prefix = str(tmp_path / "o")
+    argv = ["--output-prefix", prefix, "--tokenizer-type", "ByteLevelTokenizer", "--partitions", "4"]
+    files = [str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert preprocess_data.main(["--input", *files, *argv, "--keep-sequential-samples"]) == 0
+    out = capsys.readouterr().out
+    assert "--partitions 4: one pass" in out and "input order" in out and "more than once: each read once" in out
+    ds = IndexedDataset(prefix + "_text_document")
+    assert [bytes(ds.get(i).tolist()).decode() for i in range(len(ds))] == ["from b", "from a"]
+    assert preprocess_data.main(["--input", files[0], *argv, "--split-sentences"]) == 2
+    assert "--split-sentences: Megatron's NLTK sentence split is not implemented here" in capsys.readouterr().err

@@ -1130,6 +1130,41 @@ def test_per_split_data_paths(tmp_path, capsys, monkeypatch):
     _one_line_error(rc, err, "--train-data-path gives each split its own datasets", "drop --data-path")
     rc, _, err = _run(["--valid-data-path", valid, *common], capsys, monkeypatch)
     _one_line_error(rc, err, "--valid-data-path needs --train-data-path")
+    # Megatron's files of the same words, for blends too long for a command line (they were "no such flag")
+    from megatron_lite.arguments import parse_args
+
+    (tmp_path / "blend.txt").write_text(f"2 {train_a}\n1 {train_b}\n")
+    (tmp_path / "splits.json").write_text(json.dumps({"train": f"2 {train_a} 1 {train_b}", "valid": [valid]}))
+    base = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 1".split()
+    base += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    _, job = parse_args([*base, "--data-args-path", str(tmp_path / "blend.txt")])
+    assert job.data.data_path == ("2", train_a, "1", train_b)
+    _, job = parse_args([*base, "--per-split-data-args-path", str(tmp_path / "splits.json")])
+    assert job.data.train_data_path == ("2", train_a, "1", train_b) and job.data.valid_data_path == (valid,)
+    assert job.data.data_path == () and job.data.test_data_path == ()
+    for flags, message in (
+        (["--data-args-path", str(tmp_path / "blend.txt"), "--data-path", valid], "give the datasets one way"),
+        (["--data-args-path", str(tmp_path / "nope.txt")], "nope.txt: No such file or directory"),
+        (["--per-split-data-args-path", str(tmp_path / "blend.txt")], 'expected JSON {"train": [...]'),
+    ):
+        rc, _, err = _run([*flags, *common], capsys, monkeypatch)
+        _one_line_error(rc, err, message)
+
+
+def test_the_index_cache_says_what_it_does_and_where_it_cannot(tmp_path, capsys, monkeypatch):
+    """From a review: the first start scans each .bin for its largest token id without a word (at disk speed on
+    a cold multi-TB corpus a rank looks hung); a cache directory that cannot be made (here: a file where it would
+    go) was a FileExistsError traceback from the lock."""
+    prefix = _ranged_dataset(tmp_path, "a", 0, 30)
+    common = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--eval-iters", "0"]
+    rc, out, err = _run(common, capsys, monkeypatch)
+    assert rc == 0 and f"scanning {prefix}.bin" in out and "largest token id, once" in out, err
+    rc, out, err = _run(common, capsys, monkeypatch)
+    assert rc == 0 and "scanning" not in out  # (cached)
+    other = _ranged_dataset(tmp_path / "b", "b", 0, 30)  # (in b/data, its default cache b/data/cache)
+    (tmp_path / "b" / "data" / "cache").write_text("a file where the default cache directory goes")
+    rc, _, err = _run([*common[2:], "--data-path", other], capsys, monkeypatch)
+    _one_line_error(rc, err, f"cannot use the index cache in {tmp_path / 'b' / 'data' / 'cache'}", "--data-cache-path")
 
 
 def test_skip_train_evaluates_the_loaded_model(tmp_path, capsys, monkeypatch):

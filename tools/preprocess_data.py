@@ -114,6 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--input", nargs="+", required=True, help="files or globs")
     g.add_argument("--json-keys", nargs="+", default=["text"])
     g.add_argument("--text-files", action="store_true", help="inputs are plain text, one document per file")
+    g.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="Megatron's NLTK sentence split: not here (give a JSON list of sentences: one sequence each)",
+    )
+    g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences (Megatron's)")
+    g.add_argument("--lang", help="with --split-sentences (Megatron's)")
+    g.add_argument("--partitions", type=int, default=1, help="accepted (Megatron's): one pass over the inputs here")
+    g.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="accepted (Megatron's): documents always keep input order",
+    )
     g = p.add_argument_group("tokenizer")
     g.add_argument(
         "--tokenizer-type", required=True, type=tokenizer_type_flag, metavar="{" + ",".join(TOKENIZER_TYPES) + "}"
@@ -129,7 +142,24 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-interval", type=int, default=1000)
     args = p.parse_args(argv)
     try:
-        args.files = sorted({f for pattern in args.input for f in (glob.glob(pattern) or [pattern])})
+        if args.split_sentences or args.keep_newlines or args.lang:
+            flag = next(f for f, on in (("--split-sentences", args.split_sentences), ("--keep-newlines",
+                        args.keep_newlines), ("--lang", args.lang)) if on)  # fmt: skip
+            raise ConfigError(
+                f"{flag}: Megatron's NLTK sentence split is not implemented here; split the text yourself and give "
+                'each document\'s sentences as a JSON list ({"text": ["First.", "Second."]}): one sequence each, in '
+                "PREFIX_text_document (Megatron names its split output PREFIX_text_sentence)"
+            )
+        if args.partitions > 1:
+            print(f"note: --partitions {args.partitions}: one pass over the inputs here (--workers parallelises)")
+        if args.keep_sequential_samples:
+            print("note: --keep-sequential-samples: documents are always written in input order here")
+        # the files in the order given (a glob's own matches sorted): it decides which documents --split makes
+        # validation and test; a file given twice is read once
+        matches = [f for pattern in args.input for f in (sorted(glob.glob(pattern)) or [pattern])]
+        args.files = list(dict.fromkeys(matches))
+        if len(args.files) < len(matches):
+            print(f"note: --input names {len(matches) - len(args.files)} file(s) more than once: each read once")
         for f in args.files:
             if not os.path.isfile(f):
                 raise ConfigError(f"--input {f}: no such file")

@@ -79,7 +79,7 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
     return DataSource(tok, tok.vocab_size, [(1.0, prefix)], f"embedded corpus {prefix}")
 
 
-def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str) -> None:
+def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=None) -> None:
     """The largest token id of a dataset (cached by the .bin's size, mtime and inode: a re-preprocessed corpus
     of the same size is scanned again) must fit the vocabulary."""
     # (named by a hash of the path: the path itself can pass the file system's 255-byte limit on a name)
@@ -93,6 +93,11 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str) -> No
         except (OSError, ValueError):  # none yet, or unreadable (a write cut short before they were atomic)
             cached = None
         if not isinstance(cached, dict) or cached.get("size") != size:
+            if log is not None:  # (at disk speed on a cold multi-TB corpus: not a hang)
+                log(
+                    f"scanning {indexed.prefix}.bin ({st.st_size / 2**30:.2f} GiB) for its largest token id, once "
+                    f"(cached in {cache_dir})"
+                )
             cached = {"size": size, "max_token": indexed.max_token()}
             with open(key + ".partial", "w") as f:
                 json.dump(cached, f)
@@ -105,9 +110,9 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str) -> No
 
 
 def build_datasets(
-    source: DataSource, data: DataConfig, num_samples: tuple[int, int, int], seq_length: int, seed: int
+    source: DataSource, data: DataConfig, num_samples: tuple[int, int, int], seq_length: int, seed: int, log=None
 ) -> tuple:
-    """(train, valid, test); a split with no samples requested is None."""
+    """(train, valid, test); a split with no samples requested is None. `log`: says what takes long."""
     if data.sft:
         from megatron_lite.data.sft import SFTDataset
 
@@ -134,7 +139,7 @@ def build_datasets(
             if prefix not in opened:
                 indexed = IndexedDataset(prefix)
                 cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
-                _check_vocab(indexed, source.vocab_size, cache_dir)
+                _check_vocab(indexed, source.vocab_size, cache_dir, log)
                 opened[prefix] = (indexed, cache_dir, split_document_ranges(len(indexed), data.split_weights))
             indexed, cache_dir, ranges = opened[prefix]
             lo, hi = ranges[s] if by_split else (0, len(indexed))

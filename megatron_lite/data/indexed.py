@@ -113,6 +113,14 @@ class IndexedDataset:
             raise ConfigError(f"{bin_} is truncated: {bin_size} bytes, the index needs {need}")
         self._bin = np.memmap(bin_, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
 
+    def __getstate__(self) -> dict:
+        # (a DataLoader worker started by spawn or forkserver gets the dataset pickled: the path, not a copy of
+        # the whole .bin, as Megatron's IndexedDataset; the worker maps the files again)
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     def __len__(self) -> int:
         return len(self.lengths)
 

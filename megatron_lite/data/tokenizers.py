@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from megatron_lite.config import ConfigError
 
@@ -61,10 +62,23 @@ def _config_eos(path: str) -> str | None:
     return None
 
 
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
 def tokenizer_file(path: str | None) -> str | None:
-    """A model directory given as --tokenizer-model (as Megatron takes one) stands for its tokenizer.json."""
+    """A model directory given as --tokenizer-model (as Megatron takes one) stands for its tokenizer.json; so does
+    a Hugging Face hub id (meta-llama/Llama-3.1-8B, as Megatron's scripts pass to AutoTokenizer) already in the
+    local Hugging Face cache (nothing is downloaded here)."""
     if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return os.path.join(path, "tokenizer.json")
+    if path and not os.path.exists(path) and HUB_ID.fullmatch(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return path
+        cached = try_to_load_from_cache(path, "tokenizer.json")
+        if isinstance(cached, str):
+            return cached
     return path
 
 
@@ -81,8 +95,14 @@ class HuggingFaceTokenizer:
 
         path = tokenizer_file(path)
         if not os.path.isfile(path):
+            hub = (
+                "; as a Hugging Face hub id it is not in the local cache: download it first (huggingface-cli "
+                f"download {path} tokenizer.json tokenizer_config.json special_tokens_map.json)"
+                if HUB_ID.fullmatch(path) and not os.path.exists(path)
+                else ""
+            )
             raise ConfigError(
-                f"--tokenizer-model {path}: no such file (expected a tokenizer.json, or a directory holding one)"
+                f"--tokenizer-model {path}: no such file (expected a tokenizer.json, or a directory holding one){hub}"
             )
         self.path = path
         try:

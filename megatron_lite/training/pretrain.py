@@ -162,8 +162,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     job, ckpt_path = starting_checkpoint(job, say)
+
     # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.
-    source = resolve_data(job.data, log=lambda m: print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True))
+    def data_log(m: str) -> None:  # (any rank's: the one that builds a shared cache says so)
+        print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True)
+
+    source = resolve_data(job.data, log=data_log)
     model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
     if ckpt_path is not None:
         saved = read_metadata(ckpt_path)["config"]
@@ -291,7 +295,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         gbs = t.global_batch(ctx.dp.size)
         evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
         train_ds, valid_ds, test_ds = build_datasets(
-            source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed
+            source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed, data_log
         )
         prompts, responses = getattr(train_ds, "cut", (0, 0))
         if prompts or responses:
