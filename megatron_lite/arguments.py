@@ -168,6 +168,12 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         raise ConfigError(
             "--pipeline-model-parallel-layout places every layer: drop --num-layers-per-virtual-pipeline-stage"
         )
+    uneven = ns.decoder_first_pipeline_num_layers is not None or ns.decoder_last_pipeline_num_layers is not None
+    if ns.num_layers_per_virtual_pipeline_stage is not None and uneven:
+        raise ConfigError(  # (Megatron's validate_args too: the layers per stage differ between ranks)
+            "--num-layers-per-virtual-pipeline-stage with --decoder-first/last-pipeline-num-layers: the ranks hold "
+            "different numbers of layers; use --num-virtual-stages-per-pipeline-rank"
+        )
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         # (as Megatron: an embedding or loss counted in the pipeline split counts here too)
         counted = int(ns.account_for_embedding_in_pipeline_split) + int(ns.account_for_loss_in_pipeline_split)

@@ -118,22 +118,39 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
                 + (f" or a pipeline size in {ok_pp}" if ok_pp else " or fewer virtual stages")
             )
         return [num_layers // stages] * stages
-    if vp > 1 or pp < 2:
-        raise ConfigError(
-            "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 and no virtual stages"
-        )
+    if pp < 2:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
     fixed = [x for x in (first, last) if x is not None]
     if any(x < 1 for x in fixed) or sum(fixed) > num_layers:
         raise ConfigError(f"--decoder-first/last-pipeline-num-layers {fixed} do not fit in --num-layers {num_layers}")
     middle = pp - len(fixed)
     rest = num_layers - sum(fixed)
-    if (middle == 0 and rest) or (middle > 0 and (rest % middle or rest == 0)):
+    if (middle == 0 and rest) or (middle > 0 and rest % middle):
         raise ConfigError(
             f"--num-layers {num_layers} minus the uneven stages {fixed} leaves {rest} layers, which do not split "
             f"evenly over the other {middle} pipeline stage(s); adjust --decoder-first/last-pipeline-num-layers"
         )
+    if middle > 0 and rest == 0:  # (Megatron builds empty ranks; here every rank holds a layer)
+        raise ConfigError(
+            f"--num-layers {num_layers} minus the uneven stages {fixed} leaves no layer for the other {middle} "
+            "pipeline stage(s), and a pipeline rank without layers is not supported; lower "
+            "--decoder-first/last-pipeline-num-layers or --pipeline-model-parallel-size"
+        )
     each = rest // middle if middle else 0
-    return [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
+    per_rank = [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
+    # With virtual stages (as Megatron's): each rank's layers split evenly over its chunks, chunk c of rank r
+    # being stage c * pp + r
+    for r, n in enumerate(per_rank):
+        if n % vp:
+            what = (
+                "--decoder-first-pipeline-num-layers"
+                if r == 0 and first is not None
+                else "--decoder-last-pipeline-num-layers"
+                if r == pp - 1 and last is not None
+                else "the layers of each middle pipeline rank"
+            )
+            raise ConfigError(f"{what} ({n}) must be divisible by the {vp} virtual stages per pipeline rank")
+    return [per_rank[r] // vp for _ in range(vp) for r in range(pp)]
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
@@ -356,5 +373,6 @@ def validate_layout(
         raise ConfigError(
             f"the interleaved schedule needs micro-batches per step ({micro} = --global-batch-size "
             f"{training.global_batch(dp)} / (--micro-batch-size {mbs} x data-parallel {dp})) to be a multiple of "
-            f"--pipeline-model-parallel-size {pp}; use --global-batch-size {_nearest_multiples(micro, pp)} x {mbs * dp}"
+            f"--pipeline-model-parallel-size {pp}; use --global-batch-size "
+            f"{_nearest_multiples(micro * mbs * dp, pp * mbs * dp)}"
         )

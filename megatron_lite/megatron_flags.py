@@ -110,6 +110,14 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         False,
         "--log-straggler reports from the first interval; nothing runs at start-up",
     ),
+    # pipeline performance switches of Megatron's (a pipeline review found them "no such flag")
+    "variable_seq_lengths": (False, "every micro-batch has the --seq-length shape: pipeline messages need no shape"),
+    "defer_embedding_wgrad_compute": (False, "the output layer's weight gradient is computed in its backward"),
+    "wgrad_deferral_limit": (True, "the output layer's weight gradient is computed in its backward"),
+    "overlap_p2p_communication_warmup_flush": (
+        False,
+        "pipeline receives overlap compute with --overlap-p2p-comm (the default with virtual stages) throughout",
+    ),
     "no_pin_cpu_grads": (False, "nothing is offloaded to the CPU"),
     "no_pin_cpu_params": (False, "nothing is offloaded to the CPU"),
     "disable_msc": (False, "paths are local files (no multi-storage client)"),

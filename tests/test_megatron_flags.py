@@ -85,11 +85,13 @@ def test_megatrons_store_false_spellings_and_encoder_seq_length_are_taken():
     """Megatron's --no-*/--disable-* spellings were 'no such flag' (a script stopped on each): those that change
     nothing here are accepted and said; --encoder-seq-length is --seq-length (both given: one line)."""
     flags = ["--no-align-grad-reduce", "--no-align-param-gather", "--disable-tp-comm-overlap-ag", "--no-initialization"]
+    # (and the pipeline's performance switches, from a pipeline review)
+    flags += ["--variable-seq-lengths", "--defer-embedding-wgrad-compute", "--overlap-p2p-communication-warmup-flush"]
     ns, job = parse_args([*BASE[:-4], "--train-iters", "4", "--mock-data", "--vocab-size", "100", *flags,
-                          "--encoder-seq-length", "48"])  # fmt: skip
+                          "--wgrad-deferral-limit", "2", "--encoder-seq-length", "48"])  # fmt: skip
     assert job.training.seq_length == 48
     said = accepted_no_ops(ns)
-    assert all(any(line.startswith(f"{f} has no effect") for line in said) for f in flags), said
+    assert all(any(line.startswith(f"{f} has no effect") for line in said) for f in [*flags, "--wgrad-deferral-limit"])
     with pytest.raises(ConfigError, match="--encoder-seq-length is Megatron's other name for --seq-length"):
         parse_args([*MOCK, "--encoder-seq-length", "32"])
     spikes = accepted_no_ops(parse_args([*MOCK, "--check-for-spiky-loss"])[0])  # (Megatron's name, another rule)

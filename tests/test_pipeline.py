@@ -119,15 +119,40 @@ def test_uneven_stages():
     ) == [3, 4]
     with pytest.raises(ConfigError, match="do not split evenly"):
         stage_layer_counts(9, p)
-    with pytest.raises(ConfigError, match="no virtual stages"):
-        stage_layer_counts(
-            8,
-            ParallelConfig(
-                pipeline_model_parallel_size=2,
-                virtual_pipeline_model_parallel_size=2,
-                decoder_first_pipeline_num_layers=1,
-            ),
-        )
+    # With virtual stages, as Megatron (it was refused): each rank's layers split evenly over its chunks, chunk c
+    # of rank r being stage c * pp + r; the offsets Megatron's get_transformer_layer_offset gives, for
+    # (14 layers, PP 4, VP 2, first 2, last 4): 0 1 3 5 | 7 8 10 12
+    vp2 = dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    counts = stage_layer_counts(14, ParallelConfig(**vp2, decoder_first_pipeline_num_layers=2,
+                                                   decoder_last_pipeline_num_layers=4))  # fmt: skip
+    assert counts == [1, 2, 2, 2, 1, 2, 2, 2]
+    assert [sum(counts[:i]) for i in range(8)] == [0, 1, 3, 5, 7, 8, 10, 12]
+    for n, first, fragment in ((7, 1, "--decoder-first-pipeline-num-layers (1) must be divisible by the 2"),
+                               (6, 2, "the layers of each middle pipeline rank (1) must be divisible")):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            stage_layer_counts(n, ParallelConfig(**vp2, decoder_first_pipeline_num_layers=first,
+                                                 decoder_last_pipeline_num_layers=2))  # fmt: skip
+    with pytest.raises(ConfigError, match="leaves no layer for the other 2 pipeline stage"):  # (it said "do not split")
+        stage_layer_counts(4, ParallelConfig(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=2,
+                                             decoder_last_pipeline_num_layers=2))  # fmt: skip
+
+
+def test_uneven_stages_with_virtual_stages_equal_one_process(dist):
+    """--decoder-first-pipeline-num-layers 4 with 2 virtual stages per rank (6 layers: 2 | 1 | 2 | 1)."""
+    parallel = P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                 decoder_first_pipeline_num_layers=4)  # fmt: skip
+    ref = train_run("llama", ParallelConfig(), 8, 8, layers=6)
+    for history in dist(2, train_run, "llama", parallel, 8, 1, layers=6):
+        _compare(history, ref)
+    from megatron_lite.arguments import parse_args
+
+    flags = "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+    flags += "--global-batch-size 8 --train-iters 2 --mock-data --vocab-size 64 --pipeline-model-parallel-size 4 "
+    flags += "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2"
+    _, job = parse_args([*flags.split(), "--num-virtual-stages-per-pipeline-rank", "2"])
+    assert job.parallel.vp == 2
+    with pytest.raises(ConfigError, match="use --num-virtual-stages-per-pipeline-rank"):  # (as Megatron refuses)
+        parse_args([*flags.split(), "--num-layers-per-virtual-pipeline-stage", "1"])
 
 
 def test_megatron_pipeline_layout_strings():

@@ -90,7 +90,8 @@ CASES = {
         P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
         T(micro_batch_size=1, global_batch_size=6, seq_length=16),
         r"^the interleaved schedule needs micro-batches per step \(3 = --global-batch-size 6 / "
-        r"\(--micro-batch-size 1 x data-parallel 2\)\) to be a multiple of --pipeline-model-parallel-size 2",
+        r"\(--micro-batch-size 1 x data-parallel 2\)\) to be a multiple of --pipeline-model-parallel-size 2; "
+        r"use --global-batch-size 4 or 8$",  # (global batches, each a fix: it said "1 or 2 x 2")
         ("training", T(micro_batch_size=1, global_batch_size=8, seq_length=16)),
     ),
     "a batch ramp under interleaving": (  # (accepted, then the first step's schedule refused 1 micro-batch)
