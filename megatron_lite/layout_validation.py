@@ -21,28 +21,39 @@ from megatron_lite.config import (
 _LAYOUT_REPEAT = (re.compile(r"\(([^()]+)\)\*(\d+)"), re.compile(r"([^()*])\*(\d+)"))
 
 
-def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: int = 0) -> tuple[int, ...]:
-    """Megatron's --pipeline-model-parallel-layout: the layers of every virtual stage, in stage order s = chunk *
-    PP + pipeline rank, separated by '|': E the embedding, t a transformer layer, m a multi-token-prediction layer,
-    L the loss; "x*n" and "(...)*n" repeat, commas are cosmetic ("Et*3|(t*4|)*14,t*2mL": DeepSeek-V3's 61 layers and
-    its MTP layer on PP=16). Returns the decoder layers
-    of each stage. The embedding must open the first stage and the loss close the last; the MTP layers share the
-    loss's stage (Megatron can also give them a stage of their own; not supported here), and every pipeline rank
-    holds a layer, the embedding or the loss."""
-    flag = "--pipeline-model-parallel-layout"
-
+def unroll_layout(text: str) -> str:
+    """A layout's repeats written out, commas and spaces dropped."""
     grown = [0]  # characters the repeats of one pass add, counted before each is built
 
     def repeat(m: re.Match) -> str:
         grown[0] += len(m.group(1)) * int(m.group(2))
         if grown[0] > 100_000:
-            raise ConfigError(f"{flag} {text!r} unrolls to more than 100000 characters")
+            raise ConfigError(f"--pipeline-model-parallel-layout {text!r} unrolls to more than 100000 characters")
         return m.group(1) * int(m.group(2))
 
     unrolled = text.replace(",", "").replace(" ", "")
     for pattern in _LAYOUT_REPEAT:  # (parentheses do not nest in Megatron's grammar either)
         grown[0] = len(unrolled)
         unrolled = pattern.sub(repeat, unrolled)
+    return unrolled
+
+
+def standalone_mtp(stages: list[str]) -> bool:
+    """Megatron's stage of MTP layers alone before the loss's ("...|m|L", as in its DeepSeek-V3 layout)."""
+    return len(stages) >= 2 and set(stages[-2]) == {"m"} and stages[-1] == "L"
+
+
+def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: int = 0) -> tuple[int, ...]:
+    """Megatron's --pipeline-model-parallel-layout: the layers of every virtual stage, in stage order s = chunk *
+    PP + pipeline rank, separated by '|': E the embedding, t a transformer layer, m a multi-token-prediction layer,
+    L the loss; "x*n" and "(...)*n" repeat, commas are cosmetic ("Et*3|(t*4|)*14,t*2mL": DeepSeek-V3's 61 layers and
+    its MTP layer on PP=16). Returns the decoder layers
+    of each stage. The embedding must open the first stage and the loss close the last; the MTP layers share the
+    loss's stage (Megatron's stage of MTP layers alone just before the loss's, "...|m|L", runs them in the loss's
+    stage: the same math, that stage left empty), and every pipeline rank holds a layer, the embedding or the
+    loss."""
+    flag = "--pipeline-model-parallel-layout"
+    unrolled = unroll_layout(text)
     bad = sorted(set(unrolled) - set("EtmL|"))
     if bad:
         raise ConfigError(
@@ -50,6 +61,8 @@ def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: i
             "'|' between stages, x*n and (...)*n to repeat"
         )
     stages = unrolled.split("|")
+    if standalone_mtp(stages):  # (Megatron's mtp_standalone: here they run in the loss's stage, one stage later)
+        stages[-2:] = ["", stages[-2] + stages[-1]]
     if len(stages) % pp:
         raise ConfigError(
             f"{flag} {text!r} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size {pp}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_lite.config import ConfigError
+from megatron_lite.layout_validation import standalone_mtp, unroll_layout
 
 TP_SWITCH = "--tp-comm-overlap decomposes the tensor-parallel GEMMs into ring steps; there is no per-collective switch"
 
@@ -253,6 +254,12 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         lines.append(
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "
             "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
+        )
+    layout = getattr(ns, "pipeline_model_parallel_layout", None)
+    if layout and standalone_mtp(unroll_layout(layout).split("|")):
+        lines.append(
+            "--pipeline-model-parallel-layout gives the MTP layers a stage of their own (...|m|L): they run in the "
+            "loss's stage here, the stage before it left empty (the same math; that rank does less)"
         )
     if (
         getattr(ns, "tokenizer_type", None) is None

@@ -6,6 +6,7 @@ per-iteration lm_loss and grad_norm within 1e-4 of the single-process run."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -163,8 +164,15 @@ def test_megatron_pipeline_layout_strings():
     assert parse("Et*3|(t*4|)*14,t*2mL", 16, 61, 1) == (3,) + (4,) * 14 + (2,)  # DeepSeek-V3 on PP=16
     assert parse("Et|tt|t|L", 2, 4) == (1, 2, 1, 0)
     assert parse("Et|*3t*2L", 2, 3) == (1, 0, 0, 2)  # ('|' repeats as any character does in Megatron's)
+    # Megatron's own DeepSeek-V3 layout gives the MTP layer a stage of its own before the loss's (it was refused):
+    # it runs in the loss's stage here, the same math, and start-up says so
+    assert parse("Et*3|(tt|)*29,m|L", 16, 61, 1) == (3,) + (2,) * 29 + (0, 0) == parse("Et*3|(tt|)*29,|mL", 16, 61, 1)
+    from megatron_lite.megatron_flags import accepted_no_ops
+
+    said = accepted_no_ops(argparse.Namespace(pipeline_model_parallel_layout="Et*3|(tt|)*29,m|L"))
+    assert any("MTP layers a stage of their own (...|m|L): they run in the loss's stage here" in x for x in said)
     for text, args, fragment in [
-        ("Et*3|(tt|)*29,m|L", (16, 61, 1), "the MTP layers (m) must come last in the loss's stage"),
+        ("Et*3|(tt|)*28,t|m|tL", (16, 61, 1), "the MTP layers (m) must come last in the loss's stage"),
         ("Etx|L", (1, 1), "unexpected 'x'"),
         ("Et|t|L", (2, 2), "has 3 stages, not a multiple of --pipeline-model-parallel-size 2"),
         ("tE|tL", (2, 2), "E (the embedding) must open the first stage"),
