@@ -212,6 +212,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         sequence_parallel=ns.sequence_parallel,
         tp_comm_overlap=ns.tp_comm_overlap,
         overlap_p2p_comm=False if ns.no_overlap_p2p_communication else (True if ns.overlap_p2p_comm else None),
+        microbatch_group_size=ns.microbatch_group_size_per_virtual_pipeline_stage,
         overlap_moe_expert_parallel_comm=ns.overlap_moe_expert_parallel_comm,
         decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,

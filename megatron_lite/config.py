@@ -463,6 +463,9 @@ class ParallelConfig:
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     tp_comm_overlap: bool = False  # sequence-parallel GEMMs as rings overlapping their all-gather/reduce-scatter
     overlap_p2p_comm: bool | None = None  # pipeline receives waited on lazily; default: on with virtual stages
+    # --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batches per group
+    # through each chunk (default: PP)
+    microbatch_group_size: int | None = None
     overlap_moe_expert_parallel_comm: bool = False  # MoE dispatch in chunks, all-to-all under the experts
 
     @property

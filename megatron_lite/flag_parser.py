@@ -252,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(d, "--tp-comm-overlap", "sequence-parallel GEMMs as TP rings overlapping all-gather / reduce-scatter")
     _bool(d, "--overlap-p2p-comm", "pipeline: wait on each receive only when its data is needed (default with VP)")
     _bool(d, "--no-overlap-p2p-communication", "pipeline: wait on every receive before the next compute")
+    d.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        help="interleaved pipeline: micro-batches per group through each model chunk (default: PP); micro-batches "
+        "need not then be a multiple of PP",
+    )
     _bool(
         d,
         "--overlap-moe-expert-parallel-comm",

@@ -375,14 +375,31 @@ def validate_layout(
         )
     micro = training.global_batch(dp) // (mbs * dp)
     ramp = training.rampup_batch_size
-    if vp > 1 and ramp and any((b // (mbs * dp)) % pp for b in ramp[:2]):
+    group = parallel.microbatch_group_size
+    if group is not None:
+        if vp == 1:
+            raise ConfigError(
+                f"--microbatch-group-size-per-virtual-pipeline-stage {group} groups the interleaved schedule's "
+                "micro-batches: add virtual stages (--num-virtual-stages-per-pipeline-rank) or drop it"
+            )
+        from megatron_lite.pipeline_parallel.schedules import ScheduleError, validate
+
+        sizes = [micro]
+        if ramp:  # (START, START + INCREMENT, ... up to the global batch: each step's count must group too)
+            sizes += [b // (mbs * dp) for b in range(ramp[0], training.global_batch(dp), ramp[1])]
+        try:
+            for m in sizes:
+                validate(pp, vp, m, group)
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+    elif vp > 1 and ramp and any((b // (mbs * dp)) % pp for b in ramp[:2]):
         # (the ramp's batches are START, START + INCREMENT, ...: each must interleave too)
         raise ConfigError(
             f"--rampup-batch-size {' '.join(map(str, ramp))}: with virtual pipeline stages the ramp's START and "
             f"INCREMENT must each hold a multiple of --pipeline-model-parallel-size {pp} micro-batches "
             f"(--micro-batch-size {mbs} x data-parallel {dp} samples each)"
         )
-    if vp > 1 and micro % pp:
+    if vp > 1 and group is None and micro % pp:
         raise ConfigError(
             f"the interleaved schedule needs micro-batches per step ({micro} = --global-batch-size "
             f"{training.global_batch(dp)} / (--micro-batch-size {mbs} x data-parallel {dp})) to be a multiple of "

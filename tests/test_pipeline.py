@@ -87,13 +87,79 @@ def test_1f1b_order_is_warmup_steady_cooldown():
     assert [k for k, _ in order[-3:]] == [BACKWARD] * 3
 
 
+def _megatron_interleaved_order(pp: int, vp: int, m: int, rank: int, g: int) -> list[tuple]:
+    """Megatron-Core's get_schedule_table and get_pp_rank_microbatches written out: forwards in groups of g
+    micro-batches through chunk 0, 1, ... (the last group the rest), backwards the same with chunks reversed,
+    (pp - rank - 1) * 2 + (vp - 1) * g warm-up forwards, then one forward and one backward, then the cool-down."""
+    table = []
+    for lo in range(0, m, g):
+        hi = m if lo + g >= m else lo + g
+        table += [(mb, c) for c in range(vp) for mb in range(lo, hi)]
+    warmup = min((pp - rank - 1) * 2 + (vp - 1) * g, m * vp)
+    fwd = [(FORWARD, mb, c) for mb, c in table]
+    bwd = [(BACKWARD, mb, vp - 1 - c) for mb, c in table]
+    order = fwd[:warmup]
+    for k in range(m * vp - warmup):
+        order += [fwd[warmup + k], bwd[k]]
+    return order + bwd[m * vp - warmup :]
+
+
+def test_microbatch_group_size_orders_as_megatron():
+    """--microbatch-group-size-per-virtual-pipeline-stage G (it was "no such flag"): Megatron's order for every
+    G it accepts (PP <= G <= M, a last group of 0 or >= PP), deadlock-free, so M need not be a multiple of PP (M=10
+    at PP=4, G=5); the default G is PP; what Megatron refuses is refused in one line."""
+    for pp, vp in ((2, 2), (3, 2), (4, 2), (2, 3)):
+        for m in range(pp, 3 * pp + 3):
+            for g in range(pp, m + 1):
+                if 0 < m % g < pp:
+                    with pytest.raises(ScheduleError, match=f"leave a last group of 0 or at least {pp}"):
+                        validate(pp, vp, m, g)
+                    continue
+                for r in range(pp):
+                    assert compute_order(pp, vp, m, r, group=g) == _megatron_interleaved_order(pp, vp, m, r, g)
+                check_schedules(pp, vp, m, group=g)
+                check_schedules(pp, vp, m, forward_only=True, group=g)
+        m = 2 * pp
+        assert all(compute_order(pp, vp, m, r) == _megatron_interleaved_order(pp, vp, m, r, pp) for r in range(pp))
+    with pytest.raises(ScheduleError, match=r"must lie in \[--pipeline-model-parallel-size 4, 10\]"):
+        validate(4, 2, 10, 3)
+
+
+def test_microbatch_group_size_flag_equals_one_process(dist):
+    """PP=2 x VP=2 with 3 micro-batches in one group of 3 (refused without the flag: 3 is not a multiple of 2)."""
+    from megatron_lite.arguments import parse_args
+
+    parallel = P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, microbatch_group_size=3)
+    ref = train_run("llama", ParallelConfig(), 6, 6, layers=4)
+    for history in dist(2, train_run, "llama", parallel, 6, 2, layers=4):
+        _compare(history, ref)
+    flags = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+    flags += "--global-batch-size 3 --train-iters 2 --mock-data --vocab-size 64 --pipeline-model-parallel-size 2 "
+    flags += "--num-virtual-stages-per-pipeline-rank 2"
+    from megatron_lite.layout_validation import validate_layout
+
+    def check(argv):
+        _, job = parse_args(argv)
+        validate_layout(job.model, job.parallel, 2, job.training)
+        return job
+
+    with pytest.raises(ConfigError, match="to be a multiple of --pipeline-model-parallel-size 2"):
+        check(flags.split())
+    assert check([*flags.split(), "--microbatch-group-size-per-virtual-pipeline-stage", "3"]).parallel.vp == 2
+    with pytest.raises(ConfigError, match="groups the interleaved schedule's micro-batches: add virtual stages"):
+        check([*flags.split()[:-2], "--microbatch-group-size-per-virtual-pipeline-stage", "3"])
+    with pytest.raises(ConfigError, match="--microbatch-group-size-per-virtual-pipeline-stage 3 with 2 micro"):
+        ramp = flags.replace("--train-iters 2", "--train-samples 20").split()
+        check([*ramp, "--microbatch-group-size-per-virtual-pipeline-stage", "3", "--rampup-batch-size", "2", "1", "8"])
+
+
 def test_checker_catches_a_broken_schedule(monkeypatch):
     import megatron_lite.pipeline_parallel.schedules as S
 
     real = S.compute_order
 
-    def swapped(pp, vp, m, rank, forward_only=False):  # rank 1 runs its backwards in reverse order
-        order = real(pp, vp, m, rank, forward_only)
+    def swapped(pp, vp, m, rank, forward_only=False, group=None):  # rank 1 runs its backwards in reverse order
+        order = real(pp, vp, m, rank, forward_only, group)
         if rank == 1:
             b = [x for x in order if x[0] == BACKWARD][::-1]
             it = iter(b)

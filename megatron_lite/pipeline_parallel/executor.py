@@ -48,17 +48,19 @@ def documents(mb: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def _actions(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool) -> tuple:
+def _actions(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool, group: int | None) -> tuple:
     """This rank's schedule, built once per shape (every rank's is built to place the communication: at PP=8 x
     VP=4 with 256 micro-batches a third of a second, each step otherwise)."""
-    return tuple(build_schedule(pp, vp, num_microbatches, rank, forward_only))
+    return tuple(build_schedule(pp, vp, num_microbatches, rank, forward_only, group))
 
 
 @functools.lru_cache(maxsize=8)
-def _releases(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool) -> dict[int, list[int]]:
+def _releases(
+    pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool, group: int | None
+) -> dict[int, list[int]]:
     """{index of a receive: the sends it proves complete} (schedules.send_releases, inverted)."""
     out: dict[int, list[int]] = {}
-    for send, recv in send_releases(pp, vp, num_microbatches, rank, forward_only).items():
+    for send, recv in send_releases(pp, vp, num_microbatches, rank, forward_only, group).items():
         out.setdefault(recv, []).append(send)
     return out
 
@@ -108,7 +110,8 @@ def run_pipeline(
     given, is entered around each chunk's last backward: the data-parallel wrapper's signal that the
     chunk's gradients are final, so their reduction can start under the remaining backward."""
     pp, vp = ctx.pp.size, len(chunks)
-    actions = _actions(pp, vp, len(micro_batches), ctx.pp.rank, forward_only)
+    group = ctx.parallel.microbatch_group_size if vp > 1 else None
+    actions = _actions(pp, vp, len(micro_batches), ctx.pp.rank, forward_only, group)
     device = ctx.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     received: dict[tuple, torch.Tensor] = {}  # (kind, microbatch, chunk) -> tensor from a neighbour
@@ -116,7 +119,7 @@ def run_pipeline(
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     input_grads: dict[tuple[int, int], torch.Tensor] = {}
     pending: dict[int, tuple] = {}  # action index of a send in flight -> (work, tensor)
-    releases = _releases(pp, vp, len(micro_batches), ctx.pp.rank, forward_only)
+    releases = _releases(pp, vp, len(micro_batches), ctx.pp.rank, forward_only, group)
     group = ctx.pp.pg if pp > 1 else None
     last_chunk = vp - 1 if ctx.pp.rank == pp - 1 else None
     last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == BACKWARD}

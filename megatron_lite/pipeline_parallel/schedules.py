@@ -53,34 +53,46 @@ class ScheduleError(ValueError):
     pass
 
 
-def validate(pp: int, vp: int, num_microbatches: int) -> None:
+def validate(pp: int, vp: int, num_microbatches: int, group: int | None = None) -> None:
+    """`group`: --microbatch-group-size-per-virtual-pipeline-stage (default PP): the interleaved schedule runs
+    micro-batches through each chunk in groups of that many; Megatron's rule: PP <= group <= micro-batches, and a
+    last partial group (the remainder) of PP or more."""
     if pp < 1 or vp < 1 or num_microbatches < 1:
         raise ScheduleError(
             f"pipeline size {pp}, virtual stages {vp} and micro-batches {num_microbatches} must be >= 1"
         )
-    if vp > 1 and num_microbatches % pp:
+    g = group or pp
+    if vp > 1 and (not pp <= g <= num_microbatches or 0 < num_microbatches % g < pp):
+        if group is None:
+            raise ScheduleError(
+                f"the interleaved schedule needs the number of micro-batches ({num_microbatches}) to be a multiple "
+                f"of --pipeline-model-parallel-size {pp}; use --global-batch-size so that global / (micro x "
+                f"data-parallel) is a multiple of {pp}"
+            )
         raise ScheduleError(
-            f"the interleaved schedule needs the number of micro-batches ({num_microbatches}) to be a multiple of "
-            f"--pipeline-model-parallel-size {pp}; use --global-batch-size so that global / (micro x data-parallel) "
-            f"is a multiple of {pp}"
+            f"--microbatch-group-size-per-virtual-pipeline-stage {g} with {num_microbatches} micro-batches: it must "
+            f"lie in [--pipeline-model-parallel-size {pp}, {num_microbatches}] and leave a last group of 0 or at "
+            f"least {pp} micro-batches ({num_microbatches} % {g} = {num_microbatches % g})"
         )
 
 
-def compute_order(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[tuple]:
-    """The forwards and backwards of one rank, in order: (kind, microbatch, chunk)."""
-    validate(pp, vp, num_microbatches)
+def compute_order(
+    pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False, group: int | None = None
+) -> list[tuple]:
+    """The forwards and backwards of one rank, in order: (kind, microbatch, chunk). `group`: see validate."""
+    validate(pp, vp, num_microbatches, group)
     m = num_microbatches
     if forward_only:
-        return [(FORWARD, mb, c) for mb, c in _forward_sequence(pp, vp, m)]
+        return [(FORWARD, mb, c) for mb, c in _forward_sequence(pp, vp, m, group)]
     if pp == 1 and vp == 1:  # no pipelining: plain gradient accumulation
         return [step for mb in range(m) for step in ((FORWARD, mb, 0), (BACKWARD, mb, 0))]
-    fwd = _forward_sequence(pp, vp, m)
-    bwd = _backward_sequence(pp, vp, m)
+    fwd = _forward_sequence(pp, vp, m, group)
+    bwd = [(mb, vp - 1 - c) for mb, c in fwd]
     total = len(fwd)
     if vp == 1:
         warmup = min(pp - rank - 1, total)  # 1F1B: p - r - 1 forwards before the first backward
     else:
-        warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)  # Megatron's interleaved warm-up
+        warmup = min((pp - rank - 1) * 2 + (vp - 1) * (group or pp), total)  # Megatron's interleaved warm-up
     order = [(FORWARD, *fwd[k]) for k in range(warmup)]
     for k in range(total - warmup):
         order.append((FORWARD, *fwd[warmup + k]))
@@ -89,19 +101,13 @@ def compute_order(pp: int, vp: int, num_microbatches: int, rank: int, forward_on
     return order
 
 
-def _forward_sequence(pp: int, vp: int, m: int) -> list[tuple[int, int]]:
-    """(microbatch, chunk) of the forwards: groups of pp micro-batches go through chunk 0, then chunk 1, ..."""
+def _forward_sequence(pp: int, vp: int, m: int, group: int | None = None) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of the forwards: groups of `group` (default pp) micro-batches go through chunk 0, then
+    chunk 1, ...; the last group holds the rest (Megatron's get_schedule_table)."""
     if vp == 1:
         return [(mb, 0) for mb in range(m)]
-    out = []
-    for k in range(m * vp):
-        group, within = divmod(k, pp * vp)
-        out.append((group * pp + within % pp, within // pp))
-    return out
-
-
-def _backward_sequence(pp: int, vp: int, m: int) -> list[tuple[int, int]]:
-    return [(mb, vp - 1 - c) for mb, c in _forward_sequence(pp, vp, m)]
+    g = group or pp
+    return [(mb, c) for lo in range(0, m, g) for c in range(vp) for mb in range(lo, min(lo + g, m))]
 
 
 def _neighbours(pp: int, vp: int, rank: int, chunk: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
@@ -165,8 +171,10 @@ def _rounds(pp: int, vp: int, orders: list[list[tuple]], forward_only: bool) -> 
     return out
 
 
-def build_schedule(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[Action]:
-    orders = [compute_order(pp, vp, num_microbatches, r, forward_only) for r in range(pp)]
+def build_schedule(
+    pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False, group: int | None = None
+) -> list[Action]:
+    orders = [compute_order(pp, vp, num_microbatches, r, forward_only, group) for r in range(pp)]
     if vp > 1 and pp > 1:
         return _rounds(pp, vp, orders, forward_only)[rank]
     incoming = {src: _sends(pp, vp, src, orders[src]).get(rank, []) for src in range(pp) if src != rank}
@@ -198,13 +206,15 @@ def build_schedule(pp: int, vp: int, num_microbatches: int, rank: int, forward_o
     return actions
 
 
-def send_releases(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> dict[int, int]:
+def send_releases(
+    pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False, group: int | None = None
+) -> dict[int, int]:
     """{index of a send in this rank's schedule: index of the receive after which that send has surely completed}.
     The peer consumes the message in a compute, and whatever it sends back afterwards was sent after its
     receive completed; once this rank has that reply, the send's buffer can go (gloo's sends report
     completion only when waited, so without this every sent tensor would live to the end of the step).
     Sends with no later reply (the step's last ones, a forward-only pipeline's) are absent."""
-    scheds = [build_schedule(pp, vp, num_microbatches, r, forward_only) for r in range(pp)]
+    scheds = [build_schedule(pp, vp, num_microbatches, r, forward_only, group) for r in range(pp)]
 
     def nth(acts: list[Action], kinds: tuple, peer: int) -> list[int]:
         return [i for i, a in enumerate(acts) if a.kind in kinds and a.peer == peer]
@@ -244,10 +254,12 @@ def max_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def check_schedules(pp: int, vp: int, num_microbatches: int, forward_only: bool = False) -> None:
+def check_schedules(
+    pp: int, vp: int, num_microbatches: int, forward_only: bool = False, group: int | None = None
+) -> None:
     """Every forward precedes its backward; every send meets its receive on the peer, in the same order;
     the whole pipeline runs to the end with blocking receives and asynchronous sends (no deadlock)."""
-    scheds = [build_schedule(pp, vp, num_microbatches, r, forward_only) for r in range(pp)]
+    scheds = [build_schedule(pp, vp, num_microbatches, r, forward_only, group) for r in range(pp)]
     for r, acts in enumerate(scheds):
         seen = set()
         for a in acts:

@@ -101,7 +101,12 @@ def dry_run(job: JobConfig) -> int:
         if ctx.dp_cp.rank != 0:
             continue  # data-parallel replicas hold the same (experts aside, which the total counts)
         layers = sum(len(c.decoder.layers) + (len(c.mtp.layers) if c.mtp is not None else 0) for c in chunks)
-        in_flight = max(max_in_flight(build_schedule(ctx.pp.size, ctx.vp_size, micro, ctx.pp.rank)), 1)
+        in_flight = max(
+            max_in_flight(
+                build_schedule(ctx.pp.size, ctx.vp_size, micro, ctx.pp.rank, group=ctx.parallel.microbatch_group_size)
+            ),
+            1,
+        )
         act = per_layer * layers / len(chunks) * in_flight  # micro-batches alive at once, each through a chunk
         metas = list(named_param_meta(chunks))
         dense = sum(p.numel() for _, p, m in metas if p.requires_grad and not m.expert)
