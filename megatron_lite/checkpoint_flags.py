@@ -340,9 +340,18 @@ def flags_from_checkpoint(
         )
         ours = lora_for_model(LoraConfig(target_modules=target_modules(ns.lora_target_modules)), mla).target_modules
         if set(ours) != set(saved["lora_target_modules"]):
+            from megatron_lite.lora.config import PARTS
+
+            fused = [f for f, parts in PARTS.items() if f in saved["lora_target_modules"] and set(parts) & set(ours)]
+            why = (
+                f"; its {fused[0]} adapts every part of that layer (before per-projection targets, PEFT's names "
+                "adapted the whole layer)"
+                if fused
+                else ""
+            )
             raise ConfigError(
                 f"--lora-target-modules {' '.join(ns.lora_target_modules)} differs from the adapters in {path} (on "
-                f"{' '.join(saved['lora_target_modules'])}): drop the flag to take them from the checkpoint"
+                f"{' '.join(saved['lora_target_modules'])}){why}: drop the flag to take them from the checkpoint"
             )
     if saved.get("lora_rank") and "lora_alpha" in given and ns.lora_alpha != saved["lora_alpha"]:
         # (the adapters' product is scaled by alpha / rank: another alpha is another trained function)

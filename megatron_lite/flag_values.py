@@ -216,13 +216,22 @@ def data_paths(ns: argparse.Namespace) -> dict[str, tuple[str, ...]]:
             raise ConfigError(f"{flag} {path}: {e.strerror}") from None
         if flag == "--data-args-path":
             out["data_path"] = tuple(text.split())
+            if not out["data_path"]:
+                raise ConfigError(f"{flag} {path} is empty: write the --data-path words in it")
             given = ["data_args_path"]
             continue
         try:
             splits = json.loads(text)
+            if not isinstance(splits, dict):
+                raise ValueError(f"a JSON {type(splits).__name__}, not an object")
             unknown = set(splits) - {"train", "valid", "test"}
-            if not isinstance(splits, dict) or unknown:
-                raise ValueError(f"keys {sorted(unknown)}" if isinstance(splits, dict) else "not an object")
+            if unknown:
+                raise ValueError(f"keys {sorted(unknown)}")
+            for split, value in splits.items():
+                if not isinstance(value, str) and not (
+                    isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value)
+                ):
+                    raise ValueError(f'"{split}" holds {json.dumps(value)}, not a string or a list of strings')
         except ValueError as e:
             raise ConfigError(
                 f'{flag} {path}: expected JSON {{"train": [...], "valid": [...], "test": [...]}} ({e})'

@@ -61,7 +61,8 @@ def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: i
             "'|' between stages, x*n and (...)*n to repeat"
         )
     stages = unrolled.split("|")
-    if standalone_mtp(stages):  # (Megatron's mtp_standalone: here they run in the loss's stage, one stage later)
+    moved = standalone_mtp(stages)
+    if moved:  # (Megatron's mtp_standalone: here they run in the loss's stage, one stage later)
         stages[-2:] = ["", stages[-2] + stages[-1]]
     if len(stages) % pp:
         raise ConfigError(
@@ -81,7 +82,10 @@ def parse_pipeline_layout(text: str, pp: int, num_layers: int, mtp_num_layers: i
         problems.append("the MTP layers (m) must come last in the loss's stage, just before L (e.g. ...|tmL)")
     idle = [r for r in range(1, pp - 1) if not any("t" in stages[c * pp + r] for c in range(len(stages) // pp))]
     if idle:  # (such a rank would hold no parameter: nothing for its optimizer or data-parallel reduction)
-        problems.append(f"pipeline rank(s) {idle} hold no layer in any of their stages")
+        problems.append(
+            f"pipeline rank(s) {idle} hold no layer in any of their stages"
+            + (" (the MTP layers' own stage, ...|m|L, runs in the loss's stage here)" if moved else "")
+        )
     if problems:
         raise ConfigError(f"{flag} {text!r}: {'; '.join(problems)}")
     return tuple(stage.count("t") for stage in stages)

@@ -199,6 +199,15 @@ def test_blend_indices_are_cached_and_a_train_split_without_documents_is_one_lin
 
     first = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 1000, str(tmp_path))
     assert len(list(tmp_path.glob("blend-*.npy"))) == 2  # (the dataset and sample indices, each its dtype)
+    # an older version's cache (one stacked array) is read, not rebuilt (minutes for a real run's)
+    old = tmp_path / "old"
+    old.mkdir()
+    digest = next(tmp_path.glob("blend-*-sample.npy")).name.split("-")[1]
+    np.save(old / f"blend-{digest}.npy", np.stack([first.dataset_index, first.sample_index]).astype(np.int64))
+    monkeypatch.setattr("megatron_lite.data.gpt_dataset.blending_indices", lambda *a: 1 / 0)
+    migrated = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 1000, str(old))
+    assert migrated.dataset_index.dtype == np.int16 and np.array_equal(migrated.sample_index, first.sample_index)
+    monkeypatch.undo()
     again = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 1000, str(tmp_path))
     plain = BlendedDataset([_Endless(), _Endless()], [0.3, 0.7], 1000)
     assert isinstance(again.dataset_index, np.memmap) and not isinstance(plain.dataset_index, np.memmap)

@@ -144,6 +144,8 @@ def test_a_resume_keeps_every_trained_adapter_at_its_scale(tmp_path, capsys, mon
     for extra, fragment in (
         (["--lora-target-modules", "linear_qkv"], "--lora-target-modules linear_qkv differs from the adapters"),
         (["--lora-alpha", "64"], "--lora-alpha 64 conflicts with the LoRA adapters"),
+        # (a checkpoint whose linear_qkv trained k too, resumed with PEFT's q_proj v_proj: the message says why)
+        (["--lora-target-modules", "q_proj", "v_proj"], "its linear_qkv adapts every part of that layer"),
     ):
         rc = main(["--load", out, "--save", out, "--train-iters", "5", *extra])
         _one_line_error(rc, capsys.readouterr().err, fragment)

@@ -247,6 +247,7 @@ def test_megatron_pipeline_layout_strings():
         ("(t*2)*999999999", (1, 3), "unrolls to more than 100000 characters"),
         ("E(t*99999)*14000L", (1, 1), "unrolls to more than 100000 characters"),  # (before 1.4e9 are built)
         ("Ett||ttL", (3, 4), "pipeline rank(s) [1] hold no layer in any of their stages"),
+        ("Ett|m|L", (3, 2, 1), "hold no layer in any of their stages (the MTP layers' own stage, ...|m|L, runs in"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             parse(text, *args)

@@ -323,6 +323,16 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     window = [*small, "--seq-length", "1024", "--window-size", "255,0", "--context-parallel-size", "2"]
     windowed = _tool().main(["--top", "1", "--", *window, "--cp-comm-type", "a2a"])
     assert windowed["yours"]["reason"] is None and "CP2(a2a)" in windowed["yours"]["describe"]
+    # a script's --microbatch-group-size-per-virtual-pipeline-stage is planned (it was refused as pretrain's
+    # default rule, and a group above PP keeps more activations alive: priced at PP's)
+    pipe = [*small[2:], "--num-layers", "8", "--seq-length", "1024", "--pipeline-model-parallel-size", "4",
+            "--global-batch-size", "8", "--num-virtual-stages-per-pipeline-rank", "2",
+            "--micro-batch-size", "1"]  # fmt: skip
+    grouped = _tool().main(["--nodes", "1", "--gpus-per-node", "4", "--top", "1", "--", *pipe,
+                            "--microbatch-group-size-per-virtual-pipeline-stage", "8"])  # fmt: skip
+    plain = _tool().main(["--nodes", "1", "--gpus-per-node", "4", "--top", "1", "--", *pipe])
+    assert grouped["yours"]["reason"] is None and "VP2(G8)" in grouped["yours"]["describe"]
+    assert grouped["yours"]["memory"]["activations"] > plain["yours"]["memory"]["activations"]
     hierarchical = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"]
     windowless = [f for f in window if f not in ("--window-size", "255,0")]
     assert "not a2a+p2p" in _tool().main(["--top", "1", "--", *windowless, *hierarchical])["yours"]["reason"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -105,9 +106,12 @@ def test_megatron_sentencepiece_tokenizers_read_the_tokenizer_json_beside_the_mo
     assert gpt_sp.encode("w0 w5") == [3, 8] and gpt_sp.eod == 2
     # From a review: "</s>" or "<s>" written in a document is text to SentencePiece (Megatron's tokenizers), not
     # an EOD or BOS mid-document (tokenizers matched them as the special tokens: [1, 3, 1, 4, 2, 5])
+    import pickle
+
     for tok, prefix in ((llama, [1]), (gpt_sp, [])):
         ids = tok.encode("w0 <s>w1</s> w2")
         assert ids[: len(prefix)] == prefix and not {1, 2} & set(ids[len(prefix) :]), ids
+        assert pickle.loads(pickle.dumps(tok)).encode("w0 <s>w1</s> w2") == ids  # (a pickled Tokenizer lost it)
     bare = _sentencepiece_folder(tmp_path / "bare", with_json=False)
     with pytest.raises(ConfigError, match="found none at .*tokenizer.json") as e:
         build_tokenizer("Llama2Tokenizer", model=str(bare))
@@ -182,6 +186,10 @@ def test_a_hub_id_in_the_local_cache_is_a_tokenizer_model(tmp_path, monkeypatch)
     assert tok.path == str(snapshot / "tokenizer.json") and tok.eod == 10
     with pytest.raises(ConfigError, match=r"org/other: no such file .* not in the local cache: download it first"):
         build_tokenizer("HuggingFaceTokenizer", model="org/other")
+    for mistyped in ("../missing", "tok--dir/x", "toks/tokenizer.json"):  # (a traceback, or told to download)
+        with pytest.raises(ConfigError, match=f"{re.escape(mistyped)}: no such file") as e:
+            build_tokenizer("HuggingFaceTokenizer", model=mistyped)
+        assert "hub id" not in str(e.value) or mistyped == "tok--dir/x"
 
 
 @pytest.mark.parametrize("eos", ["<|eot_id|>", "<｜end▁of▁sentence｜>", None])

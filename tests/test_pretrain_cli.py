@@ -1149,6 +1149,10 @@ def test_per_split_data_paths(tmp_path, capsys, monkeypatch):
     ):
         rc, _, err = _run([*flags, *common], capsys, monkeypatch)
         _one_line_error(rc, err, message)
+    for bad, message in (("5", "a JSON int, not an object"), ('{"train": null}', '"train" holds null')):
+        (tmp_path / "bad.json").write_text(bad)  # (tracebacks before)
+        rc, _, err = _run(["--per-split-data-args-path", str(tmp_path / "bad.json"), *common], capsys, monkeypatch)
+        _one_line_error(rc, err, message)
 
 
 def test_the_index_cache_says_what_it_does_and_where_it_cannot(tmp_path, capsys, monkeypatch):
@@ -1373,6 +1377,19 @@ def test_lora_targets_of_the_query_latent_follow_the_model(capsys, monkeypatch):
     argv = [*mla, "--position-embedding-type", "rope", "--disable-bias-linear", "--lora-rank", "4"]
     rc, _, err = _run([*argv, "--lora-target-modules", "q_a_proj"], capsys, monkeypatch)  # no --q-lora-rank
     _one_line_error(rc, err, "linear_q_down_proj", "no query latent")
+    # PEFT's q_proj on an MLA model is its query projection(s) alone (it adapted the key/value latents too);
+    # k_proj / v_proj name nothing there (v_proj adapted every projection)
+    from megatron_lite.arguments import parse_args
+
+    base = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 1 --mock-data"
+    base = [*base.split(), "--vocab-size", "64", *argv]
+    for extra, targets in (
+        (["--q-lora-rank", "8"], ("linear_q_down_proj", "linear_q_up_proj")),
+        ([], ("linear_q_proj",)),
+    ):
+        assert parse_args([*base, *extra, "--lora-target-modules", "q_proj"])[1].lora.target_modules == targets
+    rc, _, err = _run([*argv, "--lora-target-modules", "v_proj"], capsys, monkeypatch)
+    _one_line_error(rc, err, "a --multi-latent-attention model makes keys and values from one latent")
 
 
 def test_explicit_yarn_flags_that_disagree_with_an_mla_checkpoint_are_refused(tmp_path, capsys, monkeypatch):

@@ -112,12 +112,18 @@ def test_a_bos_adding_tokenizer_puts_one_bos_per_sample(tmp_path):
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "answer": 5, "yes": 6}
     hf = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["<unk>", "<s>", "</s>"])  # (as a converted Llama tokenizer.json lists them)
     hf.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
     tok = build_tokenizer("Llama2Tokenizer", model=str(tmp_path / "tokenizer.model"))
     assert tok.encode("answer yes") == [1, 5, 6]  # the tokenizer does add a BOS each time
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"prompt": "hello world", "response": "answer yes"}) + "\n")
-    s = SFTDataset(str(path), tok, seq_length=8, seed=0)[0]
+    # the second prompt as a chat template renders it, starting with the BOS's text: SentencePiece reads that as
+    # text ("<", "s", ">"), so the BOS's text is dropped before encoding and the sample holds one BOS
+    records = [{"prompt": "hello world", "response": "answer yes"}, {"prompt": "<s>hello world", "response": "yes"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    d = SFTDataset(str(path), tok, seq_length=8, seed=0)
+    assert d.records == [([1, 3, 4], [5, 6, 2]), ([1, 3, 4], [6, 2])]
+    s = d[[i for i in range(2) if d[i]["tokens"].tolist()[3] == 5][0]]
     assert s["tokens"].tolist() == [1, 3, 4, 5, 6, 2, 2, 2]
     assert [lab for lab, m in zip(s["labels"].tolist(), s["loss_mask"].tolist()) if m] == [5, 6, 2]

@@ -132,6 +132,7 @@ def job_layout(job, world: int) -> Layout:
         micro_batch_size=job.training.micro_batch_size,
         sequence_parallel=p.sequence_parallel or p.tp == 1,  # (no SP at TP 1: the search's form of it)
         cp_comm_type=p.cp_comm_type if p.cp > 1 else "p2p",
+        microbatch_group_size=p.microbatch_group_size if p.vp > 1 else None,
     )
 
 

@@ -29,12 +29,14 @@ def file_lock(path: str):
     """An exclusive lock across processes (ranks building the same cache wait for the first). A cache directory
     that cannot be made, written or locked (a read-only dataset directory, Lustre without flock) is one line
     naming it and --data-cache-path."""
-    folder = os.path.dirname(path)
+    folder, f = os.path.dirname(path), None
     try:
         os.makedirs(folder, exist_ok=True)
         f = open(path, "a")
         fcntl.flock(f, fcntl.LOCK_EX)
     except OSError as e:
+        if f is not None:
+            f.close()
         raise ConfigError(
             f"cannot use the index cache in {folder} ({e.strerror}): pass --data-cache-path DIR, a writable "
             "directory on a file system with locks (it holds the sample indices, built once)"
@@ -237,7 +239,14 @@ class BlendedDataset:
             paths = [os.path.join(cache_dir, f"blend-{digest}-{k}.npy") for k in ("dataset", "sample")]
             with file_lock(os.path.join(cache_dir, f"blend-{digest}.lock")):
                 if not all(os.path.exists(p) for p in paths):
-                    for p, arr in zip(paths, blending_indices(weights, num_samples)):
+                    old = os.path.join(cache_dir, f"blend-{digest}.npy")  # (one stacked array, before: the same)
+                    if os.path.exists(old):
+                        stacked = np.load(old)
+                        dtype = np.int16 if len(weights) < 2**15 else np.int64
+                        built = (stacked[0].astype(dtype), stacked[1])
+                    else:
+                        built = blending_indices(weights, num_samples)
+                    for p, arr in zip(paths, built):
                         _save_npy(p, arr)
             self._paths = paths
             self._map()

@@ -36,6 +36,8 @@ def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple
     if len(prompt) + len(response) <= length:
         return prompt, response, False, False
     keep = max(1, min(len(prompt), length - len(response) if len(response) < length else length // 2))
+    if bos and len(prompt) > bos:  # (the BOS and at least one token after it; the response gives way)
+        keep = max(keep, bos + 1)
     cut_prompt = keep < len(prompt)
     if cut_prompt:
         head = prompt[:bos] if keep > bos else []
@@ -49,6 +51,8 @@ class SFTDataset:
         # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
         # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
         prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
+        # a chat template's rendered BOS ("<s>[INST] ..."): SentencePiece reads it as text, not as the BOS
+        bos_text = tokenizer.token(prefix[0]) if len(prefix) == 1 and hasattr(tokenizer, "token") else None
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -65,6 +69,8 @@ class SFTDataset:
                 if not isinstance(prompt, str) or not isinstance(response, str):
                     kinds = f"{type(prompt).__name__} and {type(response).__name__}"
                     raise ConfigError(f"{path}:{n}: expected {expected}, got {kinds}")
+                if bos_text and prompt.startswith(bos_text):
+                    prompt = prompt[len(bos_text) :]
                 try:
                     p, ids = tokenizer.encode(prompt), tokenizer.encode(response)
                 except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)

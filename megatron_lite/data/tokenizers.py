@@ -65,18 +65,29 @@ def _config_eos(path: str) -> str | None:
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
+def _hub_id(path: str) -> bool:
+    """Whether a --tokenizer-model that is no local path reads as a hub id (org/name), not a mistyped file."""
+    return (
+        not os.path.exists(path)
+        and HUB_ID.fullmatch(path) is not None
+        and not path.startswith((".", "~"))
+        and not path.endswith((".json", ".model", ".txt"))
+    )
+
+
 def tokenizer_file(path: str | None) -> str | None:
     """A model directory given as --tokenizer-model (as Megatron takes one) stands for its tokenizer.json; so does
     a Hugging Face hub id (meta-llama/Llama-3.1-8B, as Megatron's scripts pass to AutoTokenizer) already in the
     local Hugging Face cache (nothing is downloaded here)."""
     if path and os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return os.path.join(path, "tokenizer.json")
-    if path and not os.path.exists(path) and HUB_ID.fullmatch(path):
+    if path and _hub_id(path):
         try:
             from huggingface_hub import try_to_load_from_cache
-        except ImportError:
+
+            cached = try_to_load_from_cache(path, "tokenizer.json")
+        except (ImportError, ValueError):  # (no hub library; an id it finds invalid)
             return path
-        cached = try_to_load_from_cache(path, "tokenizer.json")
         if isinstance(cached, str):
             return cached
     return path
@@ -98,7 +109,7 @@ class HuggingFaceTokenizer:
             hub = (
                 "; as a Hugging Face hub id it is not in the local cache: download it first (huggingface-cli "
                 f"download {path} tokenizer.json tokenizer_config.json special_tokens_map.json)"
-                if HUB_ID.fullmatch(path) and not os.path.exists(path)
+                if _hub_id(path)
                 else ""
             )
             raise ConfigError(
@@ -142,6 +153,10 @@ class HuggingFaceTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    def token(self, id_: int) -> str | None:
+        """The text of one token of the vocabulary (a special token's as written: "<s>")."""
+        return self._tok.id_to_token(id_)
+
 
 class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
     """Megatron's Llama2Tokenizer (a BOS before every document, EOD = </s>) and GPTSentencePieceTokenizer (no
@@ -172,6 +187,10 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
         self.prefix, self.suffix = ([] if self.bos is None else [self.bos]), []
         if "</s>" in vocab:
             self.eod = vocab["</s>"]  # SentencePiece's EOS, Megatron's EOD for these tokenizers
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._tok.encode_special_tokens = True  # (a pickled Tokenizer does not keep it)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]

@@ -128,22 +128,30 @@ def layer_parts(lora: LoraConfig, layer: str) -> tuple[str, ...] | None:
 
 
 def lora_for_model(lora: LoraConfig, config) -> LoraConfig:
-    """On a multi-latent attention model, linear_qkv (the default target) or any of its parts (PEFT's q_proj /
-    k_proj / v_proj) means its attention input projections: the query projection (or its latent's two) and the
-    key/value latent's two. Without SwiGLU, fc1 is one projection: linear_fc1_up (PEFT's up_proj, Nemotron's
+    """On a multi-latent attention model, linear_qkv (the default target) means its attention input projections:
+    the query projection (or its latent's two) and the key/value latent's two; linear_q (PEFT's q_proj) the query
+    projection(s) alone; linear_k / linear_v are refused (keys and values come from one latent). Without SwiGLU,
+    fc1 is one projection: linear_fc1_up (PEFT's up_proj, Nemotron's
     fc1) is linear_fc1, and its gate refused."""
     targets = list(lora.target_modules)
     if config.activation != "swiglu" and any(t in targets for t in PARTS["linear_fc1"]):
         if "linear_fc1_gate" in targets:
             raise ConfigError(
-                f"--lora-target-modules gate_proj (linear_fc1_gate): --{config.activation} has no gate; its fc1 is "
-                "one projection (linear_fc1, PEFT's up_proj)"
+                f"--lora-target-modules gate_proj (linear_fc1_gate): this model's MLP ({config.activation}) has no "
+                "gate; its fc1 is one projection (linear_fc1, PEFT's up_proj)"
             )
         targets[targets.index("linear_fc1_up")] = "linear_fc1"
     qkv = ("linear_qkv", *PARTS["linear_qkv"])
     if config.multi_latent_attention and any(t in targets for t in qkv):
         q = ("linear_q_proj",) if config.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
-        mla = (*q, "linear_kv_down_proj", "linear_kv_up_proj")
+        kv = ("linear_kv_down_proj", "linear_kv_up_proj")
+        if "linear_qkv" not in targets and any(t in targets for t in ("linear_k", "linear_v")):
+            raise ConfigError(
+                "--lora-target-modules k_proj / v_proj (linear_k / linear_v): a --multi-latent-attention model makes "
+                "keys and values from one latent; adapt linear_kv_down_proj linear_kv_up_proj (PEFT's "
+                "kv_a_proj_with_mqa kv_b_proj)"
+            )
+        mla = (*q, *kv) if "linear_qkv" in targets else q  # (q_proj alone: the query projection(s) alone)
         targets = [t for t in targets if t not in qkv] + [t for t in mla if t not in targets]
     return dataclasses.replace(lora, target_modules=tuple(dict.fromkeys(targets)))
 

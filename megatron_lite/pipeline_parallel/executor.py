@@ -82,7 +82,7 @@ def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
     torch.autograd.Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
 
 
-def _held_bytes(outputs: dict, pending: list) -> int:
+def _held_bytes(outputs: dict, pending: dict) -> int:
     """Bytes of the storages this rank holds for the pipeline: outputs awaiting their backward and tensors of
     sends in flight (a sent output and its send share one storage: counted once)."""
     storages = {}

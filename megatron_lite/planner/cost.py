@@ -165,7 +165,7 @@ def _durations(layout: Layout, micro: int, per_mb: float, eff: Efficiency) -> li
     """Pipeline rank 0's forwards and backwards in order (it starts first and finishes last), each chunk's
     share of a micro-batch's time: (kind, chunk, seconds); overlap stretches what the link can use."""
     f, b = per_mb / 3 / layout.vp * eff.dp_overlap, 2 * per_mb / 3 / layout.vp * eff.dp_overlap
-    order = cached_compute_order(layout.pp, layout.vp, micro, 0)
+    order = cached_compute_order(layout.pp, layout.vp, micro, 0, layout.microbatch_group_size)
     return [(k, c, f if k == FORWARD else b) for k, _, c in order]
 
 

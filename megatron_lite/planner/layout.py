@@ -26,6 +26,7 @@ class Layout:
     micro_batch_size: int = 1
     sequence_parallel: bool = True  # with TP > 1 (Megatron's recommendation; off only when asked)
     cp_comm_type: str = "p2p"  # with CP > 1: the ring, a2a (heads all-to-all) or allgather (keys and values)
+    microbatch_group_size: int | None = None  # a script's --microbatch-group-size-per-virtual-pipeline-stage
     # the layers of each virtual stage when not an even split (a script's uneven first/last stages or layout)
     stages: tuple[int, ...] | None = None
 
@@ -46,6 +47,7 @@ class Layout:
             expert_model_parallel_size=self.ep,
             sequence_parallel=self.sp,
             cp_comm_type=self.cp_comm_type,
+            microbatch_group_size=self.microbatch_group_size,
             pipeline_layout=self.stages,
         )
 
@@ -66,7 +68,7 @@ class Layout:
         if self.stages is not None:
             parts[-1] += "(" + "/".join(str(n) for n in self.stages) + ")"
         if self.vp > 1:
-            parts.append(f"VP{self.vp}")
+            parts.append(f"VP{self.vp}" + (f"(G{self.microbatch_group_size})" if self.microbatch_group_size else ""))
         parts += [f"DP{self.dp}"]
         if self.cp > 1:
             parts.append(f"CP{self.cp}" + ("" if self.cp_comm_type == "p2p" else f"({self.cp_comm_type})"))

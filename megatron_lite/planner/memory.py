@@ -203,8 +203,8 @@ def _chunk_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_compute_order(pp: int, vp: int, micro: int, rank: int) -> tuple:
-    return tuple(compute_order(pp, vp, micro, rank))
+def cached_compute_order(pp: int, vp: int, micro: int, rank: int, group: int | None = None) -> tuple:
+    return tuple(compute_order(pp, vp, micro, rank, group=group))
 
 
 def activation_bytes(
@@ -258,7 +258,7 @@ def activation_bytes(
     received = [0.0 if (c == 0 and pp_rank == 0) else h * a / norm_div * tokens for c in range(layout.vp)]
     live = peak = 0.0
     held = [0.0] * layout.vp
-    for kind, _, c in cached_compute_order(layout.pp, layout.vp, micro, pp_rank):
+    for kind, _, c in cached_compute_order(layout.pp, layout.vp, micro, pp_rank, layout.microbatch_group_size):
         if kind == FORWARD:
             live += chunk_bytes[c]
             peak = max(peak, live)
