@@ -74,13 +74,20 @@ def test_a_skipped_step_is_not_averaged_into_the_logged_loss(tmp_path, capsys, m
 
 
 def test_a_global_batch_without_loss_tokens_steps_with_zero_gradients(tmp_path, capsys, monkeypatch):
-    """--sft with a prompt that fills the sequence: no label is kept. The step runs with zero gradients (Megatron's
-    finalize_model_grads skips the 1/num_tokens scaling; here it divided by zero), says so, and logs no loss
-    rather than tripping the NaN check."""
-    data = tmp_path / "sft.jsonl"
-    data.write_text(json.dumps({"prompt": " ".join(str(i % 90 + 1) for i in range(300)), "response": "5 6"}) + "\n")
+    """--eod-mask-loss on documents of end-of-document tokens alone: no label is kept. The step runs with zero
+    gradients (Megatron's finalize_model_grads skips the 1/num_tokens scaling; here it divided by zero), says so,
+    and logs no loss rather than tripping the NaN check. (An --sft prompt filling the sequence did this once; such
+    a prompt now loses its start, not the response.)"""
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp_path / "eods")
+    w = IndexedDatasetWriter(prefix, vocab_size=101)
+    for _ in range(20):
+        w.add_document([100] * 40)  # (NullTokenizer --vocab-size 100: EOD is 100)
+    w.finalize()
     log = tmp_path / "m.jsonl"
-    argv = ["--sft", "--data-path", str(data), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    argv = ["--data-path", prefix, "--eod-mask-loss", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    argv += ["--eval-iters", "0"]
     rc, out, err = _run(
         [*argv, "--train-iters", "2", "--log-interval", "1", "--log-jsonl", str(log)], capsys, monkeypatch
     )
