@@ -169,7 +169,15 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
 }
 
 # Megatron flags we do not implement: refused with one line naming the flag and why.
+NON_PERSISTENT = (
+    "Megatron's non-persistent (local) checkpoints are not implemented; --save-interval with --ckpt-keep-last N "
+    "keeps only the newest N"
+)
 REFUSED: dict[str, str] = {
+    "non_persistent_save_interval": NON_PERSISTENT,
+    "non_persistent_ckpt_type": NON_PERSISTENT,
+    "non_persistent_global_ckpt_dir": NON_PERSISTENT,
+    "save_retain_interval": "keeping every Nth checkpoint beside the newest is not implemented (--ckpt-keep-last N)",
     "fp8_format": "fp8 training is not implemented",
     "fp8_amax_history_len": "fp8 training is not implemented",
     "fp8_amax_compute_algo": "fp8 training is not implemented",

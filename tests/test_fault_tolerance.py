@@ -199,3 +199,15 @@ def test_two_nodes_with_c10d_rendezvous_match_one_node(tmp_path, reference):
     assert sorted(got) == list(range(1, 11))
     for it in range(1, 11):
         assert same(got[it], reference[it]), it
+
+
+def test_a_checkpoint_from_another_layout_says_its_random_states_stay(tmp_path, pretrain_job):
+    """From a review: resumed under another layout (here 1 rank, then 2 data-parallel ranks) each rank's random
+    states are not restored, silently; now said (dropout draws differ from an unbroken run's)."""
+    ckpt = str(tmp_path / "ckpt")
+    base = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+    base += "--global-batch-size 2 --mock-data --vocab-size 64 --eval-iters 0 --save " + ckpt + " --load " + ckpt
+    out = pretrain_job(1, [*base.split(), "--train-iters", "1"])
+    assert "random-number states are not restored" not in out
+    out = pretrain_job(2, [*base.split(), "--train-iters", "2"])
+    assert "saved under another layout: its random-number states are not restored" in out, out[-2000:]

@@ -740,6 +740,14 @@ def test_finetune_and_no_load_optim(tmp_path, capsys, monkeypatch):
     )
     assert rc == 0, err
     assert "iteration 3" in out and "iteration        5/       5 |" in out
+    # From a review: with --save the same directory as --load, --finetune overwrote the base's checkpoints with its
+    # own (iterations from 0) and a restart fine-tuned from the base again: refused; --no-load-optim there is
+    # applied again by every restart of the command: said
+    same = ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--save", ckpt]
+    rc, _, err = _run([*same, "--finetune"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--finetune with --save the same directory as --load", "give --save another directory")
+    rc, out, err = _run([*same, "--no-load-optim", "--train-iters", "6"], capsys, monkeypatch)
+    assert rc == 0 and "--no-load-optim with --save the same directory as --load: a restart of this command" in out
 
 
 def _losses(out: str) -> dict[int, float]:

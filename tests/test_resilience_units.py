@@ -3,6 +3,8 @@ loss-spike detector, the fault-injection grammar and the flags' validation."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_lite.config import ConfigError
@@ -52,6 +54,16 @@ def test_fault_injection_grammar():
     ]
     with pytest.raises(ValueError, match="unknown fault"):
         parse("explode,rank=0")
+    # (from a review: each was a TypeError or ValueError traceback once the model was built)
+    from megatron_lite.config import ConfigError
+
+    for text, fragment in (
+        ("kill,iteration=3", "'kill,iteration=3' needs rank=R"),
+        ("kill,rank=1,iter=3", "unknown field 'iter'; use rank, iteration"),
+        ("slow,rank=0,seconds=abc", "seconds='abc' is not a number"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            parse(text)
 
 
 @pytest.mark.parametrize(

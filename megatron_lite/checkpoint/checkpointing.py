@@ -477,6 +477,14 @@ class _Reader:
                 target.narrow(pc.dim, pc.local_start, pc.length).copy_(data)
 
 
+def saved_under_this_layout(meta: dict, ctx: ParallelContext) -> bool:
+    """Whether a checkpoint (its metadata) was saved with this world and these group sizes: each rank's random
+    states are restored only then."""
+    return meta["layout"].get("world_size") == ctx.world_size and all(
+        meta["layout"].get(k) == g.size for k, g in ctx.groups.items()
+    )
+
+
 def load_checkpoint(
     path: str,
     model,
@@ -539,9 +547,7 @@ def load_checkpoint(
             scheduler.load_state_dict(meta["scheduler"])
         if optimizer.scaler is not None and meta.get("grad_scaler"):
             optimizer.scaler.load_state_dict(meta["grad_scaler"])
-    same_layout = meta["layout"].get("world_size") == ctx.world_size and all(
-        meta["layout"].get(k) == g.size for k, g in ctx.groups.items()
-    )
+    same_layout = saved_under_this_layout(meta, ctx)
     rng_name = f"rng_r{ctx.rank:05d}.safetensors"
     if load_rng and not finetune and same_layout and rng_name in reader.files:
         rng_file = reader.verify(rng_name)

@@ -36,17 +36,30 @@ class Fault:
 
 
 def parse(text: str | None) -> list[Fault]:
+    """The faults the variable asks for; a malformed one is one line naming it (checked at start-up, before any
+    process group: it was a TypeError traceback once the model was built)."""
+    from megatron_lite.config import ConfigError
+
     faults = []
     for part in (text or "").split(";"):
         if not part.strip():
             continue
         kind, *fields = [x.strip() for x in part.split(",")]
         if kind not in KINDS:
-            raise ValueError(f"{ENV}: unknown fault {kind!r}; choose from {KINDS}")
+            raise ConfigError(f"{ENV}: unknown fault {kind!r}; choose from {', '.join(KINDS)}")
         kw = {}
         for f in fields:
             key, _, value = f.partition("=")
-            kw[key] = float(value) if key == "seconds" else int(value)
+            if key not in ("rank", "iteration", "restart", "seconds"):
+                raise ConfigError(
+                    f"{ENV}: {part.strip()!r}: unknown field {key!r}; use rank, iteration, restart, seconds"
+                )
+            try:
+                kw[key] = float(value) if key == "seconds" else int(value)
+            except ValueError:
+                raise ConfigError(f"{ENV}: {part.strip()!r}: {key}={value!r} is not a number") from None
+        if "rank" not in kw:
+            raise ConfigError(f"{ENV}: {part.strip()!r} needs rank=R (e.g. {kind},rank=0,iteration=3)")
         faults.append(Fault(kind, **kw))
     return faults
 

@@ -27,6 +27,7 @@ from megatron_lite.checkpoint.checkpointing import (
     load_checkpoint,
     read_metadata,
     save_checkpoint,
+    saved_under_this_layout,
 )
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.builder import build_datasets, resolve_data
@@ -42,6 +43,7 @@ from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext, initialize
+from megatron_lite.resilience import inject
 from megatron_lite.resilience.flight_recorder import FlightRecorder
 from megatron_lite.resilience.guards import ExitSignal
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
@@ -274,6 +276,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.info(f"loaded the QLoRA base {base_path}")
             state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **start_load(job, base_path))
             log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
+            how = start_load(job, base_path)
+            if how["load_rng"] and not how["finetune"] and not saved_under_this_layout(read_metadata(ckpt_path), ctx):
+                log.info(
+                    "the checkpoint was saved under another layout: its random-number states are not restored "
+                    "(dropout draws differ from an unbroken run's; weights, optimizer and data position are as saved)"
+                )
         if job.lora is not None and job.lora.qlora:
             from megatron_lite.lora.qlora import nf4_bytes, quantize_base
 
@@ -551,6 +559,7 @@ def _peer_lost(e: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     try:
         ns, job = parse_args(argv)
+        inject.parse(os.environ.get(inject.ENV))  # (a malformed fault to inject: one line, before any group)
         if job.dry_run:
             from megatron_lite.training.dry_run import dry_run
 

@@ -50,6 +50,23 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
                 f"--ckpt-step {job.checkpoint.ckpt_step}: loading {ckpt_path} (a restart with these flags loads it "
                 "again; drop --ckpt-step to resume from the newest)"
             )
+        if ckpt_path is not None and own and job.checkpoint.finetune:
+            # (a fine-tune counts its iterations from 0: its checkpoints would replace the base's of the same
+            # numbers, and a restart would find the base newest and fine-tune from it again; Megatron overwrites)
+            raise ConfigError(
+                f"--finetune with --save the same directory as --load ({ck.save}): the fine-tune's iterations start "
+                "at 0, so its checkpoints would overwrite the base's and a restart would fine-tune from the base "
+                "again; give --save another directory (a restart then resumes the fine-tune from it)"
+            )
+        starts = [f for f, on in (("--no-load-optim", job.checkpoint.no_load_optim),
+                                  ("--no-load-rng", job.checkpoint.no_load_rng)) if on]  # fmt: skip
+        if ckpt_path is not None and own and starts and ck.save:
+            say(
+                f"{' and '.join(starts)} with --save the same directory as --load: a restart of this command (torchrun "
+                f"--max-restarts, a requeue) applies {'them' if len(starts) > 1 else 'it'} again to its own newest "
+                "checkpoint; drop it for the restart, or give --save another directory (whose checkpoints a restart "
+                "resumes whole)"
+            )
     return job, ckpt_path
 
 
