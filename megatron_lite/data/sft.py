@@ -48,6 +48,7 @@ def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple
 class SFTDataset:
     def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
         self.records = []
+        cut = (0, 0)
         # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
         # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
         prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
@@ -81,11 +82,14 @@ class SFTDataset:
                 ids = _strip(ids, prefix, suffix)
                 if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
                     ids = ids + [tokenizer.eod]
-                self.records.append(_fit(p, ids, seq_length + 1, len(prefix) if p[: len(prefix)] == prefix else 0))
+                p, ids, cut_prompt, cut_response = _fit(
+                    p, ids, seq_length + 1, len(prefix) if p[: len(prefix)] == prefix else 0
+                )
+                cut = (cut[0] + cut_prompt, cut[1] + cut_response)
+                self.records.append((p, ids))
         if not self.records:
             raise ConfigError(f"{path} holds no prompt/response records")
-        self.cut = (sum(c for *_, c, _ in self.records), sum(c for *_, c in self.records))  # (prompts, responses)
-        self.records = [(p, r) for p, r, *_ in self.records]
+        self.cut = cut  # (records whose prompt, and whose response, was cut)
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
         self.pad = self.eod if pad_id is None else pad_id
         self._order = (None, None)  # (epoch, its permutation of the records)

@@ -32,6 +32,7 @@ TARGETS = {
 # a fused layer -> its parts as targets, and the names of its adapters
 PARTS = {"linear_qkv": {"linear_q": "q", "linear_k": "k", "linear_v": "v"},
          "linear_fc1": {"linear_fc1_gate": "gate", "linear_fc1_up": "up"}}  # fmt: skip
+MLP_TARGETS = ("linear_fc1", "linear_fc2", *PARTS["linear_fc1"])  # (a dense MLP's or a shared expert's)
 MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 DENSE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -66,8 +67,7 @@ class LoraConfig:
         """What LoRA does not compose with yet, and targets the model does not have; checked with the flags,
         before any collective. `dense_mlp`: some layer has linear_fc1 / linear_fc2 (a dense MLP or a shared
         expert)."""
-        mlp = ("linear_fc1", "linear_fc2", *PARTS["linear_fc1"])
-        present = [t for t in self.target_modules if dense_mlp or t not in mlp]
+        present = [t for t in self.target_modules if dense_mlp or t not in MLP_TARGETS]
         if not present:  # (PEFT: "Target modules ... not found in the base model")
             raise ConfigError(
                 f"--lora-target-modules {' '.join(self.target_modules)}: every layer is MoE without a shared "
@@ -160,7 +160,6 @@ def adapted_targets(lora: LoraConfig, config) -> tuple[list[str], list[str]]:
     """(the targets that adapt some layer, those that adapt none): an all-MoE model without a shared expert
     has no dense MLP for linear_fc1 / linear_fc2 (Megatron-Bridge would match them to the experts; here
     `experts` names those)."""
-    mlp = ("linear_fc1", "linear_fc2", *PARTS["linear_fc1"])
     lora = lora_for_model(lora, config)
-    absent = [] if has_dense_mlp(config) else [t for t in lora.target_modules if t in mlp]
+    absent = [] if has_dense_mlp(config) else [t for t in lora.target_modules if t in MLP_TARGETS]
     return [t for t in lora.target_modules if t not in absent], absent

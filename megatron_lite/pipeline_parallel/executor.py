@@ -9,9 +9,10 @@ before the next compute step, or, with --overlap-p2p-comm (default with virtual 
 only when the compute that reads it comes. A send's tensor is held until its transfer is known complete:
 its work reports it (NCCL), or a reply the peer sent after consuming it has arrived (schedules.send_releases;
 gloo reports a send complete only when waited); the rest are waited for at the end of the step. So what a
-rank holds is bounded by the schedule, not by the number of micro-batches. As in Megatron (deallocate_output_tensor), a
-sent output keeps only its autograd graph for the backward, not its values: the backward is run from the
-received gradient alone. A stage keeps a micro-batch's input and graph only until its backward has run.
+rank holds is bounded by the schedule, not by the number of micro-batches. As in Megatron
+(deallocate_output_tensor), a sent output keeps only its autograd graph for the backward, not its values: the
+backward is run from the received gradient alone. A stage keeps a micro-batch's input and graph only until its
+backward has run.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def run_pipeline(
     given, is entered around each chunk's last backward: the data-parallel wrapper's signal that the
     chunk's gradients are final, so their reduction can start under the remaining backward."""
     pp, vp = ctx.pp.size, len(chunks)
-    group = ctx.parallel.microbatch_group_size if vp > 1 else None
-    actions = _actions(pp, vp, len(micro_batches), ctx.pp.rank, forward_only, group)
+    mb_group = ctx.parallel.microbatch_group_size if vp > 1 else None  # (the schedule's, not a process group)
+    actions = _actions(pp, vp, len(micro_batches), ctx.pp.rank, forward_only, mb_group)
     device = ctx.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     received: dict[tuple, torch.Tensor] = {}  # (kind, microbatch, chunk) -> tensor from a neighbour
@@ -119,7 +120,7 @@ def run_pipeline(
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     input_grads: dict[tuple[int, int], torch.Tensor] = {}
     pending: dict[int, tuple] = {}  # action index of a send in flight -> (work, tensor)
-    releases = _releases(pp, vp, len(micro_batches), ctx.pp.rank, forward_only, group)
+    releases = _releases(pp, vp, len(micro_batches), ctx.pp.rank, forward_only, mb_group)
     group = ctx.pp.pg if pp > 1 else None
     last_chunk = vp - 1 if ctx.pp.rank == pp - 1 else None
     last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == BACKWARD}
