@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -119,7 +120,17 @@ def test_lora_fine_tune_export_and_load_in_peft(tmp_path, arch, pretrain_job):
             "--output-json", str(out_json)]  # fmt: skip
     assert _tool("tools/generate.py").main(argv) == 0
     assert json.loads(out_json.read_text())["generated_ids"] == expected
-    # base weights untouched by training
+    # the checkpoint holds the adapters alone (and their Adam moments) and names the base they were trained on,
+    # whose weights training left untouched
+    from safetensors import safe_open
+
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint
+
+    path = find_checkpoint(str(out))
+    keys = [k for f in sorted(os.listdir(path)) if f.startswith("tensors_") and f.endswith(".safetensors")
+            for k in safe_open(os.path.join(path, f), "pt").keys()]  # fmt: skip
+    assert keys and all(".lora." in k for k in keys), [k for k in keys if ".lora." not in k][:5]
+    assert lora.base == find_checkpoint(str(ckpt))
     base_ckpt = read_model_tensors(str(ckpt))[1]
     assert all(torch.equal(tensors[k], v) for k, v in base_ckpt.items())
 
@@ -201,7 +212,7 @@ def test_qlora_resumes_exactly_and_merges_onto_its_base(tmp_path, pretrain_job):
     # the base goes on training meanwhile: the adapters resume on the iteration they were trained on, not the newest
     run("--train-iters", "2", "--load", str(tmp_path / "base"), "--save", str(tmp_path / "base"))
     resumed = run(*lora, "--save", str(tmp_path / "q"), "--log-jsonl", str(tmp_path / "b.jsonl"))
-    assert "loaded the QLoRA base" in resumed and "iter_0000001" in resumed and "iteration 2" in resumed
+    assert "loaded the LoRA base" in resumed and "iter_0000001" in resumed and "iteration 2" in resumed
 
     def losses(name):
         return {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(tmp_path / name)) if "lm_loss" in r}

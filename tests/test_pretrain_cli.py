@@ -790,6 +790,54 @@ def test_a_lora_run_resumed_with_load_alone_keeps_its_adapters(tmp_path, capsys,
         load_checkpoint(path, plain, None, None, ctx, load_rng=False)
 
 
+def _tensor_files(root: str) -> dict[str, int]:
+    """key -> bytes of a checkpoint's tensor files (its newest under `root`)."""
+    from safetensors import safe_open
+
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint
+
+    path = find_checkpoint(root)
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.startswith("tensors_") and f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as t:
+                out.update({k: t.get_slice(k).get_shape() for k in t.keys()})
+    return {k: int(np.prod(shape)) for k, shape in out.items()}
+
+
+def test_lora_checkpoints_hold_the_adapters_and_name_their_base(tmp_path, capsys, monkeypatch):
+    """A LoRA run's checkpoints hold the adapters alone and record their base, as Megatron-Bridge's PEFT
+    checkpoints do (the whole frozen base was written at every save). A resume loads that base first (the test
+    above equals a straight run through one); with the base gone it is one line naming it. A base inside the
+    run's own --save, which it adds to and may delete from, gives whole checkpoints, and start-up says so."""
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata
+
+    data = ["--mock-data", "--vocab-size", "100", "--lr-decay-style", "constant"]
+    base, lora = str(tmp_path / "base"), str(tmp_path / "lora")
+    rc, _, err = _run([*data, "--train-iters", "1", "--save", base], capsys, monkeypatch)
+    assert rc == 0, err
+    adapt = [*data, "--lora-rank", "4", "--train-iters", "2"]
+    rc, out, err = _run([*adapt, "--load", base, "--finetune", "--save", lora], capsys, monkeypatch)
+    assert rc == 0, err
+    assert read_metadata(find_checkpoint(lora))["config"]["lora"]["base"] == find_checkpoint(base)
+    adapters, whole = _tensor_files(lora), _tensor_files(base)
+    assert adapters and all(".lora." in k for k in adapters), [k for k in adapters if ".lora." not in k][:3]
+
+    os.rename(base, base + "_moved")
+    rc, _, err = _run(["--load", lora, "--save", lora, "--train-iters", "3"], capsys, monkeypatch)
+    _one_line_error(rc, err, f"holds LoRA adapters trained on the base checkpoint '{base}/iter_0000001'", "is gone")
+    os.rename(base + "_moved", base)
+
+    rc, out, err = _run([*adapt, "--load", base, "--save", base], capsys, monkeypatch)
+    assert rc == 0, err
+    assert f"the base {base}/iter_0000001 lies in --save {base}" in out + err, out + err
+    saved = _tensor_files(base)
+    assert read_metadata(find_checkpoint(base))["config"]["lora"]["base"] is None
+    assert {k for k in whole if k.startswith("model/")} < set(saved) and {k for k in saved if ".lora." in k} == set(
+        adapters
+    )  # (the same adapters)
+
+
 @pytest.mark.slow
 def test_data_loader_workers_give_the_same_run(tmp_path, capsys, monkeypatch):
     import json

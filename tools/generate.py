@@ -164,14 +164,14 @@ def run(args: argparse.Namespace) -> int:
         )
     validate_layout(model_cfg, parallel, world, training)
     lora = saved_lora_config(saved)
-    base = find_checkpoint(lora.base) if lora is not None and lora.qlora and lora.base else None
-    if lora is not None and lora.qlora and base is None:
-        raise ConfigError(f"{path} holds QLoRA adapters trained on the base checkpoint {lora.base!r}, which is gone")
+    base = find_checkpoint(lora.base) if lora is not None and lora.base else None
+    if lora is not None and lora.base and base is None:
+        raise ConfigError(f"{path} holds LoRA adapters trained on the base checkpoint {lora.base!r}, which is gone")
     ctx = initialize(model_cfg, parallel, training, backend=args.distributed_backend)
     model = build_model(model_cfg, ctx, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     if lora is None:
         load_checkpoint(path, model, None, None, ctx, load_rng=False)
-    else:  # the fine-tuned model is the base plus its adapters (QLoRA: on the base it recorded, in NF4)
+    else:  # the fine-tuned model is the base it recorded plus its adapters (QLoRA: the base in NF4)
         apply_lora(model, model_cfg, lora, ctx, seed=0)
         if base is not None:
             load_checkpoint(base, model, None, None, ctx, load_rng=False, finetune=True)

@@ -77,14 +77,17 @@ def _on_every_rank(ctx: ParallelContext, work, what: str):
     return result
 
 
-def _state_tensors(model, optimizer) -> dict[str, list]:
+def _state_tensors(model, optimizer, adapters_only: bool = False) -> dict[str, list]:
     """kind -> [(global name, local tensor, meta)] for every tensor that is saved. With the distributed
-    optimizer, gathering the full main weights and moments is a collective over the data-parallel group."""
+    optimizer, gathering the full main weights and moments is a collective over the data-parallel group.
+    `adapters_only`: a LoRA run that records its base checkpoint saves no frozen weight (the base's)."""
     out: dict[str, list] = {"model": [], "main": []}  # and the optimizer's state kinds
     if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
         optimizer.finish_param_sync()  # --overlap-param-gather: the model's weights must be current
     full = optimizer.gather_full_state() if optimizer is not None else {}
     for name, p, meta in named_param_meta(model):
+        if adapters_only and not p.requires_grad:
+            continue
         gname = model.global_name(name)
         # FSDP2 keeps parameters sharded over data parallelism (DTensors): saved as the full tensor.
         out["model"].append((gname, p.full_tensor().cpu() if hasattr(p, "full_tensor") else p, meta))
@@ -114,10 +117,11 @@ class _Snapshot:
     rng: dict[str, torch.Tensor]
 
 
-def _snapshot(model, optimizer, ctx: ParallelContext, save_rng: bool = True) -> _Snapshot:
+def _snapshot(model, optimizer, ctx: ParallelContext, job_dict: dict, save_rng: bool = True) -> _Snapshot:
     tensors, index = {}, {}
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
-    for kind, entries in _state_tensors(model, optimizer).items():
+    adapters_only = bool((job_dict.get("lora") or {}).get("base"))  # (training.resume.lora_base)
+    for kind, entries in _state_tensors(model, optimizer, adapters_only).items():
         for gname, t, meta in entries:
             if not owns_copy(meta, ctx):
                 continue
@@ -224,7 +228,7 @@ def save_checkpoint(
     False (--no-save-rng): no random-number-generator states."""
     optimizer, scheduler = _saved_parts(optimizer, scheduler, save_optim)
     tmp = _prepare_tmp(root, state.iteration, ctx)
-    snap = _snapshot(model, optimizer, ctx, save_rng)  # (collectives with the distributed optimizer)
+    snap = _snapshot(model, optimizer, ctx, job_dict, save_rng)  # (collectives with the distributed optimizer)
     _on_every_rank(ctx, lambda: _write_rank_files(tmp, snap), f"writing {tmp}")
     final = iteration_dir(root, state.iteration)
     meta = _metadata(state, optimizer, scheduler, ctx, job_dict)
@@ -253,7 +257,7 @@ class AsyncSaver:
         previous = self.finish()  # one save in flight at a time
         optimizer, scheduler = _saved_parts(optimizer, scheduler, save_optim)
         tmp = _prepare_tmp(self.root, state.iteration, self.ctx)
-        snap = _snapshot(model, optimizer, self.ctx, save_rng)
+        snap = _snapshot(model, optimizer, self.ctx, job_dict, save_rng)
         meta = _metadata(state, optimizer, scheduler, self.ctx, job_dict)
         self._pending = (tmp, meta)
         self._error = None

@@ -366,13 +366,19 @@ def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict
 
 def read_model_tensors(load_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata, full unpadded model tensors by our names) of the newest checkpoint under `load_dir`,
-    whatever layout wrote it."""
+    whatever layout wrote it. A LoRA checkpoint of adapters has its frozen weights from the base checkpoint it
+    recorded (QLoRA's: unquantised)."""
     path = find_checkpoint(load_dir, flag="--load-dir")
     if path is None:
         raise ConfigError(f"--load-dir {load_dir} holds no megatron_lite checkpoint")
     meta = read_metadata(path)
     reader = _Reader(path, meta)
     out = {}
+    base = (meta["config"].get("lora") or {}).get("base")
+    if base:
+        if find_checkpoint(base) is None:
+            raise ConfigError(f"--load-dir {load_dir} holds LoRA adapters; their base checkpoint {base!r} is gone")
+        out = read_model_tensors(base)[1]
     for name, rec in reader.index.items():
         if name.startswith("model/"):
             out[name.removeprefix("model/")] = reader.read(name, 0, rec["shape"][rec["dim"]], rec["dim"])
@@ -557,14 +563,9 @@ def megatron_lite_to_hf(
             )
         from megatron_lite.lora.peft import merge
 
-        if (saved.get("lora") or {}).get("qlora"):  # adapters only: the base comes from the checkpoint they recorded
-            base_dir = saved["lora"].get("base")
-            if not base_dir or find_checkpoint(base_dir) is None:
-                raise ConfigError(
-                    f"--load-dir {load_dir} holds QLoRA adapters; their base checkpoint {base_dir!r} is gone"
-                )
-            ours = {**read_model_tensors(base_dir)[1], **ours}
-            log(f"merging the QLoRA adapters onto the unquantised base {base_dir}")
+        if lora.base:  # (read_model_tensors took the frozen weights from the base the adapters recorded)
+            kind = "QLoRA adapters onto the unquantised" if lora.qlora else "LoRA adapters onto the"
+            log(f"merging the {kind} base {lora.base}")
         ours = merge(ours, config, lora)
     original, side = _original_hf_config(load_dir, saved)
     base, side_from = None, [side] if side else []

@@ -44,7 +44,7 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DENSE_TARGETS
     qlora: bool = False  # the adapted layers' frozen weights stored in NF4 (4.127 bits per parameter)
-    # QLoRA checkpoints hold adapters, not the NF4 base: the base checkpoint they were trained on (recorded)
+    # the base checkpoint the adapters were trained on (recorded): its checkpoints then hold the adapters alone
     base: str | None = None
 
     def __post_init__(self) -> None:

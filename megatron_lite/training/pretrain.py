@@ -23,7 +23,6 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint.checkpointing import (
     AsyncSaver,
     TrainState,
-    find_checkpoint,
     load_checkpoint,
     read_metadata,
     save_checkpoint,
@@ -52,7 +51,7 @@ from megatron_lite.training.configs import JobConfig, check_output_paths
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
-from megatron_lite.training.resume import check_qlora_base, rollback, start_load, starting_checkpoint
+from megatron_lite.training.resume import check_qlora_base, lora_base, rollback, start_load, starting_checkpoint
 from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
@@ -180,26 +179,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         _check_against_checkpoint(saved, model_cfg, ckpt_path)
     job = dataclasses.replace(job, model=model_cfg)
     validate_layout(job.model, job.parallel, world_size, job.training)
-    base_path = None
-    if job.lora is not None and job.lora.qlora:
-        # A QLoRA checkpoint holds adapters only: its base loads first, from the checkpoint it recorded.
-        saved_lora = (saved.get("lora") or {}) if ckpt_path is not None else {}
-        if saved_lora.get("qlora"):
-            base_dir = saved_lora.get("base")
-        else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
-            whole = ckpt_path is not None and not ckpt_path.endswith(".old")
-            base_dir = ckpt_path if whole else job.checkpoint.load
-            check_qlora_base(job, ckpt_path)
-            if ckpt_path is None:
-                say("--qlora with no base checkpoint loaded: the adapters train on a randomly initialised base")
-        if saved_lora.get("qlora"):
-            base_path = find_checkpoint(base_dir) if base_dir else None
-            if base_path is None:
-                raise ConfigError(
-                    f"{ckpt_path} holds QLoRA adapters trained on the base checkpoint {base_dir!r}, which is gone; "
-                    "restore it or start again from a base with --load BASE --finetune"
-                )
-        job = dataclasses.replace(job, lora=dataclasses.replace(job.lora, base=base_dir))
+    job, base_path = lora_base(job, ckpt_path, saved if ckpt_path is not None else {}, say)
 
     timeout_s = job.distributed_timeout_minutes * 60
     recorder_on = job.resilience.flight_recorder and world_size > 1
@@ -273,7 +253,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if ckpt_path is not None:
             if base_path is not None:
                 load_checkpoint(base_path, model, None, None, ctx, finetune=True)
-                log.info(f"loaded the QLoRA base {base_path}")
+                log.info(f"loaded the LoRA base {base_path}")
             state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **start_load(job, base_path))
             log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
             how = start_load(job, base_path)

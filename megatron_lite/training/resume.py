@@ -83,15 +83,61 @@ def check_qlora_base(job: JobConfig, ckpt_path: str | None) -> None:
         )
 
 
-def start_load(job: JobConfig, qlora_base: str | None) -> dict:
-    """How the checkpoint a job starts from is loaded: --no-load-optim, --no-load-rng, --finetune; a QLoRA
-    checkpoint's base weights come from `qlora_base`, loaded before it."""
+def lora_base(job: JobConfig, ckpt_path: str | None, saved: dict, say) -> tuple[JobConfig, str | None]:
+    """LoRA checkpoints hold the adapters alone and record the base checkpoint they were trained on, as
+    Megatron-Bridge's PEFT checkpoints do: a 70B base is not written again at every save (QLoRA's NF4 base
+    cannot be). Returns (the job, its LoRA config recording that base, or none when it saves whole checkpoints;
+    the base to load before `ckpt_path`, or None when `ckpt_path` holds the whole model). `saved`: the
+    checkpoint's config."""
+    if job.lora is None:
+        return job, None
+    saved_lora = (saved.get("lora") or {}) if ckpt_path is not None else {}
+    base_path = None
+    if saved_lora.get("base"):  # adapters only: the base loads first, from the checkpoint they recorded
+        base_dir = saved_lora["base"]
+        base_path = find_checkpoint(base_dir)
+        if base_path is None:
+            raise ConfigError(
+                f"{ckpt_path} holds LoRA adapters trained on the base checkpoint {base_dir!r}, which is gone; "
+                "restore it or start again from a base with --load BASE --finetune"
+            )
+    elif saved_lora and not job.lora.qlora:
+        base_dir = None  # a whole LoRA checkpoint (its base lay in --save, or saved before adapters-only ones)
+    else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
+        whole = ckpt_path is not None and not ckpt_path.endswith(".old")
+        base_dir = ckpt_path if whole else job.checkpoint.load
+        if job.lora.qlora:
+            check_qlora_base(job, ckpt_path)
+            if ckpt_path is None:
+                say("--qlora with no base checkpoint loaded: the adapters train on a randomly initialised base")
+        elif ckpt_path is None:
+            base_dir = None  # a random base is saved with its adapters
+        elif _inside(base_dir, job.checkpoint.save):
+            say(
+                f"LoRA: the base {ckpt_path} lies in --save {job.checkpoint.save}, whose checkpoints this run adds "
+                "to and may delete: its checkpoints hold the whole model (another --save holds adapters only)"
+            )
+            base_dir = None
+    base_dir = os.path.abspath(base_dir) if base_dir else None  # (read again from another directory)
+    return dataclasses.replace(job, lora=dataclasses.replace(job.lora, base=base_dir)), base_path
+
+
+def _inside(path: str, root: str | None) -> bool:
+    if not root:
+        return False
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([path, root]) == root
+
+
+def start_load(job: JobConfig, base_path: str | None) -> dict:
+    """How the checkpoint a job starts from is loaded: --no-load-optim, --no-load-rng, --finetune; a LoRA
+    checkpoint of adapters has its base's weights from `base_path`, loaded before it."""
     ck = job.checkpoint
     return dict(
         load_optim=not ck.no_load_optim,
         load_rng=not ck.no_load_rng,
         finetune=ck.finetune,
-        skip_missing_frozen=qlora_base is not None,
+        skip_missing_frozen=base_path is not None,
     )
 
 
@@ -104,7 +150,7 @@ def rollback(
     log,
     state: TrainState,
     start: str | None,
-    qlora_base: str | None,
+    base_path: str | None,
     saved: set[int],
 ) -> TrainState:
     """Every rank reloads the newest complete checkpoint of this job's (`saved`) not past this iteration (the
@@ -124,7 +170,9 @@ def rollback(
         optimizer.finish_param_sync()
     # the starting checkpoint with the flags it was loaded with; one of this job's own with everything (its
     # optimizer state included: --no-save-optim with a rollback is refused)
-    how = start_load(job, qlora_base) if path == start else {}
+    # (this job's own hold the adapters alone when it records a base: the frozen base in memory is that one)
+    own = dict(skip_missing_frozen=job.lora is not None and job.lora.base is not None)
+    how = start_load(job, base_path) if path == start else own
     restored = load_checkpoint(path, model, optimizer, scheduler, ctx, **how)
     log.info(f"rolled back to {path}: iteration {restored.iteration}, sample {restored.consumed_samples}")
     return restored

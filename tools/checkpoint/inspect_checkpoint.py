@@ -86,7 +86,7 @@ def _features(m: dict, lora: dict | None) -> list[str]:
         out.append(f"RoPE scaling: {rs.get('rope_type', 'llama3')} x{rs.get('factor')}")
     if lora:
         kind = "QLoRA" if lora.get("qlora") else "LoRA"
-        base = f", base {lora['base']}" if lora.get("base") else ""
+        base = f"; adapters only, on the base {lora['base']}" if lora.get("base") else ""
         out.append(f"{kind}: rank {lora['rank']}, alpha {lora['alpha']:g} on {' '.join(lora['target_modules'])}{base}")
     return out
 
