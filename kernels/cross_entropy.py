@@ -406,7 +406,10 @@ def fused_linear_cross_entropy(
             vocab_start,
             vocab_size,
         )
-    chunk = chunk_size or _chunk_size(hidden.shape[0], v_local, hidden.element_size())
+    # Every rank of the TP group must run as many chunks (each one's statistics are all-reduced): sized by the
+    # group's widest shard, not this rank's rows, which the caller may have trimmed of vocabulary padding.
+    widest = v_local if tp == 1 else -(-vocab_size // tp)
+    chunk = chunk_size or _chunk_size(hidden.shape[0], widest, hidden.element_size())
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):  # evaluation: losses only
         args = (ignore_index, tp_group, vocab_start, vocab_size, float(z_loss_coeff), float(label_smoothing))
         hidden, labels = hidden.contiguous(), labels.contiguous()

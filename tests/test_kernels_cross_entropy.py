@@ -136,6 +136,39 @@ def test_vocab_parallel_over_two_ranks_equals_one_process(dist, reduction, unifo
         assert rel(dw, full_dw.chunk(2)[rank]) < TOL
 
 
+def tp_trimmed_shards(chunk_bytes: int):
+    """The model passes each rank its shard without the vocabulary padding (26 and 24 rows of 50 ids): at this
+    budget the ranks' own rows gave chunks of 4 and 8 tokens, so 10 and 5 all-reduces that gloo mismatched."""
+    import importlib
+
+    ce = importlib.import_module("megatron_lite.kernels.cross_entropy")
+    ctx = get_context(ParallelConfig(tensor_model_parallel_size=dist.get_world_size()))
+    h, w, labels = _tp_data()
+    shard = w[:26] if ctx.tp.rank == 0 else w[26:50]
+    kw = {"tp_group": ctx.tp.pg, "vocab_size": 50, "vocab_start": 26 * ctx.tp.rank}
+    saved, ce.CHUNK_LOGITS_BYTES = ce.CHUNK_LOGITS_BYTES, chunk_bytes
+    try:
+        loss, dh, dw = _run(K.fused_linear_cross_entropy, h, shard, labels, "mean", **kw)
+    finally:
+        ce.CHUNK_LOGITS_BYTES = saved
+    dist.all_reduce(dh, group=ctx.tp.pg)
+    return loss, dh, dw
+
+
+@needs_triton_on_cpu
+def test_trimmed_vocab_shards_run_as_many_chunks_on_every_rank(dist, monkeypatch):
+    import importlib
+
+    ce = importlib.import_module("megatron_lite.kernels.cross_entropy")
+    monkeypatch.setattr(ce, "CHUNK_LOGITS_BYTES", 800)
+    assert [ce._chunk_size(37, rows, 4) for rows in (26, 24)] == [4, 8]  # (the budget below splits them)
+    h, w, labels = _tp_data()
+    ref = _run(K.fused_linear_cross_entropy_reference, h, w[:50], labels, "mean")
+    for rank, (loss, dh, dw) in enumerate(dist(2, tp_trimmed_shards, 800)):
+        assert rel(loss, ref[0]) < TOL and rel(dh, ref[1]) < TOL
+        assert rel(dw, ref[2][:26] if rank == 0 else ref[2][26:]) < TOL
+
+
 def test_memory_is_per_chunk_not_per_token():
     """The only vocabulary-sized buffer is a chunk's logits."""
     import importlib
