@@ -519,17 +519,17 @@ def test_an_export_replaces_the_weights_of_an_earlier_one(monkeypatch, tmp_path)
     transformers and by us differently."""
     from safetensors.torch import load_file
 
-    from megatron_lite.checkpoint import hf_convert
+    from megatron_lite.checkpoint import hf_convert, hf_files
 
     out = str(tmp_path / "hf")
     a, b = {"w": torch.zeros(64, 64), "v": torch.zeros(64)}, {"w": torch.ones(64, 64), "v": torch.ones(64)}
     hf_convert.write_hf_dir(out, a, {"a": 1}, [])
-    monkeypatch.setattr(hf_convert, "SHARD_BYTES", 1024)  # B in shards, as a model over 5 GiB is
+    monkeypatch.setattr(hf_files, "SHARD_BYTES", 1024)  # B in shards, as a model over 5 GiB is
     hf_convert.write_hf_dir(out, b, {"b": 1}, [])
     files = sorted(os.listdir(out))
     assert "model.safetensors" not in files and "model.safetensors.index.json" in files, files
     assert torch.equal(hf_convert.read_hf_tensors(out)["w"], b["w"])
-    monkeypatch.setattr(hf_convert, "SHARD_BYTES", 5 << 30)
+    monkeypatch.setattr(hf_files, "SHARD_BYTES", 5 << 30)
     hf_convert.write_hf_dir(out, a, {"a": 1}, [])  # and back to one file: no shard or index left over
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["w"], a["w"])

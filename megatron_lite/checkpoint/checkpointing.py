@@ -345,6 +345,11 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
             if flag == "--load"
             else "give the --save directory of a run, or one of its iteration directories"
         )
+        if os.path.isfile(os.path.join(root, "config.json")) and glob.glob(os.path.join(root, "*.safetensors")):
+            fix = (
+                "it is a Hugging Face model directory: convert it first (tools/checkpoint/convert.py --loader hf "
+                f"--saver megatron_lite --load-dir {root} --save-dir CKPT) and give CKPT"
+            )
         raise ConfigError(f"{flag} {root} is not a megatron_lite checkpoint directory (no {TRACKER}); {fix}")
     path = _whole(iteration_dir(root, iteration))
     if path is None:

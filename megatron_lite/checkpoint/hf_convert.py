@@ -14,7 +14,6 @@ pytorch_model.bin is refused, because loading it could run code.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import shutil
@@ -22,7 +21,6 @@ import types
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_lite.checkpoint.checkpointing import (
@@ -41,6 +39,15 @@ from megatron_lite.checkpoint.format import (
     file_digest,
     iteration_dir,
 )
+from megatron_lite.checkpoint.hf_checks import check_not_quantised, check_state_dict, mapping_errors, normalize_hf_names
+from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
+    SIDE_FILES,
+    TOKENIZER_FILES,
+    copy_side_files,
+    read_hf_tensors,
+    shards,
+    write_hf_dir,
+)
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
@@ -48,17 +55,6 @@ from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
 
-SHARD_BYTES = 5 * 1024**3
-# Files of a Hugging Face model directory that are not weights and travel with them.
-SIDE_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
 HF_DIR = "hf"
 MODEL_TYPES_CLASSES = {
     "llama": "LlamaConfig",
@@ -219,7 +215,10 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"--load-dir {path} has no config.json; point it at a Hugging Face model directory")
-    raw = json.load(open(cfg_path))
+    try:
+        raw = json.load(open(cfg_path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # (a saved HTML page, a truncated download)
+        raise ConfigError(f"{cfg_path} is not JSON ({e}); download it again") from None
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -237,6 +236,9 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{cfg_path}: transformers cannot read it ({first})") from e
         return _fallback_config(raw), raw
+    except Exception as e:  # noqa: BLE001 - any other failure of transformers' reader is one line too
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{cfg_path}: transformers cannot read it ({type(e).__name__}: {first})") from None
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --target-dtype
@@ -255,83 +257,13 @@ def _fallback_config(raw: dict) -> Any:
     return types.SimpleNamespace(**{**HF_DEFAULTS.get(_fallback_model_type(raw) or "", {}), **raw})
 
 
-def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    elif any(f.endswith(".bin") for f in os.listdir(path)):
-        raise ConfigError(
-            f"{path} holds only pickled .bin weights; loading them could run code. Re-save them as safetensors "
-            "(transformers: model.save_pretrained(dir, safe_serialization=True)) and convert that"
-        )
-    else:
-        raise ConfigError(f"{path} has no model.safetensors or model.safetensors.index.json")
-    out = {}
-    for f in files:
-        full = os.path.join(path, f)
-        try:
-            with safe_open(full, framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-        except Exception as e:
-            raise ConfigError(f"{full} cannot be read ({type(e).__name__}: {e})") from None
-    return out
-
-
-def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Consecutive groups of tensors of at most SHARD_BYTES each (a larger tensor alone in its group)."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
-    return shards
-
-
-def write_hf_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, side_from: list[str]) -> None:
-    """safetensors shards (with an index when more than one), config.json and the side files."""
-    os.makedirs(path, exist_ok=True)
-    # An earlier export's weights go first: transformers reads model.safetensors before an index and we read the
-    # index first, so a leftover of either kind would give the two different weights beside the new config.
-    stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
-    stale += [os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]
-    for f in stale:
-        if os.path.isfile(f):
-            os.remove(f)
-    shards = _shards(tensors)
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    for fname, shard in zip(names, shards):
-        atomic_write(os.path.join(path, fname), lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map = {k: fname for fname, shard in zip(names, shards) for k in shard}
-        atomic_write_json(
-            os.path.join(path, "model.safetensors.index.json"),
-            {"metadata": {"total_size": total}, "weight_map": weight_map},
-        )
-    for src in side_from:
-        for f in SIDE_FILES:
-            if os.path.isfile(os.path.join(src, f)) and not os.path.exists(os.path.join(path, f)):
-                shutil.copyfile(os.path.join(src, f), os.path.join(path, f))
-    atomic_write_json(os.path.join(path, "config.json"), config)
-
-
 # megatron_lite side ------------------------------------------------------------------------------
 def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict: dict, extra: dict) -> str:
     """Weights only (no optimizer state), one piece per tensor, at iteration 0, files of at most 5 GiB."""
     tmp = iteration_dir(root, 0) + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    files = _shards({f"model/{name}@0": t for name, t in tensors.items()})
+    files = shards({f"model/{name}@0": t for name, t in tensors.items()})
     index = {}
     for i, shard in enumerate(files):
         for key, t in shard.items():
@@ -364,10 +296,11 @@ def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict
     return publish(root, tmp, meta)
 
 
-def read_model_tensors(load_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_model_tensors(load_dir: str, main: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata, full unpadded model tensors by our names) of the newest checkpoint under `load_dir`,
     whatever layout wrote it. A LoRA checkpoint of adapters has its frozen weights from the base checkpoint it
-    recorded (QLoRA's: unquantised)."""
+    recorded (QLoRA's: unquantised). `main`: the optimizer's fp32 main weights where it holds them (a --bf16 run's
+    model weights are their bf16 rounding)."""
     path = find_checkpoint(load_dir, flag="--load-dir")
     if path is None:
         raise ConfigError(f"--load-dir {load_dir} holds no megatron_lite checkpoint")
@@ -378,10 +311,12 @@ def read_model_tensors(load_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if base:
         if find_checkpoint(base) is None:
             raise ConfigError(f"--load-dir {load_dir} holds LoRA adapters; their base checkpoint {base!r} is gone")
-        out = read_model_tensors(base)[1]
+        out = read_model_tensors(base, main)[1]
     for name, rec in reader.index.items():
         if name.startswith("model/"):
-            out[name.removeprefix("model/")] = reader.read(name, 0, rec["shape"][rec["dim"]], rec["dim"])
+            name = "main/" + name.removeprefix("model/") if main and "main/" + name[6:] in reader.index else name
+            rec = reader.index[name]
+            out[name.split("/", 1)[1]] = reader.read(name, 0, rec["shape"][rec["dim"]], rec["dim"])
     return meta, out
 
 
@@ -391,7 +326,8 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     arch = _arch(hf_config)
     config = config_from_hf(hf_config)
     log(f"{load_dir}: {arch}, {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}")
-    hf = read_hf_tensors(load_dir)
+    hf = normalize_hf_names(read_hf_tensors(load_dir), arch)
+    check_not_quantised(hf, raw, load_dir, log)
     # DeepSeek-V3's multi-token-prediction layers follow its last layer. (transformers' config defaults
     # num_nextn_predict_layers to 1 and its model has none, so the file and the tensors decide.)
     mtp = int(raw.get("num_nextn_predict_layers") or 0) if arch == "DeepseekV3ForCausalLM" else 0
@@ -407,17 +343,21 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
         )
     config = dataclasses.replace(config, mtp_num_layers=mtp)
     interleave = bool(getattr(hf_config, "rope_interleave", True))  # (DeepSeek-V3's RoPE row layout)
-    ours = state_dict_from_hf(hf, config, arch, interleave)
+    with mapping_errors(load_dir):
+        ours = state_dict_from_hf(hf, config, arch, interleave)
+    ours = check_state_dict(ours, config, load_dir, log)
     _check_mtp_copies(hf, config, load_dir, log)
     unused = set(hf) - _used_hf_names(hf, config, arch, interleave)
     if unused:
         raise ConfigError(f"{load_dir} holds tensors the {arch} mapping does not use: {sorted(unused)[:5]}")
-    os.makedirs(save_dir, exist_ok=True)
+    trained = [i for i in complete_iterations(save_dir) if i != 0] if os.path.isdir(save_dir) else []
+    if trained:  # (iteration 0 would become the newest: a resume would go back to the converted weights)
+        raise ConfigError(f"--save-dir {save_dir} holds a training run's checkpoints (iterations {trained[:3]}): "
+                          "give an empty directory")  # fmt: skip
     side = os.path.join(save_dir, HF_DIR)
-    os.makedirs(side, exist_ok=True)
-    for f in ("config.json", *SIDE_FILES):
-        if os.path.isfile(os.path.join(load_dir, f)):
-            shutil.copyfile(os.path.join(load_dir, f), os.path.join(side, f))
+    shutil.rmtree(side, ignore_errors=True)  # (an earlier conversion's tokenizer would be named by this one)
+    os.makedirs(side)
+    copy_side_files([(load_dir, ("config.json", *SIDE_FILES))], side)
     tokenizer = os.path.join(os.path.abspath(side), "tokenizer.json")
     data = (
         DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer)
@@ -548,10 +488,29 @@ def megatron_lite_to_peft(
         )
 
 
+def _token_ids(data: dict) -> dict:
+    """config.json's bos/eos ids for the tokenizer a model was trained with (its EOD ends generation)."""
+    from megatron_lite.data.tokenizers import tokenizer_from_flags
+
+    try:
+        tok = tokenizer_from_flags(
+            DataConfig(
+                **{
+                    k: data.get(k)
+                    for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+                }
+            )
+        )
+    except (ConfigError, ValueError, OSError):
+        return {}
+    return {"bos_token_id": getattr(tok, "bos", None), "eos_token_id": getattr(tok, "eod", None)}
+
+
 def megatron_lite_to_hf(
     load_dir: str, save_dir: str, dtype: str | None = None, log=print, merge_lora: bool = False
 ) -> None:
-    meta, ours = read_model_tensors(load_dir)
+    # (a dtype asked for is cast from the fp32 main weights where the checkpoint holds them, not their rounding)
+    meta, ours = read_model_tensors(load_dir, main=dtype is not None)
     saved = meta["config"]
     config = model_config_from_dict(saved["model"])
     if any(".lora." in k for k in ours):
@@ -572,11 +531,16 @@ def megatron_lite_to_hf(
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # back to the weights' class
     if (original.get("architectures") or [None])[0] == arch:
         base = original
+    side_from = [(d, SIDE_FILES) for d in side_from]
     tok = (saved.get("data") or {}).get("tokenizer_model")
-    if tok and os.path.isfile(tok):
-        side_from.append(os.path.dirname(tok))
+    if tok and os.path.isfile(tok):  # (its tokenizer files only: the directory may be another model's)
+        side_from.append((os.path.dirname(tok), TOKENIZER_FILES))
+        if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens
+            base = _token_ids(saved["data"])
     check_exportable(config, arch)  # (before the weights are mapped: a missing tensor was a KeyError traceback)
-    hf = state_dict_to_hf(ours, config, arch, on_disk=True)
+    ours = check_state_dict(ours, config, f"--load-dir {load_dir}", log, extra_ok=True)
+    with mapping_errors(f"--load-dir {load_dir}"):
+        hf = state_dict_to_hf(ours, config, arch, on_disk=True)
     if dtype is not None:
         target = DTYPES[dtype]
         hf = {k: v.to(target) for k, v in hf.items()}

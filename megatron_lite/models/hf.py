@@ -346,6 +346,10 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     out = dict(base or {})
     out.update(architectures=[arch], model_type=MODEL_TYPES[arch], vocab_size=c.vocab_size, torch_dtype=dtype)
     out.pop("dtype", None)
+    # (the weights are not quantised, and the remote code auto_map names is not exported with them)
+    for dropped in ("quantization_config", "auto_map"):
+        out.pop(dropped, None)
+    out.setdefault("initializer_range", c.init_method_std)  # (the base's: only new weights' init reads it)
     # (without a base config.json, a class default such as Phi-3's 32000 would be read, past a smaller vocabulary)
     out.setdefault("pad_token_id", None)
     check_exportable(c, arch)
@@ -365,7 +369,6 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
             scale_attn_by_inverse_layer_idx=False,
             reorder_and_upcast_attn=False,
             tie_word_embeddings=c.tied_embeddings,
-            initializer_range=c.init_method_std,
         )
         return out
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
@@ -402,7 +405,6 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         hidden_act="silu",
         tie_word_embeddings=c.tied_embeddings,
         attention_dropout=c.attention_dropout,
-        initializer_range=c.init_method_std,
         # transformers >= 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
         rope_parameters=rope,
         rope_theta=c.rotary_base,

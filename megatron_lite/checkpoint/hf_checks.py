@@ -1,0 +1,108 @@
+"""What a Hugging Face directory must hold before its weights are mapped, and what a mapped state dict must be.
+
+A conversion that skips a missing tensor writes a checkpoint that fails at `--load`, or (exported) a model that
+transformers fills with random weights and only warns about; one whose shapes disagree with config.json fails in
+a reshape deep in the mapping. Both are checked here against the model config.json describes, built on the meta
+device (nothing allocated), so the error names the tensor and the likely cause.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig
+
+# Tensors of checkpoints quantised for inference (GPTQ/AWQ packs, bitsandbytes, FP8 block scales).
+QUANTISED_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", ".qweight", ".qzeros", ".scales", ".absmax",
+                      ".quant_map", ".quant_state.bitsandbytes__nf4", ".SCB")  # fmt: skip
+QUANTISED_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "int8", "uint8") if hasattr(torch, n)}
+CAUSE = "an incomplete download, or a config.json that does not describe these files"
+
+
+def normalize_hf_names(hf: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """The Hub's own GPT-2 checkpoints (openai-community/gpt2, distilgpt2) name their tensors without the
+    `transformer.` prefix that GPT2LMHeadModel saves (`wte.weight`, `h.0.attn.c_attn.weight`); transformers loads
+    both."""
+    if arch == "GPT2LMHeadModel" and "wte.weight" in hf and "transformer.wte.weight" not in hf:
+        return {k if k.startswith("lm_head.") else f"transformer.{k}": v for k, v in hf.items()}
+    return hf
+
+
+def check_not_quantised(hf: dict[str, torch.Tensor], raw: dict, where: str, log) -> None:
+    """Quantised weights (FP8 DeepSeek-V3/R1 on the Hub, GPTQ, AWQ, bitsandbytes) are refused before any mapping:
+    they would be read as unscaled weights. A config.json that still names a quantisation over bf16/fp32 weights
+    (DeepSeek's fp8_cast_bf16 leaves it) is converted; the export does not carry it."""
+    method = (raw.get("quantization_config") or {}).get("quant_method") or (raw.get("quantization_config") and "?")
+    packed = sorted(k for k, t in hf.items() if k.endswith(QUANTISED_SUFFIXES) or t.dtype in QUANTISED_DTYPES)
+    if packed:
+        dtypes = sorted({str(hf[k].dtype).removeprefix("torch.") for k in packed[:50]})
+        raise ConfigError(
+            f"{where} is a quantised checkpoint ({method or 'no quantization_config'}; {len(packed)} tensors such "
+            f"as {packed[0]} in {'/'.join(dtypes)}): dequantise it to bf16 (and drop quantization_config from its "
+            "config.json) first, then convert that"
+        )
+    if method:
+        log(f"{where}: config.json names quantization {method!r} but the weights are not quantised: converted as they "
+            "are (the quantization_config is dropped)")  # fmt: skip
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our full, unpadded tensor names and shapes for `config` (one process: every expert and layer)."""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.models.weights import full_shape
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.parameters import named_param_meta
+
+    model = build_model(config, ParallelContext.virtual(ParallelConfig(), device=torch.device("meta")), device="meta")
+    return {model.global_name(n): tuple(full_shape(p, meta)) for n, p, meta in named_param_meta(model)}
+
+
+def check_state_dict(
+    ours: dict[str, torch.Tensor], config: ModelConfig, where: str, log, extra_ok: bool = False
+) -> dict[str, torch.Tensor]:
+    """`ours` against the model `config` describes: a missing tensor, a shape that differs, or (unless
+    `extra_ok`) a tensor it has no place for is one line. A router's expert bias the files lack is zeros, as
+    transformers initialises it."""
+    expected = expected_tensors(config)
+    missing = [k for k in expected if k not in ours]
+    bias = [k for k in missing if k.endswith("router.expert_bias")]
+    if bias:
+        log(f"{where}: no expert score-correction bias for {len(bias)} MoE layer(s): zeros, as transformers takes")
+        ours = {**ours, **{k: torch.zeros(expected[k]) for k in bias}}
+        missing = [k for k in missing if k not in bias]
+    if missing:
+        raise ConfigError(f"{where} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]} ({CAUSE})")
+    wrong = [
+        f"{k} {tuple(ours[k].shape)} (expected {expected[k]})" for k in expected if tuple(ours[k].shape) != expected[k]
+    ]
+    if wrong:
+        raise ConfigError(f"{where}: {len(wrong)} tensor(s) of the wrong shape, e.g. {'; '.join(wrong[:2])} ({CAUSE})")
+    unplaced = sorted(set(ours) - set(expected))
+    if unplaced and not extra_ok:
+        raise ConfigError(
+            f"{where} holds tensors the model config.json describes has no place for, e.g. {unplaced[:3]} (a bias "
+            "with attention_bias / mlp_bias false?); fix config.json or remove them"
+        )
+    return ours
+
+
+def mapping_errors(where: str):
+    """A context that turns a KeyError (a tensor the mapping reads is absent) or a RuntimeError (a reshape of a
+    tensor whose shape config.json does not give) into one line."""
+    return _MappingErrors(where)
+
+
+class _MappingErrors:
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if kind is KeyError:
+            raise ConfigError(f"{self.where} lacks the tensor {error.args[0]} ({CAUSE})") from None
+        if kind is RuntimeError:
+            first = str(error).strip().splitlines()[0]
+            raise ConfigError(f"{self.where}: a tensor's shape does not fit config.json ({first}; {CAUSE})") from None
+        return False

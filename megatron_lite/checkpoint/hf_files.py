@@ -1,0 +1,113 @@
+"""The files of a Hugging Face model directory: its safetensors weights (read whole, written in shards of at
+most 5 GiB with an index) and the files that are not weights but travel with them (tokenizer, chat template,
+generation settings, licence)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_lite.checkpoint.format import atomic_write, atomic_write_json
+from megatron_lite.config import ConfigError
+
+SHARD_BYTES = 5 * 1024**3
+# Files of a Hugging Face model directory that are not weights and travel with them: the tokenizer's (the chat
+# template is its own file since transformers 4.47), then the model's generation settings and licence terms.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json", "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE",
+              "USE_POLICY.md")  # fmt: skip
+
+
+def copy_side_files(side_from: list[tuple[str, tuple[str, ...]]], path: str) -> None:
+    """Into `path`, from each (directory, names), the named files present there and not yet copied."""
+    for src, names in side_from:
+        for f in names:
+            if os.path.isfile(os.path.join(src, f)) and not os.path.exists(os.path.join(path, f)):
+                shutil.copyfile(os.path.join(src, f), os.path.join(path, f))
+
+
+def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    elif any(f.endswith(".bin") for f in os.listdir(path)):
+        raise ConfigError(
+            f"{path} holds only pickled .bin weights; loading them could run code. Re-save them as safetensors "
+            "(transformers: model.save_pretrained(dir, safe_serialization=True)) and convert that"
+        )
+    else:
+        raise ConfigError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    out = {}
+    for f in files:
+        full = os.path.join(path, f)
+        try:
+            with safe_open(full, framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+        except Exception as e:
+            raise ConfigError(f"{full} cannot be read ({type(e).__name__}: {e})") from None
+    return out
+
+
+def shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most SHARD_BYTES each (a larger tensor alone in its group)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    return shards
+
+
+def write_hf_dir(
+    path: str, tensors: dict[str, torch.Tensor], config: dict, side_from: list[tuple[str, tuple[str, ...]]]
+) -> None:
+    """safetensors shards (with an index when more than one), config.json and the side files: from each
+    (directory, names) of `side_from` those present, the first directory holding one giving it."""
+    os.makedirs(path, exist_ok=True)
+    # An earlier export's weights go first: transformers reads model.safetensors before an index and we read the
+    # index first, so a leftover of either kind would give the two different weights beside the new config.
+    stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
+    stale += [os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]
+    stale += [os.path.join(path, f) for f in SIDE_FILES]  # (an earlier export's chat template, tokenizer...)
+    for f in stale:
+        if os.path.isfile(f):
+            os.remove(f)
+    groups = shards(tensors)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    for fname, shard in zip(names, groups):
+        atomic_write(os.path.join(path, fname), lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+    if len(groups) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {k: fname for fname, shard in zip(names, groups) for k in shard}
+        atomic_write_json(
+            os.path.join(path, "model.safetensors.index.json"),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    copy_side_files(side_from, path)
+    atomic_write_json(os.path.join(path, "config.json"), config)
