@@ -237,9 +237,12 @@ def moe_unpermute_reference(out, row_map, probs):
     valid = row_map >= 0
     if out.shape[0] == 0:  # every pair dropped (a chunk past the experts' capacity): nothing to gather, but
         # still a function of out and probs, so that the backward reaches what produced them (the expert
-        # all-to-alls the other ranks run too), as the Triton combine and Megatron's scatter_add do
-        return out.new_zeros(t, out.shape[1]) + out.sum() * 0 + (probs.sum() * 0).to(out.dtype)
-    rows = out[row_map.clamp(min=0).reshape(-1)].view(t, k, -1)
+        # all-to-alls the other ranks run too), as the Triton combine and Megatron's scatter_add do; and it
+        # saves tensors as a chunk with rows does, so that under recomputation every rank's backward
+        # recomputes at the same point (before this chunk's gradient all-to-all: the collectives pair up)
+        rows = out.new_zeros(t, k, out.shape[1]) + out.sum() * 0
+    else:
+        rows = out[row_map.clamp(min=0).reshape(-1)].view(t, k, -1)
     # dropped pairs read row 0 as a stand-in: zeroed, not multiplied by 0 (an inf there would give NaN)
     rows = rows.masked_fill(~valid.unsqueeze(-1), 0.0)
     w = (probs * valid).to(out.dtype).unsqueeze(-1)

@@ -77,6 +77,22 @@ def _check_run_length(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value} does not go with {run}: use the {other} form of the flag")
 
 
+def _check_moe_flags(ns: argparse.Namespace) -> None:
+    """Megatron's refusals of MoE flags that would do nothing, or train nothing."""
+    if ns.overlap_moe_expert_parallel_comm and (ns.num_experts is None or ns.expert_model_parallel_size == 1):
+        what = "no --num-experts" if ns.num_experts is None else "--expert-model-parallel-size 1"
+        raise ConfigError(
+            f"--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-alls; with {what} there are "
+            "none: drop the flag (or set --expert-model-parallel-size > 1)"
+        )
+    post = ns.moe_router_score_function == "softmax" and not ns.moe_router_pre_softmax
+    if ns.num_experts is not None and ns.moe_router_topk == 1 and post:
+        raise ConfigError(
+            "--moe-router-topk 1 with the softmax over the chosen expert alone gives every token the weight 1, so "
+            "the router learns nothing from the LM loss: add --moe-router-pre-softmax (as Megatron asks)"
+        )
+
+
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     refuse_unsupported(ns)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -88,6 +104,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             f"--overlap-moe-expert-parallel-comm overlaps the all-to-all dispatcher's exchanges; it does nothing with "
             f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
         )
+    _check_moe_flags(ns)
     kernel_impl = _kernel_impl(ns.kernel_impl, ns.distributed_backend)
     balancing, aux_loss_coeff = flag_values.balancing(ns)
     vocab = ns.vocab_size
@@ -151,7 +168,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_z_loss_coeff=ns.moe_z_loss_coeff,
         moe_router_enable_expert_bias=ns.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=ns.moe_router_bias_update_rate,
-        moe_expert_capacity_factor=ns.moe_expert_capacity_factor,
+        moe_expert_capacity_factor=flag_values.capacity_factor(ns),
         moe_token_drop_policy=ns.moe_token_drop_policy,
         moe_layer_freq=flag_values.layer_freq(ns.moe_layer_freq),
         moe_shared_expert_intermediate_size=ns.moe_shared_expert_intermediate_size,

@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-z-loss-coeff", type=float)
     _bool(e, "--moe-router-enable-expert-bias", "aux-loss-free balancing (needs sigmoid scores)")
     e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
-    e.add_argument("--moe-expert-capacity-factor", type=float, help="dropless when unset")
+    e.add_argument("--moe-expert-capacity-factor", type=float,
+                   help="dropless when unset or negative; counted over the TP group's whole sequence")  # fmt: skip
     e.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
     e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
     e.add_argument("--moe-shared-expert-intermediate-size", type=int)

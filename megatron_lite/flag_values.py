@@ -106,6 +106,12 @@ def balancing(ns: argparse.Namespace) -> tuple[str, float]:
     return kinds[0], coeffs[0]
 
 
+def capacity_factor(ns: argparse.Namespace) -> float | None:
+    """--moe-expert-capacity-factor: a negative value means dropless in Megatron (its config sets None)."""
+    cf = ns.moe_expert_capacity_factor
+    return None if cf is not None and cf < 0 else cf
+
+
 def cp_comm_type(values, num_layers: int | None) -> str:
     """Megatron's --cp-comm-type: one value, or one per layer. Every layer here shares its attention's
     communication, so a list is taken when its values agree."""

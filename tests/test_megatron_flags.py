@@ -115,6 +115,24 @@ def test_megatrons_list_form_of_the_balancing_loss():
             parse_args([*moe, *flags])
 
 
+def test_moe_flags_megatron_refuses_or_reads_its_own_way():
+    """From an MoE review against Megatron-Core's TransformerConfig: a top-1 softmax router without
+    --moe-router-pre-softmax weighs every token 1 (the router learned from the aux loss alone), and
+    --overlap-moe-expert-parallel-comm without expert parallelism did nothing; Megatron refuses both. A negative
+    --moe-expert-capacity-factor is dropless there (it was refused here)."""
+    moe = [*MOCK, "--num-experts", "4", "--disable-bias-linear"]
+    with pytest.raises(ConfigError, match="add --moe-router-pre-softmax"):
+        parse_args([*moe, "--moe-router-topk", "1"])
+    assert parse_args([*moe, "--moe-router-topk", "1", "--moe-router-pre-softmax"])[1].model.moe_router_topk == 1
+    sigmoid = ["--moe-router-score-function", "sigmoid"]
+    assert parse_args([*moe, "--moe-router-topk", "1", *sigmoid])[1].model.moe_router_topk == 1
+    for flags, fragment in ((moe, "with --expert-model-parallel-size 1"), (MOCK, "with no --num-experts")):
+        with pytest.raises(ConfigError, match=fragment):
+            parse_args([*flags, "--overlap-moe-expert-parallel-comm"])
+    assert parse_args([*moe, "--moe-expert-capacity-factor", "-1"])[1].model.moe_expert_capacity_factor is None
+    assert parse_args([*moe, "--moe-expert-capacity-factor", "1.5"])[1].model.moe_expert_capacity_factor == 1.5
+
+
 @pytest.mark.parametrize(
     "flags, fragment",
     [
