@@ -228,6 +228,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=ns.sequence_parallel,
         tp_comm_overlap=ns.tp_comm_overlap,
+        tp_comm_overlap_ag=not ns.disable_tp_comm_overlap_ag,
+        tp_comm_overlap_rs=not ns.disable_tp_comm_overlap_rs,
         overlap_p2p_comm=False if ns.no_overlap_p2p_communication else (True if ns.overlap_p2p_comm else None),
         microbatch_group_size=ns.microbatch_group_size_per_virtual_pipeline_stage,
         overlap_moe_expert_parallel_comm=ns.overlap_moe_expert_parallel_comm,

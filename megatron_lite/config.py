@@ -462,6 +462,10 @@ class ParallelConfig:
     # ranks, a ring over the P groups
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
     tp_comm_overlap: bool = False  # sequence-parallel GEMMs as rings overlapping their all-gather/reduce-scatter
+    # --disable-tp-comm-overlap-ag / -rs: the column-parallel (all-gather) / row-parallel (reduce-scatter) layers
+    # keep their plain collectives under --tp-comm-overlap
+    tp_comm_overlap_ag: bool = True
+    tp_comm_overlap_rs: bool = True
     overlap_p2p_comm: bool | None = None  # pipeline receives waited on lazily; default: on with virtual stages
     # --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batches per group
     # through each chunk (default: PP)

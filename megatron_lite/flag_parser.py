@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(d, "--sequence-parallel", "Megatron sequence parallelism (needs TP > 1)")
     _bool(d, "--overlap-grad-reduce", "launch each gradient bucket's all-reduce during the backward")
     _bool(d, "--tp-comm-overlap", "sequence-parallel GEMMs as TP rings overlapping all-gather / reduce-scatter")
+    _bool(d, "--disable-tp-comm-overlap-ag", "column-parallel layers keep the plain all-gather (--tp-comm-overlap)")
+    _bool(d, "--disable-tp-comm-overlap-rs", "row-parallel layers keep the plain reduce-scatter (--tp-comm-overlap)")
     _bool(d, "--overlap-p2p-comm", "pipeline: wait on each receive only when its data is needed (default with VP)")
     _bool(d, "--no-overlap-p2p-communication", "pipeline: wait on every receive before the next compute")
     d.add_argument(

@@ -94,8 +94,13 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     # Megatron's store_false spellings (a flag-defaults review found scripts refused on them)
     "no_align_grad_reduce": (False, "each pipeline stage starts its gradient reductions on its own"),
     "no_align_param_gather": (False, "each pipeline stage starts its weight all-gathers on its own"),
-    "disable_tp_comm_overlap_ag": (False, TP_SWITCH),
-    "disable_tp_comm_overlap_rs": (False, TP_SWITCH),
+    "tp_comm_overlap_rs_dgrad": (
+        False,
+        "under --tp-comm-overlap the column-parallel backward's reduce-scatter is already a ring overlapped with its "
+        "GEMM",
+    ),
+    "tp_comm_overlap_cfg": (True, "the ring overlap takes no userbuffer configuration"),
+    "tp_comm_bootstrap_backend": (True, "the ring overlap has no userbuffers to bootstrap"),
     "disable_tp_comm_bulk_dgrad": (False, TP_SWITCH),
     "disable_tp_comm_bulk_wgrad": (False, TP_SWITCH),
     "disable_tp_comm_split_ag": (False, TP_SWITCH),

@@ -84,7 +84,7 @@ def test_validate_args_overrides_on_resume(monkeypatch):
 def test_megatrons_store_false_spellings_and_encoder_seq_length_are_taken():
     """Megatron's --no-*/--disable-* spellings were 'no such flag' (a script stopped on each): those that change
     nothing here are accepted and said; --encoder-seq-length is --seq-length (both given: one line)."""
-    flags = ["--no-align-grad-reduce", "--no-align-param-gather", "--disable-tp-comm-overlap-ag", "--no-initialization"]
+    flags = ["--no-align-grad-reduce", "--no-align-param-gather", "--disable-tp-comm-bulk-dgrad", "--no-initialization"]
     # (and the pipeline's performance switches, from a pipeline review)
     flags += ["--variable-seq-lengths", "--defer-embedding-wgrad-compute", "--overlap-p2p-communication-warmup-flush"]
     ns, job = parse_args([*BASE[:-4], "--train-iters", "4", "--mock-data", "--vocab-size", "100", *flags,

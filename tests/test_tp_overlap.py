@@ -61,6 +61,45 @@ def test_overlapped_gemm_through_the_triton_kernel(dist, kind):
         assert max(errs) < 1e-6, errs
 
 
+def tp_switches_and_uneven_shapes() -> list[tuple[str, bool]]:
+    """From a TP review: --disable-tp-comm-overlap-ag / -rs were accepted and did nothing; the ring's GEMM +
+    reduce-scatter dropped the rows of an input TP does not divide (the plain reduce-scatter raises), and a model
+    under SP said only "dim 0 of size 15 does not split over 2 ranks"."""
+    import dataclasses
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron_lite.tensor_parallel.overlap import matmul_reduce_scatter
+
+    from models import llama_config
+
+    base = P(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)
+    seen = []
+    for off in ("ag", "rs"):
+        ctx = get_context(dataclasses.replace(base, **{f"tp_comm_overlap_{off}": False}))
+        model = build_model(llama_config(), ctx, seed=0)
+        for name, m in model.named_modules():  # (the output layer's logits are gathered by the loss, not SP)
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and "output_layer" not in name:
+                seen.append((f"{off} off: {type(m).__name__}", m.comm_overlap))
+    with pytest.raises(ValueError, match="dim 0 of size 7 does not split over 2 ranks"):
+        matmul_reduce_scatter(torch.randn(7, 1, 4), torch.randn(3, 4), ctx.tp)
+    with pytest.raises(ValueError, match="a sequence of 15 tokens does not split over --tensor-model-parallel-size 2"):
+        model(torch.zeros(1, 15, dtype=torch.long))
+    return sorted(set(seen))
+
+
+def test_per_collective_overlap_switches_and_shapes_the_ring_cannot_split(dist):
+    from megatron_lite.arguments import parse_args
+
+    flags = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --train-iters 1 --mock-data"
+    flags += " --vocab-size 100 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
+    parallel = parse_args([*flags.split(), "--disable-tp-comm-overlap-rs"])[1].parallel
+    assert (parallel.tp_comm_overlap_ag, parallel.tp_comm_overlap_rs) == (True, False)
+    for seen in dist(2, tp_switches_and_uneven_shapes):
+        assert seen == [("ag off: ColumnParallelLinear", False), ("ag off: RowParallelLinear", True),
+                        ("rs off: ColumnParallelLinear", True), ("rs off: RowParallelLinear", False)], seen  # fmt: skip
+
+
 LAYOUTS = {
     "tp2-sp": (2, P(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True), 4, 2),
     "tp2-sp-pp2": (

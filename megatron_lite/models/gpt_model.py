@@ -70,6 +70,11 @@ class LanguageModelEmbedding(nn.Module):
             self.position_embeddings = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and input_ids.shape[1] % self.tp.size:  # (said in the model's terms)
+            raise ValueError(
+                f"a sequence of {input_ids.shape[1]} tokens does not split over --tensor-model-parallel-size "
+                f"{self.tp.size} under --sequence-parallel: give a multiple of {self.tp.size}"
+            )
         x = self.word_embeddings(input_ids)  # [seq (shard), batch, hidden]
         if self.position_embeddings is not None:
             pos = position_ids.t()  # [seq, batch]

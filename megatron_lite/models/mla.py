@@ -82,7 +82,7 @@ class MultiLatentAttention(nn.Module):
             tp,
             bias=False,
             sequence_parallel=ctx.sequence_parallel,
-            comm_overlap=ctx.parallel.tp_comm_overlap,
+            comm_overlap=ctx.parallel.tp_comm_overlap and ctx.parallel.tp_comm_overlap_rs,
             triton_gemm=config.kernel_impl == "triton",
             init_std=config.output_layer_init_std,
             device=device,

@@ -55,6 +55,8 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group, triton: bo
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group, triton: bool = False) -> torch.Tensor:
     """RS(x @ w^T) along the sequence with x [TP * c, batch, k] -> [c, batch, n], this rank's chunk."""
     tp, r = group.size, group.rank
+    if x.shape[0] % tp:  # (as the plain reduce-scatter says: the ring would drop the remainder's rows)
+        raise ValueError(f"dim 0 of size {x.shape[0]} does not split over {tp} ranks")
     c = x.shape[0] // tp
 
     def partial(i: int) -> torch.Tensor:
