@@ -1064,6 +1064,27 @@ def test_moe_losses_are_the_windows_mean(tmp_path, capsys, monkeypatch):
         assert len(set(each)) == 3 and logged[3][-1][k] == pytest.approx(sum(each) / 3, rel=1e-12), (k, each)
 
 
+def test_moe_per_layer_losses_and_an_aux_loss_free_run(tmp_path, capsys, monkeypatch):
+    """From an MoE review: --moe-per-layer-logging was a no-op (JSONL now holds each layer's losses, whose mean
+    is the logged one), and an aux-loss-free run (--moe-aux-loss-coeff 0, the expert bias balancing) logged a
+    load_balancing_loss of 0, which Megatron does not track."""
+    moe = ["--mock-data", "--vocab-size", "100", "--num-experts", "4", "--disable-bias-linear", "--log-interval", "1"]
+    log = tmp_path / "m.jsonl"
+    rc, out, err = _run([*moe, "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--log-jsonl", str(log),
+                         "--moe-per-layer-logging"], capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    rec = [json.loads(line) for line in log.read_text().splitlines() if "lm_loss" in line][-1]
+    layers = rec["moe_layer_losses"]
+    assert sorted(layers) == ["0", "1"] and all(v["aux_loss"] > 0 and v["z_loss"] > 0 for v in layers.values())
+    for k in ("aux_loss", "z_loss"):
+        assert rec[f"moe_{k}"] == pytest.approx(sum(v[k] for v in layers.values()) / 2, rel=1e-12)
+    free = ["--moe-aux-loss-coeff", "0", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    rc, out, err = _run([*moe, *free], capsys, monkeypatch)
+    assert rc == 0, err
+    lines = [line for line in out.splitlines() if "] iteration " in line]
+    assert len(lines) == 3 and not any("load_balancing_loss" in line for line in lines), lines
+
+
 def test_moe_losses_go_under_the_names_megatron_tracks(capsys, monkeypatch):
     """seq_aux_loss is Megatron's seq_load_balancing_loss (it was logged as load_balancing_loss); the z loss is
     tracked only with --moe-z-loss-coeff; Megatron's number of nan iterations is there with the NaN check off."""

@@ -67,6 +67,7 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
             dist.all_reduce(table, group=ctx.pp.pg)
     table = table.cpu()
     micro = num_microbatches * ctx.dp.size  # (CP ranks hold shares of the same micro-batches' losses)
+    aux_coeff, z_coeff = config.moe_aux_loss_coeff or 1.0, config.moe_z_loss_coeff or 1.0
     per_layer = {}
     for number in range(n_layers):
         if not config.is_moe_layer(number):
@@ -75,13 +76,15 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
         per_layer[number] = {
             "tokens_per_expert": [int(c) for c in counts.tolist()],
             "imbalance": float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0,
+            # (Megatron's --moe-per-layer-logging: each layer's losses, before their coefficients)
+            "aux_loss": float(table[number, 2 * e]) / micro / aux_coeff,
+            "z_loss": float(table[number, 2 * e + 1]) / micro / z_coeff,
         }
     moe = [n for n in range(n_layers) if config.is_moe_layer(n)]
     routed, dropped = table[moe, 2 * e + 2].sum(), table[moe, 2 * e + 3].sum()
     # logged as Megatron logs them: the mean over MoE layers, before the coefficient (--moe-aux-loss-coeff 1e-2
     # on a balanced router logs about 1, not 1e-2 x layers)
     per = micro * max(len(moe), 1)
-    aux_coeff, z_coeff = config.moe_aux_loss_coeff or 1.0, config.moe_z_loss_coeff or 1.0
     return {
         "aux_loss": float(table[moe, 2 * e].sum()) / per / aux_coeff,
         "z_loss": float(table[moe, 2 * e + 1].sum()) / per / z_coeff,
@@ -93,11 +96,13 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
 
 def log_losses(moe: dict | None, config) -> dict[str, float]:
     """A step's balancing and z losses under the names Megatron tracks: the load-balancing loss of the type in use
-    (none for --moe-router-load-balancing-type none), the z loss only with --moe-z-loss-coeff."""
+    (none for --moe-router-load-balancing-type none, nor with --moe-aux-loss-coeff 0: an aux-loss-free run), the z
+    loss only with --moe-z-loss-coeff."""
     if moe is None:
         return {}
     kind = config.moe_router_load_balancing_type
-    out = {f"moe_{kind}": moe["aux_loss"]} if kind in ("aux_loss", "seq_aux_loss") else {}
+    on = kind in ("aux_loss", "seq_aux_loss") and config.moe_aux_loss_coeff
+    out = {f"moe_{kind}": moe["aux_loss"]} if on else {}
     return {**out, **({"moe_z_loss": moe["z_loss"]} if config.moe_z_loss_coeff is not None else {})}
 
 
@@ -110,4 +115,7 @@ def log_metrics(moe: dict | None) -> dict:
     for layer, st in moe["layers"].items():
         out[f"moe_layer{layer}_imbalance"] = st["imbalance"]
     out["moe_tokens_per_expert"] = {str(layer): st["tokens_per_expert"] for layer, st in moe["layers"].items()}
+    out["moe_layer_losses"] = {
+        str(layer): {k: st[k] for k in ("aux_loss", "z_loss")} for layer, st in moe["layers"].items()
+    }
     return out
