@@ -255,6 +255,7 @@ def _schedule_notes(
         "the checkpoint's)"
         for d in changed
     ]
+    notes += _run_length_note(ns, full)
     if new_batch and ns.train_samples is None:  # the position is in samples: the lengths move under it
         notes.append(
             f"--global-batch-size {gbs} differs from the checkpoint's {old_gbs}: the schedule's iteration lengths "
@@ -262,6 +263,21 @@ def _schedule_notes(
             "keeps the checkpoint's lengths in samples)"
         )
     return notes
+
+
+def _run_length_note(ns: argparse.Namespace, full: dict) -> list[str]:
+    """A decay with no length of its own runs over the run: a new --train-iters / --train-samples moves its end,
+    and the LR jumps from where the checkpoint left it (Megatron stops on the changed total)."""
+    unit = "samples" if ns.train_samples is not None else "iters"
+    now, was = getattr(ns, f"train_{unit}"), full.get(f"train_{unit}")
+    if ns.lr_decay_style == "constant" or getattr(ns, f"lr_decay_{unit}") is not None or was in (None, now):
+        return []
+    return [
+        f"--train-{unit} {now} differs from the checkpoint's {was} and the LR decay, given no --lr-decay-{unit}, "
+        f"runs over the run: it now ends at {now}, so the LR moves from where the checkpoint left it (Megatron "
+        "stops unless --override-opt_param-scheduler; --use-checkpoint-opt_param-scheduler keeps the checkpoint's "
+        "decay)"
+    ]
 
 
 def _keep_decay_length(ns: argparse.Namespace, full: dict) -> None:

@@ -88,20 +88,44 @@ def test_a_run_that_loads_no_schedule_is_not_told_its_flags_differ(tmp_path, cap
     "kw, fragment",
     [
         (dict(lr=1e-3, lr_warmup_init=1e-2), "--lr-warmup-init 0.01 must be in [0, --lr 0.001]"),
-        (dict(min_loss_scale=0.0), "--min-loss-scale 0.0 must be in (0, --initial-loss-scale"),
-        (dict(initial_loss_scale=16.0, min_loss_scale=1024.0), "--min-loss-scale 1024.0 must be in (0,"),
-        (dict(loss_scale_window=0), "--loss-scale-window 0 must be >= 1"),
+        (dict(fp16=True, min_loss_scale=0.0), "--min-loss-scale 0.0 must be in (0, --initial-loss-scale"),
+        (dict(fp16=True, initial_loss_scale=16.0, min_loss_scale=1024.0), "--min-loss-scale 1024.0 must be in (0,"),
+        (dict(fp16=True, loss_scale_window=0), "--loss-scale-window 0 must be >= 1"),
         (dict(loss_scale=0.0), "--loss-scale 0.0 must be > 0"),
         (dict(weight_decay=-0.1), "--weight-decay -0.1 must be >= 0"),
         (dict(adam_eps=-1.0), "--adam-eps -1.0 must be >= 0"),
         (dict(lr_decay_iters=0), "--lr-decay-iters 0 must be >= 1"),
-        (dict(lr_decay_style="WSD", lr_wsd_decay_iters=0), "--lr-decay-style WSD needs"),
     ],
 )
 def test_optimizer_values_megatron_asserts_on_are_one_line(kw, fragment):
     with pytest.raises(ConfigError) as e:
         OptimizerConfig(**kw)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_optimizer_flags_megatron_reads_its_own_way(tmp_path, capsys, monkeypatch):
+    """From an optimizer review against Megatron: the dynamic scaler's values are checked only under --fp16 (where
+    it runs: an fp32 run with --initial-loss-scale 0.5 was refused); a sample-based WSD run is told the -samples
+    flag (it was told --lr-wsd-decay-iters, then refused it); a constant --loss-scale acts under --bf16 as in
+    Megatron (it was dropped); a longer --train-iters on resume says the decay moved with it (silent)."""
+    OptimizerConfig(initial_loss_scale=0.5)  # (no fp16: nothing scales)
+    with pytest.raises(ConfigError, match="needs --lr-wsd-decay-samples N"):
+        OptimizerConfig(lr_decay_style="WSD").validate_schedule(10, 400)
+    with pytest.raises(ConfigError, match="needs --lr-wsd-decay-iters N"):
+        OptimizerConfig(lr_decay_style="WSD").validate_schedule(10)
+    bf16 = [*RUN, "--bf16", "--train-iters", "3"]
+    plain, _ = _job(bf16, tmp_path / "a.jsonl", capsys, monkeypatch)
+    scaled, _ = _job([*bf16, "--loss-scale", "1024"], tmp_path / "b.jsonl", capsys, monkeypatch)
+    assert [r["loss_scale"] for r in scaled] == [1024.0] * 3
+    # (a power of two scales and unscales exactly)
+    assert [(r["lm_loss"], r["grad_norm"]) for r in scaled] == [(r["lm_loss"], r["grad_norm"]) for r in plain]
+    ckpt = str(tmp_path / "ckpt")
+    _job([*RUN, "--train-iters", "4", "--save", ckpt], tmp_path / "c.jsonl", capsys, monkeypatch)
+    _, out = _job([*RUN, "--load", ckpt, "--train-iters", "6"], tmp_path / "d.jsonl", capsys, monkeypatch)
+    assert "--train-iters 6 differs from the checkpoint's 4 and the LR decay, given no --lr-decay-iters" in out
+    _, out = _job([*RUN, "--load", ckpt, "--train-iters", "8", "--lr-decay-iters", "8"], tmp_path / "e.jsonl", capsys,
+                  monkeypatch)  # fmt: skip
+    assert "and the LR decay, given no" not in out
 
 
 def test_a_batch_ramp_needs_a_sample_based_run(capsys, monkeypatch):

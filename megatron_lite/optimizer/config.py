@@ -52,7 +52,9 @@ class OptimizerConfig:
     # Megatron's --grad-reduce-in-bf16: with --bf16, main gradients accumulate and are reduced in bf16 (half
     # the gradient memory and reduction bytes); the optimizer still steps fp32 copies of them
     grad_reduce_in_bf16: bool = False
-    loss_scale: float | None = None  # a constant loss scale under fp16; dynamic when None
+    # a constant loss scale (fp16; as in Megatron also bf16 and the distributed optimizer); fp16 scales dynamically
+    # when None
+    loss_scale: float | None = None
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
@@ -135,8 +137,6 @@ class OptimizerConfig:
             raise ConfigError(
                 f"--lr-wsd-decay-style {self.lr_wsd_decay_style} is not supported; use one of {WSD_DECAY_STYLES}"
             )
-        if self.lr_decay_style == "WSD" and not (self.lr_wsd_decay_iters or self.lr_wsd_decay_samples):
-            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the length of the final decay)")
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
             raise ConfigError(f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in [0, 1)")
         if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
@@ -156,8 +156,9 @@ class OptimizerConfig:
             raise ConfigError(
                 "--torch-fsdp2-no-reshard-after-forward acts on --use-torch-fsdp2: add it or drop the flag"
             )
-        if self.use_torch_fsdp2 and (self.use_distributed_optimizer or self.fp16):
+        if self.use_torch_fsdp2 and (self.use_distributed_optimizer or self.fp16 or self.loss_scale):
             flag = "--use-distributed-optimizer" if self.use_distributed_optimizer else "--fp16"
+            flag = f"--loss-scale {self.loss_scale:g}" if self.loss_scale and not self.fp16 else flag
             raise ConfigError(f"--use-torch-fsdp2 with {flag} is not supported; FSDP2 shards the fp32 weights itself")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(
@@ -191,11 +192,11 @@ class OptimizerConfig:
         # the dynamic loss scaler's (Megatron's DynamicGradScaler asserts these)
         if self.loss_scale is not None and not self.loss_scale > 0:
             raise ConfigError(f"--loss-scale {self.loss_scale} must be > 0 (omit it for dynamic scaling)")
-        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+        if self.fp16 and not 0 < self.min_loss_scale <= self.initial_loss_scale:  # (only fp16 scales dynamically)
             raise ConfigError(
                 f"--min-loss-scale {self.min_loss_scale} must be in (0, --initial-loss-scale {self.initial_loss_scale}]"
             )
-        if self.loss_scale_window < 1:
+        if self.fp16 and self.loss_scale_window < 1:
             raise ConfigError(f"--loss-scale-window {self.loss_scale_window} must be >= 1")
 
     @property
@@ -224,6 +225,9 @@ class OptimizerConfig:
         return unit, warmup, decay, wsd
 
     def validate_schedule(self, train_iters: int, train_samples: int | None = None) -> None:
+        if self.lr_decay_style == "WSD" and not (self.lr_wsd_decay_iters or self.lr_wsd_decay_samples):
+            unit = "samples" if train_samples is not None else "iters"  # (the form the run's length takes)
+            raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N (the length of the final decay)")
         unit, warmup, decay, wsd = self.schedule(train_iters, train_samples)
         if self.lr_decay_style != "constant" and warmup >= decay:
             raise ConfigError(

@@ -175,10 +175,12 @@ def any_rank(flag: bool, ctx: ParallelContext) -> bool:
 
 
 def make_scaler(config: OptimizerConfig):
+    """Megatron's: a constant --loss-scale under fp16, bf16 or the distributed optimizer (its steps with inf/nan
+    gradients skipped), else under fp16 the dynamic scaler, else none."""
+    if config.loss_scale and (config.fp16 or config.bf16 or config.use_distributed_optimizer):
+        return ConstantGradScaler(config.loss_scale)
     if not config.fp16:
         return None
-    if config.loss_scale:
-        return ConstantGradScaler(config.loss_scale)
     return DynamicGradScaler(
         config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window, config.hysteresis
     )
