@@ -347,6 +347,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         tensorboard_queue_size=ns.tensorboard_queue_size,
         log_memory_breakdown=ns.log_memory_breakdown,
         log_params_norm=ns.log_params_norm,
+        moe_per_layer_logging=ns.moe_per_layer_logging,
         log_num_zeros_in_grad=ns.log_num_zeros_in_grad,
         profile=ns.profile,
         use_pytorch_profiler=ns.use_pytorch_profiler,

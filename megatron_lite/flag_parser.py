@@ -482,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-jsonl", help="write one JSON object per logged iteration to this file")
     _bool(g, "--log-memory-breakdown", "log bytes of parameters, gradients, optimizer state and peak activations")
     _bool(g, "--log-params-norm", "log the parameters' L2 norm (each counted once over the layout)")
+    _bool(g, "--moe-per-layer-logging", "log each MoE layer's balancing and z losses (moe_layer<N>_*)")
     _bool(g, "--log-num-zeros-in-grad", "log the number of zero entries in the gradients")
     g.add_argument("--wandb-project")
     g.add_argument("--wandb-exp-name")

@@ -66,11 +66,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         False,
         "the shared expert runs after the routed experts (the dispatch overlaps: --overlap-moe-expert-parallel-comm)",
     ),
-    "moe_per_layer_logging": (
-        False,
-        "each MoE layer's imbalance is always logged (moe_layer<N>_imbalance), and its losses (the last step's) in "
-        "--log-jsonl's moe_layer_losses",
-    ),
     "cross_entropy_fusion_impl": (
         True,
         "--kernel-impl triton fuses the output layer with the loss (our kernel, not Transformer Engine's)",

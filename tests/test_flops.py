@@ -40,6 +40,23 @@ def test_six_n_plus_attention(make):
     assert flops_per_token(c, s) == pytest.approx(causal, rel=1e-12)
 
 
+@pytest.mark.parametrize("make", [llama_config, deepseek_config])
+def test_frozen_weights_take_no_weight_gradient(make):
+    """LoRA: the frozen weights' backward is the input gradient alone, 4 N per token against the 6 N of full
+    training (TFLOP/s and MFU of a fine-tune were counted as full training, up to 1.5x high), while attention's
+    weightless q.k^T and p.v keep their 3x: the difference is 2 N exactly, N counted from a real model."""
+    c = make(untie_embeddings_and_output_weights=True)
+    s = 32
+    model = GPTModel(c, ParallelContext.virtual(ParallelConfig()), device="meta")
+    n = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embedding" not in name)
+    n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size
+    if c.num_experts:  # a token runs only its top-k routed experts' weights (and the shared one)
+        per_expert = 3 * c.hidden_size * c.moe_ffn_size
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers + c.mtp_num_layers))
+        n -= moe_layers * (c.num_experts - c.moe_router_topk) * per_expert
+    assert flops_per_token(c, s) - flops_per_token(c, s, frozen=True) == pytest.approx(2 * n, rel=1e-12)
+
+
 @pytest.mark.parametrize("window", [1, 5, 31, 32, 100])
 def test_a_sliding_window_counts_the_scores_it_computes(window):
     """Mistral's window: attention counts the (query, key) pairs the causal window mask keeps, less the half

@@ -908,8 +908,17 @@ def test_fsdp2_with_overlap_grad_reduce_is_refused_before_any_process_group(caps
 
 
 def _wandb_history(run_dir) -> list[dict]:
-    """The history rows of an offline W&B run, read back from its .wandb file (a LevelDB-style log of
-    protobuf records: 32 KiB blocks, each piece behind a 7-byte header, after the 7-byte file header)."""
+    """The history rows of an offline W&B run."""
+    return [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+        for record in _wandb_records(run_dir)
+        if record.WhichOneof("record_type") == "history"
+    ]
+
+
+def _wandb_records(run_dir) -> list:
+    """The records of an offline W&B run, read back from its .wandb file (a LevelDB-style log of protobuf
+    records: 32 KiB blocks, each piece behind a 7-byte header, after the 7-byte file header)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
@@ -926,10 +935,51 @@ def _wandb_history(run_dir) -> list[dict]:
         if kind in (1, 4):  # a whole record, or its last piece
             record = wandb_internal_pb2.Record()
             record.ParseFromString(piece)
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            rows.append(record)
             piece = b""
     return rows
+
+
+def test_a_halted_run_is_not_a_finished_one_in_wandb_and_its_config_has_the_layout(tmp_path):
+    """From a logging review: W&B marked a run that halted (or raised) as finished with exit code 0, since
+    finish() was called without the outcome; and its config lacked world_size, data_parallel_size and the
+    resolved ffn_hidden_size / kv_channels / num_query_groups (null), which runs are grouped by."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [*TINY, "--mock-data", "--vocab-size", "100", "--wandb-project", "p", "--check-for-nan-in-loss-and-grad"]
+    env = {**os.environ, "WANDB_MODE": "offline", "WORLD_SIZE": "1", "RANK": "0"}
+    codes = {}
+    for name, fault in (("ok", None), ("halted", "nan,rank=0,iteration=2")):
+        run_env = {**env, "MEGATRON_LITE_INJECT_FAULT": fault} if fault else env
+        out = subprocess.run([sys.executable, os.path.join(root, "pretrain", "pretrain_gpt.py"), *argv,
+                              "--wandb-save-dir", str(tmp_path / name)], env=run_env, capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)  # fmt: skip
+        run = next((tmp_path / name / "wandb").glob("offline-run-*"))
+        exits = [r.exit.exit_code for r in _wandb_records(run) if r.WhichOneof("record_type") == "exit"]
+        codes[name] = (out.returncode, exits)
+        config = {i.key: json.loads(i.value_json) for r in _wandb_records(run) if r.WhichOneof("record_type") ==
+                  "run" for i in r.run.config.update}  # fmt: skip
+        assert config.get("world_size") == 1 and config.get("data_parallel_size") == 1, sorted(config)[:20]
+        assert (config["ffn_hidden_size"], config["kv_channels"], config["num_query_groups"]) == (128, 8, 4)
+    assert codes == {"ok": (0, [0]), "halted": (3, [3])}, codes
+
+
+def test_wandb_mode_follows_a_self_hosted_servers_login(tmp_path, monkeypatch):
+    """`wandb login --host` stores the key under the server's host: the run went offline (no upload, one word in
+    the log) because only api.wandb.ai was looked for."""
+    from megatron_lite.training.logger import _wandb_mode
+
+    (tmp_path / ".netrc").write_text("machine wandb.example.org\n  login user\n  password k\n")
+    os.chmod(tmp_path / ".netrc", 0o600)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert _wandb_mode() == "online"
+    monkeypatch.delenv("WANDB_BASE_URL")
+    assert _wandb_mode() == "offline"
 
 
 def test_wandb_entity_and_validation_perplexity(tmp_path):
@@ -1078,6 +1128,7 @@ def test_moe_per_layer_losses_and_an_aux_loss_free_run(tmp_path, capsys, monkeyp
     assert sorted(layers) == ["0", "1"] and all(v["aux_loss"] > 0 and v["z_loss"] > 0 for v in layers.values())
     for k in ("aux_loss", "z_loss"):
         assert rec[f"moe_{k}"] == pytest.approx(sum(v[k] for v in layers.values()) / 2, rel=1e-12)
+        assert [rec[f"moe_layer{i}_{k}"] for i in (0, 1)] == [layers[str(i)][k] for i in (0, 1)]  # (W&B's scalars)
     free = ["--moe-aux-loss-coeff", "0", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
     rc, out, err = _run([*moe, *free], capsys, monkeypatch)
     assert rc == 0, err

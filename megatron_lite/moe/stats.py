@@ -106,14 +106,17 @@ def log_losses(moe: dict | None, config) -> dict[str, float]:
     return {**out, **({"moe_z_loss": moe["z_loss"]} if config.moe_z_loss_coeff is not None else {})}
 
 
-def log_metrics(moe: dict | None) -> dict:
+def log_metrics(moe: dict | None, per_layer_losses: bool = False) -> dict:
     """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the losses
-    are logged as their means over the log window: log_losses)."""
+    are logged as their means over the log window: log_losses). `per_layer_losses` (--moe-per-layer-logging):
+    each layer's losses as scalars too, the last step's."""
     if moe is None:
         return {}
     out = {f"moe_{k}": moe[k] for k in ("dropped_fraction", "max_imbalance")}
     for layer, st in moe["layers"].items():
         out[f"moe_layer{layer}_imbalance"] = st["imbalance"]
+        if per_layer_losses:
+            out.update({f"moe_layer{layer}_{k}": st[k] for k in ("aux_loss", "z_loss")})
     out["moe_tokens_per_expert"] = {str(layer): st["tokens_per_expert"] for layer, st in moe["layers"].items()}
     out["moe_layer_losses"] = {
         str(layer): {k: st[k] for k in ("aux_loss", "z_loss")} for layer, st in moe["layers"].items()

@@ -55,6 +55,7 @@ class LoggingConfig:
     tensorboard_queue_size: int = 1000
     log_memory_breakdown: bool = False  # per rank: parameter, gradient, optimizer and activation bytes
     log_params_norm: bool = False  # Megatron's: the parameters' L2 norm after each step
+    moe_per_layer_logging: bool = False  # Megatron's: each MoE layer's losses as scalars of their own
     log_num_zeros_in_grad: bool = False  # Megatron's: zero entries of the gradients
     # --profile (training/profiling.py): iterations after profile_step_start completed ones up to profile_step_end
     profile: bool = False

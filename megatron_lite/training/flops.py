@@ -38,6 +38,13 @@ PEAKS = [
 ]
 
 
+def _core_attention_flops(c: ModelConfig, s: float) -> float:
+    """The part of _attention_flops with no weight: q.k^T and p.v over `s` keys."""
+    if not c.multi_latent_attention:
+        return 4 * s * c.num_attention_heads * c.head_dim
+    return 2 * s * c.num_attention_heads * (c.mla_q_head_dim + c.v_head_dim)
+
+
 def _attention_flops(c: ModelConfig, s: float) -> float:
     """Forward FLOPs of one token's attention in one layer: projections, q.k^T and p.v over `s` keys."""
     h, heads = c.hidden_size, c.num_attention_heads
@@ -69,16 +76,20 @@ def _keys_per_query(s: int, window: int | None) -> float:
     return window - window * window / (2 * s)
 
 
-def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True) -> float:
+def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, frozen: bool = False) -> float:
     """Training FLOPs per token; each multi-token-prediction depth adds its projection of [embedding, hidden]
     (2 * 2h * h), its transformer layer and another pass through the output layer. `causal`: a token's attention
     counts half the sequence (Megatron's current convention; within a sliding window, what the window leaves);
-    False: twice that, the whole sequence without a window (see the module's docstring)."""
+    False: twice that, the whole sequence without a window (see the module's docstring). `frozen` (LoRA): the
+    weights get no gradient, so their backward is the input gradient alone (2x the forward, not 3x); attention's
+    q.k^T and p.v, which have no weights, stay 3x (the adapters' own few FLOPs are not counted)."""
     h, depths = config.hidden_size, config.mtp_num_layers
     keys = _keys_per_query(seq_length, config.sliding_window)
     keys = keys if causal else 2 * keys
-    layers = sum(_attention_flops(config, keys) + _mlp_flops(config, i) for i in range(config.num_layers + depths))
-    return 3.0 * (layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size)
+    n = config.num_layers + depths
+    layers = sum(_attention_flops(config, keys) + _mlp_flops(config, i) for i in range(n))
+    forward = layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size
+    return 2.0 * forward + n * _core_attention_flops(config, keys) if frozen else 3.0 * forward
 
 
 def peak_flops(device: torch.device, low_precision: bool) -> float | None:

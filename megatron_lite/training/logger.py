@@ -13,6 +13,7 @@ import netrc
 import os
 import sys
 import time
+import urllib.parse
 from typing import Any
 
 from megatron_lite.training.configs import JobConfig, LoggingConfig
@@ -23,8 +24,10 @@ def _wandb_mode() -> str:
         return os.environ["WANDB_MODE"]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
+    # (a self-hosted server's login, `wandb login --host`, is stored under its own host)
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
     try:
-        if netrc.netrc().authenticators("api.wandb.ai"):
+        if netrc.netrc().authenticators(host):
             return "online"
     except (FileNotFoundError, netrc.NetrcParseError):
         pass
@@ -109,7 +112,7 @@ def train_line(iteration: int, train_iters: int, metrics: dict[str, Any]) -> str
     return " | ".join(parts) + " |"
 
 
-def _flat_config(job: JobConfig) -> dict:
+def _flat_config(job: JobConfig, world_size: int | None = None) -> dict:
     """The job's settings as one flat dict (Megatron hands W&B its flat arguments, so runs filter on
     num_layers or tensor_model_parallel_size); a name two sections share keeps its section."""
     nested = job.to_dict()
@@ -127,6 +130,11 @@ def _flat_config(job: JobConfig) -> dict:
     flat.pop("model.vocab_size", None)
     flat["vocab_size"] = job.model.vocab_size
     flat["padded_vocab_size"] = job.model.padded_vocab_size(job.parallel.tensor_model_parallel_size)
+    # the values Megatron's validate_args fills in, which scaling studies group runs by
+    m = job.model
+    flat.update(ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim, num_query_groups=m.query_groups)
+    if world_size is not None:
+        flat.update(world_size=world_size, data_parallel_size=job.parallel.data_parallel_size(world_size))
     return flat
 
 
@@ -139,7 +147,7 @@ def _fmt(value: Any) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, job: JobConfig, enabled: bool) -> None:
+    def __init__(self, job: JobConfig, enabled: bool, world_size: int | None = None) -> None:
         self.enabled = enabled
         self.config: LoggingConfig = job.logging
         self.train_iters = job.training.train_iters
@@ -166,7 +174,7 @@ class MetricsLogger:
                 name=self.config.wandb_exp_name,
                 entity=self.config.wandb_entity,
                 dir=save_dir,
-                config=_flat_config(job),
+                config=_flat_config(job, world_size),
                 mode=mode,
             )
             self.info(f"W&B run {self._wandb.id} ({mode}) in {save_dir}")
@@ -245,11 +253,11 @@ class MetricsLogger:
                 if not k.startswith("train/") and k != "samples vs steps":
                     self._tb.add_scalar(f"{k} vs samples", v, self._samples)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb.finish(exit_code=exit_code)  # (a halted or failed run is not marked finished)
         if self._tb is not None:
             self._tb.close()
         self._jsonl = self._wandb = self._tb = None  # (closed once)

@@ -9,9 +9,11 @@ micro-batches' activations are alive at once, and the peak says so)."""
 from __future__ import annotations
 
 import contextlib
+import resource
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -73,3 +75,23 @@ def breakdown(model: nn.Module, ddp, optimizer, activation_bytes: int) -> dict[s
         "mem_optimizer_bytes": optimizer.state_bytes(),
         "mem_activations_bytes": activation_bytes,
     }
+
+
+def peak_and_rss(device: torch.device) -> dict[str, int | None]:
+    """The allocator's peak (CUDA; none on a CPU, where the process's size says nothing of its tensors) and the
+    process's largest resident size (host memory: data loading, pinned copies, the CPU itself)."""
+    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    return {"peak_memory_bytes": peak, "max_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+
+
+def largest_over_ranks(values: dict[str, int | None], ctx) -> dict[str, int | None]:
+    """Each value's largest over every rank, as the log shows it: the logging rank holds the last pipeline stage
+    and one expert-parallel rank's experts, rarely the busiest (Megatron prints each rank's). Every rank calls
+    it with the same keys."""
+    keys = [k for k, v in values.items() if v is not None]
+    if not keys or ctx.world_size == 1 or not dist.is_initialized():
+        return values
+    t = torch.tensor([values[k] for k in keys], dtype=torch.int64, device=ctx.device)
+    with ctx.tp.blocked():  # (the context's hang bookkeeping)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {**values, **dict(zip(keys, t.tolist()))}

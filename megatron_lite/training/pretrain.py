@@ -12,7 +12,6 @@ import dataclasses
 import math
 import os
 import re
-import resource
 import sys
 import time
 
@@ -84,12 +83,6 @@ def _new_window() -> dict:
 
 def _logging_rank(ctx: ParallelContext) -> bool:
     return ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp_cp.rank == 0
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 class _Batches:
@@ -193,7 +186,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     check_config_agreement(job.to_dict(), ctx.device)
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
     ctx.seed(job.training.seed)
-    log = MetricsLogger(job, enabled=_logging_rank(ctx))
+    log = MetricsLogger(job, enabled=_logging_rank(ctx), world_size=ctx.world_size)
     exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
     try:  # the logger is closed however the run ends (a halt too: W&B's run finished)
         for line in notes:
@@ -309,7 +302,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     log.info(f"no {name} evaluation: the {name} split holds no documents ({given})")
         rampup = t.rampup_batch_size is not None
         train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
-        flops_per_sample = flops_per_token(job.model, t.seq_length) * t.seq_length
+        flops_per_sample = flops_per_token(job.model, t.seq_length, frozen=job.lora is not None) * t.seq_length
         peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
         start_time = time.time()
         if state.iteration >= t.train_iters:
@@ -441,6 +434,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
             window["step"] += metrics.step_seconds
             window["comm"] += metrics.comm_exposed_seconds
             if state.iteration % t.log_interval == 0:
+                mem = memory.peak_and_rss(ctx.device)
+                if job.logging.log_memory_breakdown:
+                    mem.update(memory.breakdown(model, ddp, optimizer, metrics.activation_bytes))
+                mem = memory.largest_over_ranks(mem, ctx)  # (a collective: every rank is here)
                 it_time = window["time"] / window["n"]
                 tflops = flops_per_sample * window["samples"] / window["time"] / ctx.world_size / 1e12
                 log.log(
@@ -451,21 +448,17 @@ def run(job: JobConfig, notes: list[str]) -> int:
                         **{k: sum(v) / len(v) for k, v in window["means"].items()},
                         **own,
                         "iteration_time": it_time,
-                        "tokens_per_sec": window["samples"] * t.seq_length / window["time"],
+                        "tokens_per_sec": window["samples"] * t.seq_length / window["time"],  # (the job's)
+                        "tokens_per_sec_per_gpu": window["samples"] * t.seq_length / window["time"] / ctx.world_size,
                         "tflops_per_gpu": tflops,
                         "mfu": tflops * 1e12 / peak if peak else None,
                         "data_time_fraction": window["data"] / window["time"],
                         "comm_exposed_fraction": window["comm"] / window["step"] if window["step"] else 0.0,
-                        "peak_memory_bytes": _peak_memory(ctx.device),
                         "skipped_iterations": window["skipped"],
                         "nonfinite_iterations": window["nan"],
-                        **moe_stats.log_metrics(metrics.moe),
+                        **moe_stats.log_metrics(metrics.moe, job.logging.moe_per_layer_logging),
                         **guard.log_metrics(),
-                        **(
-                            memory.breakdown(model, ddp, optimizer, metrics.activation_bytes)
-                            if job.logging.log_memory_breakdown
-                            else {}
-                        ),
+                        **mem,
                     },
                 )
                 window = _new_window()
@@ -495,8 +488,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if test_ds is not None:
                 evaluate(test_ds, "test", final=True)
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
-    finally:
-        log.close()
+    finally:  # (W&B's run state: failed on an exception, 3 as the process's on a halt)
+        error = sys.exc_info()[1]
+        log.close(exit_code=0 if error is None else 3 if isinstance(error, TrainingHalted) else 1)
         if exit_signal is not None:  # (the handler this run installed; an in-process caller gets its own back)
             exit_signal.restore()
     if recorder is not None:
