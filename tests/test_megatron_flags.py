@@ -115,6 +115,13 @@ def test_megatrons_list_form_of_the_balancing_loss():
             parse_args([*moe, *flags])
 
 
+def test_save_interval_zero_saves_only_at_the_end_as_in_megatron():
+    """Megatron saves every --save-interval iterations only when it is non-zero; 0 was refused here."""
+    assert parse_args([*MOCK, "--save", "ckpt", "--save-interval", "0"])[1].checkpoint.save_interval == 0
+    with pytest.raises(ConfigError, match="--save-interval -1 must be >= 0"):
+        parse_args([*MOCK, "--save", "ckpt", "--save-interval", "-1"])
+
+
 def test_moe_flags_megatron_refuses_or_reads_its_own_way():
     """From an MoE review against Megatron-Core's TransformerConfig: a top-1 softmax router without
     --moe-router-pre-softmax weighs every token 1 (the router learned from the aux loss alone), and

@@ -39,8 +39,8 @@ class CheckpointConfig:
             raise ConfigError(f"{flag} needs --save DIR")
         if self.ckpt_step is not None and not self.load:
             raise ConfigError(f"--ckpt-step {self.ckpt_step} picks a checkpoint under --load: give --load DIR")
-        if self.save_interval is not None and self.save_interval < 1:
-            raise ConfigError(f"--save-interval {self.save_interval} must be >= 1")
+        if self.save_interval is not None and self.save_interval < 0:  # (0: no periodic saves, as in Megatron)
+            raise ConfigError(f"--save-interval {self.save_interval} must be >= 0 (0 saves only at the end)")
 
 
 @dataclass(frozen=True)
