@@ -59,6 +59,10 @@ if HAVE_TRITON:
     _bwd_dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_bwd_dq)
 
 
+# One query against the cache: the fewest rows tl.dot takes, and a long stride through the keys it reads
+DECODE_TILE = {"BLOCK_M": 16, "BLOCK_N": 64}
+
+
 def _kernel(plain, tuned, dtype: torch.dtype):
     """The kernel to launch and its fixed tiles: fixed small tiles when interpreting; on a GPU, fp32 (tests, not
     training) takes one fixed tile, other dtypes the autotuned kernel."""
@@ -159,6 +163,8 @@ def _forward(q, k, v, causal, scale, window_size=None, spans=None):
         return o, lse
     start, end, docs = _spans(spans, q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
+    if sq == 1 and not cfg:  # a decoding step: seq_k grows by one a token, and the autotuner (keyed on it, so a
+        kernel, cfg = _fwd, DECODE_TILE  # new key each time) would time every tile again at every token
     kernel[lambda meta: (b * h, triton.cdiv(sq, meta["BLOCK_M"]))](
         q,
         k,
@@ -445,6 +451,8 @@ def _cases() -> list[tuple]:
                 **base,
             }
             out.append((f"flash_fwd_{t}_causal{causal}", _fwd, sig, consts))
+            if causal:  # (the decoding step's fixed tile)
+                out.append((f"flash_fwd_decode_{t}", _fwd, sig, {**consts, **DECODE_TILE}))
             sig = {
                 **{n: f"*{t}" for n in "Q K V DO".split()},
                 "LSE": "*fp32",

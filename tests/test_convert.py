@@ -301,7 +301,7 @@ def ours_at(ckpt: str, parallel: ParallelConfig, ids: list[int], prompt: list[in
     load_checkpoint(path, model, None, None, ctx, load_rng=False)
     model.eval()
     with torch.no_grad():
-        logits = _forward(model, ctx, ids, KVCache(len(ids)))
+        logits = _forward(model, ctx, ids, KVCache(len(ids)), every=True)
     out = generate(model, ctx, prompt, NEW)
     return logits, out["generated_ids"]
 
@@ -372,6 +372,71 @@ def test_generate_cli_greedy_and_logprobs(converted, tmp_path):
         assert generate_cli.main(argv) == 0
         runs.append(json.loads(out.read_text())["generated_ids"])
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_generation_scores_prompts_and_stops_as_transformers(converted, tmp_path, capsys):
+    """From a generation review: --max-new-tokens 0 scores the prompt (Megatron's tokens_to_generate=0; it was
+    refused); the prompt's logits are made only when its log-probabilities are written (a prefill made [prompt,
+    vocab] fp32 log-probabilities always: 2 GB at 4096 x 64000); --prompt-ids stops at the converted model's
+    eos as transformers' generate does (it ran on), unless --ignore-eos; options --greedy leaves unused are said,
+    and a stop id outside the vocabulary, an empty prompt and a temperature too small to sample with are one
+    line (a misleading line, nothing, and a traceback)."""
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+    from megatron_lite.checkpoint.hf_convert import model_config_from_dict
+    from megatron_lite.inference.generation import generate
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    model, hf_dir, ours, _ = converted["llama"]
+    out = tmp_path / "out.json"
+    ids = ",".join(map(str, PROMPT))
+    assert (
+        generate_cli.main(["--load", ours, "--prompt-ids", ids, "--max-new-tokens", "0", "--output-json", str(out)])
+        == 0
+    )
+    r = json.loads(out.read_text())
+    logp = torch.log_softmax(_hf_logits(model, PROMPT), dim=-1)
+    assert r["generated_ids"] == [] and r["logprobs"] == []
+    expected = logp[:-1].gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(r["prompt_logprobs"]), expected, atol=1e-4)
+    # the prompt's forward through the output layer: its last row alone unless the prompt is scored
+    path = find_checkpoint(ours)
+    config = model_config_from_dict(read_metadata(path)["config"]["model"])
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    ours_model = build_model(config, ctx)
+    load_checkpoint(path, ours_model, None, None, ctx, load_rng=False)
+    rows = []
+    head = ours_model[0].output_layer.register_forward_hook(lambda m, args, y: rows.append(y.shape[0]))
+    plain = generate(ours_model, ctx, PROMPT, 3, prompt_logprobs=False)
+    scored = generate(ours_model, ctx, PROMPT, 3)
+    head.remove()
+    assert rows == [1, 1, 1, len(PROMPT), 1, 1] and plain["generated_ids"] == scored["generated_ids"]
+    assert plain["prompt_logprobs"] is None and len(scored["prompt_logprobs"]) == len(PROMPT) - 1
+    # stopping: the model's eos (its generation config) ends --prompt-ids generation, as transformers' generate
+    greedy_ids = _hf_greedy(model, PROMPT)
+    eos = greedy_ids[-1]
+    gen_cfg = json.loads((pathlib.Path(hf_dir) / "generation_config.json").read_text())
+    edited = tmp_path / "ours"
+    import shutil
+
+    shutil.copytree(ours, edited)
+    (edited / "hf" / "generation_config.json").write_text(json.dumps({**gen_cfg, "eos_token_id": eos}))
+    greedy = ["--prompt-ids", ids, "--max-new-tokens", str(NEW), "--greedy", "--output-json", str(out)]
+    assert generate_cli.main(["--load", str(edited), *greedy]) == 0
+    assert json.loads(out.read_text())["generated_ids"] == greedy_ids[: greedy_ids.index(eos) + 1]
+    assert generate_cli.main(["--load", str(edited), *greedy, "--ignore-eos"]) == 0
+    assert len(json.loads(out.read_text())["generated_ids"]) == NEW
+    capsys.readouterr()
+    assert generate_cli.main(["--load", ours, *greedy, "--top-k", "5"]) == 0
+    assert "note: --greedy takes the most likely token: --top-k has no effect" in capsys.readouterr().err
+    for argv, fragment in (
+        (["--prompt-ids", ids, "--stop-ids", "99999"], "--stop-ids 99999 is outside the model's vocabulary [0, 250)"),
+        (["--prompt-ids", ","], "the prompt is empty"),
+        (["--prompt-ids", ids, "--temperature", "1e-310"], "--temperature 1e-310 is too small to sample with"),
+    ):
+        assert generate_cli.main(["--load", ours, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and fragment in err[0], err
 
 
 def _edit_config(src: str, dst: pathlib.Path, **changes) -> str:
@@ -700,10 +765,12 @@ def test_generate_under_torchrun_tp2_pp2(converted, tmp_path):
     _torchrun(4, "tools/generate.py", [*args, "--distributed-backend", "gloo"], tmp_path)
     # a start-up error is said once per node (it was said by every rank), as pretrain_gpt.py says it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    bad = [str(ROOT / "tools/generate.py"), "--load", ours, "--prompt-ids", "1,2", "--max-new-tokens", "0"]
+    bad = [str(ROOT / "tools/generate.py"), "--load", ours, "--prompt-ids", "1,2", "--max-new-tokens", "-1"]
     res = subprocess.run([*cmd, *bad], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    said = [x for x in (res.stdout + res.stderr).splitlines() if "--max-new-tokens 0 must be >= 1" in x]
-    assert res.returncode != 0 and said == ["error: --max-new-tokens 0 must be >= 1"], res.stderr[-2000:]
+    said = [x for x in (res.stdout + res.stderr).splitlines() if "--max-new-tokens -1 must be >= 0" in x]
+    assert res.returncode != 0 and said == ["error: --max-new-tokens -1 must be >= 0 (0 scores the prompt)"], (
+        res.stderr[-2000:]
+    )
     assert json.loads(out.read_text())["generated_ids"] == _hf_greedy(model, PROMPT)
 
 
@@ -803,7 +870,7 @@ def test_mla_kv_cache_holds_the_latents(converted):
     ours_model.eval()
     cache = KVCache(len(PROMPT))
     with torch.no_grad():
-        logits = _forward(ours_model, ctx, PROMPT, cache)
+        logits = _forward(ours_model, ctx, PROMPT, cache, every=True)
     assert _rel(logits, _hf_logits(model, PROMPT)) < 1e-4
     for latents, k_pe in cache._store.values():
         assert latents.shape[2:] == (1, config.kv_lora_rank) and k_pe.shape[2:] == (1, config.qk_pos_emb_head_dim)

@@ -7,7 +7,8 @@ on one process or under torchrun at any tensor / pipeline / expert parallel size
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --output-json out.json
 
 --output-json writes generated_ids, logprobs (of each generated token) and prompt_logprobs (of each prompt
-token after the first), log-probabilities of the model's own distribution.
+token after the first), log-probabilities of the model's own distribution. --max-new-tokens 0 scores the prompt
+(Megatron's tokens_to_generate=0): prompt_logprobs alone.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="0: score the prompt (its log-probabilities)")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -51,10 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stop-ids",
         default=None,
-        help="comma-separated ids that end generation (default: with --prompt, the tokenizer's end-of-document id "
-        "and a converted model's generation_config.json eos_token_id(s), as Megatron and transformers stop; with "
-        "--prompt-ids, none)",
+        help="comma-separated ids that end generation (default: the tokenizer's end-of-document id with --prompt, "
+        "and a converted model's generation_config.json eos_token_id(s), as Megatron and transformers stop)",
     )
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens whatever comes (no stop ids)")
     p.add_argument(
         "--tokenizer-model",
         help="with --prompt: the tokenizer (a tokenizer.json or its directory) in place of the one the checkpoint "
@@ -68,6 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-impl", choices=["torch", "triton"], default="torch")
     p.add_argument("--distributed-backend", choices=["nccl", "gloo"])
     return p
+
+
+def _note(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """What --greedy leaves unused is said; a temperature too small to sample with (its logits overflow) is one
+    line."""
+    given = [f for f, v, default in (("--temperature", args.temperature, 1.0), ("--top-p", args.top_p, 1.0),
+                                     ("--top-k", args.top_k, 0)) if v != default]  # fmt: skip
+    if args.greedy and given:
+        _note(
+            f"--greedy takes the most likely token: {' '.join(given)} {'has' if len(given) == 1 else 'have'} no effect"
+        )
+    elif not args.greedy and 0 < args.temperature < 1e-4:
+        raise ConfigError(f"--temperature {args.temperature:g} is too small to sample with: use --greedy")
 
 
 def _ids(text: str, flag: str) -> list[int]:
@@ -138,10 +157,13 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
     else:
         prompt = _ids(args.prompt_ids, "--prompt-ids")
-    if not prompt or max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
+    if not prompt:
+        raise ConfigError("the prompt is empty (--prompt-ids gave no ids; the tokenizer adds no BOS to an empty text)")
+    if max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
         raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}); got {prompt[:8]}")
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 0 (0 scores the prompt)")
+    _check_sampling(args)
     sampling = SamplingConfig(args.greedy, args.temperature, args.top_p, args.seed, args.top_k)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -162,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
             f"the checkpoint's {layers} layers do not split evenly over --pipeline-model-parallel-size {pp}: use one "
             f"of {', '.join(map(str, fits))}"
         )
+    if model_cfg.position_embedding_type == "rope" and training.seq_length > positions:  # (Megatron refuses)
+        scaled = f" ({model_cfg.rope_scaling.rope_type} RoPE scaling)" if model_cfg.rope_scaling is not None else ""
+        _note(f"the prompt and --max-new-tokens reach position {training.seq_length}, past the checkpoint's "
+              f"max_position_embeddings {positions}{scaled}: the model was not trained that far")  # fmt: skip
     validate_layout(model_cfg, parallel, world, training)
     lora = saved_lora_config(saved)
     base = find_checkpoint(lora.base) if lora is not None and lora.base else None
@@ -178,11 +204,16 @@ def run(args: argparse.Namespace) -> int:
         load_checkpoint(path, model, None, None, ctx, load_rng=False, skip_missing_frozen=base is not None)
         if lora.qlora:
             quantize_base(model, ctx)
-    if args.stop_ids is not None:
+    if args.ignore_eos:
+        stop = ()
+    elif args.stop_ids is not None:
         stop = tuple(_ids(args.stop_ids, "--stop-ids"))
+        if bad := [i for i in stop if not 0 <= i < model_cfg.vocab_size]:
+            raise ConfigError(f"--stop-ids {bad[0]} is outside the model's vocabulary [0, {model_cfg.vocab_size})")
     else:
-        # the tokenizer's end, and those the Hugging Face model's generation config stops at (transformers')
-        ends = [tokenizer.eod, *generation_eos_ids(path, saved)] if tokenizer is not None else []
+        # the tokenizer's end, and those the Hugging Face model's generation config stops at (transformers',
+        # also for --prompt-ids)
+        ends = [tokenizer.eod if tokenizer is not None else None, *generation_eos_ids(path, saved)]
         stop = tuple(dict.fromkeys(i for i in ends if i is not None and 0 <= i < model_cfg.vocab_size))
     cf = model_cfg.moe_expert_capacity_factor
     if cf is not None and ctx.rank == 0:
@@ -193,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop)
+    # (the prompt's log-probabilities take its whole logits: only where they are written)
+    scored = args.output_json is not None or args.max_new_tokens == 0
+    out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop, prompt_logprobs=scored)
     writer = ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp.rank == 0
     if writer:
         result = {"prompt_ids": prompt, **out, "checkpoint": path, "iteration": meta["iteration"]}

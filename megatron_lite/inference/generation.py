@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_lite.inference.kv_cache import KVCache
 from megatron_lite.parallel_context import ParallelContext
@@ -36,8 +35,9 @@ class SamplingConfig:
             raise ValueError(f"--top-k {self.top_k} must be >= 0 (0: no top-k filter)")
 
 
-def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache) -> torch.Tensor | None:
-    """The new tokens through every virtual stage; the last stage returns full-vocabulary logits [n, V]."""
+def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache, every: bool = False) -> torch.Tensor | None:
+    """The new tokens through every virtual stage; the last stage returns full-vocabulary logits [n, V] (`every`),
+    else those of the last token [1, V]."""
     pp, vp = ctx.pp.size, len(chunks)
     n = len(ids)
     tokens = torch.tensor([ids], device=ctx.device)
@@ -53,7 +53,7 @@ def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache) -> to
         if stage > 0 and pp > 1:
             hidden = torch.empty(n, 1, config.hidden_size, dtype=dtype, device=ctx.device)
             dist.recv(hidden, ctx.pp.ranks[(stage - 1) % pp], group=ctx.pp.pg)
-        y = chunks[chunk](tokens, positions, hidden_states=hidden, kv_cache=cache)
+        y = chunks[chunk](tokens, positions, hidden_states=hidden, kv_cache=cache, last_logits_only=not every)
         if stage == pp * vp - 1:
             logits = y[0]  # [n, padded vocab / TP]
             if ctx.tp.size > 1:
@@ -64,6 +64,18 @@ def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache) -> to
         else:
             hidden = y
     cache.advance(n)
+    return out
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], rows: int = 1024) -> list[float]:
+    """Each prompt token's log-probability after the first, a block of rows at a time (a [prompt, vocab] fp32
+    log-softmax at once was 2 GB for a 4096-token prompt at a 64000 vocabulary)."""
+    targets = torch.tensor(prompt[1:], device=logits.device, dtype=torch.long)
+    out = []
+    for a in range(0, len(prompt) - 1, rows):
+        block = logits[a : min(a + rows, len(prompt) - 1)]
+        picked = block.gather(1, targets[a : a + block.shape[0]].unsqueeze(1)).squeeze(1)
+        out += (picked - torch.logsumexp(block, dim=-1)).tolist()
     return out
 
 
@@ -95,8 +107,11 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     stop_ids: tuple[int, ...] = (),
+    prompt_logprobs: bool = True,
 ) -> dict:
-    """Returns generated_ids on every rank; logprobs and prompt_logprobs on the last pipeline stage."""
+    """Returns generated_ids on every rank; logprobs and prompt_logprobs on the last pipeline stage (those of the
+    prompt only when `prompt_logprobs`: they take the whole prompt's logits). `max_new_tokens` 0 scores the prompt
+    (Megatron's tokens_to_generate=0): its log-probabilities, nothing generated."""
     sampling = sampling or SamplingConfig()
     # Context parallelism would take the prompt and the cache for each rank's zigzag shard of a sequence, and
     # sequence parallelism splits the tokens of one step: generation runs neither (refused, not wrong logits).
@@ -112,18 +127,20 @@ def generate(
     cache = KVCache(len(prompt) + max_new_tokens)
     generated: list[int] = []
     logprobs: list[float] = []
-    prompt_logprobs: list[float] | None = None
+    scored = None
     new = list(prompt)
-    for _ in range(max_new_tokens):
-        logits = _forward(chunks, ctx, new, cache)
+    prefilled = max_new_tokens == 0 or prompt_logprobs  # (every stage alike: the last one's logits decide nothing)
+    if prefilled:
+        logits = _forward(chunks, ctx, new, cache, every=True)
+        scored = _prompt_logprobs(logits, prompt) if logits is not None else None
+    for step in range(max_new_tokens):
+        if step > 0 or not prefilled:  # (the prompt's logits, when scored, are the first step's)
+            logits = _forward(chunks, ctx, new, cache)
         choice = torch.zeros(2, dtype=torch.float64, device=ctx.device)
         if logits is not None:
-            logp = F.log_softmax(logits, dim=-1)
-            if prompt_logprobs is None:
-                targets = torch.tensor(prompt[1:], device=logp.device, dtype=torch.long)
-                prompt_logprobs = logp[:-1].gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-            token = _choose(logits[-1], sampling, gen)
-            choice[0], choice[1] = token, float(logp[-1, token])
+            last = logits[-1]
+            token = _choose(last, sampling, gen)
+            choice[0], choice[1] = token, float(last[token] - torch.logsumexp(last, dim=-1))
         # One decision for the whole world: the last stage's to every stage, then TP rank 0's and DP rank
         # 0's to their groups, so no replica can pick (or stop on) a token of its own.
         for group, src in ((ctx.pp, ctx.pp.ranks[-1]), (ctx.tp, ctx.tp.ranks[0]), (ctx.dp, ctx.dp.ranks[0])):
@@ -137,5 +154,5 @@ def generate(
         new = [token]
     out = {"generated_ids": generated}
     if ctx.is_last_stage:
-        out.update(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        out.update(logprobs=logprobs, prompt_logprobs=scored)
     return out

@@ -84,6 +84,10 @@ class CoreAttention(nn.Module):
             extra |= {"window_size": self.window} if self.window is not None else {}  # (a2a and allgather only)
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
             return out.reshape(b, s, -1)
+        if self.window is not None and documents is None and sk > s + self.window - 1:
+            # decoding past the window: the keys no query of this step sees are not read (nor expanded, nor masked)
+            k, v = k[:, sk - (s + self.window - 1) :], v[:, sk - (s + self.window - 1) :]
+            sk = k.shape[1]
         if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
             out = K.flash_attention(
                 q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window, document_ids=documents

@@ -217,13 +217,15 @@ class GPTModel(nn.Module):
         kv_cache=None,
         document_ids: torch.Tensor | None = None,
         mtp: dict[str, torch.Tensor] | None = None,
+        last_logits_only: bool = False,
     ) -> torch.Tensor:
         """Per-token loss [batch, seq] when `labels` is given, else this rank's logits
         [batch, seq, padded_vocab / TP]; a stage without the output layer returns its hidden states.
         `kv_cache` (inference): `position_ids` continue from the cached tokens, whose keys and values the
         attention layers read and extend. `document_ids` [batch, seq] (--reset-attention-mask): tokens attend
         only to earlier tokens of their own document. `mtp`: the multi-token-prediction inputs (models/mtp.py,
-        `mtp_inputs`); in training their losses join the returned loss's backward.
+        `mtp_inputs`); in training their losses join the returned loss's backward. `last_logits_only`
+        (generation): the logits of the last position alone (a prompt's others would be [prompt, vocab] for nothing).
 
         The training loop sums the per-token losses with one scale, and labels the tokens outside the loss mask
         -100 (`counted_labels`): then every counted token's loss gets the same gradient, and the fused
@@ -238,6 +240,7 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         if labels is None:
+            x = x[-1:] if last_logits_only else x
             return self.output_layer(x, weight=self.output_weight()).transpose(0, 1)
         run_mtp = self.mtp is not None and self.training and kv_cache is None
         loss = self.token_loss(x, labels, grads_in_forward=not run_mtp)
