@@ -439,6 +439,24 @@ def test_generation_scores_prompts_and_stops_as_transformers(converted, tmp_path
         assert len(err) == 1 and fragment in err[0], err
 
 
+def test_a_prompts_file_generates_each_prompt_with_the_model_loaded_once(converted, tmp_path, capsys):
+    """Megatron's generation takes a list of prompts; --prompts-file (JSONL) runs each in turn and --output-json
+    writes a list, each entry what transformers' greedy generate gives; a bad line is one line naming it."""
+    model, _, ours, _ = converted["llama"]
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.json"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in (PROMPT, PROMPT[:4], PROMPT[3:])))
+    argv = ["--load", ours, "--prompts-file", str(prompts), "--max-new-tokens", str(NEW), "--greedy", "--ignore-eos"]
+    assert generate_cli.main([*argv, "--output-json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [r["prompt_ids"] for r in results] == [PROMPT, PROMPT[:4], PROMPT[3:]]
+    assert [r["generated_ids"] for r in results] == [_hf_greedy(model, r["prompt_ids"]) for r in results]
+    prompts.write_text(json.dumps({"prompt_ids": PROMPT}) + "\n" + '{"text": "no"}\n')
+    capsys.readouterr()
+    assert generate_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--prompts-file {prompts} line 2: not" in err[0], err
+
+
 def _edit_config(src: str, dst: pathlib.Path, **changes) -> str:
     import shutil
 

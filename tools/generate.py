@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
+    src.add_argument(
+        "--prompts-file",
+        help='JSONL, one prompt a line ({"prompt": text} or {"prompt_ids": [ids]}), generated one after another by '
+        "the model loaded once; --output-json then writes a list",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, help="0: score the prompt (its log-probabilities)")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -87,6 +92,34 @@ def _check_sampling(args: argparse.Namespace) -> None:
         )
     elif not args.greedy and 0 < args.temperature < 1e-4:
         raise ConfigError(f"--temperature {args.temperature:g} is too small to sample with: use --greedy")
+
+
+def _records(args: argparse.Namespace) -> list[dict]:
+    """The prompts asked for: {"prompt": text} or {"prompt_ids": ids} each."""
+    if args.prompt is not None:
+        return [{"prompt": args.prompt}]
+    if args.prompt_ids is not None:
+        return [{"prompt_ids": _ids(args.prompt_ids, "--prompt-ids")}]
+    try:
+        lines = [line for line in open(args.prompts_file) if line.strip()]
+    except OSError as e:
+        raise ConfigError(f"--prompts-file {args.prompts_file}: {e.strerror}") from None
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        ids = record.get("prompt_ids") if isinstance(record, dict) else None
+        ids_ok = isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+        ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or ids_ok)
+        if not ok:
+            raise ConfigError(f'--prompts-file {args.prompts_file} line {i + 1}: not {{"prompt": text}} or '
+                              '{"prompt_ids": [ids]}')  # fmt: skip
+        records.append(record)
+    if not records:
+        raise ConfigError(f"--prompts-file {args.prompts_file} holds no prompt")
+    return records
 
 
 def _ids(text: str, flag: str) -> list[int]:
@@ -151,16 +184,17 @@ def run(args: argparse.Namespace) -> int:
         recompute_num_layers=None,
         kernel_impl=args.kernel_impl,
     )
-    tokenizer = None
-    if args.prompt is not None:
-        tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size)
-        prompt = tokenizer.encode(args.prompt)
-    else:
-        prompt = _ids(args.prompt_ids, "--prompt-ids")
-    if not prompt:
-        raise ConfigError("the prompt is empty (--prompt-ids gave no ids; the tokenizer adds no BOS to an empty text)")
-    if max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
-        raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}); got {prompt[:8]}")
+    records = _records(args)
+    texts = any("prompt" in r for r in records)
+    tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts else None
+    prompts = [tokenizer.encode(r["prompt"]) if "prompt" in r else r["prompt_ids"] for r in records]
+    where = lambda i: f" (--prompts-file line {i + 1})" if args.prompts_file else ""  # noqa: E731
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ConfigError(f"the prompt is empty{where(i)} (no ids; the tokenizer adds no BOS to an empty text)")
+        if max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
+            raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}){where(i)}; got {prompt[:8]}")
+    prompt = max(prompts, key=len)  # (the longest sizes the checks below)
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 0 (0 scores the prompt)")
     _check_sampling(args)
@@ -226,16 +260,19 @@ def run(args: argparse.Namespace) -> int:
         )
     # (the prompt's log-probabilities take its whole logits: only where they are written)
     scored = args.output_json is not None or args.max_new_tokens == 0
-    out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop, prompt_logprobs=scored)
     writer = ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp.rank == 0
-    if writer:
+    results = []
+    for prompt in prompts:
+        out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop, prompt_logprobs=scored)
         result = {"prompt_ids": prompt, **out, "checkpoint": path, "iteration": meta["iteration"]}
         if tokenizer is not None:
             result["text"] = tokenizer.decode(out["generated_ids"])
-        print(result.get("text", " ".join(map(str, out["generated_ids"]))), flush=True)
-        if args.output_json:
-            with open(args.output_json, "w") as f:
-                json.dump(result, f, indent=1)
+        if writer:
+            print(result.get("text", " ".join(map(str, out["generated_ids"]))), flush=True)
+        results.append(result)
+    if writer and args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results if args.prompts_file else results[0], f, indent=1)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
