@@ -71,7 +71,8 @@ def test_the_hubs_gpt2_files_without_the_transformer_prefix_convert(tmp_path, ca
 
     def hub_names(t):
         out = {k.removeprefix("transformer."): v for k, v in t.items() if k != "lm_head.weight"}
-        return {**out, **{f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, 32, 32)) for i in range(2)}}
+        # (the mask buffers in uint8, as some transformers releases stored them: not a quantised tensor)
+        return {**out, **{f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, 32, 32)).to(torch.uint8) for i in range(2)}}
 
     hub = _rewrite(str(tmp_path / "gpt2"), tmp_path / "hub", hub_names)
     assert _to_ours(str(tmp_path / "gpt2"), tmp_path / "a", capsys)[0] == 0
@@ -174,6 +175,16 @@ def test_side_files_travel_and_a_reconversion_leaves_none_of_the_earlier_ones(tm
     )
     meta = json.loads((tmp_path / "ours" / "iter_0000000" / "metadata.json").read_text())
     assert meta["config"]["data"]["tokenizer_model"] is None  # (it named the first model's tokenizer.json)
+
+
+def test_an_export_into_its_tokenizers_own_directory_keeps_the_tokenizer(tmp_path):
+    """An earlier export's side files are cleared first, but not where the directory is itself their source (a
+    model trained on --tokenizer-model DIR/tokenizer.json exported into DIR lost its tokenizer)."""
+    from megatron_lite.checkpoint.hf_files import TOKENIZER_FILES, write_hf_dir
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    write_hf_dir(str(tmp_path), {"w": torch.zeros(2)}, {"a": 1}, [(str(tmp_path), TOKENIZER_FILES)])
+    assert (tmp_path / "tokenizer.json").read_text() == "{}"
 
 
 def test_a_save_dir_holding_a_training_run_is_refused(tmp_path, capsys):

@@ -90,6 +90,7 @@ def _compare(history, ref):
     for it, (h, r) in enumerate(zip(history, ref)):
         for key in ("lm_loss", "grad_norm", "aux", "z"):
             _close(h[key], r[key], key, it)
+        assert h["layers"].keys() == r["layers"].keys(), f"iteration {it + 1}: other MoE layers"
         for layer, st in r["layers"].items():
             got = h["layers"][layer]
             assert got["tokens_per_expert"] == st["tokens_per_expert"], f"iteration {it + 1}: tokens per expert differ"

@@ -826,6 +826,13 @@ def test_lora_checkpoints_hold_the_adapters_and_name_their_base(tmp_path, capsys
     os.rename(base, base + "_moved")
     rc, _, err = _run(["--load", lora, "--save", lora, "--train-iters", "3"], capsys, monkeypatch)
     _one_line_error(rc, err, f"holds LoRA adapters trained on the base checkpoint '{base}/iter_0000001'", "is gone")
+    # the adapters alone (a PEFT export) read without their base; the whole model not
+    from megatron_lite.checkpoint.hf_convert import read_model_tensors
+    from megatron_lite.config import ConfigError
+
+    assert all(".lora." in k for k in read_model_tensors(lora, base=False)[1])
+    with pytest.raises(ConfigError, match="is gone"):
+        read_model_tensors(lora)
     os.rename(base + "_moved", base)
 
     rc, out, err = _run([*adapt, "--load", base, "--save", base], capsys, monkeypatch)
@@ -1130,10 +1137,13 @@ def test_moe_per_layer_losses_and_an_aux_loss_free_run(tmp_path, capsys, monkeyp
         assert rec[f"moe_{k}"] == pytest.approx(sum(v[k] for v in layers.values()) / 2, rel=1e-12)
         assert [rec[f"moe_layer{i}_{k}"] for i in (0, 1)] == [layers[str(i)][k] for i in (0, 1)]  # (W&B's scalars)
     free = ["--moe-aux-loss-coeff", "0", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
-    rc, out, err = _run([*moe, *free], capsys, monkeypatch)
+    free_log = tmp_path / "free.jsonl"
+    rc, out, err = _run([*moe, *free, "--moe-per-layer-logging", "--log-jsonl", str(free_log)], capsys, monkeypatch)
     assert rc == 0, err
     lines = [line for line in out.splitlines() if "] iteration " in line]
     assert len(lines) == 3 and not any("load_balancing_loss" in line for line in lines), lines
+    rec = [json.loads(line) for line in free_log.read_text().splitlines() if "lm_loss" in line][-1]
+    assert not any(k.endswith(("_aux_loss", "_z_loss")) for k in rec) and rec["moe_layer_losses"]["0"] == {}, rec
 
 
 def test_moe_losses_go_under_the_names_megatron_tracks(capsys, monkeypatch):

@@ -200,8 +200,11 @@ def moe_layer_recomputed_vs_plain() -> list[float]:
     dy = torch.randn(8, 1, config.hidden_size, generator=g)
     out = []
     for recompute in (False, True):
+        layer.reset_stats()
         xi = x.clone().requires_grad_()
         y = checkpoint(layer, ctx.rng, xi) if recompute else layer(xi)
+        if ctx.ep.rank == 0:  # 8 alike tokens x top-2 to 2 experts of capacity 4: the second chunk's 8 pairs dropped
+            assert layer.stats["dropped"] == 8, layer.stats
         y.backward(dy)
         out.append([y.detach(), xi.grad, *[p.grad.clone() for p in layer.parameters()]])
         layer.zero_grad(set_to_none=True)

@@ -153,8 +153,8 @@ def _tokenizer(args: argparse.Namespace, meta: dict, path: str, vocab_size: int)
         )
     if flags.tokenizer_type in (None, "NullTokenizer"):
         raise ConfigError(
-            f"--prompt needs a tokenizer, and the checkpoint in {path} names none; pass --tokenizer-model, or use "
-            "--prompt-ids"
+            f'a text prompt (--prompt, or "prompt" in --prompts-file) needs a tokenizer, and the checkpoint in {path} '
+            "names none; pass --tokenizer-model, or give token ids"
         )
     try:
         tokenizer = tokenizer_from_flags(flags)
@@ -185,9 +185,9 @@ def run(args: argparse.Namespace) -> int:
         kernel_impl=args.kernel_impl,
     )
     records = _records(args)
-    texts = any("prompt" in r for r in records)
+    texts = any(isinstance(r.get("prompt"), str) for r in records)
     tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts else None
-    prompts = [tokenizer.encode(r["prompt"]) if "prompt" in r else r["prompt_ids"] for r in records]
+    prompts = [tokenizer.encode(r["prompt"]) if isinstance(r.get("prompt"), str) else r["prompt_ids"] for r in records]
     where = lambda i: f" (--prompts-file line {i + 1})" if args.prompts_file else ""  # noqa: E731
     for i, prompt in enumerate(prompts):
         if not prompt:

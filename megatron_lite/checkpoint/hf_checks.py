@@ -17,6 +17,7 @@ QUANTISED_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", ".qweig
                       ".quant_map", ".quant_state.bitsandbytes__nf4", ".SCB")  # fmt: skip
 QUANTISED_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "int8", "uint8") if hasattr(torch, n)}
 CAUSE = "an incomplete download, or a config.json that does not describe these files"
+EXPORT_CAUSE = "a damaged checkpoint: inspect it with tools/checkpoint/inspect_checkpoint.py --verify"
 
 
 def normalize_hf_names(hf: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
@@ -33,7 +34,12 @@ def check_not_quantised(hf: dict[str, torch.Tensor], raw: dict, where: str, log)
     they would be read as unscaled weights. A config.json that still names a quantisation over bf16/fp32 weights
     (DeepSeek's fp8_cast_bf16 leaves it) is converted; the export does not carry it."""
     method = (raw.get("quantization_config") or {}).get("quant_method") or (raw.get("quantization_config") and "?")
-    packed = sorted(k for k, t in hf.items() if k.endswith(QUANTISED_SUFFIXES) or t.dtype in QUANTISED_DTYPES)
+    # (dtypes of weights only: GPT-2's attn.bias mask buffer was stored as uint8 by some transformers releases)
+    packed = sorted(
+        k
+        for k, t in hf.items()
+        if k.endswith(QUANTISED_SUFFIXES) or (t.dtype in QUANTISED_DTYPES and k.endswith("weight"))
+    )
     if packed:
         dtypes = sorted({str(hf[k].dtype).removeprefix("torch.") for k in packed[:50]})
         raise ConfigError(
@@ -58,7 +64,7 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_state_dict(
-    ours: dict[str, torch.Tensor], config: ModelConfig, where: str, log, extra_ok: bool = False
+    ours: dict[str, torch.Tensor], config: ModelConfig, where: str, log, extra_ok: bool = False, cause: str = CAUSE
 ) -> dict[str, torch.Tensor]:
     """`ours` against the model `config` describes: a missing tensor, a shape that differs, or (unless
     `extra_ok`) a tensor it has no place for is one line. A router's expert bias the files lack is zeros, as
@@ -71,12 +77,12 @@ def check_state_dict(
         ours = {**ours, **{k: torch.zeros(expected[k]) for k in bias}}
         missing = [k for k in missing if k not in bias]
     if missing:
-        raise ConfigError(f"{where} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]} ({CAUSE})")
+        raise ConfigError(f"{where} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]} ({cause})")
     wrong = [
         f"{k} {tuple(ours[k].shape)} (expected {expected[k]})" for k in expected if tuple(ours[k].shape) != expected[k]
     ]
     if wrong:
-        raise ConfigError(f"{where}: {len(wrong)} tensor(s) of the wrong shape, e.g. {'; '.join(wrong[:2])} ({CAUSE})")
+        raise ConfigError(f"{where}: {len(wrong)} tensor(s) of the wrong shape, e.g. {'; '.join(wrong[:2])} ({cause})")
     unplaced = sorted(set(ours) - set(expected))
     if unplaced and not extra_ok:
         raise ConfigError(

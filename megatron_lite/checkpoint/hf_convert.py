@@ -39,7 +39,13 @@ from megatron_lite.checkpoint.format import (
     file_digest,
     iteration_dir,
 )
-from megatron_lite.checkpoint.hf_checks import check_not_quantised, check_state_dict, mapping_errors, normalize_hf_names
+from megatron_lite.checkpoint.hf_checks import (
+    EXPORT_CAUSE,
+    check_not_quantised,
+    check_state_dict,
+    mapping_errors,
+    normalize_hf_names,
+)
 from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     SIDE_FILES,
     TOKENIZER_FILES,
@@ -296,22 +302,22 @@ def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict
     return publish(root, tmp, meta)
 
 
-def read_model_tensors(load_dir: str, main: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_model_tensors(load_dir: str, main: bool = False, base: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata, full unpadded model tensors by our names) of the newest checkpoint under `load_dir`,
     whatever layout wrote it. A LoRA checkpoint of adapters has its frozen weights from the base checkpoint it
-    recorded (QLoRA's: unquantised). `main`: the optimizer's fp32 main weights where it holds them (a --bf16 run's
-    model weights are their bf16 rounding)."""
+    recorded (QLoRA's: unquantised; `base` False: the adapters alone). `main`: the optimizer's fp32 main weights
+    where it holds them (a --bf16 run's model weights are their bf16 rounding)."""
     path = find_checkpoint(load_dir, flag="--load-dir")
     if path is None:
         raise ConfigError(f"--load-dir {load_dir} holds no megatron_lite checkpoint")
     meta = read_metadata(path)
     reader = _Reader(path, meta)
     out = {}
-    base = (meta["config"].get("lora") or {}).get("base")
-    if base:
-        if find_checkpoint(base) is None:
-            raise ConfigError(f"--load-dir {load_dir} holds LoRA adapters; their base checkpoint {base!r} is gone")
-        out = read_model_tensors(base, main)[1]
+    recorded = (meta["config"].get("lora") or {}).get("base") if base else None
+    if recorded:
+        if find_checkpoint(recorded) is None:
+            raise ConfigError(f"--load-dir {load_dir} holds LoRA adapters; their base checkpoint {recorded!r} is gone")
+        out = read_model_tensors(recorded, main)[1]
     for name, rec in reader.index.items():
         if name.startswith("model/"):
             name = "main/" + name.removeprefix("model/") if main and "main/" + name[6:] in reader.index else name
@@ -462,7 +468,7 @@ def megatron_lite_to_peft(
     directory the base was converted from. `dtype`: the adapter tensors' (default: as stored)."""
     from megatron_lite.lora.peft import split_lora, to_peft, write_peft
 
-    meta, ours = read_model_tensors(load_dir)
+    meta, ours = read_model_tensors(load_dir, base=False)  # (the adapters alone: a 70B base is not read for them)
     saved = meta["config"]
     lora = saved_lora_config(saved)
     if lora is None:
@@ -538,7 +544,7 @@ def megatron_lite_to_hf(
         if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens
             base = _token_ids(saved["data"])
     check_exportable(config, arch)  # (before the weights are mapped: a missing tensor was a KeyError traceback)
-    ours = check_state_dict(ours, config, f"--load-dir {load_dir}", log, extra_ok=True)
+    ours = check_state_dict(ours, config, f"--load-dir {load_dir}", log, extra_ok=True, cause=EXPORT_CAUSE)
     with mapping_errors(f"--load-dir {load_dir}"):
         hf = state_dict_to_hf(ours, config, arch, on_disk=True)
     if dtype is not None:

@@ -90,7 +90,9 @@ def write_hf_dir(
     # index first, so a leftover of either kind would give the two different weights beside the new config.
     stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
     stale += [os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]
-    stale += [os.path.join(path, f) for f in SIDE_FILES]  # (an earlier export's chat template, tokenizer...)
+    # (an earlier export's chat template, tokenizer...; not when this directory is itself a source of them)
+    if not any(os.path.realpath(src) == os.path.realpath(path) for src, _ in side_from):
+        stale += [os.path.join(path, f) for f in SIDE_FILES]
     for f in stale:
         if os.path.isfile(f):
             os.remove(f)

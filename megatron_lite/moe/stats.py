@@ -106,19 +106,20 @@ def log_losses(moe: dict | None, config) -> dict[str, float]:
     return {**out, **({"moe_z_loss": moe["z_loss"]} if config.moe_z_loss_coeff is not None else {})}
 
 
-def log_metrics(moe: dict | None, per_layer_losses: bool = False) -> dict:
+def log_metrics(moe: dict | None, config=None, per_layer_losses: bool = False) -> dict:
     """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the losses
     are logged as their means over the log window: log_losses). `per_layer_losses` (--moe-per-layer-logging):
-    each layer's losses as scalars too, the last step's."""
+    each layer's losses too, the last step's, those log_losses tracks (scalars, and moe_layer_losses in JSONL)."""
     if moe is None:
         return {}
     out = {f"moe_{k}": moe[k] for k in ("dropped_fraction", "max_imbalance")}
+    tracked = log_losses(moe, config) if config is not None else {"moe_aux_loss": 0, "moe_z_loss": 0}
+    kinds = [k.removeprefix("moe_").replace("seq_aux_loss", "aux_loss") for k in tracked]
     for layer, st in moe["layers"].items():
         out[f"moe_layer{layer}_imbalance"] = st["imbalance"]
         if per_layer_losses:
-            out.update({f"moe_layer{layer}_{k}": st[k] for k in ("aux_loss", "z_loss")})
+            out.update({f"moe_layer{layer}_{k}": st[k] for k in kinds})
     out["moe_tokens_per_expert"] = {str(layer): st["tokens_per_expert"] for layer, st in moe["layers"].items()}
-    out["moe_layer_losses"] = {
-        str(layer): {k: st[k] for k in ("aux_loss", "z_loss")} for layer, st in moe["layers"].items()
-    }
+    if per_layer_losses:
+        out["moe_layer_losses"] = {str(layer): {k: st[k] for k in kinds} for layer, st in moe["layers"].items()}
     return out

@@ -188,6 +188,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     ctx.seed(job.training.seed)
     log = MetricsLogger(job, enabled=_logging_rank(ctx), world_size=ctx.world_size)
     exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
+    exit_code = 0  # W&B's run state: 1 on an exception, 3 (the process's) on a halt
     try:  # the logger is closed however the run ends (a halt too: W&B's run finished)
         for line in notes:
             log.info(line)
@@ -456,7 +457,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                         "comm_exposed_fraction": window["comm"] / window["step"] if window["step"] else 0.0,
                         "skipped_iterations": window["skipped"],
                         "nonfinite_iterations": window["nan"],
-                        **moe_stats.log_metrics(metrics.moe, job.logging.moe_per_layer_logging),
+                        **moe_stats.log_metrics(metrics.moe, job.model, job.logging.moe_per_layer_logging),
                         **guard.log_metrics(),
                         **mem,
                     },
@@ -488,9 +489,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if test_ds is not None:
                 evaluate(test_ds, "test", final=True)
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
-    finally:  # (W&B's run state: failed on an exception, 3 as the process's on a halt)
-        error = sys.exc_info()[1]
-        log.close(exit_code=0 if error is None else 3 if isinstance(error, TrainingHalted) else 1)
+    except BaseException as e:
+        exit_code = 3 if isinstance(e, TrainingHalted) else 1
+        raise
+    finally:
+        log.close(exit_code=exit_code)
         if exit_signal is not None:  # (the handler this run installed; an in-process caller gets its own back)
             exit_signal.restore()
     if recorder is not None:
