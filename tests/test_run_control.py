@@ -160,12 +160,12 @@ def test_a_halted_run_closes_its_logger(tmp_path, capsys, monkeypatch):
 
     closed = []
     real = logger.MetricsLogger.close
-    monkeypatch.setattr(logger.MetricsLogger, "close", lambda self: (closed.append(True), real(self)))
+    monkeypatch.setattr(logger.MetricsLogger, "close", lambda self, **kw: (closed.append(kw), real(self, **kw)))
     monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=2")
     log = tmp_path / "m.jsonl"
     rc, _, err = _run([*DATA, "--train-iters", "4", "--log-jsonl", str(log)], capsys, monkeypatch)
     assert rc == 3 and "halted" in err, err
-    assert closed == [True] and log.read_text().count("lm_loss") == 1
+    assert closed == [{"exit_code": 3}] and log.read_text().count("lm_loss") == 1  # (W&B's run: halted, not finished)
 
 
 def test_wandb_steps_keep_growing_through_a_rollback():
