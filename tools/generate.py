@@ -22,7 +22,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+from megatron_lite.checkpoint.checkpointing import (
+    find_checkpoint,
+    load_checkpoint,
+    lora_base_checkpoint,
+    read_metadata,
+)
 from megatron_lite.checkpoint.hf_convert import generation_eos_ids, model_config_from_dict, saved_lora_config
 from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
@@ -224,9 +229,7 @@ def run(args: argparse.Namespace) -> int:
               f"max_position_embeddings {positions}{scaled}: the model was not trained that far")  # fmt: skip
     validate_layout(model_cfg, parallel, world, training)
     lora = saved_lora_config(saved)
-    base = find_checkpoint(lora.base) if lora is not None and lora.base else None
-    if lora is not None and lora.base and base is None:
-        raise ConfigError(f"{path} holds LoRA adapters trained on the base checkpoint {lora.base!r}, which is gone")
+    base = lora_base_checkpoint(lora.base, path) if lora is not None and lora.base else None
     ctx = initialize(model_cfg, parallel, training, backend=args.distributed_backend)
     model = build_model(model_cfg, ctx, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     if lora is None:

@@ -309,6 +309,18 @@ class AsyncSaver:
 
 
 # Loading ----------------------------------------------------------------------------------------
+def lora_base_checkpoint(base: str, holder: str) -> str:
+    """The base checkpoint adapters-only LoRA checkpoints recorded (training.resume.lora_base), found or one line.
+    `holder`: what holds the adapters, as the line names it."""
+    path = find_checkpoint(base)
+    if path is None:
+        raise ConfigError(
+            f"{holder} holds LoRA adapters trained on the base checkpoint {base!r}, which is gone; restore it or "
+            "start again from a base with --load BASE --finetune"
+        )
+    return path
+
+
 def find_checkpoint(root: str | None, step: int | None = None, own: bool = False, flag: str = "--load") -> str | None:
     """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); `root`
     itself when it is one iteration's directory; None when `root` is missing or empty. Without the tracker file

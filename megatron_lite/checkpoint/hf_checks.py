@@ -8,6 +8,8 @@ device (nothing allocated), so the error names the tensor and the likely cause.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig
@@ -92,23 +94,14 @@ def check_state_dict(
     return ours
 
 
+@contextlib.contextmanager
 def mapping_errors(where: str):
-    """A context that turns a KeyError (a tensor the mapping reads is absent) or a RuntimeError (a reshape of a
-    tensor whose shape config.json does not give) into one line."""
-    return _MappingErrors(where)
-
-
-class _MappingErrors:
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, tb) -> bool:
-        if kind is KeyError:
-            raise ConfigError(f"{self.where} lacks the tensor {error.args[0]} ({CAUSE})") from None
-        if kind is RuntimeError:
-            first = str(error).strip().splitlines()[0]
-            raise ConfigError(f"{self.where}: a tensor's shape does not fit config.json ({first}; {CAUSE})") from None
-        return False
+    """Turns a KeyError (a tensor the mapping reads is absent) or a RuntimeError (a reshape of a tensor whose
+    shape config.json does not give) into one line."""
+    try:
+        yield
+    except KeyError as error:
+        raise ConfigError(f"{where} lacks the tensor {error.args[0]} ({CAUSE})") from None
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[0]
+        raise ConfigError(f"{where}: a tensor's shape does not fit config.json ({first}; {CAUSE})") from None

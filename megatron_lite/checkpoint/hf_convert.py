@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from megatron_lite.checkpoint.checkpointing import (
     _Reader,
     find_checkpoint,
+    lora_base_checkpoint,
     model_config_from_dict,
     publish,
     read_metadata,
@@ -315,9 +316,7 @@ def read_model_tensors(load_dir: str, main: bool = False, base: bool = True) -> 
     out = {}
     recorded = (meta["config"].get("lora") or {}).get("base") if base else None
     if recorded:
-        if find_checkpoint(recorded) is None:
-            raise ConfigError(f"--load-dir {load_dir} holds LoRA adapters; their base checkpoint {recorded!r} is gone")
-        out = read_model_tensors(recorded, main)[1]
+        out = read_model_tensors(lora_base_checkpoint(recorded, f"--load-dir {load_dir}"), main)[1]
     for name, rec in reader.index.items():
         if name.startswith("model/"):
             name = "main/" + name.removeprefix("model/") if main and "main/" + name[6:] in reader.index else name

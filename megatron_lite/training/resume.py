@@ -6,7 +6,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megatron_lite.checkpoint.checkpointing import TrainState, find_checkpoint, load_checkpoint, same_directory
+from megatron_lite.checkpoint.checkpointing import (
+    TrainState,
+    find_checkpoint,
+    load_checkpoint,
+    lora_base_checkpoint,
+    same_directory,
+)
 from megatron_lite.checkpoint.format import complete_iterations
 from megatron_lite.config import ConfigError
 from megatron_lite.parallel_context import ParallelContext
@@ -95,12 +101,7 @@ def lora_base(job: JobConfig, ckpt_path: str | None, saved: dict, say) -> tuple[
     base_path = None
     if saved_lora.get("base"):  # adapters only: the base loads first, from the checkpoint they recorded
         base_dir = saved_lora["base"]
-        base_path = find_checkpoint(base_dir)
-        if base_path is None:
-            raise ConfigError(
-                f"{ckpt_path} holds LoRA adapters trained on the base checkpoint {base_dir!r}, which is gone; "
-                "restore it or start again from a base with --load BASE --finetune"
-            )
+        base_path = lora_base_checkpoint(base_dir, ckpt_path)
     elif saved_lora and not job.lora.qlora:
         base_dir = None  # a whole LoRA checkpoint (its base lay in --save, or saved before adapters-only ones)
     else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
