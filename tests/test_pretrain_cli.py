@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -833,6 +834,15 @@ def test_lora_checkpoints_hold_the_adapters_and_name_their_base(tmp_path, capsys
     assert all(".lora." in k for k in read_model_tensors(lora, base=False)[1])
     with pytest.raises(ConfigError, match="is gone"):
         read_model_tensors(lora)
+    # a base trained again into the same directory (other weights, the same path) is not taken for the one the
+    # adapters were trained on
+    rc, _, err = _run([*data, "--train-iters", "1", "--save", base, "--seed", "7"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, _, err = _run(["--load", lora, "--save", lora, "--train-iters", "3"], capsys, monkeypatch)
+    _one_line_error(rc, err, f"trained on the base checkpoint {base}/iter_0000001, which has been rewritten since")
+    with pytest.raises(ConfigError, match="rewritten since"):
+        read_model_tensors(lora)
+    shutil.rmtree(base)
     os.rename(base + "_moved", base)
 
     rc, out, err = _run([*adapt, "--load", base, "--save", base], capsys, monkeypatch)

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
               f"max_position_embeddings {positions}{scaled}: the model was not trained that far")  # fmt: skip
     validate_layout(model_cfg, parallel, world, training)
     lora = saved_lora_config(saved)
-    base = lora_base_checkpoint(lora.base, path) if lora is not None and lora.base else None
+    base = lora_base_checkpoint(lora.base, path, lora.base_fingerprint) if lora is not None and lora.base else None
     ctx = initialize(model_cfg, parallel, training, backend=args.distributed_backend)
     model = build_model(model_cfg, ctx, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     if lora is None:

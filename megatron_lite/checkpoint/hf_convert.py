@@ -314,9 +314,10 @@ def read_model_tensors(load_dir: str, main: bool = False, base: bool = True) -> 
     meta = read_metadata(path)
     reader = _Reader(path, meta)
     out = {}
-    recorded = (meta["config"].get("lora") or {}).get("base") if base else None
-    if recorded:
-        out = read_model_tensors(lora_base_checkpoint(recorded, f"--load-dir {load_dir}"), main)[1]
+    lora = (meta["config"].get("lora") or {}) if base else {}
+    if lora.get("base"):
+        where = lora_base_checkpoint(lora["base"], f"--load-dir {load_dir}", lora.get("base_fingerprint"))
+        out = read_model_tensors(where, main)[1]
     for name, rec in reader.index.items():
         if name.startswith("model/"):
             name = "main/" + name.removeprefix("model/") if main and "main/" + name[6:] in reader.index else name
@@ -420,7 +421,7 @@ def saved_lora_config(saved: dict):
     if not lora:
         return None
     return LoraConfig(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"]),
-                      lora.get("qlora", False), lora.get("base"))  # fmt: skip
+                      lora.get("qlora", False), lora.get("base"), lora.get("base_fingerprint"))  # fmt: skip
 
 
 def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dict, str | None]:

@@ -8,6 +8,7 @@ import os
 
 from megatron_lite.checkpoint.checkpointing import (
     TrainState,
+    checkpoint_fingerprint,
     find_checkpoint,
     load_checkpoint,
     lora_base_checkpoint,
@@ -98,10 +99,10 @@ def lora_base(job: JobConfig, ckpt_path: str | None, saved: dict, say) -> tuple[
     if job.lora is None:
         return job, None
     saved_lora = (saved.get("lora") or {}) if ckpt_path is not None else {}
-    base_path = None
+    base_path = fingerprint = None
     if saved_lora.get("base"):  # adapters only: the base loads first, from the checkpoint they recorded
-        base_dir = saved_lora["base"]
-        base_path = lora_base_checkpoint(base_dir, ckpt_path)
+        base_dir, fingerprint = saved_lora["base"], saved_lora.get("base_fingerprint")
+        base_path = lora_base_checkpoint(base_dir, ckpt_path, fingerprint)
     elif saved_lora and not job.lora.qlora:
         base_dir = None  # a whole LoRA checkpoint (its base lay in --save, or saved before adapters-only ones)
     else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
@@ -120,7 +121,10 @@ def lora_base(job: JobConfig, ckpt_path: str | None, saved: dict, say) -> tuple[
             )
             base_dir = None
     base_dir = os.path.abspath(base_dir) if base_dir else None  # (read again from another directory)
-    return dataclasses.replace(job, lora=dataclasses.replace(job.lora, base=base_dir)), base_path
+    if base_dir and base_path is None and ckpt_path is not None and (found := find_checkpoint(base_dir)):
+        fingerprint = checkpoint_fingerprint(found)  # (what the adapters are trained on, checked where they load)
+    lora = dataclasses.replace(job.lora, base=base_dir, base_fingerprint=fingerprint if base_dir else None)
+    return dataclasses.replace(job, lora=lora), base_path
 
 
 def _inside(path: str, root: str | None) -> bool:
