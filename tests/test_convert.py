@@ -349,6 +349,67 @@ def test_pp2_tp2_generation_equals_transformers(dist, converted, name):
         assert generated == greedy
 
 
+def batched_and_alone(ckpt: str, parallel: ParallelConfig):
+    """On every rank: generate_batch's results for prompts of three lengths, and generate's for each alone, greedy
+    (one of them stopping early at a token it makes), sampled, and scoring (max_new_tokens 0)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+    from megatron_lite.checkpoint.hf_convert import model_config_from_dict
+    from megatron_lite.inference.generation import SamplingConfig, generate, generate_batch
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    path = find_checkpoint(ckpt)
+    config = model_config_from_dict(read_metadata(path)["config"]["model"])
+    config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0)
+    ctx = get_context(parallel) if dist.is_initialized() else ParallelContext.virtual(parallel, torch.device("cpu"))
+    model = build_model(config, ctx)
+    load_checkpoint(path, model, None, None, ctx, load_rng=False)
+    prompts = [PROMPT[3:], PROMPT, PROMPT[:4]]
+    stop = (generate(model, ctx, prompts[1], NEW)["generated_ids"][2],)  # (the second prompt's third token)
+    out = {}
+    for name, new, sampling, stops in (
+        ("greedy", NEW, None, stop),
+        ("sampled", NEW, SamplingConfig(greedy=False, temperature=1.5, top_p=0.9, seed=3), ()),
+        ("scored", 0, None, ()),
+    ):
+        out[name] = (
+            generate_batch(model, ctx, prompts, new, sampling, stops),
+            [generate(model, ctx, p, new, sampling, stops) for p in prompts],
+        )
+    return out, stop
+
+
+def _assert_same_results(batched, alone):
+    for b, a in zip(batched, alone, strict=True):
+        assert b.keys() == a.keys() and b["generated_ids"] == a["generated_ids"], (b, a)
+        for key in ("logprobs", "prompt_logprobs"):
+            if key in a:
+                assert len(b[key]) == len(a[key]), key
+                assert torch.allclose(torch.tensor(b[key]), torch.tensor(a[key]), atol=1e-5), (key, b[key], a[key])
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_a_batch_of_prompts_generates_what_each_alone_does(dist, converted, name):
+    """Batched generation (Megatron's static batching: every sequence at the same positions, a longer prompt's
+    tail fed a token a step) under TP2 x PP2 gives each prompt what it gets alone: its tokens (greedy, with one
+    stopping early at a stop id while the others go on; and sampled, each from its own seeded generator), their
+    log-probabilities and its prompt's (also when only scored)."""
+    _, _, ours, _ = converted[name]
+    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    for rank, (out, stop) in enumerate(dist(4, batched_and_alone, ours, parallel)):
+        batched, alone = out["greedy"]
+        lengths = [len(r["generated_ids"]) for r in alone]
+        assert min(lengths) < NEW == max(lengths), (lengths, stop)  # (one stops early, another goes on)
+        for batched, alone in out.values():
+            _assert_same_results(batched, alone)
+        if rank >= 2:  # (the last stage's: the scores)
+            assert [len(r["prompt_logprobs"]) for r in out["scored"][0]] == [len(PROMPT) - 4, len(PROMPT) - 1, 3]
+
+
 def test_generate_cli_greedy_and_logprobs(converted, tmp_path):
     model, _, ours, _ = converted["llama"]
     out = tmp_path / "out.json"
@@ -450,6 +511,15 @@ def test_a_prompts_file_generates_each_prompt_with_the_model_loaded_once(convert
     results = json.loads(out.read_text())
     assert [r["prompt_ids"] for r in results] == [PROMPT, PROMPT[:4], PROMPT[3:]]
     assert [r["generated_ids"] for r in results] == [_hf_greedy(model, r["prompt_ids"]) for r in results]
+    # one at a time (the default batches them, by length), under Megatron's name for --max-new-tokens
+    argv1 = [*argv, "--inference-max-requests", "1", "--output-json", str(tmp_path / "one.json")]
+    assert generate_cli.main([a.replace("--max-new-tokens", "--num-tokens-to-generate") for a in argv1]) == 0
+    for one, batched in zip(json.loads((tmp_path / "one.json").read_text()), results, strict=True):
+        assert one["generated_ids"] == batched["generated_ids"]
+        assert torch.allclose(torch.tensor(one["logprobs"]), torch.tensor(batched["logprobs"]), atol=1e-5)
+    capsys.readouterr()
+    assert generate_cli.main([*argv, "--inference-max-requests", "0"]) == 2
+    assert "--inference-max-requests 0 must be >= 1" in capsys.readouterr().err
     prompts.write_text(json.dumps({"prompt_ids": PROMPT}) + "\n" + '{"text": "no"}\n')
     capsys.readouterr()
     assert generate_cli.main(argv) == 2

@@ -34,7 +34,7 @@ from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.embedded import EMBEDDED_VOCAB
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser, report_error
-from megatron_lite.inference.generation import SamplingConfig, generate
+from megatron_lite.inference.generation import SamplingConfig, generate_batch
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.qlora import quantize_base
@@ -53,7 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSONL, one prompt a line ({"prompt": text} or {"prompt_ids": [ids]}), generated one after another by '
         "the model loaded once; --output-json then writes a list",
     )
-    p.add_argument("--max-new-tokens", type=int, default=32, help="0: score the prompt (its log-probabilities)")
+    p.add_argument(
+        "--max-new-tokens",
+        "--num-tokens-to-generate",  # (Megatron's name)
+        dest="max_new_tokens",
+        type=int,
+        default=32,
+        help="0: score the prompt (its log-probabilities)",
+    )
+    p.add_argument(
+        "--inference-max-requests",
+        type=int,
+        default=8,
+        help="prompts of --prompts-file generated together, as one batch (Megatron's flag); each gets what it "
+        "would alone, up to rounding",
+    )
     p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -200,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         if max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
             raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}){where(i)}; got {prompt[:8]}")
     prompt = max(prompts, key=len)  # (the longest sizes the checks below)
+    if args.inference_max_requests < 1:
+        raise ConfigError(f"--inference-max-requests {args.inference_max_requests} must be >= 1")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 0 (0 scores the prompt)")
     _check_sampling(args)
@@ -264,14 +280,20 @@ def run(args: argparse.Namespace) -> int:
     # (the prompt's log-probabilities take its whole logits: only where they are written)
     scored = args.output_json is not None or args.max_new_tokens == 0
     writer = ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp.rank == 0
+    # batches of prompts of like lengths (a longer prompt's tail runs a token a step), printed in the file's order
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outs: dict[int, dict] = {}
+    n = args.inference_max_requests
+    for batch in (order[a : a + n] for a in range(0, len(order), n)):
+        got = generate_batch(model, ctx, [prompts[i] for i in batch], args.max_new_tokens, sampling, stop, scored)
+        outs.update(zip(batch, got))
     results = []
-    for prompt in prompts:
-        out = generate(model, ctx, prompt, args.max_new_tokens, sampling, stop, prompt_logprobs=scored)
-        result = {"prompt_ids": prompt, **out, "checkpoint": path, "iteration": meta["iteration"]}
+    for i, prompt in enumerate(prompts):
+        result = {"prompt_ids": prompt, **outs[i], "checkpoint": path, "iteration": meta["iteration"]}
         if tokenizer is not None:
-            result["text"] = tokenizer.decode(out["generated_ids"])
+            result["text"] = tokenizer.decode(outs[i]["generated_ids"])
         if writer:
-            print(result.get("text", " ".join(map(str, out["generated_ids"]))), flush=True)
+            print(result.get("text", " ".join(map(str, outs[i]["generated_ids"]))), flush=True)
         results.append(result)
     if writer and args.output_json:
         with open(args.output_json, "w") as f:

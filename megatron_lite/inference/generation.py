@@ -1,4 +1,5 @@
-"""Autoregressive generation under any TP x PP (x EP) layout, with a KV cache; not under CP or SP.
+"""Autoregressive generation under any TP x PP (x EP) layout, with a KV cache, one prompt or a batch; not under CP
+or SP.
 
 Each step runs the new tokens (the whole prompt first, then one token) through the virtual pipeline
 stages in order, hidden states passed stage to stage by point-to-point sends; the last stage gathers the
@@ -36,12 +37,17 @@ class SamplingConfig:
 
 
 def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache, every: bool = False) -> torch.Tensor | None:
-    """The new tokens through every virtual stage; the last stage returns full-vocabulary logits [n, V] (`every`),
-    else those of the last token [1, V]."""
+    """One sequence's new tokens: `_forward_batch`'s logits of its one row, [n, V] or [1, V]."""
+    out = _forward_batch(chunks, ctx, torch.tensor([ids], device=ctx.device), cache, every)
+    return None if out is None else out[0]
+
+
+def _forward_batch(chunks, ctx: ParallelContext, tokens: torch.Tensor, cache: KVCache, every: bool = False):
+    """The new tokens [batch, n] (every sequence at the same positions) through every virtual stage; the last
+    stage returns full-vocabulary logits [batch, n, V] (`every`), else those of the last position [batch, 1, V]."""
     pp, vp = ctx.pp.size, len(chunks)
-    n = len(ids)
-    tokens = torch.tensor([ids], device=ctx.device)
-    positions = torch.arange(cache.offset, cache.offset + n, device=ctx.device).unsqueeze(0)
+    b, n = tokens.shape
+    positions = torch.arange(cache.offset, cache.offset + n, device=ctx.device).unsqueeze(0).expand(b, n)
     config = chunks[0].config
     dtype = next(p for c in chunks for p in c.parameters()).dtype  # (a virtual stage may hold nothing)
     hidden = None
@@ -51,14 +57,14 @@ def _forward(chunks, ctx: ParallelContext, ids: list[int], cache: KVCache, every
         if rank != ctx.pp.rank:
             continue
         if stage > 0 and pp > 1:
-            hidden = torch.empty(n, 1, config.hidden_size, dtype=dtype, device=ctx.device)
+            hidden = torch.empty(n, b, config.hidden_size, dtype=dtype, device=ctx.device)
             dist.recv(hidden, ctx.pp.ranks[(stage - 1) % pp], group=ctx.pp.pg)
         y = chunks[chunk](tokens, positions, hidden_states=hidden, kv_cache=cache, last_logits_only=not every)
         if stage == pp * vp - 1:
-            logits = y[0]  # [n, padded vocab / TP]
+            logits = y  # [batch, n, padded vocab / TP]
             if ctx.tp.size > 1:
                 logits = all_gather_last(logits.contiguous(), ctx.tp)
-            out = logits[:, : config.vocab_size].float()
+            out = logits[..., : config.vocab_size].float()
         elif pp > 1:
             dist.send(y.contiguous(), ctx.pp.ranks[(stage + 1) % pp], group=ctx.pp.pg)
         else:
@@ -112,47 +118,88 @@ def generate(
     """Returns generated_ids on every rank; logprobs and prompt_logprobs on the last pipeline stage (those of the
     prompt only when `prompt_logprobs`: they take the whole prompt's logits). `max_new_tokens` 0 scores the prompt
     (Megatron's tokens_to_generate=0): its log-probabilities, nothing generated."""
+    return generate_batch(chunks, ctx, [prompt], max_new_tokens, sampling, stop_ids, prompt_logprobs)[0]
+
+
+@torch.no_grad()
+def generate_batch(
+    chunks,
+    ctx: ParallelContext,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    stop_ids: tuple[int, ...] = (),
+    prompt_logprobs: bool = True,
+) -> list[dict]:
+    """`generate` for several prompts at once, one result each, as each alone would give (up to rounding: each
+    draws from its own generator, seeded alike). As Megatron's static batching does, every sequence sits at the
+    same positions, so no padding or mask is needed: the shortest prompt is run whole, then one position a step,
+    where a longer prompt's next token is its own, not a generated one; a sequence done (a stop id, or its
+    `max_new_tokens`) rides along until all are."""
     sampling = sampling or SamplingConfig()
     # Context parallelism would take the prompt and the cache for each rank's zigzag shard of a sequence, and
     # sequence parallelism splits the tokens of one step: generation runs neither (refused, not wrong logits).
     if ctx.cp.size > 1 or ctx.sequence_parallel:
         what = f"--context-parallel-size {ctx.cp.size}" if ctx.cp.size > 1 else "--sequence-parallel"
         raise ValueError(f"generation does not run under {what}: build the model for it without (TP x PP x EP only)")
+    if not prompts or not all(prompts):
+        raise ValueError("generation needs a non-empty prompt for each sequence")
     for c in chunks:
         c.eval()
+    longest, shortest, b = max(map(len, prompts)), min(map(len, prompts)), len(prompts)
     max_pos = chunks[0].config.max_position_embeddings
-    if len(prompt) + max_new_tokens > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
-        raise ValueError(f"prompt + --max-new-tokens = {len(prompt) + max_new_tokens} exceeds {max_pos} positions")
-    gen = torch.Generator().manual_seed(sampling.seed)
-    cache = KVCache(len(prompt) + max_new_tokens)
-    generated: list[int] = []
-    logprobs: list[float] = []
-    scored = None
-    new = list(prompt)
-    prefilled = max_new_tokens == 0 or prompt_logprobs  # (every stage alike: the last one's logits decide nothing)
-    if prefilled:
-        logits = _forward(chunks, ctx, new, cache, every=True)
-        scored = _prompt_logprobs(logits, prompt) if logits is not None else None
-    for step in range(max_new_tokens):
-        if step > 0 or not prefilled:  # (the prompt's logits, when scored, are the first step's)
-            logits = _forward(chunks, ctx, new, cache)
-        choice = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-        if logits is not None:
-            last = logits[-1]
-            token = _choose(last, sampling, gen)
-            choice[0], choice[1] = token, float(last[token] - torch.logsumexp(last, dim=-1))
-        # One decision for the whole world: the last stage's to every stage, then TP rank 0's and DP rank
-        # 0's to their groups, so no replica can pick (or stop on) a token of its own.
+    if longest + max_new_tokens > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
+        raise ValueError(f"prompt + --max-new-tokens = {longest + max_new_tokens} exceeds {max_pos} positions")
+    gens = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
+    cache = KVCache(longest + max_new_tokens)
+    generated: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    scored: list[list[float]] = [[] for _ in prompts]
+    done = [max_new_tokens == 0 and len(p) == shortest for p in prompts]  # (scored whole by the first forward)
+    head = torch.tensor([p[:shortest] for p in prompts], device=ctx.device)
+    # (every stage alike: the last one's logits decide nothing)
+    scoring = max_new_tokens == 0 or prompt_logprobs
+    logits = _forward_batch(chunks, ctx, head, cache, every=scoring)
+    last = logits is not None
+    if scoring and last:
+        scored = [_prompt_logprobs(logits[i], p[:shortest]) for i, p in enumerate(prompts)]
+    position = shortest  # the position whose token is chosen next
+    while not all(done):
+        # each sequence's next token: its prompt's, or one chosen from its logits on the last stage and sent to
+        # every rank (the last stage's to every stage, then TP rank 0's and DP rank 0's to their groups, so no
+        # replica can pick, or stop on, a token of its own)
+        choice = torch.zeros(b, 2, dtype=torch.float64, device=ctx.device)
+        for i, p in enumerate(prompts):
+            if last and position >= len(p) and not done[i]:
+                row = logits[i, -1]
+                token = _choose(row, sampling, gens[i])
+                choice[i, 0], choice[i, 1] = token, float(row[token] - torch.logsumexp(row, dim=-1))
+        choosing = any(position >= len(p) and not done[i] for i, p in enumerate(prompts))  # (alike on every rank)
         for group, src in ((ctx.pp, ctx.pp.ranks[-1]), (ctx.tp, ctx.tp.ranks[0]), (ctx.dp, ctx.dp.ranks[0])):
-            if group.size > 1:
+            if group.size > 1 and choosing:
                 dist.broadcast(choice, src, group=group.pg)
-        token = int(choice[0])
-        generated.append(token)
-        logprobs.append(float(choice[1]))
-        if token in stop_ids:
+        tokens = []
+        for i, p in enumerate(prompts):
+            if position < len(p):  # still in its prompt
+                token = p[position]
+                if scoring and last:
+                    row = logits[i, -1]
+                    scored[i].append(float(row[token] - torch.logsumexp(row, dim=-1)))
+            elif not done[i]:
+                token = int(choice[i, 0])
+                generated[i].append(token)
+                logprobs[i].append(float(choice[i, 1]))
+                done[i] = token in stop_ids or len(generated[i]) == max_new_tokens
+            else:
+                token = 0  # (a finished sequence's: its logits are not read)
+            tokens.append(token)
+            done[i] = done[i] or (max_new_tokens == 0 and position + 1 == len(p))
+        if all(done):
             break
-        new = [token]
-    out = {"generated_ids": generated}
+        logits = _forward_batch(chunks, ctx, torch.tensor([tokens], device=ctx.device).t(), cache)
+        position += 1
+    out = [{"generated_ids": g} for g in generated]
     if ctx.is_last_stage:
-        out.update(logprobs=logprobs, prompt_logprobs=scored)
+        for i, o in enumerate(out):
+            o.update(logprobs=logprobs[i], prompt_logprobs=scored[i] if scoring else None)
     return out
