@@ -131,6 +131,41 @@ def test_the_flight_recorder_sees_the_single_tensor_collectives(dist):
         assert "gather" in ops[0] and "scatter" in ops[1] and "gather" in ops[2], ops
 
 
+def _pipeline_then_all_reduce() -> list:
+    """A three-stage pipeline's exchanges (the middle stage's one batch has both its peers: the world's ranks),
+    then an all-reduce over the world, under the flight recorder: (op, group, seq) of each entry."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.resilience.flight_recorder import FlightRecorder
+
+    from dist_pool import get_context
+
+    ctx = get_context(ParallelConfig(pipeline_model_parallel_size=3))
+    rank, x = ctx.rank, torch.ones(2)
+    rec = FlightRecorder(600, store=dist.HashStore(), exit_on_hang=False).install()
+    try:
+        for _ in range(2):
+            ops = [dist.P2POp(dist.isend, x, rank + 1)] if rank < 2 else []
+            ops += [dist.P2POp(dist.irecv, torch.empty(2), rank - 1)] if rank > 0 else []
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        dist.all_reduce(x)
+    finally:
+        rec.uninstall()
+    return [(e.op, e.group, e.seq) for e in rec.history]
+
+
+def test_pipeline_exchanges_do_not_shift_the_collective_counts(dist):
+    """From a review: the middle stage's exchanges (peers 0 and 2: the world's ranks) were counted with the world's
+    collectives, so its all-reduce was #3 where the other stages' was #1, and a hang report named it as having
+    gone past a collective it waited in."""
+    histories = dist(3, _pipeline_then_all_reduce)
+    assert [h[-1] for h in histories] == [("all_reduce", "0,1,2", 1)] * 3, histories
+    assert histories[1][0] == ("batch_isend_irecv", "0,1,2", 1), histories[1]  # (still named by its ranks)
+
+
 def _published(seq_by_group: dict, current: dict | None, now: float) -> dict:
     """A rank's state as its watchdog publishes it to the store."""
     return {"time": now, "counts": seq_by_group, "last": {}, "current": current}
@@ -190,8 +225,8 @@ def test_the_hang_report_follows_a_missing_rank_into_another_group():
     p2p = Entry("1,2,3", 7, "batch_isend_irecv", [], "schedule.py:9 (send)", now - 30)
     peers = {
         0: _published({"0,1": 5}, {**ar.__dict__, "since": ar.start, "waiting": False}, now),
-        1: _published({"0,1": 4, "1,2,3": 7}, {**p2p.__dict__, "since": p2p.start, "waiting": False}, now),
-        3: _published({"3,4": 6}, None, now),  # (a p2p entry is keyed by each rank's own peers)
+        1: _published({"0,1": 4, "p2p:1,2,3": 7}, {**p2p.__dict__, "since": p2p.start, "waiting": False}, now),
+        3: _published({"p2p:3,4": 6}, None, now),  # (a p2p entry is keyed by each rank's own peers)
     }
     report = hang_report(0, 15.0, ar, 20.0, peers)
     assert "rank 1: MISSING: has not entered #5" in report, report
@@ -202,7 +237,7 @@ def test_the_hang_report_follows_a_missing_rank_into_another_group():
     assert "rank 1, which" not in held[0], report  # rank 1 entered its own wait
     # rank 3 in an exchange of its own (with counts that cannot be compared): not named as holding rank 1 up
     e3 = Entry("2,3", 2, "batch_isend_irecv", [], "schedule.py:9 (recv)", now - 25)
-    peers[3] = _published({"2,3": 2}, {**e3.__dict__, "since": e3.start, "waiting": False}, now)
+    peers[3] = _published({"p2p:2,3": 2}, {**e3.__dict__, "since": e3.start, "waiting": False}, now)
     held = [line for line in hang_report(0, 15.0, ar, 20.0, peers).splitlines() if "held up by:" in line]
     assert len(held) == 1 and "rank 2, which published" in held[0] and "rank 3" not in held[0], held
 
@@ -217,9 +252,9 @@ def test_a_point_to_point_hang_does_not_compare_counts_across_ranks(peer_busy):
     mine = Entry("0,1", 4, "batch_isend_irecv", [], "schedule.py:9 (send)", now - 20)
     theirs = Entry("0,1,2", 9, "batch_isend_irecv", [], "schedule.py:9 (recv)", now - 18)
     peers = {
-        0: _published({"0,1": 4}, {**mine.__dict__, "since": mine.start}, now),
-        1: _published({"0,1,2": 9}, {**theirs.__dict__, "since": theirs.start} if peer_busy else None, now),
-        2: _published({"1,2": 3}, None, now),
+        0: _published({"p2p:0,1": 4}, {**mine.__dict__, "since": mine.start}, now),
+        1: _published({"p2p:0,1,2": 9}, {**theirs.__dict__, "since": theirs.start} if peer_busy else None, now),
+        2: _published({"p2p:1,2": 3}, None, now),
     }
     report = hang_report(0, 15.0, mine, 20.0, peers)
     assert "MISSING" not in report and "AHEAD" not in report, report
@@ -232,6 +267,28 @@ def test_a_point_to_point_hang_does_not_compare_counts_across_ranks(peer_busy):
     else:
         assert "rank(s) [1] are in no point-to-point exchange" in summary, report
         assert "computing (in no collective)" in report, report
+
+
+def test_a_rank_that_entered_the_collective_and_waits_elsewhere_is_not_counted_as_waiting_in_it():
+    """Three pipeline stages: rank 0 went through the loss all-reduce #7 on the world without the others and waits
+    in the embedding all-reduce #3 on [0,2], which rank 2 (in #7) has not entered. Rank 0 has entered #7 as often
+    as the others, but is not in it: the report said all three waited in #7 and named no cause."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+    loss = Entry("0,1,2", 7, "all_reduce", [[1]], "step.py:203 (train_step)", now - 16)
+    emb = Entry("0,2", 3, "all_reduce", [[128, 32]], "step.py:153 (allreduce_embedding_grads)", now - 17)
+    peers = {
+        0: _published({"0,1,2": 7, "0,2": 3, "p2p:0,1": 9}, {**emb.__dict__, "since": emb.start}, now),
+        1: _published({"0,1,2": 7, "p2p:0,1,2": 12}, {**loss.__dict__, "since": loss.start}, now),
+        2: _published({"0,1,2": 7, "0,2": 2, "p2p:1,2": 9}, {**loss.__dict__, "since": loss.start}, now),
+    }
+    report = hang_report(2, 15.0, loss, 16.0, peers)
+    summary = next(line for line in report.splitlines() if line.startswith("summary:"))
+    assert summary.startswith("summary: ranks [1, 2] wait in all_reduce #7"), report
+    assert "rank(s) [0] entered it and are now outside it" in summary, report
+    assert "held up by: rank 0 waits in #3 all_reduce on ranks [0,2]" in report, report
+    assert "not yet entered by rank 2" in report, report
 
 
 def test_the_hang_report_follows_a_chain_of_waits_without_looping():

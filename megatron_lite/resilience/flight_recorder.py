@@ -42,6 +42,18 @@ _ROOT = os.path.dirname(os.path.dirname(_HERE))  # shown paths are relative to t
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
+P2P = ("batch_isend_irecv", "send", "recv")
+
+
+def _counter(op: str, group: str) -> str:
+    """What a rank counts an entry under: its group's ranks, point-to-point exchanges apart. A pipeline stage
+    makes more exchanges than its peers (a middle stage both receives and sends), and a set of peers can be a
+    group's ranks too (three stages and the world, two and the tied-embedding group): counted together, the
+    collective counts compared across ranks drifted, and a rank waiting in the right collective read as gone
+    past it."""
+    return f"p2p:{group}" if op in P2P else group
+
+
 @dataclass
 class Entry:
     group: str  # the group's global ranks, e.g. "0,1"
@@ -152,11 +164,12 @@ class FlightRecorder:
             key = ",".join(sorted({str(self.rank)} | {str(o.peer) for o in ops}, key=int))
         else:
             key = self._group_key(group)
+        counter = _counter(op, key)
         with self._lock:
-            seq = self.state.counts.get(key, 0) + 1
+            seq = self.state.counts.get(counter, 0) + 1
             entry = Entry(key, seq, op, _shapes(args), _site(), time.time())
-            self.state.counts[key] = seq
-            self.state.last[key] = entry  # described when published, not on every collective
+            self.state.counts[counter] = seq
+            self.state.last[counter] = entry  # described when published, not on every collective
             self.history.append(entry)
         return entry
 
@@ -271,7 +284,8 @@ def _root(entry: Entry, waited: float, peers: dict[int, dict]) -> tuple[Entry, f
     best: tuple[Entry, float, int | None] = (entry, waited, None)
     for r in (int(m) for m in entry.group.split(",")):
         cur = (peers.get(r) or {}).get("current")
-        if cur and cur["group"] == entry.group and cur["seq"] < best[0].seq:
+        comparable = cur and entry.op not in P2P and cur["op"] not in P2P  # (exchanges' counts never compare)
+        if comparable and cur["group"] == entry.group and cur["seq"] < best[0].seq:
             fields = {k: cur[k] for k in Entry.__dataclass_fields__ if k in cur}
             best = (Entry(**fields), peers[r]["time"] - cur["since"], r)
     return best
@@ -289,14 +303,14 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
     ]  # fmt: skip
     entry = root  # the rest describes every member against the collective the hang began in
     members = [int(r) for r in entry.group.split(",")]
-    missing, ahead, waiting = [], [], []
+    missing, ahead, waiting, elsewhere = [], [], [], []
     for r in members:
         p = peers.get(r)
         if p is None:
             lines.append(f"  rank {r}: no state published (the process may be gone)")
             missing.append(r)
             continue
-        n = p["counts"].get(entry.group, 0)
+        n = p["counts"].get(_counter(entry.op, entry.group), 0)
         cur = p["current"]
         where = _where(p)
         if entry.op in P2P and r != who:
@@ -306,11 +320,16 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
             lines.append(f"  rank {r}: now {where}")
         elif n < entry.seq:
             missing.append(r)
-            last = p["last"].get(entry.group, "none")
+            last = p["last"].get(_counter(entry.op, entry.group), "none")
             lines.append(f"  rank {r}: MISSING: has not entered #{entry.seq} on this group (last: {last}); now {where}")
         elif n > entry.seq:
             ahead.append(r)
             lines.append(f"  rank {r}: AHEAD: went past #{entry.seq} on this group to #{n}; now {where}")
+        elif r != who and not (cur and _counter(cur["op"], cur["group"]) == _counter(entry.op, entry.group)):
+            # entered it and is now outside it: a blocking collective left without the others, or an asynchronous
+            # one started and not yet waited for
+            elsewhere.append(r)
+            lines.append(f"  rank {r}: ENTERED #{entry.seq} on this group and is now outside it: {where}")
         else:
             waiting.append(r)
             lines.append(f"  rank {r}: {where}")
@@ -329,13 +348,16 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
             f"summary: ranks {waiting} wait in {entry.op} #{entry.seq} on ranks [{entry.group}]"
             + (f"; rank(s) {missing} never reached it" if missing else "")
             + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
+            + (
+                f"; rank(s) {elsewhere} entered it and are now outside it (left it without the others, or started "
+                "it asynchronously and wait elsewhere)"
+                if elsewhere
+                else ""
+            )  # fmt: skip
         )
     # (a peer in a point-to-point exchange of its own may itself wait on a third rank: followed too)
-    follow = missing + ([r for r in waiting if r != who] if entry.op in P2P else [])
+    follow = missing + elsewhere + ([r for r in waiting if r != who] if entry.op in P2P else [])
     return "\n".join(lines + _chain(entry, follow, peers))
-
-
-P2P = ("batch_isend_irecv", "send", "recv")
 
 
 def _where(p: dict) -> str:
@@ -353,13 +375,13 @@ def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str
     exchange (keyed by each rank's own peers, so counts do not compare) every peer not in an exchange of its
     own is named."""
     # each wait once (a rank followed again finds its own wait seen): cycles end
-    lines, seen, todo = [], {(entry.group, entry.seq)}, list(missing)
+    lines, seen, todo = [], {(_counter(entry.op, entry.group), entry.seq)}, list(missing)
     while todo:
         r = todo.pop(0)
         cur = (peers.get(r) or {}).get("current")
-        if not cur or (cur["group"], cur["seq"]) in seen:
+        if not cur or (_counter(cur["op"], cur["group"]), cur["seq"]) in seen:
             continue
-        seen.add((cur["group"], cur["seq"]))
+        seen.add((_counter(cur["op"], cur["group"]), cur["seq"]))
         held = []
         for m in (int(x) for x in cur["group"].split(",")):
             if m == r:
