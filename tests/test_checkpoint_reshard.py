@@ -9,6 +9,8 @@ EP=1."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import pytest
 import torch
@@ -348,3 +350,71 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_once(dist, tmp_path, sta
     assert r0 == "OSError: [Errno 28] No space left on device" and found is None, r0
     assert r1 is not None and "failed on another rank" in r1, r1
     assert max(t0, t1) < 20, (t0, t1)
+
+
+def load_with_one_rank_file_corrupted(root: str):
+    """TP=2 loads a checkpoint whose rank-1 tensor file (read by rank 1 alone) has a flipped byte: (error, seconds)."""
+    ctx = get_context(P(tensor_model_parallel_size=2))
+    model = build_model(llama_config(num_layers=2), ctx)
+    _, opt = wrap_for_training(model, ctx, OPTIM)
+    start = time.time()
+    try:
+        load_checkpoint(find_checkpoint(root), model, opt, LRScheduler(OPTIM, TOTAL), ctx)
+        raised = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        raised = f"{type(e).__name__}: {e}"
+    return raised, time.time() - start
+
+
+def test_a_load_failing_on_one_rank_stops_every_rank_at_once(dist, tmp_path):
+    """From a review: each rank checks the files it reads, so a corrupted file only rank 1 reads failed there
+    while rank 0 went on into the optimizer's collectives and waited until the timeout (10 minutes by default)."""
+    root = str(tmp_path / "ck")
+    dist(2, save_at_tp2, root)
+    shard = os.path.join(find_checkpoint(root), "tensors_r00001.safetensors")
+    data = bytearray(open(shard, "rb").read())
+    data[-100] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    (r0, t0), (r1, t1) = dist(2, load_with_one_rank_file_corrupted, root)
+    assert r1 is not None and r1.startswith("ConfigError") and "sha256" in r1 and shard in r1, r1
+    assert r0 == f"ConfigError: loading {find_checkpoint(root)} failed on another rank (its error says why)", r0
+    assert max(t0, t1) < 20, (t0, t1)
+
+
+def save_at_tp2(root: str) -> None:
+    ctx = get_context(P(tensor_model_parallel_size=2))
+    model = build_model(llama_config(num_layers=2), ctx)
+    _, opt = wrap_for_training(model, ctx, OPTIM)
+    save_checkpoint(root, TrainState(1, 8), model, opt, LRScheduler(OPTIM, TOTAL), ctx, {})
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_an_fp32_run_takes_a_bf16_checkpoints_main_weights(tmp_path, distributed_optimizer):
+    """From a review: a --bf16 checkpoint's model weights are the bf16 rounding of its fp32 main weights; an fp32
+    run loading it took the rounding (and with the distributed optimizer ran its first step on it while its main
+    weights were exact). Its weights are now the saved main weights, exactly."""
+    from megatron_lite.checkpoint.hf_convert import read_model_tensors
+
+    ctx = ParallelContext.virtual(P(), device=torch.device("cpu"))
+    config = llama_config(num_layers=2)
+    root = str(tmp_path / "ck")
+    model = build_model(config, ctx, dtype=torch.bfloat16)
+    ddp, opt = wrap_for_training(model, ctx, dataclasses.replace(OPTIM, bf16=True))
+    data = MockGPTDataset(config.vocab_size, SEQ, seed=7)
+    from megatron_lite.training.step import train_step
+
+    sched = LRScheduler(OPTIM, TOTAL)
+    for it in range(2):  # (main weights that moved off the bf16 grid)
+        train_step(ddp, opt, sched, [collate([data[i] for i in range(it * 2, it * 2 + 2)])], ctx)
+    save_checkpoint(root, TrainState(2, 4), model, opt, None, ctx, {})
+    main = read_model_tensors(root, main=True)[1]
+    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=distributed_optimizer)
+    fp32 = build_model(config, ctx, seed=999)
+    _, opt32 = wrap_for_training(fp32, ctx, optim)
+    load_checkpoint(find_checkpoint(root), fp32, opt32, None, ctx)
+    rounded = 0
+    for name, p in fp32.named_parameters():
+        saved = main[fp32.global_name(name)]
+        assert torch.equal(p.detach(), saved), name
+        rounded += not torch.equal(saved, saved.bfloat16().float())
+    assert rounded, "the main weights are all on the bf16 grid: the test would not see the rounding"

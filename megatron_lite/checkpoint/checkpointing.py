@@ -61,7 +61,7 @@ class TrainState:
     consumed_valid_samples: int = 0  # validation samples evaluated so far: the next evaluation goes on from there
 
 
-def _on_every_rank(ctx: ParallelContext, work, what: str):
+def _on_every_rank(ctx: ParallelContext, work, what: str, then: str = "; the checkpoint was not published"):
     """`work()` on this rank, then one tiny all-reduce in place of a barrier: when it failed on a rank (a full
     disk, a directory it may not write), that rank raises its error and every other rank a line saying so,
     where they had waited in the barrier until the timeout."""
@@ -74,7 +74,7 @@ def _on_every_rank(ctx: ParallelContext, work, what: str):
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"{what} failed on another rank (its error says why); the checkpoint was not published")
+        raise (RuntimeError if then else ConfigError)(f"{what} failed on another rank (its error says why){then}")
     return result
 
 
@@ -523,6 +523,58 @@ def saved_under_this_layout(meta: dict, ctx: ParallelContext) -> bool:
     )
 
 
+def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, with_rng: bool, skip_frozen: bool):
+    """load_checkpoint's reads, no collective among them: the model's weights (filled in place), the optimizer's
+    full state by parameter (`with_optim`) and this rank's RNG states (`with_rng`, same layout only)."""
+    meta = read_metadata(path)
+    check_model_structure(path, meta, model)
+    if with_optim:
+        check_optimizer_state(path, meta, optimizer.config)
+    reader = _Reader(path, meta)
+    check_adapters_have_a_home(path, reader, model)
+    for name, p, pmeta in named_param_meta(model):
+        key = f"model/{model.global_name(name)}"
+        if key not in reader.index and (".lora." in name or (skip_frozen and not p.requires_grad)):
+            continue  # LoRA adapters on a base checkpoint keep their initialisation
+        stored, mine = (reader.index.get(key) or {}).get("shape"), full_shape(tuple(p.shape), pmeta)
+        if stored is not None and list(stored) != mine:  # (reading a range of a larger tensor would not fail)
+            raise ConfigError(f"{path}: {key[6:]} is {list(stored)} in the checkpoint but {mine} in this model")
+        if with_optim and p.dtype == torch.float32 and "main/" + key[6:] in reader.index:
+            key = "main/" + key[6:]  # (a --bf16 run's: fp32 weights from its main weights, not their rounding)
+        if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
+            from megatron_lite.distributed.fsdp import local_shard
+
+            full = torch.zeros(p.shape, dtype=p.dtype, device=ctx.device)
+            reader.fill(key, full, local_pieces(tuple(p.shape), pmeta))
+            with torch.no_grad():
+                p.copy_(local_shard(full, p))
+            continue
+        reader.fill(key, p, local_pieces(tuple(p.shape), pmeta))
+    values = {}
+    for name, p, pmeta in named_param_meta(model) if with_optim else ():
+        if not optimizer.holds(p):
+            continue
+        d = {}
+        for kind in ("main", *state_kinds(optimizer.config)):
+            key = f"{kind}/{model.global_name(name)}"
+            if key in reader.index:
+                t = torch.zeros(p.shape, dtype=torch.float32)  # on the host: the optimizer keeps its part
+                reader.fill(key, t, local_pieces(tuple(p.shape), pmeta))
+                d[kind] = t
+        if "main" not in d and p.dtype != torch.float32:
+            # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
+            # weights are the main weights; read them at full precision, not from the bf16 copy.
+            t = torch.zeros(p.shape, dtype=torch.float32)
+            reader.fill(f"model/{model.global_name(name)}", t, local_pieces(tuple(p.shape), pmeta))
+            d["main"] = t
+        values[id(p)] = d
+    rng, rng_name = None, f"rng_r{ctx.rank:05d}.safetensors"
+    if with_rng and saved_under_this_layout(meta, ctx) and rng_name in reader.files:
+        with safe_open(reader.verify(rng_name), framework="pt") as f:
+            rng = {k: f.get_tensor(k) for k in f.keys()}
+    return meta, values, rng
+
+
 def load_checkpoint(
     path: str,
     model,
@@ -536,66 +588,29 @@ def load_checkpoint(
     skip_missing_frozen: bool = False,
 ) -> TrainState:
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
-    the adapters; its base was loaded first)."""
-    meta = read_metadata(path)
-    check_model_structure(path, meta, model)
-    if optimizer is not None and load_optim and not finetune:
-        check_optimizer_state(path, meta, optimizer.config)
-    reader = _Reader(path, meta)
-    check_adapters_have_a_home(path, reader, model)
-    for name, p, pmeta in named_param_meta(model):
-        key = f"model/{model.global_name(name)}"
-        if key not in reader.index and (".lora." in name or (skip_missing_frozen and not p.requires_grad)):
-            continue  # LoRA adapters on a base checkpoint keep their initialisation
-        stored, mine = (reader.index.get(key) or {}).get("shape"), full_shape(tuple(p.shape), pmeta)
-        if stored is not None and list(stored) != mine:  # (reading a range of a larger tensor would not fail)
-            raise ConfigError(f"{path}: {key[6:]} is {list(stored)} in the checkpoint but {mine} in this model")
-        if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
-            from torch.distributed.tensor import distribute_tensor
-
-            full = torch.zeros(p.shape, dtype=p.dtype, device=ctx.device)
-            reader.fill(f"model/{model.global_name(name)}", full, local_pieces(tuple(p.shape), pmeta))
-            with torch.no_grad():
-                p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
-            continue
-        reader.fill(f"model/{model.global_name(name)}", p, local_pieces(tuple(p.shape), pmeta))
+    the adapters; its base was loaded first). Every read happens before any collective, and a failed one (a
+    corrupted file, a missing piece) on any rank stops every rank, where the others had waited in the
+    optimizer's collectives until the timeout."""
+    with_optim = optimizer is not None and load_optim and not finetune
+    meta, values, rng = _on_every_rank(
+        ctx,
+        lambda: _read(path, model, optimizer, ctx, with_optim, load_rng and not finetune, skip_missing_frozen),
+        f"loading {path}",
+        then="",
+    )
     if optimizer is not None:  # what the checkpoint does not hold, or is not loaded, starts as a new run's
         _fresh_optimizer(optimizer, scheduler)
-    if optimizer is not None and load_optim and not finetune:
-        values = {}
-        for name, p, pmeta in named_param_meta(model):
-            if not optimizer.holds(p):
-                continue
-            d = {}
-            for kind in ("main", *state_kinds(optimizer.config)):
-                key = f"{kind}/{model.global_name(name)}"
-                if key in reader.index:
-                    t = torch.zeros(p.shape, dtype=torch.float32)  # on the host: the optimizer keeps its part
-                    reader.fill(key, t, local_pieces(tuple(p.shape), pmeta))
-                    d[kind] = t
-            if "main" not in d and p.dtype != torch.float32:
-                # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
-                # weights are the main weights; read them at full precision, not from the bf16 copy.
-                t = torch.zeros(p.shape, dtype=torch.float32)
-                reader.fill(f"model/{model.global_name(name)}", t, local_pieces(tuple(p.shape), pmeta))
-                d["main"] = t
-            values[id(p)] = d
+    if with_optim:
         optimizer.load_full_state(values, meta["adam_step"])
         if scheduler is not None and meta.get("scheduler"):
             scheduler.load_state_dict(meta["scheduler"])
         if optimizer.scaler is not None and meta.get("grad_scaler"):
             optimizer.scaler.load_state_dict(meta["grad_scaler"])
-    same_layout = saved_under_this_layout(meta, ctx)
-    rng_name = f"rng_r{ctx.rank:05d}.safetensors"
-    if load_rng and not finetune and same_layout and rng_name in reader.files:
-        rng_file = reader.verify(rng_name)
-        with safe_open(rng_file, framework="pt") as f:
-            torch.set_rng_state(f.get_tensor("cpu"))
-            ctx.rng.set_states(
-                {k.removeprefix("tracker/"): f.get_tensor(k) for k in f.keys() if k.startswith("tracker/")}
-            )
-            if "cuda" in f.keys() and ctx.device.type == "cuda":
-                torch.cuda.set_rng_state(f.get_tensor("cuda"), ctx.device)
+    if rng is not None:
+        torch.set_rng_state(rng["cpu"])
+        ctx.rng.set_states({k.removeprefix("tracker/"): v for k, v in rng.items() if k.startswith("tracker/")})
+        if "cuda" in rng and ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], ctx.device)
     if finetune:
         return TrainState(0, 0, 0)
     # (a checkpoint saved before the validation samples were counted starts them again)

@@ -53,6 +53,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` (the same on every rank) as a DTensor placed as `like`, each rank taking its own shard of it with no
+    collective: a checkpoint's reads stay apart from collectives (torch >= 2.6; before it, from rank 0's copy)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return distribute_tensor(full, like.device_mesh, like.placements)
+
+
 class FSDP2Model(nn.Module):
     def __init__(
         self,
@@ -254,16 +264,12 @@ class FSDP2Optimizer(OptimizerBase):
 
     @torch.no_grad()
     def load_full_state(self, values: dict[int, dict[str, torch.Tensor]], step: int) -> None:
-        from torch.distributed.tensor import distribute_tensor
-
         states = {}
         for p in self.params:
             d = values.get(id(p), {})
             if "main" in d:
-                p.copy_(distribute_tensor(d["main"].to(p.device, p.dtype), p.device_mesh, p.placements))
-            entry = state_entry(
-                d, self.config, step, lambda t, p=p: distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
-            )
+                p.copy_(local_shard(d["main"].to(p.device, p.dtype), p))
+            entry = state_entry(d, self.config, step, lambda t, p=p: local_shard(t.to(p.device), p))
             if entry is not None:
                 states[p] = entry
         if states:
