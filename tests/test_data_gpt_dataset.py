@@ -134,18 +134,57 @@ def test_the_vocabulary_check_rescans_a_rewritten_corpus(tmp_path):
         build_datasets(source, data, (4, 0, 0), 8, 1)
 
 
-def test_a_corpus_shorter_than_one_sample_is_a_one_line_error(tmp_path, capsys, monkeypatch):
-    """A --data-path whose split cannot fill one sample: one line naming the flags and the fix (it was a
-    ValueError traceback on every rank, naming neither)."""
+def test_a_split_shorter_than_one_sample_repeats_its_documents_as_megatrons_does(tmp_path, capsys, monkeypatch):
+    """From a review: a split that cannot fill one sample stopped the run, where Megatron-core repeats its
+    documents (a 1000-document corpus's 0.1% test split is one document); start-up now says so, naming the split
+    and the flag that gave it. A split of empty documents is one line; so are a missing --valid-data-path (it
+    was named --data-path) and a negative --num-workers (a DataLoader traceback after the model was built)."""
     from test_pretrain_cli import _one_line_error, _run
 
-    prefix = str(tmp_path / "short_text_document")
-    w = IndexedDatasetWriter(prefix, vocab_size=100)
-    w.add_document(np.arange(1, 13))
-    w.finalize()
-    flags = ["--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
-    rc, _, err = _run(flags, capsys, monkeypatch)
-    _one_line_error(rc, err, f"--data-path {prefix}", "hold 12 tokens", "--seq-length 16 + 1")
+    short = str(tmp_path / "short_text_document")
+    _write(short, [list(range(1, 13))])
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--seq-length", "16", "--train-iters", "2"]
+    rc, out, err = _run([*flags, "--data-path", short, "--split", "100,0,0"], capsys, monkeypatch)
+    assert rc == 0, err
+    note = f"note: --data-path {short}: the train split's 1 documents hold 12 tokens, fewer than one sample of "
+    assert note + "--seq-length 16 + 1: each of its samples repeats them" in out, out
+    corpus = str(tmp_path / "corpus_text_document")
+    _write(corpus, [[1 + (i + j) % 90 for j in range(40)] + [99] for i in range(8)])
+    per_split = [*flags, "--train-data-path", corpus, "--eval-iters", "1", "--eval-interval", "2"]
+    rc, out, err = _run([*per_split, "--valid-data-path", short], capsys, monkeypatch)
+    assert rc == 0 and f"--valid-data-path {short}: the validation split's 1 documents hold 12" in out, err
+    assert "validation loss at iteration 2" in out, out
+    rc, _, err = _run([*per_split, "--valid-data-path", str(tmp_path / "nope")], capsys, monkeypatch)
+    _one_line_error(rc, err, f"--valid-data-path {tmp_path / 'nope'}: missing")
+    empty = str(tmp_path / "empty_text_document")
+    _write(empty, [[], []])
+    rc, _, err = _run([*flags, "--data-path", empty, "--split", "100,0,0"], capsys, monkeypatch)
+    _one_line_error(rc, err, f"--data-path {empty}: the train split's 2 documents hold no tokens")
+    rc, _, err = _run([*flags, "--data-path", corpus, "--num-workers", "-1"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--num-workers -1 must be >= 0")
+
+
+def test_a_complete_index_cache_is_read_without_writing(tmp_path, capsys, monkeypatch):
+    """From a review: the cache's lock file was opened for writing before the cache was found complete, so a
+    finished cache on a read-only mount was refused; a cache hit now writes nothing (no lock file made)."""
+    from test_pretrain_cli import _run
+
+    corpus = str(tmp_path / "corpus_text_document")
+    _write(corpus, [[1 + (i + j) % 90 for j in range(40)] + [99] for i in range(8)])
+    flags = ["--data-path", corpus, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--train-iters", "2"]
+    blend = ["--data-path", "1", corpus, "1", corpus]  # (a blend's indices too)
+    for argv in ([*flags], [*flags[2:], *blend]):
+        rc, _, err = _run(argv, capsys, monkeypatch)
+        assert rc == 0, err
+    cache = tmp_path / "cache"
+    built = sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+    assert any(n.startswith("blend-") for n in built) and any(n.startswith("max_token") for n in built), built
+    for lock in cache.glob("*.lock"):
+        lock.unlink()
+    for argv in ([*flags], [*flags[2:], *blend]):
+        rc, _, err = _run(argv, capsys, monkeypatch)
+        assert rc == 0, err
+    assert sorted(p.name for p in cache.iterdir()) == built
 
 
 def test_a_split_without_validation_documents_says_there_is_no_evaluation(tmp_path, capsys, monkeypatch):

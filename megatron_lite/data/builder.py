@@ -8,6 +8,7 @@ the embedded corpus and its trained tokenizer. The model's vocabulary is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -79,6 +80,15 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
     return DataSource(tok, tok.vocab_size, [(1.0, prefix)], f"embedded corpus {prefix}")
 
 
+def _cached_max_token(key: str, size: list) -> dict | None:
+    try:
+        with open(key) as f:
+            cached = json.load(f)
+    except (OSError, ValueError):  # none yet, or unreadable (a write cut short before they were atomic)
+        return None
+    return cached if isinstance(cached, dict) and cached.get("size") == size else None
+
+
 def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=None) -> None:
     """The largest token id of a dataset (cached by the .bin's size, mtime and inode: a re-preprocessed corpus
     of the same size is scanned again) must fit the vocabulary."""
@@ -86,13 +96,10 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=N
     key = os.path.join(cache_dir, f"max_token_{hashlib.md5(os.path.abspath(indexed.prefix).encode()).hexdigest()}.json")
     st = os.stat(indexed.prefix + ".bin")
     size = [st.st_size, st.st_mtime_ns, st.st_ino]
-    with file_lock(key + ".lock"):
-        try:
-            with open(key) as f:
-                cached = json.load(f)
-        except (OSError, ValueError):  # none yet, or unreadable (a write cut short before they were atomic)
-            cached = None
-        if not isinstance(cached, dict) or cached.get("size") != size:
+    fresh = _cached_max_token(key, size)  # (a cache hit writes nothing: it may be on a read-only mount)
+    with contextlib.nullcontext() if fresh is not None else file_lock(key + ".lock"):
+        cached = fresh or _cached_max_token(key, size)
+        if cached is None:
             if log is not None:  # (at disk speed on a cold multi-TB corpus: not a hang)
                 log(
                     f"scanning {indexed.prefix}.bin ({st.st_size / 2**30:.2f} GiB) for its largest token id, once "
@@ -104,7 +111,7 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=N
             os.replace(key + ".partial", key)
     if cached["max_token"] >= vocab_size:
         raise ConfigError(
-            f"--data-path {indexed.prefix} holds token id {cached['max_token']} but the vocabulary has {vocab_size} "
+            f"{indexed.flag} {indexed.prefix} holds token id {cached['max_token']} but the vocabulary has {vocab_size} "
             f"ids (--vocab-size / tokenizer); use the tokenizer the data was made with"
         )
 
@@ -131,13 +138,14 @@ def build_datasets(
         blends = [[(w, p, True) for w, p in source.prefixes]] * 3
     opened: dict[str, tuple] = {}  # prefix -> (dataset, its cache directory, its --split document ranges)
     out = []
+    flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
     for s, blend in enumerate(blends):
         # The components with documents in this split, found before sizing any: one whose split is empty
         # (a small dataset's test part) drops out and the others' shares grow to fill the split.
         live = []
         for w, prefix, by_split in blend:
             if prefix not in opened:
-                indexed = IndexedDataset(prefix)
+                indexed = IndexedDataset(prefix, flags[s] if source.per_split is not None else "--data-path")
                 cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
                 _check_vocab(indexed, source.vocab_size, cache_dir, log)
                 opened[prefix] = (indexed, cache_dir, split_document_ranges(len(indexed), data.split_weights))
@@ -166,6 +174,8 @@ def build_datasets(
                     eod_mask,
                     data.reset_position_ids,
                     data.reset_attention_mask,
+                    ("train", "validation", "test")[s],
+                    log,
                 )
             )
         if not parts:

@@ -80,6 +80,8 @@ class DataConfig:
             )
         if self.mock_data and self.data_path:
             raise ConfigError("--mock-data and --data-path are exclusive; drop one")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers {self.num_workers} must be >= 0 (0 loads in the training process)")
         try:
             weights = _split_weights(self.split)
         except ValueError:

@@ -48,6 +48,12 @@ def file_lock(path: str):
         f.close()
 
 
+def _lock_unless(paths: list[str], lock: str):
+    """file_lock, or nothing where every file of a cache is there (published by renames, so complete: read
+    without writing a lock file, as a read-only mount of a finished cache needs)."""
+    return contextlib.nullcontext() if all(os.path.exists(p) for p in paths) else file_lock(lock)
+
+
 def _save_npy(path: str, arr: np.ndarray) -> None:
     tmp = path + ".partial.npy"
     np.save(tmp, arr, allow_pickle=False)
@@ -86,7 +92,10 @@ class GPTDataset:
         eod_mask_loss: bool = False,
         reset_position_ids: bool = False,
         reset_attention_mask: bool = False,
+        split: str = "train",
+        log=None,
     ) -> None:
+        """`split`: which one it is (train, validation or test), as messages name it; `log`: notes."""
         self.indexed = indexed
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
@@ -109,9 +118,9 @@ class GPTDataset:
         )
         digest = hashlib.md5(key.encode()).hexdigest()
         paths = {k: os.path.join(cache_dir, f"{digest}-{k}.npy") for k in ("doc", "sample", "shuffle")}
-        with file_lock(os.path.join(cache_dir, f"{digest}.lock")):
+        with _lock_unless(list(paths.values()), os.path.join(cache_dir, f"{digest}.lock")):
             if not all(os.path.exists(p) for p in paths.values()):
-                for k, arr in zip(("doc", "sample", "shuffle"), self._build(docs, num_samples, seed)):
+                for k, arr in zip(("doc", "sample", "shuffle"), self._build(docs, num_samples, seed, split, log)):
                     _save_npy(paths[k], arr)
         self._paths = paths
         self._map()
@@ -129,16 +138,18 @@ class GPTDataset:
         self.__dict__.update(state)
         self._map()
 
-    def _build(self, docs: np.ndarray, num_samples: int, seed: int):
+    def _build(self, docs: np.ndarray, num_samples: int, seed: int, split: str = "train", log=None):
         lengths = self.indexed.lengths[docs].astype(np.int64)
         tokens_per_epoch = int(lengths.sum())
-        if tokens_per_epoch <= self.seq_length:
+        where = f"{self.indexed.flag} {self.indexed.prefix}: the {split} split's {len(docs)} documents"
+        if tokens_per_epoch == 0:
             # (every rank builds or waits for these indices, so every rank raises: no collective is left waiting)
-            raise ConfigError(
-                f"--data-path {self.indexed.prefix}: this split's {len(docs)} documents hold {tokens_per_epoch} "
-                "tokens, fewer than one sample of --seq-length "
-                f"{self.seq_length} + 1: add data, shorten --seq-length or change --split"
-            )
+            fix = "or change --split" if self.indexed.flag == "--data-path" else "or give other data"
+            raise ConfigError(f"{where} hold no tokens: add data {fix}")
+        if tokens_per_epoch <= self.seq_length and log is not None:
+            # (Megatron-core repeats them too: a 1000-document corpus's 0.1% test split is one document)
+            log(f"note: {where} hold {tokens_per_epoch} tokens, fewer than one sample of --seq-length "
+                f"{self.seq_length} + 1: each of its samples repeats them")  # fmt: skip
         epochs = max(1, math.ceil((num_samples * self.seq_length + 1) / tokens_per_epoch))
         # Megatron-core's separate_final_epoch: when the last epoch is < 80% used, the samples of the full
         # epochs are shuffled among themselves and come first, so the run reads every document once before
@@ -237,7 +248,7 @@ class BlendedDataset:
             digest = hashlib.md5(json.dumps([[float(x) for x in weights], num_samples]).encode()).hexdigest()
             # (two files, each its own dtype; an older cache's one stacked blend-{digest}.npy is not read)
             paths = [os.path.join(cache_dir, f"blend-{digest}-{k}.npy") for k in ("dataset", "sample")]
-            with file_lock(os.path.join(cache_dir, f"blend-{digest}.lock")):
+            with _lock_unless(paths, os.path.join(cache_dir, f"blend-{digest}.lock")):
                 if not all(os.path.exists(p) for p in paths):
                     old = os.path.join(cache_dir, f"blend-{digest}.npy")  # (one stacked array, before: the same)
                     if os.path.exists(old):

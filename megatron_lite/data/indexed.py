@@ -84,12 +84,12 @@ class IndexedDataset:
     """Documents of token ids, memory-mapped. Every inconsistency in the files is a one-line error naming
     the file."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
+    def __init__(self, prefix: str, flag: str = "--data-path") -> None:
+        self.prefix, self.flag = prefix, flag  # (the flag that named it, as errors name it)
         idx, bin_ = prefix + ".idx", prefix + ".bin"
         for path in (idx, bin_):
             if not os.path.isfile(path):
-                raise ConfigError(f"--data-path {prefix}: missing {path} (run tools/preprocess_data.py)")
+                raise ConfigError(f"{flag} {prefix}: missing {path} (run tools/preprocess_data.py)")
         size = os.path.getsize(idx)
         with open(idx, "rb") as f:
             head = f.read(34)
