@@ -380,6 +380,16 @@ def batched_and_alone(ckpt: str, parallel: ParallelConfig):
             generate_batch(model, ctx, prompts, new, sampling, stops),
             [generate(model, ctx, p, new, sampling, stops) for p in prompts],
         )
+    # what a full cache holds on this rank, against cache_bytes (the GPU check's estimate)
+    from megatron_lite.inference.generation import _forward_batch
+    from megatron_lite.inference.kv_cache import KVCache, cache_bytes
+
+    cache = KVCache(12)
+    with torch.no_grad():
+        _forward_batch(model, ctx, torch.tensor([p[:4] for p in prompts]), cache)
+    held = sum(t.numel() * t.element_size() for kv in cache._store.values() for t in kv)
+    layers = sum(len(c.decoder.layers) for c in model)
+    out["cache"] = (held, cache_bytes(config, ctx.tp.size, layers, len(prompts), 12, torch.float32))
     return out, stop
 
 
@@ -404,6 +414,8 @@ def test_a_batch_of_prompts_generates_what_each_alone_does(dist, converted, name
         batched, alone = out["greedy"]
         lengths = [len(r["generated_ids"]) for r in alone]
         assert min(lengths) < NEW == max(lengths), (lengths, stop)  # (one stops early, another goes on)
+        held, estimated = out.pop("cache")
+        assert held == estimated > 0, (held, estimated)
         for batched, alone in out.values():
             _assert_same_results(batched, alone)
         if rank >= 2:  # (the last stage's: the scores)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lite.inference.kv_cache import KVCache
+from megatron_lite.inference.kv_cache import KVCache, cache_bytes
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.mappings import all_gather_last
 
@@ -71,6 +71,22 @@ def _forward_batch(chunks, ctx: ParallelContext, tokens: torch.Tensor, cache: KV
             hidden = y
     cache.advance(n)
     return out
+
+
+def _check_cache_fits(chunks, ctx: ParallelContext, batch: int, max_len: int) -> None:
+    """On a GPU, a KV cache larger than the free memory is one line naming what sizes it (it was an out-of-memory
+    error in the middle of the prompt's forward)."""
+    if ctx.device.type != "cuda":
+        return
+    config, dtype = chunks[0].config, next(p for c in chunks for p in c.parameters()).dtype
+    need = cache_bytes(config, ctx.tp.size, sum(len(c.decoder.layers) for c in chunks), batch, max_len, dtype)
+    free = torch.cuda.mem_get_info(ctx.device)[0]
+    if need > 0.9 * free:  # (the forward's activations need some too)
+        raise ValueError(
+            f"the KV cache of {batch} prompt(s) x {max_len} tokens (the longest prompt + --max-new-tokens) needs "
+            f"{need / 2**30:.2f} GiB on this rank, {free / 2**30:.2f} GiB are free: lower --inference-max-requests "
+            "or --max-new-tokens, or spread the model over more GPUs (--tensor/--pipeline-model-parallel-size)"
+        )
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], rows: int = 1024) -> list[float]:
@@ -151,6 +167,7 @@ def generate_batch(
     if longest + max_new_tokens > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
         raise ValueError(f"prompt + --max-new-tokens = {longest + max_new_tokens} exceeds {max_pos} positions")
     gens = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
+    _check_cache_fits(chunks, ctx, b, longest + max_new_tokens)
     cache = KVCache(longest + max_new_tokens)
     generated: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]

@@ -31,3 +31,14 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.offset += n
+
+
+def cache_bytes(config, tp: int, layers: int, batch: int, max_len: int, dtype: torch.dtype) -> int:
+    """What a full KVCache holds on one rank: `layers` attention layers of `batch` sequences of `max_len` tokens,
+    keys and values of its share of the key/value heads (one each where TP exceeds them), or multi-latent
+    attention's latent and RoPE key part."""
+    if config.multi_latent_attention:
+        per_token = config.kv_lora_rank + config.qk_pos_emb_head_dim
+    else:
+        per_token = 2 * max(1, config.query_groups // tp) * config.head_dim
+    return layers * batch * max_len * per_token * torch.empty((), dtype=dtype).element_size()
