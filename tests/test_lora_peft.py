@@ -176,6 +176,27 @@ def test_peft_loads_our_expert_adapters_with_our_logits(tuned_mixtral, tmp_path)
         assert (attn_only(IDS).logits - theirs).abs().max() > 1e-3
 
 
+def test_peft_gate_up_proj_adapts_the_experts_fc1_alone(tmp_path):
+    """From a review: PEFT's target parameter name gate_up_proj meant our `experts`, which adapted each expert's
+    fc2 too (a recipe ported from PEFT trained more, and the export listed experts.down_proj). It is experts_fc1
+    now (experts_fc2 the other half; both together are `experts`), and PEFT loads the export with our logits."""
+    from megatron_lite.lora.config import target_modules
+
+    assert target_modules(["gate_up_proj"]) == ("experts_fc1",)
+    assert target_modules(["experts_fc1", "q_proj", "experts_fc2"]) == ("experts", "linear_q")
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", *target_modules(["gate_up_proj"])))
+    hf_cfg = transformers.MixtralConfig(vocab_size=200, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    hf, model, state, config = fine_tune(hf_cfg, lora)
+    _, adapters = split_lora(state)
+    experts = {k for k in adapters if ".mlp.experts." in k}
+    assert experts and all(".linear_fc1.lora." in k for k in experts), sorted(experts)[:4]
+    tensors, adapter_config = to_peft(adapters, config, lora, "MixtralForCausalLM")
+    assert adapter_config["target_parameters"] == ["experts.gate_up_proj"]
+    peft_gives_our_logits(hf, model, tensors, adapter_config, tmp_path / "adapter")
+
+
 def test_merged_expert_export_is_base_plus_scaled_b_a(tuned_mixtral):
     from megatron_lite.models.hf_weights import state_dict_to_hf
 

@@ -73,13 +73,16 @@ def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig
     return LoRA(in_full, {"fc2": h}, split="in", **kw)
 
 
-def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, etp, rng) -> None:
+def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, etp, rng, parts) -> None:
+    """`parts`: "fc1" and/or "fc2", the expert's projections adapted."""
     h, f = config.hidden_size, config.moe_ffn_size
     w = expert.linear_fc1.weight
     kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=etp, device=w.device, dtype=w.dtype,
               expert=True, rng=rng)  # fmt: skip
-    expert.linear_fc1.lora = LoRA(h, {"fc1": (f, f) if expert.swiglu else f}, split="out", **kw)
-    expert.linear_fc2.lora = LoRA(f, {"fc2": h}, split="in", **kw)
+    if "fc1" in parts:
+        expert.linear_fc1.lora = LoRA(h, {"fc1": (f, f) if expert.swiglu else f}, split="out", **kw)
+    if "fc2" in parts:
+        expert.linear_fc2.lora = LoRA(f, {"fc2": h}, split="in", **kw)
 
 
 def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: ParallelContext, seed: int) -> int:
@@ -95,8 +98,9 @@ def apply_lora(model: nn.Module, config: ModelConfig, lora: LoraConfig, ctx: Par
     for name, module in list(model.named_modules()):
         if ".mtp." in f".{name}.":  # the MTP depths stay frozen: transformers' DeepSeek-V3 (PEFT's base) has none
             continue
-        if isinstance(module, ExpertMLP) and "experts" in lora.target_modules:
-            _expert_adapters(module, config, lora, ctx.etp, ctx.rng)
+        if isinstance(module, ExpertMLP) and (parts := layer_parts(lora, "experts")):
+            _expert_adapters(module, config, lora, ctx.etp, ctx.rng, parts)
+            continue
         leaf = name.rsplit(".", 1)[-1]
         targeted = leaf in lora.target_modules or (leaf in PARTS and layer_parts(lora, leaf) is not None)
         if not targeted or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):

@@ -10,7 +10,9 @@ from megatron_lite.config import ConfigError
 # Our layer names and the Hugging Face projections they hold (PEFT's target_modules). A fused layer's parts
 # are targets of their own (Megatron-Bridge's canonical names): PEFT's q_proj v_proj adapt q and v, not k.
 # `experts`: every routed expert's fc1 and fc2, which PEFT adapts as the 3-D parameters experts.gate_up_proj
-# and experts.down_proj (its target_parameters), one adapter per expert.
+# and experts.down_proj (its target_parameters), one adapter per expert; experts_fc1 / experts_fc2 one of the two
+# (PEFT's gate_up_proj names experts_fc1 alone; its experts.down_proj has no module name of its own here, as
+# down_proj names the dense MLP's linear_fc2).
 TARGETS = {
     "linear_qkv": (),  # q, k and v
     "linear_q": ("q_proj",),
@@ -21,7 +23,9 @@ TARGETS = {
     "linear_fc1_gate": ("gate_proj",),
     "linear_fc1_up": ("up_proj",),
     "linear_fc2": ("down_proj",),
-    "experts": ("gate_up_proj",),
+    "experts": (),  # fc1 and fc2
+    "experts_fc1": ("gate_up_proj",),
+    "experts_fc2": (),
     # multi-latent attention (DeepSeek-V3): the query projection or its latent's two, the key/value latent's two
     "linear_q_proj": (),  # (PEFT's q_proj names linear_qkv; on an MLA model linear_qkv means these projections)
     "linear_q_down_proj": ("q_a_proj",),
@@ -31,7 +35,9 @@ TARGETS = {
 }
 # a fused layer -> its parts as targets, and the names of its adapters
 PARTS = {"linear_qkv": {"linear_q": "q", "linear_k": "k", "linear_v": "v"},
-         "linear_fc1": {"linear_fc1_gate": "gate", "linear_fc1_up": "up"}}  # fmt: skip
+         "linear_fc1": {"linear_fc1_gate": "gate", "linear_fc1_up": "up"},
+         "experts": {"experts_fc1": "fc1", "experts_fc2": "fc2"}}  # fmt: skip
+EXPERT_TARGETS = ("experts", *PARTS["experts"])
 MLP_TARGETS = ("linear_fc1", "linear_fc2", *PARTS["linear_fc1"])  # (a dense MLP's or a shared expert's)
 MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 DENSE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -87,10 +93,10 @@ class LoraConfig:
         if multi_latent_attention and any(t in self.target_modules for t in ("linear_qkv", *PARTS["linear_qkv"])):
             raise ConfigError("--lora-target-modules linear_qkv: a --multi-latent-attention model has "
                               f"{' '.join(MLA_TARGETS)} instead")  # fmt: skip
-        if "experts" in self.target_modules:
+        if named := [t for t in self.target_modules if t in EXPERT_TARGETS]:
             if not num_experts:
-                raise ConfigError("--lora-target-modules experts: the model has no experts; add --num-experts or "
-                                  "drop experts")  # fmt: skip
+                raise ConfigError(f"--lora-target-modules {named[0]}: the model has no experts; add --num-experts or "
+                                  f"drop {named[0]}")  # fmt: skip
         if tp_comm_overlap:
             raise ConfigError("--lora-rank with --tp-comm-overlap is not supported yet; drop --tp-comm-overlap")
 
@@ -120,8 +126,8 @@ def target_modules(names: list[str]) -> tuple[str, ...]:
 
 
 def layer_parts(lora: LoraConfig, layer: str) -> tuple[str, ...] | None:
-    """The adapters `lora` puts on fused layer `layer` (linear_qkv, linear_fc1): all of them when the layer is a
-    target, the named parts, or None."""
+    """The adapters `lora` puts on fused layer `layer` (linear_qkv, linear_fc1; experts: each expert's fc1 and
+    fc2): all of them when the layer is a target, the named parts, or None."""
     if layer in lora.target_modules:
         return tuple(PARTS[layer].values())
     named = tuple(a for t, a in PARTS[layer].items() if t in lora.target_modules)

@@ -44,7 +44,8 @@ HF_MODULES = {
 }
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.pairs\.(\w+)\.(A|B)$")
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc1|linear_fc2)\.lora\.pairs\.\w+\.(A|B)$")
-# our expert weight -> (PEFT target parameter, its adapter's prefix inside the experts module)
+# our expert weight -> (PEFT target parameter, its adapter's prefix inside the experts module where both are
+# adapted: PEFT wraps the module once per target parameter, the first innermost; one alone is not nested)
 HF_EXPERT_PARAMS = {"linear_fc1": ("experts.gate_up_proj", "base_layer."), "linear_fc2": ("experts.down_proj", "")}
 
 
@@ -113,7 +114,8 @@ def to_peft(
             value = torch.cat(stacked, dim=0)
         else:  # [out, r E], column j E + e = expert e's column j
             value = torch.stack(stacked, dim=2).reshape(stacked[0].shape[0], -1)
-        prefix = HF_EXPERT_PARAMS[ours][1]
+        both = all((layer, w, which) in experts for w in HF_EXPERT_PARAMS)
+        prefix = HF_EXPERT_PARAMS[ours][1] if both else ""
         tensors[f"base_model.model.model.layers.{layer}.mlp.experts.{prefix}lora_{which}.weight"] = value.contiguous()
     adapter_config = {
         "peft_type": "LORA",
