@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         help="our layer names or PEFT's (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), each projection "
         "adapted alone (q_proj v_proj: not k); add experts for every routed expert's fc1 and fc2 (PEFT's "
-        "experts.gate_up_proj and experts.down_proj)",
+        "experts.gate_up_proj and experts.down_proj), experts_fc1 (PEFT's gate_up_proj) or experts_fc2 for one",
     )
     _bool(lo, "--qlora", "store the adapted layers' frozen weights in NF4 (4.127 bits per parameter)")
 

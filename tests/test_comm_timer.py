@@ -60,3 +60,71 @@ def test_cuda_timer_does_not_hold_events_nobody_takes():
             torch.cuda.synchronize()  # the next region's fold finds all of these finished
     assert len(timer._events) < 300
     assert timer.take() > 0 and not timer._events
+
+
+BLOCKING = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def untimed_collectives(parallel_kw: dict, config_kw: dict) -> list[str]:
+    """One training step under a layout: the blocking collectives it issues outside any timed region (exposed
+    communication that comm_exposed_fraction would not count), by the call site that issued them."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
+
+    from dist_pool import get_context
+    from models import llama_config
+
+    ctx = get_context(ParallelConfig(**parallel_kw))
+    config = llama_config(num_layers=2, **config_kw)
+    model = build_model(config, ctx)
+    optim = OptimizerConfig(lr=1e-3, lr_decay_style="constant")
+    ddp, opt = wrap_for_training(model, ctx, optim)
+    data = MockGPTDataset(config.vocab_size, 16, seed=1)
+    batch = collate([data[i] for i in range(2)])  # (train_step keeps each CP rank's part)
+    timer, seen, real = ctx.comm_timer, [], {n: getattr(dist, n) for n in BLOCKING}
+
+    def wrapped(name):
+        def call(*args, **kwargs):
+            if not kwargs.get("async_op") and timer._depth == 0:
+                sites = [f for f in traceback.extract_stack()[:-1] if "megatron_lite" in f.filename]
+                seen.append(f"{name} at {sites[-1].filename.rsplit('/', 2)[-1]}:{sites[-1].lineno}")
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in BLOCKING:
+        setattr(dist, name, wrapped(name))
+    try:
+        train_step(ddp, opt, LRScheduler(optim, 1), [batch], ctx)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return sorted(set(seen))
+
+
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2)
+
+
+@pytest.mark.parametrize(
+    "parallel_kw, config_kw",
+    [
+        (dict(context_parallel_size=2), MOE),
+        (dict(expert_model_parallel_size=2), MOE),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
+    ],
+    ids=["cp2-moe-aux", "ep2", "tp2-sp"],
+)
+def test_a_training_step_issues_no_untimed_blocking_collective(dist, parallel_kw, config_kw):
+    """From a review: the MoE router's expert counts summed over CP (for the auxiliary loss) waited outside the
+    timer, so comm_exposed_fraction under CP left it out."""
+    for untimed in dist(2, untimed_collectives, parallel_kw, config_kw):
+        assert untimed == [], untimed

@@ -137,7 +137,8 @@ class TopKRouter(nn.Module):
         if self.cp is None:
             return counts
         counts = counts.detach().clone()
-        dist.all_reduce(counts, group=self.cp.pg)
+        with self.cp.blocked():  # (exposed: the loss waits for it)
+            dist.all_reduce(counts, group=self.cp.pg)
         return counts
 
     def _capacity_keep(self, probs, indices, t: int) -> torch.Tensor:
