@@ -55,9 +55,10 @@ def test_distributed_optimizer_with_experts(dist):
         moe_compare(history, ref)
 
 
-def one_zero_step(zero_stage: int, overlap: bool = True) -> tuple[int, int, int]:
+def one_zero_step(zero_stage: int, overlap: bool = True) -> tuple[int, int, int, int]:
     """On this rank after one step with the distributed optimizer (2000-element buckets): optimizer-state
-    bytes, persistent gradient bytes, and the peak of transient full-bucket gradient bytes."""
+    bytes, persistent gradient bytes, the peak of transient full-bucket gradient bytes, and the bytes of the
+    two largest buckets."""
     import torch
     import torch.distributed as dist
     from test_train_equivalence import OPTIM
@@ -79,7 +80,8 @@ def one_zero_step(zero_stage: int, overlap: bool = True) -> tuple[int, int, int]
     data = MockGPTDataset(250, 16, seed=1)
     idx = micro_batch_indices(0, 8, 2, ctx.dp.rank, ctx.dp.size)
     train_step(ddp, opt, LRScheduler(OPTIM, 10), [collate([data[i] for i in ix]) for ix in idx], ctx)
-    return opt.state_bytes(), ddp.grad_bytes(), max(b.peak_transient for b in ddp.buffers)
+    two = sum(sorted((b.hi - b.lo) * 4 for buffer in ddp.buffers for b in buffer.buckets)[-2:])
+    return opt.state_bytes(), ddp.grad_bytes(), max(b.peak_transient for b in ddp.buffers), two
 
 
 def test_zero_stage_2_holds_one_bucket_whole_without_overlap_too():
@@ -198,6 +200,33 @@ def test_zero_stage_2_equals_single_process(dist, layout):
         _compare(history, ref)
 
 
+def zero2_reduce_scatters(overlap: bool) -> list[bool]:
+    """One ZeRO-2 step at DP=2: whether each gradient reduce-scatter was launched asynchronously."""
+    from megatron_lite.distributed import ddp
+
+    calls, real = [], ddp.reduce_scatter_tensor
+
+    def counted(*args, **kwargs):
+        calls.append(bool(kwargs.get("async_op")))
+        return real(*args, **kwargs)
+
+    ddp.reduce_scatter_tensor = counted
+    try:
+        one_zero_step(2, overlap=overlap)
+    finally:
+        ddp.reduce_scatter_tensor = real
+    return calls
+
+
+def test_zero_stage_2_overlaps_its_reduce_scatters_with_the_backward(dist):
+    """From a review: ZeRO-2 reduce-scattered every bucket blocking, --overlap-grad-reduce or not, so all of it
+    was exposed. With the flag the buckets' reduce-scatters are launched under the backward (the equivalence
+    tests above hold with them) and landed in launch order; without it they block."""
+    for overlapped, blocking in zip(dist(2, zero2_reduce_scatters, True), dist(2, zero2_reduce_scatters, False)):
+        assert len(overlapped) >= 4 and all(overlapped), overlapped
+        assert blocking and not any(blocking), blocking
+
+
 def test_zero_stage_2_gradient_bytes_per_rank_fall_to_a_quarter(dist):
     import torch
 
@@ -210,9 +239,11 @@ def test_zero_stage_2_gradient_bytes_per_rank_fall_to_a_quarter(dist):
     params = sum(p.numel() for p in model.parameters()) * 4  # one fp32 gradient per parameter
     full = one_zero_step(1)[1]  # stage 1 on one rank keeps the whole buffer
     assert full >= params
-    for _, persistent, transient in dist(4, one_zero_step, 2):
+    for _, persistent, transient, two_buckets in dist(4, one_zero_step, 2):
         assert abs(persistent - params / 4) <= 0.10 * params / 4, (persistent, params)
-        assert transient < params / 4  # the full gradient exists only a few buckets at a time
+        # the full gradient exists two buckets at a time at most (one reduce-scattered under the next one's
+        # backward, --overlap-grad-reduce), never whole
+        assert transient <= two_buckets < params / 2, (transient, two_buckets, params)
 
 
 def test_fsdp2_with_data_parallel_size_one(dist):

@@ -130,6 +130,9 @@ class GradBuffer:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.free = sum(1 for b in self.buckets if not b.held)  # buckets reduced as soon as they are complete
         self.peak_transient = 0  # ZeRO-2: most bytes of full bucket storage alive at once
+        # ZeRO-2 with --overlap-grad-reduce: reduce-scatters in flight, oldest first (bucket, full storage, the
+        # part's result, handle); at most FLYING at once bounds the full storage they keep alive
+        self._flying: list[tuple[_Bucket, torch.Tensor, torch.Tensor, dist.Work]] = []
         self._next = 0
         # --check-for-nan-in-loss-and-grad: per bucket, the first non-finite element of this rank's own
         # gradient before the reduction mixes it with the others' (a device tensor, -1 when none; read only
@@ -152,8 +155,9 @@ class GradBuffer:
         b = self.bucket_of[id(p)]
         if b.data is None:
             b.data = torch.zeros(b.hi - b.lo, dtype=self.dtype, device=self.device)
-            live = sum(x.data.numel() for x in self.buckets if x.data is not None) * b.data.element_size()
-            self.peak_transient = max(self.peak_transient, live)
+            live = sum(x.data.numel() for x in self.buckets if x.data is not None)
+            live += sum(full.numel() for _, full, _, _ in self._flying)
+            self.peak_transient = max(self.peak_transient, live * b.data.element_size())
         start = self.offset[id(p)] - b.lo
         return b.data[start : start + p.numel()].view(p.shape)
 
@@ -198,7 +202,7 @@ class GradBuffer:
         bucket.pending.discard(id(p))
         if self.transient:  # strictly in bucket order on every rank, like the launches below
             while self._next < self.free and not self.buckets[self._next].pending:
-                self._reduce_transient(self.buckets[self._next])
+                self._reduce_transient(self.buckets[self._next], async_op=overlap)
                 self._next += 1
             if self._next == self.free and not any(b.pending for b in self.buckets[self.free :]):
                 self.reset()  # this micro-batch is done: the next one starts over (held buckets stay whole)
@@ -230,18 +234,39 @@ class GradBuffer:
                 return next((p for p in b.params if self.offset[id(p)] <= flat < self.offset[id(p)] + p.numel()), None)
         return None
 
-    def _reduce_transient(self, b: _Bucket) -> None:
-        """ZeRO-2: reduce-scatter a complete bucket into its part, add it up, and drop the full storage."""
+    FLYING = 1  # (one reduce-scatter under the next bucket's backward: two buckets whole at most)
+
+    def _reduce_transient(self, b: _Bucket, async_op: bool = False) -> None:
+        """ZeRO-2: reduce-scatter a complete bucket into its part, add it up, and drop the full storage.
+        `async_op` (--overlap-grad-reduce): launched under the backward and landed later, in launch order (each
+        part's sums in the order a blocking reduction adds them); the next micro-batch's gradients of the
+        bucket go to new storage meanwhile."""
         if not b.held:
             self._note_local(b)
         if self.group.size > 1:
             out = torch.empty_like(b.shard_grad)
-            with self.group.blocked():
-                reduce_scatter_tensor(out, b.data, group=self.group.pg)
-            b.shard_grad += out
+            if async_op:
+                handle = reduce_scatter_tensor(out, b.data, group=self.group.pg, async_op=True)
+                self._flying.append((b, b.data, out, handle))
+                if len(self._flying) > self.FLYING:
+                    self._land(1)
+            else:
+                self._land()  # (an earlier part's sum first)
+                with self.group.blocked():
+                    reduce_scatter_tensor(out, b.data, group=self.group.pg)
+                b.shard_grad += out
         else:
             b.shard_grad += b.data
         b.data = None
+
+    def _land(self, n: int | None = None) -> None:
+        """Wait for the oldest `n` (all) reduce-scatters in flight and add their parts up."""
+        while self._flying and (n is None or n > 0):
+            b, _, out, handle = self._flying.pop(0)
+            with self.group.blocked():
+                handle.wait()
+            b.shard_grad += out
+            n = None if n is None else n - 1
 
     def _launch_ready(self, events: list | None, async_op: bool, force: bool = False) -> None:
         while self._next < len(self.buckets):
@@ -264,7 +289,8 @@ class GradBuffer:
 
     def finish(self, events: list | None) -> None:
         if self.transient:  # what is still whole, in order: held buckets, and behind a bucket left incomplete
-            for b in self.buckets:  # by an unused parameter, later micro-batches' gradients of earlier buckets
+            self._land()  # by an unused parameter, later micro-batches' gradients of earlier buckets
+            for b in self.buckets:
                 if b.data is not None:
                     self._reduce_transient(b)
             self.reset()
