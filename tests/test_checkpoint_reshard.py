@@ -418,3 +418,12 @@ def test_an_fp32_run_takes_a_bf16_checkpoints_main_weights(tmp_path, distributed
         assert torch.equal(p.detach(), saved), name
         rounded += not torch.equal(saved, saved.bfloat16().float())
     assert rounded, "the main weights are all on the bf16 grid: the test would not see the rounding"
+    # also without the optimizer's state (--finetune, --no-load-optim) or any optimizer (generation)
+    for how in (dict(finetune=True), dict(load_optim=False), dict(optimizer=None)):
+        fresh = build_model(config, ctx, seed=999)
+        opt_ = None if "optimizer" in how else wrap_for_training(fresh, ctx, optim)[1]
+        load_checkpoint(
+            find_checkpoint(root), fresh, opt_, None, ctx, **{k: v for k, v in how.items() if k != "optimizer"}
+        )
+        for name, p in fresh.named_parameters():
+            assert torch.equal(p.detach(), main[fresh.global_name(name)]), (how, name)

@@ -1680,6 +1680,36 @@ def test_dry_run_memory_follows_the_sharding(flags, sharding, bf16, capsys, monk
     )
 
 
+def test_generate_runs_a_capacity_factor_moe_one_prompt_at_a_time(tmp_path, capsys, monkeypatch):
+    """From a review: batched prompts' tokens compete for the experts' capacity, so under a capacity factor each
+    prompt's output depended on the others in its batch; such a model's prompts run one at a time, and start-up
+    says so."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(root, "tools", "generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    ckpt = tmp_path / "ckpt"
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-expert-capacity-factor", "1.0", "--mock-data",
+           "--disable-bias-linear", "--vocab-size", "100", "--train-iters", "1", "--save", str(ckpt)]  # fmt: skip
+    rc, _, err = _run(moe, capsys, monkeypatch)
+    assert rc == 0, err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [3 + i, 7, 11 + 2 * i, 5][: 2 + i]}) + "\n" for i in range(3)))
+    argv = ["--load", str(ckpt), "--prompts-file", str(prompts), "--max-new-tokens", "3", "--greedy", "--ignore-eos"]
+    outs = {}
+    for n in (8, 1):
+        capsys.readouterr()
+        assert (
+            generate.main([*argv, "--inference-max-requests", str(n), "--output-json", str(tmp_path / "o.json")]) == 0
+        )
+        said = capsys.readouterr().err
+        assert ("the prompts run one at a time" in said) == (n > 1), said
+        outs[n] = json.loads((tmp_path / "o.json").read_text())
+    assert [r["generated_ids"] for r in outs[8]] == [r["generated_ids"] for r in outs[1]]
+
+
 def test_generate_prompts_a_checkpoint_trained_on_the_embedded_corpus(tmp_path, capsys, monkeypatch):
     """The quick start's `generate.py --load runs/demo/checkpoints --prompt ...`: a job given no data flags
     trained with the embedded corpus's tokenizer, which generation now takes (it said the checkpoint names no

@@ -291,6 +291,24 @@ def test_a_rank_that_entered_the_collective_and_waits_elsewhere_is_not_counted_a
     assert "not yet entered by rank 2" in report, report
 
 
+def test_a_rank_waiting_in_an_overlapped_collective_it_launched_the_next_of_is_waiting_in_it():
+    """From a review: overlapped gradient buckets launch reduce-scatter #6 before waiting for #5, so a rank
+    waiting in #5 has counted 6 on the group: the report called it (even the reporting rank) AHEAD, as having
+    skipped #5."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+    e5 = Entry("0,1", 5, "reduce_scatter_tensor", [[64]], "ddp.py:260 (_land)", now - 16)
+    peers = {
+        0: _published({"0,1": 6}, {**e5.__dict__, "since": e5.start, "waiting": True}, now),
+        1: _published({"0,1": 4}, None, now),  # (never reached #5)
+    }
+    report = hang_report(0, 15.0, e5, 16.0, peers)
+    assert "AHEAD" not in report and "skipped" not in report, report
+    summary = next(line for line in report.splitlines() if line.startswith("summary:"))
+    assert summary.startswith("summary: ranks [0] wait in reduce_scatter_tensor #5") and "[1] never reached" in summary
+
+
 def test_the_hang_report_follows_a_chain_of_waits_without_looping():
     """Rank 1 waits on rank 2 in group [1,2]; rank 2 waits on rank 1 in group [1,2]'s next collective: a
     cycle. The report follows each wait once and ends."""

@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     src.add_argument(
         "--prompts-file",
-        help='JSONL, one prompt a line ({"prompt": text} or {"prompt_ids": [ids]}), generated one after another by '
-        "the model loaded once; --output-json then writes a list",
+        help='JSONL, one prompt a line ({"prompt": text} or {"prompt_ids": [ids]}), generated in batches '
+        "(--inference-max-requests) by the model loaded once; --output-json then writes a list",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -283,7 +283,10 @@ def run(args: argparse.Namespace) -> int:
     # batches of prompts of like lengths (a longer prompt's tail runs a token a step), printed in the file's order
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outs: dict[int, dict] = {}
-    n = args.inference_max_requests
+    n = args.inference_max_requests if cf is None else 1  # (a batch's tokens would compete for the capacity)
+    if cf is not None and args.inference_max_requests > 1 and len(prompts) > 1:
+        _note(f"--moe-expert-capacity-factor {cf:g}: the prompts run one at a time (batched, their tokens would "
+              "compete for the experts' capacity, and each prompt's drops depend on the others)")  # fmt: skip
     for batch in (order[a : a + n] for a in range(0, len(order), n)):
         got = generate_batch(model, ctx, [prompts[i] for i in batch], args.max_new_tokens, sampling, stop, scored)
         outs.update(zip(batch, got))

@@ -539,7 +539,7 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
         stored, mine = (reader.index.get(key) or {}).get("shape"), full_shape(tuple(p.shape), pmeta)
         if stored is not None and list(stored) != mine:  # (reading a range of a larger tensor would not fail)
             raise ConfigError(f"{path}: {key[6:]} is {list(stored)} in the checkpoint but {mine} in this model")
-        if with_optim and p.dtype == torch.float32 and "main/" + key[6:] in reader.index:
+        if p.dtype == torch.float32 and "main/" + key[6:] in reader.index:
             key = "main/" + key[6:]  # (a --bf16 run's: fp32 weights from its main weights, not their rounding)
         if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
             from megatron_lite.distributed.fsdp import local_shard

@@ -176,6 +176,7 @@ def build_datasets(
                     data.reset_attention_mask,
                     ("train", "validation", "test")[s],
                     log,
+                    flags[s] if source.per_split is not None else "--data-path",
                 )
             )
         if not parts:

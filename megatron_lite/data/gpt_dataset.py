@@ -94,9 +94,12 @@ class GPTDataset:
         reset_attention_mask: bool = False,
         split: str = "train",
         log=None,
+        flag: str | None = None,
     ) -> None:
-        """`split`: which one it is (train, validation or test), as messages name it; `log`: notes."""
+        """`split`: which one it is (train, validation or test), and `flag` what gave its data (the dataset's
+        own by default), as messages name them; `log`: notes."""
         self.indexed = indexed
+        self.flag = flag or indexed.flag
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
         self.seq_length = seq_length
@@ -141,10 +144,10 @@ class GPTDataset:
     def _build(self, docs: np.ndarray, num_samples: int, seed: int, split: str = "train", log=None):
         lengths = self.indexed.lengths[docs].astype(np.int64)
         tokens_per_epoch = int(lengths.sum())
-        where = f"{self.indexed.flag} {self.indexed.prefix}: the {split} split's {len(docs)} documents"
+        where = f"{self.flag} {self.indexed.prefix}: the {split} split's {len(docs)} documents"
         if tokens_per_epoch == 0:
             # (every rank builds or waits for these indices, so every rank raises: no collective is left waiting)
-            fix = "or change --split" if self.indexed.flag == "--data-path" else "or give other data"
+            fix = "or change --split" if self.flag == "--data-path" else "or give other data"
             raise ConfigError(f"{where} hold no tokens: add data {fix}")
         if tokens_per_epoch <= self.seq_length and log is not None:
             # (Megatron-core repeats them too: a 1000-document corpus's 0.1% test split is one document)

@@ -188,6 +188,7 @@ class GradBuffer:
         self._next = 0
 
     def zero(self) -> None:
+        self._land()  # (a backward cut short left a reduce-scatter in flight: it must not land in the next step)
         self.first_bad = {}
         if self.data is not None:
             self.data.zero_()  # (ZeRO-1 parts are views into it)

@@ -1,11 +1,11 @@
 """Autoregressive generation under any TP x PP (x EP) layout, with a KV cache, one prompt or a batch; not under CP
 or SP.
 
-Each step runs the new tokens (the whole prompt first, then one token) through the virtual pipeline
-stages in order, hidden states passed stage to stage by point-to-point sends; the last stage gathers the
-vocabulary shards, picks the next token (greedy, or temperature / top-k / top-p sampling from a seeded generator)
-and broadcasts it over the pipeline group, so every rank extends the same sequence. Log-probabilities are
-those of the model's own distribution (before temperature and top-p)."""
+Each step runs the new tokens (the whole prompt first, the shortest of a batch's, then one token) through the
+virtual pipeline stages in order, hidden states passed stage to stage by point-to-point sends; the last stage
+gathers the vocabulary shards, picks the next token (greedy, or temperature / top-k / top-p sampling from a seeded
+generator) and broadcasts it over the pipeline group, so every rank extends the same sequence. Log-probabilities
+are those of the model's own distribution (before temperature and top-p)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.inference.kv_cache import KVCache, cache_bytes
+from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.mappings import all_gather_last
 
@@ -73,19 +74,24 @@ def _forward_batch(chunks, ctx: ParallelContext, tokens: torch.Tensor, cache: KV
     return out
 
 
-def _check_cache_fits(chunks, ctx: ParallelContext, batch: int, max_len: int) -> None:
-    """On a GPU, a KV cache larger than the free memory is one line naming what sizes it (it was an out-of-memory
-    error in the middle of the prompt's forward)."""
+def _check_memory_fits(chunks, ctx: ParallelContext, batch: int, max_len: int, scored_rows: int) -> None:
+    """On a GPU, a KV cache (and on the last stage the scored prompts' fp32 logits, `scored_rows` positions of
+    each sequence) larger than the free memory of any rank is one line naming what sizes it, on every rank (it
+    was an out-of-memory error in the middle of the prompt's forward, and the other ranks waited for it)."""
     if ctx.device.type != "cuda":
         return
     config, dtype = chunks[0].config, next(p for c in chunks for p in c.parameters()).dtype
     need = cache_bytes(config, ctx.tp.size, sum(len(c.decoder.layers) for c in chunks), batch, max_len, dtype)
+    if ctx.is_last_stage:  # (gathered over TP, then the fp32 copy)
+        need += 2 * batch * scored_rows * config.vocab_size * 4
     free = torch.cuda.mem_get_info(ctx.device)[0]
-    if need > 0.9 * free:  # (the forward's activations need some too)
+    short = need > 0.9 * free  # (the forward's activations need some too)
+    if any_rank(short, ctx):
+        where = f"{need / 2**30:.2f} GiB on this rank, {free / 2**30:.2f} GiB are free" if short else "on another rank"
         raise ValueError(
-            f"the KV cache of {batch} prompt(s) x {max_len} tokens (the longest prompt + --max-new-tokens) needs "
-            f"{need / 2**30:.2f} GiB on this rank, {free / 2**30:.2f} GiB are free: lower --inference-max-requests "
-            "or --max-new-tokens, or spread the model over more GPUs (--tensor/--pipeline-model-parallel-size)"
+            f"the KV cache of {batch} prompt(s) x {max_len} tokens (the longest prompt + --max-new-tokens) and the "
+            f"scored prompts' logits do not fit: {where}; lower --inference-max-requests or --max-new-tokens, or "
+            "spread the model over more GPUs (--tensor/--pipeline-model-parallel-size)"
         )
 
 
@@ -151,7 +157,9 @@ def generate_batch(
     draws from its own generator, seeded alike). As Megatron's static batching does, every sequence sits at the
     same positions, so no padding or mask is needed: the shortest prompt is run whole, then one position a step,
     where a longer prompt's next token is its own, not a generated one; a sequence done (a stop id, or its
-    `max_new_tokens`) rides along until all are."""
+    `max_new_tokens`) rides along until all are. Under an MoE capacity factor the tokens of one forward compete
+    for the experts' capacity, so a batch's drops differ from each prompt's alone (tools/generate.py runs such a
+    model one prompt at a time)."""
     sampling = sampling or SamplingConfig()
     # Context parallelism would take the prompt and the cache for each rank's zigzag shard of a sequence, and
     # sequence parallelism splits the tokens of one step: generation runs neither (refused, not wrong logits).
@@ -167,7 +175,8 @@ def generate_batch(
     if longest + max_new_tokens > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
         raise ValueError(f"prompt + --max-new-tokens = {longest + max_new_tokens} exceeds {max_pos} positions")
     gens = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
-    _check_cache_fits(chunks, ctx, b, longest + max_new_tokens)
+    scoring = max_new_tokens == 0 or prompt_logprobs
+    _check_memory_fits(chunks, ctx, b, longest + max_new_tokens, shortest if scoring else 1)
     cache = KVCache(longest + max_new_tokens)
     generated: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
@@ -175,7 +184,6 @@ def generate_batch(
     done = [max_new_tokens == 0 and len(p) == shortest for p in prompts]  # (scored whole by the first forward)
     head = torch.tensor([p[:shortest] for p in prompts], device=ctx.device)
     # (every stage alike: the last one's logits decide nothing)
-    scoring = max_new_tokens == 0 or prompt_logprobs
     logits = _forward_batch(chunks, ctx, head, cache, every=scoring)
     last = logits is not None
     if scoring and last:

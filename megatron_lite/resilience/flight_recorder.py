@@ -318,6 +318,11 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
             # a peer is either in an exchange of its own now or elsewhere.
             (waiting if cur and cur["op"] in P2P else missing).append(r)
             lines.append(f"  rank {r}: now {where}")
+        elif cur and _counter(cur["op"], cur["group"]) == _counter(entry.op, entry.group) and cur["seq"] == entry.seq:
+            # waiting in it, whatever came after: an asynchronous launch of the next one (overlapped gradient
+            # buckets) raises the count first
+            waiting.append(r)
+            lines.append(f"  rank {r}: {where}")
         elif n < entry.seq:
             missing.append(r)
             last = p["last"].get(_counter(entry.op, entry.group), "none")
