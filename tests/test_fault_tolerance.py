@@ -166,6 +166,7 @@ def test_a_rank_that_skips_a_collective_ends_the_job_with_a_report(tmp_path):
     assert out.seconds < 15 + 5 + 45, out.seconds  # gloo's own timeout would take 2 x 15 + 60 s
     err = out.stderr
     assert "hang: rank 0 has waited" in err and "in collective #" in err and "all_reduce on ranks [0,1]" in err, err
+    assert "in collective #" in err and ", in iteration 3" in err and "(iteration 3)" in err, err  # (it lacked it)
     assert "rank 1: AHEAD: went past" in err and "rank(s) [1] skipped it and went ahead" in err
     assert "(reported by rank 1, which waits" in err
 

@@ -149,6 +149,7 @@ class FlightRecorder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.report: str | None = None
+        self.where: str | None = None  # what the job is doing (the training loop's iteration), as reports say it
 
     # Recording ---------------------------------------------------------------------------------
     def _group_key(self, group) -> str:
@@ -236,6 +237,7 @@ class FlightRecorder:
                 "counts": dict(self.state.counts),
                 "last": {k: e.describe() for k, e in self.state.last.items()},
                 "current": None if cur is None else {**asdict(cur[0]), "since": cur[1], "waiting": cur[2]},
+                "where": self.where,
             }
 
     def _publish(self) -> None:
@@ -295,9 +297,10 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
     """The report of rank `rank`, stuck `waited` seconds in `entry`, from every rank's published state."""
     root, root_waited, waiter = _root(entry, waited, peers)
     who = rank if waiter is None else waiter
+    during = (peers.get(who) or {}).get("where")
     lines = [
         f"hang: rank {who} has waited {root_waited:.0f} s (--distributed-timeout-minutes "
-        f"{timeout_s / 60:g}) in collective {root.describe()}"
+        f"{timeout_s / 60:g}) in collective {root.describe()}" + (f", in {during}" if during else "")
         + ("" if waiter is None else f" (reported by rank {rank}, which waits {waited:.0f} s in the later "
            f"#{entry.seq} {entry.op} of that group)")
     ]  # fmt: skip
@@ -366,11 +369,11 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
 
 
 def _where(p: dict) -> str:
-    cur = p["current"]
+    cur, during = p["current"], f" ({p['where']})" if p.get("where") else ""
     if not cur:
-        return "computing (in no collective)"
+        return f"computing (in no collective){during}"
     waited = p["time"] - cur["since"]
-    return f"waiting for {waited:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] at {cur['site']}"
+    return f"waiting for {waited:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] at {cur['site']}{during}"
 
 
 def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str]:

@@ -366,6 +366,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
                 state.consumed_samples += train_batches.gbs(state.consumed_samples)
             start = time.time()
+            if recorder is not None:  # (its step, then the logging, evaluation or save after it)
+                recorder.where = f"iteration {state.iteration + 1}"
             profiler.before_step(state.iteration)
             guard.before_iteration(state.iteration + 1)
             tic = time.time()
