@@ -279,17 +279,15 @@ def test_round_trip_is_bit_exact(converted, name):
     assert torch.equal(_hf_logits(reloaded, PROMPT), _hf_logits(model, PROMPT))
 
 
-def ours_at(ckpt: str, parallel: ParallelConfig, ids: list[int], prompt: list[int] = PROMPT):
-    """On every rank: full-vocabulary logits of `ids` (last stage, else None) and greedy ids continuing
-    `prompt` (our KV cache)."""
+def _load_ours(ckpt: str, parallel: ParallelConfig):
+    """(model, context, config) of our checkpoint in `ckpt`, without dropout, under `parallel` (this rank's part
+    in a worker of the pool, else one process)."""
     import dataclasses
 
     import torch.distributed as dist
 
     from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
     from megatron_lite.checkpoint.hf_convert import model_config_from_dict
-    from megatron_lite.inference.generation import _forward, generate
-    from megatron_lite.inference.kv_cache import KVCache
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.parallel_context import ParallelContext
 
@@ -299,6 +297,16 @@ def ours_at(ckpt: str, parallel: ParallelConfig, ids: list[int], prompt: list[in
     ctx = get_context(parallel) if dist.is_initialized() else ParallelContext.virtual(parallel, torch.device("cpu"))
     model = build_model(config, ctx)
     load_checkpoint(path, model, None, None, ctx, load_rng=False)
+    return model, ctx, config
+
+
+def ours_at(ckpt: str, parallel: ParallelConfig, ids: list[int], prompt: list[int] = PROMPT):
+    """On every rank: full-vocabulary logits of `ids` (last stage, else None) and greedy ids continuing
+    `prompt` (our KV cache)."""
+    from megatron_lite.inference.generation import _forward, generate
+    from megatron_lite.inference.kv_cache import KVCache
+
+    model, ctx, _ = _load_ours(ckpt, parallel)
     model.eval()
     with torch.no_grad():
         logits = _forward(model, ctx, ids, KVCache(len(ids)), every=True)
@@ -352,22 +360,9 @@ def test_pp2_tp2_generation_equals_transformers(dist, converted, name):
 def batched_and_alone(ckpt: str, parallel: ParallelConfig):
     """On every rank: generate_batch's results for prompts of three lengths, and generate's for each alone, greedy
     (one of them stopping early at a token it makes), sampled, and scoring (max_new_tokens 0)."""
-    import dataclasses
-
-    import torch.distributed as dist
-
-    from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpoint, read_metadata
-    from megatron_lite.checkpoint.hf_convert import model_config_from_dict
     from megatron_lite.inference.generation import SamplingConfig, generate, generate_batch
-    from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.parallel_context import ParallelContext
 
-    path = find_checkpoint(ckpt)
-    config = model_config_from_dict(read_metadata(path)["config"]["model"])
-    config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0)
-    ctx = get_context(parallel) if dist.is_initialized() else ParallelContext.virtual(parallel, torch.device("cpu"))
-    model = build_model(config, ctx)
-    load_checkpoint(path, model, None, None, ctx, load_rng=False)
+    model, ctx, config = _load_ours(ckpt, parallel)
     prompts = [PROMPT[3:], PROMPT, PROMPT[:4]]
     stop = (generate(model, ctx, prompts[1], NEW)["generated_ids"][2],)  # (the second prompt's third token)
     out = {}
