@@ -25,10 +25,10 @@ import torch.distributed as dist
 from megatron_lite.checkpoint.checkpointing import (
     find_checkpoint,
     load_checkpoint,
-    lora_base_checkpoint,
     read_metadata,
 )
 from megatron_lite.checkpoint.hf_convert import generation_eos_ids, model_config_from_dict, saved_lora_config
+from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.embedded import EMBEDDED_VOCAB

@@ -12,7 +12,6 @@ them, so the reader's layout need not be the writer's.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -310,34 +309,6 @@ class AsyncSaver:
 
 
 # Loading ----------------------------------------------------------------------------------------
-def lora_base_checkpoint(base: str, holder: str, fingerprint: str | None = None) -> str:
-    """The base checkpoint adapters-only LoRA checkpoints recorded (training.resume.lora_base), found and as they
-    recorded it (`fingerprint`; None in older checkpoints), or one line naming `holder`, what holds them."""
-    path = find_checkpoint(base)
-    if path is None:
-        raise ConfigError(
-            f"{holder} holds LoRA adapters trained on the base checkpoint {base!r}, which is gone; restore it or "
-            "start again from a base with --load BASE --finetune"
-        )
-    if fingerprint is not None and checkpoint_fingerprint(path) != fingerprint:
-        # (a base run started again into the same directory rewrites its iterations: other weights, same path)
-        raise ConfigError(
-            f"{holder} holds LoRA adapters trained on the base checkpoint {path}, which has been rewritten since "
-            "(its files' checksums differ): the adapters do not fit these weights; restore that base or start "
-            "again from this one with --load BASE --finetune"
-        )
-    return path
-
-
-def checkpoint_fingerprint(path: str) -> str | None:
-    """A digest of the checksums a checkpoint's metadata records for its index files, which record its tensor
-    files' (None for format 1, which records none)."""
-    files = read_metadata(path).get("files")
-    if not files:
-        return None
-    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16]
-
-
 def find_checkpoint(root: str | None, step: int | None = None, own: bool = False, flag: str = "--load") -> str | None:
     """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); `root`
     itself when it is one iteration's directory; None when `root` is missing or empty. Without the tracker file

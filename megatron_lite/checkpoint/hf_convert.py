@@ -26,7 +26,6 @@ from safetensors.torch import save_file
 from megatron_lite.checkpoint.checkpointing import (
     _Reader,
     find_checkpoint,
-    lora_base_checkpoint,
     model_config_from_dict,
     publish,
     read_metadata,
@@ -55,6 +54,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     shards,
     write_hf_dir,
 )
+from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict

@@ -52,7 +52,7 @@ class LoraConfig:
     qlora: bool = False  # the adapted layers' frozen weights stored in NF4 (4.127 bits per parameter)
     # the base checkpoint the adapters were trained on (recorded): its checkpoints then hold the adapters alone
     base: str | None = None
-    base_fingerprint: str | None = None  # (checkpointing.checkpoint_fingerprint of that base, when recorded)
+    base_fingerprint: str | None = None  # (lora_base.checkpoint_fingerprint of that base, when recorded)
 
     def __post_init__(self) -> None:
         if self.rank < 1:

@@ -8,13 +8,12 @@ import os
 
 from megatron_lite.checkpoint.checkpointing import (
     TrainState,
-    checkpoint_fingerprint,
     find_checkpoint,
     load_checkpoint,
-    lora_base_checkpoint,
     same_directory,
 )
 from megatron_lite.checkpoint.format import complete_iterations
+from megatron_lite.checkpoint.lora_base import checkpoint_fingerprint, lora_base_checkpoint
 from megatron_lite.config import ConfigError
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.resilience.supervisor import TrainingHalted
