@@ -184,5 +184,5 @@ def build_datasets(
         elif len(parts) == 1:
             out.append(parts[0])
         else:
-            out.append(BlendedDataset(parts, [w for w, *_ in live], num_samples[s], live[0][2]))
+            out.append(BlendedDataset(parts, [w for w, *_ in live], num_samples[s], live[0][2], log))
     return tuple(out)

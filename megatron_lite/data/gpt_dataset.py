@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron_lite.config import ConfigError
+from megatron_lite.data import native_blend
 from megatron_lite.data.documents import document_ids, document_position_ids
 from megatron_lite.data.indexed import IndexedDataset
 
@@ -211,17 +212,28 @@ class GPTDataset:
 
 
 BLEND_CHUNK = 1 << 20
+BLEND_SLOW = 10**9  # (samples x datasets past which the Python scan takes minutes: ~1e8 a minute)
 
 
-def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+def blending_indices(weights: list[float], size: int, log=None) -> tuple[np.ndarray, np.ndarray]:
     """(dataset, sample within it) of each of `size` blended samples: sample i comes from the dataset furthest
-    behind its share, w * max(i, 1) - count, the first on ties (Megatron's helpers.cpp build_blending_indices)."""
+    behind its share, w * max(i, 1) - count, the first on ties (Megatron's helpers.cpp build_blending_indices).
+    Run in C where a compiler is at hand (native_blend), else in Python, the same order bit for bit."""
     w = np.asarray(weights, dtype=np.float64)
     w = (w / w.sum()).tolist()
+    # Typed arrays: Python lists of the whole blend took 64 bytes per sample (31 GiB for 500M samples); these
+    # take 10, as Megatron's (int16 dataset, int64 sample)
+    dtype = np.int16 if len(w) < 2**15 else np.int64
+    built = native_blend.native_blending_indices(w, size, dtype)
+    if built is not None:
+        return built
+    if log is not None and size * len(w) >= BLEND_SLOW:
+        log(
+            f"blending {len(w)} datasets into {size} samples in Python, about "
+            f"{size * len(w) / 1e8:.0f} min here (once; cached): {native_blend.load()[1]}"
+        )
     counts = [0] * len(w)
-    # Written into typed arrays a chunk at a time: Python lists of the whole blend took 64 bytes per sample
-    # (31 GiB for 500M samples); these take 10, as Megatron's (int16 dataset, int64 sample)
-    dataset_index = np.empty(size, dtype=np.int16 if len(w) < 2**15 else np.int64)
+    dataset_index = np.empty(size, dtype=dtype)
     sample_index = np.empty(size, dtype=np.int64)
     for start in range(0, size, BLEND_CHUNK):
         chosen, within = [], []
@@ -244,9 +256,11 @@ class BlendedDataset:
     blending_indices); the indices are cached in `cache_dir` (they depend on the weights and size only), as
     Megatron caches its blend's."""
 
-    def __init__(self, datasets: list, weights: list[float], num_samples: int, cache_dir: str | None = None) -> None:
+    def __init__(
+        self, datasets: list, weights: list[float], num_samples: int, cache_dir: str | None = None, log=None
+    ) -> None:
         if cache_dir is None:
-            self.dataset_index, self.sample_index = blending_indices(weights, num_samples)
+            self.dataset_index, self.sample_index = blending_indices(weights, num_samples, log)
         else:
             digest = hashlib.md5(json.dumps([[float(x) for x in weights], num_samples]).encode()).hexdigest()
             # (two files, each its own dtype; an older cache's one stacked blend-{digest}.npy is not read)
@@ -259,7 +273,7 @@ class BlendedDataset:
                         dtype = np.int16 if len(weights) < 2**15 else np.int64
                         built = (stacked[0].astype(dtype), stacked[1])
                     else:
-                        built = blending_indices(weights, num_samples)
+                        built = blending_indices(weights, num_samples, log)
                     for p, arr in zip(paths, built):
                         _save_npy(p, arr)
             self._paths = paths
