@@ -638,6 +638,30 @@ def test_exporting_a_trained_model_no_hf_class_computes_is_one_line(tmp_path, ca
         assert expected in err and "--seq-length" not in err and "--num-layers" not in err, err
 
 
+def test_exporting_a_model_trained_with_a_capacity_factor_says_transformers_drops_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """Our router drops the tokens over an expert's capacity in evaluation too, as Megatron's; Mixtral never does,
+    so the export's logits differ where a batch overflows (1e-2 relative at factor 1): the export says so."""
+    from megatron_lite.training.pretrain import main as pretrain_main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    flags = "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 "
+    flags += "--global-batch-size 1 --train-iters 1 --lr 1e-3 --eval-iters 0 --mock-data --vocab-size 128 "
+    flags += "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+    flags += "--untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2"
+    for factor in (None, "1.0"):
+        extra = [] if factor is None else ["--moe-expert-capacity-factor", factor]
+        assert pretrain_main([*flags.split(), *extra, "--save", str(tmp_path / f"ours{factor}")]) == 0
+        capsys.readouterr()
+        args = ["--loader", "megatron_lite", "--saver", "hf", "--load-dir", str(tmp_path / f"ours{factor}")]
+        assert convert.main([*args, "--save-dir", str(tmp_path / f"hf{factor}")]) == 0
+        out = capsys.readouterr()
+        noted = "MixtralForCausalLM never drops tokens" in out.out + out.err
+        assert noted == (factor is not None), out
+
+
 def test_every_norm_is_exported_as_gamma_under_layernorm_1p():
     """--apply-layernorm-1p stores gamma - 1; a Hugging Face DeepSeek holds gamma in every norm, MTP's enorm and
     hnorm included (they had been written as gamma - 1, zeros at init)."""
@@ -778,6 +802,29 @@ def test_defaults_without_transformers_match_transformers(model_type):
     for field, value in HF_DEFAULTS[model_type].items():
         got = legacy[field] if field in legacy else defaults.get(field, getattr(cls(), field, None))
         assert got == value, (model_type, field, got, value)
+
+
+@pytest.mark.parametrize("drop", [None, "original_max_position_embeddings"])
+def test_the_config_read_without_transformers_is_the_one_read_with_it(converted, tmp_path, drop):
+    """Every converted model's config.json, as written by transformers' save_pretrained, read by the fallback
+    (no transformers installed) gives the model transformers' reading gives. transformers 5 writes Qwen3-MoE's
+    expert count as num_local_experts, which the fallback read as its default 128; and a RoPE scaling without
+    its original length (transformers takes max_position_embeddings) was a traceback."""
+    from megatron_lite.checkpoint.hf_convert import _fallback_config
+    from megatron_lite.models.hf import config_from_hf
+
+    for name, (_, hf_dir, _, _) in converted.items():
+        raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+        if drop is not None:
+            scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+            if drop not in scaling:
+                continue
+            del scaling[drop]
+            hf_dir = str(tmp_path / name)
+            os.makedirs(hf_dir)
+            (pathlib.Path(hf_dir) / "config.json").write_text(json.dumps(raw))
+        ours = config_from_hf(_fallback_config(raw))
+        assert ours == config_from_hf(transformers.AutoConfig.from_pretrained(hf_dir)), name
 
 
 def test_converted_checkpoint_continues_pretraining(converted, capsys, monkeypatch, tmp_path):

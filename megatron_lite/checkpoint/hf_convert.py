@@ -260,8 +260,15 @@ def _fallback_model_type(raw: dict) -> str | None:
     return MODEL_TYPES.get(archs[0]) if archs else None
 
 
+# config.json names transformers' classes write in place of the attribute (their `attribute_map`): 5.x saves
+# Qwen3-MoE's expert count as num_local_experts
+FALLBACK_ALIASES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+
+
 def _fallback_config(raw: dict) -> Any:
-    return types.SimpleNamespace(**{**HF_DEFAULTS.get(_fallback_model_type(raw) or "", {}), **raw})
+    kind = _fallback_model_type(raw) or ""
+    aliased = {FALLBACK_ALIASES.get(kind, {}).get(k, k): v for k, v in raw.items()}
+    return types.SimpleNamespace(**{**HF_DEFAULTS.get(kind, {}), **aliased})
 
 
 # megatron_lite side ------------------------------------------------------------------------------
@@ -544,6 +551,11 @@ def megatron_lite_to_hf(
         if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens
             base = _token_ids(saved["data"])
     check_exportable(config, arch)  # (before the weights are mapped: a missing tensor was a KeyError traceback)
+    if config.moe_expert_capacity_factor is not None:
+        log(
+            f"note: trained with --moe-expert-capacity-factor {config.moe_expert_capacity_factor:g}; {arch} never "
+            "drops tokens, so its logits differ from ours wherever a batch overflows an expert's capacity"
+        )
     ours = check_state_dict(ours, config, f"--load-dir {load_dir}", log, extra_ok=True, cause=EXPORT_CAUSE)
     with mapping_errors(f"--load-dir {load_dir}"):
         hf = state_dict_to_hf(ours, config, arch, on_disk=True)

@@ -69,15 +69,20 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
     base = float(params.get("rope_theta", 10000.0))
     if kind == "default":
         return base, None
+    # (transformers 5 moves a missing original length in from max_position_embeddings; its absence from the
+    # config object, without transformers, means the same)
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    original = int(original or hf_config.max_position_embeddings)
     if kind == "llama3":
         return base, RopeScaling(
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            original_max_position_embeddings=original,
         )
     if kind == "yarn":
-        original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
         factor = params.get("factor") or hf_config.max_position_embeddings / original  # (DeepSeek-V3's rule)
 
         attention_factor = params.get("attention_factor")
