@@ -74,9 +74,10 @@ if HAVE_TRITON:
             tl.store(STAT2 + row, mean, mask=rmask)
         tl.store(STAT1 + row, rstd, mask=rmask)
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = xhat.to(X.dtype.element_ty).to(tl.float32) * w  # (rounded to the input's dtype, as the reference)
-        if not IS_RMS:
-            y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        if IS_RMS:  # (the normalised x rounded to the input's dtype before the weight, as HF's LlamaRMSNorm)
+            y = xhat.to(X.dtype.element_ty).to(tl.float32) * w
+        else:  # (LayerNorm rounds once, at the end, as F.layer_norm: rounding xhat too moved 1/4 of bf16 outputs)
+            y = xhat * w + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit

@@ -305,6 +305,24 @@ def test_a_residual_norm_normalises_the_sum_it_returns(norm):
     assert rel(y.float(), ry.float()) < 1e-3  # (fp16: the reference rounds once less before the weight)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_in_half_precision_rounds_once_as_the_reference(residual):
+    """fp16 LayerNorm: (x - mean) * rstd * w + b in fp32, rounded once, as F.layer_norm; the kernel had rounded
+    x_hat to fp16 before the weight (as RMSNorm does, after LlamaRMSNorm), which moved 23% of the outputs by up to
+    2 ulp. (fp16, not bf16: the interpreter rounds fp16 to nearest but truncates bf16.)"""
+    x = _rand(64, 80, dtype=torch.float16) * 3
+    w, b = _rand(80, seed=1, dtype=torch.float16), _rand(80, seed=2, dtype=torch.float16)
+    r = _rand(64, 80, seed=3, dtype=torch.float16) if residual else None
+    before = K.LAUNCHES["layer_norm_fwd"]
+    y = K.layer_norm(x, w, b, 1e-5, residual=r)
+    ref = K.layer_norm_reference(x, w, b, 1e-5, residual=r)
+    assert K.LAUNCHES["layer_norm_fwd"] > before, "no kernel ran"
+    if residual:
+        (y, _), (ref, _) = y, ref
+    differ = (y != ref).float().mean().item()
+    assert differ < 0.01, differ  # (a reduction's order may move an element by an ulp, rarely)
+
+
 def test_inputs_of_two_dtypes_give_torchs_promoted_result():
     """swiglu(fp16, fp32) and a norm of fp16 x with an fp32 residual: the reference's (torch's) promoted dtype,
     where the kernels had rounded to the first input's dtype."""
