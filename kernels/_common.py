@@ -67,6 +67,16 @@ def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
     return all(t.numel() == 0 or sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) < 2**31 for t in tensors)
 
 
+def require(ok: torch.Tensor, message) -> None:
+    """A check of tensor contents: on the host, a ValueError with `message()`; on a GPU an asynchronous device
+    assert (no synchronisation, so no message: a failure stops the process at a later launch), where the
+    kernels would otherwise read or write out of bounds, or return a plausible wrong number."""
+    if ok.is_cuda:
+        torch._assert_async(ok.all())
+    elif not bool(ok.all()):
+        raise ValueError(message())
+
+
 def launched(name: str) -> None:
     LAUNCHES[name] += 1
 

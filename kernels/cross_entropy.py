@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, rows_per_program, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, require, rows_per_program, triton_usable
 
 if HAVE_TRITON:
     import triton
@@ -406,6 +406,14 @@ def fused_linear_cross_entropy(
             vocab_start,
             vocab_size,
         )
+    # (a label outside the vocabulary matched no column: its loss was the log-sum-exp alone, counted in the mean)
+    require(
+        (labels == ignore_index) | ((labels >= 0) & (labels < vocab_size)),
+        lambda: (
+            f"fused_linear_cross_entropy: labels must be in [0, {vocab_size}) or ignore_index {ignore_index}; got "
+            f"{labels[(labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))][:4].tolist()}"
+        ),
+    )
     # Every rank of the TP group must run as many chunks (each one's statistics are all-reduced): sized by the
     # group's widest shard, not this rank's rows, which the caller may have trimmed of vocabulary padding.
     widest = v_local if tp == 1 else -(-vocab_size // tp)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.kernels import _common
-from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, require, triton_usable
 
 if HAVE_TRITON:
     import triton
@@ -112,6 +112,13 @@ def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     pos = torch.arange(s, device=document_ids.device).expand(b, s)
     new = torch.ones_like(document_ids, dtype=torch.bool)
     new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # a document starts here
+    # (an id that comes back, e.g. padding reusing document 0, would be taken for a document of its own)
+    ids = document_ids.sort(dim=1).values
+    distinct = (ids[:, 1:] != ids[:, :-1]).sum(1) + 1 if s else new.sum(1)
+    require(
+        new.sum(1) == distinct,
+        lambda: "document_ids must keep each document's tokens together (an id may not come back after another)",
+    )
     start = torch.cummax(torch.where(new, pos, 0), dim=1).values
     last = torch.ones_like(new)
     last[:, :-1] = new[:, 1:]  # a document ends here

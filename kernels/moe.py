@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.kernels import _common
-from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, require, triton_usable
 
 if HAVE_TRITON:
     import triton
@@ -257,6 +257,10 @@ def moe_permute(x: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | Non
 
 
 def moe_unpermute(out: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    if probs.shape != row_map.shape:
+        raise ValueError(
+            f"moe_unpermute: probs {tuple(probs.shape)} must be row_map's [tokens, k] {tuple(row_map.shape)}"
+        )
     if triton_usable(out):
         return _Unpermute.apply(out, row_map, probs)
     return moe_unpermute_reference(out, row_map, probs)
@@ -388,8 +392,16 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor | list[torch.Tensor], counts: 
     """x [N, K] rows grouped by expert (counts[e] rows each), w [E, N_out, K] (or E weights [N_out, K], the
     experts' own parameters) -> [N, N_out]."""
     per_expert = isinstance(w, (list, tuple))
+    experts = len(w) if per_expert else w.shape[0]
+    if counts.shape != (experts,):
+        raise ValueError(f"grouped_gemm: counts {tuple(counts.shape)} for {experts} experts' weights")
     if triton_usable(x, *(w if per_expert else [w])):
         counts = counts.to(device=x.device, dtype=torch.int64)
+        # (rows past the counts' sum were left unwritten; counts past x's rows read and wrote beyond it)
+        require(
+            counts.sum() == x.shape[0],
+            lambda: f"grouped_gemm: counts sum to {int(counts.sum())}, not x's {x.shape[0]} rows",
+        )
         if per_expert:
             return _GroupedGemmPerExpert.apply(x, counts, *w)
         return _GroupedGemm.apply(x, w, counts)

@@ -272,9 +272,20 @@ def layer_norm_reference(x, weight, bias, eps, residual=None):
 
 
 # Functional entries ----------------------------------------------------------------------------------
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual) -> None:
+    # (the kernel reads weight[:N] whatever its length: a shorter one was read past its end)
+    n = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (n,):
+            raise ValueError(f"norm {name} of shape {tuple(t.shape)} for rows of {n}: it must be ({n},)")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"norm residual {tuple(residual.shape)} is not the shape of x {tuple(x.shape)}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of x (or of x + residual, also returned). Triton when usable, else the reference (which also
     takes a residual of another dtype: the sum in their promoted dtype, as torch adds them)."""
+    _check_shapes(x, weight, None, residual)
     if triton_usable(x) and (residual is None or residual.dtype == x.dtype):
         return _NormFunction.apply(x, weight, None, residual, eps, True)
     return rms_norm_reference(x, weight, eps, residual)
@@ -283,6 +294,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ):
+    _check_shapes(x, weight, bias, residual)
     if triton_usable(x) and (residual is None or residual.dtype == x.dtype):
         return _NormFunction.apply(x, weight, bias, residual, eps, False)
     return layer_norm_reference(x, weight, bias, eps, residual)

@@ -121,8 +121,25 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def _check_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    # (the kernel indexes the tables by position: a shorter one was read past its end)
+    b, s, _, d = x.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not (
+            (t.dim() == 2 and tuple(t.shape) == (s, d))
+            or (t.dim() == 3 and t.shape[0] in (1, b) and t.shape[1:] == (s, d))
+        ):
+            raise ValueError(
+                f"apply_rope: {name} {tuple(t.shape)} for x {tuple(x.shape)} [batch, seq, heads, head_dim]: it must "
+                f"be [seq, head_dim] = {(s, d)} or [batch or 1, seq, head_dim]"
+            )
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if triton_usable(x) and x.shape[-1] % 2 == 0 and x.stride(-1) == 1:
+    _check_tables(x, cos, sin)
+    # (tables that need a gradient take the reference: the kernel's backward gives x's alone)
+    tables_learn = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if triton_usable(x) and x.shape[-1] % 2 == 0 and x.stride(-1) == 1 and not tables_learn:
         return _RoPE.apply(x, cos, sin)
     return apply_rope_reference(x, cos, sin)
 
