@@ -93,6 +93,20 @@ def _check_moe_flags(ns: argparse.Namespace) -> None:
         )
 
 
+def _rope_scaling(ns: argparse.Namespace) -> RopeScaling | None:
+    """--use-rope-scaling's Llama-3 scaling, or MLA's YaRN (MLA ignores --use-rope-scaling, as in Megatron). A
+    checkpoint's full parameters (Llama-3's frequency factors and original length; YaRN's resolved softmax factor,
+    which --mscale, not kept, went into) have no flags: they come back from it."""
+    saved = getattr(ns, "rope_scaling_params", None) or {}
+    if ns.multi_latent_attention:
+        if saved.get("rope_type") == "yarn":
+            return RopeScaling(**{**saved, "factor": ns.rotary_scaling_factor})
+        return flag_values.mla_yarn(ns)
+    if ns.use_rope_scaling:
+        return RopeScaling(**{**saved, "factor": ns.rope_scaling_factor})
+    return flag_values.mla_yarn(ns)  # (None: its checks of --rope-type and --rotary-scaling-factor without MLA)
+
+
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     refuse_unsupported(ns)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -125,12 +139,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         position_embedding_type=ns.position_embedding_type,
         rotary_base=ns.rotary_base,
         rotary_percent=ns.rotary_percent,
-        # The checkpoint's full Llama-3 parameters (low/high frequency factors, original length) have no flags.
-        rope_scaling=RopeScaling(
-            **{**(getattr(ns, "rope_scaling_params", None) or {}), "factor": ns.rope_scaling_factor}
-        )
-        if ns.use_rope_scaling
-        else flag_values.mla_yarn(ns),
+        rope_scaling=_rope_scaling(ns),
         sliding_window=ns.window_size,
         add_bias_linear=not ns.disable_bias_linear,
         add_qkv_bias=ns.add_qkv_bias,

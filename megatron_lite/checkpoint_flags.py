@@ -67,6 +67,31 @@ ARCH_DESTS = (
 )
 
 
+# What --finetune takes from the checkpoint besides ARCH_DESTS: what else makes the model compute what it was
+# trained to (its routing, RoPE, tokenizer, adapters). Megatron's --finetune reads no flag from a checkpoint; the
+# schedule, optimizer, batch, seed, dropout and data are the flags' (and their defaults) here too.
+FINETUNE_KEEPS = (
+    "rope_scaling_params",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+    "moe_layer_freq",
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+    "vocab_size",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "qlora",
+)
+
+
 def defaults_from_checkpoint(saved: dict) -> dict:
     """Flag values (argparse dests) of the job that wrote a checkpoint: the model, data, batch, schedule and
     optimizer settings. The layout, logging and checkpoint flags are not taken over."""
@@ -115,7 +140,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["openai_gelu"] = m["activation"] == "gelu_tanh"
     out["squared_relu"] = m["activation"] == "squared_relu"
     out["rotary_percent"] = m.get("rotary_percent", 1.0)
-    out["use_rope_scaling"] = m["rope_scaling"] is not None
+    out["use_rope_scaling"] = m["rope_scaling"] is not None and not m.get("multi_latent_attention")
     if m["rope_scaling"] is not None:
         out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
         out["rope_scaling_params"] = m["rope_scaling"]
@@ -295,6 +320,17 @@ def _keep_decay_length(ns: argparse.Namespace, full: dict) -> None:
         ns.lr_decay_iters = max(1, round(by_samples / ns.global_batch_size))
 
 
+def _flag(parser: argparse.ArgumentParser, dest: str, value) -> str:
+    """`dest = value` as the flag that sets it: a switch by its name alone, else the name and the value."""
+    action = next((a for a in parser._actions if a.dest == dest and a.option_strings), None)
+    flag = max(action.option_strings, key=len) if action else "--" + dest.replace("_", "-")
+    if action is not None and action.nargs == 0:  # (store_true / store_false: on when the value is its const)
+        return flag if value == action.const else f"{flag} off"
+    if isinstance(value, (list, tuple)):
+        return f"{flag} {' '.join(map(str, value))}"
+    return f"{flag} {value}"
+
+
 def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     actions = parser._option_string_actions
     return {actions[tok.split("=")[0]].dest for tok in argv if tok.split("=")[0] in actions}
@@ -375,6 +411,21 @@ def flags_from_checkpoint(
             f"--lora-alpha {ns.lora_alpha:g} conflicts with the LoRA adapters in {path}, trained at alpha "
             f"{saved['lora_alpha']:g}: drop the flag"
         )
+    notes = []
+    if (
+        ns.finetune
+    ):  # (its schedule, seed and the rest had come over too: warmup, decay style, a --min-lr above the new --lr)
+        saved = {k: v for k, v in saved.items() if k in ARCH_DESTS or k in FINETUNE_KEEPS}
+        notes.append(
+            "--finetune: the model's settings (architecture, routing, tokenizer) are the checkpoint's; the training "
+            "flags not given (schedule, optimizer, batch, seed, dropout, data) take their defaults, as in Megatron"
+        )
+    # a precision given replaces the checkpoint's, and its bf16-only settings (an fp16 run was refused for them)
+    bf16_only = ("grad_reduce_in_bf16", "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype")
+    for flag, drop in (("bf16", ("fp16",)), ("fp16", ("bf16", *bf16_only))):
+        if flag in given:
+            for k in drop:
+                saved.pop(k, None)
     # `full` keeps the checkpoint's own schedule (--use-checkpoint-opt_param-scheduler); `saved` is trimmed below
     full, saved = saved, dict(saved)
     # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
@@ -386,11 +437,23 @@ def flags_from_checkpoint(
     if ns.optimizer == "sgd" or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
         for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
             saved.pop(k, None)
+    taken = {
+        k: v
+        for k, v in saved.items()
+        if hasattr(ns, k)
+        and k not in given
+        and v != parser.get_default(k)
+        and (saved.get("num_experts") or not k.startswith("moe_"))  # (a dense model's MoE settings mean nothing)
+    }
     parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
+    if not ns.finetune and (listed := [_flag(parser, k, v) for k, v in taken.items() if k not in ARCH_DESTS]):
+        # (Megatron takes nothing but --use-checkpoint-args' model flags: say what came over, as a switch left
+        # on there, --eod-mask-loss say, is not turned off by leaving its flag out here)
+        notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
-    ns.schedule_notes = _schedule_notes(
+    ns.schedule_notes = notes + _schedule_notes(
         ns, saved, given, full, scheduler is None or "lengths" in scheduler, scheduler is not None
     )
     if ns.use_checkpoint_args:

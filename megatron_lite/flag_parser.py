@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
     e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
     e.add_argument("--moe-shared-expert-intermediate-size", type=int)
-    e.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall")
+    e.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather", "flex"], default="alltoall")
     m.add_argument("--kernel-impl", choices=["torch", "triton"], default=None, help="default: triton on CUDA")
 
     d = parser.add_argument_group("distributed")

@@ -163,6 +163,19 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         True,
         "megatron_lite has no re-run engine; non-finite losses follow --nan-policy, loss spikes --spiky-loss-policy",
     ),
+    # in Megatron's release configs and example scripts (a flag-compatibility review found them "no such flag")
+    "enable_experimental": (False, "no features are gated behind an experimental switch here"),
+    "use_cpu_initialization": (
+        False,
+        "the initialisation is already the same under every layout (what Megatron's CPU initialisation is for): "
+        "each rank makes its part of the one-process weights from --seed",
+    ),
+    "num_dataset_builder_threads": (True, "each rank builds (or reads the cached) dataset indices on one thread"),
+    "te_rng_tracker": (False, "there is no Transformer Engine; dropout's per-rank RNG states are tracked either way"),
+    "distributed_timeout_seconds_after_init": (
+        True,
+        "--distributed-timeout-minutes holds after start-up too (hangs are reported by the flight recorder)",
+    ),
     # Megatron reads it only for --tokenizer-type TikTokenizer, which is refused here (its examples pass it
     # with NullTokenizer and mock data too)
     "tiktoken_pattern": (
@@ -198,6 +211,24 @@ REFUSED: dict[str, str] = {
         "forced balancing (random router scores, Megatron's benchmarking mode) is not implemented: routing follows "
         "the router"
     ),
+    "use_legacy_models": "megatron_lite has one model implementation, Megatron-core's (drop the flag)",
+    "embedding_init_method_std": "the embedding is initialised with --init-method-std, as the other weights",
+    "init_method_xavier_uniform": "weights are initialised normal(0, --init-method-std), not Xavier-uniform",
+    "rotary_interleaved": "RoPE rotates the halves of each head (Hugging Face's rotate-half), not interleaved pairs",
+    "fp32_residual_connection": "the residual stream is kept in the compute dtype (--bf16 / --fp16)",
+    "apply_residual_connection_post_layernorm": "the residual is taken before each norm (pre-norm), as GPT and Llama",
+    "moe_pad_expert_input_to_capacity": (
+        "experts' inputs are not padded to their capacity: the tokens over it are dropped, the rest run unpadded"
+    ),
+    "moe_input_jitter_eps": "router input jitter is not implemented",
+    "overlap_param_gather_with_optimizer_step": (
+        "the distributed optimizer's weight all-gather overlaps the next forward (--overlap-param-gather), not the "
+        "optimizer step"
+    ),
+    "check_for_large_grads": (
+        "a check for large (finite) gradients is not implemented; non-finite ones stop the run "
+        "(--check-for-nan-in-loss-and-grad) and --spiky-loss-policy acts on loss spikes"
+    ),
     "deterministic_mode": (
         "PyTorch and the kernels are not switched to deterministic algorithms (CPU runs repeat exactly; GPU runs "
         "are not guaranteed to)"
@@ -222,6 +253,11 @@ DATALOADER_TYPES = ("single", "cyclic")
 
 
 def refuse_unsupported(ns: argparse.Namespace) -> None:
+    if getattr(ns, "moe_token_dispatcher_type", None) == "flex":  # (a choice, so that this reason is what they see)
+        raise ConfigError(
+            "--moe-token-dispatcher-type flex (DeepEP / HybridEP) is not supported: use alltoall (or allgather), and "
+            "drop --moe-enable-deepep"
+        )
     if getattr(ns, "dataloader_type", None) not in (None, *DATALOADER_TYPES):
         raise ConfigError(
             f"--dataloader-type {ns.dataloader_type} is not supported: an external data loader cannot be plugged "
@@ -266,6 +302,11 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         lines.append(
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "
             "Megatron, it scales MLA's YaRN; Llama-3 scaling is --use-rope-scaling --rope-scaling-factor)"
+        )
+    if getattr(ns, "use_rope_scaling", False) and getattr(ns, "multi_latent_attention", False):
+        lines.append(
+            "--use-rope-scaling has no effect with --multi-latent-attention (as in Megatron, MLA's RoPE is its YaRN: "
+            "--rotary-scaling-factor, --mscale, --mscale-all-dim)"
         )
     layout = getattr(ns, "pipeline_model_parallel_layout", None)
     if layout and standalone_mtp(unroll_layout(layout).split("|")):

@@ -147,6 +147,23 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         (["--deterministic-mode"], "--deterministic-mode is not supported"),
         (["--num-distributed-optimizer-instances", "2"], "--num-distributed-optimizer-instances 2 is not supported"),
         (["--rotary-seq-len-interpolation-factor", "4"], "--rotary-seq-len-interpolation-factor 4 is not supported"),
+        # (a flag-compatibility review: these were "no such flag", which does not tell Megatron's from a typo)
+        (["--rotary-interleaved"], "--rotary-interleaved is not supported: RoPE rotates the halves"),
+        (["--use-legacy-models"], "--use-legacy-models is not supported: megatron_lite has one model"),
+        (["--apply-residual-connection-post-layernorm"], "is not supported: the residual is taken before each norm"),
+        (["--embedding-init-method-std", "0.01"], "--embedding-init-method-std is not supported"),
+        # (Megatron's DeepSeek-V3 configs: argparse's "invalid choice" came first and hid the reason)
+        (
+            [
+                "--disable-bias-linear",
+                "--num-experts",
+                "4",
+                "--moe-token-dispatcher-type",
+                "flex",
+                "--moe-enable-deepep",
+            ],
+            "--moe-token-dispatcher-type flex (DeepEP / HybridEP) is not supported",
+        ),
     ],
 )
 def test_what_megatron_refuses_or_we_lack_is_one_line(flags, fragment):
@@ -159,7 +176,9 @@ def test_flags_of_megatrons_examples_that_change_nothing_here_are_reported():
     flags = ["--ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save", "--use-dist-ckpt", "--dist-ckpt-format",
              "torch_dist", "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure", "--timing-log-option",
              "minmax", "--no-persist-layer-norm", "--no-log-loss-scale-to-tensorboard",
-             "--num-distributed-optimizer-instances", "1", "--rotary-seq-len-interpolation-factor", "1"]  # fmt: skip
+             "--num-distributed-optimizer-instances", "1", "--rotary-seq-len-interpolation-factor", "1",
+             "--enable-experimental", "--use-cpu-initialization", "--num-dataset-builder-threads", "4",
+             "--te-rng-tracker", "--distributed-timeout-seconds-after-init", "60"]  # fmt: skip
     notes = accepted_no_ops(parse_args([*MOCK, *flags])[0])
     for flag in (f for f in flags if f.startswith("--")):
         assert any(n.startswith(f"{flag} has no effect: ") for n in notes), flag
@@ -240,3 +259,74 @@ def test_a_loss_mask_says_how_the_loss_is_averaged():
     lines = accepted_no_ops(parse_args([*MOCK, "--eod-mask-loss", "--calculate-per-token-loss"])[0])
     assert not any("micro-batches count" in x for x in lines) and any("calculate-per-token" in x for x in lines)
     assert not any("micro-batches count" in x for x in accepted_no_ops(parse_args(MOCK)[0]))
+
+
+def _from_checkpoint(pretrain: list[str], argv: list[str]):
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    saved = parse_args(pretrain)[1].to_dict()
+    return flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
+
+
+PRETRAINED = [
+    *MOCK,
+    *"--swiglu --disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2".split(),
+    *"--lr 3e-3 --min-lr 3e-5".split(),
+    *"--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --seed 7 --hidden-dropout 0.0".split(),
+    *"--eod-mask-loss --bf16 --grad-reduce-in-bf16".split(),
+]
+
+
+def test_finetune_takes_the_model_from_the_checkpoint_and_the_rest_from_the_flags():
+    """Megatron's --finetune reads no flag from the checkpoint; here the model's settings come over (it is the
+    model that loads) and nothing else. The pretraining's schedule, seed, dropout, precision and data had come
+    over too: a finetune that gave --lr 1e-5 alone was refused for the --min-lr 3e-5 it never gave, and one that
+    gave both silently warmed up, decayed and decayed its weights as the pretraining did."""
+    argv = "--load ckpt --finetune --seq-length 32 --train-iters 10 --lr 1e-5 --mock-data".split()
+    ns = _from_checkpoint(PRETRAINED, argv)
+    assert (ns.num_layers, ns.hidden_size, ns.swiglu, ns.num_experts, ns.moe_router_topk) == (2, 768, True, 4, 2)
+    assert (ns.lr, ns.min_lr, ns.lr_decay_style, ns.lr_warmup_iters, ns.weight_decay) == (1e-5, 0.0, "linear", 0, 0.01)
+    assert (ns.seed, ns.hidden_dropout, ns.eod_mask_loss, ns.bf16, ns.moe_aux_loss_coeff) == (
+        1234,
+        0.1,
+        False,
+        False,
+        0,
+    )
+    assert any(n.startswith("--finetune: the model's settings") for n in ns.schedule_notes), ns.schedule_notes
+
+
+def test_a_resume_says_which_flags_not_given_it_takes_from_the_checkpoint():
+    """A resume rebuilds the run from `--load` alone; a switch left on there (--eod-mask-loss) stays on when its
+    flag is left out (Megatron's would be off), so start-up names what came over."""
+    ns = _from_checkpoint(PRETRAINED, "--load ckpt --train-iters 8".split())
+    assert ns.eod_mask_loss and ns.seed == 7 and ns.min_lr == 3e-5
+    note = next(n for n in ns.schedule_notes if n.startswith("flags not given take the checkpoint's values: "))
+    for flag in ("--eod-mask-loss", "--seed 7", "--min-lr 3e-05", "--lr-decay-style cosine", "--bf16"):
+        assert flag in note, (flag, note)
+    assert "--num-layers" not in note and "--train-iters" not in note  # (the model's are the model; given ones)
+
+
+def test_a_precision_given_on_resume_replaces_the_checkpoints():
+    """--fp16 on a --bf16 checkpoint was refused as both given ('--bf16 and --fp16 are exclusive'), and then for
+    the checkpoint's --grad-reduce-in-bf16."""
+    ns = _from_checkpoint(PRETRAINED, "--load ckpt --fp16".split())
+    assert ns.fp16 and not ns.bf16 and not ns.grad_reduce_in_bf16
+
+
+def test_rope_scaling_has_no_effect_on_mla_as_in_megatron():
+    """Megatron's GPTModel builds its RotaryEmbedding (and --use-rope-scaling's Llama-3 scaling) only without
+    MLA, which builds its own YaRN from --rotary-scaling-factor; here --use-rope-scaling had replaced MLA's YaRN
+    (factor 40) with Llama-3 scaling (factor 8), silently."""
+    mla = "--multi-latent-attention --disable-bias-linear --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8"
+    mla += " --v-head-dim 8"
+    flags = [*MOCK, *mla.split(), "--position-embedding-type", "rope", "--rotary-scaling-factor", "40"]
+    alone = parse_args(flags)
+    ns, job = parse_args([*flags, "--use-rope-scaling"])
+    assert job.model.rope_scaling == alone[1].model.rope_scaling and job.model.rope_scaling.rope_type == "yarn"
+    assert job.model.rope_scaling.factor == 40
+    assert any(
+        n.startswith("--use-rope-scaling has no effect with --multi-latent-attention") for n in accepted_no_ops(ns)
+    )
+    assert not any("--use-rope-scaling" in n for n in accepted_no_ops(alone[0]))
