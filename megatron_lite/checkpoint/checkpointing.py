@@ -27,6 +27,7 @@ from megatron_lite.checkpoint.compatibility import (
     check_adapters_have_a_home,
     check_model_structure,
     check_optimizer_state,
+    megatron_lm,
 )
 from megatron_lite.checkpoint.compatibility import model_config_from_dict as model_config_from_dict
 from megatron_lite.checkpoint.format import (
@@ -353,6 +354,7 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
         raise ConfigError(f"{flag} {root} is not a megatron_lite checkpoint directory (no {TRACKER}); {fix}")
     path = _whole(iteration_dir(root, iteration))
     if path is None:
+        megatron_lm(f"{flag} {root}", iteration_dir(root, iteration))
         missing = os.path.join(iteration_dir(root, iteration), "metadata.json")
         raise ConfigError(f"{flag} {root}: {TRACKER} names iteration {iteration} but {missing} is missing")
     return path
@@ -391,6 +393,7 @@ def _read_json(path: str) -> dict:
 def read_metadata(path: str) -> dict:
     meta = _read_json(os.path.join(path, "metadata.json"))
     if meta.get("format") not in (FORMAT, FORMAT_V1):
+        megatron_lm(None, path)
         raise ConfigError(f"{path}/metadata.json has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
 

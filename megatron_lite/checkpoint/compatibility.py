@@ -1,10 +1,13 @@
 """What a checkpoint must agree with before it is loaded: the model's shape (loading reads only the tensors the
 model asks for, so another shape would load in part, or wrongly), the kind of optimizer state, and the LoRA
-adapters it holds. Each disagreement is one line naming the flag."""
+adapters it holds; and that it is ours at all (a Megatron-LM checkpoint looks like a broken one of ours). Each
+disagreement is one line naming the flag."""
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
 from megatron_lite.optimizer.optimizer import state_kinds
@@ -118,3 +121,22 @@ def check_adapters_have_a_home(path: str, reader, model) -> None:
         f"{path} holds LoRA adapters this run does not build ({dropped[0]}, ...): give the checkpoint's "
         "--lora-target-modules (or drop the flag to take them from it)"
     )
+
+
+def megatron_lm(what: str | None, path: str) -> None:
+    """A Megatron-LM checkpoint (its torch_dist shards and common.pt, or the legacy mp_rank_* pickles) is one
+    line that says so: it shares the tracker file and iteration names, so it had read as a broken one of ours."""
+    kind = (
+        "torch_dist"
+        if glob.glob(os.path.join(path, "*.distcp")) or os.path.isfile(os.path.join(path, "common.pt"))
+        else "legacy torch"
+        if glob.glob(os.path.join(path, "mp_rank_*"))
+        else None
+    )
+    if kind is not None:
+        raise ConfigError(
+            f"{what + ': ' if what else ''}{path} is a Megatron-LM checkpoint ({kind} format), which megatron_lite "
+            "does not read (its "
+            "pickles are not loaded); convert it to Hugging Face with Megatron-LM's tools, then "
+            "tools/checkpoint/convert.py --loader hf --saver megatron_lite"
+        )
