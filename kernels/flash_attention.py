@@ -89,6 +89,8 @@ def _check(q, k, v, causal, window_size=None, document_ids=None, document_spans=
     b, sq, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or h % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
+    if not q.dtype == k.dtype == v.dtype:  # (the kernels' dots take one dtype: an interpreter error, else)
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if causal and sq > k.shape[1]:
         raise ValueError(f"causal attention with bottom-right alignment needs seq_q {sq} <= seq_k {k.shape[1]}")
     if document_spans is not None and (

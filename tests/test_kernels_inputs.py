@@ -95,3 +95,9 @@ def test_flash_attention_refuses_a_document_id_that_comes_back():
     with pytest.raises(ValueError, match="document_ids must keep each document's tokens together"):
         K.flash_attention(q, k, v, document_ids=ids)
     K.flash_attention(q, k, v, document_ids=torch.tensor([[2] * 4 + [1] * 4 + [0] * 4], device=DEVICE))
+
+
+def test_flash_attention_refuses_q_k_v_of_different_dtypes():
+    q, k, v = (_r(1, 8, 2, 16, seed=s) for s in range(3))
+    with pytest.raises(ValueError, match="q, k and v must share a dtype"):
+        K.flash_attention(q.half(), k, v)

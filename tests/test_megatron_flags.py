@@ -330,3 +330,21 @@ def test_rope_scaling_has_no_effect_on_mla_as_in_megatron():
         n.startswith("--use-rope-scaling has no effect with --multi-latent-attention") for n in accepted_no_ops(ns)
     )
     assert not any("--use-rope-scaling" in n for n in accepted_no_ops(alone[0]))
+
+
+@pytest.mark.parametrize("data", [["--data-path", "corpus_text_document"], ["--mock-data"]])
+def test_vocab_size_has_no_effect_with_a_tokenizer_as_in_megatron(data, capsys, monkeypatch):
+    """Megatron reads --vocab-size for NullTokenizer alone (its Llama-3 example passes --vocab-size 128256 with
+    HuggingFaceTokenizer): the vocabulary is the tokenizer's. With --data-path the flag had won here, building
+    an embedding of another size than Megatron's (or than the tokenizer's ids), and the dry run said so too."""
+    from megatron_lite.data.builder import resolve_data
+    from megatron_lite.data.tokenizers import ByteLevelTokenizer
+    from megatron_lite.training.pretrain import main
+
+    flags = [*BASE, *data, "--tokenizer-type", "ByteLevelTokenizer", "--vocab-size", "1000"]
+    lines: list[str] = []
+    assert resolve_data(parse_args(flags)[1].data, log=lines.append).vocab_size == ByteLevelTokenizer().vocab_size
+    assert any(n.startswith("--vocab-size 1000 has no effect with --tokenizer-type ByteLevelTokenizer") for n in lines)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main([*flags, "--dry-run"]) == 0
+    assert f"vocabulary {ByteLevelTokenizer().vocab_size}," in capsys.readouterr().out

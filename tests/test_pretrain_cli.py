@@ -62,7 +62,7 @@ def test_help_groups_flags(capsys):
 @pytest.mark.parametrize(
     "argv,fragments",
     [
-        (["--moe-input-jitter-eps", "0.01"], ["--moe-input-jitter-eps: no such flag"]),
+        (["--lr-warmup-ratio", "0.01"], ["--lr-warmup-ratio: no such flag"]),
         (["--num-layers", "x"], ["--num-layers", "invalid int value: 'x'"]),
         (["--kernel-impl", "cuda"], ["--kernel-impl", "invalid choice: 'cuda'"]),
         # Megatron's other tokenizer types: why not, and what to use (it was argparse's "invalid choice")

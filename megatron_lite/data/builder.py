@@ -54,6 +54,18 @@ def check_vocabulary_flags(data: DataConfig) -> None:
         )
 
 
+def _tokenizers_vocabulary(data: DataConfig, tok, log) -> int:
+    """Megatron reads --vocab-size for NullTokenizer alone; with any other tokenizer the vocabulary is the
+    tokenizer's (padded after), whatever --vocab-size says: say so where they differ (the flag had won here)."""
+    if data.vocab_size and data.tokenizer_type != "NullTokenizer" and data.vocab_size != tok.vocab_size:
+        log(
+            f"--vocab-size {data.vocab_size} has no effect with --tokenizer-type {data.tokenizer_type}: the "
+            f"vocabulary is the tokenizer's {tok.vocab_size} (then padded to --make-vocab-size-divisible-by x TP), "
+            "as in Megatron"
+        )
+    return tok.vocab_size
+
+
 def resolve_data(data: DataConfig, log=print) -> DataSource:
     check_vocabulary_flags(data)
     if data.mock_data:
@@ -62,13 +74,15 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
             if data.tokenizer_type not in (None, "NullTokenizer")
             else NullTokenizer(data.vocab_size)
         )
-        return DataSource(tok, tok.vocab_size, [], "mock data")
+        return DataSource(tok, _tokenizers_vocabulary(data, tok, log), [], "mock data")
     if data.sft:
         tok = tokenizer_from_flags(data)
-        return DataSource(tok, tok.vocab_size, [(1.0, data.data_path[0])], f"SFT records {data.data_path[0]}")
+        return DataSource(
+            tok, _tokenizers_vocabulary(data, tok, log), [(1.0, data.data_path[0])], f"SFT records {data.data_path[0]}"
+        )
     if data.data_path or data.train_data_path:
         tok = tokenizer_from_flags(data)
-        vocab = data.vocab_size if data.vocab_size and data.tokenizer_type != "NullTokenizer" else tok.vocab_size
+        vocab = _tokenizers_vocabulary(data, tok, log)
         per_split = data.blend_per_split
         if per_split is None:
             return DataSource(tok, vocab, data.blend, f"{len(data.blend)} indexed dataset(s)")

@@ -43,7 +43,7 @@ def _vocab(job: JobConfig) -> int:
     if d.sft:
         return from_tokenizer()
     if d.data_path or d.train_data_path:
-        return d.vocab_size if d.vocab_size and d.tokenizer_type != "NullTokenizer" else from_tokenizer()
+        return from_tokenizer()
     from megatron_lite.data.embedded import EMBEDDED_VOCAB
 
     return EMBEDDED_VOCAB  # the embedded corpus's tokenizer (the data flags given none)
