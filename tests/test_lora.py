@@ -294,6 +294,7 @@ def test_adapters_start_as_the_identity_and_only_they_train():
         # without a rank there are no adapters: the run would have trained every weight
         (["--lora-rank", "0", "--lora-target-modules", "q_proj"], "--lora-target-modules sets up LoRA adapters: add"),
         (["--lora-rank", "0", "--lora-dropout", "0.1"], "--lora-dropout sets up LoRA adapters: add --lora-rank R"),
+        (["--lora-alpha", "0"], "--lora-alpha 0 must be > 0"),  # (adapters that add nothing, and learn nothing)
     ],
 )  # fmt: skip
 def test_what_lora_does_not_compose_with_is_refused_with_the_flags(flags, message):

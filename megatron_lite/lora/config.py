@@ -57,6 +57,8 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ConfigError(f"--lora-rank {self.rank} must be >= 1")
+        if not self.alpha > 0:  # (0: the adapters add nothing and get no gradient; < 0 flips their sign)
+            raise ConfigError(f"--lora-alpha {self.alpha:g} must be > 0 (the adapters are scaled by alpha / rank)")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--lora-dropout {self.dropout} must be in [0, 1)")
         bad = [t for t in self.target_modules if t not in TARGETS]
