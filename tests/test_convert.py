@@ -422,7 +422,7 @@ def test_generate_cli_greedy_and_logprobs(converted, tmp_path):
     out = tmp_path / "out.json"
     ids = ",".join(map(str, PROMPT))
     argv = ["--load", ours, "--prompt-ids", ids, "--max-new-tokens", str(NEW), "--greedy", "--output-json", str(out)]
-    assert generate_cli.main(argv) == 0
+    assert generate_cli.main([*argv, "--top-n-logprobs", "3"]) == 0
     r = json.loads(out.read_text())
     assert r["generated_ids"] == _hf_greedy(model, PROMPT)
     full = PROMPT + r["generated_ids"]
@@ -432,6 +432,12 @@ def test_generate_cli_greedy_and_logprobs(converted, tmp_path):
     assert len(r["prompt_logprobs"]) == n and len(r["logprobs"]) == NEW
     assert torch.allclose(torch.tensor(r["prompt_logprobs"]), torch.tensor(expected[:n]), atol=1e-4)
     assert torch.allclose(torch.tensor(r["logprobs"]), torch.tensor(expected[n:]), atol=1e-4)
+    # Megatron's top_n_logprobs: at each generated token the 3 most likely of transformers' distribution
+    assert len(r["top_n_logprobs"]) == NEW
+    for step, top in enumerate(r["top_n_logprobs"]):
+        values, ids_ = torch.topk(logp[n + step], 3)
+        assert list(map(int, top)) == ids_.tolist()
+        assert torch.allclose(torch.tensor(list(top.values())), values, atol=1e-4)
     # Sampling: the seed decides, and the same seed gives the same tokens.
     runs = []
     for seed in (1, 1, 2):

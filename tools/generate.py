@@ -7,8 +7,9 @@ on one process or under torchrun at any tensor / pipeline / expert parallel size
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --output-json out.json
 
 --output-json writes generated_ids, logprobs (of each generated token) and prompt_logprobs (of each prompt
-token after the first), log-probabilities of the model's own distribution. --max-new-tokens 0 scores the prompt
-(Megatron's tokens_to_generate=0): prompt_logprobs alone.
+token after the first), log-probabilities of the model's own distribution; with --top-n-logprobs N also
+top_n_logprobs, at each generated token the N most likely ids and their log-probabilities. --max-new-tokens 0
+scores the prompt (Megatron's tokens_to_generate=0): prompt_logprobs alone.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         "names (a path relative to where training ran, or another machine's)",
     )
     p.add_argument("--output-json")
+    p.add_argument(
+        "--top-n-logprobs",
+        type=int,
+        default=0,
+        help="with --output-json: at each generated token, the N most likely tokens and their log-probabilities "
+        "(Megatron's top_n_logprobs)",
+    )
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
@@ -214,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
         if max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
             raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}){where(i)}; got {prompt[:8]}")
     prompt = max(prompts, key=len)  # (the longest sizes the checks below)
+    if args.top_n_logprobs < 0:
+        raise ConfigError(f"--top-n-logprobs {args.top_n_logprobs} must be >= 0")
+    if args.top_n_logprobs and not args.output_json:
+        raise ConfigError("--top-n-logprobs is written to --output-json: add --output-json FILE")
     if args.inference_max_requests < 1:
         raise ConfigError(f"--inference-max-requests {args.inference_max_requests} must be >= 1")
     if args.max_new_tokens < 0:
@@ -288,7 +300,9 @@ def run(args: argparse.Namespace) -> int:
         _note(f"--moe-expert-capacity-factor {cf:g}: the prompts run one at a time (batched, their tokens would "
               "compete for the experts' capacity, and each prompt's drops depend on the others)")  # fmt: skip
     for batch in (order[a : a + n] for a in range(0, len(order), n)):
-        got = generate_batch(model, ctx, [prompts[i] for i in batch], args.max_new_tokens, sampling, stop, scored)
+        got = generate_batch(
+            model, ctx, [prompts[i] for i in batch], args.max_new_tokens, sampling, stop, scored, args.top_n_logprobs
+        )
         outs.update(zip(batch, got))
     results = []
     for i, prompt in enumerate(prompts):

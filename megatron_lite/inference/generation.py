@@ -136,11 +136,12 @@ def generate(
     sampling: SamplingConfig | None = None,
     stop_ids: tuple[int, ...] = (),
     prompt_logprobs: bool = True,
+    top_n_logprobs: int = 0,
 ) -> dict:
     """Returns generated_ids on every rank; logprobs and prompt_logprobs on the last pipeline stage (those of the
     prompt only when `prompt_logprobs`: they take the whole prompt's logits). `max_new_tokens` 0 scores the prompt
     (Megatron's tokens_to_generate=0): its log-probabilities, nothing generated."""
-    return generate_batch(chunks, ctx, [prompt], max_new_tokens, sampling, stop_ids, prompt_logprobs)[0]
+    return generate_batch(chunks, ctx, [prompt], max_new_tokens, sampling, stop_ids, prompt_logprobs, top_n_logprobs)[0]
 
 
 @torch.no_grad()
@@ -152,6 +153,7 @@ def generate_batch(
     sampling: SamplingConfig | None = None,
     stop_ids: tuple[int, ...] = (),
     prompt_logprobs: bool = True,
+    top_n_logprobs: int = 0,
 ) -> list[dict]:
     """`generate` for several prompts at once, one result each, as each alone would give (up to rounding: each
     draws from its own generator, seeded alike). As Megatron's static batching does, every sequence sits at the
@@ -159,7 +161,8 @@ def generate_batch(
     where a longer prompt's next token is its own, not a generated one; a sequence done (a stop id, or its
     `max_new_tokens`) rides along until all are. Under an MoE capacity factor the tokens of one forward compete
     for the experts' capacity, so a batch's drops differ from each prompt's alone (tools/generate.py runs such a
-    model one prompt at a time)."""
+    model one prompt at a time). `top_n_logprobs` N: at each generated token, the N most likely tokens and their
+    log-probabilities (Megatron's top_n_logprobs), on the last stage."""
     sampling = sampling or SamplingConfig()
     # Context parallelism would take the prompt and the cache for each rank's zigzag shard of a sequence, and
     # sequence parallelism splits the tokens of one step: generation runs neither (refused, not wrong logits).
@@ -181,6 +184,7 @@ def generate_batch(
     generated: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     scored: list[list[float]] = [[] for _ in prompts]
+    top: list[list[dict[str, float]]] = [[] for _ in prompts]
     done = [max_new_tokens == 0 and len(p) == shortest for p in prompts]  # (scored whole by the first forward)
     head = torch.tensor([p[:shortest] for p in prompts], device=ctx.device)
     # (every stage alike: the last one's logits decide nothing)
@@ -199,6 +203,9 @@ def generate_batch(
                 row = logits[i, -1]
                 token = _choose(row, sampling, gens[i])
                 choice[i, 0], choice[i, 1] = token, float(row[token] - torch.logsumexp(row, dim=-1))
+                if top_n_logprobs:  # (ids as strings: JSON's keys; ties in the model's order, as torch.topk's)
+                    values, ids = torch.topk(torch.log_softmax(row, dim=-1), min(top_n_logprobs, row.numel()))
+                    top[i].append({str(int(t)): float(v) for v, t in zip(values, ids)})
         choosing = any(position >= len(p) and not done[i] for i, p in enumerate(prompts))  # (alike on every rank)
         for group, src in ((ctx.pp, ctx.pp.ranks[-1]), (ctx.tp, ctx.tp.ranks[0]), (ctx.dp, ctx.dp.ranks[0])):
             if group.size > 1 and choosing:
@@ -227,4 +234,6 @@ def generate_batch(
     if ctx.is_last_stage:
         for i, o in enumerate(out):
             o.update(logprobs=logprobs[i], prompt_logprobs=scored[i] if scoring else None)
+            if top_n_logprobs:
+                o["top_n_logprobs"] = top[i]
     return out
