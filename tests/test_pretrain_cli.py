@@ -967,12 +967,15 @@ def test_a_halted_run_is_not_a_finished_one_in_wandb_and_its_config_has_the_layo
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [*TINY, "--mock-data", "--vocab-size", "100", "--wandb-project", "p", "--check-for-nan-in-loss-and-grad"]
     env = {**os.environ, "WANDB_MODE": "offline", "WORLD_SIZE": "1", "RANK": "0"}
-    codes = {}
-    for name, fault in (("ok", None), ("halted", "nan,rank=0,iteration=2")):
+    codes, jobs = {}, {}
+    for name, fault in (("ok", None), ("halted", "nan,rank=0,iteration=2")):  # (both at once: W&B's start-up waits)
         run_env = {**env, "MEGATRON_LITE_INJECT_FAULT": fault} if fault else env
-        out = subprocess.run([sys.executable, os.path.join(root, "pretrain", "pretrain_gpt.py"), *argv,
-                              "--wandb-save-dir", str(tmp_path / name)], env=run_env, capture_output=True, text=True,
-                             timeout=300, cwd=tmp_path)  # fmt: skip
+        jobs[name] = subprocess.Popen([sys.executable, os.path.join(root, "pretrain", "pretrain_gpt.py"), *argv,
+                                       "--wandb-save-dir", str(tmp_path / name)], env=run_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=tmp_path)  # fmt: skip
+    for name, job in jobs.items():
+        job.communicate(timeout=300)
+        out = job
         run = next((tmp_path / name / "wandb").glob("offline-run-*"))
         exits = [r.exit.exit_code for r in _wandb_records(run) if r.WhichOneof("record_type") == "exit"]
         codes[name] = (out.returncode, exits)
