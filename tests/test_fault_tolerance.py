@@ -109,10 +109,14 @@ def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_pat
     # torchrun reports the signal itself (exit 1, SignalException), though the workers saved and exited 0
     assert proc.returncode != 0 and "SignalException" in output
     n = saved + 3
-    out = run(tmp_path, ["--train-iters", str(n), "--save", str(ck), "--log-jsonl", str(tmp_path / "b.jsonl")])
-    assert out.returncode == 0 and f"iteration {saved}" in out.stdout, out.stderr[-3000:]
-    ref = run(tmp_path, ["--train-iters", str(n), "--log-jsonl", str(tmp_path / "ref.jsonl")])
-    assert ref.returncode == 0
+    # the resumed job and the uninterrupted one at once (each mostly waits on start-up)
+    resume = ["--train-iters", str(n), "--save", str(ck), "--log-jsonl", str(tmp_path / "b.jsonl")]
+    jobs = [subprocess.Popen(launcher(2, extra), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for extra in (resume, ["--train-iters", str(n), "--log-jsonl",
+                                                                str(tmp_path / "ref.jsonl")])]  # fmt: skip
+    (out, err), (_, ref_err) = (job.communicate(timeout=300) for job in jobs)
+    assert jobs[0].returncode == 0 and f"iteration {saved}" in out, err[-3000:]
+    assert jobs[1].returncode == 0, ref_err[-3000:]
     first, resumed, straight = records(log), records(tmp_path / "b.jsonl"), records(tmp_path / "ref.jsonl")
     for it in range(1, n + 1):
         assert same((first if it <= saved else resumed)[it], straight[it]), it
