@@ -290,6 +290,21 @@ def test_capacity_ranks_by_probability_beyond_fp32_resolution_near_one():
         assert keep[small] and not keep[tiny] and keep.view(-1)[2:].tolist() == [True, False], (tiny, keep)
 
 
+def test_an_fp64_router_ranks_capacity_in_fp64():
+    """--moe-router-dtype fp64 with the probs drop policy: two probabilities 1e-12 apart (tied in fp32) keep the
+    larger; the ranking cast them to fp32 (a review of the router)."""
+    from megatron_lite.moe.router import TopKRouter
+
+    config = moe_config(num_experts=2, moe_router_topk=1, moe_expert_capacity_factor=0.5, moe_aux_loss_coeff=0.0,
+                        moe_z_loss_coeff=None, moe_router_dtype="fp64")  # fmt: skip
+    router = TopKRouter(config, tp_size=1)
+    for low, high in ((0, 1), (1, 0)):
+        probs = torch.tensor([[0.0], [0.0], [0.9], [0.8]], dtype=torch.float64)
+        probs[low], probs[high] = 0.5, 0.5 + 1e-12
+        keep = router._capacity_keep(probs, torch.tensor([[0], [0], [1], [1]]), 4)
+        assert keep[high] and not keep[low], (low, keep)
+
+
 def test_fp64_router_routes_in_fp64():
     """--moe-router-dtype fp64: the routing matches a float64 computation of it (to fp64 precision before the
     final cast), where the fp32 router is only fp32-close; the probabilities handed to the experts are fp32."""

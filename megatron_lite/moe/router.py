@@ -149,8 +149,10 @@ class TopKRouter(nn.Module):
         capacity = math.ceil(t * k / e * c.moe_expert_capacity_factor)
         # each expert's routed tokens by their probability, the others at -inf (not probs + 1, which ties
         # probabilities closer than fp32's resolution near 1)
-        routed = torch.full((t, e), float("-inf"), device=probs.device, dtype=torch.float32)
-        routed = routed.scatter(1, indices, probs.detach().float())
+        # (in the routing's dtype, fp64 under --moe-router-dtype fp64: fp32 would tie what fp64 tells apart)
+        dtype = torch.promote_types(probs.dtype, torch.float32)
+        routed = torch.full((t, e), float("-inf"), device=probs.device, dtype=dtype)
+        routed = routed.scatter(1, indices, probs.detach().to(dtype))
         is_routed = routed > float("-inf")
         if c.moe_token_drop_policy == "probs":  # keep each expert's most confident tokens
             top = torch.topk(routed, min(capacity, t), dim=0).indices
