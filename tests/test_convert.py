@@ -632,6 +632,10 @@ def test_exporting_a_trained_model_no_hf_class_computes_is_one_line(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err == "error: cannot export to GPT2LMHeadModel: GPT-2 needs biases (drop --disable-bias-linear)", err
     ids = ["--load", str(tmp_path / "ours"), "--prompt-ids", ",".join(["5"] * 12)]
+    # the last token generated is never fed back: 12 + 5 tokens take 16 positions, all there are (transformers
+    # generates them; 5 was refused here)
+    assert generate_cli.main([*ids, "--max-new-tokens", "5", "--greedy"]) == 0
+    capsys.readouterr()
     for extra, expected in (
         (["--max-new-tokens", "8"], "the prompt's 12 tokens and --max-new-tokens 8 exceed the checkpoint's 16 learned"),
         (

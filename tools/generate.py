@@ -237,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
     )
-    training = TrainingConfig(micro_batch_size=1, seq_length=len(prompt) + args.max_new_tokens)
+    # (the positions fed: the last token generated is never fed back, as transformers' generate counts them)
+    training = TrainingConfig(micro_batch_size=1, seq_length=len(prompt) + max(args.max_new_tokens - 1, 0))
     # (in this tool's terms first: the layout check below names the training flags, which are not this tool's)
     positions, layers, pp = model_cfg.max_position_embeddings, model_cfg.num_layers, args.pipeline_model_parallel_size
     if model_cfg.position_embedding_type == "learned_absolute" and training.seq_length > positions:

@@ -175,8 +175,9 @@ def generate_batch(
         c.eval()
     longest, shortest, b = max(map(len, prompts)), min(map(len, prompts)), len(prompts)
     max_pos = chunks[0].config.max_position_embeddings
-    if longest + max_new_tokens > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
-        raise ValueError(f"prompt + --max-new-tokens = {longest + max_new_tokens} exceeds {max_pos} positions")
+    fed = longest + max(max_new_tokens - 1, 0)  # (the last token generated is never fed back)
+    if fed > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
+        raise ValueError(f"prompt + --max-new-tokens - 1 = {fed} positions fed exceed the {max_pos} learned ones")
     gens = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
     scoring = max_new_tokens == 0 or prompt_logprobs
     _check_memory_fits(chunks, ctx, b, longest + max_new_tokens, shortest if scoring else 1)
