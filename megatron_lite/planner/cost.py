@@ -228,36 +228,43 @@ def step_time(
     swiglu = model.activation == "swiglu"
     g = cl.gpu
 
+    def layer_terms(moe: bool) -> tuple[float, float, float, float]:
+        """One layer's forward (attention GEMMs, MLP, attention core, element-wise); a layer's kind decides it."""
+        attn = _gemm(m, h, (q + 2 * kv) / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
+        core_q = q  # the query dims each key is scored over (and the value dims)
+        if model.multi_latent_attention:
+            attn = _mla_gemms(model, m, tp, a, cl, eff)
+            # q.k^T over the query/key head and p.v over the (unpadded) value head: their mean counts both
+            core_q = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim) / 2
+        if moe:
+            f, k = model.moe_ffn_size, model.moe_router_topk
+            mlp = _gemm(m, h, model.num_experts, a, cl, eff)
+            mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m * k, f / tp, h, a, cl, eff)
+            shared = model.moe_shared_expert_intermediate_size
+            if shared:  # every token through the shared expert too
+                mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff)
+                mlp += _gemm(m, shared / tp, h, a, cl, eff)
+        else:
+            f = model.ffn_size
+            mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m, f / tp, h, a, cl, eff)
+        # causal attention over the whole sequence (this rank's queries see all earlier keys)
+        core = 2 * m * seq_length * core_q / tp / (g.peak_flops * eff.attention)
+        if model.sliding_window:
+            core *= min(1.0, 2 * model.sliding_window / seq_length)
+        elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
+        return attn, mlp, core, elem
+
     # The busiest stage: the one with most layers, plus the output layer on the last
     stages = [stage_params(model, layout, r) for r in range(pp)]
     per_stage = []
+    kinds: dict[bool, tuple[float, float, float, float]] = {}  # (layer_terms of each kind, made once)
     for r, st in enumerate(stages):
         fwd = 0.0  # one micro-batch's forward
         recompute_fwd = 0.0
         attn_total = 0.0
         for layer in st.layers:
-            attn = _gemm(m, h, (q + 2 * kv) / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
-            core_q = q  # the query dims each key is scored over (and the value dims)
-            if model.multi_latent_attention:
-                attn = _mla_gemms(model, m, tp, a, cl, eff)
-                # q.k^T over the query/key head and p.v over the (unpadded) value head: their mean counts both
-                core_q = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim) / 2
-            if model.is_moe_layer(layer):
-                f, k = model.moe_ffn_size, model.moe_router_topk
-                mlp = _gemm(m, h, model.num_experts, a, cl, eff)
-                mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m * k, f / tp, h, a, cl, eff)
-                shared = model.moe_shared_expert_intermediate_size
-                if shared:  # every token through the shared expert too
-                    mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff)
-                    mlp += _gemm(m, shared / tp, h, a, cl, eff)
-            else:
-                f = model.ffn_size
-                mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m, f / tp, h, a, cl, eff)
-            # causal attention over the whole sequence (this rank's queries see all earlier keys)
-            core = 2 * m * seq_length * core_q / tp / (g.peak_flops * eff.attention)
-            if model.sliding_window:
-                core *= min(1.0, 2 * model.sliding_window / seq_length)
-            elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
+            moe = model.is_moe_layer(layer)
+            attn, mlp, core, elem = kinds[moe] if moe in kinds else kinds.setdefault(moe, layer_terms(moe))
             fwd += attn + mlp + core + elem + impl.ops_per_layer / 3 * g.launch_seconds
             attn_total += core
             if layout.recompute == "full":

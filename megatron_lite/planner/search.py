@@ -69,7 +69,10 @@ def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size
         return str(e)
     # (the checks are pure functions of frozen configs, most of which a search meets many times: DDP, ZeRO-1 and
     # ZeRO-2 share the layout check; it was a third of a 1024-GPU DeepSeek-V3 plan's time)
-    parallel = _parallel(dataclasses.replace(layout, sharding="none", recompute="none", micro_batch_size=1))
+    parallel = _parallel(
+        layout.tp, layout.pp, layout.vp, layout.cp, layout.ep, layout.sequence_parallel, layout.cp_comm_type,
+        layout.microbatch_group_size, layout.stages,
+    )  # fmt: skip
     training = _training(layout.micro_batch_size, global_batch_size, seq_length, layout.sharding != "fsdp2")
     return _layout_error(cfg, parallel, layout.world, training) or _sharding_error(
         cfg, parallel, training, _optimizer(layout.sharding, bf16)
@@ -77,8 +80,9 @@ def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _parallel(structure: Layout):
-    return structure.parallel_config()
+def _parallel(tp, pp, vp, cp, ep, sequence_parallel, cp_comm_type, microbatch_group_size, stages):
+    return Layout(tp, pp, vp, 1, cp, ep, sequence_parallel=sequence_parallel, cp_comm_type=cp_comm_type,
+                  microbatch_group_size=microbatch_group_size, stages=stages).parallel_config()  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1 << 10)
