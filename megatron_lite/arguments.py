@@ -101,6 +101,8 @@ def _rope_scaling(ns: argparse.Namespace) -> RopeScaling | None:
     if ns.multi_latent_attention:
         if saved.get("rope_type") == "yarn":
             return RopeScaling(**{**saved, "factor": ns.rotary_scaling_factor})
+        if saved:  # (saved before --use-rope-scaling stopped applying to MLA: the scaling it was trained with)
+            return RopeScaling(**saved)
         return flag_values.mla_yarn(ns)
     if ns.use_rope_scaling:
         return RopeScaling(**{**saved, "factor": ns.rope_scaling_factor})

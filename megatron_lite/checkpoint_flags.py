@@ -322,13 +322,26 @@ def _keep_decay_length(ns: argparse.Namespace, full: dict) -> None:
 
 def _flag(parser: argparse.ArgumentParser, dest: str, value) -> str:
     """`dest = value` as the flag that sets it: a switch by its name alone, else the name and the value."""
-    action = next((a for a in parser._actions if a.dest == dest and a.option_strings), None)
+    actions = [a for a in parser._actions if a.dest == dest and a.option_strings]
+    # (a dest two switches share, --x and --no-x: the one that sets this value)
+    action = next((a for a in actions if a.nargs == 0 and a.const == value), actions[0] if actions else None)
     flag = max(action.option_strings, key=len) if action else "--" + dest.replace("_", "-")
     if action is not None and action.nargs == 0:  # (store_true / store_false: on when the value is its const)
         return flag if value == action.const else f"{flag} off"
-    if isinstance(value, (list, tuple)):
-        return f"{flag} {' '.join(map(str, value))}"
+    if isinstance(value, (list, tuple)):  # (nargs flags take the values apart; the others one comma list)
+        return f"{flag} {(' ' if action is not None and action.nargs else ',').join(map(str, value))}"
     return f"{flag} {value}"
+
+
+def _parsed_default(parser: argparse.ArgumentParser, dest: str):
+    """A flag's default as its value reads (--moe-layer-freq's "1" is the 1 a checkpoint holds)."""
+    default = parser.get_default(dest)
+    action = next((a for a in parser._actions if a.dest == dest), None)
+    if isinstance(default, str) and action is not None and callable(action.type):
+        return action.type(default)
+    if dest == "moe_layer_freq" and isinstance(default, str) and default.isdigit():
+        return int(default)
+    return default
 
 
 def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -366,6 +379,8 @@ def flags_from_checkpoint(
     conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
     if not ns.group_query_attention and not saved["group_query_attention"]:  # (ignored without GQA, as in Megatron)
         conflicts = [d for d in conflicts if d != "num_query_groups"]
+    if saved.get("multi_latent_attention"):  # (MLA's RoPE is its YaRN: these two do nothing there, as in Megatron)
+        conflicts = [d for d in conflicts if d not in ("use_rope_scaling", "rope_scaling_factor")]
     if conflicts and not ns.use_checkpoint_args:
         d = conflicts[0]
         raise ConfigError(
@@ -418,7 +433,8 @@ def flags_from_checkpoint(
         saved = {k: v for k, v in saved.items() if k in ARCH_DESTS or k in FINETUNE_KEEPS}
         notes.append(
             "--finetune: the model's settings (architecture, routing, tokenizer) are the checkpoint's; the training "
-            "flags not given (schedule, optimizer, batch, seed, dropout, data) take their defaults, as in Megatron"
+            "flags not given (schedule, optimizer, batch, seed, dropout, data, and MoE capacity, drop policy and "
+            "router dtype) take their defaults, as in Megatron"
         )
     # a precision given replaces the checkpoint's, and its bf16-only settings (an fp16 run was refused for them)
     bf16_only = ("grad_reduce_in_bf16", "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype")
@@ -442,7 +458,7 @@ def flags_from_checkpoint(
         for k, v in saved.items()
         if hasattr(ns, k)
         and k not in given
-        and v != parser.get_default(k)
+        and v != _parsed_default(parser, k)
         and (saved.get("num_experts") or not k.startswith("moe_"))  # (a dense model's MoE settings mean nothing)
     }
     parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})

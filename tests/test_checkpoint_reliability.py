@@ -378,14 +378,16 @@ def test_moe_layer_patterns_compare_by_meaning():
         check_model_structure("ckpt", meta, build_model(shifted, ctx, device="meta"))
 
 
+@pytest.mark.parametrize("release", [False, True])
 @pytest.mark.parametrize("kind", ["torch_dist", "legacy torch"])
-def test_a_megatron_lm_checkpoint_is_named_as_one(tmp_path, kind):
+def test_a_megatron_lm_checkpoint_is_named_as_one(tmp_path, kind, release):
     """Megatron-LM's checkpoints share our tracker file and iteration names: --load of one read as a broken one
     of ours ("metadata.json has format None", or "names iteration 10 but .../metadata.json is missing")."""
     from megatron_lite.arguments import parse_args
     from megatron_lite.config import ConfigError
 
-    it = tmp_path / "iter_0000010"
+    # (NVIDIA's released checkpoints and Megatron's converters: the tracker says "release", the folder too)
+    it = tmp_path / ("release" if release else "iter_0000010")
     if kind == "torch_dist":  # (its metadata.json is dist-checkpointing's, without our format)
         it.mkdir(parents=True)
         for name in ("__0_0.distcp", "common.pt"):
@@ -394,6 +396,6 @@ def test_a_megatron_lm_checkpoint_is_named_as_one(tmp_path, kind):
     else:
         (it / "mp_rank_00").mkdir(parents=True)
         (it / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release" if release else "10")
     with pytest.raises(ConfigError, match=f"is a Megatron-LM checkpoint \\({kind} format\\), which megatron_lite"):
         parse_args(["--load", str(tmp_path), *TINY])

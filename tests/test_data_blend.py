@@ -120,6 +120,28 @@ def test_the_c_scan_gives_the_python_scans_order_bit_for_bit(case, monkeypatch):
     assert np.array_equal(c[0], py[0]) and np.array_equal(c[1], py[1])
 
 
+def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
+    """A library in the cache that does not load (cut short, or another machine's on a shared file system) is
+    compiled again over it; the job had fallen back to the Python scan for good."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("MEGATRON_LITE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_blend, "_loaded", None)
+    _scan(True, monkeypatch)
+    lib = native_blend.load()[0]._name
+    # (a new file over the name, as another writer would: this process keeps the library it mapped, and the
+    # next process meets the damaged one)
+    with open(lib + ".bad", "wb") as f:
+        f.write(b"not a library")
+    os.replace(lib + ".bad", lib)
+    code = "from megatron_lite.data import native_blend as n; import numpy as np; "
+    code += "print(n.load()[1] or n.native_blending_indices([0.3, 0.7], 10, np.int16)[0].tolist())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "[1, 0, 1, 1, 0, 1, 1, 0, 1, 1]", out.stdout + out.stderr[-2000:]
+    assert open(lib, "rb").read(4) == b"\x7fELF"  # (built again over it)
+
+
 def test_without_a_c_compiler_the_blend_is_built_in_python_and_says_so(monkeypatch, tmp_path):
     from megatron_lite.data import gpt_dataset
 

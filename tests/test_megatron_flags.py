@@ -274,7 +274,7 @@ PRETRAINED = [
     *"--swiglu --disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2".split(),
     *"--lr 3e-3 --min-lr 3e-5".split(),
     *"--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --seed 7 --hidden-dropout 0.0".split(),
-    *"--eod-mask-loss --bf16 --grad-reduce-in-bf16".split(),
+    *"--eod-mask-loss --bf16 --grad-reduce-in-bf16 --no-check-for-nan-in-loss-and-grad --moe-layer-freq 0,1".split(),
 ]
 
 
@@ -306,6 +306,14 @@ def test_a_resume_says_which_flags_not_given_it_takes_from_the_checkpoint():
     for flag in ("--eod-mask-loss", "--seed 7", "--min-lr 3e-05", "--lr-decay-style cosine", "--bf16"):
         assert flag in note, (flag, note)
     assert "--num-layers" not in note and "--train-iters" not in note  # (the model's are the model; given ones)
+    # each item is a flag as a user gives it (a diff review: "--check-for-nan-in-loss-and-grad off", a switch
+    # that takes no value; "--moe-layer-freq 0 1"; and "--moe-layer-freq 1", the default, on every MoE run)
+    from megatron_lite.flag_parser import build_parser
+
+    items = note.split(": ", 1)[1].split(", ")
+    assert "--no-check-for-nan-in-loss-and-grad" in items and "--moe-layer-freq 0,1" in items, items
+    for item in items:
+        build_parser().parse_args([*MOCK, *item.split()])
 
 
 def test_a_precision_given_on_resume_replaces_the_checkpoints():
@@ -330,6 +338,22 @@ def test_rope_scaling_has_no_effect_on_mla_as_in_megatron():
         n.startswith("--use-rope-scaling has no effect with --multi-latent-attention") for n in accepted_no_ops(ns)
     )
     assert not any("--use-rope-scaling" in n for n in accepted_no_ops(alone[0]))
+    # the same launch line resumes (a diff review: refused as conflicting with the checkpoint's False), and a
+    # checkpoint saved when --use-rope-scaling still applied to MLA keeps the Llama-3 scaling it was trained with
+    from megatron_lite.arguments import job_config_from_args
+
+    resumed = _from_checkpoint([*flags, "--use-rope-scaling"], ["--load", "ckpt", *flags, "--use-rope-scaling"])
+    assert job_config_from_args(resumed).model.rope_scaling == job.model.rope_scaling
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    saved = job.to_dict()
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    saved["model"]["rope_scaling"] = {**llama3, "rope_type": "llama3"}
+    older = flags_from_checkpoint(build_parser(), ["--load", "ckpt"], build_parser().parse_args(["--load", "ckpt"]),
+                                  saved, "ckpt")  # fmt: skip
+    scaling = job_config_from_args(older).model.rope_scaling
+    assert scaling.rope_type == "llama3" and scaling.factor == 8.0 and scaling.original_max_position_embeddings == 8192
 
 
 @pytest.mark.parametrize("data", [["--data-path", "corpus_text_document"], ["--mock-data"]])
@@ -348,3 +372,7 @@ def test_vocab_size_has_no_effect_with_a_tokenizer_as_in_megatron(data, capsys, 
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main([*flags, "--dry-run"]) == 0
     assert f"vocabulary {ByteLevelTokenizer().vocab_size}," in capsys.readouterr().out
+    lines.clear()  # (NullTokenizer's vocabulary is --vocab-size's: no note, with or without its name)
+    for null in ([], ["--tokenizer-type", "NullTokenizer"]):
+        assert resolve_data(parse_args([*BASE, "--mock-data", "--vocab-size", "100", *null])[1].data, lines.append)
+    assert not lines, lines

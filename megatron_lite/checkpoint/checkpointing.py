@@ -335,6 +335,7 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     try:
         iteration = read_tracker(root)
     except ValueError as e:
+        megatron_lm(f"{flag} {root}", os.path.join(root, "release"))  # (Megatron's released ones: "release")
         raise ConfigError(f"{flag} {root}: {e}") from None
     if iteration is None and (have := complete_iterations(root)):
         iteration = have[-1]

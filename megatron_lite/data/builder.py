@@ -57,7 +57,7 @@ def check_vocabulary_flags(data: DataConfig) -> None:
 def _tokenizers_vocabulary(data: DataConfig, tok, log) -> int:
     """Megatron reads --vocab-size for NullTokenizer alone; with any other tokenizer the vocabulary is the
     tokenizer's (padded after), whatever --vocab-size says: say so where they differ (the flag had won here)."""
-    if data.vocab_size and data.tokenizer_type != "NullTokenizer" and data.vocab_size != tok.vocab_size:
+    if data.vocab_size and not isinstance(tok, NullTokenizer) and data.vocab_size != tok.vocab_size:
         log(
             f"--vocab-size {data.vocab_size} has no effect with --tokenizer-type {data.tokenizer_type}: the "
             f"vocabulary is the tokenizer's {tok.vocab_size} (then padded to --make-vocab-size-divisible-by x TP), "

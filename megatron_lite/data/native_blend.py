@@ -15,8 +15,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -61,10 +63,23 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     cc = _compiler()
     if cc is None:
         return None, "no C compiler ($CC, cc, gcc or clang) on PATH"
-    digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    # (the machine and the compiler's target in the name: a cache shared by x86-64 and aarch64 nodes, or written
+    # by a cross-compiler, held a library the other could not load, and the job fell back to Python for good)
+    try:
+        target = subprocess.run([cc, "-dumpmachine"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        target = ""
+    key = "\n".join([SOURCE, " ".join(FLAGS), platform.machine(), sys.platform, shutil.which(cc) or cc, target])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = os.path.join(cache_root(), "native")
     lib = os.path.join(folder, f"blend-{digest}.so")
-    if not os.path.exists(lib):
+    handle = None
+    if os.path.exists(lib):
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError:  # (damaged, or not this machine's after all: built again below, over it)
+            pass
+    if handle is None:
         try:
             os.makedirs(folder, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -78,10 +93,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 os.replace(out, lib)  # (atomic: ranks compiling at once each publish a whole library)
         except (OSError, subprocess.SubprocessError) as e:
             return None, f"could not build it in {folder}: {e}"
-    try:
-        handle = ctypes.CDLL(lib)
-    except OSError as e:
-        return None, f"could not load {lib}: {e}"
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError as e:
+            return None, f"could not load {lib}: {e}"
     for name in ("blend_int16", "blend_int64"):
         fn = getattr(handle, name)
         fn.restype = None
