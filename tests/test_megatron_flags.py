@@ -376,3 +376,21 @@ def test_vocab_size_has_no_effect_with_a_tokenizer_as_in_megatron(data, capsys, 
     for null in ([], ["--tokenizer-type", "NullTokenizer"]):
         assert resolve_data(parse_args([*BASE, "--mock-data", "--vocab-size", "100", *null])[1].data, lines.append)
     assert not lines, lines
+
+
+def test_a_dry_run_with_load_counts_the_checkpoints_larger_vocabulary(tmp_path, capsys, monkeypatch):
+    """The run takes the checkpoint's embedding where it is larger than the tokenizer's ids (a converted Qwen's
+    151936 rows for 151665 tokens); the dry run said the tokenizer's (a diff review)."""
+    from megatron_lite.data.tokenizers import ByteLevelTokenizer
+    from megatron_lite.training.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    small = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1".split()
+    ckpt = str(tmp_path / "ckpt")
+    run = [*small, "--global-batch-size", "1", "--train-iters", "1", "--eval-iters", "0", "--lr", "1e-3"]
+    assert main([*run, "--mock-data", "--vocab-size", "400", "--save", ckpt]) == 0  # (NullTokenizer: 401)
+    capsys.readouterr()
+    assert ByteLevelTokenizer().vocab_size < 401
+    assert main(["--load", ckpt, "--tokenizer-type", "ByteLevelTokenizer", "--dry-run"]) == 0
+    assert "vocabulary 401," in capsys.readouterr().out

@@ -74,9 +74,15 @@ def _bytes(n: float) -> str:
 ACCELERATOR_BYTES = 80 * 2**30  # an H100/A100 80 GB; the warning below is against this
 
 
-def dry_run(job: JobConfig) -> int:
+def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
+    """`ckpt_path`: the checkpoint the run would load (its vocabulary counts, as in the run)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model_cfg = dataclasses.replace(job.model, vocab_size=_vocab(job))
+    vocab = _vocab(job)
+    if ckpt_path is not None:  # (as the run: an embedding larger than the tokenizer's ids, Qwen's, is the checkpoint's)
+        from megatron_lite.checkpoint.checkpointing import read_metadata
+
+        vocab = max(vocab, read_metadata(ckpt_path)["config"]["model"]["vocab_size"])
+    model_cfg = dataclasses.replace(job.model, vocab_size=vocab)
     validate_layout(model_cfg, job.parallel, world, job.training)
     job = dataclasses.replace(job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world)))
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)

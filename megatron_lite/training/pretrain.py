@@ -542,15 +542,17 @@ def main(argv: list[str] | None = None) -> int:
         if job.dry_run:
             from megatron_lite.training.dry_run import dry_run
 
+            ckpt = None
             try:  # (the run would refuse; a dry run on a machine without the --load base says so and goes on)
-                check_qlora_base(job, starting_checkpoint(job, lambda *_: None)[1])
+                ckpt = starting_checkpoint(job, lambda *_: None)[1]
+                check_qlora_base(job, ckpt)
             except ConfigError as e:
                 if not job.checkpoint.load:
                     raise
                 print(f"note: on this machine the run would stop: {e}", flush=True)
             for line in accepted_no_ops(ns):  # (what the run would say of the flags, said before its plan)
                 print(line, flush=True)
-            return dry_run(job)
+            return dry_run(job, ckpt)
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:
         report_error(e, dist.is_initialized())  # (once per node: it was said by every rank, twice in two forms)
