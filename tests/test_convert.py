@@ -294,7 +294,11 @@ def _load_ours(ckpt: str, parallel: ParallelConfig):
     path = find_checkpoint(ckpt)
     config = model_config_from_dict(read_metadata(path)["config"]["model"])
     config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0)
-    ctx = get_context(parallel) if dist.is_initialized() else ParallelContext.virtual(parallel, torch.device("cpu"))
+    ctx = (
+        get_context(parallel)
+        if dist.is_initialized()
+        else ParallelContext.virtual(parallel, device=torch.device("cpu"))
+    )
     model = build_model(config, ctx)
     load_checkpoint(path, model, None, None, ctx, load_rng=False)
     return model, ctx, config
@@ -550,13 +554,31 @@ def _edit_config(src: str, dst: pathlib.Path, **changes) -> str:
     return str(dst)
 
 
+def test_a_qwen2_sliding_window_on_no_layer_converts(converted, tmp_path):
+    """use_sliding_window=true with max_window_layers at least the layer count windows no layer (transformers:
+    full attention everywhere); it was refused whatever max_window_layers said."""
+    src = _edit_config(converted["qwen2"][1], tmp_path / "hf", use_sliding_window=True, layer_types=None,
+                       max_window_layers=2, sliding_window=3)  # fmt: skip
+    out = str(tmp_path / "o")
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", src, "--save-dir", out]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ids = PROMPT + PROMPT  # (longer than the window)
+    logits, _ = ours_at(out, ParallelConfig(), ids)
+    assert _rel(logits[0, :, :V] if logits.dim() == 3 else logits[:, :V], _hf_logits(hf, ids)) < 1e-5
+
+
 @pytest.mark.parametrize(
     "name,changes,fragment",
     [
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act"),
-        ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+        # (layer_types null: transformers derives them, the windowed layers max_window_layers.. here)
+        (
+            "qwen2",
+            {"use_sliding_window": True, "max_window_layers": 1, "layer_types": None, "sliding_window": 4},
+            "layer_types",
+        ),
         ("gpt2", {"activation_function": "relu"}, "activation_function"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scaling"),
         ("llama", {"architectures": ["FalconForCausalLM"], "model_type": "llama"}, "FalconForCausalLM"),

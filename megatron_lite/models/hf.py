@@ -120,8 +120,15 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             )
         if getattr(c, "mlp_bias", False) and not nemotron:
             raise ConfigError(f"config.json mlp_bias=true is not supported for {arch}")
-        if getattr(c, "use_sliding_window", False):  # Qwen2: windows on some layers only (max_window_layers)
-            raise ConfigError(f"config.json use_sliding_window=true is not supported for {arch}")
+        if getattr(c, "use_sliding_window", False) and not getattr(c, "layer_types", None):
+            # Qwen2: windows on layers max_window_layers.. only (transformers 5 writes them as layer_types, checked
+            # below); with max_window_layers >= the layers, none (it was refused whatever it said)
+            layers, first = c.num_hidden_layers, getattr(c, "max_window_layers", c.num_hidden_layers)
+            if first < layers:
+                raise ConfigError(
+                    f"config.json use_sliding_window=true with max_window_layers {first} < num_hidden_layers "
+                    f"{layers} is not supported for {arch} (windows on some layers only)"
+                )
         windowed = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
         window = getattr(c, "sliding_window", None) if arch in windowed else None
         if getattr(c, "layer_types", None) and any(t != "full_attention" for t in c.layer_types) and not window:
