@@ -16,6 +16,14 @@ class KVCache:
         self.max_len = max_len
         self.offset = 0
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._derived: dict[int, object] = {}
+
+    def derived(self, layer: int, make):
+        """What `make()` returns, made once per layer for this cache's generation (weights do not change while
+        it runs): multi-latent attention's absorbed up-projections."""
+        if layer not in self._derived:
+            self._derived[layer] = make()
+        return self._derived[layer]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s = k.shape[:2]

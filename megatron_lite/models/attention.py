@@ -94,6 +94,8 @@ class CoreAttention(nn.Module):
             )
             return out.reshape(b, s, -1)
         kv_heads, dv = k.shape[2], v.shape[-1]
+        if kv_heads != heads and sk > s and documents is None and p == 0.0:
+            return self._decode_grouped(q, k, v)
         if kv_heads != heads:  # grouped-query: query head i reads key/value head i // (heads / kv_heads)
             rep = heads // kv_heads
             k = k.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
@@ -116,6 +118,24 @@ class CoreAttention(nn.Module):
                 scale=self.scale,
             )
         return out.transpose(1, 2)[..., :dv].reshape(b, s, -1)
+
+    def _decode_grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention on a KV cache, without expanding it: each key/value head's query heads become
+        rows of one query block (a step's few queries), so the cache is read as it is stored, where expanding it
+        copied every cached key and value heads / kv_heads times at every step."""
+        b, s, heads, d = q.shape
+        sk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
+        rep = heads // kv_heads
+        rows = q.reshape(b, s, kv_heads, rep, d).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, s * rep, d)
+        mask = attention_mask(s, sk, self.window, q.device)  # (bottom-right: sk > s) each row is its query's
+        if s == 1 and self.window is None:
+            mask = None  # one query at the end sees every key
+        elif mask is not None:
+            mask = mask.repeat_interleave(rep, dim=0)
+        out = F.scaled_dot_product_attention(
+            rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
+        )
+        return out.reshape(b, kv_heads, s, rep, dv).permute(0, 2, 1, 3, 4).reshape(b, s, heads * dv)
 
 
 class SelfAttention(nn.Module):

@@ -13,8 +13,11 @@ it enters through copy_to_tensor_model_parallel_region, whose backward sums it o
 
 Values keep their own head size through the attention kernels (the flash kernel, context-parallel attention and
 SDPA all take a v_head_dim other than the query/key head's), so no padding is stored, multiplied or sent. In
-inference the KV cache keeps the latents (kv_lora_rank + RoPE dims per token), as transformers does, and keys and
-values are expanded from them at each step.
+inference the KV cache keeps the latents (kv_lora_rank + RoPE dims per token), as transformers does. The prompt's
+forward expands keys and values from them as training does; each decoding step after it attends to the latents
+themselves, the key up-projection absorbed into the query and the value up-projection applied after the
+attention (DeepSeek-V2's inference form): a step then reads kv_lora_rank + RoPE values per cached token instead
+of making every head's key and value of every cached token again (heads x (qk_head_dim + v_head_dim) each).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from torch import nn
 
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
-from megatron_lite.models.attention import CoreAttention
+from megatron_lite.kernels.nf4 import dequantize_nf4
+from megatron_lite.models.attention import CoreAttention, attention_mask
 from megatron_lite.models.norms import build_norm
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -127,6 +131,8 @@ class MultiLatentAttention(nn.Module):
 
     def _attend(self, q_in, kv_latent, k_pe, rope, kv_cache=None, documents=None) -> torch.Tensor:
         """The up-projections, RoPE and the core attention: [batch, seq, local heads, v_head_dim]."""
+        if kv_cache is not None and kv_cache.offset > 0 and documents is None:
+            return self._attend_absorbed(q_in, kv_latent, k_pe, rope, kv_cache)
         q, k, v = self._up_project(q_in, kv_latent, k_pe, rope, kv_cache)
         # (inside the mla_up_proj checkpoint the attention is recomputed with it already)
         if self.recompute_core_attention and self.training and not self.recompute_up_proj:
@@ -135,8 +141,9 @@ class MultiLatentAttention(nn.Module):
             )
         return self.core_attention(q, k, v, documents)
 
-    def _up_project(self, q_in, kv_latent, k_pe, rope, kv_cache=None):
-        """The up-projections and RoPE: per-head q, k [batch, seq, local heads, qk head] and v (v_head_dim)."""
+    def _queries(self, q_in, k_pe, rope):
+        """Per-head queries [batch, seq, local heads, qk_head_dim] without position and with RoPE (pe), and the
+        shared key's RoPE part [batch, seq, 1, pe] rotated."""
         q = q_in if self.linear_q_proj is not None else self.linear_q_up_proj(q_in)
         s, b, _ = q.shape
         q = q.transpose(0, 1).reshape(b, s, self.local_heads, self.nope + self.pe)
@@ -144,6 +151,12 @@ class MultiLatentAttention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe, cos, sin)
+        return q_nope, q_pe, k_pe
+
+    def _up_project(self, q_in, kv_latent, k_pe, rope, kv_cache=None):
+        """The up-projections and RoPE: per-head q, k [batch, seq, local heads, qk head] and v (v_head_dim)."""
+        q_nope, q_pe, k_pe = self._queries(q_in, k_pe, rope)
+        b, s = q_nope.shape[:2]
         if kv_cache is not None:  # the cache keeps the latents (kv_lora_rank + pe per token, not heads x 2 x head)
             latents, k_pe = kv_cache.append(self.layer_number, kv_latent.transpose(0, 1).unsqueeze(2), k_pe)
             kv_latent = latents.squeeze(2).transpose(0, 1)  # [every token so far, b, kv_lora_rank]
@@ -154,3 +167,30 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, t, self.local_heads, self.pe)], dim=-1)
         return q, k, v
+
+    def _attend_absorbed(self, q_in, kv_latent, k_pe, rope, kv_cache) -> torch.Tensor:
+        """A decoding step on the cached latents: score_t = q_nope W_uk . c_t + q_pe . k_pe_t (the same number as
+        k_nope_t = W_uk c_t would give), out = W_uv (sum_t p_t c_t). [batch, seq, local heads, v_head_dim]."""
+        q_nope, q_pe, k_pe = self._queries(q_in, k_pe, rope)
+        latents, k_pe = kv_cache.append(self.layer_number, kv_latent.transpose(0, 1).unsqueeze(2), k_pe)
+        latents, k_pe = latents.squeeze(2), k_pe.squeeze(2)  # [b, every token so far, kv_lora_rank], [.., pe]
+        w_uk, w_uv = kv_cache.derived(self.layer_number, self._absorbed_weights)
+        q_latent = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
+        scores = torch.einsum("bshr,btr->bsht", q_latent, latents) + torch.einsum("bshp,btp->bsht", q_pe, k_pe)
+        scores = scores.float() * self.core_attention.scale
+        s, t = scores.shape[1], scores.shape[3]
+        mask = attention_mask(s, t, self.core_attention.window, scores.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.unsqueeze(1), -torch.inf)
+        probs = torch.softmax(scores, dim=-1).to(latents.dtype)
+        return torch.einsum("bshr,hvr->bshv", torch.einsum("bsht,btr->bshr", probs, latents), w_uv)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key/value up-projection as applied (the NF4 base dequantised, LoRA's B A added), split per local
+        head: W_uk [heads, qk_head_dim, kv_lora_rank] and W_uv [heads, v_head_dim, kv_lora_rank]."""
+        layer = self.linear_kv_up_proj
+        w = layer.weight if layer.nf4 is None else dequantize_nf4(layer.nf4.weight())
+        if layer.lora is not None:  # (eval: no adapter dropout) its output for each unit input is (s B A)^T
+            w = w + layer.lora(torch.eye(self.kv_lora_rank, device=w.device, dtype=w.dtype)).t()
+        w = w.view(self.local_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]

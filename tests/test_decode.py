@@ -1,0 +1,112 @@
+"""Decoding on a KV cache: every step's logits equal those of one forward over the whole sequence, and a step reads
+the cache as it is stored (grouped-query keys/values not copied per query head; multi-latent attention's latents
+not expanded into every head's keys and values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from megatron_lite.config import ParallelConfig
+from megatron_lite.inference.generation import _forward_batch
+from megatron_lite.inference.kv_cache import KVCache
+from megatron_lite.lora.apply import apply_lora
+from megatron_lite.lora.config import LoraConfig
+from megatron_lite.lora.qlora import quantize_base
+from megatron_lite.models.gpt_model import build_model
+from megatron_lite.parallel_context import ParallelContext
+
+from models import deepseek_config, llama_config, rel
+
+SEQ, PREFILL, CHUNK = 40, 17, 3  # the prompt's forward, a few tokens at once on the cache, then one at a time
+
+SETUPS = {
+    "gqa": lambda: llama_config(num_layers=2),  # 8 query heads on 4 key/value heads
+    "mqa_window": lambda: llama_config(num_layers=2, num_query_groups=1, sliding_window=6),
+    "mla": lambda: deepseek_config(num_layers=2),
+    "mla_lora": lambda: deepseek_config(num_layers=2),
+    "mla_qlora": lambda: deepseek_config(num_layers=2),
+}
+
+
+class LargestMade(TorchDispatchMode):
+    """The most values any tensor made inside holds (views aside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in tree_leaves(out):  # (a view of an input, such as a weight's or the cache's, makes nothing)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _model(name: str):
+    config = SETUPS[name]()
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    model = build_model(config, ctx, seed=3)
+    if name in ("mla_lora", "mla_qlora"):
+        lora = LoraConfig(rank=4, alpha=8.0, target_modules=("linear_kv_up_proj",), qlora=name == "mla_qlora")
+        apply_lora(model, config, lora, ctx, seed=2)
+        gen = torch.Generator().manual_seed(5)
+        for n, p in model.named_parameters():
+            if n.endswith(".B"):  # (B starts at zero: an adapter left out would change nothing)
+                p.data = 0.3 * torch.randn(p.shape, generator=gen)
+        if name == "mla_qlora":
+            quantize_base(model, ctx)
+    for chunk in model:
+        chunk.eval()
+    return model, ctx, config
+
+
+def _attention_modules(model):
+    return [layer.self_attention for chunk in model for layer in chunk.decoder.layers]
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_decoding_on_the_cache_equals_one_forward_and_reads_the_cache_as_stored(name):
+    model, ctx, config = _model(name)
+    ids = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(SEQ)
+    steps, largest = [], 0
+    attention = _attention_modules(model)
+    with torch.no_grad():
+        whole = _forward_batch(model, ctx, ids, KVCache(SEQ), every=True)
+        steps.append(_forward_batch(model, ctx, ids[:, :PREFILL], cache, every=True))
+        cuts = [PREFILL, PREFILL + CHUNK, *range(PREFILL + CHUNK + 1, SEQ + 1)]
+        for a, b in zip(cuts, cuts[1:]):
+            meter = LargestMade()
+            hooks = [m.register_forward_pre_hook(lambda *_, m=meter: [m.__enter__(), None][1]) for m in attention]
+            hooks += [m.register_forward_hook(lambda *_, m=meter: m.__exit__(None, None, None)) for m in attention]
+            steps.append(_forward_batch(model, ctx, ids[:, a:b], cache, every=True))
+            for h in hooks:
+                h.remove()
+            if b - a == 1:
+                largest = max(largest, meter.largest)
+    assert rel(torch.cat(steps, dim=1), whole) < 1e-5, rel(torch.cat(steps, dim=1), whole)
+    # A one-token step past the prompt: nothing as large as the cache's keys for every query head (what expanding
+    # grouped heads, or the latents into per-head keys, makes) is made, counting only the keys the step reads.
+    heads, keys = config.num_attention_heads, min(SEQ, config.sliding_window or SEQ)
+    head_dim = config.qk_head_dim if config.multi_latent_attention else config.head_dim
+    assert largest < 2 * keys * heads * head_dim, (largest, 2 * keys * heads * head_dim)
+
+
+def test_absorbed_weights_are_made_once_per_generation():
+    """The absorbed up-projections come from the weights as applied (NF4 base dequantised, LoRA added) once per
+    layer and cache, not at every step."""
+    model, ctx, config = _model("mla_qlora")
+    calls = []
+    for m in _attention_modules(model):
+        make = m._absorbed_weights
+        m._absorbed_weights = lambda make=make: calls.append(1) or make()
+    cache = KVCache(12)
+    with torch.no_grad():
+        for a, b in ((0, 5), (5, 6), (6, 7), (7, 8)):
+            _forward_batch(model, ctx, torch.arange(a, b).unsqueeze(0), cache)
+    assert len(calls) == config.num_layers
