@@ -28,6 +28,16 @@ def test_bench_train_step_reports_a_ratio(tmp_path):
     assert "speed-up of megatron_lite over transformers" in stdout
 
 
+@pytest.mark.parametrize("model", ["deepseek_v3", "llama"])
+def test_bench_decode_reports_a_ratio_and_both_caches(tmp_path, model):
+    flags = f"--model {model} --num-layers 1 --hidden-size 128 --num-attention-heads 4 --kv-lora-rank 64 "
+    stdout = _run_tool("bench_decode.py", flags + "--vocab-size 256 --context 64 --steps 2", tmp_path / "r.json")
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["ratio_transformers_over_megatron_lite"] > 0 and result["same_greedy_tokens"]
+    assert all(b > 0 for b in result["kv_cache_bytes"].values())
+    assert "speed-up of megatron_lite over transformers per decoding step" in stdout
+
+
 @pytest.mark.slow
 def test_bench_pipeline_reports_bubble_and_ratio(tmp_path):
     _run_tool("bench_pipeline.py", "--pp 2 --microbatches 2 --forward-ms 2 --repeats 1", tmp_path / "r.json")
