@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -274,3 +276,95 @@ def test_a_blend_reads_on_past_its_samples_after_a_rollback_skipped_a_batch(tmp_
                          "rollback"], capsys, monkeypatch)  # fmt: skip
     assert rc == 0, err
     assert "skipping the batch at sample 8" in out and f"consumed samples: {16:12d} |" in out
+
+
+def _megatron_samples(docs: list[list[int]], doc_range, num_samples: int, seq: int, seed: int) -> list[list[int]]:
+    """Each sample's tokens as Megatron-core orders them, transcribed from megatron/core/datasets/gpt_dataset.py
+    apart from our code: _get_num_epochs, the separate final epoch, _build_document_index (the epochs' documents
+    tiled and shuffled together by one RandomState(seed), the final epoch apart when separate), the sample index
+    (sample j is tokens [j * seq, j * seq + seq + 1) of the documents in that order) and _build_shuffle_index."""
+    documents = np.arange(*doc_range)
+    per_epoch_tokens = sum(len(docs[d]) for d in documents)
+    epochs = 1
+    while epochs * per_epoch_tokens < num_samples * seq + 1:
+        epochs += 1
+    separate = False
+    if epochs > 1:
+        sans_final = ((epochs - 1) * per_epoch_tokens - 1) // seq
+        separate = num_samples - sans_final < int(0.80 * ((per_epoch_tokens - 1) // seq))
+
+    rs = np.random.RandomState(seed)
+
+    def document_index(n: int) -> np.ndarray:
+        index = np.mgrid[0:n, 0 : len(documents)][1]
+        index[:] = documents
+        index = index.reshape(-1).astype(np.int32)
+        rs.shuffle(index)
+        return index
+
+    order = np.concatenate([document_index(epochs - 1), document_index(1)]) if separate else document_index(epochs)
+    stream = np.concatenate([np.asarray(docs[d]) for d in order])
+    total = (epochs * per_epoch_tokens - 1) // seq
+    first = np.arange(sans_final if separate else total)
+    rs.shuffle(first)
+    last = np.arange(len(first), total)
+    if separate:
+        rs.shuffle(last)
+    shuffle = np.concatenate([first, last])
+    return [stream[j * seq : j * seq + seq + 1].tolist() for j in shuffle], epochs, separate
+
+
+def _docs(n: int = 7, seed: int = 0) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, 250, rng.randint(9, 17)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_samples, epochs, separate", [(5, 1, False), (14, 2, True), (20, 2, False),
+                                                           (27, 3, True), (31, 3, False)])  # fmt: skip
+def test_the_sample_order_over_several_epochs_is_megatrons(tmp_path, num_samples, epochs, separate):
+    """From a review: each epoch's documents were shuffled on their own, where Megatron shuffles every epoch's
+    together (the final one apart where it is separate): from the same seed, a split read over two or more epochs
+    gave other samples than Megatron's (none equal in the review's case)."""
+    docs = _docs()
+    expected, e, s = _megatron_samples(docs, (0, len(docs)), num_samples, 8, 1234)
+    assert (e, s) == (epochs, separate)  # (the case the parameters mean)
+    ds = GPTDataset(_write(str(tmp_path / "c"), docs), (0, len(docs)), num_samples, 8, 1234, str(tmp_path), 999)
+    assert [ds.tokens(i).tolist() for i in range(len(ds))] == expected
+
+
+def _byte_build(data: DataConfig, sizes: tuple[int, int, int], seq: int = 8) -> tuple:
+    from megatron_lite.data.builder import DataSource, build_datasets
+    from megatron_lite.data.tokenizers import ByteLevelTokenizer
+
+    tok = ByteLevelTokenizer()
+    return build_datasets(DataSource(tok, tok.vocab_size, data.blend, ""), data, sizes, seq, 1234)
+
+
+def test_every_split_draws_from_the_run_seed_as_megatrons(tmp_path):
+    """From a review: the validation and test splits were shuffled with seed + 1 and seed + 2; Megatron gives
+    every split the run's --seed (random_seed in its dataset config)."""
+    docs = _docs(12)
+    prefix = str(tmp_path / "c")
+    _write(prefix, docs)
+    data = DataConfig(data_path=(prefix,), split="50,25,25", data_cache_path=str(tmp_path / "cache"))
+    _, valid, test = _byte_build(data, (3, 9, 9))
+    for ds, docs_range in ((valid, (6, 9)), (test, (9, 12))):
+        expected, *_ = _megatron_samples(docs, docs_range, 9, 8, 1234)
+        assert [ds.tokens(i).tolist() for i in range(9)] == expected[:9]
+
+
+def test_one_weighted_prefix_is_a_blend_of_one_as_megatrons(tmp_path):
+    """`--data-path 1.0 PREFIX` is a blend in Megatron (get_blend_from_list gives it a weight): its dataset is
+    built for ceil(N * 1.005) samples, the margin of _get_size_per_split_per_dataset, and read in order; where that
+    adds an epoch the order differs from `--data-path PREFIX`'s N samples, which stays as it was."""
+    docs = _docs()
+    prefix = str(tmp_path / "c")
+    _write(prefix, docs)
+    n = 11  # one epoch holds 11 samples of 8: the margin's 12th takes a second
+    weighted, e, _ = _megatron_samples(docs, (0, len(docs)), math.ceil(n * 1.005), 8, 1234)
+    plain, e_plain, _ = _megatron_samples(docs, (0, len(docs)), n, 8, 1234)
+    assert (e, e_plain) == (2, 1) and weighted[:n] != plain[:n]
+    cache = str(tmp_path / "cache")
+    for data_path, expected in (((prefix,), plain), (("1.0", prefix), weighted)):
+        train, _, _ = _byte_build(DataConfig(data_path=data_path, split="1,0,0", data_cache_path=cache), (n, 0, 0))
+        assert [train.tokens(i).tolist() for i in range(n)] == expected[:n], data_path

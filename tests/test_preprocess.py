@@ -327,3 +327,56 @@ def test_inputs_keep_their_order_and_megatrons_other_flags_are_said(tmp_path, ca
     assert [bytes(ds.get(i).tolist()).decode() for i in range(len(ds))] == ["from b", "from a"]
     assert preprocess_data.main(["--input", files[0], *argv, "--split-sentences"]) == 2
     assert "--split-sentences: Megatron's NLTK sentence split is not implemented here" in capsys.readouterr().err
+
+
+def test_gzipped_inputs_are_read_and_an_error_leaves_no_partial_files(tmp_path, capsys):
+    """From a review: a .jsonl.gz (Megatron's tool reads them) was "not UTF-8 (byte 0x8b ...)", and any input error
+    left PREFIX_text_document.bin.partial behind. A damaged .gz is one line too."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import preprocess_data
+
+    plain, packed = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"
+    plain.write_text(json.dumps({"text": "plain"}) + "\n")
+    packed.write_bytes(gzip.compress((json.dumps({"text": "packed"}) + "\n").encode()))
+    prefix = str(tmp_path / "o")
+    argv = ["--output-prefix", prefix, "--tokenizer-type", "ByteLevelTokenizer"]
+    assert preprocess_data.main(["--input", str(plain), str(packed), *argv]) == 0
+    ds = IndexedDataset(prefix + "_text_document")
+    assert [bytes(ds.get(i).tolist()).decode() for i in range(len(ds))] == ["plain", "packed"]
+    text_gz = tmp_path / "doc.txt.gz"
+    text_gz.write_bytes(gzip.compress(b"a text file"))
+    assert preprocess_data.main(["--input", str(text_gz), *argv[:1], prefix + "2", *argv[2:], "--text-files"]) == 0
+    assert bytes(IndexedDataset(prefix + "2_text_document").get(0).tolist()).decode() == "a text file"
+    capsys.readouterr()
+
+    damaged = tmp_path / "c.jsonl.gz"
+    damaged.write_bytes(packed.read_bytes()[:-12])  # (cut short: no end of stream)
+    bad = tmp_path / "d.jsonl"
+    bad.write_text(json.dumps({"body": "no text"}) + "\n")
+    for inputs, fragment in (([str(plain), str(damaged)], "c.jsonl.gz: cannot be read"), ([str(bad)], "no key")):
+        assert preprocess_data.main(["--input", *inputs, *argv[:1], prefix + "3", *argv[2:]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and fragment in err, err
+        assert not list(tmp_path.glob("o3*")), list(tmp_path.glob("o3*"))
+
+
+def test_an_index_with_megatrons_sequence_modes_reads(tmp_path):
+    """Megatron's multimodal builder appends an int8 mode per sequence to the .idx, which its text reader skips;
+    ours refused such an index as truncated or corrupt. Any other size still is."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp_path / "m")
+    w = IndexedDatasetWriter(prefix, 300)
+    for doc in ([1, 2, 3], [4, 5]):
+        w.add_document(doc)
+    w.finalize()
+    with open(prefix + ".idx", "ab") as f:
+        f.write(bytes([0, 0]))  # two sequences' modes
+    assert [IndexedDataset(prefix).get(i).tolist() for i in range(2)] == [[1, 2, 3], [4, 5]]
+    with open(prefix + ".idx", "ab") as f:
+        f.write(bytes([0]))
+    with pytest.raises(ConfigError, match="truncated or corrupt"):
+        IndexedDataset(prefix)

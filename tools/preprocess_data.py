@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import multiprocessing as mp
 import os
 import sys
 import time
+import zlib
 
 from megatron_lite.config import ConfigError
 from megatron_lite.data.config import TOKENIZER_TYPES, tokenizer_type_flag
@@ -92,20 +94,31 @@ def _items(args: argparse.Namespace):
     """(where, kind, payload) per document. JSONL lines are decoded one by one, so text that is not UTF-8 is
     reported at its own line and column."""
     for path in args.files:
-        if args.text_files:
-            yield path, "text", open(path, encoding="utf-8", errors="replace").read()
-            continue
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    # an item like any document's, so errors are reported in input order (as the first)
-                    why = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); convert the file to UTF-8"
-                    yield f"{path}:{n}", "error", why
-                    return
-                if line.strip():
-                    yield f"{path}:{n}", "json", line
+        try:
+            yield from _file_items(args, path)
+        except (OSError, EOFError, zlib.error) as e:  # (a damaged or truncated .gz)
+            yield path, "error", f"cannot be read: {e}"
+            return
+
+
+def _file_items(args: argparse.Namespace, path: str):
+    """One file's items (gzipped where its name ends in .gz)."""
+    opener = gzip.open if path.endswith(".gz") else open  # (Megatron's reads gzipped JSONL too)
+    if args.text_files:
+        with opener(path, "rb") as f:
+            yield path, "text", f.read().decode("utf-8", errors="replace")
+        return
+    with opener(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                # an item like any document's, so errors are reported in input order (as the first)
+                why = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); convert the file to UTF-8"
+                yield f"{path}:{n}", "error", why
+                return
+            if line.strip():
+                yield f"{path}:{n}", "json", line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 pool.terminate()
             pool.join()
+        if not finished:  # (no half-written .partial files left beside the output)
+            for w in writers.values():
+                w.discard()
     for key, w in writers.items():
         w.finalize()
         print(f"wrote {args.output_prefix}_{key}_document.bin/.idx: {docs} documents", file=sys.stderr)

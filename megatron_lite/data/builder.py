@@ -167,22 +167,27 @@ def build_datasets(
             lo, hi = ranges[s] if by_split else (0, len(indexed))
             if num_samples[s] == 0 or hi <= lo:
                 continue
-            if w is None:  # prefixes without weights: Megatron weighs each by its samples in one epoch of the split
+            if w is None and len(blend) == 1:  # one prefix without a weight: the dataset itself
+                w = 1.0
+            elif w is None:  # prefixes without weights: Megatron weighs each by its samples in one epoch of the split
                 w = max(int(indexed.lengths[lo:hi].sum()) - 1, 0) // seq_length
             if w > 0:
                 live.append((w, indexed, cache_dir, (lo, hi)))
         total_w = sum(w for w, *_ in live)
+        # Megatron blends whatever carries weights, one weighted prefix too (`--data-path 1.0 PREFIX`), sizing each
+        # part with its 0.5% margin (a blend of one reads its part's first samples in order); ceil(N * share)
+        # alone already covers what the blend draws. One prefix without a weight is its dataset, N samples.
+        weighted = len(live) > 1 or any(w is not None for w, _, _ in blend)
         parts = []
         for w, indexed, cache_dir, doc_range in live:
-            # Megatron's 0.5% margin; ceil(N * share) alone already covers what the blend draws.
-            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if len(live) > 1 else num_samples[s]
+            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if weighted else num_samples[s]
             parts.append(
                 GPTDataset(
                     indexed,
                     doc_range,
                     n,
                     seq_length,
-                    seed + s,
+                    seed,  # (every split's, as Megatron's random_seed)
                     cache_dir,
                     source.tokenizer.eod,
                     eod_mask,

@@ -135,8 +135,6 @@ def _number(token: str) -> float | None:
 def _blend(paths: tuple[str, ...]) -> list[tuple[float | None, str]]:
     """Megatron's get_blend_from_list: "W1 P1 W2 P2 ..." when every other item is a number, else prefixes only,
     whose weight None means: in proportion to their sizes."""
-    if len(paths) == 1:
-        return [(1.0, paths[0])]
     weights = [_number(w) for w in paths[0::2]]
     if len(paths) % 2 or any(w is None for w in weights):
         return [(None, p) for p in paths]

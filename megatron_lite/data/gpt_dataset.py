@@ -2,9 +2,10 @@
 whose index arrays are built once and cached; train/valid/test splits by document; weighted blends.
 
 Sample j of an epoch-concatenated document stream starts at token j * seq_length and holds seq_length + 1
-tokens (inputs and shifted labels). The document order (per epoch) and the sample order are seeded
-permutations, so the dataset is a pure function of (files, split, seed, seq_length, num_samples). Splits,
-blending and the final-epoch rule follow Megatron-core.
+tokens (inputs and shifted labels). The document order (every epoch's documents shuffled together, the final
+epoch apart where it is separate) and the sample order are seeded permutations, so the dataset is a pure
+function of (files, split, seed, seq_length, num_samples). Splits, blending and the final-epoch rule follow
+Megatron-core, which draws the same order from the same seed.
 """
 
 from __future__ import annotations
@@ -120,11 +121,21 @@ class GPTDataset:
                 seed,
             ]
         )
+        tokens_per_epoch = int(indexed.lengths[docs].astype(np.int64).sum())
+        where = f"{self.flag} {indexed.prefix}: the {split} split's {len(docs)} documents"
+        if tokens_per_epoch == 0:
+            # (every rank reads these lengths, so every rank raises: no collective is left waiting)
+            fix = "or change --split" if self.flag == "--data-path" else "or give other data"
+            raise ConfigError(f"{where} hold no tokens: add data {fix}")
+        if tokens_per_epoch <= seq_length and log is not None:  # (said on every start, cached indices or not)
+            # (Megatron-core repeats them too: a 1000-document corpus's 0.1% test split is one document)
+            log(f"note: {where} hold {tokens_per_epoch} tokens, fewer than one sample of --seq-length "
+                f"{seq_length} + 1: each of its samples repeats them")  # fmt: skip
         digest = hashlib.md5(key.encode()).hexdigest()
         paths = {k: os.path.join(cache_dir, f"{digest}-{k}.npy") for k in ("doc", "sample", "shuffle")}
         with _lock_unless(list(paths.values()), os.path.join(cache_dir, f"{digest}.lock")):
             if not all(os.path.exists(p) for p in paths.values()):
-                for k, arr in zip(("doc", "sample", "shuffle"), self._build(docs, num_samples, seed, split, log)):
+                for k, arr in zip(("doc", "sample", "shuffle"), self._build(docs, num_samples, seed)):
                     _save_npy(paths[k], arr)
         self._paths = paths
         self._map()
@@ -142,18 +153,8 @@ class GPTDataset:
         self.__dict__.update(state)
         self._map()
 
-    def _build(self, docs: np.ndarray, num_samples: int, seed: int, split: str = "train", log=None):
-        lengths = self.indexed.lengths[docs].astype(np.int64)
-        tokens_per_epoch = int(lengths.sum())
-        where = f"{self.flag} {self.indexed.prefix}: the {split} split's {len(docs)} documents"
-        if tokens_per_epoch == 0:
-            # (every rank builds or waits for these indices, so every rank raises: no collective is left waiting)
-            fix = "or change --split" if self.flag == "--data-path" else "or give other data"
-            raise ConfigError(f"{where} hold no tokens: add data {fix}")
-        if tokens_per_epoch <= self.seq_length and log is not None:
-            # (Megatron-core repeats them too: a 1000-document corpus's 0.1% test split is one document)
-            log(f"note: {where} hold {tokens_per_epoch} tokens, fewer than one sample of --seq-length "
-                f"{self.seq_length} + 1: each of its samples repeats them")  # fmt: skip
+    def _build(self, docs: np.ndarray, num_samples: int, seed: int):
+        tokens_per_epoch = int(self.indexed.lengths[docs].astype(np.int64).sum())
         epochs = max(1, math.ceil((num_samples * self.seq_length + 1) / tokens_per_epoch))
         # Megatron-core's separate_final_epoch: when the last epoch is < 80% used, the samples of the full
         # epochs are shuffled among themselves and come first, so the run reads every document once before
@@ -163,7 +164,15 @@ class GPTDataset:
         per_epoch = (tokens_per_epoch - 1) // self.seq_length
         separate = epochs > 1 and num_samples - sans_final < int(0.80 * per_epoch)
         rng = np.random.RandomState(seed)
-        doc_index = np.concatenate([rng.permutation(docs) for _ in range(epochs)])
+
+        def shuffled_epochs(n: int) -> np.ndarray:  # Megatron's _build_document_index: n epochs shuffled together
+            index = np.tile(docs, n)
+            rng.shuffle(index)
+            return index
+
+        doc_index = (
+            np.concatenate([shuffled_epochs(epochs - 1), shuffled_epochs(1)]) if separate else shuffled_epochs(epochs)
+        )
         total = (epochs * tokens_per_epoch - 1) // self.seq_length
         ends = np.cumsum(self.indexed.lengths[doc_index].astype(np.int64))
         starts = np.arange(total + 1, dtype=np.int64) * self.seq_length

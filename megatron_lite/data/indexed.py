@@ -56,6 +56,13 @@ class IndexedDatasetWriter:
         self._lengths.extend(lengths)
         self._docs.append(len(self._lengths))
 
+    def discard(self) -> None:
+        """Drop what was written (an input error stopped the run): no partial file stays behind."""
+        self._bin.close()
+        for path in (self.prefix + ".bin.partial", self.prefix + ".idx.partial"):
+            if os.path.exists(path):
+                os.remove(path)
+
     def finalize(self) -> None:
         self._bin.flush()
         os.fsync(self._bin.fileno())
@@ -100,7 +107,8 @@ class IndexedDataset:
             raise ConfigError(f"{idx}: unsupported version {version} or dtype code {code}")
         n_seq, n_doc = struct.unpack("<Q", head[18:26])[0], struct.unpack("<Q", head[26:34])[0]
         expected = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
-        if size != expected:
+        # (Megatron's multimodal builder appends an int8 mode per sequence, which its text reader skips too)
+        if size not in (expected, expected + n_seq):
             raise ConfigError(f"{idx} is truncated or corrupt: {size} bytes, expected {expected}")
         self.dtype = np.dtype(DTYPES[code])
         index = np.memmap(idx, mode="r", dtype=np.uint8)
