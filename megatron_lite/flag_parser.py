@@ -43,7 +43,13 @@ def report_error(error: Exception, initialized: bool) -> None:
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse whose errors are one line (not the usage of every flag first), like every other start-up
-    error; an unknown flag is named as such, Megatron flags we lack included. The tools use it too."""
+    error; an unknown flag is named as such, Megatron flags we lack included. The tools use it too. Flags are
+    never abbreviated (Megatron's allow_abbrev=False): `--save-d` would read as `--save-dir` until a new flag
+    made it ambiguous and broke the script."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):

@@ -909,13 +909,18 @@ def test_inspect(converted, tmp_path):
     assert out.returncode == 0, out.stderr
     for fragment in (
         "iteration    0",
-        "saved under  world_size=1",
-        "MixtralForCausalLM",
+        "saved under  1 process(es)\n",
+        "converted    from MixtralForCausalLM at ",
+        "training     --seq-length ",
+        "optimizer    --optimizer adam --lr ",
         "num_experts=4",
         "sliding_window=10",
-        "checksums verified",
+        "in 1 file (checksums verified)",
     ):
         assert fragment in out.stdout, (fragment, out.stdout)
+    # piped into head: the tool's output cut short is no traceback
+    piped = subprocess.run(" ".join(run[:-1]) + " | head -n 1", shell=True, capture_output=True, text=True)
+    assert piped.stdout.startswith("checkpoint") and "Traceback" not in piped.stderr, piped.stderr
     line = next(x for x in out.stdout.splitlines() if "model/decoder.layers.1.mlp.experts.3.linear_fc1.weight" in x)
     assert line.split()[1:4] == ["[96,", "64]", "float32"], line
     d = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=120).stdout)

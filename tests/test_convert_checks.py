@@ -242,3 +242,70 @@ def test_an_export_to_a_wider_dtype_casts_the_fp32_main_weights(tmp_path, capsys
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _to_hf(tmp_path / "trained", tmp_path / "plain", capsys)[0] == 0  # as trained: bf16
     assert {t.dtype for t in load_file(tmp_path / "plain" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_an_export_keeps_other_files_whole_and_an_interrupted_one_leaves_the_earlier(tmp_path, capsys, monkeypatch):
+    """From the converter review: an export into a directory of the user's own files deleted the LICENSE and
+    NOTICE it held (SIDE_FILES were cleared whoever wrote them): a directory that is not a Hugging Face model is
+    now refused. An export cut short while its weights were written (Ctrl-C, a full disk) had already deleted the
+    earlier export's weights and tokenizer; now they are whole until the new files are renamed into place. The
+    same for --loader hf: an earlier conversion's hf/ (config, tokenizer) stays beside its checkpoint."""
+    from megatron_lite.checkpoint import hf_convert, hf_files
+
+    src = _llama(tmp_path / "hf")
+    (pathlib.Path(src) / "tokenizer.json").write_text('{"first": 1}')
+    assert _to_ours(src, tmp_path / "ours", capsys)[0] == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for f in ("LICENSE", "NOTICE", "notes.txt"):
+        (mine / f).write_text("the user's")
+    rc, _, err = _to_hf(tmp_path / "ours", mine, capsys)
+    _one_line(rc, err, f"--save-dir {mine} holds files that are not a Hugging Face model (LICENSE, NOTICE, notes.txt)")
+    assert sorted(os.listdir(mine)) == ["LICENSE", "NOTICE", "notes.txt"]
+
+    assert _to_hf(tmp_path / "ours", tmp_path / "back", capsys)[0] == 0
+    before = {f: (tmp_path / "back" / f).read_bytes() for f in os.listdir(tmp_path / "back")}
+
+    def cut_short(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(hf_files, "save_file", cut_short)
+        with pytest.raises(KeyboardInterrupt):
+            _to_hf(tmp_path / "ours", tmp_path / "back", capsys, "--target-dtype", "bf16")
+    assert {f: (tmp_path / "back" / f).read_bytes() for f in os.listdir(tmp_path / "back")} == before
+
+    other = _llama(tmp_path / "other", rms_norm_eps=1e-5)
+    (pathlib.Path(other) / "tokenizer.json").write_text('{"second": 2}')
+    with monkeypatch.context() as m:
+        m.setattr(hf_convert, "write_model_checkpoint", lambda *a, **k: cut_short())
+        with pytest.raises(KeyboardInterrupt):
+            _to_ours(other, tmp_path / "ours", capsys)
+    assert (tmp_path / "ours" / "hf" / "tokenizer.json").read_text() == '{"first": 1}'
+    assert json.loads((tmp_path / "ours" / "hf" / "config.json").read_text())["rms_norm_eps"] != 1e-5
+
+
+def test_converter_command_lines_a_megatron_user_writes(tmp_path, capsys):
+    """A --save-dir that is a file was a traceback both ways; --merge-lora on a checkpoint without adapters did
+    nothing silently; flags were read abbreviated (`--target-d`, then ambiguous once a flag is added); Megatron-LM's
+    convert.py flags were "no such flag", its loader names "invalid choice" without the one to use here."""
+    src = _llama(tmp_path / "hf")
+    assert _to_ours(src, tmp_path / "ours", capsys)[0] == 0
+    (tmp_path / "afile").write_text("")
+    _one_line(*_to_hf(tmp_path / "ours", tmp_path / "afile", capsys)[::2], "--save-dir", "is a file")
+    _one_line(*_to_ours(src, tmp_path / "afile", capsys)[::2], "--save-dir", "is a file")
+    _one_line(*_to_hf(tmp_path / "ours", tmp_path / "m", capsys, "--merge-lora")[::2], "holds no LoRA adapters")
+    assert not (tmp_path / "m").exists()
+    base = ["--loader", "megatron_lite", "--saver", "hf", "--load-dir", str(tmp_path / "ours")]
+    with pytest.raises(SystemExit) as e:
+        convert.main([*base, "--save-dir", str(tmp_path / "x"), "--target-d", "bf16"])
+    assert e.value.code == 2 and "--target-d: no such flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert.main(["--model-type", "GPT", "--loader", "llama_mistral", "--saver", "mcore", "--load-dir", src,
+                      "--save-dir", str(tmp_path / "x")])  # fmt: skip
+    assert "'llama_mistral' is not one of hf, megatron_lite (Megatron-LM's loader" in capsys.readouterr().err
+    megatron = ["--model-type", "GPT", "--target-tensor-parallel-size", "2", "--max-queue-size", "50"]
+    assert convert.main([*base, "--save-dir", str(tmp_path / "back"), *megatron]) == 0
+    out = capsys.readouterr().out
+    assert "--target-tensor-parallel-size has no effect here: a megatron_lite checkpoint loads under any layout" in out
+    assert "--max-queue-size has no effect here" in out

@@ -149,3 +149,37 @@ def test_bf16_reduction_under_model_parallelism_equals_one_process(dist, case):
     ref = train_run(name, P(), 4, mbs, optim=BF16_GRADS, bf16=True)
     for history in dist(world, train_run, name, parallel, 4, mbs, optim=BF16_GRADS, bf16=True, **kw):
         _compare(history, ref, SAME_SUM_TOL)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_a_loss_scale_divides_the_fp32_copy_of_the_bf16_gradients(distributed_optimizer):
+    """From the optimizer review: with --bf16 --grad-reduce-in-bf16 --loss-scale S the bf16 main gradients were
+    unscaled in bf16, in place, then copied to fp32: one more bf16 rounding (0.4% at S = 1000). Megatron copies
+    to fp32 first, then unscales; the optimizer must step exactly fp32(g) * (1 / S), and leave the buffer as is."""
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.training.wrap import wrap_for_training
+
+    ctx = _virtual()
+    model = build_model(llama_config(num_layers=1), ctx, seed=3, dtype=torch.bfloat16)
+    optim = OptimizerConfig(lr=1e-3, bf16=True, grad_reduce_in_bf16=True, loss_scale=1000.0, clip_grad=0.0,
+                            use_distributed_optimizer=distributed_optimizer)  # fmt: skip
+    ddp, opt = wrap_for_training(model, ctx, optim)
+    t = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(0))
+    (ddp(t, labels=t).float().mean() * 1000.0).backward()
+    ddp.finish_grad_sync()
+    buffer = ddp.buffer.data.clone()
+    assert buffer.dtype == torch.bfloat16
+    seen = []
+    inner_step = opt.inner.step
+
+    def spy(*args, **kwargs):
+        seen.extend(p.grad.clone() for group in opt.inner.param_groups for p in group["params"])
+        return inner_step(*args, **kwargs)
+
+    opt.inner.step = spy
+    assert opt.step(1e-3).updated
+    assert torch.equal(ddp.buffer.data, buffer)  # (the reduced gradients untouched)
+    got = torch.cat([g.reshape(-1) for g in seen])
+    expected = buffer.float() * (1.0 / 1000.0)
+    assert got.numel() == expected.numel()
+    assert torch.equal(got.sort().values, expected.sort().values)  # (the same values, whatever the groups' order)

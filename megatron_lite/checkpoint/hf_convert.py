@@ -38,6 +38,7 @@ from megatron_lite.checkpoint.format import (
     complete_iterations,
     file_digest,
     iteration_dir,
+    replace_dir,
 )
 from megatron_lite.checkpoint.hf_checks import (
     EXPORT_CAUSE,
@@ -49,6 +50,7 @@ from megatron_lite.checkpoint.hf_checks import (
 from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     SIDE_FILES,
     TOKENIZER_FILES,
+    check_save_dir,
     copy_side_files,
     read_hf_tensors,
     shards,
@@ -335,6 +337,7 @@ def read_model_tensors(load_dir: str, main: bool = False, base: bool = True) -> 
 
 # The two directions ------------------------------------------------------------------------------
 def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
+    check_save_dir(save_dir)
     hf_config, raw = load_hf_config(load_dir)
     arch = _arch(hf_config)
     config = config_from_hf(hf_config)
@@ -367,14 +370,17 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     if trained:  # (iteration 0 would become the newest: a resume would go back to the converted weights)
         raise ConfigError(f"--save-dir {save_dir} holds a training run's checkpoints (iterations {trained[:3]}): "
                           "give an empty directory")  # fmt: skip
+    # The source's side files (config, tokenizer...) go to save_dir/hf, replacing an earlier conversion's whole
+    # (its tokenizer would be named by this one): made beside it, swapped in once the checkpoint is published.
     side = os.path.join(save_dir, HF_DIR)
-    shutil.rmtree(side, ignore_errors=True)  # (an earlier conversion's tokenizer would be named by this one)
-    os.makedirs(side)
-    copy_side_files([(load_dir, ("config.json", *SIDE_FILES))], side)
+    new_side = side + ".tmp"
+    shutil.rmtree(new_side, ignore_errors=True)
+    os.makedirs(new_side)
+    copy_side_files([(load_dir, ("config.json", *SIDE_FILES))], new_side)
     tokenizer = os.path.join(os.path.abspath(side), "tokenizer.json")
     data = (
         DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer)
-        if os.path.isfile(tokenizer)
+        if os.path.isfile(os.path.join(new_side, "tokenizer.json"))
         else DataConfig()
     )
     seq = min(config.max_position_embeddings, 4096)
@@ -387,6 +393,7 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     )
     source = {"hf": arch, "path": os.path.abspath(load_dir)}  # (the PEFT export's base_model_name_or_path)
     path = write_model_checkpoint(save_dir, ours, job.to_dict(), {"converted_from": source})
+    replace_dir(new_side, side)
     log(f"wrote {path}: {len(ours)} tensors")
     return path
 
@@ -475,6 +482,7 @@ def megatron_lite_to_peft(
     directory the base was converted from. `dtype`: the adapter tensors' (default: as stored)."""
     from megatron_lite.lora.peft import split_lora, to_peft, write_peft
 
+    check_save_dir(save_dir)
     meta, ours = read_model_tensors(load_dir, base=False)  # (the adapters alone: a 70B base is not read for them)
     saved = meta["config"]
     lora = saved_lora_config(saved)
@@ -523,9 +531,12 @@ def megatron_lite_to_hf(
     load_dir: str, save_dir: str, dtype: str | None = None, log=print, merge_lora: bool = False
 ) -> None:
     # (a dtype asked for is cast from the fp32 main weights where the checkpoint holds them, not their rounding)
+    check_save_dir(save_dir)
     meta, ours = read_model_tensors(load_dir, main=dtype is not None)
     saved = meta["config"]
     config = model_config_from_dict(saved["model"])
+    if merge_lora and not any(".lora." in k for k in ours):
+        raise ConfigError(f"--merge-lora: --load-dir {load_dir} holds no LoRA adapters; drop --merge-lora")
     if any(".lora." in k for k in ours):
         lora = saved_lora_config(saved)
         if not merge_lora or lora is None:

@@ -80,36 +80,70 @@ def shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return shards
 
 
+def check_save_dir(path: str) -> None:
+    """A --save-dir that exists must be a directory (a file there was a FileExistsError traceback)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--save-dir {path} is a file, not a directory: give a directory")
+
+
+def _is_model_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) or bool(
+        glob.glob(os.path.join(path, "model*.safetensors"))
+    )
+
+
 def write_hf_dir(
     path: str, tensors: dict[str, torch.Tensor], config: dict, side_from: list[tuple[str, tuple[str, ...]]]
 ) -> None:
     """safetensors shards (with an index when more than one), config.json and the side files: from each
-    (directory, names) of `side_from` those present, the first directory holding one giving it."""
-    os.makedirs(path, exist_ok=True)
-    # An earlier export's weights go first: transformers reads model.safetensors before an index and we read the
-    # index first, so a leftover of either kind would give the two different weights beside the new config.
-    stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
-    stale += [os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]
-    # (an earlier export's chat template, tokenizer...; not when this directory is itself a source of them)
-    if not any(os.path.realpath(src) == os.path.realpath(path) for src, _ in side_from):
-        stale += [os.path.join(path, f) for f in SIDE_FILES]
-    for f in stale:
-        if os.path.isfile(f):
-            os.remove(f)
-    groups = shards(tensors)
-    names = (
-        ["model.safetensors"]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
-    for fname, shard in zip(names, groups):
-        atomic_write(os.path.join(path, fname), lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
-    if len(groups) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map = {k: fname for fname, shard in zip(names, groups) for k in shard}
-        atomic_write_json(
-            os.path.join(path, "model.safetensors.index.json"),
-            {"metadata": {"total_size": total}, "weight_map": weight_map},
+    (directory, names) of `side_from` those present, the first directory holding one giving it.
+
+    `path` may be new, empty, or a Hugging Face model directory (an earlier export, replaced); any other
+    non-empty directory is refused rather than mixed with. Everything is written into a temporary directory
+    inside it first and moved into place by renames at the end, so an interruption while the weights are
+    written leaves an earlier export whole."""
+    check_save_dir(path)
+    is_source = any(os.path.realpath(src) == os.path.realpath(path) for src, _ in side_from)
+    if os.path.isdir(path) and not is_source and not _is_model_dir(path):
+        others = sorted(f for f in os.listdir(path) if not f.startswith("."))
+        if others:
+            raise ConfigError(
+                f"--save-dir {path} holds files that are not a Hugging Face model ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}): give an empty directory, or an earlier export to replace"
+            )
+    tmp = os.path.join(path, ".export.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        groups = shards(tensors)
+        names = (
+            ["model.safetensors"]
+            if len(groups) == 1
+            else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         )
-    copy_side_files(side_from, path)
-    atomic_write_json(os.path.join(path, "config.json"), config)
+        for fname, shard in zip(names, groups):
+            atomic_write(os.path.join(tmp, fname), lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+        if len(groups) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map = {k: fname for fname, shard in zip(names, groups) for k in shard}
+            atomic_write_json(
+                os.path.join(tmp, "model.safetensors.index.json"),
+                {"metadata": {"total_size": total}, "weight_map": weight_map},
+            )
+        copy_side_files(side_from, tmp)
+        atomic_write_json(os.path.join(tmp, "config.json"), config)
+        # The switch, renames only. An earlier export's weights go first: transformers reads model.safetensors
+        # before an index and we read the index first, so a leftover of either kind would give the two different
+        # weights beside the new config; its side files too (chat template, tokenizer...), unless this directory
+        # is itself a source of them.
+        stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
+        stale += [os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json")]
+        if not is_source:
+            stale += [os.path.join(path, f) for f in SIDE_FILES]
+        for f in stale:
+            if os.path.isfile(f):
+                os.remove(f)
+        for f in sorted(os.listdir(tmp), key=lambda f: f == "config.json"):  # (config.json last)
+            os.replace(os.path.join(tmp, f), os.path.join(path, f))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -132,8 +132,12 @@ class DistributedOptimizer(OptimizerBase):
             total += fn(mine, self.ctx.device, *groups)
         return total
 
-    def grad_norm(self) -> float:
-        return self._counted_sum(lambda s: s.grad, squared_norm) ** 0.5
+    def grad_norm(self, grads: list[torch.Tensor] | None = None) -> float:
+        """Of the shards' gradients, or of `grads` (one per shard, in order: step's unscaled fp32 copies)."""
+        if grads is None:
+            return self._counted_sum(lambda s: s.grad, squared_norm) ** 0.5
+        of = {id(s): g for s, g in zip(self.shards, grads)}
+        return self._counted_sum(lambda s: of[id(s)], squared_norm) ** 0.5
 
     def params_norm(self) -> float:
         return self._counted_sum(lambda s: s.main, squared_norm) ** 0.5
@@ -143,7 +147,9 @@ class DistributedOptimizer(OptimizerBase):
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
-        grads = [s.grad for s in self.shards]
+        # bf16 main gradients (--grad-reduce-in-bf16) are copied to fp32 before they are unscaled, as Megatron
+        # copies then unscales: unscaling in bf16 rounded each once more (0.4% at a --loss-scale of 1000)
+        grads = fp32([s.grad for s in self.shards])
         if self.scaler is not None:
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -151,10 +157,9 @@ class DistributedOptimizer(OptimizerBase):
             if any_rank(not finite, self.ctx):
                 self.scaler.update(True)
                 return StepResult(False, None, self.scaler.scale)
-        norm = self.grad_norm()
+        norm = self.grad_norm(grads)
         if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
             return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
-        grads = fp32(grads)
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0 and grads:

@@ -347,7 +347,9 @@ class MixedPrecisionOptimizer(OptimizerBase):
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
-        grads = [self.grad_of(p) for p in self.params]
+        # bf16 main gradients (--grad-reduce-in-bf16) are copied to fp32 before they are unscaled, as Megatron
+        # copies then unscales: unscaling in bf16 rounded each once more (0.4% at a --loss-scale of 1000)
+        grads = fp32([self.grad_of(p) for p in self.params])
         if self.scaler is not None:
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -358,7 +360,6 @@ class MixedPrecisionOptimizer(OptimizerBase):
         norm = self.grad_norm(grads)
         if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
             return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
-        grads = fp32(grads)
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (norm + 1e-6)
             if coeff < 1.0 and grads:

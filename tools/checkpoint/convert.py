@@ -20,6 +20,26 @@ from megatron_lite.checkpoint.hf_convert import hf_to_megatron_lite, megatron_li
 from megatron_lite.config import ConfigError
 from megatron_lite.flag_parser import OneLineErrorParser
 
+# Megatron-LM's loader/saver names, and what to give here instead
+_MEGATRON_SIDES = {
+    "llama_mistral": "Megatron-LM's loader of Hugging Face Llama/Mistral weights; here: --loader hf",
+    "mixtral_hf": "Megatron-LM's loader of Hugging Face Mixtral weights; here: --loader hf",
+    "core": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
+    "mcore": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
+    "megatron": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
+    "legacy": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
+}
+
+
+def _side(flag: str, choices: tuple[str, ...]):
+    def parse(value: str) -> str:
+        if value in choices:
+            return value
+        why = f" ({_MEGATRON_SIDES[value]})" if value in _MEGATRON_SIDES else ""
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(choices)}{why}")
+
+    return parse
+
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_lite.models.hf import LLAMA_LIKE
@@ -35,8 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.replace("{architectures}", architectures),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--loader", choices=["hf", "megatron_lite"], required=True)
-    p.add_argument("--saver", choices=["hf", "hf-peft", "megatron_lite"], required=True)
+    p.add_argument("--loader", type=_side("--loader", ("hf", "megatron_lite")), required=True, help="hf, megatron_lite")
+    p.add_argument(
+        "--saver",
+        type=_side("--saver", ("hf", "hf-peft", "megatron_lite")),
+        required=True,
+        help="hf, hf-peft, megatron_lite",
+    )
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument(
@@ -50,7 +75,34 @@ def main(argv: list[str] | None = None) -> int:
         help="--saver hf-peft: the adapter's base model for AutoPeftModelForCausalLM, e.g. a hub name (default: the "
         "Hugging Face directory the base checkpoint was converted from, when it still exists)",
     )
+    # Megatron-LM's convert.py flags, so its command lines port: GPT is the one model type, and the others do
+    # nothing here (said once each)
+    m = p.add_argument_group("Megatron-LM's convert.py flags (accepted; see the notes they print)")
+    m.add_argument("--model-type", choices=["GPT"], default="GPT", help="GPT (the one kind converted)")
+    for flag in ("--target-tensor-parallel-size", "--target-pipeline-parallel-size", "--target-expert-parallel-size"):
+        m.add_argument(flag, type=int, help="not needed: a megatron_lite checkpoint loads under any layout")
+    m.add_argument("--max-queue-size", type=int, help="no effect (no loader/saver processes here)")
+    m.add_argument("--no-checking", action="store_true", help="no effect (every tensor is always checked)")
+    m.add_argument("--megatron-path", help="no effect")
+    m.add_argument("--checkpoint-type", choices=["hf"], help="--loader hf reads Hugging Face checkpoints")
+    m.add_argument("--model-size", help="no effect: the size comes from config.json")
+    m.add_argument("--tokenizer-model", help="no effect: the tokenizer files beside the weights are copied")
     args = p.parse_args(argv)
+    for flag, why in (
+        ("target_tensor_parallel_size", "a megatron_lite checkpoint loads under any layout; give the layout to "
+         "pretrain_gpt.py"),
+        ("target_pipeline_parallel_size", "a megatron_lite checkpoint loads under any layout; give the layout to "
+         "pretrain_gpt.py"),
+        ("target_expert_parallel_size", "a megatron_lite checkpoint loads under any layout; give the layout to "
+         "pretrain_gpt.py"),
+        ("max_queue_size", "no loader/saver processes here"),
+        ("no_checking", "every tensor is checked"),
+        ("megatron_path", "not needed"),
+        ("model_size", "the size comes from config.json"),
+        ("tokenizer_model", "the tokenizer files beside the weights are copied"),
+    ):  # fmt: skip
+        if getattr(args, flag) not in (None, False):
+            print(f"note: --{flag.replace('_', '-')} has no effect here: {why}")
     try:
         if args.base_model_name_or_path and args.saver != "hf-peft":
             raise ConfigError(

@@ -43,6 +43,7 @@ def describe(path: str, verify: bool = False) -> dict:
     for name, rec in sorted(reader.index.items()):
         tensors[name] = {"shape": rec["shape"], "dtype": rec["dtype"], "pieces": len(rec["pieces"])}
     model = meta["config"].get("model", {})
+    training, optim, data = (meta["config"].get(k) or {} for k in ("training", "optimizer", "data"))
     return {
         "path": path,
         "iteration": meta["iteration"],
@@ -52,6 +53,9 @@ def describe(path: str, verify: bool = False) -> dict:
         "sharding": {k: v for k, v in meta["config"].get("optimizer", {}).items() if k in SHARDING},
         "model": model,
         "lora": meta["config"].get("lora"),
+        "training": {k: training.get(k) for k in TRAINING_KEYS if training.get(k) is not None},
+        "optimizer": {k: optim.get(k) for k in OPTIMIZER_KEYS if optim.get(k) not in (None, False)},
+        "data": {k: data.get(k) for k in DATA_KEYS if data.get(k)},
         "converted_from": meta.get("converted_from"),
         "tensors": tensors,
         "kinds": sorted({n.split("/")[0] for n in tensors}),
@@ -61,6 +65,29 @@ def describe(path: str, verify: bool = False) -> dict:
         "files": len(reader.files),
         "verified": verify and reader.checksummed,  # (format 1 recorded none)
     }
+
+
+# What a run was trained with, as Megatron users look for it (the whole config is in metadata.json)
+TRAINING_KEYS = ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seed")
+OPTIMIZER_KEYS = ("optimizer", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "weight_decay", "clip_grad",
+                  "bf16", "fp16")  # fmt: skip
+DATA_KEYS = ("data_path", "train_data_path", "tokenizer_type", "tokenizer_model", "sft")
+# The layout's sizes a user gives (the saved layout also holds the derived groups: dp_cp, mp, emp, ...)
+LAYOUT_KEYS = {"tp": "TP", "pp": "PP", "dp": "DP", "cp": "CP", "ep": "EP", "etp": "expert-TP"}
+
+
+def _flags(d: dict) -> str:
+    """Settings as the flags that give them: --seq-length 4096, --bf16, --data-path a b."""
+    out = []
+    for k, v in d.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, list | tuple):
+            out.append(f"{flag} {' '.join(map(str, v))}")
+        else:
+            out.append(f"{flag} {v}")
+    return " ".join(out)
 
 
 def _features(m: dict, lora: dict | None) -> list[str]:
@@ -112,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(d, indent=1))
         return 0
-    lay = ", ".join(f"{k}={v}" for k, v in d["layout"].items())
+    layout = d["layout"]
+    sizes = [f"{name}={layout[k]}" for k, name in LAYOUT_KEYS.items() if k in layout and (k != "etp" or layout[k] > 1)]
+    lay = f"{layout.get('world_size', 1)} process(es)" + (": " + ", ".join(sizes) if sizes else "")
     vp, sh = d["parallel"].get("virtual_pipeline_model_parallel_size"), d["sharding"]
     lay += f", virtual stages={vp}" if vp else ""
     if sh.get("use_torch_fsdp2"):
@@ -123,8 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint   {d['path']}")
     print(f"iteration    {d['iteration']} ({d['consumed_samples']} samples consumed)")
     print(f"saved under  {lay}")
-    if d["converted_from"]:
-        print(f"converted    from {d['converted_from']}")
+    src = d["converted_from"]
+    if src:
+        print(f"converted    from {src.get('hf', '?')} at {src.get('path', '?')}" if isinstance(src, dict) else
+              f"converted    from {src}")  # fmt: skip
+    for label, key in (("training", "training"), ("optimizer", "optimizer"), ("data", "data")):
+        if d[key]:
+            print(f"{label:<13}{_flags(d[key])}")
     arch = ", ".join(
         f"{k}={m[k]}"
         for k in (
@@ -149,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     verified = " (checksums verified)" if d["verified"] else ""
     if args.verify and not d["verified"]:
         verified = " (a format-1 checkpoint: it records no checksums to verify)"
-    print(f"size         {_human(d['total_bytes'])} in {d['files']} files{verified}")
+    files = f"{d['files']} file" + ("s" if d["files"] != 1 else "")
+    print(f"size         {_human(d['total_bytes'])} in {files}{verified}")
     print("tensors:")
     width = max((len(n) for n in d["tensors"]), default=0)
     for name, t in d["tensors"].items():
@@ -158,4 +193,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # (`inspect_checkpoint.py CKPT | head`: the reader went away, nothing went wrong)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
