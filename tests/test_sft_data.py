@@ -12,7 +12,10 @@ from megatron_lite.data.sft import SFTDataset
 
 
 class Words:
+    """Ids as text, like NullTokenizer: prompt and response are encoded apart ("1 2" + "3" is not "1 2 3")."""
+
     eod = 0
+    separate_texts = True
 
     def encode(self, text: str) -> list[int]:
         return [int(w) for w in text.split()]
@@ -79,9 +82,9 @@ def test_bad_records_are_refused(tmp_path, record, message):
 
 
 def test_a_tokenizer_adding_bos_and_eos_around_every_text_gives_one_of_each(tmp_path):
-    """A tokenizer.json whose post-processor is "<s> $A </s>" (Llama saved with add_eos_token): prompt and
-    response are encoded apart, yet the sample is <s> prompt response </s>, the loss on the response and </s>
-    only (it was <s> prompt </s> <s> response </s> </s>, training on the response's <s> and a doubled </s>)."""
+    """A tokenizer.json whose post-processor is "<s> $A </s>" (Llama saved with add_eos_token): the sample is
+    <s> prompt response </s>, the loss on the response and </s> only (it was <s> prompt </s> <s> response </s>
+    </s>, training on the response's <s> and a doubled </s>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     from megatron_lite.data.tokenizers import build_tokenizer
@@ -96,14 +99,14 @@ def test_a_tokenizer_adding_bos_and_eos_around_every_text_gives_one_of_each(tmp_
     tok = build_tokenizer("HuggingFaceTokenizer", model=str(tmp_path / "tokenizer.json"))
     assert tok.encode("answer yes") == [1, 5, 6, 2]  # the tokenizer does add both each time
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"prompt": "hello world", "response": "answer yes"}) + "\n")
+    path.write_text(json.dumps({"prompt": "hello world", "response": " answer yes"}) + "\n")
     s = SFTDataset(str(path), tok, seq_length=8, seed=0)[0]
     assert s["tokens"].tolist() == [1, 3, 4, 5, 6, 2, 2, 2]
     assert [lab for lab, m in zip(s["labels"].tolist(), s["loss_mask"].tolist()) if m] == [5, 6, 2]
 
 
 def test_a_bos_adding_tokenizer_puts_one_bos_per_sample(tmp_path):
-    """Llama2Tokenizer starts every encode with <s>; prompt and response are encoded apart, yet the sample is
+    """Llama2Tokenizer starts every encode with <s>; the sample is
     <s> prompt response </s>: one BOS, and the loss only on the response and </s>."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -120,10 +123,64 @@ def test_a_bos_adding_tokenizer_puts_one_bos_per_sample(tmp_path):
     path = tmp_path / "d.jsonl"
     # the second prompt as a chat template renders it, starting with the BOS's text: SentencePiece reads that as
     # text ("<", "s", ">"), so the BOS's text is dropped before encoding and the sample holds one BOS
-    records = [{"prompt": "hello world", "response": "answer yes"}, {"prompt": "<s>hello world", "response": "yes"}]
+    records = [{"prompt": "hello world", "response": " answer yes"}, {"prompt": "<s>hello world", "response": " yes"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     d = SFTDataset(str(path), tok, seq_length=8, seed=0)
     assert d.records == [([1, 3, 4], [5, 6, 2]), ([1, 3, 4], [6, 2])]
     s = d[[i for i in range(2) if d[i]["tokens"].tolist()[3] == 5][0]]
     assert s["tokens"].tolist() == [1, 3, 4, 5, 6, 2, 2, 2]
     assert [lab for lab, m in zip(s["labels"].tolist(), s["loss_mask"].tolist()) if m] == [5, 6, 2]
+
+
+def _llama2_style_tokenizer(folder) -> str:
+    """A SentencePiece-converted tokenizer.json as Llama-2's (Prepend("▁") + spaces as "▁", "<s> $A"), a chat
+    template in tokenizer_config.json as Llama-2-chat's, and a tokenizer.model beside them (for Llama2Tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+    pieces = ["<unk>", "<s>", "</s>", "▁", "▁[INST]", "▁hello", "▁[/INST]", "▁yes", "▁answer", "▁again",
+              "[INST]", "hello", "[/INST]", "yes", "[", "]", "I", "N", "S", "T", "/", "h", "e", "l", "o", "y", "s",
+              "<", ">"]  # fmt: skip
+    vocab = [(p, 0.0 if i < 3 else -1.0 if len(p) > 1 else -10.0) for i, p in enumerate(pieces)]
+    hf = Tokenizer(models.Unigram(vocab, unk_id=0))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.model").write_bytes(b"")
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                "' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% if not loop.last %}"
+                "{{ bos_token }}{% endif %}{% endif %}{% endfor %}")  # fmt: skip
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template,
+              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "Llama2Tokenizer"])
+def test_a_chat_rendered_record_tokenizes_as_transformers_chat_template(tmp_path, kind):
+    """From the SFT review: prompt and response were encoded apart, so SentencePiece opened every response with a
+    lone "▁" token (its dummy prefix), trained on; and Llama2Tokenizer read the template's "</s>" and "<s>" as
+    text ("</", "s", ">"), training the model to write a literal "</s>". The sample's ids must be those of
+    transformers' apply_chat_template on the whole conversation, the loss on the last answer's tokens only."""
+    from transformers import AutoTokenizer
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    folder = _llama2_style_tokenizer(tmp_path)
+    reference = AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "answer"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "yes"}]  # fmt: skip
+    text = reference.apply_chat_template(chat, tokenize=False)
+    prompt = reference.apply_chat_template(chat[:3], tokenize=False, add_generation_prompt=True)
+    assert text.startswith(prompt)
+    expected = reference.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    answer = len(reference.apply_chat_template(chat[:3], tokenize=True, add_generation_prompt=True, return_dict=True)
+                 ["input_ids"])  # fmt: skip
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "response": text[len(prompt) :]}) + "\n")
+    model = folder + ("/tokenizer.json" if kind == "HuggingFaceTokenizer" else "/tokenizer.model")
+    s = SFTDataset(str(path), build_tokenizer(kind, model=model), seq_length=len(expected) + 2, seed=0)[0]
+    assert s["tokens"].tolist()[: len(expected)] == expected, reference.convert_ids_to_tokens(s["tokens"].tolist())
+    trained = [lab for lab, m in zip(s["labels"].tolist(), s["loss_mask"].tolist()) if m]
+    assert trained == expected[answer:], reference.convert_ids_to_tokens(trained)

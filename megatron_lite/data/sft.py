@@ -1,6 +1,10 @@
 """Supervised fine-tuning data: a JSONL file of {"prompt": ..., "response": ...} records ("completion" for
-"response", as TRL's prompt-completion data). A prompt rendered by a chat template whose text starts with the
-BOS the tokenizer adds too keeps one. Each sample is the
+"response", as TRL's prompt-completion data). Only the response is trained: in a multi-turn conversation rendered
+into the prompt, earlier assistant turns are context. Prompt and response are tokenized as one text, as
+transformers' chat template and TRL tokenize them, the response being what follows the prompt's own tokens (apart,
+SentencePiece would open every response with a lone space token); special tokens a chat template wrote ("</s>",
+"<s>", "<|eot_id|>") read as those tokens. A prompt rendered by a chat template whose text starts with the BOS the
+tokenizer adds too keeps one. Each sample is the
 prompt's tokens (with the tokenizer's BOS, if it adds one), the response's (without: one BOS per sequence, and
 without an EOS the tokenizer adds after every text) and one end-of-document token, padded to the sequence
 length. A record longer than that loses the start of its prompt (after its BOS), not its response, as
@@ -54,6 +58,8 @@ class SFTDataset:
         prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
         # a chat template's rendered BOS ("<s>[INST] ..."): SentencePiece reads it as text, not as the BOS
         bos_text = tokenizer.token(prefix[0]) if len(prefix) == 1 and hasattr(tokenizer, "token") else None
+        encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
+        separate = getattr(tokenizer, "separate_texts", False)
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -73,13 +79,24 @@ class SFTDataset:
                 if bos_text and prompt.startswith(bos_text):
                     prompt = prompt[len(bos_text) :]
                 try:
-                    p, ids = tokenizer.encode(prompt), tokenizer.encode(response)
+                    if separate:
+                        p, ids = encode(prompt), _strip(encode(response), prefix, [])
+                    else:
+                        p, whole = encode(prompt), encode(prompt + response)
                 except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
                     raise ConfigError(f"{path}:{n}: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
                 p = _strip(p, [], suffix)
                 if prefix and p[: 2 * len(prefix)] == prefix + prefix:  # a chat template's rendered BOS, then ours
                     p = p[len(prefix) :]
-                ids = _strip(ids, prefix, suffix)
+                if not separate:
+                    whole = _strip(whole, [], suffix)
+                    if prefix and whole[: 2 * len(prefix)] == prefix + prefix:
+                        whole = whole[len(prefix) :]
+                    # the response: what follows the prompt's tokens (a merge across the boundary goes to it)
+                    at = next((i for i, (a, b) in enumerate(zip(p, whole)) if a != b), min(len(p), len(whole)))
+                    p, ids = whole[:at], whole[at:]
+                else:
+                    ids = _strip(ids, [], suffix)
                 if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
                     ids = ids + [tokenizer.eod]
                 p, ids, cut_prompt, cut_response = _fit(

@@ -30,6 +30,8 @@ class NullTokenizer:
     """Megatron's NullTokenizer: text is space-separated ids; the end-of-document id is vocab_size, so
     the model's vocabulary is --vocab-size + 1."""
 
+    separate_texts = True  # (ids as text: "1 2" + "3" is not "1 2 3", so SFT encodes prompt and response apart)
+
     def __init__(self, vocab_size: int) -> None:
         self.eod = int(vocab_size)
         self.vocab_size = int(vocab_size) + 1
@@ -198,6 +200,16 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # (Megatron's SentencePiece tokenizers add their own BOS, not the tokenizer.json's post-processor's)
         return [ids if self.bos is None else [self.bos, *ids] for ids in self._plain(texts)]
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Text a chat template rendered ("answer</s><s>[INST] ..."): its special tokens read as the tokens they
+        name, as transformers' tokenizer (and so apply_chat_template) reads them; plain documents keep
+        SentencePiece's rule, `encode`."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self.encode(text)
+        finally:
+            self._tok.encode_special_tokens = True
 
 
 class GPT2BPETokenizer(HuggingFaceTokenizer):
