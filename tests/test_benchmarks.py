@@ -26,6 +26,8 @@ def test_bench_train_step_reports_a_ratio(tmp_path):
     assert set(result["step_time_s"]) == {"megatron_lite", "transformers"}
     assert result["ratio_transformers_over_megatron_lite"] > 0
     assert "speed-up of megatron_lite over transformers" in stdout
+    first = result["first_step_loss"]  # (checked by the script before it reports a time)
+    assert abs(first["megatron_lite"] - first["transformers"]) <= 1e-4 * first["transformers"]
 
 
 @pytest.mark.parametrize("model", ["deepseek_v3", "llama"])
@@ -191,3 +193,8 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
     assert "are 20% of the unfused peak)" in text and "memory meets 5%" in text
     assert "torch.compile" not in text  # its row failed: no speed verdict rather than an exception
     assert verdicts([]) == []
+    # a kernel whose output is not the reference's: said first, and it meets no target however fast it was
+    rows[0]["rel_err"] = 0.3
+    lines = verdicts(rows)
+    assert lines[0].startswith("WRONG: rms_norm / megatron_lite differs from the reference by 3.0e-01")
+    assert not any(line.startswith("rms_norm fwd:") for line in lines), lines

@@ -125,8 +125,23 @@ def gemm_decomposition(args) -> dict:
             K.matmul_into(out[j * c : (j + 1) * c], x[j * c : (j + 1) * c], w)
 
     flops = 2 * tokens * h * n
-    t_mono, t_chunk = timeit(mono), timeit(chunked)
-    t_triton = timeit(triton_chunked) if device.type == "cuda" else None
+    # the same product before any time: each chunked form against the one GEMM
+    mono()
+    expected = out.clone()
+    forms = [chunked] + ([triton_chunked] if device.type == "cuda" else [])
+    for fn in forms:
+        out.zero_()
+        fn()
+        err = float((out.float() - expected.float()).norm() / expected.float().norm())
+        if not err < (1e-2 if out.dtype != torch.float32 else 1e-5):
+            raise SystemExit(f"{fn.__name__} differs from the one GEMM by {err:.1e}; not timing it")
+    # rounds alternating between the forms, so drift in the machine's speed hits each alike; each its median
+    rounds = {fn.__name__: [] for fn in (mono, *forms)}
+    for _ in range(3):
+        for fn in (mono, *forms):
+            rounds[fn.__name__].append(timeit(fn))
+    t_mono, t_chunk = statistics.median(rounds["mono"]), statistics.median(rounds["chunked"])
+    t_triton = statistics.median(rounds["triton_chunked"]) if device.type == "cuda" else None
     result = {
         "shape": [tokens, h, n],
         "chunks": args.tp,

@@ -67,7 +67,17 @@ def _time_ms(fn, device, reps: int, graph: bool = False) -> float:
 
         if graph:
             fn = _graphed(fn, device)
-        return float(triton.testing.do_bench(fn, warmup=5, rep=max(20, reps * 10), return_mode="median"))
+        # do_bench's warmup and rep are milliseconds: a 20 ms case at rep 30 was timed once. Each case runs at
+        # least 25 times (from a first estimate), never less than `reps` x 10 ms.
+        fn()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        _sync(device)
+        estimate = (time.perf_counter() - t0) / 3 * 1e3
+        rep = max(20.0, reps * 10.0, 25 * estimate)
+        return float(triton.testing.do_bench(fn, warmup=max(5.0, 3 * estimate), rep=rep, return_mode="median"))
     fn()
     times = []
     for _ in range(reps):

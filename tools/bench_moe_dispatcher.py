@@ -42,27 +42,39 @@ def _worker(rank: int, world: int, args) -> list[dict]:
     )
     rows = []
     x = torch.randn(args.tokens, 1, args.hidden_size, generator=torch.Generator().manual_seed(rank)).to(device)
-    for kind in ("alltoall", "allgather"):
+    kinds = ("alltoall", "allgather")
+    layers = {}
+    for kind in kinds:
         torch.manual_seed(0)
         layer = MoELayer(dataclasses.replace(base, moe_token_dispatcher_type=kind), ctx, device=device)
         with torch.no_grad():
             for p in layer.parameters():
                 p.normal_(0, 0.02)
-        times = []
-        for i in range(args.warmup + args.iters):
+        layers[kind] = layer
+    # the same work: both dispatchers give the same output from the same weights and tokens before any is timed
+    with torch.no_grad():
+        outs = [layers[k](x.clone()) for k in kinds]
+    err = float((outs[0] - outs[1]).norm() / outs[1].norm())
+    if not err < 1e-5:
+        raise SystemExit(f"rank {rank}: the dispatchers' outputs differ by {err:.1e}; not timing them")
+    times = {k: [] for k in kinds}
+    for i in range(args.warmup + args.iters):
+        for kind in kinds:  # alternating, so drift in the machine's speed hits both alike
             inp = x.clone().requires_grad_(True)
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            layer(inp).sum().backward()
+            layers[kind](inp).sum().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()
             if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        step = statistics.median(times)
-        rows.append({"dispatcher": kind, "ep": world, "step_s": step, "tokens_per_s": args.tokens * world / step})
+                times[kind].append(time.perf_counter() - t0)
+    for kind in kinds:
+        step = statistics.median(times[kind])
+        rows.append({"dispatcher": kind, "ep": world, "step_s": step, "tokens_per_s": args.tokens * world / step,
+                     "output_rel_diff": err})  # fmt: skip
     return rows
 
 
