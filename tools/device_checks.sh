@@ -6,7 +6,7 @@
 # per check, the benchmark's target verdicts last.
 #   OUT=/tmp/out bash tools/device_checks.sh
 # A rerun can narrow it: KERNEL_TESTS="tests/a.py tests/b.py", BENCH_ARGS="--profile fused_linear_cross_entropy",
-# SKIP_GEMM=1, SKIP_TRAIN=1.
+# SKIP_GEMM=1, SKIP_TRAIN=1, SKIP_DECODE=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_out}
@@ -67,5 +67,13 @@ pack
     --mock-data --vocab-size 32000 --log-interval 5 --eval-iters 0 --overlap-grad-reduce \
     --log-jsonl "$WORK/gpu_train.jsonl" > "$WORK/gpu_train.log" 2>&1
 stamp "gpu train: rc=$? $(grep -c lm_loss "$WORK/gpu_train.jsonl" 2>/dev/null) records; $(tail -n 1 "$WORK/gpu_train.jsonl" 2>/dev/null | cut -c1-300)"
+pack
+# 5. If time is still left: a decoding step on a 4096-token KV cache beside transformers, bf16 (DeepSeek-V3's
+#    head sizes: the absorbed latents; then Llama's grouped-query heads).
+[ -n "${SKIP_DECODE:-}" ] || for model in deepseek_v3 llama; do
+    timeout ${DECODE_TIMEOUT:-25} python3 tools/bench_decode.py --device cuda --bf16 --model $model --context 4096 \
+        --json "$WORK/bench_decode_$model.json" > "$WORK/bench_decode_$model.log" 2>&1
+    stamp "bench decode $model: rc=$? $(tail -n 1 "$WORK/bench_decode_$model.log" | cut -c1-300)"
+done
 pack
 grep -vE '^\{"kernel"' "$WORK/bench_kernels.log" | grep -vE "Warning|warn" | tail -n 30
