@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one run sized for a 15-minute lease (give the run 540 s; the steps stop at
-# 150 + 270 + 30 + 50 s, the last ones first to go, leaving time for one rerun). Works on any CUDA machine.
+# 150 + 270 + 30 + 50 + 2 x 25 s, the last ones first to go, leaving time for one rerun). Works on any CUDA machine.
 # Logs go to $WORK and are packed after every step into $OUT/logs.tgz; the kernel table and its JSON are copied
 # to $OUT/kernels.md and $OUT/kernels.json (the device tool brings back at most 8 files). Prints one status line
 # per check, the benchmark's target verdicts last.
