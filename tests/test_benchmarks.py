@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -198,3 +199,16 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
     lines = verdicts(rows)
     assert lines[0].startswith("WRONG: rms_norm / megatron_lite differs from the reference by 3.0e-01")
     assert not any(line.startswith("rms_norm fwd:") for line in lines), lines
+
+
+def test_device_checks_explains_itself_and_refuses_a_machine_without_cuda(tmp_path):
+    """From the README review: `bash tools/device_checks.sh --help` ignored --help and ran every GPU check on a CPU
+    for 8 minutes (pip install, the kernel tests, the benchmark, a training job), writing ./device_out."""
+    script = str(ROOT / "tools" / "device_checks.sh")
+    done = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and "Every check that needs a GPU" in done.stdout, done.stderr
+    if torch.cuda.is_available():
+        return
+    done = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "error: no CUDA device here" in done.stderr, done.stderr
+    assert not (ROOT / "device_out").exists() and not (tmp_path / "device_out").exists()

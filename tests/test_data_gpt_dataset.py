@@ -368,3 +368,30 @@ def test_one_weighted_prefix_is_a_blend_of_one_as_megatrons(tmp_path):
     for data_path, expected in (((prefix,), plain), (("1.0", prefix), weighted)):
         train, _, _ = _byte_build(DataConfig(data_path=data_path, split="1,0,0", data_cache_path=cache), (n, 0, 0))
         assert [train.tokens(i).tolist() for i in range(n)] == expected[:n], data_path
+
+
+def test_indices_cached_under_the_old_document_order_are_not_reused(tmp_path):
+    """From the diff review: the cache key held nothing of the order's rule, so a multi-epoch split cached before
+    the documents of every epoch were shuffled together kept the old order (and ranks with caches of different
+    ages would read different samples). Indices under the old key are ignored; the order is Megatron's."""
+    import hashlib
+    import json
+    import os
+
+    from megatron_lite.data.gpt_dataset import index_signature
+
+    docs = _docs()
+    prefix = str(tmp_path / "c")
+    ix = _write(prefix, docs)
+    n, cache = 27, str(tmp_path / "cache")
+    old_key = [os.path.abspath(prefix), os.path.getsize(prefix + ".bin"), index_signature(ix, (0, len(docs))),
+               [0, len(docs)], n, 8, 1234]  # fmt: skip
+    digest = hashlib.md5(json.dumps(old_key).encode()).hexdigest()
+    os.makedirs(cache)
+    stale = {"doc": np.arange(3 * len(docs)) % len(docs), "sample": np.zeros((40, 2), dtype=np.int64),
+             "shuffle": np.arange(39)}  # fmt: skip
+    for k, arr in stale.items():
+        np.save(os.path.join(cache, f"{digest}-{k}.npy"), arr)
+    ds = GPTDataset(ix, (0, len(docs)), n, 8, 1234, cache, 999)
+    expected, *_ = _megatron_samples(docs, (0, len(docs)), n, 8, 1234)
+    assert [ds.tokens(i).tolist() for i in range(len(ds))] == expected

@@ -623,3 +623,16 @@ def test_the_search_tries_uneven_pipeline_splits_when_asked():
     layout = next(x for x in staged if x.pp == 2 and x.vp == 1 and x.sharding == "none")
     assert evaluate(model, layout, 32, 64, cl).reason is None
     assert "not divisible" in evaluate(model, dataclasses.replace(layout, stages=None), 32, 64, cl).reason
+
+
+def test_a_scripts_relative_paths_are_the_repositorys_wherever_the_planner_runs(tmp_path, monkeypatch):
+    """From the README review: a launch script `cd`s to the repository first, so its TOKENIZER=tokenizer.json is the
+    repository's; the planner expanded it against its own working directory, and a tokenizer.json there priced
+    another vocabulary. Its paths are now the repository's (a blend's weights left as numbers)."""
+    tool = _tool()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    argv, world = tool.script_args(str(ROOT / "pretrain" / "llama3_8b.sh"))
+    at = argv.index("--tokenizer-model")
+    assert argv[at + 1] == str(ROOT / "tokenizer.json") and world == 8
+    assert argv[argv.index("--data-path") + 1] == str(ROOT / "data" / "llama3_text_document")

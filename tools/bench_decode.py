@@ -119,9 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
             tokens["megatron_lite"].append(int(ours_next))
             tokens["transformers"].append(int(hf_next))
     ours_bytes = sum(t.numel() * t.element_size() for kv in cache._store.values() for t in kv)
-    hf_bytes = sum(
-        t.numel() * t.element_size() for layer in past.layers for t in (layer.keys, layer.values) if t is not None
+    # (transformers 4.56 on: the cache's layers; before, its key_cache and value_cache lists)
+    pairs = (
+        [(x.keys, x.values) for x in past.layers] if hasattr(past, "layers") else zip(past.key_cache, past.value_cache)
     )
+    hf_bytes = sum(t.numel() * t.element_size() for pair in pairs for t in pair if t is not None)
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -8,7 +8,15 @@
 # A rerun can narrow it: KERNEL_TESTS="tests/a.py tests/b.py", BENCH_ARGS="--profile fused_linear_cross_entropy",
 # SKIP_GEMM=1, SKIP_TRAIN=1, SKIP_DECODE=1.
 set -uo pipefail
+if [ $# -gt 0 ]; then  # (it takes no arguments: --help or anything else prints this header)
+    sed -n '2,/^set /p' "$0" | grep '^#' | cut -c3-
+    exit 0
+fi
 cd "$(dirname "$0")/.."
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "error: no CUDA device here: tools/device_checks.sh runs the GPU checks (the CPU suite is the README's test command)" >&2
+    exit 2
+fi
 OUT=${OUT:-device_out}
 WORK=${WORK:-/tmp/device_checks}
 mkdir -p "$OUT" "$WORK/bench"

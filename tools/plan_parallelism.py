@@ -44,7 +44,30 @@ def script_args(path: str) -> tuple[list[str], int]:
     program = f"{defaults}\n{block.group(0)}\nprintf '%s\\0' \"${{ARGS[@]}}\"\n{world}"
     out = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout
     *argv, world = out.split("\0")
+    # The shipped scripts `cd "$(dirname "$0")/.."` first: their relative paths (TOKENIZER=tokenizer.json) are the
+    # repository's, not wherever the planner runs (a tokenizer.json there priced its vocabulary instead)
+    if re.search(r'^cd "\$\(dirname "\$0"\)/\.\."', text, re.M):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        flag = None
+        for i, tok in enumerate(argv):
+            if tok.startswith("--"):
+                flag = tok
+            elif flag in SCRIPT_PATH_FLAGS and not os.path.isabs(tok) and not _is_number(tok):
+                argv[i] = os.path.join(root, tok)
     return argv, int(world)
+
+
+# flags of a launch script whose values are paths (a blend's weights among them stay numbers)
+SCRIPT_PATH_FLAGS = {"--tokenizer-model", "--vocab-file", "--merge-file", "--data-path", "--train-data-path",
+                     "--valid-data-path", "--test-data-path", "--data-cache-path", "--load", "--save"}  # fmt: skip
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+    except ValueError:
+        return False
+    return True
 
 
 def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = None) -> tuple[ModelConfig, object]:

@@ -119,6 +119,9 @@ class GPTDataset:
                 num_samples,
                 seq_length,
                 seed,
+                # the order's rule: indices cached before every epoch's documents were shuffled together (as
+                # Megatron's) held another order for a split read over several epochs; they are not reused
+                "documents-shuffled-across-epochs",
             ]
         )
         tokens_per_epoch = int(indexed.lengths[docs].astype(np.int64).sum())

@@ -175,9 +175,12 @@ class MultiLatentAttention(nn.Module):
         latents, k_pe = kv_cache.append(self.layer_number, kv_latent.transpose(0, 1).unsqueeze(2), k_pe)
         latents, k_pe = latents.squeeze(2), k_pe.squeeze(2)  # [b, every token so far, kv_lora_rank], [.., pe]
         w_uk, w_uv = kv_cache.derived(self.layer_number, self._absorbed_weights)
-        q_latent = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
-        scores = torch.einsum("bshr,btr->bsht", q_latent, latents) + torch.einsum("bshp,btp->bsht", q_pe, k_pe)
-        scores = scores.float() * self.core_attention.scale
+        # the scores in fp32, as the flash kernel and SDPA's fused backends accumulate q.k (bf16 einsums, added in
+        # bf16, were 3x further from fp64 at DeepSeek-V3's sizes); the step's query in fp32 too
+        q_latent = torch.einsum("bshn,hnr->bshr", q_nope.float(), w_uk.float())
+        scores = torch.einsum("bshr,btr->bsht", q_latent, latents.float())
+        scores = scores + torch.einsum("bshp,btp->bsht", q_pe.float(), k_pe.float())
+        scores = scores * self.core_attention.scale
         s, t = scores.shape[1], scores.shape[3]
         mask = attention_mask(s, t, self.core_attention.window, scores.device)
         if mask is not None:
