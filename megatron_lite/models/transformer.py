@@ -8,6 +8,7 @@ hidden dropout draws from (per TP rank when the activations are sequence-sharded
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from megatron_lite.models.mlp import MLP
 from megatron_lite.models.norms import build_norm
 from megatron_lite.moe.layer import MoELayer
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.tensor_parallel.random import RNGStatesTracker, checkpoint
+from megatron_lite.tensor_parallel.random import Regenerated, RNGStatesTracker, checkpoint
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, rng: RNGStatesTracker, sharded: bool) -> torch.Tensor:
@@ -56,6 +57,7 @@ class TransformerLayer(nn.Module):
         self.recompute = {"layernorm": "layernorm" in modules, "mlp": mlp in modules}
 
     def _maybe_recompute(self, name: str, fn, *args: torch.Tensor):
+        """Checkpoint `fn` when `name` is in --recompute-modules (the MLP; the norms are Regenerated)."""
         if self.recompute[name] and self.training:
             return checkpoint(fn, self.rng, *args)
         return fn(*args)
@@ -63,13 +65,33 @@ class TransformerLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
     ) -> torch.Tensor:
-        """`documents` [batch, seq]: each token's document (--reset-attention-mask), attention kept inside it."""
-        h = self._maybe_recompute("layernorm", self.input_layernorm, x)
-        h = self.self_attention(h, rope, kv_cache, documents)
+        """`documents` [batch, seq]: each token's document (--reset-attention-mask), attention kept inside it.
+
+        --recompute-modules layernorm (Megatron's CheckpointWithoutOutput): each norm's output, which the
+        attention's and the MLP's first GEMMs save for their weight gradients, is dropped after the forward and
+        made again from the norm's input (saved anyway, by the norm) when the backward first needs it: one
+        [s, b, h] a norm. (Checkpointing the norm alone freed nothing: its consumers kept its output.)"""
+        regen = self.recompute["layernorm"] and self.training
+        if regen:  # (the norm itself checkpointed too: it keeps only its input, not the PyTorch norm's temporaries)
+            attn_norm = Regenerated(self.rng)
+            h = attn_norm.first(functools.partial(checkpoint, self.input_layernorm, self.rng, x))
+        else:
+            h = self.input_layernorm(x)
+        with attn_norm.hooks() if regen else contextlib.nullcontext():
+            h = self.self_attention(h, rope, kv_cache, documents)
         h = dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
-        # x + h and its norm in one pass (one kernel with --kernel-impl triton)
-        h, x = self._maybe_recompute("layernorm", self.pre_mlp_layernorm, h, x)
-        h = self._maybe_recompute("mlp", self.mlp, h)
+        if not regen or self.pre_mlp_layernorm.triton:
+            # x + h and its norm in one pass (one kernel with --kernel-impl triton, which keeps the sum alone)
+            h, x = self.pre_mlp_layernorm(h, x)
+        else:  # the sum (the next residual, alive anyway), then its norm keeping only it
+            x = x + h
+            h = checkpoint(self.pre_mlp_layernorm, self.rng, x)
+        if regen:  # made again from the sum (the fused kernel normalises the sum it returns: the same values)
+            mlp_norm = Regenerated(self.rng)
+            mlp_norm.first(lambda h=h: h)  # (this output's storage)
+            mlp_norm.make = functools.partial(self.pre_mlp_layernorm, x)
+        with mlp_norm.hooks() if regen else contextlib.nullcontext():
+            h = self._maybe_recompute("mlp", self.mlp, h)
         return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
 
 
