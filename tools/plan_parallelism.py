@@ -27,7 +27,7 @@ from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, plan
+from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
 
 
 def script_args(path: str) -> tuple[list[str], int]:
@@ -131,32 +131,6 @@ def model_from_hf(path: str) -> ModelConfig:
     # DeepSeek-V3's multi-token-prediction depths train beside the model (the converter keeps those present)
     mtp = int(raw.get("num_nextn_predict_layers") or 0) if _arch(hf) == "DeepseekV3ForCausalLM" else 0
     return dataclasses.replace(model, mtp_num_layers=mtp, kernel_impl="triton")  # (triton: a GPU's default)
-
-
-def job_layout(job, world: int) -> Layout:
-    """The layout a parsed job runs with."""
-    from megatron_lite.layout_validation import stage_layer_counts
-    from megatron_lite.planner.search import sharding_of
-
-    p, m = job.parallel, job.model
-    uneven = p.pipeline_layout is not None or p.decoder_first_pipeline_num_layers is not None
-    uneven = uneven or p.decoder_last_pipeline_num_layers is not None
-    uneven = uneven or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
-    return Layout(
-        stages=tuple(stage_layer_counts(m.num_layers, p)) if uneven else None,
-        tp=p.tp,
-        pp=p.pp,
-        vp=p.vp,
-        dp=p.data_parallel_size(world),
-        cp=p.cp,
-        ep=p.ep,
-        sharding=sharding_of(job.optimizer),
-        recompute=m.recompute_granularity or "none",
-        micro_batch_size=job.training.micro_batch_size,
-        sequence_parallel=p.sequence_parallel or p.tp == 1,  # (no SP at TP 1: the search's form of it)
-        cp_comm_type=p.cp_comm_type if p.cp > 1 else "p2p",
-        microbatch_group_size=p.microbatch_group_size if p.vp > 1 else None,
-    )
 
 
 def _count(n: int) -> str:

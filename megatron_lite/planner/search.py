@@ -213,3 +213,28 @@ def plan(
         (rejected if c.reason else fits).append(c)
     fits.sort(key=lambda c: (c.time.total, c.memory.total))
     return fits, rejected
+
+
+def job_layout(job, world: int) -> Layout:
+    """The layout a parsed job runs with."""
+    from megatron_lite.layout_validation import stage_layer_counts
+
+    p, m = job.parallel, job.model
+    uneven = p.pipeline_layout is not None or p.decoder_first_pipeline_num_layers is not None
+    uneven = uneven or p.decoder_last_pipeline_num_layers is not None
+    uneven = uneven or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
+    return Layout(
+        stages=tuple(stage_layer_counts(m.num_layers, p)) if uneven else None,
+        tp=p.tp,
+        pp=p.pp,
+        vp=p.vp,
+        dp=p.data_parallel_size(world),
+        cp=p.cp,
+        ep=p.ep,
+        sharding=sharding_of(job.optimizer),
+        recompute=m.recompute_granularity or "none",
+        micro_batch_size=job.training.micro_batch_size,
+        sequence_parallel=p.sequence_parallel or p.tp == 1,  # (no SP at TP 1: the search's form of it)
+        cp_comm_type=p.cp_comm_type if p.cp > 1 else "p2p",
+        microbatch_group_size=p.microbatch_group_size if p.vp > 1 else None,
+    )
