@@ -141,7 +141,7 @@ def gemm_decomposition(args) -> dict:
         for fn in (mono, *forms):
             rounds[fn.__name__].append(timeit(fn))
     t_mono, t_chunk = statistics.median(rounds["mono"]), statistics.median(rounds["chunked"])
-    t_triton = statistics.median(rounds["triton_chunked"]) if device.type == "cuda" else None
+    t_triton = statistics.median(rounds["triton_chunked"]) if "triton_chunked" in rounds else None
     result = {
         "shape": [tokens, h, n],
         "chunks": args.tp,

@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
+from megatron_lite.data.config import _number  # (a blend's weights, as --data-path reads them)
 from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
@@ -52,7 +53,7 @@ def script_args(path: str) -> tuple[list[str], int]:
         for i, tok in enumerate(argv):
             if tok.startswith("--"):
                 flag = tok
-            elif flag in SCRIPT_PATH_FLAGS and not os.path.isabs(tok) and not _is_number(tok):
+            elif flag in SCRIPT_PATH_FLAGS and not os.path.isabs(tok) and _number(tok) is None:
                 argv[i] = os.path.join(root, tok)
     return argv, int(world)
 
@@ -60,14 +61,6 @@ def script_args(path: str) -> tuple[list[str], int]:
 # flags of a launch script whose values are paths (a blend's weights among them stay numbers)
 SCRIPT_PATH_FLAGS = {"--tokenizer-model", "--vocab-file", "--merge-file", "--data-path", "--train-data-path",
                      "--valid-data-path", "--test-data-path", "--data-cache-path", "--load", "--save"}  # fmt: skip
-
-
-def _is_number(tok: str) -> bool:
-    try:
-        float(tok)
-    except ValueError:
-        return False
-    return True
 
 
 def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = None) -> tuple[ModelConfig, object]:

@@ -535,9 +535,10 @@ def megatron_lite_to_hf(
     meta, ours = read_model_tensors(load_dir, main=dtype is not None)
     saved = meta["config"]
     config = model_config_from_dict(saved["model"])
-    if merge_lora and not any(".lora." in k for k in ours):
+    adapters = any(".lora." in k for k in ours)
+    if merge_lora and not adapters:
         raise ConfigError(f"--merge-lora: --load-dir {load_dir} holds no LoRA adapters; drop --merge-lora")
-    if any(".lora." in k for k in ours):
+    if adapters:
         lora = saved_lora_config(saved)
         if not merge_lora or lora is None:
             raise ConfigError(

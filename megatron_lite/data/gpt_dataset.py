@@ -138,7 +138,7 @@ class GPTDataset:
         paths = {k: os.path.join(cache_dir, f"{digest}-{k}.npy") for k in ("doc", "sample", "shuffle")}
         with _lock_unless(list(paths.values()), os.path.join(cache_dir, f"{digest}.lock")):
             if not all(os.path.exists(p) for p in paths.values()):
-                for k, arr in zip(("doc", "sample", "shuffle"), self._build(docs, num_samples, seed)):
+                for k, arr in zip(("doc", "sample", "shuffle"), self._build(docs, tokens_per_epoch, num_samples, seed)):
                     _save_npy(paths[k], arr)
         self._paths = paths
         self._map()
@@ -156,8 +156,7 @@ class GPTDataset:
         self.__dict__.update(state)
         self._map()
 
-    def _build(self, docs: np.ndarray, num_samples: int, seed: int):
-        tokens_per_epoch = int(self.indexed.lengths[docs].astype(np.int64).sum())
+    def _build(self, docs: np.ndarray, tokens_per_epoch: int, num_samples: int, seed: int):
         epochs = max(1, math.ceil((num_samples * self.seq_length + 1) / tokens_per_epoch))
         # Megatron-core's separate_final_epoch: when the last epoch is < 80% used, the samples of the full
         # epochs are shuffled among themselves and come first, so the run reads every document once before

@@ -33,6 +33,11 @@ def _strip(ids: list[int], head: list[int], tail: list[int]) -> list[int]:
     return ids
 
 
+def _one_bos(ids: list[int], prefix: list[int]) -> list[int]:
+    """A chat template's rendered BOS, then the tokenizer's own: one kept."""
+    return ids[len(prefix) :] if prefix and ids[: 2 * len(prefix)] == prefix + prefix else ids
+
+
 def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple[list[int], list[int], bool, bool]:
     """(prompt, response, prompt cut, response cut) within `length` tokens. The prompt keeps its first `bos`
     tokens and its end (which the response follows), and at least one token, whose label is the response's
@@ -79,24 +84,17 @@ class SFTDataset:
                 if bos_text and prompt.startswith(bos_text):
                     prompt = prompt[len(bos_text) :]
                 try:
-                    if separate:
-                        p, ids = encode(prompt), _strip(encode(response), prefix, [])
-                    else:
-                        p, whole = encode(prompt), encode(prompt + response)
+                    p, other = encode(prompt), encode(response if separate else prompt + response)
                 except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
                     raise ConfigError(f"{path}:{n}: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
-                p = _strip(p, [], suffix)
-                if prefix and p[: 2 * len(prefix)] == prefix + prefix:  # a chat template's rendered BOS, then ours
-                    p = p[len(prefix) :]
-                if not separate:
-                    whole = _strip(whole, [], suffix)
-                    if prefix and whole[: 2 * len(prefix)] == prefix + prefix:
-                        whole = whole[len(prefix) :]
+                p = _one_bos(_strip(p, [], suffix), prefix)
+                if separate:
+                    ids = _strip(other, prefix, suffix)
+                else:
+                    whole = _one_bos(_strip(other, [], suffix), prefix)
                     # the response: what follows the prompt's tokens (a merge across the boundary goes to it)
                     at = next((i for i, (a, b) in enumerate(zip(p, whole)) if a != b), min(len(p), len(whole)))
                     p, ids = whole[:at], whole[at:]
-                else:
-                    ids = _strip(ids, [], suffix)
                 if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
                     ids = ids + [tokenizer.eod]
                 p, ids, cut_prompt, cut_response = _fit(

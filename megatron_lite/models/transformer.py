@@ -88,8 +88,7 @@ class TransformerLayer(nn.Module):
             h = checkpoint(self.pre_mlp_layernorm, self.rng, x)
         if regen:  # made again from the sum (the fused kernel normalises the sum it returns: the same values)
             mlp_norm = Regenerated(self.rng)
-            mlp_norm.first(lambda h=h: h)  # (this output's storage)
-            mlp_norm.make = functools.partial(self.pre_mlp_layernorm, x)
+            mlp_norm.adopt(h, functools.partial(self.pre_mlp_layernorm, x))
         with mlp_norm.hooks() if regen else contextlib.nullcontext():
             h = self._maybe_recompute("mlp", self.mlp, h)
         return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)

@@ -132,10 +132,8 @@ class DistributedOptimizer(OptimizerBase):
             total += fn(mine, self.ctx.device, *groups)
         return total
 
-    def grad_norm(self, grads: list[torch.Tensor] | None = None) -> float:
-        """Of the shards' gradients, or of `grads` (one per shard, in order: step's unscaled fp32 copies)."""
-        if grads is None:
-            return self._counted_sum(lambda s: s.grad, squared_norm) ** 0.5
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Of `grads`, one per shard in order (step's unscaled fp32 copies of the shards' gradients)."""
         of = {id(s): g for s, g in zip(self.shards, grads)}
         return self._counted_sum(lambda s: of[id(s)], squared_norm) ** 0.5
 

@@ -128,19 +128,30 @@ class Regenerated:
 
     def __init__(self, tracker: RNGStatesTracker | None = None) -> None:
         self.tracker, self.make, self.values = tracker, None, None
+        self.cpu_state = None  # (the generators' states `make` replays, taken by `first` or `adopt`)
         self.index: dict[int, int] = {}
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         self.outer = top(False) if top is not None else None
 
     def first(self, make: Callable[[], Any]) -> Any:
+        self._states()
+        return self.adopt(make(), make)
+
+    def adopt(self, out: Any, make: Callable[[], Any]) -> Any:
+        """`out`, already made (by the forward's own ops, with their graph), to be made again by `make`: one
+        that gives the same values from tensors saved anyway (a fused add+norm's output from the sum it returns).
+        The generators are replayed as they are now (after `first`: as they were before it)."""
+        if self.cpu_state is None:
+            self._states()
         self.make = make
-        self.tracked = self.tracker.get_states() if self.tracker is not None else None
-        self.cpu_state = torch.get_rng_state()
-        self.cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-        out = make()
         for i, t in enumerate(out if isinstance(out, tuple) else (out,)):
             self.index[t.untyped_storage().data_ptr()] = i  # no reference kept
         return out
+
+    def _states(self) -> None:
+        self.tracked = self.tracker.get_states() if self.tracker is not None else None
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

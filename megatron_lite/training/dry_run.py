@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import torch
+
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.distributed.ddp import tied_embedding_copies
 from megatron_lite.layout_validation import validate_layout
@@ -13,6 +15,7 @@ from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
+from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import parameter_state_bytes, rank_memory
 from megatron_lite.planner.search import job_layout, sharding_of
 from megatron_lite.training.configs import JobConfig
@@ -49,7 +52,7 @@ def _vocab(job: JobConfig) -> int:
 
 
 def activation_bytes(
-    job: JobConfig, model: ModelConfig, world: int, pp_rank: int, kernel_impl: str
+    job: JobConfig, model: ModelConfig, layout: Layout, world: int, pp_rank: int, kernel_impl: str
 ) -> tuple[float, float]:
     """(activations at the schedule's peak on a rank of pipeline stage `pp_rank`, what the step rebuilds or
     copies on top: a recomputed layer, bf16 gradients' fp32 copies): the planner's model, which follows what our
@@ -59,17 +62,11 @@ def activation_bytes(
     dp = job.parallel.data_parallel_size(world)
     low = job.optimizer.bf16 or job.optimizer.fp16
     mem = rank_memory(
-        dataclasses.replace(model, kernel_impl=kernel_impl), job_layout(job, world), job.training.seq_length,
+        dataclasses.replace(model, kernel_impl=kernel_impl), layout, job.training.seq_length,
         job.training.global_batch(dp), low, pp_rank, low and job.optimizer.grad_reduce_in_bf16,
         state_bytes_per_param(job.optimizer),
     )  # fmt: skip
     return mem.activations, mem.transient
-
-
-def on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _count(n: float) -> str:
@@ -98,7 +95,10 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
     low = job.optimizer.bf16 or job.optimizer.fp16
     sharding = sharding_of(job.optimizer)
     # (a dry run on a machine without a GPU prices the PyTorch kernels it would run; a GPU run's are Triton's)
-    kernels = [model_cfg.kernel_impl] + (["triton"] if model_cfg.kernel_impl == "torch" and not on_gpu() else [])
+    gpu_default = model_cfg.kernel_impl == "torch" and not torch.cuda.is_available()
+    kernels = [model_cfg.kernel_impl] + (["triton"] if gpu_default else [])
+    layout = job_layout(job, world)
+    by_stage: dict[int, tuple] = {}  # (every rank of a pipeline stage holds the same activations)
     print(f"dry run: world size {world}, {job.parallel}")
     groups: dict[tuple[int, float], list[int]] = {}
     total = mtp = 0
@@ -114,7 +114,11 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
         mtp += sum(p.numel() for n, p in owned if n.startswith("mtp."))
         if ctx.dp_cp.rank != 0:
             continue  # data-parallel replicas hold the same (experts aside, which the total counts)
-        act = tuple(activation_bytes(job, model_cfg, world, ctx.pp.rank, k) for k in kernels)
+        if ctx.pp.rank not in by_stage:
+            by_stage[ctx.pp.rank] = tuple(
+                activation_bytes(job, model_cfg, layout, world, ctx.pp.rank, k) for k in kernels
+            )
+        act = by_stage[ctx.pp.rank]
         metas = list(named_param_meta(chunks))
         dense = sum(p.numel() for _, p, m in metas if p.requires_grad and not m.expert)
         expert = sum(p.numel() for _, p, m in metas if p.requires_grad and m.expert)

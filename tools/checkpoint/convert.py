@@ -21,17 +21,29 @@ from megatron_lite.config import ConfigError
 from megatron_lite.flag_parser import OneLineErrorParser
 
 # Megatron-LM's loader/saver names, and what to give here instead
+_MEGATRON_FORMAT = (
+    "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)"
+)
 _MEGATRON_SIDES = {
     "llama_mistral": "Megatron-LM's loader of Hugging Face Llama/Mistral weights; here: --loader hf",
     "mixtral_hf": "Megatron-LM's loader of Hugging Face Mixtral weights; here: --loader hf",
-    "core": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
-    "mcore": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
-    "megatron": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
-    "legacy": "Megatron-LM's checkpoint format; megatron_lite's is megatron_lite (it does not convert Megatron-LM's)",
+    **dict.fromkeys(("core", "mcore", "megatron", "legacy"), _MEGATRON_FORMAT),
+}
+# Megatron-LM's convert.py flags that do nothing here: (value type, why), said in --help and as a note when given
+_ANY_LAYOUT = "a megatron_lite checkpoint loads under any layout; give the layout to pretrain_gpt.py"
+_NO_EFFECT = {
+    "--target-tensor-parallel-size": (int, _ANY_LAYOUT),
+    "--target-pipeline-parallel-size": (int, _ANY_LAYOUT),
+    "--target-expert-parallel-size": (int, _ANY_LAYOUT),
+    "--max-queue-size": (int, "no loader/saver processes here"),
+    "--no-checking": (bool, "every tensor is checked"),
+    "--megatron-path": (str, "not needed"),
+    "--model-size": (str, "the size comes from config.json"),
+    "--tokenizer-model": (str, "the tokenizer files beside the weights are copied"),
 }
 
 
-def _side(flag: str, choices: tuple[str, ...]):
+def _side(choices: tuple[str, ...]):
     def parse(value: str) -> str:
         if value in choices:
             return value
@@ -55,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.replace("{architectures}", architectures),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--loader", type=_side("--loader", ("hf", "megatron_lite")), required=True, help="hf, megatron_lite")
+    p.add_argument("--loader", type=_side(("hf", "megatron_lite")), required=True, help="hf, megatron_lite")
     p.add_argument(
         "--saver",
-        type=_side("--saver", ("hf", "hf-peft", "megatron_lite")),
+        type=_side(("hf", "hf-peft", "megatron_lite")),
         required=True,
         help="hf, hf-peft, megatron_lite",
     )
@@ -79,30 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     # nothing here (said once each)
     m = p.add_argument_group("Megatron-LM's convert.py flags (accepted; see the notes they print)")
     m.add_argument("--model-type", choices=["GPT"], default="GPT", help="GPT (the one kind converted)")
-    for flag in ("--target-tensor-parallel-size", "--target-pipeline-parallel-size", "--target-expert-parallel-size"):
-        m.add_argument(flag, type=int, help="not needed: a megatron_lite checkpoint loads under any layout")
-    m.add_argument("--max-queue-size", type=int, help="no effect (no loader/saver processes here)")
-    m.add_argument("--no-checking", action="store_true", help="no effect (every tensor is always checked)")
-    m.add_argument("--megatron-path", help="no effect")
     m.add_argument("--checkpoint-type", choices=["hf"], help="--loader hf reads Hugging Face checkpoints")
-    m.add_argument("--model-size", help="no effect: the size comes from config.json")
-    m.add_argument("--tokenizer-model", help="no effect: the tokenizer files beside the weights are copied")
+    for flag, (kind, why) in _NO_EFFECT.items():
+        given = {"action": "store_true"} if kind is bool else {"type": kind}
+        m.add_argument(flag, help=f"no effect: {why}", **given)
     args = p.parse_args(argv)
-    for flag, why in (
-        ("target_tensor_parallel_size", "a megatron_lite checkpoint loads under any layout; give the layout to "
-         "pretrain_gpt.py"),
-        ("target_pipeline_parallel_size", "a megatron_lite checkpoint loads under any layout; give the layout to "
-         "pretrain_gpt.py"),
-        ("target_expert_parallel_size", "a megatron_lite checkpoint loads under any layout; give the layout to "
-         "pretrain_gpt.py"),
-        ("max_queue_size", "no loader/saver processes here"),
-        ("no_checking", "every tensor is checked"),
-        ("megatron_path", "not needed"),
-        ("model_size", "the size comes from config.json"),
-        ("tokenizer_model", "the tokenizer files beside the weights are copied"),
-    ):  # fmt: skip
-        if getattr(args, flag) not in (None, False):
-            print(f"note: --{flag.replace('_', '-')} has no effect here: {why}")
+    for flag, (_, why) in _NO_EFFECT.items():
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
+            print(f"note: {flag} has no effect here: {why}")
     try:
         if args.base_model_name_or_path and args.saver != "hf-peft":
             raise ConfigError(
