@@ -588,11 +588,16 @@ def test_a_measured_accelerator_is_not_discounted_again():
     assert a.compute < 0.8 * step_time(model, layout, 4096, 8, sheet).compute
 
 
-@pytest.mark.parametrize("case", ["tp2-sp", "pp2"])
+@pytest.mark.parametrize("case", ["tp2-sp", "tp2-sp-full", "pp2"])
 def test_memory_estimate_multi_token_prediction(dist, case):
-    """Two MTP depths on the last stage (DeepSeek-shaped): their layers, inputs and losses, under TP with SP and
-    under PP (where the last stage also holds a copy of the word embeddings)."""
-    layout = {"tp2-sp": Layout(tp=2, micro_batch_size=2), "pp2": Layout(pp=2, micro_batch_size=2)}[case]
+    """Two MTP depths on the last stage (DeepSeek-shaped): their layers, inputs and losses, under TP with SP (and
+    full recomputation, where a depth keeps its inputs' shards) and under PP (where the last stage also holds a
+    copy of the word embeddings)."""
+    layout = {
+        "tp2-sp": Layout(tp=2, micro_batch_size=2),
+        "tp2-sp-full": Layout(tp=2, micro_batch_size=4, recompute="full"),
+        "pp2": Layout(pp=2, micro_batch_size=2),
+    }[case]
     _check("deepseekmtp", layout, dist(layout.world, measure, "deepseekmtp", layout))
 
 

@@ -88,20 +88,20 @@ class MultiTokenPredictionLayer(nn.Module):
         self.transformer_layer = TransformerLayer(config, ctx, layer_number, device, dtype)
         self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
         self.rng = ctx.rng
-        # As Megatron's MTP: each depth's layer is recomputed under full uniform recomputation (one layer a unit,
-        # whatever --recompute-num-layers says), not under block
+        # As Megatron's MTP: under full uniform recomputation (one depth a unit, whatever --recompute-num-layers
+        # says) the whole depth, norms and projection included, keeps only its two inputs; not under block
         self.recompute = config.recompute_granularity == "full" and config.recompute_method == "uniform"
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, documents=None) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], -1))  # [seq, batch, hidden]
-        if self.sequence_parallel:  # back to this rank's sequence shard, as the layer expects
-            x = scatter_to_sequence_parallel_region(x, self.tp)
+        def depth(hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+            x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], -1))  # [seq, batch, hidden]
+            if self.sequence_parallel:  # back to this rank's sequence shard, as the layer expects
+                x = scatter_to_sequence_parallel_region(x, self.tp)
+            return self.final_layernorm(self.transformer_layer(x, rope, documents=documents))
 
-        def layer(x: torch.Tensor) -> torch.Tensor:
-            return self.transformer_layer(x, rope, documents=documents)
-
-        x = checkpoint(layer, self.rng, x) if self.recompute and self.training else layer(x)
-        return self.final_layernorm(x)
+        if self.recompute and self.training:
+            return checkpoint(depth, self.rng, hidden, embedded)
+        return depth(hidden, embedded)
 
 
 class MultiTokenPredictionBlock(nn.Module):

@@ -236,18 +236,25 @@ def activation_bytes(
             norm = 2 * h * a + 4 if model.normalization == "RMSNorm" else h * a + 8
             vocab = model.padded_vocab_size(layout.tp) // layout.tp
             if model.kernel_impl == "triton":
-                loss = (h * a + 8) / norm_div + h * a + 8  # the fused loss keeps its input and labels
+                final_norm = (h * a + 8) / norm_div
+                loss = final_norm + h * a + 8  # the fused loss keeps its input and labels
                 # the loss computed last makes its gradients in the forward and keeps them until its backward:
                 # the hidden gradient and the output layer's weight gradient
                 per_token += h * a
                 whole += vocab * h * a
             else:
-                loss = norm / norm_div + h * a + vocab * 4 + 10  # logits (fp32), labels and masks
+                final_norm = norm / norm_div
+                loss = final_norm + h * a + vocab * 4 + 10  # logits (fp32), labels and masks
             per_token += loss
             for k in range(model.mtp_num_layers):
+                if layout.recompute == "full":
+                    # (the planner's full recomputation is uniform, under which each depth is one checkpoint)
+                    # its inputs: the embedding of its tokens, and the hidden state, under SP a shard apart from
+                    # the gathered one the loss before keeps; its token ids, and the loss of its output
+                    per_token += (2 if norm_div > 1 else 1) * h * a / norm_div + 8 + loss - final_norm
+                    continue
                 # a depth: its layer, the norms of the embedding and hidden state, eh_proj's input (whole under
                 # SP), its token ids, then a final norm and the loss as above
-                # (the planner's full recomputation is uniform, under which the depths are recomputed too)
                 layer = layer_activation_bytes(model, layout, a, model.num_layers + k, layout.recompute)
                 per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss
         chunk_bytes.append(per_token * tokens + whole)
