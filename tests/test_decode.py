@@ -112,6 +112,25 @@ def test_absorbed_weights_are_made_once_per_generation():
     assert len(calls) == config.num_layers
 
 
+@pytest.mark.parametrize("name", ["gqa", "mla", "mla_lora", "mla_qlora"])
+def test_generation_bytes_count_what_a_generation_holds(name):
+    """The GPU's fits-in-memory check counts what a generation holds beside the model: the cache, and the absorbed
+    up-projections where they are new tensors (an NF4 base dequantised, LoRA added), not views of a weight."""
+    from megatron_lite.inference.generation import generation_bytes
+
+    model, ctx, config = _model(name)
+    cache = KVCache(12)
+    with torch.no_grad():
+        for a, b in ((0, 5), (5, 6), (6, 7)):
+            _forward_batch(model, ctx, torch.arange(a, b).repeat(2, 1), cache)
+    weights = {t.untyped_storage().data_ptr() for chunk in model for t in [*chunk.parameters(), *chunk.buffers()]}
+    held = {}  # storage -> bytes
+    for t in tree_leaves((cache._store, cache._derived)):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights:
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert generation_bytes(model, ctx, 2, 12, scored_rows=0) == sum(held.values())
+
+
 def test_a_bf16_decoding_step_scores_the_latents_in_fp32():
     """From the diff review: the absorbed step formed its attention logits as bf16 einsums added in bf16, where the
     flash kernel and SDPA's fused backends accumulate q.k in fp32. One bf16 step against the same step in fp64 from

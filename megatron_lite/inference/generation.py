@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.inference.kv_cache import KVCache, cache_bytes
+from megatron_lite.models.mla import MultiLatentAttention
 from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.mappings import all_gather_last
@@ -74,16 +75,25 @@ def _forward_batch(chunks, ctx: ParallelContext, tokens: torch.Tensor, cache: KV
     return out
 
 
-def _check_memory_fits(chunks, ctx: ParallelContext, batch: int, max_len: int, scored_rows: int) -> None:
-    """On a GPU, a KV cache (and on the last stage the scored prompts' fp32 logits, `scored_rows` positions of
-    each sequence) larger than the free memory of any rank is one line naming what sizes it, on every rank (it
-    was an out-of-memory error in the middle of the prompt's forward, and the other ranks waited for it)."""
-    if ctx.device.type != "cuda":
-        return
+def generation_bytes(chunks, ctx: ParallelContext, batch: int, max_len: int, scored_rows: int) -> int:
+    """What a generation holds on this rank beside the model: the KV cache, multi-latent attention's absorbed
+    up-projections where they are not views of a weight (NF4, LoRA), and on the last stage the scored prompts'
+    fp32 logits, `scored_rows` positions of each sequence (gathered over TP, then the fp32 copy)."""
     config, dtype = chunks[0].config, next(p for c in chunks for p in c.parameters()).dtype
     need = cache_bytes(config, ctx.tp.size, sum(len(c.decoder.layers) for c in chunks), batch, max_len, dtype)
-    if ctx.is_last_stage:  # (gathered over TP, then the fp32 copy)
+    need += sum(m.absorbed_bytes() for c in chunks for m in c.modules() if isinstance(m, MultiLatentAttention))
+    if ctx.is_last_stage:
         need += 2 * batch * scored_rows * config.vocab_size * 4
+    return need
+
+
+def _check_memory_fits(chunks, ctx: ParallelContext, batch: int, max_len: int, scored_rows: int) -> None:
+    """On a GPU, a generation (`generation_bytes`) larger than the free memory of any rank is one line naming what
+    sizes it, on every rank (it was an out-of-memory error in the middle of the prompt's forward, and the other
+    ranks waited for it)."""
+    if ctx.device.type != "cuda":
+        return
+    need = generation_bytes(chunks, ctx, batch, max_len, scored_rows)
     free = torch.cuda.mem_get_info(ctx.device)[0]
     short = need > 0.9 * free  # (the forward's activations need some too)
     if any_rank(short, ctx):

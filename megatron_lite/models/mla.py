@@ -188,6 +188,15 @@ class MultiLatentAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1).to(latents.dtype)
         return torch.einsum("bshr,hvr->bshv", torch.einsum("bsht,btr->bshr", probs, latents), w_uv)
 
+    def absorbed_bytes(self) -> int:
+        """What `_absorbed_weights` makes beside the parameters, held for a whole generation: nothing for a
+        plain weight (its views), a dense up-projection where an NF4 base is dequantised or LoRA's B A added."""
+        layer = self.linear_kv_up_proj
+        if layer.nf4 is None and layer.lora is None:
+            return 0
+        dtype = layer.nf4.dtype if layer.nf4 is not None else layer.weight.dtype
+        return self.local_heads * (self.nope + self.v_dim) * self.kv_lora_rank * dtype.itemsize
+
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The key/value up-projection as applied (the NF4 base dequantised, LoRA's B A added), split per local
         head: W_uk [heads, qk_head_dim, kv_lora_rank] and W_uv [heads, v_head_dim, kv_lora_rank]."""
