@@ -40,6 +40,20 @@ MODELS = {
 }
 
 
+def _recomputing(base: str, modules: tuple[str, ...]):
+    return lambda **kw: MODELS[base](recompute_modules=modules, **kw)
+
+
+# --recompute-modules under selective recomputation: "model/module+module"
+SELECTIVE = [
+    "llama/layernorm", "llama/mlp", "llama/core_attn+layernorm+mlp", "gpt2/layernorm", "moe/moe", "moe/moe_act",
+    "deepseek/shared_experts", "deepseek/mla_up_proj", "deepseek/mla_up_proj+core_attn", "mla/mla_up_proj",
+    "deepseek/core_attn+layernorm+moe_act+shared_experts+mla_up_proj",
+]  # fmt: skip
+for _key in SELECTIVE:
+    MODELS[_key] = _recomputing(_key.split("/")[0], tuple(_key.split("/")[1].split("+")))
+
+
 def _tool():
     spec = importlib.util.spec_from_file_location("plan_parallelism", ROOT / "tools" / "plan_parallelism.py")
     mod = importlib.util.module_from_spec(spec)
@@ -143,6 +157,32 @@ def test_memory_estimate_one_process(case):
     name = case.split("-")[0]
     layout = ONE_PROCESS[case]
     _check(name, layout, [measure(name, layout)])
+
+
+@pytest.mark.parametrize("name", SELECTIVE)
+def test_memory_estimate_of_each_recompute_module(name):
+    """What each of --recompute-modules drops: the norms' outputs (made again), a dense MLP or a whole MoE layer
+    (keeping its input), the experts' activation, the shared expert, MLA's per-head q, k, v (and with core_attn
+    one checkpoint from the latents); core_attn only where named."""
+    layout = Layout(micro_batch_size=2, recompute="selective")
+    _check(name, layout, [measure(name, layout)])
+
+
+@pytest.mark.parametrize("name", ["llama/layernorm", "moe/moe_act", "mla/mla_up_proj"])
+def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name):
+    """The fused add-and-norm keeps its statistics; the SwiGLU kernel saves fc1's output, the flash kernel v
+    unpadded. Through the interpreter: one step of one micro-batch."""
+    layout = Layout(micro_batch_size=2, recompute="selective")
+    _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton")
+
+
+@pytest.mark.parametrize(
+    "name", ["llama/core_attn+layernorm+mlp", "deepseek/mla_up_proj", "moe/moe", "llama/layernorm", "llama/mlp"]
+)
+def test_memory_estimate_of_recompute_modules_under_sequence_parallelism(dist, name):
+    """Under TP with SP the GEMMs' gathered inputs are not the norms' outputs: they are kept."""
+    layout = Layout(tp=2, micro_batch_size=2, recompute="selective")
+    _check(name, layout, dist(layout.world, measure, name, layout))
 
 
 @pytest.mark.parametrize("name", ["llama", "mla", "moe"])

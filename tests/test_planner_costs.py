@@ -170,3 +170,20 @@ def test_mfu_on_the_96gb_h100_is_against_the_sxm_peak():
     assert mfu == pytest.approx(tflops * 1e12 / 989.4e12, rel=1e-12)
     assert ACCELERATORS["H100-96GB"].peak_flops < 989.4e12
     assert tflops * 1e12 == pytest.approx(flops_per_token(model, 8192, causal=False) * tps, rel=1e-12)
+
+
+def test_selective_recomputation_costs_what_its_modules_run_again():
+    """--recompute-modules mlp runs each dense MLP's forward again: one MLP forward a layer more (the GEMMs of
+    fc1 and fc2 at the model's sizes); without core_attn the attention is not run again."""
+    cl = cluster("H100", 8, 1, None, None)
+    layout = Layout(dp=8, micro_batch_size=1, recompute="selective")
+
+    def compute(*modules: str) -> float:
+        return cost.step_time(_llama(32, recompute_modules=modules), layout, 4096, 64, cl).compute
+
+    none = cost.step_time(_llama(32), dataclasses.replace(layout, recompute="none"), 4096, 64, cl).compute
+    m = 4096  # tokens of a micro-batch
+    mlp = cost._gemm(m, 4096, 2 * 14336, 2, cl, cost.EFF) + cost._gemm(m, 14336, 4096, 2, cl, cost.EFF)
+    micro = 64 // 8
+    assert compute("layernorm") == pytest.approx(none, rel=1e-12)
+    assert compute("core_attn", "mlp") - compute("core_attn") == pytest.approx(32 * micro * mlp, rel=1e-9)

@@ -269,8 +269,12 @@ def step_time(
             attn_total += core
             if layout.recompute == "full":
                 recompute_fwd += attn + mlp + core + elem
-            elif layout.recompute == "selective":
-                recompute_fwd += core
+            elif layout.recompute == "selective":  # what --recompute-modules names runs again (the norms, the
+                # experts' activation and MLA's up-projections are cheap beside these)
+                mods = model.recompute_modules
+                recompute_fwd += (core if "core_attn" in mods else 0) + (
+                    mlp if ("moe" if moe else "mlp") in mods else 0
+                )
             elif layout.recompute == "op":  # torchtitan's per-op policy: every other matmul, all elementwise
                 recompute_fwd += (attn + mlp) / 2 + elem
         if r == pp - 1:
@@ -320,7 +324,7 @@ def step_time(
         # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
         merge = 3 * (cp - 1) * 3 * m * out / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
         cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
-        if layout.recompute in ("full", "selective"):  # the recomputed attention passes K and V round again
+        if _attention_recomputed(model, layout):  # the recomputed attention passes K and V round again
             ring_fwd = (cp - 1) * _collective("p2p", blocks[0][0], cp, tp * cp, cl, eff)  # (the K/V blocks)
             cp_comm += micro * layers * (max(0.0, ring_fwd - attn_time / 3.5) + merge / 3)
     ep_comm = 0.0
@@ -328,7 +332,8 @@ def step_time(
         moe_layers = sum(1 for i in st.layers if model.is_moe_layer(i))
         # every TP rank routes the whole (gathered) sequence: MoELayer gathers it first, under SP too
         tokens = m * model.moe_router_topk * h * a
-        a2a = 4 + (2 if layout.recompute == "full" else 0)  # dispatch and combine, forward and backward (+ again)
+        again = layout.recompute == "full" or (layout.recompute == "selective" and "moe" in model.recompute_modules)
+        a2a = 4 + (2 if again else 0)  # dispatch and combine, forward and backward (+ again, recomputed)
         ep_comm = micro * moe_layers * a2a * _collective("all_to_all", tokens, ep, tp * ep, cl, eff)
     pp_comm = 0.0
     if pp > 1:  # each micro-batch's activation forward and gradient backward, per model chunk
@@ -414,7 +419,11 @@ def _exposed_cp(model: ModelConfig, layout: Layout, tokens: float, a: int, cl: C
     span = layout.tp * layout.cp
     seconds = [_collective(kind, b, layout.cp, span, cl, eff) for kind, b in calls]
     forward = sum(seconds[: len(seconds) // 2])
-    return sum(seconds) + (forward if layout.recompute in ("full", "selective") else 0.0)
+    return sum(seconds) + (forward if _attention_recomputed(model, layout) else 0.0)
+
+
+def _attention_recomputed(model: ModelConfig, layout: Layout) -> bool:
+    return layout.recompute == "full" or (layout.recompute == "selective" and "core_attn" in model.recompute_modules)
 
 
 def ring_blocks(model: ModelConfig, tokens: float, tp: int, cp: int, a: int) -> list[tuple[float, int]]:

@@ -123,7 +123,9 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
     return StageParams(dense, expert, tuple(layers))
 
 
-def _mla_activation_bytes(m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, triton: bool, recompute: str) -> float:
+def _mla_activation_bytes(
+    m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, triton: bool, recompute: str, up_proj: bool = False
+) -> float:
     """Multi-latent attention's saved tensors per token, times TP (the caller divides by it): the latents and
     their norms whole on every rank; per head q, k and v (the attention's inputs; v padded to the query/key head
     for SDPA), the output projection's input and, without selective recomputation, the attention's output and
@@ -139,17 +141,22 @@ def _mla_activation_bytes(m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, 
     latents = (latent(m.q_lora_rank) if m.q_lora_rank else 0) + latent(m.kv_lora_rank)
     latents += m.hidden_size * a if sp else 0  # the second gathered copy of the input
     v = m.v_head_dim
-    if triton:  # the flash kernel takes v unpadded; the output projection's input is a copy of its output
-        attn = (2 * qd + 2 * v) * heads * a + ((v * a + 4) * heads if recompute != "selective" else 0)
+    if up_proj and recompute == "selective":  # one checkpoint from the latents: the output projection's input
+        return latents * tp + heads * v * a
+    if recompute == "selective":  # the checkpoint keeps q, k and v as the up-projections made them (v unpadded)
+        attn = (2 * qd + v) * heads * a
+    elif triton:  # the flash kernel takes v unpadded
+        attn = (2 * qd + v) * heads * a + (v * a + 4) * heads
     else:  # SDPA's fused kernels take one head size: v padded to it, the output cut to v (a copy)
-        attn = 3 * heads * qd * a + heads * v * a
-        if recompute != "selective":
-            attn += heads * qd * a + heads * 4
-    return latents * tp + attn
+        attn = 3 * heads * qd * a + heads * qd * a + heads * 4
+    if up_proj:  # (mla_up_proj alone) q, k and v are made again; SDPA's padded copy of v is kept
+        attn -= (2 * qd + (v if triton else 0)) * heads * a
+    return latents * tp + attn + heads * v * a  # (and the output projection's input, a copy of the output)
 
 
 def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str) -> float:
-    """Bytes saved per token (of this rank's sequence part) by one transformer layer; `a` bytes per value."""
+    """Bytes saved per token (of this rank's sequence part) by one transformer layer; `a` bytes per value. Under
+    selective recomputation, what each of the model's --recompute-modules drops (see models/transformer.py)."""
     h, d = model.hidden_size, model.head_dim
     q, kv, heads = model.num_attention_heads * d, model.query_groups * d, model.num_attention_heads
     tp, sp, triton = layout.tp, layout.sp, model.kernel_impl == "triton"
@@ -157,13 +164,22 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
     norm_div = tp if sp else 1
     if recompute == "full":
         return h * a / norm_div
+    modules = set(model.recompute_modules) if recompute == "selective" else set()
+    core = "selective" if "core_attn" in modules else "none"
     rms = model.normalization == "RMSNorm"
     if triton:
         norm = h * a + 8
     else:
         norm = 2 * h * a + 4 if rms else h * a + 8
-    total = 2 * norm / norm_div + 2 * h * a  # two norms, and the inputs of QKV and fc1
-    if recompute == "selective":  # the checkpoint keeps q, k, v (v, or all three, views of the QKV output)
+    regen = "layernorm" in modules  # each norm keeps its input (the fused Triton one its statistics too) and
+    # its output's storage is freed, made again in the backward: kept are only the GEMMs' gathered copies (SP)
+    total = (2 * h * a + (8 if triton else 0)) / norm_div if regen else 2 * norm / norm_div
+    total += 0 if regen and not sp else h * a  # QKV's input
+    if ("moe" if model.is_moe_layer(layer) else "mlp") in modules:  # the MLP checkpointed keeps only its input
+        total += 0 if regen else h * a / norm_div
+    else:
+        total += 0 if regen and not sp else h * a  # fc1's (and the router's) input
+    if core == "selective":  # the checkpoint keeps q, k, v (v, or all three, views of the QKV output)
         attn = ((q + kv if rope else 0) + (q + 2 * kv) + q) * a
     elif triton:
         attn = (3 * q + 2 * kv) * a + heads * 4
@@ -173,20 +189,33 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
     else:
         attn = (q + 2 * kv) * a + q * a + heads * 4 + (0 if model.add_bias_linear else q * a)
     if model.multi_latent_attention:
-        attn = _mla_activation_bytes(model, a, tp, sp, rms, triton, recompute)
-    if layout.cp > 1 and layout.cp_comm_type == "allgather" and recompute == "none":
+        attn = _mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
+    if layout.cp > 1 and layout.cp_comm_type == "allgather" and core == "none":
         # attention keeps the whole sequence's gathered keys and values, not only this rank's part
         k_v = heads * (model.mla_q_head_dim + model.v_head_dim) if model.multi_latent_attention else 2 * kv
         attn += (layout.cp - 1) * k_v * a
     swiglu = model.activation == "swiglu"
+
+    def mlp(f: int, act_regenerated: bool = False) -> float:  # an MLP's activations past fc1's input, times TP
+        if not swiglu:
+            return 2 * f * a
+        return ((2 if triton else 3) if act_regenerated else (3 if triton else 4)) * f * a
+
     if model.is_moe_layer(layer):
+        total += attn / tp
+        if "moe" in modules:  # the whole MoE layer checkpointed (its input counted above)
+            return total + (2 * h / norm_div if model.hidden_dropout > 0 else 0)
         f, k = model.moe_ffn_size, model.moe_router_topk
-        per = ((3 if triton else 4) * f if swiglu else 2 * f) * a / tp
+        per = mlp(f, "moe_act" in modules) / tp
         # router scores (fp32), then each token's top-k copies through an expert (expected, balanced)
-        total += attn / tp + model.num_experts * 4 * 3 + k * (2 * h * a + per)
+        total += model.num_experts * 4 * 3 + k * (2 * h * a + per)
+        shared = model.moe_shared_expert_intermediate_size
+        if shared and "shared_experts" not in modules:  # its MLP, and under SP its own gathered input
+            total += mlp(shared) / tp + (h * a if sp else 0)
     else:
-        f = model.ffn_size
-        total += (attn + ((3 if triton else 4) * f if swiglu else 2 * f) * a) / tp
+        total += attn / tp
+        if "mlp" not in modules:
+            total += mlp(model.ffn_size) / tp
     if model.hidden_dropout > 0:
         total += 2 * h / norm_div  # one byte per element of each dropout mask
     return total
