@@ -1775,6 +1775,10 @@ def test_lora_on_a_pretraining_checkpoint_resumes_exactly(tmp_path, capsys, monk
     assert sorted(b) == list(range(8, 13)) and all(a[it] == b[it] for it in b), (a, b)
 
 
+LLAMA_LIKE = "--swiglu --normalization RMSNorm --disable-bias-linear"
+ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -1782,14 +1786,20 @@ def test_lora_on_a_pretraining_checkpoint_resumes_exactly(tmp_path, capsys, monk
         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
         "--recompute-granularity selective --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
         "--disable-bias-linear",
+        f"--lora-rank 4 --lora-target-modules q_proj v_proj {LLAMA_LIKE}",
+        f"--lora-rank 4 --lora-dropout 0.1 --lora-target-modules {ALL_SEVEN} {LLAMA_LIKE}",
+        f"--lora-rank 4 --lora-target-modules {ALL_SEVEN} {LLAMA_LIKE} --recompute-granularity full "
+        "--recompute-method uniform --recompute-num-layers 1",
     ],
-    ids=["seq256", "full-recompute", "moe"],
+    ids=["seq256", "full-recompute", "moe", "lora-qv", "lora-dropout", "lora-full-recompute"],
 )
 def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monkeypatch, flags):
     """From the memory review: --dry-run priced activations with Korthikanti et al.'s GPT formula, whose attention
     scores no flash kernel or SDPA keeps (1.5x here at 256 tokens, 7x at 1024), which leaves out MoE's routed copies
     (0.4x) and, under full recomputation, the output layer and loss (0.3x; 0.02x for a LoRA job). It now prices
-    them with the planner's model: within 10% of what the activation meter measures in a real iteration."""
+    them with the planner's model: within 10% of what the activation meter measures in a real iteration. LoRA: a
+    frozen linear keeps no input, a frozen RMSNorm no normalised input, the frozen output layer none (it priced LoRA
+    as full training: 1.29x with adapters on q and v, 1.11x on all seven projections)."""
     import json
     import re
 

@@ -154,9 +154,38 @@ def _mla_activation_bytes(
     return latents * tp + attn + heads * v * a  # (and the output projection's input, a copy of the output)
 
 
-def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str) -> float:
+def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, regen: bool, mlp_checkpointed: bool):
+    """What LoRA changes in a layer's saved tensors, per token: a frozen linear keeps no input (autograd saves it
+    for the weight's gradient only), an adapted one keeps it for its adapters' A, and each adapter keeps its rank-r
+    intermediate for B (and with --lora-dropout its dropped input and mask). Dense attention and MLPs; multi-latent
+    attention and the experts are priced as trained."""
+    from megatron_lite.lora.config import layer_parts
+
+    h, tp, sp = model.hidden_size, layout.tp, layout.sp
+    q, f = model.num_attention_heads * model.head_dim, model.ffn_size
+    mla, moe = model.multi_latent_attention, model.is_moe_layer(layer)
+    r, drop = lora.rank, (a + 1 if lora.dropout > 0 else 0)  # (a dropped input's copy and its byte mask)
+    change = 0.0
+    # (linear, adapters on it, its input per token on this rank, whether that input is counted as kept)
+    linears = []
+    if not mla:
+        linears += [(len(layer_parts(lora, "linear_qkv") or ()), h, not (regen and not sp))]
+        linears += [(int("linear_proj" in lora.target_modules), q / tp, True)]
+    if not moe and not mlp_checkpointed:
+        linears += [(len(layer_parts(lora, "linear_fc1") or ()), h, not (regen and not sp))]
+        linears += [(int("linear_fc2" in lora.target_modules), f / tp, True)]
+    for adapters, width, kept in linears:
+        if adapters == 0:
+            change -= width * a if kept else 0
+        else:
+            change += adapters * (r * a + width * drop)
+    return change
+
+
+def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str, lora=None) -> float:
     """Bytes saved per token (of this rank's sequence part) by one transformer layer; `a` bytes per value. Under
-    selective recomputation, what each of the model's --recompute-modules drops (see models/transformer.py)."""
+    selective recomputation, what each of the model's --recompute-modules drops (see models/transformer.py);
+    with `lora` (a LoraConfig), what the frozen weights and the adapters change."""
     h, d = model.hidden_size, model.head_dim
     q, kv, heads = model.num_attention_heads * d, model.query_groups * d, model.num_attention_heads
     tp, sp, triton = layout.tp, layout.sp, model.kernel_impl == "triton"
@@ -169,8 +198,8 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
     rms = model.normalization == "RMSNorm"
     if triton:
         norm = h * a + 8
-    else:
-        norm = 2 * h * a + 4 if rms else h * a + 8
+    else:  # (PyTorch's RMSNorm keeps the normalised input for the weight's gradient: none for a frozen one)
+        norm = (h * a if lora is None else 0) + h * a + 4 if rms else h * a + 8
     regen = "layernorm" in modules  # each norm keeps its input (the fused Triton one its statistics too) and
     # its output's storage is freed, made again in the backward: kept are only the GEMMs' gathered copies (SP)
     total = (2 * h * a + (8 if triton else 0)) / norm_div if regen else 2 * norm / norm_div
@@ -218,6 +247,9 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
             total += mlp(model.ffn_size) / tp
     if model.hidden_dropout > 0:
         total += 2 * h / norm_div  # one byte per element of each dropout mask
+    if lora is not None:
+        checkpointed = ("moe" if model.is_moe_layer(layer) else "mlp") in modules
+        total += _lora_bytes(model, layout, a, layer, lora, regen, checkpointed)
     return total
 
 
@@ -237,10 +269,11 @@ def cached_compute_order(pp: int, vp: int, micro: int, rank: int, group: int | N
 
 
 def activation_bytes(
-    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, micro: int, bf16: bool
+    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, micro: int, bf16: bool, lora=None
 ) -> float:
     """Peak of the activations one rank of pipeline stage `pp_rank` keeps for the backward, following its
-    schedule: each forward of a chunk adds that chunk's activations until the matching backward."""
+    schedule: each forward of a chunk adds that chunk's activations until the matching backward. `lora`: a
+    LoraConfig (the base frozen, the output layer too)."""
 
     a = 2 if bf16 else 4
     tokens = seq_length // layout.cp * layout.micro_batch_size
@@ -251,7 +284,7 @@ def activation_bytes(
     def layer_bytes(i: int) -> float:
         moe = model.is_moe_layer(i)
         if moe not in by_kind:
-            by_kind[moe] = layer_activation_bytes(model, layout, a, i, layout.recompute)
+            by_kind[moe] = layer_activation_bytes(model, layout, a, i, layout.recompute, lora)
         return by_kind[moe]
 
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
@@ -262,7 +295,8 @@ def activation_bytes(
             per_token += 8  # input ids
         whole = 0.0  # bytes per micro-batch, whatever its tokens
         if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
-            norm = 2 * h * a + 4 if model.normalization == "RMSNorm" else h * a + 8
+            rms = model.normalization == "RMSNorm"
+            norm = (h * a if lora is None else 0) + h * a + 4 if rms else h * a + 8
             vocab = model.padded_vocab_size(layout.tp) // layout.tp
             if model.kernel_impl == "triton":
                 final_norm = (h * a + 8) / norm_div
@@ -270,10 +304,11 @@ def activation_bytes(
                 # the loss computed last makes its gradients in the forward and keeps them until its backward:
                 # the hidden gradient and the output layer's weight gradient
                 per_token += h * a
-                whole += vocab * h * a
+                whole += 0 if lora is not None else vocab * h * a  # (none for a frozen output layer)
             else:
                 final_norm = norm / norm_div
-                loss = final_norm + h * a + vocab * 4 + 10  # logits (fp32), labels and masks
+                # logits (fp32), labels and masks; the output layer's input, unless it is frozen
+                loss = final_norm + (h * a if lora is None else 0) + vocab * 4 + 10
             per_token += loss
             for k in range(model.mtp_num_layers):
                 if layout.recompute == "full":
@@ -304,7 +339,9 @@ def activation_bytes(
     return peak
 
 
-def recompute_transient_bytes(model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, bf16: bool) -> float:
+def recompute_transient_bytes(
+    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, bf16: bool, lora=None
+) -> float:
     """With recomputation, one layer's activations are rebuilt at a time during the backward (inside the
     checkpoint, where the activation meter does not see them)."""
     layers = stage_params(model, layout, pp_rank).layers
@@ -312,8 +349,8 @@ def recompute_transient_bytes(model: ModelConfig, layout: Layout, seq_length: in
         return 0.0
     a, i = 2 if bf16 else 4, layers[-1]
     tokens = seq_length // layout.cp * layout.micro_batch_size
-    rebuilt = layer_activation_bytes(model, layout, a, i, "none") - layer_activation_bytes(
-        model, layout, a, i, layout.recompute
+    rebuilt = layer_activation_bytes(model, layout, a, i, "none", lora) - layer_activation_bytes(
+        model, layout, a, i, layout.recompute, lora
     )
     return rebuilt * tokens
 
@@ -378,9 +415,12 @@ def rank_memory(
     pp_rank: int,
     grads_bf16: bool = False,
     state_bytes: int = ADAM_MOMENTS,
+    lora=None,
 ) -> Memory:
     """Bytes held by one rank of pipeline stage `pp_rank`. `grads_bf16`: --grad-reduce-in-bf16 (with bf16,
-    the gradient buffers hold bf16; FSDP2's sharded gradients stay fp32, only its reduce-scatters change)."""
+    the gradient buffers hold bf16; FSDP2's sharded gradients stay fp32, only its reduce-scatters change).
+    `lora` (a LoraConfig): its activations (the weights' terms here are the trained model's; the dry run counts
+    a LoRA job's own)."""
     counts = stage_params(model, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
     edp = max(dp_cp * layout.tp // (layout.tp * layout.ep), 1)  # expert-data-parallel (expert TP = TP)
@@ -393,11 +433,13 @@ def rank_memory(
         counts.dense, counts.expert, dp_cp, edp, layout.sharding, bf16, grads_bf16, state_bytes, whole
     )
     micro = max(layout.micro_batches(global_batch_size), 1)
-    act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16)
-    transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16)
+    act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16, lora)
+    transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16, lora)
     if layout.sharding == "fsdp2":  # one layer's gathered weights in compute precision, plus the next prefetched
         transient += 2 * param_bytes * counts.total / max(len(counts.layers), 1)
-    elif grad_bytes == 2:  # the step's fp32 copies of the gradients it updates (the activations are gone by then)
+    elif (
+        grad_bytes == 2 and lora is None
+    ):  # the step's fp32 copies of the gradients it updates (the activations are gone by then)
         stepped = counts.total if layout.sharding == "none" else counts.dense / dp_cp + counts.expert / edp
         transient = max(transient, 4 * stepped - act)
     return Memory(params, grads, optimizer, act, transient)

@@ -64,7 +64,7 @@ def activation_bytes(
     mem = rank_memory(
         dataclasses.replace(model, kernel_impl=kernel_impl), layout, job.training.seq_length,
         job.training.global_batch(dp), low, pp_rank, low and job.optimizer.grad_reduce_in_bf16,
-        state_bytes_per_param(job.optimizer),
+        state_bytes_per_param(job.optimizer), job.lora,
     )  # fmt: skip
     return mem.activations, mem.transient
 
