@@ -130,6 +130,8 @@ CONFIGS = {
     "qwen3": qwen3_config,
     "nemotron": nemotron_config,
     "deepseek": deepseek_config,
+    # with the auxiliary and z losses in play (a coefficient of 0 leaves their scaling untested)
+    "deepseekaux": lambda **kw: deepseek_config(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **kw),
 }
 
 

@@ -25,7 +25,7 @@ from megatron_lite.training.step import train_step
 from megatron_lite.training.wrap import wrap_for_training
 
 from dist_pool import get_context
-from models import llama_config
+from models import llama_config, rel
 
 ITERS, SEQ, TOL = 10, 16, 1e-4
 OPTIM = OptimizerConfig(lr=3e-3, lr_warmup_iters=2, lr_decay_style="cosine", min_lr=3e-4, weight_decay=0.1)
@@ -507,3 +507,73 @@ def test_moe_losses_are_logged_as_megatron_logs_them():
     z = sum(z for _, z in seen) / len(seen) / config.moe_z_loss_coeff
     assert moe["aux_loss"] == pytest.approx(aux, rel=1e-6) and 0.5 < aux < 4
     assert moe["z_loss"] == pytest.approx(z, rel=1e-6)
+
+
+def test_moe_under_virtual_pipeline_stages_equals_single_process(dist):
+    """From the pipeline review: interleaved 1F1B with EP, capacity dropping and the expert bias (the only pipelined
+    MoE case was pp2-ep2, one layer a stage)."""
+    config = moe_config(
+        num_layers=4,
+        moe_expert_capacity_factor=1.0,
+        moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
+    )
+    parallel = P(expert_model_parallel_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    ref = moe_run(config, ParallelConfig(), 8, 2, iters=4, skew=0.5)
+    assert ref[0]["dropped"] > 0 and ref[0]["aux"] > 0
+    for history in dist(4, moe_run, config, parallel, 8, 2, 4, 0.5):
+        _compare(history, ref)  # (each layer's tokens per expert, which the expert bias steers, included)
+
+
+def test_training_gradients_are_those_of_the_documented_objective(monkeypatch):
+    """An independent check of the scales (the layout tests compare the code with itself at PP=1): train_step's
+    gradients equal autograd's of the objective written out, sum(token losses) / N + (aux + z) summed over the
+    MoE layers and averaged over the micro-batches + (f / D) sum_k sum(depth k's token losses) / N_k, with
+    micro-batches of unequal token counts, MoE layers in the decoder and in two MTP depths (from the pipeline
+    review)."""
+    import megatron_lite.models.mtp as mtp_module
+    import megatron_lite.moe.layer as moe_layer
+    from megatron_lite.models.mtp import mtp_inputs
+    from megatron_lite.moe.router import TopKRouter
+    from megatron_lite.tensor_parallel.cross_entropy import counted_labels
+
+    config = moe_config(moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.1, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    data = MockGPTDataset(config.vocab_size, SEQ, seed=3)
+    mbs = [collate([data[2 * i], data[2 * i + 1]]) for i in range(3)]
+    mbs[1]["loss_mask"][:, :5] = 0
+
+    def build():
+        ctx.seed(1234)
+        return build_model(config, ctx, seed=1234)
+
+    model = build()
+    ddp, opt = wrap_for_training(model, ctx, dataclasses.replace(OPTIM, clip_grad=0.0))
+    train_step(ddp, opt, LRScheduler(OPTIM, 3), [dict(m) for m in mbs], ctx)
+    got = {n: ddp.main_grad(p).clone() for n, p in model.named_parameters()}
+
+    # the same model, its losses no longer attached to the backward by the library but added up here
+    depth_sums = []
+    monkeypatch.setattr(mtp_module, "attach_loss", lambda main, loss_sum, scale: depth_sums.append(loss_sum) or main)
+    monkeypatch.setattr(moe_layer, "attach_loss", lambda y, loss, scale: y)
+    reference = build()
+    router_losses = []
+    for m in reference.modules():
+        if isinstance(m, TopKRouter):
+            m.register_forward_hook(lambda mod, args, out: router_losses.append(out.aux_loss + out.z_loss))
+    depths = config.mtp_num_layers
+    full = [mtp_inputs(m, depths) for m in mbs]
+    n = sum(float(m["loss_mask"].sum()) for m in full)
+    n_k = [sum(float(m["mtp_loss_mask"][:, k].sum()) for m in full) for k in range(depths)]
+    objective = 0.0
+    for m in full:
+        out = reference[0](m["tokens"], None, labels=counted_labels(m["labels"], m["loss_mask"]),
+                           mtp={k: v for k, v in m.items() if k.startswith("mtp_")})  # fmt: skip
+        objective = objective + (out.float() * m["loss_mask"]).sum() / n
+    weight = config.mtp_loss_scaling_factor / depths
+    objective = objective + sum(weight * t / n_k[i % depths] for i, t in enumerate(depth_sums))
+    objective = objective + sum(router_losses) / len(mbs)
+    assert len(router_losses) == len(mbs) * 4 and len(depth_sums) == len(mbs) * depths  # 2 decoder + 2 MTP routers
+    objective.backward()
+    for name, p in reference.named_parameters():
+        assert rel(got[name], p.grad) < 1e-5, (name, rel(got[name], p.grad))

@@ -215,6 +215,16 @@ def test_mtp_trains_like_one_process(dist, layout):
         _compare_mtp(rank_history, ref)
 
 
+def test_mtp_with_moe_auxiliary_losses_under_virtual_pipeline_stages_trains_like_one_process(dist):
+    """From the pipeline review: the MTP depths' MoE layers with aux and z losses (every MTP layout trains with a
+    coefficient of 0) under interleaved 1F1B; the reference's micro-batches are the same (the aux loss is per
+    micro-batch)."""
+    ref = train_run("deepseekaux", ParallelConfig(), 4, 1, mtp=2, layers=4, iters=4)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    for rank_history in dist(2, train_run, "deepseekaux", parallel, 4, 1, mtp=2, layers=4, iters=4):
+        _compare_mtp(rank_history, ref)
+
+
 def test_mtp_with_tied_embeddings_under_pipelining_trains_like_one_process(dist):
     """Tied embeddings (Nemotron-shaped, RoPE): the last stage's one copy of the word embeddings serves MTP's
     lookup and the output layer."""

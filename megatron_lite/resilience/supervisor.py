@@ -77,7 +77,7 @@ class Supervisor:
         self.window["step"] += seconds
         self.window["compute"] += seconds - metrics.comm_exposed_seconds
         self.window["n"] += 1
-        # (a global batch without one loss-bearing token has no loss, NaN, and zero gradients: not a fault)
+        # (a global batch without one loss-bearing token has no loss, NaN, and no token gradients: not a fault)
         loss = metrics.lm_loss if metrics.num_tokens > 0 else 0.0
         if self.check_nan and non_finite(loss, metrics.grad_norm):
             self.window["nonfinite"] += 1

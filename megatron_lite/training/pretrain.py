@@ -408,10 +408,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
             has_loss = metrics.updated and metrics.num_tokens > 0
             window["loss"] += metrics.lm_loss if has_loss else 0.0
             window["losses"] += 1 if has_loss else 0
-            if metrics.num_tokens == 0:
-                log.info(
-                    f"iteration {state.iteration}: every label of the global batch is masked: no loss, zero gradients"
-                )
+            if metrics.num_tokens == 0:  # (MoE's auxiliary losses, which count no label, still train the router)
+                rest = "only the MoE auxiliary losses' gradients" if job.model.num_experts else "zero gradients"
+                log.info(f"iteration {state.iteration}: every label of the global batch is masked: no loss, {rest}")
             # Megatron's "mtp_1 loss", ... (over steps with tokens), its MoE losses
             losses = {f"mtp_{k + 1}_loss": v for k, v in enumerate(metrics.mtp_losses or []) if v is not None}
             losses = {**(losses if metrics.updated else {}), **moe_stats.log_losses(metrics.moe, job.model)}

@@ -196,7 +196,8 @@ def train_step(
     layers = moe_stats.moe_layers(model.module) if config.num_experts else {}
     if config.num_experts:
         moe_stats.prepare_step(layers, len(micro_batches), optimizer.loss_scale, ctx)
-    scale = optimizer.loss_scale / max(float(num_tokens), 1.0)  # (no loss-bearing token: zero gradients, as Megatron)
+    # (no loss-bearing token: the MoE auxiliary losses' gradients alone, as Megatron)
+    scale = optimizer.loss_scale / max(float(num_tokens), 1.0)
     if _pipelined(model, ctx):
         with model.no_sync(), measuring:  # a chunk's buckets are reduced once its last backward runs
             loss_sum = _run_pipeline(model, micro_batches, ctx, scale, False)
