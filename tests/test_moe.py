@@ -577,3 +577,42 @@ def test_training_gradients_are_those_of_the_documented_objective(monkeypatch):
     objective.backward()
     for name, p in reference.named_parameters():
         assert rel(got[name], p.grad) < 1e-5, (name, rel(got[name], p.grad))
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_the_statistics_add_no_host_sync(monkeypatch, dispatcher):
+    """From the pipeline review: each MoE layer copied its statistics to the host after every micro-batch (five
+    reads of device values), so on a GPU the next layer could not be queued before this one's experts finished.
+    They now add up on the device: a training forward reads no more device values than one that records nothing
+    (the dispatch's own reads of the expert counts aside), and the step's statistics are unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import megatron_lite.tensor_parallel.random as tp_random
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default) or (
+                func is torch.ops.aten._to_copy.default and (kwargs or {}).get("device") == torch.device("cpu")
+            ):
+                self.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    config = moe_config(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=1.0)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    ctx.seed(0)
+    layer = next(m for m in build_model(config, ctx, seed=1).modules() if hasattr(m, "router")).train()
+    x = torch.randn(SEQ, 2, config.hidden_size)
+    reads = []
+    for recomputing in (True, False):  # (a recomputed forward records nothing)
+        monkeypatch.setattr(tp_random, "_RECOMPUTING", [int(recomputing)])
+        with HostReads() as meter:
+            layer(x)
+        reads.append(meter.reads)
+    assert reads[1] == reads[0], reads
+    st = layer.stats
+    assert st["counts"].sum() == st["routed"] == SEQ * 2 * config.moe_router_topk and st["aux_loss"] > 0
+    assert st["kept"].sum() == st["routed"] - st["dropped"]

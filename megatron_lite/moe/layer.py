@@ -58,16 +58,20 @@ class MoELayer(nn.Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
+        # The step's sums on the device, read once by moe/stats.finish_step (copying them to the host after every
+        # micro-batch made each layer wait for its experts before the next layer could be queued):
+        # [tokens routed to each expert (E), of those the ones its capacity kept (E), aux loss, z loss, routed
+        # pairs, dropped pairs]
+        self.stats_row: torch.Tensor | None = None
+
+    @property
+    def stats(self) -> dict:
+        """The step's statistics so far, on the host (for tests and inspection)."""
         e = self.config.num_experts
-        self.stats = {
-            "counts": torch.zeros(e, dtype=torch.float64),  # tokens routed to each expert
-            "kept": torch.zeros(e, dtype=torch.float64),  # of those, the ones its capacity kept
-            "routed": 0.0,
-            "dropped": 0.0,
-            "aux_loss": 0.0,
-            "z_loss": 0.0,
-            "micro_batches": 0,
-        }
+        row = self.stats_row.cpu() if self.stats_row is not None else torch.zeros(2 * e + 4, dtype=torch.float64)
+        aux, z, routed, dropped = row[2 * e :].tolist()
+        return {"counts": row[:e], "kept": row[e : 2 * e], "aux_loss": aux, "z_loss": z, "routed": routed,
+                "dropped": dropped}  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [seq (shard), batch, hidden] -> same."""
@@ -99,13 +103,17 @@ class MoELayer(nn.Module):
         if losses and self.training and torch.is_grad_enabled():
             y = attach_loss(y, sum(losses), self.aux_loss_scale / self.tp.size)
         if not is_recomputing():
-            st = self.stats
-            st["counts"] += routing.counts.detach().double().cpu()
-            kept = torch.bincount(routing.indices[routing.keep], minlength=self.config.num_experts)
-            st["kept"] += kept.detach().double().cpu()
-            st["routed"] += float(routing.keep.numel())
-            st["dropped"] += float((~routing.keep).sum())
-            st["aux_loss"] += float(routing.aux_loss.detach()) if routing.aux_loss is not None else 0.0
-            st["z_loss"] += float(routing.z_loss.detach()) if routing.z_loss is not None else 0.0
-            st["micro_batches"] += 1
+            self._add_stats(routing)
         return y
+
+    @torch.no_grad()
+    def _add_stats(self, routing) -> None:
+        """This micro-batch's statistics added on the device, without a host sync."""
+        e, keep = self.config.num_experts, routing.keep.reshape(-1)
+        counts = routing.counts.double()
+        kept = counts.new_zeros(e).scatter_add_(0, routing.indices.reshape(-1), keep.double())
+        zero = counts.new_zeros(())
+        aux, z = (v.detach().double() if v is not None else zero for v in (routing.aux_loss, routing.z_loss))
+        routed = counts.new_full((), keep.numel())
+        row = torch.cat([counts, kept, torch.stack([aux, z, routed, routed - keep.double().sum()])])
+        self.stats_row = row if self.stats_row is None else self.stats_row + row

@@ -46,13 +46,10 @@ def finish_step(layers: dict[int, MoELayer], config, num_microbatches: int, ctx:
     """Reduce the statistics of the step, update the expert biases, and return the metrics."""
     n_layers, e = config.num_layers + config.mtp_num_layers, config.num_experts  # (MTP layers numbered after)
     # Per layer: [routed counts (E), kept counts (E), aux loss, z loss, routed pairs, dropped pairs]
-    table = torch.zeros(n_layers, 2 * e + 4, dtype=torch.float64)
+    table = torch.zeros(n_layers, 2 * e + 4, dtype=torch.float64, device=ctx.device)
     for number, layer in layers.items():
-        st = layer.stats
-        table[number, :e] = st["counts"]
-        table[number, e : 2 * e] = st["kept"]
-        table[number, 2 * e :] = torch.tensor([st["aux_loss"], st["z_loss"], st["routed"], st["dropped"]])
-    table = table.to(ctx.device)
+        if layer.stats_row is not None:
+            table[number] = layer.stats_row
     if ctx.tp_cp_dp.size > 1:
         with ctx.tp_cp_dp.blocked():
             dist.all_reduce(table, group=ctx.tp_cp_dp.pg)
