@@ -115,6 +115,9 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         False,
         "--log-straggler reports from the first interval; nothing runs at start-up",
     ),
+    # (refused as "no such flag", from the resilience review)
+    "straggler_minmax_count": (True, "--log-straggler reports min, median, max and the slowest rank, not N of each"),
+    "straggler_ctrlr_port": (True, "there is no straggler controller: --log-straggler is set at start-up"),
     # pipeline performance switches of Megatron's (a pipeline review found them "no such flag")
     "variable_seq_lengths": (False, "every micro-batch has the --seq-length shape: pipeline messages need no shape"),
     "defer_embedding_wgrad_compute": (False, "the output layer's weight gradient is computed in its backward"),

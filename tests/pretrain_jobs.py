@@ -59,8 +59,12 @@ def _main_on_rank(argv: list[str], master_port: int, log_dir: str, cwd: str, ext
         for k in env:
             os.environ.pop(k, None)
         os.chdir(home)
-    # the next job on this rank must start its own world, as a new process would
+    # the next job on this rank must start its own world, as a new process would, and no watchdog of this one's
+    # may outlive it (a halted job's flight recorder stayed installed and killed the next job in its processes)
+    from megatron_lite.resilience import flight_recorder
+
     assert not dist.is_initialized(), f"main returned {rc} with its process group still initialized"
+    assert not flight_recorder._INSTALLED, f"main returned {rc} with its flight recorder still installed"
     return rc
 
 
@@ -90,9 +94,10 @@ def run_job(
     if failed:  # a failed job may have left state behind: the next test gets a fresh pool
         pool.close(force=True)
     assert not failed, "\n".join(f"--- rank {r} exited with {codes[r]}:\n{logs[r][-3000:]}" for r in failed)
-    # the ranks formed one world (not n one-process jobs, which would agree with one process trivially)
+    # the ranks formed one world (not n one-process jobs, which would agree with one process trivially); a refused
+    # configuration (exit code 2) stops before any
     text = "".join(logs)
-    assert f"world {pool.world_size} on " in text, (
+    assert exit_code == 2 or f"world {pool.world_size} on " in text, (
         f"the ranks did not form a world of {pool.world_size}:\n{text[-3000:]}"
     )
     return text

@@ -151,11 +151,20 @@ def test_nan_policies(tmp_path, pretrain_job):
         assert same(r[it], s[it + 1]), (it, r[it], s[it + 1])
 
     # both ranks stop (exit code 3), at the same iteration
-    err = pretrain_job(2, [*ARGS, "--train-iters", "8", "--log-jsonl", str(tmp_path / "h.jsonl")], env=fault,
-                       exit_code=3)  # fmt: skip
+    halt = [*ARGS, "--train-iters", "8", "--save", str(tmp_path / "h"), "--save-interval", "2"]
+    err = pretrain_job(2, [*halt, "--log-jsonl", str(tmp_path / "h.jsonl")], env=fault, exit_code=3)
     assert err.count("halted (rank") == 2
     assert "iteration 5: non-finite" in err and "rank 1: first in embedding.word_embeddings.weight" in err
     assert max(records(tmp_path / "h.jsonl")) == 4
+    # a launcher's restart of the same command stops at start-up (from the resilience review: under torchrun
+    # --max-restarts it replayed the save interval up to the same NaN, once per restart); removing the marker
+    # resumes from the last checkpoint
+    marker = tmp_path / "h" / "HALTED"
+    assert "iteration 5: non-finite" in marker.read_text()
+    err = pretrain_job(2, halt, exit_code=2)
+    assert f"--save {tmp_path / 'h'}: this run halted (iteration 5: non-finite" in err and f"Remove {marker}" in err
+    marker.unlink()
+    assert "resuming from it" in pretrain_job(2, halt)
 
 
 def test_a_rank_that_skips_a_collective_ends_the_job_with_a_report(tmp_path):

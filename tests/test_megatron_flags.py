@@ -178,7 +178,8 @@ def test_flags_of_megatrons_examples_that_change_nothing_here_are_reported():
              "minmax", "--no-persist-layer-norm", "--no-log-loss-scale-to-tensorboard",
              "--num-distributed-optimizer-instances", "1", "--rotary-seq-len-interpolation-factor", "1",
              "--enable-experimental", "--use-cpu-initialization", "--num-dataset-builder-threads", "4",
-             "--te-rng-tracker", "--distributed-timeout-seconds-after-init", "60"]  # fmt: skip
+             "--te-rng-tracker", "--distributed-timeout-seconds-after-init", "60", "--straggler-minmax-count", "8",
+             "--straggler-ctrlr-port", "65535"]  # fmt: skip
     notes = accepted_no_ops(parse_args([*MOCK, *flags])[0])
     for flag in (f for f in flags if f.startswith("--")):
         assert any(n.startswith(f"{flag} has no effect: ") for n in notes), flag

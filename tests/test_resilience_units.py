@@ -343,3 +343,99 @@ def test_output_paths_that_cannot_be_made_are_refused_at_start_up(tmp_path, caps
     if flag == "--log-jsonl":  # (and a directory where a file goes)
         rc, _, err = _run(["--mock-data", "--vocab-size", "100", flag, str(tmp_path)], capsys, monkeypatch)
         _one_line_error(rc, err, flag, "is a directory")
+
+
+def test_a_frozen_rank_is_reported_unresponsive_not_as_the_one_waiting():
+    """From the resilience review: rank 1 froze (SIGSTOP, its host lost) just after publishing its state in
+    all-reduce #13; rank 0 went on and waits in #17. The report blamed rank 0 (AHEAD, 'skipped it') from rank
+    1's 20 s old state; a state older than a live rank's republishing is now a rank that stopped responding."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+    e13 = Entry("0,1", 13, "all_reduce", [[1]], "step.py:84 (global_token_count)", now - 20.5)
+    e17 = Entry("0,1", 17, "all_reduce", [[1]], "step.py:84 (global_token_count)", now - 16.0)
+    peers = {
+        0: _published({"0,1": 17}, {**e17.__dict__, "since": e17.start, "waiting": False}, now),
+        1: _published({"0,1": 13}, {**e13.__dict__, "since": e13.start, "waiting": False}, now - 20.0),
+    }
+    report = hang_report(0, 15.0, e17, 16.0, peers)
+    assert report.startswith("hang: rank 0 has waited 16 s") and "#17 all_reduce" in report.splitlines()[0], report
+    assert "rank 1: UNRESPONSIVE: published nothing for 20 s" in report and "AHEAD" not in report, report
+    assert "rank(s) [1] stopped responding" in report, report
+    # a live rank's state, published a second ago, is still read as it is
+    peers[1]["time"] = now - 1.0
+    assert "UNRESPONSIVE" not in hang_report(0, 15.0, e17, 16.0, peers)
+
+
+def test_a_different_collective_at_the_same_place_is_a_mismatch():
+    """From the resilience review: rank 0 called all_reduce where rank 1 called broadcast (#2 on the group both):
+    the summary said both waited in broadcast #2. Different shapes in an all-reduce are a mismatch too; an
+    all-to-all's may differ."""
+    from megatron_lite.resilience.flight_recorder import Entry, hang_report
+
+    now = 1000.0
+
+    def waiting(op: str, shapes: list, rank_time: float = now) -> dict:
+        e = Entry("0,1", 2, op, shapes, "x.py:1 (f)", now - 16)
+        return _published({"0,1": 2}, {**e.__dict__, "since": e.start, "waiting": False}, rank_time)
+
+    mine = Entry("0,1", 2, "broadcast", [[4]], "x.py:1 (f)", now - 16)
+    for theirs, mismatch in (
+        (("all_reduce", [[4]]), True),
+        (("broadcast", [[8]]), True),
+        (("broadcast", [[4]]), False),
+    ):
+        report = hang_report(1, 15.0, mine, 16.0, {0: waiting(*theirs), 1: waiting("broadcast", [[4]])})
+        summary = next(line for line in report.splitlines() if line.startswith("summary:"))
+        assert ("[0] called a different collective there (MISMATCH)" in summary) == mismatch, report
+    a2a = Entry("0,1", 2, "all_to_all_single", [[4], [6]], "x.py:1 (f)", now - 16)
+    peers = {0: waiting("all_to_all_single", [[6], [4]]), 1: waiting("all_to_all_single", [[4], [6]])}
+    assert "MISMATCH" not in hang_report(1, 15.0, a2a, 16.0, peers)
+
+
+def _straggler_on_rank(computes: list[float], stages: list[int]) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.resilience.straggler import straggler_report
+
+    r = dist.get_rank()
+    return straggler_report(computes[r] + 0.1, computes[r], torch.device("cpu"), stages[r])
+
+
+def test_the_straggler_slowdown_is_against_the_other_ranks_of_its_stage(dist):
+    """From the resilience review: the slowest rank was compared with a median it was part of (two ranks: never
+    above 2x, 8.6x read as 1.81x), over every pipeline stage (an uneven split looked like a straggler)."""
+    # two stages: stage 1 holds more layers (3.0 s); rank 3 is 10% slower than its stage peer
+    reports = dist(4, _straggler_on_rank, [1.0, 1.0, 3.0, 3.3], [0, 0, 1, 1])
+    assert all(r["straggler_slowest_rank"] == 3 for r in reports)
+    assert reports[0]["straggler_slowdown"] == pytest.approx(1.1)
+    # two ranks of one stage, one 8.6x slower
+    reports = dist(2, _straggler_on_rank, [0.5, 4.3], [0, 0])
+    assert reports[0]["straggler_slowdown"] == pytest.approx(8.6)
+    from megatron_lite.resilience.straggler import describe
+
+    assert "(8.60x the median of the other ranks of its pipeline stage)" in describe(reports[0])
+
+
+def test_a_non_finite_loss_with_finite_gradients_is_not_called_skipped():
+    """From the resilience review: the optimizer skips on the gradients alone, so a non-finite loss beside a
+    finite gradient norm is applied; --nan-policy skip said the update was skipped on every rank."""
+    from types import SimpleNamespace
+
+    from megatron_lite.resilience.supervisor import OK, SKIPPED, Supervisor
+    from megatron_lite.training.configs import ResilienceConfig
+
+    logs = []
+    ctx = SimpleNamespace(rank=0, device="cpu")
+    guard = Supervisor(ResilienceConfig(nan_policy="skip"), True, ctx, SimpleNamespace(info=logs.append))
+    applied = SimpleNamespace(
+        lm_loss=float("inf"), grad_norm=1.5, num_tokens=10, comm_exposed_seconds=0.0, updated=True
+    )
+    assert guard.after_step(7, 0, applied, None, 0.1) == OK
+    assert (
+        logs[-1]
+        == "iteration 7: non-finite lm_loss (inf) (grad norm 1.5): the gradients were finite and the update was applied"
+    )
+    skipped = SimpleNamespace(**{**vars(applied), "grad_norm": float("nan"), "updated": False})
+    assert guard.after_step(8, 0, skipped, None, 0.1) == SKIPPED and "update skipped on every rank" in logs[-1]

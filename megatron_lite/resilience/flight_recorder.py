@@ -43,6 +43,9 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 P2P = ("batch_isend_irecv", "send", "recv")
+# collectives whose tensors have the same shapes on every rank (an all-to-all's splits, an object gather's
+# sizes may differ): different shapes in one of these are a mismatch
+SAME_SHAPES = ("all_reduce", "broadcast", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 def _counter(op: str, group: str) -> str:
@@ -277,14 +280,30 @@ class FlightRecorder:
         )
 
 
-def _root(entry: Entry, waited: float, peers: dict[int, dict]) -> tuple[Entry, float, int | None]:
+# A live rank's watchdog publishes every second: state older than this is a frozen or lost rank's (hosts' clocks
+# are compared, which NTP keeps far closer than this)
+STALE_S = 10.0
+
+
+def _stale(p: dict | None, now: float) -> float | None:
+    """How long ago a rank last published, when that is too long for a live one (None: it is live)."""
+    if p is None or now - p["time"] <= STALE_S:
+        return None
+    return now - p["time"]
+
+
+def _root(
+    entry: Entry, waited: float, peers: dict[int, dict], now: float = float("-inf")
+) -> tuple[Entry, float, int | None]:
     """The collective the hang began in. A rank that skipped one goes on to wait in the next collective of
     the group, possibly before the others reach the one it skipped, so its watchdog may fire first: when a
     member waits in an earlier collective of the same group, the report is about that one, whichever
     rank's watchdog writes it. Returns the entry, how long it has been waited in, and who waits in it
-    (None: this rank)."""
+    (None: this rank). A frozen rank's old state is not where the hang began: it stopped there."""
     best: tuple[Entry, float, int | None] = (entry, waited, None)
     for r in (int(m) for m in entry.group.split(",")):
+        if _stale(peers.get(r), now) is not None:
+            continue
         cur = (peers.get(r) or {}).get("current")
         comparable = cur and entry.op not in P2P and cur["op"] not in P2P  # (exchanges' counts never compare)
         if comparable and cur["group"] == entry.group and cur["seq"] < best[0].seq:
@@ -294,8 +313,11 @@ def _root(entry: Entry, waited: float, peers: dict[int, dict]) -> tuple[Entry, f
 
 
 def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers: dict[int, dict]) -> str:
-    """The report of rank `rank`, stuck `waited` seconds in `entry`, from every rank's published state."""
-    root, root_waited, waiter = _root(entry, waited, peers)
+    """The report of rank `rank`, stuck `waited` seconds in `entry`, from every rank's published state. A rank
+    whose state is older than STALE_S (a live one republishes every second) is reported as unresponsive: frozen
+    (SIGSTOP, a call holding the interpreter) or its host lost, its last state only where it stopped."""
+    now = max((p["time"] for p in peers.values()), default=0.0)  # (the reporting rank publishes just before)
+    root, root_waited, waiter = _root(entry, waited, peers, now)
     who = rank if waiter is None else waiter
     during = (peers.get(who) or {}).get("where")
     lines = [
@@ -306,12 +328,19 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
     ]  # fmt: skip
     entry = root  # the rest describes every member against the collective the hang began in
     members = [int(r) for r in entry.group.split(",")]
-    missing, ahead, waiting, elsewhere = [], [], [], []
+    missing, ahead, waiting, elsewhere, frozen, mismatched = [], [], [], [], [], []
     for r in members:
         p = peers.get(r)
         if p is None:
             lines.append(f"  rank {r}: no state published (the process may be gone)")
             missing.append(r)
+            continue
+        if (age := _stale(p, now)) is not None:
+            frozen.append(r)
+            lines.append(
+                f"  rank {r}: UNRESPONSIVE: published nothing for {age:.0f} s (frozen, or its host lost); "
+                f"last seen {_where(p)}"
+            )
             continue
         n = p["counts"].get(_counter(entry.op, entry.group), 0)
         cur = p["current"]
@@ -324,8 +353,16 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
         elif cur and _counter(cur["op"], cur["group"]) == _counter(entry.op, entry.group) and cur["seq"] == entry.seq:
             # waiting in it, whatever came after: an asynchronous launch of the next one (overlapped gradient
             # buckets) raises the count first
-            waiting.append(r)
-            lines.append(f"  rank {r}: {where}")
+            same_shapes = entry.op not in SAME_SHAPES or cur["shapes"] == entry.shapes
+            if entry.op not in P2P and (cur["op"] != entry.op or not same_shapes):
+                mismatched.append(r)
+                lines.append(
+                    f"  rank {r}: MISMATCH: called {cur['op']} {cur['shapes']} as #{entry.seq} on this group, "
+                    f"where rank {who} called {entry.op} {entry.shapes}: {where}"
+                )
+            else:
+                waiting.append(r)
+                lines.append(f"  rank {r}: {where}")
         elif n < entry.seq:
             missing.append(r)
             last = p["last"].get(_counter(entry.op, entry.group), "none")
@@ -354,6 +391,7 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
     else:
         lines.append(
             f"summary: ranks {waiting} wait in {entry.op} #{entry.seq} on ranks [{entry.group}]"
+            + (f"; rank(s) {mismatched} called a different collective there (MISMATCH)" if mismatched else "")
             + (f"; rank(s) {missing} never reached it" if missing else "")
             + (f"; rank(s) {ahead} skipped it and went ahead" if ahead else "")
             + (
@@ -363,9 +401,11 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
                 else ""
             )  # fmt: skip
         )
+    if frozen:
+        lines[-1] += f"; rank(s) {frozen} stopped responding (their last state is where they stopped)"
     # (a peer in a point-to-point exchange of its own may itself wait on a third rank: followed too)
     follow = missing + elsewhere + ([r for r in waiting if r != who] if entry.op in P2P else [])
-    return "\n".join(lines + _chain(entry, follow, peers))
+    return "\n".join(lines + _chain(entry, follow, peers, now))
 
 
 def _where(p: dict) -> str:
@@ -376,7 +416,7 @@ def _where(p: dict) -> str:
     return f"waiting for {waited:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] at {cur['site']}{during}"
 
 
-def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str]:
+def _chain(entry: Entry, missing: list[int], peers: dict[int, dict], now: float = float("-inf")) -> list[str]:
     """Where the missing ranks are held up: a rank that never reached the collective may itself wait in one of
     another group (a pipeline send, an expert all-to-all) that some other rank has not entered. Follows those
     waits from group to group, so the report ends at the rank that holds everything up. In a point-to-point
@@ -398,15 +438,18 @@ def _chain(entry: Entry, missing: list[int], peers: dict[int, dict]) -> list[str
             if p is None:
                 held.append(f"rank {m}, which published no state (the process may be gone)")
                 continue
-            now = p["current"]
+            if (age := _stale(p, now)) is not None:
+                held.append(f"rank {m}, which stopped responding {age:.0f} s ago (frozen, or its host lost)")
+                continue
+            nxt = p["current"]
             if cur["op"] in P2P:
-                stuck = not now or now["op"] not in P2P
+                stuck = not nxt or nxt["op"] not in P2P
             else:
                 stuck = p["counts"].get(cur["group"], 0) < cur["seq"]
             if stuck:
                 held.append(
                     f"rank {m}, which "
-                    + (f"waits in #{now['seq']} {now['op']} on ranks [{now['group']}]" if now else "is computing")
+                    + (f"waits in #{nxt['seq']} {nxt['op']} on ranks [{nxt['group']}]" if nxt else "is computing")
                 )
                 todo.append(m)
         if held:

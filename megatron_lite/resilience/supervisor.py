@@ -116,6 +116,11 @@ class Supervisor:
         what = " and ".join(f"{k} ({values[k]})" for k in bad) + (f" ({', '.join(good)})" if good else "")
         policy = self.config.nan_policy
         if policy == "skip":
+            if getattr(metrics, "updated", False):  # (the optimizer skips on the gradients: finite ones were applied)
+                self.log.info(
+                    f"iteration {iteration}: non-finite {what}: the gradients were finite and the update was applied"
+                )
+                return OK
             self.log.info(f"iteration {iteration}: non-finite {what}: update skipped on every rank (--nan-policy skip)")
             return SKIPPED
         if policy == "rollback":
@@ -153,7 +158,7 @@ class Supervisor:
         if self.check_nan:
             out["nonfinite_iterations"] = w["nonfinite"]
         if self.config.log_straggler and w["n"]:
-            report = straggler_report(w["step"] / w["n"], w["compute"] / w["n"], self.ctx.device)
+            report = straggler_report(w["step"] / w["n"], w["compute"] / w["n"], self.ctx.device, self.ctx.pp.rank)
             self.log.info(describe(report))
             out.update(report)
         self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}

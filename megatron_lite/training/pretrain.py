@@ -50,7 +50,14 @@ from megatron_lite.training.configs import JobConfig, check_output_paths
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
-from megatron_lite.training.resume import check_qlora_base, lora_base, rollback, start_load, starting_checkpoint
+from megatron_lite.training.resume import (
+    check_qlora_base,
+    lora_base,
+    mark_halted,
+    rollback,
+    start_load,
+    starting_checkpoint,
+)
 from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
@@ -492,18 +499,21 @@ def run(job: JobConfig, notes: list[str]) -> int:
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
     except BaseException as e:
         exit_code = 3 if isinstance(e, TrainingHalted) else 1
+        if isinstance(e, TrainingHalted) and job.checkpoint.save and ctx.rank == 0:
+            mark_halted(job.checkpoint.save, str(e))
         raise
     finally:
         log.close(exit_code=exit_code)
         if exit_signal is not None:  # (the handler this run installed; an in-process caller gets its own back)
             exit_signal.restore()
-    if recorder is not None:
-        recorder.uninstall()
+        if recorder is not None:  # (its watchdog would otherwise outlive the run, in an in-process caller's next)
+            recorder.uninstall()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     if signalled:  # every rank says so: the launcher reports the signal, not its workers' exit codes
-        print(f"[rank {ctx.rank}] saved and exiting with code 0 after {job.resilience.exit_signal}", flush=True)
+        saved_it = "saved and exiting" if job.checkpoint.save else "exiting without a checkpoint (no --save)"
+        print(f"[rank {ctx.rank}] {saved_it} with code 0 after {job.resilience.exit_signal}", flush=True)
     return 0
 
 

@@ -19,12 +19,31 @@ from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.resilience.supervisor import TrainingHalted
 from megatron_lite.training.configs import JobConfig
 
+HALTED = "HALTED"  # in --save: the run stopped on a fault a restart would only replay (--nan-policy halt)
+
+
+def mark_halted(save: str, reason: str) -> None:
+    """Written by rank 0 when the run halts, so a launcher's automatic restart (torchrun --max-restarts, a
+    requeued Slurm job) stops at start-up instead of replaying the save interval up to the same fault."""
+    os.makedirs(save, exist_ok=True)
+    tmp = os.path.join(save, f".{HALTED}.tmp")
+    with open(tmp, "w") as f:
+        f.write(reason.strip() + "\n")
+    os.replace(tmp, os.path.join(save, HALTED))
+
 
 def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
     """(the job, with --load pointed at its own checkpoints when it resumes them; the checkpoint it loads, or
     None to start from scratch). Read before any process group exists: every rank finds the same."""
     ckpt_path = None
     ck = job.checkpoint
+    if ck.save and os.path.isfile(marker := os.path.join(ck.save, HALTED)):
+        with open(marker) as f:
+            reason = " ".join(f.read().split())[:300]
+        raise ConfigError(
+            f"--save {ck.save}: this run halted ({reason}); a restart would replay it. Remove {marker} to resume "
+            "from its last checkpoint (after changing what halted it: --nan-policy, the data, the learning rate)"
+        )
     if (
         ck.save
         and not same_directory(ck.load, ck.save)
