@@ -1790,14 +1790,17 @@ ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
         f"--lora-rank 4 --lora-dropout 0.1 --lora-target-modules {ALL_SEVEN} {LLAMA_LIKE}",
         f"--lora-rank 4 --lora-target-modules {ALL_SEVEN} {LLAMA_LIKE} --recompute-granularity full "
         "--recompute-method uniform --recompute-num-layers 1",
+        f"--lora-rank 4 --lora-dropout 0.1 --lora-target-modules q_proj v_proj o_proj down_proj {LLAMA_LIKE} "
+        "--position-embedding-type rope --recompute-granularity selective",
     ],
-    ids=["seq256", "full-recompute", "moe", "lora-qv", "lora-dropout", "lora-full-recompute"],
+    ids=["seq256", "full-recompute", "moe", "lora-qv", "lora-dropout", "lora-full-recompute", "lora-rope-selective"],
 )
 def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monkeypatch, flags):
     """From the memory review: --dry-run priced activations with Korthikanti et al.'s GPT formula, whose attention
     scores no flash kernel or SDPA keeps (1.5x here at 256 tokens, 7x at 1024), which leaves out MoE's routed copies
     (0.4x) and, under full recomputation, the output layer and loss (0.3x; 0.02x for a LoRA job). It now prices
-    them with the planner's model: within 10% of what the activation meter measures in a real iteration. LoRA: a
+    them with the planner's model: within 5% of what the activation meter measures in a real iteration (the
+    dropout masks are the activations' dtype on a CPU: bool on a GPU, as the planner counted them). LoRA: a
     frozen linear keeps no input, a frozen RMSNorm no normalised input, the frozen output layer none (it priced LoRA
     as full training: 1.29x with adapters on q and v, 1.11x on all seven projections)."""
     import json
@@ -1816,4 +1819,4 @@ def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monke
                       capsys, monkeypatch)  # fmt: skip
     assert rc == 0, err
     measured = [json.loads(line) for line in jsonl.read_text().splitlines()][-1]["mem_activations_bytes"]
-    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+    assert abs(predicted / measured - 1) < 0.05, (predicted, measured)

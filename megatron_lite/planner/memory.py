@@ -154,38 +154,60 @@ def _mla_activation_bytes(
     return latents * tp + attn + heads * v * a  # (and the output projection's input, a copy of the output)
 
 
-def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, regen: bool, mlp_checkpointed: bool):
+def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, modules: set, mask: int) -> float:
     """What LoRA changes in a layer's saved tensors, per token: a frozen linear keeps no input (autograd saves it
-    for the weight's gradient only), an adapted one keeps it for its adapters' A, and each adapter keeps its rank-r
-    intermediate for B (and with --lora-dropout its dropped input and mask). Dense attention and MLPs; multi-latent
-    attention and the experts are priced as trained."""
+    for the weight's gradient only); an adapted one keeps it for its adapters' A, or with --lora-dropout each
+    adapter keeps its own dropped copy and mask instead; each adapter keeps its rank-r intermediate for B. Dense
+    attention and MLPs; multi-latent attention and the experts are priced as trained."""
     from megatron_lite.lora.config import layer_parts
 
     h, tp, sp = model.hidden_size, layout.tp, layout.sp
     q, f = model.num_attention_heads * model.head_dim, model.ffn_size
     mla, moe = model.multi_latent_attention, model.is_moe_layer(layer)
-    r, drop = lora.rank, (a + 1 if lora.dropout > 0 else 0)  # (a dropped input's copy and its byte mask)
-    change = 0.0
-    # (linear, adapters on it, its input per token on this rank, whether that input is counted as kept)
+    regen, dropout = "layernorm" in modules, lora.dropout > 0
+    rope, triton = model.position_embedding_type == "rope", model.kernel_impl == "triton"
+    # (without RoPE, PyTorch's attention output is the output projection's input itself, kept by SDPA anyway)
+    proj_apart = triton or rope or "core_attn" in modules
+    mlp_checkpointed = ("moe" if moe else "mlp") in modules
+    # (adapters on it, its input's width on this rank, whether the input is counted as a tensor of its own)
     linears = []
     if not mla:
         linears += [(len(layer_parts(lora, "linear_qkv") or ()), h, not (regen and not sp))]
-        linears += [(int("linear_proj" in lora.target_modules), q / tp, True)]
+        linears += [(int("linear_proj" in lora.target_modules), q / tp, proj_apart)]
     if not moe and not mlp_checkpointed:
         linears += [(len(layer_parts(lora, "linear_fc1") or ()), h, not (regen and not sp))]
         linears += [(int("linear_fc2" in lora.target_modules), f / tp, True)]
-    for adapters, width, kept in linears:
-        if adapters == 0:
-            change -= width * a if kept else 0
-        else:
-            change += adapters * (r * a + width * drop)
+    change = 0.0
+    for adapters, width, counted in linears:
+        if counted and (adapters == 0 or dropout):
+            change -= width * a
+        change += adapters * (lora.rank * a + (width * (a + mask) if dropout else 0))
     return change
 
 
-def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str, lora=None) -> float:
+def _lora_first_layer_bytes(model: ModelConfig, layout: Layout, a: int, lora, mask: int) -> float:
+    """What the model's first layer keeps less under LoRA: its input, the frozen embedding's output, needs no
+    gradient, so its input norm (frozen) keeps nothing and its QKV adapters' dropout no mask."""
+    from megatron_lite.lora.config import layer_parts
+
+    h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
+    triton, rms = model.kernel_impl == "triton", model.normalization == "RMSNorm"
+    regen = layout.recompute == "selective" and "layernorm" in model.recompute_modules
+    if regen:
+        norm = h * a
+    else:
+        norm = h * a + 8 if triton else h * a + 4 if rms else h * a + 8
+    qkv = 0 if model.multi_latent_attention else len(layer_parts(lora, "linear_qkv") or ())
+    return norm / norm_div + (qkv * h * mask if lora.dropout > 0 else 0)
+
+
+def layer_activation_bytes(
+    model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str, lora=None, mask: int = 1
+) -> float:
     """Bytes saved per token (of this rank's sequence part) by one transformer layer; `a` bytes per value. Under
     selective recomputation, what each of the model's --recompute-modules drops (see models/transformer.py);
-    with `lora` (a LoraConfig), what the frozen weights and the adapters change."""
+    with `lora` (a LoraConfig), what the frozen weights and the adapters change. `mask`: bytes per element of a
+    dropout mask (a GPU's are bool; PyTorch's CPU dropout keeps its scaled noise, in the activations' dtype)."""
     h, d = model.hidden_size, model.head_dim
     q, kv, heads = model.num_attention_heads * d, model.query_groups * d, model.num_attention_heads
     tp, sp, triton = layout.tp, layout.sp, model.kernel_impl == "triton"
@@ -216,7 +238,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
         kv_saved = kv + (q + 2 * kv) if kv == q else 2 * q  # MHA: k roped, v a view of QKV; GQA: expanded
         attn = (q + kv_saved + 2 * q) * a + heads * 4
     else:
-        attn = (q + 2 * kv) * a + q * a + heads * 4 + (0 if model.add_bias_linear else q * a)
+        attn = (q + 2 * kv) * a + q * a + heads * 4  # q, k, v (views of QKV's output), the output, its LSE
     if model.multi_latent_attention:
         attn = _mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
     if layout.cp > 1 and layout.cp_comm_type == "allgather" and core == "none":
@@ -233,7 +255,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
     if model.is_moe_layer(layer):
         total += attn / tp
         if "moe" in modules:  # the whole MoE layer checkpointed (its input counted above)
-            return total + (2 * h / norm_div if model.hidden_dropout > 0 else 0)
+            return total + (2 * h * mask / norm_div if model.hidden_dropout > 0 else 0)
         f, k = model.moe_ffn_size, model.moe_router_topk
         per = mlp(f, "moe_act" in modules) / tp
         # router scores (fp32), then each token's top-k copies through an expert (expected, balanced)
@@ -246,10 +268,9 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: in
         if "mlp" not in modules:
             total += mlp(model.ffn_size) / tp
     if model.hidden_dropout > 0:
-        total += 2 * h / norm_div  # one byte per element of each dropout mask
+        total += 2 * h * mask / norm_div  # the two dropout masks
     if lora is not None:
-        checkpointed = ("moe" if model.is_moe_layer(layer) else "mlp") in modules
-        total += _lora_bytes(model, layout, a, layer, lora, regen, checkpointed)
+        total += _lora_bytes(model, layout, a, layer, lora, modules, mask)
     return total
 
 
@@ -269,7 +290,7 @@ def cached_compute_order(pp: int, vp: int, micro: int, rank: int, group: int | N
 
 
 def activation_bytes(
-    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, micro: int, bf16: bool, lora=None
+    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, micro: int, bf16: bool, lora=None, mask: int = 1
 ) -> float:
     """Peak of the activations one rank of pipeline stage `pp_rank` keeps for the backward, following its
     schedule: each forward of a chunk adds that chunk's activations until the matching backward. `lora`: a
@@ -284,15 +305,19 @@ def activation_bytes(
     def layer_bytes(i: int) -> float:
         moe = model.is_moe_layer(i)
         if moe not in by_kind:
-            by_kind[moe] = layer_activation_bytes(model, layout, a, i, layout.recompute, lora)
+            by_kind[moe] = layer_activation_bytes(model, layout, a, i, layout.recompute, lora, mask)
         return by_kind[moe]
 
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
         per_token = sum(layer_bytes(i) for i in layers)
+        if lora is not None and 0 in layers and layout.recompute != "full":
+            per_token -= _lora_first_layer_bytes(model, layout, a, lora, mask)
         if model.position_embedding_type == "rope" and layout.recompute != "full":
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
+        # its mask (none under LoRA: no gradient flows into a frozen embedding's output)
+        embedding_dropout = h * mask / norm_div if model.hidden_dropout > 0 and lora is None else 0
         if c == 0 and pp_rank == 0:
-            per_token += 8  # input ids
+            per_token += 8 + embedding_dropout  # input ids
         whole = 0.0  # bytes per micro-batch, whatever its tokens
         if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
             rms = model.normalization == "RMSNorm"
@@ -316,11 +341,12 @@ def activation_bytes(
                     # its inputs: the embedding of its tokens, and the hidden state, under SP a shard apart from
                     # the gathered one the loss before keeps; its token ids, and the loss of its output
                     per_token += (2 if norm_div > 1 else 1) * h * a / norm_div + 8 + loss - final_norm
+                    per_token += embedding_dropout
                     continue
                 # a depth: its layer, the norms of the embedding and hidden state, eh_proj's input (whole under
                 # SP), its token ids, then a final norm and the loss as above
-                layer = layer_activation_bytes(model, layout, a, model.num_layers + k, layout.recompute)
-                per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss
+                layer = layer_activation_bytes(model, layout, a, model.num_layers + k, layout.recompute, lora, mask)
+                per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss + embedding_dropout
         chunk_bytes.append(per_token * tokens + whole)
     if layout.pp == 1:
         return chunk_bytes[0]  # micro-batches run forward and backward one after another
@@ -340,7 +366,7 @@ def activation_bytes(
 
 
 def recompute_transient_bytes(
-    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, bf16: bool, lora=None
+    model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, bf16: bool, lora=None, mask: int = 1
 ) -> float:
     """With recomputation, one layer's activations are rebuilt at a time during the backward (inside the
     checkpoint, where the activation meter does not see them)."""
@@ -349,8 +375,8 @@ def recompute_transient_bytes(
         return 0.0
     a, i = 2 if bf16 else 4, layers[-1]
     tokens = seq_length // layout.cp * layout.micro_batch_size
-    rebuilt = layer_activation_bytes(model, layout, a, i, "none", lora) - layer_activation_bytes(
-        model, layout, a, i, layout.recompute, lora
+    rebuilt = layer_activation_bytes(model, layout, a, i, "none", lora, mask) - layer_activation_bytes(
+        model, layout, a, i, layout.recompute, lora, mask
     )
     return rebuilt * tokens
 
@@ -416,11 +442,12 @@ def rank_memory(
     grads_bf16: bool = False,
     state_bytes: int = ADAM_MOMENTS,
     lora=None,
+    dropout_mask_bytes: int = 1,
 ) -> Memory:
     """Bytes held by one rank of pipeline stage `pp_rank`. `grads_bf16`: --grad-reduce-in-bf16 (with bf16,
     the gradient buffers hold bf16; FSDP2's sharded gradients stay fp32, only its reduce-scatters change).
     `lora` (a LoraConfig): its activations (the weights' terms here are the trained model's; the dry run counts
-    a LoRA job's own)."""
+    a LoRA job's own). `dropout_mask_bytes`: 1 on a GPU (bool masks); a CPU's dropout keeps the activations' dtype."""
     counts = stage_params(model, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
     edp = max(dp_cp * layout.tp // (layout.tp * layout.ep), 1)  # expert-data-parallel (expert TP = TP)
@@ -433,8 +460,8 @@ def rank_memory(
         counts.dense, counts.expert, dp_cp, edp, layout.sharding, bf16, grads_bf16, state_bytes, whole
     )
     micro = max(layout.micro_batches(global_batch_size), 1)
-    act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16, lora)
-    transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16, lora)
+    act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16, lora, dropout_mask_bytes)
+    transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16, lora, dropout_mask_bytes)
     if layout.sharding == "fsdp2":  # one layer's gathered weights in compute precision, plus the next prefetched
         transient += 2 * param_bytes * counts.total / max(len(counts.layers), 1)
     elif (

@@ -61,10 +61,14 @@ def activation_bytes(
     routed copies, the output layer and the loss (0.4x for MoE, 0.02x under full recompute)."""
     dp = job.parallel.data_parallel_size(world)
     low = job.optimizer.bf16 or job.optimizer.fp16
+    # (a GPU's dropout masks are bool; PyTorch's CPU dropout keeps its noise in the activations' dtype: the figure
+    # of the kernels this machine would run is priced as they run here)
+    on_cpu = kernel_impl == "torch" and not torch.cuda.is_available()
+    mask = (2 if low else 4) if on_cpu else 1
     mem = rank_memory(
         dataclasses.replace(model, kernel_impl=kernel_impl), layout, job.training.seq_length,
         job.training.global_batch(dp), low, pp_rank, low and job.optimizer.grad_reduce_in_bf16,
-        state_bytes_per_param(job.optimizer), job.lora,
+        state_bytes_per_param(job.optimizer), job.lora, mask,
     )  # fmt: skip
     return mem.activations, mem.transient
 
