@@ -450,6 +450,9 @@ def flags_from_checkpoint(
             saved = {k: v for k, v in saved.items() if k not in RUN_LENGTH[other]}
     if given & {"lr_warmup_iters", "lr_warmup_samples"}:  # a warmup length given replaces the saved fraction
         saved.pop("lr_warmup_fraction", None)
+    sources = ("mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path")
+    if given & set(sources):  # a data source given replaces the checkpoint's (--mock-data has no off switch)
+        saved = {k: v for k, v in saved.items() if k not in sources}
     if ns.optimizer == "sgd" or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
         for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
             saved.pop(k, None)

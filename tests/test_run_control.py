@@ -311,6 +311,11 @@ def test_a_restart_resumes_its_own_optimizer_state_whatever_the_start_flags(tmp_
     out = ["--save", str(tmp_path / "out"), "--log-jsonl", str(tmp_path / "out.jsonl")]
     rc, _, err = _run([*tune, *out, "--exit-interval", "6"], capsys, monkeypatch)
     assert rc == 0, err
+    # a restart with a flag that changes the math of its own checkpoint's model is refused, as with --load (from the
+    # validation review: the resume from --save read the flags against --load's checkpoint or none, and trained a
+    # changed --rotary-base, --norm-epsilon or --window-size silently)
+    rc, _, err = _run([*tune, *out, "--norm-epsilon", "1e-2"], capsys, monkeypatch)
+    assert rc == 2 and f"--norm-epsilon 0.01 conflicts with the checkpoint in {tmp_path / 'out'}" in err, err
     rc, text, err = _run([*tune, *out], capsys, monkeypatch)
     assert rc == 0 and "resuming from it instead of --load" in text, err
     ref, got = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "out.jsonl")
@@ -422,3 +427,26 @@ def test_a_rollback_to_a_start_loaded_without_optimizer_state_replays_the_first_
     assert [r[0] for r in first] == [at + 1, at + 2] and len(replay) == 2, rows
     for a, b in zip(first, replay):
         assert a[3] == b[3] and a[1:3] == pytest.approx(b[1:3], rel=1e-6), (a, b)
+
+
+def test_a_resume_may_change_the_data_source(tmp_path, capsys, monkeypatch):
+    """From the validation review: a checkpoint's data source was a default of the resumed run, so --mock-data (no
+    off switch) and --data-path were both set and refused as exclusive, naming a flag the user never gave. A data
+    source given replaces the checkpoint's."""
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp_path / "docs")
+    w = IndexedDatasetWriter(prefix, vocab_size=101)
+    for i in range(40):
+        w.add_document([(7 * i + j) % 100 for j in range(30)] + [100])
+    w.finalize()
+    data = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    ckpt = str(tmp_path / "ck")
+    rc, _, err = _run([*DATA, "--train-iters", "2", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, out, err = _run(["--load", ckpt, "--train-iters", "4", *data], capsys, monkeypatch)
+    assert rc == 0 and "done: iteration 4" in out, err
+    rc, _, err = _run([*data, "--train-iters", "2", "--save", str(tmp_path / "ck2")], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, out, err = _run(["--load", str(tmp_path / "ck2"), "--train-iters", "4", *DATA], capsys, monkeypatch)
+    assert rc == 0 and "done: iteration 4" in out, err
