@@ -121,6 +121,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
         )
     _check_moe_flags(ns)
+    if ns.distributed_backend == "nccl" and not ns.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():  # (it failed inside torch's device setup, or was ignored at world 1)
+            raise ConfigError("--distributed-backend nccl needs CUDA GPUs and this machine has none; use gloo")
     kernel_impl = _kernel_impl(ns.kernel_impl, ns.distributed_backend)
     balancing, aux_loss_coeff = flag_values.balancing(ns)
     vocab = ns.vocab_size
@@ -186,6 +191,14 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_token_dispatcher_type=ns.moe_token_dispatcher_type,
     )
     model.check_recompute_targets()
+    for flag, value in (  # (used in divisions below, before the parallel config's own checks)
+        ("--pipeline-model-parallel-size", ns.pipeline_model_parallel_size),
+        ("--num-layers-per-virtual-pipeline-stage", ns.num_layers_per_virtual_pipeline_stage),
+        ("--num-virtual-stages-per-pipeline-rank", ns.num_virtual_stages_per_pipeline_rank),
+        ("--microbatch-group-size-per-virtual-pipeline-stage", ns.microbatch_group_size_per_virtual_pipeline_stage),
+    ):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
     vp = ns.num_virtual_stages_per_pipeline_rank
     if ns.num_layers_per_virtual_pipeline_stage is not None and vp is not None:
         raise ConfigError(  # (Megatron's validate_args allows one of the two)

@@ -228,9 +228,12 @@ class ModelConfig:
             ("--num-query-groups", self.query_groups),
             ("--max-position-embeddings", self.max_position_embeddings),
             ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by),
+            ("--kv-channels", 1 if self.kv_channels is None else self.kv_channels),
         ):
             if value < 1:
                 raise ConfigError(f"{flag} {value} must be a positive integer")
+        if not self.init_method_std >= 0:
+            raise ConfigError(f"--init-method-std {self.init_method_std} must be >= 0")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads and not self.multi_latent_attention:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
@@ -303,6 +306,13 @@ class ModelConfig:
         e, k = self.num_experts, self.moe_router_topk
         if e < 1:
             raise ConfigError(f"--num-experts {e} must be >= 1")
+        for flag, value, fix in (
+            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size, ""),
+            ("--moe-shared-expert-intermediate-size", self.moe_shared_expert_intermediate_size,
+             " (drop it for no shared expert)"),
+        ):  # fmt: skip
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} {value} must be a positive integer{fix}")
         if not 1 <= k <= e:
             raise ConfigError(f"--moe-router-topk {k} must be between 1 and --num-experts {e}")
         if self.moe_router_score_function not in ("softmax", "sigmoid"):

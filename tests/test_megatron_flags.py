@@ -164,6 +164,38 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
             ],
             "--moe-token-dispatcher-type flex (DeepEP / HybridEP) is not supported",
         ),
+        # (a validation review: tracebacks, a zero-width shared expert, or the error naming another flag)
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "0"],
+            "--num-layers-per-virtual-pipeline-stage 0 must be a positive integer",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "0", "--num-layers-per-virtual-pipeline-stage", "1"],
+            "--pipeline-model-parallel-size 0 must be a positive integer",
+        ),
+        (["--kv-channels", "0"], "--kv-channels 0 must be a positive integer"),
+        (["--init-method-std", "-1"], "--init-method-std -1.0 must be >= 0"),
+        (
+            ["--disable-bias-linear", "--num-experts", "4", "--moe-ffn-hidden-size", "0"],
+            "--moe-ffn-hidden-size 0 must be a positive integer",
+        ),
+        (
+            ["--disable-bias-linear", "--num-experts", "4", "--moe-shared-expert-intermediate-size", "0"],
+            "--moe-shared-expert-intermediate-size 0 must be a positive integer (drop it for no shared expert)",
+        ),
+        (["--lr", "-1"], "--lr -1.0 must be >= 0"),
+        (["--decoupled-lr", "-1"], "--decoupled-lr -1.0 must be >= 0"),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--microbatch-group-size-per-virtual-pipeline-stage",
+                "0",
+            ],
+            "--microbatch-group-size-per-virtual-pipeline-stage 0 must be a positive integer",
+        ),
     ],
 )
 def test_what_megatron_refuses_or_we_lack_is_one_line(flags, fragment):
@@ -395,3 +427,16 @@ def test_a_dry_run_with_load_counts_the_checkpoints_larger_vocabulary(tmp_path, 
     assert ByteLevelTokenizer().vocab_size < 401
     assert main(["--load", ckpt, "--tokenizer-type", "ByteLevelTokenizer", "--dry-run"]) == 0
     assert "vocabulary 401," in capsys.readouterr().out
+
+
+def test_nccl_without_a_gpu_is_one_line():
+    """From the validation review: it failed inside torch's device setup (AttributeError _cuda_setDevice) after the
+    process group existed, and was ignored at world size 1. A dry run (on any machine) still plans it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(ConfigError) as e:
+        parse_args([*MOCK, "--distributed-backend", "nccl"])
+    assert str(e.value) == "--distributed-backend nccl needs CUDA GPUs and this machine has none; use gloo"
+    assert parse_args([*MOCK, "--distributed-backend", "nccl", "--dry-run"])[1].distributed_backend == "nccl"

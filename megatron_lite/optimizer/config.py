@@ -100,7 +100,10 @@ class OptimizerConfig:
                 "--grad-reduce-in-bf16 with --fp16 is not supported: fp16 gradients are reduced in fp32; "
                 "use --bf16 or drop the flag"
             )
-        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+        for flag, value in (("--lr", self.lr), ("--decoupled-lr", self.decoupled_lr)):
+            if value is not None and not value >= 0:  # (named itself: it read as a --min-lr out of range)
+                raise ConfigError(f"{flag} {value} must be >= 0")
+        if self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:
             raise ConfigError("--decoupled-min-lr sets the floor of --decoupled-lr: add --decoupled-lr")
