@@ -1820,3 +1820,29 @@ def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monke
     assert rc == 0, err
     measured = [json.loads(line) for line in jsonl.read_text().splitlines()][-1]["mem_activations_bytes"]
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
+
+
+def test_the_dry_run_checks_what_the_run_checks_and_the_run_checks_data_first(tmp_path, capsys, monkeypatch):
+    """From the validation review: the dry run said "ok" to what the run refuses (FSDP2 with --overlap-grad-reduce,
+    data whose token ids exceed the vocabulary), and the run found a missing dataset only after building the
+    model and loading the checkpoint. A dataset absent from the planning machine is a note."""
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp_path / "docs")
+    w = IndexedDatasetWriter(prefix, vocab_size=501)
+    for i in range(20):
+        w.add_document([(13 * i + j) % 500 for j in range(40)] + [500])
+    w.finalize()
+    data = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer"]
+    rc, _, err = _run([*data, "--vocab-size", "100", "--dry-run"], capsys, monkeypatch)
+    assert rc == 2 and f"--data-path {prefix} holds token id 500 but the vocabulary has 101 ids" in err, err
+    rc, out, err = _run([*data, "--vocab-size", "100"], capsys, monkeypatch)
+    assert rc == 2 and "holds token id 500" in err and "parameters" not in out, (out, err)
+    missing = ["--data-path", str(tmp_path / "nope"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
+    rc, out, err = _run([*missing, "--dry-run"], capsys, monkeypatch)
+    assert rc == 0 and f"note: on this machine the run would stop: {tmp_path / 'nope'}.idx/.bin not found" in out
+    rc, out, err = _run(missing, capsys, monkeypatch)
+    assert rc == 2 and "missing" in err and "parameters" not in out, (out, err)
+    flags = ["--mock-data", "--vocab-size", "100", "--use-torch-fsdp2", "--overlap-grad-reduce", "--dry-run"]
+    rc, _, err = _run(flags, capsys, monkeypatch)
+    assert rc == 2 and "--use-torch-fsdp2 overlaps its gradient reduce-scatters by itself" in err, err

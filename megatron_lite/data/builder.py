@@ -130,6 +130,23 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=N
         )
 
 
+def _cache_dir(data: DataConfig, prefix: str) -> str:
+    return data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+
+
+def check_data(source: DataSource, data: DataConfig, log=None) -> None:
+    """Every indexed dataset's files are there and readable and its token ids fit the vocabulary: checked at
+    start-up, before any process group or model (a missing .idx was found after the model was built and the
+    checkpoint loaded, said once per rank). The largest token id is cached: build_datasets reads it again."""
+    flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+    for s, blend in enumerate(source.per_split if source.per_split is not None else [source.prefixes]):
+        for _, prefix in blend:
+            if data.sft or not prefix:
+                continue
+            indexed = IndexedDataset(prefix, flags[s] if source.per_split is not None else "--data-path")
+            _check_vocab(indexed, source.vocab_size, _cache_dir(data, prefix), log)
+
+
 def build_datasets(
     source: DataSource, data: DataConfig, num_samples: tuple[int, int, int], seq_length: int, seed: int, log=None
 ) -> tuple:
@@ -160,7 +177,7 @@ def build_datasets(
         for w, prefix, by_split in blend:
             if prefix not in opened:
                 indexed = IndexedDataset(prefix, flags[s] if source.per_split is not None else "--data-path")
-                cache_dir = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+                cache_dir = _cache_dir(data, prefix)
                 _check_vocab(indexed, source.vocab_size, cache_dir, log)
                 opened[prefix] = (indexed, cache_dir, split_document_ranges(len(indexed), data.split_weights))
             indexed, cache_dir, ranges = opened[prefix]

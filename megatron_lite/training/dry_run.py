@@ -19,6 +19,8 @@ from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import parameter_state_bytes, rank_memory
 from megatron_lite.planner.search import job_layout, sharding_of
 from megatron_lite.training.configs import JobConfig
+from megatron_lite.training.profiling import validate_profile
+from megatron_lite.training.wrap import validate_sharding
 
 
 def _vocab(job: JobConfig) -> int:
@@ -49,6 +51,26 @@ def _vocab(job: JobConfig) -> int:
     from megatron_lite.data.embedded import EMBEDDED_VOCAB
 
     return EMBEDDED_VOCAB  # the embedded corpus's tokenizer (the data flags given none)
+
+
+def _check_data(job: JobConfig) -> None:
+    """The indexed datasets, as the run checks them at start-up, where this machine has them (a dry run plans on
+    any machine: a dataset absent here is a note, one present with ids past the vocabulary an error)."""
+    from megatron_lite.data.builder import check_data, resolve_data
+
+    d = job.data
+    if d.mock_data or d.sft or not (d.data_path or d.train_data_path):
+        return
+    try:
+        source = resolve_data(d, log=print)
+    except ConfigError as e:  # (a tokenizer not on this machine: _vocab took --vocab-size and said so)
+        print(f"note: the data is not checked on this machine: {e}", flush=True)
+        return
+    absent = [p for _, p in source.prefixes if not (os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin"))]
+    if absent:
+        print(f"note: on this machine the run would stop: {absent[0]}.idx/.bin not found", flush=True)
+        return
+    check_data(source, d, print)
 
 
 def activation_bytes(
@@ -93,9 +115,14 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
 
         vocab = max(vocab, read_metadata(ckpt_path)["config"]["model"]["vocab_size"])
     model_cfg = dataclasses.replace(job.model, vocab_size=vocab)
+    # the run's start-up checks, in its order (the dry run said "ok" to what the run refused: FSDP2 with
+    # --overlap-grad-reduce, --profile-ranks past the world, data whose ids exceed the vocabulary)
     validate_layout(model_cfg, job.parallel, world, job.training)
+    validate_sharding(model_cfg, job.parallel, job.training, job.optimizer)
     job = dataclasses.replace(job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world)))
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
+    validate_profile(job.logging, world, torch.cuda.is_available() and job.distributed_backend != "gloo")
+    _check_data(job)
     low = job.optimizer.bf16 or job.optimizer.fp16
     sharding = sharding_of(job.optimizer)
     # (a dry run on a machine without a GPU prices the PyTorch kernels it would run; a GPU run's are Triton's)

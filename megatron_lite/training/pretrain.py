@@ -28,7 +28,7 @@ from megatron_lite.checkpoint.checkpointing import (
     saved_under_this_layout,
 )
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.data.builder import build_datasets, resolve_data
+from megatron_lite.data.builder import build_datasets, check_data, resolve_data
 from megatron_lite.data.mock import collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.flag_parser import report_error
@@ -169,6 +169,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         print(f"[rank {rank}] {m}" if world_size > 1 else m, flush=True)
 
     source = resolve_data(job.data, log=data_log)
+    check_data(source, job.data, data_log)
     model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
     if ckpt_path is not None:
         saved = read_metadata(ckpt_path)["config"]
