@@ -361,6 +361,13 @@ def tokenizer_beside(recorded: str | None, path: str) -> str | None:
     return recorded
 
 
+def _same_number(text: str, value) -> bool:
+    try:
+        return float(text) == float(value)
+    except (TypeError, ValueError):
+        return str(value) == text
+
+
 def flags_from_checkpoint(
     parser: argparse.ArgumentParser,
     argv: Sequence[str],
@@ -383,8 +390,13 @@ def flags_from_checkpoint(
         conflicts = [d for d in conflicts if d not in ("use_rope_scaling", "rope_scaling_factor")]
     if conflicts and not ns.use_checkpoint_args:
         d = conflicts[0]
+        flag = f"--{d.replace('_', '-')}"
+        value = getattr(ns, d)
+        text = argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+        if text is not None and not _same_number(text, value):
+            value = f"{text} (read as {value})"  # (--window-size 7,0 is a window of 8 tokens)
         raise ConfigError(
-            f"--{d.replace('_', '-')} {getattr(ns, d)} conflicts with the checkpoint in {path} "
+            f"{flag} {value} conflicts with the checkpoint in {path} "
             f"({saved.get(d)}); drop the flag, or pass --use-checkpoint-args to take the checkpoint's value"
         )
     if not ns.use_checkpoint_args:

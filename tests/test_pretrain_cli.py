@@ -177,6 +177,9 @@ def test_flag_conflicting_with_checkpoint(tmp_path, capsys, monkeypatch):
     argv = ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--train-iters", "5"]
     rc, _, err = _run([*argv, "--hidden-size", "64"], capsys, monkeypatch)
     _one_line_error(rc, err, "--hidden-size 64", "conflicts with the checkpoint", "(32)", "--use-checkpoint-args")
+    # a value the parser converts is shown as given, then as read (it said "--window-size 8" for 7,0)
+    rc, _, err = _run([*argv, "--window-size", "7,0"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--window-size 7,0 (read as 8) conflicts with the checkpoint")
     # With --use-checkpoint-args the checkpoint's architecture wins and training continues from it.
     rc, out, err = _run([*argv, "--hidden-size", "64", "--use-checkpoint-args"], capsys, monkeypatch)
     assert rc == 0, err
