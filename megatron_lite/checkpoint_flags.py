@@ -361,6 +361,16 @@ def tokenizer_beside(recorded: str | None, path: str) -> str | None:
     return recorded
 
 
+def _given_text(argv: Sequence[str], flag: str) -> str | None:
+    """The text given to `flag` last (argparse's value), as --flag VALUE or --flag=VALUE."""
+    for i in range(len(argv) - 1, -1, -1):
+        if argv[i] == flag:
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if argv[i].startswith(flag + "="):
+            return argv[i][len(flag) + 1 :]
+    return None
+
+
 def _same_number(text: str, value) -> bool:
     try:
         return float(text) == float(value)
@@ -392,7 +402,7 @@ def flags_from_checkpoint(
         d = conflicts[0]
         flag = f"--{d.replace('_', '-')}"
         value = getattr(ns, d)
-        text = argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+        text = _given_text(argv, flag)
         if text is not None and not _same_number(text, value):
             value = f"{text} (read as {value})"  # (--window-size 7,0 is a window of 8 tokens)
         raise ConfigError(
