@@ -121,11 +121,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
         )
     _check_moe_flags(ns)
-    if ns.distributed_backend == "nccl" and not ns.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():  # (it failed inside torch's device setup, or was ignored at world 1)
-            raise ConfigError("--distributed-backend nccl needs CUDA GPUs and this machine has none; use gloo")
     kernel_impl = _kernel_impl(ns.kernel_impl, ns.distributed_backend)
     balancing, aux_loss_coeff = flag_values.balancing(ns)
     vocab = ns.vocab_size

@@ -402,7 +402,7 @@ def flags_from_checkpoint(
         d = conflicts[0]
         flag = f"--{d.replace('_', '-')}"
         value = getattr(ns, d)
-        text = _given_text(argv, flag)
+        text = None if isinstance(value, bool) else _given_text(argv, flag)  # (a switch takes no text)
         if text is not None and not _same_number(text, value):
             value = f"{text} (read as {value})"  # (--window-size 7,0 is a window of 8 tokens)
         raise ConfigError(
@@ -473,8 +473,8 @@ def flags_from_checkpoint(
     if given & {"lr_warmup_iters", "lr_warmup_samples"}:  # a warmup length given replaces the saved fraction
         saved.pop("lr_warmup_fraction", None)
     sources = ("mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path")
-    if given & set(sources):  # a data source given replaces the checkpoint's (--mock-data has no off switch)
-        saved = {k: v for k, v in saved.items() if k not in sources}
+    if given & set(sources[:3]):  # a training data source given replaces the checkpoint's (--mock-data has no
+        saved = {k: v for k, v in saved.items() if k not in sources}  # off switch); a split's path only its own
     if ns.optimizer == "sgd" or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
         for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
             saved.pop(k, None)

@@ -429,14 +429,21 @@ def test_a_dry_run_with_load_counts_the_checkpoints_larger_vocabulary(tmp_path, 
     assert "vocabulary 401," in capsys.readouterr().out
 
 
-def test_nccl_without_a_gpu_is_one_line():
+def test_nccl_without_a_gpu_is_one_line(capsys, monkeypatch):
     """From the validation review: it failed inside torch's device setup (AttributeError _cuda_setDevice) after the
-    process group existed, and was ignored at world size 1. A dry run (on any machine) still plans it."""
+    process group existed, and was ignored at world size 1. Checked by the run, not with the flags: a dry run and
+    the planner plan a GPU job on any machine (the diff review: the planner had stopped on it)."""
     import torch
+
+    from megatron_lite.training.pretrain import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")
-    with pytest.raises(ConfigError) as e:
-        parse_args([*MOCK, "--distributed-backend", "nccl"])
-    assert str(e.value) == "--distributed-backend nccl needs CUDA GPUs and this machine has none; use gloo"
-    assert parse_args([*MOCK, "--distributed-backend", "nccl", "--dry-run"])[1].distributed_backend == "nccl"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main([*MOCK, "--distributed-backend", "nccl"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --distributed-backend nccl needs CUDA GPUs and this machine has none; use gloo"
+    )
+    assert parse_args([*MOCK, "--distributed-backend", "nccl"])[1].distributed_backend == "nccl"
+    assert main([*MOCK, "--distributed-backend", "nccl", "--dry-run"]) == 0

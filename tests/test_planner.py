@@ -126,6 +126,7 @@ def _check(
     bf16=False,
     grads_bf16=False,
     state_bytes=8,
+    tol: float = 0.10,
 ) -> None:
     config = layout.model_config(MODELS[name](num_layers=4, kernel_impl=kernel_impl))
     for r in results:
@@ -133,7 +134,7 @@ def _check(
         for key, measured in r["memory"].items():
             if key in skip:
                 continue
-            assert abs(est[key] - measured) <= 0.10 * measured, (
+            assert abs(est[key] - measured) <= tol * measured, (
                 f"{layout.describe()} pp rank {r['pp_rank']}: {key} estimated {est[key]:.0f}, measured {measured}"
             )
 
@@ -165,7 +166,7 @@ def test_memory_estimate_of_each_recompute_module(name):
     (keeping its input), the experts' activation, the shared expert, MLA's per-head q, k, v (and with core_attn
     one checkpoint from the latents); core_attn only where named."""
     layout = Layout(micro_batch_size=2, recompute="selective")
-    _check(name, layout, [measure(name, layout)])
+    _check(name, layout, [measure(name, layout)], tol=0.03)
 
 
 @pytest.mark.parametrize("name", ["llama/layernorm", "moe/moe_act", "mla/mla_up_proj"])
@@ -173,7 +174,7 @@ def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name):
     """The fused add-and-norm keeps its statistics; the SwiGLU kernel saves fc1's output, the flash kernel v
     unpadded. Through the interpreter: one step of one micro-batch."""
     layout = Layout(micro_batch_size=2, recompute="selective")
-    _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton")
+    _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton", tol=0.03)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +183,7 @@ def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name):
 def test_memory_estimate_of_recompute_modules_under_sequence_parallelism(dist, name):
     """Under TP with SP the GEMMs' gathered inputs are not the norms' outputs: they are kept."""
     layout = Layout(tp=2, micro_batch_size=2, recompute="selective")
-    _check(name, layout, dist(layout.world, measure, name, layout))
+    _check(name, layout, dist(layout.world, measure, name, layout), tol=0.03)
 
 
 @pytest.mark.parametrize("name", ["llama", "mla", "moe"])

@@ -177,9 +177,12 @@ def test_flag_conflicting_with_checkpoint(tmp_path, capsys, monkeypatch):
     argv = ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--train-iters", "5"]
     rc, _, err = _run([*argv, "--hidden-size", "64"], capsys, monkeypatch)
     _one_line_error(rc, err, "--hidden-size 64", "conflicts with the checkpoint", "(32)", "--use-checkpoint-args")
-    # a value the parser converts is shown as given, then as read (it said "--window-size 8" for 7,0)
+    # a value the parser converts is shown as given, then as read (it said "--window-size 8" for 7,0); a switch
+    # as it is (not with the next flag as its text)
     rc, _, err = _run([*argv, "--window-size", "7,0"], capsys, monkeypatch)
     _one_line_error(rc, err, "--window-size 7,0 (read as 8) conflicts with the checkpoint")
+    rc, _, err = _run([*argv, "--swiglu", "--lr", "1e-3"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--swiglu True conflicts with the checkpoint")
     # With --use-checkpoint-args the checkpoint's architecture wins and training continues from it.
     rc, out, err = _run([*argv, "--hidden-size", "64", "--use-checkpoint-args"], capsys, monkeypatch)
     assert rc == 0, err
@@ -1795,8 +1798,26 @@ ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
         "--recompute-method uniform --recompute-num-layers 1",
         f"--lora-rank 4 --lora-dropout 0.1 --lora-target-modules q_proj v_proj o_proj down_proj {LLAMA_LIKE} "
         "--position-embedding-type rope --recompute-granularity selective",
+        # (the MTP depths have no adapters; a depth is one checkpoint under uniform full recomputation, none under
+        # block, and its hidden input is apart from a frozen output layer's loss, which keeps no input)
+        f"--lora-rank 4 --lora-target-modules {ALL_SEVEN} {LLAMA_LIKE} --mtp-num-layers 2 --lora-dropout 0.1",
+        f"--lora-rank 4 --lora-target-modules {ALL_SEVEN} {LLAMA_LIKE} --mtp-num-layers 2 "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+        f"{LLAMA_LIKE} --mtp-num-layers 2 --recompute-granularity full --recompute-method block "
+        "--recompute-num-layers 1",  # (the first layer of the two checkpointed)
     ],
-    ids=["seq256", "full-recompute", "moe", "lora-qv", "lora-dropout", "lora-full-recompute", "lora-rope-selective"],
+    ids=[
+        "seq256",
+        "full-recompute",
+        "moe",
+        "lora-qv",
+        "lora-dropout",
+        "lora-full-recompute",
+        "lora-rope-selective",
+        "lora-mtp",
+        "lora-mtp-full-recompute",
+        "mtp-block-recompute",
+    ],  # fmt: skip
 )
 def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monkeypatch, flags):
     """From the memory review: --dry-run priced activations with Korthikanti et al.'s GPT formula, whose attention
@@ -1837,10 +1858,13 @@ def test_the_dry_run_checks_what_the_run_checks_and_the_run_checks_data_first(tm
         w.add_document([(13 * i + j) % 500 for j in range(40)] + [500])
     w.finalize()
     data = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer"]
-    rc, _, err = _run([*data, "--vocab-size", "100", "--dry-run"], capsys, monkeypatch)
-    assert rc == 2 and f"--data-path {prefix} holds token id 500 but the vocabulary has 101 ids" in err, err
+    # a dry run scans no .bin (hours on a large corpus): before the run has scanned it, a note
+    rc, out, err = _run([*data, "--vocab-size", "100", "--dry-run"], capsys, monkeypatch)
+    assert rc == 0 and f"note: the token ids of {prefix} (and any others) are checked by the run's first" in out
     rc, out, err = _run([*data, "--vocab-size", "100"], capsys, monkeypatch)
     assert rc == 2 and "holds token id 500" in err and "parameters" not in out, (out, err)
+    rc, _, err = _run([*data, "--vocab-size", "100", "--dry-run"], capsys, monkeypatch)  # (now from its cache)
+    assert rc == 2 and f"--data-path {prefix} holds token id 500 but the vocabulary has 101 ids" in err, err
     missing = ["--data-path", str(tmp_path / "nope"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
     rc, out, err = _run([*missing, "--dry-run"], capsys, monkeypatch)
     assert rc == 0 and f"note: on this machine the run would stop: {tmp_path / 'nope'}.idx/.bin not found" in out
@@ -1849,3 +1873,7 @@ def test_the_dry_run_checks_what_the_run_checks_and_the_run_checks_data_first(tm
     flags = ["--mock-data", "--vocab-size", "100", "--use-torch-fsdp2", "--overlap-grad-reduce", "--dry-run"]
     rc, _, err = _run(flags, capsys, monkeypatch)
     assert rc == 2 and "--use-torch-fsdp2 overlaps its gradient reduce-scatters by itself" in err, err
+    # a GPU job's Nsight profile is planned on a machine without a GPU (the diff review: refused there)
+    nsys = ["--mock-data", "--vocab-size", "100", "--distributed-backend", "nccl", "--profile", "--dry-run"]
+    rc, _, err = _run(nsys, capsys, monkeypatch)
+    assert rc == 0, err

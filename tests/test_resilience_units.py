@@ -358,13 +358,33 @@ def test_a_frozen_rank_is_reported_unresponsive_not_as_the_one_waiting():
         0: _published({"0,1": 17}, {**e17.__dict__, "since": e17.start, "waiting": False}, now),
         1: _published({"0,1": 13}, {**e13.__dict__, "since": e13.start, "waiting": False}, now - 20.0),
     }
-    report = hang_report(0, 15.0, e17, 16.0, peers)
+    report = hang_report(0, 15.0, e17, 16.0, peers, frozen={1})
     assert report.startswith("hang: rank 0 has waited 16 s") and "#17 all_reduce" in report.splitlines()[0], report
-    assert "rank 1: UNRESPONSIVE: published nothing for 20 s" in report and "AHEAD" not in report, report
+    assert "rank 1: UNRESPONSIVE: published nothing in 3 s" in report and "AHEAD" not in report, report
     assert "rank(s) [1] stopped responding" in report, report
-    # a live rank's state, published a second ago, is still read as it is
-    peers[1]["time"] = now - 1.0
+    # a live rank's state is read as it is, however far its host's clock is from this one's (the diff review: a
+    # staleness judged by clocks made one host running 10 s ahead call every other rank unresponsive)
     assert "UNRESPONSIVE" not in hang_report(0, 15.0, e17, 16.0, peers)
+
+
+def test_the_recorder_finds_a_frozen_rank_by_its_unchanging_state_not_by_clocks(monkeypatch):
+    """build_report reads the peers' states twice: one that did not change between the reads is frozen, one that
+    did is live, whatever the time it carries (a host 100 s ahead)."""
+    from megatron_lite.resilience import flight_recorder as fr
+
+    monkeypatch.setattr(fr.time, "sleep", lambda s: None)
+    reads = iter([
+        {0: {"time": 5.0}, 1: {"time": 900.0}, 2: {"time": 100.0}},
+        {0: {"time": 6.0}, 1: {"time": 901.0}, 2: {"time": 100.0}},
+    ])  # fmt: skip
+    seen = {}
+    rec = fr.FlightRecorder.__new__(fr.FlightRecorder)
+    rec.rank, rec.timeout_s, rec.history = 0, 15.0, []
+    monkeypatch.setattr(rec, "_publish", lambda: None, raising=False)
+    monkeypatch.setattr(rec, "_peers", lambda: next(reads), raising=False)
+    monkeypatch.setattr(fr, "hang_report", lambda *a: seen.setdefault("frozen", a[5]) and "" or "")
+    rec.build_report(fr.Entry("0,1,2", 1, "all_reduce", [[1]], "x.py:1 (f)", 0.0), 16.0)
+    assert seen["frozen"] == {2}
 
 
 def test_a_different_collective_at_the_same_place_is_a_mismatch():
@@ -415,7 +435,10 @@ def test_the_straggler_slowdown_is_against_the_other_ranks_of_its_stage(dist):
     assert reports[0]["straggler_slowdown"] == pytest.approx(8.6)
     from megatron_lite.resilience.straggler import describe
 
-    assert "(8.60x the median of the other ranks of its pipeline stage)" in describe(reports[0])
+    assert "(8.60x the median of its pipeline stage's other ranks)" in describe(reports[0])
+    # a straggler in the lighter stage (from the diff review: the slowest in seconds was always in the heavier one)
+    reports = dist(4, _straggler_on_rank, [1.0, 3.0, 5.0, 5.0], [0, 0, 1, 1])
+    assert reports[0]["straggler_slowest_rank"] == 1 and reports[0]["straggler_slowdown"] == pytest.approx(3.0)
 
 
 def test_a_non_finite_loss_with_finite_gradients_is_not_called_skipped():

@@ -73,7 +73,7 @@ def test_a_skipped_step_is_not_averaged_into_the_logged_loss(tmp_path, capsys, m
     assert window["lm_loss"] == pytest.approx((each[0] + each[2]) / 2, rel=1e-12), (window, each)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", [False, True, "no-aux"], ids=["dense", "moe", "moe-without-aux-losses"])
 def test_a_global_batch_without_loss_tokens_steps_with_zero_gradients(tmp_path, capsys, monkeypatch, moe):
     """--eod-mask-loss on documents of end-of-document tokens alone: no label is kept. The step runs with zero
     gradients (Megatron's finalize_model_grads skips the 1/num_tokens scaling; here it divided by zero), says so,
@@ -90,25 +90,18 @@ def test_a_global_batch_without_loss_tokens_steps_with_zero_gradients(tmp_path, 
     log = tmp_path / "m.jsonl"
     argv = ["--data-path", prefix, "--eod-mask-loss", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     argv += ["--eval-iters", "0"]
-    if moe:
-        argv += [
-            "--num-experts",
-            "4",
-            "--moe-router-topk",
-            "2",
-            "--moe-aux-loss-coeff",
-            "0.01",
-            "--disable-bias-linear",
-        ]
+    if moe:  # (without an aux or z coefficient, the default, nothing trains either: the diff review)
+        argv += ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+        argv += ["--moe-aux-loss-coeff", "0.01"] if moe is True else []
     rc, out, err = _run(
         [*argv, "--train-iters", "2", "--log-interval", "1", "--log-jsonl", str(log)], capsys, monkeypatch
     )
     assert rc == 0, err
-    rest = "only the MoE auxiliary losses' gradients" if moe else "zero gradients"
+    rest = "only the MoE auxiliary losses' gradients" if moe is True else "zero gradients"
     assert f"iteration 1: every label of the global batch is masked: no loss, {rest}" in out, out
     records = [json.loads(line) for line in log.read_text().splitlines() if "lm_loss" in line]
     assert len(records) == 2 and all(r["skipped_iterations"] == 0 for r in records), records
-    assert all((r["grad_norm"] > 0) if moe else (r["grad_norm"] == 0.0) for r in records), records
+    assert all((r["grad_norm"] > 0) if moe is True else (r["grad_norm"] == 0.0) for r in records), records
 
 
 def _slow_writes(monkeypatch):
@@ -449,4 +442,12 @@ def test_a_resume_may_change_the_data_source(tmp_path, capsys, monkeypatch):
     rc, _, err = _run([*data, "--train-iters", "2", "--save", str(tmp_path / "ck2")], capsys, monkeypatch)
     assert rc == 0, err
     rc, out, err = _run(["--load", str(tmp_path / "ck2"), "--train-iters", "4", *DATA], capsys, monkeypatch)
+    assert rc == 0 and "done: iteration 4" in out, err
+    # a split's own path given replaces that split's alone (the diff review: it dropped the training path too)
+    splits = ["--train-data-path", prefix, "--valid-data-path", prefix, "--tokenizer-type", "NullTokenizer"]
+    rc, _, err = _run([*splits, "--vocab-size", "100", "--train-iters", "2", "--save", str(tmp_path / "ck3")],
+                      capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    resume = ["--load", str(tmp_path / "ck3"), "--train-iters", "4", "--valid-data-path", prefix]
+    rc, out, err = _run(resume, capsys, monkeypatch)
     assert rc == 0 and "done: iteration 4" in out, err

@@ -103,14 +103,17 @@ def _cached_max_token(key: str, size: list) -> dict | None:
     return cached if isinstance(cached, dict) and cached.get("size") == size else None
 
 
-def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=None) -> None:
+def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=None, scan: bool = True) -> bool:
     """The largest token id of a dataset (cached by the .bin's size, mtime and inode: a re-preprocessed corpus
-    of the same size is scanned again) must fit the vocabulary."""
+    of the same size is scanned again) must fit the vocabulary. `scan=False`: only from the cache; False when
+    there is none (not checked)."""
     # (named by a hash of the path: the path itself can pass the file system's 255-byte limit on a name)
     key = os.path.join(cache_dir, f"max_token_{hashlib.md5(os.path.abspath(indexed.prefix).encode()).hexdigest()}.json")
     st = os.stat(indexed.prefix + ".bin")
     size = [st.st_size, st.st_mtime_ns, st.st_ino]
     fresh = _cached_max_token(key, size)  # (a cache hit writes nothing: it may be on a read-only mount)
+    if fresh is None and not scan:
+        return False
     with contextlib.nullcontext() if fresh is not None else file_lock(key + ".lock"):
         cached = fresh or _cached_max_token(key, size)
         if cached is None:
@@ -128,23 +131,28 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=N
             f"{indexed.flag} {indexed.prefix} holds token id {cached['max_token']} but the vocabulary has {vocab_size} "
             f"ids (--vocab-size / tokenizer); use the tokenizer the data was made with"
         )
+    return True
 
 
 def _cache_dir(data: DataConfig, prefix: str) -> str:
     return data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
 
 
-def check_data(source: DataSource, data: DataConfig, log=None) -> None:
+def check_data(source: DataSource, data: DataConfig, log=None, scan: bool = True) -> list[str]:
     """Every indexed dataset's files are there and readable and its token ids fit the vocabulary: checked at
     start-up, before any process group or model (a missing .idx was found after the model was built and the
-    checkpoint loaded, said once per rank). The largest token id is cached: build_datasets reads it again."""
+    checkpoint loaded, said once per rank). The largest token id is cached: build_datasets reads it again.
+    `scan=False` (a dry run): ids only where a scan is cached; returns the prefixes whose ids were not checked."""
     flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+    unchecked = []
     for s, blend in enumerate(source.per_split if source.per_split is not None else [source.prefixes]):
         for _, prefix in blend:
             if data.sft or not prefix:
                 continue
             indexed = IndexedDataset(prefix, flags[s] if source.per_split is not None else "--data-path")
-            _check_vocab(indexed, source.vocab_size, _cache_dir(data, prefix), log)
+            if not _check_vocab(indexed, source.vocab_size, _cache_dir(data, prefix), log, scan):
+                unchecked.append(prefix)
+    return unchecked
 
 
 def build_datasets(

@@ -81,7 +81,8 @@ def generation_bytes(chunks, ctx: ParallelContext, batch: int, max_len: int, sco
     fp32 logits, `scored_rows` positions of each sequence (gathered over TP, then the fp32 copy)."""
     config, dtype = chunks[0].config, next(p for c in chunks for p in c.parameters()).dtype
     need = cache_bytes(config, ctx.tp.size, sum(len(c.decoder.layers) for c in chunks), batch, max_len, dtype)
-    need += sum(m.absorbed_bytes() for c in chunks for m in c.modules() if isinstance(m, MultiLatentAttention))
+    # (the decoder's layers: generation never runs the multi-token-prediction depths)
+    need += sum(m.absorbed_bytes() for c in chunks for m in c.decoder.modules() if isinstance(m, MultiLatentAttention))
     if ctx.is_last_stage:
         need += 2 * batch * scored_rows * config.vocab_size * 4
     return need

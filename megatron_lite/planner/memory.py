@@ -24,6 +24,7 @@ schedules keep several micro-batches alive: the count comes from the schedule it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -185,18 +186,24 @@ def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, mo
     return change
 
 
+def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:
+    """What a norm keeps per token: the Triton kernels their input and statistics; PyTorch's RMSNorm also the
+    normalised input, for the weight's gradient (none for a frozen one); PyTorch's LayerNorm its input, mean and
+    rstd."""
+    h = model.hidden_size
+    if model.kernel_impl == "triton" or model.normalization != "RMSNorm":
+        return h * a + 8
+    return (0 if frozen else h * a) + h * a + 4
+
+
 def _lora_first_layer_bytes(model: ModelConfig, layout: Layout, a: int, lora, mask: int) -> float:
     """What the model's first layer keeps less under LoRA: its input, the frozen embedding's output, needs no
     gradient, so its input norm (frozen) keeps nothing and its QKV adapters' dropout no mask."""
     from megatron_lite.lora.config import layer_parts
 
     h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
-    triton, rms = model.kernel_impl == "triton", model.normalization == "RMSNorm"
     regen = layout.recompute == "selective" and "layernorm" in model.recompute_modules
-    if regen:
-        norm = h * a
-    else:
-        norm = h * a + 8 if triton else h * a + 4 if rms else h * a + 8
+    norm = h * a if regen else _norm_bytes(model, a, frozen=True)
     qkv = 0 if model.multi_latent_attention else len(layer_parts(lora, "linear_qkv") or ())
     return norm / norm_div + (qkv * h * mask if lora.dropout > 0 else 0)
 
@@ -218,10 +225,7 @@ def layer_activation_bytes(
     modules = set(model.recompute_modules) if recompute == "selective" else set()
     core = "selective" if "core_attn" in modules else "none"
     rms = model.normalization == "RMSNorm"
-    if triton:
-        norm = h * a + 8
-    else:  # (PyTorch's RMSNorm keeps the normalised input for the weight's gradient: none for a frozen one)
-        norm = (h * a if lora is None else 0) + h * a + 4 if rms else h * a + 8
+    norm = _norm_bytes(model, a, frozen=lora is not None)
     regen = "layernorm" in modules  # each norm keeps its input (the fused Triton one its statistics too) and
     # its output's storage is freed, made again in the backward: kept are only the GEMMs' gathered copies (SP)
     total = (2 * h * a + (8 if triton else 0)) / norm_div if regen else 2 * norm / norm_div
@@ -300,19 +304,24 @@ def activation_bytes(
     tokens = seq_length // layout.cp * layout.micro_batch_size
     h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
     chunk_bytes = []
-    by_kind: dict[bool, float] = {}  # a layer's bytes depend on it only through is_moe_layer
+    by_kind: dict[tuple[bool, str], float] = {}  # a layer's bytes depend on it through is_moe_layer and recompute
+    # --recompute-method block checkpoints the first --recompute-num-layers layers of each model chunk, the rest
+    # keep everything (uniform: every layer)
+    block = layout.recompute == "full" and model.recompute_method == "block"
 
-    def layer_bytes(i: int) -> float:
-        moe = model.is_moe_layer(i)
-        if moe not in by_kind:
-            by_kind[moe] = layer_activation_bytes(model, layout, a, i, layout.recompute, lora, mask)
-        return by_kind[moe]
+    def layer_bytes(i: int, index: int) -> float:
+        recompute = "none" if block and index >= (model.recompute_num_layers or 0) else layout.recompute
+        key = (model.is_moe_layer(i), recompute)
+        if key not in by_kind:
+            by_kind[key] = layer_activation_bytes(model, layout, a, i, recompute, lora, mask)
+        return by_kind[key]
 
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
-        per_token = sum(layer_bytes(i) for i in layers)
+        per_token = sum(layer_bytes(i, index) for index, i in enumerate(layers))
         if lora is not None and 0 in layers and layout.recompute != "full":
             per_token -= _lora_first_layer_bytes(model, layout, a, lora, mask)
-        if model.position_embedding_type == "rope" and layout.recompute != "full":
+        some_kept = layout.recompute != "full" or (block and len(layers) > (model.recompute_num_layers or 0))
+        if model.position_embedding_type == "rope" and some_kept:
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         # its mask (none under LoRA: no gradient flows into a frozen embedding's output)
         embedding_dropout = h * mask / norm_div if model.hidden_dropout > 0 and lora is None else 0
@@ -320,33 +329,40 @@ def activation_bytes(
             per_token += 8 + embedding_dropout  # input ids
         whole = 0.0  # bytes per micro-batch, whatever its tokens
         if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
-            rms = model.normalization == "RMSNorm"
-            norm = (h * a if lora is None else 0) + h * a + 4 if rms else h * a + 8
+            norm = _norm_bytes(model, a, frozen=lora is not None)
+            final_norm = norm / norm_div
             vocab = model.padded_vocab_size(layout.tp) // layout.tp
             if model.kernel_impl == "triton":
-                final_norm = (h * a + 8) / norm_div
                 loss = final_norm + h * a + 8  # the fused loss keeps its input and labels
                 # the loss computed last makes its gradients in the forward and keeps them until its backward:
                 # the hidden gradient and the output layer's weight gradient
                 per_token += h * a
                 whole += 0 if lora is not None else vocab * h * a  # (none for a frozen output layer)
             else:
-                final_norm = norm / norm_div
                 # logits (fp32), labels and masks; the output layer's input, unless it is frozen
                 loss = final_norm + (h * a if lora is None else 0) + vocab * 4 + 10
             per_token += loss
+            # (Megatron's MTP is one checkpoint a depth under uniform full recomputation, not recomputed under block)
+            block = layout.recompute == "full" and model.recompute_method == "block"
+            # the hidden state a depth reads is the one the loss before it keeps, unless that is gathered (SP) or
+            # the loss keeps no input (PyTorch's, of a frozen output layer)
+            hidden_apart = norm_div > 1 or (model.kernel_impl != "triton" and lora is not None)
             for k in range(model.mtp_num_layers):
-                if layout.recompute == "full":
-                    # (the planner's full recomputation is uniform, under which each depth is one checkpoint)
-                    # its inputs: the embedding of its tokens, and the hidden state, under SP a shard apart from
-                    # the gathered one the loss before keeps; its token ids, and the loss of its output
-                    per_token += (2 if norm_div > 1 else 1) * h * a / norm_div + 8 + loss - final_norm
+                if layout.recompute == "full" and not block:
+                    # its inputs: the embedding of its tokens and the hidden state; its token ids, and the loss of
+                    # its output
+                    per_token += (2 if hidden_apart else 1) * h * a / norm_div + 8 + loss - final_norm
                     per_token += embedding_dropout
                     continue
                 # a depth: its layer, the norms of the embedding and hidden state, eh_proj's input (whole under
                 # SP), its token ids, then a final norm and the loss as above
-                layer = layer_activation_bytes(model, layout, a, model.num_layers + k, layout.recompute, lora, mask)
-                per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss + embedding_dropout
+                depth_recompute = "none" if block else layout.recompute
+                frozen = None if lora is None else dataclasses.replace(lora, target_modules=())  # (no adapters)
+                layer = layer_activation_bytes(model, layout, a, model.num_layers + k, depth_recompute, frozen, mask)
+                if lora is not None:  # the frozen eh_proj keeps no input; enorm, on the frozen embedding, nothing
+                    per_token += layer + norm / norm_div + 8 + loss
+                else:
+                    per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss + embedding_dropout
         chunk_bytes.append(per_token * tokens + whole)
     if layout.pp == 1:
         return chunk_bytes[0]  # micro-batches run forward and backward one after another

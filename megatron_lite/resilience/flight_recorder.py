@@ -45,7 +45,10 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 P2P = ("batch_isend_irecv", "send", "recv")
 # collectives whose tensors have the same shapes on every rank (an all-to-all's splits, an object gather's
 # sizes may differ): different shapes in one of these are a mismatch
-SAME_SHAPES = ("all_reduce", "broadcast", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+SAME_SHAPES = (
+    "all_reduce", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather_single",
+    "reduce_scatter_single",
+)  # fmt: skip
 
 
 def _counter(op: str, group: str) -> str:
@@ -272,28 +275,27 @@ class FlightRecorder:
         return out
 
     def build_report(self, entry: Entry, waited: float) -> str:
-        """Who waits in `entry`, who has not reached it and who went past it, from every rank's state."""
+        """Who waits in `entry`, who has not reached it and who went past it, from every rank's state. The peers'
+        states are read twice, LIVENESS_S apart: one that did not change comes from a rank that stopped publishing
+        (hosts' clocks are never compared)."""
         self._publish()
+        first = self._peers()
+        time.sleep(LIVENESS_S)
+        self._publish()
+        peers = self._peers()
+        frozen = {r for r, p in peers.items() if r != self.rank and first.get(r, {}).get("time") == p["time"]}
         recent = "; ".join(e.describe() for e in list(self.history)[-5:])
-        return hang_report(self.rank, self.timeout_s, entry, waited, self._peers()) + (
+        return hang_report(self.rank, self.timeout_s, entry, waited, peers, frozen) + (
             f"\nrank {self.rank}'s last collectives: {recent}"
         )
 
 
-# A live rank's watchdog publishes every second: state older than this is a frozen or lost rank's (hosts' clocks
-# are compared, which NTP keeps far closer than this)
-STALE_S = 10.0
-
-
-def _stale(p: dict | None, now: float) -> float | None:
-    """How long ago a rank last published, when that is too long for a live one (None: it is live)."""
-    if p is None or now - p["time"] <= STALE_S:
-        return None
-    return now - p["time"]
+# A live rank's watchdog publishes every second: a state unchanged over this long is a frozen or lost rank's
+LIVENESS_S = 3.0
 
 
 def _root(
-    entry: Entry, waited: float, peers: dict[int, dict], now: float = float("-inf")
+    entry: Entry, waited: float, peers: dict[int, dict], frozen: frozenset | set = frozenset()
 ) -> tuple[Entry, float, int | None]:
     """The collective the hang began in. A rank that skipped one goes on to wait in the next collective of
     the group, possibly before the others reach the one it skipped, so its watchdog may fire first: when a
@@ -302,7 +304,7 @@ def _root(
     (None: this rank). A frozen rank's old state is not where the hang began: it stopped there."""
     best: tuple[Entry, float, int | None] = (entry, waited, None)
     for r in (int(m) for m in entry.group.split(",")):
-        if _stale(peers.get(r), now) is not None:
+        if r in frozen:
             continue
         cur = (peers.get(r) or {}).get("current")
         comparable = cur and entry.op not in P2P and cur["op"] not in P2P  # (exchanges' counts never compare)
@@ -312,12 +314,18 @@ def _root(
     return best
 
 
-def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers: dict[int, dict]) -> str:
-    """The report of rank `rank`, stuck `waited` seconds in `entry`, from every rank's published state. A rank
-    whose state is older than STALE_S (a live one republishes every second) is reported as unresponsive: frozen
-    (SIGSTOP, a call holding the interpreter) or its host lost, its last state only where it stopped."""
-    now = max((p["time"] for p in peers.values()), default=0.0)  # (the reporting rank publishes just before)
-    root, root_waited, waiter = _root(entry, waited, peers, now)
+def hang_report(
+    rank: int,
+    timeout_s: float,
+    entry: Entry,
+    waited: float,
+    peers: dict[int, dict],
+    frozen: frozenset | set = frozenset(),
+) -> str:
+    """The report of rank `rank`, stuck `waited` seconds in `entry`, from every rank's published state. The
+    ranks in `frozen` stopped publishing (a live one republishes every second): frozen (SIGSTOP, a call holding
+    the interpreter) or their host lost, their last state only where they stopped."""
+    root, root_waited, waiter = _root(entry, waited, peers, frozen)
     who = rank if waiter is None else waiter
     during = (peers.get(who) or {}).get("where")
     lines = [
@@ -328,17 +336,17 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
     ]  # fmt: skip
     entry = root  # the rest describes every member against the collective the hang began in
     members = [int(r) for r in entry.group.split(",")]
-    missing, ahead, waiting, elsewhere, frozen, mismatched = [], [], [], [], [], []
+    missing, ahead, waiting, elsewhere, unresponsive, mismatched = [], [], [], [], [], []
     for r in members:
         p = peers.get(r)
         if p is None:
             lines.append(f"  rank {r}: no state published (the process may be gone)")
             missing.append(r)
             continue
-        if (age := _stale(p, now)) is not None:
-            frozen.append(r)
+        if r in frozen:
+            unresponsive.append(r)
             lines.append(
-                f"  rank {r}: UNRESPONSIVE: published nothing for {age:.0f} s (frozen, or its host lost); "
+                f"  rank {r}: UNRESPONSIVE: published nothing in {LIVENESS_S:g} s (frozen, or its host lost); "
                 f"last seen {_where(p)}"
             )
             continue
@@ -401,11 +409,11 @@ def hang_report(rank: int, timeout_s: float, entry: Entry, waited: float, peers:
                 else ""
             )  # fmt: skip
         )
-    if frozen:
-        lines[-1] += f"; rank(s) {frozen} stopped responding (their last state is where they stopped)"
+    if unresponsive:
+        lines[-1] += f"; rank(s) {unresponsive} stopped responding (their last state is where they stopped)"
     # (a peer in a point-to-point exchange of its own may itself wait on a third rank: followed too)
     follow = missing + elsewhere + ([r for r in waiting if r != who] if entry.op in P2P else [])
-    return "\n".join(lines + _chain(entry, follow, peers, now))
+    return "\n".join(lines + _chain(entry, follow, peers, frozen))
 
 
 def _where(p: dict) -> str:
@@ -416,7 +424,9 @@ def _where(p: dict) -> str:
     return f"waiting for {waited:.0f} s in #{cur['seq']} {cur['op']} on ranks [{cur['group']}] at {cur['site']}{during}"
 
 
-def _chain(entry: Entry, missing: list[int], peers: dict[int, dict], now: float = float("-inf")) -> list[str]:
+def _chain(
+    entry: Entry, missing: list[int], peers: dict[int, dict], frozen: frozenset | set = frozenset()
+) -> list[str]:
     """Where the missing ranks are held up: a rank that never reached the collective may itself wait in one of
     another group (a pipeline send, an expert all-to-all) that some other rank has not entered. Follows those
     waits from group to group, so the report ends at the rank that holds everything up. In a point-to-point
@@ -438,8 +448,8 @@ def _chain(entry: Entry, missing: list[int], peers: dict[int, dict], now: float 
             if p is None:
                 held.append(f"rank {m}, which published no state (the process may be gone)")
                 continue
-            if (age := _stale(p, now)) is not None:
-                held.append(f"rank {m}, which stopped responding {age:.0f} s ago (frozen, or its host lost)")
+            if m in frozen:
+                held.append(f"rank {m}, which stopped responding (frozen, or its host lost)")
                 continue
             nxt = p["current"]
             if cur["op"] in P2P:

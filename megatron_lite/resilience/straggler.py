@@ -3,7 +3,8 @@ it spent blocked in communication) gathered on every rank: min, median, max and 
 rank shows as the one with the longest compute time; the others wait for it inside collectives, so their
 step times all look alike. The slowest rank's compute is compared with the other ranks of its pipeline stage
 (ranks of different stages hold different layers, and an uneven split is not a straggler), itself left out of
-the median (with two ranks it was half the median: no slowdown could show above 2x)."""
+the median (with two ranks it was half the median: no slowdown could show above 2x); the slowest rank is the one
+furthest above its peers."""
 
 from __future__ import annotations
 
@@ -24,10 +25,18 @@ def straggler_report(step_seconds: float, compute_seconds: float, device: torch.
     steps = [float(t[0]) for t in every]
     computes = [float(t[1]) for t in every]
     stages = [int(t[2]) for t in every]
-    slowest = max(range(len(computes)), key=computes.__getitem__)
-    peers = [c for r, c in enumerate(computes) if r != slowest and stages[r] == stages[slowest]]
-    if not peers:  # (one rank a stage: the other ranks, whatever they hold)
-        peers = [c for r, c in enumerate(computes) if r != slowest] or [computes[slowest]]
+
+    def slowdown(r: int) -> tuple[float, bool]:
+        """Rank r's compute over the median of its stage's other ranks (the other ranks', one rank a stage)."""
+        peers = [c for q, c in enumerate(computes) if q != r and stages[q] == stages[r]]
+        same = bool(peers)
+        peers = peers or [c for q, c in enumerate(computes) if q != r] or [computes[r]]
+        return computes[r] / max(statistics.median(peers), 1e-12), same
+
+    # the slowest is the rank furthest above its peers (a straggler in a lighter stage can be faster, in seconds,
+    # than the heavier stage's healthy ranks)
+    slowest = max(range(len(computes)), key=lambda r: slowdown(r)[0])
+    ratio, same_stage = slowdown(slowest)
     return {
         "straggler_step_min": min(steps),
         "straggler_step_median": statistics.median(steps),
@@ -36,8 +45,8 @@ def straggler_report(step_seconds: float, compute_seconds: float, device: torch.
         "straggler_compute_median": statistics.median(computes),
         "straggler_compute_max": max(computes),
         "straggler_slowest_rank": slowest,
-        "straggler_slowdown": computes[slowest] / max(statistics.median(peers), 1e-12),
-        "straggler_same_stage": any(r != slowest and stages[r] == stages[slowest] for r in range(len(stages))),
+        "straggler_slowdown": ratio,
+        "straggler_peers": "its pipeline stage's" if same_stage else "the",  # (for describe; not a metric)
     }
 
 
@@ -46,7 +55,7 @@ def describe(report: dict) -> str:
     return (
         f"stragglers: compute per step min {r['straggler_compute_min']:.3f} / median "
         f"{r['straggler_compute_median']:.3f} / max {r['straggler_compute_max']:.3f} s, slowest rank "
-        f"{r['straggler_slowest_rank']} ({r['straggler_slowdown']:.2f}x the median of the other ranks"
-        f"{' of its pipeline stage' if r['straggler_same_stage'] else ''}); step time "
+        f"{r['straggler_slowest_rank']} ({r['straggler_slowdown']:.2f}x the median of {r['straggler_peers']} other "
+        "ranks); step time "
         f"{r['straggler_step_min']:.3f} - {r['straggler_step_max']:.3f} s"
     )

@@ -160,7 +160,7 @@ class Supervisor:
         if self.config.log_straggler and w["n"]:
             report = straggler_report(w["step"] / w["n"], w["compute"] / w["n"], self.ctx.device, self.ctx.pp.rank)
             self.log.info(describe(report))
-            out.update(report)
+            out.update({k: v for k, v in report.items() if k != "straggler_peers"})
         self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}
         return out
 

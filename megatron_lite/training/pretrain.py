@@ -160,6 +160,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
                  f"{t.global_batch(job.parallel.data_parallel_size(world_size))} samples"]  # fmt: skip
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     validate_profile(job.logging, world_size, torch.cuda.is_available() and job.distributed_backend != "gloo")
+    if job.distributed_backend == "nccl" and not torch.cuda.is_available():
+        # (it failed inside torch's device setup once the group existed, or was ignored at world size 1; checked
+        # here, not with the flags: a dry run or the planner plans a GPU job on any machine)
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs and this machine has none; use gloo")
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     job, ckpt_path = starting_checkpoint(job, say)
@@ -417,7 +421,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
             window["loss"] += metrics.lm_loss if has_loss else 0.0
             window["losses"] += 1 if has_loss else 0
             if metrics.num_tokens == 0:  # (MoE's auxiliary losses, which count no label, still train the router)
-                rest = "only the MoE auxiliary losses' gradients" if job.model.num_experts else "zero gradients"
+                m = job.model
+                balancing = (m.moe_aux_loss_coeff or 0) > 0 and m.moe_router_load_balancing_type != "none"
+                aux = m.num_experts and (balancing or (m.moe_z_loss_coeff or 0) > 0)
+                rest = "only the MoE auxiliary losses' gradients" if aux else "zero gradients"
                 log.info(f"iteration {state.iteration}: every label of the global batch is masked: no loss, {rest}")
             # Megatron's "mtp_1 loss", ... (over steps with tokens), its MoE losses
             losses = {f"mtp_{k + 1}_loss": v for k, v in enumerate(metrics.mtp_losses or []) if v is not None}
