@@ -100,8 +100,15 @@ class OptimizerConfig:
                 "--grad-reduce-in-bf16 with --fp16 is not supported: fp16 gradients are reduced in fp32; "
                 "use --bf16 or drop the flag"
             )
-        for flag, value in (("--lr", self.lr), ("--decoupled-lr", self.decoupled_lr)):
-            if value is not None and not value >= 0:  # (named itself: it read as a --min-lr out of range)
+        # signs no optimizer takes (torch's AdamW refuses a negative eps only at its first step); a negative --lr
+        # named itself before the --min-lr range below (it read as a --min-lr out of range)
+        for flag, value in (
+            ("--lr", self.lr),
+            ("--decoupled-lr", self.decoupled_lr),
+            ("--weight-decay", self.weight_decay),
+            ("--adam-eps", self.adam_eps),
+        ):
+            if value is not None and not value >= 0:
                 raise ConfigError(f"{flag} {value} must be >= 0")
         if self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
@@ -177,13 +184,9 @@ class OptimizerConfig:
         self._check_values()
 
     def _check_values(self) -> None:
-        """Values Megatron's scheduler and scaler assert on, and signs no optimizer takes (torch's AdamW refuses
-        a negative eps only at its first step)."""
+        """Values Megatron's scheduler and scaler assert on."""
         if not 0 <= self.lr_warmup_init <= self.lr:
             raise ConfigError(f"--lr-warmup-init {self.lr_warmup_init} must be in [0, --lr {self.lr}]")
-        for flag, value in (("--weight-decay", self.weight_decay), ("--adam-eps", self.adam_eps)):
-            if not value >= 0:
-                raise ConfigError(f"{flag} {value} must be >= 0")
         for flag, value in (
             ("--lr-decay-iters", self.lr_decay_iters),
             ("--lr-decay-samples", self.lr_decay_samples),

@@ -343,7 +343,6 @@ def activation_bytes(
                 loss = final_norm + (h * a if lora is None else 0) + vocab * 4 + 10
             per_token += loss
             # (Megatron's MTP is one checkpoint a depth under uniform full recomputation, not recomputed under block)
-            block = layout.recompute == "full" and model.recompute_method == "block"
             # the hidden state a depth reads is the one the loss before it keeps, unless that is gathered (SP) or
             # the loss keeps no input (PyTorch's, of a frozen output layer)
             hidden_apart = norm_div > 1 or (model.kernel_impl != "triton" and lora is not None)
@@ -480,9 +479,8 @@ def rank_memory(
     transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16, lora, dropout_mask_bytes)
     if layout.sharding == "fsdp2":  # one layer's gathered weights in compute precision, plus the next prefetched
         transient += 2 * param_bytes * counts.total / max(len(counts.layers), 1)
-    elif (
-        grad_bytes == 2 and lora is None
-    ):  # the step's fp32 copies of the gradients it updates (the activations are gone by then)
+    elif grad_bytes == 2 and lora is None:
+        # the step's fp32 copies of the gradients it updates (the activations are gone by then)
         stepped = counts.total if layout.sharding == "none" else counts.dense / dp_cp + counts.expert / edp
         transient = max(transient, 4 * stepped - act)
     return Memory(params, grads, optimizer, act, transient)

@@ -34,8 +34,13 @@ def straggler_report(step_seconds: float, compute_seconds: float, device: torch.
         return computes[r] / max(statistics.median(peers), 1e-12), same
 
     # the slowest is the rank furthest above its peers (a straggler in a lighter stage can be faster, in seconds,
-    # than the heavier stage's healthy ranks)
-    slowest = max(range(len(computes)), key=lambda r: slowdown(r)[0])
+    # than the heavier stage's healthy ranks); within a stage that is its slowest rank, so one candidate a stage
+    # (not every rank: a median per rank was quadratic in the world size)
+    candidates = {}
+    for r, c in enumerate(computes):
+        if stages[r] not in candidates or c > computes[candidates[stages[r]]]:
+            candidates[stages[r]] = r
+    slowest = max(candidates.values(), key=lambda r: slowdown(r)[0])
     ratio, same_stage = slowdown(slowest)
     return {
         "straggler_step_min": min(steps),
