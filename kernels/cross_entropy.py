@@ -14,8 +14,9 @@ With reduction "mean" or "sum" the gradients are computed in the forward pass an
 gradient. With "none" the backward recomputes the chunks with each token's incoming gradient, unless the caller
 passes grads_in_forward=True, as the model does: its per-token losses are summed (tokens outside the loss mask
 carry ignore_index), so every counted token receives one and the same gradient. The gradients are then made in
-the forward too and the backward only scales them (three vocabulary GEMMs, not four); it checks that promise on
-the incoming gradient (one host sync) and recomputes when it does not hold.
+the forward too and the backward only scales them (three vocabulary GEMMs, not four). On a CPU it checks that
+promise on the incoming gradient and, when it does not hold, warns and recomputes; on a GPU a host read there
+stalled every step, so a device assert checks it instead (a broken promise stops the process).
 Options: z-loss (coeff * logsumexp^2 per token) and label smoothing.
 """
 
@@ -263,15 +264,27 @@ def _reduce(losses, labels, ignore_index, reduction):
     return losses.sum() / (labels != ignore_index).sum().clamp(min=1) if reduction == "mean" else losses.sum()
 
 
+def _host_check(t: torch.Tensor) -> bool:
+    """Whether the per-token backward may read on the host if every counted token got one gradient: on a CPU it
+    costs nothing; on a GPU (an H200 run, 2026-12-04) the read waited for the whole forward every step, so the
+    backward's launches started from an idle GPU."""
+    return not t.is_cuda
+
+
 def _common_gradient(grad, labels, ignore_index, group) -> tuple[torch.Tensor, bool]:
     """The one gradient every counted token received (0 when none is counted), and whether they all did receive
-    the same one (agreed over `group`, so no vocabulary shard recomputes alone and waits in a collective)."""
+    the same one (agreed over `group`, so no vocabulary shard recomputes alone and waits in a collective). On a
+    GPU no host read: the caller's promise (grads_in_forward) is taken, and checked by a device assert, which
+    stops the process at a later launch if it was broken rather than train on a wrongly scaled gradient."""
     counted = labels != ignore_index
     if grad.numel() == 0:
         return grad.new_zeros(()), True
     hi = torch.where(counted, grad, float("-inf")).amax()
     lo = torch.where(counted, grad, float("inf")).amin()
     anyone = counted.any()
+    if not _host_check(grad):
+        torch._assert_async((hi == lo) | ~anyone)
+        return torch.where(anyone, hi, 0.0), True
     same = ((hi == lo) | ~anyone).to(torch.int32)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)

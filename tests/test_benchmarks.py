@@ -189,11 +189,21 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
     # backward = fwd+bwd - fwd: ours 2.0 ms, SDPA's 1.2 ms -> 0.60x
     assert "flash_attention bwd: 0.60x SDPA flash" in text and "misses 0.8x" in text
     assert (
-        "2.5% of the unfused loss's memory beyond the returned gradients (whole peak 4.0%; the gradients alone" in text
+        "2.50% of the unfused loss's memory beyond the returned gradients (whole peak 4.0%; the gradients alone" in text
     )
     assert "are 20% of the unfused peak)" in text and "memory meets 5%" in text
     assert "torch.compile" not in text  # its row failed: no speed verdict rather than an exception
     assert verdicts([]) == []
+    # timed both ways: the GPU's work (graph replays) judges, the launched ratio is printed beside it
+    graphed = {"timing": "cuda graph", "peak_memory_bytes": 4, "working_bytes": 2}
+    ce = [
+        rows[6],
+        row("fused_linear_cross_entropy", "megatron_lite", "fwd+bwd", 9.0, ms_launches=11.0, **graphed),
+        row("fused_linear_cross_entropy", "torch.compile", "fwd+bwd", 10.0, ms_launches=10.0, **graphed),
+    ]
+    text = "\n".join(verdicts(ce))
+    assert "1.11x the speed of torch.compile as graph replays (the GPU's work), 0.91x launched one by one" in text
+    assert "speed meets (launched one by one: misses)" in text
     # a kernel whose output is not the reference's: said first, and it meets no target however fast it was
     rows[0]["rel_err"] = 0.3
     lines = verdicts(rows)

@@ -4,6 +4,8 @@ shards over gloo) against one process. On a CPU the kernels run under the Triton
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,6 +96,24 @@ def test_per_token_losses_with_gradients_made_in_the_forward(uniform):
     ref = _run(K.fused_linear_cross_entropy_reference, h, w, labels, "none", uniform)
     for a, b in zip(ours, ref):
         assert rel(a, b) < TOL, rel(a, b)
+
+
+def test_per_token_gradient_promise_on_a_gpu_is_checked_without_a_host_read(monkeypatch):
+    """On a GPU the per-token backward reads nothing on the host (an H200 run found the read stalling every
+    step): the promised common gradient is taken and a device assert checks it. Run here through that branch on
+    CPU tensors, where torch._assert_async raises at once: a uniform gradient is exact with no recomputation,
+    a broken promise stops rather than scale the weight gradient wrongly."""
+    cross_entropy = importlib.import_module("megatron_lite.kernels.cross_entropy")
+    monkeypatch.setattr(cross_entropy, "_host_check", lambda t: False)
+    h, w, labels = _data()
+    before = K.LAUNCHES["cross_entropy_stats"]
+    ours = _run(K.fused_linear_cross_entropy, h, w, labels, "none", True, chunk_size=8, grads_in_forward=True)
+    assert K.LAUNCHES["cross_entropy_stats"] - before == -(-h.shape[0] // 8)  # made once, in the forward
+    ref = _run(K.fused_linear_cross_entropy_reference, h, w, labels, "none", True)
+    for a, b in zip(ours, ref):
+        assert rel(a, b) < TOL, rel(a, b)
+    with pytest.raises(RuntimeError):
+        _run(K.fused_linear_cross_entropy, h, w, labels, "none", False, chunk_size=8, grads_in_forward=True)
 
 
 def test_padded_vocabulary_takes_no_probability():
@@ -206,6 +226,7 @@ def test_mean_loss_scales_its_saved_gradients_once():
         loss.backward()
 
 
+@needs_triton_on_cpu  # (on a GPU each program takes one row)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_row_kernels_take_several_rows_per_program_under_the_interpreter(reduction, monkeypatch):
     """Under the interpreter the row statistics and the logits' gradient take as many whole rows per program as

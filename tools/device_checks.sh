@@ -44,8 +44,9 @@ DEFAULT_KERNEL_TESTS=(tests/test_kernels_attention_tiles.py tests/test_kernels_b
               tests/test_comm_timer.py)  # and the exposed-communication timer's CUDA events
 read -r -a KERNEL_TESTS <<< "${KERNEL_TESTS:-${DEFAULT_KERNEL_TESTS[*]}}"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadgroup" || echo "")  # the >2^31 tests: one worker
-# SIGINT first: pytest then still prints its summary and writes the junit file of the tests that ran
-timeout -s INT -k 15 ${KERNEL_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider $XDIST -rs --durations=12 \
+# SIGINT first: pytest then may still print its summary and junit file (xdist's teardown can hang on it, so -v
+# names each test as it ends: a cut run still says which passed)
+timeout -s INT -k 15 ${KERNEL_TEST_TIMEOUT:-150} python3 -m pytest -v -p no:cacheprovider $XDIST -rs --durations=12 \
     --junitxml="$WORK/junit_kernels.xml" "${KERNEL_TESTS[@]}" > "$WORK/pytest_kernels.log" 2>&1
 stamp "pytest (kernels on the GPU): rc=$? $(tail -n 1 "$WORK/pytest_kernels.log")"
 grep -E "^(FAILED|ERROR)" "$WORK/pytest_kernels.log" | head -n 20 | tee -a "$WORK/summary.txt"
