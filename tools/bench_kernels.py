@@ -337,9 +337,8 @@ def cases(s: dict, dtype, device):
             },
             flops_fwd=2 * t * h * v,
             flops_bwd=4 * t * h * v,
-            # also as graph replays: ours launches ~6 operations a chunk, and do_bench starts each call on an idle
-            # GPU, so launched one by one the host's launching shows in its time; inside a training step the queue
-            # is full and only the GPU's work counts. Both are printed.
+            # also as graph replays (the GPU's work alone, as inside a training step whose queue is full) beside
+            # the launched timing, where do_bench starts each call on an idle GPU. Both are printed.
             graph=True,
             liger="fused_linear_cross_entropy",
             labels=labels,

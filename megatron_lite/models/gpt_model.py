@@ -230,7 +230,8 @@ class GPTModel(nn.Module):
         The training loop sums the per-token losses with one scale, and labels the tokens outside the loss mask
         -100 (`counted_labels`): then every counted token's loss gets the same gradient, and the fused
         cross-entropy makes its gradients in the forward instead of recomputing the logits (any other
-        gradient is still exact, at the cost of that recomputation and a warning)."""
+        gradient: on a CPU still exact, at the cost of that recomputation and a warning; on a GPU, which reads
+        nothing on the host there, a device assert stops the process)."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
