@@ -282,10 +282,11 @@ def _common_gradient(grad, labels, ignore_index, group) -> tuple[torch.Tensor, b
     hi = torch.where(counted, grad, float("-inf")).amax()
     lo = torch.where(counted, grad, float("inf")).amin()
     anyone = counted.any()
+    same = (hi == lo) | ~anyone
     if not _host_check(grad):
-        torch._assert_async((hi == lo) | ~anyone)
+        torch._assert_async(same)
         return torch.where(anyone, hi, 0.0), True
-    same = ((hi == lo) | ~anyone).to(torch.int32)
+    same = same.to(torch.int32)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
     return torch.where(anyone, hi, 0.0), bool(same)

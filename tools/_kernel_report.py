@@ -101,8 +101,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict]) -> None:
             fh.write(
                 "Memory-bound kernels (norms, SwiGLU, RoPE) and the fused cross-entropy are timed as CUDA graph "
                 "replays, the GPU's work alone; "
-                "'ms, launch by launch' is the same work launched from Python each time, which at these sizes is "
-                "mostly the launcher's time. The copies they are set against take the faster of both timings. "
+                "'ms, launch by launch' is the same work launched from Python each time, which for the "
+                "memory-bound kernels at these sizes is mostly the launcher's time. The copies they are set "
+                "against take the faster of both timings. "
             )
         fh.write(
             "The backward takes a fixed random incoming gradient; the relative error is the forward output's "
