@@ -49,12 +49,14 @@ if HAVE_TRITON:
     # (BLOCK_M queries, BLOCK_N keys, warps, stages)
     _FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)]
     # dK/dV: one program per key block, so wide BLOCK_N and narrow query steps; dQ the other way round.
-    # Not (32, 128, 8, 3) nor (16, 64, 4, 4): on an H200 (Triton 3.6) both gave dK 4-8% off, by a different amount
-    # on each run of the same inputs (a race in the generated code; dV, from the same loop, was right), and the
-    # autotuner picked one of them in a test. Nor (32, 64, 4, 4): on 2026-12-04 its dK/dV differed between two
-    # runs of the same inputs (within tolerance that time), and it was the autotuner's pick at Llama-3-8B's
-    # shapes. tests/test_kernels_attention_tiles.py runs every tile on a GPU, each several times.
-    _DKDV_TILES = [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)]
+    # Not (32, 128, 8, 3), (16, 64, 4, 4) nor any (32, 64, 4, stages): on an H200 (Triton 3.6) each gave a dK that
+    # differed from run to run of the same inputs (4-8% off for the first two; a race in the generated code, as
+    # the kernel has no atomics; dV, from the same loop, was right), and the autotuner had picked some of them.
+    # On 2026-12-04 (tools/bench_attention_tiles.py) (64, 64, 4, 2) and (64, 32, 4, 3) gave the same bits over 8
+    # runs at three shapes and were the fastest: the whole backward at Llama-3-8B's shapes in 1.27 and 1.65 ms,
+    # against 1.72 ms at (64, 64, 4, 3) (why two stages help so much was not measured: less shared memory, so
+    # perhaps a second program per SM). tests/test_kernels_attention_tiles.py runs every tile on a GPU, repeated.
+    _DKDV_TILES = [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3)]
     _DQ_TILES = [(128, 32, 8, 3), (128, 32, 4, 4), (128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3), (64, 16, 4, 4)]
     _fwd_tuned = triton.autotune(_configs(_FWD_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_fwd)
     _bwd_dkdv_tuned = triton.autotune(_configs(_DKDV_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_bwd_dkdv)

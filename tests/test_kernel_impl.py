@@ -89,9 +89,10 @@ def test_triton_model_at_tp2_sp_equals_torch(dist):
         assert all(rel(grads[k], rgrads[k]) < TOL for k in rgrads)
 
 
-def masked_loss_and_grads(name, impl, mtp_depths=0):
+def masked_loss_and_grads(name, impl, mtp_depths=0, promised=True):
     """As the training loop calls the model: labels outside the loss mask set to -100 (counted_labels) and the
-    per-token losses summed under the mask with one scale (with MTP depths, theirs attached)."""
+    per-token losses summed under the mask with one scale (with MTP depths, theirs attached). Not `promised`: as
+    a user may, the labels as they are, each token's loss weighted differently, no grads_in_forward."""
     ctx = ParallelContext.virtual(ParallelConfig(), device=DEVICE)
     ctx.seed(0)
     config = dataclasses.replace(CONFIGS[name](), kernel_impl=impl, mtp_num_layers=mtp_depths)
@@ -101,8 +102,15 @@ def masked_loss_and_grads(name, impl, mtp_depths=0):
     mask = (torch.rand(2, 16, generator=gen) > 0.3).float()
     mb = {"tokens": ids, "labels": labels, "loss_mask": mask}
     mb = {k: v.to(ctx.device) for k, v in (mtp_inputs(mb, mtp_depths) if mtp_depths else mb).items()}
-    loss = model(mb["tokens"], labels=counted_labels(mb["labels"], mb["loss_mask"]), **documents(mb))
-    ((loss.float() * mb["loss_mask"]).sum() * 0.3).backward()
+    if promised:
+        loss = model(
+            mb["tokens"], labels=counted_labels(mb["labels"], mb["loss_mask"]), grads_in_forward=True, **documents(mb)
+        )
+        ((loss.float() * mb["loss_mask"]).sum() * 0.3).backward()
+    else:
+        loss = model(mb["tokens"], labels=mb["labels"], **documents(mb))
+        weights = torch.rand(loss.shape, generator=torch.Generator().manual_seed(2)).to(loss.device)
+        (loss.float() * weights).sum().backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -121,6 +129,25 @@ def test_masked_training_loss_computes_each_chunks_logits_once(name, mtp_depths)
     # one chunk per loss here: a loss made in the forward runs stats once, a recomputed one twice
     assert (stats, grads) == (1 + 2 * mtp_depths, 1 + mtp_depths)
     ref, ref_g = masked_loss_and_grads(name, "torch", mtp_depths)
+    assert rel(ours, ref) < TOL
+    bad = {k: rel(ours_g[k], ref_g[k]) for k in ref_g if not rel(ours_g[k], ref_g[k]) < TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name,mtp_depths", [("llama", 0), ("deepseek", 2)])
+def test_a_loss_weighted_per_token_is_exact_without_the_promise(name, mtp_depths):
+    """The model makes its loss gradients in the forward only when the caller promises the training loop's sum
+    (grads_in_forward=True): by default the backward recomputes the logits, so any use of the per-token losses
+    is exact, with no warning on a CPU and no device assert on a GPU."""
+    import warnings
+
+    before = K.LAUNCHES["cross_entropy_stats"], K.LAUNCHES["cross_entropy_grad"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the broken-promise warning would fail the test
+        ours, ours_g = masked_loss_and_grads(name, "triton", mtp_depths, promised=False)
+    stats, grads = K.LAUNCHES["cross_entropy_stats"] - before[0], K.LAUNCHES["cross_entropy_grad"] - before[1]
+    assert (stats, grads) == (2 * (1 + mtp_depths), 1 + mtp_depths)  # every loss's chunk recomputed once
+    ref, ref_g = masked_loss_and_grads(name, "torch", mtp_depths, promised=False)
     assert rel(ours, ref) < TOL
     bad = {k: rel(ours_g[k], ref_g[k]) for k in ref_g if not rel(ours_g[k], ref_g[k]) < TOL}
     assert not bad, bad

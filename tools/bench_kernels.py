@@ -113,6 +113,7 @@ def _fwd_bwd(fn, inputs, grad_out):
     return run
 
 
+CHUNKS: list[int] = []  # the fused cross-entropy's chunk variants (--chunks; empty: tokens/16, tokens/4, tokens)
 DEFAULT_TILING: list[int] = []  # the norm backward's (programs per SM, rows per step, stages), read by main
 
 
@@ -219,7 +220,8 @@ def cases(s: dict, dtype, device):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return F.scaled_dot_product_attention(*args, is_causal=True).transpose(1, 2)
 
-    chunk_rows = sorted({max(1, t // 16), max(1, t // 4), t})  # fused CE variants: chunk size trades memory for time
+    # fused CE variants: chunk size trades memory for time
+    chunk_rows = sorted(set(CHUNKS) or {max(1, t // 16), max(1, t // 4), t})
     out = [
         dict(
             name="rms_norm",
@@ -393,19 +395,68 @@ def _rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _profile(case: dict, impl: str, run, device) -> None:
-    """Print the GPU kernels of one call of `run` (forward+backward), the most time first."""
+def _profile(case: dict, impl: str, run, device, calls: int = 5) -> None:
+    """Print the GPU kernels of `calls` back-to-back calls of `run` (forward+backward), the most time first; on a
+    GPU also the time the GPU was busy against the span of those calls (the rest: the GPU idle between kernels)
+    and the long kernels' times in order (a clock that drops under sustained load shows as times that grow)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     run()
     _sync(device)
     with profile(activities=acts) as prof:
-        run()
+        for _ in range(calls):
+            run()
         _sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=14)
-    print(f"## profile: {case['name']} / {impl}, forward+backward\n{table}", flush=True)
+    print(f"## profile: {case['name']} / {impl}, forward+backward, {calls} calls\n{table}", flush=True)
+    if device.type != "cuda":
+        return
+    try:  # kineto's device events: (start, end) in ns
+        from torch.autograd import DeviceType
+
+        kernels = sorted(
+            (e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() == DeviceType.CUDA
+        )
+        busy, reach, gaps = 0, kernels[0][0], []
+        for (start, end, name), prev in zip(kernels, [None, *kernels[:-1]]):
+            busy += max(0, end - max(start, reach))
+            if prev is not None and start > reach:
+                gaps.append((start - reach, prev[2][:40], name[:40]))
+            reach = max(reach, end)
+        span = reach - kernels[0][0]
+        print(
+            f"## GPU timeline: {case['name']} / {impl}: per call span {span / calls / 1e6:.3f} ms, busy "
+            f"{busy / calls / 1e6:.3f} ms ({100 * busy / span:.1f}%), {len(kernels) / calls:.0f} kernels; largest "
+            f"gaps (us): {[(round(g / 1e3, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:6]]}; kernels over "
+            f"1 ms, in order (ms): {[round((e - s) / 1e6, 3) for s, e, _ in kernels if e - s > 1e6]}",
+            flush=True,
+        )
+    except Exception as e:  # noqa: BLE001 - the table above stands without it
+        print(f"## GPU timeline: unavailable ({type(e).__name__}: {e})", flush=True)
+
+
+def _interleaved(case: dict, impls: dict, device, peak, rounds: int = 5) -> list[dict]:
+    """Forward+backward of each implementation as CUDA graph replays, timed in turn, round after round. Under
+    these GEMMs an H200 runs at its 700 W power cap, its clock falling from 1980 to about 1500 MHz and drifting
+    with what ran just before (a compile's idle seconds, say); in turn, every implementation meets the same."""
+    graphs = {name: _graphed(_fwd_bwd(fn, case["inputs"], case["grad_out"]), device) for name, fn in impls.items()}
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(rounds):
+        for name, replay in graphs.items():
+            times[name].append(_time_ms(replay, device, 3))
+    rows = []
+    for name, ms in times.items():
+        row = {"kernel": case["name"], "impl": name, "pass": "fwd+bwd interleaved", "ms": statistics.median(ms)}
+        row.update(ms_rounds=ms, peak_memory_bytes=None, rel_err=None, timing="launches")
+        row["TFLOP/s"] = (case["flops_fwd"] + case["flops_bwd"]) / row["ms"] / 1e9
+        row["fraction_of_peak"] = row["TFLOP/s"] * 1e12 / peak if peak else None
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, profile: bool = False) -> list[dict]:
@@ -477,6 +528,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--no-variants", action="store_true", help="ours and the references only, not the tiling or chunk variants"
     )
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunks", default=None, help="comma-separated chunk sizes (rows) of the fused CE variants")
     ap.add_argument(
         "--profile",
         default=None,
@@ -516,6 +568,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         pass
     from megatron_lite.kernels import norms
 
+    CHUNKS[:] = [int(c) for c in args.chunks.split(",")] if args.chunks else []
     DEFAULT_TILING[:] = [norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES]
     rows: list[dict] = []
     wanted = None if args.kernels is None else set(args.kernels.split(","))
@@ -536,6 +589,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     impls["liger"] = _liger(case["liger"], case.get("labels"))
             elif phase == "compiled" and use_compile and compiled and not case.get("last"):
                 impls = {"torch.compile": torch.compile(case["eager"])}
+                case["compiled"] = impls["torch.compile"]
             else:
                 continue
             for impl, fn in impls.items():
@@ -547,6 +601,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     print(json.dumps(rows[-1]), flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
+            if phase == "compiled" and case.get("graph") and "compiled" in case and device.type == "cuda":
+                try:  # ours beside torch.compile in the same power state (see _interleaved)
+                    pair = {"megatron_lite": case["ours"], "torch.compile": case.pop("compiled")}
+                    pair.update(
+                        {k: v for k, v in case.get("variants", {}).items() if k.startswith("megatron_lite chunk=")}
+                    )
+                    rows += _interleaved(case, pair, device, peak)
+                except Exception as e:  # noqa: BLE001 - the rows timed apart stand without it
+                    rows.append({"kernel": case["name"], "impl": "interleaved", "error": f"{type(e).__name__}: {e}"})
             if case["name"] == "flash_attention" and device.type == "cuda" and phase == "direct":
                 import importlib
 

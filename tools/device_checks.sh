@@ -6,7 +6,9 @@
 # per check, the benchmark's target verdicts last.
 #   OUT=/tmp/out bash tools/device_checks.sh
 # A rerun can narrow it: KERNEL_TESTS="tests/a.py tests/b.py", BENCH_ARGS="--profile fused_linear_cross_entropy",
-# SKIP_GEMM=1, SKIP_TRAIN=1, SKIP_DECODE=1.
+# SKIP_GEMM=1, SKIP_TRAIN=1, SKIP_DECODE=1; TILES="32x64x4x3,..." (TILE_KERNEL=dkdv) first times those flash
+# attention tiles and checks each for races (tools/bench_attention_tiles.py). The GPU's clocks, power and
+# throttle reasons are logged every 250 ms to clocks.csv in the logs.
 set -uo pipefail
 if [ $# -gt 0 ]; then  # (it takes no arguments: --help or anything else prints this header)
     sed -n '2,/^set /p' "$0" | grep '^#' | cut -c3-
@@ -33,7 +35,20 @@ pack() {  # what came back so far, even if a later step is cut short
 cat "$WORK/gpu.txt" | tee -a "$WORK/summary.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1
 stamp "install: rc=$? $(python3 -c 'import megatron_lite.kernels as K; print("kernels from", K.__file__)' 2>&1 | tail -n 1)"
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 250 > "$WORK/clocks.csv" 2>&1 &
+CLOCKS=$!
+trap 'kill $CLOCKS 2>/dev/null' EXIT
 pack
+
+# 0. Only if asked (TILES): candidate flash-attention tiles, each timed beside SDPA and run repeatedly for races.
+if [ -n "${TILES:-}" ]; then
+    timeout ${TILES_TIMEOUT:-200} python3 tools/bench_attention_tiles.py --kernel ${TILE_KERNEL:-dkdv} --tiles "$TILES" \
+        --repeats ${TILE_REPEATS:-10} --json "$WORK/bench/tiles.json" > "$WORK/bench_tiles.log" 2>&1
+    stamp "bench tiles: rc=$? $(grep -c '"tile"' "$WORK/bench_tiles.log") tiles"
+    grep -A 40 "tiles on" "$WORK/bench_tiles.log" | tee -a "$WORK/summary.txt"
+    pack
+fi
 
 # 1. The kernel tests on the GPU: every flash-attention autotuner tile forced and run twice (a race in two dK/dV
 #    tiles showed there), fp32 against the references (tl.dot in ieee fp32, conftest.py) and bf16 (issue 6),

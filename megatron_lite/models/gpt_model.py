@@ -218,6 +218,7 @@ class GPTModel(nn.Module):
         document_ids: torch.Tensor | None = None,
         mtp: dict[str, torch.Tensor] | None = None,
         last_logits_only: bool = False,
+        grads_in_forward: bool = False,
     ) -> torch.Tensor:
         """Per-token loss [batch, seq] when `labels` is given, else this rank's logits
         [batch, seq, padded_vocab / TP]; a stage without the output layer returns its hidden states.
@@ -227,11 +228,12 @@ class GPTModel(nn.Module):
         `mtp_inputs`); in training their losses join the returned loss's backward. `last_logits_only`
         (generation): the logits of the last position alone (a prompt's others would be [prompt, vocab] for nothing).
 
-        The training loop sums the per-token losses with one scale, and labels the tokens outside the loss mask
-        -100 (`counted_labels`): then every counted token's loss gets the same gradient, and the fused
-        cross-entropy makes its gradients in the forward instead of recomputing the logits (any other
-        gradient: on a CPU still exact, at the cost of that recomputation and a warning; on a GPU, which reads
-        nothing on the host there, a device assert stops the process)."""
+        `grads_in_forward`: the caller promises to sum the per-token losses with one scale and to label the
+        tokens outside the loss mask -100 (`counted_labels`), as the training step does. Every counted token's
+        loss then gets the same gradient, and the fused cross-entropy makes its gradients in the forward instead
+        of recomputing the logits in the backward. A caller that breaks the promise gets, on a CPU, exact
+        gradients, a warning and that recomputation; on a GPU, which reads nothing on the host there, a device
+        assert that stops the process. Hence off by default: any other use of the losses is exact."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
@@ -244,11 +246,16 @@ class GPTModel(nn.Module):
             x = x[-1:] if last_logits_only else x
             return self.output_layer(x, weight=self.output_weight()).transpose(0, 1)
         run_mtp = self.mtp is not None and self.training and kv_cache is None
-        loss = self.token_loss(x, labels, grads_in_forward=not run_mtp)
+        loss = self.token_loss(x, labels, grads_in_forward=grads_in_forward and not run_mtp)
         if run_mtp:
             if mtp is None:
                 raise ValueError("a model with --mtp-num-layers trains on micro-batches with mtp_inputs added")
-            loss = self.mtp(x, self.embedding, self.token_loss, loss, mtp, rope, document_ids)
+
+            def depth_loss(h: torch.Tensor, lab: torch.Tensor, grads_in_forward: bool = False) -> torch.Tensor:
+                return self.token_loss(h, lab, grads_in_forward=grads_in_forward and promised)
+
+            promised = grads_in_forward
+            loss = self.mtp(x, self.embedding, depth_loss, loss, mtp, rope, document_ids)
         return loss
 
 

@@ -189,6 +189,7 @@ def run_pipeline(
                         mb["tokens"],
                         mb.get("position_ids"),
                         labels=counted_labels(mb["labels"], mb["loss_mask"]),
+                        grads_in_forward=True,  # (summed with one scale below)
                         hidden_states=x,
                         **documents(mb),
                     )

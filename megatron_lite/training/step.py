@@ -118,7 +118,10 @@ def forward_backward(
     for i, mb in enumerate(micro_batches):
         with model.no_sync() if i < last else contextlib.nullcontext():
             labels = counted_labels(mb["labels"], mb["loss_mask"])
-            token_loss = model(mb["tokens"], mb.get("position_ids"), labels=labels, **documents(mb))
+            # (the losses are summed with one scale below: the fused loss may make its gradients in the forward)
+            token_loss = model(
+                mb["tokens"], mb.get("position_ids"), labels=labels, grads_in_forward=True, **documents(mb)
+            )
             loss_sum = (token_loss.float() * mb["loss_mask"]).sum()
             (loss_sum * scale).backward()
         total += loss_sum.detach().double()

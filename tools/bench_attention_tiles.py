@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Flash attention's candidate tiles, one kernel forced to one tile at a time: its time beside SDPA's flash
+backend, whether repeated runs of the same inputs give the same bits, and its error against the fp32 reference.
+For choosing the autotuner's lists in kernels/flash_attention.py: on an H200 (Triton 3.6) three dK/dV tiles gave
+different bits from run to run (a race in the generated code), so a tile enters a list only if it stays
+deterministic over many runs, at the timed shape and at an odd one (lengths no tile divides, grouped-query heads,
+seq_q < seq_k, with and without a sliding window), and if it is faster.
+
+    python tools/bench_attention_tiles.py --kernel dkdv --tiles 32x64x4x3,64x64x8x3 --repeats 10 --json t.json
+    python tools/bench_attention_tiles.py --device cpu --repeats 2      # tiny, interpreter: tile logic only
+
+Tiles are BLOCK_MxBLOCK_Nxwarpsxstages (warps and stages only on a GPU). The other two kernels keep their usual
+choice (the autotuner's on a GPU). The time is the pass the forced kernel runs in: the forward for `fwd`, the
+backward (forward+backward minus forward, as tools/bench_kernels.py counts it) for `dkdv` and `dq`; ratios are
+SDPA's time over ours (above 1: ours is faster). A tile that does not build (shared memory) is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+KINDS = {"fwd": ("_fwd", "_FWD_TILES"), "dkdv": ("_bwd_dkdv", "_DKDV_TILES"), "dq": ("_bwd_dq", "_DQ_TILES")}
+# (batch, seq_q, seq_k, heads, kv_heads, head_dim, window): the timed shape first (Llama-3-8B), then odd ones
+SHAPES = {
+    "cuda": [(1, 4096, 4096, 32, 8, 128, None), (2, 1000, 1100, 16, 4, 128, None), (2, 1000, 1100, 16, 4, 128, 300)],
+    "cpu": [(1, 64, 64, 4, 2, 16, None), (1, 60, 70, 4, 2, 16, None), (1, 60, 70, 4, 2, 16, 24)],
+}
+
+
+def _parse_tiles(text: str) -> list[tuple[int, ...]]:
+    tiles = []
+    for item in text.split(","):
+        parts = tuple(int(p) for p in item.lower().split("x"))
+        if len(parts) != 4:
+            raise SystemExit(f"error: --tiles {item!r}: each tile is BLOCK_MxBLOCK_Nxwarpsxstages, e.g. 64x64x4x3")
+        tiles.append(parts)
+    return tiles
+
+
+def _time_ms(fn, device, reps: int) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=max(50, 10 * reps), return_mode="median"))
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _inputs(shape, device, dtype):
+    b, sq, sk, h, hkv, d, _ = shape
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(b, s, n, d, generator=gen).to(device, dtype) for s, n in ((sq, h), (sk, hkv), (sk, hkv), (sq, h))
+    ]
+
+
+def _run(fn, q, k, v, up, window, dtype, backward=True):
+    """Output and gradients of one call on fresh leaves (cast to `dtype`)."""
+    leaves = [t.detach().to(dtype).requires_grad_(backward) for t in (q, k, v)]  # fresh leaves, no copy if same dtype
+    o = fn(*leaves, causal=True, window_size=window)
+    if not backward:
+        return [o.detach()]
+    o.backward(up.to(dtype))
+    return [o.detach()] + [t.grad for t in leaves]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--kernel", choices=list(KINDS), default="dkdv", help="the kernel whose tile is forced")
+    ap.add_argument("--tiles", default=None, help="comma-separated MxNxWARPSxSTAGES; default: the autotuner's list")
+    ap.add_argument("--repeats", type=int, default=10, help="runs of the same inputs per shape that must agree")
+    ap.add_argument("--reps", type=int, default=10, help="timing effort (x10 ms on a GPU, calls on a CPU)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    import importlib
+
+    from megatron_lite import kernels as K
+
+    fa = importlib.import_module("megatron_lite.kernels.flash_attention")
+    if not hasattr(fa, KINDS[args.kernel][1]):
+        raise SystemExit("error: Triton is not installed: there are no tiles to try")
+    tiles = _parse_tiles(args.tiles) if args.tiles else list(getattr(fa, KINDS[args.kernel][1]))
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    forced_plain = getattr(fa, KINDS[args.kernel][0])
+    usual = fa._kernel
+    shapes = SHAPES["cuda" if gpu else "cpu"]
+    cases = []
+    for shape in shapes:  # inputs and the fp32 reference once per shape, for every tile
+        q, k, v, up = _inputs(shape, device, dtype)
+        ref = _run(K.flash_attention_reference, q, k, v, up, shape[6], torch.float32)
+        cases.append((shape, (q, k, v, up), ref))
+    q, k, v, up = cases[0][1]
+
+    def timed(fn) -> float:
+        run_fwd = lambda: _run(fn, q, k, v, up, None, dtype, backward=False)  # noqa: E731
+        fwd = _time_ms(run_fwd, device, args.reps)
+        if args.kernel == "fwd":
+            return fwd
+        return _time_ms(lambda: _run(fn, q, k, v, up, None, dtype), device, args.reps) - fwd
+
+    sdpa_ms = None
+    if gpu:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa(a, b_, c, causal, window_size):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return fa.sdpa_reference(a, b_, c, causal=causal)
+
+        sdpa_ms = timed(sdpa)
+    rows = []
+    timing = [True]  # the other kernels' usual choice (autotuned on a GPU) only at the timed shape
+    for tile in tiles:
+        m, n, warps, stages = tile
+
+        def kernel_for(plain, tuned, dt, m=m, n=n, warps=warps, stages=stages):
+            if plain is not forced_plain and not timing[0]:  # checks only: no autotuning at the odd shapes
+                return plain, {"BLOCK_M": 32, "BLOCK_N": 32}
+            if plain is forced_plain:
+                return plain, {
+                    "BLOCK_M": m,
+                    "BLOCK_N": n,
+                    **({"num_warps": warps, "num_stages": stages} if gpu else {}),
+                }
+            return usual(plain, tuned, dt)
+
+        fa._kernel = kernel_for
+        row = {"kernel": args.kernel, "tile": "x".join(map(str, tile)), "device": str(device)}
+        try:
+            differs, errs = [], {}
+            for shape, (sq_, sk_, sv_, sup), ref in cases:
+                timing[0] = shape == shapes[0]
+                first = _run(K.flash_attention, sq_, sk_, sv_, sup, shape[6], dtype)
+                for i in range(1, args.repeats):
+                    again = _run(K.flash_attention, sq_, sk_, sv_, sup, shape[6], dtype)
+                    bad = [nm for nm, a, b_ in zip(("o", "dq", "dk", "dv"), first, again) if not torch.equal(a, b_)]
+                    if bad:
+                        differs.append(f"{shape}: run {i} differs in {','.join(bad)}")
+                        break
+                for nm, a, r in zip(("o", "dq", "dk", "dv"), first, ref):
+                    e = float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
+                    errs[nm] = max(errs.get(nm, 0.0), e)
+            row.update(deterministic=not differs, differs=differs, max_rel_err=errs)
+            timing[0] = True
+            row["ms"] = timed(K.flash_attention)
+            if sdpa_ms is not None:
+                row.update(sdpa_ms=sdpa_ms, speed_vs_sdpa=sdpa_ms / row["ms"])
+        except Exception as e:  # noqa: BLE001 - a tile that does not build is a result, not the end of the run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        finally:
+            fa._kernel = usual
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{args.kernel} tiles on {device} ({'bf16' if gpu else 'fp32'}), shape {shapes[0]}:")
+    print("| tile | deterministic | max rel. err. | ms | speed vs SDPA flash |\n|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: r.get("ms", float("inf"))):
+        if "error" in r:
+            print(f"| {r['tile']} | - | - | {r['error']} | - |")
+            continue
+        ratio = f"{r['speed_vs_sdpa']:.3f}x" if "speed_vs_sdpa" in r else "-"
+        print(
+            f"| {r['tile']} | {r['deterministic']} | {max(r['max_rel_err'].values()):.1e} | {r['ms']:.3f} | {ratio} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
