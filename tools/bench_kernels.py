@@ -604,9 +604,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if phase == "compiled" and case.get("graph") and "compiled" in case and device.type == "cuda":
                 try:  # ours beside torch.compile in the same power state (see _interleaved)
                     pair = {"megatron_lite": case["ours"], "torch.compile": case.pop("compiled")}
-                    pair.update(
-                        {k: v for k, v in case.get("variants", {}).items() if k.startswith("megatron_lite chunk=")}
-                    )
+                    chunked = {} if args.no_variants else case.get("variants", {})
+                    pair.update({k: v for k, v in chunked.items() if k.startswith("megatron_lite chunk=")})
                     rows += _interleaved(case, pair, device, peak)
                 except Exception as e:  # noqa: BLE001 - the rows timed apart stand without it
                     rows.append({"kernel": case["name"], "impl": "interleaved", "error": f"{type(e).__name__}: {e}"})

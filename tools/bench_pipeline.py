@@ -49,7 +49,7 @@ class OurStage(nn.Module):
         self.first, self.forward_s = first, forward_s
         self.w = nn.Parameter(torch.ones(HIDDEN))
 
-    def forward(self, tokens, position_ids=None, labels=None, hidden_states=None):
+    def forward(self, tokens, position_ids=None, labels=None, hidden_states=None, grads_in_forward=False):
         x = torch.ones(SEQ, tokens.shape[0], HIDDEN) if self.first else hidden_states
         x = _Sleep.apply(x * self.w, self.forward_s, 2 * self.forward_s)
         return x.mean(-1).t() if labels is not None else x
