@@ -131,7 +131,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict]) -> None:
             timing = r.get("timing", "launches")  # "-": timed launch by launch only (milliseconds-long kernels)
             launches = (
                 "-"
-                if timing == "launches"
+                if timing == "launches" or r.get("ms_launches") is None  # (None: timed in turn, graph replays only)
                 else f"{r['ms_launches']:.3f}" + ("" if timing == "cuda graph" else f" ({timing})")
             )
             fh.write(

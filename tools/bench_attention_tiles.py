@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
+from _kernel_timing import time_ms
 
 KINDS = {"fwd": ("_fwd", "_FWD_TILES"), "dkdv": ("_bwd_dkdv", "_DKDV_TILES"), "dq": ("_bwd_dq", "_DQ_TILES")}
 # (batch, seq_q, seq_k, heads, kv_heads, head_dim, window): the timed shape first (Llama-3-8B), then odd ones
@@ -41,19 +40,6 @@ def _parse_tiles(text: str) -> list[tuple[int, ...]]:
             raise SystemExit(f"error: --tiles {item!r}: each tile is BLOCK_MxBLOCK_Nxwarpsxstages, e.g. 64x64x4x3")
         tiles.append(parts)
     return tiles
-
-
-def _time_ms(fn, device, reps: int) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=max(50, 10 * reps), return_mode="median"))
-    times = []
-    for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _inputs(shape, device, dtype):
@@ -80,7 +66,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kernel", choices=list(KINDS), default="dkdv", help="the kernel whose tile is forced")
     ap.add_argument("--tiles", default=None, help="comma-separated MxNxWARPSxSTAGES; default: the autotuner's list")
     ap.add_argument("--repeats", type=int, default=10, help="runs of the same inputs per shape that must agree")
-    ap.add_argument("--reps", type=int, default=10, help="timing effort (x10 ms on a GPU, calls on a CPU)")
+    ap.add_argument("--reps", type=int, default=10, help="timing effort (at least x10 ms on a GPU, calls on a CPU)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -108,10 +94,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     def timed(fn) -> float:
         run_fwd = lambda: _run(fn, q, k, v, up, None, dtype, backward=False)  # noqa: E731
-        fwd = _time_ms(run_fwd, device, args.reps)
+        fwd = time_ms(run_fwd, device, args.reps)
         if args.kernel == "fwd":
             return fwd
-        return _time_ms(lambda: _run(fn, q, k, v, up, None, dtype), device, args.reps) - fwd
+        return time_ms(lambda: _run(fn, q, k, v, up, None, dtype), device, args.reps) - fwd
 
     sdpa_ms = None
     if gpu:

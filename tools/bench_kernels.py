@@ -25,12 +25,11 @@ import argparse
 import functools
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from _kernel_report import TARGETS, verdicts, write_report
+from _kernel_timing import fwd_bwd, peak_bytes, profile_calls, time_in_turn, time_ms
 
 SIZES = {
     "tiny": dict(tokens=64, hidden=64, ffn=96, vocab=512, batch=1, seq=32, heads=4, kv_heads=2, head_dim=16),
@@ -38,79 +37,6 @@ SIZES = {
         tokens=4096, hidden=4096, ffn=14336, vocab=128256, batch=1, seq=4096, heads=32, kv_heads=8, head_dim=128
     ),
 }
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _graphed(fn, device):
-    """`fn` captured in a CUDA graph, after warm-up runs on a side stream (autotuning and compiling happen there).
-    Replays time the GPU's work alone: a memory-bound kernel at these sizes runs in tens of microseconds, about
-    what Python takes to launch it, so timed launch by launch it measures the launcher."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def _time_ms(fn, device, reps: int, graph: bool = False) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        if graph:
-            fn = _graphed(fn, device)
-        # do_bench's warmup and rep are milliseconds: a 20 ms case at rep 30 was timed once. Each case runs at
-        # least 25 times (from a first estimate), never less than `reps` x 10 ms.
-        fn()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        _sync(device)
-        estimate = (time.perf_counter() - t0) / 3 * 1e3
-        rep = max(20.0, reps * 10.0, 25 * estimate)
-        return float(triton.testing.do_bench(fn, warmup=max(5.0, 3 * estimate), rep=rep, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _peak_bytes(fn, device) -> int | None:
-    if device.type != "cuda":
-        return None
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    _sync(device)
-    return int(torch.cuda.max_memory_allocated(device) - base)
-
-
-def _fwd_bwd(fn, inputs, grad_out):
-    """Forward and backward with a fixed incoming gradient (random; ones for a scalar loss), so the time is the
-    op's own: no cast or reduction of the output is added to it."""
-
-    def run():
-        ins = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-        out = fn(*ins)
-        if isinstance(out, tuple) and all(o.shape == grad_out.shape for o in out):  # a norm's (y, x + residual)
-            torch.autograd.backward(list(out), [grad_out] * len(out))
-        else:
-            torch.autograd.backward(out[0] if isinstance(out, tuple) else out, grad_out)
-
-    return run
 
 
 CHUNKS: list[int] = []  # the fused cross-entropy's chunk variants (--chunks; empty: tokens/16, tokens/4, tokens)
@@ -386,77 +312,13 @@ def copy_bandwidth(device, dtype, moved_bytes: int = 2 << 30) -> float | None:
     # H200 the graph's copy (a memcpy node) ran at 2.76 TB/s against 4.2 TB/s launched, so a graph-only ceiling
     # would flatter every kernel set against it.
     copy = lambda: dst.copy_(src)  # noqa: E731
-    ms = min(_time_ms(copy, device, 10), _time_ms(copy, device, 10, graph=True))
+    ms = min(time_ms(copy, device, 10), time_ms(copy, device, 10, graph=True))
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def _rel_err(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _profile(case: dict, impl: str, run, device, calls: int = 5) -> None:
-    """Print the GPU kernels of `calls` back-to-back calls of `run` (forward+backward), the most time first; on a
-    GPU also the time the GPU was busy against the span of those calls (the rest: the GPU idle between kernels)
-    and the long kernels' times in order (a clock that drops under sustained load shows as times that grow)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    run()
-    _sync(device)
-    with profile(activities=acts) as prof:
-        for _ in range(calls):
-            run()
-        _sync(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=14)
-    print(f"## profile: {case['name']} / {impl}, forward+backward, {calls} calls\n{table}", flush=True)
-    if device.type != "cuda":
-        return
-    try:  # kineto's device events: (start, end) in ns
-        from torch.autograd import DeviceType
-
-        kernels = sorted(
-            (e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
-            for e in prof.profiler.kineto_results.events()
-            if e.device_type() == DeviceType.CUDA
-        )
-        busy, reach, gaps = 0, kernels[0][0], []
-        for (start, end, name), prev in zip(kernels, [None, *kernels[:-1]]):
-            busy += max(0, end - max(start, reach))
-            if prev is not None and start > reach:
-                gaps.append((start - reach, prev[2][:40], name[:40]))
-            reach = max(reach, end)
-        span = reach - kernels[0][0]
-        print(
-            f"## GPU timeline: {case['name']} / {impl}: per call span {span / calls / 1e6:.3f} ms, busy "
-            f"{busy / calls / 1e6:.3f} ms ({100 * busy / span:.1f}%), {len(kernels) / calls:.0f} kernels; largest "
-            f"gaps (us): {[(round(g / 1e3, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:6]]}; kernels over "
-            f"1 ms, in order (ms): {[round((e - s) / 1e6, 3) for s, e, _ in kernels if e - s > 1e6]}",
-            flush=True,
-        )
-    except Exception as e:  # noqa: BLE001 - the table above stands without it
-        print(f"## GPU timeline: unavailable ({type(e).__name__}: {e})", flush=True)
-
-
-def _interleaved(case: dict, impls: dict, device, peak, rounds: int = 5) -> list[dict]:
-    """Forward+backward of each implementation as CUDA graph replays, timed in turn, round after round. Under
-    these GEMMs an H200 runs at its 700 W power cap, its clock falling from 1980 to about 1500 MHz and drifting
-    with what ran just before (a compile's idle seconds, say); in turn, every implementation meets the same."""
-    graphs = {name: _graphed(_fwd_bwd(fn, case["inputs"], case["grad_out"]), device) for name, fn in impls.items()}
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, replay in graphs.items():
-            times[name].append(_time_ms(replay, device, 3))
-    rows = []
-    for name, ms in times.items():
-        row = {"kernel": case["name"], "impl": name, "pass": "fwd+bwd interleaved", "ms": statistics.median(ms)}
-        row.update(ms_rounds=ms, peak_memory_bytes=None, rel_err=None, timing="launches")
-        row["TFLOP/s"] = (case["flops_fwd"] + case["flops_bwd"]) / row["ms"] / 1e9
-        row["fraction_of_peak"] = row["TFLOP/s"] * 1e12 / peak if peak else None
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
 
 
 def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, profile: bool = False) -> list[dict]:
@@ -478,16 +340,16 @@ def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, prof
     memory_bound = "bytes_fwd" in case
     rows = []
     for kind in ("fwd", "fwd+bwd"):
-        run = (lambda fn=fn, ins=ins: fn(*ins)) if kind == "fwd" else _fwd_bwd(fn, ins, case["grad_out"])
+        run = (lambda fn=fn, ins=ins: fn(*ins)) if kind == "fwd" else fwd_bwd(fn, ins, case["grad_out"])
         with torch.no_grad() if kind == "fwd" else torch.enable_grad():
-            launch_ms = _time_ms(run, device, reps)
+            launch_ms = time_ms(run, device, reps)
             ms, timing = launch_ms, "launches"
-            if (memory_bound or case.get("graph")) and device.type == "cuda":  # GPU time alone (_graphed); both kept
+            if (memory_bound or case.get("graph")) and device.type == "cuda":  # GPU time alone (graphed); both kept
                 try:
-                    ms, timing = _time_ms(run, device, reps, graph=True), "cuda graph"
+                    ms, timing = time_ms(run, device, reps, graph=True), "cuda graph"
                 except Exception as e:  # noqa: BLE001 - an implementation that cannot be captured keeps launch timing
                     timing = f"launches (capture failed: {type(e).__name__})"
-            mem = _peak_bytes(run, device)
+            mem = peak_bytes(run, device)
         row = {"kernel": case["name"], "impl": impl, "pass": kind, "ms": ms, "peak_memory_bytes": mem, "rel_err": err}
         row.update(timing=timing, ms_launches=launch_ms)
         if kind == "fwd+bwd" and mem is not None:
@@ -507,7 +369,7 @@ def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, prof
         rows.append(row)
         print(json.dumps(row), flush=True)
         if profile and kind == "fwd+bwd":
-            _profile(case, impl, run, device)
+            profile_calls(case, impl, run, device)
     return rows
 
 
@@ -602,11 +464,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             if phase == "compiled" and case.get("graph") and "compiled" in case and device.type == "cuda":
-                try:  # ours beside torch.compile in the same power state (see _interleaved)
+                try:  # ours beside torch.compile in the same power state (see time_in_turn)
                     pair = {"megatron_lite": case["ours"], "torch.compile": case.pop("compiled")}
                     chunked = {} if args.no_variants else case.get("variants", {})
                     pair.update({k: v for k, v in chunked.items() if k.startswith("megatron_lite chunk=")})
-                    rows += _interleaved(case, pair, device, peak)
+                    rows += time_in_turn(case, pair, device, peak)
                 except Exception as e:  # noqa: BLE001 - the rows timed apart stand without it
                     rows.append({"kernel": case["name"], "impl": "interleaved", "error": f"{type(e).__name__}: {e}"})
             if case["name"] == "flash_attention" and device.type == "cuda" and phase == "direct":
