@@ -144,6 +144,26 @@ if HAVE_TRITON:
         if not IS_RMS:
             tl.store(DB + pid * N + cols, db, mask=mask)
 
+    @triton.jit
+    def _partials_sum(P, Q, OUT_P, OUT_Q, g, N, HAS_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+        """OUT_P[n] = sum over i of P[i, n] in fp32, stored in OUT_P's dtype (and OUT_Q from Q when HAS_Q): the
+        backward programs' partial weight (and bias) gradients in one launch, where PyTorch took a sum and a cast
+        per tensor (two launches for RMSNorm, four for LayerNorm, each a few microseconds at Llama's sizes).
+        A fixed order of addition: the same bits on every run."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc_p = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_q = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, g, BLOCK_G):
+            r = (start + tl.arange(0, BLOCK_G)[:, None]).to(tl.int64)
+            m = (r < g) & cmask[None, :]
+            acc_p += tl.sum(tl.load(P + r * N + cols[None, :], mask=m, other=0.0), axis=0)
+            if HAS_Q:
+                acc_q += tl.sum(tl.load(Q + r * N + cols[None, :], mask=m, other=0.0), axis=0)
+        tl.store(OUT_P + cols, acc_p.to(OUT_P.dtype.element_ty), mask=cmask)
+        if HAS_Q:
+            tl.store(OUT_Q + cols, acc_q.to(OUT_Q.dtype.element_ty), mask=cmask)
+
 
 # Backward programs per multiprocessor: each walks its share of the rows and keeps one partial weight gradient,
 # so more programs hide more memory latency but add partial sums to reduce (and registers limit how many run at
@@ -151,9 +171,14 @@ if HAVE_TRITON:
 # BWD_ROWS_PER_STEP: rows each program takes at once. BWD_STAGES: software-pipelining depth of the row loop (1: none,
 # as measured on the H200; 3 holds 32-49 KB of rows in shared memory per program at 4096 bf16 columns).
 # tools/bench_kernels.py times other settings of all three.
+# BWD_WARPS: warps per backward program (0: warps_for the step's elements, as the forward).
 BWD_PROGRAMS_PER_SM = 2
 BWD_ROWS_PER_STEP = 1
 BWD_STAGES = 1
+BWD_WARPS = 0
+# The partial sums' reduction: columns per program (at 4096 columns, 128 programs) and partial rows per step.
+SUM_BLOCK_N = 32
+SUM_BLOCK_G = 128
 
 
 def _programs(rows: int, block: int, device: torch.device) -> tuple[int, int]:
@@ -247,12 +272,17 @@ class _NormFunction(torch.autograd.Function):
             BLOCK=next_pow2(n),
             ROWS=step,
             STAGES=BWD_STAGES,
-            num_warps=warps_for(next_pow2(n) * step),
+            num_warps=BWD_WARPS or warps_for(next_pow2(n) * step),
         )
         launched("rms_norm_bwd" if ctx.is_rms else "layer_norm_bwd")
         dx = dx.view(ctx.shape)  # (with ds: the summed residual stream's own gradient included)
-        dweight = dw.sum(0).to(weight.dtype)
-        dbias = db.sum(0).to(weight.dtype) if ctx.has_bias else None
+        dweight = torch.empty_like(weight)
+        dbias = torch.empty_like(weight) if ctx.has_bias else None
+        _partials_sum[(triton.cdiv(n, SUM_BLOCK_N),)](
+            dw, db, dweight, dweight if dbias is None else dbias, g, n,
+            HAS_Q=dbias is not None, BLOCK_G=min(SUM_BLOCK_G, next_pow2(g)), BLOCK_N=SUM_BLOCK_N,
+        )  # fmt: skip
+        launched("norm_partials_sum")
         return dx, dweight, dbias, (dx if ctx.has_res else None), None, None
 
 
@@ -343,6 +373,11 @@ def _cases() -> list[tuple]:
                     consts = {"IS_RMS": rms, "HAS_DS": True, "BLOCK": 4096, "ROWS": 1, "STAGES": stages}
                     name = f"norm_bwd_{t}_rms{rms}_dsTrue_rows1_stages{stages}"
                     out.append((name, _norm_bwd, sig, consts, {"num_warps": warps_for(4096)}))
+        sig = {"P": "*fp32", "Q": "*fp32", "OUT_P": f"*{t}", "OUT_Q": f"*{t}", "g": "i32", "N": "i32"}
+        sig.update(dict.fromkeys(["HAS_Q", "BLOCK_G", "BLOCK_N"], "constexpr"))
+        for has_q in (True, False):
+            consts = {"HAS_Q": has_q, "BLOCK_G": SUM_BLOCK_G, "BLOCK_N": SUM_BLOCK_N}
+            out.append((f"norm_partials_sum_{t}_q{has_q}", _partials_sum, sig, consts))
     return out
 
 

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
-import pytest
-import torch
+# The repository's top-level kernels/ (installed as megatron_lite.kernels) shadows Hugging Face's `kernels`
+# package, which transformers 5 imports, wherever the repository root is on sys.path: `python -m pytest` puts
+# the working directory there, and transformers then failed to import ("cannot import name 'CUDAProperties'
+# from 'kernels'"). Taken off before anything imports transformers; the project is imported as installed.
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run through the interpreter where there is no GPU; it must be set before triton is imported.
 if not torch.cuda.is_available():
@@ -20,7 +28,7 @@ os.environ.setdefault(
     "MEGATRON_LITE_CACHE", str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "megatron_lite")
 )
 
-from dist_pool import WorkerPool
+from dist_pool import WorkerPool  # noqa: E402
 
 torch.set_num_threads(2)
 

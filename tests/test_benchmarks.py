@@ -132,6 +132,25 @@ def test_bench_attention_tiles_forces_each_tile_and_checks_it(tmp_path):
         assert max(rows[tile]["max_rel_err"].values()) < 1e-4, rows[tile]
 
 
+def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it(tmp_path):
+    """Each norm backward setting is run as asked (3 rows a step, which Triton cannot build, is an error row, not
+    the default run instead; rows a step count under the interpreter only at 16384 columns), checked against the
+    fp32 reference and for the same bits on two runs; the default comes first, marked."""
+    pytest.importorskip("triton")
+    out = tmp_path / "n.json"
+    flags = "--device cpu --reps 1 --tokens 3 --hidden 16384 --norms rms_norm,layer_norm --settings 2x2x1x8,2x3x1x8"
+    stdout = _run_tool("bench_norm_tiles.py", flags, out)
+    rows = {(r["norm"], r["setting"]): r for r in json.loads(out.read_text())}
+    settings = ("2x1x1x0", "2x2x1x8", "2x3x1x8")
+    assert set(rows) == {(n, s) for n in ("rms_norm", "layer_norm") for s in settings}
+    for norm in ("rms_norm", "layer_norm"):
+        assert "error" in rows[norm, "2x3x1x8"] and rows[norm, "2x1x1x0"]["default"]
+        for s in settings[:2]:
+            row = rows[norm, s]
+            assert row["same_bits"] and row["ms"] > 0 and row["max_rel_err"] < 1e-5, row
+    assert "layer_norm backward settings on cpu" in stdout
+
+
 @pytest.mark.slow
 def test_bench_context_parallel_reports_memory_per_rank(tmp_path):
     stdout = _run_tool(

@@ -172,6 +172,25 @@ def test_norm_backward_several_rows_per_step(norm, rows_per_step, stages, monkey
         )
 
 
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_norm_partial_gradients_summed_in_one_launch(norm, monkeypatch):
+    """The backward programs' partial weight (and bias) gradients are summed and cast by one kernel launch: here
+    5 partial rows, taken 2 at a time, and 40 columns in blocks of 16 (neither divides)."""
+    from megatron_lite.kernels import norms
+
+    monkeypatch.setattr(norms, "_programs", lambda rows, block, device: (5, 8))
+    monkeypatch.setattr(norms, "SUM_BLOCK_G", 2)
+    monkeypatch.setattr(norms, "SUM_BLOCK_N", 16)
+    x, w, b = _rand(37, 40), _rand(40, seed=1) + 1, _rand(40, seed=5)
+    before = K.LAUNCHES["norm_partials_sum"]
+    if norm == "rms_norm":
+        _check(norm, lambda a, w_: K.rms_norm(a, w_, 1e-6), lambda a, w_: K.rms_norm_reference(a, w_, 1e-6), [x, w])
+    else:
+        fn, ref = K.layer_norm, K.layer_norm_reference
+        _check(norm, lambda a, w_, b_: fn(a, w_, b_, 1e-5), lambda a, w_, b_: ref(a, w_, b_, 1e-5), [x, w, b])
+    assert K.LAUNCHES["norm_partials_sum"] == before + 1
+
+
 @pytest.mark.parametrize("shape", [(1, 5), (7, 130), (2, 3, 1500)])
 def test_swiglu(shape):
     _check("swiglu", K.swiglu, K.swiglu_reference, [_rand(*shape), _rand(*shape, seed=1)])

@@ -7,7 +7,8 @@
 #   OUT=/tmp/out bash tools/device_checks.sh
 # A rerun can narrow it: KERNEL_TESTS="tests/a.py tests/b.py", BENCH_ARGS="--profile fused_linear_cross_entropy",
 # SKIP_GEMM=1, SKIP_TRAIN=1, SKIP_DECODE=1; TILES="32x64x4x3,..." (TILE_KERNEL=dkdv) first times those flash
-# attention tiles and checks each for races (tools/bench_attention_tiles.py). The GPU's clocks, power and
+# attention tiles and checks each for races (tools/bench_attention_tiles.py); NORM_TILES=grid (or "2x1x3x8,...")
+# the norms' backward settings (tools/bench_norm_tiles.py). The GPU's clocks, power and
 # throttle reasons are logged every 250 ms to clocks.csv in the logs.
 set -uo pipefail
 if [ $# -gt 0 ]; then  # (it takes no arguments: --help or anything else prints this header)
@@ -47,6 +48,18 @@ if [ -n "${TILES:-}" ]; then
         --repeats ${TILE_REPEATS:-10} --json "$WORK/bench/tiles.json" > "$WORK/bench_tiles.log" 2>&1
     stamp "bench tiles: rc=$? $(grep -c '"tile"' "$WORK/bench_tiles.log") tiles"
     grep -A 40 "tiles on" "$WORK/bench_tiles.log" | tee -a "$WORK/summary.txt"
+    pack
+fi
+
+# 0b. Only if asked (NORM_TILES: "grid", or PxRxSxW settings): the norms' backward settings, each timed beside a
+#     same-size copy and checked (tools/bench_norm_tiles.py).
+if [ -n "${NORM_TILES:-}" ]; then
+    NORM_SETTINGS=()
+    [ "$NORM_TILES" = grid ] || NORM_SETTINGS=(--settings "$NORM_TILES")
+    timeout ${NORM_TILES_TIMEOUT:-150} python3 tools/bench_norm_tiles.py "${NORM_SETTINGS[@]}" \
+        --json "$WORK/bench/norm_tiles.json" > "$WORK/bench_norm_tiles.log" 2>&1
+    stamp "bench norm tiles: rc=$? $(grep -c '"setting"' "$WORK/bench_norm_tiles.log") settings"
+    grep -A 10 "backward settings on" "$WORK/bench_norm_tiles.log" | tee -a "$WORK/summary.txt"
     pack
 fi
 
