@@ -165,29 +165,41 @@ if HAVE_TRITON:
             tl.store(OUT_Q + cols, acc_q.to(OUT_Q.dtype.element_ty), mask=cmask)
 
 
-# Backward programs per multiprocessor: each walks its share of the rows and keeps one partial weight gradient,
-# so more programs hide more memory latency but add partial sums to reduce (and registers limit how many run at
-# once). On an H200 at 4096 x 4096 bf16, RMSNorm forward+backward took 80, 67, 78 and 73 us at 1, 2, 4 and 8.
-# BWD_ROWS_PER_STEP: rows each program takes at once. BWD_STAGES: software-pipelining depth of the row loop (1: none,
-# as measured on the H200; 3 holds 32-49 KB of rows in shared memory per program at 4096 bf16 columns).
-# tools/bench_kernels.py times other settings of all three.
-# BWD_WARPS: warps per backward program (0: warps_for the step's elements, as the forward).
-BWD_PROGRAMS_PER_SM = 2
-BWD_ROWS_PER_STEP = 1
-BWD_STAGES = 1
+# The backward's settings, from tools/bench_norm_tiles.py on an H200 (bf16, 4096 x 4096, 2026-12-04): of 54
+# settings, 1 program per SM taking 2 rows a step with a 3-stage software-pipelined row loop was the fastest for
+# RMSNorm (55.9 us forward+backward against 63.3 at the old 2 programs, 1 row, 1 stage), its residual form and
+# LayerNorm (59.6 against 77.0 us). Each program walks its share of the rows and keeps one partial weight gradient.
+# BWD_WARPS: warps per program (0: warps_for the step's elements, as the forward).
+BWD_PROGRAMS_PER_SM = 1
+BWD_ROWS_PER_STEP = 2
+BWD_STAGES = 3
 BWD_WARPS = 0
+# The pipelined loop may buffer its coming steps' rows in shared memory (Triton 3.9 does for fp32 rows: 192 KB at
+# 4096 columns, 2 rows and 3 stages; Hopper allows 227 KB a program), so the rows a step, then the stages, are
+# lowered until rows x stages x the tensors read x the row's bytes fits this budget (an estimate on the safe side).
+BWD_SMEM_BUDGET = 200 << 10
 # The partial sums' reduction: columns per program (at 4096 columns, 128 programs) and partial rows per step.
 SUM_BLOCK_N = 32
 SUM_BLOCK_G = 128
 
 
-def _programs(rows: int, block: int, device: torch.device) -> tuple[int, int]:
-    """(programs, rows per step) of the backward."""
+def _fit(step: int, stages: int, row_bytes: int) -> tuple[int, int]:
+    """(rows per step, stages) lowered, the rows first, until step x stages rows fit in BWD_SMEM_BUDGET."""
+    while step > 1 and step * stages * row_bytes > BWD_SMEM_BUDGET:
+        step //= 2
+    while stages > 1 and step * stages * row_bytes > BWD_SMEM_BUDGET:
+        stages -= 1
+    return step, stages
+
+
+def _tiling(rows: int, block: int, device: torch.device, row_bytes: int) -> tuple[int, int, int]:
+    """(programs, rows per step, stages) of the backward; `row_bytes`: the bytes of one row of every tensor the
+    loop reads (dy, x, and the residual stream's gradient when fused)."""
     if device.type == "cuda" and not interpreting():
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return min(rows, sms * BWD_PROGRAMS_PER_SM), BWD_ROWS_PER_STEP
+        return min(rows, sms * BWD_PROGRAMS_PER_SM), *_fit(BWD_ROWS_PER_STEP, BWD_STAGES, row_bytes)
     step = max(BWD_ROWS_PER_STEP, rows_per_program(block, rows))  # (under the interpreter: many rows at once)
-    return min(8, triton.cdiv(rows, step)), step
+    return min(8, triton.cdiv(rows, step)), step, BWD_STAGES
 
 
 class _NormFunction(torch.autograd.Function):
@@ -245,7 +257,8 @@ class _NormFunction(torch.autograd.Function):
         rows = s.shape[0]
         dx = torch.empty_like(s)
         ds2 = ds.reshape(-1, n).contiguous() if ds is not None else dy2  # (a placeholder when there is none)
-        g, step = _programs(rows, next_pow2(n), s.device)
+        reads = 2 + (ds is not None)
+        g, step, stages = _tiling(rows, next_pow2(n), s.device, reads * next_pow2(n) * s.element_size())
         g = max(g, 1)  # no rows (an empty micro-batch): one program that writes zero partial sums
         per = (rows + g - 1) // g
         dw = torch.empty(g, n, dtype=torch.float32, device=s.device)
@@ -271,7 +284,7 @@ class _NormFunction(torch.autograd.Function):
             HAS_DS=ds is not None,
             BLOCK=next_pow2(n),
             ROWS=step,
-            STAGES=BWD_STAGES,
+            STAGES=stages,
             num_warps=BWD_WARPS or warps_for(next_pow2(n) * step),
         )
         launched("rms_norm_bwd" if ctx.is_rms else "layer_norm_bwd")
@@ -368,7 +381,12 @@ def _cases() -> list[tuple]:
                     consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": rows, "STAGES": 1}
                     opts = {"num_warps": warps_for(4096 * rows)}
                     out.append((f"norm_bwd_{t}_rms{rms}_ds{has_ds}_rows{rows}", _norm_bwd, sig, consts, opts))
-            if t == "bf16":  # the pipelined row loop the benchmark times (the model's call: with ds)
+            for has_ds in (True, False):  # the launcher's default at 4096 columns
+                step, stages = _fit(BWD_ROWS_PER_STEP, BWD_STAGES, (2 + has_ds) * 4096 * (2 if t == "bf16" else 4))
+                consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": step, "STAGES": stages}
+                name = f"norm_bwd_{t}_rms{rms}_ds{has_ds}_default"
+                out.append((name, _norm_bwd, sig, consts, {"num_warps": warps_for(4096 * step)}))
+            if t == "bf16":  # other pipelined row loops (tools/bench_norm_tiles.py times them; with ds: the model's)
                 for stages in (2, 3):
                     consts = {"IS_RMS": rms, "HAS_DS": True, "BLOCK": 4096, "ROWS": 1, "STAGES": stages}
                     name = f"norm_bwd_{t}_rms{rms}_dsTrue_rows1_stages{stages}"

@@ -178,7 +178,7 @@ def test_norm_partial_gradients_summed_in_one_launch(norm, monkeypatch):
     5 partial rows, taken 2 at a time, and 40 columns in blocks of 16 (neither divides)."""
     from megatron_lite.kernels import norms
 
-    monkeypatch.setattr(norms, "_programs", lambda rows, block, device: (5, 8))
+    monkeypatch.setattr(norms, "_tiling", lambda rows, block, device, row_bytes: (5, 8, 1))
     monkeypatch.setattr(norms, "SUM_BLOCK_G", 2)
     monkeypatch.setattr(norms, "SUM_BLOCK_N", 16)
     x, w, b = _rand(37, 40), _rand(40, seed=1) + 1, _rand(40, seed=5)

@@ -9,7 +9,8 @@ GB/s (memory-bound ops, against the copy bandwidth measured in the same run) or 
 
 Memory-bound kernels are set against two copies timed in the same run: a 2 GiB device-to-device copy (the
 bandwidth ceiling) and a copy of as many bytes as the kernel moves (the same size, launch and tail effects).
-Attention's reference is PyTorch's SDPA with the flash backend forced; the backward time is fwd+bwd minus fwd.
+The norms' backward settings are chosen with tools/bench_norm_tiles.py. Attention's reference is PyTorch's SDPA
+with the flash backend forced; the backward time is fwd+bwd minus fwd.
 `flash_attention_mla` has multi-latent attention's head sizes (query/key 1.5 x head_dim, values head_dim: 192
 and 128 as in DeepSeek-V3); its TFLOP/s count q.k^T at 192 and p.v at 128, for the padded runs too.
 `flash_attention_documents` packs eight documents into each sequence (--reset-attention-mask) against SDPA with
@@ -40,19 +41,6 @@ SIZES = {
 
 
 CHUNKS: list[int] = []  # the fused cross-entropy's chunk variants (--chunks; empty: tokens/16, tokens/4, tokens)
-DEFAULT_TILING: list[int] = []  # the norm backward's (programs per SM, rows per step, stages), read by main
-
-
-def _rms_tiling(a, ww, programs=None, rows=None, stages=None):
-    """rms_norm with another backward tiling: programs per multiprocessor, rows per step, software-pipelining
-    stages of the row loop (the settings stay until main resets them after the case)."""
-    from megatron_lite import kernels as K
-    from megatron_lite.kernels import norms
-
-    norms.BWD_PROGRAMS_PER_SM = programs or DEFAULT_TILING[0]
-    norms.BWD_ROWS_PER_STEP = rows or DEFAULT_TILING[1]
-    norms.BWD_STAGES = stages or DEFAULT_TILING[2]
-    return K.rms_norm(a, ww, 1e-5)
 
 
 def _flce_chunked(hh, ww, labels, chunk):
@@ -156,13 +144,6 @@ def cases(s: dict, dtype, device):
             eager=eager_rms,
             bytes_fwd=2 * x.numel() * el,
             bytes_bwd=3 * x.numel() * el,
-            variants={
-                **{f"megatron_lite bwd {n} programs/SM": functools.partial(_rms_tiling, programs=n) for n in (1, 4)},
-                **{f"megatron_lite bwd {n} rows/step": functools.partial(_rms_tiling, rows=n) for n in (2, 4)},
-                **{f"megatron_lite bwd {n} stages": functools.partial(_rms_tiling, stages=n) for n in (2, 3)},
-            }
-            if device.type == "cuda"
-            else {},
             liger="rms_norm",
         ),
         dict(  # the model's pre-MLP call: x + residual and its norm; the backward takes both outputs' gradients
@@ -387,7 +368,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     ap.add_argument("--kernels", default=None, help="comma-separated subset of kernels to run (default: all)")
     ap.add_argument(
-        "--no-variants", action="store_true", help="ours and the references only, not the tiling or chunk variants"
+        "--no-variants", action="store_true", help="ours and the references only, not the chunk and per-token variants"
     )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunks", default=None, help="comma-separated chunk sizes (rows) of the fused CE variants")
@@ -428,10 +409,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         meta["torch"] += f", triton {triton.__version__}"
     except ImportError:
         pass
-    from megatron_lite.kernels import norms
-
     CHUNKS[:] = [int(c) for c in args.chunks.split(",")] if args.chunks else []
-    DEFAULT_TILING[:] = [norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES]
     rows: list[dict] = []
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     selected = [c for c in cases(SIZES[args.size], dtype, device) if wanted is None or c["name"] in wanted]
@@ -480,8 +458,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for k in ("_fwd_tuned", "_bwd_dkdv_tuned", "_bwd_dq_tuned")
                 }
                 print(json.dumps(meta["flash_attention_tiles"]), flush=True)
-            # a variant may have changed them
-            norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES = DEFAULT_TILING
             write_report(args.out_dir, meta, rows)  # after every case: a run cut short still leaves its table
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--settings", default=None, help="comma-separated PxRxSxW; default: the grid above")
     ap.add_argument("--tokens", type=int, default=None, help="rows (default 4096 on a GPU, 37 on a CPU)")
     ap.add_argument("--hidden", type=int, default=None, help="columns (default 4096 on a GPU, 48 on a CPU)")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on a GPU, fp32 on a CPU")
     ap.add_argument("--reps", type=int, default=5, help="timing effort (at least x10 ms on a GPU, calls on a CPU)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         raise SystemExit(f"error: --norms {','.join(sorted(unknown))}: not one of {', '.join(NORMS)}")
     gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
     rows_n, cols = args.tokens or (4096 if gpu else 37), args.hidden or (4096 if gpu else 48)
     settings = _parse(args.settings) if args.settings else GRID
     saved = {k: getattr(norms, k) for k in ("BWD_PROGRAMS_PER_SM", "BWD_ROWS_PER_STEP", "BWD_STAGES", "BWD_WARPS")}
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(json.dumps(row), flush=True)
         copy_text = "-" if copy_ms is None else f"{copy_ms * 1e3:.1f} us"
         print(
-            f"\n{name} backward settings on {device} ({'bf16' if gpu else 'fp32'}, {rows_n} x {cols}); forward "
+            f"\n{name} backward settings on {device} ({str(dtype).split('.')[-1]}, {rows_n} x {cols}); forward "
             f"{fwd_ms * 1e3:.1f} us; same-size copy {copy_text}:"
         )
         print("| setting PxRxSxW | same bits | max rel. err. | fwd+bwd us | bwd us | of same-size copy |")
