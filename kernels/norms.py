@@ -169,9 +169,12 @@ if HAVE_TRITON:
 # settings, 1 program per SM taking 2 rows a step with a 3-stage software-pipelined row loop was the fastest for
 # RMSNorm (55.9 us forward+backward against 63.3 at the old 2 programs, 1 row, 1 stage), its residual form and
 # LayerNorm (59.6 against 77.0 us). Each program walks its share of the rows and keeps one partial weight gradient.
+# At 8192 columns (2048 rows) 1 row a step was the faster (RMSNorm 57.2 against 66.4 us, LayerNorm 63.5 against
+# 88.0), so a step takes at most BWD_STEP_ELEMENTS columns' worth of rows, and at most BWD_ROWS_PER_STEP rows.
 # BWD_WARPS: warps per program (0: warps_for the step's elements, as the forward).
 BWD_PROGRAMS_PER_SM = 1
 BWD_ROWS_PER_STEP = 2
+BWD_STEP_ELEMENTS = 8192
 BWD_STAGES = 3
 BWD_WARPS = 0
 # The pipelined loop may buffer its coming steps' rows in shared memory (Triton 3.9 does for fp32 rows: 192 KB at
@@ -192,12 +195,18 @@ def _fit(step: int, stages: int, row_bytes: int) -> tuple[int, int]:
     return step, stages
 
 
+def _bounds(block: int, row_bytes: int) -> tuple[int, int]:
+    """(rows per step, stages) on a GPU: BWD_ROWS_PER_STEP up to BWD_STEP_ELEMENTS columns' worth, BWD_STAGES,
+    both lowered by _fit to the shared-memory budget."""
+    return _fit(min(BWD_ROWS_PER_STEP, max(1, BWD_STEP_ELEMENTS // block)), BWD_STAGES, row_bytes)
+
+
 def _tiling(rows: int, block: int, device: torch.device, row_bytes: int) -> tuple[int, int, int]:
     """(programs, rows per step, stages) of the backward; `row_bytes`: the bytes of one row of every tensor the
     loop reads (dy, x, and the residual stream's gradient when fused)."""
     if device.type == "cuda" and not interpreting():
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return min(rows, sms * BWD_PROGRAMS_PER_SM), *_fit(BWD_ROWS_PER_STEP, BWD_STAGES, row_bytes)
+        return min(rows, sms * BWD_PROGRAMS_PER_SM), *_bounds(block, row_bytes)
     step = max(BWD_ROWS_PER_STEP, rows_per_program(block, rows))  # (under the interpreter: many rows at once)
     return min(8, triton.cdiv(rows, step)), step, BWD_STAGES
 
@@ -382,7 +391,7 @@ def _cases() -> list[tuple]:
                     opts = {"num_warps": warps_for(4096 * rows)}
                     out.append((f"norm_bwd_{t}_rms{rms}_ds{has_ds}_rows{rows}", _norm_bwd, sig, consts, opts))
             for has_ds in (True, False):  # the launcher's default at 4096 columns
-                step, stages = _fit(BWD_ROWS_PER_STEP, BWD_STAGES, (2 + has_ds) * 4096 * (2 if t == "bf16" else 4))
+                step, stages = _bounds(4096, (2 + has_ds) * 4096 * (2 if t == "bf16" else 4))
                 consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": step, "STAGES": stages}
                 name = f"norm_bwd_{t}_rms{rms}_ds{has_ds}_default"
                 out.append((name, _norm_bwd, sig, consts, {"num_warps": warps_for(4096 * step)}))

@@ -55,7 +55,7 @@ from megatron_lite.kernels._common import compile_for_gpu, warps_for
 out = {}
 for t, size in (("bf16", 2), ("fp32", 4)):
     for n in (4096, 8192, 16384):
-        step, stages = norms._fit(norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES, 3 * n * size)
+        step, stages = norms._bounds(n, 3 * n * size)
         _, fn, sig, consts, _ = next(c for c in norms.COMPILE_CASES if c[0] == f"norm_bwd_{t}_rmsTrue_dsTrue_rows1")
         consts = dict(consts, BLOCK=n, ROWS=step, STAGES=stages)
         kernel = compile_for_gpu(fn, sig, consts, options={"num_warps": warps_for(n * step)})
@@ -66,9 +66,9 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not K.HAVE_TRITON, reason="needs triton (Linux)")
 def test_norm_backward_settings_fit_in_shared_memory():
-    """The norms' backward pipelines its row loop (2 rows a step, 3 stages by default), and the compiler may buffer
-    the coming rows in shared memory: the launcher lowers rows and stages by the row's size, so every hidden size
-    and dtype compiles for Hopper within the 227 KB a program may have (fp32 rows of 8192 at the default took
+    """The norms' backward pipelines its row loop (up to 2 rows a step, 3 stages by default), and the compiler may
+    buffer the coming rows in shared memory: the launcher lowers rows and stages by the row's size, so every hidden
+    size and dtype compiles for Hopper within the 227 KB a program may have (fp32 rows of 16384 at 3 stages took
     384 KB, and would fail to launch)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", NORM_SMEM], env=env, capture_output=True, text=True, timeout=600)

@@ -8,10 +8,12 @@ H200 the norms' forward ran at 0.89-0.97 of a same-size copy but forward+backwar
     python tools/bench_norm_tiles.py --settings 2x1x1x8,2x1x3x8 --norms rms_norm
     python tools/bench_norm_tiles.py --device cpu --reps 1                 # tiny, interpreter: the code paths only
 
-A setting is PROGRAMS_PER_SMxROWS_PER_STEPxSTAGESxWARPS (warps 0: the forward's rule for a row of that size);
-the default grid is the current default, then every combination of 1, 2, 4 programs per SM, 1, 2 rows a step,
-1, 2, 3 stages and 4, 8, 16 warps. On a CPU (the interpreter) programs per SM, stages and warps change nothing,
-and rows a step only where more than the interpreter's own rows a program (one row of 16384 columns or more).
+A setting is PROGRAMS_PER_SMxROWS_PER_STEPxSTAGESxWARPS (warps 0: the forward's rule for a row of that size),
+run as asked but for the launcher's shared-memory bound; the default also with its bound on a step's columns;
+each row says what was launched (programs, rows a step, stages). The default grid is the current default, then
+every combination of 1, 2, 4 programs per SM, 1, 2 rows a step, 1, 2, 3 stages and 4, 8, 16 warps. On a CPU (the
+interpreter) programs per SM, stages and warps change nothing, and rows a step only where more than the
+interpreter's own rows a program (one row of 16384 columns or more).
 The same-size copy is timed once per norm, launched and as a graph, the faster kept (as tools/bench_kernels.py).
 """
 
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import importlib
 
+    import triton
+
     from megatron_lite import kernels as K
 
     norms = importlib.import_module("megatron_lite.kernels.norms")
@@ -77,8 +81,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
     rows_n, cols = args.tokens or (4096 if gpu else 37), args.hidden or (4096 if gpu else 48)
     settings = _parse(args.settings) if args.settings else GRID
-    saved = {k: getattr(norms, k) for k in ("BWD_PROGRAMS_PER_SM", "BWD_ROWS_PER_STEP", "BWD_STAGES", "BWD_WARPS")}
-    default = tuple(saved.values())
+    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_ROWS_PER_STEP", "BWD_STAGES", "BWD_WARPS", "BWD_STEP_ELEMENTS")
+    saved = {k: getattr(norms, k) for k in knobs}
+    default = tuple(saved.values())[:4]
     settings = settings if default in settings else [default, *settings]  # (the default first, as the baseline)
     gen = torch.Generator().manual_seed(0)
     x, res, dy = (torch.randn(rows_n, cols, generator=gen).to(device, dtype) for _ in range(3))
@@ -116,7 +121,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for s in settings:
             p, r, st, wp = s
             norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES, norms.BWD_WARPS = s
+            if s != default:  # a forced setting: the rows a step as asked (only shared memory may lower them)
+                norms.BWD_STEP_ELEMENTS = 1 << 30
             row = {"norm": name, "setting": "x".join(map(str, s)), "default": s == default, "device": str(device)}
+            # what the launcher runs: (programs, rows a step, stages) after its bounds by the row's size
+            row_bytes = (NORMS[name][1] - 1) * triton.next_power_of_2(cols) * x.element_size()
+            row["launched"] = list(norms._tiling(rows_n, triton.next_power_of_2(cols), device, row_bytes))
             try:
                 first, again = grads(ours, dtype), grads(ours, dtype)
                 row["same_bits"] = all(torch.equal(a, c) for a, c in zip(first, again))
