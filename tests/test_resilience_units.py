@@ -118,6 +118,7 @@ def _recorded_ops() -> list[str]:
         mappings.all_gather_dim0(x, ctx.tp)  # sequence parallelism's gather
         mappings.reduce_scatter_tensor(torch.empty(2, 3), x, group=ctx.tp.pg)  # what ZeRO's buckets call
         mappings.all_gather_tensor(torch.empty(8, 3), x, group=ctx.tp.pg)  # the distributed optimizer's gather
+        dist.all_gather_object([None, None], {"rank": ctx.rank}, group=ctx.tp.pg)  # start-up's agreement checks
     finally:
         rec.uninstall()
     return [e.op for e in rec.history]
@@ -125,10 +126,12 @@ def _recorded_ops() -> list[str]:
 
 def test_the_flight_recorder_sees_the_single_tensor_collectives(dist):
     """Sequence parallelism's and ZeRO's all-gathers and reduce-scatters reach the flight recorder (they were
-    bound at import, before the recorder wrapped torch.distributed, so a hang in one went unreported)."""
+    bound at import, before the recorder wrapped torch.distributed, so a hang in one went unreported); so does an
+    object gather, once (not as its two inner tensor gathers)."""
     for ops in dist(2, _recorded_ops):
-        assert len(ops) == 3, ops
+        assert len(ops) == 4, ops
         assert "gather" in ops[0] and "scatter" in ops[1] and "gather" in ops[2], ops
+        assert ops[3] == "all_gather_object", ops
 
 
 def _pipeline_then_all_reduce() -> list:

@@ -31,6 +31,8 @@ WRAPPED = (
     "reduce_scatter_single",
     "all_to_all_single",
     "all_gather",
+    "all_gather_object",  # (start-up checks gather names and configurations this way; its inner all_gathers go
+    # through torch's module-level functions, not these attributes, so it is recorded once)
     "broadcast",
     "barrier",
     "batch_isend_irecv",
