@@ -21,6 +21,7 @@ the sequence's.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 
@@ -67,9 +68,40 @@ if HAVE_TRITON:
 DECODE_TILE = {"BLOCK_M": 16, "BLOCK_N": 64}
 
 
+_FORCED: dict = {}  # plain kernel -> its forced tile (the launch's constants); "others" -> the other kernels' tile
+
+
+@contextlib.contextmanager
+def forced_tile(kernel: str, tile: tuple[int, int, int, int], others: dict | None = None):
+    """Within the block, `kernel` ("fwd", "dkdv" or "dq") runs on `tile` (BLOCK_M, BLOCK_N, warps, stages; the
+    warps and stages on a GPU only) instead of the autotuner's pick, and the other two kernels on the fixed tile
+    `others` ({"BLOCK_M": .., "BLOCK_N": ..}) or, when None, their usual choice. For checking and timing one
+    candidate tile at a time (tests/test_kernels_attention_tiles.py, tools/bench_attention_tiles.py)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("forced_tile needs Triton (Linux): there are no tiles without it")
+    plain = {"fwd": _fwd, "dkdv": _bwd_dkdv, "dq": _bwd_dq}[kernel]
+    m, n, warps, stages = tile
+    gpu = not interpreting()
+    saved = dict(_FORCED)
+    _FORCED.clear()
+    _FORCED[plain] = {"BLOCK_M": m, "BLOCK_N": n, **({"num_warps": warps, "num_stages": stages} if gpu else {})}
+    if others is not None:
+        _FORCED["others"] = dict(others)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
 def _kernel(plain, tuned, dtype: torch.dtype):
     """The kernel to launch and its fixed tiles: fixed small tiles when interpreting; on a GPU, fp32 (tests, not
-    training) takes one fixed tile, other dtypes the autotuned kernel."""
+    training) takes one fixed tile, other dtypes the autotuned kernel (unless forced_tile says otherwise)."""
+    if _FORCED:
+        if plain in _FORCED:
+            return plain, _FORCED[plain]
+        if "others" in _FORCED:
+            return plain, _FORCED["others"]
     if interpreting():
         return plain, {"BLOCK_M": _common.INTERPRETER_TILE, "BLOCK_N": _common.INTERPRETER_TILE}
     if dtype == torch.float32:

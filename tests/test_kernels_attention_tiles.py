@@ -36,20 +36,11 @@ FIXED = {"BLOCK_M": 32, "BLOCK_N": 32}  # the other kernels' tile (the fp32 one,
 @pytest.mark.skipif(not CASES, reason="Triton is not installed")
 @pytest.mark.parametrize("window", [None, "window"])
 @pytest.mark.parametrize("kind,tile", CASES)
-def test_every_autotuner_tile_computes_attention(kind, tile, window, monkeypatch):
+def test_every_autotuner_tile_computes_attention(kind, tile, window):
     dtype = torch.bfloat16 if GPU else torch.float32
     # Grouped-query, seq_q < seq_k (bottom-right causal), lengths no tile divides; a window shorter than both.
     b, sq, sk, h, hkv, d = (2, 1000, 1100, 16, 4, 128) if GPU else (1, 300, 330, 2, 1, 16)
     window = None if window is None else (300 if GPU else 200)
-    forced = getattr(FA, KINDS[kind][0])
-    m, n, warps, stages = tile
-
-    def kernel_for(plain, tuned, dt):
-        if plain is forced:
-            return plain, {"BLOCK_M": m, "BLOCK_N": n, **({"num_warps": warps, "num_stages": stages} if GPU else {})}
-        return plain, FIXED
-
-    monkeypatch.setattr(FA, "_kernel", kernel_for)
     gen = torch.Generator().manual_seed(0)
     q, k, v, up = (
         torch.randn(b, s, nh, d, generator=gen).to(DEVICE, dtype) for s, nh in ((sq, h), (sk, hkv), (sk, hkv), (sq, h))
@@ -61,13 +52,39 @@ def test_every_autotuner_tile_computes_attention(kind, tile, window, monkeypatch
         o.backward(up.to(dt))
         return [o.detach()] + [t.grad for t in leaves]
 
-    ours = run(K.flash_attention, dtype)
-    # The kernels use no atomics: the same inputs give the same bits, and anything else is a race (one passed
-    # two runs on one machine and differed on the next: TILE_REPEATS=N runs each tile N times)
-    for i in range(1, REPEATS if GPU else 1):
-        again = run(K.flash_attention, dtype)
-        assert all(torch.equal(a, b) for a, b in zip(ours, again)), (kind, tile, window, f"run {i} differs")
+    before = {name: K.LAUNCHES[name] for name in ("flash_attention_fwd", "flash_attention_bwd")}
+    with FA.forced_tile(kind, tile, others=FIXED):
+        ours = run(K.flash_attention, dtype)
+        # The kernels use no atomics: the same inputs give the same bits, and anything else is a race (one passed
+        # two runs on one machine and differed on the next: TILE_REPEATS=N runs each tile N times)
+        for i in range(1, REPEATS if GPU else 1):
+            again = run(K.flash_attention, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(ours, again)), (kind, tile, window, f"run {i} differs")
+    assert all(K.LAUNCHES[name] > n for name, n in before.items()), "no kernel ran"
     ref = run(K.flash_attention_reference, torch.float32)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # as test_kernels_bf16.py argues
     errs = {name: rel(a.float(), r) for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref)}
     assert all(e < tol for e in errs.values()), (kind, tile, window, errs)
+
+
+@pytest.mark.skipif(not CASES, reason="Triton is not installed")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_forced_tile_is_the_one_that_runs_and_only_inside_its_block(kind):
+    """forced_tile reaches the launch: a tile Triton cannot build (24 rows) fails inside the block, for the kernel
+    named only, and the usual tile runs again after it."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=gen).to(DEVICE, torch.float32) for _ in range(3))
+
+    def run():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = K.flash_attention(*leaves, causal=True)
+        out.sum().backward()
+        return out
+
+    with FA.forced_tile(kind, (24, 32, 4, 3), others={"BLOCK_M": 16, "BLOCK_N": 16}):
+        with pytest.raises(Exception, match="power of 2|power-of-2|power of two"):
+            run()
+    with FA.forced_tile("fwd" if kind != "fwd" else "dq", (16, 16, 4, 3), others={"BLOCK_M": 16, "BLOCK_N": 16}):
+        run()  # the other kernels on buildable tiles
+    run()
+    assert not FA._FORCED

@@ -82,8 +82,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tiles = _parse_tiles(args.tiles) if args.tiles else list(getattr(fa, KINDS[args.kernel][1]))
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    forced_plain = getattr(fa, KINDS[args.kernel][0])
-    usual = fa._kernel
     shapes = SHAPES["cuda" if gpu else "cpu"]
     cases = []
     for shape in shapes:  # inputs and the fp32 reference once per shape, for every tile
@@ -109,46 +107,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         sdpa_ms = timed(sdpa)
     rows = []
-    timing = [True]  # the other kernels' usual choice (autotuned on a GPU) only at the timed shape
     for tile in tiles:
-        m, n, warps, stages = tile
-
-        def kernel_for(plain, tuned, dt, m=m, n=n, warps=warps, stages=stages):
-            if plain is not forced_plain and not timing[0]:  # checks only: no autotuning at the odd shapes
-                return plain, {"BLOCK_M": 32, "BLOCK_N": 32}
-            if plain is forced_plain:
-                return plain, {
-                    "BLOCK_M": m,
-                    "BLOCK_N": n,
-                    **({"num_warps": warps, "num_stages": stages} if gpu else {}),
-                }
-            return usual(plain, tuned, dt)
-
-        fa._kernel = kernel_for
+        # The other two kernels: their usual choice (autotuned on a GPU) at the timed shape, a fixed small tile at
+        # the odd ones (checks only: no autotuning there)
+        fixed = {"BLOCK_M": 32, "BLOCK_N": 32}
         row = {"kernel": args.kernel, "tile": "x".join(map(str, tile)), "device": str(device)}
         try:
             differs, errs = [], {}
             for shape, (sq_, sk_, sv_, sup), ref in cases:
-                timing[0] = shape == shapes[0]
-                first = _run(K.flash_attention, sq_, sk_, sv_, sup, shape[6], dtype)
-                for i in range(1, args.repeats):
-                    again = _run(K.flash_attention, sq_, sk_, sv_, sup, shape[6], dtype)
-                    bad = [nm for nm, a, b_ in zip(("o", "dq", "dk", "dv"), first, again) if not torch.equal(a, b_)]
-                    if bad:
-                        differs.append(f"{shape}: run {i} differs in {','.join(bad)}")
-                        break
+                with fa.forced_tile(args.kernel, tile, others=None if shape == shapes[0] else fixed):
+                    first = _run(K.flash_attention, sq_, sk_, sv_, sup, shape[6], dtype)
+                    for i in range(1, args.repeats):
+                        again = _run(K.flash_attention, sq_, sk_, sv_, sup, shape[6], dtype)
+                        pairs = zip(("o", "dq", "dk", "dv"), first, again)
+                        bad = [nm for nm, a, b_ in pairs if not torch.equal(a, b_)]
+                        if bad:
+                            differs.append(f"{shape}: run {i} differs in {','.join(bad)}")
+                            break
                 for nm, a, r in zip(("o", "dq", "dk", "dv"), first, ref):
                     e = float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
                     errs[nm] = max(errs.get(nm, 0.0), e)
             row.update(deterministic=not differs, differs=differs, max_rel_err=errs)
-            timing[0] = True
-            row["ms"] = timed(K.flash_attention)
+            with fa.forced_tile(args.kernel, tile):
+                row["ms"] = timed(K.flash_attention)
             if sdpa_ms is not None:
                 row.update(sdpa_ms=sdpa_ms, speed_vs_sdpa=sdpa_ms / row["ms"])
         except Exception as e:  # noqa: BLE001 - a tile that does not build is a result, not the end of the run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        finally:
-            fa._kernel = usual
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{args.kernel} tiles on {device} ({'bf16' if gpu else 'fp32'}), shape {shapes[0]}:")
