@@ -16,6 +16,17 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import megatron_lite  # noqa: E402
+
+# The tests import the project as installed: an editable install of another checkout would test that one's code
+# without a word (pip install -e . points megatron_lite here).
+if not pathlib.Path(megatron_lite.__file__).resolve().is_relative_to(_ROOT):
+    pytest.exit(
+        f"megatron_lite is imported from {pathlib.Path(megatron_lite.__file__).parent}, not from this checkout "
+        f"({_ROOT}): run `pip install -e .` here first",
+        returncode=4,
+    )
+
 # Triton kernels run through the interpreter where there is no GPU; it must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

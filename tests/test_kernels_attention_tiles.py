@@ -70,21 +70,26 @@ def test_every_autotuner_tile_computes_attention(kind, tile, window):
 @pytest.mark.skipif(not CASES, reason="Triton is not installed")
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_forced_tile_is_the_one_that_runs_and_only_inside_its_block(kind):
-    """forced_tile reaches the launch: a tile Triton cannot build (24 rows) fails inside the block, for the kernel
-    named only, and the usual tile runs again after it."""
+    """forced_tile reaches the launch: a tile Triton cannot build (24 rows) fails inside the block, in the kernel
+    named only (a backward kernel's tile leaves the forward running), the others take `others`, and the usual
+    tiles run again after the block."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 16, generator=gen).to(DEVICE, torch.float32) for _ in range(3))
+    bad, good = (24, 32, 4, 3), {"BLOCK_M": 16, "BLOCK_N": 16}
 
-    def run():
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = K.flash_attention(*leaves, causal=True)
-        out.sum().backward()
-        return out
+    def forward():
+        return K.flash_attention(*[t.detach().clone().requires_grad_() for t in (q, k, v)], causal=True)
 
-    with FA.forced_tile(kind, (24, 32, 4, 3), others={"BLOCK_M": 16, "BLOCK_N": 16}):
-        with pytest.raises(Exception, match="power of 2|power-of-2|power of two"):
-            run()
-    with FA.forced_tile("fwd" if kind != "fwd" else "dq", (16, 16, 4, 3), others={"BLOCK_M": 16, "BLOCK_N": 16}):
-        run()  # the other kernels on buildable tiles
-    run()
+    unbuildable = pytest.raises(Exception, match="power of 2|power-of-2|power of two")
+    with FA.forced_tile(kind, bad, others=good):
+        if kind == "fwd":
+            with unbuildable:
+                forward()
+        else:
+            out = forward()  # the forward on `others`
+            with unbuildable:
+                out.sum().backward()
+    with FA.forced_tile(kind, (16, 16, 4, 3), others={"BLOCK_M": 24, "BLOCK_N": 32}), unbuildable:
+        forward().sum().backward()  # some other kernel runs on `others`
+    forward().sum().backward()
     assert not FA._FORCED

@@ -134,6 +134,33 @@ def test_the_flight_recorder_sees_the_single_tensor_collectives(dist):
         assert ops[3] == "all_gather_object", ops
 
 
+def _group_by_position() -> list[str]:
+    """An all-reduce and an object gather on a one-rank group passed by position, then by name: the groups their
+    entries were counted under."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.resilience.flight_recorder import FlightRecorder
+
+    rank = dist.get_rank()
+    mine = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]  # (every rank makes every group)
+    rec = FlightRecorder(600, store=dist.HashStore(), exit_on_hang=False).install()
+    try:
+        dist.all_reduce(torch.ones(2), dist.ReduceOp.SUM, mine)
+        dist.all_gather_object([None], rank, mine)
+        dist.all_reduce(torch.ones(2), group=mine)
+    finally:
+        rec.uninstall()
+    return [e.group for e in rec.history]
+
+
+def test_a_group_passed_by_position_is_the_group_counted(dist):
+    """A collective's group given by position is recorded under that group's ranks (it was counted under the
+    world's, so a hang in it would have compared counts with ranks outside the group)."""
+    for rank, groups in enumerate(dist(2, _group_by_position)):
+        assert groups == [str(rank)] * 3, groups
+
+
 def _pipeline_then_all_reduce() -> list:
     """A three-stage pipeline's exchanges (the middle stage's one batch has both its peers: the world's ranks),
     then an all-reduce over the world, under the flight recorder: (op, group, seq) of each entry."""

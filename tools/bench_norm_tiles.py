@@ -119,15 +119,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         copy_ms = _copy_ms(moved, device, dtype, args.reps)
         fwd_ms = time_ms(lambda fn=ours: fn(x, w, b, res), device, args.reps, graph=gpu)
         for s in settings:
-            p, r, st, wp = s
-            norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES, norms.BWD_WARPS = s
-            if s != default:  # a forced setting: the rows a step as asked (only shared memory may lower them)
-                norms.BWD_STEP_ELEMENTS = 1 << 30
             row = {"norm": name, "setting": "x".join(map(str, s)), "default": s == default, "device": str(device)}
-            # what the launcher runs: (programs, rows a step, stages) after its bounds by the row's size
-            row_bytes = (NORMS[name][1] - 1) * triton.next_power_of_2(cols) * x.element_size()
-            row["launched"] = list(norms._tiling(rows_n, triton.next_power_of_2(cols), device, row_bytes))
             try:
+                norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES, norms.BWD_WARPS = s
+                if s != default:  # a forced setting: the rows a step as asked (only shared memory may lower them)
+                    norms.BWD_STEP_ELEMENTS = 1 << 30
+                # what the launcher runs: (programs, rows a step, stages) after its bounds by the row's size
+                row_bytes = (NORMS[name][1] - 1) * triton.next_power_of_2(cols) * x.element_size()
+                row["launched"] = list(norms._tiling(rows_n, triton.next_power_of_2(cols), device, row_bytes))
                 first, again = grads(ours, dtype), grads(ours, dtype)
                 row["same_bits"] = all(torch.equal(a, c) for a, c in zip(first, again))
                 errs = [
@@ -147,6 +146,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     setattr(norms, k, v)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.json:  # after every setting: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
         copy_text = "-" if copy_ms is None else f"{copy_ms * 1e3:.1f} us"
         print(
             f"\n{name} backward settings on {device} ({str(dtype).split('.')[-1]}, {rows_n} x {cols}); forward "
@@ -164,9 +166,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"| {row['setting']}{mark} | {row['same_bits']} | {row['max_rel_err']:.1e} | {row['ms'] * 1e3:.1f} | "
                 f"{row['bwd_ms'] * 1e3:.1f} | {frac} |"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return rows
 
 

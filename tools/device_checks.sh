@@ -56,7 +56,7 @@ fi
 if [ -n "${NORM_TILES:-}" ]; then
     NORM_SETTINGS=()
     [ "$NORM_TILES" = grid ] || NORM_SETTINGS=(--settings "$NORM_TILES")
-    timeout ${NORM_TILES_TIMEOUT:-150} python3 tools/bench_norm_tiles.py "${NORM_SETTINGS[@]}" \
+    timeout ${NORM_TILES_TIMEOUT:-150} python3 tools/bench_norm_tiles.py ${NORM_SETTINGS[@]+"${NORM_SETTINGS[@]}"} \
         --json "$WORK/bench/norm_tiles.json" > "$WORK/bench_norm_tiles.log" 2>&1
     stamp "bench norm tiles: rc=$? $(grep -c '"setting"' "$WORK/bench_norm_tiles.log") settings"
     grep -A 10 "backward settings on" "$WORK/bench_norm_tiles.log" | tee -a "$WORK/summary.txt"

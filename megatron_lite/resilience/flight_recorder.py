@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -31,8 +32,8 @@ WRAPPED = (
     "reduce_scatter_single",
     "all_to_all_single",
     "all_gather",
-    "all_gather_object",  # (start-up checks gather names and configurations this way; its inner all_gathers go
-    # through torch's module-level functions, not these attributes, so it is recorded once)
+    "all_gather_object",  # (the QLoRA start-up log and the NaN-halt message gather this way; its inner all_gathers
+    # go through torch's module-level functions, not these attributes, so it is recorded once)
     "broadcast",
     "barrier",
     "batch_isend_irecv",
@@ -154,6 +155,7 @@ class FlightRecorder:
         # the collective being waited in (entry, since when, whether in an async wait), None while computing
         self._current: tuple[Entry, float, bool] | None = None
         self._originals: dict = {}
+        self._group_at: dict = {}  # op -> the position of its group argument
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.report: str | None = None
@@ -166,7 +168,8 @@ class FlightRecorder:
         return ",".join(map(str, dist.get_process_group_ranks(group)))
 
     def _enter(self, op: str, args, kwargs) -> Entry:
-        group = kwargs.get("group")
+        at = self._group_at.get(op)  # a group passed by position counts as one passed by name
+        group = kwargs.get("group", args[at] if at is not None and len(args) > at else None)
         if op == "batch_isend_irecv":
             ops = args[0] if args else kwargs.get("p2p_op_list", [])
             group = ops[0].group if ops else None
@@ -219,6 +222,11 @@ class FlightRecorder:
             if fn is None:
                 continue
             self._originals[name] = fn
+            try:
+                params = list(inspect.signature(fn).parameters)
+            except (TypeError, ValueError):  # (no signature to read: the group is taken by name only)
+                params = []
+            self._group_at[name] = params.index("group") if "group" in params else None
             setattr(dist, name, self._wrap(name, fn))
         self._thread = threading.Thread(target=self._watch, name="megatron_lite-flight-recorder", daemon=True)
         self._thread.start()
