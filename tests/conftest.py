@@ -16,7 +16,17 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import megatron_lite  # noqa: E402
+# Triton kernels run through the interpreter where there is no GPU; it must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # fp32 kernel tests compare at fp32 tolerances: tl.dot must not round its fp32 inputs to tf32 on a GPU
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+# The embedded corpus (and dataset index caches) for tests live in the repo's pytest cache, not in the home
+# directory; set before any worker pool is spawned so every rank sees the same place.
+os.environ.setdefault("MEGATRON_LITE_CACHE", str(_ROOT / ".pytest_cache" / "megatron_lite"))
+
+import megatron_lite  # noqa: E402  (after TRITON_INTERPRET is set, should importing it ever import triton)
 
 # The tests import the project as installed: an editable install of another checkout would test that one's code
 # without a word (pip install -e . points megatron_lite here).
@@ -26,18 +36,6 @@ if not pathlib.Path(megatron_lite.__file__).resolve().is_relative_to(_ROOT):
         f"({_ROOT}): run `pip install -e .` here first",
         returncode=4,
     )
-
-# Triton kernels run through the interpreter where there is no GPU; it must be set before triton is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-else:  # fp32 kernel tests compare at fp32 tolerances: tl.dot must not round its fp32 inputs to tf32 on a GPU
-    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-
-# The embedded corpus (and dataset index caches) for tests live in the repo's pytest cache, not in the home
-# directory; set before any worker pool is spawned so every rank sees the same place.
-os.environ.setdefault(
-    "MEGATRON_LITE_CACHE", str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "megatron_lite")
-)
 
 from dist_pool import WorkerPool  # noqa: E402
 

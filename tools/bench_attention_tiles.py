@@ -22,7 +22,7 @@ import json
 import os
 
 import torch
-from _kernel_timing import time_ms
+from _kernel_timing import rel_err, time_ms
 
 KINDS = {"fwd": ("_fwd", "_FWD_TILES"), "dkdv": ("_bwd_dkdv", "_DKDV_TILES"), "dq": ("_bwd_dq", "_DQ_TILES")}
 # (batch, seq_q, seq_k, heads, kv_heads, head_dim, window): the timed shape first (Llama-3-8B), then odd ones
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             differs.append(f"{shape}: run {i} differs in {','.join(bad)}")
                             break
                 for nm, a, r in zip(("o", "dq", "dk", "dv"), first, ref):
-                    e = float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
-                    errs[nm] = max(errs.get(nm, 0.0), e)
+                    errs[nm] = max(errs.get(nm, 0.0), rel_err(a, r))
             row.update(deterministic=not differs, differs=differs, max_rel_err=errs)
             with fa.forced_tile(args.kernel, tile):
                 row["ms"] = timed(K.flash_attention)

@@ -30,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 from _kernel_report import TARGETS, verdicts, write_report
-from _kernel_timing import fwd_bwd, peak_bytes, profile_calls, time_in_turn, time_ms
+from _kernel_timing import copy_ms, fwd_bwd, peak_bytes, profile_calls, rel_err, time_in_turn, time_ms
 
 SIZES = {
     "tiny": dict(tokens=64, hidden=64, ffn=96, vocab=512, batch=1, seq=32, heads=4, kv_heads=2, head_dim=16),
@@ -283,23 +283,9 @@ def _liger_version() -> str:
 
 def copy_bandwidth(device, dtype, moved_bytes: int = 2 << 30) -> float | None:
     """GB/s of a device-to-device copy that moves `moved_bytes` (read + write; 2 GiB by default, the ceiling
-    for memory-bound kernels). Random data, never zeros."""
-    if device.type != "cuda":
-        return None
-    n = max(1, moved_bytes // 2 // torch.tensor([], dtype=dtype).element_size())
-    src = torch.randn(n, device=device).to(dtype)
-    dst = torch.empty_like(src)
-    # The faster of two timings: launch by launch, and as a CUDA graph replay like the memory-bound kernels. On an
-    # H200 the graph's copy (a memcpy node) ran at 2.76 TB/s against 4.2 TB/s launched, so a graph-only ceiling
-    # would flatter every kernel set against it.
-    copy = lambda: dst.copy_(src)  # noqa: E731
-    ms = min(time_ms(copy, device, 10), time_ms(copy, device, 10, graph=True))
-    return 2 * src.numel() * src.element_size() / ms / 1e6
-
-
-def _rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    for memory-bound kernels); see copy_ms."""
+    ms = copy_ms(moved_bytes, device, dtype)
+    return None if ms is None else moved_bytes / ms / 1e6
 
 
 def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, profile: bool = False) -> list[dict]:
@@ -311,7 +297,7 @@ def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, prof
             case["reference_out"] = reference[0] if isinstance(reference, tuple) else reference
         out = fn(*ins)
         out = out[0] if isinstance(out, tuple) else out
-        err = _rel_err(out, case["reference_out"])
+        err = rel_err(out, case["reference_out"])
         if "grad_out" not in case:  # the same incoming gradient for every implementation
             gen = torch.Generator(device="cpu").manual_seed(1)
             grad = torch.randn(out.shape, generator=gen) if out.dim() else torch.ones(())

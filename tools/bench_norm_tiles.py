@@ -25,7 +25,7 @@ import json
 import os
 
 import torch
-from _kernel_timing import fwd_bwd, time_ms
+from _kernel_timing import copy_ms, fwd_bwd, rel_err, time_ms
 
 # norm -> (bytes moved forward, backward) in tensors of the input's size, as tools/bench_kernels.py counts them
 NORMS = {"rms_norm": (2, 3), "rms_norm_residual": (4, 4), "layer_norm": (2, 3)}
@@ -40,15 +40,6 @@ def _parse(text: str) -> list[tuple[int, ...]]:
             raise SystemExit(f"error: --settings {item!r}: each is PROGRAMSxROWSxSTAGESxWARPS, e.g. 2x1x3x8")
         out.append(parts)
     return out
-
-
-def _copy_ms(moved: int, device, dtype, reps: int) -> float | None:
-    if device.type != "cuda":
-        return None
-    src = torch.randn(max(1, moved // 2 // torch.tensor([], dtype=dtype).element_size()), device=device).to(dtype)
-    dst = torch.empty_like(src)
-    copy = lambda: dst.copy_(src)  # noqa: E731
-    return min(time_ms(copy, device, reps), time_ms(copy, device, reps, graph=True))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -116,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ours, ref_fn = calls[name]
         ref = grads(ref_fn, torch.float32)
         moved = sum(NORMS[name]) * x.numel() * x.element_size()
-        copy_ms = _copy_ms(moved, device, dtype, args.reps)
+        copy_time = copy_ms(moved, device, dtype, args.reps)
         fwd_ms = time_ms(lambda fn=ours: fn(x, w, b, res), device, args.reps, graph=gpu)
         for s in settings:
             row = {"norm": name, "setting": "x".join(map(str, s)), "default": s == default, "device": str(device)}
@@ -129,16 +120,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row["launched"] = list(norms._tiling(rows_n, triton.next_power_of_2(cols), device, row_bytes))
                 first, again = grads(ours, dtype), grads(ours, dtype)
                 row["same_bits"] = all(torch.equal(a, c) for a, c in zip(first, again))
-                errs = [
-                    (a.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30) for a, e in zip(first, ref)
-                ]
-                row["max_rel_err"] = float(max(errs))
+                row["max_rel_err"] = max(rel_err(a, e) for a, e in zip(first, ref))
                 run = fwd_bwd(ours, [x, w, b, res], dy)
                 row["ms"] = time_ms(run, device, args.reps, graph=gpu)
                 row["bwd_ms"] = row["ms"] - fwd_ms
                 row["GB/s"] = moved / row["ms"] / 1e6
-                if copy_ms:
-                    row["fraction_of_same_size_copy"] = copy_ms / row["ms"]
+                if copy_time:
+                    row["fraction_of_same_size_copy"] = copy_time / row["ms"]
             except Exception as e:  # noqa: BLE001 - a setting that does not build or launch is a result
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             finally:
@@ -149,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if args.json:  # after every setting: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1)
-        copy_text = "-" if copy_ms is None else f"{copy_ms * 1e3:.1f} us"
+        copy_text = "-" if copy_time is None else f"{copy_time * 1e3:.1f} us"
         print(
             f"\n{name} backward settings on {device} ({str(dtype).split('.')[-1]}, {rows_n} x {cols}); forward "
             f"{fwd_ms * 1e3:.1f} us; same-size copy {copy_text}:"
