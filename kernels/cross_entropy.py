@@ -22,7 +22,9 @@ Options: z-loss (coeff * logsumexp^2 per token) and label smoothing.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,32 +36,49 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    # Both row kernels take ROWS rows per program as [ROWS, BLOCK] tiles: 1 on a GPU, more under the interpreter.
+    # The row kernels take ROWS rows at a time as [ROWS, BLOCK] tiles (1 on a GPU, more under the interpreter), a
+    # program taking every grid-th group of rows: one group each when the grid covers them all, or persistent
+    # programs (a few per SM) looping over them.
     @triton.jit
-    def _ce_stats(
-        LOGITS, LABELS, STATS, rows, stride_l, V_local, vocab_start, vocab_size, BLOCK: tl.constexpr,
-        ROWS: tl.constexpr,
+    def _row_stats_loop(
+        LOGITS, row, rmask, stride_l, V_local, vocab_start, vocab_size, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        STAGES: tl.constexpr, PER_LANE: tl.constexpr,
     ):  # fmt: skip
-        """Per row: [max, sum exp(x - max), target logit (0 if not here), sum of logits] over real columns. The
-        sums stay per column until the loop ends, so a step has one cross-thread reduction (the max), not four: on
-        an H200 a 1024-row chunk of Llama-3's vocabulary took 134 us instead of 194."""
-        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # rows x stride may pass 2^31
-        rmask = row < rows
+        """The rows' [max, sum exp(x - max), sum of logits] over real columns. PER_LANE: each lane keeps its own
+        running max and sum, merged once after the loop, so a step has no cross-thread reduction (no barrier) and
+        one exponential an element; otherwise the row's max is reduced every step (one barrier a step; four
+        reductions a step took 194 us for a 1024-row chunk of Llama-3's vocabulary on an H200, one took 134).
+        STAGES > 1: the coming steps' loads are prefetched (cp.async)."""
         # A large finite floor rather than -inf: a block (or shard) of padding only must not give inf - inf.
         m = tl.zeros([ROWS], dtype=tl.float32) - 1e30
+        lane_m = tl.zeros([ROWS, BLOCK], dtype=tl.float32) - 1e30
         s = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         total = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        for start in range(0, V_local, BLOCK):
+        for start in tl.range(0, V_local, BLOCK, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK)[None, :]
             real = rmask[:, None] & (cols < V_local) & (vocab_start + cols < vocab_size)
             x = tl.load(LOGITS + row[:, None] * stride_l + cols, mask=real, other=-1e30).to(tl.float32)
-            new_m = tl.maximum(m, tl.max(x, axis=1))
-            s = s * tl.exp(m - new_m)[:, None] + tl.where(real, tl.exp(x - new_m[:, None]), 0.0)
-            m = new_m
+            if PER_LANE:
+                # x above the lane's max: the sum rescales to x and gains 1; otherwise it gains exp(x - max).
+                # Padding (-1e30) is never above it and adds nothing.
+                d = x - lane_m
+                e = tl.exp(-tl.abs(d))
+                s = tl.where(d > 0, s * e + 1.0, s + tl.where(real, e, 0.0))
+                lane_m = tl.maximum(lane_m, x)
+            else:
+                new_m = tl.maximum(m, tl.max(x, axis=1))
+                s = s * tl.exp(m - new_m)[:, None] + tl.where(real, tl.exp(x - new_m[:, None]), 0.0)
+                m = new_m
             total += tl.where(real, x, 0.0)
-        s = tl.sum(s, axis=1)
-        total = tl.sum(total, axis=1)
-        # The target's logit, read once where this shard holds it (ignore_index and padding hold none: 0)
+        if PER_LANE:
+            m = tl.max(lane_m, axis=1)
+            s = s * tl.exp(lane_m - m[:, None])
+        return m, tl.sum(s, axis=1), tl.sum(total, axis=1)
+
+    @triton.jit
+    def _store_stats(LOGITS, LABELS, STATS, row, rmask, stride_l, V_local, vocab_start, vocab_size, m, s, total):
+        """[max, sum of exponentials, target logit, sum of logits] per row; the target's logit read once where
+        this shard holds it (ignore_index and padding hold none: 0)."""
         local = tl.load(LABELS + row, mask=rmask, other=-1).to(tl.int64) - vocab_start
         here = rmask & (local >= 0) & (local < V_local) & (local + vocab_start < vocab_size)
         target = tl.load(LOGITS + row * stride_l + local, mask=here, other=0.0).to(tl.float32)
@@ -69,21 +88,15 @@ if HAVE_TRITON:
         tl.store(STATS + row * 4 + 3, total, mask=rmask)
 
     @triton.jit
-    def _ce_grad(
-        LOGITS, LABELS, STATS, SCALE, rows, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing,
-        BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    def _row_grad_loop(
+        LOGITS, LABELS, SCALE, row, rmask, lse, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing,
+        BLOCK: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
-        """In place: logits -> d loss / d logits = (softmax * (1 + 2 z lse) - (1-eps) onehot - eps / V) * scale,
-        lse = max + log(sum of exponentials) from the row's (combined) statistics."""
-        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # rows x stride may pass 2^31
-        rmask = row < rows
+        """In place: logits -> d loss / d logits = (softmax * (1 + 2 z lse) - (1-eps) onehot - eps / V) * scale."""
         label = tl.load(LABELS + row, mask=rmask, other=-1)[:, None]
-        lse = tl.load(STATS + row * 4, mask=rmask, other=0.0) + tl.log(
-            tl.load(STATS + row * 4 + 1, mask=rmask, other=1.0)
-        )
-        lse = lse[:, None]
         scale = tl.load(SCALE + row, mask=rmask, other=0.0)[:, None]
-        for start in range(0, V_local, BLOCK):
+        lse = lse[:, None]
+        for start in tl.range(0, V_local, BLOCK, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK)[None, :]
             inside = rmask[:, None] & (cols < V_local)
             real = inside & (vocab_start + cols < vocab_size)
@@ -93,6 +106,58 @@ if HAVE_TRITON:
             g -= tl.where(real & (vocab_start + cols == label), 1.0 - smoothing, 0.0)
             g -= tl.where(real, smoothing / vocab_size, 0.0)
             tl.store(LOGITS + row[:, None] * stride_l + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _ce_stats(
+        LOGITS, LABELS, STATS, rows, stride_l, V_local, vocab_start, vocab_size, BLOCK: tl.constexpr,
+        ROWS: tl.constexpr, STAGES: tl.constexpr, PER_LANE: tl.constexpr,
+    ):  # fmt: skip
+        """Per row: [max, sum exp(x - max), target logit (0 if not here), sum of logits] over real columns."""
+        for first in range(tl.program_id(0) * ROWS, rows, tl.num_programs(0) * ROWS):
+            row = (first + tl.arange(0, ROWS)).to(tl.int64)  # rows x stride may pass 2^31
+            rmask = row < rows
+            m, s, total = _row_stats_loop(
+                LOGITS, row, rmask, stride_l, V_local, vocab_start, vocab_size, BLOCK, ROWS, STAGES, PER_LANE
+            )
+            _store_stats(LOGITS, LABELS, STATS, row, rmask, stride_l, V_local, vocab_start, vocab_size, m, s, total)
+
+    @triton.jit
+    def _ce_grad(
+        LOGITS, LABELS, STATS, SCALE, rows, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing,
+        BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """In place, each row from its (combined) statistics: lse = max + log(sum of exponentials)."""
+        for first in range(tl.program_id(0) * ROWS, rows, tl.num_programs(0) * ROWS):
+            row = (first + tl.arange(0, ROWS)).to(tl.int64)  # rows x stride may pass 2^31
+            rmask = row < rows
+            lse = tl.load(STATS + row * 4, mask=rmask, other=0.0) + tl.log(
+                tl.load(STATS + row * 4 + 1, mask=rmask, other=1.0)
+            )
+            _row_grad_loop(
+                LOGITS, LABELS, SCALE, row, rmask, lse, stride_l, V_local, vocab_start, vocab_size, z_coeff,
+                smoothing, BLOCK, STAGES,
+            )  # fmt: skip
+
+    @triton.jit
+    def _ce_fused(
+        LOGITS, LABELS, STATS, SCALE, rows, stride_l, V_local, vocab_start, vocab_size, z_coeff, smoothing,
+        BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, PER_LANE: tl.constexpr,
+    ):  # fmt: skip
+        """Both in one launch, for an unsharded vocabulary (nothing to combine between them): a row's statistics,
+        then its gradient. With persistent programs the rows in flight (a few per SM, a quarter megabyte each at
+        Llama-3's vocabulary) fit in L2, so the gradient's read of a row comes from there."""
+        for first in range(tl.program_id(0) * ROWS, rows, tl.num_programs(0) * ROWS):
+            row = (first + tl.arange(0, ROWS)).to(tl.int64)  # rows x stride may pass 2^31
+            rmask = row < rows
+            m, s, total = _row_stats_loop(
+                LOGITS, row, rmask, stride_l, V_local, vocab_start, vocab_size, BLOCK, ROWS, STAGES, PER_LANE
+            )
+            _store_stats(LOGITS, LABELS, STATS, row, rmask, stride_l, V_local, vocab_start, vocab_size, m, s, total)
+            lse = m + tl.log(tl.where(rmask, s, 1.0))  # (rows past the end: no log of 0)
+            _row_grad_loop(
+                LOGITS, LABELS, SCALE, row, rmask, lse, stride_l, V_local, vocab_start, vocab_size, z_coeff,
+                smoothing, BLOCK, STAGES,
+            )  # fmt: skip
 
     @triton.jit
     def _scale_inplace(X, S, n, BLOCK: tl.constexpr):
@@ -105,56 +170,36 @@ if HAVE_TRITON:
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(X + offs, (x * s).to(X.dtype.element_ty), mask=mask)
 
-    BLK = {"BLOCK": 4096}
-    COMPILE_CASES = (
-        [
-            (f"ce_scale_{t}", _scale_inplace, {"X": f"*{t}", "S": "*fp32", "n": "i64", "BLOCK": "constexpr"}, BLK)
-            for t in ("bf16", "fp32")
-        ]
-        + [
-            (
-                f"ce_stats_{t}",
-                _ce_stats,
-                {
-                    "LOGITS": f"*{t}",
-                    "LABELS": "*i64",
-                    "STATS": "*fp32",
-                    "rows": "i32",
-                    "stride_l": "i32",
-                    "V_local": "i32",
-                    "vocab_start": "i32",
-                    "vocab_size": "i32",
-                    "BLOCK": "constexpr",
-                    "ROWS": "constexpr",
-                },
-                {"BLOCK": 1024, "ROWS": 1},
-            )
-            for t in ("bf16", "fp32")
-        ]
-        + [
-            (
-                f"ce_grad_{t}",
-                _ce_grad,
-                {
-                    "LOGITS": f"*{t}",
-                    "LABELS": "*i64",
-                    "STATS": "*fp32",
-                    "SCALE": "*fp32",
-                    "rows": "i32",
-                    "stride_l": "i32",
-                    "V_local": "i32",
-                    "vocab_start": "i32",
-                    "vocab_size": "i32",
-                    "z_coeff": "fp32",
-                    "smoothing": "fp32",
-                    "BLOCK": "constexpr",
-                    "ROWS": "constexpr",
-                },
-                {"BLOCK": 1024, "ROWS": 1},
-            )
-            for t in ("bf16", "fp32")
-        ]
-    )
+    def _sig(t: str, kernel) -> dict:
+        """A row kernel's signature: the statistics' arguments, the gradient's and the fused kernel's more."""
+        sig = {"LOGITS": f"*{t}", "LABELS": "*i64", "STATS": "*fp32"}
+        sig.update({"SCALE": "*fp32"} if kernel is not _ce_stats else {})
+        sig.update(dict.fromkeys(("rows", "stride_l", "V_local", "vocab_start", "vocab_size"), "i32"))
+        sig.update({"z_coeff": "fp32", "smoothing": "fp32"} if kernel is not _ce_stats else {})
+        sig.update(dict.fromkeys(("BLOCK", "ROWS", "STAGES"), "constexpr"))
+        return {**sig, "PER_LANE": "constexpr"} if kernel is not _ce_grad else sig
+
+    # (name, kernel, constexprs, options): each as a default launch and as a pipelined one
+    _ROW_CASES = [
+        ("ce_stats", _ce_stats, {"BLOCK": 1024, "STAGES": 1, "PER_LANE": False}, {}),
+        ("ce_stats_lanes_pipelined", _ce_stats, {"BLOCK": 1024, "STAGES": 3, "PER_LANE": True}, {}),
+        ("ce_grad", _ce_grad, {"BLOCK": 1024, "STAGES": 1}, {}),
+        ("ce_grad_pipelined", _ce_grad, {"BLOCK": 1024, "STAGES": 3}, {}),
+        ("ce_fused", _ce_fused, {"BLOCK": 4096, "STAGES": 3, "PER_LANE": True}, {"num_warps": 8}),
+    ]
+    COMPILE_CASES = [
+        (
+            f"ce_scale_{t}",
+            _scale_inplace,
+            {"X": f"*{t}", "S": "*fp32", "n": "i64", "BLOCK": "constexpr"},
+            {"BLOCK": 4096},
+        )
+        for t in ("bf16", "fp32")
+    ] + [
+        (f"{name}_{t}", kernel, _sig(t, kernel), {**consts, "ROWS": 1}, opts)
+        for name, kernel, consts, opts in _ROW_CASES
+        for t in ("bf16", "fp32")
+    ]
 else:  # pragma: no cover
     COMPILE_CASES = []
 
@@ -171,18 +216,47 @@ def _chunk_size(tokens: int, vocab: int, element_size: int = 2) -> int:
     return max(1, min(tokens, rows))
 
 
-def _tiles(logits: torch.Tensor) -> dict:
-    """The row kernels' tiles: up to 1024 columns a step, one row per program on a GPU."""
-    block = min(1024, next_pow2(logits.shape[1]))
-    return {"BLOCK": block, "ROWS": rows_per_program(block, logits.shape[0])}
+class RowSetting(NamedTuple):
+    """A row kernel's launch on a GPU (tools/bench_ce_rows.py sweeps them)."""
+
+    block: int  # columns a step (at most the row's, rounded up to a power of two)
+    stages: int  # steps whose loads are prefetched into shared memory (1: none)
+    warps: int
+    per_lane: bool = False  # the statistics: a running max per lane, merged once after the loop
+    programs_per_sm: int = 0  # 0: a program per row; else persistent programs, this many per SM, looping over rows
 
 
-def _row_stats(logits, labels, stats, group, vocab_start, vocab_size, tiles: dict) -> None:
+STATS_SETTING = RowSetting(1024, 1, 4, False)
+GRAD_SETTING = RowSetting(1024, 1, 4)
+# Both in one launch where the vocabulary is not sharded (None: two launches, as under TP)
+FUSED_SETTING: RowSetting | None = None
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """SMs to size persistent grids by; under the interpreter 2, so its programs loop over several rows."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def _launch(logits: torch.Tensor, setting: RowSetting) -> tuple[tuple[int], dict]:
+    """A row kernel's grid and launch arguments: one row per program on a GPU (more under the interpreter, whose
+    cost is per operation)."""
+    block = min(setting.block, next_pow2(logits.shape[1]))
+    rows = rows_per_program(block, logits.shape[0])
+    grid = triton.cdiv(logits.shape[0], rows)
+    if setting.programs_per_sm:
+        grid = max(1, min(grid, setting.programs_per_sm * _sm_count(logits.device)))
+    return (grid,), {"BLOCK": block, "ROWS": rows, "STAGES": setting.stages, "num_warps": setting.warps}
+
+
+def _row_stats(logits, labels, stats, group, vocab_start, vocab_size) -> None:
     """Into stats [rows, 4]: max, sum of exponentials, target logit and sum of logits per row, combined over the
-    vocabulary shards of `group` (the max taken first, the sums rescaled to it). `tiles`: _tiles(logits)."""
+    vocabulary shards of `group` (the max taken first, the sums rescaled to it)."""
     rows = logits.shape[0]
-    _ce_stats[(triton.cdiv(rows, tiles["ROWS"]),)](
-        logits, labels, stats, rows, logits.stride(0), logits.shape[1], vocab_start, vocab_size, **tiles
+    grid, kw = _launch(logits, STATS_SETTING)
+    _ce_stats[grid](
+        logits, labels, stats, rows, logits.stride(0), logits.shape[1], vocab_start, vocab_size, **kw,
+        PER_LANE=STATS_SETTING.per_lane,
     )  # fmt: skip
     launched("cross_entropy_stats")
     if group is not None and dist.get_world_size(group) > 1:
@@ -193,6 +267,27 @@ def _row_stats(logits, labels, stats, group, vocab_start, vocab_size, tiles: dic
         sums = stats[:, 1:].contiguous()
         dist.all_reduce(sums, group=group)
         stats[:, 1:] = sums
+
+
+def _logits_grad(logits, labels, stats, scale, vocab_start, vocab_size, z_coeff, smoothing) -> None:
+    """In place: a chunk's logits into their gradient, each row times its `scale`, from the rows' statistics."""
+    grid, kw = _launch(logits, GRAD_SETTING)
+    _ce_grad[grid](
+        logits, labels, stats, scale, logits.shape[0], logits.stride(0), logits.shape[1], vocab_start, vocab_size,
+        z_coeff, smoothing, **kw,
+    )  # fmt: skip
+    launched("cross_entropy_grad")
+
+
+def _stats_and_grad(logits, labels, stats, scale, vocab_start, vocab_size, z_coeff, smoothing) -> None:
+    """_row_stats and _logits_grad in one launch (FUSED_SETTING), for an unsharded vocabulary."""
+    grid, kw = _launch(logits, FUSED_SETTING)
+    _ce_fused[grid](
+        logits, labels, stats, scale, logits.shape[0], logits.stride(0), logits.shape[1], vocab_start, vocab_size,
+        z_coeff, smoothing, **kw, PER_LANE=FUSED_SETTING.per_lane,
+    )  # fmt: skip
+    launched("cross_entropy_stats")
+    launched("cross_entropy_grad")
 
 
 def _pass(
@@ -223,18 +318,23 @@ def _pass(
     # chunk writes it (no zero fill, no read of zeros: each is a pass over a vocab x hidden tensor).
     dw = (torch.empty_like(weight) if tokens else torch.zeros_like(weight)) if want_dw else None
     scale = row_scale.float().masked_fill(ignored, 0.0).contiguous() if want_grads else None
+    # (one launch for both row kernels only where no statistics are combined between them)
+    fused = want_grads and FUSED_SETTING is not None and (group is None or dist.get_world_size(group) == 1)
     for start in range(0, tokens, chunk):
         end = min(start + chunk, tokens)
         h, lab = hidden[start:end], labels[start:end]
         logits = h @ weight.t()  # [chunk, V_local], the only vocabulary-sized buffer
-        tiles = _tiles(logits)  # (both row kernels' tiles, once a chunk)
-        _row_stats(logits, lab, stats[start:end], group, vocab_start, vocab_size, tiles)
+        if fused:
+            _stats_and_grad(
+                logits, lab, stats[start:end], scale[start:end], vocab_start, vocab_size, z_coeff, smoothing
+            )
+        else:
+            _row_stats(logits, lab, stats[start:end], group, vocab_start, vocab_size)
+            if want_grads:
+                _logits_grad(
+                    logits, lab, stats[start:end], scale[start:end], vocab_start, vocab_size, z_coeff, smoothing
+                )
         if want_grads:
-            _ce_grad[(triton.cdiv(end - start, tiles["ROWS"]),)](
-                logits, lab, stats[start:end], scale[start:end], end - start, logits.stride(0), logits.shape[1],
-                vocab_start, vocab_size, z_coeff, smoothing, **tiles,
-            )  # fmt: skip
-            launched("cross_entropy_grad")
             if want_dh:
                 torch.mm(logits, weight, out=dh[start:end])
             if want_dw:

@@ -8,7 +8,9 @@
 # A rerun can narrow it: KERNEL_TESTS="tests/a.py tests/b.py", BENCH_ARGS="--profile fused_linear_cross_entropy",
 # SKIP_GEMM=1, SKIP_TRAIN=1, SKIP_DECODE=1; TILES="32x64x4x3,..." (TILE_KERNEL=dkdv) first times those flash
 # attention tiles and checks each for races (tools/bench_attention_tiles.py); NORM_TILES=grid (or "2x1x3x8,...")
-# the norms' backward settings (tools/bench_norm_tiles.py). The GPU's clocks, power and
+# the norms' backward settings (tools/bench_norm_tiles.py); CE_ROWS=grid (or that tool's flags, e.g. "--stats
+# 4096x3x8x1 --in-turn 1") the fused cross-entropy's row kernels (tools/bench_ce_rows.py); SKIP_BENCH=1 skips
+# tools/bench_kernels.py. The GPU's clocks, power and
 # throttle reasons are logged every 250 ms to clocks.csv in the logs.
 set -uo pipefail
 if [ $# -gt 0 ]; then  # (it takes no arguments: --help or anything else prints this header)
@@ -63,6 +65,18 @@ if [ -n "${NORM_TILES:-}" ]; then
     pack
 fi
 
+# 0c. Only if asked (CE_ROWS: "grid", or tools/bench_ce_rows.py's flags): the fused cross-entropy's row-kernel
+#     settings on one chunk, each checked and timed beside a same-size copy, then the op in turn with torch.compile.
+if [ -n "${CE_ROWS:-}" ]; then
+    CE_ARGS=()
+    [ "$CE_ROWS" = grid ] || read -r -a CE_ARGS <<< "$CE_ROWS"
+    timeout ${CE_ROWS_TIMEOUT:-300} python3 tools/bench_ce_rows.py ${CE_ARGS[@]+"${CE_ARGS[@]}"} \
+        --json "$WORK/bench/ce_rows.json" > "$WORK/bench_ce_rows.log" 2>&1
+    stamp "bench ce rows: rc=$? $(grep -c '"setting"' "$WORK/bench_ce_rows.log") settings"
+    grep -E -A 14 "kernel on|timed in turn" "$WORK/bench_ce_rows.log" | tee -a "$WORK/summary.txt"
+    pack
+fi
+
 # 1. The kernel tests on the GPU: every flash-attention autotuner tile forced and run twice (a race in two dK/dV
 #    tiles showed there), fp32 against the references (tl.dot in ieee fp32, conftest.py) and bf16 (issue 6),
 #    every kernel compiled and autotuned for this device. Parallel: compiling dominates.
@@ -82,7 +96,7 @@ pack
 
 # 2. Kernels at Llama-3-8B shapes in bf16 beside SDPA's flash backend / eager / torch.compile (targets: issue 6);
 #    the table is $OUT/kernels.md, to be committed under docs/ with the device named.
-timeout ${BENCH_TIMEOUT:-270} python3 tools/bench_kernels.py --size ${BENCH_SIZE:-llama8b} --out-dir "$WORK/bench" \
+[ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-270} python3 tools/bench_kernels.py --size ${BENCH_SIZE:-llama8b} --out-dir "$WORK/bench" \
     ${BENCH_ARGS:---profile fused_linear_cross_entropy} \
     > "$WORK/bench_kernels.log" 2>&1
 stamp "bench kernels: rc=$? $(grep -c '"kernel"' "$WORK/bench_kernels.log") rows"
