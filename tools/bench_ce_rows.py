@@ -8,17 +8,14 @@ default 1024-row chunk took 0.975x torch.compile's time, timed in turn, and a ch
 read of its logits takes about 60.
 
     python tools/bench_ce_rows.py --json ce.json                 # one GPU: a 1024 x 128256 bf16 chunk
-    python tools/bench_ce_rows.py --stats 4096x3x8x1 --grad 4096x3x8 --in-turn 1
+    python tools/bench_ce_rows.py --stats 2048x1x4,4096x1x8 --grad 4096x1x16 --in-turn 1
     python tools/bench_ce_rows.py --device cpu --reps 1          # tiny, interpreter: the code paths only
 
-A statistics setting is BLOCKxSTAGESxWARPSxPER_LANE, a gradient setting BLOCKxSTAGESxWARPS, a setting of the
-two in one launch BLOCKxSTAGESxWARPSxPER_LANExPROGRAMS_PER_SM (0: a program a row; kernels/cross_entropy.py's
-RowSetting). The default grids: 1024, 2048, 4096, 8192 columns a step x 1, 2, 3 stages x 4, 8, 16 warps (the
-statistics with a max per lane, and per row at 1 and 3 stages, 4 and 8 warps); fused, 2048, 4096, 8192 columns x
-1, 3 stages x 8, 16 warps x 0, 1, 2, 4 programs per SM. --in-turn N: the op with the N fastest statistics and
-gradient settings (paired in order) and the N fastest fused ones, at the default chunk and at tokens/5 rows
-(five chunks: the memory target's count at 4096 tokens), timed in turn (on a CPU once each, beside the eager
-loss). On a CPU (the interpreter) only the columns a step and the programs change anything.
+A setting is BLOCKxSTAGESxWARPS (kernels/cross_entropy.py's RowSetting). The default grid, for both kernels:
+1024, 2048, 4096, 8192 columns a step x 1, 2, 3 stages x 4, 8, 16 warps. --in-turn N: the op with the N fastest
+statistics and gradient settings (paired in order), at the default chunk and at tokens/5 rows (five chunks: the
+memory target's count at 4096 tokens), timed in turn (on a CPU once each, beside the eager loss). On a CPU (the
+interpreter) only the columns a step change anything.
 """
 
 from __future__ import annotations
@@ -33,44 +30,26 @@ import torch
 from _kernel_timing import copy_ms, fwd_bwd, peak_bytes, rel_err, time_in_turn, time_ms
 
 GRID = list(itertools.product((1024, 2048, 4096, 8192), (1, 2, 3), (4, 8, 16)))
-GRIDS = {
-    "stats": [(*g, 1) for g in GRID] + [(*g, 0) for g in itertools.product((1024, 2048, 4096, 8192), (1, 3), (4, 8))],
-    "grad": GRID,
-    "fused": [(*g, 1, p) for g in itertools.product((2048, 4096, 8192), (1, 3), (8, 16)) for p in (0, 1, 2, 4)],
-}
-FORMS = {
-    "stats": "BLOCKxSTAGESxWARPSxPER_LANE",
-    "grad": "BLOCKxSTAGESxWARPS",
-    "fused": "BLOCKxSTAGESxWARPSxPER_LANExPROGRAMS",
-}
-KNOBS = {"stats": "STATS_SETTING", "grad": "GRAD_SETTING", "fused": "FUSED_SETTING"}
+KNOBS = {"stats": "STATS_SETTING", "grad": "GRAD_SETTING"}
 
 
 def _parse(text: str, kind: str) -> list[tuple[int, ...]]:
-    out, fields = [], FORMS[kind].count("x") + 1
+    out = []
     for item in text.split(","):
         parts = tuple(int(p) for p in item.lower().split("x") if p.isdigit())
-        if len(parts) != fields or len(item.split("x")) != fields:
-            example = "x".join(["4096", "3", "8", "1", "2"][:fields])
-            raise SystemExit(f"error: --{kind} {item!r}: each is {FORMS[kind]}, e.g. {example}")
+        if len(parts) != 3 or len(item.split("x")) != 3:
+            raise SystemExit(f"error: --{kind} {item!r}: each is BLOCKxSTAGESxWARPS, e.g. 4096x1x16")
         out.append(parts)
     return out
 
 
-def _name(setting, kind: str) -> str:
-    """A RowSetting as the tool writes a `kind`'s (None: not set)."""
-    fields = FORMS[kind].count("x") + 1
-    return "-" if setting is None else "x".join(str(int(v)) for v in setting[:fields])
-
-
 @contextlib.contextmanager
 def _applied(ce, **settings: str):
-    """kernels/cross_entropy's settings, by kind (stats, grad, fused; "-": None), for the block; restored after."""
+    """kernels/cross_entropy's settings, by kind (stats, grad: "BxSxW"), for the block; restored after."""
     saved = {k: getattr(ce, KNOBS[k]) for k in KNOBS}
     try:
         for kind, text in settings.items():
-            s = None if text == "-" else tuple(int(v) for v in text.split("x"))
-            setattr(ce, KNOBS[kind], s if s is None else ce.RowSetting(*s[:3], *(bool(v) for v in s[3:4]), *s[4:]))
+            setattr(ce, KNOBS[kind], ce.RowSetting(*(int(v) for v in text.split("x"))))
         yield
     finally:
         for k, v in saved.items():
@@ -108,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=None, help="the chunk's rows (default 1024 on a GPU, 37 on a CPU)")
     ap.add_argument("--vocab", type=int, default=None, help="columns (default 128256 on a GPU, 50 on a CPU)")
     for kind in KNOBS:
-        ap.add_argument(f"--{kind}", default=None, help=f"comma-separated {FORMS[kind]}; default: the grid ('' none)")
+        ap.add_argument(f"--{kind}", default=None, help="comma-separated BLOCKxSTAGESxWARPS; default: the grid")
     ap.add_argument("--in-turn", type=int, default=2, help="the op with the N fastest settings of each (0: none)")
     ap.add_argument("--tokens", type=int, default=None, help="the op's tokens (default 4096 on a GPU, 40 on a CPU)")
     ap.add_argument(
@@ -128,11 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not hasattr(ce, "_ce_stats"):
         raise SystemExit("error: Triton is not installed: there are no row kernels to time")
     gpu = device.type == "cuda"
-    settings = {
-        k: GRIDS[k] if getattr(args, k) is None else _parse(getattr(args, k), k) if getattr(args, k) else []
-        for k in KNOBS
-    }
-    defaults = {k: _name(getattr(ce, KNOBS[k]), k) for k in KNOBS}
+    settings = {k: GRID if getattr(args, k) is None else _parse(getattr(args, k), k) for k in KNOBS}
+    defaults = {k: "x".join(map(str, getattr(ce, KNOBS[k]))) for k in KNOBS}
     rows_n, vocab = args.rows or (1024 if gpu else 37), args.vocab or (128256 if gpu else 50)
     dtype = torch.bfloat16 if gpu else torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -143,13 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
     ref_stats = _stats_reference(logits, labels)
     ref_grad = _grad_reference(logits, labels, scale)
     chunk_bytes = logits.numel() * logits.element_size()
-    moved = {"stats": chunk_bytes, "grad": 2 * chunk_bytes, "fused": 2 * chunk_bytes}  # (fused: what it must move)
+    moved = {"stats": chunk_bytes, "grad": 2 * chunk_bytes}
     copies = {k: copy_ms(b, device, dtype, args.reps) for k, b in moved.items()}
     work = logits.clone()
-    runs = {  # the grad and fused kernels work in place: replays turn a gradient into another (same time)
-        "stats": lambda: ce._row_stats(logits, labels, stats, None, 0, vocab),
+    runs = {  # the gradient works in place: replays turn a gradient into another (in the same time)
+        "stats": lambda: ce._row_stats(logits, labels, stats, None, 0, vocab, 0.0),
         "grad": lambda: ce._logits_grad(work, labels, stats, scale, 0, vocab, 0.0, 0.0),
-        "fused": lambda: ce._stats_and_grad(work, labels, stats, scale, 0, vocab, 0.0, 0.0),
     }
 
     result: dict = {"device": str(device), "rows": rows_n, "vocab": vocab, "dtype": str(dtype), "defaults": defaults}
@@ -162,8 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
                     runs["stats"]()  # (the gradient's statistics, at the current setting unless timed)
                     work.copy_(logits)
                     runs[kind]()
-                    errs = [rel_err(stats[:, i], ref_stats[:, i]) for i in range(4)] if kind != "grad" else []
-                    row["rel_err"] = max(errs + ([rel_err(work, ref_grad)] if kind != "stats" else []))
+                    errs = [rel_err(stats[:, i], ref_stats[:, i]) for i in range(3)]  # (no sum: no smoothing)
+                    row["rel_err"] = max(errs) if kind == "stats" else rel_err(work, ref_grad)
                     row["ms"] = time_ms(runs[kind], device, args.reps, graph=gpu)
                 row["GB/s"] = moved[kind] / row["ms"] / 1e6
                 if copies[kind]:
@@ -187,18 +162,16 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _op_in_turn(args, ce, K, device, result: dict) -> list[dict]:
-    """The op with the N fastest settings (statistics and gradient paired in order; fused), and with the current
-    ones, at the default chunk and at tokens/5 rows, beside torch.compile of the unfused loss (eager on a CPU),
-    timed in turn; and each one's peak memory beyond the gradients against the unfused eager loss's."""
+    """The op with the N fastest settings (statistics and gradient paired in order), and with the current ones, at
+    the default chunk and at tokens/5 rows, beside torch.compile of the unfused loss (eager on a CPU), timed in
+    turn; and each one's peak memory beyond the gradients against the unfused eager loss's."""
     gpu = device.type == "cuda"
     best = {
         k: [r["setting"] for r in sorted((r for r in result[k] if "ms" in r), key=lambda r: r["ms"])] for k in KNOBS
     }
     variants = {"current": {}}
     for st, gr in list(zip(best["stats"], best["grad"]))[: args.in_turn]:
-        variants[f"{st} / {gr}"] = {"stats": st, "grad": gr, "fused": "-"}
-    for fu in best["fused"][: args.in_turn]:
-        variants[f"fused {fu}"] = {"fused": fu}
+        variants[f"{st} / {gr}"] = {"stats": st, "grad": gr}
     tokens, hidden = args.tokens or (4096 if gpu else 40), args.hidden or (4096 if gpu else 24)
     dtype = torch.bfloat16 if gpu else torch.float32
     gen = torch.Generator().manual_seed(1)
