@@ -180,6 +180,35 @@ def test_vocab_parallel_over_two_ranks_equals_one_process(dist, reduction, unifo
         assert rel(dw, full_dw.chunk(2)[rank]) < TOL
 
 
+def tp_padding_shard(smoothing: float):
+    """24 real ids padded to 52: rank 1's shard of 26 rows is padding only."""
+    ctx = get_context(ParallelConfig(tensor_model_parallel_size=dist.get_world_size()))
+    h, w, labels = _tp_data()
+    labels = torch.where(labels >= 0, labels % 24, labels)
+    shard = w.chunk(ctx.tp.size)[ctx.tp.rank]
+    kw = {"tp_group": ctx.tp.pg, "vocab_size": 24, "label_smoothing": smoothing, "z_loss_coeff": 1e-3}
+    loss, dh, dw = _run(K.fused_linear_cross_entropy, h, shard, labels, "mean", **kw)
+    dist.all_reduce(dh, group=ctx.tp.pg)
+    return loss, dh, dw
+
+
+@needs_triton_on_cpu
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_shard_of_padding_only_takes_no_probability_and_no_gradient(dist, smoothing):
+    """The row kernels' loops over real columns are empty on a shard of padding only (its statistics: a floor
+    max and a zero sum, which the combination over ranks must absorb), and its gradient is all zeros."""
+    h, w, labels = _tp_data()
+    labels = torch.where(labels >= 0, labels % 24, labels)
+    kw = {"label_smoothing": smoothing, "z_loss_coeff": 1e-3}
+    ref = _run(K.fused_linear_cross_entropy_reference, h, w[:24], labels, "mean", **kw)
+    for rank, (loss, dh, dw) in enumerate(dist(2, tp_padding_shard, smoothing)):
+        assert rel(loss, ref[0]) < TOL and rel(dh, ref[1]) < TOL
+        if rank == 0:
+            assert rel(dw[:24], ref[2]) < TOL and dw[24:].abs().max() == 0
+        else:
+            assert dw.abs().max() == 0
+
+
 def tp_trimmed_shards(chunk_bytes: int):
     """The model passes each rank its shard without the vocabulary padding (26 and 24 rows of 50 ids): at this
     budget the ranks' own rows gave chunks of 4 and 8 tokens, so 10 and 5 all-reduces that gloo mismatched."""
