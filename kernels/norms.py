@@ -145,6 +145,59 @@ if HAVE_TRITON:
             tl.store(DB + pid * N + cols, db, mask=mask)
 
     @triton.jit
+    def _norm_bwd_wide(
+        DY, X, W, STAT1, STAT2, DS, DX, DW, DB, stride_dy, stride_x, stride_ds, stride_dx, rows, N, rows_per_prog,
+        IS_RMS: tl.constexpr, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """_norm_bwd for rows too wide for one register tile: at 16384 columns the one-pass kernel holds the row,
+        the weight and the partial weight (and bias) gradients in registers and spilled (LayerNorm on an H200:
+        0.16 of a copy's rate). Here a row is walked in BLOCK-column chunks twice: first for its two sums, then
+        for dx, re-reading the row (from L2: a step's rows are a few hundred KB a program); the partial weight
+        and bias gradients accumulate in the program's own rows of DW and DB (in L2), in a fixed order."""
+        pid = tl.program_id(0)
+        r = tl.arange(0, ROWS)[:, None]
+        c = tl.arange(0, BLOCK)[None, :]
+        for i in range(0, rows_per_prog, ROWS):
+            row = pid * rows_per_prog + i + r  # [ROWS, 1]; the last step may run past this program's share
+            rmask = (row < rows) & (i + r < rows_per_prog)
+            row64 = row.to(tl.int64)  # tokens x hidden may pass 2^31
+            rstd = tl.load(STAT1 + row, mask=rmask, other=0.0)
+            mean = tl.load(STAT2 + row, mask=rmask, other=0.0)  # (LayerNorm's; unused by RMSNorm)
+            a1 = tl.zeros([ROWS, BLOCK], dtype=tl.float32)  # sum of xhat * w * dy, per lane until the end
+            a2 = tl.zeros([ROWS, BLOCK], dtype=tl.float32)  # sum of w * dy (LayerNorm)
+            for c0 in tl.range(0, N, BLOCK, num_stages=STAGES):
+                cols = c0 + c
+                m2 = rmask & (cols < N)
+                dy = tl.load(DY + row64 * stride_dy + cols, mask=m2, other=0.0).to(tl.float32)
+                x = tl.load(X + row64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
+                wdy = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) * dy
+                xhat = x * rstd if IS_RMS else tl.where(m2, x - mean, 0.0) * rstd
+                a1 += xhat * wdy
+                if not IS_RMS:
+                    a2 += wdy
+            c1 = tl.sum(a1, axis=1)[:, None] / N
+            c2 = tl.sum(a2, axis=1)[:, None] / N
+            tl.debug_barrier()  # the last step's partial-gradient stores, by any thread, before this step's loads
+            for c0 in tl.range(0, N, BLOCK, num_stages=STAGES):
+                cols = c0 + c
+                cmask = cols < N
+                m2 = rmask & cmask
+                dy = tl.load(DY + row64 * stride_dy + cols, mask=m2, other=0.0).to(tl.float32)
+                x = tl.load(X + row64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
+                wdy = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) * dy
+                xhat = x * rstd if IS_RMS else tl.where(m2, x - mean, 0.0) * rstd
+                dx = (wdy - xhat * c1) * rstd if IS_RMS else (wdy - xhat * c1 - c2) * rstd
+                if HAS_DS:
+                    dx += tl.load(DS + row64 * stride_ds + cols, mask=m2, other=0.0).to(tl.float32)
+                tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m2)
+                first = cmask & (i > 0)  # (the first step writes the partial sums, the later ones add to them)
+                part = tl.load(DW + pid * N + cols, mask=first, other=0.0) + tl.sum(dy * xhat, axis=0)[None, :]
+                tl.store(DW + pid * N + cols, part, mask=cmask)
+                if not IS_RMS:
+                    part = tl.load(DB + pid * N + cols, mask=first, other=0.0) + tl.sum(dy, axis=0)[None, :]
+                    tl.store(DB + pid * N + cols, part, mask=cmask)
+
+    @triton.jit
     def _partials_sum(P, Q, OUT_P, OUT_Q, g, N, HAS_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
         """OUT_P[n] = sum over i of P[i, n] in fp32, stored in OUT_P's dtype (and OUT_Q from Q when HAS_Q): the
         backward programs' partial weight (and bias) gradients in one launch, where PyTorch took a sum and a cast
@@ -181,6 +234,11 @@ BWD_WARPS = 0
 # 4096 columns, 2 rows and 3 stages; Hopper allows 227 KB a program), so the rows a step, then the stages, are
 # lowered until rows x stages x the tensors read x the row's bytes fits this budget (an estimate on the safe side).
 BWD_SMEM_BUDGET = 200 << 10
+# Rows of at least BWD_WIDE_FROM columns (rounded up to a power of two) take _norm_bwd_wide, in chunks of
+# BWD_WIDE_CHUNK columns: at 16384 the one-pass kernel spilled registers (ptxas: 480 bytes a thread for LayerNorm,
+# 288 for RMSNorm) and LayerNorm's forward+backward ran at 0.16 of a same-size copy on an H200 (0.37 at 1 stage).
+BWD_WIDE_FROM = 16384
+BWD_WIDE_CHUNK = 4096
 # The partial sums' reduction: columns per program (at 4096 columns, 128 programs) and partial rows per step.
 SUM_BLOCK_N = 32
 SUM_BLOCK_G = 128
@@ -267,12 +325,14 @@ class _NormFunction(torch.autograd.Function):
         dx = torch.empty_like(s)
         ds2 = ds.reshape(-1, n).contiguous() if ds is not None else dy2  # (a placeholder when there is none)
         reads = 2 + (ds is not None)
-        g, step, stages = _tiling(rows, next_pow2(n), s.device, reads * next_pow2(n) * s.element_size())
+        wide = next_pow2(n) >= BWD_WIDE_FROM
+        block = min(next_pow2(n), BWD_WIDE_CHUNK) if wide else next_pow2(n)  # (the wide kernel's chunk)
+        g, step, stages = _tiling(rows, block, s.device, reads * block * s.element_size())
         g = max(g, 1)  # no rows (an empty micro-batch): one program that writes zero partial sums
         per = (rows + g - 1) // g
         dw = torch.empty(g, n, dtype=torch.float32, device=s.device)
         db = torch.empty(g, n, dtype=torch.float32, device=s.device)
-        _norm_bwd[(g,)](
+        (_norm_bwd_wide if wide else _norm_bwd)[(g,)](
             dy2,
             s,
             weight,
@@ -291,12 +351,14 @@ class _NormFunction(torch.autograd.Function):
             per,
             IS_RMS=ctx.is_rms,
             HAS_DS=ds is not None,
-            BLOCK=next_pow2(n),
+            BLOCK=block,
             ROWS=step,
             STAGES=stages,
-            num_warps=BWD_WARPS or warps_for(next_pow2(n) * step),
+            num_warps=BWD_WARPS or warps_for(block * step),
         )
         launched("rms_norm_bwd" if ctx.is_rms else "layer_norm_bwd")
+        if wide:
+            launched("norm_bwd_wide")
         dx = dx.view(ctx.shape)  # (with ds: the summed residual stream's own gradient included)
         dweight = torch.empty_like(weight)
         dbias = torch.empty_like(weight) if ctx.has_bias else None
@@ -395,6 +457,12 @@ def _cases() -> list[tuple]:
                 consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": step, "STAGES": stages}
                 name = f"norm_bwd_{t}_rms{rms}_ds{has_ds}_default"
                 out.append((name, _norm_bwd, sig, consts, {"num_warps": warps_for(4096 * step)}))
+                # the wide rows' kernel at its default chunk (16384 columns and more)
+                chunk = BWD_WIDE_CHUNK
+                step, stages = _bounds(chunk, (2 + has_ds) * chunk * (2 if t == "bf16" else 4))
+                consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": chunk, "ROWS": step, "STAGES": stages}
+                name = f"norm_bwd_wide_{t}_rms{rms}_ds{has_ds}_default"
+                out.append((name, _norm_bwd_wide, sig, consts, {"num_warps": warps_for(chunk * step)}))
             if t == "bf16":  # other pipelined row loops (tools/bench_norm_tiles.py times them; with ds: the model's)
                 for stages in (2, 3):
                     consts = {"IS_RMS": rms, "HAS_DS": True, "BLOCK": 4096, "ROWS": 1, "STAGES": stages}

@@ -172,6 +172,31 @@ def test_norm_backward_several_rows_per_step(norm, rows_per_step, stages, monkey
         )
 
 
+@pytest.mark.parametrize("rows_per_step,stages", [(1, 1), (2, 3), (4, 1)])
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_wide_rows_take_the_two_pass_backward(norm, rows_per_step, stages, residual, monkeypatch):
+    """Rows at least BWD_WIDE_FROM columns wide take _norm_bwd_wide (on a GPU from 16384 columns, where the
+    one-pass kernel spilled registers): here from 32, in chunks of 16 over 40 columns (the last chunk partial),
+    37 rows over programs whose share ends inside a step; the partial weight (and bias) gradients accumulated
+    step after step in each program's own rows; with the fused residual's gradient too."""
+    from megatron_lite.kernels import norms
+
+    monkeypatch.setattr(norms, "BWD_WIDE_FROM", 32)
+    monkeypatch.setattr(norms, "BWD_WIDE_CHUNK", 16)
+    monkeypatch.setattr(norms, "BWD_ROWS_PER_STEP", rows_per_step)
+    monkeypatch.setattr(norms, "BWD_STAGES", stages)
+    x, w, b, r = _rand(37, 40), _rand(40, seed=1) + 1, _rand(40, seed=5), _rand(37, 40, seed=2)
+    before = K.LAUNCHES["norm_bwd_wide"]
+    if norm == "rms_norm":
+        fn, ref = (lambda a, w_, *r_, f=f: f(a, w_, 1e-6, *r_) for f in (K.rms_norm, K.rms_norm_reference))
+        _check(norm, fn, ref, [x, w, r] if residual else [x, w])
+    else:
+        fn, ref = (lambda a, w_, b_, *r_, f=f: f(a, w_, b_, 1e-5, *r_) for f in (K.layer_norm, K.layer_norm_reference))
+        _check(norm, fn, ref, [x, w, b, r] if residual else [x, w, b])
+    assert K.LAUNCHES["norm_bwd_wide"] > before
+
+
 @pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
 def test_norm_partial_gradients_summed_in_one_launch(norm, monkeypatch):
     """The backward programs' partial weight (and bias) gradients are summed and cast by one kernel launch: here

@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--hidden", type=int, default=None, help="columns (default 4096 on a GPU, 48 on a CPU)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on a GPU, fp32 on a CPU")
     ap.add_argument("--reps", type=int, default=5, help="timing effort (at least x10 ms on a GPU, calls on a CPU)")
+    ap.add_argument(
+        "--set", default="", help="NAME=VALUE,... module settings of kernels/norms.py for the whole run (integers), "
+        "e.g. BWD_WIDE_CHUNK=2048 or BWD_WIDE_FROM=1048576 (every row one pass)",
+    )  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -72,6 +76,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
     rows_n, cols = args.tokens or (4096 if gpu else 37), args.hidden or (4096 if gpu else 48)
     settings = _parse(args.settings) if args.settings else GRID
+    for item in filter(None, args.set.split(",")):
+        name, _, value = item.partition("=")
+        if not (name.startswith(("BWD_", "SUM_")) and hasattr(norms, name) and value.strip().isdigit()):
+            raise SystemExit(f"error: --set {item!r}: each is NAME=INTEGER, NAME a BWD_ or SUM_ setting of norms.py")
+        setattr(norms, name, int(value))
     knobs = ("BWD_PROGRAMS_PER_SM", "BWD_ROWS_PER_STEP", "BWD_STAGES", "BWD_WARPS", "BWD_STEP_ELEMENTS")
     saved = {k: getattr(norms, k) for k in knobs}
     default = tuple(saved.values())[:4]
@@ -111,13 +120,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         fwd_ms = time_ms(lambda fn=ours: fn(x, w, b, res), device, args.reps, graph=gpu)
         for s in settings:
             row = {"norm": name, "setting": "x".join(map(str, s)), "default": s == default, "device": str(device)}
+            row.update(set=args.set, wide=triton.next_power_of_2(cols) >= norms.BWD_WIDE_FROM)
             try:
                 norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES, norms.BWD_WARPS = s
                 if s != default:  # a forced setting: the rows a step as asked (only shared memory may lower them)
                     norms.BWD_STEP_ELEMENTS = 1 << 30
                 # what the launcher runs: (programs, rows a step, stages) after its bounds by the row's size
-                row_bytes = (NORMS[name][1] - 1) * triton.next_power_of_2(cols) * x.element_size()
-                row["launched"] = list(norms._tiling(rows_n, triton.next_power_of_2(cols), device, row_bytes))
+                block = triton.next_power_of_2(cols)
+                block = min(block, norms.BWD_WIDE_CHUNK) if row["wide"] else block  # (the wide kernel's chunk)
+                row_bytes = (NORMS[name][1] - 1) * block * x.element_size()
+                row["launched"] = list(norms._tiling(rows_n, block, device, row_bytes))
                 first, again = grads(ours, dtype), grads(ours, dtype)
                 row["same_bits"] = all(torch.equal(a, c) for a, c in zip(first, again))
                 row["max_rel_err"] = max(rel_err(a, e) for a, e in zip(first, ref))
@@ -139,7 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     json.dump(rows, f, indent=1)
         copy_text = "-" if copy_time is None else f"{copy_time * 1e3:.1f} us"
         print(
-            f"\n{name} backward settings on {device} ({str(dtype).split('.')[-1]}, {rows_n} x {cols}); forward "
+            f"\n{name} backward settings on {device} ({str(dtype).split('.')[-1]}, {rows_n} x {cols}"
+            f"{', ' + args.set if args.set else ''}); forward "
             f"{fwd_ms * 1e3:.1f} us; same-size copy {copy_text}:"
         )
         print("| setting PxRxSxW | same bits | max rel. err. | fwd+bwd us | bwd us | of same-size copy |")
