@@ -139,6 +139,7 @@ def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "n.json"
     flags = "--device cpu --reps 1 --tokens 3 --hidden 16384 --norms rms_norm,layer_norm --settings 2x2x1x8,2x3x1x8"
+    flags += " --set BWD_WIDE_FROM=1048576"  # (the one-pass kernel, as asked: 16384 columns would take the wide one)
     stdout = _run_tool("bench_norm_tiles.py", flags, out)
     from megatron_lite.kernels import norms
 
@@ -148,6 +149,7 @@ def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it(tmp_path):
     assert set(rows) == {(n, s) for n in ("rms_norm", "layer_norm") for s in settings}
     for norm in ("rms_norm", "layer_norm"):
         assert "error" in rows[norm, "2x3x1x8"] and rows[norm, default]["default"]
+        assert not rows[norm, default]["wide"] and rows[norm, default]["set"] == "BWD_WIDE_FROM=1048576"
         for s in settings[:2]:
             row = rows[norm, s]
             assert row["same_bits"] and row["ms"] > 0 and row["max_rel_err"] < 1e-5, row
