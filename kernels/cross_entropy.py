@@ -31,14 +31,30 @@ import torch.nn.functional as F
 
 from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, require, rows_per_program, triton_usable
 
+
+class RowSetting(NamedTuple):
+    """A row kernel's launch on a GPU (tools/bench_ce_rows.py sweeps them)."""
+
+    block: int  # columns a step (at most the row's, rounded up to a power of two)
+    stages: int  # steps whose loads are prefetched into shared memory (1: none)
+    warps: int
+
+
+# From tools/bench_ce_rows.py on an H200 (a 1024 x 128256 bf16 chunk, 2026-12-04): the statistics 82 us, 0.82 of
+# a same-size copy (134 us before the unmasked loop and these settings); the gradient 144 us, 0.90 (160 before).
+STATS_SETTING = RowSetting(2048, 3, 4)
+GRAD_SETTING = RowSetting(4096, 1, 16)
+
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     # Both row kernels take ROWS rows per program as [ROWS, BLOCK] tiles: 1 on a GPU, more under the interpreter.
-    # Their loops run unmasked over the row's whole blocks of real columns, then masked over the rest (padding and
-    # a partial block): on an H200 the statistics of a 1024-row chunk of Llama-3's vocabulary were bound by their
-    # instructions, not memory (0.62 of a same-size copy), and a column mask costs five of them an element.
+    # Their loops run unmasked over the row's whole blocks of real columns, then masked over the rest (a partial
+    # block; and for the gradient, which writes zeros there, the padding): on an H200 the statistics of a 1024-row
+    # chunk of Llama-3's vocabulary were bound by their instructions, not memory (0.62 of a same-size copy), and a
+    # column mask costs five of them an element.
     @triton.jit
     def _stats_step(x, real, m, s, total, MASKED: tl.constexpr, SUM: tl.constexpr):
         """One block of the running [max, sum exp(x - max), sum of x]: one cross-thread reduction (the max), not
@@ -145,11 +161,17 @@ if HAVE_TRITON:
         return {**sig, **dict.fromkeys(("BLOCK", "ROWS", "STAGES") + (() if grad else ("SUM",)), "constexpr")}
 
     # (name, kernel, constexprs, options): the default launches, and others the bench tool may run
+    def _case(name: str, kernel, setting: RowSetting, **consts) -> tuple:
+        return name, kernel, {"BLOCK": setting.block, "STAGES": setting.stages, **consts}, {"num_warps": setting.warps}
+
+    # (name, kernel, constexprs, options): the launches the defaults make (with and without label smoothing's
+    # sum), and others the bench tool may run
     _ROW_CASES = [
-        ("ce_stats", _ce_stats, {"BLOCK": 2048, "STAGES": 3, "SUM": False}, {"num_warps": 4}),
-        ("ce_stats_sum", _ce_stats, {"BLOCK": 1024, "STAGES": 1, "SUM": True}, {"num_warps": 8}),
-        ("ce_grad", _ce_grad, {"BLOCK": 4096, "STAGES": 1}, {"num_warps": 16}),
-        ("ce_grad_pipelined", _ce_grad, {"BLOCK": 1024, "STAGES": 3}, {"num_warps": 4}),
+        _case("ce_stats", _ce_stats, STATS_SETTING, SUM=False),
+        _case("ce_stats_sum", _ce_stats, STATS_SETTING, SUM=True),
+        _case("ce_stats_1024x1x8", _ce_stats, RowSetting(1024, 1, 8), SUM=False),
+        _case("ce_grad", _ce_grad, GRAD_SETTING),
+        _case("ce_grad_1024x3x4", _ce_grad, RowSetting(1024, 3, 4)),
     ]
     COMPILE_CASES = [
         (
@@ -178,20 +200,6 @@ def _chunk_size(tokens: int, vocab: int, element_size: int = 2) -> int:
     into 32 chunks of 128 rows."""
     rows = 1 << max(0, (CHUNK_LOGITS_BYTES // max(1, vocab * element_size)).bit_length() - 1)
     return max(1, min(tokens, rows))
-
-
-class RowSetting(NamedTuple):
-    """A row kernel's launch on a GPU (tools/bench_ce_rows.py sweeps them)."""
-
-    block: int  # columns a step (at most the row's, rounded up to a power of two)
-    stages: int  # steps whose loads are prefetched into shared memory (1: none)
-    warps: int
-
-
-# From tools/bench_ce_rows.py on an H200 (a 1024 x 128256 bf16 chunk, 2026-12-04): the statistics 82 us, 0.82 of
-# a same-size copy (134 us before the unmasked loop and these settings); the gradient 144 us, 0.90 (160 before).
-STATS_SETTING = RowSetting(2048, 3, 4)
-GRAD_SETTING = RowSetting(4096, 1, 16)
 
 
 def _launch(logits: torch.Tensor, setting: RowSetting) -> tuple[tuple[int], dict]:

@@ -151,9 +151,10 @@ if HAVE_TRITON:
     ):  # fmt: skip
         """_norm_bwd for rows too wide for one register tile: at 16384 columns the one-pass kernel holds the row,
         the weight and the partial weight (and bias) gradients in registers and spilled (LayerNorm on an H200:
-        0.16 of a copy's rate). Here a row is walked in BLOCK-column chunks twice: first for its two sums, then
-        for dx, re-reading the row (from L2: a step's rows are a few hundred KB a program); the partial weight
-        and bias gradients accumulate in the program's own rows of DW and DB (in L2), in a fixed order."""
+        0.16 of a same-size copy's rate; 0.49 here). Here a row is walked in BLOCK-column chunks twice: first
+        for its two sums, then for dx, re-reading the row (from L2: a step's rows are a few hundred KB a
+        program); the partial weight and bias gradients accumulate in the program's own rows of DW and DB (in
+        L2), in a fixed order."""
         pid = tl.program_id(0)
         r = tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, BLOCK)[None, :]
@@ -234,10 +235,15 @@ BWD_WARPS = 0
 # 4096 columns, 2 rows and 3 stages; Hopper allows 227 KB a program), so the rows a step, then the stages, are
 # lowered until rows x stages x the tensors read x the row's bytes fits this budget (an estimate on the safe side).
 BWD_SMEM_BUDGET = 200 << 10
-# Rows of at least BWD_WIDE_FROM columns (rounded up to a power of two) take _norm_bwd_wide, in chunks of
-# BWD_WIDE_CHUNK columns: at 16384 the one-pass kernel spilled registers (ptxas: 480 bytes a thread for LayerNorm,
-# 288 for RMSNorm) and LayerNorm's forward+backward ran at 0.16 of a same-size copy on an H200 (0.37 at 1 stage).
+# LayerNorm rows of at least BWD_WIDE_FROM columns (rounded up to a power of two) take _norm_bwd_wide, in chunks
+# of BWD_WIDE_CHUNK columns: at 16384 its one-pass kernel spilled registers (ptxas: 480 bytes a thread) and ran
+# forward+backward at 0.16 of a same-size copy on an H200 (1003.6 us at 4096 x 16384 bf16; 434.2 at 1 row and 1
+# stage); the wide kernel took 328.4 us (964.6 -> 254.4 at 12288 columns, GPT-3's width). Chunks of 1024 and 2048
+# columns were slower (407.6, 346.6). RMSNorm's one-pass kernel spills less (288 bytes) and stayed the faster
+# (243.1 against 255.7 us at 16384; 198.1 against 203.5 at 12288), so RMSNorm takes the wide kernel only from
+# BWD_WIDE_FROM_RMS columns.
 BWD_WIDE_FROM = 16384
+BWD_WIDE_FROM_RMS = 1 << 20
 BWD_WIDE_CHUNK = 4096
 # The partial sums' reduction: columns per program (at 4096 columns, 128 programs) and partial rows per step.
 SUM_BLOCK_N = 32
@@ -325,7 +331,7 @@ class _NormFunction(torch.autograd.Function):
         dx = torch.empty_like(s)
         ds2 = ds.reshape(-1, n).contiguous() if ds is not None else dy2  # (a placeholder when there is none)
         reads = 2 + (ds is not None)
-        wide = next_pow2(n) >= BWD_WIDE_FROM
+        wide = next_pow2(n) >= (BWD_WIDE_FROM_RMS if ctx.is_rms else BWD_WIDE_FROM)
         block = min(next_pow2(n), BWD_WIDE_CHUNK) if wide else next_pow2(n)  # (the wide kernel's chunk)
         g, step, stages = _tiling(rows, block, s.device, reads * block * s.element_size())
         g = max(g, 1)  # no rows (an empty micro-batch): one program that writes zero partial sums

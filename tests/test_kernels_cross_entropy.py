@@ -156,25 +156,40 @@ def _tp_data():
     return h, w, torch.where(labels >= 50, labels - 50, labels)
 
 
-def tp_cross_entropy(reduction, uniform=False, grads_in_forward=False):
+def tp_cross_entropy(reduction, uniform=False, grads_in_forward=False, block=None):
+    """`block`: the row kernels' columns a step in this worker (8: shards of 26 columns take unmasked steps over
+    their whole blocks of real ids, then masked ones; the default block covers a shard in one masked step)."""
+    ce = importlib.import_module("megatron_lite.kernels.cross_entropy")
     ctx = get_context(ParallelConfig(tensor_model_parallel_size=dist.get_world_size()))
     h, w, labels = _tp_data()
     shard = w.chunk(ctx.tp.size)[ctx.tp.rank]
     kw = {"tp_group": ctx.tp.pg, "vocab_size": 50, "grads_in_forward": grads_in_forward}
-    loss, dh, dw = _run(K.fused_linear_cross_entropy, h, shard, labels, reduction, uniform, **kw)
+    saved = ce.STATS_SETTING, ce.GRAD_SETTING
+    if block:
+        ce.STATS_SETTING, ce.GRAD_SETTING = ce.RowSetting(block, 1, 4), ce.RowSetting(block, 1, 4)
+    try:
+        loss, dh, dw = _run(K.fused_linear_cross_entropy, h, shard, labels, reduction, uniform, **kw)
+    finally:
+        ce.STATS_SETTING, ce.GRAD_SETTING = saved
     dist.all_reduce(dh, group=ctx.tp.pg)  # the caller's TP reduction of the hidden gradient
     return loss, dh, dw
 
 
 @needs_triton_on_cpu
 @pytest.mark.parametrize(
-    "reduction,uniform,grads_in_forward",
-    [("mean", False, False), ("none", False, False), ("none", True, True), ("none", False, True)],
+    "reduction,uniform,grads_in_forward,block",
+    [
+        ("mean", False, False, None),
+        ("none", False, False, None),
+        ("none", True, True, None),
+        ("none", False, True, None),
+        ("mean", False, False, 8),
+    ],
 )
-def test_vocab_parallel_over_two_ranks_equals_one_process(dist, reduction, uniform, grads_in_forward):
+def test_vocab_parallel_over_two_ranks_equals_one_process(dist, reduction, uniform, grads_in_forward, block):
     h, w, labels = _tp_data()
     ref = _run(K.fused_linear_cross_entropy_reference, h, w[:50], labels, reduction, uniform)
-    for rank, (loss, dh, dw) in enumerate(dist(2, tp_cross_entropy, reduction, uniform, grads_in_forward)):
+    for rank, (loss, dh, dw) in enumerate(dist(2, tp_cross_entropy, reduction, uniform, grads_in_forward, block)):
         assert rel(loss, ref[0]) < TOL and rel(dh, ref[1]) < TOL
         full_dw = torch.cat([ref[2], torch.zeros(2, ref[2].shape[1])])
         assert rel(dw, full_dw.chunk(2)[rank]) < TOL
@@ -306,8 +321,9 @@ def test_row_kernels_take_several_rows_per_program_under_the_interpreter(reducti
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_every_row_kernel_setting_matches_the_reference(block, stages, spread, smoothing, monkeypatch):
     """The row kernels' launch settings (tools/bench_ce_rows.py sweeps them on a GPU). At 16 columns a step a row
-    of the padded 50-column vocabulary takes two unmasked steps over whole blocks of real columns, then masked
-    ones over the partial block and the padding (the last of padding only); at 64, masked steps only. Loads
+    of the padded 50-column vocabulary (45 real) takes two unmasked steps over whole blocks of real columns, then
+    masked ones: the statistics over the partial block, the gradient over it and the padding (its last step of
+    padding only); at 64, masked steps only. Loads
     prefetched or not; logits spread wide enough (x40: about +-100) that most exponentials underflow and the
     max moves between steps; 2 rows a program under the interpreter, over chunks of 16, 16 and 5 rows (the last
     program's second row past the end); the sum of logits taken only with label smoothing."""

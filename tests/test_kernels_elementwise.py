@@ -176,13 +176,15 @@ def test_norm_backward_several_rows_per_step(norm, rows_per_step, stages, monkey
 @pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_wide_rows_take_the_two_pass_backward(norm, rows_per_step, stages, residual, monkeypatch):
-    """Rows at least BWD_WIDE_FROM columns wide take _norm_bwd_wide (on a GPU from 16384 columns, where the
-    one-pass kernel spilled registers): here from 32, in chunks of 16 over 40 columns (the last chunk partial),
-    37 rows over programs whose share ends inside a step; the partial weight (and bias) gradients accumulated
-    step after step in each program's own rows; with the fused residual's gradient too."""
+    """Rows at least BWD_WIDE_FROM columns wide take _norm_bwd_wide (LayerNorm from 16384 columns, where its
+    one-pass kernel spilled registers; RMSNorm from BWD_WIDE_FROM_RMS): here from 32, in chunks of 16 over 40
+    columns (the last chunk partial), 37 rows over programs whose share ends inside a step; the partial weight
+    (and bias) gradients accumulated step after step in each program's own rows; with the fused residual's
+    gradient too."""
     from megatron_lite.kernels import norms
 
     monkeypatch.setattr(norms, "BWD_WIDE_FROM", 32)
+    monkeypatch.setattr(norms, "BWD_WIDE_FROM_RMS", 32)
     monkeypatch.setattr(norms, "BWD_WIDE_CHUNK", 16)
     monkeypatch.setattr(norms, "BWD_ROWS_PER_STEP", rows_per_step)
     monkeypatch.setattr(norms, "BWD_STAGES", stages)
@@ -195,6 +197,22 @@ def test_wide_rows_take_the_two_pass_backward(norm, rows_per_step, stages, resid
         fn, ref = (lambda a, w_, b_, *r_, f=f: f(a, w_, b_, 1e-5, *r_) for f in (K.layer_norm, K.layer_norm_reference))
         _check(norm, fn, ref, [x, w, b, r] if residual else [x, w, b])
     assert K.LAUNCHES["norm_bwd_wide"] > before
+
+
+def test_layer_norm_takes_the_wide_backward_from_12288_columns_and_rms_norm_does_not():
+    """The launcher's rule, as measured on an H200 (kernels/norms.py): LayerNorm rows of 12288 columns (GPT-3's
+    width, a 16384-column block) take the two-pass kernel; RMSNorm rows keep the one-pass kernel."""
+    x, w, b = _rand(2, 12288), _rand(12288, seed=1) + 1, _rand(12288, seed=5)
+    before = K.LAUNCHES["norm_bwd_wide"]
+    _check(
+        "layer_norm",
+        lambda a, w_, b_: K.layer_norm(a, w_, b_, 1e-5),
+        lambda a, w_, b_: K.layer_norm_reference(a, w_, b_, 1e-5),
+        [x, w, b],
+    )
+    assert K.LAUNCHES["norm_bwd_wide"] == before + 1
+    _check("rms_norm", lambda a, w_: K.rms_norm(a, w_, 1e-6), lambda a, w_: K.rms_norm_reference(a, w_, 1e-6), [x, w])
+    assert K.LAUNCHES["norm_bwd_wide"] == before + 1
 
 
 @pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])

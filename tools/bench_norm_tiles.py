@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         fwd_ms = time_ms(lambda fn=ours: fn(x, w, b, res), device, args.reps, graph=gpu)
         for s in settings:
             row = {"norm": name, "setting": "x".join(map(str, s)), "default": s == default, "device": str(device)}
-            row.update(set=args.set, wide=triton.next_power_of_2(cols) >= norms.BWD_WIDE_FROM)
+            wide_from = norms.BWD_WIDE_FROM_RMS if name.startswith("rms") else norms.BWD_WIDE_FROM
+            row.update(set=args.set, wide=triton.next_power_of_2(cols) >= wide_from)
             try:
                 norms.BWD_PROGRAMS_PER_SM, norms.BWD_ROWS_PER_STEP, norms.BWD_STAGES, norms.BWD_WARPS = s
                 if s != default:  # a forced setting: the rows a step as asked (only shared memory may lower them)
