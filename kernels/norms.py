@@ -334,8 +334,8 @@ class _NormFunction(torch.autograd.Function):
         wide = next_pow2(n) >= (BWD_WIDE_FROM_RMS if ctx.is_rms else BWD_WIDE_FROM)
         block = min(next_pow2(n), BWD_WIDE_CHUNK) if wide else next_pow2(n)  # (the wide kernel's chunk)
         g, step, stages = _tiling(rows, block, s.device, reads * block * s.element_size())
-        g = max(g, 1)  # no rows (an empty micro-batch): one program that writes zero partial sums
-        per = (rows + g - 1) // g
+        g = max(g, 1)  # no rows (an empty micro-batch): one program that writes zero partial sums,
+        per = max(1, (rows + g - 1) // g)  # in one step of masked rows (the wide kernel writes them in its row loop)
         dw = torch.empty(g, n, dtype=torch.float32, device=s.device)
         db = torch.empty(g, n, dtype=torch.float32, device=s.device)
         (_norm_bwd_wide if wide else _norm_bwd)[(g,)](
