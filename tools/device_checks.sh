@@ -110,24 +110,33 @@ pack
 
 # 3. The cost of decomposing a GEMM for --tp-comm-overlap (issue 9): per-chunk GEMMs (TP=8 chunks of an 8k
 #    sequence, Llama-3-8B fc1 shard) against one GEMM, bf16; target >= 0.90x. One GPU suffices.
-[ -n "${SKIP_GEMM:-}" ] || timeout ${GEMM_TIMEOUT:-30} python3 tools/bench_comm_overlap.py --device cuda --skip-layer --gemm --tp 8 --seq-length 8192 \
-    --gemm-iters 50 --json "$WORK/bench_comm_overlap.json" > "$WORK/bench_comm_overlap.log" 2>&1
-stamp "bench gemm decomposition: rc=$? $(tail -n 1 "$WORK/bench_comm_overlap.log")"
+if [ -n "${SKIP_GEMM:-}" ]; then
+    stamp "bench gemm decomposition: skipped (SKIP_GEMM)"
+else
+    timeout ${GEMM_TIMEOUT:-30} python3 tools/bench_comm_overlap.py --device cuda --skip-layer --gemm --tp 8 \
+        --seq-length 8192 --gemm-iters 50 --json "$WORK/bench_comm_overlap.json" > "$WORK/bench_comm_overlap.log" 2>&1
+    stamp "bench gemm decomposition: rc=$? $(tail -n 1 "$WORK/bench_comm_overlap.log")"
+fi
 pack
 
 # 4. If time is left: a short bf16 training job on the GPU (NCCL, Triton kernels by default on CUDA, MFU against
 #    the datasheet peak), the whole stack end to end.
-[ -n "${SKIP_TRAIN:-}" ] || timeout ${TRAIN_TIMEOUT:-50} torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py \
-    --num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention \
-    --num-query-groups 8 --seq-length 2048 --normalization RMSNorm --swiglu --position-embedding-type rope \
-    --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 \
-    --micro-batch-size 4 --global-batch-size 16 --train-iters 15 --lr 3e-4 --lr-warmup-iters 5 --bf16 \
-    --mock-data --vocab-size 32000 --log-interval 5 --eval-iters 0 --overlap-grad-reduce \
-    --log-jsonl "$WORK/gpu_train.jsonl" > "$WORK/gpu_train.log" 2>&1
-stamp "gpu train: rc=$? $(grep -c lm_loss "$WORK/gpu_train.jsonl" 2>/dev/null) records; $(tail -n 1 "$WORK/gpu_train.jsonl" 2>/dev/null | cut -c1-300)"
+if [ -n "${SKIP_TRAIN:-}" ]; then
+    stamp "gpu train: skipped (SKIP_TRAIN)"
+else
+    timeout ${TRAIN_TIMEOUT:-50} torchrun --standalone --nproc-per-node 1 pretrain/pretrain_gpt.py \
+        --num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention \
+        --num-query-groups 8 --seq-length 2048 --normalization RMSNorm --swiglu --position-embedding-type rope \
+        --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 \
+        --micro-batch-size 4 --global-batch-size 16 --train-iters 15 --lr 3e-4 --lr-warmup-iters 5 --bf16 \
+        --mock-data --vocab-size 32000 --log-interval 5 --eval-iters 0 --overlap-grad-reduce \
+        --log-jsonl "$WORK/gpu_train.jsonl" > "$WORK/gpu_train.log" 2>&1
+    stamp "gpu train: rc=$? $(grep -c lm_loss "$WORK/gpu_train.jsonl" 2>/dev/null) records; $(tail -n 1 "$WORK/gpu_train.jsonl" 2>/dev/null | cut -c1-300)"
+fi
 pack
 # 5. If time is still left: a decoding step on a 4096-token KV cache beside transformers, bf16 (DeepSeek-V3's
 #    head sizes: the absorbed latents; then Llama's grouped-query heads).
+[ -z "${SKIP_DECODE:-}" ] || stamp "bench decode: skipped (SKIP_DECODE)"
 [ -n "${SKIP_DECODE:-}" ] || for model in deepseek_v3 llama; do
     timeout ${DECODE_TIMEOUT:-25} python3 tools/bench_decode.py --device cuda --bf16 --model $model --context 4096 \
         --json "$WORK/bench_decode_$model.json" > "$WORK/bench_decode_$model.log" 2>&1
