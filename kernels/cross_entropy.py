@@ -160,7 +160,6 @@ if HAVE_TRITON:
         sig.update({"z_coeff": "fp32", "smoothing": "fp32"} if grad else {})
         return {**sig, **dict.fromkeys(("BLOCK", "ROWS", "STAGES") + (() if grad else ("SUM",)), "constexpr")}
 
-    # (name, kernel, constexprs, options): the default launches, and others the bench tool may run
     def _case(name: str, kernel, setting: RowSetting, **consts) -> tuple:
         return name, kernel, {"BLOCK": setting.block, "STAGES": setting.stages, **consts}, {"num_warps": setting.warps}
 

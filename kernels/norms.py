@@ -145,6 +145,15 @@ if HAVE_TRITON:
             tl.store(DB + pid * N + cols, db, mask=mask)
 
     @triton.jit
+    def _wide_chunk(DY, X, W, row64, stride_dy, stride_x, cols, N, m2, rstd, mean, IS_RMS: tl.constexpr):
+        """A chunk of the rows' dy, normalised x and weight x dy, in fp32 (both of _norm_bwd_wide's passes)."""
+        dy = tl.load(DY + row64 * stride_dy + cols, mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(X + row64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
+        wdy = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) * dy
+        xhat = x * rstd if IS_RMS else tl.where(m2, x - mean, 0.0) * rstd
+        return dy, xhat, wdy
+
+    @triton.jit
     def _norm_bwd_wide(
         DY, X, W, STAT1, STAT2, DS, DX, DW, DB, stride_dy, stride_x, stride_ds, stride_dx, rows, N, rows_per_prog,
         IS_RMS: tl.constexpr, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
@@ -169,10 +178,7 @@ if HAVE_TRITON:
             for c0 in tl.range(0, N, BLOCK, num_stages=STAGES):
                 cols = c0 + c
                 m2 = rmask & (cols < N)
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=m2, other=0.0).to(tl.float32)
-                x = tl.load(X + row64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
-                wdy = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) * dy
-                xhat = x * rstd if IS_RMS else tl.where(m2, x - mean, 0.0) * rstd
+                dy, xhat, wdy = _wide_chunk(DY, X, W, row64, stride_dy, stride_x, cols, N, m2, rstd, mean, IS_RMS)
                 a1 += xhat * wdy
                 if not IS_RMS:
                     a2 += wdy
@@ -183,10 +189,7 @@ if HAVE_TRITON:
                 cols = c0 + c
                 cmask = cols < N
                 m2 = rmask & cmask
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=m2, other=0.0).to(tl.float32)
-                x = tl.load(X + row64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
-                wdy = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) * dy
-                xhat = x * rstd if IS_RMS else tl.where(m2, x - mean, 0.0) * rstd
+                dy, xhat, wdy = _wide_chunk(DY, X, W, row64, stride_dy, stride_x, cols, N, m2, rstd, mean, IS_RMS)
                 dx = (wdy - xhat * c1) * rstd if IS_RMS else (wdy - xhat * c1 - c2) * rstd
                 if HAS_DS:
                     dx += tl.load(DS + row64 * stride_ds + cols, mask=m2, other=0.0).to(tl.float32)
@@ -458,17 +461,13 @@ def _cases() -> list[tuple]:
                     consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": rows, "STAGES": 1}
                     opts = {"num_warps": warps_for(4096 * rows)}
                     out.append((f"norm_bwd_{t}_rms{rms}_ds{has_ds}_rows{rows}", _norm_bwd, sig, consts, opts))
-            for has_ds in (True, False):  # the launcher's default at 4096 columns
-                step, stages = _bounds(4096, (2 + has_ds) * 4096 * (2 if t == "bf16" else 4))
-                consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": 4096, "ROWS": step, "STAGES": stages}
-                name = f"norm_bwd_{t}_rms{rms}_ds{has_ds}_default"
-                out.append((name, _norm_bwd, sig, consts, {"num_warps": warps_for(4096 * step)}))
-                # the wide rows' kernel at its default chunk (16384 columns and more)
-                chunk = BWD_WIDE_CHUNK
-                step, stages = _bounds(chunk, (2 + has_ds) * chunk * (2 if t == "bf16" else 4))
-                consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": chunk, "ROWS": step, "STAGES": stages}
-                name = f"norm_bwd_wide_{t}_rms{rms}_ds{has_ds}_default"
-                out.append((name, _norm_bwd_wide, sig, consts, {"num_warps": warps_for(chunk * step)}))
+            # the launcher's defaults: at 4096 columns, and the wide rows' kernel at its chunk (16384 and more)
+            for has_ds in (True, False):
+                for kernel, block, tag in ((_norm_bwd, 4096, ""), (_norm_bwd_wide, BWD_WIDE_CHUNK, "wide_")):
+                    step, stages = _bounds(block, (2 + has_ds) * block * (2 if t == "bf16" else 4))
+                    consts = {"IS_RMS": rms, "HAS_DS": has_ds, "BLOCK": block, "ROWS": step, "STAGES": stages}
+                    name = f"norm_bwd_{tag}{t}_rms{rms}_ds{has_ds}_default"
+                    out.append((name, kernel, sig, consts, {"num_warps": warps_for(block * step)}))
             if t == "bf16":  # other pipelined row loops (tools/bench_norm_tiles.py times them; with ds: the model's)
                 for stages in (2, 3):
                     consts = {"IS_RMS": rms, "HAS_DS": True, "BLOCK": 4096, "ROWS": 1, "STAGES": stages}

@@ -1,10 +1,13 @@
 """How the kernel benchmarks (tools/bench_kernels.py and the tile tools) time a kernel on a GPU (and, tiny, on a
 CPU): launched one by one or as CUDA graph replays, a copy of as many bytes to set it against, its peak memory, a
-profiler's view of back-to-back calls, implementations timed in turn; and its error against a reference."""
+profiler's view of back-to-back calls, implementations timed in turn; and its error against a reference. Also the
+tile tools' common start (the kernels for a device) and their error rows."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import statistics
 import time
 
@@ -166,3 +169,22 @@ def time_in_turn(case: dict, impls: dict, device, peak, rounds: int = 5) -> list
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def kernels_for(device, module: str, needs: str, what: str):
+    """megatron_lite.kernels and its `module`, imported for `device`: on a CPU through the Triton interpreter (set
+    before triton is imported). Exits with "Triton is not installed: `what`" where the module lacks `needs`."""
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from megatron_lite import kernels
+
+    mod = importlib.import_module(f"megatron_lite.kernels.{module}")
+    if not hasattr(mod, needs):
+        raise SystemExit(f"error: Triton is not installed: {what}")
+    return kernels, mod
+
+
+def error_text(e: Exception) -> str:
+    """A setting's error row: the exception's type and the first line of its message (Triton's compile errors run
+    to pages)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
-from _kernel_timing import rel_err, time_ms
+from _kernel_timing import error_text, kernels_for, rel_err, time_ms
 
 KINDS = {"fwd": ("_fwd", "_FWD_TILES"), "dkdv": ("_bwd_dkdv", "_DKDV_TILES"), "dq": ("_bwd_dq", "_DQ_TILES")}
 # (batch, seq_q, seq_k, heads, kv_heads, head_dim, window): the timed shape first (Llama-3-8B), then odd ones
@@ -70,15 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import importlib
-
-    from megatron_lite import kernels as K
-
-    fa = importlib.import_module("megatron_lite.kernels.flash_attention")
-    if not hasattr(fa, KINDS[args.kernel][1]):
-        raise SystemExit("error: Triton is not installed: there are no tiles to try")
+    K, fa = kernels_for(device, "flash_attention", KINDS[args.kernel][1], "there are no tiles to try")
     tiles = _parse_tiles(args.tiles) if args.tiles else list(getattr(fa, KINDS[args.kernel][1]))
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -132,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if sdpa_ms is not None:
                 row.update(sdpa_ms=sdpa_ms, speed_vs_sdpa=sdpa_ms / row["ms"])
         except Exception as e:  # noqa: BLE001 - a tile that does not build is a result, not the end of the run
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            row["error"] = error_text(e)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{args.kernel} tiles on {device} ({'bf16' if gpu else 'fp32'}), shape {shapes[0]}:")

@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
-from _kernel_timing import copy_ms, fwd_bwd, rel_err, time_ms
+from _kernel_timing import copy_ms, error_text, fwd_bwd, kernels_for, rel_err, time_ms
 
 # norm -> (bytes moved forward, backward) in tensors of the input's size, as tools/bench_kernels.py counts them
 NORMS = {"rms_norm": (2, 3), "rms_norm_residual": (4, 4), "layer_norm": (2, 3)}
@@ -58,17 +57,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import importlib
-
+    K, norms = kernels_for(device, "norms", "_norm_bwd", "there is no backward kernel to tile")
     import triton
 
-    from megatron_lite import kernels as K
-
-    norms = importlib.import_module("megatron_lite.kernels.norms")
-    if not hasattr(norms, "_norm_bwd"):
-        raise SystemExit("error: Triton is not installed: there is no backward kernel to tile")
     unknown = set(args.norms.split(",")) - set(NORMS)
     if unknown:
         raise SystemExit(f"error: --norms {','.join(sorted(unknown))}: not one of {', '.join(NORMS)}")
@@ -141,7 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if copy_time:
                     row["fraction_of_same_size_copy"] = copy_time / row["ms"]
             except Exception as e:  # noqa: BLE001 - a setting that does not build or launch is a result
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                row["error"] = error_text(e)
             finally:
                 for k, v in saved.items():
                     setattr(norms, k, v)

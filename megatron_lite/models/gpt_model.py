@@ -250,11 +250,11 @@ class GPTModel(nn.Module):
         if run_mtp:
             if mtp is None:
                 raise ValueError("a model with --mtp-num-layers trains on micro-batches with mtp_inputs added")
+            promised = grads_in_forward  # (the depths' loss takes its own flag: a depth keeps it only if promised)
 
             def depth_loss(h: torch.Tensor, lab: torch.Tensor, grads_in_forward: bool = False) -> torch.Tensor:
                 return self.token_loss(h, lab, grads_in_forward=grads_in_forward and promised)
 
-            promised = grads_in_forward
             loss = self.mtp(x, self.embedding, depth_loss, loss, mtp, rope, document_ids)
         return loss
 
