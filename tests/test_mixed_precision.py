@@ -4,6 +4,7 @@ DP=2 (DDP and the distributed optimizer) equals one process, its loss scale and 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_lite.config import ParallelConfig
@@ -132,3 +133,40 @@ def test_fp16_at_dp2_equals_one_process(dist):
     for history in skipped:
         assert [h[3] for h in history] == [True, True, False, True], history
         assert history[2][2] == history[1][2] / 2, history
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["optimizer", "distributed_optimizer"])
+def test_loss_scaling_adds_as_many_host_reads_to_a_step_whatever_the_parameter_count(zero):
+    """The overflow check read each gradient's isfinite().all() on the host, one read per parameter (on a GPU the
+    step then waited on each check before queueing the next); it is one fused unscale-and-check and one read. So
+    a constant loss scale adds as many reads to the step of a model with twice the layers (the inner optimizer's
+    own reads of its step counters aside), and the step still unscales: the same gradient norm as unscaled."""
+    from host_reads import HostReads
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.training.step import finalize_grads, forward_backward, global_token_count
+    from megatron_lite.training.wrap import wrap_for_training
+
+    reads, norms, scaled = {}, {}, []
+    for layers in (2, 4):
+        for scale in (None, 2.0**10):
+            ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+            ctx.seed(0)
+            # (bf16: Megatron takes a constant --loss-scale under fp16, bf16 or the distributed optimizer only)
+            model = build_model(llama_config(num_layers=layers), ctx, seed=0, dtype=torch.bfloat16)
+            optim = OptimizerConfig(lr=1e-3, clip_grad=1.0, bf16=True, use_distributed_optimizer=zero, loss_scale=scale)
+            ddp, opt = wrap_for_training(model, ctx, optim, overlap_grad_reduce=zero, bucket_size=3000)
+            mb = _batch(0)
+            ddp.zero_grad_buffer()
+            n = global_token_count(mb, ctx)[0]
+            forward_backward(ddp, mb, n, opt.loss_scale / float(n))
+            finalize_grads(ddp, ctx)
+            with HostReads() as meter:
+                result = opt.step(1e-3)
+            assert result.updated
+            reads[layers, scale], norms[layers, scale] = meter.reads, result.grad_norm
+            scaled += [opt] if scale else []
+    added = {layers: reads[layers, 2.0**10] - reads[layers, None] for layers in (2, 4)}
+    assert added[2] == added[4] <= 1 and all(opt.scaler is not None for opt in scaled), (added, reads)
+    for layers in (2, 4):
+        assert norms[layers, 2.0**10] == pytest.approx(norms[layers, None], rel=1e-6)

@@ -585,21 +585,9 @@ def test_the_statistics_add_no_host_sync(monkeypatch, dispatcher):
     reads of device values), so on a GPU the next layer could not be queued before this one's experts finished.
     They now add up on the device: a training forward reads no more device values than one that records nothing
     (the dispatch's own reads of the expert counts aside), and the step's statistics are unchanged."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from host_reads import HostReads
 
     import megatron_lite.tensor_parallel.random as tp_random
-
-    class HostReads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.reads = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default) or (
-                func is torch.ops.aten._to_copy.default and (kwargs or {}).get("device") == torch.device("cpu")
-            ):
-                self.reads += 1
-            return func(*args, **(kwargs or {}))
 
     config = moe_config(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=1.0)
     ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))

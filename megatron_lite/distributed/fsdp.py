@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from collections.abc import Iterator
 
 import torch
@@ -238,14 +237,10 @@ class FSDP2Optimizer(OptimizerBase):
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
-        norm = self.grad_norm()
-        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
-            return StepResult(False, norm, 1.0)  # every rank computed the same norm
-        if self.config.clip_grad > 0:
-            coeff = self.config.clip_grad / (norm + 1e-6)
-            grads = [_local(p.grad) for p in self.params if p.grad is not None]
-            if coeff < 1.0 and grads:
-                torch._foreach_mul_(grads, coeff)
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        norm, skipped = self._prepare_grads(grads, self.grad_norm)  # (no loss scaling: refused at start-up)
+        if skipped is not None:
+            return skipped
         set_lr(self.inner, lr, decoupled_lr, weight_decay)
         self.inner.step()
         self.steps_taken += 1

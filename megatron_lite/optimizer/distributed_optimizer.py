@@ -14,8 +14,6 @@ distributed optimizer loads without it, under another DP size, and the other way
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -148,20 +146,9 @@ class DistributedOptimizer(OptimizerBase):
         # bf16 main gradients (--grad-reduce-in-bf16) are copied to fp32 before they are unscaled, as Megatron
         # copies then unscales: unscaling in bf16 rounded each once more (0.4% at a --loss-scale of 1000)
         grads = fp32([s.grad for s in self.shards])
-        if self.scaler is not None:
-            if grads:
-                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            finite = all(bool(torch.isfinite(g).all()) for g in grads)
-            if any_rank(not finite, self.ctx):
-                self.scaler.update(True)
-                return StepResult(False, None, self.scaler.scale)
-        norm = self.grad_norm(grads)
-        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
-            return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
-        if self.config.clip_grad > 0:
-            coeff = self.config.clip_grad / (norm + 1e-6)
-            if coeff < 1.0 and grads:
-                torch._foreach_mul_(grads, coeff)
+        norm, skipped = self._prepare_grads(grads, lambda: self.grad_norm(grads))
+        if skipped is not None:
+            return skipped
         for s, g in zip(self.shards, grads):
             s.main.grad = g
         set_lr(self.inner, lr, decoupled_lr, weight_decay)

@@ -165,9 +165,10 @@ def count_zeros(tensors: list[torch.Tensor], device, *groups) -> float:
     return float(n)
 
 
-def any_rank(flag: bool, ctx: ParallelContext) -> bool:
-    """True if any rank has the flag: an overflow in any shard skips the step everywhere."""
-    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+def any_rank(flag: bool | torch.Tensor, ctx: ParallelContext) -> bool:
+    """True if any rank has the flag (a bool, or a one-element device tensor, reduced in place and read once):
+    an overflow in any shard skips the step everywhere."""
+    t = flag if isinstance(flag, torch.Tensor) else torch.tensor([1.0 if flag else 0.0], device=ctx.device)
     if dist.is_initialized() and ctx.world_size > 1:
         with ctx.tp.blocked():  # the context's timer (any of its groups)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -241,6 +242,31 @@ class OptimizerBase:
         (on any rank: one may train nothing), else a new run's 0 (LoRA's new adapters on a base model's
         checkpoint: its count was taken, and a resume's bias correction jumped ahead of the moments)."""
         self.steps_taken = step if any_rank(bool(states), self.ctx) else 0
+
+    def _prepare_grads(
+        self, grads: list[torch.Tensor], norm_of: Callable[[], float]
+    ) -> tuple[float, StepResult | None]:
+        """The step's fp32 gradients made ready in place: unscaled (fp16, or a constant --loss-scale), their norm
+        taken (`norm_of`), then clipped. Or the result of a step every rank skips: an overflow under loss scaling
+        (any rank's), a non-finite norm under --check-for-nan-in-loss-and-grad (every rank computed the same)."""
+        if self.scaler is not None:
+            found = torch.zeros(1, dtype=torch.float32, device=self.ctx.device)
+            if grads:
+                # One fused pass per tensor and one host read for them all: a read per gradient (isfinite().all()
+                # per tensor) made a GPU finish each before the next was queued. The same bits as a multiply.
+                inv = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=self.ctx.device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            if any_rank(found, self.ctx):
+                self.scaler.update(True)
+                return math.nan, StepResult(False, None, self.scaler.scale)
+        norm = norm_of()
+        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
+            return norm, StepResult(False, norm, self.loss_scale)
+        if self.config.clip_grad > 0:
+            coeff = self.config.clip_grad / (norm + 1e-6)
+            if coeff < 1.0 and grads:
+                torch._foreach_mul_(grads, coeff)
+        return norm, None
 
     def reset_state(self) -> None:
         """Main weights from the model; optimizer state and loss scale as a new run's."""
@@ -350,20 +376,9 @@ class MixedPrecisionOptimizer(OptimizerBase):
         # bf16 main gradients (--grad-reduce-in-bf16) are copied to fp32 before they are unscaled, as Megatron
         # copies then unscales: unscaling in bf16 rounded each once more (0.4% at a --loss-scale of 1000)
         grads = fp32([self.grad_of(p) for p in self.params])
-        if self.scaler is not None:
-            if grads:
-                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            finite = all(bool(torch.isfinite(g).all()) for g in grads)
-            if any_rank(not finite, self.ctx):
-                self.scaler.update(True)
-                return StepResult(False, None, self.scaler.scale)
-        norm = self.grad_norm(grads)
-        if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):
-            return StepResult(False, norm, self.loss_scale)  # every rank computed the same norm
-        if self.config.clip_grad > 0:
-            coeff = self.config.clip_grad / (norm + 1e-6)
-            if coeff < 1.0 and grads:
-                torch._foreach_mul_(grads, coeff)
+        norm, skipped = self._prepare_grads(grads, lambda: self.grad_norm(grads))
+        if skipped is not None:
+            return skipped
         for main, g in zip(self.main_params, grads):
             main.grad = g
         set_lr(self.inner, lr, decoupled_lr, weight_decay)
