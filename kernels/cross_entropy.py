@@ -445,6 +445,11 @@ def fused_linear_cross_entropy(
     gradients are made in the forward pass; the backward checks it (see the module's docstring)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction {reduction!r} is not mean|sum|none")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and labels "
+            f"{tuple(labels.shape)} must be [tokens, hidden], [vocab, hidden] and [tokens] (flatten batch and sequence)"
+        )
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     v_local = weight.shape[0]

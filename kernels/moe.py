@@ -250,6 +250,12 @@ def moe_unpermute_reference(out, row_map, probs):
 
 
 def moe_permute(x: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | None = None):
+    if keep is not None and (keep.dtype != torch.bool or keep.shape != indices.shape):
+        # (an integer 0/1 mask indexed the pairs instead of masking them: other rows, without an error)
+        raise ValueError(
+            f"moe_permute: keep ({keep.dtype}, {tuple(keep.shape)}) must be a bool mask of indices' shape "
+            f"{tuple(indices.shape)}"
+        )
     src, row_map = _row_map(indices, keep)
     if triton_usable(x):
         return _Permute.apply(x, src, row_map), row_map
@@ -262,6 +268,15 @@ def moe_unpermute(out: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor)
             f"moe_unpermute: probs {tuple(probs.shape)} must be row_map's [tokens, k] {tuple(row_map.shape)}"
         )
     if triton_usable(out):
+        # The kernels read row_map as a contiguous [tokens, k] (a transposed view gave other rows) and gather the
+        # rows it names (one past out's read beyond it; the reference raises an IndexError there)
+        row_map = row_map.contiguous()
+        if row_map.numel():
+            lo, hi = torch.aminmax(row_map)
+            require(
+                (lo >= -1) & (hi < out.shape[0]),
+                lambda: f"moe_unpermute: row_map names rows outside [-1, {out.shape[0]}) of out's {out.shape[0]} rows",
+            )
         return _Unpermute.apply(out, row_map, probs)
     return moe_unpermute_reference(out, row_map, probs)
 
@@ -395,6 +410,16 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor | list[torch.Tensor], counts: 
     experts = len(w) if per_expert else w.shape[0]
     if counts.shape != (experts,):
         raise ValueError(f"grouped_gemm: counts {tuple(counts.shape)} for {experts} experts' weights")
+    # (the kernels walk each weight with x's width: another K read past a row, or dropped its last columns)
+    shapes = {tuple(t.shape) for t in w} if per_expert else {tuple(w.shape[1:])} if w.dim() == 3 else {()}
+    dtypes = {t.dtype for t in (w if per_expert else [w])}
+    if x.dim() != 2 or len(shapes) != 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[1] != x.shape[1]:
+        raise ValueError(
+            f"grouped_gemm: x {tuple(x.shape)} and weights {sorted(shapes)} must be [rows, K] and [N_out, K] per "
+            f"expert (w [E, N_out, K])"
+        )
+    if dtypes != {x.dtype}:
+        raise ValueError(f"grouped_gemm: x is {x.dtype} and the weights {sorted(map(str, dtypes))}: one dtype")
     if triton_usable(x, *(w if per_expert else [w])):
         counts = counts.to(device=x.device, dtype=torch.int64)
         # (rows past the counts' sum were left unwritten; counts past x's rows read and wrote beyond it)

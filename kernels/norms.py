@@ -398,6 +398,8 @@ def layer_norm_reference(x, weight, bias, eps, residual=None):
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual) -> None:
     # (the kernel reads weight[:N] whatever its length: a shorter one was read past its end)
     n = x.shape[-1]
+    if weight is None:  # (an AttributeError deep in the launcher)
+        raise ValueError(f"norm weight is None: pass a ({n},) weight (ones for a norm without an affine scale)")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (n,):
             raise ValueError(f"norm {name} of shape {tuple(t.shape)} for rows of {n}: it must be ({n},)")

@@ -123,6 +123,11 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 def _check_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     # (the kernel indexes the tables by position: a shorter one was read past its end)
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(
+            f"apply_rope: x {tuple(x.shape)} must be [batch, seq, heads, head_dim] with an even head_dim (rotate-half "
+            f"rotates the two halves against each other)"
+        )
     b, s, _, d = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
         if not (

@@ -101,3 +101,80 @@ def test_flash_attention_refuses_q_k_v_of_different_dtypes():
     q, k, v = (_r(1, 8, 2, 16, seed=s) for s in range(3))
     with pytest.raises(ValueError, match="q, k and v must share a dtype"):
         K.flash_attention(q.half(), k, v)
+
+
+# From the kernel API review of 2026-12-04 -------------------------------------------------------------------
+def test_moe_unpermute_reads_a_row_map_of_any_layout():
+    """The combine kernels read row_map as a contiguous [tokens, k]: the same map stored transposed gave other
+    rows (1.03 off forward, 1.42 for dout), where the reference indexes it as a tensor."""
+    from megatron_lite.kernels import _common
+
+    x, probs = _r(6, 8).requires_grad_(), torch.rand(6, 2, device=DEVICE).requires_grad_()
+    indices = torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0], [1, 0], [2, 1]], device=DEVICE)
+    out, row_map = K.moe_permute(x, indices)
+    strided = row_map.t().contiguous().t()
+    assert not strided.is_contiguous() and torch.equal(strided, row_map)
+    dy = _r(6, 8, seed=3)
+    results = []
+    for fn, rm in ((K.moe_unpermute, strided), (K.moe_unpermute_reference, row_map)):
+        before = _common.LAUNCHES["moe_unpermute"]
+        y = fn(out, rm, probs)
+        ran = _common.LAUNCHES["moe_unpermute"] > before
+        results.append((y, *torch.autograd.grad(y, (x, probs), dy, retain_graph=True), ran))
+    assert results[0][3] == K.triton_usable(x)  # (the kernel ran where it can)
+    for a, b in zip(results[0][:3], results[1][:3]):
+        assert rel(a, b) < 1e-6
+
+
+def test_moe_unpermute_refuses_a_row_map_past_out():
+    """Rows past out's were read beyond its end, without an error (the reference raises an IndexError)."""
+    out, row_map = _r(5, 8), torch.tensor([[0, 7], [2, 3]], device=DEVICE)
+    with pytest.raises((ValueError, IndexError), match="row_map names rows outside|out of bounds"):
+        K.moe_unpermute(out, row_map, torch.rand(2, 2, device=DEVICE))
+
+
+def test_moe_permute_refuses_an_integer_keep_mask():
+    """A 0/1 int64 mask indexed the pairs instead of masking them: 8 rows for 5 kept, no error."""
+    indices = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]], device=DEVICE)
+    keep = torch.tensor([[1, 0], [1, 1], [0, 1], [1, 0]], device=DEVICE)
+    with pytest.raises(ValueError, match="keep .* must be a bool mask"):
+        K.moe_permute(_r(4, 8), indices, keep)
+    out, _ = K.moe_permute(_r(4, 8), indices, keep.bool())
+    assert out.shape[0] == 5
+
+
+@pytest.mark.parametrize("case", ["wider x", "narrower x", "transposed weights", "uneven list", "dtypes"])
+def test_grouped_gemm_refuses_weights_that_do_not_fit_x(case):
+    """The kernels walk each expert's weight with x's width: a wider x read past the weights, a narrower one
+    dropped their last columns (x @ w[:, :, :16]^T), weights laid out [E, K, N_out] gave garbage; no error."""
+    counts = torch.tensor([5, 7], device=DEVICE)
+    x, w = _r(12, 20), _r(2, 6, 20, seed=1)
+    if case == "wider x":
+        x = _r(12, 24)
+    elif case == "narrower x":
+        x = _r(12, 16)
+    elif case == "transposed weights":
+        w = _r(2, 20, 6, seed=1)
+    elif case == "uneven list":
+        w = [_r(6, 20, seed=1), _r(6, 24, seed=2)]
+    else:
+        x = x.half()
+    with pytest.raises(ValueError, match="grouped_gemm: x"):
+        K.grouped_gemm(x, w, counts)
+
+
+@pytest.mark.parametrize("case", ["norm weight None", "rope 3-D", "rope odd", "ce 3-D", "ce labels"])
+def test_other_inputs_of_the_wrong_form_are_one_line(case):
+    """An AttributeError, an unpacking error or a broadcasting error deep in a launcher before; a ValueError that
+    names the argument and the form it must have now."""
+    with pytest.raises(ValueError, match=r"must be|pass a"):
+        if case == "norm weight None":
+            K.rms_norm(_r(4, 8), None, 1e-5)
+        elif case == "rope 3-D":
+            K.apply_rope(_r(8, 2, 16), _r(8, 16).cos(), _r(8, 16).sin())
+        elif case == "rope odd":
+            K.apply_rope(_r(1, 8, 2, 15), _r(8, 15).cos(), _r(8, 15).sin())
+        elif case == "ce 3-D":
+            K.fused_linear_cross_entropy(_r(2, 3, 16), _r(37, 16), torch.zeros(2, 3, dtype=torch.long, device=DEVICE))
+        else:
+            K.fused_linear_cross_entropy(_r(6, 16), _r(37, 16), torch.zeros(5, dtype=torch.long, device=DEVICE))
