@@ -56,6 +56,16 @@ CASES = {
                                            num_experts_per_tok=2, tie_word_embeddings=False),
         ["--expert-model-parallel-size", "2", "--lora-target-modules", "q_proj", "k_proj", "v_proj", "experts"],
     ),
+    # DeepSeek-V3 whose config.json keeps its RoPE rows rotate-half (rope_interleave false), as ours: the adapters'
+    # B rows were still put in DeepSeek's interleaved order, onto that base (PEFT 1.9e-2 off; the merge was right)
+    "deepseek_rotate_half": (
+        lambda: transformers.DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                              q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                                              v_head_dim=10, first_k_dense_replace=2, rope_interleave=False,
+                                              tie_word_embeddings=False),
+        ["--lora-target-modules", "linear_qkv"],
+    ),
 }  # fmt: skip
 
 

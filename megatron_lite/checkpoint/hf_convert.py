@@ -60,6 +60,7 @@ from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
+from megatron_lite.models.hf_deepseek import DEEPSEEK_V2
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
@@ -491,7 +492,10 @@ def megatron_lite_to_peft(
     config = model_config_from_dict(saved["model"])
     original, side = _original_hf_config(load_dir, saved)
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # (a Phi-3 stays a Phi-3)
-    tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, arch)
+    # the adapters go onto the base they came from, whose RoPE rows a rope_interleave=false DeepSeek-V3 keeps as ours
+    # (V2 has no flag: always interleaved; a base not converted from HF: as our export writes, interleaved)
+    interleave = arch == DEEPSEEK_V2 or bool(original.get("rope_interleave", True))
+    tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, arch, rope_interleave=interleave)
     if dtype:
         tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}  # (as the base's export)
     adapter_config["base_model_name_or_path"] = base = base_model or _hf_source(side)

@@ -58,7 +58,7 @@ _ROPE_ROWS = ("self_attention.linear_q_proj", "self_attention.linear_q_up_proj",
 
 
 def _rope_rows_of(module: str, c: ModelConfig) -> torch.Tensor:
-    """Row order from ours to DeepSeek's interleaved RoPE rows (the export writes rope_interleave=true)."""
+    """Row order from ours to DeepSeek's interleaved RoPE rows (rope_interleave=true, as our export writes)."""
     q_rows, kv_rows = mla_rope_rows(c, inverse=True)
     return kv_rows if module.endswith("kv_down_proj") else q_rows
 
@@ -70,9 +70,10 @@ def split_lora(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
 
 
 def to_peft(
-    lora_state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig, arch: str
+    lora_state: dict[str, torch.Tensor], config: ModelConfig, lora: LoraConfig, arch: str, rope_interleave: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """PEFT's tensors and adapter_config.json for our adapters."""
+    """PEFT's tensors and adapter_config.json for our adapters. `rope_interleave`: the base's DeepSeek RoPE row
+    layout (its config.json's flag; false keeps our rotate-half rows)."""
     if arch not in LLAMA_LIKE or arch == "Phi3ForCausalLM":
         raise ConfigError(
             f"--saver hf-peft supports Llama-like models (separate q/k/v projections), not {arch}; export merged "
@@ -105,7 +106,7 @@ def to_peft(
             raise ConfigError(f"{key} is not a LoRA adapter of a projection PEFT knows")
         layer, hf = m.group(1), HF_MODULES[(m.group(2), m.group(3))]
         modules.add(hf.split(".")[-1])
-        if m.group(4) == "B" and m.group(2) in _ROPE_ROWS:  # B's rows are the projection's: DeepSeek's RoPE order
+        if m.group(4) == "B" and m.group(2) in _ROPE_ROWS and rope_interleave:  # B's rows: the base's RoPE order
             value = value[_rope_rows_of(m.group(2), config)]
         tensors[f"base_model.model.model.layers.{layer}.{hf}.lora_{m.group(4)}.weight"] = value.contiguous()
     for (layer, ours, which), per_expert in experts.items():
