@@ -1756,6 +1756,38 @@ def test_generate_prompts_a_checkpoint_trained_on_the_embedded_corpus(tmp_path, 
     assert generate.main([*argv, "--tokenizer-model", build_embedded_corpus()[1]]) == 0
 
 
+def test_a_model_trained_on_the_embedded_corpus_exports_its_tokenizer(tmp_path, capsys, monkeypatch):
+    """The quick start's model exported to Hugging Face (from the checkpoint review): it went without a tokenizer
+    and with transformers' class defaults for bos/eos (ids of other tokens, or past the 4096-token vocabulary);
+    now with the corpus's tokenizer, which transformers loads and which encodes as ours, and its EOD as eos."""
+    import importlib.util
+
+    transformers = pytest.importorskip("transformers")
+    from megatron_lite.data.embedded import EOD, build_embedded_corpus
+    from megatron_lite.data.tokenizers import HuggingFaceTokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "convert_tool", os.path.join(root, "tools", "checkpoint", "convert.py")
+    )
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    rc, _, err = _run(["--train-iters", "1", "--save", str(ckpt)], capsys, monkeypatch)
+    assert rc == 0, err
+    assert (
+        convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", str(ckpt), "--save-dir", str(out)])
+        == 0
+    )
+    assert "tokenizer: the embedded corpus's" in capsys.readouterr().out
+    ours = HuggingFaceTokenizer(build_embedded_corpus()[1])
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def main(argv):\n    return sorted(argv)"
+    assert theirs(text)["input_ids"] == ours.encode(text)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == theirs.convert_tokens_to_ids(EOD) == ours.eod
+
+
 def test_lora_on_a_pretraining_checkpoint_resumes_exactly(tmp_path, capsys, monkeypatch):
     """LoRA adapters started on a base run's checkpoint (no --finetune: the iteration goes on) and the run resumed
     from its own save equals the uninterrupted run: the adapters' Adam step count starts at 0, not at the base

@@ -32,7 +32,7 @@ from megatron_lite.checkpoint.hf_convert import generation_eos_ids, model_config
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
-from megatron_lite.data.embedded import EMBEDDED_VOCAB
+from megatron_lite.data.embedded import trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser, report_error
 from megatron_lite.inference.generation import SamplingConfig, generate_batch
@@ -164,14 +164,11 @@ def _tokenizer(args: argparse.Namespace, meta: dict, path: str, vocab_size: int)
     keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
     flags = argparse.Namespace(**{k: data.get(k) for k in keys})
     flags.tokenizer_model = tokenizer_beside(flags.tokenizer_model, path)
-    no_data = not (data.get("data_path") or data.get("train_data_path") or data.get("mock_data") or data.get("sft"))
-    # (a conversion's checkpoint names no data either: its vocabulary is the model's own, not the corpus's)
-    no_data = no_data and not meta.get("converted_from") and vocab_size == EMBEDDED_VOCAB
     if args.tokenizer_model:
         flags.tokenizer_model = args.tokenizer_model
         if flags.tokenizer_type in (None, "NullTokenizer", "GPT2BPETokenizer"):
             flags.tokenizer_type = "HuggingFaceTokenizer"
-    elif flags.tokenizer_type is None and no_data:
+    elif trained_on_embedded_corpus(meta, vocab_size):
         from megatron_lite.data.embedded import build_embedded_corpus
 
         flags.tokenizer_type, flags.tokenizer_model = (

@@ -59,6 +59,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
+from megatron_lite.data.embedded import trained_on_embedded_corpus
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import DEEPSEEK_V2
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
@@ -561,11 +562,17 @@ def megatron_lite_to_hf(
     if (original.get("architectures") or [None])[0] == arch:
         base = original
     side_from = [(d, SIDE_FILES) for d in side_from]
-    tok = (saved.get("data") or {}).get("tokenizer_model")
+    data = saved.get("data") or {}
+    if trained_on_embedded_corpus(meta, config.vocab_size):  # (the quick start's demo: its tokenizer goes along)
+        from megatron_lite.data.embedded import build_embedded_corpus
+
+        data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": build_embedded_corpus(log=log)[1]}
+        log(f"tokenizer: the embedded corpus's, {data['tokenizer_model']} (the job trained on that corpus)")
+    tok = data.get("tokenizer_model")
     if tok and os.path.isfile(tok):  # (its tokenizer files only: the directory may be another model's)
         side_from.append((os.path.dirname(tok), TOKENIZER_FILES))
         if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens
-            base = _token_ids(saved["data"])
+            base = _token_ids(data)
     check_exportable(config, arch)  # (before the weights are mapped: a missing tensor was a KeyError traceback)
     if config.moe_expert_capacity_factor is not None:
         log(

@@ -51,6 +51,18 @@ def _stdlib_files(max_bytes: int) -> list[str]:
 EMBEDDED_VOCAB = 4096  # the size of the tokenizer trained on the corpus
 
 
+def trained_on_embedded_corpus(meta: dict, vocab_size: int) -> bool:
+    """Whether a checkpoint's job trained on this corpus (its tokenizer is then the corpus's, which the checkpoint
+    does not name): a job given no data nor tokenizer flags, with the corpus's vocabulary, and not a conversion
+    from Hugging Face (whose checkpoint names no data either, its vocabulary being the model's own)."""
+    data = meta["config"].get("data") or {}
+    named = data.get("data_path") or data.get("train_data_path") or data.get("mock_data") or data.get("sft")
+    return (
+        not named and data.get("tokenizer_type") is None and not meta.get("converted_from")
+        and vocab_size == EMBEDDED_VOCAB
+    )  # fmt: skip
+
+
 def build_embedded_corpus(
     vocab_size: int = EMBEDDED_VOCAB, max_bytes: int = 12_000_000, root: str | None = None, log=print
 ) -> tuple[str, str]:
