@@ -1109,3 +1109,25 @@ def test_a_model_type_transformers_does_not_know_is_refused_for_other_classes(co
     rc = convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", src, "--save-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "transformers cannot read it" in err[0], err
+
+
+def test_a_deepseek_v3_keeping_rotate_half_rope_rows_round_trips_bit_exact(tmp_path):
+    """rope_interleave=false (RoPE rows already rotate-half, as ours): the export wrote them interleaved with
+    rope_interleave=true (the same logits, other tensors); the checkpoint review found HF -> ours -> HF not
+    bit-exact there. Now written back as they came."""
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+        v_head_dim=10, first_k_dense_replace=2, rope_interleave=False, **COMMON,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
+    model.save_pretrained(hf_dir)
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    a, b = _tensors(hf_dir), _tensors(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert reloaded.config.rope_interleave is False
+    assert torch.equal(_hf_logits(reloaded, PROMPT), _hf_logits(model, PROMPT))

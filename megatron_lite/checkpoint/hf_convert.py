@@ -61,7 +61,7 @@ from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, Train
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import trained_on_embedded_corpus
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
-from megatron_lite.models.hf_deepseek import DEEPSEEK_V2
+from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
@@ -493,9 +493,8 @@ def megatron_lite_to_peft(
     config = model_config_from_dict(saved["model"])
     original, side = _original_hf_config(load_dir, saved)
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # (a Phi-3 stays a Phi-3)
-    # the adapters go onto the base they came from, whose RoPE rows a rope_interleave=false DeepSeek-V3 keeps as ours
-    # (V2 has no flag: always interleaved; a base not converted from HF: as our export writes, interleaved)
-    interleave = arch == DEEPSEEK_V2 or bool(original.get("rope_interleave", True))
+    # (onto the base they came from, whose RoPE rows a rope_interleave=false DeepSeek-V3 keeps as ours)
+    interleave = rope_interleave_of(arch, original)
     tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, arch, rope_interleave=interleave)
     if dtype:
         tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}  # (as the base's export)
@@ -581,7 +580,8 @@ def megatron_lite_to_hf(
         )
     ours = check_state_dict(ours, config, f"--load-dir {load_dir}", log, extra_ok=True, cause=EXPORT_CAUSE)
     with mapping_errors(f"--load-dir {load_dir}"):
-        hf = state_dict_to_hf(ours, config, arch, on_disk=True)
+        # (a rope_interleave=false base keeps its RoPE rows as ours: written back so, HF -> ours -> HF bit-exact)
+        hf = state_dict_to_hf(ours, config, arch, on_disk=True, rope_interleave=rope_interleave_of(arch, base))
     if dtype is not None:
         target = DTYPES[dtype]
         hf = {k: v.to(target) for k, v in hf.items()}

@@ -452,7 +452,7 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
             mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
         )
     if arch in DEEPSEEK:
-        out.update(hf_deepseek.config_fields(c, arch))
+        out.update(hf_deepseek.config_fields(c, arch, hf_deepseek.rope_interleave_of(arch, base)))
         if c.rope_scaling is not None and c.rope_scaling.rope_type == "yarn":
             # the softmax scale's factor, in both blocks: with both written, transformers 5 builds its rope
             # parameters from rope_scaling (the scale came back without mscale^2), and 4.x reads only that one

@@ -170,8 +170,14 @@ def export_problems(c: ModelConfig, arch: str) -> list[str]:
     return problems
 
 
-def config_fields(c: ModelConfig, arch: str) -> dict:
-    """config.json fields of DeepSeek-V2/V3 for `c` (its RoPE parameters aside)."""
+def rope_interleave_of(arch: str, base: dict | None) -> bool:
+    """Whether `arch`'s weights hold DeepSeek's interleaved RoPE rows: V3 as `base` (the config.json the weights
+    came with) says, interleaved without one, as DeepSeek's checkpoints are; V2 always (it has no flag)."""
+    return arch != DEEPSEEK_V3 or bool((base or {}).get("rope_interleave", True))
+
+
+def config_fields(c: ModelConfig, arch: str, interleave: bool = True) -> dict:
+    """config.json fields of DeepSeek-V2/V3 for `c` (its RoPE parameters aside), with RoPE rows `interleave`d."""
     first_dense = c.moe_layers.index(True) if c.num_experts and any(c.moe_layers) else c.num_layers
     shared = c.moe_shared_expert_intermediate_size
     out = dict(
@@ -181,7 +187,7 @@ def config_fields(c: ModelConfig, arch: str) -> dict:
         qk_rope_head_dim=c.qk_pos_emb_head_dim,
         head_dim=c.qk_pos_emb_head_dim,  # (transformers' rotary dim for DeepSeek-V3)
         v_head_dim=c.v_head_dim,
-        rope_interleave=True,  # the weights are written with DeepSeek's interleaved RoPE rows
+        rope_interleave=interleave,  # (how the weights are written: DeepSeek's interleaved rows, or ours)
         attention_bias=False,
         first_k_dense_replace=first_dense,
         n_routed_experts=c.num_experts or 1,
