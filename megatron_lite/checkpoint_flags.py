@@ -238,6 +238,12 @@ SCHEDULE_DESTS = (
 )
 
 
+# Those --use-checkpoint-opt_param-scheduler takes from the checkpoint: Megatron's OptimizerParamScheduler restores its
+# lr, min lr, warmup and decay lengths, decay style and weight decay; the WSD decay and the warmup's starting lr
+# (--lr-warmup-init) are the flags' there too (a resume with another --lr-wsd-decay-iters kept the checkpoint's)
+CHECKPOINT_SCHEDULE_DESTS = tuple(d for d in SCHEDULE_DESTS if not d.startswith(("lr_wsd_", "lr_warmup_init")))
+
+
 def _schedule_notes(
     ns: argparse.Namespace,
     saved: dict,
@@ -256,6 +262,7 @@ def _schedule_notes(
     old_gbs, gbs = full.get("global_batch_size"), ns.global_batch_size
     new_batch = None not in (old_gbs, gbs) and gbs != old_gbs
     if ns.use_checkpoint_opt_param_scheduler:
+        changed = [d for d in changed if d in CHECKPOINT_SCHEDULE_DESTS]
         for d in changed:
             setattr(ns, d, saved[d])
         _keep_decay_length(ns, full)

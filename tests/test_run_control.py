@@ -237,11 +237,11 @@ def test_validation_goes_on_where_the_last_evaluation_stopped(tmp_path, capsys, 
     """Megatron's evaluate(): each evaluation reads the next --eval-iters global batches of the validation set
     and a resumed run goes on from the checkpoint's count (consumed_valid_samples); --skip-train and the test
     set start at the beginning. Every evaluation here had read the same first batches."""
-    import megatron_lite.training.pretrain as pretrain
+    from megatron_lite.training.batches import Batches
 
     reads = []
-    real = pretrain._Batches.get
-    monkeypatch.setattr(pretrain._Batches, "get", lambda self, n: reads.append((id(self.dataset), n)) or real(self, n))
+    real = Batches.get
+    monkeypatch.setattr(Batches, "get", lambda self, n: reads.append((id(self.dataset), n)) or real(self, n))
 
     def valid_reads(argv):
         reads.clear()

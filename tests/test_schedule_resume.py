@@ -154,3 +154,82 @@ def test_a_checkpoint_of_an_iteration_based_ramp_still_resumes(monkeypatch):
     assert any("which Megatron refuses" in n for n in ns.schedule_notes)
     with pytest.raises(ConfigError, match="needs a sample-based run"):
         parse_args(["--load", "ckpt", "--train-iters", "12"])
+
+
+# From a review of the training loop against Megatron-LM (2026-12-04) ------------------------------------------
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv less the given flags and their values."""
+    out, skip = [], False
+    for a in argv:
+        if a.startswith("--"):
+            skip = a in flags
+        if not skip:
+            out.append(a)
+    return out
+
+
+WSD = _without(RUN, "--lr-warmup-iters", "--lr-decay-style")
+
+
+def test_use_checkpoint_schedule_takes_the_wsd_decay_from_the_flags(tmp_path, capsys, monkeypatch):
+    """Megatron's OptimizerParamScheduler restores lr, min lr, warmup and decay lengths and style and the weight
+    decay; the WSD anneal (--lr-wsd-decay-iters) is its flags'. The checkpoint's 2 iterations were kept, so the lr
+    stayed at its peak until iteration 8; with the flags' 6 it anneals linearly from iteration 3 (position 2)."""
+    ckpt = str(tmp_path / "ckpt")
+    wsd = [*WSD, "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear", "--min-lr", "1e-4"]
+    _job([*wsd, "--lr-wsd-decay-iters", "2", "--save", ckpt, "--save-interval", "4", "--exit-interval", "4"],
+         tmp_path / "a.jsonl", capsys, monkeypatch)  # fmt: skip
+    resumed, out = _job([*wsd, "--lr-wsd-decay-iters", "6", "--load", ckpt, "--use-checkpoint-opt_param-scheduler"],
+                        tmp_path / "b.jsonl", capsys, monkeypatch)  # fmt: skip
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
+    # the lr iteration i steps with: position i - 1 of 8, the anneal over the last 6 from 1e-3 to 1e-4
+    expected = [1e-4 + (1e-3 - 1e-4) * (1 - (i - 1 - 2) / 6) for i in range(5, 9)]
+    assert [r["lr"] for r in resumed] == pytest.approx(expected, rel=1e-9)
+    assert "lr_wsd_decay_iters kept" not in out
+
+
+def test_a_sample_based_ramp_asks_the_data_for_its_train_samples(tmp_path, capsys, monkeypatch):
+    """The train split was asked for train_iters x the final batch (1296 samples for a --train-samples 1000 ramp),
+    where Megatron asks for --train-samples: a split's epochs, and so the order of its samples, depend on it."""
+    import megatron_lite.training.pretrain as pretrain
+
+    asked = []
+    real = pretrain.build_datasets
+
+    def spy(source, data, num_samples, *args, **kw):
+        asked.append(num_samples)
+        return real(source, data, num_samples, *args, **kw)
+
+    monkeypatch.setattr(pretrain, "build_datasets", spy)
+    ramp = _without(RUN, "--train-iters", "--lr-warmup-iters", "--global-batch-size")
+    ramp += ["--global-batch-size", "8", "--train-samples", "100", "--rampup-batch-size", "4", "4", "20",
+             "--exit-interval", "1"]  # fmt: skip
+    _job(ramp, tmp_path / "a.jsonl", capsys, monkeypatch)
+    assert asked[0][0] == 100, asked
+
+
+def test_a_batch_ramp_saves_before_each_larger_batch(tmp_path, capsys, monkeypatch):
+    """As Megatron's train(): a checkpoint whenever the ramped-up batch grows (there: the micro-batch count), so a
+    run resumes at each size. Batches of 4 up to 12 over 40 samples: 4 4 4 | 8 8 | 12 ... (iterations 3 and 5)."""
+    ckpt = tmp_path / "ckpt"
+    ramp = _without(RUN, "--train-iters", "--lr-warmup-iters", "--global-batch-size")
+    ramp += ["--global-batch-size", "12", "--train-samples", "96", "--rampup-batch-size", "4", "4", "40",
+             "--save", str(ckpt), "--save-interval", "1000"]  # fmt: skip
+    rows, out = _job(ramp, tmp_path / "a.jsonl", capsys, monkeypatch)
+    sizes = [r["global_batch_size"] for r in rows]
+    grows = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]  # the iterations before a larger batch
+    assert grows and sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{i:07d}" for i in [*grows, len(rows)]]
+    assert out.count("(--rampup-batch-size): saving first") == len(grows)
+
+
+def test_a_time_limit_reached_during_an_evaluation_ends_it_unlogged(tmp_path, capsys, monkeypatch):
+    """Megatron's evaluate() checks --exit-duration-in-mins after each batch and stops there, printing nothing; the
+    loop then saves and exits. Ours ran every --eval-iters batch and logged a validation loss first."""
+    argv = _without(RUN, "--eval-iters")
+    argv += ["--eval-iters", "50", "--eval-interval", "1", "--exit-duration-in-mins", "1e-9"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "exiting during the validation evaluation: --exit-duration-in-mins reached" in out
+    assert "validation loss" not in out and "exiting at iteration 1" in out

@@ -121,7 +121,8 @@ class LRScheduler:
         self.num_steps = int(state["num_steps"])
         if self.keep_saved_lengths and "lengths" in state:  # (older checkpoints: the flags' lengths)
             saved = state["lengths"]
-            self.warmup, self.decay_steps, self.wsd_steps = saved["warmup"], saved["decay"], saved["wsd"]
+            # (the WSD decay stays the flags', as Megatron's: its scheduler state has no such length)
+            self.warmup, self.decay_steps = saved["warmup"], saved["decay"]
             self.wd_steps = saved["weight_decay"]
         position = int(state.get("position", self.num_steps))
         if state.get("position_unit") != "samples" and position == self.num_steps:

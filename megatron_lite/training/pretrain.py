@@ -29,8 +29,6 @@ from megatron_lite.checkpoint.checkpointing import (
 )
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.builder import build_datasets, check_data, resolve_data
-from megatron_lite.data.mock import collate
-from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.flag_parser import report_error
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
@@ -46,6 +44,7 @@ from megatron_lite.resilience.flight_recorder import FlightRecorder
 from megatron_lite.resilience.guards import ExitSignal
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
 from megatron_lite.training import memory
+from megatron_lite.training.batches import Batches
 from megatron_lite.training.configs import JobConfig, check_output_paths
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
@@ -90,59 +89,6 @@ def _new_window() -> dict:
 
 def _logging_rank(ctx: ParallelContext) -> bool:
     return ctx.is_last_stage and ctx.tp.rank == 0 and ctx.dp_cp.rank == 0
-
-
-class _Batches:
-    """Micro-batches of the global batch starting at `consumed` samples, for this data-parallel rank.
-
-    With --num-workers > 0, worker processes load the micro-batches of the coming iterations ahead of time
-    (torch DataLoader); the order is the same as without them, so the data stays layout-independent."""
-
-    def __init__(
-        self, dataset, job: JobConfig, ctx: ParallelContext, num_workers: int = 0, rampup: bool = False
-    ) -> None:
-        self.dataset = dataset
-        self.training, self.rampup = job.training, rampup  # rampup: the batch grows (--rampup-batch-size)
-        self.mbs = job.training.micro_batch_size
-        self.ctx = ctx
-        self.num_workers = num_workers
-        self._loader = None
-        self._next = None
-
-    def gbs(self, consumed: int) -> int:
-        dp = self.ctx.dp.size
-        return self.training.batch_size_at(consumed, dp) if self.rampup else self.training.global_batch(dp)
-
-    def _indices(self, consumed: int) -> list[list[int]]:
-        ix = micro_batch_indices(consumed, self.gbs(consumed), self.mbs, self.ctx.dp.rank, self.ctx.dp.size)
-        n = len(self.dataset)  # (batches a rollback skipped read past the split's samples: its first ones again)
-        return [[i % n for i in micro] for micro in ix]
-
-    def get(self, consumed: int) -> list[dict[str, torch.Tensor]]:
-        if self.num_workers == 0:
-            return [collate([self.dataset[i] for i in ix], self.ctx.device) for ix in self._indices(consumed)]
-        if self._loader is None or consumed != self._next:
-
-            def order(start=consumed):
-                while True:
-                    yield from self._indices(start)
-                    start += self.gbs(start)
-
-            # Its own generator: the loader must not draw its worker seeds from the global one dropout uses.
-            loader = torch.utils.data.DataLoader(
-                self.dataset,
-                batch_sampler=order(),
-                num_workers=self.num_workers,
-                collate_fn=collate,
-                pin_memory=self.ctx.device.type == "cuda",
-                generator=torch.Generator().manual_seed(0),
-            )
-            self._loader = iter(loader)
-        self._next = consumed + self.gbs(consumed)
-        count = self.gbs(consumed) // (self.mbs * self.ctx.dp.size)
-        return [
-            {k: v.to(self.ctx.device, non_blocking=True) for k, v in next(self._loader).items()} for _ in range(count)
-        ]
 
 
 def run(job: JobConfig, notes: list[str]) -> int:
@@ -288,8 +234,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
         t = job.training
         gbs = t.global_batch(ctx.dp.size)
         evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+        # (--train-samples asks for that many, as Megatron: a ramped-up run's train_iters x the final batch asked
+        # for more, and a split's epochs, hence its sample order, depend on the count asked for)
+        train_n = t.train_samples if t.train_samples is not None else t.train_iters * gbs
         train_ds, valid_ds, test_ds = build_datasets(
-            source, job.data, (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed, data_log
+            source, job.data, (train_n, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed, data_log
         )
         prompts, responses = getattr(train_ds, "cut", (0, 0))
         if prompts or responses:
@@ -314,7 +263,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     given = f"no {flag}" if job.data.train_data_path else f"--split {job.data.split}"
                     log.info(f"no {name} evaluation: the {name} split holds no documents ({given})")
         rampup = t.rampup_batch_size is not None
-        train_batches = _Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
+        train_batches = Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
         flops_per_sample = flops_per_token(job.model, t.seq_length, frozen=job.lora is not None) * t.seq_length
         peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
         start_time = time.time()
@@ -356,11 +305,18 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if hasattr(optimizer, "finish_param_sync"):
                 optimizer.finish_param_sync()
             model.eval()
-            batches = _Batches(dataset, job, ctx)
+            batches = Batches(dataset, job, ctx)
             start = state.consumed_valid_samples if kind == "validation" and not t.skip_train else 0
-            sums = [eval_step(ddp, batches.get(start + i * gbs), ctx) for i in range(t.eval_iters)]
-            if kind == "validation":
-                state.consumed_valid_samples += t.eval_iters * gbs
+            sums = []
+            for i in range(t.eval_iters):
+                sums.append(eval_step(ddp, batches.get(start + i * gbs), ctx))
+                if kind == "validation":
+                    state.consumed_valid_samples += gbs
+                # (Megatron's evaluate(): a time limit reached during it ends it, unlogged; the loop then exits)
+                if t.exit_duration_in_mins is not None and _over_time(t, job_start, ctx):
+                    log.info(f"exiting during the {kind} evaluation: --exit-duration-in-mins reached")
+                    model.train()
+                    return
             model.train()
             # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
             loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
@@ -371,9 +327,15 @@ def run(job: JobConfig, notes: list[str]) -> int:
         profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
         if t.skip_train:
             log.info(f"--skip-train: evaluating the model at iteration {state.iteration}, no training")
+        batch_was = train_batches.gbs(state.consumed_samples)
         while state.iteration < t.train_iters and not t.skip_train:
             if saver is not None and (path := saver.poll()):
                 log.info(f"saved {path} (async)")
+            if rampup and train_batches.gbs(state.consumed_samples) != batch_was:  # (as Megatron's train())
+                batch_was = train_batches.gbs(state.consumed_samples)
+                if ck.save and state.iteration:
+                    log.info(f"the global batch grows to {batch_was} (--rampup-batch-size): saving first")
+                    save()
             while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
                 log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
                 state.consumed_samples += train_batches.gbs(state.consumed_samples)
@@ -534,8 +496,10 @@ def _finish_async_save(saver, log) -> None:
 def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -> bool:
     if t.exit_interval and state.iteration % t.exit_interval == 0:
         return True
-    if t.exit_duration_in_mins is None:
-        return False
+    return t.exit_duration_in_mins is not None and _over_time(t, job_start, ctx)
+
+
+def _over_time(t, job_start: float, ctx: ParallelContext) -> bool:
     # Every rank must take the same decision, or some would wait in the next step's collectives.
     return any_rank((time.time() - job_start) / 60 > t.exit_duration_in_mins, ctx)
 
