@@ -333,6 +333,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         merge_file=ns.merge_file,
         vocab_size=ns.vocab_size,
         data_cache_path=ns.data_cache_path,
+        mid_level_dataset_surplus=ns.mid_level_dataset_surplus,
         num_workers=ns.num_workers,
         eod_mask_loss=ns.eod_mask_loss,
         reset_position_ids=ns.reset_position_ids,

@@ -389,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='a JSON file {"train": [...], "valid": [...], "test": [...]}: the --{train,valid,test}-data-path words',
     )
     a.add_argument("--split", default="969,30,1")
+    a.add_argument(
+        "--mid-level-dataset-surplus",
+        type=float,
+        default=0.005,
+        help="a weighted blend builds each dataset for this share more samples than it draws from it",
+    )
     _bool(a, "--mock-data", "synthetic tokens (needs --vocab-size)")
     a.add_argument("--tokenizer-type", type=tokenizer_type_flag, metavar="{" + ",".join(TOKENIZER_TYPES) + "}")
     a.add_argument(

@@ -70,6 +70,79 @@ def _scan(native: bool, monkeypatch) -> None:
         assert native_blend.load()[0] is not None, native_blend.load()[1]
 
 
+def _normalize(weights) -> list[float]:
+    """Megatron's normalize() (megatron/core/datasets/utils.py)."""
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def _megatron_order(w: list[float], size: int) -> list[int]:
+    counts, out = [0] * len(w), []
+    for i in range(size):
+        errors = [w[k] * max(i, 1.0) - counts[k] for k in range(len(w))]
+        best = max(range(len(w)), key=lambda k: (errors[k], -k))  # (the first maximum)
+        out.append(best)
+        counts[best] += 1
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_blend_weights_are_normalised_twice_as_megatron_does(native, monkeypatch):
+    """From a data review against Megatron: its builder normalises a blend's weights and its BlendedDataset
+    normalises them again ("redundant normalization for bitwise identical comparison"); the second pass moves
+    their last bits and so which dataset wins a tie. Normalised once, 278 of the first 2000 samples of a
+    0.6/0.3/0.1 blend came from another dataset."""
+    _scan(native, monkeypatch)
+    weights, n = [0.6, 0.3, 0.1], 2000
+    twice, once = _megatron_order(_normalize(_normalize(weights)), n), _megatron_order(_normalize(weights), n)
+    assert twice != once  # (the case tells the two rules apart)
+    assert BlendedDataset([_Endless() for _ in weights], weights, n).dataset_index.tolist() == twice
+
+
+def test_blend_parts_are_built_for_megatrons_sample_counts(tmp_path, monkeypatch):
+    """What each part of a blend is built for (its epochs, so its sample order, follow), as Megatron's builder:
+    weighted, ceil(ceil(N x share) x (1 + --mid-level-dataset-surplus)) (ours was ceil(N x share x 1.005): 34
+    and 67 for 1:2 of 100, Megatron's 35 and 68); without weights one epoch each where N fits in one (ours took
+    N's share plus the margin, a second epoch's order); one prefix of a split's own paths, weighted or not, N."""
+    import math
+
+    from megatron_lite.data import builder
+
+    built = []
+    real = builder.GPTDataset
+
+    def spy(indexed, doc_range, num_samples, *args, **kw):
+        built.append(num_samples)
+        return real(indexed, doc_range, num_samples, *args, **kw)
+
+    monkeypatch.setattr(builder, "GPTDataset", spy)
+    a = _corpus(str(tmp_path / "a"), 300, 0, 80, seed=1)
+    b = _corpus(str(tmp_path / "b"), 100, 80, 160, seed=2)
+    tok = "ByteLevelTokenizer"
+
+    def sizes(n, **kw):
+        built.clear()
+        data = DataConfig(tokenizer_type=tok, **kw)
+        t = ByteLevelTokenizer()
+        per_split = data.blend_per_split
+        prefixes = [wp for b in per_split for wp in b] if per_split else data.blend
+        build_datasets(DataSource(t, t.vocab_size, prefixes, "", per_split), data, (n, 0, 0), 8, 1234)
+        return list(built)
+
+    share = _normalize([1, 2])
+    for surplus in (0.005, 0.0):
+        megatron = [math.ceil(math.ceil(100 * w) * (1 + surplus)) for w in share]
+        got = sizes(100, data_path=("1", a, "2", b), split="1,0,0", mid_level_dataset_surplus=surplus)
+        assert got == megatron, (surplus, got, megatron)
+    assert megatron == [34, 67] and sizes(100, data_path=("1", a, "2", b), split="1,0,0") == [35, 68]
+    # one epoch each: (300 x 20 - 1) // 8 = 749 and (100 x 20 - 1) // 8 = 249 samples
+    assert sizes(900, data_path=(a, b), split="1,0,0") == [749, 249]
+    assert sizes(1200, data_path=(a, b), split="1,0,0") == [math.ceil(math.ceil(1200 * w) * 1.005)
+                                                           for w in _normalize([749, 249])]  # fmt: skip
+    assert sizes(100, train_data_path=("1.0", a)) == [100]
+    assert sizes(100, data_path=("1.0", a), split="1,0,0") == [101]  # (--data-path blends a weighted one)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
 @pytest.mark.parametrize("weights", [[1, 2, 3], [0.2, 0.3, 0.5], [5, 1]])
 def test_blending_order_matches_the_reference_loop(weights, native, monkeypatch):
@@ -79,7 +152,7 @@ def test_blending_order_matches_the_reference_loop(weights, native, monkeypatch)
 
     _scan(native, monkeypatch)
     monkeypatch.setattr(gpt_dataset, "BLEND_CHUNK", 7)
-    w = np.asarray(weights, np.float64) / sum(weights)
+    w = _normalize(_normalize(weights))  # (Megatron's builder, then its BlendedDataset)
     counts = [0] * len(w)
     expected = []
     for i in range(50):

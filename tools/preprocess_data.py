@@ -92,13 +92,21 @@ def _encode_document(kind: str, payload: str) -> dict[str, tuple[list[int], list
 
 def _items(args: argparse.Namespace):
     """(where, kind, payload) per document. JSONL lines are decoded one by one, so text that is not UTF-8 is
-    reported at its own line and column."""
-    for path in args.files:
-        try:
-            yield from _file_items(args, path)
-        except (OSError, EOFError, zlib.error) as e:  # (a damaged or truncated .gz)
-            yield path, "error", f"cannot be read: {e}"
-            return
+    reported at its own line and column. With --partitions P (without --keep-sequential-samples) in Megatron's
+    order: it deals the input lines round-robin into P files (line i of them all, blank ones counted, into
+    partition i % P) and concatenates their outputs; here P passes over the inputs, pass k keeping lines k + jP."""
+    passes = 1 if args.keep_sequential_samples or args.text_files else max(1, args.partitions)
+    for k in range(passes):
+        line = 0
+        for path in args.files:
+            try:
+                for item in _file_items(args, path):
+                    line += item[1] != "error"
+                    if item[1] == "error" or ((line - 1) % passes == k and item[1] != "blank"):
+                        yield item
+            except (OSError, EOFError, zlib.error) as e:  # (a damaged or truncated .gz)
+                yield path, "error", f"cannot be read: {e}"
+                return
 
 
 def _file_items(args: argparse.Namespace, path: str):
@@ -117,8 +125,7 @@ def _file_items(args: argparse.Namespace, path: str):
                 why = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); convert the file to UTF-8"
                 yield f"{path}:{n}", "error", why
                 return
-            if line.strip():
-                yield f"{path}:{n}", "json", line
+            yield f"{path}:{n}", "json" if line.strip() else "blank", line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,11 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences (Megatron's)")
     g.add_argument("--lang", help="with --split-sentences (Megatron's)")
-    g.add_argument("--partitions", type=int, default=1, help="accepted (Megatron's): one pass over the inputs here")
+    g.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="documents in Megatron's order for that many partitions (its input lines dealt round-robin; "
+        "--workers parallelises here)",
+    )
     g.add_argument(
         "--keep-sequential-samples",
         action="store_true",
-        help="accepted (Megatron's): documents always keep input order",
+        help="with --partitions: documents keep the input order (Megatron's contiguous partitions)",
     )
     g = p.add_argument_group("tokenizer")
     g.add_argument(
@@ -163,10 +176,14 @@ def main(argv: list[str] | None = None) -> int:
                 'each document\'s sentences as a JSON list ({"text": ["First.", "Second."]}): one sequence each, in '
                 "PREFIX_text_document (Megatron names its split output PREFIX_text_sentence)"
             )
-        if args.partitions > 1:
-            print(f"note: --partitions {args.partitions}: one pass over the inputs here (--workers parallelises)")
-        if args.keep_sequential_samples:
-            print("note: --keep-sequential-samples: documents are always written in input order here")
+        if args.partitions < 1:
+            raise ConfigError(f"--partitions {args.partitions} must be >= 1")
+        if args.partitions > 1 and not args.keep_sequential_samples and not args.text_files:
+            print(
+                f"note: --partitions {args.partitions}: documents in Megatron's order (its input lines dealt "
+                f"round-robin into {args.partitions} partitions, written one partition after another); "
+                "--keep-sequential-samples keeps the input order"
+            )
         # the files in the order given (a glob's own matches sorted): it decides which documents --split makes
         # validation and test; a file given twice is read once
         matches = [f for pattern in args.input for f in (sorted(glob.glob(pattern)) or [pattern])]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ConfigError
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus
-from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, file_lock, split_document_ranges
+from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, file_lock, normalize, split_document_ranges
 from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.tokenizers import HuggingFaceTokenizer, NullTokenizer, tokenizer_from_flags
@@ -198,14 +198,24 @@ def build_datasets(
                 w = max(int(indexed.lengths[lo:hi].sum()) - 1, 0) // seq_length
             if w > 0:
                 live.append((w, indexed, cache_dir, (lo, hi)))
-        total_w = sum(w for w, *_ in live)
-        # Megatron blends whatever carries weights, one weighted prefix too (`--data-path 1.0 PREFIX`), sizing each
-        # part with its 0.5% margin (a blend of one reads its part's first samples in order); ceil(N * share)
-        # alone already covers what the blend draws. One prefix without a weight is its dataset, N samples.
-        weighted = len(live) > 1 or any(w is not None for w, _, _ in blend)
+        # Megatron blends whatever carries weights, one weighted prefix of --data-path too (`--data-path 1.0 P`),
+        # building each part for ceil(ceil(N x share) x (1 + --mid-level-dataset-surplus)) samples (a blend of one
+        # reads its part's first samples in order); one prefix of a split's own paths is that split's dataset, N
+        # samples, weight or not, as is one prefix without a weight. Prefixes without weights are built for one
+        # epoch each (their weights), as Megatron's, where N fits in it; past it, beyond what Megatron does, for N.
+        weighted = (len(live) > 1 or any(w is not None for w, _, _ in blend)) and not (
+            source.per_split is not None and len(blend) == 1
+        )
+        one_epoch = all(w is None for w, _, _ in blend) and num_samples[s] <= sum(w for w, *_ in live)
+        shares = normalize([w for w, *_ in live]) if live else []
         parts = []
-        for w, indexed, cache_dir, doc_range in live:
-            n = math.ceil(num_samples[s] * (w / total_w) * 1.005) if weighted else num_samples[s]
+        for (w, indexed, cache_dir, doc_range), share in zip(live, shares):
+            if not weighted:
+                n = num_samples[s]
+            elif one_epoch:
+                n = w
+            else:
+                n = math.ceil(math.ceil(num_samples[s] * share) * (1 + data.mid_level_dataset_surplus))
             parts.append(
                 GPTDataset(
                     indexed,

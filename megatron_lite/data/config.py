@@ -65,6 +65,7 @@ class DataConfig:
     merge_file: str | None = None
     vocab_size: int | None = None  # NullTokenizer / --mock-data
     data_cache_path: str | None = None
+    mid_level_dataset_surplus: float = 0.005  # (Megatron's: each part of a weighted blend is built this much larger)
     num_workers: int = 0
     eod_mask_loss: bool = False
     # Megatron's document flags: positions restart after each end-of-document token, and attention stays
@@ -82,6 +83,10 @@ class DataConfig:
             raise ConfigError("--mock-data and --data-path are exclusive; drop one")
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers {self.num_workers} must be >= 0 (0 loads in the training process)")
+        if not self.mid_level_dataset_surplus >= 0:
+            raise ConfigError(
+                f"--mid-level-dataset-surplus {self.mid_level_dataset_surplus} must be >= 0 (0.005 is 0.5%)"
+            )
         try:
             weights = _split_weights(self.split)
         except ValueError:
