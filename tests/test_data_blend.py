@@ -87,16 +87,20 @@ def _megatron_order(w: list[float], size: int) -> list[int]:
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_blend_weights_are_normalised_twice_as_megatron_does(native, monkeypatch):
-    """From a data review against Megatron: its builder normalises a blend's weights and its BlendedDataset
-    normalises them again ("redundant normalization for bitwise identical comparison"); the second pass moves
-    their last bits and so which dataset wins a tie. Normalised once, 278 of the first 2000 samples of a
-    0.6/0.3/0.1 blend came from another dataset."""
+def test_blend_weights_are_normalised_twice_as_megatron_does(native, tmp_path, monkeypatch):
+    """From a data review against Megatron: its builder normalises a --data-path blend's weights and its
+    BlendedDataset normalises them again ("redundant normalization for bitwise identical comparison"); the second
+    pass moves their last bits and so which dataset wins a tie. Normalised once, 278 of the first 2000 samples of
+    a 0.6/0.3/0.1 blend came from another dataset. (Weights by size, none given, are normalised once there.)"""
     _scan(native, monkeypatch)
     weights, n = [0.6, 0.3, 0.1], 2000
     twice, once = _megatron_order(_normalize(_normalize(weights)), n), _megatron_order(_normalize(weights), n)
     assert twice != once  # (the case tells the two rules apart)
-    assert BlendedDataset([_Endless() for _ in weights], weights, n).dataset_index.tolist() == twice
+    paths = [_corpus(str(tmp_path / k), 400, 80 * i, 80 * i + 80, seed=i) for i, k in enumerate("abc")]
+    data = DataConfig(data_path=tuple(x for w, p in zip(weights, paths) for x in (str(w), p)), split="1,0,0",
+                      tokenizer_type="ByteLevelTokenizer")  # fmt: skip
+    train, _, _ = _build(data, (n, 0, 0))
+    assert train.dataset_index.tolist() == twice
 
 
 def test_blend_parts_are_built_for_megatrons_sample_counts(tmp_path, monkeypatch):
@@ -152,7 +156,7 @@ def test_blending_order_matches_the_reference_loop(weights, native, monkeypatch)
 
     _scan(native, monkeypatch)
     monkeypatch.setattr(gpt_dataset, "BLEND_CHUNK", 7)
-    w = _normalize(_normalize(weights))  # (Megatron's builder, then its BlendedDataset)
+    w = _normalize(weights)  # (Megatron's BlendedDataset normalises what it is given)
     counts = [0] * len(w)
     expected = []
     for i in range(50):
@@ -267,6 +271,7 @@ def test_prefixes_without_weights_blend_by_size(tmp_path):
     origins = [_origin(train[i], {"a": (0, 80), "b": (80, 160)}) for i in range(n)]
     # one-epoch samples: (300 * 20 - 1) // 8 = 749 and (100 * 20 - 1) // 8 = 249
     assert abs(origins.count("a") - n * 749 / (749 + 249)) <= 1
+    assert train.dataset_index.tolist() == _megatron_order(_normalize([749, 249]), n)  # (the sizes, once normalised)
     # the same for the per-split flags
     data = DataConfig(train_data_path=(a, b), tokenizer_type="ByteLevelTokenizer")
     assert data.blend_per_split[0] == [(None, a), (None, b)]

@@ -226,9 +226,6 @@ BLEND_CHUNK = 1 << 20
 BLEND_SLOW = 10**9  # (samples x datasets past which the Python scan takes minutes: ~1e8 a minute)
 
 
-BLEND_RULE = 2  # in the blend cache's name: 2, the weights normalised twice (1: once, a different order)
-
-
 def normalize(weights: list[float]) -> list[float]:
     """Megatron's normalize(): float64 weights over their numpy sum, as Python floats."""
     w = np.asarray(weights, dtype=np.float64)
@@ -239,10 +236,9 @@ def blending_indices(weights: list[float], size: int, log=None) -> tuple[np.ndar
     """(dataset, sample within it) of each of `size` blended samples: sample i comes from the dataset furthest
     behind its share, w * max(i, 1) - count, the first on ties (Megatron's helpers.cpp build_blending_indices).
     Run in C where a compiler is at hand (native_blend), else in Python, the same order bit for bit. The weights
-    are normalised twice, as Megatron's builder and then its BlendedDataset ("redundant normalization for bitwise
-    identical comparison") do: the second pass moves their last bits, and with them which dataset wins a tie (once
-    only, 278 of a 0.6/0.3/0.1 blend's first 2000 samples came from another dataset)."""
-    w = normalize(normalize(weights))
+    are normalised here, as Megatron's BlendedDataset does (its builder gives it a --data-path blend's weights
+    normalised already: see builder.build_datasets)."""
+    w = normalize(weights)
     # Typed arrays: Python lists of the whole blend took 64 bytes per sample (31 GiB for 500M samples); these
     # take 10, as Megatron's (int16 dataset, int64 sample)
     dtype = np.int16 if len(w) < 2**15 else np.int64
@@ -284,8 +280,7 @@ class BlendedDataset:
         if cache_dir is None:
             self.dataset_index, self.sample_index = blending_indices(weights, num_samples, log)
         else:
-            key = [[float(x) for x in weights], num_samples, BLEND_RULE]  # (an older rule's cache is not read)
-            digest = hashlib.md5(json.dumps(key).encode()).hexdigest()
+            digest = hashlib.md5(json.dumps([[float(x) for x in weights], num_samples]).encode()).hexdigest()
             # (two files, each its own dtype; an older cache's one stacked blend-{digest}.npy is not read)
             paths = [os.path.join(cache_dir, f"blend-{digest}-{k}.npy") for k in ("dataset", "sample")]
             with _lock_unless(paths, os.path.join(cache_dir, f"blend-{digest}.lock")):
