@@ -1131,3 +1131,24 @@ def test_a_deepseek_v3_keeping_rotate_half_rope_rows_round_trips_bit_exact(tmp_p
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
     assert reloaded.config.rope_interleave is False
     assert torch.equal(_hf_logits(reloaded, PROMPT), _hf_logits(model, PROMPT))
+
+
+def test_generation_says_which_generation_config_settings_it_does_not_apply(converted, tmp_path, capsys):
+    """From a generation review: a model's generation_config.json with repetition_penalty 1.5 (or sampling
+    defaults) made transformers' generate() give other tokens than ours, without a word; its eos ids are read,
+    the rest is now named once."""
+    import shutil
+
+    _, _, ours, _ = converted["llama"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ours, ckpt)
+    side = ckpt / "hf" / "generation_config.json"
+    base = json.loads(side.read_text()) if side.exists() else {}
+    argv = ["--load", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "2", "--greedy"]
+    side.write_text(json.dumps({**base, "eos_token_id": 3, "transformers_version": "5"}))
+    assert generate_cli.main(argv) == 0
+    assert "generation_config.json also sets" not in capsys.readouterr().err  # (ids alone: nothing to say)
+    side.write_text(json.dumps({**base, "eos_token_id": 3, "repetition_penalty": 1.5, "do_sample": True}))
+    assert generate_cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("generation_config.json also sets do_sample=True, repetition_penalty=1.5, which") == 1, err

@@ -28,7 +28,12 @@ from megatron_lite.checkpoint.checkpointing import (
     load_checkpoint,
     read_metadata,
 )
-from megatron_lite.checkpoint.hf_convert import generation_eos_ids, model_config_from_dict, saved_lora_config
+from megatron_lite.checkpoint.hf_convert import (
+    generation_config,
+    generation_eos_ids,
+    model_config_from_dict,
+    saved_lora_config,
+)
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
@@ -101,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-impl", choices=["torch", "triton"], default="torch")
     p.add_argument("--distributed-backend", choices=["nccl", "gloo"])
     return p
+
+
+# generation_config.json settings that choose other tokens in transformers' generate(), with its defaults
+GENERATION_DEFAULTS = {
+    "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "typical_p": 1.0,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "num_beams": 1,
+    "num_beam_groups": 1, "diversity_penalty": 0.0, "length_penalty": 1.0, "penalty_alpha": None,
+    "guidance_scale": None, "min_length": 0, "min_new_tokens": None,
+}  # fmt: skip
 
 
 def _note(message: str) -> None:
@@ -278,6 +294,17 @@ def run(args: argparse.Namespace) -> int:
         # also for --prompt-ids)
         ends = [tokenizer.eod if tokenizer is not None else None, *generation_eos_ids(path, saved)]
         stop = tuple(dict.fromkeys(i for i in ends if i is not None and 0 <= i < model_cfg.vocab_size))
+    # (transformers' generate() applies the rest of the model's generation_config.json; from a review: a sampling
+    # default or a repetition_penalty there gave other tokens without a word)
+    gen = generation_config(path, saved) or {}
+    unread = {k: gen[k] for k in GENERATION_DEFAULTS if k in gen and gen[k] != GENERATION_DEFAULTS[k]}
+    if unread:
+        _note(
+            "the model's generation_config.json also sets "
+            + ", ".join(f"{k}={v}" for k, v in sorted(unread.items()))
+            + ", which transformers' generate() applies and this tool does not (only its eos ids): pass the "
+            "sampling flags (--temperature, --top-k, --top-p, or --greedy) to choose"
+        )
     cf = model_cfg.moe_expert_capacity_factor
     if cf is not None and ctx.rank == 0:
         print(

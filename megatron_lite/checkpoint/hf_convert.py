@@ -456,12 +456,18 @@ def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dic
     return _original_hf_config(parent, read_metadata(path)["config"], depth - 1)
 
 
+def generation_config(load_dir: str, saved: dict) -> dict | None:
+    """A converted checkpoint's generation_config.json (None without one)."""
+    _, side = _original_hf_config(load_dir, saved)
+    path = os.path.join(side, "generation_config.json") if side else None
+    return json.load(open(path)) if path and os.path.isfile(path) else None
+
+
 def generation_eos_ids(load_dir: str, saved: dict) -> list[int]:
     """The ids transformers' generate stops at for a converted checkpoint: its generation_config.json's
     eos_token_id, else its config.json's (one id or a list, as Llama-3-Instruct's two end tokens); [] without."""
-    config, side = _original_hf_config(load_dir, saved)
-    path = os.path.join(side, "generation_config.json") if side else None
-    eos = (json.load(open(path)) if path and os.path.isfile(path) else config).get("eos_token_id")
+    gen = generation_config(load_dir, saved)
+    eos = (gen if gen is not None else _original_hf_config(load_dir, saved)[0]).get("eos_token_id")
     return [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
 
 
