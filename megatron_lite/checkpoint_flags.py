@@ -38,6 +38,7 @@ ARCH_DESTS = (
     "apply_layernorm_1p",
     "swiglu",
     "openai_gelu",
+    "no_bias_gelu_fusion",
     "squared_relu",
     "rotary_percent",
     "position_embedding_type",
@@ -138,6 +139,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["num_query_groups"] = m["num_query_groups"] if m["num_query_groups"] is not None else 1
     out["swiglu"] = m["activation"] == "swiglu"
     out["openai_gelu"] = m["activation"] == "gelu_tanh"
+    out["no_bias_gelu_fusion"] = m["activation"] == "gelu" and m["add_bias_linear"]  # (exact GELU with biases)
     out["squared_relu"] = m["activation"] == "squared_relu"
     out["rotary_percent"] = m.get("rotary_percent", 1.0)
     out["use_rope_scaling"] = m["rope_scaling"] is not None and not m.get("multi_latent_attention")

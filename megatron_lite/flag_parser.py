@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--norm-epsilon", type=float, default=1e-5)
     _bool(m, "--swiglu", "SwiGLU MLP (Llama)")
     _bool(m, "--openai-gelu", "tanh-approximated GELU (GPT-2's gelu_new)")
+    _bool(
+        m,
+        "--no-bias-gelu-fusion",
+        "exact GELU: Megatron's default GELU with biases is its fused bias-GELU, the tanh approximation, which "
+        "this flag turns off (without biases GELU is exact)",
+    )
     _bool(m, "--squared-relu", "squared ReLU activation, relu(x)^2 (Nemotron)")
     m.add_argument(
         "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "none"]

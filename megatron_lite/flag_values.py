@@ -193,9 +193,12 @@ def activation(ns: argparse.Namespace) -> str:
         raise ConfigError(
             f"--{chosen[0].replace('_', '-')} and --{chosen[1].replace('_', '-')} both pick the activation"
         )
-    return {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "squared_relu": "squared_relu"}.get(
-        chosen[0] if chosen else "", "gelu"
-    )
+    if not chosen:
+        # Megatron's GELU with biases is its fused bias-GELU (on unless --no-bias-gelu-fusion; off without
+        # biases), which is the tanh approximation: exact GELU there differed by 2e-4 in the logits
+        fused = not getattr(ns, "disable_bias_linear", False) and not getattr(ns, "no_bias_gelu_fusion", False)
+        return "gelu_tanh" if fused else "gelu"
+    return {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "squared_relu": "squared_relu"}[chosen[0]]
 
 
 def data_paths(ns: argparse.Namespace) -> dict[str, tuple[str, ...]]:

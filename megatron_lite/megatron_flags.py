@@ -53,7 +53,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "log_timers_to_tensorboard": (False, "iteration, data and exposed-communication times are logged every interval"),
     "no_masked_softmax_fusion": (False, "there is no fused masked softmax to disable"),
     "no_bias_swiglu_fusion": (False, "SwiGLU's fusion follows --kernel-impl (triton: fused, torch: not)"),
-    "no_bias_gelu_fusion": (False, "there is no fused bias-GELU to disable"),
     "no_bias_dropout_fusion": (False, "there is no fused bias-dropout to disable"),
     "no_rope_fusion": (False, "RoPE's fusion follows --kernel-impl (triton: fused, torch: not)"),
     "no_gradient_accumulation_fusion": (False, "there is no fused weight-gradient accumulation to disable"),

@@ -28,6 +28,29 @@ def test_swiglu_without_a_width_takes_megatrons_default():
     assert defaults_from_checkpoint(saved)["ffn_hidden_size"] == 4 * 768
 
 
+def test_gelu_with_biases_is_megatrons_fused_bias_gelu_the_tanh_approximation():
+    """From a review of the model against Megatron-Core: its GELU MLP with biases runs bias_gelu_impl (bias-GELU
+    fusion is on unless --no-bias-gelu-fusion, and off without biases), x/2 (1 + tanh(0.79788456 x (1 + 0.044715
+    x^2))); ours ran exact GELU (2.2e-4 off in the logits) and took --no-bias-gelu-fusion as a no-op. A checkpoint
+    of the old default (exact GELU, biases) resumes as it was saved."""
+    import torch
+
+    from megatron_lite.models.mlp import activate
+
+    assert parse_args(MOCK)[1].model.activation == "gelu_tanh"
+    assert parse_args([*MOCK, "--no-bias-gelu-fusion"])[1].model.activation == "gelu"
+    assert parse_args([*MOCK, "--disable-bias-linear"])[1].model.activation == "gelu"
+    assert parse_args([*MOCK, "--openai-gelu", "--disable-bias-linear"])[1].model.activation == "gelu_tanh"
+    assert "--no-bias-gelu-fusion" not in " ".join(accepted_no_ops(parse_args([*MOCK, "--no-bias-gelu-fusion"])[0]))
+    x = torch.linspace(-6, 6, 101, dtype=torch.float64)
+    megatron = x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+    assert torch.allclose(activate(x, parse_args(MOCK)[1].model.activation), megatron, rtol=0, atol=1e-8)
+    _, job = parse_args([*MOCK, "--no-bias-gelu-fusion"])
+    assert defaults_from_checkpoint(job.to_dict())["no_bias_gelu_fusion"] is True
+    _, tanh = parse_args([*MOCK, "--openai-gelu"])
+    assert defaults_from_checkpoint(tanh.to_dict())["no_bias_gelu_fusion"] is False
+
+
 def test_older_spellings_read_as_megatron_reads_them():
     ns, job = parse_args([*MOCK, "--use-rotary-position-embeddings", "--no-position-embedding",
                           "--recompute-activations", "--override-opt-param-scheduler", "--persistent-save-interval",
