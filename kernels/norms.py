@@ -475,6 +475,14 @@ def _cases() -> list[tuple]:
                     consts = {"IS_RMS": rms, "HAS_DS": True, "BLOCK": 4096, "ROWS": 1, "STAGES": stages}
                     name = f"norm_bwd_{t}_rms{rms}_dsTrue_rows1_stages{stages}"
                     out.append((name, _norm_bwd, sig, consts, {"num_warps": warps_for(4096)}))
+        if t == "bf16":  # an fp32 weight on bf16 rows: --apply-layernorm-1p's 1 + weight, summed in fp32
+            for rms in (True, False):
+                sig = {**out[0][2], "W": "*fp32", "B": "*fp32" if rms else "*bf16", "Y": "*fp32" if rms else "*bf16"}
+                consts = {"HAS_RES": True, "IS_RMS": rms, "BLOCK": 4096, "ROWS": 1}
+                out.append((f"norm_fwd_bf16_w32_rms{rms}", _norm_fwd, sig, consts))
+                bwd = f"norm_bwd_bf16_rms{rms}_dsTrue_default"
+                name, kernel, sig, consts, opts = next(c for c in out if c[0] == bwd)
+                out.append((name.replace("bf16", "bf16_w32"), kernel, {**sig, "W": "*fp32"}, consts, opts))
         sig = {"P": "*fp32", "Q": "*fp32", "OUT_P": f"*{t}", "OUT_Q": f"*{t}", "g": "i32", "N": "i32"}
         sig.update(dict.fromkeys(["HAS_Q", "BLOCK_G", "BLOCK_N"], "constexpr"))
         for has_q in (True, False):

@@ -68,3 +68,33 @@ def test_hugging_face_export_holds_gamma():
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (hf(ids).logits - one_p(ids)[..., : config.vocab_size]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("norm", ["RMSNorm", "LayerNorm"])
+def test_a_bf16_zero_centred_weight_adds_its_one_in_fp32(norm):
+    """From a review against Megatron-Core (Transformer Engine adds the 1 to gamma in fp32): 1 + w was rounded to
+    the bf16 weight's dtype, so gamma moved in steps of 2^-7 above 1 and a weight of 0.001 or 0.003 did nothing
+    (the output of w = 0 bit for bit). Now gamma = 1 + w in fp32, the rows rounded once, in their dtype."""
+    from megatron_lite.models.norms import LayerNorm, RMSNorm
+
+    cls = RMSNorm if norm == "RMSNorm" else LayerNorm
+    layer = cls(64, 1e-5, dtype=torch.bfloat16, zero_centered=True)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    outs = {}
+    for w in (0.0, 0.003):
+        with torch.no_grad():
+            layer.weight.fill_(w)
+            if norm == "LayerNorm":
+                layer.bias.zero_()
+        outs[w] = layer(x)
+        assert outs[w].dtype == torch.bfloat16
+    xd = x.double()
+    xhat = (
+        xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+        if norm == "RMSNorm"
+        else torch.nn.functional.layer_norm(xd, (64,), eps=1e-5)
+    )
+    expected = (xhat * (1 + torch.tensor(0.003, dtype=torch.bfloat16).double())).to(torch.bfloat16)
+    assert not torch.equal(outs[0.003], outs[0.0])
+    # within one bf16 rounding of the fp64 value (RMSNorm rounds the normalised rows first, as transformers)
+    assert (outs[0.003].double() - expected.double()).abs().max() <= 2 * 2**-8 * expected.double().abs().max()

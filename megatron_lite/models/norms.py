@@ -35,7 +35,9 @@ class _Norm(nn.Module):
         set_param_meta(self, "weight", ParamMeta(init, sequence_parallel=sequence_parallel))
 
     def gamma(self) -> torch.Tensor:
-        return (self.weight.float() + 1.0).to(self.weight.dtype) if self.zero_centered else self.weight
+        # (zero-centred: 1 + weight kept in fp32, as Transformer Engine's zero-centred gamma; rounded to a bf16
+        # weight's dtype it moved in steps of 2^-7 and 2^-8, and a weight below about 0.004 did nothing)
+        return self.weight.float() + 1.0 if self.zero_centered else self.weight
 
 
 class RMSNorm(_Norm):
@@ -44,7 +46,11 @@ class RMSNorm(_Norm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         fn = K.rms_norm if self.triton else K.rms_norm_reference
-        return fn(x, self.gamma(), self.eps, residual=residual)
+        out = fn(x, self.gamma(), self.eps, residual=residual)
+        if not self.zero_centered or x.dtype == torch.float32:
+            return out
+        # (an fp32 gamma makes transformers' weight * xhat fp32: the rows keep their dtype, rounded once)
+        return (out[0].to(x.dtype), out[1]) if residual is not None else out.to(x.dtype)
 
 
 class LayerNorm(_Norm):
@@ -66,7 +72,11 @@ class LayerNorm(_Norm):
         if self.triton:
             return K.layer_norm(x, self.gamma(), self.bias, self.eps, residual=residual)
         s = x + residual if residual is not None else x
-        y = F.layer_norm(s, (s.shape[-1],), self.gamma(), self.bias, self.eps)
+        w = self.gamma()
+        if w.dtype == s.dtype:
+            y = F.layer_norm(s, (s.shape[-1],), w, self.bias, self.eps)
+        else:  # (a zero-centred fp32 gamma on lower-precision rows: the norm in fp32, rounded once)
+            y = F.layer_norm(s.float(), (s.shape[-1],), w, self.bias.float(), self.eps).to(s.dtype)
         return (y, s) if residual is not None else y
 
 
