@@ -290,7 +290,7 @@ def test_adapters_start_as_the_identity_and_only_they_train():
          "--lora-target-modules linear_fc1 linear_fc2: every layer is MoE without a shared expert"),
         # a GELU MLP's fc1 is one projection (PEFT's up_proj): no gate to adapt alone
         (["--lora-target-modules", "gate_proj"],
-         r"--lora-target-modules gate_proj \(linear_fc1_gate\): this model's MLP \(gelu\) has no gate"),
+         r"--lora-target-modules gate_proj \(linear_fc1_gate\): this model's MLP \(gelu_tanh\) has no gate"),
         # without a rank there are no adapters: the run would have trained every weight
         (["--lora-rank", "0", "--lora-target-modules", "q_proj"], "--lora-target-modules sets up LoRA adapters: add"),
         (["--lora-rank", "0", "--lora-dropout", "0.1"], "--lora-dropout sets up LoRA adapters: add --lora-rank R"),

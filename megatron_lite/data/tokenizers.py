@@ -125,9 +125,15 @@ class HuggingFaceTokenizer:
             raise ConfigError(
                 f"--tokenizer-model {path} is not a tokenizer.json the tokenizers library reads: {msg}"
             ) from None
+        eos = _config_eos(path)
+        if eos is not None and eos not in self._tok.get_vocab(with_added_tokens=True):
+            # transformers (so Megatron's HuggingFaceTokenizer) adds a configured eos_token the file lacks as a new
+            # token, the next id, and ends documents with it; it fell back to another token here, silently
+            from tokenizers import AddedToken
+
+            self._tok.add_special_tokens([AddedToken(eos, special=True)])
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eos = _config_eos(path)
         eod = vocab[eos] if eos in vocab else next((vocab[t] for t in EOD_CANDIDATES if t in vocab), None)
         if eod is None:
             raise ConfigError(
@@ -179,6 +185,9 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
                 "repositories ship one) or use --tokenizer-type HuggingFaceTokenizer"
             )
         super().__init__(json_path)
+        # Megatron's vocabulary is the SentencePiece model's pieces, which the tokenizer.json's model holds; a token
+        # added beside them (a fine-tune's <pad> at 32000) made Llama-2's 32001, padded to 32128 instead of 32000
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=False)
         # SentencePiece never reads a control symbol from text: "</s>" in a document (HTML's strikethrough) is
         # text, where the tokenizers library would match it as the special token (an EOD mid-document)
         self._tok.encode_special_tokens = True
@@ -220,7 +229,9 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
             if not path or not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file (GPT2BPETokenizer needs --vocab-file and --merge-file)")
         vocab = json.load(open(vocab_file, encoding="utf-8"))  # (GPT-2's byte-level symbols: not ASCII)
-        lines = open(merge_file, encoding="utf-8").read().splitlines()[1:]
+        # (as Megatron's and transformers' GPT-2 tokenizers read it: split("\n")[1:-1], the first line a version
+        # header and the last dropped, which is the final merge itself in a file without a trailing newline)
+        lines = open(merge_file, encoding="utf-8").read().split("\n")[1:-1]
         merges = [tuple(line.split()) for line in lines if line.strip()]
         tok = Tokenizer(models.BPE(vocab, merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
