@@ -94,8 +94,9 @@ class ModelConfig:
     # Megatron's --apply-layernorm-1p (Transformer Engine's zero-centred gamma): norm weights are stored as
     # w = gamma - 1 (zeros at init) and applied as 1 + w
     apply_layernorm_1p: bool = False
-    # gelu | gelu_tanh (GPT-2's gelu_new, Megatron --openai-gelu) | swiglu | squared_relu (--squared-relu: relu(x)^2,
-    # Nemotron)
+    # gelu (exact) | gelu_tanh (GPT-2's gelu_new; Megatron's --openai-gelu, and its default fused bias-GELU: the
+    # flags give it with biases unless --no-bias-gelu-fusion) | swiglu | squared_relu (--squared-relu: relu(x)^2,
+    # Nemotron). (This dataclass's default stays exact GELU: conversions and tests name theirs.)
     activation: str = "gelu"
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0

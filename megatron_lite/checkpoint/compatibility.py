@@ -36,7 +36,8 @@ STRUCTURE = {
     "query_groups": "--num-query-groups",
     "head_dim": "--kv-channels",
     "ffn_size": "--ffn-hidden-size",
-    "activation": "--swiglu / --squared-relu / --openai-gelu",  # (gelu and squared ReLU have the same shapes)
+    # (gelu and squared ReLU have the same shapes; GELU with biases is tanh-approximated unless --no-bias-gelu-fusion)
+    "activation": "--swiglu / --squared-relu / --openai-gelu / --no-bias-gelu-fusion",
     "normalization": "--normalization",
     "apply_layernorm_1p": "--apply-layernorm-1p",
     "add_bias_linear": "--disable-bias-linear",
