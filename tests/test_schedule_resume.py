@@ -220,6 +220,10 @@ def test_a_batch_ramp_saves_before_each_larger_batch(tmp_path, capsys, monkeypat
     grows = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]  # the iterations before a larger batch
     assert grows and sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{i:07d}" for i in [*grows, len(rows)]]
     assert out.count("(--rampup-batch-size): saving first") == len(grows)
+    # a growth at a --save-interval iteration saves once (it was written twice)
+    ramp[ramp.index("--save-interval") + 1] = str(grows[0])
+    _, out = _job([*ramp, "--save", str(tmp_path / "ckpt2")], tmp_path / "b.jsonl", capsys, monkeypatch)
+    assert out.count(f"iter_{grows[0]:07d}") == 1, out
 
 
 def test_a_time_limit_reached_during_an_evaluation_ends_it_unlogged(tmp_path, capsys, monkeypatch):
@@ -233,3 +237,20 @@ def test_a_time_limit_reached_during_an_evaluation_ends_it_unlogged(tmp_path, ca
     out = capsys.readouterr().out
     assert "exiting during the validation evaluation: --exit-duration-in-mins reached" in out
     assert "validation loss" not in out and "exiting at iteration 1" in out
+
+
+def test_a_time_limit_reached_in_the_final_validation_skips_the_test_set(tmp_path, capsys, monkeypatch):
+    """From the review of the change above: evaluate() said nothing of stopping early, so after a final validation
+    ended by --exit-duration-in-mins the test set still ran a batch (and said so too)."""
+    import megatron_lite.training.pretrain as pretrain
+
+    calls = []
+    # the loop's check after each of the 8 iterations is in time; the first one in the final validation is not
+    monkeypatch.setattr(pretrain, "_over_time", lambda *a: calls.append(1) or len(calls) > 8)
+    argv = _without(RUN, "--eval-iters") + ["--eval-iters", "2", "--eval-interval", "100", "--split", "8,1,1",
+                                            "--exit-duration-in-mins", "100"]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "exiting during the validation evaluation" in out and "test evaluation" not in out, out

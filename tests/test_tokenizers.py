@@ -67,3 +67,25 @@ def test_gpt2_merges_are_read_as_megatron_reads_them(tmp_path, trailing_newline)
                           merge_file=str(tmp_path / "merges.txt"))  # fmt: skip
     # with the newline both merges apply (abc); without it Megatron drops "ab c": ab, c
     assert tok.encode("abc") == ([6] if trailing_newline else [5, 3])
+
+
+def test_a_sentencepiece_tokenizer_reads_tokens_beside_its_pieces_as_text(tmp_path):
+    """From the review of the change above: a non-special token added beside the pieces (a ChatML fine-tune's
+    <|im_start|>) was still matched in text, an id past the (pieces-only) vocabulary; and a configured eos that no
+    piece holds, without a </s>, left the end-of-document id past it. The first is read as SentencePiece reads
+    text; the second is one line."""
+    pieces = _sentencepiece_json(tmp_path / "tokenizer.json")
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["added_tokens"].append({"id": pieces, "content": "ab", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": False})  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = build_tokenizer("GPTSentencePieceTokenizer", model=str(tmp_path / "tokenizer.json"))
+    ids = tok.encode("cab d")
+    assert tok.vocab_size == pieces and max(ids) < pieces, ids
+    # no </s> among the pieces, and an eos_token the file lacks
+    spec["model"]["vocab"] = {("<eos>" if k == "</s>" else k): v for k, v in spec["model"]["vocab"].items()}
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in ("</s>", "ab")]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(Exception, match="not among the SentencePiece model's 12 pieces"):
+        build_tokenizer("Llama2Tokenizer", model=str(tmp_path / "tokenizer.json"))

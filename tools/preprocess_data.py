@@ -94,7 +94,8 @@ def _items(args: argparse.Namespace):
     """(where, kind, payload) per document. JSONL lines are decoded one by one, so text that is not UTF-8 is
     reported at its own line and column. With --partitions P (without --keep-sequential-samples) in Megatron's
     order: it deals the input lines round-robin into P files (line i of them all, blank ones counted, into
-    partition i % P) and concatenates their outputs; here P passes over the inputs, pass k keeping lines k + jP."""
+    partition i % P) and concatenates their outputs; here P passes over the inputs, pass k keeping lines k + jP
+    (so a malformed line is found in that order too: the first in a later partition after an earlier one's)."""
     passes = 1 if args.keep_sequential_samples or args.text_files else max(1, args.partitions)
     for k in range(passes):
         line = 0
@@ -121,7 +122,7 @@ def _file_items(args: argparse.Namespace, path: str):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                # an item like any document's, so errors are reported in input order (as the first)
+                # an item like any document's, so errors are reported in the order documents are (as the first)
                 why = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); convert the file to UTF-8"
                 yield f"{path}:{n}", "error", why
                 return

@@ -186,8 +186,15 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
             )
         super().__init__(json_path)
         # Megatron's vocabulary is the SentencePiece model's pieces, which the tokenizer.json's model holds; a token
-        # added beside them (a fine-tune's <pad> at 32000) made Llama-2's 32001, padded to 32128 instead of 32000
+        # added beside them (a fine-tune's <pad> at 32000) made Llama-2's 32001, padded to 32128 instead of 32000.
+        # Such tokens are not the model's: dropped, so text holding one is read as SentencePiece reads it (a
+        # non-special one was matched in text, an id past the vocabulary)
+        from tokenizers import Tokenizer
+
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=False)
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < self.vocab_size]
+        self._tok = Tokenizer.from_str(json.dumps(spec))
         # SentencePiece never reads a control symbol from text: "</s>" in a document (HTML's strikethrough) is
         # text, where the tokenizers library would match it as the special token (an EOD mid-document)
         self._tok.encode_special_tokens = True
@@ -198,6 +205,11 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
         self.prefix, self.suffix = ([] if self.bos is None else [self.bos]), []
         if "</s>" in vocab:
             self.eod = vocab["</s>"]  # SentencePiece's EOS, Megatron's EOD for these tokenizers
+        elif self.eod >= self.vocab_size:  # (a configured eos_token that is no piece of the model)
+            raise ConfigError(
+                f"{flag}: the end-of-document token (id {self.eod}) is not among the SentencePiece model's "
+                f"{self.vocab_size} pieces and there is no </s>; use --tokenizer-type HuggingFaceTokenizer"
+            )
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -298,10 +298,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 )
                 log.info(f"saved {path}")
 
-        def evaluate(dataset, kind: str, final: bool = False) -> None:
+        def evaluate(dataset, kind: str, final: bool = False) -> bool:
             """--eval-iters global batches of `dataset`, logged with their perplexity. As Megatron's evaluate(): the
             validation set goes on where the last evaluation stopped (its count is saved in checkpoints), from its
-            start under --skip-train; the test set, evaluated once, from its start."""
+            start under --skip-train; the test set, evaluated once, from its start. False: a time limit ended it."""
             if hasattr(optimizer, "finish_param_sync"):
                 optimizer.finish_param_sync()
             model.eval()
@@ -316,13 +316,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 if t.exit_duration_in_mins is not None and _over_time(t, job_start, ctx):
                     log.info(f"exiting during the {kind} evaluation: --exit-duration-in-mins reached")
                     model.train()
-                    return
+                    return False
             model.train()
             # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
             loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
             # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
             log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind, final=final,
                     samples=state.consumed_samples)  # fmt: skip
+            return True
 
         profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
         if t.skip_train:
@@ -333,7 +334,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.info(f"saved {path} (async)")
             if rampup and train_batches.gbs(state.consumed_samples) != batch_was:  # (as Megatron's train())
                 batch_was = train_batches.gbs(state.consumed_samples)
-                if ck.save and state.iteration:
+                if ck.save and state.iteration and state.iteration not in saved:  # (not twice: a --save-interval's)
                     log.info(f"the global batch grows to {batch_was} (--rampup-batch-size): saving first")
                     save()
             while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
@@ -370,6 +371,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if action == ROLLBACK:
                 _finish_async_save(saver, log)  # it may be the checkpoint to go back to
                 state = rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved)
+                batch_was = train_batches.gbs(state.consumed_samples)  # (the batch it went back to: no growth)
                 guard.after_rollback()
                 continue
             step_gbs = train_batches.gbs(state.consumed_samples)
@@ -462,9 +464,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
             save()
         _finish_async_save(saver, log)
         if t.eval_iters > 0 and not signalled and not exiting:
-            if valid_ds is not None:  # (also when just evaluated, as Megatron: its next batches)
-                evaluate(valid_ds, "validation", final=True)
-            if test_ds is not None:
+            # (also when just evaluated, as Megatron: its next batches; a time limit reached there ends both)
+            in_time = valid_ds is None or evaluate(valid_ds, "validation", final=True)
+            if test_ds is not None and in_time:
                 evaluate(test_ds, "test", final=True)
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
     except BaseException as e:
