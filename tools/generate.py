@@ -117,6 +117,7 @@ GENERATION_DEFAULTS = {
     "num_beam_groups": 1, "diversity_penalty": 0.0, "length_penalty": 1.0, "penalty_alpha": None,
     "guidance_scale": None, "min_length": 0, "min_new_tokens": None,
 }  # fmt: skip
+SAMPLING_SETTINGS = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 
 
 def _note(message: str) -> None:
@@ -298,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     # default or a repetition_penalty there gave other tokens without a word)
     gen = generation_config(path, saved) or {}
     unread = {k: gen[k] for k in GENERATION_DEFAULTS if k in gen and gen[k] != GENERATION_DEFAULTS[k]}
+    if not gen.get("do_sample"):  # (transformers' greedy search reads no sampling setting)
+        unread = {k: v for k, v in unread.items() if k not in SAMPLING_SETTINGS}
     if unread:
         _note(
             "the model's generation_config.json also sets "
