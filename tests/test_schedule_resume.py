@@ -206,6 +206,13 @@ def test_a_sample_based_ramp_asks_the_data_for_its_train_samples(tmp_path, capsy
              "--exit-interval", "1"]  # fmt: skip
     _job(ramp, tmp_path / "a.jsonl", capsys, monkeypatch)
     assert asked[0][0] == 100, asked
+    # --skip-train: the validation split for one evaluation, eval_iters x the batch (it was sized for the evaluations
+    # of a whole run, (train_iters // eval_interval + 1) x eval_iters batches: another epoch count, another order)
+    skip = _without(RUN, "--eval-iters") + ["--eval-iters", "2", "--eval-interval", "2", "--skip-train"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(skip) == 0
+    assert asked[-1][1:] == (2 * 4, 2 * 4), asked
 
 
 def test_a_batch_ramp_saves_before_each_larger_batch(tmp_path, capsys, monkeypatch):

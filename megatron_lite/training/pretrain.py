@@ -233,7 +233,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
 
         t = job.training
         gbs = t.global_batch(ctx.dp.size)
-        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+        # (Megatron's get_train_valid_test_num_samples: one evaluation's batches under --skip-train)
+        evals = t.eval_iters if t.skip_train else (t.train_iters // t.eval_interval + 1) * t.eval_iters
         # (--train-samples asks for that many, as Megatron: a ramped-up run's train_iters x the final batch asked
         # for more, and a split's epochs, hence its sample order, depend on the count asked for)
         train_n = t.train_samples if t.train_samples is not None else t.train_iters * gbs
