@@ -142,6 +142,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / denom) if denom > 0 else float((a - b).norm())
 
 
+def record_calls(monkeypatch, owner, name: str) -> list[tuple]:
+    """Replace owner.<name> by a wrapper that calls it and records each call's positional arguments."""
+    calls, real = [], getattr(owner, name)
+
+    def spy(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
 def perturbed_full_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """The full weights of a model initialised from `seed`, with norm weights and biases moved away from
     their 1 / 0 init, so a bias applied twice or a norm weight applied to the wrong shard shows up."""

@@ -112,26 +112,21 @@ def test_blend_parts_are_built_for_megatrons_sample_counts(tmp_path, monkeypatch
 
     from megatron_lite.data import builder
 
-    built = []
-    real = builder.GPTDataset
+    from models import record_calls
 
-    def spy(indexed, doc_range, num_samples, *args, **kw):
-        built.append(num_samples)
-        return real(indexed, doc_range, num_samples, *args, **kw)
-
-    monkeypatch.setattr(builder, "GPTDataset", spy)
+    calls = record_calls(monkeypatch, builder, "GPTDataset")  # (indexed, doc_range, num_samples, ...)
     a = _corpus(str(tmp_path / "a"), 300, 0, 80, seed=1)
     b = _corpus(str(tmp_path / "b"), 100, 80, 160, seed=2)
     tok = "ByteLevelTokenizer"
 
     def sizes(n, **kw):
-        built.clear()
+        calls.clear()
         data = DataConfig(tokenizer_type=tok, **kw)
         t = ByteLevelTokenizer()
         per_split = data.blend_per_split
         prefixes = [wp for b in per_split for wp in b] if per_split else data.blend
         build_datasets(DataSource(t, t.vocab_size, prefixes, "", per_split), data, (n, 0, 0), 8, 1234)
-        return list(built)
+        return [args[2] for args in calls]
 
     share = _normalize([1, 2])
     for surplus in (0.005, 0.0):

@@ -193,26 +193,21 @@ def test_a_sample_based_ramp_asks_the_data_for_its_train_samples(tmp_path, capsy
     where Megatron asks for --train-samples: a split's epochs, and so the order of its samples, depend on it."""
     import megatron_lite.training.pretrain as pretrain
 
-    asked = []
-    real = pretrain.build_datasets
+    from models import record_calls
 
-    def spy(source, data, num_samples, *args, **kw):
-        asked.append(num_samples)
-        return real(source, data, num_samples, *args, **kw)
-
-    monkeypatch.setattr(pretrain, "build_datasets", spy)
+    calls = record_calls(monkeypatch, pretrain, "build_datasets")  # (source, data, num_samples, ...)
     ramp = _without(RUN, "--train-iters", "--lr-warmup-iters", "--global-batch-size")
     ramp += ["--global-batch-size", "8", "--train-samples", "100", "--rampup-batch-size", "4", "4", "20",
              "--exit-interval", "1"]  # fmt: skip
     _job(ramp, tmp_path / "a.jsonl", capsys, monkeypatch)
-    assert asked[0][0] == 100, asked
+    assert calls[0][2][0] == 100, calls
     # --skip-train: the validation split for one evaluation, eval_iters x the batch (it was sized for the evaluations
     # of a whole run, (train_iters // eval_interval + 1) x eval_iters batches: another epoch count, another order)
     skip = _without(RUN, "--eval-iters") + ["--eval-iters", "2", "--eval-interval", "2", "--skip-train"]
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     assert main(skip) == 0
-    assert asked[-1][1:] == (2 * 4, 2 * 4), asked
+    assert calls[-1][2][1:] == (2 * 4, 2 * 4), calls
 
 
 def test_a_batch_ramp_saves_before_each_larger_batch(tmp_path, capsys, monkeypatch):

@@ -59,7 +59,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
-from megatron_lite.data.embedded import trained_on_embedded_corpus
+from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
@@ -456,18 +456,22 @@ def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dic
     return _original_hf_config(parent, read_metadata(path)["config"], depth - 1)
 
 
-def generation_config(load_dir: str, saved: dict) -> dict | None:
-    """A converted checkpoint's generation_config.json (None without one)."""
-    _, side = _original_hf_config(load_dir, saved)
+def _generation_json(side: str | None) -> dict | None:
     path = os.path.join(side, "generation_config.json") if side else None
     return json.load(open(path)) if path and os.path.isfile(path) else None
+
+
+def generation_config(load_dir: str, saved: dict) -> dict | None:
+    """A converted checkpoint's generation_config.json (None without one)."""
+    return _generation_json(_original_hf_config(load_dir, saved)[1])
 
 
 def generation_eos_ids(load_dir: str, saved: dict) -> list[int]:
     """The ids transformers' generate stops at for a converted checkpoint: its generation_config.json's
     eos_token_id, else its config.json's (one id or a list, as Llama-3-Instruct's two end tokens); [] without."""
-    gen = generation_config(load_dir, saved)
-    eos = (gen if gen is not None else _original_hf_config(load_dir, saved)[0]).get("eos_token_id")
+    config, side = _original_hf_config(load_dir, saved)
+    gen = _generation_json(side)
+    eos = (gen if gen is not None else config).get("eos_token_id")
     return [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
 
 
@@ -569,8 +573,6 @@ def megatron_lite_to_hf(
     side_from = [(d, SIDE_FILES) for d in side_from]
     data = saved.get("data") or {}
     if trained_on_embedded_corpus(meta, config.vocab_size):  # (the quick start's demo: its tokenizer goes along)
-        from megatron_lite.data.embedded import build_embedded_corpus
-
         data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": build_embedded_corpus(log=log)[1]}
         log(f"tokenizer: the embedded corpus's, {data['tokenizer_model']} (the job trained on that corpus)")
     tok = data.get("tokenizer_model")

@@ -206,7 +206,8 @@ def build_datasets(
         weighted = (len(live) > 1 or any(w is not None for w, _, _ in blend)) and not (
             source.per_split is not None and len(blend) == 1
         )
-        one_epoch = all(w is None for w, _, _ in blend) and num_samples[s] <= sum(w for w, *_ in live)
+        by_size = all(w is None for w, _, _ in blend)  # (no weights given)
+        one_epoch = by_size and num_samples[s] <= sum(w for w, *_ in live)
         shares = normalize([w for w, *_ in live]) if live else []
         parts = []
         for (w, indexed, cache_dir, doc_range), share in zip(live, shares):
@@ -242,6 +243,6 @@ def build_datasets(
             # normalization for bitwise identical comparison"): the second pass moves their last bits, and with them
             # which dataset wins a tie (once only, 278 of a 0.6/0.3/0.1 blend's first 2000 samples came from another
             # dataset). Weights by size (no weights given) reach it as they are, normalised once.
-            weights = [w for w, *_ in live] if all(w is None for w, _, _ in blend) else shares
+            weights = [w for w, *_ in live] if by_size else shares
             out.append(BlendedDataset(parts, weights, num_samples[s], live[0][2], log))
     return tuple(out)

@@ -333,8 +333,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
         while state.iteration < t.train_iters and not t.skip_train:
             if saver is not None and (path := saver.poll()):
                 log.info(f"saved {path} (async)")
-            if rampup and train_batches.gbs(state.consumed_samples) != batch_was:  # (as Megatron's train())
-                batch_was = train_batches.gbs(state.consumed_samples)
+            if rampup and (batch := train_batches.gbs(state.consumed_samples)) != batch_was:  # (Megatron's train())
+                batch_was = batch
                 if ck.save and state.iteration and state.iteration not in saved:  # (not twice: a --save-interval's)
                     log.info(f"the global batch grows to {batch_was} (--rampup-batch-size): saving first")
                     save()
