@@ -234,6 +234,14 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
                 f"but the virtual-stage flags give {vp}; drop them (the layout decides)"
             )
         vp = len(layout) // pp if len(layout) > pp else None
+    group = ns.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and (vp or 1) == 1:  # (Megatron takes it and leaves it unused: scripts pass it either way)
+        ns.schedule_notes = [
+            *getattr(ns, "schedule_notes", []),
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group} has no effect without virtual stages: "
+            "it groups the interleaved schedule's micro-batches (as in Megatron)",
+        ]
+        group = None
     parallel = ParallelConfig(
         tensor_model_parallel_size=ns.tensor_model_parallel_size,
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
@@ -250,7 +258,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         tp_comm_overlap_ag=not ns.disable_tp_comm_overlap_ag,
         tp_comm_overlap_rs=not ns.disable_tp_comm_overlap_rs,
         overlap_p2p_comm=False if ns.no_overlap_p2p_communication else (True if ns.overlap_p2p_comm else None),
-        microbatch_group_size=ns.microbatch_group_size_per_virtual_pipeline_stage,
+        microbatch_group_size=group,
         overlap_moe_expert_parallel_comm=ns.overlap_moe_expert_parallel_comm,
         decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,

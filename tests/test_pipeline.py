@@ -138,16 +138,21 @@ def test_microbatch_group_size_flag_equals_one_process(dist):
     flags += "--num-virtual-stages-per-pipeline-rank 2"
     from megatron_lite.layout_validation import validate_layout
 
+    notes = []
+
     def check(argv):
-        _, job = parse_args(argv)
+        ns, job = parse_args(argv)
         validate_layout(job.model, job.parallel, 2, job.training)
+        notes[:] = ns.schedule_notes
         return job
 
     with pytest.raises(ConfigError, match="to be a multiple of --pipeline-model-parallel-size 2"):
         check(flags.split())
     assert check([*flags.split(), "--microbatch-group-size-per-virtual-pipeline-stage", "3"]).parallel.vp == 2
-    with pytest.raises(ConfigError, match="groups the interleaved schedule's micro-batches: add virtual stages"):
-        check([*flags.split()[:-2], "--microbatch-group-size-per-virtual-pipeline-stage", "3"])
+    # without virtual stages Megatron takes the flag and leaves it unused (it was refused here): said at start-up
+    job = check([*flags.split()[:-2], "--microbatch-group-size-per-virtual-pipeline-stage", "3"])
+    assert job.parallel.vp == 1 and job.parallel.microbatch_group_size is None
+    assert any(n.startswith("--microbatch-group-size-per-virtual-pipeline-stage 3 has no effect") for n in notes)
     with pytest.raises(ConfigError, match="--microbatch-group-size-per-virtual-pipeline-stage 3 with 2 micro"):
         ramp = flags.replace("--train-iters 2", "--train-samples 20").split()
         check([*ramp, "--microbatch-group-size-per-virtual-pipeline-stage", "3", "--rampup-batch-size", "2", "1", "8"])
@@ -346,7 +351,7 @@ def test_pp2_tied_embeddings(dist):
         _compare(history, ref)
 
 
-def live_outputs(parallel, m):
+def live_outputs(parallel, m, forward_only=False):
     import torch
 
     from megatron_lite.data.mock import MockGPTDataset, collate
@@ -362,7 +367,9 @@ def live_outputs(parallel, m):
     data = MockGPTDataset(250, 16, seed=0)
     batches = [collate([data[i]]) for i in range(m)]
     stats = {}
-    run_pipeline(list(chunks), ctx, batches, (16, 1, 64), torch.float32, 1.0, stats=stats)
+    run_pipeline(list(chunks), ctx, batches, (16, 1, 64), torch.float32, 1.0, forward_only, stats=stats)
+    if forward_only:
+        return ctx.pp.rank, stats["max_live_inputs"]
     return ctx.pp.rank, stats["max_live_outputs"], stats["max_held_bytes"]
 
 
@@ -381,6 +388,15 @@ def test_activations_alive_respect_the_bound(dist, pp, vp):
         assert 1 <= live <= bound, (rank, live, bound)
         assert live == max_in_flight(build_schedule(pp, vp, m, rank))  # what the schedule promised, no more
         assert many[rank] == held <= (bound + 1) * message + 64, (rank, held, many[rank])
+
+
+@pytest.mark.parametrize("pp,vp", [(2, 1), (2, 2)])
+def test_evaluation_keeps_no_received_input(dist, pp, vp):
+    """A forward-only step (evaluation) has no backward to read a received activation, so none is kept, as
+    Megatron's schedules pop them (from a review: every one lived to the step's end, micro-batches x chunks on
+    each later stage: 16 GiB a rank for the 70B example script)."""
+    parallel = P(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    assert [live for _, live in sorted(dist(pp, live_outputs, parallel, 8, True))] == [0] * pp
 
 
 def test_the_layout_flag_sets_the_virtual_stages():

@@ -107,7 +107,8 @@ def run_pipeline(
     """Forward (and backward) every micro-batch through this rank's chunks. Returns the summed token loss
     on the rank holding the last stage, zero elsewhere; `loss_scale` multiplies the loss before backward.
     `stats`, when given, receives the most micro-batch outputs this rank held at once (max_live_outputs)
-    and the most bytes of outputs and sends in flight (max_held_bytes). `final_grads`, when
+    and the most bytes of outputs and sends in flight (max_held_bytes), and the most received inputs it
+    kept for their backward (max_live_inputs). `final_grads`, when
     given, is entered around each chunk's last backward: the data-parallel wrapper's signal that the
     chunk's gradients are final, so their reduction can start under the remaining backward."""
     pp, vp = ctx.pp.size, len(chunks)
@@ -127,7 +128,7 @@ def run_pipeline(
 
     batch: list[tuple[dist.P2POp, int]] = []  # consecutive communication actions (and their index), one batch
     recv_works: dict[int, tuple] = {}  # id(receive buffer) -> (its work, its action index), until waited on
-    peak = held = 0
+    peak = held = peak_inputs = 0
     # --overlap-p2p-comm (default with virtual stages): a receive is waited on only when the compute that
     # reads it comes, so transfers run under the computes in between; otherwise before the next compute.
     lazy = ctx.parallel.overlap_p2p_comm if ctx.parallel.overlap_p2p_comm is not None else vp > 1
@@ -182,7 +183,8 @@ def run_pipeline(
             if x is not None:
                 wait_for(id(x))
                 x.requires_grad_(not forward_only)
-                inputs[key] = x
+                if not forward_only:  # (kept for the backward; evaluation has none: Megatron pops it too)
+                    inputs[key] = x
             with torch.no_grad() if forward_only else torch.enable_grad():
                 if a.chunk == last_chunk:
                     token_loss = chunk(
@@ -201,6 +203,7 @@ def run_pipeline(
             if not (forward_only and a.chunk == last_chunk):
                 outputs[key] = out
             peak = max(peak, len(outputs))
+            peak_inputs = max(peak_inputs, len(inputs))
             if stats is not None:
                 held = max(held, _held_bytes(outputs, pending))
         elif a.kind == BACKWARD:
@@ -219,6 +222,7 @@ def run_pipeline(
     wait_for(*recv_works)
     if stats is not None:
         stats["max_live_outputs"] = peak
+        stats["max_live_inputs"] = peak_inputs
         stats["max_held_bytes"] = held
     with ctx.pp.blocked():
         for handle, _ in pending.values():
