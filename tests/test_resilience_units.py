@@ -45,6 +45,19 @@ def test_spike_detector():
     # with the NaN check off, a NaN loss stays out of the history: the next spike is still seen (it raised)
     assert d.observe(float("nan")) is None and d.observe(float("inf")) is None
     assert d.observe(3.5) > 6
+    # a lasting shift: half a window of spikes in a row becomes the history, and the new level is no spike (from
+    # a review: every later iteration was one, and --spiky-loss-policy rollback halted the run)
+    d = SpikeDetector(window=20, threshold=6.0)
+    for x in losses:
+        d.observe(x)
+    shifted = [3.3 + x - 3.0 for x in losses]
+    flagged = [d.observe(x) is not None for x in shifted]
+    assert flagged == [True] * 9 + [False] * 11 and d.rebased
+    assert list(d.losses) == shifted[:20] and d.observe(3.32) is None
+    assert d.observe(3.9) > 6  # and a spike above the new level is still one
+    # a loss back to the level ends the run of spikes: the next run counts from one
+    d.observe(3.31)
+    assert d.in_a_row == []
 
 
 def test_fault_injection_grammar():

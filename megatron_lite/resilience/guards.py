@@ -19,15 +19,23 @@ def non_finite(loss: float, grad_norm: float | None) -> bool:
 
 
 class SpikeDetector:
-    """A loss whose z-score against the previous `window` losses exceeds `threshold` (after `window`
-    iterations of history). Spikes are not added to the history, so one does not hide the next."""
+    """A loss whose z-score against the previous `window` losses exceeds `threshold` (after `window` // 2
+    iterations of history). Spikes are not added to the history, so one does not hide the next; but as many
+    spikes in a row as that history needs are a new level, not a spike (a lasting shift would otherwise be
+    flagged at every later iteration): they become the history (`rebased` is set, until read)."""
 
     def __init__(self, window: int = 50, threshold: float = 6.0) -> None:
         self.window, self.threshold = window, threshold
         self.losses: deque[float] = deque(maxlen=window)
+        self.in_a_row: list[float] = []  # the spikes since the last loss that was not one
+        self.rebased = False
+
+    @property
+    def min_history(self) -> int:
+        return max(self.window // 2, 5)
 
     def zscore(self, loss: float) -> float | None:
-        if len(self.losses) < max(self.window // 2, 5):
+        if len(self.losses) < self.min_history:
             return None
         mean = statistics.fmean(self.losses)
         std = statistics.pstdev(self.losses)
@@ -41,12 +49,19 @@ class SpikeDetector:
             return None
         z = self.zscore(loss)
         if z is not None and z > self.threshold:
-            return z
-        self.losses.append(loss)
+            self.in_a_row.append(loss)
+            if len(self.in_a_row) < self.min_history:
+                return z
+            self.losses = deque(self.in_a_row, maxlen=self.window)  # (this one included: not a spike of its own)
+            self.rebased = True
+        else:
+            self.losses.append(loss)
+        self.in_a_row = []
         return None
 
     def reset(self) -> None:
         self.losses.clear()
+        self.in_a_row = []
 
 
 class ExitSignal:

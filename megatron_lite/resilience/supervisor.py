@@ -91,6 +91,12 @@ class Supervisor:
             )
             if self.config.spiky_loss_policy == "rollback":
                 return self._rollback(iteration, consumed_before, f"a loss spike (z-score {z:.1f})")
+        if self.spikes is not None and self.spikes.rebased:
+            self.spikes.rebased = False
+            self.log.info(
+                f"iteration {iteration}: the loss stayed above the spike bound for {len(self.spikes.losses)} "
+                "iterations: that level is the spike check's history now"
+            )
         return OK
 
     MAX_ROLLBACKS = 3  # in a row without getting past the previous failure: the cause is not one batch
