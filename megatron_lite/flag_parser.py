@@ -53,14 +53,33 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
-            flags = [a for a in message.removeprefix("unrecognized arguments: ").split() if a.startswith("-")]
+            flags = [a for a in message.removeprefix("unrecognized arguments: ").split() if a.startswith("--")]
             if flags:
-                message = (
-                    f"{', '.join(flags)}: no such flag in {self.prog} (Megatron-LM flags we implement keep "
-                    "their names; remove it)"
-                )
+                guesses = {f: self.spelled_as(f) for f in flags}
+                if any(guesses.values()):  # (a user told to remove --append_eod loses its EOD tokens silently)
+                    message = "; ".join(
+                        f"{f}: no such flag in {self.prog}" + (f", did you mean {g}?" if g else "")
+                        for f, g in guesses.items()
+                    )
+                else:
+                    message = (
+                        f"{', '.join(flags)}: no such flag in {self.prog} (Megatron-LM flags we implement keep "
+                        "their names; remove it)"
+                    )
         print(f"error: {message}; {self.prog} --help lists the flags", file=sys.stderr)
         sys.exit(2)
+
+    def spelled_as(self, flag: str) -> str | None:
+        """The flag this one most likely means: its spelling with dashes (--append_eod), else a close one."""
+        import difflib
+
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        name = flag.split("=", 1)[0]
+        dashed = "--" + name[2:].replace("_", "-")
+        if dashed in known:
+            return dashed
+        close = difflib.get_close_matches(dashed, known, n=1, cutoff=0.85)
+        return close[0] if close else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -511,10 +511,18 @@ def test_generation_scores_prompts_and_stops_as_transformers(converted, tmp_path
         (["--prompt-ids", ids, "--stop-ids", "99999"], "--stop-ids 99999 is outside the model's vocabulary [0, 250)"),
         (["--prompt-ids", ","], "the prompt is empty"),
         (["--prompt-ids", ids, "--temperature", "1e-310"], "--temperature 1e-310 is too small to sample with"),
+        # (checked before the model generates: it was an IsADirectoryError traceback after the work, from a review)
+        (["--prompt-ids", ids, "--output-json", str(tmp_path)], f"--output-json {tmp_path} is a directory"),
     ):
         assert generate_cli.main(["--load", ours, *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and fragment in err[0], err
+    # Megatron's generation scripts spell --top_k / --top_p (their top_p 0: no filter); a missing parent is made
+    sampled = ["--prompt-ids", ids, "--max-new-tokens", "4", "--seed", "3", "--ignore-eos"]
+    runs = [[*sampled, "--top-k", "5"], [*sampled, "--top_k", "5", "--top_p", "0"]]
+    for i, argv in enumerate(runs):
+        assert generate_cli.main(["--load", ours, *argv, "--output-json", str(tmp_path / str(i) / "o.json")]) == 0
+    assert len({(tmp_path / str(i) / "o.json").read_text() for i in range(2)}) == 1
 
 
 def test_a_prompts_file_generates_each_prompt_with_the_model_loaded_once(converted, tmp_path, capsys):

@@ -293,6 +293,21 @@ def test_plan_for_a_shipped_script(tmp_path, capsys):
     assert "more than the" in text and "GiB usable" in text
 
 
+def test_plan_outputs_and_nodes_are_checked_first(tmp_path, capsys):
+    """(From a review) --json is checked before the plan (a directory was a traceback after it: --published
+    takes minutes), and --gpus-per-node that does not divide the script's GPUs is refused: it planned 2 x 3."""
+    for argv, fragment in (
+        (["--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file path"),
+        (["--gpus-per-node", "3"], "--gpus-per-node 3 does not divide the script's 8 GPUs into nodes: give --nodes"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            _tool().main(["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and fragment in err[0], err
+    _tool().main(["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1", "--gpus-per-node", "4"])
+    assert "cluster: 2 x 4 H100" in capsys.readouterr().out
+
+
 def test_plan_from_a_hugging_face_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(

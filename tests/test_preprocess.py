@@ -287,6 +287,28 @@ def test_input_the_tokenizer_cannot_read_is_one_line(tmp_path):
         HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
 
 
+def test_an_output_prefix_that_cannot_be_written_is_one_line(tmp_path):
+    """(From a review: a FileNotFoundError traceback from inside the writer.) Checked before any tokenising; a
+    missing parent directory is made."""
+    src = tmp_path / "a.jsonl"
+    src.write_text(json.dumps({"text": "ab"}) + "\n")
+    (tmp_path / "file").write_text("")
+    tool = str(ROOT / "tools" / "preprocess_data.py")
+    for prefix, fragment in (
+        (tmp_path / "file" / "o", f"--output-prefix {tmp_path}/file/o_text_document.bin cannot be created: "),
+        ("/proc/megatron_lite/o", "--output-prefix /proc/megatron_lite/o: cannot write /proc/megatron_lite/o_text"),
+    ):
+        argv = [sys.executable, tool, "--input", str(src), "--output-prefix", str(prefix)]
+        out = subprocess.run([*argv, "--tokenizer-type", "ByteLevelTokenizer"], capture_output=True, text=True)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr
+    sys.path.insert(0, str(ROOT / "tools"))
+    import preprocess_data
+
+    assert preprocess_data.main(["--input", str(src), "--output-prefix", str(tmp_path / "new" / "o"),
+                                 "--tokenizer-type", "ByteLevelTokenizer"]) == 0  # fmt: skip
+    assert (tmp_path / "new" / "o_text_document.idx").exists()
+
+
 def test_a_bad_document_is_named_by_its_line_also_with_workers(tmp_path):
     """With --workers 2 a document without the key was reported at the first document of its 64-document
     chunk (65 for line 100), and the workers went on through the whole input before the tool exited; a lone

@@ -62,7 +62,11 @@ def test_help_groups_flags(capsys):
 @pytest.mark.parametrize(
     "argv,fragments",
     [
-        (["--lr-warmup-ratio", "0.01"], ["--lr-warmup-ratio: no such flag"]),
+        (["--frobnicate", "0.01"], ["--frobnicate: no such flag", "remove it"]),
+        (["--lr-warmup-ratio", "0.01"], ["--lr-warmup-ratio: no such flag", "did you mean --lr-warmup-fraction?"]),
+        # a spelling of one we have is named (a user told to remove it lost what it did; from a review)
+        (["--save_interval", "5"], ["--save_interval: no such flag in pretrain_gpt.py, did you mean --save-interval?"]),
+        (["--hiden-size", "8"], ["--hiden-size: no such flag in pretrain_gpt.py, did you mean --hidden-size?"]),
         (["--num-layers", "x"], ["--num-layers", "invalid int value: 'x'"]),
         (["--kernel-impl", "cuda"], ["--kernel-impl", "invalid choice: 'cuda'"]),
         # Megatron's other tokenizer types: why not, and what to use (it was argparse's "invalid choice")

@@ -46,6 +46,7 @@ from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.qlora import quantize_base
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import initialize
+from megatron_lite.training.configs import check_output_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    # (--top_p / --top_k: Megatron's generation scripts' spelling; its top_p 0 is no filter, as 1 here)
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="1 (or 0): no top-p filter")
+    p.add_argument(
+        "--top-k", "--top_k", dest="top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--stop-ids",
@@ -128,6 +132,8 @@ def _note(message: str) -> None:
 def _check_sampling(args: argparse.Namespace) -> None:
     """What --greedy leaves unused is said; a temperature too small to sample with (its logits overflow) is one
     line."""
+    if args.top_p == 0:  # (Megatron's value for no top-p filter)
+        args.top_p = 1.0
     given = [f for f, v, default in (("--temperature", args.temperature, 1.0), ("--top-p", args.top_p, 1.0),
                                      ("--top-k", args.top_k, 0)) if v != default]  # fmt: skip
     if args.greedy and given:
@@ -238,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = max(prompts, key=len)  # (the longest sizes the checks below)
     if args.top_n_logprobs < 0:
         raise ConfigError(f"--top-n-logprobs {args.top_n_logprobs} must be >= 0")
+    if args.output_json:  # (before the model loads and generates, not after)
+        check_output_path("--output-json", args.output_json)
     if args.top_n_logprobs and not args.output_json:
         raise ConfigError("--top-n-logprobs is written to --output-json: add --output-json FILE")
     if args.inference_max_requests < 1:
@@ -341,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
             print(result.get("text", " ".join(map(str, outs[i]["generated_ids"]))), flush=True)
         results.append(result)
     if writer and args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
         with open(args.output_json, "w") as f:
             json.dump(results if args.prompts_file else results[0], f, indent=1)
     if dist.is_initialized():

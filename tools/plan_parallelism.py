@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-length", type=int, help="tokens per sequence (default: the script's)")
     p.add_argument("--gpu", default="H100", choices=sorted(ACCELERATORS))
     p.add_argument("--gpus-per-node", type=int, help="default: the script's GPUS_PER_NODE, else 8")
-    p.add_argument("--nodes", type=int, help="default: the script's NNODES, else 1")
+    p.add_argument(
+        "--nodes", type=int, help="default: the script's GPUs (GPUS_PER_NODE x NNODES) over --gpus-per-node, else 1"
+    )
     p.add_argument("--nvlink-bandwidth", type=float, help="GB/s per GPU inside a node (default 450; A100 300)")
     p.add_argument("--network-bandwidth", type=float, help="GB/s per GPU between nodes (default 50)")
     p.add_argument("--fp32", action="store_true", help="plan fp32 training (default bf16)")
@@ -382,6 +384,14 @@ def main(argv: list[str] | None = None) -> dict:
     ):
         if value is not None and not value > 0:
             p.error(f"{flag} {value:g} must be positive")
+    if args.json:  # (checked before the plan: --published takes minutes)
+        from megatron_lite.config import ConfigError
+        from megatron_lite.training.configs import check_output_path
+
+        try:
+            check_output_path("--json", args.json)
+        except ConfigError as e:
+            p.error(str(e))
 
     if args.published:
         from megatron_lite.planner.published import compare
@@ -407,6 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not seq or not gbs:
             p.error("--seq-length and --global-batch-size are needed (the model source does not give them)")
         gpn = args.gpus_per_node or (min(world, 8) if world else 8)
+        if world and not args.nodes and world > gpn and world % gpn:
+            p.error(f"--gpus-per-node {gpn} does not divide the script's {world} GPUs into nodes: give --nodes too")
         nodes = args.nodes or (max(world // gpn, 1) if world else 1)
         cl = cluster(args.gpu, gpn, nodes, args.nvlink_bandwidth, args.network_bandwidth)
         yours = (
@@ -422,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.uneven_pipeline,
         )  # fmt: skip
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result

@@ -26,6 +26,7 @@ from megatron_lite.data.config import TOKENIZER_TYPES, tokenizer_type_flag
 from megatron_lite.data.indexed import IndexedDatasetWriter
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
+from megatron_lite.training.configs import check_output_path
 
 _TOK = None
 _ARGS = None
@@ -194,11 +195,19 @@ def main(argv: list[str] | None = None) -> int:
         for f in args.files:
             if not os.path.isfile(f):
                 raise ConfigError(f"--input {f}: no such file")
+        keys = ["text"] if args.text_files else args.json_keys
+        for k in keys:  # (before any tokenising)
+            check_output_path("--output-prefix", f"{args.output_prefix}_{k}_document.bin")
         _init(args)
-        writers = {
-            k: IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", _TOK.vocab_size)
-            for k in (["text"] if args.text_files else args.json_keys)
-        }
+        writers = {}
+        for k in keys:
+            try:
+                writers[k] = IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", _TOK.vocab_size)
+            except OSError as e:  # (what os.access cannot tell: a read-only mount, /proc)
+                raise ConfigError(
+                    f"--output-prefix {args.output_prefix}: cannot write {args.output_prefix}_{k}_document.bin "
+                    f"({e.strerror}); choose a writable directory"
+                ) from None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -180,15 +180,20 @@ def check_output_paths(job: JobConfig) -> None:
     dirs += [("--data-cache-path", job.data.data_cache_path)]  # (the dataset indices are built there)
     files = [("--log-jsonl", job.logging.log_jsonl)]
     for flag, path, is_dir in [(f, p, True) for f, p in dirs] + [(f, p, False) for f, p in files]:
-        if not path:
-            continue
-        if os.path.exists(path) and os.path.isdir(path) != is_dir:
-            kind = "a file" if is_dir else "a directory"
-            raise ConfigError(f"{flag} {path} is {kind}; give a {'directory' if is_dir else 'file'} path")
-        parent = os.path.abspath(path if is_dir else os.path.dirname(os.path.abspath(path)))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise ConfigError(f"{flag} {path} cannot be created: {parent} is a file, not a directory")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"{flag} {path} cannot be written: {parent} is not writable by this user")
+        if path:
+            check_output_path(flag, path, is_dir)
+
+
+def check_output_path(flag: str, path: str, is_dir: bool = False) -> None:
+    """`path` (a directory, or a file) can be made or written, its missing parents created: else one line
+    naming the flag. The tools check their outputs with it before their work, not after."""
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+        kind = "a file" if is_dir else "a directory"
+        raise ConfigError(f"{flag} {path} is {kind}; give a {'directory' if is_dir else 'file'} path")
+    parent = os.path.abspath(path if is_dir else os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path} cannot be created: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path} cannot be written: {parent} is not writable by this user")
