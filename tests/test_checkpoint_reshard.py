@@ -121,6 +121,20 @@ def test_dense_checkpoint_loads_under_any_layout(dist, tmp_path):
     _compare(run({}, P(), GBS, None, ckpt), continued, "tp1-pp1-dp1 (one process)")
 
 
+def test_a_same_layout_resume_at_pp4_replays_the_dropout_streams(dist, tmp_path):
+    """Each rank's random states come back under the layout they were saved with, on the middle pipeline stages
+    too: they took the checkpoint for another layout (rank 0 records its embedding group, 2 ranks, a middle
+    stage has none) and restarted dropout from the seed, the loss 1e-3 off the uninterrupted run."""
+    ckpt, drop, parallel = (
+        str(tmp_path / "pp4"),
+        dict(hidden_dropout=0.2, attention_dropout=0.2),
+        P(pipeline_model_parallel_size=4),
+    )
+    original = dist(4, run, drop, parallel, 2, ckpt)
+    continued = [h for h in original[-1] if h[0] > SAVE_AT]
+    _compare(dist(4, run, drop, parallel, 2, None, ckpt)[-1], continued, "pp4 resumed")
+
+
 SAVED_MOE = P(expert_model_parallel_size=2)
 
 
