@@ -219,10 +219,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_memory_estimate_within_ten_percent(dist, case):
     layout = LAYOUTS[case]
-    # FSDP2 frees each layer's gathered weights after its forward, but the tensors the linears saved still
-    # report the gathered storage's size to the meter: its activation count is not memory (see the note).
-    skip = ("mem_activations_bytes",) if layout.sharding == "fsdp2" else ()
-    _check("llama", layout, dist(layout.world, measure, "llama", layout), skip=skip)
+    # (FSDP2's activations were skipped: the meter counted each layer's gathered weights, which the linears save,
+    # as activations, 54% more at DP=2 in a review's run)
+    _check("llama", layout, dist(layout.world, measure, "llama", layout))
 
 
 @pytest.mark.parametrize("case", ["tp2-sp", "tp2", "cp2", "cp2-a2a", "cp4-allgather"])
