@@ -216,6 +216,7 @@ def test_mappings(dist, world):
         (False, True, (8,)),
         (False, False, (4, 8)),
         (True, False, (4, 8)),
+        (False, True, (4, 8)),  # (from a review: gathered as [a_0; b_0; a_1; b_1], not [a; b])
     ],
 )
 def test_column_parallel_linear(dist, world, sp, gather, blocks):

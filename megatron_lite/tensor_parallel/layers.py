@@ -108,6 +108,9 @@ class ColumnParallelLinear(nn.Module):
                 y = y + self.lora(x_full)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp)
+            if len(self.spec.sizes) > 1 and self.tp.size > 1:  # ranks' [a_r; b_r] pieces back to [a; b]
+                out = ShardSpec(y.dim() - 1, self.spec.sizes, self.spec.padded_sizes, self.tp.size)
+                y = out.unshard(list(y.chunk(self.tp.size, dim=-1)))
         return y
 
 
