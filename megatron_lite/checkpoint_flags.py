@@ -23,7 +23,9 @@ SHARDING = (
 )
 
 # Flags whose value defines the weights: given explicitly with a different value than the checkpoint's, they
-# are an error unless --use-checkpoint-args (then the checkpoint's value wins).
+# are an error unless --use-checkpoint-args (then the checkpoint's value wins). Not --make-vocab-size-divisible-by:
+# padding rows are never stored and masked out of the softmax, so it is a layout setting like TP (a Megatron
+# script's 1187, which pads Qwen3's tokenizer to its 151936 rows, stopped on a converted checkpoint's 128).
 ARCH_DESTS = (
     "num_layers",
     "hidden_size",
@@ -58,7 +60,6 @@ ARCH_DESTS = (
     "v_head_dim",
     "rotary_scaling_factor",
     "mscale_all_dim",
-    "make_vocab_size_divisible_by",
     "mtp_num_layers",
     "num_experts",
     "moe_ffn_hidden_size",

@@ -10,7 +10,10 @@
 # The architecture flags follow DeepSeek-V3's config.json; to continue training the released model, convert it
 # (tools/checkpoint/convert.py --loader hf) into CKPT: its YaRN RoPE comes with the checkpoint, and a flag that
 # disagrees with it stops the job. One multi-token-prediction depth (DeepSeek-V3's MTP module, converted with the
-# checkpoint) adds a loss weighted 0.1 (the report's weight after its first 10T tokens; 0.3 before).
+# checkpoint) adds a loss weighted 0.1 (the report's weight after its first 10T tokens; 0.3 before). From scratch
+# RoPE is plain, as in the report's pretraining (YaRN came after it). --vocab-size is the vocabulary of a dry run
+# without the tokenizer; a run takes the tokenizer's, padded to a multiple of 3232 to config.json's 129280 rows
+# (Megatron's recipe; padding rows are masked, never stored).
 #   NNODES=128 RDZV_HOST=node0 TOKENIZER=... DATA_PATH=... bash pretrain/deepseek_v3.sh   (on every node)
 #   DRY_RUN=1 bash pretrain/deepseek_v3.sh
 set -euo pipefail
@@ -27,7 +30,7 @@ ARGS=(
     --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 --kv-channels 128
     --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64
     --v-head-dim 128 --qk-layernorm
-    --seq-length 4096 --max-position-embeddings 4096
+    --seq-length 4096 --max-position-embeddings 163840
     --normalization RMSNorm --norm-epsilon 1e-6 --swiglu
     --position-embedding-type rope --rotary-base 10000
     --untie-embeddings-and-output-weights --disable-bias-linear
@@ -48,6 +51,7 @@ ARGS=(
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
     --bf16 --grad-reduce-in-bf16 --distributed-timeout-minutes 60
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --vocab-size 129280
+    --make-vocab-size-divisible-by 3232
     --data-path "$DATA_PATH" --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 500
     --log-interval 10 --eval-interval 1000 --eval-iters 10

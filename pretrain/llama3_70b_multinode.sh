@@ -3,7 +3,8 @@
 #   NNODES=8 RDZV_HOST=node0.example MASTER_PORT=29500 TOKENIZER=... DATA_PATH=... bash pretrain/llama3_70b_multinode.sh
 #   DRY_RUN=1 bash pretrain/llama3_70b_multinode.sh   # validate and print memory per rank, allocate nothing
 # TP=8 within a node, 4 pipeline stages with interleaving (4 chunks of 5 layers per rank) across nodes,
-# data parallel over the rest (DP=2 on 8 nodes), full recomputation.
+# data parallel over the rest (DP=2 on 8 nodes), full recomputation. The architecture flags are Llama-3-70B's
+# config.json (no RoPE scaling: that is Llama-3.1's, with 131072 positions); a converted model loads under them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-8}
@@ -19,7 +20,7 @@ ARGS=(
     --group-query-attention --num-query-groups 8 --kv-channels 128
     --seq-length 8192 --max-position-embeddings 8192
     --normalization RMSNorm --norm-epsilon 1e-5 --swiglu
-    --position-embedding-type rope --rotary-base 500000 --use-rope-scaling
+    --position-embedding-type rope --rotary-base 500000
     --untie-embeddings-and-output-weights --disable-bias-linear
     --hidden-dropout 0.0 --attention-dropout 0.0 --init-method-std 0.008
     --tensor-model-parallel-size 8 --sequence-parallel

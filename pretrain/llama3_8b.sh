@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Llama-3-8B on one node of 8 GPUs: TP=4 with sequence parallelism, DP=2, bf16, selective recomputation.
+# The schedule is Llama 2's paper's for its 7B (lr 3e-4 cosine to 10%, 2000 warm-up steps, beta2 0.95, weight
+# decay 0.1, clipping 1.0); Meta has not published Llama 3's for the 8B.
 #   TOKENIZER=/path/to/llama3/tokenizer.json DATA_PATH=/data/llama3_text_document bash pretrain/llama3_8b.sh
 #   DRY_RUN=1 bash pretrain/llama3_8b.sh   # validate and print memory per rank on any machine
 set -euo pipefail

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Mixtral 8x7B across nodes (Megatron's example layout): PP=4, EP=8, TP=1, data parallel over the rest
-# (DP=16, two copies of each expert on 8 nodes of 8 GPUs), bf16, all-to-all dispatch, aux loss 1e-2.
+# (DP=16, two copies of each expert on 8 nodes of 8 GPUs), bf16, all-to-all dispatch, aux loss 1e-2, distributed
+# optimizer, and its schedule (lr 1e-4 to 1e-5 over 320k iterations, 500 warm-up); AdamW's beta2 is 0.95 (the
+# example leaves Megatron's 0.999).
 #   NNODES=8 RDZV_HOST=node0 TOKENIZER=... DATA_PATH=... bash pretrain/mixtral_8x7b.sh   (on every node)
 #   DRY_RUN=1 bash pretrain/mixtral_8x7b.sh
 set -euo pipefail
@@ -26,8 +28,9 @@ ARGS=(
     --pipeline-model-parallel-size 4 --recompute-granularity selective
     --micro-batch-size 1 --global-batch-size 256
     --train-iters 500000 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 500
+    --lr-decay-iters 320000
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
-    --bf16 --distributed-timeout-minutes 30
+    --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --distributed-timeout-minutes 30
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --vocab-size 32000
     --data-path "$DATA_PATH" --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 500

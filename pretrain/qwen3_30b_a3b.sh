@@ -4,6 +4,9 @@
 # 4 nodes of 8 GPUs, two copies of each expert), distributed optimizer, bf16 with bf16 gradient reduction.
 # The architecture flags follow Qwen3-30B-A3B's published config.json; to continue training the released model,
 # convert it (tools/checkpoint/convert.py --loader hf) into CKPT: a flag that disagrees with it stops the job.
+# --vocab-size is the vocabulary of a dry run without the tokenizer; a run takes the tokenizer's, padded to a
+# multiple of 1187 to config.json's 151936 rows (Megatron's recipe; padding rows are masked, never stored).
+# The schedule (lr 3e-4 to 3e-5, batch 512) is ours: Qwen has not published its.
 #   NNODES=4 RDZV_HOST=node0 TOKENIZER=... DATA_PATH=... bash pretrain/qwen3_30b_a3b.sh   (on every node)
 #   DRY_RUN=1 bash pretrain/qwen3_30b_a3b.sh
 set -euo pipefail
@@ -34,6 +37,7 @@ ARGS=(
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
     --bf16 --grad-reduce-in-bf16 --distributed-timeout-minutes 30
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --vocab-size 151936
+    --make-vocab-size-divisible-by 1187
     --data-path "$DATA_PATH" --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 1000
     --log-interval 10 --eval-interval 1000 --eval-iters 10

@@ -187,6 +187,13 @@ def test_flag_conflicting_with_checkpoint(tmp_path, capsys, monkeypatch):
     _one_line_error(rc, err, "--window-size 7,0 (read as 8) conflicts with the checkpoint")
     rc, _, err = _run([*argv, "--swiglu", "--lr", "1e-3"], capsys, monkeypatch)
     _one_line_error(rc, err, "--swiglu True conflicts with the checkpoint")
+    # another vocabulary padding is a layout, not an architecture: the same run continues (it was refused)
+    curves = []
+    for extra in ([], ["--make-vocab-size-divisible-by", "7"]):
+        rc, out, err = _run([*argv, *extra], capsys, monkeypatch)
+        assert rc == 0, err
+        curves.append([line.split("lm loss")[1].split("| number")[0] for line in out.splitlines() if "lm loss" in line])
+    assert len(curves[0]) == 2 and curves[0] == curves[1]
     # With --use-checkpoint-args the checkpoint's architecture wins and training continues from it.
     rc, out, err = _run([*argv, "--hidden-size", "64", "--use-checkpoint-args"], capsys, monkeypatch)
     assert rc == 0, err

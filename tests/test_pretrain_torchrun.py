@@ -44,6 +44,45 @@ def test_shipped_script_dry_run(script):
     assert "dry run ok" in out.stdout
 
 
+def _hf_count(config) -> tuple[int, int]:
+    """Parameters of a transformers model of `config` (built on the meta device) and those of its routed experts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return sum(p.numel() for p in model.parameters()), experts
+
+
+def test_the_dry_run_counts_the_models_parameters_as_transformers():
+    """(From a review of the scripts) the headline count is the model's, as transformers counts it, not the
+    layout's padded vocabulary (the 70B said 70.57B for 70.55B), and an MoE's active parameters are said. The
+    configs are the published config.json values, written out here."""
+    transformers = pytest.importorskip("transformers")
+
+    def said(script: str) -> str:
+        out = subprocess.run(
+            ["bash", str(ROOT / "pretrain" / script)], env={**os.environ, "DRY_RUN": "1"}, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        return next(line for line in out.stdout.splitlines() if line.startswith("dry run ok"))
+
+    llama70 = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    total, _ = _hf_count(llama70)
+    assert f", {total / 1e9:.2f}B parameters (" in said("llama3_70b_multinode.sh")
+    mixtral = transformers.MixtralConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    total, experts = _hf_count(mixtral)
+    active = total - experts + experts * 2 / 8
+    assert f", {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active" in said("mixtral_8x7b.sh")
+
+
 def test_qlora_script_dry_run_on_a_machine_without_the_base():
     """From a review: the LoRA script's QLORA=1 dry run stopped where its base checkpoint is absent (the script
     says a dry run validates on any machine), naming --load as if it had not been given."""

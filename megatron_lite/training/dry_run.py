@@ -135,7 +135,7 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
     by_stage: dict[int, tuple] = {}  # (every rank of a pipeline stage holds the same activations)
     print(f"dry run: world size {world}, {job.parallel}")
     groups: dict[tuple[int, float], list[int]] = {}
-    total = mtp = 0
+    total = mtp = routed = 0
     for rank in range(world):
         ctx = ParallelContext.virtual(job.parallel, world, rank)
         chunks = build_model(model_cfg, ctx, device="meta")
@@ -143,9 +143,10 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
             from megatron_lite.lora.apply import apply_lora
 
             apply_lora(chunks, model_cfg, job.lora, ctx, seed=0)
-        owned = [(chunks.global_name(n), p) for n, p, meta in named_param_meta(chunks) if owns_copy(meta, ctx)]
-        total += sum(p.numel() for _, p in owned)
-        mtp += sum(p.numel() for n, p in owned if n.startswith("mtp."))
+        owned = [(chunks.global_name(n), p, m) for n, p, m in named_param_meta(chunks) if owns_copy(m, ctx)]
+        total += sum(p.numel() for _, p, _ in owned)
+        mtp += sum(p.numel() for n, p, _ in owned if n.startswith("mtp."))
+        routed += sum(p.numel() for n, p, m in owned if m.expert and not n.startswith("mtp."))
         if ctx.dp_cp.rank != 0:
             continue  # data-parallel replicas hold the same (experts aside, which the total counts)
         if ctx.pp.rank not in by_stage:
@@ -183,10 +184,18 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
 
     # (DeepSeek-V3's 671B are its main model's: its checkpoint's 685B include the multi-token-prediction module)
     extra = f" + {_count(mtp)} in multi-token prediction" if mtp else ""
+    # the model's count, as Hugging Face's; the padded rows (a multiple of --make-vocab-size-divisible-by x TP)
+    # are the layout's, said apart
+    rows = model_cfg.padded_vocab_size(job.parallel.tp) - model_cfg.vocab_size
+    padding = rows * model_cfg.hidden_size * (2 if model_cfg.untie_embeddings_and_output_weights else 1)
+    main = total - mtp - padding
+    if routed:  # (a token's: its top-k of the routed experts, every other weight)
+        extra += f", {_count(main - routed + routed * model_cfg.moe_router_topk / model_cfg.num_experts)} active"
     print(
-        f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}, "
-        f"{_count(total - mtp)} parameters{extra} (vocabulary padding included)"
-    )
+        f"dry run ok: {model_cfg.num_layers} layers, vocabulary {model_cfg.vocab_size}, {_count(main)} parameters"
+        f"{extra}" + (f" ({_count(main + padding)} with the vocabulary padded to {rows + model_cfg.vocab_size})"
+                      if rows else "")
+    )  # fmt: skip
     if worst > ACCELERATOR_BYTES:
         print(
             f"warning: the largest rank needs ~{_bytes(worst)}, more than an 80 GiB accelerator; shard further "
