@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 import subprocess
@@ -18,6 +19,97 @@ def _run_tool(script: str, flags: str, out: pathlib.Path) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def _tool_main(script: str):
+    """A tool's main(argv), imported in-process from tools/ (where its helpers, _world and the others, sit)."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    return importlib.import_module(script.removesuffix(".py")).main
+
+
+def _refused(script: str, flags: str, capsys) -> str:
+    """The tool on bad flags: exit status 2 before any work, one `error: ...` line on stderr; returns it."""
+    with pytest.raises(SystemExit) as stop:
+        _tool_main(script)(flags.split())
+    out = capsys.readouterr()
+    assert stop.value.code == 2 and not out.out, (stop.value.code, out)
+    assert out.err.startswith("error: ") and out.err.count("\n") == 1, out.err
+    return out.err.strip()
+
+
+BENCH_TOOLS = ["bench_decode.py", "bench_train_step.py", "bench_kernels.py", "bench_attention_tiles.py",
+               "bench_norm_tiles.py", "bench_ce_rows.py", "bench_moe_dispatcher.py", "bench_context_parallel.py",
+               "bench_comm_overlap.py", "bench_pipeline.py"]  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("script", [s for s in BENCH_TOOLS if s != "bench_pipeline.py"])  # (it runs on CPU only)
+def test_bench_tools_refuse_cuda_without_cuda_in_one_line(script, capsys):
+    """From a review: --device cuda without CUDA ended in torch.cuda's AssertionError, or in every spawned worker's
+    AttributeError (_cuda_setDevice)."""
+    err = _refused(script, "--device cuda", capsys)
+    assert err == "error: --device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu"
+
+
+def test_bench_tools_count_a_gpu_per_rank(monkeypatch, capsys):
+    """One GPU per rank, counted before any process starts; a single-process tool's cuda:N must exist."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for script, flags in (
+        ("bench_moe_dispatcher.py", "--ep 2 4"),
+        ("bench_context_parallel.py", "--cp 1 4"),
+        ("bench_comm_overlap.py", "--tp 4"),
+    ):
+        flag = flags.split()[0]
+        expected = f"{flag} 4 with --device cuda: one GPU per rank, and torch.cuda.device_count() is 2; use {flag} 2"
+        assert expected in _refused(script, f"--device cuda {flags}", capsys)
+    err = _refused("bench_train_step.py", "--device cuda:2", capsys)
+    assert "--device cuda:2: this machine has 2 CUDA devices (cuda:0 to cuda:1)" in err
+
+
+BAD_FLAGS = [  # (script, flags, how its error line starts)
+    # (from a review: a RuntimeError on a shape inside each worker)
+    ("bench_moe_dispatcher.py", "--ep 2 --num-experts 3 --tokens 16 --hidden-size 32 --ffn-hidden-size 32",
+     "--num-experts 3 is not divisible by --ep 2 (each rank holds the same number of experts); use "
+     "--num-experts 2 or 4"),
+    ("bench_moe_dispatcher.py", "--ep 2 --num-experts 4 --topk 5", "--topk 5: more than --num-experts 4"),
+    ("bench_moe_dispatcher.py", "--ep 0", "--ep 0: must be 1 or more"),
+    # (FileNotFoundError: rows.json, no process having started)
+    ("bench_pipeline.py", "--pp 0", "--pp 0: a pipeline needs 2 ranks or more"),
+    # (the schedule's ScheduleError in each worker, which told to use --global-batch-size, not a flag here)
+    ("bench_pipeline.py", "--pp 2 --vp 2 --microbatches 3 --forward-ms 1 --repeats 1",
+     "--microbatches 3 with --pp 2 --vp 2: the interleaved schedule needs a multiple of --pp; use "
+     "--microbatches 2 or 4"),
+    ("bench_pipeline.py", "--pp 4 --microbatches 2", "--microbatches 2: fewer than --pp 4"),
+    ("bench_pipeline.py", "--global-batch-size 8", "--global-batch-size: no such flag in"),
+    # (a ValueError from the zigzag split in each worker)
+    ("bench_context_parallel.py", "--cp 2 --seq-length 30 --hidden-size 32 --num-layers 1 --iters 1",
+     "--seq-length 30 with --cp 2: the sequence is cut into 2 x CP = 4 equal chunks; use --seq-length 28 or 32"),
+    ("bench_context_parallel.py", "--cp 0", "--cp 0: must be 1 or more"),
+    ("bench_context_parallel.py", "--cp 8 --comm a2a", "--comm a2a with --cp 8: the all-to-all splits --heads"),
+    # (a ConfigError naming --kv-channels 1 in each worker)
+    ("bench_comm_overlap.py", "--tp 2 --hidden-size 32 --seq-length 32",
+     "--hidden-size 32: the layer's 32 heads need an even size each (RoPE); use --hidden-size 64"),
+    ("bench_comm_overlap.py", "--tp 3 --seq-length 30", "--tp 3: the layer is timed under tensor parallelism"),
+    ("bench_attention_tiles.py", "--device cpu --tiles 64xax4x3", "--tiles '64xax4x3': each tile is"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("script, flags, expected", BAD_FLAGS, ids=[f"{s[:-3]} {f}" for s, f, _ in BAD_FLAGS])
+def test_bench_tools_refuse_bad_sizes_in_one_line(script, flags, expected, capsys):
+    """Checked in main() before any process starts, in the tool's own flags (above each case: what it ended in)."""
+    assert _refused(script, flags, capsys).startswith("error: " + expected)
+
+
+def test_bench_tools_keep_their_help(capsys):
+    """OneLineErrorParser (one-line errors for unknown flags) still prints each tool's usage and docstring."""
+    for script in BENCH_TOOLS:
+        with pytest.raises(SystemExit) as stop:
+            _tool_main(script)(["--help"])
+        out = capsys.readouterr().out
+        doc = sys.modules[script.removesuffix(".py")].__doc__.splitlines()[0]
+        assert stop.value.code == 0 and out.startswith("usage:") and doc in out, (script, out[:300])
 
 
 def test_bench_train_step_reports_a_ratio(tmp_path):

@@ -2,7 +2,11 @@
 `worker(rank, world, args, *extra)` on `world` ranks (gloo on CPU; NCCL, one GPU per rank, with
 args.device == "cuda"; args.threads split between them) and returns what rank 0 returned (JSON-able).
 Every rank passes a barrier, then exits at once: gloo aborts at exit ("terminate called without an active
-exception") when a rank tears its groups down while a peer still talks."""
+exception") when a rank tears its groups down while a peer still talks.
+
+Also the benchmark scripts' checks of their flags (`usage_error`, `check_sizes`, `check_device`), run in main()
+before any work: a bad value said in one line, as OneLineErrorParser says a bad flag, not a traceback from inside
+a worker (or every worker at once)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -39,3 +44,41 @@ def spawn(worker, world: int, args, *extra):
         mp.start_processes(_entry, args=(world, tmp, worker, args, extra), nprocs=world, start_method="spawn")
         with open(os.path.join(tmp, "out.json")) as f:
             return json.load(f)
+
+
+def usage_error(message: str) -> NoReturn:
+    """`error: message` on stderr, one line, and exit status 2 (argparse's for a bad flag)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def check_sizes(minimum: int = 1, **flags: int | list[int]) -> None:
+    """Each flag's value (or every value of a list) at least `minimum`; flags by name, dashes as underscores."""
+    for name, value in flags.items():
+        for v in value if isinstance(value, list) else [value]:
+            if v < minimum:
+                usage_error(f"--{name.replace('_', '-')} {v}: must be {minimum} or more")
+
+
+def check_device(device: str, world: int = 1, world_flag: str = "") -> None:
+    """--device as the benchmarks can use it: cpu, or cuda on a machine with CUDA and one GPU for each of `world`
+    ranks (`world_flag`: the flag that sets them, e.g. "--ep"). Otherwise torch fails at its first CUDA call, deep
+    in the run, or in every spawned worker at once."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        usage_error(f"--device {device}: not a device; use --device cpu or --device cuda")
+    if dev.type not in ("cpu", "cuda"):
+        usage_error(f"--device {device}: the benchmarks run on cpu or cuda; use --device cpu or --device cuda")
+    if dev.type == "cpu":
+        return
+    if not torch.cuda.is_available():
+        usage_error(f"--device {device}: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        usage_error(f"--device {device}: this machine has {count} CUDA devices (cuda:0 to cuda:{count - 1}); use one")
+    if world > count:
+        usage_error(
+            f"{world_flag} {world} with --device {device}: one GPU per rank, and torch.cuda.device_count() is "
+            f"{count}; use {world_flag} {count} or less, or --device cpu"
+        )

@@ -22,6 +22,9 @@ import json
 
 import torch
 from _kernel_timing import error_text, kernels_for, rel_err, time_ms
+from _world import check_device, usage_error  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 KINDS = {"fwd": ("_fwd", "_FWD_TILES"), "dkdv": ("_bwd_dkdv", "_DKDV_TILES"), "dq": ("_bwd_dq", "_DQ_TILES")}
 # (batch, seq_q, seq_k, heads, kv_heads, head_dim, window): the timed shape first (Llama-3-8B), then odd ones
@@ -34,10 +37,10 @@ SHAPES = {
 def _parse_tiles(text: str) -> list[tuple[int, ...]]:
     tiles = []
     for item in text.split(","):
-        parts = tuple(int(p) for p in item.lower().split("x"))
-        if len(parts) != 4:
-            raise SystemExit(f"error: --tiles {item!r}: each tile is BLOCK_MxBLOCK_Nxwarpsxstages, e.g. 64x64x4x3")
-        tiles.append(parts)
+        parts = item.strip().lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            usage_error(f"--tiles {item!r}: each tile is BLOCK_MxBLOCK_Nxwarpsxstages, e.g. 64x64x4x3")
+        tiles.append(tuple(int(p) for p in parts))
     return tiles
 
 
@@ -60,7 +63,7 @@ def _run(fn, q, k, v, up, window, dtype, backward=True):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kernel", choices=list(KINDS), default="dkdv", help="the kernel whose tile is forced")
     ap.add_argument("--tiles", default=None, help="comma-separated MxNxWARPSxSTAGES; default: the autotuner's list")
@@ -68,9 +71,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=10, help="timing effort (at least x10 ms on a GPU, calls on a CPU)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    check_device(args.device)
+    tiles = _parse_tiles(args.tiles) if args.tiles else None  # (before the kernels are imported)
     device = torch.device(args.device)
     K, fa = kernels_for(device, "flash_attention", KINDS[args.kernel][1], "there are no tiles to try")
-    tiles = _parse_tiles(args.tiles) if args.tiles else list(getattr(fa, KINDS[args.kernel][1]))
+    tiles = tiles or list(getattr(fa, KINDS[args.kernel][1]))
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     shapes = SHAPES["cuda" if gpu else "cpu"]

@@ -27,6 +27,9 @@ import json
 
 import torch
 from _kernel_timing import copy_ms, error_text, fwd_bwd, kernels_for, peak_bytes, rel_err, time_in_turn, time_ms
+from _world import check_device, usage_error  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 GRID = list(itertools.product((1024, 2048, 4096, 8192), (1, 2, 3), (4, 8, 16)))
 KNOBS = {"stats": "STATS_SETTING", "grad": "GRAD_SETTING"}
@@ -37,7 +40,7 @@ def _parse(text: str, kind: str) -> list[tuple[int, ...]]:
     for item in text.split(","):
         fields = item.strip().lower().split("x")
         if len(fields) != 3 or not all(f.isdigit() for f in fields):
-            raise SystemExit(f"error: --{kind} {item!r}: each is BLOCKxSTAGESxWARPS, e.g. 4096x1x16")
+            usage_error(f"--{kind} {item!r}: each is BLOCKxSTAGESxWARPS, e.g. 4096x1x16")
         out.append(tuple(int(f) for f in fields))
     return out
 
@@ -81,7 +84,7 @@ def _table(title: str, rows: list[dict], default: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", type=int, default=None, help="the chunk's rows (default 1024 on a GPU, 37 on a CPU)")
     ap.add_argument("--vocab", type=int, default=None, help="columns (default 128256 on a GPU, 50 on a CPU)")
@@ -95,10 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=5, help="timing effort (at least x10 ms on a GPU, calls on a CPU)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    check_device(args.device)
+    settings = {k: GRID if getattr(args, k) is None else _parse(getattr(args, k), k) for k in KNOBS}
     device = torch.device(args.device)
     K, ce = kernels_for(device, "cross_entropy", "_ce_stats", "there are no row kernels to time")
     gpu = device.type == "cuda"
-    settings = {k: GRID if getattr(args, k) is None else _parse(getattr(args, k), k) for k in KNOBS}
     defaults = {k: "x".join(map(str, getattr(ce, KNOBS[k]))) for k in KNOBS}
     rows_n, vocab = args.rows or (1024 if gpu else 37), args.vocab or (128256 if gpu else 50)
     dtype = torch.bfloat16 if gpu else torch.float32

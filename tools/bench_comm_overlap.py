@@ -23,26 +23,68 @@ import time
 
 import torch
 import torch.distributed as dist
-from _world import spawn  # tools/_world.py, beside this script
+from _world import check_device, check_sizes, spawn, usage_error  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336)
 
 
-def _worker(rank: int, world: int, args) -> list[dict]:
-    from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig, ParallelConfig
-    from megatron_lite.models.transformer import TransformerLayer
-    from megatron_lite.parallel_context import ParallelContext
+def _config(args):
+    from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
 
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     shape = {**LLAMA3_8B, **({"hidden_size": args.hidden_size} if args.hidden_size else {})}
-    config = ModelConfig(
+    return ModelConfig(
         num_layers=1,
         vocab_size=128,
         kernel_impl="triton" if args.device == "cuda" else "torch",
         **LLAMA_ARCHITECTURE,
         **shape,
     )
+
+
+def _check(args) -> None:
+    """The flags, before any work: a bad one fails every worker, deep in the layer."""
+    from megatron_lite.config import ConfigError, ParallelConfig, _nearest_multiples, divisors
+    from megatron_lite.layout_validation import validate_layout
+
+    check_sizes(tp=args.tp, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, iters=args.iters)
+    check_sizes(gemm_iters=args.gemm_iters)
+    check_sizes(0, warmup=args.warmup)
+    check_device(args.device, 1 if args.skip_layer else args.tp, "--tp")
+    heads, groups = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_query_groups"]
+    if not args.skip_layer and (args.tp < 2 or groups % args.tp):
+        usage_error(
+            f"--tp {args.tp}: the layer is timed under tensor parallelism over its {groups} query groups "
+            f"({heads} heads); use --tp in {divisors(groups)[1:]} (or --skip-layer for the GEMMs alone)"
+        )
+    if args.seq_length % args.tp:  # (sequence parallelism splits it over the TP ranks, the GEMMs into TP chunks)
+        usage_error(
+            f"--seq-length {args.seq_length} is not divisible by --tp {args.tp}; use --seq-length "
+            f"{_nearest_multiples(args.seq_length, args.tp)}"
+        )
+    if args.skip_layer:
+        return
+    if args.hidden_size is not None and (args.hidden_size < 1 or args.hidden_size % (2 * heads)):
+        usage_error(
+            f"--hidden-size {args.hidden_size}: the layer's {heads} heads need an even size each (RoPE); use "
+            f"--hidden-size {_nearest_multiples(max(args.hidden_size, 1), 2 * heads)}"
+        )
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, sequence_parallel=True, tp_comm_overlap=True)
+    try:  # what else the layer's own checks would refuse, in the trainer's flag names
+        validate_layout(_config(args), parallel, args.tp)
+    except ConfigError as e:
+        usage_error(str(e))
+
+
+def _worker(rank: int, world: int, args) -> list[dict]:
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.models.transformer import TransformerLayer
+    from megatron_lite.parallel_context import ParallelContext
+
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    config = _config(args)
     rows = []
     s_local = args.seq_length // world
     x0 = torch.randn(s_local, args.micro_batch_size, config.hidden_size, generator=torch.Generator().manual_seed(rank))
@@ -157,7 +199,7 @@ def gemm_decomposition(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--micro-batch-size", type=int, default=1)
@@ -171,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-layer", action="store_true", help="only the GEMM comparison (one device)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    _check(args)
     result: dict = {}
     if not args.skip_layer:
         rows = spawn(_worker, args.tp, args)

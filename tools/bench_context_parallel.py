@@ -8,20 +8,23 @@ storages, parameters excluded): what a step must hold at its peak, on CPU as on 
 allocator's caching in the way.
 
     python tools/bench_context_parallel.py                       # seq 8192, CP 1/2/4, p2p and a2a
-    python tools/bench_context_parallel.py --seq-length 16384 --cp 1 2 4 8 --comm p2p a2a allgather
+    python tools/bench_context_parallel.py --seq-length 16384 --cp 1 2 4 8 --heads 8 --comm p2p a2a allgather
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from _world import spawn  # tools/_world.py, beside this script
+from _world import check_device, check_sizes, spawn, usage_error  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 
 def _saved_bytes(params: set[int]):
@@ -37,15 +40,10 @@ def _saved_bytes(params: set[int]):
     return seen, pack, lambda t: t
 
 
-def _worker(rank: int, world: int, args, comm: str) -> dict:
-    from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig, ParallelConfig
-    from megatron_lite.context_parallel.zigzag import slice_batch
-    from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.parallel_context import ParallelContext
+def _config(args):
+    from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
 
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    ctx = ParallelContext.build(ParallelConfig(context_parallel_size=world, cp_comm_type=comm), device=device)
-    config = ModelConfig(
+    return ModelConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.heads,
@@ -54,6 +52,52 @@ def _worker(rank: int, world: int, args, comm: str) -> dict:
         kernel_impl="triton" if args.device == "cuda" else "torch",
         **LLAMA_ARCHITECTURE,
     )
+
+
+def _check(args) -> None:
+    """The flags, before any process starts: a bad one fails every worker, deep in the model or the split."""
+    from megatron_lite.config import ConfigError, ParallelConfig, _nearest_multiples
+    from megatron_lite.layout_validation import validate_layout
+
+    check_sizes(cp=args.cp, seq_length=args.seq_length, hidden_size=args.hidden_size, heads=args.heads)
+    check_sizes(num_layers=args.num_layers, vocab_size=args.vocab_size, iters=args.iters)
+    check_sizes(0, warmup=args.warmup)
+    check_device(args.device, max(args.cp), "--cp")
+    for cp in args.cp:
+        if cp > 1 and args.seq_length % (2 * cp):  # (the zigzag split: 2 x CP equal chunks)
+            step = math.lcm(*(2 * c for c in args.cp if c > 1))
+            usage_error(
+                f"--seq-length {args.seq_length} with --cp {cp}: the sequence is cut into 2 x CP = {2 * cp} equal "
+                f"chunks; use --seq-length {_nearest_multiples(args.seq_length, step)} (a multiple of 2 x every --cp)"
+            )
+    if args.hidden_size % args.heads or args.hidden_size // args.heads % 2:
+        usage_error(
+            f"--hidden-size {args.hidden_size} with --heads {args.heads}: each head needs an even size (RoPE); "
+            f"use --hidden-size {_nearest_multiples(args.hidden_size, 2 * args.heads)}"
+        )
+    for cp in args.cp:
+        if cp > 1 and "a2a" in args.comm and args.heads % cp:
+            usage_error(
+                f"--comm a2a with --cp {cp}: the all-to-all splits --heads {args.heads} over the CP ranks; use "
+                f"--heads a multiple of {cp} or leave a2a out of --comm"
+            )
+    try:  # what else the model's own checks would refuse, in the trainer's flag names
+        for cp in args.cp:
+            for comm in args.comm if cp > 1 else ["p2p"]:
+                validate_layout(_config(args), ParallelConfig(context_parallel_size=cp, cp_comm_type=comm), cp)
+    except ConfigError as e:
+        usage_error(str(e))
+
+
+def _worker(rank: int, world: int, args, comm: str) -> dict:
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.context_parallel.zigzag import slice_batch
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    ctx = ParallelContext.build(ParallelConfig(context_parallel_size=world, cp_comm_type=comm), device=device)
+    config = _config(args)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(config, ctx, seed=1, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +129,7 @@ def _worker(rank: int, world: int, args, comm: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--comm", nargs="+", default=["p2p", "a2a"], choices=["p2p", "a2a", "allgather"])
     ap.add_argument("--seq-length", type=int, default=8192)
@@ -99,6 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    _check(args)
     rows = []
     for cp in args.cp:
         for comm in args.comm if cp > 1 else ["none"]:

@@ -20,6 +20,9 @@ import time
 import warnings
 
 import torch
+from _world import check_device  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 
 def _hf_config(args):
@@ -52,7 +55,7 @@ def _hf_config(args):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["deepseek_v3", "llama"], default="deepseek_v3")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bf16", action="store_true")
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="timed decoding steps (after 2 untimed)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    check_device(args.device)
 
     import transformers
 

@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from _kernel_report import TARGETS, verdicts, write_report
 from _kernel_timing import copy_ms, fwd_bwd, peak_bytes, profile_calls, rel_err, time_in_turn, time_ms
+from _world import check_device  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 SIZES = {
     "tiny": dict(tokens=64, hidden=64, ffn=96, vocab=512, batch=1, seq=32, heads=4, kv_heads=2, head_dim=16),
@@ -341,7 +344,7 @@ def _measure(case: dict, impl: str, fn, device, dtype, reps: int, bw, peak, prof
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(SIZES), default="tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
@@ -366,6 +369,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args(argv)
+    check_device(args.device)
     device = torch.device(args.device)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported

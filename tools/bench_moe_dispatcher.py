@@ -18,17 +18,15 @@ import time
 
 import torch
 import torch.distributed as dist
-from _world import spawn  # tools/_world.py, beside this script
+from _world import check_device, check_sizes, spawn, usage_error  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 
-def _worker(rank: int, world: int, args) -> list[dict]:
-    from megatron_lite.config import ModelConfig, ParallelConfig
-    from megatron_lite.moe.layer import MoELayer
-    from megatron_lite.parallel_context import ParallelContext
+def _config(args):
+    from megatron_lite.config import ModelConfig
 
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    ctx = ParallelContext.build(ParallelConfig(expert_model_parallel_size=world), device=device)
-    base = ModelConfig(
+    return ModelConfig(
         num_layers=1,
         hidden_size=args.hidden_size,
         num_attention_heads=8,
@@ -40,6 +38,47 @@ def _worker(rank: int, world: int, args) -> list[dict]:
         moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.ffn_hidden_size,
     )
+
+
+def _check(args) -> None:
+    """The flags, before any process starts: a bad one fails every worker, deep in the layer."""
+    from megatron_lite.config import ConfigError, ParallelConfig, _nearest_multiples
+    from megatron_lite.layout_validation import validate_layout
+
+    check_sizes(ep=args.ep, tokens=args.tokens, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size)
+    check_sizes(num_experts=args.num_experts, topk=args.topk, iters=args.iters)
+    check_sizes(0, warmup=args.warmup)
+    check_device(args.device, max(args.ep), "--ep")
+    for ep in args.ep:
+        if args.num_experts % ep:
+            usage_error(
+                f"--num-experts {args.num_experts} is not divisible by --ep {ep} (each rank holds the same number "
+                f"of experts); use --num-experts {_nearest_multiples(args.num_experts, ep)}, or an --ep that divides it"
+            )
+    if args.topk > args.num_experts:
+        usage_error(
+            f"--topk {args.topk}: more than --num-experts {args.num_experts}; use --topk {args.num_experts} or less"
+        )
+    if args.hidden_size % 8:
+        usage_error(
+            f"--hidden-size {args.hidden_size}: the layer's config has 8 attention heads (unused by the MoE layer) "
+            f"and needs a multiple of 8; use --hidden-size {_nearest_multiples(args.hidden_size, 8)}"
+        )
+    try:  # what else the layer's own checks would refuse, in the trainer's flag names
+        for ep in args.ep:
+            validate_layout(_config(args), ParallelConfig(expert_model_parallel_size=ep), ep)
+    except ConfigError as e:
+        usage_error(str(e))
+
+
+def _worker(rank: int, world: int, args) -> list[dict]:
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.moe.layer import MoELayer
+    from megatron_lite.parallel_context import ParallelContext
+
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    ctx = ParallelContext.build(ParallelConfig(expert_model_parallel_size=world), device=device)
+    base = _config(args)
     rows = []
     x = torch.randn(args.tokens, 1, args.hidden_size, generator=torch.Generator().manual_seed(rank)).to(device)
     kinds = ("alltoall", "allgather")
@@ -79,7 +118,7 @@ def _worker(rank: int, world: int, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
     ap.add_argument("--hidden-size", type=int, default=256)
@@ -92,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    _check(args)
     rows = []
     for ep in args.ep:
         rows += spawn(_worker, ep, args)

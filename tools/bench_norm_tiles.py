@@ -25,6 +25,9 @@ import json
 
 import torch
 from _kernel_timing import copy_ms, error_text, fwd_bwd, kernels_for, rel_err, time_ms
+from _world import check_device, usage_error  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 # norm -> (bytes moved forward, backward) in tensors of the input's size, as tools/bench_kernels.py counts them
 NORMS = {"rms_norm": (2, 3), "rms_norm_residual": (4, 4), "layer_norm": (2, 3)}
@@ -34,15 +37,15 @@ GRID = list(itertools.product((1, 2, 4), (1, 2), (1, 2, 3), (4, 8, 16)))
 def _parse(text: str) -> list[tuple[int, ...]]:
     out = []
     for item in text.split(","):
-        parts = tuple(int(p) for p in item.lower().split("x"))
-        if len(parts) != 4:
-            raise SystemExit(f"error: --settings {item!r}: each is PROGRAMSxROWSxSTAGESxWARPS, e.g. 2x1x3x8")
-        out.append(parts)
+        parts = item.strip().lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            usage_error(f"--settings {item!r}: each is PROGRAMSxROWSxSTAGESxWARPS, e.g. 2x1x3x8")
+        out.append(tuple(int(p) for p in parts))
     return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--norms", default=",".join(NORMS), help=f"comma-separated, of {', '.join(NORMS)}")
     ap.add_argument("--settings", default=None, help="comma-separated PxRxSxW; default: the grid above")
@@ -56,21 +59,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    check_device(args.device)
+    unknown = set(args.norms.split(",")) - set(NORMS)
+    if unknown:
+        usage_error(f"--norms {','.join(sorted(unknown))}: not one of {', '.join(NORMS)}")
+    settings = _parse(args.settings) if args.settings else GRID  # (before the kernels are imported)
     device = torch.device(args.device)
     K, norms = kernels_for(device, "norms", "_norm_bwd", "there is no backward kernel to tile")
     import triton
 
-    unknown = set(args.norms.split(",")) - set(NORMS)
-    if unknown:
-        raise SystemExit(f"error: --norms {','.join(sorted(unknown))}: not one of {', '.join(NORMS)}")
     gpu = device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
     rows_n, cols = args.tokens or (4096 if gpu else 37), args.hidden or (4096 if gpu else 48)
-    settings = _parse(args.settings) if args.settings else GRID
     for item in filter(None, args.set.split(",")):
         name, _, value = item.partition("=")
         if not (name.startswith(("BWD_", "SUM_")) and hasattr(norms, name) and value.strip().isdigit()):
-            raise SystemExit(f"error: --set {item!r}: each is NAME=INTEGER, NAME a BWD_ or SUM_ setting of norms.py")
+            usage_error(f"--set {item!r}: each is NAME=INTEGER, NAME a BWD_ or SUM_ setting of norms.py")
         setattr(norms, name, int(value))
     knobs = ("BWD_PROGRAMS_PER_SM", "BWD_ROWS_PER_STEP", "BWD_STAGES", "BWD_WARPS", "BWD_STEP_ELEMENTS")
     saved = {k: getattr(norms, k) for k in knobs}

@@ -23,7 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _world import check_sizes, usage_error  # tools/_world.py, beside this script
 from torch import nn
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 HIDDEN, SEQ, MICRO = 32, 8, 1
 
@@ -134,8 +137,32 @@ def _worker(rank: int, world: int, init: str, args, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _check(args) -> None:
+    """The flags, before any process starts: a schedule that cannot run fails every worker with a traceback
+    (and --pp 0 starts none)."""
+    from megatron_lite.config import _nearest_multiples
+    from megatron_lite.pipeline_parallel.schedules import ScheduleError, validate
+
+    if args.pp < 2:  # (at 1, torch's stage is first and last at once: its step here fails without a target)
+        usage_error(f"--pp {args.pp}: a pipeline needs 2 ranks or more; use --pp 2 or more")
+    check_sizes(vp=args.vp, microbatches=args.microbatches, repeats=args.repeats)
+    if not args.forward_ms > 0:
+        usage_error(f"--forward-ms {args.forward_ms}: must be more than 0 (the bubble is relative to it)")
+    m, pp = args.microbatches, args.pp
+    if m < pp:  # (torch's Schedule1F1B refuses fewer)
+        usage_error(f"--microbatches {m}: fewer than --pp {pp}, which 1F1B needs; use --microbatches {pp} or more")
+    for v in (1, args.vp):
+        try:
+            validate(pp, v, m)
+        except ScheduleError:  # (its message names the trainer's flags: --global-batch-size sets the micro-batches)
+            usage_error(
+                f"--microbatches {m} with --pp {pp} --vp {v}: the interleaved schedule needs a multiple of --pp; "
+                f"use --microbatches {_nearest_multiples(m, pp)}"
+            )
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--vp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
@@ -143,6 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    _check(args)
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "rows.json")
         mp.start_processes(_worker, args=(args.pp, init, args, out), nprocs=args.pp, start_method="spawn")

@@ -16,10 +16,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _world import check_device  # tools/_world.py, beside this script
+
+from megatron_lite.flag_parser import OneLineErrorParser
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--num-layers", type=int, default=4)
@@ -39,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    check_device(args.device)
 
     import dataclasses
 
