@@ -132,10 +132,11 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """DW[e] = DY[rows of e]^T @ X[rows of e]; programs over (e, n block, k block)."""
-        e = tl.program_id(0).to(tl.int64)  # experts x N x K may pass 2^31
+        """DW[e] = DY[rows of e]^T @ X[rows of e]; programs over (n block x k block, e): the blocks on the first
+        grid axis, whose limit is 2^31 - 1 (the second's is 65535: one Mixtral-8x22B expert's fc1 has 98304)."""
+        e = tl.program_id(1).to(tl.int64)  # experts x N x K may pass 2^31
         n_blocks = tl.cdiv(N, BLOCK_N)
-        nb, kb = tl.program_id(1) % n_blocks, tl.program_id(1) // n_blocks
+        nb, kb = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks
         start, end = tl.load(OFFS + e), tl.load(OFFS + e + 1)
         ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -346,7 +347,7 @@ def _grouped_backward(x, w, dy, offs, tile_e, tile_m, want_dw: bool):
     bm, bn, bk = _cfg()
     e, n, k = w.shape
     dw = torch.zeros(e, n, k, dtype=torch.float32, device=w.device)
-    _grouped_mm_dw[(e, triton.cdiv(n, bn) * triton.cdiv(k, bk))](
+    _grouped_mm_dw[(triton.cdiv(n, bn) * triton.cdiv(k, bk), e)](
         x,
         dy,
         dw,

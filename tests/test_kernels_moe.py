@@ -89,3 +89,30 @@ def test_dropped_pairs_read_nothing(impl):
     assert torch.equal(y[0], 0.6 * out[1]) and not torch.isfinite(y[1]).all()  # token 1 does read the inf row
     empty = unpermute(torch.zeros(0, 8, device=DEVICE), torch.full((4, 2), -1, device=DEVICE), probs.repeat(2, 1))
     assert empty.shape == (4, 8) and not empty.any()
+
+
+def test_grouped_gemm_grids_fit_cuda_at_real_expert_sizes(monkeypatch):
+    """(From a kernel review: the interpreter has no grid limit.) With the GPU's tiles, every launch of the
+    grouped GEMM fits CUDA's grid (axis 0 < 2^31, the others <= 65535) for one Mixtral-8x22B expert (fc1
+    [2 x 16384, 6144]); the weight gradient put 98304 blocks on the second axis, and the launch failed."""
+    import megatron_lite.kernels.moe as moe
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(moe, "_grouped_mm", Recorder())
+    monkeypatch.setattr(moe, "_grouped_mm_dw", Recorder())
+    monkeypatch.setattr(moe, "_cfg", lambda: (64, 64, 32))  # (the GPU's tiles, not the interpreter's)
+    experts, rows = 8, 4096
+    for n, k in ((2 * 16384, 6144), (6144, 16384)):  # fc1, fc2
+        x = torch.empty(rows, k, device="meta")
+        w = torch.empty(experts, n, k, device="meta")
+        tiles = torch.empty(rows // 64, dtype=torch.int64, device="meta")
+        moe._grouped_backward(x, w, torch.empty(rows, n, device="meta"), tiles, tiles, tiles, want_dw=True)
+    assert len(grids) == 4
+    for grid in grids:
+        assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), grid
