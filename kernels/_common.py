@@ -7,6 +7,7 @@ imported (the test suite does this); without it, the functional entries use the 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 
@@ -59,6 +60,24 @@ def triton_usable(*tensors: torch.Tensor) -> bool:
     if not HAVE_TRITON:
         return False
     return all(t.is_cuda for t in tensors) or interpreting()
+
+
+def on_tensor_device(fn):
+    """A functional entry that launches on its first tensor's CUDA device. Triton launches on the current device
+    (its context and stream) whatever the pointers: a model on cuda:1 without torch.cuda.set_device ran its
+    kernels on device 0 with cuda:1's addresses (from a kernel review). The backward needs nothing: autograd
+    runs a device's backward on a thread set to that device."""
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if t is not None and t.is_cuda and t.device.index != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    entry.on_tensor_device = True
+    return entry
 
 
 def offsets_fit_int32(*tensors: torch.Tensor) -> bool:

@@ -29,7 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, require, rows_per_program, triton_usable
+from megatron_lite.kernels._common import (
+    HAVE_TRITON,
+    launched,
+    next_pow2,
+    on_tensor_device,
+    require,
+    rows_per_program,
+    triton_usable,
+)
 
 
 class RowSetting(NamedTuple):
@@ -423,6 +431,7 @@ def fused_linear_cross_entropy_reference(
     return loss.sum() / (labels != ignore_index).sum().clamp(min=1) if reduction == "mean" else loss.sum()
 
 
+@on_tensor_device
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -29,7 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.kernels import _common
-from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, require, triton_usable
+from megatron_lite.kernels._common import (
+    HAVE_TRITON,
+    interpreting,
+    launched,
+    next_pow2,
+    on_tensor_device,
+    require,
+    triton_usable,
+)
 
 if HAVE_TRITON:
     import triton
@@ -242,6 +250,7 @@ def _forward(q, k, v, causal, scale, window_size=None, spans=None):
     return o, lse
 
 
+@on_tensor_device
 def flash_attention_backward(
     q,
     k,
@@ -417,6 +426,7 @@ def flash_attention_backward_reference(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+@on_tensor_device
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, offsets_fit_int32, triton_usable
+from megatron_lite.kernels._common import (
+    HAVE_TRITON,
+    interpreting,
+    launched,
+    offsets_fit_int32,
+    on_tensor_device,
+    triton_usable,
+)
 
 if HAVE_TRITON:
     import triton
@@ -71,6 +78,7 @@ def _config() -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
+@on_tensor_device
 def matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """out[:] = x @ w^T for x [M, K], w [N, K], out [M, N] (any strides); the Triton kernel where it can
     run, torch.matmul(out=...) elsewhere (which needs `out` contiguous)."""
@@ -106,6 +114,7 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.t()
 
 
+@on_tensor_device
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T, differentiable."""
     if triton_usable(x, w):

@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.kernels import _common
-from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, next_pow2, require, triton_usable
+from megatron_lite.kernels._common import (
+    HAVE_TRITON,
+    interpreting,
+    launched,
+    next_pow2,
+    on_tensor_device,
+    require,
+    triton_usable,
+)
 
 if HAVE_TRITON:
     import triton
@@ -250,6 +258,7 @@ def moe_unpermute_reference(out, row_map, probs):
     return (rows * w).sum(1)
 
 
+@on_tensor_device
 def moe_permute(x: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | None = None):
     if keep is not None and (keep.dtype != torch.bool or keep.shape != indices.shape):
         # (an integer 0/1 mask indexed the pairs instead of masking them: other rows, without an error)
@@ -263,6 +272,7 @@ def moe_permute(x: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | Non
     return x[src], row_map
 
 
+@on_tensor_device
 def moe_unpermute(out: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     if probs.shape != row_map.shape:
         raise ValueError(
@@ -404,6 +414,7 @@ def grouped_gemm_reference(x, w, counts):
     return torch.cat(outs) if outs else x.new_zeros(0, w[0].shape[0] if isinstance(w, (list, tuple)) else w.shape[1])
 
 
+@on_tensor_device
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor | list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
     """x [N, K] rows grouped by expert (counts[e] rows each), w [E, N_out, K] (or E weights [N_out, K], the
     experts' own parameters) -> [N, N_out]."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.kernels import _common
-from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, triton_usable
+from megatron_lite.kernels._common import HAVE_TRITON, interpreting, launched, on_tensor_device, triton_usable
 
 # The 16 NF4 levels (QLoRA appendix; bitsandbytes' code book), ascending.
 NF4_LEVELS = (
@@ -123,6 +123,7 @@ def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     return qabsmax, stats, float(offset), code8
 
 
+@on_tensor_device
 def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> NF4Weight:
     x = w.detach().reshape(-1).float()
     n = x.numel()
@@ -163,6 +164,7 @@ if HAVE_TRITON:
         tl.store(OUT + idx, (level * scale).to(OUT.dtype.element_ty), mask=mask)
 
 
+@on_tensor_device
 def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
     """The dense weight in its original dtype (Triton; the reference where Triton cannot run)."""
     if not triton_usable(q.packed):
@@ -196,6 +198,7 @@ class _NF4Linear(torch.autograd.Function):
         return dy @ dequantize_nf4(ctx.q).to(dy.dtype), None
 
 
+@on_tensor_device
 def nf4_linear(x: torch.Tensor, q: NF4Weight) -> torch.Tensor:
     """A linear layer whose frozen weight is stored in NF4 (QLoRA's base)."""
     return _NF4Linear.apply(x, q)

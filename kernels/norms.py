@@ -20,6 +20,7 @@ from megatron_lite.kernels._common import (
     interpreting,
     launched,
     next_pow2,
+    on_tensor_device,
     rows_per_program,
     triton_usable,
     warps_for,
@@ -407,6 +408,7 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"norm residual {tuple(residual.shape)} is not the shape of x {tuple(x.shape)}")
 
 
+@on_tensor_device
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of x (or of x + residual, also returned). Triton when usable, else the reference (which also
     takes a residual of another dtype: the sum in their promoted dtype, as torch adds them)."""
@@ -416,6 +418,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return rms_norm_reference(x, weight, eps, residual)
 
 
+@on_tensor_device
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ):

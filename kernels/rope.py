@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, rows_per_program, triton_usable
+from megatron_lite.kernels._common import (
+    HAVE_TRITON,
+    launched,
+    next_pow2,
+    on_tensor_device,
+    rows_per_program,
+    triton_usable,
+)
 
 if HAVE_TRITON:
     import triton
@@ -140,6 +147,7 @@ def _check_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
             )
 
 
+@on_tensor_device
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _check_tables(x, cos, sin)
     # (tables that need a gradient take the reference: the kernel's backward gives x's alone)

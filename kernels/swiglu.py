@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.kernels._common import HAVE_TRITON, launched, next_pow2, rows_per_program, triton_usable
+from megatron_lite.kernels._common import (
+    HAVE_TRITON,
+    launched,
+    next_pow2,
+    on_tensor_device,
+    rows_per_program,
+    triton_usable,
+)
 
 BLOCK = 1024  # columns per program at most; a program handles one row on a GPU
 
@@ -127,6 +134,7 @@ def swiglu_stacked_reference(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@on_tensor_device
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up of one shape (either may be a strided view, read in place)."""
     if gate.shape != up.shape:
@@ -137,6 +145,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return swiglu_reference(gate, up)
 
 
+@on_tensor_device
 def swiglu_stacked(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for h = [gate; up] along its last dimension (fc1's output in a SwiGLU MLP)."""
     if h.shape[-1] % 2:

@@ -178,3 +178,24 @@ def test_other_inputs_of_the_wrong_form_are_one_line(case):
             K.fused_linear_cross_entropy(_r(2, 3, 16), _r(37, 16), torch.zeros(2, 3, dtype=torch.long, device=DEVICE))
         else:
             K.fused_linear_cross_entropy(_r(6, 16), _r(37, 16), torch.zeros(5, dtype=torch.long, device=DEVICE))
+
+
+def test_every_op_launches_on_its_tensors_device():
+    """Triton launches on the current CUDA device whatever the pointers; each functional entry enters its first
+    tensor's device (from a kernel review: a model on cuda:1 without torch.cuda.set_device ran its kernels on
+    device 0). Checked here by construction; a two-GPU machine runs them."""
+    ops = [n for n in K.__all__ if not n.endswith("_reference")]
+    ops = [n for n in ops if n not in ("NF4Weight", "HAVE_TRITON", "LAUNCHES", "compile_for_gpu", "triton_usable")]
+    assert "document_bounds" in ops  # (a helper of plain torch ops: no launch)
+    ops.remove("document_bounds")
+    unguarded = [n for n in ops if not getattr(getattr(K, n), "on_tensor_device", False)]
+    assert len(ops) > 10 and not unguarded, unguarded
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_an_op_on_the_second_gpu_runs_there():
+    x = torch.randn(64, 256, device="cuda:1")
+    w = torch.randn(256, device="cuda:1")
+    with torch.cuda.device(0):
+        y = K.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y, K.rms_norm_reference(x, w, 1e-5), rtol=1e-5, atol=1e-5)
