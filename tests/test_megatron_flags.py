@@ -3,6 +3,8 @@ derived defaults, its older spellings, and the flags of its examples that change
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_lite.arguments import parse_args
@@ -225,6 +227,25 @@ def test_what_megatron_refuses_or_we_lack_is_one_line(flags, fragment):
     with pytest.raises(ConfigError) as e:
         parse_args([*MOCK, *flags])
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_megatron_flag_values_the_no_ops_take_or_refuse():
+    """(From a review of the accepted and refused Megatron flags.) --cuda-graph-impl none is Megatron's default
+    and is taken silently (it was refused); a checkpoint-strictness that asks for an error on unexpected tensors
+    is refused (they are ignored here); Megatron's 0-2 levels are checked; Megatron-FSDP's flags and the re-run
+    engine's error injection are refused with the reason (they were "no such flag")."""
+    ns, _ = parse_args([*MOCK, "--cuda-graph-impl", "none", "--dist-ckpt-strictness", "log_all"])
+    notes = accepted_no_ops(ns)
+    assert not any("cuda-graph" in n for n in notes) and any(n.startswith("--dist-ckpt-strictness") for n in notes)
+    for flags, fragment in (
+        (["--cuda-graph-impl", "local"], "--cuda-graph-impl is not supported: CUDA graphs are not implemented"),
+        (["--dist-ckpt-strictness", "raise_all"], "--dist-ckpt-strictness raise_all is not supported"),
+        (["--timing-log-level", "7"], "--timing-log-level 7 must be 0, 1 or 2"),
+        (["--use-megatron-fsdp"], "Megatron-FSDP is not implemented; --use-torch-fsdp2 shards parameters"),
+        (["--error-injection-rate", "100"], "no re-run engine"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            parse_args([*MOCK, *flags])
 
 
 def test_flags_of_megatrons_examples_that_change_nothing_here_are_reported():
