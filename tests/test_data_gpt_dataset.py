@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -395,3 +396,55 @@ def test_indices_cached_under_the_old_document_order_are_not_reused(tmp_path):
     ds = GPTDataset(ix, (0, len(docs)), n, 8, 1234, cache, 999)
     expected, *_ = _megatron_samples(docs, (0, len(docs)), n, 8, 1234)
     assert [ds.tokens(i).tolist() for i in range(len(ds))] == expected
+
+
+def test_the_index_cache_is_written_and_read_safely_by_many_nodes(tmp_path):
+    """(From a review of the data pipeline at scale.) Each writer publishes through a temporary file of its own:
+    where file locks hold on one node only, nodes building the same cache at once truncated each other's one
+    shared temporary file. A damaged cache file is one line naming it (it was a traceback, or samples from
+    nowhere). A .bin written in a wider dtype than its index says is refused (it read as ids and zeros)."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.data.gpt_dataset import _save_npy
+
+    target = tmp_path / "x-doc.npy"
+    other = tmp_path / "x-doc.npy.partial.npy"  # (another node's write in flight, under the old shared name)
+    other.write_bytes(b"another node's bytes")
+    _save_npy(str(target), np.arange(5))
+    assert other.read_bytes() == b"another node's bytes" and np.load(target).tolist() == list(range(5))
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial.npy") and p != other]
+
+    prefix, cache = str(tmp_path / "c"), str(tmp_path / "cache")
+    ix = _write(prefix, [[1, 2, 3, 4, 5]] * 40)
+    GPTDataset(ix, (0, 40), 20, 8, 1, cache, 999)
+    sample = next(p for p in (tmp_path / "cache").iterdir() if p.name.endswith("-sample.npy"))
+    sample.write_bytes(sample.read_bytes()[:-40])  # cut short
+    with pytest.raises(ConfigError, match=f"the cached index {re.escape(str(sample))} is damaged .*delete it"):
+        GPTDataset(ix, (0, 40), 20, 8, 1, cache, 999)
+    np.save(sample, np.zeros(7, dtype=np.int64))  # whole, but not a sample index
+    with pytest.raises(ConfigError, match=r"is damaged \(shape \(7,\), not \(samples \+ 1, 2\)\)"):
+        GPTDataset(ix, (0, 40), 20, 8, 1, cache, 999)
+
+    wide = np.fromfile(prefix + ".bin", dtype=np.uint16).astype(np.int32)
+    wide.tofile(prefix + ".bin")
+    with pytest.raises(ConfigError, match=r"c.bin does not match .*c.idx: .* 2 times .*another dtype"):
+        IndexedDataset(prefix)
+
+
+def test_a_cached_dataset_starts_without_copying_the_document_lengths(tmp_path):
+    """(From a review at scale: every rank copied the split's lengths three times on every start, cached indices
+    or not: gigabytes a rank for a billion documents.) A start from the cache allocates far less than the
+    lengths themselves."""
+    import tracemalloc
+
+    prefix, cache, n = str(tmp_path / "c"), str(tmp_path / "cache"), 200_000
+    w = IndexedDatasetWriter(prefix, 1000)
+    w.add_document(list(range(1, 7)) * n, [6] * n)  # (n sequences of 6 tokens in one call)
+    w.finalize()
+    ix = IndexedDataset(prefix)
+    assert len(ix.lengths) == n
+    GPTDataset(ix, (0, n), 1000, 8, 1, cache, 999)
+    tracemalloc.start()
+    GPTDataset(ix, (0, n), 1000, 8, 1, cache, 999)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < ix.lengths.nbytes / 4, (peak, ix.lengths.nbytes)

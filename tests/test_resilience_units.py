@@ -19,6 +19,8 @@ def _agree(config: dict) -> str:
     from megatron_lite.resilience.supervisor import check_config_agreement
 
     mine = dict(config, lr=config["lr"] * (1 + dist.get_rank() // 2))  # ranks 2 and 3 differ
+    if "data" in config:  # (a node-local index cache: each "node" of two ranks its own)
+        mine = dict(config, data={**config["data"], "data_cache_path": f"/local/node{dist.get_rank() // 2}"})
     try:
         check_config_agreement(mine, torch.device("cpu"))
     except ConfigError as e:
@@ -32,6 +34,8 @@ def test_ranks_with_different_configurations_are_refused_before_training(dist):
     assert "launched with different configurations" in results[0]
     assert "ranks [0, 1]" in results[0] and "ranks [2, 3]" in results[0]
     assert dist(2, _agree, {"lr": 1e-3}) == ["agreed", "agreed"]
+    # (from a data review: a per-node --data-cache-path was refused as another configuration)
+    assert dist(4, _agree, {"lr": 1e-3, "data": {"seq_length": 8}}) == ["agreed"] * 4
 
 
 def test_spike_detector():

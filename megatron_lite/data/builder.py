@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError
@@ -123,9 +124,12 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=N
                     f"(cached in {cache_dir})"
                 )
             cached = {"size": size, "max_token": indexed.max_token()}
-            with open(key + ".partial", "w") as f:
+            tmp = f"{key}.{socket.gethostname()}.{os.getpid()}.partial"  # (this writer's own: see _save_npy)
+            with open(tmp, "w") as f:
                 json.dump(cached, f)
-            os.replace(key + ".partial", key)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, key)
     if cached["max_token"] >= vocab_size:
         raise ConfigError(
             f"{indexed.flag} {indexed.prefix} holds token id {cached['max_token']} but the vocabulary has {vocab_size} "

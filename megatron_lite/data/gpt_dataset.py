@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 
 import numpy as np
 import torch
@@ -57,8 +58,14 @@ def _lock_unless(paths: list[str], lock: str):
 
 
 def _save_npy(path: str, arr: np.ndarray) -> None:
-    tmp = path + ".partial.npy"
-    np.save(tmp, arr, allow_pickle=False)
+    """Published whole: written under a name of this writer's own (where file locks hold on one node only,
+    nodes sharing the cache build at once: they truncated each other's one temporary file) and synced before
+    the rename (a crash after it left zeros under the final name)."""
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.partial.npy"
+    with open(tmp, "wb") as f:
+        np.save(f, arr, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -78,7 +85,7 @@ def index_signature(indexed: IndexedDataset, doc_range: tuple[int, int]) -> str:
     """A digest of the document lengths in `doc_range`: the sample indices depend on nothing else of the files,
     so a re-preprocessed corpus (same .bin size, other documents or order) never reuses stale indices."""
     lo, hi = doc_range
-    return hashlib.md5(np.ascontiguousarray(indexed.lengths[lo:hi]).tobytes()).hexdigest()
+    return hashlib.md5(np.ascontiguousarray(indexed.lengths[lo:hi])).hexdigest()  # (the mapped bytes, no copy)
 
 
 class GPTDataset:
@@ -107,8 +114,8 @@ class GPTDataset:
         self.seq_length = seq_length
         self.eod = eod
         self.eod_mask_loss = eod_mask_loss
-        docs = np.arange(doc_range[0], doc_range[1], dtype=np.int64)
-        if len(docs) == 0:
+        lo, hi = doc_range
+        if hi <= lo:
             raise ValueError(f"{indexed.prefix}: the split {doc_range} holds no documents")
         key = json.dumps(
             [
@@ -124,8 +131,10 @@ class GPTDataset:
                 "documents-shuffled-across-epochs",
             ]
         )
-        tokens_per_epoch = int(indexed.lengths[docs].astype(np.int64).sum())
-        where = f"{self.flag} {indexed.prefix}: the {split} split's {len(docs)} documents"
+        # (summed from the mapped lengths: every rank does this on every start, cached indices or not, and copies
+        # of a billion documents' lengths took gigabytes a rank)
+        tokens_per_epoch = int(indexed.lengths[lo:hi].sum(dtype=np.int64))
+        where = f"{self.flag} {indexed.prefix}: the {split} split's {hi - lo} documents"
         if tokens_per_epoch == 0:
             # (every rank reads these lengths, so every rank raises: no collective is left waiting)
             fix = "or change --split" if self.flag == "--data-path" else "or give other data"
@@ -138,15 +147,36 @@ class GPTDataset:
         paths = {k: os.path.join(cache_dir, f"{digest}-{k}.npy") for k in ("doc", "sample", "shuffle")}
         with _lock_unless(list(paths.values()), os.path.join(cache_dir, f"{digest}.lock")):
             if not all(os.path.exists(p) for p in paths.values()):
+                docs = np.arange(lo, hi, dtype=np.int64)
                 for k, arr in zip(("doc", "sample", "shuffle"), self._build(docs, tokens_per_epoch, num_samples, seed)):
                     _save_npy(paths[k], arr)
-        self._paths = paths
+        self._paths, self._documents = paths, hi - lo
         self._map()
+        self._check_cache()
 
     def _map(self) -> None:
-        self.doc_index = np.load(self._paths["doc"], mmap_mode="r")
-        self.sample_index = np.load(self._paths["sample"], mmap_mode="r")
-        self.shuffle_index = np.load(self._paths["shuffle"], mmap_mode="r")
+        for k in ("doc", "sample", "shuffle"):
+            try:
+                setattr(self, f"{k}_index", np.load(self._paths[k], mmap_mode="r"))
+            except (ValueError, OSError, EOFError) as e:  # (a truncated or overwritten cache file)
+                self._corrupt(self._paths[k], str(e))
+
+    def _check_cache(self) -> None:
+        """The cached indices have the shapes this dataset's build gives (a truncated or foreign file was a
+        traceback, or samples from nowhere)."""
+        d, s, sh = self.doc_index, self.sample_index, self.shuffle_index
+        if d.ndim != 1 or d.size == 0 or d.size % self._documents:
+            self._corrupt(self._paths["doc"], f"{d.shape} is no whole number of epochs of {self._documents} documents")
+        if s.ndim != 2 or s.shape[1] != 2 or s.shape[0] < 2:
+            self._corrupt(self._paths["sample"], f"shape {s.shape}, not (samples + 1, 2)")
+        if sh.ndim != 1 or sh.shape[0] != s.shape[0] - 1:
+            self._corrupt(self._paths["shuffle"], f"{sh.shape[0]} entries for {s.shape[0] - 1} samples")
+
+    def _corrupt(self, path: str, why: str):
+        raise ConfigError(
+            f"{self.flag} {self.indexed.prefix}: the cached index {path} is damaged ({why}); delete it and the run "
+            "builds it again"
+        )
 
     def __getstate__(self) -> dict:
         # (pickled for a spawned DataLoader worker: the cached index files' paths, not their contents)

@@ -119,6 +119,14 @@ class IndexedDataset:
         need = int(self.pointers[-1] + self.lengths[-1] * self.dtype.itemsize) if n_seq else 0
         if bin_size < need:
             raise ConfigError(f"{bin_} is truncated: {bin_size} bytes, the index needs {need}")
+        if need and bin_size in (2 * need, 4 * need, 8 * need):
+            # (the tokens written in a wider dtype than the index says: read as this one's, ids and zeros
+            # alternating; a .bin merely longer than its index is read as Megatron reads it, up to what it covers)
+            raise ConfigError(
+                f"{bin_} does not match {idx}: {bin_size} bytes, {bin_size // need} times what the index describes "
+                f"({need} bytes of {self.dtype}); the tokens were written in another dtype: give the pair "
+                "preprocess_data.py wrote together"
+            )
         self._bin = np.memmap(bin_, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
 
     def __getstate__(self) -> dict:

@@ -29,6 +29,9 @@ def check_config_agreement(config: dict, device: torch.device) -> None:
     others in mismatched collectives. One all-gather of a hash, before any training collective."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
+    # where each node keeps its dataset indices is its own (a node-local --data-cache-path differs by node)
+    if isinstance(config.get("data"), dict) and "data_cache_path" in config["data"]:
+        config = {**config, "data": {k: v for k, v in config["data"].items() if k != "data_cache_path"}}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).digest()
     mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
