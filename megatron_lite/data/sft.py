@@ -18,6 +18,7 @@ permutation, epoch after epoch."""
 from __future__ import annotations
 
 import json
+from array import array
 
 import numpy as np
 import torch
@@ -56,7 +57,9 @@ def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple
 
 class SFTDataset:
     def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
-        self.records = []
+        # every record's tokens in one int32 array, not lists of Python ints (33 bytes a token on every rank:
+        # a billion-token set took 33 GB a rank, and DataLoader workers copied the pages the lists' counts touch)
+        tokens, starts, prompt_lens = array("i"), array("q", [0]), array("i")
         cut = (0, 0)
         # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
         # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
@@ -101,9 +104,13 @@ class SFTDataset:
                     p, ids, seq_length + 1, len(prefix) if p[: len(prefix)] == prefix else 0
                 )
                 cut = (cut[0] + cut_prompt, cut[1] + cut_response)
-                self.records.append((p, ids))
-        if not self.records:
+                tokens.extend(p + ids)
+                starts.append(len(tokens))
+                prompt_lens.append(len(p))
+        if not prompt_lens:
             raise ConfigError(f"{path} holds no prompt/response records")
+        self.tokens, self.starts = np.frombuffer(tokens, dtype=np.int32), np.frombuffer(starts, dtype=np.int64)
+        self.prompt_lens = np.frombuffer(prompt_lens, dtype=np.int32)
         self.cut = cut  # (records whose prompt, and whose response, was cut)
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
         self.pad = self.eod if pad_id is None else pad_id
@@ -112,12 +119,21 @@ class SFTDataset:
     def __len__(self) -> int:
         return 1 << 40  # epochs repeat
 
+    @property
+    def num_records(self) -> int:
+        return len(self.prompt_lens)
+
+    def record(self, r: int) -> tuple[list[int], list[int]]:
+        """Record r's prompt and response tokens (the response ending in the end-of-document token)."""
+        ids, p = self.tokens[self.starts[r] : self.starts[r + 1]].tolist(), int(self.prompt_lens[r])
+        return ids[:p], ids[p:]
+
     def _record(self, index: int) -> tuple[list[int], list[int]]:
-        n = len(self.records)
+        n = self.num_records
         epoch, i = divmod(index, n)
         if self._order[0] != epoch:  # one permutation per epoch, drawn once
             self._order = (epoch, np.random.default_rng(self.seed + epoch).permutation(n))
-        return self.records[int(self._order[1][i])]
+        return self.record(int(self._order[1][i]))
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         prompt, response = self._record(index)

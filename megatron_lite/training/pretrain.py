@@ -244,7 +244,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         prompts, responses = getattr(train_ds, "cut", (0, 0))
         if prompts or responses:
             log.info(
-                f"--sft: {prompts} of {len(train_ds.records)} records longer than --seq-length {t.seq_length} + 1 "
+                f"--sft: {prompts} of {train_ds.num_records} records longer than --seq-length {t.seq_length} + 1 "
                 f"lost the start of their prompt; {responses} (a response alone too long) lost the end of theirs"
             )
         if train_ds is None and not t.skip_train:  # (every rank finds the same: none waits in a collective)
