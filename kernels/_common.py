@@ -70,7 +70,10 @@ def on_tensor_device(fn):
 
     @functools.wraps(fn)
     def entry(*args, **kwargs):
-        t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        values = (*args, *kwargs.values())
+        # (the first tensor among the arguments, or inside one: dequantize_nf4's NF4Weight)
+        inner = (v for a in values if hasattr(a, "__dataclass_fields__") for v in vars(a).values())
+        t = next((a for a in (*values, *inner) if isinstance(a, torch.Tensor)), None)
         if t is not None and t.is_cuda and t.device.index != torch.cuda.current_device():
             with torch.cuda.device(t.device):
                 return fn(*args, **kwargs)

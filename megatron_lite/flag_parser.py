@@ -58,7 +58,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
                 guesses = {f: self.spelled_as(f) for f in flags}
                 if any(guesses.values()):  # (a user told to remove --append_eod loses its EOD tokens silently)
                     message = "; ".join(
-                        f"{f}: no such flag in {self.prog}" + (f", did you mean {g}?" if g else "")
+                        f"{f}: no such flag in {self.prog}" + (f", {g}" if g else " (remove it)")
                         for f, g in guesses.items()
                     )
                 else:
@@ -70,16 +70,23 @@ class OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def spelled_as(self, flag: str) -> str | None:
-        """The flag this one most likely means: its spelling with dashes (--append_eod), else a close one."""
+        """What to tell of an unknown flag: its spelling with dashes (--append_eod), that it is the default of
+        a --no- flag we have (--load-optim), or a close one; None when there is none."""
         import difflib
 
         known = [o for o in self._option_string_actions if o.startswith("--")]
         name = flag.split("=", 1)[0]
         dashed = "--" + name[2:].replace("_", "-")
         if dashed in known:
-            return dashed
-        close = difflib.get_close_matches(dashed, known, n=1, cutoff=0.85)
-        return close[0] if close else None
+            return f"did you mean {dashed}?"
+        # (a close match here is often the opposite: --load-optim is one edit from --no-load-optim)
+        opposite = "--" + dashed[5:] if dashed.startswith("--no-") else "--no-" + dashed[2:]
+        if opposite in known:
+            return f"it is the default ({opposite} is its opposite): remove it"
+        close = difflib.get_close_matches(
+            dashed, [k for k in known if k.startswith("--no-") == dashed.startswith("--no-")], n=1, cutoff=0.85
+        )
+        return f"did you mean {close[0]}?" if close else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,7 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(d, "--tp-comm-overlap", "sequence-parallel GEMMs as TP rings overlapping all-gather / reduce-scatter")
     _bool(d, "--disable-tp-comm-overlap-ag", "column-parallel layers keep the plain all-gather (--tp-comm-overlap)")
     _bool(d, "--disable-tp-comm-overlap-rs", "row-parallel layers keep the plain reduce-scatter (--tp-comm-overlap)")
-    _bool(d, "--overlap-p2p-comm", "pipeline: wait on each receive only when its data is needed (default with VP)")
+    _bool(
+        d,
+        "--overlap-p2p-comm",
+        "pipeline: wait on each receive only when its data is needed (default with VP)",
+        "--overlap-p2p-communication",  # (older Megatron scripts' spelling)
+    )
     _bool(d, "--no-overlap-p2p-communication", "pipeline: wait on every receive before the next compute")
     d.add_argument(
         "--microbatch-group-size-per-virtual-pipeline-stage",

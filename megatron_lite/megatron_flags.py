@@ -82,7 +82,8 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     "dist_ckpt_strictness": (
         True,
         "a missing or misshapen tensor stops the job with its name, and unexpected ones are ignored (Megatron's "
-        "default, assume_ok_unexpected); raise_unexpected and raise_all are refused",
+        "default, assume_ok_unexpected; LoRA adapters the model lacks stop it); raise_unexpected and raise_all are "
+        "refused",
     ),
     "auto_detect_ckpt_format": (False, "checkpoints are always safetensors + JSON"),
     "ckpt_fully_parallel_load": (False, "each rank reads only the slices of the tensors it holds"),

@@ -102,6 +102,19 @@ def test_bench_tools_refuse_bad_sizes_in_one_line(script, flags, expected, capsy
     assert _refused(script, flags, capsys).startswith("error: " + expected)
 
 
+def test_bench_tools_check_their_outputs_first(tmp_path, capsys):
+    """(From a review of this session's diff) --json and --out-dir are checked before the work, lost when the write
+    failed after it."""
+    for script in [s for s in BENCH_TOOLS if s != "bench_kernels.py"]:
+        assert (
+            _refused(script, f"--json {tmp_path}", capsys)
+            == f"error: --json {tmp_path} is a directory; give a file path"
+        ), script
+    (tmp_path / "file").write_text("")
+    said = _refused("bench_kernels.py", f"--out-dir {tmp_path / 'file'}", capsys)
+    assert said == f"error: --out-dir {tmp_path / 'file'} is a file; give a directory path"
+
+
 def test_bench_tools_keep_their_help(capsys):
     """OneLineErrorParser (one-line errors for unknown flags) still prints each tool's usage and docstring."""
     for script in BENCH_TOOLS:

@@ -224,6 +224,16 @@ def test_memory_estimate_within_ten_percent(dist, case):
     _check("llama", layout, dist(layout.world, measure, "llama", layout))
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "moe"])
+def test_fsdp2_saves_the_activations_the_model_saves_without_it(dist, name):
+    """The activation meter counts what the model saves, not FSDP2's gathered weights: the same bytes with and
+    without it (from reviews: a layer's weights were counted, then still the experts' and a tied output layer's,
+    which no forward of their own module uses)."""
+    plain, sharded = (Layout(dp=2, micro_batch_size=2, sharding=s) for s in ("none", "fsdp2"))
+    got = [[r["memory"]["mem_activations_bytes"] for r in dist(2, measure, name, lay)] for lay in (plain, sharded)]
+    assert got[0] == got[1], got
+
+
 @pytest.mark.parametrize("case", ["tp2-sp", "tp2", "cp2", "cp2-a2a", "cp4-allgather"])
 def test_memory_estimate_multi_latent_attention(dist, case):
     """MLA under TP (latents whole on every rank, heads split) and CP, DeepSeek-shaped with MoE layers."""
@@ -292,7 +302,7 @@ def test_plan_for_a_shipped_script(tmp_path, capsys):
     assert "more than the" in text and "GiB usable" in text
 
 
-def test_plan_outputs_and_nodes_are_checked_first(tmp_path, capsys):
+def test_plan_outputs_and_nodes_are_checked_first(tmp_path, capsys, monkeypatch):
     """(From a review) --json is checked before the plan (a directory was a traceback after it: --published
     takes minutes), and --gpus-per-node that does not divide the script's GPUs is refused: it planned 2 x 3."""
     for argv, fragment in (
@@ -305,6 +315,11 @@ def test_plan_outputs_and_nodes_are_checked_first(tmp_path, capsys):
         assert e.value.code == 2 and len(err) == 1 and fragment in err[0], err
     _tool().main(["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1", "--gpus-per-node", "4"])
     assert "cluster: 2 x 4 H100" in capsys.readouterr().out
+    # the script's own GPUS_PER_NODE x NNODES (it was taken as 8 a node: 12 GPUs were refused, 16 planned 2 x 8)
+    monkeypatch.setenv("GPUS_PER_NODE", "4")
+    monkeypatch.setenv("NNODES", "3")
+    _tool().main(["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"])
+    assert "cluster: 3 x 4 H100" in capsys.readouterr().out
 
 
 def test_plan_from_a_hugging_face_config(tmp_path):
@@ -692,7 +707,7 @@ def test_a_scripts_relative_paths_are_the_repositorys_wherever_the_planner_runs(
     tool = _tool()
     (tmp_path / "tokenizer.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
-    argv, world = tool.script_args(str(ROOT / "pretrain" / "llama3_8b.sh"))
+    argv, world, _ = tool.script_args(str(ROOT / "pretrain" / "llama3_8b.sh"))
     at = argv.index("--tokenizer-model")
     assert argv[at + 1] == str(ROOT / "tokenizer.json") and world == 8
     assert argv[argv.index("--data-path") + 1] == str(ROOT / "data" / "llama3_text_document")

@@ -67,6 +67,8 @@ def test_help_groups_flags(capsys):
         # a spelling of one we have is named (a user told to remove it lost what it did; from a review)
         (["--save_interval", "5"], ["--save_interval: no such flag in pretrain_gpt.py, did you mean --save-interval?"]),
         (["--hiden-size", "8"], ["--hiden-size: no such flag in pretrain_gpt.py, did you mean --hidden-size?"]),
+        # (not "did you mean --no-load-optim?", one edit away and its opposite: from a review of the hint)
+        (["--load-optim"], ["--load-optim: no such flag in pretrain_gpt.py, it is the default (--no-load-optim is"]),
         (["--num-layers", "x"], ["--num-layers", "invalid int value: 'x'"]),
         (["--kernel-impl", "cuda"], ["--kernel-impl", "invalid choice: 'cuda'"]),
         # Megatron's other tokenizer types: why not, and what to use (it was argparse's "invalid choice")

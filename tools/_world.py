@@ -82,3 +82,18 @@ def check_device(device: str, world: int = 1, world_flag: str = "") -> None:
             f"{world_flag} {world} with --device {device}: one GPU per rank, and torch.cuda.device_count() is "
             f"{count}; use {world_flag} {count} or less, or --device cpu"
         )
+
+
+def check_outputs(args) -> None:
+    """The files a benchmark writes (--json, --out-dir) can be written: checked before its work, which is lost
+    when the write fails after it (from a review: an IsADirectoryError once the runs were done)."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.training.configs import check_output_path
+
+    for flag, path, is_dir in (("--json", getattr(args, "json", None), False),
+                               ("--out-dir", getattr(args, "out_dir", None), True)):  # fmt: skip
+        if path:
+            try:
+                check_output_path(flag, path, is_dir)
+            except ConfigError as e:
+                usage_error(str(e))

@@ -22,7 +22,7 @@ import json
 
 import torch
 from _kernel_timing import error_text, kernels_for, rel_err, time_ms
-from _world import check_device, usage_error  # tools/_world.py, beside this script
+from _world import check_device, check_outputs, usage_error  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=10, help="timing effort (at least x10 ms on a GPU, calls on a CPU)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    check_outputs(args)
     check_device(args.device)
     tiles = _parse_tiles(args.tiles) if args.tiles else None  # (before the kernels are imported)
     device = torch.device(args.device)

@@ -27,7 +27,7 @@ import json
 
 import torch
 from _kernel_timing import copy_ms, error_text, fwd_bwd, kernels_for, peak_bytes, rel_err, time_in_turn, time_ms
-from _world import check_device, usage_error  # tools/_world.py, beside this script
+from _world import check_device, check_outputs, usage_error  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=5, help="timing effort (at least x10 ms on a GPU, calls on a CPU)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    check_outputs(args)
     check_device(args.device)
     settings = {k: GRID if getattr(args, k) is None else _parse(getattr(args, k), k) for k in KNOBS}
     device = torch.device(args.device)

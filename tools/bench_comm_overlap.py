@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _world import check_device, check_sizes, spawn, usage_error  # tools/_world.py, beside this script
+from _world import check_device, check_outputs, check_sizes, spawn, usage_error  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-layer", action="store_true", help="only the GEMM comparison (one device)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    check_outputs(args)
     _check(args)
     result: dict = {}
     if not args.skip_layer:

@@ -20,7 +20,7 @@ import time
 import warnings
 
 import torch
-from _world import check_device  # tools/_world.py, beside this script
+from _world import check_device, check_outputs  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="timed decoding steps (after 2 untimed)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    check_outputs(args)
     check_device(args.device)
 
     import transformers

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from _kernel_report import TARGETS, verdicts, write_report
 from _kernel_timing import copy_ms, fwd_bwd, peak_bytes, profile_calls, rel_err, time_in_turn, time_ms
-from _world import check_device  # tools/_world.py, beside this script
+from _world import check_device, check_outputs  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args(argv)
+    check_outputs(args)
     check_device(args.device)
     device = torch.device(args.device)
     if device.type == "cpu":

@@ -18,7 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _world import check_device, check_sizes, spawn, usage_error  # tools/_world.py, beside this script
+from _world import check_device, check_outputs, check_sizes, spawn, usage_error  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    check_outputs(args)
     _check(args)
     rows = []
     for ep in args.ep:

@@ -25,7 +25,7 @@ import json
 
 import torch
 from _kernel_timing import copy_ms, error_text, fwd_bwd, kernels_for, rel_err, time_ms
-from _world import check_device, usage_error  # tools/_world.py, beside this script
+from _world import check_device, check_outputs, usage_error  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )  # fmt: skip
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    check_outputs(args)
     check_device(args.device)
     unknown = set(args.norms.split(",")) - set(NORMS)
     if unknown:

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _world import check_sizes, usage_error  # tools/_world.py, beside this script
+from _world import check_outputs, check_sizes, usage_error  # tools/_world.py, beside this script
 from torch import nn
 
 from megatron_lite.flag_parser import OneLineErrorParser
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    check_outputs(args)
     _check(args)
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "rows.json")

@@ -16,7 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _world import check_device  # tools/_world.py, beside this script
+from _world import check_device, check_outputs  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    check_outputs(args)
     check_device(args.device)
 
     import dataclasses

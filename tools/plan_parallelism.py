@@ -31,9 +31,10 @@ from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
 
 
-def script_args(path: str) -> tuple[list[str], int]:
+def script_args(path: str) -> tuple[list[str], int, int | None]:
     """The pretrain flags of a shipped launch script (its ARGS=( ... ) array, expanded by bash with the
-    script's own defaults) and the world size it launches (GPUS_PER_NODE x NNODES)."""
+    script's own defaults), the world size it launches (GPUS_PER_NODE x NNODES) and its GPUS_PER_NODE (None for
+    the CPU demos, which launch NPROC ranks)."""
     if not os.path.isfile(path):
         raise SystemExit(f"error: --script {path}: no such file")
     text = open(path).read()
@@ -41,10 +42,12 @@ def script_args(path: str) -> tuple[list[str], int]:
     if block is None:
         raise SystemExit(f"error: --script {path}: no ARGS=( ... ) array found; pass the model flags after --")
     defaults = "\n".join(re.findall(r"^[A-Z_]+=(?:\$\{[A-Z_]+:-[^\n]*\}|\d+)$", text, re.M))
-    world = 'echo -n "${NPROC:-$((${GPUS_PER_NODE:-8} * ${NNODES:-1}))}"'  # (the CPU demos launch NPROC ranks)
+    # (the CPU demos launch NPROC ranks)
+    world = 'echo -n "${NPROC:-$((${GPUS_PER_NODE:-8} * ${NNODES:-1}))} ${GPUS_PER_NODE:-8} ${NPROC:+nproc}"'
     program = f"{defaults}\n{block.group(0)}\nprintf '%s\\0' \"${{ARGS[@]}}\"\n{world}"
     out = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout
-    *argv, world = out.split("\0")
+    *argv, sizes = out.split("\0")
+    world, gpn, *nproc = sizes.split()
     # The shipped scripts `cd "$(dirname "$0")/.."` first: their relative paths (TOKENIZER=tokenizer.json) are the
     # repository's, not wherever the planner runs (a tokenizer.json there priced its vocabulary instead)
     if re.search(r'^cd "\$\(dirname "\$0"\)/\.\."', text, re.M):
@@ -55,7 +58,7 @@ def script_args(path: str) -> tuple[list[str], int]:
                 flag = tok
             elif flag in SCRIPT_PATH_FLAGS and not os.path.isabs(tok) and _number(tok) is None:
                 argv[i] = os.path.join(root, tok)
-    return argv, int(world)
+    return argv, int(world), None if nproc else int(gpn)
 
 
 # flags of a launch script whose values are paths (a blend's weights among them stay numbers)
@@ -400,9 +403,9 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.check_cpu:
         result = check_cpu(print, iters=args.iters, layouts=args.layouts)
     else:
-        job, world = None, None
+        job, world, script_gpn = None, None, None
         if args.script:
-            script_flags, world = script_args(args.script)
+            script_flags, world, script_gpn = script_args(args.script)
             model, job = model_from_flags(script_flags + flags, args.seq_length, args.global_batch_size)
         elif args.hf_config:
             model = model_from_hf(args.hf_config)
@@ -416,8 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
         gbs = args.global_batch_size or (job.training.global_batch_size if job else None)
         if not seq or not gbs:
             p.error("--seq-length and --global-batch-size are needed (the model source does not give them)")
-        gpn = args.gpus_per_node or (min(world, 8) if world else 8)
-        if world and not args.nodes and world > gpn and world % gpn:
+        gpn = args.gpus_per_node or script_gpn or (min(world, 8) if world else 8)
+        if world and not args.nodes and world > gpn and world % gpn:  # (the script's own divide)
             p.error(f"--gpus-per-node {gpn} does not divide the script's {world} GPUs into nodes: give --nodes too")
         nodes = args.nodes or (max(world // gpn, 1) if world else 1)
         cl = cluster(args.gpu, gpn, nodes, args.nvlink_bandwidth, args.network_bandwidth)

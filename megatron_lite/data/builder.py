@@ -13,14 +13,13 @@ import hashlib
 import json
 import math
 import os
-import socket
 from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus
 from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, file_lock, normalize, split_document_ranges
-from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.indexed import IndexedDataset, private_temp
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.tokenizers import HuggingFaceTokenizer, NullTokenizer, tokenizer_from_flags
 
@@ -124,7 +123,7 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=N
                     f"(cached in {cache_dir})"
                 )
             cached = {"size": size, "max_token": indexed.max_token()}
-            tmp = f"{key}.{socket.gethostname()}.{os.getpid()}.partial"  # (this writer's own: see _save_npy)
+            tmp = private_temp(key)
             with open(tmp, "w") as f:
                 json.dump(cached, f)
                 f.flush()

@@ -16,7 +16,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 
 import numpy as np
 import torch
@@ -24,7 +23,7 @@ import torch
 from megatron_lite.config import ConfigError
 from megatron_lite.data import native_blend
 from megatron_lite.data.documents import document_ids, document_position_ids
-from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.indexed import IndexedDataset, private_temp
 
 
 @contextlib.contextmanager
@@ -61,7 +60,7 @@ def _save_npy(path: str, arr: np.ndarray) -> None:
     """Published whole: written under a name of this writer's own (where file locks hold on one node only,
     nodes sharing the cache build at once: they truncated each other's one temporary file) and synced before
     the rename (a crash after it left zeros under the final name)."""
-    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.partial.npy"
+    tmp = private_temp(path) + ".npy"
     with open(tmp, "wb") as f:
         np.save(f, arr, allow_pickle=False)
         f.flush()
@@ -329,7 +328,13 @@ class BlendedDataset:
         self.datasets = datasets
 
     def _map(self) -> None:
-        self.dataset_index, self.sample_index = (np.load(p, mmap_mode="r") for p in self._paths)
+        try:
+            self.dataset_index, self.sample_index = (np.load(p, mmap_mode="r") for p in self._paths)
+        except (ValueError, OSError, EOFError) as e:  # (a truncated or overwritten cache file)
+            raise ConfigError(
+                f"a cached blend index in {os.path.dirname(self._paths[0])} is damaged ({e}); "
+                f"delete {' and '.join(self._paths)} and the run builds them again"
+            ) from None
 
     def __getstate__(self) -> dict:
         if not hasattr(self, "_paths"):  # (built in memory: the arrays are the state)

@@ -9,6 +9,7 @@ into the sequences, starting with 0). .bin: the token ids of every sequence, bac
 from __future__ import annotations
 
 import os
+import socket
 import struct
 
 import numpy as np
@@ -29,6 +30,12 @@ DTYPES = {
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
+def private_temp(path: str) -> str:
+    """A temporary name for `path` of this writer's own: where file locks hold on one node only, nodes writing
+    one cache at once truncated each other's one shared temporary file (a review of multi-node runs)."""
+    return f"{path}.{socket.gethostname()}.{os.getpid()}.partial"
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
@@ -41,7 +48,8 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = token_dtype(vocab_size)
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._bin = open(prefix + ".bin.partial", "wb")
+        self._tmp = {ext: private_temp(prefix + ext) for ext in (".bin", ".idx")}
+        self._bin = open(self._tmp[".bin"], "wb")
         self._lengths: list[int] = []
         self._docs = [0]  # document boundaries, indices into the sequences
 
@@ -59,7 +67,7 @@ class IndexedDatasetWriter:
     def discard(self) -> None:
         """Drop what was written (an input error stopped the run): no partial file stays behind."""
         self._bin.close()
-        for path in (self.prefix + ".bin.partial", self.prefix + ".idx.partial"):
+        for path in self._tmp.values():
             if os.path.exists(path):
                 os.remove(path)
 
@@ -72,7 +80,7 @@ class IndexedDatasetWriter:
         if len(lengths) > 1:
             pointers[1:] = np.cumsum(lengths[:-1].astype(np.int64)) * self.dtype.itemsize
         docs = np.asarray(self._docs, dtype=np.int64)
-        with open(self.prefix + ".idx.partial", "wb") as f:
+        with open(self._tmp[".idx"], "wb") as f:
             f.write(HEADER)
             f.write(struct.pack("<Q", 1))
             f.write(struct.pack("<B", CODES[self.dtype]))
@@ -83,8 +91,8 @@ class IndexedDatasetWriter:
             f.write(docs.tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(self.prefix + ".bin.partial", self.prefix + ".bin")
-        os.replace(self.prefix + ".idx.partial", self.prefix + ".idx")
+        os.replace(self._tmp[".bin"], self.prefix + ".bin")
+        os.replace(self._tmp[".idx"], self.prefix + ".idx")
 
 
 class IndexedDataset:

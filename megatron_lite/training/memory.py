@@ -23,27 +23,25 @@ def tensor_bytes(tensors) -> int:
 
 class ActivationMeter:
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         self._params = set()
-        self.fsdp2 = False
         for p in model.parameters():
-            self.fsdp2 |= hasattr(p, "to_local")
             t = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
             try:
                 self._params.add(t.untyped_storage().data_ptr())
             except RuntimeError:  # a resharded FSDP2 parameter has no storage of its own
                 continue
-        # FSDP2 gathers a layer's weights for its forward (and frees them after): the storages of the parameters
-        # of the modules running now, with how many of them hold each (so the saved weights are not activations)
-        self._gathered: dict[int, int] = {}
         self._live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # (a parameter, or a view of one, is no activation: FSDP2's gathered weights are parameters of their own
+        # storage, used by their module's forward or elsewhere: the experts' weights, a tied output layer)
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._params or ptr in self._gathered or ptr in self._live or storage.nbytes() == 0:
+        if ptr in self._params or ptr in self._live or storage.nbytes() == 0:
             return t
         self._live[ptr] = storage.nbytes()
         self.current += storage.nbytes()
@@ -54,29 +52,8 @@ class ActivationMeter:
     def _free(self, ptr: int) -> None:
         self.current -= self._live.pop(ptr, 0)
 
-    @contextlib.contextmanager
     def measuring(self):
-        handles = []
-        if self.fsdp2:  # (each module's own parameters, as its forward sees them: gathered by then)
-            for m in self.model.modules():
-                if next(m.parameters(recurse=False), None) is not None:
-                    handles.append(m.register_forward_pre_hook(lambda m, _: self._in_use(m, 1)))
-                    handles.append(m.register_forward_hook(lambda m, *_: self._in_use(m, -1)))
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-                yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _in_use(self, module: nn.Module, step: int) -> None:
-        for p in module.parameters(recurse=False):
-            if hasattr(p, "to_local"):  # (a sharded parameter: not gathered for this module)
-                continue
-            ptr = p.untyped_storage().data_ptr()
-            self._gathered[ptr] = self._gathered.get(ptr, 0) + step
-            if not self._gathered[ptr]:
-                del self._gathered[ptr]
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
 
 def measure(model: nn.Module | None):
