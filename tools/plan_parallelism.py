@@ -408,6 +408,11 @@ def main(argv: list[str] | None = None) -> dict:
             script_flags, world, script_gpn = script_args(args.script)
             model, job = model_from_flags(script_flags + flags, args.seq_length, args.global_batch_size)
         elif args.hf_config:
+            if flags:  # (they were ignored without a word)
+                p.error(
+                    f"--hf-config gives the model: the pretrain flags after -- ({flags[0]} ...) would be ignored; "
+                    "drop them"
+                )
             model = model_from_hf(args.hf_config)
         elif flags:
             model, job = model_from_flags(flags, args.seq_length, args.global_batch_size)
@@ -420,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not seq or not gbs:
             p.error("--seq-length and --global-batch-size are needed (the model source does not give them)")
         gpn = args.gpus_per_node or script_gpn or (min(world, 8) if world else 8)
-        if world and not args.nodes and world > gpn and world % gpn:  # (the script's own divide)
+        if world and not args.nodes and (world % gpn if world > gpn else world < gpn):  # (the script's own divide)
             p.error(f"--gpus-per-node {gpn} does not divide the script's {world} GPUs into nodes: give --nodes too")
         nodes = args.nodes or (max(world // gpn, 1) if world else 1)
         cl = cluster(args.gpu, gpn, nodes, args.nvlink_bandwidth, args.network_bandwidth)
