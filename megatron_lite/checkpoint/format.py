@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -124,10 +125,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def private_temp(path: str) -> str:
+    """A temporary name for `path` of this writer's own: where file locks hold on one node only, nodes writing
+    one cache at once truncated each other's one shared temporary file (a review of multi-node runs)."""
+    return f"{path}.{socket.gethostname()}.{os.getpid()}.partial"
+
+
 def atomic_write(path: str, write) -> None:
     """Write through `write(tmp_path)`, fsync, then rename into place: a reader sees the old file or the
-    complete new one, never a torn one."""
-    tmp = f"{path}.partial"
+    complete new one, never a torn one (and two writers of one path never share a temporary file)."""
+    tmp = private_temp(path)
     write(tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())

@@ -15,11 +15,12 @@ import math
 import os
 from dataclasses import dataclass
 
+from megatron_lite.checkpoint.format import atomic_write
 from megatron_lite.config import ConfigError
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus
 from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, file_lock, normalize, split_document_ranges
-from megatron_lite.data.indexed import IndexedDataset, private_temp
+from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.mock import MockGPTDataset
 from megatron_lite.data.tokenizers import HuggingFaceTokenizer, NullTokenizer, tokenizer_from_flags
 
@@ -103,6 +104,11 @@ def _cached_max_token(key: str, size: list) -> dict | None:
     return cached if isinstance(cached, dict) and cached.get("size") == size else None
 
 
+def _dump_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
 def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=None, scan: bool = True) -> bool:
     """The largest token id of a dataset (cached by the .bin's size, mtime and inode: a re-preprocessed corpus
     of the same size is scanned again) must fit the vocabulary. `scan=False`: only from the cache; False when
@@ -123,12 +129,7 @@ def _check_vocab(indexed: IndexedDataset, vocab_size: int, cache_dir: str, log=N
                     f"(cached in {cache_dir})"
                 )
             cached = {"size": size, "max_token": indexed.max_token()}
-            tmp = private_temp(key)
-            with open(tmp, "w") as f:
-                json.dump(cached, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, key)
+            atomic_write(key, lambda tmp: _dump_json(tmp, cached))
     if cached["max_token"] >= vocab_size:
         raise ConfigError(
             f"{indexed.flag} {indexed.prefix} holds token id {cached['max_token']} but the vocabulary has {vocab_size} "

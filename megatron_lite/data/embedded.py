@@ -8,15 +8,15 @@ size. Concurrent ranks wait on a file lock while the first one builds.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
 import sysconfig
 import time
 
+from megatron_lite.checkpoint.format import atomic_write, atomic_write_json
 from megatron_lite.data.gpt_dataset import file_lock
-from megatron_lite.data.indexed import IndexedDatasetWriter, private_temp
+from megatron_lite.data.indexed import IndexedDatasetWriter
 
 EOD = "<|endoftext|>"
 
@@ -96,8 +96,7 @@ def build_embedded_corpus(
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         tok.train_from_iterator(texts, trainer=trainer)
-        tok.save(private_temp(tok_path))  # (the cache may be a home directory that nodes share)
-        os.replace(private_temp(tok_path), tok_path)
+        atomic_write(tok_path, tok.save)  # (the cache may be a home directory that nodes share)
         eod = tok.token_to_id(EOD)
         writer = IndexedDatasetWriter(prefix, tok.get_vocab_size())
         n_tokens = 0
@@ -107,8 +106,6 @@ def build_embedded_corpus(
                 n_tokens += len(enc.ids) + 1
             log(f"embedded corpus: tokenized {min(start + 256, len(texts))}/{len(texts)} files")
         writer.finalize()
-        with open(private_temp(done), "w") as f:
-            json.dump({"files": len(files), "tokens": n_tokens, "vocab_size": tok.get_vocab_size()}, f)
-        os.replace(private_temp(done), done)
+        atomic_write_json(done, {"files": len(files), "tokens": n_tokens, "vocab_size": tok.get_vocab_size()})
         log(f"embedded corpus: {n_tokens / 1e6:.2f}M tokens in {time.time() - t0:.0f} s, cached in {folder}")
     return prefix, tok_path

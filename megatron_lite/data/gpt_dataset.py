@@ -20,10 +20,11 @@ import os
 import numpy as np
 import torch
 
+from megatron_lite.checkpoint.format import atomic_write
 from megatron_lite.config import ConfigError
 from megatron_lite.data import native_blend
 from megatron_lite.data.documents import document_ids, document_position_ids
-from megatron_lite.data.indexed import IndexedDataset, private_temp
+from megatron_lite.data.indexed import IndexedDataset
 
 
 @contextlib.contextmanager
@@ -60,12 +61,12 @@ def _save_npy(path: str, arr: np.ndarray) -> None:
     """Published whole: written under a name of this writer's own (where file locks hold on one node only,
     nodes sharing the cache build at once: they truncated each other's one temporary file) and synced before
     the rename (a crash after it left zeros under the final name)."""
-    tmp = private_temp(path) + ".npy"
-    with open(tmp, "wb") as f:
-        np.save(f, arr, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # (a file, not a name: np.save would add .npy to it)
+            np.save(f, arr, allow_pickle=False)
+
+    atomic_write(path, write)
 
 
 def split_document_ranges(num_docs: int, weights: tuple[float, float, float]) -> list[tuple[int, int]]:

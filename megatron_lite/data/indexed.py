@@ -9,11 +9,11 @@ into the sequences, starting with 0). .bin: the token ids of every sequence, bac
 from __future__ import annotations
 
 import os
-import socket
 import struct
 
 import numpy as np
 
+from megatron_lite.checkpoint.format import private_temp
 from megatron_lite.config import ConfigError
 
 HEADER = b"MMIDIDX\x00\x00"
@@ -28,12 +28,6 @@ DTYPES = {
     8: np.uint16,
 }
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
-
-
-def private_temp(path: str) -> str:
-    """A temporary name for `path` of this writer's own: where file locks hold on one node only, nodes writing
-    one cache at once truncated each other's one shared temporary file (a review of multi-node runs)."""
-    return f"{path}.{socket.gethostname()}.{os.getpid()}.partial"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
