@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import pathlib
@@ -113,6 +114,12 @@ def test_bench_tools_check_their_outputs_first(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     said = _refused("bench_kernels.py", f"--out-dir {tmp_path / 'file'}", capsys)
     assert said == f"error: --out-dir {tmp_path / 'file'} is a file; give a directory path"
+    # a missing folder passes the check: it is made then, as the tools open their files without making it
+    sys.path.insert(0, str(ROOT / "tools"))
+    from _world import check_outputs
+
+    check_outputs(argparse.Namespace(json=str(tmp_path / "new" / "r.json"), out_dir=str(tmp_path / "out")))
+    assert (tmp_path / "new").is_dir() and (tmp_path / "out").is_dir()
 
 
 def test_bench_tools_keep_their_help(capsys):

@@ -86,7 +86,8 @@ def check_device(device: str, world: int = 1, world_flag: str = "") -> None:
 
 def check_outputs(args) -> None:
     """The files a benchmark writes (--json, --out-dir) can be written: checked before its work, which is lost
-    when the write fails after it (from a review: an IsADirectoryError once the runs were done)."""
+    when the write fails after it (from a review: an IsADirectoryError once the runs were done), and the folder
+    they go into made (the check passes a missing parent; the tools open their files without making it)."""
     from megatron_lite.config import ConfigError
     from megatron_lite.training.configs import check_output_path
 
@@ -97,3 +98,4 @@ def check_outputs(args) -> None:
                 check_output_path(flag, path, is_dir)
             except ConfigError as e:
                 usage_error(str(e))
+            os.makedirs(path if is_dir else os.path.dirname(os.path.abspath(path)), exist_ok=True)
