@@ -187,3 +187,21 @@ def test_selective_recomputation_costs_what_its_modules_run_again():
     micro = 64 // 8
     assert compute("layernorm") == pytest.approx(none, rel=1e-12)
     assert compute("core_attn", "mlp") - compute("core_attn") == pytest.approx(32 * micro * mlp, rel=1e-9)
+
+
+def test_expert_parallelism_moves_fewer_expert_weights():
+    """A rank's grouped GEMM reads the weights of each of its experts: E / EP of them. The model charged one
+    expert's weights whatever EP, so EP never sped the experts' GEMMs up. The saving is the bytes of the expert
+    weights this rank no longer holds (counted by the memory model, held against the built model elsewhere),
+    read once in the forward and twice in the backward, each micro-batch."""
+    moe = _llama(2, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336)
+    cl = cluster("H100", 8, 1, None, None)
+    no_flops = dataclasses.replace(cl, gpu=dataclasses.replace(cl.gpu, peak_flops=float("inf")))
+    compute, weights = {}, {}
+    for ep in (1, 4):
+        layout = Layout(dp=8, ep=ep)
+        compute[ep] = cost.step_time(moe, layout, 4096, 16, no_flops).compute
+        weights[ep] = stage_params(moe, layout, 0).expert
+    micro, eff = 2, cost.EFF
+    saved = 3 * micro * 2 * (weights[1] - weights[4]) / (cl.gpu.memory_bandwidth * eff.memory)
+    assert compute[1] - compute[4] == pytest.approx(saved, rel=1e-9), (compute, saved)

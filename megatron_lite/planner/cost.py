@@ -122,9 +122,12 @@ def _mla_gemms(model: ModelConfig, m: float, tp: int, a: int, cl: Cluster, eff: 
     return t + _gemm(m, heads * model.v_head_dim / tp, h, a, cl, eff)
 
 
-def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency) -> float:
+def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency, weights: int = 1) -> float:
+    """An m x k by k x n GEMM; `weights` > 1: a grouped GEMM whose m rows are split over that many k x n weight
+    matrices (this rank's experts), each read, so fewer experts a rank (more EP) move fewer bytes."""
     g = cl.gpu
-    return 2 * m * k * n / (g.peak_flops * eff.gemm) + a * (m * k + k * n + m * n) / (g.memory_bandwidth * eff.memory)
+    moved = m * k + weights * k * n + m * n
+    return 2 * m * k * n / (g.peak_flops * eff.gemm) + a * moved / (g.memory_bandwidth * eff.memory)
 
 
 RINGS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -238,8 +241,11 @@ def step_time(
             core_q = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim) / 2
         if moe:
             f, k = model.moe_ffn_size, model.moe_router_topk
+            # each rank's experts get, balanced, m k of the tokens routed over the EP group
+            local = model.num_experts // ep
             mlp = _gemm(m, h, model.num_experts, a, cl, eff)
-            mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m * k, f / tp, h, a, cl, eff)
+            mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff, local)
+            mlp += _gemm(m * k, f / tp, h, a, cl, eff, local)
             shared = model.moe_shared_expert_intermediate_size
             if shared:  # every token through the shared expert too
                 mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff)
