@@ -385,14 +385,14 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
         "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
         "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 128256 "
         "--untie-embeddings-and-output-weights --disable-bias-linear --use-distributed-optimizer "
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --bf16"
     ).split()
     _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
     out = capsys.readouterr().out  # (TP 1 without --sequence-parallel: it was "rank -")
     assert re.search(r"your layout, rank \d+ of", out), out[-600:]
     small = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000"
     small = [*small.split(), "--position-embedding-type", "rope", "--attention-dropout", "0"]
-    _tool().main(["--top", "1", "--", *small, "--encoder-seq-length", "1024", "--kernel-impl=torch"])
+    _tool().main(["--top", "1", "--", *small, "--encoder-seq-length", "1024", "--kernel-impl=torch", "--bf16"])
     assert "16 x 1024 tokens, bf16, --kernel-impl torch" in capsys.readouterr().out  # (the = form was not read)
     window = [*small, "--seq-length", "1024", "--window-size", "255,0", "--context-parallel-size", "2"]
     windowed = _tool().main(["--top", "1", "--", *window, "--cp-comm-type", "a2a"])
@@ -436,6 +436,35 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     assert with_mtp["fits"][0]["memory"]["params"] > without["fits"][0]["memory"]["params"]
 
 
+def test_the_plan_is_in_the_jobs_precision(capsys):
+    """From the planner review: every job was planned in bf16, so flags without --bf16 (which pretrain trains in
+    fp32, twice the bytes) were planned at half their weights, and --fp16 jobs were offered FSDP2, which refuses
+    --fp16."""
+    small = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000"
+    small = [
+        *small.split(),
+        "--seq-length",
+        "1024",
+        "--position-embedding-type",
+        "rope",
+        "--tensor-model-parallel-size",
+        "2",
+    ]
+    plans = {}
+    for precision, flags in (("fp32", []), ("bf16", ["--bf16"]), ("fp16", ["--fp16"])):
+        plans[precision] = _tool().main(["--top", "1000", "--gpus-per-node", "4", "--", *small, *flags])
+        assert f"16 x 1024 tokens, {precision}," in capsys.readouterr().out
+        assert plans[precision]["yours"]["reason"] is None
+    weights = {k: p["yours"]["memory"]["params"] for k, p in plans.items()}
+    assert weights["fp32"] == pytest.approx(2 * weights["bf16"]) and weights["fp16"] == weights["bf16"]
+    described = {k: [c["describe"] for c in p["fits"]] for k, p in plans.items()}
+    assert any("fsdp2" in d for d in described["bf16"]) and not any("fsdp2" in d for d in described["fp16"])
+    assert any("fp16" in r for r in plans["fp16"]["rejected_reasons"]), plans["fp16"]["rejected_reasons"]
+    # --fp32 plans fp32 whatever the flags say
+    _tool().main(["--top", "1", "--fp32", "--gpus-per-node", "4", "--", *small, "--bf16"])
+    assert "16 x 1024 tokens, fp32," in capsys.readouterr().out
+
+
 def test_planner_refuses_what_pretrain_refuses():
     """The search filters with the checks pretrain runs at start-up: same message."""
     from megatron_lite.config import ConfigError
@@ -445,7 +474,7 @@ def test_planner_refuses_what_pretrain_refuses():
 
     config = llama_config(num_layers=4)
     bad = Layout(pp=3, dp=1)
-    reason = check(config, bad, SEQ, GBS, True)
+    reason = check(config, bad, SEQ, GBS, "bf16")
     with pytest.raises(ConfigError) as e:
         validate_layout(config, bad.parallel_config(), bad.world, bad.training_config(GBS, SEQ))
     assert reason == str(e.value) and "not divisible" in reason
@@ -453,12 +482,12 @@ def test_planner_refuses_what_pretrain_refuses():
     overlapped = dataclasses.replace(fsdp2.training_config(GBS, SEQ), overlap_grad_reduce=True)
     with pytest.raises(ConfigError, match="drop --overlap-grad-reduce"):
         validate_sharding(config, fsdp2.parallel_config(), overlapped, optimizer_config(fsdp2, True))
-    assert check(config, fsdp2, SEQ, GBS, True) is None  # the planner never pairs the two
-    assert check(config, Layout(tp=2, pp=2, dp=2), SEQ, GBS, True) is None
+    assert check(config, fsdp2, SEQ, GBS, "bf16") is None  # the planner never pairs the two
+    assert check(config, Layout(tp=2, pp=2, dp=2), SEQ, GBS, "bf16") is None
     # FSDP2 with pipeline, context and expert parallelism: each runs
-    assert check(config, Layout(pp=2, dp=2, sharding="fsdp2"), SEQ, GBS, True) is None
-    assert check(config, Layout(cp=2, dp=2, sharding="fsdp2"), SEQ, GBS, True) is None
-    assert check(moe_llama(num_layers=4), Layout(ep=2, dp=2, sharding="fsdp2"), SEQ, GBS, True) is None
+    assert check(config, Layout(pp=2, dp=2, sharding="fsdp2"), SEQ, GBS, "bf16") is None
+    assert check(config, Layout(cp=2, dp=2, sharding="fsdp2"), SEQ, GBS, "bf16") is None
+    assert check(moe_llama(num_layers=4), Layout(ep=2, dp=2, sharding="fsdp2"), SEQ, GBS, "bf16") is None
 
 
 # The cost model against published throughput (deterministic: no timing). Rows outside 15% are listed with

@@ -154,16 +154,17 @@ HEADER = (
 
 @functools.lru_cache(maxsize=4096)
 def reason_group(reason: str) -> str:
-    return "does not fit in memory" if reason.startswith("needs ") else re.sub(r"-?\d+(\.\d+)?", "N", reason)
+    # (numbers, not the digits of a name: "--fp16" and "fsdp2" stay as they are)
+    return "does not fit in memory" if reason.startswith("needs ") else re.sub(r"(?<![\w.])-?\d+(\.\d+)?", "N", reason)
 
 
 def print_plan(
-    model, cl, seq, gbs, bf16, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
+    model, cl, seq, gbs, precision, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
     uneven=False,
 ) -> dict:  # fmt: skip
     from megatron_lite.planner.memory import stage_params
 
-    fits, rejected = plan(model, cl, seq, gbs, bf16, tp_comm_overlap, grads_bf16, state_bytes, uneven)
+    fits, rejected = plan(model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven)
     g = cl.gpu
     whole = stage_params(model, Layout(), 0)  # (one rank holding everything: the model's parameter count)
     k, e = model.moe_router_topk, model.num_experts or 1
@@ -174,8 +175,8 @@ def print_plan(
         + f"; {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
         f" ({model.query_groups} groups), FFN {model.ffn_size}, vocabulary {model.vocab_size}"
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
-        + f"; global batch {gbs} x {seq} tokens, {'bf16' if bf16 else 'fp32'}"
-        + (" (gradients reduced in bf16)" if bf16 and grads_bf16 else "")
+        + f"; global batch {gbs} x {seq} tokens, {precision}"
+        + (" (gradients reduced in bf16)" if precision != "fp32" and grads_bf16 else "")
         + ("" if state_bytes == 8 else f", optimizer state {state_bytes} bytes per parameter")
         + f", --kernel-impl {model.kernel_impl}"
     )
@@ -203,7 +204,7 @@ def print_plan(
     groups = collections.Counter(reason_group(c.reason) for c in rejected)
     result["rejected_reasons"] = dict(groups)
     if yours is not None:
-        c = evaluate(model, yours, seq, gbs, cl, bf16, tp_comm_overlap, grads_bf16, state_bytes)
+        c = evaluate(model, yours, seq, gbs, cl, precision, tp_comm_overlap, grads_bf16, state_bytes)
         if c.reason:
             print(f"your layout {yours.describe()}: {c.reason}")
         else:
@@ -355,7 +356,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--nvlink-bandwidth", type=float, help="GB/s per GPU inside a node (default 450; A100 300)")
     p.add_argument("--network-bandwidth", type=float, help="GB/s per GPU between nodes (default 50)")
-    p.add_argument("--fp32", action="store_true", help="plan fp32 training (default bf16)")
+    p.add_argument(
+        "--fp32",
+        action="store_true",
+        help="plan fp32 training (default: the script's or flags' precision, --bf16, --fp16 or fp32 without "
+        "either, as pretrain runs them; bf16 for --hf-config)",
+    )
     p.add_argument(
         "--grad-reduce-in-bf16",
         action="store_true",
@@ -437,8 +443,12 @@ def main(argv: list[str] | None = None) -> dict:
         grads_bf16 = args.grad_reduce_in_bf16 or bool(job and job.optimizer.grad_reduce_in_bf16)
         # the optimizer's state per parameter: the script's (--optimizer sgd keeps one momentum buffer), else Adam's
         state_bytes = state_bytes_per_param(job.optimizer) if job is not None else 8
+        # the job's own precision (pretrain trains fp32 without --bf16 or --fp16, and FSDP2 refuses --fp16)
+        precision = "fp32" if args.fp32 else "bf16"
+        if job is not None and not args.fp32:
+            precision = "bf16" if job.optimizer.bf16 else "fp16" if job.optimizer.fp16 else "fp32"
         result = print_plan(
-            model, cl, seq, gbs, not args.fp32, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes,
+            model, cl, seq, gbs, precision, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes,
             args.uneven_pipeline,
         )  # fmt: skip
     if args.json:

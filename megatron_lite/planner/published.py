@@ -136,7 +136,7 @@ def recommend(row: Published):
 
     cl = cluster(row.gpu, 8, row.nodes, None, None)
     model = dataclasses.replace(row.model, kernel_impl="triton")
-    fits, _ = plan(model, cl, row.seq_length, row.global_batch_size, True, row.tp_comm_overlap)
+    fits, _ = plan(model, cl, row.seq_length, row.global_batch_size, "bf16", row.tp_comm_overlap)
     return fits[0] if fits else None
 
 

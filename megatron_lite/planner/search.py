@@ -18,6 +18,7 @@ from megatron_lite.planner.memory import Memory, peak_rank_memory
 from megatron_lite.training.wrap import validate_sharding
 
 PRICED_CP = ("p2p", "a2a", "allgather")  # (not the hierarchical a2a+p2p)
+PRECISIONS = ("bf16", "fp16", "fp32")  # --bf16, --fp16, neither
 RESERVED_BYTES = 3 * GIB  # CUDA context, NCCL buffers
 USABLE_FRACTION = 0.92  # the allocator's fragmentation and transient buffers
 
@@ -33,15 +34,19 @@ class Candidate:
     mfu: float = 0.0
 
 
-def optimizer_config(layout: Layout, bf16: bool, grads_bf16: bool = False, optimizer: str = "adam") -> OptimizerConfig:
-    """`optimizer`: adam, sgd, or adam-bf16 (Adam's moments in bf16, --use-precision-aware-optimizer)."""
+def optimizer_config(
+    layout: Layout, bf16: bool, grads_bf16: bool = False, optimizer: str = "adam", fp16: bool = False
+) -> OptimizerConfig:
+    """`optimizer`: adam, sgd, or adam-bf16 (Adam's moments in bf16, --use-precision-aware-optimizer); `fp16`:
+    --fp16 instead of --bf16 (16-bit weights either way)."""
     optimizer, _, moments = optimizer.partition("-")
     return OptimizerConfig(
         optimizer=optimizer,
         use_precision_aware_optimizer=bool(moments),
         exp_avg_dtype=moments or "fp32",
         exp_avg_sq_dtype=moments or "fp32",
-        bf16=bf16,
+        bf16=bf16 and not fp16,
+        fp16=fp16,
         grad_reduce_in_bf16=grads_bf16,
         use_distributed_optimizer=layout.sharding in ("dist-opt", "zero2"),
         zero_stage=2 if layout.sharding == "zero2" else 1,
@@ -59,8 +64,11 @@ def sharding_of(optim: OptimizerConfig) -> str:
     return "none"
 
 
-def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, bf16: bool) -> str | None:
-    """Our own start-up validation of this layout: its one-line error, or None."""
+def check(
+    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, precision: str = "bf16"
+) -> str | None:
+    """Our own start-up validation of this layout at `precision` (bf16, fp16 or fp32): its one-line error, or
+    None."""
     if layout.cp > 1 and layout.cp_comm_type not in PRICED_CP:
         return f"the planner prices --cp-comm-type {', '.join(PRICED_CP)}, not {layout.cp_comm_type}"
     try:
@@ -74,9 +82,11 @@ def check(model: ModelConfig, layout: Layout, seq_length: int, global_batch_size
         layout.microbatch_group_size, layout.stages,
     )  # fmt: skip
     training = _training(layout.micro_batch_size, global_batch_size, seq_length, layout.sharding != "fsdp2")
-    return _layout_error(cfg, parallel, layout.world, training) or _sharding_error(
-        cfg, parallel, training, _optimizer(layout.sharding, bf16)
-    )
+    try:
+        optim = _optimizer(layout.sharding, precision)  # (validated as it is made: FSDP2 refuses --fp16)
+    except ConfigError as e:
+        return str(e)
+    return _layout_error(cfg, parallel, layout.world, training) or _sharding_error(cfg, parallel, training, optim)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -92,8 +102,10 @@ def _training(micro_batch_size: int, global_batch_size: int, seq_length: int, ov
 
 
 @functools.lru_cache(maxsize=64)
-def _optimizer(sharding: str, bf16: bool) -> OptimizerConfig:
-    return optimizer_config(Layout(sharding=sharding), bf16)
+def _optimizer(sharding: str, precision: str) -> OptimizerConfig:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    return optimizer_config(Layout(sharding=sharding), precision != "fp32", fp16=precision == "fp16")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -163,15 +175,17 @@ def evaluate(
     seq_length: int,
     global_batch_size: int,
     cl: Cluster,
-    bf16: bool = True,
+    precision: str = "bf16",
     tp_comm_overlap: bool = False,
     grads_bf16: bool = False,
     state_bytes: int = 8,
 ) -> Candidate:
-    """`grads_bf16`: --grad-reduce-in-bf16; `state_bytes`: the optimizer's state per parameter (Adam 8, SGD 4)."""
-    reason = check(model, layout, seq_length, global_batch_size, bf16)
+    """`precision`: bf16, fp16 or fp32 (--bf16, --fp16, neither); `grads_bf16`: --grad-reduce-in-bf16;
+    `state_bytes`: the optimizer's state per parameter (Adam 8, SGD 4)."""
+    reason = check(model, layout, seq_length, global_batch_size, precision)
     if reason:
         return Candidate(layout, reason)
+    bf16 = precision != "fp32"  # (the sizes: 16-bit weights and activations, either kind)
     cfg = layout.model_config(model)
     _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16, grads_bf16, state_bytes)
     usable = cl.gpu.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
@@ -200,7 +214,7 @@ def plan(
     cl: Cluster,
     seq_length: int,
     global_batch_size: int,
-    bf16: bool = True,
+    precision: str = "bf16",
     tp_comm_overlap: bool = False,
     grads_bf16: bool = False,
     state_bytes: int = 8,
@@ -209,7 +223,9 @@ def plan(
     """(layouts that fit, fastest first; layouts refused or too big). `uneven`: see `layouts`."""
     fits, rejected = [], []
     for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven):
-        c = evaluate(model, layout, seq_length, global_batch_size, cl, bf16, tp_comm_overlap, grads_bf16, state_bytes)
+        c = evaluate(
+            model, layout, seq_length, global_batch_size, cl, precision, tp_comm_overlap, grads_bf16, state_bytes
+        )
         (rejected if c.reason else fits).append(c)
     fits.sort(key=lambda c: (c.time.total, c.memory.total))
     return fits, rejected
