@@ -465,6 +465,21 @@ def test_the_plan_is_in_the_jobs_precision(capsys):
     assert "16 x 1024 tokens, fp32," in capsys.readouterr().out
 
 
+def test_data_parallel_sizes_the_batch_cannot_split_are_said(capsys):
+    """From the planner review: a DP size that does not divide the global batch was skipped without a word, so a
+    user with 12 GPUs and a batch of 16 never learned why DP 3, 6 and 12 were missing. Each is now refused with
+    pretrain's message; a micro-batch size that does not divide a rank's share is still just not tried."""
+    small = "--num-layers 12 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000"
+    flags = [*small.split(), "--seq-length", "1024", "--position-embedding-type", "rope", "--bf16"]
+    result = _tool().main(["--top", "1000", "--gpus-per-node", "4", "--nodes", "3", "--", *flags])
+    out = capsys.readouterr().out
+    batch = "--global-batch-size N is not divisible by --micro-batch-size N x data-parallel size N = N"
+    assert any(r.startswith(batch) for r in result["rejected_reasons"]), result["rejected_reasons"]
+    assert "--global-batch-size 16 is not divisible by --micro-batch-size 1 x data-parallel size" in out, out[-800:]
+    assert not any(re.search(r"DP(3|6|12) ", c["describe"]) for c in result["fits"])
+    assert any(re.search(r"PP3 DP4 ", c["describe"]) for c in result["fits"])
+
+
 def test_planner_refuses_what_pretrain_refuses():
     """The search filters with the checks pretrain runs at start-up: same message."""
     from megatron_lite.config import ConfigError
