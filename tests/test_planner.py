@@ -143,6 +143,10 @@ ONE_PROCESS = {
     "llama": Layout(micro_batch_size=2),
     "llama-selective": Layout(micro_batch_size=2, recompute="selective"),
     "llama-full": Layout(micro_batch_size=4, recompute="full"),
+    # a script's --recompute-method / --recompute-num-layers (the planner took every full recomputation as uniform 1)
+    "llama-full_uniform2": Layout(micro_batch_size=4, recompute="full", recompute_num_layers=2),
+    "llama-full_block1": Layout(micro_batch_size=4, recompute="full", recompute_method="block"),
+    "llama-full_block3": Layout(micro_batch_size=4, recompute="full", recompute_method="block", recompute_num_layers=3),
     "gpt2": Layout(micro_batch_size=2),
     "gpt2-selective": Layout(micro_batch_size=2, recompute="selective"),
     "moe": Layout(micro_batch_size=2),
@@ -387,9 +391,15 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
         "--untie-embeddings-and-output-weights --disable-bias-linear --use-distributed-optimizer "
         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --bf16"
     ).split()
-    _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
+    uniform = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
     out = capsys.readouterr().out  # (TP 1 without --sequence-parallel: it was "rank -")
     assert re.search(r"your layout, rank \d+ of", out), out[-600:]
+    # a script's --recompute-method block N is planned as written (it was taken as uniform 1): N layers
+    # recomputed, the rest keep their activations
+    model[model.index("uniform")] = "block"
+    block = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
+    assert "recompute=full(block 1)" in capsys.readouterr().out
+    assert block["yours"]["memory"]["activations"] > 10 * uniform["yours"]["memory"]["activations"]
     small = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000"
     small = [*small.split(), "--position-embedding-type", "rope", "--attention-dropout", "0"]
     _tool().main(["--top", "1", "--", *small, "--encoder-seq-length", "1024", "--kernel-impl=torch", "--bf16"])

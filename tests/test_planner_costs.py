@@ -124,14 +124,29 @@ def test_recomputation_and_sequence_parallel_moe_cost_what_the_runtime_sends(dis
     cl = cluster("H100", 8, 1, None, None)
     llama = llama_config(num_layers=2, kernel_impl="torch")
     runtime, model = {}, {}
-    for rec in ("none", "full"):
-        kw = dict(tp=2, micro_batch_size=2, recompute=rec)
+    # (and a script's --recompute-method: a uniform run of both layers is one checkpoint, whose last reduction
+    # is not run again; block 1 reruns the first layer only. The planner took each as uniform 1.)
+    recomputes = {
+        "none": dict(recompute="none"),
+        "full": dict(recompute="full"),
+        "uniform2": dict(recompute="full", recompute_num_layers=2),
+        "block1": dict(recompute="full", recompute_method="block"),
+    }
+    for rec, how in recomputes.items():
+        kw = dict(tp=2, micro_batch_size=2, **how)
         runtime[rec] = dist(2, _count, kw, False)[0]["tp"]
         layout = Layout(**kw)
         model[rec] = cost.step_time(layout.model_config(llama), layout, SEQ, 2, _latency_only(cl), bf16=False).tp_comm
-    assert runtime["full"] > runtime["none"]
+    assert runtime["uniform2"] > runtime["full"] > runtime["block1"] > runtime["none"], runtime
     # (at TP = 2 an all-gather or a reduce-scatter is one ring step)
-    assert model["full"] - model["none"] == runtime["full"] - runtime["none"], (model, runtime)
+    for rec in recomputes:
+        assert model[rec] - model["none"] == runtime[rec] - runtime["none"], (rec, model, runtime)
+    # and the forward that runs again is the recomputed layers' only: block 1 reruns one of the two
+    seconds = {}
+    for rec, how in recomputes.items():
+        layout = Layout(micro_batch_size=2, **how)
+        seconds[rec] = cost.step_time(layout.model_config(llama), layout, SEQ, 2, cl, bf16=False).compute
+    assert seconds["full"] - seconds["none"] == pytest.approx(2 * (seconds["block1"] - seconds["none"]))
 
     moe = llama_config(num_layers=2, kernel_impl="torch", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
     sent, charged = {}, {}

@@ -30,7 +30,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import cached_compute_order, layer_params, stage_params
+from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_params, stage_params
 from megatron_lite.training.flops import flops_per_token
 
 
@@ -268,12 +268,13 @@ def step_time(
         fwd = 0.0  # one micro-batch's forward
         recompute_fwd = 0.0
         attn_total = 0.0
+        rerun = set(full_recompute_runs(model, layout, r)[0])  # (full: all of them, or a block's)
         for layer in st.layers:
             moe = model.is_moe_layer(layer)
             attn, mlp, core, elem = kinds[moe] if moe in kinds else kinds.setdefault(moe, layer_terms(moe))
             fwd += attn + mlp + core + elem + impl.ops_per_layer / 3 * g.launch_seconds
             attn_total += core
-            if layout.recompute == "full":
+            if layer in rerun:
                 recompute_fwd += attn + mlp + core + elem
             elif layout.recompute == "selective":  # what --recompute-modules names runs again (the norms, the
                 # experts' activation and MLA's up-projections are cheap beside these)
@@ -292,13 +293,14 @@ def step_time(
             fwd += model.mtp_num_layers * _gemm(m, 2 * h, h / tp, a, cl, eff)  # each MTP depth's eh_proj
         # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
         per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
-        per_stage.append((per_mb, st))
-    per_mb, st = max(per_stage, key=lambda x: x[0])
+        per_stage.append((per_mb, st, r))
+    per_mb, st, busiest = max(per_stage, key=lambda x: x[0])
     micro = max(layout.micro_batches(global_batch_size), 1)
     compute = micro * per_mb
     bubble = (pp - 1) / (vp * micro) * compute if pp > 1 else 0.0
 
     layers = len(st.layers)
+    rerun, runs = full_recompute_runs(model, layout, busiest)
     act = m * h * a  # one micro-batch's hidden states on this rank (full sequence part)
     tp_comm = 0.0
     if tp > 1:
@@ -312,14 +314,16 @@ def step_time(
             per_layer = 4 * reduce
             edges = 2 * reduce
         edges += 3 * _collective("all_reduce", m * 4, tp, tp, cl, eff)  # vocab-parallel loss: max, sum, target
-        if layout.recompute == "full":  # each layer's forward runs again, its collectives included, up to the
-            # last one whose output the backward keeps (torch's non-reentrant checkpoint stops there, before the
-            # layer's final reduction): 2 all-gathers and 1 reduce-scatter under SP, else 1 all-reduce (counted)
-            per_layer += 2 * gather + scatter if layout.sp else reduce
-        tp_comm = micro * (layers * per_layer + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
+        # full recomputation runs each recomputed layer's forward again, its collectives included (2 all-gathers
+        # and 2 reduce-scatters under SP, else 2 all-reduces), up to the last one whose output the backward keeps:
+        # torch's non-reentrant checkpoint stops before each checkpoint's final reduction
+        last = scatter if layout.sp else reduce
+        again = len(rerun) * (2 * gather + 2 * scatter if layout.sp else 2 * reduce) - runs * last
+        tp_comm = micro * (layers * per_layer + again + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1 and layout.cp_comm_type != "p2p":
-        cp_comm = micro * layers * _exposed_cp(model, layout, m, a, cl, eff)
+        every, forward = _exposed_cp(model, layout, m, a, cl, eff)
+        cp_comm = micro * (layers * every + _attention_reruns(model, layout, layers, rerun) * forward)
     elif cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
         blocks = ring_blocks(model, m, tp, cp, a)
         ring = sum(n * _collective("p2p", block, cp, tp * cp, cl, eff) for block, n in blocks)
@@ -330,17 +334,21 @@ def step_time(
         # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
         merge = 3 * (cp - 1) * 3 * m * out / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
         cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
-        if _attention_recomputed(model, layout):  # the recomputed attention passes K and V round again
-            ring_fwd = (cp - 1) * _collective("p2p", blocks[0][0], cp, tp * cp, cl, eff)  # (the K/V blocks)
-            cp_comm += micro * layers * (max(0.0, ring_fwd - attn_time / 3.5) + merge / 3)
+        # the recomputed attention passes K and V round again
+        ring_fwd = (cp - 1) * _collective("p2p", blocks[0][0], cp, tp * cp, cl, eff)  # (the K/V blocks)
+        again = _attention_reruns(model, layout, layers, rerun)
+        cp_comm += micro * again * (max(0.0, ring_fwd - attn_time / 3.5) + merge / 3)
     ep_comm = 0.0
     if model.num_experts and ep > 1:
         moe_layers = sum(1 for i in st.layers if model.is_moe_layer(i))
         # every TP rank routes the whole (gathered) sequence: MoELayer gathers it first, under SP too
         tokens = m * model.moe_router_topk * h * a
-        again = layout.recompute == "full" or (layout.recompute == "selective" and "moe" in model.recompute_modules)
-        a2a = 4 + (2 if again else 0)  # dispatch and combine, forward and backward (+ again, recomputed)
-        ep_comm = micro * moe_layers * a2a * _collective("all_to_all", tokens, ep, tp * ep, cl, eff)
+        if layout.recompute == "selective" and "moe" in model.recompute_modules:
+            again = moe_layers
+        else:
+            again = sum(1 for i in rerun if model.is_moe_layer(i))
+        # dispatch and combine, forward and backward (+ again, recomputed)
+        ep_comm = micro * (4 * moe_layers + 2 * again) * _collective("all_to_all", tokens, ep, tp * ep, cl, eff)
     pp_comm = 0.0
     if pp > 1:  # each micro-batch's activation forward and gradient backward, per model chunk
         send = act / (tp if layout.sp else 1)
@@ -418,18 +426,21 @@ def cp_collectives(model: ModelConfig, layout: Layout, tokens: float, a: int) ->
     return [(kind, cp * tokens * w / tp * a) for kind in ("all_gather", "reduce_scatter") for w in (k, v)]
 
 
-def _exposed_cp(model: ModelConfig, layout: Layout, tokens: float, a: int, cl: Cluster, eff: Efficiency) -> float:
-    """`cp_collectives` in seconds, none of them under compute (attention waits for them); recomputation
-    runs the forward's collectives again."""
+def _exposed_cp(
+    model: ModelConfig, layout: Layout, tokens: float, a: int, cl: Cluster, eff: Efficiency
+) -> tuple[float, float]:
+    """`cp_collectives` in seconds, none of them under compute (attention waits for them): (all of them, the
+    forward's, which a recomputed attention runs again)."""
     calls = cp_collectives(model, layout, tokens, a)
     span = layout.tp * layout.cp
     seconds = [_collective(kind, b, layout.cp, span, cl, eff) for kind, b in calls]
-    forward = sum(seconds[: len(seconds) // 2])
-    return sum(seconds) + (forward if _attention_recomputed(model, layout) else 0.0)
+    return sum(seconds), sum(seconds[: len(seconds) // 2])
 
 
-def _attention_recomputed(model: ModelConfig, layout: Layout) -> bool:
-    return layout.recompute == "full" or (layout.recompute == "selective" and "core_attn" in model.recompute_modules)
+def _attention_reruns(model: ModelConfig, layout: Layout, layers: int, rerun: list[int]) -> int:
+    """The layers of a stage whose attention runs again in the backward: selective recomputation's core_attn
+    reruns every one, full recomputation its recomputed layers."""
+    return layers if layout.recompute == "selective" and "core_attn" in model.recompute_modules else len(rerun)
 
 
 def ring_blocks(model: ModelConfig, tokens: float, tp: int, cp: int, a: int) -> list[tuple[float, int]]:

@@ -24,6 +24,9 @@ class Layout:
     sharding: str = "none"
     recompute: str = "none"
     micro_batch_size: int = 1
+    # with full recomputation: --recompute-method and --recompute-num-layers (a script's; the search's are uniform 1)
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
     sequence_parallel: bool = True  # with TP > 1 (Megatron's recommendation; off only when asked)
     cp_comm_type: str = "p2p"  # with CP > 1: the ring, a2a (heads all-to-all) or allgather (keys and values)
     microbatch_group_size: int | None = None  # a script's --microbatch-group-size-per-virtual-pipeline-stage
@@ -58,6 +61,8 @@ class Layout:
 
     def model_config(self, model: ModelConfig) -> ModelConfig:
         """The model as this layout runs it: Megatron's recomputation flags."""
+        if self.recompute == "full":
+            return _with_recompute(model, "full", self.recompute_method, self.recompute_num_layers)
         return _with_recompute(model, self.recompute)
 
     def micro_batches(self, global_batch_size: int) -> int:
@@ -76,12 +81,14 @@ class Layout:
             parts.append(f"EP{self.ep}")
         parts.append({"none": "ddp", "dist-opt": "zero1", "zero2": "zero2", "fsdp2": "fsdp2"}[self.sharding])
         parts.append(f"recompute={self.recompute}")
+        if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != ("uniform", 1):
+            parts[-1] += f"({self.recompute_method} {self.recompute_num_layers})"
         parts.append(f"mbs={self.micro_batch_size}")
         return " ".join(parts)
 
 
 @functools.lru_cache(maxsize=256)
-def _with_recompute(model: ModelConfig, recompute: str) -> ModelConfig:
+def _with_recompute(model: ModelConfig, recompute: str, method: str = "uniform", layers: int = 1) -> ModelConfig:
     # Cached (the configs are frozen): a search asks for the same three per model hundreds of thousands of
     # times, and each replace re-validates the whole config.
     if recompute == "none":
@@ -90,4 +97,6 @@ def _with_recompute(model: ModelConfig, recompute: str) -> ModelConfig:
         return dataclasses.replace(
             model, recompute_granularity="selective", recompute_method=None, recompute_num_layers=None
         )
-    return dataclasses.replace(model, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return dataclasses.replace(
+        model, recompute_granularity="full", recompute_method=method, recompute_num_layers=layers
+    )

@@ -288,6 +288,19 @@ def _chunk_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list
     ]
 
 
+def full_recompute_runs(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[list[int], int]:
+    """Under full recomputation, the layers of this rank whose forward runs again in the backward and how many
+    checkpoints hold them: --recompute-method block, the first --recompute-num-layers of each chunk, one
+    checkpoint each; uniform, every layer, in runs of --recompute-num-layers a checkpoint."""
+    if layout.recompute != "full":
+        return [], 0
+    chunks, n = _chunk_layers(model, layout, pp_rank), model.recompute_num_layers or 1
+    if model.recompute_method == "block":
+        layers = [i for c in chunks for i in c[:n]]
+        return layers, len(layers)
+    return [i for c in chunks for i in c], sum(-(-len(c) // n) for c in chunks)
+
+
 @functools.lru_cache(maxsize=4096)
 def cached_compute_order(pp: int, vp: int, micro: int, rank: int, group: int | None = None) -> tuple:
     return tuple(compute_order(pp, vp, micro, rank, group=group))
@@ -306,10 +319,13 @@ def activation_bytes(
     chunk_bytes = []
     by_kind: dict[tuple[bool, str], float] = {}  # a layer's bytes depend on it through is_moe_layer and recompute
     # --recompute-method block checkpoints the first --recompute-num-layers layers of each model chunk, the rest
-    # keep everything (uniform: every layer)
+    # keep everything; uniform checkpoints each run of --recompute-num-layers layers, keeping its first one's input
     block = layout.recompute == "full" and model.recompute_method == "block"
+    group = (model.recompute_num_layers or 1) if layout.recompute == "full" and not block else 1
 
     def layer_bytes(i: int, index: int) -> float:
+        if index % group:
+            return 0.0  # inside a uniform run: its input is the run's, rebuilt in the backward
         recompute = "none" if block and index >= (model.recompute_num_layers or 0) else layout.recompute
         key = (model.is_moe_layer(i), recompute)
         if key not in by_kind:
@@ -383,14 +399,18 @@ def activation_bytes(
 def recompute_transient_bytes(
     model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, bf16: bool, lora=None, mask: int = 1
 ) -> float:
-    """With recomputation, one layer's activations are rebuilt at a time during the backward (inside the
-    checkpoint, where the activation meter does not see them)."""
+    """With recomputation, one checkpoint's activations are rebuilt at a time during the backward (inside the
+    checkpoint, where the activation meter does not see them): one layer's, or a uniform run's of
+    --recompute-num-layers layers (at most a chunk's)."""
     layers = stage_params(model, layout, pp_rank).layers
     if layout.recompute == "none" or not layers:
         return 0.0
     a, i = 2 if bf16 else 4, layers[-1]
     tokens = seq_length // layout.cp * layout.micro_batch_size
-    rebuilt = layer_activation_bytes(model, layout, a, i, "none", lora, mask) - layer_activation_bytes(
+    run = 1
+    if layout.recompute == "full" and model.recompute_method != "block":
+        run = min(model.recompute_num_layers or 1, max(len(c) for c in _chunk_layers(model, layout, pp_rank)))
+    rebuilt = run * layer_activation_bytes(model, layout, a, i, "none", lora, mask) - layer_activation_bytes(
         model, layout, a, i, layout.recompute, lora, mask
     )
     return rebuilt * tokens

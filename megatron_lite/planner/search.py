@@ -252,6 +252,8 @@ def job_layout(job, world: int) -> Layout:
         ep=p.ep,
         sharding=sharding_of(job.optimizer),
         recompute=m.recompute_granularity or "none",
+        recompute_method=(m.recompute_method or "uniform") if m.recompute_granularity == "full" else "uniform",
+        recompute_num_layers=(m.recompute_num_layers or 1) if m.recompute_granularity == "full" else 1,
         micro_batch_size=job.training.micro_batch_size,
         sequence_parallel=p.sequence_parallel or p.tp == 1,  # (no SP at TP 1: the search's form of it)
         cp_comm_type=p.cp_comm_type if p.cp > 1 else "p2p",
