@@ -389,7 +389,8 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
         "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
         "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 128256 "
         "--untie-embeddings-and-output-weights --disable-bias-linear --use-distributed-optimizer "
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --bf16"
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --bf16 "
+        "--overlap-grad-reduce --overlap-param-gather"
     ).split()
     uniform = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
     out = capsys.readouterr().out  # (TP 1 without --sequence-parallel: it was "rank -")
@@ -399,6 +400,17 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     model[model.index("uniform")] = "block"
     block = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
     assert "recompute=full(block 1)" in capsys.readouterr().out
+    # without Megatron's --overlap-grad-reduce / --overlap-param-gather (both off by default): priced as it runs,
+    # and said to be outside the search; FSDP2 with --overlap-grad-reduce refused as pretrain refuses it
+    model = [x if x != "block" else "uniform" for x in model if not x.startswith("--overlap")]
+    plain = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
+    assert "zero1(no overlap: reduce, gather)" in plain["yours"]["describe"]
+    assert "(the search overlaps the gradient reduction" in capsys.readouterr().out
+    assert plain["yours"]["time"]["dp_comm"] > 2 * uniform["yours"]["time"]["dp_comm"]
+    fsdp2 = [*model, "--use-torch-fsdp2", "--overlap-grad-reduce"]
+    fsdp2.remove("--use-distributed-optimizer")
+    refused = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *fsdp2])
+    assert "drop --overlap-grad-reduce" in refused["yours"]["reason"]
     assert block["yours"]["memory"]["activations"] > 10 * uniform["yours"]["memory"]["activations"]
     small = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000"
     small = [*small.split(), "--position-embedding-type", "rope", "--attention-dropout", "0"]
@@ -440,7 +452,7 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
     args = ["--hf-config", str(tmp_path), "--seq-length", "512", "--global-batch-size", "8", "--top", "1"]
     with_mtp = _tool().main(args)
-    assert "(+1 MTP depth)" in capsys.readouterr().out
+    assert "(counts include its 1 MTP depth)" in capsys.readouterr().out
     (tmp_path / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
     without = _tool().main(args)
     assert with_mtp["fits"][0]["memory"]["params"] > without["fits"][0]["memory"]["params"]
@@ -729,10 +741,15 @@ def test_memory_estimate_multi_token_prediction(dist, case):
     _check("deepseekmtp", layout, dist(layout.world, measure, "deepseekmtp", layout))
 
 
-def test_a_scripts_uneven_pipeline_split_is_planned_as_written():
+def test_a_scripts_uneven_pipeline_split_is_planned_as_written(capsys):
     """deepseek_v3.sh splits 61 layers 3 + 14 x 4 + 2 over PP=16 (--pipeline-model-parallel-layout): the planner
-    evaluates that layout, stage by stage, where it refused it as an uneven split before."""
+    evaluates that layout, stage by stage, where it refused it as an uneven split before. (From the planner
+    review) the plan says why that layout is unranked and that --uneven-pipeline tries such splits: it said
+    "rank -" and listed 200k refusals of 61 layers over even stages without a word of it."""
     result = _tool().main(["--script", str(ROOT / "pretrain" / "deepseek_v3.sh"), "--top", "1"])
+    out = capsys.readouterr().out
+    assert "rank - of" in out and "(an uneven pipeline split: --uneven-pipeline searches them)" in out
+    assert "--uneven-pipeline also tries the pipeline sizes 61 layers do not divide" in out
     yours = result["yours"]
     assert yours["reason"] is None and tuple(yours["layout"]["stages"]) == (3,) + (4,) * 14 + (2,)
     assert "PP16(3/4/4/4/4/4/4/4/4/4/4/4/4/4/4/2)" in yours["describe"]

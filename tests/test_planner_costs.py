@@ -220,3 +220,22 @@ def test_expert_parallelism_moves_fewer_expert_weights():
     micro, eff = 2, cost.EFF
     saved = 3 * micro * 2 * (weights[1] - weights[4]) / (cl.gpu.memory_bandwidth * eff.memory)
     assert compute[1] - compute[4] == pytest.approx(saved, rel=1e-9), (compute, saved)
+
+
+def test_a_reduction_the_job_does_not_overlap_is_all_exposed():
+    """From the planner review: a script without --overlap-grad-reduce (Megatron's default) reduces its gradients
+    after the backward and, without --overlap-param-gather, gathers the updated weights after the step; the
+    planner priced every job as overlapped."""
+    cl = cluster("H100", 8, 2, None, None)
+    model = _llama(8)
+    st = stage_params(model, Layout(dp=16), 0)
+    reduce = cost._collective("all_reduce", 4 * st.total, 16, 16, cl, cost.EFF)
+    on, off = (cost.step_time(model, Layout(dp=16, overlap_grad_reduce=o), 4096, 32, cl) for o in (None, False))
+    assert on.dp_comm < 0.5 * reduce and off.dp_comm == pytest.approx(reduce, rel=1e-12)
+    gather = cost._collective("all_gather", 2 * st.total, 16, 16, cl, cost.EFF)
+    zero1 = [
+        cost.step_time(model, Layout(dp=16, sharding="dist-opt", overlap_param_gather=o), 4096, 32, cl).dp_comm
+        for o in (None, False)
+    ]
+    # (the search's ZeRO-1 hides most of its gather under the first forward)
+    assert zero1[1] - zero1[0] > 0.5 * gather

@@ -169,9 +169,11 @@ def print_plan(
     whole = stage_params(model, Layout(), 0)  # (one rank holding everything: the model's parameter count)
     k, e = model.moe_router_topk, model.num_experts or 1
     active = f", {_count(whole.dense + whole.expert * k // e)} active" if model.num_experts else ""
+    # (the counts include the MTP depths, as Hugging Face counts a checkpoint holding them)
+    mtp = f" (counts include its {model.mtp_num_layers} MTP depth{'s' if model.mtp_num_layers > 1 else ''})"
     print(
         f"model: {_count(whole.total)} parameters{active}"
-        + (f" (+{model.mtp_num_layers} MTP depth)" if model.mtp_num_layers else "")
+        + (mtp if model.mtp_num_layers else "")
         + f"; {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
         f" ({model.query_groups} groups), FFN {model.ffn_size}, vocabulary {model.vocab_size}"
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
@@ -209,7 +211,8 @@ def print_plan(
             print(f"your layout {yours.describe()}: {c.reason}")
         else:
             rank = next((i for i, f in enumerate(fits, 1) if f.layout == yours), "-")
-            print(f"your layout, rank {rank} of {len(fits)}:\n{row(rank, c)}")
+            outside = f" ({_outside_search(yours, uneven)})" if rank == "-" else ""
+            print(f"your layout, rank {rank} of {len(fits)}{outside}:\n{row(rank, c)}")
         result["yours"] = _as_dict(c)
     print(f"{len(rejected)} layouts cannot run:")
     for reason, count in groups.most_common():
@@ -217,7 +220,31 @@ def print_plan(
         # too big: show the one that comes closest to fitting
         example = min(members, key=lambda c: c.memory.total) if members[0].memory else members[0]
         print(f"  {count:5d}  {example.reason}  (e.g. {example.layout.describe()})")
+    if not uneven and any(UNEVEN_HINT.match(reason) for reason in groups):
+        print(
+            f"  (--uneven-pipeline also tries the pipeline sizes {model.num_layers} layers do not divide, with lighter "
+            "end stages)"
+        )
     return result
+
+
+SEARCHED = (
+    "the search tries TP inside a node, CP in powers of two, EP dividing the experts, 2 or 4 virtual stages, "
+    "micro-batches of 1, 2, 4 and 8, SP at every TP and the default micro-batch grouping"
+)
+UNEVEN_HINT = re.compile(r"--num-layers N is not divisible by --pipeline-model-parallel-size")
+
+
+def _outside_search(layout: Layout, uneven: bool) -> str:
+    """Why a script's layout is not among the searched ones (it is costed all the same)."""
+    if layout.stages is not None and not uneven:
+        return "an uneven pipeline split: --uneven-pipeline searches them"
+    if layout.recompute == "full" and (layout.recompute_method, layout.recompute_num_layers) != ("uniform", 1):
+        return "the search recomputes uniform 1"
+    if layout.overlap_grad_reduce is not None or layout.overlap_param_gather is not None:
+        return "the search overlaps the gradient reduction and the weights' gather (--overlap-grad-reduce, "
+        "--overlap-param-gather) wherever the sharding takes them"
+    return "outside the search: " + SEARCHED
 
 
 def _why_none(rejected: list[Candidate], usable: float, world: int) -> str:
@@ -354,7 +381,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--nodes", type=int, help="default: the script's GPUs (GPUS_PER_NODE x NNODES) over --gpus-per-node, else 1"
     )
-    p.add_argument("--nvlink-bandwidth", type=float, help="GB/s per GPU inside a node (default 450; A100 300)")
+    p.add_argument(
+        "--nvlink-bandwidth", type=float, help="GB/s per GPU inside a node (default 450; A100 300, B200 900)"
+    )
     p.add_argument("--network-bandwidth", type=float, help="GB/s per GPU between nodes (default 50)")
     p.add_argument(
         "--fp32",
@@ -377,10 +406,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="also try pipeline sizes whose stages the layers do not divide, with lighter end stages (as a "
         "--pipeline-model-parallel-layout would run them)",
     )
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--top", type=int, default=10, help="layouts shown and written to --json (default 10)")
     p.add_argument("--iters", type=int, default=5, help="--check-cpu: timed steps per layout (after one warm-up)")
     p.add_argument("--layouts", type=int, default=None, help="--check-cpu: only the first N layouts (default: all)")
-    p.add_argument("--json", help="also write the result here")
+    p.add_argument(
+        "--json",
+        help="also write the result here: the --top layouts that fit (--top 1000000 for all), the count of each "
+        "refusal, your layout",
+    )
     args = p.parse_args(argv)
     for flag, value in (
         ("--global-batch-size", args.global_batch_size),

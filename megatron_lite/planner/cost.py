@@ -390,13 +390,16 @@ def step_time(
             kind = "all_reduce" if layout.sharding == "none" else "reduce_scatter"
             reduce = over_dp(kind, grad_bytes)
             gather = over_dp("all_gather", a) if layout.sharding != "none" else 0.0
+            overlapped = layout.overlaps_grad_reduce  # (else each reduction after its backward, all exposed)
             if layout.sharding == "zero2":  # every micro-batch's gradients, each under its own backward
-                exposed = micro * max(0.0, reduce - eff.dp_overlap * 2 / 3 * per_mb)
+                hidden = eff.dp_overlap * 2 / 3 * per_mb if overlapped else 0.0
+                exposed = micro * max(0.0, reduce - hidden)
                 comm = micro * reduce + gather
             else:  # once a step, each model chunk's buckets under the backward left after its last one
-                exposed = _exposed_reduction(layout, micro, per_mb, reduce, eff)
+                exposed = _exposed_reduction(layout, micro, per_mb, reduce, eff) if overlapped else reduce
                 comm = reduce + gather
-            exposed += _exposed_gather(layout, micro, per_mb, gather, eff)
+            # the updated weights' all-gather, under the next forward or (without the flag) after the step
+            exposed += _exposed_gather(layout, micro, per_mb, gather, eff) if layout.overlaps_param_gather else gather
         dp_comm = exposed + eff.contention * (comm - exposed)
     # optimizer: read grads and moments, write moments, main and weights (~28 bytes per local parameter)
     local = st.dense / dp_cp + st.expert / edp if layout.sharding != "none" else n

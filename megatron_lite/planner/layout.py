@@ -27,6 +27,10 @@ class Layout:
     # with full recomputation: --recompute-method and --recompute-num-layers (a script's; the search's are uniform 1)
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    # a script's --overlap-grad-reduce / --overlap-param-gather where they differ from the search's (None: on
+    # wherever the sharding takes them, as the search plans every layout)
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
     sequence_parallel: bool = True  # with TP > 1 (Megatron's recommendation; off only when asked)
     cp_comm_type: str = "p2p"  # with CP > 1: the ring, a2a (heads all-to-all) or allgather (keys and values)
     microbatch_group_size: int | None = None  # a script's --microbatch-group-size-per-virtual-pipeline-stage
@@ -36,6 +40,17 @@ class Layout:
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def overlaps_grad_reduce(self) -> bool:
+        """The gradient reduction overlapped with the backward (FSDP2 overlaps its own, without the flag)."""
+        return self.overlap_grad_reduce if self.overlap_grad_reduce is not None else self.sharding != "fsdp2"
+
+    @property
+    def overlaps_param_gather(self) -> bool:
+        if self.overlap_param_gather is not None:
+            return self.overlap_param_gather
+        return self.sharding in ("dist-opt", "zero2")
 
     @property
     def sp(self) -> bool:
@@ -80,6 +95,12 @@ class Layout:
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         parts.append({"none": "ddp", "dist-opt": "zero1", "zero2": "zero2", "fsdp2": "fsdp2"}[self.sharding])
+        # (a script's choices the search does not make)
+        off = [
+            x for x, v in (("reduce", self.overlap_grad_reduce), ("gather", self.overlap_param_gather)) if v is False
+        ]
+        parts[-1] += f"(no overlap: {', '.join(off)})" if off else ""
+        parts[-1] += "(--overlap-grad-reduce)" if self.overlap_grad_reduce and self.sharding == "fsdp2" else ""
         parts.append(f"recompute={self.recompute}")
         if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != ("uniform", 1):
             parts[-1] += f"({self.recompute_method} {self.recompute_num_layers})"

@@ -40,7 +40,7 @@ def measure_layout(
     fsdp2 = layout.sharding == "fsdp2"
     net = build_model(cfg, ctx, seed=1, dtype=torch.float32 if fsdp2 else dtype)
     optim = optimizer_config(layout, bf16, grads_bf16, optimizer)
-    ddp, opt = wrap_for_training(net, ctx, optim, overlap_grad_reduce=not fsdp2, compute_dtype=dtype)
+    ddp, opt = wrap_for_training(net, ctx, optim, overlap_grad_reduce=layout.overlaps_grad_reduce, compute_dtype=dtype)
     sched = LRScheduler(optim, iters + 1)
     data = MockGPTDataset(cfg.vocab_size, seq_length, seed=1)
     times, comm, breakdown = [], [], None

@@ -51,7 +51,7 @@ def optimizer_config(
         use_distributed_optimizer=layout.sharding in ("dist-opt", "zero2"),
         zero_stage=2 if layout.sharding == "zero2" else 1,
         use_torch_fsdp2=layout.sharding == "fsdp2",
-        overlap_param_gather=layout.sharding in ("dist-opt", "zero2"),
+        overlap_param_gather=layout.overlaps_param_gather,
     )
 
 
@@ -81,9 +81,10 @@ def check(
         layout.tp, layout.pp, layout.vp, layout.cp, layout.ep, layout.sequence_parallel, layout.cp_comm_type,
         layout.microbatch_group_size, layout.stages,
     )  # fmt: skip
-    training = _training(layout.micro_batch_size, global_batch_size, seq_length, layout.sharding != "fsdp2")
+    training = _training(layout.micro_batch_size, global_batch_size, seq_length, layout.overlaps_grad_reduce)
     try:
-        optim = _optimizer(layout.sharding, precision)  # (validated as it is made: FSDP2 refuses --fp16)
+        # (validated as it is made: FSDP2 refuses --fp16)
+        optim = _optimizer(layout.sharding, precision, layout.overlaps_param_gather)
     except ConfigError as e:
         return str(e)
     return _layout_error(cfg, parallel, layout.world, training) or _sharding_error(cfg, parallel, training, optim)
@@ -102,10 +103,11 @@ def _training(micro_batch_size: int, global_batch_size: int, seq_length: int, ov
 
 
 @functools.lru_cache(maxsize=64)
-def _optimizer(sharding: str, precision: str) -> OptimizerConfig:
+def _optimizer(sharding: str, precision: str, overlap_param_gather: bool) -> OptimizerConfig:
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
-    return optimizer_config(Layout(sharding=sharding), precision != "fp32", fp16=precision == "fp16")
+    layout = Layout(sharding=sharding, overlap_param_gather=overlap_param_gather)
+    return optimizer_config(layout, precision != "fp32", fp16=precision == "fp16")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -239,6 +241,7 @@ def job_layout(job, world: int) -> Layout:
     from megatron_lite.layout_validation import stage_layer_counts
 
     p, m = job.parallel, job.model
+    sharding = sharding_of(job.optimizer)
     uneven = p.pipeline_layout is not None or p.decoder_first_pipeline_num_layers is not None
     uneven = uneven or p.decoder_last_pipeline_num_layers is not None
     uneven = uneven or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
@@ -250,7 +253,7 @@ def job_layout(job, world: int) -> Layout:
         dp=p.data_parallel_size(world),
         cp=p.cp,
         ep=p.ep,
-        sharding=sharding_of(job.optimizer),
+        sharding=sharding,
         recompute=m.recompute_granularity or "none",
         recompute_method=(m.recompute_method or "uniform") if m.recompute_granularity == "full" else "uniform",
         recompute_num_layers=(m.recompute_num_layers or 1) if m.recompute_granularity == "full" else 1,
@@ -258,4 +261,11 @@ def job_layout(job, world: int) -> Layout:
         sequence_parallel=p.sequence_parallel or p.tp == 1,  # (no SP at TP 1: the search's form of it)
         cp_comm_type=p.cp_comm_type if p.cp > 1 else "p2p",
         microbatch_group_size=p.microbatch_group_size if p.vp > 1 else None,
+        # (None where the job does what the search plans)
+        overlap_grad_reduce=_unless(job.training.overlap_grad_reduce, sharding != "fsdp2"),
+        overlap_param_gather=_unless(job.optimizer.overlap_param_gather, sharding in ("dist-opt", "zero2")),
     )
+
+
+def _unless(value: bool, default: bool) -> bool | None:
+    return None if value == default else value
