@@ -279,6 +279,22 @@ def test_round_trip_is_bit_exact(converted, name):
     assert torch.equal(_hf_logits(reloaded, PROMPT), _hf_logits(model, PROMPT))
 
 
+def test_a_bf16_deepseek_v3_round_trips_with_its_dtypes(tmp_path):
+    """A DeepSeek-V3 cast to bf16 whole (model.to(torch.bfloat16), buffers included) before save_pretrained: its
+    e_score_correction_bias came back float32 (the import cast it), so HF -> ours -> HF was not bit-exact."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_configs()["deepseek_v3"]).to(torch.bfloat16)
+    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
+    model.save_pretrained(hf_dir)
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    a, b = _tensors(hf_dir), _tensors(back)
+    assert any(k.endswith("e_score_correction_bias") and v.dtype == torch.bfloat16 for k, v in a.items())
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (k, a[k].dtype, b[k].dtype)
+
+
 def _load_ours(ckpt: str, parallel: ParallelConfig):
     """(model, context, config) of our checkpoint in `ckpt`, without dropout, under `parallel` (this rank's part
     in a worker of the pool, else one process)."""
@@ -595,6 +611,8 @@ def test_a_qwen2_sliding_window_on_no_layer_converts(converted, tmp_path):
         ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=false"),
         # transformers runs the attention latents' norms at 1e-6 whatever rms_norm_eps says
         ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+        # (only the fields the config has: it said topk_method=None of a config without one)
+        ("deepseek_v3", {"scoring_func": "softmax"}, "config.json scoring_func='softmax' is not supported"),
     ],
 )
 def test_unsupported_fields_are_refused(converted, tmp_path, capsys, name, changes, fragment):

@@ -21,10 +21,11 @@ def config_kwargs(c: Any, arch: str, rope: tuple[float, Any]) -> dict:
         raise ConfigError(f"config.json attention_bias / mlp_bias=true is not supported for {arch}")
     if arch == DEEPSEEK_V2:
         return _base(c, rope) | _v2_moe(c)
-    if getattr(c, "topk_method", "noaux_tc") != "noaux_tc" or getattr(c, "scoring_func", "sigmoid") != "sigmoid":
+    wanted = (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"))
+    bad = [f"{k}={getattr(c, k)!r}" for k, v in wanted if getattr(c, k, v) != v]  # (only the fields it has)
+    if bad:
         raise ConfigError(
-            f"config.json topk_method={getattr(c, 'topk_method', None)!r} / scoring_func="
-            f"{getattr(c, 'scoring_func', None)!r} are not supported: DeepSeek-V3's noaux_tc with sigmoid scores only"
+            f"config.json {' / '.join(bad)} is not supported: DeepSeek-V3's noaux_tc with sigmoid scores only"
         )
     norm, k = getattr(c, "norm_topk_prob", True), getattr(c, "num_experts_per_tok", 2) or 2
     if norm != (k > 1):  # (Megatron's sigmoid router renormalises a top-k of more than one, never a top-1)

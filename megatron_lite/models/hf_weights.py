@@ -119,7 +119,7 @@ def _shared_and_bias_from_hf(hf: dict, p: str, ours: str, c: ModelConfig) -> dic
     """DeepSeek-V3's MoE extras: the router's score-correction bias (our expert bias) and the shared experts."""
     out = {}
     if c.moe_router_enable_expert_bias and p + "mlp.gate.e_score_correction_bias" in hf:  # (absent from gradients)
-        out[f"{ours}.router.expert_bias"] = hf[p + "mlp.gate.e_score_correction_bias"].float()
+        out[f"{ours}.router.expert_bias"] = hf[p + "mlp.gate.e_score_correction_bias"]
     if c.moe_shared_expert_intermediate_size:
         s = p + "mlp.shared_experts."
         out[f"{ours}.shared_expert.linear_fc1.weight"] = torch.cat(
