@@ -24,9 +24,10 @@ from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
 
 
-def _kernel_impl(requested: str | None, backend: str | None = None) -> str:
+def resolve_kernel_impl(requested: str | None, backend: str | None = None, half: bool = False) -> str:
     """Triton on CUDA, PyTorch on a CPU, unless asked; Triton where it cannot run is refused, not ignored. A gloo
-    job runs on CPU tensors even on a GPU machine."""
+    job runs on CPU tensors even on a GPU machine. `half`: --bf16 or --fp16, which the CPU interpreter cannot run
+    (it has no half-precision arithmetic: its tl.dot returns garbage)."""
     import os
 
     import torch
@@ -42,6 +43,11 @@ def _kernel_impl(requested: str | None, backend: str | None = None) -> str:
         raise ConfigError(
             f"--kernel-impl triton needs a CUDA GPU with triton installed ({where}); use --kernel-impl torch (or "
             "TRITON_INTERPRET=1 for the slow CPU interpreter)"
+        )
+    if requested == "triton" and half and not on_gpu:
+        raise ConfigError(
+            "--kernel-impl triton with --bf16 / --fp16 runs under the CPU's Triton interpreter, which has no "
+            "half-precision arithmetic (its matmuls return garbage); use --kernel-impl torch, or fp32"
         )
     return requested
 
@@ -121,7 +127,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
         )
     _check_moe_flags(ns)
-    kernel_impl = _kernel_impl(ns.kernel_impl, ns.distributed_backend)
+    kernel_impl = resolve_kernel_impl(ns.kernel_impl, ns.distributed_backend, ns.bf16 or ns.fp16)
     balancing, aux_loss_coeff = flag_values.balancing(ns)
     vocab = ns.vocab_size
     model = ModelConfig(

@@ -899,6 +899,11 @@ def test_kernel_impl_triton_where_it_cannot_run_is_refused(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--kernel-impl", "triton"], capsys, monkeypatch)
     _one_line_error(rc, err, "--kernel-impl triton needs a CUDA GPU", "--kernel-impl torch")
+    # (from the generation review) the interpreter runs fp32 only: bf16 trained on garbage matmuls without a word
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    argv = ["--mock-data", "--vocab-size", "100", "--kernel-impl", "triton", "--bf16"]
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    _one_line_error(rc, err, "has no half-precision arithmetic", "use --kernel-impl torch, or fp32")
 
 
 def test_kernel_impl_follows_the_tensors_device_not_only_the_machine(monkeypatch):
@@ -906,16 +911,16 @@ def test_kernel_impl_follows_the_tensors_device_not_only_the_machine(monkeypatch
     --kernel-impl triton is refused with the reason (before, the default was triton and the TP loss raised)."""
     import torch
 
-    from megatron_lite.arguments import ConfigError, _kernel_impl
+    from megatron_lite.arguments import ConfigError, resolve_kernel_impl
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # this machine's only stand-in for a GPU
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert _kernel_impl(None, None) == "triton" and _kernel_impl(None, "nccl") == "triton"
-    assert _kernel_impl(None, "gloo") == "torch"
+    assert resolve_kernel_impl(None, None) == "triton" and resolve_kernel_impl(None, "nccl") == "triton"
+    assert resolve_kernel_impl(None, "gloo") == "torch"
     with pytest.raises(ConfigError, match="--distributed-backend gloo runs on CPU tensors"):
-        _kernel_impl("triton", "gloo")
+        resolve_kernel_impl("triton", "gloo")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs CPU tensors: an explicit request stands
-    assert _kernel_impl("triton", "gloo") == "triton"
+    assert resolve_kernel_impl("triton", "gloo") == "triton"
 
 
 def test_memory_breakdown_is_logged(tmp_path, capsys, monkeypatch):

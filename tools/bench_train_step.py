@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import transformers
 
-    from megatron_lite.arguments import _kernel_impl
+    from megatron_lite.arguments import resolve_kernel_impl
     from megatron_lite.config import ParallelConfig
     from megatron_lite.data.mock import MockGPTDataset, collate
     from megatron_lite.distributed.ddp import DistributedDataParallel
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).train()
     # (what training runs with: config_from_hf leaves the PyTorch kernels)
-    kernel_impl = _kernel_impl(args.kernel_impl) if device.type == "cuda" or args.kernel_impl else "torch"
+    kernel_impl = (
+        resolve_kernel_impl(args.kernel_impl, half=args.bf16) if device.type == "cuda" or args.kernel_impl else "torch"
+    )
     config = dataclasses.replace(config_from_hf(hf_config), kernel_impl=kernel_impl)
     ctx = ParallelContext.virtual(ParallelConfig(), device=device)
     ctx.seed(0)

@@ -23,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_lite.arguments import resolve_kernel_impl
 from megatron_lite.checkpoint.checkpointing import (
     find_checkpoint,
     load_checkpoint,
@@ -107,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="run in bf16 (default fp32)")
-    p.add_argument("--kernel-impl", choices=["torch", "triton"], default="torch")
+    p.add_argument(
+        "--kernel-impl",
+        choices=["torch", "triton"],
+        help="default: triton on CUDA, torch on a CPU (as pretrain_gpt.py); triton where it cannot run is refused",
+    )
     p.add_argument("--distributed-backend", choices=["nccl", "gloo"])
     return p
 
@@ -151,11 +156,12 @@ def _records(args: argparse.Namespace) -> list[dict]:
     if args.prompt_ids is not None:
         return [{"prompt_ids": _ids(args.prompt_ids, "--prompt-ids")}]
     try:
-        lines = [line for line in open(args.prompts_file) if line.strip()]
+        # (each with its line number in the file: blank lines are skipped, not renumbered)
+        lines = [(n, line) for n, line in enumerate(open(args.prompts_file), 1) if line.strip()]
     except OSError as e:
         raise ConfigError(f"--prompts-file {args.prompts_file}: {e.strerror}") from None
     records = []
-    for i, line in enumerate(lines):
+    for n, line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -164,9 +170,9 @@ def _records(args: argparse.Namespace) -> list[dict]:
         ids_ok = isinstance(ids, list) and all(isinstance(t, int) for t in ids)
         ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or ids_ok)
         if not ok:
-            raise ConfigError(f'--prompts-file {args.prompts_file} line {i + 1}: not {{"prompt": text}} or '
+            raise ConfigError(f'--prompts-file {args.prompts_file} line {n}: not {{"prompt": text}} or '
                               '{"prompt_ids": [ids]}')  # fmt: skip
-        records.append(record)
+        records.append({**record, "_line": n})
     if not records:
         raise ConfigError(f"--prompts-file {args.prompts_file} holds no prompt")
     return records
@@ -222,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--load {args.load} holds no checkpoint")
     meta = read_metadata(path)
     saved = meta["config"]
+    # (pretrain_gpt.py's rule: Triton where it cannot run, a CPU without the interpreter or a gloo job's CPU
+    # tensors, is one line, not the PyTorch path taken without a word)
+    kernel_impl = resolve_kernel_impl(args.kernel_impl, args.distributed_backend, args.bf16)
     model_cfg = dataclasses.replace(
         model_config_from_dict(saved["model"]),
         hidden_dropout=0.0,
@@ -229,13 +238,13 @@ def run(args: argparse.Namespace) -> int:
         recompute_granularity=None,
         recompute_method=None,
         recompute_num_layers=None,
-        kernel_impl=args.kernel_impl,
+        kernel_impl=kernel_impl,
     )
     records = _records(args)
     texts = any(isinstance(r.get("prompt"), str) for r in records)
     tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts else None
     prompts = [tokenizer.encode(r["prompt"]) if isinstance(r.get("prompt"), str) else r["prompt_ids"] for r in records]
-    where = lambda i: f" (--prompts-file line {i + 1})" if args.prompts_file else ""  # noqa: E731
+    where = lambda i: f" (--prompts-file line {records[i]['_line']})" if args.prompts_file else ""  # noqa: E731
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ConfigError(f"the prompt is empty{where(i)} (no ids; the tokenizer adds no BOS to an empty text)")

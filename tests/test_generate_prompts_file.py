@@ -1,0 +1,69 @@
+"""tools/generate.py --prompts-file names a bad line by its line in the file: blank lines (which the reader
+skips) are counted, so the line named is the one to fix."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+import transformers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tool(path: str):
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_tool", ROOT / path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen_lines")
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=50, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf")
+    convert = _tool("tools/checkpoint/convert.py")
+    argv = ["--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(root / "hf")]
+    assert convert.main([*argv, "--save-dir", str(root / "ours")]) == 0
+    return str(root / "ours")
+
+
+@pytest.mark.parametrize(
+    "lines, named",
+    [
+        (['{"prompt_ids": [1, 2]}', "", "", "not json"], "line 4"),  # a malformed line after blank ones
+        (['{"prompt_ids": [1, 2]}', "", '{"prompt_ids": [3]}', "", '{"prompt_ids": []}'], "line 5"),  # empty
+        (["", '{"prompt_ids": [1, 99]}'], "line 2"),  # an id outside the vocabulary
+    ],
+)
+def test_a_bad_prompts_file_line_is_named_by_its_line_in_the_file(tiny_checkpoint, tmp_path, capsys, lines, named):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    generate = _tool("tools/generate.py")
+    assert generate.main(["--load", tiny_checkpoint, "--prompts-file", str(path), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU machine's case")
+def test_triton_where_it_cannot_run_is_refused_as_pretrain_refuses_it(tiny_checkpoint, capsys, monkeypatch):
+    """--kernel-impl triton on a CPU without the Triton interpreter ran the PyTorch path without a word
+    (pretrain_gpt.py refuses it in one line)."""
+    generate = _tool("tools/generate.py")
+    argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert generate.main([*argv, "--kernel-impl", "triton"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kernel-impl triton needs a CUDA GPU" in err[0], err
+    assert generate.main(argv) == 0  # (the default on a CPU: torch)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs fp32 only (bf16 generated garbage ids)
+    assert generate.main([*argv, "--kernel-impl", "triton", "--bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no half-precision arithmetic" in err[0], err
