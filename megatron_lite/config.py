@@ -326,6 +326,11 @@ class ModelConfig:
                 "DeepSeek-V3); add it or drop the expert bias"
             )
         g, gk = self.moe_router_num_groups, self.moe_router_group_topk
+        if g is None and self.moe_router_group_score_topn is not None:  # (it was ignored without a word)
+            raise ConfigError(
+                f"--moe-router-group-score-topn {self.moe_router_group_score_topn} scores groups: it needs "
+                "--moe-router-num-groups and --moe-router-group-topk (group-limited routing); add them or drop it"
+            )
         if (g is None) != (gk is None):
             raise ConfigError(
                 "--moe-router-num-groups and --moe-router-group-topk go together (group-limited routing); give both"

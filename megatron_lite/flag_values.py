@@ -10,8 +10,8 @@ from megatron_lite.config import ConfigError, RopeScaling, yarn_mscale
 
 
 def list_expression(text: str) -> list[int]:
-    """Megatron's list expressions for per-layer patterns, e.g. "([0]*3+[1]*58)" or "[1,0]*4": lists of integers,
-    concatenated with + and repeated with * N, in parentheses. Parsed, never eval'd."""
+    """Megatron's list expressions for per-layer patterns, e.g. "([0]*3+[1]*58)", "[1,0]*4" or "4*[1,0]": lists of
+    integers, concatenated with + and repeated with * N (or N *), in parentheses. Parsed, never eval'd."""
     tokens = re.findall(r"\d+|[\[\](),+*]|\S", text)
     pos = 0
 
@@ -44,14 +44,18 @@ def list_expression(text: str) -> list[int]:
         return out
 
     def term() -> list[int]:
+        # (a count may lead, as Python reads "2*[1,0]": the product is the same either way round)
+        lead = 1
+        while peek() is not None and peek().isdigit():
+            lead *= int(take())
+            take("*")
         out = atom()
         while peek() == "*":
             take("*")
-            n = int(take())
-            if len(out) * n > 100_000:  # (a layer pattern; never a list worth exhausting memory for)
-                raise ValueError("pattern too long")
-            out = out * n
-        return out
+            lead *= int(take())
+        if len(out) * lead > 100_000:  # (a layer pattern; never a list worth exhausting memory for)
+            raise ValueError("pattern too long")
+        return out * lead
 
     def expr() -> list[int]:
         out = term()

@@ -392,6 +392,12 @@ def test_expert_bias_is_identical_on_every_replica(dist):
             2,
             "--moe-shared-expert-intermediate-size 17 is not divisible by --tensor-model-parallel-size 2",
         ),
+        (  # (from the MoE review: without groups it was ignored without a word)
+            {"moe_router_group_score_topn": 2},
+            P(),
+            1,
+            "--moe-router-group-score-topn 2 scores groups: it needs --moe-router-num-groups",
+        ),
         (  # the dense width counts where a layer is dense (an all-MoE model's was refused for nothing)
             {"ffn_hidden_size": 97, "moe_layer_freq": (1, 0)},
             P(tensor_model_parallel_size=2),

@@ -1375,6 +1375,8 @@ def test_skip_train_evaluates_the_loaded_model(tmp_path, capsys, monkeypatch):
     [
         ("([0]*3+[1]*5)", (0, 0, 0, 1, 1, 1, 1, 1)),
         ("[1,0]*2", (1, 0, 1, 0)),
+        ("2*[1,0]", (1, 0, 1, 0)),  # (Python's eval, which Megatron runs, takes the count on either side)
+        ("[0]+2*[1]*2", (0, 1, 1, 1, 1)),
         ("([0]+[1]*3)*2", (0, 1, 1, 1, 0, 1, 1, 1)),
         ("0,1,1", (0, 1, 1)),
         ("2", 2),
@@ -1390,7 +1392,8 @@ def test_moe_layer_freq_takes_megatrons_list_expressions(text, expected):
 
 
 @pytest.mark.parametrize(
-    "text", ["[0]*", "([0]*3", "__import__('os')", "[0]*x", "[1]*9999999999", "(" * 40 + "[1]*2" + ")" * 40]
+    "text",
+    ["[0]*", "([0]*3", "__import__('os')", "[0]*x", "[1]*9999999999", "(" * 40 + "[1]*2" + ")" * 40, "2*", "2*3"],
 )
 def test_bad_moe_layer_freq_is_one_line(text, capsys, monkeypatch):
     rc, _, err = _run(["--num-experts", "4", "--moe-layer-freq", text, "--disable-bias-linear"], capsys, monkeypatch)
