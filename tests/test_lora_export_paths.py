@@ -171,3 +171,26 @@ def test_load_checkpoint_refuses_adapters_the_model_does_not_build(tmp_path, mon
     apply_lora(model, config, LoraConfig(rank=4, target_modules=("linear_qkv",)), ctx, seed=0)
     with pytest.raises(ConfigError, match="holds LoRA adapters this run does not build"):
         load_checkpoint(path, model, None, None, ctx, load_rng=False)
+
+
+def test_a_peft_export_at_a_dtype_casts_the_fp32_main_weights(tmp_path, monkeypatch):
+    """From a review: a --bf16 run's adapters exported with --saver hf-peft --target-dtype fp32 were the bf16
+    rounding of the trained weights upcast (3e-4 off), while --saver hf --merge-lora --target-dtype fp32 folds in
+    the fp32 main weights the checkpoint holds. Both now cast the main weights, as the merge documents."""
+    from safetensors.torch import load_file
+
+    from megatron_lite.checkpoint.hf_convert import read_model_tensors
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    _, out = _fine_tune(tmp_path, cfg, monkeypatch, "--bf16")
+    assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", out, "--save-dir",
+                    str(tmp_path / "adapter"), "--target-dtype", "fp32") == 0  # fmt: skip
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    _, main = read_model_tensors(out, main=True, base=False)
+    _, rounded = read_model_tensors(out, base=False)
+    ours = "decoder.layers.1.self_attention.linear_proj.lora.pairs.proj.A"
+    assert main[ours].dtype == torch.float32 and rounded[ours].dtype == torch.bfloat16
+    assert not torch.equal(main[ours], rounded[ours].float())  # (training moved A off bf16's grid)
+    exported = tensors["base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"]
+    assert exported.dtype == torch.float32 and torch.equal(exported, main[ours])

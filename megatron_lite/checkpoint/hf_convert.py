@@ -495,7 +495,9 @@ def megatron_lite_to_peft(
     from megatron_lite.lora.peft import split_lora, to_peft, write_peft
 
     check_save_dir(save_dir)
-    meta, ours = read_model_tensors(load_dir, base=False)  # (the adapters alone: a 70B base is not read for them)
+    # (the adapters alone: a 70B base is not read for them; a dtype asked for is cast from the fp32 main weights
+    # where the checkpoint holds them, as --saver hf does, not from a --bf16 run's rounding of them)
+    meta, ours = read_model_tensors(load_dir, main=dtype is not None, base=False)
     saved = meta["config"]
     lora = saved_lora_config(saved)
     if lora is None:
