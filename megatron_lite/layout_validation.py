@@ -6,6 +6,7 @@ collective.
 
 from __future__ import annotations
 
+import math
 import re
 
 from megatron_lite.config import (
@@ -359,10 +360,11 @@ def validate_layout(
             f"split cuts the sequence into 2 x CP chunks); use --seq-length {_nearest_multiples(seq, 2 * cp)}"
         )
     if cp > 1 and parallel.sequence_parallel and tp > 1 and (seq // cp) % tp:
+        step = cp * math.lcm(2, tp)  # both splits: 2 x CP chunks, and each CP rank's part over TP
         raise ConfigError(
             f"--seq-length {seq} / --context-parallel-size {cp} = {seq // cp} tokens per CP rank is not divisible "
-            f"by --tensor-model-parallel-size {tp} with --sequence-parallel; use --seq-length in "
-            f"{_nearest_multiples(seq, 2 * cp * tp)}"
+            f"by --tensor-model-parallel-size {tp} with --sequence-parallel; use --seq-length "
+            f"{_nearest_multiples(seq, step)}"
         )
     if parallel.sequence_parallel and tp > 1 and seq % tp:
         raise ConfigError(

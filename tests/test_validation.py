@@ -129,6 +129,15 @@ CASES = {
         r"^--seq-length 20 is not divisible by 2 x --context-parallel-size 4 = 8 .*use --seq-length 16 or 24",
         ("training", T(seq_length=24)),
     ),
+    "CP part not divisible by TP under SP": (  # (seq must divide by lcm(2 CP, CP TP) = 8, not 2 CP TP = 16)
+        8,
+        {},
+        P(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True),
+        T(seq_length=28),
+        r"^--seq-length 28 / --context-parallel-size 2 = 14 tokens per CP rank is not divisible by "
+        r"--tensor-model-parallel-size 4 with --sequence-parallel; use --seq-length 24 or 32$",
+        ("training", T(seq_length=24)),
+    ),
     "heads not divisible by CP under a2a": (
         4,
         {"num_attention_heads": 6, "num_query_groups": 6, "hidden_size": 48},
