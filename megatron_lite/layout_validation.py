@@ -344,6 +344,11 @@ def validate_layout(
             raise ConfigError(f"{flag} {value} must be >= 1")
     if seq < 1 or training.micro_batch_size < 1:
         raise ConfigError(f"--seq-length {seq} and --micro-batch-size {training.micro_batch_size} must be positive")
+    if training.ddp_bucket_size is not None and training.ddp_bucket_size < 1:  # (it made a bucket per parameter)
+        raise ConfigError(
+            f"--ddp-bucket-size {training.ddp_bucket_size} must be a positive number of elements; drop it for "
+            "Megatron's default (max(40M, 1M x DP x CP))"
+        )
     if model.mtp_num_layers >= seq:
         raise ConfigError(
             f"--mtp-num-layers {model.mtp_num_layers} predicts past --seq-length {seq}: no token would carry its "

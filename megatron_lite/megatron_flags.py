@@ -33,6 +33,11 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         False,
         "the loss is always averaged over the tokens of the whole global batch",
     ),
+    "ddp_average_in_collective": (
+        False,
+        "each rank's loss is already divided by the global batch's token count, so the data-parallel sum of the "
+        "gradients is the average (the same gradients as averaging in the collective)",
+    ),
     "cross_entropy_loss_fusion": (
         False,
         "--kernel-impl triton fuses the output layer with the loss (chunked, logits never whole) either way",

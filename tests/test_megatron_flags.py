@@ -491,3 +491,13 @@ def test_nccl_without_a_gpu_is_one_line(capsys, monkeypatch):
     )
     assert parse_args([*MOCK, "--distributed-backend", "nccl"])[1].distributed_backend == "nccl"
     assert main([*MOCK, "--distributed-backend", "nccl", "--dry-run"]) == 0
+
+
+def test_ddp_average_in_collective_is_accepted_as_a_no_op():
+    """From a review of the overlap flags against Megatron-LM: --ddp-average-in-collective (Megatron's DDP averages
+    in the collective instead of pre-scaling by 1/DP; scripts pass it beside --overlap-grad-reduce) was refused as
+    "no such flag"; our gradients are already the global batch's per-token mean summed over DP, so it changes
+    nothing and is accepted with a note."""
+    ns, job = parse_args([*MOCK, "--overlap-grad-reduce", "--ddp-average-in-collective"])
+    assert job.training.overlap_grad_reduce
+    assert any(line.startswith("--ddp-average-in-collective has no effect") for line in accepted_no_ops(ns))

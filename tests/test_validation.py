@@ -129,6 +129,14 @@ CASES = {
         r"^--seq-length 20 is not divisible by 2 x --context-parallel-size 4 = 8 .*use --seq-length 16 or 24",
         ("training", T(seq_length=24)),
     ),
+    "bucket size not positive": (  # (from the overlap review: it made one bucket per parameter)
+        1,
+        {},
+        P(),
+        T(ddp_bucket_size=0),
+        r"^--ddp-bucket-size 0 must be a positive number of elements",
+        ("training", T(ddp_bucket_size=100)),
+    ),
     "CP part not divisible by TP under SP": (  # (seq must divide by lcm(2 CP, CP TP) = 8, not 2 CP TP = 16)
         8,
         {},
