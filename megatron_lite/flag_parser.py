@@ -248,7 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
     e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
     e.add_argument("--moe-shared-expert-intermediate-size", type=int)
-    e.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather", "flex"], default="alltoall")
+    e.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=["alltoall", "allgather", "flex"],
+        default="alltoall",
+        help="alltoall or allgather over EP (default alltoall; flex, DeepEP's, is refused)",
+    )
     m.add_argument("--kernel-impl", choices=["torch", "triton"], default=None, help="default: triton on CUDA")
 
     d = parser.add_argument_group("distributed")
@@ -554,4 +559,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-dir", help="where --use-pytorch-profiler writes its trace (default: --tensorboard-dir)")
 
     add_megatron_flag_groups(parser)
+    _say_defaults(parser)
     return parser
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    """--help names each flag's default value (the README quotes them) unless its help already says one; the
+    choices a flag lists but refuses (flex dispatch) are said too."""
+    for action in parser._actions:
+        default = action.default
+        if not action.option_strings or any(default is x for x in (None, False, True, argparse.SUPPRESS)):
+            continue  # (identity: a default of 0 or 1 is shown)
+        if default == [] or isinstance(action, argparse._HelpAction):
+            continue
+        text = action.help or ""
+        if "default" in text.lower():
+            continue
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        shown = shown.replace("%", "%%")
+        action.help = f"{text} (default: {shown})" if text else f"default: {shown}"

@@ -22,7 +22,8 @@ ARGS=(
     --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
     --moe-z-loss-coeff 1e-3
     --micro-batch-size 4 --global-batch-size 16 --distributed-backend gloo
-    --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
+    --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
+    --lr-warmup-iters "$(( TRAIN_ITERS < 200 ? TRAIN_ITERS / 10 : 20 ))"  # (2 for a TRAIN_ITERS=20 try)
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
     --log-interval 10 --eval-interval 100 --eval-iters 4
     --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 100

@@ -448,3 +448,23 @@ def test_a_cached_dataset_starts_without_copying_the_document_lengths(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < ix.lengths.nbytes / 4, (peak, ix.lengths.nbytes)
+
+
+def test_a_data_path_given_as_the_output_prefix_names_the_files_written(tmp_path):
+    """preprocess_data.py --output-prefix data/x writes data/x_text_document.bin/.idx: a --data-path given as the
+    prefix itself is told the name to give, not to run the tool it has just run (from a README walkthrough)."""
+    from megatron_lite.config import ConfigError
+
+    for ext in ("bin", "idx"):
+        (tmp_path / f"x_text_document.{ext}").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        IndexedDataset(str(tmp_path / "x"))
+    assert f"give --data-path {tmp_path / 'x_text_document'}" in str(e.value), e.value
+    assert "run tools/preprocess_data.py" not in str(e.value)
+
+
+def test_a_missing_dataset_still_points_at_the_tool(tmp_path):
+    from megatron_lite.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"missing .*nope\.idx \(run tools/preprocess_data\.py\)"):
+        IndexedDataset(str(tmp_path / "nope"))

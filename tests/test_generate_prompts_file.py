@@ -3,21 +3,10 @@ skips) are counted, so the line named is the one to fix."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 import transformers
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _tool(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_tool", ROOT / path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from test_convert import convert, generate_cli  # (the tools, loaded by path once)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +18,6 @@ def tiny_checkpoint(tmp_path_factory):
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf")
-    convert = _tool("tools/checkpoint/convert.py")
     argv = ["--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(root / "hf")]
     assert convert.main([*argv, "--save-dir", str(root / "ours")]) == 0
     return str(root / "ours")
@@ -46,8 +34,7 @@ def tiny_checkpoint(tmp_path_factory):
 def test_a_bad_prompts_file_line_is_named_by_its_line_in_the_file(tiny_checkpoint, tmp_path, capsys, lines, named):
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    generate = _tool("tools/generate.py")
-    assert generate.main(["--load", tiny_checkpoint, "--prompts-file", str(path), "--max-new-tokens", "2"]) == 2
+    assert generate_cli.main(["--load", tiny_checkpoint, "--prompts-file", str(path), "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
 
@@ -56,14 +43,13 @@ def test_a_bad_prompts_file_line_is_named_by_its_line_in_the_file(tiny_checkpoin
 def test_triton_where_it_cannot_run_is_refused_as_pretrain_refuses_it(tiny_checkpoint, capsys, monkeypatch):
     """--kernel-impl triton on a CPU without the Triton interpreter ran the PyTorch path without a word
     (pretrain_gpt.py refuses it in one line)."""
-    generate = _tool("tools/generate.py")
     argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy"]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert generate.main([*argv, "--kernel-impl", "triton"]) == 2
+    assert generate_cli.main([*argv, "--kernel-impl", "triton"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kernel-impl triton needs a CUDA GPU" in err[0], err
-    assert generate.main(argv) == 0  # (the default on a CPU: torch)
+    assert generate_cli.main(argv) == 0  # (the default on a CPU: torch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs fp32 only (bf16 generated garbage ids)
-    assert generate.main([*argv, "--kernel-impl", "triton", "--bf16"]) == 2
+    assert generate_cli.main([*argv, "--kernel-impl", "triton", "--bf16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no half-precision arithmetic" in err[0], err

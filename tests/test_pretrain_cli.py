@@ -312,6 +312,38 @@ def test_load_alone_rebuilds_the_run(tmp_path, capsys, monkeypatch):
     assert "loaded" in out.out and "iteration 3" in out.out and "iteration        5/       5 |" in out.out
 
 
+def test_load_alone_resumes_from_another_directory(tmp_path, capsys, monkeypatch):
+    """From a README walkthrough: a run given relative --data-path and --tokenizer-model, resumed with --load
+    alone from another directory, stopped on "--tokenizer-model tok/tokenizer.json: no such file", a flag the
+    user never gave. The checkpoint records the files by their absolute paths."""
+    import tokenizers
+
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (run / "data").mkdir(parents=True)
+    (run / "tok").mkdir()
+    elsewhere.mkdir()
+    vocab = {f"w{i}": i for i in range(99)} | {"</s>": 99}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(run / "tok" / "tokenizer.json"))
+    writer = IndexedDatasetWriter(str(run / "data" / "x"), 100)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(16):
+        writer.add_document(torch.randint(1, 100, (40,), generator=rng).tolist())
+    writer.finalize()
+    monkeypatch.chdir(run)
+    flags = ["--data-path", "data/x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+    rc, _, err = _run([*flags, "tok/tokenizer.json", "--save", "ckpt", "--split", "100,0,0"], capsys, monkeypatch)
+    assert rc == 0, err
+    monkeypatch.chdir(elsewhere)
+    rc = main(["--load", str(run / "ckpt"), "--train-iters", "4"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "iteration        4/       4 |" in out.out
+
+
 def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monkeypatch):
     """--num-query-groups without --group-query-attention has no effect (as in Megatron): start-up says so, and
     the same flags resume its checkpoint (they were refused, the checkpoint's groups read as 1)."""

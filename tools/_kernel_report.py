@@ -105,7 +105,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict]) -> None:
         fh.write(f"# Kernel benchmark: {meta['device']}, {meta['dtype']}, size {meta['size']}\n\n")
         fh.write(f"{meta['torch']}; {meta.get('liger', '')}; shapes {meta['shapes']}\n\n")
         bw, peak = meta["copy_bandwidth_GBps"], meta["peak_flops"]
-        fh.write(f"copy bandwidth (2 GiB): {bw and round(bw)} GB/s; datasheet peak: {peak and peak / 1e12} TFLOP/s\n\n")
+        bw_text = f"{round(bw)} GB/s" if bw else "not measured (a GPU's)"
+        peak_text = f"{peak / 1e12:g} TFLOP/s" if peak else "none for this device"
+        fh.write(f"copy bandwidth (2 GiB): {bw_text}; datasheet peak: {peak_text}\n\n")
         if any(r.get("timing") == "cuda graph" for r in rows):
             fh.write(
                 "Memory-bound kernels (norms, SwiGLU, RoPE) and the fused cross-entropy are timed as CUDA graph "

@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows = spawn(_worker, args.tp, args)
         result["layer"] = rows
         plain, ovl = rows
-        print(f"Llama-3-8B-shaped layer, TP={args.tp} + SP, seq {args.seq_length}, {args.device}, fwd+bwd")
+        shape = "Llama-3-8B-shaped" if not args.hidden_size else f"Llama-3-8B-shaped (hidden {args.hidden_size})"
+        print(f"{shape} layer, TP={args.tp} + SP, seq {args.seq_length}, {args.device}, fwd+bwd")
         print(f"{'':>22} {'step (s)':>10} {'comm_exposed_fraction':>22}")
         for r in rows:
             name = "--tp-comm-overlap" if r["tp_comm_overlap"] else "plain"
@@ -231,13 +232,13 @@ def main(argv: list[str] | None = None) -> dict:
         g = gemm_decomposition(args)
         result["gemm"] = g
         print(
-            f"GEMM {g['shape']} in {g['chunks']} chunks: {g['chunked_tflops']:.1f} vs monolithic "
-            f"{g['monolithic_tflops']:.1f} TFLOP/s ({g['chunked_over_monolithic']:.3f}x); fused AG-matmul: "
+            f"GEMM {g['shape']} in {g['chunks']} chunks: {g['chunked_tflops']:.3g} vs monolithic "
+            f"{g['monolithic_tflops']:.3g} TFLOP/s ({g['chunked_over_monolithic']:.3f}x); fused AG-matmul: "
             f"{g['symmetric_memory_fused']}"
         )
         if g["triton_chunked_tflops"]:
             print(
-                f"  our Triton GEMM, chunked: {g['triton_chunked_tflops']:.1f} TFLOP/s "
+                f"  our Triton GEMM, chunked: {g['triton_chunked_tflops']:.3g} TFLOP/s "
                 f"({g['triton_chunked_over_monolithic']:.3f}x of the monolithic cuBLAS GEMM)"
             )
     if args.json:

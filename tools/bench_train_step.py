@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         hf_opt.step()
-        losses["transformers"].append(float(loss))
+        losses["transformers"].append(loss.item())
 
     times = {"megatron_lite": [], "transformers": []}
     for i, batch in enumerate(batches):

@@ -219,7 +219,10 @@ def print_plan(
         members = [c for c in rejected if reason_group(c.reason) == reason]
         # too big: show the one that comes closest to fitting
         example = min(members, key=lambda c: c.memory.total) if members[0].memory else members[0]
-        print(f"  {count:5d}  {example.reason}  (e.g. {example.layout.describe()})")
+        if reason == "does not fit in memory":  # (the example is the closest, not what every one of them needs)
+            print(f"  {count:5d}  do not fit in memory; the closest, {example.layout.describe()}, {example.reason}")
+        else:
+            print(f"  {count:5d}  {example.reason}  (e.g. {example.layout.describe()})")
     if not uneven and any(UNEVEN_HINT.match(reason) for reason in groups):
         print(
             f"  (--uneven-pipeline also tries the pipeline sizes {model.num_layers} layers do not divide, with lighter "

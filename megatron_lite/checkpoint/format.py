@@ -86,12 +86,12 @@ def verify_file(path: str, expected: dict) -> None:
     if size != expected["bytes"]:
         raise ConfigError(
             f"checkpoint file {path} is {size} bytes, the writer recorded {expected['bytes']}: the file is "
-            "truncated or was overwritten; load an older checkpoint (edit latest_checkpointed_iteration.txt)"
+            "truncated or was overwritten; load an older checkpoint (--ckpt-step N loads iteration N)"
         )
     if file_digest(path)["sha256"] != expected["sha256"]:
         raise ConfigError(
             f"checkpoint file {path} fails its sha256 check: the file is corrupted; load an older checkpoint "
-            "(edit latest_checkpointed_iteration.txt)"
+            "(--ckpt-step N loads iteration N)"
         )
 
 

@@ -89,6 +89,23 @@ class IndexedDatasetWriter:
         os.replace(self._tmp[".idx"], self.prefix + ".idx")
 
 
+def _missing_hint(prefix: str, flag: str) -> str:
+    """What to give instead of a missing `prefix`: preprocess_data.py writes PREFIX_{json key}_document.bin/.idx,
+    so a --data-path given as its --output-prefix is told the name of the files it wrote."""
+    folder, name = os.path.dirname(prefix), os.path.basename(prefix)
+    try:
+        files = os.listdir(folder or ".")
+    except OSError:
+        files = []
+    ends = "_document.idx"
+    written = sorted(
+        os.path.join(folder, f[: -len(".idx")]) for f in files if f.startswith(name + "_") and f.endswith(ends)
+    )
+    if not written:
+        return " (run tools/preprocess_data.py)"
+    return f"; preprocess_data.py wrote {written[0]}.bin/.idx for --output-prefix {prefix}: give {flag} {written[0]}"
+
+
 class IndexedDataset:
     """Documents of token ids, memory-mapped. Every inconsistency in the files is a one-line error naming
     the file."""
@@ -98,7 +115,7 @@ class IndexedDataset:
         idx, bin_ = prefix + ".idx", prefix + ".bin"
         for path in (idx, bin_):
             if not os.path.isfile(path):
-                raise ConfigError(f"{flag} {prefix}: missing {path} (run tools/preprocess_data.py)")
+                raise ConfigError(f"{flag} {prefix}: missing {path}{_missing_hint(prefix, flag)}")
         size = os.path.getsize(idx)
         with open(idx, "rb") as f:
             head = f.read(34)

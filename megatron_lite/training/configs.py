@@ -171,6 +171,20 @@ class JobConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def checkpoint_dict(self) -> dict:
+        """`to_dict` as a checkpoint records it: the data prefixes and tokenizer files that exist here by their
+        absolute paths, so `--load CKPT` alone resumes from any directory (relative ones were read from wherever
+        the resume ran: a tokenizer never given was 'no such file'). A Hub name or a weight stays as given."""
+        d = self.to_dict()
+        data = d["data"]
+        for k in ("tokenizer_model", "vocab_file", "merge_file"):
+            if data.get(k) and os.path.exists(data[k]):
+                data[k] = os.path.abspath(data[k])
+        for k in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            entries = data.get(k) or ()
+            data[k] = type(entries)(os.path.abspath(x) if os.path.exists(x + ".idx") else x for x in entries)
+        return d
+
 
 def check_output_paths(job: JobConfig) -> None:
     """The directories and files the job will write can be made: checked at start-up, before any process group

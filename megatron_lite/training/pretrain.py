@@ -209,7 +209,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
             state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **start_load(job, base_path))
             log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
             how = start_load(job, base_path)
-            if how["load_rng"] and not how["finetune"] and not saved_under_this_layout(read_metadata(ckpt_path), ctx):
+            meta = read_metadata(ckpt_path)
+            if meta.get("converted_from") and not how["finetune"]:
+                # (a converted checkpoint holds weights alone: there is no optimizer or RNG state to restore)
+                log.info(
+                    "a converted checkpoint: weights only; the optimizer, LR schedule and random-number states "
+                    "start as a new run's"
+                )
+            elif how["load_rng"] and not how["finetune"] and not saved_under_this_layout(meta, ctx):
                 log.info(
                     "the checkpoint was saved under another layout: its random-number states are not restored "
                     "(dropout draws differ from an unbroken run's; weights, optimizer and data position are as saved)"
@@ -282,7 +289,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         def save() -> None:
             saved.add(state.iteration)
             if saver is not None:
-                if previous := saver.save(state, model, optimizer, scheduler, job.to_dict(), **parts):
+                if previous := saver.save(state, model, optimizer, scheduler, job.checkpoint_dict(), **parts):
                     log.info(f"saved {previous} (async)")
                 log.info(f"iteration {state.iteration}: async save started")
             else:
@@ -293,7 +300,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     optimizer,
                     scheduler,
                     ctx,
-                    job.to_dict(),
+                    job.checkpoint_dict(),
                     keep_last=ck.ckpt_keep_last,
                     **parts,
                 )
