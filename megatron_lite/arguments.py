@@ -26,7 +26,7 @@ from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingC
 
 def resolve_kernel_impl(requested: str | None, backend: str | None = None, half: bool = False) -> str:
     """Triton on CUDA, PyTorch on a CPU, unless asked; Triton where it cannot run is refused, not ignored. A gloo
-    job runs on CPU tensors even on a GPU machine. `half`: --bf16 or --fp16, which the CPU interpreter cannot run
+    job runs on CPU tensors even on a GPU machine. `half`: --bf16 or --fp16, which the Triton interpreter cannot run
     (it has no half-precision arithmetic: its tl.dot returns garbage)."""
     import os
 
@@ -35,19 +35,20 @@ def resolve_kernel_impl(requested: str | None, backend: str | None = None, half:
     from megatron_lite.kernels import HAVE_TRITON
 
     on_gpu = torch.cuda.is_available() and backend != "gloo"
-    runnable = HAVE_TRITON and (on_gpu or os.environ.get("TRITON_INTERPRET") == "1")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (every kernel, a GPU's tensors' too)
+    runnable = HAVE_TRITON and (on_gpu or interpreted)
     if requested is None:
-        return "triton" if runnable and on_gpu else "torch"
+        requested = "triton" if runnable and on_gpu else "torch"
     if requested == "triton" and not runnable:
         where = "--distributed-backend gloo runs on CPU tensors" if torch.cuda.is_available() else "no CUDA GPU"
         raise ConfigError(
             f"--kernel-impl triton needs a CUDA GPU with triton installed ({where}); use --kernel-impl torch (or "
             "TRITON_INTERPRET=1 for the slow CPU interpreter)"
         )
-    if requested == "triton" and half and not on_gpu:
+    if requested == "triton" and half and interpreted:
         raise ConfigError(
-            "--kernel-impl triton with --bf16 / --fp16 runs under the CPU's Triton interpreter, which has no "
-            "half-precision arithmetic (its matmuls return garbage); use --kernel-impl torch, or fp32"
+            "--kernel-impl triton with --bf16 / --fp16 runs under the Triton interpreter (TRITON_INTERPRET=1), "
+            "which has no half-precision arithmetic (its matmuls return garbage); use --kernel-impl torch, or fp32"
         )
     return requested
 

@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--num-attention-heads", type=int)
     _bool(m, "--group-query-attention", "use --num-query-groups key/value heads")
-    m.add_argument("--num-query-groups", type=int, default=1)
+    m.add_argument(
+        "--num-query-groups", type=int, default=1, help="with --group-query-attention (default 1; else one a head)"
+    )
     m.add_argument("--kv-channels", type=int, help="head dim; default hidden / heads")
     m.add_argument("--max-position-embeddings", type=int)
     m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
@@ -564,8 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _say_defaults(parser: argparse.ArgumentParser) -> None:
-    """--help names each flag's default value (the README quotes them) unless its help already says one; the
-    choices a flag lists but refuses (flex dispatch) are said too."""
+    """--help names each flag's default value (the README quotes them) unless its help already says one."""
     for action in parser._actions:
         default = action.default
         if not action.option_strings or any(default is x for x in (None, False, True, argparse.SUPPRESS)):

@@ -53,7 +53,7 @@ def list_expression(text: str) -> list[int]:
         while peek() == "*":
             take("*")
             lead *= int(take())
-        if len(out) * lead > 100_000:  # (a layer pattern; never a list worth exhausting memory for)
+        if lead > 100_000 or len(out) * lead > 100_000:  # (a layer pattern; never a list worth exhausting memory)
             raise ValueError("pattern too long")
         return out * lead
 

@@ -405,7 +405,9 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     model = [x if x != "block" else "uniform" for x in model if not x.startswith("--overlap")]
     plain = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
     assert "zero1(no overlap: reduce, gather)" in plain["yours"]["describe"]
-    assert "(the search overlaps the gradient reduction" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(the search overlaps the gradient reduction and the weights' gather (--overlap-grad-reduce, " in out
+    assert "--overlap-param-gather) wherever the sharding takes them):" in out
     assert plain["yours"]["time"]["dp_comm"] > 2 * uniform["yours"]["time"]["dp_comm"]
     fsdp2 = [*model, "--use-torch-fsdp2", "--overlap-grad-reduce"]
     fsdp2.remove("--use-distributed-optimizer")

@@ -953,6 +953,10 @@ def test_kernel_impl_follows_the_tensors_device_not_only_the_machine(monkeypatch
         resolve_kernel_impl("triton", "gloo")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs CPU tensors: an explicit request stands
     assert resolve_kernel_impl("triton", "gloo") == "triton"
+    # ... in fp32 only, on a GPU's tensors too (it interprets every kernel): bf16 was refused under gloo alone
+    for backend, requested in (("nccl", None), ("nccl", "triton"), ("gloo", "triton")):
+        with pytest.raises(ConfigError, match="no half-precision arithmetic"):
+            resolve_kernel_impl(requested, backend, half=True)
 
 
 def test_memory_breakdown_is_logged(tmp_path, capsys, monkeypatch):
@@ -1962,3 +1966,23 @@ def test_the_dry_run_checks_what_the_run_checks_and_the_run_checks_data_first(tm
     nsys = ["--mock-data", "--vocab-size", "100", "--distributed-backend", "nccl", "--profile", "--dry-run"]
     rc, _, err = _run(nsys, capsys, monkeypatch)
     assert rc == 0, err
+
+
+def test_a_checkpoint_records_its_files_by_absolute_path_and_leaves_weights_and_names(tmp_path, monkeypatch):
+    """(From the diff review) an SFT job's JSONL, the data cache and a blend's prefixes become absolute; a blend's
+    weights stay numbers even where a file of that name exists, and a Hub tokenizer name stays as given."""
+    import dataclasses
+
+    from megatron_lite.arguments import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    for f in ("1.idx", "pre.idx", "pre.bin", "train.jsonl"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "cache").mkdir()
+    _, job = parse_args([*TINY, "--vocab-size", "100", "--data-path", "1", "pre", "--data-cache-path", "cache"])
+    job = dataclasses.replace(job, data=dataclasses.replace(job.data, tokenizer_model="org/model"))
+    data = job.checkpoint_dict()["data"]
+    assert list(data["data_path"]) == ["1", str(tmp_path / "pre")]
+    assert data["data_cache_path"] == str(tmp_path / "cache") and data["tokenizer_model"] == "org/model"
+    sft = dataclasses.replace(job, data=dataclasses.replace(job.data, data_path=("train.jsonl",), sft=True))
+    assert list(sft.checkpoint_dict()["data"]["data_path"]) == [str(tmp_path / "train.jsonl")]

@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).train()
     # (what training runs with: config_from_hf leaves the PyTorch kernels)
-    kernel_impl = (
-        resolve_kernel_impl(args.kernel_impl, half=args.bf16) if device.type == "cuda" or args.kernel_impl else "torch"
-    )
+    kernel_impl = "torch"
+    if device.type == "cuda" or args.kernel_impl:  # (CPU tensors on a GPU machine: as gloo's, for the rules)
+        backend = "gloo" if device.type == "cpu" else None
+        kernel_impl = resolve_kernel_impl(args.kernel_impl, backend, half=args.bf16)
     config = dataclasses.replace(config_from_hf(hf_config), kernel_impl=kernel_impl)
     ctx = ParallelContext.virtual(ParallelConfig(), device=device)
     ctx.seed(0)

@@ -240,13 +240,17 @@ UNEVEN_HINT = re.compile(r"--num-layers N is not divisible by --pipeline-model-p
 
 def _outside_search(layout: Layout, uneven: bool) -> str:
     """Why a script's layout is not among the searched ones (it is costed all the same)."""
-    if layout.stages is not None and not uneven:
-        return "an uneven pipeline split: --uneven-pipeline searches them"
-    if layout.recompute == "full" and (layout.recompute_method, layout.recompute_num_layers) != ("uniform", 1):
+    if layout.stages is not None:
+        if not uneven:
+            return "an uneven pipeline split: --uneven-pipeline searches them"
+        return "its own pipeline split: --uneven-pipeline searches lighter end stages only"
+    if not layout.recompute_as_searched:
         return "the search recomputes uniform 1"
     if layout.overlap_grad_reduce is not None or layout.overlap_param_gather is not None:
-        return "the search overlaps the gradient reduction and the weights' gather (--overlap-grad-reduce, "
-        "--overlap-param-gather) wherever the sharding takes them"
+        return (
+            "the search overlaps the gradient reduction and the weights' gather (--overlap-grad-reduce, "
+            "--overlap-param-gather) wherever the sharding takes them"
+        )
     return "outside the search: " + SEARCHED
 
 
@@ -483,6 +487,8 @@ def main(argv: list[str] | None = None) -> dict:
         precision = "fp32" if args.fp32 else "bf16"
         if job is not None and not args.fp32:
             precision = "bf16" if job.optimizer.bf16 else "fp16" if job.optimizer.fp16 else "fp32"
+        if args.grad_reduce_in_bf16 and precision != "bf16":  # (pretrain refuses the pair with --fp16)
+            p.error(f"--grad-reduce-in-bf16 plans a --bf16 job; this one is {precision}: drop it")
         result = print_plan(
             model, cl, seq, gbs, precision, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes,
             args.uneven_pipeline,

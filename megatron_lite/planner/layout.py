@@ -43,14 +43,24 @@ class Layout:
 
     @property
     def overlaps_grad_reduce(self) -> bool:
-        """The gradient reduction overlapped with the backward (FSDP2 overlaps its own, without the flag)."""
-        return self.overlap_grad_reduce if self.overlap_grad_reduce is not None else self.sharding != "fsdp2"
+        """--overlap-grad-reduce: the script's, else the search's (FSDP2 overlaps its own without the flag, which
+        it refuses)."""
+        return (
+            self.overlap_grad_reduce if self.overlap_grad_reduce is not None else searched_grad_overlap(self.sharding)
+        )
 
     @property
     def overlaps_param_gather(self) -> bool:
+        """--overlap-param-gather: the script's, else the search's."""
         if self.overlap_param_gather is not None:
             return self.overlap_param_gather
-        return self.sharding in ("dist-opt", "zero2")
+        return searched_gather_overlap(self.sharding)
+
+    @property
+    def recompute_as_searched(self) -> bool:
+        """The search's recomputation: a script's --recompute-method / --recompute-num-layers other than uniform
+        1 are its own."""
+        return self.recompute != "full" or (self.recompute_method, self.recompute_num_layers) == ("uniform", 1)
 
     @property
     def sp(self) -> bool:
@@ -102,10 +112,20 @@ class Layout:
         parts[-1] += f"(no overlap: {', '.join(off)})" if off else ""
         parts[-1] += "(--overlap-grad-reduce)" if self.overlap_grad_reduce and self.sharding == "fsdp2" else ""
         parts.append(f"recompute={self.recompute}")
-        if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != ("uniform", 1):
+        if not self.recompute_as_searched:
             parts[-1] += f"({self.recompute_method} {self.recompute_num_layers})"
         parts.append(f"mbs={self.micro_batch_size}")
         return " ".join(parts)
+
+
+def searched_grad_overlap(sharding: str) -> bool:
+    """The search overlaps the gradient reduction wherever the sharding takes --overlap-grad-reduce."""
+    return sharding != "fsdp2"
+
+
+def searched_gather_overlap(sharding: str) -> bool:
+    """... and the updated weights' gather wherever it takes --overlap-param-gather."""
+    return sharding in ("dist-opt", "zero2")
 
 
 @functools.lru_cache(maxsize=256)

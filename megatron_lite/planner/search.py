@@ -13,7 +13,7 @@ from megatron_lite.layout_validation import validate_layout
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.planner.cost import StepTime, step_time, throughput
 from megatron_lite.planner.hardware import GIB, Cluster
-from megatron_lite.planner.layout import RECOMPUTES, SHARDINGS, Layout
+from megatron_lite.planner.layout import RECOMPUTES, SHARDINGS, Layout, searched_gather_overlap, searched_grad_overlap
 from megatron_lite.planner.memory import Memory, peak_rank_memory
 from megatron_lite.training.wrap import validate_sharding
 
@@ -147,9 +147,9 @@ def layouts(
 ) -> list[Layout]:
     """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
     2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8 dividing each data-
-    parallel rank's share of the batch (a DP size that does not divide it once, refused); CP as the ring and
-    as all-to-all (all-gather too for a sliding window, which the ring refuses). `uneven`: pipeline sizes whose
-    stages the layers do not divide are tried with lighter end stages (`uneven_stages`)."""
+    parallel rank's share of the batch (a DP size that does not divide it at micro-batch 1 only, refused); CP as
+    the ring and as all-to-all (all-gather too for a sliding window, which the ring refuses). `uneven`: pipeline
+    sizes whose stages the layers do not divide are tried with lighter end stages (`uneven_stages`)."""
     out = []
     pow2 = [1, 2, 4, 8, 16, 32]
     experts = divisors(model.num_experts) if model.num_experts else [1]
@@ -262,8 +262,8 @@ def job_layout(job, world: int) -> Layout:
         cp_comm_type=p.cp_comm_type if p.cp > 1 else "p2p",
         microbatch_group_size=p.microbatch_group_size if p.vp > 1 else None,
         # (None where the job does what the search plans)
-        overlap_grad_reduce=_unless(job.training.overlap_grad_reduce, sharding != "fsdp2"),
-        overlap_param_gather=_unless(job.optimizer.overlap_param_gather, sharding in ("dist-opt", "zero2")),
+        overlap_grad_reduce=_unless(job.training.overlap_grad_reduce, searched_grad_overlap(sharding)),
+        overlap_param_gather=_unless(job.optimizer.overlap_param_gather, searched_gather_overlap(sharding)),
     )
 
 

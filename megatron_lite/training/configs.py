@@ -175,14 +175,21 @@ class JobConfig:
         """`to_dict` as a checkpoint records it: the data prefixes and tokenizer files that exist here by their
         absolute paths, so `--load CKPT` alone resumes from any directory (relative ones were read from wherever
         the resume ran: a tokenizer never given was 'no such file'). A Hub name or a weight stays as given."""
+        from megatron_lite.data.config import _blend
+
         d = self.to_dict()
         data = d["data"]
-        for k in ("tokenizer_model", "vocab_file", "merge_file"):
+        for k in ("tokenizer_model", "vocab_file", "merge_file", "data_cache_path"):
             if data.get(k) and os.path.exists(data[k]):
                 data[k] = os.path.abspath(data[k])
         for k in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            entries = data.get(k) or ()
-            data[k] = type(entries)(os.path.abspath(x) if os.path.exists(x + ".idx") else x for x in entries)
+            entries = tuple(data.get(k) or ())
+            # the prefixes of a blend (its weights stay), or an SFT job's JSONL file
+            prefixes = {p for _, p in _blend(entries)} if entries else set()
+            data[k] = type(data.get(k) or ())(
+                os.path.abspath(x) if x in prefixes and (os.path.exists(x + ".idx") or os.path.isfile(x)) else x
+                for x in entries
+            )
         return d
 
 
