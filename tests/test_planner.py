@@ -499,6 +499,10 @@ def test_data_parallel_sizes_the_batch_cannot_split_are_said(capsys):
     out = capsys.readouterr().out
     batch = "--global-batch-size N is not divisible by --micro-batch-size N x data-parallel size N = N"
     assert any(r.startswith(batch) for r in result["rejected_reasons"]), result["rejected_reasons"]
+    # once per TP x CP x PP that leaves such a DP size (it was counted once per sharding, recompute, ... too)
+    counted = sum(n for r, n in result["rejected_reasons"].items() if r.startswith(batch))
+    # (without CP, which attention dropout refuses first: DP 12, 6 and 3 at TP 1, 6 and 3 at TP 2, 3 at TP 4)
+    assert counted == 6, result["rejected_reasons"]
     assert "--global-batch-size 16 is not divisible by --micro-batch-size 1 x data-parallel size" in out, out[-800:]
     assert not any(re.search(r"DP(3|6|12) ", c["describe"]) for c in result["fits"])
     assert any(re.search(r"PP3 DP4 ", c["describe"]) for c in result["fits"])

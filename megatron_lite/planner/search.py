@@ -147,7 +147,7 @@ def layouts(
 ) -> list[Layout]:
     """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
     2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8 dividing each data-
-    parallel rank's share of the batch (a DP size that does not divide it at micro-batch 1 only, refused); CP as
+    parallel rank's share of the batch (a DP size that does not divide it once per TP x CP x PP, refused); CP as
     the ring and as all-to-all (all-gather too for a sliding window, which the ring refuses). `uneven`: pipeline
     sizes whose stages the layers do not divide are tried with lighter end stages (`uneven_stages`)."""
     out = []
@@ -159,13 +159,14 @@ def layouts(
             continue
         for pp in divisors(world // (tp * cp)):
             dp = world // (tp * cp * pp)
+            if global_batch_size % dp:  # (tried once, so the plan says why this DP size is out)
+                out.append(Layout(tp, pp, 1, dp, cp))
+                continue
             for vp, ep, sharding, recompute, mbs in itertools.product(
                 [1, 2, 4] if pp > 1 else [1], experts, SHARDINGS, RECOMPUTES, [1, 2, 4, 8]
             ):
-                if (dp * cp * tp) % ep or global_batch_size % (mbs * dp) and (mbs > 1 or global_batch_size % dp == 0):
-                    # (a DP size that cannot split the batch is tried once, at micro-batch 1, so the plan says why
-                    # it is out; a micro-batch size that does not divide a rank's share is just not a choice)
-                    continue
+                if (dp * cp * tp) % ep or global_batch_size % (mbs * dp):
+                    continue  # (a micro-batch size that does not divide a rank's share is just not a choice)
                 stages = uneven_stages(model.num_layers, pp * vp) if uneven and pp > 1 else None
                 for comm in cp_types if cp > 1 else ("p2p",):
                     out.append(
