@@ -268,13 +268,14 @@ def step_time(
         fwd = 0.0  # one micro-batch's forward
         recompute_fwd = 0.0
         attn_total = 0.0
-        rerun = set(full_recompute_runs(model, layout, r)[0])  # (full: all of them, or a block's)
+        rerun, runs = full_recompute_runs(model, layout, r)  # (full: all of them, or a block's)
+        recomputed = set(rerun)
         for layer in st.layers:
             moe = model.is_moe_layer(layer)
             attn, mlp, core, elem = kinds[moe] if moe in kinds else kinds.setdefault(moe, layer_terms(moe))
             fwd += attn + mlp + core + elem + impl.ops_per_layer / 3 * g.launch_seconds
             attn_total += core
-            if layer in rerun:
+            if layer in recomputed:
                 recompute_fwd += attn + mlp + core + elem
             elif layout.recompute == "selective":  # what --recompute-modules names runs again (the norms, the
                 # experts' activation and MLA's up-projections are cheap beside these)
@@ -293,14 +294,13 @@ def step_time(
             fwd += model.mtp_num_layers * _gemm(m, 2 * h, h / tp, a, cl, eff)  # each MTP depth's eh_proj
         # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
         per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
-        per_stage.append((per_mb, st, r))
-    per_mb, st, busiest = max(per_stage, key=lambda x: x[0])
+        per_stage.append((per_mb, st, rerun, runs))
+    per_mb, st, rerun, runs = max(per_stage, key=lambda x: x[0])
     micro = max(layout.micro_batches(global_batch_size), 1)
     compute = micro * per_mb
     bubble = (pp - 1) / (vp * micro) * compute if pp > 1 else 0.0
 
     layers = len(st.layers)
-    rerun, runs = full_recompute_runs(model, layout, busiest)
     act = m * h * a  # one micro-batch's hidden states on this rank (full sequence part)
     tp_comm = 0.0
     if tp > 1:

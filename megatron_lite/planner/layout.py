@@ -86,9 +86,7 @@ class Layout:
 
     def model_config(self, model: ModelConfig) -> ModelConfig:
         """The model as this layout runs it: Megatron's recomputation flags."""
-        if self.recompute == "full":
-            return _with_recompute(model, "full", self.recompute_method, self.recompute_num_layers)
-        return _with_recompute(model, self.recompute)
+        return _with_recompute(model, self.recompute, self.recompute_method, self.recompute_num_layers)
 
     def micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.dp)
@@ -129,9 +127,9 @@ def searched_gather_overlap(sharding: str) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _with_recompute(model: ModelConfig, recompute: str, method: str = "uniform", layers: int = 1) -> ModelConfig:
+def _with_recompute(model: ModelConfig, recompute: str, method: str, layers: int) -> ModelConfig:
     # Cached (the configs are frozen): a search asks for the same three per model hundreds of thousands of
-    # times, and each replace re-validates the whole config.
+    # times, and each replace re-validates the whole config. `method` and `layers`: full recomputation's only.
     if recompute == "none":
         return dataclasses.replace(model, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
     if recompute == "selective":

@@ -183,10 +183,10 @@ class JobConfig:
             if data.get(k) and os.path.exists(data[k]):
                 data[k] = os.path.abspath(data[k])
         for k in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            entries = tuple(data.get(k) or ())
+            entries = tuple(data[k])
             # the prefixes of a blend (its weights stay), or an SFT job's JSONL file
-            prefixes = {p for _, p in _blend(entries)} if entries else set()
-            data[k] = type(data.get(k) or ())(
+            prefixes = {p for _, p in _blend(entries)}
+            data[k] = tuple(
                 os.path.abspath(x) if x in prefixes and (os.path.exists(x + ".idx") or os.path.isfile(x)) else x
                 for x in entries
             )
