@@ -228,3 +228,59 @@ def test_triton_moe_with_expert_adapters_equals_torch():
     assert all(grads[k].abs().max() > 0 for k in grads)
     bad = {k: rel(grads[k], rgrads[k]) for k in rgrads if not rel(grads[k], rgrads[k]) < TOL}
     assert not bad, bad
+
+
+GEN_DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(
+        torch.bfloat16,
+        id="bf16",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", GEN_DTYPES)
+@pytest.mark.parametrize("name", ["llama", "gpt2", "deepseek"])
+def test_greedy_generation_with_triton_kernels_follows_torch(name, dtype):
+    """tools/generate.py runs --kernel-impl triton by default on a GPU, in bf16 with --bf16: the prompt's forward
+    and every cached decoding step (one query against the cache: flash attention's bottom-right mask, MLA's
+    latents, the MoE kernels) give torch's logits within the dtype's rounding, and each greedy token is torch's
+    top token on the same sequence up to that rounding (bf16 may break a near-tie the other way)."""
+    from megatron_lite.inference.generation import _forward, generate
+    from megatron_lite.inference.kv_cache import KVCache
+    from megatron_lite.models.gpt_model import build_model
+
+    ctx = ParallelContext.virtual(ParallelConfig(), device=DEVICE)
+    models = {
+        impl: build_model(dataclasses.replace(CONFIGS[name](), kernel_impl=impl), ctx, seed=3, dtype=dtype)
+        for impl in ("triton", "torch")
+    }
+    prompt, new = [(11 * i + 5) % VOCAB for i in range(9)], 12
+    # what each decoding step runs in Triton (MLA decodes on its absorbed latents, in PyTorch)
+    kinds = {"llama": ["flash_attention_fwd", "rms_norm_fwd", "rope_fwd", "swiglu_fwd"],
+             "gpt2": ["flash_attention_fwd", "layer_norm_fwd"],
+             "deepseek": ["rms_norm_fwd", "rope_fwd", "grouped_gemm_fwd"]}[name]  # fmt: skip
+    before = {k: K.LAUNCHES[k] for k in kinds}
+    out = generate(models["triton"], ctx, prompt, new, prompt_logprobs=False)
+    ids = out["generated_ids"]
+    ran = {k: K.LAUNCHES[k] - before[k] for k in kinds}
+    assert min(ran.values()) >= new, f"the decoding steps did not all run the Triton kernels: {ran}"
+    assert len(ids) == new
+    seq = prompt + ids
+    with torch.no_grad():
+        logits = {impl: _forward(m.eval(), ctx, seq[:-1], KVCache(len(seq)), every=True) for impl, m in models.items()}
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    assert rel(logits["triton"], logits["torch"]) < tol
+    ref = logits["torch"][len(prompt) - 1 :]  # torch's logits where each generated token was chosen
+    chosen = ref.gather(1, torch.tensor(ids, device=ref.device)[:, None])[:, 0]
+    margin = 3 * tol * ref.pow(2).mean(1).sqrt()  # the dtype's rounding of a logit, per position
+    short = (ref.max(1).values - chosen) > margin
+    assert not short.any(), f"greedy tokens {short.nonzero()[:, 0].tolist()} are not torch's top token"
+    # each step's own logits (the cached decoding, not the whole-sequence forward above) through its log-probability
+    # of the token chosen: a step that misread the cache moves them even where the greedy token stays the same
+    steps = torch.tensor(out["logprobs"], device=ref.device)
+    off = (steps - (chosen - ref.logsumexp(1))).abs()
+    assert (off <= margin).all(), f"the decoding steps' log-probabilities are off torch's by {off.tolist()}"

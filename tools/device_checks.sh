@@ -83,7 +83,7 @@ fi
 #    tiles showed there), fp32 against the references (tl.dot in ieee fp32, conftest.py) and bf16 (issue 6),
 #    every kernel compiled and autotuned for this device. Parallel: compiling dominates.
 DEFAULT_KERNEL_TESTS=(tests/test_kernels_attention_tiles.py tests/test_kernels_bf16.py tests/test_kernels_attention.py tests/test_kernels_cross_entropy.py tests/test_kernels_elementwise.py
-              tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py
+              tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py  # (+ bf16 greedy decoding)
               tests/test_kernels_large.py  # past 2^31 elements (~40 GB)
               tests/test_comm_timer.py)  # and the exposed-communication timer's CUDA events
 read -r -a KERNEL_TESTS <<< "${KERNEL_TESTS:-${DEFAULT_KERNEL_TESTS[*]}}"
