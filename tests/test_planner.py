@@ -792,3 +792,38 @@ def test_a_scripts_relative_paths_are_the_repositorys_wherever_the_planner_runs(
     at = argv.index("--tokenizer-model")
     assert argv[at + 1] == str(ROOT / "tokenizer.json") and world == 8
     assert argv[argv.index("--data-path") + 1] == str(ROOT / "data" / "llama3_text_document")
+
+
+def test_the_search_recomputes_the_fewest_layers_that_fit(capsys):
+    """Where a layout fits with full recomputation and not without, the search also tries Megatron's
+    --recompute-method block with the fewest layers of each chunk that fit: fewer forwards run twice, so it is
+    faster than uniform 1 (the search offered full recomputation of every layer or none before)."""
+    from megatron_lite.planner.hardware import cluster
+    from megatron_lite.planner.published import L8_FUSED
+    from megatron_lite.planner.search import evaluate, fewest_block_layers
+
+    cl = cluster("H100", 8, 1, None, None)
+    full = Layout(tp=2, dp=4, sharding="dist-opt", recompute="full", micro_batch_size=2)
+    job = (8192, 128, cl)
+
+    def block(k):
+        return dataclasses.replace(full, recompute_method="block", recompute_num_layers=k)
+
+    assert evaluate(L8_FUSED, dataclasses.replace(full, recompute="none"), *job).reason  # the case this is about
+    uniform = evaluate(L8_FUSED, full, *job)
+    n = fewest_block_layers(L8_FUSED, full, *job)
+    assert uniform.reason is None and n is not None and 1 < n < 32
+    fewest = evaluate(L8_FUSED, block(n), *job)
+    assert fewest.reason is None and evaluate(L8_FUSED, block(n - 1), *job).reason  # the fewest: one less does not fit
+    assert fewest.time.total < uniform.time.total and fewest.memory.total > uniform.memory.total
+    # where the layout fits without recomputing, or only by recomputing every layer, there is nothing to add
+    assert (
+        fewest_block_layers(L8_FUSED, dataclasses.replace(full, dp=4, micro_batch_size=1), *job, none_fits=True) is None
+    )
+    # the plan ranks them; a script's own block N other than the search's says so
+    script = str(ROOT / "pretrain" / "llama3_8b.sh")
+    result = _tool().main(["--script", script, "--top", "80"])
+    assert any(f["layout"]["recompute_method"] == "block" for f in result["fits"])
+    flags = "--recompute-granularity full --recompute-method block --recompute-num-layers 30".split()
+    _tool().main(["--script", script, "--top", "1", "--", *flags])
+    assert "block with the fewest layers of each chunk that fit" in capsys.readouterr().out

@@ -137,19 +137,20 @@ def _gib(x: float) -> str:
     return f"{x / GIB:6.1f}"
 
 
-def row(i: int | str, c: Candidate) -> str:
+def row(i: int | str, c: Candidate, width: int = 52) -> str:
     m, t = c.memory, c.time
     return (
-        f"{i!s:>4}  {c.layout.describe():<52} {_gib(m.params)} {_gib(m.grads)} {_gib(m.optimizer)} "
+        f"{i!s:>4}  {c.layout.describe():<{width}} {_gib(m.params)} {_gib(m.grads)} {_gib(m.optimizer)} "
         f"{_gib(m.activations + m.transient)} {_gib(m.total)}  {t.total:8.3f} {c.tokens_per_second:10.0f} "
         f"{c.tflops:8.1f} {c.mfu:6.1%}"
     )
 
 
-HEADER = (
-    f"{'#':>4}  {'layout':<52} {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6}  "
-    f"{'step s':>8} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6}"
-)
+def header(width: int = 52) -> str:
+    return (
+        f"{'#':>4}  {'layout':<{width}} {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6}  "
+        f"{'step s':>8} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6}"
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -195,9 +196,12 @@ def print_plan(
         f"{g.memory_bytes / GIB:.0f} GiB less {RESERVED_BYTES / GIB:.0f} GiB for CUDA and NCCL); 'activ' includes "
         "recomputation's and FSDP2's transient buffers"
     )
-    print(f"memory per GPU in GiB (the busiest pipeline stage); step time and MFU from the cost model\n{HEADER}")
+    # (the layout column as wide as the longest shown: CP's kind, an uneven split or a block recomputation)
+    shown = [c.layout for c in fits[:top]] + ([yours] if yours is not None else [])
+    width = max([52] + [len(layout.describe()) for layout in shown])
+    print(f"memory per GPU in GiB (the busiest pipeline stage); step time and MFU from the cost model\n{header(width)}")
     for i, c in enumerate(fits[:top], 1):
-        print(row(i, c))
+        print(row(i, c, width))
     if len(fits) > top:
         print(f"  ... and {len(fits) - top} more layouts that fit, slower (--top N shows more)")
     if not fits:
@@ -211,8 +215,8 @@ def print_plan(
             print(f"your layout {yours.describe()}: {c.reason}")
         else:
             rank = next((i for i, f in enumerate(fits, 1) if f.layout == yours), "-")
-            outside = f" ({_outside_search(yours, uneven)})" if rank == "-" else ""
-            print(f"your layout, rank {rank} of {len(fits)}{outside}:\n{row(rank, c)}")
+            outside = f" ({_outside_search(yours, uneven, fits)})" if rank == "-" else ""
+            print(f"your layout, rank {rank} of {len(fits)}{outside}:\n{row(rank, c, width)}")
         result["yours"] = _as_dict(c)
     print(f"{len(rejected)} layouts cannot run:")
     for reason, count in groups.most_common():
@@ -238,14 +242,20 @@ SEARCHED = (
 UNEVEN_HINT = re.compile(r"--num-layers N is not divisible by --pipeline-model-parallel-size")
 
 
-def _outside_search(layout: Layout, uneven: bool) -> str:
+def _outside_search(layout: Layout, uneven: bool, fits: list[Candidate]) -> str:
     """Why a script's layout is not among the searched ones (it is costed all the same)."""
     if layout.stages is not None:
         if not uneven:
             return "an uneven pipeline split: --uneven-pipeline searches them"
         return "its own pipeline split: --uneven-pipeline searches lighter end stages only"
     if not layout.recompute_as_searched:
-        return "the search recomputes uniform 1"
+        searched = "the search recomputes uniform 1, or block with the fewest layers of each chunk that fit"
+        same = [
+            f.layout
+            for f in fits
+            if f.layout == dataclasses.replace(layout, recompute_num_layers=f.layout.recompute_num_layers)
+        ]
+        return searched + (f": block {same[0].recompute_num_layers} here" if same else "")
     if layout.overlap_grad_reduce is not None or layout.overlap_param_gather is not None:
         return (
             "the search overlaps the gradient reduction and the weights' gather (--overlap-grad-reduce, "

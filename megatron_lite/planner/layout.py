@@ -24,7 +24,8 @@ class Layout:
     sharding: str = "none"
     recompute: str = "none"
     micro_batch_size: int = 1
-    # with full recomputation: --recompute-method and --recompute-num-layers (a script's; the search's are uniform 1)
+    # with full recomputation: --recompute-method and --recompute-num-layers (a script's; the search's are uniform 1,
+    # and block with the fewest layers that fit: search.fewest_block_layers)
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     # a script's --overlap-grad-reduce / --overlap-param-gather where they differ from the search's (None: on
@@ -58,8 +59,7 @@ class Layout:
 
     @property
     def recompute_as_searched(self) -> bool:
-        """The search's recomputation: a script's --recompute-method / --recompute-num-layers other than uniform
-        1 are its own."""
+        """Full recomputation as uniform 1 (the search's block N, where it finds one, shows its N)."""
         return self.recompute != "full" or (self.recompute_method, self.recompute_num_layers) == ("uniform", 1)
 
     @property

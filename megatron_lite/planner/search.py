@@ -193,12 +193,8 @@ def evaluate(
         return Candidate(layout, reason)
     bf16 = precision != "fp32"  # (the sizes: 16-bit weights and activations, either kind)
     cfg = layout.model_config(model)
-    _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16, grads_bf16, state_bytes)
-    usable = cl.gpu.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
-    if mem.total > usable:
-        # (as many decimals as tell the two apart: never "needs 70.6 GiB, more than the 70.6 GiB usable")
-        digits = next((d for d in (1, 2, 3) if f"{mem.total / GIB:.{d}f}" != f"{usable / GIB:.{d}f}"), 4)
-        reason = f"needs {mem.total / GIB:.{digits}f} GiB per GPU, more than the {usable / GIB:.{digits}f} GiB usable"
+    mem, reason = _memory(model, layout, seq_length, global_batch_size, cl, bf16, grads_bf16, state_bytes)
+    if reason:
         return Candidate(layout, reason, mem)
     t = step_time(
         cfg,
@@ -215,6 +211,49 @@ def evaluate(
     return Candidate(layout, None, mem, t, tps, tflops, mfu)
 
 
+def _memory(
+    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, cl: Cluster, bf16: bool,
+    grads_bf16: bool, state_bytes: int,
+) -> tuple[Memory, str | None]:  # fmt: skip
+    """The busiest rank's memory, and why it does not fit (None when it does)."""
+    cfg = layout.model_config(model)
+    _, mem = peak_rank_memory(cfg, layout, seq_length, global_batch_size, bf16, grads_bf16, state_bytes)
+    usable = cl.gpu.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
+    if mem.total <= usable:
+        return mem, None
+    # (as many decimals as tell the two apart: never "needs 70.6 GiB, more than the 70.6 GiB usable")
+    digits = next((d for d in (1, 2, 3) if f"{mem.total / GIB:.{d}f}" != f"{usable / GIB:.{d}f}"), 4)
+    return mem, f"needs {mem.total / GIB:.{digits}f} GiB per GPU, more than the {usable / GIB:.{digits}f} GiB usable"
+
+
+def fewest_block_layers(
+    model: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int, cl: Cluster,
+    precision: str = "bf16", grads_bf16: bool = False, state_bytes: int = 8, none_fits: bool | None = None,
+) -> int | None:  # fmt: skip
+    """For a layout that fits with full recomputation: the fewest layers of each model chunk that
+    --recompute-method block can recompute and still fit (the rest keep their activations, and do not run
+    twice). None where that is every layer (uniform 1 is as fast), or none (it fits without recomputation;
+    `none_fits`: whether it does, where the caller knows)."""
+    chunk = max(layout.stages) if layout.stages else model.num_layers // (layout.pp * layout.vp)
+    bf16 = precision != "fp32"
+
+    def fits(n: int) -> bool:  # (a chunk's memory falls as n grows: each layer recomputed keeps only its input)
+        candidate = dataclasses.replace(layout, recompute="none") if n == 0 else _block(layout, n)
+        return _memory(model, candidate, seq_length, global_batch_size, cl, bf16, grads_bf16, state_bytes)[1] is None
+
+    if chunk < 2 or (none_fits if none_fits is not None else fits(0)):
+        return None
+    lo, hi = 0, chunk  # lo does not fit; hi (every layer: uniform 1's memory) does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi if hi < chunk else None
+
+
+def _block(layout: Layout, n: int) -> Layout:
+    return dataclasses.replace(layout, recompute="full", recompute_method="block", recompute_num_layers=n)
+
+
 def plan(
     model: ModelConfig,
     cl: Cluster,
@@ -228,11 +267,26 @@ def plan(
 ) -> tuple[list[Candidate], list[Candidate]]:
     """(layouts that fit, fastest first; layouts refused or too big). `uneven`: see `layouts`."""
     fits, rejected = [], []
+    unrecomputed: dict[Layout, bool] = {}  # whether each layout fits without recomputation (searched first)
     for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven):
         c = evaluate(
             model, layout, seq_length, global_batch_size, cl, precision, tp_comm_overlap, grads_bf16, state_bytes
         )
         (rejected if c.reason else fits).append(c)
+        if layout.recompute == "none":
+            unrecomputed[layout] = c.reason is None
+        if c.reason is None and layout.recompute == "full":
+            # recomputing fewer layers where memory allows: fewer forwards run twice (Megatron's block method)
+            none_fits = unrecomputed.get(dataclasses.replace(layout, recompute="none"))
+            n = fewest_block_layers(
+                model, layout, seq_length, global_batch_size, cl, precision, grads_bf16, state_bytes, none_fits
+            )
+            if n is not None:
+                partial = evaluate(
+                    model, _block(layout, n), seq_length, global_batch_size, cl, precision, tp_comm_overlap,
+                    grads_bf16, state_bytes,
+                )  # fmt: skip
+                (rejected if partial.reason else fits).append(partial)
     fits.sort(key=lambda c: (c.time.total, c.memory.total))
     return fits, rejected
 

@@ -206,9 +206,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if base_path is not None:
                 load_checkpoint(base_path, model, None, None, ctx, finetune=True)
                 log.info(f"loaded the LoRA base {base_path}")
-            state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **start_load(job, base_path))
-            log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
             how = start_load(job, base_path)
+            state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **how)
+            log.info(f"loaded {ckpt_path}: iteration {state.iteration}, {state.consumed_samples} samples consumed")
             meta = read_metadata(ckpt_path)
             if meta.get("converted_from") and not how["finetune"]:
                 # (a converted checkpoint holds weights alone: there is no optimizer or RNG state to restore)
