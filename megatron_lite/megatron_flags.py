@@ -150,6 +150,24 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         "throughput and consumed samples",
     ),
     "log_energy": (False, "GPU energy is not measured"),
+    # logging flags of Megatron's example scripts (a logging review found them "no such flag")
+    "log_memory_interval": (
+        True,
+        "peak memory (the largest over ranks) is logged every --log-interval; there is no per-rank memory report",
+    ),
+    "one_logger_project": (True, "there is no one-logger"),
+    "one_logger_run_name": (True, "there is no one-logger"),
+    "one_logger_async": (False, "there is no one-logger"),
+    "app_tag_run_name": (True, "there is no one-logger to tag runs for"),
+    "app_tag_run_version": (True, "there is no one-logger to tag runs for"),
+    "check_weight_hash_across_dp_replicas_interval": (
+        True,
+        "data-parallel replicas' weights are not hashed against each other (a checkpoint's checksums are checked "
+        "when it is loaded)",
+    ),
+    "record_memory_history": (False, "CUDA memory history is not recorded (--log-memory-breakdown counts it by kind)"),
+    "memory_snapshot_path": (True, "CUDA memory history is not recorded, so no snapshot is written"),
+    "log_max_attention_logit": (False, "the largest attention logit is not computed (there is no QK-clip)"),
     "apply_query_key_layer_scaling": (
         False,
         "the softmax runs in fp32, so scores are not scaled by the layer number (the scaling cancels in the softmax)",

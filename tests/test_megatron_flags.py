@@ -501,3 +501,15 @@ def test_ddp_average_in_collective_is_accepted_as_a_no_op():
     ns, job = parse_args([*MOCK, "--overlap-grad-reduce", "--ddp-average-in-collective"])
     assert job.training.overlap_grad_reduce
     assert any(line.startswith("--ddp-average-in-collective has no effect") for line in accepted_no_ops(ns))
+
+
+def test_logging_flags_of_megatrons_examples_are_reported_not_refused():
+    """From a logging review: Megatron's example scripts pass --log-memory-interval and the one-logger / app-tag
+    flags (beside --no-one-logger and --log-energy, which were taken); each stopped the script as "no such flag"."""
+    flags = ["--log-memory-interval", "200", "--one-logger-project", "p", "--one-logger-run-name", "r",
+             "--one-logger-async", "--app-tag-run-name", "a", "--app-tag-run-version", "1.0",
+             "--check-weight-hash-across-dp-replicas-interval", "20000", "--record-memory-history",
+             "--memory-snapshot-path", "s.pickle", "--log-max-attention-logit"]  # fmt: skip
+    notes = accepted_no_ops(parse_args([*MOCK, *flags])[0])
+    for flag in (f for f in flags if f.startswith("--")):
+        assert any(n.startswith(f"{flag} has no effect: ") for n in notes), flag

@@ -4,6 +4,7 @@ real single-process run. (Multi-rank runs: tests/test_pretrain_layouts.py and te
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -1986,3 +1987,42 @@ def test_a_checkpoint_records_its_files_by_absolute_path_and_leaves_weights_and_
     assert data["data_cache_path"] == str(tmp_path / "cache") and data["tokenizer_model"] == "org/model"
     sft = dataclasses.replace(job, data=dataclasses.replace(job.data, data_path=("train.jsonl",), sft=True))
     assert list(sft.checkpoint_dict()["data"]["data_path"]) == [str(tmp_path / "train.jsonl")]
+
+
+def test_wandb_and_tensorboard_get_a_skipped_iterations_loss(capsys, monkeypatch):
+    """From a logging review: Megatron's training_log writes each iteration's loss_dict to W&B and TensorBoard,
+    skipped or not, so an fp16 run's loss-scale warm-up (every step skipped on an overflow) is plotted from iteration
+    1; ours left the skipped steps' losses out. The console's window mean still leaves them out, as Megatron's."""
+    from megatron_lite.training.logger import MetricsLogger
+
+    steps = []
+    real = MetricsLogger.step
+    monkeypatch.setattr(MetricsLogger, "step", lambda self, i, m: (steps.append((i, dict(m))), real(self, i, m)))
+    argv = ["--mock-data", "--vocab-size", "100", "--fp16", "--initial-loss-scale", "1e30"]  # (every step overflows)
+    rc, out, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    assert out.count("number of skipped iterations:   1 |") == 3 and "lm loss:" not in out
+    assert [i for i, m in steps if "lm_loss" in m] == [1, 2, 3], steps
+    assert all(math.isfinite(m["lm_loss"]) and m["grad_norm"] is None for _, m in steps)
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_moe_per_layer_losses_go_to_wandb_every_iteration_under_megatrons_names(kind, capsys, monkeypatch):
+    """From a logging review: Megatron's --moe-per-layer-logging writes each layer's losses every iteration as
+    moe/<loss>_layer_<i> (load_balancing_loss, seq_load_balancing_loss, z_loss); ours went every --log-interval as
+    train/moe_layer<i>_aux_loss, the sequence-level loss under the plain one's name."""
+    from megatron_lite.training.logger import MetricsLogger, _megatron_key
+
+    steps = []
+    real = MetricsLogger.step
+    monkeypatch.setattr(MetricsLogger, "step", lambda self, i, m: (steps.append((i, dict(m))), real(self, i, m)))
+    moe = ["--mock-data", "--vocab-size", "100", "--num-experts", "4", "--disable-bias-linear", "--log-interval", "3"]
+    moe += ["--moe-router-load-balancing-type", kind, "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+    rc, out, err = _run([*moe, "--moe-per-layer-logging"], capsys, monkeypatch)
+    assert rc == 0, err
+    balancing = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}[kind]
+    want = {f"moe/{name}_layer_{i}" for name in (balancing, "z_loss") for i in (0, 1)}
+    assert [i for i, _ in steps] == [1, 2, 3]
+    for _, m in steps:
+        assert want <= {_megatron_key(k) for k in m}, m
+        assert all(m[k] > 0 for k in m if k.startswith("moe_layer"))

@@ -103,6 +103,19 @@ def log_losses(moe: dict | None, config) -> dict[str, float]:
     return {**out, **({"moe_z_loss": moe["z_loss"]} if config.moe_z_loss_coeff is not None else {})}
 
 
+def step_layer_losses(moe: dict | None, config) -> dict[str, float]:
+    """--moe-per-layer-logging: each MoE layer's tracked losses of this step (log_losses' kinds), for W&B and
+    TensorBoard, where Megatron writes them every iteration as moe/<its name>_layer_<layer index>."""
+    if moe is None:
+        return {}
+    kinds = [k.removeprefix("moe_") for k in log_losses(moe, config)]
+    return {
+        f"moe_layer{layer}_{k}": st["z_loss" if k == "z_loss" else "aux_loss"]
+        for layer, st in moe["layers"].items()
+        for k in kinds
+    }
+
+
 def log_metrics(moe: dict | None, config=None, per_layer_losses: bool = False) -> dict:
     """The last step's routing metrics: scalars for the console and W&B, per-layer detail for JSONL (the losses
     are logged as their means over the log window: log_losses). `per_layer_losses` (--moe-per-layer-logging):

@@ -11,6 +11,7 @@ import json
 import math
 import netrc
 import os
+import re
 import sys
 import time
 import urllib.parse
@@ -88,7 +89,12 @@ def _per_step(key: str) -> bool:
 def _megatron_key(key: str) -> str | None:
     if key.startswith("mtp_") and key.endswith("_loss"):
         return f"{key[:-5]} loss"  # Megatron's "mtp_1 loss"
+    if layer := MOE_LAYER_LOSS.fullmatch(key):  # --moe-per-layer-logging: "moe/load_balancing_loss_layer_3"
+        return f"moe/{MEGATRON_KEYS['moe_' + layer[2]]}_layer_{layer[1]}"
     return MEGATRON_KEYS.get(key)
+
+
+MOE_LAYER_LOSS = re.compile(r"moe_layer(\d+)_(aux_loss|seq_aux_loss|z_loss)")
 
 
 def train_line(iteration: int, train_iters: int, metrics: dict[str, Any]) -> str:

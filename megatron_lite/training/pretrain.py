@@ -413,7 +413,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
                 **({"num_zeros_in_grad": metrics.num_zeros_in_grad} if metrics.num_zeros_in_grad is not None else {}),
             }
-            log.step(state.iteration, {**({"lm_loss": metrics.lm_loss} if has_loss else {}), **losses, **own})
+            # (a skipped step's own loss too, as Megatron's training_log writes its loss_dict every iteration: an
+            # fp16 run's loss-scale warm-up is plotted from iteration 1; only the window's mean leaves it out)
+            step_loss = {"lm_loss": metrics.lm_loss} if metrics.num_tokens > 0 else {}
+            per_layer = moe_stats.step_layer_losses(metrics.moe, job.model) if job.logging.moe_per_layer_logging else {}
+            log.step(state.iteration, {**step_loss, **losses, **own, **per_layer})
             # Megatron's "number of nan iterations" (with the NaN check on, its own count replaces this)
             window["nan"] += metrics.num_tokens > 0 and not math.isfinite(metrics.lm_loss)
             window["n"] += 1
