@@ -2026,3 +2026,19 @@ def test_moe_per_layer_losses_go_to_wandb_every_iteration_under_megatrons_names(
     for _, m in steps:
         assert want <= {_megatron_key(k) for k in m}, m
         assert all(m[k] > 0 for k in m if k.startswith("moe_layer"))
+
+
+def test_megatrons_report_memory_line_on_a_gpu(monkeypatch):
+    """From a logging review: Megatron prints "[Rank N] (after K iterations) memory (MB) | allocated: ... | max
+    allocated: ... | reserved: ... | max reserved: ..." once, which users grep; on a CPU there is no allocator to
+    report (the allocator's numbers are faked here: the line's format is what is tested)."""
+    from megatron_lite.training import memory
+
+    assert memory.report_memory("(after 5 iterations)", torch.device("cpu")) is None
+    values = {"memory_allocated": 1, "max_memory_allocated": 2, "memory_reserved": 3, "max_memory_reserved": 4}
+    for name, mb in values.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device, mb=mb: mb * 1024 * 1024)
+    line = memory.report_memory("(after 5 iterations)", torch.device("cuda", 0))
+    assert line == (
+        "(after 5 iterations) memory (MB) | allocated: 1.0 | max allocated: 2.0 | reserved: 3.0 | max reserved: 4.0"
+    )

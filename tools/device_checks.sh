@@ -132,6 +132,7 @@ else
         --mock-data --vocab-size 32000 --log-interval 5 --eval-iters 0 --overlap-grad-reduce \
         --log-jsonl "$WORK/gpu_train.jsonl" > "$WORK/gpu_train.log" 2>&1
     stamp "gpu train: rc=$? $(grep -c lm_loss "$WORK/gpu_train.jsonl" 2>/dev/null) records; $(tail -n 1 "$WORK/gpu_train.jsonl" 2>/dev/null | cut -c1-300)"
+    stamp "gpu train: Megatron's memory report: $(grep -m 1 'max allocated' "$WORK/gpu_train.log" | cut -c1-200)"
 fi
 pack
 # 5. If time is still left: a decoding step on a 4096-token KV cache beside transformers, bf16 (DeepSeek-V3's

@@ -88,6 +88,21 @@ def peak_and_rss(device: torch.device) -> dict[str, int | None]:
     return {"peak_memory_bytes": peak, "max_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
 
 
+def report_memory(label: str, device: torch.device) -> str | None:
+    """Megatron's report_memory line, which logs are grepped for ("max allocated"): this rank's CUDA allocator in
+    MB; None on a CPU, which has no allocator statistics."""
+    if device.type != "cuda":
+        return None
+    mb = 1024.0 * 1024.0
+    stats = (
+        ("allocated", torch.cuda.memory_allocated(device)),
+        ("max allocated", torch.cuda.max_memory_allocated(device)),
+        ("reserved", torch.cuda.memory_reserved(device)),
+        ("max reserved", torch.cuda.max_memory_reserved(device)),
+    )
+    return f"{label} memory (MB)" + "".join(f" | {name}: {value / mb}" for name, value in stats)
+
+
 def largest_over_ranks(values: dict[str, int | None], ctx) -> dict[str, int | None]:
     """Each value's largest over every rank, as the log shows it: the logging rank holds the last pipeline stage
     and one expert-parallel rank's experts, rarely the busiest (Megatron prints each rank's). Every rank calls

@@ -278,6 +278,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if state.iteration >= t.train_iters:
             log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
         window = _new_window()
+        reported_memory = None  # (Megatron's report_memory line, after the first logged interval)
         metrics = None
         ck = job.checkpoint
         signalled = exiting = False
@@ -431,6 +432,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 if job.logging.log_memory_breakdown:
                     mem.update(memory.breakdown(model, ddp, optimizer, metrics.activation_bytes))
                 mem = memory.largest_over_ranks(mem, ctx)  # (a collective: every rank is here)
+                if not reported_memory and ctx.dp.rank == 0:  # Megatron's, once, from each model-parallel rank
+                    reported_memory = memory.report_memory(f"(after {state.iteration} iterations)", ctx.device)
+                    if reported_memory:
+                        print(f"[Rank {ctx.rank}] {reported_memory}", flush=True)
                 it_time = window["time"] / window["n"]
                 tflops = flops_per_sample * window["samples"] / window["time"] / ctx.world_size / 1e12
                 log.log(
