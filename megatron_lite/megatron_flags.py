@@ -153,7 +153,8 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
     # logging flags of Megatron's example scripts (a logging review found them "no such flag")
     "log_memory_interval": (
         True,
-        "peak memory (the largest over ranks) is logged every --log-interval; there is no per-rank memory report",
+        "peak memory (the largest over ranks) is logged every --log-interval; each rank's memory report (on a GPU) "
+        "once, after the first",
     ),
     "one_logger_project": (True, "there is no one-logger"),
     "one_logger_run_name": (True, "there is no one-logger"),
