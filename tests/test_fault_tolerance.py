@@ -122,6 +122,29 @@ def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_pat
         assert same((first if it <= saved else resumed)[it], straight[it]), it
 
 
+def test_sigterm_with_data_workers_saves_and_exits(tmp_path):
+    """As above with --num-workers: torchrun signals each worker's whole process group, the data-loading processes
+    too, and Slurm every process of the job. The job saves and exits all the same (from a review: the data
+    workers died of the signal and every rank failed with "DataLoader worker ... is killed by signal: Terminated",
+    no checkpoint written; then, with the workers ignoring it, the job did not end until torchrun's SIGKILL)."""
+    ck, log = tmp_path / "ck", tmp_path / "a.jsonl"
+    env = {**os.environ, ENV: "slow,rank=0,seconds=0.2"}
+    cmd = launcher(2, ["--train-iters", "200", "--save", str(ck), "--exit-signal-handler", "--num-workers", "1",
+                       "--log-jsonl", str(log)])  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not log.exists() or len(records(log)) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    output = proc.communicate(timeout=60)[0]
+    assert time.time() - start < 20, output[-3000:]
+    assert "DataLoader worker" not in output, output[-3000:]
+    saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert all(f"[rank {r}] saved and exiting with code 0 after SIGTERM" in output for r in (0, 1)), output[-3000:]
+    assert f"done: iteration {saved}" in output
+
+
 def test_nan_policies(tmp_path, pretrain_job):
     """A NaN gradient on rank 1 in iteration 5. skip: the update is skipped everywhere and training goes on;
     rollback: back to iteration 4's checkpoint, the batch skipped; halt: every rank stops with the iteration,

@@ -509,3 +509,37 @@ def test_a_non_finite_loss_with_finite_gradients_is_not_called_skipped():
     )
     skipped = SimpleNamespace(**{**vars(applied), "grad_norm": float("nan"), "updated": False})
     assert guard.after_step(8, 0, skipped, None, 0.1) == SKIPPED and "update skipped on every rank" in logs[-1]
+
+
+@pytest.mark.parametrize("handler", [True, False])
+def test_data_workers_outlive_the_exit_signal(handler):
+    """torchrun stops its workers by signalling each one's process group, and Slurm signals every process of the
+    job: --num-workers' data-loading processes get --exit-signal too. Under --exit-signal-handler they must keep
+    serving batches until the iteration ends and the job saves (from a review: they died of it, and the next batch
+    raised "DataLoader worker ... is killed by signal: Terminated" on every rank: no checkpoint)."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.data.mock import MockGPTDataset
+    from megatron_lite.training.batches import Batches
+
+    flags = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 8 --train-iters 4 --mock-data"
+    _, job = parse_args([*flags.split(), "--global-batch-size", "2", *(["--exit-signal-handler"] if handler else [])])
+    ctx = SimpleNamespace(dp=SimpleNamespace(size=1, rank=0), device=torch.device("cpu"))
+    batches = Batches(MockGPTDataset(64, 8), job, ctx, num_workers=1)
+    batches.get(0)
+    workers = batches._loader._workers
+    for w in workers:
+        os.kill(w.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in workers) == handler
+    if handler:
+        assert [b["tokens"].shape for b in batches.get(2)] == [torch.Size([1, 8])] * 2
+    # and they end with the run (pretrain's finally): multiprocessing's own exit would signal them, then wait
+    batches.close()
+    assert not any(w.is_alive() for w in workers)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import signal
+
 import torch
 
 from megatron_lite.data.mock import collate
@@ -24,6 +27,8 @@ class Batches:
         self.mbs = job.training.micro_batch_size
         self.ctx = ctx
         self.num_workers = num_workers
+        res = job.resilience
+        self.exit_signal = getattr(signal, res.exit_signal) if res.exit_signal_handler else None
         self._loader = None
         self._next = None
 
@@ -46,6 +51,7 @@ class Batches:
                     yield from self._indices(start)
                     start += self.gbs(start)
 
+            self.close()  # (a rollback's new position: the old loader's processes end now)
             # Its own generator: the loader must not draw its worker seeds from the global one dropout uses.
             loader = torch.utils.data.DataLoader(
                 self.dataset,
@@ -54,6 +60,7 @@ class Batches:
                 collate_fn=collate,
                 pin_memory=self.ctx.device.type == "cuda",
                 generator=torch.Generator().manual_seed(0),
+                worker_init_fn=functools.partial(_ignore, self.exit_signal) if self.exit_signal else None,
             )
             self._loader = iter(loader)
         self._next = consumed + self.gbs(consumed)
@@ -61,3 +68,23 @@ class Batches:
         return [
             {k: v.to(self.ctx.device, non_blocking=True) for k, v in next(self._loader).items()} for _ in range(count)
         ]
+
+    def close(self) -> None:
+        """Ends the data-loading processes now, however the run ends. Under --exit-signal-handler they ignore the
+        signal (_ignore), which is also how multiprocessing ends them at exit before waiting for them: left to it,
+        the job never exited."""
+        loader, self._loader = self._loader, None
+        if loader is None:
+            return
+        workers = list(getattr(loader, "_workers", ()))
+        loader._shutdown_workers()  # (what the loader does once collected: an end marker to each, then a join)
+        for w in workers:
+            if w.is_alive():  # (stuck in a read past the join's timeout; the signal that ends it is ignored)
+                w.kill()
+
+
+def _ignore(signum: int, worker_id: int) -> None:
+    """In each data-loading process under --exit-signal-handler: torchrun stops a worker by signalling its whole
+    process group (and Slurm signals every process of the job), so these got the exit signal too, died of it, and
+    the next batch failed before the job could save. They still end with the loader (or when the job is gone)."""
+    signal.signal(signum, signal.SIG_IGN)

@@ -147,6 +147,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     log = MetricsLogger(job, enabled=_logging_rank(ctx), world_size=ctx.world_size)
     exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
     exit_code = 0  # W&B's run state: 1 on an exception, 3 (the process's) on a halt
+    train_batches = None
     try:  # the logger is closed however the run ends (a halt too: W&B's run finished)
         for line in notes:
             log.info(line)
@@ -492,6 +493,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
             mark_halted(job.checkpoint.save, str(e))
         raise
     finally:
+        if train_batches is not None:  # (its data-loading processes: see Batches.close)
+            train_batches.close()
         log.close(exit_code=exit_code)
         if exit_signal is not None:  # (the handler this run installed; an in-process caller gets its own back)
             exit_signal.restore()
