@@ -399,3 +399,28 @@ def test_a_megatron_lm_checkpoint_is_named_as_one(tmp_path, kind, release):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release" if release else "10")
     with pytest.raises(ConfigError, match=f"is a Megatron-LM checkpoint \\({kind} format\\), which megatron_lite"):
         parse_args(["--load", str(tmp_path), *TINY])
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-save"]])
+def test_a_full_disk_at_a_save_is_a_one_line_error_naming_save(tmp_path, capsys, monkeypatch, mode):
+    """A save that fails mid-run (the disk filled up after the first checkpoint): one line naming --save and what
+    failed, exit code 1, and the tracker on the previous checkpoint (from a review: each rank's traceback, rank 0's
+    last line "SafetensorError: ... No space left on device" naming no directory)."""
+    from megatron_lite.checkpoint import checkpointing
+
+    real, calls = checkpointing._write_rank_files, []
+
+    def fills_up(tmp, snap):
+        calls.append(tmp)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real(tmp, snap)
+
+    monkeypatch.setattr(checkpointing, "_write_rank_files", fills_up)
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--train-iters", "4", "--save", ckpt, "--save-interval", "2", *mode], capsys, monkeypatch)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert rc == 1 and len(lines) == 1, err
+    assert lines[0].startswith(f"error (rank 0): saving a checkpoint into --save {ckpt} failed: "), lines[0]
+    assert "No space left on device" in lines[0] and "previous checkpoint is untouched" in lines[0], lines[0]
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "2"

@@ -8,6 +8,7 @@ rank with one line instead of leaving some rank waiting in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -289,6 +290,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
         saved: set[int] = set()  # iterations this job saved: the checkpoints a rollback may go back to
 
         def save() -> None:
+            with _saving(ck.save):
+                _save()
+
+        def _save() -> None:
             saved.add(state.iteration)
             if saver is not None:
                 if previous := saver.save(state, model, optimizer, scheduler, job.checkpoint_dict(), **parts):
@@ -340,8 +345,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.info(f"--skip-train: evaluating the model at iteration {state.iteration}, no training")
         batch_was = train_batches.gbs(state.consumed_samples)
         while state.iteration < t.train_iters and not t.skip_train:
-            if saver is not None and (path := saver.poll()):
-                log.info(f"saved {path} (async)")
+            if saver is not None:
+                with _saving(ck.save):
+                    if path := saver.poll():
+                        log.info(f"saved {path} (async)")
             if rampup and (batch := train_batches.gbs(state.consumed_samples)) != batch_was:  # (Megatron's train())
                 batch_was = batch
                 if ck.save and state.iteration and state.iteration not in saved:  # (not twice: a --save-interval's)
@@ -511,8 +518,34 @@ def run(job: JobConfig, notes: list[str]) -> int:
 
 def _finish_async_save(saver, log) -> None:
     """Publish an --async-save still being written (every rank calls it at the same point)."""
-    if saver is not None and (path := saver.finish()):
-        log.info(f"saved {path} (async)")
+    if saver is None:
+        return
+    with _saving(saver.root):
+        if path := saver.finish():
+            log.info(f"saved {path} (async)")
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a --save made read-only mid-run), raised by every rank
+    at the same point (the save's own collectives tell the others): one line, not each rank's traceback."""
+
+
+@contextlib.contextmanager
+def _saving(root: str):
+    """A failed save as SaveFailed, naming --save (a full disk on rank 0 was a 30-line traceback whose last line
+    named no directory: "SafetensorError: ... No space left on device"); the tracker still names the previous
+    checkpoint, so the same command resumes from it once there is room."""
+    try:
+        yield
+    except (ConfigError, TrainingHalted, SaveFailed):
+        raise
+    except Exception as e:
+        if _peer_lost(e):  # (a rank that died mid-save: main says so)
+            raise
+        raise SaveFailed(
+            f"saving a checkpoint into --save {root} failed: {type(e).__name__}: {e}. The previous checkpoint is "
+            "untouched: free space there (or give another --save) and run the command again to resume from it"
+        ) from e
 
 
 def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -> bool:
@@ -560,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         report_error(e, dist.is_initialized())  # (once per node: it was said by every rank, twice in two forms)
         return 2
+    except SaveFailed as e:
+        print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # (every rank failed at the same point: none waits in a collective)
+            dist.destroy_process_group()
+        return 1
     except TrainingHalted as e:
         rank = os.environ.get("RANK", "0")
         print(f"halted (rank {rank}): {e}", file=sys.stderr, flush=True)
