@@ -103,10 +103,10 @@ GLOO_RESET = (
 
 
 def _peer_lost_cases() -> list:
-    from megatron_lite.training.pretrain import _peer_lost
+    from megatron_lite.training.saving import peer_lost
 
     errors = [RuntimeError(GLOO_RESET), RuntimeError("mat1 and mat2 shapes cannot be multiplied"), BrokenPipeError()]
-    return [_peer_lost(e) for e in errors]
+    return [peer_lost(e) for e in errors]
 
 
 def test_a_lost_peer_is_recognised_by_its_transport_words(dist):

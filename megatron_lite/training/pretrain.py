@@ -8,11 +8,9 @@ rank with one line instead of leaving some rank waiting in a collective.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-import re
 import sys
 import time
 
@@ -58,6 +56,7 @@ from megatron_lite.training.resume import (
     start_load,
     starting_checkpoint,
 )
+from megatron_lite.training.saving import SaveFailed, finish_async_save, peer_lost, saving
 from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import validate_sharding, wrap_for_training
 
@@ -290,7 +289,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         saved: set[int] = set()  # iterations this job saved: the checkpoints a rollback may go back to
 
         def save() -> None:
-            with _saving(ck.save):
+            with saving(ck.save):
                 _save()
 
         def _save() -> None:
@@ -346,7 +345,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         batch_was = train_batches.gbs(state.consumed_samples)
         while state.iteration < t.train_iters and not t.skip_train:
             if saver is not None:
-                with _saving(ck.save):
+                with saving(ck.save):
                     if path := saver.poll():
                         log.info(f"saved {path} (async)")
             if rampup and (batch := train_batches.gbs(state.consumed_samples)) != batch_was:  # (Megatron's train())
@@ -383,10 +382,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     state.iteration + 1, state.consumed_samples, metrics, ddp, time.time() - start
                 )
             except TrainingHalted:  # (every rank halts at this point) a save in flight is published first
-                _finish_async_save(saver, log)
+                finish_async_save(saver, log)
                 raise
             if action == ROLLBACK:
-                _finish_async_save(saver, log)  # it may be the checkpoint to go back to
+                finish_async_save(saver, log)  # it may be the checkpoint to go back to
                 state = rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved)
                 batch_was = train_batches.gbs(state.consumed_samples)  # (the batch it went back to: no growth)
                 guard.after_rollback()
@@ -487,7 +486,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         # As Megatron's pretrain(): the final save, then the validation set and the test set
         if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             save()
-        _finish_async_save(saver, log)
+        finish_async_save(saver, log)
         if t.eval_iters > 0 and not signalled and not exiting:
             # (also when just evaluated, as Megatron: its next batches; a time limit reached there ends both)
             in_time = valid_ds is None or evaluate(valid_ds, "validation", final=True)
@@ -516,38 +515,6 @@ def run(job: JobConfig, notes: list[str]) -> int:
     return 0
 
 
-def _finish_async_save(saver, log) -> None:
-    """Publish an --async-save still being written (every rank calls it at the same point)."""
-    if saver is None:
-        return
-    with _saving(saver.root):
-        if path := saver.finish():
-            log.info(f"saved {path} (async)")
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint that could not be written (a full disk, a --save made read-only mid-run), raised by every rank
-    at the same point (the save's own collectives tell the others): one line, not each rank's traceback."""
-
-
-@contextlib.contextmanager
-def _saving(root: str):
-    """A failed save as SaveFailed, naming --save (a full disk on rank 0 was a 30-line traceback whose last line
-    named no directory: "SafetensorError: ... No space left on device"); the tracker still names the previous
-    checkpoint, so the same command resumes from it once there is room."""
-    try:
-        yield
-    except (ConfigError, TrainingHalted, SaveFailed):
-        raise
-    except Exception as e:
-        if _peer_lost(e):  # (a rank that died mid-save: main says so)
-            raise
-        raise SaveFailed(
-            f"saving a checkpoint into --save {root} failed: {type(e).__name__}: {e}. The previous checkpoint is "
-            "untouched: free space there (or give another --save) and run the command again to resume from it"
-        ) from e
-
-
 def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -> bool:
     if t.exit_interval and state.iteration % t.exit_interval == 0:
         return True
@@ -557,18 +524,6 @@ def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -
 def _over_time(t, job_start: float, ctx: ParallelContext) -> bool:
     # Every rank must take the same decision, or some would wait in the next step's collectives.
     return any_rank((time.time() - job_start) / 60 > t.exit_duration_in_mins, ctx)
-
-
-def _peer_lost(e: BaseException) -> str | None:
-    """The transport's words when `e` says a peer rank went away (gloo: a connection reset or closed by the
-    peer; NCCL: a backend error), else None: such a rank is not the one to explain the failure, and its
-    traceback buried the one that does."""
-    if isinstance(e, OSError) or not (dist.is_initialized() and dist.get_world_size() > 1):
-        return None  # (a closed stdout is a BrokenPipeError of this process, not a lost rank)
-    text = str(e).split(". ")[0]
-    if isinstance(e, getattr(dist, "DistBackendError", ())) or re.search(r"by peer|Broken pipe", text):
-        return re.sub(r"^\[[^\]]*\]\s*", "", text).strip()[:200]
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,11 +561,11 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         return 3
     except Exception as e:
-        if not _peer_lost(e):
+        if not peer_lost(e):
             raise
         rank = os.environ.get("RANK", "0")
         print(
-            f"error (rank {rank}): a peer rank left a collective ({_peer_lost(e)}): another rank exited or its node "
+            f"error (rank {rank}): a peer rank left a collective ({peer_lost(e)}): another rank exited or its node "
             "failed; the first failing rank's log says why",
             file=sys.stderr,
             flush=True,
