@@ -424,3 +424,18 @@ def test_a_full_disk_at_a_save_is_a_one_line_error_naming_save(tmp_path, capsys,
     assert lines[0].startswith(f"error (rank 0): saving a checkpoint into --save {ckpt} failed: "), lines[0]
     assert "No space left on device" in lines[0] and "previous checkpoint is untouched" in lines[0], lines[0]
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "2"
+
+
+def test_a_save_sweeps_what_killed_saves_and_deletions_left(tmp_path, capsys, monkeypatch):
+    """From a checkpoint review: an earlier iteration's unpublished .tmp (a save killed before its rename), the .old
+    copy a re-save killed mid-swap left, and a --ckpt-keep-last deletion cut short were never removed. A save now
+    sweeps those at or below the checkpoint it publishes; a newer .tmp (not this run's to judge) stays."""
+    ckpt = tmp_path / "ckpt"
+    left = ["iter_0000001.tmp", "iter_0000001.old", "iter_0000000.del", "iter_0000000.old.del"]
+    for name in [*left, "iter_0000009.tmp"]:
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / "tensors_r00000.safetensors").write_bytes(b"x")
+    rc, _, err = _run(["--train-iters", "6", "--save", str(ckpt), "--save-interval", "2", "--ckpt-keep-last", "1"],
+                      capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    assert sorted(os.listdir(ckpt)) == ["iter_0000006", "iter_0000009.tmp", "latest_checkpointed_iteration.txt"]

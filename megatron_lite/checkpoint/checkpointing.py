@@ -37,15 +37,14 @@ from megatron_lite.checkpoint.format import (
     Piece,
     atomic_write,
     atomic_write_json,
-    atomic_write_text,
     complete_iterations,
     cpu_contiguous,
     file_digest,
     full_shape,
     iteration_dir,
     local_pieces,
+    publish,
     read_tracker,
-    replace_dir,
     verify_file,
 )
 from megatron_lite.config import ConfigError
@@ -174,28 +173,6 @@ def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job
         "adam_step": optimizer.steps_taken if optimizer else 0,
         "optimizer_saved": optimizer is not None,
     }
-
-
-def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> str:
-    """Rank 0, once every rank's files are in `tmp`: metadata.json (with the index files' checksums), the
-    rename to iter_N, and only then the `latest` tracker; then the oldest checkpoints beyond `keep_last`."""
-    meta = dict(meta)
-    indexes = sorted(glob.glob(os.path.join(tmp, "index_r*.json")))
-    expected = meta["layout"].get("world_size", 1)
-    if len(indexes) != expected:
-        raise RuntimeError(f"{tmp} holds {len(indexes)} index files for {expected} ranks; not publishing it")
-    meta["files"] = {os.path.basename(f): file_digest(f)["sha256"] for f in indexes}
-    atomic_write_json(os.path.join(tmp, "metadata.json"), meta)
-    final = iteration_dir(root, meta["iteration"])
-    replace_dir(tmp, final)
-    atomic_write_text(os.path.join(root, TRACKER), str(meta["iteration"]))
-    if keep_last:
-        # Only checkpoints up to this one count: newer ones belong to a run the tracker was moved back from.
-        upto = [i for i in complete_iterations(root) if i <= meta["iteration"]]
-        for old in upto[:-keep_last]:
-            for path in (iteration_dir(root, old), iteration_dir(root, old) + ".old"):
-                shutil.rmtree(path, ignore_errors=True)
-    return final
 
 
 def _prepare_tmp(root: str, iteration: int, ctx: ParallelContext) -> str:
