@@ -477,7 +477,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     if ns.save and not ns.no_auto_resume and not same_directory(ns.load, ns.save):
         # a restart resumes from its own --save (training/resume.starting_checkpoint): that is the checkpoint
         # whose architecture the flags must agree with (a changed --rotary-base there trained other math)
-        path = find_checkpoint(ns.save, own=True) or path
+        path = find_checkpoint(ns.save, own=True, flag="--save") or path
     if path is not None:
         meta = read_metadata(path)
         ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"))

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -439,3 +440,16 @@ def test_a_save_sweeps_what_killed_saves_and_deletions_left(tmp_path, capsys, mo
                       capsys, monkeypatch)  # fmt: skip
     assert rc == 0, err
     assert sorted(os.listdir(ckpt)) == ["iter_0000006", "iter_0000009.tmp", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_tracker_naming_a_missing_checkpoint_says_which_to_resume_from(tmp_path, capsys, monkeypatch):
+    """From a checkpoint review: a tracker naming an iteration whose directory is gone said only that, and under
+    auto-resume (--save alone) it named a --load the user never gave. It names --save, the complete checkpoints
+    there, and the flags that resume from one."""
+    ckpt = tmp_path / "ckpt"
+    rc, _, err = _run(["--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    shutil.rmtree(ckpt / "iter_0000004")
+    rc, _, err = _run(["--train-iters", "6", "--save", str(ckpt)], capsys, monkeypatch)
+    _one_line_error(rc, err, f"--save {ckpt}: latest_checkpointed_iteration.txt names iteration 4 but ",
+                    f"the complete ones there are [2]: resume from one with --load {ckpt} --ckpt-step 2")  # fmt: skip

@@ -334,7 +334,13 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     if path is None:
         megatron_lm(f"{flag} {root}", iteration_dir(root, iteration))
         missing = os.path.join(iteration_dir(root, iteration), "metadata.json")
-        raise ConfigError(f"{flag} {root}: {TRACKER} names iteration {iteration} but {missing} is missing")
+        have = complete_iterations(root)
+        fix = (
+            f"; the complete ones there are {have}: resume from one with --load {root} --ckpt-step {have[-1]}"
+            if have
+            else "; it holds no complete checkpoint"
+        )
+        raise ConfigError(f"{flag} {root}: {TRACKER} names iteration {iteration} but {missing} is missing{fix}")
     return path
 
 

@@ -48,7 +48,7 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
         ck.save
         and not same_directory(ck.load, ck.save)
         and job.resilience.auto_resume
-        and find_checkpoint(ck.save, own=True)
+        and find_checkpoint(ck.save, own=True, flag="--save")
     ):
         # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
         # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
