@@ -87,6 +87,36 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, reference):
         assert same(got[it], reference[it]), (it, got[it], reference[it])
 
 
+LAGGING_NODE = """import os, sys
+from megatron_lite.training.pretrain import main
+if os.environ["RANK"] == "1":  # this rank's own file system: another copy of --load
+    os.chdir(os.environ["LAGGING_NODE"])
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_finds_another_newest_checkpoint_stops_every_rank_at_start_up(tmp_path, pretrain_job):
+    """--load is read on each rank's own file system: rank 1's copy lags (its newest checkpoint is iteration 2,
+    rank 0's 4). It trained from there beside rank 0, their different weights mixed by the gradient all-reduce,
+    until rank 0 finished and rank 1 hung in iteration 7; now every rank stops before training, naming what
+    each found."""
+    pretrain_job(1, [*ARGS, "--train-iters", "4", "--save", str(tmp_path / "ck"), "--save-interval", "2"])
+    lagging = tmp_path / "node1" / "ck"
+    lagging.mkdir(parents=True)
+    os.rename(tmp_path / "ck" / "iter_0000002", lagging / "iter_0000002")
+    (lagging / "latest_checkpointed_iteration.txt").write_text("2")
+    (tmp_path / "wrapper.py").write_text(LAGGING_NODE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(tmp_path / "wrapper.py"), *ARGS, "--train-iters", "8", "--load", "ck",
+           "--distributed-timeout-minutes", "0.2"]  # fmt: skip
+    env = {**os.environ, "LAGGING_NODE": str(tmp_path / "node1")}
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "hang:" not in out.stderr, out.stderr[-3000:]
+    said = "found.starting_checkpoint: ranks [0]: 'ck/iter_0000004'; ranks [1]: 'ck/iter_0000002'"
+    assert said in out.stderr, out.stderr[-3000:]
+    assert "iteration        5/" not in out.stdout
+
+
 def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_path):
     """SIGTERM to torchrun mid-run: torchrun forwards it, every worker finishes its iteration, saves and
     exits well within torchrun's 30 s grace period; a job started again continues exactly."""

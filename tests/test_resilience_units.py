@@ -38,6 +38,15 @@ def test_ranks_with_different_configurations_are_refused_before_training(dist):
     assert dist(4, _agree, {"lr": 1e-3, "data": {"seq_length": 8}}) == ["agreed"] * 4
 
 
+def test_a_refused_configuration_names_what_differs(dist):
+    """The error names the setting that differs and each group of ranks' value, not only hashes: a rank whose own
+    file system held another checkpoint had "different configurations" to guess from the same flags."""
+    results = dist(4, _agree, {"lr": 1e-3, "found": {"starting_checkpoint": "ck/iter_0000004"}})
+    assert len(set(results)) == 1
+    assert "lr: ranks [0, 1]: 0.001; ranks [2, 3]: 0.002" in results[0], results[0]
+    assert "found.starting_checkpoint" not in results[0]  # (the same everywhere: not named)
+
+
 def test_spike_detector():
     d = SpikeDetector(window=20, threshold=6.0)
     losses = [3.0 + 0.01 * ((i * 7) % 5) for i in range(20)]

@@ -40,11 +40,34 @@ def check_config_agreement(config: dict, device: torch.device) -> None:
     if len(set(hashes)) > 1:
         from megatron_lite.config import ConfigError
 
-        groups: dict[int, list[int]] = {}
-        for r, h in enumerate(hashes):
-            groups.setdefault(h, []).append(r)
-        parts = "; ".join(f"ranks {rs}: {h:014x}" for h, rs in groups.items())
-        raise ConfigError(f"the ranks were launched with different configurations (hashes of their flags: {parts})")
+        # (every rank takes this branch: the configurations themselves are gathered to name what differs; a
+        # hash alone left "different configurations" to guess, where the flags were the same and one rank's
+        # file system held another checkpoint)
+        configs = [None] * dist.get_world_size()
+        dist.all_gather_object(configs, _flat(config))
+        keys = sorted({k for c in configs for k in c if len({repr(c.get(k)) for c in configs}) > 1})
+        parts = []
+        for k in keys[:3]:
+            groups: dict[str, list[int]] = {}
+            for r, c in enumerate(configs):
+                groups.setdefault(repr(c.get(k))[:80], []).append(r)
+            parts.append(f"{k}: " + "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items()))
+        more = f"; and {len(keys) - 3} more" if len(keys) > 3 else ""
+        raise ConfigError(
+            f"the ranks were launched with different configurations or see different files ({' | '.join(parts)}"
+            f"{more}): launch every rank with the same flags, on the same data and checkpoints"
+        )
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: the names a difference is reported by."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 class Supervisor:

@@ -141,7 +141,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
         backend=job.distributed_backend,
         timeout_s=backend_timeout(job.distributed_backend, timeout_s, recorder_on),
     )
-    check_config_agreement(job.to_dict(), ctx.device)
+    # With the flags, what each rank found on its own file system: a node whose copy of --load lagged (another
+    # newest checkpoint) or of the data differed trained apart from the others without a word, then hung
+    check_config_agreement({**job.to_dict(), "found": _found(ckpt_path, source)}, ctx.device)
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
     ctx.seed(job.training.seed)
     log = MetricsLogger(job, enabled=_logging_rank(ctx), world_size=ctx.world_size)
@@ -513,6 +515,16 @@ def run(job: JobConfig, notes: list[str]) -> int:
         saved_it = "saved and exiting" if job.checkpoint.save else "exiting without a checkpoint (no --save)"
         print(f"[rank {ctx.rank}] {saved_it} with code 0 after {job.resilience.exit_signal}", flush=True)
     return 0
+
+
+def _found(ckpt_path: str | None, source) -> dict:
+    """The checkpoint this rank starts from and the sizes of the data files it reads."""
+    files = {}
+    for _, prefix in source.prefixes:
+        for path in (prefix + ".idx", prefix + ".bin", prefix):
+            if os.path.isfile(path):
+                files[path] = os.path.getsize(path)
+    return {"starting_checkpoint": ckpt_path, "data_file_sizes": files}
 
 
 def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -> bool:
