@@ -117,6 +117,33 @@ def test_a_rank_that_finds_another_newest_checkpoint_stops_every_rank_at_start_u
     assert "iteration        5/" not in out.stdout
 
 
+SLOW_START = """import os, sys, time
+import megatron_lite.training.pretrain as pretrain
+initialize = pretrain.initialize
+def slow(*args, **kwargs):  # rank 1 is held up before it joins (a long index build, a stuck mount)
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+    return initialize(*args, **kwargs)
+pretrain.initialize = slow
+sys.exit(pretrain.main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_held_up_at_start_up_is_reported_at_the_timeout(tmp_path):
+    """Rank 0 waits for rank 1 in the start-up configuration check: the flight recorder reports it at
+    --distributed-timeout-minutes (3 s here), naming rank 1 (it was gloo's own timeout, 2 x 3 + 60 s, and a
+    DistStoreError traceback naming a store key)."""
+    (tmp_path / "wrapper.py").write_text(SLOW_START)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(tmp_path / "wrapper.py"), *ARGS, "--train-iters", "2",
+           "--distributed-timeout-minutes", "0.05"]  # fmt: skip
+    start = time.time()
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    err = out.stderr[-3000:]
+    assert out.returncode != 0 and "DistStoreError" not in out.stderr and time.time() - start < 60, err
+    assert "in start-up" in err and "rank 1: no state published (still starting up" in err, err
+
+
 def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_path):
     """SIGTERM to torchrun mid-run: torchrun forwards it, every worker finishes its iteration, saves and
     exits well within torchrun's 30 s grace period; a job started again continues exactly."""

@@ -350,7 +350,7 @@ def hang_report(
     for r in members:
         p = peers.get(r)
         if p is None:
-            lines.append(f"  rank {r}: no state published (the process may be gone)")
+            lines.append(f"  rank {r}: no state published (still starting up, or gone)")
             missing.append(r)
             continue
         if r in frozen:
@@ -456,7 +456,7 @@ def _chain(
                 continue
             p = peers.get(m)
             if p is None:
-                held.append(f"rank {m}, which published no state (the process may be gone)")
+                held.append(f"rank {m}, which published no state (still starting up, or gone)")
                 continue
             if m in frozen:
                 held.append(f"rank {m}, which stopped responding (frozen, or its host lost)")

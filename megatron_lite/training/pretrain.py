@@ -141,10 +141,19 @@ def run(job: JobConfig, notes: list[str]) -> int:
         backend=job.distributed_backend,
         timeout_s=backend_timeout(job.distributed_backend, timeout_s, recorder_on),
     )
-    # With the flags, what each rank found on its own file system: a node whose copy of --load lagged (another
-    # newest checkpoint) or of the data differed trained apart from the others without a word, then hung
-    check_config_agreement({**job.to_dict(), "found": _found(ckpt_path, source)}, ctx.device)
+    # The recorder watches the configuration check too: a rank still starting up (a slow index build, a stuck
+    # file) left the others in its all-gather until gloo's longer timeout, then a DistStoreError traceback
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
+    if recorder is not None:  # (until the training loop names its iteration)
+        recorder.where = "start-up"
+    try:
+        # with the flags, what each rank found on its own file system: a node whose copy of --load lagged (another
+        # newest checkpoint) or of the data differed trained apart from the others without a word, then hung
+        check_config_agreement({**job.to_dict(), "found": _found(ckpt_path, source)}, ctx.device)
+    except BaseException:
+        if recorder is not None:  # (its watchdog would outlive the job in an in-process caller)
+            recorder.uninstall()
+        raise
     ctx.seed(job.training.seed)
     log = MetricsLogger(job, enabled=_logging_rank(ctx), world_size=ctx.world_size)
     exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
