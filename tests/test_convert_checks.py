@@ -285,6 +285,16 @@ def test_an_export_keeps_other_files_whole_and_an_interrupted_one_leaves_the_ear
     assert json.loads((tmp_path / "ours" / "hf" / "config.json").read_text())["rms_norm_eps"] != 1e-5
 
 
+def test_a_save_dir_under_a_file_is_one_line_before_any_work(tmp_path, capsys):
+    """--save-dir under a regular file (a typo'd parent) was a NotADirectoryError traceback after the checkpoint
+    had been read, both ways."""
+    src = _llama(tmp_path / "hf")
+    assert _to_ours(src, tmp_path / "ours", capsys)[0] == 0
+    (tmp_path / "afile").write_text("")
+    _one_line(*_to_hf(tmp_path / "ours", tmp_path / "afile" / "out", capsys)[::2], "--save-dir", "afile is a file")
+    _one_line(*_to_ours(src, tmp_path / "afile" / "out", capsys)[::2], "--save-dir", "afile is a file")
+
+
 def test_converter_command_lines_a_megatron_user_writes(tmp_path, capsys):
     """A --save-dir that is a file was a traceback both ways; --merge-lora on a checkpoint without adapters did
     nothing silently; flags were read abbreviated (`--target-d`, then ambiguous once a flag is added); Megatron-LM's

@@ -81,9 +81,13 @@ def shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 
 def check_save_dir(path: str) -> None:
-    """A --save-dir that exists must be a directory (a file there was a FileExistsError traceback)."""
+    """A --save-dir that exists must be a directory (a file there was a FileExistsError traceback), and one that
+    does not must be creatable (under a file it was a NotADirectoryError traceback, once the checkpoint was read)."""
+    from megatron_lite.training.configs import check_output_path
+
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"--save-dir {path} is a file, not a directory: give a directory")
+    check_output_path("--save-dir", path, is_dir=True)
 
 
 def _is_model_dir(path: str) -> bool:
