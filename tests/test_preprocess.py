@@ -309,6 +309,17 @@ def test_an_output_prefix_that_cannot_be_written_is_one_line(tmp_path):
     assert (tmp_path / "new" / "o_text_document.idx").exists()
 
 
+def test_a_log_interval_below_one_is_one_line(tmp_path):
+    """--log-interval 0 was a ZeroDivisionError traceback at the first document."""
+    src = tmp_path / "a.jsonl"
+    src.write_text(json.dumps({"text": "ab"}) + "\n")
+    argv = [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(src), "--output-prefix",
+            str(tmp_path / "o"), "--tokenizer-type", "ByteLevelTokenizer", "--log-interval", "0"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True)
+    said = "error: --log-interval 0 must be >= 1 (documents between progress lines)\n"
+    assert out.returncode == 2 and out.stderr == said, out.stderr
+
+
 def test_a_bad_document_is_named_by_its_line_also_with_workers(tmp_path):
     """With --workers 2 a document without the key was reported at the first document of its 64-document
     chunk (65 for line 100), and the workers went on through the whole input before the tool exited; a lone

@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.partitions < 1:
             raise ConfigError(f"--partitions {args.partitions} must be >= 1")
+        if args.log_interval < 1:  # (0 was a ZeroDivisionError traceback at the first document)
+            raise ConfigError(f"--log-interval {args.log_interval} must be >= 1 (documents between progress lines)")
         if args.partitions > 1 and not args.keep_sequential_samples and not args.text_files:
             print(
                 f"note: --partitions {args.partitions}: documents in Megatron's order (its input lines dealt "
