@@ -2042,3 +2042,32 @@ def test_megatrons_report_memory_line_on_a_gpu(monkeypatch):
     assert line == (
         "(after 5 iterations) memory (MB) | allocated: 1.0 | max allocated: 2.0 | reserved: 3.0 | max reserved: 4.0"
     )
+
+
+def _main_seeded_by_rank(argv: list[str], port: int) -> tuple[int, bool]:
+    """pretrain's main on one rank of a bare pool, with a --seed of its own (a rank launched with other flags)."""
+    from megatron_lite.resilience import flight_recorder
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rc = main([*argv, "--seed", str(1 + int(os.environ["RANK"]))])
+    left = dist.is_initialized()
+    if left:  # (the test's verdict; the process leaves with the pool)
+        dist.destroy_process_group()
+    return rc, left or bool(flight_recorder._INSTALLED)
+
+
+@pytest.mark.slow
+def test_a_configuration_refused_after_the_group_is_joined_leaves_it(capfd):
+    """Ranks launched with other flags are refused once the group exists (the configuration check): main returns
+    2 with the group destroyed. It was left to the interpreter's exit, which aborted at times, and torchrun named
+    the rank's SIGABRT ("terminate called without an active exception") instead of its exit code 2."""
+    from dist_pool import WorkerPool
+    from pretrain_jobs import free_port
+
+    pool = WorkerPool(2, init_group=False)
+    try:
+        got = pool.run(_main_seeded_by_rank, [*TINY, "--mock-data", "--vocab-size", "64"], free_port())
+    finally:
+        pool.close()
+    assert got == [(2, False), (2, False)], got
+    assert "launched with different configurations" in capfd.readouterr().err

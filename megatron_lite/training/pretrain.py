@@ -568,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:
         report_error(e, dist.is_initialized())  # (once per node: it was said by every rank, twice in two forms)
+        if dist.is_initialized():  # (found once the group existed: a group left to the interpreter's exit
+            dist.destroy_process_group()  # aborted it at times, torchrun then naming SIGABRT, not this exit code)
         return 2
     except SaveFailed as e:
         print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
