@@ -96,6 +96,36 @@ def test_a_start_up_error_is_said_once_per_node(capsys, monkeypatch):
     _one_line_error(rc, err, "--mock-data needs --vocab-size")
 
 
+def test_a_start_up_error_of_one_local_rank_alone_is_said(capsys, monkeypatch):
+    """Under torchrun a local rank other than the first keeps quiet only where the first said the same error (it
+    leaves it in the launcher's store). A file only it could not read, a cache directory of its own: its error
+    was never said, torchrun showing its exit code 2 alone."""
+    from datetime import timedelta
+
+    from megatron_lite.config import ConfigError
+    from megatron_lite.flag_parser import report_error
+
+    from pretrain_jobs import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    for k, v in dict(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    report_error(ConfigError("--data-path d: missing d.idx"), False)  # the first local rank found none
+    assert capsys.readouterr().err == "error (rank 1): --data-path d: missing d.idx\n"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    report_error(ConfigError("--num-layers -1 must be a positive integer"), False)
+    assert capsys.readouterr().err == "error: --num-layers -1 must be a positive integer\n"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    report_error(ConfigError("--num-layers -1 must be a positive integer"), False)  # said once, by the first
+    assert capsys.readouterr().err == ""
+    del store
+
+
 GLOO_RESET = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2472: "
     "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
