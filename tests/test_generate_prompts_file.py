@@ -53,3 +53,13 @@ def test_triton_where_it_cannot_run_is_refused_as_pretrain_refuses_it(tiny_check
     assert generate_cli.main([*argv, "--kernel-impl", "triton", "--bf16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no half-precision arithmetic" in err[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA GPUs")
+def test_nccl_without_a_gpu_is_refused_as_pretrain_refuses_it(tiny_checkpoint, capsys):
+    """--distributed-backend nccl on a CPU machine: an AttributeError traceback under torchrun (torch's device
+    setup), ignored on one process; pretrain_gpt.py refuses it in one line."""
+    argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2", "--max-new-tokens", "1", "--distributed-backend", "nccl"]
+    assert generate_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--distributed-backend nccl needs CUDA GPUs" in err[0], err

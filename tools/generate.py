@@ -223,6 +223,10 @@ def _tokenizer(args: argparse.Namespace, meta: dict, path: str, vocab_size: int)
 
 def run(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        # (as pretrain_gpt.py: under torchrun it was an AttributeError traceback from torch's device setup, and
+        # ignored at world size 1)
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs and this machine has none; use gloo")
     path = find_checkpoint(args.load)
     if path is None:
         raise ConfigError(f"--load {args.load} holds no checkpoint")
