@@ -103,7 +103,7 @@ def test_a_start_up_error_of_one_local_rank_alone_is_said(capsys, monkeypatch):
     from datetime import timedelta
 
     from megatron_lite.config import ConfigError
-    from megatron_lite.flag_parser import report_error
+    from megatron_lite.start_up_error import report_error
 
     from pretrain_jobs import free_port
 

@@ -28,7 +28,6 @@ from megatron_lite.checkpoint.checkpointing import (
 )
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.builder import build_datasets, check_data, resolve_data
-from megatron_lite.flag_parser import report_error
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.config import adapted_targets
@@ -42,6 +41,7 @@ from megatron_lite.resilience import inject
 from megatron_lite.resilience.flight_recorder import FlightRecorder
 from megatron_lite.resilience.guards import ExitSignal
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
+from megatron_lite.start_up_error import report_error
 from megatron_lite.training import memory
 from megatron_lite.training.batches import Batches
 from megatron_lite.training.configs import JobConfig, check_output_paths
