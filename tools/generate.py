@@ -40,13 +40,14 @@ from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.embedded import trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_flags
-from megatron_lite.flag_parser import OneLineErrorParser, report_error
+from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.inference.generation import SamplingConfig, generate_batch
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.qlora import quantize_base
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import initialize
+from megatron_lite.start_up_error import report_error
 from megatron_lite.training.configs import check_output_path
 
 
