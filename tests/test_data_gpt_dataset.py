@@ -468,3 +468,35 @@ def test_a_missing_dataset_still_points_at_the_tool(tmp_path):
 
     with pytest.raises(ConfigError, match=r"missing .*nope\.idx \(run tools/preprocess_data\.py\)"):
         IndexedDataset(str(tmp_path / "nope"))
+
+
+def test_a_lock_held_long_is_said_not_waited_on_silently(tmp_path, monkeypatch, capsys):
+    """From a failure review: a cache lock another live process held (another job's on a shared --data-cache-path,
+    a stuck build) kept every rank waiting without a word, forever. A wait past a minute (shortened here) says
+    which lock and why; the lock is taken once it is free."""
+    import fcntl
+    import multiprocessing
+    import os
+    import time
+
+    from megatron_lite.data import gpt_dataset
+
+    lock = str(tmp_path / "cache" / "x.lock")
+    os.makedirs(os.path.dirname(lock))
+    ready = multiprocessing.get_context("fork").Event()
+
+    def hold():
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            ready.set()
+            time.sleep(1.5)
+
+    holder = multiprocessing.get_context("fork").Process(target=hold)
+    holder.start()
+    assert ready.wait(10)
+    monkeypatch.setattr(gpt_dataset, "LOCK_NOTE_AFTER_S", (0.3, 60.0))
+    with gpt_dataset.file_lock(lock):
+        err = capsys.readouterr().err
+    holder.join()
+    assert f"waiting 0 s for the lock on {lock}: another process is building this cache" in err, err
+    assert err.count("waiting") == 1, err  # once after 0.3 s (the next a minute later); then the holder let go

@@ -16,6 +16,8 @@ import hashlib
 import json
 import math
 import os
+import sys
+import time
 
 import numpy as np
 import torch
@@ -25,6 +27,30 @@ from megatron_lite.config import ConfigError
 from megatron_lite.data import native_blend
 from megatron_lite.data.documents import document_ids, document_position_ids
 from megatron_lite.data.indexed import IndexedDataset
+
+LOCK_NOTE_AFTER_S = (60.0, 300.0)  # the first note on a held lock, then one every so often
+
+
+def _wait_for_lock(f, path: str) -> None:
+    """flock, saying so where it waits long (from a review: a lock another live process held, another job's on a
+    shared --data-cache-path or a stuck build, kept every rank waiting without a word, forever). Ranks of one job
+    building a cache wait a moment for the first: they stay quiet."""
+    start, said = time.monotonic(), 0.0
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waited = time.monotonic() - start
+            if waited >= (LOCK_NOTE_AFTER_S[0] if not said else said + LOCK_NOTE_AFTER_S[1]):
+                said = waited
+                print(
+                    f"note (rank {os.environ.get('RANK', '0')}): waiting {waited:.0f} s for the lock on {path}: "
+                    "another process is building this cache (or holds it stuck; its own job's log says which)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(0.05 if waited < 1 else 0.5)
 
 
 @contextlib.contextmanager
@@ -36,7 +62,7 @@ def file_lock(path: str):
     try:
         os.makedirs(folder, exist_ok=True)
         f = open(path, "a")
-        fcntl.flock(f, fcntl.LOCK_EX)
+        _wait_for_lock(f, path)
     except OSError as e:
         if f is not None:
             f.close()
