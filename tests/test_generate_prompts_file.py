@@ -63,3 +63,33 @@ def test_nccl_without_a_gpu_is_refused_as_pretrain_refuses_it(tiny_checkpoint, c
     assert generate_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--distributed-backend nccl needs CUDA GPUs" in err[0], err
+
+
+def test_ranks_that_find_different_checkpoints_are_refused(tiny_checkpoint, tmp_path):
+    """From a failure review: tensor-parallel ranks whose --load held different checkpoints (a node's copy lagging
+    behind) mixed their shards into one set of logits without a word; pretrain_gpt.py refuses such ranks. Each rank
+    says what differs, and the job exits 2 (not SIGABRT: the group is ended)."""
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    other = tmp_path / "copy"
+    shutil.copytree(tiny_checkpoint, other)
+    script = pathlib.Path(__file__).resolve().parents[1] / "tools" / "generate.py"
+    wrapper = tmp_path / "per_rank.py"  # (rank 1 reads the copy: another file system's --load)
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        f"sys.argv[1:1] = ['--load', {tiny_checkpoint!r} if os.environ['RANK'] == '0' else {str(other)!r}]\n"
+        f"sys.argv[0] = {str(script)!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper),
+           "--prompt-ids", "1,2", "--max-new-tokens", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert out.returncode != 0 and "SIGABRT" not in out.stderr, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if "different configurations or see different files" in line]
+    assert said and f"checkpoint: ranks [0]: '{tiny_checkpoint}" in said[0], out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr or "exitcode: 2" in out.stderr, out.stderr[-3000:]

@@ -47,6 +47,7 @@ from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.qlora import quantize_base
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import initialize
+from megatron_lite.resilience.supervisor import check_config_agreement
 from megatron_lite.start_up_error import report_error
 from megatron_lite.training.configs import check_output_path
 
@@ -296,6 +297,9 @@ def run(args: argparse.Namespace) -> int:
     lora = saved_lora_config(saved)
     base = lora_base_checkpoint(lora.base, path, lora.base_fingerprint) if lora is not None and lora.base else None
     ctx = initialize(model_cfg, parallel, training, backend=args.distributed_backend)
+    # every rank the same flags and checkpoint (from a failure review: a node whose copy of --load held another
+    # newest iteration mixed its shards into the others' logits without a word)
+    check_config_agreement({"flags": vars(args), "checkpoint": path, "lora_base": base}, ctx.device)
     model = build_model(model_cfg, ctx, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     if lora is None:
         load_checkpoint(path, model, None, None, ctx, load_rng=False)
@@ -378,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except (ConfigError, ValueError) as e:
         report_error(e, dist.is_initialized())  # (once per node, as pretrain_gpt.py says it)
+        if dist.is_initialized():  # (a group left to the interpreter's exit aborted at times: torchrun said SIGABRT)
+            dist.destroy_process_group()
         return 2
 
 
