@@ -440,3 +440,30 @@ def test_partitions_write_documents_in_megatrons_order(tmp_path, capsys):
     assert order("--partitions", "2", "--workers", "2") == ["d0", "d2", "d6", "d1", "d3", "d5", "d7"]
     assert order("--partitions", "2", "--keep-sequential-samples") == [f"d{i}" for i in (0, 1, 2, 3, 5, 6, 7)]
     assert order() == [f"d{i}" for i in (0, 1, 2, 3, 5, 6, 7)]
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        (["--workers", "-1"], "error: --workers -1 must be >= 1 (tokenising processes)\n"),
+        (["--output-prefix", "out/"], "error: --output-prefix out/ ends in a directory separator: give a file name "
+         "prefix, e.g. out/corpus (the files are PREFIX_text_document.bin/.idx)\n"),
+    ],
+)  # fmt: skip
+def test_preprocess_flags_a_failure_review_found_taken(tmp_path, extra, said):
+    """From a failure review: --workers -1 was taken as one, and --output-prefix DIR/ wrote DIR/_text_document.*"""
+    src = tmp_path / "a.jsonl"
+    src.write_text(json.dumps({"text": "ab"}) + "\n")
+    argv = [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(src), "--output-prefix",
+            str(tmp_path / "o"), "--tokenizer-type", "ByteLevelTokenizer", *extra]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr == said, out.stderr
+
+
+def test_an_empty_input_is_warned_of(tmp_path):
+    src = tmp_path / "a.jsonl"
+    src.write_text("")
+    argv = [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(src), "--output-prefix",
+            str(tmp_path / "o"), "--tokenizer-type", "ByteLevelTokenizer"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True)
+    assert out.returncode == 0 and f"warning: --input {src} held no documents" in out.stderr, out.stderr

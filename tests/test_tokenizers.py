@@ -89,3 +89,12 @@ def test_a_sentencepiece_tokenizer_reads_tokens_beside_its_pieces_as_text(tmp_pa
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     with pytest.raises(Exception, match="not among the SentencePiece model's 12 pieces"):
         build_tokenizer("Llama2Tokenizer", model=str(tmp_path / "tokenizer.json"))
+
+
+def test_a_gpt2_tokenizer_without_its_vocab_file_says_it_is_not_given():
+    """From a failure review: the message read "--vocab-file None: no such file"."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.data.tokenizers import GPT2BPETokenizer
+
+    with pytest.raises(ConfigError, match="^GPT2BPETokenizer needs --vocab-file and --merge-file: --vocab-file is not"):
+        GPT2BPETokenizer(None, None)

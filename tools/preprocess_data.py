@@ -180,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.partitions < 1:
             raise ConfigError(f"--partitions {args.partitions} must be >= 1")
+        if args.workers < 1:  # (a negative count was taken as one)
+            raise ConfigError(f"--workers {args.workers} must be >= 1 (tokenising processes)")
+        if args.output_prefix.endswith(("/", os.sep)):  # (it wrote DIR/_text_document.bin)
+            raise ConfigError(
+                f"--output-prefix {args.output_prefix} ends in a directory separator: give a file name prefix, "
+                f"e.g. {os.path.join(args.output_prefix, 'corpus')} (the files are PREFIX_text_document.bin/.idx)"
+            )
         if args.log_interval < 1:  # (0 was a ZeroDivisionError traceback at the first document)
             raise ConfigError(f"--log-interval {args.log_interval} must be >= 1 (documents between progress lines)")
         if args.partitions > 1 and not args.keep_sequential_samples and not args.text_files:
@@ -250,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, w in writers.items():
         w.finalize()
         print(f"wrote {args.output_prefix}_{key}_document.bin/.idx: {docs} documents", file=sys.stderr)
+    if docs == 0:  # (training refuses an empty dataset: better said here, where the input is named)
+        print(f"warning: --input {' '.join(args.files)} held no documents: the dataset written is empty",
+              file=sys.stderr)  # fmt: skip
     print(f"done in {time.time() - start:.1f} s", file=sys.stderr)
     return 0
 

@@ -238,7 +238,9 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if not path or not os.path.isfile(path):
+            if not path:
+                raise ConfigError(f"GPT2BPETokenizer needs --vocab-file and --merge-file: {flag} is not given")
+            if not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file (GPT2BPETokenizer needs --vocab-file and --merge-file)")
         vocab = json.load(open(vocab_file, encoding="utf-8"))  # (GPT-2's byte-level symbols: not ASCII)
         # (as Megatron's and transformers' GPT-2 tokenizers read it: split("\n")[1:-1], the first line a version
