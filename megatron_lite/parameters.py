@@ -41,13 +41,22 @@ class ParamMeta:
 
 def owns_copy(meta: ParamMeta, ctx) -> bool:
     """Whether this rank holds the one copy of its piece that is counted and stored: data-parallel rank 0
-    (expert-data-parallel rank 0 for experts), and for tensors replicated across (expert-)TP its rank 0;
-    never the last stage's copy of tied embeddings."""
+    (expert-data-parallel rank 0 for experts) of the ranks that `hold_copy`."""
+    return hold_copy(meta, ctx) and replica_group(meta, ctx).rank == 0
+
+
+def hold_copy(meta: ParamMeta, ctx) -> bool:
+    """Whether this rank's piece is one of the data-parallel replicas of a stored piece: for tensors replicated
+    across (expert-)TP its rank 0; never the last stage's copy of tied embeddings."""
     if meta.embedding_copy:
         return False
-    if meta.expert:
-        return ctx.edp.rank == 0 and (meta.tensor_parallel or ctx.etp.rank == 0)
-    return ctx.dp_cp.rank == 0 and (meta.tensor_parallel or ctx.tp.rank == 0)
+    return meta.tensor_parallel or (ctx.etp.rank if meta.expert else ctx.tp.rank) == 0
+
+
+def replica_group(meta: ParamMeta, ctx):
+    """The ranks holding the same piece: the data-parallel group (with CP), the expert-data-parallel one for
+    experts."""
+    return ctx.edp if meta.expert else ctx.dp_cp
 
 
 def set_param_meta(module: nn.Module, name: str, meta: ParamMeta) -> None:

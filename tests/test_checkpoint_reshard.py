@@ -441,3 +441,20 @@ def test_an_fp32_run_takes_a_bf16_checkpoints_main_weights(tmp_path, distributed
         )
         for name, p in fresh.named_parameters():
             assert torch.equal(p.detach(), main[fresh.global_name(name)]), (how, name)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_data_parallel_replicas_share_the_writing_of_a_checkpoint(dist, tmp_path, distributed_optimizer):
+    """From a checkpoint review: data-parallel rank 0 wrote every tensor and the other replicas only their index,
+    so a save's time and host memory did not fall with DP (Megatron's fully parallel save spreads them). Each
+    replica now writes about an equal share, and the checkpoint continues on one process as the job would."""
+    from safetensors import safe_open
+
+    ckpt = str(tmp_path / "ck")
+    original = dist(2, run, {}, P(), 4, ckpt, None, distributed_optimizer)
+    written = []
+    for r in range(2):
+        with safe_open(os.path.join(find_checkpoint(ckpt), f"tensors_r{r:05d}.safetensors"), framework="pt") as f:
+            written.append(sum(f.get_tensor(k).numel() for k in f.keys()))
+    assert min(written) > 0.4 * sum(written), written
+    _compare(run({}, P(), GBS, None, ckpt), [h for h in original[0] if h[0] > SAVE_AT], "one process")

@@ -50,7 +50,7 @@ from megatron_lite.checkpoint.format import (
 from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.optimizer import any_rank, state_kinds
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import named_param_meta, owns_copy
+from megatron_lite.parameters import hold_copy, named_param_meta, replica_group
 
 
 @dataclass
@@ -121,9 +121,20 @@ def _snapshot(model, optimizer, ctx: ParallelContext, job_dict: dict, save_rng: 
     tensors, index = {}, {}
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
     adapters_only = bool((job_dict.get("lora") or {}).get("base"))  # (training.resume.lora_base)
+    # The data-parallel replicas of the pieces share the writing, each piece written by the replica with the fewest
+    # bytes so far (every replica holds the same entries in the same order, so all choose alike): a save's time
+    # and host memory fall with DP, as Megatron's fully parallel save (data-parallel rank 0 wrote everything)
+    written: dict[bool, list[int]] = {}
     for kind, entries in _state_tensors(model, optimizer, adapters_only).items():
         for gname, t, meta in entries:
-            if not owns_copy(meta, ctx):
+            if not hold_copy(meta, ctx):
+                continue
+            group = replica_group(meta, ctx)
+            # (experts apart: their replicas, one expert-parallel rank's, differ from the dense pieces' replicas)
+            load = written.setdefault(meta.expert, [0] * group.size)
+            writer = load.index(min(load))
+            load[writer] += t.numel() * t.element_size()
+            if writer != group.rank:
                 continue
             rec = {
                 "shape": full_shape(tuple(t.shape), meta),
