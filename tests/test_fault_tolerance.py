@@ -144,12 +144,12 @@ def test_a_rank_held_up_at_start_up_is_reported_at_the_timeout(tmp_path):
     assert "in start-up" in err and "rank 1: no state published (still starting up" in err, err
 
 
-def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_path):
-    """SIGTERM to torchrun mid-run: torchrun forwards it, every worker finishes its iteration, saves and
-    exits well within torchrun's 30 s grace period; a job started again continues exactly."""
-    ck, log = tmp_path / "ck", tmp_path / "a.jsonl"
+def _sigterm_after_three_iterations(tmp_path, ck, log, extra=()):
+    """A 2-rank job with --exit-signal-handler, SIGTERM to torchrun once 3 iterations are logged: (the process,
+    its output, the seconds from the signal to its end)."""
     env = {**os.environ, ENV: "slow,rank=0,seconds=0.2"}
-    cmd = launcher(2, ["--train-iters", "200", "--save", str(ck), "--exit-signal-handler", "--log-jsonl", str(log)])
+    cmd = launcher(2, ["--train-iters", "200", "--save", str(ck), "--exit-signal-handler", "--log-jsonl", str(log),
+                       *extra])  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and (not log.exists() or len(records(log)) < 3):
@@ -157,7 +157,15 @@ def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_pat
     proc.send_signal(signal.SIGTERM)
     start = time.time()
     output = proc.communicate(timeout=60)[0]
-    assert time.time() - start < 30, output[-3000:]
+    return proc, output, time.time() - start
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_within_the_grace_period(tmp_path):
+    """SIGTERM to torchrun mid-run: torchrun forwards it, every worker finishes its iteration, saves and
+    exits well within torchrun's 30 s grace period; a job started again continues exactly."""
+    ck, log = tmp_path / "ck", tmp_path / "a.jsonl"
+    proc, output, seconds = _sigterm_after_three_iterations(tmp_path, ck, log)
+    assert seconds < 30, output[-3000:]
     saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert f"SIGTERM received: saving at iteration {saved} and exiting" in output
     assert f"done: iteration {saved}" in output
@@ -185,17 +193,8 @@ def test_sigterm_with_data_workers_saves_and_exits(tmp_path):
     workers died of the signal and every rank failed with "DataLoader worker ... is killed by signal: Terminated",
     no checkpoint written; then, with the workers ignoring it, the job did not end until torchrun's SIGKILL)."""
     ck, log = tmp_path / "ck", tmp_path / "a.jsonl"
-    env = {**os.environ, ENV: "slow,rank=0,seconds=0.2"}
-    cmd = launcher(2, ["--train-iters", "200", "--save", str(ck), "--exit-signal-handler", "--num-workers", "1",
-                       "--log-jsonl", str(log)])  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and (not log.exists() or len(records(log)) < 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    start = time.time()
-    output = proc.communicate(timeout=60)[0]
-    assert time.time() - start < 20, output[-3000:]
+    _, output, seconds = _sigterm_after_three_iterations(tmp_path, ck, log, ["--num-workers", "1"])
+    assert seconds < 20, output[-3000:]
     assert "DataLoader worker" not in output, output[-3000:]
     saved = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert all(f"[rank {r}] saved and exiting with code 0 after SIGTERM" in output for r in (0, 1)), output[-3000:]

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_kernels_bf16 import DTYPES
 from test_train_equivalence import train_run
 
 from megatron_lite import kernels as K
@@ -230,19 +231,7 @@ def test_triton_moe_with_expert_adapters_equals_torch():
     assert not bad, bad
 
 
-GEN_DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(
-        torch.bfloat16,
-        id="bf16",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="bf16 needs a GPU: the Triton interpreter has no bf16 arithmetic"
-        ),
-    ),
-]
-
-
-@pytest.mark.parametrize("dtype", GEN_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["llama", "gpt2", "deepseek"])
 def test_greedy_generation_with_triton_kernels_follows_torch(name, dtype):
     """tools/generate.py runs --kernel-impl triton by default on a GPU, in bf16 with --bf16: the prompt's forward
