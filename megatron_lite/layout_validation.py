@@ -139,7 +139,14 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
     if pp < 2:
         raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
     fixed = [x for x in (first, last) if x is not None]
-    if any(x < 1 for x in fixed) or sum(fixed) > num_layers:
+    if any(x < 1 for x in fixed):
+        # (a 0 fits in any --num-layers: saying it does not misled; Megatron's rule, and a stage of no layer is a
+        # --pipeline-model-parallel-layout's)
+        raise ConfigError(
+            f"--decoder-first/last-pipeline-num-layers {fixed} must each be at least 1 (as in Megatron); for a "
+            "stage without layers use --pipeline-model-parallel-layout"
+        )
+    if sum(fixed) > num_layers:
         raise ConfigError(f"--decoder-first/last-pipeline-num-layers {fixed} do not fit in --num-layers {num_layers}")
     middle = pp - len(fixed)
     rest = num_layers - sum(fixed)

@@ -171,6 +171,22 @@ CASES = {
         r"^--hierarchical-context-parallel-sizes 2 3 must be two sizes whose product is --context-parallel-size 4",
         ("parallel", P(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 2))),
     ),
+    "uneven first stage of no layer": (
+        2,
+        {"num_layers": 4},
+        P(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=0),
+        None,
+        r"^--decoder-first/last-pipeline-num-layers \[0\] must each be at least 1 \(as in Megatron\)",
+        ("parallel", P(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
+    ),
+    "uneven stages over the layers": (
+        2,
+        {"num_layers": 4},
+        P(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3, decoder_last_pipeline_num_layers=3),
+        None,
+        r"^--decoder-first/last-pipeline-num-layers \[3, 3\] do not fit in --num-layers 4",
+        ("parallel", P(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3)),
+    ),
     "a2a+p2p without its sizes": (
         4,
         {},
