@@ -284,6 +284,23 @@ def test_keep_last_leaves_newer_checkpoints_of_an_abandoned_run(tmp_path):
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "150"
 
 
+def test_keep_last_deletes_past_a_deletions_leftover_of_the_same_name(tmp_path):
+    """A deletion killed part-way leaves iter_N.del; were iter_N saved again (the tracker moved back before it),
+    its own deletion renamed onto that leftover, which fails on a non-empty directory: the save reported
+    failed after it was published. Prune now removes the leftover first."""
+    from megatron_lite.checkpoint.checkpointing import publish
+
+    root = tmp_path / "ckpt"
+    for name in ("iter_0000050", "iter_0000100", "iter_0000050.del"):
+        (root / name).mkdir(parents=True)
+        (root / name / "metadata.json").write_text("{}")
+    tmp = root / "iter_0000150.tmp"
+    tmp.mkdir()
+    (tmp / "index_r00000.json").write_text('{"tensors": {}, "files": {}}')
+    publish(str(root), str(tmp), {"iteration": 150, "layout": {"world_size": 1}}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000100", "iter_0000150"]
+
+
 @pytest.mark.parametrize(
     "change",
     [

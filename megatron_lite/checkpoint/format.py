@@ -205,6 +205,7 @@ def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> st
         for old in upto[:-keep_last]:
             for path in (iteration_dir(root, old), iteration_dir(root, old) + ".old"):
                 if os.path.isdir(path):  # (renamed first: a deletion cut short leaves a leftover, swept below)
+                    shutil.rmtree(path + ".del", ignore_errors=True)  # (an earlier one's, were N saved again)
                     os.replace(path, path + ".del")
                     shutil.rmtree(path + ".del", ignore_errors=True)
     _sweep_leftovers(root, meta["iteration"])
