@@ -287,7 +287,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         skip_train=ns.skip_train,
         exit_interval=ns.exit_interval,
         exit_duration_in_mins=ns.exit_duration_in_mins,
-        overlap_grad_reduce=ns.overlap_grad_reduce,
+        overlap_grad_reduce=ns.overlap_grad_reduce and not ns.use_torch_fsdp2,  # (FSDP2 overlaps its own)
         ddp_bucket_size=ns.ddp_bucket_size,
     )
     optimizer = OptimizerConfig(

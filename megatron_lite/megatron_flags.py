@@ -385,6 +385,11 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             f"--num-query-groups {groups} has no effect without --group-query-attention (as in Megatron): every "
             "head has its own key and value; add --group-query-attention for grouped-query attention"
         )
+    if getattr(ns, "overlap_grad_reduce", False) and getattr(ns, "use_torch_fsdp2", False):
+        lines.append(
+            "--overlap-grad-reduce has no effect with --use-torch-fsdp2 (as in Megatron): FSDP2 overlaps its gradient "
+            "reduce-scatters with the backward by itself"
+        )
     lines += getattr(ns, "schedule_notes", [])
     if getattr(ns, "exp_avg_sq_dtype", "fp32") == "bf16" and getattr(ns, "adam_beta2", 0.0) > 0.996:
         lines.append(

@@ -1007,14 +1007,6 @@ def test_memory_breakdown_is_logged(tmp_path, capsys, monkeypatch):
     assert rec["mem_activations_bytes"] > 0
 
 
-def test_fsdp2_with_overlap_grad_reduce_is_refused_before_any_process_group(capsys, monkeypatch):
-    """FSDP2 overlaps its reduce-scatters itself: the flag pair stops at start-up with the fix in one line
-    (on 4 ranks at PP=2, which FSDP2 otherwise accepts)."""
-    argv = ["--mock-data", "--vocab-size", "100", "--use-torch-fsdp2", "--overlap-grad-reduce"]
-    rc, _, err = _run([*argv, "--pipeline-model-parallel-size", "2"], capsys, monkeypatch, world=4)
-    _one_line_error(rc, err, "--use-torch-fsdp2", "drop --overlap-grad-reduce")
-
-
 def _wandb_history(run_dir) -> list[dict]:
     """The history rows of an offline W&B run."""
     return [
@@ -1967,8 +1959,8 @@ def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monke
 
 
 def test_the_dry_run_checks_what_the_run_checks_and_the_run_checks_data_first(tmp_path, capsys, monkeypatch):
-    """From the validation review: the dry run said "ok" to what the run refuses (FSDP2 with --overlap-grad-reduce,
-    data whose token ids exceed the vocabulary), and the run found a missing dataset only after building the
+    """From the validation review: the dry run said "ok" to what the run refuses (data whose token ids exceed the
+    vocabulary), and the run found a missing dataset only after building the
     model and loading the checkpoint. A dataset absent from the planning machine is a note."""
     from megatron_lite.data.indexed import IndexedDatasetWriter
 
@@ -1990,9 +1982,6 @@ def test_the_dry_run_checks_what_the_run_checks_and_the_run_checks_data_first(tm
     assert rc == 0 and f"note: on this machine the run would stop: {tmp_path / 'nope'}.idx/.bin not found" in out
     rc, out, err = _run(missing, capsys, monkeypatch)
     assert rc == 2 and "missing" in err and "parameters" not in out, (out, err)
-    flags = ["--mock-data", "--vocab-size", "100", "--use-torch-fsdp2", "--overlap-grad-reduce", "--dry-run"]
-    rc, _, err = _run(flags, capsys, monkeypatch)
-    assert rc == 2 and "--use-torch-fsdp2 overlaps its gradient reduce-scatters by itself" in err, err
     # a GPU job's Nsight profile is planned on a machine without a GPU (the diff review: refused there)
     nsys = ["--mock-data", "--vocab-size", "100", "--distributed-backend", "nccl", "--profile", "--dry-run"]
     rc, _, err = _run(nsys, capsys, monkeypatch)

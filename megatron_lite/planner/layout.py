@@ -45,7 +45,7 @@ class Layout:
     @property
     def overlaps_grad_reduce(self) -> bool:
         """--overlap-grad-reduce: the script's, else the search's (FSDP2 overlaps its own without the flag, which
-        it refuses)."""
+        has no effect there)."""
         return (
             self.overlap_grad_reduce if self.overlap_grad_reduce is not None else searched_grad_overlap(self.sharding)
         )
@@ -108,7 +108,6 @@ class Layout:
             x for x, v in (("reduce", self.overlap_grad_reduce), ("gather", self.overlap_param_gather)) if v is False
         ]
         parts[-1] += f"(no overlap: {', '.join(off)})" if off else ""
-        parts[-1] += "(--overlap-grad-reduce)" if self.overlap_grad_reduce and self.sharding == "fsdp2" else ""
         parts.append(f"recompute={self.recompute}")
         if not self.recompute_as_searched:
             parts[-1] += f"({self.recompute_method} {self.recompute_num_layers})"

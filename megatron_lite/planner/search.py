@@ -15,7 +15,6 @@ from megatron_lite.planner.cost import StepTime, step_time, throughput
 from megatron_lite.planner.hardware import GIB, Cluster
 from megatron_lite.planner.layout import RECOMPUTES, SHARDINGS, Layout, searched_gather_overlap, searched_grad_overlap
 from megatron_lite.planner.memory import Memory, peak_rank_memory
-from megatron_lite.training.wrap import validate_sharding
 
 PRICED_CP = ("p2p", "a2a", "allgather")  # (not the hierarchical a2a+p2p)
 PRECISIONS = ("bf16", "fp16", "fp32")  # --bf16, --fp16, neither
@@ -84,10 +83,10 @@ def check(
     training = _training(layout.micro_batch_size, global_batch_size, seq_length, layout.overlaps_grad_reduce)
     try:
         # (validated as it is made: FSDP2 refuses --fp16)
-        optim = _optimizer(layout.sharding, precision, layout.overlaps_param_gather)
+        _optimizer(layout.sharding, precision, layout.overlaps_param_gather)
     except ConfigError as e:
         return str(e)
-    return _layout_error(cfg, parallel, layout.world, training) or _sharding_error(cfg, parallel, training, optim)
+    return _layout_error(cfg, parallel, layout.world, training)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -114,15 +113,6 @@ def _optimizer(sharding: str, precision: str, overlap_param_gather: bool) -> Opt
 def _layout_error(cfg: ModelConfig, parallel, world: int, training) -> str | None:
     try:
         validate_layout(cfg, parallel, world, training)
-    except (ConfigError, ValueError) as e:
-        return str(e)
-    return None
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _sharding_error(cfg: ModelConfig, parallel, training, optim: OptimizerConfig) -> str | None:
-    try:
-        validate_sharding(cfg, parallel, training, optim)
     except (ConfigError, ValueError) as e:
         return str(e)
     return None

@@ -20,7 +20,6 @@ from megatron_lite.planner.memory import parameter_state_bytes, rank_memory
 from megatron_lite.planner.search import job_layout, sharding_of
 from megatron_lite.training.configs import JobConfig
 from megatron_lite.training.profiling import validate_profile
-from megatron_lite.training.wrap import validate_sharding
 
 
 def _vocab(job: JobConfig) -> int:
@@ -118,10 +117,9 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
 
         vocab = max(vocab, read_metadata(ckpt_path)["config"]["model"]["vocab_size"])
     model_cfg = dataclasses.replace(job.model, vocab_size=vocab)
-    # the run's start-up checks, in its order (the dry run said "ok" to what the run refused: FSDP2 with
-    # --overlap-grad-reduce, --profile-ranks past the world, data whose ids exceed the vocabulary)
+    # the run's start-up checks, in its order (the dry run said "ok" to what the run refused: --profile-ranks
+    # past the world, data whose ids exceed the vocabulary)
     validate_layout(model_cfg, job.parallel, world, job.training)
-    validate_sharding(model_cfg, job.parallel, job.training, job.optimizer)
     job = dataclasses.replace(job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world)))
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     validate_profile(job.logging, world, job.distributed_backend != "gloo")  # (planned for GPUs on any machine)

@@ -58,7 +58,7 @@ from megatron_lite.training.resume import (
 )
 from megatron_lite.training.saving import SaveFailed, finish_async_save, peer_lost, saving
 from megatron_lite.training.step import eval_step, train_step
-from megatron_lite.training.wrap import validate_sharding, wrap_for_training
+from megatron_lite.training.wrap import wrap_for_training
 
 
 def backend_timeout(backend: str | None, timeout_s: float, recorder_on: bool) -> float:
@@ -95,7 +95,6 @@ def run(job: JobConfig, notes: list[str]) -> int:
     job_start = time.time()  # --exit-duration-in-mins counts start-up too (Megatron's _TRAIN_START_TIME)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(job.model, job.parallel, world_size, job.training)
-    validate_sharding(job.model, job.parallel, job.training, job.optimizer)
     check_output_paths(job)
     if job.training.train_samples is not None:  # sample-based: the iterations this data-parallel size makes
         job = dataclasses.replace(

@@ -6,23 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
-
-
-def validate_sharding(
-    model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, optim: OptimizerConfig
-) -> None:
-    """What the distributed optimizer and FSDP2 do not compose with yet (also the planner's filter)."""
-    if optim.use_torch_fsdp2 and training.overlap_grad_reduce:
-        raise ConfigError(
-            "--use-torch-fsdp2 overlaps its gradient reduce-scatters by itself; drop --overlap-grad-reduce"
-        )
 
 
 def wrap_for_training(
