@@ -10,6 +10,8 @@ import importlib.util
 import json
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -323,6 +325,10 @@ def test_plan_outputs_and_nodes_are_checked_first(tmp_path, capsys, monkeypatch)
     with pytest.raises(SystemExit):  # (a planner review: the flags were ignored without a word)
         _tool().main(["--hf-config", str(tmp_path / "config.json"), "--", "--num-layers", "2"])
     assert "the pretrain flags after -- (--num-layers ...) would be ignored" in capsys.readouterr().err
+    # run as a script, every error exits 2 (argparse's did, one raised as its message 1)
+    for argv in (["--script", str(tmp_path / "nope.sh")], ["--hf-config", str(tmp_path / "nope")]):
+        run = subprocess.run([sys.executable, str(ROOT / "tools" / "plan_parallelism.py"), *argv], capture_output=True)
+        assert run.returncode == 2 and len(run.stderr.decode().strip().splitlines()) == 1, run
     # the script's own GPUS_PER_NODE x NNODES (it was taken as 8 a node: 12 GPUs were refused, 16 planned 2 x 8)
     monkeypatch.setenv("GPUS_PER_NODE", "4")
     monkeypatch.setenv("NNODES", "3")

@@ -511,4 +511,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # (an error raised as its message exits 1; argparse's, and pretrain's, exit 2)
+        if not isinstance(e.code, str):
+            raise
+        print(e.code, file=sys.stderr)
+        sys.exit(2)
