@@ -129,6 +129,14 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
                     f"config.json use_sliding_window=true with max_window_layers {first} < num_hidden_layers "
                     f"{layers} is not supported for {arch} (windows on some layers only)"
                 )
+        if arch == "Qwen3MoeForCausalLM" and getattr(c, "use_sliding_window", False):
+            # Qwen3-MoE has no layer_types: transformers (4.57 and 5) windows every layer, whatever max_window_layers
+            moe_window = getattr(c, "sliding_window", 4096)  # (transformers' default where config.json has none)
+            if moe_window is not None:
+                raise ConfigError(
+                    f"config.json use_sliding_window=true (sliding_window {moe_window}) is not supported for {arch}; "
+                    "supported: use_sliding_window=false"
+                )
         windowed = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
         window = getattr(c, "sliding_window", None) if arch in windowed else None
         if getattr(c, "layer_types", None) and any(t != "full_attention" for t in c.layer_types) and not window:
