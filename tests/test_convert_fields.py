@@ -233,6 +233,22 @@ REFUSED = {
         "use_sliding_window=true (sliding_window 5) is not supported for Qwen3MoeForCausalLM; supported: "
         "use_sliding_window=false",
     ),
+    # transformers scales DeepSeek's softmax by mscale(factor, mscale_all_dim)^2 under any scaled RoPE; it was
+    # applied under YaRN only
+    "deepseek_v3_llama3_mscale_all_dim": lambda: (
+        cfg := transformers.DeepseekV3Config(
+            q_lora_rank=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            rope_parameters={**LLAMA3, "mscale_all_dim": 1.0},
+            **MLA,
+        ),
+        _without(cfg, rope_parameters=dict(LLAMA3)),
+        "mscale_all_dim=1 with rope_type 'llama3' is not supported for DeepseekV3ForCausalLM; supported: "
+        "mscale_all_dim with rope_type 'yarn' only",
+    ),
 }
 
 

@@ -20,7 +20,7 @@ def config_kwargs(c: Any, arch: str, rope: tuple[float, Any]) -> dict:
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise ConfigError(f"config.json attention_bias / mlp_bias=true is not supported for {arch}")
     if arch == DEEPSEEK_V2:
-        return _base(c, rope) | _v2_moe(c)
+        return _base(c, rope, arch) | _v2_moe(c)
     wanted = (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"))
     bad = [f"{k}={getattr(c, k)!r}" for k, v in wanted if getattr(c, k, v) != v]  # (only the fields it has)
     if bad:
@@ -33,7 +33,8 @@ def config_kwargs(c: Any, arch: str, rope: tuple[float, Any]) -> dict:
             f"config.json norm_topk_prob={str(norm).lower()} with num_experts_per_tok={k} is not supported: the "
             "sigmoid router renormalises its top-k exactly when k > 1 (Megatron's)"
         )
-    kwargs = _base(c, rope)  # (multi-token prediction: the converter reads num_nextn_predict_layers with the weights)
+    # (multi-token prediction: the converter reads num_nextn_predict_layers with the weights)
+    kwargs = _base(c, rope, arch)
     n, first_dense = c.num_hidden_layers, int(c.first_k_dense_replace or 0)
     if c.n_routed_experts and first_dense < n:
         groups = c.n_group if (c.n_group or 1) > 1 else None
@@ -94,7 +95,7 @@ def _group_score_topn(k: int, group_topk: int, hf_rule: int) -> int | None:
 LATENT_NORM_EPS = 1e-6
 
 
-def _base(c: Any, rope: tuple[float, Any]) -> dict:
+def _base(c: Any, rope: tuple[float, Any], arch: str) -> dict:
     base, scaling = rope
     if c.rms_norm_eps != LATENT_NORM_EPS:
         raise ConfigError(
@@ -103,6 +104,14 @@ def _base(c: Any, rope: tuple[float, Any]) -> dict:
             "one --norm-epsilon for every norm"
         )
     params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    m_all = params.get("mscale_all_dim")
+    if scaling is not None and scaling.rope_type != "yarn" and m_all and scaling.factor > 1:
+        # (transformers scales the softmax by mscale(factor, mscale_all_dim)^2 under any scaled RoPE; Megatron's MLA
+        # and ours under YaRN only)
+        raise ConfigError(
+            f"config.json mscale_all_dim={m_all:g} with rope_type {scaling.rope_type!r} is not supported for "
+            f"{arch}; supported: mscale_all_dim with rope_type 'yarn' only"
+        )
     n = c.num_hidden_layers
     kwargs: dict[str, Any] = dict(
         num_layers=n,
