@@ -15,7 +15,7 @@ DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)
 def config_kwargs(c: Any, arch: str, rope: tuple[float, Any]) -> dict:
     """ModelConfig fields of DeepSeek-V2/V3's config.json: multi-latent attention, then MoE layers after
     first_k_dense_replace dense ones. `rope`: its (base, RopeScaling) as hf.py reads them."""
-    if getattr(c, "hidden_act", "silu") != "silu":
+    if getattr(c, "hidden_act", "silu") not in ("silu", "swish"):  # (transformers' two names of one function)
         raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise ConfigError(f"config.json attention_bias / mlp_bias=true is not supported for {arch}")
