@@ -252,6 +252,21 @@ REFUSED = {
         "mscale_all_dim=1 with rope_type 'llama3' is not supported for DeepseekV3ForCausalLM; supported: "
         "mscale_all_dim with rope_type 'yarn' only",
     ),
+    # a window on every Qwen3 layer (transformers 5's layer_types): the message said nothing of what runs
+    "qwen3_sliding_window_every_layer": lambda: (
+        cfg := transformers.Qwen3Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=0,
+            **SMALL,
+        ),
+        _without(cfg, use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * 2),
+        "layer_types ['sliding_attention'] are not supported for Qwen3ForCausalLM; supported: full_attention on "
+        "every layer (use_sliding_window=false)",
+    ),
 }
 
 

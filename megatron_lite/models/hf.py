@@ -143,7 +143,10 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         windowed = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
         window = getattr(c, "sliding_window", None) if arch in windowed else None
         if getattr(c, "layer_types", None) and any(t != "full_attention" for t in c.layer_types) and not window:
-            raise ConfigError(f"config.json layer_types {sorted(set(c.layer_types))} are not supported for {arch}")
+            raise ConfigError(
+                f"config.json layer_types {sorted(set(c.layer_types))} are not supported for {arch}; supported: "
+                "full_attention on every layer (use_sliding_window=false)"
+            )
         attention_bias = getattr(c, "attention_bias", False)
         if attention_bias and arch not in ("Qwen2ForCausalLM", "NemotronForCausalLM"):
             raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
