@@ -17,11 +17,19 @@ import contextlib
 import functools
 import itertools
 import os
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Imported now, before any process group exists: its functions take `group=group.WORLD` as a default, evaluated
+# when the module is first imported. torch.optim's constructor imports it (through torch._dynamo) after the job
+# has joined its world, and those defaults then held the default group's gloo backend past
+# destroy_process_group: its worker threads lived into the interpreter's shutdown, where a gloo group left alive
+# can abort the process ("terminate called without an active exception") after the job has finished.
+import torch.distributed.nn.functional  # noqa: F401
 
 from megatron_lite.comm_timer import CommTimer
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
@@ -363,3 +371,28 @@ def initialize(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), store=store
         )
     return ParallelContext.build(parallel)
+
+
+# The device meshes FSDP2 was given over our groups (distributed/fsdp.py): see destroy_process_groups.
+_MESHES: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_mesh(mesh):
+    """Remember a device mesh made over this job's groups, so destroy_process_groups releases its groups."""
+    _MESHES.add(mesh)
+    return mesh
+
+
+def destroy_process_groups() -> None:
+    """Leave the job's world: destroy every process group (ours, DeviceMesh's and FSDP2's are all registered with
+    c10d) and drop the references our device meshes hold to them. A mesh outlives the job in torch's DTensor
+    caches (sharding propagation, mesh topology), and through it its groups' gloo backends, whose worker threads
+    then lived into the interpreter's shutdown, where a gloo group left alive can abort the process after the job
+    has finished ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for mesh in list(_MESHES):
+        registry = getattr(mesh, "_pg_registry", None)  # (torch >= 2.9 keeps a mesh's groups there)
+        if isinstance(registry, dict):
+            registry.clear()
+    _MESHES.clear()

@@ -44,7 +44,7 @@ from megatron_lite.optimizer.optimizer import (
     state_entry,
     state_kinds,
 )
-from megatron_lite.parallel_context import Group, ParallelContext
+from megatron_lite.parallel_context import Group, ParallelContext, track_mesh
 from megatron_lite.parameters import named_param_meta
 
 
@@ -90,14 +90,14 @@ class FSDP2Model(nn.Module):
 
         def mesh_of(group: Group) -> DeviceMesh:
             if group.size > 1:
-                return DeviceMesh.from_group(group.pg, device_type)
+                return track_mesh(DeviceMesh.from_group(group.pg, device_type))
             if dist.get_world_size() == 1:
-                return DeviceMesh(device_type, [0])
+                return track_mesh(DeviceMesh(device_type, [0]))
             # a group of one inside a larger job: every rank creates every singleton group, in the same order,
             # as new_group requires (once), and keeps its own
             if not singles:
                 singles.extend(dist.new_group([r]) for r in range(dist.get_world_size()))
-            return DeviceMesh.from_group(singles[dist.get_rank()], device_type)
+            return track_mesh(DeviceMesh.from_group(singles[dist.get_rank()], device_type))
 
         self.mesh = mesh_of(ctx.dp_cp)
         # experts are sharded over the ranks that hold the same experts (expert-data-parallel), the rest over DP

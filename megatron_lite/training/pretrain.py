@@ -9,6 +9,7 @@ rank with one line instead of leaving some rank waiting in a collective.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -36,7 +37,7 @@ from megatron_lite.models.gpt_model import build_model
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import any_rank
-from megatron_lite.parallel_context import ParallelContext, initialize
+from megatron_lite.parallel_context import ParallelContext, destroy_process_groups, initialize
 from megatron_lite.resilience import inject
 from megatron_lite.resilience.flight_recorder import FlightRecorder
 from megatron_lite.resilience.guards import ExitSignal
@@ -517,8 +518,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if recorder is not None:  # (its watchdog would otherwise outlive the run, in an in-process caller's next)
             recorder.uninstall()
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # (main then destroys the groups)
     if signalled:  # every rank says so: the launcher reports the signal, not its workers' exit codes
         saved_it = "saved and exiting" if job.checkpoint.save else "exiting without a checkpoint (no --save)"
         print(f"[rank {ctx.rank}] {saved_it} with code 0 after {job.resilience.exit_signal}", flush=True)
@@ -548,6 +548,16 @@ def _over_time(t, job_start: float, ctx: ParallelContext) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        return _main(argv)
+    finally:
+        # however it ended, every group is destroyed and what held one (FSDP2's state, in cycles) collected now:
+        # a gloo group left to the interpreter's shutdown can abort the finished process (destroy_process_groups)
+        destroy_process_groups()
+        gc.collect()
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
         ns, job = parse_args(argv)
         inject.parse(os.environ.get(inject.ENV))  # (a malformed fault to inject: one line, before any group)
         if job.dry_run:
@@ -567,20 +577,14 @@ def main(argv: list[str] | None = None) -> int:
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:
         report_error(e, dist.is_initialized())  # (once per node: it was said by every rank, twice in two forms)
-        if dist.is_initialized():  # (found once the group existed: a group left to the interpreter's exit
-            dist.destroy_process_group()  # aborted it at times, torchrun then naming SIGABRT, not this exit code)
         return 2
-    except SaveFailed as e:
+    except SaveFailed as e:  # (every rank failed at the same point: none waits in a collective)
         print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():  # (every rank failed at the same point: none waits in a collective)
-            dist.destroy_process_group()
         return 1
     except TrainingHalted as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"halted (rank {rank}): {e}", file=sys.stderr, flush=True)
+        print(f"halted (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
         if dist.is_initialized():  # every rank halts at the same point: leave together
             dist.barrier()
-            dist.destroy_process_group()
         return 3
     except Exception as e:
         if not peer_lost(e):
