@@ -300,6 +300,22 @@ class FlightRecorder:
         )
 
 
+def leave(recorder: FlightRecorder | None, together: bool) -> None:
+    """The end of a job. With `together` (every rank ends the run at this point: done, or halted), a barrier of the
+    world still watched by `recorder`, so a rank that died or is stuck at its end is reported at the timeout: this
+    barrier came after the recorder was uninstalled and waited, unexplained, for gloo's longer timeout. Then the
+    recorder is uninstalled, whatever happened (its watchdog would otherwise outlive the run, in an in-process
+    caller's next)."""
+    try:
+        if together and dist.is_initialized():
+            if recorder is not None:
+                recorder.where = "the job's final barrier (every rank leaves together)"
+            dist.barrier()
+    finally:
+        if recorder is not None:
+            recorder.uninstall()
+
+
 # A live rank's watchdog publishes every second: a state unchanged over this long is a frozen or lost rank's
 LIVENESS_S = 3.0
 

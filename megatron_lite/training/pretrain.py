@@ -39,7 +39,7 @@ from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext, destroy_process_groups, initialize
 from megatron_lite.resilience import inject
-from megatron_lite.resilience.flight_recorder import FlightRecorder
+from megatron_lite.resilience.flight_recorder import FlightRecorder, leave
 from megatron_lite.resilience.guards import ExitSignal
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
 from megatron_lite.start_up_error import report_error
@@ -159,6 +159,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
     exit_code = 0  # W&B's run state: 1 on an exception, 3 (the process's) on a halt
     train_batches = None
+    leave_together = False  # the run ended where every rank ends it (done, or halted): a final barrier
     try:  # the logger is closed however the run ends (a halt too: W&B's run finished)
         for line in notes:
             log.info(line)
@@ -494,6 +495,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 signalled = True
                 break
         profiler.close()  # a window the run ended inside
+        if recorder is not None:  # (what a rank that holds up the final barrier is said to be doing)
+            recorder.where = "finishing (the final save and evaluation, then closing the logs)"
         # As Megatron's pretrain(): the final save, then the validation set and the test set
         if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             save()
@@ -504,8 +507,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if test_ds is not None and in_time:
                 evaluate(test_ds, "test", final=True)
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
+        leave_together = True
     except BaseException as e:
         exit_code = 3 if isinstance(e, TrainingHalted) else 1
+        leave_together = isinstance(e, TrainingHalted)  # (every rank halts at the same point)
         if isinstance(e, TrainingHalted) and job.checkpoint.save and ctx.rank == 0:
             mark_halted(job.checkpoint.save, str(e))
         raise
@@ -515,10 +520,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         log.close(exit_code=exit_code)
         if exit_signal is not None:  # (the handler this run installed; an in-process caller gets its own back)
             exit_signal.restore()
-        if recorder is not None:  # (its watchdog would otherwise outlive the run, in an in-process caller's next)
-            recorder.uninstall()
-    if dist.is_initialized():
-        dist.barrier()  # (main then destroys the groups)
+        leave(recorder, together=leave_together)  # (the final barrier, then the recorder uninstalled)
     if signalled:  # every rank says so: the launcher reports the signal, not its workers' exit codes
         saved_it = "saved and exiting" if job.checkpoint.save else "exiting without a checkpoint (no --save)"
         print(f"[rank {ctx.rank}] {saved_it} with code 0 after {job.resilience.exit_signal}", flush=True)
@@ -581,10 +583,8 @@ def _main(argv: list[str] | None) -> int:
     except SaveFailed as e:  # (every rank failed at the same point: none waits in a collective)
         print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
         return 1
-    except TrainingHalted as e:
+    except TrainingHalted as e:  # (every rank halted at the same point and left run's final barrier together)
         print(f"halted (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():  # every rank halts at the same point: leave together
-            dist.barrier()
         return 3
     except Exception as e:
         if not peer_lost(e):
