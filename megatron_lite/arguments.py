@@ -474,13 +474,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     if {"grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"} <= given and ns.bf16:
         ns.accumulate_allreduce_grads_in_fp32 = False  # both given: bf16 wins, as in Megatron's validate_args
     path = find_checkpoint(ns.load, ns.ckpt_step, own=same_directory(ns.load, ns.save)) if ns.load else None
+    resumed = False
     if ns.save and not ns.no_auto_resume and not same_directory(ns.load, ns.save):
         # a restart resumes from its own --save (training/resume.starting_checkpoint): that is the checkpoint
         # whose architecture the flags must agree with (a changed --rotary-base there trained other math)
-        path = find_checkpoint(ns.save, own=True, flag="--save") or path
+        own = find_checkpoint(ns.save, own=True, flag="--save")
+        path, resumed = own or path, own is not None
     if path is not None:
         meta = read_metadata(path)
-        ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"))
+        ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed)
         if ns.rampup_batch_size and ns.train_samples is None and not given & {"rampup_batch_size", "train_iters"}:
             ns.old_rampup = True  # (saved before the refusal: it resumes as it ran)
             ns.schedule_notes.append(

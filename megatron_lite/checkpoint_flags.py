@@ -254,12 +254,16 @@ def _schedule_notes(
     full: dict,
     has_lengths: bool = True,
     has_schedule: bool = True,
+    resumed: bool = False,
 ) -> list[str]:
     """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those
     this run takes as defaults); returns the notes to log. Nothing to reconcile where no schedule state is
     loaded (--finetune, --no-load-optim, or a checkpoint that holds none, as a conversion's): the flags are the
-    schedule (the notes had compared them with a conversion's placeholder values)."""
-    if not has_schedule or ns.finetune or ns.no_load_optim:
+    schedule (the notes had compared them with a conversion's placeholder values). A job `resumed` from its own
+    --save loads its schedule whatever those flags say (they were for its starting checkpoint), unless it saved
+    none (--no-save-optim)."""
+    fresh = ns.no_save_optim if resumed else ns.finetune or ns.no_load_optim
+    if not has_schedule or fresh:
         return []
     changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
     old_gbs, gbs = full.get("global_batch_size"), ns.global_batch_size
@@ -395,10 +399,12 @@ def flags_from_checkpoint(
     config: dict,
     path: str,
     scheduler: dict | None = None,
+    resumed: bool = False,
 ) -> argparse.Namespace:
     """The flags of `argv` parsed again with the checkpoint's values (its metadata's `config`) as the defaults of
     flags not given: an explicit flag that would change the weights' architecture is refused (unless
-    --use-checkpoint-args), schedule flags that differ are noted (ns.schedule_notes)."""
+    --use-checkpoint-args), schedule flags that differ are noted (ns.schedule_notes). `resumed`: the checkpoint
+    is the job's own, in --save, which a restart resumes whole, also a --finetune job's (read as any resume)."""
     saved = defaults_from_checkpoint(config)
     if "tokenizer_model" in saved:
         saved["tokenizer_model"] = tokenizer_beside(saved["tokenizer_model"], path)
@@ -459,9 +465,10 @@ def flags_from_checkpoint(
             f"{saved['lora_alpha']:g}: drop the flag"
         )
     notes = []
-    if (
-        ns.finetune
-    ):  # (its schedule, seed and the rest had come over too: warmup, decay style, a --min-lr above the new --lr)
+    # (--finetune: the schedule, seed and the rest had come over too: warmup, decay style, a --min-lr above the new
+    # --lr; a fine-tune restarted from its own --save goes on with the flags it saved, as any resume)
+    finetune = ns.finetune and not resumed
+    if finetune:
         saved = {k: v for k, v in saved.items() if k in ARCH_DESTS or k in FINETUNE_KEEPS}
         notes.append(
             "--finetune: the model's settings (architecture, routing, tokenizer) are the checkpoint's; the training "
@@ -499,13 +506,13 @@ def flags_from_checkpoint(
     parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
-    if not ns.finetune and (listed := [_flag(parser, k, v) for k, v in taken.items() if k not in ARCH_DESTS]):
+    if not finetune and (listed := [_flag(parser, k, v) for k, v in taken.items() if k not in ARCH_DESTS]):
         # (Megatron takes nothing but --use-checkpoint-args' model flags: say what came over, as a switch left
         # on there, --eod-mask-loss say, is not turned off by leaving its flag out here)
         notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
     ns.schedule_notes = notes + _schedule_notes(
-        ns, saved, given, full, scheduler is None or "lengths" in scheduler, scheduler is not None
+        ns, saved, given, full, scheduler is None or "lengths" in scheduler, scheduler is not None, resumed
     )
     if ns.use_checkpoint_args:
         for d in ARCH_DESTS:

@@ -256,3 +256,23 @@ def test_a_time_limit_reached_in_the_final_validation_skips_the_test_set(tmp_pat
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "exiting during the validation evaluation" in out and "test evaluation" not in out, out
+
+
+def test_a_finetune_restarted_from_its_own_save_notes_a_changed_schedule(tmp_path, capsys, monkeypatch):
+    """A --load BASE --finetune --save OWN job restarted resumes OWN whole, its schedule state included: a longer
+    --train-iters (or another --lr) then moves the LR as on any resume, and says so (it moved silently, the flags
+    read as a fresh fine-tune's)."""
+    base, own = str(tmp_path / "base"), str(tmp_path / "own")
+    _job([*RUN, "--train-iters", "3", "--save", base], tmp_path / "a.jsonl", capsys, monkeypatch)
+    tune = [*RUN, "--load", base, "--finetune", "--save", own]
+    first, out = _job([*tune, "--train-iters", "4"], tmp_path / "b.jsonl", capsys, monkeypatch)
+    assert [r["iteration"] for r in first] == [1, 2, 3, 4]
+    longer, out = _job([*tune, "--train-iters", "6"], tmp_path / "c.jsonl", capsys, monkeypatch)
+    assert [r["iteration"] for r in longer] == [5, 6]  # (resumed at 4, not fine-tuned from the base again)
+    assert "--train-iters 6 differs from the checkpoint's 4 and the LR decay, given no --lr-decay-iters" in out
+    _, out = _job([*tune, "--train-iters", "8", "--lr", "5e-4"], tmp_path / "d.jsonl", capsys, monkeypatch)
+    assert "--lr 0.0005 differs from the checkpoint's 0.001" in out
+    # a fresh fine-tune (no checkpoint of its own yet) has no schedule to compare with
+    _, out = _job([*RUN, "--load", base, "--finetune", "--save", str(tmp_path / "fresh")], tmp_path / "e.jsonl",
+                  capsys, monkeypatch)  # fmt: skip
+    assert "differs from the checkpoint's" not in out
