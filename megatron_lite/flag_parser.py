@@ -495,7 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(lo, "--qlora", "store the adapted layers' frozen weights in NF4 (4.127 bits per parameter)")
 
     f = parser.add_argument_group("fault tolerance")
-    _bool(f, "--no-auto-resume", "with --save DIR holding a checkpoint and no --load, start over instead of resuming")
+    _bool(
+        f,
+        "--no-auto-resume",
+        "with --save DIR holding a checkpoint (and --load none or another directory), start from --load, or from "
+        "scratch, instead of resuming DIR's newest",
+    )
     _bool(f, "--exit-signal-handler", "on --exit-signal, every rank saves at the next iteration and exits 0")
     f.add_argument("--exit-signal", default="SIGTERM", help="the signal --exit-signal-handler acts on")
     f.add_argument(

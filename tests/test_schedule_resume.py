@@ -276,3 +276,20 @@ def test_a_finetune_restarted_from_its_own_save_notes_a_changed_schedule(tmp_pat
     _, out = _job([*RUN, "--load", base, "--finetune", "--save", str(tmp_path / "fresh")], tmp_path / "e.jsonl",
                   capsys, monkeypatch)  # fmt: skip
     assert "differs from the checkpoint's" not in out
+
+
+def test_no_auto_resume_starts_from_load_as_its_help_says(tmp_path, capsys, monkeypatch):
+    """--save holding a checkpoint is resumed over --load BASE too; --no-auto-resume starts from BASE instead. Its
+    --help said it applied only with "no --load" (from a README walk-through checking each script's --help)."""
+    from megatron_lite.flag_parser import build_parser
+
+    (action,) = [a for a in build_parser()._actions if "--no-auto-resume" in a.option_strings]
+    assert "no --load" not in action.help and "start from --load" in action.help
+    base, own = str(tmp_path / "base"), str(tmp_path / "own")
+    _job([*RUN, "--train-iters", "3", "--save", base], tmp_path / "a.jsonl", capsys, monkeypatch)
+    _job([*RUN, "--train-iters", "5", "--save", own], tmp_path / "b.jsonl", capsys, monkeypatch)
+    resumed, _ = _job([*RUN, "--load", base, "--save", own], tmp_path / "c.jsonl", capsys, monkeypatch)
+    assert [r["iteration"] for r in resumed] == [6, 7, 8]  # (own's newest, iteration 5)
+    fresh, _ = _job([*RUN, "--load", base, "--save", own, "--no-auto-resume"], tmp_path / "d.jsonl", capsys,
+                    monkeypatch)  # fmt: skip
+    assert [r["iteration"] for r in fresh] == [4, 5, 6, 7, 8]  # (base's iteration 3)

@@ -90,7 +90,7 @@ SPIKE_POLICIES = ("report", "rollback")
 class ResilienceConfig:
     """What keeps a long job going and makes its failures explain themselves."""
 
-    auto_resume: bool = True  # with --save DIR holding a checkpoint and no --load, resume from it
+    auto_resume: bool = True  # with --save DIR holding a checkpoint (--load none or elsewhere), resume from it
     exit_signal_handler: bool = False  # the signal makes every rank save at the next iteration and exit 0
     exit_signal: str = "SIGTERM"
     nan_policy: str = "halt"  # on a non-finite loss or gradient (--check-for-nan-in-loss-and-grad)
