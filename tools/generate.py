@@ -79,13 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         "would alone, up to rounding",
     )
     p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
     # (--top_p / --top_k: Megatron's generation scripts' spelling; its top_p 0 is no filter, as 1 here)
     p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="1 (or 0): no top-p filter")
     p.add_argument(
         "--top-k", "--top_k", dest="top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)"
     )
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="the sampling seed (default 1234)")
     p.add_argument(
         "--stop-ids",
         default=None,
@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --prompt: the tokenizer (a tokenizer.json or its directory) in place of the one the checkpoint "
         "names (a path relative to where training ran, or another machine's)",
     )
-    p.add_argument("--output-json")
+    p.add_argument(
+        "--output-json", help="write generated_ids, logprobs and prompt_logprobs here (a list with --prompts-file)"
+    )
     p.add_argument(
         "--top-n-logprobs",
         type=int,
@@ -106,16 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --output-json: at each generated token, the N most likely tokens and their log-probabilities "
         "(Megatron's top_n_logprobs)",
     )
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    for kind in ("tensor", "pipeline", "expert"):  # (any layout: the checkpoint is layout-free)
+        p.add_argument(f"--{kind}-model-parallel-size", type=int, default=1, help="under torchrun (default 1)")
     p.add_argument("--bf16", action="store_true", help="run in bf16 (default fp32)")
     p.add_argument(
         "--kernel-impl",
         choices=["torch", "triton"],
         help="default: triton on CUDA, torch on a CPU (as pretrain_gpt.py); triton where it cannot run is refused",
     )
-    p.add_argument("--distributed-backend", choices=["nccl", "gloo"])
+    p.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, else gloo")
     return p
 
 

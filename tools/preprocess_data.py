@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True, help="files or globs")
-    g.add_argument("--json-keys", nargs="+", default=["text"])
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="the JSON keys tokenized, one dataset each")
     g.add_argument("--text-files", action="store_true", help="inputs are plain text, one document per file")
     g.add_argument(
         "--split-sentences",
@@ -157,17 +157,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     g = p.add_argument_group("tokenizer")
     g.add_argument(
-        "--tokenizer-type", required=True, type=tokenizer_type_flag, metavar="{" + ",".join(TOKENIZER_TYPES) + "}"
+        "--tokenizer-type",
+        required=True,
+        type=tokenizer_type_flag,
+        metavar="{" + ",".join(TOKENIZER_TYPES) + "}",
+        help="Megatron's tokenizer names",
     )
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--append-eod", action="store_true")
+    g.add_argument(
+        "--tokenizer-model",
+        help="a tokenizer.json, or a model directory holding one (its eos from special_tokens_map.json or "
+        "tokenizer_config.json); Llama2Tokenizer / GPTSentencePieceTokenizer: a tokenizer.model with its "
+        "tokenizer.json beside it",
+    )
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary (its end-of-document id)")
+    g.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document token")
     g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", required=True)
-    g.add_argument("--workers", type=int, default=1)
-    g.add_argument("--log-interval", type=int, default=1000)
+    g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin and .idx")
+    g.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     args = p.parse_args(argv)
     try:
         if args.split_sentences or args.keep_newlines or args.lang:
