@@ -450,7 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens attend only within their own document (the flash kernel skips other documents' blocks; "
         "--kernel-impl torch: SDPA with a [batch, 1, seq, seq] mask)",
     )
-    _bool(a, "--sft", "--data-path is a JSONL file of {prompt, response} records; loss on the responses only")
+    _bool(
+        a,
+        "--sft",
+        "--data-path is a JSONL file of {prompt, response} records (TRL's completion for response); loss on the "
+        "responses only",
+    )
 
     c = parser.add_argument_group("checkpointing")
     c.add_argument("--save")
