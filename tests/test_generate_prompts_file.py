@@ -93,3 +93,17 @@ def test_ranks_that_find_different_checkpoints_are_refused(tiny_checkpoint, tmp_
     said = [line for line in out.stderr.splitlines() if "different configurations or see different files" in line]
     assert said and f"checkpoint: ranks [0]: '{tiny_checkpoint}" in said[0], out.stderr[-3000:]
     assert "exitcode  : 2" in out.stderr or "exitcode: 2" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        # the prompt's scores went nowhere: an empty line printed, exit 0
+        (["--max-new-tokens", "0"], "--max-new-tokens 0 scores the prompt"),
+    ],
+)
+def test_flags_that_would_do_nothing_are_one_line(tiny_checkpoint, capsys, extra, said):
+    argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy", *extra]
+    assert generate_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="max_new_tokens",
         type=int,
         default=32,
-        help="0: score the prompt (its log-probabilities)",
+        help="0: score the prompt (its log-probabilities, written to --output-json)",
     )
     p.add_argument(
         "--inference-max-requests",
@@ -264,6 +264,11 @@ def run(args: argparse.Namespace) -> int:
         check_output_path("--output-json", args.output_json)
     if args.top_n_logprobs and not args.output_json:
         raise ConfigError("--top-n-logprobs is written to --output-json: add --output-json FILE")
+    if args.max_new_tokens == 0 and not args.output_json:  # (it printed an empty line and dropped the scores)
+        raise ConfigError(
+            "--max-new-tokens 0 scores the prompt, and its log-probabilities are written to --output-json: add "
+            "--output-json FILE, or generate with --max-new-tokens N > 0"
+        )
     if args.inference_max_requests < 1:
         raise ConfigError(f"--inference-max-requests {args.inference_max_requests} must be >= 1")
     if args.max_new_tokens < 0:
