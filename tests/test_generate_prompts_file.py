@@ -100,6 +100,8 @@ def test_ranks_that_find_different_checkpoints_are_refused(tiny_checkpoint, tmp_
     [
         # the prompt's scores went nowhere: an empty line printed, exit 0
         (["--max-new-tokens", "0"], "--max-new-tokens 0 scores the prompt"),
+        # the stop ids were dropped without a word
+        (["--ignore-eos", "--stop-ids", "5"], "--ignore-eos generates --max-new-tokens whatever comes"),
     ],
 )
 def test_flags_that_would_do_nothing_are_one_line(tiny_checkpoint, capsys, extra, said):

@@ -273,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--inference-max-requests {args.inference_max_requests} must be >= 1")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 0 (0 scores the prompt)")
+    if args.ignore_eos and args.stop_ids is not None:  # (the stop ids were dropped without a word)
+        raise ConfigError(
+            f"--ignore-eos generates --max-new-tokens whatever comes, and --stop-ids {args.stop_ids} names tokens "
+            "to stop at: give one of them"
+        )
     _check_sampling(args)
     sampling = SamplingConfig(args.greedy, args.temperature, args.top_p, args.seed, args.top_k)
     parallel = ParallelConfig(
