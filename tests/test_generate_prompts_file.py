@@ -3,6 +3,8 @@ skips) are counted, so the line named is the one to fix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -109,3 +111,27 @@ def test_flags_that_would_do_nothing_are_one_line(tiny_checkpoint, capsys, extra
     assert generate_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said in err[0], err
+
+
+def test_tokenizer_model_decodes_token_id_prompts_output(tiny_checkpoint, tmp_path, capsys):
+    """--tokenizer-model with --prompt-ids was ignored without a word (a path that does not exist too): it now
+    decodes the output, as it would a text prompt's, and a bad path is its own one line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50)}, unk_token="w0"))  # (the model's 50 ids)
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w49"}))
+    out = tmp_path / "o.json"
+    argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--greedy", "--ignore-eos"]
+    assert generate_cli.main([*argv, "--tokenizer-model", path, "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["text"] == " ".join(f"w{i}" for i in r["generated_ids"]), r
+    assert capsys.readouterr().out.strip() == r["text"]
+    missing = str(tmp_path / "none")
+    assert generate_cli.main([*argv, "--tokenizer-model", missing]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--tokenizer-model {missing}: no such file" in err[0] and "checkpoint's" not in err[0], (
+        err
+    )

@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens whatever comes (no stop ids)")
     p.add_argument(
         "--tokenizer-model",
-        help="with --prompt: the tokenizer (a tokenizer.json or its directory) in place of the one the checkpoint "
-        "names (a path relative to where training ran, or another machine's)",
+        help="the tokenizer (a tokenizer.json or its directory) in place of the one the checkpoint names (a path "
+        "relative to where training ran, or another machine's): it encodes --prompt and decodes the output, also "
+        "of token-id prompts",
     )
     p.add_argument(
         "--output-json", help="write generated_ids, logprobs and prompt_logprobs here (a list with --prompts-file)"
@@ -215,6 +216,8 @@ def _tokenizer(args: argparse.Namespace, meta: dict, path: str, vocab_size: int)
     try:
         tokenizer = tokenizer_from_flags(flags)
     except ConfigError as e:
+        if args.tokenizer_model:  # (its own message names it; 'pass --tokenizer-model' is no fix for it)
+            raise
         raise ConfigError(f"the checkpoint's tokenizer cannot be read here ({e}); pass --tokenizer-model") from None
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
@@ -249,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     )
     records = _records(args)
     texts = any(isinstance(r.get("prompt"), str) for r in records)
-    tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts else None
+    # (token-id prompts with --tokenizer-model: it decodes the output; it was ignored, a missing path too)
+    tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts or args.tokenizer_model else None
     prompts = [tokenizer.encode(r["prompt"]) if isinstance(r.get("prompt"), str) else r["prompt_ids"] for r in records]
     where = lambda i: f" (--prompts-file line {records[i]['_line']})" if args.prompts_file else ""  # noqa: E731
     for i, prompt in enumerate(prompts):
@@ -330,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         # the tokenizer's end, and those the Hugging Face model's generation config stops at (transformers',
         # also for --prompt-ids)
-        ends = [tokenizer.eod if tokenizer is not None else None, *generation_eos_ids(path, saved)]
+        ends = [tokenizer.eod if texts else None, *generation_eos_ids(path, saved)]
         stop = tuple(dict.fromkeys(i for i in ends if i is not None and 0 <= i < model_cfg.vocab_size))
     # (transformers' generate() applies the rest of the model's generation_config.json; from a review: a sampling
     # default or a repetition_penalty there gave other tokens without a word)
