@@ -135,3 +135,19 @@ def test_tokenizer_model_decodes_token_id_prompts_output(tiny_checkpoint, tmp_pa
     assert len(err) == 1 and f"--tokenizer-model {missing}: no such file" in err[0] and "checkpoint's" not in err[0], (
         err
     )
+
+
+def test_a_prompts_file_too_long_for_learned_positions_names_its_line(tmp_path, capsys):
+    """GPT-2's learned positions: the refusal named the longest prompt's length but not its line in the file."""
+    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=8)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    argv = ["--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(tmp_path / "hf")]
+    assert convert.main([*argv, "--save-dir", str(tmp_path / "ours")]) == 0
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [1, 2, 3, 4, 5, 6, 7]}\n{"prompt_ids": [3]}\n')
+    capsys.readouterr()
+    argv = ["--load", str(tmp_path / "ours"), "--prompts-file", str(path), "--max-new-tokens", "3", "--greedy"]
+    assert generate_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "7 tokens (--prompts-file line 3)" in err[0] and "8 learned positions" in err[0], err

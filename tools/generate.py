@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"the prompt is empty{where(i)} (no ids; the tokenizer adds no BOS to an empty text)")
         if max(prompt) >= model_cfg.vocab_size or min(prompt) < 0:
             raise ConfigError(f"the prompt's ids must be in [0, {model_cfg.vocab_size}){where(i)}; got {prompt[:8]}")
-    prompt = max(prompts, key=len)  # (the longest sizes the checks below)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # (the longest sizes the checks below)
+    prompt = prompts[longest]
     if args.top_n_logprobs < 0:
         raise ConfigError(f"--top-n-logprobs {args.top_n_logprobs} must be >= 0")
     if args.output_json:  # (before the model loads and generates, not after)
@@ -295,8 +296,8 @@ def run(args: argparse.Namespace) -> int:
     positions, layers, pp = model_cfg.max_position_embeddings, model_cfg.num_layers, args.pipeline_model_parallel_size
     if model_cfg.position_embedding_type == "learned_absolute" and training.seq_length > positions:
         raise ConfigError(
-            f"the prompt's {len(prompt)} tokens and --max-new-tokens {args.max_new_tokens} exceed the checkpoint's "
-            f"{positions} learned positions: shorten the prompt or lower --max-new-tokens"
+            f"the prompt's {len(prompt)} tokens{where(longest)} and --max-new-tokens {args.max_new_tokens} exceed "
+            f"the checkpoint's {positions} learned positions: shorten the prompt or lower --max-new-tokens"
         )
     if pp > 0 and layers % pp:
         fits = [d for d in range(1, layers + 1) if layers % d == 0]
@@ -306,8 +307,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if model_cfg.position_embedding_type == "rope" and training.seq_length > positions:  # (Megatron refuses)
         scaled = f" ({model_cfg.rope_scaling.rope_type} RoPE scaling)" if model_cfg.rope_scaling is not None else ""
-        _note(f"the prompt and --max-new-tokens reach position {training.seq_length}, past the checkpoint's "
-              f"max_position_embeddings {positions}{scaled}: the model was not trained that far")  # fmt: skip
+        _note(
+            f"the prompt{where(longest)} and --max-new-tokens reach position {training.seq_length}, past the "
+            f"checkpoint's max_position_embeddings {positions}{scaled}: the model was not trained that far"
+        )
     validate_layout(model_cfg, parallel, world, training)
     lora = saved_lora_config(saved)
     base = lora_base_checkpoint(lora.base, path, lora.base_fingerprint) if lora is not None and lora.base else None
