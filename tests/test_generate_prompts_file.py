@@ -151,3 +151,21 @@ def test_a_prompts_file_too_long_for_learned_positions_names_its_line(tmp_path, 
     assert generate_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "7 tokens (--prompts-file line 3)" in err[0] and "8 learned positions" in err[0], err
+
+
+def test_a_prompts_file_prints_one_json_line_per_prompt(tiny_checkpoint, tmp_path, capsys):
+    """Each prompt's text was printed as it was: a text holding a newline spread over several lines, so the
+    output could not be matched to the prompts. Now one JSON line each, naming its line in the file."""
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({f"a\nb{i}": i for i in range(50)}, unk_token="a\nb0"))  # (every id: a newline)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a\nb49"}))
+    path, out = tmp_path / "p.jsonl", tmp_path / "o.json"
+    path.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [4, 5, 6]}\n')
+    argv = ["--load", tiny_checkpoint, "--prompts-file", str(path), "--max-new-tokens", "3", "--greedy", "--ignore-eos"]
+    assert generate_cli.main([*argv, "--tokenizer-model", str(tmp_path), "--output-json", str(out)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    written = json.loads(out.read_text())
+    assert [p["line"] for p in printed] == [1, 3] and all("\n" in r["text"] for r in written), printed
+    assert [(p["text"], p["generated_ids"]) for p in printed] == [(r["text"], r["generated_ids"]) for r in written]

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--prompts-file",
         help='JSONL, one prompt a line ({"prompt": text} or {"prompt_ids": [ids]}), generated in batches '
-        "(--inference-max-requests) by the model loaded once; --output-json then writes a list",
+        '(--inference-max-requests) by the model loaded once; printed as JSONL ({"line": its line in the file, '
+        '"generated_ids": [...], "text": ...}), and --output-json then writes a list',
     )
     p.add_argument(
         "--max-new-tokens",
@@ -381,7 +382,10 @@ def run(args: argparse.Namespace) -> int:
         result = {"prompt_ids": prompt, **outs[i], "checkpoint": path, "iteration": meta["iteration"]}
         if tokenizer is not None:
             result["text"] = tokenizer.decode(outs[i]["generated_ids"])
-        if writer:
+        if writer and args.prompts_file:  # one JSON line a prompt (a text holding newlines spread over several)
+            shown = {k: result[k] for k in ("text", "generated_ids") if k in result}
+            print(json.dumps({"line": records[i]["_line"], **shown}), flush=True)
+        elif writer:
             print(result.get("text", " ".join(map(str, outs[i]["generated_ids"]))), flush=True)
         results.append(result)
     if writer and args.output_json:
