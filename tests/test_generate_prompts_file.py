@@ -169,3 +169,10 @@ def test_a_prompts_file_prints_one_json_line_per_prompt(tiny_checkpoint, tmp_pat
     written = json.loads(out.read_text())
     assert [p["line"] for p in printed] == [1, 3] and all("\n" in r["text"] for r in written), printed
     assert [(p["text"], p["generated_ids"]) for p in printed] == [(r["text"], r["generated_ids"]) for r in written]
+
+
+def test_every_flag_says_what_it_does_in_help():
+    """--help listed --temperature, --seed, --output-json, the parallel sizes and --distributed-backend without a
+    word (what --output-json writes, or that the seed gives the same tokens at any layout, was only in the code)."""
+    bare = [a.option_strings[0] for a in generate_cli.build_parser()._actions if not a.help]
+    assert bare == [], bare

@@ -80,13 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
         "would alone, up to rounding",
     )
     p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling: softmax(logits / T); must be > 0 (--greedy for the most likely token)",
+    )
     # (--top_p / --top_k: Megatron's generation scripts' spelling; its top_p 0 is no filter, as 1 here)
     p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="1 (or 0): no top-p filter")
     p.add_argument(
         "--top-k", "--top_k", dest="top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)"
     )
-    p.add_argument("--seed", type=int, default=1234, help="the sampling seed (default 1234)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="sampling: the same seed draws the same tokens at any TP/PP layout; each prompt of --prompts-file "
+        "draws from its own generator seeded with it (as it would alone)",
+    )
     p.add_argument(
         "--stop-ids",
         default=None,
@@ -101,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "of token-id prompts",
     )
     p.add_argument(
-        "--output-json", help="write generated_ids, logprobs and prompt_logprobs here (a list with --prompts-file)"
+        "--output-json",
+        help="write prompt_ids, generated_ids, text (with a tokenizer), logprobs and prompt_logprobs (a list with "
+        "--prompts-file)",
     )
     p.add_argument(
         "--top-n-logprobs",
@@ -110,15 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --output-json: at each generated token, the N most likely tokens and their log-probabilities "
         "(Megatron's top_n_logprobs)",
     )
-    for kind in ("tensor", "pipeline", "expert"):  # (any layout: the checkpoint is layout-free)
-        p.add_argument(f"--{kind}-model-parallel-size", type=int, default=1, help="under torchrun (default 1)")
+    for what in ("tensor", "pipeline", "expert"):  # (any layout loads any checkpoint; under torchrun)
+        p.add_argument(
+            f"--{what}-model-parallel-size",
+            type=int,
+            default=1,
+            help=f"{what} parallel size (under torchrun; any size loads a checkpoint saved at any)",
+        )
     p.add_argument("--bf16", action="store_true", help="run in bf16 (default fp32)")
     p.add_argument(
         "--kernel-impl",
         choices=["torch", "triton"],
         help="default: triton on CUDA, torch on a CPU (as pretrain_gpt.py); triton where it cannot run is refused",
     )
-    p.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, else gloo")
+    p.add_argument(
+        "--distributed-backend", choices=["nccl", "gloo"], help="under torchrun (default: nccl on GPUs, else gloo)"
+    )
     return p
 
 
