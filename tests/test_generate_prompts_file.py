@@ -176,3 +176,19 @@ def test_every_flag_says_what_it_does_in_help():
     word (what --output-json writes, or that the seed gives the same tokens at any layout, was only in the code)."""
     bare = [a.option_strings[0] for a in generate_cli.build_parser()._actions if not a.help]
     assert bare == [], bare
+
+
+def test_a_prompts_file_is_read_as_utf8(tiny_checkpoint, tmp_path, capsys):
+    """JSONL is UTF-8: the file was read in the locale's encoding, so a byte-order mark (Windows editors write one)
+    made line 1 'not {"prompt": text}', and bytes that are not UTF-8 were a decoder's message naming neither the
+    file nor the line."""
+    path, out = tmp_path / "p.jsonl", tmp_path / "o.json"
+    argv = ["--load", tiny_checkpoint, "--prompts-file", str(path), "--max-new-tokens", "2", "--greedy"]
+    path.write_bytes(b'\xef\xbb\xbf{"prompt_ids": [1, 2], "note": "caf\xc3\xa9"}\n')
+    assert generate_cli.main([*argv, "--output-json", str(out)]) == 0
+    assert [r["prompt_ids"] for r in json.loads(out.read_text())] == [[1, 2]]
+    path.write_bytes(b'{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [3], "note": "caf\xe9"}\n')  # (latin-1)
+    capsys.readouterr()
+    assert generate_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--prompts-file {path} line 3: not UTF-8" in err[0], err

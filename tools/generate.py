@@ -181,10 +181,22 @@ def _records(args: argparse.Namespace) -> list[dict]:
     if args.prompt_ids is not None:
         return [{"prompt_ids": _ids(args.prompt_ids, "--prompt-ids")}]
     try:
-        # (each with its line number in the file: blank lines are skipped, not renumbered)
-        lines = [(n, line) for n, line in enumerate(open(args.prompts_file), 1) if line.strip()]
+        with open(args.prompts_file, "rb") as f:
+            raw = f.read().removeprefix(b"\xef\xbb\xbf")  # (a byte-order mark, as Windows editors write)
     except OSError as e:
         raise ConfigError(f"--prompts-file {args.prompts_file}: {e.strerror}") from None
+    lines = []  # (each with its line number in the file: blank lines are skipped, not renumbered)
+    for n, line in enumerate(raw.splitlines(), 1):
+        try:  # (JSONL is UTF-8, whatever the locale: it was read in the locale's encoding, and undecodable bytes
+            # were a line naming neither the file nor the line)
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"--prompts-file {args.prompts_file} line {n}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                "write the file in UTF-8"
+            ) from None
+        if text.strip():
+            lines.append((n, text))
     records = []
     for n, line in lines:
         try:
