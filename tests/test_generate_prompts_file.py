@@ -31,6 +31,7 @@ def tiny_checkpoint(tmp_path_factory):
         (['{"prompt_ids": [1, 2]}', "", "", "not json"], "line 4"),  # a malformed line after blank ones
         (['{"prompt_ids": [1, 2]}', "", '{"prompt_ids": [3]}', "", '{"prompt_ids": []}'], "line 5"),  # empty
         (["", '{"prompt_ids": [1, 99]}'], "line 2"),  # an id outside the vocabulary
+        (['{"prompt_ids": [1]}', '{"prompt_ids": [true, false]}'], "line 2"),  # JSON booleans (a traceback)
     ],
 )
 def test_a_bad_prompts_file_line_is_named_by_its_line_in_the_file(tiny_checkpoint, tmp_path, capsys, lines, named):

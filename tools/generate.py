@@ -204,7 +204,7 @@ def _records(args: argparse.Namespace) -> list[dict]:
         except json.JSONDecodeError:
             record = None
         ids = record.get("prompt_ids") if isinstance(record, dict) else None
-        ids_ok = isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+        ids_ok = isinstance(ids, list) and all(type(t) is int for t in ids)  # (not JSON true/false: bool is int)
         ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or ids_ok)
         if not ok:
             raise ConfigError(f'--prompts-file {args.prompts_file} line {n}: not {{"prompt": text}} or '
