@@ -105,9 +105,11 @@ def test_ranks_that_find_different_checkpoints_are_refused(tiny_checkpoint, tmp_
         (["--max-new-tokens", "0"], "--max-new-tokens 0 scores the prompt"),
         # the stop ids were dropped without a word
         (["--ignore-eos", "--stop-ids", "5"], "--ignore-eos generates --max-new-tokens whatever comes"),
+        # torch's 'Overflow when unpacking long long', naming no flag
+        (["--seed", str(2**64)], f"--seed {2**64} is outside the range a generator takes"),
     ],
 )
-def test_flags_that_would_do_nothing_are_one_line(tiny_checkpoint, capsys, extra, said):
+def test_flags_that_would_do_nothing_or_fail_are_one_line(tiny_checkpoint, capsys, extra, said):
     argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy", *extra]
     assert generate_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

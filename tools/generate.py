@@ -164,6 +164,8 @@ def _check_sampling(args: argparse.Namespace) -> None:
     line."""
     if args.top_p == 0:  # (Megatron's value for no top-p filter)
         args.top_p = 1.0
+    if not -(2**63) <= args.seed < 2**64:  # (torch's generator: 'Overflow when unpacking long long', no flag named)
+        raise ConfigError(f"--seed {args.seed} is outside the range a generator takes, [-2**63, 2**64)")
     given = [f for f, v, default in (("--temperature", args.temperature, 1.0), ("--top-p", args.top_p, 1.0),
                                      ("--top-k", args.top_k, 0)) if v != default]  # fmt: skip
     if args.greedy and given:
