@@ -195,3 +195,43 @@ def test_a_prompts_file_is_read_as_utf8(tiny_checkpoint, tmp_path, capsys):
     assert generate_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--prompts-file {path} line 3: not UTF-8" in err[0], err
+
+
+def test_layers_that_do_not_split_evenly_generate_under_an_uneven_pipeline(tmp_path):
+    """A checkpoint whose layers do not divide by the pipeline size (DeepSeek-V3's 61) could not generate under
+    any pipeline size but 1 and itself; Megatron's --decoder-first/last-pipeline-num-layers now split it, and the
+    result equals one process's."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=50, max_position_embeddings=32, initializer_range=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    argv = ["--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(tmp_path / "hf")]
+    assert convert.main([*argv, "--save-dir", str(tmp_path / "ours")]) == 0
+    argv = [
+        "--load",
+        str(tmp_path / "ours"),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "5",
+        "--greedy",
+        "--ignore-eos",
+    ]
+    assert generate_cli.main([*argv, "--output-json", str(tmp_path / "one.json")]) == 0
+    script = pathlib.Path(__file__).resolve().parents[1] / "tools" / "generate.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *argv,
+           "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+           "--output-json", str(tmp_path / "pp2.json")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one, pp2 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "pp2"))
+    assert pp2["generated_ids"] == one["generated_ids"]
+    assert torch.allclose(torch.tensor(pp2["logprobs"]), torch.tensor(one["logprobs"]), atol=1e-5)

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=1,
             help=f"{what} parallel size (under torchrun; any size loads a checkpoint saved at any)",
         )
+    for end in ("first", "last"):  # (Megatron's uneven split: DeepSeek-V3's 61 layers split no other way)
+        p.add_argument(
+            f"--decoder-{end}-pipeline-num-layers",
+            type=int,
+            help=f"the {end} pipeline stage's layers, the rest split evenly over the other stages",
+        )
     p.add_argument("--bf16", action="store_true", help="run in bf16 (default fp32)")
     p.add_argument(
         "--kernel-impl",
@@ -324,6 +330,8 @@ def run(args: argparse.Namespace) -> int:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
     )
     # (the positions fed: the last token generated is never fed back, as transformers' generate counts them)
     training = TrainingConfig(micro_batch_size=1, seq_length=len(prompt) + max(args.max_new_tokens - 1, 0))
@@ -334,11 +342,13 @@ def run(args: argparse.Namespace) -> int:
             f"the prompt's {len(prompt)} tokens{where(longest)} and --max-new-tokens {args.max_new_tokens} exceed "
             f"the checkpoint's {positions} learned positions: shorten the prompt or lower --max-new-tokens"
         )
-    if pp > 0 and layers % pp:
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if pp > 0 and layers % pp and not uneven:
         fits = [d for d in range(1, layers + 1) if layers % d == 0]
         raise ConfigError(
             f"the checkpoint's {layers} layers do not split evenly over --pipeline-model-parallel-size {pp}: use one "
-            f"of {', '.join(map(str, fits))}"
+            f"of {', '.join(map(str, fits))}, or give the first/last stage its own count "
+            "(--decoder-first/last-pipeline-num-layers)"
         )
     if model_cfg.position_embedding_type == "rope" and training.seq_length > positions:  # (Megatron refuses)
         scaled = f" ({model_cfg.rope_scaling.rope_type} RoPE scaling)" if model_cfg.rope_scaling is not None else ""
