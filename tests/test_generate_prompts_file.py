@@ -235,3 +235,22 @@ def test_layers_that_do_not_split_evenly_generate_under_an_uneven_pipeline(tmp_p
     one, pp2 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "pp2"))
     assert pp2["generated_ids"] == one["generated_ids"]
     assert torch.allclose(torch.tensor(pp2["logprobs"]), torch.tensor(one["logprobs"]), atol=1e-5)
+
+
+def test_without_top_k_or_top_p_the_most_likely_token_is_taken(tiny_checkpoint, tmp_path, capsys):
+    """Megatron's inference takes --top_k 1 unless --top_p is set, and transformers' generate() is greedy unless
+    told to sample; this tool sampled at temperature 1 without either flag, so a ported script got other tokens.
+    Now the same tokens as --greedy (a temperature alone is said to have no effect), and --top-p or --top-k 0
+    sample."""
+    argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--ignore-eos"]
+
+    def tokens(*extra):
+        out = tmp_path / "o.json"
+        assert generate_cli.main([*argv, *extra, "--output-json", str(out)]) == 0
+        return json.loads(out.read_text())["generated_ids"]
+
+    greedy = tokens("--greedy")
+    capsys.readouterr()
+    assert tokens() == greedy and tokens("--temperature", "0") == greedy
+    assert "--temperature 0 has no effect: without --top-k or --top-p the most likely token" in capsys.readouterr().err
+    assert tokens("--top-k", "0") != greedy and tokens("--top-p", "0.99") != greedy  # (seed 1234, near-uniform)

@@ -79,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts of --prompts-file generated together, as one batch (Megatron's flag); each gets what it "
         "would alone, up to rounding",
     )
-    p.add_argument("--greedy", action="store_true", help="always the most likely token (default: sampling)")
+    p.add_argument(
+        "--greedy",
+        action="store_true",
+        help="always the most likely token (the default without --top-k or --top-p, as Megatron's inference and "
+        "transformers' generate())",
+    )
     p.add_argument(
         "--temperature",
         type=float,
@@ -89,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     # (--top_p / --top_k: Megatron's generation scripts' spelling; its top_p 0 is no filter, as 1 here)
     p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="1 (or 0): no top-p filter")
     p.add_argument(
-        "--top-k", "--top_k", dest="top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)"
+        "--top-k",
+        "--top_k",
+        dest="top_k",
+        type=int,
+        default=None,
+        help="sample among the k most likely tokens (0: all); not given: 0 with --top-p, else the most likely token "
+        "(greedy; Megatron's --top_k defaults to 1)",
     )
     p.add_argument(
         "--seed",
@@ -170,11 +181,23 @@ def _check_sampling(args: argparse.Namespace) -> None:
     line."""
     if args.top_p == 0:  # (Megatron's value for no top-p filter)
         args.top_p = 1.0
+    # Megatron's rule, --top_k 1 unless --top_p is set: greedy without either, as transformers' generate() (it
+    # sampled at temperature 1, so a Megatron script that sets neither got other tokens)
+    greedy_by_default = args.top_k is None and args.top_p == 1.0 and not args.greedy
+    if args.top_k is None:
+        args.top_k = 0
+    if greedy_by_default:
+        args.greedy = True
+        if args.temperature != 1.0:
+            _note(
+                f"--temperature {args.temperature:g} has no effect: without --top-k or --top-p the most likely token "
+                "is taken (as Megatron's --top_k 1 default and transformers' generate()); --top-k 0 samples among all"
+            )
     if not -(2**63) <= args.seed < 2**64:  # (torch's generator: 'Overflow when unpacking long long', no flag named)
         raise ConfigError(f"--seed {args.seed} is outside the range a generator takes, [-2**63, 2**64)")
     given = [f for f, v, default in (("--temperature", args.temperature, 1.0), ("--top-p", args.top_p, 1.0),
                                      ("--top-k", args.top_k, 0)) if v != default]  # fmt: skip
-    if args.greedy and given:
+    if args.greedy and given and not greedy_by_default:
         _note(
             f"--greedy takes the most likely token: {' '.join(given)} {'has' if len(given) == 1 else 'have'} no effect"
         )
