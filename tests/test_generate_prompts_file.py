@@ -254,3 +254,30 @@ def test_without_top_k_or_top_p_the_most_likely_token_is_taken(tiny_checkpoint, 
     assert tokens() == greedy and tokens("--temperature", "0") == greedy
     assert "--temperature 0 has no effect: without --top-k or --top-p the most likely token" in capsys.readouterr().err
     assert tokens("--top-k", "0") != greedy and tokens("--top-p", "0.99") != greedy  # (seed 1234, near-uniform)
+
+
+def test_megatrons_prompts_and_return_log_probs_are_taken(tiny_checkpoint, tmp_path, capsys):
+    """Megatron's inference flags --prompts TEXT... and --return-log-probs were "did you mean --prompt?" and "no
+    such flag": several text prompts now generate as --prompts-file's (one JSON line each, numbered), and
+    --return-log-probs is said to have no effect (--output-json always holds the log-probabilities)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w49"}))
+    common = ["--load", tiny_checkpoint, "--max-new-tokens", "3", "--greedy", "--ignore-eos"]
+    common += ["--tokenizer-model", str(tmp_path / "tokenizer.json")]
+    alone = []
+    for ids in ("1,2,3", "4,5"):
+        assert generate_cli.main([*common, "--prompt-ids", ids, "--output-json", str(tmp_path / "one.json")]) == 0
+        alone.append(json.loads((tmp_path / "one.json").read_text())["generated_ids"])
+    capsys.readouterr()
+    out = tmp_path / "many.json"
+    argv = [*common, "--prompts", "w1 w2 w3", "w4 w5", "--return-log-probs", "--output-json", str(out)]
+    assert generate_cli.main(argv) == 0
+    said = capsys.readouterr()
+    lines = [json.loads(line) for line in said.out.strip().splitlines()]
+    assert [(r["prompt"], r["generated_ids"]) for r in lines] == [(1, alone[0]), (2, alone[1])], said.out
+    assert [r["prompt_ids"] for r in json.loads(out.read_text())] == [[1, 2, 3], [4, 5]]
+    assert "--return-log-probs has no effect" in said.err, said.err

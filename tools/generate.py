@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     src.add_argument(
+        "--prompts",
+        nargs="+",
+        metavar="TEXT",
+        help="several text prompts (Megatron's flag), generated as --prompts-file's and printed as JSONL "
+        '({"prompt": its position from 1, "generated_ids": [...], "text": ...})',
+    )
+    src.add_argument(
         "--prompts-file",
         help='JSONL, one prompt a line ({"prompt": text} or {"prompt_ids": [ids]}), generated in batches '
         '(--inference-max-requests) by the model loaded once; printed as JSONL ({"line": its line in the file, '
@@ -115,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated ids that end generation (default: the tokenizer's end-of-document id with --prompt, "
         "and a converted model's generation_config.json eos_token_id(s), as Megatron and transformers stop)",
     )
+    p.add_argument(
+        "--return-log-probs",
+        action="store_true",
+        help="Megatron's flag; no effect here: --output-json always holds the log-probabilities",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens whatever comes (no stop ids)")
     p.add_argument(
         "--tokenizer-model",
@@ -125,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-json",
         help="write prompt_ids, generated_ids, text (with a tokenizer), logprobs and prompt_logprobs (a list with "
-        "--prompts-file)",
+        "--prompts-file or --prompts)",
     )
     p.add_argument(
         "--top-n-logprobs",
@@ -183,6 +195,11 @@ def _check_sampling(args: argparse.Namespace) -> None:
         args.top_p = 1.0
     # Megatron's rule, --top_k 1 unless --top_p is set: greedy without either, as transformers' generate() (it
     # sampled at temperature 1, so a Megatron script that sets neither got other tokens)
+    if args.return_log_probs:
+        _note(
+            "--return-log-probs has no effect: the log-probabilities of the prompt and of each generated token are "
+            "always written to --output-json" + ("" if args.output_json else " (give it to have them)")
+        )
     greedy_by_default = args.top_k is None and args.top_p == 1.0 and not args.greedy
     if args.top_k is None:
         args.top_k = 0
@@ -211,6 +228,8 @@ def _records(args: argparse.Namespace) -> list[dict]:
         return [{"prompt": args.prompt}]
     if args.prompt_ids is not None:
         return [{"prompt_ids": _ids(args.prompt_ids, "--prompt-ids")}]
+    if args.prompts is not None:
+        return [{"prompt": text, "_line": n} for n, text in enumerate(args.prompts, 1)]
     try:
         with open(args.prompts_file, "rb") as f:
             raw = f.read().removeprefix(b"\xef\xbb\xbf")  # (a byte-order mark, as Windows editors write)
@@ -319,7 +338,8 @@ def run(args: argparse.Namespace) -> int:
     # (token-id prompts with --tokenizer-model: it decodes the output; it was ignored, a missing path too)
     tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts or args.tokenizer_model else None
     prompts = [tokenizer.encode(r["prompt"]) if isinstance(r.get("prompt"), str) else r["prompt_ids"] for r in records]
-    where = lambda i: f" (--prompts-file line {records[i]['_line']})" if args.prompts_file else ""  # noqa: E731
+    many = "--prompts-file line" if args.prompts_file else "--prompts prompt" if args.prompts else None
+    where = lambda i: f" ({many} {records[i]['_line']})" if many else ""  # noqa: E731
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ConfigError(f"the prompt is empty{where(i)} (no ids; the tokenizer adds no BOS to an empty text)")
@@ -449,16 +469,16 @@ def run(args: argparse.Namespace) -> int:
         result = {"prompt_ids": prompt, **outs[i], "checkpoint": path, "iteration": meta["iteration"]}
         if tokenizer is not None:
             result["text"] = tokenizer.decode(outs[i]["generated_ids"])
-        if writer and args.prompts_file:  # one JSON line a prompt (a text holding newlines spread over several)
+        if writer and many:  # one JSON line a prompt (a text holding newlines spread over several)
             shown = {k: result[k] for k in ("text", "generated_ids") if k in result}
-            print(json.dumps({"line": records[i]["_line"], **shown}), flush=True)
+            print(json.dumps({"line" if args.prompts_file else "prompt": records[i]["_line"], **shown}), flush=True)
         elif writer:
             print(result.get("text", " ".join(map(str, outs[i]["generated_ids"]))), flush=True)
         results.append(result)
     if writer and args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
         with open(args.output_json, "w") as f:
-            json.dump(results if args.prompts_file else results[0], f, indent=1)
+            json.dump(results if many else results[0], f, indent=1)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
