@@ -281,3 +281,22 @@ def test_megatrons_prompts_and_return_log_probs_are_taken(tiny_checkpoint, tmp_p
     assert [(r["prompt"], r["generated_ids"]) for r in lines] == [(1, alone[0]), (2, alone[1])], said.out
     assert [r["prompt_ids"] for r in json.loads(out.read_text())] == [[1, 2, 3], [4, 5]]
     assert "--return-log-probs has no effect" in said.err, said.err
+
+
+@pytest.mark.parametrize(
+    "layout, said",
+    [
+        (["--tensor-model-parallel-size", "3"], "--num-attention-heads 2 is not divisible"),
+        (["--expert-model-parallel-size", "3"], "--num-experts"),
+    ],
+)
+def test_a_layout_the_checkpoint_does_not_fit_says_the_flag_is_the_checkpoints(
+    tiny_checkpoint, capsys, monkeypatch, layout, said
+):
+    """The layout check names the model's flags (--num-attention-heads, --num-experts), which a generate.py user
+    never gave: the line says they are the checkpoint's (before any process group)."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy", *layout]
+    assert generate_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the checkpoint's model does not fit this layout: " in err[0] and said in err[0], err

@@ -399,7 +399,10 @@ def run(args: argparse.Namespace) -> int:
             f"the prompt{where(longest)} and --max-new-tokens reach position {training.seq_length}, past the "
             f"checkpoint's max_position_embeddings {positions}{scaled}: the model was not trained that far"
         )
-    validate_layout(model_cfg, parallel, world, training)
+    try:
+        validate_layout(model_cfg, parallel, world, training)
+    except ConfigError as e:  # (its model flags are the checkpoint's, which the user did not give here)
+        raise ConfigError(f"the checkpoint's model does not fit this layout: {e}") from None
     lora = saved_lora_config(saved)
     base = lora_base_checkpoint(lora.base, path, lora.base_fingerprint) if lora is not None and lora.base else None
     ctx = initialize(model_cfg, parallel, training, backend=args.distributed_backend)
