@@ -300,3 +300,12 @@ def test_a_layout_the_checkpoint_does_not_fit_says_the_flag_is_the_checkpoints(
     assert generate_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the checkpoint's model does not fit this layout: " in err[0] and said in err[0], err
+
+
+def test_a_kv_cache_larger_than_the_hosts_memory_is_one_line(tiny_checkpoint, capsys):
+    """On a GPU a generation larger than the free memory was refused in one line; on a CPU it was the allocator's
+    traceback ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 320000000096 bytes")."""
+    argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", str(10**10), "--greedy"]
+    assert generate_cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("note: ")]
+    assert len(err) == 1 and "x 10000000003 tokens" in err[0] and "do not fit" in err[0], err

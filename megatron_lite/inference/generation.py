@@ -89,21 +89,32 @@ def generation_bytes(chunks, ctx: ParallelContext, batch: int, max_len: int, sco
 
 
 def _check_memory_fits(chunks, ctx: ParallelContext, batch: int, max_len: int, scored_rows: int) -> None:
-    """On a GPU, a generation (`generation_bytes`) larger than the free memory of any rank is one line naming what
-    sizes it, on every rank (it was an out-of-memory error in the middle of the prompt's forward, and the other
-    ranks waited for it)."""
-    if ctx.device.type != "cuda":
-        return
+    """A generation (`generation_bytes`) larger than the free memory of any rank (the GPU's; on a CPU the
+    host's available memory) is one line naming what sizes it, on every rank (it was an out-of-memory error in
+    the middle of the prompt's forward, and the other ranks waited for it; on a CPU an allocator traceback)."""
+    free = _free_bytes(ctx.device)  # (None where unknown: still every rank's vote, so none waits)
     need = generation_bytes(chunks, ctx, batch, max_len, scored_rows)
-    free = torch.cuda.mem_get_info(ctx.device)[0]
-    short = need > 0.9 * free  # (the forward's activations need some too)
+    short = free is not None and need > 0.9 * free  # (the forward's activations need some too)
     if any_rank(short, ctx):
         where = f"{need / 2**30:.2f} GiB on this rank, {free / 2**30:.2f} GiB are free" if short else "on another rank"
         raise ValueError(
             f"the KV cache of {batch} prompt(s) x {max_len} tokens (the longest prompt + --max-new-tokens) and the "
             f"scored prompts' logits do not fit: {where}; lower --inference-max-requests or --max-new-tokens, or "
-            "spread the model over more GPUs (--tensor/--pipeline-model-parallel-size)"
+            "spread the model over more ranks (--tensor/--pipeline-model-parallel-size)"
         )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """The memory a generation may take: the GPU's free memory, or the host's MemAvailable (Linux); None where
+    unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], rows: int = 1024) -> list[float]:
