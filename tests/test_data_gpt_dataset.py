@@ -500,3 +500,31 @@ def test_a_lock_held_long_is_said_not_waited_on_silently(tmp_path, monkeypatch, 
     holder.join()
     assert f"waiting 0 s for the lock on {lock}: another process is building this cache" in err, err
     assert err.count("waiting") == 1, err  # once after 0.3 s (the next a minute later); then the holder let go
+
+
+@pytest.mark.parametrize("pad", [None, 3])
+def test_the_pad_id_carries_no_loss_and_reads_as_zero_as_in_megatron(tmp_path, pad):
+    """Megatron-core's GPTDataset.__getitem__ (megatron/core/datasets/gpt_dataset.py), after the masks and positions
+    from the tokens as read: loss_mask[labels == pad] = 0, then tokens[tokens == pad] = 0 and labels[labels == pad]
+    = 0, with pad the tokenizer's (MegatronDataset._pad_token_id; none where it is the EOD). Ours trained on them.
+    One 6-token document [4, 3, 999, 3, 5, 6], EOD 999, --seq-length 5: the one sample is tokens [4, 3, 999, 3, 5],
+    labels [3, 999, 3, 5, 6]; --eod-mask-loss drops position 2 (the input is the EOD), the pad 3 as a label drops
+    positions 0 and 2; --reset-position-ids restarts after the EOD: [0, 1, 2, 0, 1]."""
+    from megatron_lite.data.builder import DataSource, build_datasets
+
+    _write(str(tmp_path / "d"), [[4, 3, 999, 3, 5, 6]])
+
+    class Tok:  # (the pad id as HuggingFaceTokenizer reads it from the tokenizer's config)
+        eod, vocab_size = 999, 1000
+
+    Tok.pad = pad
+    data = DataConfig(data_path=(str(tmp_path / "d"),), split="1,0,0", eod_mask_loss=True, reset_position_ids=True)
+    train, _, _ = build_datasets(DataSource(Tok(), 1000, data.blend, ""), data, (1, 0, 0), 5, 1234)
+    s = train[0]
+    assert s["position_ids"].tolist() == [0, 1, 2, 0, 1]
+    if pad is None:
+        assert (s["tokens"].tolist(), s["labels"].tolist()) == ([4, 3, 999, 3, 5], [3, 999, 3, 5, 6])
+        assert s["loss_mask"].tolist() == [1, 1, 0, 1, 1]
+    else:
+        assert (s["tokens"].tolist(), s["labels"].tolist()) == ([4, 0, 999, 0, 5], [0, 999, 0, 5, 6])
+        assert s["loss_mask"].tolist() == [0, 1, 0, 1, 1]

@@ -98,3 +98,26 @@ def test_a_gpt2_tokenizer_without_its_vocab_file_says_it_is_not_given():
 
     with pytest.raises(ConfigError, match="^GPT2BPETokenizer needs --vocab-file and --merge-file: --vocab-file is not"):
         GPT2BPETokenizer(None, None)
+
+
+@pytest.mark.parametrize("pad", [None, "<pad>", "<|endoftext|>"])
+def test_the_pad_id_is_transformers_pad_token_id_unless_it_is_the_eod(tmp_path, pad):
+    """Megatron's HuggingFaceTokenizer.pad is transformers' pad_token_id, and its GPTDataset drops the loss on that
+    label (tests/test_data_gpt_dataset.py -k pad_id) unless it is the eos/eod (MegatronDataset: a pad id among the
+    special tokens is not used). Ours had no pad. A SentencePiece-family tokenizer's pad is the .model's pad_id
+    (-1 for Llama's and Mistral's), whatever tokenizer_config.json says: none."""
+    transformers = pytest.importorskip("transformers")
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, "<pad>": 2, **{c: 3 + i for i, c in enumerate("abc ")}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<|endoftext|>", "<pad>")])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "unk_token": "<unk>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **({"pad_token": pad} if pad else {})}))
+    ours = build_tokenizer("HuggingFaceTokenizer", model=str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert theirs.pad_token_id == {None: None, "<pad>": 2, "<|endoftext|>": 1}[pad]
+    assert ours.pad == (2 if pad == "<pad>" else None)  # (the eod's id as pad: not used)
+    _sentencepiece_json(tmp_path / "tokenizer.json", extra="<pad>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<unk>"}))
+    assert build_tokenizer("Llama2Tokenizer", model=str(tmp_path / "tokenizer.json")).pad is None

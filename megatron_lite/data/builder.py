@@ -236,6 +236,7 @@ def build_datasets(
                     ("train", "validation", "test")[s],
                     log,
                     flags[s] if source.per_split is not None else "--data-path",
+                    getattr(source.tokenizer, "pad", None),
                 )
             )
         if not parts:

@@ -130,10 +130,12 @@ class GPTDataset:
         split: str = "train",
         log=None,
         flag: str | None = None,
+        pad: int | None = None,
     ) -> None:
         """`split`: which one it is (train, validation or test), and `flag` what gave its data (the dataset's
-        own by default), as messages name them; `log`: notes."""
+        own by default), as messages name them; `log`: notes; `pad`: the tokenizer's pad id (see __getitem__)."""
         self.indexed = indexed
+        self.pad = pad
         self.flag = flag or indexed.flag
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
@@ -275,6 +277,10 @@ class GPTDataset:
         }
         if self.reset_attention_mask:
             sample["document_ids"] = document_ids(tokens, self.eod)
+        if self.pad is not None:  # Megatron-core's GPTDataset.__getitem__: no loss where the label is the pad id,
+            mask[labels == self.pad] = 0.0  # and the pad read as id 0 (after the masks and positions, from the
+            tokens[tokens == self.pad] = 0  # tokens as they were)
+            labels[labels == self.pad] = 0
         return sample
 
 

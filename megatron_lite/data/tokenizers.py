@@ -49,18 +49,18 @@ class NullTokenizer:
         return " ".join(str(i) for i in ids)
 
 
-def _config_eos(path: str) -> str | None:
-    """The eos_token beside a tokenizer.json (the token transformers' eos_token_id names, Megatron's eod): from
-    special_tokens_map.json, which transformers lets override tokenizer_config.json, else from the latter; None
-    without either."""
+def _config_token(path: str, key: str = "eos_token") -> str | None:
+    """A special token named beside a tokenizer.json (eos_token: the token transformers' eos_token_id names,
+    Megatron's eod; pad_token: its pad_token_id): from special_tokens_map.json, which transformers lets override
+    tokenizer_config.json, else from the latter; None without either."""
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         try:
-            eos = json.load(open(os.path.join(os.path.dirname(path) or ".", name), encoding="utf-8")).get("eos_token")
+            token = json.load(open(os.path.join(os.path.dirname(path) or ".", name), encoding="utf-8")).get(key)
         except (OSError, ValueError, AttributeError):
             continue
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if eos:
-            return eos
+        token = token.get("content") if isinstance(token, dict) else token
+        if token:
+            return token
     return None
 
 
@@ -102,6 +102,9 @@ class HuggingFaceTokenizer:
     the vocabulary."""
 
     bos: int | None = None  # the one token encode puts before the text, if any (SFT keeps one per sequence)
+    # Megatron's tokenizer.pad (transformers' pad_token_id): its GPTDataset drops the loss where the label is this
+    # id and reads it as id 0 (gpt_dataset.GPTDataset.__getitem__); None where there is none, or it is the EOD
+    pad: int | None = None
 
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
@@ -125,7 +128,7 @@ class HuggingFaceTokenizer:
             raise ConfigError(
                 f"--tokenizer-model {path} is not a tokenizer.json the tokenizers library reads: {msg}"
             ) from None
-        eos = _config_eos(path)
+        eos = _config_token(path)
         if eos is not None and eos not in self._tok.get_vocab(with_added_tokens=True):
             # transformers (so Megatron's HuggingFaceTokenizer) adds a configured eos_token the file lacks as a new
             # token, the next id, and ends documents with it; it fell back to another token here, silently
@@ -141,6 +144,9 @@ class HuggingFaceTokenizer:
                 f"tokenizer_config.json beside it, and none of {EOD_CANDIDATES})"
             )
         self.eod = eod
+        pad = _config_token(path, "pad_token")
+        # (Megatron-core's MegatronDataset ignores a pad id that is the eos/eod: pad_token = eos_token, as Qwen's)
+        self.pad = vocab[pad] if pad in vocab and vocab[pad] != eod else None
         # What the post-processor puts around every text (BOS before, some an EOS after: "<s> $A </s>"), found by
         # encoding with and without it
         plain, full = self._plain(["x"])[0], self._tok.encode("x").ids
@@ -199,6 +205,9 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
         # text, where the tokenizers library would match it as the special token (an EOD mid-document)
         self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        # (Megatron's pad for these is the SentencePiece model's pad_id, -1 for Llama's and Mistral's: none; the
+        # tokenizer_config.json's pad_token, a fine-tune's <pad> or <unk>, is not it)
+        self.pad = None
         self.bos = vocab.get("<s>") if kind == "Llama2Tokenizer" else None
         if kind == "Llama2Tokenizer" and self.bos is None:
             raise ConfigError(f"{flag}: {json_path} has no <s> token for Llama2Tokenizer's BOS")
