@@ -25,6 +25,18 @@ def tiny_checkpoint(tmp_path_factory):
     return str(root / "ours")
 
 
+def _word_tokenizer(root, word: str = "w") -> str:
+    """A tokenizer.json in `root` of the tiny model's 50 ids, one word each (`word` + the id; the last the end of
+    document), split at whitespace; its path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"{word}{i}": i for i in range(50)}, unk_token=f"{word}0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"{word}49"}))
+    return str(root / "tokenizer.json")
+
+
 @pytest.mark.parametrize(
     "lines, named",
     [
@@ -119,13 +131,7 @@ def test_flags_that_would_do_nothing_or_fail_are_one_line(tiny_checkpoint, capsy
 def test_tokenizer_model_decodes_token_id_prompts_output(tiny_checkpoint, tmp_path, capsys):
     """--tokenizer-model with --prompt-ids was ignored without a word (a path that does not exist too): it now
     decodes the output, as it would a text prompt's, and a bad path is its own one line."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50)}, unk_token="w0"))  # (the model's 50 ids)
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = str(tmp_path / "tokenizer.json")
-    tok.save(path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w49"}))
+    path = _word_tokenizer(tmp_path)
     out = tmp_path / "o.json"
     argv = ["--load", tiny_checkpoint, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--greedy", "--ignore-eos"]
     assert generate_cli.main([*argv, "--tokenizer-model", path, "--output-json", str(out)]) == 0
@@ -159,11 +165,7 @@ def test_a_prompts_file_too_long_for_learned_positions_names_its_line(tmp_path, 
 def test_a_prompts_file_prints_one_json_line_per_prompt(tiny_checkpoint, tmp_path, capsys):
     """Each prompt's text was printed as it was: a text holding a newline spread over several lines, so the
     output could not be matched to the prompts. Now one JSON line each, naming its line in the file."""
-    from tokenizers import Tokenizer, models
-
-    tok = Tokenizer(models.WordLevel({f"a\nb{i}": i for i in range(50)}, unk_token="a\nb0"))  # (every id: a newline)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a\nb49"}))
+    _word_tokenizer(tmp_path, "a\nb")  # (every id: a newline)
     path, out = tmp_path / "p.jsonl", tmp_path / "o.json"
     path.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [4, 5, 6]}\n')
     argv = ["--load", tiny_checkpoint, "--prompts-file", str(path), "--max-new-tokens", "3", "--greedy", "--ignore-eos"]
@@ -260,14 +262,8 @@ def test_megatrons_prompts_and_return_log_probs_are_taken(tiny_checkpoint, tmp_p
     """Megatron's inference flags --prompts TEXT... and --return-log-probs were "did you mean --prompt?" and "no
     such flag": several text prompts now generate as --prompts-file's (one JSON line each, numbered), and
     --return-log-probs is said to have no effect (--output-json always holds the log-probabilities)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w49"}))
     common = ["--load", tiny_checkpoint, "--max-new-tokens", "3", "--greedy", "--ignore-eos"]
-    common += ["--tokenizer-model", str(tmp_path / "tokenizer.json")]
+    common += ["--tokenizer-model", _word_tokenizer(tmp_path)]
     alone = []
     for ids in ("1,2,3", "4,5"):
         assert generate_cli.main([*common, "--prompt-ids", ids, "--output-json", str(tmp_path / "one.json")]) == 0
