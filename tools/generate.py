@@ -193,13 +193,13 @@ def _check_sampling(args: argparse.Namespace) -> None:
     line."""
     if args.top_p == 0:  # (Megatron's value for no top-p filter)
         args.top_p = 1.0
-    # Megatron's rule, --top_k 1 unless --top_p is set: greedy without either, as transformers' generate() (it
-    # sampled at temperature 1, so a Megatron script that sets neither got other tokens)
     if args.return_log_probs:
         _note(
             "--return-log-probs has no effect: the log-probabilities of the prompt and of each generated token are "
             "always written to --output-json" + ("" if args.output_json else " (give it to have them)")
         )
+    # Megatron's rule, --top_k 1 unless --top_p is set: greedy without either, as transformers' generate() (it
+    # sampled at temperature 1, so a Megatron script that sets neither got other tokens)
     greedy_by_default = args.top_k is None and args.top_p == 1.0 and not args.greedy
     if args.top_k is None:
         args.top_k = 0

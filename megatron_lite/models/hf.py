@@ -103,9 +103,6 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
     raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3, yarn")
 
 
-_SAME_ACT = {"swish": "silu"}  # (transformers' ACT2FN: one function, two names)
-
-
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
     if arch in DEEPSEEK:
@@ -114,8 +111,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         c = hf_config
         nemotron = arch == "NemotronForCausalLM"
         act = "relu2" if nemotron else "silu"
-        if _SAME_ACT.get(getattr(c, "hidden_act", act), getattr(c, "hidden_act", act)) != act:
-            raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only {act}")
+        hf_deepseek.check_activation(c, arch, act)
         if nemotron and getattr(c, "mlp_bias", False) != getattr(c, "attention_bias", False):
             raise ConfigError(
                 f"config.json mlp_bias={c.mlp_bias} with attention_bias={c.attention_bias} is not supported: "

@@ -12,11 +12,18 @@ DEEPSEEK_V2 = "DeepseekV2ForCausalLM"  # (and V2-Lite): softmax routing, RoPE al
 DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)
 
 
+def check_activation(c: Any, arch: str, act: str = "silu") -> None:
+    """config.json's hidden_act must be `act` (hf.py's families too): "swish" is transformers' other name of silu
+    (its ACT2FN: one function)."""
+    given = getattr(c, "hidden_act", act)
+    if {"swish": "silu"}.get(given, given) != act:
+        raise ConfigError(f"config.json hidden_act {given!r} is not supported for {arch}; only {act}")
+
+
 def config_kwargs(c: Any, arch: str, rope: tuple[float, Any]) -> dict:
     """ModelConfig fields of DeepSeek-V2/V3's config.json: multi-latent attention, then MoE layers after
     first_k_dense_replace dense ones. `rope`: its (base, RopeScaling) as hf.py reads them."""
-    if getattr(c, "hidden_act", "silu") not in ("silu", "swish"):  # (transformers' two names of one function)
-        raise ConfigError(f"config.json hidden_act {c.hidden_act!r} is not supported for {arch}; only silu")
+    check_activation(c, arch)
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise ConfigError(f"config.json attention_bias / mlp_bias=true is not supported for {arch}")
     if arch == DEEPSEEK_V2:
