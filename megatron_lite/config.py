@@ -570,11 +570,31 @@ class TrainingConfig:
                 f"{flag}: START must be below --global-batch-size {final}, which START + k x INCREMENT must reach, "
                 "and SAMPLES must be positive"
             )
-        if start % unit or increment % unit:
-            raise ConfigError(
-                f"{flag}: every batch of the ramp must be a multiple of micro-batch x data-parallel size ({unit}); "
-                f"use START and INCREMENT multiples of {unit}"
-            )
+        for consumed, batch in self.rampup_batches(dp):
+            if batch % unit:  # (Megatron checks the batch of each step it runs, not START and INCREMENT)
+                raise ConfigError(
+                    f"{flag}: the ramp's global batch of {batch} samples (after {consumed} samples) is not a "
+                    f"multiple of micro-batch x data-parallel size ({unit}); use START and INCREMENT multiples "
+                    f"of {unit}"
+                )
+
+    def rampup_batches(self, dp: int) -> list[tuple[int, int]]:
+        """(samples consumed, global batch) where each batch of the ramp starts, the final batch left out: only
+        the batches a step runs. A ramp of few SAMPLES jumps past some of START + k x INCREMENT (Megatron asks
+        its calculator at every step), so those need not split into micro-batches."""
+        if self.rampup_batch_size is None:
+            return []
+        start, increment, ramp = self.rampup_batch_size
+        final, out, consumed = self.global_batch(dp), [], 0
+        per_increment = ramp / ((final - start) // increment)
+        while consumed <= ramp and (batch := self.batch_size_at(consumed, dp)) < final:
+            if not out or out[-1][1] != batch:
+                out.append((consumed, batch))
+            # (the steps that stay on this batch, all but the last one or two taken at once: a long ramp of
+            # small batches is millions of steps)
+            boundary = ((batch - start) // increment + 1) * per_increment
+            consumed += max(1, int((boundary - consumed) / batch) - 1) * batch
+        return out
 
     def resolve_train_iters(self, dp: int) -> TrainingConfig:
         """With --train-samples, the iterations it makes at this data-parallel size (Megatron's rule: the

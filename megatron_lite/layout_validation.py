@@ -403,19 +403,20 @@ def validate_layout(
         from megatron_lite.pipeline_parallel.schedules import ScheduleError, validate
 
         sizes = [micro]
-        if ramp:  # (START, START + INCREMENT, ... up to the global batch: each step's count must group too)
-            sizes += [b // (mbs * dp) for b in range(ramp[0], training.global_batch(dp), ramp[1])]
+        if ramp:  # (each batch the ramp runs: each step's count must group too)
+            sizes += [b // (mbs * dp) for _, b in training.rampup_batches(dp)]
         try:
             for m in sizes:
                 validate(pp, vp, m, group)
         except ScheduleError as e:
             raise ConfigError(str(e)) from None
-    elif vp > 1 and ramp and any((b // (mbs * dp)) % pp for b in ramp[:2]):
-        # (the ramp's batches are START, START + INCREMENT, ...: each must interleave too)
+    elif vp > 1 and ramp and (odd := [b for _, b in training.rampup_batches(dp) if (b // (mbs * dp)) % pp]):
+        # (each batch the ramp runs must interleave too)
         raise ConfigError(
-            f"--rampup-batch-size {' '.join(map(str, ramp))}: with virtual pipeline stages the ramp's START and "
-            f"INCREMENT must each hold a multiple of --pipeline-model-parallel-size {pp} micro-batches "
-            f"(--micro-batch-size {mbs} x data-parallel {dp} samples each)"
+            f"--rampup-batch-size {' '.join(map(str, ramp))}: with virtual pipeline stages each batch the ramp "
+            f"runs must hold a multiple of --pipeline-model-parallel-size {pp} micro-batches (--micro-batch-size "
+            f"{mbs} x data-parallel {dp} samples each); its batch of {odd[0]} does not: use START and INCREMENT "
+            f"multiples of {pp * mbs * dp}"
         )
     if vp > 1 and group is None and micro % pp:
         raise ConfigError(

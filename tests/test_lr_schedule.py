@@ -53,6 +53,43 @@ def test_rampup_iterations_and_refusals():
         TrainingConfig(micro_batch_size=2, global_batch_size=8, rampup_batch_size=(2, 4, 16)).validate_rampup(1)
 
 
+def test_a_ramp_is_checked_on_the_batches_its_steps_run():
+    """Megatron checks the batch of each step it runs (RampupBatchsizeNumMicroBatchesCalculator.update), not START
+    and INCREMENT: a ramp of few samples jumps past some of START + k x INCREMENT, so those need not split into
+    micro-batches. We refused such ramps, which Megatron runs."""
+    from megatron_lite.config import ConfigError, TrainingConfig
+
+    # 8 -> 16 by 2 over 8 samples: a level every 2 samples, so the step after the first 8 samples is at 16
+    t = TrainingConfig(micro_batch_size=8, global_batch_size=16, rampup_batch_size=(8, 2, 8), train_samples=64)
+    t.validate_rampup(1)
+    assert t.rampup_batches(1) == [(0, 8)]
+    assert t.resolve_train_iters(1).train_iters == 1 + (64 - 8) // 16
+    # over 20 samples (a level every 5): the second step runs 8 + 1 x 2 = 10 samples, not 8 micro-batches
+    t = TrainingConfig(micro_batch_size=8, global_batch_size=16, rampup_batch_size=(8, 2, 20))
+    assert t.rampup_batches(1) == [(0, 8), (8, 10), (18, 14)]
+    with pytest.raises(ConfigError, match=r"the ramp's global batch of 10 samples \(after 8 samples\) is not a "):
+        t.validate_rampup(1)
+
+    def stepped(start: int, inc: int, ramp: int, final: int) -> list[tuple[int, int]]:
+        """Megatron's calculator asked at every step, one step at a time."""
+        out, consumed, per = [], 0, ramp / ((final - start) // inc)
+        while True:
+            batch = final if consumed > ramp else start + int(consumed / per) * inc
+            if batch == final:
+                return out
+            if not out or out[-1][1] != batch:
+                out.append((consumed, batch))
+            consumed += batch
+
+    cases = 0
+    for start, inc, final in ((1, 1, 9), (3, 2, 17), (16, 16, 1536), (5, 7, 68), (2, 3, 512)):
+        for ramp in (1, 2, 7, 50, 999, 12345, 300000):
+            t = TrainingConfig(micro_batch_size=1, global_batch_size=final, rampup_batch_size=(start, inc, ramp))
+            assert t.rampup_batches(1) == stepped(start, inc, ramp, final), (start, inc, ramp, final)
+            cases += 1
+    assert cases == 35
+
+
 def _megatron_linear(lr: float, warmup: float, decay: float, samples: float) -> float:
     """Megatron's OptimizerParamScheduler.get_lr, linear decay to 0, at `samples` consumed (its num_steps)."""
     if warmup > 0 and samples <= warmup:
