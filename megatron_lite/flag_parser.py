@@ -435,6 +435,22 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--vocab-file")
     a.add_argument("--merge-file")
     a.add_argument("--vocab-size", type=int)
+    a.add_argument(
+        "--tiktoken-pattern",
+        choices=["v1", "v2"],
+        help="TikTokenizer (--tokenizer-model: a tiktoken JSON rank list): Megatron's split of text into words",
+    )
+    a.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids 0..N-1 are special tokens, the ranks follow",
+    )
+    a.add_argument(
+        "--tiktoken-special-tokens",
+        nargs="+",
+        help="TikTokenizer: the first special tokens (default <unk> <s> </s>; </s> ends documents)",
+    )
     a.add_argument("--data-cache-path")
     a.add_argument("--num-workers", type=int, default=0)
     _bool(a, "--eod-mask-loss", "no loss on end-of-document tokens")

@@ -212,13 +212,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool, str]] = {
         True,
         "--distributed-timeout-minutes holds after start-up too (hangs are reported by the flight recorder)",
     ),
-    # Megatron reads it only for --tokenizer-type TikTokenizer, which is refused here (its examples pass it
-    # with NullTokenizer and mock data too)
-    "tiktoken_pattern": (
-        True,
-        "only TikTokenizer reads it, and tiktoken tokenizers are not supported; use --tokenizer-type "
-        "HuggingFaceTokenizer with the model's tokenizer.json",
-    ),
 }
 
 # Megatron flags we do not implement: refused with one line naming the flag and why.
@@ -354,6 +347,11 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False)
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
+    if getattr(ns, "tokenizer_type", None) != "TikTokenizer":  # (Megatron's examples pass it with NullTokenizer)
+        given = [f for f in ("tiktoken_pattern", "tiktoken_special_tokens") if getattr(ns, f, None)]
+        if getattr(ns, "tiktoken_num_special_tokens", 1000) != 1000:
+            given.append("tiktoken_num_special_tokens")
+        lines += [f"--{f.replace('_', '-')} has no effect without --tokenizer-type TikTokenizer" for f in given]
     if getattr(ns, "rotary_scaling_factor", 1.0) != 1.0 and not getattr(ns, "multi_latent_attention", False):
         lines.append(
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "

@@ -73,7 +73,7 @@ def test_help_groups_flags(capsys):
         (["--num-layers", "x"], ["--num-layers", "invalid int value: 'x'"]),
         (["--kernel-impl", "cuda"], ["--kernel-impl", "invalid choice: 'cuda'"]),
         # Megatron's other tokenizer types: why not, and what to use (it was argparse's "invalid choice")
-        (["--tokenizer-type", "TikTokenizer"], ["TikTokenizer: tiktoken tokenizers are not supported; use Hugging"]),
+        (["--tokenizer-type", "BertWordPieceCase"], ["BertWordPieceCase: BERT's tokenizers are for BERT models"]),
         (["--tokenizer-type", "SentencePieceTokenizer"], ["reads no SentencePiece .model files; use HuggingFace"]),
         (["--tokenizer-type", "Tik"], ["Tik: not a tokenizer type; choose from NullTokenizer, HuggingFaceTokenizer"]),
     ],
@@ -519,7 +519,8 @@ def test_megatron_llama3_h200_bf16_example_runs(tmp_path, capsys, monkeypatch):
     assert job.data.split_weights == (0.99, 0.01, 0.0)
     assert main(kept) == 0
     out = capsys.readouterr().out
-    assert "gradients reduced in bfloat16" in out and "--tiktoken-pattern has no effect" in out
+    assert "gradients reduced in bfloat16" in out
+    assert "--tiktoken-pattern has no effect without --tokenizer-type TikTokenizer" in out
     assert "iteration        6/       6 |" in out and "saved" in out
 
 

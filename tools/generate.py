@@ -38,6 +38,7 @@ from megatron_lite.checkpoint.hf_convert import (
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
+from megatron_lite.data.config import TOKENIZER_FIELDS
 from megatron_lite.data.embedded import trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
@@ -277,8 +278,7 @@ def _tokenizer(args: argparse.Namespace, meta: dict, path: str, vocab_size: int)
     (a training job given no data flags, whose vocabulary is the embedded corpus's) the embedded corpus's, which it
     trained on."""
     data = meta["config"].get("data", {})
-    keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
-    flags = argparse.Namespace(**{k: data.get(k) for k in keys})
+    flags = argparse.Namespace(**{k: data.get(k) for k in TOKENIZER_FIELDS})
     flags.tokenizer_model = tokenizer_beside(flags.tokenizer_model, path)
     if args.tokenizer_model:
         flags.tokenizer_model = args.tokenizer_model

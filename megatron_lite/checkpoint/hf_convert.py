@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import types
 from typing import Any
 
@@ -58,7 +59,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
 )
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
-from megatron_lite.data.config import DataConfig
+from megatron_lite.data.config import TOKENIZER_FIELDS, DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import rope_interleave_of
@@ -525,19 +526,20 @@ def megatron_lite_to_peft(
         )
 
 
+def _tokenizer_fields(data: dict) -> dict:
+    """A checkpoint's tokenizer settings as DataConfig's keywords (those it did not record: their defaults)."""
+    out = {k: data[k] for k in TOKENIZER_FIELDS if data.get(k) is not None}
+    if "tiktoken_special_tokens" in out:
+        out["tiktoken_special_tokens"] = tuple(out["tiktoken_special_tokens"])
+    return out
+
+
 def _token_ids(data: dict) -> dict:
     """config.json's bos/eos ids for the tokenizer a model was trained with (its EOD ends generation)."""
     from megatron_lite.data.tokenizers import tokenizer_from_flags
 
     try:
-        tok = tokenizer_from_flags(
-            DataConfig(
-                **{
-                    k: data.get(k)
-                    for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
-                }
-            )
-        )
+        tok = tokenizer_from_flags(DataConfig(**_tokenizer_fields(data)))
     except (ConfigError, ValueError, OSError):
         return {}
     return {"bos_token_id": getattr(tok, "bos", None), "eos_token_id": getattr(tok, "eod", None)}
@@ -578,7 +580,22 @@ def megatron_lite_to_hf(
         data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": build_embedded_corpus(log=log)[1]}
         log(f"tokenizer: the embedded corpus's, {data['tokenizer_model']} (the job trained on that corpus)")
     tok = data.get("tokenizer_model")
-    if tok and os.path.isfile(tok):  # (its tokenizer files only: the directory may be another model's)
+    made = tempfile.mkdtemp(prefix="tiktoken-hf-") if data.get("tokenizer_type") == "TikTokenizer" else None
+    if made is not None:  # (a rank list has no Hugging Face files beside it: they are made from it)
+        from megatron_lite.data.tokenizers import tokenizer_from_flags
+
+        try:
+            written = tokenizer_from_flags(DataConfig(**_tokenizer_fields(data))).hf_files(made)
+            why = "one of its ranks is the text of a special token"
+        except (ConfigError, ValueError, OSError) as e:
+            written, why = False, str(e)
+        if written:
+            side_from.insert(0, (made, TOKENIZER_FILES))  # (the tokenizer it was trained with)
+            log(f"tokenizer: {tok} (TikTokenizer), written as a Hugging Face tokenizer.json")
+        else:
+            log(f"note: the export has no tokenizer files: the TikTokenizer {tok} cannot be written as one ({why})")
+        base = base or _token_ids(data)
+    elif tok and os.path.isfile(tok):  # (its tokenizer files only: the directory may be another model's)
         side_from.append((os.path.dirname(tok), TOKENIZER_FILES))
         if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens
             base = _token_ids(data)
@@ -596,5 +613,9 @@ def megatron_lite_to_hf(
         target = DTYPES[dtype]
         hf = {k: v.to(target) for k, v in hf.items()}
     out_dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
-    write_hf_dir(save_dir, hf, hf_config_dict(config, arch, base, out_dtype), side_from)
+    try:
+        write_hf_dir(save_dir, hf, hf_config_dict(config, arch, base, out_dtype), side_from)
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
     log(f"wrote {save_dir}: {arch}, {len(hf)} tensors ({out_dtype}) from iteration {meta['iteration']}")

@@ -16,12 +16,23 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "Llama2Tokenizer",  # read through the tokenizer.json beside its tokenizer.model (data/tokenizers.py)
     "GPTSentencePieceTokenizer",
+    "TikTokenizer",  # a tiktoken JSON rank list, read without tiktoken (data/tiktokenizer.py)
+)
+# The settings that make a tokenizer (as a checkpoint records them, and generate.py reads them back)
+TOKENIZER_FIELDS = (
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+    "vocab_size",
+    "tiktoken_pattern",
+    "tiktoken_num_special_tokens",
+    "tiktoken_special_tokens",
 )
 
 
 # Megatron's other --tokenizer-type values, each with why it is not taken and what to use
 UNSUPPORTED_TOKENIZERS = {
-    "TikTokenizer": "tiktoken tokenizers are not supported; use HuggingFaceTokenizer with the model's tokenizer.json",
     "SentencePieceTokenizer": "megatron_lite reads no SentencePiece .model files; use HuggingFaceTokenizer with the "
     "tokenizer.json converted from it (GPTSentencePieceTokenizer and Llama2Tokenizer read that one too)",
     "BertWordPieceLowerCase": "BERT's tokenizers are for BERT models, which megatron_lite does not train",
@@ -63,7 +74,12 @@ class DataConfig:
     tokenizer_model: str | None = None  # a tokenizer.json (HuggingFaceTokenizer)
     vocab_file: str | None = None  # GPT2BPETokenizer
     merge_file: str | None = None
-    vocab_size: int | None = None  # NullTokenizer / --mock-data
+    vocab_size: int | None = None  # NullTokenizer / --mock-data; TikTokenizer's vocabulary (2^17 if not given)
+    # TikTokenizer (Megatron's flags): the v1 or v2 split of text into words (required, as in Megatron), the
+    # special tokens at ids 0..N-1 (<unk> <s> </s> by default, then <SPECIAL_i> fillers up to N)
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int = 1000
+    tiktoken_special_tokens: tuple[str, ...] | None = None
     data_cache_path: str | None = None
     mid_level_dataset_surplus: float = 0.005  # (Megatron's: each part of a weighted blend is built this much larger)
     num_workers: int = 0

@@ -1,6 +1,7 @@
 """Tokenizers: a Hugging Face tokenizer.json (through the `tokenizers` library), Megatron's SentencePiece
 tokenizers (Llama2Tokenizer, GPTSentencePieceTokenizer) through the tokenizer.json beside their .model, GPT-2
-BPE from vocab.json + merges.txt, a byte-level fallback, and Megatron's NullTokenizer for --mock-data."""
+BPE from vocab.json + merges.txt, Megatron's TikTokenizer (data/tiktokenizer.py), a byte-level fallback, and
+Megatron's NullTokenizer for --mock-data."""
 
 from __future__ import annotations
 
@@ -274,6 +275,9 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     vocab_size: int | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
+    tiktoken_special_tokens: list[str] | tuple[str, ...] | None = None,
 ):
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
@@ -289,16 +293,27 @@ def build_tokenizer(
         return SentencePieceFamilyTokenizer(model, tokenizer_type)
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
+    if tokenizer_type == "TikTokenizer":
+        from megatron_lite.data.tiktokenizer import TikTokenizer
+
+        if tiktoken_pattern is None:  # (Megatron asserts it is given)
+            raise ConfigError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 (as in Megatron)")
+        return TikTokenizer(model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens, tiktoken_special_tokens)
     raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported")
 
 
 def tokenizer_from_flags(flags):
     """The tokenizer named by an object with Megatron's tokenizer flags as attributes (a DataConfig, or an
-    argparse namespace): tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size."""
+    argparse namespace): tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size, and TikTokenizer's
+    tiktoken_* (absent from checkpoints saved before it: their defaults)."""
+    num_special = getattr(flags, "tiktoken_num_special_tokens", None)
     return build_tokenizer(
         flags.tokenizer_type,
         model=flags.tokenizer_model,
         vocab_file=flags.vocab_file,
         merge_file=flags.merge_file,
         vocab_size=flags.vocab_size,
+        tiktoken_pattern=getattr(flags, "tiktoken_pattern", None),
+        tiktoken_num_special_tokens=1000 if num_special is None else num_special,
+        tiktoken_special_tokens=getattr(flags, "tiktoken_special_tokens", None),
     )
