@@ -84,6 +84,10 @@ def _check_run_length(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value} does not go with {run}: use the {other} form of the flag")
 
 
+# What fp8 does not run with yet: the ring GEMMs, FSDP2's sharded weights and QLoRA's NF4 weights
+FP8_NOT_WITH = {"--tp-comm-overlap": "tp_comm_overlap", "--use-torch-fsdp2": "use_torch_fsdp2", "--qlora": "qlora"}
+
+
 def _check_moe_flags(ns: argparse.Namespace) -> None:
     """Megatron's refusals of MoE flags that would do nothing, or train nothing."""
     if ns.overlap_moe_expert_parallel_comm and (ns.num_experts is None or ns.expert_model_parallel_size == 1):
@@ -128,6 +132,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             f"--moe-token-dispatcher-type {ns.moe_token_dispatcher_type}: use alltoall or drop the flag"
         )
     _check_moe_flags(ns)
+    if ns.fp8 is not None and (both := [f for f, on in FP8_NOT_WITH.items() if getattr(ns, on)]):
+        raise ConfigError(
+            f"--fp8-format {ns.fp8} with {both[0]}: not implemented together (the fp8 GEMMs are the plain linears' "
+            "of the transformer layers); drop one"
+        )
     kernel_impl = resolve_kernel_impl(ns.kernel_impl, ns.distributed_backend, ns.bf16 or ns.fp16)
     balancing, aux_loss_coeff = flag_values.balancing(ns)
     vocab = ns.vocab_size
@@ -171,6 +180,12 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         recompute_num_layers=ns.recompute_num_layers,
         recompute_modules=tuple(ns.recompute_modules),
         kernel_impl=kernel_impl,
+        fp8=ns.fp8,
+        fp8_recipe=ns.fp8_recipe,
+        fp8_wgrad=not ns.no_fp8_wgrad,
+        fp8_bf16_layers=(
+            (ns.num_layers_at_start_in_bf16, ns.num_layers_at_end_in_bf16) if ns.first_last_layers_bf16 else (0, 0)
+        ),
         num_experts=ns.num_experts,
         moe_router_topk=ns.moe_router_topk,
         moe_router_score_function=ns.moe_router_score_function,

@@ -165,6 +165,13 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = 0.1
     # Which implementation runs the norms, SwiGLU, RoPE, attention and loss: our Triton kernels or PyTorch.
     kernel_impl: str = "torch"
+    # fp8 GEMMs in the transformer layers' linears (Megatron's --fp8-format e4m3|hybrid, --fp8-recipe,
+    # --no-fp8-wgrad; tensor_parallel/fp8.py), None: in the compute dtype. fp8_bf16_layers: how many of the first
+    # and last layers stay in the compute dtype (--first-last-layers-bf16 --num-layers-at-start/end-in-bf16)
+    fp8: str | None = None
+    fp8_recipe: str = "delayed"
+    fp8_wgrad: bool = True
+    fp8_bf16_layers: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -282,6 +289,10 @@ class ModelConfig:
             raise ConfigError(f"--mtp-loss-scaling-factor {self.mtp_loss_scaling_factor} must be >= 0")
         if self.kernel_impl not in ("torch", "triton"):
             raise ConfigError(f"--kernel-impl {self.kernel_impl} is not torch|triton")
+        if self.fp8 is not None:
+            from megatron_lite.tensor_parallel.fp8 import validate_fp8
+
+            validate_fp8(self)
 
     @property
     def moe_ffn_size(self) -> int:

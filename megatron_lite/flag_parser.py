@@ -400,6 +400,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-loss-scale", type=float, default=1.0)
     p.add_argument("--loss-scale-window", type=int, default=1000)
     p.add_argument("--hysteresis", type=int, default=2)
+    p.add_argument("--fp8-format", dest="fp8", choices=["e4m3", "hybrid"], help="fp8 GEMMs in the transformer "
+                   "layers: inputs and weights e4m3, output gradients e5m2 (hybrid) or e4m3")  # fmt: skip
+    p.add_argument(
+        "--fp8-recipe",
+        default="delayed",
+        choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
+        help="tensorwise: each tensor scaled from its own amax (Megatron's default, delayed, is refused)",
+    )
+    _bool(p, "--no-fp8-wgrad", "with --fp8-format: the weight gradients in the compute dtype")
+    p.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling's margin (no effect with tensorwise)")
+    p.add_argument("--fp8-interval", type=int, default=1, help="deprecated in Megatron: no effect")
+    p.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed scaling's (no effect with tensorwise)")
+    p.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="delayed scaling's (no effect with tensorwise)")  # fmt: skip
+    _bool(p, "--first-last-layers-bf16", "with --fp8-format: the first and last layers in the compute dtype")
+    p.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    p.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
 
     a = parser.add_argument_group("data")
     a.add_argument(

@@ -224,13 +224,8 @@ REFUSED: dict[str, str] = {
     "non_persistent_ckpt_type": NON_PERSISTENT,
     "non_persistent_global_ckpt_dir": NON_PERSISTENT,
     "save_retain_interval": "keeping every Nth checkpoint beside the newest is not implemented (--ckpt-keep-last N)",
-    "fp8_format": "fp8 training is not implemented",
-    "fp8_amax_history_len": "fp8 training is not implemented",
-    "fp8_amax_compute_algo": "fp8 training is not implemented",
-    "fp8_param_gather": "fp8 training is not implemented",
-    "fp8_margin": "fp8 training is not implemented",
-    "fp8_interval": "fp8 training is not implemented",
-    "fp8_recipe": "fp8 training is not implemented",
+    "fp8_param_gather": "weights kept and all-gathered in fp8 are not implemented (--fp8-format quantizes the "
+    "compute-dtype weights at each GEMM)",
     "enable_cuda_graph": "CUDA graphs are not implemented",
     "cuda_graph_impl": "CUDA graphs are not implemented (none, Megatron's default, is taken)",
     "moe_enable_deepep": "DeepEP is not used; --moe-token-dispatcher-type alltoall (or allgather) dispatches tokens",
@@ -330,6 +325,31 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
         )
 
 
+def _fp8_notes(ns: argparse.Namespace) -> list[str]:
+    """The fp8 flags given that change nothing: all of them without --fp8-format; the delayed-scaling ones with
+    --fp8-recipe tensorwise (as in Megatron); --fp8-interval, deprecated there."""
+    given = {
+        flag: value
+        for flag, value, default in (
+            ("--fp8-recipe", getattr(ns, "fp8_recipe", "delayed"), "delayed"),
+            ("--fp8-margin", getattr(ns, "fp8_margin", 0), 0),
+            ("--fp8-amax-history-len", getattr(ns, "fp8_amax_history_len", 1), 1),
+            ("--fp8-amax-compute-algo", getattr(ns, "fp8_amax_compute_algo", "most_recent"), "most_recent"),
+            ("--fp8-interval", getattr(ns, "fp8_interval", 1), 1),
+            ("--no-fp8-wgrad", getattr(ns, "no_fp8_wgrad", False), False),
+            ("--first-last-layers-bf16", getattr(ns, "first_last_layers_bf16", False), False),
+        )
+        if value != default
+    }
+    if getattr(ns, "fp8", None) is None:
+        return [f"{flag} has no effect without --fp8-format" for flag in given]
+    out = [f"{f} {given[f]} has no effect with --fp8-recipe tensorwise (Megatron reads it for delayed scaling)"
+           for f in ("--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo") if f in given]  # fmt: skip
+    if "--fp8-interval" in given:
+        out.append(f"--fp8-interval {given['--fp8-interval']} has no effect (deprecated in Megatron)")
+    return out
+
+
 def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     """Lines describing the accepted-but-ineffective flags this job passed."""
     lines = [
@@ -347,6 +367,7 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         getattr(ns, "grad_reduce_in_bf16", False) and not getattr(ns, "bf16", False) and not getattr(ns, "fp16", False)
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
+    lines += _fp8_notes(ns)
     if getattr(ns, "tokenizer_type", None) != "TikTokenizer":  # (Megatron's examples pass it with NullTokenizer)
         given = [f for f in ("tiktoken_pattern", "tiktoken_special_tokens") if getattr(ns, f, None)]
         if getattr(ns, "tiktoken_num_special_tokens", 1000) != 1000:

@@ -390,15 +390,11 @@ def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monk
 @pytest.mark.parametrize(
     "argv,fragments",
     [
-        (["--fp8-format", "e4m3"], ["--fp8-format", "not implemented"]),
-        (["--fp8-margin=0"], ["--fp8-margin", "not implemented"]),
-        # every refused flag in one line (a script with four fp8 flags was refused four times over)
+        (["--fp8-format", "e4m3"], ["--fp8-recipe delayed (Megatron's default) is not implemented"]),
+        # every refused flag in one line (a script with four refused flags was refused four times over)
         (
-            ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--moe-router-force-load-balancing"],
-            [
-                "--fp8-format --fp8-amax-history-len --moe-router-force-load-balancing are not supported",
-                "random router",
-            ],
+            ["--fp8-format", "hybrid", "--fp8-param-gather", "--moe-router-force-load-balancing"],
+            ["--fp8-param-gather --moe-router-force-load-balancing are not supported", "random router"],
         ),
         (["--grad-reduce-in-bf16", "--fp16"], ["--grad-reduce-in-bf16", "--fp16", "use --bf16"]),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),

@@ -85,7 +85,8 @@ fi
 DEFAULT_KERNEL_TESTS=(tests/test_kernels_attention_tiles.py tests/test_kernels_bf16.py tests/test_kernels_attention.py tests/test_kernels_cross_entropy.py tests/test_kernels_elementwise.py
               tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py  # (+ bf16 greedy decoding)
               tests/test_kernels_large.py  # past 2^31 elements (~40 GB)
-              tests/test_comm_timer.py)  # and the exposed-communication timer's CUDA events
+              tests/test_comm_timer.py  # and the exposed-communication timer's CUDA events
+              tests/test_fp8.py::test_gpu_fp8_linear_in_bf16_is_the_product_of_the_quantized_operands)  # _scaled_mm
 read -r -a KERNEL_TESTS <<< "${KERNEL_TESTS:-${DEFAULT_KERNEL_TESTS[*]}}"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadgroup" || echo "")  # the >2^31 tests: one worker
 # SIGINT first: pytest then may still print its summary and junit file (xdist's teardown can hang on it, so -v

@@ -16,6 +16,7 @@ from torch import nn
 from megatron_lite.kernels.nf4 import nf4_linear
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
+from megatron_lite.tensor_parallel.fp8 import fp8_linear
 from megatron_lite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -73,6 +74,7 @@ class ColumnParallelLinear(nn.Module):
         self.spec = ShardSpec(0, sizes, padded, tp.size)
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
         self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
+        self.fp8 = None  # an Fp8Setting: the GEMM in fp8 (tensor_parallel/fp8.py enable_fp8)
         out_local = self.spec.shard_size
         if skip_weight_param_allocation:
             self.weight = None
@@ -102,6 +104,10 @@ class ColumnParallelLinear(nn.Module):
             x_full = self.gather_input(x)
             if self.nf4 is not None:  # QLoRA: the frozen weight in NF4, dequantised as it is used
                 y = nf4_linear(x_full, self.nf4.weight()) + (0 if self.bias is None else self.bias)
+            elif self.fp8 is not None:  # (the input is whole on every TP rank; weight and output are split)
+                split = self.tp if self.tp.size > 1 else None
+                y = fp8_linear(x_full, weight, self.fp8, w_split=split, g_split=split)
+                y = y if self.bias is None else y + self.bias
             else:
                 y = F.linear(x_full, weight, self.bias)
             if self.lora is not None:  # the adapters read the same (gathered) input: one reduction of its grad
@@ -147,6 +153,7 @@ class RowParallelLinear(nn.Module):
         self.spec = ShardSpec.even(1, input_size, tp.size)
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
         self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
+        self.fp8 = None  # an Fp8Setting: the GEMM in fp8 (tensor_parallel/fp8.py enable_fp8)
         meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
         _add_param(self, "weight", (output_size, self.spec.shard_size), device, dtype, meta)
         if bias:
@@ -163,6 +170,9 @@ class RowParallelLinear(nn.Module):
         else:
             if self.nf4 is not None:  # QLoRA: the frozen weight in NF4, dequantised as it is used
                 partial = nf4_linear(x, self.nf4.weight())
+            elif self.fp8 is not None:  # (the input and weight are split; the output's gradient is whole)
+                split = self.tp if self.tp.size > 1 else None
+                partial = fp8_linear(x, self.weight, self.fp8, x_split=split, w_split=split)
             else:
                 partial = F.linear(x, self.weight)
             if self.lora is not None:  # summed by the layer's own reduction

@@ -43,6 +43,7 @@ from megatron_lite.resilience.flight_recorder import FlightRecorder, leave
 from megatron_lite.resilience.guards import ExitSignal
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
 from megatron_lite.start_up_error import report_error
+from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import memory
 from megatron_lite.training.batches import Batches
 from megatron_lite.training.configs import JobConfig, check_output_paths
@@ -184,6 +185,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
         fsdp2 = job.optimizer.use_torch_fsdp2
         # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
         model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
+        if job.model.fp8 is not None:
+            log.info(describe_fp8(model, job.model, ctx))
         n_params = sum(p.numel() for p in model.parameters())
         grads = str(job.optimizer.grad_dtype).removeprefix("torch.")
         log.info(
