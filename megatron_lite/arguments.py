@@ -182,6 +182,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         kernel_impl=kernel_impl,
         fp8=ns.fp8,
         fp8_recipe=ns.fp8_recipe,
+        fp8_margin=ns.fp8_margin,
+        fp8_amax_history_len=ns.fp8_amax_history_len,
+        fp8_amax_compute_algo=ns.fp8_amax_compute_algo,
         fp8_wgrad=not ns.no_fp8_wgrad,
         fp8_bf16_layers=(
             (ns.num_layers_at_start_in_bf16, ns.num_layers_at_end_in_bf16) if ns.first_last_layers_bf16 else (0, 0)

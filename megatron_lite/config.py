@@ -170,6 +170,9 @@ class ModelConfig:
     # and last layers stay in the compute dtype (--first-last-layers-bf16 --num-layers-at-start/end-in-bf16)
     fp8: str | None = None
     fp8_recipe: str = "delayed"
+    fp8_margin: int = 0  # delayed scaling's: --fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
     fp8_wgrad: bool = True
     fp8_bf16_layers: tuple[int, int] = (0, 0)
 

@@ -343,8 +343,10 @@ def _fp8_notes(ns: argparse.Namespace) -> list[str]:
     }
     if getattr(ns, "fp8", None) is None:
         return [f"{flag} has no effect without --fp8-format" for flag in given]
+    delayed_only = ("--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo")
+    tensorwise = getattr(ns, "fp8_recipe", "delayed") == "tensorwise"
     out = [f"{f} {given[f]} has no effect with --fp8-recipe tensorwise (Megatron reads it for delayed scaling)"
-           for f in ("--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo") if f in given]  # fmt: skip
+           for f in delayed_only if f in given and tensorwise]  # fmt: skip
     if "--fp8-interval" in given:
         out.append(f"--fp8-interval {given['--fp8-interval']} has no effect (deprecated in Megatron)")
     return out

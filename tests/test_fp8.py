@@ -9,7 +9,7 @@ import torch
 from test_pretrain_torchrun import records
 
 from megatron_lite.config import ConfigError
-from megatron_lite.tensor_parallel.fp8 import Fp8Setting, fp8_linear, quantize
+from megatron_lite.tensor_parallel.fp8 import Fp8Setting, Fp8State, fp8_linear, quantize, update_fp8_scales
 
 
 def _q(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -40,6 +40,43 @@ def test_an_fp8_linear_is_the_product_of_the_quantized_operands(fmt, wgrad):
     assert _rel(w.grad, dw) < 1e-6
     # and it is not the unquantized product: fp8 rounds by up to 2^-4 (e4m3) of each value
     assert 1e-3 < _rel(y.detach(), x.detach() @ w.detach().t()) < 0.1
+
+
+@pytest.mark.parametrize("algo", ["most_recent", "max"])
+def test_delayed_scaling_quantizes_with_the_scale_of_the_iterations_before(algo):
+    """--fp8-recipe delayed: the first iteration's scale is 1 (a value past 448 saturates); each next one's is
+    fp8_max over the newest amax (most_recent) or the largest of the last --fp8-amax-history-len (max), the
+    amax being the largest over the iteration's micro-batches; a forward without gradients records none."""
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.fp8 = Fp8Setting("hybrid", recipe="delayed", history_len=2, algo=algo)
+    holder.fp8_state = Fp8State(2, "cpu")
+    w = torch.randn(8, 16)
+    sizes = [1000.0, 3.0, 0.5, 0.25]  # (the inputs' amax, iteration by iteration)
+    scales = [1.0]
+    for i, size in enumerate(sizes):
+        amaxes = []
+        for micro in range(2):  # (the second micro-batch's input is half the first's: the first's amax counts)
+            x = torch.randn(4, 16)
+            x = x / x.abs().max() * size / (1 + micro)
+            amaxes.append(x.abs().max())
+            y = fp8_linear(x, w.requires_grad_(), holder.fp8, state=holder.fp8_state)
+            y.sum().backward()
+            top = 448.0
+            qx = (x * scales[-1]).clamp(-top, top).to(torch.float8_e4m3fn).float() / scales[-1]
+            ws = holder.fp8_state.scale[1]
+            qw = (w.detach() * ws).clamp(-top, top).to(torch.float8_e4m3fn).float() / ws
+            assert _rel(y.detach(), qx @ qw.t()) < 1e-6
+            if i == 0:
+                assert qx.abs().max() == 448.0  # (saturated)
+        with torch.no_grad():  # (evaluation: not recorded)
+            fp8_linear(torch.full((4, 16), 1e6), w, holder.fp8, state=holder.fp8_state)
+        update_fp8_scales(holder, None)
+        newest = max(amaxes)
+        used = newest if algo == "most_recent" or i == 0 else max(newest, max(sizes[i - 1], sizes[i - 1] / 2))
+        scales.append(448.0 / float(used))
+        assert holder.fp8_state.scale[0].item() == pytest.approx(scales[-1], rel=1e-6), (i, algo)
+    assert holder.fp8_state.scale[2].item() > 448.0  # (the gradients' column: e5m2's 57344 over their amax)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch._scaled_mm on Hopper or newer)")
@@ -85,10 +122,10 @@ def test_a_zero_input_and_the_largest_value_quantize_as_transformer_engine_does(
     "flags, fragment",
     [
         (
-            ["--fp8-format", "hybrid"],
-            "--fp8-recipe delayed (Megatron's default) is not implemented; give --fp8-recipe tensorwise",
+            ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
+            "--fp8-recipe mxfp8 is not implemented; give --fp8-recipe delayed (Megatron's default",
         ),  # fmt: skip
-        (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8 is not implemented"),
+        (["--fp8-format", "hybrid", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len 0 must be >= 1"),
         (
             ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--num-experts", "4", "--disable-bias-linear"],
             "the experts' fp8 GEMMs are not implemented",
@@ -118,8 +155,12 @@ ARGS = (
     "--seq-length 32 --train-iters 6 --micro-batch-size 1 --global-batch-size 4 --lr 3e-3 --lr-warmup-iters 2 "
     "--log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 --normalization RMSNorm --swiglu "
     "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
-    "--distributed-backend gloo --fp8-format hybrid --fp8-recipe tensorwise"
+    "--distributed-backend gloo --fp8-format hybrid"
 ).split()
+RECIPES = {
+    "tensorwise": ["--fp8-recipe", "tensorwise"],
+    "delayed": ["--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"],  # (Megatron's default recipe)
+}
 LAYOUTS = {  # (the micro-batch stays 1: a tensor's amax is its micro-batch's)
     "tp2-sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
     "cp2": (2, "--context-parallel-size 2"),
@@ -128,29 +169,33 @@ LAYOUTS = {  # (the micro-batch stays 1: a tensor's amax is its micro-batch's)
 
 
 @pytest.mark.slow
-def test_fp8_under_every_layout_equals_one_process(tmp_path, pretrain_job):
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fp8_under_every_layout_equals_one_process(tmp_path, pretrain_job, recipe):
     """Per-iteration lm_loss and grad_norm of one process, with fp8 on, against TP2 + SP, CP2 and PP2 x DP2.
 
-    The first two iterations agree to 1e-6 (a TP rank quantizing its piece of a weight with its own amax was 3e-4
-    off in the first grad norm). After that, weights one rounding apart in fp32 (TP sums in another order) can
-    land on neighbouring fp8 values, one step of up to 2^-3 of the value, and the runs part slowly (1e-2 of the
-    grad norm by iteration 6 at TP2; without fp8 they stay within 1e-7): bounded there, not equal. The first and
-    last layers in bf16 (--first-last-layers-bf16) change the loss, and so does fp8 against no fp8, by little."""
+    The first two iterations agree to 1e-6 (tensorwise: a TP rank quantizing its piece of a weight with its own
+    amax was 3e-4 off in the first grad norm; delayed: the second iteration's scales come from the first's amax,
+    the largest over the micro-batches of every replica). After that, weights one rounding apart in fp32 (TP
+    sums in another order) can land on neighbouring fp8 values, one step of up to 2^-3 of the value, and the runs
+    part slowly (1e-2 of the grad norm by iteration 6 at TP2; without fp8 they stay within 1e-7): bounded there,
+    not equal. The first and last layers in bf16 (--first-last-layers-bf16) change the loss, and so does fp8
+    against no fp8, by little."""
 
     def run(name: str, world: int, argv: list[str]) -> tuple[list[dict], str]:
         out = pretrain_job(world, [*argv, "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
         return records(tmp_path / f"{name}.jsonl"), out
 
-    one, out = run("one", 1, ARGS)
-    assert "fp8 (hybrid, tensorwise): the linears of layers 0-3, 16 on this rank" in out
+    args = [*ARGS, *RECIPES[recipe]]
+    one, out = run("one", 1, args)
+    assert f"fp8 (hybrid, {recipe}): the linears of layers 0-3, 16 on this rank" in out
     for name, (world, extra) in LAYOUTS.items():
-        other = run(name, world, [*ARGS, *extra.split()])[0]
+        other = run(name, world, [*args, *extra.split()])[0]
         assert len(one) == len(other) == 6, name
         for i, (a, b) in enumerate(zip(one, other)):
             close = (1e-6, 1e-6) if i < 2 else (1e-3, 5e-2)
             assert abs(a["lm_loss"] - b["lm_loss"]) <= close[0] * a["lm_loss"], (name, a, b)
             assert abs(a["grad_norm"] - b["grad_norm"]) <= close[1] * a["grad_norm"], (name, a, b)
-    ends, out = run("ends", 1, [*ARGS, "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"])
+    ends, out = run("ends", 1, [*args, "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"])
     assert "the linears of layers 1-1, 4 on this rank" in out
     plain, _ = run("plain", 1, ARGS[: ARGS.index("--fp8-format")])
     for fp8, other in ((one, plain), (ends, plain), (one, ends)):

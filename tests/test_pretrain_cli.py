@@ -390,7 +390,7 @@ def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monk
 @pytest.mark.parametrize(
     "argv,fragments",
     [
-        (["--fp8-format", "e4m3"], ["--fp8-recipe delayed (Megatron's default) is not implemented"]),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], ["--fp8-recipe blockwise is not implemented"]),
         # every refused flag in one line (a script with four refused flags was refused four times over)
         (
             ["--fp8-format", "hybrid", "--fp8-param-gather", "--moe-router-force-load-balancing"],

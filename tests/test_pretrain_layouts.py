@@ -23,6 +23,12 @@ RESUME_LAYOUTS = {
     # multi-token prediction on the last stage, with its copy of the word embeddings (never stored: the first
     # stage's comes back into it)
     "mtp-pp2": "--pipeline-model-parallel-size 2 --mtp-num-layers 1".split(),
+    # fp8's delayed scaling: each linear's amax history and scales come back (a resume starting them afresh
+    # quantized its first iteration with scale 1)
+    "fp8-delayed-tp2": (
+        "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --tensor-model-parallel-size 2 "
+        "--sequence-parallel"
+    ).split(),
     # bf16 Adam moments, sharded by the distributed optimizer, saved and restored in their dtype
     "bf16-moments-dp2": (
         "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --use-distributed-optimizer"

@@ -50,7 +50,8 @@ from megatron_lite.checkpoint.format import (
 from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.optimizer import any_rank, state_kinds
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import hold_copy, named_param_meta, replica_group
+from megatron_lite.parameters import ParamMeta, hold_copy, named_param_meta, replica_group
+from megatron_lite.tensor_parallel.fp8 import fp8_state_tensors
 
 
 @dataclass
@@ -58,6 +59,9 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     consumed_valid_samples: int = 0  # validation samples evaluated so far: the next evaluation goes on from there
+
+
+REPLICATED = ParamMeta(("zeros",))  # (a tensor every rank holds whole: fp8 scaling state)
 
 
 def _on_every_rank(ctx: ParallelContext, work, what: str, then: str = "; the checkpoint was not published"):
@@ -93,6 +97,7 @@ def _state_tensors(model, optimizer, adapters_only: bool = False) -> dict[str, l
         out["model"].append((gname, p.full_tensor().cpu() if hasattr(p, "full_tensor") else p, meta))
         for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
             out.setdefault(kind, []).append((gname, t, meta))
+    out["fp8"] = [(gname, t, REPLICATED) for gname, t in fp8_state_tensors(model)]  # (delayed scaling's)
     return out
 
 
@@ -521,6 +526,15 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
                 p.copy_(local_shard(full, p))
             continue
         reader.fill(key, p, local_pieces(tuple(p.shape), pmeta))
+    for gname, t in fp8_state_tensors(model):  # (a checkpoint without them: delayed scaling starts afresh)
+        if (stored := (reader.index.get(f"fp8/{gname}") or {}).get("shape")) is None:
+            continue
+        if list(stored) != list(t.shape):
+            raise ConfigError(
+                f"{path}: {gname} holds {stored[0]} iterations of fp8 amax history; this run keeps "
+                f"{t.shape[0]}: give --fp8-amax-history-len {stored[0]}"
+            )
+        reader.fill(f"fp8/{gname}", t, local_pieces(tuple(t.shape), REPLICATED))
     values = {}
     for name, p, pmeta in named_param_meta(model) if with_optim else ():
         if not optimizer.holds(p):

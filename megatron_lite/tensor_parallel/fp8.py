@@ -1,11 +1,13 @@
-"""fp8 GEMMs for the transformer layers' tensor-parallel linears (`--fp8-format`, `--fp8-recipe tensorwise`).
+"""fp8 GEMMs for the transformer layers' tensor-parallel linears (`--fp8-format`, `--fp8-recipe`).
 
-Each GEMM operand is quantized per tensor from its own amax ("current scaling", Transformer Engine's
-Float8CurrentScaling): scale = fp8_max / amax / 2^margin, the input and weight to e4m3, the output gradient to
-e5m2 (`hybrid`) or e4m3 (`e4m3`); the product accumulates in fp32 and comes out in the input's dtype. The fp8
-copies of the input and weight are what the backward keeps.
+Each GEMM operand is quantized per tensor, the input and weight to e4m3, the output gradient to e5m2 (`hybrid`)
+or e4m3 (`e4m3`); the product accumulates in fp32 and comes out in the input's dtype. The fp8 copies of the
+input and weight are what the backward keeps. `tensorwise` (Transformer Engine's Float8CurrentScaling) scales a
+tensor from its own amax, fp8_max / amax; `delayed` (DelayedScaling, Megatron's default) from the amax history
+of the iterations before (Fp8State, update_fp8_scales).
 
-The amax is the whole logical tensor's, as one process computes it: where a layout splits a tensor, its pieces'
+The amax is the whole logical tensor's, as one process computes it (delayed: the iteration's, over all its
+micro-batches and replicas): where a layout splits a tensor, its pieces'
 amaxes are reduced (max) over the group that splits it. A column-parallel weight and output gradient are split
 over TP, a row-parallel input and weight too, and under context parallelism every activation is split along the
 sequence over CP. So every layout quantizes with the one-process scales; only the micro-batch must be the same
@@ -25,7 +27,7 @@ from megatron_lite.parallel_context import Group
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise",)  # (Megatron's delayed, mxfp8 and blockwise are refused at start-up)
+RECIPES = ("tensorwise", "delayed")  # (Megatron's mxfp8 and blockwise are refused at start-up)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class Fp8Setting:
     margin: int = 0
     cp: Group | None = None
     wgrad: bool = True  # False (--no-fp8-wgrad): the weight gradient from the unquantized input and gradient
+    recipe: str = "tensorwise"
+    history_len: int = 1  # delayed: --fp8-amax-history-len, --fp8-amax-compute-algo
+    algo: str = "most_recent"
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -50,15 +55,40 @@ def _max_over(amax: torch.Tensor, groups: tuple[Group | None, ...]) -> torch.Ten
     return amax
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t in fp8, the inverse of its scale), the scale from `amax`: fp8_max / amax / 2^margin, 1 where the amax is
-    0 or not finite, fp32's largest where it overflows (as Transformer Engine's compute_scale_from_amax)."""
+def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int, keep: torch.Tensor) -> torch.Tensor:
+    """fp8_max / amax / 2^margin; `keep` where the amax is 0 or not finite, fp32's largest where the scale
+    overflows (a subnormal amax), as Transformer Engine computes it."""
     amax = amax.float()
-    scale = (FP8_MAX[dtype] / amax) / 2.0**margin
-    scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)  # (a subnormal amax)
-    scale = torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
+    scale = (fp8_max / amax) / 2.0**margin
+    scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+    return torch.where((amax > 0) & torch.isfinite(amax), scale, keep)
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in fp8, the inverse of its scale), the scale from `amax` (1 where it is 0 or not finite)."""
+    amax = amax.float()
+    return quantize_scaled(t, dtype, scale_from_amax(amax, FP8_MAX[dtype], margin, torch.ones_like(amax)))
+
+
+def quantize_scaled(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t times `scale` in fp8, saturated at fp8's largest value, and the inverse of the scale)."""
     q = (t.float() * scale).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
     return q, scale.reciprocal()
+
+
+class Fp8State:
+    """Delayed scaling's state of one linear (--fp8-recipe delayed): for its input, weight and output gradient
+    (columns 0, 1, 2), the scale the GEMMs quantize with, the last `history_len` iterations' amaxes (newest in
+    row 0) it came from, and this iteration's amax so far on this rank. update_fp8_scales moves the iteration's
+    amax into the history once its backward is done, reduced over every replica of the stage."""
+
+    def __init__(self, history_len: int, device) -> None:
+        self.history = torch.zeros(history_len, 3, device=device)
+        self.scale = torch.ones(3, device=device)  # (Transformer Engine's first scale: 1)
+        self.pending = torch.zeros(3, device=device)
+
+    def record(self, column: int, amax: torch.Tensor) -> None:
+        self.pending[column] = torch.maximum(self.pending[column], amax)
 
 
 @functools.cache
@@ -84,24 +114,34 @@ def fp8_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.T
     return ((a.float() @ b.float().t()) * (a_inv * b_inv)).to(out_dtype)
 
 
+def _quantize(t, dtype, column: int, groups, setting: Fp8Setting, state: Fp8State | None, record: bool):
+    """Tensorwise: from the whole tensor's amax now. Delayed: with the state's scale (its amax recorded, unreduced,
+    for the update at the iteration's end; not by forwards without gradients, evaluation's)."""
+    amax = t.detach().abs().amax().float()
+    if state is None:
+        return quantize(t, dtype, _max_over(amax, groups), setting.margin)
+    if record:
+        state.record(column, amax)
+    return quantize_scaled(t, dtype, state.scale[column])
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, setting: Fp8Setting, x_groups, w_groups, g_groups):
+    def forward(ctx, x, weight, setting: Fp8Setting, x_groups, w_groups, g_groups, state, record):
         x2 = x.reshape(-1, x.shape[-1])
-        margin = setting.margin
-        xq, x_inv = quantize(x2, E4M3, _max_over(x2.detach().abs().amax().float(), x_groups), margin)
-        wq, w_inv = quantize(weight, E4M3, _max_over(weight.detach().abs().amax().float(), w_groups), margin)
+        xq, x_inv = _quantize(x2, E4M3, 0, x_groups, setting, state, record)
+        wq, w_inv = _quantize(weight, E4M3, 1, w_groups, setting, state, record)
         y = fp8_mm(xq, x_inv, wq, w_inv, x.dtype)
         ctx.save_for_backward(xq, x_inv, wq, w_inv, None if setting.wgrad else x2)
         ctx.setting, ctx.g_groups, ctx.x_shape, ctx.dtypes = setting, g_groups, x.shape, (x.dtype, weight.dtype)
+        ctx.state = state
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         xq, x_inv, wq, w_inv, x2 = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        amax = _max_over(g2.detach().abs().amax().float(), ctx.g_groups)
-        gq, g_inv = quantize(g2, ctx.setting.grad_dtype, amax, ctx.setting.margin)
+        gq, g_inv = _quantize(g2, ctx.setting.grad_dtype, 2, ctx.g_groups, ctx.setting, ctx.state, True)
         dx = dw = None
         if ctx.needs_input_grad[0]:  # (dgrad: [M, N] @ [N, K])
             dx = fp8_mm(gq, g_inv, wq.t().contiguous(), w_inv, ctx.dtypes[0]).reshape(ctx.x_shape)
@@ -109,7 +149,7 @@ class _Fp8Linear(torch.autograd.Function):
             dw = (g2.t() @ x2).to(ctx.dtypes[1])
         elif ctx.needs_input_grad[1]:  # (wgrad: [N, M] @ [M, K])
             dw = fp8_mm(gq.t().contiguous(), g_inv, xq.t().contiguous(), x_inv, torch.float32).to(ctx.dtypes[1])
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def fp8_linear(
@@ -120,11 +160,42 @@ def fp8_linear(
     x_split: Group | None = None,
     w_split: Group | None = None,
     g_split: Group | None = None,
+    state: Fp8State | None = None,
 ) -> torch.Tensor:
     """x @ weight^T with fp8 operands. `x_split`, `w_split`, `g_split`: the TP group where the input, the weight
-    or the output gradient is this rank's piece of the whole tensor (None where each rank holds all of it)."""
+    or the output gradient is this rank's piece of the whole tensor (None where each rank holds all of it);
+    `state`: delayed scaling's (the recipe's)."""
     cp = setting.cp
-    return _Fp8Linear.apply(x, weight, setting, (x_split, cp), (w_split,), (g_split, cp))
+    record = torch.is_grad_enabled()
+    return _Fp8Linear.apply(x, weight, setting, (x_split, cp), (w_split,), (g_split, cp), state, record)
+
+
+def fp8_state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Delayed scaling's state as a checkpoint holds it: (global name, tensor) of each linear's history and scale,
+    the same on every replica of a stage (after update_fp8_scales), named by the global layer number."""
+    out = []
+    for name, module in model.named_modules():
+        if (state := getattr(module, "fp8_state", None)) is not None:
+            out += [(model.global_name(f"{name}.fp8_{part}"), getattr(state, part)) for part in ("history", "scale")]
+    return out
+
+
+def update_fp8_scales(model: torch.nn.Module, replicas: Group) -> None:
+    """Delayed scaling, once an iteration's backward is done: each linear's amaxes of the iteration, the largest
+    over its micro-batches and over every replica of the stage (`replicas`: TP x CP x DP, where a tensor is split
+    or holds other data), go into its history, and the scales of the next iteration follow from the history
+    (its largest with --fp8-amax-compute-algo max, else the newest). One all-reduce for all of them."""
+    states = [m.fp8_state for m in model.modules() if getattr(m, "fp8_state", None) is not None]
+    if not states:
+        return
+    setting = next(m.fp8 for m in model.modules() if getattr(m, "fp8_state", None) is not None)
+    amax = _max_over(torch.stack([s.pending for s in states]), (replicas,))
+    fp8_max = torch.tensor([FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[setting.grad_dtype]], device=amax.device)
+    for s, a in zip(states, amax):
+        s.history.copy_(torch.cat([a[None], s.history[:-1]]))
+        used = s.history.amax(0) if setting.algo == "max" else s.history[0]
+        s.scale.copy_(scale_from_amax(used, fp8_max, setting.margin, s.scale))
+        s.pending.zero_()
 
 
 def enable_fp8(model: torch.nn.Module, setting: Fp8Setting, num_layers: int, bf16_start: int, bf16_end: int) -> int:
@@ -141,6 +212,8 @@ def enable_fp8(model: torch.nn.Module, setting: Fp8Setting, num_layers: int, bf1
         for module in layer.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.fp8 = setting
+                if setting.recipe == "delayed":
+                    module.fp8_state = Fp8State(setting.history_len, module.weight.device)
                 count += 1
     return count
 
@@ -152,16 +225,19 @@ def validate_fp8(config) -> None:
     if config.fp8 not in FORMATS:
         raise ConfigError(f"--fp8-format {config.fp8}: choose e4m3 or hybrid")
     if config.fp8_recipe not in RECIPES:
-        default = " (Megatron's default)" if config.fp8_recipe == "delayed" else ""
         raise ConfigError(
-            f"--fp8-recipe {config.fp8_recipe}{default} is not implemented; give --fp8-recipe tensorwise: each "
-            "tensor scaled from its own amax (Transformer Engine's Float8CurrentScaling)"
+            f"--fp8-recipe {config.fp8_recipe} is not implemented; give --fp8-recipe delayed (Megatron's default: "
+            "scales from the amax history) or tensorwise (each tensor scaled from its own amax)"
         )
     if config.num_experts:
         raise ConfigError(
             f"--fp8-format {config.fp8} with --num-experts {config.num_experts}: the experts' fp8 GEMMs are not "
             "implemented; drop --fp8-format for MoE models"
         )
+    if config.fp8_amax_history_len < 1:
+        raise ConfigError(f"--fp8-amax-history-len {config.fp8_amax_history_len} must be >= 1")
+    if config.fp8_amax_compute_algo not in ("most_recent", "max"):
+        raise ConfigError(f"--fp8-amax-compute-algo {config.fp8_amax_compute_algo}: choose most_recent or max")
     start, end = config.fp8_bf16_layers
     if start < 0 or end < 0:
         raise ConfigError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} must be >= 0")
@@ -170,7 +246,15 @@ def validate_fp8(config) -> None:
 def describe_fp8(model: torch.nn.Module, config, ctx) -> str:
     """Switch this rank's transformer layers to fp8 as `config` says (enable_fp8); the start-up line saying so."""
     start, end = config.fp8_bf16_layers
-    setting = Fp8Setting(config.fp8, cp=ctx.cp if ctx.cp.size > 1 else None, wgrad=config.fp8_wgrad)
+    setting = Fp8Setting(
+        config.fp8,
+        config.fp8_margin if config.fp8_recipe == "delayed" else 0,  # (Megatron reads it for delayed scaling)
+        cp=ctx.cp if ctx.cp.size > 1 else None,
+        wgrad=config.fp8_wgrad,
+        recipe=config.fp8_recipe,
+        history_len=config.fp8_amax_history_len,
+        algo=config.fp8_amax_compute_algo,
+    )
     count = enable_fp8(model, setting, config.num_layers, start, end)
     first, last = start, config.num_layers - end - 1
     where = f"layers {first}-{last}" if first <= last else "no layer (all are kept in the compute dtype)"

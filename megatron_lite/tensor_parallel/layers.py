@@ -75,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
         self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
         self.fp8 = None  # an Fp8Setting: the GEMM in fp8 (tensor_parallel/fp8.py enable_fp8)
+        self.fp8_state = None  # and its Fp8State under delayed scaling
         out_local = self.spec.shard_size
         if skip_weight_param_allocation:
             self.weight = None
@@ -106,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
                 y = nf4_linear(x_full, self.nf4.weight()) + (0 if self.bias is None else self.bias)
             elif self.fp8 is not None:  # (the input is whole on every TP rank; weight and output are split)
                 split = self.tp if self.tp.size > 1 else None
-                y = fp8_linear(x_full, weight, self.fp8, w_split=split, g_split=split)
+                y = fp8_linear(x_full, weight, self.fp8, w_split=split, g_split=split, state=self.fp8_state)
                 y = y if self.bias is None else y + self.bias
             else:
                 y = F.linear(x_full, weight, self.bias)
@@ -154,6 +155,7 @@ class RowParallelLinear(nn.Module):
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning with them
         self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
         self.fp8 = None  # an Fp8Setting: the GEMM in fp8 (tensor_parallel/fp8.py enable_fp8)
+        self.fp8_state = None  # and its Fp8State under delayed scaling
         meta = ParamMeta(init=("normal", init_std), shard=self.spec, shard_rank=tp.rank)
         _add_param(self, "weight", (output_size, self.spec.shard_size), device, dtype, meta)
         if bias:
@@ -172,7 +174,7 @@ class RowParallelLinear(nn.Module):
                 partial = nf4_linear(x, self.nf4.weight())
             elif self.fp8 is not None:  # (the input and weight are split; the output's gradient is whole)
                 split = self.tp if self.tp.size > 1 else None
-                partial = fp8_linear(x, self.weight, self.fp8, x_split=split, w_split=split)
+                partial = fp8_linear(x, self.weight, self.fp8, x_split=split, w_split=split, state=self.fp8_state)
             else:
                 partial = F.linear(x, self.weight)
             if self.lora is not None:  # summed by the layer's own reduction

@@ -25,6 +25,7 @@ from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.pipeline_parallel.executor import documents, run_pipeline
 from megatron_lite.tensor_parallel.cross_entropy import counted_labels
+from megatron_lite.tensor_parallel.fp8 import update_fp8_scales
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron_lite.tensor_parallel.mappings import all_reduce
 from megatron_lite.training import memory
@@ -209,6 +210,8 @@ def train_step(
         with measuring:
             loss_sum = forward_backward(model, micro_batches, num_tokens, scale)
     finalize_grads(model, ctx)
+    if config.fp8 is not None and config.fp8_recipe == "delayed":  # (the next iteration's scales)
+        update_fp8_scales(model.module, ctx.tp_cp_dp)
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     mtp_losses = _mtp_losses(model, mtp_counts, ctx)
     lr, decoupled_lr = scheduler.lr, scheduler.decoupled_lr
