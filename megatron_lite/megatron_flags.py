@@ -266,6 +266,24 @@ REFUSED: dict[str, str] = {
         "PyTorch and the kernels are not switched to deterministic algorithms (CPU runs repeat exactly; GPU runs "
         "are not guaranteed to)"
     ),
+    # attention and MoE-block variants of Megatron-Core 0.16 (an attention review found them "no such flag")
+    "moe_shared_expert_gate": (
+        "the sigmoid gate on the shared expert's output (Qwen2-MoE's shared_expert_gate) is not implemented: the "
+        "shared expert's output is added ungated"
+    ),
+    "window_attn_skip_freq": (
+        "--window-size windows every layer; full-attention layers between the sliding-window ones are not implemented"
+    ),
+    "no_rope_freq": "RoPE is applied in every layer; layers without it (Llama 4's NoPE layers) are not implemented",
+    "qk_l2_norm": (
+        "L2-normalised queries and keys (Llama 4) are not implemented; --qk-layernorm normalises them with a learned "
+        "weight"
+    ),
+    "softmax_type": (
+        "the attention softmax is the vanilla one (Megatron's default): off-by-one and learnable attention sinks "
+        "(gpt-oss) are not implemented"
+    ),
+    "attention_output_gate": "the sigmoid gate on the attention output (Qwen3-Next) is not implemented",
 }
 
 
@@ -298,6 +316,8 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
         )
     if getattr(ns, "cuda_graph_impl", None) == ["none"]:  # (Megatron's default: no CUDA graphs)
         ns.cuda_graph_impl = None
+    if getattr(ns, "softmax_type", None) == ["vanilla"]:  # (Megatron's default: the softmax there is)
+        ns.softmax_type = None
     if getattr(ns, "dist_ckpt_strictness", None) in ("raise_unexpected", "raise_all"):
         raise ConfigError(
             f"--dist-ckpt-strictness {ns.dist_ckpt_strictness} is not supported: tensors a checkpoint holds beyond "

@@ -177,6 +177,24 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         (["--use-legacy-models"], "--use-legacy-models is not supported: megatron_lite has one model"),
         (["--apply-residual-connection-post-layernorm"], "is not supported: the residual is taken before each norm"),
         (["--embedding-init-method-std", "0.01"], "--embedding-init-method-std is not supported"),
+        # (an attention review against Megatron-Core 0.16.1, whose TransformerConfig has these: "no such flag" told
+        # a Megatron user to remove a flag that changes the model)
+        (
+            [
+                "--disable-bias-linear",
+                "--num-experts",
+                "4",
+                "--moe-shared-expert-intermediate-size",
+                "32",
+                "--moe-shared-expert-gate",
+            ],
+            "--moe-shared-expert-gate is not supported: the sigmoid gate on the shared",
+        ),
+        (["--window-size", "3,0", "--window-attn-skip-freq", "4"], "--window-attn-skip-freq is not supported"),
+        (["--position-embedding-type", "rope", "--no-rope-freq", "4"], "--no-rope-freq is not supported: RoPE is"),
+        (["--qk-l2-norm"], "--qk-l2-norm is not supported: L2-normalised queries and keys"),
+        (["--softmax-type", "off-by-one"], "--softmax-type is not supported: the attention softmax is the vanilla"),
+        (["--attention-output-gate"], "--attention-output-gate is not supported: the sigmoid gate on the attention"),
         # (Megatron's DeepSeek-V3 configs: argparse's "invalid choice" came first and hid the reason)
         (
             [
@@ -235,6 +253,7 @@ def test_megatron_flag_values_the_no_ops_take_or_refuse():
     is refused (they are ignored here); Megatron's 0-2 levels are checked; Megatron-FSDP's flags and the re-run
     engine's error injection are refused with the reason (they were "no such flag")."""
     ns, _ = parse_args([*MOCK, "--cuda-graph-impl", "none", "--dist-ckpt-strictness", "log_all"])
+    parse_args([*MOCK, "--softmax-type", "vanilla"])  # (Megatron's default softmax, the one here)
     notes = accepted_no_ops(ns)
     assert not any("cuda-graph" in n for n in notes) and any(n.startswith("--dist-ckpt-strictness") for n in notes)
     for flags, fragment in (
