@@ -331,6 +331,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         decoupled_lr=ns.decoupled_lr,
         decoupled_min_lr=ns.decoupled_min_lr,
         weight_decay=ns.weight_decay,
+        apply_wd_to_qk_layernorm=ns.apply_wd_to_qk_layernorm,
         start_weight_decay=ns.start_weight_decay,
         end_weight_decay=ns.end_weight_decay,
         weight_decay_incr_style=ns.weight_decay_incr_style,

@@ -346,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--decoupled-lr", type=float, help="peak rate of the word embeddings and the output layer")
     o.add_argument("--decoupled-min-lr", type=float, help="their floor (default: --min-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
+    _bool(o, "--apply-wd-to-qk-layernorm", "weight decay on the --qk-layernorm weights too (not other norms, biases)")
     o.add_argument("--start-weight-decay", type=float, help="weight decay at the start (linear|cosine increment)")
     o.add_argument("--end-weight-decay", type=float, help="weight decay at the end of the run (linear|cosine)")
     o.add_argument(

@@ -1,7 +1,7 @@
 """An independent reference for training: 10 single-process iterations of megatron_lite equal a
-transformers LlamaForCausalLM with the same weights trained by torch.optim.AdamW (or, for --optimizer sgd,
-torch.optim.SGD with momentum), with the learning rate computed here from Megatron's warmup + cosine formula and
-no weight decay on norms and biases."""
+transformers LlamaForCausalLM (or Qwen3ForCausalLM) with the same weights trained by torch.optim.AdamW (or, for
+--optimizer sgd, torch.optim.SGD with momentum), with the learning rate computed here from Megatron's warmup + cosine
+formula and no weight decay on norms and biases (with --apply-wd-to-qk-layernorm, on the other norms)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from test_hf_reference import V, _llama
+from test_hf_reference import V, _llama, _qwen3
 
 from megatron_lite.config import ParallelConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
@@ -51,29 +51,34 @@ def megatron_lr(step: int, lr: float = LR, min_lr: float = MIN_LR) -> float:
 
 
 @pytest.mark.parametrize(
-    "decoupled,optimizer,wd_style",
+    "decoupled,optimizer,wd_style,qk_wd",
     [
-        (False, "adam", "constant"),
-        (True, "adam", "constant"),
-        (False, "sgd", "constant"),
-        (True, "adam", "cosine"),
-        (False, "sgd", "linear"),
+        (False, "adam", "constant", None),
+        (True, "adam", "constant", None),
+        (False, "sgd", "constant", None),
+        (True, "adam", "cosine", None),
+        (False, "sgd", "linear", None),
+        (False, "adam", "constant", False),
+        (False, "adam", "constant", True),
     ],
-    ids=["one-lr", "decoupled-lr", "sgd", "wd-cosine-decoupled", "wd-linear-sgd"],
+    ids=["one-lr", "decoupled-lr", "sgd", "wd-cosine-decoupled", "wd-linear-sgd", "qwen3", "qwen3-wd-on-qk-norms"],
 )
-def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, optimizer, wd_style):
+def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, optimizer, wd_style, qk_wd):
     """With --decoupled-lr the reference puts the embeddings and lm_head in AdamW groups of their own, at
     Megatron's schedule with the decoupled peak and floor. With --weight-decay-incr-style linear|cosine, the
-    reference sets the decaying groups' weight decay from Megatron's formula, step by step."""
-    hf_config = _llama()  # the same GQA / RoPE-base / epsilon configuration as the logits reference
-    hf_config.architectures = ["LlamaForCausalLM"]
+    reference sets the decaying groups' weight decay from Megatron's formula, step by step. `qk_wd` (Qwen3's
+    per-head q/k norms): --apply-wd-to-qk-layernorm, which puts q_norm and k_norm in the decaying group (Megatron's
+    get_standard_config_overrides), or not. The weights must agree at the end."""
+    qwen3 = qk_wd is not None
+    hf_config = _qwen3() if qwen3 else _llama()  # the same configurations as the logits reference
+    hf_config.architectures = ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"]
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_config).float().train()
+    hf = (transformers.Qwen3ForCausalLM if qwen3 else transformers.LlamaForCausalLM)(hf_config).float().train()
     config = config_from_hf(hf_config)
     ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
     ctx.seed(0)
     model = GPTModel(config, ctx)
-    model.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "LlamaForCausalLM"))
+    model.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, hf_config.architectures[0]))
 
     optim = OptimizerConfig(
         lr=LR,
@@ -90,6 +95,7 @@ def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, opti
         weight_decay_incr_style=wd_style,
         start_weight_decay=None if wd_style == "constant" else START_WD,
         end_weight_decay=None if wd_style == "constant" else END_WD,
+        apply_wd_to_qk_layernorm=bool(qk_wd),
     )
     ddp = DistributedDataParallel(model, ctx)
     opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
@@ -100,8 +106,10 @@ def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, opti
     }
     assert len(outer) == (2 if decoupled else 0)  # untied: two matrices
     named = [(n, p) for n, p in hf.named_parameters() if n not in outer]
-    decay = [p for n, p in named if p.ndim > 1]
-    no_decay = [p for n, p in named if p.ndim == 1]
+    qk_norm = {n for n, _ in named if qk_wd and n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))}
+    assert len(qk_norm) == (4 if qk_wd else 0)  # two layers, a q and a k norm each
+    decay = [p for n, p in named if p.ndim > 1 or n in qk_norm]
+    no_decay = [p for n, p in named if p.ndim == 1 and n not in qk_norm]
     groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
     if decoupled:
         groups.append({"params": [dict(hf.named_parameters())[n] for n in outer], "weight_decay": WD, "outer": True})
@@ -131,3 +139,7 @@ def test_ten_iterations_equal_transformers_with_torch_optimizers(decoupled, opti
         assert abs(ours.grad_norm - norm) <= 1e-5 * norm, (it, ours.grad_norm, norm)
         clipped += norm > CLIP
     assert clipped > 0  # the clipping path was exercised
+    expected = state_dict_from_hf(hf.state_dict(), config, hf_config.architectures[0])
+    for name, weight in model.full_state_dict().items():
+        err = (weight - expected[name]).abs().max().item()
+        assert err <= 1e-5 * expected[name].abs().max().item(), (name, err)

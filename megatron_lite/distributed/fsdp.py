@@ -36,7 +36,6 @@ from megatron_lite.optimizer.optimizer import (
     StepResult,
     _inner_optimizer,
     count_zeros,
-    is_embedding_or_output,
     load_inner_state,
     optimizer_groups,
     set_lr,
@@ -206,7 +205,7 @@ class FSDP2Optimizer(OptimizerBase):
             self.params.append(p)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             expert.append(meta.expert)
-            entries.append((p, p.ndim, is_embedding_or_output(name)))
+            entries.append((p, name, p.ndim))
         self._counted, self._expert = counted, expert
         self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
         self.scaler = None

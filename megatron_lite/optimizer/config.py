@@ -38,6 +38,9 @@ class OptimizerConfig:
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
+    # Megatron's --apply-wd-to-qk-layernorm (Qwen3-Next): the --qk-layernorm weights take weight decay too (the
+    # other norms and the biases still take none)
+    apply_wd_to_qk_layernorm: bool = False
     # Megatron's weight-decay increment: from --start-weight-decay to --end-weight-decay over the whole run,
     # linear or cosine; constant: --weight-decay throughout
     start_weight_decay: float | None = None

@@ -26,7 +26,6 @@ from megatron_lite.optimizer.optimizer import (
     any_rank,
     count_zeros,
     fp32,
-    is_embedding_or_output,
     load_inner_state,
     make_scaler,
     optimizer_groups,
@@ -64,7 +63,7 @@ class DistributedOptimizer(OptimizerBase):
             raise ValueError("DistributedOptimizer needs DistributedDataParallel(use_distributed_optimizer=True)")
         self.config, self.ctx, self.ddp = config, ctx, ddp
         meta_of = {id(p): m for _, p, m in named_param_meta(model)}
-        embedding = {id(p) for name, p, _ in named_param_meta(model) if is_embedding_or_output(name)}
+        name_of = {id(p): name for name, p, _ in named_param_meta(model)}
         self.shards: list[_Shard] = []
         for buffer in ddp.buffers:
             ranges = buffer.shard_ranges()
@@ -78,7 +77,7 @@ class DistributedOptimizer(OptimizerBase):
                         self.shards.append(_Shard(p, buffer, a - offset, b - offset, counted, meta.expert))
         self._held = {id(p) for b in ddp.buffers for q in b.buckets for p in q.params}
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        groups = optimizer_groups([(s.main, s.p.ndim, id(s.p) in embedding) for s in self.shards], config)
+        groups = optimizer_groups([(s.main, name_of[id(s.p)], s.p.ndim) for s in self.shards], config)
         self.inner = _inner_optimizer(groups, config, ctx.device)
         self.scaler = make_scaler(config)
         # --overlap-param-gather: the updated weights' all-gathers run under the next forward; each module

@@ -94,14 +94,21 @@ def is_embedding_or_output(name: str) -> bool:
     return name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
 
 
+def takes_weight_decay(name: str, ndim: int, config: OptimizerConfig) -> bool:
+    """Megatron's rule: no weight decay on one-dimensional parameters (norms) and biases; with
+    --apply-wd-to-qk-layernorm, the --qk-layernorm weights (and biases) decay as the matrices do."""
+    if config.apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+        return True
+    return not (ndim == 1 or name.endswith(".bias"))
+
+
 def optimizer_groups(entries, config: OptimizerConfig) -> list[dict]:
-    """The optimizer's parameter groups for (tensor, parameter ndim, embedding or output) entries: no weight decay on
-    norms and biases (one-dimensional), as in Megatron; with --decoupled-lr, the embeddings and output layer
-    in groups of their own."""
+    """The optimizer's parameter groups for (tensor, parameter name, parameter ndim) entries: weight decay as
+    `takes_weight_decay` says; with --decoupled-lr, the embeddings and output layer in groups of their own."""
     groups: dict[tuple[bool, bool], list] = {}
-    for tensor, ndim, embedding in entries:
-        decoupled = embedding and config.decoupled_lr is not None
-        groups.setdefault((ndim > 1, decoupled), []).append(tensor)
+    for tensor, name, ndim in entries:
+        decoupled = is_embedding_or_output(name) and config.decoupled_lr is not None
+        groups.setdefault((takes_weight_decay(name, ndim, config), decoupled), []).append(tensor)
     return [
         {
             "params": params,
@@ -296,7 +303,7 @@ class MixedPrecisionOptimizer(OptimizerBase):
             self.main_params.append(main)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             expert.append(meta.expert)
-            entries.append((main, p.ndim, is_embedding_or_output(name)))
+            entries.append((main, name, p.ndim))
         self.main_of = {id(p): main for p, main in zip(self.params, self.main_params)}  # by id(model param)
         self._counted = counted
         self._expert = expert
