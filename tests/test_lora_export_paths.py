@@ -194,3 +194,40 @@ def test_a_peft_export_at_a_dtype_casts_the_fp32_main_weights(tmp_path, monkeypa
     assert not torch.equal(main[ours], rounded[ours].float())  # (training moved A off bf16's grid)
     exported = tensors["base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"]
     assert exported.dtype == torch.float32 and torch.equal(exported, main[ours])
+
+
+def test_a_peft_adapter_given_where_a_model_is_read_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    """From a review: adapters are exported to PEFT, not imported from it. A PEFT adapter directory given to
+    `--loader hf` said it "has no config.json"; one saved beside a model's weights (which transformers'
+    from_pretrained puts on the base its adapter_config.json names) converted the bare weights without a word; and
+    pretrain's --load called it "not a megatron_lite checkpoint directory". Each now names the adapter and the way
+    in: fold it into its base with PEFT, then convert that."""
+    import shutil
+
+    from megatron_lite.training.pretrain import main
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(cfg)
+    base.save_pretrained(tmp_path / "hf")
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    adapted.save_pretrained(tmp_path / "adapter")  # (PEFT's own adapter_config.json + adapter_model.safetensors)
+    both = tmp_path / "both"
+    shutil.copytree(tmp_path / "hf", both)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(tmp_path / "adapter" / f, both / f)
+    for src in (tmp_path / "adapter", both):
+        capsys.readouterr()
+        rc = _convert("--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(src), "--save-dir",
+                      str(tmp_path / "out"))  # fmt: skip
+        _one_line_error(rc, capsys.readouterr().err, f"{src} holds a PEFT adapter (adapter_config.json)",
+                        "merge_and_unload")  # fmt: skip
+        assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+    rc = main(["--load", str(tmp_path / "adapter"), "--mock-data", "--vocab-size", "100", "--num-layers", "1",
+               "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+               "--micro-batch-size", "1"])  # fmt: skip
+    _one_line_error(rc, capsys.readouterr().err, "holds a PEFT adapter (adapter_config.json)", "merge_and_unload")

@@ -47,6 +47,7 @@ from megatron_lite.checkpoint.format import (
     read_tracker,
     verify_file,
 )
+from megatron_lite.checkpoint.hf_files import peft_adapter
 from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.optimizer import any_rank, state_kinds
 from megatron_lite.parallel_context import ParallelContext
@@ -340,7 +341,9 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
             if flag == "--load"
             else "give the --save directory of a run, or one of its iteration directories"
         )
-        if os.path.isfile(os.path.join(root, "config.json")) and glob.glob(os.path.join(root, "*.safetensors")):
+        if (adapter := peft_adapter(root)) is not None:
+            fix = "it " + adapter.removeprefix(f"{root} ")  # (beside a model's weights too: the adapter)
+        elif os.path.isfile(os.path.join(root, "config.json")) and glob.glob(os.path.join(root, "*.safetensors")):
             fix = (
                 "it is a Hugging Face model directory: convert it first (tools/checkpoint/convert.py --loader hf "
                 f"--saver megatron_lite --load-dir {root} --save-dir CKPT) and give CKPT"

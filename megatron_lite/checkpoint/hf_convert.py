@@ -51,6 +51,7 @@ from megatron_lite.checkpoint.hf_checks import (
 from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     SIDE_FILES,
     TOKENIZER_FILES,
+    check_hf_model_dir,
     check_save_dir,
     copy_side_files,
     read_hf_tensors,
@@ -224,9 +225,8 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 def load_hf_config(path: str) -> tuple[Any, dict]:
     """(config object, raw config.json) of a Hugging Face model directory. With transformers installed its
     own config class reads the file (exact defaults); without it, config.json over HF_DEFAULTS."""
+    check_hf_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ConfigError(f"--load-dir {path} has no config.json; point it at a Hugging Face model directory")
     try:
         raw = json.load(open(cfg_path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # (a saved HTML page, a truncated download)

@@ -34,6 +34,29 @@ SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json", "LICENSE", "LICENSE.tx
               "USE_POLICY.md")  # fmt: skip
 
 
+# A PEFT adapter is exported here (lora/peft.py), not imported: the way in for one trained elsewhere
+PEFT_ADAPTER_FIX = (
+    "megatron_lite does not import adapters: fold it into its base with PEFT (PeftModel.from_pretrained(base, "
+    "dir).merge_and_unload().save_pretrained(merged)) and convert that"
+)
+
+
+def peft_adapter(path: str) -> str | None:
+    """What a directory holding a PEFT adapter is, in a line with the fix, or None. (Beside a model's weights too:
+    transformers' from_pretrained then puts the adapter on the base its adapter_config.json names.)"""
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return None
+    return f"{path} holds a PEFT adapter (adapter_config.json); {PEFT_ADAPTER_FIX}"
+
+
+def check_hf_model_dir(path: str) -> None:
+    """`path` (--load-dir) is a Hugging Face model directory: its config.json there, and no PEFT adapter."""
+    if (adapter := peft_adapter(path)) is not None:
+        raise ConfigError(f"--load-dir {adapter}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--load-dir {path} has no config.json; point it at a Hugging Face model directory")
+
+
 def copy_side_files(side_from: list[tuple[str, tuple[str, ...]]], path: str) -> None:
     """Into `path`, from each (directory, names), the named files present there and not yet copied."""
     for src, names in side_from:
