@@ -29,6 +29,11 @@ RESUME_LAYOUTS = {
         "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max --tensor-model-parallel-size 2 "
         "--sequence-parallel"
     ).split(),
+    # and the experts' (each expert's state written by one of its expert-data-parallel replicas)
+    "fp8-delayed-moe-ep2": (
+        "--fp8-format hybrid --fp8-amax-history-len 4 --num-experts 4 --expert-model-parallel-size 2 "
+        "--moe-aux-loss-coeff 1e-2"
+    ).split(),
     # bf16 Adam moments, sharded by the distributed optimizer, saved and restored in their dtype
     "bf16-moments-dp2": (
         "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --use-distributed-optimizer"

@@ -62,7 +62,8 @@ class TrainState:
     consumed_valid_samples: int = 0  # validation samples evaluated so far: the next evaluation goes on from there
 
 
-REPLICATED = ParamMeta(("zeros",))  # (a tensor every rank holds whole: fp8 scaling state)
+# (a tensor each replica holds whole, fp8 scaling state: a dense layer's, an expert's)
+REPLICATED = {False: ParamMeta(("zeros",)), True: ParamMeta(("zeros",), expert=True)}
 
 
 def _on_every_rank(ctx: ParallelContext, work, what: str, then: str = "; the checkpoint was not published"):
@@ -98,7 +99,7 @@ def _state_tensors(model, optimizer, adapters_only: bool = False) -> dict[str, l
         out["model"].append((gname, p.full_tensor().cpu() if hasattr(p, "full_tensor") else p, meta))
         for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
             out.setdefault(kind, []).append((gname, t, meta))
-    out["fp8"] = [(gname, t, REPLICATED) for gname, t in fp8_state_tensors(model)]  # (delayed scaling's)
+    out["fp8"] = [(gname, t, REPLICATED[expert]) for gname, t, expert in fp8_state_tensors(model)]  # (delayed)
     return out
 
 
@@ -529,7 +530,7 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
                 p.copy_(local_shard(full, p))
             continue
         reader.fill(key, p, local_pieces(tuple(p.shape), pmeta))
-    for gname, t in fp8_state_tensors(model):  # (a checkpoint without them: delayed scaling starts afresh)
+    for gname, t, expert in fp8_state_tensors(model):  # (a checkpoint without them: delayed scaling starts afresh)
         if (stored := (reader.index.get(f"fp8/{gname}") or {}).get("shape")) is None:
             continue
         if list(stored) != list(t.shape):
@@ -537,7 +538,7 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
                 f"{path}: {gname} holds {stored[0]} iterations of fp8 amax history; this run keeps "
                 f"{t.shape[0]}: give --fp8-amax-history-len {stored[0]}"
             )
-        reader.fill(f"fp8/{gname}", t, local_pieces(tuple(t.shape), REPLICATED))
+        reader.fill(f"fp8/{gname}", t, local_pieces(tuple(t.shape), REPLICATED[expert]))
     values = {}
     for name, p, pmeta in named_param_meta(model) if with_optim else ():
         if not optimizer.holds(p):

@@ -16,6 +16,7 @@ from megatron_lite.kernels.nf4 import nf4_linear
 from megatron_lite.models.mlp import activate
 from megatron_lite.parallel_context import Group
 from megatron_lite.parameters import ParamMeta, set_param_meta
+from megatron_lite.tensor_parallel.fp8 import fp8_linear
 from megatron_lite.tensor_parallel.random import Regenerated
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
@@ -29,10 +30,15 @@ class ExpertWeight(nn.Module):
         set_param_meta(self, "weight", meta)
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning experts with them
         self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
+        self.fp8 = self.fp8_state = None  # --fp8-recipe delayed: the GEMM in fp8 (tensor_parallel/fp8.py)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T (W dequantised as it is used under QLoRA), plus the adapters' output when there are any."""
-        y = F.linear(x, self.weight) if self.nf4 is None else nf4_linear(x, self.nf4.weight())
+        """x W^T (W dequantised as it is used under QLoRA, in fp8 under --fp8-format), plus the adapters' output
+        when there are any."""
+        if self.fp8 is not None:  # (delayed scaling: the state's scales, no amax reduced here)
+            y = fp8_linear(x, self.weight, self.fp8, state=self.fp8_state)
+        else:
+            y = F.linear(x, self.weight) if self.nf4 is None else nf4_linear(x, self.nf4.weight())
         return self.adapted(x, y)
 
     def adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -93,8 +99,10 @@ class LocalExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
-        # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once)
-        if self.triton and self.local_experts[0].swiglu and self.local_experts[0].linear_fc1.nf4 is None:
+        # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once;
+        # fp8 ones too, each expert's GEMMs with its own scales)
+        first = self.local_experts[0] if self.num_local else None
+        if self.triton and first.swiglu and first.linear_fc1.nf4 is None and first.linear_fc1.fp8 is None:
             return self._grouped(x, counts)
         regenerate = self.recompute_act and self.training
         outs = [expert(chunk, regenerate) for expert, chunk in zip(self.local_experts, x.split(counts))]

@@ -82,7 +82,8 @@ class Fp8State:
     row 0) it came from, and this iteration's amax so far on this rank. update_fp8_scales moves the iteration's
     amax into the history once its backward is done, reduced over every replica of the stage."""
 
-    def __init__(self, history_len: int, device) -> None:
+    def __init__(self, history_len: int, device, expert: bool = False) -> None:
+        self.expert = expert  # (an expert's: reduced over its own replicas, expert-TP x expert-DP)
         self.history = torch.zeros(history_len, 3, device=device)
         self.scale = torch.ones(3, device=device)  # (Transformer Engine's first scale: 1)
         self.pending = torch.zeros(3, device=device)
@@ -170,26 +171,34 @@ def fp8_linear(
     return _Fp8Linear.apply(x, weight, setting, (x_split, cp), (w_split,), (g_split, cp), state, record)
 
 
-def fp8_state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Delayed scaling's state as a checkpoint holds it: (global name, tensor) of each linear's history and scale,
-    the same on every replica of a stage (after update_fp8_scales), named by the global layer number."""
+def fp8_state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """Delayed scaling's state as a checkpoint holds it: (global name, tensor, whether an expert's) of each
+    linear's history and scale, the same on every replica (after update_fp8_scales), named by the global layer
+    and expert numbers."""
     out = []
     for name, module in model.named_modules():
         if (state := getattr(module, "fp8_state", None)) is not None:
-            out += [(model.global_name(f"{name}.fp8_{part}"), getattr(state, part)) for part in ("history", "scale")]
+            for part in ("history", "scale"):
+                out.append((model.global_name(f"{name}.fp8_{part}"), getattr(state, part), state.expert))
     return out
 
 
-def update_fp8_scales(model: torch.nn.Module, replicas: Group) -> None:
+def update_fp8_scales(
+    model: torch.nn.Module, replicas: Group | None, expert_replicas: tuple[Group | None, ...] = ()
+) -> None:
     """Delayed scaling, once an iteration's backward is done: each linear's amaxes of the iteration, the largest
     over its micro-batches and over every replica of the stage (`replicas`: TP x CP x DP, where a tensor is split
-    or holds other data), go into its history, and the scales of the next iteration follow from the history
-    (its largest with --fp8-amax-compute-algo max, else the newest). One all-reduce for all of them."""
-    states = [m.fp8_state for m in model.modules() if getattr(m, "fp8_state", None) is not None]
-    if not states:
-        return
-    setting = next(m.fp8 for m in model.modules() if getattr(m, "fp8_state", None) is not None)
-    amax = _max_over(torch.stack([s.pending for s in states]), (replicas,))
+    or holds other data; an expert's: `expert_replicas`, expert-TP and expert-DP), go into its history, and the
+    scales of the next iteration follow from the history (its largest with --fp8-amax-compute-algo max, else the
+    newest). One all-reduce for the dense linears, one per expert group for the experts."""
+    holders = [m for m in model.modules() if getattr(m, "fp8_state", None) is not None]
+    for expert, groups in ((False, (replicas,)), (True, expert_replicas)):
+        states = [m.fp8_state for m in holders if m.fp8_state.expert == expert]
+        if states:
+            _update(states, holders[0].fp8, _max_over(torch.stack([s.pending for s in states]), groups))
+
+
+def _update(states: list[Fp8State], setting: Fp8Setting, amax: torch.Tensor) -> None:
     fp8_max = torch.tensor([FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[setting.grad_dtype]], device=amax.device)
     for s, a in zip(states, amax):
         s.history.copy_(torch.cat([a[None], s.history[:-1]]))
@@ -203,6 +212,7 @@ def enable_fp8(model: torch.nn.Module, setting: Fp8Setting, num_layers: int, bf1
     and last `bf16_end` of its `num_layers` (Megatron's --first-last-layers-bf16). The embedding, the output layer
     and multi-token prediction's layers stay in the compute dtype. Returns how many linears were switched."""
     from megatron_lite.models.transformer import TransformerLayer
+    from megatron_lite.moe.experts import ExpertWeight
     from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     count = 0
@@ -210,10 +220,11 @@ def enable_fp8(model: torch.nn.Module, setting: Fp8Setting, num_layers: int, bf1
         if not isinstance(layer, TransformerLayer) or not bf16_start <= layer.layer_number < num_layers - bf16_end:
             continue
         for module in layer.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertWeight)):
                 module.fp8 = setting
                 if setting.recipe == "delayed":
-                    module.fp8_state = Fp8State(setting.history_len, module.weight.device)
+                    expert = isinstance(module, ExpertWeight)
+                    module.fp8_state = Fp8State(setting.history_len, module.weight.device, expert)
                 count += 1
     return count
 
@@ -229,10 +240,10 @@ def validate_fp8(config) -> None:
             f"--fp8-recipe {config.fp8_recipe} is not implemented; give --fp8-recipe delayed (Megatron's default: "
             "scales from the amax history) or tensorwise (each tensor scaled from its own amax)"
         )
-    if config.num_experts:
+    if config.num_experts and config.fp8_recipe == "tensorwise":
         raise ConfigError(
-            f"--fp8-format {config.fp8} with --num-experts {config.num_experts}: the experts' fp8 GEMMs are not "
-            "implemented; drop --fp8-format for MoE models"
+            f"--fp8-recipe tensorwise with --num-experts {config.num_experts}: an expert's input scale would depend on "
+            "which micro-batches a layout sends it together; use --fp8-recipe delayed (the iteration's amax)"
         )
     if config.fp8_amax_history_len < 1:
         raise ConfigError(f"--fp8-amax-history-len {config.fp8_amax_history_len} must be >= 1")

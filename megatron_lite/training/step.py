@@ -211,7 +211,7 @@ def train_step(
             loss_sum = forward_backward(model, micro_batches, num_tokens, scale)
     finalize_grads(model, ctx)
     if config.fp8 is not None and config.fp8_recipe == "delayed":  # (the next iteration's scales)
-        update_fp8_scales(model.module, ctx.tp_cp_dp)
+        update_fp8_scales(model.module, ctx.tp_cp_dp, (ctx.etp, ctx.edp))
     moe = moe_stats.finish_step(layers, config, len(micro_batches), ctx) if config.num_experts else None
     mtp_losses = _mtp_losses(model, mtp_counts, ctx)
     lr, decoupled_lr = scheduler.lr, scheduler.decoupled_lr
