@@ -84,8 +84,8 @@ def _check_run_length(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value} does not go with {run}: use the {other} form of the flag")
 
 
-# What fp8 does not run with yet: the ring GEMMs, FSDP2's sharded weights and QLoRA's NF4 weights
-FP8_NOT_WITH = {"--tp-comm-overlap": "tp_comm_overlap", "--use-torch-fsdp2": "use_torch_fsdp2", "--qlora": "qlora"}
+# What fp8 does not run with yet: the ring GEMMs and QLoRA's NF4 weights
+FP8_NOT_WITH = {"--tp-comm-overlap": "tp_comm_overlap", "--qlora": "qlora"}
 
 
 def _check_moe_flags(ns: argparse.Namespace) -> None:

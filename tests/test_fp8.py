@@ -131,8 +131,8 @@ def test_a_zero_input_and_the_largest_value_quantize_as_transformer_engine_does(
             "--fp8-recipe tensorwise with --num-experts 4: an expert's input scale would depend on which micro-batches",
         ),  # fmt: skip
         (
-            ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--use-torch-fsdp2"],
-            "--fp8-format e4m3 with --use-torch-fsdp2: not implemented together",
+            ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--tp-comm-overlap"],
+            "--fp8-format e4m3 with --tp-comm-overlap: not implemented together",
         ),  # fmt: skip
         (
             ["--fp8-format", "hybrid", "--fp8-param-gather"],
@@ -165,13 +165,15 @@ LAYOUTS = {  # (the micro-batch stays 1: a tensor's amax is its micro-batch's)
     "tp2-sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
     "cp2": (2, "--context-parallel-size 2"),
     "pp2-dp2": (4, "--pipeline-model-parallel-size 2"),
+    "fsdp2-tp2": (4, "--use-torch-fsdp2 --tensor-model-parallel-size 2"),  # (the gathered weight's amax)
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_fp8_under_every_layout_equals_one_process(tmp_path, pretrain_job, recipe):
-    """Per-iteration lm_loss and grad_norm of one process, with fp8 on, against TP2 + SP, CP2 and PP2 x DP2.
+    """Per-iteration lm_loss and grad_norm of one process, with fp8 on, against TP2 + SP, CP2, PP2 x DP2 and
+    FSDP2 x TP2.
 
     The first two iterations agree to 1e-6 (tensorwise: a TP rank quantizing its piece of a weight with its own
     amax was 3e-4 off in the first grad norm; delayed: the second iteration's scales come from the first's amax,
