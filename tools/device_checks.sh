@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one run sized for a 15-minute lease (give the run 540 s; the steps stop at
-# 150 + 270 + 30 + 50 + 2 x 25 s, the last ones first to go, leaving time for one rerun). Works on any CUDA machine.
+# 150 + 270 + 30 + 2 x 50 + 2 x 25 s, the last ones first to go, leaving time for one rerun). Works on any CUDA machine.
 # Logs go to $WORK and are packed after every step into $OUT/logs.tgz; the kernel table and its JSON are copied
 # to $OUT/kernels.md and $OUT/kernels.json (the device tool brings back at most 8 files). Prints one status line
 # per check, the benchmark's target verdicts last.
 #   OUT=/tmp/out bash tools/device_checks.sh
 # A rerun can narrow it: KERNEL_TESTS="tests/a.py tests/b.py", BENCH_ARGS="--profile fused_linear_cross_entropy",
-# SKIP_GEMM=1, SKIP_TRAIN=1, SKIP_DECODE=1; TILES="32x64x4x3,..." (TILE_KERNEL=dkdv) first times those flash
+# SKIP_GEMM=1, SKIP_TRAIN=1 (both training jobs), SKIP_FP8=1 (the fp8 one), SKIP_DECODE=1; TILES="32x64x4x3,..." (TILE_KERNEL=dkdv) first times those flash
 # attention tiles and checks each for races (tools/bench_attention_tiles.py); NORM_TILES=grid (or "2x1x3x8,...")
 # the norms' backward settings (tools/bench_norm_tiles.py); CE_ROWS=grid (or that tool's flags, e.g. "--stats
 # 2048x3x4 --grad 4096x1x16 --in-turn 1") the fused cross-entropy's row kernels (tools/bench_ce_rows.py); SKIP_BENCH=1 skips
@@ -134,6 +134,19 @@ else
         --log-jsonl "$WORK/gpu_train.jsonl" > "$WORK/gpu_train.log" 2>&1
     stamp "gpu train: rc=$? $(grep -c lm_loss "$WORK/gpu_train.jsonl" 2>/dev/null) records; $(tail -n 1 "$WORK/gpu_train.jsonl" 2>/dev/null | cut -c1-300)"
     stamp "gpu train: Megatron's memory report: $(grep -m 1 'max allocated' "$WORK/gpu_train.log" | cut -c1-200)"
+    # 4b. The same job with fp8 GEMMs (--fp8-format hybrid, Megatron's default delayed recipe): its iteration
+    #     time beside the bf16 one's above, its loss beside theirs (torch._scaled_mm on Hopper).
+    [ -z "${SKIP_FP8:-}" ] || stamp "gpu train fp8: skipped (SKIP_FP8)"
+    [ -n "${SKIP_FP8:-}" ] || timeout ${TRAIN_TIMEOUT:-50} torchrun --standalone --nproc-per-node 1 \
+        pretrain/pretrain_gpt.py --num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 \
+        --group-query-attention --num-query-groups 8 --seq-length 2048 --normalization RMSNorm --swiglu \
+        --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear \
+        --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 4 --global-batch-size 16 --train-iters 15 \
+        --lr 3e-4 --lr-warmup-iters 5 --bf16 --mock-data --vocab-size 32000 --log-interval 5 --eval-iters 0 \
+        --overlap-grad-reduce --fp8-format hybrid --fp8-amax-history-len 16 --fp8-amax-compute-algo max \
+        --log-jsonl "$WORK/gpu_train_fp8.jsonl" > "$WORK/gpu_train_fp8.log" 2>&1 \
+        && stamp "gpu train fp8: $(grep -m 1 'fp8 (' "$WORK/gpu_train_fp8.log" | cut -c1-160)"
+    [ -n "${SKIP_FP8:-}" ] || stamp "gpu train fp8: rc=$? $(grep -c lm_loss "$WORK/gpu_train_fp8.jsonl" 2>/dev/null) records; $(tail -n 1 "$WORK/gpu_train_fp8.jsonl" 2>/dev/null | cut -c1-300)"
 fi
 pack
 # 5. If time is still left: a decoding step on a 4096-token KV cache beside transformers, bf16 (DeepSeek-V3's
