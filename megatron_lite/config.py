@@ -421,7 +421,10 @@ class ModelConfig:
             if on:
                 raise ConfigError(f"--multi-latent-attention with {flag} is not supported; drop one of them")
         if self.add_bias_linear:
-            raise ConfigError("--multi-latent-attention has no biases: add --disable-bias-linear")
+            raise ConfigError(  # (Megatron's MLA has one, on its output projection; DeepSeek's have none)
+                "--multi-latent-attention with biases (the default) is not supported: here MLA's projections have "
+                "no biases, as DeepSeek-V2/V3's; add --disable-bias-linear"
+            )
 
     def _validate_recompute(self) -> None:
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

@@ -532,3 +532,15 @@ def test_logging_flags_of_megatrons_examples_are_reported_not_refused():
     notes = accepted_no_ops(parse_args([*MOCK, *flags])[0])
     for flag in (f for f in flags if f.startswith("--")):
         assert any(n.startswith(f"{flag} has no effect: ") for n in notes), flag
+
+
+def test_mla_with_biases_is_refused_for_what_it_is():
+    """From the attention review against Megatron-Core: Megatron's MLA does carry a bias (its output projection);
+    the refusal said MLA "has no biases". It now says ours has none, as DeepSeek's, and names the fix."""
+    mla = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8"]
+    mla += ["--v-head-dim", "16", "--position-embedding-type", "rope"]
+    with pytest.raises(ConfigError) as err:
+        parse_args([*MOCK, *mla])
+    msg = str(err.value)
+    assert "MLA's projections have no biases, as DeepSeek-V2/V3's; add --disable-bias-linear" in msg, msg
+    assert parse_args([*MOCK, *mla, "--disable-bias-linear"])[1].model.multi_latent_attention
