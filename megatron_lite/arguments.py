@@ -331,7 +331,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         decoupled_lr=ns.decoupled_lr,
         decoupled_min_lr=ns.decoupled_min_lr,
         weight_decay=ns.weight_decay,
-        apply_wd_to_qk_layernorm=ns.apply_wd_to_qk_layernorm,
+        # (Megatron's validate_args: the deprecated --no-weight-decay-cond-type apply_wd_to_qk_layernorm sets it)
+        apply_wd_to_qk_layernorm=ns.apply_wd_to_qk_layernorm or ns.no_weight_decay_cond_type is not None,
         start_weight_decay=ns.start_weight_decay,
         end_weight_decay=ns.end_weight_decay,
         weight_decay_incr_style=ns.weight_decay_incr_style,
@@ -348,7 +349,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         loss_scale=ns.loss_scale,
         initial_loss_scale=ns.initial_loss_scale,
         min_loss_scale=ns.min_loss_scale,
-        loss_scale_window=ns.loss_scale_window,
+        loss_scale_window=flag_values.whole("--loss-scale-window", ns.loss_scale_window),
         hysteresis=ns.hysteresis,
         use_apex_adam=ns.use_apex_adam,
         use_precision_aware_optimizer=ns.use_precision_aware_optimizer,

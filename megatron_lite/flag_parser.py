@@ -347,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--decoupled-min-lr", type=float, help="their floor (default: --min-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     _bool(o, "--apply-wd-to-qk-layernorm", "weight decay on the --qk-layernorm weights too (not other norms, biases)")
+    o.add_argument("--no-weight-decay-cond-type", choices=["apply_wd_to_qk_layernorm"],
+                   help="Megatron's deprecated spelling of --apply-wd-to-qk-layernorm")  # fmt: skip
     o.add_argument("--start-weight-decay", type=float, help="weight decay at the start (linear|cosine increment)")
     o.add_argument("--end-weight-decay", type=float, help="weight decay at the end of the run (linear|cosine)")
     o.add_argument(
@@ -399,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-scale", type=float, help="constant loss scale (fp16); dynamic when unset")
     p.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     p.add_argument("--min-loss-scale", type=float, default=1.0)
-    p.add_argument("--loss-scale-window", type=int, default=1000)
+    p.add_argument("--loss-scale-window", type=float, default=1000)  # (a float in Megatron: "1000.0" is taken)
     p.add_argument("--hysteresis", type=int, default=2)
     p.add_argument("--fp8-format", dest="fp8", choices=["e4m3", "hybrid"], help="fp8 GEMMs in the transformer "
                    "layers: inputs and weights e4m3, output gradients e5m2 (hybrid) or e4m3")  # fmt: skip

@@ -252,3 +252,10 @@ def data_paths(ns: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         for split, value in splits.items():
             out[f"{split}_data_path"] = tuple(value.split() if isinstance(value, str) else map(str, value))
     return out
+
+
+def whole(flag: str, value: float) -> int:
+    """A count Megatron's argparse reads as a float ("1000.0"): taken when it is a whole number."""
+    if value != int(value):
+        raise ConfigError(f"{flag} {value:g} must be a whole number of iterations")
+    return int(value)

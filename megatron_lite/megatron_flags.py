@@ -390,6 +390,11 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     lines += _fp8_notes(ns)
+    if getattr(ns, "no_weight_decay_cond_type", None):
+        lines.append(
+            f"--no-weight-decay-cond-type {ns.no_weight_decay_cond_type} is Megatron's deprecated spelling of "
+            "--apply-wd-to-qk-layernorm: taken as that"
+        )
     if getattr(ns, "tokenizer_type", None) != "TikTokenizer":  # (Megatron's examples pass it with NullTokenizer)
         given = [f for f in ("tiktoken_pattern", "tiktoken_special_tokens") if getattr(ns, f, None)]
         if getattr(ns, "tiktoken_num_special_tokens", 1000) != 1000:

@@ -544,3 +544,17 @@ def test_mla_with_biases_is_refused_for_what_it_is():
     msg = str(err.value)
     assert "MLA's projections have no biases, as DeepSeek-V2/V3's; add --disable-bias-linear" in msg, msg
     assert parse_args([*MOCK, *mla, "--disable-bias-linear"])[1].model.multi_latent_attention
+
+
+def test_megatrons_deprecated_wd_spelling_and_a_float_loss_scale_window_are_taken():
+    """From the optimizer review against Megatron-Core: Megatron's validate_args reads the deprecated
+    --no-weight-decay-cond-type apply_wd_to_qk_layernorm as --apply-wd-to-qk-layernorm (it was "no such flag"),
+    and --loss-scale-window is a float there ("1000.0" was "invalid int value")."""
+    ns, job = parse_args([*MOCK, "--no-weight-decay-cond-type", "apply_wd_to_qk_layernorm"])
+    assert job.optimizer.apply_wd_to_qk_layernorm
+    assert any(n.startswith("--no-weight-decay-cond-type apply_wd_to_qk_layernorm is Megatron's deprecated spelling")
+               for n in accepted_no_ops(ns))  # fmt: skip
+    assert not parse_args(MOCK)[1].optimizer.apply_wd_to_qk_layernorm
+    assert parse_args([*MOCK, "--fp16", "--loss-scale-window", "500.0"])[1].optimizer.loss_scale_window == 500
+    with pytest.raises(ConfigError, match=r"^--loss-scale-window 2.5 must be a whole number of iterations$"):
+        parse_args([*MOCK, "--fp16", "--loss-scale-window", "2.5"])
