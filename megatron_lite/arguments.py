@@ -391,6 +391,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
         async_save=ns.async_save,
         ckpt_keep_last=ns.ckpt_keep_last,
+        save_retain_interval=ns.save_retain_interval,
         ckpt_step=ns.ckpt_step,
         use_checkpoint_opt_param_scheduler=ns.use_checkpoint_opt_param_scheduler,
     )

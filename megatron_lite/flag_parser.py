@@ -520,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
     _bool(c, "--async-save", "write checkpoints in a background thread while training continues")
     c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")
+    c.add_argument("--save-retain-interval", type=int, help="keep the checkpoints of multiples of N iterations and "
+                   "the newest; each save deletes the one before it otherwise (Megatron's)")  # fmt: skip
 
     lo = parser.add_argument_group("LoRA fine-tuning")
     lo.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on a frozen base (0: off)")

@@ -223,7 +223,6 @@ REFUSED: dict[str, str] = {
     "non_persistent_save_interval": NON_PERSISTENT,
     "non_persistent_ckpt_type": NON_PERSISTENT,
     "non_persistent_global_ckpt_dir": NON_PERSISTENT,
-    "save_retain_interval": "keeping every Nth checkpoint beside the newest is not implemented (--ckpt-keep-last N)",
     "fp8_param_gather": "weights kept and all-gathered in fp8 are not implemented (--fp8-format quantizes the "
     "compute-dtype weights at each GEMM)",
     "enable_cuda_graph": "CUDA graphs are not implemented",

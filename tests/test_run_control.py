@@ -451,3 +451,23 @@ def test_a_resume_may_change_the_data_source(tmp_path, capsys, monkeypatch):
     resume = ["--load", str(tmp_path / "ck3"), "--train-iters", "4", "--valid-data-path", prefix]
     rc, out, err = _run(resume, capsys, monkeypatch)
     assert rc == 0 and "done: iteration 4" in out, err
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_retain_interval_keeps_the_multiples_and_the_newest(tmp_path, capsys, monkeypatch, async_save):
+    """Megatron's --save-retain-interval (it stopped the job as not implemented): each save deletes the checkpoint
+    the tracker named before it unless that one's iteration is a multiple of the interval (checkpointing.py,
+    iter_finalize_fn). Saving every iteration with interval 2: 2, 4 and the newest stay; a resume goes on."""
+    from megatron_lite.checkpoint.format import complete_iterations
+
+    save = str(tmp_path / "ck")
+    flags = [*DATA, "--save", save, "--save-interval", "1", "--save-retain-interval", "2"]
+    flags += ["--async-save"] if async_save else []
+    rc, out, err = _run([*flags, "--train-iters", "5"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert complete_iterations(save) == [2, 4, 5]
+    rc, out, err = _run([*flags, "--train-iters", "7", "--load", save], capsys, monkeypatch)
+    assert rc == 0, err
+    assert complete_iterations(save) == [2, 4, 6, 7]  # (5 went when 6 was saved; 6 is a multiple)
+    rc, out, err = _run([*flags, "--train-iters", "8", "--ckpt-keep-last", "2"], capsys, monkeypatch)
+    assert rc == 2 and "--save-retain-interval 2 and --ckpt-keep-last 2 would each delete what the other keeps" in err

@@ -216,6 +216,7 @@ def save_checkpoint(
     job_dict: dict,
     *,
     keep_last: int | None = None,
+    retain_interval: int | None = None,
     save_optim: bool = True,
     save_rng: bool = True,
 ) -> str:
@@ -228,7 +229,10 @@ def save_checkpoint(
     _on_every_rank(ctx, lambda: _write_rank_files(tmp, snap), f"writing {tmp}")
     final = iteration_dir(root, state.iteration)
     meta = _metadata(state, optimizer, scheduler, ctx, job_dict)
-    _on_every_rank(ctx, lambda: publish(root, tmp, meta, keep_last) if ctx.rank == 0 else None, f"publishing {final}")
+    _on_every_rank(
+        ctx, lambda: publish(root, tmp, meta, keep_last, retain_interval) if ctx.rank == 0 else None,
+        f"publishing {final}",
+    )  # fmt: skip
     return final
 
 
@@ -239,8 +243,10 @@ class AsyncSaver:
     checkpoint. Until then the `latest` tracker still names the previous checkpoint, so a job killed
     meanwhile resumes from that one."""
 
-    def __init__(self, root: str, ctx: ParallelContext, keep_last: int | None = None) -> None:
-        self.root, self.ctx, self.keep_last = root, ctx, keep_last
+    def __init__(
+        self, root: str, ctx: ParallelContext, keep_last: int | None = None, retain_interval: int | None = None
+    ) -> None:
+        self.root, self.ctx, self.keep_last, self.retain_interval = root, ctx, keep_last, retain_interval
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending: tuple[str, dict] | None = None
@@ -295,7 +301,8 @@ class AsyncSaver:
         self._pending = None
         final = iteration_dir(self.root, meta["iteration"])
         _on_every_rank(
-            self.ctx, lambda: publish(self.root, tmp, meta, self.keep_last) if self.ctx.rank == 0 else None,
+            self.ctx,
+            lambda: publish(self.root, tmp, meta, self.keep_last, self.retain_interval) if self.ctx.rank == 0 else None,
             f"publishing {final}",
         )  # fmt: skip
         return final

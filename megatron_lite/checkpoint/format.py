@@ -186,10 +186,13 @@ def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().clone()
 
 
-def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> str:
+def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None, retain_interval: int | None = None) -> str:
     """Rank 0, once every rank's files are in `tmp`: metadata.json (with the index files' checksums), the
-    rename to iter_N, and only then the `latest` tracker; then the oldest checkpoints beyond `keep_last`."""
+    rename to iter_N, and only then the `latest` tracker; then the oldest checkpoints beyond `keep_last`, or,
+    with `retain_interval` (Megatron's --save-retain-interval), the checkpoint the tracker named before unless
+    its iteration is a multiple of the interval."""
     meta = dict(meta)
+    previous = _tracked(root) if retain_interval else None
     indexes = sorted(glob.glob(os.path.join(tmp, "index_r*.json")))
     expected = meta["layout"].get("world_size", 1)
     if len(indexes) != expected:
@@ -199,17 +202,32 @@ def publish(root: str, tmp: str, meta: dict, keep_last: int | None = None) -> st
     final = iteration_dir(root, meta["iteration"])
     replace_dir(tmp, final)
     atomic_write_text(os.path.join(root, TRACKER), str(meta["iteration"]))
+    if previous and previous != meta["iteration"] and previous % retain_interval:
+        _delete(iteration_dir(root, previous))
     if keep_last:
         # Only checkpoints up to this one count: newer ones belong to a run the tracker was moved back from.
         upto = [i for i in complete_iterations(root) if i <= meta["iteration"]]
         for old in upto[:-keep_last]:
-            for path in (iteration_dir(root, old), iteration_dir(root, old) + ".old"):
-                if os.path.isdir(path):  # (renamed first: a deletion cut short leaves a leftover, swept below)
-                    shutil.rmtree(path + ".del", ignore_errors=True)  # (an earlier one's, were N saved again)
-                    os.replace(path, path + ".del")
-                    shutil.rmtree(path + ".del", ignore_errors=True)
+            _delete(iteration_dir(root, old))
     _sweep_leftovers(root, meta["iteration"])
     return final
+
+
+def _tracked(root: str) -> int | None:
+    try:
+        return read_tracker(root)
+    except (OSError, ValueError):  # (a tracker that names no iteration: nothing to delete)
+        return None
+
+
+def _delete(directory: str) -> None:
+    """A checkpoint directory and its .old copy, renamed first: a deletion cut short leaves a leftover, swept
+    by the next publish."""
+    for path in (directory, directory + ".old"):
+        if os.path.isdir(path):
+            shutil.rmtree(path + ".del", ignore_errors=True)  # (an earlier one's, were N saved again)
+            os.replace(path, path + ".del")
+            shutil.rmtree(path + ".del", ignore_errors=True)
 
 
 _LEFTOVER = re.compile(r"^iter_(\d{7,})(\.old|\.tmp|\.old\.del|\.del)$")

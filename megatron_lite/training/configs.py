@@ -27,6 +27,9 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     async_save: bool = False  # write in a background thread while training goes on
     ckpt_keep_last: int | None = None  # delete older checkpoints, keeping the newest N
+    # Megatron's --save-retain-interval: each save deletes the checkpoint before it unless its iteration is a
+    # multiple of this (the newest and every multiple stay)
+    save_retain_interval: int | None = None
     ckpt_step: int | None = None  # load this iteration's checkpoint instead of the newest
     # the loaded schedule's lengths (in samples) win over this run's flags (Megatron's flag)
     use_checkpoint_opt_param_scheduler: bool = False
@@ -34,8 +37,16 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
             raise ConfigError(f"--ckpt-keep-last {self.ckpt_keep_last} must be >= 1 (omit it to keep every checkpoint)")
-        if (self.async_save or self.ckpt_keep_last) and not self.save:
-            flag = "--async-save" if self.async_save else "--ckpt-keep-last"
+        if self.save_retain_interval is not None and self.save_retain_interval < 1:
+            raise ConfigError(f"--save-retain-interval {self.save_retain_interval} must be >= 1 (iterations)")
+        if self.save_retain_interval and self.ckpt_keep_last:
+            raise ConfigError(
+                f"--save-retain-interval {self.save_retain_interval} and --ckpt-keep-last {self.ckpt_keep_last} "
+                "would each delete what the other keeps: give one"
+            )
+        if (self.async_save or self.ckpt_keep_last or self.save_retain_interval) and not self.save:
+            flag = next(f for f, on in (("--async-save", self.async_save), ("--ckpt-keep-last", self.ckpt_keep_last),
+                                        ("--save-retain-interval", True)) if on)  # fmt: skip
             raise ConfigError(f"{flag} needs --save DIR")
         if self.ckpt_step is not None and not self.load:
             raise ConfigError(f"--ckpt-step {self.ckpt_step} picks a checkpoint under --load: give --load DIR")

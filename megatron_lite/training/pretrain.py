@@ -299,7 +299,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
         ck = job.checkpoint
         signalled = exiting = False
         guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log, exit_signal)
-        saver = AsyncSaver(ck.save, ctx, ck.ckpt_keep_last) if ck.save and ck.async_save else None
+        saver = (
+            AsyncSaver(ck.save, ctx, ck.ckpt_keep_last, ck.save_retain_interval) if ck.save and ck.async_save else None
+        )
         parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
         saved: set[int] = set()  # iterations this job saved: the checkpoints a rollback may go back to
 
@@ -323,6 +325,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     ctx,
                     job.checkpoint_dict(),
                     keep_last=ck.ckpt_keep_last,
+                    retain_interval=ck.save_retain_interval,
                     **parts,
                 )
                 log.info(f"saved {path}")
