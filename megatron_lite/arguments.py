@@ -173,6 +173,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         mtp_num_layers=ns.mtp_num_layers or 0,
         mtp_loss_scaling_factor=ns.mtp_loss_scaling_factor,
         init_method_std=ns.init_method_std,
+        embedding_init_method_std=ns.embedding_init_method_std,
         hidden_dropout=ns.hidden_dropout,
         attention_dropout=ns.attention_dropout,
         recompute_granularity=ns.recompute_granularity,
@@ -333,6 +334,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         weight_decay=ns.weight_decay,
         # (Megatron's validate_args: the deprecated --no-weight-decay-cond-type apply_wd_to_qk_layernorm sets it)
         apply_wd_to_qk_layernorm=ns.apply_wd_to_qk_layernorm or ns.no_weight_decay_cond_type is not None,
+        skip_embedding_weight_decay=ns.embedding_init_method_std is not None,
         start_weight_decay=ns.start_weight_decay,
         end_weight_decay=ns.end_weight_decay,
         weight_decay_incr_style=ns.weight_decay_incr_style,

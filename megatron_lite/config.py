@@ -126,6 +126,7 @@ class ModelConfig:
     mla_mscale_all_dim: float = 0.0
     untie_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
+    embedding_init_method_std: float | None = None  # Megatron's: the embeddings' init std (else init_method_std)
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     recompute_granularity: str | None = None  # None | full | selective
@@ -212,6 +213,10 @@ class ModelConfig:
         if s is not None and s.rope_type == "yarn" and self.mla_mscale_all_dim and s.factor > 1:
             scale *= yarn_mscale(s.factor, self.mla_mscale_all_dim) ** 2
         return scale
+
+    @property
+    def embedding_init_std(self) -> float:
+        return self.init_method_std if self.embedding_init_method_std is None else self.embedding_init_method_std
 
     @property
     def output_layer_init_std(self) -> float:

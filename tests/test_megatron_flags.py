@@ -176,7 +176,6 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         (["--rotary-interleaved"], "--rotary-interleaved is not supported: RoPE rotates the halves"),
         (["--use-legacy-models"], "--use-legacy-models is not supported: megatron_lite has one model"),
         (["--apply-residual-connection-post-layernorm"], "is not supported: the residual is taken before each norm"),
-        (["--embedding-init-method-std", "0.01"], "--embedding-init-method-std is not supported"),
         # (an attention review against Megatron-Core 0.16.1, whose TransformerConfig has these: "no such flag" told
         # a Megatron user to remove a flag that changes the model)
         (
@@ -558,3 +557,51 @@ def test_megatrons_deprecated_wd_spelling_and_a_float_loss_scale_window_are_take
     assert parse_args([*MOCK, "--fp16", "--loss-scale-window", "500.0"])[1].optimizer.loss_scale_window == 500
     with pytest.raises(ConfigError, match=r"^--loss-scale-window 2.5 must be a whole number of iterations$"):
         parse_args([*MOCK, "--fp16", "--loss-scale-window", "2.5"])
+
+
+def test_embedding_init_method_std_initialises_the_embeddings_and_spares_them_weight_decay(tmp_path):
+    """Megatron's --embedding-init-method-std (refused before): the word and position embeddings are drawn with
+    that std, the rest with --init-method-std, and the embeddings take no weight decay (Megatron's
+    default_skip_embedding_weight_decay, by name)."""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.optimizer import group_name, optimizer_groups
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.parameters import named_param_meta
+
+    flags = [*MOCK, "--position-embedding-type", "learned_absolute", "--untie-embeddings-and-output-weights"]
+    _, job = parse_args([*flags, "--embedding-init-method-std", "0.5"])
+    ctx = ParallelContext.virtual(job.parallel, 1)
+    model = build_model(job.model, ctx, seed=1)
+    stds = {name: p[:100].float().std().item() for name, p in model.named_parameters()}  # (not padded rows)
+    assert stds["0.embedding.word_embeddings.weight"] == pytest.approx(0.5, rel=0.05)
+    assert stds["0.embedding.position_embeddings.weight"] == pytest.approx(0.5, rel=0.05)
+    assert stds["0.output_layer.weight"] == pytest.approx(0.02, rel=0.05)
+    assert stds["0.decoder.layers.0.self_attention.linear_qkv.weight"] == pytest.approx(0.02, rel=0.05)
+    entries = [(p, group_name(n, m), p.ndim) for n, p, m in named_param_meta(model)]
+    decayed = {id(p) for g in optimizer_groups(entries, job.optimizer) if g["weight_decay"] for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert "0.output_layer.weight" in names and "0.decoder.layers.0.self_attention.linear_qkv.weight" in names
+    assert not any("embedding" in n for n in names)
+    _, plain = parse_args(flags)  # (without the flag the embeddings decay)
+    assert plain.model.embedding_init_method_std is None and not plain.optimizer.skip_embedding_weight_decay
+
+
+@pytest.mark.slow
+def test_embedding_init_method_std_under_pp2_with_tied_embeddings_equals_one_process(tmp_path, pretrain_job):
+    """The last stage's copy of the tied word embeddings is initialised and spared weight decay as the
+    embeddings are (by its group name), so PP2 logs what one process logs; Megatron's rule by name alone would
+    decay the copy ("output_layer.weight") and not the first stage's."""
+    from test_pretrain_torchrun import records
+
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 --micro-batch-size 1 "
+        "--global-batch-size 4 --lr 1e-2 --weight-decay 0.5 --log-interval 1 --eval-iters 0 --hidden-dropout 0 "
+        "--attention-dropout 0 --distributed-backend gloo --embedding-init-method-std 0.5"
+    ).split()
+    pretrain_job(1, [*args, "--log-jsonl", str(tmp_path / "one.jsonl")])
+    pretrain_job(2, [*args, "--pipeline-model-parallel-size", "2", "--log-jsonl", str(tmp_path / "pp2.jsonl")])
+    one, pp2 = records(tmp_path / "one.jsonl"), records(tmp_path / "pp2.jsonl")
+    assert len(one) == len(pp2) == 6
+    for a, b in zip(one, pp2):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)

@@ -36,6 +36,7 @@ from megatron_lite.optimizer.optimizer import (
     StepResult,
     _inner_optimizer,
     count_zeros,
+    group_name,
     load_inner_state,
     optimizer_groups,
     set_lr,
@@ -205,7 +206,7 @@ class FSDP2Optimizer(OptimizerBase):
             self.params.append(p)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             expert.append(meta.expert)
-            entries.append((p, name, p.ndim))
+            entries.append((p, group_name(name, meta), p.ndim))
         self._counted, self._expert = counted, expert
         self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
         self.scaler = None

@@ -56,7 +56,7 @@ class LanguageModelEmbedding(nn.Module):
             config.hidden_size,
             ctx.tp,
             reduce_scatter_embeddings=ctx.sequence_parallel,
-            init_std=config.init_method_std,
+            init_std=config.embedding_init_std,
             device=device,
             dtype=dtype,
         )
@@ -64,7 +64,7 @@ class LanguageModelEmbedding(nn.Module):
             self.position_embeddings = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, device=device, dtype=dtype
             )
-            meta = ParamMeta(("normal", config.init_method_std), sequence_parallel=ctx.sequence_parallel)
+            meta = ParamMeta(("normal", config.embedding_init_std), sequence_parallel=ctx.sequence_parallel)
             set_param_meta(self.position_embeddings, "weight", meta)
         else:
             self.position_embeddings = None
@@ -129,7 +129,8 @@ class GPTModel(nn.Module):
                 ctx.tp,
                 bias=False,
                 sequence_parallel=ctx.sequence_parallel,
-                init_std=config.init_method_std,
+                # (a tied copy of the word embeddings is initialised as they are)
+                init_std=config.embedding_init_std if config.tied_embeddings else config.init_method_std,
                 padded_output_size=config.padded_vocab_size(ctx.tp.size),
                 skip_weight_param_allocation=config.tied_embeddings and self.embedding is not None,
                 device=device,

@@ -41,6 +41,9 @@ class OptimizerConfig:
     # Megatron's --apply-wd-to-qk-layernorm (Qwen3-Next): the --qk-layernorm weights take weight decay too (the
     # other norms and the biases still take none)
     apply_wd_to_qk_layernorm: bool = False
+    # Megatron: given --embedding-init-method-std, the embeddings take no weight decay (default_skip_embedding_
+    # weight_decay; arXiv 2312.16903: decay shrank them towards zero)
+    skip_embedding_weight_decay: bool = False
     # Megatron's weight-decay increment: from --start-weight-decay to --end-weight-decay over the whole run,
     # linear or cosine; constant: --weight-decay throughout
     start_weight_decay: float | None = None

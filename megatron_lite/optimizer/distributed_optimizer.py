@@ -26,6 +26,7 @@ from megatron_lite.optimizer.optimizer import (
     any_rank,
     count_zeros,
     fp32,
+    group_name,
     load_inner_state,
     make_scaler,
     optimizer_groups,
@@ -63,7 +64,7 @@ class DistributedOptimizer(OptimizerBase):
             raise ValueError("DistributedOptimizer needs DistributedDataParallel(use_distributed_optimizer=True)")
         self.config, self.ctx, self.ddp = config, ctx, ddp
         meta_of = {id(p): m for _, p, m in named_param_meta(model)}
-        name_of = {id(p): name for name, p, _ in named_param_meta(model)}
+        name_of = {id(p): group_name(name, m) for name, p, m in named_param_meta(model)}
         self.shards: list[_Shard] = []
         for buffer in ddp.buffers:
             ranges = buffer.shard_ranges()

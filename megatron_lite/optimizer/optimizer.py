@@ -99,7 +99,15 @@ def takes_weight_decay(name: str, ndim: int, config: OptimizerConfig) -> bool:
     --apply-wd-to-qk-layernorm, the --qk-layernorm weights (and biases) decay as the matrices do."""
     if config.apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
         return True
+    if config.skip_embedding_weight_decay and "embedding" in name:  # (Megatron's rule: by name)
+        return False
     return not (ndim == 1 or name.endswith(".bias"))
+
+
+def group_name(name: str, meta) -> str:
+    """The name a parameter is grouped by: a pipeline stage's copy of the tied word embeddings (the last
+    stage's output layer) as the embeddings themselves, so both copies take the same weight decay."""
+    return "embedding.word_embeddings.weight" if meta.embedding_copy else name
 
 
 def optimizer_groups(entries, config: OptimizerConfig) -> list[dict]:
@@ -303,7 +311,7 @@ class MixedPrecisionOptimizer(OptimizerBase):
             self.main_params.append(main)
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             expert.append(meta.expert)
-            entries.append((main, name, p.ndim))
+            entries.append((main, group_name(name, meta), p.ndim))
         self.main_of = {id(p): main for p, main in zip(self.params, self.main_params)}  # by id(model param)
         self._counted = counted
         self._expert = expert
