@@ -174,6 +174,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         mtp_loss_scaling_factor=ns.mtp_loss_scaling_factor,
         init_method_std=ns.init_method_std,
         embedding_init_method_std=ns.embedding_init_method_std,
+        init_method_xavier_uniform=ns.init_method_xavier_uniform,
         hidden_dropout=ns.hidden_dropout,
         attention_dropout=ns.attention_dropout,
         recompute_granularity=ns.recompute_granularity,

@@ -127,6 +127,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     embedding_init_method_std: float | None = None  # Megatron's: the embeddings' init std (else init_method_std)
+    init_method_xavier_uniform: bool = False  # Megatron's: Xavier-uniform weights instead of normal(0, std)
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     recompute_granularity: str | None = None  # None | full | selective

@@ -346,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--decoupled-lr", type=float, help="peak rate of the word embeddings and the output layer")
     o.add_argument("--decoupled-min-lr", type=float, help="their floor (default: --min-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
+    _bool(o, "--init-method-xavier-uniform", "every weight drawn normal(0, std) is drawn Xavier-uniform instead")
     o.add_argument("--embedding-init-method-std", type=float, help="the embeddings' init std (default "
                    "--init-method-std); given, they take no weight decay (Megatron's)")  # fmt: skip
     _bool(o, "--apply-wd-to-qk-layernorm", "weight decay on the --qk-layernorm weights too (not other norms, biases)")

@@ -605,3 +605,38 @@ def test_embedding_init_method_std_under_pp2_with_tied_embeddings_equals_one_pro
     for a, b in zip(one, pp2):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * a["lm_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
+
+
+@pytest.mark.parametrize("embedding_std", [None, "0.5"])
+def test_init_method_xavier_uniform_draws_every_weight_from_its_full_fans(embedding_std):
+    """Megatron's --init-method-xavier-uniform (refused before): init_method and scaled_init_method are
+    torch.nn.init.xavier_uniform_, the embeddings' too unless --embedding-init-method-std differs; the bound
+    sqrt(6 / (fan_in + fan_out)) is the full tensor's (Megatron's CPU initialisation), so TP2 draws the same."""
+    import math
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    flags = [*MOCK, "--init-method-xavier-uniform", "--untie-embeddings-and-output-weights", "--swiglu"]
+    flags += ["--embedding-init-method-std", embedding_std] if embedding_std else []
+    _, job = parse_args(flags)
+    model = build_model(job.model, ParallelContext.virtual(job.parallel, 1), seed=3)
+    h, f = 768, job.model.ffn_size
+    expected = {  # (full shapes: [out, in])
+        "decoder.layers.0.self_attention.linear_qkv.weight": (3 * h, h),
+        "decoder.layers.1.self_attention.linear_proj.weight": (h, h),
+        "decoder.layers.0.mlp.linear_fc1.weight": (2 * f, h),
+        "decoder.layers.1.mlp.linear_fc2.weight": (h, f),
+        "output_layer.weight": (100, h),
+        "embedding.word_embeddings.weight": (100, h),
+    }
+    params = dict(model[0].named_parameters())
+    for name, (out, inp) in expected.items():
+        w = params[name][:out].float()  # (the vocabulary's padding rows stay zero)
+        bound = math.sqrt(6.0 / (out + inp))
+        if "embedding" in name and embedding_std:
+            assert w.std().item() == pytest.approx(0.5, rel=0.05), name
+            continue
+        assert w.abs().max().item() <= bound and w.abs().max().item() > 0.99 * bound, name
+        assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03), name
+    assert params["decoder.layers.0.input_layernorm.weight"].eq(1).all()  # (not weights drawn normal)

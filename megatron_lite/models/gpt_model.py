@@ -18,7 +18,12 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.models.mtp import MultiTokenPredictionBlock
 from megatron_lite.models.rope import RotaryEmbedding
 from megatron_lite.models.transformer import TransformerBlock, dropout
-from megatron_lite.models.weights import init_parameters, load_full_state_dict, local_full_state_dict
+from megatron_lite.models.weights import (
+    init_parameters,
+    load_full_state_dict,
+    local_full_state_dict,
+    xavier_instead_of_normal,
+)
 from megatron_lite.parallel_context import ParallelContext, chunk_layers
 from megatron_lite.parameters import ParamMeta, named_param_meta, set_param_meta
 from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -158,6 +163,9 @@ class GPTModel(nn.Module):
         return _EXPERT.sub(lambda e: f".mlp.experts.{self.first_expert + int(e.group(1))}.", name)
 
     def init_weights(self, seed: int) -> None:
+        c = self.config
+        if c.init_method_xavier_uniform:
+            xavier_instead_of_normal(self, c.embedding_init_method_std not in (None, c.init_method_std))
         init_parameters(self, seed, self.global_name)
         if self.rotary_pos_emb is not None:
             self.rotary_pos_emb.reset_parameters()

@@ -8,13 +8,15 @@ pipeline split); vocabulary padding rows are zero and never touch the generator 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import zlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from megatron_lite.parameters import ParamMeta, named_param_meta
+from megatron_lite.parameters import ParamMeta, named_param_meta, set_param_meta
 
 NameFn = Callable[[str], str]
 
@@ -43,11 +45,28 @@ def _full_init(p: torch.Tensor, meta: ParamMeta, name: str, seed: int) -> torch.
         gen = torch.Generator(device=p.device)
         gen.manual_seed(param_seed(seed, name))
         return torch.empty(shape, device=p.device, dtype=torch.float32).normal_(0.0, args[0], generator=gen)
+    if kind == "xavier":  # --init-method-xavier-uniform: U(±sqrt(6 / (fan_in + fan_out))) of the full tensor
+        fan_out, fan_in = shape[0], math.prod(shape[1:])
+        args = [math.sqrt(6.0 / (fan_in + fan_out))]
+        kind = "uniform"
     if kind == "uniform":  # U(-bound, bound): LoRA's A, as PEFT's kaiming_uniform(a=sqrt(5)) draws it
         gen = torch.Generator(device=p.device)
         gen.manual_seed(param_seed(seed, name))
         return torch.empty(shape, device=p.device, dtype=torch.float32).uniform_(-args[0], args[0], generator=gen)
     raise ValueError(f"unknown init method {kind!r} for {name}")
+
+
+def xavier_instead_of_normal(module: nn.Module, keep_embeddings: bool = False) -> None:
+    """Megatron's --init-method-xavier-uniform: every weight that would be drawn normal(0, std), embeddings and
+    output layers included, is drawn from Xavier's uniform instead (its bound from the full tensor's fans);
+    `keep_embeddings`: not the embeddings (and a tied copy of them), as Megatron keeps them normal when
+    --embedding-init-method-std differs from --init-method-std."""
+    for name, _, meta in named_param_meta(module):
+        if keep_embeddings and ("embedding" in name or meta.embedding_copy):
+            continue
+        if meta.init[0] == "normal":
+            owner, _, attr = name.rpartition(".")
+            set_param_meta(module.get_submodule(owner), attr, dataclasses.replace(meta, init=("xavier",)))
 
 
 @torch.no_grad()
