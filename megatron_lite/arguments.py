@@ -19,7 +19,7 @@ from megatron_lite.data.tokenizers import tokenizer_file
 from megatron_lite.flag_parser import build_parser
 from megatron_lite.layout_validation import parse_pipeline_layout
 from megatron_lite.lora.config import LoraConfig, has_dense_mlp, lora_for_model, target_modules
-from megatron_lite.megatron_flags import refuse_unsupported
+from megatron_lite.megatron_flags import OTHER_NAMES, refuse_unsupported
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
 
@@ -474,10 +474,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
 
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = [tok.split("=")[0] for tok in argv]
-    if "--encoder-seq-length" in flags:  # Megatron's other name: read as --seq-length, a checkpoint's included
-        if "--seq-length" in flags:
-            raise ConfigError("--encoder-seq-length is Megatron's other name for --seq-length: give one of them")
-        argv = [tok.replace("--encoder-seq-length", "--seq-length", 1) for tok in argv]
+    for other, name in OTHER_NAMES.items():  # Megatron's other names: read as ours, a checkpoint's included
+        if other in flags:
+            if name in flags:
+                raise ConfigError(f"{other} is Megatron's other name for {name}: give one of them")
+            argv = [tok.replace(other, name, 1) if tok.split("=")[0] == other else tok for tok in argv]
     parser = build_parser()
     ns = parser.parse_args(argv)
     if "--use-rotary-position-embeddings" in argv:  # (its conflicts with a checkpoint are the type flag's)
