@@ -243,3 +243,31 @@ def test_preprocess_pretrain_and_generate_with_a_tiktokenizer(tmp_path, capsys, 
         assert theirs(text, add_special_tokens=False).input_ids == ids, text
         assert theirs.decode(ids) == b"".join(ranks[i - 1000] for i in ids).decode("utf-8", "replace")
     assert theirs.decode([1, *theirs(" hi", add_special_tokens=False).input_ids, 2]) == "<s> hi</s>"
+
+
+def test_lone_surrogates_are_read_as_tiktoken_reads_them(tmp_path):
+    """json.loads reads an escaped surrogate without its pair ("\\ud83d", common in crawled text) as a lone one.
+    tiktoken's encode_ordinary takes such text: a pair split in two is the character, a lone one U+FFFD (its
+    core.py). The tokenizers library refused it (TypeError), and preprocess_data.py stopped at the document that
+    Megatron's tokenizes."""
+    sys.path.insert(0, str(__import__("test_convert").ROOT / "tools"))
+    import preprocess_data
+
+    from megatron_lite.data.indexed import IndexedDataset
+
+    ranks = _trained_ranks(500, False)
+    vocab = _write(tmp_path / "vocab.json", ranks)
+    tok = _tik(vocab, vocab_size=1000 + 500)
+    assert tok.encode("a \ud83d\ude00 b") == tok.encode("a 😀 b") == _tiktoken("a 😀 b", ranks, "v2", 1000)
+    assert tok.encode_batch(["x\udfff y", "\ud800"]) == [
+        _tiktoken(t, ranks, "v2", 1000) for t in ["x\ufffd y", "\ufffd"]
+    ]
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "half an emoji \\ud83d, then text"}\n{"text": "fine"}\n')
+    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab, "--tiktoken-pattern", "v2"]
+    prefix = str(tmp_path / "corpus")
+    argv = ["--input", str(src), "--output-prefix", prefix, "--append-eod", "--vocab-size", "1500", *flags]
+    assert preprocess_data.main(argv) == 0
+    ds = IndexedDataset(prefix + "_text_document")
+    expected = [_tiktoken(t, ranks, "v2", 1000) + [2] for t in ["half an emoji \ufffd, then text", "fine"]]
+    assert [ds.get(i).tolist() for i in range(len(ds))] == expected

@@ -78,7 +78,8 @@ def _encode_document(kind: str, payload: str) -> dict[str, tuple[list[int], list
         for sentence in text if isinstance(text, list) else [text]:
             if not isinstance(sentence, str):
                 raise TypeError(f'"{key}" holds {type(sentence).__name__}, expected a string or a list of strings')
-            sentence.encode("utf-8")  # (raises on a lone surrogate, which the tokenizer reports as a TypeError)
+            if not getattr(_TOK, "takes_lone_surrogates", False):  # (TikTokenizer: tiktoken replaces them)
+                sentence.encode("utf-8")  # (raises on a lone surrogate, which the tokenizer reports as a TypeError)
             sentence_ids = _TOK.encode(sentence)
             if sentence_ids:
                 ids.extend(sentence_ids)

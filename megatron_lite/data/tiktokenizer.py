@@ -83,6 +83,17 @@ def read_ranks(path: str, count: int, flag: str, specials: int = 0) -> list[byte
     return ranks
 
 
+def _utf8(text: str) -> str:
+    """Text that is UTF-8, as tiktoken's encode_ordinary makes it: json.loads reads an escaped surrogate ("\\ud83d")
+    as a lone one, which tiktoken joins to its pair through UTF-16 and replaces by U+FFFD where it has none (the
+    tokenizers library refuses such text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 class TikTokenizer:
     """The tokenizer of `--tokenizer-type TikTokenizer`; the interface of HuggingFaceTokenizer (encode,
     encode_batch, decode, token, eod, vocab_size)."""
@@ -91,6 +102,7 @@ class TikTokenizer:
     pad: int | None = None  # (its CustomTikTokenizer has no pad: Megatron-core's GPTDataset then masks none)
     prefix: list[int] = []
     suffix: list[int] = []
+    takes_lone_surrogates = True  # (encode reads them as tiktoken does; preprocess_data.py refuses them otherwise)
 
     def __init__(
         self,
@@ -148,10 +160,10 @@ class TikTokenizer:
         self._tok = tok
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(_utf8(text), add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch([_utf8(t) for t in texts], add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         # (an id past the vocabulary, a padded row a model sampled, is skipped, as the tokenizers library skips it)
