@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 import sys
 
@@ -271,3 +272,39 @@ def test_lone_surrogates_are_read_as_tiktoken_reads_them(tmp_path):
     ds = IndexedDataset(prefix + "_text_document")
     expected = [_tiktoken(t, ranks, "v2", 1000) + [2] for t in ["half an emoji \ufffd, then text", "fine"]]
     assert [ds.get(i).tolist() for i in range(len(ds))] == expected
+
+
+def test_the_export_takes_no_tokenizer_file_of_the_model_it_was_converted_from(tmp_path, monkeypatch):
+    """A checkpoint converted from a Hugging Face model keeps that model's files under hf/; trained with a
+    TikTokenizer, its export wrote the tokenizer.json made from the rank list beside the original's other
+    tokenizer files, whose special_tokens_map.json named tokens this vocabulary lacks: transformers added them at
+    new ids past the vocabulary (its EOS not Megatron's </s>, 2), and with no tokenizer.json made ("<s>" a rank)
+    the original's were exported as if they were this model's."""
+    from test_convert import convert
+
+    from megatron_lite.training.pretrain import main
+
+    ranks = _trained_ranks(500, False)
+    vocab = _write(tmp_path / "vocab.json", ranks)
+    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab, "--tiktoken-pattern", "v2"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    tiny = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+    tiny += "--global-batch-size 2 --lr 1e-3 --eval-iters 0 --train-iters 1 --mock-data --vocab-size 1500"
+    assert main([*tiny.split(), *flags, "--save", str(tmp_path / "ck")]) == 0
+    side = tmp_path / "ck" / "hf"  # (as tools/checkpoint/convert.py --loader hf leaves it)
+    side.mkdir()
+    (side / "config.json").write_text("{}")
+    (side / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|eot_id|>", "bos_token": "<|bot|>"}))
+    (side / "tokenizer.model").write_text("another model's")
+    hf = tmp_path / "hf"
+    argv = ["--loader", "megatron_lite", "--saver", "hf", "--load-dir", str(tmp_path / "ck"), "--save-dir"]
+    assert convert.main([*argv, str(hf)]) == 0
+    assert not (hf / "special_tokens_map.json").exists() and not (hf / "tokenizer.model").exists()
+    import transformers
+
+    theirs = transformers.AutoTokenizer.from_pretrained(str(hf))
+    assert (theirs.eos_token_id, theirs.bos_token_id, len(theirs)) == (2, 1, 1500)
+    _write(tmp_path / "vocab.json", ranks[:-1] + [b"<s>"])  # (no tokenizer.json can be made: none is exported)
+    assert convert.main([*argv, str(tmp_path / "hf2")]) == 0
+    assert not any(f.startswith("tokenizer") or f.startswith("special") for f in os.listdir(tmp_path / "hf2"))

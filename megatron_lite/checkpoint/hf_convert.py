@@ -589,6 +589,9 @@ def megatron_lite_to_hf(
             why = "one of its ranks is the text of a special token"
         except (ConfigError, ValueError, OSError) as e:
             written, why = False, str(e)
+        # (none of a converted model's own tokenizer files: one of them beside these, its special_tokens_map.json
+        # say, would name tokens this vocabulary lacks, which transformers adds at new ids)
+        side_from = [(d, tuple(n for n in names if n not in TOKENIZER_FILES)) for d, names in side_from]
         if written:
             side_from.insert(0, (made, TOKENIZER_FILES))  # (the tokenizer it was trained with)
             log(f"tokenizer: {tok} (TikTokenizer), written as a Hugging Face tokenizer.json")
