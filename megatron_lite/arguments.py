@@ -373,6 +373,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         tiktoken_pattern=ns.tiktoken_pattern,
         tiktoken_num_special_tokens=ns.tiktoken_num_special_tokens,
         tiktoken_special_tokens=tuple(ns.tiktoken_special_tokens) if ns.tiktoken_special_tokens else None,
+        tokenizer_special_tokens=tuple(ns.tokenizer_special_tokens) if ns.tokenizer_special_tokens else None,
+        legacy_tokenizer=ns.legacy_tokenizer,
         data_cache_path=ns.data_cache_path,
         mid_level_dataset_surplus=ns.mid_level_dataset_surplus,
         num_workers=ns.num_workers,

@@ -89,6 +89,8 @@ FINETUNE_KEEPS = (
     "tiktoken_pattern",
     "tiktoken_num_special_tokens",
     "tiktoken_special_tokens",
+    "tokenizer_special_tokens",
+    "legacy_tokenizer",
     "lora_rank",
     "lora_alpha",
     "lora_dropout",

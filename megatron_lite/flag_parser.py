@@ -472,8 +472,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--tiktoken-special-tokens",
         nargs="+",
-        help="TikTokenizer: the first special tokens (default <unk> <s> </s>; </s> ends documents)",
+        help="TikTokenizer with --legacy-tokenizer: the first special tokens (default <unk> <s> </s>)",
     )
+    a.add_argument(
+        "--tokenizer-special-tokens",
+        nargs="+",
+        help="TikTokenizer: the first special tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>; </s> ends "
+        "documents)",
+    )
+    _bool(a, "--legacy-tokenizer", "TikTokenizer as Megatron's CustomTikTokenizer (special tokens in text are text)")
     a.add_argument("--data-cache-path")
     a.add_argument("--num-workers", type=int, default=0)
     _bool(a, "--eod-mask-loss", "no loss on end-of-document tokens")

@@ -353,7 +353,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {
         "the ranks' order is megatron_lite's own (its groups are logged at start-up); any order computes the same",
     ),
     "test_mode": (False, "Megatron-Core's real-time tests are not run"),
-    "legacy_tokenizer": (False, "each --tokenizer-type has one implementation"),
     "trust_remote_code": (False, "Hugging Face tokenizers are read from their tokenizer.json: no remote code runs"),
     "object_storage_cache_path": (True, "paths are local files (no object storage)"),
     "adlr_autoresume": (False, "there is no ADLR autoresume (--exit-signal-handler saves and exits on a signal)"),

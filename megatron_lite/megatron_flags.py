@@ -132,10 +132,19 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             "--apply-wd-to-qk-layernorm: taken as that"
         )
     if getattr(ns, "tokenizer_type", None) != "TikTokenizer":  # (Megatron's examples pass it with NullTokenizer)
-        given = [f for f in ("tiktoken_pattern", "tiktoken_special_tokens") if getattr(ns, f, None)]
+        given = [f for f in ("tiktoken_pattern", "tiktoken_special_tokens", "legacy_tokenizer") if getattr(ns, f, None)]
         if getattr(ns, "tiktoken_num_special_tokens", 1000) != 1000:
             given.append("tiktoken_num_special_tokens")
         lines += [f"--{f.replace('_', '-')} has no effect without --tokenizer-type TikTokenizer" for f in given]
+    elif getattr(ns, "legacy_tokenizer", False) and getattr(ns, "tokenizer_special_tokens", None):
+        lines.append(
+            "--tokenizer-special-tokens has no effect with --legacy-tokenizer (it reads --tiktoken-special-tokens)"
+        )
+    elif not getattr(ns, "legacy_tokenizer", False) and getattr(ns, "tiktoken_special_tokens", None):
+        lines.append(
+            "--tiktoken-special-tokens has no effect without --legacy-tokenizer (Megatron-Core's TikTokenizer reads "
+            "--tokenizer-special-tokens)"
+        )
     if getattr(ns, "rotary_scaling_factor", 1.0) != 1.0 and not getattr(ns, "multi_latent_attention", False):
         lines.append(
             f"--rotary-scaling-factor {ns.rotary_scaling_factor} has no effect without --multi-latent-attention (as in "

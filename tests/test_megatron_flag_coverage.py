@@ -140,7 +140,7 @@ NO_EFFECT_HERE = (  # (with a value where the flag takes one)
     "--high-priority-stream-groups 1 2 --use-te-activation-func --use-mp-args-from-checkpoint-args "
     "--no-use-tokenizer-model-from-checkpoint-args --reuse-grad-buf-for-mxfp8-param-ag --ddp-num-buckets 1 "
     "--ddp-pad-buckets-for-high-nccl-busbw --use-ring-exchange-p2p --lazy-mpu-init 1 "
-    "--init-model-with-meta-device --use-tp-pp-dp-mapping --test-mode --legacy-tokenizer --trust-remote-code "
+    "--init-model-with-meta-device --use-tp-pp-dp-mapping --test-mode --trust-remote-code "
     "--object-storage-cache-path 1 --adlr-autoresume --adlr-autoresume-interval 1 "
     "--moe-router-padding-for-fp8 --moe-deepep-num-sms 1 --delay-wgrad-compute"
 )

@@ -1,7 +1,9 @@
 """--tokenizer-type TikTokenizer: Megatron's tiktoken tokenizer, read from a JSON rank list without the tiktoken
 package. The oracle is tiktoken's algorithm written out here (split by Megatron's pattern, a word that is a token
 is that token, else merge the adjacent pair whose join has the lowest rank), with Megatron's ids around it
-(specials first, rank r at id N + r); the vocabularies are BPEs trained here, in rank order and shuffled."""
+(specials first, rank r at id N + r); the vocabularies are BPEs trained here, in rank order and shuffled.
+Megatron's default implementation (Megatron-Core's TikTokenTokenizer) reads special tokens written in the text
+(tiktoken's encode with allowed_special="all"); with --legacy-tokenizer (CustomTikTokenizer) they are text."""
 
 from __future__ import annotations
 
@@ -93,6 +95,21 @@ def _tiktoken(text: str, ranks: list[bytes], pattern: str, offset: int) -> list[
     return ids
 
 
+SPECIALS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]  # (Megatron-Core's SPECIAL_TOKENS)
+
+
+def _tiktoken_all(text: str, ranks: list[bytes], pattern: str, specials: list[str]) -> list[int]:
+    """tiktoken's encode(allowed_special="all"): the special tokens written in the text are theirs, the pieces
+    between them encode_ordinary's; specials are ids 0..len-1 and rank r is id len + r."""
+    names = specials
+    ids, at = [], 0
+    for m in regex.finditer("|".join(regex.escape(s) for s in sorted(names, key=len, reverse=True)), text):
+        ids += _tiktoken(text[at : m.start()], ranks, pattern, len(names))
+        ids.append(names.index(m.group()))
+        at = m.end()
+    return ids + _tiktoken(text[at:], ranks, pattern, len(names))
+
+
 def _texts() -> list[str]:
     rng = random.Random(1)
     alphabet = "aAbZz09 \t\n\r!?.,/-_'\"éßЖж你好😀\u0301\u200b<>"
@@ -106,27 +123,49 @@ def _tik(path: str, pattern="v2", **kw):
     return build_tokenizer("TikTokenizer", model=path, tiktoken_pattern=pattern, **kw)
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["core", "legacy"])
 @pytest.mark.parametrize("shuffle", [False, True], ids=["merge-order", "shuffled"])
 @pytest.mark.parametrize("pattern", ["v1", "v2"])
-def test_text_is_encoded_and_decoded_as_tiktoken_does(tmp_path, pattern, shuffle):
+def test_text_is_encoded_and_decoded_as_tiktoken_does(tmp_path, pattern, shuffle, legacy):
     ranks = _trained_ranks(700, shuffle)
-    tok = _tik(_write(tmp_path / "vocab.json", ranks), pattern, vocab_size=1000 + len(ranks))
+    vocab = _write(tmp_path / "vocab.json", ranks)
+    tok = _tik(vocab, pattern, vocab_size=1000 + len(ranks), legacy_tokenizer=legacy)
     assert tok.vocab_size == 1000 + len(ranks) and tok.eod == 2  # (</s>, Megatron's EOD)
+    assert tok.pad == (None if legacy else 4)  # (<pad>: the dataset drops the loss of its labels)
     texts = _texts()
-    expected = [_tiktoken(t, ranks, pattern, 1000) for t in texts]
+    names = ["<unk>", "<s>", "</s>"] if legacy else SPECIALS
+    names = names + [f"<SPECIAL_{i}>" for i in range(len(names), 1000)]
+    if legacy:
+        expected = [_tiktoken(t, ranks, pattern, 1000) for t in texts]
+    else:
+        expected = [_tiktoken_all(t, ranks, pattern, names) for t in texts]
+        assert any(i < 1000 for ids in expected for i in ids)  # (CORPUS[4] writes <s>, </s>, <unk>, <SPECIAL_5>)
     assert sum(map(len, expected)) > 5000
     for text, ids in zip(texts, expected, strict=True):
         assert tok.encode(text) == ids, text
-        assert tok.decode(ids) == b"".join(ranks[i - 1000] for i in ids).decode("utf-8", "replace")
+        text_bytes = b"".join(ranks[i - 1000] if i >= 1000 else names[i].encode() for i in ids)
+        assert tok.decode(ids) == text_bytes.decode("utf-8", "replace")
     assert tok.encode_batch(texts[:40]) == expected[:40]
 
 
 def test_megatrons_ids_special_tokens_and_vocabulary_cut(tmp_path):
     """Ids 0..N-1 are the special tokens (the given ones, then <SPECIAL_i>); --vocab-size keeps the first
-    vocab_size - N ranks; a special token written in the text is text (Megatron's tokenize is encode_ordinary)."""
+    vocab_size - N ranks. With --legacy-tokenizer the special tokens are --tiktoken-special-tokens, there is no pad,
+    and a special token written in the text is text (CustomTikTokenizer's tokenize is encode_ordinary); without
+    it they are --tokenizer-special-tokens, which must hold Megatron-Core's seven, and one in the text is its id."""
     ranks = _trained_ranks(700, False)
     path = _write(tmp_path / "vocab.json", ranks)
-    tok = _tik(path, vocab_size=16 + 400, tiktoken_num_special_tokens=16,
+    core = ["<sep>", "</s>", "<s>", "<cls>", "<pad>", "<mask>", "<unk>", "<tool>"]
+    tok = _tik(
+        path,
+        vocab_size=16 + 400,
+        tiktoken_num_special_tokens=16,
+        tokenizer_special_tokens=core,
+        tiktoken_special_tokens=["<x>"],
+    )  # fmt: skip  (the legacy flag, not read here)
+    assert tok.eod == 1 and tok.pad == 4 and [tok.token(i) for i in (0, 7, 8)] == ["<sep>", "<tool>", "<SPECIAL_8>"]
+    assert tok.encode("a<tool>b</s>") == [*tok.encode("a"), 7, *tok.encode("b"), 1]
+    tok = _tik(path, vocab_size=16 + 400, tiktoken_num_special_tokens=16, legacy_tokenizer=True,
                tiktoken_special_tokens=["<s>", "</s>", "<unk>", "<pad>"])  # fmt: skip
     assert tok.vocab_size == 416 and tok.eod == 1 and tok.bos is None and tok.pad is None
     assert [tok.token(i) for i in (0, 1, 2, 3, 4, 15)] == [
@@ -164,8 +203,17 @@ def test_the_default_vocabulary_is_two_to_the_seventeen(tmp_path):
         ("reorder", {}, "entry 300 has rank 301; the list must be in rank order from 0"),
         ("bytes", {}, "rank 65 is b'B'; ranks 0-255 must be the single bytes, in order"),
         ("repeat", {}, "rank 257 repeats the token"),
-        (None, {"tiktoken_special_tokens": ["<s>", "</s>"]}, "must be distinct and include <unk> <s> </s>"),
-        (None, {"tiktoken_num_special_tokens": 2}, "--tiktoken-num-special-tokens 2 must be at least the 3"),
+        (
+            None,
+            {"tiktoken_special_tokens": ["<s>", "</s>"], "legacy_tokenizer": True},
+            "--tiktoken-special-tokens <s> </s>: they must be distinct and include <unk> <s> </s>, as Megatron's",
+        ),
+        (
+            None,
+            {"tokenizer_special_tokens": ["<unk>", "<s>", "</s>"]},
+            "include <unk> <s> </s> <mask> <pad> <cls> <sep>, as Megatron's TikTokenizer (without --legacy-tokenizer)",
+        ),
+        (None, {"tiktoken_num_special_tokens": 2}, "--tiktoken-num-special-tokens 2 must be at least the 7"),
         ("missing", {}, ": no such file (expected a tiktoken JSON rank list)"),
     ],
 )
@@ -308,3 +356,30 @@ def test_the_export_takes_no_tokenizer_file_of_the_model_it_was_converted_from(t
     _write(tmp_path / "vocab.json", ranks[:-1] + [b"<s>"])  # (no tokenizer.json can be made: none is exported)
     assert convert.main([*argv, str(tmp_path / "hf2")]) == 0
     assert not any(f.startswith("tokenizer") or f.startswith("special") for f in os.listdir(tmp_path / "hf2"))
+
+
+def test_each_implementations_flags_and_what_the_other_does_not_read(tmp_path):
+    """Megatron-Core's TikTokenizer reads --tokenizer-special-tokens, the legacy one --tiktoken-special-tokens:
+    the other one given is said to have no effect; --legacy-tokenizer and the tiktoken flags without
+    TikTokenizer too; --tokenizer-special-tokens with another tokenizer (Megatron adds them to a Hugging Face
+    one) is refused."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.megatron_flags import accepted_no_ops
+
+    vocab = _write(tmp_path / "vocab.json", _trained_ranks(300, False))
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 2 --mock-data"
+    tik = [*base.split(), "--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab, "--tiktoken-pattern", "v2"]
+    notes = accepted_no_ops(parse_args([*tik, "--tiktoken-special-tokens", "<unk>", "<s>", "</s>"])[0])
+    assert any(n.startswith("--tiktoken-special-tokens has no effect without --legacy-tokenizer") for n in notes)
+    ns, job = parse_args([*tik, "--legacy-tokenizer", "--tokenizer-special-tokens", *SPECIALS])
+    assert job.data.legacy_tokenizer and job.data.tokenizer_special_tokens == tuple(SPECIALS)
+    assert any(
+        n.startswith("--tokenizer-special-tokens has no effect with --legacy-tokenizer") for n in accepted_no_ops(ns)
+    )
+    notes = accepted_no_ops(parse_args([*base.split(), "--vocab-size", "100", "--legacy-tokenizer"])[0])
+    assert "--legacy-tokenizer has no effect without --tokenizer-type TikTokenizer" in notes
+    hf = [*base.split(), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "x.json"]
+    with pytest.raises(
+        ConfigError, match="--tokenizer-special-tokens is taken with --tokenizer-type TikTokenizer only"
+    ):
+        parse_args([*hf, "--tokenizer-special-tokens", "<a>"])

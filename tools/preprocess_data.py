@@ -180,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     g.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer: Megatron's split into words")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer: ids 0..N-1")
-    g.add_argument("--tiktoken-special-tokens", nargs="+", help="TikTokenizer: default <unk> <s> </s>")
+    g.add_argument(
+        "--tiktoken-special-tokens", nargs="+", help="TikTokenizer, --legacy-tokenizer: default <unk> <s> </s>"
+    )
+    g.add_argument(
+        "--tokenizer-special-tokens", nargs="+", help="TikTokenizer: default <unk> <s> </s> <mask> <pad> ..."
+    )
+    g.add_argument("--legacy-tokenizer", action="store_true", help="TikTokenizer as Megatron's CustomTikTokenizer")
     g.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document token")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin and .idx")

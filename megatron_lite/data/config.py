@@ -28,6 +28,8 @@ TOKENIZER_FIELDS = (
     "tiktoken_pattern",
     "tiktoken_num_special_tokens",
     "tiktoken_special_tokens",
+    "tokenizer_special_tokens",
+    "legacy_tokenizer",
 )
 
 
@@ -80,6 +82,10 @@ class DataConfig:
     tiktoken_pattern: str | None = None
     tiktoken_num_special_tokens: int = 1000
     tiktoken_special_tokens: tuple[str, ...] | None = None
+    # Megatron's --tokenizer-special-tokens (TikTokenizer's special tokens, without --legacy-tokenizer) and
+    # --legacy-tokenizer (its older CustomTikTokenizer: data/tiktokenizer.py)
+    tokenizer_special_tokens: tuple[str, ...] | None = None
+    legacy_tokenizer: bool = False
     data_cache_path: str | None = None
     mid_level_dataset_surplus: float = 0.005  # (Megatron's: each part of a weighted blend is built this much larger)
     num_workers: int = 0
@@ -91,6 +97,11 @@ class DataConfig:
     sft: bool = False  # --data-path is a JSONL file of prompt/response records (loss on responses only)
 
     def __post_init__(self) -> None:
+        if self.tokenizer_special_tokens and self.tokenizer_type != "TikTokenizer":
+            raise ConfigError(
+                "--tokenizer-special-tokens is taken with --tokenizer-type TikTokenizer only (adding special tokens "
+                f"to {self.tokenizer_type or 'the tokenizer'} is not implemented: add them to its tokenizer.json)"
+            )
         if self.tokenizer_type is not None and self.tokenizer_type not in TOKENIZER_TYPES:
             raise ConfigError(
                 f"--tokenizer-type {self.tokenizer_type} is not supported; use one of {', '.join(TOKENIZER_TYPES)}"

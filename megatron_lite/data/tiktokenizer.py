@@ -1,13 +1,19 @@
-"""Megatron's TikTokenizer (`--tokenizer-type TikTokenizer`, its CustomTikTokenizer): a tiktoken vocabulary stored
+"""Megatron's TikTokenizer (`--tokenizer-type TikTokenizer`): a tiktoken vocabulary stored
 as a JSON list of ranks (`{"rank", "token_bytes", "token_str"}`, the token's bytes in base64), the form NeMo and
 Nemotron ship, read without the tiktoken package. The ranks become a byte-level BPE of the `tokenizers` library:
 tiktoken merges the adjacent pair whose join has the lowest rank, so each token's merges are its splits into two
 tokens, ordered by its rank (the conversion transformers uses for tiktoken vocabularies).
 
-As in Megatron, ids 0..N-1 are the special tokens (`--tiktoken-special-tokens`, then `<SPECIAL_i>` fillers up to
-`--tiktoken-num-special-tokens` N), rank r is id N + r, the vocabulary is `--vocab-size` ids (2^17 when not
-given: the first --vocab-size - N ranks), the end of document is `</s>`, and text is encoded as tiktoken's
-encode_ordinary: a special token written in the text is text."""
+As in Megatron, ids 0..N-1 are the special tokens (then `<SPECIAL_i>` fillers up to `--tiktoken-num-special-tokens`
+N), rank r is id N + r, the vocabulary is `--vocab-size` ids (2^17 when not given: the first --vocab-size - N
+ranks), and the end of document is `</s>`. Megatron has two implementations, and so do we:
+- by default (Megatron-Core's tokenizers library, TikTokenTokenizer): the special tokens are
+  `--tokenizer-special-tokens`, by default <unk> <s> </s> <mask> <pad> <cls> <sep> (the pad id, whose labels
+  carry no loss in the dataset, is <pad>'s), and a special token written in the text is that token
+  (tiktoken's encode with allowed_special="all");
+- with `--legacy-tokenizer` (megatron/training/tokenizer, CustomTikTokenizer): `--tiktoken-special-tokens`, by
+  default <unk> <s> </s>, no pad, and text encoded as tiktoken's encode_ordinary: a special token written in it
+  is text."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import base64
 import binascii
 import json
 import os
+import re
 
 from megatron_lite.config import ConfigError
 
@@ -25,7 +32,11 @@ PATTERNS = {
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
-REQUIRED_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # (Megatron's default --tiktoken-special-tokens)
+# The special tokens each implementation requires and starts from (Megatron's SPECIAL_TOKENS of each)
+REQUIRED_SPECIAL_TOKENS = {
+    False: ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"),  # megatron.core.tokenizers
+    True: ("<unk>", "<s>", "</s>"),  # --legacy-tokenizer
+}
 DEFAULT_VOCAB_SIZE = 2**17
 
 
@@ -99,7 +110,7 @@ class TikTokenizer:
     encode_batch, decode, token, eod, vocab_size)."""
 
     bos: int | None = None  # (Megatron's tokenize adds none by default)
-    pad: int | None = None  # (its CustomTikTokenizer has no pad: Megatron-core's GPTDataset then masks none)
+    pad: int | None = None  # (the legacy CustomTikTokenizer has none: Megatron-core's GPTDataset then masks none)
     prefix: list[int] = []
     suffix: list[int] = []
     takes_lone_surrogates = True  # (encode reads them as tiktoken does; preprocess_data.py refuses them otherwise)
@@ -111,6 +122,7 @@ class TikTokenizer:
         vocab_size: int | None = None,
         num_special_tokens: int = 1000,
         special_tokens: list[str] | tuple[str, ...] | None = None,
+        legacy: bool = False,
     ) -> None:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -121,23 +133,31 @@ class TikTokenizer:
             raise ConfigError(f"{flag} {path}: no such file (expected a tiktoken JSON rank list)")
         if pattern not in PATTERNS:
             raise ConfigError(f"--tiktoken-pattern {pattern}: choose v1 or v2 (Megatron's two patterns)")
-        specials = list(special_tokens or REQUIRED_SPECIAL_TOKENS)
+        required = REQUIRED_SPECIAL_TOKENS[legacy]
+        specials = list(special_tokens or required)
         size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
-        if len(set(specials)) != len(specials) or not set(REQUIRED_SPECIAL_TOKENS) <= set(specials):
+        given = "--tiktoken-special-tokens" if legacy else "--tokenizer-special-tokens"
+        if len(set(specials)) != len(specials) or not set(required) <= set(specials):
+            which = " (with --legacy-tokenizer)" if legacy else " (without --legacy-tokenizer)"
             raise ConfigError(
-                f"--tiktoken-special-tokens {' '.join(specials)}: they must be distinct and include "
-                f"{' '.join(REQUIRED_SPECIAL_TOKENS)} (as in Megatron)"
+                f"{given} {' '.join(specials)}: they must be distinct and include {' '.join(required)}, as "
+                f"Megatron's TikTokenizer{which} requires"
             )
         if not len(specials) <= num_special_tokens < size:
             raise ConfigError(
                 f"--tiktoken-num-special-tokens {num_special_tokens} must be at least the {len(specials)} "
-                f"--tiktoken-special-tokens and below the vocabulary (--vocab-size {size})"
+                f"special tokens and below the vocabulary (--vocab-size {size})"
             )
         specials += [f"<SPECIAL_{i}>" for i in range(len(specials), num_special_tokens)]
         ranks = read_ranks(path, size - num_special_tokens, flag, num_special_tokens)
         self.path, self.vocab_size, self.num_special_tokens = path, size, num_special_tokens
-        self.specials = specials
+        self.specials, self.legacy = specials, legacy
         self.eod = specials.index("</s>")
+        self.pad = None if legacy else specials.index("<pad>")
+        # (the default implementation reads special tokens in the text; longest first, where one begins another)
+        by_length = sorted(specials, key=len, reverse=True)
+        self._special = None if legacy else re.compile("|".join(re.escape(s) for s in by_length))
+        self._special_id = {s: i for i, s in enumerate(specials)}
         # Decoding is tiktoken's: the tokens' bytes joined, then read as UTF-8 with replacement characters
         self._bytes = [s.encode("utf-8") for s in specials] + ranks
         symbols = _byte_symbols()
@@ -160,10 +180,29 @@ class TikTokenizer:
         self._tok = tok
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(_utf8(text), add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch([_utf8(t) for t in texts], add_special_tokens=False)]
+        """Legacy: the texts' ids. Otherwise the pieces between the special tokens written in them encoded (all
+        in one batch), the special tokens' ids between them."""
+        texts = [_utf8(t) for t in texts]
+        if self._special is None:
+            return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        plans, pieces = [], []  # (per text: piece indexes and special ids, in order)
+        for text in texts:
+            plan, at = [], 0
+            for m in self._special.finditer(text):
+                if m.start() > at:
+                    plan.append(len(pieces))
+                    pieces.append(text[at : m.start()])
+                plan.append(-1 - self._special_id[m.group()])
+                at = m.end()
+            if at < len(text) or not plan:
+                plan.append(len(pieces))
+                pieces.append(text[at:])
+            plans.append(plan)
+        encoded = [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
+        return [[i for step in plan for i in (encoded[step] if step >= 0 else [-1 - step])] for plan in plans]
 
     def decode(self, ids: list[int]) -> str:
         # (an id past the vocabulary, a padded row a model sampled, is skipped, as the tokenizers library skips it)

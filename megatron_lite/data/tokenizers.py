@@ -278,6 +278,8 @@ def build_tokenizer(
     tiktoken_pattern: str | None = None,
     tiktoken_num_special_tokens: int = 1000,
     tiktoken_special_tokens: list[str] | tuple[str, ...] | None = None,
+    tokenizer_special_tokens: list[str] | tuple[str, ...] | None = None,
+    legacy_tokenizer: bool = False,
 ):
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
@@ -298,7 +300,11 @@ def build_tokenizer(
 
         if tiktoken_pattern is None:  # (Megatron asserts it is given)
             raise ConfigError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 (as in Megatron)")
-        return TikTokenizer(model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens, tiktoken_special_tokens)
+        # (Megatron's two implementations read different flags for the special tokens)
+        specials = tiktoken_special_tokens if legacy_tokenizer else tokenizer_special_tokens
+        return TikTokenizer(
+            model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens, specials, legacy=legacy_tokenizer
+        )
     raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported")
 
 
@@ -316,4 +322,6 @@ def tokenizer_from_flags(flags):
         tiktoken_pattern=getattr(flags, "tiktoken_pattern", None),
         tiktoken_num_special_tokens=1000 if num_special is None else num_special,
         tiktoken_special_tokens=getattr(flags, "tiktoken_special_tokens", None),
+        tokenizer_special_tokens=getattr(flags, "tokenizer_special_tokens", None),
+        legacy_tokenizer=bool(getattr(flags, "legacy_tokenizer", False)),
     )
