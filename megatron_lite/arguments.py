@@ -157,6 +157,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         position_embedding_type=ns.position_embedding_type,
         rotary_base=ns.rotary_base,
         rotary_percent=ns.rotary_percent,
+        rotary_interleaved=ns.rotary_interleaved,
         rope_scaling=_rope_scaling(ns),
         sliding_window=ns.window_size,
         add_bias_linear=not ns.disable_bias_linear,

@@ -103,6 +103,8 @@ class ModelConfig:
     # Megatron's --rotary-percent (Hugging Face's partial_rotary_factor): RoPE rotates the first
     # int(head_dim * rotary_percent) dims of each head and passes the rest through
     rotary_percent: float = 1.0
+    # Megatron's --rotary-interleaved: RoPE rotates the pairs (0, 1), (2, 3), ... of each head, not its halves
+    rotary_interleaved: bool = False
     rope_scaling: RopeScaling | None = None
     # Sliding-window attention (Mistral): each token sees the last `sliding_window` tokens, itself included.
     sliding_window: int | None = None
@@ -420,6 +422,7 @@ class ModelConfig:
                 "--group-query-attention)"
             )
         for flag, on in (
+            ("--rotary-interleaved", self.rotary_interleaved),
             ("--rotary-percent", self.rotary_percent != 1.0),
             ("--window-size", self.sliding_window is not None),
             ("--add-qkv-bias", self.add_qkv_bias),

@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--rotary-percent", type=float, default=1.0, help="fraction of each head's dims RoPE rotates (the first ones)"
     )
+    _bool(m, "--rotary-interleaved", "RoPE rotates each head's dim pairs (0, 1), (2, 3), ... instead of its halves")
     _bool(m, "--use-rope-scaling", "Llama-3 RoPE frequency scaling")
     m.add_argument("--rope-scaling-factor", type=float, default=8.0)
     m.add_argument(

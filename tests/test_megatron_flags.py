@@ -173,7 +173,6 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         (["--num-distributed-optimizer-instances", "2"], "--num-distributed-optimizer-instances 2 is not supported"),
         (["--rotary-seq-len-interpolation-factor", "4"], "--rotary-seq-len-interpolation-factor 4 is not supported"),
         # (a flag-compatibility review: these were "no such flag", which does not tell Megatron's from a typo)
-        (["--rotary-interleaved"], "--rotary-interleaved is not supported: RoPE rotates the halves"),
         (["--use-legacy-models"], "--use-legacy-models is not supported: megatron_lite has one model"),
         (["--apply-residual-connection-post-layernorm"], "is not supported: the residual is taken before each norm"),
         # (an attention review against Megatron-Core 0.16.1, whose TransformerConfig has these: "no such flag" told
@@ -640,3 +639,47 @@ def test_init_method_xavier_uniform_draws_every_weight_from_its_full_fans(embedd
         assert w.abs().max().item() <= bound and w.abs().max().item() > 0.99 * bound, name
         assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03), name
     assert params["decoder.layers.0.input_layernorm.weight"].eq(1).all()  # (not weights drawn normal)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("percent", ["1.0", "0.5"])
+def test_rotary_interleaved_is_rotate_half_on_the_permuted_query_and_key_rows(kernels, percent):
+    """Megatron's --rotary-interleaved (refused before) rotates each head's pairs (0, 1), (2, 3), ...: a model with
+    it computes what the rotate-half model computes once each query and key head's rotated rows are reordered
+    the way Hugging Face's Llama converter reorders Meta's interleaved weights (evens, then odds)."""
+    import torch
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16"]
+    flags += ["--train-iters", "2", "--mock-data", "--vocab-size", "100", "--position-embedding-type", "rope"]
+    flags += ["--group-query-attention", "--num-query-groups", "2", "--rotary-percent", percent]
+    flags += ["--kernel-impl", kernels, "--hidden-dropout", "0", "--attention-dropout", "0"]
+    _, inter = parse_args([*flags, "--rotary-interleaved"])
+    _, half = parse_args(flags)
+    ctx = ParallelContext.virtual(inter.parallel, 1)
+    a, b = build_model(inter.model, ctx, seed=5), build_model(half.model, ctx, seed=5)
+    d, r = 16, int(16 * float(percent))
+    order = [*range(0, r, 2), *range(1, r, 2), *range(r, d)]  # (a head's rows: evens, odds, the unrotated rest)
+    state = a[0].full_state_dict()
+    for name, w in state.items():
+        if name.endswith("linear_qkv.weight"):  # per group: 2 query heads, its key, its value, 16 rows each
+            heads = w.view(2, 4, d, -1)
+            heads = torch.cat([heads[:, :3, order], heads[:, 3:]], dim=1)  # (q and k reordered, v as it is)
+            state[name] = heads.reshape(w.shape)
+    b[0].load_full_state_dict(state)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la, lb = a[0](tokens), b[0](tokens)
+    assert torch.allclose(la, lb, rtol=1e-5, atol=1e-5), (la - lb).abs().max()
+    with torch.no_grad():  # (and the same weights rotated by halves compute something else)
+        assert (la - build_model(half.model, ctx, seed=5)[0](tokens)).abs().max() > 1e-3
+
+
+def test_an_interleaved_rope_model_is_not_exported_to_a_rotate_half_class():
+    from megatron_lite.models.hf import check_exportable
+
+    flags = [*MOCK, "--position-embedding-type", "rope", "--disable-bias-linear", "--rotary-interleaved"]
+    with pytest.raises(ConfigError, match=r"interleaved RoPE \(--rotary-interleaved; Hugging Face's classes rotate"):
+        check_exportable(parse_args(flags)[1].model, "LlamaForCausalLM")

@@ -181,14 +181,20 @@ class SelfAttention(nn.Module):
         )
         # Selective recomputation (Megatron's default module): keep only q, k, v for the backward.
         self.rope = K.apply_rope if config.kernel_impl == "triton" else K.apply_rope_reference
+        self.rotary_interleaved = config.rotary_interleaved
         self.recompute_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
 
     def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """RoPE on the first cos.shape[-1] dims of each head (all of them unless --rotary-percent < 1)."""
+        """RoPE on the first cos.shape[-1] dims of each head (all of them unless --rotary-percent < 1).
+        --rotary-interleaved rotates the pairs (0, 1), (2, 3), ...: the rotated dims are reordered, evens then
+        odds, and rotated by halves, which is the interleaved rotation in that order. q and k alike: their dot
+        products, all attention reads of them, are the interleaved ones (the values are not reordered)."""
         cos, sin = rope
         r = cos.shape[-1]
+        if self.rotary_interleaved:
+            x = torch.cat([x[..., 0:r:2], x[..., 1:r:2], x[..., r:]], dim=-1)
         if r == x.shape[-1]:
             return self.rope(x, cos, sin)
         return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)

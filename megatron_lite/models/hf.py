@@ -284,7 +284,11 @@ def _architecture(config: ModelConfig) -> str:
 
 def check_exportable(c: ModelConfig, arch: str) -> None:
     """What `arch` cannot express is a one-line error, never silently dropped."""
-    problems = []
+    problems = (
+        ["interleaved RoPE (--rotary-interleaved; Hugging Face's classes rotate halves)"]
+        if c.rotary_interleaved
+        else []
+    )
     if arch in DEEPSEEK:
         problems += hf_deepseek.export_problems(c, arch)
     elif arch == "GPT2LMHeadModel":
