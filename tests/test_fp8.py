@@ -118,6 +118,25 @@ def test_a_zero_input_and_the_largest_value_quantize_as_transformer_engine_does(
     assert q.float()[0, 3].item() == 57344.0
 
 
+@pytest.mark.parametrize("wgrad", [True, False])
+def test_an_expert_sent_no_tokens_runs_in_fp8(wgrad):
+    """An expert no token was routed to gets an empty input (LocalExperts splits by the counts): its output and
+    input gradient are empty, its weight gradient zero, and under delayed scaling the empty input and gradient
+    record amax 0 (the scale stays) while the weight records its own amax. (It stopped the job: the amax of an
+    empty tensor raised, on any iteration where some expert of some rank got no token.)"""
+    torch.manual_seed(0)
+    w = torch.randn(8, 16, requires_grad=True)
+    for recipe in ("tensorwise", "delayed"):
+        state = Fp8State(1, "cpu", expert=True) if recipe == "delayed" else None
+        x = torch.randn(0, 16, requires_grad=True)
+        y = fp8_linear(x, w, Fp8Setting(recipe=recipe, wgrad=wgrad), state=state)
+        y.sum().backward()
+        assert y.shape == (0, 8) and x.grad.shape == (0, 16)
+        assert torch.equal(w.grad, torch.zeros(8, 16))
+        if state is not None:
+            assert state.pending.tolist() == [0.0, w.detach().abs().max().item(), 0.0]
+
+
 @pytest.mark.parametrize(
     "flags, fragment",
     [

@@ -110,6 +110,7 @@ def fp8_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.T
     where it runs and the shapes suit it (a GPU's needs multiples of 16); else the same product of the fp8
     values in fp32."""
     fits = a.device.type == "cpu" or all(n % 16 == 0 for n in (*a.shape, b.shape[0]))
+    fits = fits and a.numel() > 0 and b.numel() > 0  # (an expert sent no tokens: the empty product in fp32)
     if fits and _scaled_mm_runs(a.device.type):
         return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
     return ((a.float() @ b.float().t()) * (a_inv * b_inv)).to(out_dtype)
@@ -118,7 +119,8 @@ def fp8_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.T
 def _quantize(t, dtype, column: int, groups, setting: Fp8Setting, state: Fp8State | None, record: bool):
     """Tensorwise: from the whole tensor's amax now. Delayed: with the state's scale (its amax recorded, unreduced,
     for the update at the iteration's end; not by forwards without gradients, evaluation's)."""
-    amax = t.detach().abs().amax().float()
+    # (an expert sent no tokens holds an empty input and gradient: their amax is 0, as Transformer Engine's)
+    amax = t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
     if state is None:
         return quantize(t, dtype, _max_over(amax, groups), setting.margin)
     if record:
