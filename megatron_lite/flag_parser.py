@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8-recipe",
         default="delayed",
         choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
-        help="tensorwise: each tensor scaled from its own amax (Megatron's default, delayed, is refused)",
+        help="delayed (the default): scaled from the amax history; tensorwise: from its own; mxfp8, blockwise refused",
     )
     _bool(p, "--no-fp8-wgrad", "with --fp8-format: the weight gradients in the compute dtype")
     p.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling's margin (no effect with tensorwise)")

@@ -224,6 +224,15 @@ def test_fp8_under_every_layout_equals_one_process(tmp_path, pretrain_job, recip
         assert 1e-5 < max(moved) < 2e-2, moved
 
 
+def test_the_recipe_flag_says_which_recipes_run():
+    """--fp8-recipe's help named delayed, which runs (and is the default), as refused."""
+    from megatron_lite.flag_parser import build_parser
+
+    (action,) = [a for a in build_parser()._actions if "--fp8-recipe" in a.option_strings]
+    assert action.default == "delayed" and "refused" not in action.help.split("mxfp8")[0], action.help
+    assert "mxfp8, blockwise refused" in action.help
+
+
 def test_fp8_flags_that_change_nothing_are_said_to():
     """Megatron reads --fp8-margin and the amax history only for delayed scaling, and --fp8-interval not at all;
     without --fp8-format no fp8 flag does anything."""
