@@ -275,3 +275,39 @@ def test_fp8_delayed_moe_under_expert_parallelism_equals_one_process(tmp_path, p
             close = (1e-6, 1e-6) if i < 2 else (1e-3, 5e-2)
             assert abs(a["lm_loss"] - b["lm_loss"]) <= close[0] * a["lm_loss"], (name, a, b)
             assert abs(a["grad_norm"] - b["grad_norm"]) <= close[1] * a["grad_norm"], (name, a, b)
+
+
+def test_a_resume_with_another_amax_history_length_keeps_the_newest(tmp_path, capsys, monkeypatch):
+    """From the fp8 review: a checkpoint saved with --fp8-amax-history-len 4, resumed (or fine-tuned) without the
+    flag, was refused; Transformer Engine keeps the checkpoint's history. The run now keeps as many of its newest
+    iterations as its own length: at the next save, the second row is the checkpoint's first."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from megatron_lite.training.pretrain import main
+
+    def history(iteration: int) -> dict:
+        out = {}
+        for f in glob.glob(str(tmp_path / "ck" / f"iter_{iteration:07d}" / "tensors_r*.safetensors")):
+            out.update({k: v for k, v in load_file(f).items() if k.startswith("fp8/") and "fp8_history" in k})
+        return out
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    run = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+    run += "--global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data --vocab-size 100 "
+    run += f"--fp8-format hybrid --save {tmp_path / 'ck'} --save-interval 1"
+    assert main([*run.split(), "--train-iters", "2", "--fp8-amax-history-len", "4"]) == 0
+    assert main([*run.split(), "--train-iters", "3", "--load", str(tmp_path / "ck")]) == 0
+    before, after = history(2), history(3)
+    assert len(before) == len(after) == 8  # (2 layers x 4 linears)
+    for key, old in before.items():
+        assert old.shape == (4, 3) and after[key].shape == (1, 3)
+    # (length 1: the newest only, iteration 3's own; so resume once more at length 2 to see the carried row)
+    assert (
+        main([*run.split(), "--train-iters", "4", "--load", str(tmp_path / "ck"), "--fp8-amax-history-len", "2"]) == 0
+    )
+    for key, row in history(3).items():
+        assert torch.equal(history(4)[key][1], row[0]), key
+    capsys.readouterr()

@@ -540,12 +540,11 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
     for gname, t, expert in fp8_state_tensors(model):  # (a checkpoint without them: delayed scaling starts afresh)
         if (stored := (reader.index.get(f"fp8/{gname}") or {}).get("shape")) is None:
             continue
-        if list(stored) != list(t.shape):
-            raise ConfigError(
-                f"{path}: {gname} holds {stored[0]} iterations of fp8 amax history; this run keeps "
-                f"{t.shape[0]}: give --fp8-amax-history-len {stored[0]}"
-            )
-        reader.fill(f"fp8/{gname}", t, local_pieces(tuple(t.shape), REPLICATED[expert]))
+        full = torch.zeros(stored, dtype=t.dtype, device=t.device)
+        reader.fill(f"fp8/{gname}", full, local_pieces(tuple(stored), REPLICATED[expert]))
+        with torch.no_grad():  # (another --fp8-amax-history-len: its newest iterations, as many as it keeps)
+            t.zero_()
+            t[: min(len(t), len(full))] = full[: len(t)]
     values = {}
     for name, p, pmeta in named_param_meta(model) if with_optim else ():
         if not optimizer.holds(p):
