@@ -216,6 +216,8 @@ def test_fp8_under_every_layout_equals_one_process(tmp_path, pretrain_job, recip
             close = (1e-6, 1e-6) if i < 2 else (1e-3, 5e-2)
             assert abs(a["lm_loss"] - b["lm_loss"]) <= close[0] * a["lm_loss"], (name, a, b)
             assert abs(a["grad_norm"] - b["grad_norm"]) <= close[1] * a["grad_norm"], (name, a, b)
+    if recipe == "delayed":  # (the bf16 layers and the run without fp8 do not depend on the recipe: once)
+        return
     ends, out = run("ends", 1, [*args, "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"])
     assert "the linears of layers 1-1, 4 on this rank" in out
     plain, _ = run("plain", 1, ARGS[: ARGS.index("--fp8-format")])
