@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
+from megatron_lite.data.config import TOKENIZER_FIELDS
 
 SHARDING = (
     "use_distributed_optimizer",
@@ -81,16 +82,7 @@ FINETUNE_KEEPS = (
     "moe_router_group_topk",
     "moe_router_topk_scaling_factor",
     "moe_layer_freq",
-    "tokenizer_type",
-    "tokenizer_model",
-    "vocab_file",
-    "merge_file",
-    "vocab_size",
-    "tiktoken_pattern",
-    "tiktoken_num_special_tokens",
-    "tiktoken_special_tokens",
-    "tokenizer_special_tokens",
-    "legacy_tokenizer",
+    *TOKENIZER_FIELDS,
     "lora_rank",
     "lora_alpha",
     "lora_dropout",
