@@ -292,6 +292,9 @@ def test_preprocess_pretrain_and_generate_with_a_tiktokenizer(tmp_path, capsys, 
         assert theirs(text, add_special_tokens=False).input_ids == ids, text
         assert theirs.decode(ids) == b"".join(ranks[i - 1000] for i in ids).decode("utf-8", "replace")
     assert theirs.decode([1, *theirs(" hi", add_special_tokens=False).input_ids, 2]) == "<s> hi</s>"
+    # (transformers 4.x cleaned " ." to "." when decoding unless the tokenizer says not to; the review's finding)
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
+    assert theirs.decode(theirs(" a . b , c ?", add_special_tokens=False).input_ids) == " a . b , c ?"
 
 
 def test_lone_surrogates_are_read_as_tiktoken_reads_them(tmp_path):

@@ -229,8 +229,9 @@ class TikTokenizer:
         ]  # fmt: skip
         with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
             json.dump(spec, f, ensure_ascii=False)
+        # (clean_up_tokenization_spaces false: transformers 4.x cleaned " ." to "." when decoding by default)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
-                  "eos_token": "</s>"}  # fmt: skip
+                  "eos_token": "</s>", "clean_up_tokenization_spaces": False}  # fmt: skip
         with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
         return True
