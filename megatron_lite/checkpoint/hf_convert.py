@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import types
 from typing import Any
 
@@ -56,12 +55,14 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     copy_side_files,
     read_hf_tensors,
     shards,
+    tiktoken_side_files,
     write_hf_dir,
 )
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
-from megatron_lite.data.config import TOKENIZER_FIELDS, DataConfig
+from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
+from megatron_lite.data.tokenizers import tokenizer_from_saved
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
@@ -526,20 +527,10 @@ def megatron_lite_to_peft(
         )
 
 
-def _tokenizer_fields(data: dict) -> dict:
-    """A checkpoint's tokenizer settings as DataConfig's keywords (those it did not record: their defaults)."""
-    out = {k: data[k] for k in TOKENIZER_FIELDS if data.get(k) is not None}
-    if "tiktoken_special_tokens" in out:
-        out["tiktoken_special_tokens"] = tuple(out["tiktoken_special_tokens"])
-    return out
-
-
 def _token_ids(data: dict) -> dict:
     """config.json's bos/eos ids for the tokenizer a model was trained with (its EOD ends generation)."""
-    from megatron_lite.data.tokenizers import tokenizer_from_flags
-
     try:
-        tok = tokenizer_from_flags(DataConfig(**_tokenizer_fields(data)))
+        tok = tokenizer_from_saved(data)
     except (ConfigError, ValueError, OSError):
         return {}
     return {"bos_token_id": getattr(tok, "bos", None), "eos_token_id": getattr(tok, "eod", None)}
@@ -580,24 +571,10 @@ def megatron_lite_to_hf(
         data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": build_embedded_corpus(log=log)[1]}
         log(f"tokenizer: the embedded corpus's, {data['tokenizer_model']} (the job trained on that corpus)")
     tok = data.get("tokenizer_model")
-    made = tempfile.mkdtemp(prefix="tiktoken-hf-") if data.get("tokenizer_type") == "TikTokenizer" else None
-    if made is not None:  # (a rank list has no Hugging Face files beside it: they are made from it)
-        from megatron_lite.data.tokenizers import tokenizer_from_flags
-
-        try:
-            written = tokenizer_from_flags(DataConfig(**_tokenizer_fields(data))).hf_files(made)
-            why = "one of its ranks is the text of a special token"
-        except (ConfigError, ValueError, OSError) as e:
-            written, why = False, str(e)
-        # (none of a converted model's own tokenizer files: one of them beside these, its special_tokens_map.json
-        # say, would name tokens this vocabulary lacks, which transformers adds at new ids)
-        side_from = [(d, tuple(n for n in names if n not in TOKENIZER_FILES)) for d, names in side_from]
-        if written:
-            side_from.insert(0, (made, TOKENIZER_FILES))  # (the tokenizer it was trained with)
-            log(f"tokenizer: {tok} (TikTokenizer), written as a Hugging Face tokenizer.json")
-        else:
-            log(f"note: the export has no tokenizer files: the TikTokenizer {tok} cannot be written as one ({why})")
-        base = base or _token_ids(data)
+    made = None
+    if data.get("tokenizer_type") == "TikTokenizer":
+        made, side_from, ids = tiktoken_side_files(lambda: tokenizer_from_saved(data), tok, side_from, log)
+        base = base or ids
     elif tok and os.path.isfile(tok):  # (its tokenizer files only: the directory may be another model's)
         side_from.append((os.path.dirname(tok), TOKENIZER_FILES))
         if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens

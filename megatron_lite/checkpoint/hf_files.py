@@ -174,3 +174,29 @@ def write_hf_dir(
             os.replace(os.path.join(tmp, f), os.path.join(path, f))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiktoken_side_files(build, tok: str, side_from: list, log) -> tuple[str, list, dict]:
+    """An export's tokenizer files made from the TikTokenizer `build()` gives (its rank list `tok` has no Hugging
+    Face files beside it) in a new temporary directory: (that directory, for the caller to remove once written;
+    `side_from` with it first and without a converted model's own tokenizer files; config.json's bos/eos ids, {}
+    where the tokenizer cannot be read)."""
+    import tempfile
+
+    made = tempfile.mkdtemp(prefix="tiktoken-hf-")
+    try:
+        tokenizer = build()
+        written = tokenizer.hf_files(made)
+        ids = {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eod}
+        why = "one of its ranks is the text of a special token"
+    except (ConfigError, ValueError, OSError) as e:
+        written, why, ids = False, str(e), {}
+    # (none of a converted model's own tokenizer files: one of them beside these, its special_tokens_map.json say,
+    # would name tokens this vocabulary lacks, which transformers adds at new ids)
+    side_from = [(d, tuple(n for n in names if n not in TOKENIZER_FILES)) for d, names in side_from]
+    if written:
+        side_from.insert(0, (made, TOKENIZER_FILES))  # (the tokenizer it was trained with)
+        log(f"tokenizer: {tok} (TikTokenizer), written as a Hugging Face tokenizer.json")
+    else:
+        log(f"note: the export has no tokenizer files: the TikTokenizer {tok} cannot be written as one ({why})")
+    return made, side_from, ids

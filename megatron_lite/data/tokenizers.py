@@ -325,3 +325,14 @@ def tokenizer_from_flags(flags):
         tokenizer_special_tokens=getattr(flags, "tokenizer_special_tokens", None),
         legacy_tokenizer=bool(getattr(flags, "legacy_tokenizer", False)),
     )
+
+
+def tokenizer_from_saved(data: dict):
+    """The tokenizer a checkpoint's recorded data settings name (settings it did not record: their defaults)."""
+    from megatron_lite.data.config import TOKENIZER_FIELDS, DataConfig
+
+    fields = {k: data[k] for k in TOKENIZER_FIELDS if data.get(k) is not None}
+    for k in ("tiktoken_special_tokens", "tokenizer_special_tokens"):  # (JSON lists, DataConfig's tuples)
+        if k in fields:
+            fields[k] = tuple(fields[k])
+    return tokenizer_from_flags(DataConfig(**fields))
