@@ -145,6 +145,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
         out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
         out["rope_scaling_params"] = m["rope_scaling"]
     out["window_size"] = m.get("sliding_window")
+    out["window_attn_skip_freq"] = m.get("window_attn_skip_freq")  # (absent from older checkpoints)
+    out["softmax_type"] = m.get("softmax_type", "vanilla")
     out["disable_bias_linear"] = not m["add_bias_linear"]
     out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})
     out.update(

@@ -108,6 +108,13 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     # Sliding-window attention (Mistral): each token sees the last `sliding_window` tokens, itself included.
     sliding_window: int | None = None
+    # Megatron's --window-attn-skip-freq: which layers the window applies to. N: every Nth layer (1-based: N, 2N,
+    # ...) attends to the whole sequence, the others window (gpt-oss: 2); or a 0/1 pattern per layer, 1 = window
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    # Megatron's --softmax-type: vanilla | off-by-one (a zero logit beside each query's keys: softmax_1) |
+    # learnable (a learned logit per head, gpt-oss's attention sinks); the extra column takes probability and
+    # adds no value
+    softmax_type: str = "vanilla"
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Qwen2: bias on QKV only
     # Megatron's --qk-layernorm (Qwen3, OLMo-2 style per head): each query and key head is normalised over
@@ -285,6 +292,9 @@ class ModelConfig:
             raise ConfigError(f"RoPE scaling type {self.rope_scaling.rope_type!r} is not supported; llama3 or yarn")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"--window-size gives a sliding window of {self.sliding_window} tokens; it must be >= 1")
+        from megatron_lite.models.attention_variants import validate_attention_variants
+
+        validate_attention_variants(self)
         for flag, p in (
             ("--hidden-dropout", self.hidden_dropout),
             ("--attention-dropout", self.attention_dropout),
@@ -308,6 +318,16 @@ class ModelConfig:
     @property
     def moe_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based; the multi-token-prediction layers follow the decoder's,
+        numbered on as Megatron numbers them), or None where it attends to the whole sequence."""
+        freq = self.window_attn_skip_freq
+        if self.sliding_window is None or freq is None:
+            return self.sliding_window
+        if isinstance(freq, int):
+            return self.sliding_window if (layer + 1) % freq else None  # (Megatron's is_layer_window_attention)
+        return self.sliding_window if freq[min(layer, self.num_layers - 1)] else None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Layers num_layers.. are the multi-token-prediction layers: the kind of the last decoder layer."""

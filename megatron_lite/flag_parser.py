@@ -129,6 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="sliding-window attention as (left, right) like Megatron/Transformer Engine, e.g. 4095,0: each "
         "token sees itself and the 4095 before it (Mistral's sliding_window 4096); right must be 0",
     )
+    m.add_argument(
+        "--window-attn-skip-freq",
+        help="which layers --window-size windows: N, every Nth layer attends fully (gpt-oss: 2); or a per-layer "
+        "pattern, 1 = window, e.g. '[1,1,1,0]*3'",
+    )
+    m.add_argument(
+        "--softmax-type",
+        default="vanilla",
+        choices=("vanilla", "off-by-one", "learnable"),
+        help="attention softmax: vanilla, off-by-one (an extra zero logit per query), learnable (a learned logit "
+        "per head: gpt-oss's attention sinks)",
+    )
     _bool(m, "--untie-embeddings-and-output-weights", "separate output layer (Llama)")
     _bool(m, "--disable-bias-linear", "no biases in linear layers (Llama)")
     _bool(m, "--add-qkv-bias", "bias on QKV only (Qwen2)")

@@ -72,9 +72,9 @@ def list_expression(text: str) -> list[int]:
     return result
 
 
-def layer_freq(text) -> int | tuple[int, ...]:
-    """Megatron's --moe-layer-freq: an integer N, or a per-layer pattern ("0,1,1", "[0,1,1]" or a list
-    expression such as "([0]*3+[1]*58)")."""
+def layer_freq(text, flag: str = "--moe-layer-freq") -> int | tuple[int, ...]:
+    """Megatron's --moe-layer-freq (and --window-attn-skip-freq, of the same type): an integer N, or a per-layer
+    pattern ("0,1,1", "[0,1,1]" or a list expression such as "([0]*3+[1]*58)")."""
     if isinstance(text, (int, tuple, list)):
         return text if isinstance(text, int) else tuple(text)
     body = str(text).strip()
@@ -85,7 +85,7 @@ def layer_freq(text) -> int | tuple[int, ...]:
             values = [int(x) for x in body.strip("[]() ").split(",") if x.strip()]
     except ValueError:
         raise ConfigError(
-            f"--moe-layer-freq {text!r} must be an integer, a comma-separated 0/1 list or a list expression such as "
+            f"{flag} {text!r} must be an integer, a comma-separated 0/1 list or a list expression such as "
             "'([0]*3+[1]*58)'"
         ) from None
     return values[0] if len(values) == 1 and not any(c in body for c in "*+[](),") else tuple(values)

@@ -418,17 +418,10 @@ REFUSED: dict[str, str] = {
         "the sigmoid gate on the shared expert's output (Qwen2-MoE's shared_expert_gate) is not implemented: the "
         "shared expert's output is added ungated"
     ),
-    "window_attn_skip_freq": (
-        "--window-size windows every layer; full-attention layers between the sliding-window ones are not implemented"
-    ),
     "no_rope_freq": "RoPE is applied in every layer; layers without it (Llama 4's NoPE layers) are not implemented",
     "qk_l2_norm": (
         "L2-normalised queries and keys (Llama 4) are not implemented; --qk-layernorm normalises them with a learned "
         "weight"
-    ),
-    "softmax_type": (
-        "the attention softmax is the vanilla one (Megatron's default): off-by-one and learnable attention sinks "
-        "(gpt-oss) are not implemented"
     ),
     "attention_output_gate": "the sigmoid gate on the attention output (Qwen3-Next) is not implemented",
     # the rest of Megatron's arguments.py (a flag-coverage review: each was "no such flag", which told a Megatron
@@ -528,7 +521,6 @@ REFUSED: dict[str, str] = {
 # Refused flags given as Megatron's default: that changes nothing, and is taken silently.
 REFUSED_DEFAULTS = {
     "cuda_graph_impl": "none",  # (no CUDA graphs)
-    "softmax_type": "vanilla",  # (the softmax there is)
     "cpu_offloading_num_layers": "0",
     "vocab_extra_ids": "0",
     "glu_linear_offset": "0",

@@ -130,6 +130,8 @@ CONFIGS = {
     "qwen3": qwen3_config,
     "nemotron": nemotron_config,
     "deepseek": deepseek_config,
+    # gpt-oss's attention: learned sinks (--softmax-type learnable) and a window on every other layer
+    "sinks": lambda **kw: llama_config(softmax_type="learnable", sliding_window=5, window_attn_skip_freq=2, **kw),
     # with the auxiliary and z losses in play (a coefficient of 0 leaves their scaling untested)
     "deepseekaux": lambda **kw: deepseek_config(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **kw),
 }

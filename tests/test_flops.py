@@ -71,6 +71,18 @@ def test_a_sliding_window_counts_the_scores_it_computes(window):
     assert flops_per_token(c, s, causal=False) - flops_per_token(c, s) == pytest.approx(per_key * keys, rel=1e-12)
 
 
+@pytest.mark.parametrize("freq, windowed", [(2, 2), (4, 3), ((0, 0, 1, 0), 1)])
+def test_layers_spared_the_window_count_the_whole_sequence(freq, windowed):
+    """--window-attn-skip-freq: the layers without a window count s / 2 keys per query, the windowed ones what the
+    window keeps (Megatron's gpt-oss FLOPs formula likewise counts each layer's own attention)."""
+    s, w = 32, 5
+    c = llama_config(num_layers=4, sliding_window=w, window_attn_skip_freq=freq)
+    keys = w - w * w / (2 * s)  # (the window's pairs, as the test above counts them)
+    per_key = 3 * 4 * c.num_attention_heads * c.head_dim  # one layer's q.k^T and p.v, forward + backward
+    unwindowed = flops_per_token(llama_config(num_layers=4), s)
+    assert flops_per_token(c, s) == pytest.approx(unwindowed - windowed * per_key * (s / 2 - keys), rel=1e-12)
+
+
 @pytest.mark.parametrize("mtp", [0, 2])
 def test_mla_and_moe_count_the_work_each_token_does(mtp):
     """DeepSeek-shaped (multi-latent attention, MoE with top-2 of 4 experts and a shared expert): 6 N_active +

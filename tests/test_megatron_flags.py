@@ -188,10 +188,8 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
             ],
             "--moe-shared-expert-gate is not supported: the sigmoid gate on the shared",
         ),
-        (["--window-size", "3,0", "--window-attn-skip-freq", "4"], "--window-attn-skip-freq is not supported"),
         (["--position-embedding-type", "rope", "--no-rope-freq", "4"], "--no-rope-freq is not supported: RoPE is"),
         (["--qk-l2-norm"], "--qk-l2-norm is not supported: L2-normalised queries and keys"),
-        (["--softmax-type", "off-by-one"], "--softmax-type is not supported: the attention softmax is the vanilla"),
         (["--attention-output-gate"], "--attention-output-gate is not supported: the sigmoid gate on the attention"),
         # (Megatron's DeepSeek-V3 configs: argparse's "invalid choice" came first and hid the reason)
         (

@@ -157,3 +157,13 @@ def test_newer_architectures_train_like_one_process(dist, name, layout):
     ref = train_run(name, ParallelConfig(), gbs, gbs)
     for rank_history in dist(world, train_run, name, parallel, gbs, mbs):
         _compare(rank_history, ref)
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp-dp2", "tp2-pp2"])
+def test_attention_sinks_and_skipped_windows_train_like_one_process(dist, layout):
+    """gpt-oss's attention (a learned softmax offset per head, split over TP with the heads; a sliding window on
+    every other layer) under tensor, sequence, data and pipeline parallelism."""
+    world, parallel, gbs, mbs = QK_LAYOUTS[layout]
+    ref = train_run("sinks", ParallelConfig(), gbs, gbs)
+    for rank_history in dist(world, train_run, "sinks", parallel, gbs, mbs):
+        _compare(rank_history, ref)

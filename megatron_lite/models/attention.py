@@ -12,10 +12,13 @@ from torch import nn
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel.attention import IMPLEMENTATIONS as CP_ATTENTION
+from megatron_lite.models.attention_variants import attention_with_offset, flash_attention_with_offset
 from megatron_lite.models.norms import build_norm
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint
+from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
 def qkv_output_size(config: ModelConfig) -> int:
@@ -57,13 +60,25 @@ class CoreAttention(nn.Module):
     (seq_k > seq_q with a KV cache). The heads here are this rank's shard, so attention dropout draws from
     the per-TP-rank generator."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, layer_number: int = 0, device=None) -> None:
         super().__init__()
         self.dropout = config.attention_dropout
         self.scale = config.softmax_scale
         self.rng = ctx.rng
         self.triton = config.kernel_impl == "triton"
-        self.window = config.sliding_window
+        self.window = config.layer_window(layer_number)  # (--window-attn-skip-freq: some layers attend fully)
+        # --softmax-type: an extra logit per head beside the scores (models/attention_variants.py); this rank's
+        # heads' offsets, in fp32 as the softmax
+        heads = config.num_attention_heads // ctx.tp.size
+        if config.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(heads, device=device, dtype=torch.float32))
+            spec = ShardSpec.even(0, config.num_attention_heads, ctx.tp.size)
+            meta = ParamMeta(("normal", config.init_method_std), spec, ctx.tp.rank)  # (Megatron's init_method)
+            set_param_meta(self, "softmax_offset", meta)
+        elif config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, device=device), persistent=False)
+        else:
+            self.softmax_offset = None
         # Context parallelism: this rank holds a (zigzag) part of the sequence; attention over the whole of
         # it is a parallel layer that communicates over the CP group.
         self.cp = ctx.cp if ctx.cp.size > 1 else None
@@ -88,6 +103,8 @@ class CoreAttention(nn.Module):
             # decoding past the window: the keys no query of this step sees are not read (nor expanded, nor masked)
             k, v = k[:, sk - (s + self.window - 1) :], v[:, sk - (s + self.window - 1) :]
             sk = k.shape[1]
+        if self.softmax_offset is not None:
+            return self._with_offset(q, k, v, documents, p).reshape(b, s, -1)
         if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
             out = K.flash_attention(
                 q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window, document_ids=documents
@@ -118,6 +135,18 @@ class CoreAttention(nn.Module):
                 scale=self.scale,
             )
         return out.transpose(1, 2)[..., :dv].reshape(b, s, -1)
+
+    def _with_offset(self, q, k, v, documents, p: float) -> torch.Tensor:
+        if self.triton and p == 0.0:
+            return flash_attention_with_offset(q, k, v, self.softmax_offset, self.scale, self.window, documents)
+        s, sk = q.shape[1], k.shape[1]
+        visible = attention_mask(s, sk, self.window, q.device)
+        if visible is None:
+            visible = torch.ones(s, sk, dtype=torch.bool, device=q.device).tril()
+        if documents is not None:
+            visible = document_mask(documents) & visible
+        with self.rng.fork() if p > 0 else contextlib.nullcontext():
+            return attention_with_offset(q, k, v, self.softmax_offset, self.scale, visible, p)
 
     def _decode_grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention on a KV cache, without expanding it: each key/value head's query heads become
@@ -166,7 +195,7 @@ class SelfAttention(nn.Module):
             self.k_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.core_attention = CoreAttention(config, ctx)
+        self.core_attention = CoreAttention(config, ctx, layer_number, device)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim,
             config.hidden_size,

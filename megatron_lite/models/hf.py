@@ -289,6 +289,10 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         if c.rotary_interleaved
         else []
     )
+    if c.softmax_type != "vanilla":
+        problems.append(f"attention sinks (--softmax-type {c.softmax_type})")
+    if c.sliding_window and any(c.layer_window(i) is None for i in range(c.num_layers)):
+        problems.append("full-attention layers between the windowed ones (--window-attn-skip-freq)")
     if arch in DEEPSEEK:
         problems += hf_deepseek.export_problems(c, arch)
     elif arch == "GPT2LMHeadModel":

@@ -79,7 +79,7 @@ class MultiLatentAttention(nn.Module):
         )
         kv_out = heads * (config.qk_head_dim + config.v_head_dim)  # per head: [k without position, v]
         self.linear_kv_up_proj = ColumnParallelLinear(config.kv_lora_rank, kv_out, **latent_in)
-        self.core_attention = CoreAttention(config, ctx)
+        self.core_attention = CoreAttention(config, ctx, layer_number, device)
         self.linear_proj = RowParallelLinear(
             heads * config.v_head_dim,
             hidden,

@@ -255,8 +255,9 @@ def step_time(
             mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m, f / tp, h, a, cl, eff)
         # causal attention over the whole sequence (this rank's queries see all earlier keys)
         core = 2 * m * seq_length * core_q / tp / (g.peak_flops * eff.attention)
-        if model.sliding_window:
-            core *= min(1.0, 2 * model.sliding_window / seq_length)
+        if model.sliding_window:  # (the windowed share of the layers: --window-attn-skip-freq spares some)
+            windowed = sum(model.layer_window(i) is not None for i in range(model.num_layers)) / model.num_layers
+            core *= 1.0 - windowed * (1.0 - min(1.0, 2 * model.sliding_window / seq_length))
         elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
         return attn, mlp, core, elem
 

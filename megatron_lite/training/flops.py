@@ -84,12 +84,12 @@ def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, f
     weights get no gradient, so their backward is the input gradient alone (2x the forward, not 3x); attention's
     q.k^T and p.v, which have no weights, stay 3x (the adapters' own few FLOPs are not counted)."""
     h, depths = config.hidden_size, config.mtp_num_layers
-    keys = _keys_per_query(seq_length, config.sliding_window)
-    keys = keys if causal else 2 * keys
     n = config.num_layers + depths
-    layers = sum(_attention_flops(config, keys) + _mlp_flops(config, i) for i in range(n))
+    # (each layer's own window: --window-attn-skip-freq leaves some layers attending to the whole sequence)
+    keys = [_keys_per_query(seq_length, config.layer_window(i)) * (1 if causal else 2) for i in range(n)]
+    layers = sum(_attention_flops(config, keys[i]) + _mlp_flops(config, i) for i in range(n))
     forward = layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size
-    return 2.0 * forward + n * _core_attention_flops(config, keys) if frozen else 3.0 * forward
+    return 2.0 * forward + sum(_core_attention_flops(config, x) for x in keys) if frozen else 3.0 * forward
 
 
 def peak_flops(device: torch.device, low_precision: bool) -> float | None:

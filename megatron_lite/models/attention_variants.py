@@ -1,0 +1,94 @@
+"""Megatron's attention variants beyond the plain causal softmax: windows on some layers only
+(--window-attn-skip-freq) and a softmax with an extra logit per head (--softmax-type).
+
+The softmax offset (Megatron-Core's softmax_offset, gpt-oss's attention sinks) is one more column beside each
+query's scores: p_j = exp(s_j) / (exp(offset) + sum_i exp(s_i)). It takes probability and adds no value, so a
+query may attend to nothing. off-by-one fixes the offset at 0 (softmax_1); learnable learns one per head.
+
+Through the flash kernel it costs nothing extra: with lse = log sum_i exp(s_i), the output with the offset is the
+plain output times exp(lse) / (exp(lse) + exp(offset)) = sigmoid(lse - offset), and autograd carries the gradient
+through lse into the kernel's backward (its dlse input) and into the offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def validate_attention_variants(config) -> None:
+    """The ModelConfig settings of --window-attn-skip-freq and --softmax-type, each refusal one line."""
+    from megatron_lite.config import ConfigError
+
+    if config.softmax_type not in SOFTMAX_TYPES:
+        raise ConfigError(f"--softmax-type {config.softmax_type} is not one of {', '.join(SOFTMAX_TYPES)}")
+    freq = config.window_attn_skip_freq
+    if freq is None:
+        return
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConfigError(f"--window-attn-skip-freq {freq} must be >= 1 (every Nth layer attends fully)")
+        return
+    if not set(freq) <= {0, 1}:
+        raise ConfigError(f"--window-attn-skip-freq pattern {list(freq)} may hold only 0 (full) and 1 (window)")
+    if len(freq) != config.num_layers:
+        raise ConfigError(
+            f"--window-attn-skip-freq pattern has {len(freq)} entries for --num-layers {config.num_layers}; give "
+            "one per layer"
+        )
+    if config.mtp_num_layers:
+        raise ConfigError(
+            "--window-attn-skip-freq as a pattern with --mtp-num-layers is not supported (the pattern covers the "
+            "decoder's layers, not the prediction layers after them; Megatron fails on it too); give an integer"
+        )
+
+
+def flash_attention_with_offset(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offset: torch.Tensor,
+    scale: float | None,
+    window: int | None,
+    documents: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention with a softmax offset per head through our flash kernel. q [b, s, heads, d], k and v
+    [b, sk, kv_heads, d(v)], offset [heads] -> [b, s, heads, dv]."""
+    from megatron_lite import kernels as K
+
+    o, lse = K.flash_attention(
+        q, k, v, causal=True, softmax_scale=scale, return_lse=True, window_size=window, document_ids=documents
+    )
+    keep = torch.sigmoid(lse - offset.float().view(1, -1, 1))  # [b, heads, s]
+    return o * keep.transpose(1, 2).unsqueeze(-1).to(o.dtype)
+
+
+def attention_with_offset(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offset: torch.Tensor,
+    scale: float | None,
+    visible: torch.Tensor,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """The same in plain PyTorch (--kernel-impl torch, and attention dropout), as Megatron-Core's unfused
+    SoftmaxOne: the scores in fp32 with the offset column appended, softmax, the column dropped, dropout on the
+    probabilities. `visible` [seq_q, seq_k] or [b, 1, seq_q, seq_k]: True where a query sees a key. Memory is
+    O(seq^2) per head, as any unfused attention's. Dropout draws from the current generator (the caller forks
+    the per-rank one)."""
+    b, s, heads, d = q.shape
+    kv_heads = k.shape[2]
+    rep = heads // kv_heads
+    qh = q.transpose(1, 2).float()
+    kh = k.transpose(1, 2).float().repeat_interleave(rep, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * (scale if scale is not None else d**-0.5)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    column = offset.float().view(1, heads, 1, 1).expand(b, heads, s, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p, training=True)
+    return torch.matmul(probs.to(v.dtype), vh).transpose(1, 2)
