@@ -223,11 +223,11 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
             f"--window-size with --cp-comm-type {parallel.cp_comm_type} is not supported: a sliding window runs under "
             "--cp-comm-type a2a or allgather (as Transformer Engine's), which attend over the whole sequence"
         )
-    if model.softmax_type != "vanilla":
+    if model.softmax_type != "vanilla" and parallel.cp_comm_type not in ("a2a", "allgather"):
         raise ConfigError(
-            f"--softmax-type {model.softmax_type} with --context-parallel-size {cp} is not supported yet (the "
-            "offset applies to each query's whole row, which context-parallel attention merges from parts); use "
-            "--context-parallel-size 1"
+            f"--softmax-type {model.softmax_type} with --cp-comm-type {parallel.cp_comm_type} is not supported yet "
+            "(the offset applies to each query's whole row, which the ring merges from parts); use --cp-comm-type "
+            "a2a or allgather, which attend over the whole sequence"
         )
     if model.attention_dropout > 0:
         raise ConfigError(

@@ -159,11 +159,20 @@ def test_newer_architectures_train_like_one_process(dist, name, layout):
         _compare(rank_history, ref)
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp-dp2", "tp2-pp2"])
+SINK_LAYOUTS = {
+    "tp2-sp-dp2": QK_LAYOUTS["tp2-sp-dp2"],
+    "tp2-pp2": QK_LAYOUTS["tp2-pp2"],
+    # (heads split over CP after the all-to-all: each rank takes its heads' offsets)
+    "tp2-cp2-a2a": (4, ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2, cp_comm_type="a2a"), 4, 2),
+    "cp2-allgather": (2, ParallelConfig(context_parallel_size=2, cp_comm_type="allgather"), 4, 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(SINK_LAYOUTS))
 def test_attention_sinks_and_skipped_windows_train_like_one_process(dist, layout):
     """gpt-oss's attention (a learned softmax offset per head, split over TP with the heads; a sliding window on
-    every other layer) under tensor, sequence, data and pipeline parallelism."""
-    world, parallel, gbs, mbs = QK_LAYOUTS[layout]
+    every other layer) under tensor, sequence, data, pipeline and context parallelism."""
+    world, parallel, gbs, mbs = SINK_LAYOUTS[layout]
     ref = train_run("sinks", ParallelConfig(), gbs, gbs)
     for rank_history in dist(world, train_run, "sinks", parallel, gbs, mbs):
         _compare(rank_history, ref)

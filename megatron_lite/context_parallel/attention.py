@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_lite import kernels as K
 from megatron_lite.context_parallel.zigzag import gathered_positions, zigzag_positions
+from megatron_lite.models.attention_variants import with_offset
 from megatron_lite.parallel_context import Group
 from megatron_lite.ring import ring_exchange, wait
 from megatron_lite.tensor_parallel.mappings import all_gather_dim0, reduce_scatter_dim0
@@ -73,10 +74,15 @@ class _ReferenceAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _attention(q, k, v, causal: bool, scale: float, triton: bool, documents=None, window=None):
+def _attention(q, k, v, causal: bool, scale: float, triton: bool, documents=None, window=None, offset=None):
     """Differentiable attention on one rank: the flash kernel, or the PyTorch reference without stored
     probabilities. `documents` [batch, seq_k]: document ids of the keys (the queries are the last positions);
-    `window`: a sliding window over the keys before each query (bottom-right aligned, as the causal mask)."""
+    `window`: a sliding window over the keys before each query (bottom-right aligned, as the causal mask);
+    `offset` [heads]: --softmax-type's extra logit per head (the PyTorch reference then keeps its probabilities)."""
+    if offset is not None:
+        fn = K.flash_attention if triton else K.flash_attention_reference
+        o, lse = fn(q, k, v, causal, scale, True, window_size=window, document_ids=documents)
+        return with_offset(o, lse, offset)
     if triton:
         return K.flash_attention(q, k, v, causal, scale, window_size=window, document_ids=documents)
     return _ReferenceAttention.apply(q, k, v, causal, scale, documents, window)
@@ -252,18 +258,21 @@ def a2a_attention(
     triton: bool = False,
     document_ids=None,
     window_size: int | None = None,
+    offset=None,
 ):
     """Sequence-sharded -> head-sharded, attention over the whole sequence (put back in natural order), and
     back. Query heads must divide by the group size; key/value heads that do not are repeated to one per
     query head first. `document_ids`: the whole sequence's, in natural order; `window_size`: a sliding window
-    (the whole sequence is in order, so it is the one-device window)."""
+    (the whole sequence is in order, so it is the one-device window); `offset`: the local heads' softmax
+    offsets (each rank takes those of the heads it attends for)."""
     cp = group.size
     b, s, h, d = q.shape
     q, k, v = _to_head_shards(q, k, v, group)  # [b, s * cp, heads / cp, d]
     pos = gathered_positions(s * cp, cp, q.device)
     order = torch.argsort(pos)
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
-    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton, document_ids, window_size)
+    offset = offset.view(cp, -1)[group.rank] if offset is not None else None
+    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton, document_ids, window_size, offset)
     return _AllToAll.apply(o.index_select(1, pos), group, 1, 2)  # back to zigzag order, then to our part
 
 
@@ -291,10 +300,11 @@ def allgather_attention(
     triton: bool = False,
     document_ids=None,
     window_size: int | None = None,
+    offset=None,
 ):
     """Every rank gathers the whole sequence's keys and values; each local query chunk attends to the keys
     up to its own end (bottom-right-aligned causal mask and `window_size`; with `document_ids`, the whole
-    sequence's in natural order, within its own documents)."""
+    sequence's in natural order, within its own documents; `offset`: the softmax offsets of the heads)."""
     cp, s = group.size, q.shape[1]
     c = s // 2
     pos = gathered_positions(s * cp, cp, q.device)
@@ -304,12 +314,12 @@ def allgather_attention(
     if not causal:
         if document_ids is not None or window_size is not None:
             raise ValueError("document masks and sliding windows are causal")
-        return _attention(q, k, v, False, scale, triton)
+        return _attention(q, k, v, False, scale, triton, offset=offset)
     r = group.rank
     ends = ((r + 1) * c, (2 * cp - r) * c)  # each local chunk sees the keys up to its own last position
     docs = (None, None) if document_ids is None else tuple(document_ids[:, :end] for end in ends)
     outs = [
-        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton, docs[i], window_size)
+        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton, docs[i], window_size, offset)
         for i, end in enumerate(ends)
     ]
     return torch.cat(outs, 1)

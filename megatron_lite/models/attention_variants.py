@@ -61,7 +61,13 @@ def flash_attention_with_offset(
     o, lse = K.flash_attention(
         q, k, v, causal=True, softmax_scale=scale, return_lse=True, window_size=window, document_ids=documents
     )
-    keep = torch.sigmoid(lse - offset.float().view(1, -1, 1))  # [b, heads, s]
+    return with_offset(o, lse, offset)
+
+
+def with_offset(o: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Attention's output o [b, s, heads, dv] over the keys alone, with its log-sum-exp lse [b, heads, s] -> the
+    output with the offset column in the softmax too."""
+    keep = torch.sigmoid(lse - offset.float().view(1, -1, 1))  # exp(lse) / (exp(lse) + exp(offset))
     return o * keep.transpose(1, 2).unsqueeze(-1).to(o.dtype)
 
 
