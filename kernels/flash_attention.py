@@ -70,6 +70,11 @@ if HAVE_TRITON:
     _fwd_tuned = triton.autotune(_configs(_FWD_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_fwd)
     _bwd_dkdv_tuned = triton.autotune(_configs(_DKDV_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_bwd_dkdv)
     _bwd_dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_bwd_dq)
+    # --deterministic-mode (torch.use_deterministic_algorithms): the autotuner picks by timing, so two runs could
+    # pick two tilings, which add in two orders; instead one tile per kernel from the lists above (each gave the
+    # same bits run after run), small ones (less shared memory than most there; unchecked on a GPU at head sizes
+    # above 128: tests/test_determinism.py -k gpu)
+    DETERMINISTIC_TILES = {_fwd: (64, 64, 4, 3), _bwd_dkdv: (64, 64, 4, 2), _bwd_dq: (64, 32, 4, 4)}
 
 
 # One query against the cache: the fewest rows tl.dot takes, and a long stride through the keys it reads
@@ -104,7 +109,8 @@ def forced_tile(kernel: str, tile: tuple[int, int, int, int], others: dict | Non
 
 def _kernel(plain, tuned, dtype: torch.dtype):
     """The kernel to launch and its fixed tiles: fixed small tiles when interpreting; on a GPU, fp32 (tests, not
-    training) takes one fixed tile, other dtypes the autotuned kernel (unless forced_tile says otherwise)."""
+    training) takes one fixed tile, other dtypes the autotuned kernel (unless forced_tile says otherwise) or, under
+    torch's deterministic algorithms (--deterministic-mode), DETERMINISTIC_TILES."""
     if _FORCED:
         if plain in _FORCED:
             return plain, _FORCED[plain]
@@ -114,6 +120,9 @@ def _kernel(plain, tuned, dtype: torch.dtype):
         return plain, {"BLOCK_M": _common.INTERPRETER_TILE, "BLOCK_N": _common.INTERPRETER_TILE}
     if dtype == torch.float32:
         return plain, {"BLOCK_M": 32, "BLOCK_N": 32}
+    if torch.are_deterministic_algorithms_enabled():
+        m, n, warps, stages = DETERMINISTIC_TILES[plain]
+        return plain, {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
     return tuned, {}
 
 

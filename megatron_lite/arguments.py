@@ -469,6 +469,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         dry_run=ns.dry_run,
         distributed_backend=ns.distributed_backend,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,
+        deterministic_mode=ns.deterministic_mode,
+        data_parallel_random_init=ns.data_parallel_random_init,
     )
 
 

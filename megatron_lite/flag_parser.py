@@ -288,6 +288,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--exit-interval", type=int)
     t.add_argument("--exit-duration-in-mins", type=float)
     t.add_argument("--seed", type=int, default=1234)
+    _bool(
+        t,
+        "--data-parallel-random-init",
+        "seed each data-parallel rank with --seed + 10 x its rank (Megatron's): its own dropout masks (by design, "
+        "other masks than the job without the flag, whose replicas repeat rank 0's); the weights it draws are "
+        "replaced by DP rank 0's, a run without the flag's. Without dropout a DP>1 run still equals one process",
+    )
+    _bool(
+        t,
+        "--deterministic-mode",
+        "run-to-run identical results: torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, flash attention "
+        "on fixed tiles; with NCCL, NCCL_ALGO must be Tree, Ring, CollnetDirect, CollnetChain or ^NVLS (Megatron's)",
+    )
     t.add_argument("--eval-interval", type=int, default=1000)
     t.add_argument("--eval-iters", type=int, default=100)
     _bool(t, "--skip-train", "no training: evaluate the (loaded) model on the valid and test sets, then exit")

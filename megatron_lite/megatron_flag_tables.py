@@ -409,10 +409,6 @@ REFUSED: dict[str, str] = {
     "outer_dp_sharding_strategy": "Megatron-FSDP's hybrid sharding is not implemented",
     "error_injection_rate": "megatron_lite has no re-run engine to test with injected errors",
     "error_injection_type": "megatron_lite has no re-run engine to test with injected errors",
-    "deterministic_mode": (
-        "PyTorch and the kernels are not switched to deterministic algorithms (CPU runs repeat exactly; GPU runs "
-        "are not guaranteed to)"
-    ),
     # attention and MoE-block variants of Megatron-Core 0.16 (an attention review found them "no such flag")
     "moe_shared_expert_gate": (
         "the sigmoid gate on the shared expert's output (Qwen2-MoE's shared_expert_gate) is not implemented: the "
@@ -485,7 +481,6 @@ REFUSED: dict[str, str] = {
     "dump_param_to_param_group_map": (
         "parameter-group maps are not read or written: the optimizer's groups follow weight decay and --decoupled-lr"
     ),
-    "data_parallel_random_init": "every data-parallel replica starts from the same weights (drawn from --seed)",
     "load_main_params_from_ckpt": (
         "loading the main parameters alone is not implemented: --load restores the weights and the optimizer state "
         "as saved"

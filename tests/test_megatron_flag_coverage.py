@@ -80,7 +80,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "activations are not offloaded to the CPU (0": "--cpu-offloading-num-layers",
     "skipping given iterations is not implemented": "--iterations-to-skip",
     "parameter-group maps are not read or": "--dump-param-to-param-group-map",
-    "every data-parallel replica starts from the": "--data-parallel-random-init",
     "loading the main parameters alone is not": "--load-main-params-from-ckpt",
     "use --load DIR --finetune (its weights, with": "--pretrained-checkpoint",
     "the loss is computed in fp32 from the": "--fp16-lm-cross-entropy",

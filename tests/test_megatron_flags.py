@@ -169,7 +169,6 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
     "flags, fragment",
     [
         (["--no-position-embedding"], "--no-position-embedding with --position-embedding-type learned_absolute"),
-        (["--deterministic-mode"], "--deterministic-mode is not supported"),
         (["--num-distributed-optimizer-instances", "2"], "--num-distributed-optimizer-instances 2 is not supported"),
         (["--rotary-seq-len-interpolation-factor", "4"], "--rotary-seq-len-interpolation-factor 4 is not supported"),
         # (a flag-compatibility review: these were "no such flag", which does not tell Megatron's from a typo)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import signal
 import statistics
+import time
 from collections import deque
 
 from megatron_lite.optimizer.optimizer import any_rank
@@ -87,3 +88,15 @@ class ExitSignal:
 
     def restore(self) -> None:
         signal.signal(self.signum, self._previous)
+
+
+def should_exit(t, iteration: int, job_start: float, ctx) -> bool:
+    """--exit-interval and --exit-duration-in-mins (`t`: the TrainingConfig), decided by all ranks together."""
+    if t.exit_interval and iteration % t.exit_interval == 0:
+        return True
+    return t.exit_duration_in_mins is not None and over_time(t, job_start, ctx)
+
+
+def over_time(t, job_start: float, ctx) -> bool:
+    # Every rank must take the same decision, or some would wait in the next step's collectives.
+    return any_rank((time.time() - job_start) / 60 > t.exit_duration_in_mins, ctx)

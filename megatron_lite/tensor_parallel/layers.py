@@ -186,6 +186,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def _indexed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight[ids]
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows across TP. Each rank looks up the ids in its range
     (zeros elsewhere) and the partial results are summed across TP; with `reduce_scatter_embeddings`
@@ -219,12 +223,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.t()
+        # --deterministic-mode (torch's deterministic algorithms): indexing, as Megatron-Core's deterministic_mode
+        # does ("F.embedding currently has a non-deterministic backward"): its backward is index_put_ with
+        # accumulation, which torch then sums in a fixed order
+        lookup = _indexed if torch.are_deterministic_algorithms_enabled() else F.embedding
         if self.tp.size > 1:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = lookup(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(ids, self.weight)
+            out = lookup(ids, self.weight)
         if self.reduce_scatter_embeddings:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp)
         return reduce_from_tensor_model_parallel_region(out, self.tp)

@@ -147,6 +147,10 @@ class JobConfig:
     dry_run: bool = False
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
+    # Megatron's --deterministic-mode and --data-parallel-random-init (training/determinism.py): run-wide, as the
+    # backend (not taken over from a checkpoint: a resumed run sets them with its own flags)
+    deterministic_mode: bool = False
+    data_parallel_random_init: bool = False
 
     def __post_init__(self) -> None:
         r = self.resilience

@@ -36,15 +36,14 @@ from megatron_lite.megatron_flags import accepted_no_ops
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
-from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext, destroy_process_groups, initialize
 from megatron_lite.resilience import inject
 from megatron_lite.resilience.flight_recorder import FlightRecorder, leave
-from megatron_lite.resilience.guards import ExitSignal
+from megatron_lite.resilience.guards import ExitSignal, over_time, should_exit
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
 from megatron_lite.start_up_error import report_error
 from megatron_lite.tensor_parallel.fp8 import describe_fp8
-from megatron_lite.training import memory
+from megatron_lite.training import determinism, memory
 from megatron_lite.training.batches import Batches
 from megatron_lite.training.configs import JobConfig, check_output_paths
 from megatron_lite.training.flops import flops_per_token, peak_flops
@@ -98,6 +97,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(job.model, job.parallel, world_size, job.training)
     check_output_paths(job)
+    notes = [*notes, *determinism.enter_deterministic_mode(job, world_size)]  # (before CUDA; main restores)
     if job.training.train_samples is not None:  # sample-based: the iterations this data-parallel size makes
         job = dataclasses.replace(
             job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world_size))
@@ -155,7 +155,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if recorder is not None:  # (its watchdog would outlive the job in an in-process caller)
             recorder.uninstall()
         raise
-    ctx.seed(job.training.seed)
+    model_seed = determinism.seed_rngs(ctx, job)
     log = MetricsLogger(job, enabled=_logging_rank(ctx), world_size=ctx.world_size)
     exit_signal = ExitSignal.from_config(job.resilience)  # (before the checkpoint and data load, as Megatron)
     exit_code = 0  # W&B's run state: 1 on an exception, 3 (the process's) on a halt
@@ -184,7 +184,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
         fsdp2 = job.optimizer.use_torch_fsdp2
         # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
-        model = build_model(job.model, ctx, seed=job.training.seed, dtype=torch.float32 if fsdp2 else dtype)
+        model = build_model(job.model, ctx, seed=model_seed, dtype=torch.float32 if fsdp2 else dtype)
         if job.model.fp8 is not None:
             log.info(describe_fp8(model, job.model, ctx))
         n_params = sum(p.numel() for p in model.parameters())
@@ -201,6 +201,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 f"{n / 1e6:.3f}M trainable parameters on this rank, the base frozen"
                 + (f" ({' '.join(absent)}: no layer has a dense MLP, nothing adapted)" if absent else "")
             )
+        determinism.broadcast_params(model, ctx, job)  # (--data-parallel-random-init: DP rank 0's weights)
         ddp, optimizer = wrap_for_training(
             model,
             ctx,
@@ -345,7 +346,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 if kind == "validation":
                     state.consumed_valid_samples += gbs
                 # (Megatron's evaluate(): a time limit reached during it ends it, unlogged; the loop then exits)
-                if t.exit_duration_in_mins is not None and _over_time(t, job_start, ctx):
+                if t.exit_duration_in_mins is not None and over_time(t, job_start, ctx):
                     log.info(f"exiting during the {kind} evaluation: --exit-duration-in-mins reached")
                     model.train()
                     return False
@@ -489,7 +490,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 evaluate(valid_ds, "validation")
             if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
                 save()
-            if _should_exit(t, state, job_start, ctx):
+            if should_exit(t, state.iteration, job_start, ctx):
                 # saved and gone, as Megatron's checkpoint_and_decide_exit: no final evaluation to outlast a time limit
                 log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
                 exiting = True
@@ -543,17 +544,6 @@ def _found(ckpt_path: str | None, source) -> dict:
     return {"starting_checkpoint": ckpt_path, "data_file_sizes": files}
 
 
-def _should_exit(t, state: TrainState, job_start: float, ctx: ParallelContext) -> bool:
-    if t.exit_interval and state.iteration % t.exit_interval == 0:
-        return True
-    return t.exit_duration_in_mins is not None and _over_time(t, job_start, ctx)
-
-
-def _over_time(t, job_start: float, ctx: ParallelContext) -> bool:
-    # Every rank must take the same decision, or some would wait in the next step's collectives.
-    return any_rank((time.time() - job_start) / 60 > t.exit_duration_in_mins, ctx)
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -562,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         # a gloo group left to the interpreter's shutdown can abort the finished process (destroy_process_groups)
         destroy_process_groups()
         gc.collect()
+        determinism.leave_deterministic_mode()
 
 
 def _main(argv: list[str] | None) -> int:
