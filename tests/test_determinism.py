@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 from test_pretrain_torchrun import records
 
 from megatron_lite.training import pretrain
+
+GPU = torch.cuda.is_available()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
@@ -218,3 +224,59 @@ def test_data_parallel_random_init_without_dropout_is_the_one_process_run_and_it
     out = pretrain_job(1, [*argv, "--train-iters", "6", "--load", ckpt, "--log-jsonl", str(tmp_path / "more.jsonl")])
     assert "loaded" in out and "iteration 4" in out
     assert [r["iteration"] for r in records(tmp_path / "more.jsonl")] == [5, 6]
+
+
+@pytest.mark.skipif(not GPU, reason="a GPU check (tools/device_checks.sh runs it)")
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (192, 128)])  # (192 / 128: MLA's query-key / value dims)
+def test_gpu_flash_attention_on_its_deterministic_tiles_repeats_and_is_right(d, dv):
+    """bf16 on a GPU, under torch's deterministic algorithms: the fixed tiles build at these head sizes, give the
+    same bits twice and attention within bf16's tolerance of the fp32 reference."""
+    import megatron_lite.kernels as K
+
+    from models import rel
+
+    b, sq, h, hkv = 2, 1000, 8, 2  # (grouped-query; a length no tile divides)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, up = (torch.randn(b, sq, n, w, generator=gen).cuda() for n, w in ((h, d), (hkv, d), (hkv, dv), (h, dv)))
+
+    def run(fn, dt):
+        leaves = [t.to(dt, copy=True).requires_grad_() for t in (q, k, v)]
+        o = fn(*leaves, causal=True)
+        o.backward(up.to(dt))
+        return [o.detach()] + [t.grad for t in leaves]
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        ours, again = run(K.flash_attention, torch.bfloat16), run(K.flash_attention, torch.bfloat16)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(ours, again)), "two runs differ"
+    ref = run(K.flash_attention_reference, torch.float32)
+    errs = {name: rel(a.float(), r) for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref)}
+    assert all(e < 2e-2 for e in errs.values()), errs  # (bf16's tolerance, as test_kernels_bf16.py argues)
+
+
+@pytest.mark.skipif(not GPU, reason="a GPU check (tools/device_checks.sh runs it)")
+def test_gpu_bf16_jobs_under_deterministic_mode_repeat_bitwise(tmp_path):
+    """Two bf16 jobs on a GPU, each in a fresh process (its own cuBLAS handle and Triton autotuner), with the Triton
+    kernels (flash attention, grouped expert GEMMs, the fused loss) and --deterministic-mode: bit-equal losses and
+    gradient norms at every iteration."""
+    flags = (
+        "--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+        "--seq-length 1024 --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
+        "--hidden-dropout 0.1 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 8 --train-iters 4 "
+        "--lr 3e-4 --bf16 --mock-data --vocab-size 32000 --log-interval 1 --eval-iters 0 --deterministic-mode"
+    ).split()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "CUBLAS_WORKSPACE_CONFIG")}
+    runs = []
+    for i in range(2):
+        log = tmp_path / f"{i}.jsonl"
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "pretrain" / "pretrain_gpt.py"), *flags, "--log-jsonl", str(log)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "--deterministic-mode: torch.use_deterministic_algorithms(True)" in out.stdout
+        runs.append([(r["lm_loss"], r["grad_norm"]) for r in records(log)])
+    assert len(runs[0]) == 4 and runs[0] == runs[1], runs

@@ -86,6 +86,9 @@ DEFAULT_KERNEL_TESTS=(tests/test_kernels_attention_tiles.py tests/test_kernels_b
               tests/test_kernels_gemm.py tests/test_kernels_moe.py tests/test_nf4.py tests/test_kernel_impl.py  # (+ bf16 greedy decoding)
               tests/test_kernels_large.py  # past 2^31 elements (~40 GB)
               tests/test_comm_timer.py  # and the exposed-communication timer's CUDA events
+              # --deterministic-mode: flash attention's fixed tiles at three head sizes; two bf16 jobs, bit-equal
+              tests/test_determinism.py::test_gpu_flash_attention_on_its_deterministic_tiles_repeats_and_is_right
+              tests/test_determinism.py::test_gpu_bf16_jobs_under_deterministic_mode_repeat_bitwise
               tests/test_fp8.py::test_gpu_fp8_linear_in_bf16_is_the_product_of_the_quantized_operands)  # _scaled_mm
 read -r -a KERNEL_TESTS <<< "${KERNEL_TESTS:-${DEFAULT_KERNEL_TESTS[*]}}"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadgroup" || echo "")  # the >2^31 tests: one worker

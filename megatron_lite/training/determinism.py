@@ -52,6 +52,7 @@ def enter_deterministic_mode(job, world_size: int) -> list[str]:
     env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if on:
         backend = job.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        on_gpu = torch.cuda.is_available() and backend != "gloo"  # (a gloo job runs on the CPU: parallel_context)
         algo = os.environ.get("NCCL_ALGO")
         if backend == "nccl" and world_size > 1 and algo not in DETERMINISTIC_NCCL_ALGOS:
             raise ConfigError(
@@ -64,7 +65,7 @@ def enter_deterministic_mode(job, world_size: int) -> list[str]:
                 f"--deterministic-mode with CUBLAS_WORKSPACE_CONFIG={env}: cuBLAS is deterministic only with "
                 f"{' or '.join(CUBLAS_WORKSPACE_CONFIGS)}; export one of them, or unset it (:4096:8 is then set)"
             )
-        if env is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if env is None and on_gpu and torch.cuda.is_initialized():
             # (cuBLAS reads it when its handle is made: too late for a caller that already ran CUDA work)
             raise ConfigError(
                 "--deterministic-mode: CUDA was started in this process before the run, without "
