@@ -72,8 +72,9 @@ if HAVE_TRITON:
     _bwd_dq_tuned = triton.autotune(_configs(_DQ_TILES), key=_TUNE_KEY, **_TUNE_OPTS)(_bwd_dq)
     # --deterministic-mode (torch.use_deterministic_algorithms): the autotuner picks by timing, so two runs could
     # pick two tilings, which add in two orders; instead one tile per kernel from the lists above (each gave the
-    # same bits run after run), small ones (less shared memory than most there; unchecked on a GPU at head sizes
-    # above 128: tests/test_determinism.py -k gpu)
+    # same bits run after run), small ones: compiled for sm_90 (Triton 3.9, on a CPU machine, 2026-12-05) they take
+    # at most 105 KB of shared memory (dK/dV at MLA's 192 / 128 head dims) of the 227 KB a program may have; their
+    # speed and bits on a GPU: tests/test_determinism.py -k gpu (run by tools/device_checks.sh)
     DETERMINISTIC_TILES = {_fwd: (64, 64, 4, 3), _bwd_dkdv: (64, 64, 4, 2), _bwd_dq: (64, 32, 4, 4)}
 
 
