@@ -34,6 +34,8 @@ RESUME_LAYOUTS = {
         "--fp8-format hybrid --fp8-amax-history-len 4 --num-experts 4 --expert-model-parallel-size 2 "
         "--moe-aux-loss-coeff 1e-2"
     ).split(),
+    # --data-parallel-random-init: each data-parallel rank's own dropout stream comes back to it
+    "dp-random-init-dp2": "--data-parallel-random-init".split(),
     # bf16 Adam moments, sharded by the distributed optimizer, saved and restored in their dtype
     "bf16-moments-dp2": (
         "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --use-distributed-optimizer"
