@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
         t,
         "--deterministic-mode",
         "run-to-run identical results: torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, flash attention "
-        "on fixed tiles; with NCCL, NCCL_ALGO must be Tree, Ring, CollnetDirect, CollnetChain or ^NVLS (Megatron's)",
+        "on fixed tiles; with NCCL over several ranks NCCL_ALGO must be Tree, Ring, CollnetDirect, CollnetChain or "
+        "^NVLS (Megatron's)",
     )
     t.add_argument("--eval-interval", type=int, default=1000)
     t.add_argument("--eval-iters", type=int, default=100)
