@@ -387,6 +387,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         reset_position_ids=ns.reset_position_ids,
         reset_attention_mask=ns.reset_attention_mask,
         sft=ns.sft,
+        full_validation=ns.full_validation,
+        multiple_validation_sets=ns.multiple_validation_sets,
     )
     checkpoint = CheckpointConfig(
         save=ns.save,

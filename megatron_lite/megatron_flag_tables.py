@@ -494,8 +494,6 @@ REFUSED: dict[str, str] = {
         "a reduce-scatter that sends bf16 and sums in fp32 is not implemented (--grad-reduce-in-bf16 reduces in "
         "bf16; without it gradients are reduced in fp32)"
     ),
-    "full_validation": "validation runs --eval-iters iterations (give enough to cover the validation set)",
-    "multiple_validation_sets": "the validation data is evaluated as one blend, with one loss",
     "padded_vocab_size": (
         "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by times the tensor-parallel size"
     ),

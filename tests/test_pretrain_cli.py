@@ -658,7 +658,7 @@ def test_a_run_length_in_either_unit_keeps_the_rest_of_the_checkpoints_run(tmp_p
 def test_validation_loss_is_per_token_over_the_whole_evaluation(tmp_path, capsys, monkeypatch):
     """With --eod-mask-loss the evaluation's batches count different numbers of tokens: the validation loss is
     their summed loss over their summed tokens (Megatron's evaluate()), not the mean of the batches' means."""
-    import megatron_lite.training.pretrain as pretrain
+    import megatron_lite.training.evaluation as evaluation
 
     prefix = str(tmp_path / "data" / "toy_text_document")
     w = IndexedDatasetWriter(prefix, vocab_size=100)
@@ -668,8 +668,8 @@ def test_validation_loss_is_per_token_over_the_whole_evaluation(tmp_path, capsys
         w.add_document(np.full(n, 99) if d % 7 == 0 else rng.integers(0, 99, size=n))
     w.finalize()
     batches = []
-    real = pretrain.eval_step
-    monkeypatch.setattr(pretrain, "eval_step", lambda *a: batches.append(real(*a)) or batches[-1])
+    real = evaluation.eval_step
+    monkeypatch.setattr(evaluation, "eval_step", lambda *a: batches.append(real(*a)) or batches[-1])
     log = tmp_path / "m.jsonl"
     argv = ["--train-iters", "1", "--eval-iters", "4", "--eval-interval", "1", "--data-path", prefix,
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--eod-mask-loss", "--split", "1,1,0",

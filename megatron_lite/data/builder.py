@@ -162,7 +162,9 @@ def check_data(source: DataSource, data: DataConfig, log=None, scan: bool = True
 def build_datasets(
     source: DataSource, data: DataConfig, num_samples: tuple[int, int, int], seq_length: int, seed: int, log=None
 ) -> tuple:
-    """(train, valid, test); a split with no samples requested is None. `log`: says what takes long."""
+    """(train, valid, test); a split with no samples requested is None. `log`: says what takes long.
+    --full-validation: the validation split is one epoch of each of its datasets, blended exhaustively (each
+    sample once); with --multiple-validation-sets it is a list, one whole dataset per --valid-data-path prefix."""
     if data.sft:
         from megatron_lite.data.sft import SFTDataset
 
@@ -183,6 +185,7 @@ def build_datasets(
     out = []
     flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
     for s, blend in enumerate(blends):
+        full = s == 1 and data.full_validation  # (one pass over the split, whatever was requested)
         # The components with documents in this split, found before sizing any: one whose split is empty
         # (a small dataset's test part) drops out and the others' shares grow to fill the split.
         live = []
@@ -194,9 +197,11 @@ def build_datasets(
                 opened[prefix] = (indexed, cache_dir, split_document_ranges(len(indexed), data.split_weights))
             indexed, cache_dir, ranges = opened[prefix]
             lo, hi = ranges[s] if by_split else (0, len(indexed))
-            if num_samples[s] == 0 or hi <= lo:
+            if (num_samples[s] == 0 and not full) or hi <= lo:
                 continue
-            if w is None and len(blend) == 1:  # one prefix without a weight: the dataset itself
+            if full:  # its samples in one epoch (Megatron's GPTDataset built without a size); weights refused
+                w = _one_epoch(indexed, (lo, hi), seq_length, flags[s] if source.per_split else "--data-path")
+            elif w is None and len(blend) == 1:  # one prefix without a weight: the dataset itself
                 w = 1.0
             elif w is None:  # prefixes without weights: Megatron weighs each by its samples in one epoch of the split
                 w = max(int(indexed.lengths[lo:hi].sum()) - 1, 0) // seq_length
@@ -215,7 +220,9 @@ def build_datasets(
         shares = normalize([w for w, *_ in live]) if live else []
         parts = []
         for (w, indexed, cache_dir, doc_range), share in zip(live, shares):
-            if not weighted:
+            if full:
+                n = w
+            elif not weighted:
                 n = num_samples[s]
             elif one_epoch:
                 n = w
@@ -239,8 +246,12 @@ def build_datasets(
                     getattr(source.tokenizer, "pad", None),
                 )
             )
-        if not parts:
+        if full and data.multiple_validation_sets:
+            out.append(parts)  # (each set alone, in --valid-data-path's order)
+        elif not parts:
             out.append(None)
+        elif full and len(parts) > 1:  # every sample of every part once (Megatron's exhaustive blend)
+            out.append(BlendedDataset(parts, [w for w, *_ in live], sum(w for w, *_ in live), live[0][2], log, True))
         elif len(parts) == 1:
             out.append(parts[0])
         else:
@@ -251,3 +262,16 @@ def build_datasets(
             weights = [w for w, *_ in live] if by_size else shares
             out.append(BlendedDataset(parts, weights, num_samples[s], live[0][2], log))
     return tuple(out)
+
+
+def _one_epoch(indexed: IndexedDataset, doc_range: tuple[int, int], seq_length: int, flag: str) -> int:
+    """The samples one epoch of these documents holds (seq_length + 1 tokens each, overlapping by one); none is
+    refused: a validation set that --full-validation could not read once would be left out without a word."""
+    lo, hi = doc_range
+    n = max(int(indexed.lengths[lo:hi].sum()) - 1, 0) // seq_length
+    if n == 0:
+        raise ConfigError(
+            f"--full-validation: {flag} {indexed.prefix}'s validation documents hold fewer than --seq-length "
+            f"{seq_length} + 1 tokens, not one sample; give it more data (or a larger validation --split)"
+        )
+    return n

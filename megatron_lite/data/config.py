@@ -95,6 +95,11 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     sft: bool = False  # --data-path is a JSONL file of prompt/response records (loss on responses only)
+    # Megatron's --full-validation: each evaluation reads every sample of the validation split once (one epoch of
+    # each of its datasets), not --eval-iters global batches; --multiple-validation-sets: with it, each prefix of
+    # --valid-data-path is a set of its own with its own loss (data/validation_sets.py)
+    full_validation: bool = False
+    multiple_validation_sets: bool = False
 
     def __post_init__(self) -> None:
         if self.tokenizer_special_tokens and self.tokenizer_type != "TikTokenizer":
@@ -129,6 +134,7 @@ class DataConfig:
             )
         if per_split and not self.train_data_path:
             raise ConfigError(f"--{per_split[0].replace('_', '-')} needs --train-data-path too")
+        self._check_validation_sets()
         for flag, paths in (
             ("--data-path", self.data_path),
             ("--train-data-path", self.train_data_path),
@@ -136,6 +142,37 @@ class DataConfig:
             ("--test-data-path", self.test_data_path),
         ):
             _check_blend(flag, paths)
+
+    def _check_validation_sets(self) -> None:
+        """--full-validation needs a validation split of known size read once; --multiple-validation-sets needs
+        --full-validation (Megatron raises NotImplementedError without it) and --valid-data-path prefixes."""
+        if self.full_validation and (self.mock_data or self.sft):
+            why = "--mock-data's samples never end" if self.mock_data else "--sft records have no validation split"
+            raise ConfigError(f"--full-validation reads the whole validation split once and {why}; drop it")
+        # (one weighted prefix of a split's own paths is that split's dataset, whole: it has its pass)
+        weighted = [
+            (flag, paths)
+            for flag, paths in (("--data-path", self.data_path), ("--valid-data-path", self.valid_data_path))
+            if paths and _blend(paths)[0][0] is not None and (flag == "--data-path" or len(_blend(paths)) > 1)
+        ]
+        if self.full_validation and weighted:
+            flag, paths = weighted[0]
+            raise ConfigError(
+                f"--full-validation with the weighted blend {flag} {' '.join(paths)}: a weighted blend has no one "
+                "pass over its samples (Megatron's builder fails on it); give the validation prefixes without "
+                "weights (blended by size), or drop --full-validation"
+            )
+        if not self.multiple_validation_sets:
+            return
+        if not self.full_validation:
+            raise ConfigError(
+                "--multiple-validation-sets needs --full-validation (as in Megatron: each set is evaluated whole)"
+            )
+        if not self.valid_data_path:
+            raise ConfigError(
+                "--multiple-validation-sets evaluates each prefix of --valid-data-path on its own: give "
+                "--train-data-path and --valid-data-path P1 P2 ..."
+            )
 
     @property
     def split_weights(self) -> tuple[float, float, float]:

@@ -331,18 +331,53 @@ def blending_indices(weights: list[float], size: int, log=None) -> tuple[np.ndar
     return dataset_index, sample_index
 
 
+def exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset, sample within it) drawing exactly sizes[k] samples from dataset k, each once, in proportion to
+    the sizes (Megatron's build_exhaustive_blending_indices, for a blend built without a size: its full
+    validation): the rule of blending_indices over the datasets not yet spent, the first on ties."""
+    total = sum(sizes)
+    w = [n / total for n in sizes]
+    counts = [0] * len(sizes)
+    unspent = [k for k, n in enumerate(sizes) if n > 0]
+    dataset_index = np.empty(total, dtype=np.int16 if len(sizes) < 2**15 else np.int64)
+    sample_index = np.empty(total, dtype=np.int64)
+    for i in range(total):
+        m = i if i > 1 else 1
+        best = max(unspent, key=lambda k: (w[k] * m - counts[k], -k))  # (the largest; the first of equals)
+        dataset_index[i], sample_index[i] = best, counts[best]
+        counts[best] += 1
+        if counts[best] == sizes[best]:
+            unspent.remove(best)
+    return dataset_index, sample_index
+
+
 class BlendedDataset:
     """Samples drawn from several datasets in proportion to their weights, deterministically (see
     blending_indices); the indices are cached in `cache_dir` (they depend on the weights and size only), as
     Megatron caches its blend's."""
 
     def __init__(
-        self, datasets: list, weights: list[float], num_samples: int, cache_dir: str | None = None, log=None
+        self,
+        datasets: list,
+        weights: list[float],
+        num_samples: int,
+        cache_dir: str | None = None,
+        log=None,
+        exhaustive: bool = False,
     ) -> None:
+        """`exhaustive`: the weights are the datasets' sizes, each sample drawn once (exhaustive_blending_indices;
+        num_samples is their sum)."""
+
+        def build():
+            if exhaustive:
+                return exhaustive_blending_indices([int(x) for x in weights])
+            return blending_indices(weights, num_samples, log)
+
         if cache_dir is None:
-            self.dataset_index, self.sample_index = blending_indices(weights, num_samples, log)
+            self.dataset_index, self.sample_index = build()
         else:
-            digest = hashlib.md5(json.dumps([[float(x) for x in weights], num_samples]).encode()).hexdigest()
+            key = [[float(x) for x in weights], num_samples] + (["exhaustive"] if exhaustive else [])
+            digest = hashlib.md5(json.dumps(key).encode()).hexdigest()
             # (two files, each its own dtype; an older cache's one stacked blend-{digest}.npy is not read)
             paths = [os.path.join(cache_dir, f"blend-{digest}-{k}.npy") for k in ("dataset", "sample")]
             with _lock_unless(paths, os.path.join(cache_dir, f"blend-{digest}.lock")):
@@ -353,7 +388,7 @@ class BlendedDataset:
                         dtype = np.int16 if len(weights) < 2**15 else np.int64
                         built = (stacked[0].astype(dtype), stacked[1])
                     else:
-                        built = blending_indices(weights, num_samples, log)
+                        built = build()
                     for p, arr in zip(paths, built):
                         _save_npy(p, arr)
             self._paths = paths

@@ -212,16 +212,18 @@ class MetricsLogger:
         self._samples = samples if samples is not None else metrics.get("consumed_samples", self._samples)
         if kind == "train":
             self.info(train_line(iteration, self.train_iters, metrics))
-        else:  # Megatron's evaluate_and_print_results, its test set's line included
-            at = f"iteration {iteration}" + (f" on {kind} set" if final else "")
-            line = f" validation loss at {at} | lm loss value: {metrics['lm_loss']:.6E} | "
+        else:  # Megatron's evaluate_and_print_results, its test set's line included ("validation-0": one of
+            # --multiple-validation-sets, its line " validation-0 loss at ...")
+            label = kind if kind.startswith("validation") else "validation"
+            at = f"iteration {iteration}" + (f" on {kind.split('-')[0]} set" if final else "")
+            line = f" {label} loss at {at} | lm loss value: {metrics['lm_loss']:.6E} | "
             line += f"lm loss PPL: {metrics['ppl']:.6E} | "
             print(f"{'-' * (len(line) + 1)}\n{line}\n{'-' * (len(line) + 1)}", flush=True)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
         if kind == "train":  # (the per-iteration metrics went out in step())
             self._emit(iteration, {k: v for k, v in metrics.items() if not _per_step(k)}, new_step=False)
-        else:  # Megatron's "lm loss validation" (its test set's too; ours apart: "lm loss test")
+        else:  # Megatron's "lm loss validation", "lm loss validation-0" (its test set's too; ours: "lm loss test")
             flat = {f"lm loss {kind}": metrics["lm_loss"], f"lm loss {kind} ppl": metrics["ppl"]}
             self._emit(iteration, flat, new_step=False, named=True)
 

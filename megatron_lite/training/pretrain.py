@@ -46,6 +46,7 @@ from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import determinism, memory
 from megatron_lite.training.batches import Batches
 from megatron_lite.training.configs import JobConfig, check_output_paths
+from megatron_lite.training.evaluation import Evaluator
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
@@ -58,7 +59,7 @@ from megatron_lite.training.resume import (
     starting_checkpoint,
 )
 from megatron_lite.training.saving import SaveFailed, finish_async_save, peer_lost, saving
-from megatron_lite.training.step import eval_step, train_step
+from megatron_lite.training.step import train_step
 from megatron_lite.training.wrap import wrap_for_training
 
 
@@ -276,10 +277,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 f"the train split holds no documents (--split {job.data.split} of --data-path, or "
                 "--train-data-path): give it some, or --skip-train to evaluate only"
             )
-        if t.eval_iters > 0:  # (evaluation was skipped without a word)
-            for ds, name, flag in (
-                (valid_ds, "validation", "--valid-data-path"),
-                (test_ds, "test", "--test-data-path"),
+        validates = t.eval_iters > 0 or job.data.full_validation  # (Megatron's do_valid)
+        if validates:  # (evaluation was skipped without a word)
+            # (the test set is read --eval-iters batches: none with --full-validation --eval-iters 0, as Megatron)
+            for ds, name, flag in [(valid_ds, "validation", "--valid-data-path")] + (
+                [(test_ds, "test", "--test-data-path")] if t.eval_iters > 0 else []
             ):
                 if ds is None and job.data.sft:
                     log.info(f"no {name} evaluation: --sft reads one set of records, all for training")
@@ -331,32 +333,12 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 )
                 log.info(f"saved {path}")
 
+        # (its time limit: every rank asks at the same point, as Megatron's evaluate())
+        timed = t.exit_duration_in_mins is not None
+        evaluator = Evaluator(job, ctx, model, ddp, optimizer, log, lambda: timed and over_time(t, job_start, ctx))
+
         def evaluate(dataset, kind: str, final: bool = False) -> bool:
-            """--eval-iters global batches of `dataset`, logged with their perplexity. As Megatron's evaluate(): the
-            validation set goes on where the last evaluation stopped (its count is saved in checkpoints), from its
-            start under --skip-train; the test set, evaluated once, from its start. False: a time limit ended it."""
-            if hasattr(optimizer, "finish_param_sync"):
-                optimizer.finish_param_sync()
-            model.eval()
-            batches = Batches(dataset, job, ctx)
-            start = state.consumed_valid_samples if kind == "validation" and not t.skip_train else 0
-            sums = []
-            for i in range(t.eval_iters):
-                sums.append(eval_step(ddp, batches.get(start + i * gbs), ctx))
-                if kind == "validation":
-                    state.consumed_valid_samples += gbs
-                # (Megatron's evaluate(): a time limit reached during it ends it, unlogged; the loop then exits)
-                if t.exit_duration_in_mins is not None and over_time(t, job_start, ctx):
-                    log.info(f"exiting during the {kind} evaluation: --exit-duration-in-mins reached")
-                    model.train()
-                    return False
-            model.train()
-            # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
-            loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
-            # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
-            log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=kind, final=final,
-                    samples=state.consumed_samples)  # fmt: skip
-            return True
+            return evaluator(state, dataset, kind, final)
 
         profiler = ProfileWindow(job.logging, ctx.rank, ctx.device.type == "cuda", log=log.info)
         if t.skip_train:
@@ -486,7 +468,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                     },
                 )
                 window = _new_window()
-            if valid_ds is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            if valid_ds is not None and validates and state.iteration % t.eval_interval == 0:
                 evaluate(valid_ds, "validation")
             if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
                 save()
@@ -508,10 +490,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             save()
         finish_async_save(saver, log)
-        if t.eval_iters > 0 and not signalled and not exiting:
+        if validates and not signalled and not exiting:
             # (also when just evaluated, as Megatron: its next batches; a time limit reached there ends both)
             in_time = valid_ds is None or evaluate(valid_ds, "validation", final=True)
-            if test_ds is not None and in_time:
+            if test_ds is not None and in_time and t.eval_iters > 0:
                 evaluate(test_ds, "test", final=True)
         log.info(f"done: iteration {state.iteration}, {time.time() - start_time:.1f} s")
         leave_together = True

@@ -1,0 +1,155 @@
+"""Megatron's --full-validation and --multiple-validation-sets: a full validation reads every sample of the
+validation split once whatever the layout, and each of several validation sets gets the loss it has alone
+(training/evaluation.py, data/builder.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+from test_pretrain_cli import _one_line_error, _run
+from test_pretrain_torchrun import records
+
+from megatron_lite.data.indexed import IndexedDatasetWriter
+
+SEQ = 16
+
+
+def _prefix(tmp_path, name: str, docs: int, seed: int) -> tuple[str, int]:
+    """An indexed dataset of `docs` random documents; with the samples one epoch of it holds, worked out from
+    its documents' lengths: seq_length + 1 tokens each, consecutive samples sharing one token."""
+    prefix = str(tmp_path / name)
+    w = IndexedDatasetWriter(prefix, vocab_size=100)
+    rng = np.random.default_rng(seed)
+    tokens = 0
+    for _ in range(docs):
+        doc = rng.integers(0, 100, size=int(rng.integers(20, 60)))
+        tokens += len(doc)
+        w.add_document(doc)
+    w.finalize()
+    return prefix, (tokens - 1) // SEQ
+
+
+def _data(tmp_path):
+    train, _ = _prefix(tmp_path, "train", 40, 0)
+    (va, na), (vb, nb) = _prefix(tmp_path, "va", 7, 1), _prefix(tmp_path, "vb", 5, 2)
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--train-data-path", train], (va, na), (vb, nb)
+
+
+def _validation(path) -> dict[str, float]:
+    """{set name: its loss} of the last evaluation of each set in a JSONL log."""
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        out.update({k: v["lm_loss"] for k, v in r.items() if k.startswith("validation")})
+    return out
+
+
+def test_full_validation_reads_each_sample_once_and_sets_get_their_own_loss(tmp_path, capsys, monkeypatch):
+    """--skip-train --full-validation: one pass over the validation split, from its first sample. Its sample
+    count is the one worked out from the documents; with --multiple-validation-sets each --valid-data-path prefix
+    logs the loss a run given that prefix alone logs, under Megatron's names (" validation-0 loss at ...",
+    "lm loss validation-0" for W&B and TensorBoard)."""
+    common, (va, na), (vb, nb) = _data(tmp_path)
+    # 3 samples a global batch: neither set is a whole number of them (17 and 13), the last batch is filled
+    common += ["--skip-train", "--eval-iters", "0", "--full-validation", "--micro-batch-size", "3",
+               "--global-batch-size", "3"]  # fmt: skip
+    assert (na, nb) == (17, 13)
+    alone = {}
+    for name, prefix in (("a", va), ("b", vb)):
+        rc, out, err = _run([*common, "--valid-data-path", prefix, "--log-jsonl", str(tmp_path / f"{name}.jsonl")],
+                            capsys, monkeypatch)  # fmt: skip
+        assert rc == 0, err
+        alone[name] = _validation(tmp_path / f"{name}.jsonl")["validation"]
+        n = na if name == "a" else nb
+        assert f"the validation set's {n} samples in {math.ceil(n / 3)} global batches of 3" in out, out
+    both = [*common, "--valid-data-path", va, vb, "--multiple-validation-sets"]
+    rc, out, err = _run([*both, "--log-jsonl", str(tmp_path / "both.jsonl")], capsys, monkeypatch)
+    assert rc == 0, err
+    logged = _validation(tmp_path / "both.jsonl")
+    assert logged == {"validation-0": alone["a"], "validation-1": alone["b"]}, (logged, alone)
+    assert re.search(r"^ validation-1 loss at iteration 0 on validation set \| lm loss value: ", out, re.M), out
+
+    # one blend of both, by size: every sample of each once, so its loss is the token-weighted mean of theirs
+    rc, out, err = _run([*common, "--valid-data-path", va, vb, "--log-jsonl", str(tmp_path / "ab.jsonl")],
+                        capsys, monkeypatch)  # fmt: skip
+    assert rc == 0 and "the validation set's 30 samples" in out, err
+    blended = _validation(tmp_path / "ab.jsonl")["validation"]
+    assert blended == pytest.approx((na * alone["a"] + nb * alone["b"]) / (na + nb), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_full_validation_under_data_parallelism_equals_one_process(tmp_path, pretrain_job):
+    """Trained 4 iterations and validated at 2 and 4 at DP=2 (1 sample a rank per micro-batch, global batch 4:
+    the sets' last batches are filled differently from one process's) and in one process: the same losses."""
+    common, (va, _), (vb, _) = _data(tmp_path)
+    common += (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --global-batch-size 4 --lr 1e-3 "
+        "--log-interval 1 --train-iters 4 --eval-interval 2 --eval-iters 0 --full-validation --hidden-dropout 0 "
+        "--attention-dropout 0 --multiple-validation-sets --distributed-backend gloo --valid-data-path"
+    ).split() + [va, vb]
+    runs = {}
+    for world, mbs in ((1, 4), (2, 1)):
+        path = str(tmp_path / f"w{world}.jsonl")
+        pretrain_job(world, [*common, "--micro-batch-size", str(mbs), "--log-jsonl", path])
+        lines = [json.loads(line) for line in open(path)]
+        runs[world] = [(r["iteration"], k, v["lm_loss"]) for r in lines for k, v in r.items() if k.startswith("val")]
+        train = records(path)
+        runs[world, "train"] = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in train]
+    # (at 4 twice: the evaluation at --eval-interval, then the final one, as Megatron's)
+    assert [(i, k) for i, k, _ in runs[1]] == [(i, f"validation-{k}") for i in (2, 4, 4) for k in (0, 1)]
+    for (i, k, one), (_, _, two) in zip(runs[1], runs[2]):
+        assert two == pytest.approx(one, rel=1e-5), (i, k)
+    for one, two in zip(runs[1, "train"], runs[2, "train"]):
+        assert two == pytest.approx(one, rel=1e-5)
+
+
+def test_each_validation_set_has_megatrons_keys():
+    """W&B and TensorBoard get Megatron's "lm loss validation-0" (and its "vs samples" and "ppl" on TensorBoard)."""
+    from megatron_lite.training.configs import LoggingConfig
+    from megatron_lite.training.logger import MetricsLogger
+
+    class Writer:
+        calls: list = []
+
+        def add_scalar(self, key, value, step):
+            self.calls.append((key, step))
+
+        def log(self, values, step):
+            self.calls.extend((k, step) for k in values)
+
+    logger = MetricsLogger.__new__(MetricsLogger)
+    logger.enabled, logger.train_iters, logger._jsonl, logger._wandb, logger._tb = True, 9, None, Writer(), Writer()
+    logger._samples, logger.config = 0, LoggingConfig()
+    logger._last_iteration = logger._last_train = logger._wandb_step = logger._step_offset = 0
+    logger._opened = -1
+    logger.log(6, {"lm_loss": 1.0, "ppl": 2.7}, kind="validation-1", samples=24)
+    keys = {k for k, _ in Writer.calls}
+    assert {"lm loss validation-1", "lm loss validation-1 vs samples", "lm loss validation-1 ppl vs samples"} <= keys
+
+
+@pytest.mark.parametrize(
+    "flags,fragments",
+    [
+        (["--multiple-validation-sets", "--full-validation"], ["--multiple-validation-sets evaluates each prefix"]),
+        (["--multiple-validation-sets"], ["--multiple-validation-sets needs --full-validation"]),
+        (["--full-validation", "--mock-data"], ["--full-validation", "--mock-data's samples never end"]),
+        (["--full-validation", "--data-path", "0.5", "A", "0.5", "B"], ["weighted blend --data-path 0.5 A 0.5 B"]),
+    ],
+)
+def test_bad_validation_and_skip_flags_are_one_line(flags, fragments, capsys, monkeypatch):
+    argv = [*flags, "--vocab-size", "100"] if "--mock-data" in flags else flags
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    _one_line_error(rc, err, *fragments)
+
+
+def test_weighted_validation_sets_are_refused(tmp_path, capsys, monkeypatch):
+    common, (va, _), (vb, _) = _data(tmp_path)
+    argv = [*common, "--full-validation", "--multiple-validation-sets", "--valid-data-path", "1", va, "2", vb]
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    _one_line_error(rc, err, f"--valid-data-path 1 {va} 2 {vb}", "without weights")
+    assert os.path.exists(va + ".idx")
