@@ -473,6 +473,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         distributed_timeout_minutes=ns.distributed_timeout_minutes,
         deterministic_mode=ns.deterministic_mode,
         data_parallel_random_init=ns.data_parallel_random_init,
+        iterations_to_skip=tuple(ns.iterations_to_skip),
     )
 
 

@@ -305,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-interval", type=int, default=1000)
     t.add_argument("--eval-iters", type=int, default=100)
     _bool(t, "--skip-train", "no training: evaluate the (loaded) model on the valid and test sets, then exit")
+    t.add_argument(
+        "--iterations-to-skip",
+        type=int,
+        nargs="+",
+        default=[],
+        help="iterations whose global batch is read and dropped: no forward, no update, no learning-rate step",
+    )
     _bool(t, "--dry-run", "build on the meta device, validate, print parameters and memory per rank, exit")
 
     o = parser.add_argument_group("optimizer and learning rate")

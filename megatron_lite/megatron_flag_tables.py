@@ -477,7 +477,6 @@ REFUSED: dict[str, str] = {
         "--recompute-method"
     ),
     "cpu_offloading_num_layers": "activations are not offloaded to the CPU (0, Megatron's default, is taken)",
-    "iterations_to_skip": "skipping given iterations is not implemented (--nan-policy skip skips non-finite ones)",
     "dump_param_to_param_group_map": (
         "parameter-group maps are not read or written: the optimizer's groups follow weight decay and --decoupled-lr"
     ),

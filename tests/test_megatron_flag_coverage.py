@@ -78,7 +78,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "Megatron's old warmup flag, which it refuses": "--warmup",
     "Megatron's old name, which it refuses too": "--model-parallel-size --checkpoint-activations",
     "activations are not offloaded to the CPU (0": "--cpu-offloading-num-layers",
-    "skipping given iterations is not implemented": "--iterations-to-skip",
     "parameter-group maps are not read or": "--dump-param-to-param-group-map",
     "loading the main parameters alone is not": "--load-main-params-from-ckpt",
     "use --load DIR --finetune (its weights, with": "--pretrained-checkpoint",

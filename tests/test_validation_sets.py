@@ -1,6 +1,7 @@
-"""Megatron's --full-validation and --multiple-validation-sets: a full validation reads every sample of the
-validation split once whatever the layout, and each of several validation sets gets the loss it has alone
-(training/evaluation.py, data/builder.py)."""
+"""Megatron's --full-validation, --multiple-validation-sets and --iterations-to-skip: a full validation reads
+every sample of the validation split once whatever the layout, each of several validation sets gets the loss
+it has alone, and a skipped iteration drops its batch and changes nothing else (training/evaluation.py,
+data/builder.py, training/skipping.py)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,37 @@ def test_each_validation_set_has_megatrons_keys():
     assert {"lm loss validation-1", "lm loss validation-1 vs samples", "lm loss validation-1 ppl vs samples"} <= keys
 
 
+def test_a_skipped_iteration_equals_a_run_without_its_batch(tmp_path, capsys, monkeypatch):
+    """--iterations-to-skip 3 over 5 iterations vs a run whose data lacks iteration 3's batch: 2 iterations,
+    saved, the checkpoint's sample position moved one global batch on (the batch is gone), resumed for 2 more.
+    The skipping run's iterations 4 and 5 are the other's 3 and 4: same loss, gradient norm and learning rate
+    (Megatron's scheduler counts the steps taken, so the skipped one does not move it). Iteration 3 logs no
+    line and is not evaluated (--eval-interval 3)."""
+    common, _, _ = _data(tmp_path)
+    common += ["--lr-decay-iters", "10", "--lr-warmup-iters", "1", "--eval-interval", "3"]
+    a = str(tmp_path / "a.jsonl")
+    rc, out, err = _run([*common, "--train-iters", "5", "--iterations-to-skip", "3", "9", "--log-jsonl", a],
+                        capsys, monkeypatch)  # fmt: skip
+    assert rc == 0 and "iteration 3 skipped (--iterations-to-skip): its 4 samples dropped" in out, err
+    ck = tmp_path / "ck"
+    rc, _, err = _run([*common, "--train-iters", "2", "--save", str(ck)], capsys, monkeypatch)
+    assert rc == 0, err
+    meta_path = ck / "iter_0000002" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["consumed_samples"] == 8
+    meta["consumed_samples"] = 12  # (the 4 samples of the dropped batch)
+    meta_path.write_text(json.dumps(meta))
+    b = str(tmp_path / "b.jsonl")
+    rc, out, err = _run([*common, "--train-iters", "4", "--load", str(ck), "--log-jsonl", b], capsys, monkeypatch)
+    assert rc == 0, err
+    skipped, without = records(a), records(b)
+    assert [r["iteration"] for r in skipped] == [1, 2, 4, 5]
+    assert not any("validation" in json.loads(line) for line in open(a) if json.loads(line)["iteration"] == 3)
+    for s, w in zip(skipped[2:], without):
+        assert (s["iteration"] - 1, s["consumed_samples"]) == (w["iteration"], w["consumed_samples"])
+        assert (s["lm_loss"], s["grad_norm"], s["lr"]) == (w["lm_loss"], w["grad_norm"], w["lr"]), (s, w)
+
+
 @pytest.mark.parametrize(
     "flags,fragments",
     [
@@ -139,6 +171,7 @@ def test_each_validation_set_has_megatrons_keys():
         (["--multiple-validation-sets"], ["--multiple-validation-sets needs --full-validation"]),
         (["--full-validation", "--mock-data"], ["--full-validation", "--mock-data's samples never end"]),
         (["--full-validation", "--data-path", "0.5", "A", "0.5", "B"], ["weighted blend --data-path 0.5 A 0.5 B"]),
+        (["--iterations-to-skip", "0", "4"], ["--iterations-to-skip 0 4", "iterations >= 1"]),
     ],
 )
 def test_bad_validation_and_skip_flags_are_one_line(flags, fragments, capsys, monkeypatch):

@@ -151,9 +151,17 @@ class JobConfig:
     # backend (not taken over from a checkpoint: a resumed run sets them with its own flags)
     deterministic_mode: bool = False
     data_parallel_random_init: bool = False
+    # Megatron's --iterations-to-skip: these iterations read their global batch and drop it (no forward, no
+    # update, no learning-rate step); the iteration count and the consumed samples go on (training/skipping.py)
+    iterations_to_skip: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         r = self.resilience
+        if any(i < 1 for i in self.iterations_to_skip):
+            raise ConfigError(
+                f"--iterations-to-skip {' '.join(map(str, self.iterations_to_skip))}: iterations count from 1 (the "
+                "first step is iteration 1); give iterations >= 1"
+            )
         rollback = [
             flag
             for flag, on in (

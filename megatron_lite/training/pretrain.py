@@ -59,6 +59,7 @@ from megatron_lite.training.resume import (
     starting_checkpoint,
 )
 from megatron_lite.training.saving import SaveFailed, finish_async_save, peer_lost, saving
+from megatron_lite.training.skipping import skip_iteration
 from megatron_lite.training.step import train_step
 from megatron_lite.training.wrap import wrap_for_training
 
@@ -357,6 +358,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
             while guard.skip_batch(state.consumed_samples):  # a rollback's offending batch
                 log.info(f"skipping the batch at sample {state.consumed_samples} (rolled back past it)")
                 state.consumed_samples += train_batches.gbs(state.consumed_samples)
+            if skip_iteration(job.iterations_to_skip, state, train_batches.gbs(state.consumed_samples), log):
+                continue
             start = time.time()
             if recorder is not None:  # (its step, then the logging, evaluation or save after it)
                 recorder.where = f"iteration {state.iteration + 1}"
