@@ -109,6 +109,36 @@ def test_full_validation_under_data_parallelism_equals_one_process(tmp_path, pre
         assert two == pytest.approx(one, rel=1e-5)
 
 
+def test_validation_loss_is_per_token_over_the_whole_evaluation(tmp_path, capsys, monkeypatch):
+    """With --eod-mask-loss the evaluation's batches count different numbers of tokens: the validation loss is
+    their summed loss over their summed tokens (Megatron's evaluate()), not the mean of the batches' means."""
+    import megatron_lite.training.evaluation as evaluation
+
+    prefix = str(tmp_path / "data" / "toy_text_document")
+    w = IndexedDatasetWriter(prefix, vocab_size=100)
+    rng = np.random.default_rng(0)
+    for d in range(60):  # every 7th document all EOD (99): masked out, in some batches only
+        n = int(rng.integers(5, 40))
+        w.add_document(np.full(n, 99) if d % 7 == 0 else rng.integers(0, 99, size=n))
+    w.finalize()
+    batches = []
+    real = evaluation.eval_step
+    monkeypatch.setattr(evaluation, "eval_step", lambda *a: batches.append(real(*a)) or batches[-1])
+    log = tmp_path / "m.jsonl"
+    argv = ["--train-iters", "1", "--eval-iters", "4", "--eval-interval", "1", "--data-path", prefix,
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--eod-mask-loss", "--split", "1,1,0",
+            "--log-jsonl", str(log)]  # fmt: skip
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    lines = log.read_text().splitlines()
+    logged = [json.loads(line)["validation"]["lm_loss"] for line in lines if "validation" in line]
+    first = batches[:4]
+    assert len({n for _, n in first}) > 1  # the batches do count different numbers of tokens
+    per_token = sum(s for s, _ in first) / sum(n for _, n in first)
+    assert logged[0] == pytest.approx(per_token, rel=1e-9)
+    assert abs(per_token - sum(s / n for s, n in first) / 4) > 1e-6  # (which the mean of means is not)
+
+
 def test_each_validation_set_has_megatrons_keys():
     """W&B and TensorBoard get Megatron's "lm loss validation-0" (and its "vs samples" and "ppl" on TensorBoard)."""
     from megatron_lite.training.configs import LoggingConfig
