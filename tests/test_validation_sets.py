@@ -216,3 +216,16 @@ def test_weighted_validation_sets_are_refused(tmp_path, capsys, monkeypatch):
     rc, _, err = _run(argv, capsys, monkeypatch)
     _one_line_error(rc, err, f"--valid-data-path 1 {va} 2 {vb}", "without weights")
     assert os.path.exists(va + ".idx")
+
+
+def test_exhaustive_blend_order_worked_out_by_hand():
+    """Megatron's exhaustive blend (helpers.cpp): sample i from the unspent dataset furthest behind its share of
+    max(i, 1), the first on ties. Sizes [2, 1] (shares 2/3, 1/3): i=0 0.67 vs 0.33 -> 0; i=1 -0.33 vs 0.33 -> 1
+    (spent); i=2 -> 0."""
+    from megatron_lite.data.gpt_dataset import exhaustive_blending_indices
+
+    datasets, samples = exhaustive_blending_indices([2, 1])
+    assert datasets.tolist() == [0, 1, 0] and samples.tolist() == [0, 0, 1]
+    # [1, 3]: i=0 0.25 vs 0.75 -> 1; i=1 0.25 vs -0.25 -> 0 (spent); then 1, 1
+    datasets, samples = exhaustive_blending_indices([1, 3])
+    assert datasets.tolist() == [1, 0, 1, 1] and samples.tolist() == [0, 0, 1, 2]
