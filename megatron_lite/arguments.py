@@ -154,6 +154,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         apply_layernorm_1p=ns.apply_layernorm_1p,
         norm_epsilon=ns.norm_epsilon,
         activation=flag_values.activation(ns),
+        glu_linear_offset=ns.glu_linear_offset,
+        activation_func_clamp_value=ns.activation_func_clamp_value,
         position_embedding_type=ns.position_embedding_type,
         rotary_base=ns.rotary_base,
         rotary_percent=ns.rotary_percent,

@@ -43,6 +43,9 @@ ARCH_DESTS = (
     "openai_gelu",
     "no_bias_gelu_fusion",
     "squared_relu",
+    "quick_geglu",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
     "rotary_percent",
     "position_embedding_type",
     "rotary_base",
@@ -139,6 +142,9 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["openai_gelu"] = m["activation"] == "gelu_tanh"
     out["no_bias_gelu_fusion"] = m["activation"] == "gelu" and m["add_bias_linear"]  # (exact GELU with biases)
     out["squared_relu"] = m["activation"] == "squared_relu"
+    out["quick_geglu"] = m["activation"] == "quick_geglu"
+    out["glu_linear_offset"] = m.get("glu_linear_offset", 0.0)  # (absent from older checkpoints)
+    out["activation_func_clamp_value"] = m.get("activation_func_clamp_value")
     out["rotary_percent"] = m.get("rotary_percent", 1.0)
     out["use_rope_scaling"] = m["rope_scaling"] is not None and not m.get("multi_latent_attention")
     if m["rope_scaling"] is not None:
@@ -440,7 +446,7 @@ def flags_from_checkpoint(
         mla = argparse.Namespace(
             multi_latent_attention=saved["multi_latent_attention"],
             q_lora_rank=saved["q_lora_rank"],
-            activation="swiglu" if saved.get("swiglu") else "gelu",
+            activation="swiglu" if saved.get("swiglu") else "quick_geglu" if saved.get("quick_geglu") else "gelu",
         )
         ours = lora_for_model(LoraConfig(target_modules=target_modules(ns.lora_target_modules)), mla).target_modules
         if set(ours) != set(saved["lora_target_modules"]):

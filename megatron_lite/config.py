@@ -12,7 +12,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_geglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 # Megatron's selective-recompute modules: core attention; the two layer norms; a dense layer's MLP; a MoE layer
@@ -96,8 +96,13 @@ class ModelConfig:
     apply_layernorm_1p: bool = False
     # gelu (exact) | gelu_tanh (GPT-2's gelu_new; Megatron's --openai-gelu, and its default fused bias-GELU: the
     # flags give it with biases unless --no-bias-gelu-fusion) | swiglu | squared_relu (--squared-relu: relu(x)^2,
-    # Nemotron). (This dataclass's default stays exact GELU: conversions and tests name theirs.)
+    # Nemotron) | quick_geglu (--quick-geglu: gated like SwiGLU with x * sigmoid(1.702 x) on the gate, gpt-oss).
+    # (This dataclass's default stays exact GELU: conversions and tests name theirs.)
     activation: str = "gelu"
+    # Megatron's --glu-linear-offset and --activation-func-clamp-value (gpt-oss: 1 and 7): a gated unit computes
+    # act(min(gate, c)) * (clamp(up, -c, c) + offset), after fc1's bias; here only with --quick-geglu
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     # Megatron's --rotary-percent (Hugging Face's partial_rotary_factor): RoPE rotates the first
@@ -196,6 +201,11 @@ class ModelConfig:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """Megatron's name: fc1 computes a gate and an up projection (stacked [gate; up]), the activation gates."""
+        return self.activation in ("swiglu", "quick_geglu")
+
+    @property
     def query_groups(self) -> int:
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
 
@@ -275,6 +285,7 @@ class ModelConfig:
             raise ConfigError(f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not supported; use one of {ACTIVATIONS}")
+        self._validate_glu()
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
             raise ConfigError(
                 f"--position-embedding-type {self.position_embedding_type} is not supported; "
@@ -347,6 +358,27 @@ class ModelConfig:
         from megatron_lite.moe.validation import validate_moe  # (lazily: the moe package imports this module)
 
         validate_moe(self)
+
+    def _validate_glu(self) -> None:
+        # (Megatron applies both in its unfused GLU only, and its default fused SwiGLU ignores them: here they go
+        # with --quick-geglu, whose activation runs through PyTorch ops, where they mean one thing)
+        for flag, value, on in (
+            ("--glu-linear-offset", self.glu_linear_offset, self.glu_linear_offset != 0.0),
+            ("--activation-func-clamp-value", self.activation_func_clamp_value,
+             self.activation_func_clamp_value is not None),
+        ):  # fmt: skip
+            if on and self.activation != "quick_geglu":
+                raise ConfigError(
+                    f"{flag} {value} applies to the quick-GELU gated unit only; add --quick-geglu or drop the flag "
+                    f"(the activation is {self.activation})"
+                )
+            if on and not math.isfinite(value):
+                raise ConfigError(f"{flag} {value} must be a finite number")
+        c = self.activation_func_clamp_value
+        if c is not None and c <= 0:
+            raise ConfigError(
+                f"--activation-func-clamp-value {c} must be > 0 (the up half is clamped to [-{c}, {c}]); gpt-oss uses 7"
+            )
 
     def _validate_mla(self) -> None:
         if not self.multi_latent_attention:

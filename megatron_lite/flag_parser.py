@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         "this flag turns off (without biases GELU is exact)",
     )
     _bool(m, "--squared-relu", "squared ReLU activation, relu(x)^2 (Nemotron)")
+    _bool(m, "--quick-geglu", "gated MLP with quick GELU, x * sigmoid(1.702 x), on the gate (gpt-oss)")
+    m.add_argument(
+        "--glu-linear-offset", type=float, default=0.0, help="with --quick-geglu: act(gate) * (up + offset); gpt-oss: 1"
+    )
+    m.add_argument(
+        "--activation-func-clamp-value",
+        type=float,
+        help="with --quick-geglu: the gate clamped to <= value and up to [-value, value] (gpt-oss: 7)",
+    )
     m.add_argument(
         "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "none"]
     )

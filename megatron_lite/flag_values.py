@@ -192,7 +192,7 @@ def ffn_hidden_size(ns: argparse.Namespace) -> int | None:
 
 
 def activation(ns: argparse.Namespace) -> str:
-    chosen = [f for f in ("swiglu", "openai_gelu", "squared_relu") if getattr(ns, f)]
+    chosen = [f for f in ("swiglu", "openai_gelu", "squared_relu", "quick_geglu") if getattr(ns, f, False)]
     if len(chosen) > 1:
         raise ConfigError(
             f"--{chosen[0].replace('_', '-')} and --{chosen[1].replace('_', '-')} both pick the activation"
@@ -202,7 +202,7 @@ def activation(ns: argparse.Namespace) -> str:
         # biases), which is the tanh approximation: exact GELU there differed by 2e-4 in the logits
         fused = not getattr(ns, "disable_bias_linear", False) and not getattr(ns, "no_bias_gelu_fusion", False)
         return "gelu_tanh" if fused else "gelu"
-    return {"swiglu": "swiglu", "openai_gelu": "gelu_tanh", "squared_relu": "squared_relu"}[chosen[0]]
+    return chosen[0] if chosen[0] != "openai_gelu" else "gelu_tanh"
 
 
 def data_paths(ns: argparse.Namespace) -> dict[str, tuple[str, ...]]:

@@ -462,9 +462,6 @@ REFUSED: dict[str, str] = {
     "fp4_format": "FP4 (NVFP4) training is not implemented; --fp8-format quantizes the GEMMs to fp8",
     "fp4_param_gather": "weights kept and all-gathered in FP4 are not implemented (FP4 training is not either)",
     "external_cuda_graph": "CUDA graphs are not implemented",
-    "quick_geglu": "the quick-GELU GLU activation (gpt-oss) is not implemented: --swiglu, --squared-relu or GELU",
-    "activation_func_clamp_value": "clamping the activation's input (gpt-oss) is not implemented",
-    "glu_linear_offset": "an offset in the GLU, activation(x1) * (x2 + offset) (gpt-oss), is not implemented",
     "inprocess_restart": "in-process restart is not implemented: a relaunched job resumes from the newest checkpoint "
     "in --save",
     "enable_ft_package": "the NVIDIA fault-tolerance package is not used: a relaunched job resumes from the newest "
@@ -515,7 +512,6 @@ REFUSED_DEFAULTS = {
     "cuda_graph_impl": "none",  # (no CUDA graphs)
     "cpu_offloading_num_layers": "0",
     "vocab_extra_ids": "0",
-    "glu_linear_offset": "0",
     "moe_upcycling_granularity": "1",
     "spec": "local",  # (Megatron-Core's own, non-Transformer-Engine modules: the layer here)
 }

@@ -69,9 +69,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "FP4 (NVFP4) training is not implemented": "--fp4-format",
     "weights kept and all-gathered in FP4 are not": "--fp4-param-gather",
     "CUDA graphs are not": "--external-cuda-graph",
-    "the quick-GELU GLU activation (gpt-oss) is": "--quick-geglu",
-    "clamping the activation's input (gpt-oss) is": "--activation-func-clamp-value",
-    "an offset in the GLU, activation(x1) * (x2 +": "--glu-linear-offset",
     "in-process restart is not implemented: a": "--inprocess-restart",
     "the NVIDIA fault-tolerance package is not": "--enable-ft-package",
     "Megatron's old batch-size flag, which it": "--batch-size",
@@ -181,7 +178,7 @@ def test_megatrons_defaults_of_refused_flags_are_taken_silently():
              "--moe-upcycling-granularity", "1", "--spec", "local"]  # fmt: skip
     ns, _ = parse_args([*MOCK, *flags])
     assert not [n for n in accepted_no_ops(ns) if re.search(r"offloading|extra-ids|glu|upcycling|--spec", n)]
-    for flag, value in (("--glu-linear-offset", "1.0"), ("--spec", "my.module"), ("--vocab-extra-ids", "100")):
+    for flag, value in (("--spec", "my.module"), ("--vocab-extra-ids", "100")):
         with pytest.raises(ConfigError, match=f"^{flag} is not supported"):
             parse_args([*MOCK, flag, value])
 

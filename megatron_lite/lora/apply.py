@@ -62,7 +62,7 @@ def _adapter(leaf: str, module: nn.Module, config: ModelConfig, lora: LoraConfig
         outs = {n: widths[n] for n in layer_parts(lora, leaf)}
         return LoRA(h, outs, split="out", layout=_qkv_layout(config, tp.size), **kw)
     if leaf == "linear_fc1":
-        if config.activation == "swiglu":
+        if config.gated_linear_unit:
             f = out_full // 2
             return LoRA(h, dict.fromkeys(layer_parts(lora, leaf), f), split="out", layout=_fc1_layout, **kw)
         return LoRA(h, {"fc1": out_full}, split="out", **kw)
@@ -80,7 +80,7 @@ def _expert_adapters(expert: ExpertMLP, config: ModelConfig, lora: LoraConfig, e
     kw = dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, tp=etp, device=w.device, dtype=w.dtype,
               expert=True, rng=rng)  # fmt: skip
     if "fc1" in parts:
-        expert.linear_fc1.lora = LoRA(h, {"fc1": (f, f) if expert.swiglu else f}, split="out", **kw)
+        expert.linear_fc1.lora = LoRA(h, {"fc1": (f, f) if expert.gated else f}, split="out", **kw)
     if "fc2" in parts:
         expert.linear_fc2.lora = LoRA(f, {"fc2": h}, split="in", **kw)
 

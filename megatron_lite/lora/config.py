@@ -143,7 +143,7 @@ def lora_for_model(lora: LoraConfig, config) -> LoraConfig:
     fc1 is one projection: linear_fc1_up (PEFT's up_proj, Nemotron's
     fc1) is linear_fc1, and its gate refused."""
     targets = list(lora.target_modules)
-    if config.activation != "swiglu" and any(t in targets for t in PARTS["linear_fc1"]):
+    if config.activation not in ("swiglu", "quick_geglu") and any(t in targets for t in PARTS["linear_fc1"]):
         if "linear_fc1_gate" in targets:
             raise ConfigError(
                 f"--lora-target-modules gate_proj (linear_fc1_gate): this model's MLP ({config.activation}) has no "

@@ -293,6 +293,8 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         problems.append(f"attention sinks (--softmax-type {c.softmax_type})")
     if c.sliding_window and any(c.layer_window(i) is None for i in range(c.num_layers)):
         problems.append("full-attention layers between the windowed ones (--window-attn-skip-freq)")
+    if c.activation == "quick_geglu" or (c.num_experts and c.add_bias_linear):  # (until a gpt-oss converter)
+        problems.append("gpt-oss's MLP (--quick-geglu with its offset and clamp, or experts with biases): no converter")
     if arch in DEEPSEEK:
         problems += hf_deepseek.export_problems(c, arch)
     elif arch == "GPT2LMHeadModel":

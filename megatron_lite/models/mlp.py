@@ -27,8 +27,21 @@ class _SquaredReLU(torch.autograd.Function):
         return dy * (2.0 * F.relu(h))  # what autograd's square then relu backward give, bit for bit
 
 
-def activate(h: torch.Tensor, activation: str, triton: bool = False) -> torch.Tensor:
-    """The MLP activation on fc1's output: SwiGLU on its [gate; up] halves, squared ReLU, or (tanh-)GELU."""
+def quick_geglu(h: torch.Tensor, offset: float = 0.0, clamp: float | None = None) -> torch.Tensor:
+    """Megatron's quick-GEGLU on fc1's [gate; up] halves (gpt-oss): the gate clamped to <= clamp and up to
+    [-clamp, clamp], then gate * sigmoid(1.702 gate) * (up + offset). PyTorch ops under either --kernel-impl (the
+    Triton SwiGLU kernel is silu-only); autograd keeps h for the backward, as the SwiGLU kernel does."""
+    gate, up = h.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    return gate * torch.sigmoid(1.702 * gate) * (up + offset)
+
+
+def activate(h: torch.Tensor, activation: str, triton: bool = False, config: ModelConfig | None = None) -> torch.Tensor:
+    """The MLP activation on fc1's output: SwiGLU or quick-GEGLU on its [gate; up] halves, squared ReLU, or
+    (tanh-)GELU. `config` gives quick-GEGLU its --glu-linear-offset and --activation-func-clamp-value."""
+    if activation == "quick_geglu":
+        return quick_geglu(h, config.glu_linear_offset, config.activation_func_clamp_value)
     if activation == "swiglu":
         if triton:
             return K.swiglu_stacked(h)  # reads the halves in place and returns h's gradient whole
@@ -43,11 +56,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32) -> None:
         super().__init__()
         ffn = config.ffn_size
+        self.config = config
         self.activation = config.activation
         self.triton = config.kernel_impl == "triton"
-        # SwiGLU's fc1 stacks two logical blocks, gate then up; each is split across TP on its own so a
-        # rank holds [gate_r; up_r] and the pairing of gate and up columns never crosses ranks.
-        fc1_out = [ffn, ffn] if self.activation == "swiglu" else ffn
+        # A gated unit's fc1 (SwiGLU, quick-GEGLU) stacks two logical blocks, gate then up; each is split across TP
+        # on its own so a rank holds [gate_r; up_r] and the pairing of gate and up columns never crosses ranks.
+        fc1_out = [ffn, ffn] if config.gated_linear_unit else ffn
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
             fc1_out,
@@ -74,4 +88,4 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activate(self.linear_fc1(x), self.activation, self.triton))
+        return self.linear_fc2(activate(self.linear_fc1(x), self.activation, self.triton, self.config))

@@ -57,9 +57,10 @@ class ExpertMLP(nn.Module):
     def __init__(self, config: ModelConfig, etp: Group, device=None, dtype=torch.float32) -> None:
         super().__init__()
         f, h = config.moe_ffn_size, config.hidden_size
-        self.swiglu = config.activation == "swiglu"
+        self.config = config
+        self.gated = config.gated_linear_unit
         self.activation = config.activation
-        fc1 = ShardSpec.even(0, (f, f) if self.swiglu else (f,), etp.size)
+        fc1 = ShardSpec.even(0, (f, f) if self.gated else (f,), etp.size)
         fc2 = ShardSpec.even(1, f, etp.size)
         std, out_std = config.init_method_std, config.output_layer_init_std
         self.linear_fc1 = ExpertWeight(
@@ -73,7 +74,7 @@ class ExpertMLP(nn.Module):
         """Partial over the expert-TP group. `regenerate_act` (--recompute-modules moe_act, as Megatron's): the
         activation's output, which fc2 saves, is dropped and computed again from fc1's output in the backward."""
         y = self.linear_fc1.linear(x)
-        make = functools.partial(activate, y, self.activation)
+        make = functools.partial(activate, y, self.activation, False, self.config)
         return regenerated(make, self.linear_fc2.linear) if regenerate_act else self.linear_fc2.linear(make())
 
 
@@ -101,8 +102,10 @@ class LocalExperts(nn.Module):
         """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
         # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once;
         # fp8 ones too, each expert's GEMMs with its own scales)
+        # (quick-GEGLU too: its activation is PyTorch ops, and the grouped kernel stacks no biases)
         first = self.local_experts[0] if self.num_local else None
-        if self.triton and first.swiglu and first.linear_fc1.nf4 is None and first.linear_fc1.fp8 is None:
+        swiglu = first is not None and first.activation == "swiglu"
+        if self.triton and swiglu and first.linear_fc1.nf4 is None and first.linear_fc1.fp8 is None:
             return self._grouped(x, counts)
         regenerate = self.recompute_act and self.training
         outs = [expert(chunk, regenerate) for expert, chunk in zip(self.local_experts, x.split(counts))]

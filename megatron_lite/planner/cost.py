@@ -74,7 +74,7 @@ def elementwise_values(model: ModelConfig, tp: int, sp: bool, impl: Implementati
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * d, model.query_groups * d
     f = model.ffn_size if not model.num_experts else model.moe_ffn_size * model.moe_router_topk
-    swiglu = model.activation == "swiglu"
+    swiglu = model.gated_linear_unit
     rope = model.position_embedding_type == "rope"
     norm_div = tp if sp else 1
     if impl.fused_elementwise:
@@ -228,7 +228,7 @@ def step_time(
     q, kv = model.num_attention_heads * d, model.query_groups * d
     tp, cp, pp, vp, ep = layout.tp, layout.cp, layout.pp, layout.vp, layout.ep
     m = layout.micro_batch_size * seq_length / cp  # tokens of a micro-batch on this rank
-    swiglu = model.activation == "swiglu"
+    swiglu = model.gated_linear_unit
     g = cl.gpu
 
     def layer_terms(moe: bool) -> tuple[float, float, float, float]:

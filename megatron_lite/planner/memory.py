@@ -75,7 +75,7 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     attn += 2 * d * (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
     if model.multi_latent_attention:
         attn = _mla_params(model, tp)
-    swiglu = model.activation == "swiglu"
+    swiglu = model.gated_linear_unit
     if not model.is_moe_layer(layer):
         return 2 * norm + attn + _mlp_params(h, model.ffn_size, swiglu, model.add_bias_linear, tp), 0
     e = model.num_experts
@@ -249,7 +249,7 @@ def layer_activation_bytes(
         # attention keeps the whole sequence's gathered keys and values, not only this rank's part
         k_v = heads * (model.mla_q_head_dim + model.v_head_dim) if model.multi_latent_attention else 2 * kv
         attn += (layout.cp - 1) * k_v * a
-    swiglu = model.activation == "swiglu"
+    swiglu = model.gated_linear_unit
 
     def mlp(f: int, act_regenerated: bool = False) -> float:  # an MLP's activations past fc1's input, times TP
         if not swiglu:

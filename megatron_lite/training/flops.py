@@ -59,7 +59,7 @@ def _attention_flops(c: ModelConfig, s: float) -> float:
 
 def _mlp_flops(c: ModelConfig, layer: int) -> float:
     """Forward FLOPs of one token's MLP: a MoE layer runs the router, its top-k experts and the shared expert."""
-    h, mult = c.hidden_size, 3 if c.activation == "swiglu" else 2
+    h, mult = c.hidden_size, 3 if c.gated_linear_unit else 2
     if not c.is_moe_layer(layer):
         return 2 * h * c.ffn_size * mult
     shared = c.moe_shared_expert_intermediate_size or 0
