@@ -4,6 +4,8 @@ transformers' GptOssExperts / GptOssTopKRouter."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -49,10 +51,12 @@ def test_the_flags_pick_the_activation_and_a_checkpoint_keeps_them():
         (["--quick-geglu", "--activation-func-clamp-value", "-7"], "--activation-func-clamp-value -7.0 must be > 0"),
         (["--quick-geglu", "--glu-linear-offset", "nan"], "--glu-linear-offset nan must be a finite number"),
         (["--quick-geglu", "--activation-func-clamp-value", "inf"], "--activation-func-clamp-value inf must be a fin"),
+        # (Megatron's SharedExpertMLP asserts --disable-bias-linear)
+        (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "32"], "with biases (the default) is not"),
     ],
 )
 def test_bad_values_are_one_line_at_start_up(flags, fragment):
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("+", r"\+")) as e:
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as e:
         parse_args([*MOCK, *flags])
     assert "\n" not in str(e.value)
 
@@ -95,3 +99,67 @@ def test_export_to_hugging_face_is_refused_until_a_gpt_oss_converter():
         architecture_for(model)
     with pytest.raises(ConfigError, match=r"gpt-oss's MLP \(--quick-geglu with its offset and clamp, or experts"):
         check_exportable(model, "LlamaForCausalLM")
+    biased_moe = parse_args([*MOCK, "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                             "--num-experts", "4"])[1].model  # fmt: skip
+    with pytest.raises(ConfigError, match=r"or experts with biases\): no converter"):
+        check_exportable(biased_moe, "MixtralForCausalLM")
+
+
+def _moe_config(**kw) -> ModelConfig:
+    return ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=4, vocab_size=10, ffn_hidden_size=8,
+                       num_experts=4, moe_router_topk=2, activation="quick_geglu", glu_linear_offset=1.0,
+                       activation_func_clamp_value=7.0, add_bias_linear=True, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_moe_layer_with_biases_is_transformers_gpt_oss_mlp(kernels):
+    """transformers' GptOssMLP (router with a bias, top-k of the logits then a softmax over them; experts with
+    gate_up_proj interleaved, gate at even columns and up at odd, alpha 1.702, limit 7, (up + 1) * glu, and biases;
+    each expert's output, down_proj's bias included, weighted by its probability) with its weights mapped by hand
+    into the MoE layer; and both against the routing and experts written out."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from megatron_lite.moe.layer import MoELayer
+
+    sizes = dict(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0)
+    hf_config = GptOssConfig(**sizes, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
+    hf = GptOssMLP(hf_config).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    ours = MoELayer(
+        _moe_config(kernel_impl=kernels), ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    )
+    e = hf.experts
+    with torch.no_grad():
+        ours.router.weight.copy_(hf.router.weight)
+        ours.router.bias.copy_(hf.router.bias)
+        for i, expert in enumerate(ours.experts.local_experts):
+            w, b = e.gate_up_proj[i], e.gate_up_proj_bias[i]  # [h, 2f] (x @ w), gate and up interleaved
+            expert.linear_fc1.weight.copy_(torch.cat([w[:, 0::2], w[:, 1::2]], dim=1).T)  # our [gate; up] rows
+            expert.linear_fc1.bias.copy_(torch.cat([b[0::2], b[1::2]]))
+            expert.linear_fc2.weight.copy_(e.down_proj[i].T)
+            expert.linear_fc2.bias.copy_(e.down_proj_bias[i])
+    x = torch.randn(6, 2, 16, generator=g) * 2  # [seq, batch, hidden]
+    with torch.no_grad():
+        want, _ = hf(x.transpose(0, 1).double())
+        got = ours(x)
+    want = want.transpose(0, 1)
+    gate_up = torch.einsum("th,ehf->tef", x.reshape(-1, 16).double(), e.gate_up_proj) + e.gate_up_proj_bias
+    assert (gate_up[..., 0::2] > 7).any() and (gate_up[..., 1::2].abs() > 7).any()  # (both clamps bite)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    # by hand: top-2 of the biased logits, softmax over the two, each expert's clamped offset quick-GEGLU with biases
+    t = x.reshape(-1, 16)
+    logits = t.double() @ ours.router.weight.double().T + ours.router.bias.double()
+    top, idx = logits.topk(2, dim=-1)
+    probs = torch.exp(top) / torch.exp(top).sum(-1, keepdim=True)
+    by_hand = torch.zeros(t.shape[0], 16, dtype=torch.float64)
+    for n in range(t.shape[0]):
+        for j in range(2):
+            ex = ours.experts.local_experts[int(idx[n, j])]
+            f1, f2 = ex.linear_fc1, ex.linear_fc2
+            by_hand[n] += probs[n, j] * _by_hand(t[n], f1.weight.detach(), f1.bias.detach(), f2.weight.detach(),
+                                                 f2.bias.detach())  # fmt: skip
+    torch.testing.assert_close(want.reshape(-1, 16), by_hand, rtol=1e-5, atol=1e-4)  # (ours: fp32 weights)

@@ -429,6 +429,9 @@ def test_dense_and_expert_parameters_are_placed_and_named_by_global_expert():
     assert dataclasses.replace(config, num_experts=None).is_moe_layer(0) is False
 
 
+GPT_OSS_MLP = dict(
+    activation="quick_geglu", glu_linear_offset=1.0, activation_func_clamp_value=7.0, add_bias_linear=True
+)
 VARIANTS = {
     "seq-aux-pre-softmax": (
         2,
@@ -476,6 +479,14 @@ VARIANTS = {
             moe_shared_expert_intermediate_size=32,
         ),
     ),  # fmt: skip
+    # gpt-oss's MLP: biases on every linear (the router's, each expert's fc1 and fc2, added once over expert-TP),
+    # quick-GEGLU with its offset and clamp; a dense layer first, its MLP split over TP
+    "gpt-oss-mlp-ep2-tp2-sp": (
+        4,
+        P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+        dict(GPT_OSS_MLP, moe_layer_freq=(0, 1)),
+    ),  # fmt: skip
+    "gpt-oss-mlp-ep2": (2, P(expert_model_parallel_size=2), GPT_OSS_MLP),
 }
 
 

@@ -22,12 +22,22 @@ from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
 class ExpertWeight(nn.Module):
-    """Holds one weight, so experts read like Megatron's (`linear_fc1.weight`) in names and checkpoints."""
+    """Holds one weight, and its bias with --add-bias-linear, so experts read like Megatron's (`linear_fc1.weight`,
+    `linear_fc1.bias`) in names and checkpoints. `bias_meta`: the bias's, None for no bias. `bias_scale` 0: this
+    rank adds the bias times zero (fc2's bias on expert-TP ranks past the first: the outputs are summed over the
+    group, so one rank adds it; the others still use it, so its gradient hook fires, and the bias's gradient,
+    whole on the first rank, is summed over TP as its meta says)."""
 
-    def __init__(self, shape, meta: ParamMeta, device, dtype) -> None:
+    def __init__(self, shape, meta: ParamMeta, device, dtype, bias_meta: ParamMeta | None = None,
+                 bias_scale: float = 1.0) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         set_param_meta(self, "weight", meta)
+        self.bias = None
+        if bias_meta is not None:  # (Megatron's expert biases start at zero, as its grouped linear's)
+            self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype))
+            set_param_meta(self, "bias", bias_meta)
+        self.bias_scale = bias_scale
         self.lora = None  # LoRA adapters (megatron_lite/lora), when fine-tuning experts with them
         self.nf4 = None  # QLoRA: the frozen weight stored in NF4 instead of `weight`
         self.fp8 = self.fp8_state = None  # --fp8-recipe delayed: the GEMM in fp8 (tensor_parallel/fp8.py)
@@ -39,6 +49,8 @@ class ExpertWeight(nn.Module):
             y = fp8_linear(x, self.weight, self.fp8, state=self.fp8_state)
         else:
             y = F.linear(x, self.weight) if self.nf4 is None else nf4_linear(x, self.nf4.weight())
+        if self.bias is not None:  # (after the GEMM, in the compute dtype, under fp8 and NF4 too)
+            y = y + (self.bias if self.bias_scale == 1.0 else self.bias * self.bias_scale)
         return self.adapted(x, y)
 
     def adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -63,12 +75,16 @@ class ExpertMLP(nn.Module):
         fc1 = ShardSpec.even(0, (f, f) if self.gated else (f,), etp.size)
         fc2 = ShardSpec.even(1, f, etp.size)
         std, out_std = config.init_method_std, config.output_layer_init_std
+        bias = config.add_bias_linear
+        # (fc1's bias is split like its rows; fc2's is whole, added once over the expert-TP group: see ExpertWeight)
+        b1 = ParamMeta(("zeros",), fc1, etp.rank, expert=True) if bias else None
+        b2 = ParamMeta(("zeros",), sequence_parallel=etp.size > 1, expert=True) if bias else None
         self.linear_fc1 = ExpertWeight(
-            (fc1.shard_size, h), ParamMeta(("normal", std), fc1, etp.rank, expert=True), device, dtype
+            (fc1.shard_size, h), ParamMeta(("normal", std), fc1, etp.rank, expert=True), device, dtype, b1
         )
-        self.linear_fc2 = ExpertWeight(
-            (h, fc2.shard_size), ParamMeta(("normal", out_std), fc2, etp.rank, expert=True), device, dtype
-        )
+        fc2_meta = ParamMeta(("normal", out_std), fc2, etp.rank, expert=True)
+        scale = 1.0 if etp.rank == 0 else 0.0
+        self.linear_fc2 = ExpertWeight((h, fc2.shard_size), fc2_meta, device, dtype, b2, bias_scale=scale)
 
     def forward(self, x: torch.Tensor, regenerate_act: bool = False) -> torch.Tensor:
         """Partial over the expert-TP group. `regenerate_act` (--recompute-modules moe_act, as Megatron's): the
@@ -102,9 +118,9 @@ class LocalExperts(nn.Module):
         """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
         # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once;
         # fp8 ones too, each expert's GEMMs with its own scales)
-        # (quick-GEGLU too: its activation is PyTorch ops, and the grouped kernel stacks no biases)
+        # (quick-GEGLU too: its activation is PyTorch ops; and biased experts: the grouped kernel stacks no biases)
         first = self.local_experts[0] if self.num_local else None
-        swiglu = first is not None and first.activation == "swiglu"
+        swiglu = first is not None and first.activation == "swiglu" and first.linear_fc1.bias is None
         if self.triton and swiglu and first.linear_fc1.nf4 is None and first.linear_fc1.fp8 is None:
             return self._grouped(x, counts)
         regenerate = self.recompute_act and self.training

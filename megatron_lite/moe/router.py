@@ -55,6 +55,12 @@ class TopKRouter(nn.Module):
         # Under tensor parallelism the routing weights multiply TP-partial expert outputs (the reduction
         # comes after the combine), so the router's gradient is partial on each TP rank.
         set_param_meta(self, "weight", ParamMeta(("normal", config.init_method_std), sequence_parallel=tp_size > 1))
+        # Megatron's router has a bias with --add-bias-linear (gpt-oss's), drawn by init_method as the weight is, and
+        # partial over TP as the weight is
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = nn.Parameter(torch.empty(e, device=device, dtype=dtype))
+            set_param_meta(self, "bias", ParamMeta(("normal", config.init_method_std), sequence_parallel=tp_size > 1))
         if config.moe_router_enable_expert_bias:
             self.expert_bias = nn.Parameter(torch.empty(e, device=device, dtype=torch.float32), requires_grad=False)
             set_param_meta(self, "expert_bias", ParamMeta(("zeros",)))
@@ -66,7 +72,7 @@ class TopKRouter(nn.Module):
         c = self.config
         k, e = c.moe_router_topk, c.num_experts
         dt = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
-        logits = F.linear(x.to(dt), self.weight.to(dt))
+        logits = F.linear(x.to(dt), self.weight.to(dt), None if self.bias is None else self.bias.to(dt))
         z_loss = None
         cp = self.cp.size if self.cp is not None else 1
         if c.moe_z_loss_coeff:  # (this part's share of the mean over the whole sequence)

@@ -28,8 +28,11 @@ def validate_moe(c: ModelConfig) -> None:
         raise ConfigError(f"--moe-router-topk {k} must be between 1 and --num-experts {e}")
     if c.moe_router_score_function not in ("softmax", "sigmoid"):
         raise ConfigError(f"--moe-router-score-function {c.moe_router_score_function} is not softmax|sigmoid")
-    if c.add_bias_linear:
-        raise ConfigError("--num-experts needs --disable-bias-linear (biases in experts are not supported yet)")
+    if c.add_bias_linear and c.moe_shared_expert_intermediate_size:  # (Megatron's SharedExpertMLP asserts the same)
+        raise ConfigError(
+            f"--moe-shared-expert-intermediate-size {c.moe_shared_expert_intermediate_size} with biases (the default) "
+            "is not supported, as in Megatron: its shared expert has no biases; add --disable-bias-linear"
+        )
     if c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid":
         raise ConfigError(
             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron and "
