@@ -39,6 +39,8 @@ MODELS = {
     "deepseekmtp": lambda **kw: deepseek_config(mtp_num_layers=2, **kw),  # and two multi-token-prediction depths
     "mla": lambda **kw: deepseek_config(num_experts=None, moe_layer_freq=1, **kw),  # its attention, dense MLPs
     "llamatiedmtp": lambda **kw: llama_config(untie_embeddings_and_output_weights=False, mtp_num_layers=1, **kw),
+    # gpt-oss's MLP: biased router and experts (each expert-TP rank holds fc2's whole bias), quick-GEGLU
+    "gptossmlp": lambda **kw: moe_llama(add_bias_linear=True, activation="quick_geglu", **kw),
 }
 
 
@@ -78,6 +80,7 @@ def _tool():
         ("deepseekmtp", Layout(tp=2, ep=2, dp=2)),
         ("deepseekmtp", Layout(pp=2, dp=2)),  # the last stage's copy of the word embeddings
         ("llamatiedmtp", Layout(pp=2)),
+        ("gptossmlp", Layout(tp=2, ep=2, dp=2)),
     ],
 )
 def test_parameter_counts_equal_the_built_model(name, layout):

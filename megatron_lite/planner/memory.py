@@ -79,10 +79,11 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     if not model.is_moe_layer(layer):
         return 2 * norm + attn + _mlp_params(h, model.ffn_size, swiglu, model.add_bias_linear, tp), 0
     e = model.num_experts
-    dense = 2 * norm + attn + e * h + (e if model.moe_router_enable_expert_bias else 0)
+    router = e * h + (e if model.moe_router_enable_expert_bias else 0) + (e if model.add_bias_linear else 0)
+    dense = 2 * norm + attn + router
     if model.moe_shared_expert_intermediate_size:
         dense += _mlp_params(h, model.moe_shared_expert_intermediate_size, swiglu, model.add_bias_linear, tp)
-    expert = e // ep * _mlp_params(h, model.moe_ffn_size, swiglu, False, tp)
+    expert = e // ep * _mlp_params(h, model.moe_ffn_size, swiglu, model.add_bias_linear, tp)
     return dense, expert
 
 
