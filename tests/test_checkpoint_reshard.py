@@ -148,6 +148,17 @@ def test_moe_checkpoint_loads_under_any_expert_layout(dist, tmp_path):
     _compare(run(MOE, P(), 2, None, ckpt), continued, "one process")
 
 
+def test_biased_moe_checkpoint_saved_under_expert_tensor_parallelism_loads_on_one_process(dist, tmp_path):
+    """gpt-oss's MLP (biased router and experts, quick-GEGLU): saved at EP=2 x TP=2 + SP, where fc2's bias is added
+    by one expert-TP rank of each pair but held by both, loaded on one process: the run continues as the original."""
+    ckpt, gpt_oss = str(tmp_path / "gpt-oss"), dict(MOE, activation="quick_geglu", glu_linear_offset=1.0,
+                                                    activation_func_clamp_value=7.0, add_bias_linear=True)  # fmt: skip
+    saved = P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+    original = dist(4, run, gpt_oss, saved, 2, ckpt)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    _compare(run(gpt_oss, P(), 2, None, ckpt), continued, "one process")
+
+
 def test_tied_padded_checkpoint_loads_across_pipeline_and_tensor_layouts(dist, tmp_path):
     """Tied embeddings (the last stage's copy of the word embeddings) and a vocabulary padded to 128 rows per TP
     rank: saved at PP=2, loaded at TP=2 (another padding) and on one process, the runs continue as the original."""

@@ -486,7 +486,6 @@ VARIANTS = {
         P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
         dict(GPT_OSS_MLP, moe_layer_freq=(0, 1)),
     ),  # fmt: skip
-    "gpt-oss-mlp-ep2": (2, P(expert_model_parallel_size=2), GPT_OSS_MLP),
 }
 
 
