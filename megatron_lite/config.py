@@ -362,11 +362,9 @@ class ModelConfig:
     def _validate_glu(self) -> None:
         # (Megatron applies both in its unfused GLU only, and its default fused SwiGLU ignores them: here they go
         # with --quick-geglu, whose activation runs through PyTorch ops, where they mean one thing)
-        for flag, value, on in (
-            ("--glu-linear-offset", self.glu_linear_offset, self.glu_linear_offset != 0.0),
-            ("--activation-func-clamp-value", self.activation_func_clamp_value,
-             self.activation_func_clamp_value is not None),
-        ):  # fmt: skip
+        offset, clamp = self.glu_linear_offset, self.activation_func_clamp_value
+        for flag, value, on in (("--glu-linear-offset", offset, offset != 0.0),
+                                ("--activation-func-clamp-value", clamp, clamp is not None)):  # fmt: skip
             if on and self.activation != "quick_geglu":
                 raise ConfigError(
                     f"{flag} {value} applies to the quick-GELU gated unit only; add --quick-geglu or drop the flag "
@@ -374,11 +372,8 @@ class ModelConfig:
                 )
             if on and not math.isfinite(value):
                 raise ConfigError(f"{flag} {value} must be a finite number")
-        c = self.activation_func_clamp_value
-        if c is not None and c <= 0:
-            raise ConfigError(
-                f"--activation-func-clamp-value {c} must be > 0 (the up half is clamped to [-{c}, {c}]); gpt-oss uses 7"
-            )
+        if clamp is not None and clamp <= 0:
+            raise ConfigError(f"--activation-func-clamp-value {clamp} must be > 0 (gpt-oss: 7)")
 
     def _validate_mla(self) -> None:
         if not self.multi_latent_attention:

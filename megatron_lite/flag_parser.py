@@ -111,39 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         "normalise each query and key head over head_dim before RoPE (Qwen3); with --multi-latent-attention, "
         "RMS-normalise the query and key/value latents (DeepSeek)",
     )
-    a = parser.add_argument_group("multi-latent attention (DeepSeek-V2/V3)")
-    _bool(a, "--multi-latent-attention", "queries, keys and values from low-rank latents, RoPE on separate dims")
-    a.add_argument("--q-lora-rank", type=int, help="rank of the query latent (default: no query latent)")
-    a.add_argument("--kv-lora-rank", type=int, default=32, help="rank of the key/value latent")
-    a.add_argument("--qk-head-dim", type=int, default=128, help="query/key dims per head without RoPE")
-    a.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key dims per head with RoPE")
-    a.add_argument("--v-head-dim", type=int, default=128, help="value dims per head")
-    a.add_argument(
-        "--rope-type",
-        choices=["rope", "yarn"],
-        help="RoPE kind; as in Megatron, multi-latent attention takes yarn by default (plain RoPE while "
-        "--rotary-scaling-factor is 1), other attention rope",
-    )
-    a.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN's factor (multi-latent attention)")
-    a.add_argument("--mscale", type=float, default=1.0, help="YaRN's mscale of cos / sin (multi-latent attention)")
-    a.add_argument(
-        "--mscale-all-dim",
-        type=float,
-        default=0.0,
-        help="YaRN's mscale_all_dim: cos / sin divided by, and the softmax scale times the square of, its mscale",
-    )
-    t = parser.add_argument_group("multi-token prediction (DeepSeek-V3)")
-    t.add_argument(
-        "--mtp-num-layers",
-        type=int,
-        help="prediction depths after the last layer, each one transformer layer predicting one token further",
-    )
-    t.add_argument(
-        "--mtp-loss-scaling-factor",
-        type=float,
-        default=0.1,
-        help="weight of the MTP loss (averaged over depths) in the training loss",
-    )
+    from megatron_lite.flag_groups_deepseek import add_deepseek_groups  # (it imports this module's _bool)
+
+    add_deepseek_groups(parser)
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -451,19 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save-retain-interval", type=int, help="keep the checkpoints of multiples of N iterations and "
                    "the newest; each save deletes the one before it otherwise (Megatron's)")  # fmt: skip
 
-    lo = parser.add_argument_group("LoRA fine-tuning")
-    lo.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on a frozen base (0: off)")
-    lo.add_argument("--lora-alpha", type=float, default=16.0, help="adapters scaled by alpha / rank")
-    lo.add_argument("--lora-dropout", type=float, default=0.0)
-    lo.add_argument(
-        "--lora-target-modules",
-        nargs="+",
-        default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-        help="our layer names or PEFT's (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), each projection "
-        "adapted alone (q_proj v_proj: not k); add experts for every routed expert's fc1 and fc2 (PEFT's "
-        "experts.gate_up_proj and experts.down_proj), experts_fc1 (PEFT's gate_up_proj) or experts_fc2 for one",
-    )
-    _bool(lo, "--qlora", "store the adapted layers' frozen weights in NF4 (4.127 bits per parameter)")
+    from megatron_lite.lora.flags import add_lora_group  # (it imports this module's _bool)
+
+    add_lora_group(parser)
 
     f = parser.add_argument_group("fault tolerance")
     _bool(
