@@ -312,9 +312,12 @@ class ModelConfig:
         ):
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"{flag} {p} must be in [0, 1)")
-        self._validate_recompute()
+        from megatron_lite.models.mla import validate_mla_config
+        from megatron_lite.tensor_parallel.random import validate_recompute_config
+
+        validate_recompute_config(self)
         self._validate_moe()
-        self._validate_mla()
+        validate_mla_config(self)
         if self.mtp_num_layers < 0:
             raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers} must be >= 0")
         if self.mtp_num_layers and self.mtp_loss_scaling_factor < 0:
@@ -374,68 +377,6 @@ class ModelConfig:
                 raise ConfigError(f"{flag} {value} must be a finite number")
         if clamp is not None and clamp <= 0:
             raise ConfigError(f"--activation-func-clamp-value {clamp} must be > 0 (gpt-oss: 7)")
-
-    def _validate_mla(self) -> None:
-        if not self.multi_latent_attention:
-            return
-        for flag, value in (
-            ("--kv-lora-rank", self.kv_lora_rank),
-            ("--qk-head-dim", self.qk_head_dim),
-            ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim),
-            ("--v-head-dim", self.v_head_dim),
-            ("--q-lora-rank", 1 if self.q_lora_rank is None else self.q_lora_rank),
-        ):
-            if value < 1:
-                raise ConfigError(f"{flag} {value} must be a positive integer (with --multi-latent-attention)")
-        if self.qk_pos_emb_head_dim % 2:
-            raise ConfigError(f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
-        if self.position_embedding_type != "rope":
-            raise ConfigError(
-                f"--multi-latent-attention needs --position-embedding-type rope (got {self.position_embedding_type})"
-            )
-        if self.query_groups != self.num_attention_heads:
-            raise ConfigError(
-                f"--multi-latent-attention gives every head its own key and value; --num-query-groups "
-                f"{self.query_groups} must equal --num-attention-heads {self.num_attention_heads} (drop "
-                "--group-query-attention)"
-            )
-        for flag, on in (
-            ("--rotary-interleaved", self.rotary_interleaved),
-            ("--rotary-percent", self.rotary_percent != 1.0),
-            ("--window-size", self.sliding_window is not None),
-            ("--add-qkv-bias", self.add_qkv_bias),
-        ):
-            if on:
-                raise ConfigError(f"--multi-latent-attention with {flag} is not supported; drop one of them")
-        if self.add_bias_linear:
-            raise ConfigError(  # (Megatron's MLA has one, on its output projection; DeepSeek's have none)
-                "--multi-latent-attention with biases (the default) is not supported: here MLA's projections have "
-                "no biases, as DeepSeek-V2/V3's; add --disable-bias-linear"
-            )
-
-    def _validate_recompute(self) -> None:
-        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        if g not in (None, "full", "selective"):
-            raise ConfigError(f"--recompute-granularity {g} is not supported; use full or selective")
-        if g == "full":
-            if m not in ("uniform", "block"):
-                raise ConfigError(
-                    f"--recompute-granularity full needs --recompute-method uniform|block (got {m}); "
-                    "e.g. --recompute-method uniform --recompute-num-layers 1"
-                )
-            if n is None or n < 1:
-                raise ConfigError(
-                    f"--recompute-granularity full needs --recompute-num-layers >= 1 (got {n}); "
-                    "e.g. --recompute-num-layers 1"
-                )
-        elif m is not None or n is not None:
-            raise ConfigError(
-                f"--recompute-method {m} / --recompute-num-layers {n} apply only with "
-                "--recompute-granularity full; add it or drop them"
-            )
-        bad = [x for x in self.recompute_modules if x not in RECOMPUTE_MODULES]
-        if bad:
-            raise ConfigError(f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}")
 
     def check_recompute_targets(self) -> None:
         """--recompute-modules that name nothing in this model are refused (a start-up check of the user's

@@ -8,6 +8,7 @@ import argparse
 from megatron_lite.data.flags import add_data_flags
 from megatron_lite.megatron_flags import add_megatron_flag_groups
 from megatron_lite.one_line_parser import OneLineErrorParser  # (the tools import it from here too)
+from megatron_lite.moe.flags import add_moe_flags
 from megatron_lite.optimizer.config import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 
 
@@ -129,63 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--recompute-method", choices=["uniform", "block"])
     m.add_argument("--recompute-num-layers", type=int)
     m.add_argument("--recompute-modules", nargs="+", default=["core_attn"])
-    e = parser.add_argument_group("mixture of experts")
-    e.add_argument("--num-experts", type=int)
-    e.add_argument("--moe-router-topk", type=int, default=2)
-    e.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
-    _bool(e, "--moe-router-pre-softmax", "softmax over all experts before top-k")
-    e.add_argument(
-        "--moe-router-num-groups",
-        type=int,
-        default=None,
-        help="group-limited routing: experts in this many equal groups (DeepSeek-V3: one per node)",
-    )
-    e.add_argument(
-        "--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups a token may use"
-    )
-    e.add_argument(
-        "--moe-router-group-score-topn",
-        type=int,
-        default=None,
-        help="group-limited routing: a group's score is the sum of its top N expert scores (default: Megatron's "
-        "top-k // group-topk; converted DeepSeek checkpoints carry their own: V3 2, V2 1)",
-    )
-    e.add_argument(
-        "--moe-router-dtype",
-        default="fp32",
-        choices=["fp32", "fp64"],
-        help="precision of the routing computation (logits, softmax or sigmoid, top-k, auxiliary losses); never "
-        "below fp32 (Megatron's default routes in the model's dtype)",
-    )
-    e.add_argument(
-        "--moe-router-topk-scaling-factor",
-        type=float,
-        default=None,
-        help="multiply the selected experts' routing weights by this (DeepSeek-V3: 2.5)",
-    )
-    e.add_argument("--moe-ffn-hidden-size", type=int)
-    e.add_argument(
-        "--moe-router-load-balancing-type",
-        choices=["aux_loss", "seq_aux_loss", "none"],
-        nargs="+",
-        default="aux_loss",
-        help="one type (Megatron's list form is taken with one value)",
-    )
-    e.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0, help="the balancing type's coefficient")
-    e.add_argument("--moe-z-loss-coeff", type=float)
-    _bool(e, "--moe-router-enable-expert-bias", "aux-loss-free balancing (needs sigmoid scores)")
-    e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
-    e.add_argument("--moe-expert-capacity-factor", type=float,
-                   help="dropless when unset or negative; counted over the TP group's whole sequence")  # fmt: skip
-    e.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
-    e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
-    e.add_argument("--moe-shared-expert-intermediate-size", type=int)
-    e.add_argument(
-        "--moe-token-dispatcher-type",
-        choices=["alltoall", "allgather", "flex"],
-        default="alltoall",
-        help="alltoall or allgather over EP (default alltoall; flex, DeepEP's, is refused)",
-    )
+    add_moe_flags(parser)
     m.add_argument("--kernel-impl", choices=["torch", "triton"], default=None, help="default: triton on CUDA")
 
     d = parser.add_argument_group("distributed")

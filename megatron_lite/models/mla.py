@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from megatron_lite import kernels as K
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.kernels.nf4 import dequantize_nf4
 from megatron_lite.models.attention import CoreAttention, attention_mask
 from megatron_lite.models.norms import build_norm
@@ -206,3 +206,43 @@ class MultiLatentAttention(nn.Module):
             w = w + layer.lora(torch.eye(self.kv_lora_rank, device=w.device, dtype=w.dtype)).t()
         w = w.view(self.local_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
+
+
+def validate_mla_config(c: ModelConfig) -> None:
+    """ModelConfig's checks of the --multi-latent-attention settings (part of its validate())."""
+    if not c.multi_latent_attention:
+        return
+    for flag, value in (
+        ("--kv-lora-rank", c.kv_lora_rank),
+        ("--qk-head-dim", c.qk_head_dim),
+        ("--qk-pos-emb-head-dim", c.qk_pos_emb_head_dim),
+        ("--v-head-dim", c.v_head_dim),
+        ("--q-lora-rank", 1 if c.q_lora_rank is None else c.q_lora_rank),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer (with --multi-latent-attention)")
+    if c.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim {c.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+    if c.position_embedding_type != "rope":
+        raise ConfigError(
+            f"--multi-latent-attention needs --position-embedding-type rope (got {c.position_embedding_type})"
+        )
+    if c.query_groups != c.num_attention_heads:
+        raise ConfigError(
+            f"--multi-latent-attention gives every head its own key and value; --num-query-groups "
+            f"{c.query_groups} must equal --num-attention-heads {c.num_attention_heads} (drop "
+            "--group-query-attention)"
+        )
+    for flag, on in (
+        ("--rotary-interleaved", c.rotary_interleaved),
+        ("--rotary-percent", c.rotary_percent != 1.0),
+        ("--window-size", c.sliding_window is not None),
+        ("--add-qkv-bias", c.add_qkv_bias),
+    ):
+        if on:
+            raise ConfigError(f"--multi-latent-attention with {flag} is not supported; drop one of them")
+    if c.add_bias_linear:
+        raise ConfigError(  # (Megatron's MLA has one, on its output projection; DeepSeek's have none)
+            "--multi-latent-attention with biases (the default) is not supported: here MLA's projections have "
+            "no biases, as DeepSeek-V2/V3's; add --disable-bias-linear"
+        )

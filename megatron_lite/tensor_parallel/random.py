@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from megatron_lite.config import RECOMPUTE_MODULES, ConfigError, ModelConfig
+
 
 def _get_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
@@ -186,3 +188,29 @@ class Regenerated:
             finally:
                 if current is not None:
                     self.tracker.set_states(current)
+
+
+def validate_recompute_config(c: ModelConfig) -> None:
+    """ModelConfig's checks of the --recompute-* flags (part of its validate())."""
+    g, m, n = c.recompute_granularity, c.recompute_method, c.recompute_num_layers
+    if g not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity {g} is not supported; use full or selective")
+    if g == "full":
+        if m not in ("uniform", "block"):
+            raise ConfigError(
+                f"--recompute-granularity full needs --recompute-method uniform|block (got {m}); "
+                "e.g. --recompute-method uniform --recompute-num-layers 1"
+            )
+        if n is None or n < 1:
+            raise ConfigError(
+                f"--recompute-granularity full needs --recompute-num-layers >= 1 (got {n}); "
+                "e.g. --recompute-num-layers 1"
+            )
+    elif m is not None or n is not None:
+        raise ConfigError(
+            f"--recompute-method {m} / --recompute-num-layers {n} apply only with "
+            "--recompute-granularity full; add it or drop them"
+        )
+    bad = [x for x in c.recompute_modules if x not in RECOMPUTE_MODULES]
+    if bad:
+        raise ConfigError(f"--recompute-modules {' '.join(bad)} not supported; choose from {RECOMPUTE_MODULES}")
