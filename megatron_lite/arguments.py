@@ -217,6 +217,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_token_drop_policy=ns.moe_token_drop_policy,
         moe_layer_freq=flag_values.layer_freq(ns.moe_layer_freq),
         moe_shared_expert_intermediate_size=ns.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=ns.moe_shared_expert_gate,
         moe_token_dispatcher_type=ns.moe_token_dispatcher_type,
     )
     model.check_recompute_targets()

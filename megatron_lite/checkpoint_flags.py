@@ -68,6 +68,7 @@ ARCH_DESTS = (
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
     "moe_router_enable_expert_bias",
     "moe_router_group_score_topn",
 )

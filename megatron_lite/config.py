@@ -172,6 +172,9 @@ class ModelConfig:
     moe_token_drop_policy: str = "probs"  # probs | position
     moe_layer_freq: int | tuple[int, ...] = 1  # every Nth layer is MoE, or a 0/1 pattern per layer
     moe_shared_expert_intermediate_size: int | None = None
+    # Megatron's --moe-shared-expert-gate (Qwen2-MoE's shared_expert_gate): the shared expert's output times
+    # sigmoid(x . w), w a [1, hidden] weight replicated across TP
+    moe_shared_expert_gate: bool = False
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
     # Multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers, --mtp-loss-scaling-factor): after the
     # last layer, depth k (1..mtp_num_layers) combines each position's hidden state with the embedding of the

@@ -7,8 +7,8 @@ import argparse
 
 from megatron_lite.data.flags import add_data_flags
 from megatron_lite.megatron_flags import add_megatron_flag_groups
-from megatron_lite.one_line_parser import OneLineErrorParser  # (the tools import it from here too)
 from megatron_lite.moe.flags import add_moe_flags
+from megatron_lite.one_line_parser import OneLineErrorParser  # (the tools import it from here too)
 from megatron_lite.optimizer.config import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 
 

@@ -410,10 +410,6 @@ REFUSED: dict[str, str] = {
     "error_injection_rate": "megatron_lite has no re-run engine to test with injected errors",
     "error_injection_type": "megatron_lite has no re-run engine to test with injected errors",
     # attention and MoE-block variants of Megatron-Core 0.16 (an attention review found them "no such flag")
-    "moe_shared_expert_gate": (
-        "the sigmoid gate on the shared expert's output (Qwen2-MoE's shared_expert_gate) is not implemented: the "
-        "shared expert's output is added ungated"
-    ),
     "no_rope_freq": "RoPE is applied in every layer; layers without it (Llama 4's NoPE layers) are not implemented",
     "qk_l2_norm": (
         "L2-normalised queries and keys (Llama 4) are not implemented; --qk-layernorm normalises them with a learned "

@@ -68,6 +68,11 @@ def moe_run(config, parallel, gbs, mbs, iters=ITERS, skew=0.0, optim=OPTIM, over
             for mod in model.modules()
             if hasattr(mod, "router") and mod.router.expert_bias is not None
         ]
+        # (the shared-expert gates, replicated across TP: a gradient left partial moves them apart from one
+        # process's while barely touching the loss or the grad norm)
+        gates = [
+            mod.gate_weight.detach().clone() for mod in model.modules() if getattr(mod, "gate_weight", None) is not None
+        ]
         out.append(
             {
                 "lm_loss": m.lm_loss,
@@ -77,6 +82,7 @@ def moe_run(config, parallel, gbs, mbs, iters=ITERS, skew=0.0, optim=OPTIM, over
                 "dropped": m.moe["dropped_fraction"],
                 "layers": m.moe["layers"],
                 "bias": biases,
+                "gates": gates,
             }
         )
     return out
@@ -97,6 +103,9 @@ def _compare(history, ref):
             for key in ("aux_loss", "z_loss"):  # (each layer's, which --moe-per-layer-logging writes)
                 _close(got[key], st[key], f"layer {layer} {key}", it)
         assert h["dropped"] == r["dropped"]
+        assert len(h["gates"]) == len(r["gates"])
+        for g, rg in zip(h["gates"], r["gates"]):
+            assert rel(g, rg) <= TOL, f"iteration {it + 1}: shared-expert gate weights differ ({rel(g, rg):.2e})"
 
 
 P = ParallelConfig
@@ -392,6 +401,13 @@ def test_expert_bias_is_identical_on_every_replica(dist):
             2,
             "--moe-shared-expert-intermediate-size 17 is not divisible by --tensor-model-parallel-size 2",
         ),
+        (  # (Megatron builds no gate without a shared expert, and says nothing)
+            {"moe_shared_expert_gate": True},
+            P(),
+            1,
+            "--moe-shared-expert-gate gates the MoE layers' shared expert and this model has none: add --num-experts "
+            "and --moe-shared-expert-intermediate-size",
+        ),
         (  # (from the MoE review: without groups it was ignored without a word)
             {"moe_router_group_score_topn": 2},
             P(),
@@ -442,6 +458,13 @@ VARIANTS = {
         4,
         P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
         dict(moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1), moe_router_score_function="sigmoid"),
+    ),
+    # Qwen2-MoE's gated shared expert (--moe-shared-expert-gate): the gate reads each rank's sequence shard, so its
+    # gradient is summed over TP
+    "shared-expert-gate-tp2-sp": (
+        2,
+        P(tensor_model_parallel_size=2, sequence_parallel=True),
+        dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True, moe_router_pre_softmax=True),
     ),
     # DeepSeek-V3's router: sigmoid, expert bias, group-limited top-k, scaled weights; groups span EP ranks
     "deepseek-v3-router-ep2": (

@@ -54,6 +54,7 @@ STRUCTURE = {
     "num_experts": "--num-experts",
     "moe_layers": "--moe-layer-freq",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate",
     "moe_ffn_size": "--moe-ffn-hidden-size",
     "mtp_num_layers": "--mtp-num-layers",
     "vocab_size": "--vocab-size (or the tokenizer's)",

@@ -60,6 +60,11 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
     e.add_argument("--moe-shared-expert-intermediate-size", type=int)
     e.add_argument(
+        "--moe-shared-expert-gate",
+        action="store_true",
+        help="scale the shared expert's output by sigmoid(x . w), w a learned [1, hidden] weight (Qwen2-MoE)",
+    )
+    e.add_argument(
         "--moe-token-dispatcher-type",
         choices=["alltoall", "allgather", "flex"],
         default="alltoall",

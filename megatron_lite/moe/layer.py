@@ -1,6 +1,6 @@
 """The mixture-of-experts feed-forward block: gather the TP group's tokens, route, dispatch to the experts
 (wherever they live), combine, reduce over TP; plus an optional shared expert (a dense MLP every token
-passes through).
+passes through), optionally gated (moe/shared_expert.py).
 
 The auxiliary losses join the backward without changing the model's output: an autograd function passes
 the output through and hands each loss a gradient of `aux_loss_scale`, which the training step sets to
@@ -14,17 +14,15 @@ Recomputation does not count twice.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.models.attach_loss import attach_loss
-from megatron_lite.models.mlp import MLP
 from megatron_lite.moe.dispatcher import allgather_dispatch, alltoall_dispatch, alltoall_dispatch_overlapped
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import TopKRouter
+from megatron_lite.moe.shared_expert import SharedExpertMLP
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -49,11 +47,7 @@ class MoELayer(nn.Module):
         self.recompute_shared = "shared_experts" in modules and "moe" not in modules
         self.experts = LocalExperts(config, ctx.ep, ctx.etp, device, dtype)
         shared = config.moe_shared_expert_intermediate_size
-        self.shared_expert = (
-            MLP(dataclasses.replace(config, ffn_hidden_size=shared, num_experts=None), ctx, device, dtype)
-            if shared
-            else None
-        )
+        self.shared_expert = SharedExpertMLP(config, ctx, device, dtype) if shared else None
         self.aux_loss_scale = 0.0  # set by the training step before each forward-backward
         self.reset_stats()
 

@@ -12,6 +12,11 @@ if TYPE_CHECKING:
 
 
 def validate_moe(c: ModelConfig) -> None:
+    if c.moe_shared_expert_gate and not (c.num_experts and c.moe_shared_expert_intermediate_size):
+        raise ConfigError(
+            "--moe-shared-expert-gate gates the MoE layers' shared expert and this model has none: add "
+            "--num-experts and --moe-shared-expert-intermediate-size, or drop the flag"
+        )
     if c.num_experts is None:
         return
     e, k = c.num_experts, c.moe_router_topk

@@ -63,7 +63,10 @@ def _mlp_flops(c: ModelConfig, layer: int) -> float:
     if not c.is_moe_layer(layer):
         return 2 * h * c.ffn_size * mult
     shared = c.moe_shared_expert_intermediate_size or 0
-    return 2 * h * c.num_experts + 2 * h * (c.moe_router_topk * c.moe_ffn_size + shared) * mult
+    return (
+        2 * h * (c.num_experts + int(c.moe_shared_expert_gate))
+        + 2 * h * (c.moe_router_topk * c.moe_ffn_size + shared) * mult
+    )
 
 
 def _keys_per_query(s: int, window: int | None) -> float:
