@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import shutil
-import types
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from megatron_lite.checkpoint.hf_checks import (
     mapping_errors,
     normalize_hf_names,
 )
+from megatron_lite.checkpoint.hf_defaults import fallback_config
 from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     SIDE_FILES,
     TOKENIZER_FILES,
@@ -69,163 +69,13 @@ from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
 
-HF_DIR = "hf"
-MODEL_TYPES_CLASSES = {
-    "llama": "LlamaConfig",
-    "mistral": "MistralConfig",
-    "qwen2": "Qwen2Config",
-    "qwen3": "Qwen3Config",
-    "qwen3_moe": "Qwen3MoeConfig",
-    "nemotron": "NemotronConfig",
-    "phi3": "Phi3Config",
-    "mixtral": "MixtralConfig",
-    "deepseek_v3": "DeepseekV3Config",
-    "deepseek_v2": "DeepseekV2Config",
-    "gpt2": "GPT2Config",
-}  # under a converted checkpoint's root: the original config.json and tokenizer files
-
-# transformers' class defaults for the fields we read, used when transformers is not installed (a field
-# equal to its default may be absent from config.json). tests/test_convert.py checks them against transformers.
-_QWEN = dict(  # the Qwen family's shared defaults
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    hidden_act="silu",
-    use_sliding_window=False,
-    attention_dropout=0.0,
-    max_position_embeddings=32768,
-)
-HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        max_position_embeddings=2048,
-    ),
-    "mistral": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        hidden_act="silu",
-        sliding_window=4096,
-        attention_dropout=0.0,
-        max_position_embeddings=4096 * 32,
-    ),
-    "qwen2": _QWEN,
-    "qwen3": dict(_QWEN, attention_bias=False, head_dim=128),
-    "qwen3_moe": dict(
-        _QWEN,
-        attention_bias=False,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    ),
-    "nemotron": dict(
-        tie_word_embeddings=False,
-        norm_eps=1e-5,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.5,
-        hidden_act="relu2",
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        max_position_embeddings=4096,
-    ),
-    "phi3": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        partial_rotary_factor=1.0,
-        hidden_act="silu",
-        sliding_window=None,
-        attention_dropout=0.0,
-        max_position_embeddings=4096,
-    ),
-    "mixtral": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        rope_theta=1e6,
-        hidden_act="silu",
-        sliding_window=None,
-        attention_dropout=0.0,
-        router_jitter_noise=0.0,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096 * 32,
-    ),
-    "deepseek_v3": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        hidden_act="silu",
-        attention_bias=False,
-        attention_dropout=0.0,
-        max_position_embeddings=4096,
-        rope_interleave=True,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        n_routed_experts=256,
-        num_experts_per_tok=8,
-        moe_intermediate_size=2048,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        n_group=8,
-        topk_group=4,
-        first_k_dense_replace=3,
-        norm_topk_prob=True,
-    ),
-    "deepseek_v2": dict(
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        max_position_embeddings=2048,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        n_routed_experts=64,
-        moe_intermediate_size=1407,
-        n_shared_experts=2,
-        routed_scaling_factor=1.0,
-        n_group=None,
-        topk_group=None,
-        topk_method="greedy",
-        first_k_dense_replace=0,
-    ),
-    "gpt2": dict(
-        tie_word_embeddings=True,
-        n_inner=None,
-        activation_function="gelu_new",
-        layer_norm_epsilon=1e-5,
-        scale_attn_weights=True,
-        scale_attn_by_inverse_layer_idx=False,
-        reorder_and_upcast_attn=False,
-        resid_pdrop=0.1,
-        attn_pdrop=0.1,
-        n_positions=1024,
-    ),
-}
+HF_DIR = "hf"  # under a converted checkpoint's root: the original config.json and tokenizer files
 
 
 # Hugging Face side -------------------------------------------------------------------------------
 def load_hf_config(path: str) -> tuple[Any, dict]:
     """(config object, raw config.json) of a Hugging Face model directory. With transformers installed its
-    own config class reads the file (exact defaults); without it, config.json over HF_DEFAULTS."""
+    own config class reads the file (exact defaults); without it, config.json over hf_defaults.HF_DEFAULTS."""
     check_hf_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
     try:
@@ -235,7 +85,7 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
     try:
         from transformers import AutoConfig
     except ImportError:
-        return _fallback_config(raw), raw
+        return fallback_config(raw), raw
     try:
         return AutoConfig.from_pretrained(path), raw
     except (ValueError, KeyError) as e:
@@ -248,33 +98,13 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         if not deepseek or raw.get("model_type") in CONFIG_MAPPING:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{cfg_path}: transformers cannot read it ({first})") from e
-        return _fallback_config(raw), raw
+        return fallback_config(raw), raw
     except Exception as e:  # noqa: BLE001 - any other failure of transformers' reader is one line too
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"{cfg_path}: transformers cannot read it ({type(e).__name__}: {first})") from None
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --target-dtype
-
-
-def _fallback_model_type(raw: dict) -> str | None:
-    if raw.get("model_type") in HF_DEFAULTS:
-        return raw["model_type"]
-    from megatron_lite.models.hf import MODEL_TYPES
-
-    archs = raw.get("architectures") or []
-    return MODEL_TYPES.get(archs[0]) if archs else None
-
-
-# config.json names transformers' classes write in place of the attribute (their `attribute_map`): 5.x saves
-# Qwen3-MoE's expert count as num_local_experts
-FALLBACK_ALIASES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
-
-
-def _fallback_config(raw: dict) -> Any:
-    kind = _fallback_model_type(raw) or ""
-    aliased = {FALLBACK_ALIASES.get(kind, {}).get(k, k): v for k, v in raw.items()}
-    return types.SimpleNamespace(**{**HF_DEFAULTS.get(kind, {}), **aliased})
 
 
 # megatron_lite side ------------------------------------------------------------------------------
