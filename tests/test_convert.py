@@ -19,7 +19,7 @@ import transformers
 from safetensors import safe_open
 from test_hf_reference import _deepseek_v2_lite
 
-from megatron_lite.checkpoint.hf_defaults import HF_DEFAULTS, MODEL_TYPES_CLASSES
+from megatron_lite.checkpoint.hf_convert import HF_DEFAULTS, MODEL_TYPES_CLASSES
 from megatron_lite.config import ParallelConfig, RopeScaling
 
 from dist_pool import get_context
@@ -868,7 +868,7 @@ def test_the_config_read_without_transformers_is_the_one_read_with_it(converted,
     (no transformers installed) gives the model transformers' reading gives. transformers 5 writes Qwen3-MoE's
     expert count as num_local_experts, which the fallback read as its default 128; and a RoPE scaling without
     its original length (transformers takes max_position_embeddings) was a traceback."""
-    from megatron_lite.checkpoint.hf_defaults import fallback_config
+    from megatron_lite.checkpoint.hf_convert import _fallback_config
     from megatron_lite.models.hf import config_from_hf
 
     for name, (_, hf_dir, _, _) in converted.items():
@@ -881,7 +881,7 @@ def test_the_config_read_without_transformers_is_the_one_read_with_it(converted,
             hf_dir = str(tmp_path / name)
             os.makedirs(hf_dir)
             (pathlib.Path(hf_dir) / "config.json").write_text(json.dumps(raw))
-        ours = config_from_hf(fallback_config(raw))
+        ours = config_from_hf(_fallback_config(raw))
         assert ours == config_from_hf(transformers.AutoConfig.from_pretrained(hf_dir)), name
 
 

@@ -46,7 +46,8 @@ from megatron_lite.checkpoint.hf_checks import (
     mapping_errors,
     normalize_hf_names,
 )
-from megatron_lite.checkpoint.hf_defaults import fallback_config
+from megatron_lite.checkpoint.hf_defaults import HF_DEFAULTS, MODEL_TYPES_CLASSES  # noqa: F401 - re-exported
+from megatron_lite.checkpoint.hf_defaults import fallback_config as _fallback_config
 from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     SIDE_FILES,
     TOKENIZER_FILES,
@@ -85,7 +86,7 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
     try:
         from transformers import AutoConfig
     except ImportError:
-        return fallback_config(raw), raw
+        return _fallback_config(raw), raw
     try:
         return AutoConfig.from_pretrained(path), raw
     except (ValueError, KeyError) as e:
@@ -98,7 +99,7 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         if not deepseek or raw.get("model_type") in CONFIG_MAPPING:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{cfg_path}: transformers cannot read it ({first})") from e
-        return fallback_config(raw), raw
+        return _fallback_config(raw), raw
     except Exception as e:  # noqa: BLE001 - any other failure of transformers' reader is one line too
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"{cfg_path}: transformers cannot read it ({type(e).__name__}: {first})") from None
