@@ -51,7 +51,12 @@ HF_EXPERT_PARAMS = {"linear_fc1": ("experts.gate_up_proj", "base_layer."), "line
 
 # Classes whose MLP targets PEFT converts onto fused expert parameters (its transformers weight conversions:
 # DeepSeek's, and qwen2_moe's, which Qwen3-MoE shares)
-FUSED_EXPERT_CONVERSIONS = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM")
+FUSED_EXPERT_CONVERSIONS = (
+    "DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
 
 # MLA projections whose output holds RoPE dims
 _ROPE_ROWS = ("self_attention.linear_q_proj", "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj")

@@ -2,7 +2,8 @@
 its config.json. The weights' maps are in models/hf_weights.py.
 
 Supported: LlamaForCausalLM, MistralForCausalLM (with its sliding window), Qwen2ForCausalLM (QKV bias),
-Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), Phi3ForCausalLM (Phi-3, Phi-4:
+Qwen3ForCausalLM and Qwen3MoeForCausalLM (per-head q/k norms: --qk-layernorm), Qwen2MoeForCausalLM (QKV bias,
+a gated shared expert: models/hf_qwen2moe.py), Phi3ForCausalLM (Phi-3, Phi-4:
 fused qkv_proj and gate_up_proj, partial RoPE, sliding window), NemotronForCausalLM (LayerNorm
 with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM, DeepseekV3ForCausalLM (multi-latent
 attention, sigmoid routing with score-correction bias, expert groups, shared experts; Kimi-K2 too),
@@ -15,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling, yarn_mscale
-from megatron_lite.models import hf_deepseek
+from megatron_lite.models import hf_deepseek, hf_qwen2moe
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3
+from megatron_lite.models.hf_qwen2moe import QWEN2_MOE
 
 LLAMA_LIKE = (
     "LlamaForCausalLM",
@@ -25,6 +27,7 @@ LLAMA_LIKE = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    QWEN2_MOE,
     "NemotronForCausalLM",
     "Phi3ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -44,6 +47,7 @@ def _arch(hf_config: Any) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen2_moe": QWEN2_MOE,
         "nemotron": "NemotronForCausalLM",
         "phi3": "Phi3ForCausalLM",
         "mixtral": "MixtralForCausalLM",
@@ -112,6 +116,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         nemotron = arch == "NemotronForCausalLM"
         act = "relu2" if nemotron else "silu"
         hf_deepseek.check_activation(c, arch, act)
+        moe = hf_qwen2moe.config_kwargs(c) if arch == QWEN2_MOE else {}  # (its sliding-window rule first)
         if nemotron and getattr(c, "mlp_bias", False) != getattr(c, "attention_bias", False):
             raise ConfigError(
                 f"config.json mlp_bias={c.mlp_bias} with attention_bias={c.attention_bias} is not supported: "
@@ -146,7 +151,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         attention_bias = getattr(c, "attention_bias", False)
         if attention_bias and arch not in ("Qwen2ForCausalLM", "NemotronForCausalLM"):
             raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
-        if getattr(c, "shared_expert_intermediate_size", 0):
+        if getattr(c, "shared_expert_intermediate_size", 0) and arch != QWEN2_MOE:
             raise ConfigError(f"config.json shared_expert_intermediate_size is not supported for {arch}")
         base, scaling = _rope(c)
         partial = _partial_rotary(c)
@@ -202,6 +207,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
                 moe_layer_freq=1 if all(pattern) else pattern,
                 moe_aux_loss_coeff=0.0,
             )
+        kwargs.update(moe)
     elif arch == "GPT2LMHeadModel":
         c = hf_config
         if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
@@ -269,6 +275,8 @@ def _architecture(config: ModelConfig) -> str:
             f"{config.position_embedding_type} positions); supported: Llama/Mistral/Qwen2/Qwen3/Mixtral, Nemotron, "
             "GPT-2"
         )
+    if config.num_experts and config.moe_shared_expert_gate:
+        return QWEN2_MOE
     if config.qk_layernorm:
         return "Qwen3MoeForCausalLM" if config.num_experts else "Qwen3ForCausalLM"
     if config.num_experts:
@@ -326,7 +334,7 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         if c.num_experts:
             if c.moe_router_score_function != "softmax" or c.moe_router_enable_expert_bias:
                 problems.append(f"a sigmoid router or expert bias ({arch} routes by softmax)")
-            if c.moe_shared_expert_intermediate_size:
+            if c.moe_shared_expert_intermediate_size and arch != QWEN2_MOE:
                 problems.append("shared experts")
             if arch == "MixtralForCausalLM" and c.moe_layer_freq != 1:
                 problems.append("dense layers between MoE layers (Qwen3-MoE has them, with --qk-layernorm)")
@@ -344,6 +352,8 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("a sliding window with --qk-layernorm")
         if arch == "Qwen2ForCausalLM" and c.sliding_window:
             problems.append("a sliding window with --add-qkv-bias (exported as Qwen2, whose window we do not write)")
+        if arch == QWEN2_MOE:
+            problems += hf_qwen2moe.export_problems(c)
         if arch == "MixtralForCausalLM" and c.add_qkv_bias:
             problems.append("QKV bias (--add-qkv-bias; Mixtral's attention has none)")
         if arch == "Phi3ForCausalLM" and c.rope_scaling is not None:
@@ -363,6 +373,7 @@ MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    QWEN2_MOE: "qwen2_moe",
     "NemotronForCausalLM": "nemotron",
     "Phi3ForCausalLM": "phi3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -457,11 +468,13 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         out.update(attention_bias=False, mlp_bias=False)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         out["sliding_window"] = c.sliding_window
-    if arch in ("Qwen2ForCausalLM", *QWEN3):
+    if arch in ("Qwen2ForCausalLM", QWEN2_MOE, *QWEN3):
         out.update(use_sliding_window=False, sliding_window=None)
         out.pop("layer_types", None)  # (transformers derives them: full attention everywhere)
     if arch in QWEN3:
         out["attention_bias"] = False
+    if arch == QWEN2_MOE:
+        out.update(hf_qwen2moe.config_fields(c))
     if arch == "Qwen3MoeForCausalLM":
         out.update(
             num_experts=c.num_experts,

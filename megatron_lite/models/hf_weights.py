@@ -4,7 +4,7 @@ both ways. The map is linear, so it also carries gradients.
 Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
 GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q; k; v] over all heads;
 Phi-3 fuses qkv_proj ([q; k; v]) and gate_up_proj; Nemotron's LayerNorm1P holds gamma - 1, the others gamma;
-Mixtral's and Qwen3-MoE's experts are 3-D module tensors in memory and one file per expert on disk.
+Mixtral's, Qwen3-MoE's and Qwen2-MoE's experts are 3-D module tensors in memory and one file per expert on disk.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.models import hf_qwen2moe
 from megatron_lite.models.hf import LLAMA_LIKE
 
 
@@ -194,7 +195,10 @@ def state_dict_from_hf(
                 out[f"{o}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
             if config.num_experts and config.is_moe_layer(i):
                 out.update(_experts_from_hf(hf, p, f"{o}.mlp", config.num_experts))
-                out.update(_shared_and_bias_from_hf(hf, p, f"{o}.mlp", config))
+                if arch == hf_qwen2moe.QWEN2_MOE:  # (a gated shared expert, mlp.shared_expert: singular)
+                    out.update(hf_qwen2moe.shared_from_hf(hf, p, f"{o}.mlp"))
+                else:
+                    out.update(_shared_and_bias_from_hf(hf, p, f"{o}.mlp", config))
             elif p + "mlp.gate_up_proj.weight" in hf:  # Phi-3: [gate; up], our layout
                 out[f"{o}.mlp.linear_fc1.weight"] = hf[p + "mlp.gate_up_proj.weight"]
                 out[f"{o}.mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
@@ -292,6 +296,8 @@ def state_dict_to_hf(
                     hf[p + "mlp.shared_experts.gate_proj.weight"] = gate
                     hf[p + "mlp.shared_experts.up_proj.weight"] = up
                     hf[p + "mlp.shared_experts.down_proj.weight"] = ours[f"{m}.shared_expert.linear_fc2.weight"]
+            if moe and arch == hf_qwen2moe.QWEN2_MOE:
+                hf.update(hf_qwen2moe.shared_to_hf(ours, f"{o}.mlp", p))
             if moe and on_disk:
                 m = f"{o}.mlp"
                 # Mixtral: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2; Qwen3-MoE: mlp.experts.{e}.*_proj
