@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 import transformers
-from test_convert import V, _hf_logits, _load_ours, _rel, _tensors, convert
+from test_convert import PROMPT, V, _hf_greedy, _hf_logits, _load_ours, _rel, _tensors, convert, ours_at
 
 from megatron_lite.config import ConfigError, ParallelConfig
 
@@ -85,6 +85,18 @@ def test_qwen2_moe_converts_both_ways_with_transformers_logits(tmp_path, case):
     for field in ("norm_topk_prob", "qkv_bias", "shared_expert_intermediate_size", "moe_intermediate_size"):
         assert getattr(reloaded.config, field) == getattr(model.config, field), field
     assert torch.equal(_hf_logits(reloaded, IDS), ref)
+
+
+def test_qwen2_moe_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
+    """The converted model split over TP=2 (the gate replicated, the shared expert's MLP split), with our KV cache."""
+    model = _random_model(_qwen2_moe_config(**CASES["pre-softmax-bias-dense-layer"]))
+    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
+    model.save_pretrained(hf_dir)
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    ref, greedy = _hf_logits(model, IDS), _hf_greedy(model, PROMPT)
+    for logits, generated in dist(2, ours_at, ours, ParallelConfig(tensor_model_parallel_size=2), IDS):
+        assert _rel(logits, ref) <= 1e-5, _rel(logits, ref)
+        assert generated == greedy
 
 
 @pytest.mark.parametrize(
