@@ -129,6 +129,10 @@ def test_qwen3_moe_dense_layer_adapters_are_refused_for_peft():
     state = {"decoder.layers.0.mlp.linear_fc1.lora.pairs.gate.A": torch.zeros(4, 8)}
     with pytest.raises(ConfigError, match="PEFT cannot target Qwen3MoeForCausalLM's dense"):
         to_peft(state, config, LoraConfig(rank=4), "Qwen3MoeForCausalLM")
+    # Qwen2-MoE's shared expert too (it would have been written as DeepSeek's mlp.shared_experts.*)
+    state = {"decoder.layers.1.mlp.shared_expert.linear_fc1.lora.pairs.gate.A": torch.zeros(4, 8)}
+    with pytest.raises(ConfigError, match="PEFT cannot target Qwen2MoeForCausalLM's dense or shared-expert"):
+        to_peft(state, config, LoraConfig(rank=4), "Qwen2MoeForCausalLM")
 
 
 def test_a_resume_keeps_every_trained_adapter_at_its_scale(tmp_path, capsys, monkeypatch):

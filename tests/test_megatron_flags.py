@@ -174,19 +174,13 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         # (a flag-compatibility review: these were "no such flag", which does not tell Megatron's from a typo)
         (["--use-legacy-models"], "--use-legacy-models is not supported: megatron_lite has one model"),
         (["--apply-residual-connection-post-layernorm"], "is not supported: the residual is taken before each norm"),
+        # (implemented since; Megatron silently builds no gate without a shared expert)
+        (
+            ["--disable-bias-linear", "--num-experts", "4", "--moe-shared-expert-gate"],
+            "--moe-shared-expert-gate gates the MoE layers' shared expert and this model has none: add",
+        ),
         # (an attention review against Megatron-Core 0.16.1, whose TransformerConfig has these: "no such flag" told
         # a Megatron user to remove a flag that changes the model)
-        (
-            [
-                "--disable-bias-linear",
-                "--num-experts",
-                "4",
-                "--moe-shared-expert-intermediate-size",
-                "32",
-                "--moe-shared-expert-gate",
-            ],
-            "--moe-shared-expert-gate is not supported: the sigmoid gate on the shared",
-        ),
         (["--position-embedding-type", "rope", "--no-rope-freq", "4"], "--no-rope-freq is not supported: RoPE is"),
         (["--qk-l2-norm"], "--qk-l2-norm is not supported: L2-normalised queries and keys"),
         (["--attention-output-gate"], "--attention-output-gate is not supported: the sigmoid gate on the attention"),
