@@ -83,6 +83,7 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     dense = 2 * norm + attn + router
     if model.moe_shared_expert_intermediate_size:
         dense += _mlp_params(h, model.moe_shared_expert_intermediate_size, swiglu, model.add_bias_linear, tp)
+        dense += h if model.moe_shared_expert_gate else 0  # (the gate's [1, hidden], replicated)
     expert = e // ep * _mlp_params(h, model.moe_ffn_size, swiglu, model.add_bias_linear, tp)
     return dense, expert
 
