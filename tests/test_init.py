@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
+from test_megatron_flags import MOCK
 
+from megatron_lite.arguments import parse_args
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.parallel_context import ParallelContext
@@ -103,3 +105,87 @@ def test_the_tracked_generators_draw_independent_streams(tp, ep):
     tracker.add("a", 7)
     with pytest.raises(ValueError, match="RNG seed 7 of 'b' is already used by 'a'"):
         tracker.add("b", 7)
+
+
+# Megatron's init flags (moved from test_megatron_flags.py) ------------------------------------------------
+def test_embedding_init_method_std_initialises_the_embeddings_and_spares_them_weight_decay(tmp_path):
+    """Megatron's --embedding-init-method-std (refused before): the word and position embeddings are drawn with
+    that std, the rest with --init-method-std, and the embeddings take no weight decay (Megatron's
+    default_skip_embedding_weight_decay, by name)."""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.optimizer import group_name, optimizer_groups
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.parameters import named_param_meta
+
+    flags = [*MOCK, "--position-embedding-type", "learned_absolute", "--untie-embeddings-and-output-weights"]
+    _, job = parse_args([*flags, "--embedding-init-method-std", "0.5"])
+    ctx = ParallelContext.virtual(job.parallel, 1)
+    model = build_model(job.model, ctx, seed=1)
+    stds = {name: p[:100].float().std().item() for name, p in model.named_parameters()}  # (not padded rows)
+    assert stds["0.embedding.word_embeddings.weight"] == pytest.approx(0.5, rel=0.05)
+    assert stds["0.embedding.position_embeddings.weight"] == pytest.approx(0.5, rel=0.05)
+    assert stds["0.output_layer.weight"] == pytest.approx(0.02, rel=0.05)
+    assert stds["0.decoder.layers.0.self_attention.linear_qkv.weight"] == pytest.approx(0.02, rel=0.05)
+    entries = [(p, group_name(n, m), p.ndim) for n, p, m in named_param_meta(model)]
+    decayed = {id(p) for g in optimizer_groups(entries, job.optimizer) if g["weight_decay"] for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert "0.output_layer.weight" in names and "0.decoder.layers.0.self_attention.linear_qkv.weight" in names
+    assert not any("embedding" in n for n in names)
+    _, plain = parse_args(flags)  # (without the flag the embeddings decay)
+    assert plain.model.embedding_init_method_std is None and not plain.optimizer.skip_embedding_weight_decay
+
+
+@pytest.mark.slow
+def test_embedding_init_method_std_under_pp2_with_tied_embeddings_equals_one_process(tmp_path, pretrain_job):
+    """The last stage's copy of the tied word embeddings is initialised and spared weight decay as the
+    embeddings are (by its group name), so PP2 logs what one process logs; Megatron's rule by name alone would
+    decay the copy ("output_layer.weight") and not the first stage's."""
+    from test_pretrain_torchrun import records
+
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 6 --micro-batch-size 1 "
+        "--global-batch-size 4 --lr 1e-2 --weight-decay 0.5 --log-interval 1 --eval-iters 0 --hidden-dropout 0 "
+        "--attention-dropout 0 --distributed-backend gloo --embedding-init-method-std 0.5"
+    ).split()
+    pretrain_job(1, [*args, "--log-jsonl", str(tmp_path / "one.jsonl")])
+    pretrain_job(2, [*args, "--pipeline-model-parallel-size", "2", "--log-jsonl", str(tmp_path / "pp2.jsonl")])
+    one, pp2 = records(tmp_path / "one.jsonl"), records(tmp_path / "pp2.jsonl")
+    assert len(one) == len(pp2) == 6
+    for a, b in zip(one, pp2):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * a["lm_loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
+
+
+@pytest.mark.parametrize("embedding_std", [None, "0.5"])
+def test_init_method_xavier_uniform_draws_every_weight_from_its_full_fans(embedding_std):
+    """Megatron's --init-method-xavier-uniform (refused before): init_method and scaled_init_method are
+    torch.nn.init.xavier_uniform_, the embeddings' too unless --embedding-init-method-std differs; the bound
+    sqrt(6 / (fan_in + fan_out)) is the full tensor's (Megatron's CPU initialisation), so TP2 draws the same."""
+    import math
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    flags = [*MOCK, "--init-method-xavier-uniform", "--untie-embeddings-and-output-weights", "--swiglu"]
+    flags += ["--embedding-init-method-std", embedding_std] if embedding_std else []
+    _, job = parse_args(flags)
+    model = build_model(job.model, ParallelContext.virtual(job.parallel, 1), seed=3)
+    h, f = 768, job.model.ffn_size
+    expected = {  # (full shapes: [out, in])
+        "decoder.layers.0.self_attention.linear_qkv.weight": (3 * h, h),
+        "decoder.layers.1.self_attention.linear_proj.weight": (h, h),
+        "decoder.layers.0.mlp.linear_fc1.weight": (2 * f, h),
+        "decoder.layers.1.mlp.linear_fc2.weight": (h, f),
+        "output_layer.weight": (100, h),
+        "embedding.word_embeddings.weight": (100, h),
+    }
+    params = dict(model[0].named_parameters())
+    for name, (out, inp) in expected.items():
+        w = params[name][:out].float()  # (the vocabulary's padding rows stay zero)
+        bound = math.sqrt(6.0 / (out + inp))
+        if "embedding" in name and embedding_std:
+            assert w.std().item() == pytest.approx(0.5, rel=0.05), name
+            continue
+        assert w.abs().max().item() <= bound and w.abs().max().item() > 0.99 * bound, name
+        assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03), name
+    assert params["decoder.layers.0.input_layernorm.weight"].eq(1).all()  # (not weights drawn normal)
