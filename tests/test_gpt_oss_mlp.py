@@ -90,7 +90,9 @@ def test_dense_mlp_is_the_clamped_offset_quick_geglu_written_out(kernels):
     torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-4)
 
 
-def test_export_to_hugging_face_is_refused_until_a_gpt_oss_converter():
+def test_export_of_gpt_oss_mlps_is_refused_but_to_gpt_oss():
+    """Only GptOssForCausalLM computes the quick-GEGLU experts and biased MoE layers (a model without gpt-oss's
+    attention sinks has no Hugging Face class; tests/test_convert_gpt_oss.py exports gpt-oss itself)."""
     from megatron_lite.models.hf import architecture_for, check_exportable
 
     rope = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--disable-bias-linear"]
@@ -101,7 +103,7 @@ def test_export_to_hugging_face_is_refused_until_a_gpt_oss_converter():
         check_exportable(model, "LlamaForCausalLM")
     biased_moe = parse_args([*MOCK, "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                              "--num-experts", "4"])[1].model  # fmt: skip
-    with pytest.raises(ConfigError, match=r"or experts with biases\): no converter"):
+    with pytest.raises(ConfigError, match=r"or experts with biases\): only GptOssForCausalLM computes it"):
         check_exportable(biased_moe, "MixtralForCausalLM")
 
 

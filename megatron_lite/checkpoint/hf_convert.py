@@ -66,6 +66,7 @@ from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedd
 from megatron_lite.data.tokenizers import tokenizer_from_saved
 from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import rope_interleave_of
+from megatron_lite.models.hf_gpt_oss import GPT_OSS, dequantize_experts
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
@@ -178,6 +179,8 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     config = config_from_hf(hf_config)
     log(f"{load_dir}: {arch}, {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}")
     hf = normalize_hf_names(read_hf_tensors(load_dir), arch)
+    if arch == GPT_OSS:  # (the Hub's gpt-oss experts are MXFP4: dequantised exactly)
+        hf = dequantize_experts(hf, log)
     check_not_quantised(hf, raw, load_dir, log)
     # DeepSeek-V3's multi-token-prediction layers follow its last layer. (transformers' config defaults
     # num_nextn_predict_layers to 1 and its model has none, so the file and the tensors decide.)

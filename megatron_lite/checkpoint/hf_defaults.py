@@ -18,6 +18,7 @@ MODEL_TYPES_CLASSES = {
     "mixtral": "MixtralConfig",
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV2Config",
+    "gpt_oss": "GptOssConfig",
     "gpt2": "GPT2Config",
 }
 
@@ -154,6 +155,28 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         topk_group=None,
         topk_method="greedy",
         first_k_dense_replace=0,
+    ),
+    "gpt_oss": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150000.0,
+        },  # fmt: skip
+        attention_bias=True,
+        attention_dropout=0.0,
+        max_position_embeddings=131072,
+        head_dim=64,
+        sliding_window=128,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
     ),
     "gpt2": dict(
         tie_word_embeddings=True,

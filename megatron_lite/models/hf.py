@@ -7,8 +7,9 @@ a gated shared expert: models/hf_qwen2moe.py), Phi3ForCausalLM (Phi-3, Phi-4:
 fused qkv_proj and gate_up_proj, partial RoPE, sliding window), NemotronForCausalLM (LayerNorm
 with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM, DeepseekV3ForCausalLM (multi-latent
 attention, sigmoid routing with score-correction bias, expert groups, shared experts; Kimi-K2 too),
-DeepseekV2ForCausalLM (softmax top-k routing) and
-GPT2LMHeadModel. A field that changes the math and that we do not implement is refused, never ignored.
+DeepseekV2ForCausalLM (softmax top-k routing), GptOssForCausalLM (attention sinks, alternating windows, biased
+quick-GEGLU experts: models/hf_gpt_oss.py) and GPT2LMHeadModel. A field that changes the math and that we do not
+implement is refused, never ignored.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling, yarn_mscale
-from megatron_lite.models import hf_deepseek, hf_qwen2moe
+from megatron_lite.models import hf_deepseek, hf_gpt_oss, hf_qwen2moe
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3
+from megatron_lite.models.hf_gpt_oss import GPT_OSS
 from megatron_lite.models.hf_qwen2moe import QWEN2_MOE
 
 LLAMA_LIKE = (
@@ -32,6 +34,7 @@ LLAMA_LIKE = (
     "Phi3ForCausalLM",
     "DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM",
+    GPT_OSS,
 )
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
 PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM")  # rotate the first partial_rotary_factor of a head
@@ -53,6 +56,7 @@ def _arch(hf_config: Any) -> str:
         "mixtral": "MixtralForCausalLM",
         "deepseek_v3": "DeepseekV3ForCausalLM",
         "deepseek_v2": "DeepseekV2ForCausalLM",
+        "gpt_oss": GPT_OSS,
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
 
@@ -111,6 +115,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
     if arch in DEEPSEEK:
         kwargs = hf_deepseek.config_kwargs(hf_config, arch, _rope(hf_config))
+    elif arch == GPT_OSS:
+        kwargs = hf_gpt_oss.config_kwargs(hf_config, _rope(hf_config))
     elif arch in LLAMA_LIKE:
         c = hf_config
         nemotron = arch == "NemotronForCausalLM"
@@ -264,6 +270,8 @@ def _architecture(config: ModelConfig) -> str:
     if config.multi_latent_attention:
         softmax = config.num_experts and config.moe_router_score_function == "softmax"
         return DEEPSEEK_V2 if softmax else DEEPSEEK_V3
+    if config.softmax_type == "learnable" and config.activation == "quick_geglu":
+        return GPT_OSS
     if config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm":
         return "GPT2LMHeadModel"
     if config.position_embedding_type == "rope" and config.normalization == "LayerNorm":
@@ -297,13 +305,16 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         if c.rotary_interleaved
         else []
     )
-    if c.softmax_type != "vanilla":
+    if c.softmax_type != "vanilla" and arch != GPT_OSS:
         problems.append(f"attention sinks (--softmax-type {c.softmax_type})")
-    if c.sliding_window and any(c.layer_window(i) is None for i in range(c.num_layers)):
+    if c.sliding_window and any(c.layer_window(i) is None for i in range(c.num_layers)) and arch != GPT_OSS:
         problems.append("full-attention layers between the windowed ones (--window-attn-skip-freq)")
-    if c.activation == "quick_geglu" or (c.num_experts and c.add_bias_linear):  # (until a gpt-oss converter)
-        problems.append("gpt-oss's MLP (--quick-geglu with its offset and clamp, or experts with biases): no converter")
-    if arch in DEEPSEEK:
+    if arch != GPT_OSS and (c.activation == "quick_geglu" or (c.num_experts and c.add_bias_linear)):
+        problems.append("gpt-oss's MLP (--quick-geglu with its offset and clamp, or experts with biases): only "
+                        "GptOssForCausalLM computes it")  # fmt: skip
+    if arch == GPT_OSS:
+        problems += hf_gpt_oss.export_problems(c)
+    elif arch in DEEPSEEK:
         problems += hf_deepseek.export_problems(c, arch)
     elif arch == "GPT2LMHeadModel":
         if not c.add_bias_linear:
@@ -378,6 +389,7 @@ MODEL_TYPES = {
     "Phi3ForCausalLM": "phi3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    GPT_OSS: "gpt_oss",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -490,6 +502,8 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
             # the softmax scale's factor, in both blocks: with both written, transformers 5 builds its rope
             # parameters from rope_scaling (the scale came back without mscale^2), and 4.x reads only that one
             rope["mscale_all_dim"] = out["rope_scaling"]["mscale_all_dim"] = c.mla_mscale_all_dim
+    if arch == GPT_OSS:
+        out.update(hf_gpt_oss.config_fields(c))
     if arch == "MixtralForCausalLM":
         out.update(
             num_local_experts=c.num_experts,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.models import hf_qwen2moe
+from megatron_lite.models import hf_gpt_oss, hf_qwen2moe
 from megatron_lite.models.hf import LLAMA_LIKE
 
 
@@ -193,7 +193,9 @@ def state_dict_from_hf(
             if config.qk_layernorm and not config.multi_latent_attention:
                 out[f"{o}.self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
                 out[f"{o}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
-            if config.num_experts and config.is_moe_layer(i):
+            if arch == hf_gpt_oss.GPT_OSS:  # (its sinks, router and experts)
+                out.update(hf_gpt_oss.layer_from_hf(hf, p, o, config))
+            elif config.num_experts and config.is_moe_layer(i):
                 out.update(_experts_from_hf(hf, p, f"{o}.mlp", config.num_experts))
                 if arch == hf_qwen2moe.QWEN2_MOE:  # (a gated shared expert, mlp.shared_expert: singular)
                     out.update(hf_qwen2moe.shared_from_hf(hf, p, f"{o}.mlp"))
@@ -286,6 +288,9 @@ def state_dict_to_hf(
                 hf[p + "self_attn.q_norm.weight"] = ours[f"{o}.self_attention.q_layernorm.weight"]
                 hf[p + "self_attn.k_norm.weight"] = ours[f"{o}.self_attention.k_layernorm.weight"]
             moe = config.num_experts and config.is_moe_layer(i)
+            gpt_oss = arch == hf_gpt_oss.GPT_OSS  # (its sinks, router and experts)
+            if gpt_oss:
+                hf.update(hf_gpt_oss.layer_to_hf(ours, o, p, config))
             if moe and arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):  # shared experts (V3: the bias)
                 m = f"{o}.mlp"
                 if arch == "DeepseekV3ForCausalLM":
@@ -298,7 +303,9 @@ def state_dict_to_hf(
                     hf[p + "mlp.shared_experts.down_proj.weight"] = ours[f"{m}.shared_expert.linear_fc2.weight"]
             if moe and arch == hf_qwen2moe.QWEN2_MOE:
                 hf.update(hf_qwen2moe.shared_to_hf(ours, f"{o}.mlp", p))
-            if moe and on_disk:
+            if gpt_oss:
+                pass
+            elif moe and on_disk:
                 m = f"{o}.mlp"
                 # Mixtral: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2; Qwen3-MoE: mlp.experts.{e}.*_proj
                 q, names = (

@@ -1,0 +1,174 @@
+"""gpt-oss (transformers' GptOssForCausalLM) <-> megatron_lite through tools/checkpoint/convert.py, against real
+transformers models with every weight random (sinks, biases, router): our logits equal transformers' (per tensor
+within 1e-5, fp32; one process and TP=2 with our KV cache's greedy generation); the export loads in transformers
+bit-exact; the Hub's MXFP4 expert weights are dequantised as transformers dequantises them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from test_convert import PROMPT, V, _hf_greedy, _hf_logits, _load_ours, _rel, _tensors, convert, ours_at
+
+from megatron_lite.config import ConfigError, ParallelConfig
+
+IDS = [(7 * i + 3) % V for i in range(16)]
+
+
+def _config(**kw) -> transformers.GptOssConfig:
+    return transformers.GptOssConfig(
+        **{
+            "vocab_size": V,
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 64,
+            "sliding_window": 5,  # (16 tokens: longer than the window)
+            "swiglu_limit": 1.5,  # (small enough that the clamps bite on random weights)
+            # YaRN as gpt-oss's, scaled down: original length 8, factor 4, truncate false
+            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 8, "rope_theta": 5e3},
+            **kw,
+        }
+    )  # fmt: skip
+
+
+def _random_model(config) -> transformers.GptOssForCausalLM:
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():  # (transformers starts biases and the router at zeros; sinks uninitialised)
+        for name, p in model.named_parameters():
+            big = name.endswith(("router.weight", "sinks", "router.bias"))
+            p.copy_(torch.randn_like(p) * (0.5 if big else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
+    return model
+
+
+def test_gpt_oss_converts_both_ways_with_transformers_logits(tmp_path):
+    model = _random_model(_config())
+    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
+    model.save_pretrained(hf_dir)
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    ref = _hf_logits(model, IDS)
+
+    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    assert (config.softmax_type, config.activation, config.glu_linear_offset) == ("learnable", "quick_geglu", 1.0)
+    assert config.activation_func_clamp_value == 1.5 and config.add_bias_linear and config.num_experts == 4
+    # layer_types alternate sliding / full from the first layer: Megatron's --window-attn-skip-freq 2
+    assert config.window_attn_skip_freq == 2 and config.sliding_window == 5
+    assert [config.layer_window(i) for i in range(4)] == [5, None, 5, None]
+    with torch.no_grad():
+        logits = ours_model(torch.tensor([IDS]))[0].float()
+    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
+
+    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    a, b = _tensors(hf_dir), _tensors(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())[:4]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert type(reloaded) is transformers.GptOssForCausalLM
+    for field in ("layer_types", "sliding_window", "swiglu_limit", "head_dim", "num_local_experts", "attention_bias"):
+        assert getattr(reloaded.config, field) == getattr(model.config, field), field
+    assert torch.equal(_hf_logits(reloaded, IDS), ref)
+
+
+def test_gpt_oss_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
+    """Split over TP=2 (each rank its heads' sinks, its experts' fc1 rows), generating with our KV cache."""
+    model = _random_model(_config())
+    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
+    model.save_pretrained(hf_dir)
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    ref, greedy = _hf_logits(model, IDS), _hf_greedy(model, PROMPT)
+    for logits, generated in dist(2, ours_at, ours, ParallelConfig(tensor_model_parallel_size=2), IDS):
+        assert _rel(logits, ref) <= 1e-5, _rel(logits, ref)
+        assert generated == greedy
+
+
+def test_mxfp4_dequantisation_is_transformers_own():
+    """The Hub's gpt-oss experts: e2m1 codes two a byte (low nibble first) and an e8m0 scale a 32-value block; a
+    byte worked out by hand, and random blocks against transformers' convert_moe_packed_tensors."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from megatron_lite.models.hf_gpt_oss import dequantize_mxfp4
+
+    blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x2B  # low nibble 0xB = -1.5, high nibble 0x2 = +1.0
+    scales = torch.full((1, 1), 129, dtype=torch.uint8)  # 2^(129 - 127) = 4
+    assert dequantize_mxfp4(blocks, scales)[0, :2].tolist() == [-6.0, 4.0]
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (3, 10, 2), generator=g, dtype=torch.uint8)
+    theirs = convert_moe_packed_tensors(blocks, scales)  # [E, in, out]: transposed, as GptOssExperts holds them
+    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), theirs)
+
+
+def test_an_mxfp4_checkpoint_converts_to_the_dequantised_model(tmp_path):
+    """A checkpoint whose experts are stored as the Hub stores gpt-oss's (gate_up_proj_blocks / _scales, down_proj
+    likewise, quantization_config mxfp4) converts to the weights those blocks hold: the same checkpoint as the model
+    with the dequantised weights in place."""
+    from safetensors.torch import load_file, save_file
+
+    model = _random_model(_config(num_hidden_layers=2))
+    plain, packed, a, b = (tmp_path / k for k in ("plain", "packed", "a", "b"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:  # weights MXFP4 can hold: random blocks and scales, dequantised
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(layer.mlp.experts, name)
+                rows, cols = w.shape[2], w.shape[1]
+                blocks = torch.randint(0, 256, (w.shape[0], rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+                scales = torch.randint(120, 125, (w.shape[0], rows, cols // 32), generator=g, dtype=torch.uint8)
+                layer.mlp.experts.register_buffer(f"_{name}_packed", blocks, persistent=False)
+                layer.mlp.experts.register_buffer(f"_{name}_scales", scales, persistent=False)
+                from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+                w.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    model.save_pretrained(str(plain))
+    model.save_pretrained(str(packed))
+    tensors = load_file(str(packed / "model.safetensors"))
+    for i, layer in enumerate(model.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            tensors[key + "_blocks"] = getattr(layer.mlp.experts, f"_{name}_packed")
+            tensors[key + "_scales"] = getattr(layer.mlp.experts, f"_{name}_scales")
+    save_file(tensors, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((packed / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (packed / "config.json").write_text(json.dumps(raw))
+    for src, dst in ((plain, a), (packed, b)):
+        assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(src),
+                             "--save-dir", str(dst)]) == 0  # fmt: skip
+    ours_a, ours_b = (_load_ours(str(d), ParallelConfig())[0].state_dict() for d in (a, b))
+    for k, v in ours_a.items():
+        if "experts" in k and "weight" in k:  # (bf16 dequantisation of values bf16 holds exactly)
+            assert torch.equal(ours_b[k].float(), v.float()), k
+
+
+@pytest.mark.parametrize(
+    "changes,fragment",
+    [
+        ({"swiglu_alpha": 1.5}, "swiglu_alpha 1.5 is not supported"),
+        ({"attention_bias": False}, "attention_bias=false is not supported"),
+        ({"layer_types": ["sliding_attention"] * 3 + ["chunked_attention"]}, "layer_types"),
+    ],
+)
+def test_what_gpt_oss_we_cannot_compute_is_refused(changes, fragment):
+    from megatron_lite.models.hf import config_from_hf
+
+    with pytest.raises(ConfigError, match=fragment):
+        config_from_hf(_config(**changes))
+
+
+def test_a_non_alternating_window_pattern_converts_as_a_pattern():
+    from megatron_lite.models.hf import config_from_hf
+
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    config = config_from_hf(_config(layer_types=types))
+    assert config.window_attn_skip_freq == (0, 1, 1, 0)
+    assert [config.layer_window(i) for i in range(4)] == [None, 5, 5, None]
