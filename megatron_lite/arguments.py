@@ -162,9 +162,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         rotary_interleaved=ns.rotary_interleaved,
         rope_scaling=_rope_scaling(ns),
         sliding_window=ns.window_size,
-        window_attn_skip_freq=None
-        if ns.window_attn_skip_freq is None
-        else flag_values.layer_freq(ns.window_attn_skip_freq, "--window-attn-skip-freq"),
+        window_attn_skip_freq=ns.window_attn_skip_freq,
         softmax_type=ns.softmax_type,
         add_bias_linear=not ns.disable_bias_linear,
         add_qkv_bias=ns.add_qkv_bias,

@@ -52,6 +52,8 @@ ARCH_DESTS = (
     "use_rope_scaling",
     "rope_scaling_factor",
     "window_size",
+    "window_attn_skip_freq",
+    "softmax_type",
     "untie_embeddings_and_output_weights",
     "disable_bias_linear",
     "add_qkv_bias",
@@ -152,7 +154,8 @@ def defaults_from_checkpoint(saved: dict) -> dict:
         out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
         out["rope_scaling_params"] = m["rope_scaling"]
     out["window_size"] = m.get("sliding_window")
-    out["window_attn_skip_freq"] = m.get("window_attn_skip_freq")  # (absent from older checkpoints)
+    freq = m.get("window_attn_skip_freq")  # (absent from older checkpoints; a pattern as the flag reads it)
+    out["window_attn_skip_freq"] = tuple(freq) if isinstance(freq, list) else freq
     out["softmax_type"] = m.get("softmax_type", "vanilla")
     out["disable_bias_linear"] = not m["add_bias_linear"]
     out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})

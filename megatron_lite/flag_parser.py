@@ -24,6 +24,18 @@ def _window_size(text: str) -> int:
     return left + 1
 
 
+def _skip_freq(text: str) -> int | tuple[int, ...]:
+    """--window-attn-skip-freq, read as --moe-layer-freq is (an integer or a 0/1 pattern), so a checkpoint's value
+    compares with the flag's."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.flag_values import layer_freq
+
+    try:
+        return layer_freq(text, "--window-attn-skip-freq")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _bool(p: argparse._ArgumentGroup, flag: str, help: str, *aliases: str) -> None:
     p.add_argument(flag, *aliases, action="store_true", help=help)
 
@@ -93,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--window-attn-skip-freq",
+        type=_skip_freq,
         help="which layers --window-size windows: N, every Nth layer attends fully (gpt-oss: 2); or a per-layer "
         "pattern, 1 = window, e.g. '[1,1,1,0]*3'",
     )

@@ -68,13 +68,37 @@ def test_layers_without_a_window_compute_full_attention(kernels):
         (["--window-attn-skip-freq", "0"], "--window-attn-skip-freq 0 must be >= 1"),
         (["--window-attn-skip-freq", "[1,0,2,1]"], "may hold only 0 .full. and 1 .window."),
         (["--window-attn-skip-freq", "[1,0]"], "pattern has 2 entries for --num-layers 4"),
-        (["--window-attn-skip-freq", "1,x"], "--window-attn-skip-freq '1,x' must be an integer"),
         (["--window-attn-skip-freq", "[1,0,1,0]", "--mtp-num-layers", "1"], "pattern with --mtp-num-layers"),
     ],
 )
 def test_bad_skip_frequencies_are_refused_at_start_up(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args([*MODEL, "--window-size", "4,0", *flags])
+
+
+def test_an_unreadable_skip_frequency_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*MODEL, "--window-size", "4,0", "--window-attn-skip-freq", "1,x"])
+    err = capsys.readouterr().err.strip()
+    assert "--window-attn-skip-freq '1,x' must be an integer" in err and "\n" not in err
+
+
+def test_a_checkpoint_keeps_its_softmax_offsets_and_windows(tmp_path, capsys, monkeypatch):
+    """--load brings back --softmax-type and --window-attn-skip-freq (the offsets are tensors of the checkpoint: a
+    model without them would leave them unread); the same values given again are no conflict, other values are."""
+    from test_pretrain_cli import _one_line_error, _run
+
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--mock-data", "--vocab-size", "100", "--window-size", "3,0", "--window-attn-skip-freq", "[1,0]"]
+    rc, _, err = _run([*flags, "--softmax-type", "learnable", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    again = ["--mock-data", "--vocab-size", "100", "--load", ckpt, "--train-iters", "4"]
+    rc, out, err = _run([*again, "--window-attn-skip-freq", "1,0"], capsys, monkeypatch)
+    assert rc == 0 and "loaded" in out, err
+    rc, _, err = _run([*again, "--softmax-type", "vanilla"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--softmax-type vanilla conflicts with the checkpoint", "(learnable)")
+    rc, _, err = _run([*again, "--window-attn-skip-freq", "2"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--window-attn-skip-freq 2 conflicts with the checkpoint")
 
 
 def _hf_sink_attention(q, k, v, sinks, window):

@@ -43,6 +43,7 @@ STRUCTURE = {
     "add_bias_linear": "--disable-bias-linear",
     "add_qkv_bias": "--add-qkv-bias",
     "qk_layernorm": "--qk-layernorm",
+    "softmax_type": "--softmax-type",  # (learnable: a softmax_offset per layer)
     "multi_latent_attention": "--multi-latent-attention",
     "q_lora_rank": "--q-lora-rank",
     "kv_lora_rank": "--kv-lora-rank",
