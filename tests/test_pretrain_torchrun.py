@@ -23,6 +23,7 @@ SCRIPTS = [
     "mixtral_cpu_demo.sh",
     "mixtral_8x7b.sh",
     "qwen3_30b_a3b.sh",
+    "gpt_oss_20b.sh",
     "deepseek_v3.sh",
     "llama3_8b.sh",
     "llama3_70b_multinode.sh",
@@ -81,6 +82,13 @@ def test_the_dry_run_counts_the_models_parameters_as_transformers():
     total, experts = _hf_count(mixtral)
     active = total - experts + experts * 2 / 8
     assert f", {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active" in said("mixtral_8x7b.sh")
+    gpt_oss = transformers.GptOssConfig(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    total, experts = _hf_count(gpt_oss)  # (sinks, the router's and experts' biases included)
+    active = total - experts + experts * 4 / 32
+    assert f", {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active" in said("gpt_oss_20b.sh")
 
 
 def test_qlora_script_dry_run_on_a_machine_without_the_base():
