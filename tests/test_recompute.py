@@ -71,7 +71,9 @@ def run_with_recompute(
                     p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
     calls = {"layer": 0, "core_attn": 0, "mlp": 0, "moe": 0}
     for m in model.modules():
-        kind = {TransformerLayer: "layer", CoreAttention: "core_attn", MLP: "mlp", MoELayer: "moe"}.get(type(m))
+        # (isinstance: a MoE layer's shared expert is an MLP subclass, SharedExpertMLP, with its gate)
+        kinds = ((TransformerLayer, "layer"), (CoreAttention, "core_attn"), (MLP, "mlp"), (MoELayer, "moe"))
+        kind = next((k for cls, k in kinds if isinstance(m, cls)), None)
         if kind:
             m.register_forward_pre_hook(lambda *_, kind=kind: calls.__setitem__(kind, calls[kind] + 1))
     gen = torch.Generator().manual_seed(5)
