@@ -114,15 +114,19 @@ def _moe_config(**kw) -> ModelConfig:
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_moe_layer_with_biases_is_transformers_gpt_oss_mlp(kernels):
+def test_moe_layer_with_biases_is_transformers_gpt_oss_mlp(kernels, monkeypatch):
     """transformers' GptOssMLP (router with a bias, top-k of the logits then a softmax over them; experts with
     gate_up_proj interleaved, gate at even columns and up at odd, alpha 1.702, limit 7, (up + 1) * glu, and biases;
     each expert's output, down_proj's bias included, weighted by its probability) with its weights mapped by hand
-    into the MoE layer; and both against the routing and experts written out."""
+    into the MoE layer; and both against the routing and experts written out. Under --kernel-impl triton the
+    experts run as two grouped GEMMs, each row's expert's bias added after them."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
+    from megatron_lite import kernels as K
     from megatron_lite.moe.layer import MoELayer
+
+    from models import record_calls
 
     sizes = dict(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0)
     hf_config = GptOssConfig(**sizes, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
@@ -145,9 +149,11 @@ def test_moe_layer_with_biases_is_transformers_gpt_oss_mlp(kernels):
             expert.linear_fc2.weight.copy_(e.down_proj[i].T)
             expert.linear_fc2.bias.copy_(e.down_proj_bias[i])
     x = torch.randn(6, 2, 16, generator=g) * 2  # [seq, batch, hidden]
+    grouped = record_calls(monkeypatch, K, "grouped_gemm")
     with torch.no_grad():
         want, _ = hf(x.transpose(0, 1).double())
         got = ours(x)
+    assert len(grouped) == (2 if kernels == "triton" else 0)
     want = want.transpose(0, 1)
     gate_up = torch.einsum("th,ehf->tef", x.reshape(-1, 16).double(), e.gate_up_proj) + e.gate_up_proj_bias
     assert (gate_up[..., 0::2] > 7).any() and (gate_up[..., 1::2].abs() > 7).any()  # (both clamps bite)

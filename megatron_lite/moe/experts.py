@@ -118,10 +118,9 @@ class LocalExperts(nn.Module):
         """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
         # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once;
         # fp8 ones too, each expert's GEMMs with its own scales)
-        # (quick-GEGLU too: its activation is PyTorch ops; and biased experts: the grouped kernel stacks no biases)
         first = self.local_experts[0] if self.num_local else None
-        swiglu = first is not None and first.activation == "swiglu" and first.linear_fc1.bias is None
-        if self.triton and swiglu and first.linear_fc1.nf4 is None and first.linear_fc1.fp8 is None:
+        gated = first is not None and first.gated
+        if self.triton and gated and first.linear_fc1.nf4 is None and first.linear_fc1.fp8 is None:
             return self._grouped(x, counts)
         regenerate = self.recompute_act and self.training
         outs = [expert(chunk, regenerate) for expert, chunk in zip(self.local_experts, x.split(counts))]
@@ -129,18 +128,32 @@ class LocalExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """All local experts in two grouped GEMMs (Triton). The kernel stacks the experts' weights while it runs
-        (a copy a grouped parameter layout would avoid) and saves only the parameters for the backward."""
+        (a copy a grouped parameter layout would avoid) and saves only the parameters for the backward. Biases
+        (gpt-oss's) are added after each GEMM, each row its expert's."""
         c = torch.tensor(counts, dtype=torch.int64, device=x.device)
         w1 = [e.linear_fc1.weight for e in self.local_experts]
         w2 = [e.linear_fc2.weight for e in self.local_experts]
-        h = self._adapted("linear_fc1", x, counts, K.grouped_gemm(x, w1, c))
+        rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), c, output_size=x.shape[0])
+        h = self._adapted("linear_fc1", x, counts, self._biased("linear_fc1", K.grouped_gemm(x, w1, c), rows))
 
         def fc2(a: torch.Tensor) -> torch.Tensor:
-            return self._adapted("linear_fc2", a, counts, K.grouped_gemm(a, w2, c))
+            y = self._biased("linear_fc2", K.grouped_gemm(a, w2, c), rows)
+            return self._adapted("linear_fc2", a, counts, y)
 
         # (the SwiGLU kernel saves fc1's output h itself, so regenerating from h keeps nothing more alive)
-        make = functools.partial(K.swiglu_stacked, h)
+        first = self.local_experts[0]
+        make = functools.partial(activate, h, first.activation, True, first.config)
         return regenerated(make, fc2) if self.recompute_act and self.training else fc2(make())
+
+    def _biased(self, which: str, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """y plus each row's expert's bias (times fc2's bias scale: once over the expert-TP group), if any."""
+        layers = [getattr(e, which) for e in self.local_experts]
+        if layers[0].bias is None:
+            return y
+        bias = torch.stack(
+            [layer.bias * layer.bias_scale if layer.bias_scale != 1.0 else layer.bias for layer in layers]
+        )
+        return y + bias.index_select(0, rows)
 
     def _adapted(self, which: str, x: torch.Tensor, counts: list[int], y: torch.Tensor) -> torch.Tensor:
         """Each expert's adapters on its own rows (small GEMMs of rank r, one pair per expert)."""
