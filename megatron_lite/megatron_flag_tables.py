@@ -72,8 +72,8 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {
     ),
     "moe_grouped_gemm": (
         False,
-        "SwiGLU experts without biases run as grouped GEMMs with --kernel-impl triton (the default on CUDA; "
-        "under --qlora one by one), others (biased, quick-GEGLU: gpt-oss's) and --kernel-impl torch's as a loop",
+        "gated experts (SwiGLU, gpt-oss's quick-GEGLU, with or without biases) run as grouped GEMMs with "
+        "--kernel-impl triton (the default on CUDA; under --qlora or fp8 one by one), a loop with torch",
     ),
     "log_throughput": (False, "throughput is always logged"),
     "log_validation_ppl_to_tensorboard": (
