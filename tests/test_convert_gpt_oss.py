@@ -172,3 +172,20 @@ def test_a_non_alternating_window_pattern_converts_as_a_pattern():
     config = config_from_hf(_config(layer_types=types))
     assert config.window_attn_skip_freq == (0, 1, 1, 0)
     assert [config.layer_window(i) for i in range(4)] == [None, 5, 5, None]
+
+
+def test_a_peft_export_of_gpt_oss_expert_adapters_is_refused():
+    """Its experts' PEFT layout ([E, hidden, 2 ffn], gate and up interleaved) is not Mixtral's, which the expert
+    adapters' map writes: refused in one line (attention adapters export)."""
+    from megatron_lite.lora.config import LoraConfig
+    from megatron_lite.lora.peft import to_peft
+    from megatron_lite.models.hf import config_from_hf
+
+    config = config_from_hf(_config(num_hidden_layers=1))
+    lora = LoraConfig(rank=2, alpha=4.0)
+    attention = {f"decoder.layers.0.self_attention.linear_proj.lora.pairs.proj.{w}": torch.zeros(2, 2) for w in "AB"}
+    tensors, adapter_config = to_peft(attention, config, lora, "GptOssForCausalLM")
+    assert adapter_config["target_modules"] == ["o_proj"] and len(tensors) == 2
+    expert = {f"decoder.layers.0.mlp.experts.1.linear_fc1.lora.pairs.fc1.{w}": torch.zeros(2, 2) for w in "AB"}
+    with pytest.raises(ConfigError, match="gpt-oss's experts hold gate_up_proj as .experts, hidden, 2 x ffn."):
+        to_peft({**attention, **expert}, config, lora, "GptOssForCausalLM")

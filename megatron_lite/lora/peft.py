@@ -93,6 +93,13 @@ def to_peft(
             "maps gate_proj/up_proj/down_proj to the routed experts; export merged weights with --saver hf "
             "--merge-lora, or adapt attention and experts only (--lora-target-modules linear_qkv linear_proj experts)"
         )
+    experts = sorted({k.split(".lora.")[0] for k in lora_state if ".mlp.experts." in k})
+    if arch == "GptOssForCausalLM" and experts:  # (their PEFT layout is not Mixtral's, which the map below writes)
+        raise ConfigError(
+            f"--saver hf-peft: gpt-oss's experts hold gate_up_proj as [experts, hidden, 2 x ffn] with gate and up "
+            f"interleaved, which the adapters on {experts[0]}, ... are not mapped onto; export merged weights with "
+            "--saver hf --merge-lora, or adapt attention only (--lora-target-modules linear_qkv linear_proj)"
+        )
     mtp = sorted(k for k in lora_state if k.startswith("mtp."))
     if mtp:
         raise ConfigError(
