@@ -12,7 +12,6 @@ them, so the reader's layout need not be the writer's.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import threading
@@ -27,27 +26,25 @@ from megatron_lite.checkpoint.compatibility import (
     check_adapters_have_a_home,
     check_model_structure,
     check_optimizer_state,
-    megatron_lm,
 )
 from megatron_lite.checkpoint.compatibility import model_config_from_dict as model_config_from_dict
 from megatron_lite.checkpoint.format import (
     FORMAT,
     FORMAT_V1,
-    TRACKER,
     Piece,
     atomic_write,
     atomic_write_json,
-    complete_iterations,
     cpu_contiguous,
     file_digest,
     full_shape,
     iteration_dir,
     local_pieces,
     publish,
-    read_tracker,
     verify_file,
 )
-from megatron_lite.checkpoint.hf_files import peft_adapter
+
+# (find_checkpoint, read_metadata and same_directory are imported from here too)
+from megatron_lite.checkpoint.lookup import _read_json, find_checkpoint, read_metadata, same_directory  # noqa: F401
 from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.optimizer import any_rank, state_kinds
 from megatron_lite.parallel_context import ParallelContext
@@ -312,69 +309,6 @@ class AsyncSaver:
 
 
 # Loading ----------------------------------------------------------------------------------------
-def find_checkpoint(root: str | None, step: int | None = None, own: bool = False, flag: str = "--load") -> str | None:
-    """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); `root`
-    itself when it is one iteration's directory; None when `root` is missing or empty. Without the tracker file
-    (a job killed between publishing its first checkpoint and writing the tracker), the newest complete one.
-    A directory that holds something else is a one-line error naming `flag` (the caller's), unless it is the
-    job's own --save directory (`own`): its logs may lie there before any checkpoint does."""
-    if root and step is None and os.path.isfile(os.path.join(root, "metadata.json")):
-        return root  # (a QLoRA checkpoint records its base this way: that iteration, not the newest)
-    leftovers = (".tmp", ".old", ".partial")  # a save killed before the first checkpoint was published
-    if not root or not os.path.isdir(root) or all(n.endswith(leftovers) for n in os.listdir(root)):
-        if step is not None:
-            raise ConfigError(f"--ckpt-step {step}: --load {root} holds no checkpoint")
-        return None
-    if step is not None:
-        path = _whole(iteration_dir(root, step))
-        if path is None:
-            have = complete_iterations(root)
-            raise ConfigError(
-                f"--ckpt-step {step}: --load {root} has no complete checkpoint of iteration {step} "
-                f"(it has {have or 'none'}); pick one of those or drop --ckpt-step for the newest"
-            )
-        return path
-    try:
-        iteration = read_tracker(root)
-    except ValueError as e:
-        megatron_lm(f"{flag} {root}", os.path.join(root, "release"))  # (Megatron's released ones: "release")
-        raise ConfigError(f"{flag} {root}: {e}") from None
-    if iteration is None and (have := complete_iterations(root)):
-        iteration = have[-1]
-    if iteration is None:
-        if own:
-            return None
-        fix = (
-            "point --load at the --save directory of a run, or at an empty directory to start from scratch"
-            if flag == "--load"
-            else "give the --save directory of a run, or one of its iteration directories"
-        )
-        if (adapter := peft_adapter(root)) is not None:
-            fix = "it " + adapter.removeprefix(f"{root} ")  # (beside a model's weights too: the adapter)
-        elif os.path.isfile(os.path.join(root, "config.json")) and glob.glob(os.path.join(root, "*.safetensors")):
-            fix = (
-                "it is a Hugging Face model directory: convert it first (tools/checkpoint/convert.py --loader hf "
-                f"--saver megatron_lite --load-dir {root} --save-dir CKPT) and give CKPT"
-            )
-        raise ConfigError(f"{flag} {root} is not a megatron_lite checkpoint directory (no {TRACKER}); {fix}")
-    path = _whole(iteration_dir(root, iteration))
-    if path is None:
-        megatron_lm(f"{flag} {root}", iteration_dir(root, iteration))
-        missing = os.path.join(iteration_dir(root, iteration), "metadata.json")
-        have = complete_iterations(root)
-        fix = (
-            f"; the complete ones there are {have}: resume from one with --load {root} --ckpt-step {have[-1]}"
-            if have
-            else "; it holds no complete checkpoint"
-        )
-        raise ConfigError(f"{flag} {root}: {TRACKER} names iteration {iteration} but {missing} is missing{fix}")
-    return path
-
-
-def same_directory(a: str | None, b: str | None) -> bool:
-    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
-
-
 def _fresh_optimizer(optimizer, scheduler) -> None:
     """Main weights from the model, and optimizer state, LR schedule and loss scale as a new run's: a rollback
     to a start loaded without them (--no-load-optim, --finetune, or a checkpoint that holds none) forgets the
@@ -382,31 +316,6 @@ def _fresh_optimizer(optimizer, scheduler) -> None:
     optimizer.reset_state()
     if scheduler is not None:
         scheduler.num_steps = scheduler.position = 0
-
-
-def _whole(path: str) -> str | None:
-    """An iteration's directory if it is complete; else its `.old` copy if that one is (a job killed while a
-    re-save of the same iteration swapped directories: format.replace_dir); else None."""
-    for candidate in (path, path + ".old"):
-        if os.path.isfile(os.path.join(candidate, "metadata.json")):
-            return candidate
-    return None
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e})") from None
-
-
-def read_metadata(path: str) -> dict:
-    meta = _read_json(os.path.join(path, "metadata.json"))
-    if meta.get("format") not in (FORMAT, FORMAT_V1):
-        megatron_lm(None, path)
-        raise ConfigError(f"{path}/metadata.json has format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
 
 
 class _Reader:
