@@ -137,6 +137,49 @@ def test_an_expert_sent_no_tokens_runs_in_fp8(wgrad):
             assert state.pending.tolist() == [0.0, w.detach().abs().max().item(), 0.0]
 
 
+def test_delayed_scaling_quantizes_each_weight_once_an_iteration(monkeypatch):
+    """Under delayed scaling the weight and its scale are the same for every micro-batch of an iteration, so its
+    fp8 copy is made once and shared (Transformer Engine's first-micro-batch caching): three micro-batches, one
+    quantization of the weight; the scales' update (before the optimizer step) drops it, and a weight changed in
+    place is quantized again. Losses and gradients equal those of quantizing every time, over steps that change
+    the weight (SGD), the update and a weight written without a version bump (as a collective writes it)."""
+    import megatron_lite.tensor_parallel.fp8 as fp8
+
+    calls = []
+    real = fp8.quantize_scaled
+    monkeypatch.setattr(fp8, "quantize_scaled", lambda t, *a: calls.append(t) or real(t, *a))
+
+    def run(cache: bool):
+        torch.manual_seed(0)
+        w = torch.randn(8, 16, requires_grad=True)
+        state, setting = Fp8State(2, "cpu"), Fp8Setting(recipe="delayed", cache_weights=cache)
+        holder = torch.nn.Module()  # (update_fp8_scales' view of a linear: its fp8 setting and state)
+        holder.fp8, holder.fp8_state = setting, state
+        out, weight_quantizations = [], []
+        for step in range(3):
+            calls.clear()
+            for _ in range(3):  # micro-batches
+                x = torch.randn(4, 16)
+                y = fp8_linear(x, w, setting, state=state)
+                y.square().sum().backward()
+                out.append(y.detach())
+            weight_quantizations.append(sum(c is w for c in calls))
+            out.append(w.grad.clone())
+            update_fp8_scales(holder, None)
+            with torch.no_grad():
+                if step == 1:  # (through .data: no version bump, as a collective's write; the update dropped it)
+                    w.data.mul_(1.5)
+                else:
+                    w -= 0.1 * w.grad  # (in place: the version moves)
+            w.grad = None
+        return out, weight_quantizations
+
+    cached, n_cached = run(True)
+    plain, n_plain = run(False)
+    assert n_cached == [1, 1, 1] and n_plain == [3, 3, 3]
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain))
+
+
 @pytest.mark.parametrize(
     "flags, fragment",
     [

@@ -42,6 +42,9 @@ class Fp8Setting:
     recipe: str = "tensorwise"
     history_len: int = 1  # delayed: --fp8-amax-history-len, --fp8-amax-compute-algo
     algo: str = "most_recent"
+    # delayed: each weight quantized once an iteration, its fp8 copy shared by the micro-batches (Transformer
+    # Engine's is_first_microbatch caching); not under FSDP2, whose unsharded weights would stay alive in fp8
+    cache_weights: bool = True
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -87,6 +90,9 @@ class Fp8State:
         self.history = torch.zeros(history_len, 3, device=device)
         self.scale = torch.ones(3, device=device)  # (Transformer Engine's first scale: 1)
         self.pending = torch.zeros(3, device=device)
+        # (the weight, its version, its fp8 copy, inverse scale and amax) until the scales' update, which comes
+        # before the optimizer step: the weight and its scale are then those of the iteration's every micro-batch
+        self.weight_cache: tuple | None = None
 
     def record(self, column: int, amax: torch.Tensor) -> None:
         self.pending[column] = torch.maximum(self.pending[column], amax)
@@ -116,11 +122,15 @@ def fp8_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.T
     return ((a.float() @ b.float().t()) * (a_inv * b_inv)).to(out_dtype)
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    # (an expert sent no tokens holds an empty input and gradient: their amax is 0, as Transformer Engine's)
+    return t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+
+
 def _quantize(t, dtype, column: int, groups, setting: Fp8Setting, state: Fp8State | None, record: bool):
     """Tensorwise: from the whole tensor's amax now. Delayed: with the state's scale (its amax recorded, unreduced,
     for the update at the iteration's end; not by forwards without gradients, evaluation's)."""
-    # (an expert sent no tokens holds an empty input and gradient: their amax is 0, as Transformer Engine's)
-    amax = t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+    amax = _amax(t)
     if state is None:
         return quantize(t, dtype, _max_over(amax, groups), setting.margin)
     if record:
@@ -128,12 +138,26 @@ def _quantize(t, dtype, column: int, groups, setting: Fp8Setting, state: Fp8Stat
     return quantize_scaled(t, dtype, state.scale[column])
 
 
+def _quantize_weight(weight, groups, setting: Fp8Setting, state: Fp8State | None, record: bool):
+    """The weight in e4m3; under delayed scaling quantized by the iteration's first micro-batch and reused by the
+    others (the same weight with the same scale; its amax, the same too, recorded again)."""
+    if state is None or not setting.cache_weights:
+        return _quantize(weight, E4M3, 1, groups, setting, state, record)
+    cached = state.weight_cache
+    if cached is None or cached[0] is not weight or cached[1] != weight._version:
+        amax = _amax(weight)
+        cached = state.weight_cache = (weight, weight._version, *quantize_scaled(weight, E4M3, state.scale[1]), amax)
+    if record:
+        state.record(1, cached[4])
+    return cached[2], cached[3]
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, setting: Fp8Setting, x_groups, w_groups, g_groups, state, record):
         x2 = x.reshape(-1, x.shape[-1])
         xq, x_inv = _quantize(x2, E4M3, 0, x_groups, setting, state, record)
-        wq, w_inv = _quantize(weight, E4M3, 1, w_groups, setting, state, record)
+        wq, w_inv = _quantize_weight(weight, w_groups, setting, state, record)
         y = fp8_mm(xq, x_inv, wq, w_inv, x.dtype)
         ctx.save_for_backward(xq, x_inv, wq, w_inv, None if setting.wgrad else x2)
         ctx.setting, ctx.g_groups, ctx.x_shape, ctx.dtypes = setting, g_groups, x.shape, (x.dtype, weight.dtype)
@@ -207,6 +231,7 @@ def _update(states: list[Fp8State], setting: Fp8Setting, amax: torch.Tensor) -> 
         used = s.history.amax(0) if setting.algo == "max" else s.history[0]
         s.scale.copy_(scale_from_amax(used, fp8_max, setting.margin, s.scale))
         s.pending.zero_()
+        s.weight_cache = None  # (the optimizer step comes next, and the weight's gather may not bump its version)
 
 
 def enable_fp8(model: torch.nn.Module, setting: Fp8Setting, num_layers: int, bf16_start: int, bf16_end: int) -> int:
@@ -256,7 +281,7 @@ def validate_fp8(config) -> None:
         raise ConfigError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} must be >= 0")
 
 
-def describe_fp8(model: torch.nn.Module, config, ctx) -> str:
+def describe_fp8(model: torch.nn.Module, config, ctx, fsdp2: bool = False) -> str:
     """Switch this rank's transformer layers to fp8 as `config` says (enable_fp8); the start-up line saying so."""
     start, end = config.fp8_bf16_layers
     setting = Fp8Setting(
@@ -267,6 +292,7 @@ def describe_fp8(model: torch.nn.Module, config, ctx) -> str:
         recipe=config.fp8_recipe,
         history_len=config.fp8_amax_history_len,
         algo=config.fp8_amax_compute_algo,
+        cache_weights=not fsdp2,
     )
     count = enable_fp8(model, setting, config.num_layers, start, end)
     first, last = start, config.num_layers - end - 1

@@ -188,7 +188,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
         model = build_model(job.model, ctx, seed=model_seed, dtype=torch.float32 if fsdp2 else dtype)
         if job.model.fp8 is not None:
-            log.info(describe_fp8(model, job.model, ctx))
+            log.info(describe_fp8(model, job.model, ctx, fsdp2))
         n_params = sum(p.numel() for p in model.parameters())
         grads = str(job.optimizer.grad_dtype).removeprefix("torch.")
         log.info(
