@@ -296,6 +296,24 @@ def test_fp8_flags_that_change_nothing_are_said_to():
 
 
 @pytest.mark.slow
+def test_fp8_runs_the_multi_token_prediction_layers_under_pipeline_parallelism(tmp_path, pretrain_job):
+    """Megatron's MTP runs under its global fp8 context, whatever --first-last-layers-bf16 says: the MTP depth's
+    projection and transformer layer are fp8 linears too (their delayed-scaling state reduced and checkpointed
+    with the decoder's), and at PP2 (the depth on the last stage) the first iterations equal one process."""
+    args = [*ARGS, *RECIPES["delayed"], "--mtp-num-layers", "1", "--first-last-layers-bf16"]
+    args += ["--num-layers-at-end-in-bf16", "1"]
+    logs = {}
+    for name, world, extra in (("one", 1, []), ("pp2", 2, ["--pipeline-model-parallel-size", "2"])):
+        out = pretrain_job(world, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
+        logs[name] = records(tmp_path / f"{name}.jsonl")
+        if name == "one":  # (layers 1-2's 4 linears each, the depth's eh_proj and its layer's 4)
+            assert "the linears of layers 1-2 and of the multi-token prediction layers, 13 on this rank" in out, out
+    for a, b in list(zip(logs["one"], logs["pp2"]))[:2]:
+        for key in ("lm_loss", "grad_norm", "mtp_1_loss"):
+            assert abs(a[key] - b[key]) <= 1e-6 * a[key], (key, a, b)
+
+
+@pytest.mark.slow
 def test_fp8_delayed_moe_under_expert_parallelism_equals_one_process(tmp_path, pretrain_job):
     """MoE in fp8 (delayed scaling): each expert's GEMMs with its own scales, its amax the iteration's largest over
     the tokens every replica sent it, so EP2 (over DP2) and EP2 x TP2 + SP log what one process logs (first two

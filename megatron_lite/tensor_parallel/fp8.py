@@ -236,15 +236,20 @@ def _update(states: list[Fp8State], setting: Fp8Setting, amax: torch.Tensor) -> 
 
 def enable_fp8(model: torch.nn.Module, setting: Fp8Setting, num_layers: int, bf16_start: int, bf16_end: int) -> int:
     """Run the tensor-parallel linears of the decoder's transformer layers in fp8, but for the first `bf16_start`
-    and last `bf16_end` of its `num_layers` (Megatron's --first-last-layers-bf16). The embedding, the output layer
-    and multi-token prediction's layers stay in the compute dtype. Returns how many linears were switched."""
+    and last `bf16_end` of its `num_layers` (Megatron's --first-last-layers-bf16), and those of the multi-token
+    prediction layers (their projection and transformer layer: Megatron runs them under its global fp8 context,
+    whatever --first-last-layers-bf16 says). The embedding and the output layer stay in the compute dtype.
+    Returns how many linears were switched."""
+    from megatron_lite.models.mtp import MultiTokenPredictionLayer
     from megatron_lite.models.transformer import TransformerLayer
     from megatron_lite.moe.experts import ExpertWeight
     from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     count = 0
     for layer in model.modules():
-        if not isinstance(layer, TransformerLayer) or not bf16_start <= layer.layer_number < num_layers - bf16_end:
+        mtp = isinstance(layer, MultiTokenPredictionLayer)
+        decoder = isinstance(layer, TransformerLayer) and bf16_start <= layer.layer_number < num_layers - bf16_end
+        if not mtp and not decoder:  # (an MTP depth's transformer layer is numbered past the decoder's: not here)
             continue
         for module in layer.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertWeight)):
@@ -297,6 +302,7 @@ def describe_fp8(model: torch.nn.Module, config, ctx, fsdp2: bool = False) -> st
     count = enable_fp8(model, setting, config.num_layers, start, end)
     first, last = start, config.num_layers - end - 1
     where = f"layers {first}-{last}" if first <= last else "no layer (all are kept in the compute dtype)"
+    where += " and of the multi-token prediction layers" if config.mtp_num_layers else ""
     grads = "e5m2" if config.fp8 == "hybrid" else "e4m3"
     return (
         f"fp8 ({config.fp8}, {config.fp8_recipe}): the linears of {where}, {count} on this rank, with e4m3 inputs and "
