@@ -54,6 +54,9 @@ ARCH_DESTS = (
     "window_size",
     "window_attn_skip_freq",
     "softmax_type",
+    "no_rope_freq",
+    "qk_l2_norm",
+    "attention_output_gate",
     "untie_embeddings_and_output_weights",
     "disable_bias_linear",
     "add_qkv_bias",
@@ -156,6 +159,10 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["window_size"] = m.get("sliding_window")
     freq = m.get("window_attn_skip_freq")  # (absent from older checkpoints; a pattern as the flag reads it)
     out["window_attn_skip_freq"] = tuple(freq) if isinstance(freq, list) else freq
+    freq = m.get("no_rope_freq")  # (likewise, and the next two)
+    out["no_rope_freq"] = tuple(freq) if isinstance(freq, list) else freq
+    out["qk_l2_norm"] = m.get("qk_l2_norm", False)
+    out["attention_output_gate"] = m.get("attention_output_gate", False)
     out["softmax_type"] = m.get("softmax_type", "vanilla")
     out["disable_bias_linear"] = not m["add_bias_linear"]
     out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})

@@ -125,6 +125,15 @@ class ModelConfig:
     # Megatron's --qk-layernorm (Qwen3, OLMo-2 style per head): each query and key head is normalised over
     # head_dim, with one weight shared by all heads (--normalization picks the norm), before RoPE
     qk_layernorm: bool = False
+    # Megatron's --qk-l2-norm (Llama 4): each query and key head scaled to unit RMS over head_dim, no weight
+    # (Megatron-Core's L2Norm: x * rsqrt(mean(x^2) + norm_epsilon)), before RoPE
+    qk_l2_norm: bool = False
+    # Megatron's --no-rope-freq (Llama 4's NoPE layers): which layers skip RoPE. N: every Nth layer (1-based: N,
+    # 2N, ...); or a 0/1 pattern per layer, 1 = no RoPE
+    no_rope_freq: int | tuple[int, ...] | None = None
+    # Megatron's --attention-output-gate (Qwen3-Next): linear_qkv also makes a gate per query head and dim (rows
+    # after each group's query heads); the attention output is multiplied by sigmoid(gate) before linear_proj
+    attention_output_gate: bool = False
     # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention and flags of the same names): the
     # queries come through a q_lora_rank latent (or one projection when None), keys and values from one
     # kv_lora_rank latent per token. Each query/key head is qk_head_dim dims without position and
@@ -345,6 +354,14 @@ class ModelConfig:
         if isinstance(freq, int):
             return self.sliding_window if (layer + 1) % freq else None  # (Megatron's is_layer_window_attention)
         return self.sliding_window if freq[min(layer, self.num_layers - 1)] else None
+
+    def skips_rope(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) is a NoPE layer (--no-rope-freq; Megatron's no_rope_freq[layer_number - 1]
+        with its 1-based layer numbers). 0 (Megatron: falsy) skips none."""
+        freq = self.no_rope_freq
+        if not freq:
+            return False
+        return (layer + 1) % freq == 0 if isinstance(freq, int) else bool(freq[layer])
 
     def is_moe_layer(self, layer: int) -> bool:
         """Layers num_layers.. are the multi-token-prediction layers: the kind of the last decoder layer."""

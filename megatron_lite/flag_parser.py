@@ -36,6 +36,17 @@ def _skip_freq(text: str) -> int | tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _no_rope_freq(text: str) -> int | tuple[int, ...]:
+    """--no-rope-freq, read as --window-attn-skip-freq is, so a checkpoint's value compares with the flag's."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.flag_values import layer_freq
+
+    try:
+        return layer_freq(text, "--no-rope-freq")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _bool(p: argparse._ArgumentGroup, flag: str, help: str, *aliases: str) -> None:
     p.add_argument(flag, *aliases, action="store_true", help=help)
 
@@ -115,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("vanilla", "off-by-one", "learnable"),
         help="attention softmax: vanilla, off-by-one (an extra zero logit per query), learnable (a learned logit "
         "per head: gpt-oss's attention sinks)",
+    )
+    m.add_argument(
+        "--no-rope-freq",
+        type=_no_rope_freq,
+        help="which layers skip RoPE (Llama 4's NoPE layers): N, every Nth layer (1-based: N, 2N, ...; Llama 4: 4); "
+        "or a per-layer pattern, 1 = no RoPE, e.g. '([0]*3+[1])*3'",
+    )
+    _bool(m, "--qk-l2-norm", "scale each query and key head to unit RMS before RoPE, no weight (Llama 4)")
+    _bool(
+        m,
+        "--attention-output-gate",
+        "gate the attention output by sigmoid of a per-head, per-dim gate made by linear_qkv (Qwen3-Next)",
     )
     _bool(m, "--untie-embeddings-and-output-weights", "separate output layer (Llama)")
     _bool(m, "--disable-bias-linear", "no biases in linear layers (Llama)")

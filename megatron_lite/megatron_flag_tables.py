@@ -410,12 +410,6 @@ REFUSED: dict[str, str] = {
     "error_injection_rate": "megatron_lite has no re-run engine to test with injected errors",
     "error_injection_type": "megatron_lite has no re-run engine to test with injected errors",
     # attention and MoE-block variants of Megatron-Core 0.16 (an attention review found them "no such flag")
-    "no_rope_freq": "RoPE is applied in every layer; layers without it (Llama 4's NoPE layers) are not implemented",
-    "qk_l2_norm": (
-        "L2-normalised queries and keys (Llama 4) are not implemented; --qk-layernorm normalises them with a learned "
-        "weight"
-    ),
-    "attention_output_gate": "the sigmoid gate on the attention output (Qwen3-Next) is not implemented",
     # the rest of Megatron's arguments.py (a flag-coverage review: each was "no such flag", which told a Megatron
     # user to drop a flag that changes the model, the data, the optimization or the checkpoints)
     **_all(

@@ -181,9 +181,6 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         ),
         # (an attention review against Megatron-Core 0.16.1, whose TransformerConfig has these: "no such flag" told
         # a Megatron user to remove a flag that changes the model)
-        (["--position-embedding-type", "rope", "--no-rope-freq", "4"], "--no-rope-freq is not supported: RoPE is"),
-        (["--qk-l2-norm"], "--qk-l2-norm is not supported: L2-normalised queries and keys"),
-        (["--attention-output-gate"], "--attention-output-gate is not supported: the sigmoid gate on the attention"),
         # (Megatron's DeepSeek-V3 configs: argparse's "invalid choice" came first and hid the reason)
         (
             [

@@ -176,3 +176,21 @@ def test_attention_sinks_and_skipped_windows_train_like_one_process(dist, layout
     ref = train_run("sinks", ParallelConfig(), gbs, gbs)
     for rank_history in dist(world, train_run, "sinks", parallel, gbs, mbs):
         _compare(rank_history, ref)
+
+
+GATED_LAYOUTS = {
+    "tp2-sp-dp2": QK_LAYOUTS["tp2-sp-dp2"],
+    "tp2-pp2": QK_LAYOUTS["tp2-pp2"],  # (the NoPE layer is the second stage's: global layer numbers)
+    "tp2-cp2": QK_LAYOUTS["tp2-cp2"],  # (the gate and the L2 norm are per token; RoPE on this rank's positions)
+}
+
+
+@pytest.mark.parametrize("layout", list(GATED_LAYOUTS))
+def test_l2_norm_nope_and_output_gate_train_like_one_process(dist, layout):
+    """Llama 4's L2-normalised queries and keys with a NoPE layer (--qk-l2-norm --no-rope-freq 2) and Qwen3-Next's
+    output gate (--attention-output-gate: gate rows in each query group of linear_qkv, split over TP with their
+    heads) under tensor, sequence, data, pipeline and context parallelism."""
+    world, parallel, gbs, mbs = GATED_LAYOUTS[layout]
+    ref = train_run("gatednope", ParallelConfig(), gbs, gbs)
+    for rank_history in dist(world, train_run, "gatednope", parallel, gbs, mbs):
+        _compare(rank_history, ref)

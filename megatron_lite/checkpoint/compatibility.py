@@ -19,7 +19,7 @@ def model_config_from_dict(d: dict) -> ModelConfig:
     d = dict(d)
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    for key in ("recompute_modules", "moe_layer_freq"):
+    for key in ("recompute_modules", "moe_layer_freq", "no_rope_freq"):
         if isinstance(d.get(key), list):
             d[key] = tuple(d[key])
     known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -44,6 +44,7 @@ STRUCTURE = {
     "add_qkv_bias": "--add-qkv-bias",
     "qk_layernorm": "--qk-layernorm",
     "softmax_type": "--softmax-type",  # (learnable: a softmax_offset per layer)
+    "attention_output_gate": "--attention-output-gate",  # (gate rows inside linear_qkv's query groups)
     "multi_latent_attention": "--multi-latent-attention",
     "q_lora_rank": "--q-lora-rank",
     "kv_lora_rank": "--kv-lora-rank",

@@ -12,7 +12,12 @@ from torch import nn
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel.attention import IMPLEMENTATIONS as CP_ATTENTION
-from megatron_lite.models.attention_variants import attention_with_offset, flash_attention_with_offset
+from megatron_lite.models.attention_variants import (
+    attention_with_offset,
+    flash_attention_with_offset,
+    l2_norm,
+    output_gate,
+)
 from megatron_lite.models.norms import build_norm
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import ParamMeta, set_param_meta
@@ -23,10 +28,17 @@ from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 def qkv_output_size(config: ModelConfig) -> int:
     """Rows of the fused QKV weight. The layout is grouped per query group: for each of the query
-    groups, its (heads / groups) query heads, then its key head, then its value head, each head_dim
-    rows. Tensor parallelism therefore splits whole groups, and the layout does not depend on TP."""
-    per_group = config.num_attention_heads // config.query_groups + 2
+    groups, its (heads / groups) query heads, then (--attention-output-gate) as many gate heads, then its key
+    head, then its value head, each head_dim rows (Megatron-Core's). Tensor parallelism therefore splits whole
+    groups, each head's gate with it, and the layout does not depend on TP."""
+    per_group = qkv_heads_per_group(config)
     return config.query_groups * per_group * config.head_dim
+
+
+def qkv_heads_per_group(config: ModelConfig) -> int:
+    """Head-sized row blocks per query group of the fused QKV weight: queries, gates, key, value."""
+    heads = config.num_attention_heads // config.query_groups
+    return heads * (2 if config.attention_output_gate else 1) + 2
 
 
 def attention_mask(seq_q: int, seq_k: int, window: int | None, device) -> torch.Tensor | None:
@@ -191,6 +203,10 @@ class SelfAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        self.qk_l2_eps = config.norm_epsilon if config.qk_l2_norm else None
+        self.gated = config.attention_output_gate
+        # --no-rope-freq: Llama 4's NoPE layers take no rotation (the model's tables stay shared)
+        self.skips_rope = config.skips_rope(layer_number)
         if config.qk_layernorm:  # one weight over head_dim for all heads; this rank sees only its heads
             self.q_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
             self.k_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
@@ -235,16 +251,20 @@ class SelfAttention(nn.Module):
         """x: [seq (or its shard), batch, hidden] -> [same, batch, hidden]. With `kv_cache` (inference), the
         new keys and values are appended to this layer's cache and attention reads all of them. `documents`:
         each token's document (CoreAttention)."""
-        qkv = self.linear_qkv(x)  # [seq, batch, local groups * (heads/group + 2) * head_dim]
+        qkv = self.linear_qkv(x)  # [seq, batch, local groups * (heads/group (x2 gated) + 2) * head_dim]
         s, b, _ = qkv.shape
-        qkv = qkv.transpose(0, 1).reshape(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
-        q = q.reshape(b, s, self.local_groups * self.heads_per_group, self.head_dim)
+        n = self.heads_per_group
+        gates = n if self.gated else 0
+        qkv = qkv.transpose(0, 1).reshape(b, s, self.local_groups, n + gates + 2, self.head_dim)
+        q, gate, k, v = qkv.split([n, gates, 1, 1], dim=3)
+        q = q.reshape(b, s, self.local_groups * n, self.head_dim)
         k = k.squeeze(3)
         v = v.squeeze(3)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rope is not None:
+        if self.qk_l2_eps is not None:  # (before RoPE, as Megatron; a rotation keeps the RMS, so after is the same)
+            q, k = l2_norm(q, self.qk_l2_eps), l2_norm(k, self.qk_l2_eps)
+        if rope is not None and not self.skips_rope:
             q, k = self._rotate(q, rope), self._rotate(k, rope)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)
@@ -254,4 +274,6 @@ class SelfAttention(nn.Module):
             )
         else:
             out = self.core_attention(q, k, v, documents)
+        if self.gated:  # (per token: context parallelism's shard of the sequence gates its own outputs)
+            out = output_gate(out, gate)
         return self.linear_proj(out.transpose(0, 1))

@@ -1,5 +1,7 @@
 """Megatron's attention variants beyond the plain causal softmax: windows on some layers only
-(--window-attn-skip-freq) and a softmax with an extra logit per head (--softmax-type).
+(--window-attn-skip-freq), a softmax with an extra logit per head (--softmax-type), and Llama 4's and Qwen3-Next's
+changes around it: L2-normalised queries and keys (--qk-l2-norm), layers without RoPE (--no-rope-freq) and a
+sigmoid gate on the attention output (--attention-output-gate).
 
 The softmax offset (Megatron-Core's softmax_offset, gpt-oss's attention sinks) is one more column beside each
 query's scores: p_j = exp(s_j) / (exp(offset) + sum_i exp(s_i)). It takes probability and adds no value, so a
@@ -24,6 +26,7 @@ def validate_attention_variants(config) -> None:
 
     if config.softmax_type not in SOFTMAX_TYPES:
         raise ConfigError(f"--softmax-type {config.softmax_type} is not one of {', '.join(SOFTMAX_TYPES)}")
+    _validate_llama4_qwen3next(config)
     freq = config.window_attn_skip_freq
     if freq is None:
         return
@@ -43,6 +46,56 @@ def validate_attention_variants(config) -> None:
             "--window-attn-skip-freq as a pattern with --mtp-num-layers is not supported (the pattern covers the "
             "decoder's layers, not the prediction layers after them; Megatron fails on it too); give an integer"
         )
+
+
+def _validate_llama4_qwen3next(config) -> None:
+    """--qk-l2-norm, --no-rope-freq and --attention-output-gate, each refusal one line."""
+    from megatron_lite.config import ConfigError
+
+    mla = config.multi_latent_attention
+    if config.qk_l2_norm and config.qk_layernorm:
+        raise ConfigError(
+            "--qk-l2-norm with --qk-layernorm: Megatron's layer spec takes the L2 norm and drops the layernorm "
+            "silently; give one of them"
+        )
+    for flag, on in (("--qk-l2-norm", config.qk_l2_norm), ("--attention-output-gate", config.attention_output_gate)):
+        if on and mla:
+            raise ConfigError(f"{flag} with --multi-latent-attention is not supported (nor in Megatron); drop one")
+    freq = config.no_rope_freq
+    if not freq:  # (Megatron: a falsy no_rope_freq is unset)
+        return
+    if config.position_embedding_type != "rope" or mla:
+        what = "--multi-latent-attention" if mla else f"--position-embedding-type {config.position_embedding_type}"
+        raise ConfigError(f"--no-rope-freq with {what} picks nothing to skip (it skips RoPE); drop --no-rope-freq")
+    if isinstance(freq, int):
+        if freq < 1 or config.num_layers % freq:
+            raise ConfigError(
+                f"--no-rope-freq {freq} must be >= 1 and divide --num-layers {config.num_layers} (Megatron's check); "
+                "or give a 0/1 pattern"
+            )
+    elif not set(freq) <= {0, 1} or len(freq) != config.num_layers:
+        raise ConfigError(
+            f"--no-rope-freq pattern {list(freq)} must hold one 0 (RoPE) or 1 (no RoPE) per layer of --num-layers "
+            f"{config.num_layers}"
+        )
+    if config.mtp_num_layers:
+        raise ConfigError(
+            "--no-rope-freq with --mtp-num-layers is not supported (Megatron indexes the pattern past its end for the "
+            "prediction layers); drop one"
+        )
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """--qk-l2-norm: x scaled to unit RMS over its last dim, in fp32, no weight (Megatron-Core's L2Norm, with
+    eps = --norm-epsilon as its attention builds it)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """--attention-output-gate: attention's output [b, s, heads * dv] times sigmoid(gate) (gate [b, s, heads, dv]),
+    the sigmoid in fp32 as Megatron-Core's _apply_output_gate."""
+    return (out * torch.sigmoid(gate.reshape(out.shape).float())).to(out.dtype)
 
 
 def flash_attention_with_offset(

@@ -309,6 +309,13 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         problems.append(f"attention sinks (--softmax-type {c.softmax_type})")
     if c.sliding_window and any(c.layer_window(i) is None for i in range(c.num_layers)) and arch != GPT_OSS:
         problems.append("full-attention layers between the windowed ones (--window-attn-skip-freq)")
+    for on, what in (  # (no converter yet: Llama 4's and Qwen3-Next's classes carry more than these)
+        (c.qk_l2_norm, "L2-normalised queries and keys (--qk-l2-norm, Llama 4)"),
+        (any(c.skips_rope(i) for i in range(c.num_layers)), "layers without RoPE (--no-rope-freq, Llama 4)"),
+        (c.attention_output_gate, "the attention output gate (--attention-output-gate, Qwen3-Next)"),
+    ):
+        if on:
+            problems.append(what)
     if arch != GPT_OSS and (c.activation == "quick_geglu" or (c.num_experts and c.add_bias_linear)):
         problems.append("gpt-oss's MLP (--quick-geglu with its offset and clamp, or experts with biases): only "
                         "GptOssForCausalLM computes it")  # fmt: skip

@@ -233,7 +233,8 @@ def step_time(
 
     def layer_terms(moe: bool) -> tuple[float, float, float, float]:
         """One layer's forward (attention GEMMs, MLP, attention core, element-wise); a layer's kind decides it."""
-        attn = _gemm(m, h, (q + 2 * kv) / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
+        rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (the gate's rows, if any)
+        attn = _gemm(m, h, rows / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
         core_q = q  # the query dims each key is scored over (and the value dims)
         if model.multi_latent_attention:
             attn = _mla_gemms(model, m, tp, a, cl, eff)

@@ -70,7 +70,8 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     q, kv = model.num_attention_heads * d, model.query_groups * d
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
     qkv_bias = model.add_bias_linear or model.add_qkv_bias
-    attn = h * (q + 2 * kv) // tp + ((q + 2 * kv) // tp if qkv_bias else 0) + q // tp * h
+    rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (--attention-output-gate: its gate rows)
+    attn = h * rows // tp + (rows // tp if qkv_bias else 0) + q // tp * h
     attn += h if model.add_bias_linear else 0
     attn += 2 * d * (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
     if model.multi_latent_attention:

@@ -50,7 +50,8 @@ def _attention_flops(c: ModelConfig, s: float) -> float:
     h, heads = c.hidden_size, c.num_attention_heads
     if not c.multi_latent_attention:
         d = c.head_dim
-        return 2 * h * (heads + 2 * c.query_groups) * d + 4 * s * heads * d + 2 * heads * d * h
+        q = heads * (2 if c.attention_output_gate else 1)  # (--attention-output-gate: linear_qkv's gate rows too)
+        return 2 * h * (q + 2 * c.query_groups) * d + 4 * s * heads * d + 2 * heads * d * h
     qd, v, r = c.mla_q_head_dim, c.v_head_dim, c.q_lora_rank
     q = 2 * h * heads * qd if r is None else 2 * h * r + 2 * r * heads * qd
     kv = 2 * h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + 2 * c.kv_lora_rank * heads * (c.qk_head_dim + v)
