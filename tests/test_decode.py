@@ -25,6 +25,8 @@ SEQ, PREFILL, CHUNK = 40, 17, 3  # the prompt's forward, a few tokens at once on
 SETUPS = {
     "gqa": lambda: llama_config(num_layers=2),  # 8 query heads on 4 key/value heads
     "mqa_window": lambda: llama_config(num_layers=2, num_query_groups=1, sliding_window=6),
+    # Llama 4's L2-normalised q/k with a NoPE layer (its cached keys unrotated) and Qwen3-Next's output gate
+    "gated_nope": lambda: llama_config(num_layers=2, qk_l2_norm=True, no_rope_freq=2, attention_output_gate=True),
     "mla": lambda: deepseek_config(num_layers=2),
     "mla_lora": lambda: deepseek_config(num_layers=2),
     "mla_qlora": lambda: deepseek_config(num_layers=2),
