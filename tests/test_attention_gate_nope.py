@@ -230,3 +230,22 @@ def test_a_checkpoint_keeps_the_gate_l2_norm_and_nope_layers(tmp_path, capsys, m
     assert rc == 0 and "loaded" in out, err
     rc, _, err = _run([*again, "--no-rope-freq", "2"], capsys, monkeypatch)
     _one_line_error(rc, err, "--no-rope-freq 2 conflicts with the checkpoint")
+
+
+def test_the_planner_and_the_flops_count_the_gate_rows():
+    """The planner's parameter count equals the built gated model's at TP=2 (each rank's half of the gate rows),
+    and the FLOPs per token grow by the gate's GEMM, 2 x hidden x heads x head_dim a layer, three times (training)."""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.planner.layout import Layout
+    from megatron_lite.planner.memory import stage_params
+    from megatron_lite.training.flops import flops_per_token
+
+    config = parse_args([*MODEL, "--attention-output-gate"])[1].model
+    layout = Layout(tp=2)
+    for rank in range(2):
+        chunks = build_model(config, ParallelContext.virtual(layout.parallel_config(), 2, rank), device="meta")
+        assert stage_params(config, layout, 0).dense == sum(p.numel() for p in chunks.parameters())
+    plain = parse_args(MODEL)[1].model
+    gate = 3 * 4 * 2 * HIDDEN * HEADS * D  # (4 layers)
+    assert flops_per_token(config, 16) - flops_per_token(plain, 16) == gate
