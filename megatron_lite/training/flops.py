@@ -1,7 +1,8 @@
 """Model FLOPs per token and MFU.
 
 Per token and layer, the forward pass multiplies by every weight once (2 FLOPs per multiply-add):
-    QKV           2 * h * (heads + 2 * groups) * d
+    QKV           2 * h * (heads + 2 * groups) * d    (2 * heads with --attention-output-gate: its gate rows,
+                                                     which Megatron's num_floating_point_operations leaves out)
     attention     2 * 2 * s * heads * d / 2    (q.k^T and p.v; causal: half the scores are masked out,
                                                 as Megatron's num_floating_point_operations counts them)
     projection    2 * heads * d * h
