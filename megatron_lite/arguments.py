@@ -152,6 +152,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
         normalization=ns.normalization,
         apply_layernorm_1p=ns.apply_layernorm_1p,
+        apply_residual_connection_post_layernorm=ns.apply_residual_connection_post_layernorm,
+        fp32_residual_connection=ns.fp32_residual_connection,
         norm_epsilon=ns.norm_epsilon,
         activation=flag_values.activation(ns),
         glu_linear_offset=ns.glu_linear_offset,
@@ -462,6 +464,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
                 "--qlora with --use-torch-fsdp2 is not supported: FSDP2 shards the weights before they are "
                 "quantised; use --use-distributed-optimizer (or plain data parallelism) instead"
             )
+    if model.fp32_residual_connection:
+        _check_fp32_residual(optimizer)
     return JobConfig(
         model=model,
         parallel=parallel,
@@ -552,3 +556,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     if lora_only and not ns.lora_rank:  # (without a rank there are no adapters: every weight would train)
         raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA adapters: add --lora-rank R, or drop it")
     return ns, job_config_from_args(ns)
+
+
+def _check_fp32_residual(optimizer) -> None:
+    """--fp32-residual-connection keeps an fp32 stream under a lower-precision compute dtype (Megatron's check)."""
+    if not (optimizer.bf16 or optimizer.fp16):
+        raise ConfigError(
+            "--fp32-residual-connection keeps the residual stream in fp32 under --bf16 or --fp16; this run is fp32 "
+            "throughout already: add --bf16 (or --fp16) or drop the flag"
+        )
+    if optimizer.use_torch_fsdp2:  # (its policy casts each layer's inputs, the residual stream, to bf16)
+        raise ConfigError(
+            "--fp32-residual-connection with --use-torch-fsdp2 is not supported: FSDP2 casts each layer's input to "
+            "the compute dtype; use --use-distributed-optimizer (or plain data parallelism) instead"
+        )

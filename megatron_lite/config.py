@@ -94,6 +94,13 @@ class ModelConfig:
     # Megatron's --apply-layernorm-1p (Transformer Engine's zero-centred gamma): norm weights are stored as
     # w = gamma - 1 (zeros at init) and applied as 1 + w
     apply_layernorm_1p: bool = False
+    # Megatron's --apply-residual-connection-post-layernorm (the original BERT ordering): each residual add takes
+    # the norm's output, not its input: x = norm(x) + attn(norm(x)), then the same around the MLP
+    apply_residual_connection_post_layernorm: bool = False
+    # Megatron's --fp32-residual-connection (with --bf16 / --fp16): the residual stream (the embeddings, each
+    # residual add, what passes between layers and pipeline stages) is fp32; the norms read it and give the
+    # branches their input in the compute dtype, and each branch's output is added to the stream in fp32
+    fp32_residual_connection: bool = False
     # gelu (exact) | gelu_tanh (GPT-2's gelu_new; Megatron's --openai-gelu, and its default fused bias-GELU: the
     # flags give it with biases unless --no-bias-gelu-fusion) | swiglu | squared_relu (--squared-relu: relu(x)^2,
     # Nemotron) | quick_geglu (--quick-geglu: gated like SwiGLU with x * sigmoid(1.702 x) on the gate, gpt-oss).

@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-position-embeddings", type=int)
     m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     _bool(m, "--apply-layernorm-1p", "store norm weights centred on zero (gamma - 1), applied as 1 + weight")
+    _bool(
+        m,
+        "--apply-residual-connection-post-layernorm",
+        "the residual is each norm's output, not its input (the original BERT ordering)",
+    )
     m.add_argument("--norm-epsilon", type=float, default=1e-5)
     _bool(m, "--swiglu", "SwiGLU MLP (Llama)")
     _bool(m, "--openai-gelu", "tanh-approximated GELU (GPT-2's gelu_new)")
@@ -341,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = parser.add_argument_group("mixed precision")
     _bool(p, "--bf16", "bf16 weights and activations, fp32 main weights and gradients (see --grad-reduce-in-bf16)")
     _bool(p, "--fp16", "fp16 with dynamic loss scaling")
+    _bool(p, "--fp32-residual-connection", "with --bf16 / --fp16: keep the residual stream in fp32")
     _bool(
         p,
         "--grad-reduce-in-bf16",

@@ -386,8 +386,6 @@ REFUSED: dict[str, str] = {
         "the router"
     ),
     "use_legacy_models": "megatron_lite has one model implementation, Megatron-core's (drop the flag)",
-    "fp32_residual_connection": "the residual stream is kept in the compute dtype (--bf16 / --fp16)",
-    "apply_residual_connection_post_layernorm": "the residual is taken before each norm (pre-norm), as GPT and Llama",
     "moe_pad_expert_input_to_capacity": (
         "experts' inputs are not padded to their capacity: the tokens over it are dropped, the rest run unpadded"
     ),

@@ -136,6 +136,9 @@ CONFIGS = {
     "gatednope": lambda **kw: llama_config(qk_l2_norm=True, no_rope_freq=2, attention_output_gate=True, **kw),
     # with the auxiliary and z losses in play (a coefficient of 0 leaves their scaling untested)
     "deepseekaux": lambda **kw: deepseek_config(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **kw),
+    # the residual-stream flags (tests/test_residual_flags.py): post-LN residuals on GPT-2's shape; an fp32 stream
+    "postln": lambda **kw: gpt2_config(apply_residual_connection_post_layernorm=True, **kw),
+    "fp32res": lambda **kw: llama_config(fp32_residual_connection=True, **kw),
 }
 
 

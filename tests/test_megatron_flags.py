@@ -173,7 +173,6 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         (["--rotary-seq-len-interpolation-factor", "4"], "--rotary-seq-len-interpolation-factor 4 is not supported"),
         # (a flag-compatibility review: these were "no such flag", which does not tell Megatron's from a typo)
         (["--use-legacy-models"], "--use-legacy-models is not supported: megatron_lite has one model"),
-        (["--apply-residual-connection-post-layernorm"], "is not supported: the residual is taken before each norm"),
         # (implemented since; Megatron silently builds no gate without a shared expert)
         (
             ["--disable-bias-linear", "--num-experts", "4", "--moe-shared-expert-gate"],

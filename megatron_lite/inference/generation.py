@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.inference.kv_cache import KVCache, cache_bytes
+from megatron_lite.models.gpt_model import stream_dtype
 from megatron_lite.models.mla import MultiLatentAttention
 from megatron_lite.optimizer.optimizer import any_rank
 from megatron_lite.parallel_context import ParallelContext
@@ -52,6 +53,7 @@ def _forward_batch(chunks, ctx: ParallelContext, tokens: torch.Tensor, cache: KV
     positions = torch.arange(cache.offset, cache.offset + n, device=ctx.device).unsqueeze(0).expand(b, n)
     config = chunks[0].config
     dtype = next(p for c in chunks for p in c.parameters()).dtype  # (a virtual stage may hold nothing)
+    dtype = stream_dtype(config, dtype)  # (what a stage sends: fp32 under --fp32-residual-connection)
     hidden = None
     out = None
     for stage in range(pp * vp):

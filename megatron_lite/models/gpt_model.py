@@ -54,6 +54,7 @@ class LanguageModelEmbedding(nn.Module):
         self.tp = ctx.tp
         self.sequence_parallel = ctx.sequence_parallel
         self.dropout_p = config.hidden_dropout
+        self.fp32_residual = config.fp32_residual_connection
         self.rng = ctx.rng
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size,
@@ -86,7 +87,15 @@ class LanguageModelEmbedding(nn.Module):
             if self.sequence_parallel:
                 pos = split_dim0(pos, self.tp)
             x = x + self.position_embeddings(pos)
+        if self.fp32_residual:  # (as Megatron's LanguageModelEmbedding: the stream starts fp32, before dropout)
+            x = x.float()
         return dropout(x, self.dropout_p, self.training, self.rng, self.sequence_parallel)
+
+
+def stream_dtype(config: ModelConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the hidden states between layers, and so between pipeline stages (what a stage receives and
+    sends): fp32 under --fp32-residual-connection (as Megatron's inference p2p buffers), else the compute dtype."""
+    return torch.float32 if config.fp32_residual_connection else compute_dtype
 
 
 class GPTModel(nn.Module):

@@ -305,6 +305,9 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         if c.rotary_interleaved
         else []
     )
+    if c.apply_residual_connection_post_layernorm:  # (fp32 residuals change no weight: exported as they are)
+        problems.append("residuals taken after each norm (--apply-residual-connection-post-layernorm; every Hugging "
+                        "Face class adds each branch to its norm's input)")  # fmt: skip
     if c.softmax_type != "vanilla" and arch != GPT_OSS:
         problems.append(f"attention sinks (--softmax-type {c.softmax_type})")
     if c.sliding_window and any(c.layer_window(i) is None for i in range(c.num_layers)) and arch != GPT_OSS:

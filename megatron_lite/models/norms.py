@@ -14,7 +14,9 @@ from megatron_lite.parameters import ParamMeta, set_param_meta
 class _Norm(nn.Module):
     """A weight over the hidden size (ones at init), replicated across TP; `sequence_parallel` marks its
     gradient partial when each rank normalises only its sequence shard. `zero_centered` (--apply-layernorm-1p):
-    the weight is stored as gamma - 1, zeros at init, and applied as 1 + weight (the sum in fp32)."""
+    the weight is stored as gamma - 1, zeros at init, and applied as 1 + weight (the sum in fp32).
+    `out_dtype` (--fp32-residual-connection): the output's dtype, the compute dtype, whatever the input's (an fp32
+    residual stream is normalised in fp32 and the branch reads the result rounded once, as Megatron's mixed norms)."""
 
     def __init__(
         self,
@@ -25,9 +27,11 @@ class _Norm(nn.Module):
         dtype=torch.float32,
         kernel_impl: str = "torch",
         zero_centered: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.out_dtype = out_dtype
         self.triton = kernel_impl == "triton"
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
@@ -39,6 +43,11 @@ class _Norm(nn.Module):
         # weight's dtype it moved in steps of 2^-7 and 2^-8, and a weight below about 0.004 did nothing)
         return self.weight.float() + 1.0 if self.zero_centered else self.weight
 
+    def _out(self, y: torch.Tensor, s: torch.Tensor | None):
+        if self.out_dtype is not None:
+            y = y.to(self.out_dtype)
+        return (y, s) if s is not None else y
+
 
 class RMSNorm(_Norm):
     """Llama's RMSNorm: statistics in fp32, the weight applied in the input dtype (as transformers does).
@@ -46,11 +55,13 @@ class RMSNorm(_Norm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         fn = K.rms_norm if self.triton else K.rms_norm_reference
+        # (an fp32 residual beside a bf16 x: the kernels' entry takes PyTorch's reference, the sum in fp32)
         out = fn(x, self.gamma(), self.eps, residual=residual)
-        if not self.zero_centered or x.dtype == torch.float32:
-            return out
-        # (an fp32 gamma makes transformers' weight * xhat fp32: the rows keep their dtype, rounded once)
-        return (out[0].to(x.dtype), out[1]) if residual is not None else out.to(x.dtype)
+        y, s = out if residual is not None else (out, None)
+        if self.zero_centered and x.dtype != torch.float32:
+            # (an fp32 gamma makes transformers' weight * xhat fp32: the rows keep their dtype, rounded once)
+            y = y.to(x.dtype)
+        return self._out(y, s)
 
 
 class LayerNorm(_Norm):
@@ -63,21 +74,23 @@ class LayerNorm(_Norm):
         dtype=torch.float32,
         kernel_impl: str = "torch",
         zero_centered: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(hidden_size, eps, sequence_parallel, device, dtype, kernel_impl, zero_centered)
+        super().__init__(hidden_size, eps, sequence_parallel, device, dtype, kernel_impl, zero_centered, out_dtype)
         self.bias = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         set_param_meta(self, "bias", ParamMeta(("zeros",), sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.triton:
-            return K.layer_norm(x, self.gamma(), self.bias, self.eps, residual=residual)
+            out = K.layer_norm(x, self.gamma(), self.bias, self.eps, residual=residual)
+            return self._out(*(out if residual is not None else (out, None)))
         s = x + residual if residual is not None else x
         w = self.gamma()
         if w.dtype == s.dtype:
             y = F.layer_norm(s, (s.shape[-1],), w, self.bias, self.eps)
-        else:  # (a zero-centred fp32 gamma on lower-precision rows: the norm in fp32, rounded once)
-            y = F.layer_norm(s.float(), (s.shape[-1],), w, self.bias.float(), self.eps).to(s.dtype)
-        return (y, s) if residual is not None else y
+        else:  # (an fp32 gamma on lower-precision rows, or bf16 weights on an fp32 stream: in fp32, rounded once)
+            y = F.layer_norm(s.float(), (s.shape[-1],), w.float(), self.bias.float(), self.eps).to(s.dtype)
+        return self._out(y, s if residual is not None else None)
 
 
 def build_norm(
@@ -95,4 +108,6 @@ def build_norm(
         dtype=dtype,
         kernel_impl=config.kernel_impl,
         zero_centered=config.apply_layernorm_1p,
+        # (the compute dtype: under FSDP2 the built dtype is fp32, but that pair is refused at start-up)
+        out_dtype=dtype if config.fp32_residual_connection else None,
     )

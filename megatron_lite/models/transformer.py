@@ -3,6 +3,10 @@
 A layer reads like the single-device math: pre-norm attention and MLP with residuals. Communication
 lives inside the parallel linear layers; the only layout-dependent choice here is which generator
 hidden dropout draws from (per TP rank when the activations are sequence-sharded, shared otherwise).
+
+--apply-residual-connection-post-layernorm adds each branch to its norm's output instead of its input;
+--fp32-residual-connection keeps the stream the residuals add into in fp32 (the norms give the branches the
+compute dtype; a bf16 branch output added to the fp32 stream is summed in fp32).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: the same at any pipeline layout
         self.hidden_dropout = config.hidden_dropout
+        self.post_norm_residual = config.apply_residual_connection_post_layernorm
+        self.fp32_residual = config.fp32_residual_connection
         self.rng = ctx.rng
         self.sequence_parallel = ctx.sequence_parallel
         self.input_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
@@ -71,17 +77,22 @@ class TransformerLayer(nn.Module):
         attention's and the MLP's first GEMMs save for their weight gradients, is dropped after the forward and
         made again from the norm's input (saved anyway, by the norm) when the backward first needs it: one
         [s, b, h] a norm. (Checkpointing the norm alone freed nothing: its consumers kept its output.)"""
+        if self.fp32_residual:  # (the embeddings and the previous stage send fp32; an MTP depth's projection not)
+            x = x.float()
         regen = self.recompute["layernorm"] and self.training
         if regen:  # (the norm itself checkpointed too: it keeps only its input, not the PyTorch norm's temporaries)
             attn_norm = Regenerated(self.rng)
             h = attn_norm.first(functools.partial(checkpoint, self.input_layernorm, self.rng, x))
         else:
             h = self.input_layernorm(x)
+        if self.post_norm_residual:  # (the norm's output joins the stream: in its dtype, fp32 under the flag)
+            x = h.to(x.dtype)
         with attn_norm.hooks() if regen else contextlib.nullcontext():
             h = self.self_attention(h, rope, kv_cache, documents)
         h = dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
         if not regen or self.pre_mlp_layernorm.triton:
-            # x + h and its norm in one pass (one kernel with --kernel-impl triton, which keeps the sum alone)
+            # x + h and its norm in one pass (one kernel with --kernel-impl triton, which keeps the sum alone; an
+            # fp32 stream beside a bf16 h takes PyTorch's sum in fp32 and norm instead)
             h, x = self.pre_mlp_layernorm(h, x)
         else:  # the sum (the next residual, alive anyway), then its norm keeping only it
             x = x + h
@@ -89,6 +100,8 @@ class TransformerLayer(nn.Module):
         if regen:  # made again from the sum (the fused kernel normalises the sum it returns: the same values)
             mlp_norm = Regenerated(self.rng)
             mlp_norm.adopt(h, functools.partial(self.pre_mlp_layernorm, x))
+        if self.post_norm_residual:
+            x = h.to(x.dtype)
         with mlp_norm.hooks() if regen else contextlib.nullcontext():
             h = self._maybe_recompute("mlp", self.mlp, h)
         return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_lite.context_parallel.zigzag import slice_batch
 from megatron_lite.distributed.ddp import DistributedDataParallel, tied_embedding_copies
-from megatron_lite.models.gpt_model import ModelChunks
+from megatron_lite.models.gpt_model import ModelChunks, stream_dtype
 from megatron_lite.models.mtp import MultiTokenPredictionBlock, mtp_inputs
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
@@ -145,6 +145,7 @@ def _run_pipeline(model, micro_batches, ctx, scale: float, forward_only: bool) -
     # the dtype the chunks compute in (FSDP2 keeps fp32 parameters and computes in its param_dtype)
     # (of any chunk: a virtual stage may hold nothing, "Ett||tt|L")
     dtype = getattr(model, "compute_dtype", None) or next(p for c in chunks for p in c.parameters()).dtype
+    dtype = stream_dtype(chunks[0].config, dtype)  # (fp32 under --fp32-residual-connection)
     final = None if forward_only else model.final_grads  # each chunk's buckets reduce under the rest
     return run_pipeline(chunks, ctx, micro_batches, shape, dtype, scale, forward_only, final_grads=final)
 
