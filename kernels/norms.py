@@ -8,6 +8,9 @@ applied to the normalised value cast to the input dtype, as transformers does.
 
     y = rms_norm(x, w, eps)                     y, s = rms_norm(x, w, eps, residual=r)   # s = x + r
     y = layer_norm(x, w, b, eps)                y, s = layer_norm(x, w, b, eps, residual=r)
+
+An fp32 residual r beside a lower-precision x (--fp32-residual-connection) is summed in fp32: s and y are fp32,
+and x's gradient is the fp32 one, which autograd rounds to x's dtype.
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ if HAVE_TRITON:
             tl.store(STAT2 + row, mean, mask=rmask)
         tl.store(STAT1 + row, rstd, mask=rmask)
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-        if IS_RMS:  # (the normalised x rounded to the input's dtype before the weight, as HF's LlamaRMSNorm)
-            y = xhat.to(X.dtype.element_ty).to(tl.float32) * w
+        if IS_RMS:  # (the normalised x rounded to the input's dtype before the weight, as HF's LlamaRMSNorm; with
+            # a residual, the sum's dtype: S is X without one)
+            y = xhat.to(S.dtype.element_ty).to(tl.float32) * w
         else:  # (LayerNorm rounds once, at the end, as F.layer_norm: rounding xhat too moved 1/4 of bf16 outputs)
             y = xhat * w + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -287,9 +291,11 @@ class _NormFunction(torch.autograd.Function):
         x2 = x.reshape(-1, n).contiguous()
         rows = x2.shape[0]
         r2 = residual.reshape(-1, n).contiguous() if residual is not None else x2
+        # the sum in the wider dtype of the two (an fp32 residual stream beside a bf16 branch output stays fp32)
+        sum_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
         # RMSNorm's output takes the weight's dtype where it is wider (weight * xhat.to(x.dtype), as transformers)
-        y = torch.empty_like(x2, dtype=torch.promote_types(x.dtype, weight.dtype) if is_rms else x.dtype)
-        s = torch.empty_like(x2) if residual is not None else x2
+        y = torch.empty_like(x2, dtype=torch.promote_types(sum_dtype, weight.dtype) if is_rms else sum_dtype)
+        s = torch.empty_like(x2, dtype=sum_dtype) if residual is not None else x2
         stat1 = torch.empty(rows, dtype=torch.float32, device=x.device)
         stat2 = torch.empty(rows, dtype=torch.float32, device=x.device)
         weight = weight.contiguous()  # (the kernels read them by column index alone)
@@ -408,12 +414,17 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"norm residual {tuple(residual.shape)} is not the shape of x {tuple(x.shape)}")
 
 
+def _kernel_residual(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether the kernel sums this residual: none, one of x's dtype, or an fp32 stream (--fp32-residual-connection)."""
+    return residual is None or residual.dtype in (x.dtype, torch.float32)
+
+
 @on_tensor_device
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm of x (or of x + residual, also returned). Triton when usable, else the reference (which also
-    takes a residual of another dtype: the sum in their promoted dtype, as torch adds them)."""
+    """RMSNorm of x (or of x + residual, also returned). Triton when usable, else the reference. A residual of
+    another dtype is summed in their promoted dtype, as torch adds them (the kernel: an fp32 residual only)."""
     _check_shapes(x, weight, None, residual)
-    if triton_usable(x) and (residual is None or residual.dtype == x.dtype):
+    if triton_usable(x) and _kernel_residual(x, residual):
         return _NormFunction.apply(x, weight, None, residual, eps, True)
     return rms_norm_reference(x, weight, eps, residual)
 
@@ -423,7 +434,7 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ):
     _check_shapes(x, weight, bias, residual)
-    if triton_usable(x) and (residual is None or residual.dtype == x.dtype):
+    if triton_usable(x) and _kernel_residual(x, residual):
         return _NormFunction.apply(x, weight, bias, residual, eps, False)
     return layer_norm_reference(x, weight, bias, eps, residual)
 

@@ -106,6 +106,34 @@ def test_fp32_residual_brings_a_bf16_model_closer_to_fp32():
         assert fp32_stream * 2 < plain, (seed, plain, fp32_stream)
 
 
+@needs_triton_on_cpu
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_fused_add_norm_kernel_sums_a_bf16_branch_into_an_fp32_stream(norm):
+    """The Triton add+norm with a bf16 x and an fp32 residual (before: PyTorch's reference took it): the sum and
+    the output fp32, equal to the reference's; x's gradient the fp32 one rounded to bf16 by autograd."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=gen).bfloat16().requires_grad_()
+    r = torch.randn(6, 64, generator=gen).requires_grad_()
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).bfloat16().requires_grad_()
+    b = (0.1 * torch.randn(64, generator=gen)).bfloat16()
+    fused, ref = (K.rms_norm, K.rms_norm_reference) if norm == "rms" else (K.layer_norm, K.layer_norm_reference)
+    args = (w, 1e-5) if norm == "rms" else (w, b, 1e-5)
+    out = []
+    for fn in (fused, ref):
+        launches = K.LAUNCHES[f"{norm}_norm_fwd"]
+        y, s = fn(x, *args, residual=r)
+        ran = K.LAUNCHES[f"{norm}_norm_fwd"] > launches
+        loss = (y * torch.linspace(-1, 1, 64)).sum() + (s * torch.linspace(0, 1, 64)).sum()
+        out.append((ran, y, s, *torch.autograd.grad(loss, (x, r, w))))
+    (ran, *got), (ran_ref, *want) = out
+    assert ran and not ran_ref
+    f32, bf = torch.float32, torch.bfloat16
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [f32, f32, bf, f32, bf]  # y, s, dx, dr, dw
+    for name, a, e in zip(("y", "s", "dx", "dr"), got, want):
+        assert torch.allclose(a.float(), e.float(), rtol=1e-6, atol=1e-6), name
+    assert torch.allclose(got[4].float(), want[4].float(), rtol=8e-3)  # dw: bf16, summed in another order
+
+
 def test_fp32_residual_changes_nothing_in_fp32():
     out = []
     for flag in (False, True):

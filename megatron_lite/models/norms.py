@@ -55,7 +55,7 @@ class RMSNorm(_Norm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         fn = K.rms_norm if self.triton else K.rms_norm_reference
-        # (an fp32 residual beside a bf16 x: the kernels' entry takes PyTorch's reference, the sum in fp32)
+        # (an fp32 residual beside a bf16 x: the sum and its norm in fp32, the kernel's and the reference's)
         out = fn(x, self.gamma(), self.eps, residual=residual)
         y, s = out if residual is not None else (out, None)
         if self.zero_centered and x.dtype != torch.float32:

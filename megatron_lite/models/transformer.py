@@ -92,7 +92,7 @@ class TransformerLayer(nn.Module):
         h = dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
         if not regen or self.pre_mlp_layernorm.triton:
             # x + h and its norm in one pass (one kernel with --kernel-impl triton, which keeps the sum alone; an
-            # fp32 stream beside a bf16 h takes PyTorch's sum in fp32 and norm instead)
+            # fp32 stream beside a bf16 h is summed and normalised in fp32)
             h, x = self.pre_mlp_layernorm(h, x)
         else:  # the sum (the next residual, alive anyway), then its norm keeping only it
             x = x + h
