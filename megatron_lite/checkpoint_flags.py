@@ -39,6 +39,7 @@ ARCH_DESTS = (
     "normalization",
     "norm_epsilon",
     "apply_layernorm_1p",
+    "apply_residual_connection_post_layernorm",  # (no tensor changes, the math does)
     "swiglu",
     "openai_gelu",
     "no_bias_gelu_fusion",
@@ -126,6 +127,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
         )
     }
     out["apply_layernorm_1p"] = m.get("apply_layernorm_1p", False)
+    out["apply_residual_connection_post_layernorm"] = m.get("apply_residual_connection_post_layernorm", False)
     out["qk_layernorm"] = m.get("qk_layernorm", False)  # (absent from older checkpoints)
     for k, default in (
         ("multi_latent_attention", False),

@@ -219,6 +219,22 @@ def test_post_layernorm_residual_is_refused_on_export():
     check_exportable(job.model, "GPT2LMHeadModel")  # (an fp32 stream changes no weight)
 
 
+def test_a_checkpoint_keeps_post_layernorm_residuals():
+    """An architecture flag (the same tensors, another model): --load alone takes it over, the opposite conflicts."""
+    from megatron_lite.checkpoint_flags import defaults_from_checkpoint, flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    argv = [*FLAGS, "--vocab-size", "100"]
+    saved = parse_args([*argv, "--apply-residual-connection-post-layernorm"])[1].to_dict()
+    assert defaults_from_checkpoint(saved)["apply_residual_connection_post_layernorm"] is True
+    ns = flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
+    assert ns.apply_residual_connection_post_layernorm
+    pre = parse_args(argv)[1].to_dict()
+    argv = [*argv, "--apply-residual-connection-post-layernorm"]
+    with pytest.raises(ConfigError, match="--apply-residual-connection-post-layernorm True conflicts with the check"):
+        flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), pre, "ckpt")
+
+
 # Equivalence with one process ----------------------------------------------------------------------------------
 LAYOUTS = {  # world, layout, micro-batch size
     "tp2-sp": (2, P(tensor_model_parallel_size=2, sequence_parallel=True), 2),
