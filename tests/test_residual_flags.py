@@ -263,3 +263,27 @@ def test_fp32_residual_trains_like_one_process(dist, layout):
     for history in dist(world, train_run, "fp32res", parallel, 4, mbs, iters=4, bf16=True):
         for it, (a, b) in enumerate(zip(history, ref)):
             assert abs(a[0] - b[0]) <= tol * abs(b[0]) and abs(a[1] - b[1]) <= tol * abs(b[1]), (it, a, b)
+
+
+def _generated(parallel: P, state: dict, prompt: list[int]) -> dict:
+    """A bf16 Llama with an fp32 stream on this layout, loaded with `state`: greedy tokens and their log-probs."""
+    from megatron_lite.inference.generation import generate
+
+    from dist_pool import get_context
+
+    ctx = get_context(parallel) if parallel.pipeline_model_parallel_size > 1 else _ctx()
+    model = build_model(llama_config(fp32_residual_connection=True), ctx, seed=1, dtype=torch.bfloat16)
+    for chunk in model:
+        chunk.load_full_state_dict(state)
+    return generate(model, ctx, prompt, 4)
+
+
+def test_pipelined_generation_sends_the_fp32_stream(dist):
+    """PP=2 generation's stages exchange the fp32 hidden states (a bf16 buffer met an fp32 send): the tokens and
+    log-probabilities of one process."""
+    state = build_model(llama_config(), _ctx(), seed=4, dtype=torch.bfloat16)[0].full_state_dict()
+    prompt = _tokens(3, b=1, s=6)[0].tolist()
+    want = _generated(P(), state, prompt)
+    got = dist(2, _generated, P(pipeline_model_parallel_size=2), state, prompt)
+    assert got[0]["generated_ids"] == got[1]["generated_ids"] == want["generated_ids"]
+    assert got[1]["logprobs"] == want["logprobs"]  # (the last stage's)
