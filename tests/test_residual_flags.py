@@ -257,10 +257,10 @@ def test_fp32_residual_trains_like_one_process(dist, layout):
     """bf16 with an fp32 stream. At PP=2 the first stage sends the fp32 stream: the same micro-batches in one
     process give the same losses and norms to 1e-4 (a bf16 buffer rounded the hidden states, or failed). At TP=2
     the bf16 row-parallel sums round differently: equal within SAME_SUM_TOL."""
-    world, parallel, mbs = LAYOUTS[layout]
-    ref = train_run("fp32res", P(), 4, mbs, iters=4, bf16=True)
-    tol = SAME_SUM_TOL if parallel.tensor_model_parallel_size > 1 else 1e-4  # (measured: 1.9e-4 and 2e-16)
-    for history in dist(world, train_run, "fp32res", parallel, 4, mbs, iters=4, bf16=True):
+    world, parallel, _ = LAYOUTS[layout]
+    ref = train_run("fp32res", P(), 2, 1, iters=3, bf16=True)  # (bf16 on a CPU is slow: two micro-batches of one)
+    tol = SAME_SUM_TOL if parallel.tensor_model_parallel_size > 1 else 1e-4  # (PP=2: 2e-16 measured, the same ops)
+    for history in dist(world, train_run, "fp32res", parallel, 2, 1, iters=3, bf16=True):
         for it, (a, b) in enumerate(zip(history, ref)):
             assert abs(a[0] - b[0]) <= tol * abs(b[0]) and abs(a[1] - b[1]) <= tol * abs(b[1]), (it, a, b)
 
