@@ -23,7 +23,7 @@ from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import ParallelContext
 
-from models import VOCAB, gpt2_config, llama_config, needs_triton_on_cpu, perturbed_full_state
+from models import VOCAB, gpt2_config, llama_config, needs_triton_on_cpu, nemotron_config, perturbed_full_state
 
 P = ParallelConfig
 FLAGS = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --train-iters 2 --mock-data".split()
@@ -71,7 +71,7 @@ def _dtypes(model) -> dict[str, set]:
     return seen
 
 
-@pytest.mark.parametrize("config", [llama_config, gpt2_config])
+@pytest.mark.parametrize("config", [llama_config, gpt2_config, nemotron_config])  # (nemotron: 1p LayerNorms)
 def test_fp32_residual_stream_is_fp32_and_the_branches_bf16(config):
     f32, bf = torch.float32, torch.bfloat16
     seen = _dtypes(build_model(config(fp32_residual_connection=True), _ctx(), seed=1, dtype=bf))

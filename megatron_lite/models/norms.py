@@ -86,7 +86,7 @@ class LayerNorm(_Norm):
             return self._out(*(out if residual is not None else (out, None)))
         s = x + residual if residual is not None else x
         w = self.gamma()
-        if w.dtype == s.dtype:
+        if w.dtype == s.dtype == self.bias.dtype:
             y = F.layer_norm(s, (s.shape[-1],), w, self.bias, self.eps)
         else:  # (an fp32 gamma on lower-precision rows, or bf16 weights on an fp32 stream: in fp32, rounded once)
             y = F.layer_norm(s.float(), (s.shape[-1],), w.float(), self.bias.float(), self.eps).to(s.dtype)
