@@ -109,7 +109,8 @@ def _fp8_notes(ns: argparse.Namespace) -> list[str]:
 
 
 def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
-    """Lines describing the accepted-but-ineffective flags this job passed."""
+    """Lines describing the accepted-but-ineffective flags this job passed (and one that acts here where
+    Megatron-Core's models ignore it)."""
     lines = [
         f"--{n.replace('_', '-')} has no effect: {why}"
         for n, (_, why) in ACCEPTED_NO_OPS.items()
@@ -126,6 +127,11 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     lines += _fp8_notes(ns)
+    if getattr(ns, "apply_residual_connection_post_layernorm", False):
+        lines.append(
+            "--apply-residual-connection-post-layernorm takes each residual after its norm, as the flag's help and "
+            "Megatron's legacy models do; Megatron-Core's models (Megatron-LM's default) ignore it"
+        )
     if getattr(ns, "no_weight_decay_cond_type", None):
         lines.append(
             f"--no-weight-decay-cond-type {ns.no_weight_decay_cond_type} is Megatron's deprecated spelling of "

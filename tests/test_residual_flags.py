@@ -219,6 +219,17 @@ def test_post_layernorm_residual_is_refused_on_export():
     check_exportable(job.model, "GPT2LMHeadModel")  # (an fp32 stream changes no weight)
 
 
+def test_post_layernorm_residual_says_megatron_core_ignores_it():
+    """Megatron-Core 0.16's layers never read apply_residual_connection_post_layernorm (only Megatron's legacy
+    models, refused here, do): a Megatron script with it trains pre-norm there; here the flag acts as its help
+    says, and the start-up notes say so."""
+    from megatron_lite.megatron_flags import accepted_no_ops
+
+    ns, _ = parse_args([*FLAGS, "--vocab-size", "100", "--apply-residual-connection-post-layernorm"])
+    assert any("Megatron-Core's models (Megatron-LM's default) ignore it" in n for n in accepted_no_ops(ns))
+    assert not any("post-layernorm" in n for n in accepted_no_ops(parse_args([*FLAGS, "--vocab-size", "100"])[0]))
+
+
 def test_a_checkpoint_keeps_post_layernorm_residuals():
     """An architecture flag (the same tensors, another model): --load alone takes it over, the opposite conflicts."""
     from megatron_lite.checkpoint_flags import defaults_from_checkpoint, flags_from_checkpoint
