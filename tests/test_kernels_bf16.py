@@ -132,6 +132,30 @@ def test_flash_attention(dtype, window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 300])
+def test_flash_attention_with_learned_sinks(dtype, window):
+    """gpt-oss's attention sinks (--softmax-type learnable) through the flash kernel, its output times
+    sigmoid(lse - offset), against the unfused softmax with the offset column (models/attention_variants.py),
+    the offsets' gradient included; seq_q < seq_k (a KV cache's bottom-right causal mask)."""
+    from megatron_lite.models.attention import attention_mask
+    from megatron_lite.models.attention_variants import attention_with_offset, flash_attention_with_offset
+
+    b, sq, sk, h, hkv, d = _shape(dtype, (2, 700, 800, 16, 4, 64), (1, 40, 45, 4, 2, 16))
+    window = None if window is None else _shape(dtype, window, 20)
+    q, k, v = (_rand(b, s, n, d, seed=i, dtype=dtype) for i, (s, n) in enumerate([(sq, h), (sk, hkv), (sk, hkv)]))
+    offset = _rand(h, seed=7, dtype=torch.float32, scale=2.0)  # (fp32 as the model holds it)
+    visible = attention_mask(sq, sk, window, q.device)
+    _check(
+        lambda q, k, v, o: flash_attention_with_offset(q, k, v, o, None, window, None),
+        lambda q, k, v, o: attention_with_offset(q, k, v, o, None, visible),
+        [q, k, v, offset],
+        dtype,
+        "flash_attention_bwd",
+        ["o", "dq", "dk", "dv", "doffset"],
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_linear_cross_entropy(dtype):
     tokens, hidden, vocab = _shape(dtype, (1000, 512, 32000), (37, 24, 50))
     hid = _rand(tokens, hidden, seed=0, dtype=dtype)
