@@ -222,6 +222,10 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         moe_shared_expert_intermediate_size=ns.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=ns.moe_shared_expert_gate,
         moe_token_dispatcher_type=ns.moe_token_dispatcher_type,
+        moe_input_jitter_eps=ns.moe_input_jitter_eps,
+        moe_router_force_load_balancing=ns.moe_router_force_load_balancing,
+        moe_pad_expert_input_to_capacity=ns.moe_pad_expert_input_to_capacity,
+        moe_apply_probs_on_input=ns.moe_apply_probs_on_input,
     )
     model.check_recompute_targets()
     for flag, value in (  # (used in divisions below, before the parallel config's own checks)

@@ -192,6 +192,18 @@ class ModelConfig:
     # sigmoid(x . w), w a [1, hidden] weight replicated across TP
     moe_shared_expert_gate: bool = False
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+    # Megatron's --moe-input-jitter-eps (Switch Transformer's jitter): in training, the router's input (not the
+    # experts') times noise uniform in [1 - eps, 1 + eps], drawn from the default generator (moe/router.py)
+    moe_input_jitter_eps: float | None = None
+    # Megatron's --moe-router-force-load-balancing (its benchmarking mode): normal random router logits, their
+    # gradient passed straight through to the real logits
+    moe_router_force_load_balancing: bool = False
+    # Megatron's --moe-pad-expert-input-to-capacity: each expert's input padded with zero rows to its capacity
+    # (needs moe_expert_capacity_factor); the padding's outputs are dropped, so the math is unchanged
+    moe_pad_expert_input_to_capacity: bool = False
+    # Megatron's --moe-apply-probs-on-input: the routing weight multiplies the expert's input, not its output
+    # (top-k 1 only, as Megatron asserts)
+    moe_apply_probs_on_input: bool = False
     # Multi-token prediction (DeepSeek-V3; Megatron's --mtp-num-layers, --mtp-loss-scaling-factor): after the
     # last layer, depth k (1..mtp_num_layers) combines each position's hidden state with the embedding of the
     # token k ahead and predicts the token k + 1 ahead through one more transformer layer and the shared output

@@ -381,15 +381,7 @@ REFUSED: dict[str, str] = {
     "moe_enable_deepep": "DeepEP is not used; --moe-token-dispatcher-type alltoall (or allgather) dispatches tokens",
     "optimizer_cpu_offload": "the optimizer state stays on the accelerator (no CPU offload)",
     "moe_layer_recompute": "use --recompute-granularity selective --recompute-modules moe (its successor in Megatron)",
-    "moe_router_force_load_balancing": (
-        "forced balancing (random router scores, Megatron's benchmarking mode) is not implemented: routing follows "
-        "the router"
-    ),
     "use_legacy_models": "megatron_lite has one model implementation, Megatron-core's (drop the flag)",
-    "moe_pad_expert_input_to_capacity": (
-        "experts' inputs are not padded to their capacity: the tokens over it are dropped, the rest run unpadded"
-    ),
-    "moe_input_jitter_eps": "router input jitter is not implemented",
     "overlap_param_gather_with_optimizer_step": (
         "the distributed optimizer's weight all-gather overlaps the next forward (--overlap-param-gather), not the "
         "optimizer step"
@@ -487,7 +479,6 @@ REFUSED: dict[str, str] = {
         "a pad id shared with another token is not masked out of the loss (Megatron's default)"
     ),
     "moe_extended_tp": "deprecated in Megatron; use --expert-tensor-parallel-size",
-    "moe_apply_probs_on_input": "the router's probabilities weigh the experts' outputs, not their inputs",
     "spec": "custom layer specs are not implemented: the layer is GPT's, its variants set by flags (local is taken)",
     "yaml_cfg": "YAML configs are not read: give the flags",
     "sft_tokenizer_prompt_format": (

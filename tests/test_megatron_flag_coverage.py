@@ -86,7 +86,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "tokenizer metadata files are not read": "--tokenizer-metadata",
     "a pad id shared with another token is not": "--allow-ambiguous-pad-tokens",
     "deprecated in Megatron; use": "--moe-extended-tp",
-    "the router's probabilities weigh the": "--moe-apply-probs-on-input",
     "custom layer specs are not implemented: the": "--spec",
     "YAML configs are not read: give the": "--yaml-cfg",
     "--sft reads prompts as its JSONL records": "--sft-tokenizer-prompt-format",

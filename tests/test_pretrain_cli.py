@@ -393,8 +393,8 @@ def test_num_query_groups_without_gqa_is_said_and_resumes(tmp_path, capsys, monk
         (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], ["--fp8-recipe blockwise is not implemented"]),
         # every refused flag in one line (a script with four refused flags was refused four times over)
         (
-            ["--fp8-format", "hybrid", "--fp8-param-gather", "--moe-router-force-load-balancing"],
-            ["--fp8-param-gather --moe-router-force-load-balancing are not supported", "random router"],
+            ["--fp8-format", "hybrid", "--fp8-param-gather", "--enable-cuda-graph"],
+            ["--fp8-param-gather --enable-cuda-graph are not supported", "CUDA graphs are not implemented"],
         ),
         (["--grad-reduce-in-bf16", "--fp16"], ["--grad-reduce-in-bf16", "--fp16", "use --bf16"]),
         (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),

@@ -28,10 +28,16 @@ def _pairs(routing: Routing):
     return tokens, routing.indices.reshape(-1)[keep], routing.probs.reshape(-1)[keep]
 
 
+def _rows(routing: Routing, t: int, ep: Group) -> int | None:
+    """The rows one expert may receive from `t` tokens of each EP rank: its capacity from each (None: dropless)."""
+    return None if routing.capacity is None else min(routing.capacity, t) * ep.size
+
+
 def alltoall_dispatch(
     x: torch.Tensor, routing: Routing, experts: LocalExperts, ep: Group, num_experts: int, triton: bool = False
 ):
     n_local = num_experts // ep.size
+    t = x.shape[0]
     kept = routing.indices[routing.keep]
     send = torch.bincount(kept, minlength=num_experts).view(ep.size, n_local)
     recv = exchange_counts(send, ep)  # recv[r, j]: tokens rank r sends to my expert j
@@ -42,7 +48,7 @@ def alltoall_dispatch(
     sizes = recv.reshape(-1).tolist()
     chunks = received.split(sizes)
     by_expert = [chunks[r * n_local + j] for j in range(n_local) for r in range(ep.size)]
-    out = experts(torch.cat(by_expert) if by_expert else received, recv.sum(0).tolist())
+    out = experts(torch.cat(by_expert) if by_expert else received, recv.sum(0).tolist(), _rows(routing, t, ep))
     out_chunks = out.split([sizes[r * n_local + j] for j in range(n_local) for r in range(ep.size)])
     back = [out_chunks[j * ep.size + r] for r in range(ep.size) for j in range(n_local)]
     returned = all_to_all(torch.cat(back) if back else out, ep, in_splits, out_splits)
@@ -79,12 +85,13 @@ def alltoall_dispatch_overlapped(
         buf, handle = all_to_all_start(permuted, ep, out_splits, in_splits)
         plans.append((a, b, recv, in_splits, out_splits, row_map, buf, handle))
     started = []
-    for _, _, recv, in_splits, out_splits, _, buf, handle in plans:
+    for a, b, recv, in_splits, out_splits, _, buf, handle in plans:
         received = all_to_all_wait(buf, ep, out_splits, in_splits, handle)
         sizes = recv.reshape(-1).tolist()
         chunks = received.split(sizes)
         by_expert = [chunks[r * n_local + j] for j in range(n_local) for r in range(ep.size)]
-        out = experts(torch.cat(by_expert) if by_expert else received, recv.sum(0).tolist())
+        rows = _rows(routing, b - a, ep)
+        out = experts(torch.cat(by_expert) if by_expert else received, recv.sum(0).tolist(), rows)
         out_chunks = out.split([sizes[r * n_local + j] for j in range(n_local) for r in range(ep.size)])
         back = [out_chunks[j * ep.size + r] for r in range(ep.size) for j in range(n_local)]
         started.append(all_to_all_start(torch.cat(back) if back else out, ep, in_splits, out_splits))
@@ -105,6 +112,7 @@ def allgather_dispatch(x: torch.Tensor, routing: Routing, experts: LocalExperts,
     token, expert, weight = token[local], expert[local] - experts.first, weight[local]
     order = torch.argsort(expert, stable=True)
     token, expert, weight = token[order], expert[order], weight[order]
-    out = experts(xs[token], torch.bincount(expert, minlength=experts.num_local).tolist())
+    counts = torch.bincount(expert, minlength=experts.num_local).tolist()
+    out = experts(xs[token], counts, _rows(routing, x.shape[0], ep))
     y = torch.zeros_like(xs, dtype=out.dtype).index_add(0, token, out * weight.unsqueeze(-1).to(out.dtype))
     return reduce_scatter_dim0(y, ep)

@@ -112,10 +112,25 @@ class LocalExperts(nn.Module):
         modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
         # (with "moe" the whole layer is recomputed: the activation is not checkpointed again inside)
         self.recompute_act = "moe_act" in modules and "moe" not in modules
+        self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.local_experts = nn.ModuleList(ExpertMLP(config, etp, device, dtype) for _ in range(self.num_local))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: tokens grouped by local expert, `counts[j]` rows for expert j."""
+    def forward(self, x: torch.Tensor, counts: list[int], capacity: int | None = None) -> torch.Tensor:
+        """x: tokens grouped by local expert, `counts[j]` rows for expert j. `capacity` (with
+        --moe-pad-expert-input-to-capacity): the rows each expert may receive; its input is padded with zero rows to
+        that many (Megatron pads with tokens of weight zero) and the padding's outputs are dropped, so each expert
+        computes on a fixed-size input and the result is the unpadded one. Only the experts' input is padded: the
+        exchange carries the kept rows alone (its counts go to the host anyway, so fixed sizes would save nothing
+        there)."""
+        if capacity is None or not self.pad_to_capacity or not counts:
+            return self._forward(x, counts)
+        rows = max(capacity, *counts)  # (never fewer than an expert got: a rank with a longer micro-batch)
+        pieces = x.split(counts)
+        padded = torch.cat([t for p in pieces for t in (p, p.new_zeros(rows - p.shape[0], p.shape[1]))])
+        out = self._forward(padded, [rows] * len(counts))
+        return torch.cat([o[:n] for o, n in zip(out.split(rows), counts)])
+
+    def _forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # (NF4 experts run one by one: stacking them for the grouped GEMM would hold every dense weight at once;
         # fp8 ones too, each expert's GEMMs with its own scales)
         first = self.local_experts[0] if self.num_local else None

@@ -57,6 +57,28 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-expert-capacity-factor", type=float,
                    help="dropless when unset or negative; counted over the TP group's whole sequence")  # fmt: skip
     e.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    e.add_argument(
+        "--moe-pad-expert-input-to-capacity",
+        action="store_true",
+        help="pad each expert's input with zero rows to its capacity (needs --moe-expert-capacity-factor; the "
+        "padding's outputs are dropped)",
+    )
+    e.add_argument(
+        "--moe-input-jitter-eps",
+        type=float,
+        default=None,
+        help="in training, multiply the router's input by noise uniform in [1 - eps, 1 + eps] (Switch Transformer)",
+    )
+    e.add_argument(
+        "--moe-router-force-load-balancing",
+        action="store_true",
+        help="random normal router logits, for benchmarking balanced load (the gradient passes straight through)",
+    )
+    e.add_argument(
+        "--moe-apply-probs-on-input",
+        action="store_true",
+        help="the routing weight multiplies the expert's input instead of its output (needs --moe-router-topk 1)",
+    )
     e.add_argument("--moe-layer-freq", default="1", help="N (every Nth layer) or a 0/1 list, e.g. 0,1,1,1")
     e.add_argument("--moe-shared-expert-intermediate-size", type=int)
     e.add_argument(

@@ -14,6 +14,8 @@ Recomputation does not count twice.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -21,7 +23,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.models.attach_loss import attach_loss
 from megatron_lite.moe.dispatcher import allgather_dispatch, alltoall_dispatch, alltoall_dispatch_overlapped
 from megatron_lite.moe.experts import LocalExperts
-from megatron_lite.moe.router import TopKRouter
+from megatron_lite.moe.router import Routing, TopKRouter
 from megatron_lite.moe.shared_expert import SharedExpertMLP
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.mappings import (
@@ -77,6 +79,7 @@ class MoELayer(nn.Module):
         s, b, h = full.shape
         tokens = full.reshape(s * b, h)
         routing = self.router(tokens, (s, b))
+        tokens, routing = self._apply_probs_on_input(tokens, routing)
         triton = self.config.kernel_impl == "triton"
         if self.config.moe_token_dispatcher_type == "alltoall" and self.overlap_comm and self.ep.size > 1:
             y = alltoall_dispatch_overlapped(tokens, routing, self.experts, self.ep, self.config.num_experts, triton)
@@ -99,6 +102,16 @@ class MoELayer(nn.Module):
         if not is_recomputing():
             self._add_stats(routing)
         return y
+
+    def _apply_probs_on_input(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
+        """--moe-apply-probs-on-input (top-k 1): each token times its routing weight, in fp32 and back to the
+        tokens' dtype, before it is sent to its expert; the combine then weighs the outputs by one (zero for a pair
+        its capacity dropped). As Megatron's experts do, on the permuted rows: the same rows, scaled before the
+        permutation. The statistics and losses keep the router's own weights."""
+        if not self.config.moe_apply_probs_on_input:
+            return tokens, routing
+        scaled = (tokens * routing.probs).to(tokens.dtype)  # (probs [T, 1]: one expert a token)
+        return scaled, dataclasses.replace(routing, probs=routing.keep.to(routing.probs.dtype))
 
     @torch.no_grad()
     def _add_stats(self, routing) -> None:

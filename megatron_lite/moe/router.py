@@ -14,6 +14,15 @@ f_e = tokens routed to e / (tokens * k) and P_e the mean score of e over the tok
 computes it per sequence and averages; z-loss = coeff * mean(logsumexp(logits)^2). Counts come from the
 routing before capacity dropping. All statistics are over this micro-batch's tokens (the full sequence:
 the MoE layer gathers it under sequence parallelism), so they do not depend on the layout.
+
+Randomness (Megatron's --moe-input-jitter-eps, --moe-router-force-load-balancing): drawn from the default
+generator, which is the same on every TP rank, as the router's input is (the whole sequence on each), so every TP
+rank routes alike and TP (with or without SP) draws what one process draws; recomputation (full, or selective
+"moe") replays it, as checkpoint() restores the generators. Elsewhere the noise follows the default generator as
+dropout on replicated activations does: DP and EP replicas (seeded alike) draw the same stream for their own
+tokens, pipeline stages (seeded per stage) and CP ranks (a part of each sequence) draw other numbers than one
+process does, so those layouts do not reproduce a one-process run by design. Megatron draws the forced logits
+from its expert-parallel tracker (another stream per EP rank); jitter it draws from the default generator too.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ class Routing:
     counts: torch.Tensor  # [E] tokens routed to each expert, before dropping
     aux_loss: torch.Tensor | None
     z_loss: torch.Tensor | None
+    capacity: int | None = None  # the most tokens an expert keeps of these (with a capacity factor)
 
 
 class TopKRouter(nn.Module):
@@ -72,7 +82,15 @@ class TopKRouter(nn.Module):
         c = self.config
         k, e = c.moe_router_topk, c.num_experts
         dt = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
+        eps = c.moe_input_jitter_eps
+        if eps is not None and self.training:
+            # (Megatron's Uniform(1 - eps, 1 + eps).rsample: low + rand * (high - low), in the input's dtype; only in
+            # training, as Switch Transformer's and Hugging Face's jitter: Megatron's applies in evaluation too)
+            low, high = 1.0 - eps, 1.0 + eps
+            x = x * (low + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (high - low))
         logits = F.linear(x.to(dt), self.weight.to(dt), None if self.bias is None else self.bias.to(dt))
+        if c.moe_router_force_load_balancing:
+            logits = _RandomLogits.apply(logits)
         z_loss = None
         cp = self.cp.size if self.cp is not None else 1
         if c.moe_z_loss_coeff:  # (this part's share of the mean over the whole sequence)
@@ -106,7 +124,8 @@ class TopKRouter(nn.Module):
         keep = self._capacity_keep(probs, indices, x.shape[0])
         probs = (probs * keep).float()  # the experts' side stays fp32 whatever the routing ran in
         aux_loss, z_loss = (v.float() if v is not None else None for v in (aux_loss, z_loss))
-        return Routing(probs, indices, keep, counts, aux_loss, z_loss)
+        capacity = expert_capacity(c, x.shape[0])
+        return Routing(probs, indices, keep, counts, aux_loss, z_loss, capacity)
 
     def _topk(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of [T, E] selection scores, within the best groups when routing is group-limited."""
@@ -149,10 +168,10 @@ class TopKRouter(nn.Module):
 
     def _capacity_keep(self, probs, indices, t: int) -> torch.Tensor:
         c = self.config
-        if c.moe_expert_capacity_factor is None:
+        capacity = expert_capacity(c, t)
+        if capacity is None:
             return torch.ones_like(indices, dtype=torch.bool)
-        e, k = c.num_experts, c.moe_router_topk
-        capacity = math.ceil(t * k / e * c.moe_expert_capacity_factor)
+        e = c.num_experts
         # each expert's routed tokens by their probability, the others at -inf (not probs + 1, which ties
         # probabilities closer than fp32's resolution near 1)
         # (in the routing's dtype, fp64 under --moe-router-dtype fp64: fp32 would tie what fp64 tells apart)
@@ -161,8 +180,30 @@ class TopKRouter(nn.Module):
         routed = routed.scatter(1, indices, probs.detach().to(dtype))
         is_routed = routed > float("-inf")
         if c.moe_token_drop_policy == "probs":  # keep each expert's most confident tokens
-            top = torch.topk(routed, min(capacity, t), dim=0).indices
+            top = torch.topk(routed, capacity, dim=0).indices
             kept = torch.zeros_like(routed, dtype=torch.bool).scatter(0, top, True) & is_routed
         else:  # position: the earliest tokens of the sequence
             kept = is_routed & (torch.cumsum(is_routed.int(), dim=0) <= capacity)
         return kept.gather(1, indices)
+
+
+def expert_capacity(c: ModelConfig, t: int) -> int | None:
+    """The most of `t` tokens one expert keeps under the capacity factor, Megatron's get_capacity of t * top-k
+    routed pairs (a token goes to an expert at most once, so never more than t); None when dropless."""
+    if c.moe_expert_capacity_factor is None:
+        return None
+    return min(t, math.ceil(t * c.moe_router_topk / c.num_experts * c.moe_expert_capacity_factor))
+
+
+class _RandomLogits(torch.autograd.Function):
+    """--moe-router-force-load-balancing (Megatron's RandomSTE): standard normal logits in place of the router's,
+    so tokens spread evenly over the experts; the backward hands their gradient to the real logits unchanged (a
+    straight-through estimator), so the router's weight still gets one."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(logits).normal_()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad

@@ -18,6 +18,16 @@ def validate_moe(c: ModelConfig) -> None:
             "--num-experts and --moe-shared-expert-intermediate-size, or drop the flag"
         )
     if c.num_experts is None:
+        for flag, on in (
+            ("--moe-input-jitter-eps", c.moe_input_jitter_eps is not None),
+            ("--moe-router-force-load-balancing", c.moe_router_force_load_balancing),
+            ("--moe-pad-expert-input-to-capacity", c.moe_pad_expert_input_to_capacity),
+            ("--moe-apply-probs-on-input", c.moe_apply_probs_on_input),
+        ):
+            if on:
+                raise ConfigError(
+                    f"{flag} acts on the MoE layers and this model has none: add --num-experts or drop it"
+                )
         return
     e, k = c.num_experts, c.moe_router_topk
     if e < 1:
@@ -88,4 +98,27 @@ def validate_moe(c: ModelConfig) -> None:
     if not isinstance(c.moe_layer_freq, int) and len(c.moe_layer_freq) != c.num_layers:
         raise ConfigError(
             f"--moe-layer-freq pattern has {len(c.moe_layer_freq)} entries for --num-layers {c.num_layers}"
+        )
+    _validate_router_extras(c)
+
+
+def _validate_router_extras(c: ModelConfig) -> None:
+    """--moe-input-jitter-eps, --moe-pad-expert-input-to-capacity, --moe-apply-probs-on-input (Megatron's checks:
+    its config's for padding, its experts' assertion for the probabilities; its uniform noise refuses eps <= 0 at
+    the first forward, here at start-up)."""
+    eps = c.moe_input_jitter_eps
+    if eps is not None and not eps > 0:
+        raise ConfigError(
+            f"--moe-input-jitter-eps {eps} must be > 0 (the noise is uniform in [1 - eps, 1 + eps]); drop the flag "
+            "for no jitter"
+        )
+    if c.moe_pad_expert_input_to_capacity and c.moe_expert_capacity_factor is None:
+        raise ConfigError(
+            "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity, which needs "
+            "--moe-expert-capacity-factor (as in Megatron; a negative factor means dropless): add it or drop the flag"
+        )
+    if c.moe_apply_probs_on_input and c.moe_router_topk != 1:
+        raise ConfigError(
+            f"--moe-apply-probs-on-input with --moe-router-topk {c.moe_router_topk}: the routing weight scales the "
+            "one expert's input, so it needs --moe-router-topk 1 (as Megatron asserts)"
         )

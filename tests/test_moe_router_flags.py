@@ -1,0 +1,221 @@
+"""Megatron's --moe-input-jitter-eps, --moe-router-force-load-balancing, --moe-apply-probs-on-input and
+--moe-pad-expert-input-to-capacity: each against its formula written out by hand (the jitter drawn by
+torch.distributions.Uniform's rsample, as Megatron draws it), and training under a layout equal to one process
+where the layout keeps the random streams (TP with SP: the router's noise comes from the default generator, the
+same on every TP rank) or has no randomness (EP), and under recomputation (the noise replayed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_moe import OPTIM, _compare, moe_config, moe_run
+
+from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.moe.layer import MoELayer
+from megatron_lite.moe.router import TopKRouter
+from megatron_lite.parallel_context import ParallelContext
+
+P = ParallelConfig
+PLAIN = dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)  # (the unit tests' oracles route alone)
+
+
+def _router(**kw) -> tuple[TopKRouter, torch.Tensor]:
+    config = moe_config(hidden_size=16, **PLAIN, **kw)
+    router = TopKRouter(config, tp_size=1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+    return router, torch.randn(48, 16, generator=gen)
+
+
+def _top2_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    top, idx = logits.topk(2, dim=-1)
+    return torch.exp(top) / torch.exp(top).sum(-1, keepdim=True), idx
+
+
+def test_input_jitter_multiplies_the_router_input_by_uniform_noise_in_training():
+    router, x = _router(moe_input_jitter_eps=0.3)
+    torch.manual_seed(11)
+    got = router.train()(x, (48, 1))
+    torch.manual_seed(11)  # Megatron's draw: Uniform(1 - eps, 1 + eps).rsample(input.shape)
+    noise = torch.distributions.Uniform(torch.tensor(0.7), torch.tensor(1.3)).rsample(x.shape)
+    probs, idx = _top2_softmax((x * noise) @ router.weight.detach().T)
+    assert torch.equal(got.indices, idx)
+    torch.testing.assert_close(got.probs, probs, rtol=1e-6, atol=1e-7)
+    plain_probs, plain_idx = _top2_softmax(x @ router.weight.detach().T)
+    assert not torch.equal(plain_idx, idx)  # (the noise is large enough to move some tokens)
+    evaluated = router.eval()(x, (48, 1))  # no jitter outside training (Switch Transformer's, Hugging Face's)
+    assert torch.equal(evaluated.indices, plain_idx)
+    torch.testing.assert_close(evaluated.probs, plain_probs, rtol=1e-6, atol=1e-7)
+
+
+def test_forced_balancing_routes_by_normal_logits_and_passes_their_gradient_through():
+    router, x = _router(moe_router_force_load_balancing=True)
+    torch.manual_seed(5)
+    got = router.train()(x, (48, 1))
+    weigh = torch.linspace(-1.0, 1.0, 96).view(48, 2)
+    (got.probs * weigh).sum().backward()
+    torch.manual_seed(5)
+    z = torch.randn(48, 4).requires_grad_()  # Megatron's RandomSTE: logits.clone().normal_()
+    probs, idx = _top2_softmax(z)
+    assert torch.equal(got.indices, idx)
+    torch.testing.assert_close(got.probs, probs.detach(), rtol=1e-6, atol=1e-7)
+    (probs * weigh).sum().backward()
+    torch.testing.assert_close(router.weight.grad, z.grad.T @ x, rtol=1e-5, atol=1e-6)  # straight through
+    # the load is even whatever the weights say: skew them all towards expert 0
+    with torch.no_grad():
+        router.weight[0] += 100.0
+    counts = router(torch.randn(4000, 16), (4000, 1)).counts.float()
+    assert (counts - 2000).abs().max() < 150, counts  # (4000 tokens x 2 over 4 experts: 2000 each, +-3 sd)
+
+
+def _hand_expert(expert, x: torch.Tensor) -> torch.Tensor:
+    f1, f2 = expert.linear_fc1, expert.linear_fc2
+    gate, up = (x @ f1.weight.T + f1.bias).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ f2.weight.T + f2.bias
+
+
+def test_probs_on_input_scale_the_expert_input_not_its_output():
+    """Top-1 with the softmax over all experts (Megatron's required --moe-router-pre-softmax): the output is
+    expert_e(p * x) (fc2's bias not weighed), not p * expert_e(x); the router's gradient flows through the input."""
+    kw = dict(hidden_size=16, moe_router_topk=1, moe_router_pre_softmax=True, add_bias_linear=True, **PLAIN)
+    layers = {}
+    for on in (True, False):
+        config = moe_config(moe_apply_probs_on_input=on, **kw)
+        layers[on] = layer = MoELayer(config, ParallelContext.virtual(P(), device=torch.device("cpu"))).train()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    x = torch.randn(6, 2, 16, generator=gen)
+    layer = layers[True]
+    got = layer(x)
+    got.square().sum().backward()
+    w = layer.router.weight.detach().clone().requires_grad_()
+    t = x.reshape(-1, 16)
+    scores = torch.softmax(t @ w.T + layer.router.bias.detach(), dim=-1)
+    p, e = scores.max(-1)
+    experts = layer.experts.local_experts
+    with torch.no_grad():
+        for m in experts.parameters():
+            m.requires_grad_(False)
+    want = torch.stack([_hand_expert(experts[int(e[n])], p[n] * t[n]) for n in range(t.shape[0])])
+    want.square().sum().backward()
+    torch.testing.assert_close(got.reshape(-1, 16), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.router.weight.grad, w.grad, rtol=1e-4, atol=1e-5)
+    on_output = torch.stack([p[n] * _hand_expert(experts[int(e[n])], t[n]) for n in range(t.shape[0])])
+    torch.testing.assert_close(layers[False](x).reshape(-1, 16), on_output, rtol=1e-5, atol=1e-5)
+    assert (want - on_output).abs().max() > 0.1  # (the two differ)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_padding_to_capacity_gives_the_experts_capacity_rows_and_the_same_output(monkeypatch, dispatcher):
+    from megatron_lite.moe.experts import ExpertMLP
+
+    seen = []
+    forward = ExpertMLP.forward
+    monkeypatch.setattr(ExpertMLP, "forward", lambda self, x, *a: seen.append(x.shape[0]) or forward(self, x, *a))
+    out = {}
+    for pad in (True, False):
+        config = moe_config(moe_expert_capacity_factor=1.5, moe_token_dispatcher_type=dispatcher, **PLAIN,
+                            moe_pad_expert_input_to_capacity=pad)  # fmt: skip
+        layer = MoELayer(config, ParallelContext.virtual(P(), device=torch.device("cpu")))
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        x = torch.randn(16, 2, config.hidden_size, generator=gen, requires_grad=True)
+        out[pad] = layer(x)
+        out[pad].square().sum().backward()
+        out[pad] = (out[pad], x.grad, layer.experts.local_experts[0].linear_fc1.weight.grad)
+        seen.append(None)
+    padded, unpadded = seen[: seen.index(None)], seen[seen.index(None) + 1 : -1]
+    assert padded == [24] * 4  # ceil(32 tokens x 2 / 4 experts x 1.5) rows each
+    assert len(set(unpadded)) > 1 and max(unpadded) <= 24  # (the routing is uneven: the padding does something)
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw,fragment",
+    [
+        (dict(moe_input_jitter_eps=0.0), "--moe-input-jitter-eps 0.0 must be > 0"),
+        (dict(moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
+        (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input with --moe-router-topk 2"),
+        (dict(num_experts=None, moe_router_force_load_balancing=True), "--moe-router-force-load-balancing acts on"),
+    ],
+)
+def test_bad_settings_are_one_line(kw, fragment):
+    with pytest.raises(ConfigError, match=fragment) as err:
+        moe_config(**kw).validate()
+    assert "\n" not in str(err.value)
+
+
+def test_megatrons_flags_reach_the_config():
+    from megatron_lite.arguments import parse_args
+
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 1 --mock-data "
+    base += "--vocab-size 100 --num-experts 4 --moe-router-topk 1 --moe-router-pre-softmax "
+    base += "--moe-expert-capacity-factor 1"
+    flags = " --moe-input-jitter-eps 0.01 --moe-router-force-load-balancing --moe-pad-expert-input-to-capacity "
+    model = parse_args((base + flags + "--moe-apply-probs-on-input").split())[1].model
+    assert (model.moe_input_jitter_eps, model.moe_router_force_load_balancing) == (0.01, True)
+    assert model.moe_pad_expert_input_to_capacity and model.moe_apply_probs_on_input
+    with pytest.raises(ConfigError, match="needs --moe-expert-capacity-factor"):
+        parse_args((base + " --moe-expert-capacity-factor -1" + flags).split())
+
+
+TOP1 = dict(moe_router_topk=1, moe_router_pre_softmax=True)
+LAYOUTS = {
+    # the router's noise from the default generator: the same on both TP ranks and in one process
+    "jitter-tp2-sp": (P(tensor_model_parallel_size=2, sequence_parallel=True), dict(moe_input_jitter_eps=0.2), {}),
+    "forced-balancing-tp2": (P(tensor_model_parallel_size=2), dict(moe_router_force_load_balancing=True), {}),
+    "probs-on-input-ep2": (P(expert_model_parallel_size=2), dict(TOP1, moe_apply_probs_on_input=True), {}),
+    # (the scaled input's gradient, partial over TP, gives the router a partial gradient summed over TP)
+    "probs-on-input-tp2-sp": (
+        P(tensor_model_parallel_size=2, sequence_parallel=True),
+        dict(TOP1, moe_apply_probs_on_input=True),
+        {},
+    ),
+}
+PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+for name, parallel, dispatcher in (
+    ("alltoall", P(expert_model_parallel_size=2), "alltoall"),
+    ("alltoall-overlapped", P(expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True), "alltoall"),
+    ("allgather", P(expert_model_parallel_size=2), "allgather"),
+):  # padded (EP=2) against unpadded (one process), the same capacity factor
+    LAYOUTS[f"pad-to-capacity-ep2-{name}"] = (
+        parallel,
+        dict(PAD, moe_token_dispatcher_type=dispatcher),
+        dict(moe_pad_expert_input_to_capacity=False),
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_flags_train_as_one_process_does(dist, layout):
+    parallel, kw, ref_kw = LAYOUTS[layout]
+    config = moe_config(**kw)
+    skew = 0.5 if config.moe_expert_capacity_factor else 0.0
+    ref = moe_run(dataclasses.replace(config, **ref_kw), P(), 8, 2, iters=4, skew=skew)
+    if skew:
+        assert ref[0]["dropped"] > 0
+    for history in dist(2, moe_run, config, parallel, 8, 2, 4, skew):
+        _compare(history, ref)
+
+
+@pytest.mark.parametrize("recompute", ["full", "moe"])
+def test_recomputation_replays_the_routers_noise(recompute):
+    """Without the same noise in the recomputed forward, the backward's gradients (grad norm) would differ."""
+    config = moe_config(moe_input_jitter_eps=0.2, moe_router_force_load_balancing=True)
+    if recompute == "full":
+        again = dataclasses.replace(config, recompute_granularity="full", recompute_method="uniform",
+                                    recompute_num_layers=1)  # fmt: skip
+    else:
+        again = dataclasses.replace(config, recompute_granularity="selective", recompute_modules=("moe",))
+    optim = dataclasses.replace(OPTIM, lr_warmup_iters=0)
+    ref, got = (moe_run(c, P(), 4, 2, iters=1, optim=optim) for c in (config, again))
+    for g, r in zip(got, ref):
+        assert (g["lm_loss"], g["grad_norm"]) == (r["lm_loss"], r["grad_norm"])
