@@ -91,6 +91,7 @@ FINETUNE_KEEPS = (
     "moe_router_num_groups",
     "moe_router_group_topk",
     "moe_router_topk_scaling_factor",
+    "moe_apply_probs_on_input",  # (where the weight applies is the function; jitter is a regulariser, as dropout)
     "moe_layer_freq",
     *TOKENIZER_FIELDS,
     "lora_rank",
@@ -490,8 +491,8 @@ def flags_from_checkpoint(
         saved = {k: v for k, v in saved.items() if k in ARCH_DESTS or k in FINETUNE_KEEPS}
         notes.append(
             "--finetune: the model's settings (architecture, routing, tokenizer) are the checkpoint's; the training "
-            "flags not given (schedule, optimizer, batch, seed, dropout, data, and MoE capacity, drop policy and "
-            "router dtype) take their defaults, as in Megatron"
+            "flags not given (schedule, optimizer, batch, seed, dropout, data, and MoE capacity, drop policy, "
+            "router dtype, input jitter and forced balancing) take their defaults, as in Megatron"
         )
     # a precision given replaces the checkpoint's, and its bf16-only settings (an fp16 run was refused for them)
     bf16_only = ("grad_reduce_in_bf16", "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype")

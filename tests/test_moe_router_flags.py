@@ -168,6 +168,28 @@ def test_megatrons_flags_reach_the_config():
         parse_args((base + " --moe-expert-capacity-factor -1" + flags).split())
 
 
+def test_resume_takes_the_flags_from_the_checkpoint_and_finetune_keeps_where_the_weight_applies():
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    pretrain = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data "
+    pretrain += "--vocab-size 100 --num-experts 4 --moe-router-topk 1 --moe-router-pre-softmax "
+    pretrain += "--moe-apply-probs-on-input --moe-input-jitter-eps 0.01 --moe-router-force-load-balancing "
+    pretrain += "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity"
+    saved = parse_args(pretrain.split())[1].to_dict()
+
+    def load(argv: str):
+        return flags_from_checkpoint(build_parser(), argv.split(), build_parser().parse_args(argv.split()), saved, "c")
+
+    ns = load("--load c --train-iters 8")
+    assert (ns.moe_input_jitter_eps, ns.moe_router_force_load_balancing) == (0.01, True)
+    assert ns.moe_pad_expert_input_to_capacity and ns.moe_apply_probs_on_input
+    ns = load("--load c --finetune --seq-length 32 --train-iters 8 --mock-data")
+    assert ns.moe_apply_probs_on_input and ns.moe_router_topk == 1
+    assert (ns.moe_input_jitter_eps, ns.moe_router_force_load_balancing) == (None, False)
+
+
 TOP1 = dict(moe_router_topk=1, moe_router_pre_softmax=True)
 LAYOUTS = {
     # the router's noise from the default generator: the same on both TP ranks and in one process
