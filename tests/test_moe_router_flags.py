@@ -190,6 +190,16 @@ def test_resume_takes_the_flags_from_the_checkpoint_and_finetune_keeps_where_the
     assert (ns.moe_input_jitter_eps, ns.moe_router_force_load_balancing) == (None, False)
 
 
+def test_export_to_hugging_face_refuses_weights_on_the_experts_inputs():
+    from megatron_lite.models.hf import check_exportable
+
+    config = moe_config(moe_router_topk=1, moe_router_pre_softmax=True)
+    check_exportable(config, "Qwen3MoeForCausalLM")
+    for arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        with pytest.raises(ConfigError, match=r"routing weights on the experts' inputs \(--moe-apply-probs-on-input"):
+            check_exportable(dataclasses.replace(config, moe_apply_probs_on_input=True), arch)
+
+
 TOP1 = dict(moe_router_topk=1, moe_router_pre_softmax=True)
 LAYOUTS = {
     # the router's noise from the default generator: the same on both TP ranks and in one process

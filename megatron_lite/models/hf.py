@@ -379,6 +379,10 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("QKV bias (--add-qkv-bias; Mixtral's attention has none)")
         if arch == "Phi3ForCausalLM" and c.rope_scaling is not None:
             problems.append(f"{c.rope_scaling.rope_type} RoPE scaling (Phi-3 takes only longrope)")
+    if c.num_experts and c.moe_apply_probs_on_input:
+        problems.append(
+            "routing weights on the experts' inputs (--moe-apply-probs-on-input; Hugging Face's weigh outputs)"
+        )
     if c.mtp_num_layers and arch != DEEPSEEK_V3:
         problems.append(f"multi-token prediction (--mtp-num-layers {c.mtp_num_layers}; only DeepSeek-V3 holds it)")
     if c.rotary_percent != 1.0 and arch not in (*PARTIAL_ROTARY, "GPT2LMHeadModel"):
