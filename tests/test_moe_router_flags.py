@@ -231,10 +231,10 @@ def test_the_flags_train_as_one_process_does(dist, layout):
     parallel, kw, ref_kw = LAYOUTS[layout]
     config = moe_config(**kw)
     skew = 0.5 if config.moe_expert_capacity_factor else 0.0
-    ref = moe_run(dataclasses.replace(config, **ref_kw), P(), 8, 2, iters=4, skew=skew)
+    ref = moe_run(dataclasses.replace(config, **ref_kw), P(), 8, 2, iters=3, skew=skew)
     if skew:
         assert ref[0]["dropped"] > 0
-    for history in dist(2, moe_run, config, parallel, 8, 2, 4, skew):
+    for history in dist(2, moe_run, config, parallel, 8, 2, 3, skew):
         _compare(history, ref)
 
 
