@@ -64,7 +64,7 @@ from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, Train
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_saved
-from megatron_lite.models.hf import _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
+from megatron_lite.models.hf import MTP, _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_gpt_oss import GPT_OSS, dequantize_experts
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
@@ -182,9 +182,9 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     if arch == GPT_OSS:  # (the Hub's gpt-oss experts are MXFP4: dequantised exactly)
         hf = dequantize_experts(hf, log)
     check_not_quantised(hf, raw, load_dir, log)
-    # DeepSeek-V3's multi-token-prediction layers follow its last layer. (transformers' config defaults
-    # num_nextn_predict_layers to 1 and its model has none, so the file and the tensors decide.)
-    mtp = int(raw.get("num_nextn_predict_layers") or 0) if arch == "DeepseekV3ForCausalLM" else 0
+    # DeepSeek-V3's and GLM-4-MoE's multi-token-prediction layers follow the last layer. (transformers' configs
+    # default num_nextn_predict_layers to 1 and their models have none, so the file and the tensors decide.)
+    mtp = int(raw.get("num_nextn_predict_layers") or 0) if arch in MTP else 0
     present = {_layer_of(k) for k in hf} - {None}
     if mtp and max(present, default=-1) < config.num_layers:
         log(f"{load_dir}: config.json has num_nextn_predict_layers {mtp} but no such layers: converted without them")

@@ -19,6 +19,7 @@ MODEL_TYPES_CLASSES = {
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV2Config",
     "gpt_oss": "GptOssConfig",
+    "glm4_moe": "Glm4MoeConfig",
     "gpt2": "GPT2Config",
 }
 
@@ -178,6 +179,27 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         swiglu_limit=7.0,
         swiglu_alpha=1.702,
     ),
+    "glm4_moe": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=0.0,
+        max_position_embeddings=131072,
+        use_qk_norm=False,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=1,
+    ),
     "gpt2": dict(
         tie_word_embeddings=True,
         n_inner=None,
@@ -204,7 +226,10 @@ def fallback_model_type(raw: dict) -> str | None:
 
 # config.json names transformers' classes write in place of the attribute (their `attribute_map`): 5.x saves
 # Qwen3-MoE's expert count as num_local_experts
-FALLBACK_ALIASES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+FALLBACK_ALIASES = {
+    "qwen3_moe": {"num_local_experts": "num_experts"},
+    "glm4_moe": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+}
 
 
 def fallback_config(raw: dict) -> Any:

@@ -50,12 +50,13 @@ HF_EXPERT_PARAMS = {"linear_fc1": ("experts.gate_up_proj", "base_layer."), "line
 
 
 # Classes whose MLP targets PEFT converts onto fused expert parameters (its transformers weight conversions:
-# DeepSeek's, and qwen2_moe's, which Qwen3-MoE shares)
+# DeepSeek's, and qwen2_moe's, which Qwen3-MoE and GLM-4-MoE share)
 FUSED_EXPERT_CONVERSIONS = (
     "DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 
 # MLA projections whose output holds RoPE dims

@@ -8,8 +8,9 @@ fused qkv_proj and gate_up_proj, partial RoPE, sliding window), NemotronForCausa
 with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM, DeepseekV3ForCausalLM (multi-latent
 attention, sigmoid routing with score-correction bias, expert groups, shared experts; Kimi-K2 too),
 DeepseekV2ForCausalLM (softmax top-k routing), GptOssForCausalLM (attention sinks, alternating windows, biased
-quick-GEGLU experts: models/hf_gpt_oss.py) and GPT2LMHeadModel. A field that changes the math and that we do not
-implement is refused, never ignored.
+quick-GEGLU experts: models/hf_gpt_oss.py), Glm4MoeForCausalLM (GLM-4.5: QKV bias, partial RoPE, DeepSeek-V3's
+router and shared experts with GQA attention: models/hf_glm4moe.py) and GPT2LMHeadModel. A field that changes
+the math and that we do not implement is refused, never ignored.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling, yarn_mscale
-from megatron_lite.models import hf_deepseek, hf_gpt_oss, hf_qwen2moe
+from megatron_lite.models import hf_deepseek, hf_glm4moe, hf_gpt_oss, hf_qwen2moe
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3
+from megatron_lite.models.hf_glm4moe import GLM4_MOE
 from megatron_lite.models.hf_gpt_oss import GPT_OSS
 from megatron_lite.models.hf_qwen2moe import QWEN2_MOE
 
@@ -35,9 +37,12 @@ LLAMA_LIKE = (
     "DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM",
     GPT_OSS,
+    GLM4_MOE,
 )
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
-PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM")  # rotate the first partial_rotary_factor of a head
+MTP = (DEEPSEEK_V3, GLM4_MOE)  # the classes whose checkpoints hold multi-token-prediction layers after the last
+# rotate the first partial_rotary_factor of a head (GLM-4-MoE's class default is 0.5: always written)
+PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM", GLM4_MOE)
 
 
 def _arch(hf_config: Any) -> str:
@@ -57,6 +62,7 @@ def _arch(hf_config: Any) -> str:
         "deepseek_v3": "DeepseekV3ForCausalLM",
         "deepseek_v2": "DeepseekV2ForCausalLM",
         "gpt_oss": GPT_OSS,
+        "glm4_moe": GLM4_MOE,
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
 
@@ -117,6 +123,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         kwargs = hf_deepseek.config_kwargs(hf_config, arch, _rope(hf_config))
     elif arch == GPT_OSS:
         kwargs = hf_gpt_oss.config_kwargs(hf_config, _rope(hf_config))
+    elif arch == GLM4_MOE:
+        kwargs = hf_glm4moe.config_kwargs(hf_config, _rope(hf_config), _partial_rotary(hf_config))
     elif arch in LLAMA_LIKE:
         c = hf_config
         nemotron = arch == "NemotronForCausalLM"
@@ -285,6 +293,8 @@ def _architecture(config: ModelConfig) -> str:
         )
     if config.num_experts and config.moe_shared_expert_gate:
         return QWEN2_MOE
+    if config.num_experts and config.moe_router_score_function == "sigmoid":
+        return GLM4_MOE  # (DeepSeek-V3's router and shared experts over grouped-query attention)
     if config.qk_layernorm:
         return "Qwen3MoeForCausalLM" if config.num_experts else "Qwen3ForCausalLM"
     if config.num_experts:
@@ -324,6 +334,8 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
                         "GptOssForCausalLM computes it")  # fmt: skip
     if arch == GPT_OSS:
         problems += hf_gpt_oss.export_problems(c)
+    elif arch == GLM4_MOE:
+        problems += hf_glm4moe.export_problems(c)
     elif arch in DEEPSEEK:
         problems += hf_deepseek.export_problems(c, arch)
     elif arch == "GPT2LMHeadModel":
@@ -383,8 +395,9 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         problems.append(
             "routing weights on the experts' inputs (--moe-apply-probs-on-input; Hugging Face's weigh outputs)"
         )
-    if c.mtp_num_layers and arch != DEEPSEEK_V3:
-        problems.append(f"multi-token prediction (--mtp-num-layers {c.mtp_num_layers}; only DeepSeek-V3 holds it)")
+    if c.mtp_num_layers and arch not in MTP:
+        problems.append(f"multi-token prediction (--mtp-num-layers {c.mtp_num_layers}; only DeepSeek-V3 and GLM-4-MoE "
+                        "hold it)")  # fmt: skip
     if c.rotary_percent != 1.0 and arch not in (*PARTIAL_ROTARY, "GPT2LMHeadModel"):
         problems.append(f"--rotary-percent {c.rotary_percent} ({arch} rotates whole heads)")
     if problems:
@@ -404,6 +417,7 @@ MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     GPT_OSS: "gpt_oss",
+    GLM4_MOE: "glm4_moe",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -518,6 +532,8 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
             rope["mscale_all_dim"] = out["rope_scaling"]["mscale_all_dim"] = c.mla_mscale_all_dim
     if arch == GPT_OSS:
         out.update(hf_gpt_oss.config_fields(c))
+    if arch == GLM4_MOE:
+        out.update(hf_glm4moe.config_fields(c))
     if arch == "MixtralForCausalLM":
         out.update(
             num_local_experts=c.num_experts,

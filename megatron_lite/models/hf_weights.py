@@ -4,7 +4,9 @@ both ways. The map is linear, so it also carries gradients.
 Pitfalls handled here: QKV is fused grouped per query group (not [q; k; v]); SwiGLU fc1 is [gate; up];
 GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q; k; v] over all heads;
 Phi-3 fuses qkv_proj ([q; k; v]) and gate_up_proj; Nemotron's LayerNorm1P holds gamma - 1, the others gamma;
-Mixtral's, Qwen3-MoE's and Qwen2-MoE's experts are 3-D module tensors in memory and one file per expert on disk.
+Mixtral's, Qwen3-MoE's, Qwen2-MoE's, DeepSeek's and GLM-4-MoE's experts are 3-D module tensors in memory and one
+file per expert on disk; GLM-4-MoE's MoE layers are named as DeepSeek-V3's (mlp.gate.e_score_correction_bias,
+mlp.shared_experts), its attention as Qwen3's (q/k/v_proj with an optional bias, q_norm / k_norm).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.models import hf_gpt_oss, hf_qwen2moe
 from megatron_lite.models.hf import LLAMA_LIKE
+from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2
+from megatron_lite.models.hf_glm4moe import GLM4_MOE
 
 
 def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
@@ -291,9 +295,9 @@ def state_dict_to_hf(
             gpt_oss = arch == hf_gpt_oss.GPT_OSS  # (its sinks, router and experts)
             if gpt_oss:
                 hf.update(hf_gpt_oss.layer_to_hf(ours, o, p, config))
-            if moe and arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):  # shared experts (V3: the bias)
+            if moe and arch in (*DEEPSEEK, GLM4_MOE):  # shared experts (V3's and GLM-4-MoE's: the bias too)
                 m = f"{o}.mlp"
-                if arch == "DeepseekV3ForCausalLM":
+                if arch != DEEPSEEK_V2:
                     bias = ours.get(f"{m}.router.expert_bias", torch.zeros(config.num_experts))  # (none: zeros)
                     hf[p + "mlp.gate.e_score_correction_bias"] = bias
                 if config.moe_shared_expert_intermediate_size:
