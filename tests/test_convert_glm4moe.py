@@ -19,10 +19,11 @@ from megatron_lite.config import ConfigError, ParallelConfig
 IDS = [(7 * i + 3) % V for i in range(16)]
 CASES = {
     # GLM-4.5's shape: QKV bias, q/k norms, head_dim 32 (not hidden / heads), partial RoPE 0.5 (the class default),
-    # two expert groups of which one is kept, two shared experts, routed_scaling_factor 2.5, one dense layer first
+    # four expert groups of which two are kept, ranked by their top-2 sums (Megatron's rule would take the top
+    # k // 2 = 1), two shared experts, routed_scaling_factor 2.5, one dense layer first
     "bias-qk-norm-groups": dict(
-        attention_bias=True, use_qk_norm=True, head_dim=32, n_group=2, topk_group=1, n_shared_experts=2,
-        routed_scaling_factor=2.5, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True, head_dim=32, n_routed_experts=8, n_group=4, topk_group=2,
+        n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
     ),
     # no bias or q/k norms, tied embeddings, a quarter of each head rotated under YaRN, top-1 routing (not
     # renormalised), MoE from the first layer
@@ -83,6 +84,7 @@ def test_glm4_moe_converts_both_ways_with_transformers_logits(tmp_path, case):
     assert config.add_qkv_bias == c.attention_bias and not config.add_bias_linear
     assert config.qk_layernorm == c.use_qk_norm and config.rotary_percent == c.rope_parameters["partial_rotary_factor"]
     assert config.moe_shared_expert_intermediate_size == c.n_shared_experts * c.moe_intermediate_size
+    assert config.moe_router_group_score_topn == (2 if c.n_group > 1 else None)
     with torch.no_grad():
         logits = ours_model(torch.tensor([IDS]))[0].float()  # [batch, seq, vocab (padded)]
     assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
