@@ -111,6 +111,27 @@ def test_glm4_moe_converts_both_ways_with_transformers_logits(tmp_path, case):
     assert torch.equal(_hf_logits(reloaded, IDS), ref)
 
 
+def test_a_dense_glm4_moe_converts_both_ways(tmp_path):
+    """first_k_dense_replace = num_hidden_layers: no MoE layer. Exported back to GLM-4-MoE (no Qwen class computes
+    QKV bias with partial RoPE), bit-exact, with transformers' logits."""
+    model = _random_model(_config(attention_bias=True, first_k_dense_replace=3))
+    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
+    model.save_pretrained(hf_dir)
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    assert not config.num_experts and config.add_qkv_bias and config.rotary_percent == 0.5
+    with torch.no_grad():
+        logits = ours_model(torch.tensor([IDS]))[0].float()
+    ref = _hf_logits(model, IDS)
+    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
+    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    a, b = _tensors(hf_dir), _tensors(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())[:4]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert type(reloaded) is transformers.Glm4MoeForCausalLM and not any(_moe_layers(reloaded))
+    assert torch.equal(_hf_logits(reloaded, IDS), ref)
+
+
 def test_glm4_moe_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
     """The converted model split over TP=2 (QKV biases and q/k norms, the shared experts split), with our KV cache."""
     model = _random_model(_config(**CASES["bias-qk-norm-groups"]))

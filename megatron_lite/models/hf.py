@@ -267,9 +267,11 @@ def architecture_for(config: ModelConfig, preferred: str | None = None) -> str:
 
 # Classes that compute the same models (a Llama converted from Phi-3 goes back to Phi-3)
 _EQUIVALENT = {
-    "LlamaForCausalLM": ("MistralForCausalLM", "Phi3ForCausalLM"),
+    "LlamaForCausalLM": ("MistralForCausalLM", "Phi3ForCausalLM", GLM4_MOE),
     "MistralForCausalLM": ("Phi3ForCausalLM",),
-    "Phi3ForCausalLM": ("MistralForCausalLM",),
+    "Phi3ForCausalLM": ("MistralForCausalLM", GLM4_MOE),
+    "Qwen2ForCausalLM": (GLM4_MOE,),
+    "Qwen3ForCausalLM": (GLM4_MOE,),  # (a GLM-4-MoE whose layers are all dense goes back to GLM-4-MoE)
     DEEPSEEK_V3: (DEEPSEEK_V2,),  # (dense multi-latent attention models: the two compute the same)
 }
 
@@ -295,6 +297,9 @@ def _architecture(config: ModelConfig) -> str:
         return QWEN2_MOE
     if config.num_experts and config.moe_router_score_function == "sigmoid":
         return GLM4_MOE  # (DeepSeek-V3's router and shared experts over grouped-query attention)
+    if not config.num_experts and (config.qk_layernorm or config.add_qkv_bias):
+        if config.rotary_percent != 1.0 or (config.qk_layernorm and config.add_qkv_bias):
+            return GLM4_MOE  # (a dense one: no Qwen class has partial RoPE, or both q/k norms and QKV bias)
     if config.qk_layernorm:
         return "Qwen3MoeForCausalLM" if config.num_experts else "Qwen3ForCausalLM"
     if config.num_experts:
