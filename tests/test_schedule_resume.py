@@ -244,11 +244,18 @@ def test_a_time_limit_reached_during_an_evaluation_ends_it_unlogged(tmp_path, ca
 def test_a_time_limit_reached_in_the_final_validation_skips_the_test_set(tmp_path, capsys, monkeypatch):
     """From the review of the change above: evaluate() said nothing of stopping early, so after a final validation
     ended by --exit-duration-in-mins the test set still ran a batch (and said so too)."""
+    import megatron_lite.resilience.guards as guards
     import megatron_lite.training.pretrain as pretrain
 
     calls = []
-    # the loop's check after each of the 8 iterations is in time; the first one in the final validation is not
-    monkeypatch.setattr(pretrain, "_over_time", lambda *a: calls.append(1) or len(calls) > 8)
+
+    def over_time(*_):  # the loop's check after each of the 8 iterations is in time; the final validation's not
+        calls.append(1)
+        return len(calls) > 8
+
+    # (the loop asks through guards.should_exit, the evaluations through the name pretrain imported)
+    monkeypatch.setattr(guards, "over_time", over_time)
+    monkeypatch.setattr(pretrain, "over_time", over_time)
     argv = _without(RUN, "--eval-iters") + ["--eval-iters", "2", "--eval-interval", "100", "--split", "8,1,1",
                                             "--exit-duration-in-mins", "100"]  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "1")
