@@ -223,12 +223,6 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
             f"--window-size with --cp-comm-type {parallel.cp_comm_type} is not supported: a sliding window runs under "
             "--cp-comm-type a2a or allgather (as Transformer Engine's), which attend over the whole sequence"
         )
-    if model.softmax_type != "vanilla" and parallel.cp_comm_type not in ("a2a", "allgather"):
-        raise ConfigError(
-            f"--softmax-type {model.softmax_type} with --cp-comm-type {parallel.cp_comm_type} is not supported yet "
-            "(the offset applies to each query's whole row, which the ring merges from parts); use --cp-comm-type "
-            "a2a or allgather, which attend over the whole sequence"
-        )
     if model.attention_dropout > 0:
         raise ConfigError(
             f"--attention-dropout {model.attention_dropout} with --context-parallel-size {cp}: context-parallel "

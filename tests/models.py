@@ -132,6 +132,7 @@ CONFIGS = {
     "deepseek": deepseek_config,
     # gpt-oss's attention: learned sinks (--softmax-type learnable) and a window on every other layer
     "sinks": lambda **kw: llama_config(softmax_type="learnable", sliding_window=5, window_attn_skip_freq=2, **kw),
+    "sinks-full": lambda **kw: llama_config(softmax_type="learnable", **kw),  # (no window: every CP type)
     # Llama 4's and Qwen3-Next's attention: L2-normalised q/k, RoPE skipped on layer 2 (of 2), a gated output
     "gatednope": lambda **kw: llama_config(qk_l2_norm=True, no_rope_freq=2, attention_output_gate=True, **kw),
     # with the auxiliary and z losses in play (a coefficient of 0 leaves their scaling untested)

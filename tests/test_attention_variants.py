@@ -178,12 +178,7 @@ def test_the_learnable_offset_is_a_tensor_parallel_parameter_without_weight_deca
 
 
 def test_softmax_offsets_are_refused_where_they_do_not_compose():
-    from megatron_lite.layout_validation import validate_layout
     from megatron_lite.models.hf import check_exportable
-
-    _, job = parse_args([*MODEL, "--softmax-type", "learnable", "--context-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="--softmax-type learnable with --cp-comm-type p2p is not supported yet"):
-        validate_layout(job.model, job.parallel, 2, job.training)
 
     for flags, what in (
         (["--softmax-type", "off-by-one"], r"attention sinks \(--softmax-type off-by-one\)"),
@@ -191,3 +186,60 @@ def test_softmax_offsets_are_refused_where_they_do_not_compose():
     ):
         with pytest.raises(ConfigError, match=what):
             check_exportable(parse_args([*MODEL, *flags])[1].model, "MistralForCausalLM")
+
+
+def _sinks_under_cp(comm: str, sizes=None, window=None, triton: bool = False):
+    """This rank's output and q/k/v gradient errors against one device's attention with the sink column (fp64
+    oracle, zigzag-split), and its share of the offsets' gradient with the whole one (the shares sum over CP)."""
+    import functools
+
+    import torch.distributed as dist
+
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.context_parallel.attention import IMPLEMENTATIONS
+    from megatron_lite.context_parallel.zigzag import split_sequence
+
+    from dist_pool import get_context
+
+    cp = dist.get_world_size()
+    ctx = get_context(ParallelConfig(context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes))
+    attend = IMPLEMENTATIONS[comm]
+    if sizes is not None:
+        attend = functools.partial(attend, inner=ctx.cp_inner, outer=ctx.cp_outer)
+    g = torch.Generator().manual_seed(0)
+    b, s, h, kvh, d = 2, 16, 4, 2, 8
+    q, k, v, do = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64) for n in (h, kvh, kvh, h))
+    offset = torch.randn(h, generator=g, dtype=torch.float64) * 2
+    full = [t.clone().requires_grad_() for t in (q, k, v, offset)]
+    i = torch.arange(s)
+    visible = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
+    from megatron_lite.models.attention_variants import attention_with_offset
+
+    attention_with_offset(*full[:3], full[3], None, visible).double().backward(do)
+    mine = [split_sequence(t, 1, cp, ctx.cp.rank).float().requires_grad_() for t in (q, k, v)]
+    off = offset.float().requires_grad_()
+    extra = {"window_size": window} if window else {}
+    o = attend(*mine, ctx.cp, True, triton=triton, offset=off, **extra)
+    o.backward(split_sequence(do, 1, cp, ctx.cp.rank).float())
+    want = [attention_with_offset(q, k, v, offset, None, visible)] + [t.grad for t in full[:3]]
+    errs = []
+    for a, ref in zip([o, *(m.grad for m in mine)], want):
+        ref = split_sequence(ref.detach(), 1, cp, ctx.cp.rank)
+        errs.append(float((a.detach().double() - ref).norm() / ref.norm()))
+    return errs, off.grad.double(), full[3].grad
+
+
+@pytest.mark.parametrize(
+    "comm, world, sizes, window",
+    [("p2p", 2, None, None), ("p2p", 4, None, None), ("a2a+p2p", 4, (2, 2), None), ("a2a", 4, None, 5),
+     ("allgather", 2, None, 5)],
+)  # fmt: skip
+def test_sinks_under_context_parallelism_equal_one_device(dist, comm, world, sizes, window):
+    """Every --cp-comm-type with learned sinks: the ring applies the offset once each row is merged (its gradient
+    from the merged output and log-sum-exp), a2a gives each rank its heads' offsets; the offsets' gradient shares
+    sum over CP to the one device's."""
+    results = dist(world, _sinks_under_cp, comm, sizes, window)
+    for errs, _, _ in results:
+        assert max(errs) < 1e-5, (comm, errs)
+    total, whole = sum(r[1] for r in results), results[0][2]
+    assert float((total - whole).norm() / whole.norm()) < 1e-5, (comm, total, whole)

@@ -168,6 +168,21 @@ SINK_LAYOUTS = {
 }
 
 
+RING_SINK_LAYOUTS = {  # (no window, which the ring does not run: the offset joins each row after the ring's merge)
+    "cp2-p2p": (2, ParallelConfig(context_parallel_size=2), 4, 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(RING_SINK_LAYOUTS))
+def test_attention_sinks_under_ring_attention_train_like_one_process(dist, layout):
+    """Learned sinks under the ring (p2p): the offsets' gradient is this rank's rows' share, summed over CP with the
+    other gradients (checked exactly, with a2a+p2p, by tests/test_attention_variants.py -k under_context)."""
+    world, parallel, gbs, mbs = RING_SINK_LAYOUTS[layout]
+    ref = train_run("sinks-full", ParallelConfig(), gbs, gbs)
+    for rank_history in dist(world, train_run, "sinks-full", parallel, gbs, mbs):
+        _compare(rank_history, ref)
+
+
 @pytest.mark.parametrize("layout", list(SINK_LAYOUTS))
 def test_attention_sinks_and_skipped_windows_train_like_one_process(dist, layout):
     """gpt-oss's attention (a learned softmax offset per head, split over TP with the heads; a sliding window on

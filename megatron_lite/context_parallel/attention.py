@@ -128,7 +128,7 @@ def _ring_spans(document_ids, group: Group, s: int, causal: bool) -> list:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, causal: bool, scale: float, triton: bool, document_ids):
+    def forward(ctx, q, k, v, group: Group, causal: bool, scale: float, triton: bool, document_ids, offset):
         cp, r = group.size, group.rank
         c = q.shape[1] // 2
         b, s, h, _ = q.shape
@@ -153,14 +153,17 @@ class _RingAttention(torch.autograd.Function):
             wait(works, group)
             if i < cp - 1:
                 kb, vb = kn, vn
+        if offset is not None:  # --softmax-type: the offset's column joins each whole row's softmax
+            merged = torch.logaddexp(lse, offset.float().view(1, -1, 1))
+            o, lse = o * torch.exp(lse - merged).transpose(1, 2).unsqueeze(-1), merged
         out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, offset)
         ctx.group, ctx.causal, ctx.scale, ctx.triton, ctx.spans = group, causal, scale, triton, spans
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, offset = ctx.saved_tensors
         group, causal, scale, triton, spans = ctx.group, ctx.causal, ctx.scale, ctx.triton, ctx.spans
         cp, r = group.size, group.rank
         c = q.shape[1] // 2
@@ -196,21 +199,39 @@ class _RingAttention(torch.autograd.Function):
             wait(kv_works + g_works, group)
             if i < cp - 1:
                 kb, vb = kn, vn
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        # (the blocks' gradients above used the output and log-sum-exp with the offset's column, which is all
+        # it changes for q, k, v; the column's own: -sum of its probability times rowsum(dO * O), this rank's rows)
+        doffset = None
+        if offset is not None:
+            delta = (do.float() * o.float()).sum(-1)  # [b, s, h]
+            column = torch.exp(offset.float().view(1, 1, -1) - lse.transpose(1, 2))
+            doffset = -(column * delta).sum((0, 1)).to(offset.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, doffset
 
 
 def ring_attention(
-    q, k, v, group: Group, causal: bool = True, scale: float | None = None, triton: bool = False, document_ids=None
+    q,
+    k,
+    v,
+    group: Group,
+    causal: bool = True,
+    scale: float | None = None,
+    triton: bool = False,
+    document_ids=None,
+    offset=None,
 ):
     """Causal (zigzag-split) or full attention of the local queries over the whole sequence's keys
-    (`document_ids`: the whole sequence's, natural order; causal only)."""
+    (`document_ids`: the whole sequence's, natural order; causal only; `offset`: --softmax-type's logit per head,
+    applied once the ring has merged each row)."""
     if document_ids is not None and not causal:
         raise ValueError("document masks are causal")
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if group.size == 1 and offset is not None:
+        return _attention(q, k, v, causal, scale, triton, document_ids, offset=offset)
     if group.size == 1:
         fn = K.flash_attention if triton else K.flash_attention_reference
         return fn(q, k, v, causal, scale, document_ids=document_ids)
-    return _RingAttention.apply(q, k, v, group, causal, scale, triton, document_ids)
+    return _RingAttention.apply(q, k, v, group, causal, scale, triton, document_ids, offset)
 
 
 # All-to-all (Ulysses) -----------------------------------------------------------------------------
@@ -335,6 +356,7 @@ def hierarchical_attention(
     scale: float | None = None,
     triton: bool = False,
     document_ids=None,
+    offset=None,
     *,
     inner: Group,
     outer: Group,
@@ -349,7 +371,8 @@ def hierarchical_attention(
     pos = torch.cat([zigzag_positions(s * group.size, group.size, first + i, q.device) for i in range(a)])
     order = torch.argsort(pos)  # the group's parts by position: an early and a late super-chunk
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
-    o = ring_attention(q, k, v, outer, causal, scale, triton, document_ids)
+    offset = offset.view(a, -1)[inner.rank] if offset is not None else None  # (this rank's heads after the a2a)
+    o = ring_attention(q, k, v, outer, causal, scale, triton, document_ids, offset)
     return _AllToAll.apply(o.index_select(1, torch.argsort(order)), inner, 1, 2)
 
 

@@ -109,7 +109,7 @@ class CoreAttention(nn.Module):
         if self.cp is not None:  # documents: the whole sequence's ids, on every CP rank
             extra = {"document_ids": documents} if documents is not None else {}
             extra |= {"window_size": self.window} if self.window is not None else {}  # (a2a and allgather only)
-            extra |= {"offset": self.softmax_offset} if self.softmax_offset is not None else {}  # (likewise)
+            extra |= {"offset": self.softmax_offset} if self.softmax_offset is not None else {}
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
             return out.reshape(b, s, -1)
         if self.window is not None and documents is None and sk > s + self.window - 1:
