@@ -117,14 +117,42 @@ def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
     raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3, yarn")
 
 
+def _gqa_fields(c: Any, rope: tuple[float, RopeScaling | None], eps: float | None = None) -> dict:
+    """The ModelConfig fields every class with grouped-query attention reads alike (the Llama family's, gpt-oss's,
+    GLM-4-MoE's): sizes, heads and groups, RMSNorm, SwiGLU, RoPE, the output layer, no hidden dropout. `eps`: the
+    norm's epsilon where config.json does not call it rms_norm_eps (Nemotron)."""
+    base, scaling = rope
+    return dict(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads or c.num_attention_heads,
+        kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+        normalization="RMSNorm",
+        norm_epsilon=c.rms_norm_eps if eps is None else eps,
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=base,
+        rope_scaling=scaling,
+        untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+    )
+
+
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
     if arch in DEEPSEEK:
         kwargs = hf_deepseek.config_kwargs(hf_config, arch, _rope(hf_config))
     elif arch == GPT_OSS:
-        kwargs = hf_gpt_oss.config_kwargs(hf_config, _rope(hf_config))
+        kwargs = _gqa_fields(hf_config, _rope(hf_config)) | hf_gpt_oss.config_kwargs(hf_config)
     elif arch == GLM4_MOE:
-        kwargs = hf_glm4moe.config_kwargs(hf_config, _rope(hf_config), _partial_rotary(hf_config))
+        kwargs = _gqa_fields(hf_config, _rope(hf_config)) | hf_glm4moe.config_kwargs(
+            hf_config, _partial_rotary(hf_config)
+        )
     elif arch in LLAMA_LIKE:
         c = hf_config
         nemotron = arch == "NemotronForCausalLM"
@@ -167,35 +195,19 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             raise ConfigError(f"config.json attention_bias=true (bias on o_proj too) is not supported for {arch}")
         if getattr(c, "shared_expert_intermediate_size", 0) and arch != QWEN2_MOE:
             raise ConfigError(f"config.json shared_expert_intermediate_size is not supported for {arch}")
-        base, scaling = _rope(c)
+        rope = _rope(c)
         partial = _partial_rotary(c)
         if partial != 1.0 and arch not in PARTIAL_ROTARY:  # (their attention rotates whole heads)
             raise ConfigError(f"config.json partial_rotary_factor={partial} is not supported for {arch}")
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kwargs = dict(
-            num_layers=c.num_hidden_layers,
-            hidden_size=c.hidden_size,
-            num_attention_heads=c.num_attention_heads,
-            num_query_groups=c.num_key_value_heads or c.num_attention_heads,
-            kv_channels=head_dim,
-            ffn_hidden_size=c.intermediate_size,
-            vocab_size=c.vocab_size,
-            max_position_embeddings=c.max_position_embeddings,
+        kwargs = _gqa_fields(c, rope, c.norm_eps if nemotron else c.rms_norm_eps) | dict(
             normalization="LayerNorm" if nemotron else "RMSNorm",
             apply_layernorm_1p=nemotron,  # Nemotron's LayerNorm1P stores gamma - 1, as we do with the flag
-            norm_epsilon=c.norm_eps if nemotron else c.rms_norm_eps,
             activation="squared_relu" if nemotron else "swiglu",
-            position_embedding_type="rope",
-            rotary_base=base,
             rotary_percent=partial,
-            rope_scaling=scaling,
             sliding_window=int(window) if window else None,
             add_bias_linear=nemotron and attention_bias,
             add_qkv_bias=arch == "Qwen2ForCausalLM",
             qk_layernorm=arch in QWEN3,
-            untie_embeddings_and_output_weights=not c.tie_word_embeddings,
-            hidden_dropout=0.0,
-            attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
         )
         if arch == "MixtralForCausalLM":
             if getattr(c, "router_jitter_noise", 0.0):

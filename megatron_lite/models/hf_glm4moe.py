@@ -27,36 +27,17 @@ from megatron_lite.models.hf_deepseek import _group_score_topn, _moe_common, che
 GLM4_MOE = "Glm4MoeForCausalLM"
 
 
-def config_kwargs(c: Any, rope: tuple[float, Any], partial: float) -> dict:
-    """ModelConfig fields of a Glm4MoeConfig (each that changes the math honoured, or refused). `rope`: its (base,
-    RopeScaling) and `partial` its partial_rotary_factor, as hf.py reads them."""
+def config_kwargs(c: Any, partial: float) -> dict:
+    """ModelConfig fields of a Glm4MoeConfig beyond those every grouped-query class reads alike (hf.py's), each
+    that changes the math honoured, or refused. `partial`: its partial_rotary_factor, as hf.py reads it."""
     check_activation(c, GLM4_MOE)
     if getattr(c, "mlp_bias", False):
         raise ConfigError(f"config.json mlp_bias=true is not supported for {GLM4_MOE} (its MLPs have no bias)")
-    base, scaling = rope
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kwargs: dict[str, Any] = dict(
-        num_layers=c.num_hidden_layers,
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads or c.num_attention_heads,
-        kv_channels=head_dim,
-        ffn_hidden_size=c.intermediate_size,
-        vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings,
-        normalization="RMSNorm",
-        norm_epsilon=c.rms_norm_eps,
-        activation="swiglu",
-        position_embedding_type="rope",
-        rotary_base=base,
         rotary_percent=partial,
-        rope_scaling=scaling,
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(c, "attention_bias", False)),  # (q/k/v_proj only: o_proj has none)
         qk_layernorm=bool(getattr(c, "use_qk_norm", False)),
-        untie_embeddings_and_output_weights=not c.tie_word_embeddings,
-        hidden_dropout=0.0,
-        attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
     )
     n, first_dense = c.num_hidden_layers, int(c.first_k_dense_replace or 0)
     if not c.n_routed_experts or first_dense >= n:  # (a dense model: no MoE layer to route)

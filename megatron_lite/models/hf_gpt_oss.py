@@ -58,8 +58,9 @@ def dequantize_experts(hf: dict[str, torch.Tensor], log=print) -> dict[str, torc
     return out
 
 
-def config_kwargs(c: Any, rope: tuple[float, Any]) -> dict:
-    """ModelConfig fields of a GptOssConfig (each that changes the math honoured, or refused)."""
+def config_kwargs(c: Any) -> dict:
+    """ModelConfig fields of a GptOssConfig beyond those every grouped-query class reads alike (hf.py's), each
+    that changes the math honoured, or refused."""
     alpha = float(getattr(c, "swiglu_alpha", QUICK_GELU_ALPHA))
     if abs(alpha - QUICK_GELU_ALPHA) > 1e-9:
         raise ConfigError(f"config.json swiglu_alpha {alpha} is not supported: --quick-geglu's gain is 1.702")
@@ -77,32 +78,15 @@ def config_kwargs(c: Any, rope: tuple[float, Any]) -> dict:
         raise ConfigError("config.json has sliding_attention layers but no sliding_window")
     alternate = tuple(int((i + 1) % 2 != 0) for i in range(layers))  # (Megatron's --window-attn-skip-freq 2)
     skip = None if all(pattern) or not window else 2 if pattern == alternate else pattern
-    base, scaling = rope
     limit = getattr(c, "swiglu_limit", 7.0)
     return dict(
-        num_layers=layers,
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads or c.num_attention_heads,
-        kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        ffn_hidden_size=c.intermediate_size,
-        vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings,
-        normalization="RMSNorm",
-        norm_epsilon=c.rms_norm_eps,
         activation="quick_geglu",
         glu_linear_offset=1.0,
         activation_func_clamp_value=float(limit) if limit is not None else None,
-        position_embedding_type="rope",
-        rotary_base=base,
-        rope_scaling=scaling,
         sliding_window=int(window) if window else None,
         window_attn_skip_freq=skip,
         softmax_type="learnable",
         add_bias_linear=True,
-        untie_embeddings_and_output_weights=not c.tie_word_embeddings,
-        hidden_dropout=0.0,
-        attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
         num_experts=c.num_local_experts,
         moe_router_topk=c.num_experts_per_tok,
         moe_ffn_hidden_size=c.intermediate_size,
