@@ -50,8 +50,12 @@ class ExpertWeight(nn.Module):
         else:
             y = F.linear(x, self.weight) if self.nf4 is None else nf4_linear(x, self.nf4.weight())
         if self.bias is not None:  # (after the GEMM, in the compute dtype, under fp8 and NF4 too)
-            y = y + (self.bias if self.bias_scale == 1.0 else self.bias * self.bias_scale)
+            y = y + self.added_bias()
         return self.adapted(x, y)
+
+    def added_bias(self) -> torch.Tensor:
+        """The bias as this rank adds it: times zero on expert-TP ranks past the first for fc2 (see above)."""
+        return self.bias if self.bias_scale == 1.0 else self.bias * self.bias_scale
 
     def adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return y if self.lora is None else y + self.lora(x)
@@ -165,10 +169,7 @@ class LocalExperts(nn.Module):
         layers = [getattr(e, which) for e in self.local_experts]
         if layers[0].bias is None:
             return y
-        bias = torch.stack(
-            [layer.bias * layer.bias_scale if layer.bias_scale != 1.0 else layer.bias for layer in layers]
-        )
-        return y + bias.index_select(0, rows)
+        return y + torch.stack([layer.added_bias() for layer in layers]).index_select(0, rows)
 
     def _adapted(self, which: str, x: torch.Tensor, counts: list[int], y: torch.Tensor) -> torch.Tensor:
         """Each expert's adapters on its own rows (small GEMMs of rank r, one pair per expert)."""
