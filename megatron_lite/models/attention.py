@@ -130,10 +130,7 @@ class CoreAttention(nn.Module):
             rep = heads // kv_heads
             k = k.unsqueeze(3).expand(b, sk, kv_heads, rep, d).reshape(b, sk, heads, d)
             v = v.unsqueeze(3).expand(b, sk, kv_heads, rep, dv).reshape(b, sk, heads, dv)
-        mask = attention_mask(s, sk, self.window, q.device)
-        if documents is not None:
-            inside = document_mask(documents)
-            mask = inside if mask is None else inside & mask
+        mask = self._mask(s, sk, documents, q.device)
         if dv < d:  # SDPA's fused backends take one head size; its math fallback would keep the probabilities
             v = F.pad(v, (0, d - dv))
         rng = self.rng.fork() if p > 0 else contextlib.nullcontext()
@@ -149,15 +146,21 @@ class CoreAttention(nn.Module):
             )
         return out.transpose(1, 2)[..., :dv].reshape(b, s, -1)
 
+    def _mask(self, s: int, sk: int, documents: torch.Tensor | None, device) -> torch.Tensor | None:
+        """Where each query may look: the causal (windowed) mask within each document, None for the causal square."""
+        mask = attention_mask(s, sk, self.window, device)
+        if documents is None:
+            return mask
+        inside = document_mask(documents)
+        return inside if mask is None else inside & mask
+
     def _with_offset(self, q, k, v, documents, p: float) -> torch.Tensor:
         if self.triton and p == 0.0:
             return flash_attention_with_offset(q, k, v, self.softmax_offset, self.scale, self.window, documents)
         s, sk = q.shape[1], k.shape[1]
-        visible = attention_mask(s, sk, self.window, q.device)
-        if visible is None:
+        visible = self._mask(s, sk, documents, q.device)
+        if visible is None:  # (the plain causal square, which SDPA takes as is_causal)
             visible = torch.ones(s, sk, dtype=torch.bool, device=q.device).tril()
-        if documents is not None:
-            visible = document_mask(documents) & visible
         with self.rng.fork() if p > 0 else contextlib.nullcontext():
             return attention_with_offset(q, k, v, self.softmax_offset, self.scale, visible, p)
 
