@@ -11,12 +11,12 @@ import re
 import pytest
 import torch
 import transformers
+from convert_flow import IDS, converts_both_ways, randomised, tp2_equals_transformers
 from safetensors.torch import save_file
-from test_convert import PROMPT, V, _hf_greedy, _hf_logits, _load_ours, _rel, _tensors, convert, ours_at
+from test_convert import V, _hf_logits, _load_ours, _tensors, convert
 
 from megatron_lite.config import ConfigError, ParallelConfig
 
-IDS = [(7 * i + 3) % V for i in range(16)]
 CASES = {
     # GLM-4.5's shape: QKV bias, q/k norms, head_dim 32 (not hidden / heads), partial RoPE 0.5 (the class default),
     # four expert groups of which two are kept, ranked by their top-2 sums (Megatron's rule would take the top
@@ -55,15 +55,9 @@ def _config(**kw) -> transformers.Glm4MoeConfig:
 
 
 def _random_model(config) -> transformers.Glm4MoeForCausalLM:
-    torch.manual_seed(0)
-    model = transformers.Glm4MoeForCausalLM(config).eval()
-    with torch.no_grad():  # (transformers starts the router, its correction bias and the QKV biases at zeros)
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "rotary_emb" in name:
-                continue
-            big = name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
-            p.copy_(torch.randn_like(p) * (0.5 if big else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
-    return model
+    # (transformers starts the router, its correction bias and the QKV biases at zeros)
+    big = ("mlp.gate.weight", "e_score_correction_bias")
+    return randomised(transformers.Glm4MoeForCausalLM(config), big=big, buffers=True)
 
 
 def _moe_layers(model) -> list[bool]:
@@ -73,75 +67,32 @@ def _moe_layers(model) -> list[bool]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_glm4_moe_converts_both_ways_with_transformers_logits(tmp_path, case):
     model = _random_model(_config(**CASES[case]))
-    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
-    model.save_pretrained(hf_dir)
-    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
-    ref = _hf_logits(model, IDS)
-
-    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    fields = ("attention_bias", "use_qk_norm", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+              "n_shared_experts", "first_k_dense_replace", "tie_word_embeddings")  # fmt: skip
+    config, reloaded = converts_both_ways(model, tmp_path, fields)
     c = model.config
-    assert list(config.moe_layers) == _moe_layers(model) and config.moe_router_score_function == "sigmoid"
+    assert list(config.moe_layers) == _moe_layers(model) == _moe_layers(reloaded)
+    assert config.moe_router_score_function == "sigmoid"
     assert config.add_qkv_bias == c.attention_bias and not config.add_bias_linear
     assert config.qk_layernorm == c.use_qk_norm and config.rotary_percent == c.rope_parameters["partial_rotary_factor"]
     assert config.moe_shared_expert_intermediate_size == c.n_shared_experts * c.moe_intermediate_size
     assert config.moe_router_group_score_topn == (2 if c.n_group > 1 else None)
-    with torch.no_grad():
-        logits = ours_model(torch.tensor([IDS]))[0].float()  # [batch, seq, vocab (padded)]
-    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
-
-    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
-    a, b = _tensors(hf_dir), _tensors(back)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())[:4]
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
-    assert type(reloaded) is transformers.Glm4MoeForCausalLM and _moe_layers(reloaded) == _moe_layers(model)
     rope = reloaded.config.rope_parameters  # (YaRN's defaults written out)
     assert {k: rope[k] for k in c.rope_parameters} == c.rope_parameters
-    for field in (
-        "attention_bias",
-        "use_qk_norm",
-        "n_group",
-        "topk_group",
-        "norm_topk_prob",
-        "routed_scaling_factor",
-        "n_shared_experts",
-        "first_k_dense_replace",
-        "tie_word_embeddings",
-    ):
-        assert getattr(reloaded.config, field) == getattr(c, field), field  # fmt: skip
-    assert torch.equal(_hf_logits(reloaded, IDS), ref)
 
 
 def test_a_dense_glm4_moe_converts_both_ways(tmp_path):
     """first_k_dense_replace = num_hidden_layers: no MoE layer. Exported back to GLM-4-MoE (no Qwen class computes
     QKV bias with partial RoPE), bit-exact, with transformers' logits."""
     model = _random_model(_config(attention_bias=True, first_k_dense_replace=3))
-    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
-    model.save_pretrained(hf_dir)
-    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
-    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    config, reloaded = converts_both_ways(model, tmp_path)
     assert not config.num_experts and config.add_qkv_bias and config.rotary_percent == 0.5
-    with torch.no_grad():
-        logits = ours_model(torch.tensor([IDS]))[0].float()
-    ref = _hf_logits(model, IDS)
-    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
-    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
-    a, b = _tensors(hf_dir), _tensors(back)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())[:4]
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
-    assert type(reloaded) is transformers.Glm4MoeForCausalLM and not any(_moe_layers(reloaded))
-    assert torch.equal(_hf_logits(reloaded, IDS), ref)
+    assert not any(_moe_layers(reloaded))
 
 
 def test_glm4_moe_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
     """The converted model split over TP=2 (QKV biases and q/k norms, the shared experts split), with our KV cache."""
-    model = _random_model(_config(**CASES["bias-qk-norm-groups"]))
-    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
-    model.save_pretrained(hf_dir)
-    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
-    ref, greedy = _hf_logits(model, IDS), _hf_greedy(model, PROMPT)
-    for logits, generated in dist(2, ours_at, ours, ParallelConfig(tensor_model_parallel_size=2), IDS):
-        assert _rel(logits, ref) <= 1e-5, _rel(logits, ref)
-        assert generated == greedy
+    tp2_equals_transformers(dist, _random_model(_config(**CASES["bias-qk-norm-groups"])), tmp_path)
 
 
 def test_a_glm4_moe_multi_token_prediction_layer_round_trips(tmp_path):

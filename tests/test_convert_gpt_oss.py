@@ -10,11 +10,10 @@ import json
 import pytest
 import torch
 import transformers
-from test_convert import PROMPT, V, _hf_greedy, _hf_logits, _load_ours, _rel, _tensors, convert, ours_at
+from convert_flow import converts_both_ways, randomised, tp2_equals_transformers
+from test_convert import V, _load_ours, convert
 
 from megatron_lite.config import ConfigError, ParallelConfig
-
-IDS = [(7 * i + 3) % V for i in range(16)]
 
 
 def _config(**kw) -> transformers.GptOssConfig:
@@ -41,52 +40,23 @@ def _config(**kw) -> transformers.GptOssConfig:
 
 
 def _random_model(config) -> transformers.GptOssForCausalLM:
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():  # (transformers starts biases and the router at zeros; sinks uninitialised)
-        for name, p in model.named_parameters():
-            big = name.endswith(("router.weight", "sinks", "router.bias"))
-            p.copy_(torch.randn_like(p) * (0.5 if big else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
-    return model
+    # (transformers starts biases and the router at zeros; sinks uninitialised)
+    return randomised(transformers.GptOssForCausalLM(config), big=("router.weight", "sinks", "router.bias"))
 
 
 def test_gpt_oss_converts_both_ways_with_transformers_logits(tmp_path):
-    model = _random_model(_config())
-    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
-    model.save_pretrained(hf_dir)
-    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
-    ref = _hf_logits(model, IDS)
-
-    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    fields = ("layer_types", "sliding_window", "swiglu_limit", "head_dim", "num_local_experts", "attention_bias")
+    config, _ = converts_both_ways(_random_model(_config()), tmp_path, fields)
     assert (config.softmax_type, config.activation, config.glu_linear_offset) == ("learnable", "quick_geglu", 1.0)
     assert config.activation_func_clamp_value == 1.5 and config.add_bias_linear and config.num_experts == 4
     # layer_types alternate sliding / full from the first layer: Megatron's --window-attn-skip-freq 2
     assert config.window_attn_skip_freq == 2 and config.sliding_window == 5
     assert [config.layer_window(i) for i in range(4)] == [5, None, 5, None]
-    with torch.no_grad():
-        logits = ours_model(torch.tensor([IDS]))[0].float()
-    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
-
-    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
-    a, b = _tensors(hf_dir), _tensors(back)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())[:4]
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
-    assert type(reloaded) is transformers.GptOssForCausalLM
-    for field in ("layer_types", "sliding_window", "swiglu_limit", "head_dim", "num_local_experts", "attention_bias"):
-        assert getattr(reloaded.config, field) == getattr(model.config, field), field
-    assert torch.equal(_hf_logits(reloaded, IDS), ref)
 
 
 def test_gpt_oss_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
     """Split over TP=2 (each rank its heads' sinks, its experts' fc1 rows), generating with our KV cache."""
-    model = _random_model(_config())
-    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
-    model.save_pretrained(hf_dir)
-    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
-    ref, greedy = _hf_logits(model, IDS), _hf_greedy(model, PROMPT)
-    for logits, generated in dist(2, ours_at, ours, ParallelConfig(tensor_model_parallel_size=2), IDS):
-        assert _rel(logits, ref) <= 1e-5, _rel(logits, ref)
-        assert generated == greedy
+    tp2_equals_transformers(dist, _random_model(_config()), tmp_path)
 
 
 def test_mxfp4_dequantisation_is_transformers_own():

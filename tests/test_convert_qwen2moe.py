@@ -9,13 +9,12 @@ import json
 import re
 
 import pytest
-import torch
 import transformers
-from test_convert import PROMPT, V, _hf_greedy, _hf_logits, _load_ours, _rel, _tensors, convert, ours_at
+from convert_flow import converts_both_ways, randomised, tp2_equals_transformers
+from test_convert import V
 
-from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.config import ConfigError
 
-IDS = [(7 * i + 3) % V for i in range(16)]
 CASES = {
     # softmax over all experts, top-k not renormalised (--moe-router-pre-softmax); QKV bias; layer 2 dense
     "pre-softmax-bias-dense-layer": dict(norm_topk_prob=False, qkv_bias=True, mlp_only_layers=[2]),
@@ -46,14 +45,8 @@ def _qwen2_moe_config(**kw) -> transformers.Qwen2MoeConfig:
 
 
 def _random_model(config) -> transformers.Qwen2MoeForCausalLM:
-    torch.manual_seed(0)
-    model = transformers.Qwen2MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # (transformers starts the router at zeros, biases at zero)
-            p.add_(
-                torch.randn_like(p) * (0.5 if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) else 0.05)
-            )
-    return model
+    # (transformers starts the router at zeros, biases at zero)
+    return randomised(transformers.Qwen2MoeForCausalLM(config), big=("mlp.gate.weight", "shared_expert_gate.weight"))
 
 
 def _moe_layers(model) -> list[bool]:
@@ -63,40 +56,17 @@ def _moe_layers(model) -> list[bool]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_qwen2_moe_converts_both_ways_with_transformers_logits(tmp_path, case):
     model = _random_model(_qwen2_moe_config(**CASES[case]))
-    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
-    model.save_pretrained(hf_dir)
-    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
-    ref = _hf_logits(model, IDS)
-
-    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    fields = ("norm_topk_prob", "qkv_bias", "shared_expert_intermediate_size", "moe_intermediate_size")
+    config, reloaded = converts_both_ways(model, tmp_path, fields)
     assert config.moe_shared_expert_gate and config.moe_shared_expert_intermediate_size == 48
-    assert list(config.moe_layers) == _moe_layers(model)
+    assert list(config.moe_layers) == _moe_layers(model) == _moe_layers(reloaded)
     assert config.moe_router_pre_softmax == (not model.config.norm_topk_prob)
     assert config.add_qkv_bias == model.config.qkv_bias
-    with torch.no_grad():
-        logits = ours_model(torch.tensor([IDS]))[0].float()  # [batch, seq, vocab (padded)]
-    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
-
-    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
-    a, b = _tensors(hf_dir), _tensors(back)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
-    assert type(reloaded) is transformers.Qwen2MoeForCausalLM and _moe_layers(reloaded) == _moe_layers(model)
-    for field in ("norm_topk_prob", "qkv_bias", "shared_expert_intermediate_size", "moe_intermediate_size"):
-        assert getattr(reloaded.config, field) == getattr(model.config, field), field
-    assert torch.equal(_hf_logits(reloaded, IDS), ref)
 
 
 def test_qwen2_moe_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
     """The converted model split over TP=2 (the gate replicated, the shared expert's MLP split), with our KV cache."""
-    model = _random_model(_qwen2_moe_config(**CASES["pre-softmax-bias-dense-layer"]))
-    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
-    model.save_pretrained(hf_dir)
-    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
-    ref, greedy = _hf_logits(model, IDS), _hf_greedy(model, PROMPT)
-    for logits, generated in dist(2, ours_at, ours, ParallelConfig(tensor_model_parallel_size=2), IDS):
-        assert _rel(logits, ref) <= 1e-5, _rel(logits, ref)
-        assert generated == greedy
+    tp2_equals_transformers(dist, _random_model(_qwen2_moe_config(**CASES["pre-softmax-bias-dense-layer"])), tmp_path)
 
 
 @pytest.mark.parametrize(
