@@ -1,5 +1,5 @@
 """The exposed-communication timer (megatron_lite/comm_timer.py) on its own: what it counts and what not.
-The multi-process figure (`comm_exposed_fraction` of a gloo job) is checked in test_pretrain_cli.py."""
+The multi-process figure (`comm_exposed_fraction` of a gloo job) is checked in test_pretrain_torchrun.py."""
 
 from __future__ import annotations
 

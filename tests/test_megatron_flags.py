@@ -318,7 +318,7 @@ def test_bf16_gradient_reduction_wins_over_the_fp32_flag_given_with_it():
     """Megatron's validate_args: --grad-reduce-in-bf16 turns --accumulate-allreduce-grads-in-fp32 off (scripts pass
     the latter by habit: they got fp32 gradients here, twice the memory and traffic), and asserts fp32 main
     gradients with the latter. Only a bf16 reduction restored from a checkpoint is turned back by the fp32 flag
-    (tests/test_pretrain_cli.py)."""
+    (tests/test_cli_resume.py)."""
     bf16 = [*MOCK, "--bf16", "--grad-reduce-in-bf16"]
     assert parse_args([*bf16, "--accumulate-allreduce-grads-in-fp32"])[1].optimizer.grad_reduce_in_bf16
     assert not parse_args([*MOCK, "--bf16", "--accumulate-allreduce-grads-in-fp32"])[1].optimizer.grad_reduce_in_bf16

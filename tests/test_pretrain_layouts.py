@@ -47,7 +47,7 @@ RESUME_LAYOUTS = {
 def test_resume_is_exact(tmp_path, layout, pretrain_job):
     """10 iterations straight (saving at 5) vs --load --ckpt-step 5 + 5: identical lm_loss (and grad norm) at
     6-10, with dropout on, so RNG states, data position, optimizer moments and schedule must all come back.
-    (Stopping with --exit-interval and resuming from the newest checkpoint: tests/test_pretrain_cli.py; a
+    (Stopping with --exit-interval and resuming from the newest checkpoint: tests/test_cli_resume.py; a
     restart in new processes, torchrun's own and after SIGTERM: tests/test_fault_tolerance.py.)"""
     args = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 10 "

@@ -1,0 +1,227 @@
+"""Megatron's own example scripts and flags through the entry point: refused flags with their reasons, flags taken as
+no-ops with the reason said, and Megatron's Llama-3 and DeepSeek-V3 recipes running as given. (Split from
+tests/test_pretrain_cli.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from test_pretrain_cli import _one_line_error, _run
+
+from megatron_lite.training.pretrain import main
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], ["--fp8-recipe blockwise is not implemented"]),
+        # every refused flag in one line (a script with four refused flags was refused four times over)
+        (
+            ["--fp8-format", "hybrid", "--fp8-param-gather", "--enable-cuda-graph"],
+            ["--fp8-param-gather --enable-cuda-graph are not supported", "CUDA graphs are not implemented"],
+        ),
+        (["--grad-reduce-in-bf16", "--fp16"], ["--grad-reduce-in-bf16", "--fp16", "use --bf16"]),
+        (["--hierarchical-context-parallel-sizes", "2", "2"], ["--hierarchical-context-parallel-sizes", "a2a+p2p"]),
+        (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
+        (["--dataloader-type", "external"], ["--dataloader-type external", "single or cyclic"]),
+        (["--optimizer", "sgd", "--sgd-momentum", "1.5"], ["--sgd-momentum 1.5", "[0, 1)"]),
+        (
+            ["--mock-data", "--vocab-size", "100", "--no-save-optim", "--nan-policy", "rollback", "--save", "x"],
+            ["--nan-policy rollback", "--no-save-optim"],
+        ),
+        (["--mock-data"], ["--mock-data needs --vocab-size"]),
+        # adapters-only checkpoints whose base was random could never be loaded again
+        (
+            ["--mock-data", "--vocab-size", "100", "--lora-rank", "4", "--qlora", "--save", "x"],
+            ["--qlora with no base checkpoint loaded", "--save x", "add --load BASE --finetune"],
+        ),
+        (
+            ["--mock-data", "--vocab-size", "100", "--lora-rank", "4", "--qlora", "--save", "x", "--dry-run"],
+            ["--qlora with no base checkpoint loaded (--load None: not given)", "--save x", "add --load BASE"],
+        ),
+        # with no data the embedded corpus's own tokenizer was used and these dropped silently
+        (["--vocab-size", "32000"], ["--vocab-size 32000 without data", "add --mock-data"]),
+        (["--tokenizer-type", "GPT2BPETokenizer"], ["--tokenizer-type GPT2BPETokenizer without data"]),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+            ],
+            ["--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"],
+        ),  # fmt: skip
+        (["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.3"], ["--lr-warmup-fraction and --lr-warmup-iters"]),
+        (["--mock-data", "--vocab-size", "100", "--swiglu", "--squared-relu"], ["--swiglu and --squared-relu"]),
+        (
+            ["--mock-data", "--vocab-size", "100", "--position-embedding-type", "rope", "--rotary-percent", "1.5"],
+            ["--rotary-percent 1.5 must be in (0, 1]"],
+        ),
+    ],
+)
+def test_refused_flags(argv, fragments, capsys, monkeypatch):
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    _one_line_error(rc, err, *fragments)
+
+
+def test_megatron_moe_and_fusion_flags_are_taken_and_explained():
+    """Flags every Megatron MoE script passes (--moe-grouped-gemm was refused while a Triton grouped GEMM
+    already ran the experts): accepted, each with the line start-up prints."""
+    from megatron_lite.arguments import build_parser
+    from megatron_lite.megatron_flags import accepted_no_ops
+
+    flags = ["--moe-grouped-gemm", "--use-flash-attn", "--no-rope-fusion", "--cross-entropy-loss-fusion"]
+    lines = accepted_no_ops(build_parser().parse_args(["--num-layers", "2", *flags]))
+    assert sorted(line.split()[0] for line in lines) == sorted(flags) and all("--kernel-impl" in line for line in lines)
+    # Megatron's Mixtral example passes --sequence-parallel at TP=1: said, not silently kept
+    sp = accepted_no_ops(build_parser().parse_args(["--sequence-parallel"]))
+    assert sp == ["--sequence-parallel has no effect at --tensor-model-parallel-size 1 (Megatron turns it off)"]
+    # --grad-reduce-in-bf16 in an fp32 run: said, not silently kept; with --bf16 it acts (no line)
+    fp32 = accepted_no_ops(build_parser().parse_args(["--grad-reduce-in-bf16"]))
+    assert fp32 == ["--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32"]
+    assert accepted_no_ops(build_parser().parse_args(["--grad-reduce-in-bf16", "--bf16"])) == []
+
+
+# Megatron-LM's examples/llama/train_llama3_8b_h200_bf16.sh, mock-data branch, its flags unchanged (the
+# `--split '99,1,0'` quotes included, as the script's unquoted array hands them over) except the model and run
+# sizes; CKPT stands for its checkpoint directory.
+MEGATRON_LLAMA3_8B_H200_BF16 = """--use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 224
+    --num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32
+    --max-position-embeddings 32 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0
+    --attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend fused
+    --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1
+    --global-batch-size 4 --train-samples 24 --lr-decay-samples 20 --lr-warmup-samples 4 --lr 0.00015
+    --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion
+    --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 --exit-duration-in-mins 235
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --tensor-model-parallel-size 1
+    --context-parallel-size 1 --sequence-parallel --mock-data --tokenizer-type NullTokenizer --vocab-size 1000
+    --data-cache-path CKPT/cache --tiktoken-pattern v2 --split '99,1,0' --no-create-attention-mask-in-dataloader
+    --no-mmap-bin-files --num-workers 1 --log-interval 1 --save-interval 1000 --log-throughput --profile
+    --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
+    --save CKPT --load CKPT --tensorboard-dir CKPT/tb --wandb-project megatron-lm-training
+    --wandb-exp-name llama3x-8b-bf16-tp1 --wandb-save-dir CKPT/wandb --log-params-norm --log-num-zeros-in-grad
+    --log-timers-to-tensorboard"""
+
+
+def test_megatron_llama3_h200_bf16_example_runs(tmp_path, capsys, monkeypatch):
+    """Megatron's Llama-3 8B H200 bf16 script ports by changing its entry point: every flag is taken, and it
+    trains with gradients reduced in bf16 through the distributed optimizer. Three of its flags need what a
+    CPU test machine lacks: --profile (Nsight Systems, refused without CUDA), --tensorboard-dir (the tensorboard
+    package, refused at start-up when absent) and the W&B flags (W&B runs in tests/test_pretrain_torchrun.py)."""
+    import importlib.util
+
+    from megatron_lite.arguments import parse_args
+
+    flags = MEGATRON_LLAMA3_8B_H200_BF16.replace("CKPT", str(tmp_path / "ckpt")).split()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    if importlib.util.find_spec("tensorboard") is None:
+        assert main(flags) == 2
+        _one_line_error(2, capsys.readouterr().err, "--tensorboard-dir", "pip install tensorboard")
+    else:
+        _, job = parse_args(flags)
+        assert job.logging.tensorboard_dir
+    drop = {"--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1, "--tensorboard-dir": 1}
+    drop |= {"--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1}
+    kept, skip = [], 0
+    for f in flags:
+        if skip:
+            skip -= 1
+        elif f in drop:
+            skip = drop[f]
+        else:
+            kept.append(f)
+    _, job = parse_args(kept)
+    assert job.optimizer.grad_reduce_in_bf16 and job.optimizer.use_distributed_optimizer
+    assert job.data.split_weights == (0.99, 0.01, 0.0)
+    assert main(kept) == 0
+    out = capsys.readouterr().out
+    assert "gradients reduced in bfloat16" in out
+    assert "--tiktoken-pattern has no effect without --tokenizer-type TikTokenizer" in out
+    assert "iteration        6/       6 |" in out and "saved" in out
+
+
+# Megatron-LM's examples/llama/train_llama3.sh (AMD's), its flags unchanged (the `--eval-iters '-1'` of its
+# default written without quotes) except the model and run sizes and data: NullTokenizer on mock data in place
+# of a Hugging Face tokenizer download.
+MEGATRON_LLAMA3_AMD = """--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1
+    --num-layers 2 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4 --seq-length 32
+    --max-position-embeddings 131072 --untie-embeddings-and-output-weights --position-embedding-type rope
+    --no-position-embedding --swiglu --disable-bias-linear --init-method-std 0.02 --attention-dropout 0.0
+    --hidden-dropout 0.0 --normalization RMSNorm --micro-batch-size 1 --global-batch-size 8 --train-iters 3
+    --no-async-tensor-model-parallel-allreduce --bf16 --no-masked-softmax-fusion --tokenizer-type NullTokenizer
+    --vocab-size 1000 --dataloader-type cyclic --save-interval 200000 --log-interval 1 --eval-interval 320000
+    --eval-iters 10 --num-workers 0 --mock-data --log-interval 1 --log-throughput --no-save-optim --no-save-rng
+    --eval-iters -1 --group-query-attention --num-query-groups 2 --no-gradient-accumulation-fusion
+    --distributed-backend gloo --distributed-timeout-minutes 120 --overlap-grad-reduce --rerun-mode disabled
+    --use-distributed-optimizer --overlap-param-gather --use-flash-attn --sequence-parallel --use-mcore-models
+    --lr 1e-4 --min-lr 1e-5 --lr-decay-iters 320000 --lr-decay-style cosine --weight-decay 1.0e-1 --clip-grad 1.0
+    --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95"""
+
+
+def test_megatron_llama3_amd_example_runs(tmp_path, capsys, monkeypatch):
+    """The flags Megatron's Llama-3 example passes that nothing else here did: --dataloader-type cyclic,
+    --no-save-optim, --no-save-rng, --rerun-mode, --no-async-tensor-model-parallel-allreduce, and --save-interval
+    without --save (ignored by Megatron, said here). NCCL is its backend; gloo on this CPU."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(MEGATRON_LLAMA3_AMD.split()) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "--dataloader-type cyclic has no effect",
+        "--rerun-mode has no effect",
+        "--no-async-tensor-model-parallel-allreduce has no effect",
+        "--save-interval 200000 has no effect without --save",
+    ):
+        assert line in out, line
+    assert "iteration        3/       3 |" in out
+
+
+# Megatron's DeepSeek-V3 recipe flags (model sizes and data scaled down to a CPU): MLA, sigmoid-routed MoE with the
+# expert bias and groups, one MTP depth, selective recompute of MLA's up-projections, the experts' activation and the
+# norms, the embedding and loss counted in the pipeline split, and fusion / logging switches that change nothing here.
+MEGATRON_DEEPSEEK_V3 = """--num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --kv-channels 16
+    --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 12 --qk-pos-emb-head-dim 8
+    --v-head-dim 10 --qk-layernorm --seq-length 32 --max-position-embeddings 32 --normalization RMSNorm
+    --norm-epsilon 1e-6 --swiglu --position-embedding-type rope --untie-embeddings-and-output-weights
+    --disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 24
+    --moe-shared-expert-intermediate-size 24 --moe-layer-freq ([0]*1+[1]*2) --moe-router-score-function sigmoid
+    --moe-router-enable-expert-bias --moe-router-num-groups 4 --moe-router-group-topk 2
+    --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
+    --moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-permute-fusion --moe-router-fusion
+    --moe-shared-expert-overlap --moe-per-layer-logging --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
+    --recompute-granularity selective --recompute-modules mla_up_proj moe_act layernorm
+    --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+    --cross-entropy-loss-fusion --cross-entropy-fusion-impl te --manual-gc --manual-gc-interval 10
+    --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-4 --log-interval 1 --eval-iters 0
+    --mock-data --vocab-size 256 --tokenizer-type NullTokenizer --distributed-backend gloo"""
+
+
+def test_megatron_deepseek_v3_recipe_flags_run(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(MEGATRON_DEEPSEEK_V3.split()) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "--moe-router-fusion has no effect",
+        "--moe-shared-expert-overlap has no effect",
+        "--cross-entropy-fusion-impl has no effect",
+        "--manual-gc-interval has no effect",
+    ):
+        assert line in out, line
+    assert "iteration        3/       3 |" in out and "mtp_1 loss: " in out
+
+
+@pytest.mark.parametrize(
+    "flag,fragment",
+    [
+        (["--enable-cuda-graph"], "CUDA graphs are not implemented"),
+        (["--optimizer-cpu-offload"], "no CPU offload"),
+        (["--moe-layer-recompute"], "--recompute-modules moe"),
+    ],
+)
+def test_megatron_flags_we_lack_are_refused_with_the_reason(flag, fragment, capsys, monkeypatch):
+    rc, _, err = _run(["--mock-data", "--vocab-size", "64", *flag], capsys, monkeypatch)
+    _one_line_error(rc, err, fragment)
