@@ -25,6 +25,7 @@ from megatron_lite.kernels.moe import (
 )
 from megatron_lite.kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from megatron_lite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from megatron_lite.kernels.quick_geglu import quick_geglu, quick_geglu_reference
 from megatron_lite.kernels.rope import apply_rope, apply_rope_reference
 from megatron_lite.kernels.swiglu import swiglu, swiglu_reference, swiglu_stacked, swiglu_stacked_reference
 
@@ -49,6 +50,8 @@ __all__ = [
     "swiglu_reference",
     "swiglu_stacked",
     "swiglu_stacked_reference",
+    "quick_geglu",
+    "quick_geglu_reference",
     "apply_rope",
     "apply_rope_reference",
     "fused_linear_cross_entropy",

@@ -14,7 +14,7 @@ import importlib
 import json
 import sys
 
-MODULES = ("norms", "swiglu", "rope", "cross_entropy", "flash_attention", "moe", "gemm", "nf4")
+MODULES = ("norms", "swiglu", "quick_geglu", "rope", "cross_entropy", "flash_attention", "moe", "gemm", "nf4")
 
 
 def all_cases() -> list[tuple]:

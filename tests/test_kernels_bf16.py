@@ -99,6 +99,15 @@ def test_swiglu_stacked(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_quick_geglu(dtype):
+    """gpt-oss's activation (offset 1, clamp 7) at its expert width, 2880; values scaled so that the clamps bite."""
+    rows, n = _shape(dtype, (256, 2 * 2880), (19, 2 * 150))
+    h = _rand(rows, n, seed=0, dtype=dtype, scale=4.0)
+    ours, ref = (lambda t, fn=fn: fn(t, 1.0, 7.0) for fn in (K.quick_geglu, K.quick_geglu_reference))
+    _check(ours, ref, [h], dtype, "quick_geglu_bwd", ["y", "dh"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope(dtype):
     b, s, h, d = _shape(dtype, (2, 512, 32, 128), (2, 7, 3, 16))
     x = _rand(b, s, h, d, seed=0, dtype=dtype)

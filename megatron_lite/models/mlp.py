@@ -27,21 +27,13 @@ class _SquaredReLU(torch.autograd.Function):
         return dy * (2.0 * F.relu(h))  # what autograd's square then relu backward give, bit for bit
 
 
-def quick_geglu(h: torch.Tensor, offset: float = 0.0, clamp: float | None = None) -> torch.Tensor:
-    """Megatron's quick-GEGLU on fc1's [gate; up] halves (gpt-oss): the gate clamped to <= clamp and up to
-    [-clamp, clamp], then gate * sigmoid(1.702 gate) * (up + offset). PyTorch ops under either --kernel-impl (the
-    Triton SwiGLU kernel is silu-only); autograd keeps h for the backward, as the SwiGLU kernel does."""
-    gate, up = h.chunk(2, dim=-1)
-    if clamp is not None:
-        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
-    return gate * torch.sigmoid(1.702 * gate) * (up + offset)
-
-
 def activate(h: torch.Tensor, activation: str, triton: bool = False, config: ModelConfig | None = None) -> torch.Tensor:
     """The MLP activation on fc1's output: SwiGLU or quick-GEGLU on its [gate; up] halves, squared ReLU, or
-    (tanh-)GELU. `config` gives quick-GEGLU its --glu-linear-offset and --activation-func-clamp-value."""
+    (tanh-)GELU. `config` gives quick-GEGLU (gpt-oss) its --glu-linear-offset and --activation-func-clamp-value;
+    `triton`: the gated units' kernels, which read the halves in place, save only h and return h's gradient whole."""
     if activation == "quick_geglu":
-        return quick_geglu(h, config.glu_linear_offset, config.activation_func_clamp_value)
+        fn = K.quick_geglu if triton else K.quick_geglu_reference
+        return fn(h, config.glu_linear_offset, config.activation_func_clamp_value)
     if activation == "swiglu":
         if triton:
             return K.swiglu_stacked(h)  # reads the halves in place and returns h's gradient whole

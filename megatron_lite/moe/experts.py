@@ -76,6 +76,8 @@ class ExpertMLP(nn.Module):
         self.config = config
         self.gated = config.gated_linear_unit
         self.activation = config.activation
+        # (one by one under --kernel-impl triton: NF4 and fp8 experts; the activation's kernel all the same)
+        self.triton = config.kernel_impl == "triton"
         fc1 = ShardSpec.even(0, (f, f) if self.gated else (f,), etp.size)
         fc2 = ShardSpec.even(1, f, etp.size)
         std, out_std = config.init_method_std, config.output_layer_init_std
@@ -94,7 +96,7 @@ class ExpertMLP(nn.Module):
         """Partial over the expert-TP group. `regenerate_act` (--recompute-modules moe_act, as Megatron's): the
         activation's output, which fc2 saves, is dropped and computed again from fc1's output in the backward."""
         y = self.linear_fc1.linear(x)
-        make = functools.partial(activate, y, self.activation, False, self.config)
+        make = functools.partial(activate, y, self.activation, self.triton, self.config)
         return regenerated(make, self.linear_fc2.linear) if regenerate_act else self.linear_fc2.linear(make())
 
 
@@ -159,7 +161,7 @@ class LocalExperts(nn.Module):
             y = self._biased("linear_fc2", K.grouped_gemm(a, w2, c), rows)
             return self._adapted("linear_fc2", a, counts, y)
 
-        # (the SwiGLU kernel saves fc1's output h itself, so regenerating from h keeps nothing more alive)
+        # (the SwiGLU and quick-GEGLU kernels save fc1's output h itself: regenerating from h keeps nothing more alive)
         first = self.local_experts[0]
         make = functools.partial(activate, h, first.activation, True, first.config)
         return regenerated(make, fc2) if self.recompute_act and self.training else fc2(make())
