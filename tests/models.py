@@ -124,6 +124,27 @@ def deepseek_config(**kw) -> ModelConfig:
     return llama_config(**base)
 
 
+def gpt_oss_config(**kw) -> ModelConfig:
+    """gpt-oss-shaped: learned attention sinks with a window on every other layer, biases, quick-GEGLU with an
+    offset of 1 and a clamp small enough to bite at init (gpt-oss's 7 would not); a dense layer, then a MoE layer
+    of biased experts."""
+    base = dict(
+        softmax_type="learnable",
+        sliding_window=5,
+        window_attn_skip_freq=2,
+        add_bias_linear=True,
+        activation="quick_geglu",
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=0.2,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=24,
+        moe_layer_freq=(0, 1),
+    )
+    base.update(kw)
+    return llama_config(**base)
+
+
 CONFIGS = {
     "llama": llama_config,
     "gpt2": gpt2_config,
@@ -133,6 +154,7 @@ CONFIGS = {
     # gpt-oss's attention: learned sinks (--softmax-type learnable) and a window on every other layer
     "sinks": lambda **kw: llama_config(softmax_type="learnable", sliding_window=5, window_attn_skip_freq=2, **kw),
     "sinks-full": lambda **kw: llama_config(softmax_type="learnable", **kw),  # (no window: every CP type)
+    "gptoss": gpt_oss_config,
     # Llama 4's and Qwen3-Next's attention: L2-normalised q/k, RoPE skipped on layer 2 (of 2), a gated output
     "gatednope": lambda **kw: llama_config(qk_l2_norm=True, no_rope_freq=2, attention_output_gate=True, **kw),
     # with the auxiliary and z losses in play (a coefficient of 0 leaves their scaling untested)

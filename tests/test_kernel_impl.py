@@ -1,6 +1,6 @@
-"""The model with --kernel-impl triton (norms, residual-add norm, SwiGLU, RoPE, flash attention, fused linear
-cross-entropy) computes what --kernel-impl torch computes: losses and every gradient, on one process and at
-TP=2 with sequence parallelism; and 20 training steps give the same loss curve. On a CPU the kernels run
+"""The model with --kernel-impl triton (norms, residual-add norm, SwiGLU, quick-GEGLU, RoPE, flash attention,
+fused linear cross-entropy) computes what --kernel-impl torch computes: losses and every gradient, on one process
+and at TP=2 with sequence parallelism; and 20 training steps give the same loss curve. On a CPU the kernels run
 under the Triton interpreter."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from megatron_lite.tensor_parallel.cross_entropy import counted_labels
 from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 
 from dist_pool import get_context
-from models import CONFIGS, DEVICE, VOCAB, needs_triton_on_cpu, rel
+from models import CONFIGS, DEVICE, VOCAB, needs_triton_on_cpu, record_calls, rel
 
 TOL = 1e-5
 
@@ -52,6 +52,24 @@ def test_triton_model_equals_torch_model(name):
     for kind in ("flash_attention_fwd", "cross_entropy_grad", "layer_norm_fwd" if name == "gpt2" else "rope_fwd"):
         assert K.LAUNCHES[kind] > 0, kind
     ref, ref_g = loss_and_grads(name, "torch")
+    assert rel(ours, ref) < TOL
+    bad = {k: rel(ours_g[k], ref_g[k]) for k in ref_g if not rel(ours_g[k], ref_g[k]) < TOL}
+    assert not bad, bad
+
+
+def test_triton_gpt_oss_model_equals_torch_model(monkeypatch):
+    """gpt-oss's activation (quick-GEGLU, offset 1, clamped) in the Triton kernel, in the dense layer's MLP and
+    between the experts' grouped GEMMs: torch's loss and every gradient, with both clamps biting."""
+    calls = record_calls(monkeypatch, K, "quick_geglu")
+    before = K.LAUNCHES["quick_geglu_bwd"], K.LAUNCHES["grouped_gemm_fwd"]
+    ours, ours_g = loss_and_grads("gptoss", "triton")
+    assert K.LAUNCHES["quick_geglu_bwd"] >= before[0] + 2 and K.LAUNCHES["grouped_gemm_fwd"] > before[1]
+    assert len(calls) == 2  # the dense MLP's and the experts'
+    for h, offset, clamp in calls:
+        f = h.shape[-1] // 2
+        assert (offset, clamp) == (1.0, 0.2) and (h[..., :f] > clamp).any() and (h[..., f:].abs() > clamp).any()
+    ref, ref_g = loss_and_grads("gptoss", "torch")
+    assert len(calls) == 2  # (torch's path runs the reference)
     assert rel(ours, ref) < TOL
     bad = {k: rel(ours_g[k], ref_g[k]) for k in ref_g if not rel(ours_g[k], ref_g[k]) < TOL}
     assert not bad, bad
