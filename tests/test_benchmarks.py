@@ -197,6 +197,7 @@ def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
         "layer_norm",
         "swiglu",
         "swiglu_stacked",
+        "quick_geglu",
         "rope",
         "flash_attention",
         "flash_attention_documents",

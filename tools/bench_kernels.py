@@ -186,6 +186,15 @@ def cases(s: dict, dtype, device):
             bytes_bwd=5 * gate.numel() * el,
             liger=None,
         ),
+        dict(  # gpt-oss's activation (offset 1, clamp 7), stacked as SwiGLU's; scaled so that the clamps bite
+            name="quick_geglu",
+            inputs=[torch.cat([gate, up], dim=-1) * 4],
+            ours=lambda a: K.quick_geglu(a, 1.0, 7.0),
+            eager=lambda a: K.quick_geglu_reference(a, 1.0, 7.0),
+            bytes_fwd=3 * gate.numel() * el,
+            bytes_bwd=5 * gate.numel() * el,
+            liger=None,
+        ),
         dict(
             name="rope",
             inputs=[q],
@@ -353,7 +362,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--compile-kernels",
         default=None,
         help="comma-separated kernels to time under torch.compile (default: those without a fused PyTorch op: "
-        "rms_norm, rms_norm_residual, swiglu, swiglu_stacked, fused_linear_cross_entropy); 'all' for every one",
+        "rms_norm, rms_norm_residual, swiglu, swiglu_stacked, quick_geglu, fused_linear_cross_entropy); 'all' for "
+        "every one",
     )
     ap.add_argument("--kernels", default=None, help="comma-separated subset of kernels to run (default: all)")
     ap.add_argument(

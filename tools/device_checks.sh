@@ -91,7 +91,8 @@ DEFAULT_KERNEL_TESTS=(tests/test_kernels_attention_tiles.py tests/test_kernels_b
               tests/test_determinism.py::test_gpu_bf16_jobs_under_deterministic_mode_repeat_bitwise
               tests/test_fp8.py::test_gpu_fp8_linear_in_bf16_is_the_product_of_the_quantized_operands  # _scaled_mm
               # gpt-oss's biased quick-GEGLU experts through the grouped GEMMs in bf16 (its sinks: test_kernels_bf16)
-              tests/test_gpt_oss_mlp.py::test_gpu_gpt_oss_moe_layer_in_bf16_runs_grouped_and_matches_fp32)
+              tests/test_gpt_oss_mlp.py::test_gpu_gpt_oss_moe_layer_in_bf16_runs_grouped_and_matches_fp32
+              tests/test_kernels_quick_geglu.py)  # its activation's kernel (bf16: here and test_kernels_bf16)
 read -r -a KERNEL_TESTS <<< "${KERNEL_TESTS:-${DEFAULT_KERNEL_TESTS[*]}}"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadgroup" || echo "")  # the >2^31 tests: one worker
 # SIGINT first: pytest then may still print its summary and junit file (xdist's teardown can hang on it, so -v
