@@ -8,6 +8,10 @@ Tolerance (fp32, per tensor ||a-b||/||b||): 1e-5, as the other element-wise kern
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,3 +185,27 @@ def test_gpu_bf16_clamp_bound_is_torchs_bf16_bound():
     y, dh = _run(K.quick_geglu, h, 1.0, 7.3)
     ry, rdh = _run(K.quick_geglu_reference, h, 1.0, 7.3)
     assert torch.equal(dh == 0, rdh == 0) and rel(y.float(), ry.float()) < 2e-2 and rel(dh.float(), rdh.float()) < 2e-2
+
+
+COMPILE = """
+import importlib, json
+from megatron_lite.kernels import check_compile
+from megatron_lite.kernels._common import compile_for_gpu
+out = {"listed": "quick_geglu" in check_compile.MODULES}
+for name, kernel, signature, constexprs in importlib.import_module("megatron_lite.kernels.quick_geglu").COMPILE_CASES:
+    ptx = compile_for_gpu(kernel, signature, constexprs, 90).asm["ptx"]
+    out[name] = ".target sm_90" in ptx
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not K.HAVE_TRITON, reason="needs triton (Linux)")
+def test_kernels_compile_for_hopper():
+    """Forward and backward, bf16 and fp32, with and without the clamp, compiled for sm_90 on this machine, GPU or
+    not (outside the interpreter, which patches triton.language); and the full check (check_compile, run by
+    tests/test_kernels_compile.py) lists the module."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(out) == 9 and all(out.values()), out
