@@ -120,6 +120,8 @@ def quick_geglu(h: torch.Tensor, offset: float = 0.0, clamp: float | None = None
     dimension (fc1's output in gpt-oss's MLP); `clamp` None: no clamp."""
     if h.shape[-1] % 2:
         raise ValueError(f"quick_geglu: the last dimension of {tuple(h.shape)} is odd; it stacks [gate; up]")
+    if clamp is not None and not 0 < clamp < float("inf"):  # (torch.clamp with min > max differs from the kernel)
+        raise ValueError(f"quick_geglu: clamp {clamp} must be a finite number > 0 (None: no clamp)")
     if triton_usable(h) and h.dim() and h.shape[-1]:
         return _QuickGEGLU.apply(h, offset, clamp)
     return quick_geglu_reference(h, offset, clamp)

@@ -135,11 +135,14 @@ def test_strided_input_and_broadcast_gradient():
 
 
 @pytest.mark.parametrize("shape", [(3, 0), (0, 8)])
-def test_empty_inputs_and_an_odd_width(shape):
+def test_empty_inputs_and_bad_arguments(shape):
     h = torch.randn(shape)
     assert torch.equal(K.quick_geglu(h, *GPT_OSS), K.quick_geglu_reference(h, *GPT_OSS))
     with pytest.raises(ValueError, match=r"the last dimension of \(2, 5\) is odd"):
         K.quick_geglu(torch.randn(2, 5), *GPT_OSS)
+    for clamp in (0.0, -7.0, float("nan")):  # (the flag refuses them at start-up; the entry too)
+        with pytest.raises(ValueError, match=rf"quick_geglu: clamp {clamp} must be a finite number > 0"):
+            K.quick_geglu(torch.randn(2, 4), 1.0, clamp)
 
 
 @needs_triton_on_cpu  # (on a GPU each program takes one row)
