@@ -416,6 +416,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         save_retain_interval=ns.save_retain_interval,
         ckpt_step=ns.ckpt_step,
         use_checkpoint_opt_param_scheduler=ns.use_checkpoint_opt_param_scheduler,
+        moe_use_upcycling=ns.moe_use_upcycling,
+        moe_upcycling_granularity=ns.moe_upcycling_granularity,
     )
     logging = LoggingConfig(
         log_jsonl=ns.log_jsonl,

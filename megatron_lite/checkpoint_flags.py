@@ -79,6 +79,8 @@ ARCH_DESTS = (
     "moe_router_group_score_topn",
 )
 
+# The architecture flags in which an upcycled MoE run differs from the dense checkpoint it starts from
+UPCYCLED_DESTS = ("ffn_hidden_size", *(d for d in ARCH_DESTS if d == "num_experts" or d.startswith("moe_")))
 
 # What --finetune takes from the checkpoint besides ARCH_DESTS: what else makes the model compute what it was
 # trained to (its routing, RoPE, tokenizer, adapters). Megatron's --finetune reads no flag from a checkpoint; the
@@ -429,6 +431,10 @@ def flags_from_checkpoint(
         saved["tokenizer_model"] = tokenizer_beside(saved["tokenizer_model"], path)
     given = explicit_dests(parser, argv)
     conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
+    # --moe-use-upcycling from a dense --load: the experts and their size are this run's own (training/upcycling.py
+    # checks them against the dense checkpoint); its own checkpoint, resumed, is an MoE one like any other
+    upcycled = UPCYCLED_DESTS if ns.moe_use_upcycling and not resumed else ()
+    conflicts = [d for d in conflicts if d not in upcycled]
     if not ns.group_query_attention and not saved["group_query_attention"]:  # (ignored without GQA, as in Megatron)
         conflicts = [d for d in conflicts if d != "num_query_groups"]
     if saved.get("multi_latent_attention"):  # (MLA's RoPE is its YaRN: these two do nothing there, as in Megatron)
@@ -534,6 +540,6 @@ def flags_from_checkpoint(
         ns, saved, given, full, scheduler is None or "lengths" in scheduler, scheduler is not None, resumed
     )
     if ns.use_checkpoint_args:
-        for d in ARCH_DESTS:
+        for d in (d for d in ARCH_DESTS if d not in upcycled):
             setattr(ns, d, saved.get(d, getattr(ns, d)))
     return ns

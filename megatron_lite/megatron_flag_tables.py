@@ -34,7 +34,6 @@ CONVERT = (
     "checkpoints are not converted in a run: ours are safetensors + JSON (tools/checkpoint/convert.py converts them "
     "to and from Hugging Face's)"
 )
-UPCYCLING = "upcycling a dense checkpoint into an MoE model is not implemented"
 
 TP_SWITCH = "--tp-comm-overlap decomposes the tensor-parallel GEMMs into ring steps; there is no per-collective switch"
 
@@ -436,7 +435,6 @@ REFUSED: dict[str, str] = {
     **_all(HETEROGENEOUS, "heterogeneous_layers_config_path heterogeneous_layers_config_encoded_json"),
     **_all(KITCHEN, "kitchen_config_file kitchen_recipe_number"),
     **_all(CONVERT, "ckpt_convert_format ckpt_convert_save ckpt_convert_update_legacy_dist_opt_format"),
-    **_all(UPCYCLING, "moe_use_upcycling moe_upcycling_granularity"),
     "non_persistent_local_ckpt_dir": NON_PERSISTENT,
     "non_persistent_local_ckpt_algo": NON_PERSISTENT,
     "fp4_format": "FP4 (NVFP4) training is not implemented; --fp8-format quantizes the GEMMs to fp8",
@@ -491,6 +489,5 @@ REFUSED_DEFAULTS = {
     "cuda_graph_impl": "none",  # (no CUDA graphs)
     "cpu_offloading_num_layers": "0",
     "vocab_extra_ids": "0",
-    "moe_upcycling_granularity": "1",
     "spec": "local",  # (Megatron-Core's own, non-Transformer-Engine modules: the layer here)
 }

@@ -92,3 +92,16 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
         default="alltoall",
         help="alltoall or allgather over EP (default alltoall; flex, DeepEP's, is refused)",
     )
+    e.add_argument(
+        "--moe-use-upcycling",
+        action="store_true",
+        help="start this MoE run from the dense checkpoint in --load: its MLPs copied into the experts, saved to "
+        "--save as iteration 1 (Megatron's; later runs drop the flag and resume from --save)",
+    )
+    e.add_argument(
+        "--moe-upcycling-granularity",
+        type=int,
+        default=1,
+        help="with --moe-use-upcycling: each dense MLP is cut into this many experts' worth of hidden units (the "
+        "dense --ffn-hidden-size is --moe-ffn-hidden-size times this)",
+    )

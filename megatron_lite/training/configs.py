@@ -33,8 +33,17 @@ class CheckpointConfig:
     ckpt_step: int | None = None  # load this iteration's checkpoint instead of the newest
     # the loaded schedule's lengths (in samples) win over this run's flags (Megatron's flag)
     use_checkpoint_opt_param_scheduler: bool = False
+    # Megatron's --moe-use-upcycling: the dense checkpoint in --load becomes this MoE run's start, saved to --save
+    # as iteration 1 (training/upcycling.py); --moe-upcycling-granularity cuts each dense MLP into that many experts
+    moe_use_upcycling: bool = False
+    moe_upcycling_granularity: int = 1
 
     def __post_init__(self) -> None:
+        if self.moe_upcycling_granularity < 1:
+            raise ConfigError(
+                f"--moe-upcycling-granularity {self.moe_upcycling_granularity} must be >= 1 (1: each expert a whole "
+                "copy of the dense MLP)"
+            )
         if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
             raise ConfigError(f"--ckpt-keep-last {self.ckpt_keep_last} must be >= 1 (omit it to keep every checkpoint)")
         if self.save_retain_interval is not None and self.save_retain_interval < 1:
@@ -185,6 +194,10 @@ class JobConfig:
                 f"--nan-policy {r.nan_policy} acts on the non-finite losses --check-for-nan-in-loss-and-grad finds, "
                 "which --no-check-for-nan-in-loss-and-grad turns off: drop one of them"
             )
+        if self.checkpoint.moe_use_upcycling:
+            from megatron_lite.training.upcycling import validate_upcycling  # (it imports the checkpoint code)
+
+            validate_upcycling(self)
         if self.checkpoint.no_save_optim and rollback:
             raise ConfigError(
                 f"{rollback[0]} rollback restores the optimizer state from the last checkpoint, which "

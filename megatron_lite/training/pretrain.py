@@ -61,6 +61,7 @@ from megatron_lite.training.resume import (
 from megatron_lite.training.saving import SaveFailed, finish_async_save, peer_lost, saving
 from megatron_lite.training.skipping import skip_iteration
 from megatron_lite.training.step import train_step
+from megatron_lite.training.upcycling import check_upcycling, upcycle
 from megatron_lite.training.wrap import wrap_for_training
 
 
@@ -116,6 +117,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     job, ckpt_path = starting_checkpoint(job, say)
+    upcycling = check_upcycling(job, ckpt_path, say)  # (--moe-use-upcycling: the dense checkpoint in --load)
 
     # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.
     def data_log(m: str) -> None:  # (any rank's: the one that builds a shared cache says so)
@@ -221,7 +223,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
             keep_saved_lengths=job.checkpoint.use_checkpoint_opt_param_scheduler,
         )
         state = TrainState()
-        if ckpt_path is not None:
+        if upcycling:  # (and a rollback before this run's next save goes back to the upcycled checkpoint)
+            state, ckpt_path = upcycle(ckpt_path, model, optimizer, scheduler, ctx, job, log)
+        elif ckpt_path is not None:
             if base_path is not None:
                 load_checkpoint(base_path, model, None, None, ctx, finetune=True)
                 log.info(f"loaded the LoRA base {base_path}")
