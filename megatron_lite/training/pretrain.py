@@ -117,7 +117,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     job, ckpt_path = starting_checkpoint(job, say)
-    upcycling = check_upcycling(job, ckpt_path, say)  # (--moe-use-upcycling: the dense checkpoint in --load)
+    upcycling = check_upcycling(job, ckpt_path)  # (--moe-use-upcycling: the dense checkpoint in --load)
 
     # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.
     def data_log(m: str) -> None:  # (any rank's: the one that builds a shared cache says so)

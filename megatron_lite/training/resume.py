@@ -53,9 +53,10 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
         # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
         # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
         start = f" instead of --load {ck.load}" if ck.load else ""
-        say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over)")
+        again = " (--moe-use-upcycling is for the first run: not upcycled again)" if ck.moe_use_upcycling else ""
+        say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over){again}")
         # --no-load-optim / --no-load-rng were for the starting checkpoint: its own holds what it saved
-        parts = dict(no_load_optim=ck.no_save_optim, no_load_rng=ck.no_save_rng)
+        parts = dict(no_load_optim=ck.no_save_optim, no_load_rng=ck.no_save_rng, moe_use_upcycling=False)
         job = dataclasses.replace(
             job, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False, ckpt_step=None, **parts)
         )

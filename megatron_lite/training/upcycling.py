@@ -71,15 +71,12 @@ def _dense_equivalent(moe: ModelConfig, dense: ModelConfig) -> list[str]:
             if f not in mlp and getattr(dense, f) != getattr(moe, f)]  # fmt: skip
 
 
-def check_upcycling(job, ckpt_path: str | None, say) -> bool:
-    """Whether this run upcycles (--moe-use-upcycling, and not resuming its own checkpoint in --save), after
-    checking the dense checkpoint `ckpt_path` against the flags; before any process group exists."""
+def check_upcycling(job, ckpt_path: str | None) -> bool:
+    """Whether this run upcycles (--moe-use-upcycling: training.resume.starting_checkpoint turns it off where the
+    job resumes its own checkpoint in --save), after checking the dense checkpoint `ckpt_path` against the flags;
+    before any process group exists."""
     ck = job.checkpoint
     if not ck.moe_use_upcycling:
-        return False
-    if same_directory(ck.load, ck.save):  # (training.resume.starting_checkpoint pointed --load at --save)
-        say(f"--moe-use-upcycling: --save {ck.save} holds this run's checkpoint: resuming from it (upcycling is for "
-            "the first run only; later runs may drop the flag)")  # fmt: skip
         return False
     if find_checkpoint(ck.save, own=True, flag="--save"):  # (--no-auto-resume: Megatron's assertion)
         raise ConfigError(
