@@ -82,6 +82,19 @@ def test_granularity_keeps_the_dense_output_for_a_homogeneous_activation():
     dense, moe = _dense_and_upcycled(llama_config(), 2, num_experts=4, moe_router_topk=2)
     loss_d, loss_m = _loss_and_grads(dense)[0], _loss_and_grads(moe)[0]
     assert 1e-6 * loss_d < abs(loss_m - loss_d) < 1e-2 * loss_d, (loss_m, loss_d)
+    # SwiGLU's cut by hand: expert 3 (the second of group 1) holds hidden units 48..95, gate rows and up rows alike,
+    # scaled by 2^(1/3) (a gated unit's output is cubic in it); group 1's router rows are the same row
+    d, m, s = dense.full_state_dict(), moe.full_state_dict(), 2 ** (1 / 3)
+    fc1, fc2 = d["decoder.layers.0.mlp.linear_fc1.weight"], d["decoder.layers.0.mlp.linear_fc2.weight"]
+    expert = "decoder.layers.0.mlp.experts.3."
+    assert torch.allclose(m[expert + "linear_fc1.weight"], s * torch.cat([fc1[48:96], fc1[96 + 48 :]]), atol=1e-7)
+    assert torch.allclose(m[expert + "linear_fc2.weight"], s * fc2[:, 48:], atol=1e-7)
+    router = m["decoder.layers.0.mlp.router.weight"]
+    assert (
+        torch.equal(router[2], router[3])
+        and torch.equal(router[0], router[1])
+        and not torch.equal(router[1], router[2])
+    )
 
 
 ARGS = (
