@@ -53,7 +53,8 @@ def test_upcycled_model_computes_the_dense_model():
     weights sum to 1, so the loss is the dense model's. The gradients: every weight outside the MLPs has the dense
     model's; the experts' gradients sum to the dense MLP's (each token's share of it goes to its experts in the
     proportion of their weights); the router's is zero (its weights' changes sum to 0 and every expert gives the
-    same output). grad_norm is therefore not the dense one: sum_e |g_e|^2 < |sum_e g_e|^2."""
+    same output). grad_norm is therefore not the dense one: it counts sum_e |g_e|^2 where the dense counts
+    |sum_e g_e|^2."""
     cfg = llama_config(add_bias_linear=True, add_qkv_bias=True)  # (SwiGLU; fc1's and fc2's biases too)
     dense, moe = _dense_and_upcycled(cfg, 1, num_experts=4, moe_router_topk=2)
     loss_d, g_d = _loss_and_grads(dense)
