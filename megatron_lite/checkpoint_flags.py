@@ -57,6 +57,10 @@ ARCH_DESTS = (
     "softmax_type",
     "no_rope_freq",
     "qk_l2_norm",
+    "qk_l2_norm_rope_only",
+    "attention_chunk_size",
+    "attn_temperature_floor_scale",
+    "attn_temperature_scale",
     "attention_output_gate",
     "untie_embeddings_and_output_weights",
     "disable_bias_linear",
@@ -167,6 +171,10 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     freq = m.get("no_rope_freq")  # (likewise, and the next two)
     out["no_rope_freq"] = tuple(freq) if isinstance(freq, list) else freq
     out["qk_l2_norm"] = m.get("qk_l2_norm", False)
+    out["qk_l2_norm_rope_only"] = m.get("qk_l2_norm_rope_only", False)  # (Llama 4's, and the next three)
+    out["attention_chunk_size"] = m.get("attention_chunk_size")
+    out["attn_temperature_floor_scale"] = m.get("attn_temperature_floor_scale")
+    out["attn_temperature_scale"] = m.get("attn_temperature_scale", 0.1)
     out["attention_output_gate"] = m.get("attention_output_gate", False)
     out["softmax_type"] = m.get("softmax_type", "vanilla")
     out["disable_bias_linear"] = not m["add_bias_linear"]

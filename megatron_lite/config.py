@@ -1,8 +1,7 @@
 """Configuration dataclasses, validated per concern.
 
-Every check raises `ConfigError` with one line that names the flags (Megatron's spelling), their values
-and a valid alternative. The checks across configs that depend on how the job is split are in
-layout_validation.py.
+Every check raises `ConfigError` with one line that names the flags (Megatron's spelling), their values and a
+valid alternative. The checks across configs that depend on how the job is split are in layout_validation.py.
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ from dataclasses import dataclass
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_geglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
-# Megatron's selective-recompute modules: core attention; the two layer norms; a dense layer's MLP; a MoE layer
-# whole; its shared expert; its experts' activation (with fc2 here); MLA's up-projections and RoPE (with the core
-# attention here)
+# Megatron's selective-recompute modules: core attention; the two layer norms; a dense layer's MLP; a MoE layer whole;
+# its shared expert; its experts' activation (with fc2 here); MLA's up-projections and RoPE (with core attention here)
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "moe_act", "mla_up_proj")
 
 
@@ -138,6 +136,11 @@ class ModelConfig:
     # Megatron's --no-rope-freq (Llama 4's NoPE layers): which layers skip RoPE. N: every Nth layer (1-based: N,
     # 2N, ...); or a 0/1 pattern per layer, 1 = no RoPE
     no_rope_freq: int | tuple[int, ...] | None = None
+    # Llama 4 as Hugging Face computes it (no Megatron flag): see models/attention_variants.py
+    qk_l2_norm_rope_only: bool = False
+    attention_chunk_size: int | None = None
+    attn_temperature_floor_scale: int | None = None
+    attn_temperature_scale: float = 0.1
     # Megatron's --attention-output-gate (Qwen3-Next): linear_qkv also makes a gate per query head and dim (rows
     # after each group's query heads); the attention output is multiplied by sigmoid(gate) before linear_proj
     attention_output_gate: bool = False

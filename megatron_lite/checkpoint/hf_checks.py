@@ -26,6 +26,10 @@ def normalize_hf_names(hf: dict[str, torch.Tensor], arch: str) -> dict[str, torc
     """The Hub's own GPT-2 checkpoints (openai-community/gpt2, distilgpt2) name their tensors without the
     `transformer.` prefix that GPT2LMHeadModel saves (`wte.weight`, `h.0.attn.c_attn.weight`); transformers loads
     both."""
+    from megatron_lite.models.hf_llama4 import LLAMA4_VLM, text_tensors
+
+    if arch == LLAMA4_VLM:  # (its text model, under language_model.)
+        return text_tensors(hf)
     if arch == "GPT2LMHeadModel" and "wte.weight" in hf and "transformer.wte.weight" not in hf:
         return {k if k.startswith("lm_head.") else f"transformer.{k}": v for k, v in hf.items()}
     return hf

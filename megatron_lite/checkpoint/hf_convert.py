@@ -64,9 +64,11 @@ from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, Train
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_saved
+from megatron_lite.models.attention_variants import max_unchunked_length
 from megatron_lite.models.hf import MTP, _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_gpt_oss import GPT_OSS, dequantize_experts
+from megatron_lite.models.hf_llama4 import LLAMA4, LLAMA4_VLM
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
@@ -179,6 +181,7 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     config = config_from_hf(hf_config)
     log(f"{load_dir}: {arch}, {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}")
     hf = normalize_hf_names(read_hf_tensors(load_dir), arch)
+    arch = LLAMA4 if arch == LLAMA4_VLM else arch  # (its text model, which exports as Llama4ForCausalLM)
     if arch == GPT_OSS:  # (the Hub's gpt-oss experts are MXFP4: dequantised exactly)
         hf = dequantize_experts(hf, log)
     check_not_quantised(hf, raw, load_dir, log)
@@ -221,7 +224,7 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
         if os.path.isfile(os.path.join(new_side, "tokenizer.json"))
         else DataConfig()
     )
-    seq = min(config.max_position_embeddings, 4096)
+    seq = min(config.max_position_embeddings, 4096, max_unchunked_length(config) or 4096)  # (Llama 4's limit)
     job = JobConfig(
         model=config,
         parallel=ParallelConfig(),

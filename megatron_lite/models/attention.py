@@ -206,10 +206,12 @@ class SelfAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
-        self.qk_l2_eps = config.norm_epsilon if config.qk_l2_norm else None
         self.gated = config.attention_output_gate
         # --no-rope-freq: Llama 4's NoPE layers take no rotation (the model's tables stay shared)
         self.skips_rope = config.skips_rope(layer_number)
+        # (Hugging Face's Llama 4 normalises the RoPE layers' queries and keys only: qk_l2_norm_rope_only)
+        l2 = config.qk_l2_norm and not (config.qk_l2_norm_rope_only and self.skips_rope)
+        self.qk_l2_eps = config.norm_epsilon if l2 else None
         if config.qk_layernorm:  # one weight over head_dim for all heads; this rank sees only its heads
             self.q_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
             self.k_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)

@@ -61,6 +61,7 @@ def _validate_llama4_qwen3next(config) -> None:
     for flag, on in (("--qk-l2-norm", config.qk_l2_norm), ("--attention-output-gate", config.attention_output_gate)):
         if on and mla:
             raise ConfigError(f"{flag} with --multi-latent-attention is not supported (nor in Megatron); drop one")
+    _validate_llama4_extras(config)
     freq = config.no_rope_freq
     if not freq:  # (Megatron: a falsy no_rope_freq is unset)
         return
@@ -83,6 +84,33 @@ def _validate_llama4_qwen3next(config) -> None:
             "--no-rope-freq with --mtp-num-layers is not supported (Megatron indexes the pattern past its end for the "
             "prediction layers); drop one"
         )
+
+
+def _validate_llama4_extras(config) -> None:
+    """Hugging Face's Llama 4 beyond Megatron's flags (ModelConfig's qk_l2_norm_rope_only, attention_chunk_size,
+    attn_temperature_floor_scale / _scale; set by the converter, carried by checkpoints): --qk-l2-norm on the RoPE
+    layers only (Megatron's normalises every layer); chunked attention (block-diagonal causal, chunks of
+    attention_chunk_size) on the RoPE layers, and on the NoPE layers queries scaled by
+    log1p(floor((pos + 1) / floor_scale)) x attn_temperature_scale + 1. Neither is implemented: both change nothing
+    for a sequence of at most attention_chunk_size tokens shorter than floor_scale, and layout_validation refuses
+    a longer --seq-length."""
+    from megatron_lite.config import ConfigError
+
+    if config.qk_l2_norm_rope_only and not config.qk_l2_norm:
+        raise ConfigError("qk_l2_norm_rope_only (Llama 4) limits --qk-l2-norm to the RoPE layers: add --qk-l2-norm")
+    for name, value in (
+        ("attention_chunk_size", config.attention_chunk_size),
+        ("attn_temperature_floor_scale", config.attn_temperature_floor_scale),
+    ):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} {value} must be a positive number of tokens (or unset: none)")
+
+
+def max_unchunked_length(config) -> int | None:
+    """The longest sequence Llama 4's chunked attention and temperature tuning leave unchanged (None: any)."""
+    limits = [config.attention_chunk_size, (config.attn_temperature_floor_scale or 0) - 1]
+    limits = [n for n in limits if n is not None and n >= 0]
+    return min(limits) if limits else None
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

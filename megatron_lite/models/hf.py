@@ -9,7 +9,9 @@ with zero-centred gamma, squared ReLU, partial RoPE), MixtralForCausalLM, Deepse
 attention, sigmoid routing with score-correction bias, expert groups, shared experts; Kimi-K2 too),
 DeepseekV2ForCausalLM (softmax top-k routing), GptOssForCausalLM (attention sinks, alternating windows, biased
 quick-GEGLU experts: models/hf_gpt_oss.py), Glm4MoeForCausalLM (GLM-4.5: QKV bias, partial RoPE, DeepSeek-V3's
-router and shared experts with GQA attention: models/hf_glm4moe.py) and GPT2LMHeadModel. A field that changes
+router and shared experts with GQA attention: models/hf_glm4moe.py), Llama4ForCausalLM (and the text model of
+Llama4ForConditionalGeneration: NoPE layers, q/k L2 norms, a sigmoid top-1 on the experts' inputs, a shared expert:
+models/hf_llama4.py) and GPT2LMHeadModel. A field that changes
 the math and that we do not implement is refused, never ignored.
 """
 
@@ -18,10 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling, yarn_mscale
-from megatron_lite.models import hf_deepseek, hf_glm4moe, hf_gpt_oss, hf_qwen2moe
+from megatron_lite.models import hf_deepseek, hf_glm4moe, hf_gpt_oss, hf_llama4, hf_qwen2moe
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3
 from megatron_lite.models.hf_glm4moe import GLM4_MOE
 from megatron_lite.models.hf_gpt_oss import GPT_OSS
+from megatron_lite.models.hf_llama4 import LLAMA4, LLAMA4_VLM
 from megatron_lite.models.hf_qwen2moe import QWEN2_MOE
 
 LLAMA_LIKE = (
@@ -38,6 +41,7 @@ LLAMA_LIKE = (
     "DeepseekV2ForCausalLM",
     GPT_OSS,
     GLM4_MOE,
+    LLAMA4,
 )
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q_norm / k_norm over head_dim before RoPE
 MTP = (DEEPSEEK_V3, GLM4_MOE)  # the classes whose checkpoints hold multi-token-prediction layers after the last
@@ -63,6 +67,8 @@ def _arch(hf_config: Any) -> str:
         "deepseek_v2": "DeepseekV2ForCausalLM",
         "gpt_oss": GPT_OSS,
         "glm4_moe": GLM4_MOE,
+        "llama4_text": LLAMA4,
+        "llama4": LLAMA4_VLM,
         "gpt2": "GPT2LMHeadModel",
     }.get(hf_config.model_type, hf_config.model_type)
 
@@ -145,6 +151,8 @@ def _gqa_fields(c: Any, rope: tuple[float, RopeScaling | None], eps: float | Non
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
+    if arch == LLAMA4_VLM:  # (its text model: the vision tower is not converted)
+        hf_config, arch = hf_llama4.text_config(hf_config), LLAMA4
     if arch in DEEPSEEK:
         kwargs = hf_deepseek.config_kwargs(hf_config, arch, _rope(hf_config))
     elif arch == GPT_OSS:
@@ -153,6 +161,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         kwargs = _gqa_fields(hf_config, _rope(hf_config)) | hf_glm4moe.config_kwargs(
             hf_config, _partial_rotary(hf_config)
         )
+    elif arch == LLAMA4:
+        kwargs = _gqa_fields(hf_config, _rope(hf_config)) | hf_llama4.config_kwargs(hf_config)
     elif arch in LLAMA_LIKE:
         c = hf_config
         nemotron = arch == "NemotronForCausalLM"
@@ -257,7 +267,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             attention_dropout=c.attn_pdrop,
         )
     else:
-        supported = ", ".join(LLAMA_LIKE + ("GPT2LMHeadModel",))
+        supported = ", ".join(LLAMA_LIKE + (LLAMA4_VLM, "GPT2LMHeadModel"))
         raise ConfigError(f"config.json architecture {arch!r} is not supported; supported: {supported}")
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
@@ -305,6 +315,9 @@ def _architecture(config: ModelConfig) -> str:
             f"{config.position_embedding_type} positions); supported: Llama/Mistral/Qwen2/Qwen3/Mixtral, Nemotron, "
             "GPT-2"
         )
+    nope = any(config.skips_rope(i) for i in range(config.num_layers))
+    if config.rotary_interleaved or config.qk_l2_norm or nope or config.moe_apply_probs_on_input:
+        return LLAMA4  # (the one class that rotates interleaved pairs, skips RoPE or weighs the experts' inputs)
     if config.num_experts and config.moe_shared_expert_gate:
         return QWEN2_MOE
     if config.num_experts and config.moe_router_score_function == "sigmoid":
@@ -328,8 +341,8 @@ def _architecture(config: ModelConfig) -> str:
 def check_exportable(c: ModelConfig, arch: str) -> None:
     """What `arch` cannot express is a one-line error, never silently dropped."""
     problems = (
-        ["interleaved RoPE (--rotary-interleaved; Hugging Face's classes rotate halves)"]
-        if c.rotary_interleaved
+        ["interleaved RoPE (--rotary-interleaved; Hugging Face's classes rotate halves but Llama 4's)"]
+        if c.rotary_interleaved and arch != LLAMA4
         else []
     )
     if c.apply_residual_connection_post_layernorm:  # (fp32 residuals change no weight: exported as they are)
@@ -339,9 +352,13 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         problems.append(f"attention sinks (--softmax-type {c.softmax_type})")
     if c.sliding_window and any(c.layer_window(i) is None for i in range(c.num_layers)) and arch != GPT_OSS:
         problems.append("full-attention layers between the windowed ones (--window-attn-skip-freq)")
-    for on, what in (  # (no converter yet: Llama 4's and Qwen3-Next's classes carry more than these)
-        (c.qk_l2_norm, "L2-normalised queries and keys (--qk-l2-norm, Llama 4)"),
-        (any(c.skips_rope(i) for i in range(c.num_layers)), "layers without RoPE (--no-rope-freq, Llama 4)"),
+    llama4 = arch == LLAMA4  # (Llama 4's class computes the first two; Qwen3-Next has no converter yet)
+    for on, what in (
+        (c.qk_l2_norm and not llama4, "L2-normalised queries and keys (--qk-l2-norm, Llama 4)"),
+        (
+            any(c.skips_rope(i) for i in range(c.num_layers)) and not llama4,
+            "layers without RoPE (--no-rope-freq, Llama 4)",
+        ),  # fmt: skip
         (c.attention_output_gate, "the attention output gate (--attention-output-gate, Qwen3-Next)"),
     ):
         if on:
@@ -353,6 +370,8 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         problems += hf_gpt_oss.export_problems(c)
     elif arch == GLM4_MOE:
         problems += hf_glm4moe.export_problems(c)
+    elif arch == LLAMA4:
+        problems += hf_llama4.export_problems(c)
     elif arch in DEEPSEEK:
         problems += hf_deepseek.export_problems(c, arch)
     elif arch == "GPT2LMHeadModel":
@@ -408,7 +427,7 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
             problems.append("QKV bias (--add-qkv-bias; Mixtral's attention has none)")
         if arch == "Phi3ForCausalLM" and c.rope_scaling is not None:
             problems.append(f"{c.rope_scaling.rope_type} RoPE scaling (Phi-3 takes only longrope)")
-    if c.num_experts and c.moe_apply_probs_on_input:
+    if c.num_experts and c.moe_apply_probs_on_input and arch != LLAMA4:
         problems.append(
             "routing weights on the experts' inputs (--moe-apply-probs-on-input; Hugging Face's weigh outputs)"
         )
@@ -435,6 +454,7 @@ MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     GPT_OSS: "gpt_oss",
     GLM4_MOE: "glm4_moe",
+    LLAMA4: "llama4_text",
     "GPT2LMHeadModel": "gpt2",
 }
 
@@ -551,6 +571,8 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         out.update(hf_gpt_oss.config_fields(c))
     if arch == GLM4_MOE:
         out.update(hf_glm4moe.config_fields(c))
+    if arch == LLAMA4:
+        out.update(hf_llama4.config_fields(c))
     if arch == "MixtralForCausalLM":
         out.update(
             num_local_experts=c.num_experts,

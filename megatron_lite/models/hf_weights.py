@@ -6,7 +6,8 @@ GPT-2's Conv1D weights are transposed relative to nn.Linear and its c_attn is [q
 Phi-3 fuses qkv_proj ([q; k; v]) and gate_up_proj; Nemotron's LayerNorm1P holds gamma - 1, the others gamma;
 Mixtral's, Qwen3-MoE's, Qwen2-MoE's, DeepSeek's and GLM-4-MoE's experts are 3-D module tensors in memory and one
 file per expert on disk; GLM-4-MoE's MoE layers are named as DeepSeek-V3's (mlp.gate.e_score_correction_bias,
-mlp.shared_experts), its attention as Qwen3's (q/k/v_proj with an optional bias, q_norm / k_norm).
+mlp.shared_experts), its attention as Qwen3's (q/k/v_proj with an optional bias, q_norm / k_norm); Llama 4's
+feed_forward (fused experts stored [E, in, out], transposed against ours) in models/hf_llama4.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.models import hf_gpt_oss, hf_qwen2moe
+from megatron_lite.models import hf_gpt_oss, hf_llama4, hf_qwen2moe
 from megatron_lite.models.hf import LLAMA_LIKE
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2
 from megatron_lite.models.hf_glm4moe import GLM4_MOE
@@ -199,6 +200,8 @@ def state_dict_from_hf(
                 out[f"{o}.self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
             if arch == hf_gpt_oss.GPT_OSS:  # (its sinks, router and experts)
                 out.update(hf_gpt_oss.layer_from_hf(hf, p, o, config))
+            elif arch == hf_llama4.LLAMA4:  # (feed_forward: fused experts [E, in, out], a shared expert)
+                out.update(hf_llama4.layer_from_hf(hf, p, o, config, i))
             elif config.num_experts and config.is_moe_layer(i):
                 out.update(_experts_from_hf(hf, p, f"{o}.mlp", config.num_experts))
                 if arch == hf_qwen2moe.QWEN2_MOE:  # (a gated shared expert, mlp.shared_expert: singular)
@@ -307,7 +310,9 @@ def state_dict_to_hf(
                     hf[p + "mlp.shared_experts.down_proj.weight"] = ours[f"{m}.shared_expert.linear_fc2.weight"]
             if moe and arch == hf_qwen2moe.QWEN2_MOE:
                 hf.update(hf_qwen2moe.shared_to_hf(ours, f"{o}.mlp", p))
-            if gpt_oss:
+            if arch == hf_llama4.LLAMA4:  # (its feed_forward: on disk as in memory)
+                hf.update(hf_llama4.layer_to_hf(ours, o, p, config, i))
+            elif gpt_oss:
                 pass
             elif moe and on_disk:
                 m = f"{o}.mlp"

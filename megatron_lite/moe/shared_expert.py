@@ -24,7 +24,10 @@ from megatron_lite.parameters import ParamMeta, set_param_meta
 class SharedExpertMLP(MLP):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32) -> None:
         shared = config.moe_shared_expert_intermediate_size
-        dense = dataclasses.replace(config, ffn_hidden_size=shared, num_experts=None, moe_shared_expert_gate=False)
+        # (a dense MLP of its own width; the MoE-only flags off: Llama 4's --moe-apply-probs-on-input weighs the
+        # routed experts' inputs, not the shared expert's)
+        dense = dataclasses.replace(config, ffn_hidden_size=shared, num_experts=None, moe_shared_expert_gate=False,
+                                    moe_apply_probs_on_input=False)  # fmt: skip
         super().__init__(dense, ctx, device, dtype)
         if config.moe_shared_expert_gate:
             self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, device=device, dtype=dtype))

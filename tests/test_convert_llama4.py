@@ -1,0 +1,264 @@
+"""Llama 4's text model (transformers' Llama4ForCausalLM) <-> megatron_lite through tools/checkpoint/convert.py,
+against real transformers models with every weight random: our logits equal transformers' (within 1e-5, fp32: the
+NoPE layers, the RoPE layers' q/k L2 norms, interleaved llama3 RoPE, the sigmoid top-1 on the experts' inputs with
+the shared expert, dense layers of intermediate_size_mlp between); the export loads in transformers bit-exact with
+the same logits; two training steps give transformers' loss and gradient norm; a Llama4ForConditionalGeneration
+checkpoint's text model converts; chunked attention and temperature tuning, not implemented, refuse a --seq-length
+that would need them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+from test_convert import V, _hf_logits, _load_ours, _rel, _tensors, convert
+
+from megatron_lite.config import ConfigError, ParallelConfig
+
+IDS = [(7 * i + 3) % V for i in range(16)]
+CASES = {
+    # Scout/Maverick's shape: MoE every 2nd layer (1, 3), a NoPE layer every 4th (3), q/k L2 norms on the RoPE
+    # layers, llama3 RoPE scaling; chunk and floor scale just over the 16 tokens run
+    "interleaved-moe-llama3": dict(
+        interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=17,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8, "rope_theta": 500000.0},
+    ),
+    # every layer MoE, NoPE layers 0 and 2 (listed), no q/k norms, tied embeddings, no chunking or tuning
+    "listed-nope-tied": dict(
+        no_rope_layers=[0, 1, 0, 1], use_qk_norm=False, tie_word_embeddings=True, attention_chunk_size=None,
+        attn_temperature_tuning=False,
+    ),
+}  # fmt: skip
+
+
+def _config(**kw) -> transformers.Llama4TextConfig:
+    return transformers.Llama4TextConfig(
+        **{
+            "vocab_size": V,
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "intermediate_size_mlp": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+            **kw,
+        }
+    )
+
+
+def _random_model(config) -> transformers.Llama4ForCausalLM:
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    with torch.no_grad():  # (the router large, so the top-1 is clear and its sigmoid far from 0.5)
+        for name, p in model.named_parameters():
+            big = name.endswith("router.weight")
+            p.copy_(torch.randn_like(p) * (0.5 if big else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
+    return model
+
+
+def _converted(tmp_path, model) -> tuple[str, str, str]:
+    hf_dir, ours, back = (str(tmp_path / k) for k in ("hf", "ours", "back"))
+    model.save_pretrained(hf_dir)
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    return hf_dir, ours, back
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama4_converts_both_ways_with_transformers_logits(tmp_path, case):
+    model = _random_model(_config(**CASES[case]))
+    hf_dir, ours, back = _converted(tmp_path, model)
+    ref = _hf_logits(model, IDS)
+
+    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    c = model.config
+    assert [config.is_moe_layer(i) for i in range(4)] == [i in c.moe_layers for i in range(4)]
+    assert [config.skips_rope(i) for i in range(4)] == [not r for r in c.no_rope_layers]
+    assert config.qk_l2_norm == c.use_qk_norm and config.rotary_interleaved and config.moe_apply_probs_on_input
+    assert (config.ffn_hidden_size, config.moe_ffn_hidden_size) == (96, 32)
+    with torch.no_grad():
+        logits = ours_model(torch.tensor([IDS]))[0].float()
+    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
+
+    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    a, b = _tensors(hf_dir), _tensors(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())[:4]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert type(reloaded) is transformers.Llama4ForCausalLM
+    for field in ("moe_layers", "no_rope_layers", "use_qk_norm", "attention_chunk_size", "layer_types",
+                  "attn_temperature_tuning", "intermediate_size_mlp", "head_dim", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(reloaded.config, field) == getattr(c, field), field
+    assert torch.equal(_hf_logits(reloaded, IDS), ref)
+
+
+def test_the_l2_norm_skips_the_nope_layers_and_the_rope_is_interleaved(tmp_path):
+    """Megatron's --qk-l2-norm on every layer, or RoPE by halves, gives other logits than transformers'."""
+    import dataclasses
+
+    model = _random_model(_config(**CASES["interleaved-moe-llama3"]))
+    _, ours, _ = _converted(tmp_path, model)
+    ref = _hf_logits(model, IDS)
+    ours_model, ctx, config = _load_ours(ours, ParallelConfig())
+    from megatron_lite.models.gpt_model import build_model
+
+    for change in (dict(qk_l2_norm_rope_only=False), dict(rotary_interleaved=False)):
+        other = build_model(dataclasses.replace(config, **change), ctx, seed=0)
+        other[0].load_full_state_dict(ours_model[0].full_state_dict())
+        with torch.no_grad():
+            logits = other(torch.tensor([IDS]))[0].float()
+        assert _rel(logits[..., :V], ref) > 1e-3, change
+
+
+def test_two_training_steps_give_transformers_loss_and_grad_norm():
+    """One process, SGD: each step's lm loss and gradient norm equal those of transformers' model trained alike."""
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.distributed.ddp import DistributedDataParallel
+    from megatron_lite.models.gpt_model import GPTModel
+    from megatron_lite.models.hf import config_from_hf
+    from megatron_lite.models.hf_weights import state_dict_from_hf
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.optimizer.lr_scheduler import LRScheduler
+    from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.training.step import train_step
+
+    hf = _random_model(_config(**CASES["interleaved-moe-llama3"])).train()
+    config = config_from_hf(hf.config)
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    ctx.seed(0)
+    model = GPTModel(config, ctx)
+    model.load_full_state_dict(state_dict_from_hf(hf.state_dict(), config, "Llama4ForCausalLM"))
+    optim = OptimizerConfig(lr=0.05, min_lr=0.05, lr_decay_style="constant", weight_decay=0.0, clip_grad=0.0,
+                            optimizer="sgd", sgd_momentum=0.0)  # fmt: skip
+    ddp = DistributedDataParallel(model, ctx)
+    opt = MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)
+    sched = LRScheduler(optim, 2)
+    ref_opt = torch.optim.SGD(hf.parameters(), lr=0.05)
+    data = MockGPTDataset(V, 16, seed=3)
+    for it in range(2):
+        batch = collate([data[it * 2 + i] for i in range(2)])
+        ours = train_step(ddp, opt, sched, [batch], ctx)
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(hf(batch["tokens"]).logits.reshape(-1, V), batch["labels"].reshape(-1))
+        loss.backward()
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in hf.parameters()])))
+        ref_opt.step()
+        assert abs(ours.lm_loss - loss.item()) <= 1e-5 * loss.item(), (it, ours.lm_loss, loss.item())
+        assert abs(ours.grad_norm - norm) <= 1e-5 * norm, (it, ours.grad_norm, norm)
+
+
+def test_a_conditional_generation_checkpoints_text_model_converts(tmp_path):
+    """Llama4ForConditionalGeneration's tensors are the text model's under language_model. beside the vision
+    tower's: the text model converts (the vision tensors noted, not converted) and exports as Llama4ForCausalLM."""
+    model = _random_model(_config(**CASES["interleaved-moe-llama3"]))
+    hf_dir, ours, back = (str(tmp_path / k) for k in ("vlm", "ours", "back"))
+    model.save_pretrained(str(tmp_path / "text"))
+    text = _tensors(str(tmp_path / "text"))
+    vision = {"vision_model.patch_embedding.linear.weight": torch.randn(8, 12),
+              "multi_modal_projector.linear_1.weight": torch.randn(64, 8)}  # fmt: skip
+    (tmp_path / "vlm").mkdir()
+    save_file({"language_model." + k: v for k, v in text.items()} | vision, f"{hf_dir}/model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    text_config = json.loads((tmp_path / "text" / "config.json").read_text())
+    text_config.pop("architectures")
+    raw = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text_config,
+           "vision_config": {"model_type": "llama4_vision_model"}}  # fmt: skip
+    (tmp_path / "vlm" / "config.json").write_text(json.dumps(raw))
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    ours_model, _, _ = _load_ours(ours, ParallelConfig())
+    with torch.no_grad():
+        logits = ours_model(torch.tensor([IDS]))[0].float()
+    ref = _hf_logits(model, IDS)
+    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
+    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    b = _tensors(back)
+    assert b.keys() == text.keys() and all(torch.equal(text[k], b[k]) for k in text)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert type(reloaded) is transformers.Llama4ForCausalLM and torch.equal(_hf_logits(reloaded, IDS), ref)
+
+
+def test_chunked_attention_and_temperature_tuning_refuse_longer_sequences(tmp_path):
+    """Past attention_chunk_size (or from floor_scale) transformers' logits change, which we do not compute: such a
+    --seq-length is one line at start-up, one within them runs; a converted checkpoint carries both (its --load
+    alone runs at 16 tokens)."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.layout_validation import validate_layout
+
+    model = _random_model(_config(**CASES["interleaved-moe-llama3"]))
+    _, ours, _ = _converted(tmp_path, model)
+    for more, ok in (([], True), (["--seq-length", "17"], False)):
+        job = parse_args(["--load", ours, "--mock-data", "--train-iters", "1", *more])[1]
+        assert (job.model.attention_chunk_size, job.model.attn_temperature_floor_scale) == (16, 17)
+        if ok:
+            validate_layout(job.model, job.parallel, 1, job.training)
+        else:
+            with pytest.raises(ConfigError, match=re.escape("--seq-length 17 needs Llama 4's chunked attention")):
+                validate_layout(job.model, job.parallel, 1, job.training)
+    from megatron_lite.inference.generation import generate
+
+    ours_model, ctx, _ = _load_ours(ours, ParallelConfig())
+    assert len(generate(ours_model, ctx, IDS[:14], 3)["generated_ids"]) == 3  # (16 positions fed)
+    with pytest.raises(ValueError, match="17 positions need Llama 4's chunked attention"):
+        generate(ours_model, ctx, IDS[:14], 4)
+    long = list(range(1, 20))
+    with torch.no_grad():  # (the chunk boundary at 16 and floor_scale 17 matter to transformers from there on)
+        chunked = model(torch.tensor([long])).logits[0, 16:]
+        model.config.attention_chunk_size, model.config.attn_temperature_tuning = None, False
+        model.config.layer_types = ["full_attention"] * 4
+        full = transformers.Llama4ForCausalLM(model.config).eval()
+        full.load_state_dict(model.state_dict())
+        assert _rel(chunked, full(torch.tensor([long])).logits[0, 16:]) > 1e-3
+
+    base = "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --train-iters 1 --mock-data --vocab-size 100"
+    base += " --position-embedding-type rope --no-rope-freq 4 --attention-chunk-size 16 --attn-temperature-floor-scale"
+    for floor, seq, ok in ((17, 16, True), (17, 17, False), (16, 16, False)):
+        job = parse_args([*base.split(), str(floor), "--seq-length", str(seq)])[1]
+        if ok:
+            validate_layout(job.model, job.parallel, 1, job.training)
+            continue
+        with pytest.raises(ConfigError, match=re.escape(f"--seq-length {seq} needs Llama 4's chunked")) as err:
+            validate_layout(job.model, job.parallel, 1, job.training)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "changes,fragment",
+    [
+        ({"num_experts_per_tok": 2}, "num_experts_per_tok=2 is not supported"),
+        ({"attention_bias": True}, "attention_bias=true is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
+def test_what_llama4_we_cannot_compute_is_refused(changes, fragment):
+    """Read by transformers' config class and, as without transformers installed, from config.json alone."""
+    from megatron_lite.checkpoint.hf_convert import _fallback_config
+    from megatron_lite.models.hf import config_from_hf
+
+    config = _config(**changes)
+    for read in (config, _fallback_config(config.to_dict())):
+        with pytest.raises(ConfigError, match=re.escape(fragment)) as err:
+            config_from_hf(read)
+        assert "\n" not in str(err.value)
+
+
+def test_a_llama4_config_json_without_transformers_reads_as_with_it():
+    """Fields left at their class defaults (no_rope_layers, moe_layers derived) read alike without transformers."""
+    from megatron_lite.checkpoint.hf_convert import _fallback_config
+    from megatron_lite.models.hf import config_from_hf
+
+    raw = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": V, "hidden_size": 64,
+           "intermediate_size": 32, "intermediate_size_mlp": 96, "num_hidden_layers": 8, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_local_experts": 4, "interleave_moe_layer_step": 2}  # fmt: skip
+    ours = config_from_hf(_fallback_config(raw))
+    with_it = transformers.Llama4TextConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert ours == config_from_hf(with_it)
+    assert (ours.no_rope_freq, ours.moe_layers, ours.head_dim) == (4, (0, 1, 0, 1, 0, 1, 0, 1), 128)
