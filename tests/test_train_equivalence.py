@@ -200,6 +200,22 @@ GATED_LAYOUTS = {
 }
 
 
+LLAMA4_LAYOUTS = {
+    "pp2": (2, ParallelConfig(pipeline_model_parallel_size=2), 4, 1),  # (its NoPE, MoE layer is the 2nd stage's)
+    "ep2-dp2": (2, ParallelConfig(expert_model_parallel_size=2), 4, 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LLAMA4_LAYOUTS))
+def test_llama4_trains_like_one_process(dist, layout):
+    """Llama 4 as converted from Hugging Face (tests/test_convert_llama4.py): the L2 norm on the RoPE layer only,
+    interleaved RoPE, a sigmoid top-1 MoE layer weighing the expert's input, with its shared expert."""
+    world, parallel, gbs, mbs = LLAMA4_LAYOUTS[layout]
+    ref = train_run("llama4", ParallelConfig(), gbs, gbs)
+    for rank_history in dist(world, train_run, "llama4", parallel, gbs, mbs):
+        _compare(rank_history, ref)
+
+
 @pytest.mark.parametrize("layout", list(GATED_LAYOUTS))
 def test_l2_norm_nope_and_output_gate_train_like_one_process(dist, layout):
     """Llama 4's L2-normalised queries and keys with a NoPE layer (--qk-l2-norm --no-rope-freq 2) and Qwen3-Next's
