@@ -160,18 +160,20 @@ CONFIGS = {
     # Llama 4 as Hugging Face computes it: interleaved RoPE, NoPE layer 2 without the L2 norm, MoE on layer 2 only
     # (sigmoid top-1 on the expert's input, a shared expert)
     "llama4": lambda **kw: llama_config(
-        qk_l2_norm=True,
-        qk_l2_norm_rope_only=True,
-        no_rope_freq=2,
-        rotary_interleaved=True,
-        num_experts=4,
-        moe_router_topk=1,
-        moe_router_score_function="sigmoid",
-        moe_apply_probs_on_input=True,
-        moe_ffn_hidden_size=32,
-        moe_shared_expert_intermediate_size=32,
-        moe_layer_freq=(0, 1),
-        **kw,
+        **dict(
+            qk_l2_norm=True,
+            qk_l2_norm_rope_only=True,
+            no_rope_freq=2,
+            rotary_interleaved=True,
+            num_experts=4,
+            moe_router_topk=1,
+            moe_router_score_function="sigmoid",
+            moe_apply_probs_on_input=True,
+            moe_ffn_hidden_size=32,
+            moe_shared_expert_intermediate_size=32,
+            moe_layer_freq=(0, 1),
+        )
+        | kw
     ),
     # with the auxiliary and z losses in play (a coefficient of 0 leaves their scaling untested)
     "deepseekaux": lambda **kw: deepseek_config(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **kw),

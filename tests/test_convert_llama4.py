@@ -262,3 +262,29 @@ def test_a_llama4_config_json_without_transformers_reads_as_with_it():
     with_it = transformers.Llama4TextConfig(**{k: v for k, v in raw.items() if k != "architectures"})
     assert ours == config_from_hf(with_it)
     assert (ours.no_rope_freq, ours.moe_layers, ours.head_dim) == (4, (0, 1, 0, 1, 0, 1, 0, 1), 128)
+
+
+@pytest.mark.parametrize(
+    "changes,fragment",
+    [
+        ({"qk_l2_norm_rope_only": False}, "--qk-l2-norm on the NoPE layers (Megatron's"),
+        ({"rotary_interleaved": False}, "RoPE rotating halves"),
+        ({"moe_apply_probs_on_input": False}, "routing weights on the experts' outputs"),
+        ({"moe_shared_expert_intermediate_size": 64}, "a shared expert of 64"),
+        ({"qk_l2_norm": False}, "qk_l2_norm_rope_only (Llama 4) limits --qk-l2-norm to the RoPE layers"),
+    ],
+)
+def test_what_llama4_cannot_compute_is_refused_on_export(changes, fragment):
+    """A Megatron model with Llama 4's flags is exported as Llama 4; what its class cannot express is one line."""
+    from megatron_lite.models.hf import _architecture, check_exportable, hf_config_dict
+
+    from models import CONFIGS
+
+    four = dict(num_layers=4, moe_layer_freq=(0, 1, 0, 1))
+    llama4 = CONFIGS["llama4"](**four)
+    assert _architecture(llama4) == "Llama4ForCausalLM"
+    fields = hf_config_dict(llama4, "Llama4ForCausalLM")
+    assert (fields["no_rope_layers"], fields["moe_layers"], fields["use_qk_norm"]) == ([1, 0, 1, 0], [1, 3], True)
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as err:
+        check_exportable(CONFIGS["llama4"](**four | changes), "Llama4ForCausalLM")
+    assert "\n" not in str(err.value)
