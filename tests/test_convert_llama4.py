@@ -288,3 +288,17 @@ def test_what_llama4_cannot_compute_is_refused_on_export(changes, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)) as err:
         check_exportable(CONFIGS["llama4"](**four | changes), "Llama4ForCausalLM")
     assert "\n" not in str(err.value)
+
+
+def test_feed_forward_adapters_are_not_exported_to_peft():
+    """Llama 4's MLPs are feed_forward.*: adapters on them (which PEFT's names would put on mlp.*) are one line."""
+    from megatron_lite.lora.config import LoraConfig
+    from megatron_lite.lora.peft import to_peft
+
+    from models import CONFIGS
+
+    key = "decoder.layers.0.mlp.linear_fc1.lora.pairs.gate"
+    adapters = {f"{key}.A": torch.zeros(4, 64), f"{key}.B": torch.zeros(96, 4)}
+    lora = LoraConfig(4, 8.0, 0.0, ("linear_fc1",))
+    with pytest.raises(ConfigError, match=r"not mapped onto Llama 4's feed_forward modules; .*--merge-lora"):
+        to_peft(adapters, CONFIGS["llama4"](), lora, "Llama4ForCausalLM")

@@ -101,6 +101,13 @@ def to_peft(
             f"interleaved, which the adapters on {experts[0]}, ... are not mapped onto; export merged weights with "
             "--saver hf --merge-lora, or adapt attention only (--lora-target-modules linear_qkv linear_proj)"
         )
+    feed_forward = sorted({k.split(".lora.")[0] for k in lora_state if ".mlp." in k})
+    if arch == "Llama4ForCausalLM" and feed_forward:  # (its MLPs are feed_forward.*, the experts [E, in, out])
+        raise ConfigError(
+            f"--saver hf-peft: the adapters on {feed_forward[0]}, ... are not mapped onto Llama 4's feed_forward "
+            "modules; export merged weights with --saver hf --merge-lora, or adapt attention only "
+            "(--lora-target-modules linear_qkv linear_proj)"
+        )
     mtp = sorted(k for k in lora_state if k.startswith("mtp."))
     if mtp:
         raise ConfigError(
