@@ -302,3 +302,27 @@ def test_feed_forward_adapters_are_not_exported_to_peft():
     lora = LoraConfig(4, 8.0, 0.0, ("linear_fc1",))
     with pytest.raises(ConfigError, match=r"not mapped onto Llama 4's feed_forward modules; .*--merge-lora"):
         to_peft(adapters, CONFIGS["llama4"](), lora, "Llama4ForCausalLM")
+
+
+@pytest.mark.parametrize("name", ["dense-interleaved", "llama4"])
+def test_a_megatron_model_exported_as_llama4_gives_our_logits_in_transformers(name):
+    """Trained here, not converted: --rotary-interleaved alone (a dense Llama 4: no MoE or NoPE layer, no q/k norm,
+    which no other class computes), and tests/models.py's Llama 4 (NoPE layer 2 without the L2 norm, its MoE)."""
+    from megatron_lite.models.gpt_model import GPTModel
+    from megatron_lite.models.hf import _architecture, hf_config_dict
+    from megatron_lite.models.hf_weights import state_dict_to_hf
+    from megatron_lite.parallel_context import ParallelContext
+
+    from models import CONFIGS, llama_config
+
+    config = llama_config(rotary_interleaved=True) if name == "dense-interleaved" else CONFIGS["llama4"]()
+    assert _architecture(config) == "Llama4ForCausalLM"
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+    ctx.seed(0)
+    ours = GPTModel(config, ctx).eval()
+    fields = {k: v for k, v in hf_config_dict(config, "Llama4ForCausalLM").items() if k != "architectures"}
+    hf = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**fields)).eval()
+    hf.load_state_dict(state_dict_to_hf(ours.full_state_dict(), config, "Llama4ForCausalLM"))
+    with torch.no_grad():
+        logits = ours(torch.tensor([IDS]))[0].float()
+    assert _rel(logits[..., :V], _hf_logits(hf, IDS)) <= 1e-5
