@@ -21,6 +21,7 @@ from megatron_lite.layout_validation import parse_pipeline_layout
 from megatron_lite.lora.config import LoraConfig, has_dense_mlp, lora_for_model, target_modules
 from megatron_lite.megatron_flags import OTHER_NAMES, refuse_unsupported
 from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.muon import MUON_FIELDS
 from megatron_lite.training.configs import CheckpointConfig, JobConfig, LoggingConfig, ResilienceConfig
 
 
@@ -332,6 +333,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     optimizer = OptimizerConfig(
         optimizer=ns.optimizer,
         sgd_momentum=ns.sgd_momentum,
+        **{k: getattr(ns, k) for k in MUON_FIELDS},
         use_distributed_optimizer=ns.use_distributed_optimizer,
         zero_stage=ns.zero_stage,
         use_torch_fsdp2=ns.use_torch_fsdp2,

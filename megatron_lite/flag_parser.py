@@ -287,8 +287,36 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(t, "--dry-run", "build on the meta device, validate, print parameters and memory per rank, exit")
 
     o = parser.add_argument_group("optimizer and learning rate")
-    o.add_argument("--optimizer", default="adam", choices=["adam", "sgd"], help="adam (AdamW) or sgd")
+    o.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=["adam", "sgd", "muon", "dist_muon"],
+        help="adam (AdamW), sgd, or muon (Muon on the hidden layers' matrices, AdamW on the rest); not dist_muon",
+    )
     o.add_argument("--sgd-momentum", type=float, default=0.9, help="with --optimizer sgd")
+    o.add_argument("--muon-momentum", type=float, default=0.9, help="with --optimizer muon: its momentum EMA")
+    o.add_argument(
+        "--muon-no-split-qkv",
+        action="store_false",
+        dest="muon_split_qkv",
+        help="orthogonalize the fused QKV weight whole (default: its query, key and value parts each alone)",
+    )
+    _bool(o, "--muon-use-nesterov", "Nesterov momentum in Muon")
+    o.add_argument("--muon-scale-mode", default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    o.add_argument(
+        "--muon-fp32-matmul-prec",
+        default="medium",
+        choices=["low", "medium", "high"],
+        help="Newton-Schulz matmuls: medium in bf16, high TF32 (on GPUs), low at the process's precision",
+    )
+    o.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations (a multiple of 5)")
+    o.add_argument(
+        "--muon-tp-mode",
+        default="blockwise",
+        choices=["blockwise", "duplicated", "distributed"],
+        help="tensor-parallel matrices: each shard alone, the gathered matrix, or Newton-Schulz over TP",
+    )
+    o.add_argument("--muon-extra-scale-factor", type=float, default=1.0, help="times Muon's update")
     o.add_argument("--lr", type=float, default=1e-4)
     o.add_argument("--min-lr", type=float, default=0.0)
     o.add_argument("--lr-decay-style", default="linear", choices=list(DECAY_STYLES))

@@ -25,7 +25,6 @@ NO_MEGATRON_FSDP = "Megatron-FSDP is not implemented, so there is nothing of it 
 NO_NCCL_TUNING = "collectives run with NCCL's default configuration (no buffer registration, SHARP or config file)"
 LAYOUT_FREE = "checkpoints are always safetensors + JSON, the optimizer state included, loadable under any layout"
 RETRO = "Retro (retrieval-augmented GPT) is not implemented"
-MUON = "the Muon optimizer is not implemented (--optimizer adam or sgd)"
 RL = "RL (GRPO) training is not implemented: pretrain_gpt.py pretrains, and fine-tunes with --sft"
 MAMBA = "Mamba and hybrid models are not implemented: pretrain_gpt.py builds transformers"
 HETEROGENEOUS = "heterogeneous layers (Llama-Nemotron's block configs) are not implemented"
@@ -406,11 +405,6 @@ REFUSED: dict[str, str] = {
         "retro_project_dir retro_add_retriever retro_cyclic_train_iters retro_encoder_layers "
         "retro_encoder_hidden_dropout retro_encoder_attention_dropout retro_num_neighbors "
         "retro_num_retrieved_chunks retro_attention_gate retro_no_verify_neighbor_count",
-    ),
-    **_all(
-        MUON,
-        "muon_momentum muon_no_split_qkv muon_use_nesterov muon_scale_mode muon_fp32_matmul_prec "
-        "muon_num_ns_steps muon_tp_mode muon_extra_scale_factor",
     ),
     **_all(
         RL,

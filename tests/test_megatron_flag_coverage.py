@@ -35,10 +35,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
         "--retro-encoder-hidden-dropout --retro-encoder-attention-dropout --retro-num-neighbors "
         "--retro-num-retrieved-chunks --retro-attention-gate --retro-no-verify-neighbor-count"
     ),
-    "the Muon optimizer is not implemented": (
-        "--muon-momentum --muon-no-split-qkv --muon-use-nesterov --muon-scale-mode --muon-fp32-matmul-prec "
-        "--muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor"
-    ),
     "RL (GRPO) training is not implemented": (
         "--perform-rl-step --rl-prompts-per-eval --grpo-prompts-per-step --grpo-group-size --grpo-iterations "
         "--grpo-clamp-eps-lower --grpo-clamp-eps-upper --grpo-kl-beta --grpo-entropy-term-weight "

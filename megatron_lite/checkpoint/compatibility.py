@@ -98,7 +98,12 @@ def check_optimizer_state(path: str, meta: dict, config) -> None:
         config, optimizer=saved.get("optimizer", "adam"), sgd_momentum=saved.get("sgd_momentum", 0.9)
     )
     if state_kinds(saved_config) != state_kinds(config):
-        describe = {("exp_avg", "exp_avg_sq"): "Adam moments", ("momentum_buffer",): "SGD momentum", (): "no state"}
+        describe = {
+            ("exp_avg", "exp_avg_sq"): "Adam moments",
+            ("momentum_buffer",): "SGD momentum",
+            ("exp_avg", "exp_avg_sq", "momentum_buffer"): "Muon momentum and Adam moments",
+            (): "no state",
+        }
         raise ConfigError(
             f"{path} holds {describe[state_kinds(saved_config)]} (--optimizer {saved_config.optimizer}); this run "
             f"keeps {describe[state_kinds(config)]} (--optimizer {config.optimizer}): add --no-load-optim to start "

@@ -15,6 +15,15 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 class OptimizerConfig:
     optimizer: str = "adam"  # Megatron's --optimizer: adam (AdamW) or sgd (with --sgd-momentum)
     sgd_momentum: float = 0.9
+    # --optimizer muon (optimizer/muon.py), Megatron-LM's flags and defaults (its --muon-momentum is 0.9)
+    muon_momentum: float = 0.9
+    muon_split_qkv: bool = True  # --muon-no-split-qkv: the fused QKV weight orthogonalized whole
+    muon_use_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_extra_scale_factor: float = 1.0
     lr: float = 1e-4
     use_distributed_optimizer: bool = False  # ZeRO-1: main weights and moments sharded over data parallelism
     zero_stage: int = 1  # 2: gradients too (each bucket's full gradient dropped once reduce-scattered)
@@ -78,8 +87,15 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"--optimizer {self.optimizer} is not supported; use adam or sgd")
+        if self.optimizer == "dist_muon":
+            raise ConfigError(
+                "--optimizer dist_muon (Megatron's layer-wise distributed Muon) is not implemented; use --optimizer "
+                "muon (each data-parallel rank steps every matrix)"
+            )
+        if self.optimizer not in ("adam", "sgd", "muon"):
+            raise ConfigError(f"--optimizer {self.optimizer} is not supported; use adam, sgd or muon")
+        if self.optimizer == "muon":
+            self._check_muon()
         if self.optimizer == "sgd" and (self.use_apex_adam or not 0 <= self.sgd_momentum < 1):
             raise ConfigError(
                 "--use-apex-adam is Adam's; drop it with --optimizer sgd"
@@ -99,7 +115,7 @@ class OptimizerConfig:
         if self.use_precision_aware_optimizer and (self.optimizer != "adam" or self.use_apex_adam):
             raise ConfigError(
                 "--use-precision-aware-optimizer is our Adam's: drop it with "
-                + ("--optimizer sgd" if self.optimizer != "adam" else "--use-apex-adam")
+                + (f"--optimizer {self.optimizer}" if self.optimizer != "adam" else "--use-apex-adam")
             )
         if self.grad_reduce_in_bf16 and self.fp16:
             raise ConfigError(
@@ -188,6 +204,35 @@ class OptimizerConfig:
         if self.hysteresis < 1:
             raise ConfigError(f"--hysteresis {self.hysteresis} must be >= 1")
         self._check_values()
+
+    def _check_muon(self) -> None:
+        """What Megatron's get_megatron_muon_optimizer and emerging_optimizers refuse (they raise at the first
+        step or at build time), and the combinations not implemented here."""
+        from megatron_lite.optimizer.muon import MATMUL_PRECS, SCALE_MODES, TP_MODES
+
+        refused = (
+            ("--use-distributed-optimizer", self.use_distributed_optimizer, "Megatron refuses it too"),
+            ("--fp16", self.fp16, "Megatron refuses it too; use --bf16"),
+            ("--use-torch-fsdp2", self.use_torch_fsdp2, "Muon orthogonalizes whole matrices"),
+            ("--use-apex-adam", self.use_apex_adam, "the Adam part is torch's AdamW"),
+        )
+        for flag, given, why in refused:
+            if given:
+                raise ConfigError(f"--optimizer muon with {flag} is not supported ({why}); drop {flag}")
+        for flag, value, choices in (
+            ("--muon-scale-mode", self.muon_scale_mode, SCALE_MODES),
+            ("--muon-fp32-matmul-prec", self.muon_fp32_matmul_prec, MATMUL_PRECS),
+            ("--muon-tp-mode", self.muon_tp_mode, TP_MODES),
+        ):
+            if value not in choices:
+                raise ConfigError(f"{flag} {value} is not one of {'|'.join(choices)}")
+        if self.muon_num_ns_steps < 1 or self.muon_num_ns_steps % 5:
+            raise ConfigError(
+                f"--muon-num-ns-steps {self.muon_num_ns_steps} must be a positive multiple of 5 (Megatron's quintic "
+                "Newton-Schulz coefficients come in 5 sets); use 5"
+            )
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"--muon-momentum {self.muon_momentum} must be in [0, 1)")
 
     def _check_values(self) -> None:
         """Values Megatron's scheduler and scaler assert on."""

@@ -24,6 +24,7 @@ from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.adam import DTYPES, PrecisionAwareAdamW
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_lite.optimizer.muon import MuonParam, MuonWithAdam, qkv_split_rows
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta
 
@@ -42,6 +43,8 @@ def state_kinds(config: OptimizerConfig) -> tuple[str, ...]:
     buffer (nothing without momentum)."""
     if config.optimizer == "sgd":
         return ("momentum_buffer",) if config.sgd_momentum > 0 else ()
+    if config.optimizer == "muon":  # Adam's moments for what Adam steps, Muon's momentum for its matrices
+        return ("exp_avg", "exp_avg_sq", "momentum_buffer")
     return ("exp_avg", "exp_avg_sq")
 
 
@@ -50,6 +53,8 @@ def state_bytes_per_param(config: OptimizerConfig) -> int:
     momentum buffer (4, none without momentum)."""
     if config.optimizer == "sgd":
         return 4 * len(state_kinds(config))
+    if config.optimizer == "muon":  # an upper bound: Adam's 8 (Muon's matrices keep 4)
+        return 8
     return sum(DTYPES[getattr(config, k)].itemsize for k in ("exp_avg_dtype", "exp_avg_sq_dtype"))
 
 
@@ -57,10 +62,12 @@ def state_entry(d: dict[str, torch.Tensor], config: OptimizerConfig, step: int, 
     """One parameter's optimizer state from saved tensors `d` (each passed through `part`: a shard's slice), for
     `load_inner_state`; None when the checkpoint has none for it."""
     kinds = state_kinds(config)
+    if config.optimizer == "muon":  # each parameter has Muon's momentum or Adam's moments
+        kinds = ("momentum_buffer",) if "momentum_buffer" in d else ("exp_avg", "exp_avg_sq")
     if not kinds or kinds[0] not in d:
         return None
     entry = {k: part(d[k]) for k in kinds}
-    if config.optimizer == "adam":
+    if "exp_avg" in entry:
         entry["step"] = torch.tensor(float(step))
     return entry
 
@@ -88,10 +95,51 @@ def _inner_optimizer(groups, config: OptimizerConfig, device: torch.device) -> t
     return torch.optim.AdamW(groups, **kw)
 
 
+def muon_optimizer(model: nn.Module, entries, metas, config: OptimizerConfig, ctx: ParallelContext) -> MuonWithAdam:
+    """Megatron's get_megatron_muon_optimizer: Muon for the 2-D weights but the word embeddings and output layer
+    (each told its tensor-parallel split and group: the expert TP group for experts, and the fused QKV's parts),
+    AdamW with the Adam flags for the rest; both with the same weight-decay and learning-rate groups."""
+    qkv = {  # the fused QKV weights, by name, and their parts' rows per query group
+        f"{prefix}.linear_qkv.weight" if prefix else "linear_qkv.weight": qkv_split_rows(
+            m.heads_per_group, m.head_dim, m.gated
+        )
+        for prefix, m in model.named_modules()
+        if hasattr(m, "linear_qkv") and hasattr(m, "heads_per_group")
+    }
+    muon, adam, info = [], [], {}
+    for (main, name, ndim), meta in zip(entries, metas):
+        if not runs_muon(name, ndim):
+            adam.append((main, name, ndim))
+            continue
+        muon.append((main, name, ndim))
+        dim = meta.shard.dim if meta.tensor_parallel else None
+        split = qkv.get(name) if config.muon_split_qkv else None
+        info[id(main)] = MuonParam(name, dim, ctx.etp if meta.expert else ctx.tp, split)
+    groups = [{**g, "muon": True} for g in optimizer_groups(muon, config)] + optimizer_groups(adam, config)
+    return MuonWithAdam(
+        groups or [{"params": [], "weight_decay": 0.0}],
+        lambda adam_groups: _inner_optimizer(adam_groups, config, ctx.device),
+        info,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_use_nesterov,
+        num_ns_steps=config.muon_num_ns_steps,
+        scale_mode=config.muon_scale_mode,
+        extra_scale_factor=config.muon_extra_scale_factor,
+        fp32_matmul_prec=config.muon_fp32_matmul_prec,
+        tp_mode=config.muon_tp_mode,
+    )
+
+
 def is_embedding_or_output(name: str) -> bool:
     """The parameters --decoupled-lr applies to (Megatron's is_embedding_or_output_parameter): the word
     embeddings and the output layer, by their names in any chunk or wrapper."""
     return name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
+
+
+def runs_muon(name: str, ndim: int) -> bool:
+    """Megatron's rule for --optimizer muon: every 2-D parameter but the word embeddings and the output layer
+    (`name` as group_name gives it: a stage's copy of the embeddings is named as them)."""
+    return ndim == 2 and not is_embedding_or_output(name)
 
 
 def takes_weight_decay(name: str, ndim: int, config: OptimizerConfig) -> bool:
@@ -301,7 +349,7 @@ class MixedPrecisionOptimizer(OptimizerBase):
         self.ctx = ctx
         self.grad_of = grad_of
         self.names, self.params, self.main_params, counted, expert = [], [], [], [], []
-        entries = []
+        entries, metas = [], []
         for name, p, meta in named_param_meta(model):
             if not p.requires_grad:
                 continue
@@ -312,13 +360,17 @@ class MixedPrecisionOptimizer(OptimizerBase):
             counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
             expert.append(meta.expert)
             entries.append((main, group_name(name, meta), p.ndim))
+            metas.append(meta)
         self.main_of = {id(p): main for p, main in zip(self.params, self.main_params)}  # by id(model param)
         self._counted = counted
         self._expert = expert
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
         # must still join the expert group's reduction.
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
+        if config.optimizer == "muon":
+            self.inner = muon_optimizer(model, entries, metas, config, ctx)
+        else:
+            self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
         self.scaler = make_scaler(config)
 
     # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
