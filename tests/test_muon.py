@@ -231,6 +231,10 @@ def test_resume_is_exact(tmp_path, pretrain_job):
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     for s, r in zip(straight[3:], resumed):
         assert s["lm_loss"] == r["lm_loss"] and s["grad_norm"] == r["grad_norm"], (s, r)
+    # an Adam run is told what the checkpoint holds, in one line
+    adam = [*JOB[: JOB.index("--optimizer")], "--optimizer", "adam", "--load", ckpt, "--ckpt-step", "3"]
+    out = pretrain_job(1, adam, exit_code=2)
+    assert "holds Muon momentum and Adam moments (--optimizer muon); this run keeps Adam moments" in out
 
 
 BASE = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data".split()
