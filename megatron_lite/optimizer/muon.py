@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel_context import Group
+
 # emerging_optimizers' Newton-Schulz coefficient sets (muon_utils._COEFFICIENT_SETS): "quintic" is the one
 # Megatron-Core's TensorParallelMuon uses (its default; Megatron passes none); "simple" is Keller Jordan's,
 # the set torch.optim.Muon uses, repeated every step.
@@ -82,32 +84,36 @@ def _matmul_precision(prec: str):
         torch.set_float32_matmul_precision(before)
 
 
-def newton_schulz(x: torch.Tensor, steps: int, coefficients: str = "quintic", group=None) -> torch.Tensor:
+def newton_schulz(
+    x: torch.Tensor, steps: int, coefficients: str = "quintic", tp: Group | None = None, transpose: bool = False
+) -> torch.Tensor:
     """emerging_optimizers' newton_schulz on fp32 `x`: the shorter side whitened, X normalized by its Frobenius
-    norm (over `group`'s shards when given: x is then this rank's columns of the matrix, after the transpose),
-    `steps` iterations X <- a X + (b A + c A A) X with A = X X^T (summed over `group`). Under matmul precision
-    "medium" X is taken to bf16 for the iterations, as emerging_optimizers does."""
+    norm, `steps` iterations X <- a X + (b A + c A A) X with A = X X^T. Given `tp`, x is this rank's shard of the
+    matrix, split along its columns after `transpose`: the norm and A are summed over `tp` (newton_schulz_tp's
+    distributed mode). Under matmul precision "medium" X is taken to bf16 for the iterations, as
+    emerging_optimizers does."""
     sets = COEFFICIENTS[coefficients]
     if steps % len(sets):
         raise ValueError(f"{steps} Newton-Schulz steps are not a multiple of the {len(sets)} {coefficients} sets")
-    transpose = x.size(-2) > x.size(-1) if group is None else group[1]
+    if tp is None:
+        transpose = x.size(-2) > x.size(-1)
     if transpose:
         x = x.mT
-    if group is None:
+    if tp is None:
         X = torch.nn.functional.normalize(x, p=2, dim=(-2, -1), eps=NS_EPS)
     else:
         sq = (x * x).sum()
-        with group[0].blocked():
-            dist.all_reduce(sq, group=group[0].pg)
+        with tp.blocked():
+            dist.all_reduce(sq, group=tp.pg)
         X = x / sq.sqrt().clamp_min(NS_EPS)
     if torch.get_float32_matmul_precision() == "medium":
         X = X.to(torch.bfloat16)
     for i in range(steps):
         a, b, c = sets[i % len(sets)]
         A = X @ X.mT
-        if group is not None:
-            with group[0].blocked():
-                dist.all_reduce(A, group=group[0].pg)
+        if tp is not None:
+            with tp.blocked():
+                dist.all_reduce(A, group=tp.pg)
         B = torch.addmm(A, A, A, alpha=c, beta=b)
         X = torch.addmm(X, B, X, alpha=1.0, beta=a)
     X = X.to(torch.float32)
@@ -120,7 +126,7 @@ class MuonParam:
 
     name: str
     partition_dim: int | None = None  # the dimension tensor parallelism splits; None: whole on every rank
-    tp: object = None  # the Group splitting it (the expert TP group for experts)
+    tp: Group | None = None  # the group splitting it (the expert TP group for experts)
     qkv_split: tuple[int, ...] | None = None  # rows per query group of each fused QKV part, when split
 
 
@@ -212,12 +218,8 @@ class MuonWithAdam(torch.optim.Optimizer):
             out = full.chunk(info.tp.size, dim=dim)[info.tp.rank]
         else:  # distributed: the sharded side is the one X X^T sums over
             size[dim] *= info.tp.size
-            out = newton_schulz(x, self.num_ns_steps, self.coefficients, group=(info.tp, dim == 0))
+            out = newton_schulz(x, self.num_ns_steps, self.coefficients, tp=info.tp, transpose=dim == 0)
         return out * (muon_scale_factor(size[0], size[1], self.scale_mode) * self.extra_scale_factor)
-
-
-def is_qkv(name: str) -> bool:
-    return name.endswith("linear_qkv.weight")
 
 
 def qkv_split_rows(heads_per_group: int, head_dim: int, gated: bool) -> tuple[int, ...]:
