@@ -185,6 +185,7 @@ def _close(history, ref, what):
 TP2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
 
 
+@pytest.mark.slow
 def test_layouts_train_like_one_process(dist):
     """TP=2 duplicated and distributed, DP=2 and EP=2 (MoE): the one-process run's lm_loss and grad_norm; TP=2
     blockwise: the one-process run whose TP-split matrices are orthogonalized by TP=2's shards (not TP=1's math,
@@ -218,6 +219,7 @@ JOB = (
 ).split()
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path, pretrain_job):
     """6 iterations straight (saving at 3) vs --load --ckpt-step 3 + 3 at TP=2: identical lm_loss and grad_norm
     at 4-6, so Muon's momentum buffers (and Adam's moments for the rest) come back from the checkpoint."""
