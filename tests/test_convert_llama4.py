@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from convert_flow import IDS, converts_both_ways, randomised, tp2_equals_transformers
 from safetensors.torch import save_file
 from test_convert import V, _hf_logits, _load_ours, _rel, _tensors, convert
 
 from megatron_lite.config import ConfigError, ParallelConfig
 
-IDS = [(7 * i + 3) % V for i in range(16)]
 CASES = {
     # Scout/Maverick's shape: MoE every 2nd layer (1, 3), a NoPE layer every 4th (3), q/k L2 norms on the RoPE
     # layers, llama3 RoPE scaling; chunk and floor scale just over the 16 tokens run
@@ -57,13 +57,8 @@ def _config(**kw) -> transformers.Llama4TextConfig:
 
 
 def _random_model(config) -> transformers.Llama4ForCausalLM:
-    torch.manual_seed(0)
-    model = transformers.Llama4ForCausalLM(config).eval()
-    with torch.no_grad():  # (the router large, so the top-1 is clear and its sigmoid far from 0.5)
-        for name, p in model.named_parameters():
-            big = name.endswith("router.weight")
-            p.copy_(torch.randn_like(p) * (0.5 if big else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
-    return model
+    # (the router large, so the top-1 is clear and its sigmoid far from 0.5)
+    return randomised(transformers.Llama4ForCausalLM(config), big=("router.weight",))
 
 
 def _converted(tmp_path, model) -> tuple[str, str, str]:
@@ -76,28 +71,21 @@ def _converted(tmp_path, model) -> tuple[str, str, str]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama4_converts_both_ways_with_transformers_logits(tmp_path, case):
     model = _random_model(_config(**CASES[case]))
-    hf_dir, ours, back = _converted(tmp_path, model)
-    ref = _hf_logits(model, IDS)
-
-    ours_model, _, config = _load_ours(ours, ParallelConfig())
+    fields = ("moe_layers", "no_rope_layers", "use_qk_norm", "attention_chunk_size", "layer_types",
+              "attn_temperature_tuning", "intermediate_size_mlp", "head_dim", "tie_word_embeddings")  # fmt: skip
+    config, _ = converts_both_ways(model, tmp_path, fields)
     c = model.config
     assert [config.is_moe_layer(i) for i in range(4)] == [i in c.moe_layers for i in range(4)]
     assert [config.skips_rope(i) for i in range(4)] == [not r for r in c.no_rope_layers]
     assert config.qk_l2_norm == c.use_qk_norm and config.rotary_interleaved and config.moe_apply_probs_on_input
     assert (config.ffn_hidden_size, config.moe_ffn_hidden_size) == (96, 32)
-    with torch.no_grad():
-        logits = ours_model(torch.tensor([IDS]))[0].float()
-    assert _rel(logits[..., :V], ref) <= 1e-5, _rel(logits[..., :V], ref)
 
-    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
-    a, b = _tensors(hf_dir), _tensors(back)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())[:4]
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
-    assert type(reloaded) is transformers.Llama4ForCausalLM
-    for field in ("moe_layers", "no_rope_layers", "use_qk_norm", "attention_chunk_size", "layer_types",
-                  "attn_temperature_tuning", "intermediate_size_mlp", "head_dim", "tie_word_embeddings"):  # fmt: skip
-        assert getattr(reloaded.config, field) == getattr(c, field), field
-    assert torch.equal(_hf_logits(reloaded, IDS), ref)
+
+def test_llama4_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
+    """Split over TP=2 (the L2-normed heads, the shared expert's and the dense layers' MLPs split), generating
+    with our KV cache (no chunking or temperature tuning, so that generation may pass 16 tokens)."""
+    case = {**CASES["interleaved-moe-llama3"], "attention_chunk_size": None, "attn_temperature_tuning": False}
+    tp2_equals_transformers(dist, _random_model(_config(**case)), tmp_path)
 
 
 def test_the_l2_norm_skips_the_nope_layers_and_the_rope_is_interleaved(tmp_path):
