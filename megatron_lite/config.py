@@ -287,81 +287,10 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    # Checks of the model alone ---------------------------------------------------------------
     def validate(self) -> None:
-        for flag, value in (
-            ("--num-layers", self.num_layers),
-            ("--hidden-size", self.hidden_size),
-            ("--num-attention-heads", self.num_attention_heads),
-            ("--vocab-size", self.vocab_size),
-            ("--ffn-hidden-size", self.ffn_size),
-            ("--num-query-groups", self.query_groups),
-            ("--max-position-embeddings", self.max_position_embeddings),
-            ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by),
-            ("--kv-channels", 1 if self.kv_channels is None else self.kv_channels),
-        ):
-            if value < 1:
-                raise ConfigError(f"{flag} {value} must be a positive integer")
-        if not self.init_method_std >= 0:
-            raise ConfigError(f"--init-method-std {self.init_method_std} must be >= 0")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads and not self.multi_latent_attention:
-            raise ConfigError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}; pass --kv-channels explicitly or use heads in "
-                f"{divisors(self.hidden_size)[-6:]}"
-            )
-        if self.num_attention_heads % self.query_groups:
-            raise ConfigError(
-                f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
-                f"{self.query_groups}; use --num-query-groups in {divisors(self.num_attention_heads)}"
-            )
-        if self.normalization not in NORMALIZATIONS:
-            raise ConfigError(f"--normalization {self.normalization} is not supported; use one of {NORMALIZATIONS}")
-        if self.activation not in ACTIVATIONS:
-            raise ConfigError(f"activation {self.activation!r} is not supported; use one of {ACTIVATIONS}")
-        self._validate_glu()
-        if self.position_embedding_type not in POSITION_EMBEDDINGS:
-            raise ConfigError(
-                f"--position-embedding-type {self.position_embedding_type} is not supported; "
-                f"use one of {POSITION_EMBEDDINGS}"
-            )
-        if self.position_embedding_type == "rope" and self.head_dim % 2 and not self.multi_latent_attention:
-            raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {self.head_dim}")
-        odd_rotary = self.position_embedding_type == "rope" and self.rotary_dim % 2 and not self.multi_latent_attention
-        if not 0.0 < self.rotary_percent <= 1.0 or odd_rotary:
-            raise ConfigError(
-                f"--rotary-percent {self.rotary_percent} must be in (0, 1] and rotate an even number of dims "
-                f"(head dim {self.head_dim} x {self.rotary_percent} = {self.head_dim * self.rotary_percent:g})"
-            )
-        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("llama3", "yarn"):
-            raise ConfigError(f"RoPE scaling type {self.rope_scaling.rope_type!r} is not supported; llama3 or yarn")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"--window-size gives a sliding window of {self.sliding_window} tokens; it must be >= 1")
-        from megatron_lite.models.attention_variants import validate_attention_variants
+        from megatron_lite.models.config_checks import validate_model  # (it imports this module)
 
-        validate_attention_variants(self)
-        for flag, p in (
-            ("--hidden-dropout", self.hidden_dropout),
-            ("--attention-dropout", self.attention_dropout),
-        ):
-            if not 0.0 <= p < 1.0:
-                raise ConfigError(f"{flag} {p} must be in [0, 1)")
-        from megatron_lite.models.mla import validate_mla_config
-        from megatron_lite.tensor_parallel.random import validate_recompute_config
-
-        validate_recompute_config(self)
-        self._validate_moe()
-        validate_mla_config(self)
-        if self.mtp_num_layers < 0:
-            raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers} must be >= 0")
-        if self.mtp_num_layers and self.mtp_loss_scaling_factor < 0:
-            raise ConfigError(f"--mtp-loss-scaling-factor {self.mtp_loss_scaling_factor} must be >= 0")
-        if self.kernel_impl not in ("torch", "triton"):
-            raise ConfigError(f"--kernel-impl {self.kernel_impl} is not torch|triton")
-        if self.fp8 is not None:
-            from megatron_lite.tensor_parallel.fp8 import validate_fp8
-
-            validate_fp8(self)
+        validate_model(self)
 
     @property
     def moe_ffn_size(self) -> int:
@@ -399,45 +328,10 @@ class ModelConfig:
         """Which layers are MoE: --moe-layer-freq 2 and the pattern (1, 0, 1, 0) give the same."""
         return tuple(self.is_moe_layer(i) for i in range(self.num_layers))
 
-    def _validate_moe(self) -> None:
-        from megatron_lite.moe.validation import validate_moe  # (lazily: the moe package imports this module)
-
-        validate_moe(self)
-
-    def _validate_glu(self) -> None:
-        # (Megatron applies both in its unfused GLU only, and its default fused SwiGLU ignores them: here they go
-        # with --quick-geglu, whose activation runs through PyTorch ops, where they mean one thing)
-        offset, clamp = self.glu_linear_offset, self.activation_func_clamp_value
-        for flag, value, on in (("--glu-linear-offset", offset, offset != 0.0),
-                                ("--activation-func-clamp-value", clamp, clamp is not None)):  # fmt: skip
-            if on and self.activation != "quick_geglu":
-                raise ConfigError(
-                    f"{flag} {value} applies to the quick-GELU gated unit only; add --quick-geglu or drop the flag "
-                    f"(the activation is {self.activation})"
-                )
-            if on and not math.isfinite(value):
-                raise ConfigError(f"{flag} {value} must be a finite number")
-        if clamp is not None and clamp <= 0:
-            raise ConfigError(f"--activation-func-clamp-value {clamp} must be > 0 (gpt-oss: 7)")
-
     def check_recompute_targets(self) -> None:
-        """--recompute-modules that name nothing in this model are refused (a start-up check of the user's
-        flags: the model's own sub-configs, such as a shared expert's dense MLP, may carry them)."""
-        if self.recompute_granularity != "selective":
-            return
-        dense = not self.num_experts or not all(self.is_moe_layer(i) for i in range(self.num_layers))
-        if "mlp" in self.recompute_modules and not dense:
-            raise ConfigError(
-                "--recompute-modules mlp is a dense layer's MLP (as in Megatron) and every layer here is MoE; use moe"
-            )
-        for module, needs, what in (
-            ("moe", self.num_experts, "--num-experts"),
-            ("moe_act", self.num_experts, "--num-experts"),
-            ("shared_experts", self.num_experts and self.moe_shared_expert_intermediate_size, "shared experts"),
-            ("mla_up_proj", self.multi_latent_attention, "--multi-latent-attention"),
-        ):
-            if module in self.recompute_modules and not needs:
-                raise ConfigError(f"--recompute-modules {module} has nothing to recompute without {what}; drop it")
+        from megatron_lite.models.config_checks import check_recompute_targets
+
+        check_recompute_targets(self)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""The start-up checks of a model's configuration alone (ModelConfig.validate and check_recompute_targets):
+one-line ConfigErrors naming the flag, its value and the fix. Kept apart from the dataclass so that config.py
+holds the fields and their derived values."""
+
+from __future__ import annotations
+
+import math
+
+from megatron_lite.config import ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDINGS, ConfigError, ModelConfig, divisors
+
+
+def validate_model(c: ModelConfig) -> None:
+    """Every start-up check of the model alone (ModelConfig.validate)."""
+    for flag, value in (
+        ("--num-layers", c.num_layers),
+        ("--hidden-size", c.hidden_size),
+        ("--num-attention-heads", c.num_attention_heads),
+        ("--vocab-size", c.vocab_size),
+        ("--ffn-hidden-size", c.ffn_size),
+        ("--num-query-groups", c.query_groups),
+        ("--max-position-embeddings", c.max_position_embeddings),
+        ("--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by),
+        ("--kv-channels", 1 if c.kv_channels is None else c.kv_channels),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
+    if not c.init_method_std >= 0:
+        raise ConfigError(f"--init-method-std {c.init_method_std} must be >= 0")
+    if c.kv_channels is None and c.hidden_size % c.num_attention_heads and not c.multi_latent_attention:
+        raise ConfigError(
+            f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
+            f"{c.num_attention_heads}; pass --kv-channels explicitly or use heads in "
+            f"{divisors(c.hidden_size)[-6:]}"
+        )
+    if c.num_attention_heads % c.query_groups:
+        raise ConfigError(
+            f"--num-attention-heads {c.num_attention_heads} is not divisible by --num-query-groups "
+            f"{c.query_groups}; use --num-query-groups in {divisors(c.num_attention_heads)}"
+        )
+    if c.normalization not in NORMALIZATIONS:
+        raise ConfigError(f"--normalization {c.normalization} is not supported; use one of {NORMALIZATIONS}")
+    if c.activation not in ACTIVATIONS:
+        raise ConfigError(f"activation {c.activation!r} is not supported; use one of {ACTIVATIONS}")
+    _validate_glu(c)
+    if c.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ConfigError(
+            f"--position-embedding-type {c.position_embedding_type} is not supported; use one of {POSITION_EMBEDDINGS}"
+        )
+    if c.position_embedding_type == "rope" and c.head_dim % 2 and not c.multi_latent_attention:
+        raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {c.head_dim}")
+    odd_rotary = c.position_embedding_type == "rope" and c.rotary_dim % 2 and not c.multi_latent_attention
+    if not 0.0 < c.rotary_percent <= 1.0 or odd_rotary:
+        raise ConfigError(
+            f"--rotary-percent {c.rotary_percent} must be in (0, 1] and rotate an even number of dims "
+            f"(head dim {c.head_dim} x {c.rotary_percent} = {c.head_dim * c.rotary_percent:g})"
+        )
+    if c.rope_scaling is not None and c.rope_scaling.rope_type not in ("llama3", "yarn"):
+        raise ConfigError(f"RoPE scaling type {c.rope_scaling.rope_type!r} is not supported; llama3 or yarn")
+    if c.sliding_window is not None and c.sliding_window < 1:
+        raise ConfigError(f"--window-size gives a sliding window of {c.sliding_window} tokens; it must be >= 1")
+    from megatron_lite.models.attention_variants import validate_attention_variants
+
+    validate_attention_variants(c)
+    for flag, p in (
+        ("--hidden-dropout", c.hidden_dropout),
+        ("--attention-dropout", c.attention_dropout),
+    ):
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"{flag} {p} must be in [0, 1)")
+    from megatron_lite.models.mla import validate_mla_config
+    from megatron_lite.tensor_parallel.random import validate_recompute_config
+
+    validate_recompute_config(c)
+    from megatron_lite.moe.validation import validate_moe  # (the moe package imports config)
+
+    validate_moe(c)
+    validate_mla_config(c)
+    if c.mtp_num_layers < 0:
+        raise ConfigError(f"--mtp-num-layers {c.mtp_num_layers} must be >= 0")
+    if c.mtp_num_layers and c.mtp_loss_scaling_factor < 0:
+        raise ConfigError(f"--mtp-loss-scaling-factor {c.mtp_loss_scaling_factor} must be >= 0")
+    if c.kernel_impl not in ("torch", "triton"):
+        raise ConfigError(f"--kernel-impl {c.kernel_impl} is not torch|triton")
+    if c.fp8 is not None:
+        from megatron_lite.tensor_parallel.fp8 import validate_fp8
+
+        validate_fp8(c)
+
+
+def _validate_glu(c: ModelConfig) -> None:
+    # (Megatron applies both in its unfused GLU only, and its default fused SwiGLU ignores them: here they go
+    # with --quick-geglu alone, where they mean one thing under either --kernel-impl)
+    offset, clamp = c.glu_linear_offset, c.activation_func_clamp_value
+    for flag, value, on in (("--glu-linear-offset", offset, offset != 0.0),
+                            ("--activation-func-clamp-value", clamp, clamp is not None)):  # fmt: skip
+        if on and c.activation != "quick_geglu":
+            raise ConfigError(
+                f"{flag} {value} applies to the quick-GELU gated unit only; add --quick-geglu or drop the flag "
+                f"(the activation is {c.activation})"
+            )
+        if on and not math.isfinite(value):
+            raise ConfigError(f"{flag} {value} must be a finite number")
+    if clamp is not None and clamp <= 0:
+        raise ConfigError(f"--activation-func-clamp-value {clamp} must be > 0 (gpt-oss: 7)")
+
+
+def check_recompute_targets(c: ModelConfig) -> None:
+    """--recompute-modules that name nothing in this model are refused (a start-up check of the user's
+    flags: the model's own sub-configs, such as a shared expert's dense MLP, may carry them)."""
+    if c.recompute_granularity != "selective":
+        return
+    dense = not c.num_experts or not all(c.is_moe_layer(i) for i in range(c.num_layers))
+    if "mlp" in c.recompute_modules and not dense:
+        raise ConfigError(
+            "--recompute-modules mlp is a dense layer's MLP (as in Megatron) and every layer here is MoE; use moe"
+        )
+    for module, needs, what in (
+        ("moe", c.num_experts, "--num-experts"),
+        ("moe_act", c.num_experts, "--num-experts"),
+        ("shared_experts", c.num_experts and c.moe_shared_expert_intermediate_size, "shared experts"),
+        ("mla_up_proj", c.multi_latent_attention, "--multi-latent-attention"),
+    ):
+        if module in c.recompute_modules and not needs:
+            raise ConfigError(f"--recompute-modules {module} has nothing to recompute without {what}; drop it")
