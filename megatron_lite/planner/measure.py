@@ -16,6 +16,7 @@ from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.search import optimizer_config
+from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import memory
 from megatron_lite.training.step import train_step
 from megatron_lite.training.wrap import wrap_for_training
@@ -39,6 +40,8 @@ def measure_layout(
     dtype = torch.bfloat16 if bf16 else torch.float32
     fsdp2 = layout.sharding == "fsdp2"
     net = build_model(cfg, ctx, seed=1, dtype=torch.float32 if fsdp2 else dtype)
+    if cfg.fp8 is not None:  # (as pretrain switches the linears: their fp8 copies are what the backward keeps)
+        describe_fp8(net, cfg, ctx, fsdp2)
     optim = optimizer_config(layout, bf16, grads_bf16, optimizer)
     ddp, opt = wrap_for_training(net, ctx, optim, overlap_grad_reduce=layout.overlaps_grad_reduce, compute_dtype=dtype)
     sched = LRScheduler(optim, iters + 1)

@@ -32,6 +32,13 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
 from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.precision import (
+    fp8_activation_bytes,
+    fp8_caches_weights,
+    fp8_input_bytes,
+    fp8_layer,
+    fp8_weight_bytes_held,
+)
 
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
 MAIN_COPY = 4  # fp32 main weights
@@ -158,6 +165,12 @@ def _mla_activation_bytes(
     return latents * tp + attn + heads * v * a  # (and the output projection's input, a copy of the output)
 
 
+def stream_bytes(model: ModelConfig, a: int) -> int:
+    """Bytes per value of the residual stream between layers: fp32 under --fp32-residual-connection (the
+    norms keep it as their input, the stages send it), else the compute dtype's `a`."""
+    return 4 if model.fp32_residual_connection else a
+
+
 def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, modules: set, mask: int) -> float:
     """What LoRA changes in a layer's saved tensors, per token: a frozen linear keeps no input (autograd saves it
     for the weight's gradient only); an adapted one keeps it for its adapters' A, or with --lora-dropout each
@@ -211,20 +224,36 @@ def _lora_first_layer_bytes(model: ModelConfig, layout: Layout, a: int, lora, ma
     return norm / norm_div + (qkv * h * mask if lora.dropout > 0 else 0)
 
 
+def expert_rows(model: ModelConfig, tokens: int) -> tuple[float, float]:
+    """(rows the router keeps, rows the experts compute on) per token of a `tokens`-token micro-batch, routing
+    balanced: top-k dropless; with --moe-expert-capacity-factor what each expert's capacity keeps, and with
+    --moe-pad-expert-input-to-capacity each expert's input padded to its capacity."""
+    from megatron_lite.moe.router import expert_capacity
+
+    k, e = model.moe_router_topk, model.num_experts
+    capacity = expert_capacity(model, tokens) if tokens else None
+    if capacity is None:
+        return k, k
+    kept = min(tokens * k / e, capacity) * e / tokens
+    return kept, (capacity * e / tokens if model.moe_pad_expert_input_to_capacity else kept)
+
+
 def layer_activation_bytes(
-    model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str, lora=None, mask: int = 1
+    model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str, lora=None, mask: int = 1, tokens: int = 0
 ) -> float:
     """Bytes saved per token (of this rank's sequence part) by one transformer layer; `a` bytes per value. Under
     selective recomputation, what each of the model's --recompute-modules drops (see models/transformer.py);
     with `lora` (a LoraConfig), what the frozen weights and the adapters change. `mask`: bytes per element of a
-    dropout mask (a GPU's are bool; PyTorch's CPU dropout keeps its scaled noise, in the activations' dtype)."""
+    dropout mask (a GPU's are bool; PyTorch's CPU dropout keeps its scaled noise, in the activations' dtype).
+    `tokens`: of a micro-batch on this rank, for an expert's capacity."""
     h, d = model.hidden_size, model.head_dim
     q, kv, heads = model.num_attention_heads * d, model.query_groups * d, model.num_attention_heads
     tp, sp, triton = layout.tp, layout.sp, model.kernel_impl == "triton"
-    rope = model.position_embedding_type == "rope"
+    rope, fp8 = model.position_embedding_type == "rope", fp8_layer(model, layer)
     norm_div = tp if sp else 1
+    wide = h * (stream_bytes(model, a) - a)  # each norm's input, the residual stream, in fp32 under the flag
     if recompute == "full":
-        return h * a / norm_div
+        return (h * a + wide) / norm_div
     modules = set(model.recompute_modules) if recompute == "selective" else set()
     core = "selective" if "core_attn" in modules else "none"
     rms = model.normalization == "RMSNorm"
@@ -232,6 +261,7 @@ def layer_activation_bytes(
     regen = "layernorm" in modules  # each norm keeps its input (the fused Triton one its statistics too) and
     # its output's storage is freed, made again in the backward: kept are only the GEMMs' gathered copies (SP)
     total = (2 * h * a + (8 if triton else 0)) / norm_div if regen else 2 * norm / norm_div
+    total += 2 * wide / norm_div
     total += 0 if regen and not sp else h * a  # QKV's input
     if ("moe" if model.is_moe_layer(layer) else "mlp") in modules:  # the MLP checkpointed keeps only its input
         total += 0 if regen else h * a / norm_div
@@ -254,19 +284,24 @@ def layer_activation_bytes(
         attn += (layout.cp - 1) * k_v * a
     swiglu = model.gated_linear_unit
 
-    def mlp(f: int, act_regenerated: bool = False) -> float:  # an MLP's activations past fc1's input, times TP
+    def mlp(f: int, act_regenerated: bool = False, fused: bool = triton) -> float:  # past fc1's input, times TP
         if not swiglu:
             return 2 * f * a
-        return ((2 if triton else 3) if act_regenerated else (3 if triton else 4)) * f * a
+        return ((2 if fused else 3) if act_regenerated else (3 if fused else 4)) * f * a
 
     if model.is_moe_layer(layer):
         total += attn / tp
         if "moe" in modules:  # the whole MoE layer checkpointed (its input counted above)
+            total += fp8_activation_bytes(model, layout, a, layer, modules, 0) if fp8 and lora is None else 0
             return total + (2 * h * mask / norm_div if model.hidden_dropout > 0 else 0)
-        f, k = model.moe_ffn_size, model.moe_router_topk
-        per = mlp(f, "moe_act" in modules) / tp
-        # router scores (fp32), then each token's top-k copies through an expert (expected, balanced)
-        total += model.num_experts * 4 * 3 + k * (2 * h * a + per)
+        # (fp8 experts run one by one, their activation PyTorch's: the grouped GEMM is bf16's)
+        per = mlp(model.moe_ffn_size, "moe_act" in modules, triton and not fp8) / tp
+        # router scores (fp32), then each token's top-k copies through an expert (expected, balanced): the output
+        # of every routed pair (a dropped one's zero) and the rows the experts compute on, the input among them
+        # (only the kept pairs; with padding, each expert's whole padded input)
+        total += (
+            model.num_experts * 4 * 3 + model.moe_router_topk * h * a + expert_rows(model, tokens)[1] * (h * a + per)
+        )
         shared = model.moe_shared_expert_intermediate_size
         if shared and "shared_experts" not in modules:  # its MLP, and under SP its own gathered input
             total += mlp(shared) / tp + (h * a if sp else 0)
@@ -278,6 +313,8 @@ def layer_activation_bytes(
         total += 2 * h * mask / norm_div  # the two dropout masks
     if lora is not None:
         total += _lora_bytes(model, layout, a, layer, lora, modules, mask)
+    elif fp8:
+        total += fp8_activation_bytes(model, layout, a, layer, modules, expert_rows(model, tokens)[1])
     return total
 
 
@@ -304,6 +341,22 @@ def full_recompute_runs(model: ModelConfig, layout: Layout, pp_rank: int) -> tup
     return [i for c in chunks for i in c], sum(-(-len(c) // n) for c in chunks)
 
 
+def layer_recomputes(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list[tuple[int, str]]]:
+    """(global layer, its recomputation) of each layer of each model chunk on this rank, the MTP depths with the
+    last: under --recompute-method block only the first --recompute-num-layers of a chunk are recomputed (an MTP
+    depth never); under uniform, every layer and depth."""
+    block = layout.recompute == "full" and model.recompute_method == "block"
+    n = model.recompute_num_layers or 0
+    chunks = [
+        [(i, "none" if block and index >= n else layout.recompute) for index, i in enumerate(layers)]
+        for layers in _chunk_layers(model, layout, pp_rank)
+    ]
+    if pp_rank == layout.pp - 1:
+        depth = "none" if block else layout.recompute
+        chunks[-1] += [(model.num_layers + k, depth) for k in range(model.mtp_num_layers)]
+    return chunks
+
+
 @functools.lru_cache(maxsize=4096)
 def cached_compute_order(pp: int, vp: int, micro: int, rank: int, group: int | None = None) -> tuple:
     return tuple(compute_order(pp, vp, micro, rank, group=group))
@@ -320,7 +373,7 @@ def activation_bytes(
     tokens = seq_length // layout.cp * layout.micro_batch_size
     h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
     chunk_bytes = []
-    by_kind: dict[tuple[bool, str], float] = {}  # a layer's bytes depend on it through is_moe_layer and recompute
+    by_kind: dict[tuple[bool, str, bool], float] = {}  # a layer's bytes depend on it through is_moe_layer and recompute
     # --recompute-method block checkpoints the first --recompute-num-layers layers of each model chunk, the rest
     # keep everything; uniform checkpoints each run of --recompute-num-layers layers, keeping its first one's input
     block = layout.recompute == "full" and model.recompute_method == "block"
@@ -330,26 +383,30 @@ def activation_bytes(
         if index % group:
             return 0.0  # inside a uniform run: its input is the run's, rebuilt in the backward
         recompute = "none" if block and index >= (model.recompute_num_layers or 0) else layout.recompute
-        key = (model.is_moe_layer(i), recompute)
+        key = (model.is_moe_layer(i), recompute, fp8_layer(model, i))
         if key not in by_kind:
-            by_kind[key] = layer_activation_bytes(model, layout, a, i, recompute, lora, mask)
+            by_kind[key] = layer_activation_bytes(model, layout, a, i, recompute, lora, mask, tokens)
         return by_kind[key]
 
+    fp8_layers = layer_recomputes(model, layout, pp_rank)
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
         per_token = sum(layer_bytes(i, index) for index, i in enumerate(layers))
         if lora is not None and 0 in layers and layout.recompute != "full":
             per_token -= _lora_first_layer_bytes(model, layout, a, lora, mask)
         some_kept = layout.recompute != "full" or (block and len(layers) > (model.recompute_num_layers or 0))
+        whole = 0.0  # bytes per micro-batch, whatever its tokens
+        if model.fp8 is not None and not fp8_caches_weights(model, layout) and lora is None:
+            # each micro-batch's own fp8 weights, saved by its linears (those run inside checkpoints: transient)
+            whole += fp8_weight_bytes_held(model, layout, fp8_layers[c], cached=False)[0]
         if model.position_embedding_type == "rope" and some_kept:
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         # its mask (none under LoRA: no gradient flows into a frozen embedding's output)
         embedding_dropout = h * mask / norm_div if model.hidden_dropout > 0 and lora is None else 0
         if c == 0 and pp_rank == 0:
             per_token += 8 + embedding_dropout  # input ids
-        whole = 0.0  # bytes per micro-batch, whatever its tokens
         if c == layout.vp - 1 and pp_rank == layout.pp - 1:  # final norm, output layer input, loss
             norm = _norm_bytes(model, a, frozen=lora is not None)
-            final_norm = norm / norm_div
+            final_norm = (norm + h * (stream_bytes(model, a) - a)) / norm_div
             vocab = model.padded_vocab_size(layout.tp) // layout.tp
             if model.kernel_impl == "triton":
                 loss = final_norm + h * a + 8  # the fused loss keeps its input and labels
@@ -376,17 +433,24 @@ def activation_bytes(
                 # SP), its token ids, then a final norm and the loss as above
                 depth_recompute = "none" if block else layout.recompute
                 frozen = None if lora is None else dataclasses.replace(lora, target_modules=())  # (no adapters)
-                layer = layer_activation_bytes(model, layout, a, model.num_layers + k, depth_recompute, frozen, mask)
+                layer = layer_activation_bytes(
+                    model, layout, a, model.num_layers + k, depth_recompute, frozen, mask, tokens
+                )
                 if lora is not None:  # the frozen eh_proj keeps no input; enorm, on the frozen embedding, nothing
                     per_token += layer + norm / norm_div + 8 + loss
                 else:
-                    per_token += layer + 2 * norm / norm_div + 2 * h * a + 8 + loss + embedding_dropout
+                    per_token += layer + 2 * final_norm + 2 * h * a + 8 + loss + embedding_dropout
+                    per_token += fp8_input_bytes(2 * h, a, model.fp8_wgrad) if model.fp8 is not None else 0
         chunk_bytes.append(per_token * tokens + whole)
+    # delayed scaling's fp8 weights, cached from the first forward to the scales' update (those only checkpoints
+    # run are priced with the transient buffers)
+    cache = 0.0 if lora is not None else fp8_weight_bytes_held(model, layout, sum(fp8_layers, []))[0]
     if layout.pp == 1:
-        return chunk_bytes[0]  # micro-batches run forward and backward one after another
+        return chunk_bytes[0] + cache  # micro-batches run forward and backward one after another
     # A received input is saved by the chunk's first op; the executor still holds it until the chunk's next
     # backward has run, so it outlives its micro-batch's other activations by one backward.
-    received = [0.0 if (c == 0 and pp_rank == 0) else h * a / norm_div * tokens for c in range(layout.vp)]
+    s = stream_bytes(model, a)  # (fp32 under --fp32-residual-connection, as stages send it)
+    received = [0.0 if (c == 0 and pp_rank == 0) else h * s / norm_div * tokens for c in range(layout.vp)]
     live = peak = 0.0
     held = [0.0] * layout.vp
     for kind, _, c in cached_compute_order(layout.pp, layout.vp, micro, pp_rank, layout.microbatch_group_size):
@@ -396,7 +460,7 @@ def activation_bytes(
         elif kind == BACKWARD:
             live -= chunk_bytes[c] - received[c] + held[c]
             held[c] = received[c]
-    return peak
+    return peak + cache
 
 
 def recompute_transient_bytes(
@@ -413,9 +477,8 @@ def recompute_transient_bytes(
     run = 1
     if layout.recompute == "full" and model.recompute_method != "block":
         run = min(model.recompute_num_layers or 1, max(len(c) for c in _chunk_layers(model, layout, pp_rank)))
-    rebuilt = run * layer_activation_bytes(model, layout, a, i, "none", lora, mask) - layer_activation_bytes(
-        model, layout, a, i, layout.recompute, lora, mask
-    )
+    rebuilt = run * layer_activation_bytes(model, layout, a, i, "none", lora, mask, tokens)
+    rebuilt -= layer_activation_bytes(model, layout, a, i, layout.recompute, lora, mask, tokens)
     return rebuilt * tokens
 
 
@@ -500,6 +563,8 @@ def rank_memory(
     micro = max(layout.micro_batches(global_batch_size), 1)
     act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16, lora, dropout_mask_bytes)
     transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16, lora, dropout_mask_bytes)
+    if lora is None and fp8_caches_weights(model, layout):  # fp8 weights cached by linears inside checkpoints
+        transient += fp8_weight_bytes_held(model, layout, sum(layer_recomputes(model, layout, pp_rank), []))[1]
     if layout.sharding == "fsdp2":  # one layer's gathered weights in compute precision, plus the next prefetched
         transient += 2 * param_bytes * counts.total / max(len(counts.layers), 1)
     elif grad_bytes == 2 and lora is None:
