@@ -37,6 +37,7 @@ MODELS = {
     "llamatiedmtp": lambda **kw: llama_config(untie_embeddings_and_output_weights=False, mtp_num_layers=1, **kw),
     # gpt-oss's MLP: biased router and experts (each expert-TP rank holds fc2's whole bias), quick-GEGLU
     "gptossmlp": lambda **kw: moe_llama(add_bias_linear=True, activation="quick_geglu", **kw),
+    "learnable": lambda **kw: llama_config(softmax_type="learnable", **kw),  # an fp32 offset a head (split over TP)
 }
 
 
@@ -77,6 +78,7 @@ def _tool():
         ("deepseekmtp", Layout(pp=2, dp=2)),  # the last stage's copy of the word embeddings
         ("llamatiedmtp", Layout(pp=2)),
         ("gptossmlp", Layout(tp=2, ep=2, dp=2)),
+        ("learnable", Layout(tp=2, pp=2)),
     ],
 )
 def test_parameter_counts_equal_the_built_model(name, layout):

@@ -6,6 +6,8 @@ bound the recompute-module tests use: each term moves the total by 8% or more he
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_planner import GBS, MODELS, _check, measure, moe_llama
 
@@ -77,3 +79,50 @@ def test_memory_estimate_with_an_fp32_residual_stream(dist):
     _check(name, layout, [measure_precision(name, layout, True, gbs=2)], bf16=True, tol=0.03)
     layout = Layout(pp=2, micro_batch_size=1)
     _check(name, layout, dist(2, measure_precision, name, layout, bf16=True), bf16=True, tol=0.03)
+
+
+def test_fp8_gemms_are_priced_at_the_fp8_peak():
+    """The time model runs the transformer layers' GEMMs at the accelerator's fp8 peak (twice bf16's on an H100;
+    none on an A100, priced at bf16's), the weight-gradient GEMM in bf16 under --no-fp8-wgrad, and the layers
+    --num-layers-at-start/end-in-bf16 keeps in bf16. By hand: a 16384 x 4096 x 14336 GEMM in fp8 on an H100 is
+    its FLOPs at 60% of 1979 TFLOP/s plus its bytes (fp8 operands, a bf16 output, the input read and written in
+    fp8 to quantize it) at 70% of 3.35 TB/s."""
+    from megatron_lite.planner.cost import EFF, _gemm, step_time
+    from megatron_lite.planner.hardware import cluster
+    from megatron_lite.planner.published import L8_FUSED
+
+    m, k, n = 16384, 4096, 14336
+    by_hand = 2 * m * k * n / (1978.9e12 * 0.6) + (m * k + k * n + 2 * m * n + 3 * m * k) / (3.35e12 * 0.7)
+    h100 = cluster("H100", 8, 1, None, None)
+    assert _gemm(m, k, n, 2, h100, EFF, fp8="fp8") == pytest.approx(by_hand)
+    layout = Layout(tp=2, dp=4, micro_batch_size=1)
+
+    def compute(gpu="H100", **kw):
+        model = dataclasses.replace(L8_FUSED, **kw)
+        return step_time(model, layout, 8192, 32, cluster(gpu, 8, 1, None, None)).compute
+
+    bf16, fp8 = compute(), compute(fp8="hybrid")
+    assert 0.5 * bf16 < fp8 < 0.8 * bf16  # (the GEMMs halve; attention and element-wise work stay)
+    assert fp8 < compute(fp8="hybrid", fp8_wgrad=False) < bf16
+    assert fp8 < compute(fp8="hybrid", fp8_bf16_layers=(2, 2)) < bf16
+    assert compute("A100", fp8="hybrid") == pytest.approx(compute("A100"))
+
+
+def test_the_plan_says_what_its_estimate_leaves_out(capsys):
+    """A setting the memory model does not price is said with the plan (it was dropped without a word): gpt-oss's
+    learnable softmax offsets and clamped quick-GEGLU; fp8 on an A100, priced at bf16's rate. The header says the
+    job's fp8 GEMMs."""
+    from test_planner import ROOT, _tool
+
+    result = _tool().main(["--script", str(ROOT / "pretrain" / "gpt_oss_20b.sh"), "--top", "1"])
+    out = capsys.readouterr().out
+    assert "warning: the memory estimate leaves out --softmax-type learnable" in out
+    assert [u.split(" (")[0] for u in result["unmodelled"]] == [
+        "--softmax-type learnable",
+        "--quick-geglu with --activation-func-clamp-value",
+    ]
+    script = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
+    assert _tool().main([*script, "--gpu", "A100", "--", "--fp8-format", "hybrid"])["unmodelled"] == []
+    out = capsys.readouterr().out
+    assert "bf16, fp8 GEMMs (hybrid, delayed)" in out
+    assert "warning: the A100 SXM 80GB has no fp8 tensor cores: the fp8 GEMMs are priced at its bf16 rate" in out

@@ -29,6 +29,7 @@ from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
+from megatron_lite.planner.unmodelled import unmodelled_settings
 
 
 def script_args(path: str) -> tuple[list[str], int, int | None]:
@@ -180,6 +181,8 @@ def print_plan(
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
         + f"; global batch {gbs} x {seq} tokens, {precision}"
         + (" (gradients reduced in bf16)" if precision != "fp32" and grads_bf16 else "")
+        + (f", fp8 GEMMs ({model.fp8}, {model.fp8_recipe})" if model.fp8 else "")
+        + (", fp32 residual stream" if model.fp32_residual_connection else "")
         + ("" if state_bytes == 8 else f", optimizer state {state_bytes} bytes per parameter")
         + f", --kernel-impl {model.kernel_impl}"
     )
@@ -196,6 +199,12 @@ def print_plan(
         f"{g.memory_bytes / GIB:.0f} GiB less {RESERVED_BYTES / GIB:.0f} GiB for CUDA and NCCL); 'activ' includes "
         "recomputation's and FSDP2's transient buffers"
     )
+    # settings the flags or config give that the memory model leaves out: said, not silently dropped
+    unpriced = unmodelled_settings(model)
+    if model.fp8 and not g.fp8_flops:  # (pretrain runs them through an fp32 product of the fp8 values there)
+        print(f"warning: the {g.name} has no fp8 tensor cores: the fp8 GEMMs are priced at its bf16 rate")
+    if unpriced:
+        print("warning: the memory estimate leaves out " + "; ".join(unpriced) + ": activations may be higher")
     # (the layout column as wide as the longest shown: CP's kind, an uneven split or a block recomputation)
     shown = [c.layout for c in fits[:top]] + ([yours] if yours is not None else [])
     width = max([52] + [len(layout.describe()) for layout in shown])
@@ -207,6 +216,7 @@ def print_plan(
     if not fits:
         print(f"  no layout fits: {_why_none(rejected, usable, cl.world)}")
     result = {"fits": [_as_dict(c) for c in fits[:top]], "fitting": len(fits), "rejected": len(rejected)}
+    result["unmodelled"] = unpriced
     groups = collections.Counter(reason_group(c.reason) for c in rejected)
     result["rejected_reasons"] = dict(groups)
     if yours is not None:

@@ -31,6 +31,7 @@ from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_params, stage_params
+from megatron_lite.planner.precision import fp8_layer
 from megatron_lite.training.flops import flops_per_token
 
 
@@ -109,25 +110,35 @@ class StepTime:
         ) + self.optimizer
 
 
-def _mla_gemms(model: ModelConfig, m: float, tp: int, a: int, cl: Cluster, eff: Efficiency) -> float:
+def _mla_gemms(model: ModelConfig, m: float, tp: int, a: int, cl: Cluster, eff: Efficiency, fp8=None) -> float:
     """Multi-latent attention's projections: down-projections split over TP by their latent rows, up-projections
     and the output projection by heads."""
     h, heads, qd, r = model.hidden_size, model.num_attention_heads, model.mla_q_head_dim, model.q_lora_rank
     if r is None:
-        t = _gemm(m, h, heads * qd / tp, a, cl, eff)
+        t = _gemm(m, h, heads * qd / tp, a, cl, eff, fp8=fp8)
     else:
-        t = _gemm(m, h, r / tp, a, cl, eff) + _gemm(m, r, heads * qd / tp, a, cl, eff)
-    t += _gemm(m, h, (model.kv_lora_rank + model.qk_pos_emb_head_dim) / tp, a, cl, eff)
-    t += _gemm(m, model.kv_lora_rank, heads * (model.qk_head_dim + model.v_head_dim) / tp, a, cl, eff)
-    return t + _gemm(m, heads * model.v_head_dim / tp, h, a, cl, eff)
+        t = _gemm(m, h, r / tp, a, cl, eff, fp8=fp8) + _gemm(m, r, heads * qd / tp, a, cl, eff, fp8=fp8)
+    t += _gemm(m, h, (model.kv_lora_rank + model.qk_pos_emb_head_dim) / tp, a, cl, eff, fp8=fp8)
+    t += _gemm(m, model.kv_lora_rank, heads * (model.qk_head_dim + model.v_head_dim) / tp, a, cl, eff, fp8=fp8)
+    return t + _gemm(m, heads * model.v_head_dim / tp, h, a, cl, eff, fp8=fp8)
 
 
-def _gemm(m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency, weights: int = 1) -> float:
+def _gemm(
+    m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency, weights: int = 1, fp8: str | None = None
+) -> float:
     """An m x k by k x n GEMM; `weights` > 1: a grouped GEMM whose m rows are split over that many k x n weight
-    matrices (this rank's experts), each read, so fewer experts a rank (more EP) move fewer bytes."""
+    matrices (this rank's experts), each read, so fewer experts a rank (more EP) move fewer bytes. `fp8`
+    ("fp8", or "dgrad" under --no-fp8-wgrad, whose weight-gradient GEMM, a third of the 3x, is not): at the
+    accelerator's fp8 peak, its operands 1 byte a value, plus quantizing the input (read, and written in fp8);
+    priced as bf16 where there are no fp8 tensor cores (the planner warns)."""
     g = cl.gpu
     moved = m * k + weights * k * n + m * n
-    return 2 * m * k * n / (g.peak_flops * eff.gemm) + a * moved / (g.memory_bandwidth * eff.memory)
+    t = 2 * m * k * n / (g.peak_flops * eff.gemm) + a * moved / (g.memory_bandwidth * eff.memory)
+    if fp8 is None or not g.fp8_flops:
+        return t
+    moved = m * k + weights * k * n + a * m * n + (a + 1) * m * k
+    t8 = 2 * m * k * n / (g.fp8_flops * eff.gemm) + moved / (g.memory_bandwidth * eff.memory)
+    return t8 if fp8 == "fp8" else (2 * t8 + t) / 3
 
 
 RINGS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -231,13 +242,14 @@ def step_time(
     swiglu = model.gated_linear_unit
     g = cl.gpu
 
-    def layer_terms(moe: bool) -> tuple[float, float, float, float]:
-        """One layer's forward (attention GEMMs, MLP, attention core, element-wise); a layer's kind decides it."""
+    def layer_terms(moe: bool, fp8: str | None) -> tuple[float, float, float, float]:
+        """One layer's forward (attention GEMMs, MLP, attention core, element-wise); a layer's kind decides it.
+        `fp8`: its linears' GEMMs in fp8 (_gemm's; the router's stays in the compute dtype)."""
         rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (the gate's rows, if any)
-        attn = _gemm(m, h, rows / tp, a, cl, eff) + _gemm(m, q / tp, h, a, cl, eff)
+        attn = _gemm(m, h, rows / tp, a, cl, eff, fp8=fp8) + _gemm(m, q / tp, h, a, cl, eff, fp8=fp8)
         core_q = q  # the query dims each key is scored over (and the value dims)
         if model.multi_latent_attention:
-            attn = _mla_gemms(model, m, tp, a, cl, eff)
+            attn = _mla_gemms(model, m, tp, a, cl, eff, fp8)
             # q.k^T over the query/key head and p.v over the (unpadded) value head: their mean counts both
             core_q = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim) / 2
         if moe:
@@ -245,15 +257,16 @@ def step_time(
             # each rank's experts get, balanced, m k of the tokens routed over the EP group
             local = model.num_experts // ep
             mlp = _gemm(m, h, model.num_experts, a, cl, eff)
-            mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff, local)
-            mlp += _gemm(m * k, f / tp, h, a, cl, eff, local)
+            mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff, local, fp8)
+            mlp += _gemm(m * k, f / tp, h, a, cl, eff, local, fp8)
             shared = model.moe_shared_expert_intermediate_size
             if shared:  # every token through the shared expert too
-                mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff)
-                mlp += _gemm(m, shared / tp, h, a, cl, eff)
+                mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff, fp8=fp8)
+                mlp += _gemm(m, shared / tp, h, a, cl, eff, fp8=fp8)
         else:
             f = model.ffn_size
-            mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff) + _gemm(m, f / tp, h, a, cl, eff)
+            mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff, fp8=fp8)
+            mlp += _gemm(m, f / tp, h, a, cl, eff, fp8=fp8)
         # causal attention over the whole sequence (this rank's queries see all earlier keys)
         core = 2 * m * seq_length * core_q / tp / (g.peak_flops * eff.attention)
         if model.sliding_window:  # (the windowed share of the layers: --window-attn-skip-freq spares some)
@@ -265,7 +278,8 @@ def step_time(
     # The busiest stage: the one with most layers, plus the output layer on the last
     stages = [stage_params(model, layout, r) for r in range(pp)]
     per_stage = []
-    kinds: dict[bool, tuple[float, float, float, float]] = {}  # (layer_terms of each kind, made once)
+    kinds: dict[tuple, tuple[float, float, float, float]] = {}  # (layer_terms of each kind, made once)
+    fp8_kind = None if model.fp8 is None else ("fp8" if model.fp8_wgrad else "dgrad")
     for r, st in enumerate(stages):
         fwd = 0.0  # one micro-batch's forward
         recompute_fwd = 0.0
@@ -273,8 +287,9 @@ def step_time(
         rerun, runs = full_recompute_runs(model, layout, r)  # (full: all of them, or a block's)
         recomputed = set(rerun)
         for layer in st.layers:
-            moe = model.is_moe_layer(layer)
-            attn, mlp, core, elem = kinds[moe] if moe in kinds else kinds.setdefault(moe, layer_terms(moe))
+            moe, fp8 = model.is_moe_layer(layer), fp8_kind if fp8_layer(model, layer) else None
+            kind = (moe, fp8)
+            attn, mlp, core, elem = kinds[kind] if kind in kinds else kinds.setdefault(kind, layer_terms(*kind))
             fwd += attn + mlp + core + elem + impl.ops_per_layer / 3 * g.launch_seconds
             attn_total += core
             if layer in recomputed:
@@ -293,7 +308,7 @@ def step_time(
             fwd += (1 + model.mtp_num_layers) * (
                 _gemm(m, h, vocab, a, cl, eff) + ce / (g.memory_bandwidth * eff.memory)
             )
-            fwd += model.mtp_num_layers * _gemm(m, 2 * h, h / tp, a, cl, eff)  # each MTP depth's eh_proj
+            fwd += model.mtp_num_layers * _gemm(m, 2 * h, h / tp, a, cl, eff, fp8=fp8_kind)  # each depth's eh_proj
         # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
         per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
         per_stage.append((per_mb, st, rerun, runs))

@@ -81,6 +81,7 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     attn = h * rows // tp + (rows // tp if qkv_bias else 0) + q // tp * h
     attn += h if model.add_bias_linear else 0
     attn += 2 * d * (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
+    attn += model.num_attention_heads // tp if model.softmax_type == "learnable" else 0  # (an offset a head)
     if model.multi_latent_attention:
         attn = _mla_params(model, tp)
     swiglu = model.gated_linear_unit
