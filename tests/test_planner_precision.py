@@ -1,6 +1,7 @@
 """The planner's memory estimate for what changes the bytes a model keeps beyond its layout: fp8 GEMMs (their fp8
 inputs and weights saved for the backward; delayed scaling's weight cache held for the step), an fp32 residual
-stream under bf16, and experts padded to their capacity or dropping past it. Each within 3% of the breakdown
+stream under bf16, experts padded to their capacity or dropping past it, and the attention output's and the
+shared expert's gates. Each within 3% of the breakdown
 measured from the tensors of a real step on CPU (torch's float8 dtypes and its fp8 GEMM fallback run there), the
 bound the recompute-module tests use: each term moves the total by 8% or more here."""
 
@@ -32,6 +33,13 @@ PRECISION_MODELS = {
         moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, fp8="hybrid", **kw
     ),
     "gpt2_fp32_residual": lambda **kw: gpt2_config(fp32_residual_connection=True, **kw),
+    # --attention-output-gate: its sigmoid, its rows of a QKV output kept whole (no RoPE), the gated output
+    "llama_gate": lambda **kw: llama_config(attention_output_gate=True, **kw),
+    "gpt2_gate": lambda **kw: gpt2_config(attention_output_gate=True, **kw),
+    "llama_gate_selective": lambda **kw: llama_config(
+        attention_output_gate=True, recompute_modules=("core_attn",), **kw
+    ),
+    "deepseek_shared_gate": lambda **kw: deepseek_config(moe_shared_expert_gate=True, **kw),
 }
 MODELS.update(PRECISION_MODELS)  # (measure() and _check() build from test_planner's table)
 
@@ -51,11 +59,15 @@ ONE_PROCESS = {
     "moe_pad": Layout(micro_batch_size=2),
     "moe_drop": Layout(micro_batch_size=2),
     "moe_pad_fp8": Layout(micro_batch_size=2),
+    "llama_gate": Layout(micro_batch_size=2),
+    "gpt2_gate": Layout(micro_batch_size=2),
+    "llama_gate_selective": Layout(micro_batch_size=2, recompute="selective"),
+    "deepseek_shared_gate": Layout(micro_batch_size=2),
 }
 
 
 @pytest.mark.parametrize("name", list(ONE_PROCESS))
-def test_memory_estimate_with_fp8_and_expert_capacity(name):
+def test_memory_estimate_with_fp8_expert_capacity_and_gates(name):
     layout = ONE_PROCESS[name]
     # (one micro-batch: without pipelining the peak is one micro-batch's, delayed scaling's cache included)
     _check(name, layout, [measure_precision(name, layout, gbs=layout.micro_batch_size)], tol=0.03)
@@ -68,6 +80,14 @@ def test_memory_estimate_with_fp8_under_pipelining_and_tp(dist, name):
     and its weight shard."""
     for layout in (Layout(pp=2, micro_batch_size=1), Layout(tp=2, micro_batch_size=2)):
         _check(name, layout, dist(layout.world, measure_precision, name, layout), tol=0.03)
+
+
+def test_memory_estimate_of_the_gates_under_tp(dist):
+    """Under TP with SP: the attention gate's terms split by heads; the shared expert's gate keeps its input, the
+    norm's sequence shard, besides its output and sigmoid."""
+    layout = Layout(tp=2, micro_batch_size=2)
+    for name in ("llama_gate", "deepseek_shared_gate"):
+        _check(name, layout, dist(2, measure_precision, name, layout), tol=0.03)
 
 
 def test_memory_estimate_with_an_fp32_residual_stream(dist):

@@ -20,7 +20,8 @@ token and layer (h hidden, q = heads x head_dim, kv = groups x head_dim, f the F
                        and fc2 input, 3f); GELU: fc1 output and fc2 input (2f)
 Norm terms are divided by TP under sequence parallelism. Full recomputation keeps only each layer's input;
 selective recomputation (core attention) keeps q, k, v instead of the attention's outputs. Pipeline
-schedules keep several micro-batches alive: the count comes from the schedule itself."""
+schedules keep several micro-batches alive: the count comes from the schedule itself. fp8 GEMMs, an fp32
+residual stream and the experts' capacity: planner/precision.py."""
 
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.precision import (
+    expert_rows,
     fp8_activation_bytes,
     fp8_caches_weights,
     fp8_input_bytes,
     fp8_layer,
     fp8_weight_bytes_held,
+    stream_bytes,
 )
 
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
@@ -166,12 +169,6 @@ def _mla_activation_bytes(
     return latents * tp + attn + heads * v * a  # (and the output projection's input, a copy of the output)
 
 
-def stream_bytes(model: ModelConfig, a: int) -> int:
-    """Bytes per value of the residual stream between layers: fp32 under --fp32-residual-connection (the
-    norms keep it as their input, the stages send it), else the compute dtype's `a`."""
-    return 4 if model.fp32_residual_connection else a
-
-
 def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, modules: set, mask: int) -> float:
     """What LoRA changes in a layer's saved tensors, per token: a frozen linear keeps no input (autograd saves it
     for the weight's gradient only); an adapted one keeps it for its adapters' A, or with --lora-dropout each
@@ -225,20 +222,6 @@ def _lora_first_layer_bytes(model: ModelConfig, layout: Layout, a: int, lora, ma
     return norm / norm_div + (qkv * h * mask if lora.dropout > 0 else 0)
 
 
-def expert_rows(model: ModelConfig, tokens: int) -> tuple[float, float]:
-    """(rows the router keeps, rows the experts compute on) per token of a `tokens`-token micro-batch, routing
-    balanced: top-k dropless; with --moe-expert-capacity-factor what each expert's capacity keeps, and with
-    --moe-pad-expert-input-to-capacity each expert's input padded to its capacity."""
-    from megatron_lite.moe.router import expert_capacity
-
-    k, e = model.moe_router_topk, model.num_experts
-    capacity = expert_capacity(model, tokens) if tokens else None
-    if capacity is None:
-        return k, k
-    kept = min(tokens * k / e, capacity) * e / tokens
-    return kept, (capacity * e / tokens if model.moe_pad_expert_input_to_capacity else kept)
-
-
 def layer_activation_bytes(
     model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str, lora=None, mask: int = 1, tokens: int = 0
 ) -> float:
@@ -277,6 +260,12 @@ def layer_activation_bytes(
         attn = (q + kv_saved + 2 * q) * a + heads * 4
     else:
         attn = (q + 2 * kv) * a + q * a + heads * 4  # q, k, v (views of QKV's output), the output, its LSE
+    if model.attention_output_gate:
+        # the gate's sigmoid (fp32); its rows of the QKV output where that is kept whole (q, k or v views of it);
+        # the gated output where the attention's output was the projection's input (SDPA's own without RoPE, or
+        # the checkpoint's), now kept by the gate's product instead
+        qkv_kept = core == "selective" or (not triton and (not rope or kv == q))
+        attn += q * 4 + (q * a if qkv_kept else 0) + (q * a if core == "selective" or not (triton or rope) else 0)
     if model.multi_latent_attention:
         attn = _mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
     if layout.cp > 1 and layout.cp_comm_type == "allgather" and core == "none":
@@ -306,6 +295,8 @@ def layer_activation_bytes(
         shared = model.moe_shared_expert_intermediate_size
         if shared and "shared_experts" not in modules:  # its MLP, and under SP its own gathered input
             total += mlp(shared) / tp + (h * a if sp else 0)
+            if model.moe_shared_expert_gate:  # its output and sigmoid; under SP the gate's input, the norm's shard
+                total += (h * a + a + (h * a if sp else 0)) / norm_div
     else:
         total += attn / tp
         if "mlp" not in modules:

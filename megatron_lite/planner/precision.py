@@ -1,4 +1,6 @@
-"""What fp8 GEMMs (--fp8-format, tensor_parallel/fp8.py) change in a rank's memory, from the model's dimensions.
+"""What a job's number formats change in a rank's memory, from the model's dimensions: fp8 GEMMs (--fp8-format,
+tensor_parallel/fp8.py), the fp32 residual stream (--fp32-residual-connection), and the experts' rows under a
+capacity factor (what they keep, or are padded to).
 
 A transformer layer's linears run in fp8 (all but the first and last --num-layers-at-start/end-in-bf16 of the
 decoder; every multi-token-prediction depth, its eh_proj included). Each keeps for its backward the fp8 copy of
@@ -135,3 +137,23 @@ def fp8_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int,
     elif "mlp" not in modules:
         change += fp8_input_bytes(h, a, wgrad, first_own) + fp8_input_bytes(model.ffn_size / tp, a, wgrad)
     return change
+
+
+def stream_bytes(model: ModelConfig, a: int) -> int:
+    """Bytes per value of the residual stream between layers: fp32 under --fp32-residual-connection (the
+    norms keep it as their input, the stages send it), else the compute dtype's `a`."""
+    return 4 if model.fp32_residual_connection else a
+
+
+def expert_rows(model: ModelConfig, tokens: int) -> tuple[float, float]:
+    """(rows the router keeps, rows the experts compute on) per token of a `tokens`-token micro-batch, routing
+    balanced: top-k dropless; with --moe-expert-capacity-factor what each expert's capacity keeps, and with
+    --moe-pad-expert-input-to-capacity each expert's input padded to its capacity."""
+    from megatron_lite.moe.router import expert_capacity
+
+    k, e = model.moe_router_topk, model.num_experts
+    capacity = expert_capacity(model, tokens) if tokens else None
+    if capacity is None:
+        return k, k
+    kept = min(tokens * k / e, capacity) * e / tokens
+    return kept, (capacity * e / tokens if model.moe_pad_expert_input_to_capacity else kept)
