@@ -1,7 +1,7 @@
 """The planner's memory estimate for what changes the bytes a model keeps beyond its layout: fp8 GEMMs (their fp8
 inputs and weights saved for the backward; delayed scaling's weight cache held for the step), an fp32 residual
 stream under bf16, experts padded to their capacity or dropping past it, and the attention output's and the
-shared expert's gates. Each within 3% of the breakdown
+shared expert's gates, quick-GEGLU. Each within 3% of the breakdown
 measured from the tensors of a real step on CPU (torch's float8 dtypes and its fp8 GEMM fallback run there), the
 bound the recompute-module tests use: each term moves the total by 8% or more here."""
 
@@ -40,6 +40,14 @@ PRECISION_MODELS = {
         attention_output_gate=True, recompute_modules=("core_attn",), **kw
     ),
     "deepseek_shared_gate": lambda **kw: deepseek_config(moe_shared_expert_gate=True, **kw),
+    # gpt-oss's quick-GEGLU (PyTorch's ops under either kernel), clamped, with an offset; its experts' activation
+    # made again (moe_act)
+    "llama_qgeglu": lambda **kw: llama_config(
+        activation="quick_geglu", activation_func_clamp_value=7.0, glu_linear_offset=1.0, **kw
+    ),
+    "gptoss_moe_act": lambda **kw: moe_llama(
+        activation="quick_geglu", add_bias_linear=True, recompute_modules=("moe_act",), **kw
+    ),
 }
 MODELS.update(PRECISION_MODELS)  # (measure() and _check() build from test_planner's table)
 
@@ -63,6 +71,8 @@ ONE_PROCESS = {
     "gpt2_gate": Layout(micro_batch_size=2),
     "llama_gate_selective": Layout(micro_batch_size=2, recompute="selective"),
     "deepseek_shared_gate": Layout(micro_batch_size=2),
+    "llama_qgeglu": Layout(micro_batch_size=2),
+    "gptoss_moe_act": Layout(micro_batch_size=2, recompute="selective"),
 }
 
 
@@ -130,17 +140,14 @@ def test_fp8_gemms_are_priced_at_the_fp8_peak():
 
 def test_the_plan_says_what_its_estimate_leaves_out(capsys):
     """A setting the memory model does not price is said with the plan (it was dropped without a word): gpt-oss's
-    learnable softmax offsets and clamped quick-GEGLU; fp8 on an A100, priced at bf16's rate. The header says the
-    job's fp8 GEMMs."""
+    learnable softmax offsets (its clamped quick-GEGLU is priced); fp8 on an A100, priced at bf16's rate. The
+    header says the job's fp8 GEMMs."""
     from test_planner import ROOT, _tool
 
     result = _tool().main(["--script", str(ROOT / "pretrain" / "gpt_oss_20b.sh"), "--top", "1"])
     out = capsys.readouterr().out
     assert "warning: the memory estimate leaves out --softmax-type learnable" in out
-    assert [u.split(" (")[0] for u in result["unmodelled"]] == [
-        "--softmax-type learnable",
-        "--quick-geglu with --activation-func-clamp-value",
-    ]
+    assert [u.split(" (")[0] for u in result["unmodelled"]] == ["--softmax-type learnable"]
     script = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
     assert _tool().main([*script, "--gpu", "A100", "--", "--fp8-format", "hybrid"])["unmodelled"] == []
     out = capsys.readouterr().out

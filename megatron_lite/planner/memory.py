@@ -277,6 +277,9 @@ def layer_activation_bytes(
     def mlp(f: int, act_regenerated: bool = False, fused: bool = triton) -> float:  # past fc1's input, times TP
         if not swiglu:
             return 2 * f * a
+        if model.activation == "quick_geglu":  # PyTorch's ops under either kernel: fc1's output, the sigmoid,
+            # the gate's product, up + offset and the output (each gate and up clamped copy too)
+            return (6 + (1 if model.activation_func_clamp_value is not None else 0) - act_regenerated) * f * a
         return ((2 if fused else 3) if act_regenerated else (3 if fused else 4)) * f * a
 
     if model.is_moe_layer(layer):

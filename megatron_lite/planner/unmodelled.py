@@ -3,9 +3,9 @@
 Each changes the tensors a layer saves for its backward (their parameters, where they have any, are counted).
 Measured against the CPU breakdown of a 4-layer test model (tests/models.py, 64 tokens a micro-batch), the
 activations come out short by: --softmax-type learnable/off-by-one 14% (PyTorch's unfused attention keeps
-O(seq^2) fp32 probabilities), --qk-l2-norm 14%, --quick-geglu 14% (19% with --activation-func-clamp-value),
---moe-router-dtype fp64 7%, --moe-input-jitter-eps 5%, --moe-apply-probs-on-input 4% over. (The attention output's
-and the shared expert's gates are priced, memory.py.)"""
+O(seq^2) fp32 probabilities), --qk-l2-norm 14%, --moe-router-dtype fp64 7%, --moe-input-jitter-eps 5%; over by
+--moe-apply-probs-on-input 4%. (The attention output's and the shared expert's gates and quick-GEGLU are priced,
+memory.py.)"""
 
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ def unmodelled_settings(model: ModelConfig) -> list[str]:
         out.append(f"--softmax-type {model.softmax_type} (its attention's saved tensors priced as the plain softmax's)")
     if model.qk_l2_norm:
         out.append("--qk-l2-norm (the fp32 normalisation of q and k)")
-    if model.activation == "quick_geglu":
-        clamp = " with --activation-func-clamp-value" if model.activation_func_clamp_value is not None else ""
-        out.append(f"--quick-geglu{clamp} (its activation's saved tensors priced as SwiGLU's)")
     if model.num_experts:
         if model.moe_router_dtype != "fp32":
             out.append(f"--moe-router-dtype {model.moe_router_dtype} (router scores priced in fp32)")
