@@ -1,7 +1,7 @@
 """The planner's memory estimate for what changes the bytes a model keeps beyond its layout: fp8 GEMMs (their fp8
 inputs and weights saved for the backward; delayed scaling's weight cache held for the step), an fp32 residual
 stream under bf16, experts padded to their capacity or dropping past it, and the attention output's and the
-shared expert's gates, quick-GEGLU. Each within 3% of the breakdown
+shared expert's gates, quick-GEGLU, an fp64 router on a jittered input. Each within 3% of the breakdown
 measured from the tensors of a real step on CPU (torch's float8 dtypes and its fp8 GEMM fallback run there), the
 bound the recompute-module tests use: each term moves the total by 8% or more here."""
 
@@ -48,6 +48,8 @@ PRECISION_MODELS = {
     "gptoss_moe_act": lambda **kw: moe_llama(
         activation="quick_geglu", add_bias_linear=True, recompute_modules=("moe_act",), **kw
     ),
+    # the router in fp64 (its input's fp64 copy, fp64 scores) on a jittered input (the noise kept)
+    "moe_router_fp64_jitter": lambda **kw: moe_llama(moe_router_dtype="fp64", moe_input_jitter_eps=0.01, **kw),
 }
 MODELS.update(PRECISION_MODELS)  # (measure() and _check() build from test_planner's table)
 
@@ -73,6 +75,7 @@ ONE_PROCESS = {
     "deepseek_shared_gate": Layout(micro_batch_size=2),
     "llama_qgeglu": Layout(micro_batch_size=2),
     "gptoss_moe_act": Layout(micro_batch_size=2, recompute="selective"),
+    "moe_router_fp64_jitter": Layout(micro_batch_size=2),
 }
 
 

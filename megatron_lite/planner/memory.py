@@ -295,6 +295,10 @@ def layer_activation_bytes(
         total += (
             model.num_experts * 4 * 3 + model.moe_router_topk * h * a + expert_rows(model, tokens)[1] * (h * a + per)
         )
+        if model.moe_router_dtype == "fp64":  # the scores in fp64, and the router's fp64 copy of its input
+            total += model.num_experts * 4 * 3 + h * (8 - a)
+        if model.moe_input_jitter_eps is not None:  # the noise (the jittered input replaces the input)
+            total += h * a
         shared = model.moe_shared_expert_intermediate_size
         if shared and "shared_experts" not in modules:  # its MLP, and under SP its own gathered input
             total += mlp(shared) / tp + (h * a if sp else 0)

@@ -3,8 +3,8 @@
 Each changes the tensors a layer saves for its backward (their parameters, where they have any, are counted).
 Measured against the CPU breakdown of a 4-layer test model (tests/models.py, 64 tokens a micro-batch), the
 activations come out short by: --softmax-type learnable/off-by-one 14% (PyTorch's unfused attention keeps
-O(seq^2) fp32 probabilities), --qk-l2-norm 14%, --moe-router-dtype fp64 7%, --moe-input-jitter-eps 5%; over by
---moe-apply-probs-on-input 4%. (The attention output's and the shared expert's gates and quick-GEGLU are priced,
+O(seq^2) fp32 probabilities), --qk-l2-norm 14%; over by --moe-apply-probs-on-input 4%. (The attention output's
+and the shared expert's gates, quick-GEGLU, --moe-router-dtype fp64 and --moe-input-jitter-eps are priced,
 memory.py.)"""
 
 from __future__ import annotations
@@ -20,10 +20,6 @@ def unmodelled_settings(model: ModelConfig) -> list[str]:
     if model.qk_l2_norm:
         out.append("--qk-l2-norm (the fp32 normalisation of q and k)")
     if model.num_experts:
-        if model.moe_router_dtype != "fp32":
-            out.append(f"--moe-router-dtype {model.moe_router_dtype} (router scores priced in fp32)")
-        if model.moe_input_jitter_eps is not None:
-            out.append("--moe-input-jitter-eps (the router's jittered copy of its input)")
         if model.moe_apply_probs_on_input:
             out.append("--moe-apply-probs-on-input (the experts' scaled input, priced as the output's scaling)")
     if model.kernel_impl == "triton" and model.attention_dropout > 0:
