@@ -1,7 +1,7 @@
 """The planner's memory estimate for what changes the bytes a model keeps beyond its layout: fp8 GEMMs (their fp8
 inputs and weights saved for the backward; delayed scaling's weight cache held for the step), an fp32 residual
 stream under bf16, experts padded to their capacity or dropping past it, and the attention output's and the
-shared expert's gates, quick-GEGLU, an fp64 router on a jittered input. Each within 3% of the breakdown
+shared expert's gates, quick-GEGLU, an fp64 router on a jittered input, --qk-l2-norm. Each within 3% of the breakdown
 measured from the tensors of a real step on CPU (torch's float8 dtypes and its fp8 GEMM fallback run there), the
 bound the recompute-module tests use: each term moves the total by 8% or more here."""
 
@@ -50,6 +50,10 @@ PRECISION_MODELS = {
     ),
     # the router in fp64 (its input's fp64 copy, fp64 scores) on a jittered input (the noise kept)
     "moe_router_fp64_jitter": lambda **kw: moe_llama(moe_router_dtype="fp64", moe_input_jitter_eps=0.01, **kw),
+    # --qk-l2-norm: its fp32 q and k and 1/rms (in fp32, q's copy and the QKV output k is a view of); without RoPE
+    # the attention keeps the normalised q and k (in bf16 on CPU too: GPT-2-shaped)
+    "llama_l2": lambda **kw: llama_config(qk_l2_norm=True, **kw),
+    "gpt2_l2": lambda **kw: gpt2_config(qk_l2_norm=True, **kw),
 }
 MODELS.update(PRECISION_MODELS)  # (measure() and _check() build from test_planner's table)
 
@@ -76,6 +80,7 @@ ONE_PROCESS = {
     "llama_qgeglu": Layout(micro_batch_size=2),
     "gptoss_moe_act": Layout(micro_batch_size=2, recompute="selective"),
     "moe_router_fp64_jitter": Layout(micro_batch_size=2),
+    "llama_l2": Layout(micro_batch_size=2),
 }
 
 
@@ -103,13 +108,18 @@ def test_memory_estimate_of_the_gates_under_tp(dist):
         _check(name, layout, dist(2, measure_precision, name, layout), tol=0.03)
 
 
-def test_memory_estimate_with_an_fp32_residual_stream(dist):
-    """--fp32-residual-connection under --bf16: each norm keeps its fp32 input, and a pipeline stage receives
-    (and keeps) the fp32 stream. GPT-2-shaped (LayerNorm, no RoPE): its bf16 ops save on CPU what the estimate
-    counts (Llama's RMSNorm does not, the reason test_planner compares no bf16 activations)."""
-    name = "gpt2_fp32_residual"
+@pytest.mark.parametrize("name", ["gpt2_fp32_residual", "gpt2_l2"])
+def test_memory_estimate_in_bf16(name):
+    """Under --bf16 (GPT-2-shaped: LayerNorm, no RoPE, whose bf16 ops save on CPU what the estimate counts;
+    Llama's RMSNorm does not, the reason test_planner compares no bf16 activations): --fp32-residual-connection's
+    norms keep their fp32 input; --qk-l2-norm keeps fp32 copies of q and k."""
     layout = Layout(micro_batch_size=2)
     _check(name, layout, [measure_precision(name, layout, True, gbs=2)], bf16=True, tol=0.03)
+
+
+def test_memory_estimate_with_an_fp32_residual_stream_pipelined(dist):
+    """--fp32-residual-connection under --bf16 and PP=2: a stage receives (and keeps) the fp32 stream."""
+    name = "gpt2_fp32_residual"
     layout = Layout(pp=2, micro_batch_size=1)
     _check(name, layout, dist(2, measure_precision, name, layout, bf16=True), bf16=True, tol=0.03)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
+from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.precision import (
     expert_rows,
@@ -138,37 +139,6 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
     return StageParams(dense, expert, tuple(layers))
 
 
-def _mla_activation_bytes(
-    m: ModelConfig, a: int, tp: int, sp: bool, rms: bool, triton: bool, recompute: str, up_proj: bool = False
-) -> float:
-    """Multi-latent attention's saved tensors per token, times TP (the caller divides by it): the latents and
-    their norms whole on every rank; per head q, k and v (the attention's inputs; v padded to the query/key head
-    for SDPA), the output projection's input and, without selective recomputation, the attention's output and
-    log-sum-exp. Under sequence parallelism the query and key/value down-projections each gather (and save) the
-    layer's input."""
-    qd, heads = m.mla_q_head_dim, m.num_attention_heads
-
-    def latent(n: int) -> float:  # a latent's norm (when normalised) and the up-projection's input
-        if not m.qk_layernorm:
-            return n * a
-        return n * a + (n * a + 8 if triton else 2 * n * a + 4 if rms else n * a + 8)
-
-    latents = (latent(m.q_lora_rank) if m.q_lora_rank else 0) + latent(m.kv_lora_rank)
-    latents += m.hidden_size * a if sp else 0  # the second gathered copy of the input
-    v = m.v_head_dim
-    if up_proj and recompute == "selective":  # one checkpoint from the latents: the output projection's input
-        return latents * tp + heads * v * a
-    if recompute == "selective":  # the checkpoint keeps q, k and v as the up-projections made them (v unpadded)
-        attn = (2 * qd + v) * heads * a
-    elif triton:  # the flash kernel takes v unpadded
-        attn = (2 * qd + v) * heads * a + (v * a + 4) * heads
-    else:  # SDPA's fused kernels take one head size: v padded to it, the output cut to v (a copy)
-        attn = 3 * heads * qd * a + heads * qd * a + heads * 4
-    if up_proj:  # (mla_up_proj alone) q, k and v are made again; SDPA's padded copy of v is kept
-        attn -= (2 * qd + (v if triton else 0)) * heads * a
-    return latents * tp + attn + heads * v * a  # (and the output projection's input, a copy of the output)
-
-
 def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, modules: set, mask: int) -> float:
     """What LoRA changes in a layer's saved tensors, per token: a frozen linear keeps no input (autograd saves it
     for the weight's gradient only); an adapted one keeps it for its adapters' A, or with --lora-dropout each
@@ -266,8 +236,10 @@ def layer_activation_bytes(
         # the checkpoint's), now kept by the gate's product instead
         qkv_kept = core == "selective" or (not triton and (not rope or kv == q))
         attn += q * 4 + (q * a if qkv_kept else 0) + (q * a if core == "selective" or not (triton or rope) else 0)
+    if model.qk_l2_norm:
+        attn += l2_norm_bytes(model, a, triton, rope, core)
     if model.multi_latent_attention:
-        attn = _mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
+        attn = mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
     if layout.cp > 1 and layout.cp_comm_type == "allgather" and core == "none":
         # attention keeps the whole sequence's gathered keys and values, not only this rank's part
         k_v = heads * (model.mla_q_head_dim + model.v_head_dim) if model.multi_latent_attention else 2 * kv

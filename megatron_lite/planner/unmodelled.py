@@ -3,8 +3,8 @@
 Each changes the tensors a layer saves for its backward (their parameters, where they have any, are counted).
 Measured against the CPU breakdown of a 4-layer test model (tests/models.py, 64 tokens a micro-batch), the
 activations come out short by: --softmax-type learnable/off-by-one 14% (PyTorch's unfused attention keeps
-O(seq^2) fp32 probabilities), --qk-l2-norm 14%; over by --moe-apply-probs-on-input 4%. (The attention output's
-and the shared expert's gates, quick-GEGLU, --moe-router-dtype fp64 and --moe-input-jitter-eps are priced,
+O(seq^2) fp32 probabilities); over by --moe-apply-probs-on-input 4%. (The attention output's and the shared
+expert's gates, quick-GEGLU, --qk-l2-norm, --moe-router-dtype fp64 and --moe-input-jitter-eps are priced,
 memory.py.)"""
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ def unmodelled_settings(model: ModelConfig) -> list[str]:
     out = []
     if model.softmax_type != "vanilla":
         out.append(f"--softmax-type {model.softmax_type} (its attention's saved tensors priced as the plain softmax's)")
-    if model.qk_l2_norm:
-        out.append("--qk-l2-norm (the fp32 normalisation of q and k)")
     if model.num_experts:
         if model.moe_apply_probs_on_input:
             out.append("--moe-apply-probs-on-input (the experts' scaled input, priced as the output's scaling)")
