@@ -1,9 +1,9 @@
 """The planner's memory estimate for what changes the bytes a model keeps beyond its layout: fp8 GEMMs (their fp8
 inputs and weights saved for the backward; delayed scaling's weight cache held for the step), an fp32 residual
-stream under bf16, experts padded to their capacity or dropping past it, and the attention output's and the
-shared expert's gates, quick-GEGLU, an fp64 router on a jittered input, --qk-l2-norm. Each within 3% of the breakdown
-measured from the tensors of a real step on CPU (torch's float8 dtypes and its fp8 GEMM fallback run there), the
-bound the recompute-module tests use: each term moves the total by 8% or more here."""
+stream under bf16, experts padded to their capacity or dropping past it, the attention output's and the shared
+expert's gates, quick-GEGLU, an fp64 router on a jittered input, --qk-l2-norm and --softmax-type's offsets. Each
+within 3% of the breakdown measured from the tensors of a real step on CPU (torch's float8 dtypes and its fp8
+GEMM fallback run there), the bound the recompute-module tests use: each term moves the total by 4% or more."""
 
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ PRECISION_MODELS = {
     # the attention keeps the normalised q and k (in bf16 on CPU too: GPT-2-shaped)
     "llama_l2": lambda **kw: llama_config(qk_l2_norm=True, **kw),
     "gpt2_l2": lambda **kw: gpt2_config(qk_l2_norm=True, **kw),
+    # --softmax-type: PyTorch's unfused attention keeps O(seq^2) fp32 probabilities
+    "llama_learnable": lambda **kw: llama_config(softmax_type="learnable", **kw),
+    "gpt2_offbyone": lambda **kw: gpt2_config(softmax_type="off-by-one", **kw),
+    # all at once through the Triton kernels: fp8, the flash kernel with offsets, the gate, --qk-l2-norm
+    "llama_variants": lambda **kw: llama_config(
+        fp8="hybrid", softmax_type="learnable", attention_output_gate=True, qk_l2_norm=True, **kw
+    ),
 }
 MODELS.update(PRECISION_MODELS)  # (measure() and _check() build from test_planner's table)
 
@@ -81,6 +88,7 @@ ONE_PROCESS = {
     "gptoss_moe_act": Layout(micro_batch_size=2, recompute="selective"),
     "moe_router_fp64_jitter": Layout(micro_batch_size=2),
     "llama_l2": Layout(micro_batch_size=2),
+    "llama_learnable": Layout(micro_batch_size=2),
 }
 
 
@@ -108,11 +116,19 @@ def test_memory_estimate_of_the_gates_under_tp(dist):
         _check(name, layout, dist(2, measure_precision, name, layout), tol=0.03)
 
 
-@pytest.mark.parametrize("name", ["gpt2_fp32_residual", "gpt2_l2"])
+def test_memory_estimate_of_the_variants_with_the_triton_kernels():
+    """fp8 GEMMs, the flash kernel with softmax offsets, the output gate and --qk-l2-norm through the Triton
+    kernels (the interpreter on CPU): one step of one micro-batch."""
+    layout = Layout(micro_batch_size=2)
+    _check("llama_variants", layout, [measure("llama_variants", layout, "triton", iters=0, gbs=2)], "triton", tol=0.03)
+
+
+@pytest.mark.parametrize("name", ["gpt2_fp32_residual", "gpt2_l2", "gpt2_offbyone"])
 def test_memory_estimate_in_bf16(name):
     """Under --bf16 (GPT-2-shaped: LayerNorm, no RoPE, whose bf16 ops save on CPU what the estimate counts;
     Llama's RMSNorm does not, the reason test_planner compares no bf16 activations): --fp32-residual-connection's
-    norms keep their fp32 input; --qk-l2-norm keeps fp32 copies of q and k."""
+    norms keep their fp32 input; --qk-l2-norm keeps fp32 copies of q and k; the offset softmax its bf16 copy of
+    the probabilities."""
     layout = Layout(micro_batch_size=2)
     _check(name, layout, [measure_precision(name, layout, True, gbs=2)], bf16=True, tol=0.03)
 
@@ -152,16 +168,20 @@ def test_fp8_gemms_are_priced_at_the_fp8_peak():
 
 
 def test_the_plan_says_what_its_estimate_leaves_out(capsys):
-    """A setting the memory model does not price is said with the plan (it was dropped without a word): gpt-oss's
-    learnable softmax offsets (its clamped quick-GEGLU is priced); fp8 on an A100, priced at bf16's rate. The
+    """A setting the memory model does not price is said with the plan (it was dropped without a word):
+    --attention-dropout under the Triton kernels (attention then runs through SDPA); fp8 on an A100, priced at
+    bf16's rate. gpt-oss's learnable softmax offsets and clamped quick-GEGLU are priced: nothing to say. The
     header says the job's fp8 GEMMs."""
     from test_planner import ROOT, _tool
 
-    result = _tool().main(["--script", str(ROOT / "pretrain" / "gpt_oss_20b.sh"), "--top", "1"])
-    out = capsys.readouterr().out
-    assert "warning: the memory estimate leaves out --softmax-type learnable" in out
-    assert [u.split(" (")[0] for u in result["unmodelled"]] == ["--softmax-type learnable"]
+    assert _tool().main(["--script", str(ROOT / "pretrain" / "gpt_oss_20b.sh"), "--top", "1"])["unmodelled"] == []
+    assert "leaves out" not in capsys.readouterr().out
     script = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
+    result = _tool().main([*script, "--", "--attention-dropout", "0.1"])
+    assert [u.split(" (")[0] for u in result["unmodelled"]] == ["--attention-dropout 0.1"]
+    assert "warning: the memory estimate leaves out --attention-dropout 0.1 (attention runs through SDPA" in (
+        capsys.readouterr().out
+    )
     assert _tool().main([*script, "--gpu", "A100", "--", "--fp8-format", "hybrid"])["unmodelled"] == []
     out = capsys.readouterr().out
     assert "bf16, fp8 GEMMs (hybrid, delayed)" in out

@@ -1,9 +1,10 @@
 """The saved tensors of attention variants per token, for planner/memory.py's layer count: multi-latent
-attention's (its latents whole on every TP rank) and --qk-l2-norm's."""
+attention's (its latents whole on every TP rank), --qk-l2-norm's and --softmax-type's offsets."""
 
 from __future__ import annotations
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.planner.layout import Layout
 
 
 def mla_activation_bytes(
@@ -51,3 +52,18 @@ def l2_norm_bytes(model: ModelConfig, a: int, triton: bool, rope: bool, core: st
         qkv_kept = core == "selective" or (not triton and (not rope or kv == q))
         extra += (q * 4 if heads != groups else 0) + (0 if qkv_kept else (q + 2 * kv) * 4)
     return extra + (0 if rope or (triton and core != "selective") else (q + kv) * a)
+
+
+def softmax_offset_bytes(model: ModelConfig, a: int, triton: bool, vanilla: float, seq: int, layout: Layout) -> float:
+    """--softmax-type learnable or off-by-one, per token times TP, from the plain attention's `vanilla` bytes. The
+    flash kernel keeps what it keeps without the offset, plus the output's fp32 rescaling (a head each, and its
+    copy in the compute dtype). PyTorch's unfused attention (models/attention_variants.py) keeps q and the
+    expanded k in fp32, the expanded v, the fp32 softmax over the `seq` keys and the offset column (and its
+    compute-dtype copy under bf16), the output's copy for the projection, and each layer's [seq, seq] mask of a
+    micro-batch (bool). (Context parallelism runs its own attention: priced as on one rank.)"""
+    heads, d = model.num_attention_heads, model.head_dim
+    if triton:
+        return vanilla + heads * (4 + a)
+    q = heads * d
+    probs = heads * (seq + 1) * 4 + (heads * seq * a if a < 4 else 0)
+    return 2 * q * 4 + 2 * q * a + probs + seq / layout.micro_batch_size * layout.tp

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
-from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes
+from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.precision import (
     expert_rows,
@@ -230,12 +230,17 @@ def layer_activation_bytes(
         attn = (q + kv_saved + 2 * q) * a + heads * 4
     else:
         attn = (q + 2 * kv) * a + q * a + heads * 4  # q, k, v (views of QKV's output), the output, its LSE
+    if model.softmax_type != "vanilla" and core == "none" and tokens:
+        attn = softmax_offset_bytes(model, a, triton, attn, tokens // layout.micro_batch_size, layout)
     if model.attention_output_gate:
         # the gate's sigmoid (fp32); its rows of the QKV output where that is kept whole (q, k or v views of it);
         # the gated output where the attention's output was the projection's input (SDPA's own without RoPE, or
-        # the checkpoint's), now kept by the gate's product instead
+        # the checkpoint's, or the offset softmax's), now kept by the gate's product instead
         qkv_kept = core == "selective" or (not triton and (not rope or kv == q))
-        attn += q * 4 + (q * a if qkv_kept else 0) + (q * a if core == "selective" or not (triton or rope) else 0)
+        qkv_kept = qkv_kept or (model.qk_l2_norm and a == 4)  # (fp32 --qk-l2-norm keeps k, a view of it)
+        # (the attention's output is its own, not kept by the attention: the checkpoint's, the offset softmax's)
+        fresh = core == "selective" or not (triton or rope) or model.softmax_type != "vanilla"
+        attn += q * 4 + (q * a if qkv_kept else 0) + (q * a if fresh else 0)
     if model.qk_l2_norm:
         attn += l2_norm_bytes(model, a, triton, rope, core)
     if model.multi_latent_attention:
