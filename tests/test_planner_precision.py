@@ -1,9 +1,10 @@
 """The planner's memory estimate for what changes the bytes a model keeps beyond its layout: fp8 GEMMs (their fp8
 inputs and weights saved for the backward; delayed scaling's weight cache held for the step), an fp32 residual
 stream under bf16, experts padded to their capacity or dropping past it, the attention output's and the shared
-expert's gates, quick-GEGLU, an fp64 router on a jittered input, --qk-l2-norm and --softmax-type's offsets. Each
-within 3% of the breakdown measured from the tensors of a real step on CPU (torch's float8 dtypes and its fp8
-GEMM fallback run there), the bound the recompute-module tests use: each term moves the total by 4% or more."""
+expert's gates, quick-GEGLU, an fp64 router on a jittered input, routing weights on the experts' input,
+--qk-l2-norm and --softmax-type's offsets. Each within 3% of the breakdown measured from the tensors of a real
+step on CPU (torch's float8 dtypes and its fp8 GEMM fallback run there), the bound the recompute-module tests
+use: each term moves the total by 4% or more."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ PRECISION_MODELS = {
     ),
     # the router in fp64 (its input's fp64 copy, fp64 scores) on a jittered input (the noise kept)
     "moe_router_fp64_jitter": lambda **kw: moe_llama(moe_router_dtype="fp64", moe_input_jitter_eps=0.01, **kw),
+    # top-1 weights on the input: no output kept for the weighting
+    "moe_probs_on_input": lambda **kw: llama_config(
+        num_experts=4, moe_router_topk=1, moe_ffn_hidden_size=48, moe_apply_probs_on_input=True, **kw
+    ),
     # --qk-l2-norm: its fp32 q and k and 1/rms (in fp32, q's copy and the QKV output k is a view of); without RoPE
     # the attention keeps the normalised q and k (in bf16 on CPU too: GPT-2-shaped)
     "llama_l2": lambda **kw: llama_config(qk_l2_norm=True, **kw),
@@ -87,6 +92,7 @@ ONE_PROCESS = {
     "llama_qgeglu": Layout(micro_batch_size=2),
     "gptoss_moe_act": Layout(micro_batch_size=2, recompute="selective"),
     "moe_router_fp64_jitter": Layout(micro_batch_size=2),
+    "moe_probs_on_input": Layout(micro_batch_size=2),
     "llama_l2": Layout(micro_batch_size=2),
     "llama_learnable": Layout(micro_batch_size=2),
 }

@@ -269,9 +269,10 @@ def layer_activation_bytes(
         # router scores (fp32), then each token's top-k copies through an expert (expected, balanced): the output
         # of every routed pair (a dropped one's zero) and the rows the experts compute on, the input among them
         # (only the kept pairs; with padding, each expert's whole padded input)
-        total += (
-            model.num_experts * 4 * 3 + model.moe_router_topk * h * a + expert_rows(model, tokens)[1] * (h * a + per)
-        )
+        # (--moe-apply-probs-on-input scales the input instead, keeping the fp32 weight: the output's scaling, by
+        # the constant keep mask, keeps no output)
+        outputs = model.moe_router_topk * (4 if model.moe_apply_probs_on_input else h * a)
+        total += model.num_experts * 4 * 3 + outputs + expert_rows(model, tokens)[1] * (h * a + per)
         if model.moe_router_dtype == "fp64":  # the scores in fp64, and the router's fp64 copy of its input
             total += model.num_experts * 4 * 3 + h * (8 - a)
         if model.moe_input_jitter_eps is not None:  # the noise (the jittered input replaces the input)
