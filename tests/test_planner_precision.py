@@ -59,6 +59,8 @@ PRECISION_MODELS = {
     # the attention keeps the normalised q and k (in bf16 on CPU too: GPT-2-shaped)
     "llama_l2": lambda **kw: llama_config(qk_l2_norm=True, **kw),
     "gpt2_l2": lambda **kw: gpt2_config(qk_l2_norm=True, **kw),
+    # Llama 4's: the NoPE layers (every second) not normalised (--qk-l2-norm-rope-only)
+    "llama_l2_rope_only": lambda **kw: llama_config(qk_l2_norm=True, qk_l2_norm_rope_only=True, no_rope_freq=2, **kw),
     # --softmax-type: PyTorch's unfused attention keeps O(seq^2) fp32 probabilities
     "llama_learnable": lambda **kw: llama_config(softmax_type="learnable", **kw),
     "gpt2_offbyone": lambda **kw: gpt2_config(softmax_type="off-by-one", **kw),
@@ -94,6 +96,7 @@ ONE_PROCESS = {
     "moe_router_fp64_jitter": Layout(micro_batch_size=2),
     "moe_probs_on_input": Layout(micro_batch_size=2),
     "llama_l2": Layout(micro_batch_size=2),
+    "llama_l2_rope_only": Layout(micro_batch_size=2),
     "llama_learnable": Layout(micro_batch_size=2),
 }
 

@@ -241,7 +241,8 @@ def layer_activation_bytes(
         # (the attention's output is its own, not kept by the attention: the checkpoint's, the offset softmax's)
         fresh = core == "selective" or not (triton or rope) or model.softmax_type != "vanilla"
         attn += q * 4 + (q * a if qkv_kept else 0) + (q * a if fresh else 0)
-    if model.qk_l2_norm:
+    nope = layer < model.num_layers and model.skips_rope(layer)  # (--no-rope-freq: saves alike here, but for l2)
+    if model.qk_l2_norm and not (model.qk_l2_norm_rope_only and nope):
         attn += l2_norm_bytes(model, a, triton, rope, core)
     if model.multi_latent_attention:
         attn = mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
@@ -350,7 +351,8 @@ def activation_bytes(
     tokens = seq_length // layout.cp * layout.micro_batch_size
     h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
     chunk_bytes = []
-    by_kind: dict[tuple[bool, str, bool], float] = {}  # a layer's bytes depend on it through is_moe_layer and recompute
+    # a layer's bytes depend on it through is_moe_layer, its recompute, fp8 and (for --qk-l2-norm) NoPE
+    by_kind: dict[tuple[bool, str, bool, bool], float] = {}
     # --recompute-method block checkpoints the first --recompute-num-layers layers of each model chunk, the rest
     # keep everything; uniform checkpoints each run of --recompute-num-layers layers, keeping its first one's input
     block = layout.recompute == "full" and model.recompute_method == "block"
@@ -360,7 +362,7 @@ def activation_bytes(
         if index % group:
             return 0.0  # inside a uniform run: its input is the run's, rebuilt in the backward
         recompute = "none" if block and index >= (model.recompute_num_layers or 0) else layout.recompute
-        key = (model.is_moe_layer(i), recompute, fp8_layer(model, i))
+        key = (model.is_moe_layer(i), recompute, fp8_layer(model, i), i < model.num_layers and model.skips_rope(i))
         if key not in by_kind:
             by_kind[key] = layer_activation_bytes(model, layout, a, i, recompute, lora, mask, tokens)
         return by_kind[key]
