@@ -41,7 +41,7 @@ PRECISION_MODELS = {
         attention_output_gate=True, recompute_modules=("core_attn",), **kw
     ),
     "deepseek_shared_gate": lambda **kw: deepseek_config(moe_shared_expert_gate=True, **kw),
-    # gpt-oss's quick-GEGLU (PyTorch's ops under either kernel), clamped, with an offset; its experts' activation
+    # gpt-oss's quick-GEGLU (PyTorch's ops, or its Triton kernel), clamped, with an offset; its experts' activation
     # made again (moe_act)
     "llama_qgeglu": lambda **kw: llama_config(
         activation="quick_geglu", activation_func_clamp_value=7.0, glu_linear_offset=1.0, **kw
@@ -130,6 +130,15 @@ def test_memory_estimate_of_the_variants_with_the_triton_kernels():
     kernels (the interpreter on CPU): one step of one micro-batch."""
     layout = Layout(micro_batch_size=2)
     _check("llama_variants", layout, [measure("llama_variants", layout, "triton", iters=0, gbs=2)], "triton", tol=0.03)
+
+
+@pytest.mark.parametrize("name", ["llama_qgeglu", "gptoss_moe_act", "moe_pad_fp8"])
+def test_memory_estimate_of_the_activation_kernels_in_every_mlp(name):
+    """Under --kernel-impl triton quick-GEGLU's kernel keeps fc1's output alone (as SwiGLU's does), in the dense
+    MLP and between the experts' GEMMs (PyTorch's ops keep the clamped halves, the sigmoid and the products);
+    fp8 experts, run one by one, take the activation's kernel too."""
+    layout = ONE_PROCESS[name]
+    _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton", tol=0.03)
 
 
 @pytest.mark.parametrize("name", ["gpt2_fp32_residual", "gpt2_l2", "gpt2_offbyone"])

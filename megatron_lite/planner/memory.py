@@ -255,8 +255,8 @@ def layer_activation_bytes(
     def mlp(f: int, act_regenerated: bool = False, fused: bool = triton) -> float:  # past fc1's input, times TP
         if not swiglu:
             return 2 * f * a
-        if model.activation == "quick_geglu":  # PyTorch's ops under either kernel: fc1's output, the sigmoid,
-            # the gate's product, up + offset and the output (each gate and up clamped copy too)
+        if model.activation == "quick_geglu" and not fused:  # PyTorch's ops: fc1's output, the sigmoid, the
+            # gate's product, up + offset and the output (each gate and up clamped copy too); its kernel, SwiGLU's
             return (6 + (1 if model.activation_func_clamp_value is not None else 0) - act_regenerated) * f * a
         return ((2 if fused else 3) if act_regenerated else (3 if fused else 4)) * f * a
 
@@ -265,8 +265,8 @@ def layer_activation_bytes(
         if "moe" in modules:  # the whole MoE layer checkpointed (its input counted above)
             total += fp8_activation_bytes(model, layout, a, layer, modules, 0) if fp8 and lora is None else 0
             return total + (2 * h * mask / norm_div if model.hidden_dropout > 0 else 0)
-        # (fp8 experts run one by one, their activation PyTorch's: the grouped GEMM is bf16's)
-        per = mlp(model.moe_ffn_size, "moe_act" in modules, triton and not fp8) / tp
+        # (fp8 experts run one by one, the activation's kernel all the same)
+        per = mlp(model.moe_ffn_size, "moe_act" in modules) / tp
         # router scores (fp32), then each token's top-k copies through an expert (expected, balanced): the output
         # of every routed pair (a dropped one's zero) and the rows the experts compute on, the input among them
         # (only the kept pairs; with padding, each expert's whole padded input)
