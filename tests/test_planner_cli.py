@@ -347,3 +347,17 @@ def test_the_search_recomputes_the_fewest_layers_that_fit(capsys):
     flags = "--recompute-granularity full --recompute-method block --recompute-num-layers 30".split()
     _tool().main(["--script", script, "--top", "1", "--", *flags])
     assert "block with the fewest layers of each chunk that fit" in capsys.readouterr().out
+
+
+def test_a_muon_job_is_planned_without_the_sharded_optimizers(capsys):
+    """--optimizer muon runs with plain data parallelism only (pretrain refuses the distributed optimizer and
+    FSDP2 with it, as Megatron does): the plan offers no sharded layout, says why they are out, and names what it
+    counts for the optimizer state."""
+    script = str(ROOT / "pretrain" / "llama3_8b.sh")
+    adam = _tool().main(["--script", script, "--top", "1000"])
+    assert {f["layout"]["sharding"] for f in adam["fits"]} > {"none"}  # (the case this test is about)
+    muon = _tool().main(["--script", script, "--top", "1000", "--", "--optimizer", "muon"])
+    out = capsys.readouterr().out
+    assert muon["fits"] and {f["layout"]["sharding"] for f in muon["fits"]} == {"none"}
+    assert "Muon's momentum on the hidden layers' matrices" in out
+    assert "--optimizer muon runs without --use-distributed-optimizer" in out

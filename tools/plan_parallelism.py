@@ -160,13 +160,22 @@ def reason_group(reason: str) -> str:
     return "does not fit in memory" if reason.startswith("needs ") else re.sub(r"(?<![\w.])-?\d+(\.\d+)?", "N", reason)
 
 
+MUON = ("muon", "dist_muon")
+MUON_SHARDING = (
+    "--optimizer muon runs without --use-distributed-optimizer and --use-torch-fsdp2 (Megatron refuses them too)"
+)
+
+
 def print_plan(
     model, cl, seq, gbs, precision, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
-    uneven=False,
+    uneven=False, optimizer: str = "adam",
 ) -> dict:  # fmt: skip
     from megatron_lite.planner.memory import stage_params
 
     fits, rejected = plan(model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven)
+    if optimizer in MUON:  # (pretrain refuses the sharded optimizers with Muon, as Megatron does)
+        rejected += [dataclasses.replace(c, reason=MUON_SHARDING) for c in fits if c.layout.sharding != "none"]
+        fits = [c for c in fits if c.layout.sharding == "none"]
     g = cl.gpu
     whole = stage_params(model, Layout(), 0)  # (one rank holding everything: the model's parameter count)
     k, e = model.moe_router_topk, model.num_experts or 1
@@ -194,7 +203,14 @@ def print_plan(
     usable = g.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
     print(
         "assumed: "
-        + ("Adam with fp32 main weights and moments" if state_bytes == 8 else "fp32 main weights")
+        + (
+            "Muon's momentum on the hidden layers' matrices and Adam elsewhere, all counted at Adam's 8 bytes (an "
+            "upper bound), and fp32 main weights"
+            if optimizer in MUON
+            else "Adam with fp32 main weights and moments"
+            if state_bytes == 8
+            else "fp32 main weights"
+        )
         + f", balanced MoE routing, {usable / GIB:.1f} GiB usable per GPU ({USABLE_FRACTION:.0%} of "
         f"{g.memory_bytes / GIB:.0f} GiB less {RESERVED_BYTES / GIB:.0f} GiB for CUDA and NCCL); 'activ' includes "
         "recomputation's and FSDP2's transient buffers"
@@ -511,7 +527,7 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--grad-reduce-in-bf16 plans a --bf16 job; this one is {precision}: drop it")
         result = print_plan(
             model, cl, seq, gbs, precision, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes,
-            args.uneven_pipeline,
+            args.uneven_pipeline, job.optimizer.optimizer if job is not None else "adam",
         )  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
