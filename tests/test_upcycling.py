@@ -117,20 +117,27 @@ def _records(path) -> list[dict]:
 
 @pytest.mark.slow
 def test_upcycling_job_under_expert_parallelism(tmp_path, pretrain_job):
-    """The whole job: a dense checkpoint (squared ReLU) saved by one process, upcycled at granularity 2 by one
-    process and by EP=2 (each rank holding 3 of the 6 experts, cut from the full dense tensors it reads): both start
-    training at iteration 2 (the upcycled checkpoint is iteration 1, as Megatron's) from the dense model's loss on
-    the first batch, which the dense checkpoint loaded with --finetune (the data from its start, as the upcycled
-    run's) logs at its iteration 1. A restart of the same command resumes from --save, where Megatron refuses."""
+    """The whole job: a dense checkpoint (squared ReLU, 2 iterations) saved by one process, upcycled at granularity
+    2 by one process and by EP=2 (each rank holding 3 of the 6 experts, cut from the full dense tensors it reads):
+    both start training at iteration 2 (the upcycled checkpoint is iteration 1, as Megatron's) from the loss the
+    dense run logs when it goes on (its weights on its next batch: Megatron's upcycled run takes the dense
+    checkpoint's consumed samples); with --finetune from the loss of the dense checkpoint loaded with --finetune
+    (the data from its start). A restart of the same command resumes from --save, where Megatron refuses."""
     pretrain_job(1, [*ARGS, "--save", "dense", "--train-iters", "2"])
-    pretrain_job(1, [*ARGS, "--load", "dense", "--finetune", "--log-jsonl", "dense.jsonl"])
+    pretrain_job(1, [*ARGS, "--load", "dense", "--log-jsonl", "dense.jsonl"])  # (iteration 3 of 3)
+    pretrain_job(1, [*ARGS, "--load", "dense", "--finetune", "--log-jsonl", "dense_ft.jsonl"])
     pretrain_job(1, [*ARGS, *UPCYCLE, "--save", "one", "--log-jsonl", "one.jsonl"])
+    pretrain_job(1, [*ARGS, *UPCYCLE, "--finetune", "--save", "ft", "--log-jsonl", "ft.jsonl"])
     out = pretrain_job(2, [*ARGS, *UPCYCLE, "--save", "ep2", "--expert-model-parallel-size", "2",
                            "--log-jsonl", "ep2.jsonl"])  # fmt: skip
-    assert "upcycled" in out and "ep2/iter_0000001" in out
-    dense, one, ep2 = (_records(tmp_path / f"{n}.jsonl") for n in ("dense", "one", "ep2"))
+    assert "upcycled" in out and "ep2/iter_0000001" in out and "after the dense run's 8 samples" in out
+    names = ("dense", "dense_ft", "one", "ft", "ep2")
+    dense, dense_ft, one, ft, ep2 = (_records(tmp_path / f"{n}.jsonl") for n in names)
+    assert [r["iteration"] for r in dense] == [3]
     assert [r["iteration"] for r in one] == [r["iteration"] for r in ep2] == [2, 3]
     assert abs(one[0]["lm_loss"] - dense[0]["lm_loss"]) <= 1e-6 * dense[0]["lm_loss"], (one[0], dense[0])
+    assert abs(ft[0]["lm_loss"] - dense_ft[0]["lm_loss"]) <= 1e-6 * dense_ft[0]["lm_loss"], (ft[0], dense_ft[0])
+    assert abs(one[0]["lm_loss"] - ft[0]["lm_loss"]) > 1e-3 * ft[0]["lm_loss"]  # (other batches: the test can see it)
     assert abs(ep2[0]["lm_loss"] - one[0]["lm_loss"]) <= 1e-5 * one[0]["lm_loss"], (ep2[0], one[0])
     assert abs(ep2[0]["grad_norm"] - one[0]["grad_norm"]) <= 1e-5 * one[0]["grad_norm"], (ep2[0], one[0])
     # a restart resumes the upcycled run from its own checkpoint (iteration 3 of 4: one more iteration)
@@ -160,7 +167,8 @@ def test_flags_upcycling_needs(tmp_path, flags, error):
 
 def test_dense_checkpoint_upcycling_refuses(tmp_path, capsys, monkeypatch):
     """What only the checkpoints tell, refused at start-up in one line (before any process group): an FFN size that
-    is not the experts' times the granularity, an MoE checkpoint, an empty --load, and --save holding a checkpoint
+    is not the experts' times the granularity, gpt-oss's clamped quick-GEGLU cut finer than granularity 1, an MoE
+    checkpoint, an empty --load, and --save holding a checkpoint
     already with --no-auto-resume (Megatron's assertion; with auto-resume a restart resumes from it)."""
     from megatron_lite.training.pretrain import main
 
@@ -182,6 +190,14 @@ def test_dense_checkpoint_upcycling_refuses(tmp_path, capsys, monkeypatch):
     assert "--moe-ffn-hidden-size 64 x --moe-upcycling-granularity 1 = 64 must be the dense checkpoint's FFN size " \
         "96" in run(up, "--moe-ffn-hidden-size 64")  # fmt: skip
     assert "set --ffn-hidden-size 48" in run(up, "--moe-upcycling-granularity 2")
+    # gpt-oss's clamped quick-GEGLU (Megatron refuses quick-GEGLU; the scaled weights would move the clamp)
+    qg = [a for a in base if a != "--squared-relu"] + "--quick-geglu --activation-func-clamp-value 7".split()
+    assert main([*qg, "--train-iters", "1", "--save", f"{d}/qg"]) == 0
+    capsys.readouterr()
+    rc = main([*qg, *f"{up} --load {d}/qg --moe-upcycling-granularity 2 --moe-ffn-hidden-size 48".split()])
+    err = capsys.readouterr().err.strip()
+    want = "error: --moe-upcycling-granularity 2 with --glu-linear-offset 0.0 / --activation-func-clamp-value 7.0"
+    assert rc == 2 and err.startswith(want) and len(err.splitlines()) == 1, err
     assert "holds an MoE model already (6 experts)" in run(up, f"--load {d}/up")
     assert f"--load {d}/new holds no checkpoint" in run(up, f"--load {d}/new --save {d}/new2")
     assert f"--save {d}/up, which holds a checkpoint already" in run(up, f"--save {d}/up --no-auto-resume")

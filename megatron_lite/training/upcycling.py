@@ -1,7 +1,8 @@
 """--moe-use-upcycling as Megatron-LM's training.py runs it: the dense checkpoint in --load (weights only: its
 iteration, optimizer state and LR schedule are dropped) becomes this MoE model (checkpoint/upcycling.py), which is
-saved to --save as iteration 1 before training goes on from there with a fresh optimizer and schedule and the
-data from its start (Megatron's args.iteration = 1, consumed samples 0). Megatron refuses the flag once --save holds
+saved to --save as iteration 1 before training goes on from there with a fresh optimizer and schedule; the data
+goes on where the dense run stopped (Megatron's load_checkpoint takes the dense checkpoint's consumed samples
+before training.py sets args.iteration = 1), from its start with --finetune. Megatron refuses the flag once --save holds
 a checkpoint ("Upcycling should only be set for the first run"); here a restart of the same command (torchrun
 --max-restarts, a requeue) resumes from --save as any run does, and with --no-auto-resume it is refused as there.
 
@@ -106,6 +107,13 @@ def check_upcycling(job, ckpt_path: str | None) -> bool:
             f"MLPs whole, of size {dense.ffn_size}: set --ffn-hidden-size {dense.ffn_size} (the experts' size is "
             "--moe-ffn-hidden-size)"
         )
+    offset, clamp = m.glu_linear_offset, m.activation_func_clamp_value
+    if g > 1 and (offset or clamp is not None):  # (Megatron refuses quick-GEGLU at any granularity)
+        raise ConfigError(
+            f"--moe-upcycling-granularity {g} with --glu-linear-offset {offset} / --activation-func-clamp-value "
+            f"{clamp}: the experts' scaled weights would move the clamp and shrink the offset's share (the output "
+            "would not be the dense one's); use --moe-upcycling-granularity 1, which copies the MLP exactly"
+        )
     if differs := _dense_equivalent(m, dense):
         raise ConfigError(f"--moe-use-upcycling: {ckpt_path} differs from this run's model in {differs[0]}")
     return True
@@ -119,12 +127,16 @@ def upcycle(ckpt_path: str, model, optimizer, scheduler, ctx, job, log) -> tuple
     kept = load_upcycled(ckpt_path, model, ctx, ck.moe_upcycling_granularity)
     if optimizer is not None:
         _fresh_optimizer(optimizer, scheduler)  # (main weights from the upcycled model)
-    state = TrainState(iteration=1)
+    # (the dense run's data position, as Megatron's load_checkpoint takes it; --finetune starts the data over)
+    meta = read_metadata(ckpt_path)
+    seen = (0, 0) if ck.finetune else (int(meta["consumed_samples"]), int(meta.get("consumed_valid_samples", 0)))
+    state = TrainState(1, *seen)
     path = save_checkpoint(ck.save, state, model, optimizer, scheduler, ctx, job.checkpoint_dict(),
                            save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)  # fmt: skip
     log.info(
         f"upcycled {ckpt_path} into {job.model.num_experts} experts (granularity {ck.moe_upcycling_granularity}), "
-        f"saved to {path}: training goes on from iteration 1 with a fresh optimizer and LR schedule"
+        f"saved to {path}: training goes on from iteration 1 with a fresh optimizer and LR schedule, the data "
+        + (f"after the dense run's {seen[0]} samples" if seen[0] else "from its start")
         + (f"; {len(kept)} weights the dense model lacks keep their initialisation ({kept[0]}, ...)" if kept else "")
     )
     return state, os.path.abspath(path)
