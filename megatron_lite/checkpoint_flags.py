@@ -525,7 +525,8 @@ def flags_from_checkpoint(
     sources = ("mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path")
     if given & set(sources[:3]):  # a training data source given replaces the checkpoint's (--mock-data has no
         saved = {k: v for k, v in saved.items() if k not in sources}  # off switch); a split's path only its own
-    if ns.optimizer in ("sgd", "muon") or ns.use_apex_adam:  # (an explicit other optimizer: no precision-aware Adam)
+    # (an explicit other optimizer: no precision-aware Adam)
+    if ns.optimizer in ("sgd", "muon", "dist_muon") or ns.use_apex_adam:
         for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
             saved.pop(k, None)
     taken = {

@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         default="adam",
         choices=["adam", "sgd", "muon", "dist_muon"],
-        help="adam (AdamW), sgd, or muon (Muon on the hidden layers' matrices, AdamW on the rest); not dist_muon",
+        help="adam (AdamW), sgd, muon (Muon on the hidden layers' matrices, AdamW on the rest), or dist_muon "
+        "(muon with each parameter's state and update on one data-parallel rank)",
     )
     o.add_argument("--sgd-momentum", type=float, default=0.9, help="with --optimizer sgd")
     o.add_argument("--muon-momentum", type=float, default=0.9, help="with --optimizer muon: its momentum EMA")

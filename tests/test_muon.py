@@ -245,7 +245,6 @@ BASE = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ("--optimizer dist_muon", "--optimizer dist_muon (Megatron's layer-wise distributed Muon) is not implemented"),
         ("--optimizer muon --use-distributed-optimizer", "--optimizer muon with --use-distributed-optimizer is not"),
         ("--optimizer muon --fp16", "--optimizer muon with --fp16 is not supported"),
         ("--optimizer muon --use-torch-fsdp2", "--optimizer muon with --use-torch-fsdp2 is not supported"),

@@ -13,7 +13,9 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    optimizer: str = "adam"  # Megatron's --optimizer: adam (AdamW) or sgd (with --sgd-momentum)
+    # Megatron's --optimizer: adam (AdamW), sgd (with --sgd-momentum), muon, or dist_muon (muon with each data-parallel
+    # rank keeping the state of, and stepping, only the parameters it owns: optimizer/layer_wise_optimizer.py)
+    optimizer: str = "adam"
     sgd_momentum: float = 0.9
     # --optimizer muon (optimizer/muon.py), Megatron-LM's flags and defaults (its --muon-momentum is 0.9)
     muon_momentum: float = 0.9
@@ -87,14 +89,9 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-        if self.optimizer == "dist_muon":
-            raise ConfigError(
-                "--optimizer dist_muon (Megatron's layer-wise distributed Muon) is not implemented; use --optimizer "
-                "muon (each data-parallel rank steps every matrix)"
-            )
-        if self.optimizer not in ("adam", "sgd", "muon"):
-            raise ConfigError(f"--optimizer {self.optimizer} is not supported; use adam, sgd or muon")
-        if self.optimizer == "muon":
+        if self.optimizer not in ("adam", "sgd", "muon", "dist_muon"):
+            raise ConfigError(f"--optimizer {self.optimizer} is not supported; use adam, sgd, muon or dist_muon")
+        if self.is_muon:
             self._check_muon()
         if self.optimizer == "sgd" and (self.use_apex_adam or not 0 <= self.sgd_momentum < 1):
             raise ConfigError(
@@ -215,10 +212,16 @@ class OptimizerConfig:
             ("--fp16", self.fp16, "Megatron refuses it too; use --bf16"),
             ("--use-torch-fsdp2", self.use_torch_fsdp2, "Muon orthogonalizes whole matrices"),
             ("--use-apex-adam", self.use_apex_adam, "the Adam part is torch's AdamW"),
+            # (Megatron overlaps dist_muon's all-gather of the updated weights; here it follows the step)
+            (
+                "--overlap-param-gather",
+                self.overlap_param_gather and self.optimizer == "dist_muon",
+                "not implemented for the layer-wise all-gather",
+            ),
         )
         for flag, given, why in refused:
             if given:
-                raise ConfigError(f"--optimizer muon with {flag} is not supported ({why}); drop {flag}")
+                raise ConfigError(f"--optimizer {self.optimizer} with {flag} is not supported ({why}); drop {flag}")
         for flag, value, choices in (
             ("--muon-scale-mode", self.muon_scale_mode, SCALE_MODES),
             ("--muon-fp32-matmul-prec", self.muon_fp32_matmul_prec, MATMUL_PRECS),
@@ -255,6 +258,11 @@ class OptimizerConfig:
             )
         if self.fp16 and self.loss_scale_window < 1:
             raise ConfigError(f"--loss-scale-window {self.loss_scale_window} must be >= 1")
+
+    @property
+    def is_muon(self) -> bool:
+        """Muon on the matrices, AdamW on the rest: --optimizer muon or its layer-wise distributed dist_muon."""
+        return self.optimizer in ("muon", "dist_muon")
 
     @property
     def grad_dtype(self):

@@ -43,7 +43,7 @@ def state_kinds(config: OptimizerConfig) -> tuple[str, ...]:
     buffer (nothing without momentum)."""
     if config.optimizer == "sgd":
         return ("momentum_buffer",) if config.sgd_momentum > 0 else ()
-    if config.optimizer == "muon":  # Adam's moments for what Adam steps, Muon's momentum for its matrices
+    if config.is_muon:  # Adam's moments for what Adam steps, Muon's momentum for its matrices
         return ("exp_avg", "exp_avg_sq", "momentum_buffer")
     return ("exp_avg", "exp_avg_sq")
 
@@ -53,7 +53,7 @@ def state_bytes_per_param(config: OptimizerConfig) -> int:
     momentum buffer (4, none without momentum)."""
     if config.optimizer == "sgd":
         return 4 * len(state_kinds(config))
-    if config.optimizer == "muon":  # an upper bound: Adam's 8 (Muon's matrices keep 4)
+    if config.is_muon:  # an upper bound: Adam's 8 (Muon's matrices keep 4)
         return 8
     return sum(DTYPES[getattr(config, k)].itemsize for k in ("exp_avg_dtype", "exp_avg_sq_dtype"))
 
@@ -62,7 +62,7 @@ def state_entry(d: dict[str, torch.Tensor], config: OptimizerConfig, step: int, 
     """One parameter's optimizer state from saved tensors `d` (each passed through `part`: a shard's slice), for
     `load_inner_state`; None when the checkpoint has none for it."""
     kinds = state_kinds(config)
-    if config.optimizer == "muon":  # each parameter has Muon's momentum or Adam's moments
+    if config.is_muon:  # each parameter has Muon's momentum or Adam's moments
         kinds = ("momentum_buffer",) if "momentum_buffer" in d else ("exp_avg", "exp_avg_sq")
     if not kinds or kinds[0] not in d:
         return None
@@ -350,9 +350,7 @@ class MixedPrecisionOptimizer(OptimizerBase):
         self.grad_of = grad_of
         self.names, self.params, self.main_params, counted, expert = [], [], [], [], []
         entries, metas = [], []
-        for name, p, meta in named_param_meta(model):
-            if not p.requires_grad:
-                continue
+        for name, p, meta in self._stepped(model):
             main = p if p.dtype == torch.float32 else p.detach().float().clone()
             self.names.append(name)
             self.params.append(p)
@@ -367,11 +365,20 @@ class MixedPrecisionOptimizer(OptimizerBase):
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
         # must still join the expert group's reduction.
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
-        if config.optimizer == "muon":
+        if config.is_muon:
             self.inner = muon_optimizer(model, entries, metas, config, ctx)
         else:
             self.inner = _inner_optimizer(optimizer_groups(entries, config), config, ctx.device)
         self.scaler = make_scaler(config)
+
+    def _stepped(self, model: nn.Module) -> list:
+        """(name, parameter, meta) of the parameters this rank keeps state for and steps: every trained one."""
+        return [(name, p, meta) for name, p, meta in named_param_meta(model) if p.requires_grad]
+
+    def _sum_groups(self, expert: bool) -> tuple:
+        """The groups a per-parameter sum (grad norm, params norm, zeros) is summed over: each parameter is then
+        counted exactly once."""
+        return (self.ctx.emp,) if expert else (self.ctx.mp,)
 
     # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
     def holds(self, p: nn.Parameter) -> bool:
@@ -420,11 +427,11 @@ class MixedPrecisionOptimizer(OptimizerBase):
         (TP x PP), experts over the expert-model-parallel group (expert-TP x EP x PP): each parameter counted
         exactly once."""
         total = 0.0
-        for want_expert, group in ((False, self.ctx.mp), (True, self.ctx.emp)):
+        for want_expert in (False, True):
             if want_expert and not self._moe:
                 continue
             mine = [g for g, c, e in zip(tensors, self._counted, self._expert) if c and e == want_expert]
-            total += fn(mine, self.ctx.device, group)
+            total += fn(mine, self.ctx.device, *self._sum_groups(want_expert))
         return total
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:

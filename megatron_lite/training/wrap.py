@@ -1,5 +1,5 @@
 """The data-parallel wrapper and optimizer a job trains with, chosen by the optimizer flags: plain DDP +
-mixed-precision AdamW, the distributed optimizer (ZeRO-1/2), or FSDP2 (ZeRO-3)."""
+mixed-precision AdamW, the distributed optimizer (ZeRO-1/2), FSDP2 (ZeRO-3), or dist_muon's layer-wise one."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from megatron_lite.distributed.ddp import DistributedDataParallel
 from megatron_lite.distributed.fsdp import FSDP2Model, FSDP2Optimizer
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.distributed_optimizer import DistributedOptimizer
+from megatron_lite.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
 
@@ -45,4 +46,6 @@ def wrap_for_training(
     ddp.check_finite(optim.check_for_nan_in_loss_and_grad)
     if optim.use_distributed_optimizer:
         return ddp, DistributedOptimizer(model, ddp, optim, ctx, overlap_param_gather=optim.overlap_param_gather)
+    if optim.optimizer == "dist_muon":
+        return ddp, LayerWiseDistributedOptimizer(model, ddp.main_grad, optim, ctx)
     return ddp, MixedPrecisionOptimizer(model, ddp.main_grad, optim, ctx)

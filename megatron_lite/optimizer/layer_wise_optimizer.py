@@ -1,0 +1,156 @@
+"""Megatron's --optimizer dist_muon: --optimizer muon under Megatron-Core's LayerWiseDistributedOptimizer.
+
+Each data-parallel rank owns whole parameters (the dense ones over the DP x CP group, experts over the
+expert-data-parallel group): it keeps the fp32 main weights and the optimizer state (Muon's momentum, Adam's
+moments) only for those, and steps only those. Gradients are all-reduced as for plain muon (Megatron's DDP
+does the same: every rank holds every reduced gradient), and after the step each rank's updated weights are
+all-gathered into every rank's model. So the Muon update of a matrix, its tensor-parallel collectives included,
+is the one process's, and optimizer-state memory per rank falls to about 1/DP.
+
+The split: Megatron sorts the parameters by size and deals them out ping-pong; here each parameter, largest
+first, goes to the rank holding the fewest bytes of state so far (its state's bytes: Adam keeps two moments,
+Muon one momentum, plus an fp32 main copy of low-precision weights), which balances the state better. Only
+memory depends on the split: the update of a parameter is the same on whichever rank steps it. The split is a
+function of the parameters' order and sizes, alike on every tensor-parallel rank, so the ranks that
+orthogonalize one matrix together (--muon-tp-mode duplicated|distributed) own it together.
+
+The grad norm is exact: each rank sums the squares of its owned gradients (the same counting rules as
+without sharding), summed over the data-parallel group, then the model-parallel one. Checkpoints hold full
+tensors as plain muon's do (each owner broadcasts its state at save; at load each rank keeps what it owns), so
+one saved under dist_muon loads under muon, under another DP size, and the other way round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.optimizer import (
+    GradOf,
+    MixedPrecisionOptimizer,
+    StepResult,
+    any_rank,
+    group_name,
+    runs_muon,
+)
+from megatron_lite.parallel_context import Group, ParallelContext
+from megatron_lite.parameters import named_param_meta
+from megatron_lite.tensor_parallel.mappings import all_gather_tensor
+
+
+def layer_wise_split(sizes: list[int], ranks: int) -> list[int]:
+    """The owner of each item of `sizes` (bytes of state): largest first (ties: the earlier first), each to
+    the rank with the fewest bytes so far (ties: the lowest rank)."""
+    load, owner = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = load.index(min(load))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer over the parameters this rank owns (its muon optimizer, main weights, state and
+    sums see those alone), with the updated weights all-gathered after each step."""
+
+    def __init__(self, model: nn.Module, grad_of: GradOf, config: OptimizerConfig, ctx: ParallelContext) -> None:
+        self.config, self.ctx = config, ctx
+        trained = [(name, p, meta) for name, p, meta in named_param_meta(model) if p.requires_grad]
+        self._trained = {id(p) for _, p, _ in trained}
+        # (group, each of its ranks' owned parameters in model order): dense over DP x CP, experts over EDP
+        self._owned_by: list[tuple[Group, list[list[nn.Parameter]]]] = []
+        self._muon: dict[int, bool] = {}  # id(p) -> whether Muon steps it (else Adam)
+        mine = set()
+        for expert, group in ((False, ctx.dp_cp), (True, ctx.edp)):
+            members = [(name, p, meta) for name, p, meta in trained if meta.expert == expert]
+            if not members:
+                continue
+            sizes = []
+            for name, p, meta in members:
+                muon = self._muon[id(p)] = runs_muon(group_name(name, meta), p.ndim)
+                kinds = (1 if muon else 2) + (p.dtype != torch.float32)  # (a main copy of low-precision weights)
+                sizes.append(p.numel() * 4 * kinds)
+            owner = layer_wise_split(sizes, group.size)
+            lists: list[list[nn.Parameter]] = [[] for _ in range(group.size)]
+            for (_, p, _), r in zip(members, owner):
+                lists[r].append(p)
+            mine |= {id(p) for p in lists[group.rank]}
+            self._owned_by.append((group, lists))
+        self._mine = mine
+        super().__init__(model, grad_of, config, ctx)
+
+    def _stepped(self, model: nn.Module) -> list:
+        return [(name, p, meta) for name, p, meta in named_param_meta(model) if id(p) in self._mine]
+
+    def _sum_groups(self, expert: bool) -> tuple:
+        """Each rank counts its owned parameters: summed over the group they are split over, then as before."""
+        return (self.ctx.edp, self.ctx.emp) if expert else (self.ctx.dp_cp, self.ctx.mp)
+
+    @torch.no_grad()
+    def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
+        result = super().step(lr, decoupled_lr, weight_decay)  # (skipped alike on every rank: a global norm)
+        if result.updated:
+            self._gather_params()
+        return result
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Every rank's updated weights into every rank's model: one all-gather per group and dtype of this
+        rank's flattened parameters, padded to the largest rank's (gloo's all-gather takes equal sizes)."""
+        for group, lists in self._owned_by:
+            if group.size == 1:
+                continue
+            for dtype in sorted({p.dtype for ps in lists for p in ps}, key=str):
+                of = [[p for p in ps if p.dtype == dtype] for ps in lists]
+                width = max(sum(p.numel() for p in ps) for ps in of)
+                flat = torch.zeros(width, dtype=dtype, device=self.ctx.device)
+                if of[group.rank]:
+                    own = torch.cat([p.detach().reshape(-1) for p in of[group.rank]])
+                    flat[: own.numel()] = own
+                gathered = torch.empty(width * group.size, dtype=dtype, device=self.ctx.device)
+                with group.blocked():
+                    all_gather_tensor(gathered, flat, group=group.pg)
+                for r, ps in enumerate(of):
+                    if r == group.rank:
+                        continue
+                    at = r * width
+                    for p in ps:
+                        p.detach().copy_(gathered[at : at + p.numel()].view(p.shape))
+                        at += p.numel()
+
+    # Checkpoint interface ---------------------------------------------------------------------------
+    def holds(self, p: nn.Parameter) -> bool:
+        return id(p) in self._trained
+
+    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every trained parameter's main weights (low-precision weights) and state, broadcast by its owner
+        over its group (a collective), staged on the host: one rank's share on the device at a time."""
+        local = super().gather_full_state()  # (the owned parameters')
+        stepped = any_rank(bool(self.inner.state), self.ctx)  # (a rank owning nothing has no state to tell)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for group, lists in self._owned_by:
+            for r, ps in enumerate(lists):
+                for kind in ("main", "momentum_buffer", "exp_avg", "exp_avg_sq"):
+                    of = [p for p in ps if self._keeps(p, kind, stepped)]
+                    if not of:
+                        continue
+                    if r == group.rank:
+                        flat = torch.cat([local[id(p)][kind].reshape(-1) for p in of])
+                    else:
+                        flat = torch.empty(sum(p.numel() for p in of), dtype=torch.float32, device=self.ctx.device)
+                    if group.size > 1:
+                        with group.blocked():
+                            dist.broadcast(flat, src=group.ranks[r], group=group.pg)
+                    at = 0
+                    for p in of:
+                        out.setdefault(id(p), {})[kind] = flat[at : at + p.numel()].view(p.shape).to("cpu", copy=True)
+                        at += p.numel()
+        return out
+
+    def _keeps(self, p: nn.Parameter, kind: str, stepped: bool) -> bool:
+        """Whether its owner keeps state `kind` for `p` (in fp32, as a muon run saves it)."""
+        if kind == "main":
+            return p.dtype != torch.float32  # (fp32 weights are their own main weights)
+        return stepped and (kind == "momentum_buffer") == self._muon[id(p)]
