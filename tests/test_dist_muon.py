@@ -1,7 +1,8 @@
 """--optimizer dist_muon (optimizer/layer_wise_optimizer.py): at DP=2, DP=4, TP=2 x DP=2 and EP=2 x EDP=2 the
-per-iteration lm_loss and grad_norm are the one-process --optimizer muon run's; optimizer-state bytes per rank
-fall to a quarter at DP=4; a checkpoint saved under dist_muon at DP=2 continues identically under muon on one
-process and under dist_muon at DP=4; the split of the parameters worked out by hand; the refusals."""
+per-iteration lm_loss and grad_norm are the one-process --optimizer muon run's (under --bf16: muon's at DP=2);
+optimizer-state bytes per rank fall to a quarter at DP=4 (a half at DP=2 with bf16's main weights); a
+checkpoint saved under dist_muon at DP=2 continues identically under muon on one process and under dist_muon
+at DP=4, and back; the split of the parameters worked out by hand; the refusals."""
 
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ DIST = dataclasses.replace(MUON, optimizer="dist_muon")
 TOTAL, SAVE_AT = 6, 3
 
 
-def _run(name, parallel, mbs, optim=DIST, iters=5, save=None, load=None):
+def _run(name, parallel, mbs, optim=DIST, iters=5, save=None, load=None, dtype=torch.float32):
     """(per iteration (lm_loss, grad_norm), this rank's optimizer-state bytes); from the checkpoint in `load`
     if given (to iteration TOTAL), saving at SAVE_AT into `save`."""
     ctx = get_context(parallel) if torch.distributed.is_initialized() else ParallelContext.virtual(parallel)
     config = MODELS[name]()
     ctx.seed(1234)
-    model = build_model(config, ctx, seed=1234 if load is None else 999)  # loading must overwrite every weight
+    model = build_model(config, ctx, seed=1234 if load is None else 999, dtype=dtype)  # (loading overwrites it)
     ddp, opt = wrap_for_training(model, ctx, optim)
     assert isinstance(opt, LayerWiseDistributedOptimizer) == (optim.optimizer == "dist_muon")
     sched = LRScheduler(optim, TOTAL if save or load else iters)
@@ -85,6 +86,21 @@ def test_experts_are_split_over_the_expert_data_parallel_group(dist):
     ref, _ = _run("moe", ParallelConfig(), GBS, MUON, iters=3)
     for history, _ in dist(4, _run, "moe", ParallelConfig(expert_model_parallel_size=2), GBS // 4, iters=3):
         _close(history, ref, "ep2-dp4")
+
+
+def _bf16_pair(iters):
+    """A bf16 muon run, then a bf16 dist_muon run, on the same ranks."""
+    muon, dist_muon = (dataclasses.replace(o, bf16=True) for o in (MUON, DIST))
+    return [_run("llama", ParallelConfig(), GBS // 2, o, iters, dtype=torch.bfloat16) for o in (muon, dist_muon)]
+
+
+@pytest.mark.slow
+def test_bf16_keeps_main_weights_on_the_owner_alone(dist):
+    """Under --bf16 at DP=2 the fp32 main weights too are kept by each parameter's owner alone (half the state
+    of muon's at DP=2), and the updated bf16 weights it gathers give muon's lm_loss and grad_norm."""
+    for (ref, muon_bytes), (history, state_bytes) in dist(2, _bf16_pair, 3):
+        _close(history, ref, "bf16 dp2")
+        assert abs(state_bytes - muon_bytes / 2) <= 0.1 * muon_bytes / 2, (state_bytes, muon_bytes)
 
 
 @pytest.mark.slow
