@@ -22,6 +22,7 @@ from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, layer_wise_split
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.planner.memory import parameter_state_bytes
 from megatron_lite.training.step import train_step
 from megatron_lite.training.wrap import wrap_for_training
 
@@ -126,6 +127,14 @@ def test_split_balances_state_bytes():
     5 -> 1 (7 < 9), 3 -> 0 (9 < 12), 2 -> 0 (12 = 12)."""
     assert layer_wise_split([5, 9, 2, 7, 3], 2) == [1, 0, 0, 1, 0]
     assert layer_wise_split([4, 4, 4], 4) == [0, 1, 2]  # (a rank may own nothing)
+
+
+def test_dry_run_prices_the_state_split_over_data_parallelism():
+    """--dry-run's weights+gradients+optimizer bytes: by hand, 1000 dense parameters over DP x CP = 4 and 400
+    expert ones over EDP = 2 keep 8 bytes of state each (Adam's bound) on a quarter and a half of them, plus
+    bf16's 4-byte main copies; gradients stay whole (all-reduced)."""
+    assert parameter_state_bytes(1000, 400, 4, 2, "layer-wise", False) == (4 * 1400, 4 * 1400, 8 * 450)
+    assert parameter_state_bytes(1000, 400, 4, 2, "layer-wise", True) == (2 * 1400, 4 * 1400, 12 * 450)
 
 
 BASE = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data".split()

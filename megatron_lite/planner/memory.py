@@ -497,7 +497,8 @@ def parameter_state_bytes(
     and `edp` ranks: weights in compute precision (bf16: 2 bytes), gradient buffers (bf16 with `grads_bf16`),
     fp32 main copies in low precision and the optimizer's `state_bytes`. The distributed optimizer shards the
     main copies (kept even of fp32 weights) and state, ZeRO-2 the gradients too (but `whole_grads` parameters'),
-    FSDP2 everything in fp32 shards that are the main weights."""
+    FSDP2 everything in fp32 shards that are the main weights; dist_muon's layer-wise split ("layer-wise") the
+    main copies of low-precision weights and state, by whole parameters (priced as an even split)."""
     local = dense / dp_cp + expert / edp
     if sharding == "fsdp2":
         params = 4 * local  # bf16 copies are gathered a layer at a time for compute
@@ -507,6 +508,8 @@ def parameter_state_bytes(
     grads = grad_bytes * ((local + whole_grads) if sharding == "zero2" else total)
     if sharding in ("dist-opt", "zero2"):
         optimizer = (state_bytes + MAIN_COPY) * local
+    elif sharding == "layer-wise":
+        optimizer = (state_bytes + (MAIN_COPY if bf16 else 0)) * local
     else:
         optimizer = (state_bytes + (MAIN_COPY if bf16 else 0)) * total
     return (2 if bf16 else 4) * total, grads, optimizer
