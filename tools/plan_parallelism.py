@@ -204,8 +204,9 @@ def print_plan(
     print(
         "assumed: "
         + (
-            "Muon's momentum on the hidden layers' matrices and Adam elsewhere, all counted at Adam's 8 bytes (an "
-            "upper bound), and fp32 main weights"
+            "Muon's momentum on the hidden layers' matrices and Adam elsewhere, all counted at Adam's 8 bytes "
+            + ("and whole on every rank (dist_muon splits it over DP: " if optimizer == "dist_muon" else "(")
+            + "an upper bound), and fp32 main weights"
             if optimizer in MUON
             else "Adam with fp32 main weights and moments"
             if state_bytes == 8
