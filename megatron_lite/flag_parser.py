@@ -141,10 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(m, "--qk-l2-norm", "scale each query and key head to unit RMS before RoPE, no weight (Llama 4)")
     # (not Megatron's: Hugging Face's Llama 4, set by its converter; see models/attention_variants.py)
     _bool(m, "--qk-l2-norm-rope-only", "--qk-l2-norm on the RoPE layers only, as Hugging Face's Llama 4")
-    m.add_argument("--attention-chunk-size", type=int, help="Llama 4's chunked attention on the RoPE layers: "
-                   "not implemented, a longer --seq-length is refused")  # fmt: skip
-    m.add_argument("--attn-temperature-floor-scale", type=int, help="Llama 4's NoPE-layer temperature tuning: not "
-                   "implemented, a --seq-length of it or more is refused")  # fmt: skip
+    m.add_argument("--attention-chunk-size", type=int, help="Llama 4's chunked attention on the RoPE layers: a "
+                   "query sees earlier keys of its own chunk of N absolute positions only")  # fmt: skip
+    m.add_argument("--attn-temperature-floor-scale", type=int, help="Llama 4's NoPE-layer temperature tuning: "
+                   "queries times log1p(floor((pos + 1) / N)) x --attn-temperature-scale + 1")  # fmt: skip
     m.add_argument("--attn-temperature-scale", type=float, default=0.1, help="its strength (Llama 4: 0.1)")
     _bool(
         m,

@@ -17,7 +17,6 @@ from megatron_lite.config import (
     _nearest_multiples,
     divisors,
 )
-from megatron_lite.models.attention_variants import max_unchunked_length
 
 # (Megatron repeats any one character, '|' too: "E|*2tL" is "E||tL")
 _LAYOUT_REPEAT = (re.compile(r"\(([^()]+)\)\*(\d+)"), re.compile(r"([^()*])\*(\d+)"))
@@ -361,13 +360,6 @@ def validate_layout(
         raise ConfigError(
             f"--mtp-num-layers {model.mtp_num_layers} predicts past --seq-length {seq}: no token would carry its "
             f"last depth's loss; use fewer than {seq} depths"
-        )
-    longest = max_unchunked_length(model)
-    if longest is not None and seq > longest:
-        raise ConfigError(
-            f"--seq-length {seq} needs Llama 4's chunked attention (attention_chunk_size "
-            f"{model.attention_chunk_size}) or attention temperature tuning (floor_scale "
-            f"{model.attn_temperature_floor_scale}), which are not implemented; use --seq-length {longest} or less"
         )
     if model.position_embedding_type == "learned_absolute" and seq > model.max_position_embeddings:
         raise ConfigError(

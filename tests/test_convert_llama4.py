@@ -3,8 +3,8 @@ against real transformers models with every weight random: our logits equal tran
 NoPE layers, the RoPE layers' q/k L2 norms, interleaved llama3 RoPE, the sigmoid top-1 on the experts' inputs with
 the shared expert, dense layers of intermediate_size_mlp between); the export loads in transformers bit-exact with
 the same logits; two training steps give transformers' loss and gradient norm; a Llama4ForConditionalGeneration
-checkpoint's text model converts; chunked attention and temperature tuning, not implemented, refuse a --seq-length
-that would need them."""
+checkpoint's text model converts (chunked attention and temperature tuning past their lengths:
+tests/test_llama4_long.py)."""
 
 from __future__ import annotations
 
@@ -172,50 +172,6 @@ def test_a_conditional_generation_checkpoints_text_model_converts(tmp_path):
     assert b.keys() == text.keys() and all(torch.equal(text[k], b[k]) for k in text)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
     assert type(reloaded) is transformers.Llama4ForCausalLM and torch.equal(_hf_logits(reloaded, IDS), ref)
-
-
-def test_chunked_attention_and_temperature_tuning_refuse_longer_sequences(tmp_path):
-    """Past attention_chunk_size (or from floor_scale) transformers' logits change, which we do not compute: such a
-    --seq-length is one line at start-up, one within them runs; a converted checkpoint carries both (its --load
-    alone runs at 16 tokens)."""
-    from megatron_lite.arguments import parse_args
-    from megatron_lite.layout_validation import validate_layout
-
-    model = _random_model(_config(**CASES["interleaved-moe-llama3"]))
-    _, ours, _ = _converted(tmp_path, model)
-    for more, ok in (([], True), (["--seq-length", "17"], False)):
-        job = parse_args(["--load", ours, "--mock-data", "--train-iters", "1", *more])[1]
-        assert (job.model.attention_chunk_size, job.model.attn_temperature_floor_scale) == (16, 17)
-        if ok:
-            validate_layout(job.model, job.parallel, 1, job.training)
-        else:
-            with pytest.raises(ConfigError, match=re.escape("--seq-length 17 needs Llama 4's chunked attention")):
-                validate_layout(job.model, job.parallel, 1, job.training)
-    from megatron_lite.inference.generation import generate
-
-    ours_model, ctx, _ = _load_ours(ours, ParallelConfig())
-    assert len(generate(ours_model, ctx, IDS[:14], 3)["generated_ids"]) == 3  # (16 positions fed)
-    with pytest.raises(ValueError, match="17 positions need Llama 4's chunked attention"):
-        generate(ours_model, ctx, IDS[:14], 4)
-    long = list(range(1, 20))
-    with torch.no_grad():  # (the chunk boundary at 16 and floor_scale 17 matter to transformers from there on)
-        chunked = model(torch.tensor([long])).logits[0, 16:]
-        model.config.attention_chunk_size, model.config.attn_temperature_tuning = None, False
-        model.config.layer_types = ["full_attention"] * 4
-        full = transformers.Llama4ForCausalLM(model.config).eval()
-        full.load_state_dict(model.state_dict())
-        assert _rel(chunked, full(torch.tensor([long])).logits[0, 16:]) > 1e-3
-
-    base = "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --train-iters 1 --mock-data --vocab-size 100"
-    base += " --position-embedding-type rope --no-rope-freq 4 --attention-chunk-size 16 --attn-temperature-floor-scale"
-    for floor, seq, ok in ((17, 16, True), (17, 17, False), (16, 16, False)):
-        job = parse_args([*base.split(), str(floor), "--seq-length", str(seq)])[1]
-        if ok:
-            validate_layout(job.model, job.parallel, 1, job.training)
-            continue
-        with pytest.raises(ConfigError, match=re.escape(f"--seq-length {seq} needs Llama 4's chunked")) as err:
-            validate_layout(job.model, job.parallel, 1, job.training)
-        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,6 @@ from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, Train
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_saved
-from megatron_lite.models.attention_variants import max_unchunked_length
 from megatron_lite.models.hf import MTP, _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
 from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_gpt_oss import GPT_OSS, dequantize_experts
@@ -224,7 +223,7 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
         if os.path.isfile(os.path.join(new_side, "tokenizer.json"))
         else DataConfig()
     )
-    seq = min(config.max_position_embeddings, 4096, max_unchunked_length(config) or 4096)  # (Llama 4's limit)
+    seq = min(config.max_position_embeddings, 4096)
     job = JobConfig(
         model=config,
         parallel=ParallelConfig(),

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.inference.kv_cache import KVCache, cache_bytes
-from megatron_lite.models.attention_variants import max_unchunked_length
 from megatron_lite.models.gpt_model import stream_dtype
 from megatron_lite.models.mla import MultiLatentAttention
 from megatron_lite.optimizer.optimizer import any_rank
@@ -203,10 +202,6 @@ def generate_batch(
     fed = longest + max(max_new_tokens - 1, 0)  # (the last token generated is never fed back)
     if fed > max_pos and chunks[0].config.position_embedding_type == "learned_absolute":
         raise ValueError(f"prompt + --max-new-tokens - 1 = {fed} positions fed exceed the {max_pos} learned ones")
-    unchunked = max_unchunked_length(chunks[0].config)
-    if unchunked is not None and fed > unchunked:  # (Llama 4's chunked attention / temperature tuning, not ours)
-        raise ValueError(f"prompt + --max-new-tokens - 1 = {fed} positions need Llama 4's chunked attention or "
-                         f"temperature tuning, not implemented: at most {unchunked}")  # fmt: skip
     gens = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
     scoring = max_new_tokens == 0 or prompt_logprobs
     _check_memory_fits(chunks, ctx, b, longest + max_new_tokens, shortest if scoring else 1)

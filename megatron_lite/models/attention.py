@@ -12,11 +12,14 @@ from torch import nn
 from megatron_lite import kernels as K
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel.attention import IMPLEMENTATIONS as CP_ATTENTION
+from megatron_lite.context_parallel.zigzag import zigzag_positions
 from megatron_lite.models.attention_variants import (
     attention_with_offset,
+    chunked_documents,
     flash_attention_with_offset,
     l2_norm,
     output_gate,
+    temperature_scaled,
 )
 from megatron_lite.models.norms import build_norm
 from megatron_lite.parallel_context import ParallelContext
@@ -79,6 +82,8 @@ class CoreAttention(nn.Module):
         self.rng = ctx.rng
         self.triton = config.kernel_impl == "triton"
         self.window = config.layer_window(layer_number)  # (--window-attn-skip-freq: some layers attend fully)
+        # Llama 4's chunked attention, on its RoPE layers (transformers' chunked_attention layer type)
+        self.chunk = None if config.skips_rope(layer_number) else config.attention_chunk_size
         # --softmax-type: an extra logit per head beside the scores (models/attention_variants.py); this rank's
         # heads' offsets, in fp32 as the softmax
         heads = config.num_attention_heads // ctx.tp.size
@@ -106,6 +111,9 @@ class CoreAttention(nn.Module):
         b, s, heads, d = q.shape
         sk = k.shape[1]
         p = self.dropout if self.training else 0.0
+        if self.chunk is not None:
+            k, v, documents = self._chunked(k, v, s, documents)
+            sk = k.shape[1]
         if self.cp is not None:  # documents: the whole sequence's ids, on every CP rank
             extra = {"document_ids": documents} if documents is not None else {}
             extra |= {"window_size": self.window} if self.window is not None else {}  # (a2a and allgather only)
@@ -146,12 +154,29 @@ class CoreAttention(nn.Module):
             )
         return out.transpose(1, 2)[..., :dv].reshape(b, s, -1)
 
+    def _chunked(self, k: torch.Tensor, v: torch.Tensor, s: int, documents: torch.Tensor | None):
+        """Llama 4's chunks as documents (models/attention_variants.py's chunked_documents): the keys and values
+        from the first query's chunk on (decoding: no query of this step sees an earlier chunk, so those keys are
+        not read), and the document ids that keep each query in its chunk, None once all of them are in one chunk
+        (a decoding step within a chunk: the plain causal mask then). The keys sit at positions 0.. (a KV cache
+        from the first token; under context parallelism the whole sequence's, of which this rank holds a part)."""
+        sk = k.shape[1]
+        if self.cp is not None:
+            return k, v, chunked_documents(self.chunk, k.shape[0], sk * self.cp.size, k.device, documents)
+        first = 0
+        if documents is None:  # (with documents, training: sk = s, nothing before the first chunk)
+            first = (sk - s) // self.chunk * self.chunk  # (the queries are the last s positions)
+            k, v, sk = k[:, first:], v[:, first:], sk - first
+            if sk <= self.chunk:
+                return k, v, None
+        return k, v, chunked_documents(self.chunk, k.shape[0], sk, k.device, documents, first)
+
     def _mask(self, s: int, sk: int, documents: torch.Tensor | None, device) -> torch.Tensor | None:
         """Where each query may look: the causal (windowed) mask within each document, None for the causal square."""
         mask = attention_mask(s, sk, self.window, device)
         if documents is None:
             return mask
-        inside = document_mask(documents)
+        inside = document_mask(documents)[..., sk - s :, :]  # (the queries are the last s keys' positions)
         return inside if mask is None else inside & mask
 
     def _with_offset(self, q, k, v, documents, p: float) -> torch.Tensor:
@@ -212,6 +237,10 @@ class SelfAttention(nn.Module):
         # (Hugging Face's Llama 4 normalises the RoPE layers' queries and keys only: qk_l2_norm_rope_only)
         l2 = config.qk_l2_norm and not (config.qk_l2_norm_rope_only and self.skips_rope)
         self.qk_l2_eps = config.norm_epsilon if l2 else None
+        # Llama 4's temperature tuning, on its NoPE layers: (floor_scale, scale), None elsewhere
+        tuned = self.skips_rope and config.attn_temperature_floor_scale is not None
+        self.temperature = (config.attn_temperature_floor_scale, config.attn_temperature_scale) if tuned else None
+        self.cp = ctx.cp if ctx.cp.size > 1 else None
         if config.qk_layernorm:  # one weight over head_dim for all heads; this rank sees only its heads
             self.q_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
             self.k_layernorm = build_norm(config, tp.size > 1, device, dtype, size=config.head_dim)
@@ -250,6 +279,16 @@ class SelfAttention(nn.Module):
             return self.rope(x, cos, sin)
         return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
+    def _positions(self, s: int, kv_cache, device) -> torch.Tensor:
+        """The absolute positions of this rank's s queries: after the cached tokens, this CP rank's zigzag part,
+        or 0..s-1 (the position ids are not read: --reset-position-ids restarts them, transformers' temperature
+        does not)."""
+        if kv_cache is not None:
+            return torch.arange(kv_cache.offset, kv_cache.offset + s, device=device)
+        if self.cp is not None:
+            return zigzag_positions(s * self.cp.size, self.cp.size, self.cp.rank, device)
+        return torch.arange(s, device=device)
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
     ) -> torch.Tensor:
@@ -271,6 +310,8 @@ class SelfAttention(nn.Module):
             q, k = l2_norm(q, self.qk_l2_eps), l2_norm(k, self.qk_l2_eps)
         if rope is not None and not self.skips_rope:
             q, k = self._rotate(q, rope), self._rotate(k, rope)
+        if self.temperature is not None:  # (after the L2 norm, as transformers; a NoPE layer has no RoPE)
+            q = temperature_scaled(q, self._positions(s, kv_cache, q.device), *self.temperature)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)
         if self.recompute_core_attention and self.training:

@@ -1,7 +1,8 @@
 """Megatron's attention variants beyond the plain causal softmax: windows on some layers only
 (--window-attn-skip-freq), a softmax with an extra logit per head (--softmax-type), and Llama 4's and Qwen3-Next's
 changes around it: L2-normalised queries and keys (--qk-l2-norm), layers without RoPE (--no-rope-freq) and a
-sigmoid gate on the attention output (--attention-output-gate).
+sigmoid gate on the attention output (--attention-output-gate); Hugging Face's Llama 4 adds chunked attention on the
+RoPE layers and temperature tuning on the NoPE ones (--attention-chunk-size, --attn-temperature-floor-scale).
 
 The softmax offset (Megatron-Core's softmax_offset, gpt-oss's attention sinks) is one more column beside each
 query's scores: p_j = exp(s_j) / (exp(offset) + sum_i exp(s_i)). It takes probability and adds no value, so a
@@ -90,27 +91,51 @@ def _validate_llama4_extras(config) -> None:
     """Hugging Face's Llama 4 beyond Megatron's flags (ModelConfig's qk_l2_norm_rope_only, attention_chunk_size,
     attn_temperature_floor_scale / _scale; set by the converter, carried by checkpoints): --qk-l2-norm on the RoPE
     layers only (Megatron's normalises every layer); chunked attention (block-diagonal causal, chunks of
-    attention_chunk_size) on the RoPE layers, and on the NoPE layers queries scaled by
-    log1p(floor((pos + 1) / floor_scale)) x attn_temperature_scale + 1. Neither is implemented: both change nothing
-    for a sequence of at most attention_chunk_size tokens shorter than floor_scale, and layout_validation refuses
-    a longer --seq-length."""
+    attention_chunk_size absolute positions) on the RoPE layers, and on the NoPE layers queries scaled by
+    log1p(floor((pos + 1) / floor_scale)) x attn_temperature_scale + 1 (chunked_documents and temperature_scaled
+    below)."""
     from megatron_lite.config import ConfigError
 
     if config.qk_l2_norm_rope_only and not config.qk_l2_norm:
         raise ConfigError("qk_l2_norm_rope_only (Llama 4) limits --qk-l2-norm to the RoPE layers: add --qk-l2-norm")
     for name, value in (
-        ("attention_chunk_size", config.attention_chunk_size),
-        ("attn_temperature_floor_scale", config.attn_temperature_floor_scale),
+        ("--attention-chunk-size", config.attention_chunk_size),
+        ("--attn-temperature-floor-scale", config.attn_temperature_floor_scale),
     ):
         if value is not None and value < 1:
             raise ConfigError(f"{name} {value} must be a positive number of tokens (or unset: none)")
+    if config.attention_chunk_size is not None and config.multi_latent_attention:
+        # (its decoding path attends through absorbed weights, outside the masks here)
+        raise ConfigError(
+            f"--attention-chunk-size {config.attention_chunk_size} with --multi-latent-attention is not supported "
+            "(Llama 4's chunked attention is for grouped-query attention); drop one"
+        )
 
 
-def max_unchunked_length(config) -> int | None:
-    """The longest sequence Llama 4's chunked attention and temperature tuning leave unchanged (None: any)."""
-    limits = [config.attention_chunk_size, (config.attn_temperature_floor_scale or 0) - 1]
-    limits = [n for n in limits if n is not None and n >= 0]
-    return min(limits) if limits else None
+def chunked_documents(
+    chunk: int, batch: int, seq: int, device, documents: torch.Tensor | None = None, first: int = 0
+) -> torch.Tensor:
+    """Llama 4's chunked attention as document ids [batch, seq] of the keys at absolute positions first, first + 1,
+    ...: a new id at each multiple of `chunk` and, with --reset-attention-mask's `documents` [batch, seq], at each
+    document's start too, so that a query sees only earlier keys of both its chunk and its document (the
+    intersection). A chunk is a document whose positions go on (RoPE and the temperature read absolute ones; the
+    ids only mask), so the flash kernel's document spans, SDPA's document mask and every context-parallel type
+    (which take the whole sequence's ids, as for --reset-attention-mask) serve as they are."""
+    pos = torch.arange(first, first + seq, device=device)
+    new = (pos % chunk == 0).expand(batch, seq).clone()
+    new[:, :1] = True
+    if documents is not None:
+        new[:, 1:] |= documents[:, 1:] != documents[:, :-1]
+    return new.cumsum(1) - 1
+
+
+def temperature_scaled(q: torch.Tensor, positions: torch.Tensor, floor_scale: int, scale: float) -> torch.Tensor:
+    """Llama 4's attention temperature tuning on the NoPE layers (transformers' Llama4TextAttention): queries
+    [b, s, heads, d] times log1p(floor((pos + 1) / floor_scale)) x scale + 1, `positions` [s] the queries' absolute
+    positions (transformers' arange from the cached tokens' count, whatever the position ids), the factor in fp32
+    and the product cast back, as there."""
+    factor = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0
+    return (q * factor.view(1, -1, 1, 1)).to(q.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,10 +15,10 @@ expert's input (--moe-apply-probs-on-input); a shared expert of intermediate_siz
 (--moe-shared-expert-intermediate-size). The experts are fused: gate_up_proj [E, hidden, 2I] ([gate | up] along its
 last dim, input first: ours transposed) and down_proj [E, I, hidden].
 
-attention_chunk_size (block-diagonal causal attention on the chunked_attention layers, the RoPE ones by default) and
-attn_temperature_tuning (NoPE layers' queries times log1p(floor((pos + 1) / floor_scale)) x attn_scale + 1) change
-nothing for a sequence of at most attention_chunk_size tokens shorter than floor_scale: they are carried
-(ModelConfig's attention_chunk_size, attn_temperature_floor_scale / _scale) and a longer --seq-length is refused.
+attention_chunk_size (block-diagonal causal attention on the chunked_attention layers, which must be the RoPE ones,
+transformers' default) is --attention-chunk-size, and attn_temperature_tuning (NoPE layers' queries times
+log1p(floor((pos + 1) / floor_scale)) x attn_scale + 1) --attn-temperature-floor-scale / -scale
+(models/attention_variants.py).
 router_aux_loss_coef is transformers' training loss, left to the training flags as for the other MoE classes.
 """
 
@@ -86,6 +86,12 @@ def config_kwargs(c: Any) -> dict:
         types = ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope]
     if set(types) - {"chunked_attention", "full_attention"}:
         raise ConfigError(f"config.json layer_types {sorted(set(types))} are not supported for {LLAMA4}")
+    chunked = [int(t == "chunked_attention") for t in types[:n]]
+    if chunk is not None and "chunked_attention" in types and chunked != rope:  # (ours chunks the RoPE layers)
+        raise ConfigError(
+            f"config.json layer_types chunk the layers {chunked}, not the RoPE layers {rope}: not supported for "
+            f"{LLAMA4} (chunked attention here is on the RoPE layers)"
+        )
     tuning = bool(getattr(c, "attn_temperature_tuning", True)) and any(nope)
     kwargs: dict[str, Any] = dict(
         ffn_hidden_size=int(getattr(c, "intermediate_size_mlp", c.intermediate_size)),
