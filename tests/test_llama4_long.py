@@ -151,3 +151,21 @@ def test_refusals():
     for read in (config, _fallback_config(config.to_dict())):
         with pytest.raises(ConfigError, match=re.escape("layer_types chunk the layers [1, 1, 1, 1], not the RoPE")):
             config_from_hf(read)
+
+
+def test_the_planner_prices_chunked_attention():
+    """A query of a chunked layer scores about half a chunk of keys where it scored half the sequence: the attention
+    core time falls by 1 - chunk / seq on the RoPE layers, so chunks of 1024 and 4096 at 8192 tokens save 7/8 and 1/2
+    of it, 7:4 (a chunk of the whole sequence saves nothing)."""
+    from megatron_lite.planner.hardware import ACCELERATORS, Cluster
+    from megatron_lite.planner.layout import Layout
+    from megatron_lite.planner.search import evaluate
+
+    config = CONFIGS["llama4"](num_layers=4, moe_layer_freq=(0, 1, 0, 1), hidden_size=512, max_position_embeddings=8192)
+    cl = Cluster(ACCELERATORS["H100"], 8, 1, 450e9, 50e9)
+    full, c1, c2 = (
+        evaluate(dataclasses.replace(config, attention_chunk_size=c), Layout(dp=8), 8192, 16, cl).time.compute
+        for c in (8192, 1024, 4096)
+    )
+    assert full == evaluate(config, Layout(dp=8), 8192, 16, cl).time.compute
+    assert (full - c1) / (full - c2) == pytest.approx(7 / 4, rel=1e-9)

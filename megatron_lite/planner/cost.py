@@ -272,6 +272,9 @@ def step_time(
         if model.sliding_window:  # (the windowed share of the layers: --window-attn-skip-freq spares some)
             windowed = sum(model.layer_window(i) is not None for i in range(model.num_layers)) / model.num_layers
             core *= 1.0 - windowed * (1.0 - min(1.0, 2 * model.sliding_window / seq_length))
+        if model.attention_chunk_size:  # (Llama 4's chunks on its RoPE layers: a query scores half its chunk's keys)
+            chunked = sum(not model.skips_rope(i) for i in range(model.num_layers)) / model.num_layers
+            core *= 1.0 - chunked * (1.0 - min(1.0, model.attention_chunk_size / seq_length))
         elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
         return attn, mlp, core, elem
 
