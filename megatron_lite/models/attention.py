@@ -68,8 +68,8 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with a causal mask (and a sliding window when configured), through
-    PyTorch's scaled_dot_product_attention or our flash kernel.
+    """softmax(q k^T / sqrt(d)) v with a causal mask (and a sliding window, or Llama 4's chunks, when configured),
+    through PyTorch's scaled_dot_product_attention or our flash kernel.
     q: [batch, seq_q, heads, head_dim]; k: [batch, seq_k, kv_heads, head_dim]; v: [batch, seq_k, kv_heads,
     v_head_dim] -> [batch, seq_q, heads * v_head_dim]
     (seq_k > seq_q with a KV cache). The heads here are this rank's shard, so attention dropout draws from
