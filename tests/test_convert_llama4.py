@@ -83,9 +83,8 @@ def test_llama4_converts_both_ways_with_transformers_logits(tmp_path, case):
 
 def test_llama4_at_tp2_gives_transformers_logits_and_greedy_generation(dist, tmp_path):
     """Split over TP=2 (the L2-normed heads, the shared expert's and the dense layers' MLPs split), generating
-    with our KV cache (no chunking or temperature tuning, so that generation may pass 16 tokens)."""
-    case = {**CASES["interleaved-moe-llama3"], "attention_chunk_size": None, "attn_temperature_tuning": False}
-    tp2_equals_transformers(dist, _random_model(_config(**case)), tmp_path)
+    with our KV cache past the 16-token chunk and floor scale (tests/test_llama4_long.py has them small)."""
+    tp2_equals_transformers(dist, _random_model(_config(**CASES["interleaved-moe-llama3"])), tmp_path)
 
 
 def test_the_l2_norm_skips_the_nope_layers_and_the_rope_is_interleaved(tmp_path):
