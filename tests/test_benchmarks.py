@@ -325,7 +325,7 @@ def test_bench_comm_overlap_reports_both_paths(tmp_path):
 @pytest.mark.slow
 def test_plan_parallelism_check_cpu_reports_measured_and_predicted(tmp_path):
     """The planner's CPU check runs each layout for real and prints its step-time ratio beside the cost
-    model's (the numbers are measured, not asserted: see the README for a run of all eight). Four here: one
+    model's (the numbers are measured, not asserted: see docs/planner.md for a run of all eight). Four here: one
     process, with full recomputation, DP=2 and DP=2 with the distributed optimizer."""
     stdout = _run_tool("plan_parallelism.py", "--check-cpu --iters 1 --layouts 4", tmp_path / "r.json")
     result = json.loads((tmp_path / "r.json").read_text())

@@ -65,8 +65,9 @@ def test_batches_complete_under_nccls_grouped_point_to_point(pp, vp):
 
 
 def test_the_schedule_printer_prints_readable_actions():
-    """`python -m megatron_lite.pipeline_parallel.schedules 4 2 8` (the README's): every action readable, the ends
-    of message batches as | (they printed as X-1.-1), and no arguments is the usage, not a traceback."""
+    """`python -m megatron_lite.pipeline_parallel.schedules 4 2 8` (docs/parallelism.md's): every action
+    readable, the ends of message batches as | (they printed as X-1.-1), and no arguments is the usage, not a
+    traceback."""
     import subprocess
     import sys
 

@@ -85,7 +85,7 @@ def test_plan_from_a_hugging_face_config(tmp_path):
 
 
 def test_plan_from_pretrain_flags_takes_the_planners_sizes_and_the_vocabulary(capsys):
-    """The README's `plan_parallelism.py --seq-length 4096 --global-batch-size 256 -- <model flags>`: the
+    """docs/planner.md's `plan_parallelism.py --seq-length 4096 --global-batch-size 256 -- <model flags>`: the
     planner's sizes stand in for the job's and no --train-iters is needed (it raised "missing required flag"),
     and --vocab-size is the model's vocabulary (it planned for the embedded corpus's 4096). Bad paths are one
     line."""

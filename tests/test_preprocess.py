@@ -57,7 +57,7 @@ def test_jsonl_round_trip(tmp_path, workers):
 
 def test_a_worker_imports_no_torch():
     """A --workers process (spawned) imports the tool's file anew: it imported torch through the dataset writer's
-    module, seconds per worker on a small machine (--workers 8, the README's example, took 45-95 s for 219
+    module, seconds per worker on a small machine (--workers 8, docs/training.md's example, took 45-95 s for 219
     documents on 2 loaded cores, 0.3 s with one worker); the tokenizer needs none of it."""
     tool = str(ROOT / "tools" / "preprocess_data.py")
     code = (
