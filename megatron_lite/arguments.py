@@ -163,6 +163,14 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         rotary_base=ns.rotary_base,
         rotary_percent=ns.rotary_percent,
         rotary_interleaved=ns.rotary_interleaved,
+        is_hybrid_model=ns.is_hybrid_model,
+        hybrid_attention_ratio=ns.hybrid_attention_ratio,
+        hybrid_mlp_ratio=ns.hybrid_mlp_ratio,
+        hybrid_override_pattern=ns.hybrid_override_pattern,
+        mamba_state_dim=ns.mamba_state_dim,
+        mamba_head_dim=ns.mamba_head_dim,
+        mamba_num_groups=ns.mamba_num_groups,
+        mamba_num_heads=ns.mamba_num_heads,
         rope_scaling=_rope_scaling(ns),
         sliding_window=ns.window_size,
         window_attn_skip_freq=ns.window_attn_skip_freq,
@@ -478,6 +486,11 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             )
     if model.fp32_residual_connection:
         _check_fp32_residual(optimizer)
+    if model.hybrid and "M" in model.layer_types and ns.reset_attention_mask:
+        raise ConfigError(
+            "--reset-attention-mask is not supported with Mamba layers (the scan would carry its state across "
+            "documents): drop --reset-attention-mask"
+        )
     return JobConfig(
         model=model,
         parallel=parallel,

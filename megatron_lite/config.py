@@ -213,6 +213,17 @@ class ModelConfig:
     # layer; its loss, averaged over depths and weighted by the factor, joins the training loss.
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # Hybrid Mamba models (Nemotron-H; Megatron's MambaModel and flags, models/mamba.py): each layer one residual
+    # block of one kind, M Mamba-2, * attention, - MLP, E MoE (models/hybrid_pattern.py). A model is hybrid with
+    # --is-hybrid-model, a pattern or a ratio; all Mamba when neither pattern nor ratios are given.
+    is_hybrid_model: bool = False
+    hybrid_attention_ratio: float = 0.0
+    hybrid_mlp_ratio: float = 0.0
+    hybrid_override_pattern: str | None = None
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None  # default: 2 x hidden_size / mamba_head_dim (Megatron's expand 2)
     # Which implementation runs the norms, SwiGLU, RoPE, attention and loss: our Triton kernels or PyTorch.
     kernel_impl: str = "torch"
     # fp8 GEMMs in the transformer layers' linears (Megatron's --fp8-format e4m3|hybrid, --fp8-recipe,
@@ -314,11 +325,33 @@ class ModelConfig:
             return False
         return (layer + 1) % freq == 0 if isinstance(freq, int) else bool(freq[layer])
 
+    @property
+    def hybrid(self) -> bool:
+        return bool(
+            self.is_hybrid_model
+            or self.hybrid_override_pattern is not None
+            or self.hybrid_attention_ratio
+            or self.hybrid_mlp_ratio
+        )
+
+    @functools.cached_property
+    def layer_types(self) -> tuple[str, ...]:
+        """A hybrid model's layer kinds, Megatron's symbols (models/hybrid_pattern.py)."""
+        from megatron_lite.models.hybrid_pattern import layer_types
+
+        return layer_types(self)
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba_num_heads if self.mamba_num_heads is not None else 2 * self.hidden_size // self.mamba_head_dim
+
     def is_moe_layer(self, layer: int) -> bool:
         """Layers num_layers.. are the multi-token-prediction layers: the kind of the last decoder layer."""
         if self.num_experts is None:
             return False
         layer = min(layer, self.num_layers - 1)
+        if self.hybrid:  # (the pattern's E layers)
+            return self.layer_types[layer] == "E"
         if isinstance(self.moe_layer_freq, int):
             return layer % self.moe_layer_freq == 0
         return bool(self.moe_layer_freq[layer])

@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bool(m, "--rotary-interleaved", "RoPE rotates each head's dim pairs (0, 1), (2, 3), ... instead of its halves")
     _bool(m, "--use-rope-scaling", "Llama-3 RoPE frequency scaling")
+    _bool(m, "--is-hybrid-model", "a hybrid Mamba model (Nemotron-H): Mamba-2, attention, MLP and MoE layers")
+    m.add_argument("--hybrid-attention-ratio", type=float, default=0.0, help="share of attention layers (hybrid)")
+    m.add_argument("--hybrid-mlp-ratio", type=float, default=0.0, help="share of MLP layers (hybrid)")
+    m.add_argument(
+        "--hybrid-override-pattern", help="each layer's kind, e.g. M-M*-: M Mamba, * attention, - MLP, E MoE"
+    )
+    m.add_argument("--mamba-state-dim", type=int, default=128, help="the SSM state size N per group")
+    m.add_argument("--mamba-head-dim", type=int, default=64, help="the dims P of each Mamba head")
+    m.add_argument("--mamba-num-groups", type=int, default=8, help="the B / C groups (divisible by TP)")
+    m.add_argument("--mamba-num-heads", type=int, help="Mamba heads (default 2 x hidden / --mamba-head-dim)")
     m.add_argument("--rope-scaling-factor", type=float, default=8.0)
     m.add_argument(
         "--window-size",

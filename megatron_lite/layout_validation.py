@@ -274,6 +274,9 @@ def validate_layout(
             f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --tensor-model-parallel-size in {ok_tp} or more query groups"
         )
+    from megatron_lite.models.hybrid_pattern import validate_hybrid_layout
+
+    validate_hybrid_layout(model, tp, cp)
     if model.multi_latent_attention:  # the down-projections split their latent outputs across TP
         for flag, size in (
             ("--q-lora-rank", model.q_lora_rank),

@@ -26,7 +26,6 @@ NO_NCCL_TUNING = "collectives run with NCCL's default configuration (no buffer r
 LAYOUT_FREE = "checkpoints are always safetensors + JSON, the optimizer state included, loadable under any layout"
 RETRO = "Retro (retrieval-augmented GPT) is not implemented"
 RL = "RL (GRPO) training is not implemented: pretrain_gpt.py pretrains, and fine-tunes with --sft"
-MAMBA = "Mamba and hybrid models are not implemented: pretrain_gpt.py builds transformers"
 HETEROGENEOUS = "heterogeneous layers (Llama-Nemotron's block configs) are not implemented"
 KITCHEN = "Kitchen quantization is not implemented (--fp8-format quantizes the GEMMs to fp8)"
 CONVERT = (
@@ -39,6 +38,10 @@ TP_SWITCH = "--tp-comm-overlap decomposes the tensor-parallel GEMMs into ring st
 # Megatron flags (from its example scripts) that change nothing here: accepted, and reported at start-up
 # with the reason. True where the flag takes a value.
 ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {
+    "disable_mamba_mem_eff_path": (
+        False,
+        "the Mamba mixer has one path, unfused PyTorch (no Triton SSD kernel here): the same math either way",
+    ),
     "use_mcore_models": (False, "megatron_lite has one model implementation"),
     "use_flash_attn": (
         False,
@@ -420,11 +423,6 @@ REFUSED: dict[str, str] = {
         "rl_importance_sampling_truncation_coef rl_calculate_intra_group_similarity "
         "no_rl_calculate_intra_group_similarity rl_use_sequence_packing rl_sequence_packing_bin_size "
         "rl_sequence_packing_algo",
-    ),
-    **_all(
-        MAMBA,
-        "hybrid_attention_ratio hybrid_mlp_ratio hybrid_override_pattern mamba_state_dim mamba_head_dim "
-        "mamba_num_groups mamba_num_heads is_hybrid_model disable_mamba_mem_eff_path",
     ),
     **_all(HETEROGENEOUS, "heterogeneous_layers_config_path heterogeneous_layers_config_encoded_json"),
     **_all(KITCHEN, "kitchen_config_file kitchen_recipe_number"),

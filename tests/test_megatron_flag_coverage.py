@@ -49,10 +49,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
         "--no-rl-calculate-intra-group-similarity --rl-use-sequence-packing --rl-sequence-packing-bin-size "
         "--rl-sequence-packing-algo"
     ),
-    "Mamba and hybrid models are not implemented": (
-        "--hybrid-attention-ratio --hybrid-mlp-ratio --hybrid-override-pattern --mamba-state-dim --mamba-head-dim "
-        "--mamba-num-groups --mamba-num-heads --is-hybrid-model --disable-mamba-mem-eff-path"
-    ),
     "heterogeneous layers (Llama-Nemotron's block": (
         "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"
     ),

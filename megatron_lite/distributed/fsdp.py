@@ -78,7 +78,7 @@ class FSDP2Model(nn.Module):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from megatron_lite.models.transformer import TransformerLayer
+        from megatron_lite.models.transformer import HybridLayer, TransformerLayer
         from megatron_lite.moe.experts import LocalExperts
 
         self.ctx = ctx
@@ -121,7 +121,7 @@ class FSDP2Model(nn.Module):
                 if isinstance(m, LocalExperts):
                     fully_shard(m, mesh=expert_mesh, mp_policy=policy, **kw)
             for m in chunk.modules():
-                if isinstance(m, TransformerLayer):
+                if isinstance(m, (TransformerLayer, HybridLayer)):
                     fully_shard(m, mesh=self.mesh, mp_policy=policy, **kw)
             fully_shard(chunk, mesh=self.mesh, mp_policy=policy, **kw)
         # (after fully_shard, which swaps every parameter for a sharded one)

@@ -107,6 +107,59 @@ class TransformerLayer(nn.Module):
         return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
 
 
+class HybridLayer(nn.Module):
+    """One layer of a hybrid Mamba model (Megatron's MambaStack): its own pre-norm, one branch, the residual add.
+    The names are Megatron's: a Mamba layer's norm and mixer (MambaLayer), an attention layer's input_layernorm and
+    self_attention, an MLP or MoE layer's pre_mlp_layernorm and mlp (its TransformerLayers with the other half
+    an identity)."""
+
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, layer_number: int, device=None, dtype=torch.float32
+    ) -> None:
+        super().__init__()
+        from megatron_lite.models.mamba import MambaMixer
+
+        self.layer_number = layer_number
+        self.kind = config.layer_types[layer_number]
+        self.hidden_dropout = config.hidden_dropout
+        self.fp32_residual = config.fp32_residual_connection
+        self.rng = ctx.rng
+        self.sequence_parallel = ctx.sequence_parallel
+        norm = build_norm(config, ctx.sequence_parallel, device, dtype)
+        modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
+        self.recompute = False
+        if self.kind == "M":
+            self.norm, self.mixer = norm, MambaMixer(config, ctx, device, dtype)
+        elif self.kind == "*":
+            self.input_layernorm = norm
+            attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+            self.self_attention = attention(config, ctx, device, dtype, layer_number)
+        else:
+            self.pre_mlp_layernorm = norm
+            moe = self.kind == "E"
+            self.mlp = MoELayer(config, ctx, device, dtype) if moe else MLP(config, ctx, device, dtype)
+            self.recompute = ("moe" if moe else "mlp") in modules
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None
+    ) -> torch.Tensor:
+        if self.fp32_residual:
+            x = x.float()
+        if self.kind == "M":
+            if kv_cache is not None or documents is not None:  # (refused at start-up; said again here)
+                raise ValueError(
+                    "a Mamba layer keeps no state in the KV cache and carries its scan across documents: "
+                    "generation with a KV cache and --reset-attention-mask are not supported with Mamba layers"
+                )
+            h = self.mixer(self.norm(x))
+        elif self.kind == "*":
+            h = self.self_attention(self.input_layernorm(x), rope, kv_cache, documents)
+        else:
+            h = self.pre_mlp_layernorm(x)
+            h = checkpoint(self.mlp, self.rng, h) if self.recompute and self.training else self.mlp(h)
+        return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
+
+
 class TransformerBlock(nn.Module):
     """The layers this rank runs, `layer_offset` being the global number of the first one, and the
     final norm when this rank holds the last layer.
@@ -128,9 +181,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.config = config
         self.rng = ctx.rng
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, ctx, layer_offset + i, device, dtype) for i in range(num_layers)
-        )
+        layer = HybridLayer if config.hybrid else TransformerLayer
+        self.layers = nn.ModuleList(layer(config, ctx, layer_offset + i, device, dtype) for i in range(num_layers))
         self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype) if final_norm else None
 
     def _run(self, start: int, end: int, rope, documents=None):

@@ -45,6 +45,17 @@ def _full_init(p: torch.Tensor, meta: ParamMeta, name: str, seed: int) -> torch.
         gen = torch.Generator(device=p.device)
         gen.manual_seed(param_seed(seed, name))
         return torch.empty(shape, device=p.device, dtype=torch.float32).normal_(0.0, args[0], generator=gen)
+    if kind == "mamba_A_log":  # a Mamba head's A = -exp(A_log) with -A uniform in [lo, hi] (Megatron's (1, 16))
+        gen = torch.Generator(device=p.device)
+        gen.manual_seed(param_seed(seed, name))
+        return torch.empty(shape, device=p.device, dtype=torch.float32).uniform_(*args, generator=gen).log()
+    if kind == "mamba_dt_bias":  # softplus(dt_bias) log-uniform in [dt_min, dt_max], floored (Megatron's mixer)
+        dt_min, dt_max, floor = args
+        gen = torch.Generator(device=p.device)
+        gen.manual_seed(param_seed(seed, name))
+        u = torch.rand(shape, device=p.device, dtype=torch.float32, generator=gen)
+        dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+        return dt + torch.log(-torch.expm1(-dt))  # (softplus's inverse)
     if kind == "xavier":  # --init-method-xavier-uniform: U(±sqrt(6 / (fan_in + fan_out))) of the full tensor
         fan_out, fan_in = shape[0], math.prod(shape[1:])
         args = [math.sqrt(6.0 / (fan_in + fan_out))]

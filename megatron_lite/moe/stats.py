@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.models.transformer import TransformerLayer
+from megatron_lite.models.transformer import HybridLayer, TransformerLayer
 from megatron_lite.moe.layer import MoELayer
 from megatron_lite.parallel_context import ParallelContext
 
@@ -23,7 +23,7 @@ def moe_layers(model: nn.Module) -> dict[int, MoELayer]:
     return {
         m.layer_number: m.mlp
         for m in model.modules()
-        if isinstance(m, TransformerLayer) and isinstance(m.mlp, MoELayer)
+        if isinstance(m, (TransformerLayer, HybridLayer)) and isinstance(getattr(m, "mlp", None), MoELayer)
     }
 
 

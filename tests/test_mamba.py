@@ -1,0 +1,195 @@
+"""Hybrid Mamba models (Nemotron-H; Megatron's MambaModel): the chunked SSD scan and the whole Mamba-2 mixer against
+a sequential recurrence written out step by step, Megatron's layer allocation worked by hand, the start-up
+refusals, and TP=2 / PP=2 training equal to one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import ConfigError
+
+BASE = (
+    "--hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 2 --mock-data --vocab-size 100 "
+    "--mamba-state-dim 8 --mamba-head-dim 8 --mamba-num-groups 2 --normalization RMSNorm "
+    "--position-embedding-type none --hidden-dropout 0 --attention-dropout 0 --kernel-impl torch"
+).split()
+
+
+def _recurrence(x, dt, A, B, C):
+    """The SSM one step at a time: S = exp(dt A) S + dt x B^T, y = S C (each head reads its group's B and C)."""
+    b, s, h, p = x.shape
+    rep = h // B.shape[2]
+    S = torch.zeros(b, h, p, B.shape[-1], dtype=torch.float64)
+    ys = []
+    for t in range(s):
+        Bt, Ct = B[:, t].repeat_interleave(rep, 1), C[:, t].repeat_interleave(rep, 1)  # [b, h, n]
+        decay = torch.exp(dt[:, t] * A)[:, :, None, None]
+        S = decay * S + (dt[:, t, :, None, None] * x[:, t, :, :, None]) * Bt[:, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", S, Ct))
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("seq,chunk", [(13, 4), (16, 16), (9, 128), (24, 8)])
+def test_chunked_ssd_scan_equals_the_sequential_recurrence(seq, chunk):
+    from megatron_lite.models.mamba import ssd_scan
+
+    g = torch.Generator().manual_seed(seq)
+    b, h, p, groups, n = 2, 4, 3, 2, 5
+    x = torch.randn(b, seq, h, p, generator=g, dtype=torch.float64)
+    dt = F.softplus(torch.randn(b, seq, h, generator=g, dtype=torch.float64))
+    A = -torch.rand(h, generator=g, dtype=torch.float64) * 4 - 0.5
+    B, C = (torch.randn(b, seq, groups, n, generator=g, dtype=torch.float64) for _ in range(2))
+    got = ssd_scan(x, dt, A, B, C, chunk_size=chunk)
+    assert torch.allclose(got, _recurrence(x, dt, A, B, C), atol=1e-10, rtol=1e-10)
+
+
+def test_mamba_mixer_equals_its_equations_written_token_by_token():
+    """The mixer (in_proj's z x B C dt, the causal conv, softplus, the scan, D, the gated group norm, out_proj)
+    against the same equations one token at a time, from the mixer's weights (chunk 4: several chunks)."""
+    from megatron_lite.models.mamba import MambaMixer
+    from megatron_lite.parallel_context import ParallelContext
+
+    _, job = parse_args(["--num-layers", "1", "--hybrid-override-pattern", "M", *BASE])
+    mixer = MambaMixer(job.model, ParallelContext.virtual(job.parallel, 1)).double()
+    mixer.chunk_size = 4
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+    s, b, hid = 11, 2, 32
+    H, P, G, N, di = 8, 8, 2, 8, 64
+    u = torch.randn(s, b, hid, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        got = mixer(u)
+        W = mixer.in_proj.weight
+        z, xbc, dtr = (u @ W.t()).split([di, di + 2 * G * N, H], dim=-1)
+        w, cb = mixer.conv1d.weight[:, 0], mixer.conv1d.bias  # [channels, 4]
+        conv = torch.stack([cb + sum(w[:, 3 - j] * xbc[t - j] for j in range(4) if t - j >= 0) for t in range(s)])
+        conv = conv * torch.sigmoid(conv)
+        x, B, C = conv.split([di, G * N, G * N], dim=-1)
+        x, B, C = x.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))
+        dt = torch.log1p(torch.exp(dtr + mixer.dt_bias))
+        A = -torch.exp(mixer.A_log)
+        y = _recurrence(*(t.transpose(0, 1) for t in (x, dt)), A, B.transpose(0, 1), C.transpose(0, 1))
+        y = y.transpose(0, 1) + x * mixer.D[:, None]
+        gated = (y.flatten(-2) * z * torch.sigmoid(z)).unflatten(-1, (G, di // G))
+        normed = gated / torch.sqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-5)
+        want = (normed.flatten(-2) * mixer.norm.weight) @ mixer.out_proj.weight.t()
+    assert torch.allclose(got, want, atol=1e-10, rtol=1e-9), (got - want).abs().max()
+
+
+@pytest.mark.parametrize(
+    "layers,attention,mlp,pattern",
+    [
+        # Megatron's allocation, worked by hand: 2 attention layers in 10 split the 8 Mamba layers into sections of
+        # 8/3; each layer spends 1 of the running 8/3 and one under 0.5 is attention (then 8/3 more)
+        (10, 0.2, 0.0, "MMM*MM*MMM"),
+        (10, 0.2, 0.2, "MMM*-M*MM-"),
+        (8, 0.25, 0.5, "M-*-M*--"),
+        (4, 0.0, 0.0, "MMMM"),
+    ],
+)
+def test_megatron_layer_allocation(layers, attention, mlp, pattern):
+    flags = ["--num-layers", str(layers), "--is-hybrid-model", *BASE]
+    flags += ["--hybrid-attention-ratio", str(attention), "--hybrid-mlp-ratio", str(mlp)]
+    assert "".join(parse_args(flags)[1].model.layer_types) == pattern
+
+
+def test_hybrid_model_builds_each_layer_as_its_symbol_with_megatrons_names():
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    flags = ["--num-layers", "4", "--hybrid-override-pattern", "M*-E", "--num-experts", "2", *BASE]
+    _, job = parse_args(flags)
+    model = build_model(job.model, ParallelContext.virtual(job.parallel, 1), seed=1)
+    names: dict[str, set[str]] = {}
+    for n, _ in model.named_parameters():
+        if ".layers." in n:
+            names.setdefault(n.split(".")[3], set()).add(n.split(".")[4])
+    mlp = {"pre_mlp_layernorm", "mlp"}
+    assert names == {"0": {"norm", "mixer"}, "1": {"input_layernorm", "self_attention"}, "2": mlp, "3": mlp}
+    kinds = [
+        type(getattr(layer, a)).__name__
+        for layer, a in zip(model[0].decoder.layers, "mixer,self_attention,mlp,mlp".split(","))
+    ]
+    assert kinds == ["MambaMixer", "SelfAttention", "MLP", "MoELayer"]
+    A = -torch.exp(model[0].decoder.layers[0].mixer.A_log)  # (Megatron's init: -A uniform in [1, 16])
+    assert ((A <= -1) & (A >= -16)).all()
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens, labels=tokens).mean()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if "router" not in p.__class__.__name__)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--num-layers", "3", "--hybrid-override-pattern", "M*"], r"--hybrid-override-pattern 'M\*' has 2 layers but "
+         "--num-layers is 3: give --num-layers 2"),
+        (["--num-layers", "2", "--hybrid-override-pattern", "MX"], r"has 'X': use M \(Mamba\), \* \(attention\)"),
+        (["--num-layers", "2", "--hybrid-override-pattern", "ME"], r"has MoE layers \(E\): give --num-experts"),
+        (["--num-layers", "2", "--is-hybrid-model", "--mamba-num-heads", "5"], "--mamba-num-groups 2 does not divide "
+         "the 5 Mamba heads"),
+        (["--num-layers", "2", "--is-hybrid-model", "--mamba-head-dim", "7"], "--mamba-head-dim 7 does not divide"),
+        (["--num-layers", "4", "--hybrid-attention-ratio", "0.5", "--hybrid-override-pattern", "MMM*"],
+         "does not have the layer counts of --hybrid-attention-ratio 0.5"),
+        (["--num-layers", "2", "--is-hybrid-model", "--tensor-model-parallel-size", "4"],
+         "--mamba-num-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+        (["--num-layers", "2", "--is-hybrid-model", "--context-parallel-size", "2"],
+         "--context-parallel-size 2 is not supported with Mamba layers"),
+        (["--num-layers", "2", "--is-hybrid-model", "--reset-attention-mask"],
+         "--reset-attention-mask is not supported with Mamba layers"),
+        (["--num-layers", "2", "--is-hybrid-model", "--mtp-num-layers", "1"], "--mtp-num-layers is not supported "
+         "with a hybrid Mamba model"),
+    ],
+)  # fmt: skip
+def test_hybrid_start_up_refusals_are_one_line(extra, message):
+    from megatron_lite.layout_validation import validate_layout
+
+    with pytest.raises(ConfigError, match=message) as e:
+        _, job = parse_args([*BASE, *extra])
+        p = job.parallel
+        validate_layout(job.model, p, p.tp * p.pp * p.cp, job.training)
+    assert "\n" not in str(e.value)
+
+
+def test_a_mamba_layer_refuses_a_kv_cache():
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    _, job = parse_args(["--num-layers", "1", "--is-hybrid-model", *BASE])
+    model = build_model(job.model, ParallelContext.virtual(job.parallel, 1))
+    with pytest.raises(ValueError, match="keeps no state in the KV cache"):
+        model(torch.zeros(1, 4, dtype=torch.long), kv_cache=object())
+
+
+def _records(path) -> list[dict]:
+    return [r for r in map(json.loads, open(path)) if "lm_loss" in r]
+
+
+def test_hybrid_training_at_tp2_and_pp2_equals_one_process(tmp_path, pretrain_job):
+    """Mamba, attention, MLP and MoE layers trained at TP=2 with sequence parallelism (heads and groups split, each
+    rank's gated norm over its own groups) and at PP=2 (different kinds of layers on each stage): the same
+    per-iteration lm_loss and grad_norm as one process."""
+    args = [*BASE, "--num-layers", "4", "--hybrid-override-pattern", "M*EM", "--num-experts", "2"]
+    args += "--train-iters 4 --global-batch-size 4 --lr 3e-3 --log-interval 1 --eval-iters 0".split()
+    args += "--disable-bias-linear --untie-embeddings-and-output-weights --distributed-backend gloo".split()
+    args = [a for a in args if a not in ("--mock-data",)] + ["--mock-data"]
+    runs = {"one": (1, ["--micro-batch-size", "4"])}
+    runs["tp2"] = (2, "--micro-batch-size 2 --tensor-model-parallel-size 2 --sequence-parallel".split())
+    runs["pp2"] = (2, "--micro-batch-size 2 --pipeline-model-parallel-size 2".split())
+    for name, (n, extra) in runs.items():
+        pretrain_job(n, [*args, *extra, "--log-jsonl", str(tmp_path / f"{name}.jsonl")])
+    one = _records(tmp_path / "one.jsonl")
+    assert len(one) == 4
+    for name in ("tp2", "pp2"):
+        other = _records(tmp_path / f"{name}.jsonl")
+        assert len(other) == 4
+        for a, b in zip(one, other):
+            assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * a["lm_loss"], (name, a, b)
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (name, a, b)
