@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling, yarn_mscale
-from megatron_lite.models import hf_deepseek, hf_glm4moe, hf_gpt_oss, hf_llama4, hf_qwen2moe
+from megatron_lite.models import hf_deepseek, hf_glm4moe, hf_gpt_oss, hf_llama4, hf_nemotron_h, hf_qwen2moe
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3
 from megatron_lite.models.hf_glm4moe import GLM4_MOE
 from megatron_lite.models.hf_gpt_oss import GPT_OSS
 from megatron_lite.models.hf_llama4 import LLAMA4, LLAMA4_VLM
+from megatron_lite.models.hf_nemotron_h import NEMOTRON_H
 from megatron_lite.models.hf_qwen2moe import QWEN2_MOE
 
 LLAMA_LIKE = (
@@ -70,6 +71,7 @@ def _arch(hf_config: Any) -> str:
         "llama4_text": LLAMA4,
         "llama4": LLAMA4_VLM,
         "gpt2": "GPT2LMHeadModel",
+        "nemotron_h": NEMOTRON_H,
     }.get(hf_config.model_type, hf_config.model_type)
 
 
@@ -153,7 +155,9 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
     if arch == LLAMA4_VLM:  # (its text model: the vision tower is not converted)
         hf_config, arch = hf_llama4.text_config(hf_config), LLAMA4
-    if arch in DEEPSEEK:
+    if arch == NEMOTRON_H:  # (hybrid Mamba: models/hf_nemotron_h.py reads every field)
+        kwargs = hf_nemotron_h.config_kwargs(hf_config)
+    elif arch in DEEPSEEK:
         kwargs = hf_deepseek.config_kwargs(hf_config, arch, _rope(hf_config))
     elif arch == GPT_OSS:
         kwargs = _gqa_fields(hf_config, _rope(hf_config)) | hf_gpt_oss.config_kwargs(hf_config)
@@ -299,6 +303,8 @@ _EQUIVALENT = {
 
 
 def _architecture(config: ModelConfig) -> str:
+    if config.hybrid:
+        return NEMOTRON_H
     if config.multi_latent_attention:
         softmax = config.num_experts and config.moe_router_score_function == "softmax"
         return DEEPSEEK_V2 if softmax else DEEPSEEK_V3
@@ -366,7 +372,11 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
     if arch != GPT_OSS and (c.activation == "quick_geglu" or (c.num_experts and c.add_bias_linear)):
         problems.append("gpt-oss's MLP (--quick-geglu with its offset and clamp, or experts with biases): only "
                         "GptOssForCausalLM computes it")  # fmt: skip
-    if arch == GPT_OSS:
+    if c.hybrid != (arch == NEMOTRON_H):
+        problems.append(f"Mamba layers (only {NEMOTRON_H} has them)" if c.hybrid else "no hybrid layer pattern")
+    if arch == NEMOTRON_H:
+        problems += hf_nemotron_h.export_problems(c)
+    elif arch == GPT_OSS:
         problems += hf_gpt_oss.export_problems(c)
     elif arch == GLM4_MOE:
         problems += hf_glm4moe.export_problems(c)
@@ -453,6 +463,7 @@ MODEL_TYPES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     GPT_OSS: "gpt_oss",
+    NEMOTRON_H: "nemotron_h",
     GLM4_MOE: "glm4_moe",
     LLAMA4: "llama4_text",
     "GPT2LMHeadModel": "gpt2",
@@ -473,6 +484,8 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     # (without a base config.json, a class default such as Phi-3's 32000 would be read, past a smaller vocabulary)
     out.setdefault("pad_token_id", None)
     check_exportable(c, arch)
+    if arch == NEMOTRON_H:
+        return {k: v for k, v in (out | hf_nemotron_h.config_fields(c)).items() if v is not None or k == "pad_token_id"}
     if arch == "GPT2LMHeadModel":
         out.update(
             n_embd=c.hidden_size,
