@@ -145,7 +145,29 @@ def gpt_oss_config(**kw) -> ModelConfig:
     return llama_config(**base)
 
 
+def nemotron_h_config(**kw) -> ModelConfig:
+    """Nemotron-H-shaped (a hybrid Mamba model): Mamba-2, attention without positions, sigmoid-routed MoE with a
+    shared expert, repeating M*EM over the layers; 16 Mamba heads of 8 dims in 2 groups of state 8."""
+    n = kw.get("num_layers", 2)
+    base = dict(
+        activation="squared_relu",
+        position_embedding_type="none",
+        hybrid_override_pattern=("M*EM" * n)[:n],
+        mamba_state_dim=8,
+        mamba_head_dim=8,
+        mamba_num_groups=2,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=24,
+    )
+    return llama_config(**{**base, **kw})
+
+
 CONFIGS = {
+    "nemotron_h": nemotron_h_config,
     "llama": llama_config,
     "gpt2": gpt2_config,
     "qwen3": qwen3_config,

@@ -48,6 +48,7 @@ def ssd_scan(
     rep = h // B.shape[2]
     B = B.repeat_interleave(rep, dim=2)  # [b, s, heads, n]: each head reads its group's B and C
     C = C.repeat_interleave(rep, dim=2)
+    chunk_size = min(chunk_size, s)  # (a sequence shorter than a chunk: one chunk of its length, not padded out)
     pad = (-s) % chunk_size
     if pad:  # (zero dt at the end: no input and no decay, and those outputs are dropped)
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
