@@ -184,3 +184,17 @@ def test_hybrid_training_at_tp2_and_pp2_equals_one_process(dist, world, parallel
     for history in dist(world, train_run, "nemotron_h", parallel, 4, mbs, layers=4, iters=4):
         _compare(history, ref)
     assert ref[-1][0] < ref[0][0]  # (it trains)
+
+
+def test_the_planner_refuses_a_hybrid_model_in_one_line():
+    """The planner prices transformer layers: a hybrid model is refused, not mis-estimated."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "tools" / "plan_parallelism.py"
+    spec = importlib.util.spec_from_file_location("plan_parallelism", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    flags = ["--num-layers", "4", "--hybrid-override-pattern", "M*-M", *BASE]
+    with pytest.raises(SystemExit, match=r"a hybrid Mamba model \(--hybrid-override-pattern M\*-M\) is not modelled"):
+        tool.main(["--", *flags])

@@ -29,7 +29,7 @@ from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
-from megatron_lite.planner.unmodelled import unmodelled_settings
+from megatron_lite.planner.unmodelled import unmodelled_settings, unplannable
 
 
 def script_args(path: str) -> tuple[list[str], int, int | None]:
@@ -104,6 +104,8 @@ def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = 
             "here: the planner prices training every weight, far above a frozen base's memory; pretrain_gpt.py with "
             "the same flags and --dry-run counts a LoRA job's memory per rank"
         )
+    if unplannable(job.model):
+        raise SystemExit(f"error: {unplannable(job.model)}")
     model = dataclasses.replace(job.model, vocab_size=vocab)
     return dataclasses.replace(model, kernel_impl=kernel or "triton"), job  # (triton: a GPU's default)
 
@@ -125,6 +127,8 @@ def model_from_hf(path: str) -> ModelConfig:
         raise SystemExit(f"error: --hf-config {path}: {e}") from None
     except ValueError as e:  # (a config.json that is not JSON)
         raise SystemExit(f"error: --hf-config {path}: {e}") from None
+    if unplannable(model):
+        raise SystemExit(f"error: --hf-config {path}: {unplannable(model)}")
     # DeepSeek-V3's multi-token-prediction depths train beside the model (the converter keeps those present)
     mtp = int(raw.get("num_nextn_predict_layers") or 0) if _arch(hf) == "DeepseekV3ForCausalLM" else 0
     return dataclasses.replace(model, mtp_num_layers=mtp, kernel_impl="triton")  # (triton: a GPU's default)
