@@ -198,3 +198,17 @@ def test_the_planner_refuses_a_hybrid_model_in_one_line():
     flags = ["--num-layers", "4", "--hybrid-override-pattern", "M*-M", *BASE]
     with pytest.raises(SystemExit, match=r"a hybrid Mamba model \(--hybrid-override-pattern M\*-M\) is not modelled"):
         tool.main(["--", *flags])
+
+
+def test_flops_count_each_hybrid_layer_as_its_kind():
+    """Per token, worked by hand (h 32, 8 heads x 8 dims in 2 groups of state 8, so d 64; 4 attention heads of 8 in
+    2 groups; MLP 48, squared ReLU; vocabulary 100; sequence 16, causal: 8 keys a query): 3 x the forward."""
+    from megatron_lite.training.flops import flops_per_token
+
+    flags = ["--num-layers", "3", "--hybrid-override-pattern", "M*-", "--ffn-hidden-size", "48", "--squared-relu"]
+    flags += ["--group-query-attention", "--num-query-groups", "2"]
+    model = parse_args([*BASE, *flags])[1].model
+    mamba = 2 * 32 * (2 * 64 + 2 * 16 + 8) + 7 * 64 * 8 + 2 * 64 * 32
+    attention = 2 * 32 * (4 + 2 * 2) * 8 + 4 * 8 * 4 * 8 + 2 * 4 * 8 * 32
+    mlp = 2 * 32 * 48 * 2
+    assert flops_per_token(model, 16) == 3 * (mamba + attention + mlp + 2 * 32 * 100)

@@ -8,8 +8,9 @@ Per token and layer, the forward pass multiplies by every weight once (2 FLOPs p
     projection    2 * heads * d * h
     MLP           2 * h * f * (3 if SwiGLU else 2)
 and once per token the output layer, 2 * h * V. A MoE layer counts its router, its top-k experts and its
-shared expert; multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims, p.v over
-v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward
+shared expert (a hybrid model's Mamba layer Megatron's in_proj + 7 d N scan + out_proj, its attention and MLP
+layers each their own half); multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims,
+p.v over v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward
 (backward = 2x forward); recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and
 heads * d = h this is 72 B s L h^2 (1 + s / (12h) + V / (12 L h)) per batch, and in general 6 N + 6 L s heads d
 per token with N the matmul parameters. With causal=False, attention over the full sequence: Megatron's
@@ -71,6 +72,23 @@ def _mlp_flops(c: ModelConfig, layer: int) -> float:
     )
 
 
+def _mamba_flops(c: ModelConfig) -> float:
+    """Forward FLOPs of one token's Mamba-2 mixer, Megatron's estimate: in_proj 2 h (2 d + 2 G N + heads), the scan
+    7 d N, out_proj 2 d h (d = heads x head dim: Megatron's formula takes 2 h, the same unless --mamba-num-heads
+    says otherwise)."""
+    h, d, gn = c.hidden_size, c.mamba_heads * c.mamba_head_dim, c.mamba_num_groups * c.mamba_state_dim
+    return 2 * h * (2 * d + 2 * gn + c.mamba_heads) + 7 * d * c.mamba_state_dim + 2 * d * h
+
+
+def _layer_flops(c: ModelConfig, layer: int, keys: float) -> float:
+    """A layer's forward FLOPs per token: attention and MLP, or in a hybrid model its one kind."""
+    kind = c.layer_types[layer] if c.hybrid and layer < c.num_layers else None
+    if kind == "M":
+        return _mamba_flops(c)
+    attention = _attention_flops(c, keys) if kind in (None, "*") else 0.0
+    return attention + (_mlp_flops(c, layer) if kind != "*" else 0.0)
+
+
 def _keys_per_query(s: int, window: int | None) -> float:
     """Keys a query's scores are computed over, on average, under the causal convention: s / 2, and with a
     sliding window w < s, w - w^2 / (2s) (the first w queries see up to w keys, the rest w each; Megatron's
@@ -92,8 +110,10 @@ def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, f
     n = config.num_layers + depths
     # (each layer's own window: --window-attn-skip-freq leaves some layers attending to the whole sequence)
     keys = [_keys_per_query(seq_length, config.layer_window(i)) * (1 if causal else 2) for i in range(n)]
-    layers = sum(_attention_flops(config, keys[i]) + _mlp_flops(config, i) for i in range(n))
+    layers = sum(_layer_flops(config, i, keys[i]) for i in range(n))
     forward = layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size
+    if config.hybrid:  # (the core attention of the attention layers only)
+        keys = [x for i, x in enumerate(keys) if i >= config.num_layers or config.layer_types[i] == "*"]
     return 2.0 * forward + sum(_core_attention_flops(config, x) for x in keys) if frozen else 3.0 * forward
 
 
