@@ -164,6 +164,10 @@ def test_a_mamba_layer_refuses_a_kv_cache():
     model = build_model(job.model, ParallelContext.virtual(job.parallel, 1))
     with pytest.raises(ValueError, match="keeps no state in the KV cache"):
         model(torch.zeros(1, 4, dtype=torch.long), kv_cache=object())
+    from megatron_lite.inference.generation import generate
+
+    with pytest.raises(ValueError, match="generation is not supported for a hybrid model with Mamba layers"):
+        generate(model, ParallelContext.virtual(job.parallel, 1), [1, 2, 3], 2)
 
 
 @pytest.mark.parametrize(

@@ -195,6 +195,12 @@ def generate_batch(
         raise ValueError(f"generation does not run under {what}: build the model for it without (TP x PP x EP only)")
     if not prompts or not all(prompts):
         raise ValueError("generation needs a non-empty prompt for each sequence")
+    config = chunks[0].config
+    if config.hybrid and "M" in config.layer_types:  # (before any forward: said once, not per Mamba layer)
+        raise ValueError(
+            "generation is not supported for a hybrid model with Mamba layers: the KV cache keeps no Mamba conv or "
+            "SSM state (--hybrid-override-pattern " + "".join(config.layer_types) + ")"
+        )
     for c in chunks:
         c.eval()
     longest, shortest, b = max(map(len, prompts)), min(map(len, prompts)), len(prompts)
