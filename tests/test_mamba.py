@@ -216,3 +216,12 @@ def test_flops_count_each_hybrid_layer_as_its_kind():
     attention = 2 * 32 * (4 + 2 * 2) * 8 + 4 * 8 * 4 * 8 + 2 * 4 * 8 * 32
     mlp = 2 * 32 * 48 * 2
     assert flops_per_token(model, 16) == 3 * (mamba + attention + mlp + 2 * 32 * 100)
+
+
+def test_the_dry_run_does_not_price_a_hybrid_models_activations_as_transformer_layers(capsys):
+    from megatron_lite.training.pretrain import main
+
+    flags = ["--num-layers", "2", "--hybrid-override-pattern", "M*", *BASE, "--micro-batch-size", "2"]
+    assert main([*flags, "--global-batch-size", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "activations not estimated (a hybrid Mamba model" in out and "dry run ok: 2 layers" in out
