@@ -144,6 +144,8 @@ def test_hybrid_model_builds_each_layer_as_its_symbol_with_megatrons_names():
          "--reset-attention-mask is not supported with Mamba layers"),
         (["--num-layers", "2", "--is-hybrid-model", "--mtp-num-layers", "1"], "--mtp-num-layers is not supported "
          "with a hybrid Mamba model"),
+        (["--num-layers", "2", "--is-hybrid-model", "--lora-rank", "4"], "--lora-rank 4 with Mamba layers is not "
+         "supported"),
     ],
 )  # fmt: skip
 def test_hybrid_start_up_refusals_are_one_line(extra, message):

@@ -142,6 +142,11 @@ def lora_for_model(lora: LoraConfig, config) -> LoraConfig:
     projection(s) alone; linear_k / linear_v are refused (keys and values come from one latent). Without SwiGLU,
     fc1 is one projection: linear_fc1_up (PEFT's up_proj, Nemotron's
     fc1) is linear_fc1, and its gate refused."""
+    if getattr(config, "hybrid", False) and "M" in config.layer_types:  # (getattr: a Namespace)
+        raise ConfigError(
+            f"--lora-rank {lora.rank} with Mamba layers is not supported: adapters go on the attention and MLP "
+            "linears only, and the Mamba mixers (in_proj, out_proj) would stay frozen; train the model whole"
+        )
     targets = list(lora.target_modules)
     if config.activation not in ("swiglu", "quick_geglu") and any(t in targets for t in PARTS["linear_fc1"]):
         if "linear_fc1_gate" in targets:
