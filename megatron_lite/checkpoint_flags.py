@@ -81,6 +81,8 @@ ARCH_DESTS = (
     "moe_shared_expert_gate",
     "moe_router_enable_expert_bias",
     "moe_router_group_score_topn",
+    *(HYBRID := ("is_hybrid_model", "hybrid_attention_ratio", "hybrid_mlp_ratio", "hybrid_override_pattern")),
+    *(MAMBA := ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")),
 )
 
 # The architecture flags in which an upcycled MoE run differs from the dense checkpoint it starts from
@@ -178,6 +180,9 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["attention_output_gate"] = m.get("attention_output_gate", False)
     out["softmax_type"] = m.get("softmax_type", "vanilla")
     out["disable_bias_linear"] = not m["add_bias_linear"]
+    # (a hybrid Mamba model's layer kinds and mixer sizes; absent from older checkpoints: the flags' defaults)
+    hybrid_defaults = (False, 0.0, 0.0, None, 128, 64, 8, None)
+    out.update({k: m.get(k, default) for k, default in zip((*HYBRID, *MAMBA), hybrid_defaults)})
     out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})
     out.update(
         {

@@ -227,3 +227,25 @@ def test_the_dry_run_does_not_price_a_hybrid_models_activations_as_transformer_l
     assert main([*flags, "--global-batch-size", "2", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "activations not estimated (a hybrid Mamba model" in out and "dry run ok: 2 layers" in out
+
+
+def test_a_checkpoint_carries_the_hybrid_flags():
+    """`--load DIR` alone rebuilds the model that wrote it: the pattern and the mixer sizes come from the checkpoint
+    (without them a hybrid checkpoint was rebuilt as a transformer and failed on a missing tensor)."""
+    import json
+
+    from megatron_lite.checkpoint_flags import defaults_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    flags = ["--num-layers", "4", "--hybrid-override-pattern", "M*-E", "--num-experts", "2", "--mamba-num-heads", "4"]
+    job = parse_args([*BASE, *flags])[1]
+    saved = defaults_from_checkpoint(json.loads(json.dumps(job.to_dict())))  # (as the metadata file holds it)
+    ns = build_parser().parse_args(["--seq-length", "16", "--mock-data", "--train-iters", "2"])
+    for k, v in saved.items():
+        setattr(ns, k, v)
+    from megatron_lite.arguments import job_config_from_args
+
+    model = job_config_from_args(ns).model
+    fields = "is_hybrid_model hybrid_override_pattern mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads"
+    assert [getattr(model, f) for f in fields.split()] == [getattr(job.model, f) for f in fields.split()]
+    assert model.layer_types == ("M", "*", "-", "E")
