@@ -177,13 +177,14 @@ def test_a_mamba_layer_refuses_a_kv_cache():
     [
         (2, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), 2),
         (2, ParallelConfig(pipeline_model_parallel_size=2), 1),
+        (2, ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 1),
     ],
-    ids=["tp2-sp", "pp2"],
+    ids=["tp2-sp", "pp2", "pp2-vp2"],
 )
 def test_hybrid_training_at_tp2_and_pp2_equals_one_process(dist, world, parallel, mbs):
     """Mamba, attention and MoE layers (M*EM) trained at TP=2 with sequence parallelism (Mamba heads and groups
-    split, each rank's gated norm over its own groups) and at PP=2 (M* on one stage, EM on the other): the
-    per-iteration lm_loss and grad_norm of one process."""
+    split, each rank's gated norm over its own groups), at PP=2 (M* on one stage, EM on the other) and with two
+    virtual stages a rank (M, *, E, M one a stage): the per-iteration lm_loss and grad_norm of one process."""
     from test_train_equivalence import _compare, train_run
 
     ref = train_run("nemotron_h", ParallelConfig(), 4, 4, layers=4, iters=4)
