@@ -285,8 +285,9 @@ class ModelConfig:
 
     @property
     def output_layer_init_std(self) -> float:
-        """Megatron's scaled init for the projections that write into the residual stream."""
-        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+        """Megatron's scaled init for the projections that write into the residual stream: std / sqrt(2 L), two
+        branches a layer; a hybrid model's layers have one branch each, std / sqrt(L) (Megatron's multiplier 1)."""
+        return self.init_method_std / math.sqrt((1.0 if self.hybrid else 2.0) * self.num_layers)
 
     @property
     def tied_embeddings(self) -> bool:

@@ -119,3 +119,19 @@ def test_mfu_peak_is_the_datasheet_figure_of_the_named_card(monkeypatch, name, p
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)  # no GPU here to name itself
     assert peak_flops(torch.device("cuda"), low_precision=True) == peak
+
+
+@pytest.mark.parametrize("chunk, nope", [(5, None), (8, None), (8, 2), (32, None), (100, None)])
+def test_chunked_attention_counts_the_scores_of_each_chunk(chunk, nope):
+    """Llama 4's chunked attention (--attention-chunk-size, on the RoPE layers only): each chunk of the sequence
+    counts as a causal sequence of its own length (L^2 / 2 pairs, the causal convention), the NoPE layers
+    (--no-rope-freq) the whole sequence; a chunk at least the sequence changes nothing."""
+    s = 32
+    c = llama_config(attention_chunk_size=chunk, no_rope_freq=nope)
+    lengths = [chunk] * (s // chunk) + ([s % chunk] if s % chunk else [])
+    keys = sum(n * n / 2 for n in lengths) / s
+    chunked_layers = sum(not c.skips_rope(i) for i in range(c.num_layers))
+    assert chunked_layers == (c.num_layers // 2 if nope else c.num_layers)
+    per_key = 3 * 4 * chunked_layers * c.num_attention_heads * c.head_dim  # q.k^T and p.v, forward + backward
+    whole = flops_per_token(llama_config(no_rope_freq=nope), s)
+    assert flops_per_token(c, s) == pytest.approx(whole - per_key * (s / 2 - keys), rel=1e-12)

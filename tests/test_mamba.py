@@ -250,3 +250,23 @@ def test_a_checkpoint_carries_the_hybrid_flags():
     fields = "is_hybrid_model hybrid_override_pattern mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads"
     assert [getattr(model, f) for f in fields.split()] == [getattr(job.model, f) for f in fields.split()]
     assert model.layer_types == ("M", "*", "-", "E")
+
+
+def test_a_hybrid_models_output_projections_start_at_std_over_sqrt_layers():
+    """Each hybrid layer has one residual branch, so Megatron scales the projections writing into the residual
+    stream (Mamba's out_proj, attention's linear_proj, the MLP's fc2) by 1 / sqrt(L), not a transformer's
+    1 / sqrt(2 L) (TransformerConfig: multiplier 2.0 if not is_hybrid_model else 1.0)."""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    flags = ["--num-layers", "8", "--hybrid-override-pattern", "MM*-MM*-", "--init-method-std", "0.02", *BASE]
+    _, job = parse_args(flags)
+    model = build_model(job.model, ParallelContext.virtual(job.parallel, 1), seed=1)
+    layers = model[0].decoder.layers
+    for w in (
+        layers[0].mixer.out_proj.weight,
+        layers[2].self_attention.linear_proj.weight,
+        layers[3].mlp.linear_fc2.weight,
+    ):
+        assert abs(float(w.std()) / (0.02 / 8**0.5) - 1) < 0.05, float(w.std())
+    assert abs(float(layers[0].mixer.in_proj.weight.std()) / 0.02 - 1) < 0.05  # (the input projections: std)

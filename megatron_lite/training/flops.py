@@ -89,14 +89,22 @@ def _layer_flops(c: ModelConfig, layer: int, keys: float) -> float:
     return attention + (_mlp_flops(c, layer) if kind != "*" else 0.0)
 
 
-def _keys_per_query(s: int, window: int | None) -> float:
+def _keys_per_query(s: int, window: int | None, chunk: int | None = None) -> float:
     """Keys a query's scores are computed over, on average, under the causal convention: s / 2, and with a
     sliding window w < s, w - w^2 / (2s) (the first w queries see up to w keys, the rest w each; Megatron's
     formula ignores the window and counted a Mistral-7B step at sequence 32768, window 4096, 40% over the work
-    done)."""
+    done). Llama 4's chunked attention (`chunk` < s) is the causal count within each chunk of the sequence."""
+    if chunk is not None and chunk < s:
+        lengths = [chunk] * (s // chunk) + ([s % chunk] if s % chunk else [])
+        return sum(n * _keys_per_query(n, window) for n in lengths) / s
     if window is None or window >= s:
         return s / 2
     return window - window * window / (2 * s)
+
+
+def _chunk(config: ModelConfig, layer: int) -> int | None:
+    """Layer `layer`'s attention chunk (Llama 4's: the RoPE layers'; the MTP layers follow the last layer's)."""
+    return None if config.skips_rope(min(layer, config.num_layers - 1)) else config.attention_chunk_size
 
 
 def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, frozen: bool = False) -> float:
@@ -108,8 +116,10 @@ def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, f
     q.k^T and p.v, which have no weights, stay 3x (the adapters' own few FLOPs are not counted)."""
     h, depths = config.hidden_size, config.mtp_num_layers
     n = config.num_layers + depths
-    # (each layer's own window: --window-attn-skip-freq leaves some layers attending to the whole sequence)
-    keys = [_keys_per_query(seq_length, config.layer_window(i)) * (1 if causal else 2) for i in range(n)]
+    # (each layer's own window and chunk: --window-attn-skip-freq leaves some layers attending to the whole
+    # sequence, and Llama 4's NoPE layers are not chunked)
+    keys = [_keys_per_query(seq_length, config.layer_window(i), _chunk(config, i)) * (1 if causal else 2)
+            for i in range(n)]  # fmt: skip
     layers = sum(_layer_flops(config, i, keys[i]) for i in range(n))
     forward = layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size
     if config.hybrid:  # (the core attention of the attention layers only)
