@@ -155,8 +155,9 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     arch = _arch(hf_config)
     if arch == LLAMA4_VLM:  # (its text model: the vision tower is not converted)
         hf_config, arch = hf_llama4.text_config(hf_config), LLAMA4
-    if arch == NEMOTRON_H:  # (hybrid Mamba: models/hf_nemotron_h.py reads every field)
-        kwargs = hf_nemotron_h.config_kwargs(hf_config)
+    if arch == NEMOTRON_H:  # (hybrid Mamba: no RoPE, its norms' epsilon layer_norm_epsilon)
+        eps = float(hf_config.layer_norm_epsilon)
+        kwargs = _gqa_fields(hf_config, _rope(hf_config), eps) | hf_nemotron_h.config_kwargs(hf_config)
     elif arch in DEEPSEEK:
         kwargs = hf_deepseek.config_kwargs(hf_config, arch, _rope(hf_config))
     elif arch == GPT_OSS:

@@ -32,7 +32,8 @@ def _pattern(c: Any) -> str:
 
 
 def config_kwargs(c: Any) -> dict:
-    """Every ModelConfig field of a NemotronHConfig; what changes the math and has no form here is refused."""
+    """The ModelConfig fields of a NemotronHConfig beyond hf._gqa_fields'; what changes the math and has no form
+    here is refused."""
     pattern = _pattern(c)
     eps = float(c.layer_norm_epsilon)
     limit = tuple(float(x) for x in (getattr(c, "time_step_limit", None) or (0.0, float("inf"))))
@@ -50,23 +51,11 @@ def config_kwargs(c: Any) -> dict:
     ):
         if bad:
             raise ConfigError(f"config.json {what} is not supported for {NEMOTRON_H}")
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(  # (beside hf._gqa_fields: sizes, heads, RMSNorm, the output layer, dropout)
         num_layers=len(pattern),
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads or c.num_attention_heads,
-        kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        ffn_hidden_size=c.intermediate_size,
-        vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings,
-        normalization="RMSNorm",
-        norm_epsilon=eps,
         activation="squared_relu",
         position_embedding_type="none",
         add_bias_linear=False,
-        untie_embeddings_and_output_weights=not c.tie_word_embeddings,
-        hidden_dropout=0.0,
-        attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
         is_hybrid_model=True,
         hybrid_override_pattern=pattern,
         mamba_state_dim=c.ssm_state_size,
