@@ -270,3 +270,10 @@ def test_a_hybrid_models_output_projections_start_at_std_over_sqrt_layers():
     ):
         assert abs(float(w.std()) / (0.02 / 8**0.5) - 1) < 0.05, float(w.std())
     assert abs(float(layers[0].mixer.in_proj.weight.std()) / 0.02 - 1) < 0.05  # (the input projections: std)
+    # an MoE layer's shared expert too (its dense config drops the E layers, not the hybrid scaling)
+    moe = "--num-experts 2 --moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64".split()
+    moe.append("--disable-bias-linear")  # (a shared expert has no biases, as in Megatron)
+    _, job = parse_args([*flags, *moe, "--hybrid-override-pattern", "MM*EMM*E"])
+    model = build_model(job.model, ParallelContext.virtual(job.parallel, 1), seed=1)
+    w = model[0].decoder.layers[3].mlp.shared_expert.linear_fc2.weight
+    assert abs(float(w.std()) / (0.02 / 8**0.5) - 1) < 0.05, float(w.std())

@@ -25,11 +25,13 @@ class SharedExpertMLP(MLP):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, device=None, dtype=torch.float32) -> None:
         shared = config.moe_shared_expert_intermediate_size
         # (a dense MLP of its own width; the MoE-only flags off: Llama 4's --moe-apply-probs-on-input weighs the
-        # routed experts' inputs, not the shared expert's; a hybrid model's pattern, whose E layers need experts)
-        not_hybrid = dict(hybrid_override_pattern=None, is_hybrid_model=False, hybrid_attention_ratio=0.0,
-                          hybrid_mlp_ratio=0.0)  # fmt: skip
+        # routed experts' inputs, not the shared expert's; a hybrid model's pattern without its E layers, which need
+        # experts, and still hybrid: its fc2 starts at Megatron's hybrid std / sqrt(L), as the routed experts' do)
+        pattern = config.hybrid_override_pattern
+        moe_free = dict(hybrid_override_pattern=pattern.replace("E", "-"), is_hybrid_model=True,
+                        hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0) if pattern else {}  # fmt: skip
         dense = dataclasses.replace(config, ffn_hidden_size=shared, num_experts=None, moe_shared_expert_gate=False,
-                                    moe_apply_probs_on_input=False, **not_hybrid)  # fmt: skip
+                                    moe_apply_probs_on_input=False, **moe_free)  # fmt: skip
         super().__init__(dense, ctx, device, dtype)
         if config.moe_shared_expert_gate:
             self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, device=device, dtype=dtype))
