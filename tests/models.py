@@ -99,6 +99,17 @@ def nemotron_config(**kw) -> ModelConfig:
     return gpt2_config(**{**base, **kw})
 
 
+# DeepSeek-V3's and Nemotron-H's MoE, small: 4 experts top-2, sigmoid routing with the expert bias, a shared expert
+SIGMOID_MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_ffn_hidden_size=24,
+    moe_shared_expert_intermediate_size=24,
+)
+
+
 def deepseek_config(**kw) -> ModelConfig:
     """DeepSeek-V3-shaped: multi-latent attention (a query latent, normalised latents, RoPE on 8 of each head's 20
     query/key dims, values of 10), then a dense layer and MoE layers with sigmoid routing, an expert bias and a
@@ -112,12 +123,7 @@ def deepseek_config(**kw) -> ModelConfig:
         qk_head_dim=12,
         qk_pos_emb_head_dim=8,
         v_head_dim=10,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_ffn_hidden_size=24,
-        moe_shared_expert_intermediate_size=24,
+        **SIGMOID_MOE,
     )
     base.update(kw)
     base.setdefault("moe_layer_freq", tuple(int(i > 0) for i in range(base.get("num_layers", 2))))
@@ -156,12 +162,7 @@ def nemotron_h_config(**kw) -> ModelConfig:
         mamba_state_dim=8,
         mamba_head_dim=8,
         mamba_num_groups=2,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_ffn_hidden_size=24,
-        moe_shared_expert_intermediate_size=24,
+        **SIGMOID_MOE,
     )
     return llama_config(**{**base, **kw})
 
