@@ -9,7 +9,14 @@ from megatron_lite.data.flags import add_data_flags
 from megatron_lite.megatron_flags import add_megatron_flag_groups
 from megatron_lite.moe.flags import add_moe_flags
 from megatron_lite.one_line_parser import OneLineErrorParser  # (the tools import it from here too)
-from megatron_lite.optimizer.config import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
+from megatron_lite.optimizer.config import (
+    DECAY_STYLES,
+    MUON_MATMUL_PRECS,
+    MUON_SCALE_MODES,
+    MUON_TP_MODES,
+    WD_INCR_STYLES,
+    WSD_DECAY_STYLES,
+)
 
 
 def _window_size(text: str) -> int:
@@ -313,18 +320,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="orthogonalize the fused QKV weight whole (default: its query, key and value parts each alone)",
     )
     _bool(o, "--muon-use-nesterov", "Nesterov momentum in Muon")
-    o.add_argument("--muon-scale-mode", default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    o.add_argument("--muon-scale-mode", default="spectral", choices=list(MUON_SCALE_MODES))
     o.add_argument(
         "--muon-fp32-matmul-prec",
         default="medium",
-        choices=["low", "medium", "high"],
+        choices=list(MUON_MATMUL_PRECS),
         help="Newton-Schulz matmuls: medium in bf16, high TF32 (on GPUs), low at the process's precision",
     )
     o.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations (a multiple of 5)")
     o.add_argument(
         "--muon-tp-mode",
         default="blockwise",
-        choices=["blockwise", "duplicated", "distributed"],
+        choices=list(MUON_TP_MODES),
         help="tensor-parallel matrices: each shard alone, the gathered matrix, or Newton-Schulz over TP",
     )
     o.add_argument("--muon-extra-scale-factor", type=float, default=1.0, help="times Muon's update")

@@ -9,6 +9,10 @@ from megatron_lite.config import ConfigError
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+# --optimizer muon's choices (optimizer/muon.py)
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_MATMUL_PRECS = ("low", "medium", "high")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
 
 @dataclass(frozen=True)
@@ -205,8 +209,6 @@ class OptimizerConfig:
     def _check_muon(self) -> None:
         """What Megatron's get_megatron_muon_optimizer and emerging_optimizers refuse (they raise at the first
         step or at build time), and the combinations not implemented here."""
-        from megatron_lite.optimizer.muon import MATMUL_PRECS, SCALE_MODES, TP_MODES
-
         refused = (
             ("--use-distributed-optimizer", self.use_distributed_optimizer, "Megatron refuses it too"),
             ("--fp16", self.fp16, "Megatron refuses it too; use --bf16"),
@@ -223,9 +225,9 @@ class OptimizerConfig:
             if given:
                 raise ConfigError(f"--optimizer {self.optimizer} with {flag} is not supported ({why}); drop {flag}")
         for flag, value, choices in (
-            ("--muon-scale-mode", self.muon_scale_mode, SCALE_MODES),
-            ("--muon-fp32-matmul-prec", self.muon_fp32_matmul_prec, MATMUL_PRECS),
-            ("--muon-tp-mode", self.muon_tp_mode, TP_MODES),
+            ("--muon-scale-mode", self.muon_scale_mode, MUON_SCALE_MODES),
+            ("--muon-fp32-matmul-prec", self.muon_fp32_matmul_prec, MUON_MATMUL_PRECS),
+            ("--muon-tp-mode", self.muon_tp_mode, MUON_TP_MODES),
         ):
             if value not in choices:
                 raise ConfigError(f"{flag} {value} is not one of {'|'.join(choices)}")

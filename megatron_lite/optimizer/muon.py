@@ -53,9 +53,6 @@ MUON_FIELDS = (  # the flags' OptimizerConfig fields, named as Megatron's
     "muon_extra_scale_factor",
 )
 NS_EPS = 1e-7
-SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
-MATMUL_PRECS = ("low", "medium", "high")
-TP_MODES = ("blockwise", "duplicated", "distributed")
 
 
 def muon_scale_factor(rows: int, cols: int, mode: str) -> float:
