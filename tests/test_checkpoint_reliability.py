@@ -17,8 +17,10 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors import safe_open
 
+from megatron_lite.checkpoint.format import file_digest
 from megatron_lite.training.pretrain import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -81,7 +83,8 @@ def test_corrupted_shard_is_a_one_line_error(saved, capsys, monkeypatch):
 def test_corrupted_index_is_a_one_line_error(saved, capsys, monkeypatch):
     index = os.path.join(saved, "iter_0000003", "index_r00000.json")
     text = open(index).read()
-    open(index, "w").write(text.replace('"length": ', '"length": 1', 1))
+    assert '"dtype": "float32"' in text
+    open(index, "w").write(text.replace('"dtype": "float32"', '"dtype": "float64"', 1))  # (still valid JSON)
     rc, _, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
     _one_line_error(rc, err, index, "sha256")
 
@@ -206,10 +209,48 @@ def test_no_pickle_anywhere_in_checkpoint_paths(saved):
     assert not offenders, offenders
 
 
-def test_format_1_checkpoints_still_load(saved, capsys, monkeypatch):
-    """Checkpoints written before checksums (format megatron_lite/1: index files hold the tensor records,
-    metadata.json lists no files) load as before."""
+def _as_format_2(it: str) -> None:
+    """Rewrite a checkpoint's index files as format 2 wrote them: each piece a range along its record's one
+    dimension (a one-process save's pieces are whole tensors), the index files' checksums in metadata.json."""
+    for f in glob.glob(os.path.join(it, "index_r*.json")):
+        rec = json.load(open(f))
+        for t in rec["tensors"].values():
+            dims = {d for pc in t["pieces"] for d, n in enumerate(pc["lengths"]) if n != t["shape"][d]}
+            assert len(dims) <= 1, t  # (format 2 could not say otherwise)
+            t["dim"] = dims.pop() if dims else 0
+            for pc in t["pieces"]:
+                pc["start"], pc["length"] = pc.pop("starts")[t["dim"]], pc.pop("lengths")[t["dim"]]
+        json.dump(rec, open(f, "w"))
+    meta = json.load(open(os.path.join(it, "metadata.json")))
+    meta["format"] = "megatron_lite/2"
+    meta["files"] = {name: file_digest(os.path.join(it, name))["sha256"] for name in meta["files"]}
+    json.dump(meta, open(os.path.join(it, "metadata.json"), "w"))
+
+
+def test_format_2_checkpoints_still_load(saved, capsys, monkeypatch):
+    """Checkpoints of format megatron_lite/2 (pieces as ranges along one dimension, before boxes) read the same
+    tensors as the format-3 original they are rewritten from, and a run resumes from one."""
+    from megatron_lite.checkpoint.reader import Reader
+
     it = os.path.join(saved, "iter_0000003")
+    old = shutil.copytree(it, it + "_v2")
+    _as_format_2(old)
+    new, v2 = (Reader(p, json.load(open(os.path.join(p, "metadata.json")))) for p in (it, old))
+    assert '"start"' in open(os.path.join(old, "index_r00000.json")).read() and set(new.index) == set(v2.index)
+    for name in new.index:
+        assert torch.equal(v2.read_full(name), new.read_full(name)), name
+    shutil.rmtree(it)
+    os.replace(old, it)
+    rc, out, err = _run(["--train-iters", "5", "--load", saved], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "loaded" in out and "iteration 3" in out
+
+
+def test_format_1_checkpoints_still_load(saved, capsys, monkeypatch):
+    """Checkpoints written before checksums (format megatron_lite/1: index files hold the tensor records with
+    pieces along one dimension, metadata.json lists no files) load as before."""
+    it = os.path.join(saved, "iter_0000003")
+    _as_format_2(it)
     for f in glob.glob(os.path.join(it, "index_r*.json")):
         rec = json.load(open(f))
         json.dump(rec["tensors"], open(f, "w"))

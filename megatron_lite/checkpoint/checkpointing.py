@@ -11,7 +11,7 @@ them, so the reader's layout need not be the writer's.
 
 from __future__ import annotations
 
-import glob
+import math
 import os
 import shutil
 import threading
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_lite.checkpoint.boxes import box_slices, flat_boxes, flat_start, to_full
 from megatron_lite.checkpoint.compatibility import (
     check_adapters_have_a_home,
     check_model_structure,
@@ -30,21 +31,18 @@ from megatron_lite.checkpoint.compatibility import (
 from megatron_lite.checkpoint.compatibility import model_config_from_dict as model_config_from_dict
 from megatron_lite.checkpoint.format import (
     FORMAT,
-    FORMAT_V1,
-    Piece,
     atomic_write,
     atomic_write_json,
     cpu_contiguous,
     file_digest,
     full_shape,
     iteration_dir,
-    local_pieces,
     publish,
-    verify_file,
 )
 
 # (find_checkpoint, read_metadata and same_directory are imported from here too)
-from megatron_lite.checkpoint.lookup import _read_json, find_checkpoint, read_metadata, same_directory  # noqa: F401
+from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata, same_directory  # noqa: F401
+from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.optimizer import any_rank, state_kinds
 from megatron_lite.parallel_context import ParallelContext
@@ -80,23 +78,32 @@ def _on_every_rank(ctx: ParallelContext, work, what: str, then: str = "; the che
     return result
 
 
-def _state_tensors(model, optimizer, adapters_only: bool = False) -> dict[str, list]:
-    """kind -> [(global name, local tensor, meta)] for every tensor that is saved. With the distributed
-    optimizer, gathering the full main weights and moments is a collective over the data-parallel group.
-    `adapters_only`: a LoRA run that records its base checkpoint saves no frozen weight (the base's)."""
-    out: dict[str, list] = {"model": [], "main": []}  # and the optimizer's state kinds
+def _entries(model, optimizer, adapters_only: bool = False) -> list[tuple]:
+    """(kind, global name, this rank's shape, meta, lo, flat values of [lo, lo + n), own) for every tensor range a
+    checkpoint takes from this rank: the model's weights, the optimizer's main weights and state (whole, or the
+    parts a sharded optimizer keeps), fp8 scaling state. `own`: no data-parallel replica holds the same range
+    (FSDP2's shards, the distributed optimizer's parts), so this rank writes it; the rest the replicas share.
+    No collective. `adapters_only`: a LoRA run that records its base checkpoint saves no frozen weight."""
     if optimizer is not None and hasattr(optimizer, "finish_param_sync"):
         optimizer.finish_param_sync()  # --overlap-param-gather: the model's weights must be current
-    full = optimizer.gather_full_state() if optimizer is not None else {}
+    out, named = [], {}
     for name, p, meta in named_param_meta(model):
         if adapters_only and not p.requires_grad:
             continue
         gname = model.global_name(name)
-        # FSDP2 keeps parameters sharded over data parallelism (DTensors): saved as the full tensor.
-        out["model"].append((gname, p.full_tensor().cpu() if hasattr(p, "full_tensor") else p, meta))
-        for kind, t in full.get(id(p), {}).items():  # frozen parameters (MoE expert bias): weights only
-            out.setdefault(kind, []).append((gname, t, meta))
-    out["fp8"] = [(gname, t, REPLICATED[expert]) for gname, t, expert in fp8_state_tensors(model)]  # (delayed)
+        named[id(p)] = gname, meta
+        if hasattr(p, "device_mesh"):  # FSDP2: each rank its own rows, never the gathered tensor
+            from megatron_lite.distributed.fsdp import flat_range
+
+            out.append(("model", gname, tuple(p.shape), meta, flat_range(p)[0], p.to_local().reshape(-1), True))
+        else:
+            out.append(("model", gname, tuple(p.shape), meta, 0, p.reshape(-1), False))
+    for p, lo, values in optimizer.state_values() if optimizer is not None else ():
+        gname, meta = named.get(id(p), (None, None))
+        for kind, t in values.items() if gname is not None else ():
+            out.append((kind, gname, tuple(p.shape), meta, lo, t.reshape(-1), optimizer.sharded))
+    for gname, t, expert in fp8_state_tensors(model):  # (delayed scaling's)
+        out.append(("fp8", gname, tuple(t.shape), REPLICATED[expert], 0, t.reshape(-1), False))
     return out
 
 
@@ -125,33 +132,31 @@ def _snapshot(model, optimizer, ctx: ParallelContext, job_dict: dict, save_rng: 
     tensors, index = {}, {}
     fname = f"tensors_r{ctx.rank:05d}.safetensors"
     adapters_only = bool((job_dict.get("lora") or {}).get("base"))  # (training.resume.lora_base)
-    # The data-parallel replicas of the pieces share the writing, each piece written by the replica with the fewest
+    # The data-parallel replicas of a range share the writing, each range written by the replica with the fewest
     # bytes so far (every replica holds the same entries in the same order, so all choose alike): a save's time
     # and host memory fall with DP, as Megatron's fully parallel save (data-parallel rank 0 wrote everything)
     written: dict[bool, list[int]] = {}
-    for kind, entries in _state_tensors(model, optimizer, adapters_only).items():
-        for gname, t, meta in entries:
-            if not hold_copy(meta, ctx):
-                continue
+    for kind, gname, shape, meta, lo, flat, own in _entries(model, optimizer, adapters_only):
+        if not hold_copy(meta, ctx) or not flat.numel():
+            continue
+        if not own:
             group = replica_group(meta, ctx)
             # (experts apart: their replicas, one expert-parallel rank's, differ from the dense pieces' replicas)
             load = written.setdefault(meta.expert, [0] * group.size)
             writer = load.index(min(load))
-            load[writer] += t.numel() * t.element_size()
+            load[writer] += flat.numel() * flat.element_size()
             if writer != group.rank:
                 continue
-            rec = {
-                "shape": full_shape(tuple(t.shape), meta),
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "dim": 0,
-                "pieces": [],
-            }
-            for pc in local_pieces(tuple(t.shape), meta):
-                key = f"{kind}/{gname}@{pc.full_start}"
-                tensors[key] = cpu_contiguous(t.narrow(pc.dim, pc.local_start, pc.length))
-                rec["dim"] = pc.dim
-                rec["pieces"].append({"file": fname, "key": key, "start": pc.full_start, "length": pc.length})
-            index[f"{kind}/{gname}"] = rec
+        rec = index.setdefault(f"{kind}/{gname}", {
+            "shape": full_shape(shape, meta), "dtype": str(flat.dtype).removeprefix("torch."), "pieces": []
+        })  # fmt: skip
+        for starts, lengths in flat_boxes(shape, lo, lo + flat.numel()):
+            at = flat_start(shape, starts) - lo
+            box = flat[at : at + math.prod(lengths)].view(lengths)
+            for (rel, lens), full in to_full(shape, meta, (starts, lengths)):
+                key = f"{kind}/{gname}@{','.join(map(str, full))}"
+                tensors[key] = cpu_contiguous(box[box_slices(rel, lens)])
+                rec["pieces"].append({"file": fname, "key": key, "starts": list(full), "lengths": list(lens)})
     if not save_rng:  # --no-save-rng
         return _Snapshot(ctx.rank, tensors, index, {})
     rng = {"cpu": torch.get_rng_state(), **{f"tracker/{k}": v for k, v in ctx.rng.get_states().items()}}
@@ -318,95 +323,7 @@ def _fresh_optimizer(optimizer, scheduler) -> None:
         scheduler.num_steps = scheduler.position = 0
 
 
-class _Reader:
-    """Reads ranges of full tensors from the pieces every rank of the saving job wrote."""
-
-    def __init__(self, path: str, meta: dict) -> None:
-        self.path = path
-        self.index: dict[str, dict] = {}
-        self.files: dict[str, dict] = {}  # file name -> the size and sha256 its writer recorded
-        for fname, digest in sorted(meta.get("files", {}).items()):
-            full = os.path.join(path, fname)
-            if not os.path.isfile(full) or file_digest(full)["sha256"] != digest:
-                raise ConfigError(f"checkpoint file {full} is missing or fails its sha256 check (truncated/corrupted)")
-            rec = _read_json(full)
-            self.files.update(rec["files"])
-            for name, t in rec["tensors"].items():
-                if name in self.index:
-                    self.index[name]["pieces"] += t["pieces"]
-                else:
-                    self.index[name] = t
-        self.checksummed = meta["format"] != FORMAT_V1
-        if not self.checksummed:  # format 1 (before checksums): index files hold the tensor records only
-            for f in sorted(glob.glob(os.path.join(path, "index_r*.json"))):
-                for name, t in _read_json(f).items():
-                    self.index.setdefault(name, {**t, "pieces": []})["pieces"] += t["pieces"]
-                    for pc in t["pieces"]:
-                        self.files.setdefault(pc["file"], {})
-            rngs = glob.glob(os.path.join(path, "rng_r*.safetensors"))
-            self.files.update({os.path.basename(f): {} for f in rngs})
-        self._files: dict[str, object] = {}
-
-    def verify(self, fname: str) -> str:
-        full = os.path.join(self.path, fname)
-        if not self.checksummed:
-            return full
-        if fname not in self.files:
-            raise ConfigError(f"checkpoint {self.path}: no index lists {fname}")
-        verify_file(full, self.files[fname])
-        return full
-
-    def _open(self, fname: str):
-        if fname not in self._files:
-            full = self.verify(fname)
-            try:
-                self._files[fname] = safe_open(full, framework="pt")
-            except Exception as e:  # a corrupt file whose checksum was forged along with it
-                raise ConfigError(f"checkpoint file {full} cannot be read ({type(e).__name__}: {e})") from None
-        return self._files[fname]
-
-    def read(self, name: str, start: int, length: int, dim: int) -> torch.Tensor:
-        rec = self.index.get(name)
-        if rec is None:
-            raise ConfigError(f"checkpoint {self.path} has no tensor {name}")
-        if dim != rec["dim"]:  # stored in pieces along another dimension: take the range from each piece
-            return self._read_across(name, rec, start, length, dim)
-        parts, pos = [], start
-        for pc in sorted(rec["pieces"], key=lambda p: p["start"]):
-            lo, hi = pc["start"], pc["start"] + pc["length"]
-            if hi <= pos or lo >= start + length:
-                continue
-            if lo > pos:
-                break
-            take = min(hi, start + length) - pos
-            sl = self._open(pc["file"]).get_slice(pc["key"])
-            index = [slice(None)] * len(rec["shape"])
-            index[dim] = slice(pos - lo, pos - lo + take)
-            parts.append(sl[tuple(index)])
-            pos += take
-        if pos != start + length:
-            raise ConfigError(f"checkpoint {self.path}: {name} lacks rows [{pos}, {start + length}) along dim {dim}")
-        return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
-
-    def _read_across(self, name: str, rec: dict, start: int, length: int, dim: int) -> torch.Tensor:
-        parts, pos = [], 0
-        for pc in sorted(rec["pieces"], key=lambda p: p["start"]):
-            if pc["start"] != pos:
-                break
-            index = [slice(None)] * len(rec["shape"])
-            index[dim] = slice(start, start + length)
-            parts.append(self._open(pc["file"]).get_slice(pc["key"])[tuple(index)])
-            pos += pc["length"]
-        if pos != rec["shape"][rec["dim"]]:
-            raise ConfigError(f"checkpoint {self.path}: {name} lacks rows from {pos} along dim {rec['dim']}")
-        return torch.cat(parts, dim=rec["dim"]) if len(parts) > 1 else parts[0]
-
-    def fill(self, name: str, target: torch.Tensor, pieces: list[Piece]) -> None:
-        with torch.no_grad():
-            target.zero_()  # vocabulary padding is not stored: it stays zero
-            for pc in pieces:
-                data = self.read(name, pc.full_start, pc.length, pc.dim)
-                target.narrow(pc.dim, pc.local_start, pc.length).copy_(data)
+_Reader = Reader  # (its old name, imported by the converters and tools)
 
 
 def saved_under_this_layout(meta: dict, ctx: ParallelContext) -> bool:
@@ -426,7 +343,7 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
     check_model_structure(path, meta, model)
     if with_optim:
         check_optimizer_state(path, meta, optimizer.config)
-    reader = _Reader(path, meta)
+    reader = Reader(path, meta)
     check_adapters_have_a_home(path, reader, model)
     for name, p, pmeta in named_param_meta(model):
         key = f"model/{model.global_name(name)}"
@@ -437,46 +354,41 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
             raise ConfigError(f"{path}: {key[6:]} is {list(stored)} in the checkpoint but {mine} in this model")
         if p.dtype == torch.float32 and "main/" + key[6:] in reader.index:
             key = "main/" + key[6:]  # (a --bf16 run's: fp32 weights from its main weights, not their rounding)
-        if hasattr(p, "device_mesh"):  # FSDP2: fill the full tensor, keep this rank's shard
-            from megatron_lite.distributed.fsdp import local_shard
+        if hasattr(p, "device_mesh"):  # FSDP2: this rank's rows alone
+            from megatron_lite.distributed.fsdp import flat_range
 
-            full = torch.zeros(p.shape, dtype=p.dtype, device=ctx.device)
-            reader.fill(key, full, local_pieces(tuple(p.shape), pmeta))
             with torch.no_grad():
-                p.copy_(local_shard(full, p))
+                p.to_local().view(-1).copy_(reader.read_flat(key, tuple(p.shape), pmeta, *flat_range(p)))
             continue
-        reader.fill(key, p, local_pieces(tuple(p.shape), pmeta))
+        reader.fill(key, p, pmeta)
     for gname, t, expert in fp8_state_tensors(model):  # (a checkpoint without them: delayed scaling starts afresh)
         if (stored := (reader.index.get(f"fp8/{gname}") or {}).get("shape")) is None:
             continue
         full = torch.zeros(stored, dtype=t.dtype, device=t.device)
-        reader.fill(f"fp8/{gname}", full, local_pieces(tuple(stored), REPLICATED[expert]))
+        reader.fill(f"fp8/{gname}", full, REPLICATED[expert])
         with torch.no_grad():  # (another --fp8-amax-history-len: its newest iterations, as many as it keeps)
             t.zero_()
             t[: min(len(t), len(full))] = full[: len(t)]
+    # The optimizer's main weights and state: only the ranges this rank keeps are read (a distributed
+    # optimizer's parts: about 1/DP of them), in fp32 on the host until the optimizer takes them.
     values = {}
-    for name, p, pmeta in named_param_meta(model) if with_optim else ():
-        if not optimizer.holds(p):
-            continue
+    named = {id(p): (model.global_name(name), pmeta) for name, p, pmeta in named_param_meta(model)}
+    for p, lo, hi in optimizer.state_ranges() if with_optim else ():
+        gname, pmeta = named[id(p)]
         d = {}
         for kind in ("main", *state_kinds(optimizer.config)):
-            key = f"{kind}/{model.global_name(name)}"
-            if key in reader.index:
-                t = torch.zeros(p.shape, dtype=torch.float32)  # on the host: the optimizer keeps its part
-                reader.fill(key, t, local_pieces(tuple(p.shape), pmeta))
-                d[kind] = t
+            if f"{kind}/{gname}" in reader.index:
+                d[kind] = reader.read_flat(f"{kind}/{gname}", tuple(p.shape), pmeta, lo, hi)
         if "main" not in d and p.dtype != torch.float32:
             # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
             # weights are the main weights; read them at full precision, not from the bf16 copy.
-            t = torch.zeros(p.shape, dtype=torch.float32)
-            reader.fill(f"model/{model.global_name(name)}", t, local_pieces(tuple(p.shape), pmeta))
-            d["main"] = t
-        values[id(p)] = d
+            d["main"] = reader.read_flat(f"model/{gname}", tuple(p.shape), pmeta, lo, hi)
+        values[(id(p), lo)] = d
     rng, rng_name = None, f"rng_r{ctx.rank:05d}.safetensors"
     if with_rng and saved_under_this_layout(meta, ctx) and rng_name in reader.files:
         with safe_open(reader.verify(rng_name), framework="pt") as f:
             rng = {k: f.get_tensor(k) for k in f.keys()}
-    return meta, values, rng
+    return meta, values, rng, reader.bytes_read
 
 
 def load_checkpoint(
@@ -490,22 +402,26 @@ def load_checkpoint(
     load_rng: bool = True,
     finetune: bool = False,
     skip_missing_frozen: bool = False,
+    stats: dict | None = None,
 ) -> TrainState:
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
-    the adapters; its base was loaded first). Every read happens before any collective, and a failed one (a
-    corrupted file, a missing piece) on any rank stops every rank, where the others had waited in the
-    optimizer's collectives until the timeout."""
+    the adapters; its base was loaded first). `stats`, when given, gets `bytes_read`: the tensor bytes this
+    rank read (under the distributed optimizer about 1/DP of the optimizer state's). Every read happens before
+    any collective, and a failed one (a corrupted file, a missing piece) on any rank stops every rank, where the
+    others had waited in the optimizer's collectives until the timeout."""
     with_optim = optimizer is not None and load_optim and not finetune
-    meta, values, rng = _on_every_rank(
+    meta, values, rng, bytes_read = _on_every_rank(
         ctx,
         lambda: _read(path, model, optimizer, ctx, with_optim, load_rng and not finetune, skip_missing_frozen),
         f"loading {path}",
         then="",
     )
+    if stats is not None:
+        stats["bytes_read"] = bytes_read
     if optimizer is not None:  # what the checkpoint does not hold, or is not loaded, starts as a new run's
         _fresh_optimizer(optimizer, scheduler)
     if with_optim:
-        optimizer.load_full_state(values, meta["adam_step"])
+        optimizer.load_state_values(values, meta["adam_step"])
         if scheduler is not None and meta.get("scheduler"):
             scheduler.load_state_dict(meta["scheduler"])
         if optimizer.scaler is not None and meta.get("grad_scaler"):

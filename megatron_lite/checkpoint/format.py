@@ -1,17 +1,18 @@
 """The on-disk format: layout-free tensor pieces in safetensors, everything else in JSON. No pickle, so
 loading a checkpoint never runs code.
 
-Every tensor is stored as pieces of its full, unpadded form: a piece is a contiguous range along one
-dimension of the full tensor, with the full tensor's global shape in the index. Each rank writes the
-pieces it owns, so the files depend on the layout but their meaning does not: any other layout reads the
-ranges it needs from whichever pieces cover them. Fused tensors are stored in their layout-free order
-(QKV grouped per query group; SwiGLU's fc1 as [gate; up], each rank writing a gate piece and an up piece
-rather than its interleaved [gate_r; up_r]); vocabulary padding is never stored.
+Every tensor is stored as pieces of its full, unpadded form: a piece is a box of the full tensor (a start and
+a length along each dimension; format 2 stored ranges along one dimension), with the full tensor's global shape
+in the index. Each rank writes the pieces it owns (a distributed optimizer's parts of a parameter, which cut
+rows anywhere, are a few boxes each: boxes.py), so the files depend on the layout but their meaning does not:
+any other layout reads the boxes it needs from whichever pieces cover them. Fused tensors are stored in their
+layout-free order (QKV grouped per query group; SwiGLU's fc1 as [gate; up], each rank writing a gate piece and
+an up piece rather than its interleaved [gate_r; up_r]); vocabulary padding is never stored.
 
     <dir>/latest_checkpointed_iteration.txt   the newest complete iteration (written last)
     <dir>/iter_0000010/metadata.json          iteration, samples, configs, layout, scheduler, scaler, and
                                               the sha256 of every index file
-    <dir>/iter_0000010/index_r00003.json      the pieces rank 3 wrote (name -> shape, dim, pieces) and the
+    <dir>/iter_0000010/index_r00003.json      the pieces rank 3 wrote (name -> shape, dtype, pieces) and the
                                               size and sha256 of its tensor and RNG files
     <dir>/iter_0000010/tensors_r00003.safetensors
     <dir>/iter_0000010/rng_r00003.safetensors
@@ -35,8 +36,10 @@ import torch
 
 from megatron_lite.parameters import ParamMeta
 
-FORMAT = "megatron_lite/2"
+FORMAT = "megatron_lite/3"
+FORMAT_V2 = "megatron_lite/2"  # still read: pieces are ranges along one dimension (the record's "dim")
 FORMAT_V1 = "megatron_lite/1"  # still read: no checksums, index files hold the tensor records only
+READABLE = (FORMAT, FORMAT_V2, FORMAT_V1)
 TRACKER = "latest_checkpointed_iteration.txt"
 
 

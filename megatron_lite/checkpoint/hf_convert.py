@@ -123,9 +123,13 @@ def write_model_checkpoint(root: str, tensors: dict[str, torch.Tensor], job_dict
             index[key.removesuffix("@0")] = {
                 "shape": list(t.shape),
                 "dtype": str(t.dtype).removeprefix("torch."),
-                "dim": 0,
                 "pieces": [
-                    {"file": f"tensors_r00000_{i:03d}.safetensors", "key": key, "start": 0, "length": t.shape[0]}
+                    {
+                        "file": f"tensors_r00000_{i:03d}.safetensors",
+                        "key": key,
+                        "starts": [0] * t.ndim,
+                        "lengths": list(t.shape),
+                    }
                 ],
             }
     digests = {}
@@ -164,11 +168,10 @@ def read_model_tensors(load_dir: str, main: bool = False, base: bool = True) -> 
     if lora.get("base"):
         where = lora_base_checkpoint(lora["base"], f"--load-dir {load_dir}", lora.get("base_fingerprint"))
         out = read_model_tensors(where, main)[1]
-    for name, rec in reader.index.items():
+    for name in list(reader.index):
         if name.startswith("model/"):
             name = "main/" + name.removeprefix("model/") if main and "main/" + name[6:] in reader.index else name
-            rec = reader.index[name]
-            out[name.split("/", 1)[1]] = reader.read(name, 0, rec["shape"][rec["dim"]], rec["dim"])
+            out[name.split("/", 1)[1]] = reader.read_full(name)
     return meta, out
 
 

@@ -9,7 +9,7 @@ import json
 import os
 
 from megatron_lite.checkpoint.compatibility import megatron_lm
-from megatron_lite.checkpoint.format import FORMAT, FORMAT_V1, TRACKER, complete_iterations, iteration_dir, read_tracker
+from megatron_lite.checkpoint.format import FORMAT, READABLE, TRACKER, complete_iterations, iteration_dir, read_tracker
 from megatron_lite.checkpoint.hf_files import peft_adapter
 from megatron_lite.config import ConfigError
 
@@ -96,7 +96,7 @@ def _read_json(path: str) -> dict:
 
 def read_metadata(path: str) -> dict:
     meta = _read_json(os.path.join(path, "metadata.json"))
-    if meta.get("format") not in (FORMAT, FORMAT_V1):
+    if meta.get("format") not in READABLE:
         megatron_lm(None, path)
         raise ConfigError(f"{path}/metadata.json has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta

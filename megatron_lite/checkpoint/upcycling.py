@@ -108,8 +108,7 @@ def load_upcycled(path: str, model, ctx, granularity: int) -> list[str]:
 
     def dense(name: str) -> torch.Tensor | None:
         key = f"main/{name}" if f"main/{name}" in reader.index else f"model/{name}"  # (a bf16 run's fp32 weights)
-        rec = reader.index.get(key)
-        return None if rec is None else reader.read(key, 0, rec["shape"][rec["dim"]], rec["dim"])
+        return reader.read_full(key) if key in reader.index else None
 
     kept = []
     for name, p, meta in named_param_meta(model):

@@ -52,6 +52,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def flat_range(p: torch.Tensor) -> tuple[int, int]:
+    """The flat range [lo, hi) of an FSDP2 parameter's full tensor that this rank's shard holds: fully_shard
+    splits dim 0 over a one-dimensional mesh as torch.chunk does (the last ranks may hold fewer rows, or none)."""
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(p.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise NotImplementedError(f"an FSDP2 parameter placed {placements}: expected Shard(0) on one mesh dimension")
+    n, r, rows = p.device_mesh.size(), p.device_mesh.get_local_rank(), p.shape[0]
+    chunk = -(-rows // n)
+    start = min(r * chunk, rows)
+    local = _local(p).shape[0]
+    if local != min(rows, start + chunk) - start:
+        raise RuntimeError(f"an FSDP2 shard of {local} rows where torch.chunk gives rows [{start}, {start + chunk})")
+    inner = p.numel() // rows if rows else 0
+    return start * inner, (start + local) * inner
+
+
+def from_flat(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (its flat values, see flat_range) as a DTensor placed as `like`: no collective."""
+    from torch.distributed.tensor import DTensor
+
+    local = flat.to(like.device).view(_local(like).shape)
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())  # fmt: skip
+
+
 def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`full` (the same on every rank) as a DTensor placed as `like`, each rank taking its own shard of it with no
     collective: a checkpoint's reads stay apart from collectives (torch >= 2.6; before it, from rank 0's copy)."""
@@ -246,25 +273,28 @@ class FSDP2Optimizer(OptimizerBase):
         self.steps_taken += 1
         return StepResult(True, norm, 1.0)
 
-    # Checkpoint interface: full tensors, gathered over the data-parallel group ------------------------
-    def holds(self, p: nn.Parameter) -> bool:
-        return any(p is q for q in self.params)
+    # Checkpoint interface: each rank its own rows (the sharded weights are the main weights) -----------------
+    sharded = True
 
-    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        out = {}
+    def state_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        return [(p, *flat_range(p)) for p in self.params]
+
+    def state_values(self) -> list[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
+        kinds = state_kinds(self.config)
+        out = []
         for p in self.params:
             st = self.inner.state.get(p, {})
-            out[id(p)] = {k: st[k].full_tensor().cpu() for k in state_kinds(self.config) if k in st}
+            out.append((p, flat_range(p)[0], {k: _local(st[k]).reshape(-1) for k in kinds if k in st}))
         return out
 
     @torch.no_grad()
-    def load_full_state(self, values: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+    def load_state_values(self, values: dict[tuple[int, int], dict[str, torch.Tensor]], step: int) -> None:
         states = {}
         for p in self.params:
-            d = values.get(id(p), {})
-            if "main" in d:
-                p.copy_(local_shard(d["main"].to(p.device, p.dtype), p))
-            entry = state_entry(d, self.config, step, lambda t, p=p: local_shard(t.to(p.device), p))
+            d = values.get((id(p), flat_range(p)[0]), {})
+            if "main" in d:  # (a mixed-precision run's fp32 main weights: more exact than its low-precision ones)
+                _local(p).view(-1).copy_(d["main"])
+            entry = state_entry(d, self.config, step, lambda t, p=p: from_flat(t, p))
             if entry is not None:
                 states[p] = entry
         if states:

@@ -8,7 +8,8 @@ then the new weights are all-gathered bucket by bucket into every rank's model p
 
 The grad norm is exact: each rank sums the squares of its owned ranges of the parameters it counts (the same
 counting rules as without sharding), summed over the data-parallel group, then over the model-parallel one.
-Checkpoints hold full tensors as before (gathered at save, sliced at load), so a checkpoint saved with the
+Checkpoints: each rank writes the boxes of the full tensors its parts cover and reads only those
+(checkpoint/boxes.py), with no gather; the stored pieces are the full tensors', so a checkpoint saved with the
 distributed optimizer loads without it, under another DP size, and the other way round.
 """
 
@@ -23,7 +24,6 @@ from megatron_lite.optimizer.optimizer import (
     OptimizerBase,
     StepResult,
     _inner_optimizer,
-    any_rank,
     count_zeros,
     fp32,
     group_name,
@@ -32,7 +32,6 @@ from megatron_lite.optimizer.optimizer import (
     optimizer_groups,
     set_lr,
     squared_norm,
-    state_dtype,
     state_entry,
     state_kinds,
 )
@@ -76,7 +75,6 @@ class DistributedOptimizer(OptimizerBase):
                     a, b = max(lo, offset), min(hi, offset + p.numel())
                     if b > a:
                         self.shards.append(_Shard(p, buffer, a - offset, b - offset, counted, meta.expert))
-        self._held = {id(p) for b in ddp.buffers for q in b.buckets for p in q.params}
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
         groups = optimizer_groups([(s.main, name_of[id(s.p)], s.p.ndim) for s in self.shards], config)
         self.inner = _inner_optimizer(groups, config, ctx.device)
@@ -166,11 +164,11 @@ class DistributedOptimizer(OptimizerBase):
         --overlap-param-gather only launched here, first-used buckets first (the reverse of their order)."""
         if not self.overlap_param_gather:
             for buffer in self.ddp.buffers:
-                self._gather_buffer(buffer, "param")
+                self._gather_buffer(buffer)
             return
         for buffer in self.ddp.buffers:
             for bucket, (lo, hi) in reversed(list(zip(buffer.buckets, buffer.bucket_bounds))):
-                mine = self._own_part(buffer, bucket, lo, hi, "param")
+                mine = self._own_part(buffer, bucket, lo, hi)
                 gathered = torch.empty(hi - lo, dtype=mine.dtype, device=buffer.device)
                 work = (
                     all_gather_tensor(gathered, mine, group=buffer.group.pg, async_op=True)
@@ -201,27 +199,22 @@ class DistributedOptimizer(OptimizerBase):
         for _, bucket, *_ in list(self._in_flight.values()):
             self._wait_for(bucket.params[:1])
 
-    def _own_part(self, buffer: GradBuffer, bucket, lo: int, hi: int, what: str, values=None) -> torch.Tensor:
-        """This rank's part of a bucket: updated weights ('param', in the model's dtype) or a kind of state."""
+    def _own_part(self, buffer: GradBuffer, bucket, lo: int, hi: int) -> torch.Tensor:
+        """This rank's part of a bucket's updated weights, in the model's dtype."""
         n, d = buffer.group.size, buffer.group.rank
         part = (hi - lo) // n
-        # (state in the dtype the optimizer keeps it, decided by the config so every rank gathers the same dtype)
-        dtype = bucket.params[0].dtype if what == "param" else state_dtype(self.config, what)
-        mine = torch.zeros(part, dtype=dtype, device=buffer.device)
+        mine = torch.zeros(part, dtype=bucket.params[0].dtype, device=buffer.device)
         own_lo = lo + d * part
         for s in self.shards:
             if s.buffer is buffer and self._bucket_of_param[id(s.p)][1] is bucket:
-                src = s.main if what == "param" else values[id(s)]
                 start = buffer.offset[id(s.p)] + s.lo - own_lo
-                mine[start : start + (s.hi - s.lo)] = src
+                mine[start : start + (s.hi - s.lo)] = s.main
         return mine
 
-    def _gather_buffer(self, buffer: GradBuffer, what: str, values=None) -> dict[int, torch.Tensor]:
-        """All-gather, bucket by bucket, this rank's part of `what` ('param': updated weights written into the
-        model; else a dict kind -> per-shard tensors to assemble into full parameter-shaped tensors)."""
-        full: dict[int, torch.Tensor] = {}
+    def _gather_buffer(self, buffer: GradBuffer) -> None:
+        """All-gather, bucket by bucket, every rank's updated weights into the model."""
         for bucket, (lo, hi) in zip(buffer.buckets, buffer.bucket_bounds):
-            mine = self._own_part(buffer, bucket, lo, hi, what, values)
+            mine = self._own_part(buffer, bucket, lo, hi)
             gathered = torch.empty(hi - lo, dtype=mine.dtype, device=buffer.device)
             if buffer.group.size > 1:
                 with buffer.group.blocked():
@@ -230,40 +223,31 @@ class DistributedOptimizer(OptimizerBase):
                 gathered.copy_(mine)
             for p in bucket.params:
                 po = buffer.offset[id(p)] - lo
-                flat = gathered[po : po + p.numel()].view(p.shape)
-                if what == "param":
-                    p.detach().copy_(flat)
-                else:
-                    full[id(p)] = flat.to("cpu", copy=True)  # staged on the host: one bucket on the device
-        return full
+                p.detach().copy_(gathered[po : po + p.numel()].view(p.shape))
 
-    # Checkpoint interface ---------------------------------------------------------------------------
-    def holds(self, p: nn.Parameter) -> bool:
-        return id(p) in self._held
+    # Checkpoint interface: each rank its own parts, no gather ----------------------------------------------
+    sharded = True
 
-    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Full fp32 main weights and moments of every parameter (a collective over the DP group)."""
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        kinds = {"main": {id(s): s.main for s in self.shards}}
-        # Adam state exists once a step has run, on every rank that owns something; ranks owning nothing
-        # must still join the same gathers, so all ranks decide together.
-        if any_rank(bool(self.inner.state), self.ctx):
-            for kind in state_kinds(self.config):
-                kinds[kind] = {id(s): self.inner.state[s.main][kind] for s in self.shards}
-        for kind, values in kinds.items():
-            for buffer in self.ddp.buffers:
-                for pid, t in self._gather_buffer(buffer, kind, values).items():
-                    out.setdefault(pid, {})[kind] = t
+    def state_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        return [(s.p, s.lo, s.hi) for s in self.shards]
+
+    def state_values(self) -> list[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
+        kinds = state_kinds(self.config)
+        out = []
+        for s in self.shards:
+            # (fp32 weights: the model's, all-gathered from the main weights after each step, are the same values)
+            d = {"main": s.main} if s.p.dtype != torch.float32 else {}
+            d.update({k: v for k, v in self.inner.state.get(s.main, {}).items() if k in kinds})
+            out.append((s.p, s.lo, d))
         return out
 
     @torch.no_grad()
-    def load_full_state(self, values: dict[int, dict[str, torch.Tensor]], step: int) -> None:
+    def load_state_values(self, values: dict[tuple[int, int], dict[str, torch.Tensor]], step: int) -> None:
         states = {}
         for s in self.shards:
-            d = values.get(id(s.p), {})
-            s.main.copy_(d["main"].reshape(-1)[s.lo : s.hi] if "main" in d else s.p.reshape(-1)[s.lo : s.hi])
-            entry = state_entry(d, self.config, step, lambda t, s=s: t.reshape(-1)[s.lo : s.hi].clone())
-            if entry is not None:
+            d = values.get((id(s.p), s.lo), {})
+            s.main.copy_(d["main"] if "main" in d else s.p.reshape(-1)[s.lo : s.hi])
+            if (entry := state_entry(d, self.config, step)) is not None:
                 states[s.main] = entry
         if states:
             load_inner_state(self.inner, states)

@@ -16,14 +16,13 @@ orthogonalize one matrix together (--muon-tp-mode duplicated|distributed) own it
 
 The grad norm is exact: each rank sums the squares of its owned gradients (the same counting rules as
 without sharding), summed over the data-parallel group, then the model-parallel one. Checkpoints hold full
-tensors as plain muon's do (each owner broadcasts its state at save; at load each rank keeps what it owns), so
-one saved under dist_muon loads under muon, under another DP size, and the other way round.
+tensors as plain muon's do, each written by its owner alone (no gather) and read at load by its new owner alone,
+so one saved under dist_muon loads under muon, under another DP size, and the other way round.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.optimizer.config import OptimizerConfig
@@ -31,7 +30,6 @@ from megatron_lite.optimizer.optimizer import (
     GradOf,
     MixedPrecisionOptimizer,
     StepResult,
-    any_rank,
     group_name,
     runs_muon,
 )
@@ -55,10 +53,11 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
     """MixedPrecisionOptimizer over the parameters this rank owns (its muon optimizer, main weights, state and
     sums see those alone), with the updated weights all-gathered after each step."""
 
+    sharded = True  # (each rank writes the main weights and state of the parameters it owns: no gather)
+
     def __init__(self, model: nn.Module, grad_of: GradOf, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config, self.ctx = config, ctx
         trained = [(name, p, meta) for name, p, meta in named_param_meta(model) if p.requires_grad]
-        self._trained = {id(p) for _, p, _ in trained}
         # (group, each of its ranks' owned parameters in model order): dense over DP x CP, experts over EDP
         self._owned_by: list[tuple[Group, list[list[nn.Parameter]]]] = []
         self._muon: dict[int, bool] = {}  # id(p) -> whether Muon steps it (else Adam)
@@ -119,38 +118,3 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                     for p in ps:
                         p.detach().copy_(gathered[at : at + p.numel()].view(p.shape))
                         at += p.numel()
-
-    # Checkpoint interface ---------------------------------------------------------------------------
-    def holds(self, p: nn.Parameter) -> bool:
-        return id(p) in self._trained
-
-    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every trained parameter's main weights (low-precision weights) and state, broadcast by its owner
-        over its group (a collective), staged on the host: one rank's share on the device at a time."""
-        local = super().gather_full_state()  # (the owned parameters')
-        stepped = any_rank(bool(self.inner.state), self.ctx)  # (a rank owning nothing has no state to tell)
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for group, lists in self._owned_by:
-            for r, ps in enumerate(lists):
-                for kind in ("main", "momentum_buffer", "exp_avg", "exp_avg_sq"):
-                    of = [p for p in ps if self._keeps(p, kind, stepped)]
-                    if not of:
-                        continue
-                    if r == group.rank:
-                        flat = torch.cat([local[id(p)][kind].reshape(-1) for p in of])
-                    else:
-                        flat = torch.empty(sum(p.numel() for p in of), dtype=torch.float32, device=self.ctx.device)
-                    if group.size > 1:
-                        with group.blocked():
-                            dist.broadcast(flat, src=group.ranks[r], group=group.pg)
-                    at = 0
-                    for p in of:
-                        out.setdefault(id(p), {})[kind] = flat[at : at + p.numel()].view(p.shape).to("cpu", copy=True)
-                        at += p.numel()
-        return out
-
-    def _keeps(self, p: nn.Parameter, kind: str, stepped: bool) -> bool:
-        """Whether its owner keeps state `kind` for `p` (in fp32, as a muon run saves it)."""
-        if kind == "main":
-            return p.dtype != torch.float32  # (fp32 weights are their own main weights)
-        return stepped and (kind == "momentum_buffer") == self._muon[id(p)]

@@ -300,8 +300,27 @@ class OptimizerBase:
     def sync_main_from_model(self) -> None:
         raise NotImplementedError
 
+    # Checkpoint interface. A rank keeps fp32 main weights and state for flat ranges [lo, hi) of parameters (whole
+    # parameters, or the distributed optimizer's parts of them); none of these calls a collective, so a checkpoint
+    # is written and read with no gather (Megatron's fully parallel save and load).
+    sharded = False  # True: no other data-parallel rank keeps this rank's ranges, so it writes them itself
+
+    def state_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(parameter, lo, hi) for each flat range of a parameter this rank keeps main weights and state for."""
+        raise NotImplementedError
+
+    def state_values(self) -> list[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
+        """(parameter, lo, kind -> the flat values of that range): 'main' (fp32 main weights where they are not the
+        model's own) and the optimizer's state kinds (Adam's moments, momentum) once it has stepped."""
+        raise NotImplementedError
+
+    def load_state_values(self, values: dict[tuple[int, int], dict[str, torch.Tensor]], step: int) -> None:
+        """The inverse of `state_values`, keyed by (id(parameter), lo): a range without saved main weights takes
+        the model's, one without state starts as a new run's."""
+        raise NotImplementedError
+
     def _loaded(self, states: dict, step: int) -> None:
-        """After load_full_state: the checkpoint's step count where it held state for what this optimizer trains
+        """After load_state_values: the checkpoint's step count where it held state for what this optimizer trains
         (on any rank: one may train nothing), else a new run's 0 (LoRA's new adapters on a base model's
         checkpoint: its count was taken, and a resume's bias correction jumped ahead of the moments)."""
         self.steps_taken = step if any_rank(bool(states), self.ctx) else 0
@@ -380,27 +399,24 @@ class MixedPrecisionOptimizer(OptimizerBase):
         counted exactly once."""
         return (self.ctx.emp,) if expert else (self.ctx.mp,)
 
-    # Checkpoint interface (shared with the distributed optimizer) -------------------------------------
-    def holds(self, p: nn.Parameter) -> bool:
-        return id(p) in self.main_of
+    # Checkpoint interface: whole parameters --------------------------------------------------------------
+    def state_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        return [(p, 0, p.numel()) for p in self.params]
 
-    def gather_full_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """id(model param) -> fp32 main weights (when separate from the model's) and the optimizer's state
-        (Adam moments, SGD momentum), shaped like the parameter."""
-        out = {}
+    def state_values(self) -> list[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
         kinds = state_kinds(self.config)
+        out = []
         for p, main in zip(self.params, self.main_params):
-            d = {} if main is p else {"main": main}
-            d.update({k: v for k, v in self.inner.state.get(main, {}).items() if k in kinds})
-            out[id(p)] = d
+            d = {} if main is p else {"main": main.reshape(-1)}
+            d.update({k: v.reshape(-1) for k, v in self.inner.state.get(main, {}).items() if k in kinds})
+            out.append((p, 0, d))
         return out
 
     @torch.no_grad()
-    def load_full_state(self, values: dict[int, dict[str, torch.Tensor]], step: int) -> None:
-        """The inverse of `gather_full_state`; a parameter without saved main weights takes the model's."""
+    def load_state_values(self, values: dict[tuple[int, int], dict[str, torch.Tensor]], step: int) -> None:
         states = {}
         for p, main in zip(self.params, self.main_params):
-            d = values.get(id(p), {})
+            d = {k: v.view(p.shape) for k, v in values.get((id(p), 0), {}).items()}
             if main is not p:
                 main.copy_(d.get("main", p))
             if (entry := state_entry(d, self.config, step)) is not None:
