@@ -82,8 +82,10 @@ def generation_bytes(chunks, ctx: ParallelContext, batch: int, max_len: int, sco
     up-projections where they are not views of a weight (NF4, LoRA), and on the last stage the scored prompts'
     fp32 logits, `scored_rows` positions of each sequence (gathered over TP, then the fp32 copy)."""
     config, dtype = chunks[0].config, next(p for c in chunks for p in c.parameters()).dtype
-    need = cache_bytes(config, ctx.tp.size, sum(len(c.decoder.layers) for c in chunks), batch, max_len, dtype)
-    # (the decoder's layers: generation never runs the multi-token-prediction depths)
+    # (the decoder's layers: generation never runs the multi-token-prediction depths; a hybrid model's attention
+    # layers hold keys and values, its Mamba layers a state, its MLP layers nothing)
+    kinds = [getattr(layer, "kind", "*") for c in chunks for layer in c.decoder.layers]
+    need = cache_bytes(config, ctx.tp.size, kinds.count("*"), batch, max_len, dtype, mamba_layers=kinds.count("M"))
     need += sum(m.absorbed_bytes() for c in chunks for m in c.decoder.modules() if isinstance(m, MultiLatentAttention))
     if ctx.is_last_stage:
         need += 2 * batch * scored_rows * config.vocab_size * 4
@@ -195,12 +197,6 @@ def generate_batch(
         raise ValueError(f"generation does not run under {what}: build the model for it without (TP x PP x EP only)")
     if not prompts or not all(prompts):
         raise ValueError("generation needs a non-empty prompt for each sequence")
-    config = chunks[0].config
-    if config.hybrid and "M" in config.layer_types:  # (before any forward: said once, not per Mamba layer)
-        raise ValueError(
-            "generation is not supported for a hybrid model with Mamba layers: the KV cache keeps no Mamba conv or "
-            "SSM state (--hybrid-override-pattern " + "".join(config.layer_types) + ")"
-        )
     for c in chunks:
         c.eval()
     longest, shortest, b = max(map(len, prompts)), min(map(len, prompts)), len(prompts)

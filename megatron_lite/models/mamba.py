@@ -36,12 +36,21 @@ GATED_NORM_EPS = 1e-5  # (Megatron's ExtendedRMSNorm is built with eps=1e-5, wha
 
 
 def ssd_scan(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int = CHUNK_SIZE
-) -> torch.Tensor:
-    """The selective scan y_t = C_t . S_t with S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, from S_0 = 0.
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+    initial_state: torch.Tensor | None = None,
+    final_state: bool = False,
+):
+    """The selective scan y_t = C_t . S_t with S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, from S_0 = 0 (or
+    `initial_state` [b, heads, p, n], a generation's state after the tokens before these).
 
     x [b, s, heads, p], dt [b, s, heads] (after softplus), A [heads] (negative), B and C [b, s, groups, n]; returns
-    y [b, s, heads, p] (no D term). Chunks of `chunk_size` steps: inside one, y_t sums the chunk's earlier inputs
+    y [b, s, heads, p] (no D term), and with `final_state` also S after the last step [b, heads, p, n] (what a
+    generation keeps). Chunks of `chunk_size` steps: inside one, y_t sums the chunk's earlier inputs
     weighted by (C_t . B_u) exp(sum of dt A over (u, t]); the state entering the chunk adds C_t . S exp(sum over the
     chunk up to t). Every exponent is a sum of dt A <= 0, taken only over u <= t, so nothing overflows."""
     b, s, h, p = x.shape
@@ -64,14 +73,27 @@ def ssd_scan(
     # What each chunk adds to the state it passes on: its inputs decayed to its end.
     to_end = (a[:, :, -1:] - a).exp() * dt  # [b, k, L, h]
     added = torch.einsum("bcuh,bcuhn,bcuhp->bchpn", to_end, B, x)
-    state = x.new_zeros(b, h, p, B.shape[-1])
+    state = x.new_zeros(b, h, p, B.shape[-1]) if initial_state is None else initial_state.to(x.dtype)
     carried = []
     for c in range(k):
         carried.append(state)
         state = state * a[:, c, -1].exp()[:, :, None, None] + added[:, c]
     carried = torch.stack(carried, dim=1)  # [b, k, h, p, n]: the state entering each chunk
     y = y + torch.einsum("bcthn,bchpn->bcthp", C, carried) * a.exp().unsqueeze(-1)
-    return y.reshape(b, k * L, h, p)[:, :s]
+    y = y.reshape(b, k * L, h, p)[:, :s]
+    return (y, state) if final_state else y  # (the padded steps neither decay nor add: `state` is S_s)
+
+
+def ssm_step(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence (a decoding step, Megatron's `_ssm_decode`): S' = exp(dt A) S + dt x B^T and
+    y = S' C, from state S [b, heads, p, n], x [b, heads, p], dt [b, heads] (after softplus), B and C [b, groups, n];
+    returns y [b, heads, p] (no D term) and S'."""
+    rep = x.shape[1] // B.shape[1]
+    B, C = B.repeat_interleave(rep, dim=1), C.repeat_interleave(rep, dim=1)  # each head its group's
+    state = state * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", state, C), state
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
@@ -139,27 +161,40 @@ class MambaMixer(nn.Module):
             dtype=dtype,
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [seq (shard), batch, hidden] -> the same shape."""
+    def forward(self, hidden: torch.Tensor, kv_cache=None, layer: int | None = None) -> torch.Tensor:
+        """hidden [seq (shard), batch, hidden] -> the same shape. With `kv_cache` (generation): these tokens continue
+        each sequence from the conv window and SSM state the cache holds for `layer` (from zeros where it holds none:
+        the prompt), and leave there the window and state after them; one token is one step of the recurrence."""
         zxbcdt = self.in_proj(hidden)  # [seq, batch, this rank's z x B C dt]
         s, b, _ = zxbcdt.shape
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
         xbc = xbc.permute(1, 2, 0)  # [batch, channels, seq]: causal, so padded on the left only
-        xbc = F.conv1d(xbc, self.conv1d.weight, self.conv1d.bias, padding=D_CONV - 1, groups=self.conv_dim)[..., :s]
+        held = None if kv_cache is None else kv_cache.mamba_state(layer)
+        if kv_cache is None:
+            xbc = F.conv1d(xbc, self.conv1d.weight, self.conv1d.bias, padding=D_CONV - 1, groups=self.conv_dim)
+            xbc = xbc[..., :s]
+        else:  # the window of the D_CONV - 1 inputs before these (zeros before the prompt), then these
+            window = xbc.new_zeros(b, self.conv_dim, D_CONV - 1) if held is None else held[0]
+            xbc = torch.cat([window, xbc], dim=-1)
+            window = xbc[..., -(D_CONV - 1) :]
+            xbc = F.conv1d(xbc, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
         xbc = F.silu(xbc).transpose(1, 2)  # [batch, seq, channels]
         f = torch.promote_types(hidden.dtype, torch.float32)  # (the scan in fp32 at least)
         x, B, C = xbc.to(f).split([self.d_inner, self.gn, self.gn], dim=-1)
         x = x.unflatten(-1, (self.heads, self.head_dim))
+        B, C = (t.unflatten(-1, (self.groups, self.state_dim)) for t in (B, C))
         dt = F.softplus(dt.to(f) + self.dt_bias.to(f)).transpose(0, 1)  # [batch, seq, heads]
         A = -torch.exp(self.A_log.to(f))
-        y = ssd_scan(
-            x,
-            dt,
-            A,
-            B.unflatten(-1, (self.groups, self.state_dim)),
-            C.unflatten(-1, (self.groups, self.state_dim)),
-            self.chunk_size,
-        )
+        if kv_cache is None:
+            y = ssd_scan(x, dt, A, B, C, self.chunk_size)
+        elif held is not None and s == 1:  # a decoding step
+            y, state = ssm_step(held[1], x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
+            y = y.unsqueeze(1)
+        else:  # the prompt (or several tokens on the cache): the chunked scan, from the state held if any
+            initial = None if held is None else held[1]
+            y, state = ssd_scan(x, dt, A, B, C, self.chunk_size, initial_state=initial, final_state=True)
+        if kv_cache is not None:
+            kv_cache.keep_mamba_state(layer, window, state)
         y = y + x * self.D.to(f)[:, None]
         y = y.flatten(-2).transpose(0, 1)  # [seq, batch, this rank's d_inner]
         y = gated_rms_norm(y, z, self.norm.weight, self.groups, GATED_NORM_EPS).to(hidden.dtype)

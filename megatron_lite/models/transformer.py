@@ -146,12 +146,12 @@ class HybridLayer(nn.Module):
         if self.fp32_residual:
             x = x.float()
         if self.kind == "M":
-            if kv_cache is not None or documents is not None:  # (refused at start-up; said again here)
+            if documents is not None:  # (refused at start-up; said again here)
                 raise ValueError(
-                    "a Mamba layer keeps no state in the KV cache and carries its scan across documents: "
-                    "generation with a KV cache and --reset-attention-mask are not supported with Mamba layers"
+                    "a Mamba layer carries its scan across documents: --reset-attention-mask is not supported with "
+                    "Mamba layers"
                 )
-            h = self.mixer(self.norm(x))
+            h = self.mixer(self.norm(x), kv_cache, self.layer_number)
         elif self.kind == "*":
             h = self.self_attention(self.input_layernorm(x), rope, kv_cache, documents)
         else:
