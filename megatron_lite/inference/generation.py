@@ -1,5 +1,5 @@
-"""Autoregressive generation under any TP x PP (x EP) layout, with a KV cache, one prompt or a batch; not under CP
-or SP.
+"""Autoregressive generation under any TP x PP (x EP) layout, with a KV cache (and each Mamba layer's conv window and
+SSM state, for hybrid models), one prompt or a batch; not under CP or SP.
 
 Each step runs the new tokens (the whole prompt first, the shortest of a batch's, then one token) through the
 virtual pipeline stages in order, hidden states passed stage to stage by point-to-point sends; the last stage
@@ -184,7 +184,8 @@ def generate_batch(
     """`generate` for several prompts at once, one result each, as each alone would give (up to rounding: each
     draws from its own generator, seeded alike). As Megatron's static batching does, every sequence sits at the
     same positions, so no padding or mask is needed: the shortest prompt is run whole, then one position a step,
-    where a longer prompt's next token is its own, not a generated one; a sequence done (a stop id, or its
+    where a longer prompt's next token is its own, not a generated one (a Mamba layer's state thus runs over each
+    sequence's own tokens, one a step past the shortest prompt); a sequence done (a stop id, or its
     `max_new_tokens`) rides along until all are. Under an MoE capacity factor the tokens of one forward compete
     for the experts' capacity, so a batch's drops differ from each prompt's alone (tools/generate.py runs such a
     model one prompt at a time). `top_n_logprobs` N: at each generated token, the N most likely tokens and their
