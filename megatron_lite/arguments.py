@@ -432,6 +432,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         use_checkpoint_opt_param_scheduler=ns.use_checkpoint_opt_param_scheduler,
         moe_use_upcycling=ns.moe_use_upcycling,
         moe_upcycling_granularity=ns.moe_upcycling_granularity,
+        **{k: getattr(ns, k) for k in CheckpointConfig.__dataclass_fields__ if k.startswith("non_persistent_")},
     )
     logging = LoggingConfig(
         log_jsonl=ns.log_jsonl,

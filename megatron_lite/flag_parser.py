@@ -460,6 +460,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")
     c.add_argument("--save-retain-interval", type=int, help="keep the checkpoints of multiples of N iterations and "
                    "the newest; each save deletes the one before it otherwise (Megatron's)")  # fmt: skip
+    c.add_argument(
+        "--non-persistent-save-interval",
+        type=int,
+        help="also save every N iterations a checkpoint "
+        "of which only the newest is kept (not at --save-interval's); a restart takes it when newer",
+    )
+    c.add_argument(
+        "--non-persistent-ckpt-type",
+        choices=("global", "local", "in_memory"),
+        help="global: one checkpoint in --non-persistent-global-ckpt-dir; local: each rank's own files "
+        "in --non-persistent-local-ckpt-dir (same layout to resume)",
+    )
+    c.add_argument("--non-persistent-global-ckpt-dir", help="default: <--save>/non_persistent")
+    c.add_argument("--non-persistent-local-ckpt-dir", help="a node-local directory; each rank writes <DIR>/<rank>")
+    c.add_argument(
+        "--non-persistent-local-ckpt-algo",
+        choices=("fully_parallel", "atomic"),
+        default="fully_parallel",
+        help="accepted: each rank's files hold all it loads (Megatron's atomic)",
+    )
 
     from megatron_lite.lora.flags import add_lora_group  # (it imports this module's _bool)
 

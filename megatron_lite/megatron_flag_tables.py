@@ -367,14 +367,7 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {
 }
 
 # Megatron flags we do not implement: refused with one line naming the flag and why.
-NON_PERSISTENT = (
-    "Megatron's non-persistent (local) checkpoints are not implemented; --save-interval with --ckpt-keep-last N "
-    "keeps only the newest N"
-)
 REFUSED: dict[str, str] = {
-    "non_persistent_save_interval": NON_PERSISTENT,
-    "non_persistent_ckpt_type": NON_PERSISTENT,
-    "non_persistent_global_ckpt_dir": NON_PERSISTENT,
     "fp8_param_gather": "weights kept and all-gathered in fp8 are not implemented (--fp8-format quantizes the "
     "compute-dtype weights at each GEMM)",
     "enable_cuda_graph": "CUDA graphs are not implemented",
@@ -427,8 +420,6 @@ REFUSED: dict[str, str] = {
     **_all(HETEROGENEOUS, "heterogeneous_layers_config_path heterogeneous_layers_config_encoded_json"),
     **_all(KITCHEN, "kitchen_config_file kitchen_recipe_number"),
     **_all(CONVERT, "ckpt_convert_format ckpt_convert_save ckpt_convert_update_legacy_dist_opt_format"),
-    "non_persistent_local_ckpt_dir": NON_PERSISTENT,
-    "non_persistent_local_ckpt_algo": NON_PERSISTENT,
     "fp4_format": "FP4 (NVFP4) training is not implemented; --fp8-format quantizes the GEMMs to fp8",
     "fp4_param_gather": "weights kept and all-gathered in FP4 are not implemented (FP4 training is not either)",
     "external_cuda_graph": "CUDA graphs are not implemented",

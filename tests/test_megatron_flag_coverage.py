@@ -56,7 +56,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "checkpoints are not converted in a run: ours": (
         "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format"
     ),
-    "Megatron's non-persistent (local)": "--non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo",
     "FP4 (NVFP4) training is not implemented": "--fp4-format",
     "weights kept and all-gathered in FP4 are not": "--fp4-param-gather",
     "CUDA graphs are not": "--external-cuda-graph",

@@ -249,6 +249,7 @@ class AsyncSaver:
         self, root: str, ctx: ParallelContext, keep_last: int | None = None, retain_interval: int | None = None
     ) -> None:
         self.root, self.ctx, self.keep_last, self.retain_interval = root, ctx, keep_last, retain_interval
+        self.share_ctx = ctx  # (the layout the snapshot is taken under: non_persistent.LocalSaver's is its own)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending: tuple[str, dict] | None = None
@@ -260,8 +261,8 @@ class AsyncSaver:
         saved as in save_checkpoint)."""
         previous = self.finish()  # one save in flight at a time
         optimizer, scheduler = _saved_parts(optimizer, scheduler, save_optim)
-        tmp = _prepare_tmp(self.root, state.iteration, self.ctx)
-        snap = _snapshot(model, optimizer, self.ctx, job_dict, save_rng)
+        tmp = self._prepare(state.iteration)
+        snap = _snapshot(model, optimizer, self.share_ctx, job_dict, save_rng)
         meta = _metadata(state, optimizer, scheduler, self.ctx, job_dict)
         self._pending = (tmp, meta)
         self._error = None
@@ -302,15 +303,23 @@ class AsyncSaver:
         tmp, meta = self._pending
         self._pending = None
         final = iteration_dir(self.root, meta["iteration"])
-        _on_every_rank(
-            self.ctx,
-            lambda: publish(self.root, tmp, meta, self.keep_last, self.retain_interval) if self.ctx.rank == 0 else None,
-            f"publishing {final}",
-        )  # fmt: skip
+        _on_every_rank(self.ctx, lambda: self._publish(tmp, meta), f"publishing {final}")
+        self._published(final)
         return final
 
     def finish(self) -> str | None:
         return self.poll(wait=True)
+
+    # (overridden by non_persistent.LocalSaver, whose ranks each publish a directory of their own)
+    def _prepare(self, iteration: int) -> str:
+        return _prepare_tmp(self.root, iteration, self.ctx)
+
+    def _publish(self, tmp: str, meta: dict) -> None:
+        if self.ctx.rank == 0:
+            publish(self.root, tmp, meta, self.keep_last, self.retain_interval)
+
+    def _published(self, final: str) -> None:
+        pass
 
 
 # Loading ----------------------------------------------------------------------------------------

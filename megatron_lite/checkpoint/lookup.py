@@ -23,7 +23,12 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     if root and step is None and os.path.isfile(os.path.join(root, "metadata.json")):
         return root  # (a QLoRA checkpoint records its base this way: that iteration, not the newest)
     leftovers = (".tmp", ".old", ".partial")  # a save killed before the first checkpoint was published
-    if not root or not os.path.isdir(root) or all(n.endswith(leftovers) for n in os.listdir(root)):
+    # (and a run's non-persistent checkpoints alone: checkpoint/non_persistent.py looks there)
+    if (
+        not root
+        or not os.path.isdir(root)
+        or all(n.endswith(leftovers) or n == "non_persistent" for n in os.listdir(root))
+    ):
         if step is not None:
             raise ConfigError(f"--ckpt-step {step}: --load {root} holds no checkpoint")
         return None

@@ -37,8 +37,18 @@ class CheckpointConfig:
     # as iteration 1 (training/upcycling.py); --moe-upcycling-granularity cuts each dense MLP into that many experts
     moe_use_upcycling: bool = False
     moe_upcycling_granularity: int = 1
+    # Megatron's non-persistent checkpoints (checkpoint/non_persistent.py): every N iterations that are not a
+    # --save-interval's, a checkpoint of which only the newest is kept, taken at start-up when newer than --load's
+    non_persistent_save_interval: int | None = None
+    non_persistent_ckpt_type: str | None = None  # global (a directory of ours) or local (each rank's own files)
+    non_persistent_global_ckpt_dir: str | None = None  # default: <save>/non_persistent
+    non_persistent_local_ckpt_dir: str | None = None
+    non_persistent_local_ckpt_algo: str = "fully_parallel"
 
     def __post_init__(self) -> None:
+        from megatron_lite.checkpoint.non_persistent import validate
+
+        validate(self)
         if self.moe_upcycling_granularity < 1:
             raise ConfigError(
                 f"--moe-upcycling-granularity {self.moe_upcycling_granularity} must be >= 1 (1: each expert a whole "

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint import non_persistent
 from megatron_lite.checkpoint.checkpointing import (
     AsyncSaver,
     TrainState,
@@ -154,7 +155,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     try:
         # with the flags, what each rank found on its own file system: a node whose copy of --load lagged (another
         # newest checkpoint) or of the data differed trained apart from the others without a word, then hung
-        check_config_agreement({**job.to_dict(), "found": _found(ckpt_path, source)}, ctx.device)
+        check_config_agreement({**job.to_dict(), "found": _found(ckpt_path, source, job, rank)}, ctx.device)
     except BaseException:
         if recorder is not None:  # (its watchdog would outlive the job in an in-process caller)
             recorder.uninstall()
@@ -312,6 +313,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         )
         parts = dict(save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
         saved: set[int] = set()  # iterations this job saved: the checkpoints a rollback may go back to
+        np_saver = non_persistent.Saver(ck, ctx) if ck.save and ck.non_persistent_save_interval else None
 
         def save() -> None:
             with saving(ck.save):
@@ -354,6 +356,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 with saving(ck.save):
                     if path := saver.poll():
                         log.info(f"saved {path} (async)")
+            if np_saver is not None:  # (a non-persistent save in flight)
+                np_saver.poll(log)
             if rampup and (batch := train_batches.gbs(state.consumed_samples)) != batch_was:  # (Megatron's train())
                 batch_was = batch
                 if ck.save and state.iteration and state.iteration not in saved:  # (not twice: a --save-interval's)
@@ -479,6 +483,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 evaluate(valid_ds, "validation")
             if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
                 save()
+            elif np_saver is not None and non_persistent.save_due(ck, state.iteration):
+                with saving(np_saver.root):
+                    np_saver.save(state, model, optimizer, scheduler, job.checkpoint_dict(), log, **parts)
             if should_exit(t, state.iteration, job_start, ctx):
                 # saved and gone, as Megatron's checkpoint_and_decide_exit: no final evaluation to outlast a time limit
                 log.info(f"exiting at iteration {state.iteration} (--exit-interval / --exit-duration-in-mins)")
@@ -497,6 +504,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             save()
         finish_async_save(saver, log)
+        if np_saver is not None:
+            np_saver.poll(log, wait=True)
         if validates and not signalled and not exiting:
             # (also when just evaluated, as Megatron: its next batches; a time limit reached there ends both)
             in_time = valid_ds is None or evaluate(valid_ds, "validation", final=True)
@@ -523,14 +532,16 @@ def run(job: JobConfig, notes: list[str]) -> int:
     return 0
 
 
-def _found(ckpt_path: str | None, source) -> dict:
-    """The checkpoint this rank starts from and the sizes of the data files it reads."""
+def _found(ckpt_path: str | None, source, job: JobConfig, rank: int) -> dict:
+    """The checkpoint this rank starts from (a local non-persistent one named alike on every rank) and the sizes of
+    the data files it reads."""
+    found = non_persistent.agreed_name(job.checkpoint, ckpt_path, rank)
     files = {}
     for _, prefix in source.prefixes:
         for path in (prefix + ".idx", prefix + ".bin", prefix):
             if os.path.isfile(path):
                 files[path] = os.path.getsize(path)
-    return {"starting_checkpoint": ckpt_path, "data_file_sizes": files}
+    return {"starting_checkpoint": found, "data_file_sizes": files}
 
 
 def main(argv: list[str] | None = None) -> int:

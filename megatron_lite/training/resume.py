@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megatron_lite.checkpoint import non_persistent
 from megatron_lite.checkpoint.checkpointing import (
     TrainState,
     find_checkpoint,
@@ -48,7 +49,7 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
         ck.save
         and not same_directory(ck.load, ck.save)
         and job.resilience.auto_resume
-        and find_checkpoint(ck.save, own=True, flag="--save")
+        and (find_checkpoint(ck.save, own=True, flag="--save") or _non_persistent(job, ck.save, lambda *_: None))
     ):
         # A restarted job (torchrun --max-restarts, a requeued Slurm job) picks up where it stopped, also when
         # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
@@ -65,6 +66,8 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
     if job.checkpoint.load:
         own = same_directory(job.checkpoint.load, ck.save)  # (Megatron's --load X --save X: logs may lie in X)
         ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step, own=own)
+        if job.checkpoint.ckpt_step is None:  # (--ckpt-step names a persistent checkpoint)
+            ckpt_path = non_persistent.pick(ckpt_path, _non_persistent(job, job.checkpoint.load, say), say)
         if ckpt_path is None:
             if job.checkpoint.exit_on_missing_checkpoint:
                 raise ConfigError(
@@ -94,6 +97,12 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
                 "resumes whole)"
             )
     return job, ckpt_path
+
+
+def _non_persistent(job: JobConfig, root: str | None, say) -> str | None:
+    """The newest non-persistent checkpoint of a job loading `root` (this rank's own, for local ones)."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return non_persistent.newest(job.checkpoint, root, job.parallel, world_size, rank, say)
 
 
 def check_qlora_base(job: JobConfig, ckpt_path: str | None) -> None:

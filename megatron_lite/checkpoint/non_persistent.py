@@ -1,0 +1,250 @@
+"""Megatron's non-persistent checkpoints (--non-persistent-save-interval, --non-persistent-ckpt-type): frequent
+checkpoints of which only the newest is kept, for restarts after a failure, beside the persistent ones of --save.
+
+They are checkpoints of ours (safetensors + JSON, checksums, atomic publish) in another directory:
+
+- global: one job's checkpoint in --non-persistent-global-ckpt-dir (default <save>/non_persistent, read back from
+  <load>/non_persistent), as Megatron's, each save deleting the one before it once it is published.
+- local: each rank's files in its own node-local directory, <--non-persistent-local-ckpt-dir>/<rank>/iter_N, as
+  nvidia-resiliency-ext's LocalCheckpointManager lays them out. Each rank writes everything it loads back (the
+  pieces its data-parallel replicas share the writing of otherwise, the tensors its tensor-parallel peers hold
+  alike), so a restart reads its own directory only: Megatron's 'atomic' algorithm. Its 'fully_parallel' (the
+  replicas' pieces written once, exchanged at load) is accepted and stored the same way. They are only valid for
+  the layout that wrote them: under another, the run starts from the persistent checkpoint, saying so, as
+  Megatron's find_latest finds no local checkpoint every rank holds.
+
+At start-up the newer of the persistent checkpoint and the non-persistent one is loaded (the non-persistent one
+at the same iteration, as Megatron's `non_persistent_iteration >= iteration`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+from megatron_lite.checkpoint import checkpointing as ckpt
+from megatron_lite.checkpoint.format import (
+    TRACKER,
+    atomic_write_json,
+    atomic_write_text,
+    complete_iterations,
+    file_digest,
+    iteration_dir,
+    replace_dir,
+)
+from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata
+from megatron_lite.config import ConfigError
+
+SUBDIR = "non_persistent"  # Megatron's _NON_PERSISTENT_CKPT_SUBDIR
+# what makes each rank's share of a local checkpoint its own: another value of any changes what a rank holds
+LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
+def validate(ck) -> None:
+    """The start-up checks of a CheckpointConfig's non-persistent flags (one line each)."""
+    interval, kind = ck.non_persistent_save_interval, ck.non_persistent_ckpt_type
+    if interval is not None and interval < 0:
+        raise ConfigError(f"--non-persistent-save-interval {interval} must be >= 0 (0: no non-persistent saves)")
+    if kind == "in_memory":  # (Megatron's save raises NotImplementedError for it at the first non-persistent save)
+        raise ConfigError(
+            "--non-persistent-ckpt-type in_memory is not supported (Megatron refuses it too at its first "
+            "non-persistent save); use global or local"
+        )
+    if interval and kind is None:  # (Megatron's first non-persistent save stops the run)
+        raise ConfigError(
+            f"--non-persistent-save-interval {interval} needs --non-persistent-ckpt-type global (a directory, "
+            "default <save>/non_persistent) or local (with --non-persistent-local-ckpt-dir)"
+        )
+    if interval and not ck.save:  # (Megatron's checkpoint_and_decide_exit saves none without --save: said here)
+        raise ConfigError(
+            f"--non-persistent-save-interval {interval} needs --save DIR: Megatron saves non-persistent "
+            "checkpoints only with --save (the global ones default to <save>/non_persistent)"
+        )
+    if kind == "local" and not ck.non_persistent_local_ckpt_dir:
+        raise ConfigError(
+            "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (a node-local directory: "
+            "each rank writes DIR/<rank>)"
+        )
+    if (
+        kind == "local"
+        and ck.non_persistent_local_ckpt_dir
+        and ck.save
+        and _inside(ck.save, ck.non_persistent_local_ckpt_dir)
+    ):
+        raise ConfigError(
+            f"--non-persistent-local-ckpt-dir {ck.non_persistent_local_ckpt_dir} lies inside --save {ck.save}; give "
+            "a directory of its own (node-local: each rank writes DIR/<rank>)"
+        )
+
+
+def _inside(root: str, path: str) -> bool:
+    root, path = os.path.realpath(root), os.path.realpath(path)
+    return os.path.commonpath([root, path]) == root
+
+
+def global_dir(ck, root: str | None) -> str | None:
+    """Where global non-persistent checkpoints lie for a job saving to (or loading from) `root`."""
+    if ck.non_persistent_global_ckpt_dir:
+        return ck.non_persistent_global_ckpt_dir
+    return os.path.join(root, SUBDIR) if root else None
+
+
+def local_dir(ck, rank: int) -> str:
+    return os.path.join(ck.non_persistent_local_ckpt_dir, str(rank))
+
+
+def save_due(ck, iteration: int) -> bool:
+    """Megatron's checkpoint_and_decide_exit: a non-persistent save at a multiple of its interval where no
+    persistent one is made."""
+    every = ck.non_persistent_save_interval
+    persistent = ck.save_interval and iteration % ck.save_interval == 0
+    return bool(ck.save and ck.non_persistent_ckpt_type and every and iteration % every == 0 and not persistent)
+
+
+def _layout(parallel: dict, world_size: int) -> dict:
+    out = {k: parallel.get(k) for k in LAYOUT}
+    if out["expert_tensor_parallel_size"] is None:  # (its default: TP)
+        out["expert_tensor_parallel_size"] = out["tensor_model_parallel_size"]
+    return {"world_size": world_size, **{k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}}
+
+
+def newest(ck, root: str | None, parallel, world_size: int, rank: int, say) -> str | None:
+    """The newest non-persistent checkpoint this rank could start from (a job loading `root`), or None."""
+    kind = ck.non_persistent_ckpt_type
+    if kind == "global":
+        where = global_dir(ck, root)
+        return find_checkpoint(where, own=True, flag="--non-persistent-global-ckpt-dir") if where else None
+    if kind != "local":
+        return None
+    path = find_checkpoint(local_dir(ck, rank), own=True, flag="--non-persistent-local-ckpt-dir")
+    if path is None:
+        return None
+    meta = read_metadata(path)
+    saved = _layout(meta["config"].get("parallel", {}), meta["layout"].get("world_size"))
+    now = _layout(dataclasses.asdict(parallel), world_size)
+    if saved != now:
+        diff = ", ".join(f"{k} {saved[k]} then, {now[k]} now" for k in saved if saved[k] != now[k])
+        say(
+            f"the local non-persistent checkpoint {path} (iteration {meta['iteration']}) was saved under another "
+            f"layout ({diff}): local checkpoints load only under theirs; starting from the persistent checkpoint"
+        )
+        return None
+    return path
+
+
+def pick(persistent: str | None, non_persistent: str | None, say) -> str | None:
+    """The newer of the two (the non-persistent one at the same iteration, as Megatron)."""
+    if non_persistent is None:
+        return persistent
+    mine = read_metadata(non_persistent)["iteration"]
+    if persistent is not None and read_metadata(persistent)["iteration"] > mine:
+        say(f"the non-persistent checkpoint {non_persistent} (iteration {mine}) is older than {persistent}: not used")
+        return persistent
+    say(f"resuming from the non-persistent checkpoint {non_persistent} (iteration {mine})")
+    return non_persistent
+
+
+def agreed_name(ck, path: str | None, rank: int) -> str | None:
+    """`path` as every rank names it (a local checkpoint lies in each rank's own directory)."""
+    if path and ck.non_persistent_ckpt_type == "local" and os.path.dirname(path) == local_dir(ck, rank):
+        return os.path.join(ck.non_persistent_local_ckpt_dir, "<rank>", os.path.basename(path))
+    return path
+
+
+class _OwnShare:
+    """A rank's view of the layout for writing a local checkpoint: no data-parallel replica shares the writing
+    and every tensor-parallel rank writes the tensors they hold alike, so its files hold all it loads back."""
+
+    class _Alone:
+        rank, size = 0, 1
+
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+        self.tp = self.etp = self.dp_cp = self.edp = self._Alone()
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+class LocalSaver(ckpt.AsyncSaver):
+    """Local non-persistent checkpoints: every rank writes and publishes its own iteration directory (after all
+    have written theirs), then deletes its older ones. Synchronous saves are `save` then `finish`."""
+
+    def __init__(self, root: str, ctx) -> None:
+        super().__init__(root, ctx)
+        self.share_ctx = _OwnShare(ctx)
+
+    def _prepare(self, iteration: int) -> str:
+        tmp = iteration_dir(self.root, iteration) + ".tmp"
+
+        def make() -> None:
+            os.makedirs(self.root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+        ckpt._on_every_rank(self.ctx, make, f"making {tmp}")
+        return tmp
+
+    def _publish(self, tmp: str, meta: dict) -> str:
+        index = f"index_r{self.ctx.rank:05d}.json"
+        meta = {**meta, "files": {index: file_digest(os.path.join(tmp, index))["sha256"]}}
+        atomic_write_json(os.path.join(tmp, "metadata.json"), meta)
+        final = iteration_dir(self.root, meta["iteration"])
+        replace_dir(tmp, final)
+        atomic_write_text(os.path.join(self.root, TRACKER), str(meta["iteration"]))
+        return final
+
+    def _published(self, final: str) -> None:
+        """Every rank has published: the older ones go (nvidia-resiliency-ext's cleanup after find_latest)."""
+        done = int(os.path.basename(final).removeprefix("iter_"))
+        for old in complete_iterations(self.root):
+            if old != done:
+                shutil.rmtree(iteration_dir(self.root, old), ignore_errors=True)
+                shutil.rmtree(iteration_dir(self.root, old) + ".old", ignore_errors=True)
+
+
+class Saver:
+    """This job's non-persistent saves (every rank calls each method at the same points)."""
+
+    def __init__(self, ck, ctx) -> None:
+        self.ck, self.ctx = ck, ctx
+        if ck.non_persistent_ckpt_type == "local":
+            self.root = local_dir(ck, ctx.rank)
+            self.saver = LocalSaver(self.root, ctx)
+        else:
+            self.root = global_dir(ck, ck.save)
+            self.saver = ckpt.AsyncSaver(self.root, ctx, keep_last=1) if ck.async_save else None
+
+    def save(self, state, model, optimizer, scheduler, job_dict: dict, log, **parts) -> None:
+        if self.saver is None:  # global, synchronous
+            path = ckpt.save_checkpoint(
+                self.root, state, model, optimizer, scheduler, self.ctx, job_dict, keep_last=1, **parts
+            )
+            log.info(f"saved {path} (non-persistent)")
+            return
+        if previous := self.saver.save(state, model, optimizer, scheduler, job_dict, **parts):
+            log.info(f"saved {previous} (non-persistent, async)")
+        if self.ck.async_save:
+            log.info(f"iteration {state.iteration}: async non-persistent save started")
+        elif path := self.saver.finish():
+            log.info(f"saved {path} (non-persistent)")
+
+    def poll(self, log, wait: bool = False) -> None:
+        from megatron_lite.training.saving import saving
+
+        with saving(self.root):  # (a failed write: one line naming the directory)
+            if self.saver is not None and (path := self.saver.poll(wait)):
+                log.info(f"saved {path} (non-persistent, async)")
