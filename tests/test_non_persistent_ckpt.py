@@ -79,6 +79,12 @@ def test_local_at_dp2_resumes_and_another_layout_takes_the_persistent_one(tmp_pa
     assert "resuming from the non-persistent checkpoint" in out and "iteration 6, 24 samples consumed" in out
     straight = records(tmp_path / "straight.jsonl")
     _same(straight[6:], records(tmp_path / "resumed.jsonl"))  # bit for bit
+    # a rank without its own (a node's disk replaced): every rank starts from the persistent checkpoint
+    _stop_after_iteration_7(ckpt)
+    shutil.rmtree(local / "1")
+    out = pretrain_job(2, args)
+    assert "the ranks found different local non-persistent checkpoints" in out
+    assert "loaded " + str(ckpt / "iter_0000004") in out
     _stop_after_iteration_7(ckpt)
     out = pretrain_job(1, [*args, "--log-jsonl", str(tmp_path / "one.jsonl")])
     assert "was saved under another layout (world_size 2 then, 1 now)" in out, out

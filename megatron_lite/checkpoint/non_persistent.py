@@ -78,21 +78,6 @@ def validate(ck) -> None:
             "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (a node-local directory: "
             "each rank writes DIR/<rank>)"
         )
-    if (
-        kind == "local"
-        and ck.non_persistent_local_ckpt_dir
-        and ck.save
-        and _inside(ck.save, ck.non_persistent_local_ckpt_dir)
-    ):
-        raise ConfigError(
-            f"--non-persistent-local-ckpt-dir {ck.non_persistent_local_ckpt_dir} lies inside --save {ck.save}; give "
-            "a directory of its own (node-local: each rank writes DIR/<rank>)"
-        )
-
-
-def _inside(root: str, path: str) -> bool:
-    root, path = os.path.realpath(root), os.path.realpath(path)
-    return os.path.commonpath([root, path]) == root
 
 
 def global_dir(ck, root: str | None) -> str | None:
@@ -162,6 +147,27 @@ def agreed_name(ck, path: str | None, rank: int) -> str | None:
     if path and ck.non_persistent_ckpt_type == "local" and os.path.dirname(path) == local_dir(ck, rank):
         return os.path.join(ck.non_persistent_local_ckpt_dir, "<rank>", os.path.basename(path))
     return path
+
+
+def agree(ck, ckpt_path: str | None, rank: int, say) -> str | None:
+    """Once the ranks are connected: when they found different local checkpoints (a node's disk replaced, a rank
+    killed before it published its own), every rank starts from the persistent checkpoint, as Megatron's
+    find_latest finds no local checkpoint every rank holds."""
+    import torch.distributed as dist
+
+    if ck.non_persistent_ckpt_type != "local" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ckpt_path
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, agreed_name(ck, ckpt_path, rank))
+    if len(set(found)) == 1:
+        return ckpt_path
+    persistent = find_checkpoint(ck.load, own=True) if ck.load else None
+    names = ", ".join(sorted({str(f) for f in found}))
+    say(
+        f"the ranks found different local non-persistent checkpoints ({names}): starting from the persistent "
+        f"checkpoint {persistent or '(none: from scratch)'}"
+    )
+    return persistent
 
 
 class _OwnShare:

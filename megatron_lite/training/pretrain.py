@@ -152,6 +152,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
     if recorder is not None:  # (until the training loop names its iteration)
         recorder.where = "start-up"
+    ckpt_path = non_persistent.agree(job.checkpoint, ckpt_path, ctx.rank, say)  # (each rank found its own local one)
     try:
         # with the flags, what each rank found on its own file system: a node whose copy of --load lagged (another
         # newest checkpoint) or of the data differed trained apart from the others without a word, then hung
