@@ -100,8 +100,14 @@ def test_local_at_dp2_resumes_and_another_layout_takes_the_persistent_one(tmp_pa
         (["--non-persistent-ckpt-type", "local"], ["local needs --non-persistent-local-ckpt-dir"]),
         (["--non-persistent-ckpt-type", "in_memory"], ["--non-persistent-ckpt-type in_memory is not supported"]),
         (["--non-persistent-save-interval", "-1"], ["--non-persistent-save-interval -1 must be >= 0"]),
+        (  # (checked before any process group: WORLD_SIZE 2 on one process)
+            ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "L",
+             "--pipeline-model-parallel-size", "2", "--distributed-backend", "gloo"],
+            ["--pipeline-model-parallel-size 2 and tied embeddings", "--untie-embeddings-and-output-weights"],
+        ),
     ],
 )  # fmt: skip
 def test_bad_flags_are_one_line(extra, fragments, capsys, monkeypatch):
-    rc, _, err = _run(["--mock-data", "--vocab-size", "100", *extra], capsys, monkeypatch)
+    world = 2 if "--pipeline-model-parallel-size" in extra else 1
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", *extra], capsys, monkeypatch, world=world)
     _one_line_error(rc, err, *fragments)

@@ -80,6 +80,20 @@ def validate(ck) -> None:
         )
 
 
+def check_local_layout(job) -> None:
+    """A rank's local files hold all it loads, except the last pipeline stage's copy of the word embeddings (tied
+    ones, or multi-token prediction's), which only the first stage stores: refused at start-up."""
+    m, pp = job.model, job.parallel.pipeline_model_parallel_size
+    if job.checkpoint.non_persistent_ckpt_type == "local" and pp > 1 and (m.tied_embeddings or m.mtp_num_layers):
+        why = "tied embeddings" if m.tied_embeddings else f"--mtp-num-layers {m.mtp_num_layers}"
+        raise ConfigError(
+            f"--non-persistent-ckpt-type local with --pipeline-model-parallel-size {pp} and {why}: the last stage's "
+            "copy of the word embeddings is stored by the first stage only, so the last stage's own files could "
+            "not restore it; use --non-persistent-ckpt-type global"
+            + (", or --untie-embeddings-and-output-weights" if m.tied_embeddings and not m.mtp_num_layers else "")
+        )
+
+
 def global_dir(ck, root: str | None) -> str | None:
     """Where global non-persistent checkpoints lie for a job saving to (or loading from) `root`."""
     if ck.non_persistent_global_ckpt_dir:

@@ -38,6 +38,7 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
     None to start from scratch). Read before any process group exists: every rank finds the same."""
     ckpt_path = None
     ck = job.checkpoint
+    non_persistent.check_local_layout(job)
     if ck.save and os.path.isfile(marker := os.path.join(ck.save, HALTED)):
         with open(marker) as f:
             reason = " ".join(f.read().split())[:300]
