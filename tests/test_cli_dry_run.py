@@ -152,3 +152,26 @@ def test_the_dry_run_checks_what_the_run_checks_and_the_run_checks_data_first(tm
     nsys = ["--mock-data", "--vocab-size", "100", "--distributed-backend", "nccl", "--profile", "--dry-run"]
     rc, _, err = _run(nsys, capsys, monkeypatch)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_the_dry_runs_parameter_state_is_what_the_run_holds(tmp_path, capsys, monkeypatch, optimizer):
+    """--dry-run's weights + gradients + optimizer bytes equal what the run's --log-memory-breakdown counts of its
+    tensors after a step: under --optimizer muon the matrices keep Muon's one momentum (4 bytes) and the
+    embeddings, output layer, norms and biases Adam's two moments (8); it priced them all at 8 (1.54x the
+    optimizer state here)."""
+    from megatron_lite.training import dry_run
+
+    argv = ["--hidden-size", "64", "--num-attention-heads", "4", "--mock-data", "--vocab-size", "512",
+            "--optimizer", optimizer]  # fmt: skip
+    monkeypatch.setattr(dry_run, "_bytes", lambda n: f"{n:.0f} B")
+    rc, out, err = _run([*argv, "--dry-run"], capsys, monkeypatch)
+    assert rc == 0, err
+    predicted = int(re.search(r"(\d+) B weights\+gradients\+optimizer", out).group(1))
+    jsonl = tmp_path / "m.jsonl"
+    rc, _, err = _run([*argv, "--train-iters", "1", "--log-memory-breakdown", "--log-jsonl", str(jsonl)],
+                      capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    mem = [json.loads(line) for line in jsonl.read_text().splitlines()][-1]
+    measured = sum(mem[f"mem_{k}_bytes"] for k in ("params", "grads", "optimizer"))
+    assert abs(predicted / measured - 1) < 1e-3, (predicted, measured, mem)

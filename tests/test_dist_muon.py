@@ -156,3 +156,26 @@ def test_refusals_are_one_line(flags, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)) as e:
         parse_args([*BASE, "--optimizer", "dist_muon", *flags.split()])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("pp,untied", [(1, True), (2, True), (2, False)], ids=["pp1", "pp2", "pp2-tied"])
+def test_the_planner_prices_muons_state_stage_by_stage(pp, untied):
+    """tools/plan_parallelism.py's optimizer bytes of a muon job on each pipeline stage are within 1% of what the
+    stage's own parameters take (muon_state_bytes over them, which tests/test_cli_dry_run.py holds to a run's
+    tensors): Muon's 4 bytes on the matrices, Adam's 8 on the vocabulary the first and last stages hold. It priced
+    everything at Adam's 8 (1.5x and more)."""
+    from megatron_lite.optimizer.optimizer import group_name, muon_state_bytes
+    from megatron_lite.parameters import named_param_meta
+    from megatron_lite.planner.layout import Layout
+    from megatron_lite.planner.memory import MuonStateBytes, rank_memory
+
+    from models import llama_config
+
+    model = llama_config(num_layers=4, vocab_size=512, untie_embeddings_and_output_weights=untied)
+    for rank in range(pp):
+        ctx = ParallelContext.virtual(ParallelConfig(pipeline_model_parallel_size=pp), pp, rank)
+        trained = [(n, p, m) for n, p, m in named_param_meta(build_model(model, ctx, device="meta")) if p.requires_grad]
+        numel = sum(p.numel() for _, p, _ in trained)
+        exact = muon_state_bytes((group_name(n, m), p.ndim, p.numel()) for n, p, m in trained) * numel
+        est = rank_memory(model, Layout(pp=pp), 16, 8, False, rank, state_bytes=MuonStateBytes(model)).optimizer
+        assert abs(est / exact - 1) < 0.01, (rank, est, exact)

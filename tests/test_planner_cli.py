@@ -359,5 +359,5 @@ def test_a_muon_job_is_planned_without_the_sharded_optimizers(capsys):
     muon = _tool().main(["--script", script, "--top", "1000", "--", "--optimizer", "muon"])
     out = capsys.readouterr().out
     assert muon["fits"] and {f["layout"]["sharding"] for f in muon["fits"]} == {"none"}
-    assert "Muon's momentum on the hidden layers' matrices" in out
+    assert "Muon's momentum (4 bytes) on the hidden layers' matrices" in out
     assert "--optimizer muon runs without --use-distributed-optimizer" in out

@@ -28,6 +28,7 @@ from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.memory import MuonStateBytes
 from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
 from megatron_lite.planner.unmodelled import unmodelled_settings, unplannable
 
@@ -196,7 +197,7 @@ def print_plan(
         + (" (gradients reduced in bf16)" if precision != "fp32" and grads_bf16 else "")
         + (f", fp8 GEMMs ({model.fp8}, {model.fp8_recipe})" if model.fp8 else "")
         + (", fp32 residual stream" if model.fp32_residual_connection else "")
-        + ("" if state_bytes == 8 else f", optimizer state {state_bytes} bytes per parameter")
+        + ("" if state_bytes == 8 else f", optimizer state {state_bytes:.3g} bytes per parameter")
         + f", --kernel-impl {model.kernel_impl}"
     )
     print(
@@ -208,9 +209,14 @@ def print_plan(
     print(
         "assumed: "
         + (
-            "Muon's momentum on the hidden layers' matrices and Adam elsewhere, all counted at Adam's 8 bytes "
-            + ("and whole on every rank (dist_muon splits it over DP: " if optimizer == "dist_muon" else "(")
-            + "an upper bound), and fp32 main weights"
+            "Muon's momentum (4 bytes) on the hidden layers' matrices and Adam's moments (8) on the embeddings and "
+            "output layer, per pipeline stage"
+            + (
+                ", whole on every rank (dist_muon splits it over DP: an upper bound)"
+                if optimizer == "dist_muon"
+                else ""
+            )
+            + ", and fp32 main weights"
             if optimizer in MUON
             else "Adam with fp32 main weights and moments"
             if state_bytes == 8
@@ -524,6 +530,8 @@ def main(argv: list[str] | None = None) -> dict:
         grads_bf16 = args.grad_reduce_in_bf16 or bool(job and job.optimizer.grad_reduce_in_bf16)
         # the optimizer's state per parameter: the script's (--optimizer sgd keeps one momentum buffer), else Adam's
         state_bytes = state_bytes_per_param(job.optimizer) if job is not None else 8
+        if job is not None and job.optimizer.is_muon:  # (Muon's 4 bytes on the matrices, Adam's 8 on the vocabulary)
+            state_bytes = MuonStateBytes(model)
         # the job's own precision (pretrain trains fp32 without --bf16 or --fp16, and FSDP2 refuses --fp16)
         precision = "fp32" if args.fp32 else "bf16"
         if job is not None and not args.fp32:

@@ -53,9 +53,19 @@ def state_bytes_per_param(config: OptimizerConfig) -> int:
     momentum buffer (4, none without momentum)."""
     if config.optimizer == "sgd":
         return 4 * len(state_kinds(config))
-    if config.is_muon:  # an upper bound: Adam's 8 (Muon's matrices keep 4)
+    if config.is_muon:  # an upper bound: Adam's 8 (Muon's matrices keep 4; muon_state_bytes knows which)
         return 8
     return sum(DTYPES[getattr(config, k)].itemsize for k in ("exp_avg_dtype", "exp_avg_sq_dtype"))
+
+
+def muon_state_bytes(params) -> float:
+    """Bytes of optimizer state per parameter, on average, of `params` ((group name, ndim, numel) each) under
+    --optimizer muon: Muon's momentum (4 bytes) on the matrices it steps, Adam's two moments (8) on the rest."""
+    total = muon = 0
+    for name, ndim, numel in params:
+        total += numel
+        muon += numel if runs_muon(name, ndim) else 0
+    return (8 * total - 4 * muon) / total if total else 8.0
 
 
 def state_entry(d: dict[str, torch.Tensor], config: OptimizerConfig, step: int, part=lambda t: t) -> dict | None:

@@ -482,6 +482,36 @@ class Memory:
         }
 
 
+def _adam_params_under_muon(model: ModelConfig, layout: Layout, pp_rank: int) -> int:
+    """The parameters of a stage that --optimizer muon steps with Adam (Megatron's rule: the word embeddings, the
+    output layer, anything not 2-D): the vocabulary's and position embeddings' (norms and biases, a tiny share,
+    are counted as matrices)."""
+    h, pp = model.hidden_size, layout.pp
+    vocab = model.padded_vocab_size(layout.tp) // layout.tp * h
+    n = 0
+    if pp_rank == 0:
+        n += vocab + (model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0)
+    if pp_rank == pp - 1:
+        n += vocab if model.untie_embeddings_and_output_weights or pp > 1 else 0
+        n += vocab if model.mtp_num_layers and model.untie_embeddings_and_output_weights and pp > 1 else 0
+    return n
+
+
+class MuonStateBytes(float):
+    """--optimizer muon's state per parameter: Muon's one momentum (4 bytes) on the matrices, Adam's two moments
+    (8) on the embeddings and output layer. As a float, the whole model's average (what the step-time model
+    reads); rank_memory prices each pipeline stage by its own mix (the first and last hold the vocabulary)."""
+
+    def __new__(cls, model: ModelConfig) -> MuonStateBytes:
+        total = stage_params(model, Layout(), 0).total
+        return super().__new__(cls, (8 * total - 4 * (total - _adam_params_under_muon(model, Layout(), 0))) / total)
+
+    @staticmethod
+    def of_stage(model: ModelConfig, layout: Layout, pp_rank: int, counts: StageParams) -> float:
+        adam = min(_adam_params_under_muon(model, layout, pp_rank), counts.total)
+        return (4 * counts.total + 4 * adam) / counts.total if counts.total else 8.0
+
+
 def parameter_state_bytes(
     dense: float,
     expert: float,
@@ -539,6 +569,8 @@ def rank_memory(
     whole = 0  # the tied copy's gradient stays whole for the step under ZeRO-2 (reduced after the embedding all-reduce)
     if model.tied_embeddings and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
         whole = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
+    if isinstance(state_bytes, MuonStateBytes):
+        state_bytes = state_bytes.of_stage(model, layout, pp_rank, counts)
     params, grads, optimizer = parameter_state_bytes(
         counts.dense, counts.expert, dp_cp, edp, layout.sharding, bf16, grads_bf16, state_bytes, whole
     )

@@ -12,7 +12,7 @@ from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.distributed.ddp import tied_embedding_copies
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.gpt_model import build_model
-from megatron_lite.optimizer.optimizer import state_bytes_per_param
+from megatron_lite.optimizer.optimizer import group_name, muon_state_bytes, state_bytes_per_param
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
 from megatron_lite.planner.layout import Layout
@@ -164,10 +164,13 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
         nf4 = sum(m.weight.numel() for m in chunks.modules() if getattr(m, "lora", None) is not None)
         nf4 = nf4 if job.lora is not None and job.lora.qlora else 0
         whole = sum(p.numel() for p in tied_embedding_copies(chunks, ctx))  # (ZeRO-2 keeps their gradients whole)
+        state = state_bytes_per_param(job.optimizer)
+        if job.optimizer.is_muon:  # (this rank's own mix of Muon's matrices and Adam's embeddings, norms, biases)
+            state = muon_state_bytes((group_name(n, m), p.ndim, p.numel()) for n, p, m in metas if p.requires_grad)
         trained = sum(
             parameter_state_bytes(
                 dense, expert, ctx.dp_cp.size, ctx.edp.size, sharding, low, job.optimizer.grad_reduce_in_bf16,
-                state_bytes_per_param(job.optimizer), whole,
+                state, whole,
             )
         )  # fmt: skip
         groups.setdefault((dense + expert + frozen, trained, frozen, nf4, act), []).append(rank)
