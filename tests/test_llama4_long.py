@@ -73,6 +73,29 @@ def test_greedy_generation_equals_transformers_past_several_chunks(converted):
     assert generate(ours_model, ctx, prompt, new)["generated_ids"] == out[0, len(prompt) :].tolist()
 
 
+def test_a_chunked_layers_cache_holds_one_chunk():
+    """The KV cache of a chunked layer holds `chunk` tokens, not the generation's length, and returns the keys
+    and values from the first query's chunk to the newest (oracle: the full sequence's, sliced), for a prompt
+    across two chunk boundaries and single steps past two more, as for several tokens on a cache."""
+    from megatron_lite.inference.kv_cache import KVCache, cache_bytes
+
+    torch.manual_seed(0)
+    chunk, total = 4, 19
+    k_all, v_all = torch.randn(2, total, 3, 5), torch.randn(2, total, 3, 5)
+    cache = KVCache(total)
+    at = 0
+    for n in (10, 1, 1, 3, 1, 1, 1, 1):  # (the 3: a multi-token step crossing a boundary on a cache)
+        k, v = cache.append(7, k_all[:, at : at + n], v_all[:, at : at + n], chunk)
+        start = at // chunk * chunk
+        assert torch.equal(k, k_all[:, start : at + n]) and torch.equal(v, v_all[:, start : at + n]), (at, n)
+        cache.advance(n)
+        at += n
+    assert [t.shape[1] for t in cache._store[7]] == [chunk, chunk]
+    config = llama_config(attention_chunk_size=chunk, num_query_groups=4)
+    full, chunked = (cache_bytes(config, 1, 2, 1, total, torch.float32, chunked_layers=c) for c in (0, 1))
+    assert chunked == full * (total + chunk) / (2 * total)  # (one of the two layers at a chunk's tokens)
+
+
 def test_tp2_equals_transformers(dist, converted, tmp_path):
     """Logits over 24 tokens and greedy generation to position 17 (past two chunk boundaries) split over TP=2."""
     tp2_equals_transformers(dist, converted[0], tmp_path, IDS)

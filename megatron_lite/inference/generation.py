@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.inference.kv_cache import KVCache, cache_bytes
+from megatron_lite.models.attention import CoreAttention
 from megatron_lite.models.gpt_model import stream_dtype
 from megatron_lite.models.mla import MultiLatentAttention
 from megatron_lite.optimizer.optimizer import any_rank
@@ -85,7 +86,10 @@ def generation_bytes(chunks, ctx: ParallelContext, batch: int, max_len: int, sco
     # (the decoder's layers: generation never runs the multi-token-prediction depths; a hybrid model's attention
     # layers hold keys and values, its Mamba layers a state, its MLP layers nothing)
     kinds = [getattr(layer, "kind", "*") for c in chunks for layer in c.decoder.layers]
-    need = cache_bytes(config, ctx.tp.size, kinds.count("*"), batch, max_len, dtype, mamba_layers=kinds.count("M"))
+    chunked = sum(isinstance(m, CoreAttention) and m.chunk is not None for c in chunks for m in c.decoder.modules())
+    need = cache_bytes(
+        config, ctx.tp.size, kinds.count("*"), batch, max_len, dtype, kinds.count("M"), chunked_layers=chunked
+    )
     need += sum(m.absorbed_bytes() for c in chunks for m in c.decoder.modules() if isinstance(m, MultiLatentAttention))
     if ctx.is_last_stage:
         need += 2 * batch * scored_rows * config.vocab_size * 4

@@ -30,17 +30,45 @@ class KVCache:
             self._derived[layer] = make()
         return self._derived[layer]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, chunk: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values of every token so far, these included. `chunk` (Llama 4's chunked
+        layers): no query reads a key of an earlier chunk than its own, so the layer holds one chunk's tokens
+        rather than `max_len`, and the keys returned start at the first query's chunk (a multiple of `chunk`: the
+        chunk boundaries fall where they did)."""
         b, s = k.shape[:2]
         end = self.offset + s
         if end > self.max_len:
             raise RuntimeError(f"KV cache holds {self.max_len} tokens; {end} were asked for")
+        if chunk is not None and chunk < self.max_len:
+            return self._append_chunked(layer, k, v, chunk)
         if layer not in self._store:
             self._store[layer] = tuple(t.new_zeros((b, self.max_len, *t.shape[2:])) for t in (k, v))
         keys, values = self._store[layer]
         keys[:, self.offset : end] = k
         values[:, self.offset : end] = v
         return keys[:, :end], values[:, :end]
+
+    def _append_chunked(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s = k.shape[:2]
+        start, end = self.offset // chunk * chunk, self.offset + s
+        if layer not in self._store:
+            self._store[layer] = tuple(t.new_zeros((b, chunk, *t.shape[2:])) for t in (k, v))
+        keys, values = self._store[layer]  # positions [start, start + chunk): the first query's chunk
+        if end <= start + chunk:  # a decoding step (or tokens within one chunk): in place, as the full cache
+            keys[:, self.offset - start : end - start] = k
+            values[:, self.offset - start : end - start] = v
+            return keys[:, : end - start], values[:, : end - start]
+        # tokens across a chunk boundary (a prompt): all of them, after the first query's chunk so far; then the
+        # last one's chunk is what the cache keeps
+        out_k, out_v = (torch.cat([t[:, : self.offset - start], new], dim=1) for t, new in ((keys, k), (values, v)))
+        last = (end - 1) // chunk * chunk
+        keys[:, : end - last] = out_k[:, last - start :]
+        values[:, : end - last] = out_v[:, last - start :]
+        return out_k, out_v
 
     def mamba_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A Mamba layer's conv window and SSM state after the tokens so far; None before its first forward."""
@@ -60,12 +88,20 @@ class KVCache:
 
 
 def cache_bytes(
-    config, tp: int, layers: int, batch: int, max_len: int, dtype: torch.dtype, mamba_layers: int = 0
+    config,
+    tp: int,
+    layers: int,
+    batch: int,
+    max_len: int,
+    dtype: torch.dtype,
+    mamba_layers: int = 0,
+    chunked_layers: int = 0,
 ) -> int:
-    """What a full KVCache holds on one rank: `layers` attention layers of `batch` sequences of `max_len` tokens,
-    keys and values of its share of the key/value heads (one each where TP exceeds them), or multi-latent
-    attention's latent and RoPE key part; and `mamba_layers` Mamba layers' conv windows (in `dtype`) and SSM states
-    (fp32 at least), whatever the length."""
+    """What a full KVCache holds on one rank: `layers` attention layers of `batch` sequences of `max_len` tokens
+    (`chunked_layers` of them Llama 4's chunked ones: a chunk's tokens at most), keys and values of its share of
+    the key/value heads (one each where TP exceeds them), or multi-latent attention's latent and RoPE key part;
+    and `mamba_layers` Mamba layers' conv windows (in `dtype`) and SSM states (fp32 at least), whatever the
+    length."""
     from megatron_lite.models.mamba import D_CONV
 
     if config.multi_latent_attention:
@@ -73,7 +109,8 @@ def cache_bytes(
     else:
         per_token = 2 * max(1, config.query_groups // tp) * config.head_dim
     size = torch.empty((), dtype=dtype).element_size()
-    need = layers * batch * max_len * per_token * size
+    chunk = min(config.attention_chunk_size or max_len, max_len)
+    need = ((layers - chunked_layers) * max_len + chunked_layers * chunk) * batch * per_token * size
     if mamba_layers:
         heads, gn = config.mamba_heads // tp, config.mamba_num_groups * config.mamba_state_dim // tp
         conv = (heads * config.mamba_head_dim + 2 * gn) * (D_CONV - 1) * size

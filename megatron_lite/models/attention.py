@@ -313,7 +313,7 @@ class SelfAttention(nn.Module):
         if self.temperature is not None:  # (after the L2 norm, as transformers; a NoPE layer has no RoPE)
             q = temperature_scaled(q, self._positions(s, kv_cache, q.device), *self.temperature)
         if kv_cache is not None:
-            k, v = kv_cache.append(self.layer_number, k, v)
+            k, v = kv_cache.append(self.layer_number, k, v, self.core_attention.chunk)
         if self.recompute_core_attention and self.training:
             out = checkpoint(
                 functools.partial(self.core_attention, documents=documents), self.core_attention.rng, q, k, v
