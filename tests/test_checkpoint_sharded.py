@@ -100,11 +100,11 @@ def _vm_hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def save_and_load(root: str, sharding: str) -> tuple[int, int, int, int]:
+def save_and_load(root: str, sharding: str) -> tuple[int, ...]:
     """After one step under `sharding` (adam: plain data parallelism; zero1: the distributed optimizer; fsdp2;
     muon; dist_muon), a save and a load into a new model and optimizer. Returns (the save's host-memory peak
     above the memory held before it, the tensor bytes the load read, the checkpoint's optimizer-state bytes, its
-    model-weight bytes)."""
+    model-weight bytes, the bytes the load read to check checksums, the checkpoint's file bytes)."""
     import torch.distributed as dist
     from test_train_equivalence import OPTIM
 
@@ -163,7 +163,8 @@ def save_and_load(root: str, sharding: str) -> tuple[int, int, int, int]:
             for name, rec in json.load(open(os.path.join(path, f)))["tensors"].items():
                 n = sum(math.prod(pc["lengths"]) * 4 for pc in rec["pieces"])
                 sizes["model" if name.startswith("model/") else "state"] += n
-    return peak, stats["bytes_read"], sizes["state"], sizes["model"]
+    files = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return peak, stats["bytes_read"], sizes["state"], sizes["model"], stats["bytes_hashed"], files
 
 
 def test_sharded_optimizers_save_and_load_only_their_own_share(dist, tmp_path):
@@ -172,10 +173,13 @@ def test_sharded_optimizers_save_and_load_only_their_own_share(dist, tmp_path):
     sharing the writing, and gathers nothing; before, every rank first gathered the full optimizer state: 2.5x
     and more), dist_muon's no more than plain muon's; and at a load each rank reads the model weights it holds
     plus its quarter of the optimizer state (FSDP2: a quarter of both), within 5% (dist_muon, which owns whole
-    parameters: 15%), where a replicated optimizer's rank reads all of it."""
+    parameters: 15%), where a replicated optimizer's rank reads all of it; and the ranks check the files' sha256
+    sums between them, each file read once for it (every rank hashed the whole checkpoint)."""
     runs = {mode: dist(4, save_and_load, str(tmp_path / mode), mode) for mode in SHARDINGS}
     for mode, baseline in SHARDINGS.items():
-        for rank, (peak, read, state, weights) in enumerate(runs[mode]):
+        hashed = [r[4] for r in runs[mode]]
+        assert sum(hashed) == runs[mode][0][5], (mode, hashed)  # every file checked once, by one rank
+        for rank, (peak, read, state, weights, _, _) in enumerate(runs[mode]):
             if baseline is None:  # replicated: every rank reads everything
                 assert read == state + weights, (mode, read, state, weights)
                 continue

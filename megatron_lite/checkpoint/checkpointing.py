@@ -352,7 +352,7 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
     check_model_structure(path, meta, model)
     if with_optim:
         check_optimizer_state(path, meta, optimizer.config)
-    reader = Reader(path, meta)
+    reader = Reader(path, meta, share=(ctx.rank, ctx.world_size))
     check_adapters_have_a_home(path, reader, model)
     for name, p, pmeta in named_param_meta(model):
         key = f"model/{model.global_name(name)}"
@@ -397,7 +397,8 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
     if with_rng and saved_under_this_layout(meta, ctx) and rng_name in reader.files:
         with safe_open(reader.verify(rng_name), framework="pt") as f:
             rng = {k: f.get_tensor(k) for k in f.keys()}
-    return meta, values, rng, reader.bytes_read
+    reader.verify_share()  # (every file checked by some rank before any rank goes on: see load_checkpoint)
+    return meta, values, rng, (reader.bytes_read, reader.bytes_hashed)
 
 
 def load_checkpoint(
@@ -415,18 +416,19 @@ def load_checkpoint(
 ) -> TrainState:
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
     the adapters; its base was loaded first). `stats`, when given, gets `bytes_read`: the tensor bytes this
-    rank read (under the distributed optimizer about 1/DP of the optimizer state's). Every read happens before
+    rank read (under the distributed optimizer about 1/DP of the optimizer state's), and `bytes_hashed`: the
+    bytes it read to check checksums (its share of the files). Every read happens before
     any collective, and a failed one (a corrupted file, a missing piece) on any rank stops every rank, where the
     others had waited in the optimizer's collectives until the timeout."""
     with_optim = optimizer is not None and load_optim and not finetune
-    meta, values, rng, bytes_read = _on_every_rank(
+    meta, values, rng, (bytes_read, bytes_hashed) = _on_every_rank(
         ctx,
         lambda: _read(path, model, optimizer, ctx, with_optim, load_rng and not finetune, skip_missing_frozen),
         f"loading {path}",
         then="",
     )
     if stats is not None:
-        stats["bytes_read"] = bytes_read
+        stats.update(bytes_read=bytes_read, bytes_hashed=bytes_hashed)
     if optimizer is not None:  # what the checkpoint does not hold, or is not loaded, starts as a new run's
         _fresh_optimizer(optimizer, scheduler)
     if with_optim:

@@ -30,13 +30,20 @@ def _as_box(piece: dict, rec: dict) -> Box:
 
 class Reader:
     """Reads boxes of full tensors from the pieces every rank of the saving job wrote. `bytes_read` counts the
-    tensor bytes taken from the files (what a rank's load costs it in host memory and I/O)."""
+    tensor bytes taken from the files (what a rank's load costs it in host memory), `bytes_hashed` the bytes read
+    to check sha256 sums.
 
-    def __init__(self, path: str, meta: dict) -> None:
+    `share` (rank, ranks): the readers of one load split the checksums: each hashes its share of the files (the
+    sorted list's every ranks-th from its rank: `verify_share` hashes those it has not opened) and checks only the
+    size of the others it opens, so each file is read once to check it, not once per rank (every rank opens every
+    rank's file for the replicated weights). A corrupt file stops every rank (load_checkpoint's agreement) before
+    training takes a value from it."""
+
+    def __init__(self, path: str, meta: dict, share: tuple[int, int] = (0, 1)) -> None:
         self.path = path
         self.index: dict[str, dict] = {}
         self.files: dict[str, dict] = {}  # file name -> the size and sha256 its writer recorded
-        self.bytes_read = 0
+        self.bytes_read = self.bytes_hashed = 0
         for fname, digest in sorted(meta.get("files", {}).items()):
             full = os.path.join(path, fname)
             if not os.path.isfile(full) or file_digest(full)["sha256"] != digest:
@@ -55,25 +62,35 @@ class Reader:
             rngs = glob.glob(os.path.join(path, "rng_r*.safetensors"))
             self.files.update({os.path.basename(f): {} for f in rngs})
         self._files: dict[str, object] = {}
+        self._checked: set[str] = set()
+        self._mine = {f for i, f in enumerate(sorted(self.files)) if i % share[1] == share[0]}
 
     def _add(self, name: str, rec: dict) -> None:
         """Merge one index file's record of a tensor: its pieces as boxes, each box once."""
-        mine = self.index.setdefault(name, {"shape": rec["shape"], "dtype": rec["dtype"], "pieces": []})
-        seen = {(pc["file"], pc["key"]) for pc in mine["pieces"]} | {pc["box"] for pc in mine["pieces"]}
+        mine = self.index.setdefault(name, {"shape": rec["shape"], "dtype": rec["dtype"], "pieces": [], "seen": set()})
         for pc in rec["pieces"]:
             box = _as_box(pc, rec)
-            if box not in seen and (pc["file"], pc["key"]) not in seen:
+            if box not in mine["seen"]:
                 mine["pieces"].append({"file": pc["file"], "key": pc["key"], "box": box})
-                seen.add(box)
+                mine["seen"].add(box)
 
     def verify(self, fname: str) -> str:
+        """The file's path, once its size (and, if it is this reader's to check, its sha256) is as recorded."""
         full = os.path.join(self.path, fname)
-        if not self.checksummed:
+        if not self.checksummed or fname in self._checked:
             return full
         if fname not in self.files:
             raise ConfigError(f"checkpoint {self.path}: no index lists {fname}")
-        verify_file(full, self.files[fname])
+        checksum = fname in self._mine
+        verify_file(full, self.files[fname], checksum)
+        self.bytes_hashed += self.files[fname]["bytes"] if checksum else 0
+        self._checked.add(fname)
         return full
+
+    def verify_share(self) -> None:
+        """Hash the files of this reader's share it has not opened (another rank read them unchecked)."""
+        for fname in sorted(self._mine):
+            self.verify(fname)
 
     def _open(self, fname: str):
         if fname not in self._files:
