@@ -171,6 +171,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         mamba_head_dim=ns.mamba_head_dim,
         mamba_num_groups=ns.mamba_num_groups,
         mamba_num_heads=ns.mamba_num_heads,
+        heterogeneous_layers_config_encoded_json=flag_values.heterogeneous_json(ns),
         rope_scaling=_rope_scaling(ns),
         sliding_window=ns.window_size,
         window_attn_skip_freq=ns.window_attn_skip_freq,

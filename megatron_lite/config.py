@@ -224,6 +224,11 @@ class ModelConfig:
     mamba_head_dim: int = 64
     mamba_num_groups: int = 8
     mamba_num_heads: int | None = None  # default: 2 x hidden_size / mamba_head_dim (Megatron's expand 2)
+    # Heterogeneous layers (Llama-Nemotron; Megatron's --heterogeneous-layers-config-path / -encoded-json): the text
+    # of a Hugging Face config.json whose block_configs give each layer its own query groups and FFN size, or a
+    # no-op or linear in place of its attention or MLP (models/heterogeneous.py). Kept as text, as Megatron keeps
+    # it, so that a checkpoint carries it.
+    heterogeneous_layers_config_encoded_json: str | None = None
     # Which implementation runs the norms, SwiGLU, RoPE, attention and loss: our Triton kernels or PyTorch.
     kernel_impl: str = "torch"
     # fp8 GEMMs in the transformer layers' linears (Megatron's --fp8-format e4m3|hybrid, --fp8-recipe,
@@ -341,6 +346,35 @@ class ModelConfig:
         from megatron_lite.models.hybrid_pattern import layer_types
 
         return layer_types(self)
+
+    @functools.cached_property
+    def heterogeneous_blocks(self) -> tuple | None:
+        """Each layer's BlockConfig (models/heterogeneous.py), or None for a homogeneous model."""
+        if self.heterogeneous_layers_config_encoded_json is None:
+            return None
+        from megatron_lite.models.heterogeneous import parse_block_configs
+
+        return parse_block_configs(
+            self.heterogeneous_layers_config_encoded_json, self.num_attention_heads, self.hidden_size
+        )
+
+    @functools.cached_property
+    def _layer_configs(self) -> tuple[ModelConfig, ...]:
+        # (Megatron's get_config_for_layer: the model's config with the block's query groups and FFN size)
+        return tuple(
+            dataclasses.replace(
+                self,
+                heterogeneous_layers_config_encoded_json=None,
+                num_query_groups=self.num_query_groups if b.num_query_groups is None else b.num_query_groups,
+                ffn_hidden_size=self.ffn_hidden_size if b.ffn_hidden_size is None else b.ffn_hidden_size,
+            )
+            for b in self.heterogeneous_blocks
+        )
+
+    def layer_config(self, layer: int) -> ModelConfig:
+        """The config layer `layer` (0-based) is built with: its own query groups and FFN size in a heterogeneous
+        model, else the model's."""
+        return self if self.heterogeneous_blocks is None else self._layer_configs[layer]
 
     @property
     def mamba_heads(self) -> int:

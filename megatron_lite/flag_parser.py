@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--hybrid-override-pattern", help="each layer's kind, e.g. M-M*-: M Mamba, * attention, - MLP, E MoE"
     )
+    m.add_argument(
+        "--heterogeneous-layers-config-path",
+        help="a Hugging Face config.json (Llama-Nemotron, DeciLM) whose block_configs give each layer its own shape",
+    )
+    m.add_argument(
+        "--heterogeneous-layers-config-encoded-json",
+        help="the text of such a config.json (used in place of the path's file when both are given, as Megatron)",
+    )
     m.add_argument("--mamba-state-dim", type=int, default=128, help="the SSM state size N per group")
     m.add_argument("--mamba-head-dim", type=int, default=64, help="the dims P of each Mamba head")
     m.add_argument("--mamba-num-groups", type=int, default=8, help="the B / C groups (divisible by TP)")

@@ -191,6 +191,25 @@ def ffn_hidden_size(ns: argparse.Namespace) -> int | None:
     return size
 
 
+def heterogeneous_json(ns: argparse.Namespace) -> str | None:
+    """The block configs' text: --heterogeneous-layers-config-encoded-json, else the file of
+    --heterogeneous-layers-config-path (Megatron's HeterogeneousTransformerConfig reads the path only when the
+    text is empty), else None (a homogeneous model)."""
+    if ns.heterogeneous_layers_config_encoded_json:
+        return ns.heterogeneous_layers_config_encoded_json
+    path = ns.heterogeneous_layers_config_path
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(
+            f"--heterogeneous-layers-config-path {path} cannot be read ({e.strerror}): give the path of the "
+            "model's config.json"
+        ) from None
+
+
 def activation(ns: argparse.Namespace) -> str:
     chosen = [f for f in ("swiglu", "openai_gelu", "squared_relu", "quick_geglu") if getattr(ns, f, False)]
     if len(chosen) > 1:

@@ -277,6 +277,9 @@ def validate_layout(
     from megatron_lite.models.hybrid_pattern import validate_hybrid_layout
 
     validate_hybrid_layout(model, tp, cp)
+    from megatron_lite.models.heterogeneous import validate_heterogeneous_layout
+
+    validate_heterogeneous_layout(model, tp)
     if model.multi_latent_attention:  # the down-projections split their latent outputs across TP
         for flag, size in (
             ("--q-lora-rank", model.q_lora_rank),

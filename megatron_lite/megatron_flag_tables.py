@@ -26,7 +26,6 @@ NO_NCCL_TUNING = "collectives run with NCCL's default configuration (no buffer r
 LAYOUT_FREE = "checkpoints are always safetensors + JSON, the optimizer state included, loadable under any layout"
 RETRO = "Retro (retrieval-augmented GPT) is not implemented"
 RL = "RL (GRPO) training is not implemented: pretrain_gpt.py pretrains, and fine-tunes with --sft"
-HETEROGENEOUS = "heterogeneous layers (Llama-Nemotron's block configs) are not implemented"
 KITCHEN = "Kitchen quantization is not implemented (--fp8-format quantizes the GEMMs to fp8)"
 CONVERT = (
     "checkpoints are not converted in a run: ours are safetensors + JSON (tools/checkpoint/convert.py converts them "
@@ -417,7 +416,6 @@ REFUSED: dict[str, str] = {
         "no_rl_calculate_intra_group_similarity rl_use_sequence_packing rl_sequence_packing_bin_size "
         "rl_sequence_packing_algo",
     ),
-    **_all(HETEROGENEOUS, "heterogeneous_layers_config_path heterogeneous_layers_config_encoded_json"),
     **_all(KITCHEN, "kitchen_config_file kitchen_recipe_number"),
     **_all(CONVERT, "ckpt_convert_format ckpt_convert_save ckpt_convert_update_legacy_dist_opt_format"),
     "fp4_format": "FP4 (NVFP4) training is not implemented; --fp8-format quantizes the GEMMs to fp8",

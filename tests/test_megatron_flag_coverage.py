@@ -49,9 +49,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
         "--no-rl-calculate-intra-group-similarity --rl-use-sequence-packing --rl-sequence-packing-bin-size "
         "--rl-sequence-packing-algo"
     ),
-    "heterogeneous layers (Llama-Nemotron's block": (
-        "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"
-    ),
     "Kitchen quantization is not implemented": "--kitchen-config-file --kitchen-recipe-number",
     "checkpoints are not converted in a run: ours": (
         "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format"

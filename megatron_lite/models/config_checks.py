@@ -78,6 +78,9 @@ def validate_model(c: ModelConfig) -> None:
     from megatron_lite.models.hybrid_pattern import validate_hybrid
 
     validate_hybrid(c)
+    from megatron_lite.models.heterogeneous import validate_heterogeneous
+
+    validate_heterogeneous(c)
     if c.mtp_num_layers < 0:
         raise ConfigError(f"--mtp-num-layers {c.mtp_num_layers} must be >= 0")
     if c.mtp_num_layers and c.mtp_loss_scaling_factor < 0:

@@ -25,6 +25,7 @@ from megatron_lite.models.mlp import MLP
 from megatron_lite.models.norms import build_norm
 from megatron_lite.moe.layer import MoELayer
 from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.tensor_parallel.layers import ColumnParallelLinearGathered
 from megatron_lite.tensor_parallel.random import Regenerated, RNGStatesTracker, checkpoint
 
 
@@ -35,6 +36,44 @@ def dropout(x: torch.Tensor, p: float, training: bool, rng: RNGStatesTracker, sh
         return x
     with rng.fork() if sharded else contextlib.nullcontext():
         return F.dropout(x, p, training=True)
+
+
+def _linear_replacement(config: ModelConfig, ctx: ParallelContext, device, dtype) -> nn.Module:
+    """A heterogeneous layer's attention or MLP replaced with one [hidden -> hidden] linear on the normed input
+    (Megatron's ColumnParallelLinearGathered: the model's init std, its --add-bias-linear)."""
+    h = config.hidden_size
+    return ColumnParallelLinearGathered(
+        h,
+        h,
+        ctx.tp,
+        bias=config.add_bias_linear,
+        sequence_parallel=ctx.sequence_parallel,
+        init_std=config.init_method_std,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def build_attention(config: ModelConfig, ctx: ParallelContext, layer_number: int, device, dtype) -> nn.Module:
+    """Layer `layer_number`'s attention: its linear replacement in a heterogeneous model, else self-attention
+    (multi-latent or not) built with the layer's own config (a heterogeneous layer's own query groups)."""
+    blocks = config.heterogeneous_blocks
+    if blocks is not None and blocks[layer_number].attention == "linear":
+        return _linear_replacement(config, ctx, device, dtype)
+    layer = config.layer_config(layer_number) if blocks is not None else config
+    attention = MultiLatentAttention if layer.multi_latent_attention else SelfAttention
+    return attention(layer, ctx, device, dtype, layer_number)
+
+
+def build_mlp(config: ModelConfig, ctx: ParallelContext, layer_number: int, device, dtype) -> nn.Module:
+    """Layer `layer_number`'s MLP: a MoE layer, a heterogeneous layer's linear replacement, or a dense MLP of the
+    layer's own FFN size."""
+    if config.is_moe_layer(layer_number):
+        return MoELayer(config, ctx, device, dtype)
+    blocks = config.heterogeneous_blocks
+    if blocks is not None and blocks[layer_number].mlp == "linear":
+        return _linear_replacement(config, ctx, device, dtype)
+    return MLP(config.layer_config(layer_number) if blocks is not None else config, ctx, device, dtype)
 
 
 class TransformerLayer(nn.Module):
@@ -49,14 +88,9 @@ class TransformerLayer(nn.Module):
         self.rng = ctx.rng
         self.sequence_parallel = ctx.sequence_parallel
         self.input_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
-        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
-        self.self_attention = attention(config, ctx, device, dtype, layer_number)
+        self.self_attention = build_attention(config, ctx, layer_number, device, dtype)
         self.pre_mlp_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype)
-        self.mlp = (
-            MoELayer(config, ctx, device, dtype)
-            if config.is_moe_layer(layer_number)
-            else MLP(config, ctx, device, dtype)
-        )
+        self.mlp = build_mlp(config, ctx, layer_number, device, dtype)
         modules = config.recompute_modules if config.recompute_granularity == "selective" else ()
         # (as in Megatron, "mlp" is a dense layer's MLP and "moe" a MoE layer's)
         mlp = "moe" if config.is_moe_layer(layer_number) else "mlp"
@@ -111,16 +145,25 @@ class HybridLayer(nn.Module):
     """One layer of a hybrid Mamba model (Megatron's MambaStack): its own pre-norm, one branch, the residual add.
     The names are Megatron's: a Mamba layer's norm and mixer (MambaLayer), an attention layer's input_layernorm and
     self_attention, an MLP or MoE layer's pre_mlp_layernorm and mlp (its TransformerLayers with the other half
-    an identity)."""
+    an identity).
+
+    A heterogeneous model's layer with a no-op attention or MLP is one of these too (`kind` "-" or "*", "" for a
+    layer whose both parts are no-ops: an identity), as Megatron's TransformerLayer with an IdentityOp half."""
 
     def __init__(
-        self, config: ModelConfig, ctx: ParallelContext, layer_number: int, device=None, dtype=torch.float32
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        layer_number: int,
+        device=None,
+        dtype=torch.float32,
+        kind: str | None = None,
     ) -> None:
         super().__init__()
         from megatron_lite.models.mamba import MambaMixer
 
         self.layer_number = layer_number
-        self.kind = config.layer_types[layer_number]
+        self.kind = config.layer_types[layer_number] if kind is None else kind
         self.hidden_dropout = config.hidden_dropout
         self.fp32_residual = config.fp32_residual_connection
         self.rng = ctx.rng
@@ -132,12 +175,13 @@ class HybridLayer(nn.Module):
             self.norm, self.mixer = norm, MambaMixer(config, ctx, device, dtype)
         elif self.kind == "*":
             self.input_layernorm = norm
-            attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
-            self.self_attention = attention(config, ctx, device, dtype, layer_number)
-        else:
+            self.self_attention = build_attention(config, ctx, layer_number, device, dtype)
+        elif self.kind:
             self.pre_mlp_layernorm = norm
             moe = self.kind == "E"
-            self.mlp = MoELayer(config, ctx, device, dtype) if moe else MLP(config, ctx, device, dtype)
+            self.mlp = (
+                MoELayer(config, ctx, device, dtype) if moe else build_mlp(config, ctx, layer_number, device, dtype)
+            )
             self.recompute = ("moe" if moe else "mlp") in modules
 
     def forward(
@@ -145,6 +189,8 @@ class HybridLayer(nn.Module):
     ) -> torch.Tensor:
         if self.fp32_residual:
             x = x.float()
+        if not self.kind:  # (a heterogeneous layer whose attention and MLP are both no-ops)
+            return x
         if self.kind == "M":
             if documents is not None:  # (refused at start-up; said again here)
                 raise ValueError(
@@ -158,6 +204,20 @@ class HybridLayer(nn.Module):
             h = self.pre_mlp_layernorm(x)
             h = checkpoint(self.mlp, self.rng, h) if self.recompute and self.training else self.mlp(h)
         return x + dropout(h, self.hidden_dropout, self.training, self.rng, self.sequence_parallel)
+
+
+def build_layer(config: ModelConfig, ctx: ParallelContext, layer_number: int, device, dtype) -> nn.Module:
+    """Decoder layer `layer_number`: a hybrid model's one-branch layer; a heterogeneous layer with a no-op part as
+    the one-branch layer of what it keeps; else a transformer layer."""
+    if config.hybrid:
+        return HybridLayer(config, ctx, layer_number, device, dtype)
+    if config.heterogeneous_blocks is not None:
+        from megatron_lite.models.heterogeneous import layer_kinds
+
+        kinds = layer_kinds(config, layer_number)
+        if kinds != "*-":
+            return HybridLayer(config, ctx, layer_number, device, dtype, kind=kinds)
+    return TransformerLayer(config, ctx, layer_number, device, dtype)
 
 
 class TransformerBlock(nn.Module):
@@ -181,8 +241,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.config = config
         self.rng = ctx.rng
-        layer = HybridLayer if config.hybrid else TransformerLayer
-        self.layers = nn.ModuleList(layer(config, ctx, layer_offset + i, device, dtype) for i in range(num_layers))
+        self.layers = nn.ModuleList(
+            build_layer(config, ctx, layer_offset + i, device, dtype) for i in range(num_layers)
+        )
         self.final_layernorm = build_norm(config, ctx.sequence_parallel, device, dtype) if final_norm else None
 
     def _run(self, start: int, end: int, rope, documents=None):

@@ -23,6 +23,7 @@ from megatron_lite.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_lite.tensor_parallel.overlap import column_parallel_overlapped, row_parallel_overlapped
@@ -119,6 +120,17 @@ class ColumnParallelLinear(nn.Module):
                 out = ShardSpec(y.dim() - 1, self.spec.sizes, self.spec.padded_sizes, self.tp.size)
                 y = out.unshard(list(y.chunk(self.tp.size, dim=-1)))
         return y
+
+
+class ColumnParallelLinearGathered(ColumnParallelLinear):
+    """Megatron's linear replacement of a heterogeneous layer's attention or MLP (heterogeneous/
+    linear_replacements.py): a [hidden -> hidden] column-parallel linear whose output is gathered whole on each TP
+    rank; under sequence parallelism each rank then keeps its own sequence shard (Megatron pads and
+    reduce-scatters, which gives the same). It takes the attention's extra arguments and ignores them."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = gather_from_tensor_model_parallel_region(super().forward(x), self.tp)
+        return scatter_to_sequence_parallel_region(y, self.tp) if self.sequence_parallel else y
 
 
 class RowParallelLinear(nn.Module):
