@@ -167,7 +167,56 @@ def nemotron_h_config(**kw) -> ModelConfig:
     return llama_config(**{**base, **kw})
 
 
+def decilm_block(attention: str = "normal", heads_in_group: int | None = None, ffn: str = "normal", **mlp) -> dict:
+    """One entry of a DeciLM (Llama-Nemotron) config.json's block_configs, with the fields it writes in every
+    block; `mlp` gives ffn_mult or Megatron's ffn_hidden_size."""
+    return {
+        "attention": {
+            "n_heads_in_group": heads_in_group,
+            "no_op": attention == "no_op",
+            "replace_with_linear": attention == "linear",
+            "sparsify": None,
+            "window_length": None,
+            "num_sink_tokens": None,
+            "unshifted_sink": False,
+            "use_prefill_window_in_sink_attention": False,
+        },
+        "ffn": {
+            "no_op": ffn == "no_op",
+            "replace_with_linear": ffn == "linear",
+            "sparsify": None,
+            "ffn_mult": None,
+            **mlp,
+        },  # fmt: skip
+    }
+
+
+# Each kind of heterogeneous layer on llama_config's 8 heads and 64 hidden, every size split by TP=2: 4 query groups
+# and an FFN of 64; the attention a no-op and the MLP a linear; the attention a linear and the FFN from ffn_mult
+# (int(2 x 1.3 x 64 / 3) = 55, rounded up to 256); 2 query groups and the MLP a no-op.
+HETERO_BLOCKS = (
+    decilm_block("normal", 2, "normal", ffn_hidden_size=64),
+    decilm_block("no_op", None, "linear"),
+    decilm_block("linear", None, "normal", ffn_mult=1.3),
+    decilm_block("normal", 4, "no_op"),
+)
+
+
+def hetero_json(blocks) -> str:
+    import json
+
+    return json.dumps({"model_type": "nemotron-nas", "block_configs": list(blocks)})
+
+
+def hetero_config(**kw) -> ModelConfig:
+    """Llama-shaped with heterogeneous layers: HETERO_BLOCKS in turn, one per layer."""
+    n = kw.get("num_layers", 4)
+    text = hetero_json(HETERO_BLOCKS[i % len(HETERO_BLOCKS)] for i in range(n))
+    return llama_config(**{"num_layers": n, "heterogeneous_layers_config_encoded_json": text, **kw})
+
+
 CONFIGS = {
+    "hetero": hetero_config,
     "nemotron_h": nemotron_h_config,
     "llama": llama_config,
     "gpt2": gpt2_config,

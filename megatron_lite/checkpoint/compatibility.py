@@ -59,6 +59,7 @@ STRUCTURE = {
     "moe_shared_expert_gate": "--moe-shared-expert-gate",
     "moe_ffn_size": "--moe-ffn-hidden-size",
     "mtp_num_layers": "--mtp-num-layers",
+    "heterogeneous_blocks": "--heterogeneous-layers-config-path",  # (each layer's own kinds and sizes)
     "vocab_size": "--vocab-size (or the tokenizer's)",
 }
 

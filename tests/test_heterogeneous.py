@@ -1,0 +1,214 @@
+"""Heterogeneous layers (Llama-Nemotron's block configs; Megatron's --heterogeneous-layers-config-path).
+
+Oracles: the homogeneous Llama model (blocks that are all plain); each layer run as a homogeneous one-layer model
+of that layer's own query groups and FFN size, the linear replacements as x + W norm(x) written out, a no-op
+layer as the identity; one process for TP=2 and PP=2 training and for a checkpoint loaded under another layout;
+DeciLM's intermediate sizes of published Llama-Nemotron configs worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_checkpoint_reshard import SAVE_AT
+from test_checkpoint_reshard import _compare as _compare_resumed
+from test_checkpoint_reshard import run as reshard_run
+from test_train_equivalence import _compare, train_run
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.layout_validation import validate_layout
+from megatron_lite.models.gpt_model import GPTModel
+from megatron_lite.models.heterogeneous import ffn_mult_to_intermediate_size
+from megatron_lite.parallel_context import ParallelContext
+
+from models import HETERO_BLOCKS, VOCAB, decilm_block, hetero_json, llama_config
+
+P = ParallelConfig
+
+
+def _ctx() -> ParallelContext:
+    return ParallelContext.virtual(P(), device=torch.device("cpu"))
+
+
+def test_ffn_mult_gives_deciLMs_intermediate_sizes():
+    """int(2 ffn_mult hidden / 3) rounded up to a multiple of 256, on Llama-3.3-Nemotron-Super-49B's hidden 8192:
+    5.25 is Llama-3-70B's 28672 (= 5.25 x 2/3 x 8192, a multiple of 256), 2.625 half of it, 0.5 gives 2730.67 ->
+    2730 -> 2816 (11 x 256)."""
+    assert ffn_mult_to_intermediate_size(5.25, 8192) == 28672
+    assert ffn_mult_to_intermediate_size(2.625, 8192) == 14336
+    assert ffn_mult_to_intermediate_size(0.5, 8192) == 2816
+    assert ffn_mult_to_intermediate_size(1.0, 64) == 256  # int(42.67) = 42 -> 256
+
+
+def _loss_and_grads(model: GPTModel, tokens: torch.Tensor, weights: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)[..., :VOCAB]
+    (logits * weights).sum().backward()
+    return logits.detach(), {model.global_name(n): p.grad for n, p in model.named_parameters()}
+
+
+def test_plain_blocks_are_the_homogeneous_model():
+    """Blocks whose n_heads_in_group and ffn_mult give the model's own sizes (8 heads / 2 = llama_config's 4 query
+    groups; ffn_mult 1.0 at hidden 64: 256), or leave them null (the model's), build the homogeneous Llama: the
+    same tensors, and with its weights the same logits and gradients, bit for bit."""
+    blocks = [decilm_block("normal", 2, "normal", ffn_mult=1.0), decilm_block("normal", None, "normal")]
+    homo = GPTModel(llama_config(ffn_hidden_size=256), _ctx(), seed=3)
+    het = GPTModel(llama_config(ffn_hidden_size=256, heterogeneous_layers_config_encoded_json=hetero_json(blocks)),
+                   _ctx(), seed=5)  # fmt: skip
+    state = homo.full_state_dict()
+    assert {k: v.shape for k, v in het.full_state_dict().items()} == {k: v.shape for k, v in state.items()}
+    het.load_full_state_dict(state)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    w = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(1))
+    (a, ga), (b, gb) = _loss_and_grads(het, tokens, w), _loss_and_grads(homo, tokens, w)
+    assert torch.equal(a, b)
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
+
+
+# The mixed model's layers as written by hand: attention (kind, query groups), MLP (kind, FFN size); the last
+# layer is a no-op twice over
+LAYERS = [("normal", 4, "normal", 64), ("no_op", None, "linear", None), ("linear", None, "normal", 256),
+          ("normal", 2, "no_op", None), ("no_op", None, "no_op", None)]  # fmt: skip
+MIXED = [*HETERO_BLOCKS, decilm_block("no_op", None, "no_op")]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def test_mixed_layers_are_each_layer_run_on_its_own():
+    """Each layer of a mixed model equals a homogeneous one-layer model of that layer's query groups and FFN size
+    holding its weights (its attention half or MLP half alone where the other is a no-op); a linear replacement is
+    x + W rmsnorm(x) written out; a layer of two no-ops returns its input. Logits and every gradient."""
+    config = llama_config(num_layers=5, heterogeneous_layers_config_encoded_json=hetero_json(MIXED))
+    het = GPTModel(config, _ctx(), seed=4)
+    state = {k: v + 0.1 * torch.randn_like(v) if v.ndim == 1 else v for k, v in het.full_state_dict().items()}
+    het.load_full_state_dict(state)  # (norm weights away from 1)
+    assert not any(k.startswith("decoder.layers.4.") for k in state)  # (the no-op layer holds nothing)
+    leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
+    oracles, copied = [], {}  # per layer a homogeneous one-layer model; its parameter -> the mixed model's name
+    for i, (_, groups, _, ffn) in enumerate(LAYERS):
+        one = GPTModel(llama_config(num_layers=1, num_query_groups=groups or 4, ffn_hidden_size=ffn or 96), _ctx())
+        mine = one.full_state_dict()
+        for name in mine:
+            theirs = name.replace("decoder.layers.0.", f"decoder.layers.{i}.")
+            if theirs in state and (theirs != name or i == 0):
+                mine[name] = state[theirs]
+                copied[(i, name)] = theirs
+        one.load_full_state_dict(mine)
+        oracles.append(one)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    w = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(1))
+
+    first = oracles[0]
+    pos = torch.arange(12).unsqueeze(0).expand(2, 12)
+    x, rope = first.embedding(tokens, pos), first.rotary_pos_emb(pos)
+    for i, (attention, _, mlp, _) in enumerate(LAYERS):
+        layer, name = oracles[i].decoder.layers[0], f"decoder.layers.{i}."
+        if attention == "normal":
+            x = x + layer.self_attention(layer.input_layernorm(x), rope)
+        elif attention == "linear":
+            x = x + _rms(x, leaves[name + "input_layernorm.weight"]) @ leaves[name + "self_attention.weight"].T
+        if mlp == "normal":
+            x = x + layer.mlp(layer.pre_mlp_layernorm(x))
+        elif mlp == "linear":
+            x = x + _rms(x, leaves[name + "pre_mlp_layernorm.weight"]) @ leaves[name + "mlp.weight"].T
+    want = first.output_layer(first.decoder.final_layernorm(x), weight=first.output_weight()).transpose(0, 1)
+    want = want[..., :VOCAB]
+    (want * w).sum().backward()
+    got, grads = _loss_and_grads(het, tokens, w)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    want_grads = {k: v.grad for k, v in leaves.items() if v.grad is not None}
+    for i, one in enumerate(oracles):
+        for n, p in one.named_parameters():
+            if (i, one.global_name(n)) in copied and p.grad is not None:
+                want_grads[copied[(i, one.global_name(n))]] = p.grad
+    assert want_grads.keys() == grads.keys()
+    for k, g in grads.items():
+        assert torch.allclose(g, want_grads[k], rtol=1e-4, atol=1e-6), k
+    h = torch.randn(12, 2, 64)  # and the no-op layer is the identity
+    assert torch.equal(het.decoder.layers[4](h, rope), h)
+
+
+# Training under TP=2 (sequence parallel: the linear replacements' outputs gathered, then split along the
+# sequence) and PP=2 (the layers of both kinds on each stage) equals one process.
+LAYOUTS = {
+    "tp2-sp": (2, P(tensor_model_parallel_size=2, sequence_parallel=True), 2),
+    "pp2": (2, P(pipeline_model_parallel_size=2), 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trains_like_one_process(dist, layout):
+    world, parallel, mbs = LAYOUTS[layout]
+    ref = train_run("hetero", P(), 4, 4, layers=4, iters=3)
+    for history in dist(world, train_run, "hetero", parallel, 4, mbs, layers=4, iters=3):
+        assert len(history) == len(ref) == 3
+        _compare(history, ref)
+
+
+def test_checkpoint_loads_under_another_layout(dist, tmp_path):
+    """Saved at TP=2 with sequence parallelism, loaded at PP=2 and on one process: the runs continue as the
+    original (tests/test_checkpoint_reshard.py's run: 4 layers, Adam, a cosine schedule)."""
+    ckpt, kw = str(tmp_path / "hetero"), dict(heterogeneous_layers_config_encoded_json=hetero_json(HETERO_BLOCKS))
+    original = dist(2, reshard_run, kw, P(tensor_model_parallel_size=2, sequence_parallel=True), 2, ckpt)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    assert len(continued) == 3
+    for history in dist(2, reshard_run, kw, P(pipeline_model_parallel_size=2), 2, None, ckpt):
+        _compare_resumed(history, continued, "pp2")
+    _compare_resumed(reshard_run(kw, P(), 8, None, ckpt), continued, "one process")
+    homogeneous = {}  # and a homogeneous model does not take it
+    with pytest.raises(ConfigError, match="holds a model with heterogeneous_blocks="):
+        reshard_run(homogeneous, P(), 8, None, ckpt)
+
+
+FLAGS = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
+    "--seq-length 16 --vocab-size 100 --normalization RMSNorm --swiglu --position-embedding-type rope "
+    "--disable-bias-linear --train-iters 1 --micro-batch-size 1"
+).split()
+
+
+def _job(blocks, *extra: str):
+    return parse_args([*FLAGS, "--heterogeneous-layers-config-encoded-json", hetero_json(blocks), *extra])[1]
+
+
+def test_the_path_flag_reads_the_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(hetero_json(HETERO_BLOCKS))
+    job = parse_args([*FLAGS, "--heterogeneous-layers-config-path", str(path)])[1]
+    assert job.model == _job(HETERO_BLOCKS).model
+    assert [b.attention for b in job.model.heterogeneous_blocks] == ["normal", "no_op", "linear", "normal"]
+    with pytest.raises(ConfigError, match="--heterogeneous-layers-config-path .*missing.json cannot be read"):
+        parse_args([*FLAGS, "--heterogeneous-layers-config-path", str(tmp_path / "missing.json")])
+
+
+def _window(block: dict) -> dict:
+    return {**block, "attention": {**block["attention"], "window_length": 4096}}
+
+
+@pytest.mark.parametrize(
+    "blocks, extra, message",
+    [
+        (HETERO_BLOCKS[:3], [], "has 3 block_configs but --num-layers is 4: give --num-layers 3"),
+        ([decilm_block("normal", 3)] * 4, [], "block 0 attention has n_heads_in_group=3, which does not divide"),
+        ([_window(HETERO_BLOCKS[0])] * 4, [], "block 0 attention sets window_length=4096, which is not implemented"),
+        ([decilm_block("normal", 8)] * 4, ["--tensor-model-parallel-size", "2"], "block 0 attention has 1 query gro"),
+        ([decilm_block("no_op", 2)] * 4, [], "block 0 attention is no_op and has a query-group count"),
+        (HETERO_BLOCKS, ["--num-experts", "4"], "--num-experts is not supported with heterogeneous layers"),
+        (HETERO_BLOCKS, ["--mtp-num-layers", "1"], "--mtp-num-layers is not supported with heterogeneous layers"),
+    ],
+)
+def test_bad_block_configs_are_one_line_at_start_up(blocks, extra, message):
+    with pytest.raises(ConfigError, match=r"--heterogeneous-layers-config-path|not supported") as e:
+        job = _job(blocks, *extra)
+        validate_layout(job.model, job.parallel, 2, job.training)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_encoded_json_is_kept_in_the_checkpoints_model_config():
+    job = _job(HETERO_BLOCKS)
+    saved = job.to_dict()["model"]["heterogeneous_layers_config_encoded_json"]
+    assert json.loads(saved)["block_configs"] == list(HETERO_BLOCKS)
