@@ -83,6 +83,7 @@ ARCH_DESTS = (
     "moe_router_group_score_topn",
     *(HYBRID := ("is_hybrid_model", "hybrid_attention_ratio", "hybrid_mlp_ratio", "hybrid_override_pattern")),
     *(MAMBA := ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")),
+    "heterogeneous_layers_config_encoded_json",  # (Megatron keeps the block configs' text in its checkpoints too)
 )
 
 # The architecture flags in which an upcycled MoE run differs from the dense checkpoint it starts from
@@ -183,6 +184,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     # (a hybrid Mamba model's layer kinds and mixer sizes; absent from older checkpoints: the flags' defaults)
     hybrid_defaults = (False, 0.0, 0.0, None, 128, 64, 8, None)
     out.update({k: m.get(k, default) for k, default in zip((*HYBRID, *MAMBA), hybrid_defaults)})
+    out["heterogeneous_layers_config_encoded_json"] = m.get("heterogeneous_layers_config_encoded_json")
     out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})
     out.update(
         {

@@ -212,3 +212,57 @@ def test_encoded_json_is_kept_in_the_checkpoints_model_config():
     job = _job(HETERO_BLOCKS)
     saved = job.to_dict()["model"]["heterogeneous_layers_config_encoded_json"]
     assert json.loads(saved)["block_configs"] == list(HETERO_BLOCKS)
+
+
+def test_flops_count_each_layers_own_sizes():
+    """6 N (N the model's matmul weights: each layer's own attention and MLP, the linears, nothing for a no-op) plus
+    q.k^T and p.v over half the sequence in the layers that keep their attention (layers 0, 2 and 3 of MIXED: the
+    linear replacement of layer 1's MLP and layer 2's attention have no scores)."""
+    from megatron_lite.training.flops import flops_per_token
+
+    config = llama_config(num_layers=5, heterogeneous_layers_config_encoded_json=hetero_json(MIXED))
+    model = GPTModel(config, _ctx(), device="meta")
+    n = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embedding" not in name)
+    s, heads, d = 128, 8, 8
+    attention_layers = 2  # (0 and 3; layer 2's attention is a linear)
+    assert flops_per_token(config, s) == pytest.approx(6 * n + 6 * attention_layers * s * heads * d, rel=1e-12)
+
+
+def test_generation_with_the_kv_cache_is_the_full_forward():
+    """Each attention layer caches its own query groups' keys and values (the cache is per layer): a prompt of 6
+    then 4 tokens one at a time give the logits of the whole sequence at once."""
+    from megatron_lite.inference.kv_cache import KVCache
+
+    model = GPTModel(llama_config(num_layers=5, heterogeneous_layers_config_encoded_json=hetero_json(MIXED)), _ctx())
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, cache = model.eval()(tokens), KVCache(16)
+        steps = [model(tokens[:, :6], position_ids=torch.arange(6).expand(2, 6), kv_cache=cache)]
+        cache.advance(6)
+        for i in range(6, 10):
+            steps.append(model(tokens[:, i : i + 1], position_ids=torch.full((2, 1), i), kv_cache=cache))
+            cache.advance(1)
+    assert torch.allclose(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_load_alone_takes_the_checkpoints_block_configs():
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+
+    saved = _job(HETERO_BLOCKS).to_dict()
+    ns = flags_from_checkpoint(build_parser(), FLAGS, build_parser().parse_args(FLAGS), saved, "ckpt")
+    assert ns.heterogeneous_layers_config_encoded_json == hetero_json(HETERO_BLOCKS)
+
+
+def test_what_does_not_model_heterogeneous_layers_says_so():
+    """The planner, LoRA's adapters and the Hugging Face export read the model's one set of sizes: refused."""
+    from megatron_lite.lora.config import LoraConfig, lora_for_model
+    from megatron_lite.models.hf import check_exportable
+    from megatron_lite.planner.unmodelled import unplannable
+
+    model = _job(HETERO_BLOCKS).model
+    assert "heterogeneous layers (--heterogeneous-layers-config-path) is not modelled" in unplannable(model)
+    with pytest.raises(ConfigError, match="--lora-rank 8 with heterogeneous layers"):
+        lora_for_model(LoraConfig(), model)
+    with pytest.raises(ConfigError, match="heterogeneous layers"):
+        check_exportable(model, "LlamaForCausalLM")

@@ -147,6 +147,11 @@ def lora_for_model(lora: LoraConfig, config) -> LoraConfig:
             f"--lora-rank {lora.rank} with Mamba layers is not supported: adapters go on the attention and MLP "
             "linears only, and the Mamba mixers (in_proj, out_proj) would stay frozen; train the model whole"
         )
+    if getattr(config, "heterogeneous_layers_config_encoded_json", None) is not None:
+        raise ConfigError(
+            f"--lora-rank {lora.rank} with heterogeneous layers (--heterogeneous-layers-config-path) is not supported: "
+            "adapters are laid out by the model's query groups and FFN size, not each layer's; train the whole model"
+        )
     targets = list(lora.target_modules)
     if config.activation not in ("swiglu", "quick_geglu") and any(t in targets for t in PARTS["linear_fc1"]):
         if "linear_fc1_gate" in targets:

@@ -367,6 +367,7 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
             "layers without RoPE (--no-rope-freq, Llama 4)",
         ),  # fmt: skip
         (c.attention_output_gate, "the attention output gate (--attention-output-gate, Qwen3-Next)"),
+        (c.heterogeneous_blocks is not None, "heterogeneous layers (--heterogeneous-layers-config-path, DeciLM)"),
     ):
         if on:
             problems.append(what)

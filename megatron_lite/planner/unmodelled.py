@@ -32,4 +32,10 @@ def unplannable(model: ModelConfig) -> str | None:
             "transformer layers, not Mamba mixers; pretrain_gpt.py with the same flags and --dry-run counts its "
             "memory per rank"
         )
+    if model.heterogeneous_blocks is not None:
+        return (
+            "a model of heterogeneous layers (--heterogeneous-layers-config-path) is not modelled here: the planner "
+            "prices every layer at the model's query groups and FFN size; pretrain_gpt.py with the same flags and "
+            "--dry-run counts its memory per rank"
+        )
     return None

@@ -7,16 +7,17 @@ Per token and layer, the forward pass multiplies by every weight once (2 FLOPs p
                                                 as Megatron's num_floating_point_operations counts them)
     projection    2 * heads * d * h
     MLP           2 * h * f * (3 if SwiGLU else 2)
-and once per token the output layer, 2 * h * V. A MoE layer counts its router, its top-k experts and its
-shared expert (a hybrid model's Mamba layer Megatron's in_proj + 7 d N scan + out_proj, its attention and MLP
-layers each their own half); multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims,
-p.v over v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward
-(backward = 2x forward); recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and
-heads * d = h this is 72 B s L h^2 (1 + s / (12h) + V / (12 L h)) per batch, and in general 6 N + 6 L s heads d
-per token with N the matmul parameters. With causal=False, attention over the full sequence: Megatron's
-earlier 72 B s L h^2 (1 + s / (6h) + V / (12 L h)) and torchtitan's 6 N + 12 L s heads d, the convention of
-the throughput figures they published. All are checked in tests/test_flops.py. (Megatron counts the padded
-vocabulary's logits too; padding is no real work, so it is not counted here.)
+and once per token the output layer, 2 * h * V. A MoE layer counts its router, its top-k experts and its shared
+expert (a hybrid model's Mamba layer Megatron's in_proj + 7 d N scan + out_proj, its attention and MLP layers each
+their own half; a heterogeneous layer its own query groups and FFN size, a linear in place of its attention or MLP 2
+h^2, a no-op nothing); multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims, p.v over
+v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward (backward
+= 2x forward); recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and heads * d = h
+this is 72 B s L h^2 (1 + s / (12h) + V / (12 L h)) per batch, and in general 6 N + 6 L s heads d per token with N
+the matmul parameters. With causal=False, attention over the full sequence: Megatron's earlier 72 B s L h^2 (1 + s /
+(6h) + V / (12 L h)) and torchtitan's 6 N + 12 L s heads d, the convention of the throughput figures they published.
+All are checked in tests/test_flops.py. (Megatron counts the padded vocabulary's logits too; padding is no real
+work, so it is not counted here.)
 """
 
 from __future__ import annotations
@@ -80,8 +81,19 @@ def _mamba_flops(c: ModelConfig) -> float:
     return 2 * h * (2 * d + 2 * gn + c.mamba_heads) + 7 * d * c.mamba_state_dim + 2 * d * h
 
 
+def _heterogeneous_layer_flops(c: ModelConfig, layer: int, keys: float) -> float:
+    """A heterogeneous layer (--heterogeneous-layers-config-path): its attention and MLP of its own sizes, a linear
+    replacement's one [hidden, hidden] GEMM (2 h^2), a no-op nothing."""
+    block, own, h = c.heterogeneous_blocks[layer], c.layer_config(layer), c.hidden_size
+    other = {"linear": 2.0 * h * h, "no_op": 0.0}
+    attention = _attention_flops(own, keys) if block.attention == "normal" else other[block.attention]
+    return attention + (_mlp_flops(own, layer) if block.mlp == "normal" else other[block.mlp])
+
+
 def _layer_flops(c: ModelConfig, layer: int, keys: float) -> float:
     """A layer's forward FLOPs per token: attention and MLP, or in a hybrid model its one kind."""
+    if c.heterogeneous_blocks is not None:
+        return _heterogeneous_layer_flops(c, layer, keys)
     kind = c.layer_types[layer] if c.hybrid and layer < c.num_layers else None
     if kind == "M":
         return _mamba_flops(c)
@@ -124,6 +136,8 @@ def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, f
     forward = layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size
     if config.hybrid:  # (the core attention of the attention layers only)
         keys = [x for i, x in enumerate(keys) if i >= config.num_layers or config.layer_types[i] == "*"]
+    if config.heterogeneous_blocks is not None:  # (the layers with attention, not a linear or nothing in its place)
+        keys = [x for x, b in zip(keys, config.heterogeneous_blocks) if b.attention == "normal"]
     return 2.0 * forward + sum(_core_attention_flops(config, x) for x in keys) if frozen else 3.0 * forward
 
 
