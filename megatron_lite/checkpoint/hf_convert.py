@@ -97,7 +97,8 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         from transformers import CONFIG_MAPPING
 
         archs = raw.get("architectures") or [None]
-        deepseek = archs[0] in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+        # (Llama-Nemotron's DeciLM is remote code only: read over no class's defaults, as its config.json writes all)
+        deepseek = archs[0] in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeciLMForCausalLM")
         if not deepseek or raw.get("model_type") in CONFIG_MAPPING:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{cfg_path}: transformers cannot read it ({first})") from e

@@ -11,7 +11,8 @@ DeepseekV2ForCausalLM (softmax top-k routing), GptOssForCausalLM (attention sink
 quick-GEGLU experts: models/hf_gpt_oss.py), Glm4MoeForCausalLM (GLM-4.5: QKV bias, partial RoPE, DeepSeek-V3's
 router and shared experts with GQA attention: models/hf_glm4moe.py), Llama4ForCausalLM (and the text model of
 Llama4ForConditionalGeneration: NoPE layers, q/k L2 norms, a sigmoid top-1 on the experts' inputs, a shared expert:
-models/hf_llama4.py) and GPT2LMHeadModel. A field that changes
+models/hf_llama4.py), DeciLMForCausalLM (Llama-Nemotron's heterogeneous layers, remote code: models/hf_decilm.py)
+and GPT2LMHeadModel. A field that changes
 the math and that we do not implement is refused, never ignored.
 """
 
@@ -19,14 +20,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_lite.config import ConfigError, ModelConfig, RopeScaling, yarn_mscale
-from megatron_lite.models import hf_deepseek, hf_glm4moe, hf_gpt_oss, hf_llama4, hf_nemotron_h, hf_qwen2moe
+from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
+from megatron_lite.models import hf_decilm, hf_deepseek, hf_glm4moe, hf_gpt_oss, hf_llama4, hf_nemotron_h, hf_qwen2moe
+from megatron_lite.models.hf_decilm import DECILM
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3
 from megatron_lite.models.hf_glm4moe import GLM4_MOE
 from megatron_lite.models.hf_gpt_oss import GPT_OSS
 from megatron_lite.models.hf_llama4 import LLAMA4, LLAMA4_VLM
 from megatron_lite.models.hf_nemotron_h import NEMOTRON_H
 from megatron_lite.models.hf_qwen2moe import QWEN2_MOE
+from megatron_lite.models.hf_rope import partial_rotary as _partial_rotary
+from megatron_lite.models.hf_rope import rope_fields as _rope
 
 LLAMA_LIKE = (
     "LlamaForCausalLM",
@@ -75,56 +79,6 @@ def _arch(hf_config: Any) -> str:
     }.get(hf_config.model_type, hf_config.model_type)
 
 
-def _partial_rotary(hf_config: Any) -> float:
-    """partial_rotary_factor: in rope_parameters (transformers 5) or at the top level (4.x, config.json)."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
-
-
-def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
-    # transformers 5 keeps RoPE settings in `rope_parameters`; 4.x in rope_theta / rope_scaling.
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    base = float(params.get("rope_theta", 10000.0))
-    if kind == "default":
-        return base, None
-    # (transformers 5 moves a missing original length in from max_position_embeddings; its absence from the
-    # config object, without transformers, means the same)
-    original = params.get("original_max_position_embeddings") or getattr(
-        hf_config, "original_max_position_embeddings", None
-    )
-    original = int(original or hf_config.max_position_embeddings)
-    if kind == "llama3":
-        return base, RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=original,
-        )
-    if kind == "yarn":
-        factor = params.get("factor") or hf_config.max_position_embeddings / original  # (DeepSeek-V3's rule)
-
-        attention_factor = params.get("attention_factor")
-        if attention_factor is None:  # as transformers: the paper's 0.1 ln(s) + 1, or DeepSeek's mscale ratio
-            m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-            attention_factor = (
-                yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
-            )
-        return base, RopeScaling(
-            factor=float(factor),
-            original_max_position_embeddings=original,
-            rope_type="yarn",
-            beta_fast=float(params.get("beta_fast") or 32),
-            beta_slow=float(params.get("beta_slow") or 1),
-            attention_factor=float(attention_factor),
-            truncate=bool(params.get("truncate", True)),
-        )
-    raise ConfigError(f"config.json rope type {kind!r} is not supported; supported: default, llama3, yarn")
-
-
 def _gqa_fields(c: Any, rope: tuple[float, RopeScaling | None], eps: float | None = None) -> dict:
     """The ModelConfig fields every class with grouped-query attention reads alike (the Llama family's, gpt-oss's,
     GLM-4-MoE's): sizes, heads and groups, RMSNorm, SwiGLU, RoPE, the output layer, no hidden dropout. `eps`: the
@@ -160,6 +114,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         kwargs = _gqa_fields(hf_config, _rope(hf_config), eps) | hf_nemotron_h.config_kwargs(hf_config)
     elif arch in DEEPSEEK:
         kwargs = hf_deepseek.config_kwargs(hf_config, arch, _rope(hf_config))
+    elif arch == DECILM:  # (Llama-Nemotron: heterogeneous Llama layers)
+        kwargs = hf_decilm.config_kwargs(hf_config, _rope(hf_config))
     elif arch == GPT_OSS:
         kwargs = _gqa_fields(hf_config, _rope(hf_config)) | hf_gpt_oss.config_kwargs(hf_config)
     elif arch == GLM4_MOE:
@@ -272,7 +228,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             attention_dropout=c.attn_pdrop,
         )
     else:
-        supported = ", ".join(LLAMA_LIKE + (LLAMA4_VLM, "GPT2LMHeadModel"))
+        supported = ", ".join(LLAMA_LIKE + (LLAMA4_VLM, DECILM, "GPT2LMHeadModel"))
         raise ConfigError(f"config.json architecture {arch!r} is not supported; supported: {supported}")
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
@@ -306,6 +262,8 @@ _EQUIVALENT = {
 def _architecture(config: ModelConfig) -> str:
     if config.hybrid:
         return NEMOTRON_H
+    if config.heterogeneous_blocks is not None:
+        return DECILM
     if config.multi_latent_attention:
         softmax = config.num_experts and config.moe_router_score_function == "softmax"
         return DEEPSEEK_V2 if softmax else DEEPSEEK_V3
@@ -367,7 +325,7 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
             "layers without RoPE (--no-rope-freq, Llama 4)",
         ),  # fmt: skip
         (c.attention_output_gate, "the attention output gate (--attention-output-gate, Qwen3-Next)"),
-        (c.heterogeneous_blocks is not None, "heterogeneous layers (--heterogeneous-layers-config-path, DeciLM)"),
+        ((c.heterogeneous_blocks is not None) > (arch == DECILM), f"heterogeneous layers (only {DECILM} has them)"),
     ):
         if on:
             problems.append(what)
@@ -378,6 +336,8 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         problems.append(f"Mamba layers (only {NEMOTRON_H} has them)" if c.hybrid else "no hybrid layer pattern")
     if arch == NEMOTRON_H:
         problems += hf_nemotron_h.export_problems(c)
+    elif arch == DECILM:
+        problems += hf_decilm.export_problems(c)
     elif arch == GPT_OSS:
         problems += hf_gpt_oss.export_problems(c)
     elif arch == GLM4_MOE:
@@ -466,6 +426,7 @@ MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     GPT_OSS: "gpt_oss",
     NEMOTRON_H: "nemotron_h",
+    DECILM: hf_decilm.MODEL_TYPE,
     GLM4_MOE: "glm4_moe",
     LLAMA4: "llama4_text",
     "GPT2LMHeadModel": "gpt2",
@@ -558,6 +519,8 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
         out["mlp_bias"] = c.add_bias_linear
     if arch in ("LlamaForCausalLM",):
         out.update(attention_bias=False, mlp_bias=False)
+    if arch == DECILM:
+        return hf_decilm.config_fields(c, out)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         out["sliding_window"] = c.sliding_window
     if arch in ("Qwen2ForCausalLM", QWEN2_MOE, *QWEN3):

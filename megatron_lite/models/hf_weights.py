@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.models import hf_gpt_oss, hf_llama4, hf_nemotron_h, hf_qwen2moe
+from megatron_lite.models import hf_decilm, hf_gpt_oss, hf_llama4, hf_nemotron_h, hf_qwen2moe
 from megatron_lite.models.hf import LLAMA_LIKE
 from megatron_lite.models.hf_deepseek import DEEPSEEK, DEEPSEEK_V2
 from megatron_lite.models.hf_glm4moe import GLM4_MOE
@@ -170,6 +170,8 @@ def state_dict_from_hf(
     L = "decoder.layers"
     if arch == hf_nemotron_h.NEMOTRON_H:
         return hf_nemotron_h.state_dict_from_hf(hf, config)
+    if arch == hf_decilm.DECILM:
+        return hf_decilm.state_dict_from_hf(hf, config)
     if arch in LLAMA_LIKE:
         out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
         for i in range(config.num_layers + config.mtp_num_layers):  # (DeepSeek-V3: MTP layers after the last)
@@ -269,6 +271,8 @@ def state_dict_to_hf(
     L = "decoder.layers"
     if arch == hf_nemotron_h.NEMOTRON_H:
         return hf_nemotron_h.state_dict_to_hf(ours, config, on_disk)
+    if arch == hf_decilm.DECILM:
+        return hf_decilm.state_dict_to_hf(ours, config, on_disk)
     # Hugging Face norms hold gamma itself, except Nemotron's LayerNorm1P, which holds gamma - 1 as we do with
     # --apply-layernorm-1p
     shift = int(config.apply_layernorm_1p) - int(arch == "NemotronForCausalLM")

@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # (the converter's own list: it cannot drift from what converts)
     architectures = textwrap.fill(
-        f"Supported Hugging Face architectures: {', '.join((*LLAMA_LIKE, 'GPT2LMHeadModel'))}. A megatron_lite "
-        "checkpoint saved under any layout converts as is; one converted from Hugging Face loads under any layout "
-        "(`pretrain_gpt.py --load ckpt`).",
+        f"Supported Hugging Face architectures: {', '.join((*LLAMA_LIKE, 'DeciLMForCausalLM', 'GPT2LMHeadModel'))}. "
+        "A megatron_lite checkpoint saved under any layout converts as is; one converted from Hugging Face loads "
+        "under any layout (`pretrain_gpt.py --load ckpt`).",
         width=110,
     )
     p = OneLineErrorParser(

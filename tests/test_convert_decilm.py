@@ -1,0 +1,120 @@
+"""Llama-Nemotron (DeciLM, model_type nemotron-nas: remote code, no transformers class) <-> megatron_lite through
+tools/checkpoint/convert.py. Oracles: a real transformers Llama-3 whose weights, written as a DeciLM checkpoint of
+all-plain blocks, convert to the same tensors as the Llama checkpoint and give transformers' Llama logits; and a
+hand-built DeciLM state dict with no-op and linear blocks that comes back bit for bit."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import torch
+import transformers
+from convert_flow import IDS, randomised
+from safetensors.torch import save_file
+from test_convert import V, _hf_logits, _load_ours, _rel, _tensors, convert
+from test_heterogeneous import MIXED
+
+from megatron_lite.checkpoint.hf_convert import read_model_tensors
+from megatron_lite.config import ParallelConfig
+
+from models import decilm_block
+
+LLAMA = dict(vocab_size=V, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=256,
+             num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0)  # fmt: skip
+
+
+def _decilm_config(blocks: list[dict], **kw) -> dict:
+    """A DeciLM config.json: Llama's fields (without the model-wide key/value heads and intermediate size) and the
+    blocks."""
+    fields = {k: v for k, v in LLAMA.items() if k not in ("num_key_value_heads", "intermediate_size")}
+    return {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", **fields, "hidden_act": "silu",
+            "tie_word_embeddings": False, "num_hidden_layers": len(blocks), "block_configs": blocks, **kw}  # fmt: skip
+
+
+def _to_ours_and_back(hf_dir: str, tmp_path: pathlib.Path, name: str) -> tuple[str, str]:
+    ours, back = str(tmp_path / f"{name}-ours"), str(tmp_path / f"{name}-back")
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", hf_dir, "--save-dir", ours]) == 0
+    assert convert.main(["--loader", "megatron_lite", "--saver", "hf", "--load-dir", ours, "--save-dir", back]) == 0
+    return ours, back
+
+
+def test_plain_blocks_are_llama_3_both_ways(tmp_path):
+    """Llama-3's weights under a DeciLM config.json whose blocks are all plain (8 heads / n_heads_in_group 2 = the
+    4 key/value heads; ffn_mult 1.0 at hidden 64: int(42.67) -> 256, the intermediate size): the same tensors as the
+    Llama conversion, transformers' Llama logits, and the export is the DeciLM checkpoint bit for bit."""
+    llama = randomised(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)))
+    llama_dir, decilm_dir = str(tmp_path / "llama"), tmp_path / "decilm"
+    llama.save_pretrained(llama_dir)
+    decilm_dir.mkdir()
+    for f in pathlib.Path(llama_dir).glob("*.safetensors"):
+        shutil.copy(f, decilm_dir)
+    blocks = [decilm_block("normal", 2, "normal", ffn_mult=1.0)] * 2
+    (decilm_dir / "config.json").write_text(json.dumps(_decilm_config(blocks)))
+    ours_llama = str(tmp_path / "llama-ours")
+    assert convert.main(["--loader", "hf", "--saver", "megatron_lite", "--load-dir", llama_dir, "--save-dir",
+                         ours_llama]) == 0  # fmt: skip
+    ours, back = _to_ours_and_back(str(decilm_dir), tmp_path, "decilm")
+    a, b = read_model_tensors(ours)[1], read_model_tensors(ours_llama)[1]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model, _, config = _load_ours(ours, ParallelConfig())
+    assert config.heterogeneous_blocks is not None
+    with torch.no_grad():
+        logits = model(torch.tensor([IDS]))[0].float()[..., :V]
+    assert _rel(logits, _hf_logits(llama, IDS)) <= 1e-5
+    theirs, mine = _tensors(str(decilm_dir)), _tensors(back)
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    written = json.loads((pathlib.Path(back) / "config.json").read_text())
+    assert written["architectures"] == ["DeciLMForCausalLM"] and written["model_type"] == "nemotron-nas"
+    assert written["block_configs"] == blocks and "num_key_value_heads" not in written
+
+
+def _decilm_tensors(blocks: list[dict]) -> dict[str, torch.Tensor]:
+    """DeciLM's tensors by its names, random, for the blocks of test_heterogeneous.MIXED written out by hand: 8 heads
+    of 8 dims at hidden 64; key/value heads 8 / n_heads_in_group; FFN sizes 64 (ffn_hidden_size) and 256 (ffn_mult
+    1.3: int(55.47) -> 256)."""
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g)
+
+    out = {"model.embed_tokens.weight": w(V, 64), "model.norm.weight": w(64), "lm_head.weight": w(V, 64)}
+    ffn = {0: 64, 2: 256}
+    for i, b in enumerate(blocks):
+        p, attention, mlp = f"model.layers.{i}.", b["attention"], b["ffn"]
+        if not attention["no_op"]:
+            out[p + "input_layernorm.weight"] = w(64)
+        if attention["replace_with_linear"]:
+            out[p + "self_attn.linear_attn.weight"] = w(64, 64)
+        elif not attention["no_op"]:
+            kv = 8 // attention["n_heads_in_group"] * 8
+            for name, rows in (("q", 64), ("k", kv), ("v", kv), ("o", 64)):
+                out[f"{p}self_attn.{name}_proj.weight"] = w(rows, 64)
+        if not mlp["no_op"]:
+            out[p + "post_attention_layernorm.weight"] = w(64)
+        if mlp["replace_with_linear"]:
+            out[p + "mlp.linear_mlp.weight"] = w(64, 64)
+        elif not mlp["no_op"]:
+            f = ffn[i]
+            out.update({p + "mlp.gate_proj.weight": w(f, 64), p + "mlp.up_proj.weight": w(f, 64),
+                        p + "mlp.down_proj.weight": w(64, f)})  # fmt: skip
+    return out
+
+
+def test_noop_and_linear_blocks_round_trip_bit_exactly(tmp_path):
+    """No-op attention and MLP (no tensors), linear ones (linear_attn / linear_mlp beside their norms), each layer's
+    own key/value heads and FFN size: converted and exported, every tensor and the blocks come back as they were."""
+    hf_dir = tmp_path / "decilm"
+    hf_dir.mkdir()
+    tensors = _decilm_tensors(MIXED)
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    (hf_dir / "config.json").write_text(json.dumps(_decilm_config(MIXED)))
+    ours, back = _to_ours_and_back(str(hf_dir), tmp_path, "mixed")
+    mine = _tensors(back)
+    assert mine.keys() == tensors.keys() and all(torch.equal(mine[k], tensors[k]) for k in tensors)
+    assert json.loads((pathlib.Path(back) / "config.json").read_text())["block_configs"] == MIXED
+    model, _, config = _load_ours(ours, ParallelConfig())  # (and it loads as the mixed model)
+    assert [b.attention for b in config.heterogeneous_blocks] == ["normal", "no_op", "linear", "normal", "no_op"]
+    weights = {model.global_name(n): p for n, p in model.named_parameters()}
+    assert torch.equal(weights["decoder.layers.1.mlp.weight"], tensors["model.layers.1.mlp.linear_mlp.weight"])
