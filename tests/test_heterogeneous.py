@@ -197,6 +197,11 @@ def _window(block: dict) -> dict:
         ([_window(HETERO_BLOCKS[0])] * 4, [], "block 0 attention sets window_length=4096, which is not implemented"),
         ([decilm_block("normal", 8)] * 4, ["--tensor-model-parallel-size", "2"], "block 0 attention has 1 query gro"),
         ([decilm_block("no_op", 2)] * 4, [], "block 0 attention is no_op and has a query-group count"),
+        (
+            [decilm_block("normal", 2.5)] * 4,
+            [],
+            "block 0 attention has n_heads_in_group=2.5: it must be a positive whol",
+        ),
         (HETERO_BLOCKS, ["--num-experts", "4"], "--num-experts is not supported with heterogeneous layers"),
         (HETERO_BLOCKS, ["--mtp-num-layers", "1"], "--mtp-num-layers is not supported with heterogeneous layers"),
     ],

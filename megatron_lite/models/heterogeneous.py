@@ -86,11 +86,13 @@ def _check_keys(part: dict, known: set[str], where: str) -> None:
         )
 
 
-def _size(part: dict, name: str, where: str) -> int | float | None:
+def _size(part: dict, name: str, where: str, whole: bool = True) -> int | float | None:
     value = part.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-        raise _error(f"{where} has {name}={value!r}: it must be a positive number or null")
-    return value
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (whole and value != int(value)):
+        raise _error(f"{where} has {name}={value!r}: it must be a positive {'whole ' if whole else ''}number or null")
+    return int(value) if whole else value
 
 
 def parse_block_configs(text: str, num_attention_heads: int, hidden_size: int) -> tuple[BlockConfig, ...]:
@@ -126,15 +128,12 @@ def parse_block_configs(text: str, num_attention_heads: int, hidden_size: int) -
         where = f"block {i} ffn"
         _check_keys(mlp, _MLP_KEYS, where)
         mlp_kind, ffn = _kind(mlp, where), _size(mlp, "ffn_hidden_size", where)
-        mult = _size(mlp, "ffn_mult", where)
+        mult = _size(mlp, "ffn_mult", where, whole=False)
         if ffn is None and mult is not None:
             ffn = ffn_mult_to_intermediate_size(mult, hidden_size)
         if ffn is not None and mlp_kind != NORMAL:
             raise _error(f"{where} is {mlp_kind} and has an FFN size: set ffn_mult to null")
-        if ffn is not None and ffn != int(ffn):
-            raise _error(f"{where} has ffn_hidden_size={ffn!r}: it must be a whole number")
-        out.append(BlockConfig(attn_kind, None if groups is None else int(groups), mlp_kind,
-                               None if ffn is None else int(ffn)))  # fmt: skip
+        out.append(BlockConfig(attn_kind, groups, mlp_kind, ffn))
     return tuple(out)
 
 
