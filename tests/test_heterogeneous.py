@@ -248,6 +248,12 @@ def test_generation_with_the_kv_cache_is_the_full_forward():
             steps.append(model(tokens[:, i : i + 1], position_ids=torch.full((2, 1), i), kv_cache=cache))
             cache.advance(1)
     assert torch.allclose(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    # what generation's memory check prices is what the cache holds: each layer at its own query groups, a no-op
+    # or linear attention at nothing (it priced every layer at the model's groups)
+    from megatron_lite.inference.generation import generation_bytes
+
+    held = sum(t.numel() * t.element_size() for kv in cache._store.values() for t in kv)
+    assert held == generation_bytes([model], _ctx(), 2, 16, 0), (held, generation_bytes([model], _ctx(), 2, 16, 0))
 
 
 def test_load_alone_takes_the_checkpoints_block_configs():

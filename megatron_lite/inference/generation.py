@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.inference.kv_cache import KVCache, cache_bytes
-from megatron_lite.models.attention import CoreAttention
+from megatron_lite.models.attention import SelfAttention
 from megatron_lite.models.gpt_model import stream_dtype
 from megatron_lite.models.mla import MultiLatentAttention
 from megatron_lite.optimizer.optimizer import any_rank
@@ -85,11 +85,16 @@ def generation_bytes(chunks, ctx: ParallelContext, batch: int, max_len: int, sco
     config, dtype = chunks[0].config, next(p for c in chunks for p in c.parameters()).dtype
     # (the decoder's layers: generation never runs the multi-token-prediction depths; a hybrid model's attention
     # layers hold keys and values, its Mamba layers a state, its MLP layers nothing)
-    kinds = [getattr(layer, "kind", "*") for c in chunks for layer in c.decoder.layers]
-    chunked = sum(isinstance(m, CoreAttention) and m.chunk is not None for c in chunks for m in c.decoder.modules())
-    need = cache_bytes(
-        config, ctx.tp.size, kinds.count("*"), batch, max_len, dtype, kinds.count("M"), chunked_layers=chunked
-    )
+    # Each attention layer by its own config (a heterogeneous model's layers have their own query groups; a no-op
+    # or linear one caches nothing), a Llama 4 chunked one at a chunk's tokens.
+    need = 0
+    for m in (m for c in chunks for m in c.decoder.modules()):
+        if isinstance(m, (SelfAttention, MultiLatentAttention)):
+            chunked = int(getattr(m, "core_attention", None) is not None and m.core_attention.chunk is not None)
+            layer = config.layer_config(m.layer_number)
+            need += cache_bytes(layer, ctx.tp.size, 1, batch, max_len, dtype, chunked_layers=chunked)
+    mamba = sum(getattr(layer, "kind", None) == "M" for c in chunks for layer in c.decoder.layers)
+    need += cache_bytes(config, ctx.tp.size, 0, batch, max_len, dtype, mamba_layers=mamba)
     need += sum(m.absorbed_bytes() for c in chunks for m in c.decoder.modules() if isinstance(m, MultiLatentAttention))
     if ctx.is_last_stage:
         need += 2 * batch * scored_rows * config.vocab_size * 4
