@@ -217,3 +217,20 @@ def test_a_format_2_checkpoint_saved_under_tensor_parallelism_still_loads(dist, 
         assert torch.equal(old.read_full(name), new.read_full(name)), name
     continued = [h for h in original[0] if h[0] > SAVE_AT]
     _compare(run({}, ParallelConfig(), 8, None, str(v2.parent)), continued, "format 2 at one process")
+
+
+def test_overlapping_pieces_are_a_bad_index_not_a_gap(tmp_path):
+    """Two pieces that overlap by as much as a third one misses add up to the box's size: the read would return
+    the missing part uninitialised. Such an index (no writer makes one) is a one-line error."""
+    full = torch.randn(6, 4)
+    meta = _write_ranges(str(tmp_path), full, [0, 8, 16, 24])
+    index = tmp_path / "index_r00002.json"
+    import json
+
+    rec = json.load(open(index))
+    piece = rec["tensors"]["main/w"]["pieces"][0]
+    piece["starts"], piece["lengths"] = [1, 0], [2, 4]  # (rank 2 claims rows 1-2, which ranks 0 and 1 hold, not 4-5)
+    json.dump(rec, open(index, "w"))
+    meta["files"]["index_r00002.json"] = file_digest(str(index))["sha256"]
+    with pytest.raises(ConfigError, match="main/w has overlapping pieces"):
+        Reader(str(tmp_path), meta).read_full("main/w")

@@ -111,11 +111,15 @@ class Reader:
         """The box (starts, lengths) of the full tensor `name`, from every stored piece that overlaps it."""
         rec = self._record(name)
         out = torch.empty(lengths, dtype=getattr(torch, rec["dtype"]))
-        covered = 0
+        covered, parts = 0, []
         for pc in rec["pieces"]:
             part = intersect(pc["box"], (starts, lengths))
             if part is None:
                 continue
+            # (overlapping pieces could make up for a missing one in the count below; no writer makes them)
+            if any(intersect(part, other) for other in parts):
+                raise ConfigError(f"checkpoint {self.path}: {name} has overlapping pieces ({pc['key']}): a bad index")
+            parts.append(part)
             src = tuple(s - p for s, p in zip(part[0], pc["box"][0]))
             dst = tuple(s - r for s, r in zip(part[0], starts))
             data = self._open(pc["file"]).get_slice(pc["key"])[box_slices(src, part[1])]
