@@ -548,7 +548,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         )
     if {"grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"} <= given and ns.bf16:
         ns.accumulate_allreduce_grads_in_fp32 = False  # both given: bf16 wins, as in Megatron's validate_args
-    path = find_checkpoint(ns.load, ns.ckpt_step, own=same_directory(ns.load, ns.save)) if ns.load else None
+    lenient = same_directory(ns.load, ns.save) or bool(ns.non_persistent_ckpt_type)  # (see resume.py: --load S)
+    path = find_checkpoint(ns.load, ns.ckpt_step, own=lenient) if ns.load else None
     resumed = False
     if ns.save and not ns.no_auto_resume and not same_directory(ns.load, ns.save):
         # a restart resumes from its own --save (training/resume.starting_checkpoint): that is the checkpoint

@@ -56,15 +56,17 @@ def test_global_resumes_from_the_newer_one_and_keeps_only_the_newest(tmp_path, c
 
 def test_local_at_dp2_resumes_and_another_layout_takes_the_persistent_one(tmp_path, pretrain_job):
     """Each rank's own files (async, under the distributed optimizer): a DP=2 run stopped after a local save
-    continues bit for bit; on one process the local checkpoints (DP=2's) are passed over for the persistent one,
-    and that run equals the DP=2 one (a one-process run of the same global batch; no dropout, whose draws differ
-    by rank)."""
+    continues bit for bit, also when one rank holds a newer one the other never published (the newest both hold,
+    as Megatron's find_latest); under other gradient buckets, or on one process, the local checkpoints are passed
+    over for the persistent one, and that run equals the DP=2 one (a one-process run of the same global batch; no
+    dropout, whose draws differ by rank)."""
     local, ckpt = tmp_path / "local", tmp_path / "ckpt"
     args = ["--mock-data", "--vocab-size", "100", *TINY, "--train-iters", "8", "--distributed-backend", "gloo",
             "--hidden-dropout", "0", "--attention-dropout", "0",
             "--save", str(ckpt), "--save-interval", "4", "--non-persistent-save-interval", "3",
             "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(local),
-            "--use-distributed-optimizer", "--async-save"]  # fmt: skip
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--async-save"]  # fmt: skip
+    (local / "0" / "iter_0000002.tmp").mkdir(parents=True)  # a save killed part-way: swept by the next one
     out = pretrain_job(2, [*args, "--log-jsonl", str(tmp_path / "straight.jsonl")])
     assert "async non-persistent save started" in out
     for rank in (0, 1):  # each rank's own, the newest only
@@ -79,17 +81,95 @@ def test_local_at_dp2_resumes_and_another_layout_takes_the_persistent_one(tmp_pa
     assert "resuming from the non-persistent checkpoint" in out and "iteration 6, 24 samples consumed" in out
     straight = records(tmp_path / "straight.jsonl")
     _same(straight[6:], records(tmp_path / "resumed.jsonl"))  # bit for bit
+    # rank 1 killed before publishing 9 (rank 0's, a copy standing in for it, is never read): both hold 6
+    _stop_after_iteration_7(ckpt)
+    shutil.copytree(local / "0" / "iter_0000006", local / "0" / "iter_0000009")
+    (local / "0" / "latest_checkpointed_iteration.txt").write_text("9")
+    out = pretrain_job(2, [*args, "--log-jsonl", str(tmp_path / "common.jsonl")])
+    assert out.count("resuming from the non-persistent checkpoint") == 1
+    assert "loaded " + str(local / "0" / "iter_0000006") in out
+    _same(straight[6:], records(tmp_path / "common.jsonl"))
+    shutil.rmtree(local / "0" / "iter_0000009")
+    (local / "0" / "latest_checkpointed_iteration.txt").write_text("6")
     # a rank without its own (a node's disk replaced): every rank starts from the persistent checkpoint
     _stop_after_iteration_7(ckpt)
     shutil.rmtree(local / "1")
     out = pretrain_job(2, args)
-    assert "the ranks found different local non-persistent checkpoints" in out
+    assert "the ranks hold no local non-persistent checkpoint of the same iteration (rank 0: [6]; rank 1: none)" in out
+    assert "loaded " + str(ckpt / "iter_0000004") in out
+    # other gradient buckets give each rank other parts of the distributed optimizer's state
+    _stop_after_iteration_7(ckpt)
+    out = pretrain_job(2, [*args, "--ddp-bucket-size", "500"])
+    assert "another layout (ddp_bucket_size the default then, 500 now)" in out
     assert "loaded " + str(ckpt / "iter_0000004") in out
     _stop_after_iteration_7(ckpt)
     out = pretrain_job(1, [*args, "--log-jsonl", str(tmp_path / "one.jsonl")])
-    assert "was saved under another layout (world_size 2 then, 1 now)" in out, out
+    assert "another layout (world_size 2 then, 1 now, ddp_bucket_size 500 then, the default now)" in out, out
     assert "loaded " + str(ckpt / "iter_0000004") in out
     _same(straight[4:], records(tmp_path / "one.jsonl"), rel=1e-5)
+
+
+def test_global_exit_load_alone_and_rollback(tmp_path, capsys, monkeypatch):
+    """An --exit-interval exit right after a non-persistent save makes no other save (Megatron's
+    checkpoint_and_decide_exit); a --load holding that one beside a log (no tracker) loads it, as Megatron; a
+    rollback after a later non-persistent save deleted the one the run started from goes back to that save."""
+    s = tmp_path / "s"
+    flags = ["--mock-data", "--vocab-size", "100", "--save-interval", "100", "--non-persistent-save-interval", "3",
+             "--non-persistent-ckpt-type", "global"]  # fmt: skip
+    rc, out, err = _run([*flags, "--save", str(s), "--train-iters", "12", "--exit-interval", "6"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "iteration 6 was just saved non-persistently: no exit save" in out
+    assert sorted(os.listdir(s)) == ["non_persistent"] and os.listdir(s / "non_persistent")[0] == "iter_0000006"
+    (s / "train.jsonl").write_text("{}\n")  # (a job's log)
+    rc, out, err = _run(
+        [*flags, "--load", str(s), "--save", str(tmp_path / "t"), "--train-iters", "6"], capsys, monkeypatch
+    )
+    assert rc == 0, err
+    assert "loaded " + str(s / "non_persistent" / "iter_0000006") in out
+    # resumed from 6 (auto-resume), which the save of 9 deletes; a NaN at 11 goes back to 9
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=11")
+    rc, out, err = _run(
+        [*flags, "--save", str(s), "--train-iters", "12", "--nan-policy", "rollback"], capsys, monkeypatch
+    )
+    assert rc == 0, err
+    assert "rolled back to " + str(s / "non_persistent" / "iter_0000009") + ": iteration 9, sample 36" in out
+
+
+def test_lora_never_records_a_non_persistent_base(tmp_path, capsys, monkeypatch):
+    """A LoRA run from a base whose newest is a non-persistent checkpoint (tied with the persistent one) records
+    the persistent one of that iteration, so it resumes after its run deleted the non-persistent one; without a
+    persistent one it saves whole checkpoints, and QLoRA (adapters only) is refused in one line."""
+    import json
+
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    flags = ["--mock-data", "--vocab-size", "100", "--non-persistent-ckpt-type", "global"]
+    pre = [*flags, "--save", str(base), "--save-interval", "4", "--non-persistent-save-interval", "3"]
+    rc, out, err = _run([*pre, "--train-iters", "6"], capsys, monkeypatch)  # non-persistent 6; persistent 4 and 6
+    assert rc == 0, err
+    tune = [*flags, "--load", str(base), "--finetune", "--lora-rank", "4"]
+    rc, out, err = _run([*tune, "--save", str(lora), "--train-iters", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "loaded " + str(base / "non_persistent" / "iter_0000006") in out
+    meta = json.loads((lora / "iter_0000002" / "metadata.json").read_text())
+    assert meta["config"]["lora"]["base"] == str(base / "iter_0000006")
+    shutil.rmtree(base / "non_persistent" / "iter_0000006")  # (the pretraining run's next save deletes it)
+    rc, out, err = _run([*tune, "--save", str(lora), "--train-iters", "3"], capsys, monkeypatch)  # (auto-resume)
+    assert rc == 0, err
+    assert "loaded the LoRA base " + str(base / "iter_0000006") in out
+    # only the non-persistent one of 6 (a fresh one; the persistent one set aside)
+    rc, out, err = _run([*pre, "--train-iters", "6", "--no-auto-resume"], capsys, monkeypatch)
+    assert rc == 0, err
+    os.rename(base / "iter_0000006", tmp_path / "aside")
+    (base / "latest_checkpointed_iteration.txt").write_text("4")
+    rc, out, err = _run([*tune, "--save", str(tmp_path / "whole"), "--train-iters", "1"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "is a non-persistent checkpoint, which a later save of its run deletes" in out
+    assert (
+        json.loads((tmp_path / "whole" / "iter_0000001" / "metadata.json").read_text())["config"]["lora"]["base"]
+        is None
+    )
+    rc, _, err = _run([*tune, "--qlora", "--save", str(tmp_path / "q")], capsys, monkeypatch)
+    _one_line_error(rc, err, "--qlora: the base checkpoint", "holds no persistent checkpoint of iteration 6")
 
 
 @pytest.mark.parametrize(

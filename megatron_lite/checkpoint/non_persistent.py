@@ -26,6 +26,7 @@ import shutil
 from megatron_lite.checkpoint import checkpointing as ckpt
 from megatron_lite.checkpoint.format import (
     TRACKER,
+    _sweep_leftovers,
     atomic_write_json,
     atomic_write_text,
     complete_iterations,
@@ -33,7 +34,7 @@ from megatron_lite.checkpoint.format import (
     iteration_dir,
     replace_dir,
 )
-from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata
+from megatron_lite.checkpoint.lookup import _whole, find_checkpoint, read_metadata
 from megatron_lite.config import ConfigError
 
 SUBDIR = "non_persistent"  # Megatron's _NON_PERSISTENT_CKPT_SUBDIR
@@ -113,35 +114,88 @@ def save_due(ck, iteration: int) -> bool:
     return bool(ck.save and ck.non_persistent_ckpt_type and every and iteration % every == 0 and not persistent)
 
 
-def _layout(parallel: dict, world_size: int) -> dict:
+def _layout(config: dict, world_size: int) -> dict:
+    """What decides a rank's share of a local checkpoint, from a job's config (as a checkpoint records it)."""
+    parallel = config.get("parallel", {})
     out = {k: parallel.get(k) for k in LAYOUT}
     if out["expert_tensor_parallel_size"] is None:  # (its default: TP)
         out["expert_tensor_parallel_size"] = out["tensor_model_parallel_size"]
-    return {"world_size": world_size, **{k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}}
+    out = {"world_size": world_size, **{k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}}
+    return {**out, **_optimizer_share(config.get("optimizer", {}), config.get("training", {}))}
 
 
-def newest(ck, root: str | None, parallel, world_size: int, rank: int, say) -> str | None:
-    """The newest non-persistent checkpoint this rank could start from (a job loading `root`), or None."""
+def _optimizer_share(optim: dict, training: dict) -> dict:
+    """What decides which part of the optimizer state (and, under FSDP2, of the weights) a rank holds under a
+    sharded optimizer (commit 46d9e64: each rank writes only its own): the distributed optimizer's part of every
+    gradient bucket (the buckets' bounds: --ddp-bucket-size where buckets are cut, with --overlap-grad-reduce or
+    ZeRO-2; else one per buffer: distributed/ddp.py), FSDP2's shard of every parameter, dist_muon's parameters
+    (a split by bytes of state, which the weights' dtype changes). The data-parallel size is the world size's."""
+    out = {"use_distributed_optimizer": bool(optim.get("use_distributed_optimizer")),
+           "use_torch_fsdp2": bool(optim.get("use_torch_fsdp2")),
+           "optimizer": "dist_muon" if optim.get("optimizer") == "dist_muon" else "not dist_muon",
+           "ddp_bucket_size": None, "params_dtype": None}  # fmt: skip
+    if out["use_distributed_optimizer"]:
+        bucketed = training.get("overlap_grad_reduce") or (optim.get("zero_stage") or 1) >= 2
+        size = training.get("ddp_bucket_size")
+        out["ddp_bucket_size"] = (size or "the default") if bucketed else "one bucket (no --overlap-grad-reduce)"
+    if out["optimizer"] == "dist_muon":
+        out["params_dtype"] = "bf16" if optim.get("bf16") else "fp16" if optim.get("fp16") else "fp32"
+    return out
+
+
+def _layout_diff(meta: dict, job) -> str:
+    """How the layout `meta`'s checkpoint was saved under differs from this job's ('' when it is the same)."""
+    saved = _layout(meta["config"], meta["layout"].get("world_size"))
+    now = _layout(dataclasses.asdict(job), int(os.environ.get("WORLD_SIZE", "1")))
+    moot = ("ddp_bucket_size", "params_dtype")  # (None: no part of what decides the shares, as without a sharding)
+    differ = [k for k in now if saved.get(k) != now[k] and not (k in moot and None in (saved.get(k), now[k]))]
+    return ", ".join(f"{k} {saved.get(k)} then, {now[k]} now" for k in differ)
+
+
+def local_iterations(ck, job, rank: int, say) -> list[int]:
+    """This rank's complete local checkpoints saved under this job's layout (oldest first). Those of another
+    layout are passed over with a note naming the difference (the newest only)."""
+    root = local_dir(ck, rank)
+    # (its complete ones, as nvidia-resiliency-ext scans them; the tracker is not read: one naming an iteration
+    # the others never published, or one rank's unreadable file, stops no rank alone before the others connect)
+    found, other = [], None
+    for it in reversed(complete_iterations(root) if os.path.isdir(root) else []):
+        diff = _layout_diff(read_metadata(_whole(iteration_dir(root, it))), job)
+        if not diff:
+            found.append(it)
+        elif other is None:
+            other = (it, diff)
+    if other and not found:
+        say(
+            f"the local non-persistent checkpoint {iteration_dir(root, other[0])} (iteration {other[0]}) was saved "
+            f"under another layout ({other[1]}): local checkpoints load only under theirs; starting from the "
+            "persistent checkpoint"
+        )
+    return sorted(found)
+
+
+def newest(job, root: str | None, rank: int, say) -> str | None:
+    """The newest non-persistent checkpoint this rank could start from (a job loading `root`), or None. A local
+    one is this rank's own: agree() settles on one every rank holds once they are connected."""
+    ck = job.checkpoint
     kind = ck.non_persistent_ckpt_type
     if kind == "global":
         where = global_dir(ck, root)
         return find_checkpoint(where, own=True, flag="--non-persistent-global-ckpt-dir") if where else None
     if kind != "local":
         return None
-    path = find_checkpoint(local_dir(ck, rank), own=True, flag="--non-persistent-local-ckpt-dir")
-    if path is None:
-        return None
-    meta = read_metadata(path)
-    saved = _layout(meta["config"].get("parallel", {}), meta["layout"].get("world_size"))
-    now = _layout(dataclasses.asdict(parallel), world_size)
-    if saved != now:
-        diff = ", ".join(f"{k} {saved[k]} then, {now[k]} now" for k in saved if saved[k] != now[k])
-        say(
-            f"the local non-persistent checkpoint {path} (iteration {meta['iteration']}) was saved under another "
-            f"layout ({diff}): local checkpoints load only under theirs; starting from the persistent checkpoint"
-        )
-        return None
-    return path
+    mine = local_iterations(ck, job, rank, say)
+    return _whole(iteration_dir(local_dir(ck, rank), mine[-1])) if mine else None
+
+
+def is_non_persistent(ck, path: str | None) -> bool:
+    """Whether `path` is a non-persistent checkpoint of this job's (a later save of the run deletes it)."""
+    if not path or not ck.non_persistent_ckpt_type:
+        return False
+    parent = os.path.realpath(os.path.dirname(path))
+    global_roots = {os.path.realpath(r) for r in (global_dir(ck, ck.load), global_dir(ck, ck.save)) if r}
+    local = ck.non_persistent_local_ckpt_dir
+    return parent in global_roots or bool(local and os.path.dirname(parent) == os.path.realpath(local))
 
 
 def pick(persistent: str | None, non_persistent: str | None, say) -> str | None:
@@ -163,24 +217,31 @@ def agreed_name(ck, path: str | None, rank: int) -> str | None:
     return path
 
 
-def agree(ck, ckpt_path: str | None, rank: int, say) -> str | None:
-    """Once the ranks are connected: when they found different local checkpoints (a node's disk replaced, a rank
-    killed before it published its own), every rank starts from the persistent checkpoint, as Megatron's
-    find_latest finds no local checkpoint every rank holds."""
+def agree(job, ckpt_path: str | None, rank: int, say) -> str | None:
+    """Once the ranks are connected, the local checkpoint every rank holds, as Megatron's find_latest: the newest
+    iteration each rank has complete (a rank killed before publishing N still holds N - interval, as does every
+    other: that one), then the newer of it and the persistent checkpoint; that one alone when they have none in
+    common (a node's disk replaced). Said once, here: what each rank found alone was only its own."""
+    ck = job.checkpoint
+    if ck.non_persistent_ckpt_type != "local" or ck.ckpt_step is not None:
+        return ckpt_path
     import torch.distributed as dist
 
-    if ck.non_persistent_ckpt_type != "local" or not dist.is_initialized() or dist.get_world_size() == 1:
-        return ckpt_path
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, agreed_name(ck, ckpt_path, rank))
-    if len(set(found)) == 1:
-        return ckpt_path
+    mine = local_iterations(ck, job, rank, lambda *_: None)  # (the notes were said at start-up)
+    found = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+    common = set.intersection(*(set(f) for f in found))
     persistent = find_checkpoint(ck.load, own=True) if ck.load else None
-    names = ", ".join(sorted({str(f) for f in found}))
-    say(
-        f"the ranks found different local non-persistent checkpoints ({names}): starting from the persistent "
-        f"checkpoint {persistent or '(none: from scratch)'}"
-    )
+    if common:
+        return pick(persistent, _whole(iteration_dir(local_dir(ck, rank), max(common))), say)
+    if any(found):
+        have = "; ".join(f"rank {r}: {f or 'none'}" for r, f in enumerate(found))
+        say(
+            f"the ranks hold no local non-persistent checkpoint of the same iteration ({have}): starting from the "
+            f"persistent checkpoint {persistent or '(none: from scratch)'}"
+        )
     return persistent
 
 
@@ -228,8 +289,10 @@ class LocalSaver(ckpt.AsyncSaver):
         return final
 
     def _published(self, final: str) -> None:
-        """Every rank has published: the older ones go (nvidia-resiliency-ext's cleanup after find_latest)."""
+        """Every rank has published: the older ones go (nvidia-resiliency-ext's cleanup after find_latest), and
+        what saves killed part-way left (a rank's iter_N.tmp, GBs on a real run, found by no later save)."""
         done = int(os.path.basename(final).removeprefix("iter_"))
+        _sweep_leftovers(self.root, done)
         for old in complete_iterations(self.root):
             if old != done:
                 shutil.rmtree(iteration_dir(self.root, old), ignore_errors=True)
@@ -241,6 +304,7 @@ class Saver:
 
     def __init__(self, ck, ctx) -> None:
         self.ck, self.ctx = ck, ctx
+        self.saved: set[int] = set()  # the iterations this job saved (a rollback may go back to those)
         if ck.non_persistent_ckpt_type == "local":
             self.root = local_dir(ck, ctx.rank)
             self.saver = LocalSaver(self.root, ctx)
@@ -249,6 +313,7 @@ class Saver:
             self.saver = ckpt.AsyncSaver(self.root, ctx, keep_last=1) if ck.async_save else None
 
     def save(self, state, model, optimizer, scheduler, job_dict: dict, log, **parts) -> None:
+        self.saved.add(state.iteration)
         if self.saver is None:  # global, synchronous
             path = ckpt.save_checkpoint(
                 self.root, state, model, optimizer, scheduler, self.ctx, job_dict, keep_last=1, **parts
@@ -261,6 +326,19 @@ class Saver:
             log.info(f"iteration {state.iteration}: async non-persistent save started")
         elif path := self.saver.finish():
             log.info(f"saved {path} (non-persistent)")
+
+    def covers_exit(self, iteration: int) -> bool:
+        """Megatron's checkpoint_and_decide_exit makes no exit save (--exit-interval, --exit-duration-in-mins)
+        right after a non-persistent save of that iteration: a restart loads that one. So for global ones (the
+        shared file system); a local one lies on the node's own disk, where a requeued job may not land: saved
+        persistently too (docs/fault_tolerance.md)."""
+        return self.ck.non_persistent_ckpt_type == "global" and iteration in self.saved
+
+    def newest_saved(self, upto: int) -> tuple[int, str] | None:
+        """(iteration, path) of the newest of this job's non-persistent saves still on disk at or below `upto`
+        (each save deletes the one before it)."""
+        have = [i for i in complete_iterations(self.root) if i <= upto and i in self.saved]
+        return (have[-1], _whole(iteration_dir(self.root, have[-1]))) if have else None
 
     def poll(self, log, wait: bool = False) -> None:
         from megatron_lite.training.saving import saving

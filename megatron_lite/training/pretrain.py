@@ -28,7 +28,7 @@ from megatron_lite.checkpoint.checkpointing import (
     save_checkpoint,
     saved_under_this_layout,
 )
-from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.config import ConfigError
 from megatron_lite.data.builder import build_datasets, check_data, resolve_data
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
@@ -53,9 +53,9 @@ from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
 from megatron_lite.training.resume import (
     check_qlora_base,
-    lora_base,
     mark_halted,
     rollback,
+    start_from,
     start_load,
     starting_checkpoint,
 )
@@ -72,17 +72,6 @@ def backend_timeout(backend: str | None, timeout_s: float, recorder_on: bool) ->
     queued, so the recorder cannot see a hang there: NCCL's watchdog keeps the timeout asked for."""
     nccl = (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "nccl"
     return 2 * timeout_s + 60 if recorder_on and not nccl else timeout_s
-
-
-def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> None:
-    """The flags were already reconciled with the checkpoint (arguments.parse_args); what can still differ
-    is what the data source decides, the vocabulary (a tokenizer with more ids than the checkpoint's
-    embedding is an error; fewer is fine)."""
-    if saved["model"]["vocab_size"] != current.vocab_size:
-        raise ConfigError(
-            f"the tokenizer/--vocab-size gives a vocabulary of {current.vocab_size} but the checkpoint in {path} "
-            f"has {saved['model']['vocab_size']}; use the tokenizer the checkpoint was trained with"
-        )
 
 
 def _new_window() -> dict:
@@ -126,17 +115,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
 
     source = resolve_data(job.data, log=data_log)
     check_data(source, job.data, data_log)
-    model_cfg = dataclasses.replace(job.model, vocab_size=source.vocab_size)
-    if ckpt_path is not None:
-        saved = read_metadata(ckpt_path)["config"]
-        saved_vocab = saved["model"]["vocab_size"]
-        if source.vocab_size < saved_vocab:  # e.g. Qwen2: the embedding has rows the tokenizer never emits
-            say(f"the data's vocabulary ({source.vocab_size}) is smaller than the checkpoint's: using {saved_vocab}")
-            model_cfg = dataclasses.replace(model_cfg, vocab_size=saved_vocab)
-        _check_against_checkpoint(saved, model_cfg, ckpt_path)
-    job = dataclasses.replace(job, model=model_cfg)
-    validate_layout(job.model, job.parallel, world_size, job.training)
-    job, base_path = lora_base(job, ckpt_path, saved if ckpt_path is not None else {}, say)
+    job, base_path = start_from(job, ckpt_path, source.vocab_size, world_size, say)  # (vocabulary, LoRA base)
 
     timeout_s = job.distributed_timeout_minutes * 60
     recorder_on = job.resilience.flight_recorder and world_size > 1
@@ -152,8 +131,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
     recorder = FlightRecorder(timeout_s).install() if recorder_on else None
     if recorder is not None:  # (until the training loop names its iteration)
         recorder.where = "start-up"
-    ckpt_path = non_persistent.agree(job.checkpoint, ckpt_path, ctx.rank, say)  # (each rank found its own local one)
     try:
+        if (agreed := non_persistent.agree(job, ckpt_path, ctx.rank, say)) != ckpt_path:  # (local ones: each its own)
+            ckpt_path, upcycling = agreed, check_upcycling(job, agreed)  # (what was read from the other, again)
+            job, base_path = start_from(job, ckpt_path, source.vocab_size, world_size, say)
         # with the flags, what each rank found on its own file system: a node whose copy of --load lagged (another
         # newest checkpoint) or of the data differed trained apart from the others without a word, then hung
         check_config_agreement({**job.to_dict(), "found": _found(ckpt_path, source, job, rank)}, ctx.device)
@@ -399,7 +380,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 raise
             if action == ROLLBACK:
                 finish_async_save(saver, log)  # it may be the checkpoint to go back to
-                state = rollback(job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved)
+                state = rollback(
+                    job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved, np_saver
+                )
                 batch_was = train_batches.gbs(state.consumed_samples)  # (the batch it went back to: no growth)
                 guard.after_rollback()
                 continue
@@ -502,7 +485,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if recorder is not None:  # (what a rank that holds up the final barrier is said to be doing)
             recorder.where = "finishing (the final save and evaluation, then closing the logs)"
         # As Megatron's pretrain(): the final save, then the validation set and the test set
-        if ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
+        if exiting and np_saver is not None and np_saver.covers_exit(state.iteration):
+            log.info(f"iteration {state.iteration} was just saved non-persistently: no exit save (as Megatron)")
+        elif ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             save()
         finish_async_save(saver, log)
         if np_saver is not None:

@@ -13,9 +13,11 @@ from megatron_lite.checkpoint.checkpointing import (
     load_checkpoint,
     same_directory,
 )
-from megatron_lite.checkpoint.format import complete_iterations
+from megatron_lite.checkpoint.format import complete_iterations, iteration_dir
+from megatron_lite.checkpoint.lookup import read_metadata
 from megatron_lite.checkpoint.lora_base import checkpoint_fingerprint, lora_base_checkpoint
-from megatron_lite.config import ConfigError
+from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.layout_validation import validate_layout
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.resilience.supervisor import TrainingHalted
 from megatron_lite.training.configs import JobConfig
@@ -66,9 +68,14 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
             say("--no-save-optim: resuming from the weights with fresh optimizer state and LR schedule")
     if job.checkpoint.load:
         own = same_directory(job.checkpoint.load, ck.save)  # (Megatron's --load X --save X: logs may lie in X)
-        ckpt_path = find_checkpoint(job.checkpoint.load, job.checkpoint.ckpt_step, own=own)
-        if job.checkpoint.ckpt_step is None:  # (--ckpt-step names a persistent checkpoint)
-            ckpt_path = non_persistent.pick(ckpt_path, _non_persistent(job, job.checkpoint.load, say), say)
+        step = job.checkpoint.ckpt_step  # (it names a persistent checkpoint)
+        # the non-persistent one first: a --load holding it beside other files (a log) and no tracker is not
+        # refused, as Megatron reads a missing tracker as iteration -1 and loads the non-persistent one
+        latest = _non_persistent(job, job.checkpoint.load, say) if step is None else None
+        ckpt_path = find_checkpoint(job.checkpoint.load, step, own=own or latest is not None)
+        if step is None:  # (a local one is this rank's own: non_persistent.agree says which all ranks load)
+            local = ck.non_persistent_ckpt_type == "local"
+            ckpt_path = non_persistent.pick(ckpt_path, latest, (lambda *_: None) if local else say)
         if ckpt_path is None:
             if job.checkpoint.exit_on_missing_checkpoint:
                 raise ConfigError(
@@ -102,8 +109,35 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
 
 def _non_persistent(job: JobConfig, root: str | None, say) -> str | None:
     """The newest non-persistent checkpoint of a job loading `root` (this rank's own, for local ones)."""
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    return non_persistent.newest(job.checkpoint, root, job.parallel, world_size, rank, say)
+    return non_persistent.newest(job, root, int(os.environ.get("RANK", "0")), say)
+
+
+def start_from(job: JobConfig, ckpt_path: str | None, vocab_size: int, world_size: int, say) -> tuple:
+    """(the job, its model's vocabulary and LoRA base settled against the checkpoint it starts from; the LoRA
+    base to load first, or None): the data's vocabulary (`vocab_size`) checked against the checkpoint's. Run
+    again when the ranks settle on another checkpoint than the one each found alone (non_persistent.agree)."""
+    model_cfg = dataclasses.replace(job.model, vocab_size=vocab_size)
+    saved = read_metadata(ckpt_path)["config"] if ckpt_path is not None else {}
+    if ckpt_path is not None:
+        saved_vocab = saved["model"]["vocab_size"]
+        if vocab_size < saved_vocab:  # e.g. Qwen2: the embedding has rows the tokenizer never emits
+            say(f"the data's vocabulary ({vocab_size}) is smaller than the checkpoint's: using {saved_vocab}")
+            model_cfg = dataclasses.replace(model_cfg, vocab_size=saved_vocab)
+        _check_against_checkpoint(saved, model_cfg, ckpt_path)
+    job = dataclasses.replace(job, model=model_cfg)
+    validate_layout(job.model, job.parallel, world_size, job.training)
+    return lora_base(job, ckpt_path, saved, say)
+
+
+def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> None:
+    """The flags were already reconciled with the checkpoint (arguments.parse_args); what can still differ
+    is what the data source decides, the vocabulary (a tokenizer with more ids than the checkpoint's
+    embedding is an error; fewer is fine)."""
+    if saved["model"]["vocab_size"] != current.vocab_size:
+        raise ConfigError(
+            f"the tokenizer/--vocab-size gives a vocabulary of {current.vocab_size} but the checkpoint in {path} "
+            f"has {saved['model']['vocab_size']}; use the tokenizer the checkpoint was trained with"
+        )
 
 
 def check_qlora_base(job: JobConfig, ckpt_path: str | None) -> None:
@@ -137,12 +171,19 @@ def lora_base(job: JobConfig, ckpt_path: str | None, saved: dict, say) -> tuple[
     else:  # the base iteration loaded (with --ckpt-step, or newer ones saved there later: not the newest)
         whole = ckpt_path is not None and not ckpt_path.endswith(".old")
         base_dir = ckpt_path if whole else job.checkpoint.load
+        if non_persistent.is_non_persistent(job.checkpoint, ckpt_path):  # (a later save of its run deletes it)
+            base_dir = _persistent_twin(job, ckpt_path)
         if job.lora.qlora:
             check_qlora_base(job, ckpt_path)
             if ckpt_path is None:
                 say("--qlora with no base checkpoint loaded: the adapters train on a randomly initialised base")
         elif ckpt_path is None:
             base_dir = None  # a random base is saved with its adapters
+        elif base_dir is None:  # (as a base inside --save: its run may delete it)
+            say(
+                f"LoRA: the base {ckpt_path} is a non-persistent checkpoint, which a later save of its run deletes: "
+                "this run's checkpoints hold the whole model (a persistent base, --ckpt-step N, gives adapters only)"
+            )
         elif _inside(base_dir, job.checkpoint.save):
             say(
                 f"LoRA: the base {ckpt_path} lies in --save {job.checkpoint.save}, whose checkpoints this run adds "
@@ -154,6 +195,23 @@ def lora_base(job: JobConfig, ckpt_path: str | None, saved: dict, say) -> tuple[
         fingerprint = checkpoint_fingerprint(found)  # (what the adapters are trained on, checked where they load)
     lora = dataclasses.replace(job.lora, base=base_dir, base_fingerprint=fingerprint if base_dir else None)
     return dataclasses.replace(job, lora=lora), base_path
+
+
+def _persistent_twin(job: JobConfig, ckpt_path: str) -> str | None:
+    """The persistent checkpoint of the same iteration as the non-persistent `ckpt_path` in --load (the same
+    weights, kept), recorded as a LoRA base in its place; None when there is none. QLoRA, whose checkpoints
+    cannot hold the whole model, is refused then."""
+    load, iteration = job.checkpoint.load, read_metadata(ckpt_path)["iteration"]
+    twin = iteration_dir(load, iteration) if load else None
+    if twin and os.path.isfile(os.path.join(twin, "metadata.json")):
+        return twin
+    if job.lora.qlora:
+        raise ConfigError(
+            f"--qlora: the base checkpoint {ckpt_path} is a non-persistent one (a later save of its run deletes "
+            f"it) and --load {load} holds no persistent checkpoint of iteration {iteration}; QLoRA's checkpoints "
+            "name their base and cannot hold the whole model: load a persistent one (--ckpt-step N)"
+        )
+    return None
 
 
 def _inside(path: str, root: str | None) -> bool:
@@ -186,15 +244,28 @@ def rollback(
     start: str | None,
     base_path: str | None,
     saved: set[int],
+    np_saver=None,
 ) -> TrainState:
     """Every rank reloads the newest complete checkpoint of this job's (`saved`) not past this iteration (the
     Supervisor has noted the batch to skip); before its first, the checkpoint it started from (`start`), read as
     it was then. A job started from an older checkpoint (--ckpt-step, --finetune) may share its directory with
-    the newer ones of the run it went back from: never those."""
+    the newer ones of the run it went back from: never those. This job's own non-persistent saves (`np_saver`)
+    count too: the newest still on disk (a later one deletes it), the start only while it exists (a
+    non-persistent one a later save deleted)."""
     ck = job.checkpoint
     root = ck.save or ck.load
-    done = [i for i in complete_iterations(root) if i <= state.iteration and i in saved]
-    path = find_checkpoint(root, max(done)) if done else start
+    done = [(i, 1, find_checkpoint(root, i)) for i in complete_iterations(root) if i <= state.iteration and i in saved]
+    if np_saver is not None:
+        np_saver.poll(log, wait=True)  # (one in flight may be the one to go back to)
+        if (mine := np_saver.newest_saved(state.iteration)) is not None:
+            done.append((mine[0], 0, mine[1]))  # (a persistent one of the same iteration first)
+    path = max(done)[2] if done else start
+    if path is not None and not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise TrainingHalted(
+            f"iteration {state.iteration + 1}: a rollback was asked for but the checkpoint this run started from, "
+            f"{path}, is gone (a later non-persistent save deleted it) and the run saved none since; save more "
+            "often (--save-interval) or use --nan-policy skip"
+        )
     if path is None:
         raise TrainingHalted(
             f"iteration {state.iteration + 1}: a rollback was asked for but {root} holds no checkpoint yet; "
