@@ -10,8 +10,9 @@ They are checkpoints of ours (safetensors + JSON, checksums, atomic publish) in 
   pieces its data-parallel replicas share the writing of otherwise, the tensors its tensor-parallel peers hold
   alike), so a restart reads its own directory only: Megatron's 'atomic' algorithm. Its 'fully_parallel' (the
   replicas' pieces written once, exchanged at load) is accepted and stored the same way. They are only valid for
-  the layout that wrote them: under another, the run starts from the persistent checkpoint, saying so, as
-  Megatron's find_latest finds no local checkpoint every rank holds.
+  the layout that wrote them (LAYOUT, and a sharded optimizer's parts: _optimizer_share): under another, the run
+  starts from the persistent checkpoint, saying so, as Megatron's find_latest finds no local checkpoint every
+  rank holds. The ranks take the newest iteration all of them hold (agree).
 
 At start-up the newer of the persistent checkpoint and the non-persistent one is loaded (the non-persistent one
 at the same iteration, as Megatron's `non_persistent_iteration >= iteration`).
