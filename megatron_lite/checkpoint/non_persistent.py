@@ -238,12 +238,19 @@ def agree(job, ckpt_path: str | None, rank: int, say) -> str | None:
     if common:
         return pick(persistent, _whole(iteration_dir(local_dir(ck, rank), max(common))), say)
     if any(found):
-        have = "; ".join(f"rank {r}: {f or 'none'}" for r, f in enumerate(found))
+        groups: dict[tuple, list[int]] = {}  # (the ranks alike, once: thousands of ranks hold the same)
+        for r, f in enumerate(found):
+            groups.setdefault(tuple(f), []).append(r)
+        have = "; ".join(f"{_ranks(rs)}: {list(f) or 'none'}" for f, rs in groups.items())
         say(
             f"the ranks hold no local non-persistent checkpoint of the same iteration ({have}): starting from the "
             f"persistent checkpoint {persistent or '(none: from scratch)'}"
         )
     return persistent
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks ({ranks[0]}, {ranks[1]}, ...)"
 
 
 class _OwnShare:
