@@ -183,6 +183,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         attn_temperature_floor_scale=ns.attn_temperature_floor_scale,
         attn_temperature_scale=ns.attn_temperature_scale,
         attention_output_gate=ns.attention_output_gate,
+        **flag_values.qk_clip(ns),
         add_bias_linear=not ns.disable_bias_linear,
         add_qkv_bias=ns.add_qkv_bias,
         qk_layernorm=ns.qk_layernorm,

@@ -144,6 +144,13 @@ class ModelConfig:
     # Megatron's --attention-output-gate (Qwen3-Next): linear_qkv also makes a gate per query head and dim (rows
     # after each group's query heads); the attention output is multiplied by sigmoid(gate) before linear_proj
     attention_output_gate: bool = False
+    # Megatron's QK-clip (MuonClip; models/qk_clip.py): after each optimizer step, each query group whose largest
+    # attention logit of the step exceeds qk_clip_threshold has its query and key rows scaled down to it;
+    # log_max_attention_logit (implied by qk_clip) records and logs that max logit without clipping
+    qk_clip: bool = False
+    qk_clip_alpha: float = 0.5
+    qk_clip_threshold: float = 100.0
+    log_max_attention_logit: bool = False
     # Multi-latent attention (DeepSeek-V2/V3; Megatron's --multi-latent-attention and flags of the same names): the
     # queries come through a q_lora_rank latent (or one projection when None), keys and values from one
     # kv_lora_rank latent per token. Each query/key head is qk_head_dim dims without position and

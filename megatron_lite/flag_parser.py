@@ -343,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel matrices: each shard alone, the gathered matrix, or Newton-Schulz over TP",
     )
     o.add_argument("--muon-extra-scale-factor", type=float, default=1.0, help="times Muon's update")
+    _bool(o, "--qk-clip", "MuonClip: after each step, scale down the query and key rows of query groups whose max "
+          "attention logit exceeded --qk-clip-threshold (logs max_attention_logit)")  # fmt: skip
+    o.add_argument("--qk-clip-alpha", type=float, default=0.5, help="query rows take eta^alpha, key rows the rest")
+    o.add_argument("--qk-clip-threshold", type=float, default=100.0, help="the largest attention logit kept")
+    _bool(o, "--log-max-attention-logit", "log the step's largest attention logit (max_attention_logit)")
     o.add_argument("--lr", type=float, default=1e-4)
     o.add_argument("--min-lr", type=float, default=0.0)
     o.add_argument("--lr-decay-style", default="linear", choices=list(DECAY_STYLES))

@@ -278,3 +278,9 @@ def whole(flag: str, value: float) -> int:
     if value != int(value):
         raise ConfigError(f"{flag} {value:g} must be a whole number of iterations")
     return int(value)
+
+
+def qk_clip(ns: argparse.Namespace) -> dict:
+    """ModelConfig's QK-clip fields (models/qk_clip.py), named as Megatron's flags."""
+    return {name: getattr(ns, name) for name in ("qk_clip", "qk_clip_alpha", "qk_clip_threshold",
+                                                 "log_max_attention_logit")}  # fmt: skip

@@ -196,7 +196,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {
     ),
     "record_memory_history": (False, "CUDA memory history is not recorded (--log-memory-breakdown counts it by kind)"),
     "memory_snapshot_path": (True, "CUDA memory history is not recorded, so no snapshot is written"),
-    "log_max_attention_logit": (False, "the largest attention logit is not computed (there is no QK-clip)"),
     "apply_query_key_layer_scaling": (
         False,
         "the softmax runs in fp32, so scores are not scaled by the layer number (the scaling cancels in the softmax)",

@@ -273,6 +273,13 @@ class FSDP2Optimizer(OptimizerBase):
         self.steps_taken += 1
         return StepResult(True, norm, 1.0)
 
+    @torch.no_grad()
+    def scale_rows(self, p: nn.Parameter, row_scale: torch.Tensor) -> None:
+        """This rank's dim-0 rows of the sharded parameter (which is the main weight)."""
+        local = _local(p)
+        start = flat_range(p)[0] // max(1, p.numel() // max(1, p.shape[0]))
+        local.mul_(row_scale[start : start + local.shape[0]].float().view(-1, *[1] * (p.dim() - 1)))
+
     # Checkpoint interface: each rank its own rows (the sharded weights are the main weights) -----------------
     sharded = True
 

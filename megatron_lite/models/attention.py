@@ -22,6 +22,7 @@ from megatron_lite.models.attention_variants import (
     temperature_scaled,
 )
 from megatron_lite.models.norms import build_norm
+from megatron_lite.models.qk_clip import group_eta, max_attention_logits, qkv_row_scale, records_max_logit
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -99,6 +100,10 @@ class CoreAttention(nn.Module):
         # Context parallelism: this rank holds a (zigzag) part of the sequence; attention over the whole of
         # it is a parallel layer that communicates over the CP group.
         self.cp = ctx.cp if ctx.cp.size > 1 else None
+        # QK-clip / --log-max-attention-logit: the largest logit per local head over the step's training forwards
+        # (models/qk_clip.py), taken and reset by the training step
+        self.records_max_logit = records_max_logit(config)
+        self.max_logits: torch.Tensor | None = None
         self.cp_attention = CP_ATTENTION[ctx.parallel.cp_comm_type]
         if ctx.parallel.cp_comm_type == "a2a+p2p":  # its two levels of groups
             self.cp_attention = functools.partial(self.cp_attention, inner=ctx.cp_inner, outer=ctx.cp_outer)
@@ -120,6 +125,8 @@ class CoreAttention(nn.Module):
             extra |= {"offset": self.softmax_offset} if self.softmax_offset is not None else {}
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
             return out.reshape(b, s, -1)
+        if self.records_max_logit and self.training:  # (not under CP: refused at start-up)
+            self._record_max_logits(q, k, documents)
         if self.window is not None and documents is None and sk > s + self.window - 1:
             # decoding past the window: the keys no query of this step sees are not read (nor expanded, nor masked)
             k, v = k[:, sk - (s + self.window - 1) :], v[:, sk - (s + self.window - 1) :]
@@ -153,6 +160,16 @@ class CoreAttention(nn.Module):
                 scale=self.scale,
             )
         return out.transpose(1, 2)[..., :dv].reshape(b, s, -1)
+
+    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None) -> None:
+        """Max-accumulate this forward's largest logit per head (recomputed beside the attention; models/qk_clip.py)."""
+        found = max_attention_logits(q, k, self.scale, self._mask(q.shape[1], k.shape[1], documents, q.device))
+        self.max_logits = found if self.max_logits is None else torch.maximum(self.max_logits, found)
+
+    def take_max_logits(self) -> torch.Tensor | None:
+        """The step's largest logit per local head (None: no training forward ran), reset for the next step."""
+        found, self.max_logits = self.max_logits, None
+        return found
 
     def _chunked(self, k: torch.Tensor, v: torch.Tensor, s: int, documents: torch.Tensor | None):
         """Llama 4's chunks as documents (models/attention_variants.py's chunked_documents): the keys and values
@@ -265,6 +282,13 @@ class SelfAttention(nn.Module):
         self.recompute_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
+
+    def qk_clip_row_scale(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
+        """QK-clip's factor per row of this rank's linear_qkv weight, from the step's max logit per local head
+        (already the maximum over data-parallel replicas): Megatron-Core's Attention.clip_qk, per query group."""
+        eta = group_eta(max_logits, self.local_groups, threshold)
+        gates = self.heads_per_group if self.gated else 0
+        return qkv_row_scale(eta, self.heads_per_group, gates, self.head_dim, alpha)
 
     def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first cos.shape[-1] dims of each head (all of them unless --rotary-percent < 1).

@@ -75,6 +75,9 @@ def validate_model(c: ModelConfig) -> None:
 
     validate_moe(c)
     validate_mla_config(c)
+    from megatron_lite.models.qk_clip import validate_qk_clip
+
+    validate_qk_clip(c)
     from megatron_lite.models.hybrid_pattern import validate_hybrid
 
     validate_hybrid(c)

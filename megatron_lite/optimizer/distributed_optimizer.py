@@ -118,6 +118,19 @@ class DistributedOptimizer(OptimizerBase):
             if own:
                 hook(m, own)
 
+    @torch.no_grad()
+    def scale_rows(self, p: nn.Parameter, row_scale: torch.Tensor) -> None:
+        """The model's rows, and the rows this rank's parts of `p` cover (flat index // row width)."""
+        self.finish_param_sync()  # (an in-flight gather of the unscaled weights would land after this)
+        width = p.numel() // max(1, p.shape[0])
+        for s in self.shards:
+            if s.p is p:
+                rows = torch.arange(s.lo, s.hi, device=s.main.device) // width
+                s.main.mul_(row_scale.to(s.main)[rows])
+        # (a low-precision model weight is scaled in fp32 and rounded once; the next step's gather replaces it by
+        # the cast main weights)
+        p.copy_(p.float() * row_scale.float().view(-1, *[1] * (p.dim() - 1)))
+
     def _counted_sum(self, tensor_of, fn) -> float:
         """fn over each shard's tensor, summed over the groups it is sharded and split over."""
         total = 0.0

@@ -360,6 +360,12 @@ class OptimizerBase:
                 torch._foreach_mul_(grads, coeff)
         return norm, None
 
+    def scale_rows(self, p: nn.Parameter, row_scale: torch.Tensor) -> None:
+        """Multiply each dim-0 row of model parameter `p` (this rank's TP shard, whole) by `row_scale` [rows], in the
+        model and in this optimizer's main copy of it (QK-clip after a step; every data-parallel rank passes the same
+        factors). No collective."""
+        raise NotImplementedError
+
     def reset_state(self) -> None:
         """Main weights from the model; optimizer state and loss scale as a new run's."""
         self.sync_main_from_model()
@@ -447,6 +453,17 @@ class MixedPrecisionOptimizer(OptimizerBase):
         for p, main in zip(self.params, self.main_params):
             if main is not p:
                 main.copy_(p)
+
+    @torch.no_grad()
+    def scale_rows(self, p: nn.Parameter, row_scale: torch.Tensor) -> None:
+        # (a parameter this rank does not step, dist_muon's of another owner, is scaled in the model alone)
+        main = self.main_of.get(id(p))
+        factor = row_scale.float().view(-1, *[1] * (p.dim() - 1))
+        if main is not None and main is not p:
+            main.mul_(factor)
+            p.copy_(main)  # (as a step leaves it: the main weights, cast)
+        else:
+            p.copy_(p.float() * factor)
 
     def _counted_sum(self, tensors: list[torch.Tensor], fn) -> float:
         """fn over tensors aligned with the parameters: dense shards summed over the model-parallel group

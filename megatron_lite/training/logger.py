@@ -67,6 +67,7 @@ MEGATRON_KEYS = {
     "grad_norm": "grad-norm",
     "num_zeros_in_grad": "num-zeros",
     "params_norm": "params-norm",
+    "max_attention_logit": "max_attention_logit",  # (--qk-clip / --log-max-attention-logit)
     "iteration_time": "iteration-time",
     "tflops_per_gpu": "throughput",
     "moe_aux_loss": "load_balancing_loss",

@@ -416,6 +416,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 "consumed_samples": state.consumed_samples,
                 **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
                 **({"num_zeros_in_grad": metrics.num_zeros_in_grad} if metrics.num_zeros_in_grad is not None else {}),
+                **({"max_attention_logit": mal} if (mal := metrics.max_attention_logit) is not None else {}),
             }
             # (a skipped step's own loss too, as Megatron's training_log writes its loss_dict every iteration: an
             # fp16 run's loss-scale warm-up is plotted from iteration 1; only the window's mean leaves it out)

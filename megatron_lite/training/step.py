@@ -22,6 +22,7 @@ from megatron_lite.models.mtp import MultiTokenPredictionBlock, mtp_inputs
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron_lite.optimizer.qk_clip import clip_qk
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.pipeline_parallel.executor import documents, run_pipeline
 from megatron_lite.tensor_parallel.cross_entropy import counted_labels
@@ -51,6 +52,7 @@ class StepMetrics:
     params_norm: float | None = None  # --log-params-norm: after the update
     num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad
     decoupled_lr: float | None = None  # --decoupled-lr: the embeddings' and output layer's rate, as `lr` the step's
+    max_attention_logit: float | None = None  # --qk-clip / --log-max-attention-logit: the step's, over the model
 
     @property
     def comm_exposed_fraction(self) -> float:
@@ -219,6 +221,7 @@ def train_step(
     result = optimizer.step(lr, decoupled_lr, scheduler.weight_decay)
     if result.updated:
         scheduler.step(samples)
+    max_logit = clip_qk(_chunks(model), optimizer, config, ctx)  # (after every step, as Megatron's train_step)
     zeros = optimizer.grad_zeros() if log_num_zeros_in_grad else None  # the reduced gradients, still in buffers
     params_norm = optimizer.params_norm() if log_params_norm else None
     lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens) if num_tokens > 0 else math.nan
@@ -239,6 +242,7 @@ def train_step(
         params_norm=params_norm,
         num_zeros_in_grad=zeros,
         decoupled_lr=decoupled_lr,
+        max_attention_logit=max_logit,
     )
 
 

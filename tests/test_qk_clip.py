@@ -1,0 +1,194 @@
+"""QK-clip (Megatron's --qk-clip, --qk-clip-alpha, --qk-clip-threshold, --log-max-attention-logit; models/qk_clip.py
+and optimizer/qk_clip.py): one step's max logit per head and clipped QKV rows against q and k worked out by hand,
+the layouts (TP, DP, the distributed optimizer, dist_muon, FSDP2) against one process, a threshold above every
+logit changing nothing, and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.data.mock import MockGPTDataset, collate
+from megatron_lite.data.samplers import micro_batch_indices
+from megatron_lite.layout_validation import validate_layout
+from megatron_lite.models.attention import CoreAttention, SelfAttention
+from megatron_lite.models.gpt_model import build_model
+from megatron_lite.models.qk_clip import max_attention_logits
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.lr_scheduler import LRScheduler
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.training.step import train_step
+from megatron_lite.training.wrap import wrap_for_training
+
+from dist_pool import get_context
+from models import llama_config
+
+ITERS, GBS, SEQ = 3, 4, 16
+MUON = OptimizerConfig(
+    optimizer="muon", lr=3e-2, lr_warmup_iters=0, lr_decay_style="constant", weight_decay=0.1, clip_grad=1.0,
+    muon_fp32_matmul_prec="low", muon_use_nesterov=True, muon_tp_mode="duplicated",
+)  # fmt: skip
+# (the tiny model's query groups' max logits are 0.07-0.15 in the first steps: a threshold of 0.085 clips some of
+# them and not others)
+CLIP = dict(qk_clip=True, qk_clip_threshold=0.085, qk_clip_alpha=0.3)
+
+
+def _model(parallel=None, optim=MUON, dtype=torch.float32, **kw):
+    parallel = parallel or ParallelConfig()
+    ctx = get_context(parallel) if torch.distributed.is_initialized() else ParallelContext.virtual(parallel)
+    config = llama_config(**kw)
+    ctx.seed(1234)
+    model = build_model(config, ctx, seed=1234, dtype=dtype)
+    ddp, opt = wrap_for_training(model, ctx, optim)
+    return config, ctx, model, ddp, opt
+
+
+def _batches(config, ctx, it: int, mbs: int):
+    data = MockGPTDataset(config.vocab_size, SEQ, seed=7)
+    idx = micro_batch_indices(it * GBS, GBS, mbs, ctx.dp.rank, ctx.dp.size)
+    return [collate([data[i] for i in ix], ctx.device) for ix in idx]
+
+
+def _train(parallel, mbs, optim=MUON, **kw):
+    """Per iteration (lm_loss, grad_norm, max_attention_logit)."""
+    config, ctx, _, ddp, opt = _model(parallel, optim, **kw)
+    sched = LRScheduler(optim, ITERS)
+    out = []
+    for it in range(ITERS):
+        m = train_step(ddp, opt, sched, _batches(config, ctx, it, mbs), ctx)
+        out.append((m.lm_loss, m.grad_norm, m.max_attention_logit))
+    return out
+
+
+def _qkv_weights(model) -> list[torch.Tensor]:
+    return [m.linear_qkv.weight.detach().clone() for m in model.modules() if isinstance(m, SelfAttention)]
+
+
+def test_one_step_clips_the_rows_worked_out_by_hand():
+    """The max logit per head is max over the micro-batches, positions j <= i and the batch of q_i.k_j / sqrt(d)
+    from the q and k the core attention received (einsum here); per query group eta = threshold / its heads' max
+    where that exceeds the threshold; the group's query rows of the updated weight are scaled by eta^alpha, its key
+    rows by eta^(1 - alpha), values untouched. The update itself is the run without --qk-clip's."""
+    config, ctx, model, ddp, opt = _model(**CLIP)
+    seen: dict[int, list] = {}
+    for i, core in enumerate(m for m in model.modules() if isinstance(m, CoreAttention)):
+        core.register_forward_hook(lambda mod, args, out, i=i: seen.setdefault(i, []).append(args[:2]))
+    m = train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
+    _, ctx2, plain, ddp2, opt2 = _model()  # the same step without QK-clip
+    train_step(ddp2, opt2, LRScheduler(MUON, 1), _batches(config, ctx2, 0, 2), ctx2)
+    heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    overall, clipped_groups = -math.inf, 0
+    for layer, (ours, want) in enumerate(zip(_qkv_weights(model), _qkv_weights(plain))):
+        best = torch.full((heads,), -math.inf)
+        for q, k in seen[layer]:
+            k = k.repeat_interleave(heads // groups, dim=2)  # query head h reads key head h // (heads / groups)
+            s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(d)
+            best = torch.maximum(best, s.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3)).float())
+        overall = max(overall, best.max().item())
+        want = want.view(groups, heads // groups + 2, d, -1).clone()
+        for g in range(groups):
+            top = best[g * heads // groups : (g + 1) * heads // groups].max().item()
+            eta = min(CLIP["qk_clip_threshold"] / top, 1.0)
+            clipped_groups += eta < 1
+            want[g, :-2] *= eta ** CLIP["qk_clip_alpha"]
+            want[g, -2] *= eta ** (1 - CLIP["qk_clip_alpha"])
+        torch.testing.assert_close(ours, want.view_as(ours), rtol=1e-5, atol=1e-7)
+    assert 0 < clipped_groups < groups * config.num_layers  # (some groups clipped, some not)
+    assert m.max_attention_logit == pytest.approx(overall, rel=1e-5)
+
+
+def test_main_weights_are_clipped_with_the_model():
+    """bf16 model, fp32 main weights: the clipped main weights, cast, are the model's (a next step starts from
+    the clipped weights, not from the unclipped main copy)."""
+    config, ctx, model, ddp, opt = _model(optim=dataclasses.replace(MUON, bf16=True), dtype=torch.bfloat16, **CLIP)
+    train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
+    qkv = [m.linear_qkv.weight for m in model.modules() if isinstance(m, SelfAttention)]
+    for w in qkv:
+        main = opt.main_of[id(w)]
+        assert main.dtype == torch.float32 and torch.equal(main.to(w.dtype), w.detach())
+
+
+def test_max_logit_under_masks_is_brute_force():
+    """A sliding window and documents: the max over the visible pairs only (masked logits may be larger)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 8, 4, 8, generator=gen), torch.randn(2, 8, 2, 8, generator=gen)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 1, 1, 1]])
+    visible = (docs[:, :, None] == docs[:, None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
+    visible &= torch.ones(8, 8, dtype=torch.bool).triu(-2)  # window 3
+    want = torch.full((4,), -math.inf)
+    for b, i, j, h in ((b, i, j, h) for b in range(2) for i in range(8) for j in range(8) for h in range(4)):
+        if visible[b, i, j]:
+            want[h] = max(want[h], float(q[b, i, h] @ k[b, j, h // 2]) * 0.3)
+    torch.testing.assert_close(max_attention_logits(q, k, 0.3, visible.unsqueeze(1)), want)
+    everything = max_attention_logits(q, k, 0.3, torch.ones(8, 8, dtype=torch.bool))
+    assert (everything >= want).all() and (everything > want).any()
+
+
+def test_a_threshold_above_every_logit_changes_nothing():
+    """Bit-equal losses, grad norms and weights to a run without --qk-clip; the logged max logit is below it."""
+    runs = []
+    for kw in ({}, dict(qk_clip=True, qk_clip_threshold=1e4)):
+        config, ctx, model, ddp, opt = _model(**kw)
+        sched, hist = LRScheduler(MUON, ITERS), []
+        for it in range(ITERS):
+            m = train_step(ddp, opt, sched, _batches(config, ctx, it, 2), ctx)
+            hist.append((m.lm_loss, m.grad_norm))
+        runs.append((hist, [p.detach().clone() for p in model.parameters()], m.max_attention_logit))
+    (plain, plain_w, none), (clip, clip_w, logit) = runs
+    assert plain == clip and all(torch.equal(a, b) for a, b in zip(plain_w, clip_w))
+    assert none is None and 0 < logit < 1e4
+
+
+TP2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+DP2 = ParallelConfig()
+LAYOUTS = {  # (parallel, optimizer)
+    "tp2": (TP2, MUON),
+    "dp2-dist_muon": (DP2, dataclasses.replace(MUON, optimizer="dist_muon")),
+    "dp2-distributed-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_distributed_optimizer=True)),
+    "dp2-fsdp2-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_torch_fsdp2=True)),
+}
+
+
+def test_layouts_clip_like_one_process(dist):
+    """TP=2 with Muon (each rank clips its own query groups), DP=2 (the max over replicas) with dist_muon (the
+    owner's main weights), the distributed optimizer (its flat parts' rows) and FSDP2 (its dim-0 shards): per
+    iteration the one-process lm_loss, grad_norm and max logit, with clipping active."""
+    refs = {}
+    for what, (parallel, optim) in LAYOUTS.items():
+        one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False)
+        one = dataclasses.replace(one, optimizer="muon") if one.optimizer == "dist_muon" else one
+        ref = refs.get(one) or refs.setdefault(one, _train(ParallelConfig(), GBS, one, **CLIP))
+        assert all(r[2] > CLIP["qk_clip_threshold"] for r in ref), ref  # (clipping at every step)
+        mbs = GBS // (2 // parallel.tensor_model_parallel_size)
+        for history in dist(2, _train, parallel, mbs, optim, **CLIP):
+            for it, (got, want) in enumerate(zip(history, ref)):
+                assert got == pytest.approx(want, rel=1e-4), (what, it + 1, got, want)
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ("--qk-clip --qk-clip-alpha 1", "--qk-clip-alpha 1.0 must be in (0, 1)"),
+        ("--qk-clip --qk-clip-alpha 0", "--qk-clip-alpha 0.0 must be in (0, 1)"),
+        ("--qk-clip --qk-clip-threshold 0", "--qk-clip-threshold 0.0 must be > 0"),
+        ("--qk-clip --context-parallel-size 2", "--qk-clip with --context-parallel-size 2 is not implemented"),
+        ("--log-max-attention-logit --context-parallel-size 2", "--log-max-attention-logit with --context-parallel"),
+        (
+            "--qk-clip --multi-latent-attention --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+            "--v-head-dim 16 --position-embedding-type rope --disable-bias-linear",
+            "--qk-clip with --multi-latent-attention is not implemented",
+        ),
+    ],
+)
+def test_refusals_are_one_line(flags, says):
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data"
+    with pytest.raises(ConfigError) as err:
+        _, job = parse_args([*base.split(), "--vocab-size", "100", *flags.split()])
+        validate_layout(job.model, job.parallel, 2, job.training)  # (as pretrain does, before any collective)
+    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
