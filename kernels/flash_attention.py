@@ -217,13 +217,15 @@ def _check_offsets(q, k, v) -> None:
             )
 
 
-def _forward(q, k, v, causal, scale, window_size=None, spans=None):
+def _forward(q, k, v, causal, scale, window_size=None, spans=None, max_logit=False):
+    """o, lse, and (max_logit) each query's largest visible logit [batch, heads, seq_q] fp32, else an empty one."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     o = q.new_empty(b, sq, h, v.shape[-1])
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    maxl = torch.full((b, h, sq) if max_logit else (0,), -math.inf, device=q.device)
     if b == 0:  # an empty batch: nothing to launch
-        return o, lse
+        return o, lse, maxl
     start, end, docs = _spans(spans, q.device)
     kernel, cfg = _kernel(_fwd, _fwd_tuned, q.dtype)
     if sq == 1 and not cfg:  # a decoding step: seq_k grows by one a token, and the autotuner (keyed on it, so a
@@ -234,6 +236,7 @@ def _forward(q, k, v, causal, scale, window_size=None, spans=None):
         v,
         o,
         lse,
+        maxl if max_logit else lse,
         start,
         end,
         *q.stride()[:3],
@@ -252,12 +255,13 @@ def _forward(q, k, v, causal, scale, window_size=None, spans=None):
         _window(window_size, causal, sk),
         CAUSAL=causal,
         DOCS=docs,
+        MAX_LOGIT=max_logit,
         BLOCK_D=next_pow2(max(d, 16)),
         BLOCK_DV=next_pow2(max(v.shape[-1], 16)),
         **cfg,
     )
     launched("flash_attention_fwd")
-    return o, lse
+    return o, lse, maxl
 
 
 @on_tensor_device
@@ -324,25 +328,26 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window_size, query_starts, key_ends):
+    def forward(ctx, q, k, v, causal, scale, window_size, query_starts, key_ends, max_logit=False):
         """`query_starts`, `key_ends`: the document spans, computed once for the forward and the backward."""
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         spans = (query_starts, key_ends) if query_starts is not None else None
-        o, lse = _forward(q, k, v, causal, scale, window_size, spans)
+        o, lse, maxl = _forward(q, k, v, causal, scale, window_size, spans, max_logit)
         ctx.save_for_backward(q, k, v, o, lse, query_starts, key_ends)
         ctx.causal, ctx.scale, ctx.window_size = causal, scale, window_size
         ctx.set_materialize_grads(False)  # (an unused lse gets no gradient pass of its own)
-        return o, lse
+        ctx.mark_non_differentiable(maxl)
+        return o, lse, maxl
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse, _):
         q, k, v, o, lse, starts, ends = ctx.saved_tensors
         spans = (starts, ends) if starts is not None else None
         do = do if do is not None else torch.zeros_like(o)
         grads = flash_attention_backward(
             q, k, v, o, lse, do, ctx.causal, ctx.scale, window_size=ctx.window_size, document_spans=spans, dlse=dlse
         )
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _reference_mask(sq, sk, causal, window, document_ids, device, spans=None) -> torch.Tensor | None:
@@ -373,6 +378,7 @@ def flash_attention_reference(
     window_size=None,
     document_ids=None,
     document_spans=None,
+    return_max_logit=False,
 ):
     """Plain PyTorch, fp32 math: the oracle and the fallback."""
     b, sq, h, d = q.shape
@@ -390,7 +396,8 @@ def flash_attention_reference(
     # in the kernel, so merging it changes nothing
     p = torch.where(torch.isinf(lse).unsqueeze(-1), 0.0, torch.exp(s - lse.unsqueeze(-1)))
     o = torch.einsum("bhqk,bkhd->bqhd", p, vv.float()).to(q.dtype)
-    return (o, lse) if return_lse else o
+    extra = (s.amax(dim=(0, 2, 3)),) if return_max_logit else ()  # (the largest visible logit per head)
+    return (o, lse, *extra) if return_lse else ((o, *extra) if extra else o)
 
 
 def flash_attention_backward_reference(
@@ -448,13 +455,15 @@ def flash_attention(
     window_size: int | None = None,
     document_ids: torch.Tensor | None = None,
     document_spans: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_max_logit: bool = False,
 ):
     """Attention of q over k, v (layouts in the module docstring); window_size: Mistral-style sliding window
     (causal only; None: none); document_ids [batch, seq_k]: contiguous documents that attend only to themselves
     (causal only). document_spans: the kernels' own form, (first visible key of each query [batch, seq_q], first
     query that no longer sees each key [batch, seq_k]), both non-decreasing, for blocks of a sequence split up
     (ring attention; also without causal masking, for blocks whose keys all precede their queries).
-    Returns o, and the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse."""
+    Returns o, the log-sum-exp [batch, heads, seq_q] (fp32) if return_lse, then (return_max_logit, QK-clip) the
+    largest visible logit q.k * scale per head over the batch and queries [heads] (fp32; the kernel's running max)."""
     _check(q, k, v, causal, window_size, document_ids, document_spans)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not triton_usable(q, k, v):
@@ -468,13 +477,15 @@ def flash_attention(
             window_size=window_size,
             document_ids=document_ids,
             document_spans=document_spans,
+            return_max_logit=return_max_logit,
         )
     _check_offsets(q, k, v)  # (before the autograd Function copies them contiguous)
     if document_ids is not None:
         document_spans = query_key_spans(document_ids, q.shape[1])
     starts, ends = document_spans if document_spans is not None else (None, None)
-    o, lse = _FlashAttention.apply(q, k, v, causal, scale, window_size, starts, ends)
-    return (o, lse) if return_lse else o
+    o, lse, maxl = _FlashAttention.apply(q, k, v, causal, scale, window_size, starts, ends, return_max_logit)
+    extra = (maxl.amax(dim=(0, 2)),) if return_max_logit else ()
+    return (o, lse, *extra) if return_lse else ((o, *extra) if extra else o)
 
 
 def sdpa_reference(q, k, v, causal=True):
@@ -500,16 +511,19 @@ def _cases() -> list[tuple]:
                 "WINDOW": "i32",
                 "CAUSAL": "constexpr",
                 "DOCS": "constexpr",
+                "MAX_LOGIT": "constexpr",
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "BLOCK_D": "constexpr",
                 "BLOCK_DV": "constexpr",
             }
             consts = {"CAUSAL": causal, "DOCS": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_DV": 128}
+            consts["MAX_LOGIT"] = causal  # (the forward's QK-clip output built with causal masking; ignored elsewhere)
             strides = lambda names: dict.fromkeys(names, "i32")  # noqa: E731
             sig = {
                 **{n: f"*{t}" for n in "Q K V O".split()},
                 "LSE": "*fp32",
+                "MAXL": "*fp32",
                 "START": "*i32",
                 "END": "*i32",
                 **strides("sqb sqs sqh skb sks skh svb svs svh sob sos soh ssb seb".split()),

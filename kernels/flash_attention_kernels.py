@@ -117,6 +117,7 @@ if HAVE_TRITON:
         V,
         O,
         LSE,
+        MAXL,
         START,
         END,
         sqb,
@@ -143,6 +144,7 @@ if HAVE_TRITON:
         WINDOW,
         CAUSAL: tl.constexpr,
         DOCS: tl.constexpr,
+        MAX_LOGIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -217,6 +219,8 @@ if HAVE_TRITON:
             mask=(rows[:, None] < seq_q) & vmask[None, :],
         )
         tl.store(LSE + bh * seq_q + rows, m + tl.log(lsum), mask=rows < seq_q)
+        if MAX_LOGIT:  # QK-clip: each row's largest visible logit, the online softmax's running max (-inf: none)
+            tl.store(MAXL + bh * seq_q + rows, m, mask=rows < seq_q)
 
     @triton.jit
     def _dkdv_block(

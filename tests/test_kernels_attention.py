@@ -360,3 +360,30 @@ def test_a_sequence_past_the_kernels_offsets_is_refused_with_the_fix():
         pytest.skip("Triton cannot run on these tensors (the reference path has no such limit)")
     with pytest.raises(ValueError, match="past the kernels' 32-bit offsets.*--context-parallel-size"):
         K.flash_attention(q, q, q, causal=True)
+
+
+@pytest.mark.parametrize(
+    "sq,sk,h,hkv,window,lengths",
+    [(19, 19, 4, 2, None, None), (7, 40, 4, 1, None, None), (24, 24, 2, 2, 5, None), (24, 24, 4, 2, None, [5, 19])],
+)
+def test_max_logit_is_the_largest_visible_logit(sq, sk, h, hkv, window, lengths):
+    """QK-clip's return_max_logit: the kernel's running row max, per head over the batch and the queries, is the
+    largest q.k * scale over the visible pairs worked out from the definition (GQA, bottom-right causal, a window,
+    documents); the output is unchanged. Scores are made larger where hidden, so a leak would show."""
+    q, k, v = _qkv(2, sq, sk, h, hkv, 16, seed=5)
+    k = k + torch.linspace(0, 3, sk, device=DEVICE)[None, :, None, None]  # (later keys: larger, mostly hidden)
+    docs = _document_ids([lengths, lengths]) if lengths else None
+    before = K.LAUNCHES["flash_attention_fwd"]
+    o, found = K.flash_attention(q, k, v, True, 0.3, window_size=window, document_ids=docs, return_max_logit=True)
+    assert K.LAUNCHES["flash_attention_fwd"] > before
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.repeat_interleave(h // hkv, dim=2).double()).cpu() * 0.3
+    visible = torch.tensor(
+        [[[j <= i + sk - sq and (window is None or i + sk - sq - j < window)
+           and (docs is None or docs[r, j] == docs[r, i + sk - sq]) for j in range(sk)] for i in range(sq)]
+         for r in range(2)]
+    )  # fmt: skip
+    want = s.masked_fill(~visible[:, None], -math.inf).amax(dim=(0, 2, 3)).float()
+    assert rel(found.cpu(), want) < TOL and rel(o, K.flash_attention(q, k, v, True, 0.3, window_size=window,
+                                                                    document_ids=docs)) == 0  # fmt: skip
+    ref = K.flash_attention_reference(q, k, v, True, 0.3, window_size=window, document_ids=docs, return_max_logit=True)
+    assert rel(ref[1].cpu(), want) < TOL

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from megatron_lite import kernels as K
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
@@ -26,7 +27,7 @@ from megatron_lite.training.step import train_step
 from megatron_lite.training.wrap import wrap_for_training
 
 from dist_pool import get_context
-from models import llama_config
+from models import llama_config, needs_triton_on_cpu
 
 ITERS, GBS, SEQ = 3, 4, 16
 MUON = OptimizerConfig(
@@ -112,6 +113,23 @@ def test_main_weights_are_clipped_with_the_model():
     for w in qkv:
         main = opt.main_of[id(w)]
         assert main.dtype == torch.float32 and torch.equal(main.to(w.dtype), w.detach())
+
+
+@needs_triton_on_cpu
+def test_torch_and_triton_paths_record_the_same_max_logits():
+    """SDPA with the logits recomputed beside it, and the flash kernel's running row max (Triton interpreter):
+    the same max logit per layer and head over two micro-batches."""
+    found, launches = {}, K.LAUNCHES["flash_attention_fwd"]
+    for impl in ("torch", "triton"):
+        config, ctx, model, ddp, opt = _model(kernel_impl=impl, **CLIP)
+        cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
+        model.train()
+        for mb in _batches(config, ctx, 0, 2):
+            model(mb["tokens"], labels=mb["labels"])
+        found[impl] = [c.take_max_logits() for c in cores]
+    assert K.LAUNCHES["flash_attention_fwd"] == launches + 4  # (2 layers x 2 micro-batches, the triton run's)
+    for a, b in zip(found["torch"], found["triton"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_max_logit_under_masks_is_brute_force():

@@ -125,18 +125,23 @@ class CoreAttention(nn.Module):
             extra |= {"offset": self.softmax_offset} if self.softmax_offset is not None else {}
             out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
             return out.reshape(b, s, -1)
-        if self.records_max_logit and self.training:  # (not under CP: refused at start-up)
-            self._record_max_logits(q, k, documents)
+        record = self.records_max_logit and self.training  # (not under CP: refused at start-up)
+        flash = self.triton and p == 0.0 and self.softmax_offset is None  # (the kernel returns the max logit)
+        if record and not flash:
+            self._note_max_logits(max_attention_logits(q, k, self.scale, self._mask(s, sk, documents, q.device)))
         if self.window is not None and documents is None and sk > s + self.window - 1:
             # decoding past the window: the keys no query of this step sees are not read (nor expanded, nor masked)
             k, v = k[:, sk - (s + self.window - 1) :], v[:, sk - (s + self.window - 1) :]
             sk = k.shape[1]
         if self.softmax_offset is not None:
             return self._with_offset(q, k, v, documents, p).reshape(b, s, -1)
-        if self.triton and p == 0.0:  # the flash kernel handles grouped-query heads itself
+        if flash:  # the flash kernel handles grouped-query heads itself
             out = K.flash_attention(
-                q, k, v, causal=True, softmax_scale=self.scale, window_size=self.window, document_ids=documents
+                q, k, v, True, self.scale, window_size=self.window, document_ids=documents, return_max_logit=record
             )
+            if record:
+                out, found = out
+                self._note_max_logits(found)
             return out.reshape(b, s, -1)
         kv_heads, dv = k.shape[2], v.shape[-1]
         if kv_heads != heads and sk > s and documents is None and p == 0.0:
@@ -161,9 +166,9 @@ class CoreAttention(nn.Module):
             )
         return out.transpose(1, 2)[..., :dv].reshape(b, s, -1)
 
-    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None) -> None:
-        """Max-accumulate this forward's largest logit per head (recomputed beside the attention; models/qk_clip.py)."""
-        found = max_attention_logits(q, k, self.scale, self._mask(q.shape[1], k.shape[1], documents, q.device))
+    def _note_max_logits(self, found: torch.Tensor) -> None:
+        """Max-accumulate a forward's largest logit per head (the flash kernel's, or recomputed beside SDPA)."""
+        found = found.detach().float()
         self.max_logits = found if self.max_logits is None else torch.maximum(self.max_logits, found)
 
     def take_max_logits(self) -> torch.Tensor | None:

@@ -9,10 +9,12 @@ eta_g = min(threshold / max logit of g's heads, 1); the group's query rows of th
 eta_g^alpha and its key rows by eta_g^(1 - alpha), so every logit of the group is scaled by eta_g (Megatron-Core
 0.16.1's Attention.clip_qk). Model code calls no collective.
 
-The logits are computed a second time, beside the attention (no_grad, in fp32, `MAX_LOGIT_ELEMENTS` logits at a
-time, so the [seq, seq] scores of all heads are never held at once): one more q.k^T matmul per layer forward, about
-a seventh of attention's training FLOPs (forward q.k^T and p.v, backward five such products), and up to 64 MiB of
-scratch. The flash kernel's running row max would make it nearly free; that is not wired in here yet.
+Under --kernel-impl triton the flash kernel returns each query's largest visible logit, its online softmax's
+running row max (kernels/flash_attention.py, return_max_logit): one fp32 store per query row, nearly free. The
+other paths (SDPA, attention dropout, --softmax-type offsets) compute the logits a second time, beside the
+attention (no_grad, fp32, `MAX_LOGIT_ELEMENTS` logits at a time, so the [seq, seq] scores of all heads are never
+held at once): one more q.k^T matmul per layer forward, about a seventh of attention's training FLOPs (forward
+q.k^T and p.v, backward about five such products), and up to 64 MiB of scratch.
 """
 
 from __future__ import annotations
