@@ -173,20 +173,20 @@ LAYOUTS = {  # (parallel, optimizer)
 }
 
 
-def test_layouts_clip_like_one_process(dist):
+@pytest.mark.parametrize("what", LAYOUTS)
+def test_layouts_clip_like_one_process(dist, what):
     """TP=2 with Muon (each rank clips its own query groups), DP=2 (the max over replicas) with dist_muon (the
     owner's main weights), the distributed optimizer (its flat parts' rows) and FSDP2 (its dim-0 shards): per
     iteration the one-process lm_loss, grad_norm and max logit, with clipping active."""
-    refs = {}
-    for what, (parallel, optim) in LAYOUTS.items():
-        one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False)
-        one = dataclasses.replace(one, optimizer="muon") if one.optimizer == "dist_muon" else one
-        ref = refs.get(one) or refs.setdefault(one, _train(ParallelConfig(), GBS, one, **CLIP))
-        assert all(r[2] > CLIP["qk_clip_threshold"] for r in ref), ref  # (clipping at every step)
-        mbs = GBS // (2 // parallel.tensor_model_parallel_size)
-        for history in dist(2, _train, parallel, mbs, optim, **CLIP):
-            for it, (got, want) in enumerate(zip(history, ref)):
-                assert got == pytest.approx(want, rel=1e-4), (what, it + 1, got, want)
+    parallel, optim = LAYOUTS[what]
+    one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False)
+    one = dataclasses.replace(one, optimizer="muon") if one.optimizer == "dist_muon" else one
+    ref = _train(ParallelConfig(), GBS, one, **CLIP)
+    assert all(r[2] > CLIP["qk_clip_threshold"] for r in ref), ref  # (clipping at every step)
+    mbs = GBS // (2 // parallel.tensor_model_parallel_size)
+    for history in dist(2, _train, parallel, mbs, optim, **CLIP):
+        for it, (got, want) in enumerate(zip(history, ref)):
+            assert got == pytest.approx(want, rel=1e-4), (what, it + 1, got, want)
 
 
 @pytest.mark.parametrize(
