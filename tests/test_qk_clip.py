@@ -105,14 +105,18 @@ def test_one_step_clips_the_rows_worked_out_by_hand():
 
 
 def test_main_weights_are_clipped_with_the_model():
-    """bf16 model, fp32 main weights: the clipped main weights, cast, are the model's (a next step starts from
-    the clipped weights, not from the unclipped main copy)."""
-    config, ctx, model, ddp, opt = _model(optim=dataclasses.replace(MUON, bf16=True), dtype=torch.bfloat16, **CLIP)
-    train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
-    qkv = [m.linear_qkv.weight for m in model.modules() if isinstance(m, SelfAttention)]
-    for w in qkv:
-        main = opt.main_of[id(w)]
-        assert main.dtype == torch.float32 and torch.equal(main.to(w.dtype), w.detach())
+    """bf16 model, fp32 main weights: the main weights are clipped (they differ from the same step's without
+    --qk-clip), and the model's weights are them, cast (a next step starts from the clipped weights)."""
+    mains = []
+    for kw in (CLIP, {}):
+        optim = dataclasses.replace(MUON, bf16=True)
+        config, ctx, model, ddp, opt = _model(optim=optim, dtype=torch.bfloat16, **kw)
+        train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
+        qkv = [m.linear_qkv.weight for m in model.modules() if isinstance(m, SelfAttention)]
+        mains.append([opt.main_of[id(w)].clone() for w in qkv])
+        for w, main in zip(qkv, mains[-1]):
+            assert main.dtype == torch.float32 and torch.equal(main.to(w.dtype), w.detach())
+    assert all(not torch.equal(a, b) for a, b in zip(*mains))
 
 
 @needs_triton_on_cpu
