@@ -171,6 +171,7 @@ TP2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
 DP2 = ParallelConfig()
 LAYOUTS = {  # (parallel, optimizer)
     "tp2": (TP2, MUON),
+    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), MUON),
     "dp2-dist_muon": (DP2, dataclasses.replace(MUON, optimizer="dist_muon")),
     "dp2-distributed-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_distributed_optimizer=True)),
     "dp2-fsdp2-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_torch_fsdp2=True)),
@@ -179,9 +180,10 @@ LAYOUTS = {  # (parallel, optimizer)
 
 @pytest.mark.parametrize("what", LAYOUTS)
 def test_layouts_clip_like_one_process(dist, what):
-    """TP=2 with Muon (each rank clips its own query groups), DP=2 (the max over replicas) with dist_muon (the
-    owner's main weights), the distributed optimizer (its flat parts' rows) and FSDP2 (its dim-0 shards): per
-    iteration the one-process lm_loss, grad_norm and max logit, with clipping active."""
+    """TP=2 with Muon (each rank clips its own query groups), PP=2 (the logged max over both stages), DP=2 (the
+    max over replicas) with dist_muon (the owner's main weights), the distributed optimizer (its flat parts' rows)
+    and FSDP2 (its dim-0 shards): per iteration the one-process lm_loss, grad_norm and max logit, with clipping
+    active."""
     parallel, optim = LAYOUTS[what]
     one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False)
     one = dataclasses.replace(one, optimizer="muon") if one.optimizer == "dist_muon" else one
