@@ -216,3 +216,24 @@ def test_refusals_are_one_line(flags, says):
         _, job = parse_args([*base.split(), "--vocab-size", "100", *flags.split()])
         validate_layout(job.model, job.parallel, 2, job.training)  # (as pretrain does, before any collective)
     assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_max_logit_is_logged_each_iteration(tmp_path, pretrain_job):
+    """--log-max-attention-logit alone: Megatron's max_attention_logit in the console line and every JSONL record
+    (and as the W&B / TensorBoard key), the weights left alone; without it, no such metric."""
+    from test_pretrain_torchrun import records
+
+    from megatron_lite.training.logger import _megatron_key
+
+    job = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 2 --micro-batch-size 2 "
+        "--global-batch-size 4 --lr 3e-3 --log-interval 1 --eval-iters 0 --mock-data --vocab-size 100 "
+        "--distributed-backend gloo --attention-dropout 0 --hidden-dropout 0"
+    ).split()
+    for flag in ("--log-max-attention-logit", None):
+        log = tmp_path / f"{flag}.jsonl"
+        out = pretrain_job(1, [*job, *([flag] if flag else []), "--log-jsonl", str(log)])
+        recs = records(log)
+        assert len(recs) == 2 and all((r.get("max_attention_logit", 0) > 0) == bool(flag) for r in recs), recs
+        assert ("max_attention_logit: " in out) == bool(flag)
+    assert _megatron_key("max_attention_logit") == "max_attention_logit"
