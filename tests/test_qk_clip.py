@@ -201,6 +201,7 @@ def test_layouts_clip_like_one_process(dist, what):
         ("--qk-clip --qk-clip-alpha 1", "--qk-clip-alpha 1.0 must be in (0, 1)"),
         ("--qk-clip --qk-clip-alpha 0", "--qk-clip-alpha 0.0 must be in (0, 1)"),
         ("--qk-clip --qk-clip-threshold 0", "--qk-clip-threshold 0.0 must be > 0"),
+        ("--qk-clip --lora-rank 4", "--qk-clip with --lora-rank 4 is not supported: the clip scales the QKV weight"),
         ("--qk-clip --context-parallel-size 2", "--qk-clip with --context-parallel-size 2 is not implemented"),
         ("--log-max-attention-logit --context-parallel-size 2", "--log-max-attention-logit with --context-parallel"),
         (
