@@ -173,7 +173,10 @@ LAYOUTS = {  # (parallel, optimizer)
     "tp2": (TP2, MUON),
     "pp2": (ParallelConfig(pipeline_model_parallel_size=2), MUON),
     "dp2-dist_muon": (DP2, dataclasses.replace(MUON, optimizer="dist_muon")),
-    "dp2-distributed-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_distributed_optimizer=True)),
+    "dp2-distributed-adam": (
+        DP2,
+        OptimizerConfig(lr=3e-2, clip_grad=1.0, use_distributed_optimizer=True, overlap_param_gather=True),
+    ),
     "dp2-fsdp2-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_torch_fsdp2=True)),
 }
 
@@ -181,11 +184,11 @@ LAYOUTS = {  # (parallel, optimizer)
 @pytest.mark.parametrize("what", LAYOUTS)
 def test_layouts_clip_like_one_process(dist, what):
     """TP=2 with Muon (each rank clips its own query groups), PP=2 (the logged max over both stages), DP=2 (the
-    max over replicas) with dist_muon (the owner's main weights), the distributed optimizer (its flat parts' rows)
-    and FSDP2 (its dim-0 shards): per iteration the one-process lm_loss, grad_norm and max logit, with clipping
-    active."""
+    max over replicas) with dist_muon (the owner's main weights), the distributed optimizer (its flat parts' rows,
+    with --overlap-param-gather's all-gather of the unclipped weights in flight) and FSDP2 (its dim-0 shards): per
+    iteration the one-process lm_loss, grad_norm and max logit, with clipping active."""
     parallel, optim = LAYOUTS[what]
-    one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False)
+    one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False, overlap_param_gather=False)
     one = dataclasses.replace(one, optimizer="muon") if one.optimizer == "dist_muon" else one
     ref = _train(ParallelConfig(), GBS, one, **CLIP)
     assert all(r[2] > CLIP["qk_clip_threshold"] for r in ref), ref  # (clipping at every step)
