@@ -70,17 +70,19 @@ def _qkv_weights(model) -> list[torch.Tensor]:
     return [m.linear_qkv.weight.detach().clone() for m in model.modules() if isinstance(m, SelfAttention)]
 
 
-def test_one_step_clips_the_rows_worked_out_by_hand():
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_step_clips_the_rows_worked_out_by_hand(gated):
     """The max logit per head is max over the micro-batches, positions j <= i and the batch of q_i.k_j / sqrt(d)
     from the q and k the core attention received (einsum here); per query group eta = threshold / its heads' max
     where that exceeds the threshold; the group's query rows of the updated weight are scaled by eta^alpha, its key
-    rows by eta^(1 - alpha), values untouched. The update itself is the run without --qk-clip's."""
-    config, ctx, model, ddp, opt = _model(**CLIP)
+    rows by eta^(1 - alpha), values (and --attention-output-gate's gate rows) untouched. The update itself is the
+    run without --qk-clip's."""
+    config, ctx, model, ddp, opt = _model(**CLIP, attention_output_gate=gated)
     seen: dict[int, list] = {}
     for i, core in enumerate(m for m in model.modules() if isinstance(m, CoreAttention)):
         core.register_forward_hook(lambda mod, args, out, i=i: seen.setdefault(i, []).append(args[:2]))
     m = train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
-    _, ctx2, plain, ddp2, opt2 = _model()  # the same step without QK-clip
+    _, ctx2, plain, ddp2, opt2 = _model(attention_output_gate=gated)  # the same step without QK-clip
     train_step(ddp2, opt2, LRScheduler(MUON, 1), _batches(config, ctx2, 0, 2), ctx2)
     heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
@@ -92,12 +94,13 @@ def test_one_step_clips_the_rows_worked_out_by_hand():
             s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(d)
             best = torch.maximum(best, s.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3)).float())
         overall = max(overall, best.max().item())
-        want = want.view(groups, heads // groups + 2, d, -1).clone()
+        n = heads // groups  # (each group's rows: its n query heads, n gate heads when gated, its key, its value)
+        want = want.view(groups, n * (2 if gated else 1) + 2, d, -1).clone()
         for g in range(groups):
             top = best[g * heads // groups : (g + 1) * heads // groups].max().item()
             eta = min(CLIP["qk_clip_threshold"] / top, 1.0)
             clipped_groups += eta < 1
-            want[g, :-2] *= eta ** CLIP["qk_clip_alpha"]
+            want[g, :n] *= eta ** CLIP["qk_clip_alpha"]
             want[g, -2] *= eta ** (1 - CLIP["qk_clip_alpha"])
         torch.testing.assert_close(ours, want.view_as(ours), rtol=1e-5, atol=1e-7)
     assert 0 < clipped_groups < groups * config.num_layers  # (some groups clipped, some not)
