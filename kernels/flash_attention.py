@@ -511,14 +511,12 @@ def _cases() -> list[tuple]:
                 "WINDOW": "i32",
                 "CAUSAL": "constexpr",
                 "DOCS": "constexpr",
-                "MAX_LOGIT": "constexpr",
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "BLOCK_D": "constexpr",
                 "BLOCK_DV": "constexpr",
             }
             consts = {"CAUSAL": causal, "DOCS": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_DV": 128}
-            consts["MAX_LOGIT"] = causal  # (the forward's QK-clip output built with causal masking; ignored elsewhere)
             strides = lambda names: dict.fromkeys(names, "i32")  # noqa: E731
             sig = {
                 **{n: f"*{t}" for n in "Q K V O".split()},
@@ -527,11 +525,14 @@ def _cases() -> list[tuple]:
                 "START": "*i32",
                 "END": "*i32",
                 **strides("sqb sqs sqh skb sks skh svb svs svh sob sos soh ssb seb".split()),
-                **base,
+                **{k: v for k, v in base.items() if not k.startswith("BLOCK")},
+                "MAX_LOGIT": "constexpr",  # (the forward's QK-clip output, built with causal masking)
+                **{k: v for k, v in base.items() if k.startswith("BLOCK")},
             }
-            out.append((f"flash_fwd_{t}_causal{causal}", _fwd, sig, consts))
+            fwd = {**consts, "MAX_LOGIT": causal}
+            out.append((f"flash_fwd_{t}_causal{causal}", _fwd, sig, fwd))
             if causal:  # (the decoding step's fixed tile)
-                out.append((f"flash_fwd_decode_{t}", _fwd, sig, {**consts, **DECODE_TILE}))
+                out.append((f"flash_fwd_decode_{t}", _fwd, sig, {**fwd, **DECODE_TILE}))
             sig = {
                 **{n: f"*{t}" for n in "Q K V DO".split()},
                 "LSE": "*fp32",
