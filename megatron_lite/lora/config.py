@@ -152,6 +152,11 @@ def lora_for_model(lora: LoraConfig, config) -> LoraConfig:
             f"--lora-rank {lora.rank} with heterogeneous layers (--heterogeneous-layers-config-path) is not supported: "
             "adapters are laid out by the model's query groups and FFN size, not each layer's; train the whole model"
         )
+    if getattr(config, "qk_clip", False):  # (getattr: a Namespace)
+        raise ConfigError(
+            f"--qk-clip with --lora-rank {lora.rank} is not supported: the clip scales the QKV weight, which LoRA "
+            "freezes (the adapters would not see it); use --log-max-attention-logit to watch the logits"
+        )
     targets = list(lora.target_modules)
     if config.activation not in ("swiglu", "quick_geglu") and any(t in targets for t in PARTS["linear_fc1"]):
         if "linear_fc1_gate" in targets:
