@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import reduce
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.attention import CoreAttention, SelfAttention
 from megatron_lite.models.gpt_model import build_model
+from megatron_lite.models.mla import MultiLatentAttention
 from megatron_lite.models.qk_clip import max_attention_logits
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
@@ -70,41 +72,86 @@ def _qkv_weights(model) -> list[torch.Tensor]:
     return [m.linear_qkv.weight.detach().clone() for m in model.modules() if isinstance(m, SelfAttention)]
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_one_step_clips_the_rows_worked_out_by_hand(gated):
-    """The max logit per head is max over the micro-batches, positions j <= i and the batch of q_i.k_j / sqrt(d)
-    from the q and k the core attention received (einsum here); per query group eta = threshold / its heads' max
-    where that exceeds the threshold; the group's query rows of the updated weight are scaled by eta^alpha, its key
-    rows by eta^(1 - alpha), values (and --attention-output-gate's gate rows) untouched. The update itself is the
-    run without --qk-clip's."""
-    config, ctx, model, ddp, opt = _model(**CLIP, attention_output_gate=gated)
+def _step_by_hand(threshold: float, **kw):
+    """One clipped step and the same step without --qk-clip: (config, the step's metrics, the clipped model, the
+    unclipped model, per layer the max logit per head worked out from the q and k the core attention received:
+    max over the micro-batches, the batch and the causal pairs j <= i of q_i.k_j / sqrt(head dim))."""
+    config, ctx, model, ddp, opt = _model(**CLIP | {"qk_clip_threshold": threshold}, **kw)
     seen: dict[int, list] = {}
     for i, core in enumerate(m for m in model.modules() if isinstance(m, CoreAttention)):
         core.register_forward_hook(lambda mod, args, out, i=i: seen.setdefault(i, []).append(args[:2]))
-    m = train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
-    _, ctx2, plain, ddp2, opt2 = _model(attention_output_gate=gated)  # the same step without QK-clip
+    metrics = train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
+    _, ctx2, plain, ddp2, opt2 = _model(**kw)
     train_step(ddp2, opt2, LRScheduler(MUON, 1), _batches(config, ctx2, 0, 2), ctx2)
-    heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    overall, clipped_groups = -math.inf, 0
-    for layer, (ours, want) in enumerate(zip(_qkv_weights(model), _qkv_weights(plain))):
-        best = torch.full((heads,), -math.inf)
+    best = []
+    for layer in range(config.num_layers):
+        top = torch.full((config.num_attention_heads,), -math.inf)
         for q, k in seen[layer]:
-            k = k.repeat_interleave(heads // groups, dim=2)  # query head h reads key head h // (heads / groups)
-            s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(d)
-            best = torch.maximum(best, s.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3)).float())
-        overall = max(overall, best.max().item())
+            k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # query head h reads key head h // (h / kv)
+            s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(q.shape[-1])
+            top = torch.maximum(top, s.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3)).float())
+        best.append(top)
+    return config, metrics, model, plain, best
+
+
+def _weights(model, *names: str) -> list[torch.Tensor]:
+    """Each attention layer's named weights (a dotted path), in order."""
+    layers = [m for m in model.modules() if isinstance(m, (SelfAttention, MultiLatentAttention))]
+    return [reduce(getattr, name.split("."), layer).detach().clone() for layer in layers for name in names]
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_step_clips_the_rows_worked_out_by_hand(gated):
+    """Per query group eta = threshold / its heads' max logit where that exceeds the threshold; the group's query
+    rows of the updated fused QKV weight are scaled by eta^alpha, its key rows by eta^(1 - alpha), values (and
+    --attention-output-gate's gate rows) untouched. The update itself is the run without --qk-clip's."""
+    threshold, alpha = 0.085, CLIP["qk_clip_alpha"]
+    config, m, model, plain, best = _step_by_hand(threshold, attention_output_gate=gated)
+    heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
+    clipped = 0
+    for top, ours, want in zip(best, _weights(model, "linear_qkv.weight"), _weights(plain, "linear_qkv.weight")):
         n = heads // groups  # (each group's rows: its n query heads, n gate heads when gated, its key, its value)
         want = want.view(groups, n * (2 if gated else 1) + 2, d, -1).clone()
         for g in range(groups):
-            top = best[g * heads // groups : (g + 1) * heads // groups].max().item()
-            eta = min(CLIP["qk_clip_threshold"] / top, 1.0)
-            clipped_groups += eta < 1
-            want[g, :n] *= eta ** CLIP["qk_clip_alpha"]
-            want[g, -2] *= eta ** (1 - CLIP["qk_clip_alpha"])
+            eta = min(threshold / top[g * n : (g + 1) * n].max().item(), 1.0)
+            clipped += eta < 1
+            want[g, :n] *= eta**alpha
+            want[g, -2] *= eta ** (1 - alpha)
         torch.testing.assert_close(ours, want.view_as(ours), rtol=1e-5, atol=1e-7)
-    assert 0 < clipped_groups < groups * config.num_layers  # (some groups clipped, some not)
-    assert m.max_attention_logit == pytest.approx(overall, rel=1e-5)
+    assert 0 < clipped < groups * config.num_layers  # (some groups clipped, some not)
+    assert m.max_attention_logit == pytest.approx(max(t.max().item() for t in best), rel=1e-5)
+
+
+MLA = dict(num_query_groups=None, multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16, qk_head_dim=12,
+           qk_pos_emb_head_dim=8, v_head_dim=10)  # fmt: skip
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 32])
+def test_one_step_clips_multi_latent_attention_by_hand(q_lora_rank):
+    """Multi-latent attention, per head (Megatron-Core's MLASelfAttention.clip_qk): the query projection's rows of
+    a head without position by eta^alpha and its RoPE rows by eta (the key's RoPE part is shared by the heads), the
+    key/value up-projection's key rows by eta^(1 - alpha); values and the down-projections untouched."""
+    threshold, alpha = 0.04, CLIP["qk_clip_alpha"]
+    config, m, model, plain, best = _step_by_hand(threshold, **MLA, q_lora_rank=q_lora_rank)
+    q_name = "linear_q_proj.weight" if q_lora_rank is None else "linear_q_up_proj.weight"
+    names = (q_name, "linear_kv_up_proj.weight", "linear_kv_down_proj.weight")
+    ours, want = _weights(model, *names), _weights(plain, *names)
+    heads, nope, pe, dv = config.num_attention_heads, 12, 8, 10
+    clipped = 0
+    for layer, top in enumerate(best):
+        eta = (threshold / top).clamp(max=1.0).view(heads, 1, 1)
+        clipped += int((eta < 1).sum())
+        q, kv, down = (w.clone() for w in want[3 * layer : 3 * layer + 3])
+        q = q.view(heads, nope + pe, -1)
+        q[:, :nope] *= eta**alpha
+        q[:, nope:] *= eta
+        kv = kv.view(heads, nope + dv, -1)
+        kv[:, :nope] *= eta ** (1 - alpha)
+        for got, expected in zip(ours[3 * layer : 3 * layer + 3], (q, kv, down)):
+            torch.testing.assert_close(got, expected.view_as(got), rtol=1e-5, atol=1e-7)
+    assert 0 < clipped < heads * config.num_layers
+    assert m.max_attention_logit == pytest.approx(max(t.max().item() for t in best), rel=1e-5)
 
 
 def test_main_weights_are_clipped_with_the_model():
@@ -172,15 +219,17 @@ def test_a_threshold_above_every_logit_changes_nothing():
 
 TP2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
 DP2 = ParallelConfig()
-LAYOUTS = {  # (parallel, optimizer)
-    "tp2": (TP2, MUON),
-    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), MUON),
-    "dp2-dist_muon": (DP2, dataclasses.replace(MUON, optimizer="dist_muon")),
+LAYOUTS = {  # (parallel, optimizer, model)
+    "tp2": (TP2, MUON, {}),
+    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), MUON, {}),
+    "dp2-dist_muon": (DP2, dataclasses.replace(MUON, optimizer="dist_muon"), {}),
     "dp2-distributed-adam": (
         DP2,
         OptimizerConfig(lr=3e-2, clip_grad=1.0, use_distributed_optimizer=True, overlap_param_gather=True),
+        {},
     ),
-    "dp2-fsdp2-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_torch_fsdp2=True)),
+    "dp2-fsdp2-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_torch_fsdp2=True), {}),
+    "mla-tp2": (TP2, MUON, dict(MLA, q_lora_rank=32, qk_clip_threshold=0.04)),
 }
 
 
@@ -188,15 +237,16 @@ LAYOUTS = {  # (parallel, optimizer)
 def test_layouts_clip_like_one_process(dist, what):
     """TP=2 with Muon (each rank clips its own query groups), PP=2 (the logged max over both stages), DP=2 (the
     max over replicas) with dist_muon (the owner's main weights), the distributed optimizer (its flat parts' rows,
-    with --overlap-param-gather's all-gather of the unclipped weights in flight) and FSDP2 (its dim-0 shards): per
-    iteration the one-process lm_loss, grad_norm and max logit, with clipping active."""
-    parallel, optim = LAYOUTS[what]
+    with --overlap-param-gather's all-gather of the unclipped weights in flight), FSDP2 (its dim-0 shards) and
+    multi-latent attention under TP=2 (each rank its heads' rows of both up-projections): per iteration the
+    one-process lm_loss, grad_norm and max logit, with clipping active."""
+    parallel, optim, model = LAYOUTS[what]
     one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False, overlap_param_gather=False)
     one = dataclasses.replace(one, optimizer="muon") if one.optimizer == "dist_muon" else one
-    ref = _train(ParallelConfig(), GBS, one, **CLIP)
-    assert all(r[2] > CLIP["qk_clip_threshold"] for r in ref), ref  # (clipping at every step)
+    ref = _train(ParallelConfig(), GBS, one, **CLIP | model)
+    assert all(r[2] > (CLIP | model)["qk_clip_threshold"] for r in ref), ref  # (clipping at every step)
     mbs = GBS // (2 // parallel.tensor_model_parallel_size)
-    for history in dist(2, _train, parallel, mbs, optim, **CLIP):
+    for history in dist(2, _train, parallel, mbs, optim, **CLIP | model):
         for it, (got, want) in enumerate(zip(history, ref)):
             assert got == pytest.approx(want, rel=1e-4), (what, it + 1, got, want)
 
@@ -210,11 +260,6 @@ def test_layouts_clip_like_one_process(dist, what):
         ("--qk-clip --lora-rank 4", "--qk-clip with --lora-rank 4 is not supported: the clip scales the QKV weight"),
         ("--qk-clip --context-parallel-size 2", "--qk-clip with --context-parallel-size 2 is not implemented"),
         ("--log-max-attention-logit --context-parallel-size 2", "--log-max-attention-logit with --context-parallel"),
-        (
-            "--qk-clip --multi-latent-attention --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
-            "--v-head-dim 16 --position-embedding-type rope --disable-bias-linear",
-            "--qk-clip with --multi-latent-attention is not implemented",
-        ),
     ],
 )
 def test_refusals_are_one_line(flags, says):

@@ -87,7 +87,7 @@ class CoreAttention(nn.Module):
         self.chunk = None if config.skips_rope(layer_number) else config.attention_chunk_size
         # --softmax-type: an extra logit per head beside the scores (models/attention_variants.py); this rank's
         # heads' offsets, in fp32 as the softmax
-        heads = config.num_attention_heads // ctx.tp.size
+        heads = self.local_heads = config.num_attention_heads // ctx.tp.size
         if config.softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.empty(heads, device=device, dtype=torch.float32))
             spec = ShardSpec.even(0, config.num_attention_heads, ctx.tp.size)
@@ -288,12 +288,12 @@ class SelfAttention(nn.Module):
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
         )
 
-    def qk_clip_row_scale(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
-        """QK-clip's factor per row of this rank's linear_qkv weight, from the step's max logit per local head
+    def qk_clip_row_scales(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> list:
+        """QK-clip's [(weight, factor per row of this rank's shard)], from the step's max logit per local head
         (already the maximum over data-parallel replicas): Megatron-Core's Attention.clip_qk, per query group."""
         eta = group_eta(max_logits, self.local_groups, threshold)
         gates = self.heads_per_group if self.gated else 0
-        return qkv_row_scale(eta, self.heads_per_group, gates, self.head_dim, alpha)
+        return [(self.linear_qkv.weight, qkv_row_scale(eta, self.heads_per_group, gates, self.head_dim, alpha))]
 
     def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first cos.shape[-1] dims of each head (all of them unless --rotary-percent < 1).

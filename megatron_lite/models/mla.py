@@ -32,6 +32,7 @@ from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.kernels.nf4 import dequantize_nf4
 from megatron_lite.models.attention import CoreAttention, attention_mask
 from megatron_lite.models.norms import build_norm
+from megatron_lite.models.qk_clip import group_eta, qkv_row_scale_parts
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -98,6 +99,18 @@ class MultiLatentAttention(nn.Module):
         # mla_up_proj: the per-head queries, keys and values (the up-projections' and RoPE's outputs) are not kept
         # but made again from the latents in the backward (Megatron discards the up-projections' outputs)
         self.recompute_up_proj = "mla_up_proj" in modules
+
+    def qk_clip_row_scales(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> list:
+        """QK-clip per head (Megatron-Core's MLASelfAttention.clip_qk): the query projection's rows of a head, its
+        part without position by eta^alpha and its RoPE part by eta (the key's RoPE part is shared by every head,
+        so the whole correction is on the query side); the key/value up-projection's key rows by eta^(1 - alpha),
+        its value rows and the down-projections untouched."""
+        eta = group_eta(max_logits, self.local_heads, threshold)
+        ones = torch.ones_like(eta)
+        q_weight = (self.linear_q_proj if self.linear_q_proj is not None else self.linear_q_up_proj).weight
+        q = qkv_row_scale_parts(eta, [(self.nope, eta.pow(alpha)), (self.pe, eta)])
+        kv = qkv_row_scale_parts(eta, [(self.nope, eta.pow(1.0 - alpha)), (self.v_dim, ones)])
+        return [(q_weight, q), (self.linear_kv_up_proj.weight, kv)]
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache=None, documents=None

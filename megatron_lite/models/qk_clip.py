@@ -41,12 +41,6 @@ def validate_qk_clip(c: ModelConfig) -> None:
         )
     if c.qk_clip and not c.qk_clip_threshold > 0:
         raise ConfigError(f"--qk-clip-threshold {c.qk_clip_threshold} must be > 0 (Megatron's default is 100)")
-    if records_max_logit(c) and c.multi_latent_attention:
-        flag = "--qk-clip" if c.qk_clip else "--log-max-attention-logit"
-        raise ConfigError(
-            f"{flag} with --multi-latent-attention is not implemented (only the fused-QKV attention records its max "
-            "logit); drop the flag"
-        )
 
 
 @torch.no_grad()
@@ -82,6 +76,12 @@ def group_eta(max_logits: torch.Tensor, groups: int, threshold: float) -> torch.
     NaN here keeps eta 1, where the clamp gave a negative or NaN scale once another group was clipped.)"""
     grouped = max_logits.float().view(groups, -1).amax(dim=1)
     return torch.where(grouped > threshold, threshold / grouped, torch.ones_like(grouped))
+
+
+def qkv_row_scale_parts(eta: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """A weight's factor per row where each of eta's groups (or heads) owns consecutive rows, parts of them: (rows,
+    that part's factor per group) in order."""
+    return torch.cat([f.unsqueeze(1).expand(-1, n) for n, f in parts], dim=1).reshape(-1)
 
 
 def qkv_row_scale(eta: torch.Tensor, heads_per_group: int, gates: int, head_dim: int, alpha: float) -> torch.Tensor:

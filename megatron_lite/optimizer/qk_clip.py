@@ -19,7 +19,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_lite.models.attention import SelfAttention
 from megatron_lite.parallel_context import Group, ParallelContext
 
 
@@ -37,8 +36,9 @@ def clip_qk(chunks: list, optimizer, config, ctx: ParallelContext) -> float | No
     --log-max-attention-logit). Collectives: one max over DP x CP, one over TP x PP."""
     if not (config.qk_clip or config.log_max_attention_logit):
         return None
-    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, SelfAttention)]
-    heads = [layer.local_groups * layer.heads_per_group for layer in layers]
+    # (the attention modules: SelfAttention, MultiLatentAttention)
+    layers = [m for chunk in chunks for m in chunk.modules() if hasattr(m, "qk_clip_row_scales")]
+    heads = [layer.core_attention.local_heads for layer in layers]
     found = [layer.core_attention.take_max_logits() for layer in layers]
     local = [
         f.float() if f is not None else torch.full((n,), -math.inf, device=ctx.device) for f, n in zip(found, heads)
@@ -46,8 +46,8 @@ def clip_qk(chunks: list, optimizer, config, ctx: ParallelContext) -> float | No
     stacked = _max_over(torch.cat(local) if local else torch.zeros(0, device=ctx.device), ctx.dp_cp)
     if config.qk_clip:
         for layer, max_logits in zip(layers, stacked.split(heads)):
-            scale = layer.qk_clip_row_scale(max_logits, config.qk_clip_threshold, config.qk_clip_alpha)
-            if bool((scale != 1).any()):  # (bit-equal weights where no group exceeded the threshold)
-                optimizer.scale_rows(layer.linear_qkv.weight, scale)
+            for weight, scale in layer.qk_clip_row_scales(max_logits, config.qk_clip_threshold, config.qk_clip_alpha):
+                if bool((scale != 1).any()):  # (bit-equal weights where no group exceeded the threshold)
+                    optimizer.scale_rows(weight, scale)
     overall = stacked.max().reshape(1) if stacked.numel() else torch.full((1,), -math.inf, device=ctx.device)
     return float(_max_over(overall, ctx.mp)[0])
