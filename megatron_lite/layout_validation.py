@@ -200,12 +200,6 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
         )
     if cp == 1:
         return
-    if model.qk_clip or model.log_max_attention_logit:
-        flag = "--qk-clip" if model.qk_clip else "--log-max-attention-logit"
-        raise ConfigError(
-            f"{flag} with --context-parallel-size {cp} is not implemented (context-parallel attention does not record "
-            "its max logit); use --context-parallel-size 1"
-        )
     local_heads = model.num_attention_heads // tp
     if sizes is not None and local_heads % sizes[0]:
         raise ConfigError(

@@ -230,6 +230,18 @@ LAYOUTS = {  # (parallel, optimizer, model)
     ),
     "dp2-fsdp2-adam": (DP2, OptimizerConfig(lr=3e-2, clip_grad=1.0, use_torch_fsdp2=True), {}),
     "mla-tp2": (TP2, MUON, dict(MLA, q_lora_rank=32, qk_clip_threshold=0.04)),
+    **{  # context parallelism: each rank's queries over every key block, or its heads over the whole sequence
+        f"cp2-{kind}": (ParallelConfig(context_parallel_size=2, cp_comm_type=kind), MUON, {})
+        for kind in ("p2p", "a2a", "allgather")
+    },
+    **{
+        f"cp2-a2a+p2p-{a}x{p}": (
+            ParallelConfig(context_parallel_size=2, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(a, p)),
+            MUON,
+            {},
+        )
+        for a, p in ((2, 1), (1, 2))
+    },
 }
 
 
@@ -238,8 +250,9 @@ def test_layouts_clip_like_one_process(dist, what):
     """TP=2 with Muon (each rank clips its own query groups), PP=2 (the logged max over both stages), DP=2 (the
     max over replicas) with dist_muon (the owner's main weights), the distributed optimizer (its flat parts' rows,
     with --overlap-param-gather's all-gather of the unclipped weights in flight), FSDP2 (its dim-0 shards) and
-    multi-latent attention under TP=2 (each rank its heads' rows of both up-projections): per iteration the
-    one-process lm_loss, grad_norm and max logit, with clipping active."""
+    multi-latent attention under TP=2 (each rank its heads' rows of both up-projections), context parallelism of
+    each kind (the ring's blocks, the all-to-all's head shards): per iteration the one-process lm_loss, grad_norm
+    and max logit, with clipping active."""
     parallel, optim, model = LAYOUTS[what]
     one = dataclasses.replace(optim, use_distributed_optimizer=False, use_torch_fsdp2=False, overlap_param_gather=False)
     one = dataclasses.replace(one, optimizer="muon") if one.optimizer == "dist_muon" else one
@@ -258,8 +271,6 @@ def test_layouts_clip_like_one_process(dist, what):
         ("--qk-clip --qk-clip-alpha 0", "--qk-clip-alpha 0.0 must be in (0, 1)"),
         ("--qk-clip --qk-clip-threshold 0", "--qk-clip-threshold 0.0 must be > 0"),
         ("--qk-clip --lora-rank 4", "--qk-clip with --lora-rank 4 is not supported: the clip scales the QKV weight"),
-        ("--qk-clip --context-parallel-size 2", "--qk-clip with --context-parallel-size 2 is not implemented"),
-        ("--log-max-attention-logit --context-parallel-size 2", "--log-max-attention-logit with --context-parallel"),
     ],
 )
 def test_refusals_are_one_line(flags, says):

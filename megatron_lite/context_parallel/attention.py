@@ -31,9 +31,12 @@ from megatron_lite.ring import ring_exchange, wait
 from megatron_lite.tensor_parallel.mappings import all_gather_dim0, reduce_scatter_dim0
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, triton: bool, spans=None):
+def _block_forward(q, k, v, causal: bool, scale: float, triton: bool, spans=None, max_logits=None):
+    """`max_logits`: a list that takes the block's largest visible logit per head (QK-clip), when given."""
     fn = K.flash_attention if triton else K.flash_attention_reference
-    o, lse = fn(q, k, v, causal, scale, True, document_spans=spans)
+    o, lse, *found = fn(q, k, v, causal, scale, True, document_spans=spans, return_max_logit=max_logits is not None)
+    if max_logits is not None:
+        max_logits.append(found[0])
     return o.float(), lse.float()
 
 
@@ -59,8 +62,13 @@ class _ReferenceAttention(torch.autograd.Function):
     log-sum-exp are kept for the backward (the probabilities are recomputed there)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, documents, window):
-        o, lse = K.flash_attention_reference(q, k, v, causal, scale, True, window_size=window, document_ids=documents)
+    def forward(ctx, q, k, v, causal: bool, scale: float, documents, window, max_logits=None):
+        record = max_logits is not None
+        o, lse, *found = K.flash_attention_reference(
+            q, k, v, causal, scale, True, window_size=window, document_ids=documents, return_max_logit=record
+        )
+        if max_logits is not None:
+            max_logits.append(found[0])
         ctx.save_for_backward(q, k, v, o, lse, documents)
         ctx.causal, ctx.scale, ctx.window = causal, scale, window
         return o
@@ -71,21 +79,26 @@ class _ReferenceAttention(torch.autograd.Function):
         grads = K.flash_attention_backward_reference(
             q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale, window_size=ctx.window, document_ids=documents
         )
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
-def _attention(q, k, v, causal: bool, scale: float, triton: bool, documents=None, window=None, offset=None):
+def _attention(
+    q, k, v, causal: bool, scale: float, triton: bool, documents=None, window=None, offset=None, max_logits=None
+):
     """Differentiable attention on one rank: the flash kernel, or the PyTorch reference without stored
     probabilities. `documents` [batch, seq_k]: document ids of the keys (the queries are the last positions);
     `window`: a sliding window over the keys before each query (bottom-right aligned, as the causal mask);
-    `offset` [heads]: --softmax-type's extra logit per head (the PyTorch reference then keeps its probabilities)."""
-    if offset is not None:
+    `offset` [heads]: --softmax-type's extra logit per head (the PyTorch reference then keeps its probabilities);
+    `max_logits`: a list that takes the largest visible logit per head (QK-clip), when given."""
+    record = max_logits is not None
+    if offset is not None or triton:
         fn = K.flash_attention if triton else K.flash_attention_reference
-        o, lse = fn(q, k, v, causal, scale, True, window_size=window, document_ids=documents)
-        return with_offset(o, lse, offset)
-    if triton:
-        return K.flash_attention(q, k, v, causal, scale, window_size=window, document_ids=documents)
-    return _ReferenceAttention.apply(q, k, v, causal, scale, documents, window)
+        o, lse, *found = fn(q, k, v, causal, scale, True, window_size=window, document_ids=documents,
+                            return_max_logit=record)  # fmt: skip
+        if record:
+            max_logits.append(found[0])
+        return with_offset(o, lse, offset) if offset is not None else o
+    return _ReferenceAttention.apply(q, k, v, causal, scale, documents, window, max_logits)
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -128,7 +141,7 @@ def _ring_spans(document_ids, group: Group, s: int, causal: bool) -> list:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, causal: bool, scale: float, triton: bool, document_ids, offset):
+    def forward(ctx, q, k, v, group: Group, causal: bool, scale: float, triton: bool, document_ids, offset, sink):
         cp, r = group.size, group.rank
         c = q.shape[1] // 2
         b, s, h, _ = q.shape
@@ -142,11 +155,12 @@ class _RingAttention(torch.autograd.Function):
                 (kn, vn), works = ring_exchange([kb, vb], group)
             part = _ring_block(i, r, causal)
             if part in ("all", "causal"):
-                o, lse = _merge(o, lse, *_block_forward(q, kb, vb, part == "causal", scale, triton, spans[i]))
+                o, lse = _merge(o, lse, *_block_forward(q, kb, vb, part == "causal", scale, triton, spans[i], sink))
             elif part == "first_keys":
-                o, lse = _merge(o, lse, *_block_forward(q, kb[:, :c], vb[:, :c], False, scale, triton, spans[i]))
+                block = _block_forward(q, kb[:, :c], vb[:, :c], False, scale, triton, spans[i], sink)
+                o, lse = _merge(o, lse, *block)
             else:
-                block = _block_forward(q[:, c:], kb, vb, False, scale, triton, spans[i])
+                block = _block_forward(q[:, c:], kb, vb, False, scale, triton, spans[i], sink)
                 o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *block)
                 o = torch.cat([o[:, :c], o2], 1)
                 lse = torch.cat([lse[:, :, :c], lse2], 2)
@@ -206,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
             delta = (do.float() * o.float()).sum(-1)  # [b, s, h]
             column = torch.exp(offset.float().view(1, 1, -1) - lse.transpose(1, 2))
             doffset = -(column * delta).sum((0, 1)).to(offset.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, doffset
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, doffset, None
 
 
 def ring_attention(
@@ -219,19 +233,21 @@ def ring_attention(
     triton: bool = False,
     document_ids=None,
     offset=None,
+    max_logits=None,
 ):
     """Causal (zigzag-split) or full attention of the local queries over the whole sequence's keys
     (`document_ids`: the whole sequence's, natural order; causal only; `offset`: --softmax-type's logit per head,
-    applied once the ring has merged each row)."""
+    applied once the ring has merged each row; `max_logits`: a list that takes each block's largest visible logit
+    per head, QK-clip's)."""
     if document_ids is not None and not causal:
         raise ValueError("document masks are causal")
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    if group.size == 1 and offset is not None:
-        return _attention(q, k, v, causal, scale, triton, document_ids, offset=offset)
+    if group.size == 1 and (offset is not None or max_logits is not None):
+        return _attention(q, k, v, causal, scale, triton, document_ids, offset=offset, max_logits=max_logits)
     if group.size == 1:
         fn = K.flash_attention if triton else K.flash_attention_reference
         return fn(q, k, v, causal, scale, document_ids=document_ids)
-    return _RingAttention.apply(q, k, v, group, causal, scale, triton, document_ids, offset)
+    return _RingAttention.apply(q, k, v, group, causal, scale, triton, document_ids, offset, max_logits)
 
 
 # All-to-all (Ulysses) -----------------------------------------------------------------------------
@@ -280,6 +296,7 @@ def a2a_attention(
     document_ids=None,
     window_size: int | None = None,
     offset=None,
+    max_logits=None,
 ):
     """Sequence-sharded -> head-sharded, attention over the whole sequence (put back in natural order), and
     back. Query heads must divide by the group size; key/value heads that do not are repeated to one per
@@ -293,8 +310,22 @@ def a2a_attention(
     order = torch.argsort(pos)
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
     offset = offset.view(cp, -1)[group.rank] if offset is not None else None
-    o = _attention(q, k, v, causal, scale if scale is not None else d**-0.5, triton, document_ids, window_size, offset)
+    found = [] if max_logits is not None else None
+    scale = scale if scale is not None else d**-0.5
+    o = _attention(q, k, v, causal, scale, triton, document_ids, window_size, offset, found)
+    _heads_max_logits(max_logits, found, h, cp, group.rank)
     return _AllToAll.apply(o.index_select(1, pos), group, 1, 2)  # back to zigzag order, then to our part
+
+
+def _heads_max_logits(max_logits, found, heads: int, parts: int, part: int) -> None:
+    """QK-clip under head sharding: this rank's heads' max logits (over the whole sequence) in their places
+    among the local heads, -inf at the others (the training step's max over context-parallel ranks fills them)."""
+    if max_logits is None:
+        return
+    out = torch.full((heads,), float("-inf"), device=found[0].device)
+    n = heads // parts
+    out[part * n : (part + 1) * n] = torch.stack(found).amax(0)
+    max_logits.append(out)
 
 
 # All-gather --------------------------------------------------------------------------------------
@@ -322,6 +353,7 @@ def allgather_attention(
     document_ids=None,
     window_size: int | None = None,
     offset=None,
+    max_logits=None,
 ):
     """Every rank gathers the whole sequence's keys and values; each local query chunk attends to the keys
     up to its own end (bottom-right-aligned causal mask and `window_size`; with `document_ids`, the whole
@@ -335,14 +367,17 @@ def allgather_attention(
     if not causal:
         if document_ids is not None or window_size is not None:
             raise ValueError("document masks and sliding windows are causal")
-        return _attention(q, k, v, False, scale, triton, offset=offset)
+        return _attention(q, k, v, False, scale, triton, offset=offset, max_logits=max_logits)
     r = group.rank
     ends = ((r + 1) * c, (2 * cp - r) * c)  # each local chunk sees the keys up to its own last position
     docs = (None, None) if document_ids is None else tuple(document_ids[:, :end] for end in ends)
     outs = [
-        _attention(q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton, docs[i], window_size, offset)
+        _attention(
+            q[:, i * c : (i + 1) * c], k[:, :end], v[:, :end], True, scale, triton, docs[i], window_size, offset,
+            max_logits,
+        )
         for i, end in enumerate(ends)
-    ]
+    ]  # fmt: skip
     return torch.cat(outs, 1)
 
 
@@ -357,6 +392,7 @@ def hierarchical_attention(
     triton: bool = False,
     document_ids=None,
     offset=None,
+    max_logits=None,
     *,
     inner: Group,
     outer: Group,
@@ -372,7 +408,9 @@ def hierarchical_attention(
     order = torch.argsort(pos)  # the group's parts by position: an early and a late super-chunk
     q, k, v = (t.index_select(1, order) for t in (q, k, v))
     offset = offset.view(a, -1)[inner.rank] if offset is not None else None  # (this rank's heads after the a2a)
-    o = ring_attention(q, k, v, outer, causal, scale, triton, document_ids, offset)
+    found = [] if max_logits is not None else None
+    o = ring_attention(q, k, v, outer, causal, scale, triton, document_ids, offset, found)
+    _heads_max_logits(max_logits, found, h, a, inner.rank)
     return _AllToAll.apply(o.index_select(1, torch.argsort(order)), inner, 1, 2)
 
 

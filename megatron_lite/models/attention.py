@@ -123,9 +123,13 @@ class CoreAttention(nn.Module):
             extra = {"document_ids": documents} if documents is not None else {}
             extra |= {"window_size": self.window} if self.window is not None else {}  # (a2a and allgather only)
             extra |= {"offset": self.softmax_offset} if self.softmax_offset is not None else {}
-            out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton, **extra)
+            found = [] if self.records_max_logit and self.training else None  # (QK-clip: each block's max logit)
+            out = self.cp_attention(q, k, v, self.cp, causal=True, scale=self.scale, triton=self.triton,
+                                    max_logits=found, **extra)  # fmt: skip
+            if found:
+                self._note_max_logits(torch.stack(found).amax(0))
             return out.reshape(b, s, -1)
-        record = self.records_max_logit and self.training  # (not under CP: refused at start-up)
+        record = self.records_max_logit and self.training
         flash = self.triton and p == 0.0 and self.softmax_offset is None  # (the kernel returns the max logit)
         if record and not flash:
             self._note_max_logits(max_attention_logits(q, k, self.scale, self._mask(s, sk, documents, q.device)))
