@@ -7,7 +7,9 @@ micro-batches), as Transformer Engine's return_max_logit gives Megatron. After t
 step (optimizer/qk_clip.py) takes the maximum over data- and context-parallel replicas and, per query group g,
 eta_g = min(threshold / max logit of g's heads, 1); the group's query rows of the fused QKV weight are scaled by
 eta_g^alpha and its key rows by eta_g^(1 - alpha), so every logit of the group is scaled by eta_g (Megatron-Core
-0.16.1's Attention.clip_qk). Model code calls no collective.
+0.16.1's Attention.clip_qk; multi-latent attention per head, models/mla.py). Model code calls no collective: under
+context parallelism each rank records its queries' (or, all-to-all, its heads') maxima over the blocks it
+attends (context_parallel/attention.py), and the step's max over DP x CP completes them.
 
 Under --kernel-impl triton the flash kernel returns each query's largest visible logit, its online softmax's
 running row max (kernels/flash_attention.py, return_max_logit): one fp32 store per query row, nearly free. The
