@@ -149,6 +149,46 @@ def test_trains_like_one_process(dist, layout):
         _compare(history, ref)
 
 
+# A pipeline stage of identity layers holds no parameter (Llama-3.1-Nemotron-Ultra-253B has runs of four and more):
+# PP=3 with the middle stage's two layers no-ops. It stopped at the first step (the stage's dtype was read from a
+# parameter), the other ranks waiting on it.
+_N, _I = decilm_block("normal", 2, "normal", ffn_hidden_size=64), decilm_block("no_op", None, "no_op")
+IDENTITY_STAGE = dict(heterogeneous_layers_config_encoded_json=hetero_json([_N, _I, _I, _N]))
+PP3 = P(pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1)
+
+
+@pytest.mark.parametrize("optimizer", ["ddp", "distributed_optimizer", "fsdp2"])
+def test_a_stage_of_identity_layers_trains_saves_and_loads(dist, tmp_path, optimizer):
+    """Trained at PP=3 (DDP, the distributed optimizer, FSDP2) as one process, lm_loss and grad_norm; saved there
+    and loaded at PP=3 and on one process, the runs continue as the one-process run."""
+    ckpt, kw = str(tmp_path / "identity"), {} if optimizer == "ddp" else {optimizer: True}
+    ref = reshard_run(IDENTITY_STAGE, P(), 8)
+    for history in dist(3, reshard_run, IDENTITY_STAGE, PP3, 1, ckpt, **kw):
+        _compare_resumed(history, ref, f"PP=3 {optimizer}")
+    continued = [h for h in ref if h[0] > SAVE_AT]
+    for history in dist(3, reshard_run, IDENTITY_STAGE, PP3, 1, None, ckpt, **kw):
+        _compare_resumed(history, continued, f"PP=3 {optimizer} loaded")
+    _compare_resumed(reshard_run(IDENTITY_STAGE, P(), 8, None, ckpt), continued, "one process loaded")
+
+
+def _generate_at(parallel, prompts):
+    from megatron_lite.inference.generation import generate_batch
+    from megatron_lite.models.gpt_model import build_model
+
+    from dist_pool import get_context
+
+    ctx = get_context(parallel) if parallel.pp > 1 else ParallelContext.virtual(parallel, device=torch.device("cpu"))
+    model = build_model(llama_config(num_layers=4, **IDENTITY_STAGE), ctx, seed=7)
+    return [r["generated_ids"] for r in generate_batch(model, ctx, prompts, 6)]
+
+
+def test_a_stage_of_identity_layers_generates(dist):
+    """Greedy generation at PP=3 with the middle stage empty gives the one-process tokens on every rank."""
+    prompts = [[5, 6, 7, 8], [9, 4, 60]]
+    want = _generate_at(P(), prompts)
+    assert dist(3, _generate_at, PP3, prompts) == [want] * 3
+
+
 def test_checkpoint_loads_under_another_layout(dist, tmp_path):
     """Saved at TP=2 with sequence parallelism, loaded at PP=2 and on one process: the runs continue as the
     original (tests/test_checkpoint_reshard.py's run: 4 layers, Adam, a cosine schedule)."""

@@ -53,7 +53,7 @@ def _forward_batch(chunks, ctx: ParallelContext, tokens: torch.Tensor, cache: KV
     b, n = tokens.shape
     positions = torch.arange(cache.offset, cache.offset + n, device=ctx.device).unsqueeze(0).expand(b, n)
     config = chunks[0].config
-    dtype = next(p for c in chunks for p in c.parameters()).dtype  # (a virtual stage may hold nothing)
+    dtype = chunks[0].params_dtype  # (the build dtype: a stage may hold no parameter)
     dtype = stream_dtype(config, dtype)  # (what a stage sends: fp32 under --fp32-residual-connection)
     hidden = None
     out = None
@@ -82,7 +82,7 @@ def generation_bytes(chunks, ctx: ParallelContext, batch: int, max_len: int, sco
     """What a generation holds on this rank beside the model: the KV cache, multi-latent attention's absorbed
     up-projections where they are not views of a weight (NF4, LoRA), and on the last stage the scored prompts'
     fp32 logits, `scored_rows` positions of each sequence (gathered over TP, then the fp32 copy)."""
-    config, dtype = chunks[0].config, next(p for c in chunks for p in c.parameters()).dtype
+    config, dtype = chunks[0].config, chunks[0].params_dtype
     # (the decoder's layers: generation never runs the multi-token-prediction depths; a hybrid model's attention
     # layers hold keys and values, its Mamba layers a state, its MLP layers nothing)
     # Each attention layer by its own config (a heterogeneous model's layers have their own query groups; a no-op

@@ -119,6 +119,9 @@ class GPTModel(nn.Module):
         device = torch.device(device) if device is not None else ctx.device
         layers = range(config.num_layers) if layers is None else layers
         self.config = config
+        # The dtype the weights were built in (Megatron's params_dtype): what the stage computes and sends in, read
+        # from here, not from a parameter, as a stage of no-op layers holds none
+        self.params_dtype = dtype
         self.tp = ctx.tp
         self.vocab_size = config.vocab_size
         self.first_expert = ctx.ep.rank * (config.num_experts // ctx.ep.size) if config.num_experts else 0

@@ -145,8 +145,8 @@ def _run_pipeline(model, micro_batches, ctx, scale: float, forward_only: bool) -
     seq = s // ctx.tp.size if ctx.sequence_parallel else s
     shape = (seq, b, chunks[0].config.hidden_size)
     # the dtype the chunks compute in (FSDP2 keeps fp32 parameters and computes in its param_dtype)
-    # (of any chunk: a virtual stage may hold nothing, "Ett||tt|L")
-    dtype = getattr(model, "compute_dtype", None) or next(p for c in chunks for p in c.parameters()).dtype
+    # (the build dtype: a stage of no-op layers, or a virtual stage "Ett||tt|L", holds no parameter)
+    dtype = getattr(model, "compute_dtype", None) or chunks[0].params_dtype
     dtype = stream_dtype(chunks[0].config, dtype)  # (fp32 under --fp32-residual-connection)
     final = None if forward_only else model.final_grads  # each chunk's buckets reduce under the rest
     return run_pipeline(chunks, ctx, micro_batches, shape, dtype, scale, forward_only, final_grads=final)
