@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
 from megatron_lite.data.config import TOKENIZER_FIELDS
+from megatron_lite.flag_values import heterogeneous_json
+from megatron_lite.models.heterogeneous import check_given_blocks
 
 SHARDING = (
     "use_distributed_optimizer",
@@ -83,7 +85,9 @@ ARCH_DESTS = (
     "moe_router_group_score_topn",
     *(HYBRID := ("is_hybrid_model", "hybrid_attention_ratio", "hybrid_mlp_ratio", "hybrid_override_pattern")),
     *(MAMBA := ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")),
-    "heterogeneous_layers_config_encoded_json",  # (Megatron keeps the block configs' text in its checkpoints too)
+    # (Megatron keeps the block configs' text in its checkpoints too; they are compared as blocks, the path's file
+    # as the text it gives)
+    *(HETEROGENEOUS := ("heterogeneous_layers_config_encoded_json", "heterogeneous_layers_config_path")),
 )
 
 # The architecture flags in which an upcycled MoE run differs from the dense checkpoint it starts from
@@ -185,6 +189,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     hybrid_defaults = (False, 0.0, 0.0, None, 128, 64, 8, None)
     out.update({k: m.get(k, default) for k, default in zip((*HYBRID, *MAMBA), hybrid_defaults)})
     out["heterogeneous_layers_config_encoded_json"] = m.get("heterogeneous_layers_config_encoded_json")
+    out["heterogeneous_layers_config_path"] = None  # (the text above is the blocks: --use-checkpoint-args drops a path)
     out.update({k: v for k, v in m.items() if k.startswith("moe_") or k == "num_experts"})
     out.update(
         {
@@ -445,7 +450,12 @@ def flags_from_checkpoint(
     if "tokenizer_model" in saved:
         saved["tokenizer_model"] = tokenizer_beside(saved["tokenizer_model"], path)
     given = explicit_dests(parser, argv)
-    conflicts = [d for d in ARCH_DESTS if d in given and getattr(ns, d) != saved.get(d)]
+    conflicts = [d for d in ARCH_DESTS if d in given and d not in HETEROGENEOUS and getattr(ns, d) != saved.get(d)]
+    if given & set(HETEROGENEOUS) and not ns.use_checkpoint_args and "model" in config:
+        flag = "--heterogeneous-layers-config-" + (
+            "encoded-json" if ns.heterogeneous_layers_config_encoded_json else "path"
+        )
+        check_given_blocks(heterogeneous_json(ns), flag, config["model"], path)
     # --moe-use-upcycling from a dense --load: the experts and their size are this run's own (training/upcycling.py
     # checks them against the dense checkpoint); its own checkpoint, resumed, is an MoE one like any other
     upcycled = UPCYCLED_DESTS if ns.moe_use_upcycling and not resumed else ()

@@ -7,6 +7,7 @@ DeciLM's intermediate sizes of published Llama-Nemotron configs worked out by ha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -199,9 +200,34 @@ def test_checkpoint_loads_under_another_layout(dist, tmp_path):
     for history in dist(2, reshard_run, kw, P(pipeline_model_parallel_size=2), 2, None, ckpt):
         _compare_resumed(history, continued, "pp2")
     _compare_resumed(reshard_run(kw, P(), 8, None, ckpt), continued, "one process")
-    homogeneous = {}  # and a homogeneous model does not take it
-    with pytest.raises(ConfigError, match="holds a model with heterogeneous_blocks="):
+    homogeneous = {}  # and a homogeneous model (llama_config's FFN 96) does not take it
+    with pytest.raises(ConfigError, match=r"holds other layers \(block 0: the checkpoint's attention normal \(4 query "
+                       r"groups\), MLP normal \(FFN 64\); this run's attention normal \(4 query groups\), MLP normal "
+                       r"\(FFN 96\)\)"):  # fmt: skip
         reshard_run(homogeneous, P(), 8, None, ckpt)
+
+
+def test_another_checkpoints_blocks_are_named_by_the_first_difference():
+    """80 layers (Llama-Nemotron-sized) differing in layer 7 only: one short line naming that block, both sides'
+    parts and sizes (ffn_mult 1.0 at hidden 64: 256), where both tuples of blocks were printed (14 KB)."""
+    from megatron_lite.checkpoint.compatibility import check_model_structure
+
+    saved = [decilm_block("normal", 2, "normal", ffn_mult=1.0)] * 40 + [decilm_block("no_op", None, "normal")] * 40
+    ours = list(saved)
+    ours[7] = decilm_block("no_op", None, "normal", ffn_mult=1.0)
+
+    def config(blocks):
+        return llama_config(num_layers=80, heterogeneous_layers_config_encoded_json=hetero_json(blocks))
+
+    meta = {"config": {"model": dataclasses.asdict(config(saved))}}
+    model = GPTModel(config(ours), _ctx(), device="meta")
+    with pytest.raises(ConfigError) as e:
+        check_model_structure("ckpt", meta, model)
+    want = (
+        "ckpt holds other layers (block 7: the checkpoint's attention normal (4 query groups), MLP normal (FFN "
+        "256); this run's attention no_op, MLP normal (FFN 256)): give --heterogeneous-layers-config-path the "
+    )
+    assert str(e.value).startswith(want) and len(str(e.value)) < 400, str(e.value)
 
 
 FLAGS = (
@@ -303,6 +329,41 @@ def test_load_alone_takes_the_checkpoints_block_configs():
     saved = _job(HETERO_BLOCKS).to_dict()
     ns = flags_from_checkpoint(build_parser(), FLAGS, build_parser().parse_args(FLAGS), saved, "ckpt")
     assert ns.heterogeneous_layers_config_encoded_json == hetero_json(HETERO_BLOCKS)
+
+
+def test_load_compares_the_given_block_configs_as_blocks(tmp_path):
+    """--load with the block-config flags: the same blocks written as other JSON (indented, as a config.json is) are
+    taken, by either flag; other blocks given by either flag are refused in one line naming the first differing
+    block (the path was ignored without a word, the JSON compared as text); --use-checkpoint-args takes the
+    checkpoint's."""
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+    from megatron_lite.flag_parser import build_parser
+    from megatron_lite.flag_values import heterogeneous_json
+
+    saved = _job(HETERO_BLOCKS).to_dict()
+    indented = json.dumps({"architectures": ["DeciLMForCausalLM"], "block_configs": list(HETERO_BLOCKS)}, indent=2)
+    other = hetero_json([decilm_block("normal", 2, "normal", ffn_hidden_size=128)] * 4)
+    (tmp_path / "same.json").write_text(indented)
+    (tmp_path / "other.json").write_text(other)
+
+    def load(*flags: str):
+        argv = [*FLAGS, *flags]
+        ns = flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
+        return json.loads(heterogeneous_json(ns))["block_configs"]
+
+    assert load("--heterogeneous-layers-config-encoded-json", indented) == list(HETERO_BLOCKS)
+    assert load("--heterogeneous-layers-config-path", str(tmp_path / "same.json")) == list(HETERO_BLOCKS)
+    differs = (
+        "conflicts with the checkpoint in ckpt (block 0: the checkpoint's attention normal (4 query groups), MLP "
+        "normal (FFN 64); this run's attention normal (4 query groups), MLP normal (FFN 128)): drop the flag"
+    )
+    for flag, value in (("encoded-json", other), ("path", str(tmp_path / "other.json"))):
+        with pytest.raises(ConfigError) as e:
+            load(f"--heterogeneous-layers-config-{flag}", value)
+        assert str(e.value).startswith(f"--heterogeneous-layers-config-{flag} {differs}"), str(e.value)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    taken = load("--heterogeneous-layers-config-path", str(tmp_path / "other.json"), "--use-checkpoint-args")
+    assert taken == list(HETERO_BLOCKS)
 
 
 def test_what_does_not_model_heterogeneous_layers_says_so():

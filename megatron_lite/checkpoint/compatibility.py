@@ -10,6 +10,7 @@ import glob
 import os
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
+from megatron_lite.models.heterogeneous import first_block_difference
 from megatron_lite.optimizer.optimizer import state_kinds
 from megatron_lite.parameters import named_param_meta
 
@@ -74,6 +75,13 @@ def check_model_structure(path: str, meta: dict, model) -> None:
         a, b = getattr(theirs, field), getattr(config, field)
         if field == "head_dim" and theirs.multi_latent_attention and config.multi_latent_attention:
             continue  # (multi-latent attention does not read --kv-channels)
+        if field == "heterogeneous_blocks":  # (the first layer built otherwise, not both lists of blocks)
+            if (difference := first_block_difference(theirs, config)) is not None:
+                raise ConfigError(
+                    f"{path} holds other layers ({difference}): give {flag} the checkpoint's block configs (or pass "
+                    "--use-checkpoint-args), or load another checkpoint"
+                )
+            continue
         if a != b:
             raise ConfigError(
                 f"{path} holds a model with {field}={a!r}; this run builds {field}={b!r}: set {flag} as the "

@@ -199,3 +199,58 @@ def layer_kinds(c: ModelConfig, layer: int) -> str:
     no-op), "-" MLP only, "" neither (the layer is an identity)."""
     b = c.heterogeneous_blocks[layer]
     return ("*" if b.attention != NO_OP else "") + ("-" if b.mlp != NO_OP else "")
+
+
+def _layer_parts(c: ModelConfig, layer: int) -> tuple:
+    """Layer `layer`'s (attention kind, query groups, MLP kind, FFN size) as built: the sizes resolved (the model's
+    where a block leaves them null; a homogeneous model's layers all plain) and None for a part that has none."""
+    b = c.heterogeneous_blocks[layer] if c.heterogeneous_blocks is not None else BlockConfig()
+    layer_c = c.layer_config(layer)
+    return (
+        b.attention,
+        layer_c.query_groups if b.attention == NORMAL else None,
+        b.mlp,
+        layer_c.ffn_size if b.mlp == NORMAL else None,
+    )
+
+
+def _describe(parts: tuple) -> str:
+    attention, groups, mlp, ffn = parts
+    return (
+        f"attention {attention}{f' ({groups} query groups)' if groups is not None else ''}, "
+        f"MLP {mlp}{f' (FFN {ffn})' if ffn is not None else ''}"
+    )
+
+
+def first_block_difference(theirs: ModelConfig, ours: ModelConfig, whose: str = "the checkpoint's") -> str | None:
+    """The first layer whose parts or sizes differ between two models of the same depth, said in one short line
+    (both tuples of blocks in full ran to kilobytes for an 80-layer model), or None where every layer is built
+    alike (a homogeneous model and plain blocks of its sizes are the same layers)."""
+    counts = [len(c.heterogeneous_blocks or ()) or c.num_layers for c in (theirs, ours)]
+    if counts[0] != counts[1]:
+        return f"{whose} {counts[0]} layers; this run's {counts[1]}"
+    for i in range(counts[0]):
+        a, b = _layer_parts(theirs, i), _layer_parts(ours, i)
+        if a != b:
+            return f"block {i}: {whose} {_describe(a)}; this run's {_describe(b)}"
+    return None
+
+
+def check_given_blocks(text: str, flag: str, saved_model: dict, path: str) -> None:
+    """--load with a block-config flag given (`flag`, whose blocks are `text`: the encoded JSON, else the path's
+    file): its blocks must build the checkpoint's layers. Compared as blocks, not as text: the same blocks written
+    as other JSON (a converted checkpoint keeps re-serialised text; Megatron's usual
+    `--heterogeneous-layers-config-encoded-json "$(cat config.json)"`) are the same model."""
+    import dataclasses
+
+    from megatron_lite.checkpoint.compatibility import model_config_from_dict
+
+    theirs = model_config_from_dict(saved_model)
+    ours = dataclasses.replace(theirs, heterogeneous_layers_config_encoded_json=text)
+    if (difference := first_block_difference(theirs, ours)) is not None:
+        from megatron_lite.config import ConfigError
+
+        raise ConfigError(
+            f"{flag} conflicts with the checkpoint in {path} ({difference}): drop the flag, or pass "
+            "--use-checkpoint-args to take the checkpoint's block configs"
+        )
