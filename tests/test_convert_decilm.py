@@ -118,3 +118,21 @@ def test_noop_and_linear_blocks_round_trip_bit_exactly(tmp_path):
     assert [b.attention for b in config.heterogeneous_blocks] == ["normal", "no_op", "linear", "normal", "no_op"]
     weights = {model.global_name(n): p for n, p in model.named_parameters()}
     assert torch.equal(weights["decoder.layers.1.mlp.weight"], tensors["model.layers.1.mlp.linear_mlp.weight"])
+
+
+def test_a_downloads_remote_code_is_never_run_or_asked_about(tmp_path, monkeypatch):
+    """A Llama-Nemotron download names its remote code (auto_map, configuration_decilm.py): its config.json is read
+    without transformers' AutoConfig, which asked "run the custom code? [y/N]" (and failed with y); the code file
+    here would raise if anything ran it."""
+    from megatron_lite.checkpoint.hf_convert import load_hf_config
+
+    def no_auto_config(*args, **kwargs):
+        raise AssertionError("AutoConfig.from_pretrained called on a DeciLM download")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_auto_config)
+    auto_map = {"AutoConfig": "configuration_decilm.DeciLMConfig", "AutoModelForCausalLM": "modeling_decilm.X"}
+    (tmp_path / "config.json").write_text(json.dumps(_decilm_config(MIXED, auto_map=auto_map)))
+    (tmp_path / "configuration_decilm.py").write_text("raise RuntimeError('remote code ran')\n")
+    save_file(_decilm_tensors(MIXED), str(tmp_path / "model.safetensors"))
+    config, raw = load_hf_config(str(tmp_path))
+    assert config.block_configs == MIXED and config.hidden_size == 64 and raw["auto_map"] == auto_map

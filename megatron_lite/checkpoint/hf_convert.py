@@ -65,6 +65,8 @@ from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_saved
 from megatron_lite.models.hf import MTP, _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
+from megatron_lite.models.hf_decilm import DECILM
+from megatron_lite.models.hf_decilm import MODEL_TYPE as DECILM_TYPE
 from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_gpt_oss import GPT_OSS, dequantize_experts
 from megatron_lite.models.hf_llama4 import LLAMA4, LLAMA4_VLM
@@ -85,6 +87,12 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         raw = json.load(open(cfg_path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # (a saved HTML page, a truncated download)
         raise ConfigError(f"{cfg_path} is not JSON ({e}); download it again") from None
+    archs = raw.get("architectures") or [None]
+    if archs[0] == DECILM or raw.get("model_type") == DECILM_TYPE:
+        # Llama-Nemotron's DeciLM is remote code only, and a download names it (auto_map, configuration_decilm.py):
+        # AutoConfig would ask to run it ("[y/N]", then fail). Read over no class's defaults, as its config.json
+        # writes them all; its code is never run.
+        return _fallback_config(raw), raw
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -96,9 +104,7 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         # class we convert: its config.json over that class's defaults. Any other failure stays an error.
         from transformers import CONFIG_MAPPING
 
-        archs = raw.get("architectures") or [None]
-        # (Llama-Nemotron's DeciLM is remote code only: read over no class's defaults, as its config.json writes all)
-        deepseek = archs[0] in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeciLMForCausalLM")
+        deepseek = archs[0] in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
         if not deepseek or raw.get("model_type") in CONFIG_MAPPING:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{cfg_path}: transformers cannot read it ({first})") from e
