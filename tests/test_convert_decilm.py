@@ -136,3 +136,32 @@ def test_a_downloads_remote_code_is_never_run_or_asked_about(tmp_path, monkeypat
     save_file(_decilm_tensors(MIXED), str(tmp_path / "model.safetensors"))
     config, raw = load_hf_config(str(tmp_path))
     assert config.block_configs == MIXED and config.hidden_size == 64 and raw["auto_map"] == auto_map
+
+
+CONFIGURATION_DECILM = """from transformers import PretrainedConfig
+
+
+class DeciLMConfig(PretrainedConfig):
+    model_type = "nemotron-nas"
+
+    def __init__(self, block_configs=None, **kwargs):
+        self.block_configs = block_configs
+        super().__init__(**kwargs)
+"""
+
+
+def test_the_export_carries_the_downloads_remote_code(tmp_path):
+    """auto_map and the modelling code of a download (kept under the checkpoint's hf/, never run) are exported with
+    the weights, so the export opens with trust_remote_code as the download did; the export dropped both."""
+    hf_dir = tmp_path / "decilm"
+    hf_dir.mkdir()
+    auto_map = {"AutoConfig": "configuration_decilm.DeciLMConfig", "AutoModelForCausalLM": "modeling_decilm.X"}
+    code = {"configuration_decilm.py": CONFIGURATION_DECILM, "modeling_decilm.py": "from .block_config import *\n",
+            "block_config.py": "# imported by modeling_decilm\n"}  # fmt: skip
+    for name, text in code.items():
+        (hf_dir / name).write_text(text)
+    (hf_dir / "config.json").write_text(json.dumps(_decilm_config(MIXED, auto_map=auto_map)))
+    save_file(_decilm_tensors(MIXED), str(hf_dir / "model.safetensors"))
+    _, back = _to_ours_and_back(str(hf_dir), tmp_path, "remote")
+    assert json.loads((pathlib.Path(back) / "config.json").read_text())["auto_map"] == auto_map
+    assert {name: (pathlib.Path(back) / name).read_text() for name in code} == code

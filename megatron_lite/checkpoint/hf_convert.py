@@ -65,7 +65,7 @@ from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_saved
 from megatron_lite.models.hf import MTP, _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
-from megatron_lite.models.hf_decilm import DECILM
+from megatron_lite.models.hf_decilm import DECILM, exported_auto_map, remote_code_files
 from megatron_lite.models.hf_decilm import MODEL_TYPE as DECILM_TYPE
 from megatron_lite.models.hf_deepseek import rope_interleave_of
 from megatron_lite.models.hf_gpt_oss import GPT_OSS, dequantize_experts
@@ -226,7 +226,8 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     new_side = side + ".tmp"
     shutil.rmtree(new_side, ignore_errors=True)
     os.makedirs(new_side)
-    copy_side_files([(load_dir, ("config.json", *SIDE_FILES))], new_side)
+    code = remote_code_files(load_dir) if arch == DECILM else ()  # (kept for the export, not run)
+    copy_side_files([(load_dir, ("config.json", *SIDE_FILES, *code))], new_side)
     tokenizer = os.path.join(os.path.abspath(side), "tokenizer.json")
     data = (
         DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer)
@@ -439,8 +440,13 @@ def megatron_lite_to_hf(
         target = DTYPES[dtype]
         hf = {k: v.to(target) for k, v in hf.items()}
     out_dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
+    hf_config = hf_config_dict(config, arch, base, out_dtype)
+    if arch == DECILM and (auto_map := exported_auto_map(base, code := remote_code_files(side))) is not None:
+        # (remote code only: the download's modelling code and its auto_map go along, so the export opens as it did)
+        hf_config["auto_map"] = auto_map
+        side_from.append((side, code))
     try:
-        write_hf_dir(save_dir, hf, hf_config_dict(config, arch, base, out_dtype), side_from)
+        write_hf_dir(save_dir, hf, hf_config, side_from)
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)

@@ -440,7 +440,7 @@ def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dty
     out = dict(base or {})
     out.update(architectures=[arch], model_type=MODEL_TYPES[arch], vocab_size=c.vocab_size, torch_dtype=dtype)
     out.pop("dtype", None)
-    # (the weights are not quantised, and the remote code auto_map names is not exported with them)
+    # (the weights are not quantised; the remote code auto_map names goes along for DeciLM only, hf_convert.py)
     for dropped in ("quantization_config", "auto_map"):
         out.pop(dropped, None)
     out.setdefault("initializer_range", c.init_method_std)  # (the base's: only new weights' init reads it)

@@ -13,6 +13,7 @@ the math and has no form here (biases, another activation, the attention feature
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
@@ -141,3 +142,24 @@ def state_dict_to_hf(ours: dict[str, torch.Tensor], config: ModelConfig, on_disk
     if not (on_disk and config.tied_embeddings):
         hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
     return {k: v.contiguous() for k, v in hf.items()}
+
+
+def remote_code_files(directory: str | None) -> tuple[str, ...]:
+    """DeciLM's modelling code in a model directory: the Python files beside its config.json (configuration_decilm.py,
+    modeling_decilm.py and the modules they import), kept with a converted checkpoint's config.json and exported
+    with it so that the export opens with trust_remote_code as the download did. Copied as files, never run."""
+    if directory is None or not os.path.isdir(directory):
+        return ()
+    return tuple(sorted(f for f in os.listdir(directory) if f.endswith(".py")))
+
+
+def exported_auto_map(base: dict | None, code_files: tuple[str, ...]) -> dict | None:
+    """The original config.json's auto_map where every module it names goes along ("configuration_decilm.
+    DeciLMConfig" is configuration_decilm.py; a Hub reference "repo--module.Class" the module likewise), else None:
+    an auto_map naming code that is not there makes transformers fail to open the directory."""
+    auto_map = (base or {}).get("auto_map")
+    if not isinstance(auto_map, dict) or not auto_map:
+        return None
+    refs = [r for v in auto_map.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    modules = {r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs}
+    return auto_map if modules <= set(code_files) else None
