@@ -12,6 +12,8 @@ from test_pretrain_cli import TINY, _run
 from megatron_lite.data.indexed import IndexedDatasetWriter
 from megatron_lite.training.pretrain import main
 
+from models import decilm_block
+
 
 def _dry_run_state_bytes(argv, world, capsys, monkeypatch) -> dict[int, float]:
     """--dry-run's per-rank weights+gradients+optimizer bytes, by pipeline-first rank of each printed group."""
@@ -63,6 +65,16 @@ def test_dry_run_memory_follows_the_sharding(flags, sharding, bf16, capsys, monk
 
 LLAMA_LIKE = "--swiglu --normalization RMSNorm --disable-bias-linear"
 ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
+# Heterogeneous layers (4 heads): 2 query groups and an FFN of 64; a no-op attention and a linear MLP; two identities;
+# 1 query group and a no-op MLP; a linear attention and the model's MLP; an identity. In runs of two under uniform
+# recomputation: one of identities alone (it keeps nothing), one whose checkpoint starts with an identity.
+_N, _I = decilm_block("normal", 2, "normal", ffn_hidden_size=64), decilm_block("no_op", None, "no_op")
+BLOCKS = [_N, decilm_block("no_op", None, "linear"), _I, _I, _I, decilm_block("normal", 4, "no_op"),
+          decilm_block("linear", None, "normal"), _I]  # fmt: skip
+HETERO = (
+    f"{LLAMA_LIKE} --position-embedding-type rope --num-layers 8 --group-query-attention --num-query-groups 2 "
+    f"--heterogeneous-layers-config-encoded-json {json.dumps({'block_configs': BLOCKS}, separators=(',', ':'))}"
+)
 
 
 @pytest.mark.parametrize(
@@ -85,6 +97,8 @@ ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
         f"{LLAMA_LIKE} --mtp-num-layers 2 --recompute-granularity full --recompute-method block "
         "--recompute-num-layers 1",  # (the first layer of the two checkpointed)
+        HETERO,
+        f"{HETERO} --recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
     ],
     ids=[
         "seq256",
@@ -97,6 +111,8 @@ ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
         "lora-mtp",
         "lora-mtp-full-recompute",
         "mtp-block-recompute",
+        "heterogeneous",
+        "heterogeneous-full-recompute",
     ],  # fmt: skip
 )
 def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monkeypatch, flags):

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
+from megatron_lite.models.heterogeneous import NO_OP, NORMAL, BlockConfig, layer_kinds
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
 from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
 from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.lora_memory import lora_first_layer_bytes, lora_layer_bytes
 from megatron_lite.planner.precision import (
     expert_rows,
     fp8_activation_bytes,
@@ -139,37 +141,6 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
     return StageParams(dense, expert, tuple(layers))
 
 
-def _lora_bytes(model: ModelConfig, layout: Layout, a: int, layer: int, lora, modules: set, mask: int) -> float:
-    """What LoRA changes in a layer's saved tensors, per token: a frozen linear keeps no input (autograd saves it
-    for the weight's gradient only); an adapted one keeps it for its adapters' A, or with --lora-dropout each
-    adapter keeps its own dropped copy and mask instead; each adapter keeps its rank-r intermediate for B. Dense
-    attention and MLPs; multi-latent attention and the experts are priced as trained."""
-    from megatron_lite.lora.config import layer_parts
-
-    h, tp, sp = model.hidden_size, layout.tp, layout.sp
-    q, f = model.num_attention_heads * model.head_dim, model.ffn_size
-    mla, moe = model.multi_latent_attention, model.is_moe_layer(layer)
-    regen, dropout = "layernorm" in modules, lora.dropout > 0
-    rope, triton = model.position_embedding_type == "rope", model.kernel_impl == "triton"
-    # (without RoPE, PyTorch's attention output is the output projection's input itself, kept by SDPA anyway)
-    proj_apart = triton or rope or "core_attn" in modules
-    mlp_checkpointed = ("moe" if moe else "mlp") in modules
-    # (adapters on it, its input's width on this rank, whether the input is counted as a tensor of its own)
-    linears = []
-    if not mla:
-        linears += [(len(layer_parts(lora, "linear_qkv") or ()), h, not (regen and not sp))]
-        linears += [(int("linear_proj" in lora.target_modules), q / tp, proj_apart)]
-    if not moe and not mlp_checkpointed:
-        linears += [(len(layer_parts(lora, "linear_fc1") or ()), h, not (regen and not sp))]
-        linears += [(int("linear_fc2" in lora.target_modules), f / tp, True)]
-    change = 0.0
-    for adapters, width, counted in linears:
-        if counted and (adapters == 0 or dropout):
-            change -= width * a
-        change += adapters * (lora.rank * a + (width * (a + mask) if dropout else 0))
-    return change
-
-
 def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:
     """What a norm keeps per token: the Triton kernels their input and statistics; PyTorch's RMSNorm also the
     normalised input, for the weight's gradient (none for a frozen one); PyTorch's LayerNorm its input, mean and
@@ -180,18 +151,6 @@ def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:
     return (0 if frozen else h * a) + h * a + 4
 
 
-def _lora_first_layer_bytes(model: ModelConfig, layout: Layout, a: int, lora, mask: int) -> float:
-    """What the model's first layer keeps less under LoRA: its input, the frozen embedding's output, needs no
-    gradient, so its input norm (frozen) keeps nothing and its QKV adapters' dropout no mask."""
-    from megatron_lite.lora.config import layer_parts
-
-    h, norm_div = model.hidden_size, layout.tp if layout.sp else 1
-    regen = layout.recompute == "selective" and "layernorm" in model.recompute_modules
-    norm = h * a if regen else _norm_bytes(model, a, frozen=True)
-    qkv = 0 if model.multi_latent_attention else len(layer_parts(lora, "linear_qkv") or ())
-    return norm / norm_div + (qkv * h * mask if lora.dropout > 0 else 0)
-
-
 def layer_activation_bytes(
     model: ModelConfig, layout: Layout, a: int, layer: int, recompute: str, lora=None, mask: int = 1, tokens: int = 0
 ) -> float:
@@ -199,7 +158,18 @@ def layer_activation_bytes(
     selective recomputation, what each of the model's --recompute-modules drops (see models/transformer.py);
     with `lora` (a LoraConfig), what the frozen weights and the adapters change. `mask`: bytes per element of a
     dropout mask (a GPU's are bool; PyTorch's CPU dropout keeps its scaled noise, in the activations' dtype).
-    `tokens`: of a micro-batch on this rank, for an expert's capacity."""
+    `tokens`: of a micro-batch on this rank, for an expert's capacity.
+
+    A heterogeneous layer (models/heterogeneous.py) at its own query groups and FFN size: a no-op part keeps
+    nothing, not even its norm; a linear one its norm and the linear's input; an identity layer nothing (checkpointed,
+    its checkpoint's input is priced, which activation_bytes leaves out for a run of identities alone)."""
+    blocks = model.heterogeneous_blocks if layer < model.num_layers else None
+    block = blocks[layer] if blocks is not None else BlockConfig()
+    if block.attention == block.mlp == NO_OP and recompute != "full":
+        return 0.0
+    model = model.layer_config(layer) if blocks is not None else model
+    attn_kept, mlp_kept = block.attention != NO_OP, block.mlp != NO_OP
+    parts = attn_kept + mlp_kept  # (each kept part: its norm, its dropout mask)
     h, d = model.hidden_size, model.head_dim
     q, kv, heads = model.num_attention_heads * d, model.query_groups * d, model.num_attention_heads
     tp, sp, triton = layout.tp, layout.sp, model.kernel_impl == "triton"
@@ -214,13 +184,15 @@ def layer_activation_bytes(
     norm = _norm_bytes(model, a, frozen=lora is not None)
     regen = "layernorm" in modules  # each norm keeps its input (the fused Triton one its statistics too) and
     # its output's storage is freed, made again in the backward: kept are only the GEMMs' gathered copies (SP)
-    total = (2 * h * a + (8 if triton else 0)) / norm_div if regen else 2 * norm / norm_div
-    total += 2 * wide / norm_div
-    total += 0 if regen and not sp else h * a  # QKV's input
-    if ("moe" if model.is_moe_layer(layer) else "mlp") in modules:  # the MLP checkpointed keeps only its input
+    total = (2 * h * a + (8 if triton else 0)) / norm_div if regen else parts * norm / norm_div
+    total += parts * wide / norm_div
+    total += 0 if (regen and not sp) or not attn_kept else h * a  # QKV's (or its linear replacement's) input
+    if not mlp_kept:
+        pass
+    elif ("moe" if model.is_moe_layer(layer) else "mlp") in modules:  # the MLP checkpointed keeps only its input
         total += 0 if regen else h * a / norm_div
     else:
-        total += 0 if regen and not sp else h * a  # fc1's (and the router's) input
+        total += 0 if regen and not sp else h * a  # fc1's (the router's, the linear replacement's) input
     if core == "selective":  # the checkpoint keeps q, k, v (v, or all three, views of the QKV output)
         attn = ((q + kv if rope else 0) + (q + 2 * kv) + q) * a
     elif triton:
@@ -244,6 +216,8 @@ def layer_activation_bytes(
     nope = layer < model.num_layers and model.skips_rope(layer)  # (--no-rope-freq: saves alike here, but for l2)
     if model.qk_l2_norm and not (model.qk_l2_norm_rope_only and nope):
         attn += l2_norm_bytes(model, a, triton, rope, core)
+    if block.attention != NORMAL:  # (a linear replacement keeps its input alone, counted above)
+        attn = 0
     if model.multi_latent_attention:
         attn = mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
     if layout.cp > 1 and layout.cp_comm_type == "allgather" and core == "none":
@@ -285,12 +259,12 @@ def layer_activation_bytes(
                 total += (h * a + a + (h * a if sp else 0)) / norm_div
     else:
         total += attn / tp
-        if "mlp" not in modules:
+        if "mlp" not in modules and block.mlp == NORMAL:
             total += mlp(model.ffn_size) / tp
     if model.hidden_dropout > 0:
-        total += 2 * h * mask / norm_div  # the two dropout masks
+        total += parts * h * mask / norm_div  # the dropout masks (two)
     if lora is not None:
-        total += _lora_bytes(model, layout, a, layer, lora, modules, mask)
+        total += lora_layer_bytes(model, layout, a, layer, lora, modules, mask)
     elif fp8:
         total += fp8_activation_bytes(model, layout, a, layer, modules, expert_rows(model, tokens)[1])
     return total
@@ -358,26 +332,35 @@ def activation_bytes(
     block = layout.recompute == "full" and model.recompute_method == "block"
     group = (model.recompute_num_layers or 1) if layout.recompute == "full" and not block else 1
 
-    def layer_bytes(i: int, index: int) -> float:
+    def identity(i: int) -> bool:  # (a heterogeneous layer of two no-ops)
+        return model.heterogeneous_blocks is not None and i < model.num_layers and not layer_kinds(model, i)
+
+    def layer_bytes(i: int, index: int, layers: list[int]) -> float:
         if index % group:
             return 0.0  # inside a uniform run: its input is the run's, rebuilt in the backward
         recompute = "none" if block and index >= (model.recompute_num_layers or 0) else layout.recompute
+        if recompute == "full" and all(identity(j) for j in layers[index : index + group]):
+            return 0.0  # a checkpoint of identities returns its input, which the next layer or checkpoint keeps
+        own = model.heterogeneous_blocks[i] if model.heterogeneous_blocks is not None and i < model.num_layers else 0
         key = (model.is_moe_layer(i), recompute, fp8_layer(model, i), i < model.num_layers and model.skips_rope(i))
+        key += (own,)  # (a heterogeneous layer's own kinds and sizes)
         if key not in by_kind:
             by_kind[key] = layer_activation_bytes(model, layout, a, i, recompute, lora, mask, tokens)
         return by_kind[key]
 
     fp8_layers = layer_recomputes(model, layout, pp_rank)
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
-        per_token = sum(layer_bytes(i, index) for index, i in enumerate(layers))
+        per_token = sum(layer_bytes(i, index, layers) for index, i in enumerate(layers))
         if lora is not None and 0 in layers and layout.recompute != "full":
-            per_token -= _lora_first_layer_bytes(model, layout, a, lora, mask)
+            per_token -= lora_first_layer_bytes(model, layout, a, lora, mask)
         some_kept = layout.recompute != "full" or (block and len(layers) > (model.recompute_num_layers or 0))
         whole = 0.0  # bytes per micro-batch, whatever its tokens
         if model.fp8 is not None and not fp8_caches_weights(model, layout) and lora is None:
             # each micro-batch's own fp8 weights, saved by its linears (those run inside checkpoints: transient)
             whole += fp8_weight_bytes_held(model, layout, fp8_layers[c], cached=False)[0]
-        if model.position_embedding_type == "rope" and some_kept:
+        # (a chunk of heterogeneous layers without attention uses no RoPE)
+        attends = model.heterogeneous_blocks is None or any("*" in layer_kinds(model, i) for i in layers)
+        if model.position_embedding_type == "rope" and some_kept and attends:
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         # its mask (none under LoRA: no gradient flows into a frozen embedding's output)
         embedding_dropout = h * mask / norm_div if model.hidden_dropout > 0 and lora is None else 0
@@ -453,6 +436,8 @@ def recompute_transient_bytes(
         return 0.0
     a, i = 2 if bf16 else 4, layers[-1]
     tokens = seq_length // layout.cp * layout.micro_batch_size
+    if model.heterogeneous_blocks is not None:  # (the layer that keeps most: the layers differ)
+        i = max(layers, key=lambda j: layer_activation_bytes(model, layout, a, j, "none", lora, mask, tokens))
     run = 1
     if layout.recompute == "full" and model.recompute_method != "block":
         run = min(model.recompute_num_layers or 1, max(len(c) for c in _chunk_layers(model, layout, pp_rank)))

@@ -35,7 +35,7 @@ def unplannable(model: ModelConfig) -> str | None:
     if model.heterogeneous_blocks is not None:
         return (
             "a model of heterogeneous layers (--heterogeneous-layers-config-path) is not modelled here: the planner "
-            "prices every layer at the model's query groups and FFN size; pretrain_gpt.py with the same flags and "
-            "--dry-run counts its memory per rank"
+            "prices every layer's weights and time at the model's query groups and FFN size; pretrain_gpt.py with "
+            "the same flags and --dry-run counts its memory per rank (each layer's weights and activations)"
         )
     return None
