@@ -187,11 +187,10 @@ def layer_activation_bytes(
     total = (2 * h * a + (8 if triton else 0)) / norm_div if regen else parts * norm / norm_div
     total += parts * wide / norm_div
     total += 0 if (regen and not sp) or not attn_kept else h * a  # QKV's (or its linear replacement's) input
-    if not mlp_kept:
-        pass
-    elif ("moe" if model.is_moe_layer(layer) else "mlp") in modules:  # the MLP checkpointed keeps only its input
+    checkpointed = ("moe" if model.is_moe_layer(layer) else "mlp") in modules
+    if mlp_kept and checkpointed:  # the MLP checkpointed keeps only its input
         total += 0 if regen else h * a / norm_div
-    else:
+    elif mlp_kept:
         total += 0 if regen and not sp else h * a  # fc1's (the router's, the linear replacement's) input
     if core == "selective":  # the checkpoint keeps q, k, v (v, or all three, views of the QKV output)
         attn = ((q + kv if rope else 0) + (q + 2 * kv) + q) * a
