@@ -21,7 +21,7 @@ from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.attention import CoreAttention, SelfAttention
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.models.mla import MultiLatentAttention
-from megatron_lite.models.qk_clip import max_attention_logits
+from megatron_lite.models.qk_clip import group_eta, max_attention_logits
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext
@@ -156,17 +156,46 @@ def test_one_step_clips_multi_latent_attention_by_hand(q_lora_rank):
 
 def test_main_weights_are_clipped_with_the_model():
     """bf16 model, fp32 main weights: the main weights are clipped (they differ from the same step's without
-    --qk-clip), and the model's weights are them, cast (a next step starts from the clipped weights)."""
-    mains = []
-    for kw in (CLIP, {}):
+    --qk-clip: the next step starts from the clipped weights), and the model's weights are the unclipped step's
+    bf16 weights scaled by the same row factors in fp32, rounded once (Megatron's clip_qk scales weight.data and
+    main_param apart)."""
+    mains, models = [], []
+    for kw in ({}, CLIP):
         optim = dataclasses.replace(MUON, bf16=True)
         config, ctx, model, ddp, opt = _model(optim=optim, dtype=torch.bfloat16, **kw)
         train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
         qkv = [m.linear_qkv.weight for m in model.modules() if isinstance(m, SelfAttention)]
         mains.append([opt.main_of[id(w)].clone() for w in qkv])
-        for w, main in zip(qkv, mains[-1]):
-            assert main.dtype == torch.float32 and torch.equal(main.to(w.dtype), w.detach())
-    assert all(not torch.equal(a, b) for a, b in zip(*mains))
+        models.append([w.detach().clone() for w in qkv])
+    for plain, clipped, w_plain, w in zip(*mains, *models):
+        assert clipped.dtype == torch.float32 and not torch.equal(plain, clipped)
+        assert torch.equal(plain.to(w_plain.dtype), w_plain)
+        factor = (clipped / plain)[:, :1]  # (each row's factor, to an fp32 rounding)
+        torch.testing.assert_close(w.float(), (w_plain.float() * factor).to(w.dtype).float(), rtol=2**-8, atol=0)
+
+
+def _bf16_qkv(optimizer: str) -> list[torch.Tensor]:
+    optim = dataclasses.replace(MUON, optimizer=optimizer, bf16=True)
+    config, ctx, model, ddp, opt = _model(DP2, optim, dtype=torch.bfloat16, **CLIP)
+    m = train_step(ddp, opt, LRScheduler(optim, 1), _batches(config, ctx, 0, 2), ctx)
+    assert m.max_attention_logit > CLIP["qk_clip_threshold"]
+    return _qkv_weights(model)
+
+
+def test_dist_muon_bf16_replicas_are_clipped_alike(dist):
+    """bf16 weights under dist_muon, DP=2: after a clipped step both ranks' QKV weights are bit-equal, and equal
+    plain muon's (every rank scales its bf16 copy alike; the owner had cast its scaled main weights instead)."""
+    ranks = dist(2, _bf16_qkv, "dist_muon")
+    want = dist(2, _bf16_qkv, "muon")[0]
+    for got in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_non_finite_max_logit_clips_nothing():
+    """eta per group by hand: +inf, NaN and a max below the threshold keep 1 (+inf had given eta 0, zeroing the
+    group's query and key rows); 4 over a threshold of 2 gives 0.5."""
+    found = torch.tensor([math.inf, 0.0, math.nan, 1.0, 1.5, 4.0, -math.inf, 0.5])
+    assert group_eta(found, 4, 2.0).tolist() == [1.0, 1.0, 0.5, 1.0]
 
 
 @needs_triton_on_cpu

@@ -74,10 +74,12 @@ def max_attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float, visible
 
 def group_eta(max_logits: torch.Tensor, groups: int, threshold: float) -> torch.Tensor:
     """eta per query group: threshold / (the max logit of its heads) where that exceeds the threshold, else 1.
-    (Megatron's clamp(threshold / max, max=1) is the same for a positive max; a group whose max is negative or
-    NaN here keeps eta 1, where the clamp gave a negative or NaN scale once another group was clipped.)"""
+    (Megatron's clamp(threshold / max, max=1) is the same for a finite positive max; a group whose max is
+    negative, NaN or infinite here keeps eta 1, where the clamp gave a negative or NaN scale once another group
+    was clipped, and eta 0 for +inf: every query and key row of the group zeroed.)"""
     grouped = max_logits.float().view(groups, -1).amax(dim=1)
-    return torch.where(grouped > threshold, threshold / grouped, torch.ones_like(grouped))
+    clipped = torch.isfinite(grouped) & (grouped > threshold)
+    return torch.where(clipped, threshold / grouped, torch.ones_like(grouped))
 
 
 def qkv_row_scale_parts(eta: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

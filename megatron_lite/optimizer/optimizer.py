@@ -456,14 +456,15 @@ class MixedPrecisionOptimizer(OptimizerBase):
 
     @torch.no_grad()
     def scale_rows(self, p: nn.Parameter, row_scale: torch.Tensor) -> None:
-        # (a parameter this rank does not step, dist_muon's of another owner, is scaled in the model alone)
+        # As Megatron's clip_qk: the main weights (where this rank keeps them) and, apart, the model's, scaled in
+        # fp32 and rounded once. Every rank scales its model copy alike: dist_muon's owner of `p` casting its
+        # scaled main weights instead gave bf16(main * f) there and bf16(bf16(main) * f) on the other ranks, so
+        # data-parallel replicas differed. (The next step's cast of the main weights replaces the model's.)
         main = self.main_of.get(id(p))
         factor = row_scale.float().view(-1, *[1] * (p.dim() - 1))
         if main is not None and main is not p:
             main.mul_(factor)
-            p.copy_(main)  # (as a step leaves it: the main weights, cast)
-        else:
-            p.copy_(p.float() * factor)
+        p.copy_(p.float() * factor)
 
     def _counted_sum(self, tensors: list[torch.Tensor], fn) -> float:
         """fn over tensors aligned with the parameters: dense shards summed over the model-parallel group

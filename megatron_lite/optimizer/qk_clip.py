@@ -9,7 +9,7 @@ the max over every layer, head and pipeline stage.
 
 As in Megatron's train_step, this runs after every optimizer step, one that was skipped (an fp16 overflow, a
 NaN gradient) included: the step's logits came from the current weights, which the skipped update left as they
-were. (A NaN max logit clips nothing: models/qk_clip.py's group_eta.)
+were. (A NaN or infinite max logit clips nothing: models/qk_clip.py's group_eta.)
 """
 
 from __future__ import annotations
