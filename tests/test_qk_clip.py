@@ -191,6 +191,35 @@ def test_dist_muon_bf16_replicas_are_clipped_alike(dist):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _overlapped(overlap: bool):
+    """Distributed Adam, DP=2, small buckets: per step (lm_loss, grad_norm, gathers still in flight, buckets),
+    then the QKV weights once every gather has landed."""
+    optim = OptimizerConfig(lr=3e-2, clip_grad=1.0, use_distributed_optimizer=True, overlap_param_gather=overlap)
+    ctx, config = get_context(DP2), llama_config(**CLIP)
+    ctx.seed(1234)
+    model = build_model(config, ctx, seed=1234, dtype=torch.float32)
+    ddp, opt = wrap_for_training(model, ctx, optim, bucket_size=2000, overlap_grad_reduce=True)
+    sched, out = LRScheduler(optim, 2), []
+    buckets = sum(len(buf.buckets) for buf in ddp.buffers)
+    for it in range(2):
+        m = train_step(ddp, opt, sched, _batches(config, ctx, it, 2), ctx)
+        assert m.max_attention_logit > CLIP["qk_clip_threshold"]
+        out.append((m.lm_loss, m.grad_norm, len(opt._in_flight), buckets))
+    opt.finish_param_sync()
+    return out, _qkv_weights(model)
+
+
+def test_a_clip_leaves_the_other_buckets_gathers_in_flight(dist):
+    """--overlap-param-gather: after a clipped step every bucket's all-gather is still in flight (the scale waits
+    for its bucket's gather to land; waiting for all of them had exposed the whole gather: 0 in flight), and the
+    losses, grad norms and clipped weights are the non-overlapped run's."""
+    (over, w), _ = dist(2, _overlapped, True)
+    (plain, want), _ = dist(2, _overlapped, False)
+    assert all(n == buckets > 2 for *_, n, buckets in over), over
+    assert [o[:2] for o in over] == [p[:2] for p in plain]
+    assert all(torch.equal(a, b) for a, b in zip(w, want))
+
+
 def test_a_non_finite_max_logit_clips_nothing():
     """eta per group by hand: +inf, NaN and a max below the threshold keep 1 (+inf had given eta 0, zeroing the
     group's query and key rows); 4 over a threshold of 2 gives 0.5."""

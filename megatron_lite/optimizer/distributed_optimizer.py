@@ -84,6 +84,7 @@ class DistributedOptimizer(OptimizerBase):
         self.overlap_param_gather = overlap_param_gather
         self._in_flight: dict[int, tuple] = {}  # id(bucket) -> (buffer, bucket, gathered, work)
         self._bucket_of_param = {id(p): (buf, b) for buf in ddp.buffers for b in buf.buckets for p in b.params}
+        self._pending_scale: dict[int, torch.Tensor] = {}  # id(p) -> row factors for when its gather lands
         if overlap_param_gather:
             self._register_waits(model)
 
@@ -121,15 +122,22 @@ class DistributedOptimizer(OptimizerBase):
     @torch.no_grad()
     def scale_rows(self, p: nn.Parameter, row_scale: torch.Tensor) -> None:
         """The model's rows, and the rows this rank's parts of `p` cover (flat index // row width)."""
-        self.finish_param_sync()  # (an in-flight gather of the unscaled weights would land after this)
         width = p.numel() // max(1, p.shape[0])
         for s in self.shards:
             if s.p is p:
                 rows = torch.arange(s.lo, s.hi, device=s.main.device) // width
                 s.main.mul_(row_scale.to(s.main)[rows])
+        factor = row_scale.float().view(-1, *[1] * (p.dim() - 1))
+        if id(self._bucket_of_param.get(id(p), (None, None))[1]) in self._in_flight:
+            # --overlap-param-gather: the step's (unscaled) weights are still being gathered into the model; the
+            # scale is applied when they land (_wait_for), so only this bucket waits, and then under the forward
+            # (waiting here for every bucket had exposed the whole all-gather at every clipped step)
+            held = self._pending_scale.get(id(p))
+            self._pending_scale[id(p)] = factor if held is None else held * factor
+            return
         # (a low-precision model weight is scaled in fp32 and rounded once; the next step's gather replaces it by
         # the cast main weights)
-        p.copy_(p.float() * row_scale.float().view(-1, *[1] * (p.dim() - 1)))
+        p.copy_(p.float() * factor)
 
     def _counted_sum(self, tensor_of, fn) -> float:
         """fn over each shard's tensor, summed over the groups it is sharded and split over."""
@@ -206,6 +214,8 @@ class DistributedOptimizer(OptimizerBase):
             for q in bucket.params:
                 start = buffer.offset[id(q)] - lo
                 q.detach().copy_(gathered[start : start + q.numel()].view(q.shape))
+                if (factor := self._pending_scale.pop(id(q), None)) is not None:  # (QK-clip's, see scale_rows)
+                    q.detach().copy_(q.float() * factor)
 
     def finish_param_sync(self) -> None:
         """Wait for every in-flight parameter all-gather (before a checkpoint, an evaluation, the end)."""
