@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from functools import reduce
 
 import pytest
@@ -101,16 +102,22 @@ def _weights(model, *names: str) -> list[torch.Tensor]:
     return [reduce(getattr, name.split("."), layer).detach().clone() for layer in layers for name in names]
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_one_step_clips_the_rows_worked_out_by_hand(gated):
+@pytest.mark.parametrize("gated, bias", [(False, False), (True, False), (False, True)])
+def test_one_step_clips_the_rows_worked_out_by_hand(gated, bias):
     """Per query group eta = threshold / its heads' max logit where that exceeds the threshold; the group's query
     rows of the updated fused QKV weight are scaled by eta^alpha, its key rows by eta^(1 - alpha), values (and
-    --attention-output-gate's gate rows) untouched. The update itself is the run without --qk-clip's."""
+    --attention-output-gate's gate rows) untouched; --add-qkv-bias: the bias entries with their rows (so q and k
+    are scaled exactly; Megatron leaves the bias). The update itself is the run without --qk-clip's."""
     threshold, alpha = 0.085, CLIP["qk_clip_alpha"]
-    config, m, model, plain, best = _step_by_hand(threshold, attention_output_gate=gated)
+    config, m, model, plain, best = _step_by_hand(threshold, attention_output_gate=gated, add_qkv_bias=bias)
     heads, groups, d = config.num_attention_heads, config.query_groups, config.head_dim
+    names = ["linear_qkv.weight", *(["linear_qkv.bias"] if bias else [])]
+    per_layer = len(names)
     clipped = 0
-    for top, ours, want in zip(best, _weights(model, "linear_qkv.weight"), _weights(plain, "linear_qkv.weight")):
+    ours_all, want_all = _weights(model, *names), _weights(plain, *names)
+    pairs = [(best[i // per_layer], ours_all[i], want_all[i]) for i in range(len(ours_all))]
+    assert not bias or all(w.abs().min() > 0 for w in want_all[1::2])  # (a step has moved the biases off zero)
+    for top, ours, want in pairs:
         n = heads // groups  # (each group's rows: its n query heads, n gate heads when gated, its key, its value)
         want = want.view(groups, n * (2 if gated else 1) + 2, d, -1).clone()
         for g in range(groups):
@@ -119,7 +126,7 @@ def test_one_step_clips_the_rows_worked_out_by_hand(gated):
             want[g, :n] *= eta**alpha
             want[g, -2] *= eta ** (1 - alpha)
         torch.testing.assert_close(ours, want.view_as(ours), rtol=1e-5, atol=1e-7)
-    assert 0 < clipped < groups * config.num_layers  # (some groups clipped, some not)
+    assert 0 < clipped < groups * len(pairs)  # (some groups clipped, some not)
     assert m.max_attention_logit == pytest.approx(max(t.max().item() for t in best), rel=1e-5)
 
 
@@ -337,6 +344,19 @@ def test_refusals_are_one_line(flags, says):
         _, job = parse_args([*base.split(), "--vocab-size", "100", *flags.split()])
         validate_layout(job.model, job.parallel, 2, job.training)  # (as pretrain does, before any collective)
     assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("norm", ["--qk-layernorm", "--qk-l2-norm"])
+def test_a_qk_norm_under_the_clip_is_warned_of(norm):
+    """Accepted as Megatron accepts it (its users run the pair), with a one-line warning: the per-head norm undoes
+    the row scale, so the clip bounds no logit. Multi-latent attention's norms (on the latents) are not warned of."""
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --train-iters 4 --mock-data"
+    with pytest.warns(UserWarning, match=f"--qk-clip with {norm}: the norm undoes") as seen:
+        parse_args([*base.split(), "--vocab-size", "100", "--qk-clip", norm])
+    assert len(seen) == 1 and "\n" not in str(seen[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_args([*base.split(), "--vocab-size", "100", "--qk-clip"])
 
 
 def test_the_max_logit_is_logged_each_iteration(tmp_path, pretrain_job):

@@ -294,10 +294,15 @@ class SelfAttention(nn.Module):
 
     def qk_clip_row_scales(self, max_logits: torch.Tensor, threshold: float, alpha: float) -> list:
         """QK-clip's [(weight, factor per row of this rank's shard)], from the step's max logit per local head
-        (already the maximum over data-parallel replicas): Megatron-Core's Attention.clip_qk, per query group."""
+        (already the maximum over data-parallel replicas): Megatron-Core's Attention.clip_qk, per query group.
+        A QKV bias (--add-qkv-bias, --add-bias-linear) is scaled with its rows, which Megatron leaves alone: q and
+        k are then scaled exactly (q = Wx + b), so the group's logits are bounded as the clip means them to be,
+        where a weight-only scale leaves the bias's part of every logit unclipped (docs/training.md)."""
         eta = group_eta(max_logits, self.local_groups, threshold)
         gates = self.heads_per_group if self.gated else 0
-        return [(self.linear_qkv.weight, qkv_row_scale(eta, self.heads_per_group, gates, self.head_dim, alpha))]
+        scale = qkv_row_scale(eta, self.heads_per_group, gates, self.head_dim, alpha)
+        bias = self.linear_qkv.bias
+        return [(self.linear_qkv.weight, scale), *([(bias, scale)] if bias is not None else [])]
 
     def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first cos.shape[-1] dims of each head (all of them unless --rotary-percent < 1).
