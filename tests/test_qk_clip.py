@@ -19,6 +19,7 @@ from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
 from megatron_lite.layout_validation import validate_layout
+from megatron_lite.models import qk_clip as qk_clip_model
 from megatron_lite.models.attention import CoreAttention, SelfAttention
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.models.mla import MultiLatentAttention
@@ -265,6 +266,47 @@ def test_max_logit_under_masks_is_brute_force():
     torch.testing.assert_close(max_attention_logits(q, k, 0.3, visible.unsqueeze(1)), want)
     everything = max_attention_logits(q, k, 0.3, torch.ones(8, 8, dtype=torch.bool))
     assert (everything >= want).all() and (everything > want).any()
+
+
+@pytest.mark.parametrize("mask", ["causal", "window-documents", "kv-cache"])
+def test_tiled_max_logit_is_brute_force(monkeypatch, mask):
+    """Tiles of 16 x 16 logits over 40 queries (partial tiles, the causal square's skipped and diagonal tiles, a
+    mask's empty tiles, a bottom-right causal mask over 52 keys), fp64 brute force per head; bf16 inputs within
+    the flash kernel's bf16 tolerance."""
+    for budget in ("MAX_LOGIT_ELEMENTS", "CPU_LOGIT_ELEMENTS"):
+        monkeypatch.setattr(qk_clip_model, budget, 16 * 16 * 2 * 4)
+    gen = torch.Generator().manual_seed(1)
+    sk = 52 if mask == "kv-cache" else 40
+    q, k = torch.randn(2, 40, 4, 8, generator=gen), torch.randn(2, sk, 2, 8, generator=gen)
+    visible = torch.ones(40, sk, dtype=torch.bool).tril(sk - 40)
+    if mask == "window-documents":
+        docs = (torch.arange(40) >= torch.tensor([[17], [30]])).long()
+        visible = (visible & torch.ones(40, 40, dtype=torch.bool).triu(-20)) & (docs[:, :, None] == docs[:, None, :])
+        visible = visible.unsqueeze(1)
+    logits = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.repeat_interleave(2, dim=2).double()) * 0.3
+    vis = visible if visible.dim() == 4 else visible[None, None]
+    want = logits.masked_fill(~vis, -math.inf).amax(dim=(0, 2, 3)).float()
+    arg = None if mask == "causal" else visible
+    torch.testing.assert_close(max_attention_logits(q, k, 0.3, arg), want)
+    got = max_attention_logits(q.bfloat16(), k.bfloat16(), 0.3, arg)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_recompute_does_not_recompute_the_max_logit(monkeypatch):
+    """Full recomputation: the logits' max is taken once per layer and micro-batch (the backward's recompute sees
+    the same logits: it had taken them again), and the clipped step is the one without recomputation."""
+    from megatron_lite.models import attention
+
+    calls = []
+    counted = lambda *a: calls.append(1) or max_attention_logits(*a)  # noqa: E731
+    monkeypatch.setattr(attention, "max_attention_logits", counted)
+    runs = []
+    for kw in (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), {}):
+        config, ctx, model, ddp, opt = _model(**CLIP | kw)
+        m = train_step(ddp, opt, LRScheduler(MUON, 1), _batches(config, ctx, 0, 2), ctx)
+        runs.append((m.lm_loss, m.grad_norm, m.max_attention_logit, _qkv_weights(model)))
+        assert len(calls) == 2 * 2 * len(runs)  # (2 layers x 2 micro-batches per run)
+    assert runs[0][:3] == runs[1][:3] and all(torch.equal(a, b) for a, b in zip(runs[0][3], runs[1][3]))
 
 
 def test_a_threshold_above_every_logit_changes_nothing():

@@ -26,7 +26,7 @@ from megatron_lite.models.qk_clip import group_eta, max_attention_logits, qkv_ro
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import ParamMeta, set_param_meta
 from megatron_lite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.tensor_parallel.random import checkpoint
+from megatron_lite.tensor_parallel.random import checkpoint, is_recomputing
 from megatron_lite.tensor_parallel.sharding import ShardSpec
 
 
@@ -131,7 +131,7 @@ class CoreAttention(nn.Module):
             return out.reshape(b, s, -1)
         record = self.records_max_logit and self.training
         flash = self.triton and p == 0.0 and self.softmax_offset is None  # (the kernel returns the max logit)
-        if record and not flash:
+        if record and not flash and not is_recomputing():  # (a recompute's forward sees the same logits again)
             self._note_max_logits(max_attention_logits(q, k, self.scale, self._mask(s, sk, documents, q.device)))
         if self.window is not None and documents is None and sk > s + self.window - 1:
             # decoding past the window: the keys no query of this step sees are not read (nor expanded, nor masked)

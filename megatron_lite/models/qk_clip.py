@@ -13,10 +13,12 @@ attends (context_parallel/attention.py), and the step's max over DP x CP complet
 
 Under --kernel-impl triton the flash kernel returns each query's largest visible logit, its online softmax's
 running row max (kernels/flash_attention.py, return_max_logit): one fp32 store per query row, nearly free. The
-other paths (SDPA, attention dropout, --softmax-type offsets) compute the logits a second time, beside the
-attention (no_grad, fp32, `MAX_LOGIT_ELEMENTS` logits at a time, so the [seq, seq] scores of all heads are never
-held at once): one more q.k^T matmul per layer forward, about a seventh of attention's training FLOPs (forward
-q.k^T and p.v, backward about five such products), and up to 64 MiB of scratch.
+other paths (SDPA, attention dropout, --softmax-type offsets) compute q.k^T a second time beside the attention
+(max_attention_logits: the causal half only, tiled, in the inputs' dtype; not again in an activation
+recompute): half the FLOPs of the attention's forward, but unfused. Measured on one CPU thread
+(tools/bench_max_logit.py 1024 4096: batch 1, 8 query heads over 2 key heads, head dim 64) it took 0.4-0.6x
+SDPA's causal forward in fp32 and 0.8-0.9x in bf16 (CPU bf16 reductions are slow), where the first version (fp32
+logits of every pair, masked after, 64 MiB tiles) took 7x and 14-16x.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
 
-MAX_LOGIT_ELEMENTS = 1 << 24  # fp32 logits held at once while taking the max (64 MiB)
+# logits held at once while taking the max: 64 MiB of fp32 on a GPU (few, large matmuls); on a CPU a tile that
+# stays in cache (2 MiB of fp32: 64 MiB tiles ran the max 2-3x slower, tools/bench_max_logit.py)
+MAX_LOGIT_ELEMENTS = 1 << 24
+CPU_LOGIT_ELEMENTS = 1 << 19
 
 
 def records_max_logit(c: ModelConfig) -> bool:
@@ -61,26 +66,45 @@ def max_attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float, visible
     """The largest q.k * scale per query head over the batch and the visible pairs: [heads] fp32 (-inf for a head
     that sees no key). q [batch, seq_q, heads, d]; k [batch, seq_k, kv_heads, d] (query head i reads key head
     i // (heads / kv_heads)); `visible` [seq_q, seq_k] or [batch, 1, seq_q, seq_k] (True = visible), or None for
-    the causal square."""
+    the causal square (bottom-right aligned, as the attention's).
+
+    q.k in the inputs' dtype (as the attention's own matmul; the max of bf16 products is within the flash kernel's
+    tolerance of the fp32 one), over square tiles of queries x keys of about MAX_LOGIT_ELEMENTS logits
+    (CPU_LOGIT_ELEMENTS on a CPU), only the tiles holding a visible pair (causal: those up to the diagonal, the
+    diagonal's alone masked; a mask: the tiles it leaves any pair in), the scale applied to the [heads] maxima
+    (it is > 0). No autograd, no [seq, seq] scores of all heads at once."""
     b, s, heads, d = q.shape
     sk, groups = k.shape[1], k.shape[2]
     rep = heads // groups
-    keys = k.float()
-    out = torch.full((heads,), -math.inf, dtype=torch.float32, device=q.device)
-    rows = max(1, MAX_LOGIT_ELEMENTS // max(1, b * heads * sk))
-    key_pos = torch.arange(sk, device=q.device)
-    for i in range(0, s, rows):
-        n = min(rows, s - i)
-        qi = q[:, i : i + n].float().reshape(b, n, groups, rep, d)
-        logits = torch.einsum("bqgrd,bkgd->bgrqk", qi, keys) * scale  # [b, groups, rep, n, sk]
-        if visible is None:  # (bottom-right causal, as the attention's: here seq_q == seq_k)
-            vis = key_pos.unsqueeze(0) <= torch.arange(i, i + n, device=q.device).unsqueeze(1) + (sk - s)
-        else:
-            vis = visible[..., i : i + n, :]
-            vis = vis.unsqueeze(2) if vis.dim() == 4 else vis  # [b, 1, 1, n, sk] against [b, g, rep, n, sk]
-        logits = logits.masked_fill(~vis, -math.inf)
-        out = torch.maximum(out, logits.amax(dim=(0, 3, 4)).reshape(heads))
-    return out
+    qt = q.reshape(b, s, groups, rep, d).permute(0, 2, 3, 1, 4)  # [b, g, rep, s, d]
+    kt = k.permute(0, 2, 3, 1)  # [b, g, d, sk]
+    out = torch.full((groups, rep), -math.inf, dtype=torch.float32, device=q.device)
+    budget = CPU_LOGIT_ELEMENTS if q.device.type == "cpu" else MAX_LOGIT_ELEMENTS
+    tile = max(16, math.isqrt(budget // max(1, b * heads)))
+    shift = sk - s  # (query i sits at key position i + shift)
+    if visible is not None:  # which tiles hold a visible pair: one small host copy
+        pad = (0, -sk % tile, 0, -s % tile)
+        blocks = torch.nn.functional.pad(visible, pad).reshape(
+            -1, (s + pad[3]) // tile, tile, (sk + pad[1]) // tile, tile
+        )
+        live = blocks.any(dim=(0, 2, 4)).cpu()
+    for qi in range(0, s, tile):
+        n = min(tile, s - qi)
+        q_tile = qt[:, :, :, qi : qi + n].reshape(b, groups, rep * n, d)
+        last = sk if visible is not None else min(sk, qi + n + shift)  # (causal: no key past the tile's last query)
+        for ki in range(0, last, tile):
+            m = min(tile, last - ki)
+            if visible is not None and not live[qi // tile, ki // tile]:
+                continue
+            logits = torch.matmul(q_tile, kt[..., ki : ki + m]).view(b, groups, rep, n, m)
+            if visible is not None:
+                vis = visible[..., qi : qi + n, ki : ki + m]
+                logits.masked_fill_(~(vis.unsqueeze(2) if vis.dim() == 4 else vis), -math.inf)
+            elif ki + m - 1 > qi + shift:  # (a tile across the diagonal)
+                rows = torch.arange(qi + shift, qi + n + shift, device=q.device).unsqueeze(1)
+                logits.masked_fill_(torch.arange(ki, ki + m, device=q.device) > rows, -math.inf)
+            torch.maximum(out, logits.amax(dim=(0, 3, 4)).float(), out=out)
+    return out.reshape(heads) * scale
 
 
 def group_eta(max_logits: torch.Tensor, groups: int, threshold: float) -> torch.Tensor:
