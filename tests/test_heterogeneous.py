@@ -24,7 +24,7 @@ from megatron_lite.models.gpt_model import GPTModel
 from megatron_lite.models.heterogeneous import ffn_mult_to_intermediate_size
 from megatron_lite.parallel_context import ParallelContext
 
-from models import HETERO_BLOCKS, VOCAB, decilm_block, hetero_json, llama_config
+from models import HETERO_BLOCKS, VOCAB, decilm_block, hetero_config, hetero_json, llama_config
 
 P = ParallelConfig
 
@@ -378,3 +378,18 @@ def test_what_does_not_model_heterogeneous_layers_says_so():
         lora_for_model(LoraConfig(), model)
     with pytest.raises(ConfigError, match="heterogeneous layers"):
         check_exportable(model, "LlamaForCausalLM")
+
+
+def test_the_dry_run_prices_no_gathered_keys_where_nothing_attends():
+    """Under --cp-comm-type allgather a layer keeps the whole sequence's keys and values; a no-op or linear
+    attention gathers none, so its priced bytes stay what they are without CP (a review: they grew with CP as a
+    normal layer's do)."""
+    from megatron_lite.planner.layout import Layout
+    from megatron_lite.planner.memory import layer_activation_bytes
+
+    model = hetero_config(num_layers=4)
+    for layer, attends in ((0, True), (1, False), (2, False), (3, True)):
+        one, four = (
+            layer_activation_bytes(model, Layout(cp=cp, cp_comm_type="allgather"), 4, layer, "none") for cp in (1, 4)
+        )
+        assert (four > one) == attends, (layer, one, four)

@@ -290,6 +290,13 @@ def test_tiled_max_logit_is_brute_force(monkeypatch, mask):
     torch.testing.assert_close(max_attention_logits(q, k, 0.3, arg), want)
     got = max_attention_logits(q.bfloat16(), k.bfloat16(), 0.3, arg)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # fp16: q.k = 8 x 100^2 = 80000 unscaled, past fp16's 65504; scaled by 0.3, 24000 (a review: the max came out
+    # +inf, which clips nothing)
+    q16, k16 = (
+        torch.full((2, 4, 4, 8), 100.0, dtype=torch.float16),
+        torch.full((2, 4, 2, 8), 100.0, dtype=torch.float16),
+    )
+    torch.testing.assert_close(max_attention_logits(q16, k16, 0.3, None), torch.full((4,), 24000.0))
 
 
 def test_a_recompute_does_not_recompute_the_max_logit(monkeypatch):

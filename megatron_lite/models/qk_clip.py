@@ -69,7 +69,8 @@ def max_attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float, visible
     the causal square (bottom-right aligned, as the attention's).
 
     q.k in the inputs' dtype (as the attention's own matmul; the max of bf16 products is within the flash kernel's
-    tolerance of the fp32 one), over square tiles of queries x keys of about MAX_LOGIT_ELEMENTS logits
+    tolerance of the fp32 one), fp16's in fp32 (its unscaled products overflow where the scaled logit passes
+    65504 / sqrt(d): +inf, which clips nothing), over square tiles of queries x keys of about MAX_LOGIT_ELEMENTS logits
     (CPU_LOGIT_ELEMENTS on a CPU), only the tiles holding a visible pair (causal: those up to the diagonal, the
     diagonal's alone masked; a mask: the tiles it leaves any pair in), the scale applied to the [heads] maxima
     (it is > 0). No autograd, no [seq, seq] scores of all heads at once."""
@@ -96,7 +97,10 @@ def max_attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float, visible
             m = min(tile, last - ki)
             if visible is not None and not live[qi // tile, ki // tile]:
                 continue
-            logits = torch.matmul(q_tile, kt[..., ki : ki + m]).view(b, groups, rep, n, m)
+            k_tile = kt[..., ki : ki + m]
+            if q.dtype == torch.float16:  # (unscaled fp16 products overflow past 65504: SDPA scales q first)
+                q_tile, k_tile = q_tile.float(), k_tile.float()
+            logits = torch.matmul(q_tile, k_tile).view(b, groups, rep, n, m)
             if visible is not None:
                 vis = visible[..., qi : qi + n, ki : ki + m]
                 logits.masked_fill_(~(vis.unsqueeze(2) if vis.dim() == 4 else vis), -math.inf)

@@ -215,14 +215,14 @@ def layer_activation_bytes(
     nope = layer < model.num_layers and model.skips_rope(layer)  # (--no-rope-freq: saves alike here, but for l2)
     if model.qk_l2_norm and not (model.qk_l2_norm_rope_only and nope):
         attn += l2_norm_bytes(model, a, triton, rope, core)
-    if block.attention != NORMAL:  # (a linear replacement keeps its input alone, counted above)
-        attn = 0
     if model.multi_latent_attention:
         attn = mla_activation_bytes(model, a, tp, sp, rms, triton, core, "mla_up_proj" in modules)
     if layout.cp > 1 and layout.cp_comm_type == "allgather" and core == "none":
         # attention keeps the whole sequence's gathered keys and values, not only this rank's part
         k_v = heads * (model.mla_q_head_dim + model.v_head_dim) if model.multi_latent_attention else 2 * kv
         attn += (layout.cp - 1) * k_v * a
+    if block.attention != NORMAL:  # (a linear replacement keeps its input alone, counted above; nothing gathered)
+        attn = 0
     swiglu = model.gated_linear_unit
 
     def mlp(f: int, act_regenerated: bool = False, fused: bool = triton) -> float:  # past fc1's input, times TP
@@ -358,7 +358,8 @@ def activation_bytes(
             # each micro-batch's own fp8 weights, saved by its linears (those run inside checkpoints: transient)
             whole += fp8_weight_bytes_held(model, layout, fp8_layers[c], cached=False)[0]
         # (a chunk of heterogeneous layers without attention uses no RoPE)
-        attends = model.heterogeneous_blocks is None or any("*" in layer_kinds(model, i) for i in layers)
+        blocks = model.heterogeneous_blocks  # (a linear replacement of attention reads no RoPE either)
+        attends = blocks is None or any(blocks[i].attention == NORMAL for i in layers if i < len(blocks))
         if model.position_embedding_type == "rope" and some_kept and attends:
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         # its mask (none under LoRA: no gradient flows into a frozen embedding's output)
