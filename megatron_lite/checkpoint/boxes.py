@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from megatron_lite.checkpoint.format import local_pieces
 from megatron_lite.parameters import ParamMeta
 
@@ -80,6 +82,17 @@ def to_full(shape: tuple[int, ...], meta: ParamMeta, box: Box) -> list[tuple[Box
         full = tuple(pc.full_start + a - pc.local_start if i == d else s for i, s in enumerate(starts))
         out.append(((rel, lens), full))
     return out
+
+
+def flat_parts(flat: torch.Tensor, shape: tuple[int, ...], meta: ParamMeta, lo: int):
+    """The parts of `flat` (the flat range [lo, lo + len) of this rank's tensor of `shape`) that hold real elements
+    of the full tensor: (a view of `flat` shaped as the part, its starts in the full tensor). The views write
+    through, so a reader fills `flat` through them and a writer copies them out."""
+    for starts, lengths in flat_boxes(shape, lo, lo + flat.numel()):
+        at = flat_start(shape, starts) - lo
+        box = flat[at : at + math.prod(lengths)].view(lengths)
+        for (rel, lens), full in to_full(shape, meta, (starts, lengths)):
+            yield box[box_slices(rel, lens)], full
 
 
 def box_slices(starts: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[slice, ...]:

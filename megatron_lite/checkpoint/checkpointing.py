@@ -11,7 +11,6 @@ them, so the reader's layout need not be the writer's.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import threading
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_lite.checkpoint.boxes import box_slices, flat_boxes, flat_start, to_full
+from megatron_lite.checkpoint.boxes import flat_parts
 from megatron_lite.checkpoint.compatibility import (
     check_adapters_have_a_home,
     check_model_structure,
@@ -150,13 +149,10 @@ def _snapshot(model, optimizer, ctx: ParallelContext, job_dict: dict, save_rng: 
         rec = index.setdefault(f"{kind}/{gname}", {
             "shape": full_shape(shape, meta), "dtype": str(flat.dtype).removeprefix("torch."), "pieces": []
         })  # fmt: skip
-        for starts, lengths in flat_boxes(shape, lo, lo + flat.numel()):
-            at = flat_start(shape, starts) - lo
-            box = flat[at : at + math.prod(lengths)].view(lengths)
-            for (rel, lens), full in to_full(shape, meta, (starts, lengths)):
-                key = f"{kind}/{gname}@{','.join(map(str, full))}"
-                tensors[key] = cpu_contiguous(box[box_slices(rel, lens)])
-                rec["pieces"].append({"file": fname, "key": key, "starts": list(full), "lengths": list(lens)})
+        for part, full in flat_parts(flat, shape, meta, lo):
+            key = f"{kind}/{gname}@{','.join(map(str, full))}"
+            tensors[key] = cpu_contiguous(part)
+            rec["pieces"].append({"file": fname, "key": key, "starts": list(full), "lengths": list(part.shape)})
     if not save_rng:  # --no-save-rng
         return _Snapshot(ctx.rank, tensors, index, {})
     rng = {"cpu": torch.get_rng_state(), **{f"tracker/{k}": v for k, v in ctx.rng.get_states().items()}}
@@ -330,9 +326,6 @@ def _fresh_optimizer(optimizer, scheduler) -> None:
     optimizer.reset_state()
     if scheduler is not None:
         scheduler.num_steps = scheduler.position = 0
-
-
-_Reader = Reader  # (its old name, imported by the converters and tools)
 
 
 def saved_under_this_layout(meta: dict, ctx: ParallelContext) -> bool:

@@ -23,7 +23,6 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_lite.checkpoint.checkpointing import (
-    _Reader,
     find_checkpoint,
     model_config_from_dict,
     publish,
@@ -60,6 +59,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     write_hf_dir,
 )
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
+from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
@@ -169,7 +169,7 @@ def read_model_tensors(load_dir: str, main: bool = False, base: bool = True) -> 
     if path is None:
         raise ConfigError(f"--load-dir {load_dir} holds no megatron_lite checkpoint")
     meta = read_metadata(path)
-    reader = _Reader(path, meta)
+    reader = Reader(path, meta)
     out = {}
     lora = (meta["config"].get("lora") or {}) if base else {}
     if lora.get("base"):

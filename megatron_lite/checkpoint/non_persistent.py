@@ -27,6 +27,7 @@ import shutil
 from megatron_lite.checkpoint import checkpointing as ckpt
 from megatron_lite.checkpoint.format import (
     TRACKER,
+    _delete,
     _sweep_leftovers,
     atomic_write_json,
     atomic_write_text,
@@ -303,8 +304,7 @@ class LocalSaver(ckpt.AsyncSaver):
         _sweep_leftovers(self.root, done)
         for old in complete_iterations(self.root):
             if old != done:
-                shutil.rmtree(iteration_dir(self.root, old), ignore_errors=True)
-                shutil.rmtree(iteration_dir(self.root, old) + ".old", ignore_errors=True)
+                _delete(iteration_dir(self.root, old))
 
 
 class Saver:

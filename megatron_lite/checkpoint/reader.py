@@ -4,13 +4,12 @@ them, each file checked against the checksum its writer recorded before its firs
 from __future__ import annotations
 
 import glob
-import math
 import os
 
 import torch
 from safetensors import safe_open
 
-from megatron_lite.checkpoint.boxes import Box, box_slices, flat_boxes, flat_start, intersect, to_full
+from megatron_lite.checkpoint.boxes import Box, box_slices, flat_parts, intersect, to_full
 from megatron_lite.checkpoint.format import FORMAT_V1, file_digest, verify_file
 from megatron_lite.checkpoint.lookup import _read_json
 from megatron_lite.config import ConfigError
@@ -131,12 +130,6 @@ class Reader:
             raise ConfigError(f"checkpoint {self.path}: {name} lacks part of the box {box} (pieces missing)")
         return out
 
-    def read(self, name: str, start: int, length: int, dim: int) -> torch.Tensor:
-        """Rows [start, start + length) along `dim`, whole along every other dimension."""
-        shape = self._record(name)["shape"]
-        starts = tuple(start if i == dim else 0 for i in range(len(shape)))
-        return self.read_box(name, starts, tuple(length if i == dim else n for i, n in enumerate(shape)))
-
     def read_full(self, name: str) -> torch.Tensor:
         shape = self._record(name)["shape"]
         return self.read_box(name, (0,) * len(shape), tuple(shape))
@@ -153,9 +146,6 @@ class Reader:
         """The flat range [lo, hi) of this rank's tensor (of `shape`), in fp32: only the boxes it covers are
         read (the distributed optimizer's part of a parameter)."""
         out = torch.zeros(hi - lo, dtype=torch.float32)
-        for starts, lengths in flat_boxes(shape, lo, hi):
-            at = flat_start(shape, starts) - lo
-            view = out[at : at + math.prod(lengths)].view(lengths)
-            for (rel, lens), full in to_full(shape, meta, (starts, lengths)):
-                view[box_slices(rel, lens)] = self.read_box(name, full, lens)
+        for part, full in flat_parts(out, shape, meta, lo):
+            part.copy_(self.read_box(name, full, tuple(part.shape)))
         return out

@@ -100,11 +100,12 @@ def load_upcycled(path: str, model, ctx, granularity: int) -> list[str]:
     """Fill `model` (an MoE model, any layout) with the weights upcycled from the dense checkpoint at `path`: each
     rank reads the full dense tensors its pieces come from. No collective (every rank reads the same files).
     Returns the global names that kept their initialisation (no dense counterpart)."""
-    from megatron_lite.checkpoint.checkpointing import _Reader, read_metadata
+    from megatron_lite.checkpoint.checkpointing import read_metadata
     from megatron_lite.checkpoint.format import full_shape, local_pieces
+    from megatron_lite.checkpoint.reader import Reader
     from megatron_lite.parameters import named_param_meta
 
-    reader = _Reader(path, read_metadata(path))
+    reader = Reader(path, read_metadata(path))
 
     def dense(name: str) -> torch.Tensor | None:
         key = f"main/{name}" if f"main/{name}" in reader.index else f"model/{name}"  # (a bf16 run's fp32 weights)

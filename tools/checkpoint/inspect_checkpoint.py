@@ -14,7 +14,8 @@ import json
 import os
 import sys
 
-from megatron_lite.checkpoint.checkpointing import _Reader, find_checkpoint, read_metadata
+from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata
+from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.checkpoint_flags import SHARDING
 from megatron_lite.config import ConfigError
 from megatron_lite.flag_parser import OneLineErrorParser
@@ -35,7 +36,7 @@ def describe(path: str, verify: bool = False) -> dict:
             raise ConfigError(f"{path} holds no megatron_lite checkpoint")
         path = found
     meta = read_metadata(path)
-    reader = _Reader(path, meta)  # checks every index file against metadata.json
+    reader = Reader(path, meta)  # checks every index file against metadata.json
     if verify:
         for fname in reader.files:
             reader.verify(fname)
