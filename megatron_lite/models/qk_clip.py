@@ -132,5 +132,5 @@ def qkv_row_scale(eta: torch.Tensor, heads_per_group: int, gates: int, head_dim:
     heads, its key head, its value head; models/attention.py): query rows eta^alpha, key rows eta^(1 - alpha),
     gates and values 1."""
     ones = torch.ones_like(eta)
-    per_head = [eta.pow(alpha)] * heads_per_group + [ones] * gates + [eta.pow(1.0 - alpha), ones]
-    return torch.stack(per_head, dim=1).repeat_interleave(head_dim, dim=1).reshape(-1)
+    parts = [(heads_per_group, eta.pow(alpha)), (gates, ones), (1, eta.pow(1.0 - alpha)), (1, ones)]
+    return qkv_row_scale_parts(eta, [(heads * head_dim, f) for heads, f in parts])
