@@ -55,6 +55,7 @@ class StageParams:
     dense: int  # parameters sharded over the data-parallel group (x CP)
     expert: int  # expert parameters, sharded over the expert-data-parallel group
     layers: tuple[int, ...]  # global numbers of the layers this rank runs
+    embeddings: int = 0  # of `dense`: the word and position embeddings and the output layer (and their copies)
 
     @property
     def total(self) -> int:
@@ -123,22 +124,23 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
                 layers.append(layer)
         first_layer += n
     vocab = model.padded_vocab_size(tp) // tp * h
+    embeddings = 0
     if pp_rank == 0:
-        dense += vocab
+        embeddings += vocab
         if model.position_embedding_type == "learned_absolute":
-            dense += model.max_position_embeddings * h
+            embeddings += model.max_position_embeddings * h
     if pp_rank == layout.pp - 1:
         norm = h * (2 if model.normalization == "LayerNorm" else 1)
         dense += norm
         if model.untie_embeddings_and_output_weights or layout.pp > 1:
-            dense += vocab  # the output layer, or the last stage's copy of the tied embedding
+            embeddings += vocab  # the output layer, or the last stage's copy of the tied embedding
         for k in range(model.mtp_num_layers):  # multi-token prediction: 3 norms, eh_proj, a layer per depth
             a, b = layer_params(model, model.num_layers + k, tp, layout.ep)
             dense, expert = dense + a + 3 * norm + 2 * h * h // tp, expert + b
             layers.append(model.num_layers + k)  # (its time is a layer's, numbered after the decoder's)
         if model.mtp_num_layers and model.untie_embeddings_and_output_weights and layout.pp > 1:
-            dense += vocab  # the last stage's copy of the word embeddings, which MTP reads
-    return StageParams(dense, expert, tuple(layers))
+            embeddings += vocab  # the last stage's copy of the word embeddings, which MTP reads
+    return StageParams(dense + embeddings, expert, tuple(layers), embeddings)
 
 
 def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:
@@ -467,34 +469,18 @@ class Memory:
         }
 
 
-def _adam_params_under_muon(model: ModelConfig, layout: Layout, pp_rank: int) -> int:
-    """The parameters of a stage that --optimizer muon steps with Adam (Megatron's rule: the word embeddings, the
-    output layer, anything not 2-D): the vocabulary's and position embeddings' (norms and biases, a tiny share,
-    are counted as matrices)."""
-    h, pp = model.hidden_size, layout.pp
-    vocab = model.padded_vocab_size(layout.tp) // layout.tp * h
-    n = 0
-    if pp_rank == 0:
-        n += vocab + (model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0)
-    if pp_rank == pp - 1:
-        n += vocab if model.untie_embeddings_and_output_weights or pp > 1 else 0
-        n += vocab if model.mtp_num_layers and model.untie_embeddings_and_output_weights and pp > 1 else 0
-    return n
-
-
 class MuonStateBytes(float):
     """--optimizer muon's state per parameter: Muon's one momentum (4 bytes) on the matrices, Adam's two moments
-    (8) on the embeddings and output layer. As a float, the whole model's average (what the step-time model
-    reads); rank_memory prices each pipeline stage by its own mix (the first and last hold the vocabulary)."""
+    (8) on the embeddings and output layer (Megatron's rule; norms and biases, a tiny share, priced as matrices).
+    As a float, the whole model's average (what the step-time model reads); rank_memory prices each pipeline
+    stage by its own mix (the first and last hold the vocabulary)."""
 
     def __new__(cls, model: ModelConfig) -> MuonStateBytes:
-        total = stage_params(model, Layout(), 0).total
-        return super().__new__(cls, (8 * total - 4 * (total - _adam_params_under_muon(model, Layout(), 0))) / total)
+        return super().__new__(cls, cls.of_stage(stage_params(model, Layout(), 0)))
 
     @staticmethod
-    def of_stage(model: ModelConfig, layout: Layout, pp_rank: int, counts: StageParams) -> float:
-        adam = min(_adam_params_under_muon(model, layout, pp_rank), counts.total)
-        return (4 * counts.total + 4 * adam) / counts.total if counts.total else 8.0
+    def of_stage(counts: StageParams) -> float:
+        return (4 * counts.total + 4 * counts.embeddings) / counts.total if counts.total else 8.0
 
 
 def parameter_state_bytes(
@@ -555,7 +541,7 @@ def rank_memory(
     if model.tied_embeddings and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
         whole = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
     if isinstance(state_bytes, MuonStateBytes):
-        state_bytes = state_bytes.of_stage(model, layout, pp_rank, counts)
+        state_bytes = state_bytes.of_stage(counts)
     params, grads, optimizer = parameter_state_bytes(
         counts.dense, counts.expert, dp_cp, edp, layout.sharding, bf16, grads_bf16, state_bytes, whole
     )
