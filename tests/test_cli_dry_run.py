@@ -77,6 +77,22 @@ HETERO = (
 )
 
 
+def _priced_and_measured(argv, printed: str, tmp_path, capsys, monkeypatch) -> tuple[int, dict]:
+    """The byte count --dry-run prints (the regex `printed`'s group, in bytes), and the memory breakdown of one
+    iteration of the same job (--log-memory-breakdown's last JSONL record)."""
+    from megatron_lite.training import dry_run
+
+    monkeypatch.setattr(dry_run, "_bytes", lambda n: f"{n:.0f} B")
+    rc, out, err = _run([*argv, "--dry-run"], capsys, monkeypatch)
+    assert rc == 0, err
+    predicted = int(re.search(printed, out).group(1))
+    jsonl = tmp_path / "m.jsonl"
+    rc, _, err = _run([*argv, "--train-iters", "1", "--log-memory-breakdown", "--log-jsonl", str(jsonl)],
+                      capsys, monkeypatch)  # fmt: skip
+    assert rc == 0, err
+    return predicted, [json.loads(line) for line in jsonl.read_text().splitlines()][-1]
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -123,21 +139,11 @@ def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monke
     dropout masks are the activations' dtype on a CPU: bool on a GPU, as the planner counted them). LoRA: a
     frozen linear keeps no input, a frozen RMSNorm no normalised input, the frozen output layer none (it priced LoRA
     as full training: 1.29x with adapters on q and v, 1.11x on all seven projections)."""
-    import re
-
-    from megatron_lite.training import dry_run
-
+    fixtures = (tmp_path, capsys, monkeypatch)
     argv = ["--hidden-size", "64", "--num-attention-heads", "4", "--mock-data", "--vocab-size", "512",
             "--attention-dropout", "0", *flags.split()]  # fmt: skip
-    monkeypatch.setattr(dry_run, "_bytes", lambda n: f"{n:.0f} B")
-    rc, out, err = _run([*argv, "--dry-run"], capsys, monkeypatch)
-    assert rc == 0, err
-    predicted = int(re.search(r"~(\d+) B activations at the schedule's peak", out).group(1))
-    jsonl = tmp_path / "m.jsonl"
-    rc, _, err = _run([*argv, "--train-iters", "1", "--log-memory-breakdown", "--log-jsonl", str(jsonl)],
-                      capsys, monkeypatch)  # fmt: skip
-    assert rc == 0, err
-    measured = [json.loads(line) for line in jsonl.read_text().splitlines()][-1]["mem_activations_bytes"]
+    predicted, mem = _priced_and_measured(argv, r"~(\d+) B activations at the schedule's peak", *fixtures)
+    measured = mem["mem_activations_bytes"]
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
 
 
@@ -176,18 +182,9 @@ def test_the_dry_runs_parameter_state_is_what_the_run_holds(tmp_path, capsys, mo
     tensors after a step: under --optimizer muon the matrices keep Muon's one momentum (4 bytes) and the
     embeddings, output layer, norms and biases Adam's two moments (8); it priced them all at 8 (1.54x the
     optimizer state here)."""
-    from megatron_lite.training import dry_run
-
     argv = ["--hidden-size", "64", "--num-attention-heads", "4", "--mock-data", "--vocab-size", "512",
             "--optimizer", optimizer]  # fmt: skip
-    monkeypatch.setattr(dry_run, "_bytes", lambda n: f"{n:.0f} B")
-    rc, out, err = _run([*argv, "--dry-run"], capsys, monkeypatch)
-    assert rc == 0, err
-    predicted = int(re.search(r"(\d+) B weights\+gradients\+optimizer", out).group(1))
-    jsonl = tmp_path / "m.jsonl"
-    rc, _, err = _run([*argv, "--train-iters", "1", "--log-memory-breakdown", "--log-jsonl", str(jsonl)],
-                      capsys, monkeypatch)  # fmt: skip
-    assert rc == 0, err
-    mem = [json.loads(line) for line in jsonl.read_text().splitlines()][-1]
+    printed = r"(\d+) B weights\+gradients\+optimizer"
+    predicted, mem = _priced_and_measured(argv, printed, tmp_path, capsys, monkeypatch)
     measured = sum(mem[f"mem_{k}_bytes"] for k in ("params", "grads", "optimizer"))
     assert abs(predicted / measured - 1) < 1e-3, (predicted, measured, mem)
