@@ -191,11 +191,12 @@ def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job
     }
 
 
-def _prepare_tmp(root: str, iteration: int, ctx: ParallelContext) -> str:
+def _prepare_tmp(root: str, iteration: int, ctx: ParallelContext, own_root: bool = False) -> str:
+    """iter_N.tmp under `root`, made afresh by rank 0 (`own_root`: each rank's in its own root), every rank told."""
     tmp = iteration_dir(root, iteration) + ".tmp"
 
     def make() -> None:
-        if ctx.rank == 0:
+        if own_root or ctx.rank == 0:
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 
 from megatron_lite.checkpoint import checkpointing as ckpt
 from megatron_lite.checkpoint.format import (
@@ -278,15 +277,7 @@ class LocalSaver(ckpt.AsyncSaver):
         self.share_ctx = _OwnShare(ctx)
 
     def _prepare(self, iteration: int) -> str:
-        tmp = iteration_dir(self.root, iteration) + ".tmp"
-
-        def make() -> None:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-
-        ckpt._on_every_rank(self.ctx, make, f"making {tmp}")
-        return tmp
+        return ckpt._prepare_tmp(self.root, iteration, self.ctx, own_root=True)
 
     def _publish(self, tmp: str, meta: dict) -> str:
         index = f"index_r{self.ctx.rank:05d}.json"
