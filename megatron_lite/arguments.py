@@ -353,6 +353,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         save_interval=ns.save_interval,
         no_load_optim=ns.no_load_optim,
         no_load_rng=ns.no_load_rng,
+        load_main_params_from_ckpt=ns.load_main_params_from_ckpt,
         no_save_optim=ns.no_save_optim,
         no_save_rng=ns.no_save_rng,
         finetune=ns.finetune,

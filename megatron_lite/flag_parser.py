@@ -451,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ckpt-step", type=int, help="load this iteration's checkpoint under --load (default: the newest)")
     _bool(c, "--no-load-optim", "load weights but not the optimizer state")
     _bool(c, "--no-load-rng", "do not restore random-number-generator states")
+    _bool(
+        c,
+        "--load-main-params-from-ckpt",
+        "with --no-load-optim: the fp32 main weights from the checkpoint's (a --bf16/--fp16 run's), not from the "
+        "rounded model weights; moments and LR schedule start afresh",
+    )
     _bool(c, "--no-save-optim", "save weights without optimizer state or LR schedule (resume with --no-load-optim)")
     _bool(c, "--no-save-rng", "save no random-number-generator states")
     _bool(c, "--finetune", "load weights only and start from iteration 0")

@@ -435,10 +435,6 @@ REFUSED: dict[str, str] = {
     "dump_param_to_param_group_map": (
         "parameter-group maps are not read or written: the optimizer's groups follow weight decay and --decoupled-lr"
     ),
-    "load_main_params_from_ckpt": (
-        "loading the main parameters alone is not implemented: --load restores the weights and the optimizer state "
-        "as saved"
-    ),
     "pretrained_checkpoint": "use --load DIR --finetune (its weights, with a new schedule and optimizer state)",
     "fp16_lm_cross_entropy": "the loss is computed in fp32 from the logits",
     "disable_bf16_reduced_precision_matmul": (

@@ -63,7 +63,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "Megatron's old name, which it refuses too": "--model-parallel-size --checkpoint-activations",
     "activations are not offloaded to the CPU (0": "--cpu-offloading-num-layers",
     "parameter-group maps are not read or": "--dump-param-to-param-group-map",
-    "loading the main parameters alone is not": "--load-main-params-from-ckpt",
     "use --load DIR --finetune (its weights, with": "--pretrained-checkpoint",
     "the loss is computed in fp32 from the": "--fp16-lm-cross-entropy",
     "PyTorch's bf16 GEMMs are left as PyTorch": "--disable-bf16-reduced-precision-matmul",

@@ -339,9 +339,13 @@ def saved_under_this_layout(meta: dict, ctx: ParallelContext) -> bool:
     )
 
 
-def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, with_rng: bool, skip_frozen: bool):
+def _read(
+    path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, with_rng: bool, skip_frozen: bool,
+    main_only: bool = False,
+):  # fmt: skip
     """load_checkpoint's reads, no collective among them: the model's weights (filled in place), the optimizer's
-    full state by parameter (`with_optim`) and this rank's RNG states (`with_rng`, same layout only)."""
+    state by parameter (`with_optim`; `main_only`: its main weights alone) and this rank's RNG states
+    (`with_rng`, same layout only)."""
     meta = read_metadata(path)
     check_model_structure(path, meta, model)
     if with_optim:
@@ -376,12 +380,17 @@ def _read(path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, w
     # optimizer's parts: about 1/DP of them), in fp32 on the host until the optimizer takes them.
     values = {}
     named = {id(p): (model.global_name(name), pmeta) for name, p, pmeta in named_param_meta(model)}
-    for p, lo, hi in optimizer.state_ranges() if with_optim else ():
+    for p, lo, hi in optimizer.state_ranges() if with_optim or main_only else ():
         gname, pmeta = named[id(p)]
         d = {}
-        for kind in ("main", *state_kinds(optimizer.config)):
+        for kind in ("main", *(state_kinds(optimizer.config) if with_optim else ())):
             if f"{kind}/{gname}" in reader.index:
                 d[kind] = reader.read_flat(f"{kind}/{gname}", tuple(p.shape), pmeta, lo, hi)
+        if main_only and "main" not in d and reader.index[f"model/{gname}"]["dtype"] != "float32":
+            raise ConfigError(
+                f"--load-main-params-from-ckpt: {path} holds no fp32 main weights for {gname} (saved with "
+                "--no-save-optim); drop the flag to take them from its weights"
+            )
         if "main" not in d and p.dtype != torch.float32:
             # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
             # weights are the main weights; read them at full precision, not from the bf16 copy.
@@ -406,18 +415,23 @@ def load_checkpoint(
     load_rng: bool = True,
     finetune: bool = False,
     skip_missing_frozen: bool = False,
+    load_main_params: bool = False,
     stats: dict | None = None,
 ) -> TrainState:
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
     the adapters; its base was loaded first). `stats`, when given, gets `bytes_read`: the tensor bytes this
     rank read (under the distributed optimizer about 1/DP of the optimizer state's), and `bytes_hashed`: the
-    bytes it read to check checksums (its share of the files). Every read happens before
-    any collective, and a failed one (a corrupted file, a missing piece) on any rank stops every rank, where the
-    others had waited in the optimizer's collectives until the timeout."""
+    bytes it read to check checksums (its share of the files). `load_main_params` (Megatron's
+    --load-main-params-from-ckpt): where the optimizer state is not loaded, its fp32 main weights still are. Every
+    read happens before any collective, and a failed one (a corrupted file, a missing piece) on any rank stops
+    every rank, where the others had waited in the optimizer's collectives until the timeout."""
     with_optim = optimizer is not None and load_optim and not finetune
+    main_only = optimizer is not None and load_main_params and not with_optim
     meta, values, rng, (bytes_read, bytes_hashed) = _on_every_rank(
         ctx,
-        lambda: _read(path, model, optimizer, ctx, with_optim, load_rng and not finetune, skip_missing_frozen),
+        lambda: _read(
+            path, model, optimizer, ctx, with_optim, load_rng and not finetune, skip_missing_frozen, main_only
+        ),
         f"loading {path}",
         then="",
     )
@@ -431,6 +445,8 @@ def load_checkpoint(
             scheduler.load_state_dict(meta["scheduler"])
         if optimizer.scaler is not None and meta.get("grad_scaler"):
             optimizer.scaler.load_state_dict(meta["grad_scaler"])
+    elif main_only:  # (no moments among the values: the state starts as a new run's, at step 0)
+        optimizer.load_state_values(values, 0)
     if rng is not None:
         torch.set_rng_state(rng["cpu"])
         ctx.rng.set_states({k.removeprefix("tracker/"): v for k, v in rng.items() if k.startswith("tracker/")})

@@ -20,6 +20,9 @@ class CheckpointConfig:
     save_interval: int | None = None
     no_load_optim: bool = False
     no_load_rng: bool = False
+    # Megatron's --load-main-params-from-ckpt: with --no-load-optim, the fp32 main weights come from the
+    # checkpoint's, not from the (bf16) model weights' rounding; the moments and the schedule still start afresh
+    load_main_params_from_ckpt: bool = False
     no_save_optim: bool = False  # weights only: resuming needs --no-load-optim (fresh moments) or --finetune
     no_save_rng: bool = False
     finetune: bool = False  # load weights only; start at iteration 0
@@ -67,6 +70,11 @@ class CheckpointConfig:
             flag = next(f for f, on in (("--async-save", self.async_save), ("--ckpt-keep-last", self.ckpt_keep_last),
                                         ("--save-retain-interval", True)) if on)  # fmt: skip
             raise ConfigError(f"{flag} needs --save DIR")
+        if self.load_main_params_from_ckpt and not self.no_load_optim:  # (Megatron asserts the same)
+            raise ConfigError(
+                "--load-main-params-from-ckpt loads the main weights in place of the optimizer state: add "
+                "--no-load-optim (without it the optimizer state, main weights included, is loaded anyway)"
+            )
         if self.ckpt_step is not None and not self.load:
             raise ConfigError(f"--ckpt-step {self.ckpt_step} picks a checkpoint under --load: give --load DIR")
         if self.save_interval is not None and self.save_interval < 0:  # (0: no periodic saves, as in Megatron)

@@ -228,6 +228,7 @@ def start_load(job: JobConfig, base_path: str | None) -> dict:
     return dict(
         load_optim=not ck.no_load_optim,
         load_rng=not ck.no_load_rng,
+        load_main_params=ck.load_main_params_from_ckpt,
         finetune=ck.finetune,
         skip_missing_frozen=base_path is not None,
     )

@@ -1,0 +1,122 @@
+"""Megatron's --load-main-params-from-ckpt: with --no-load-optim, a --bf16 (or --fp16) run's fp32 main weights
+come from the checkpoint's own main weights, not from the rounded model weights; the moments and the step count
+start as a new run's. The oracle is the saving optimizer's main weights in memory, never read back through the
+load being tested."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_lite.checkpoint.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.models.gpt_model import build_model
+from megatron_lite.optimizer.config import OptimizerConfig
+from megatron_lite.optimizer.lr_scheduler import LRScheduler
+from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
+from megatron_lite.parallel_context import ParallelContext
+from megatron_lite.training.configs import CheckpointConfig
+
+from models import CONFIGS
+
+CONFIG = OptimizerConfig(lr=1e-2, clip_grad=0.0)
+
+
+def _steps(model, opt, n: int) -> None:
+    for k in range(n):  # (fixed gradients: the main weights move off the bf16 grid)
+        gen = torch.Generator().manual_seed(k)
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+        opt.step(1e-2)
+
+
+def _trained_and_saved(root):
+    ctx = ParallelContext.virtual(ParallelConfig(), device=torch.device("cpu"))
+
+    def make(seed):
+        model = build_model(CONFIGS["llama"](num_layers=1), ctx, seed=seed, dtype=torch.bfloat16)
+        return model, MixedPrecisionOptimizer(model, lambda p: p.grad, CONFIG, ctx)
+
+    model, opt = make(1)
+    _steps(model, opt, 3)
+    return ctx, make, model, opt
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["flag", "without"])
+def test_main_weights_come_from_the_checkpoint_not_the_bf16_weights(tmp_path, flag):
+    ctx, make, model, opt = _trained_and_saved(tmp_path)
+    path = save_checkpoint(str(tmp_path), TrainState(3, 3), model, opt, LRScheduler(CONFIG, 10), ctx, {})
+    saved_main = [m.clone() for m in opt.main_params]
+    model2, opt2 = make(2)
+    load_checkpoint(path, model2, opt2, LRScheduler(CONFIG, 10), ctx, load_optim=False, load_main_params=flag)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)  # (the weights load either way)
+    assert not opt2.inner.state and opt2.steps_taken == 0  # (no moments, a new run's step count, either way)
+    rounded = [p.detach().float() for p in model2.parameters()]
+    off = [not torch.equal(a, b) for a, b in zip(saved_main, rounded)]
+    assert any(off)  # (the bf16 weights are not the main weights: the test can tell them apart)
+    want = saved_main if flag else rounded
+    for got, w in zip(opt2.main_params, want):
+        assert torch.equal(got, w)
+
+
+def test_a_checkpoint_without_main_weights_is_refused_in_one_line(tmp_path):
+    ctx, make, model, opt = _trained_and_saved(tmp_path)
+    path = save_checkpoint(
+        str(tmp_path), TrainState(3, 3), model, opt, LRScheduler(CONFIG, 10), ctx, {}, save_optim=False
+    )
+    model2, opt2 = make(2)
+    with pytest.raises(ConfigError, match=r"--load-main-params-from-ckpt: .* holds no fp32 main weights") as err:
+        load_checkpoint(path, model2, opt2, None, ctx, load_optim=False, load_main_params=True)
+    assert "\n" not in str(err.value)
+
+
+def test_the_flag_needs_no_load_optim_as_in_megatron():
+    with pytest.raises(ConfigError, match="--load-main-params-from-ckpt .* add --no-load-optim"):
+        CheckpointConfig(load="ckpt", load_main_params_from_ckpt=True)
+    assert CheckpointConfig(load="ckpt", load_main_params_from_ckpt=True, no_load_optim=True).no_load_optim
+
+
+def _distributed(root: str, flag: bool):
+    """At DP=2 under the distributed optimizer: each rank's main-weight shards after the load against the saving
+    optimizer's."""
+    from test_train_equivalence import OPTIM
+
+    from megatron_lite.data.mock import MockGPTDataset, collate
+    from megatron_lite.data.samplers import micro_batch_indices
+    from megatron_lite.training.step import train_step
+    from megatron_lite.training.wrap import wrap_for_training
+
+    from dist_pool import get_context
+    from models import llama_config
+
+    ctx = get_context(ParallelConfig())
+    config = llama_config(num_layers=2)
+    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=True, lr=1e-2)
+
+    def build(seed):
+        model = build_model(config, ctx, seed=seed, dtype=torch.bfloat16)
+        return (model, *wrap_for_training(model, ctx, optim))
+
+    model, ddp, opt = build(1)
+    data, sched = MockGPTDataset(config.vocab_size, 16, seed=1), LRScheduler(optim, 10)
+    for it in range(3):  # (past the warmup's first, zero-LR step)
+        idx = micro_batch_indices(it, 4, 1, ctx.dp.rank, ctx.dp.size)
+        train_step(ddp, opt, sched, [collate([data[i] for i in ix]) for ix in idx], ctx)
+    if hasattr(opt, "finish_param_sync"):
+        opt.finish_param_sync()
+    path = save_checkpoint(root, TrainState(2, 8), model, opt, LRScheduler(optim, 10), ctx, {})
+    model2, _, opt2 = build(2)
+    load_checkpoint(path, model2, opt2, LRScheduler(optim, 10), ctx, load_optim=False, load_main_params=flag)
+    same = all(torch.equal(a.main, b.main) for a, b in zip(opt.shards, opt2.shards))
+    rounded = all(torch.equal(b.main, b.p.reshape(-1)[b.lo : b.hi].float()) for b in opt2.shards)
+    return same, rounded, opt2.steps_taken
+
+
+def test_distributed_optimizer_shards_take_the_checkpoints_main_weights(dist, tmp_path):
+    flag = dist(2, _distributed, str(tmp_path / "flag"), True)
+    without = dist(2, _distributed, str(tmp_path / "without"), False)
+    assert all(same and not rounded and steps == 0 for same, rounded, steps in flag), flag
+    assert all(rounded and not same for same, rounded, _ in without), without
