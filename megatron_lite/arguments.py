@@ -311,6 +311,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         # with --grad-reduce-in-bf16, parse_args has dropped it: bf16 wins then, as in Megatron)
         grad_reduce_in_bf16=(flag_values.main_grads_bf16(ns) or ns.grad_reduce_in_bf16)  # (its checks run either way)
         and not ns.accumulate_allreduce_grads_in_fp32,
+        ddp_reduce_scatter_with_fp32_accumulation=ns.ddp_reduce_scatter_with_fp32_accumulation,
         loss_scale=ns.loss_scale,
         initial_loss_scale=ns.initial_loss_scale,
         min_loss_scale=ns.min_loss_scale,

@@ -419,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
         "with --bf16: accumulate and reduce main gradients in bf16 (half the gradient buffers and traffic); "
         "the optimizer steps fp32 copies made at the step",
     )
+    _bool(
+        p,
+        "--ddp-reduce-scatter-with-fp32-accumulation",
+        "the distributed optimizer's gradient reduce-scatters send bf16 (--grad-reduce-in-bf16) but sum in fp32 "
+        "(an all-to-all, then a local fp32 sum rounded once)",
+    )
     p.add_argument("--loss-scale", type=float, help="constant loss scale (fp16); dynamic when unset")
     p.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     p.add_argument("--min-loss-scale", type=float, default=1.0)

@@ -440,10 +440,6 @@ REFUSED: dict[str, str] = {
     "disable_bf16_reduced_precision_matmul": (
         "PyTorch's bf16 GEMMs are left as PyTorch sets them (reduced-precision reductions allowed)"
     ),
-    "ddp_reduce_scatter_with_fp32_accumulation": (
-        "a reduce-scatter that sends bf16 and sums in fp32 is not implemented (--grad-reduce-in-bf16 reduces in "
-        "bf16; without it gradients are reduced in fp32)"
-    ),
     "padded_vocab_size": (
         "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by times the tensor-parallel size"
     ),

@@ -108,6 +108,21 @@ def _fp8_notes(ns: argparse.Namespace) -> list[str]:
     return out
 
 
+def _fp32_accumulation_notes(ns: argparse.Namespace) -> list[str]:
+    """--ddp-reduce-scatter-with-fp32-accumulation acts on the distributed optimizer's reduce-scatters only (as in
+    Megatron, which takes it silently elsewhere)."""
+    flag = "--ddp-reduce-scatter-with-fp32-accumulation"
+    if not getattr(ns, "ddp_reduce_scatter_with_fp32_accumulation", False):
+        return []
+    if getattr(ns, "use_torch_fsdp2", False):
+        return [f"{flag} has no effect with --use-torch-fsdp2: FSDP2 reduce-scatters its gradients itself"]
+    if not getattr(ns, "use_distributed_optimizer", False):
+        return [f"{flag} has no effect without --use-distributed-optimizer: gradients are all-reduced"]
+    if not (getattr(ns, "grad_reduce_in_bf16", False) and getattr(ns, "bf16", False)):
+        return [f"{flag}: fp32 gradients (no --bf16 --grad-reduce-in-bf16) are summed in fp32 either way"]
+    return []
+
+
 def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     """Lines describing the accepted-but-ineffective flags this job passed (and one that acts here where
     Megatron-Core's models ignore it)."""
@@ -127,6 +142,7 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     lines += _fp8_notes(ns)
+    lines += _fp32_accumulation_notes(ns)
     if getattr(ns, "apply_residual_connection_post_layernorm", False):
         lines.append(
             "--apply-residual-connection-post-layernorm takes each residual after its norm, as the flag's help and "

@@ -66,7 +66,6 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "use --load DIR --finetune (its weights, with": "--pretrained-checkpoint",
     "the loss is computed in fp32 from the": "--fp16-lm-cross-entropy",
     "PyTorch's bf16 GEMMs are left as PyTorch": "--disable-bf16-reduced-precision-matmul",
-    "a reduce-scatter that sends bf16 and sums in": "--ddp-reduce-scatter-with-fp32-accumulation",
     "the vocabulary is padded to a multiple of": "--padded-vocab-size",
     "extra (T5 sentinel) vocabulary ids are not": "--vocab-extra-ids",
     "tokenizer metadata files are not read": "--tokenizer-metadata",

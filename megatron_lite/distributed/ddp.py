@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_lite.distributed.fp32_accumulation import reduce_scatter_with_fp32_accumulation
 from megatron_lite.parallel_context import Group, ParallelContext
 from megatron_lite.parameters import named_param_meta
 from megatron_lite.tensor_parallel.mappings import reduce_scatter_tensor
@@ -83,12 +84,15 @@ class GradBuffer:
         zero_stage: int = 1,
         held: set[int] | None = None,
         dtype: torch.dtype = torch.float32,
+        fp32_accumulation: bool = False,
     ) -> None:
         """`held`: ids of parameters whose buckets wait for the end of the step (tied embeddings; they
-        must come last in `params`)."""
+        must come last in `params`). `fp32_accumulation` (sharded; --ddp-reduce-scatter-with-fp32-accumulation):
+        the reduce-scatters send the buffer's dtype and sum in fp32 (distributed/fp32_accumulation.py)."""
         held = held or set()
         self.group = group
         self.sharded = sharded
+        self.fp32_accumulation = fp32_accumulation
         self.transient = sharded and zero_stage >= 2
         self.device = params[0].device
         self.dtype = dtype
@@ -247,18 +251,22 @@ class GradBuffer:
         if self.group.size > 1:
             out = torch.empty_like(b.shard_grad)
             if async_op:
-                handle = reduce_scatter_tensor(out, b.data, group=self.group.pg, async_op=True)
+                handle = self._reduce_scatter(out, b.data, async_op=True)
                 self._flying.append((b, b.data, out, handle))
                 if len(self._flying) > self.FLYING:
                     self._land(1)
             else:
                 self._land()  # (an earlier part's sum first)
                 with self.group.blocked():
-                    reduce_scatter_tensor(out, b.data, group=self.group.pg)
+                    self._reduce_scatter(out, b.data)
                 b.shard_grad += out
         else:
             b.shard_grad += b.data
         b.data = None
+
+    def _reduce_scatter(self, out: torch.Tensor, data: torch.Tensor, async_op: bool = False):
+        rs = reduce_scatter_with_fp32_accumulation if self.fp32_accumulation else reduce_scatter_tensor
+        return rs(out, data, group=self.group.pg, async_op=async_op)
 
     def _land(self, n: int | None = None) -> None:
         """Wait for the oldest `n` (all) reduce-scatters in flight and add their parts up."""
@@ -280,7 +288,7 @@ class GradBuffer:
                 with self.group.blocked() if not async_op else contextlib.nullcontext():
                     if self.sharded:  # the summed part lands in scratch, then in this rank's slot (finish)
                         b.scratch = torch.empty_like(b.shard_grad)
-                        b.handle = reduce_scatter_tensor(b.scratch, b.data, group=self.group.pg, async_op=async_op)
+                        b.handle = self._reduce_scatter(b.scratch, b.data, async_op=async_op)
                     else:
                         b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
             b.launched = True
@@ -320,8 +328,12 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: bool = False,
         zero_stage: int = 1,
         grad_dtype: torch.dtype = torch.float32,
+        reduce_scatter_with_fp32_accumulation: bool = False,
     ) -> None:
-        """`grad_dtype`: what main gradients accumulate and are reduced in (bf16: --grad-reduce-in-bf16)."""
+        """`grad_dtype`: what main gradients accumulate and are reduced in (bf16: --grad-reduce-in-bf16).
+        `reduce_scatter_with_fp32_accumulation`: the distributed optimizer's reduce-scatters sum in fp32 (Megatron's
+        --ddp-reduce-scatter-with-fp32-accumulation; all-reduces, without the distributed optimizer, are as they
+        were, as in Megatron)."""
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -353,6 +365,7 @@ class DistributedDataParallel(nn.Module):
                 zero_stage=zero_stage,
                 held=held,
                 dtype=grad_dtype,
+                fp32_accumulation=reduce_scatter_with_fp32_accumulation,
             )
             for ps, group in groups
             if ps

@@ -73,6 +73,9 @@ class OptimizerConfig:
     # Megatron's --grad-reduce-in-bf16: with --bf16, main gradients accumulate and are reduced in bf16 (half
     # the gradient memory and reduction bytes); the optimizer still steps fp32 copies of them
     grad_reduce_in_bf16: bool = False
+    # Megatron's --ddp-reduce-scatter-with-fp32-accumulation: the distributed optimizer's reduce-scatters send the
+    # gradients' dtype (bf16 with the flag above) but sum them in fp32, rounding once (distributed/fp32_accumulation.py)
+    ddp_reduce_scatter_with_fp32_accumulation: bool = False
     # a constant loss scale (fp16; as in Megatron also bf16 and the distributed optimizer); fp16 scales dynamically
     # when None
     loss_scale: float | None = None

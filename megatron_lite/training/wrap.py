@@ -42,6 +42,7 @@ def wrap_for_training(
         use_distributed_optimizer=optim.use_distributed_optimizer,
         zero_stage=optim.zero_stage,
         grad_dtype=optim.grad_dtype,
+        reduce_scatter_with_fp32_accumulation=optim.ddp_reduce_scatter_with_fp32_accumulation,
     )
     ddp.check_finite(optim.check_for_nan_in_loss_and_grad)
     if optim.use_distributed_optimizer:
