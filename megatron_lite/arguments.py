@@ -395,6 +395,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         exit_signal=ns.exit_signal,
         nan_policy=ns.nan_policy,
         check_for_spiky_loss=ns.check_for_spiky_loss,
+        check_for_large_grads=ns.check_for_large_grads,
+        rerun_mode=ns.rerun_mode or "validate_results",
         spiky_loss_window=ns.spiky_loss_window,
         spiky_loss_zscore=ns.spiky_loss_zscore,
         spiky_loss_policy=ns.spiky_loss_policy,

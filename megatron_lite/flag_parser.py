@@ -537,6 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--spiky-loss-window", type=int, default=50, help="iterations the z-score is taken over")
     f.add_argument("--spiky-loss-zscore", type=float, default=6.0, help="a loss above mean + Z std is a spike")
     f.add_argument("--spiky-loss-policy", default="report", help="report, or rollback like --nan-policy rollback")
+    _bool(
+        f,
+        "--check-for-large-grads",
+        "report a local bucket gradient norm >= 10x the largest of the first 100 (Megatron's check; training goes "
+        "on, as after Megatron's re-run of a non-fatal check; --rerun-mode disabled also checks the first iteration)",
+    )
     _bool(f, "--log-straggler", "per-rank step and compute time (min, median, max, slowest rank) every log interval")
     _bool(f, "--disable-flight-recorder", "do not record collectives (a hang then ends only at the gloo/NCCL timeout)")
 

@@ -224,7 +224,8 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {
     ),
     "rerun_mode": (
         True,
-        "megatron_lite has no re-run engine; non-finite losses follow --nan-policy, loss spikes --spiky-loss-policy",
+        "megatron_lite has no re-run engine; non-finite losses follow --nan-policy, loss spikes --spiky-loss-policy "
+        "(--check-for-large-grads reads it)",
     ),
     # in Megatron's release configs and example scripts (a flag-compatibility review found them "no such flag")
     "enable_experimental": (False, "no features are gated behind an experimental switch here"),
@@ -377,10 +378,6 @@ REFUSED: dict[str, str] = {
     "overlap_param_gather_with_optimizer_step": (
         "the distributed optimizer's weight all-gather overlaps the next forward (--overlap-param-gather), not the "
         "optimizer step"
-    ),
-    "check_for_large_grads": (
-        "a check for large (finite) gradients is not implemented; non-finite ones stop the run "
-        "(--check-for-nan-in-loss-and-grad) and --spiky-loss-policy acts on loss spikes"
     ),
     # (in Megatron's functional tests' configs; a flag review found them "no such flag")
     "use_megatron_fsdp": "Megatron-FSDP is not implemented; --use-torch-fsdp2 shards parameters (ZeRO-3)",

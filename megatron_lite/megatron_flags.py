@@ -143,6 +143,18 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     lines += _fp8_notes(ns)
     lines += _fp32_accumulation_notes(ns)
+    if getattr(ns, "check_for_large_grads", False):
+        lines = [x for x in lines if not x.startswith("--rerun-mode has no effect")]
+        mode = getattr(ns, "rerun_mode", None) or "validate_results"
+        if getattr(ns, "use_torch_fsdp2", False):
+            lines.append("--check-for-large-grads has no effect with --use-torch-fsdp2 (nor in Megatron's FSDP2)")
+        elif mode == "report_stats":
+            lines.append("--check-for-large-grads has no effect with --rerun-mode report_stats (as in Megatron)")
+        elif mode == "validate_results":
+            lines.append(
+                "--check-for-large-grads under --rerun-mode validate_results: there is no re-run engine here; a "
+                "large gradient is reported and training goes on, as after Megatron's re-run of this non-fatal check"
+            )
     if getattr(ns, "apply_residual_connection_post_layernorm", False):
         lines.append(
             "--apply-residual-connection-post-layernorm takes each residual after its norm, as the flag's help and "

@@ -143,6 +143,10 @@ class GradBuffer:
         # when the step's norm turns out non-finite, so no synchronisation in the normal case).
         self.check_finite = False
         self.first_bad: dict[int, torch.Tensor] = {}
+        # --check-for-large-grads: each reduction's local bucket norm, before it (Megatron's check_grads), appended
+        # in launch order to a list the wrapper shares between its buffers (device tensors, read after the step)
+        self.local_norms: list[tuple[str, torch.Tensor]] | None = None
+        self.name = "bucket"
 
     def _pad(self, end: int, start: int) -> int:
         """A sharded bucket's length is a multiple of the group size, so it splits into equal parts."""
@@ -222,7 +226,11 @@ class GradBuffer:
                 self._note_local(b)
 
     def _note_local(self, b: _Bucket) -> None:
-        if not self.check_finite or b.data is None:
+        if b.data is None:
+            return
+        if self.local_norms is not None:
+            self.local_norms.append((f"{self.name} #{b.index}", b.data.norm(p=2)))
+        if not self.check_finite:
             return
         bad = ~torch.isfinite(b.data)
         first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), torch.tensor(-1, device=b.data.device))
@@ -370,7 +378,10 @@ class DistributedDataParallel(nn.Module):
             for ps, group in groups
             if ps
         ]
+        for b, name in zip(self.buffers, [name for (ps, _), name in zip(groups, ("bucket", "expert bucket")) if ps]):
+            b.name = name  # (how --check-for-large-grads names a bucket)
         self.buffer_of = {pid: b for b in self.buffers for pid in b.offset}
+        self._local_norms: list | None = None
         for b in self.buffers:
             b.reset()
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -426,6 +437,23 @@ class DistributedDataParallel(nn.Module):
         for b in self.buffers:
             b.check_finite = enabled
 
+    def check_large(self, enabled: bool = True) -> None:
+        """Note each reduction's local bucket norm before it (--check-for-large-grads), for take_local_norms."""
+        self._local_norms = [] if enabled else None
+        for b in self.buffers:
+            b.local_norms = self._local_norms
+
+    def take_local_norms(self) -> list[tuple[str, float]]:
+        """(bucket, norm of this rank's own gradient in it) for each reduction since the last call, in launch order
+        (one host synchronisation)."""
+        norms = self._local_norms
+        if not norms:
+            return []
+        values = torch.stack([t.float() for _, t in norms]).tolist()
+        out = [(name, v) for (name, _), v in zip(norms, values)]
+        norms.clear()
+        return out
+
     def first_nonfinite_param(self) -> str | None:
         """The name of the first parameter whose local gradient was non-finite on this rank, if any."""
         for b in self.buffers:
@@ -476,3 +504,5 @@ class DistributedDataParallel(nn.Module):
             b.zero()
         if self.events is not None:
             self.events.clear()
+        if self._local_norms:  # (a step whose norms nobody took: not the next step's)
+            self._local_norms.clear()

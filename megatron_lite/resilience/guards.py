@@ -1,6 +1,7 @@
 """Per-iteration guards of the training loop: non-finite loss or gradients (--check-for-nan-in-loss-and-grad),
-loss spikes (--check-for-spiky-loss) and the exit signal (--exit-signal-handler). Every decision is
-taken by all ranks together (an all-reduce of a flag), so no rank ever proceeds alone."""
+loss spikes (--check-for-spiky-loss), unexpectedly large local gradients (--check-for-large-grads) and the exit
+signal (--exit-signal-handler). Every decision is taken by all ranks together (an all-reduce of a flag), so no
+rank ever proceeds alone."""
 
 from __future__ import annotations
 
@@ -63,6 +64,33 @@ class SpikeDetector:
     def reset(self) -> None:
         self.losses.clear()
         self.in_a_row = []
+
+
+class LargeValueDetector:
+    """Megatron's RerunStateMachine.is_unexpectedly_large for one context (--check-for-large-grads: "grads",
+    threshold 10): the first `num_samples` finite values only set the largest seen; from then on a value is
+    unexpectedly large when it is at least `threshold` times that largest. The largest is not updated after the
+    sampling (a value below the bound, however large, is not added), and a NaN or Inf is neither a sample nor
+    large (the NaN check's)."""
+
+    def __init__(self, threshold: float = 10.0, num_samples: int = 100) -> None:
+        self.threshold, self.num_samples = threshold, num_samples
+        self.count = 0
+        self.max_value = 0.0
+
+    @property
+    def sampled(self) -> bool:
+        return self.count >= self.num_samples
+
+    def is_unexpectedly_large(self, value: float) -> bool:
+        value = math.fabs(value)
+        if not math.isfinite(value):
+            return False
+        if self.count < self.num_samples:
+            self.count += 1
+            self.max_value = max(self.max_value, value)
+            return False
+        return value >= self.max_value * self.threshold
 
 
 class ExitSignal:

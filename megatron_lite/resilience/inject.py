@@ -3,6 +3,7 @@ MEGATRON_LITE_INJECT_FAULT="KIND,rank=R,iteration=I[,restart=K][,seconds=S]" (se
 
   kill            SIGKILL this worker as iteration I starts (only in torchrun restart K, default 0)
   nan             make one of this rank's gradients NaN in iteration I (before the data-parallel reduction)
+  large           multiply that gradient by 1e6 in iteration I instead (finite: --check-for-large-grads finds it)
   skip_collective return from this rank's first all-reduce in iteration I without taking part in it, then
                   block in its next collective (as a rank that went ahead would wait there; without
                   sending, so no peer receives mismatched data)
@@ -23,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 ENV = "MEGATRON_LITE_INJECT_FAULT"
-KINDS = ("kill", "nan", "skip_collective", "slow")
+KINDS = ("kill", "nan", "large", "skip_collective", "slow")
+LARGE = 1e6  # (the factor of a `large` fault)
 
 
 @dataclass(frozen=True)
@@ -108,12 +110,14 @@ class Injector:
 
     @contextlib.contextmanager
     def during_step(self, iteration: int, model: torch.nn.Module):
-        """Around the training step: a NaN into the gradient of the model's first parameter on this rank."""
-        if not self._due("nan", iteration):
+        """Around the training step: a NaN into the gradient of the model's first parameter on this rank, or that
+        gradient times LARGE."""
+        nan, large = self._due("nan", iteration), self._due("large", iteration)
+        if not (nan or large):
             yield
             return
         p = next(q for q in model.parameters() if q.requires_grad)
-        handle = p.register_hook(lambda g: torch.full_like(g, float("nan")))
+        handle = p.register_hook(lambda g: torch.full_like(g, float("nan")) if nan else g * LARGE)
         try:
             yield
         finally:

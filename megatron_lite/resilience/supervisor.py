@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_lite.resilience.guards import ExitSignal, SpikeDetector, non_finite
+from megatron_lite.resilience.guards import ExitSignal, LargeValueDetector, SpikeDetector, non_finite
 from megatron_lite.resilience.inject import Injector
 from megatron_lite.resilience.straggler import describe, straggler_report
 from megatron_lite.training.configs import ResilienceConfig
@@ -72,9 +72,16 @@ def _flat(config: dict, prefix: str = "") -> dict:
 
 class Supervisor:
     def __init__(
-        self, config: ResilienceConfig, check_nan: bool, ctx, log, exit_signal: ExitSignal | None = None
+        self, config: ResilienceConfig, check_nan: bool, ctx, log, exit_signal: ExitSignal | None = None, ddp=None
     ) -> None:
+        """`ddp`: the data-parallel wrapper, told to note its local bucket norms under --check-for-large-grads."""
         self.config, self.check_nan, self.ctx, self.log = config, check_nan, ctx, log
+        # (Megatron's report_stats mode only measures determinism: its validate_result checks nothing)
+        checking = config.check_for_large_grads and config.rerun_mode != "report_stats"
+        self.large = LargeValueDetector(threshold=10.0, num_samples=100) if checking else None
+        if checking and hasattr(ddp, "check_large"):
+            ddp.check_large()
+        self.first_iteration_complete = False  # (validate_results checks none of this process's first iteration)
         self.injector = Injector(ctx.rank)
         self.spikes = (
             SpikeDetector(config.spiky_loss_window, config.spiky_loss_zscore) if config.check_for_spiky_loss else None
@@ -83,7 +90,7 @@ class Supervisor:
         self.skip_samples: set[int] = set()  # batches (by consumed-samples position) a rollback skips
         self.rollbacks_without_progress = 0  # rollbacks since training last got past the previous one
         self.rollback_point = -1
-        self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}
+        self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0, "large": 0}
 
     # Around the step ---------------------------------------------------------------------------
     def before_iteration(self, iteration: int) -> None:
@@ -105,6 +112,8 @@ class Supervisor:
         self.window["n"] += 1
         # (a global batch without one loss-bearing token has no loss, NaN, and no token gradients: not a fault)
         loss = metrics.lm_loss if metrics.num_tokens > 0 else 0.0
+        if self.large is not None:  # (before the reduction: whatever the reduced loss and norm turn out to be)
+            self._large_grads(iteration, ddp)
         if self.check_nan and non_finite(loss, metrics.grad_norm):
             self.window["nonfinite"] += 1
             return self._non_finite(iteration, consumed_before, metrics, ddp)
@@ -124,6 +133,49 @@ class Supervisor:
                 "iterations: that level is the spike check's history now"
             )
         return OK
+
+    def _large_grads(self, iteration: int, ddp) -> None:
+        """--check-for-large-grads: Megatron's check_grads on this rank's local bucket norms (taken before each
+        reduction), through is_unexpectedly_large (threshold 10, the largest of the first 100 norms). Megatron's
+        check is not fatal: with --rerun-mode disabled it logs a warning and goes on; with validate_results (its
+        default) it re-runs the iteration to tell a transient fault from a reproducible result and goes on in
+        both cases. Without a re-run engine both come to a report (said by every rank that found one, through the
+        logging rank) and the same training. validate_results checks nothing in this process's first iteration,
+        and stops at an iteration's first rejected norm (the re-run is requested then)."""
+        norms = ddp.take_local_norms() if hasattr(ddp, "take_local_norms") else []
+        validate = self.config.rerun_mode == "validate_results"
+        found = []
+        if self.first_iteration_complete or not validate:
+            for bucket, norm in norms:
+                if validate and self.check_nan and not math.isfinite(norm):
+                    break  # (the NaN check's rejection comes first and requests the re-run)
+                was_sampled = self.large.sampled
+                if self.large.is_unexpectedly_large(norm):
+                    found.append(
+                        f"iteration {iteration}: rank {self.ctx.rank}: found unexpected large grads in {bucket} before "
+                        f"the data-parallel reduction: local norm {norm:.6g} >= 10 x {self.large.max_value:.6g}, the "
+                        f"largest of the first {self.large.num_samples} bucket norms (--check-for-large-grads; "
+                        "reported, training goes on)"
+                    )
+                    if validate:
+                        break
+                elif self.large.sampled and not was_sampled:
+                    self.log.info(
+                        f"--check-for-large-grads: rank {self.ctx.rank}'s max value for grads: "
+                        f"{self.large.max_value:.6g} (its bound is 10 x that)"
+                    )
+        self.first_iteration_complete = True
+        every = [found]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # (the logging rank says every rank's)
+            count = torch.tensor([float(len(found))], device=self.ctx.device)
+            dist.all_reduce(count)
+            if count.item() > 0:
+                every = [None] * dist.get_world_size()
+                dist.all_gather_object(every, found)
+        for lines in every:
+            for line in lines:
+                self.log.info(line)
+            self.window["large"] += len(lines)
 
     MAX_ROLLBACKS = 3  # in a row without getting past the previous failure: the cause is not one batch
 
@@ -189,11 +241,13 @@ class Supervisor:
             out.update(loss_spikes=w["spikes"], loss_spike_max_zscore=w["zscore"])
         if self.check_nan:
             out["nonfinite_iterations"] = w["nonfinite"]
+        if self.large is not None:
+            out["large_grads"] = w["large"]
         if self.config.log_straggler and w["n"]:
             report = straggler_report(w["step"] / w["n"], w["compute"] / w["n"], self.ctx.device, self.ctx.pp.rank)
             self.log.info(describe(report))
             out.update({k: v for k, v in report.items() if k != "straggler_peers"})
-        self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0}
+        self.window = {"step": 0.0, "compute": 0.0, "n": 0, "spikes": 0, "zscore": 0.0, "nonfinite": 0, "large": 0}
         return out
 
     def should_exit(self) -> bool:

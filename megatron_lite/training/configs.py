@@ -122,6 +122,7 @@ class LoggingConfig:
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 NAN_POLICIES = ("skip", "halt", "rollback")
 SPIKE_POLICIES = ("report", "rollback")
+RERUN_MODES = ("disabled", "validate_results", "report_stats")  # (Megatron's --rerun-mode choices)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,10 @@ class ResilienceConfig:
     spiky_loss_window: int = 50
     spiky_loss_zscore: float = 6.0
     spiky_loss_policy: str = "report"
+    # Megatron's --check-for-large-grads: a local bucket gradient norm >= 10x the largest of the first 100 is
+    # reported (resilience/supervisor.py); --rerun-mode (Megatron's, default validate_results) says which are checked
+    check_for_large_grads: bool = False
+    rerun_mode: str = "validate_results"
     log_straggler: bool = False
     flight_recorder: bool = True  # record collectives; a hang past the timeout ends the job with a report
 
@@ -144,6 +149,7 @@ class ResilienceConfig:
             ("--exit-signal", self.exit_signal, SIGNALS),
             ("--nan-policy", self.nan_policy, NAN_POLICIES),
             ("--spiky-loss-policy", self.spiky_loss_policy, SPIKE_POLICIES),
+            ("--rerun-mode", self.rerun_mode, RERUN_MODES),
         ):
             if value not in choices:
                 raise ConfigError(f"{flag} {value} is not one of {', '.join(choices)}")

@@ -289,7 +289,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         metrics = None
         ck = job.checkpoint
         signalled = exiting = False
-        guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log, exit_signal)
+        guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log, exit_signal, ddp)
         saver = (
             AsyncSaver(ck.save, ctx, ck.ckpt_keep_last, ck.save_retain_interval) if ck.save and ck.async_save else None
         )
