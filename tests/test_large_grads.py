@@ -96,3 +96,23 @@ def test_a_large_gradient_is_reported_and_training_goes_on(tmp_path, pretrain_jo
     c = _records(tmp_path / "clean.jsonl")
     assert all(c[it]["large_grads"] == 0 for it in c) and sorted(c) == list(range(1, 13))
     assert all(c[it]["lm_loss"] == r[it]["lm_loss"] for it in range(1, 12))  # (the fault changes iteration 11's update)
+
+
+def test_rerun_mode_is_one_of_megatrons_and_the_start_up_says_what_the_check_does():
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
+    from megatron_lite.megatron_flags import accepted_no_ops
+
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --mock-data --vocab-size 100 "
+    base += "--train-iters 4"
+    with pytest.raises(ConfigError, match="^--rerun-mode validate is not one of disabled, validate_results, report_"):
+        parse_args([*base.split(), "--rerun-mode", "validate"])
+    for extra, note in (
+        ("", "--check-for-large-grads under --rerun-mode validate_results: there is no re-run engine here"),
+        ("--rerun-mode report_stats", "--check-for-large-grads has no effect with --rerun-mode report_stats"),
+        ("--rerun-mode disabled", None),
+    ):
+        ns, job = parse_args([*base.split(), "--check-for-large-grads", *extra.split()])
+        notes = [n for n in accepted_no_ops(ns) if "rerun" in n or "large-grads" in n]
+        assert job.resilience.check_for_large_grads and notes == ([] if note is None else notes[:1])
+        assert note is None or notes[0].startswith(note), notes
