@@ -361,6 +361,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         use_checkpoint_args=ns.use_checkpoint_args,
         exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
         async_save=ns.async_save,
+        ckpt_fully_parallel_load=ns.ckpt_fully_parallel_load,
         ckpt_keep_last=ns.ckpt_keep_last,
         save_retain_interval=ns.save_retain_interval,
         ckpt_step=ns.ckpt_step,

@@ -482,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bool(c, "--exit-on-missing-checkpoint", "fail instead of starting from scratch when --load has none")
     _bool(c, "--async-save", "write checkpoints in a background thread while training continues")
+    _bool(c, "--ckpt-fully-parallel-load", "data-parallel replicas each read a part of what they all hold, then "
+          "exchange the parts (default: each reads all it holds)")  # fmt: skip
     c.add_argument("--ckpt-keep-last", type=int, help="keep only the newest N checkpoints under --save")
     c.add_argument("--save-retain-interval", type=int, help="keep the checkpoints of multiples of N iterations and "
                    "the newest; each save deletes the one before it otherwise (Megatron's)")  # fmt: skip

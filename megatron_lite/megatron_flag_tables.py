@@ -119,7 +119,6 @@ ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {
         "refused",
     ),
     "auto_detect_ckpt_format": (False, "checkpoints are always safetensors + JSON"),
-    "ckpt_fully_parallel_load": (False, "each rank reads only the slices of the tensors it holds"),
     "empty_unused_memory_level": (True, "the CUDA caching allocator is not emptied between steps"),
     "ckpt_format": (True, "checkpoints are always safetensors + JSON (layout-free, no pickle)"),
     "no_position_embedding": (False, "implied by --position-embedding-type rope/none (refused with learned_absolute)"),

@@ -49,9 +49,10 @@ def run(
     distributed_optimizer: bool = False,
     fsdp2: bool = False,
     optimizer: str = "adam",
+    load_kw: dict | None = None,
 ):
-    """Train to iteration TOTAL (from the checkpoint in `load` if given), saving at SAVE_AT into `save`;
-    returns (iteration, lm_loss, grad_norm) for every iteration run."""
+    """Train to iteration TOTAL (from the checkpoint in `load` if given, load_checkpoint's `load_kw`), saving at
+    SAVE_AT into `save`; returns (iteration, lm_loss, grad_norm) for every iteration run."""
     from megatron_lite.training.step import train_step
 
     ctx = (
@@ -69,7 +70,7 @@ def run(
     sched = LRScheduler(OPTIM, TOTAL)
     state = TrainState()
     if load is not None:
-        state = load_checkpoint(find_checkpoint(load), model, opt, sched, ctx)
+        state = load_checkpoint(find_checkpoint(load), model, opt, sched, ctx, **(load_kw or {}))
         assert state.iteration == SAVE_AT and state.consumed_samples == SAVE_AT * GBS
     data = MockGPTDataset(config.vocab_size, SEQ, seed=7)
     history = []

@@ -41,6 +41,7 @@ from megatron_lite.checkpoint.format import (
 
 # (find_checkpoint, read_metadata and same_directory are imported from here too)
 from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata, same_directory  # noqa: F401
+from megatron_lite.checkpoint.parallel_load import SplitLoad
 from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.config import ConfigError
 from megatron_lite.optimizer.optimizer import any_rank, state_kinds
@@ -340,12 +341,13 @@ def saved_under_this_layout(meta: dict, ctx: ParallelContext) -> bool:
 
 
 def _read(
-    path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, with_rng: bool, skip_frozen: bool,
+    path: str, model, optimizer, ctx: ParallelContext, with_optim: bool, with_rng: bool, skip_frozen: bool, split,
     main_only: bool = False,
 ):  # fmt: skip
     """load_checkpoint's reads, no collective among them: the model's weights (filled in place), the optimizer's
     state by parameter (`with_optim`; `main_only`: its main weights alone) and this rank's RNG states
-    (`with_rng`, same layout only)."""
+    (`with_rng`, same layout only). `split` (a SplitLoad): with --ckpt-fully-parallel-load, replicated tensors get
+    only this rank's part until its exchange."""
     meta = read_metadata(path)
     check_model_structure(path, meta, model)
     if with_optim:
@@ -367,25 +369,28 @@ def _read(
             with torch.no_grad():
                 p.to_local().view(-1).copy_(reader.read_flat(key, tuple(p.shape), pmeta, *flat_range(p)))
             continue
-        reader.fill(key, p, pmeta)
+        split.fill(reader, key, p, pmeta)
     for gname, t, expert in fp8_state_tensors(model):  # (a checkpoint without them: delayed scaling starts afresh)
         if (stored := (reader.index.get(f"fp8/{gname}") or {}).get("shape")) is None:
             continue
+
+        def keep(full: torch.Tensor, t: torch.Tensor = t) -> None:
+            with torch.no_grad():  # (another --fp8-amax-history-len: its newest iterations, as many as it keeps)
+                t.zero_()
+                t[: min(len(t), len(full))] = full[: len(t)]
+
         full = torch.zeros(stored, dtype=t.dtype, device=t.device)
-        reader.fill(f"fp8/{gname}", full, REPLICATED[expert])
-        with torch.no_grad():  # (another --fp8-amax-history-len: its newest iterations, as many as it keeps)
-            t.zero_()
-            t[: min(len(t), len(full))] = full[: len(t)]
+        split.fill(reader, f"fp8/{gname}", full, REPLICATED[expert], then=keep)
     # The optimizer's main weights and state: only the ranges this rank keeps are read (a distributed
     # optimizer's parts: about 1/DP of them), in fp32 on the host until the optimizer takes them.
-    values = {}
+    values, replicated = {}, (with_optim or main_only) and not optimizer.sharded
     named = {id(p): (model.global_name(name), pmeta) for name, p, pmeta in named_param_meta(model)}
     for p, lo, hi in optimizer.state_ranges() if with_optim or main_only else ():
         gname, pmeta = named[id(p)]
         d = {}
         for kind in ("main", *(state_kinds(optimizer.config) if with_optim else ())):
             if f"{kind}/{gname}" in reader.index:
-                d[kind] = reader.read_flat(f"{kind}/{gname}", tuple(p.shape), pmeta, lo, hi)
+                d[kind] = split.read_flat(reader, f"{kind}/{gname}", tuple(p.shape), pmeta, lo, hi, replicated)
         if main_only and "main" not in d and reader.index[f"model/{gname}"]["dtype"] != "float32":
             raise ConfigError(
                 f"--load-main-params-from-ckpt: {path} holds no fp32 main weights for {gname} (saved with "
@@ -394,7 +399,7 @@ def _read(
         if "main" not in d and p.dtype != torch.float32:
             # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
             # weights are the main weights; read them at full precision, not from the bf16 copy.
-            d["main"] = reader.read_flat(f"model/{gname}", tuple(p.shape), pmeta, lo, hi)
+            d["main"] = split.read_flat(reader, f"model/{gname}", tuple(p.shape), pmeta, lo, hi, replicated)
         values[(id(p), lo)] = d
     rng, rng_name = None, f"rng_r{ctx.rank:05d}.safetensors"
     if with_rng and saved_under_this_layout(meta, ctx) and rng_name in reader.files:
@@ -415,26 +420,32 @@ def load_checkpoint(
     load_rng: bool = True,
     finetune: bool = False,
     skip_missing_frozen: bool = False,
+    fully_parallel_load: bool = False,
     load_main_params: bool = False,
     stats: dict | None = None,
 ) -> TrainState:
     """`skip_missing_frozen`: frozen weights the checkpoint lacks keep their values (a QLoRA checkpoint holds
-    the adapters; its base was loaded first). `stats`, when given, gets `bytes_read`: the tensor bytes this
-    rank read (under the distributed optimizer about 1/DP of the optimizer state's), and `bytes_hashed`: the
-    bytes it read to check checksums (its share of the files). `load_main_params` (Megatron's
-    --load-main-params-from-ckpt): where the optimizer state is not loaded, its fp32 main weights still are. Every
-    read happens before any collective, and a failed one (a corrupted file, a missing piece) on any rank stops
-    every rank, where the others had waited in the optimizer's collectives until the timeout."""
+    the adapters; its base was loaded first). `fully_parallel_load` (--ckpt-fully-parallel-load): the
+    data-parallel replicas split the reading of what they all hold, then exchange it (parallel_load.py).
+    `load_main_params` (Megatron's --load-main-params-from-ckpt): where the optimizer state is not loaded, its
+    fp32 main weights still are. `stats`, when given, gets `bytes_read`: the tensor bytes this rank read (under
+    the distributed optimizer about 1/DP of the optimizer state's; with `fully_parallel_load` about 1/DP of the
+    replicated weights' too), and `bytes_hashed`: the bytes it read to check checksums (its share of the files).
+    Every read happens before any collective, and a failed one (a corrupted file, a missing piece) on any rank
+    stops every rank, where the others had waited in the optimizer's collectives (or the exchange) until the
+    timeout."""
     with_optim = optimizer is not None and load_optim and not finetune
     main_only = optimizer is not None and load_main_params and not with_optim
+    split = SplitLoad(ctx, fully_parallel_load)
     meta, values, rng, (bytes_read, bytes_hashed) = _on_every_rank(
         ctx,
         lambda: _read(
-            path, model, optimizer, ctx, with_optim, load_rng and not finetune, skip_missing_frozen, main_only
+            path, model, optimizer, ctx, with_optim, load_rng and not finetune, skip_missing_frozen, split, main_only
         ),
         f"loading {path}",
         then="",
     )
+    split.exchange()  # (after the agreement: every rank's reads succeeded)
     if stats is not None:
         stats.update(bytes_read=bytes_read, bytes_hashed=bytes_hashed)
     if optimizer is not None:  # what the checkpoint does not hold, or is not loaded, starts as a new run's

@@ -142,10 +142,12 @@ class Reader:
             for (rel, lengths), full in to_full(tuple(target.shape), meta, whole):
                 target[box_slices(rel, lengths)] = self.read_box(name, full, lengths)
 
-    def read_flat(self, name: str, shape: tuple[int, ...], meta: ParamMeta, lo: int, hi: int) -> torch.Tensor:
-        """The flat range [lo, hi) of this rank's tensor (of `shape`), in fp32: only the boxes it covers are
-        read (the distributed optimizer's part of a parameter)."""
-        out = torch.zeros(hi - lo, dtype=torch.float32)
+    def read_flat(
+        self, name: str, shape: tuple[int, ...], meta: ParamMeta, lo: int, hi: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The flat range [lo, hi) of this rank's tensor (of `shape`), in `dtype`: only the boxes it covers are
+        read (the distributed optimizer's part of a parameter, --ckpt-fully-parallel-load's part of a replica's)."""
+        out = torch.zeros(hi - lo, dtype=dtype)
         for part, full in flat_parts(out, shape, meta, lo):
             part.copy_(self.read_box(name, full, tuple(part.shape)))
         return out

@@ -29,6 +29,9 @@ class CheckpointConfig:
     use_checkpoint_args: bool = False
     exit_on_missing_checkpoint: bool = False
     async_save: bool = False  # write in a background thread while training goes on
+    # Megatron's: the data-parallel replicas split reading what they all hold, then all-gather it
+    # (checkpoint/parallel_load.py); off, each reads every byte it holds
+    ckpt_fully_parallel_load: bool = False
     ckpt_keep_last: int | None = None  # delete older checkpoints, keeping the newest N
     # Megatron's --save-retain-interval: each save deletes the checkpoint before it unless its iteration is a
     # multiple of this (the newest and every multiple stay)

@@ -210,7 +210,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
             state, ckpt_path = upcycle(ckpt_path, model, optimizer, scheduler, ctx, job, log)
         elif ckpt_path is not None:
             if base_path is not None:
-                load_checkpoint(base_path, model, None, None, ctx, finetune=True)
+                base_how = dict(finetune=True, fully_parallel_load=job.checkpoint.ckpt_fully_parallel_load)
+                load_checkpoint(base_path, model, None, None, ctx, **base_how)
                 log.info(f"loaded the LoRA base {base_path}")
             how = start_load(job, base_path)
             state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **how)

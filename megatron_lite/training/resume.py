@@ -231,6 +231,7 @@ def start_load(job: JobConfig, base_path: str | None) -> dict:
         load_main_params=ck.load_main_params_from_ckpt,
         finetune=ck.finetune,
         skip_missing_frozen=base_path is not None,
+        fully_parallel_load=ck.ckpt_fully_parallel_load,
     )
 
 
@@ -277,7 +278,10 @@ def rollback(
     # the starting checkpoint with the flags it was loaded with; one of this job's own with everything (its
     # optimizer state included: --no-save-optim with a rollback is refused)
     # (this job's own hold the adapters alone when it records a base: the frozen base in memory is that one)
-    own = dict(skip_missing_frozen=job.lora is not None and job.lora.base is not None)
+    own = dict(
+        skip_missing_frozen=job.lora is not None and job.lora.base is not None,
+        fully_parallel_load=job.checkpoint.ckpt_fully_parallel_load,
+    )
     how = start_load(job, base_path) if path == start else own
     restored = load_checkpoint(path, model, optimizer, scheduler, ctx, **how)
     log.info(f"rolled back to {path}: iteration {restored.iteration}, sample {restored.consumed_samples}")
