@@ -22,6 +22,7 @@ from megatron_lite.checkpoint.checkpointing import find_checkpoint, load_checkpo
 from megatron_lite.config import ParallelConfig
 from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
+from megatron_lite.training.resume import start_load
 from megatron_lite.training.wrap import wrap_for_training
 
 from dist_pool import get_context
@@ -74,18 +75,27 @@ def resume_with_flag(parallel: ParallelConfig, ckpt: str, **kw):
 
 def test_the_flag_is_megatrons_and_off_by_default():
     assert parse_args(MOCK)[1].checkpoint.ckpt_fully_parallel_load is False
-    assert parse_args([*MOCK, "--ckpt-fully-parallel-load"])[1].checkpoint.ckpt_fully_parallel_load is True
+    job = parse_args([*MOCK, "--ckpt-fully-parallel-load"])[1]
+    assert job.checkpoint.ckpt_fully_parallel_load is True
+    assert start_load(job, None)["fully_parallel_load"] is True  # (what pretrain and a rollback load with)
 
 
 def test_saved_at_tp2_dp2_loaded_at_dp4_each_rank_reads_a_quarter(dist, tmp_path):
     """Plain data parallelism (Adam's state replicated): saved at TP=2 x DP=2, loaded at TP=1 x DP=4, where without
-    the flag each rank reads the whole checkpoint; with it a quarter (within 1%), the four the whole once."""
+    the flag each rank reads the whole checkpoint; with it a quarter (within 1%), the four the whole once. The
+    group is the data-parallel one with CP folded in (Megatron's): at CP=2 x DP=2 a quarter too; at PP=2 x DP=2
+    each stage's two replicas split its tensors."""
     ckpt = str(tmp_path / "tp2")
     original = dist(4, run, {}, P(tensor_model_parallel_size=2), 2, ckpt)
     total = _tensor_bytes(find_checkpoint(ckpt))
-    for read0, read1, _ in dist(4, load_both_ways, ckpt, P(), {}, False):
-        assert read0 == total, (read0, total)
-        assert abs(read1 - total / 4) <= 0.01 * total / 4, (read1, total)
+    for layout in (P(), P(context_parallel_size=2)):
+        for read0, read1, _ in dist(4, load_both_ways, ckpt, layout, {}, False):
+            assert read0 == total, (read0, total)
+            assert abs(read1 - total / 4) <= 0.01 * total / 4, (layout, read1, total)
+    reads = dist(4, load_both_ways, ckpt, P(pipeline_model_parallel_size=2), {}, False)
+    assert sum(r[1] for r in reads) == total
+    for read0, read1, _ in reads:
+        assert abs(read1 - read0 / 2) <= 0.01 * read0 / 2, (read0, read1)
     resumed = dist(4, resume_with_flag, P(), ckpt)
     assert sum(read for _, read in resumed) == total
     continued = [h for h in original[0] if h[0] > SAVE_AT]
@@ -155,3 +165,20 @@ def test_a_bad_file_stops_every_rank_before_the_exchange(dist, tmp_path):
         assert raised is not None and raised.startswith("ConfigError") and "\n" not in raised, raised
         assert seconds < 20
     assert max(t0, t1) < 20, (t0, t1)
+
+
+def exchange_with_one_tensor_more_on_rank0():
+    from megatron_lite.checkpoint.parallel_load import SplitLoad, _Share
+
+    split = SplitLoad(get_context(P()), enabled=True)
+    if torch.distributed.get_rank() == 0:  # (what a bug would do: the replicas would pair up the wrong bytes)
+        split._shares[False].append(_Share(torch.zeros(4), torch.zeros(2), None))
+    try:
+        split.exchange()
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_replicas_disagreeing_on_what_to_exchange_stop_rather_than_hang(dist):
+    for raised in dist(2, exchange_with_one_tensor_more_on_rank0):
+        assert raised is not None and "hold different tensors to load" in raised, raised

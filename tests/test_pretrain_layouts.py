@@ -34,6 +34,9 @@ RESUME_LAYOUTS = {
         "--fp8-format hybrid --fp8-amax-history-len 4 --num-experts 4 --expert-model-parallel-size 2 "
         "--moe-aux-loss-coeff 1e-2"
     ).split(),
+    # Megatron's --ckpt-fully-parallel-load through the command line: the two replicas each read half of every
+    # weight and Adam moment, then all-gather them (checkpoint/parallel_load.py)
+    "fully-parallel-load-dp2": ["--ckpt-fully-parallel-load"],
     # --data-parallel-random-init: each data-parallel rank's own dropout stream comes back to it
     "dp-random-init-dp2": "--data-parallel-random-init".split(),
     # bf16 Adam moments, sharded by the distributed optimizer, saved and restored in their dtype
