@@ -88,6 +88,8 @@ class SplitLoad:
         members first compare how many tensors and bytes they hold to exchange: a difference (a bug: the members
         of a group hold the same tensors) stops every rank, where mismatched all-gathers would hang or mix bytes."""
         active = [(expert, g) for expert, g in self.groups.items() if g.size > 1]
+        if not active:  # (the flag off, or no replicas: no collective, as before the flag)
+            return
         mismatch = False
         for expert, group in active:
             shares = self._shares[expert]
