@@ -6,6 +6,9 @@ load being tested."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 
 import pytest
 import torch
@@ -79,9 +82,10 @@ def test_the_flag_needs_no_load_optim_as_in_megatron():
     assert CheckpointConfig(load="ckpt", load_main_params_from_ckpt=True, no_load_optim=True).no_load_optim
 
 
-def _distributed(root: str, flag: bool):
-    """At DP=2 under the distributed optimizer: each rank's main-weight shards after the load against the saving
-    optimizer's."""
+def _distributed(root: str, flag: bool, zero1: bool = True):
+    """At DP=2 under the distributed optimizer (`zero1`: each rank's main-weight shards), or plain data
+    parallelism with --ckpt-fully-parallel-load (the replicas each read half of the main weights, then exchange
+    them): the main weights after the load against the saving optimizer's."""
     from test_train_equivalence import OPTIM
 
     from megatron_lite.data.mock import MockGPTDataset, collate
@@ -94,7 +98,7 @@ def _distributed(root: str, flag: bool):
 
     ctx = get_context(ParallelConfig())
     config = llama_config(num_layers=2)
-    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=True, lr=1e-2)
+    optim = dataclasses.replace(OPTIM, use_distributed_optimizer=zero1, lr=1e-2)
 
     def build(seed):
         model = build_model(config, ctx, seed=seed, dtype=torch.bfloat16)
@@ -109,14 +113,31 @@ def _distributed(root: str, flag: bool):
         opt.finish_param_sync()
     path = save_checkpoint(root, TrainState(2, 8), model, opt, LRScheduler(optim, 10), ctx, {})
     model2, _, opt2 = build(2)
-    load_checkpoint(path, model2, opt2, LRScheduler(optim, 10), ctx, load_optim=False, load_main_params=flag)
-    same = all(torch.equal(a.main, b.main) for a, b in zip(opt.shards, opt2.shards))
-    rounded = all(torch.equal(b.main, b.p.reshape(-1)[b.lo : b.hi].float()) for b in opt2.shards)
-    return same, rounded, opt2.steps_taken
+    how, stats = dict(load_optim=False, load_main_params=flag, fully_parallel_load=not zero1), {}
+    load_checkpoint(path, model2, opt2, LRScheduler(optim, 10), ctx, **how, stats=stats)
+    if zero1:
+        pairs = [(a.main, b.main, b.p.reshape(-1)[b.lo : b.hi]) for a, b in zip(opt.shards, opt2.shards)]
+    else:
+        pairs = list(zip(opt.main_params, opt2.main_params, opt2.params))
+    same = all(torch.equal(a, b) for a, b, _ in pairs)
+    rounded = all(torch.equal(b, p.float()) for _, b, p in pairs)
+    stored = 0  # (the checkpoint's bytes of weights and main weights, as its indexes list them)
+    for f in (f for f in os.listdir(path) if f.startswith("index_r")):
+        for name, rec in json.load(open(os.path.join(path, f)))["tensors"].items():
+            if name.startswith(("model/", "main/")):
+                size = torch.empty(0, dtype=getattr(torch, rec["dtype"])).element_size()
+                stored += sum(math.prod(pc["lengths"]) * size for pc in rec["pieces"])
+    return same, rounded, opt2.steps_taken, stats["bytes_read"], stored
 
 
 def test_distributed_optimizer_shards_take_the_checkpoints_main_weights(dist, tmp_path):
     flag = dist(2, _distributed, str(tmp_path / "flag"), True)
     without = dist(2, _distributed, str(tmp_path / "without"), False)
-    assert all(same and not rounded and steps == 0 for same, rounded, steps in flag), flag
-    assert all(rounded and not same for same, rounded, _ in without), without
+    assert all(same and not rounded and steps == 0 for same, rounded, steps, *_ in flag), flag
+    assert all(rounded and not same for same, rounded, *_ in without), without
+
+
+def test_replicated_main_weights_split_by_a_fully_parallel_load(dist, tmp_path):
+    runs = dist(2, _distributed, str(tmp_path), True, False)
+    assert all(same and not rounded and steps == 0 for same, rounded, steps, *_ in runs), runs
+    assert sum(r[3] for r in runs) == runs[0][4], runs  # (the two replicas read the weights and main weights once)
