@@ -5,6 +5,23 @@ plain-PyTorch reference beside it that is both the fallback (no Triton, or CPU t
 interpreter) and the tests' oracle. `LAUNCHES` counts kernel launches so tests can prove a kernel ran.
 """
 
+if __name__ == "kernels":  # (not megatron_lite.kernels: see below)
+    # The repository root on sys.path (`python -c` or a notebook started there) makes this folder the top-level
+    # `kernels`, a name the Hugging Face `kernels` package owns and transformers imports (`from kernels import
+    # CUDAProperties` failed here). Hand the name over to the installed package, if there is one.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _rest = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _rest)
+    if _spec is not None and _spec.loader is not None:
+        _real = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _real  # (the import statement returns what sys.modules holds after this runs)
+        _spec.loader.exec_module(_real)
+
 from megatron_lite.kernels._common import HAVE_TRITON, LAUNCHES, compile_for_gpu, triton_usable
 from megatron_lite.kernels.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
 from megatron_lite.kernels.flash_attention import (

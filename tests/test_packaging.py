@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import pathlib
 import shutil
 import subprocess
@@ -23,6 +25,33 @@ def test_kernels_importable_under_package_only(tmp_path):
     probe = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert not out.stdout.strip().startswith(str(ROOT)), out.stdout
+
+
+def test_from_the_checkout_root_kernels_is_the_installed_package(tmp_path):
+    """`python -c` (or a notebook) started in the checkout puts its root first on sys.path, where kernels/ was
+    found as the top-level `kernels`: transformers, which imports the Hugging Face `kernels` package when it is
+    installed, failed (`cannot import name 'CUDAProperties' from 'kernels'`). The folder hands the name over to
+    the installed package; with none, `kernels` stays ours (transformers then finds no viable version)."""
+    other = tmp_path / "site"
+    (other / "kernels").mkdir(parents=True)
+    (other / "kernels" / "__init__.py").write_text("MARK = 'installed'\n")
+    (other / "kernels" / "sub.py").write_text("X = 1\n")
+    probe = "import kernels, kernels.sub; print(kernels.MARK, kernels.sub.X)"
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["installed", "1"], out.stderr[-2000:]
+    probe = "import kernels; print(kernels.rms_norm.__module__)"  # (none installed elsewhere: ours, as before)
+    try:
+        installed = bool(importlib.metadata.version("kernels"))  # (the Hugging Face package's distribution)
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    if not installed:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "megatron_lite.kernels.norms", out.stdout
+    else:  # (the Hugging Face package is installed here: transformers imports it from the checkout's root)
+        probe = "from transformers import LlamaForCausalLM; import kernels; print(kernels.__file__)"
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0 and not out.stdout.strip().startswith(str(ROOT)), out.stderr[-2000:]
 
 
 def test_dependencies():
