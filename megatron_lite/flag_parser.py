@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
         f,
         "--check-for-large-grads",
         "report a local bucket gradient norm >= 10x the largest of the first 100 (Megatron's check; training goes "
-        "on, as after Megatron's re-run of a non-fatal check; --rerun-mode disabled also checks the first iteration)",
+        "on with the flagged gradient: there is no re-run; --rerun-mode disabled also checks the first iteration)",
     )
     _bool(f, "--log-straggler", "per-rank step and compute time (min, median, max, slowest rank) every log interval")
     _bool(f, "--disable-flight-recorder", "do not record collectives (a hang then ends only at the gloo/NCCL timeout)")

@@ -118,7 +118,10 @@ def _fp32_accumulation_notes(ns: argparse.Namespace) -> list[str]:
         return [f"{flag} has no effect with --use-torch-fsdp2: FSDP2 reduce-scatters its gradients itself"]
     if not getattr(ns, "use_distributed_optimizer", False):
         return [f"{flag} has no effect without --use-distributed-optimizer: gradients are all-reduced"]
-    if not (getattr(ns, "grad_reduce_in_bf16", False) and getattr(ns, "bf16", False)):
+    # (bf16 gradients: --grad-reduce-in-bf16, or Megatron's --main-grads-dtype bf16 with the precision-aware
+    # optimizer, which gives them here)
+    bf16_grads = getattr(ns, "grad_reduce_in_bf16", False) or getattr(ns, "main_grads_dtype", None) == "bf16"
+    if not (bf16_grads and getattr(ns, "bf16", False)):
         return [f"{flag}: fp32 gradients (no --bf16 --grad-reduce-in-bf16) are summed in fp32 either way"]
     return []
 
@@ -153,7 +156,8 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         elif mode == "validate_results":
             lines.append(
                 "--check-for-large-grads under --rerun-mode validate_results: there is no re-run engine here; a "
-                "large gradient is reported and training goes on, as after Megatron's re-run of this non-fatal check"
+                "large gradient is reported and training goes on with it applied (Megatron re-runs the iteration "
+                "and applies the re-run's)"
             )
     if getattr(ns, "apply_residual_connection_post_layernorm", False):
         lines.append(

@@ -297,12 +297,24 @@ class GradBuffer:
                     if self.sharded:  # the summed part lands in scratch, then in this rank's slot (finish)
                         b.scratch = torch.empty_like(b.shard_grad)
                         b.handle = self._reduce_scatter(b.scratch, b.data, async_op=async_op)
+                        if async_op and self.fp32_accumulation:
+                            self._land_previous()
                     else:
                         b.handle = dist.all_reduce(b.data, group=self.group.pg, async_op=async_op)
             b.launched = True
             if events is not None:
                 events.append(("launch", b.index))
             self._next += 1
+
+    def _land_previous(self) -> None:
+        """--ddp-reduce-scatter-with-fp32-accumulation under ZeRO-1's overlap: an all-to-all keeps a bucket-sized
+        receive buffer until its wait, and ZeRO-1 waits at finish(): every bucket's at once, the gradient buffer
+        again at the end of the backward. The bucket launched before this one completes now (two at most)."""
+        prev = self.buckets[self._next - 1] if self._next > 0 else None
+        if prev is not None and prev.handle is not None:
+            with self.group.blocked():
+                prev.handle.wait()
+            prev.handle = None
 
     def finish(self, events: list | None) -> None:
         if self.transient:  # what is still whole, in order: held buckets, and behind a bucket left incomplete
