@@ -141,3 +141,25 @@ def test_replicated_main_weights_split_by_a_fully_parallel_load(dist, tmp_path):
     runs = dist(2, _distributed, str(tmp_path), True, False)
     assert all(same and not rounded and steps == 0 for same, rounded, steps, *_ in runs), runs
     assert sum(r[3] for r in runs) == runs[0][4], runs  # (the two replicas read the weights and main weights once)
+
+
+def test_lora_adapters_on_a_base_checkpoint_and_an_fp32_run_load(tmp_path):
+    """(From a review: a LoRA fine-tune's new adapters, which the base checkpoint lacks, stopped the load with a
+    KeyError; an fp32 run, whose main weights are its weights and where Megatron ignores the flag, was refused on
+    a checkpoint saved with --no-save-optim.)"""
+    from megatron_lite.lora.apply import LoraConfig, apply_lora
+
+    ctx, make, model, opt = _trained_and_saved(tmp_path)
+    path = save_checkpoint(str(tmp_path), TrainState(3, 3), model, opt, None, ctx, {}, save_optim=False)
+    config = CONFIGS["llama"](num_layers=1)
+    lora = build_model(config, ctx, seed=2, dtype=torch.bfloat16)
+    apply_lora(lora, config, LoraConfig(rank=4, alpha=8.0), ctx, seed=3)
+    lora_opt = MixedPrecisionOptimizer(lora, lambda p: p.grad, CONFIG, ctx)
+    load_checkpoint(path, lora, lora_opt, None, ctx, load_optim=False, finetune=True, load_main_params=True)
+    trained = [p for p in lora.parameters() if p.requires_grad]
+    assert trained and all(torch.equal(m, p.float()) for m, p in zip(lora_opt.main_params, lora_opt.params))
+    fp32 = build_model(config, ctx, seed=2)
+    fp32_opt = MixedPrecisionOptimizer(fp32, lambda p: p.grad, CONFIG, ctx)
+    load_checkpoint(path, fp32, fp32_opt, None, ctx, load_optim=False, load_main_params=True)
+    for p, q in zip(model.parameters(), fp32.parameters()):
+        assert torch.equal(p.float(), q)

@@ -91,8 +91,17 @@ def test_local_at_dp2_resumes_and_another_layout_takes_the_persistent_one(tmp_pa
     _same(straight[6:], records(tmp_path / "common.jsonl"))
     shutil.rmtree(local / "0" / "iter_0000009")
     (local / "0" / "latest_checkpointed_iteration.txt").write_text("6")
-    # a rank without its own (a node's disk replaced): every rank starts from the persistent checkpoint
+    # a byte flipped in rank 0's own tensors (same size): its sha256 is checked by its rank (from a review: the
+    # world's share split left rank 0 hashing only its RNG file, and the run resumed from the corrupted weights)
+    tensors = local / "0" / "iter_0000006" / "tensors_r00000.safetensors"
+    good = tensors.read_bytes()
+    tensors.write_bytes(good[:-100] + bytes([good[-100] ^ 1]) + good[-99:])
     _stop_after_iteration_7(ckpt)
+    out = pretrain_job(2, args, exit_code=2)
+    assert "fails its sha256 check" in out or "sha256" in out, out[-3000:]
+    tensors.write_bytes(good)
+    # a rank without its own (a node's disk replaced): every rank starts from the persistent checkpoint
+    # (the failed run above left iteration 8 unsaved, as _stop_after_iteration_7 does)
     shutil.rmtree(local / "1")
     out = pretrain_job(2, args)
     assert "the ranks hold no local non-persistent checkpoint of the same iteration (rank 0: [6]; rank 1: none)" in out

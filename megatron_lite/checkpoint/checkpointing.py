@@ -352,7 +352,8 @@ def _read(
     check_model_structure(path, meta, model)
     if with_optim:
         check_optimizer_state(path, meta, optimizer.config)
-    reader = Reader(path, meta, share=(ctx.rank, ctx.world_size))
+    # (the ranks of a load split the files' checksums; a local non-persistent checkpoint's files are its rank's own)
+    reader = Reader(path, meta, share=(0, 1) if meta.get("local") else (ctx.rank, ctx.world_size))
     check_adapters_have_a_home(path, reader, model)
     for name, p, pmeta in named_param_meta(model):
         key = f"model/{model.global_name(name)}"
@@ -388,10 +389,14 @@ def _read(
     for p, lo, hi in optimizer.state_ranges() if with_optim or main_only else ():
         gname, pmeta = named[id(p)]
         d = {}
+        if main_only and f"model/{gname}" not in reader.index:  # (LoRA's new adapters on a base checkpoint)
+            values[(id(p), lo)] = {}
+            continue
         for kind in ("main", *(state_kinds(optimizer.config) if with_optim else ())):
             if f"{kind}/{gname}" in reader.index:
                 d[kind] = split.read_flat(reader, f"{kind}/{gname}", tuple(p.shape), pmeta, lo, hi, replicated)
-        if main_only and "main" not in d and reader.index[f"model/{gname}"]["dtype"] != "float32":
+        low = p.dtype != torch.float32  # (an fp32 run's main weights are its weights: Megatron ignores the flag)
+        if main_only and low and "main" not in d and reader.index[f"model/{gname}"]["dtype"] != "float32":
             raise ConfigError(
                 f"--load-main-params-from-ckpt: {path} holds no fp32 main weights for {gname} (saved with "
                 "--no-save-optim); drop the flag to take them from its weights"

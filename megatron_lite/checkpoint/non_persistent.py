@@ -281,7 +281,8 @@ class LocalSaver(ckpt.AsyncSaver):
 
     def _publish(self, tmp: str, meta: dict) -> str:
         index = f"index_r{self.ctx.rank:05d}.json"
-        meta = {**meta, "files": {index: file_digest(os.path.join(tmp, index))["sha256"]}}
+        # ("local": each rank reads its own files alone, so it checks all of them, not a share of the world's)
+        meta = {**meta, "local": True, "files": {index: file_digest(os.path.join(tmp, index))["sha256"]}}
         atomic_write_json(os.path.join(tmp, "metadata.json"), meta)
         final = iteration_dir(self.root, meta["iteration"])
         replace_dir(tmp, final)
