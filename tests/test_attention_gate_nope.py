@@ -238,7 +238,7 @@ def test_the_planner_and_the_flops_count_the_gate_rows():
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.parallel_context import ParallelContext
     from megatron_lite.planner.layout import Layout
-    from megatron_lite.planner.memory import stage_params
+    from megatron_lite.planner.params import stage_params
     from megatron_lite.training.flops import flops_per_token
 
     config = parse_args([*MODEL, "--attention-output-gate"])[1].model

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import layer_params, rank_memory, stage_params
+from megatron_lite.planner.memory import rank_memory
+from megatron_lite.planner.params import layer_params, stage_params
 
 from dist_pool import get_context
-from models import DEVICE, deepseek_config, gpt2_config, llama_config
+from models import DEVICE, deepseek_config, gpt2_config, hetero_config, llama_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ, GBS = 32, 8
@@ -38,6 +39,9 @@ MODELS = {
     # gpt-oss's MLP: biased router and experts (each expert-TP rank holds fc2's whole bias), quick-GEGLU
     "gptossmlp": lambda **kw: moe_llama(add_bias_linear=True, activation="quick_geglu", **kw),
     "learnable": lambda **kw: llama_config(softmax_type="learnable", **kw),  # an fp32 offset a head (split over TP)
+    # heterogeneous layers: their own query groups and FFN sizes, linear replacements, no-op parts
+    "hetero": hetero_config,
+    "hetero_bias": lambda **kw: hetero_config(add_bias_linear=True, **kw),  # (a linear replacement's bias: split)
 }
 
 
@@ -79,6 +83,9 @@ def _tool():
         ("llamatiedmtp", Layout(pp=2)),
         ("gptossmlp", Layout(tp=2, ep=2, dp=2)),
         ("learnable", Layout(tp=2, pp=2)),
+        ("hetero", Layout(tp=2)),
+        ("hetero", Layout(pp=4)),  # (stages of unequal weights)
+        ("hetero_bias", Layout(tp=2, pp=2, vp=2)),
     ],
 )
 def test_parameter_counts_equal_the_built_model(name, layout):

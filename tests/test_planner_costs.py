@@ -14,7 +14,8 @@ from megatron_lite.config import LLAMA_ARCHITECTURE, ModelConfig
 from megatron_lite.planner import cost
 from megatron_lite.planner.hardware import ACCELERATORS, cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import peak_rank_memory, rank_memory, stage_params
+from megatron_lite.planner.memory import peak_rank_memory, rank_memory
+from megatron_lite.planner.params import stage_params
 from megatron_lite.planner.search import uneven_stages
 from megatron_lite.training.flops import flops_per_token
 

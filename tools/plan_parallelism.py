@@ -175,7 +175,7 @@ def print_plan(
     model, cl, seq, gbs, precision, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
     uneven=False, optimizer: str = "adam",
 ) -> dict:  # fmt: skip
-    from megatron_lite.planner.memory import stage_params
+    from megatron_lite.planner.params import stage_params
 
     fits, rejected = plan(model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven)
     if optimizer in MUON:  # (pretrain refuses the sharded optimizers with Muon, as Megatron does)

@@ -30,7 +30,8 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_params, stage_params
+from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs
+from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
 from megatron_lite.training.flops import flops_per_token
 

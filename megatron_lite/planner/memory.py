@@ -1,11 +1,9 @@
 """Memory per GPU of a layout, from the model's dimensions alone (no model is built).
 
-Parameters are counted as our layers hold them (vocabulary padded to a multiple of
-make_vocab_size_divisible_by x TP, grouped-query QKV split by query group, a tied output layer copied onto
-the last pipeline stage). Gradients live in an fp32 buffer (bf16 with --grad-reduce-in-bf16, whose optimizer
-step copies them to fp32 once the activations are freed: the peak is the larger of the two); Adam keeps two
-fp32 moments plus an fp32 main copy of low-precision weights (the distributed optimizer always keeps its own
-fp32 copy of its shard).
+Parameters are counted as our layers hold them (planner/params.py). Gradients live in an fp32 buffer (bf16
+with --grad-reduce-in-bf16, whose optimizer step copies them to fp32 once the activations are freed: the peak
+is the larger of the two); Adam keeps two fp32 moments plus an fp32 main copy of low-precision weights (the
+distributed optimizer always keeps its own fp32 copy of its shard).
 
 Activations are the tensors autograd saves for the backward, per token of one micro-batch, counted from our
 own layers the way `training/memory.py`'s meter counts them (each storage once). The terms, in values per
@@ -36,6 +34,7 @@ from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute
 from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.lora_memory import lora_first_layer_bytes, lora_layer_bytes
+from megatron_lite.planner.params import StageParams, stage_params
 from megatron_lite.planner.precision import (
     expert_rows,
     fp8_activation_bytes,
@@ -48,99 +47,6 @@ from megatron_lite.planner.precision import (
 
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
 MAIN_COPY = 4  # fp32 main weights
-
-
-@dataclass(frozen=True)
-class StageParams:
-    dense: int  # parameters sharded over the data-parallel group (x CP)
-    expert: int  # expert parameters, sharded over the expert-data-parallel group
-    layers: tuple[int, ...]  # global numbers of the layers this rank runs
-    embeddings: int = 0  # of `dense`: the word and position embeddings and the output layer (and their copies)
-
-    @property
-    def total(self) -> int:
-        return self.dense + self.expert
-
-
-def _mlp_params(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> int:
-    fc1 = f * (2 if swiglu else 1) // tp
-    return h * fc1 + f // tp * h + ((fc1 + h) if bias else 0)
-
-
-def _mla_params(m: ModelConfig, tp: int) -> int:
-    """Multi-latent attention on one TP rank: down-projections split by rows, latent norms whole, up-projections
-    and the output projection split by heads."""
-    h, heads, qd, r = m.hidden_size, m.num_attention_heads, m.mla_q_head_dim, m.q_lora_rank
-    norm = (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
-    q = h * heads * qd // tp if r is None else h * r // tp + norm * r + r * heads * qd // tp
-    kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) // tp + norm * m.kv_lora_rank
-    kv += m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim) // tp
-    return q + kv + heads * m.v_head_dim // tp * h
-
-
-def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, expert) parameters of one transformer layer on one rank."""
-    h, d = model.hidden_size, model.head_dim
-    q, kv = model.num_attention_heads * d, model.query_groups * d
-    norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    qkv_bias = model.add_bias_linear or model.add_qkv_bias
-    rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (--attention-output-gate: its gate rows)
-    attn = h * rows // tp + (rows // tp if qkv_bias else 0) + q // tp * h
-    attn += h if model.add_bias_linear else 0
-    attn += 2 * d * (2 if model.normalization == "LayerNorm" else 1) if model.qk_layernorm else 0
-    attn += model.num_attention_heads // tp if model.softmax_type == "learnable" else 0  # (an offset a head)
-    if model.multi_latent_attention:
-        attn = _mla_params(model, tp)
-    swiglu = model.gated_linear_unit
-    if not model.is_moe_layer(layer):
-        return 2 * norm + attn + _mlp_params(h, model.ffn_size, swiglu, model.add_bias_linear, tp), 0
-    e = model.num_experts
-    router = e * h + (e if model.moe_router_enable_expert_bias else 0) + (e if model.add_bias_linear else 0)
-    dense = 2 * norm + attn + router
-    if model.moe_shared_expert_intermediate_size:
-        dense += _mlp_params(h, model.moe_shared_expert_intermediate_size, swiglu, model.add_bias_linear, tp)
-        dense += h if model.moe_shared_expert_gate else 0  # (the gate's [1, hidden], replicated)
-    expert = e // ep * _mlp_params(h, model.moe_ffn_size, swiglu, model.add_bias_linear, tp)
-    return dense, expert
-
-
-@functools.lru_cache(maxsize=65536)
-def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
-    """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
-    h, tp = model.hidden_size, layout.tp
-    counts = stage_layer_counts(model.num_layers, layout.parallel_config())
-    dense = expert = 0
-    layers: list[int] = []
-    first_layer = 0
-    by_kind: dict[bool, tuple[int, int]] = {}  # a layer's count depends on it only through is_moe_layer
-    for vstage, n in enumerate(counts):
-        if vstage % layout.pp == pp_rank:
-            for layer in range(first_layer, first_layer + n):
-                moe = model.is_moe_layer(layer)
-                if moe not in by_kind:
-                    by_kind[moe] = layer_params(model, layer, tp, layout.ep)
-                a, b = by_kind[moe]
-                dense, expert = dense + a, expert + b
-                layers.append(layer)
-        first_layer += n
-    vocab = model.padded_vocab_size(tp) // tp * h
-    embeddings = 0
-    if pp_rank == 0:
-        embeddings += vocab
-        if model.position_embedding_type == "learned_absolute":
-            embeddings += model.max_position_embeddings * h
-    if pp_rank == layout.pp - 1:
-        norm = h * (2 if model.normalization == "LayerNorm" else 1)
-        dense += norm
-        if model.untie_embeddings_and_output_weights or layout.pp > 1:
-            embeddings += vocab  # the output layer, or the last stage's copy of the tied embedding
-        for k in range(model.mtp_num_layers):  # multi-token prediction: 3 norms, eh_proj, a layer per depth
-            a, b = layer_params(model, model.num_layers + k, tp, layout.ep)
-            dense, expert = dense + a + 3 * norm + 2 * h * h // tp, expert + b
-            layers.append(model.num_layers + k)  # (its time is a layer's, numbered after the decoder's)
-        if model.mtp_num_layers and model.untie_embeddings_and_output_weights and layout.pp > 1:
-            embeddings += vocab  # the last stage's copy of the word embeddings, which MTP reads
-    return StageParams(dense + embeddings, expert, tuple(layers), embeddings)
 
 
 def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:

@@ -1,0 +1,153 @@
+"""Parameters per rank of a layout, from the model's dimensions alone (no model is built), counted tensor by tensor
+as our layers hold them: the vocabulary padded to a multiple of make_vocab_size_divisible_by x TP, grouped-query
+QKV split by query group, a tied output layer copied onto the last pipeline stage, a heterogeneous layer
+(models/heterogeneous.py) at its own query groups and FFN size, a linear replacement one [hidden, hidden] linear
+split over TP and a no-op part nothing (not even its norm). tests/test_planner.py holds the counts to the built
+model's at every layout."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.layout_validation import stage_layer_counts
+from megatron_lite.models.heterogeneous import NO_OP, NORMAL, BlockConfig
+from megatron_lite.planner.layout import Layout
+
+# One parameter tensor on one rank: (elements, whether Muon steps it: a 2-D one but the word embeddings and the
+# output layer, optimizer.runs_muon's rule; whether it is an expert's, sharded over expert-data-parallelism)
+Tensor = tuple[int, bool, bool]
+
+
+@dataclass(frozen=True)
+class StageParams:
+    dense: int  # parameters sharded over the data-parallel group (x CP)
+    expert: int  # expert parameters, sharded over the expert-data-parallel group
+    layers: tuple[int, ...]  # global numbers of the layers this rank runs
+    embeddings: int = 0  # of `dense`: the word and position embeddings and the output layer (and their copies)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def _mlp_tensors(h: int, f: int, swiglu: bool, bias: bool, tp: int, expert: bool = False) -> list[Tensor]:
+    fc1 = f * (2 if swiglu else 1) // tp
+    out = [(h * fc1, True, expert), (f // tp * h, True, expert)]
+    return out + ([(fc1, False, expert), (h, False, expert)] if bias else [])
+
+
+def _mla_tensors(m: ModelConfig, tp: int) -> list[Tensor]:
+    """Multi-latent attention on one TP rank: down-projections split by rows, latent norms whole, up-projections
+    and the output projection split by heads."""
+    h, heads, qd, r = m.hidden_size, m.num_attention_heads, m.mla_q_head_dim, m.q_lora_rank
+    norm = (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
+    if r is None:
+        out = [(h * heads * qd // tp, True, False)]
+    else:
+        out = [(h * r // tp, True, False), (norm * r, False, False), (r * heads * qd // tp, True, False)]
+    out += [(h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) // tp, True, False), (norm * m.kv_lora_rank, False, False)]
+    out += [(m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim) // tp, True, False)]
+    return out + [(heads * m.v_head_dim // tp * h, True, False)]
+
+
+def _attention_tensors(model: ModelConfig, tp: int) -> list[Tensor]:
+    if model.multi_latent_attention:
+        return _mla_tensors(model, tp)
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.query_groups * d
+    rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (--attention-output-gate: its gate rows)
+    out = [(h * rows // tp, True, False)]
+    out += [(rows // tp, False, False)] if model.add_bias_linear or model.add_qkv_bias else []
+    out += [(q // tp * h, True, False)] + ([(h, False, False)] if model.add_bias_linear else [])
+    if model.qk_layernorm:
+        out += [(2 * d * (2 if model.normalization == "LayerNorm" else 1), False, False)]
+    if model.softmax_type == "learnable":
+        out += [(model.num_attention_heads // tp, False, False)]  # (an offset a head)
+    return out
+
+
+def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int) -> list[Tensor]:
+    """The parameters of one transformer layer on one rank. A heterogeneous layer at its own sizes: a linear
+    replacement's [hidden, hidden] linear (its bias split too: column-parallel) and norm, a no-op part nothing."""
+    blocks = model.heterogeneous_blocks if layer < model.num_layers else None
+    block = blocks[layer] if blocks is not None else BlockConfig()
+    m = model.layer_config(layer) if blocks is not None else model
+    h = m.hidden_size
+    norm = [(h * (2 if m.normalization == "LayerNorm" else 1), False, False)]
+    linear = [(h * h // tp, True, False)] + ([(h // tp, False, False)] if m.add_bias_linear else [])
+    out: list[Tensor] = []
+    if block.attention != NO_OP:
+        out += norm + (_attention_tensors(m, tp) if block.attention == NORMAL else linear)
+    if block.mlp == NO_OP:
+        return out
+    out += norm
+    swiglu = m.gated_linear_unit
+    if block.mlp != NORMAL:
+        return out + linear
+    if not m.is_moe_layer(layer):
+        return out + _mlp_tensors(h, m.ffn_size, swiglu, m.add_bias_linear, tp)
+    e = m.num_experts
+    out += [(e * h, True, False)]  # the router
+    out += [(e, False, False)] if m.moe_router_enable_expert_bias else []
+    out += [(e, False, False)] if m.add_bias_linear else []
+    if m.moe_shared_expert_intermediate_size:
+        out += _mlp_tensors(h, m.moe_shared_expert_intermediate_size, swiglu, m.add_bias_linear, tp)
+        out += [(h, True, False)] if m.moe_shared_expert_gate else []  # (the gate's [1, hidden], replicated)
+    return out + (e // ep) * _mlp_tensors(h, m.moe_ffn_size, swiglu, m.add_bias_linear, tp, expert=True)
+
+
+def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer on one rank."""
+    tensors = layer_tensors(model, layer, tp, ep)
+    return sum(n for n, _, e in tensors if not e), sum(n for n, _, e in tensors if e)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[tuple[Tensor, ...], tuple[int, ...], int]:
+    """(every parameter held by one rank of pipeline stage `pp_rank`, all of its virtual stages; the global numbers
+    of its layers; the elements of its word and position embeddings and output layer, and their copies)."""
+    h, tp = model.hidden_size, layout.tp
+    counts = stage_layer_counts(model.num_layers, layout.parallel_config())
+    tensors: list[Tensor] = []
+    layers: list[int] = []
+    first_layer = 0
+    by_kind: dict[tuple, list[Tensor]] = {}  # a layer's tensors depend on it only through these
+    blocks = model.heterogeneous_blocks
+    for vstage, n in enumerate(counts):
+        if vstage % layout.pp == pp_rank:
+            for layer in range(first_layer, first_layer + n):
+                kind = (model.is_moe_layer(layer), blocks[layer] if blocks is not None else None)
+                if kind not in by_kind:
+                    by_kind[kind] = layer_tensors(model, layer, tp, layout.ep)
+                tensors += by_kind[kind]
+                layers.append(layer)
+        first_layer += n
+    vocab = (model.padded_vocab_size(tp) // tp * h, False, False)  # (the word embeddings, the output layer: Adam)
+    embedding: list[Tensor] = []
+    if pp_rank == 0:
+        embedding.append(vocab)
+        if model.position_embedding_type == "learned_absolute":
+            embedding.append((model.max_position_embeddings * h, True, False))  # (2-D, not the word embeddings)
+    if pp_rank == layout.pp - 1:
+        norm = h * (2 if model.normalization == "LayerNorm" else 1)
+        tensors.append((norm, False, False))
+        if model.untie_embeddings_and_output_weights or layout.pp > 1:
+            embedding.append(vocab)  # the output layer, or the last stage's copy of the tied embedding
+        for k in range(model.mtp_num_layers):  # multi-token prediction: 3 norms, eh_proj, a layer per depth
+            tensors += layer_tensors(model, model.num_layers + k, tp, layout.ep)
+            tensors += [(3 * norm, False, False), (2 * h * h // tp, True, False)]
+            layers.append(model.num_layers + k)  # (its time is a layer's, numbered after the decoder's)
+        if model.mtp_num_layers and model.untie_embeddings_and_output_weights and layout.pp > 1:
+            embedding.append(vocab)  # the last stage's copy of the word embeddings, which MTP reads
+    tensors += embedding
+    return tuple(t for t in tensors if t[0]), tuple(layers), sum(n for n, _, _ in embedding)
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
+    """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
+    tensors, layers, embeddings = stage_tensors(model, layout, pp_rank)
+    dense = sum(n for n, _, e in tensors if not e)
+    return StageParams(dense, sum(n for n, _, e in tensors if e), layers, embeddings)
