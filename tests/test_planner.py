@@ -506,3 +506,18 @@ def test_memory_estimate_multi_token_prediction(dist, case):
         "pp2": Layout(pp=2, micro_batch_size=2),
     }[case]
     _check("deepseekmtp", layout, dist(layout.world, measure, "deepseekmtp", layout))
+
+
+@pytest.mark.parametrize("case", ["one", "tp2-sp", "tp2-no-sp", "pp2"])
+def test_memory_estimate_heterogeneous(dist, case):
+    """Heterogeneous layers (own query groups and FFN sizes, linear replacements, no-op parts): weights,
+    gradients, optimizer state and activations within 10% of the measured breakdown, pipeline stages of unequal
+    weight each at its own. The planner refused the model; priced at the model's sizes its weights were 1.5x."""
+    layout = {
+        "one": Layout(micro_batch_size=2),
+        "tp2-sp": Layout(tp=2, micro_batch_size=2),
+        "tp2-no-sp": Layout(tp=2, micro_batch_size=2, sequence_parallel=False),
+        "pp2": Layout(pp=2, micro_batch_size=2),
+    }[case]
+    results = [measure("hetero", layout)] if layout.world == 1 else dist(layout.world, measure, "hetero", layout)
+    _check("hetero", layout, results)

@@ -361,3 +361,31 @@ def test_a_muon_job_is_planned_without_the_sharded_optimizers(capsys):
     assert muon["fits"] and {f["layout"]["sharding"] for f in muon["fits"]} == {"none"}
     assert "Muon's momentum (4 bytes) on the hidden layers' matrices" in out
     assert "--optimizer muon runs without --use-distributed-optimizer" in out
+
+
+def test_plan_of_heterogeneous_layers_from_a_decilm_config(tmp_path, capsys):
+    """A Llama-Nemotron (DeciLM) config.json is planned, each layer at its own parts and sizes: the parameter
+    count printed is the built model's, and the layouts are those its layers' query groups allow (TP 2 divides the
+    normal layers' 4 and 2 groups, TP 4 not). It was refused."""
+    from megatron_lite.checkpoint.hf_convert import load_hf_config
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.models.hf import config_from_hf
+    from megatron_lite.parallel_context import ParallelContext
+
+    from models import HETERO_BLOCKS
+
+    hf = {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "hidden_size": 512,
+          "num_attention_heads": 8, "num_hidden_layers": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+          "block_configs": [*HETERO_BLOCKS] * 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    argv = ["--seq-length", "1024", "--global-batch-size", "16", "--gpu", "H100", "--top", "1000"]
+    result = _tool().main(["--hf-config", str(tmp_path / "config.json"), *argv])
+    out = capsys.readouterr().out
+    model = config_from_hf(load_hf_config(str(tmp_path))[0])
+    net = build_model(model, ParallelContext.virtual(ParallelConfig(), 1, 0), device="meta")
+    built = sum(p.numel() for p in net.parameters())
+    assert f"model: {built / 1e6:.1f}M parameters;" in out, (built, out.splitlines()[0])
+    assert "heterogeneous layers (attention: 4 normal, 2 linear, 2 no-op; MLP: 4 normal, 2 linear, 2 no-op)" in out
+    assert result["fits"] and {f["layout"]["tp"] for f in result["fits"]} == {1, 2}

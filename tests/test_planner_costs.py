@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from megatron_lite.planner.search import uneven_stages
 from megatron_lite.training.flops import flops_per_token
 
 from dist_pool import get_context
-from models import llama_config
+from models import hetero_config, llama_config
 
 SEQ = 32
 
@@ -74,19 +75,20 @@ def test_expert_gradients_and_state_go_over_the_expert_data_parallel_group(monke
     assert t.optimizer == pytest.approx(expected, rel=1e-12)
 
 
-def _count(layout_kw: dict, moe: bool) -> dict:
-    """Collectives one step issues on this rank: TP all-gathers and reduce-scatters, EP all-to-all bytes."""
+def _count(layout_kw: dict, moe: bool, hetero: bool = False) -> dict:
+    """Collectives one step issues on this rank: TP all-gathers and reduce-scatters, EP all-to-all bytes
+    (`hetero`: of models.hetero_config's layers)."""
     import torch.distributed as dist
 
     from megatron_lite.planner.measure import measure_layout
 
     layout = Layout(**layout_kw)
     extra = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48) if moe else {}
-    config = llama_config(num_layers=2, kernel_impl="torch", **extra)
+    config = (hetero_config if hetero else llama_config)(num_layers=2 + 2 * hetero, kernel_impl="torch", **extra)
     ctx = get_context(layout.parallel_config())
     counts = collections.Counter()
     names = [n for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)]
-    names += ["all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"]
+    names += ["all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce"]
     real = {n: getattr(dist, n) for n in names}
 
     def wrap(name):
@@ -97,7 +99,7 @@ def _count(layout_kw: dict, moe: bool) -> dict:
                 if t.is_floating_point():
                     counts["ep_bytes"] += t.numel() * t.element_size()
             elif ctx.tp.size > 1 and group is ctx.tp.handle:
-                counts["tp"] += 1
+                counts["tp_reduce" if name == "all_reduce" else "tp"] += 1
             return real[name](*args, **kwargs)
 
         return call
@@ -240,3 +242,59 @@ def test_a_reduction_the_job_does_not_overlap_is_all_exposed():
     ]
     # (the search's ZeRO-1 hides most of its gather under the first forward)
     assert zero1[1] - zero1[0] > 0.5 * gather
+
+
+def _priced_flops(model: ModelConfig, layout: Layout, seq: int) -> float:
+    """The cost model's compute of one micro-batch of one sequence on an accelerator of 1 TFLOP/s with memory and
+    launches free: its FLOPs."""
+    gpu = dataclasses.replace(ACCELERATORS["H100"], peak_flops=1e12, memory_bandwidth=1e30, launch_seconds=0.0)
+    cl = dataclasses.replace(cluster("H100", 8, 1, None, None), gpu=dataclasses.replace(gpu, measured=True))
+    return cost.step_time(model, layout, seq, layout.dp, cl, bf16=False).compute * 1e12
+
+
+def test_a_heterogeneous_models_flops_are_the_training_loops():
+    """Each heterogeneous layer is timed at its own query groups and FFN size, a linear replacement as its one
+    [hidden, hidden] GEMM, a no-op as nothing: the cost model's FLOPs of a step are the training loop's counter
+    (flops_per_token), but for the flash backward's 2.5x the causal attention forward (the counter's 2x), which is
+    attention's 2 s q per token in each attending layer, worked out by hand. The busiest pipeline stage sets the
+    pace: with the attending layers all on the first stage, the first's FLOPs are those of a model of its layers
+    alone, less the output layer."""
+    from megatron_lite.models.heterogeneous import NORMAL
+
+    from models import hetero_json
+
+    seq = 64
+    model = hetero_config(num_layers=8, vocab_size=256)
+    q = model.num_attention_heads * model.head_dim
+    attending = sum(b.attention == NORMAL for b in model.heterogeneous_blocks)
+    flash_extra = 0.5 * attending * 2 * seq * q * seq
+    assert _priced_flops(model, Layout(), seq) == pytest.approx(flops_per_token(model, seq) * seq + flash_extra)
+
+    full = json.loads(model.heterogeneous_layers_config_encoded_json)["block_configs"]
+    identity = {"attention": {"no_op": True}, "ffn": {"no_op": True}}
+    first = [b for b in full if b["attention"].get("replace_with_linear") is not True][:4]
+    staged = llama_config(num_layers=8, vocab_size=256, heterogeneous_layers_config_encoded_json=hetero_json(
+        first + [identity] * 4))  # fmt: skip
+    alone = llama_config(num_layers=4, vocab_size=256, heterogeneous_layers_config_encoded_json=hetero_json(first))
+    h = model.hidden_size
+    attending = sum(b.attention == NORMAL for b in alone.heterogeneous_blocks)
+    expected = (flops_per_token(alone, seq) - 3 * 2 * h * 256) * seq + 0.5 * attending * 2 * seq * q * seq
+    assert _priced_flops(staged, Layout(pp=2), seq) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_heterogeneous_layers_cost_the_tp_collectives_they_send(dist, sp):
+    """A heterogeneous layer's TP collectives are its parts': a normal part's gather and reduce-scatter (under SP)
+    and their backward twins, a linear replacement's gathers of its input and output, a no-op none; full
+    recomputation runs the forward's again. Counted on gloo against a plain model's (the same edges): the model
+    charged every layer a full layer's."""
+    cl = _latency_only(cluster("H100", 8, 1, None, None))
+    for how in (dict(recompute="none"), dict(recompute="full")):
+        kw = dict(tp=2, micro_batch_size=2, sequence_parallel=sp, **how)
+        counts = [dist(2, _count, kw, False, hetero)[0] for hetero in (False, True)]
+        # (at TP = 2 an all-gather or a reduce-scatter is one ring step, an all-reduce two)
+        runtime = [c.get("tp", 0) + 2 * c.get("tp_reduce", 0) for c in counts]
+        layout = Layout(**kw)
+        models = (llama_config(num_layers=2), hetero_config(num_layers=4))
+        charged = [cost.step_time(layout.model_config(m), layout, SEQ, 2, cl, bf16=False).tp_comm for m in models]
+        assert charged[1] - charged[0] == runtime[1] - runtime[0], (how, charged, runtime)

@@ -135,6 +135,16 @@ def model_from_hf(path: str) -> ModelConfig:
     return dataclasses.replace(model, mtp_num_layers=mtp, kernel_impl="triton")  # (triton: a GPU's default)
 
 
+def _blocks(model: ModelConfig) -> str:
+    """A heterogeneous model's layers in a few words: how many of each kind of attention and MLP."""
+    kinds = {"normal": "normal", "linear": "linear", "no_op": "no-op"}
+    parts = []
+    for what, of in (("attention", lambda b: b.attention), ("MLP", lambda b: b.mlp)):
+        counts = collections.Counter(of(b) for b in model.heterogeneous_blocks)
+        parts.append(f"{what}: " + ", ".join(f"{counts[k]} {name}" for k, name in kinds.items() if counts[k]))
+    return "; ".join(parts)
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
@@ -191,7 +201,12 @@ def print_plan(
         f"model: {_count(whole.total)} parameters{active}"
         + (mtp if model.mtp_num_layers else "")
         + f"; {model.num_layers} layers, hidden {model.hidden_size}, heads {model.num_attention_heads}"
-        f" ({model.query_groups} groups), FFN {model.ffn_size}, vocabulary {model.vocab_size}"
+        + (
+            f" ({model.query_groups} groups), FFN {model.ffn_size}"
+            if model.heterogeneous_blocks is None
+            else f", heterogeneous layers ({_blocks(model)})"
+        )
+        + f", vocabulary {model.vocab_size}"
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")
         + f"; global batch {gbs} x {seq} tokens, {precision}"
         + (" (gradients reduced in bf16)" if precision != "fp32" and grads_bf16 else "")

@@ -27,6 +27,7 @@ import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.models.heterogeneous import LINEAR, NO_OP, NORMAL, BlockConfig
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.layout import Layout
@@ -68,28 +69,34 @@ IMPLEMENTATIONS = {
 CE_BYTES = {True: 16, False: 40}  # bytes moved per logit, forward and backward (fused chunks / eager fp32 CE)
 
 
-def elementwise_values(model: ModelConfig, tp: int, sp: bool, impl: Implementation) -> float:
+def elementwise_values(
+    model: ModelConfig, tp: int, sp: bool, impl: Implementation, attention: str = NORMAL, mlp: str = NORMAL
+) -> float:
     """Values read and written per token by one layer's forward outside GEMMs and attention (the backward
     moves about twice as many). Fused kernels (ours, Transformer Engine, torch.compile) read and write each
     tensor once per op; eager PyTorch runs every step of a norm, RoPE or activation as its own kernel, with
-    fp32 upcasts in the norms."""
+    fp32 upcasts in the norms. `attention`, `mlp`: a heterogeneous layer's parts (a no-op has no norm and no
+    residual; only normal attention has RoPE, only a normal MLP an activation)."""
     h, d = model.hidden_size, model.head_dim
+    parts = (attention != NO_OP) + (mlp != NO_OP)
     q, kv = model.num_attention_heads * d, model.query_groups * d
     f = model.ffn_size if not model.num_experts else model.moe_ffn_size * model.moe_router_topk
+    f = f if mlp == NORMAL else 0
     swiglu = model.gated_linear_unit
-    rope = model.position_embedding_type == "rope"
+    rope = model.position_embedding_type == "rope" and attention == NORMAL
     norm_div = tp if sp else 1
     if impl.fused_elementwise:
-        norms = 2 * 3 * h  # read x (+ residual), write y (+ sum)
+        norms = parts * 3 * h  # read x (+ residual), write y (+ sum)
         act = 3 * f / tp if swiglu else 2 * f / tp
         rot = 2 * (q + kv) / tp if rope else 0
-        residual = 3 * h + (2 * h if model.hidden_dropout else 0)
+        residual = parts / 2 * (3 * h + (2 * h if model.hidden_dropout else 0))
         return norms / norm_div + act + rot + residual / norm_div
-    norms = 2 * 14 * h  # upcast, square, mean, rsqrt, scale, downcast, weight (fp32 steps count double)
+    norms = parts * 14 * h  # upcast, square, mean, rsqrt, scale, downcast, weight (fp32 steps count double)
     act = 5 * f / tp if swiglu else 4 * f / tp
     rot = 10 * (q + kv) / tp if rope else 0
-    layout_copies = 4 * (2 * q + 2 * kv) / tp  # [s, b, heads, d] <-> [b, heads, s, d] around attention
-    residual = 6 * h + (4 * h if model.hidden_dropout else 0)
+    # [s, b, heads, d] <-> [b, heads, s, d] around attention
+    layout_copies = 4 * (2 * q + 2 * kv) / tp if attention == NORMAL else 0
+    residual = parts / 2 * (6 * h + (4 * h if model.hidden_dropout else 0))
     return norms / norm_div + act + rot + layout_copies + residual / norm_div
 
 
@@ -237,15 +244,25 @@ def step_time(
         eff = dataclasses.replace(eff, gemm=1.0, attention=1.0, memory=1.0)
     a = 2 if bf16 else 4
     h, d = model.hidden_size, model.head_dim
-    q, kv = model.num_attention_heads * d, model.query_groups * d
+    q = model.num_attention_heads * d
     tp, cp, pp, vp, ep = layout.tp, layout.cp, layout.pp, layout.vp, layout.ep
     m = layout.micro_batch_size * seq_length / cp  # tokens of a micro-batch on this rank
     swiglu = model.gated_linear_unit
     g = cl.gpu
 
-    def layer_terms(moe: bool, fp8: str | None) -> tuple[float, float, float, float]:
-        """One layer's forward (attention GEMMs, MLP, attention core, element-wise); a layer's kind decides it.
-        `fp8`: its linears' GEMMs in fp8 (_gemm's; the router's stays in the compute dtype)."""
+    blocks = model.heterogeneous_blocks
+
+    def block_of(layer: int):  # (a heterogeneous layer's parts, None in a homogeneous model and the MTP depths)
+        return blocks[layer] if blocks is not None and layer < model.num_layers else None
+
+    def layer_terms(moe: bool, fp8: str | None, layer: int) -> tuple[float, float, float, float, float]:
+        """One layer's forward (attention GEMMs, MLP, attention core, element-wise) and its share of a layer's
+        operator launches; a layer's kind decides it. `fp8`: its linears' GEMMs in fp8 (_gemm's; the router's
+        stays in the compute dtype). A heterogeneous layer at its own query groups and FFN size, a linear
+        replacement one [hidden, hidden / TP] GEMM, a no-op part nothing."""
+        block = block_of(layer)
+        own = model.layer_config(layer) if block is not None else model
+        kv = own.query_groups * d
         rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (the gate's rows, if any)
         attn = _gemm(m, h, rows / tp, a, cl, eff, fp8=fp8) + _gemm(m, q / tp, h, a, cl, eff, fp8=fp8)
         core_q = q  # the query dims each key is scored over (and the value dims)
@@ -265,7 +282,7 @@ def step_time(
                 mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff, fp8=fp8)
                 mlp += _gemm(m, shared / tp, h, a, cl, eff, fp8=fp8)
         else:
-            f = model.ffn_size
+            f = own.ffn_size
             mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff, fp8=fp8)
             mlp += _gemm(m, f / tp, h, a, cl, eff, fp8=fp8)
         # causal attention over the whole sequence (this rank's queries see all earlier keys)
@@ -276,25 +293,40 @@ def step_time(
         if model.attention_chunk_size:  # (Llama 4's chunks on its RoPE layers: a query scores half its chunk's keys)
             chunked = sum(not model.skips_rope(i) for i in range(model.num_layers)) / model.num_layers
             core *= 1.0 - chunked * (1.0 - min(1.0, model.attention_chunk_size / seq_length))
-        elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
-        return attn, mlp, core, elem
+        if block is None:
+            elem = elementwise_values(model, tp, layout.sp, impl) * m * a / (g.memory_bandwidth * eff.memory)
+            return attn, mlp, core, elem, 1.0
+        linear = _gemm(m, h, h / tp, a, cl, eff)
+        attn = {NORMAL: attn, LINEAR: linear, NO_OP: 0.0}[block.attention]
+        mlp = {NORMAL: mlp, LINEAR: linear, NO_OP: 0.0}[block.mlp]
+        core = core if block.attention == NORMAL else 0.0
+        elem = elementwise_values(own, tp, layout.sp, impl, block.attention, block.mlp) * m * a
+        return (
+            attn,
+            mlp,
+            core,
+            elem / (g.memory_bandwidth * eff.memory),
+            ((block.attention != NO_OP) + (block.mlp != NO_OP)) / 2,
+        )
 
     # The busiest stage: the one with most layers, plus the output layer on the last
     stages = [stage_params(model, layout, r) for r in range(pp)]
     per_stage = []
-    kinds: dict[tuple, tuple[float, float, float, float]] = {}  # (layer_terms of each kind, made once)
+    kinds: dict[tuple, tuple[float, ...]] = {}  # (layer_terms of each kind, made once)
     fp8_kind = None if model.fp8 is None else ("fp8" if model.fp8_wgrad else "dgrad")
     for r, st in enumerate(stages):
         fwd = 0.0  # one micro-batch's forward
         recompute_fwd = 0.0
         attn_total = 0.0
-        rerun, runs = full_recompute_runs(model, layout, r)  # (full: all of them, or a block's)
+        rerun, checkpoints = full_recompute_runs(model, layout, r)  # (full: all of them, or a block's)
         recomputed = set(rerun)
         for layer in st.layers:
             moe, fp8 = model.is_moe_layer(layer), fp8_kind if fp8_layer(model, layer) else None
-            kind = (moe, fp8)
-            attn, mlp, core, elem = kinds[kind] if kind in kinds else kinds.setdefault(kind, layer_terms(*kind))
-            fwd += attn + mlp + core + elem + impl.ops_per_layer / 3 * g.launch_seconds
+            kind = (moe, fp8, block_of(layer))
+            if kind not in kinds:
+                kinds[kind] = layer_terms(moe, fp8, layer)
+            attn, mlp, core, elem, launches = kinds[kind]
+            fwd += attn + mlp + core + elem + launches * impl.ops_per_layer / 3 * g.launch_seconds
             attn_total += core
             if layer in recomputed:
                 recompute_fwd += attn + mlp + core + elem
@@ -315,36 +347,57 @@ def step_time(
             fwd += model.mtp_num_layers * _gemm(m, 2 * h, h / tp, a, cl, eff, fp8=fp8_kind)  # each depth's eh_proj
         # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
         per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
-        per_stage.append((per_mb, st, rerun, runs))
-    per_mb, st, rerun, runs = max(per_stage, key=lambda x: x[0])
+        per_stage.append((per_mb, st, rerun, checkpoints))
+    per_mb, st, rerun, checkpoints = max(per_stage, key=lambda x: x[0])
     micro = max(layout.micro_batches(global_batch_size), 1)
     compute = micro * per_mb
     bubble = (pp - 1) / (vp * micro) * compute if pp > 1 else 0.0
 
-    layers = len(st.layers)
+    # (the layers with attention: a heterogeneous layer's linear replacement or no-op has none to spread over CP)
+    layers = sum(1 for i in st.layers if block_of(i) is None or block_of(i).attention == NORMAL)
+    rerun_attending = [i for i in rerun if block_of(i) is None or block_of(i).attention == NORMAL]
     act = m * h * a  # one micro-batch's hidden states on this rank (full sequence part)
     tp_comm = 0.0
     if tp > 1:
         gather, scatter = (_collective(k, act, tp, tp, cl, eff) for k in ("all_gather", "reduce_scatter"))
         reduce = _collective("all_reduce", act, tp, tp, cl, eff)
-        if layout.sp:  # per layer 4 all-gathers and 4 reduce-scatters (forward and backward)
-            per_layer = 4 * (gather + scatter)
-            # embedding reduce-scatter, output layer all-gather, and their backward twins
-            edges = 2 * (gather + scatter)
-        else:  # per layer 2 all-reduces forward, 2 backward; embedding and output layer one each
-            per_layer = 4 * reduce
-            edges = 2 * reduce
+        # embedding reduce-scatter, output layer all-gather, and their backward twins (all-reduces without SP)
+        edges = 2 * (gather + scatter) if layout.sp else 2 * reduce
         edges += 3 * _collective("all_reduce", m * 4, tp, tp, cl, eff)  # vocab-parallel loss: max, sum, target
-        # full recomputation runs each recomputed layer's forward again, its collectives included (2 all-gathers
-        # and 2 reduce-scatters under SP, else 2 all-reduces), up to the last one whose output the backward keeps:
-        # torch's non-reentrant checkpoint stops before each checkpoint's final reduction
-        last = scatter if layout.sp else reduce
-        again = len(rerun) * (2 * gather + 2 * scatter if layout.sp else 2 * reduce) - runs * last
-        tp_comm = micro * (layers * per_layer + again + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
+
+        def part_comm(kind: str) -> tuple[float, float]:
+            """(forward and backward, forward) collectives of a layer's attention or MLP. Under SP: a gather in
+            and a reduce-scatter out, and their backward twins; a linear replacement gathers its input and its
+            output (the scatter back to the sequence shard is a slice, whose backward gathers). Without SP:
+            an all-reduce forward and backward; the linear its output's gather and its input's gradient's
+            all-reduce. A no-op: none."""
+            if kind == NO_OP:
+                return 0.0, 0.0
+            if kind == LINEAR:
+                return (3 * gather + scatter, 2 * gather) if layout.sp else (gather + reduce, gather)
+            return (2 * gather + 2 * scatter, gather + scatter) if layout.sp else (2 * reduce, reduce)
+
+        def layer_comm(layer: int) -> tuple[float, float]:
+            block = block_of(layer) or BlockConfig()
+            (attn_all, attn_fwd), (mlp_all, mlp_fwd) = part_comm(block.attention), part_comm(block.mlp)
+            return attn_all + mlp_all, attn_fwd + mlp_fwd
+
+        # full recomputation runs each recomputed layer's forward again, its collectives included, up to the last
+        # one whose output the backward keeps: torch's non-reentrant checkpoint stops before each checkpoint's
+        # final reduction
+        def last(checkpoint: list[int]) -> float:
+            """A checkpoint's last forward collective: its last part's (none in a run of identities)."""
+            blocks_ = [block_of(i) or BlockConfig() for i in checkpoint]
+            kinds = [k for b in blocks_ for k in (b.attention, b.mlp) if k != NO_OP]
+            return 0.0 if not kinds else gather if kinds[-1] == LINEAR else scatter if layout.sp else reduce
+
+        each = sum(layer_comm(i)[0] for i in st.layers)
+        again = sum(layer_comm(i)[1] for i in rerun) - sum(last(c) for c in checkpoints)
+        tp_comm = micro * (each + again + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     if cp > 1 and layout.cp_comm_type != "p2p":
         every, forward = _exposed_cp(model, layout, m, a, cl, eff)
-        cp_comm = micro * (layers * every + _attention_reruns(model, layout, layers, rerun) * forward)
+        cp_comm = micro * (layers * every + _attention_reruns(model, layout, layers, rerun_attending) * forward)
     elif cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
         blocks = ring_blocks(model, m, tp, cp, a)
         ring = sum(n * _collective("p2p", block, cp, tp * cp, cl, eff) for block, n in blocks)
@@ -357,7 +410,7 @@ def step_time(
         cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
         # the recomputed attention passes K and V round again
         ring_fwd = (cp - 1) * _collective("p2p", blocks[0][0], cp, tp * cp, cl, eff)  # (the K/V blocks)
-        again = _attention_reruns(model, layout, layers, rerun)
+        again = _attention_reruns(model, layout, layers, rerun_attending)
         cp_comm += micro * again * (max(0.0, ring_fwd - attn_time / 3.5) + merge / 3)
     ep_comm = 0.0
     if model.num_experts and ep > 1:

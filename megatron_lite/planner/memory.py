@@ -187,17 +187,17 @@ def _chunk_layers(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list
     ]
 
 
-def full_recompute_runs(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[list[int], int]:
-    """Under full recomputation, the layers of this rank whose forward runs again in the backward and how many
-    checkpoints hold them: --recompute-method block, the first --recompute-num-layers of each chunk, one
-    checkpoint each; uniform, every layer, in runs of --recompute-num-layers a checkpoint."""
+def full_recompute_runs(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[list[int], list[list[int]]]:
+    """Under full recomputation, the layers of this rank whose forward runs again in the backward and the layers
+    of each checkpoint: --recompute-method block, the first --recompute-num-layers of each chunk, one checkpoint
+    each; uniform, every layer, in runs of --recompute-num-layers a checkpoint."""
     if layout.recompute != "full":
-        return [], 0
+        return [], []
     chunks, n = _chunk_layers(model, layout, pp_rank), model.recompute_num_layers or 1
     if model.recompute_method == "block":
         layers = [i for c in chunks for i in c[:n]]
-        return layers, len(layers)
-    return [i for c in chunks for i in c], sum(-(-len(c) // n) for c in chunks)
+        return layers, [[i] for i in layers]
+    return [i for c in chunks for i in c], [c[k : k + n] for c in chunks for k in range(0, len(c), n)]
 
 
 def layer_recomputes(model: ModelConfig, layout: Layout, pp_rank: int) -> list[list[tuple[int, str]]]:

@@ -24,18 +24,12 @@ def unmodelled_settings(model: ModelConfig) -> list[str]:
 def unplannable(model: ModelConfig) -> str | None:
     """Why the planner cannot price `model` at all (a one-line refusal), or None. A hybrid Mamba model's layers would
     be priced as attention + MLP layers: the Mamba mixers' weights, saved activations and scan time are not
-    modelled."""
+    modelled. (A heterogeneous model's layers are priced each at its own parts and sizes.)"""
     if model.hybrid:
         pattern = "".join(model.layer_types)
         return (
             f"a hybrid Mamba model (--hybrid-override-pattern {pattern}) is not modelled here: the planner prices "
             "transformer layers, not Mamba mixers; pretrain_gpt.py with the same flags and --dry-run counts its "
             "memory per rank"
-        )
-    if model.heterogeneous_blocks is not None:
-        return (
-            "a model of heterogeneous layers (--heterogeneous-layers-config-path) is not modelled here: the planner "
-            "prices every layer's weights and time at the model's query groups and FFN size; pretrain_gpt.py with "
-            "the same flags and --dry-run counts its memory per rank (each layer's weights and activations)"
         )
     return None
