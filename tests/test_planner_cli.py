@@ -363,6 +363,27 @@ def test_a_muon_job_is_planned_without_the_sharded_optimizers(capsys):
     assert "--optimizer muon runs without --use-distributed-optimizer" in out
 
 
+def test_a_dist_muon_job_is_planned_with_its_state_split_over_data_parallelism(capsys):
+    """--optimizer dist_muon: every layout splits the state layer-wise over data parallelism (none of the sharded
+    optimizers, which pretrain refuses with it), the script's own layout too; at TP2 DP4 each rank holds about a
+    quarter of what muon holds on every rank (Llama-3-8B's vocabulary tensors are smaller than a quarter of a TP
+    rank's state, so the greedy split is close to even). It was priced as muon's whole state."""
+    script = str(ROOT / "pretrain" / "llama3_8b.sh")
+    plans = {o: _tool().main(["--script", script, "--top", "1000", "--", "--optimizer", o]) for o in MUON_KINDS}
+    out = capsys.readouterr().out
+    assert {f["layout"]["sharding"] for f in plans["dist_muon"]["fits"]} == {"layer-wise"}
+    assert plans["dist_muon"]["yours"]["layout"]["sharding"] == "layer-wise"
+    assert "--optimizer dist_muon runs without --use-distributed-optimizer" in out
+    tp2_dp4 = [
+        next(f["memory"]["optimizer"] for f in plans[o]["fits"] if f["describe"].startswith("TP2+SP PP1 DP4 "))
+        for o in MUON_KINDS
+    ]
+    assert 1 / 4 <= tp2_dp4[1] / tp2_dp4[0] < 1.05 / 4, tp2_dp4
+
+
+MUON_KINDS = ("muon", "dist_muon")
+
+
 def test_plan_of_heterogeneous_layers_from_a_decilm_config(tmp_path, capsys):
     """A Llama-Nemotron (DeciLM) config.json is planned, each layer at its own parts and sizes: the parameter
     count printed is the built model's, and the layouts are those its layers' query groups allow (TP 2 divides the

@@ -298,3 +298,60 @@ def test_heterogeneous_layers_cost_the_tp_collectives_they_send(dist, sp):
         models = (llama_config(num_layers=2), hetero_config(num_layers=4))
         charged = [cost.step_time(layout.model_config(m), layout, SEQ, 2, cl, bf16=False).tp_comm for m in models]
         assert charged[1] - charged[0] == runtime[1] - runtime[0], (how, charged, runtime)
+
+
+def _dist_muon_gathers(dp: int) -> list[int]:
+    """Bytes of each all-gather (its output) one --optimizer dist_muon step issues over the data-parallel group."""
+    import torch.distributed as dist
+
+    from megatron_lite.planner.measure import measure_layout
+
+    layout = Layout(dp=dp, sharding="layer-wise", micro_batch_size=2)
+    ctx = get_context(layout.parallel_config())
+    gathered = []
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, name)
+
+    def call(output, input, group=None, async_op=False):
+        if group is ctx.dp_cp.handle:
+            gathered.append(output.numel() * output.element_size())
+        return real(output, input, group=group, async_op=async_op)
+
+    setattr(dist, name, call)
+    try:
+        torch.set_num_threads(1)
+        measure_layout(llama_config(num_layers=4, vocab_size=2048, kernel_impl="torch"), layout, SEQ, 2 * dp,
+                       iters=0, ctx=ctx, optimizer="dist_muon")  # fmt: skip
+    finally:
+        setattr(dist, name, real)
+    return gathered
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_dist_muon_costs_the_gradient_all_reduce_and_the_weights_all_gather(dist, monkeypatch, dp):
+    """dist_muon all-reduces the gradients whole (as DDP does) and after the step all-gathers each rank's updated
+    tensors, flattened and padded to the largest rank's: the cost model prices that all-reduce and the gathers of
+    the bytes the runtime sends (counted on gloo; the output layer alone is the largest rank's at DP=4), exposed
+    after the step, and steps the busiest rank's tensors. It priced dist_muon's layouts as DDP's, with neither
+    the gather nor the split step."""
+    model = llama_config(num_layers=4, vocab_size=2048, kernel_impl="torch")
+    layout = Layout(dp=dp, sharding="layer-wise", micro_batch_size=2)
+    calls = []
+    real = cost._collective
+
+    def record(kind, bytes_, size, span, cl_, eff):
+        calls.append((kind, bytes_, size))
+        return real(kind, bytes_, size, span, cl_, eff)
+
+    monkeypatch.setattr(cost, "_collective", record)
+    cl = cluster("H100", 8, 1, None, None)
+    t = cost.step_time(model, layout, SEQ, 2 * dp, cl, bf16=False)
+    monkeypatch.setattr(cost, "_collective", real)
+    st = stage_params(model, layout, 0)
+    assert [(b, size) for kind, b, size in calls if kind == "all_reduce" and size == dp and b] == [(4 * st.dense, dp)]
+    priced = [b for kind, b, size in calls if kind == "all_gather" and size == dp and b]
+    assert priced == dist(dp, _dist_muon_gathers, dp)[0]
+    ddp = cost.step_time(model, dataclasses.replace(layout, sharding="none"), SEQ, 2 * dp, cl, bf16=False)
+    gather = cost._collective("all_gather", priced[0], dp, dp, cl, cost.EFF)
+    assert t.dp_comm - ddp.dp_comm == pytest.approx(gather)  # (all of it exposed: the next forward waits)
+    assert t.optimizer < ddp.optimizer

@@ -27,7 +27,7 @@ from megatron_lite.data.config import _number  # (a blend's weights, as --data-p
 from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
-from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.layout import SHARDINGS, Layout
 from megatron_lite.planner.memory import MuonStateBytes
 from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
 from megatron_lite.planner.unmodelled import unmodelled_settings, unplannable
@@ -177,7 +177,7 @@ def reason_group(reason: str) -> str:
 
 MUON = ("muon", "dist_muon")
 MUON_SHARDING = (
-    "--optimizer muon runs without --use-distributed-optimizer and --use-torch-fsdp2 (Megatron refuses them too)"
+    "--optimizer {} runs without --use-distributed-optimizer and --use-torch-fsdp2 (Megatron refuses them too)"
 )
 
 
@@ -187,10 +187,13 @@ def print_plan(
 ) -> dict:  # fmt: skip
     from megatron_lite.planner.params import stage_params
 
-    fits, rejected = plan(model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven)
+    # (dist_muon's layer-wise split of the state over data parallelism in place of DDP's whole state a rank)
+    shardings = ("layer-wise", *SHARDINGS[1:]) if optimizer == "dist_muon" else SHARDINGS
+    fits, rejected = plan(model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven, shardings)
     if optimizer in MUON:  # (pretrain refuses the sharded optimizers with Muon, as Megatron does)
-        rejected += [dataclasses.replace(c, reason=MUON_SHARDING) for c in fits if c.layout.sharding != "none"]
-        fits = [c for c in fits if c.layout.sharding == "none"]
+        sharded = [c for c in fits if c.layout.sharding not in ("none", "layer-wise")]
+        rejected += [dataclasses.replace(c, reason=MUON_SHARDING.format(optimizer)) for c in sharded]
+        fits = [c for c in fits if c.layout.sharding in ("none", "layer-wise")]
     g = cl.gpu
     whole = stage_params(model, Layout(), 0)  # (one rank holding everything: the model's parameter count)
     k, e = model.moe_router_topk, model.num_experts or 1
@@ -227,7 +230,8 @@ def print_plan(
             "Muon's momentum (4 bytes) on the hidden layers' matrices and Adam's moments (8) on the embeddings and "
             "output layer, per pipeline stage"
             + (
-                ", whole on every rank (dist_muon splits it over DP: an upper bound)"
+                ", each data-parallel rank the state and main weights of the whole tensors dist_muon gives it (the "
+                "busiest rank's), the updated weights all-gathered after the step"
                 if optimizer == "dist_muon"
                 else ""
             )

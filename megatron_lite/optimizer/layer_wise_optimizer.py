@@ -22,6 +22,8 @@ so one saved under dist_muon loads under muon, under another DP size, and the ot
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 from torch import nn
 
@@ -40,12 +42,13 @@ from megatron_lite.tensor_parallel.mappings import all_gather_tensor
 
 def layer_wise_split(sizes: list[int], ranks: int) -> list[int]:
     """The owner of each item of `sizes` (bytes of state): largest first (ties: the earlier first), each to
-    the rank with the fewest bytes so far (ties: the lowest rank)."""
-    load, owner = [0] * ranks, [0] * len(sizes)
+    the rank with the fewest bytes so far (ties: the lowest rank). (A heap of (bytes, rank): the planner splits
+    a large MoE's tens of thousands of expert matrices over hundreds of ranks, layout after layout.)"""
+    heap, owner = [(0, r) for r in range(ranks)], [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = load.index(min(load))
+        load, r = heap[0]
         owner[i] = r
-        load[r] += sizes[i]
+        heapq.heapreplace(heap, (load + sizes[i], r))
     return owner
 
 

@@ -31,7 +31,7 @@ from megatron_lite.models.heterogeneous import LINEAR, NO_OP, NORMAL, BlockConfi
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs
+from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_wise_split_of
 from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
 from megatron_lite.training.flops import flops_per_token
@@ -348,7 +348,8 @@ def step_time(
         # backward: dgrad + wgrad GEMMs (2x) and flash backward (2.5x the causal forward)
         per_mb = 3 * fwd + 0.5 * attn_total + recompute_fwd
         per_stage.append((per_mb, st, rerun, checkpoints))
-    per_mb, st, rerun, checkpoints = max(per_stage, key=lambda x: x[0])
+    r_busiest = max(range(pp), key=lambda r: per_stage[r][0])
+    per_mb, st, rerun, checkpoints = per_stage[r_busiest]
     micro = max(layout.micro_batches(global_batch_size), 1)
     compute = micro * per_mb
     bubble = (pp - 1) / (vp * micro) * compute if pp > 1 else 0.0
@@ -461,9 +462,13 @@ def step_time(
             )
             exposed = edges + max(0.0, comm - edges - eff.dp_overlap * compute)
         else:
-            kind = "all_reduce" if layout.sharding == "none" else "reduce_scatter"
+            kind = "all_reduce" if layout.sharding in ("none", "layer-wise") else "reduce_scatter"
             reduce = over_dp(kind, grad_bytes)
-            gather = over_dp("all_gather", a) if layout.sharding != "none" else 0.0
+            gather = over_dp("all_gather", a) if layout.sharding in ("dist-opt", "zero2") else 0.0
+            if layout.sharding == "layer-wise":  # dist_muon: gradients all-reduced whole; after the step each rank's
+                # updated tensors gathered, flattened and padded to the largest rank's, one all-gather per group
+                widths = layer_wise_split_of(model, layout, r_busiest, bf16).widths
+                gather = sum(_collective("all_gather", a * w * size, size, span, cl, eff) for size, w in widths)
             overlapped = layout.overlaps_grad_reduce  # (else each reduction after its backward, all exposed)
             if layout.sharding == "zero2":  # every micro-batch's gradients, each under its own backward
                 hidden = eff.dp_overlap * 2 / 3 * per_mb if overlapped else 0.0
@@ -477,6 +482,8 @@ def step_time(
         dp_comm = exposed + eff.contention * (comm - exposed)
     # optimizer: read grads and moments, write moments, main and weights (~28 bytes per local parameter)
     local = st.dense / dp_cp + st.expert / edp if layout.sharding != "none" else n
+    if layout.sharding == "layer-wise":  # (the busiest rank's whole tensors)
+        local = layer_wise_split_of(model, layout, r_busiest, bf16).owned
     # (read the gradient, read and write the state, write main weights and weights: 28 bytes with Adam)
     optimizer = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)

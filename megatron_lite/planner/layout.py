@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 
 SHARDINGS = ("none", "dist-opt", "zero2", "fsdp2")  # DDP, ZeRO-1, ZeRO-2, ZeRO-3 through FSDP2
+# (and "layer-wise": --optimizer dist_muon's whole tensors a data-parallel rank, in place of DDP's "none")
 RECOMPUTES = ("none", "selective", "full")  # what we run; "op" (torchtitan's per-op policy) is priced only
 
 
@@ -102,7 +103,8 @@ class Layout:
             parts.append(f"CP{self.cp}" + ("" if self.cp_comm_type == "p2p" else f"({self.cp_comm_type})"))
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
-        parts.append({"none": "ddp", "dist-opt": "zero1", "zero2": "zero2", "fsdp2": "fsdp2"}[self.sharding])
+        names = {"none": "ddp", "dist-opt": "zero1", "zero2": "zero2", "fsdp2": "fsdp2", "layer-wise": "layer-wise"}
+        parts.append(names[self.sharding])
         # (a script's choices the search does not make)
         off = [
             x for x, v in (("reduce", self.overlap_grad_reduce), ("gather", self.overlap_param_gather)) if v is False

@@ -34,7 +34,7 @@ from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute
 from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.lora_memory import lora_first_layer_bytes, lora_layer_bytes
-from megatron_lite.planner.params import StageParams, stage_params
+from megatron_lite.planner.params import StageParams, stage_params, stage_tensors
 from megatron_lite.planner.precision import (
     expert_rows,
     fp8_activation_bytes,
@@ -375,6 +375,46 @@ class Memory:
         }
 
 
+@dataclass(frozen=True)
+class LayerWiseSplit:
+    """--optimizer dist_muon's split of one pipeline stage's parameters (optimizer/layer_wise_optimizer.py): whole
+    tensors, largest first, each to the rank of its data-parallel group (x CP; experts: expert-data-parallel)
+    holding the fewest bytes of state so far. Megatron deals them out ping-pong by size; ours balances better."""
+
+    optimizer: float  # bytes of state and fp32 main copies on the busiest rank (the busiest dense and expert share)
+    owned: float  # parameters that rank steps
+    widths: tuple[tuple[int, int], ...]  # (group size, the largest rank's elements): each all-gather after the step
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool) -> LayerWiseSplit:
+    from megatron_lite.optimizer.layer_wise_optimizer import layer_wise_split
+
+    tensors = stage_tensors(model, layout, pp_rank)[0]
+    dp_cp = layout.dp * layout.cp
+    optimizer = owned = 0.0
+    widths = []
+    for expert, ranks in ((False, dp_cp), (True, max(dp_cp // layout.ep, 1))):
+        numels = [n for n, _, e in tensors if e == expert]
+        if not numels:
+            continue
+        # Muon's momentum on its matrices, Adam's two moments on the rest, an fp32 main copy of 16-bit weights
+        sizes = [n * 4 * ((1 if muon else 2) + bf16) for n, muon, e in tensors if e == expert]
+        state, elements = [0] * ranks, [0] * ranks
+        for n, size, r in zip(numels, sizes, layer_wise_split(sizes, ranks)):
+            state[r], elements[r] = state[r] + size, elements[r] + n
+        busiest = state.index(max(state))
+        optimizer, owned = optimizer + state[busiest], owned + elements[busiest]
+        widths.append((ranks, max(elements)))
+    return LayerWiseSplit(optimizer, owned, tuple(widths))
+
+
+def layer_wise_split_of(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool) -> LayerWiseSplit:
+    """The split on pipeline stage `pp_rank` (what decides it, for the cache: the parallel sizes, not the batch)."""
+    key = Layout(layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, stages=layout.stages)
+    return _layer_wise_split(model, key, pp_rank, bf16)
+
+
 class MuonStateBytes(float):
     """--optimizer muon's state per parameter: Muon's one momentum (4 bytes) on the matrices, Adam's two moments
     (8) on the embeddings and output layer (Megatron's rule; norms and biases, a tiny share, priced as matrices).
@@ -405,7 +445,8 @@ def parameter_state_bytes(
     fp32 main copies in low precision and the optimizer's `state_bytes`. The distributed optimizer shards the
     main copies (kept even of fp32 weights) and state, ZeRO-2 the gradients too (but `whole_grads` parameters'),
     FSDP2 everything in fp32 shards that are the main weights; dist_muon's layer-wise split ("layer-wise") the
-    main copies of low-precision weights and state, by whole parameters (priced as an even split)."""
+    main copies of low-precision weights and state, by whole parameters (here an even split, as the dry run prices
+    it; rank_memory prices the planner's busiest rank of the real split: layer_wise_split_of)."""
     local = dense / dp_cp + expert / edp
     if sharding == "fsdp2":
         params = 4 * local  # bf16 copies are gathered a layer at a time for compute
@@ -451,6 +492,8 @@ def rank_memory(
     params, grads, optimizer = parameter_state_bytes(
         counts.dense, counts.expert, dp_cp, edp, layout.sharding, bf16, grads_bf16, state_bytes, whole
     )
+    if layout.sharding == "layer-wise":  # (dist_muon: whole tensors a rank, not an even share)
+        optimizer = layer_wise_split_of(model, layout, pp_rank, bf16).optimizer
     micro = max(layout.micro_batches(global_batch_size), 1)
     act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16, lora, dropout_mask_bytes)
     transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16, lora, dropout_mask_bytes)

@@ -104,10 +104,16 @@ def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int,
     return sum(n for n, _, e in tensors if not e), sum(n for n, _, e in tensors if e)
 
 
-@functools.lru_cache(maxsize=4096)
 def stage_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[tuple[Tensor, ...], tuple[int, ...], int]:
     """(every parameter held by one rank of pipeline stage `pp_rank`, all of its virtual stages; the global numbers
     of its layers; the elements of its word and position embeddings and output layer, and their copies)."""
+    # (cached by what decides them: a search's layouts share a few parallel sizes, and a large MoE stage holds
+    # tens of thousands of expert tensors)
+    return _stage_tensors(model, Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages), pp_rank)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[tuple[Tensor, ...], tuple[int, ...], int]:
     h, tp = model.hidden_size, layout.tp
     counts = stage_layer_counts(model.num_layers, layout.parallel_config())
     tensors: list[Tensor] = []

@@ -133,13 +133,19 @@ def uneven_stages(num_layers: int, stages: int) -> tuple[int, ...] | None:
 
 
 def layouts(
-    model: ModelConfig, world: int, gpus_per_node: int, global_batch_size: int, uneven: bool = False
+    model: ModelConfig,
+    world: int,
+    gpus_per_node: int,
+    global_batch_size: int,
+    uneven: bool = False,
+    shardings: tuple[str, ...] = SHARDINGS,
 ) -> list[Layout]:
     """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
     2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8 dividing each data-
     parallel rank's share of the batch (a DP size that does not divide it once per TP x CP x PP, refused); CP as
     the ring and as all-to-all (all-gather too for a sliding window, which the ring refuses). `uneven`: pipeline
-    sizes whose stages the layers do not divide are tried with lighter end stages (`uneven_stages`)."""
+    sizes whose stages the layers do not divide are tried with lighter end stages (`uneven_stages`). `shardings`:
+    those tried (--optimizer dist_muon's "layer-wise" in place of DDP's "none")."""
     out = []
     pow2 = [1, 2, 4, 8, 16, 32]
     experts = divisors(model.num_experts) if model.num_experts else [1]
@@ -153,7 +159,7 @@ def layouts(
                 out.append(Layout(tp, pp, 1, dp, cp))
                 continue
             for vp, ep, sharding, recompute, mbs in itertools.product(
-                [1, 2, 4] if pp > 1 else [1], experts, SHARDINGS, RECOMPUTES, [1, 2, 4, 8]
+                [1, 2, 4] if pp > 1 else [1], experts, shardings, RECOMPUTES, [1, 2, 4, 8]
             ):
                 if (dp * cp * tp) % ep or global_batch_size % (mbs * dp):
                     continue  # (a micro-batch size that does not divide a rank's share is just not a choice)
@@ -254,11 +260,12 @@ def plan(
     grads_bf16: bool = False,
     state_bytes: int = 8,
     uneven: bool = False,
+    shardings: tuple[str, ...] = SHARDINGS,
 ) -> tuple[list[Candidate], list[Candidate]]:
-    """(layouts that fit, fastest first; layouts refused or too big). `uneven`: see `layouts`."""
+    """(layouts that fit, fastest first; layouts refused or too big). `uneven`, `shardings`: see `layouts`."""
     fits, rejected = [], []
     unrecomputed: dict[Layout, bool] = {}  # whether each layout fits without recomputation (searched first)
-    for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven):
+    for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven, shardings):
         c = evaluate(
             model, layout, seq_length, global_batch_size, cl, precision, tp_comm_overlap, grads_bf16, state_bytes
         )
@@ -286,7 +293,8 @@ def job_layout(job, world: int) -> Layout:
     from megatron_lite.layout_validation import stage_layer_counts
 
     p, m = job.parallel, job.model
-    sharding = sharding_of(job.optimizer)
+    # (dist_muon splits the optimizer's state by whole tensors over data parallelism)
+    sharding = "layer-wise" if job.optimizer.optimizer == "dist_muon" else sharding_of(job.optimizer)
     uneven = p.pipeline_layout is not None or p.decoder_first_pipeline_num_layers is not None
     uneven = uneven or p.decoder_last_pipeline_num_layers is not None
     uneven = uneven or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
