@@ -390,7 +390,7 @@ class LayerWiseSplit:
 def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool) -> LayerWiseSplit:
     from megatron_lite.optimizer.layer_wise_optimizer import layer_wise_split
 
-    tensors = stage_tensors(model, layout, pp_rank)[0]
+    tensors = stage_tensors(model, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
     optimizer = owned = 0.0
     widths = []

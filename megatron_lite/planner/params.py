@@ -98,36 +98,49 @@ def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int) -> list[Tens
     return out + (e // ep) * _mlp_tensors(h, m.moe_ffn_size, swiglu, m.add_bias_linear, tp, expert=True)
 
 
+@functools.lru_cache(maxsize=65536)
 def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank."""
-    tensors = layer_tensors(model, layer, tp, ep)
+    return _sums(layer_tensors(model, layer, tp, ep))
+
+
+def _sums(tensors) -> tuple[int, int]:
+    """(dense, expert) elements of `tensors`."""
     return sum(n for n, _, e in tensors if not e), sum(n for n, _, e in tensors if e)
 
 
-def stage_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[tuple[Tensor, ...], tuple[int, ...], int]:
-    """(every parameter held by one rank of pipeline stage `pp_rank`, all of its virtual stages; the global numbers
-    of its layers; the elements of its word and position embeddings and output layer, and their copies)."""
-    # (cached by what decides them: a search's layouts share a few parallel sizes, and a large MoE stage holds
-    # tens of thousands of expert tensors)
-    return _stage_tensors(model, Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages), pp_rank)
+def stage_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[Tensor, ...]:
+    """Every parameter held by one rank of pipeline stage `pp_rank`, all of its virtual stages (for a split of
+    whole tensors: a large MoE stage holds tens of thousands)."""
+    return tuple(t for tensors, count in _stage_groups(model, layout, pp_rank)[0] for t in tensors * count)
+
+
+def _stage_groups(model: ModelConfig, layout: Layout, pp_rank: int):
+    # (cached by what decides them: a search's layouts share a few parallel sizes)
+    return _groups(model, Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages), pp_rank)
 
 
 @functools.lru_cache(maxsize=1024)
-def _stage_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[tuple[Tensor, ...], tuple[int, ...], int]:
+def _groups(
+    model: ModelConfig, layout: Layout, pp_rank: int
+) -> tuple[tuple[tuple[tuple[Tensor, ...], int], ...], tuple[int, ...], int]:
+    """(the stage's parameters as (tensors, how many times the stage holds them): each kind of layer once with its
+    count; the global numbers of its layers; the elements of its word and position embeddings and output layer,
+    and their copies)."""
     h, tp = model.hidden_size, layout.tp
     counts = stage_layer_counts(model.num_layers, layout.parallel_config())
     tensors: list[Tensor] = []
     layers: list[int] = []
     first_layer = 0
-    by_kind: dict[tuple, list[Tensor]] = {}  # a layer's tensors depend on it only through these
+    by_kind: dict[tuple, list] = {}  # a layer's tensors depend on it only through these: [tensors, count]
     blocks = model.heterogeneous_blocks
     for vstage, n in enumerate(counts):
         if vstage % layout.pp == pp_rank:
             for layer in range(first_layer, first_layer + n):
                 kind = (model.is_moe_layer(layer), blocks[layer] if blocks is not None else None)
                 if kind not in by_kind:
-                    by_kind[kind] = layer_tensors(model, layer, tp, layout.ep)
-                tensors += by_kind[kind]
+                    by_kind[kind] = [layer_tensors(model, layer, tp, layout.ep), 0]
+                by_kind[kind][1] += 1
                 layers.append(layer)
         first_layer += n
     vocab = (model.padded_vocab_size(tp) // tp * h, False, False)  # (the word embeddings, the output layer: Adam)
@@ -147,13 +160,14 @@ def _stage_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[tu
             layers.append(model.num_layers + k)  # (its time is a layer's, numbered after the decoder's)
         if model.mtp_num_layers and model.untie_embeddings_and_output_weights and layout.pp > 1:
             embedding.append(vocab)  # the last stage's copy of the word embeddings, which MTP reads
-    tensors += embedding
-    return tuple(t for t in tensors if t[0]), tuple(layers), sum(n for n, _, _ in embedding)
+    groups = [(ts, c) for ts, c in by_kind.values()] + [(tuple(tensors + embedding), 1)]
+    groups = tuple((tuple(t for t in ts if t[0]), c) for ts, c in groups)
+    return groups, tuple(layers), sum(n for n, _, _ in embedding)
 
 
 @functools.lru_cache(maxsize=65536)
 def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
     """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
-    tensors, layers, embeddings = stage_tensors(model, layout, pp_rank)
-    dense = sum(n for n, _, e in tensors if not e)
-    return StageParams(dense, sum(n for n, _, e in tensors if e), layers, embeddings)
+    groups, layers, embeddings = _stage_groups(model, layout, pp_rank)
+    sums = [(c * d, c * e) for (d, e), c in ((_sums(ts), c) for ts, c in groups)]
+    return StageParams(sum(d for d, _ in sums), sum(e for _, e in sums), layers, embeddings)
