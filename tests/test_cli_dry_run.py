@@ -63,6 +63,27 @@ def test_dry_run_memory_follows_the_sharding(flags, sharding, bf16, capsys, monk
     )
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_dry_run_prices_dist_muons_busiest_rank(bf16, capsys, monkeypatch):
+    """--optimizer dist_muon at DP=4 with a vocabulary (padded to 2048 with the mock data's end-of-document) whose
+    tied embedding outweighs a quarter of the state: the dry run's weights + gradients + optimizer equal the
+    planner's (the busiest rank of the real split, which tests/test_planner.py -k dist_muon holds to the measured
+    bytes); it priced an even split."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.planner.layout import Layout
+    from megatron_lite.planner.memory import rank_memory
+    from megatron_lite.training import dry_run
+
+    monkeypatch.setattr(dry_run, "_bytes", lambda n: f"{n / 2**20:.6f} MiB")  # (to the byte)
+    argv = ["--optimizer", "dist_muon", "--vocab-size", "2000", "--mock-data", "--global-batch-size", "8",
+            *(["--bf16"] if bf16 else [])]  # fmt: skip
+    printed = _dry_run_state_bytes(argv, 4, capsys, monkeypatch)
+    _, job = parse_args([*TINY, *argv])
+    est = rank_memory(job.model, Layout(dp=4, sharding="layer-wise", micro_batch_size=2), 16, 8, bf16, 0)
+    expected = est.params + est.grads + est.optimizer
+    assert printed and all(abs(v - expected) <= 0.01 * expected for v in printed.values()), (printed, expected)
+
+
 LLAMA_LIKE = "--swiglu --normalization RMSNorm --disable-bias-linear"
 ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
 # Heterogeneous layers (4 heads): 2 query groups and an FFN of 64; a no-op attention and a linear MLP; two identities;

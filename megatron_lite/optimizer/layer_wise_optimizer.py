@@ -52,6 +52,26 @@ def layer_wise_split(sizes: list[int], ranks: int) -> list[int]:
     return owner
 
 
+def state_bytes(numel: int, muon: bool, low: bool) -> int:
+    """Bytes a rank keeps for a parameter it owns: Muon's momentum or Adam's two moments, plus an fp32 main copy
+    of low-precision (`low`) weights."""
+    return numel * 4 * ((1 if muon else 2) + low)
+
+
+def busiest_state_bytes(trained, ctx: ParallelContext, low: bool) -> int:
+    """The most bytes of optimizer state any rank of this rank's data-parallel groups owns under the split (the dry
+    run's, on a model built on meta): `trained` as (group name, parameter, meta), `low`: 16-bit weights. The
+    busiest dense share and the busiest expert share, which may be two ranks'."""
+    total = 0
+    for expert, group in ((False, ctx.dp_cp), (True, ctx.edp)):
+        sizes = [state_bytes(p.numel(), runs_muon(name, p.ndim), low) for name, p, m in trained if m.expert == expert]
+        load = [0] * group.size
+        for size, r in zip(sizes, layer_wise_split(sizes, group.size)):
+            load[r] += size
+        total += max(load)
+    return total
+
+
 class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
     """MixedPrecisionOptimizer over the parameters this rank owns (its muon optimizer, main weights, state and
     sums see those alone), with the updated weights all-gathered after each step."""
@@ -72,8 +92,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
             sizes = []
             for name, p, meta in members:
                 muon = self._muon[id(p)] = runs_muon(group_name(name, meta), p.ndim)
-                kinds = (1 if muon else 2) + (p.dtype != torch.float32)  # (a main copy of low-precision weights)
-                sizes.append(p.numel() * 4 * kinds)
+                sizes.append(state_bytes(p.numel(), muon, p.dtype != torch.float32))
             owner = layer_wise_split(sizes, group.size)
             lists: list[list[nn.Parameter]] = [[] for _ in range(group.size)]
             for (_, p, _), r in zip(members, owner):

@@ -388,7 +388,7 @@ class LayerWiseSplit:
 
 @functools.lru_cache(maxsize=4096)
 def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool) -> LayerWiseSplit:
-    from megatron_lite.optimizer.layer_wise_optimizer import layer_wise_split
+    from megatron_lite.optimizer.layer_wise_optimizer import layer_wise_split, state_bytes
 
     tensors = stage_tensors(model, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
@@ -398,8 +398,7 @@ def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bo
         numels = [n for n, _, e in tensors if e == expert]
         if not numels:
             continue
-        # Muon's momentum on its matrices, Adam's two moments on the rest, an fp32 main copy of 16-bit weights
-        sizes = [n * 4 * ((1 if muon else 2) + bf16) for n, muon, e in tensors if e == expert]
+        sizes = [state_bytes(n, muon, bf16) for n, muon, e in tensors if e == expert]
         state, elements = [0] * ranks, [0] * ranks
         for n, size, r in zip(numels, sizes, layer_wise_split(sizes, ranks)):
             state[r], elements[r] = state[r] + size, elements[r] + n

@@ -12,6 +12,7 @@ from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.distributed.ddp import tied_embedding_copies
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.models.gpt_model import build_model
+from megatron_lite.optimizer.layer_wise_optimizer import busiest_state_bytes
 from megatron_lite.optimizer.optimizer import group_name, muon_state_bytes, state_bytes_per_param
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.parameters import named_param_meta, owns_copy
@@ -167,12 +168,14 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
         state = state_bytes_per_param(job.optimizer)
         if job.optimizer.is_muon:  # (this rank's own mix of Muon's matrices and Adam's embeddings, norms, biases)
             state = muon_state_bytes((group_name(n, m), p.ndim, p.numel()) for n, p, m in metas if p.requires_grad)
-        trained = sum(
-            parameter_state_bytes(
-                dense, expert, ctx.dp_cp.size, ctx.edp.size, sharding, low, job.optimizer.grad_reduce_in_bf16,
-                state, whole,
-            )
+        weights, grads, optimizer = parameter_state_bytes(
+            dense, expert, ctx.dp_cp.size, ctx.edp.size, sharding, low, job.optimizer.grad_reduce_in_bf16,
+            state, whole,
         )  # fmt: skip
+        if sharding == "layer-wise":  # (whole tensors a rank: the busiest data-parallel rank's, as the planner)
+            named = [(group_name(n, m), p, m) for n, p, m in metas if p.requires_grad]
+            optimizer = busiest_state_bytes(named, ctx, low)
+        trained = weights + grads + optimizer
         groups.setdefault((dense + expert + frozen, trained, frozen, nf4, act), []).append(rank)
     worst = 0.0
     for (n, trained, frozen, nf4, act), ranks in sorted(groups.items(), reverse=True):
