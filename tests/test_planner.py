@@ -509,7 +509,7 @@ def test_memory_estimate_multi_token_prediction(dist, case):
     _check("deepseekmtp", layout, dist(layout.world, measure, "deepseekmtp", layout))
 
 
-@pytest.mark.parametrize("case", ["one", "tp2-sp", "tp2-no-sp", "pp2"])
+@pytest.mark.parametrize("case", ["one", "tp2-sp", "tp2-no-sp", "pp2", "cp2-a2a"])
 def test_memory_estimate_heterogeneous(dist, case):
     """Heterogeneous layers (own query groups and FFN sizes, linear replacements, no-op parts): weights,
     gradients, optimizer state and activations within 10% of the measured breakdown, pipeline stages of unequal
@@ -519,6 +519,7 @@ def test_memory_estimate_heterogeneous(dist, case):
         "tp2-sp": Layout(tp=2, micro_batch_size=2),
         "tp2-no-sp": Layout(tp=2, micro_batch_size=2, sequence_parallel=False),
         "pp2": Layout(pp=2, micro_batch_size=2),
+        "cp2-a2a": Layout(cp=2, micro_batch_size=2, cp_comm_type="a2a"),
     }[case]
     results = [measure("hetero", layout)] if layout.world == 1 else dist(layout.world, measure, "hetero", layout)
     _check("hetero", layout, results)

@@ -355,3 +355,23 @@ def test_dist_muon_costs_the_gradient_all_reduce_and_the_weights_all_gather(dist
     gather = cost._collective("all_gather", priced[0], dp, dp, cl, cost.EFF)
     assert t.dp_comm - ddp.dp_comm == pytest.approx(gather)  # (all of it exposed: the next forward waits)
     assert t.optimizer < ddp.optimizer
+
+
+def test_heterogeneous_layers_gather_their_own_keys_and_values_over_cp(monkeypatch):
+    """Under --cp-comm-type allgather each attending layer gathers its own keys and values: by hand, models'
+    HETERO_BLOCKS (head dim 8) gather 4 query groups (32 values a token) in layer 0 and 2 (16) in layer 3, of K and V
+    each, over the 2 x 16 tokens of a micro-batch, fp32; the linear and no-op attentions of layers 1 and 2 gather
+    none. (Every layer gathered the model's 4 groups.)"""
+    model = hetero_config(num_layers=4)
+    layout = Layout(cp=2, cp_comm_type="allgather", micro_batch_size=1)
+    calls = []
+    real = cost._collective
+
+    def record(kind, bytes_, size, span, cl_, eff):
+        calls.append((kind, bytes_, size))
+        return real(kind, bytes_, size, span, cl_, eff)
+
+    monkeypatch.setattr(cost, "_collective", record)
+    cost.step_time(model, layout, SEQ, 1, cluster("H100", 8, 1, None, None), bf16=False)
+    gathered = sorted(b for kind, b, size in calls if kind == "all_gather" and size == 2 and b)
+    assert gathered == sorted([2 * 16 * 32 * 4] * 2 + [2 * 16 * 16 * 4] * 2), gathered

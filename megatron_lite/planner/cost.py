@@ -354,9 +354,12 @@ def step_time(
     compute = micro * per_mb
     bubble = (pp - 1) / (vp * micro) * compute if pp > 1 else 0.0
 
-    # (the layers with attention: a heterogeneous layer's linear replacement or no-op has none to spread over CP)
-    layers = sum(1 for i in st.layers if block_of(i) is None or block_of(i).attention == NORMAL)
-    rerun_attending = [i for i in rerun if block_of(i) is None or block_of(i).attention == NORMAL]
+    def attends(layer: int) -> bool:  # (a heterogeneous layer's linear replacement or no-op has no attention)
+        return block_of(layer) is None or block_of(layer).attention == NORMAL
+
+    def layer_model(layer: int) -> ModelConfig:
+        return model.layer_config(layer) if block_of(layer) is not None else model
+
     act = m * h * a  # one micro-batch's hidden states on this rank (full sequence part)
     tp_comm = 0.0
     if tp > 1:
@@ -396,22 +399,28 @@ def step_time(
         again = sum(layer_comm(i)[1] for i in rerun) - sum(last(c) for c in checkpoints)
         tp_comm = micro * (each + again + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
-    if cp > 1 and layout.cp_comm_type != "p2p":
-        every, forward = _exposed_cp(model, layout, m, a, cl, eff)
-        cp_comm = micro * (layers * every + _attention_reruns(model, layout, layers, rerun_attending) * forward)
-    elif cp > 1:  # K and V blocks (and their gradients) around the ring, under each block's attention
-        blocks = ring_blocks(model, m, tp, cp, a)
-        ring = sum(n * _collective("p2p", block, cp, tp * cp, cl, eff) for block, n in blocks)
+    # (each attending layer at its own key/value heads: a heterogeneous layer's own query groups)
+    attending = collections.Counter(layer_model(i) for i in st.layers if attends(i))
+    rerun_by = collections.Counter(layer_model(i) for i in rerun if attends(i))
+    core_again = layout.recompute == "selective" and "core_attn" in model.recompute_modules  # (every attention)
+    for own, n in attending.items() if cp > 1 else ():
+        again = n if core_again else rerun_by[own]  # the attentions that run again in the backward
+        if layout.cp_comm_type != "p2p":
+            every, forward = _exposed_cp(own, layout, m, a, cl, eff)
+            cp_comm += micro * (n * every + again * forward)
+            continue
+        # K and V blocks (and their gradients) around the ring, under each block's attention
+        blocks = ring_blocks(own, m, tp, cp, a)
+        ring = sum(k * _collective("p2p", block, cp, tp * cp, cl, eff) for block, k in blocks)
         mla, heads = model.multi_latent_attention, model.num_attention_heads
         core_q = heads * (model.mla_q_head_dim + model.v_head_dim) / 2 if mla else q
         out = heads * model.v_head_dim if mla else q
         attn_time = 3.5 * 2 * m * seq_length * core_q / tp / (g.peak_flops * eff.attention)
         # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
         merge = 3 * (cp - 1) * 3 * m * out / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
-        cp_comm = micro * layers * (max(0.0, ring - attn_time) + merge)
+        cp_comm += micro * n * (max(0.0, ring - attn_time) + merge)
         # the recomputed attention passes K and V round again
         ring_fwd = (cp - 1) * _collective("p2p", blocks[0][0], cp, tp * cp, cl, eff)  # (the K/V blocks)
-        again = _attention_reruns(model, layout, layers, rerun_attending)
         cp_comm += micro * again * (max(0.0, ring_fwd - attn_time / 3.5) + merge / 3)
     ep_comm = 0.0
     if model.num_experts and ep > 1:
@@ -519,12 +528,6 @@ def _exposed_cp(
     span = layout.tp * layout.cp
     seconds = [_collective(kind, b, layout.cp, span, cl, eff) for kind, b in calls]
     return sum(seconds), sum(seconds[: len(seconds) // 2])
-
-
-def _attention_reruns(model: ModelConfig, layout: Layout, layers: int, rerun: list[int]) -> int:
-    """The layers of a stage whose attention runs again in the backward: selective recomputation's core_attn
-    reruns every one, full recomputation its recomputed layers."""
-    return layers if layout.recompute == "selective" and "core_attn" in model.recompute_modules else len(rerun)
 
 
 def ring_blocks(model: ModelConfig, tokens: float, tp: int, cp: int, a: int) -> list[tuple[float, int]]:
