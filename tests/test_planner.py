@@ -201,7 +201,7 @@ def test_memory_estimate_of_recompute_modules_under_sequence_parallelism(dist, n
     _check(name, layout, dist(layout.world, measure, name, layout), tol=0.03)
 
 
-@pytest.mark.parametrize("name", ["llama", "mla", "moe"])
+@pytest.mark.parametrize("name", ["llama", "mla", "moe", "hetero"])
 def test_memory_estimate_with_the_triton_kernels(name):
     """The kernels save less than PyTorch's ops (inputs and statistics only; multi-latent attention's values
     unpadded; the grouped GEMM saves no stacked copy of the experts' weights); the fused loss keeps the gradients
