@@ -357,3 +357,19 @@ def test_a_checkpoint_records_its_files_by_absolute_path_and_leaves_weights_and_
     assert data["data_cache_path"] == str(tmp_path / "cache") and data["tokenizer_model"] == "org/model"
     sft = dataclasses.replace(job, data=dataclasses.replace(job.data, data_path=("train.jsonl",), sft=True))
     assert list(sft.checkpoint_dict()["data"]["data_path"]) == [str(tmp_path / "train.jsonl")]
+
+
+def test_a_run_with_nothing_to_train_saves_nothing(tmp_path, capsys, monkeypatch):
+    """A rerun already at its --train-iters trains nothing and writes nothing into --save: the final save of
+    iteration 3 again rewrote the finished checkpoint with this command's flags (--train-iters 2), which a
+    later --load alone inherited."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["--mock-data", "--vocab-size", "100", "--save", str(ckpt), "--load", str(ckpt)]
+    rc, _, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in ckpt.rglob("*") if p.is_file()}
+    rc, out, err = _run([*argv, "--train-iters", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "already at iteration 3 of --train-iters 2: nothing to train" in out and "saved" not in out, out
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in ckpt.rglob("*") if p.is_file()}
+    assert after == before

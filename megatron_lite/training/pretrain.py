@@ -283,6 +283,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         flops_per_sample = flops_per_token(job.model, t.seq_length, frozen=job.lora is not None) * t.seq_length
         peak = peak_flops(ctx.device, job.optimizer.bf16 or job.optimizer.fp16)
         start_time = time.time()
+        first_iteration = state.iteration  # (a rerun past its --train-iters trains nothing: nothing to save)
         if state.iteration >= t.train_iters:
             log.info(f"already at iteration {state.iteration} of --train-iters {t.train_iters}: nothing to train")
         window = _new_window()
@@ -490,7 +491,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if exiting and np_saver is not None and np_saver.covers_exit(state.iteration):
             log.info(f"iteration {state.iteration} was just saved non-persistently: no exit save (as Megatron)")
         elif ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
-            save()
+            # (Megatron saves iteration != 0 again there, its checkpoint then recording this run's shorter
+            # --train-iters, which a later --load alone inherits: a run that trained nothing writes nothing)
+            if state.iteration != first_iteration:
+                save()
         finish_async_save(saver, log)
         if np_saver is not None:
             np_saver.poll(log, wait=True)
