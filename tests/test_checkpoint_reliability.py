@@ -481,8 +481,27 @@ def test_a_full_disk_at_a_save_is_a_one_line_error_naming_save(tmp_path, capsys,
     lines = [line for line in err.strip().splitlines() if line]
     assert rc == 1 and len(lines) == 1, err
     assert lines[0].startswith(f"error (rank 0): saving a checkpoint into --save {ckpt} failed: "), lines[0]
-    assert "No space left on device" in lines[0] and "previous checkpoint is untouched" in lines[0], lines[0]
+    assert (
+        "No space left on device (ENOSPC). The previous checkpoint (iteration 2) is untouched: free space there"
+        in lines[0]
+    ), lines[0]
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "2"
+
+
+def test_a_failed_first_save_says_what_is_true(tmp_path, capsys, monkeypatch):
+    """From a walkthrough: a save that failed for another reason than space, with no checkpoint before it, said
+    "The previous checkpoint is untouched: free space there". It names the OS error and says none was saved."""
+    from megatron_lite.checkpoint import checkpointing
+
+    def refused(tmp, snap):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpointing, "_write_rank_files", refused)
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--train-iters", "1", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "Permission denied (EACCES). No checkpoint was saved there: fix the cause" in err, err
+    assert "untouched" not in err and "free space" not in err, err
 
 
 def test_a_save_sweeps_what_killed_saves_and_deletions_left(tmp_path, capsys, monkeypatch):

@@ -3,6 +3,7 @@ loss-spike detector, the fault-injection grammar and the flags' validation."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -399,6 +400,17 @@ def test_output_paths_that_cannot_be_made_are_refused_at_start_up(tmp_path, caps
     if flag == "--log-jsonl":  # (and a directory where a file goes)
         rc, _, err = _run(["--mock-data", "--vocab-size", "100", flag, str(tmp_path)], capsys, monkeypatch)
         _one_line_error(rc, err, flag, "is a directory")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_save_directory_that_cannot_be_written_is_refused_before_training(capsys, monkeypatch):
+    """--save /proc/nope passed the permission bits (root), trained, then failed at the first save saying "the
+    previous checkpoint is untouched: free space there": the directory is made and written at start-up."""
+    from test_pretrain_cli import _one_line_error, _run
+
+    rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--save", "/proc/nope"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--save /proc/nope cannot be written: making the directory failed: ", "(ENOENT)")
+    assert "iteration " not in out, out
 
 
 def test_a_frozen_rank_is_reported_unresponsive_not_as_the_one_waiting():

@@ -281,3 +281,27 @@ def check_output_path(flag: str, path: str, is_dir: bool = False) -> None:
         raise ConfigError(f"{flag} {path} cannot be created: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path} cannot be written: {parent} is not writable by this user")
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """`path` is made (with its parents) and a file written into it and removed: the permission bits alone
+    passed a --save under /proc (root may write everywhere, yet nothing can be made there) or on a read-only
+    mount, which then failed at the first save, after the training before it. Each rank probes with its own
+    file name, so ranks sharing the directory do not race."""
+    import errno
+    import socket
+
+    probe = os.path.join(path, f".megatron_lite_write_probe.{socket.gethostname()}.{os.getpid()}")
+    doing = "making the directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+        doing = "writing a file there"
+        with open(probe, "w") as f:
+            f.write("probe\n")
+        os.remove(probe)
+    except OSError as e:
+        why = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+        raise ConfigError(
+            f"{flag} {path} cannot be written: {doing} failed: {why}; give {flag} a directory this user can "
+            "create and write"
+        ) from None

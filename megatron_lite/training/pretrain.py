@@ -46,7 +46,7 @@ from megatron_lite.start_up_error import report_error
 from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import determinism, memory
 from megatron_lite.training.batches import Batches
-from megatron_lite.training.configs import JobConfig, check_output_paths
+from megatron_lite.training.configs import JobConfig, check_output_paths, check_writable_dir
 from megatron_lite.training.evaluation import Evaluator
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
@@ -107,6 +107,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     job, ckpt_path = starting_checkpoint(job, say)
+    if job.checkpoint.save:  # (made only now: starting_checkpoint tells a --load that does not exist)
+        check_writable_dir("--save", job.checkpoint.save)
     upcycling = check_upcycling(job, ckpt_path)  # (--moe-use-upcycling: the dense checkpoint in --load)
 
     # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.

@@ -4,10 +4,13 @@ not as each rank's traceback."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import re
 
 import torch.distributed as dist
 
+from megatron_lite.checkpoint.format import read_tracker
 from megatron_lite.config import ConfigError
 from megatron_lite.resilience.supervisor import TrainingHalted
 
@@ -38,10 +41,41 @@ def saving(root: str):
     except Exception as e:
         if peer_lost(e):  # (a rank that died mid-save: main says so)
             raise
-        raise SaveFailed(
-            f"saving a checkpoint into --save {root} failed: {type(e).__name__}: {e}. The previous checkpoint is "
-            "untouched: free space there (or give another --save) and run the command again to resume from it"
-        ) from e
+        raise SaveFailed(_failure(root, e)) from e
+
+
+def _failure(root: str, e: Exception) -> str:
+    """What failed, the OS's reason, and what is true of --save now: it said "the previous checkpoint is untouched:
+    free space there" when there was none and the cause was a missing directory."""
+    code = _os_errno(e)
+    name = errno.errorcode.get(code, str(code))
+    cause = "" if code is None else f" ({name})" if os.strerror(code) in str(e) else f" ({os.strerror(code)}, {name})"
+    try:
+        previous = read_tracker(root)
+    except (OSError, ValueError):
+        previous = None
+    space = code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+    fix = "free space there" if space else "fix the cause"
+    if previous is None:
+        then = f"No checkpoint was saved there: {fix} (or give another --save) and run the command again"
+    else:
+        then = (
+            f"The previous checkpoint (iteration {previous}) is untouched: {fix} (or give another --save) and run "
+            "the command again to resume from it"
+        )
+    return f"saving a checkpoint into --save {root} failed: {type(e).__name__}: {e}{cause}. {then}"
+
+
+def _os_errno(e: BaseException) -> int | None:
+    """The OS error number behind `e`: its own, a cause's, or one named in its text (safetensors' Rust errors say
+    "... (os error 28)"; an --async-save's repeats the failing rank's "[Errno 28] ...")."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    found = re.search(r"\[Errno (\d+)\]|os error (\d+)", str(e))  # (an --async-save's, from the rank it failed on)
+    return int(found.group(1) or found.group(2)) if found else None
 
 
 def peer_lost(e: BaseException) -> str | None:
