@@ -194,14 +194,16 @@ def test_missing_load_dir_starts_from_scratch_unless_told_otherwise(tmp_path, ca
     ckpt = str(tmp_path / "ckpt")
     rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--load", ckpt, "--save", ckpt], capsys, monkeypatch)
     assert rc == 0, err
-    assert f"no checkpoint in --load {ckpt}: starting from scratch" in out
+    # (a path that does not exist is said so, with the flag that refuses it: a mistyped --load trained from scratch)
+    said = f"no checkpoint in --load {ckpt}: the directory does not exist; starting from scratch "
+    assert said + "(--exit-on-missing-checkpoint makes that an error)" in out, out
     assert os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
     rc, _, err = _run(
         ["--mock-data", "--vocab-size", "100", "--load", str(tmp_path / "other"), "--exit-on-missing-checkpoint"],
         capsys,
         monkeypatch,
     )
-    _one_line_error(rc, err, "--load", "--exit-on-missing-checkpoint")
+    _one_line_error(rc, err, f"--load {tmp_path / 'other'} does not exist and --exit-on-missing-checkpoint is set")
 
 
 def test_profile_window_writes_a_torch_profiler_trace(tmp_path, capsys, monkeypatch):

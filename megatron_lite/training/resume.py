@@ -78,10 +78,15 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
             ckpt_path = non_persistent.pick(ckpt_path, latest, (lambda *_: None) if local else say)
         if ckpt_path is None:
             if job.checkpoint.exit_on_missing_checkpoint:
-                raise ConfigError(
-                    f"--load {job.checkpoint.load} holds no checkpoint and --exit-on-missing-checkpoint is set"
+                holds = "does not exist" if not os.path.isdir(job.checkpoint.load) else "holds no checkpoint"
+                raise ConfigError(f"--load {job.checkpoint.load} {holds} and --exit-on-missing-checkpoint is set")
+            if os.path.isdir(job.checkpoint.load):
+                say(f"no checkpoint in --load {job.checkpoint.load}: starting from scratch")
+            else:  # (Megatron's too; a mistyped path trained from scratch behind a line that did not say why)
+                say(
+                    f"no checkpoint in --load {job.checkpoint.load}: the directory does not exist; starting from "
+                    "scratch (--exit-on-missing-checkpoint makes that an error)"
                 )
-            say(f"no checkpoint in --load {job.checkpoint.load}: starting from scratch")
         elif job.checkpoint.ckpt_step is not None:
             say(
                 f"--ckpt-step {job.checkpoint.ckpt_step}: loading {ckpt_path} (a restart with these flags loads it "
