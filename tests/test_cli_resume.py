@@ -373,3 +373,28 @@ def test_a_run_with_nothing_to_train_saves_nothing(tmp_path, capsys, monkeypatch
     assert "already at iteration 3 of --train-iters 2: nothing to train" in out and "saved" not in out, out
     after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in ckpt.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_vocabulary_larger_than_the_checkpoints_names_its_source_and_the_value_that_works(
+    tmp_path, capsys, monkeypatch
+):
+    """A checkpoint of vocabulary 101 (NullTokenizer: --vocab-size 100 + the end-of-document id). --mock-data
+    --vocab-size 101 was told "the tokenizer/--vocab-size gives a vocabulary of 102", not the --vocab-size that
+    works; with no data flags, "a vocabulary of 4096" without saying it is the built-in corpus's tokenizer."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint
+    from megatron_lite.config import ConfigError
+    from megatron_lite.training.resume import start_from
+
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", ckpt, "--train-iters", "1"], capsys, monkeypatch)
+    assert rc == 0, err
+    rc, _, err = _run(["--mock-data", "--vocab-size", "101", "--load", ckpt], capsys, monkeypatch)
+    _one_line_error(rc, err, "--vocab-size 101 gives a vocabulary of 102 (Megatron's NullTokenizer adds an end-of-",
+                    "has 101; give --vocab-size 100")  # fmt: skip
+    _, job = parse_args(TINY)  # (no data flags: the built-in corpus, whose tokenizer has 4096 ids)
+    with pytest.raises(ConfigError) as e:
+        start_from(job, find_checkpoint(ckpt), 4096, 1, lambda *_: None)
+    assert "with no data flags the built-in corpus's tokenizer gives a vocabulary of 4096" in str(e.value)
+    assert "has 101; give the data and tokenizer it was trained with" in str(e.value)
+    assert "--mock-data --vocab-size 100" in str(e.value)

@@ -17,6 +17,7 @@ from megatron_lite.checkpoint.format import complete_iterations, iteration_dir
 from megatron_lite.checkpoint.lookup import read_metadata
 from megatron_lite.checkpoint.lora_base import checkpoint_fingerprint, lora_base_checkpoint
 from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.data.config import DataConfig
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.resilience.supervisor import TrainingHalted
@@ -128,21 +129,36 @@ def start_from(job: JobConfig, ckpt_path: str | None, vocab_size: int, world_siz
         if vocab_size < saved_vocab:  # e.g. Qwen2: the embedding has rows the tokenizer never emits
             say(f"the data's vocabulary ({vocab_size}) is smaller than the checkpoint's: using {saved_vocab}")
             model_cfg = dataclasses.replace(model_cfg, vocab_size=saved_vocab)
-        _check_against_checkpoint(saved, model_cfg, ckpt_path)
+        _check_against_checkpoint(saved, model_cfg, ckpt_path, job.data)
     job = dataclasses.replace(job, model=model_cfg)
     validate_layout(job.model, job.parallel, world_size, job.training)
     return lora_base(job, ckpt_path, saved, say)
 
 
-def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str) -> None:
+def _check_against_checkpoint(saved: dict, current: ModelConfig, path: str, data: DataConfig) -> None:
     """The flags were already reconciled with the checkpoint (arguments.parse_args); what can still differ
     is what the data source decides, the vocabulary (a tokenizer with more ids than the checkpoint's
-    embedding is an error; fewer is fine)."""
-    if saved["model"]["vocab_size"] != current.vocab_size:
-        raise ConfigError(
-            f"the tokenizer/--vocab-size gives a vocabulary of {current.vocab_size} but the checkpoint in {path} "
-            f"has {saved['model']['vocab_size']}; use the tokenizer the checkpoint was trained with"
+    embedding is an error; fewer is fine). Said as what gave it and what works (a converted checkpoint of 256
+    with --mock-data --vocab-size 256 was told "a vocabulary of 257", the fix being --vocab-size 255)."""
+    ours, theirs = current.vocab_size, saved["model"]["vocab_size"]
+    if theirs == ours:
+        return
+    if data.tokenizer_type == "NullTokenizer" or (data.mock_data and data.tokenizer_type is None):
+        given = (
+            f"--vocab-size {data.vocab_size} gives a vocabulary of {ours} (Megatron's NullTokenizer adds an "
+            "end-of-document id)"
         )
+        fix = f"give --vocab-size {theirs - 1}"
+    elif data.mock_data or data.sft or data.data_path or data.train_data_path:
+        given = f"--tokenizer-type {data.tokenizer_type} gives a vocabulary of {ours}"
+        fix = "use the tokenizer the checkpoint was trained with"
+    else:
+        given = f"with no data flags the built-in corpus's tokenizer gives a vocabulary of {ours}"
+        fix = (
+            f"give the data and tokenizer it was trained with (--data-path, --tokenizer-type), or --mock-data "
+            f"--vocab-size {theirs - 1} for random tokens"
+        )
+    raise ConfigError(f"{given} but the checkpoint in {path} has {theirs}; {fix}")
 
 
 def check_qlora_base(job: JobConfig, ckpt_path: str | None) -> None:
