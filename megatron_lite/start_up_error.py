@@ -3,6 +3,7 @@ found it alone otherwise."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -14,6 +15,7 @@ def report_error(error: Exception, initialized: bool) -> None:
     its own."""
     rank = os.environ.get("RANK", "0")
     line = f"error: {error}" if rank == "0" else f"error (rank {rank}): {error}"
+    record_for_launcher(line)
     if initialized:
         print(line, file=sys.stderr, flush=True)
         return
@@ -39,6 +41,24 @@ def report_error(error: Exception, initialized: bool) -> None:
         said = None
     if said != str(error):
         print(line, file=sys.stderr, flush=True)
+
+
+def record_for_launcher(line: str) -> None:
+    """`line`, the one this rank exits on, left where torchrun's summary reads it: its "Root Cause" block said only
+    "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html", 45-53 lines
+    burying ours. The JSON is torch elastic's ErrorHandler.record_exception's (the same from torch 2.4 on); the
+    summary shows its py_callstack, here the line itself. Nothing outside torchrun (no TORCHELASTIC_ERROR_FILE)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.{os.getpid()}.tmp"  # (whole or not at all: torchrun raises on a file it cannot parse)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:  # (the summary then says what it said before; the line was printed all the same)
+        pass
 
 
 def _launcher_store():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 
 import pytest
@@ -142,3 +143,19 @@ def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):
     assert b"comm_exposed_fraction" in blob  # the exposed-communication metric reaches W&B too
     for key in (b"load_balancing_loss", b"moe_max_imbalance", b"moe_layer0_imbalance", b"moe_dropped_fraction"):
         assert key in blob, key
+
+
+def test_a_start_up_error_is_torchruns_root_cause(tmp_path):
+    """torchrun's summary of a failed start-up said only "traceback : To enable traceback see: https://pytorch.org/
+    docs/stable/elastic/errors.html" under "Root Cause", 45-53 lines burying our one line: each rank leaves its
+    line in torch elastic's error file, which the summary shows."""
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    bad = [str(ROOT / "pretrain" / "pretrain_gpt.py"), "--mock-data", "--vocab-size", "100", "--num-layers", "-1"]
+    bad += "--hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 1".split()
+    res = subprocess.run([*cmd, *bad], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    root_cause = res.stderr.split("Root Cause (first observed failure):")[-1]
+    assert "exitcode  : 2" in root_cause and "To enable traceback" not in root_cause, res.stderr[-3000:]
+    assert re.search(r"traceback : error( \(rank 1\))?: --num-layers -1 must be", root_cause), res.stderr[-3000:]

@@ -162,17 +162,25 @@ def test_a_rollback_to_the_starting_checkpoint_reads_it_with_the_start_flags(tmp
 
 def test_a_halted_run_closes_its_logger(tmp_path, capsys, monkeypatch):
     """--nan-policy halt: the run's logger is closed (W&B's run finished, the JSONL closed) before main returns 3,
-    as at a normal end; it had been left open, and wandb.finish never called."""
+    as at a normal end; it had been left open, and wandb.finish never called. Under torchrun the halt's line is
+    what its summary shows as the root cause (read back by torch elastic's own reader; it said "To enable
+    traceback see: ...")."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
     from megatron_lite.training import logger
 
     closed = []
     real = logger.MetricsLogger.close
     monkeypatch.setattr(logger.MetricsLogger, "close", lambda self, **kw: (closed.append(kw), real(self, **kw)))
     monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     log = tmp_path / "m.jsonl"
     rc, _, err = _run([*DATA, "--train-iters", "4", "--log-jsonl", str(log)], capsys, monkeypatch)
     assert rc == 3 and "halted" in err, err
     assert closed == [{"exit_code": 3}] and log.read_text().count("lm_loss") == 1  # (W&B's run: halted, not finished)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file=str(tmp_path / "error.json"))
+    summary = ChildFailedError("pretrain_gpt.py", {0: failure}).format_msg()
+    assert f"traceback : {err.strip()}" in summary.split("Root Cause")[1], summary
 
 
 def test_wandb_steps_keep_growing_through_a_rollback():

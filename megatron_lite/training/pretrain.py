@@ -42,7 +42,7 @@ from megatron_lite.resilience import inject
 from megatron_lite.resilience.flight_recorder import FlightRecorder, leave
 from megatron_lite.resilience.guards import ExitSignal, over_time, should_exit
 from megatron_lite.resilience.supervisor import ROLLBACK, Supervisor, TrainingHalted, check_config_agreement
-from megatron_lite.start_up_error import report_error
+from megatron_lite.start_up_error import record_for_launcher, report_error
 from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import determinism, memory
 from megatron_lite.training.batches import Batches
@@ -572,10 +572,12 @@ def _main(argv: list[str] | None) -> int:
         report_error(e, dist.is_initialized())  # (once per node: it was said by every rank, twice in two forms)
         return 2
     except SaveFailed as e:  # (every rank failed at the same point: none waits in a collective)
-        print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
+        print(line := f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
+        record_for_launcher(line)  # (torchrun's "Root Cause" shows it)
         return 1
     except TrainingHalted as e:  # (every rank halted at the same point and left run's final barrier together)
-        print(f"halted (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
+        print(line := f"halted (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
+        record_for_launcher(line)
         return 3
     except Exception as e:
         if not peer_lost(e):
