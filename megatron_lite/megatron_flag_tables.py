@@ -373,7 +373,7 @@ REFUSED: dict[str, str] = {
     "moe_enable_deepep": "DeepEP is not used; --moe-token-dispatcher-type alltoall (or allgather) dispatches tokens",
     "optimizer_cpu_offload": "the optimizer state stays on the accelerator (no CPU offload)",
     "moe_layer_recompute": "use --recompute-granularity selective --recompute-modules moe (its successor in Megatron)",
-    "use_legacy_models": "megatron_lite has one model implementation, Megatron-core's (drop the flag)",
+    "use_legacy_models": "megatron_lite has one model implementation, Megatron-core's",
     "overlap_param_gather_with_optimizer_step": (
         "the distributed optimizer's weight all-gather overlaps the next forward (--overlap-param-gather), not the "
         "optimizer step"

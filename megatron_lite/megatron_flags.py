@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from megatron_lite.config import ConfigError
 from megatron_lite.layout_validation import standalone_mtp, unroll_layout
@@ -40,6 +41,10 @@ def _is_default(values: list[str] | None, default: str) -> bool:
         return values[0] == default
 
 
+# a refused flag's reason that already tells what to do ("...; use --micro-batch-size", "give the flags")
+_ADVISES = re.compile(r"(?:^|[:;] )(?:use|give) |drop the flag|remove the flag")
+
+
 def refuse_unsupported(ns: argparse.Namespace) -> None:
     if getattr(ns, "moe_token_dispatcher_type", None) == "flex":  # (a choice, so that this reason is what they see)
         raise ConfigError(
@@ -64,8 +69,9 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
         if getattr(ns, name, None) not in (None, "0", "1", "2"):
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(ns, name)} must be 0, 1 or 2 (Megatron's choices)")
     refused = [(f"--{name.replace('_', '-')}", why) for name, why in REFUSED.items() if getattr(ns, name) is not None]
-    if len(refused) == 1:
-        raise ConfigError(f"{refused[0][0]} is not supported: {refused[0][1]}; remove the flag")
+    if len(refused) == 1:  # (a reason that says what to give instead needs no "remove the flag" after it)
+        flag, why = refused[0]
+        raise ConfigError(f"{flag} is not supported: {why}" + ("" if _ADVISES.search(why) else "; remove the flag"))
     if refused:  # (all of them at once: a script with four fp8 flags was refused four times over)
         flags = " ".join(flag for flag, _ in refused)
         raise ConfigError(f"{flags} are not supported: " + "; ".join(f"{f}: {w}" for f, w in refused) + "; remove them")

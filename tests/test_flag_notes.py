@@ -21,3 +21,20 @@ def test_a_reason_names_only_working_flags(name):
     named = [f.rstrip("-") for f in re.findall(r"--[a-z0-9][a-z0-9-]*", REASONS[name])]
     bad = [f for f in named if f not in ours or f in inert]
     assert not bad, f"--{name.replace('_', '-')}: its reason names {bad}, which cannot be given here"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_flags_line_gives_its_advice_once(name):
+    """'--use-legacy-models is not supported: ... (drop the flag); remove the flag' said it twice, and '--batch-size
+    ...; use --micro-batch-size; remove the flag' gave two instructions: a line ends in one."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.megatron_flags import refuse_unsupported
+
+    ns = build_parser().parse_args([])
+    setattr(ns, name, "x")
+    with pytest.raises(ConfigError) as e:
+        refuse_unsupported(ns)
+    said = str(e.value)
+    assert said.startswith(f"--{name.replace('_', '-')} is not supported: "), said
+    advice = re.findall(r"remove the flag|drop the flag|(?:^|[:;] )(?:use|give) ", said)
+    assert len(advice) == 1, said
