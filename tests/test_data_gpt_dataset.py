@@ -468,6 +468,15 @@ def test_a_missing_dataset_still_points_at_the_tool(tmp_path):
 
     with pytest.raises(ConfigError, match=r"missing .*nope\.idx \(run tools/preprocess_data\.py\)"):
         IndexedDataset(str(tmp_path / "nope"))
+    # a file's name given for the prefix (it said "missing X.bin.idx"): the prefix to give
+    for ext in ("bin", "idx"):
+        (tmp_path / f"x_text_document.{ext}").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        IndexedDataset(str(tmp_path / "x_text_document.bin"))
+    assert str(e.value).endswith(
+        "--data-path takes the prefix of the .bin/.idx pair, without the extension: give --data-path "
+        f"{tmp_path / 'x_text_document'}"
+    ), e.value
 
 
 def test_a_lock_held_long_is_said_not_waited_on_silently(tmp_path, monkeypatch, capsys):

@@ -93,6 +93,11 @@ def _missing_hint(prefix: str, flag: str) -> str:
     """What to give instead of a missing `prefix`: preprocess_data.py writes PREFIX_{json key}_document.bin/.idx,
     so a --data-path given as its --output-prefix is told the name of the files it wrote."""
     folder, name = os.path.dirname(prefix), os.path.basename(prefix)
+    if name.endswith((".bin", ".idx")):  # (X.bin was told "missing X.bin.idx")
+        stripped = prefix[: -len(".bin")]
+        if os.path.isfile(stripped + ".bin") and os.path.isfile(stripped + ".idx"):
+            return f"; {flag} takes the prefix of the .bin/.idx pair, without the extension: give {flag} {stripped}"
+        return f" ({flag} takes the prefix of the .bin/.idx pair, without the extension)"
     try:
         files = os.listdir(folder or ".")
     except OSError:
