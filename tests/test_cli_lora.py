@@ -142,8 +142,9 @@ def test_lora_on_multi_latent_attention_runs_and_mla_targets_elsewhere_are_refus
     assert inspect.main([str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     assert "MLA: q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8" in out
-    # the sizes a user gives, not the derived groups (dp_cp, mp, emp, tp_cp_dp, embedding)
-    assert "saved under  1 process(es): TP=1, PP=1, DP=1, CP=1, EP=1\n" in out, out
+    # the sizes a user gives, not the derived groups (dp_cp, mp, emp, tp_cp_dp, embedding); no expert sizes for a
+    # dense model (a TP=2 one showed "expert-TP=2")
+    assert "saved under  1 process(es): TP=1, PP=1, DP=1, CP=1\n" in out, out
     assert "LoRA: rank 4, alpha 16 on linear_q_down_proj linear_q_up_proj linear_kv_down_proj linear_kv_up_proj" in out
     rc, _, err = _run(["--lora-rank", "4", "--lora-target-modules", "q_b_proj"], capsys, monkeypatch)
     _one_line_error(rc, err, "--lora-target-modules linear_q_up_proj", "--multi-latent-attention")

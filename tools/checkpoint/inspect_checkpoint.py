@@ -141,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(d, indent=1))
         return 0
     layout = d["layout"]
-    sizes = [f"{name}={layout[k]}" for k, name in LAYOUT_KEYS.items() if k in layout and (k != "etp" or layout[k] > 1)]
+    # (the expert sizes only where there are experts: a dense model at TP=2 showed "expert-TP=2", the default
+    # expert TP being TP; expert-TP also only where it differs from 1)
+    experts = bool(d["model"].get("num_experts"))
+    shown = {k: n for k, n in LAYOUT_KEYS.items() if experts or k not in ("ep", "etp")}
+    sizes = [f"{name}={layout[k]}" for k, name in shown.items() if k in layout and (k != "etp" or layout[k] > 1)]
     lay = f"{layout.get('world_size', 1)} process(es)" + (": " + ", ".join(sizes) if sizes else "")
     vp, sh = d["parallel"].get("virtual_pipeline_model_parallel_size"), d["sharding"]
     lay += f", virtual stages={vp}" if vp else ""
