@@ -305,3 +305,22 @@ def test_a_kv_cache_larger_than_the_hosts_memory_is_one_line(tiny_checkpoint, ca
     assert generate_cli.main(argv) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("note: ")]
     assert len(err) == 1 and "x 10000000003 tokens" in err[0] and "do not fit" in err[0], err
+
+
+def test_parallel_sizes_under_plain_python_say_how_to_launch(tmp_path, capsys, monkeypatch):
+    """--tensor-model-parallel-size 2 under plain python said "the checkpoint's model does not fit this layout:
+    world size 1 is not divisible ...", blaming the checkpoint: it says to launch with torchrun."""
+    from test_pretrain_cli import TINY
+
+    from megatron_lite.training.pretrain import main as pretrain
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    ckpt = str(tmp_path / "ckpt")  # (4 heads: TP=2 fits it; the converted one above has a single query group)
+    assert pretrain([*TINY, "--mock-data", "--vocab-size", "100", "--train-iters", "1", "--save", ckpt]) == 0
+    capsys.readouterr()
+    argv = ["--load", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy"]
+    assert generate_cli.main([*argv, "--tensor-model-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --tensor-model-parallel-size 2 splits the model over 2 "), err
+    assert "launch with torchrun --nproc-per-node 2 tools/generate.py" in err[0] and "does not fit" not in err[0], err

@@ -184,6 +184,27 @@ GENERATION_DEFAULTS = {
 SAMPLING_SETTINGS = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 
 
+def _one_process(model_cfg, parallel, training, sizes: int) -> None:
+    """Parallel sizes given to one process (plain python): the launch they need, as a ConfigError (the fewest
+    ranks the layout takes), or the model's own misfit where no number of ranks would do."""
+    for n in range(2, sizes + 1):
+        try:
+            validate_layout(model_cfg, parallel, n, training)
+        except ConfigError:
+            continue
+        flags = [f"--{w}-model-parallel-size {v}" for w, v in (("tensor", parallel.tensor_model_parallel_size),
+                 ("pipeline", parallel.pipeline_model_parallel_size), ("expert", parallel.expert_model_parallel_size))
+                 if v > 1]  # fmt: skip
+        raise ConfigError(
+            f"{' '.join(flags)} splits the model over {n} processes and this is one: launch with torchrun "
+            f"--nproc-per-node {n} tools/generate.py ... (or drop the sizes to run in one process)"
+        )
+    try:
+        validate_layout(model_cfg, parallel, sizes, training)
+    except ConfigError as e:
+        raise ConfigError(f"the checkpoint's model does not fit this layout: {e}") from None
+
+
 def _note(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"note: {message}", file=sys.stderr, flush=True)
@@ -399,6 +420,9 @@ def run(args: argparse.Namespace) -> int:
             f"the prompt{where(longest)} and --max-new-tokens reach position {training.seq_length}, past the "
             f"checkpoint's max_position_embeddings {positions}{scaled}: the model was not trained that far"
         )
+    sizes = args.tensor_model_parallel_size * pp * args.expert_model_parallel_size
+    if world == 1 and sizes > 1:  # (plain python: it said "world size 1 is not divisible by ...")
+        _one_process(model_cfg, parallel, training, sizes)
     try:
         validate_layout(model_cfg, parallel, world, training)
     except ConfigError as e:  # (its model flags are the checkpoint's, which the user did not give here)
