@@ -370,9 +370,35 @@ def test_a_run_with_nothing_to_train_saves_nothing(tmp_path, capsys, monkeypatch
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in ckpt.rglob("*") if p.is_file()}
     rc, out, err = _run([*argv, "--train-iters", "2"], capsys, monkeypatch)
     assert rc == 0, err
-    assert "already at iteration 3 of --train-iters 2: nothing to train" in out and "saved" not in out, out
+    assert "already at iteration 3 of --train-iters 2: nothing to train" in out and "] saved " not in out, out
     after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in ckpt.rglob("*") if p.is_file()}
     assert after == before
+    assert "already holds iteration 3: nothing saved" in out, out
+    # a checkpoint loaded from elsewhere is still saved into --save, as Megatron saves it (from a review: --load A
+    # --save B left B empty, and a run whose last iteration was saved only non-persistently never saved it)
+    other = tmp_path / "other"
+    rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--load", str(ckpt), "--save", str(other)],
+                        capsys, monkeypatch)  # fmt: skip
+    assert rc == 0 and "nothing to train" in out and (other / "iter_0000003" / "metadata.json").exists(), out
+    np_run = [
+        "--mock-data",
+        "--vocab-size",
+        "100",
+        "--save",
+        str(tmp_path / "np"),
+        "--save-interval",
+        "100",
+        "--non-persistent-save-interval",
+        "2",
+        "--non-persistent-ckpt-type",
+        "global",
+        "--train-iters",
+        "4",
+    ]
+    rc, out, err = _run([*np_run, "--exit-interval", "4"], capsys, monkeypatch)  # fmt: skip
+    assert rc == 0 and "no exit save" in out and not (tmp_path / "np" / "iter_0000004").exists(), out
+    rc, out, err = _run(np_run, capsys, monkeypatch)
+    assert rc == 0 and "nothing to train" in out and (tmp_path / "np" / "iter_0000004" / "metadata.json").exists()
 
 
 def test_a_vocabulary_larger_than_the_checkpoints_names_its_source_and_the_value_that_works(

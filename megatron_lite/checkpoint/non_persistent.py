@@ -305,6 +305,12 @@ class Saver:
     def __init__(self, ck, ctx) -> None:
         self.ck, self.ctx = ck, ctx
         self.saved: set[int] = set()  # the iterations this job saved (a rollback may go back to those)
+        # (the flag a failed save names)
+        self.flag = (
+            "--non-persistent-local-ckpt-dir"
+            if ck.non_persistent_ckpt_type == "local"
+            else ("--non-persistent-global-ckpt-dir" if ck.non_persistent_global_ckpt_dir else "--save")
+        )
         if ck.non_persistent_ckpt_type == "local":
             self.root = local_dir(ck, ctx.rank)
             self.saver = LocalSaver(self.root, ctx)
@@ -343,6 +349,6 @@ class Saver:
     def poll(self, log, wait: bool = False) -> None:
         from megatron_lite.training.saving import saving
 
-        with saving(self.root):  # (a failed write: one line naming the directory)
+        with saving(self.root, self.flag):  # (a failed write: one line naming the directory)
             if self.saver is not None and (path := self.saver.poll(wait)):
                 log.info(f"saved {path} (non-persistent, async)")

@@ -24,22 +24,32 @@ class TrainingHalted(RuntimeError):
     """--nan-policy halt (or nothing to roll back to): the message says where and what."""
 
 
-def check_config_agreement(config: dict, device: torch.device) -> None:
+def check_config_agreement(config: dict, device: torch.device, error: str | None = None) -> None:
     """Every rank must run the same configuration; a rank launched with other flags would otherwise meet the
-    others in mismatched collectives. One all-gather of a hash, before any training collective."""
+    others in mismatched collectives. One all-gather of a hash, before any training collective. `error`: this
+    rank's one-line start-up failure (a directory its node cannot write), raised on every rank: alone, it left
+    the other nodes waiting here until the timeout, then a hang report that did not say why."""
+    from megatron_lite.config import ConfigError
+
     if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if error:
+            raise ConfigError(error)
         return
     # where each node keeps its dataset indices is its own (a node-local --data-cache-path differs by node)
     if isinstance(config.get("data"), dict) and "data_cache_path" in config["data"]:
         config = {**config, "data": {k: v for k, v in config["data"].items() if k != "data_cache_path"}}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=device)
+    mine = torch.tensor([int.from_bytes(digest[:7], "big"), int(bool(error))], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    hashes = [int(t) for t in every]
+    hashes = [int(t[0]) for t in every]
+    if any(int(t[1]) for t in every):  # (every rank takes this branch)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [r for r, e in enumerate(errors) if e]
+        also = f"; ranks {failed} failed so" if len(failed) > 1 else ""
+        raise ConfigError(f"{errors[failed[0]]} (rank {failed[0]}{also})")
     if len(set(hashes)) > 1:
-        from megatron_lite.config import ConfigError
-
         # (every rank takes this branch: the configurations themselves are gathered to name what differs; a
         # hash alone left "different configurations" to guess, where the flags were the same and one rank's
         # file system held another checkpoint)

@@ -286,17 +286,17 @@ def check_output_path(flag: str, path: str, is_dir: bool = False) -> None:
 def check_writable_dir(flag: str, path: str) -> None:
     """`path` is made (with its parents) and a file written into it and removed: the permission bits alone
     passed a --save under /proc (root may write everywhere, yet nothing can be made there) or on a read-only
-    mount, which then failed at the first save, after the training before it. Each rank probes with its own
-    file name, so ranks sharing the directory do not race."""
+    mount, which then failed at the first save, after the training before it. Each rank probes with a file of
+    its own (made exclusively: a host name and pid repeat across containers), so ranks sharing it do not race."""
     import errno
-    import socket
+    import tempfile
 
-    probe = os.path.join(path, f".megatron_lite_write_probe.{socket.gethostname()}.{os.getpid()}")
     doing = "making the directory"
     try:
         os.makedirs(path, exist_ok=True)
         doing = "writing a file there"
-        with open(probe, "w") as f:
+        fd, probe = tempfile.mkstemp(prefix=".megatron_lite_write_probe.", dir=path)
+        with os.fdopen(fd, "w") as f:
             f.write("probe\n")
         os.remove(probe)
     except OSError as e:
@@ -305,3 +305,27 @@ def check_writable_dir(flag: str, path: str) -> None:
             f"{flag} {path} cannot be written: {doing} failed: {why}; give {flag} a directory this user can "
             "create and write"
         ) from None
+
+
+def output_dirs(job: JobConfig, rank: int) -> list[tuple[str, str]]:
+    """(flag, directory) this rank writes checkpoints into, probed at start-up (check_writable_dir): --save, and
+    the non-persistent checkpoints' own directory where one is given (a local one: this rank's)."""
+    from megatron_lite.checkpoint.non_persistent import local_dir
+
+    ck = job.checkpoint
+    out = [("--save", ck.save)] if ck.save else []
+    if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
+        out.append(("--non-persistent-local-ckpt-dir", local_dir(ck, rank)))
+    elif ck.non_persistent_ckpt_type == "global" and ck.non_persistent_global_ckpt_dir:
+        out.append(("--non-persistent-global-ckpt-dir", ck.non_persistent_global_ckpt_dir))
+    return out
+
+
+def probe_output_dirs(job: JobConfig, rank: int) -> str | None:
+    """check_writable_dir on each of output_dirs: the first failure's one line, or None."""
+    for flag, path in output_dirs(job, rank):
+        try:
+            check_writable_dir(flag, path)
+        except ConfigError as e:
+            return str(e)
+    return None

@@ -46,7 +46,7 @@ from megatron_lite.start_up_error import record_for_launcher, report_error
 from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import determinism, memory
 from megatron_lite.training.batches import Batches
-from megatron_lite.training.configs import JobConfig, check_output_paths, check_writable_dir
+from megatron_lite.training.configs import JobConfig, check_output_paths, probe_output_dirs
 from megatron_lite.training.evaluation import Evaluator
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
@@ -107,8 +107,6 @@ def run(job: JobConfig, notes: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     job, ckpt_path = starting_checkpoint(job, say)
-    if job.checkpoint.save:  # (made only now: starting_checkpoint tells a --load that does not exist)
-        check_writable_dir("--save", job.checkpoint.save)
     upcycling = check_upcycling(job, ckpt_path)  # (--moe-use-upcycling: the dense checkpoint in --load)
 
     # Whichever rank builds the embedded corpus (the others wait on its lock) reports the progress.
@@ -134,12 +132,16 @@ def run(job: JobConfig, notes: list[str]) -> int:
     if recorder is not None:  # (until the training loop names its iteration)
         recorder.where = "start-up"
     try:
+        # The output directories are made and probed now: every rank has looked for --load (one that does not exist
+        # is said so); a directory one node cannot write is said by every rank at the agreement, not a hang there
+        probe_error = probe_output_dirs(job, rank)
         if (agreed := non_persistent.agree(job, ckpt_path, ctx.rank, say)) != ckpt_path:  # (local ones: each its own)
             ckpt_path, upcycling = agreed, check_upcycling(job, agreed)  # (what was read from the other, again)
             job, base_path = start_from(job, ckpt_path, source.vocab_size, world_size, say)
         # with the flags, what each rank found on its own file system: a node whose copy of --load lagged (another
         # newest checkpoint) or of the data differed trained apart from the others without a word, then hung
-        check_config_agreement({**job.to_dict(), "found": _found(ckpt_path, source, job, rank)}, ctx.device)
+        found = _found(ckpt_path, source, job, rank)
+        check_config_agreement({**job.to_dict(), "found": found}, ctx.device, error=probe_error)
     except BaseException:
         if recorder is not None:  # (its watchdog would outlive the job in an in-process caller)
             recorder.uninstall()
@@ -473,7 +475,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
                 save()
             elif np_saver is not None and non_persistent.save_due(ck, state.iteration):
-                with saving(np_saver.root):
+                with saving(np_saver.root, np_saver.flag):
                     np_saver.save(state, model, optimizer, scheduler, job.checkpoint_dict(), log, **parts)
             if should_exit(t, state.iteration, job_start, ctx):
                 # saved and gone, as Megatron's checkpoint_and_decide_exit: no final evaluation to outlast a time limit
@@ -494,9 +496,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.info(f"iteration {state.iteration} was just saved non-persistently: no exit save (as Megatron)")
         elif ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
             # (Megatron saves iteration != 0 again there, its checkpoint then recording this run's shorter
-            # --train-iters, which a later --load alone inherits: a run that trained nothing writes nothing)
-            if state.iteration != first_iteration:
+            # --train-iters, which a later --load alone inherits: a run that trained nothing leaves --save's own
+            # checkpoint of this iteration as it is; one it loaded from elsewhere, another --load or a
+            # non-persistent one, is saved into --save, as Megatron does)
+            own = ckpt_path is not None and os.path.realpath(os.path.dirname(ckpt_path)) == os.path.realpath(ck.save)
+            if state.iteration != first_iteration or (state.iteration > 0 and not own):
                 save()
+            elif state.iteration > 0:
+                log.info(f"--save {ck.save} already holds iteration {state.iteration}: nothing saved")
         finish_async_save(saver, log)
         if np_saver is not None:
             np_saver.poll(log, wait=True)

@@ -30,7 +30,7 @@ class SaveFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def saving(root: str):
+def saving(root: str, flag: str = "--save"):
     """A failed save as SaveFailed, naming --save (a full disk on rank 0 was a 30-line traceback whose last line
     named no directory: "SafetensorError: ... No space left on device"); the tracker still names the previous
     checkpoint, so the same command resumes from it once there is room."""
@@ -41,10 +41,10 @@ def saving(root: str):
     except Exception as e:
         if peer_lost(e):  # (a rank that died mid-save: main says so)
             raise
-        raise SaveFailed(_failure(root, e)) from e
+        raise SaveFailed(_failure(root, e, flag)) from e
 
 
-def _failure(root: str, e: Exception) -> str:
+def _failure(root: str, e: Exception, flag: str = "--save") -> str:
     """What failed, the OS's reason, and what is true of --save now: it said "the previous checkpoint is untouched:
     free space there" when there was none and the cause was a missing directory."""
     code = _os_errno(e)
@@ -57,13 +57,13 @@ def _failure(root: str, e: Exception) -> str:
     space = code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
     fix = "free space there" if space else "fix the cause"
     if previous is None:
-        then = f"No checkpoint was saved there: {fix} (or give another --save) and run the command again"
+        then = f"No checkpoint was saved there: {fix} (or give another {flag}) and run the command again"
     else:
         then = (
-            f"The previous checkpoint (iteration {previous}) is untouched: {fix} (or give another --save) and run "
+            f"The previous checkpoint (iteration {previous}) is untouched: {fix} (or give another {flag}) and run "
             "the command again to resume from it"
         )
-    return f"saving a checkpoint into --save {root} failed: {type(e).__name__}: {e}{cause}. {then}"
+    return f"saving a checkpoint into {flag} {root} failed: {type(e).__name__}: {e}{cause}. {then}"
 
 
 def _os_errno(e: BaseException) -> int | None:
