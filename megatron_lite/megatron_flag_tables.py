@@ -445,7 +445,10 @@ REFUSED: dict[str, str] = {
         "a pad id shared with another token is not masked out of the loss (Megatron's default)"
     ),
     "moe_extended_tp": "deprecated in Megatron; use --expert-tensor-parallel-size",
-    "spec": "custom layer specs are not implemented: the layer is GPT's, its variants set by flags (local is taken)",
+    "spec": (
+        "custom layer specs are not implemented: the layer is GPT's, its variants set by flags (local is taken, and "
+        "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec: a hybrid Mamba model)"
+    ),
     "yaml_cfg": "YAML configs are not read: give the flags",
     "sft_tokenizer_prompt_format": (
         "--sft reads prompts as its JSONL records render them; Megatron's SFT prompt formats are not applied"

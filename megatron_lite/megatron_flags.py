@@ -31,6 +31,10 @@ def add_megatron_flag_groups(parser: argparse.ArgumentParser) -> None:
 
 DATALOADER_TYPES = ("single", "cyclic")
 
+# The layer spec every Megatron Mamba script passes (its mamba_builder raises without a --spec): Megatron-Core's
+# MambaStack, which is the hybrid model here (--is-hybrid-model; all Mamba layers without a pattern or ratios)
+MAMBA_STACK_SPEC = ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+
 
 def _is_default(values: list[str] | None, default: str) -> bool:
     if not values or len(values) != 1:
@@ -56,6 +60,8 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
             f"--dataloader-type {ns.dataloader_type} is not supported: an external data loader cannot be plugged "
             f"in; use {' or '.join(DATALOADER_TYPES)} (remove the flag)"
         )
+    if getattr(ns, "spec", None) == MAMBA_STACK_SPEC:
+        ns.is_hybrid_model, ns.spec = True, None
     for name, default in REFUSED_DEFAULTS.items():  # (Megatron's default given: it changes nothing)
         if _is_default(getattr(ns, name, None), default):
             setattr(ns, name, None)

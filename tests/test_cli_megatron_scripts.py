@@ -83,6 +83,23 @@ def test_megatron_moe_and_fusion_flags_are_taken_and_explained():
     assert accepted_no_ops(build_parser().parse_args(["--grad-reduce-in-bf16", "--bf16"])) == []
 
 
+def _edit(flags: list[str], **values) -> list[str]:
+    """A script's flags with some flags' values replaced (the sizes, so that it runs on a CPU), by their names with
+    underscores; None drops the flag with its values."""
+    out, i = [], 0
+    while i < len(flags):
+        j = i + 1
+        while j < len(flags) and not flags[j].startswith("--"):
+            j += 1
+        name = flags[i][2:].replace("-", "_")
+        if name not in values:
+            out += flags[i:j]
+        elif values[name] is not None:
+            out += [flags[i], *str(values[name]).split()]
+        i = j
+    return out
+
+
 # Megatron-LM's examples/llama/train_llama3_8b_h200_bf16.sh, mock-data branch, its flags unchanged (the
 # `--split '99,1,0'` quotes included, as the script's unquoted array hands them over) except the model and run
 # sizes; CKPT stands for its checkpoint directory.
@@ -123,16 +140,8 @@ def test_megatron_llama3_h200_bf16_example_runs(tmp_path, capsys, monkeypatch):
     else:
         _, job = parse_args(flags)
         assert job.logging.tensorboard_dir
-    drop = {"--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1, "--tensorboard-dir": 1}
-    drop |= {"--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1}
-    kept, skip = [], 0
-    for f in flags:
-        if skip:
-            skip -= 1
-        elif f in drop:
-            skip = drop[f]
-        else:
-            kept.append(f)
+    kept = _edit(flags, profile=None, profile_step_start=None, profile_step_end=None, tensorboard_dir=None)
+    kept = _edit(kept, wandb_project=None, wandb_exp_name=None, wandb_save_dir=None)
     _, job = parse_args(kept)
     assert job.optimizer.grad_reduce_in_bf16 and job.optimizer.use_distributed_optimizer
     assert job.data.split_weights == (0.99, 0.01, 0.0)
@@ -225,3 +234,83 @@ def test_megatron_deepseek_v3_recipe_flags_run(capsys, monkeypatch):
 def test_megatron_flags_we_lack_are_refused_with_the_reason(flag, fragment, capsys, monkeypatch):
     rc, _, err = _run(["--mock-data", "--vocab-size", "64", *flag], capsys, monkeypatch)
     _one_line_error(rc, err, fragment)
+
+
+def _gpt2_files(tmp_path) -> dict[str, str]:
+    """A GPT-2 vocab.json / merges.txt pair (27 tokens) and an indexed dataset of ids below 27."""
+    import json
+
+    from test_pretrain_cli import _dataset
+
+    (tmp_path / "vocab.json").write_text(json.dumps({"<|endoftext|>": 0, **{chr(97 + i): i + 1 for i in range(26)}}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    data = _dataset(tmp_path, max_id=26, docs=200)
+    return dict(vocab_file=tmp_path / "vocab.json", merge_file=tmp_path / "merges.txt", data_path=data)
+
+
+def _dry_run(flags: list[str], world: int, capsys, monkeypatch) -> str:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    rc = main([*flags, "--dry-run"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return out.out
+
+
+def _train(flags: list[str], capsys, monkeypatch) -> str:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    rc = main(flags)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return out.out
+
+
+def _run_at(flags, world, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    rc = main(flags)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# Megatron-LM's examples/mamba/train.sh, MODEL_SCALE 800M (as stored at commit 157006d6d9bf), its flags unchanged;
+# DATA and TOKENIZER stand for its arguments, the ./checkpoints, ./data-cache and ./tensorboard folders for CKPT,
+# CACHE and TB. Every Megatron Mamba script passes this --spec: its mamba_builder raises without one.
+MEGATRON_MAMBA_800M = """--tensor-model-parallel-size 1 --sequence-parallel --pipeline-model-parallel-size 1
+    --use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce --untie-embeddings-and-output-weights
+    --init-method-std 0.02 --position-embedding-type none --num-layers 48 --hidden-size 1024 --num-attention-heads 16
+    --group-query-attention --num-query-groups 8 --hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5
+    --seq-length 4096 --max-position-embeddings 4096 --train-samples 73242188 --lr-warmup-samples 50000
+    --lr-decay-samples 73192188 --save CKPT --load CKPT --data-path DATA --data-cache-path CACHE --split 99,1,0
+    --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model TOKENIZER --distributed-backend nccl
+    --micro-batch-size 4 --global-batch-size 32 --lr 2.5e-4 --min-lr 2.5e-5 --lr-decay-style cosine
+    --weight-decay 0.1 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 --disable-bias-linear
+    --normalization RMSNorm --adam-beta1 0.9 --adam-beta2 0.95 --log-interval 10 --save-interval 2000
+    --eval-interval 2000 --eval-iters 32 --bf16 --use-mcore-models
+    --spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec --no-create-attention-mask-in-dataloader
+    --tensorboard-dir TB"""
+
+
+def test_megatron_mamba_example(tmp_path, capsys, monkeypatch):
+    """--spec ... mamba_stack_spec was refused as a custom layer spec: it is Megatron's MambaStack, the hybrid model
+    here, its layers allocated by the ratios as Megatron's allocate_layers does (M-M-M--M-*... for 48 layers). NCCL
+    is its backend; gloo on this CPU."""
+    from test_preprocess import _sentencepiece_folder
+    from test_pretrain_cli import _dataset
+
+    from megatron_lite.arguments import parse_args
+
+    model = _sentencepiece_folder(tmp_path / "tokenizer")
+    flags = _edit(MEGATRON_MAMBA_800M.split(), data_path=_dataset(tmp_path, max_id=42, docs=200), tokenizer_model=model)
+    flags = _edit(flags, save=tmp_path / "ckpt", load=tmp_path / "ckpt", data_cache_path=tmp_path / "cache")
+    flags = _edit(flags, tensorboard_dir=None)
+    _, job = parse_args(flags)
+    assert "".join(job.model.layer_types) == "M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-"
+    assert "dry run ok: 48 layers" in _dry_run(flags, 8, capsys, monkeypatch)
+    tiny = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, seq_length=32)
+    tiny |= dict(max_position_embeddings=32, train_samples=8, lr_warmup_samples=4, lr_decay_samples=8)
+    tiny |= dict(micro_batch_size=2, global_batch_size=4, log_interval=1, eval_iters=1, distributed_backend="gloo")
+    _, job = parse_args(_edit(flags, **tiny))
+    assert job.model.layer_types == ("M", "-")
+    assert "iteration        2/       2 |" in _train(_edit(flags, **tiny), capsys, monkeypatch)
