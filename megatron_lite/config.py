@@ -189,7 +189,7 @@ class ModelConfig:
     moe_router_group_score_topn: int | None = None
     moe_router_dtype: str = "fp32"  # Megatron's --moe-router-dtype: the routing computation in fp32 or fp64
     moe_ffn_hidden_size: int | None = None  # default: ffn_hidden_size
-    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | sinkhorn | none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False

@@ -71,6 +71,8 @@ def check_moe_flags(ns: argparse.Namespace) -> None:
             "none: drop the flag (or set --expert-model-parallel-size > 1)"
         )
     post = ns.moe_router_score_function == "softmax" and not ns.moe_router_pre_softmax
+    kinds = ns.moe_router_load_balancing_type
+    post = post and "sinkhorn" not in ([kinds] if isinstance(kinds, str) else kinds)  # (sigmoid at top-1 there)
     if ns.num_experts is not None and ns.moe_router_topk == 1 and post:
         raise ConfigError(
             "--moe-router-topk 1 with the softmax over the chosen expert alone gives every token the weight 1, so "

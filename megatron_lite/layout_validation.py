@@ -213,6 +213,11 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
             f"{model.num_attention_heads} / --tensor-model-parallel-size {tp} = {local_heads} is not divisible by "
             f"--context-parallel-size {cp}; use --cp-comm-type p2p or a CP size dividing {local_heads}"
         )
+    if model.num_experts is not None and model.moe_router_load_balancing_type == "sinkhorn":
+        raise ConfigError(
+            f"--moe-router-load-balancing-type sinkhorn with --context-parallel-size {cp} is not supported (the "
+            "balancing runs over a micro-batch's tokens, and each rank holds a part of each sequence); use CP 1"
+        )
     if model.num_experts is not None and model.moe_expert_capacity_factor is not None:
         raise ConfigError(
             f"--moe-expert-capacity-factor with --context-parallel-size {cp} is not supported yet (capacity is per "

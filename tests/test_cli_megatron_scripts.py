@@ -314,3 +314,33 @@ def test_megatron_mamba_example(tmp_path, capsys, monkeypatch):
     _, job = parse_args(_edit(flags, **tiny))
     assert job.model.layer_types == ("M", "-")
     assert "iteration        2/       2 |" in _train(_edit(flags, **tiny), capsys, monkeypatch)
+
+
+# Megatron-LM's tests/functional_tests/test_cases/gpt/gpt3_345m_nightly_dgx_a100_1N8G_mcore_tp2_pp2_ep2_te_4experts2
+# parallel/model_config.yaml (as stored at commit 24e0126516f8), its MODEL_ARGS unchanged (`true` for a switch);
+# DATA, VOCAB, MERGES, CKPT, CACHE and TB stand for its paths. Sinkhorn routing, top-1.
+MEGATRON_FUNCTIONAL_MOE_SINKHORN = """--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm
+    --log-num-zeros-in-grad --log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir TB
+    --micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters 50
+    --timing-log-level 2 --lr-decay-iters 320000 --save CKPT --load CKPT --data-path DATA --vocab-file VOCAB
+    --merge-file MERGES --split 949,50,1 --distributed-backend nccl --lr 0.00015 --lr-decay-style cosine
+    --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction .01 --log-interval 1
+    --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl local
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2
+    --sequence-parallel --num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-router-topk 1
+    --deterministic-mode --no-gradient-accumulation-fusion --use-mcore-models --ckpt-format torch_dist
+    --data-cache-path CACHE --bf16 --attention-backend unfused --log-memory-to-tensorboard"""
+
+
+def test_megatron_functional_moe_sinkhorn_config(tmp_path, capsys, monkeypatch):
+    """--moe-router-load-balancing-type sinkhorn was not a choice (and top-1 without --moe-router-pre-softmax was
+    refused, which Megatron allows with Sinkhorn): the config plans at its 8 ranks and trains shrunk, the tokens
+    spread over the experts by Sinkhorn (tests/test_moe_router_flags.py -k sinkhorn checks the routing)."""
+    flags = _edit(MEGATRON_FUNCTIONAL_MOE_SINKHORN.split(), **_gpt2_files(tmp_path), tensorboard_dir=None)
+    flags = _edit(flags, save=tmp_path / "ckpt", load=tmp_path / "ckpt", data_cache_path=tmp_path / "cache")
+    assert "dry run ok: 12 layers" in _dry_run(flags, 8, capsys, monkeypatch)
+    tiny = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32)
+    tiny |= dict(micro_batch_size=2, global_batch_size=2, train_iters=2, eval_iters=1, distributed_backend="gloo")
+    tiny |= dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1)
+    out = _train(_edit(flags, **tiny), capsys, monkeypatch)
+    assert "iteration        2/       2 |" in out and "moe_max_imbalance" in out

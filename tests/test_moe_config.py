@@ -52,6 +52,12 @@ P = ParallelConfig
             4,
             "--expert-tensor-parallel-size 1 different from --tensor-model-parallel-size 2",
         ),
+        (  # (Sinkhorn balances a micro-batch's tokens, and each CP rank holds a part of each sequence)
+            {"moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0},
+            P(context_parallel_size=2),
+            2,
+            "--moe-router-load-balancing-type sinkhorn with --context-parallel-size 2 is not supported",
+        ),
         (
             {"moe_expert_capacity_factor": 1.0},
             P(context_parallel_size=2),

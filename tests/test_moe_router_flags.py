@@ -1,8 +1,9 @@
-"""Megatron's --moe-input-jitter-eps, --moe-router-force-load-balancing, --moe-apply-probs-on-input and
---moe-pad-expert-input-to-capacity: each against its formula written out by hand (the jitter drawn by
-torch.distributions.Uniform's rsample, as Megatron draws it), and training under a layout equal to one process
-where the layout keeps the random streams (TP with SP: the router's noise comes from the default generator, the
-same on every TP rank) or has no randomness (EP), and under recomputation (the noise replayed)."""
+"""Megatron's --moe-input-jitter-eps, --moe-router-force-load-balancing, --moe-apply-probs-on-input,
+--moe-pad-expert-input-to-capacity and --moe-router-load-balancing-type sinkhorn: each against its formula
+written out by hand (the jitter drawn by torch.distributions.Uniform's rsample, as Megatron draws it), and training
+under a layout equal to one process where the layout keeps the random streams (TP with SP: the router's noise comes
+from the default generator, the same on every TP rank) or has no randomness (EP), and under recomputation (the
+noise replayed)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,36 @@ def test_forced_balancing_routes_by_normal_logits_and_passes_their_gradient_thro
         router.weight[0] += 100.0
     counts = router(torch.randn(4000, 16), (4000, 1)).counts.float()
     assert (counts - 2000).abs().max() < 150, counts  # (4000 tokens x 2 over 4 experts: 2000 each, +-3 sd)
+
+
+SINKHORN = dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0)
+
+
+def test_sinkhorn_routing_balances_the_tokens_and_weighs_them_by_sigmoid_scores():
+    """Worked by hand: four tokens whose logits [d, 0] all prefer expert 0 (d = 2, 1, 0.5, 0.1). Sinkhorn's
+    balanced matrix gives token i expert 0 with share sigmoid(d_i + b), b set by the column sums (the shares add to
+    2): b is about -0.88, so the two strongest tokens keep expert 0 and the two weakest move to expert 1, each
+    weighted by the sigmoid of its own logit there. Evaluation takes the plain top-1 of those sigmoids (all expert
+    0). Top-2 weighs by the softmax over all experts, not renormalised over the two."""
+    router = TopKRouter(moe_config(hidden_size=16, num_experts=2, moe_router_topk=1, **SINKHORN), tp_size=1)
+    d = torch.tensor([2.0, 1.0, 0.5, 0.1])
+    x = torch.zeros(4, 16)
+    x[:, 0] = d
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0, 0] = 1.0  # logits [d_i, 0]
+    got = router.train()(x, (4, 1))
+    assert got.indices.view(-1).tolist() == [0, 0, 1, 1] and got.counts.tolist() == [2, 2]
+    torch.testing.assert_close(got.probs.view(-1), torch.sigmoid(torch.tensor([2.0, 1.0, 0.0, 0.0])))
+    assert got.aux_loss is None
+    evaluated = router.eval()(x, (4, 1))
+    assert evaluated.indices.view(-1).tolist() == [0, 0, 0, 0]
+    torch.testing.assert_close(evaluated.probs.view(-1), torch.sigmoid(d))
+    router, x = _router(moe_router_topk=2, moe_router_load_balancing_type="sinkhorn")
+    got = router.train()(x, (48, 1))
+    softmax = torch.softmax(x @ router.weight.detach().T, dim=-1)
+    torch.testing.assert_close(got.probs, softmax.gather(-1, got.indices))
+    assert (got.probs.sum(-1) < 1).all()
 
 
 def _hand_expert(expert, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +177,8 @@ def test_padding_to_capacity_gives_the_experts_capacity_rows_and_the_same_output
         (dict(moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
         (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input with --moe-router-topk 2"),
         (dict(num_experts=None, moe_router_force_load_balancing=True), "--moe-router-force-load-balancing acts on"),
+        (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn with --moe-aux-loss-coeff 0.01"),
+        (dict(SINKHORN, moe_router_score_function="sigmoid"), "--moe-router-score-function sigmoid has no effect"),
     ],
 )
 def test_bad_settings_are_one_line(kw, fragment):
@@ -198,6 +231,9 @@ def test_export_to_hugging_face_refuses_weights_on_the_experts_inputs():
     for arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         with pytest.raises(ConfigError, match=r"routing weights on the experts' inputs \(--moe-apply-probs-on-input"):
             check_exportable(dataclasses.replace(config, moe_apply_probs_on_input=True), arch)
+    # (Sinkhorn's evaluation weighs a top-1 expert by sigmoid(logit); Mixtral's softmax over one expert gives 1)
+    with pytest.raises(ConfigError, match=r"Sinkhorn routing's expert weights"):
+        check_exportable(dataclasses.replace(config, moe_router_pre_softmax=False, **SINKHORN), "MixtralForCausalLM")
 
 
 TOP1 = dict(moe_router_topk=1, moe_router_pre_softmax=True)
@@ -212,6 +248,10 @@ LAYOUTS = {
         dict(TOP1, moe_apply_probs_on_input=True),
         {},
     ),
+    # Sinkhorn over the micro-batch's whole sequences: the MoE layer gathers them under SP (Megatron's balances each
+    # rank's part of the sequence), and each EP rank balances its own micro-batches as one process does
+    "sinkhorn-top1-ep2": (P(expert_model_parallel_size=2), dict(SINKHORN, moe_router_topk=1), {}),
+    "sinkhorn-top2-tp2-sp": (P(tensor_model_parallel_size=2, sequence_parallel=True), SINKHORN, {}),
 }
 PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 for name, parallel, dispatcher in (

@@ -403,6 +403,8 @@ def check_exportable(c: ModelConfig, arch: str) -> None:
         problems.append(
             "routing weights on the experts' inputs (--moe-apply-probs-on-input; Hugging Face's weigh outputs)"
         )
+    if c.num_experts and c.moe_router_load_balancing_type == "sinkhorn":  # (inference's sigmoid top-1 weights)
+        problems.append("Sinkhorn routing's expert weights (--moe-router-load-balancing-type sinkhorn)")
     if c.mtp_num_layers and arch not in MTP:
         problems.append(f"multi-token prediction (--mtp-num-layers {c.mtp_num_layers}; only DeepSeek-V3 and GLM-4-MoE "
                         "hold it)")  # fmt: skip

@@ -43,7 +43,7 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-ffn-hidden-size", type=int)
     e.add_argument(
         "--moe-router-load-balancing-type",
-        choices=["aux_loss", "seq_aux_loss", "none"],
+        choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
         nargs="+",
         default="aux_loss",
         help="one type (Megatron's list form is taken with one value)",

@@ -8,6 +8,10 @@ selected scores are normalised to sum to one.
 Group-limited top-k (--moe-router-num-groups G --moe-router-group-topk g, Megatron's and DeepSeek-V3's): the
 experts form G equal groups, each scored by the sum of its best k // g selection scores; the top-k is taken
 within the g best groups only. --moe-router-topk-scaling-factor then scales the selected weights.
+sinkhorn (--moe-router-load-balancing-type sinkhorn, Megatron's S-BASE routing): in training the experts are the
+top-k of exp(logits) balanced by Sinkhorn's alternating row / column normalisation (fp32, no gradient), so the
+micro-batch's tokens spread evenly over the experts; their weights are sigmoid(logit) at top-1, the softmax over
+all experts otherwise (not renormalised); in evaluation the top-k of those weights picks. No auxiliary loss.
 
 Load-balancing loss (Switch/GShard, Megatron's normalisation): coeff * E * sum_e f_e * P_e with
 f_e = tokens routed to e / (tokens * k) and P_e the mean score of e over the tokens; `seq_aux_loss`
@@ -95,7 +99,10 @@ class TopKRouter(nn.Module):
         cp = self.cp.size if self.cp is not None else 1
         if c.moe_z_loss_coeff:  # (this part's share of the mean over the whole sequence)
             z_loss = c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).pow(2).sum() / (logits.shape[0] * cp)
-        if c.moe_router_score_function == "softmax":
+        if c.moe_router_load_balancing_type == "sinkhorn":
+            probs, indices = self._sinkhorn_topk(logits)
+            aux_scores = None  # (no auxiliary loss: its coefficient is 0, validation says)
+        elif c.moe_router_score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
             if c.moe_router_pre_softmax:
                 probs, indices = self._topk(scores)
@@ -126,6 +133,17 @@ class TopKRouter(nn.Module):
         aux_loss, z_loss = (v.float() if v is not None else None for v in (aux_loss, z_loss))
         capacity = expert_capacity(c, x.shape[0])
         return Routing(probs, indices, keep, counts, aux_loss, z_loss, capacity)
+
+    def _sinkhorn_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's sinkhorn_load_balancing: weights and experts of [T, E] logits."""
+        k = self.config.moe_router_topk
+        scores = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, dim=-1)
+        if self.training:
+            with torch.no_grad():
+                indices = torch.topk(sinkhorn(logits.detach().float()), k, dim=-1).indices
+        else:
+            indices = torch.topk(scores, k, dim=-1).indices
+        return scores.gather(-1, indices), indices
 
     def _topk(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of [T, E] selection scores, within the best groups when routing is group-limited."""
@@ -185,6 +203,23 @@ class TopKRouter(nn.Module):
         else:  # position: the earliest tokens of the sequence
             kept = is_routed & (torch.cumsum(is_routed.int(), dim=0) <= capacity)
         return kept.gather(1, indices)
+
+
+def sinkhorn(logits: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """exp(logits) [T, E] scaled by row factors r and column factors c to rows summing to 1/T and columns to 1/E,
+    alternately, until the column factors move by under `tol` on average (Megatron's loop and constants: the
+    column step last, 1e-8 in each denominator)."""
+    cost = torch.exp(logits)
+    t, e = cost.shape
+    r = torch.ones(t, device=cost.device, dtype=cost.dtype)
+    c = torch.ones(e, device=cost.device, dtype=cost.dtype)
+    while True:
+        r = 1.0 / (t * ((cost * c).sum(1) + 1e-8))
+        c_new = 1.0 / (e * ((cost * r[:, None]).sum(0) + 1e-8))
+        moved = (c_new - c).abs().mean()
+        c = c_new
+        if not moved > tol:
+            return cost * r[:, None] * c
 
 
 def expert_capacity(c: ModelConfig, t: int) -> int | None:

@@ -81,10 +81,13 @@ def validate_moe(c: ModelConfig) -> None:
         raise ConfigError(f"--moe-router-dtype {c.moe_router_dtype} is not supported; fp32 or fp64")
     if c.moe_router_topk_scaling_factor is not None and c.moe_router_topk_scaling_factor <= 0:
         raise ConfigError(f"--moe-router-topk-scaling-factor {c.moe_router_topk_scaling_factor} must be > 0")
-    if c.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+    if c.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "sinkhorn", "none"):
         raise ConfigError(
-            f"--moe-router-load-balancing-type {c.moe_router_load_balancing_type} is not aux_loss|seq_aux_loss|none"
+            f"--moe-router-load-balancing-type {c.moe_router_load_balancing_type} is not "
+            "aux_loss|seq_aux_loss|sinkhorn|none"
         )
+    if c.moe_router_load_balancing_type == "sinkhorn":
+        _validate_sinkhorn(c)
     if c.moe_token_drop_policy not in ("probs", "position"):
         raise ConfigError(f"--moe-token-drop-policy {c.moe_token_drop_policy} is not probs|position")
     if c.moe_token_dispatcher_type not in ("alltoall", "allgather"):
@@ -100,6 +103,29 @@ def validate_moe(c: ModelConfig) -> None:
             f"--moe-layer-freq pattern has {len(c.moe_layer_freq)} entries for --num-layers {c.num_layers}"
         )
     _validate_router_extras(c)
+
+
+def _validate_sinkhorn(c: ModelConfig) -> None:
+    """Sinkhorn routing picks the experts and weighs them itself: Megatron asserts no auxiliary loss, and ignores
+    the score function, the expert bias, group-limited routing and the scaling factor, which are refused here
+    rather than dropped without a word."""
+    if c.moe_aux_loss_coeff:
+        raise ConfigError(
+            f"--moe-router-load-balancing-type sinkhorn with --moe-aux-loss-coeff {c.moe_aux_loss_coeff}: Sinkhorn "
+            "routing balances the experts itself and has no auxiliary loss (Megatron asserts it); drop the coefficient"
+        )
+    for flag, given in (
+        ("--moe-router-score-function sigmoid", c.moe_router_score_function != "softmax"),
+        ("--moe-router-enable-expert-bias", c.moe_router_enable_expert_bias),
+        ("--moe-router-num-groups", c.moe_router_num_groups is not None),
+        ("--moe-router-topk-scaling-factor", c.moe_router_topk_scaling_factor is not None),
+        ("--moe-router-pre-softmax", c.moe_router_pre_softmax),
+    ):
+        if given:
+            raise ConfigError(
+                f"{flag} has no effect with --moe-router-load-balancing-type sinkhorn (Megatron's Sinkhorn routing "
+                "weighs the experts by sigmoid scores at top-1, softmax ones otherwise, and ignores it): drop it"
+            )
 
 
 def _validate_router_extras(c: ModelConfig) -> None:
