@@ -266,6 +266,36 @@ def _train(flags: list[str], capsys, monkeypatch) -> str:
     return out.out
 
 
+# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (as stored at commit 157006d6d9bf), its flags
+# unchanged; DATA, VOCAB, MERGES, CKPT and TB stand for its five arguments.
+MEGATRON_GPT3_175B = """--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+    --max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 --global-batch-size 1536
+    --rampup-batch-size 16 16 5859375 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+    --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6
+    --lr-warmup-fraction .001 --lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+    --data-path DATA --vocab-file VOCAB --merge-file MERGES --split 949,50,1 --log-interval 100 --save-interval 10000
+    --eval-interval 1000 --save CKPT --load CKPT --eval-iters 10 --tensorboard-dir TB"""
+
+
+def test_megatron_gpt3_175b_example(tmp_path, capsys, monkeypatch):
+    """As given, the script is refused as Megatron refuses it (its validate_args asserts no batch-size ramp-up in an
+    iteration-based run). Without the ramp-up it plans at its own 128 ranks (TP=8, PP=16) and, shrunk, trains in
+    fp16 from GPT-2 files with no --tokenizer-type: Megatron's initial loss scale 2^32 skips the first steps."""
+    files = _gpt2_files(tmp_path)
+    flags = MEGATRON_GPT3_175B.split()
+    flags = _edit(flags, **files, save=tmp_path / "ckpt", load=tmp_path / "ckpt", tensorboard_dir=None)
+    rc, _, err = _run_at(flags, 128, capsys, monkeypatch)
+    _one_line_error(rc, err, "--rampup-batch-size 16 16 5859375 needs a sample-based run", "--train-samples")
+    flags = _edit(flags, rampup_batch_size=None)
+    out = _dry_run(flags, 128, capsys, monkeypatch)
+    assert "dry run ok: 96 layers" in out and "173.99B parameters" in out
+    tiny = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32)
+    tiny |= dict(global_batch_size=2, train_iters=2, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    out = _train(_edit(flags, **tiny, log_interval=1, eval_iters=1), capsys, monkeypatch)
+    assert "GPT2BPETokenizer reads them" in out and "loss scale: 4294967296.0" in out
+    assert "iteration        2/       2 |" in out and "saved" in out
+
+
 def _run_at(flags, world, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
@@ -344,3 +374,47 @@ def test_megatron_functional_moe_sinkhorn_config(tmp_path, capsys, monkeypatch):
     tiny |= dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1)
     out = _train(_edit(flags, **tiny), capsys, monkeypatch)
     assert "iteration        2/       2 |" in out and "moe_max_imbalance" in out
+
+
+# Megatron-LM's tests/functional_tests/test_cases/gpt/gpt3_15b_8t_release_sm/model_config.yaml (as stored at commit
+# 00ee96672c1b), its MODEL_ARGS unchanged (the quoted "[384 384 97656250]" handed over as three values); DATA,
+# TOKENIZER, CKPT, CACHE and TB stand for its paths; W&B flags left out (W&B runs in tests/test_pretrain_torchrun.py).
+MEGATRON_FUNCTIONAL_15B_8T = """--distributed-timeout-minutes 60 --tensor-model-parallel-size 8
+    --pipeline-model-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    --use-mcore-models --sequence-parallel --disable-bias-linear --micro-batch-size 4
+    --rampup-batch-size 384 384 97656250 --global-batch-size 1152 --train-samples 19531250 --manual-gc
+    --transformer-impl transformer_engine --data-cache-path CACHE --tokenizer-type GPTSentencePieceTokenizer
+    --tokenizer-model TOKENIZER --data-path DATA --split 99,1,0 --no-mmap-bin-files --num-workers 6
+    --apply-layernorm-1p --untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion
+    --rotary-percent 0.5 --squared-relu --num-layers 32 --hidden-size 6144 --num-attention-heads 48
+    --group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096
+    --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1 --lr-decay-samples 1949218748
+    --lr-warmup-samples 3906252 --lr 4.5e-4 --min-lr 4.5e-5 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5
+    --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 --eval-iters 32 --eval-interval 2000 --save CKPT
+    --load CKPT --save-interval 5000 --save-retain-interval 10000 --init-method-std 0.0134
+    --log-timers-to-tensorboard --log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm
+    --log-validation-ppl-to-tensorboard --log-throughput --log-interval 100 --tensorboard-dir TB --bf16
+    --exit-interval 10200"""
+
+
+def test_megatron_functional_15b_release_config_runs_as_given(tmp_path, capsys, monkeypatch):
+    """Every flag taken as given: it plans at TP=8 over 64 ranks, and shrunk trains through the batch-size ramp-up
+    (2, then 4 from the 8th sample), with the decoupled learning rate, keeping the checkpoints of every 4th
+    iteration and the last (--save-retain-interval)."""
+    from test_preprocess import _sentencepiece_folder
+    from test_pretrain_cli import _dataset
+
+    model = _sentencepiece_folder(tmp_path / "tokenizer")
+    flags = _edit(MEGATRON_FUNCTIONAL_15B_8T.split(), data_path=_dataset(tmp_path, 42, 200), tokenizer_model=model)
+    flags = _edit(flags, save=tmp_path / "ckpt", load=tmp_path / "ckpt", data_cache_path=tmp_path / "cache")
+    flags = _edit(flags, tensorboard_dir=None)
+    assert "dry run ok: 32 layers" in _dry_run(flags, 64, capsys, monkeypatch)
+    tiny = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32)
+    tiny |= dict(max_position_embeddings=32, tensor_model_parallel_size=1, micro_batch_size=1, global_batch_size=4)
+    tiny |= dict(rampup_batch_size="2 2 8", train_samples=16, lr_warmup_samples=4, lr_decay_samples=16)
+    tiny |= dict(eval_iters=1, eval_interval=1000, save_interval=2, save_retain_interval=4, log_interval=1)
+    tiny |= dict(num_workers=0)  # (six loader processes on a two-core machine)
+    out = _train(_edit(flags, **tiny), capsys, monkeypatch)
+    assert "global batch size:     2 |" in out and "global batch size:     4 |" in out
+    assert "decoupled learning rate: 5.000000E-04" in out and "iteration        6/       6 |" in out
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000004", "iter_0000006"]
