@@ -51,6 +51,15 @@ def test_gelu_with_biases_is_megatrons_fused_bias_gelu_the_tanh_approximation():
     assert defaults_from_checkpoint(job.to_dict())["no_bias_gelu_fusion"] is True
     _, tanh = parse_args([*MOCK, "--openai-gelu"])
     assert defaults_from_checkpoint(tanh.to_dict())["no_bias_gelu_fusion"] is False
+    # Megatron's MoE functional tests pass --disable-bias-linear --no-bias-gelu-fusion: resuming their own
+    # checkpoint with the same flags was refused (the flag said to conflict with the saved False)
+    from megatron_lite.arguments import build_parser
+    from megatron_lite.checkpoint_flags import flags_from_checkpoint
+
+    argv = [*MOCK, "--disable-bias-linear", "--no-bias-gelu-fusion"]
+    saved = parse_args(argv)[1].to_dict()
+    ns = flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), saved, "ckpt")
+    assert ns.no_bias_gelu_fusion and ns.disable_bias_linear
 
 
 def test_older_spellings_read_as_megatron_reads_them():
