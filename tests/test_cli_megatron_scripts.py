@@ -418,3 +418,42 @@ def test_megatron_functional_15b_release_config_runs_as_given(tmp_path, capsys, 
     assert "global batch size:     2 |" in out and "global batch size:     4 |" in out
     assert "decoupled learning rate: 5.000000E-04" in out and "iteration        6/       6 |" in out
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+
+
+# Megatron-LM's tests/functional_tests/test_cases/moe/gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon/
+# model_config.yaml (as stored at commit 04154c8e3be8), its MODEL_ARGS unchanged; DATA, VOCAB, MERGES, CKPT, CACHE
+# and TB stand for its paths. A ckpt-resume test: the run resumed from its checkpoint must match one run straight.
+MEGATRON_FUNCTIONAL_MOE_DIST_MUON = """--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm
+    --log-num-zeros-in-grad --log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir TB
+    --micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024
+    --disable-bias-linear --train-iters 100 --timing-log-level 0 --lr-decay-iters 320000 --save CKPT --load CKPT
+    --data-path DATA --vocab-file VOCAB --merge-file MERGES --split 949,50,1 --distributed-backend nccl --lr 0.00015
+    --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction .01
+    --log-interval 1 --save-interval 50 --eval-interval 1000 --eval-iters 10 --transformer-impl transformer_engine
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 --num-experts 8
+    --moe-token-dispatcher-type allgather --moe-router-load-balancing-type aux_loss --moe-router-topk 2
+    --moe-router-dtype fp32 --moe-ffn-hidden-size 1024 --moe-grouped-gemm --ckpt-fully-parallel-load
+    --deterministic-mode --no-gradient-accumulation-fusion --attention-softmax-in-fp32
+    --use-checkpoint-opt_param-scheduler --use-mcore-models --ckpt-format torch_dist --ckpt-assume-constant-structure
+    --data-cache-path CACHE --bf16 --no-bias-gelu-fusion --log-memory-to-tensorboard --optimizer dist_muon
+    --muon-momentum 0.9 --muon-extra-scale-factor 0.2 --muon-scale-mode spectral"""
+
+
+def test_megatron_functional_moe_dist_muon_config_resumes(tmp_path, capsys, monkeypatch):
+    """It plans at its 8 ranks (EP=8) and, shrunk, resumes from its own checkpoint (with --no-bias-gelu-fusion, which
+    was said to conflict with the checkpoint) into the iteration a straight run takes."""
+    import re
+
+    flags = _edit(MEGATRON_FUNCTIONAL_MOE_DIST_MUON.split(), **_gpt2_files(tmp_path), tensorboard_dir=None)
+    flags = _edit(flags, data_cache_path=tmp_path / "cache")
+    assert "dry run ok: 12 layers" in _dry_run(flags, 8, capsys, monkeypatch)
+    tiny = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32)
+    tiny |= dict(micro_batch_size=2, global_batch_size=4, moe_ffn_hidden_size=32, expert_model_parallel_size=1)
+    tiny |= dict(eval_iters=1, save_interval=2, distributed_backend="gloo")
+    lines = {}
+    for name, runs in (("resumed", (2, 3)), ("straight", (3,))):
+        ckpt = tmp_path / name
+        for iters in runs:
+            out = _train(_edit(flags, **tiny, train_iters=iters, save=ckpt, load=ckpt), capsys, monkeypatch)
+        lines[name] = re.search(r"iteration +3/ +3 \|.*?\| (lm loss: .*?\| loss scale: .*?\| grad norm: .*?) \|", out)
+    assert lines["resumed"] and lines["straight"] and lines["resumed"][1] == lines["straight"][1]
