@@ -235,6 +235,17 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
         )
 
 
+def _check_expert_slices(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """An expert-TP size below TP: what the token slices of moe/layer.py do not cover yet."""
+    flag = f"--expert-tensor-parallel-size {parallel.etp} below --tensor-model-parallel-size {parallel.tp}"
+    if not parallel.sequence_parallel:  # (the slices split the sequence as SP does; Megatron's MoE trains only with it)
+        raise ConfigError(f"{flag} needs --sequence-parallel (Megatron's MoE layer refuses TP without it); add it")
+    if model.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"{flag} with --moe-expert-capacity-factor is not supported yet; use dropless MoE")
+    if model.add_bias_linear and parallel.etp > 1:  # (fc2's bias gradient is summed over TP, not expert-TP)
+        raise ConfigError(f"{flag} with expert biases is not supported yet; use --expert-tensor-parallel-size 1")
+
+
 def validate_layout(
     model: ModelConfig, parallel: ParallelConfig, world_size: int, training: TrainingConfig | None = None
 ) -> None:
@@ -304,11 +315,13 @@ def validate_layout(
                 f"--num-experts {model.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
                 f"use --expert-model-parallel-size in {ok}"
             )
-        if parallel.etp != tp:
+        if tp % parallel.etp:  # (each expert-TP group handles a slice of its TP group's tokens: moe/layer.py)
             raise ConfigError(
-                f"--expert-tensor-parallel-size {parallel.etp} different from --tensor-model-parallel-size {tp} is "
-                "not supported yet; drop --expert-tensor-parallel-size"
+                f"--expert-tensor-parallel-size {parallel.etp} not dividing --tensor-model-parallel-size {tp} is "
+                "not supported yet; use a divisor of it (1 keeps every expert whole)"
             )
+        if parallel.etp != tp:
+            _check_expert_slices(model, parallel)
         if model.moe_ffn_size % parallel.etp:
             raise ConfigError(
                 f"--moe-ffn-hidden-size {model.moe_ffn_size} is not divisible by --expert-tensor-parallel-size "

@@ -48,9 +48,26 @@ P = ParallelConfig
         ),
         (
             {},
-            P(expert_model_parallel_size=2, expert_tensor_parallel_size=1, tensor_model_parallel_size=2),
+            P(expert_tensor_parallel_size=4, tensor_model_parallel_size=2),
             4,
-            "--expert-tensor-parallel-size 1 different from --tensor-model-parallel-size 2",
+            "--expert-tensor-parallel-size 4 not dividing --tensor-model-parallel-size 2 is not supported yet",
+        ),
+        (
+            {"moe_expert_capacity_factor": 1.0},
+            P(
+                expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+                tensor_model_parallel_size=2,
+                sequence_parallel=True,
+            ),
+            2,
+            "--expert-tensor-parallel-size 1 below --tensor-model-parallel-size 2 with --moe-expert-capacity-factor",
+        ),
+        (
+            {},
+            P(expert_model_parallel_size=2, expert_tensor_parallel_size=1, tensor_model_parallel_size=2),
+            2,
+            "--expert-tensor-parallel-size 1 below --tensor-model-parallel-size 2 needs --sequence-parallel",
         ),
         (  # (Sinkhorn balances a micro-batch's tokens, and each CP rank holds a part of each sequence)
             {"moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0},

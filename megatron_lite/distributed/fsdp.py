@@ -45,7 +45,7 @@ from megatron_lite.optimizer.optimizer import (
     state_kinds,
 )
 from megatron_lite.parallel_context import Group, ParallelContext, track_mesh
-from megatron_lite.parameters import named_param_meta
+from megatron_lite.parameters import hold_copy, named_param_meta
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -231,7 +231,7 @@ class FSDP2Optimizer(OptimizerBase):
             if not p.requires_grad:
                 continue
             self.params.append(p)
-            counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
+            counted.append(hold_copy(meta, ctx))  # (experts: on expert-TP rank 0)
             expert.append(meta.expert)
             entries.append((p, group_name(name, meta), p.ndim))
         self._counted, self._expert = counted, expert

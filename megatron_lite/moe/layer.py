@@ -2,6 +2,12 @@
 (wherever they live), combine, reduce over TP; plus an optional shared expert (a dense MLP every token
 passes through), optionally gated (moe/shared_expert.py).
 
+An expert-TP size below TP (--expert-tensor-parallel-size, dividing TP; Megatron's grid puts each expert-TP group
+inside a TP group, tp rank // ETP naming it): every TP rank still routes the whole sequence (the same routing
+and statistics as one process), and each expert-TP group dispatches its own 1 / (TP / ETP) of the tokens, rows
+in order, its outputs zero elsewhere, so the TP reduction adds the slices (and each slice's ETP partial sums),
+as Megatron's dispatcher sends each TP rank's sequence shard.
+
 The auxiliary losses join the backward without changing the model's output: an autograd function passes
 the output through and hands each loss a gradient of `aux_loss_scale`, which the training step sets to
 the weight one micro-batch's loss has in the global batch (and divides by TP, since every TP rank of the
@@ -40,6 +46,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.tp, self.ep = ctx.tp, ctx.ep
+        self.slices, self.slice = ctx.tp.size // ctx.etp.size, ctx.tp.rank // ctx.etp.size
         self.overlap_comm = ctx.parallel.overlap_moe_expert_parallel_comm
         self.sequence_parallel = ctx.sequence_parallel
         self.router = TopKRouter(config, ctx.tp.size, device, dtype, cp=ctx.cp)
@@ -79,14 +86,16 @@ class MoELayer(nn.Module):
         s, b, h = full.shape
         tokens = full.reshape(s * b, h)
         routing = self.router(tokens, (s, b))
-        tokens, routing = self._apply_probs_on_input(tokens, routing)
-        triton = self.config.kernel_impl == "triton"
-        if self.config.moe_token_dispatcher_type == "alltoall" and self.overlap_comm and self.ep.size > 1:
-            y = alltoall_dispatch_overlapped(tokens, routing, self.experts, self.ep, self.config.num_experts, triton)
-        elif self.config.moe_token_dispatcher_type == "alltoall":
-            y = alltoall_dispatch(tokens, routing, self.experts, self.ep, self.config.num_experts, triton)
+        tokens, routed = self._apply_probs_on_input(tokens, routing)
+        if self.slices > 1:  # (this expert-TP group's rows; the others' outputs come from the TP reduction)
+            n = tokens.shape[0] // self.slices
+            rows = slice(self.slice * n, (self.slice + 1) * n)
+            part = {f: getattr(routed, f)[rows] for f in ("probs", "indices", "keep")}
+            y = self._dispatch(tokens[rows], dataclasses.replace(routed, **part))
+            pad = (0, 0, self.slice * n, tokens.shape[0] - (self.slice + 1) * n)
+            y = torch.nn.functional.pad(y, pad)
         else:
-            y = allgather_dispatch(tokens, routing, self.experts, self.ep, self.config.num_experts)
+            y = self._dispatch(tokens, routed)
         y = y.to(x.dtype).reshape(s, b, h)
         y = (
             reduce_scatter_to_sequence_parallel_region(y, self.tp)
@@ -102,6 +111,14 @@ class MoELayer(nn.Module):
         if not is_recomputing():
             self._add_stats(routing)
         return y
+
+    def _dispatch(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        triton, e = self.config.kernel_impl == "triton", self.config.num_experts
+        if self.config.moe_token_dispatcher_type == "alltoall" and self.overlap_comm and self.ep.size > 1:
+            return alltoall_dispatch_overlapped(tokens, routing, self.experts, self.ep, e, triton)
+        if self.config.moe_token_dispatcher_type == "alltoall":
+            return alltoall_dispatch(tokens, routing, self.experts, self.ep, e, triton)
+        return allgather_dispatch(tokens, routing, self.experts, self.ep, e)
 
     def _apply_probs_on_input(self, tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
         """--moe-apply-probs-on-input (top-k 1): each token times its routing weight, in fp32 and back to the

@@ -36,7 +36,7 @@ from megatron_lite.optimizer.optimizer import (
     state_kinds,
 )
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import named_param_meta
+from megatron_lite.parameters import hold_copy, named_param_meta
 from megatron_lite.tensor_parallel.mappings import all_gather_tensor
 
 
@@ -70,7 +70,7 @@ class DistributedOptimizer(OptimizerBase):
             for p in (q for b in buffer.buckets for q in b.params):
                 pid, offset = id(p), buffer.offset[id(p)]
                 meta = meta_of[pid]
-                counted = (meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy
+                counted = hold_copy(meta, ctx)  # (experts: on expert-TP rank 0)
                 for lo, hi in ranges:
                     a, b = max(lo, offset), min(hi, offset + p.numel())
                     if b > a:

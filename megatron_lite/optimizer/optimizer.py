@@ -26,7 +26,7 @@ from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_lite.optimizer.muon import MuonParam, MuonWithAdam, qkv_split_rows
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.parameters import named_param_meta
+from megatron_lite.parameters import hold_copy, named_param_meta
 
 GradOf = Callable[[nn.Parameter], torch.Tensor]
 
@@ -390,7 +390,7 @@ class MixedPrecisionOptimizer(OptimizerBase):
             self.names.append(name)
             self.params.append(p)
             self.main_params.append(main)
-            counted.append((meta.tensor_parallel or ctx.tp.rank == 0) and not meta.embedding_copy)
+            counted.append(hold_copy(meta, ctx))  # (experts: on expert-TP rank 0)
             expert.append(meta.expert)
             entries.append((main, group_name(name, meta), p.ndim))
             metas.append(meta)
