@@ -457,3 +457,49 @@ def test_megatron_functional_moe_dist_muon_config_resumes(tmp_path, capsys, monk
             out = _train(_edit(flags, **tiny, train_iters=iters, save=ckpt, load=ckpt), capsys, monkeypatch)
         lines[name] = re.search(r"iteration +3/ +3 \|.*?\| (lm loss: .*?\| loss scale: .*?\| grad norm: .*?) \|", out)
     assert lines["resumed"] and lines["straight"] and lines["resumed"][1] == lines["straight"][1]
+
+
+# Megatron-LM's tests/functional_tests/test_cases/moe/gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed/model_config.yaml
+# (as stored at commit 2afeef845dab), its MODEL_ARGS unchanged; DATA, VOCAB, MERGES, CKPT, CACHE and TB stand for its
+# paths. A DeepSeek-V3 proxy: MLA, MTP, sigmoid routing with groups and the expert bias, experts whole (ETP=1) at TP=2.
+MEGATRON_FUNCTIONAL_DEEPSEEK_PROXY = """--distributed-timeout-minutes 60 --tensor-model-parallel-size 2
+    --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 4 --expert-model-parallel-size 4
+    --context-parallel-size 1 --expert-tensor-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce
+    --overlap-param-gather --attention-backend unfused --use-mcore-models --sequence-parallel --disable-bias-linear
+    --micro-batch-size 4 --global-batch-size 32 --train-iters 50 --exit-duration-in-mins 230
+    --no-check-for-nan-in-loss-and-grad --no-rope-fusion --cross-entropy-loss-fusion --cross-entropy-fusion-impl native
+    --manual-gc --manual-gc-interval 100 --transformer-impl transformer_engine --seq-length 4096
+    --data-cache-path CACHE --data-path DATA --vocab-file VOCAB --merge-file MERGES --split 949,50,1 --num-layers 16
+    --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 32 --kv-channels 128 --max-position-embeddings 4096
+    --position-embedding-type rope --rotary-base 10000 --make-vocab-size-divisible-by 3232 --normalization RMSNorm
+    --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights --multi-latent-attention --mtp-num-layers 1
+    --mtp-loss-scaling-factor 0.1 --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1
+    --qk-layernorm --lr-warmup-fraction .01 --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --adam-beta1 0.9
+    --adam-beta2 0.95 --num-experts 32 --moe-layer-freq ([0]*1+[1]*15) --moe-ffn-hidden-size 1024
+    --moe-shared-expert-intermediate-size 1024 --moe-router-load-balancing-type seq_aux_loss --moe-router-topk 4
+    --moe-token-dispatcher-type alltoall --moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff 1e-4
+    --moe-router-group-topk 2 --moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.0
+    --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
+    --moe-router-dtype fp32 --moe-permute-fusion --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128
+    --qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0
+    --eval-iters 32 --eval-interval 200 --save CKPT --load CKPT --save-interval 25 --init-method-std 0.02
+    --log-timers-to-tensorboard --log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm
+    --log-validation-ppl-to-tensorboard --log-throughput --log-interval 1 --logging-level 40 --tensorboard-dir TB
+    --bf16 --exit-interval 50"""
+
+
+def test_megatron_functional_deepseek_proxy_config(tmp_path, capsys, monkeypatch):
+    """--expert-tensor-parallel-size 1 at TP=2 was refused ('not supported yet'): the config now plans at its 8 ranks
+    (TP=2, PP=2 with 4 virtual stages, EP=4, whole experts) and trains shrunk with MTP (tests/test_moe.py -k
+    expert_tp_below checks ETP below TP against one process)."""
+    flags = _edit(MEGATRON_FUNCTIONAL_DEEPSEEK_PROXY.split(), **_gpt2_files(tmp_path), tensorboard_dir=None)
+    flags = _edit(flags, save=tmp_path / "ckpt", load=tmp_path / "ckpt", data_cache_path=tmp_path / "cache")
+    assert "dry run ok: 16 layers" in _dry_run(flags, 8, capsys, monkeypatch)
+    tiny = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, kv_channels=16)
+    tiny |= dict(seq_length=32, max_position_embeddings=32, moe_layer_freq="([0]*1+[1]*1)", num_experts=8)
+    tiny |= dict(moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16)
+    tiny |= dict(qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, micro_batch_size=2, global_batch_size=4)
+    tiny |= dict(train_iters=2, eval_iters=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    tiny |= dict(num_virtual_stages_per_pipeline_rank=None, expert_model_parallel_size=1)
+    out = _train(_edit(flags, **tiny), capsys, monkeypatch)
+    assert "iteration        2/       2 |" in out and "mtp_1 loss: " in out
