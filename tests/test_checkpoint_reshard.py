@@ -149,6 +149,20 @@ def test_moe_checkpoint_loads_under_any_expert_layout(dist, tmp_path):
     _compare(run(MOE, P(), 2, None, ckpt), continued, "one process")
 
 
+def test_moe_checkpoint_saved_with_expert_tp_below_tp_loads_under_other_layouts(dist, tmp_path):
+    """Whole experts at TP=2 (ETP=1, EP=2, DP=2, the distributed optimizer's shards), saved, and loaded with the
+    experts split over TP (ETP=TP=2) and on one process: the run continues as the original."""
+    ckpt = str(tmp_path / "etp1")
+    saved = P(expert_model_parallel_size=2, tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+              sequence_parallel=True)  # fmt: skip
+    original = dist(4, run, MOE, saved, 2, ckpt, None, True)
+    continued = [h for h in original[0] if h[0] > SAVE_AT]
+    etp2 = P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+    for history in dist(4, run, MOE, etp2, 2, None, ckpt):
+        _compare(history, continued, "etp2")
+    _compare(run(MOE, P(), 2, None, ckpt), continued, "one process")
+
+
 def test_biased_moe_checkpoint_saved_under_expert_tensor_parallelism_loads_on_one_process(dist, tmp_path):
     """gpt-oss's MLP (biased router and experts, quick-GEGLU): saved at EP=2 x TP=2 + SP, where fc2's bias is added
     by one expert-TP rank of each pair but held by both, loaded on one process: the run continues as the original."""
