@@ -84,6 +84,31 @@ def test_dry_run_prices_dist_muons_busiest_rank(bf16, capsys, monkeypatch):
     assert printed and all(abs(v - expected) <= 0.01 * expected for v in printed.values()), (printed, expected)
 
 
+def test_dry_run_prices_dist_muons_weight_gather(capsys, monkeypatch):
+    """After each step dist_muon all-gathers the updated weights (this rank's flat weights and the group's, padded
+    to the largest rank's width), which tests/test_planner_layer_wise.py holds to the bytes the runtime allocates:
+    the dry run's activations plus what the step adds are the larger of the activations and that gather. It added
+    nothing (the gather is about a stage's weights again: 57 of 539 Llama-3 8B layouts it 'fit' on 8xH100 did not)."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.planner.layout import Layout
+    from megatron_lite.planner.memory import layer_wise_split_of
+    from megatron_lite.training import dry_run
+
+    monkeypatch.setattr(dry_run, "_bytes", lambda n: f"{n / 2**20:.6f} MiB")  # (to the byte)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    argv = ["--optimizer", "dist_muon", "--vocab-size", "2000", "--mock-data", "--global-batch-size", "8"]
+    assert main([*TINY, *argv, "--dry-run"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "weights+gradients+optimizer" in x)
+    saved, extra = (
+        float(x) * 2**20 for x in re.search(r"~([\d.]+) MiB activations.*?~([\d.]+) MiB rebuilt", line).groups()
+    )
+    _, job = parse_args([*TINY, *argv])
+    widths = layer_wise_split_of(job.model, Layout(dp=4, sharding="layer-wise"), 0, False).widths
+    gather = 4 * max(w * (g + 1) for g, w in widths)
+    assert gather > saved and saved + extra == pytest.approx(gather, abs=2), line
+
+
 LLAMA_LIKE = "--swiglu --normalization RMSNorm --disable-bias-linear"
 ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
 # Heterogeneous layers (4 heads): 2 query groups and an FFN of 64; a no-op attention and a linear MLP; two identities;

@@ -119,7 +119,11 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def _gather_params(self) -> None:
         """Every rank's updated weights into every rank's model: one all-gather per group and dtype of this
-        rank's flattened parameters, padded to the largest rank's (gloo's all-gather takes equal sizes)."""
+        rank's flattened parameters, padded to the largest rank's (gloo's all-gather takes equal sizes). One
+        group's and dtype's buffers at a time, this rank's weights copied straight into its flat one: past the
+        activations, freed by then, the step's peak holds width x (group size + 1) elements of the largest
+        (planner/memory.py prices that; a torch.cat copy and the previous group's buffers held on added up to
+        about a stage's weights again)."""
         for group, lists in self._owned_by:
             if group.size == 1:
                 continue
@@ -127,12 +131,14 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                 of = [[p for p in ps if p.dtype == dtype] for ps in lists]
                 width = max(sum(p.numel() for p in ps) for ps in of)
                 flat = torch.zeros(width, dtype=dtype, device=self.ctx.device)
-                if of[group.rank]:
-                    own = torch.cat([p.detach().reshape(-1) for p in of[group.rank]])
-                    flat[: own.numel()] = own
+                at = 0
+                for p in of[group.rank]:
+                    flat[at : at + p.numel()].copy_(p.detach().reshape(-1))
+                    at += p.numel()
                 gathered = torch.empty(width * group.size, dtype=dtype, device=self.ctx.device)
                 with group.blocked():
                     all_gather_tensor(gathered, flat, group=group.pg)
+                del flat
                 for r, ps in enumerate(of):
                     if r == group.rank:
                         continue
@@ -140,3 +146,4 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
                     for p in ps:
                         p.detach().copy_(gathered[at : at + p.numel()].view(p.shape))
                         at += p.numel()
+                del gathered  # (before the next group's: one at a time)

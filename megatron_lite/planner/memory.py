@@ -360,7 +360,7 @@ class Memory:
     grads: float
     optimizer: float
     activations: float  # saved for the backward, at the schedule's peak
-    transient: float = 0.0  # rebuilt by recomputation, or FSDP2's gathered layers
+    transient: float = 0.0  # rebuilt by recomputation, FSDP2's gathered layers, the step's copies and buffers
 
     @property
     def total(self) -> float:
@@ -491,8 +491,9 @@ def rank_memory(
     params, grads, optimizer = parameter_state_bytes(
         counts.dense, counts.expert, dp_cp, edp, layout.sharding, bf16, grads_bf16, state_bytes, whole
     )
-    if layout.sharding == "layer-wise":  # (dist_muon: whole tensors a rank, not an even share)
-        optimizer = layer_wise_split_of(model, layout, pp_rank, bf16).optimizer
+    split = layer_wise_split_of(model, layout, pp_rank, bf16) if layout.sharding == "layer-wise" else None
+    if split is not None:  # (dist_muon: whole tensors a rank, not an even share)
+        optimizer = split.optimizer
     micro = max(layout.micro_batches(global_batch_size), 1)
     act = activation_bytes(model, layout, seq_length, pp_rank, micro, bf16, lora, dropout_mask_bytes)
     transient = recompute_transient_bytes(model, layout, seq_length, pp_rank, bf16, lora, dropout_mask_bytes)
@@ -504,6 +505,11 @@ def rank_memory(
         # the step's fp32 copies of the gradients it updates (the activations are gone by then)
         stepped = counts.total if layout.sharding == "none" else counts.dense / dp_cp + counts.expert / edp
         transient = max(transient, 4 * stepped - act)
+    if split is not None:
+        # after the step (its fp32 gradient copies freed), dist_muon all-gathers the updated weights a group at a
+        # time: this rank's flat weights and the group's, padded to the largest rank's width
+        gather = param_bytes * max((width * (size + 1) for size, width in split.widths if size > 1), default=0)
+        transient = max(transient, gather - act)
     return Memory(params, grads, optimizer, act, transient)
 
 

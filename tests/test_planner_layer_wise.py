@@ -1,0 +1,93 @@
+"""The planner's step-time memory of --optimizer dist_muon, held to what the runtime allocates: the weights'
+all-gather after each step (optimizer/layer_wise_optimizer.py). On a CPU --log-memory-breakdown measures no
+transients, so a dispatch mode counts the bytes of every tensor the gather makes while it lives (views and in-place
+ops make none)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import test_planner as tp_
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.memory import layer_wise_split_of, rank_memory
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors made inside the mode that are still alive, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # (a new tensor, not a view or in place, nor a collective's output handed back unannotated)
+        given = {
+            t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        if all(r.alias_info is None for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                    n = t.untyped_storage().nbytes()
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, n)
+        return out
+
+
+def measure_gather(name: str, layout: Layout, bf16: bool) -> dict:
+    """test_planner.measure, with the peak the step's all-gather holds and each all-gather's buffers' bytes."""
+    from megatron_lite.optimizer import layer_wise_optimizer as lw
+
+    peaks, buffers = [], []
+    gather, all_gather = lw.LayerWiseDistributedOptimizer._gather_params, lw.all_gather_tensor
+
+    def metered(self):
+        with LiveBytes() as meter:
+            gather(self)
+        peaks.append(meter.peak)
+
+    def spy(out, inp, group=None):
+        buffers.append(out.numel() * out.element_size() + inp.numel() * inp.element_size())
+        return all_gather(out, inp, group=group)
+
+    lw.LayerWiseDistributedOptimizer._gather_params, lw.all_gather_tensor = metered, spy
+    try:
+        result = tp_.measure(name, layout, optimizer="dist_muon", bf16=bf16, iters=0)
+    finally:
+        lw.LayerWiseDistributedOptimizer._gather_params, lw.all_gather_tensor = gather, all_gather
+    return {**result, "gather_peak": max(peaks), "buffers": buffers}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_dist_muon_weight_gather_is_priced(dist, bf16):
+    """MoE at DP=2: the dense weights all-gathered over DP, the experts over expert-DP, one group's buffers at a
+    time (this rank's flat weights, width x group size gathered). The planner's transient is what the step adds
+    past the activations (freed by then): its gather equals the measured peak of the gather's allocations. The
+    planner priced none (at 8xH100, Llama-3 8B, 57 of 539 'fitting' layer-wise rows did not fit at the step), and
+    the runtime also held a torch.cat copy of the rank's own weights and the previous group's gathered buffer."""
+    layout = Layout(dp=2, sharding="layer-wise", micro_batch_size=2)
+    results = dist(2, measure_gather, "moe", layout, bf16)
+    config = layout.model_config(tp_.MODELS["moe"](num_layers=4, kernel_impl="torch"))
+    est = rank_memory(config, layout, tp_.SEQ, tp_.GBS, bf16, 0)
+    a = 2 if bf16 else 4
+    widths = layer_wise_split_of(config, layout, 0, bf16).widths
+    assert [g for g, _ in widths] == [2, 2]  # (dense and expert groups)
+    for r in results:  # every buffer the runtime made, as the split's widths say
+        assert sorted(r["buffers"]) == sorted(a * w * (g + 1) for g, w in widths)
+    measured = max(r["gather_peak"] for r in results)
+    assert measured == a * max(w * (g + 1) for g, w in widths)
+    # past the activations the step holds the gather (at this batch the activations weigh more; at one short
+    # micro-batch, less: the split is the same)
+    assert est.activations + est.transient == max(est.activations, measured)
+    short = rank_memory(config, Layout(dp=2, sharding="layer-wise", micro_batch_size=1), 8, 2, bf16, 0)
+    assert short.activations < measured
+    assert short.activations + short.transient == pytest.approx(measured)
