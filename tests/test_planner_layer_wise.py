@@ -1,7 +1,7 @@
 """The planner's step-time memory of --optimizer dist_muon, held to what the runtime allocates: the weights'
-all-gather after each step (optimizer/layer_wise_optimizer.py). On a CPU --log-memory-breakdown measures no
-transients, so a dispatch mode counts the bytes of every tensor the gather makes while it lives (views and in-place
-ops make none)."""
+all-gather after each step (optimizer/layer_wise_optimizer.py) and, with bf16 gradients, the step's fp32 copies of
+the busiest rank's owned gradients. On a CPU --log-memory-breakdown measures no transients, so a dispatch mode counts
+the bytes of every tensor the gather makes while it lives (views and in-place ops make none)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import layer_wise_split_of, rank_memory
+
+# MoE with a tied vocabulary of 2048: at DP=2 x EP=2 the rank with the embedding steps more than half the dense
+# weights, and each rank its experts whole (expert-DP 1)
+tp_.MODELS["moe_tied_vocab"] = lambda **kw: tp_.moe_llama(
+    vocab_size=2048, untie_embeddings_and_output_weights=False, **kw
+)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -91,3 +97,40 @@ def test_dist_muon_weight_gather_is_priced(dist, bf16):
     short = rank_memory(config, Layout(dp=2, sharding="layer-wise", micro_batch_size=1), 8, 2, bf16, 0)
     assert short.activations < measured
     assert short.activations + short.transient == pytest.approx(measured)
+
+
+def measure_fp32_copies(name: str, layout: Layout) -> dict:
+    """test_planner.measure under bf16 with bf16 gradients, with the bytes of the step's fp32 gradient copies."""
+    from megatron_lite.optimizer import optimizer as opt
+
+    copies, fp32 = [], opt.fp32
+
+    def spy(grads):
+        out = fp32(grads)
+        copies.append(sum(o.numel() * o.element_size() for g, o in zip(grads, out) if g is not o))
+        return out
+
+    opt.fp32 = spy
+    try:
+        result = tp_.measure(name, layout, optimizer="dist_muon", bf16=True, grads_bf16=True, iters=0)
+    finally:
+        opt.fp32 = fp32
+    return {**result, "copies": max(copies)}
+
+
+def test_dist_muon_bf16_gradients_copied_by_the_busiest_rank(dist):
+    """With bf16 gradients the step copies the gradients of the parameters this rank owns to fp32: whole tensors, so
+    the busiest rank's (the split's owned), not an even share of the stage. At DP=2 x EP=2 with a tied vocabulary
+    the rank that steps the embedding copies 24% more than the even split the planner priced."""
+    layout = Layout(dp=2, ep=2, sharding="layer-wise", micro_batch_size=2)
+    results = dist(2, measure_fp32_copies, "moe_tied_vocab", layout)
+    config = layout.model_config(tp_.MODELS["moe_tied_vocab"](num_layers=4, kernel_impl="torch"))
+    split = layer_wise_split_of(config, layout, 0, True)
+    busiest = max(results, key=lambda r: r["memory"]["mem_optimizer_bytes"])
+    assert busiest["memory"]["mem_optimizer_bytes"] == split.optimizer
+    assert busiest["copies"] == 4 * split.owned
+    # past the activations (at one short micro-batch, fewer than the copies) the step holds the copies, more than
+    # the weights' all-gather after it
+    short = rank_memory(config, Layout(dp=2, ep=2, sharding="layer-wise", micro_batch_size=1), 8, 2, True, 0, True)
+    assert short.activations < busiest["copies"]
+    assert short.activations + short.transient == pytest.approx(busiest["copies"])

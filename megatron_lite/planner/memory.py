@@ -503,7 +503,9 @@ def rank_memory(
         transient += 2 * param_bytes * counts.total / max(len(counts.layers), 1)
     elif grad_bytes == 2 and lora is None:
         # the step's fp32 copies of the gradients it updates (the activations are gone by then)
+        # (dist_muon's: the busiest rank's owned tensors, whole)
         stepped = counts.total if layout.sharding == "none" else counts.dense / dp_cp + counts.expert / edp
+        stepped = split.owned if split is not None else stepped
         transient = max(transient, 4 * stepped - act)
     if split is not None:
         # after the step (its fp32 gradient copies freed), dist_muon all-gathers the updated weights a group at a
