@@ -62,7 +62,7 @@ def measure_gather(name: str, layout: Layout, bf16: bool) -> dict:
         peaks.append(meter.peak)
 
     def spy(out, inp, group=None):
-        buffers.append(out.numel() * out.element_size() + inp.numel() * inp.element_size())
+        buffers.append((out.numel() * out.element_size(), inp.numel() * inp.element_size()))
         return all_gather(out, inp, group=group)
 
     lw.LayerWiseDistributedOptimizer._gather_params, lw.all_gather_tensor = metered, spy
@@ -75,11 +75,12 @@ def measure_gather(name: str, layout: Layout, bf16: bool) -> dict:
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_dist_muon_weight_gather_is_priced(dist, bf16):
-    """MoE at DP=2: the dense weights all-gathered over DP, the experts over expert-DP, one group's buffers at a
-    time (this rank's flat weights, width x group size gathered). The planner's transient is what the step adds
-    past the activations (freed by then): its gather equals the measured peak of the gather's allocations. The
-    planner priced none (at 8xH100, Llama-3 8B, 57 of 539 'fitting' layer-wise rows did not fit at the step), and
-    the runtime also held a torch.cat copy of the rank's own weights and the previous group's gathered buffer."""
+    """MoE at DP=2: the dense weights all-gathered over DP, the experts over expert-DP, each group in place (this
+    rank's part of the output its input) into one buffer of the largest group's width x group size. The planner's
+    transient is what the step adds past the activations (freed by then): its gather equals the measured peak of the
+    gather's allocations. The planner priced none (at 8xH100, Llama-3 8B, 57 of 539 'fitting' layer-wise rows did
+    not fit at the step), and the runtime held a flat input, a torch.cat copy of the rank's own weights and,
+    while the next was made, the previous group's buffer (or a collective's work held its input a while on)."""
     layout = Layout(dp=2, sharding="layer-wise", micro_batch_size=2)
     results = dist(2, measure_gather, "moe", layout, bf16)
     config = layout.model_config(tp_.MODELS["moe"](num_layers=4, kernel_impl="torch"))
@@ -87,10 +88,10 @@ def test_dist_muon_weight_gather_is_priced(dist, bf16):
     a = 2 if bf16 else 4
     widths = layer_wise_split_of(config, layout, 0, bf16).widths
     assert [g for g, _ in widths] == [2, 2]  # (dense and expert groups)
-    for r in results:  # every buffer the runtime made, as the split's widths say
-        assert sorted(r["buffers"]) == sorted(a * w * (g + 1) for g, w in widths)
+    for r in results:  # every all-gather's output and input, as the split's widths say
+        assert sorted(r["buffers"]) == sorted((a * w * g, a * w) for g, w in widths)
     measured = max(r["gather_peak"] for r in results)
-    assert measured == a * max(w * (g + 1) for g, w in widths)
+    assert measured == a * max(w * g for g, w in widths)
     # past the activations the step holds the gather (at this batch the activations weigh more; at one short
     # micro-batch, less: the split is the same)
     assert est.activations + est.transient == max(est.activations, measured)

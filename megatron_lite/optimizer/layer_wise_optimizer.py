@@ -119,31 +119,34 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def _gather_params(self) -> None:
         """Every rank's updated weights into every rank's model: one all-gather per group and dtype of this
-        rank's flattened parameters, padded to the largest rank's (gloo's all-gather takes equal sizes). One
-        group's and dtype's buffers at a time, this rank's weights copied straight into its flat one: past the
-        activations, freed by then, the step's peak holds width x (group size + 1) elements of the largest
-        (planner/memory.py prices that; a torch.cat copy and the previous group's buffers held on added up to
-        about a stage's weights again)."""
+        rank's flattened parameters, padded to the largest rank's (gloo's all-gather takes equal sizes), in place
+        (this rank's part of the output is its input). One buffer serves every group and dtype, so past the
+        activations, freed by then, the step holds width x group size elements of the largest, whatever a
+        collective's work still references (planner/memory.py prices that; a flat input, a torch.cat copy and the
+        previous group's buffer held on added up to about a stage's weights again)."""
+        gathers = []  # (group, each rank's parameters of one dtype, width)
         for group, lists in self._owned_by:
             if group.size == 1:
                 continue
             for dtype in sorted({p.dtype for ps in lists for p in ps}, key=str):
                 of = [[p for p in ps if p.dtype == dtype] for ps in lists]
-                width = max(sum(p.numel() for p in ps) for ps in of)
-                flat = torch.zeros(width, dtype=dtype, device=self.ctx.device)
-                at = 0
-                for p in of[group.rank]:
-                    flat[at : at + p.numel()].copy_(p.detach().reshape(-1))
+                gathers.append((group, of, dtype, max(sum(p.numel() for p in ps) for ps in of)))
+        if not gathers:
+            return
+        size = max(width * group.size * dtype.itemsize for group, _, dtype, width in gathers)
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.ctx.device)
+        for group, of, dtype, width in gathers:
+            gathered = buffer[: width * group.size * dtype.itemsize].view(dtype)
+            at = group.rank * width
+            for p in of[group.rank]:
+                gathered[at : at + p.numel()].copy_(p.detach().reshape(-1))
+                at += p.numel()
+            with group.blocked():
+                all_gather_tensor(gathered, gathered[group.rank * width : (group.rank + 1) * width], group=group.pg)
+            for r, ps in enumerate(of):
+                if r == group.rank:
+                    continue
+                at = r * width
+                for p in ps:
+                    p.detach().copy_(gathered[at : at + p.numel()].view(p.shape))
                     at += p.numel()
-                gathered = torch.empty(width * group.size, dtype=dtype, device=self.ctx.device)
-                with group.blocked():
-                    all_gather_tensor(gathered, flat, group=group.pg)
-                del flat
-                for r, ps in enumerate(of):
-                    if r == group.rank:
-                        continue
-                    at = r * width
-                    for p in ps:
-                        p.detach().copy_(gathered[at : at + p.numel()].view(p.shape))
-                        at += p.numel()
-                del gathered  # (before the next group's: one at a time)

@@ -509,8 +509,8 @@ def rank_memory(
         transient = max(transient, 4 * stepped - act)
     if split is not None:
         # after the step (its fp32 gradient copies freed), dist_muon all-gathers the updated weights a group at a
-        # time: this rank's flat weights and the group's, padded to the largest rank's width
-        gather = param_bytes * max((width * (size + 1) for size, width in split.widths if size > 1), default=0)
+        # time, in place, into one buffer of the largest group's: width (the largest rank's) x group size
+        gather = param_bytes * max((width * size for size, width in split.widths if size > 1), default=0)
         transient = max(transient, gather - act)
     return Memory(params, grads, optimizer, act, transient)
 
