@@ -17,7 +17,7 @@ from megatron_lite.planner.memory import rank_memory
 from megatron_lite.planner.params import layer_params, stage_params
 
 from dist_pool import get_context
-from models import DEVICE, deepseek_config, gpt2_config, hetero_config, llama_config
+from models import DEVICE, decilm_block, deepseek_config, gpt2_config, hetero_config, hetero_json, llama_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ, GBS = 32, 8
@@ -43,6 +43,15 @@ MODELS = {
     "hetero": hetero_config,
     "hetero_bias": lambda **kw: hetero_config(add_bias_linear=True, **kw),  # (a linear replacement's bias: split)
     "llama_vocab": lambda **kw: llama_config(vocab_size=2048, **kw),  # (the vocabulary's tensors the largest)
+    # six heterogeneous layers, the middle two identities (no-op attention and MLP): at PP=3 a stage of them alone
+    "hetero_identity_stage": lambda **kw: llama_config(
+        **{**kw, "num_layers": 6},
+        heterogeneous_layers_config_encoded_json=hetero_json(
+            [decilm_block("normal", 2, "normal", ffn_hidden_size=64), decilm_block("linear", None, "normal")]
+            + [decilm_block("no_op", None, "no_op")] * 2
+            + [decilm_block("normal", 4, "no_op"), decilm_block("no_op", None, "linear")]
+        ),
+    ),
 }
 
 
@@ -523,6 +532,24 @@ def test_memory_estimate_heterogeneous(dist, case):
     }[case]
     results = [measure("hetero", layout)] if layout.world == 1 else dist(layout.world, measure, "hetero", layout)
     _check("hetero", layout, results)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_memory_estimate_pipeline_stage_of_identities(dist, recompute):
+    """PP=3 over six heterogeneous layers, the middle stage two identities: without recomputation it saves
+    nothing, not even its received input (the planner priced that input, the meter found 0 bytes); under full
+    recomputation its checkpoint's output goes to the next stage, so the checkpoint keeps its input itself (the
+    planner took it as kept by the next checkpoint, as within a stage: a third of the measured, and its rebuilt
+    layers' transient as minus that input)."""
+    layout = Layout(pp=3, micro_batch_size=2, recompute=recompute)
+    results = dist(3, measure, "hetero_identity_stage", layout)
+    middle = next(r for r in results if r["pp_rank"] == 1)["memory"]["mem_activations_bytes"]
+    assert (middle == 0) == (recompute == "none")  # (then _check's relative bound says nothing)
+    config = layout.model_config(MODELS["hetero_identity_stage"](kernel_impl="torch"))
+    est = rank_memory(config, layout, SEQ, GBS, False, 1)
+    assert (est.activations == 0) == (recompute == "none")
+    assert est.transient == 0  # (recomputing identities rebuilds nothing: it was minus the checkpoint's input)
+    _check("hetero_identity_stage", layout, results)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

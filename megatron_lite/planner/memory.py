@@ -70,7 +70,8 @@ def layer_activation_bytes(
 
     A heterogeneous layer (models/heterogeneous.py) at its own query groups and FFN size: a no-op part keeps
     nothing, not even its norm; a linear one its norm and the linear's input; an identity layer nothing (checkpointed,
-    its checkpoint's input is priced, which activation_bytes leaves out for a run of identities alone)."""
+    its checkpoint's input is priced, which activation_bytes leaves out for a run of identities alone but for one
+    ending a chunk sent to another stage)."""
     blocks = model.heterogeneous_blocks if layer < model.num_layers else None
     block = blocks[layer] if blocks is not None else BlockConfig()
     if block.attention == block.mlp == NO_OP and recompute != "full":
@@ -242,12 +243,15 @@ def activation_bytes(
     def identity(i: int) -> bool:  # (a heterogeneous layer of two no-ops)
         return model.heterogeneous_blocks is not None and i < model.num_layers and not layer_kinds(model, i)
 
-    def layer_bytes(i: int, index: int, layers: list[int]) -> float:
+    def layer_bytes(i: int, index: int, layers: list[int], sent: bool) -> float:
         if index % group:
             return 0.0  # inside a uniform run: its input is the run's, rebuilt in the backward
         recompute = "none" if block and index >= (model.recompute_num_layers or 0) else layout.recompute
-        if recompute == "full" and all(identity(j) for j in layers[index : index + group]):
-            return 0.0  # a checkpoint of identities returns its input, which the next layer or checkpoint keeps
+        # a checkpoint of identities returns its input, which the next layer or checkpoint keeps; the chunk's last,
+        # whose output is `sent` to another stage, keeps it itself
+        last = index + group >= len(layers)
+        if recompute == "full" and all(identity(j) for j in layers[index : index + group]) and not (last and sent):
+            return 0.0
         own = model.heterogeneous_blocks[i] if model.heterogeneous_blocks is not None and i < model.num_layers else 0
         key = (model.is_moe_layer(i), recompute, fp8_layer(model, i), i < model.num_layers and model.skips_rope(i))
         key += (own,)  # (a heterogeneous layer's own kinds and sizes)
@@ -257,7 +261,8 @@ def activation_bytes(
 
     fp8_layers = layer_recomputes(model, layout, pp_rank)
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
-        per_token = sum(layer_bytes(i, index, layers) for index, i in enumerate(layers))
+        sent = not (c == layout.vp - 1 and pp_rank == layout.pp - 1)  # (the last chunk's goes to the final norm)
+        per_token = sum(layer_bytes(i, index, layers, sent) for index, i in enumerate(layers))
         if lora is not None and 0 in layers and layout.recompute != "full":
             per_token -= lora_first_layer_bytes(model, layout, a, lora, mask)
         some_kept = layout.recompute != "full" or (block and len(layers) > (model.recompute_num_layers or 0))
@@ -320,7 +325,10 @@ def activation_bytes(
     # A received input is saved by the chunk's first op; the executor still holds it until the chunk's next
     # backward has run, so it outlives its micro-batch's other activations by one backward.
     s = stream_bytes(model, a)  # (fp32 under --fp32-residual-connection, as stages send it)
-    received = [0.0 if (c == 0 and pp_rank == 0) else h * s / norm_div * tokens for c in range(layout.vp)]
+    # (a chunk that saves nothing, of identities alone, saves no received input either)
+    received = [
+        0.0 if (c == 0 and pp_rank == 0) or not chunk_bytes[c] else h * s / norm_div * tokens for c in range(layout.vp)
+    ]
     live = peak = 0.0
     held = [0.0] * layout.vp
     for kind, _, c in cached_compute_order(layout.pp, layout.vp, micro, pp_rank, layout.microbatch_group_size):
@@ -351,7 +359,7 @@ def recompute_transient_bytes(
         run = min(model.recompute_num_layers or 1, max(len(c) for c in _chunk_layers(model, layout, pp_rank)))
     rebuilt = run * layer_activation_bytes(model, layout, a, i, "none", lora, mask, tokens)
     rebuilt -= layer_activation_bytes(model, layout, a, i, layout.recompute, lora, mask, tokens)
-    return rebuilt * tokens
+    return max(rebuilt, 0.0) * tokens  # (a stage of identities rebuilds nothing, less than its checkpoint keeps)
 
 
 @dataclass(frozen=True)
