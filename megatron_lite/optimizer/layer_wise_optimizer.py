@@ -124,7 +124,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         activations, freed by then, the step holds width x group size elements of the largest, whatever a
         collective's work still references (planner/memory.py prices that; a flat input, a torch.cat copy and the
         previous group's buffer held on added up to about a stage's weights again)."""
-        gathers = []  # (group, each rank's parameters of one dtype, width)
+        gathers = []  # (group, each rank's parameters of one dtype, the dtype, the largest rank's elements)
         for group, lists in self._owned_by:
             if group.size == 1:
                 continue
