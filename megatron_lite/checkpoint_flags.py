@@ -462,8 +462,11 @@ def flags_from_checkpoint(
     conflicts = [d for d in conflicts if d not in upcycled]
     if not ns.group_query_attention and not saved["group_query_attention"]:  # (ignored without GQA, as in Megatron)
         conflicts = [d for d in conflicts if d != "num_query_groups"]
-    if saved.get("disable_bias_linear") and ns.disable_bias_linear:  # (no biases: no bias-GELU fusion to turn off,
-        conflicts = [d for d in conflicts if d != "no_bias_gelu_fusion"]  # the GELU is exact either way, as Megatron's)
+    # (no biases, or another activation than GELU: no bias-GELU fusion to turn off, the flag changes nothing, as
+    # in Megatron; it conflicted on resuming a --swiglu run's own checkpoint given with it)
+    other = any(saved.get(k) for k in ("swiglu", "squared_relu", "quick_geglu", "openai_gelu"))
+    if (saved.get("disable_bias_linear") and ns.disable_bias_linear) or other:
+        conflicts = [d for d in conflicts if d != "no_bias_gelu_fusion"]
     if saved.get("multi_latent_attention"):  # (MLA's RoPE is its YaRN: these two do nothing there, as in Megatron)
         conflicts = [d for d in conflicts if d not in ("use_rope_scaling", "rope_scaling_factor")]
     if conflicts and not ns.use_checkpoint_args:

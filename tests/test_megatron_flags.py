@@ -596,3 +596,28 @@ def test_an_interleaved_rope_model_is_not_exported_to_a_rotate_half_class():
     flags = [*MOCK, "--position-embedding-type", "rope", "--disable-bias-linear", "--rotary-interleaved"]
     with pytest.raises(ConfigError, match=r"interleaved RoPE \(--rotary-interleaved; Hugging Face's classes rotate"):
         check_exportable(parse_args(flags)[1].model, "LlamaForCausalLM")
+
+
+def test_expert_lora_below_expert_tensor_parallelism_is_refused_in_one_line():
+    """(From a review: at --expert-tensor-parallel-size below TP an expert adapter's copied half was summed over
+    TP, which holds other slices or experts: grad norms 0.5600 against one process's 0.5518, without an error.)"""
+    moe = [*MOCK, "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+           "--disable-bias-linear", "--lora-rank", "4"]  # fmt: skip
+    with pytest.raises(ConfigError, match="--lora-target-modules experts with --expert-tensor-parallel-size 1 below"):
+        parse_args([*moe, "--expert-tensor-parallel-size", "1", "--lora-target-modules", "experts"])
+    parse_args([*moe, "--expert-tensor-parallel-size", "1", "--lora-target-modules", "linear_qkv"])
+    parse_args([*moe, "--lora-target-modules", "experts"])  # (ETP = TP, the default)
+
+
+def test_no_bias_gelu_fusion_resumes_a_checkpoint_of_another_activation(tmp_path, capsys, monkeypatch):
+    """(From a review: --swiglu with biases and --no-bias-gelu-fusion, which changes nothing there, as in Megatron,
+    trained, then refused to resume its own checkpoint: '--no-bias-gelu-fusion True conflicts with the checkpoint'.)"""
+    from test_pretrain_cli import _run
+
+    ckpt = str(tmp_path / "ckpt")
+    for act in ("--swiglu", "--squared-relu", "--openai-gelu"):
+        argv = ["--mock-data", "--vocab-size", "100", act, "--no-bias-gelu-fusion", "--save", ckpt + act]
+        rc, _, err = _run([*argv, "--train-iters", "1"], capsys, monkeypatch)
+        assert rc == 0, err
+        rc, out, err = _run([*argv, "--load", ckpt + act, "--train-iters", "2"], capsys, monkeypatch)
+        assert rc == 0 and "iteration        2/" in out, (act, err)

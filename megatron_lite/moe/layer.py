@@ -88,6 +88,8 @@ class MoELayer(nn.Module):
         routing = self.router(tokens, (s, b))
         tokens, routed = self._apply_probs_on_input(tokens, routing)
         if self.slices > 1:  # (this expert-TP group's rows; the others' outputs come from the TP reduction)
+            if tokens.shape[0] % self.slices:  # (layout validation asks for SP; a library caller may not)
+                raise ValueError(f"{tokens.shape[0]} token rows do not split into {self.slices} expert-TP slices")
             n = tokens.shape[0] // self.slices
             rows = slice(self.slice * n, (self.slice + 1) * n)
             part = {f: getattr(routed, f)[rows] for f in ("probs", "indices", "keep")}
