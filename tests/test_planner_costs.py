@@ -42,6 +42,18 @@ def _llama(layers: int = 32, **kw) -> ModelConfig:
     )
 
 
+def _record_collectives(monkeypatch) -> tuple[list, object]:
+    """(the (kind, bytes, group size) of every collective the cost model prices from now on, the real pricer)."""
+    calls, real = [], cost._collective
+
+    def record(kind, bytes_, size, span, cl_, eff):
+        calls.append((kind, bytes_, size))
+        return real(kind, bytes_, size, span, cl_, eff)
+
+    monkeypatch.setattr(cost, "_collective", record)
+    return calls, real
+
+
 def test_peak_memory_is_that_of_the_heaviest_pipeline_rank():
     """An uneven split (3, 3, 4, ..., 4, 3 layers) makes rank 2 heavier than ranks 0, 1 and the last, the only
     ones looked at before: a layout that ran out of memory there was listed as fitting."""
@@ -59,14 +71,7 @@ def test_expert_gradients_and_state_go_over_the_expert_data_parallel_group(monke
     layout = Layout(pp=4, dp=8, ep=8, sharding="dist-opt", micro_batch_size=1)
     cl = cluster("H100", 8, 4, None, None)
     st = stage_params(model, layout, 3)  # the busiest stage: the last, with the output layer
-    calls = []
-    real = cost._collective
-
-    def record(kind, bytes_, size, span, cl_, eff):
-        calls.append((kind, bytes_, size))
-        return real(kind, bytes_, size, span, cl_, eff)
-
-    monkeypatch.setattr(cost, "_collective", record)
+    calls, real = _record_collectives(monkeypatch)
     t = cost.step_time(model, layout, 4096, 256, cl)
     reduced = {(b, size) for kind, b, size in calls if kind == "reduce_scatter"}
     assert reduced == {(4 * st.dense, 8), (4 * st.expert, 1)}, reduced
@@ -336,14 +341,7 @@ def test_dist_muon_costs_the_gradient_all_reduce_and_the_weights_all_gather(dist
     the gather nor the split step."""
     model = llama_config(num_layers=4, vocab_size=2048, kernel_impl="torch")
     layout = Layout(dp=dp, sharding="layer-wise", micro_batch_size=2)
-    calls = []
-    real = cost._collective
-
-    def record(kind, bytes_, size, span, cl_, eff):
-        calls.append((kind, bytes_, size))
-        return real(kind, bytes_, size, span, cl_, eff)
-
-    monkeypatch.setattr(cost, "_collective", record)
+    calls, real = _record_collectives(monkeypatch)
     cl = cluster("H100", 8, 1, None, None)
     t = cost.step_time(model, layout, SEQ, 2 * dp, cl, bf16=False)
     monkeypatch.setattr(cost, "_collective", real)
@@ -364,14 +362,7 @@ def test_heterogeneous_layers_gather_their_own_keys_and_values_over_cp(monkeypat
     none. (Every layer gathered the model's 4 groups.)"""
     model = hetero_config(num_layers=4)
     layout = Layout(cp=2, cp_comm_type="allgather", micro_batch_size=1)
-    calls = []
-    real = cost._collective
-
-    def record(kind, bytes_, size, span, cl_, eff):
-        calls.append((kind, bytes_, size))
-        return real(kind, bytes_, size, span, cl_, eff)
-
-    monkeypatch.setattr(cost, "_collective", record)
+    calls, real = _record_collectives(monkeypatch)
     cost.step_time(model, layout, SEQ, 1, cluster("H100", 8, 1, None, None), bf16=False)
     gathered = sorted(b for kind, b, size in calls if kind == "all_gather" and size == 2 and b)
     assert gathered == sorted([2 * 16 * 32 * 4] * 2 + [2 * 16 * 16 * 4] * 2), gathered
