@@ -395,13 +395,12 @@ def _read(
         for kind in ("main", *(state_kinds(optimizer.config) if with_optim else ())):
             if f"{kind}/{gname}" in reader.index:
                 d[kind] = split.read_flat(reader, f"{kind}/{gname}", tuple(p.shape), pmeta, lo, hi, replicated)
-        low = p.dtype != torch.float32  # (an fp32 run's main weights are its weights: Megatron ignores the flag)
-        if main_only and low and "main" not in d and reader.index[f"model/{gname}"]["dtype"] != "float32":
-            raise ConfigError(
-                f"--load-main-params-from-ckpt: {path} holds no fp32 main weights for {gname} (saved with "
-                "--no-save-optim); drop the flag to take them from its weights"
-            )
-        if "main" not in d and p.dtype != torch.float32:
+        if "main" not in d and p.dtype != torch.float32:  # (an fp32 run's main weights are its weights)
+            if main_only and reader.index[f"model/{gname}"]["dtype"] != "float32":
+                raise ConfigError(
+                    f"--load-main-params-from-ckpt: {path} holds no fp32 main weights for {gname} (saved with "
+                    "--no-save-optim); drop the flag to take them from its weights"
+                )
             # Saved by an fp32-weight run (or FSDP2, whose fp32 shards are the main weights): the stored
             # weights are the main weights; read them at full precision, not from the bf16 copy.
             d["main"] = split.read_flat(reader, f"model/{gname}", tuple(p.shape), pmeta, lo, hi, replicated)

@@ -85,10 +85,12 @@ class GradBuffer:
         held: set[int] | None = None,
         dtype: torch.dtype = torch.float32,
         fp32_accumulation: bool = False,
+        name: str = "bucket",
     ) -> None:
         """`held`: ids of parameters whose buckets wait for the end of the step (tied embeddings; they
         must come last in `params`). `fp32_accumulation` (sharded; --ddp-reduce-scatter-with-fp32-accumulation):
-        the reduce-scatters send the buffer's dtype and sum in fp32 (distributed/fp32_accumulation.py)."""
+        the reduce-scatters send the buffer's dtype and sum in fp32 (distributed/fp32_accumulation.py). `name`:
+        what --check-for-large-grads calls its buckets."""
         held = held or set()
         self.group = group
         self.sharded = sharded
@@ -146,7 +148,7 @@ class GradBuffer:
         # --check-for-large-grads: each reduction's local bucket norm, before it (Megatron's check_grads), appended
         # in launch order to a list the wrapper shares between its buffers (device tensors, read after the step)
         self.local_norms: list[tuple[str, torch.Tensor]] | None = None
-        self.name = "bucket"
+        self.name = name
 
     def _pad(self, end: int, start: int) -> int:
         """A sharded bucket's length is a multiple of the group size, so it splits into equal parts."""
@@ -386,12 +388,11 @@ class DistributedDataParallel(nn.Module):
                 held=held,
                 dtype=grad_dtype,
                 fp32_accumulation=reduce_scatter_with_fp32_accumulation,
+                name=name,
             )
-            for ps, group in groups
+            for (ps, group), name in zip(groups, ("bucket", "expert bucket"))
             if ps
         ]
-        for b, name in zip(self.buffers, [name for (ps, _), name in zip(groups, ("bucket", "expert bucket")) if ps]):
-            b.name = name  # (how --check-for-large-grads names a bucket)
         self.buffer_of = {pid: b for b in self.buffers for pid in b.offset}
         self._local_norms: list | None = None
         for b in self.buffers:

@@ -25,6 +25,7 @@ from megatron_lite.checkpoint.checkpointing import (
     TrainState,
     load_checkpoint,
     read_metadata,
+    same_directory,
     save_checkpoint,
     saved_under_this_layout,
 )
@@ -495,11 +496,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
         if exiting and np_saver is not None and np_saver.covers_exit(state.iteration):
             log.info(f"iteration {state.iteration} was just saved non-persistently: no exit save (as Megatron)")
         elif ck.save and not t.skip_train and not (ck.save_interval and state.iteration % ck.save_interval == 0):
-            # (Megatron saves iteration != 0 again there, its checkpoint then recording this run's shorter
-            # --train-iters, which a later --load alone inherits: a run that trained nothing leaves --save's own
-            # checkpoint of this iteration as it is; one it loaded from elsewhere, another --load or a
-            # non-persistent one, is saved into --save, as Megatron does)
-            own = ckpt_path is not None and os.path.realpath(os.path.dirname(ckpt_path)) == os.path.realpath(ck.save)
+            # (Megatron saves iteration != 0 again, recording this run's shorter --train-iters, which a later --load
+            # alone inherits: a run that trained nothing leaves --save's own checkpoint of it as it is; one loaded
+            # from elsewhere, another --load or a non-persistent one, is saved into --save, as Megatron does)
+            own = ckpt_path is not None and same_directory(os.path.dirname(ckpt_path), ck.save)
             if state.iteration != first_iteration or (state.iteration > 0 and not own):
                 save()
             elif state.iteration > 0:
