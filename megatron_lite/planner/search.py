@@ -55,7 +55,10 @@ def optimizer_config(
 
 
 def sharding_of(optim: OptimizerConfig) -> str:
-    """The inverse of `optimizer_config`: which of SHARDINGS a job's optimizer flags select."""
+    """The inverse of `optimizer_config`: which of SHARDINGS a job's optimizer flags select, or "layer-wise" for
+    --optimizer dist_muon (its state split by whole tensors over data parallelism, gradients whole)."""
+    if optim.optimizer == "dist_muon":
+        return "layer-wise"
     if optim.use_torch_fsdp2:
         return "fsdp2"
     if optim.use_distributed_optimizer:
@@ -293,8 +296,7 @@ def job_layout(job, world: int) -> Layout:
     from megatron_lite.layout_validation import stage_layer_counts
 
     p, m = job.parallel, job.model
-    # (dist_muon splits the optimizer's state by whole tensors over data parallelism)
-    sharding = "layer-wise" if job.optimizer.optimizer == "dist_muon" else sharding_of(job.optimizer)
+    sharding = sharding_of(job.optimizer)
     uneven = p.pipeline_layout is not None or p.decoder_first_pipeline_num_layers is not None
     uneven = uneven or p.decoder_last_pipeline_num_layers is not None
     uneven = uneven or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split

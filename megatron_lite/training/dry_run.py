@@ -126,8 +126,7 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
     validate_profile(job.logging, world, job.distributed_backend != "gloo")  # (planned for GPUs on any machine)
     _check_data(job)
     low = job.optimizer.bf16 or job.optimizer.fp16
-    # (dist_muon splits the optimizer's state by whole parameters over data parallelism, gradients whole)
-    sharding = "layer-wise" if job.optimizer.optimizer == "dist_muon" else sharding_of(job.optimizer)
+    sharding = sharding_of(job.optimizer)
     # (a dry run on a machine without a GPU prices the PyTorch kernels it would run; a GPU run's are Triton's)
     gpu_default = model_cfg.kernel_impl == "torch" and not torch.cuda.is_available()
     kernels = [model_cfg.kernel_impl] + (["triton"] if gpu_default else [])
