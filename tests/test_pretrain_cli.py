@@ -479,6 +479,10 @@ def test_skip_train_evaluates_the_loaded_model(tmp_path, capsys, monkeypatch):
     assert len(valid) == 1 and abs(valid[0]["lm_loss"] - final_valid["lm_loss"]) < 1e-6 * final_valid["lm_loss"]
     assert any("test" in r for r in records)
     assert sorted(os.listdir(ckpt)) == before
+    # (a --save nothing can be written to, as on a read-only mount, is not refused: --skip-train saves nothing)
+    rc = main(["--load", ckpt, "--save", "/proc/nope", "--skip-train", "--train-iters", "6", "--eval-iters", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "--skip-train" in out
 
 
 def test_generate_prompts_a_checkpoint_trained_on_the_embedded_corpus(tmp_path, capsys, monkeypatch):

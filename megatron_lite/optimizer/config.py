@@ -217,11 +217,12 @@ class OptimizerConfig:
             ("--fp16", self.fp16, "Megatron refuses it too; use --bf16"),
             ("--use-torch-fsdp2", self.use_torch_fsdp2, "Muon orthogonalizes whole matrices"),
             ("--use-apex-adam", self.use_apex_adam, "the Adam part is torch's AdamW"),
-            # (Megatron overlaps dist_muon's all-gather of the updated weights; here it follows the step)
+            # (Megatron's --overlap-param-gather asserts --use-distributed-optimizer, which Muon refuses; its
+            # LayerWiseDistributedOptimizer all-gathers the updated weights after the step, as here)
             (
                 "--overlap-param-gather",
                 self.overlap_param_gather and self.optimizer == "dist_muon",
-                "not implemented for the layer-wise all-gather",
+                "Megatron refuses it too: the layer-wise all-gather follows the step",
             ),
         )
         for flag, given, why in refused:

@@ -259,7 +259,9 @@ class JobConfig:
 def check_output_paths(job: JobConfig) -> None:
     """The directories and files the job will write can be made: checked at start-up, before any process group
     (a --save under a regular file failed on rank 0 alone at the first save, the others waiting in a barrier)."""
-    dirs = [("--save", job.checkpoint.save), ("--tensorboard-dir", job.logging.tensorboard_dir)]
+    # (--skip-train writes no checkpoint, as Megatron: a --save on a read-only mount beside --load is left alone)
+    save = None if job.training.skip_train else job.checkpoint.save
+    dirs = [("--save", save), ("--tensorboard-dir", job.logging.tensorboard_dir)]
     dirs += [("--profile-dir", job.logging.profile_dir), ("--wandb-save-dir", job.logging.wandb_save_dir)]
     dirs += [("--data-cache-path", job.data.data_cache_path)]  # (the dataset indices are built there)
     files = [("--log-jsonl", job.logging.log_jsonl)]
@@ -313,6 +315,8 @@ def output_dirs(job: JobConfig, rank: int) -> list[tuple[str, str]]:
     from megatron_lite.checkpoint.non_persistent import local_dir
 
     ck = job.checkpoint
+    if job.training.skip_train:  # (nothing is trained, so nothing saved: check_output_paths)
+        return []
     out = [("--save", ck.save)] if ck.save else []
     if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
         out.append(("--non-persistent-local-ckpt-dir", local_dir(ck, rank)))
