@@ -19,7 +19,7 @@ from megatron_lite.data.tokenizers import tokenizer_file
 from megatron_lite.flag_checks import check_moe_flags, check_run_length, resolve_kernel_impl
 from megatron_lite.flag_parser import build_parser
 from megatron_lite.layout_validation import parse_pipeline_layout
-from megatron_lite.lora.config import EXPERT_TARGETS, LoraConfig, has_dense_mlp, lora_for_model, target_modules
+from megatron_lite.lora.config import LoraConfig, has_dense_mlp, lora_for_model, target_modules
 from megatron_lite.megatron_flags import OTHER_NAMES, refuse_unsupported
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.muon import MUON_FIELDS
@@ -418,15 +418,6 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
             model.q_lora_rank is not None,
             dense_mlp=has_dense_mlp(model),
         )
-        expert_targets = [t for t in lora.target_modules if t in EXPERT_TARGETS]
-        if expert_targets and model.num_experts and parallel.etp != parallel.tp:
-            # (an expert adapter's copied half is summed over TP, which at ETP < TP holds other slices or experts:
-            # wrong gradients without an error, found by a review)
-            raise ConfigError(
-                f"--lora-target-modules {expert_targets[0]} with --expert-tensor-parallel-size {parallel.etp} "
-                f"below --tensor-model-parallel-size {parallel.tp} is not supported yet; use --expert-tensor-"
-                f"parallel-size {parallel.tp} or adapt the attention and dense MLPs only"
-            )
         if lora.qlora and optimizer.use_torch_fsdp2:
             raise ConfigError(
                 "--qlora with --use-torch-fsdp2 is not supported: FSDP2 shards the weights before they are "

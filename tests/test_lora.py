@@ -2,7 +2,8 @@
 TP=2 without it, at PP=2 and at DP=2 equals one process per iteration (lm_loss and grad_norm within 1e-4),
 base weights stay bit-identical, only adapters are trained; the adapted model at init equals the base.
 Likewise a mixture-of-experts model with adapters on its routed experts, at EP=2, EP=2 x DP=2 and TP=2 + SP
-(expert-TP 2: the experts' adapters split like their weights)."""
+(expert-TP 2: the experts' adapters split like their weights), and at expert-TP below TP (1 under 2, with EP=1
+and 2; 2 under 4)."""
 
 from __future__ import annotations
 
@@ -137,6 +138,39 @@ def test_expert_lora_equals_one_process(dist, layout, lora):
     for history, unchanged, _, _ in dist(world, lora_run, "moe", parallel, gbs, mbs, 2, lora):
         assert unchanged
         _compare(history, ref)
+
+
+ETP1 = dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1, sequence_parallel=True)
+
+
+@pytest.mark.parametrize(
+    "world,parallel,optim_kw",
+    [(2, P(**ETP1), None), (2, P(**ETP1), {"use_distributed_optimizer": True}),
+     (2, P(expert_model_parallel_size=2, **ETP1), None),
+     (4, P(**{**ETP1, "tensor_model_parallel_size": 4, "expert_tensor_parallel_size": 2}), None)],
+    ids=["ep1", "ep1-distributed-optimizer", "ep2", "tp4-etp2"],
+)  # fmt: skip
+def test_expert_lora_at_expert_tp_below_tp_equals_one_process(dist, tmp_path, world, parallel, optim_kw):
+    """An expert-TP size below TP (each expert-TP group computes its slice of the tokens): the experts'
+    replicated adapter halves were summed over TP, whose other expert-TP groups hold other slices (which the
+    expert-DP reduction adds already) or other experts (EP=2), so start-up refused the layout. Now summed over
+    expert-TP: per iteration lm_loss and grad_norm within 1e-5 of one process (grad_norm 0.5600 for 0.5518 at
+    iteration 1 with the TP sum), and the checkpointed adapters, which --saver hf-peft exports, too."""
+    from megatron_lite.checkpoint.hf_convert import read_model_tensors
+    from megatron_lite.lora.peft import split_lora
+
+    ref, _, _, _, _ = lora_run("moe", P(), 4, 2, 2, EXPERT_LORA, save=str(tmp_path / "ref"))
+    save = str(tmp_path / "etp1")
+    for history, unchanged, _, _, _ in dist(world, lora_run, "moe", parallel, 4, 2, 2, EXPERT_LORA, optim_kw, save):
+        assert unchanged
+        for it, (got, want) in enumerate(zip(history, ref)):
+            for what, a, b in (("lm_loss", got[0], want[0]), ("grad_norm", got[1], want[1])):
+                assert abs(a - b) <= 1e-5 * abs(b), f"iteration {it + 1}: {what} {a} vs {b}"
+    (_, want), (_, got) = (split_lora(read_model_tensors(d, base=False)[1]) for d in (str(tmp_path / "ref"), save))
+    assert set(got) == set(want) and any(".mlp.experts." in k for k in want)
+    for k in want:
+        # (as a whole tensor: Adam's steps on near-zero gradients round elementwise, as the dense adapters' do)
+        assert (got[k] - want[k]).norm() <= 1e-5 * want[k].norm() and want[k].norm() > 0, k
 
 
 def test_lora_keeps_the_router_bias_of_aux_loss_free_balancing():

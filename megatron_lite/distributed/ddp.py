@@ -33,6 +33,7 @@ from torch import nn
 from megatron_lite.distributed.fp32_accumulation import reduce_scatter_with_fp32_accumulation
 from megatron_lite.parallel_context import Group, ParallelContext
 from megatron_lite.parameters import named_param_meta
+from megatron_lite.tensor_parallel.grads import sum_groups
 from megatron_lite.tensor_parallel.mappings import reduce_scatter_tensor
 
 
@@ -476,31 +477,31 @@ class DistributedDataParallel(nn.Module):
                 return self.module.global_name(name) if hasattr(self.module, "global_name") else name
         return None
 
-    def sequence_parallel_shard_sum(self, tp: Group) -> None:
-        """Sharded buffers: the TP sum of sequence-parallel parameters' gradients, on this rank's reduced
-        parts (TP ranks share one buffer layout, so they own the same parts)."""
-        if tp.size == 1:
-            return
-        sp = {id(p) for _, p, meta in named_param_meta(self.module) if meta.sequence_parallel}
-        views = []
-        for buffer in self.buffers:
-            for (lo, hi), b in zip(buffer.shard_ranges(), buffer.buckets):
-                for p in b.params:
-                    if id(p) not in sp:
-                        continue
-                    po = buffer.offset[id(p)]
-                    a, z = max(lo, po), min(hi, po + p.numel())
-                    if z > a:
-                        views.append(buffer.shard_view(p, a - po, z - po))
-        if not views:
-            return
-        flat = torch.cat(views)
-        with tp.blocked():
-            dist.all_reduce(flat, group=tp.pg)
-        offset = 0
-        for v in views:
-            v.copy_(flat[offset : offset + v.numel()])
-            offset += v.numel()
+    def sequence_parallel_shard_sum(self, tp: Group, etp: Group | None = None) -> None:
+        """Sharded buffers: the TP sum of sequence-parallel parameters' gradients (experts' over `etp`: see
+        tensor_parallel/grads.py), on this rank's reduced parts (the ranks of either group share one buffer layout
+        and data-parallel rank, so they own the same parts)."""
+        for group, which in sum_groups(tp, etp):
+            sp = {id(p) for _, p, meta in named_param_meta(self.module) if meta.sequence_parallel and which(meta)}
+            views = []
+            for buffer in self.buffers:
+                for (lo, hi), b in zip(buffer.shard_ranges(), buffer.buckets):
+                    for p in b.params:
+                        if id(p) not in sp:
+                            continue
+                        po = buffer.offset[id(p)]
+                        a, z = max(lo, po), min(hi, po + p.numel())
+                        if z > a:
+                            views.append(buffer.shard_view(p, a - po, z - po))
+            if not views:
+                continue
+            flat = torch.cat(views)
+            with group.blocked():
+                dist.all_reduce(flat, group=group.pg)
+            offset = 0
+            for v in views:
+                v.copy_(flat[offset : offset + v.numel()])
+                offset += v.numel()
 
     def note_tied_local(self) -> None:
         """For the NaN report: record this rank's own tied-embedding gradient before any reduction of it."""

@@ -13,9 +13,11 @@ Fused layers carry one adapter per projection, as PEFT has them per Hugging Face
 and v (their outputs placed into the grouped layout), SwiGLU's fc1 gate and up. A routed expert carries one
 adapter on fc1 (gate and up together, as PEFT adapts Hugging Face's fused experts.gate_up_proj) and one on
 fc2, split over expert-TP like a column/row-parallel layer (fc1's B in gate and up blocks, like its weight):
-the MoE layer gathers the TP group's tokens before the experts and reduces after them, the same pattern, and
-the expert-TP group is the TP group (they must be equal), so the same TP sum completes the replicated
-matrices' gradients. They are expert parameters: reduced over expert-DP.
+the MoE layer gathers the TP group's tokens before the experts and reduces after them, the same pattern. The
+replicated matrices' gradients are partial over the expert-TP group alone and summed over it (an expert-TP size
+below TP gives each expert-TP group its own slice of the tokens, and the other groups' slices, or other experts,
+must not be added in: tensor_parallel/grads.py); they are expert parameters, reduced over expert-DP, which adds
+the slices.
 
 --lora-dropout drops each adapter's input with a mask of its own, as PEFT's per-module dropout does. A
 column-parallel layer's input is the same on every TP rank and so is its mask (the default generator, the

@@ -171,10 +171,10 @@ def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None
     if model.use_distributed_optimizer:
         allreduce_embedding_grads(model, ctx)
         model.finish_grad_sync()
-        model.sequence_parallel_shard_sum(ctx.tp)
+        model.sequence_parallel_shard_sum(ctx.tp, ctx.etp)
         return
     model.finish_grad_sync()
-    allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad)
+    allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad, ctx.etp)
     allreduce_embedding_grads(model, ctx)
 
 
