@@ -242,8 +242,6 @@ def _check_expert_slices(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"{flag} needs --sequence-parallel (Megatron's MoE layer refuses TP without it); add it")
     if model.moe_expert_capacity_factor is not None:
         raise ConfigError(f"{flag} with --moe-expert-capacity-factor is not supported yet; use dropless MoE")
-    if model.add_bias_linear and parallel.etp > 1:  # (fc2's bias gradient is summed over TP, not expert-TP)
-        raise ConfigError(f"{flag} with expert biases is not supported yet; use --expert-tensor-parallel-size 1")
 
 
 def validate_layout(

@@ -25,7 +25,7 @@ class ParamMeta:
     shard_rank: int = 0  # this rank's index among the shards
     # Replicated across TP but fed only this rank's part of the activations (its sequence shard under
     # sequence parallelism; its heads for the --qk-layernorm weights; the MoE router under TP): the gradient
-    # is partial and must be summed over TP (see tensor_parallel/grads.py).
+    # is partial and must be summed over TP (an expert's over expert-TP: see tensor_parallel/grads.py).
     sequence_parallel: bool = False
     # The last pipeline stage's copy of tied word embeddings: kept equal to the first stage's by an all-reduce
     # of their gradients, counted once in the grad norm and stored once in checkpoints (under the original).

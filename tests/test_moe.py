@@ -444,6 +444,9 @@ VARIANTS = {
         P(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
         dict(GPT_OSS_MLP, moe_layer_freq=(0, 1)),
     ),  # fmt: skip
+    # ... at expert-TP 2 under TP 4: fc2's bias, whole on each expert-TP rank 0, is summed over expert-TP (over TP
+    # it added the other expert-TP group's slice, which the expert-DP reduction adds as well: start-up refused it)
+    "gpt-oss-mlp-ep2-tp4-etp2-sp": (4, ETP_LAYOUTS["ep2-tp4-etp2-sp"][1], GPT_OSS_MLP),
 }
 
 

@@ -26,7 +26,7 @@ class ExpertWeight(nn.Module):
     `linear_fc1.bias`) in names and checkpoints. `bias_meta`: the bias's, None for no bias. `bias_scale` 0: this
     rank adds the bias times zero (fc2's bias on expert-TP ranks past the first: the outputs are summed over the
     group, so one rank adds it; the others still use it, so its gradient hook fires, and the bias's gradient,
-    whole on the first rank, is summed over TP as its meta says)."""
+    whole on the first rank, is summed over expert-TP as its meta says)."""
 
     def __init__(self, shape, meta: ParamMeta, device, dtype, bias_meta: ParamMeta | None = None,
                  bias_scale: float = 1.0) -> None:  # fmt: skip
