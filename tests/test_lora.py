@@ -96,7 +96,8 @@ def lora_run(
         idx = micro_batch_indices(it * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
         m = train_step(ddp, opt, sched, [collate([data[i] for i in ix]) for ix in idx], ctx)
         history.append((m.lm_loss, m.grad_norm, m.lr))
-    unchanged = all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    full = {n: getattr(p, "full_tensor", lambda p=p: p)() for n, p in model.named_parameters()}  # (FSDP2: DTensors)
+    unchanged = all(torch.equal(full[n], frozen[n]) for n in frozen)
     if save is None:
         return history, unchanged, trainable, n_adapter
     import json
@@ -146,9 +147,9 @@ ETP1 = dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1, sequenc
 @pytest.mark.parametrize(
     "world,parallel,optim_kw",
     [(2, P(**ETP1), None), (2, P(**ETP1), {"use_distributed_optimizer": True}),
-     (2, P(expert_model_parallel_size=2, **ETP1), None),
+     (2, P(**ETP1), {"use_torch_fsdp2": True}), (2, P(expert_model_parallel_size=2, **ETP1), None),
      (4, P(**{**ETP1, "tensor_model_parallel_size": 4, "expert_tensor_parallel_size": 2}), None)],
-    ids=["ep1", "ep1-distributed-optimizer", "ep2", "tp4-etp2"],
+    ids=["ep1", "ep1-distributed-optimizer", "ep1-fsdp2", "ep2", "tp4-etp2"],
 )  # fmt: skip
 def test_expert_lora_at_expert_tp_below_tp_equals_one_process(dist, tmp_path, world, parallel, optim_kw):
     """An expert-TP size below TP (each expert-TP group computes its slice of the tokens): the experts'
