@@ -21,7 +21,7 @@ from megatron_lite.planner.search import uneven_stages
 from megatron_lite.training.flops import flops_per_token
 
 from dist_pool import get_context
-from models import hetero_config, llama_config
+from models import hetero_config, llama_config, nemotron_h_config
 
 SEQ = 32
 
@@ -80,9 +80,9 @@ def test_expert_gradients_and_state_go_over_the_expert_data_parallel_group(monke
     assert t.optimizer == pytest.approx(expected, rel=1e-12)
 
 
-def _count(layout_kw: dict, moe: bool, hetero: bool = False) -> dict:
+def _count(layout_kw: dict, moe: bool, hetero: bool = False, hybrid: bool = False) -> dict:
     """Collectives one step issues on this rank: TP all-gathers and reduce-scatters, EP all-to-all bytes
-    (`hetero`: of models.hetero_config's layers)."""
+    (`hetero`: of models.hetero_config's layers; `hybrid`: of a hybrid Mamba model, MM*-M)."""
     import torch.distributed as dist
 
     from megatron_lite.planner.measure import measure_layout
@@ -90,6 +90,8 @@ def _count(layout_kw: dict, moe: bool, hetero: bool = False) -> dict:
     layout = Layout(**layout_kw)
     extra = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48) if moe else {}
     config = (hetero_config if hetero else llama_config)(num_layers=2 + 2 * hetero, kernel_impl="torch", **extra)
+    if hybrid:
+        config = nemotron_h_config(num_layers=5, hybrid_override_pattern="MM*-M", kernel_impl="torch", num_experts=None)
     ctx = get_context(layout.parallel_config())
     counts = collections.Counter()
     names = [n for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)]

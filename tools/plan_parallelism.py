@@ -30,7 +30,7 @@ from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import SHARDINGS, Layout
 from megatron_lite.planner.memory import MuonStateBytes
 from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
-from megatron_lite.planner.unmodelled import unmodelled_settings, unplannable
+from megatron_lite.planner.unmodelled import unmodelled_settings
 
 
 def script_args(path: str) -> tuple[list[str], int, int | None]:
@@ -105,8 +105,6 @@ def model_from_flags(argv: list[str], seq: int | None = None, gbs: int | None = 
             "here: the planner prices training every weight, far above a frozen base's memory; pretrain_gpt.py with "
             "the same flags and --dry-run counts a LoRA job's memory per rank"
         )
-    if unplannable(job.model):
-        raise SystemExit(f"error: {unplannable(job.model)}")
     model = dataclasses.replace(job.model, vocab_size=vocab)
     return dataclasses.replace(model, kernel_impl=kernel or "triton"), job  # (triton: a GPU's default)
 
@@ -128,8 +126,6 @@ def model_from_hf(path: str) -> ModelConfig:
         raise SystemExit(f"error: --hf-config {path}: {e}") from None
     except ValueError as e:  # (a config.json that is not JSON)
         raise SystemExit(f"error: --hf-config {path}: {e}") from None
-    if unplannable(model):
-        raise SystemExit(f"error: --hf-config {path}: {unplannable(model)}")
     # DeepSeek-V3's multi-token-prediction depths train beside the model (the converter keeps those present)
     mtp = int(raw.get("num_nextn_predict_layers") or 0) if _arch(hf) == "DeepseekV3ForCausalLM" else 0
     return dataclasses.replace(model, mtp_num_layers=mtp, kernel_impl="triton")  # (triton: a GPU's default)
@@ -208,6 +204,12 @@ def print_plan(
             f" ({model.query_groups} groups), FFN {model.ffn_size}"
             if model.heterogeneous_blocks is None
             else f", heterogeneous layers ({_blocks(model)})"
+        )
+        + (
+            f", hybrid layers {''.join(model.layer_types)} (Mamba: {model.mamba_heads} heads of "
+            f"{model.mamba_head_dim}, {model.mamba_num_groups} groups, state {model.mamba_state_dim})"
+            if model.hybrid
+            else ""
         )
         + f", vocabulary {model.vocab_size}"
         + (f", {model.num_experts} experts top-{model.moe_router_topk}" if model.num_experts else "")

@@ -30,11 +30,12 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.models.heterogeneous import LINEAR, NO_OP, NORMAL, BlockConfig
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
+from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes, mixer_dims, mixer_ops
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_wise_split_of
 from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
-from megatron_lite.training.flops import flops_per_token
+from megatron_lite.training.flops import PEAKS, flops_per_token, mamba_scan_flops
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,24 @@ def _gemm(
     return t8 if fp8 == "fp8" else (2 * t8 + t) / 3
 
 
+def _mixer_terms(
+    model: ModelConfig, layout: Layout, m: float, a: int, cl: Cluster, eff: Efficiency, impl: Implementation
+) -> tuple[float, float, float, float, float]:
+    """A Mamba layer's forward as layer_terms gives a layer's: in_proj and out_proj (this rank's heads and groups),
+    the scan's FLOPs (Megatron's 7 d N: training/flops.py) at the accelerator's fp32 rate (models/mamba.py scans in
+    fp32 PyTorch, no TF32), the traffic of writing and reading what the mixer saves plus its norm and residual,
+    and its PyTorch operators' launches (planner/hybrid.py)."""
+    g, tp, h, seq = cl.gpu, layout.tp, model.hidden_size, m / layout.micro_batch_size
+    d, gn, heads, _ = mixer_dims(model, tp)
+    gemms = _gemm(m, h, 2 * d + 2 * gn + heads, a, cl, eff) + _gemm(m, d, h, a, cl, eff)
+    fp32 = g.peak_flops if g.measured else next((f for key, _, f in PEAKS if key in g.name), g.peak_flops / 15)
+    scan = m * mamba_scan_flops(model) / tp / (fp32 * eff.attention)
+    moved = elementwise_values(model, tp, layout.sp, impl, MAMBA_MIXER, NO_OP) * a
+    moved += 2 * mixer_activation_bytes(model, tp, a, int(seq), layout.micro_batch_size)
+    elem = m * moved / (g.memory_bandwidth * eff.memory)
+    return gemms + scan, 0.0, 0.0, elem, mixer_ops(int(seq)) / impl.ops_per_layer
+
+
 RINGS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -250,10 +269,8 @@ def step_time(
     swiglu = model.gated_linear_unit
     g = cl.gpu
 
-    blocks = model.heterogeneous_blocks
-
-    def block_of(layer: int):  # (a heterogeneous layer's parts, None in a homogeneous model and the MTP depths)
-        return blocks[layer] if blocks is not None and layer < model.num_layers else None
+    def block_of(layer: int):  # (a heterogeneous or hybrid layer's parts, None in a homogeneous model and the MTP
+        return layer_block(model, layer)  # depths; a Mamba mixer's collectives are a normal part's)
 
     def layer_terms(moe: bool, fp8: str | None, layer: int) -> tuple[float, float, float, float, float]:
         """One layer's forward (attention GEMMs, MLP, attention core, element-wise) and its share of a layer's
@@ -262,6 +279,8 @@ def step_time(
         replacement one [hidden, hidden / TP] GEMM, a no-op part nothing."""
         block = block_of(layer)
         own = model.layer_config(layer) if block is not None else model
+        if block is not None and block.attention == MAMBA_MIXER:
+            return _mixer_terms(model, layout, m, a, cl, eff, impl)
         kv = own.query_groups * d
         rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (the gate's rows, if any)
         attn = _gemm(m, h, rows / tp, a, cl, eff, fp8=fp8) + _gemm(m, q / tp, h, a, cl, eff, fp8=fp8)

@@ -32,6 +32,7 @@ from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.models.heterogeneous import NO_OP, NORMAL, BlockConfig, layer_kinds
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
 from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
+from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.lora_memory import lora_first_layer_bytes, lora_layer_bytes
 from megatron_lite.planner.params import StageParams, stage_params, stage_tensors
@@ -72,11 +73,10 @@ def layer_activation_bytes(
     nothing, not even its norm; a linear one its norm and the linear's input; an identity layer nothing (checkpointed,
     its checkpoint's input is priced, which activation_bytes leaves out for a run of identities alone but for one
     ending a chunk sent to another stage)."""
-    blocks = model.heterogeneous_blocks if layer < model.num_layers else None
-    block = blocks[layer] if blocks is not None else BlockConfig()
+    block = layer_block(model, layer) or BlockConfig()  # (a hybrid layer's one part too: planner/hybrid.py)
     if block.attention == block.mlp == NO_OP and recompute != "full":
         return 0.0
-    model = model.layer_config(layer) if blocks is not None else model
+    model = model.layer_config(layer) if layer < model.num_layers else model
     attn_kept, mlp_kept = block.attention != NO_OP, block.mlp != NO_OP
     parts = attn_kept + mlp_kept  # (each kept part: its norm, its dropout mask)
     h, d = model.hidden_size, model.head_dim
@@ -87,6 +87,10 @@ def layer_activation_bytes(
     wide = h * (stream_bytes(model, a) - a)  # each norm's input, the residual stream, in fp32 under the flag
     if recompute == "full":
         return (h * a + wide) / norm_div
+    if block.attention == MAMBA_MIXER:  # its norm, in_proj's (gathered) input, the mixer, the dropout mask
+        masks = h * mask / norm_div if model.hidden_dropout > 0 else 0
+        mixer = mixer_activation_bytes(model, tp, a, tokens // layout.micro_batch_size, layout.micro_batch_size)
+        return (_norm_bytes(model, a) + wide) / norm_div + h * a + mixer + masks
     modules = set(model.recompute_modules) if recompute == "selective" else set()
     core = "selective" if "core_attn" in modules else "none"
     rms = model.normalization == "RMSNorm"
@@ -146,7 +150,7 @@ def layer_activation_bytes(
         total += attn / tp
         if "moe" in modules:  # the whole MoE layer checkpointed (its input counted above)
             total += fp8_activation_bytes(model, layout, a, layer, modules, 0) if fp8 and lora is None else 0
-            return total + (2 * h * mask / norm_div if model.hidden_dropout > 0 else 0)
+            return total + (parts * h * mask / norm_div if model.hidden_dropout > 0 else 0)
         # (fp8 experts run one by one, the activation's kernel all the same)
         per = mlp(model.moe_ffn_size, "moe_act" in modules) / tp
         # router scores (fp32), then each token's top-k copies through an expert (expected, balanced): the output
@@ -243,6 +247,9 @@ def activation_bytes(
     def identity(i: int) -> bool:  # (a heterogeneous layer of two no-ops)
         return model.heterogeneous_blocks is not None and i < model.num_layers and not layer_kinds(model, i)
 
+    def attends(i: int) -> bool:  # (not a linear replacement, a no-op or a Mamba mixer)
+        return (layer_block(model, i) or BlockConfig()).attention == NORMAL
+
     def layer_bytes(i: int, index: int, layers: list[int], sent: bool) -> float:
         if index % group:
             return 0.0  # inside a uniform run: its input is the run's, rebuilt in the backward
@@ -252,9 +259,8 @@ def activation_bytes(
         last = index + group >= len(layers)
         if recompute == "full" and all(identity(j) for j in layers[index : index + group]) and not (last and sent):
             return 0.0
-        own = model.heterogeneous_blocks[i] if model.heterogeneous_blocks is not None and i < model.num_layers else 0
         key = (model.is_moe_layer(i), recompute, fp8_layer(model, i), i < model.num_layers and model.skips_rope(i))
-        key += (own,)  # (a heterogeneous layer's own kinds and sizes)
+        key += (layer_block(model, i),)  # (a heterogeneous layer's own kinds and sizes, a hybrid layer's kind)
         if key not in by_kind:
             by_kind[key] = layer_activation_bytes(model, layout, a, i, recompute, lora, mask, tokens)
         return by_kind[key]
@@ -270,10 +276,9 @@ def activation_bytes(
         if model.fp8 is not None and not fp8_caches_weights(model, layout) and lora is None:
             # each micro-batch's own fp8 weights, saved by its linears (those run inside checkpoints: transient)
             whole += fp8_weight_bytes_held(model, layout, fp8_layers[c], cached=False)[0]
-        # (a chunk of heterogeneous layers without attention uses no RoPE)
-        blocks = model.heterogeneous_blocks  # (a linear replacement of attention reads no RoPE either)
-        attends = blocks is None or any(blocks[i].attention == NORMAL for i in layers if i < len(blocks))
-        if model.position_embedding_type == "rope" and some_kept and attends:
+        # (a chunk of heterogeneous or hybrid layers without attention uses no RoPE; a linear replacement of
+        # attention reads none either)
+        if model.position_embedding_type == "rope" and some_kept and any(attends(i) for i in layers):
             per_token += 2 * model.rotary_dim * 4  # cos and sin of every position, fp32
         # its mask (none under LoRA: no gradient flows into a frozen embedding's output)
         embedding_dropout = h * mask / norm_div if model.hidden_dropout > 0 and lora is None else 0
@@ -352,7 +357,7 @@ def recompute_transient_bytes(
         return 0.0
     a, i = 2 if bf16 else 4, layers[-1]
     tokens = seq_length // layout.cp * layout.micro_batch_size
-    if model.heterogeneous_blocks is not None:  # (the layer that keeps most: the layers differ)
+    if model.heterogeneous_blocks is not None or model.hybrid:  # (the layer that keeps most: the layers differ)
         i = max(layers, key=lambda j: layer_activation_bytes(model, layout, a, j, "none", lora, mask, tokens))
     run = 1
     if layout.recompute == "full" and model.recompute_method != "block":

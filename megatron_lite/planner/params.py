@@ -2,7 +2,8 @@
 as our layers hold them: the vocabulary padded to a multiple of make_vocab_size_divisible_by x TP, grouped-query
 QKV split by query group, a tied output layer copied onto the last pipeline stage, a heterogeneous layer
 (models/heterogeneous.py) at its own query groups and FFN size, a linear replacement one [hidden, hidden] linear
-split over TP and a no-op part nothing (not even its norm). tests/test_planner.py holds the counts to the built
+split over TP and a no-op part nothing (not even its norm), a hybrid model's layer its one part (a Mamba mixer's
+heads and groups split over TP: planner/hybrid.py). tests/test_planner.py holds the counts to the built
 model's at every layout."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.models.heterogeneous import NO_OP, NORMAL, BlockConfig
+from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mamba_tensors
 from megatron_lite.planner.layout import Layout
 
 # One parameter tensor on one rank: (elements, whether Muon steps it: a 2-D one but the word embeddings and the
@@ -71,9 +73,10 @@ def _attention_tensors(model: ModelConfig, tp: int) -> list[Tensor]:
 def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int) -> list[Tensor]:
     """The parameters of one transformer layer on one rank. A heterogeneous layer at its own sizes: a linear
     replacement's [hidden, hidden] linear (its bias split too: column-parallel) and norm, a no-op part nothing."""
-    blocks = model.heterogeneous_blocks if layer < model.num_layers else None
-    block = blocks[layer] if blocks is not None else BlockConfig()
-    m = model.layer_config(layer) if blocks is not None else model
+    block = layer_block(model, layer) or BlockConfig()  # (a hybrid layer's one part too)
+    if block.attention == MAMBA_MIXER:
+        return mamba_tensors(model, tp)
+    m = model.layer_config(layer) if layer < model.num_layers else model
     h = m.hidden_size
     norm = [(h * (2 if m.normalization == "LayerNorm" else 1), False, False)]
     linear = [(h * h // tp, True, False)] + ([(h // tp, False, False)] if m.add_bias_linear else [])
@@ -133,11 +136,10 @@ def _groups(
     layers: list[int] = []
     first_layer = 0
     by_kind: dict[tuple, list] = {}  # a layer's tensors depend on it only through these: [tensors, count]
-    blocks = model.heterogeneous_blocks
     for vstage, n in enumerate(counts):
         if vstage % layout.pp == pp_rank:
             for layer in range(first_layer, first_layer + n):
-                kind = (model.is_moe_layer(layer), blocks[layer] if blocks is not None else None)
+                kind = (model.is_moe_layer(layer), layer_block(model, layer))
                 if kind not in by_kind:
                     by_kind[kind] = [layer_tensors(model, layer, tp, layout.ep), 0]
                 by_kind[kind][1] += 1

@@ -19,17 +19,3 @@ def unmodelled_settings(model: ModelConfig) -> list[str]:
             "is priced as)"
         )
     return out
-
-
-def unplannable(model: ModelConfig) -> str | None:
-    """Why the planner cannot price `model` at all (a one-line refusal), or None. A hybrid Mamba model's layers would
-    be priced as attention + MLP layers: the Mamba mixers' weights, saved activations and scan time are not
-    modelled. (A heterogeneous model's layers are priced each at its own parts and sizes.)"""
-    if model.hybrid:
-        pattern = "".join(model.layer_types)
-        return (
-            f"a hybrid Mamba model (--hybrid-override-pattern {pattern}) is not modelled here: the planner prices "
-            "transformer layers, not Mamba mixers; pretrain_gpt.py with the same flags and --dry-run counts its "
-            "memory per rank"
-        )
-    return None

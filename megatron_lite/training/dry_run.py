@@ -131,7 +131,6 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
     gpu_default = model_cfg.kernel_impl == "torch" and not torch.cuda.is_available()
     kernels = [model_cfg.kernel_impl] + (["triton"] if gpu_default else [])
     layout = job_layout(job, world)
-    hybrid = model_cfg.hybrid  # (the memory model prices transformer layers: a Mamba mixer's activations are not)
     by_stage: dict[int, tuple] = {}  # (every rank of a pipeline stage holds the same activations)
     print(f"dry run: world size {world}, {job.parallel}")
     groups: dict[tuple[int, float], list[int]] = {}
@@ -150,10 +149,8 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
         if ctx.dp_cp.rank != 0:
             continue  # data-parallel replicas hold the same (experts aside, which the total counts)
         if ctx.pp.rank not in by_stage:
-            by_stage[ctx.pp.rank] = (
-                ((0.0, 0.0),)
-                if hybrid
-                else tuple(activation_bytes(job, model_cfg, layout, world, ctx.pp.rank, k) for k in kernels)
+            by_stage[ctx.pp.rank] = tuple(
+                activation_bytes(job, model_cfg, layout, world, ctx.pp.rank, k) for k in kernels
             )
         act = by_stage[ctx.pp.rank]
         metas = list(named_param_meta(chunks))
@@ -185,8 +182,6 @@ def dry_run(job: JobConfig, ckpt_path: str | None = None) -> int:
         also = f" + ~{_bytes(extra)} rebuilt or copied during the backward and step" if extra else ""
         also += f" (~{_bytes(gpu[0][0])} activations with a GPU's Triton kernels)" if gpu else ""
         activations = f"~{_bytes(saved)} activations at the schedule's peak{also}"
-        if hybrid:
-            activations = "activations not estimated (a hybrid Mamba model: the memory model prices transformer layers)"
         print(
             f"  ranks {ranks} (and their data-parallel replicas): {_count(n)} parameters, {_bytes(states)} "
             f"weights+gradients+optimizer, {activations}"

@@ -73,12 +73,17 @@ def _mlp_flops(c: ModelConfig, layer: int) -> float:
     )
 
 
+def mamba_scan_flops(c: ModelConfig) -> float:
+    """The part of _mamba_flops with no weight: Megatron's 7 d N for the scan (the planner times it apart)."""
+    return 7 * c.mamba_heads * c.mamba_head_dim * c.mamba_state_dim
+
+
 def _mamba_flops(c: ModelConfig) -> float:
     """Forward FLOPs of one token's Mamba-2 mixer, Megatron's estimate: in_proj 2 h (2 d + 2 G N + heads), the scan
     7 d N, out_proj 2 d h (d = heads x head dim: Megatron's formula takes 2 h, the same unless --mamba-num-heads
     says otherwise)."""
     h, d, gn = c.hidden_size, c.mamba_heads * c.mamba_head_dim, c.mamba_num_groups * c.mamba_state_dim
-    return 2 * h * (2 * d + 2 * gn + c.mamba_heads) + 7 * d * c.mamba_state_dim + 2 * d * h
+    return 2 * h * (2 * d + 2 * gn + c.mamba_heads) + mamba_scan_flops(c) + 2 * d * h
 
 
 def _heterogeneous_layer_flops(c: ModelConfig, layer: int, keys: float) -> float:
