@@ -19,7 +19,7 @@ from megatron_lite.planner.params import stage_params
 from megatron_lite.training.flops import flops_per_token
 
 from dist_pool import get_context
-from models import llama_config, nemotron_h_config
+from models import DEVICE, llama_config, nemotron_h_config
 
 GBS = 4
 
@@ -27,7 +27,7 @@ GBS = 4
 def _hybrid(pattern: str = "M*-E", **kw):
     """Nemotron-H-shaped (tests/models.py): 16 Mamba heads of 8 in 2 groups of state 8, attention, a dense MLP and
     a MoE layer, each its own residual block."""
-    return nemotron_h_config(num_layers=len(pattern), hybrid_override_pattern=pattern, kernel_impl="torch", **kw)
+    return nemotron_h_config(num_layers=len(pattern), hybrid_override_pattern=pattern, **{"kernel_impl": "torch", **kw})
 
 
 @pytest.mark.parametrize(
@@ -50,16 +50,20 @@ def test_parameter_counts_equal_the_built_model(pattern, layout):
         assert (counts.dense, counts.expert) == (sum(p.numel() for p in chunks.parameters()) - expert, expert)
 
 
-def _measure(pattern: str, layout: Layout, seq: int, bf16: bool = False) -> dict:
+def _measure(pattern: str, layout: Layout, seq: int, bf16: bool = False, kernels: str = "torch") -> dict:
     import torch.distributed as dist
 
     from megatron_lite.parallel_context import ParallelContext
     from megatron_lite.planner.measure import measure_layout
 
     parallel = layout.parallel_config()
-    ctx = get_context(parallel) if dist.is_initialized() else ParallelContext.virtual(parallel)
+    if dist.is_initialized():
+        ctx = get_context(parallel)
+    else:  # the Triton kernels run on a GPU where there is one, else through the CPU's interpreter
+        ctx = ParallelContext.virtual(parallel, device=DEVICE if kernels == "triton" else torch.device("cpu"))
     torch.set_num_threads(1)
-    return measure_layout(_hybrid(pattern), layout, seq, GBS, iters=0, ctx=ctx, bf16=bf16)
+    config = _hybrid(pattern, kernel_impl=kernels)
+    return measure_layout(config, layout, seq, GBS, iters=0, ctx=ctx, bf16=bf16)
 
 
 CASES = {
@@ -70,6 +74,8 @@ CASES = {
     # 160 tokens: two chunks of 128, the second padded, the state carried between them
     "one-seq160": ("M*-E", Layout(micro_batch_size=2), 160),
     "one-full": ("M*-E", Layout(micro_batch_size=2, recompute="full"), 32),
+    # (the planner's default kernels: their norms keep their input and statistics; the mixer is PyTorch's still)
+    "one-triton": ("M*-E", Layout(micro_batch_size=2), 32),
     "tp2-sp": ("M*-E", Layout(tp=2, micro_batch_size=2), 32),
     "tp2-no-sp": ("M*-E", Layout(tp=2, micro_batch_size=2, sequence_parallel=False), 32),
     "pp2": ("MM*-", Layout(pp=2, micro_batch_size=1), 32),  # (stages unequal: two Mamba layers, then * and -)
@@ -83,11 +89,10 @@ def test_memory_estimate_within_ten_percent(dist, case):
     and gated norm, divided over TP by heads and groups, its in_proj input gathered under SP; full recomputation
     keeps each layer's input."""
     pattern, layout, seq = CASES[case]
-    bf16 = case.endswith("bf16")
-    results = (
-        [_measure(pattern, layout, seq, bf16)] if layout.world == 1 else dist(layout.world, _measure, *CASES[case])
-    )
-    config = layout.model_config(_hybrid(pattern))
+    bf16, kernels = case.endswith("bf16"), "triton" if case.endswith("triton") else "torch"
+    one = layout.world == 1
+    results = [_measure(pattern, layout, seq, bf16, kernels)] if one else dist(layout.world, _measure, *CASES[case])
+    config = layout.model_config(_hybrid(pattern, kernel_impl=kernels))
     for r in results:
         est = rank_memory(config, layout, seq, GBS, bf16, r["pp_rank"]).as_dict()
         for key, measured in r["memory"].items():
