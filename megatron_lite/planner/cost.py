@@ -14,6 +14,8 @@ GEMMs; +1 forward per recomputed part):
                (a2a) trades sequence for heads of q, k, v and back for the output, exposed; all-gather
                gathers K and V and reduce-scatters their gradients, exposed
   EP           two all-to-alls forward, two backward, of each token's top-k copies
+A hybrid model's Mamba layer: in_proj and out_proj as GEMMs, the scan at the fp32 rate, what it saves moved
+through memory, its own launches, one part's TP collectives (_mixer_terms, planner/hybrid.py).
 Then: the pipeline bubble (p - 1) / (v m) of the compute, p2p sends, the data-parallel gradient reduction
 (and parameter all-gather for ZeRO/FSDP) exposed beyond the backward it overlaps, and the optimizer step
 (memory-bound). Collectives run over NVLink while their group stays inside a node, else the network, at

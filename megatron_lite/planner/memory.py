@@ -19,7 +19,8 @@ token and layer (h hidden, q = heads x head_dim, kv = groups x head_dim, f the F
 Norm terms are divided by TP under sequence parallelism. Full recomputation keeps only each layer's input;
 selective recomputation (core attention) keeps q, k, v instead of the attention's outputs. Pipeline
 schedules keep several micro-batches alive: the count comes from the schedule itself. fp8 GEMMs, an fp32
-residual stream and the experts' capacity: planner/precision.py."""
+residual stream and the experts' capacity: planner/precision.py. A hybrid model's layers, each one part, and what
+a Mamba mixer saves: planner/hybrid.py."""
 
 from __future__ import annotations
 
