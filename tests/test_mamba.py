@@ -192,20 +192,6 @@ def test_hybrid_training_at_tp2_and_pp2_equals_one_process(dist, world, parallel
     assert ref[-1][0] < ref[0][0]  # (it trains)
 
 
-def test_the_planner_refuses_a_hybrid_model_in_one_line():
-    """The planner prices transformer layers: a hybrid model is refused, not mis-estimated."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "tools" / "plan_parallelism.py"
-    spec = importlib.util.spec_from_file_location("plan_parallelism", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    flags = ["--num-layers", "4", "--hybrid-override-pattern", "M*-M", *BASE]
-    with pytest.raises(SystemExit, match=r"a hybrid Mamba model \(--hybrid-override-pattern M\*-M\) is not modelled"):
-        tool.main(["--", *flags])
-
-
 def test_flops_count_each_hybrid_layer_as_its_kind():
     """Per token, worked by hand (h 32, 8 heads x 8 dims in 2 groups of state 8, so d 64; 4 attention heads of 8 in
     2 groups; MLP 48, squared ReLU; vocabulary 100; sequence 16, causal: 8 keys a query): 3 x the forward."""
@@ -220,13 +206,14 @@ def test_flops_count_each_hybrid_layer_as_its_kind():
     assert flops_per_token(model, 16) == 3 * (mamba + attention + mlp + 2 * 32 * 100)
 
 
-def test_the_dry_run_does_not_price_a_hybrid_models_activations_as_transformer_layers(capsys):
+def test_the_dry_run_prices_a_hybrid_models_activations(capsys):
+    """(It said "activations not estimated"; tests/test_planner_hybrid.py holds the figure to the meter.)"""
     from megatron_lite.training.pretrain import main
 
     flags = ["--num-layers", "2", "--hybrid-override-pattern", "M*", *BASE, "--micro-batch-size", "2"]
     assert main([*flags, "--global-batch-size", "2", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "activations not estimated (a hybrid Mamba model" in out and "dry run ok: 2 layers" in out
+    assert "activations not estimated" not in out and "dry run ok: 2 layers" in out
 
 
 def test_a_checkpoint_carries_the_hybrid_flags():
