@@ -39,7 +39,7 @@ def loss_and_grads(name, impl, parallel=None, **overrides):
     loss = model(ids.to(ctx.device), labels=labels.to(ctx.device))
     launches = sum(K.LAUNCHES.values())
     loss.mean().backward()
-    allreduce_sequence_parallel_grads(model, ctx.tp)
+    allreduce_sequence_parallel_grads(model, ctx.tp, etp=ctx.etp)
     assert (sum(K.LAUNCHES.values()) > launches) == (impl == "triton")  # the kernels ran, on this rank too
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}  # (not expert_bias)
 

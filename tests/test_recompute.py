@@ -89,7 +89,7 @@ def run_with_recompute(
                 forward_live = live.alive()  # what the backward will need, however it is kept
             loss.backward()
             losses.append(loss.detach())
-    allreduce_sequence_parallel_grads(model, ctx.tp)
+    allreduce_sequence_parallel_grads(model, ctx.tp, etp=ctx.etp)
     return {
         "losses": torch.stack(losses),
         "grads": {n: p.grad for n, p in model.named_parameters()},

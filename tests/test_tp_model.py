@@ -33,7 +33,7 @@ def forward_backward(config, parallel, full_state, ids, labels, reduce_sp_grads=
     loss = model(ids, labels=labels).mean()
     loss.backward()
     if reduce_sp_grads:
-        allreduce_sequence_parallel_grads(model, ctx.tp)
+        allreduce_sequence_parallel_grads(model, ctx.tp, etp=ctx.etp)
     grads = {model.global_name(n): p.grad for n, p in model.named_parameters() if p.requires_grad}  # (not expert_bias)
     return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads}
 

@@ -477,7 +477,7 @@ class DistributedDataParallel(nn.Module):
                 return self.module.global_name(name) if hasattr(self.module, "global_name") else name
         return None
 
-    def sequence_parallel_shard_sum(self, tp: Group, etp: Group | None = None) -> None:
+    def sequence_parallel_shard_sum(self, tp: Group, etp: Group | None) -> None:
         """Sharded buffers: the TP sum of sequence-parallel parameters' gradients (experts' over `etp`: see
         tensor_parallel/grads.py), on this rank's reduced parts (the ranks of either group share one buffer layout
         and data-parallel rank, so they own the same parts)."""

@@ -200,10 +200,10 @@ class FSDP2Model(nn.Module):
         """This rank's shard of the summed gradient (the same shard on every TP rank)."""
         return None if p.grad is None else _local(p.grad)
 
-    def sequence_parallel_shard_sum(self, tp: Group, etp: Group | None = None) -> None:
+    def sequence_parallel_shard_sum(self, tp: Group, etp: Group | None) -> None:
         from megatron_lite.tensor_parallel.grads import allreduce_sequence_parallel_grads
 
-        allreduce_sequence_parallel_grads(self.module, tp, self.main_grad, etp)
+        allreduce_sequence_parallel_grads(self.module, tp, self.main_grad, etp=etp)
 
     def grad_bytes(self) -> int:
         return sum(_local(p.grad).numel() * 4 for p in self.module.parameters() if p.grad is not None)

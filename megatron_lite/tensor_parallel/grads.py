@@ -39,7 +39,8 @@ def allreduce_sequence_parallel_grads(
     model: nn.Module,
     tp: Group,
     grad_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.grad,
-    etp: Group | None = None,
+    *,
+    etp: Group | None,
 ) -> None:
     """Sum the gradients of sequence-parallel parameters over TP (experts' over `etp`, see above), coalesced into
     one all-reduce per group. `grad_of` finds a parameter's gradient (`.grad`, or the data-parallel wrapper's main

@@ -166,7 +166,7 @@ def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None
     With the distributed optimizer a rank holds the data-parallel sum of only its part of each bucket. The
     tied embedding's two copies sit at different places in their stages' buffers, so their gradients are
     summed first, on the full local gradients. (TP ranks share one buffer layout, so the sequence-parallel
-    sums over TP stay correct on the owned parts after the reduce-scatter.)"""
+    sums over TP, experts' over expert-TP, stay correct on the owned parts after the reduce-scatter.)"""
     model.note_tied_local()  # the NaN check sees this rank's own tied gradient, before any reduction mixes it
     if model.use_distributed_optimizer:
         allreduce_embedding_grads(model, ctx)
@@ -174,7 +174,7 @@ def finalize_grads(model: DistributedDataParallel, ctx: ParallelContext) -> None
         model.sequence_parallel_shard_sum(ctx.tp, ctx.etp)
         return
     model.finish_grad_sync()
-    allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad, ctx.etp)
+    allreduce_sequence_parallel_grads(model.module, ctx.tp, model.main_grad, etp=ctx.etp)
     allreduce_embedding_grads(model, ctx)
 
 
