@@ -272,6 +272,8 @@ class ParallelContext:
         self.rng.add("model-parallel", default_seed + 2718 + self.tp.rank, self.device)
         # (Megatron's offset: with +2718 it replayed the model-parallel stream wherever ep = 0 and etp = tp)
         self.rng.add("expert-parallel", default_seed + 1024 + 100 * self.ep.rank + self.etp.rank, self.device)
+        # (an expert's LoRA dropout on inputs alike across expert-TP: lora/adapters.py; not one of Megatron's)
+        self.rng.add("expert-replicated", default_seed + 7919, self.device)
 
     # Construction ------------------------------------------------------------------------------
     @classmethod

@@ -365,6 +365,33 @@ def dropout_masks(config_kw: dict) -> dict[str, list[bool]]:
     return {k: v.tolist() for k, v in seen.items()}
 
 
+def test_expert_lora_dropout_leaves_the_default_generator_alone(dist):
+    """(From a review: at an expert-TP size below TP the TP ranks give an expert different token counts; an
+    expert adapter's dropout drew from the default generator, which on CUDA advances by the tensor's size, so the
+    generator the column-parallel adapters need equal across TP parted. Each expert adapter forks one now.)"""
+    assert dist(1, _expert_dropout_draws) == [4]
+
+
+def _expert_dropout_draws() -> int:
+    from megatron_lite.models.gpt_model import build_model
+
+    ctx = get_context(P())
+    config = llama_config(num_layers=1, num_experts=2, moe_ffn_hidden_size=48)
+    ctx.seed(5)
+    model = build_model(config, ctx, seed=5)
+    apply_lora(model, config, LoraConfig(rank=4, alpha=8.0, dropout=0.5, target_modules=("experts",)), ctx, seed=1)
+    adapters = [m for n, m in model.named_modules() if n.endswith(".lora") and ".experts." in n]
+    assert len(adapters) == 4  # (fc1 and fc2 of two experts)
+    model.train()
+    for adapter in adapters:
+        x = torch.randn(3, adapter.pairs[next(iter(adapter.pairs))].A.shape[1])
+        before, own = torch.get_rng_state(), ctx.rng.get_states()["expert-replicated"]
+        adapter(x)
+        assert torch.equal(torch.get_rng_state(), before)
+        assert not torch.equal(ctx.rng.get_states()["expert-replicated"], own)  # (its mask drawn there)
+    return len(adapters)
+
+
 @pytest.mark.parametrize("kind", ["dense", "experts"])
 def test_lora_dropout_draws_a_mask_per_adapter_and_per_rank_where_the_input_is_split(dist, kind):
     """As PEFT's per-module dropout, q, k and v (gate and up) each drop their input with their own mask; a

@@ -23,7 +23,8 @@ the slices.
 column-parallel layer's input is the same on every TP rank and so is its mask (the default generator, the
 same across TP); a row-parallel layer's input is this rank's slice of the features, dropped with the
 model-parallel generator (the expert-parallel one in an expert), which differs per rank, as Megatron draws
-dropout on activations split over TP."""
+dropout on activations split over TP. An expert's other adapters draw from a generator of their own, alike on
+every rank, not the default one (see LoRA.__init__)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,11 @@ class LoRA(nn.Module):
         # (row-parallel: the per-rank generator; `rng`, the context's tracker, is only needed then)
         self.rng = rng if split == "in" and tp.size > 1 else None
         self.rng_name = "expert-parallel" if expert else "model-parallel"
+        if expert and self.rng is None:  # (an expert's adapter never draws from the default generator: at an
+            # expert-TP size below TP the TP ranks route different token counts to an expert, and on CUDA a
+            # dropout advances its generator by the tensor's size, so the default one, which the column-parallel
+            # adapters' masks need equal across TP, would part; this one is the same on every rank, as it was)
+            self.rng, self.rng_name = rng, "expert-replicated"
         self.pairs = nn.ModuleDict(
             {name: LoRAPair(in_full, out, rank, tp, split, device, dtype, expert) for name, out in outputs.items()}
         )
