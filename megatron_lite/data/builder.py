@@ -1,7 +1,8 @@
 """From the data flags to a tokenizer and train/valid/test datasets.
 
 Three sources: --mock-data (synthetic, NullTokenizer), --data-path (indexed datasets split by --split, a
-tokenizer from the flags) or --train/valid/test-data-path (each split its own datasets, used whole), or none:
+tokenizer from the flags) or --train/valid/test-data-path (each split its own datasets, used whole; with --sft
+JSONL files of prompt/response records either way: data/sft.py), or none:
 the embedded corpus and its trained tokenizer. The model's vocabulary is
 --vocab-size when given, else the tokenizer's; a dataset holding a token id beyond it is refused.
 """
@@ -41,8 +42,11 @@ def check_vocabulary_flags(data: DataConfig) -> None:
         if data.tokenizer_type in (None, "NullTokenizer") and data.vocab_size is None:
             raise ConfigError("--mock-data needs --vocab-size N (or a tokenizer)")
     elif data.sft:
-        if len(data.data_path) != 1 or data.tokenizer_type is None:
-            raise ConfigError("--sft needs one --data-path (a JSONL file of prompt/response records) and a tokenizer")
+        if not (data.data_path or data.train_data_path) or data.tokenizer_type is None:
+            raise ConfigError(
+                "--sft needs --data-path (JSONL files of prompt/response records, divided by --split) or "
+                "--train-data-path (and --valid/test-data-path), and --tokenizer-type"
+            )
     elif (data.data_path or data.train_data_path) and data.tokenizer_type is None:
         flag = "--data-path" if data.data_path else "--train-data-path"
         raise ConfigError(f"{flag} needs --tokenizer-type (and its files) to know the vocabulary")
@@ -78,8 +82,12 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
         return DataSource(tok, _tokenizers_vocabulary(data, tok, log), [], "mock data")
     if data.sft:
         tok = tokenizer_from_flags(data)
+        per_split = data.blend_per_split
+        prefixes = data.blend if per_split is None else [wp for b in per_split for wp in b]
+        files = " ".join(p for _, p in prefixes)
+        how = f"--split {data.split}" if per_split is None else "--train/valid/test-data-path"
         return DataSource(
-            tok, _tokenizers_vocabulary(data, tok, log), [(1.0, data.data_path[0])], f"SFT records {data.data_path[0]}"
+            tok, _tokenizers_vocabulary(data, tok, log), prefixes, f"SFT records {files} ({how})", per_split
         )
     if data.data_path or data.train_data_path:
         tok = tokenizer_from_flags(data)
@@ -151,6 +159,9 @@ def check_data(source: DataSource, data: DataConfig, log=None, scan: bool = True
     unchecked = []
     for s, blend in enumerate(source.per_split if source.per_split is not None else [source.prefixes]):
         for _, prefix in blend:
+            if data.sft and not os.path.isfile(prefix):  # (it was a traceback once the model was built)
+                flag = flags[s] if source.per_split is not None else "--data-path"
+                raise ConfigError(f"--sft {flag} {prefix}: no such file (a JSONL file of prompt/response records)")
             if data.sft or not prefix:
                 continue
             indexed = IndexedDataset(prefix, flags[s] if source.per_split is not None else "--data-path")
@@ -166,10 +177,9 @@ def build_datasets(
     --full-validation: the validation split is one epoch of each of its datasets, blended exhaustively (each
     sample once); with --multiple-validation-sets it is a list, one whole dataset per --valid-data-path prefix."""
     if data.sft:
-        from megatron_lite.data.sft import SFTDataset
+        from megatron_lite.data.sft import build_sft_datasets
 
-        train = SFTDataset(source.prefixes[0][1], source.tokenizer, seq_length, seed)
-        return (train if num_samples[0] else None, None, None)
+        return build_sft_datasets(source, data, num_samples, seq_length, seed)
     if not source.prefixes:
         return tuple(
             MockGPTDataset(source.vocab_size, seq_length, seed=seed + 1000 * i) if n else None

@@ -94,7 +94,9 @@ class DataConfig:
     # inside each document (data/documents.py)
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
-    sft: bool = False  # --data-path is a JSONL file of prompt/response records (loss on responses only)
+    # --data-path (or --train/valid/test-data-path) are JSONL files of prompt/response records (loss on responses
+    # only), divided by --split as Megatron's builder divides documents (data/sft.py)
+    sft: bool = False
     # Megatron's --full-validation: each evaluation reads every sample of the validation split once (one epoch of
     # each of its datasets), not --eval-iters global batches; --multiple-validation-sets: with it, each prefix of
     # --valid-data-path is a set of its own with its own loss (data/validation_sets.py)
@@ -126,8 +128,8 @@ class DataConfig:
         if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split {self.split!r} must be up to three non-negative weights, e.g. 969,30,1")
         per_split = [f for f in ("train_data_path", "valid_data_path", "test_data_path") if getattr(self, f)]
-        if per_split and (self.data_path or self.mock_data or self.sft):
-            other = "--data-path" if self.data_path else ("--mock-data" if self.mock_data else "--sft")
+        if per_split and (self.data_path or self.mock_data):
+            other = "--data-path" if self.data_path else "--mock-data"
             raise ConfigError(
                 f"--{per_split[0].replace('_', '-')} gives each split its own datasets; drop {other} (or use "
                 "--data-path with --split)"
@@ -147,7 +149,9 @@ class DataConfig:
         """--full-validation needs a validation split of known size read once; --multiple-validation-sets needs
         --full-validation (Megatron raises NotImplementedError without it) and --valid-data-path prefixes."""
         if self.full_validation and (self.mock_data or self.sft):
-            why = "--mock-data's samples never end" if self.mock_data else "--sft records have no validation split"
+            # (an --sft split's records repeat in epochs, a new order each: not a pass of known size, as Megatron's
+            # SFTDataset, whose length is the samples asked for)
+            why = "--mock-data's samples never end" if self.mock_data else "--sft's records repeat epoch after epoch"
             raise ConfigError(f"--full-validation reads the whole validation split once and {why}; drop it")
         # (one weighted prefix of a split's own paths is that split's dataset, whole: it has its pass)
         weighted = [

@@ -88,8 +88,8 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     _bool(
         a,
         "--sft",
-        "--data-path is a JSONL file of {prompt, response} records (TRL's completion for response); loss on the "
-        "responses only",
+        "--data-path (divided by --split) or --train/valid/test-data-path are JSONL files of {prompt, response} "
+        "records (TRL's completion for response); loss on the responses only",
     )
 
     v = parser.add_argument_group("validation")

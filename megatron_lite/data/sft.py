@@ -13,10 +13,18 @@ prompt and loses its own end. The loss mask is 1 only where the label
 is a response (or the final end-of-document) token, so the prompt and the padding never count. The loss is
 averaged over the response tokens of the whole global batch (as Megatron's --calculate-per-token-loss does),
 so data parallelism equals one process however the masked tokens fall. Samples are visited in a seeded
-permutation, epoch after epoch."""
+permutation, epoch after epoch.
+
+As Megatron's --sft (its SFTDataset built by BlendedMegatronDatasetBuilder like GPTDataset), --split divides each
+file's records into train/valid/test: split i is the contiguous records [round(c_i x N), round(c_(i+1) x N)),
+c the running sum of the normalised weights, each split in its own seeded order; or each split reads files of its
+own (--train/valid/test-data-path), whole. Several files in a split are blended by their weights (Megatron's
+blend), or by their records where no weights are given. (Megatron's SFTDataset reads a split's records in file
+order, cycling; ours in a seeded permutation per epoch, as before.)"""
 
 from __future__ import annotations
 
+import copy
 import json
 from array import array
 
@@ -24,6 +32,7 @@ import numpy as np
 import torch
 
 from megatron_lite.config import ConfigError
+from megatron_lite.data.gpt_dataset import BlendedDataset, normalize, split_document_ranges
 
 
 def _strip(ids: list[int], head: list[int], tail: list[int]) -> list[int]:
@@ -60,7 +69,7 @@ class SFTDataset:
         # every record's tokens in one int32 array, not lists of Python ints (33 bytes a token on every rank:
         # a billion-token set took 33 GB a rank, and DataLoader workers copied the pages the lists' counts touch)
         tokens, starts, prompt_lens = array("i"), array("q", [0]), array("i")
-        cut = (0, 0)
+        cuts = array("b")  # per record: 1 its prompt was cut, 2 its response (both: 3)
         # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
         # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
         prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
@@ -103,7 +112,7 @@ class SFTDataset:
                 p, ids, cut_prompt, cut_response = _fit(
                     p, ids, seq_length + 1, len(prefix) if p[: len(prefix)] == prefix else 0
                 )
-                cut = (cut[0] + cut_prompt, cut[1] + cut_response)
+                cuts.append(int(cut_prompt) + 2 * int(cut_response))
                 tokens.extend(p + ids)
                 starts.append(len(tokens))
                 prompt_lens.append(len(p))
@@ -111,7 +120,8 @@ class SFTDataset:
             raise ConfigError(f"{path} holds no prompt/response records")
         self.tokens, self.starts = np.frombuffer(tokens, dtype=np.int32), np.frombuffer(starts, dtype=np.int64)
         self.prompt_lens = np.frombuffer(prompt_lens, dtype=np.int32)
-        self.cut = cut  # (records whose prompt, and whose response, was cut)
+        self._cuts = np.frombuffer(cuts, dtype=np.int8)
+        self.first, self.count = 0, len(self.prompt_lens)  # the records this dataset reads: all, or a split's
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
         self.pad = self.eod if pad_id is None else pad_id
         self._order = (None, None)  # (epoch, its permutation of the records)
@@ -121,10 +131,24 @@ class SFTDataset:
 
     @property
     def num_records(self) -> int:
-        return len(self.prompt_lens)
+        return self.count
+
+    @property
+    def cut(self) -> tuple[int, int]:
+        """(records whose prompt, and whose response, was cut) among this dataset's."""
+        part = self._cuts[self.first : self.first + self.count]
+        return int(np.count_nonzero(part & 1)), int(np.count_nonzero(part & 2))
+
+    def part(self, lo: int, hi: int) -> SFTDataset:
+        """Records [lo, hi) of the file, in an order of their own (the same seed: each split's own records), the
+        tokens shared, not copied."""
+        view = copy.copy(self)
+        view.first, view.count, view._order = lo, hi - lo, (None, None)
+        return view
 
     def record(self, r: int) -> tuple[list[int], list[int]]:
         """Record r's prompt and response tokens (the response ending in the end-of-document token)."""
+        r += self.first
         ids, p = self.tokens[self.starts[r] : self.starts[r + 1]].tolist(), int(self.prompt_lens[r])
         return ids[:p], ids[p:]
 
@@ -150,3 +174,51 @@ class SFTDataset:
             "loss_mask": torch.tensor(mask, dtype=torch.float32),
             "position_ids": torch.arange(self.seq_length),
         }
+
+
+class _Blend(BlendedDataset):
+    """SFT datasets blended (several files in a split), with their records' counts for start-up's note."""
+
+    @property
+    def num_records(self) -> int:
+        return sum(d.num_records for d in self.datasets)
+
+    @property
+    def cut(self) -> tuple[int, int]:
+        return tuple(sum(c) for c in zip(*(d.cut for d in self.datasets)))
+
+
+def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_length: int, seed: int) -> tuple:
+    """(train, valid, test) from the JSONL files: --data-path's records divided by --split, as Megatron's builder
+    divides documents (data/gpt_dataset.py split_document_ranges), or each split's own files, whole. A split with
+    no samples requested, or no records, is None. Each file is read and tokenized once."""
+    if source.per_split is not None:
+        blends = [[(w, p, False) for w, p in b] for b in source.per_split]
+    else:
+        blends = [[(w, p, True) for w, p in source.prefixes]] * 3
+    opened: dict[str, SFTDataset] = {}
+    out = []
+    for s, blend in enumerate(blends):
+        live = []
+        for w, path, by_split in blend:
+            if path not in opened:
+                opened[path] = SFTDataset(path, source.tokenizer, seq_length, seed)
+            records = opened[path]
+            lo, hi = (
+                split_document_ranges(records.num_records, data.split_weights)[s]
+                if by_split
+                else (0, records.num_records)
+            )
+            # (weights not given: each file in proportion to its records in the split)
+            w = float(hi - lo) if w is None else w
+            if num_samples[s] and hi > lo and w > 0:
+                live.append((w, records.part(lo, hi)))
+        if not live:
+            out.append(None)
+        elif len(live) == 1:
+            out.append(live[0][1])
+        else:  # (given weights normalised twice, as the builder's blend of --data-path: see data/builder.py)
+            by_size = all(w is None for w, *_ in blend)
+            weights = [w for w, _ in live]
+            out.append(_Blend([d for _, d in live], weights if by_size else normalize(weights), num_samples[s]))
+    return tuple(out)

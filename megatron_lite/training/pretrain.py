@@ -263,8 +263,9 @@ def run(job: JobConfig, notes: list[str]) -> int:
         prompts, responses = getattr(train_ds, "cut", (0, 0))
         if prompts or responses:
             log.info(
-                f"--sft: {prompts} of {train_ds.num_records} records longer than --seq-length {t.seq_length} + 1 "
-                f"lost the start of their prompt; {responses} (a response alone too long) lost the end of theirs"
+                f"--sft: {prompts} of the train split's {train_ds.num_records} records longer than --seq-length "
+                f"{t.seq_length} + 1 lost the start of their prompt; {responses} (a response alone too long) lost the "
+                "end of theirs"
             )
         if train_ds is None and not t.skip_train:  # (every rank finds the same: none waits in a collective)
             raise ConfigError(
@@ -277,12 +278,11 @@ def run(job: JobConfig, notes: list[str]) -> int:
             for ds, name, flag in [(valid_ds, "validation", "--valid-data-path")] + (
                 [(test_ds, "test", "--test-data-path")] if t.eval_iters > 0 else []
             ):
-                if ds is None and job.data.sft:
-                    log.info(f"no {name} evaluation: --sft reads one set of records, all for training")
-                elif ds is None:
+                if ds is None:
                     # (--split cuts --data-path's datasets and the embedded corpus; per-split paths are whole)
                     given = f"no {flag}" if job.data.train_data_path else f"--split {job.data.split}"
-                    log.info(f"no {name} evaluation: the {name} split holds no documents ({given})")
+                    what = "records" if job.data.sft else "documents"
+                    log.info(f"no {name} evaluation: the {name} split holds no {what} ({given})")
         rampup = t.rampup_batch_size is not None
         train_batches = Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
         flops_per_sample = flops_per_token(job.model, t.seq_length, frozen=job.lora is not None) * t.seq_length
