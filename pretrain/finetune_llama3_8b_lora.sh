@@ -26,7 +26,8 @@ ARGS=(
     --train-iters 2000 --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 50
     --weight-decay 0.0 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.999
     --bf16
-    --sft --data-path "$SFT_DATA" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$BASE/hf/tokenizer.json"
+    # every record trains (--split 969,30,1, the default, would keep 3% for a validation --eval-iters 0 skips)
+    --sft --data-path "$SFT_DATA" --split 100,0,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$BASE/hf/tokenizer.json"
     --vocab-size 128256
     --load "$BASE" --finetune --save "$OUT" --save-interval 500
     --log-interval 10 --eval-iters 0 --log-memory-breakdown

@@ -187,3 +187,25 @@ def test_bad_sft_data_flags_are_one_line(tmp_path, flags, fragments, capsys, mon
     argv = ["--sft", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", *flags]
     rc, _, err = _run(argv, capsys, monkeypatch)
     _one_line_error(rc, err, *fragments)
+
+
+def test_sft_splits_under_data_parallelism_equal_one_process(tmp_path, pretrain_job):
+    """--split's train, validation and test sets at DP=2 (one sample a rank per micro-batch, each rank's
+    samples counting other numbers of response tokens) log one process's per-iteration lm_loss, grad_norm and
+    validation and test losses."""
+    from test_pretrain_torchrun import records
+
+    path = _write(tmp_path / "r.jsonl", _records(24))
+    common = ["--sft", "--data-path", path, "--split", "2,1,1", "--tokenizer-type", "NullTokenizer",
+              "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--seq-length", "16", "--global-batch-size", "4", "--lr", "1e-3", "--log-interval", "1",
+              "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2", "--hidden-dropout", "0",
+              "--attention-dropout", "0", "--distributed-backend", "gloo"]  # fmt: skip
+    runs = {}
+    for world, mbs in ((1, 4), (2, 1)):
+        log = str(tmp_path / f"w{world}.jsonl")
+        pretrain_job(world, [*common, "--micro-batch-size", str(mbs), "--log-jsonl", log])
+        runs[world] = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in records(log)], _losses(log)
+    assert set(runs[1][1]) == set(runs[2][1]) == {(2, "validation"), (2, "test")}
+    flat = {w: [x for r in runs[w][0] for x in r] + [runs[w][1][k] for k in sorted(runs[1][1])] for w in (1, 2)}
+    assert len(flat[1]) == 8 and flat[2] == pytest.approx(flat[1], rel=1e-5)
