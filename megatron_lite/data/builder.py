@@ -84,7 +84,7 @@ def resolve_data(data: DataConfig, log=print) -> DataSource:
         tok = tokenizer_from_flags(data)
         per_split = data.blend_per_split
         prefixes = data.blend if per_split is None else [wp for b in per_split for wp in b]
-        files = " ".join(p for _, p in prefixes)
+        files = " ".join(dict.fromkeys(p for _, p in prefixes))  # (a file in two splits named once)
         how = f"--split {data.split}" if per_split is None else "--train/valid/test-data-path"
         return DataSource(
             tok, _tokenizers_vocabulary(data, tok, log), prefixes, f"SFT records {files} ({how})", per_split
