@@ -352,7 +352,9 @@ def test_the_search_recomputes_the_fewest_layers_that_fit(capsys):
 def test_a_muon_job_is_planned_without_the_sharded_optimizers(capsys):
     """--optimizer muon runs with plain data parallelism only (pretrain refuses the distributed optimizer and
     FSDP2 with it, as Megatron does): the plan offers no sharded layout, says why they are out, and names what it
-    counts for the optimizer state."""
+    counts for the optimizer state and that it prices the Newton-Schulz GEMMs: at TP2 DP4 each rank's half of
+    Llama-3-8B's matrices, about 0.3 PFLOP (tests/test_planner_muon.py), over half a second on an H100, which the
+    step left out (it priced the state's traffic alone)."""
     script = str(ROOT / "pretrain" / "llama3_8b.sh")
     adam = _tool().main(["--script", script, "--top", "1000"])
     assert {f["layout"]["sharding"] for f in adam["fits"]} > {"none"}  # (the case this test is about)
@@ -361,6 +363,11 @@ def test_a_muon_job_is_planned_without_the_sharded_optimizers(capsys):
     assert muon["fits"] and {f["layout"]["sharding"] for f in muon["fits"]} == {"none"}
     assert "Muon's momentum (4 bytes) on the hidden layers' matrices" in out
     assert "--optimizer muon runs without --use-distributed-optimizer" in out
+    assert (
+        "Muon's Newton-Schulz (5 iterations of bf16 GEMMs, --muon-tp-mode blockwise, the fused QKV part by part)" in out
+    )
+    ddp = "TP2+SP PP1 DP4 ddp recompute=full mbs=1"  # (its state's traffic alone: about 0.04 s)
+    assert next(f["time"]["optimizer"] for f in muon["fits"] if f["describe"] == ddp) > 0.5
 
 
 def test_a_dist_muon_job_is_planned_with_its_state_split_over_data_parallelism(capsys):

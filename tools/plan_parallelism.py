@@ -29,6 +29,7 @@ from megatron_lite.optimizer.optimizer import state_bytes_per_param
 from megatron_lite.planner.hardware import ACCELERATORS, GIB, cluster
 from megatron_lite.planner.layout import SHARDINGS, Layout
 from megatron_lite.planner.memory import MuonStateBytes
+from megatron_lite.planner.muon_cost import MuonSettings
 from megatron_lite.planner.search import RESERVED_BYTES, USABLE_FRACTION, Candidate, evaluate, job_layout, plan
 from megatron_lite.planner.unmodelled import unmodelled_settings
 
@@ -179,13 +180,15 @@ MUON_SHARDING = (
 
 def print_plan(
     model, cl, seq, gbs, precision, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
-    uneven=False, optimizer: str = "adam",
+    uneven=False, optimizer: str = "adam", muon: MuonSettings | None = None,
 ) -> dict:  # fmt: skip
     from megatron_lite.planner.params import stage_params
 
     # (dist_muon's layer-wise split of the state over data parallelism in place of DDP's whole state a rank)
     shardings = ("layer-wise", *SHARDINGS[1:]) if optimizer == "dist_muon" else SHARDINGS
-    fits, rejected = plan(model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven, shardings)
+    fits, rejected = plan(
+        model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven, shardings, muon
+    )
     if optimizer in MUON:  # (pretrain refuses the sharded optimizers with Muon, as Megatron does)
         sharded = [c for c in fits if c.layout.sharding not in ("none", "layer-wise")]
         rejected += [dataclasses.replace(c, reason=MUON_SHARDING.format(optimizer)) for c in sharded]
@@ -238,6 +241,7 @@ def print_plan(
                 else ""
             )
             + ", and fp32 main weights"
+            + (_newton_schulz(muon, optimizer) if muon is not None else "")
             if optimizer in MUON
             else "Adam with fp32 main weights and moments"
             if state_bytes == 8
@@ -268,7 +272,7 @@ def print_plan(
     groups = collections.Counter(reason_group(c.reason) for c in rejected)
     result["rejected_reasons"] = dict(groups)
     if yours is not None:
-        c = evaluate(model, yours, seq, gbs, cl, precision, tp_comm_overlap, grads_bf16, state_bytes)
+        c = evaluate(model, yours, seq, gbs, cl, precision, tp_comm_overlap, grads_bf16, state_bytes, muon)
         if c.reason:
             print(f"your layout {yours.describe()}: {c.reason}")
         else:
@@ -291,6 +295,17 @@ def print_plan(
             "end stages)"
         )
     return result
+
+
+def _newton_schulz(muon: MuonSettings, optimizer: str) -> str:
+    """What the step time assumes of Muon's Newton-Schulz (planner/muon_cost.py)."""
+    gemms = {"medium": "bf16", "high": "TF32", "low": "fp32"}[muon.fp32_matmul_prec]
+    return (
+        f"; Muon's Newton-Schulz ({muon.num_ns_steps} iterations of {gemms} GEMMs, --muon-tp-mode {muon.tp_mode}"
+        + (", the fused QKV part by part" if muon.split_qkv else "")
+        + ") priced in the optimizer step, on "
+        + ("the busiest rank's owned matrices" if optimizer == "dist_muon" else "every rank's matrices")
+    )
 
 
 SEARCHED = (
@@ -562,6 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = print_plan(
             model, cl, seq, gbs, precision, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes,
             args.uneven_pipeline, job.optimizer.optimizer if job is not None else "adam",
+            MuonSettings.of(job.optimizer) if job is not None and job.optimizer.is_muon else None,
         )  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -18,8 +18,9 @@ A hybrid model's Mamba layer: in_proj and out_proj as GEMMs, the scan at the fp3
 through memory, its own launches, one part's TP collectives (_mixer_terms, planner/hybrid.py).
 Then: the pipeline bubble (p - 1) / (v m) of the compute, p2p sends, the data-parallel gradient reduction
 (and parameter all-gather for ZeRO/FSDP) exposed beyond the backward it overlaps, and the optimizer step
-(memory-bound). Collectives run over NVLink while their group stays inside a node, else the network, at
-EFF.comm of the link's bandwidth."""
+(memory-bound; --optimizer muon and dist_muon add their Newton-Schulz GEMMs: planner/muon_cost.py).
+Collectives run over NVLink while their group stays inside a node, else the network, at EFF.comm of the link's
+bandwidth."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes, mixer_dims, mixer_ops
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_wise_split_of
+from megatron_lite.planner.muon_cost import MuonSettings, muon_seconds
 from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
 from megatron_lite.training.flops import PEAKS, flops_per_token, mamba_scan_flops
@@ -256,10 +258,12 @@ def step_time(
     impl: Implementation | None = None,
     grads_bf16: bool = False,
     state_bytes: int = 8,
+    muon: MuonSettings | None = None,
 ) -> StepTime:
     """`impl`: what runs the model (default: what its --kernel-impl selects in megatron_lite); `grads_bf16`:
     --grad-reduce-in-bf16 (gradients reduced in bf16, half the bytes); `state_bytes`: the optimizer's state per
-    parameter (Adam 8, SGD with momentum 4)."""
+    parameter (Adam 8, SGD with momentum 4); `muon`: --optimizer muon's or dist_muon's flags (its Newton-Schulz
+    priced on top of the state's traffic)."""
     impl = impl or IMPLEMENTATIONS[model.kernel_impl]
     if cl.gpu.measured:  # a measured rate already is what a GEMM or a copy achieves: no datasheet discount on it
         eff = dataclasses.replace(eff, gemm=1.0, attention=1.0, memory=1.0)
@@ -516,6 +520,8 @@ def step_time(
         local = layer_wise_split_of(model, layout, r_busiest, bf16).owned
     # (read the gradient, read and write the state, write main weights and weights: 28 bytes with Adam)
     optimizer = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
+    if muon is not None:  # the busiest rank's Newton-Schulz: GEMMs, the passes around them, its TP collectives
+        optimizer += muon_seconds(model, layout, r_busiest, bf16, muon, cl, eff, _collective)
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
 
 

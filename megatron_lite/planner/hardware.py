@@ -17,6 +17,7 @@ class Accelerator:
     measured: bool = False
     mfu_peak_flops: float | None = None  # the peak MFU is reported against, where not peak_flops
     fp8_flops: float | None = None  # dense fp8 tensor FLOP/s (None: no fp8 tensor cores)
+    fp32_flops: float | None = None  # plain fp32 FLOP/s off the tensor cores (Muon's Newton-Schulz at "low")
 
     @property
     def mfu_peak(self) -> float:
@@ -28,15 +29,23 @@ GIB = 2**30
 # Datasheet figures (bf16 dense, HBM). torchtitan's H100s are the 96 GB HBM2e part at a 500 W limit
 # (2.4 TB/s); its peak lies between SXM (989 T) and NVL (835 T), torchtitan says: we take the midpoint for
 # timing, and MFU is reported against the SXM number, as they do.
-# (fp8: the datasheets' dense figures, twice bf16's; the A100 has no fp8 tensor cores)
+# (fp8: the datasheets' dense figures, twice bf16's; the A100 has no fp8 tensor cores. fp32: the non-tensor
+# figure, the 96 GB part's again the SXM/NVL midpoint, the B200's HGX B200's per GPU)
 ACCELERATORS = {
-    "H100": Accelerator("H100 SXM 80GB", 989.4e12, 3.35e12, 80 * GIB, 4e-6, fp8_flops=1978.9e12),
+    "H100": Accelerator("H100 SXM 80GB", 989.4e12, 3.35e12, 80 * GIB, 4e-6, fp8_flops=1978.9e12, fp32_flops=66.9e12),
     "H100-96GB": Accelerator(
-        "H100 96GB HBM2e 500W", 912e12, 2.4e12, 96 * GIB, 4e-6, mfu_peak_flops=989.4e12, fp8_flops=1824e12
+        "H100 96GB HBM2e 500W",
+        912e12,
+        2.4e12,
+        96 * GIB,
+        4e-6,
+        mfu_peak_flops=989.4e12,
+        fp8_flops=1824e12,
+        fp32_flops=63.4e12,
     ),
-    "H200": Accelerator("H200 141GB", 989.4e12, 4.8e12, 141 * GIB, 4e-6, fp8_flops=1978.9e12),
-    "A100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, 4e-6),
-    "B200": Accelerator("B200 180GB", 2250e12, 8.0e12, 180 * GIB, 4e-6, fp8_flops=4500e12),
+    "H200": Accelerator("H200 141GB", 989.4e12, 4.8e12, 141 * GIB, 4e-6, fp8_flops=1978.9e12, fp32_flops=66.9e12),
+    "A100": Accelerator("A100 SXM 80GB", 312e12, 2.04e12, 80 * GIB, 4e-6, fp32_flops=19.5e12),
+    "B200": Accelerator("B200 180GB", 2250e12, 8.0e12, 180 * GIB, 4e-6, fp8_flops=4500e12, fp32_flops=75e12),
 }
 
 

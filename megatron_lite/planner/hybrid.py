@@ -68,17 +68,21 @@ def mixer_dims(model: ModelConfig, tp: int) -> tuple[int, int, int, int]:
     return d // tp, gn // tp, model.mamba_heads // tp, model.mamba_num_groups // tp
 
 
-def mamba_tensors(model: ModelConfig, tp: int) -> list[tuple[int, bool, bool]]:
-    """The parameters of one M layer on one TP rank as planner/params.py lists them (elements, stepped by Muon,
-    expert): its norm, in_proj [z x B C dt, hidden], the depthwise conv's [channels, 1, D_CONV] weight (3-D: Adam
-    under Muon) and bias, dt_bias, A_log and D a head, the gated norm's weight, out_proj [hidden, d]."""
+def mamba_tensors(model: ModelConfig, tp: int) -> list:
+    """The parameters of one M layer on one TP rank as planner/params.py lists them (elements, the matrix Muon
+    steps or None, expert): its norm, in_proj [z x B C dt, hidden] (column-parallel), the depthwise conv's
+    [channels, 1, D_CONV] weight (3-D: Adam under Muon) and bias, dt_bias, A_log and D a head, the gated norm's
+    weight, out_proj [hidden, d] (row-parallel)."""
+    from megatron_lite.planner.params import Matrix  # (params.py imports this module)
+
     h = model.hidden_size
     d, gn, heads, _ = mixer_dims(model, tp)
     conv = d + 2 * gn
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    out = [(norm, False, False), (h * (2 * d + 2 * gn + heads), True, False)]
-    out += [(conv * D_CONV, False, False), (conv, False, False)] + [(heads, False, False)] * 3
-    return out + [(d, False, False), (d * h, True, False)]
+    rows = 2 * d + 2 * gn + heads
+    out = [(norm, None, False), (h * rows, Matrix(rows, h, 0), False)]
+    out += [(conv * D_CONV, None, False), (conv, None, False)] + [(heads, None, False)] * 3
+    return out + [(d, None, False), (d * h, Matrix(h, d, 1), False)]
 
 
 def chunking(seq: int) -> tuple[int, int]:

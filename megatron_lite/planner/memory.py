@@ -412,7 +412,7 @@ def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bo
         numels = [n for n, _, e in tensors if e == expert]
         if not numels:
             continue
-        sizes = [state_bytes(n, muon, bf16) for n, muon, e in tensors if e == expert]
+        sizes = [state_bytes(n, matrix is not None, bf16) for n, matrix, e in tensors if e == expert]
         state, elements = [0] * ranks, [0] * ranks
         for n, size, r in zip(numels, sizes, layer_wise_split(sizes, ranks)):
             state[r], elements[r] = state[r] + size, elements[r] + n

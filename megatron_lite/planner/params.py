@@ -14,12 +14,28 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.models.heterogeneous import NO_OP, NORMAL, BlockConfig
+from megatron_lite.optimizer.muon import qkv_split_rows
 from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mamba_tensors
 from megatron_lite.planner.layout import Layout
 
-# One parameter tensor on one rank: (elements, whether Muon steps it: a 2-D one but the word embeddings and the
-# output layer, optimizer.runs_muon's rule; whether it is an expert's, sharded over expert-data-parallelism)
-Tensor = tuple[int, bool, bool]
+
+@dataclass(frozen=True)
+class Matrix:
+    """A 2-D weight as one rank holds it ([out, in]), which --optimizer muon's Newton-Schulz orthogonalizes
+    (planner/muon_cost.py prices it): `dim` the dimension tensor parallelism splits (None: whole on every rank);
+    `qkv` the fused QKV's parts' rows per query group (optimizer/muon.py's qkv_split_rows), split by
+    --muon-split-qkv."""
+
+    rows: int
+    cols: int
+    dim: int | None = None
+    qkv: tuple[int, ...] | None = None
+
+
+# One parameter tensor on one rank: (elements, the matrix Muon steps (a 2-D one but the word embeddings and the
+# output layer, optimizer.runs_muon's rule) or None (Adam steps it); whether it is an expert's, sharded over
+# expert-data-parallelism)
+Tensor = tuple[int, Matrix | None, bool]
 
 
 @dataclass(frozen=True)
@@ -34,10 +50,15 @@ class StageParams:
         return self.dense + self.expert
 
 
+def _matrix(rows: int, cols: int, dim: int | None, expert: bool = False, qkv: tuple[int, ...] | None = None) -> Tensor:
+    """A weight Muon steps: [rows, cols] on this rank, split over TP along `dim` (0: column-parallel, 1: row-)."""
+    return rows * cols, Matrix(rows, cols, dim, qkv), expert
+
+
 def _mlp_tensors(h: int, f: int, swiglu: bool, bias: bool, tp: int, expert: bool = False) -> list[Tensor]:
     fc1 = f * (2 if swiglu else 1) // tp
-    out = [(h * fc1, True, expert), (f // tp * h, True, expert)]
-    return out + ([(fc1, False, expert), (h, False, expert)] if bias else [])
+    out = [_matrix(fc1, h, 0, expert), _matrix(h, f // tp, 1, expert)]
+    return out + ([(fc1, None, expert), (h, None, expert)] if bias else [])
 
 
 def _mla_tensors(m: ModelConfig, tp: int) -> list[Tensor]:
@@ -46,12 +67,12 @@ def _mla_tensors(m: ModelConfig, tp: int) -> list[Tensor]:
     h, heads, qd, r = m.hidden_size, m.num_attention_heads, m.mla_q_head_dim, m.q_lora_rank
     norm = (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
     if r is None:
-        out = [(h * heads * qd // tp, True, False)]
+        out = [_matrix(heads * qd // tp, h, 0)]
     else:
-        out = [(h * r // tp, True, False), (norm * r, False, False), (r * heads * qd // tp, True, False)]
-    out += [(h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) // tp, True, False), (norm * m.kv_lora_rank, False, False)]
-    out += [(m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim) // tp, True, False)]
-    return out + [(heads * m.v_head_dim // tp * h, True, False)]
+        out = [_matrix(r // tp, h, 0), (norm * r, None, False), _matrix(heads * qd // tp, r, 0)]
+    out += [_matrix((m.kv_lora_rank + m.qk_pos_emb_head_dim) // tp, h, 0), (norm * m.kv_lora_rank, None, False)]
+    out += [_matrix(heads * (m.qk_head_dim + m.v_head_dim) // tp, m.kv_lora_rank, 0)]
+    return out + [_matrix(h, heads * m.v_head_dim // tp, 1)]
 
 
 def _attention_tensors(model: ModelConfig, tp: int) -> list[Tensor]:
@@ -60,13 +81,14 @@ def _attention_tensors(model: ModelConfig, tp: int) -> list[Tensor]:
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * d, model.query_groups * d
     rows = q * (2 if model.attention_output_gate else 1) + 2 * kv  # (--attention-output-gate: its gate rows)
-    out = [(h * rows // tp, True, False)]
-    out += [(rows // tp, False, False)] if model.add_bias_linear or model.add_qkv_bias else []
-    out += [(q // tp * h, True, False)] + ([(h, False, False)] if model.add_bias_linear else [])
+    per_group = model.num_attention_heads // model.query_groups
+    out = [_matrix(rows // tp, h, 0, qkv=qkv_split_rows(per_group, d, model.attention_output_gate))]
+    out += [(rows // tp, None, False)] if model.add_bias_linear or model.add_qkv_bias else []
+    out += [_matrix(h, q // tp, 1)] + ([(h, None, False)] if model.add_bias_linear else [])
     if model.qk_layernorm:
-        out += [(2 * d * (2 if model.normalization == "LayerNorm" else 1), False, False)]
+        out += [(2 * d * (2 if model.normalization == "LayerNorm" else 1), None, False)]
     if model.softmax_type == "learnable":
-        out += [(model.num_attention_heads // tp, False, False)]  # (an offset a head)
+        out += [(model.num_attention_heads // tp, None, False)]  # (an offset a head)
     return out
 
 
@@ -78,8 +100,8 @@ def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int) -> list[Tens
         return mamba_tensors(model, tp)
     m = model.layer_config(layer) if layer < model.num_layers else model
     h = m.hidden_size
-    norm = [(h * (2 if m.normalization == "LayerNorm" else 1), False, False)]
-    linear = [(h * h // tp, True, False)] + ([(h // tp, False, False)] if m.add_bias_linear else [])
+    norm = [(h * (2 if m.normalization == "LayerNorm" else 1), None, False)]
+    linear = [_matrix(h // tp, h, 0)] + ([(h // tp, None, False)] if m.add_bias_linear else [])
     out: list[Tensor] = []
     if block.attention != NO_OP:
         out += norm + (_attention_tensors(m, tp) if block.attention == NORMAL else linear)
@@ -92,12 +114,12 @@ def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int) -> list[Tens
     if not m.is_moe_layer(layer):
         return out + _mlp_tensors(h, m.ffn_size, swiglu, m.add_bias_linear, tp)
     e = m.num_experts
-    out += [(e * h, True, False)]  # the router
-    out += [(e, False, False)] if m.moe_router_enable_expert_bias else []
-    out += [(e, False, False)] if m.add_bias_linear else []
+    out += [_matrix(e, h, None)]  # the router (replicated)
+    out += [(e, None, False)] if m.moe_router_enable_expert_bias else []
+    out += [(e, None, False)] if m.add_bias_linear else []
     if m.moe_shared_expert_intermediate_size:
         out += _mlp_tensors(h, m.moe_shared_expert_intermediate_size, swiglu, m.add_bias_linear, tp)
-        out += [(h, True, False)] if m.moe_shared_expert_gate else []  # (the gate's [1, hidden], replicated)
+        out += [_matrix(1, h, None)] if m.moe_shared_expert_gate else []  # (the gate's [1, hidden], replicated)
     return out + (e // ep) * _mlp_tensors(h, m.moe_ffn_size, swiglu, m.add_bias_linear, tp, expert=True)
 
 
@@ -145,20 +167,20 @@ def _groups(
                 by_kind[kind][1] += 1
                 layers.append(layer)
         first_layer += n
-    vocab = (model.padded_vocab_size(tp) // tp * h, False, False)  # (the word embeddings, the output layer: Adam)
+    vocab = (model.padded_vocab_size(tp) // tp * h, None, False)  # (the word embeddings, the output layer: Adam)
     embedding: list[Tensor] = []
     if pp_rank == 0:
         embedding.append(vocab)
         if model.position_embedding_type == "learned_absolute":
-            embedding.append((model.max_position_embeddings * h, True, False))  # (2-D, not the word embeddings)
+            embedding.append(_matrix(model.max_position_embeddings, h, None))  # (2-D, not the word embeddings)
     if pp_rank == layout.pp - 1:
         norm = h * (2 if model.normalization == "LayerNorm" else 1)
-        tensors.append((norm, False, False))
+        tensors.append((norm, None, False))
         if model.untie_embeddings_and_output_weights or layout.pp > 1:
             embedding.append(vocab)  # the output layer, or the last stage's copy of the tied embedding
         for k in range(model.mtp_num_layers):  # multi-token prediction: 3 norms, eh_proj, a layer per depth
             tensors += layer_tensors(model, model.num_layers + k, tp, layout.ep)
-            tensors += [(3 * norm, False, False), (2 * h * h // tp, True, False)]
+            tensors += [(3 * norm, None, False), _matrix(h // tp, 2 * h, 0)]  # (eh_proj: column-parallel)
             layers.append(model.num_layers + k)  # (its time is a layer's, numbered after the decoder's)
         if model.mtp_num_layers and model.untie_embeddings_and_output_weights and layout.pp > 1:
             embedding.append(vocab)  # the last stage's copy of the word embeddings, which MTP reads

@@ -15,6 +15,7 @@ from megatron_lite.planner.cost import StepTime, step_time, throughput
 from megatron_lite.planner.hardware import GIB, Cluster
 from megatron_lite.planner.layout import RECOMPUTES, SHARDINGS, Layout, searched_gather_overlap, searched_grad_overlap
 from megatron_lite.planner.memory import Memory, peak_rank_memory
+from megatron_lite.planner.muon_cost import MuonSettings
 
 PRICED_CP = ("p2p", "a2a", "allgather")  # (not the hierarchical a2a+p2p)
 PRECISIONS = ("bf16", "fp16", "fp32")  # --bf16, --fp16, neither
@@ -184,9 +185,11 @@ def evaluate(
     tp_comm_overlap: bool = False,
     grads_bf16: bool = False,
     state_bytes: int = 8,
+    muon: MuonSettings | None = None,
 ) -> Candidate:
     """`precision`: bf16, fp16 or fp32 (--bf16, --fp16, neither); `grads_bf16`: --grad-reduce-in-bf16;
-    `state_bytes`: the optimizer's state per parameter (Adam 8, SGD 4)."""
+    `state_bytes`: the optimizer's state per parameter (Adam 8, SGD 4); `muon`: --optimizer muon's or dist_muon's
+    flags (their Newton-Schulz is priced)."""
     reason = check(model, layout, seq_length, global_batch_size, precision)
     if reason:
         return Candidate(layout, reason)
@@ -205,6 +208,7 @@ def evaluate(
         tp_comm_overlap and layout.sp,
         grads_bf16=grads_bf16,
         state_bytes=state_bytes,
+        muon=muon,
     )
     tps, tflops, mfu = throughput(cfg, layout, seq_length, global_batch_size, t, cl)
     return Candidate(layout, None, mem, t, tps, tflops, mfu)
@@ -264,13 +268,15 @@ def plan(
     state_bytes: int = 8,
     uneven: bool = False,
     shardings: tuple[str, ...] = SHARDINGS,
+    muon: MuonSettings | None = None,
 ) -> tuple[list[Candidate], list[Candidate]]:
-    """(layouts that fit, fastest first; layouts refused or too big). `uneven`, `shardings`: see `layouts`."""
+    """(layouts that fit, fastest first; layouts refused or too big). `uneven`, `shardings`: see `layouts`;
+    `muon`: see `evaluate`."""
     fits, rejected = [], []
     unrecomputed: dict[Layout, bool] = {}  # whether each layout fits without recomputation (searched first)
     for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven, shardings):
         c = evaluate(
-            model, layout, seq_length, global_batch_size, cl, precision, tp_comm_overlap, grads_bf16, state_bytes
+            model, layout, seq_length, global_batch_size, cl, precision, tp_comm_overlap, grads_bf16, state_bytes, muon
         )
         (rejected if c.reason else fits).append(c)
         if layout.recompute == "none":
@@ -284,7 +290,7 @@ def plan(
             if n is not None:
                 partial = evaluate(
                     model, _block(layout, n), seq_length, global_batch_size, cl, precision, tp_comm_overlap,
-                    grads_bf16, state_bytes,
+                    grads_bf16, state_bytes, muon,
                 )  # fmt: skip
                 (rejected if partial.reason else fits).append(partial)
     fits.sort(key=lambda c: (c.time.total, c.memory.total))

@@ -1,0 +1,190 @@
+"""--optimizer muon's and dist_muon's Newton-Schulz, priced as optimizer/muon.py runs it: the GEMMs of every
+matrix a rank orthogonalizes, the passes around them and, under --muon-tp-mode duplicated or distributed, their
+tensor-parallel collectives (cost.step_time adds it to the optimizer step's memory traffic).
+
+A Newton-Schulz run on X [m, n] (m the side A = X X^T spans) does, per --muon-num-ns-steps iteration,
+A = X X^T (2 m^2 n FLOPs), B = b A + c A A (2 m^3) and X = a X + B X (2 m^2 n). Which runs a rank does:
+  blockwise    each TP shard alone, the shorter side whitened (m = the shorter)
+  duplicated   the matrix all-gathered (fp32) over TP, then the whole matrix on every TP rank
+  distributed  this rank's shard, its columns the TP-split side (transposed first when rows are split), so A
+               spans the unsplit side (longer or not); the Frobenius norm (a scalar) and each A all-reduced
+               over TP
+With --muon-split-qkv (the default) the fused QKV weight runs once per part (queries, gates, keys, values: each
+part's rows of every local query group). Experts run over the expert TP group (the planner's: TP). Under
+dist_muon each data-parallel rank runs only the whole tensors it owns (layer_wise_optimizer's split, as
+planner/memory.py prices it) and the busiest rank's runs decide the time.
+
+Precision (--muon-fp32-matmul-prec): medium (Megatron's default) casts X to bf16 for the iterations, as
+emerging_optimizers does, so the GEMMs run at the bf16 tensor-core peak on 2-byte operands; high leaves X in
+fp32 under torch's "high" matmul precision: TF32 tensor cores, half the bf16 peak on the A100, H100, H200 and
+B200 datasheets; low keeps the process's precision, which pretrain leaves at torch's "highest": plain fp32 on
+the CUDA cores (Accelerator.fp32_flops), 4-byte operands. A measured CPU runs every one at its measured rate."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.planner.hardware import Accelerator, Cluster
+from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.params import Matrix, stage_tensors
+
+# Bytes each element of a run's input moves outside the GEMMs: the Frobenius normalization (read for the norm,
+# read and written by the division), the scale factor's multiply (read, write), and under medium the casts to
+# bf16 and back (4 + 2 bytes each). (The momentum, weight decay and the update's add are the state traffic every
+# optimizer step is priced with.)
+NORMALIZE_BYTES, SCALE_BYTES, CAST_BYTES = 12, 8, 12
+OPS_PER_RUN, OPS_PER_ITERATION = 6, 3  # operators launched: normalize, casts, scale; three GEMMs an iteration
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """The --muon-* flags that decide the Newton-Schulz work (Megatron's defaults)."""
+
+    num_ns_steps: int = 5
+    tp_mode: str = "blockwise"
+    split_qkv: bool = True
+    fp32_matmul_prec: str = "medium"
+
+    @classmethod
+    def of(cls, config) -> MuonSettings:
+        """From an OptimizerConfig."""
+        return cls(config.muon_num_ns_steps, config.muon_tp_mode, config.muon_split_qkv, config.muon_fp32_matmul_prec)
+
+
+@dataclass(frozen=True)
+class NewtonSchulz:
+    """One Newton-Schulz run on one rank: X [m, n]; `tp` > 1: the norm and each A all-reduced over that many ranks
+    (distributed); `gathered`: the elements all-gathered over TP before it (duplicated)."""
+
+    m: int
+    n: int
+    tp: int = 1
+    gathered: int = 0
+
+    def flops(self, steps: int) -> int:
+        m, n = self.m, self.n
+        return steps * (4 * m * m * n + 2 * m**3)
+
+    def collectives(self, steps: int, a: int) -> list[tuple[str, int]]:
+        """(kind, bytes) of each TP collective, in order: the fp32 shards' all-gather (its output); the squared
+        norm's all-reduce (fp32), then each iteration's A's, in X's precision (`a` bytes)."""
+        gather = [("all_gather", 4 * self.gathered)] if self.gathered else []
+        return gather + ([("all_reduce", 4)] + [("all_reduce", a * self.m**2)] * steps if self.tp > 1 else [])
+
+
+def newton_schulz_runs(matrix: Matrix, tp: int, settings: MuonSettings) -> list[NewtonSchulz]:
+    """The runs one rank does to orthogonalize `matrix` (its shard) under a TP group of `tp` ranks."""
+    parts = [matrix.rows]
+    if matrix.qkv is not None and settings.split_qkv:
+        groups = matrix.rows // sum(matrix.qkv)
+        parts = [groups * rows for rows in matrix.qkv]
+    out = []
+    for rows in parts:
+        cols = matrix.cols
+        if matrix.dim is None or tp == 1 or settings.tp_mode == "blockwise":
+            out.append(NewtonSchulz(min(rows, cols), max(rows, cols)))
+        elif settings.tp_mode == "duplicated":
+            full = (rows * tp, cols) if matrix.dim == 0 else (rows, cols * tp)
+            out.append(NewtonSchulz(min(full), max(full), gathered=rows * cols * tp))
+        else:  # distributed: X's columns are the split side
+            m, n = (cols, rows) if matrix.dim == 0 else (rows, cols)
+            out.append(NewtonSchulz(m, n, tp=tp))
+    return out
+
+
+# Per data-parallel group (dense, then experts) the distinct runs of each of its ranks: ((run, count), ...)
+RankRuns = tuple[tuple[tuple[NewtonSchulz, int], ...], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, settings: MuonSettings):
+    from megatron_lite.optimizer.layer_wise_optimizer import layer_wise_split, state_bytes
+
+    tensors = stage_tensors(model, layout, pp_rank)
+    dp_cp = layout.dp * layout.cp
+    out: list[RankRuns] = []
+    for expert, ranks in ((False, dp_cp), (True, max(dp_cp // layout.ep, 1))):
+        members = [(n, matrix) for n, matrix, e in tensors if e == expert]
+        if not members:
+            continue
+        if layout.sharding != "layer-wise":  # every rank steps every tensor it holds
+            ranks, owner = 1, [0] * len(members)
+        else:  # dist_muon: the whole tensors each rank owns (the same split as the runtime's and memory.py's)
+            owner = layer_wise_split([state_bytes(n, m is not None, bf16) for n, m in members], ranks)
+        counts = [collections.Counter() for _ in range(ranks)]
+        for (_, matrix), r in zip(members, owner):
+            if matrix is not None:
+                counts[r].update(newton_schulz_runs(matrix, layout.tp, settings))
+        out.append(tuple(tuple(sorted(c.items(), key=repr)) for c in counts))
+    return tuple(out)
+
+
+def rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, settings: MuonSettings) -> tuple:
+    """Per data-parallel group (dense, then experts), each rank's Newton-Schulz runs on pipeline stage `pp_rank`
+    as ((run, count), ...): one rank a group unless dist_muon splits the tensors (`bf16`: its split weighs an
+    fp32 main copy). Cached by what decides them: the parallel sizes and the sharding, not the batch."""
+    key = Layout(
+        layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, layout.sharding, stages=layout.stages
+    )
+    return _rank_runs(model, key, pp_rank, bf16, settings)
+
+
+def busiest_flops(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, settings: MuonSettings) -> int:
+    """The Newton-Schulz GEMM FLOPs of the busiest rank of each group, summed (the step's optimizer FLOPs)."""
+    steps = settings.num_ns_steps
+    return sum(
+        max(sum(run.flops(steps) * k for run, k in rank) for rank in group)
+        for group in rank_runs(model, layout, pp_rank, bf16, settings)
+    )
+
+
+def ns_flops_per_second(gpu: Accelerator, prec: str) -> float:
+    """The peak the Newton-Schulz GEMMs run against at --muon-fp32-matmul-prec `prec` (see the module's notes)."""
+    if gpu.measured:
+        return gpu.peak_flops
+    if prec == "medium":
+        return gpu.peak_flops
+    if prec == "high":
+        return gpu.peak_flops / 2
+    return gpu.fp32_flops or gpu.peak_flops / 15
+
+
+def muon_seconds(
+    model: ModelConfig,
+    layout: Layout,
+    pp_rank: int,
+    bf16: bool,
+    settings: MuonSettings,
+    cl: Cluster,
+    eff,
+    collective: Callable[..., float],
+) -> float:
+    """The busiest rank's Newton-Schulz time on pipeline stage `pp_rank` (each group's busiest rank, summed):
+    its GEMMs at EFF.gemm of the precision's peak plus their operands at EFF.memory of the memory bandwidth
+    (cost._gemm's form), the passes around them, the operators' launches, and under duplicated or distributed
+    their TP collectives (`collective`: cost._collective), all exposed: each waits for the one before."""
+    g, steps = cl.gpu, settings.num_ns_steps
+    medium = settings.fp32_matmul_prec == "medium"
+    a = 2 if medium else 4  # bytes of an operand of the iterations' GEMMs
+    peak = ns_flops_per_second(g, settings.fp32_matmul_prec) * eff.gemm
+    bandwidth = g.memory_bandwidth * eff.memory
+
+    def gemm(m: int, k: int, n: int) -> float:
+        return 2 * m * k * n / peak + a * (m * k + k * n + m * n) / bandwidth
+
+    @functools.cache
+    def seconds(run: NewtonSchulz) -> float:
+        m, n = run.m, run.n
+        t = steps * (gemm(m, n, m) + gemm(m, m, m) + gemm(m, m, n))
+        t += m * n * (NORMALIZE_BYTES + SCALE_BYTES + (CAST_BYTES if medium else 0)) / bandwidth
+        t += (OPS_PER_RUN + OPS_PER_ITERATION * steps) * g.launch_seconds
+        return t + sum(collective(kind, b, layout.tp, layout.tp, cl, eff) for kind, b in run.collectives(steps, a))
+
+    return sum(
+        max(sum(seconds(run) * k for run, k in rank) for rank in group)
+        for group in rank_runs(model, layout, pp_rank, bf16, settings)
+    )
