@@ -4,6 +4,7 @@ tests/test_planner.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
@@ -15,6 +16,7 @@ from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.planner.layout import Layout
+from megatron_lite.planner.muon_cost import MuonSettings
 from megatron_lite.planner.search import optimizer_config
 from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import memory
@@ -32,9 +34,11 @@ def measure_layout(
     bf16: bool = False,
     grads_bf16: bool = False,
     optimizer: str = "adam",
+    muon: MuonSettings | None = None,
 ) -> dict:
     """{"step_seconds": median over `iters` steps after one warm-up, "comm_exposed_seconds": likewise,
-    "memory": this rank's breakdown after the first step (activations measured in it)}."""
+    "memory": this rank's breakdown after the first step (activations measured in it)}. `muon`: the --muon-*
+    flags of --optimizer muon or dist_muon (default: Megatron's)."""
     ctx = ctx or ParallelContext.build(layout.parallel_config())
     cfg = layout.model_config(model)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -43,6 +47,8 @@ def measure_layout(
     if cfg.fp8 is not None:  # (as pretrain switches the linears: their fp8 copies are what the backward keeps)
         describe_fp8(net, cfg, ctx, fsdp2)
     optim = optimizer_config(layout, bf16, grads_bf16, optimizer)
+    if muon is not None:
+        optim = dataclasses.replace(optim, **{f"muon_{k}": v for k, v in dataclasses.asdict(muon).items()})
     ddp, opt = wrap_for_training(net, ctx, optim, overlap_grad_reduce=layout.overlaps_grad_reduce, compute_dtype=dtype)
     sched = LRScheduler(optim, iters + 1)
     data = MockGPTDataset(cfg.vocab_size, seq_length, seed=1)
