@@ -398,6 +398,9 @@ class LayerWiseSplit:
     optimizer: float  # bytes of state and fp32 main copies on the busiest rank (the busiest dense and expert share)
     owned: float  # parameters that rank steps
     widths: tuple[tuple[int, int], ...]  # (group size, the largest rank's elements): each all-gather after the step
+    # each group's (dense, then experts, where the stage holds any) owner of each of its tensors, in stage_tensors'
+    # order (which matrices each rank's Muon orthogonalizes: planner/muon_cost.py)
+    owners: tuple[tuple[int, ...], ...] = ()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -407,19 +410,20 @@ def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bo
     tensors = stage_tensors(model, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
     optimizer = owned = 0.0
-    widths = []
+    widths, owners = [], []
     for expert, ranks in ((False, dp_cp), (True, max(dp_cp // layout.ep, 1))):
         numels = [n for n, _, e in tensors if e == expert]
         if not numels:
             continue
         sizes = [state_bytes(n, matrix is not None, bf16) for n, matrix, e in tensors if e == expert]
         state, elements = [0] * ranks, [0] * ranks
-        for n, size, r in zip(numels, sizes, layer_wise_split(sizes, ranks)):
+        owners.append(tuple(layer_wise_split(sizes, ranks)))
+        for n, size, r in zip(numels, sizes, owners[-1]):
             state[r], elements[r] = state[r] + size, elements[r] + n
         busiest = state.index(max(state))
         optimizer, owned = optimizer + state[busiest], owned + elements[busiest]
         widths.append((ranks, max(elements)))
-    return LayerWiseSplit(optimizer, owned, tuple(widths))
+    return LayerWiseSplit(optimizer, owned, tuple(widths), tuple(owners))
 
 
 def layer_wise_split_of(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool) -> LayerWiseSplit:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.planner.hardware import Accelerator, Cluster
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.params import Matrix, stage_tensors
+from megatron_lite.planner.memory import layer_wise_split_of
+from megatron_lite.planner.params import Matrix, _stage_groups, stage_tensors
 
 # Bytes each element of a run's input moves outside the GEMMs: the Frobenius normalization (read for the norm,
 # read and written by the division), the scale factor's multiply (read, write), and under medium the casts to
@@ -96,40 +97,59 @@ def newton_schulz_runs(matrix: Matrix, tp: int, settings: MuonSettings) -> list[
     return out
 
 
-# Per data-parallel group (dense, then experts) the distinct runs of each of its ranks: ((run, count), ...)
-RankRuns = tuple[tuple[tuple[NewtonSchulz, int], ...], ...]
+@functools.lru_cache(maxsize=65536)
+def _runs(matrix: Matrix, tp: int, settings: MuonSettings) -> tuple[NewtonSchulz, ...]:
+    return tuple(newton_schulz_runs(matrix, tp, settings))
 
 
 @functools.lru_cache(maxsize=4096)
 def _rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, settings: MuonSettings):
-    from megatron_lite.optimizer.layer_wise_optimizer import layer_wise_split, state_bytes
-
+    out = []
+    if layout.sharding != "layer-wise":  # every rank steps every tensor it holds: each kind of layer once
+        groups = _stage_groups(model, layout, pp_rank)[0]
+        for expert in (False, True):
+            counts = collections.Counter()
+            for tensors, times in groups:
+                for _, matrix, _ in (t for t in tensors if t[2] == expert and t[1] is not None):
+                    for run in _runs(matrix, layout.tp, settings):
+                        counts[run] += times
+            if any(t[2] == expert for tensors, _ in groups for t in tensors):
+                out.append((tuple(counts.items()),))
+        return tuple(out)
+    # dist_muon: the whole tensors each rank owns (memory.py's split, the runtime's)
     tensors = stage_tensors(model, layout, pp_rank)
+    owners = layer_wise_split_of(model, layout, pp_rank, bf16).owners
     dp_cp = layout.dp * layout.cp
-    out: list[RankRuns] = []
-    for expert, ranks in ((False, dp_cp), (True, max(dp_cp // layout.ep, 1))):
-        members = [(n, matrix) for n, matrix, e in tensors if e == expert]
-        if not members:
-            continue
-        if layout.sharding != "layer-wise":  # every rank steps every tensor it holds
-            ranks, owner = 1, [0] * len(members)
-        else:  # dist_muon: the whole tensors each rank owns (the same split as the runtime's and memory.py's)
-            owner = layer_wise_split([state_bytes(n, m is not None, bf16) for n, m in members], ranks)
-        counts = [collections.Counter() for _ in range(ranks)]
-        for (_, matrix), r in zip(members, owner):
+    present = [
+        (e, r) for e, r in ((False, dp_cp), (True, max(dp_cp // layout.ep, 1))) if any(t[2] == e for t in tensors)
+    ]
+    for (expert, ranks), owner in zip(present, owners):
+        matrices = [collections.Counter() for _ in range(ranks)]
+        for (_, matrix, _), r in zip((t for t in tensors if t[2] == expert), owner):
             if matrix is not None:
-                counts[r].update(newton_schulz_runs(matrix, layout.tp, settings))
-        out.append(tuple(tuple(sorted(c.items(), key=repr)) for c in counts))
+                matrices[r][matrix] += 1
+        ranks_runs = []
+        for mine in matrices:
+            counts = collections.Counter()
+            for matrix, times in mine.items():
+                for run in _runs(matrix, layout.tp, settings):
+                    counts[run] += times
+            ranks_runs.append(tuple(counts.items()))
+        out.append(tuple(ranks_runs))
     return tuple(out)
 
 
 def rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, settings: MuonSettings) -> tuple:
-    """Per data-parallel group (dense, then experts), each rank's Newton-Schulz runs on pipeline stage `pp_rank`
-    as ((run, count), ...): one rank a group unless dist_muon splits the tensors (`bf16`: its split weighs an
-    fp32 main copy). Cached by what decides them: the parallel sizes and the sharding, not the batch."""
-    key = Layout(
-        layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, layout.sharding, stages=layout.stages
-    )
+    """Per data-parallel group (dense, then experts, where the stage holds any), each rank's Newton-Schulz runs on
+    pipeline stage `pp_rank` as ((run, count), ...): one rank a group unless dist_muon splits the tensors (`bf16`:
+    its split weighs an fp32 main copy). Cached by what decides them: the parallel sizes (the data-parallel ones
+    only for dist_muon's split), not the batch."""
+    if layout.sharding == "layer-wise":
+        key = Layout(
+            layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, "layer-wise", stages=layout.stages
+        )
+    else:
+        key, bf16 = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages), False
     return _rank_runs(model, key, pp_rank, bf16, settings)
 
 
