@@ -146,7 +146,8 @@ def test_llama3_8b_newton_schulz_is_priced_in_the_step():
     """By hand: per layer, with the fused QKV split, queries [4096, 4096], keys and values [1024, 4096], the output
     projection [4096, 4096], fc1 [28672, 4096], fc2 [4096, 14336]; X [m, n] (m the shorter side) costs
     5 x (4 m^2 n + 2 m^3). At DP=8 every rank runs all 32 layers' (about 0.64 PFLOP, over a second on an H100), at
-    bf16's peak; low precision runs at the fp32 one. The optimizer step held the state's traffic alone."""
+    bf16's peak; --muon-fp32-matmul-prec high at TF32's, low at fp32's. The optimizer step held the state's traffic
+    alone."""
 
     def ns(m, n):
         return 5 * (4 * m * m * n + 2 * m**3)
@@ -164,5 +165,10 @@ def test_llama3_8b_newton_schulz_is_priced_in_the_step():
     assert added == pytest.approx(muon_seconds(LLAMA3_8B, layout, 0, True, settings, cl, cost.EFF, cost._collective))
     # (the rest: the GEMMs' operands and the passes around them at the memory bandwidth, the launches)
     assert gemms < added < 1.3 * gemms and gemms > 1.0
-    low = cost.step_time(LLAMA3_8B, layout, 8192, 64, cl, muon=MuonSettings(fp32_matmul_prec="low"))
+    # high: TF32 at half the bf16 peak, fp32 operands; low: plain fp32
+    high, low = (cost.step_time(LLAMA3_8B, layout, 8192, 64, cl, muon=MuonSettings(fp32_matmul_prec=p)) for p in PRECS)
+    assert 2 * gemms < high.optimizer - plain.optimizer < 1.3 * 2 * gemms
     assert low.optimizer - plain.optimizer > 32 * layer / (cl.gpu.fp32_flops * cost.EFF.gemm)
+
+
+PRECS = ("high", "low")
