@@ -524,11 +524,16 @@ def flags_from_checkpoint(
     # --lr; a fine-tune restarted from its own --save goes on with the flags it saved, as any resume)
     finetune = ns.finetune and not resumed
     if finetune:
+        # (the dropouts said with their values: a converted checkpoint's 0.0 became the default 0.1 unseen)
+        drops = [d for d in ("hidden_dropout", "attention_dropout") if d not in given and d in saved]
+        drops = [f"--{d.replace('_', '-')} {getattr(ns, d)} (the checkpoint: {saved[d]})" for d in drops
+                 if getattr(ns, d) != saved[d]]  # fmt: skip
         saved = {k: v for k, v in saved.items() if k in ARCH_DESTS or k in FINETUNE_KEEPS}
         notes.append(
             "--finetune: the model's settings (architecture, routing, tokenizer) are the checkpoint's; the training "
             "flags not given (schedule, optimizer, batch, seed, dropout, data, and MoE capacity, drop policy, "
             "router dtype, input jitter and forced balancing) take their defaults, as in Megatron"
+            + (f": {', '.join(drops)}" if drops else "")
         )
     # a precision given replaces the checkpoint's, and its bf16-only settings (an fp16 run was refused for them)
     bf16_only = ("grad_reduce_in_bf16", "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype")

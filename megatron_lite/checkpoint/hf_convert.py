@@ -29,7 +29,6 @@ from megatron_lite.checkpoint.checkpointing import (
     read_metadata,
 )
 from megatron_lite.checkpoint.format import (
-    _ITER_DIR,
     FORMAT,
     atomic_write,
     atomic_write_json,
@@ -59,6 +58,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     write_hf_dir,
 )
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
+from megatron_lite.checkpoint.origin import HF_DIR, ORIGIN, checkpoint_origin, hf_side, read_hf_config
 from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
@@ -73,8 +73,6 @@ from megatron_lite.models.hf_llama4 import LLAMA4, LLAMA4_VLM
 from megatron_lite.models.hf_weights import state_dict_from_hf, state_dict_to_hf
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.training.configs import JobConfig
-
-HF_DIR = "hf"  # under a converted checkpoint's root: the original config.json and tokenizer files
 
 
 # Hugging Face side -------------------------------------------------------------------------------
@@ -289,20 +287,10 @@ def saved_lora_config(saved: dict):
                       lora.get("qlora", False), lora.get("base"), lora.get("base_fingerprint"))  # fmt: skip
 
 
-def _original_hf_config(load_dir: str, saved: dict, depth: int = 4) -> tuple[dict, str | None]:
-    """(the config.json a converted checkpoint came with, the directory it lies in): under <root>/hf/, beside the
-    iteration directories (`load_dir` may be the root or one iteration); else that of the checkpoint this one's
-    run started from (--load, a fine-tuning's base: its `saved` config names it); ({}, None) without."""
-    parent = os.path.dirname(os.path.normpath(load_dir))  # (its root, when `load_dir` is one iteration)
-    for root in (load_dir, parent) if _ITER_DIR.match(os.path.basename(os.path.normpath(load_dir))) else (load_dir,):
-        side = os.path.join(root, HF_DIR)
-        if os.path.isfile(os.path.join(side, "config.json")):
-            return json.load(open(os.path.join(side, "config.json"))), side
-    parent = (saved.get("checkpoint") or {}).get("load")
-    path = find_checkpoint(parent) if parent and depth > 0 and os.path.isdir(parent) else None
-    if path is None or os.path.normpath(parent) == os.path.normpath(load_dir):
-        return {}, None
-    return _original_hf_config(parent, read_metadata(path)["config"], depth - 1)
+def _original_hf_config(load_dir: str, saved: dict) -> tuple[dict, str | None]:
+    """(the config.json a converted checkpoint came with, the hf/ directory it lies in); ({}, None) without."""
+    side = hf_side(load_dir, saved)
+    return read_hf_config(side), side
 
 
 def _generation_json(side: str | None) -> dict | None:
@@ -322,17 +310,6 @@ def generation_eos_ids(load_dir: str, saved: dict) -> list[int]:
     gen = _generation_json(side)
     eos = (gen if gen is not None else config).get("eos_token_id")
     return [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
-
-
-def _hf_source(side: str | None) -> str | None:
-    """The Hugging Face directory that the checkpoint holding `side` (its hf/ directory) was converted from,
-    while it still holds the model."""
-    root = os.path.dirname(side) if side else None
-    for it in complete_iterations(root) if root else ():  # the converted one (iteration 0), also under newer ones
-        source = (read_metadata(find_checkpoint(root, it)).get("converted_from") or {}).get("path")
-        if source and os.path.isfile(os.path.join(source, "config.json")):
-            return source
-    return None
 
 
 def megatron_lite_to_peft(
@@ -359,7 +336,12 @@ def megatron_lite_to_peft(
     tensors, adapter_config = to_peft(split_lora(ours)[1], config, lora, arch, rope_interleave=interleave)
     if dtype:
         tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}  # (as the base's export)
-    adapter_config["base_model_name_or_path"] = base = base_model or _hf_source(side)
+    # (the Hugging Face model only while the adapters' base holds its weights unchanged: a base fine-tuned after
+    # the conversion scored 0.45 off in log-probability under AutoPeftModelForCausalLM)
+    origin = checkpoint_origin(find_checkpoint(load_dir), meta) or {}
+    source = origin.get("converted_from") if os.path.isfile(f"{origin.get('converted_from')}/config.json") else None
+    base = base_model or (source if origin.get("converted_weights") else None)
+    adapter_config["base_model_name_or_path"] = base
     write_peft(save_dir, tensors, adapter_config)
     log(f"wrote {save_dir}: PEFT LoRA adapter, rank {lora.rank}, {len(tensors)} tensors, iteration {meta['iteration']}")
     if lora.dropout and adapter_config["lora_dropout"] != lora.dropout:
@@ -367,10 +349,17 @@ def megatron_lite_to_peft(
             f"lora_dropout 0.0 written for the trained --lora-dropout {lora.dropout}: PEFT takes no dropout on expert "
             "adapters; outputs are the same (dropout is off at inference), training on in PEFT runs without it"
         )
-    if base is None:
+    if base is None and source is not None:
         log(
-            "no base model recorded (not converted from a Hugging Face directory here): PeftModel.from_pretrained "
-            "loads it onto a base you give; --base-model-name-or-path names one for AutoPeftModelForCausalLM"
+            f"base_model_name_or_path null: the adapters' base ({lora.base or load_dir}) is not "
+            f"{source} as converted (its weights were trained since); export that base with --saver hf and pass "
+            "its directory as --base-model-name-or-path"
+        )
+    elif base is None:
+        log(
+            "no base model recorded (not converted from a Hugging Face directory here, or that directory is gone): "
+            "PeftModel.from_pretrained loads it onto a base you give; --base-model-name-or-path names one for "
+            "AutoPeftModelForCausalLM"
         )
 
 
@@ -408,6 +397,12 @@ def megatron_lite_to_hf(
             log(f"merging the {kind} base {lora.base}")
         ours = merge(ours, config, lora)
     original, side = _original_hf_config(load_dir, saved)
+    gone = (saved.get(ORIGIN) or {}).get("hf_dir")
+    if side is None and gone:  # (recorded, then moved or deleted with its checkpoint)
+        log(
+            f"the Hugging Face files the weights were converted with, {gone}, are gone: config.json is written from "
+            "the model's settings (head_dim, use_cache, ... at transformers' defaults), no generation_config.json"
+        )
     base, side_from = None, [side] if side else []
     arch = architecture_for(config, (original.get("architectures") or [None])[0])  # back to the weights' class
     if (original.get("architectures") or [None])[0] == arch:
@@ -418,6 +413,9 @@ def megatron_lite_to_hf(
         data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": build_embedded_corpus(log=log)[1]}
         log(f"tokenizer: the embedded corpus's, {data['tokenizer_model']} (the job trained on that corpus)")
     tok = data.get("tokenizer_model")
+    if tok and os.path.isabs(tok) and not os.path.exists(tok) and side:  # (the converted checkpoint, moved)
+        if os.path.isfile(moved := os.path.join(side, os.path.basename(tok))):
+            data = {**data, "tokenizer_model": (tok := moved)}
     made = None
     if data.get("tokenizer_type") == "TikTokenizer":
         made, side_from, ids = tiktoken_side_files(lambda: tokenizer_from_saved(data), tok, side_from, log)
@@ -426,6 +424,11 @@ def megatron_lite_to_hf(
         side_from.append((os.path.dirname(tok), TOKENIZER_FILES))
         if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens
             base = _token_ids(data)
+    elif tok and os.path.isabs(tok) and not os.path.exists(tok):  # (a base moved: no tokenizer went, silently)
+        log(
+            f"no tokenizer written: the checkpoint's tokenizer {tok} no longer exists (its checkpoint moved?); copy "
+            f"the tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) of the model into {save_dir}"
+        )
     check_exportable(config, arch)  # (before the weights are mapped: a missing tensor was a KeyError traceback)
     if config.moe_expert_capacity_factor is not None:
         log(

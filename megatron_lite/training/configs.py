@@ -190,6 +190,9 @@ class JobConfig:
     # Megatron's --iterations-to-skip: these iterations read their global batch and drop it (no forward, no
     # update, no learning-rate step); the iteration count and the consumed samples go on (training/skipping.py)
     iterations_to_skip: tuple[int, ...] = ()
+    # where the weights came from (checkpoint/origin.py): the loaded checkpoint's record, saved in this run's
+    # checkpoints (set at start-up, not a flag)
+    origin: dict | None = None
 
     def __post_init__(self) -> None:
         r = self.resilience

@@ -123,6 +123,7 @@ def _flat_config(job: JobConfig, world_size: int | None = None) -> dict:
     """The job's settings as one flat dict (Megatron hands W&B its flat arguments, so runs filter on
     num_layers or tensor_model_parallel_size); a name two sections share keeps its section."""
     nested = job.to_dict()
+    nested.pop("origin", None)  # (where the weights came from: not a setting)
     sections = {k: v for k, v in nested.items() if isinstance(v, dict)}
     seen: dict[str, int] = {}
     for sec in sections.values():

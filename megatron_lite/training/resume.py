@@ -16,6 +16,7 @@ from megatron_lite.checkpoint.checkpointing import (
 from megatron_lite.checkpoint.format import complete_iterations, iteration_dir
 from megatron_lite.checkpoint.lookup import read_metadata
 from megatron_lite.checkpoint.lora_base import checkpoint_fingerprint, lora_base_checkpoint
+from megatron_lite.checkpoint.origin import run_origin
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.layout_validation import validate_layout
@@ -130,7 +131,9 @@ def start_from(job: JobConfig, ckpt_path: str | None, vocab_size: int, world_siz
             say(f"the data's vocabulary ({vocab_size}) is smaller than the checkpoint's: using {saved_vocab}")
             model_cfg = dataclasses.replace(model_cfg, vocab_size=saved_vocab)
         _check_against_checkpoint(saved, model_cfg, ckpt_path, job.data)
-    job = dataclasses.replace(job, model=model_cfg)
+    # (the loaded checkpoint's origin, recorded in this run's checkpoints: an upcycling changes the weights)
+    origin = run_origin(ckpt_path, job.lora is not None, job.checkpoint.moe_use_upcycling)
+    job = dataclasses.replace(job, model=model_cfg, origin=origin)
     validate_layout(job.model, job.parallel, world_size, job.training)
     return lora_base(job, ckpt_path, saved, say)
 

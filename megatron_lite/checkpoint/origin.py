@@ -1,0 +1,94 @@
+"""Where a checkpoint's weights came from: the Hugging Face model it was converted from, recorded in every
+checkpoint's config as `origin` and copied forward from the checkpoint a run loads, so it survives resumes into
+the same --save directory, --ckpt-keep-last pruning, non-persistent and async saves, --finetune, upcycling and
+LoRA. The exports and tools/generate.py read it: config.json's fields, generation_config.json and the tokenizer
+from the converted checkpoint's hf/ directory, and a PEFT adapter's base_model_name_or_path.
+
+The record: `hf_dir`, the converted checkpoint's hf/ directory (the original config.json, generation config and
+tokenizer files); `converted_from`, the Hugging Face directory converted; `converted`, the converted checkpoint
+(its iteration directory); `converted_weights`, whether the weights (a LoRA checkpoint's: its frozen base) are
+still the converted ones, unchanged, which a PEFT adapter needs of the base it names. None: no Hugging Face
+origin known; checkpoints saved before the record (or with None) are read as before, walking the chain of --load
+back to the converted checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_lite.checkpoint.format import _ITER_DIR, complete_iterations
+from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata
+
+HF_DIR = "hf"  # under a converted checkpoint's root: the original config.json and tokenizer files
+ORIGIN = "origin"  # the record's key in a checkpoint's config
+
+
+def _hf_files(side: str | None) -> bool:
+    return bool(side) and os.path.isfile(os.path.join(side, "config.json"))
+
+
+def hf_side(load_dir: str, saved: dict, depth: int = 4) -> str | None:
+    """The hf/ directory a checkpoint's weights were converted with (holding the original config.json): beside
+    the iteration directories (`load_dir` may be the root or one iteration, moved with it), else the recorded
+    one; for a checkpoint without the record, that of the checkpoint its run started from (--load); None."""
+    parent = os.path.dirname(os.path.normpath(load_dir))  # (its root, when `load_dir` is one iteration)
+    for root in (load_dir, parent) if _ITER_DIR.match(os.path.basename(os.path.normpath(load_dir))) else (load_dir,):
+        if _hf_files(side := os.path.join(root, HF_DIR)):
+            return side
+    if saved.get(ORIGIN):  # (recorded: nothing older to walk)
+        side = saved[ORIGIN].get("hf_dir")
+        return side if _hf_files(side) else None
+    parent = (saved.get("checkpoint") or {}).get("load")
+    path = find_checkpoint(parent) if parent and depth > 0 and os.path.isdir(parent) else None
+    if path is None or os.path.normpath(parent) == os.path.normpath(load_dir):
+        return None  # (a run resumed into its own --save records itself: the walk stopped there)
+    return hf_side(parent, read_metadata(path)["config"], depth - 1)
+
+
+def _legacy_source(side: str) -> str | None:
+    """The Hugging Face directory the checkpoint holding `side` was converted from (its iteration 0, also under
+    newer ones), while it still holds the model."""
+    root = os.path.dirname(side)
+    for it in complete_iterations(root):
+        source = (read_metadata(find_checkpoint(root, it)).get("converted_from") or {}).get("path")
+        if _hf_files(source):
+            return source
+    return None
+
+
+def _is_converted(path: str | None) -> bool:
+    found = find_checkpoint(path) if path and os.path.isdir(path) else None
+    return found is not None and bool(read_metadata(found).get("converted_from"))
+
+
+def checkpoint_origin(path: str, meta: dict) -> dict | None:
+    """The origin of the weights in the checkpoint `path` (one iteration's directory, `meta` its metadata):
+    recorded; a converted checkpoint's own; or, for a checkpoint saved before the record, found as before (its
+    weights counted as converted only for LoRA adapters on a base recorded as the converted iteration, or on
+    one beside it). None: not converted from a Hugging Face model here."""
+    saved, path = meta["config"], os.path.abspath(path)
+    if source := meta.get("converted_from"):
+        side = os.path.join(os.path.dirname(path), HF_DIR)
+        return {"hf_dir": side, "converted_from": source.get("path"), "converted": path, "converted_weights": True}
+    if saved.get(ORIGIN):
+        return saved[ORIGIN]
+    side = hf_side(path, saved)
+    if side is None:
+        return None
+    source = _legacy_source(side)
+    lora = saved.get("lora") or {}
+    converted = _is_converted(lora["base"]) if lora.get("base") else bool(lora) and source is not None
+    return {"hf_dir": side, "converted_from": source, "converted": None, "converted_weights": converted}
+
+
+def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool) -> dict | None:
+    """The origin a run records in its checkpoints: the loaded checkpoint's, its weights still the converted
+    ones only where the run trains LoRA adapters on them frozen (a full fine-tune or an upcycling changes them)."""
+    origin = checkpoint_origin(ckpt_path, read_metadata(ckpt_path)) if ckpt_path is not None else None
+    if origin is None:
+        return None
+    return {**origin, "converted_weights": bool(origin.get("converted_weights")) and lora and not upcycling}
+
+
+def read_hf_config(side: str | None) -> dict:
+    return json.load(open(os.path.join(side, "config.json"))) if _hf_files(side) else {}

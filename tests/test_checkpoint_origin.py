@@ -1,0 +1,136 @@
+"""How a checkpoint finds the Hugging Face model it came from (checkpoint/origin.py), as a new user's walkthrough
+found it lost: a PEFT adapter trained on a fully fine-tuned base named the original model as its base (scoring
+differently under AutoPeftModelForCausalLM); a resume into the same --save directory lost the way back (no
+generation_config.json eos ids, config.json fields or PEFT base); a moved base checkpoint's tokenizer went missing
+from the export without a word; --finetune's dropout note gave no values. Real transformers and PEFT models;
+single-process runs of pretrain's main."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+V = 128
+
+
+def _convert(*args: str) -> int:
+    spec = importlib.util.spec_from_file_location("convert_for_origin", ROOT / "tools/checkpoint/convert.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(list(args))
+
+
+def _converted(tmp_path, monkeypatch) -> str:
+    """A tiny Llama with a tokenizer and Llama-3-Instruct-like generation_config.json (two end ids), use_cache
+    off, converted to `ckpt`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                   initializer_range=0.2)  # fmt: skip
+    hf = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(hf)
+    words = ["<|endoftext|>", "[UNK]", *[f"w{i}" for i in range(60)]]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    assert _convert("--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(hf), "--save-dir",
+                    str(tmp_path / "ckpt")) == 0  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    return str(tmp_path / "ckpt")
+
+
+def _train(load: str, save: str, iters: int, *extra: str) -> None:
+    from megatron_lite.training.pretrain import main
+
+    argv = ["--load", load, "--finetune", "--save", save, "--mock-data", "--seq-length", "16", "--micro-batch-size",
+            "2", "--global-batch-size", "2", "--train-iters", str(iters), "--lr", "2e-2", "--lr-decay-style",
+            "constant", "--eval-iters", "0", *extra]  # fmt: skip
+    assert main(argv) == 0
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def test_lora_on_a_fine_tuned_base_names_no_original_model(tmp_path, capsys, monkeypatch):
+    """HF -> convert -> full fine-tune -> LoRA on it: the adapter named the original HF directory as its base,
+    which AutoPeftModelForCausalLM then loaded (other weights, other scores). It names none now, and says how to
+    name the fine-tuned base: exported with --saver hf and given as --base-model-name-or-path, PEFT on it scores
+    as our merged export does."""
+    ckpt = _converted(tmp_path, monkeypatch)
+    ft, lo = str(tmp_path / "ft"), str(tmp_path / "lora")
+    _train(ckpt, ft, 2)
+    _train(ft, lo, 2, "--lora-rank", "4")
+    capsys.readouterr()
+    assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", lo, "--save-dir",
+                    str(tmp_path / "adapter")) == 0  # fmt: skip
+    assert peft.PeftConfig.from_pretrained(tmp_path / "adapter").base_model_name_or_path is None
+    out = capsys.readouterr().out
+    assert "--saver hf" in out and "--base-model-name-or-path" in out, out
+    # the way the message gives: the base exported, named; PEFT on it equals our merged export
+    for args in ((ft, "base"), (lo, "merged", "--merge-lora")):
+        assert _convert("--loader", "megatron_lite", "--saver", "hf", "--load-dir", args[0], "--save-dir",
+                        str(tmp_path / args[1]), *args[2:]) == 0  # fmt: skip
+    assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", lo, "--save-dir",
+                    str(tmp_path / "named"), "--base-model-name-or-path", str(tmp_path / "base")) == 0  # fmt: skip
+    ids = torch.randint(2, V, (2, 16), generator=torch.Generator().manual_seed(3))
+    merged = _logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), ids)
+    named = _logits(peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "named"), ids)
+    assert (named - merged).abs().max() < 1e-4, (named - merged).abs().max()
+    original = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), tmp_path / "named"
+    )
+    assert (_logits(original, ids) - merged).abs().max() > 1e-2  # (what the old base named would have scored)
+
+
+def test_the_origin_survives_resumes_into_the_same_save(tmp_path, capsys, monkeypatch):
+    """A run resumed into its own --save recorded --load as itself, so the walk back to the converted checkpoint
+    stopped: generate.py lost generation_config.json's end ids, --saver hf its generation_config.json and
+    config.json's fields, --saver hf-peft its base. The origin is now recorded in each checkpoint (--ckpt-keep-last
+    pruning the first run's too). Then the converted checkpoint moved: the export says its tokenizer is gone."""
+    from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata
+    from megatron_lite.checkpoint.hf_convert import generation_eos_ids
+
+    ckpt = _converted(tmp_path, monkeypatch)
+    ft, lo = str(tmp_path / "ft"), str(tmp_path / "lora")
+    capsys.readouterr()
+    _train(ckpt, ft, 1, "--ckpt-keep-last", "1")
+    first = capsys.readouterr().out
+    _train(ckpt, ft, 2, "--ckpt-keep-last", "1")  # (auto-resume: --load becomes --save)
+    assert "resuming from it" in capsys.readouterr().out
+    _train(ckpt, lo, 1, "--lora-rank", "4")
+    _train(ckpt, lo, 2, "--lora-rank", "4")
+    saved = read_metadata(find_checkpoint(ft))["config"]
+    assert saved["checkpoint"]["load"] == ft  # (the resume's: the walk back through --load stopped here)
+    assert generation_eos_ids(ft, saved) == [2, 5]
+    assert _convert("--loader", "megatron_lite", "--saver", "hf", "--load-dir", ft, "--save-dir",
+                    str(tmp_path / "out")) == 0  # fmt: skip
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert exported.use_cache is False and (tmp_path / "out" / "tokenizer.json").is_file()
+    assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", lo, "--save-dir",
+                    str(tmp_path / "adapter")) == 0  # fmt: skip
+    assert peft.PeftConfig.from_pretrained(tmp_path / "adapter").base_model_name_or_path == str(tmp_path / "hf")
+    # the base moved: no tokenizer to copy, said with the path and the fix
+    shutil.move(ckpt, tmp_path / "moved")
+    capsys.readouterr()
+    assert _convert("--loader", "megatron_lite", "--saver", "hf", "--load-dir", ft, "--save-dir",
+                    str(tmp_path / "out2")) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"the checkpoint's tokenizer {ckpt}/hf/tokenizer.json no longer exists" in out, out
+    assert "copy the tokenizer files" in out and "are gone" in out, out
+    # --finetune's dropouts at Megatron's defaults, said with their values (the checkpoint's were 0.0)
+    assert "--hidden-dropout 0.1 (the checkpoint: 0.0), --attention-dropout 0.1 (the checkpoint: 0.0)" in first, first
