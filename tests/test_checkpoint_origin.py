@@ -124,6 +124,12 @@ def test_the_origin_survives_resumes_into_the_same_save(tmp_path, capsys, monkey
     assert _convert("--loader", "megatron_lite", "--saver", "hf-peft", "--load-dir", lo, "--save-dir",
                     str(tmp_path / "adapter")) == 0  # fmt: skip
     assert peft.PeftConfig.from_pretrained(tmp_path / "adapter").base_model_name_or_path == str(tmp_path / "hf")
+    spec = importlib.util.spec_from_file_location("inspect_origin", ROOT / "tools/checkpoint/inspect_checkpoint.py")
+    inspect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect)
+    capsys.readouterr()
+    assert inspect.main([lo]) == 0
+    assert f"origin       {tmp_path / 'hf'} (hf/ files {ckpt}/hf; the weights as converted)" in capsys.readouterr().out
     # the base moved: no tokenizer to copy, said with the path and the fix
     shutil.move(ckpt, tmp_path / "moved")
     capsys.readouterr()

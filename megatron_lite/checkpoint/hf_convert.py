@@ -339,7 +339,8 @@ def megatron_lite_to_peft(
     # (the Hugging Face model only while the adapters' base holds its weights unchanged: a base fine-tuned after
     # the conversion scored 0.45 off in log-probability under AutoPeftModelForCausalLM)
     origin = checkpoint_origin(find_checkpoint(load_dir), meta) or {}
-    source = origin.get("converted_from") if os.path.isfile(f"{origin.get('converted_from')}/config.json") else None
+    source = origin.get("converted_from")
+    source = source if source and os.path.isfile(os.path.join(source, "config.json")) else None  # (still there)
     base = base_model or (source if origin.get("converted_weights") else None)
     adapter_config["base_model_name_or_path"] = base
     write_peft(save_dir, tensors, adapter_config)

@@ -58,6 +58,7 @@ def describe(path: str, verify: bool = False) -> dict:
         "optimizer": {k: optim.get(k) for k in OPTIMIZER_KEYS if optim.get(k) not in (None, False)},
         "data": {k: data.get(k) for k in DATA_KEYS if data.get(k)},
         "converted_from": meta.get("converted_from"),
+        "origin": meta["config"].get("origin"),  # (a checkpoint trained from a converted one: checkpoint/origin.py)
         "tensors": tensors,
         "kinds": sorted({n.split("/")[0] for n in tensors}),
         "parameters": sum(_numel(t["shape"]) for n, t in tensors.items() if n.startswith("model/")),
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if src:
         print(f"converted    from {src.get('hf', '?')} at {src.get('path', '?')}" if isinstance(src, dict) else
               f"converted    from {src}")  # fmt: skip
+    if o := d["origin"]:
+        kept = "the weights as converted" if o.get("converted_weights") else "weights trained since the conversion"
+        print(f"origin       {o.get('converted_from')} (hf/ files {o.get('hf_dir')}; {kept})")
     for label, key in (("training", "training"), ("optimizer", "optimizer"), ("data", "data")):
         if d[key]:
             print(f"{label:<13}{_flags(d[key])}")
