@@ -103,9 +103,16 @@ def test_the_origin_survives_resumes_into_the_same_save(tmp_path, capsys, monkey
     pruning the first run's too). Then the converted checkpoint moved: the export says its tokenizer is gone."""
     from megatron_lite.checkpoint.checkpointing import find_checkpoint, read_metadata
     from megatron_lite.checkpoint.hf_convert import generation_eos_ids
+    from megatron_lite.checkpoint.origin import run_origin
 
     ckpt = _converted(tmp_path, monkeypatch)
     ft, lo = str(tmp_path / "ft"), str(tmp_path / "lora")
+    # (the weights stay the converted ones only under LoRA, frozen; an upcycling changes them too)
+    kept = [
+        run_origin(find_checkpoint(ckpt), *how)["converted_weights"]
+        for how in ((True, False), (False, False), (True, True))
+    ]
+    assert kept == [True, False, False]
     capsys.readouterr()
     _train(ckpt, ft, 1, "--ckpt-keep-last", "1")
     first = capsys.readouterr().out
