@@ -119,7 +119,7 @@ def test_the_origin_survives_resumes_into_the_same_save(tmp_path, capsys, monkey
     _train(ckpt, ft, 2, "--ckpt-keep-last", "1")  # (auto-resume: --load becomes --save)
     assert "resuming from it" in capsys.readouterr().out
     _train(ckpt, lo, 1, "--lora-rank", "4")
-    _train(ckpt, lo, 2, "--lora-rank", "4")
+    _train(ckpt, lo, 2, "--lora-rank", "4", "--async-save")  # (saved from a background thread)
     saved = read_metadata(find_checkpoint(ft))["config"]
     assert saved["checkpoint"]["load"] == ft  # (the resume's: the walk back through --load stopped here)
     assert generation_eos_ids(ft, saved) == [2, 5]
