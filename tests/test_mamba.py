@@ -192,6 +192,35 @@ def test_hybrid_training_at_tp2_and_pp2_equals_one_process(dist, world, parallel
     assert ref[-1][0] < ref[0][0]  # (it trains)
 
 
+def test_hybrid_training_with_tp_comm_overlap_equals_one_process(dist):
+    """M* at TP=2 with sequence parallelism and --tp-comm-overlap, where the mixer's in_proj and out_proj run as
+    the overlapped rings (the next test checks they do): the per-iteration lm_loss and grad_norm of one process."""
+    from test_train_equivalence import _compare, train_run
+
+    parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)
+    ref = train_run("nemotron_h", ParallelConfig(), 4, 4, iters=3)
+    for history in dist(2, train_run, "nemotron_h", parallel, 4, 2, iters=3):
+        _compare(history, ref)
+
+
+@pytest.mark.parametrize("off", [None, "ag", "rs"])
+def test_the_mixers_projections_overlap_their_collectives_under_tp_comm_overlap(off):
+    """As Megatron's mixer (in_proj and out_proj built with tp_comm_buffer_name fc1 and fc2) and the MLP here:
+    --tp-comm-overlap runs in_proj's all-gather and out_proj's reduce-scatter as rings (what the planner's overlap
+    discount assumes of every layer), each switched off by its --disable-tp-comm-overlap-ag/-rs."""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    flags = ["--num-layers", "2", "--hybrid-override-pattern", "M-", "--ffn-hidden-size", "48", *BASE]
+    flags += ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"]
+    _, job = parse_args(flags + ([f"--disable-tp-comm-overlap-{off}"] if off else []))
+    layers = build_model(job.model, ParallelContext.virtual(job.parallel, 2), device="meta")[0].decoder.layers
+    mixer, mlp = layers[0].mixer, layers[1].mlp
+    seen = (mixer.in_proj.comm_overlap, mixer.out_proj.comm_overlap)
+    assert seen == (mlp.linear_fc1.comm_overlap, mlp.linear_fc2.comm_overlap) == (off != "ag", off != "rs")
+    assert mixer.in_proj.triton_gemm == mlp.linear_fc1.triton_gemm
+
+
 def test_flops_count_each_hybrid_layer_as_its_kind():
     """Per token, worked by hand (h 32, 8 heads x 8 dims in 2 groups of state 8, so d 64; 4 attention heads of 8 in
     2 groups; MLP 48, squared ReLU; vocabulary 100; sequence 16, causal: 8 keys a query): 3 x the forward."""

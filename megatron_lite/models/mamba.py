@@ -12,7 +12,8 @@ in fp32 PyTorch, which is slow at Nemotron-H's sizes but exact.
 
 Tensor parallelism follows Megatron: in_proj is column-parallel with z, x, B, C and dt each split over the ranks
 (whole heads and whole groups on each), the conv1d, dt_bias, A_log, D and the gated norm's weight are split the same
-way, and out_proj is row-parallel; the mixer itself calls no collective.
+way, and out_proj is row-parallel; the mixer itself calls no collective. Under --tp-comm-overlap (with sequence
+parallelism) in_proj's all-gather and out_proj's reduce-scatter run as the overlapped rings, as the MLP's do.
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class MambaMixer(nn.Module):
             tp,
             bias=False,
             sequence_parallel=ctx.sequence_parallel,
+            # (Megatron's tp_comm_buffer_name "fc1": overlapped under --tp-comm-overlap as the MLP's fc1 is; the
+            # ring's GEMM keeps the local [z_r; x_r; B_r; C_r; dt_r] rows, so the split below reads the same)
+            comm_overlap=ctx.parallel.tp_comm_overlap and ctx.parallel.tp_comm_overlap_ag,
+            triton_gemm=config.kernel_impl == "triton",
             init_std=config.init_method_std,
             device=device,
             dtype=dtype,
@@ -156,6 +161,8 @@ class MambaMixer(nn.Module):
             tp,
             bias=False,
             sequence_parallel=ctx.sequence_parallel,
+            comm_overlap=ctx.parallel.tp_comm_overlap and ctx.parallel.tp_comm_overlap_rs,  # (Megatron's "fc2")
+            triton_gemm=config.kernel_impl == "triton",
             init_std=config.output_layer_init_std,
             device=device,
             dtype=dtype,
