@@ -35,7 +35,7 @@ from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute
 from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
 from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.lora_memory import lora_first_layer_bytes, lora_layer_bytes
+from megatron_lite.planner.lora_memory import adapted, lora_first_layer_bytes, lora_layer_bytes
 from megatron_lite.planner.params import StageParams, stage_params, stage_tensors
 from megatron_lite.planner.precision import (
     expert_rows,
@@ -269,9 +269,16 @@ def activation_bytes(
     fp8_layers = layer_recomputes(model, layout, pp_rank)
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
         sent = not (c == layout.vp - 1 and pp_rank == layout.pp - 1)  # (the last chunk's goes to the final norm)
-        per_token = sum(layer_bytes(i, index, layers, sent) for index, i in enumerate(layers))
+        kept = list(enumerate(layers))
         if lora is not None and 0 in layers and layout.recompute != "full":
-            per_token -= lora_first_layer_bytes(model, layout, a, lora, mask)
+            # nothing before the first adapted layer needs a gradient (the embedding and those layers frozen, their
+            # input the embedding's): they save nothing (a hybrid model's `-` layers before a `*`, targets q v)
+            first = next((index for index, i in kept if adapted(model, lora, i)), len(kept))
+            kept = kept[first:]
+            per_token = -lora_first_layer_bytes(model, layout, a, lora, mask, layers[first]) if kept else 0.0
+        else:
+            per_token = 0.0
+        per_token += sum(layer_bytes(i, index, layers, sent) for index, i in kept)
         some_kept = layout.recompute != "full" or (block and len(layers) > (model.recompute_num_layers or 0))
         whole = 0.0  # bytes per micro-batch, whatever its tokens
         if model.fp8 is not None and not fp8_caches_weights(model, layout) and lora is None:
