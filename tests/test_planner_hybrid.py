@@ -99,23 +99,69 @@ def test_memory_estimate_within_ten_percent(dist, case):
             assert abs(est[key] - measured) <= 0.10 * measured, (case, r["pp_rank"], key, est[key], measured)
 
 
+def _executed_scan_flops(model, seq: int) -> float:
+    """FLOPs per token that models/mamba.py's ssd_scan runs, forward and backward (PyTorch's FlopCounterMode, one
+    sequence of `seq`, every head): the oracle of the planner's scan_flops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.models.mamba import ssd_scan
+
+    heads, p, groups, n = model.mamba_heads, model.mamba_head_dim, model.mamba_num_groups, model.mamba_state_dim
+    g = torch.Generator().manual_seed(0)
+    x, B, C = (
+        torch.randn(1, seq, k, d, generator=g).requires_grad_() for k, d in ((heads, p), (groups, n), (groups, n))
+    )
+    dt = torch.rand(1, seq, heads, generator=g).requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        ssd_scan(x, dt, -torch.rand(heads, generator=g), B, C).sum().backward()
+    return counter.get_total_flops() / seq
+
+
+@pytest.mark.parametrize("seq,n", [(64, 8), (160, 16), (128, 4)], ids=["one-chunk", "padded", "whole-chunk"])
+def test_the_scans_priced_flops_are_what_it_executes(seq, n):
+    """The chunked scan runs about 2 L N + 2 L P + 4 P N FLOPs per head and token (L steps a chunk, the padded steps
+    too), not Megatron's 7 d N (3.4x at N = 16): the planner's forward figure times 3 is FlopCounterMode's count."""
+    from megatron_lite.planner.hybrid import scan_flops
+
+    model = _hybrid("M", mamba_state_dim=n)
+    assert 3 * scan_flops(model, seq) == pytest.approx(_executed_scan_flops(model, seq), rel=1e-9)
+
+
+def test_the_scan_is_timed_at_the_fp32_rate():
+    """models/mamba.py scans in fp32 PyTorch: on an H100 the scan's executed FLOPs take their time at its fp32 rate
+    (67 TFLOP/s, NVIDIA's H100 SXM datasheet; not its 989 TFLOP/s bf16 tensor peak), at the attention's efficiency,
+    the rest of the mixer's compute its two projections' GEMMs. At TP=2 each rank scans half the heads."""
+    seq, cl, impl = 256, cluster("H100", 8, 1, None, None), cost.IMPLEMENTATIONS["torch"]
+    for tp in (1, 2):
+        model, layout = Layout(tp=tp).model_config(_hybrid("M*")), Layout(tp=tp)
+        compute = cost._mixer_terms(model, layout, seq, 2, cl, cost.EFF, impl)[0]
+        h, d, gn, heads = model.hidden_size, 16 * 8 // tp, 2 * 8 // tp, 16 // tp
+        gemms = cost._gemm(seq, h, 2 * d + 2 * gn + heads, 2, cl, cost.EFF) + cost._gemm(seq, d, h, 2, cl, cost.EFF)
+        scan = seq * _executed_scan_flops(model, seq) / 3 / tp / (67e12 * cost.EFF.attention)
+        assert compute - gemms == pytest.approx(scan, rel=1e-6)
+
+
 def test_flops_are_the_training_loops():
-    """A Mamba layer's in_proj and out_proj GEMMs and its scan (Megatron's 7 d N, the counter's) are the training
-    loop's FLOPs counter (flops_per_token), but for the flash backward's 2.5x of the attention layers' causal
-    forward (the counter's 2x: 2 s q per token each), worked out by hand; at TP=2 half of them, but the router's
-    (every TP rank routes). At PP=2 the busiest stage sets the pace: here the first, whose FLOPs are a model's of
-    its layers alone less the output layer."""
+    """A Mamba layer's in_proj and out_proj GEMMs are the training loop's FLOPs counter (flops_per_token), but for
+    its scan, timed at the FLOPs the chunked scan executes (FlopCounterMode's) where the counter takes Megatron's
+    7 d N, and the flash backward's 2.5x of the attention layers' causal forward (the counter's 2x: 2 s q per token
+    each), worked out by hand; at TP=2 half of them, but the router's (every TP rank routes). At PP=2 the busiest
+    stage sets the pace: here the first, whose FLOPs are a model's of its layers alone less the output layer."""
+    from megatron_lite.training.flops import mamba_scan_flops
+
     seq = 64
     model = _hybrid("M*-EM*-E", vocab_size=256)
     q, h = model.num_attention_heads * model.head_dim, model.hidden_size
     flash_extra = 0.5 * 2 * 2 * seq * q * seq  # (two attention layers)
-    assert _priced_flops(model, Layout(), seq) == pytest.approx(flops_per_token(model, seq) * seq + flash_extra)
+    scan_extra = (_executed_scan_flops(model, seq) - 3 * mamba_scan_flops(model)) * seq  # (a Mamba layer's)
+    priced = _priced_flops(model, Layout(), seq)
+    assert priced == pytest.approx(flops_per_token(model, seq) * seq + flash_extra + 2 * scan_extra)
     router = 3 * 2 * h * model.num_experts * seq * 2  # (two MoE layers)
     tp2 = _priced_flops(Layout(tp=2).model_config(model), Layout(tp=2), seq)
-    assert tp2 == pytest.approx((_priced_flops(model, Layout(), seq) - router) / 2 + router)
+    assert tp2 == pytest.approx((priced - router) / 2 + router)
 
     staged, alone = _hybrid("MM*M----", vocab_size=256), _hybrid("MM*M", vocab_size=256)
-    expected = (flops_per_token(alone, seq) - 3 * 2 * h * 256) * seq + 0.5 * 2 * seq * q * seq
+    expected = (flops_per_token(alone, seq) - 3 * 2 * h * 256) * seq + 0.5 * 2 * seq * q * seq + 3 * scan_extra
     assert _priced_flops(staged, Layout(pp=2), seq) == pytest.approx(expected)
 
 

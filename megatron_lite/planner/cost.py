@@ -33,13 +33,20 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.models.heterogeneous import LINEAR, NO_OP, NORMAL, BlockConfig
 from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
 from megatron_lite.planner.hardware import Cluster
-from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes, mixer_dims, mixer_ops
+from megatron_lite.planner.hybrid import (
+    MAMBA_MIXER,
+    layer_block,
+    mixer_activation_bytes,
+    mixer_dims,
+    mixer_ops,
+    scan_flops,
+)
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_wise_split_of
 from megatron_lite.planner.muon_cost import MuonSettings, muon_seconds
 from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
-from megatron_lite.training.flops import PEAKS, flops_per_token, mamba_scan_flops
+from megatron_lite.training.flops import PEAKS, flops_per_token
 
 
 @dataclass(frozen=True)
@@ -158,14 +165,15 @@ def _mixer_terms(
     model: ModelConfig, layout: Layout, m: float, a: int, cl: Cluster, eff: Efficiency, impl: Implementation
 ) -> tuple[float, float, float, float, float]:
     """A Mamba layer's forward as layer_terms gives a layer's: in_proj and out_proj (this rank's heads and groups),
-    the scan's FLOPs (Megatron's 7 d N: training/flops.py) at the accelerator's fp32 rate (models/mamba.py scans in
-    fp32 PyTorch, no TF32), the traffic of writing and reading what the mixer saves plus its norm and residual,
-    and its PyTorch operators' launches (planner/hybrid.py)."""
+    the FLOPs the chunked scan executes (planner/hybrid.py's scan_flops, not Megatron's 7 d N that the FLOPs
+    counter and MFU keep) at the accelerator's fp32 rate (models/mamba.py scans in fp32 PyTorch, no TF32), the
+    traffic of writing and reading what the mixer saves plus its norm and residual, and its PyTorch operators'
+    launches (planner/hybrid.py)."""
     g, tp, h, seq = cl.gpu, layout.tp, model.hidden_size, m / layout.micro_batch_size
     d, gn, heads, _ = mixer_dims(model, tp)
     gemms = _gemm(m, h, 2 * d + 2 * gn + heads, a, cl, eff) + _gemm(m, d, h, a, cl, eff)
     fp32 = g.peak_flops if g.measured else next((f for key, _, f in PEAKS if key in g.name), g.peak_flops / 15)
-    scan = m * mamba_scan_flops(model) / tp / (fp32 * eff.attention)
+    scan = m * scan_flops(model, int(seq)) / tp / (fp32 * eff.attention)
     moved = elementwise_values(model, tp, layout.sp, impl, MAMBA_MIXER, NO_OP) * a
     moved += 2 * mixer_activation_bytes(model, tp, a, int(seq), layout.micro_batch_size)
     elem = m * moved / (g.memory_bandwidth * eff.memory)

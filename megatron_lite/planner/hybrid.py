@@ -109,6 +109,20 @@ def mixer_activation_bytes(model: ModelConfig, tp: int, a: int, seq: int, sequen
     return total + ((2 * chunks - 1) * heads * p * n + chunks * heads) * 4 / seq
 
 
+def scan_flops(model: ModelConfig, seq: int) -> float:
+    """FLOPs per token of the sequence that models/mamba.py's chunked ssd_scan executes, as a forward's (a third of
+    its forward and backward; all the model's heads), not Megatron's 7 d N (training/flops.py's, which MFU keeps):
+    per head and padded step, C.B over the chunk 2 L N, the decayed product with x 2 L P, each chunk's added state
+    2 P N and the carried state read by C 2 P N (L steps a chunk, P head dim, N state; the sequence padded to whole
+    chunks, the padded steps computed too), the backward twice these; but of one chunk the backward runs 2 P N of
+    the states' 8 P N (the state carried in is zeros, none is passed on). About 1.4x Megatron's figure at
+    Nemotron-H's sizes, 3.4x at N = 16."""
+    steps, chunks = chunking(seq)
+    p, n = model.mamba_head_dim, model.mamba_state_dim
+    per_head = 2 * steps * n + 2 * steps * p + (4 if chunks > 1 else 2) * p * n
+    return model.mamba_heads * per_head * steps * chunks / seq
+
+
 def mixer_ops(seq: int) -> int:
     """Operators a mixer launches in one forward and backward over sequences of `seq` tokens (an estimate)."""
     return 3 * (MIXER_OPS + MIXER_OPS_PER_CHUNK * chunking(seq)[1])

@@ -74,7 +74,8 @@ def _mlp_flops(c: ModelConfig, layer: int) -> float:
 
 
 def mamba_scan_flops(c: ModelConfig) -> float:
-    """The part of _mamba_flops with no weight: Megatron's 7 d N for the scan (the planner times it apart)."""
+    """The part of _mamba_flops with no weight: Megatron's 7 d N for the scan (the counter's and MFU's; the planner
+    times the FLOPs models/mamba.py's chunked scan executes instead: planner/hybrid.py's scan_flops)."""
     return 7 * c.mamba_heads * c.mamba_head_dim * c.mamba_state_dim
 
 
