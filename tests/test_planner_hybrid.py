@@ -50,7 +50,9 @@ def test_parameter_counts_equal_the_built_model(pattern, layout):
         assert (counts.dense, counts.expert) == (sum(p.numel() for p in chunks.parameters()) - expert, expert)
 
 
-def _measure(pattern: str, layout: Layout, seq: int, bf16: bool = False, kernels: str = "torch") -> dict:
+def _measure(
+    pattern: str, layout: Layout, seq: int, bf16: bool = False, kernels: str = "torch", optimizer: str = "adam"
+) -> dict:
     import torch.distributed as dist
 
     from megatron_lite.parallel_context import ParallelContext
@@ -63,7 +65,7 @@ def _measure(pattern: str, layout: Layout, seq: int, bf16: bool = False, kernels
         ctx = ParallelContext.virtual(parallel, device=DEVICE if kernels == "triton" else torch.device("cpu"))
     torch.set_num_threads(1)
     config = _hybrid(pattern, kernel_impl=kernels)
-    return measure_layout(config, layout, seq, GBS, iters=0, ctx=ctx, bf16=bf16)
+    return measure_layout(config, layout, seq, GBS, iters=0, ctx=ctx, bf16=bf16, optimizer=optimizer)
 
 
 CASES = {
@@ -202,6 +204,20 @@ def test_the_dry_runs_activations_are_what_the_run_saves(tmp_path, capsys, monke
     fixtures = (tmp_path, capsys, monkeypatch)
     predicted, mem = _priced_and_measured(argv, r"~(\d+) B activations at the schedule's peak", *fixtures)
     assert abs(predicted / mem["mem_activations_bytes"] - 1) < 0.05, (predicted, mem["mem_activations_bytes"])
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_muon_state_is_the_runtimes(bf16):
+    """--optimizer muon steps the 2-D weights with Muon (4 bytes of momentum) and the rest with Adam (8): the
+    runtime's rule (optimizer.runs_muon), so a Mamba mixer's 3-D conv weight, its conv bias, dt_bias, A_log, D and
+    gated norm and every norm take Adam's, which the planner priced at Muon's 4. The optimizer bytes equal what
+    --log-memory-breakdown measures after a step of MM*- (0.985x before)."""
+    from megatron_lite.planner.memory import MuonStateBytes
+
+    model, layout = _hybrid("MM*-"), Layout(micro_batch_size=1)
+    measured = _measure("MM*-", layout, 32, bf16, optimizer="muon")["memory"]
+    priced = rank_memory(model, layout, 32, GBS, bf16, 0, state_bytes=MuonStateBytes(model))
+    assert priced.as_dict()["mem_optimizer_bytes"] == pytest.approx(measured["mem_optimizer_bytes"], rel=1e-9)
 
 
 LORA = "--lora-rank 4 --position-embedding-type rope --lora-target-modules q_proj v_proj"

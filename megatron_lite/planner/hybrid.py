@@ -58,10 +58,6 @@ def layer_block(model: ModelConfig, layer: int) -> BlockConfig | None:
     return None
 
 
-def is_mamba(model: ModelConfig, layer: int) -> bool:
-    return model.hybrid and layer < model.num_layers and model.layer_types[layer] == MAMBA
-
-
 def mixer_dims(model: ModelConfig, tp: int) -> tuple[int, int, int, int]:
     """(d, gn, H, G) of one TP rank's mixer: inner dims, groups x state, heads, groups."""
     d, gn = model.mamba_heads * model.mamba_head_dim, model.mamba_num_groups * model.mamba_state_dim

@@ -440,8 +440,9 @@ def layer_wise_split_of(model: ModelConfig, layout: Layout, pp_rank: int, bf16: 
 
 
 class MuonStateBytes(float):
-    """--optimizer muon's state per parameter: Muon's one momentum (4 bytes) on the matrices, Adam's two moments
-    (8) on the embeddings and output layer (Megatron's rule; norms and biases, a tiny share, priced as matrices).
+    """--optimizer muon's state per parameter: Muon's one momentum (4 bytes) on what it steps, Adam's two moments
+    (8) on the rest, as the runtime splits them (optimizer.runs_muon: the 2-D parameters but the embeddings and
+    output layer; norms, biases, a Mamba mixer's 3-D conv weight and its dt_bias, A_log and D take Adam's).
     As a float, the whole model's average (what the step-time model reads); rank_memory prices each pipeline
     stage by its own mix (the first and last hold the vocabulary)."""
 
@@ -450,7 +451,7 @@ class MuonStateBytes(float):
 
     @staticmethod
     def of_stage(counts: StageParams) -> float:
-        return (4 * counts.total + 4 * counts.embeddings) / counts.total if counts.total else 8.0
+        return (8 * counts.total - 4 * counts.muon) / counts.total if counts.total else 8.0
 
 
 def parameter_state_bytes(

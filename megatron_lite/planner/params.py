@@ -44,6 +44,7 @@ class StageParams:
     expert: int  # expert parameters, sharded over the expert-data-parallel group
     layers: tuple[int, ...]  # global numbers of the layers this rank runs
     embeddings: int = 0  # of `dense`: the word and position embeddings and the output layer (and their copies)
+    muon: int = 0  # of the whole: what --optimizer muon steps with Muon (optimizer.runs_muon's rule), not Adam
 
     @property
     def total(self) -> int:
@@ -194,4 +195,5 @@ def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParam
     """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
     groups, layers, embeddings = _stage_groups(model, layout, pp_rank)
     sums = [(c * d, c * e) for (d, e), c in ((_sums(ts), c) for ts, c in groups)]
-    return StageParams(sum(d for d, _ in sums), sum(e for _, e in sums), layers, embeddings)
+    muon = sum(c * n for ts, c in groups for n, by_muon, _ in ts if by_muon)
+    return StageParams(sum(d for d, _ in sums), sum(e for _, e in sums), layers, embeddings, muon)
