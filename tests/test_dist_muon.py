@@ -163,8 +163,7 @@ def test_the_planner_prices_muons_state_stage_by_stage(pp, untied):
     """tools/plan_parallelism.py's optimizer bytes of a muon job on each pipeline stage are exactly what the
     stage's own parameters take (muon_state_bytes over them, which tests/test_cli_dry_run.py holds to a run's
     tensors): Muon's 4 bytes on the matrices, Adam's 8 on the norms and the vocabulary the first and last stages
-    hold (the norms were priced at Muon's 4, within 1%). It priced
-    everything at Adam's 8 (1.5x and more)."""
+    hold (the norms were priced at Muon's 4, within 1%). It priced everything at Adam's 8 (1.5x and more)."""
     from megatron_lite.optimizer.optimizer import group_name, muon_state_bytes
     from megatron_lite.parameters import named_param_meta
     from megatron_lite.planner.layout import Layout
