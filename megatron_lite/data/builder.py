@@ -179,7 +179,7 @@ def build_datasets(
     if data.sft:
         from megatron_lite.data.sft import build_sft_datasets
 
-        return build_sft_datasets(source, data, num_samples, seq_length, seed)
+        return build_sft_datasets(source, data, num_samples, seq_length, seed, log)
     if not source.prefixes:
         return tuple(
             MockGPTDataset(source.vocab_size, seq_length, seed=seed + 1000 * i) if n else None

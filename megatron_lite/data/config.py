@@ -127,6 +127,8 @@ class DataConfig:
             weights = []
         if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split {self.split!r} must be up to three non-negative weights, e.g. 969,30,1")
+        if self.sft and self.mock_data:  # (it read no records: "the train split holds no documents")
+            raise ConfigError("--sft reads JSONL prompt/response records (--data-path FILE); drop --mock-data")
         per_split = [f for f in ("train_data_path", "valid_data_path", "test_data_path") if getattr(self, f)]
         if per_split and (self.data_path or self.mock_data):
             other = "--data-path" if self.data_path else "--mock-data"

@@ -77,8 +77,13 @@ class SFTDataset:
         bos_text = tokenizer.token(prefix[0]) if len(prefix) == 1 and hasattr(tokenizer, "token") else None
         encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
         separate = getattr(tokenizer, "separate_texts", False)
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
+                                      "SFT records are JSON lines in UTF-8") from None  # fmt: skip
                 if not line.strip():
                     continue
                 expected = 'a JSON object with "prompt" and "response" (or TRL\'s "completion") strings'
@@ -188,7 +193,7 @@ class _Blend(BlendedDataset):
         return tuple(sum(c) for c in zip(*(d.cut for d in self.datasets)))
 
 
-def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_length: int, seed: int) -> tuple:
+def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_length: int, seed: int, log=None) -> tuple:
     """(train, valid, test) from the JSONL files: --data-path's records divided by --split, as Megatron's builder
     divides documents (data/gpt_dataset.py split_document_ranges), or each split's own files, whole. A split with
     no samples requested, or no records, is None. Each file is read and tokenized once."""
@@ -201,6 +206,8 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
     for s, blend in enumerate(blends):
         live = []
         for w, path, by_split in blend:
+            if not num_samples[s]:  # (a split never read: its own files are not tokenized, nor refused if empty)
+                continue
             if path not in opened:
                 opened[path] = SFTDataset(path, source.tokenizer, seq_length, seed)
             records = opened[path]
@@ -211,7 +218,7 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
             )
             # (weights not given: each file in proportion to its records in the split)
             w = float(hi - lo) if w is None else w
-            if num_samples[s] and hi > lo and w > 0:
+            if hi > lo and w > 0:
                 live.append((w, records.part(lo, hi)))
         if not live:
             out.append(None)
@@ -221,4 +228,10 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
             by_size = all(w is None for w, *_ in blend)
             weights = [w for w, _ in live]
             out.append(_Blend([d for _, d in live], weights if by_size else normalize(weights), num_samples[s]))
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # (said once)
+    if source.per_split is None and log is not None and first:  # (--split holds records back from training)
+        for path, records in opened.items():
+            a, b, c = (hi - lo for lo, hi in split_document_ranges(records.num_records, data.split_weights))
+            log(f"--sft {path}: {records.num_records} records, {a} for training, {b} validation, {c} test "
+                f"(--split {data.split}; --split 100,0,0 trains on every record)")  # fmt: skip
     return tuple(out)
