@@ -99,10 +99,14 @@ def _tool():
     ],
 )
 def test_parameter_counts_equal_the_built_model(name, layout):
+    assert_counts_of_the_built_model(MODELS[name](num_layers=8), layout)
+
+
+def assert_counts_of_the_built_model(config, layout: Layout) -> None:
+    """planner.params' dense and expert parameters of each rank equal those of the model built on meta there."""
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.parallel_context import ParallelContext
 
-    config = MODELS[name](num_layers=8)
     for rank in range(layout.world):
         ctx = ParallelContext.virtual(layout.parallel_config(), layout.world, rank)
         chunks = build_model(config, ctx, device="meta")

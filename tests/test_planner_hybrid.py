@@ -15,7 +15,6 @@ from megatron_lite.planner import cost
 from megatron_lite.planner.hardware import cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import rank_memory
-from megatron_lite.planner.params import stage_params
 from megatron_lite.training.flops import flops_per_token
 
 from dist_pool import get_context
@@ -38,16 +37,9 @@ def test_parameter_counts_equal_the_built_model(pattern, layout):
     """Each layer its own kind: a Mamba layer's norm, in_proj, conv, dt_bias, A_log, D, gated norm and out_proj
     (heads and groups split over TP), an attention, MLP or MoE layer's one part with its norm (every layer was
     priced as a whole transformer layer: 1.3x the weights of M*-E, 0.9x on a pipeline stage of Mamba layers)."""
-    from megatron_lite.models.gpt_model import build_model
-    from megatron_lite.parallel_context import ParallelContext
+    from test_planner import assert_counts_of_the_built_model
 
-    config = _hybrid(pattern, normalization="LayerNorm")  # (the norms' biases too)
-    for rank in range(layout.world):
-        ctx = ParallelContext.virtual(layout.parallel_config(), layout.world, rank)
-        chunks = build_model(config, ctx, device="meta")
-        expert = sum(p.numel() for n, p in chunks.named_parameters() if ".experts." in n)
-        counts = stage_params(config, layout, ctx.pp.rank)
-        assert (counts.dense, counts.expert) == (sum(p.numel() for p in chunks.parameters()) - expert, expert)
+    assert_counts_of_the_built_model(_hybrid(pattern, normalization="LayerNorm"), layout)  # (the norms' biases too)
 
 
 def _measure(
