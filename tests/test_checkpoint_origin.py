@@ -147,3 +147,32 @@ def test_the_origin_survives_resumes_into_the_same_save(tmp_path, capsys, monkey
     assert "copy the tokenizer files" in out and "are gone" in out, out
     # --finetune's dropouts at Megatron's defaults, said with their values (the checkpoint's were 0.0)
     assert "--hidden-dropout 0.1 (the checkpoint: 0.0), --attention-dropout 0.1 (the checkpoint: 0.0)" in first, first
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_an_emptied_older_load_does_not_stop_a_resume(tmp_path, monkeypatch, recorded):
+    """(From a review: the walk back through --load, for a checkpoint with no record, ran at every start and
+    stopped a resume with the error of an older --load since emptied.) A from-scratch pretraining P, a fine-tune F
+    of it, P's iterations deleted; F resumes into its own --save: with the record (None) nothing is walked, and
+    without it (saved before the record) the walk finds nothing and the run goes on."""
+    import glob
+
+    from megatron_lite.training.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    p, f = str(tmp_path / "p"), str(tmp_path / "f")
+    common = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--mock-data",
+              "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+              "--lr", "1e-3", "--eval-iters", "0"]  # fmt: skip
+    assert main(["--save", p, "--train-iters", "1", *common]) == 0
+    assert main(["--load", p, "--finetune", "--save", f, "--train-iters", "1", *common]) == 0
+    for meta in glob.glob(f + "/iter_*/metadata.json"):
+        data = json.load(open(meta))
+        assert "origin" in data["config"] and data["config"]["origin"] is None
+        if not recorded:  # (as a checkpoint saved before the record)
+            del data["config"]["origin"]
+            json.dump(data, open(meta, "w"))
+    for d in glob.glob(p + "/iter_*"):
+        shutil.rmtree(d)
+    assert main(["--load", f, "--save", f, "--train-iters", "2", *common]) == 0

@@ -30,6 +30,28 @@ def test_a_start_up_failure_of_one_rank_is_every_ranks_one_line(dist):
     assert dist(2, _agree_with_error, ()) == ["agreed"] * 2
 
 
+def _agree_on(config_of_rank: dict) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.resilience.supervisor import check_config_agreement
+
+    try:
+        check_config_agreement(config_of_rank[dist.get_rank()], torch.device("cpu"))
+    except ConfigError as e:
+        return str(e)
+    return "agreed"
+
+
+def test_where_the_weights_came_from_is_not_a_setting_the_ranks_must_share(dist):
+    """(From a review: an old checkpoint's Hugging Face origin is found on each node's own files, so a node
+    without the downloaded model refused the resume as 'different configurations'.)"""
+    origins = {0: {"lr": 1e-3, "origin": {"converted_from": "/hf"}}, 1: {"lr": 1e-3, "origin": None}}
+    assert dist(2, _agree_on, origins) == ["agreed"] * 2
+    flags = {0: {"lr": 1e-3}, 1: {"lr": 2e-3}}
+    assert all("different configurations" in line for line in dist(2, _agree_on, flags))
+
+
 def test_write_probes_of_ranks_sharing_a_host_and_pid_do_not_collide(tmp_path):
     """(From a review: the probe was named by host name and pid, which repeat across containers: one rank
     removed the other's file and that one was refused, 119 times in 10000 with two threads.)"""

@@ -18,6 +18,7 @@ import os
 
 from megatron_lite.checkpoint.format import _ITER_DIR, complete_iterations
 from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata
+from megatron_lite.config import ConfigError
 
 HF_DIR = "hf"  # under a converted checkpoint's root: the original config.json and tokenizer files
 ORIGIN = "origin"  # the record's key in a checkpoint's config
@@ -35,30 +36,39 @@ def hf_side(load_dir: str, saved: dict, depth: int = 4) -> str | None:
     for root in (load_dir, parent) if _ITER_DIR.match(os.path.basename(os.path.normpath(load_dir))) else (load_dir,):
         if _hf_files(side := os.path.join(root, HF_DIR)):
             return side
-    if saved.get(ORIGIN):  # (recorded: nothing older to walk)
-        side = saved[ORIGIN].get("hf_dir")
+    if ORIGIN in saved:  # (recorded, None too: nothing older to walk)
+        side = (saved[ORIGIN] or {}).get("hf_dir")
         return side if _hf_files(side) else None
     parent = (saved.get("checkpoint") or {}).get("load")
-    path = find_checkpoint(parent) if parent and depth > 0 and os.path.isdir(parent) else None
-    if path is None or os.path.normpath(parent) == os.path.normpath(load_dir):
-        return None  # (a run resumed into its own --save records itself: the walk stopped there)
-    return hf_side(parent, read_metadata(path)["config"], depth - 1)
+    try:  # (best effort: an older --load since emptied or reused is no origin, and no reason to stop a run)
+        path = find_checkpoint(parent) if parent and depth > 0 and os.path.isdir(parent) else None
+        if path is None or os.path.normpath(parent) == os.path.normpath(load_dir):
+            return None  # (a run resumed into its own --save records itself: the walk stopped there)
+        return hf_side(parent, read_metadata(path)["config"], depth - 1)
+    except (ConfigError, OSError, ValueError, KeyError):
+        return None
 
 
 def _legacy_source(side: str) -> str | None:
     """The Hugging Face directory the checkpoint holding `side` was converted from (its iteration 0, also under
     newer ones), while it still holds the model."""
     root = os.path.dirname(side)
-    for it in complete_iterations(root):
-        source = (read_metadata(find_checkpoint(root, it)).get("converted_from") or {}).get("path")
-        if _hf_files(source):
-            return source
+    try:
+        for it in complete_iterations(root):
+            source = (read_metadata(find_checkpoint(root, it)).get("converted_from") or {}).get("path")
+            if _hf_files(source):
+                return source
+    except (ConfigError, OSError, ValueError, KeyError):
+        pass
     return None
 
 
 def _is_converted(path: str | None) -> bool:
-    found = find_checkpoint(path) if path and os.path.isdir(path) else None
-    return found is not None and bool(read_metadata(found).get("converted_from"))
+    try:
+        found = find_checkpoint(path) if path and os.path.isdir(path) else None
+        return found is not None and bool(read_metadata(found).get("converted_from"))
+    except (ConfigError, OSError, ValueError, KeyError):
+        return False
 
 
 def checkpoint_origin(path: str, meta: dict) -> dict | None:
@@ -70,7 +80,7 @@ def checkpoint_origin(path: str, meta: dict) -> dict | None:
     if source := meta.get("converted_from"):
         side = os.path.join(os.path.dirname(path), HF_DIR)
         return {"hf_dir": side, "converted_from": source.get("path"), "converted": path, "converted_weights": True}
-    if saved.get(ORIGIN):
+    if ORIGIN in saved:  # (recorded; None: none known when it was saved)
         return saved[ORIGIN]
     side = hf_side(path, saved)
     if side is None:

@@ -38,6 +38,8 @@ def check_config_agreement(config: dict, device: torch.device, error: str | None
     # where each node keeps its dataset indices is its own (a node-local --data-cache-path differs by node)
     if isinstance(config.get("data"), dict) and "data_cache_path" in config["data"]:
         config = {**config, "data": {k: v for k, v in config["data"].items() if k != "data_cache_path"}}
+    # nor is where the weights came from (checkpoint/origin.py): an old checkpoint's is found on each node's files
+    config = {k: v for k, v in config.items() if k != "origin"}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).digest()
     mine = torch.tensor([int.from_bytes(digest[:7], "big"), int(bool(error))], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
