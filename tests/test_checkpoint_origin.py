@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import shutil
 
@@ -145,6 +146,19 @@ def test_the_origin_survives_resumes_into_the_same_save(tmp_path, capsys, monkey
     out = capsys.readouterr().out
     assert f"the checkpoint's tokenizer {ckpt}/hf/tokenizer.json no longer exists" in out, out
     assert "copy the tokenizer files" in out and "are gone" in out, out
+    # (a review:) the experiment tree moved whole: the record finds hf/ where it lies relative to the checkpoint
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.move(tmp_path / "moved", tree / "ckpt")
+    shutil.move(ft, tree / "ft")
+    moved_ft = str(tree / "ft")
+    assert generation_eos_ids(moved_ft, read_metadata(find_checkpoint(moved_ft))["config"]) == [2, 5]
+    capsys.readouterr()
+    assert _convert("--loader", "megatron_lite", "--saver", "hf", "--load-dir", moved_ft, "--save-dir",
+                    str(tmp_path / "out3")) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "are gone" not in out and "no tokenizer written" not in out, out
+    assert {"generation_config.json", "tokenizer.json"} <= set(os.listdir(tmp_path / "out3"))
     # --finetune's dropouts at Megatron's defaults, said with their values (the checkpoint's were 0.0)
     assert "--hidden-dropout 0.1 (the checkpoint: 0.0), --attention-dropout 0.1 (the checkpoint: 0.0)" in first, first
 
@@ -176,3 +190,24 @@ def test_an_emptied_older_load_does_not_stop_a_resume(tmp_path, monkeypatch, rec
     for d in glob.glob(p + "/iter_*"):
         shutil.rmtree(d)
     assert main(["--load", f, "--save", f, "--train-iters", "2", *common]) == 0
+
+
+def test_a_fine_tunes_own_tokenizer_gone_is_not_replaced_by_the_originals(tmp_path, capsys, monkeypatch):
+    """(From a review: a fine-tune trained with its own tokenizer (a token renamed), that tokenizer since deleted,
+    exported the original model's from hf/ without a word.)"""
+    ckpt = _converted(tmp_path, monkeypatch)
+    mine = tmp_path / "mytok"
+    mine.mkdir()
+    tok = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["<|eot_id|>"] = tok["model"]["vocab"].pop("w59")
+    (mine / "tokenizer.json").write_text(json.dumps(tok))
+    ft = str(tmp_path / "ft")
+    _train(ckpt, ft, 1, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(mine / "tokenizer.json"))
+    shutil.rmtree(mine)
+    capsys.readouterr()
+    assert _convert("--loader", "megatron_lite", "--saver", "hf", "--load-dir", ft, "--save-dir",
+                    str(tmp_path / "out")) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"no tokenizer written: the checkpoint's tokenizer {mine / 'tokenizer.json'} no longer exists" in out, out
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    assert (tmp_path / "out" / "generation_config.json").exists()  # (the other files of hf/ still go along)

@@ -3,6 +3,7 @@ console lines as Megatron prints them. (Split from tests/test_pretrain_cli.py.)"
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -176,6 +177,9 @@ def test_wandb_config_names_the_vocabulary_as_megatron(monkeypatch):
     flat = _flat_config(job)
     assert (flat["vocab_size"], flat["padded_vocab_size"]) == (1000, 1024)
     assert not [k for k in flat if k.endswith(".vocab_size")]
+    # (where the weights came from, checkpoint/origin.py, is no setting: not among W&B's)
+    flat = _flat_config(dataclasses.replace(job, origin={"hf_dir": "/x/hf", "converted_from": "/x"}))
+    assert not [k for k in flat if "origin" in k or "hf_dir" in k or "converted_from" in k], flat
 
 
 # Megatron's training_log and evaluate_and_print_results, as a parser written for its logs reads them

@@ -414,7 +414,14 @@ def megatron_lite_to_hf(
         data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": build_embedded_corpus(log=log)[1]}
         log(f"tokenizer: the embedded corpus's, {data['tokenizer_model']} (the job trained on that corpus)")
     tok = data.get("tokenizer_model")
-    if tok and os.path.isabs(tok) and not os.path.exists(tok) and side:  # (the converted checkpoint, moved)
+    # (the converted checkpoint, moved: its own hf/ tokenizer; one of another place, gone, is not replaced by it)
+    if (
+        tok
+        and os.path.isabs(tok)
+        and not os.path.exists(tok)
+        and side
+        and os.path.basename(os.path.dirname(tok)) == HF_DIR
+    ):
         if os.path.isfile(moved := os.path.join(side, os.path.basename(tok))):
             data = {**data, "tokenizer_model": (tok := moved)}
     made = None
@@ -426,6 +433,8 @@ def megatron_lite_to_hf(
         if base is None:  # a model trained from scratch: transformers' class defaults (1, 2) are not its tokens
             base = _token_ids(data)
     elif tok and os.path.isabs(tok) and not os.path.exists(tok):  # (a base moved: no tokenizer went, silently)
+        # (nor the original model's from hf/ in place of the one trained with, gone: a review found it so)
+        side_from = [(d, tuple(f for f in files if f not in TOKENIZER_FILES)) for d, files in side_from]
         log(
             f"no tokenizer written: the checkpoint's tokenizer {tok} no longer exists (its checkpoint moved?); copy "
             f"the tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) of the model into {save_dir}"

@@ -37,8 +37,7 @@ def hf_side(load_dir: str, saved: dict, depth: int = 4) -> str | None:
         if _hf_files(side := os.path.join(root, HF_DIR)):
             return side
     if ORIGIN in saved:  # (recorded, None too: nothing older to walk)
-        side = (saved[ORIGIN] or {}).get("hf_dir")
-        return side if _hf_files(side) else None
+        return _recorded_side(saved[ORIGIN], load_dir)
     parent = (saved.get("checkpoint") or {}).get("load")
     try:  # (best effort: an older --load since emptied or reused is no origin, and no reason to stop a run)
         path = find_checkpoint(parent) if parent and depth > 0 and os.path.isdir(parent) else None
@@ -47,6 +46,21 @@ def hf_side(load_dir: str, saved: dict, depth: int = 4) -> str | None:
         return hf_side(parent, read_metadata(path)["config"], depth - 1)
     except (ConfigError, OSError, ValueError, KeyError):
         return None
+
+
+def _root(load_dir: str) -> str:
+    """The checkpoint root of `load_dir` (the root itself, or one iteration's directory under it)."""
+    load_dir = os.path.normpath(load_dir)
+    return os.path.dirname(load_dir) if _ITER_DIR.match(os.path.basename(load_dir)) else load_dir
+
+
+def _recorded_side(record: dict | None, load_dir: str) -> str | None:
+    """A record's hf/ directory: where it was, else where it lies relative to this checkpoint's root as it did to
+    the saving run's (an experiment tree moved whole keeps both)."""
+    side, rel = (record or {}).get("hf_dir"), (record or {}).get("hf_dir_rel")
+    if not _hf_files(side) and rel:
+        side = os.path.normpath(os.path.join(_root(load_dir), rel))
+    return side if _hf_files(side) else None
 
 
 def _legacy_source(side: str) -> str | None:
@@ -81,7 +95,9 @@ def checkpoint_origin(path: str, meta: dict) -> dict | None:
         side = os.path.join(os.path.dirname(path), HF_DIR)
         return {"hf_dir": side, "converted_from": source.get("path"), "converted": path, "converted_weights": True}
     if ORIGIN in saved:  # (recorded; None: none known when it was saved)
-        return saved[ORIGIN]
+        record = saved[ORIGIN]
+        side = _recorded_side(record, path) if record else None
+        return {**record, "hf_dir": side} if side else record
     side = hf_side(path, saved)
     if side is None:
         return None
@@ -91,13 +107,17 @@ def checkpoint_origin(path: str, meta: dict) -> dict | None:
     return {"hf_dir": side, "converted_from": source, "converted": None, "converted_weights": converted}
 
 
-def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool) -> dict | None:
+def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool, save: str | None = None) -> dict | None:
     """The origin a run records in its checkpoints: the loaded checkpoint's, its weights still the converted
-    ones only where the run trains LoRA adapters on them frozen (a full fine-tune or an upcycling changes them)."""
+    ones only where the run trains LoRA adapters on them frozen (a full fine-tune or an upcycling changes them);
+    the hf/ directory also relative to `save`, the run's checkpoint root."""
     origin = checkpoint_origin(ckpt_path, read_metadata(ckpt_path)) if ckpt_path is not None else None
     if origin is None:
         return None
-    return {**origin, "converted_weights": bool(origin.get("converted_weights")) and lora and not upcycling}
+    side = origin.get("hf_dir")
+    rel = os.path.relpath(os.path.abspath(side), os.path.abspath(save)) if side and save else None
+    keep = bool(origin.get("converted_weights")) and lora and not upcycling
+    return {**origin, "converted_weights": keep, "hf_dir_rel": rel}
 
 
 def read_hf_config(side: str | None) -> dict:

@@ -132,7 +132,7 @@ def start_from(job: JobConfig, ckpt_path: str | None, vocab_size: int, world_siz
             model_cfg = dataclasses.replace(model_cfg, vocab_size=saved_vocab)
         _check_against_checkpoint(saved, model_cfg, ckpt_path, job.data)
     # (the loaded checkpoint's origin, recorded in this run's checkpoints: an upcycling changes the weights)
-    origin = run_origin(ckpt_path, job.lora is not None, job.checkpoint.moe_use_upcycling)
+    origin = run_origin(ckpt_path, job.lora is not None, job.checkpoint.moe_use_upcycling, job.checkpoint.save)
     job = dataclasses.replace(job, model=model_cfg, origin=origin)
     validate_layout(job.model, job.parallel, world_size, job.training)
     return lora_base(job, ckpt_path, saved, say)
