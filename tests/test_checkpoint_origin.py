@@ -203,6 +203,12 @@ def test_a_fine_tunes_own_tokenizer_gone_is_not_replaced_by_the_originals(tmp_pa
     (mine / "tokenizer.json").write_text(json.dumps(tok))
     ft = str(tmp_path / "ft")
     _train(ckpt, ft, 1, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(mine / "tokenizer.json"))
+    # (and one in a directory named hf/ too: not the converted checkpoint's, so not replaced by it either)
+    shutil.copytree(mine, mine / "hf")
+    ft2 = str(tmp_path / "ft2")
+    _train(
+        ckpt, ft2, 1, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(mine / "hf/tokenizer.json")
+    )
     shutil.rmtree(mine)
     capsys.readouterr()
     assert _convert("--loader", "megatron_lite", "--saver", "hf", "--load-dir", ft, "--save-dir",
@@ -211,3 +217,53 @@ def test_a_fine_tunes_own_tokenizer_gone_is_not_replaced_by_the_originals(tmp_pa
     assert f"no tokenizer written: the checkpoint's tokenizer {mine / 'tokenizer.json'} no longer exists" in out, out
     assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert (tmp_path / "out" / "generation_config.json").exists()  # (the other files of hf/ still go along)
+    assert _convert("--loader", "megatron_lite", "--saver", "hf", "--load-dir", ft2, "--save-dir",
+                    str(tmp_path / "out2")) == 0  # fmt: skip
+    assert "no tokenizer written" in capsys.readouterr().out
+    assert not (tmp_path / "out2" / "tokenizer.json").exists()
+
+
+def test_an_origin_out_of_reach_at_a_resume_is_looked_for_again(tmp_path, monkeypatch):
+    """(From a review: a checkpoint saved before the record, resumed while its converted checkpoint was out of
+    reach, recorded None, which was final: its exports lost the Hugging Face files for good.) The resumed run
+    records where to look again; once the converted checkpoint is back, the origin is found."""
+    import glob
+
+    from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata
+    from megatron_lite.checkpoint.origin import checkpoint_origin
+    from megatron_lite.training.pretrain import main
+
+    ckpt = _converted(tmp_path, monkeypatch)
+    ft = str(tmp_path / "ft")
+    _train(ckpt, ft, 1)
+    for meta in glob.glob(ft + "/iter_*/metadata.json"):  # (as saved before the record)
+        data = json.load(open(meta))
+        del data["config"]["origin"]
+        json.dump(data, open(meta, "w"))
+    (tmp_path / "tok").mkdir()
+    shutil.copy(ckpt + "/hf/tokenizer.json", tmp_path / "tok")
+    shutil.move(ckpt, ckpt + ".away")  # (its volume not mounted for one resume)
+    argv = ["--load", ft, "--save", ft, "--mock-data", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "2", "--lr", "2e-2", "--eval-iters", "0",
+            "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(tmp_path / "tok/tokenizer.json")]  # fmt: skip
+    assert main(argv) == 0
+    shutil.move(ckpt + ".away", ckpt)
+    new = find_checkpoint(ft)
+    assert "walk_from" in read_metadata(new)["config"]["origin"]
+    assert (checkpoint_origin(new, read_metadata(new)) or {}).get("hf_dir") == ckpt + "/hf"
+
+
+def test_a_moved_trees_non_persistent_checkpoint_finds_its_hf_files(tmp_path):
+    """(From a review: the record's hf/ path relative to --save was resolved against the checkpoint's own root,
+    one level deeper for a global non-persistent checkpoint, <save>/non_persistent/iter_N.)"""
+    from megatron_lite.checkpoint.origin import checkpoint_origin
+
+    old, new = tmp_path / "exp", tmp_path / "moved"
+    (old / "conv" / "hf").mkdir(parents=True)
+    (old / "conv" / "hf" / "config.json").write_text("{}")
+    record = {"hf_dir": str(old / "conv" / "hf"), "converted_from": None, "converted": None,
+              "converted_weights": False, "hf_dir_rel": "../conv/hf"}  # fmt: skip
+    shutil.move(old, new)
+    for it in ("ft/iter_0000010", "ft/non_persistent/iter_0000010"):
+        assert checkpoint_origin(str(new / it), {"config": {"origin": record}})["hf_dir"] == str(new / "conv/hf"), it

@@ -414,14 +414,12 @@ def megatron_lite_to_hf(
         data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": build_embedded_corpus(log=log)[1]}
         log(f"tokenizer: the embedded corpus's, {data['tokenizer_model']} (the job trained on that corpus)")
     tok = data.get("tokenizer_model")
-    # (the converted checkpoint, moved: its own hf/ tokenizer; one of another place, gone, is not replaced by it)
-    if (
-        tok
-        and os.path.isabs(tok)
-        and not os.path.exists(tok)
-        and side
-        and os.path.basename(os.path.dirname(tok)) == HF_DIR
-    ):
+    # (the converted checkpoint, moved: its own hf/ tokenizer, as it was recorded; one of another place, gone, is
+    # not replaced by the original model's)
+    recorded = meta.get("converted_from") or os.path.normpath(os.path.dirname(tok or "")) == os.path.normpath(
+        (saved.get(ORIGIN) or {}).get("hf_dir") or "-"
+    )
+    if tok and os.path.isabs(tok) and not os.path.exists(tok) and side and recorded:
         if os.path.isfile(moved := os.path.join(side, os.path.basename(tok))):
             data = {**data, "tokenizer_model": (tok := moved)}
     made = None

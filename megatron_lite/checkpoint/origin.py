@@ -36,9 +36,9 @@ def hf_side(load_dir: str, saved: dict, depth: int = 4) -> str | None:
     for root in (load_dir, parent) if _ITER_DIR.match(os.path.basename(os.path.normpath(load_dir))) else (load_dir,):
         if _hf_files(side := os.path.join(root, HF_DIR)):
             return side
-    if ORIGIN in saved:  # (recorded, None too: nothing older to walk)
+    if ORIGIN in saved and not _walk_from(saved):  # (recorded, None too: nothing older to walk)
         return _recorded_side(saved[ORIGIN], load_dir)
-    parent = (saved.get("checkpoint") or {}).get("load")
+    parent = _walk_from(saved) or (saved.get("checkpoint") or {}).get("load")
     try:  # (best effort: an older --load since emptied or reused is no origin, and no reason to stop a run)
         path = find_checkpoint(parent) if parent and depth > 0 and os.path.isdir(parent) else None
         if path is None or os.path.normpath(parent) == os.path.normpath(load_dir):
@@ -48,18 +48,27 @@ def hf_side(load_dir: str, saved: dict, depth: int = 4) -> str | None:
         return None
 
 
-def _root(load_dir: str) -> str:
-    """The checkpoint root of `load_dir` (the root itself, or one iteration's directory under it)."""
+def _walk_from(saved: dict) -> str | None:
+    """A record that says "not known yet": a run resumed from a checkpoint saved before the record, whose walk
+    found nothing then (its --load out of reach), records where the walk starts, to try again later."""
+    return (saved.get(ORIGIN) or {}).get("walk_from")
+
+
+def _roots(load_dir: str) -> list[str]:
+    """The --save root `load_dir` (the root, or one iteration's directory under it) lies in: a global
+    non-persistent checkpoint's iterations lie one level deeper (<save>/non_persistent/iter_N)."""
     load_dir = os.path.normpath(load_dir)
-    return os.path.dirname(load_dir) if _ITER_DIR.match(os.path.basename(load_dir)) else load_dir
+    root = os.path.dirname(load_dir) if _ITER_DIR.match(os.path.basename(load_dir)) else load_dir
+    return [root, os.path.dirname(root)] if os.path.basename(root) == "non_persistent" else [root]
 
 
 def _recorded_side(record: dict | None, load_dir: str) -> str | None:
-    """A record's hf/ directory: where it was, else where it lies relative to this checkpoint's root as it did to
-    the saving run's (an experiment tree moved whole keeps both)."""
+    """A record's hf/ directory: where it was, else where it lies relative to this checkpoint's --save root as it
+    did to the saving run's (an experiment tree moved whole keeps both)."""
     side, rel = (record or {}).get("hf_dir"), (record or {}).get("hf_dir_rel")
-    if not _hf_files(side) and rel:
-        side = os.path.normpath(os.path.join(_root(load_dir), rel))
+    for root in _roots(load_dir) if not _hf_files(side) and rel else []:
+        if _hf_files(moved := os.path.normpath(os.path.join(root, rel))):
+            return moved
     return side if _hf_files(side) else None
 
 
@@ -94,7 +103,7 @@ def checkpoint_origin(path: str, meta: dict) -> dict | None:
     if source := meta.get("converted_from"):
         side = os.path.join(os.path.dirname(path), HF_DIR)
         return {"hf_dir": side, "converted_from": source.get("path"), "converted": path, "converted_weights": True}
-    if ORIGIN in saved:  # (recorded; None: none known when it was saved)
+    if ORIGIN in saved and not _walk_from(saved):  # (recorded; None: none known when it was saved)
         record = saved[ORIGIN]
         side = _recorded_side(record, path) if record else None
         return {**record, "hf_dir": side} if side else record
@@ -111,11 +120,18 @@ def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool, save: str | N
     """The origin a run records in its checkpoints: the loaded checkpoint's, its weights still the converted
     ones only where the run trains LoRA adapters on them frozen (a full fine-tune or an upcycling changes them);
     the hf/ directory also relative to `save`, the run's checkpoint root."""
-    origin = checkpoint_origin(ckpt_path, read_metadata(ckpt_path)) if ckpt_path is not None else None
-    if origin is None:
+    if ckpt_path is None:
         return None
+    meta = read_metadata(ckpt_path)
+    origin = checkpoint_origin(ckpt_path, meta)
+    if origin is None:  # (final where the loaded checkpoint said so; else the walk is tried again later)
+        saved = meta["config"]
+        final = meta.get("converted_from") or (ORIGIN in saved and not _walk_from(saved))
+        return None if final else {"walk_from": _walk_from(saved) or os.path.abspath(ckpt_path)}
     side = origin.get("hf_dir")
-    rel = os.path.relpath(os.path.abspath(side), os.path.abspath(save)) if side and save else None
+    rel = origin.get("hf_dir_rel")  # (kept where hf/ is out of reach now: not recomputed from a stale path)
+    if _hf_files(side) and save:
+        rel = os.path.relpath(os.path.abspath(side), os.path.abspath(save))
     keep = bool(origin.get("converted_weights")) and lora and not upcycling
     return {**origin, "converted_weights": keep, "hf_dir_rel": rel}
 

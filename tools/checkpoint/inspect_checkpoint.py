@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if src:
         print(f"converted    from {src.get('hf', '?')} at {src.get('path', '?')}" if isinstance(src, dict) else
               f"converted    from {src}")  # fmt: skip
-    if o := d["origin"]:
+    if (o := d["origin"]) and o.get("walk_from"):
+        print(f"origin       not known yet (saved before the record; looked for again from {o['walk_from']})")
+    elif o:
         kept = "the weights as converted" if o.get("converted_weights") else "weights trained since the conversion"
         print(f"origin       {o.get('converted_from')} (hf/ files {o.get('hf_dir')}; {kept})")
     for label, key in (("training", "training"), ("optimizer", "optimizer"), ("data", "data")):
