@@ -15,6 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import layer_wise_split_of, rank_memory
+from megatron_lite.planner.params import trained_tensors
+
+from models import deepseek_config, gpt2_config, llama_config, nemotron_h_config
 
 # MoE with a tied vocabulary of 2048: at DP=2 x EP=2 the rank with the embedding steps more than half the dense
 # weights, and each rank its experts whole (expert-DP 1)
@@ -135,3 +138,40 @@ def test_dist_muon_bf16_gradients_copied_by_the_busiest_rank(dist):
     short = rank_memory(config, Layout(dp=2, ep=2, sharding="layer-wise", micro_batch_size=1), 8, 2, True, 0, True)
     assert short.activations < busiest["copies"]
     assert short.activations + short.transient == pytest.approx(busiest["copies"])
+
+
+ORDERED = {  # what the order inside a layer, of the layers and of the embeddings and output layer turns on
+    "gpt2": lambda: gpt2_config(num_layers=4),  # LayerNorm's weight and bias, the linears' biases, positions
+    "mla_mtp": lambda: deepseek_config(num_layers=4, qk_layernorm=True, normalization="LayerNorm", mtp_num_layers=1),
+    "hybrid": lambda: nemotron_h_config(num_layers=4),  # Mamba's own parameters first, MoE's untrained expert_bias
+    "gated_qk": lambda: llama_config(
+        num_layers=4, qk_layernorm=True, add_qkv_bias=True, softmax_type="learnable", attention_output_gate=True
+    ),
+    "moe": lambda: tp_.moe_llama(  # the shared expert's gate
+        num_layers=4, moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ORDERED)
+def test_the_split_takes_the_trained_tensors_in_the_runtimes_order(name):
+    """dist_muon's split breaks ties of size by the order of the trained parameters, so the planner's list of them
+    (params.trained_tensors: elements, Muon's or Adam's, expert or not) is the built model's named_parameters on
+    every rank: embeddings first, no untrained expert_bias, LayerNorm's weight and bias two tensors."""
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.optimizer import group_name, runs_muon
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.parameters import named_param_meta
+
+    for layout in (Layout(), Layout(tp=2, sequence_parallel=True), Layout(pp=2, vp=2)):
+        config = layout.model_config(ORDERED[name]())
+        for rank in range(layout.world):
+            ctx = ParallelContext.virtual(layout.parallel_config(), layout.world, rank)
+            net = build_model(config, ctx, device="meta")
+            built = [
+                (p.numel(), runs_muon(group_name(n, m), p.ndim), m.expert)
+                for n, p, m in named_param_meta(net)
+                if p.requires_grad
+            ]
+            planned = [(n, matrix is not None, e) for n, matrix, e in trained_tensors(config, layout, ctx.pp.rank)]
+            assert planned == built, (name, layout.describe(), rank)

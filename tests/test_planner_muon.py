@@ -19,7 +19,7 @@ from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.muon_cost import MuonSettings, muon_seconds, rank_runs
 
 from dist_pool import get_context
-from models import deepseek_config, gpt2_config, hetero_config, llama_config
+from models import deepseek_config, gpt2_config, hetero_config, llama_config, nemotron_h_config
 
 MODELS = {
     "llama": llama_config,  # GQA: the fused QKV split into queries, keys and values
@@ -34,6 +34,8 @@ MODELS = {
     ),  # fmt: skip
     "deepseekmtp": lambda: deepseek_config(mtp_num_layers=1),  # multi-latent attention, an MTP depth's eh_proj
     "hetero": lambda: hetero_config(num_layers=4),  # own query groups, a linear replacement, a no-op
+    # Mamba, attention and MoE layers (M*EM) whose matrices tie in size across shapes, an untrained expert_bias
+    "hybrid": lambda: nemotron_h_config(num_layers=4),
 }
 
 
@@ -77,7 +79,7 @@ def _counted(name: str, layout: Layout, muon: dict, ctx=None) -> tuple[int, list
     return counter.get_total_flops(), calls
 
 
-def _priced(name: str, layout: Layout, muon: dict) -> list[tuple[int, list[tuple[str, int]]]]:
+def _priced(name: str, layout: Layout, muon: dict) -> list[list[tuple[int, list[tuple[str, int]]]]]:
     """The planner's (FLOPs, collectives) of each rank of each data-parallel group (dense, then experts)."""
     settings = dataclasses.replace(MuonSettings(), **{k.removeprefix("muon_"): v for k, v in muon.items()})
     steps, a = settings.num_ns_steps, 2 if settings.fp32_matmul_prec == "medium" else 4
@@ -125,15 +127,24 @@ def test_each_tp_mode_is_priced_as_each_rank_runs_it(dist, mode):
             assert (got, sorted(calls)) == (flops, collectives), (name, mode)
 
 
-def test_dist_muon_prices_each_ranks_owned_matrices(dist):
+def _dp_ranks(name: str, layout: Layout, muon: dict) -> tuple[int, int]:
+    ctx = get_context(layout.parallel_config())
+    return ctx.dp.rank, _counted(name, layout, muon, ctx)[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dist_muon_prices_each_ranks_owned_matrices(dist, tp):
     """dist_muon at DP=2: each rank orthogonalizes the whole tensors it owns (dense and expert ones split apart), as
-    the planner splits them; the step time takes the busier rank's."""
-    layout = Layout(dp=2, sharding="layer-wise")
-    for name in ("gpt2", "deepseekmtp"):  # (experts split over expert-DP apart from the dense tensors)
+    the planner splits them, in the runtime's order (ties of size broken by it: the hybrid's equal-sized matrices of
+    other shapes; its router's expert_bias is not trained, so not split); the step time takes the busier rank's."""
+    layout = Layout(tp=tp, dp=2, sharding="layer-wise", sequence_parallel=tp > 1)
+    names = ("gpt2", "deepseekmtp", "hybrid") if tp == 1 else ("hybrid",)  # (experts split apart over expert-DP)
+    for name in names:
         groups = _priced(name, layout, {})
         priced = [sum(group[r][0] for group in groups) for r in range(2)]
-        counted = [flops for flops, _ in dist(2, _tp_ranks, name, layout, {})]
-        assert priced == counted and counted[0] != counted[1], name  # (ranks that differ: the test tells them apart)
+        for dp_rank, counted in dist(2 * tp, _dp_ranks, name, layout, {}):
+            assert counted == priced[dp_rank], (name, dp_rank)
+        assert priced[0] != priced[1], name  # (ranks that differ: the test tells them apart)
 
 
 LLAMA3_8B = ModelConfig(

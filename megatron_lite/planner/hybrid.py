@@ -66,18 +66,19 @@ def mixer_dims(model: ModelConfig, tp: int) -> tuple[int, int, int, int]:
 
 def mamba_tensors(model: ModelConfig, tp: int) -> list:
     """The parameters of one M layer on one TP rank as planner/params.py lists them (elements, the matrix Muon
-    steps or None, expert): its norm, in_proj [z x B C dt, hidden] (column-parallel), the depthwise conv's
-    [channels, 1, D_CONV] weight (3-D: Adam under Muon) and bias, dt_bias, A_log and D a head, the gated norm's
-    weight, out_proj [hidden, d] (row-parallel)."""
-    from megatron_lite.planner.params import Matrix  # (params.py imports this module)
+    steps or None, expert), in the model's order: its norm, dt_bias, A_log and D a head, in_proj [z x B C dt,
+    hidden] (column-parallel), the depthwise conv's [channels, 1, D_CONV] weight (3-D: Adam under Muon) and bias,
+    the gated norm's weight, out_proj [hidden, d] (row-parallel)."""
+    from megatron_lite.planner.params import Matrix, norm_tensors  # (params.py imports this module)
 
     h = model.hidden_size
     d, gn, heads, _ = mixer_dims(model, tp)
     conv = d + 2 * gn
-    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    norm = norm_tensors(model, h)
     rows = 2 * d + 2 * gn + heads
-    out = [(norm, None, False), (h * rows, Matrix(rows, h, 0), False)]
-    out += [(conv * D_CONV, None, False), (conv, None, False)] + [(heads, None, False)] * 3
+    # (the model's order: the mixer's own dt_bias, A_log and D before its submodules' weights)
+    out = norm + [(heads, None, False)] * 3 + [(h * rows, Matrix(rows, h, 0), False)]
+    out += [(conv * D_CONV, None, False), (conv, None, False)]
     return out + [(d, None, False), (d * h, Matrix(h, d, 1), False)]
 
 

@@ -36,7 +36,7 @@ from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation
 from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.lora_memory import adapted, lora_first_layer_bytes, lora_layer_bytes
-from megatron_lite.planner.params import StageParams, stage_params, stage_tensors
+from megatron_lite.planner.params import StageParams, stage_params, trained_tensors
 from megatron_lite.planner.precision import (
     expert_rows,
     fp8_activation_bytes,
@@ -405,7 +405,7 @@ class LayerWiseSplit:
     optimizer: float  # bytes of state and fp32 main copies on the busiest rank (the busiest dense and expert share)
     owned: float  # parameters that rank steps
     widths: tuple[tuple[int, int], ...]  # (group size, the largest rank's elements): each all-gather after the step
-    # each group's (dense, then experts, where the stage holds any) owner of each of its tensors, in stage_tensors'
+    # each group's (dense, then experts, where the stage holds any) owner of each of its tensors, in trained_tensors'
     # order (which matrices each rank's Muon orthogonalizes: planner/muon_cost.py)
     owners: tuple[tuple[int, ...], ...] = ()
 
@@ -414,7 +414,7 @@ class LayerWiseSplit:
 def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool) -> LayerWiseSplit:
     from megatron_lite.optimizer.layer_wise_optimizer import layer_wise_split, state_bytes
 
-    tensors = stage_tensors(model, layout, pp_rank)
+    tensors = trained_tensors(model, layout, pp_rank)  # (in the runtime's order: the split breaks ties by it)
     dp_cp = layout.dp * layout.cp
     optimizer = owned = 0.0
     widths, owners = [], []

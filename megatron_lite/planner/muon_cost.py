@@ -31,7 +31,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.planner.hardware import Accelerator, Cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import layer_wise_split_of
-from megatron_lite.planner.params import Matrix, _stage_groups, stage_tensors
+from megatron_lite.planner.params import Matrix, _stage_groups, trained_tensors
 
 # Bytes each element of a run's input moves outside the GEMMs: the Frobenius normalization (read for the norm,
 # read and written by the division), the scale factor's multiply (read, write), and under medium the casts to
@@ -117,7 +117,7 @@ def _rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, set
                 out.append((tuple(counts.items()),))
         return tuple(out)
     # dist_muon: the whole tensors each rank owns (memory.py's split, the runtime's)
-    tensors = stage_tensors(model, layout, pp_rank)
+    tensors = trained_tensors(model, layout, pp_rank)
     owners = layer_wise_split_of(model, layout, pp_rank, bf16).owners
     dp_cp = layout.dp * layout.cp
     present = [
