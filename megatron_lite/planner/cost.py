@@ -43,7 +43,7 @@ from megatron_lite.planner.hybrid import (
 )
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_wise_split_of
-from megatron_lite.planner.muon_cost import MuonSettings, muon_seconds
+from megatron_lite.planner.muon_cost import MuonSettings, optimizer_seconds
 from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
 from megatron_lite.training.flops import PEAKS, flops_per_token
@@ -522,14 +522,8 @@ def step_time(
             # the updated weights' all-gather, under the next forward or (without the flag) after the step
             exposed += _exposed_gather(layout, micro, per_mb, gather, eff) if layout.overlaps_param_gather else gather
         dp_comm = exposed + eff.contention * (comm - exposed)
-    # optimizer: read grads and moments, write moments, main and weights (~28 bytes per local parameter)
-    local = st.dense / dp_cp + st.expert / edp if layout.sharding != "none" else n
-    if layout.sharding == "layer-wise":  # (the busiest rank's whole tensors)
-        local = layer_wise_split_of(model, layout, r_busiest, bf16).owned
-    # (read the gradient, read and write the state, write main weights and weights: 28 bytes with Adam)
-    optimizer = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory) + 10 * g.launch_seconds
-    if muon is not None:  # the busiest rank's Newton-Schulz: GEMMs, the passes around them, its TP collectives
-        optimizer += muon_seconds(model, layout, r_busiest, bf16, muon, cl, eff, _collective)
+    # optimizer: the slowest stage's step (its state's traffic, and muon's Newton-Schulz), not the busiest's
+    optimizer = optimizer_seconds(model, layout, stages, bf16, state_bytes, muon, cl, eff, _collective)
     return StepTime(compute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer)
 
 

@@ -31,7 +31,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.planner.hardware import Accelerator, Cluster
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.memory import layer_wise_split_of
-from megatron_lite.planner.params import Matrix, _stage_groups, trained_tensors
+from megatron_lite.planner.params import Matrix, StageParams, _stage_groups, trained_tensors
 
 # Bytes each element of a run's input moves outside the GEMMs: the Frobenius normalization (read for the norm,
 # read and written by the division), the scale factor's multiply (read, write), and under medium the casts to
@@ -187,6 +187,11 @@ def muon_seconds(
     its GEMMs at EFF.gemm of the precision's peak plus their operands at EFF.memory of the memory bandwidth
     (cost._gemm's form), the passes around them, the operators' launches, and under duplicated or distributed
     their TP collectives (`collective`: cost._collective), all exposed: each waits for the one before."""
+    return _seconds_of(layout.tp, settings, cl, eff, collective)(rank_runs(model, layout, pp_rank, bf16, settings))
+
+
+def _seconds_of(tp: int, settings: MuonSettings, cl: Cluster, eff, collective: Callable[..., float]):
+    """muon_seconds of a stage's rank_runs (one function for every stage of a layout: a run's time made once)."""
     g, steps = cl.gpu, settings.num_ns_steps
     medium = settings.fp32_matmul_prec == "medium"
     a = 2 if medium else 4  # bytes of an operand of the iterations' GEMMs
@@ -202,9 +207,44 @@ def muon_seconds(
         t = steps * (gemm(m, n, m) + gemm(m, m, m) + gemm(m, m, n))
         t += m * n * (NORMALIZE_BYTES + SCALE_BYTES + (CAST_BYTES if medium else 0)) / bandwidth
         t += (OPS_PER_RUN + OPS_PER_ITERATION * steps) * g.launch_seconds
-        return t + sum(collective(kind, b, layout.tp, layout.tp, cl, eff) for kind, b in run.collectives(steps, a))
+        return t + sum(collective(kind, b, tp, tp, cl, eff) for kind, b in run.collectives(steps, a))
 
-    return sum(
-        max(sum(seconds(run) * k for run, k in rank) for rank in group)
-        for group in rank_runs(model, layout, pp_rank, bf16, settings)
-    )
+    def of(groups: tuple) -> float:
+        return sum(max(sum(seconds(run) * k for run, k in rank) for rank in group) for group in groups)
+
+    return of
+
+
+def optimizer_seconds(
+    model: ModelConfig,
+    layout: Layout,
+    stages: list[StageParams],
+    bf16: bool,
+    state_bytes: int,
+    settings: MuonSettings | None,
+    cl: Cluster,
+    eff,
+    collective: Callable[..., float],
+) -> float:
+    """The optimizer step's time (cost.step_time's): the slowest pipeline stage's, since every stage steps its own
+    parameters and the step ends with the last (not the stage with the most compute: the first and last hold the
+    vocabulary, a stage of uneven --decoder-*-pipeline-num-layers or of MoE layers more matrices). A stage's: its
+    busiest rank's state traffic (read the gradient, read and write the state, write main weights and weights:
+    12 + 2 x `state_bytes` a local parameter, 28 with Adam) at EFF.memory of the memory bandwidth, plus under
+    muon (`settings`) the busiest rank's Newton-Schulz (muon_seconds); and 10 launches. Stages alike in what they
+    step are priced once (a search prices thousands of layouts)."""
+    g = cl.gpu
+    dp_cp = layout.dp * layout.cp
+    edp = max(dp_cp // layout.ep, 1)
+    ns = _seconds_of(layout.tp, settings, cl, eff, collective) if settings is not None else None
+    priced: dict[tuple, float] = {}
+    for r, st in enumerate(stages):
+        if layout.sharding == "layer-wise":  # (the busiest rank's whole tensors)
+            local = layer_wise_split_of(model, layout, r, bf16).owned
+        else:
+            local = st.dense / dp_cp + st.expert / edp if layout.sharding != "none" else st.total
+        runs = rank_runs(model, layout, r, bf16, settings) if ns is not None else ()
+        if (local, runs) not in priced:
+            t = (12 + 2 * state_bytes) * local / (g.memory_bandwidth * eff.memory)
+            priced[local, runs] = t + (ns(runs) if ns is not None else 0.0)
+    return max(priced.values()) + 10 * g.launch_seconds
