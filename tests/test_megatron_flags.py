@@ -343,8 +343,9 @@ def test_a_loss_mask_says_how_the_loss_is_averaged():
     """With --eod-mask-loss or --sft the micro-batches count different numbers of loss tokens, where Megatron's
     default (a mean of the micro-batches' means) and ours (the global batch's token mean, its
     --calculate-per-token-loss) differ: said at start-up; with the flag given, its own line says so instead."""
-    for flag in ("--eod-mask-loss", "--sft"):
-        lines = accepted_no_ops(parse_args([*MOCK, flag])[0])
+    sft = [a for a in MOCK if a != "--mock-data"] + ["--data-path", "r.jsonl", "--tokenizer-type", "NullTokenizer"]
+    for flag, argv in (("--eod-mask-loss", MOCK), ("--sft", sft)):  # (--sft reads records, not mock data)
+        lines = accepted_no_ops(parse_args([*argv, flag])[0])
         assert any(x.startswith(f"{flag}: micro-batches count") for x in lines), lines
     lines = accepted_no_ops(parse_args([*MOCK, "--eod-mask-loss", "--calculate-per-token-loss"])[0])
     assert not any("micro-batches count" in x for x in lines) and any("calculate-per-token" in x for x in lines)
