@@ -58,7 +58,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     write_hf_dir,
 )
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
-from megatron_lite.checkpoint.origin import HF_DIR, ORIGIN, checkpoint_origin, hf_side, read_hf_config
+from megatron_lite.checkpoint.origin import HF_DIR, ORIGIN, checkpoint_origin, has_hf_config, hf_side, read_hf_config
 from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
@@ -340,7 +340,7 @@ def megatron_lite_to_peft(
     # the conversion scored 0.45 off in log-probability under AutoPeftModelForCausalLM)
     origin = checkpoint_origin(find_checkpoint(load_dir), meta) or {}
     source = origin.get("converted_from")
-    source = source if source and os.path.isfile(os.path.join(source, "config.json")) else None  # (still there)
+    source = source if has_hf_config(source) else None  # (still there)
     base = base_model or (source if origin.get("converted_weights") else None)
     adapter_config["base_model_name_or_path"] = base
     write_peft(save_dir, tensors, adapter_config)

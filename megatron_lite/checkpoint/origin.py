@@ -24,7 +24,8 @@ HF_DIR = "hf"  # under a converted checkpoint's root: the original config.json a
 ORIGIN = "origin"  # the record's key in a checkpoint's config
 
 
-def _hf_files(side: str | None) -> bool:
+def has_hf_config(side: str | None) -> bool:
+    """`side` is a directory holding a Hugging Face config.json."""
     return bool(side) and os.path.isfile(os.path.join(side, "config.json"))
 
 
@@ -34,7 +35,7 @@ def hf_side(load_dir: str, saved: dict, depth: int = 4) -> str | None:
     one; for a checkpoint without the record, that of the checkpoint its run started from (--load); None."""
     parent = os.path.dirname(os.path.normpath(load_dir))  # (its root, when `load_dir` is one iteration)
     for root in (load_dir, parent) if _ITER_DIR.match(os.path.basename(os.path.normpath(load_dir))) else (load_dir,):
-        if _hf_files(side := os.path.join(root, HF_DIR)):
+        if has_hf_config(side := os.path.join(root, HF_DIR)):
             return side
     if ORIGIN in saved and not _walk_from(saved):  # (recorded, None too: nothing older to walk)
         return _recorded_side(saved[ORIGIN], load_dir)
@@ -66,10 +67,10 @@ def _recorded_side(record: dict | None, load_dir: str) -> str | None:
     """A record's hf/ directory: where it was, else where it lies relative to this checkpoint's --save root as it
     did to the saving run's (an experiment tree moved whole keeps both)."""
     side, rel = (record or {}).get("hf_dir"), (record or {}).get("hf_dir_rel")
-    for root in _roots(load_dir) if not _hf_files(side) and rel else []:
-        if _hf_files(moved := os.path.normpath(os.path.join(root, rel))):
+    for root in _roots(load_dir) if not has_hf_config(side) and rel else []:
+        if has_hf_config(moved := os.path.normpath(os.path.join(root, rel))):
             return moved
-    return side if _hf_files(side) else None
+    return side if has_hf_config(side) else None
 
 
 def _legacy_source(side: str) -> str | None:
@@ -79,7 +80,7 @@ def _legacy_source(side: str) -> str | None:
     try:
         for it in complete_iterations(root):
             source = (read_metadata(find_checkpoint(root, it)).get("converted_from") or {}).get("path")
-            if _hf_files(source):
+            if has_hf_config(source):
                 return source
     except (ConfigError, OSError, ValueError, KeyError):
         pass
@@ -130,11 +131,11 @@ def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool, save: str | N
         return None if final else {"walk_from": _walk_from(saved) or os.path.abspath(ckpt_path)}
     side = origin.get("hf_dir")
     rel = origin.get("hf_dir_rel")  # (kept where hf/ is out of reach now: not recomputed from a stale path)
-    if _hf_files(side) and save:
+    if has_hf_config(side) and save:
         rel = os.path.relpath(os.path.abspath(side), os.path.abspath(save))
     keep = bool(origin.get("converted_weights")) and lora and not upcycling
     return {**origin, "converted_weights": keep, "hf_dir_rel": rel}
 
 
 def read_hf_config(side: str | None) -> dict:
-    return json.load(open(os.path.join(side, "config.json"))) if _hf_files(side) else {}
+    return json.load(open(os.path.join(side, "config.json"))) if has_hf_config(side) else {}
