@@ -33,7 +33,7 @@ from torch import nn
 from megatron_lite.distributed.fp32_accumulation import reduce_scatter_with_fp32_accumulation
 from megatron_lite.parallel_context import Group, ParallelContext
 from megatron_lite.parameters import named_param_meta
-from megatron_lite.tensor_parallel.grads import sum_groups
+from megatron_lite.tensor_parallel.grads import allreduce_coalesced, sum_groups
 from megatron_lite.tensor_parallel.mappings import reduce_scatter_tensor
 
 
@@ -493,15 +493,7 @@ class DistributedDataParallel(nn.Module):
                         a, z = max(lo, po), min(hi, po + p.numel())
                         if z > a:
                             views.append(buffer.shard_view(p, a - po, z - po))
-            if not views:
-                continue
-            flat = torch.cat(views)
-            with group.blocked():
-                dist.all_reduce(flat, group=group.pg)
-            offset = 0
-            for v in views:
-                v.copy_(flat[offset : offset + v.numel()])
-                offset += v.numel()
+            allreduce_coalesced(views, group)
 
     def note_tied_local(self) -> None:
         """For the NaN report: record this rank's own tied-embedding gradient before any reduction of it."""

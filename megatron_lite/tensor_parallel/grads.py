@@ -48,10 +48,11 @@ def allreduce_sequence_parallel_grads(
     for group, which in sum_groups(tp, etp):
         grads = [grad_of(p) for _, p, meta in named_param_meta(model)
                  if meta.sequence_parallel and which(meta) and p.requires_grad]  # fmt: skip
-        _allreduce_coalesced([g for g in grads if g is not None], group)
+        allreduce_coalesced([g for g in grads if g is not None], group)
 
 
-def _allreduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
+def allreduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
+    """Sum `grads` (tensors or views) over `group` in place, in one all-reduce of their concatenation."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
