@@ -267,3 +267,25 @@ def test_a_moved_trees_non_persistent_checkpoint_finds_its_hf_files(tmp_path):
     shutil.move(old, new)
     for it in ("ft/iter_0000010", "ft/non_persistent/iter_0000010"):
         assert checkpoint_origin(str(new / it), {"config": {"origin": record}})["hf_dir"] == str(new / "conv/hf"), it
+
+
+def test_generation_says_when_the_converted_models_files_are_gone(tmp_path, capsys, monkeypatch):
+    """(Noticed in session 31: with the converted checkpoint's hf/ directory moved away, tools/generate.py dropped
+    generation_config.json's end ids without a word.) Found: nothing said; gone: one note naming the directory."""
+    spec = importlib.util.spec_from_file_location("generate_for_origin", ROOT / "tools/generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    ckpt = _converted(tmp_path, monkeypatch)
+    ft = str(tmp_path / "ft")
+    _train(ckpt, ft, 1)
+    argv = ["--load", ft, "--prompt-ids", "7,8,9", "--max-new-tokens", "2", "--greedy"]
+    capsys.readouterr()
+    assert generate.main(argv) == 0
+    assert "are gone" not in capsys.readouterr().err
+    shutil.move(ckpt, ckpt + ".away")
+    assert generate.main(argv) == 0
+    err = capsys.readouterr().err
+    note = f"the Hugging Face files this checkpoint was converted with ({ckpt}/hf) are gone: the model's "
+    assert err.count(note) == 1 and "; --stop-ids gives the ids to stop at" in err, err
+    assert generate.main([*argv, "--stop-ids", "2"]) == 0
+    assert "--stop-ids gives" not in capsys.readouterr().err

@@ -36,6 +36,7 @@ from megatron_lite.checkpoint.hf_convert import (
     saved_lora_config,
 )
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
+from megatron_lite.checkpoint.origin import lost_hf_dir
 from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import TOKENIZER_FIELDS
@@ -457,6 +458,12 @@ def run(args: argparse.Namespace) -> int:
     # (transformers' generate() applies the rest of the model's generation_config.json; from a review: a sampling
     # default or a repetition_penalty there gave other tokens without a word)
     gen = generation_config(path, saved) or {}
+    if lost := lost_hf_dir(path, meta):  # (from a review: its end ids and settings were dropped without a word)
+        _note(
+            f"the Hugging Face files this checkpoint was converted with ({lost}) are gone: the model's "
+            "generation_config.json (its end-of-sequence ids, its settings) is not read"
+            + ("; --stop-ids gives the ids to stop at" if args.stop_ids is None and not args.ignore_eos else "")
+        )
     unread = {k: gen[k] for k in GENERATION_DEFAULTS if k in gen and gen[k] != GENERATION_DEFAULTS[k]}
     if not gen.get("do_sample"):  # (transformers' greedy search reads no sampling setting)
         unread = {k: v for k, v in unread.items() if k not in SAMPLING_SETTINGS}

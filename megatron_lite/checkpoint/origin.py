@@ -117,6 +117,13 @@ def checkpoint_origin(path: str, meta: dict) -> dict | None:
     return {"hf_dir": side, "converted_from": source, "converted": None, "converted_weights": converted}
 
 
+def lost_hf_dir(path: str, meta: dict) -> str | None:
+    """The hf/ directory the checkpoint `path` records (a converted one: holds beside it) when it is out of reach
+    now, moved or deleted; None where it is found or none is known."""
+    side = (checkpoint_origin(path, meta) or {}).get("hf_dir")
+    return side if side and not has_hf_config(side) else None
+
+
 def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool, save: str | None = None) -> dict | None:
     """The origin a run records in its checkpoints: the loaded checkpoint's, its weights still the converted
     ones only where the run trains LoRA adapters on them frozen (a full fine-tune or an upcycling changes them);
