@@ -10,8 +10,11 @@ Prints one line per case and exits non-zero if any fails."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import json
+import multiprocessing
+import os
 import sys
 
 MODULES = ("norms", "swiglu", "quick_geglu", "rope", "cross_entropy", "flash_attention", "moe", "gemm", "nf4")
@@ -24,22 +27,40 @@ def all_cases() -> list[tuple]:
     return cases
 
 
+def _compile_case(index: int, capability: int) -> tuple[str, str]:
+    """(the case's name, 'ok' or its error): run in a worker process, which finds the case by its index."""
+    from megatron_lite.kernels._common import compile_for_gpu
+
+    name, kernel, signature, constexprs, *options = all_cases()[index]
+    try:
+        compiled = compile_for_gpu(kernel, signature, constexprs, capability, *options)
+        ok = len(compiled.asm["cubin"]) > 0 and f".target sm_{capability}" in compiled.asm["ptx"]
+        return name, "ok" if ok else "no cubin"
+    except Exception as e:  # report every failure, not just the first
+        return name, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--capability", type=int, default=90)
     ap.add_argument("--json", help="write {case: 'ok' | error} here")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cases compiled at once, each in its own process (default: the CPU count; a cold Triton cache "
+        "takes minutes on one core)",
+    )
     args = ap.parse_args(argv)
-    from megatron_lite.kernels._common import compile_for_gpu
-
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs} must be >= 1")
+    indices = range(len(all_cases()))
     results = {}
-    for name, kernel, signature, constexprs, *options in all_cases():
-        try:
-            compiled = compile_for_gpu(kernel, signature, constexprs, args.capability, *options)
-            ok = len(compiled.asm["cubin"]) > 0 and f".target sm_{args.capability}" in compiled.asm["ptx"]
-            results[name] = "ok" if ok else "no cubin"
-        except Exception as e:  # report every failure, not just the first
-            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        print(f"{name}: {results[name]}", flush=True)
+    # (forked workers: the kernels are not picklable, and a fork inherits the modules already imported)
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        for name, result in pool.map(_compile_case, indices, [args.capability] * len(indices)):
+            results[name] = result
+            print(f"{name}: {result}", flush=True)
     if args.json:
         json.dump(results, open(args.json, "w"), indent=1)
     return 0 if all(v == "ok" for v in results.values()) else 1

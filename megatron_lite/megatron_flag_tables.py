@@ -34,6 +34,15 @@ CONVERT = (
 
 TP_SWITCH = "--tp-comm-overlap decomposes the tensor-parallel GEMMs into ring steps; there is no per-collective switch"
 
+# The values Megatron's parser allows for some of those (a typo there is its argparse error, not a silent no-op)
+NO_OP_CHOICES: dict[str, tuple[str, ...]] = {
+    "ckpt_format": ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
+    "transformer_impl": ("local", "transformer_engine", "inference_optimized"),
+    "attention_backend": ("flash", "fused", "unfused", "local", "auto"),
+    "cross_entropy_fusion_impl": ("native", "te"),
+    "timing_log_option": ("max", "minmax", "all"),
+}  # (--rerun-mode's are checked with the rest of its settings: megatron_flags.py)
+
 # Megatron flags (from its example scripts) that change nothing here: accepted, and reported at start-up
 # with the reason. True where the flag takes a value.
 ACCEPTED_NO_OPS: dict[str, tuple[bool | str, str]] = {

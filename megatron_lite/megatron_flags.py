@@ -8,7 +8,7 @@ import re
 
 from megatron_lite.config import ConfigError
 from megatron_lite.layout_validation import standalone_mtp, unroll_layout
-from megatron_lite.megatron_flag_tables import ACCEPTED_NO_OPS, REFUSED, REFUSED_DEFAULTS
+from megatron_lite.megatron_flag_tables import ACCEPTED_NO_OPS, NO_OP_CHOICES, REFUSED, REFUSED_DEFAULTS
 
 # Megatron's other names for flags of ours: read as those (parse_args), both given is one line.
 OTHER_NAMES = {"--encoder-seq-length": "--seq-length", "--encoder-num-layers": "--num-layers"}
@@ -19,7 +19,8 @@ def add_megatron_flag_groups(parser: argparse.ArgumentParser) -> None:
     for name, (takes_value, why) in ACCEPTED_NO_OPS.items():
         flag = "--" + name.replace("_", "-")
         if takes_value:  # (True: one value; "+" / "*": a list, as Megatron's nargs)
-            x.add_argument(flag, default=None, nargs=None if takes_value is True else takes_value, help=why)
+            nargs = None if takes_value is True else takes_value
+            x.add_argument(flag, default=None, nargs=nargs, choices=NO_OP_CHOICES.get(name), help=why)
         else:
             x.add_argument(flag, action="store_true", help=why)
     r = parser.add_argument_group("Megatron flags not implemented (refused with the reason)")

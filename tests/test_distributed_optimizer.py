@@ -392,6 +392,32 @@ def test_fsdp2_parameter_bytes_per_rank_fall_to_a_quarter(dist):
         assert abs(local - full / 4) <= 0.10 * full / 4, (local, full)
 
 
+def fsdp2_view_warnings() -> list[str]:
+    import warnings
+
+    import torch
+
+    from megatron_lite.distributed.fsdp import FSDP2Model
+    from megatron_lite.models.gpt_model import build_model
+
+    from models import llama_config
+
+    ctx = get_context(P())
+    model = FSDP2Model(build_model(llama_config(num_layers=2), ctx, seed=1), ctx, None)
+    tokens = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(tokens, labels=tokens).sum().backward()
+    return [str(w.message) for w in seen if "returned a view tensor" in str(w.message)]
+
+
+def test_fsdp2_runs_without_torchs_view_warning(dist):
+    """(From a review: every --use-torch-fsdp2 run warned on every rank that its output, a view, could give
+    wrong gradients; the loss is copied out of the view, so nothing is left to warn about.)"""
+    for seen in dist(2, fsdp2_view_warnings):
+        assert seen == [], seen
+
+
 DECOUPLED = {  # world, layout, global batch, micro-batch, model, layers, sharding
     "dist-opt-pp2-dp2-tied": (4, P(pipeline_model_parallel_size=2), 8, 2, "gpt2", 4, "dist-opt"),
     "fsdp2-dp2": (2, P(), 4, 2, "llama", 2, "fsdp2"),

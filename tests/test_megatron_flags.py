@@ -517,6 +517,20 @@ def test_ddp_average_in_collective_is_accepted_as_a_no_op():
     assert any(line.startswith("--ddp-average-in-collective has no effect") for line in accepted_no_ops(ns))
 
 
+@pytest.mark.parametrize(
+    "flag, typo, valid",
+    [("--ckpt-format", "torch_dsit", "torch_dist"), ("--transformer-impl", "te", "transformer_engine"),
+     ("--attention-backend", "flash_attn", "flash")],
+)  # fmt: skip
+def test_a_no_op_flags_value_outside_megatrons_choices_is_refused(flag, typo, valid, capsys):
+    """(From a review porting Megatron's examples: --ckpt-format torch_dsit was taken with the flag's 'has no
+    effect' note; Megatron's argparse refuses a value outside its choices.)"""
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, flag, typo])
+    assert f"argument {flag}: invalid choice: '{typo}'" in capsys.readouterr().err
+    assert any(n.startswith(f"{flag} has no effect") for n in accepted_no_ops(parse_args([*MOCK, flag, valid])[0]))
+
+
 def test_logging_flags_of_megatrons_examples_are_reported_not_refused():
     """From a logging review: Megatron's example scripts pass --log-memory-interval and the one-logger / app-tag
     flags (beside --no-one-logger and --log-energy, which were taken); each stopped the script as "no such flag"."""

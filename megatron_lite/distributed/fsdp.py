@@ -89,6 +89,13 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements)
 
 
+def _not_a_view(module: nn.Module, args, output):
+    """A forward hook: the output, copied where it is a view of another tensor (None: unchanged)."""
+    if isinstance(output, torch.Tensor) and output._base is not None:
+        return output.clone()
+    return None
+
+
 class FSDP2Model(nn.Module):
     def __init__(
         self,
@@ -150,6 +157,10 @@ class FSDP2Model(nn.Module):
             for m in chunk.modules():
                 if isinstance(m, (TransformerLayer, HybridLayer)):
                     fully_shard(m, mesh=self.mesh, mp_policy=policy, **kw)
+            # (registered before fully_shard's own, so it runs first: torch warned on every rank of every run that
+            # the chunk's output, the per-token loss transposed, was a view an in-place op would break; none is
+            # made to it, and a copy of [batch, seq] costs nothing)
+            chunk.register_forward_hook(_not_a_view)
             fully_shard(chunk, mesh=self.mesh, mp_policy=policy, **kw)
         # (after fully_shard, which swaps every parameter for a sharded one)
         self.expert = {id(p) for _, p, meta in named_param_meta(module) if meta.expert}
