@@ -93,7 +93,19 @@ def test_zero_stage_2_holds_one_bucket_whole_without_overlap_too():
 
 
 def test_optimizer_state_per_rank_falls_to_a_quarter_at_dp4(dist):
+    """... of plain Adam's two fp32 moments a parameter: an fp32 weight's main part is a view of it (from a review:
+    a copy of it had kept 12 bytes a parameter at DP 1, 1.5x plain Adam's, and 3/4 of plain Adam's at DP 2)."""
+    import torch
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.parallel_context import ParallelContext
+
+    from models import llama_config
+
+    ctx = ParallelContext.virtual(P(), device=torch.device("cpu"))
+    adam = 8 * sum(p.numel() for p in build_model(llama_config(num_layers=2), ctx, seed=1).parameters())
     one = one_zero_step(1)[0]
+    assert abs(one - adam) <= 0.01 * adam, (one, adam)
     per_rank = [r[0] for r in dist(4, one_zero_step, 1)]
     for b in per_rank:
         assert abs(b - one / 4) <= 0.05 * one / 4, (b, one)

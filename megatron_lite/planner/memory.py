@@ -468,10 +468,11 @@ def parameter_state_bytes(
     """(weights, gradients, optimizer) bytes of `dense` and `expert` trainable parameters replicated over `dp_cp`
     and `edp` ranks: weights in compute precision (bf16: 2 bytes), gradient buffers (bf16 with `grads_bf16`),
     fp32 main copies in low precision and the optimizer's `state_bytes`. The distributed optimizer shards the
-    main copies (kept even of fp32 weights) and state, ZeRO-2 the gradients too (but `whole_grads` parameters'),
-    FSDP2 everything in fp32 shards that are the main weights; dist_muon's layer-wise split ("layer-wise") the
-    main copies of low-precision weights and state, by whole parameters (here an even split, as the dry run prices
-    it; rank_memory prices the planner's busiest rank of the real split: layer_wise_split_of)."""
+    main copies (an fp32 weight is its own, as in Megatron) and state, ZeRO-2 the gradients too (but
+    `whole_grads` parameters'), FSDP2 everything in fp32 shards that are the main weights; dist_muon's layer-wise
+    split ("layer-wise") the main copies of low-precision weights and state, by whole parameters (here an even
+    split, as the dry run prices it; rank_memory prices the planner's busiest rank of the real split:
+    layer_wise_split_of)."""
     local = dense / dp_cp + expert / edp
     if sharding == "fsdp2":
         params = 4 * local  # bf16 copies are gathered a layer at a time for compute
@@ -479,9 +480,7 @@ def parameter_state_bytes(
     total = dense + expert
     grad_bytes = 2 if bf16 and grads_bf16 else 4
     grads = grad_bytes * ((local + whole_grads) if sharding == "zero2" else total)
-    if sharding in ("dist-opt", "zero2"):
-        optimizer = (state_bytes + MAIN_COPY) * local
-    elif sharding == "layer-wise":
+    if sharding in ("dist-opt", "zero2", "layer-wise"):
         optimizer = (state_bytes + (MAIN_COPY if bf16 else 0)) * local
     else:
         optimizer = (state_bytes + (MAIN_COPY if bf16 else 0)) * total
