@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_lite.data.flags import add_data_flags
+from megatron_lite.flag_help import add_missing_help
 from megatron_lite.megatron_flags import add_megatron_flag_groups
 from megatron_lite.moe.flags import add_moe_flags
 from megatron_lite.one_line_parser import OneLineErrorParser  # (the tools import it from here too)
@@ -576,6 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-dir", help="where --use-pytorch-profiler writes its trace (default: --tensorboard-dir)")
 
     add_megatron_flag_groups(parser)
+    add_missing_help(parser)
     _say_defaults(parser)
     return parser
 
