@@ -40,6 +40,29 @@ def _compile_case(index: int, capability: int) -> tuple[str, str]:
         return name, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+def _compile_all(indices: list[int], jobs: int, capability: int) -> dict[int, tuple[str, str]]:
+    """{index: (name, result)} of the cases, each printed as it is known. A case whose compiler ends its process
+    (an LLVM abort) breaks the pool: the cases left are then compiled one process each, so that one is named
+    'crashed' and the rest are still checked."""
+    out: dict[int, tuple[str, str]] = {}
+    # (forked workers: the kernels are not picklable, and a fork inherits the modules already imported)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            for i, (name, result) in zip(indices, pool.map(_compile_case, indices, [capability] * len(indices))):
+                out[i] = name, result
+                print(f"{name}: {result}", flush=True)
+    except concurrent.futures.process.BrokenProcessPool:
+        left = [i for i in indices if i not in out]
+        if len(left) == 1:
+            name = all_cases()[left[0]][0]
+            out[left[0]] = name, "crashed: the compiler ended its process"
+            print(f"{name}: {out[left[0]][1]}", flush=True)
+        else:
+            for i in left:
+                out.update(_compile_all([i], 1, capability))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--capability", type=int, default=90)
@@ -54,13 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs} must be >= 1")
-    indices = range(len(all_cases()))
-    results = {}
-    # (forked workers: the kernels are not picklable, and a fork inherits the modules already imported)
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-        for name, result in pool.map(_compile_case, indices, [args.capability] * len(indices)):
-            results[name] = result
-            print(f"{name}: {result}", flush=True)
+    results = dict(_compile_all(list(range(len(all_cases()))), args.jobs, args.capability).values())
     if args.json:
         json.dump(results, open(args.json, "w"), indent=1)
     return 0 if all(v == "ok" for v in results.values()) else 1

@@ -10,10 +10,9 @@ FLAG_HELP = {
     "--num-layers": "transformer layers of the decoder (required, unless --load gives a checkpoint's)",
     "--hidden-size": "the model's width (required, unless --load gives a checkpoint's)",
     "--num-attention-heads": "query heads of each attention layer (required, unless --load gives a checkpoint's)",
-    "--max-position-embeddings": "rows of the learned position table (default: --seq-length); with RoPE, a bound on "
-    "the sequence length only",
+    "--max-position-embeddings": "rows of the learned position table (default: --seq-length); RoPE reads none",
     "--recompute-granularity": "recompute activations in the backward: full (whole layers, per --recompute-method) "
-    "or selective (the attention core)",
+    "or selective (the --recompute-modules, by default the attention core)",
     "--recompute-method": "with --recompute-granularity full: uniform (every chunk of --recompute-num-layers "
     "layers) or block (the first --recompute-num-layers layers of each pipeline stage)",
     "--recompute-num-layers": "with --recompute-granularity full: layers per recomputed chunk (uniform) or layers "
@@ -29,8 +28,8 @@ FLAG_HELP = {
     "--num-virtual-stages-per-pipeline-rank)",
     "--num-virtual-stages-per-pipeline-rank": "interleaved 1F1B: model chunks per pipeline rank (or give "
     "--num-layers-per-virtual-pipeline-stage)",
-    "--ddp-bucket-size": "elements per gradient bucket of the data-parallel reduction (default, as Megatron's: "
-    "max(40M, 1M x the data-parallel size))",
+    "--ddp-bucket-size": "elements per gradient bucket of the data-parallel reduction, with --overlap-grad-reduce "
+    "or --zero-stage 2 (else one bucket; default, as Megatron's: max(40M, 1M x the data-parallel size))",
     # training
     "--global-batch-size": "sequences per optimizer step, over every data-parallel rank and micro-batch (default: "
     "--micro-batch-size x the data-parallel size)",

@@ -39,7 +39,7 @@ NO_OP_CHOICES: dict[str, tuple[str, ...]] = {
     "ckpt_format": ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
     "transformer_impl": ("local", "transformer_engine", "inference_optimized"),
     "attention_backend": ("flash", "fused", "unfused", "local", "auto"),
-    "cross_entropy_fusion_impl": ("native", "te"),
+    "cross_entropy_fusion_impl": ("native", "te", "linear"),
     "timing_log_option": ("max", "minmax", "all"),
 }  # (--rerun-mode's are checked with the rest of its settings: megatron_flags.py)
 

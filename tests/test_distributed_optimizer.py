@@ -112,6 +112,44 @@ def test_optimizer_state_per_rank_falls_to_a_quarter_at_dp4(dist):
     assert sum(per_rank) >= one  # nothing is lost: the parts cover every parameter (plus padding)
 
 
+def test_an_fp32_weight_of_a_bf16_model_keeps_its_small_updates():
+    """(From a review: with the fp32 main part a view of an fp32 weight, --bf16's learnable softmax offsets, fp32
+    weights in a bucket gathered in bf16, were rounded back to bf16 at every gather and never moved: Adam's ~1e-4
+    steps are below bf16's resolution at 1.0.) 60 steps of a constant gradient move them as the plain optimizer
+    does (to its bf16 rounding, as the bucket is gathered)."""
+    import torch
+
+    from megatron_lite.models.gpt_model import build_model
+    from megatron_lite.optimizer.config import OptimizerConfig
+    from megatron_lite.parallel_context import ParallelContext
+    from megatron_lite.training.wrap import wrap_for_training
+
+    from models import CONFIGS
+
+    def offsets_after(dist_opt: bool) -> torch.Tensor:
+        ctx = ParallelContext.virtual(P(), device=torch.device("cpu"))
+        model = build_model(CONFIGS["sinks-full"](), ctx, seed=1, dtype=torch.bfloat16)
+        (off,) = [
+            p
+            for n, p in model.named_parameters()
+            if n.endswith("layers.0.self_attention.core_attention.softmax_offset")
+        ]
+        assert off.dtype == torch.float32
+        with torch.no_grad():
+            off.fill_(1.0)
+        cfg = OptimizerConfig(lr=1e-4, bf16=True, use_distributed_optimizer=dist_opt, clip_grad=0.0, weight_decay=0.0)
+        ddp, opt = wrap_for_training(model, ctx, cfg)
+        for _ in range(60):
+            for p in model.parameters():
+                ddp.main_grad(p).fill_(1.0)
+            opt.step(1e-4)
+        return off.detach().clone()
+
+    plain, sharded = offsets_after(False), offsets_after(True)
+    assert (plain < 0.995).all() and (sharded < 0.999).all(), (plain, sharded)
+    assert (plain - sharded).abs().max() < 4e-3, (plain, sharded)
+
+
 TIED = {
     "zero1": dict(),
     "zero1-overlap": dict(overlap=True, bucket_size=20_000),

@@ -120,3 +120,34 @@ def test_compare_ptx_compiles_two_versions_of_the_kernels(tmp_path):
     assert "swiglu_fwd_bf16: same" in done.stdout and "all 4 shared cases the same" in done.stdout
     fwd = json.loads((tmp_path / "c").read_text())["new"]["swiglu_fwd_bf16"]
     assert fwd["ld.global 16B"] == fwd["ld.global"] > 0 and fwd["st.global 16B"] == fwd["st.global"] > 0
+
+
+CRASHING_CASE = """
+import json, os, sys
+from megatron_lite.kernels import check_compile as cc
+cc.MODULES = ("swiglu",)
+def compile_case(index, capability):  # (case 1's compiler aborts its process, as an LLVM ERROR does)
+    if index == 1:
+        os.abort()
+    return cc.all_cases()[index][0], "ok"
+cc._compile_case = compile_case
+sys.exit(cc.main(["--jobs", "2", "--json", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(not K.HAVE_TRITON, reason="needs triton (Linux)")
+def test_a_case_that_kills_its_compiler_is_named_and_the_rest_are_checked(tmp_path):
+    """(From a review of the parallel compile: one case whose compiler aborted broke the process pool, and every
+    case was lost in a BrokenProcessPool traceback, the crashing one unnamed.)"""
+    import importlib
+
+    swiglu = importlib.import_module("megatron_lite.kernels.swiglu")  # (the package's `swiglu` is the function)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-c", CRASHING_CASE, str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    names = [c[0] for c in swiglu.COMPILE_CASES]
+    assert list(results) == names and len(names) > 2
+    assert results[names[1]].startswith("crashed") and all(results[n] == "ok" for n in names if n != names[1])

@@ -43,13 +43,17 @@ from megatron_lite.tensor_parallel.mappings import all_gather_tensor
 class _Shard:
     """The part [lo, hi) (flat, within the parameter) of a parameter this rank owns."""
 
-    def __init__(self, p: nn.Parameter, buffer: GradBuffer, lo: int, hi: int, counted: bool, expert: bool):
+    def __init__(
+        self, p: nn.Parameter, buffer: GradBuffer, lo: int, hi: int, counted: bool, expert: bool, fp32_bucket: bool
+    ):
         self.p, self.buffer, self.lo, self.hi = p, buffer, lo, hi
         self.counted, self.expert = counted, expert
         # An fp32 weight's main part is a view of the weight itself, as in Megatron (a copy had kept 4 more bytes a
         # parameter over DP: at DP 1 an fp32 run's optimizer held 1.5x plain Adam's); the step updates the owned
-        # part in place and the all-gather brings the others.
-        self.aliased = p.dtype == torch.float32 and p.is_contiguous()
+        # part in place and the all-gather brings the others. Only in a bucket gathered in fp32: an fp32 weight
+        # among bf16 ones (--bf16's learnable softmax offsets) is gathered rounded to bf16, and as its own main
+        # weight it lost every update below bf16's resolution (a review found the offsets frozen).
+        self.aliased = fp32_bucket and p.dtype == torch.float32 and p.is_contiguous()
         self.main = p.detach().view(-1)[lo:hi] if self.aliased else p.detach().reshape(-1)[lo:hi].float().clone()
         self.grad = buffer.shard_view(p, lo, hi)  # the reduced gradient of this part
 
@@ -71,14 +75,17 @@ class DistributedOptimizer(OptimizerBase):
         self.shards: list[_Shard] = []
         for buffer in ddp.buffers:
             ranges = buffer.shard_ranges()
-            for p in (q for b in buffer.buckets for q in b.params):
-                pid, offset = id(p), buffer.offset[id(p)]
-                meta = meta_of[pid]
-                counted = hold_copy(meta, ctx)  # (experts: on expert-TP rank 0)
-                for lo, hi in ranges:
-                    a, b = max(lo, offset), min(hi, offset + p.numel())
-                    if b > a:
-                        self.shards.append(_Shard(p, buffer, a - offset, b - offset, counted, meta.expert))
+            for bucket in buffer.buckets:
+                fp32_bucket = bucket.params[0].dtype == torch.float32  # (_own_part gathers in the first's dtype)
+                for p in bucket.params:
+                    pid, offset = id(p), buffer.offset[id(p)]
+                    meta = meta_of[pid]
+                    counted = hold_copy(meta, ctx)  # (experts: on expert-TP rank 0)
+                    for lo, hi in ranges:
+                        a, b = max(lo, offset), min(hi, offset + p.numel())
+                        if b > a:
+                            shard = _Shard(p, buffer, a - offset, b - offset, counted, meta.expert, fp32_bucket)
+                            self.shards.append(shard)
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
         groups = optimizer_groups([(s.main, name_of[id(s.p)], s.p.ndim) for s in self.shards], config)
         self.inner = _inner_optimizer(groups, config, ctx.device)
