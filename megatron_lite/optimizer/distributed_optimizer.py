@@ -40,6 +40,11 @@ from megatron_lite.parameters import hold_copy, named_param_meta
 from megatron_lite.tensor_parallel.mappings import all_gather_tensor
 
 
+def _gather_dtype(bucket) -> torch.dtype:
+    """The dtype a bucket's updated weights are all-gathered in: its first weight's."""
+    return bucket.params[0].dtype
+
+
 class _Shard:
     """The part [lo, hi) (flat, within the parameter) of a parameter this rank owns."""
 
@@ -76,7 +81,7 @@ class DistributedOptimizer(OptimizerBase):
         for buffer in ddp.buffers:
             ranges = buffer.shard_ranges()
             for bucket in buffer.buckets:
-                fp32_bucket = bucket.params[0].dtype == torch.float32  # (_own_part gathers in the first's dtype)
+                fp32_bucket = _gather_dtype(bucket) == torch.float32
                 for p in bucket.params:
                     pid, offset = id(p), buffer.offset[id(p)]
                     meta = meta_of[pid]
@@ -238,7 +243,7 @@ class DistributedOptimizer(OptimizerBase):
         """This rank's part of a bucket's updated weights, in the model's dtype."""
         n, d = buffer.group.size, buffer.group.rank
         part = (hi - lo) // n
-        mine = torch.zeros(part, dtype=bucket.params[0].dtype, device=buffer.device)
+        mine = torch.zeros(part, dtype=_gather_dtype(bucket), device=buffer.device)
         own_lo = lo + d * part
         for s in self.shards:
             if s.buffer is buffer and self._bucket_of_param[id(s.p)][1] is bucket:
