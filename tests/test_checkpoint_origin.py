@@ -289,3 +289,6 @@ def test_generation_says_when_the_converted_models_files_are_gone(tmp_path, caps
     assert err.count(note) == 1 and "; --stop-ids gives the ids to stop at" in err, err
     assert generate.main([*argv, "--stop-ids", "2"]) == 0
     assert "--stop-ids gives" not in capsys.readouterr().err
+    shutil.copytree(ckpt + ".away/hf", ft + "/hf")  # (the files copied beside the checkpoint: read, nothing said)
+    assert generate.main(argv) == 0
+    assert "are gone" not in capsys.readouterr().err

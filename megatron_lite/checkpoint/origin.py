@@ -119,7 +119,10 @@ def checkpoint_origin(path: str, meta: dict) -> dict | None:
 
 def lost_hf_dir(path: str, meta: dict) -> str | None:
     """The hf/ directory the checkpoint `path` records (a converted one: holds beside it) when it is out of reach
-    now, moved or deleted; None where it is found or none is known."""
+    now, moved or deleted; None where it is found or none is known. Found: where hf_side finds one, as the exports
+    and tools/generate.py read them (an hf/ copied beside the checkpoint serves)."""
+    if hf_side(path, meta["config"]) is not None:
+        return None
     side = (checkpoint_origin(path, meta) or {}).get("hf_dir")
     return side if side and not has_hf_config(side) else None
 
