@@ -157,5 +157,8 @@ def test_a_start_up_error_is_torchruns_root_cause(tmp_path):
     res = subprocess.run([*cmd, *bad], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
     root_cause = res.stderr.split("Root Cause (first observed failure):")[-1]
-    assert "exitcode  : 2" in root_cause and "To enable traceback" not in root_cause, res.stderr[-3000:]
+    # (the root cause is the rank whose error file is oldest: its exit code is 2, or -15 where torchrun's SIGTERM,
+    # sent when the other rank exited first, reached it after it wrote the file and before it exited; seen under load)
+    assert re.search(r"exitcode  : (2|-15) ", root_cause), res.stderr[-3000:]
+    assert "To enable traceback" not in root_cause, res.stderr[-3000:]
     assert re.search(r"traceback : error( \(rank 1\))?: --num-layers -1 must be", root_cause), res.stderr[-3000:]

@@ -1,8 +1,8 @@
 """Data parallelism with a contiguous gradient buffer and bucketed all-reduce.
 
-Gradients accumulate into one flat buffer (per process group; fp32, or bf16 with --grad-reduce-in-bf16 as
-in Megatron, which halves its memory and the reduction's bytes), laid out in reverse registration
-order, which is roughly the order the backward produces them. The buffer is cut into buckets; with
+Gradients accumulate into one flat buffer (per process group and parameter dtype; fp32, or bf16 with
+--grad-reduce-in-bf16 as in Megatron, which halves its memory and the reduction's bytes), laid out in reverse
+registration order, which is roughly the order the backward produces them. The buffer is cut into buckets; with
 `overlap_grad_reduce`, a bucket's all-reduce is launched as soon as every gradient in it is final, while
 the backward continues. Buckets are launched strictly in order on every rank, so all ranks issue the
 same collectives in the same sequence. Inside `no_sync()` (all but the last micro-batch of gradient
@@ -370,10 +370,17 @@ class DistributedDataParallel(nn.Module):
         size = bucket_size if bucketed else None
         # Dense gradients are summed over data x context parallelism; an expert's over the ranks holding
         # the same expert (expert-data-parallel).
-        groups = (
-            ([p for p in params if not expert[id(p)]], ctx.dp_cp),
-            ([p for p in params if expert[id(p)]], ctx.edp),
-        )
+        # One buffer per parameter dtype within each, as Megatron keeps: the distributed optimizer all-gathers a
+        # bucket's updated weights in its weights' dtype, so an fp32 weight of a --bf16 model (the learnable softmax
+        # offsets) must not share a bucket with bf16 ones (it was gathered rounded to bf16, and the forward read that)
+        groups = [
+            ([p for p in ps if p.dtype == dtype], group, name if i == 0 else f"{name} ({str(dtype)[6:]})")
+            for ps, group, name in (
+                ([p for p in params if not expert[id(p)]], ctx.dp_cp, "bucket"),
+                ([p for p in params if expert[id(p)]], ctx.edp, "expert bucket"),
+            )
+            for i, dtype in enumerate(dict.fromkeys(p.dtype for p in ps))
+        ]
         self.use_distributed_optimizer = use_distributed_optimizer
         if zero_stage >= 2 and not use_distributed_optimizer:
             raise ValueError("ZeRO stage 2 shards gradients for the distributed optimizer: use_distributed_optimizer")
@@ -391,8 +398,7 @@ class DistributedDataParallel(nn.Module):
                 fp32_accumulation=reduce_scatter_with_fp32_accumulation,
                 name=name,
             )
-            for (ps, group), name in zip(groups, ("bucket", "expert bucket"))
-            if ps
+            for ps, group, name in groups
         ]
         self.buffer_of = {pid: b for b in self.buffers for pid in b.offset}
         self._local_norms: list | None = None
@@ -409,7 +415,7 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def buffer(self) -> GradBuffer:
-        """The dense gradient buffer."""
+        """The dense gradient buffer (of the first weight's dtype)."""
         return self.buffers[0]
 
     def main_grad(self, p: nn.Parameter) -> torch.Tensor:

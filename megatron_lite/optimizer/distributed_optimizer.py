@@ -41,7 +41,7 @@ from megatron_lite.tensor_parallel.mappings import all_gather_tensor
 
 
 def _gather_dtype(bucket) -> torch.dtype:
-    """The dtype a bucket's updated weights are all-gathered in: its first weight's."""
+    """The dtype a bucket's updated weights are all-gathered in: its weights' (a buffer holds one dtype)."""
     return bucket.params[0].dtype
 
 
@@ -55,9 +55,9 @@ class _Shard:
         self.counted, self.expert = counted, expert
         # An fp32 weight's main part is a view of the weight itself, as in Megatron (a copy had kept 4 more bytes a
         # parameter over DP: at DP 1 an fp32 run's optimizer held 1.5x plain Adam's); the step updates the owned
-        # part in place and the all-gather brings the others. Only in a bucket gathered in fp32: an fp32 weight
-        # among bf16 ones (--bf16's learnable softmax offsets) is gathered rounded to bf16, and as its own main
-        # weight it lost every update below bf16's resolution (a review found the offsets frozen).
+        # part in place and the all-gather brings the others. Only in a bucket gathered in fp32 (DDP keeps one
+        # buffer per weight dtype, so every fp32 weight is; were one gathered rounded to bf16, as its own main
+        # weight it would lose every update below bf16's resolution, which a review once found).
         self.aliased = fp32_bucket and p.dtype == torch.float32 and p.is_contiguous()
         self.main = p.detach().view(-1)[lo:hi] if self.aliased else p.detach().reshape(-1)[lo:hi].float().clone()
         self.grad = buffer.shard_view(p, lo, hi)  # the reduced gradient of this part
