@@ -338,7 +338,7 @@ class ModelConfig:
             return False
         return (layer + 1) % freq == 0 if isinstance(freq, int) else bool(freq[layer])
 
-    @property
+    @functools.cached_property  # (the planner asks millions of times a search)
     def hybrid(self) -> bool:
         return bool(
             self.is_hybrid_model
@@ -391,12 +391,15 @@ class ModelConfig:
         """Layers num_layers.. are the multi-token-prediction layers: the kind of the last decoder layer."""
         if self.num_experts is None:
             return False
-        layer = min(layer, self.num_layers - 1)
+        return self._moe_layer_kinds[min(layer, self.num_layers - 1)]
+
+    @functools.cached_property  # (the planner asks millions of times a search)
+    def _moe_layer_kinds(self) -> tuple[bool, ...]:
         if self.hybrid:  # (the pattern's E layers)
-            return self.layer_types[layer] == "E"
+            return tuple(t == "E" for t in self.layer_types)
         if isinstance(self.moe_layer_freq, int):
-            return layer % self.moe_layer_freq == 0
-        return bool(self.moe_layer_freq[layer])
+            return tuple(i % self.moe_layer_freq == 0 for i in range(self.num_layers))
+        return tuple(bool(self.moe_layer_freq[i]) for i in range(self.num_layers))
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

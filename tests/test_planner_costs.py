@@ -161,13 +161,21 @@ def test_recomputation_and_sequence_parallel_moe_cost_what_the_runtime_sends(dis
     moe = llama_config(num_layers=2, kernel_impl="torch", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
     sent, charged = {}, {}
     bandwidth_only = dataclasses.replace(cl, link_latency=0.0)
-    for tp in (1, 2):
-        kw = dict(tp=tp, dp=4 // tp, ep=2, micro_batch_size=2)
-        sent[tp] = sum(r["ep_bytes"] for r in dist(4, _count, kw, True)) / 4
+    # (and --expert-tensor-parallel-size 1 under TP 2: each TP rank sends its half of the gathered tokens, to EP
+    # ranks one apart; the planner priced every layout at expert TP = TP)
+    for case, kw in {
+        "tp1": dict(tp=1, dp=4, ep=2),
+        "tp2": dict(tp=2, dp=2, ep=2),
+        "tp2-etp1": dict(tp=2, dp=2, ep=2, etp=1),
+    }.items():
+        kw = dict(kw, micro_batch_size=2)
+        sent[case] = sum(r["ep_bytes"] for r in dist(4, _count, kw, True)) / 4
         layout = Layout(**kw)
-        charged[tp] = cost.step_time(layout.model_config(moe), layout, SEQ, 2 * kw["dp"], bandwidth_only, bf16=False)
-        charged[tp] = charged[tp].ep_comm
-    assert charged[2] / charged[1] == pytest.approx(sent[2] / sent[1], rel=0.02), (charged, sent)
+        charged[case] = cost.step_time(
+            layout.model_config(moe), layout, SEQ, 2 * kw["dp"], bandwidth_only, bf16=False
+        ).ep_comm
+    for case in ("tp2", "tp2-etp1"):
+        assert charged[case] / charged["tp1"] == pytest.approx(sent[case] / sent["tp1"], rel=0.02), (charged, sent)
 
 
 def test_pipeline_stages_inside_one_node_talk_over_nvlink():
@@ -212,6 +220,18 @@ def test_selective_recomputation_costs_what_its_modules_run_again():
     micro = 64 // 8
     assert compute("layernorm") == pytest.approx(none, rel=1e-12)
     assert compute("core_attn", "mlp") - compute("core_attn") == pytest.approx(32 * micro * mlp, rel=1e-9)
+
+
+def test_experts_are_reduced_over_expert_data_parallelism_without_dp():
+    """(From a review: at TP 4, DP 1, EP 2 and expert TP 1 the experts' gradients are all-reduced over an
+    expert-data-parallel group of 2, and the planner priced no data-parallel communication at DP x CP = 1.)"""
+    moe = _llama(2, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=1024)
+    cl = cluster("H100", 8, 1, None, None)
+    layout = Layout(tp=4, ep=2, etp=1, overlap_grad_reduce=False)
+    assert layout.edp == 2
+    expert = stage_params(moe, layout, 0).expert
+    want = cost._collective("all_reduce", 4 * expert, 2, 4, cl, cost.EFF)
+    assert cost.step_time(moe, layout, 4096, 16, cl, bf16=True).dp_comm == pytest.approx(want)
 
 
 def test_expert_parallelism_moves_fewer_expert_weights():

@@ -118,13 +118,39 @@ def test_each_tp_mode_is_priced_as_each_rank_runs_it(dist, mode):
     the shard with its norm and A all-reduced over TP: the FLOPs and the collectives (kinds and bytes: fp32 shards
     gathered, A in bf16 under the default medium precision, fp32 under low) of every rank, the experts' over
     expert TP."""
-    layout = Layout(tp=2, sequence_parallel=True)
-    for name, muon in (("llama", {"muon_tp_mode": mode}), ("moe", {"muon_tp_mode": mode, **LOW})):
+    # (and --expert-tensor-parallel-size 1: whole experts, orthogonalized alone on each rank)
+    cases = [("llama", {"muon_tp_mode": mode}, None), ("moe", {"muon_tp_mode": mode, **LOW}, None)]
+    for name, muon, etp in cases + [("moe", {"muon_tp_mode": mode}, 1)]:
+        layout = Layout(tp=2, sequence_parallel=True, etp=etp)
         ((priced,), *experts) = _priced(name, layout, muon)
         flops = priced[0] + sum(group[0][0] for group in experts)
         collectives = sorted(priced[1] + [c for group in experts for c in group[0][1]])
         for got, calls in dist(2, _tp_ranks, name, layout, muon):
-            assert (got, sorted(calls)) == (flops, collectives), (name, mode)
+            assert (got, sorted(calls)) == (flops, collectives), (name, mode, etp)
+
+
+def test_expert_newton_schulz_collectives_go_over_expert_tp():
+    """(From a review: at TP 4 and expert TP 2, the experts' all-reduces under --muon-tp-mode distributed were priced
+    over 4 ranks.) On a cluster where only a collective's ring steps cost (one second each) and nothing else does,
+    the Newton-Schulz time is each run's all-reduces (the norm's and one an iteration), 2 (n - 1) steps each over
+    its own group: 3 for the dense runs, 1 for the experts'."""
+    cl = cluster("H100", 8, 1, None, None)
+    free = dataclasses.replace(cl.gpu, peak_flops=float("inf"), memory_bandwidth=float("inf"), launch_seconds=0.0)
+    cl = dataclasses.replace(
+        cl, gpu=free, link_latency=1.0, nvlink_bandwidth=float("inf"), network_bandwidth=float("inf")
+    )
+    settings = MuonSettings(tp_mode="distributed")
+    layout = Layout(tp=4, ep=2, etp=2, dp=2, sequence_parallel=True)
+    model = MODELS["moe"]()
+    dense, experts = rank_runs(model, layout, 0, False, settings)
+    per_run = {False: 2 * (4 - 1), True: 2 * (2 - 1)}  # (one all-reduce's ring steps over TP and over expert TP)
+    want = sum(
+        (1 + settings.num_ns_steps) * per_run[expert] * k * (run.tp > 1)
+        for expert, (rank,) in ((False, dense), (True, experts))
+        for run, k in rank
+    )
+    assert {run.tp for run, _ in experts[0]} == {2}
+    assert muon_seconds(model, layout, 0, False, settings, cl, cost.EFF, cost._collective) == pytest.approx(want)
 
 
 def _dp_ranks(name: str, layout: Layout, muon: dict) -> tuple[int, int]:

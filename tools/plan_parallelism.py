@@ -309,7 +309,8 @@ def _newton_schulz(muon: MuonSettings, optimizer: str) -> str:
 
 
 SEARCHED = (
-    "the search tries TP inside a node, CP in powers of two, EP dividing the experts, 2 or 4 virtual stages, "
+    "the search tries TP inside a node, CP in powers of two, EP dividing the experts (with expert TP = TP, and 1 "
+    "under EP > 1), 2 or 4 virtual stages, "
     "micro-batches of 1, 2, 4 and 8, SP at every TP and the default micro-batch grouping"
 )
 UNEVEN_HINT = re.compile(r"--num-layers N is not divisible by --pipeline-model-parallel-size")
@@ -488,13 +489,6 @@ def main(argv: list[str] | None = None) -> dict:
             precision = "bf16" if job.optimizer.bf16 else "fp16" if job.optimizer.fp16 else "fp32"
         if args.grad_reduce_in_bf16 and precision != "bf16":  # (pretrain refuses the pair with --fp16)
             p.error(f"--grad-reduce-in-bf16 plans a --bf16 job; this one is {precision}: drop it")
-        etp = job.parallel.expert_tensor_parallel_size if job is not None else None
-        if etp is not None and etp != job.parallel.tp and model.num_experts:
-            # (the planner splits an expert as the dense layers: its weights, gradients and GEMMs per GPU differ)
-            print(
-                f"warning: --expert-tensor-parallel-size {etp} is not modelled: every layout is priced with the "
-                "experts split as the dense layers (expert tensor parallelism = TP)"
-            )
         result = print_plan(
             model, cl, seq, gbs, precision, args.tp_comm_overlap, args.top, yours, grads_bf16, state_bytes,
             args.uneven_pipeline, job.optimizer.optimizer if job is not None else "adam",

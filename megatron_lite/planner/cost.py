@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.models.heterogeneous import LINEAR, NO_OP, NORMAL, BlockConfig
-from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD
+from megatron_lite.pipeline_parallel.schedules import FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.hybrid import (
     MAMBA_MIXER,
@@ -214,27 +214,39 @@ def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff
     return volume * bytes_ / bandwidth + steps * latency
 
 
-def _durations(layout: Layout, micro: int, per_mb: float, eff: Efficiency) -> list[tuple[str, int, float]]:
-    """Pipeline rank 0's forwards and backwards in order (it starts first and finishes last), each chunk's
-    share of a micro-batch's time: (kind, chunk, seconds); overlap stretches what the link can use."""
-    f, b = per_mb / 3 / layout.vp * eff.dp_overlap, 2 * per_mb / 3 / layout.vp * eff.dp_overlap
-    order = cached_compute_order(layout.pp, layout.vp, micro, 0, layout.microbatch_group_size)
-    return [(k, c, f if k == FORWARD else b) for k, _, c in order]
+@functools.lru_cache(maxsize=4096)
+def _schedule_marks(pp: int, vp: int, micro: int, group: int | None) -> tuple[tuple, tuple, tuple[int, int]]:
+    """Pipeline rank 0's schedule (it starts first and finishes last) as counts of (forwards, backwards): run before
+    each chunk's last backward starts, run by the end of each chunk's first forward (in the order they occur),
+    and in all. A step's times are linear in them (a search prices tens of thousands of layouts; walking the
+    schedule for each was a tenth of its time)."""
+    nf = nb = 0
+    last_backward, first_forward = {}, {}
+    for kind, _, c in cached_compute_order(pp, vp, micro, 0, group):
+        if kind == FORWARD:
+            nf += 1
+            first_forward.setdefault(c, (nf, nb))
+        else:
+            last_backward[c] = (nf, nb)  # (the last one wins)
+            nb += 1
+    return tuple(last_backward.values()), tuple(first_forward.values()), (nf, nb)
+
+
+def _chunk_seconds(layout: Layout, per_mb: float, eff: Efficiency) -> tuple[float, float]:
+    """A chunk's forward and backward of one micro-batch (1 : 2 of its time); overlap stretches what the link
+    can use."""
+    return per_mb / 3 / layout.vp * eff.dp_overlap, 2 * per_mb / 3 / layout.vp * eff.dp_overlap
 
 
 def _exposed_reduction(layout: Layout, micro: int, per_mb: float, seconds: float, eff: Efficiency) -> float:
     """The step's gradient reduction past the end of the backward: each chunk's buckets (1/VP of it) go out
     from the start of that chunk's last backward (DDP.final_grads), one chunk after another on the link."""
-    steps = _durations(layout, micro, per_mb, eff)
-    end, t, start = sum(d for *_, d in steps), 0.0, {}
-    for kind, chunk, d in steps:
-        if kind == BACKWARD:
-            start[chunk] = t  # the last one wins
-        t += d
+    f, b = _chunk_seconds(layout, per_mb, eff)
+    last_backward, _, (nf, nb) = _schedule_marks(layout.pp, layout.vp, micro, layout.microbatch_group_size)
     free = 0.0
-    for ready in sorted(start.values()):
+    for ready in sorted(i * f + j * b for i, j in last_backward):
         free = max(free, ready) + seconds / layout.vp
-    return max(0.0, free - end)
+    return max(0.0, free - (nf * f + nb * b))
 
 
 def _exposed_gather(layout: Layout, micro: int, per_mb: float, seconds: float, eff: Efficiency) -> float:
@@ -242,15 +254,12 @@ def _exposed_gather(layout: Layout, micro: int, per_mb: float, seconds: float, e
     each chunk waits for its own before its first forward ends."""
     if seconds <= 0:
         return 0.0
-    t, need = 0.0, {}
-    for kind, chunk, d in _durations(layout, micro, per_mb, eff):
-        if kind == FORWARD and chunk not in need:
-            need[chunk] = t + d
-        t += d
+    f, b = _chunk_seconds(layout, per_mb, eff)
+    _, first_forward, _ = _schedule_marks(layout.pp, layout.vp, micro, layout.microbatch_group_size)
     done, stall = 0.0, 0.0
-    for chunk in sorted(need, key=need.get):
+    for need in sorted(i * f + j * b for i, j in first_forward):
         done += seconds / layout.vp
-        stall = max(stall, done - need[chunk])
+        stall = max(stall, done - need)
     return stall
 
 
@@ -305,11 +314,12 @@ def step_time(
             core_q = model.num_attention_heads * (model.mla_q_head_dim + model.v_head_dim) / 2
         if moe:
             f, k = model.moe_ffn_size, model.moe_router_topk
-            # each rank's experts get, balanced, m k of the tokens routed over the EP group
-            local = model.num_experts // ep
+            # each rank's experts get, balanced, m k of the tokens routed over the EP group; with expert TP below
+            # TP each expert-TP group dispatches its 1 / (TP / ETP) of them, to experts split ETP ways
+            local, etp = model.num_experts // ep, layout.expert_tp
             mlp = _gemm(m, h, model.num_experts, a, cl, eff)
-            mlp += _gemm(m * k, h, f * (2 if swiglu else 1) / tp, a, cl, eff, local, fp8)
-            mlp += _gemm(m * k, f / tp, h, a, cl, eff, local, fp8)
+            mlp += _gemm(m * k * etp / tp, h, f * (2 if swiglu else 1) / etp, a, cl, eff, local, fp8)
+            mlp += _gemm(m * k * etp / tp, f / etp, h, a, cl, eff, local, fp8)
             shared = model.moe_shared_expert_intermediate_size
             if shared:  # every token through the shared expert too
                 mlp += _gemm(m, h, shared * (2 if swiglu else 1) / tp, a, cl, eff, fp8=fp8)
@@ -433,10 +443,11 @@ def step_time(
         tp_comm = micro * (each + again + edges) * (1 - (eff.tp_overlap if tp_comm_overlap else 0.0))
     cp_comm = 0.0
     # (each attending layer at its own key/value heads: a heterogeneous layer's own query groups)
-    attending = collections.Counter(layer_model(i) for i in st.layers if attends(i))
-    rerun_by = collections.Counter(layer_model(i) for i in rerun if attends(i))
+    # (counted under CP only: each count hashes a model config, a search's millions of times)
+    attending = collections.Counter(layer_model(i) for i in st.layers if attends(i)) if cp > 1 else {}
+    rerun_by = collections.Counter(layer_model(i) for i in rerun if attends(i)) if cp > 1 else {}
     core_again = layout.recompute == "selective" and "core_attn" in model.recompute_modules  # (every attention)
-    for own, n in attending.items() if cp > 1 else ():
+    for own, n in attending.items():
         again = n if core_again else rerun_by[own]  # the attentions that run again in the backward
         if layout.cp_comm_type != "p2p":
             every, forward = _exposed_cp(own, layout, m, a, cl, eff)
@@ -458,14 +469,16 @@ def step_time(
     ep_comm = 0.0
     if model.num_experts and ep > 1:
         moe_layers = sum(1 for i in st.layers if model.is_moe_layer(i))
-        # every TP rank routes the whole (gathered) sequence: MoELayer gathers it first, under SP too
-        tokens = m * model.moe_router_topk * h * a
+        # every TP rank routes the whole (gathered) sequence: MoELayer gathers it first, under SP too; with expert
+        # TP below TP each expert-TP group sends its 1 / (TP / ETP) share, over an EP group ETP ranks apart
+        tokens = m * model.moe_router_topk * h * a * layout.expert_tp / tp
         if layout.recompute == "selective" and "moe" in model.recompute_modules:
             again = moe_layers
         else:
             again = sum(1 for i in rerun if model.is_moe_layer(i))
         # dispatch and combine, forward and backward (+ again, recomputed)
-        ep_comm = micro * (4 * moe_layers + 2 * again) * _collective("all_to_all", tokens, ep, tp * ep, cl, eff)
+        span = layout.expert_tp * ep
+        ep_comm = micro * (4 * moe_layers + 2 * again) * _collective("all_to_all", tokens, ep, span, cl, eff)
     pp_comm = 0.0
     if pp > 1:  # each micro-batch's activation forward and gradient backward, per model chunk
         send = act / (tp if layout.sp else 1)
@@ -476,7 +489,7 @@ def step_time(
     # Data parallelism (fp32 gradients, or bf16 with grads_bf16; compute-precision parameters), as our runtime
     # schedules it
     dp_cp = layout.dp * cp
-    edp = max(dp_cp // ep, 1)  # experts are replicated (and reduced, and sharded) over expert-DP, not DP x CP
+    edp = layout.edp  # experts are replicated (and reduced, and sharded) over expert-DP, not DP x CP
     span = tp * dp_cp
     n = st.total
     grad_bytes = 2 if bf16 and grads_bf16 else 4  # per gradient, in the reduction
@@ -489,15 +502,15 @@ def step_time(
         )
 
     dp_comm = 0.0
-    if dp_cp > 1:
+    if dp_cp > 1 or layout.edp > 1:  # (experts' over expert-DP, which expert TP below TP makes larger than DP x CP)
         if layout.sharding == "fsdp2":  # gathers (forward, backward) and reduce-scatters every micro-batch,
             comm = 2 * over_dp("all_gather", a)  # layer by layer under the step
             comm = micro * (comm + over_dp("reduce_scatter", grad_bytes))
             # except at each micro-batch's edges: the chunks' own units (embeddings, output layer, final norm)
             # and each chunk's first layer are gathered before anything runs, and reduce-scattered after the
             # backward
-            first = vp * sum(layer_params(model, st.layers[0], tp, ep)) if st.layers else 0
-            edge = n - sum(sum(layer_params(model, i, tp, ep)) for i in st.layers) + first
+            first = vp * sum(layer_params(model, st.layers[0], tp, ep, layout.etp)) if st.layers else 0
+            edge = n - sum(sum(layer_params(model, i, tp, ep, layout.etp)) for i in st.layers) + first
             edges = micro * (
                 _collective("all_gather", a * edge, dp_cp, span, cl, eff)
                 + _collective("reduce_scatter", grad_bytes * edge, dp_cp, span, cl, eff)
@@ -579,5 +592,11 @@ def throughput(model: ModelConfig, layout: Layout, seq_length: int, global_batch
     tps = tokens / t.total / layout.world
     # (in the convention of the published figures the model is held against: full, not causally halved,
     # attention, as Megatron counted it when it published them and as torchtitan counts it)
-    flops = flops_per_token(model, seq_length, causal=False) * tps
+    flops = _model_flops_per_token(model, seq_length) * tps
     return tps, flops / 1e12, flops / cl.gpu.mfu_peak
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_flops_per_token(model: ModelConfig, seq_length: int) -> float:
+    # (a search's layouts share a few: the model's FLOPs do not depend on the layout)
+    return flops_per_token(model, seq_length, causal=False)

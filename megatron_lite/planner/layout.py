@@ -38,6 +38,8 @@ class Layout:
     microbatch_group_size: int | None = None  # a script's --microbatch-group-size-per-virtual-pipeline-stage
     # the layers of each virtual stage when not an even split (a script's uneven first/last stages or layout)
     stages: tuple[int, ...] | None = None
+    # --expert-tensor-parallel-size where it differs from TP (None: the experts split as the dense layers)
+    etp: int | None = None
 
     @property
     def world(self) -> int:
@@ -64,6 +66,17 @@ class Layout:
         return self.recompute != "full" or (self.recompute_method, self.recompute_num_layers) == ("uniform", 1)
 
     @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size."""
+        return self.etp or self.tp
+
+    @property
+    def edp(self) -> int:
+        """The experts' data-parallel size: the ranks of a pipeline stage over expert TP x EP (Megatron's expert
+        grid; at expert TP = TP, DP x CP over EP)."""
+        return max(self.tp * self.dp * self.cp // (self.expert_tp * self.ep), 1)
+
+    @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
@@ -74,6 +87,7 @@ class Layout:
             virtual_pipeline_model_parallel_size=self.vp if self.vp > 1 else None,
             context_parallel_size=self.cp,
             expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
             sequence_parallel=self.sp,
             cp_comm_type=self.cp_comm_type,
             microbatch_group_size=self.microbatch_group_size,
@@ -103,6 +117,8 @@ class Layout:
             parts.append(f"CP{self.cp}" + ("" if self.cp_comm_type == "p2p" else f"({self.cp_comm_type})"))
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
+        if self.expert_tp != self.tp:
+            parts.append(f"ETP{self.expert_tp}")
         names = {"none": "ddp", "dist-opt": "zero1", "zero2": "zero2", "fsdp2": "fsdp2", "layer-wise": "layer-wise"}
         parts.append(names[self.sharding])
         # (a script's choices the search does not make)

@@ -153,14 +153,17 @@ def layer_activation_bytes(
             total += fp8_activation_bytes(model, layout, a, layer, modules, 0) if fp8 and lora is None else 0
             return total + (parts * h * mask / norm_div if model.hidden_dropout > 0 else 0)
         # (fp8 experts run one by one, the activation's kernel all the same)
-        per = mlp(model.moe_ffn_size, "moe_act" in modules) / tp
+        # Expert TP below TP: each expert-TP group dispatches its 1 / (TP / ETP) of the gathered tokens (MoELayer),
+        # to experts split ETP ways: its routed pairs' rows and outputs are that share, their FFN width 1 / ETP
+        share = layout.expert_tp / tp
+        per = mlp(model.moe_ffn_size, "moe_act" in modules) / layout.expert_tp
         # router scores (fp32), then each token's top-k copies through an expert (expected, balanced): the output
         # of every routed pair (a dropped one's zero) and the rows the experts compute on, the input among them
         # (only the kept pairs; with padding, each expert's whole padded input)
         # (--moe-apply-probs-on-input scales the input instead, keeping the fp32 weight: the output's scaling, by
         # the constant keep mask, keeps no output)
         outputs = model.moe_router_topk * (4 if model.moe_apply_probs_on_input else h * a)
-        total += model.num_experts * 4 * 3 + outputs + expert_rows(model, tokens)[1] * (h * a + per)
+        total += model.num_experts * 4 * 3 + share * (outputs + expert_rows(model, tokens)[1] * (h * a + per))
         if model.moe_router_dtype == "fp64":  # the scores in fp64, and the router's fp64 copy of its input
             total += model.num_experts * 4 * 3 + h * (8 - a)
         if model.moe_input_jitter_eps is not None:  # the noise (the jittered input replaces the input)
@@ -227,6 +230,36 @@ def cached_compute_order(pp: int, vp: int, micro: int, rank: int, group: int | N
     return tuple(compute_order(pp, vp, micro, rank, group=group))
 
 
+@functools.lru_cache(maxsize=4096)
+def _forward_states(pp: int, vp: int, micro: int, rank: int, group: int | None) -> tuple[tuple[tuple, tuple], ...]:
+    """The distinct states of a rank's schedule just after each forward: per model chunk, the micro-batches whose
+    activations it holds (forwards less backwards) and whether it holds a received input past its backward (one
+    backward of the chunk has run). What a chunk holds is linear in those, so the peak over the schedule is the
+    largest over these few states (a search prices tens of thousands of layouts; walking the schedule each time
+    was a fifth of its time)."""
+    held, past = [0] * vp, [False] * vp
+    states = set()
+    for kind, _, c in cached_compute_order(pp, vp, micro, rank, group):
+        if kind == FORWARD:
+            held[c] += 1
+            states.add((tuple(held), tuple(past)))
+        elif kind == BACKWARD:
+            held[c] -= 1
+            past[c] = True
+    return tuple(states)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_kinds(model: ModelConfig) -> tuple[tuple, ...]:
+    """What each decoder layer's saved bytes depend on besides its recomputation: MoE or not, fp8, NoPE (for
+    --qk-l2-norm), and a heterogeneous layer's own kinds and sizes (a hybrid layer's kind). Once a model: a search
+    asked each layer of each layout."""
+    return tuple(
+        (model.is_moe_layer(i), fp8_layer(model, i), model.skips_rope(i), layer_block(model, i))
+        for i in range(model.num_layers)
+    )
+
+
 def activation_bytes(
     model: ModelConfig, layout: Layout, seq_length: int, pp_rank: int, micro: int, bf16: bool, lora=None, mask: int = 1
 ) -> float:
@@ -260,13 +293,13 @@ def activation_bytes(
         last = index + group >= len(layers)
         if recompute == "full" and all(identity(j) for j in layers[index : index + group]) and not (last and sent):
             return 0.0
-        key = (model.is_moe_layer(i), recompute, fp8_layer(model, i), i < model.num_layers and model.skips_rope(i))
-        key += (layer_block(model, i),)  # (a heterogeneous layer's own kinds and sizes, a hybrid layer's kind)
+        key = (recompute, kinds[i])
         if key not in by_kind:
             by_kind[key] = layer_activation_bytes(model, layout, a, i, recompute, lora, mask, tokens)
         return by_kind[key]
 
     fp8_layers = layer_recomputes(model, layout, pp_rank)
+    kinds = _layer_kinds(model)
     for c, layers in enumerate(_chunk_layers(model, layout, pp_rank)):
         sent = not (c == layout.vp - 1 and pp_rank == layout.pp - 1)  # (the last chunk's goes to the final norm)
         kept = list(enumerate(layers))
@@ -342,16 +375,13 @@ def activation_bytes(
     received = [
         0.0 if (c == 0 and pp_rank == 0) or not chunk_bytes[c] else h * s / norm_div * tokens for c in range(layout.vp)
     ]
-    live = peak = 0.0
-    held = [0.0] * layout.vp
-    for kind, _, c in cached_compute_order(layout.pp, layout.vp, micro, pp_rank, layout.microbatch_group_size):
-        if kind == FORWARD:
-            live += chunk_bytes[c]
-            peak = max(peak, live)
-        elif kind == BACKWARD:
-            live -= chunk_bytes[c] - received[c] + held[c]
-            held[c] = received[c]
-    return peak + cache
+    # after a chunk's first backward, the executor keeps one received input of it past its micro-batch
+    states = _forward_states(layout.pp, layout.vp, micro, pp_rank, layout.microbatch_group_size)
+    peak = max(
+        (sum(n * b + r * p for n, b, r, p in zip(held, chunk_bytes, received, past)) for held, past in states),
+        default=0.0,
+    )
+    return max(peak, 0.0) + cache
 
 
 def recompute_transient_bytes(
@@ -418,7 +448,7 @@ def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bo
     dp_cp = layout.dp * layout.cp
     optimizer = owned = 0.0
     widths, owners = [], []
-    for expert, ranks in ((False, dp_cp), (True, max(dp_cp // layout.ep, 1))):
+    for expert, ranks in ((False, dp_cp), (True, layout.edp)):
         numels = [n for n, _, e in tensors if e == expert]
         if not numels:
             continue
@@ -435,7 +465,7 @@ def _layer_wise_split(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bo
 
 def layer_wise_split_of(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool) -> LayerWiseSplit:
     """The split on pipeline stage `pp_rank` (what decides it, for the cache: the parallel sizes, not the batch)."""
-    key = Layout(layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, stages=layout.stages)
+    key = Layout(layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, stages=layout.stages, etp=layout.etp)
     return _layer_wise_split(model, key, pp_rank, bf16)
 
 
@@ -505,7 +535,7 @@ def rank_memory(
     a LoRA job's own). `dropout_mask_bytes`: 1 on a GPU (bool masks); a CPU's dropout keeps the activations' dtype."""
     counts = stage_params(model, layout, pp_rank)
     dp_cp = layout.dp * layout.cp
-    edp = max(dp_cp * layout.tp // (layout.tp * layout.ep), 1)  # expert-data-parallel (expert TP = TP)
+    edp = layout.edp  # expert-data-parallel
     param_bytes = 2 if bf16 else 4
     grad_bytes = 2 if bf16 and grads_bf16 else 4
     whole = 0  # the tied copy's gradient stays whole for the step under ZeRO-2 (reduced after the embedding all-reduce)

@@ -59,12 +59,14 @@ class MuonSettings:
 @dataclass(frozen=True)
 class NewtonSchulz:
     """One Newton-Schulz run on one rank: X [m, n]; `tp` > 1: the norm and each A all-reduced over that many ranks
-    (distributed); `gathered`: the elements all-gathered over TP before it (duplicated)."""
+    (distributed); `gathered`: the elements all-gathered over `group` ranks (TP, or an expert's expert TP) before
+    it (duplicated)."""
 
     m: int
     n: int
     tp: int = 1
     gathered: int = 0
+    group: int = 1
 
     def flops(self, steps: int) -> int:
         m, n = self.m, self.n
@@ -90,7 +92,7 @@ def newton_schulz_runs(matrix: Matrix, tp: int, settings: MuonSettings) -> list[
             out.append(NewtonSchulz(min(rows, cols), max(rows, cols)))
         elif settings.tp_mode == "duplicated":
             full = (rows * tp, cols) if matrix.dim == 0 else (rows, cols * tp)
-            out.append(NewtonSchulz(min(full), max(full), gathered=rows * cols * tp))
+            out.append(NewtonSchulz(min(full), max(full), gathered=rows * cols * tp, group=tp))
         else:  # distributed: X's columns are the split side
             m, n = (cols, rows) if matrix.dim == 0 else (rows, cols)
             out.append(NewtonSchulz(m, n, tp=tp))
@@ -111,7 +113,7 @@ def _rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, set
             counts = collections.Counter()
             for tensors, times in groups:
                 for _, matrix, _ in (t for t in tensors if t[2] == expert and t[1] is not None):
-                    for run in _runs(matrix, layout.tp, settings):
+                    for run in _runs(matrix, layout.expert_tp if expert else layout.tp, settings):
                         counts[run] += times
             if any(t[2] == expert for tensors, _ in groups for t in tensors):
                 out.append((tuple(counts.items()),))
@@ -120,9 +122,7 @@ def _rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, set
     tensors = trained_tensors(model, layout, pp_rank)
     owners = layer_wise_split_of(model, layout, pp_rank, bf16).owners
     dp_cp = layout.dp * layout.cp
-    present = [
-        (e, r) for e, r in ((False, dp_cp), (True, max(dp_cp // layout.ep, 1))) if any(t[2] == e for t in tensors)
-    ]
+    present = [(e, r) for e, r in ((False, dp_cp), (True, layout.edp)) if any(t[2] == e for t in tensors)]
     for (expert, ranks), owner in zip(present, owners):
         matrices = [collections.Counter() for _ in range(ranks)]
         for (_, matrix, _), r in zip((t for t in tensors if t[2] == expert), owner):
@@ -132,7 +132,7 @@ def _rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, set
         for mine in matrices:
             counts = collections.Counter()
             for matrix, times in mine.items():
-                for run in _runs(matrix, layout.tp, settings):
+                for run in _runs(matrix, layout.expert_tp if expert else layout.tp, settings):
                     counts[run] += times
             ranks_runs.append(tuple(counts.items()))
         out.append(tuple(ranks_runs))
@@ -145,11 +145,10 @@ def rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, sett
     its split weighs an fp32 main copy). Cached by what decides them: the parallel sizes (the data-parallel ones
     only for dist_muon's split), not the batch."""
     if layout.sharding == "layer-wise":
-        key = Layout(
-            layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, "layer-wise", stages=layout.stages
-        )
+        sizes = (layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, "layer-wise")
+        key = Layout(*sizes, stages=layout.stages, etp=layout.etp)
     else:
-        key, bf16 = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages), False
+        key, bf16 = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp), False
     return _rank_runs(model, key, pp_rank, bf16, settings)
 
 
@@ -187,11 +186,12 @@ def muon_seconds(
     its GEMMs at EFF.gemm of the precision's peak plus their operands at EFF.memory of the memory bandwidth
     (cost._gemm's form), the passes around them, the operators' launches, and under duplicated or distributed
     their TP collectives (`collective`: cost._collective), all exposed: each waits for the one before."""
-    return _seconds_of(layout.tp, settings, cl, eff, collective)(rank_runs(model, layout, pp_rank, bf16, settings))
+    return _seconds_of(settings, cl, eff, collective)(rank_runs(model, layout, pp_rank, bf16, settings))
 
 
-def _seconds_of(tp: int, settings: MuonSettings, cl: Cluster, eff, collective: Callable[..., float]):
-    """muon_seconds of a stage's rank_runs (one function for every stage of a layout: a run's time made once)."""
+def _seconds_of(settings: MuonSettings, cl: Cluster, eff, collective: Callable[..., float]):
+    """muon_seconds of a stage's rank_runs (one function for every stage of a layout: a run's time made once). A
+    run's collectives go over its own group: TP's, or an expert's expert TP."""
     g, steps = cl.gpu, settings.num_ns_steps
     medium = settings.fp32_matmul_prec == "medium"
     a = 2 if medium else 4  # bytes of an operand of the iterations' GEMMs
@@ -207,7 +207,8 @@ def _seconds_of(tp: int, settings: MuonSettings, cl: Cluster, eff, collective: C
         t = steps * (gemm(m, n, m) + gemm(m, m, m) + gemm(m, m, n))
         t += m * n * (NORMALIZE_BYTES + SCALE_BYTES + (CAST_BYTES if medium else 0)) / bandwidth
         t += (OPS_PER_RUN + OPS_PER_ITERATION * steps) * g.launch_seconds
-        return t + sum(collective(kind, b, tp, tp, cl, eff) for kind, b in run.collectives(steps, a))
+        size = max(run.tp, run.group)
+        return t + sum(collective(kind, b, size, size, cl, eff) for kind, b in run.collectives(steps, a))
 
     def of(groups: tuple) -> float:
         return sum(max(sum(seconds(run) * k for run, k in rank) for rank in group) for group in groups)
@@ -235,8 +236,8 @@ def optimizer_seconds(
     step are priced once (a search prices thousands of layouts)."""
     g = cl.gpu
     dp_cp = layout.dp * layout.cp
-    edp = max(dp_cp // layout.ep, 1)
-    ns = _seconds_of(layout.tp, settings, cl, eff, collective) if settings is not None else None
+    edp = layout.edp
+    ns = _seconds_of(settings, cl, eff, collective) if settings is not None else None
     priced: dict[tuple, float] = {}
     for r, st in enumerate(stages):
         if layout.sharding == "layer-wise":  # (the busiest rank's whole tensors)

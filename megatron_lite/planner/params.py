@@ -97,11 +97,13 @@ def _attention_tensors(model: ModelConfig, tp: int) -> list[Tensor]:
     return out + [_matrix(h, q // tp, 1)] + ([(h, None, False)] if model.add_bias_linear else [])
 
 
-def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int, trained: bool = False) -> list[Tensor]:
+def layer_tensors(
+    model: ModelConfig, layer: int, tp: int, ep: int, trained: bool = False, etp: int | None = None
+) -> list[Tensor]:
     """The parameters of one transformer layer on one rank, in the model's order. A heterogeneous layer at its own
     sizes: a linear replacement's [hidden, hidden] linear (its bias split too: column-parallel) and norm, a no-op
     part nothing. `trained`: only those the optimizer steps (the router's expert_bias, updated by the load
-    balancing and not by gradients, is left out)."""
+    balancing and not by gradients, is left out). `etp`: the experts' tensor-parallel size (None: TP)."""
     block = layer_block(model, layer) or BlockConfig()  # (a hybrid layer's one part too)
     if block.attention == MAMBA_MIXER:
         return mamba_tensors(model, tp)
@@ -124,7 +126,7 @@ def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int, trained: boo
     out += [_matrix(e, h, None)]  # the router (replicated)
     out += [(e, None, False)] if m.add_bias_linear else []
     out += [(e, None, False)] if m.moe_router_enable_expert_bias and not trained else []
-    out += (e // ep) * _mlp_tensors(h, m.moe_ffn_size, swiglu, m.add_bias_linear, tp, expert=True)
+    out += (e // ep) * _mlp_tensors(h, m.moe_ffn_size, swiglu, m.add_bias_linear, etp or tp, expert=True)
     if m.moe_shared_expert_intermediate_size:
         out += [_matrix(1, h, None)] if m.moe_shared_expert_gate else []  # (the gate's [1, hidden], replicated)
         out += _mlp_tensors(h, m.moe_shared_expert_intermediate_size, swiglu, m.add_bias_linear, tp)
@@ -132,9 +134,9 @@ def layer_tensors(model: ModelConfig, layer: int, tp: int, ep: int, trained: boo
 
 
 @functools.lru_cache(maxsize=65536)
-def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
+def layer_params(model: ModelConfig, layer: int, tp: int, ep: int, etp: int | None = None) -> tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank."""
-    return _sums(layer_tensors(model, layer, tp, ep))
+    return _sums(layer_tensors(model, layer, tp, ep, etp=etp))
 
 
 def _sums(tensors) -> tuple[int, int]:
@@ -144,7 +146,8 @@ def _sums(tensors) -> tuple[int, int]:
 
 def _stage_groups(model: ModelConfig, layout: Layout, pp_rank: int):
     # (cached by what decides them: a search's layouts share a few parallel sizes)
-    return _groups(model, Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages), pp_rank)
+    key = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp)
+    return _groups(model, key, pp_rank)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -165,7 +168,7 @@ def _groups(
             for layer in range(first_layer, first_layer + n):
                 kind = (model.is_moe_layer(layer), layer_block(model, layer))
                 if kind not in by_kind:
-                    by_kind[kind] = [layer_tensors(model, layer, tp, layout.ep), 0]
+                    by_kind[kind] = [layer_tensors(model, layer, tp, layout.ep, etp=layout.etp), 0]
                 by_kind[kind][1] += 1
                 layers.append(layer)
         first_layer += n
@@ -181,7 +184,7 @@ def _groups(
         if model.untie_embeddings_and_output_weights or layout.pp > 1:
             embedding.append(vocab)  # the output layer, or the last stage's copy of the tied embedding
         for k in range(model.mtp_num_layers):  # multi-token prediction: 3 norms, eh_proj, a layer per depth
-            tensors += layer_tensors(model, model.num_layers + k, tp, layout.ep)
+            tensors += layer_tensors(model, model.num_layers + k, tp, layout.ep, etp=layout.etp)
             tensors += 3 * norm + [_matrix(h // tp, 2 * h, 0)]  # (eh_proj: column-parallel)
             layers.append(model.num_layers + k)  # (its time is a layer's, numbered after the decoder's)
         if model.mtp_num_layers and model.untie_embeddings_and_output_weights and layout.pp > 1:
@@ -191,9 +194,15 @@ def _groups(
     return groups, tuple(layers), sum(n for n, _, _ in embedding)
 
 
-@functools.lru_cache(maxsize=65536)
 def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
     """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
+    key = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp)
+    return _stage_params(model, key, pp_rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
+    # (cached by what decides them: a search's layouts share a few parallel sizes)
     groups, layers, embeddings = _stage_groups(model, layout, pp_rank)
     sums = [(c * d, c * e) for (d, e), c in ((_sums(ts), c) for ts, c in groups)]
     muon = sum(c * n for ts, c in groups for n, by_muon, _ in ts if by_muon)
@@ -207,8 +216,8 @@ def trained_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[T
     each MTP depth's norms, eh_proj and layer), which dist_muon's split of whole tensors breaks ties by
     (optimizer/layer_wise_optimizer.py): equal-sized matrices of other shapes land on the runtime's ranks.
     (_stage_groups holds each kind of layer once, which counting wants.) Cached by what decides them."""
-    layout = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages)
-    h, tp, ep = model.hidden_size, layout.tp, layout.ep
+    layout = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp)
+    h, tp, ep, etp = model.hidden_size, layout.tp, layout.ep, layout.etp
     counts = stage_layer_counts(model.num_layers, layout.parallel_config())
     vocab = (model.padded_vocab_size(tp) // tp * h, None, False)
     norm = norm_tensors(model, h)
@@ -226,7 +235,7 @@ def trained_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[T
             for layer in range(first_layer, first_layer + n):
                 kind = (model.is_moe_layer(layer), layer_block(model, layer))
                 if kind not in by_kind:
-                    by_kind[kind] = layer_tensors(model, layer, tp, ep, trained=True)
+                    by_kind[kind] = layer_tensors(model, layer, tp, ep, trained=True, etp=etp)
                 out += by_kind[kind]
             if post:
                 out += norm
@@ -234,6 +243,6 @@ def trained_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[T
                     out.append(vocab)  # the output layer, or the last stage's copy of the tied embeddings
                 for k in range(model.mtp_num_layers):  # enorm, hnorm, eh_proj (column-parallel), the layer, its norm
                     out += 2 * norm + [_matrix(h // tp, 2 * h, 0)]
-                    out += layer_tensors(model, model.num_layers + k, tp, ep, trained=True) + norm
+                    out += layer_tensors(model, model.num_layers + k, tp, ep, trained=True, etp=etp) + norm
         first_layer += n
     return tuple(t for t in out if t[0])

@@ -37,7 +37,7 @@ def _mlp_weights(h: int, f: int, swiglu: bool, tp: int) -> int:
     return h * f * (2 if swiglu else 1) // tp + f // tp * h
 
 
-def fp8_weight_parts(model: ModelConfig, layer: int, tp: int, ep: int) -> dict[str, int]:
+def fp8_weight_parts(model: ModelConfig, layer: int, tp: int, ep: int, etp: int | None = None) -> dict[str, int]:
     """Weights of layer `layer`'s fp8 linears on one rank by where they run (biases, norms and the router stay in
     the compute dtype): the attention (MLA's up-projections apart), the dense MLP or the experts and the shared
     expert, an MTP depth's eh_proj. Empty where the layer runs in the compute dtype."""
@@ -59,7 +59,7 @@ def fp8_weight_parts(model: ModelConfig, layer: int, tp: int, ep: int) -> dict[s
     parts["attn"] = attn
     swiglu = model.gated_linear_unit
     if model.is_moe_layer(layer):
-        parts["moe"] = model.num_experts // ep * _mlp_weights(h, model.moe_ffn_size, swiglu, tp)
+        parts["moe"] = model.num_experts // ep * _mlp_weights(h, model.moe_ffn_size, swiglu, etp or tp)
         if model.moe_shared_expert_intermediate_size:
             parts["shared_experts"] = _mlp_weights(h, model.moe_shared_expert_intermediate_size, swiglu, tp)
     else:
@@ -99,7 +99,7 @@ def fp8_weight_bytes_held(model: ModelConfig, layout: Layout, layers, cached: bo
     modules = set(model.recompute_modules)
     for i, recompute in layers:
         inside = fp8_checkpointed(recompute, modules)
-        for part, n in fp8_weight_parts(model, i, layout.tp, layout.ep).items():
+        for part, n in fp8_weight_parts(model, i, layout.tp, layout.ep, layout.etp).items():
             hidden, seen = (hidden + n, seen) if part in inside else (hidden, seen + n)
     return seen, hidden
 
@@ -133,7 +133,9 @@ def fp8_activation_bytes(model: ModelConfig, layout: Layout, a: int, layer: int,
         if shared and "shared_experts" not in modules:  # its own gathered input under SP; the router's without
             change += fp8_input_bytes(h, a, wgrad, sp) + fp8_input_bytes(shared / tp, a, wgrad)
         act_kept = "moe_act" not in modules  # (moe_act: fc2's input is made again, its fp8 copy kept)
-        change += rows * (fp8_input_bytes(h, a, wgrad) + fp8_input_bytes(model.moe_ffn_size / tp, a, wgrad, act_kept))
+        etp = layout.expert_tp  # (an expert-TP group's share of the rows, at its width: layer_activation_bytes)
+        ffn = fp8_input_bytes(model.moe_ffn_size / etp, a, wgrad, act_kept)
+        change += rows * etp / tp * (fp8_input_bytes(h, a, wgrad) + ffn)
     elif "mlp" not in modules:
         change += fp8_input_bytes(h, a, wgrad, first_own) + fp8_input_bytes(model.ffn_size / tp, a, wgrad)
     return change

@@ -82,7 +82,7 @@ def check(
     # ZeRO-2 share the layout check; it was a third of a 1024-GPU DeepSeek-V3 plan's time)
     parallel = _parallel(
         layout.tp, layout.pp, layout.vp, layout.cp, layout.ep, layout.sequence_parallel, layout.cp_comm_type,
-        layout.microbatch_group_size, layout.stages,
+        layout.microbatch_group_size, layout.stages, layout.etp,
     )  # fmt: skip
     training = _training(layout.micro_batch_size, global_batch_size, seq_length, layout.overlaps_grad_reduce)
     try:
@@ -94,9 +94,9 @@ def check(
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _parallel(tp, pp, vp, cp, ep, sequence_parallel, cp_comm_type, microbatch_group_size, stages):
+def _parallel(tp, pp, vp, cp, ep, sequence_parallel, cp_comm_type, microbatch_group_size, stages, etp):
     return Layout(tp, pp, vp, 1, cp, ep, sequence_parallel=sequence_parallel, cp_comm_type=cp_comm_type,
-                  microbatch_group_size=microbatch_group_size, stages=stages).parallel_config()  # fmt: skip
+                  microbatch_group_size=microbatch_group_size, stages=stages, etp=etp).parallel_config()  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1 << 10)
@@ -153,6 +153,8 @@ def layouts(
     out = []
     pow2 = [1, 2, 4, 8, 16, 32]
     experts = divisors(model.num_experts) if model.num_experts else [1]
+    # expert TP = TP (None), and under TP also 1: whole experts, spread over TP x DP ranks by EP (Megatron's usual
+    # --expert-tensor-parallel-size 1 for fine-grained experts)
     cp_types = PRICED_CP if model.sliding_window is not None else PRICED_CP[:2]
     for tp, cp in itertools.product([d for d in pow2 if d <= gpus_per_node], pow2):
         if world % (tp * cp):
@@ -162,15 +164,18 @@ def layouts(
             if global_batch_size % dp:  # (tried once, so the plan says why this DP size is out)
                 out.append(Layout(tp, pp, 1, dp, cp))
                 continue
-            for vp, ep, sharding, recompute, mbs in itertools.product(
-                [1, 2, 4] if pp > 1 else [1], experts, shardings, RECOMPUTES, [1, 2, 4, 8]
+            etps = [None, 1] if model.num_experts and tp > 1 else [None]
+            for vp, ep, etp, sharding, recompute, mbs in itertools.product(
+                [1, 2, 4] if pp > 1 else [1], experts, etps, shardings, RECOMPUTES, [1, 2, 4, 8]
             ):
-                if (dp * cp * tp) % ep or global_batch_size % (mbs * dp):
+                if (dp * cp * tp) % ep or global_batch_size % (mbs * dp) or (etp and ep == 1):
                     continue  # (a micro-batch size that does not divide a rank's share is just not a choice)
                 stages = uneven_stages(model.num_layers, pp * vp) if uneven and pp > 1 else None
                 for comm in cp_types if cp > 1 else ("p2p",):
                     out.append(
-                        Layout(tp, pp, vp, dp, cp, ep, sharding, recompute, mbs, stages=stages, cp_comm_type=comm)
+                        Layout(
+                            tp, pp, vp, dp, cp, ep, sharding, recompute, mbs, stages=stages, cp_comm_type=comm, etp=etp
+                        )
                     )
     return out
 
@@ -314,6 +319,8 @@ def job_layout(job, world: int) -> Layout:
         dp=p.data_parallel_size(world),
         cp=p.cp,
         ep=p.ep,
+        # (None: the experts split as the dense layers; a dense model's flag, which Megatron ignores, too)
+        etp=p.etp if p.etp != p.tp and m.num_experts else None,
         sharding=sharding,
         recompute=m.recompute_granularity or "none",
         recompute_method=(m.recompute_method or "uniform") if m.recompute_granularity == "full" else "uniform",
