@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.models.heterogeneous import LINEAR, NO_OP, NORMAL, BlockConfig
-from megatron_lite.pipeline_parallel.schedules import FORWARD
 from megatron_lite.planner.hardware import Cluster
 from megatron_lite.planner.hybrid import (
     MAMBA_MIXER,
@@ -42,10 +41,11 @@ from megatron_lite.planner.hybrid import (
     scan_flops,
 )
 from megatron_lite.planner.layout import Layout
-from megatron_lite.planner.memory import cached_compute_order, full_recompute_runs, layer_wise_split_of
+from megatron_lite.planner.memory import full_recompute_runs, layer_wise_split_of
 from megatron_lite.planner.muon_cost import MuonSettings, optimizer_seconds
 from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
+from megatron_lite.planner.schedule import schedule_marks
 from megatron_lite.training.flops import PEAKS, flops_per_token
 
 
@@ -214,24 +214,6 @@ def _collective(kind: str, bytes_: float, size: int, span: int, cl: Cluster, eff
     return volume * bytes_ / bandwidth + steps * latency
 
 
-@functools.lru_cache(maxsize=4096)
-def _schedule_marks(pp: int, vp: int, micro: int, group: int | None) -> tuple[tuple, tuple, tuple[int, int]]:
-    """Pipeline rank 0's schedule (it starts first and finishes last) as counts of (forwards, backwards): run before
-    each chunk's last backward starts, run by the end of each chunk's first forward (in the order they occur),
-    and in all. A step's times are linear in them (a search prices tens of thousands of layouts; walking the
-    schedule for each was a tenth of its time)."""
-    nf = nb = 0
-    last_backward, first_forward = {}, {}
-    for kind, _, c in cached_compute_order(pp, vp, micro, 0, group):
-        if kind == FORWARD:
-            nf += 1
-            first_forward.setdefault(c, (nf, nb))
-        else:
-            last_backward[c] = (nf, nb)  # (the last one wins)
-            nb += 1
-    return tuple(last_backward.values()), tuple(first_forward.values()), (nf, nb)
-
-
 def _chunk_seconds(layout: Layout, per_mb: float, eff: Efficiency) -> tuple[float, float]:
     """A chunk's forward and backward of one micro-batch (1 : 2 of its time); overlap stretches what the link
     can use."""
@@ -242,7 +224,7 @@ def _exposed_reduction(layout: Layout, micro: int, per_mb: float, seconds: float
     """The step's gradient reduction past the end of the backward: each chunk's buckets (1/VP of it) go out
     from the start of that chunk's last backward (DDP.final_grads), one chunk after another on the link."""
     f, b = _chunk_seconds(layout, per_mb, eff)
-    last_backward, _, (nf, nb) = _schedule_marks(layout.pp, layout.vp, micro, layout.microbatch_group_size)
+    last_backward, _, (nf, nb) = schedule_marks(layout.pp, layout.vp, micro, layout.microbatch_group_size)
     free = 0.0
     for ready in sorted(i * f + j * b for i, j in last_backward):
         free = max(free, ready) + seconds / layout.vp
@@ -255,7 +237,7 @@ def _exposed_gather(layout: Layout, micro: int, per_mb: float, seconds: float, e
     if seconds <= 0:
         return 0.0
     f, b = _chunk_seconds(layout, per_mb, eff)
-    _, first_forward, _ = _schedule_marks(layout.pp, layout.vp, micro, layout.microbatch_group_size)
+    _, first_forward, _ = schedule_marks(layout.pp, layout.vp, micro, layout.microbatch_group_size)
     done, stall = 0.0, 0.0
     for need in sorted(i * f + j * b for i, j in first_forward):
         done += seconds / layout.vp

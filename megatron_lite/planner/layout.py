@@ -65,6 +65,11 @@ class Layout:
         """Full recomputation as uniform 1 (the search's block N, where it finds one, shows its N)."""
         return self.recompute != "full" or (self.recompute_method, self.recompute_num_layers) == ("uniform", 1)
 
+    def params_key(self) -> Layout:
+        """This layout reduced to what decides each rank's parameters (the parallel sizes that split the weights):
+        the key of the planner's caches of them, which a search's layouts share."""
+        return Layout(self.tp, self.pp, self.vp, ep=self.ep, stages=self.stages, etp=self.etp)
+
     @property
     def expert_tp(self) -> int:
         """The experts' tensor-parallel size."""

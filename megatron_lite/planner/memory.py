@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.models.heterogeneous import NO_OP, NORMAL, BlockConfig, layer_kinds
-from megatron_lite.pipeline_parallel.schedules import BACKWARD, FORWARD, compute_order
 from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
 from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes
 from megatron_lite.planner.layout import Layout
@@ -46,6 +45,7 @@ from megatron_lite.planner.precision import (
     fp8_weight_bytes_held,
     stream_bytes,
 )
+from megatron_lite.planner.schedule import forward_states
 
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
 MAIN_COPY = 4  # fp32 main weights
@@ -225,30 +225,6 @@ def layer_recomputes(model: ModelConfig, layout: Layout, pp_rank: int) -> list[l
     return chunks
 
 
-@functools.lru_cache(maxsize=4096)
-def cached_compute_order(pp: int, vp: int, micro: int, rank: int, group: int | None = None) -> tuple:
-    return tuple(compute_order(pp, vp, micro, rank, group=group))
-
-
-@functools.lru_cache(maxsize=4096)
-def _forward_states(pp: int, vp: int, micro: int, rank: int, group: int | None) -> tuple[tuple[tuple, tuple], ...]:
-    """The distinct states of a rank's schedule just after each forward: per model chunk, the micro-batches whose
-    activations it holds (forwards less backwards) and whether it holds a received input past its backward (one
-    backward of the chunk has run). What a chunk holds is linear in those, so the peak over the schedule is the
-    largest over these few states (a search prices tens of thousands of layouts; walking the schedule each time
-    was a fifth of its time)."""
-    held, past = [0] * vp, [False] * vp
-    states = set()
-    for kind, _, c in cached_compute_order(pp, vp, micro, rank, group):
-        if kind == FORWARD:
-            held[c] += 1
-            states.add((tuple(held), tuple(past)))
-        elif kind == BACKWARD:
-            held[c] -= 1
-            past[c] = True
-    return tuple(states)
-
-
 @functools.lru_cache(maxsize=256)
 def _layer_kinds(model: ModelConfig) -> tuple[tuple, ...]:
     """What each decoder layer's saved bytes depend on besides its recomputation: MoE or not, fp8, NoPE (for
@@ -376,7 +352,7 @@ def activation_bytes(
         0.0 if (c == 0 and pp_rank == 0) or not chunk_bytes[c] else h * s / norm_div * tokens for c in range(layout.vp)
     ]
     # after a chunk's first backward, the executor keeps one received input of it past its micro-batch
-    states = _forward_states(layout.pp, layout.vp, micro, pp_rank, layout.microbatch_group_size)
+    states = forward_states(layout.pp, layout.vp, micro, pp_rank, layout.microbatch_group_size)
     peak = max(
         (sum(n * b + r * p for n, b, r, p in zip(held, chunk_bytes, received, past)) for held, past in states),
         default=0.0,

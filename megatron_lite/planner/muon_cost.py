@@ -148,7 +148,7 @@ def rank_runs(model: ModelConfig, layout: Layout, pp_rank: int, bf16: bool, sett
         sizes = (layout.tp, layout.pp, layout.vp, layout.dp, layout.cp, layout.ep, "layer-wise")
         key = Layout(*sizes, stages=layout.stages, etp=layout.etp)
     else:
-        key, bf16 = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp), False
+        key, bf16 = layout.params_key(), False
     return _rank_runs(model, key, pp_rank, bf16, settings)
 
 

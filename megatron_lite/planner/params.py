@@ -146,8 +146,7 @@ def _sums(tensors) -> tuple[int, int]:
 
 def _stage_groups(model: ModelConfig, layout: Layout, pp_rank: int):
     # (cached by what decides them: a search's layouts share a few parallel sizes)
-    key = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp)
-    return _groups(model, key, pp_rank)
+    return _groups(model, layout.params_key(), pp_rank)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -196,8 +195,7 @@ def _groups(
 
 def stage_params(model: ModelConfig, layout: Layout, pp_rank: int) -> StageParams:
     """Parameters held by one rank of pipeline stage `pp_rank` (all of its virtual stages)."""
-    key = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp)
-    return _stage_params(model, key, pp_rank)
+    return _stage_params(model, layout.params_key(), pp_rank)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -216,7 +214,7 @@ def trained_tensors(model: ModelConfig, layout: Layout, pp_rank: int) -> tuple[T
     each MTP depth's norms, eh_proj and layer), which dist_muon's split of whole tensors breaks ties by
     (optimizer/layer_wise_optimizer.py): equal-sized matrices of other shapes land on the runtime's ranks.
     (_stage_groups holds each kind of layer once, which counting wants.) Cached by what decides them."""
-    layout = Layout(layout.tp, layout.pp, layout.vp, ep=layout.ep, stages=layout.stages, etp=layout.etp)
+    layout = layout.params_key()
     h, tp, ep, etp = model.hidden_size, layout.tp, layout.ep, layout.etp
     counts = stage_layer_counts(model.num_layers, layout.parallel_config())
     vocab = (model.padded_vocab_size(tp) // tp * h, None, False)
