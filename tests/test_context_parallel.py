@@ -228,8 +228,10 @@ def test_training_with_context_parallelism_equals_single_process(dist, layout):
     from test_train_equivalence import _compare, train_run
 
     world, parallel, gbs, mbs = CP_LAYOUTS[layout]
-    ref = train_run("llama", P(), gbs, gbs)
-    for history in dist(world, train_run, "llama", parallel, gbs, mbs):
+    # (the schedule counts the samples each step reports, as a --train-samples run's: a CP rank holds part of
+    # each of its data-parallel rank's sequences, which count once)
+    ref = train_run("llama", P(), gbs, gbs, count_samples=True)
+    for history in dist(world, train_run, "llama", parallel, gbs, mbs, count_samples=True):
         _compare(history, ref)
 
 

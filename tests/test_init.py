@@ -107,6 +107,22 @@ def test_the_tracked_generators_draw_independent_streams(tp, ep):
         tracker.add("b", 7)
 
 
+def test_tp_ranks_share_the_default_generator_and_part_in_the_model_parallel_one():
+    """Megatron's seeding across TP: the default generator alike on every TP rank (dropout on activations each rank
+    holds whole draws one mask), the model-parallel one different (attention dropout on each rank's heads, and SP's
+    hidden dropout on each rank's sequence shard, draw masks of their own: the same seed there would correlate
+    the masks of different heads and positions)."""
+    draws = []
+    for rank in range(2):
+        ctx = ParallelContext.virtual(ParallelConfig(tensor_model_parallel_size=2), 2, rank, device=torch.device("cpu"))
+        ctx.seed(1234)
+        default = torch.rand(64)
+        with ctx.rng.fork("model-parallel"):
+            draws.append((default, torch.rand(64)))
+    assert torch.equal(draws[0][0], draws[1][0])
+    assert not torch.equal(draws[0][1], draws[1][1])
+
+
 # Megatron's init flags (moved from test_megatron_flags.py) ------------------------------------------------
 def test_embedding_init_method_std_initialises_the_embeddings_and_spares_them_weight_decay(tmp_path):
     """Megatron's --embedding-init-method-std (refused before): the word and position embeddings are drawn with

@@ -22,7 +22,7 @@ from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext
-from megatron_lite.training.step import train_step
+from megatron_lite.training.step import eval_step, train_step
 from megatron_lite.training.wrap import wrap_for_training
 
 from dist_pool import get_context
@@ -70,9 +70,14 @@ def train_run(
     overlap_param_gather=False,
     bf16=False,
     mtp=0,
+    count_samples=False,
+    evaluate=False,
 ):
     """Per iteration (lm_loss, grad_norm, lr), and with `mtp` depths (--mtp-num-layers) each depth's loss too.
-    `bf16`: bf16 weights (FSDP2: bf16 compute on its fp32 shards) with fp32 main weights, as --bf16."""
+    `bf16`: bf16 weights (FSDP2: bf16 compute on its fp32 shards) with fp32 main weights, as --bf16.
+    `count_samples`: the schedule advances by the samples each step reports taking, as a --train-samples or
+    --rampup-batch-size run's does (else by one global batch a step). `evaluate`: then the validation loss per
+    token of the next global batch, as evaluate() reduces it (returned after the history)."""
     if dist.is_initialized():
         ctx = get_context(parallel)
     else:
@@ -98,7 +103,7 @@ def train_run(
         bucket_size=bucket_size,
         compute_dtype=dtype if bf16 else None,
     )
-    sched = LRScheduler(optim, iters)
+    sched = LRScheduler(optim, iters, samples_per_step=gbs, rampup=count_samples)
     dataset = _dataset(data, config.vocab_size)
     history = []
     for it in range(iters):
@@ -106,6 +111,10 @@ def train_run(
         batches = [collate([dataset[i] for i in ix], ctx.device) for ix in idx]
         m = train_step(ddp, opt, sched, batches, ctx)
         history.append((m.lm_loss, m.grad_norm, m.lr, *([m.mtp_losses] if mtp else [])))
+    if evaluate:
+        idx = micro_batch_indices(iters * gbs, gbs, mbs, ctx.dp.rank, ctx.dp.size)
+        total, tokens = eval_step(ddp, [collate([dataset[i] for i in ix], ctx.device) for ix in idx], ctx)
+        return history, total / tokens
     return history
 
 
@@ -134,6 +143,26 @@ def test_training_equals_single_process(dist, name, layout, data):
         _compare(rank_history, ref)
     losses = [h[0] for h in ref]
     assert losses[-1] < losses[0]  # it trains
+
+
+EVAL_LAYOUTS = {
+    "tp2-sp": (2, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), 4, 2),
+    "cp2": (2, ParallelConfig(context_parallel_size=2), 4, 2),
+    "pp2": (2, ParallelConfig(pipeline_model_parallel_size=2), 4, 1),
+    "cp2-dp2": (4, ParallelConfig(context_parallel_size=2), 4, 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(EVAL_LAYOUTS))
+def test_validation_loss_equals_single_process(dist, layout):
+    """The validation loss per token after three iterations, on every rank (the logging rank is the last stage's
+    first; each rank returns it): its sums are reduced over data and context parallelism (a CP rank holds a part
+    of each sequence's tokens) and, pipelined, from the last stage."""
+    world, parallel, gbs, mbs = EVAL_LAYOUTS[layout]
+    ref_history, ref = train_run("llama", ParallelConfig(), gbs, gbs, iters=3, evaluate=True)
+    for history, loss in dist(world, train_run, "llama", parallel, gbs, mbs, iters=3, evaluate=True):
+        _compare(history, ref_history)
+        assert abs(loss - ref) <= TOL * abs(ref), (loss, ref)
 
 
 QK_LAYOUTS = {
