@@ -37,9 +37,22 @@ if not pathlib.Path(megatron_lite.__file__).resolve().is_relative_to(_ROOT):
         returncode=4,
     )
 
+import head_start  # noqa: E402
+
 from dist_pool import WorkerPool  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+def pytest_collection_finish(session):
+    """The one-process checks of the tests collected start in the background, in the tests' order
+    (tests/head_start.py)."""
+    keys = [k for item in session.items for m in item.iter_markers("head_start") for k in m.args]
+    head_start.start(keys)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    head_start.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import head_start
 import pytest
 import torch
 
@@ -20,6 +21,24 @@ def _run_tool(script: str, flags: str, out: pathlib.Path) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def _started_tool(key: str, script: str, flags: str, json_name: str | None = "r.json") -> None:
+    """A one-process tool run as a head-started check (tests/head_start.py): `--json OUT/json_name`, or with
+    json_name None `--out-dir OUT`."""
+
+    def argv(out: str) -> list[str]:
+        where = ["--json", str(pathlib.Path(out) / json_name)] if json_name else ["--out-dir", out]
+        return [sys.executable, str(ROOT / "tools" / script), *flags.split(), *where]
+
+    head_start.register(key, argv, timeout=600)
+
+
+def _tool_result(key: str) -> tuple[str, pathlib.Path]:
+    """(stdout, output directory) of a head-started tool run, which must have exited 0."""
+    done, out_dir = head_start.result(key)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, pathlib.Path(out_dir)
 
 
 def _tool_main(script: str):
@@ -132,10 +151,17 @@ def test_bench_tools_keep_their_help(capsys):
         assert stop.value.code == 0 and out.startswith("usage:") and doc in out, (script, out[:300])
 
 
-def test_bench_train_step_reports_a_ratio(tmp_path):
-    flags = "--num-layers 1 --hidden-size 64 --vocab-size 512 --seq-length 32 --warmup 1 --iters 2 --device cpu"
-    stdout = _run_tool("bench_train_step.py", flags, tmp_path / "r.json")
-    result = json.loads((tmp_path / "r.json").read_text())
+_started_tool(
+    "bench_train_step",
+    "bench_train_step.py",
+    "--num-layers 1 --hidden-size 64 --vocab-size 512 --seq-length 32 --warmup 1 --iters 2 --device cpu",
+)
+
+
+@pytest.mark.head_start("bench_train_step")
+def test_bench_train_step_reports_a_ratio():
+    stdout, out = _tool_result("bench_train_step")
+    result = json.loads((out / "r.json").read_text())
     assert set(result["step_time_s"]) == {"megatron_lite", "transformers"}
     assert result["ratio_transformers_over_megatron_lite"] > 0
     assert "speed-up of megatron_lite over transformers" in stdout
@@ -143,11 +169,22 @@ def test_bench_train_step_reports_a_ratio(tmp_path):
     assert abs(first["megatron_lite"] - first["transformers"]) <= 1e-4 * first["transformers"]
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3", "llama"])
-def test_bench_decode_reports_a_ratio_and_both_caches(tmp_path, model):
-    flags = f"--model {model} --num-layers 1 --hidden-size 128 --num-attention-heads 4 --kv-lora-rank 64 "
-    stdout = _run_tool("bench_decode.py", flags + "--vocab-size 256 --context 64 --steps 2", tmp_path / "r.json")
-    result = json.loads((tmp_path / "r.json").read_text())
+DECODE_MODELS = ["deepseek_v3", "llama"]
+for _model in DECODE_MODELS:
+    _started_tool(
+        f"bench_decode:{_model}",
+        "bench_decode.py",
+        f"--model {_model} --num-layers 1 --hidden-size 128 --num-attention-heads 4 --kv-lora-rank 64 "
+        "--vocab-size 256 --context 64 --steps 2",
+    )
+
+
+@pytest.mark.parametrize(
+    "model", [pytest.param(m, marks=pytest.mark.head_start(f"bench_decode:{m}")) for m in DECODE_MODELS]
+)
+def test_bench_decode_reports_a_ratio_and_both_caches(model):
+    stdout, out = _tool_result(f"bench_decode:{model}")
+    result = json.loads((out / "r.json").read_text())
     assert result["ratio_transformers_over_megatron_lite"] > 0 and result["same_greedy_tokens"]
     assert all(b > 0 for b in result["kv_cache_bytes"].values())
     assert "speed-up of megatron_lite over transformers per decoding step" in stdout
@@ -174,21 +211,12 @@ def test_bench_moe_dispatcher_reports_both_dispatchers(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
-def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "bench_kernels.py"),
-        "--size",
-        "tiny",
-        "--device",
-        "cpu",
-        "--reps",
-        "1",
-        "--out-dir",
-        str(tmp_path),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+_started_tool("bench_kernels_tiny", "bench_kernels.py", "--size tiny --device cpu --reps 1", json_name=None)
+
+
+@pytest.mark.head_start("bench_kernels_tiny")
+def test_bench_kernels_tiny_writes_json_and_markdown():
+    _, tmp_path = _tool_result("bench_kernels_tiny")
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {
@@ -214,13 +242,19 @@ def test_bench_kernels_tiny_writes_json_and_markdown(tmp_path):
     )
 
 
-def test_bench_kernels_compile_kernels_all_compiles_every_case(tmp_path):
+_started_tool(
+    "bench_kernels_compile_all",
+    "bench_kernels.py",
+    "--size tiny --device cpu --reps 1 --compile --compile-kernels all --kernels rope",
+    json_name=None,
+)
+
+
+@pytest.mark.head_start("bench_kernels_compile_all")
+def test_bench_kernels_compile_kernels_all_compiles_every_case():
     """--compile-kernels all times RoPE (a case not compiled by default) under torch.compile too: 'all' had been
     read as the default."""
-    flags = "--size tiny --device cpu --reps 1 --compile --compile-kernels all --kernels rope"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), *flags.split(), "--out-dir", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    _, tmp_path = _tool_result("bench_kernels_compile_all")
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     assert {(r["impl"], r["pass"]) for r in rows if "error" not in r} >= {
         ("torch.compile", "fwd"),
@@ -228,14 +262,19 @@ def test_bench_kernels_compile_kernels_all_compiles_every_case(tmp_path):
     }
 
 
-def test_bench_attention_tiles_forces_each_tile_and_checks_it(tmp_path):
+_started_tool(
+    "bench_attention_tiles",
+    "bench_attention_tiles.py",
+    "--device cpu --repeats 2 --reps 1 --tiles 32x32x4x3,16x64x4x3,24x32x4x3",
+)
+
+
+@pytest.mark.head_start("bench_attention_tiles")
+def test_bench_attention_tiles_forces_each_tile_and_checks_it():
     """Each tile is run as asked (a tile Triton cannot build, 24 rows, is reported as an error row, not run on
     the usual tile instead), repeated, and checked against the fp32 reference."""
     pytest.importorskip("triton")
-    out = tmp_path / "t.json"
-    _run_tool(
-        "bench_attention_tiles.py", "--device cpu --repeats 2 --reps 1 --tiles 32x32x4x3,16x64x4x3,24x32x4x3", out
-    )
+    out = _tool_result("bench_attention_tiles")[1] / "r.json"
     rows = {r["tile"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"32x32x4x3", "16x64x4x3", "24x32x4x3"}
     assert "error" in rows["24x32x4x3"]
@@ -245,15 +284,22 @@ def test_bench_attention_tiles_forces_each_tile_and_checks_it(tmp_path):
         assert max(rows[tile]["max_rel_err"].values()) < 1e-4, rows[tile]
 
 
-def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it(tmp_path):
+_started_tool(
+    "bench_norm_tiles",
+    "bench_norm_tiles.py",
+    "--device cpu --reps 1 --tokens 3 --hidden 16384 --norms rms_norm,layer_norm --settings 2x2x1x8,2x3x1x8"
+    " --set BWD_WIDE_FROM=1048576",  # (the one-pass kernel, as asked: 16384 columns would take the wide one)
+)
+
+
+@pytest.mark.head_start("bench_norm_tiles")
+def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it():
     """Each norm backward setting is run as asked (3 rows a step, which Triton cannot build, is an error row, not
     the default run instead; rows a step count under the interpreter only at 16384 columns), checked against the
     fp32 reference and for the same bits on two runs; the default comes first, marked."""
     pytest.importorskip("triton")
-    out = tmp_path / "n.json"
-    flags = "--device cpu --reps 1 --tokens 3 --hidden 16384 --norms rms_norm,layer_norm --settings 2x2x1x8,2x3x1x8"
-    flags += " --set BWD_WIDE_FROM=1048576"  # (the one-pass kernel, as asked: 16384 columns would take the wide one)
-    stdout = _run_tool("bench_norm_tiles.py", flags, out)
+    stdout, out = _tool_result("bench_norm_tiles")
+    out = out / "r.json"
     from megatron_lite.kernels import norms
 
     default = f"{norms.BWD_PROGRAMS_PER_SM}x{norms.BWD_ROWS_PER_STEP}x{norms.BWD_STAGES}x{norms.BWD_WARPS}"
@@ -269,13 +315,19 @@ def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it(tmp_path):
     assert "layer_norm backward settings on cpu" in stdout
 
 
-def test_bench_ce_rows_runs_each_row_kernel_setting_checks_it_and_times_the_op(tmp_path):
+_started_tool(
+    "bench_ce_rows", "bench_ce_rows.py", "--device cpu --reps 1 --stats 16x1x4,3x1x4,64x3x4 --grad 16x2x4,3x1x4"
+)
+
+
+@pytest.mark.head_start("bench_ce_rows")
+def test_bench_ce_rows_runs_each_row_kernel_setting_checks_it_and_times_the_op():
     """Each of the fused cross-entropy's row-kernel settings runs as asked (3 columns a step, which Triton cannot
     build, is an error row, not the default run instead) and is checked against PyTorch; then the op with the
     fastest pair, at the default chunk and in five chunks, beside the current settings and the unfused loss."""
     pytest.importorskip("triton")
-    out = tmp_path / "c.json"
-    stdout = _run_tool("bench_ce_rows.py", "--device cpu --reps 1 --stats 16x1x4,3x1x4,64x3x4 --grad 16x2x4,3x1x4", out)
+    stdout, out = _tool_result("bench_ce_rows")
+    out = out / "r.json"
     result = json.loads(out.read_text())
     stats = {r["setting"]: r for r in result["stats"]}
     grad = {r["setting"]: r for r in result["grad"]}

@@ -1,0 +1,130 @@
+"""One-process subprocess checks given a head start: run in the background, one at a time and at low priority,
+from the end of collection, so a test that owns one finds it done (or running) when its turn comes.
+
+The suite on a 2-core machine keeps both cores busy only while a multi-rank test runs; a one-process stretch
+(the planner, the Triton interpreter, a reference run) leaves the other core idle, about a third of the wall time.
+A long check that is a subprocess of its own (a shipped script's dry run, a tool run to its JSON, compiling every
+kernel for Hopper) runs there instead, at nice 10, so it takes the idle core and little of a busy one. The test
+still runs the real command and asserts on its output; only the moment it starts changes. A check whose test
+comes before the background reached it is taken off the queue and run by the test itself, at normal priority.
+
+A test module registers its checks when it is imported (`register`) and marks the tests that own them
+(`@pytest.mark.head_start(key)`); tests/conftest.py starts the checks of the tests collected, in their order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+
+
+@dataclasses.dataclass
+class Job:
+    argv: Callable[[str], list[str]]  # the command, given a fresh directory of its own for its outputs
+    env: dict[str, str] | None
+    cwd: str | None
+    timeout: float
+    out_dir: str = ""
+    proc: subprocess.Popen | None = None
+    result: subprocess.CompletedProcess | None = None
+    error: BaseException | None = None
+    started: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+_JOBS: dict[str, Job] = {}
+_QUEUE: list[str] = []
+_LOCK = threading.Lock()
+_RUNNER: threading.Thread | None = None
+_STOPPED = threading.Event()
+
+
+def register(
+    key: str, argv: Callable[[str], list[str]], env: dict[str, str] | None = None, cwd: str | None = None,
+    timeout: float = 600,
+) -> None:  # fmt: skip
+    """A check `key` runs `argv(out_dir)` with `env` (default: this process's environment) in `cwd`."""
+    _JOBS.setdefault(key, Job(argv, env, cwd, timeout))
+
+
+def start(keys: list[str]) -> None:
+    """Queue these registered checks, in this order, and start the background runner."""
+    global _RUNNER
+    with _LOCK:
+        _QUEUE.extend(k for k in keys if k in _JOBS and k not in _QUEUE and not _JOBS[k].started)
+        if _QUEUE and _RUNNER is None:
+            _RUNNER = threading.Thread(target=_run_queue, name="head-start", daemon=True)
+            _RUNNER.start()
+
+
+def _take(key: str | None) -> Job | None:
+    """The job `key` (the queue's next if None), marked started and off the queue; None if it is not waiting."""
+    with _LOCK:
+        if key is None:
+            key = _QUEUE[0] if _QUEUE and not _STOPPED.is_set() else None
+        if key is None or key not in _QUEUE:
+            return None
+        _QUEUE.remove(key)
+        job = _JOBS[key]
+        job.started = True
+        return job
+
+
+def _execute(job: Job, nice: int) -> None:
+    job.out_dir = tempfile.mkdtemp(prefix="head_start_")
+    try:
+        job.proc = subprocess.Popen(
+            job.argv(job.out_dir),
+            env=job.env,
+            cwd=job.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
+        try:
+            out, err = job.proc.communicate(timeout=job.timeout)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            out, err = job.proc.communicate()
+            err += f"\n(head_start: killed after {job.timeout} s)"
+        job.result = subprocess.CompletedProcess(job.proc.args, job.proc.returncode, out, err)
+    except BaseException as e:  # noqa: B036 - handed to the test that waits on it
+        job.error = e
+    finally:
+        job.done.set()
+
+
+def _run_queue() -> None:
+    while (job := _take(None)) is not None:
+        _execute(job, nice=10)
+
+
+def result(key: str) -> tuple[subprocess.CompletedProcess, str]:
+    """(the finished process, its output directory) of check `key`: run here now if the background has not
+    started it, else waited for."""
+    if key not in _JOBS:
+        raise KeyError(f"head_start: no check registered as {key!r}")
+    job = _take(key)
+    if job is not None or not _JOBS[key].started:  # (not queued: a test run without the conftest hook)
+        job = job or _JOBS[key]
+        job.started = True
+        _execute(job, nice=0)
+    job = _JOBS[key]
+    if not job.done.wait(job.timeout + 60):
+        raise TimeoutError(f"head_start: {key} did not finish in {job.timeout + 60} s")
+    if job.error is not None:
+        raise job.error
+    return job.result, job.out_dir
+
+
+def stop() -> None:
+    """At the session's end: nothing more is started, and a check still running is killed."""
+    _STOPPED.set()
+    for job in _JOBS.values():
+        if job.proc is not None and job.proc.poll() is None:
+            job.proc.kill()
