@@ -15,7 +15,7 @@ A test module registers its checks when it is imported (`register`) and marks th
 from __future__ import annotations
 
 import dataclasses
-import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -77,14 +77,15 @@ def _take(key: str | None) -> Job | None:
 def _execute(job: Job, nice: int) -> None:
     job.out_dir = tempfile.mkdtemp(prefix="head_start_")
     try:
+        # (coreutils' nice, not a preexec_fn: a fork of this threaded process may deadlock before its exec)
+        niced = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
         job.proc = subprocess.Popen(
-            job.argv(job.out_dir),
+            [*niced, *job.argv(job.out_dir)],
             env=job.env,
             cwd=job.cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
         try:
             out, err = job.proc.communicate(timeout=job.timeout)
