@@ -124,8 +124,12 @@ def result(key: str) -> tuple[subprocess.CompletedProcess, str]:
 
 
 def stop() -> None:
-    """At the session's end: nothing more is started, and a check still running is killed."""
+    """At the session's end: nothing more is started, a check still running is killed, and the checks' output
+    directories are removed."""
     _STOPPED.set()
     for job in _JOBS.values():
         if job.proc is not None and job.proc.poll() is None:
             job.proc.kill()
+            job.done.wait(10)
+        if job.out_dir:
+            shutil.rmtree(job.out_dir, ignore_errors=True)
