@@ -70,6 +70,13 @@ class Layout:
         the key of the planner's caches of them, which a search's layouts share."""
         return Layout(self.tp, self.pp, self.vp, ep=self.ep, stages=self.stages, etp=self.etp)
 
+    def activations_key(self) -> Layout:
+        """This layout without what leaves each rank's activations as they are: the sharding (but FSDP2's, under
+        which no fp8 weights are cached) and the overlaps. The key of the planner's cache of them, which a search's
+        shardings share."""
+        sharding = "fsdp2" if self.sharding == "fsdp2" else "none"
+        return dataclasses.replace(self, sharding=sharding, overlap_grad_reduce=None, overlap_param_gather=None)
+
     @property
     def expert_tp(self) -> int:
         """The experts' tensor-parallel size."""
