@@ -291,3 +291,29 @@ def test_recomputation_replays_the_routers_noise(recompute):
     ref, got = (moe_run(c, P(), 4, 2, iters=1, optim=optim) for c in (config, again))
     for g, r in zip(got, ref):
         assert (g["lm_loss"], g["grad_norm"]) == (r["lm_loss"], r["grad_norm"])
+
+
+@pytest.mark.parametrize(
+    "tokens, topk, experts, factor, capacity",
+    # worked by hand: ceil(tokens x top-k / experts x factor), Megatron's get_capacity
+    [(10, 2, 4, 1.1, 6), (16, 1, 4, 1.3, 6), (7, 2, 8, 1.0, 2), (12, 2, 4, 0.7, 5), (8, 1, 2, 1.0, 4)],
+)
+def test_capacity_rounds_up_as_megatron(tokens, topk, experts, factor, capacity):
+    """Every distributed capacity test compares with one process, which shares the rule; these sizes are not whole
+    numbers, where rounding down (a mutation that passed every test) keeps fewer tokens."""
+    from megatron_lite.moe.router import expert_capacity
+
+    config = moe_config(num_experts=experts, moe_router_topk=topk, moe_expert_capacity_factor=factor,
+                        moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)  # fmt: skip
+    assert expert_capacity(config, tokens) == capacity
+
+
+def test_the_position_policy_keeps_each_experts_first_capacity_tokens():
+    """--moe-token-drop-policy position: an expert keeps exactly the first `capacity` tokens routed to it (8 tokens,
+    2 experts, factor 1: 4 each; six go to expert 0, whose last two drop), whatever their probabilities."""
+    config = moe_config(num_experts=2, moe_router_topk=1, moe_expert_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
+                        moe_z_loss_coeff=None, moe_token_drop_policy="position")  # fmt: skip
+    router = TopKRouter(config, tp_size=1)
+    indices = torch.tensor([[0]] * 6 + [[1]] * 2)
+    keep = router._capacity_keep(torch.linspace(0.1, 0.9, 8).view(8, 1), indices, 8).view(-1).tolist()
+    assert keep == [True, True, True, True, False, False, True, True], keep
