@@ -24,6 +24,7 @@ import numpy as np
 
 GLOO_TIMEOUT_S = 60
 TASK_TIMEOUT_S = 180
+ORPHAN_CHECK_S = 2  # how often an idle worker checks that the pytest that started it is alive
 
 
 @dataclasses.dataclass
@@ -79,8 +80,16 @@ def _worker(rank: int, world: int, init_file: str | None, tasks: mp.Queue, resul
             world_size=world,
             timeout=timedelta(seconds=GLOO_TIMEOUT_S),
         )
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=ORPHAN_CHECK_S)
+        except queue.Empty:
+            # a pytest killed by a signal runs no teardown, and daemon processes outlive such a parent: without
+            # this, its ranks stayed for hours, their gloo threads taking CPU from every later run
+            if os.getppid() != parent:
+                os._exit(0)
+            continue
         if task is None:
             break
         fn, args, kwargs = task
