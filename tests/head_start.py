@@ -15,8 +15,10 @@ A test module registers its checks when it is imported (`register`) and marks th
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -36,6 +38,7 @@ class Job:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 _JOBS: dict[str, Job] = {}
 _QUEUE: list[str] = []
 _LOCK = threading.Lock()
@@ -62,14 +65,19 @@ def start(keys: list[str]) -> None:
 
 
 def _take(key: str | None) -> Job | None:
-    """The job `key` (the queue's next if None), marked started and off the queue; None if it is not waiting."""
+    """The job `key` (the queue's next if None), marked started and off the queue; None if it has started (or,
+    for the queue's next, if the queue is empty or stopped). A job never queued (a test run without the conftest
+    hook) is taken too."""
     with _LOCK:
         if key is None:
-            key = _QUEUE[0] if _QUEUE and not _STOPPED.is_set() else None
-        if key is None or key not in _QUEUE:
-            return None
-        _QUEUE.remove(key)
+            if not _QUEUE or _STOPPED.is_set():
+                return None
+            key = _QUEUE[0]
         job = _JOBS[key]
+        if job.started:
+            return None
+        if key in _QUEUE:
+            _QUEUE.remove(key)
         job.started = True
         return job
 
@@ -111,9 +119,7 @@ def result(key: str) -> tuple[subprocess.CompletedProcess, str]:
     if key not in _JOBS:
         raise KeyError(f"head_start: no check registered as {key!r}")
     job = _take(key)
-    if job is not None or not _JOBS[key].started:  # (not queued: a test run without the conftest hook)
-        job = job or _JOBS[key]
-        job.started = True
+    if job is not None:
         _execute(job, nice=0)
     job = _JOBS[key]
     if not job.done.wait(job.timeout + 60):
@@ -121,6 +127,25 @@ def result(key: str) -> tuple[subprocess.CompletedProcess, str]:
     if job.error is not None:
         raise job.error
     return job.result, job.out_dir
+
+
+def register_tool(key: str, script: str, flags: str | list[str], json_name: str | None = "r.json") -> None:
+    """A one-process run of tools/`script` with `flags` (a string split at spaces, or a list: paths) as check `key`,
+    writing `--json OUT/json_name` (with json_name None, `--out-dir OUT`)."""
+    args = flags.split() if isinstance(flags, str) else list(flags)
+
+    def argv(out: str) -> list[str]:
+        where = ["--json", str(pathlib.Path(out) / json_name)] if json_name else ["--out-dir", out]
+        return [sys.executable, str(ROOT / "tools" / script), *args, *where]
+
+    register(key, argv)
+
+
+def tool_result(key: str) -> tuple[str, pathlib.Path]:
+    """(stdout, output directory) of a tool run registered by `register_tool`, which must have exited 0."""
+    done, out_dir = result(key)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, pathlib.Path(out_dir)
 
 
 def stop() -> None:

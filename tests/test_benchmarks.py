@@ -23,24 +23,6 @@ def _run_tool(script: str, flags: str, out: pathlib.Path) -> str:
     return done.stdout
 
 
-def _started_tool(key: str, script: str, flags: str, json_name: str | None = "r.json") -> None:
-    """A one-process tool run as a head-started check (tests/head_start.py): `--json OUT/json_name`, or with
-    json_name None `--out-dir OUT`."""
-
-    def argv(out: str) -> list[str]:
-        where = ["--json", str(pathlib.Path(out) / json_name)] if json_name else ["--out-dir", out]
-        return [sys.executable, str(ROOT / "tools" / script), *flags.split(), *where]
-
-    head_start.register(key, argv, timeout=600)
-
-
-def _tool_result(key: str) -> tuple[str, pathlib.Path]:
-    """(stdout, output directory) of a head-started tool run, which must have exited 0."""
-    done, out_dir = head_start.result(key)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, pathlib.Path(out_dir)
-
-
 def _tool_main(script: str):
     """A tool's main(argv), imported in-process from tools/ (where its helpers, _world and the others, sit)."""
     if str(ROOT / "tools") not in sys.path:
@@ -151,7 +133,7 @@ def test_bench_tools_keep_their_help(capsys):
         assert stop.value.code == 0 and out.startswith("usage:") and doc in out, (script, out[:300])
 
 
-_started_tool(
+head_start.register_tool(
     "bench_train_step",
     "bench_train_step.py",
     "--num-layers 1 --hidden-size 64 --vocab-size 512 --seq-length 32 --warmup 1 --iters 2 --device cpu",
@@ -160,7 +142,7 @@ _started_tool(
 
 @pytest.mark.head_start("bench_train_step")
 def test_bench_train_step_reports_a_ratio():
-    stdout, out = _tool_result("bench_train_step")
+    stdout, out = head_start.tool_result("bench_train_step")
     result = json.loads((out / "r.json").read_text())
     assert set(result["step_time_s"]) == {"megatron_lite", "transformers"}
     assert result["ratio_transformers_over_megatron_lite"] > 0
@@ -171,7 +153,7 @@ def test_bench_train_step_reports_a_ratio():
 
 DECODE_MODELS = ["deepseek_v3", "llama"]
 for _model in DECODE_MODELS:
-    _started_tool(
+    head_start.register_tool(
         f"bench_decode:{_model}",
         "bench_decode.py",
         f"--model {_model} --num-layers 1 --hidden-size 128 --num-attention-heads 4 --kv-lora-rank 64 "
@@ -183,7 +165,7 @@ for _model in DECODE_MODELS:
     "model", [pytest.param(m, marks=pytest.mark.head_start(f"bench_decode:{m}")) for m in DECODE_MODELS]
 )
 def test_bench_decode_reports_a_ratio_and_both_caches(model):
-    stdout, out = _tool_result(f"bench_decode:{model}")
+    stdout, out = head_start.tool_result(f"bench_decode:{model}")
     result = json.loads((out / "r.json").read_text())
     assert result["ratio_transformers_over_megatron_lite"] > 0 and result["same_greedy_tokens"]
     assert all(b > 0 for b in result["kv_cache_bytes"].values())
@@ -211,12 +193,12 @@ def test_bench_moe_dispatcher_reports_both_dispatchers(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
-_started_tool("bench_kernels_tiny", "bench_kernels.py", "--size tiny --device cpu --reps 1", json_name=None)
+head_start.register_tool("bench_kernels_tiny", "bench_kernels.py", "--size tiny --device cpu --reps 1", json_name=None)
 
 
 @pytest.mark.head_start("bench_kernels_tiny")
 def test_bench_kernels_tiny_writes_json_and_markdown():
-    _, tmp_path = _tool_result("bench_kernels_tiny")
+    _, tmp_path = head_start.tool_result("bench_kernels_tiny")
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {
@@ -242,7 +224,7 @@ def test_bench_kernels_tiny_writes_json_and_markdown():
     )
 
 
-_started_tool(
+head_start.register_tool(
     "bench_kernels_compile_all",
     "bench_kernels.py",
     "--size tiny --device cpu --reps 1 --compile --compile-kernels all --kernels rope",
@@ -254,7 +236,7 @@ _started_tool(
 def test_bench_kernels_compile_kernels_all_compiles_every_case():
     """--compile-kernels all times RoPE (a case not compiled by default) under torch.compile too: 'all' had been
     read as the default."""
-    _, tmp_path = _tool_result("bench_kernels_compile_all")
+    _, tmp_path = head_start.tool_result("bench_kernels_compile_all")
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     assert {(r["impl"], r["pass"]) for r in rows if "error" not in r} >= {
         ("torch.compile", "fwd"),
@@ -262,7 +244,7 @@ def test_bench_kernels_compile_kernels_all_compiles_every_case():
     }
 
 
-_started_tool(
+head_start.register_tool(
     "bench_attention_tiles",
     "bench_attention_tiles.py",
     "--device cpu --repeats 2 --reps 1 --tiles 32x32x4x3,16x64x4x3,24x32x4x3",
@@ -274,7 +256,7 @@ def test_bench_attention_tiles_forces_each_tile_and_checks_it():
     """Each tile is run as asked (a tile Triton cannot build, 24 rows, is reported as an error row, not run on
     the usual tile instead), repeated, and checked against the fp32 reference."""
     pytest.importorskip("triton")
-    out = _tool_result("bench_attention_tiles")[1] / "r.json"
+    out = head_start.tool_result("bench_attention_tiles")[1] / "r.json"
     rows = {r["tile"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"32x32x4x3", "16x64x4x3", "24x32x4x3"}
     assert "error" in rows["24x32x4x3"]
@@ -284,7 +266,7 @@ def test_bench_attention_tiles_forces_each_tile_and_checks_it():
         assert max(rows[tile]["max_rel_err"].values()) < 1e-4, rows[tile]
 
 
-_started_tool(
+head_start.register_tool(
     "bench_norm_tiles",
     "bench_norm_tiles.py",
     "--device cpu --reps 1 --tokens 3 --hidden 16384 --norms rms_norm,layer_norm --settings 2x2x1x8,2x3x1x8"
@@ -298,7 +280,7 @@ def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it():
     the default run instead; rows a step count under the interpreter only at 16384 columns), checked against the
     fp32 reference and for the same bits on two runs; the default comes first, marked."""
     pytest.importorskip("triton")
-    stdout, out = _tool_result("bench_norm_tiles")
+    stdout, out = head_start.tool_result("bench_norm_tiles")
     out = out / "r.json"
     from megatron_lite.kernels import norms
 
@@ -315,7 +297,7 @@ def test_bench_norm_tiles_runs_each_backward_setting_and_checks_it():
     assert "layer_norm backward settings on cpu" in stdout
 
 
-_started_tool(
+head_start.register_tool(
     "bench_ce_rows", "bench_ce_rows.py", "--device cpu --reps 1 --stats 16x1x4,3x1x4,64x3x4 --grad 16x2x4,3x1x4"
 )
 
@@ -326,7 +308,7 @@ def test_bench_ce_rows_runs_each_row_kernel_setting_checks_it_and_times_the_op()
     build, is an error row, not the default run instead) and is checked against PyTorch; then the op with the
     fastest pair, at the default chunk and in five chunks, beside the current settings and the unfused loss."""
     pytest.importorskip("triton")
-    stdout, out = _tool_result("bench_ce_rows")
+    stdout, out = head_start.tool_result("bench_ce_rows")
     out = out / "r.json"
     result = json.loads(out.read_text())
     stats = {r["setting"]: r for r in result["stats"]}

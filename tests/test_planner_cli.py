@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import re
 import subprocess
 import sys
@@ -269,11 +268,10 @@ def test_planner_refuses_what_pretrain_refuses():
     assert check(moe_llama(num_layers=4), Layout(ep=2, dp=2, sharding="fsdp2"), SEQ, GBS, "bf16") is None
 
 
-head_start.register(  # (a 1024-GPU search: half a minute on one core, started ahead: tests/head_start.py)
-    "plan_deepseek_v3",
-    lambda out: [sys.executable, str(ROOT / "tools" / "plan_parallelism.py"), "--script",
-                 str(ROOT / "pretrain" / "deepseek_v3.sh"), "--top", "1", "--json", str(pathlib.Path(out) / "r.json")],
-)  # fmt: skip
+# (a 1024-GPU search: half a minute on one core, started ahead: tests/head_start.py)
+head_start.register_tool(
+    "plan_deepseek_v3", "plan_parallelism.py", ["--script", str(ROOT / "pretrain" / "deepseek_v3.sh"), "--top", "1"]
+)
 
 
 @pytest.mark.head_start("plan_deepseek_v3")
@@ -282,9 +280,8 @@ def test_a_scripts_uneven_pipeline_split_is_planned_as_written():
     evaluates that layout, stage by stage, where it refused it as an uneven split before. (From the planner
     review) the plan says why that layout is unranked and that --uneven-pipeline tries such splits: it said
     "rank -" and listed 200k refusals of 61 layers over even stages without a word of it."""
-    done, out_dir = head_start.result("plan_deepseek_v3")
-    assert done.returncode == 0, done.stderr[-3000:]
-    result, out = json.loads((pathlib.Path(out_dir) / "r.json").read_text()), done.stdout
+    out, out_dir = head_start.tool_result("plan_deepseek_v3")
+    result = json.loads((out_dir / "r.json").read_text())
     assert "rank - of" in out and "(an uneven pipeline split: --uneven-pipeline searches them)" in out
     assert "--uneven-pipeline also tries the pipeline sizes 61 layers do not divide" in out
     yours = result["yours"]
