@@ -10,11 +10,18 @@ comes before the background reached it is taken off the queue and run by the tes
 
 A test module registers its checks when it is imported (`register`) and marks the tests that own them
 (`@pytest.mark.head_start(key)`); tests/conftest.py starts the checks of the tests collected, in their order.
+
+A one-process computation inside a test (a measured step through the Triton interpreter, a plan) can be given the
+same head start: `register_call` names a function of the test module that returns JSON-able values, and
+`call_result` hands the test that value, from the background's subprocess (`python tests/head_start.py MODULE
+FUNCTION ARGS OUT`) or, where the background has not reached it, from the call made right there in the test.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import pathlib
 import shutil
 import subprocess
@@ -34,12 +41,15 @@ class Job:
     proc: subprocess.Popen | None = None
     result: subprocess.CompletedProcess | None = None
     error: BaseException | None = None
+    value: object = None  # a registered call's value, where it was made in the test's own process
     started: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
 _JOBS: dict[str, Job] = {}
+_CALLS: dict[str, tuple[str, str, tuple]] = {}  # key -> (test module, function, arguments)
 _QUEUE: list[str] = []
 _LOCK = threading.Lock()
 _RUNNER: threading.Thread | None = None
@@ -148,6 +158,41 @@ def tool_result(key: str) -> tuple[str, pathlib.Path]:
     return done.stdout, pathlib.Path(out_dir)
 
 
+def register_call(key: str, module: str, function: str, *args) -> None:
+    """Check `key` is `function(*args)` of test module `module`, whose value (and arguments) JSON can carry."""
+    _CALLS.setdefault(key, (module, function, args))
+
+    def argv(out: str) -> list[str]:
+        return [sys.executable, __file__, module, function, json.dumps(args), str(pathlib.Path(out) / "value.json")]
+
+    register(key, argv, cwd=str(TESTS))
+
+
+def _call(module: str, function: str, args: tuple):
+    # (through JSON here too: the test sees the same types whichever process made the value)
+    return json.loads(json.dumps(getattr(importlib.import_module(module), function)(*args)))
+
+
+def call_result(key: str):
+    """The value of the call registered as `key`: the background's, waited for, or made here and now if the
+    background has not started it (no subprocess then: its start-up would cost more than the call)."""
+    if key not in _CALLS:
+        raise KeyError(f"head_start: no call registered as {key!r}")
+    job = _take(key)
+    if job is not None:
+        try:
+            job.value = _call(*_CALLS[key])
+        except BaseException as e:  # noqa: B036 - raised again below, and to a later test asking for it
+            job.error = e
+        finally:
+            job.done.set()
+    done, out_dir = result(key)
+    if done is None:  # made here
+        return _JOBS[key].value
+    assert done.returncode == 0, f"head_start: {key} failed in the background:\n{done.stderr[-3000:]}"
+    return json.loads((pathlib.Path(out_dir) / "value.json").read_text())
+
+
 def stop() -> None:
     """At the session's end: nothing more is started, a check still running is killed, and the checks' output
     directories are removed."""
@@ -158,3 +203,10 @@ def stop() -> None:
             job.done.wait(10)
         if job.out_dir:
             shutil.rmtree(job.out_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":  # a registered call, in the background: MODULE FUNCTION ARGS(JSON) OUT
+    sys.path.insert(0, str(TESTS))
+    _module, _function, _args, _out = sys.argv[1:]
+    _value = _call(_module, _function, tuple(json.loads(_args)))
+    pathlib.Path(_out).write_text(json.dumps(_value))

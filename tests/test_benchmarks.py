@@ -16,13 +16,6 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run_tool(script: str, flags: str, out: pathlib.Path) -> str:
-    cmd = [sys.executable, str(ROOT / "tools" / script), *flags.split(), "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 def _tool_main(script: str):
     """A tool's main(argv), imported in-process from tools/ (where its helpers, _world and the others, sit)."""
     if str(ROOT / "tools") not in sys.path:
@@ -172,23 +165,31 @@ def test_bench_decode_reports_a_ratio_and_both_caches(model):
     assert "speed-up of megatron_lite over transformers per decoding step" in stdout
 
 
+head_start.register_tool("bench_pipeline", "bench_pipeline.py", "--pp 2 --microbatches 2 --forward-ms 2 --repeats 1")
+
+
 @pytest.mark.slow
-def test_bench_pipeline_reports_bubble_and_ratio(tmp_path):
-    _run_tool("bench_pipeline.py", "--pp 2 --microbatches 2 --forward-ms 2 --repeats 1", tmp_path / "r.json")
-    rows = json.loads((tmp_path / "r.json").read_text())
+@pytest.mark.head_start("bench_pipeline")
+def test_bench_pipeline_reports_bubble_and_ratio():
+    out = head_start.tool_result("bench_pipeline")[1]
+    rows = json.loads((out / "r.json").read_text())
     assert [r["schedule"] for r in rows] == ["1F1B", "interleaved 1F1B"]
     assert rows[0]["theory_bubble"] == 0.5 and rows[1]["theory_bubble"] == 0.25
     assert all(r["torch_over_ours"] > 0 and r["measured_bubble"] > 0 for r in rows)
 
 
+head_start.register_tool(
+    "bench_moe_dispatcher",
+    "bench_moe_dispatcher.py",
+    "--ep 2 --tokens 64 --hidden-size 32 --ffn-hidden-size 32 --num-experts 4 --warmup 1 --iters 1",
+)
+
+
 @pytest.mark.slow
-def test_bench_moe_dispatcher_reports_both_dispatchers(tmp_path):
-    _run_tool(
-        "bench_moe_dispatcher.py",
-        "--ep 2 --tokens 64 --hidden-size 32 --ffn-hidden-size 32 --num-experts 4 --warmup 1 --iters 1",
-        tmp_path / "r.json",
-    )
-    rows = json.loads((tmp_path / "r.json").read_text())
+@pytest.mark.head_start("bench_moe_dispatcher")
+def test_bench_moe_dispatcher_reports_both_dispatchers():
+    out = head_start.tool_result("bench_moe_dispatcher")[1]
+    rows = json.loads((out / "r.json").read_text())
     assert {(r["dispatcher"], r["ep"]) for r in rows} == {("alltoall", 2), ("allgather", 2)}
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
@@ -324,14 +325,18 @@ def test_bench_ce_rows_runs_each_row_kernel_setting_checks_it_and_times_the_op()
     assert "stats kernel on cpu" in stdout and "timed in turn" in stdout
 
 
+head_start.register_tool(
+    "bench_context_parallel",
+    "bench_context_parallel.py",
+    "--seq-length 256 --cp 1 2 --comm p2p a2a --hidden-size 32 --num-layers 1 --warmup 0 --iters 1",
+)
+
+
 @pytest.mark.slow
-def test_bench_context_parallel_reports_memory_per_rank(tmp_path):
-    stdout = _run_tool(
-        "bench_context_parallel.py",
-        "--seq-length 256 --cp 1 2 --comm p2p a2a --hidden-size 32 --num-layers 1 --warmup 0 --iters 1",
-        tmp_path / "r.json",
-    )
-    rows = json.loads((tmp_path / "r.json").read_text())
+@pytest.mark.head_start("bench_context_parallel")
+def test_bench_context_parallel_reports_memory_per_rank():
+    stdout, out = head_start.tool_result("bench_context_parallel")
+    rows = json.loads((out / "r.json").read_text())
     assert {(r["cp"], r["comm"]) for r in rows} == {(1, "none"), (2, "p2p"), (2, "a2a")}
     one = next(r for r in rows if r["cp"] == 1)["activation_bytes"]
     for r in rows:
@@ -341,14 +346,18 @@ def test_bench_context_parallel_reports_memory_per_rank(tmp_path):
     assert "ring / all-to-all" in stdout
 
 
+head_start.register_tool(
+    "bench_comm_overlap",
+    "bench_comm_overlap.py",
+    "--hidden-size 256 --seq-length 32 --warmup 0 --iters 1 --gemm --gemm-iters 1",
+)
+
+
 @pytest.mark.slow
-def test_bench_comm_overlap_reports_both_paths(tmp_path):
-    stdout = _run_tool(
-        "bench_comm_overlap.py",
-        "--hidden-size 256 --seq-length 32 --warmup 0 --iters 1 --gemm --gemm-iters 1",
-        tmp_path / "r.json",
-    )
-    result = json.loads((tmp_path / "r.json").read_text())
+@pytest.mark.head_start("bench_comm_overlap")
+def test_bench_comm_overlap_reports_both_paths():
+    stdout, out = head_start.tool_result("bench_comm_overlap")
+    result = json.loads((out / "r.json").read_text())
     assert [r["tp_comm_overlap"] for r in result["layer"]] == [False, True]
     assert all(r["step_s"] > 0 and 0 <= r["comm_exposed_fraction"] < 1 for r in result["layer"])
     assert result["layer"][0]["comm_exposed_fraction"] > 0  # the plain path blocks in its collectives
@@ -356,13 +365,17 @@ def test_bench_comm_overlap_reports_both_paths(tmp_path):
     assert "overlapped / plain step time" in stdout
 
 
+head_start.register_tool("plan_check_cpu", "plan_parallelism.py", "--check-cpu --iters 1 --layouts 4")
+
+
 @pytest.mark.slow
-def test_plan_parallelism_check_cpu_reports_measured_and_predicted(tmp_path):
+@pytest.mark.head_start("plan_check_cpu")
+def test_plan_parallelism_check_cpu_reports_measured_and_predicted():
     """The planner's CPU check runs each layout for real and prints its step-time ratio beside the cost
     model's (the numbers are measured, not asserted: see docs/planner.md for a run of all eight). Four here: one
     process, with full recomputation, DP=2 and DP=2 with the distributed optimizer."""
-    stdout = _run_tool("plan_parallelism.py", "--check-cpu --iters 1 --layouts 4", tmp_path / "r.json")
-    result = json.loads((tmp_path / "r.json").read_text())
+    stdout, out = head_start.tool_result("plan_check_cpu")
+    result = json.loads((out / "r.json").read_text())
     assert len(result["rows"]) == 4
     assert result["rows"][0]["ratio_measured"] == 1.0 and result["rows"][0]["ratio_predicted"] == 1.0
     assert all(r["measured"] > 0 and r["predicted"] > 0 for r in result["rows"])

@@ -5,10 +5,13 @@ line plans a shipped script and a Hugging Face config."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import pathlib
 
+import head_start
 import pytest
 import torch
 
@@ -74,6 +77,18 @@ def _tool():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def plans(*argvs: list[str]) -> list[dict]:
+    """tools/plan_parallelism.py's main on each argv in turn: its value and what it printed (for a head start of
+    a test's plans, tests/head_start.py)."""
+    tool, out = _tool(), []
+    for argv in argvs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            value = tool.main(argv)
+        out.append({"value": value, "out": printed.getvalue()})
+    return out
 
 
 @pytest.mark.parametrize(
@@ -200,12 +215,27 @@ def test_memory_estimate_of_each_recompute_module(name):
     _check(name, layout, [measure(name, layout)], tol=0.03)
 
 
-@pytest.mark.parametrize("name", ["llama/layernorm", "moe/moe_act", "mla/mla_up_proj"])
-def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name):
+def measure_triton(name: str, recompute: str) -> dict:
+    """One step of one micro-batch through the Triton kernels (the interpreter on CPU), no timed steps."""
+    return measure(name, Layout(micro_batch_size=2, recompute=recompute), "triton", iters=0, gbs=2)
+
+
+def _triton_case(name: str, recompute: str):
+    """A test case of `name` whose measurement is started ahead in the background (tests/head_start.py): the
+    interpreter's 5-15 s each."""
+    key = f"planner_triton:{name}:{recompute}"
+    head_start.register_call(key, "test_planner", "measure_triton", name, recompute)
+    return pytest.param(name, key, id=name, marks=pytest.mark.head_start(key))
+
+
+@pytest.mark.parametrize(
+    "name,key", [_triton_case(n, "selective") for n in ("llama/layernorm", "moe/moe_act", "mla/mla_up_proj")]
+)
+def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name, key):
     """The fused add-and-norm keeps its statistics; the SwiGLU kernel saves fc1's output, the flash kernel v
     unpadded. Through the interpreter: one step of one micro-batch."""
     layout = Layout(micro_batch_size=2, recompute="selective")
-    _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton", tol=0.03)
+    _check(name, layout, [head_start.call_result(key)], "triton", tol=0.03)
 
 
 @pytest.mark.parametrize(
@@ -217,14 +247,13 @@ def test_memory_estimate_of_recompute_modules_under_sequence_parallelism(dist, n
     _check(name, layout, dist(layout.world, measure, name, layout), tol=0.03)
 
 
-@pytest.mark.parametrize("name", ["llama", "mla", "moe", "hetero"])
-def test_memory_estimate_with_the_triton_kernels(name):
+@pytest.mark.parametrize("name,key", [_triton_case(n, "none") for n in ("llama", "mla", "moe", "hetero")])
+def test_memory_estimate_with_the_triton_kernels(name, key):
     """The kernels save less than PyTorch's ops (inputs and statistics only; multi-latent attention's values
     unpadded; the grouped GEMM saves no stacked copy of the experts' weights); the fused loss keeps the gradients
     it made in the forward. Run through the interpreter: one step
     of one micro-batch, no timed steps (without pipelining the peak is one micro-batch's)."""
-    layout = Layout(micro_batch_size=2)
-    _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton")
+    _check(name, Layout(micro_batch_size=2), [head_start.call_result(key)], "triton")
 
 
 LAYOUTS = {

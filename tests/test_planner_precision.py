@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import head_start
 import pytest
-from test_planner import GBS, MODELS, _check, measure, moe_llama
+from test_planner import GBS, MODELS, ROOT, _check, measure, moe_llama
 
 from megatron_lite.planner.layout import Layout
 
@@ -125,20 +126,44 @@ def test_memory_estimate_of_the_gates_under_tp(dist):
         _check(name, layout, dist(2, measure_precision, name, layout), tol=0.03)
 
 
+def measure_triton(name: str, recompute: str) -> dict:
+    """One step of one micro-batch through the Triton kernels (the interpreter on CPU), no timed steps."""
+    return measure(name, Layout(micro_batch_size=2, recompute=recompute), "triton", iters=0, gbs=2)
+
+
+def _triton_key(name: str, recompute: str = "none") -> str:
+    """The key of `name`'s measurement, started ahead in the background (tests/head_start.py): the interpreter's
+    5-15 s each."""
+    key = f"planner_precision_triton:{name}:{recompute}"
+    head_start.register_call(key, "test_planner_precision", "measure_triton", name, recompute)
+    return key
+
+
+def _triton_case(name: str, recompute: str):
+    key = _triton_key(name, recompute)
+    return pytest.param(name, key, id=name, marks=pytest.mark.head_start(key))
+
+
+VARIANTS = _triton_key("llama_variants")
+
+
+@pytest.mark.head_start(VARIANTS)
 def test_memory_estimate_of_the_variants_with_the_triton_kernels():
     """fp8 GEMMs, the flash kernel with softmax offsets, the output gate and --qk-l2-norm through the Triton
     kernels (the interpreter on CPU): one step of one micro-batch."""
-    layout = Layout(micro_batch_size=2)
-    _check("llama_variants", layout, [measure("llama_variants", layout, "triton", iters=0, gbs=2)], "triton", tol=0.03)
+    _check("llama_variants", Layout(micro_batch_size=2), [head_start.call_result(VARIANTS)], "triton", tol=0.03)
 
 
-@pytest.mark.parametrize("name", ["llama_qgeglu", "gptoss_moe_act", "moe_pad_fp8"])
-def test_memory_estimate_of_the_activation_kernels_in_every_mlp(name):
+@pytest.mark.parametrize(
+    "name,key", [_triton_case(n, ONE_PROCESS[n].recompute) for n in ("llama_qgeglu", "gptoss_moe_act", "moe_pad_fp8")]
+)
+def test_memory_estimate_of_the_activation_kernels_in_every_mlp(name, key):
     """Under --kernel-impl triton quick-GEGLU's kernel keeps fc1's output alone (as SwiGLU's does), in the dense
     MLP and between the experts' GEMMs (PyTorch's ops keep the clamped halves, the sigmoid and the products);
     fp8 experts, run one by one, take the activation's kernel too."""
     layout = ONE_PROCESS[name]
-    _check(name, layout, [measure(name, layout, "triton", iters=0, gbs=2)], "triton", tol=0.03)
+    assert layout == Layout(micro_batch_size=2, recompute=layout.recompute)  # (what measure_triton measures)
+    _check(name, layout, [head_start.call_result(key)], "triton", tol=0.03)
 
 
 @pytest.mark.parametrize("name", ["gpt2_fp32_residual", "gpt2_l2", "gpt2_offbyone"])
@@ -185,22 +210,34 @@ def test_fp8_gemms_are_priced_at_the_fp8_peak():
     assert compute("A100", fp8="hybrid") == pytest.approx(compute("A100"))
 
 
-def test_the_plan_says_what_its_estimate_leaves_out(capsys):
+_SCRIPT = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
+# (three shipped scripts' plans, 15 s: started ahead in the background, tests/head_start.py)
+head_start.register_call(
+    "plans_unmodelled",
+    "test_planner",
+    "plans",
+    ["--script", str(ROOT / "pretrain" / "gpt_oss_20b.sh"), "--top", "1"],
+    [*_SCRIPT, "--", "--attention-dropout", "0.1"],
+    [*_SCRIPT, "--gpu", "A100", "--", "--fp8-format", "hybrid"],
+)
+
+
+@pytest.mark.head_start("plans_unmodelled")
+def test_the_plan_says_what_its_estimate_leaves_out():
     """A setting the memory model does not price is said with the plan (it was dropped without a word):
     --attention-dropout under the Triton kernels (attention then runs through SDPA); fp8 on an A100, priced at
     bf16's rate. gpt-oss's learnable softmax offsets and clamped quick-GEGLU are priced: nothing to say. The
     header says the job's fp8 GEMMs."""
-    from test_planner import ROOT, _tool
-
-    assert _tool().main(["--script", str(ROOT / "pretrain" / "gpt_oss_20b.sh"), "--top", "1"])["unmodelled"] == []
-    assert "leaves out" not in capsys.readouterr().out
-    script = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
-    result = _tool().main([*script, "--", "--attention-dropout", "0.1"])
-    assert [u.split(" (")[0] for u in result["unmodelled"]] == ["--attention-dropout 0.1"]
-    assert "warning: the memory estimate leaves out --attention-dropout 0.1 (attention runs through SDPA" in (
-        capsys.readouterr().out
+    gpt_oss, dropout, a100 = head_start.call_result("plans_unmodelled")
+    assert gpt_oss["value"]["unmodelled"] == []
+    assert "leaves out" not in gpt_oss["out"]
+    assert [u.split(" (")[0] for u in dropout["value"]["unmodelled"]] == ["--attention-dropout 0.1"]
+    assert (
+        "warning: the memory estimate leaves out --attention-dropout 0.1 (attention runs through SDPA"
+        in (dropout["out"])
     )
-    assert _tool().main([*script, "--gpu", "A100", "--", "--fp8-format", "hybrid"])["unmodelled"] == []
-    out = capsys.readouterr().out
-    assert "bf16, fp8 GEMMs (hybrid, delayed)" in out
-    assert "warning: the A100 SXM 80GB has no fp8 tensor cores: the fp8 GEMMs are priced at its bf16 rate" in out
+    assert a100["value"]["unmodelled"] == []
+    assert "bf16, fp8 GEMMs (hybrid, delayed)" in a100["out"]
+    assert (
+        "warning: the A100 SXM 80GB has no fp8 tensor cores: the fp8 GEMMs are priced at its bf16 rate" in (a100["out"])
+    )

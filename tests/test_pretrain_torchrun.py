@@ -59,17 +59,15 @@ def _hf_count(config) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), experts
 
 
+@pytest.mark.head_start(*(f"dry_run:{s}" for s in ("llama3_70b_multinode.sh", "mixtral_8x7b.sh", "gpt_oss_20b.sh")))
 def test_the_dry_run_counts_the_models_parameters_as_transformers():
     """(From a review of the scripts) the headline count is the model's, as transformers counts it, not the
     layout's padded vocabulary (the 70B said 70.57B for 70.55B), and an MoE's active parameters are said. The
     configs are the published config.json values, written out here."""
     transformers = pytest.importorskip("transformers")
 
-    def said(script: str) -> str:
-        out = subprocess.run(
-            ["bash", str(ROOT / "pretrain" / script)], env={**os.environ, "DRY_RUN": "1"}, capture_output=True,
-            text=True, timeout=300,
-        )  # fmt: skip
+    def said(script: str) -> str:  # (test_shipped_script_dry_run's runs)
+        out, _ = head_start.result(f"dry_run:{script}")
         return next(line for line in out.stdout.splitlines() if line.startswith("dry run ok"))
 
     llama70 = transformers.LlamaConfig(
@@ -114,35 +112,46 @@ def test_every_script_is_covered():
     assert shipped == sorted(SCRIPTS)
 
 
-def test_demo_trains_logs_wandb_offline_and_checkpoints(tmp_path):
-    env = {**os.environ, "RUN_DIR": str(tmp_path / "demo"), "TRAIN_ITERS": "30", "WANDB_MODE": "offline"}
-    env.pop("WANDB_API_KEY", None)
-    out = subprocess.run(
-        ["bash", str(ROOT / "pretrain" / "demo_cpu.sh")], env=env, capture_output=True, text=True, timeout=600
-    )
+def _register_demo(script: str, iters: int) -> None:
+    """The demo `script` run for `iters` iterations, its W&B run offline, into the check's directory (started
+    ahead in the background: tests/head_start.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env.update(TRAIN_ITERS=str(iters), WANDB_MODE="offline")
+    argv = lambda out: ["env", f"RUN_DIR={out}", "bash", str(ROOT / "pretrain" / script)]  # noqa: E731
+    head_start.register(f"demo:{script}", argv, env=env)
+
+
+def _demo(script: str) -> pathlib.Path:
+    out, run_dir = head_start.result(f"demo:{script}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    recs = records(tmp_path / "demo" / "metrics.jsonl")
+    return pathlib.Path(run_dir)
+
+
+_register_demo("demo_cpu.sh", 30)
+# (one log interval: what is asked of it is logged there; the loss curve is the dense demo's test)
+_register_demo("mixtral_cpu_demo.sh", 10)
+
+
+@pytest.mark.head_start("demo:demo_cpu.sh")
+def test_demo_trains_logs_wandb_offline_and_checkpoints():
+    run = _demo("demo_cpu.sh")
+    recs = records(run / "metrics.jsonl")
     assert recs[-1]["iteration"] == 30 and recs[-1]["lm_loss"] < recs[0]["lm_loss"] - 1.0
-    assert list((tmp_path / "demo" / "wandb").glob("offline-run-*"))
-    assert (tmp_path / "demo" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "30"
+    assert list((run / "wandb").glob("offline-run-*"))
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "30"
 
 
-def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb(tmp_path):
-    # (one log interval: what is asked of it is logged there; the loss curve is the dense demo's test)
-    env = {**os.environ, "RUN_DIR": str(tmp_path / "mix"), "TRAIN_ITERS": "10", "WANDB_MODE": "offline"}
-    env.pop("WANDB_API_KEY", None)
-    out = subprocess.run(
-        ["bash", str(ROOT / "pretrain" / "mixtral_cpu_demo.sh")], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    last = records(tmp_path / "mix" / "metrics.jsonl")[-1]
+@pytest.mark.head_start("demo:mixtral_cpu_demo.sh")
+def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb():
+    run = _demo("mixtral_cpu_demo.sh")
+    last = records(run / "metrics.jsonl")[-1]
     assert last["iteration"] == 10 and last["moe_aux_loss"] > 0 and last["moe_max_imbalance"] >= 1.0
     per_layer = last["moe_tokens_per_expert"]
     assert sorted(per_layer) == ["0", "1", "2", "3"] and all(len(v) == 8 for v in per_layer.values())
     # every routed pair counted: batch 16 x seq 128 tokens, top-2
     assert all(sum(v) == 16 * 128 * 2 for v in per_layer.values())
-    run = next((tmp_path / "mix" / "wandb").glob("offline-run-*"))
-    blob = b"".join(p.read_bytes() for p in run.rglob("*.wandb"))
+    wandb_run = next((run / "wandb").glob("offline-run-*"))
+    blob = b"".join(p.read_bytes() for p in wandb_run.rglob("*.wandb"))
     assert b"comm_exposed_fraction" in blob  # the exposed-communication metric reaches W&B too
     for key in (b"load_balancing_loss", b"moe_max_imbalance", b"moe_layer0_imbalance", b"moe_dropped_fraction"):
         assert key in blob, key
