@@ -69,7 +69,7 @@ def start(keys: list[str]) -> None:
     global _RUNNER
     with _LOCK:
         _QUEUE.extend(k for k in keys if k in _JOBS and k not in _QUEUE and not _JOBS[k].started)
-        if _QUEUE and _RUNNER is None:
+        if _QUEUE and (_RUNNER is None or not _RUNNER.is_alive()):
             _RUNNER = threading.Thread(target=_run_queue, name="head-start", daemon=True)
             _RUNNER.start()
 

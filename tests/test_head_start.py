@@ -1,0 +1,48 @@
+"""tests/head_start.py, the background's head starts: a registered call gives the test the same value whether
+the background's subprocess made it or the test's own process did, a failure says why in either place, and the
+tests that own a head start run after all the others."""
+
+from __future__ import annotations
+
+import os
+
+import head_start
+import pytest
+
+
+def sample(n: int) -> dict:
+    return {"n": n, "pair": (1, 2), "pid": os.getpid()}
+
+
+def broken() -> None:
+    raise ValueError("no luck here")
+
+
+def test_a_call_gives_the_same_value_from_the_background_and_from_the_test():
+    head_start.register_call("test_head_start:background", "test_head_start", "sample", 3)
+    head_start.register_call("test_head_start:here", "test_head_start", "sample", 3)
+    head_start._execute(head_start._take("test_head_start:background"), nice=10)  # (as the background runs it)
+    background = head_start.call_result("test_head_start:background")
+    here = head_start.call_result("test_head_start:here")
+    assert background["pid"] != os.getpid() and here["pid"] == os.getpid()
+    # (through JSON both ways: the tuple is a list in each)
+    assert {**background, "pid": 0} == {**here, "pid": 0} == {"n": 3, "pair": [1, 2], "pid": 0}
+    assert head_start.call_result("test_head_start:here") == here  # asked again: the value made
+
+
+def test_a_failed_call_says_why_wherever_it_ran():
+    head_start.register_call("test_head_start:broken_background", "test_head_start", "broken")
+    head_start.register_call("test_head_start:broken_here", "test_head_start", "broken")
+    head_start._execute(head_start._take("test_head_start:broken_background"), nice=10)
+    with pytest.raises(AssertionError, match="failed in the background:(.|\n)*ValueError: no luck here"):
+        head_start.call_result("test_head_start:broken_background")
+    for _ in range(2):  # (a second test asking for it is told too)
+        with pytest.raises(ValueError, match="no luck here"):
+            head_start.call_result("test_head_start:broken_here")
+    with pytest.raises(KeyError, match="no call registered as 'nothing'"):
+        head_start.call_result("nothing")
+
+
+def test_the_tests_that_own_a_head_start_run_last(request):
+    owners = [item.get_closest_marker("head_start") is not None for item in request.session.items]
+    assert owners == sorted(owners), "a test without a head start runs after one with"
