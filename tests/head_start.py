@@ -4,9 +4,14 @@ from the end of collection, so a test that owns one finds it done (or running) w
 The suite on a 2-core machine keeps both cores busy only while a multi-rank test runs; a one-process stretch
 (the planner, the Triton interpreter, a reference run) leaves the other core idle, about a third of the wall time.
 A long check that is a subprocess of its own (a shipped script's dry run, a tool run to its JSON, compiling every
-kernel for Hopper) runs there instead, at nice 10, so it takes the idle core and little of a busy one. The test
-still runs the real command and asserts on its output; only the moment it starts changes. A check whose test
-comes before the background reached it is taken off the queue and run by the test itself, at normal priority.
+kernel for Hopper) runs there instead, under the idle scheduling policy (`chrt --idle 0`), so it takes the idle
+core and nothing of a busy one. (At nice 10 it still took its share of a busy core, and a rank of a multi-rank
+test woken by a collective could wait behind it: with more work in the background, the rest of the suite ran
+minutes slower.)
+The test still runs the real command and asserts on its output; only the moment it starts changes. A check whose
+test comes before the background reached it is taken off the queue and run by the test itself, at normal
+priority. The tests that own a check run after all the others (tests/conftest.py), so the background has the
+whole suite's idle time; a check not finished when its test comes then has both cores.
 
 A test module registers its checks when it is imported (`register`) and marks the tests that own them
 (`@pytest.mark.head_start(key)`); tests/conftest.py starts the checks of the tests collected, in their order.
@@ -92,13 +97,21 @@ def _take(key: str | None) -> Job | None:
         return job
 
 
-def _execute(job: Job, nice: int) -> None:
+def _idle_priority() -> list[str]:
+    """The command prefix that runs a process (and its children) only on an otherwise idle core."""
+    # (commands, not a preexec_fn: a fork of this threaded process may deadlock before its exec)
+    if shutil.which("chrt"):
+        return ["chrt", "--idle", "0"]
+    return ["nice", "-n", "19"] if shutil.which("nice") else []
+
+
+def _execute(job: Job, background: bool) -> None:
+    """Run `job` to its end: in the background at idle priority with no time limit (it may wait long for an idle
+    core; the test that waits for it sets the limit), else at normal priority within the job's timeout."""
     job.out_dir = tempfile.mkdtemp(prefix="head_start_")
     try:
-        # (coreutils' nice, not a preexec_fn: a fork of this threaded process may deadlock before its exec)
-        niced = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
         job.proc = subprocess.Popen(
-            [*niced, *job.argv(job.out_dir)],
+            [*(_idle_priority() if background else []), *job.argv(job.out_dir)],
             env=job.env,
             cwd=job.cwd,
             stdout=subprocess.PIPE,
@@ -106,7 +119,7 @@ def _execute(job: Job, nice: int) -> None:
             text=True,
         )
         try:
-            out, err = job.proc.communicate(timeout=job.timeout)
+            out, err = job.proc.communicate(timeout=None if background else job.timeout)
         except subprocess.TimeoutExpired:
             job.proc.kill()
             out, err = job.proc.communicate()
@@ -120,7 +133,7 @@ def _execute(job: Job, nice: int) -> None:
 
 def _run_queue() -> None:
     while (job := _take(None)) is not None:
-        _execute(job, nice=10)
+        _execute(job, background=True)
 
 
 def result(key: str) -> tuple[subprocess.CompletedProcess, str]:
@@ -130,10 +143,13 @@ def result(key: str) -> tuple[subprocess.CompletedProcess, str]:
         raise KeyError(f"head_start: no check registered as {key!r}")
     job = _take(key)
     if job is not None:
-        _execute(job, nice=0)
+        _execute(job, background=False)
     job = _JOBS[key]
-    if not job.done.wait(job.timeout + 60):
-        raise TimeoutError(f"head_start: {key} did not finish in {job.timeout + 60} s")
+    if not job.done.wait(job.timeout):
+        if job.proc is not None:
+            job.proc.kill()  # (the background's thread then finishes the job, its output kept for the report)
+            job.done.wait(10)
+        raise TimeoutError(f"head_start: {key} did not finish within {job.timeout} s of its test's wait")
     if job.error is not None:
         raise job.error
     return job.result, job.out_dir
