@@ -80,14 +80,18 @@ def _tool():
 
 
 def plans(*argvs: list[str]) -> list[dict]:
-    """tools/plan_parallelism.py's main on each argv in turn: its value and what it printed (for a head start of
-    a test's plans, tests/head_start.py)."""
+    """tools/plan_parallelism.py's main on each argv in turn (for a head start of a test's plans,
+    tests/head_start.py): its value, what it printed to stdout and stderr, and its exit's code or message where
+    it refused (None where it planned)."""
     tool, out = _tool(), []
     for argv in argvs:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            value = tool.main(argv)
-        out.append({"value": value, "out": printed.getvalue()})
+        printed, said, value, refused = io.StringIO(), io.StringIO(), None, None
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+            try:
+                value = tool.main(argv)
+            except SystemExit as e:
+                refused = e.code if isinstance(e.code, int) else str(e.code)
+        out.append({"value": value, "out": printed.getvalue(), "err": said.getvalue(), "exit": refused})
     return out
 
 

@@ -110,6 +110,56 @@ def test_plan_from_pretrain_flags_takes_the_planners_sizes_and_the_vocabulary(ca
             _tool().main(flags)
 
 
+_8B = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
+_MODEL = (
+    "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+    "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 128256 "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --use-distributed-optimizer "
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --bf16 "
+    "--overlap-grad-reduce --overlap-param-gather"
+).split()
+_BATCH = ["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--"]
+_NO_OVERLAP = [x for x in _MODEL if not x.startswith("--overlap")]
+_SMALL = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000".split()
+_SMALL += ["--position-embedding-type", "rope", "--attention-dropout", "0"]
+_WINDOW = [*_SMALL, "--seq-length", "1024", "--window-size", "255,0", "--context-parallel-size", "2"]
+_PIPE = [*_SMALL[2:], "--num-layers", "8", "--seq-length", "1024", "--pipeline-model-parallel-size", "4",
+         "--global-batch-size", "8", "--num-virtual-stages-per-pipeline-rank", "2",
+         "--micro-batch-size", "1"]  # fmt: skip
+_FOUR = ["--nodes", "1", "--gpus-per-node", "4", "--top", "1", "--"]
+_HIERARCHICAL = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"]
+# the plans test_the_plan_is_of_the_job_the_flags_describe reads (15 s: started ahead, tests/head_start.py)
+_JOB_PLANS = {
+    "torch": [*_8B, "--", "--kernel-impl", "torch"],
+    "triton": _8B,
+    "uniform": [*_BATCH, *_MODEL],
+    # (a script's --recompute-method block N)
+    "block": [*_BATCH, *[x if x != "uniform" else "block" for x in _MODEL]],
+    "plain": [*_BATCH, *_NO_OVERLAP],
+    "fsdp2": [
+        *_BATCH,
+        *[x for x in _NO_OVERLAP if x != "--use-distributed-optimizer"],
+        "--use-torch-fsdp2",
+        "--overlap-grad-reduce",
+    ],
+    "encoder": ["--top", "1", "--", *_SMALL, "--encoder-seq-length", "1024", "--kernel-impl=torch", "--bf16"],
+    "windowed": ["--top", "1", "--", *_WINDOW, "--cp-comm-type", "a2a"],
+    "grouped": [*_FOUR, *_PIPE, "--microbatch-group-size-per-virtual-pipeline-stage", "8"],
+    "pipe": [*_FOUR, *_PIPE],
+    "hierarchical": ["--top", "1", "--", *[f for f in _WINDOW if f not in ("--window-size", "255,0")], *_HIERARCHICAL],
+    "lora": ["--script", str(ROOT / "pretrain" / "finetune_llama3_8b_lora.sh")],
+    **{
+        f"bad{i}": [*_8B, *flags]
+        for i, flags in enumerate(
+            (["--nodes", "0"], ["--top", "0"], ["--network-bandwidth", "0"], ["--global-batch-size", "-64"])
+        )
+    },  # fmt: skip
+    "seventy": ["--script", str(ROOT / "pretrain" / "llama3_70b_multinode.sh"), "--nodes", "1"],
+}
+head_start.register_call("plans_of_the_job", "test_planner", "plans", *_JOB_PLANS.values())
+
+
+@pytest.mark.head_start("plans_of_the_job")
 def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     """From a review of the tool as a user runs it: a script's --kernel-impl torch was planned as triton (17 GiB
     fewer activations); a LoRA script was planned as full training (137 GiB against its 16); a TP=1 script's own
@@ -117,71 +167,42 @@ def test_the_plan_is_of_the_job_the_flags_describe(tmp_path, capsys):
     dropped; bad sizes were accepted (--nodes 0 read as 1) or crashed; "no layout fits" said to shorten the
     sequence when the weights and optimizer state alone overflow; the assumptions and parameter count were
     not said."""
-    script = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
-    torch_plan = _tool().main([*script, "--", "--kernel-impl", "torch"])
-    out = capsys.readouterr().out
+    plan = dict(zip(_JOB_PLANS, head_start.call_result("plans_of_the_job")))
+    value = {k: p["value"] for k, p in plan.items()}
+    out = plan["torch"]["out"]
     assert "--kernel-impl torch" in out and "model: 8.03B parameters" in out and "assumed: Adam" in out
-    triton_plan = _tool().main(script)
-    assert "--kernel-impl triton" in capsys.readouterr().out
-    assert torch_plan["yours"]["memory"]["activations"] > 1.2 * triton_plan["yours"]["memory"]["activations"]
-    model = (
-        "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
-        "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 128256 "
-        "--untie-embeddings-and-output-weights --disable-bias-linear --use-distributed-optimizer "
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --bf16 "
-        "--overlap-grad-reduce --overlap-param-gather"
-    ).split()
-    uniform = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
-    out = capsys.readouterr().out  # (TP 1 without --sequence-parallel: it was "rank -")
-    assert re.search(r"your layout, rank \d+ of", out), out[-600:]
+    assert "--kernel-impl triton" in plan["triton"]["out"]
+    assert value["torch"]["yours"]["memory"]["activations"] > 1.2 * value["triton"]["yours"]["memory"]["activations"]
+    # (TP 1 without --sequence-parallel: it was "rank -")
+    assert re.search(r"your layout, rank \d+ of", plan["uniform"]["out"]), plan["uniform"]["out"][-600:]
     # a script's --recompute-method block N is planned as written (it was taken as uniform 1): N layers
     # recomputed, the rest keep their activations
-    model[model.index("uniform")] = "block"
-    block = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
-    assert "recompute=full(block 1)" in capsys.readouterr().out
+    assert "recompute=full(block 1)" in plan["block"]["out"]
     # without Megatron's --overlap-grad-reduce / --overlap-param-gather (both off by default): priced as it runs,
     # and said to be outside the search; FSDP2 with --overlap-grad-reduce (which has no effect there, as in
     # Megatron) planned as FSDP2 is searched
-    model = [x if x != "block" else "uniform" for x in model if not x.startswith("--overlap")]
-    plain = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *model])
-    assert "zero1(no overlap: reduce, gather)" in plain["yours"]["describe"]
-    out = capsys.readouterr().out
+    assert "zero1(no overlap: reduce, gather)" in value["plain"]["yours"]["describe"]
+    out = plan["plain"]["out"]
     assert "(the search overlaps the gradient reduction and the weights' gather (--overlap-grad-reduce, " in out
     assert "--overlap-param-gather) wherever the sharding takes them):" in out
-    assert plain["yours"]["time"]["dp_comm"] > 2 * uniform["yours"]["time"]["dp_comm"]
-    fsdp2 = [*model, "--use-torch-fsdp2", "--overlap-grad-reduce"]
-    fsdp2.remove("--use-distributed-optimizer")
-    taken = _tool().main(["--seq-length", "8192", "--global-batch-size", "128", "--top", "1", "--", *fsdp2])
-    assert taken["yours"]["reason"] is None and " fsdp2 " in taken["yours"]["describe"], taken["yours"]
-    assert block["yours"]["memory"]["activations"] > 10 * uniform["yours"]["memory"]["activations"]
-    small = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --global-batch-size 16 --vocab-size 32000"
-    small = [*small.split(), "--position-embedding-type", "rope", "--attention-dropout", "0"]
-    _tool().main(["--top", "1", "--", *small, "--encoder-seq-length", "1024", "--kernel-impl=torch", "--bf16"])
-    assert "16 x 1024 tokens, bf16, --kernel-impl torch" in capsys.readouterr().out  # (the = form was not read)
-    window = [*small, "--seq-length", "1024", "--window-size", "255,0", "--context-parallel-size", "2"]
-    windowed = _tool().main(["--top", "1", "--", *window, "--cp-comm-type", "a2a"])
-    assert windowed["yours"]["reason"] is None and "CP2(a2a)" in windowed["yours"]["describe"]
+    assert value["plain"]["yours"]["time"]["dp_comm"] > 2 * value["uniform"]["yours"]["time"]["dp_comm"]
+    taken = value["fsdp2"]["yours"]
+    assert taken["reason"] is None and " fsdp2 " in taken["describe"], taken
+    assert value["block"]["yours"]["memory"]["activations"] > 10 * value["uniform"]["yours"]["memory"]["activations"]
+    # (the = form of --kernel-impl was not read)
+    assert "16 x 1024 tokens, bf16, --kernel-impl torch" in plan["encoder"]["out"]
+    windowed = value["windowed"]["yours"]
+    assert windowed["reason"] is None and "CP2(a2a)" in windowed["describe"]
     # a script's --microbatch-group-size-per-virtual-pipeline-stage is planned (it was refused as pretrain's
     # default rule, and a group above PP keeps more activations alive: priced at PP's)
-    pipe = [*small[2:], "--num-layers", "8", "--seq-length", "1024", "--pipeline-model-parallel-size", "4",
-            "--global-batch-size", "8", "--num-virtual-stages-per-pipeline-rank", "2",
-            "--micro-batch-size", "1"]  # fmt: skip
-    grouped = _tool().main(["--nodes", "1", "--gpus-per-node", "4", "--top", "1", "--", *pipe,
-                            "--microbatch-group-size-per-virtual-pipeline-stage", "8"])  # fmt: skip
-    plain = _tool().main(["--nodes", "1", "--gpus-per-node", "4", "--top", "1", "--", *pipe])
-    assert grouped["yours"]["reason"] is None and "VP2(G8)" in grouped["yours"]["describe"]
-    assert grouped["yours"]["memory"]["activations"] > plain["yours"]["memory"]["activations"]
-    hierarchical = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"]
-    windowless = [f for f in window if f not in ("--window-size", "255,0")]
-    assert "not a2a+p2p" in _tool().main(["--top", "1", "--", *windowless, *hierarchical])["yours"]["reason"]
-    with pytest.raises(SystemExit, match="LoRA fine-tuning \\(--lora-rank 16\\) is not modelled here"):
-        _tool().main(["--script", str(ROOT / "pretrain" / "finetune_llama3_8b_lora.sh")])
-    for flags in (["--nodes", "0"], ["--top", "0"], ["--network-bandwidth", "0"], ["--global-batch-size", "-64"]):
-        with pytest.raises(SystemExit):
-            _tool().main([*script, *flags])
-        assert "must be positive" in capsys.readouterr().err, flags
-    seventy = _tool().main(["--script", str(ROOT / "pretrain" / "llama3_70b_multinode.sh"), "--nodes", "1"])
-    assert not seventy["fits"] and "GPUs are needed to hold them" in capsys.readouterr().out
+    grouped = value["grouped"]["yours"]
+    assert grouped["reason"] is None and "VP2(G8)" in grouped["describe"]
+    assert grouped["memory"]["activations"] > value["pipe"]["yours"]["memory"]["activations"]
+    assert "not a2a+p2p" in value["hierarchical"]["yours"]["reason"]
+    assert re.search(r"LoRA fine-tuning \(--lora-rank 16\) is not modelled here", str(plan["lora"]["exit"]))
+    for bad in (f"bad{i}" for i in range(4)):
+        assert plan[bad]["exit"] is not None and "must be positive" in plan[bad]["err"], _JOB_PLANS[bad]
+    assert not value["seventy"]["fits"] and "GPUs are needed to hold them" in plan["seventy"]["out"]
     transformers = pytest.importorskip("transformers")
     cfg = transformers.DeepseekV3Config(
         vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
