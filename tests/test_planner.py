@@ -72,6 +72,9 @@ for _key in SELECTIVE:
     MODELS[_key] = _recomputing(_key.split("/")[0], tuple(_key.split("/")[1].split("+")))
 
 
+LLAMA3_8B_TOP1 = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]  # (its plan's best layout)
+
+
 def _tool():
     spec = importlib.util.spec_from_file_location("plan_parallelism", ROOT / "tools" / "plan_parallelism.py")
     mod = importlib.util.module_from_spec(spec)
@@ -224,16 +227,23 @@ def measure_triton(name: str, recompute: str) -> dict:
     return measure(name, Layout(micro_batch_size=2, recompute=recompute), "triton", iters=0, gbs=2)
 
 
-def _triton_case(name: str, recompute: str):
-    """A test case of `name` whose measurement is started ahead in the background (tests/head_start.py): the
-    interpreter's 5-15 s each."""
-    key = f"planner_triton:{name}:{recompute}"
-    head_start.register_call(key, "test_planner", "measure_triton", name, recompute)
+def triton_key(name: str, recompute: str = "none", module: str = "test_planner") -> str:
+    """The key of `name`'s measure_triton, started ahead in the background (tests/head_start.py): the
+    interpreter's 5-15 s each. `module` is the test module whose import puts `name` in MODELS (and which
+    imports measure_triton)."""
+    key = f"{module}:triton:{name}:{recompute}"
+    head_start.register_call(key, module, "measure_triton", name, recompute)
+    return key
+
+
+def triton_case(name: str, recompute: str, module: str = "test_planner"):
+    """A test case (name, key) of `name` whose measurement is started ahead (`triton_key`)."""
+    key = triton_key(name, recompute, module)
     return pytest.param(name, key, id=name, marks=pytest.mark.head_start(key))
 
 
 @pytest.mark.parametrize(
-    "name,key", [_triton_case(n, "selective") for n in ("llama/layernorm", "moe/moe_act", "mla/mla_up_proj")]
+    "name,key", [triton_case(n, "selective") for n in ("llama/layernorm", "moe/moe_act", "mla/mla_up_proj")]
 )
 def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name, key):
     """The fused add-and-norm keeps its statistics; the SwiGLU kernel saves fc1's output, the flash kernel v
@@ -251,7 +261,7 @@ def test_memory_estimate_of_recompute_modules_under_sequence_parallelism(dist, n
     _check(name, layout, dist(layout.world, measure, name, layout), tol=0.03)
 
 
-@pytest.mark.parametrize("name,key", [_triton_case(n, "none") for n in ("llama", "mla", "moe", "hetero")])
+@pytest.mark.parametrize("name,key", [triton_case(n, "none") for n in ("llama", "mla", "moe", "hetero")])
 def test_memory_estimate_with_the_triton_kernels(name, key):
     """The kernels save less than PyTorch's ops (inputs and statistics only; multi-latent attention's values
     unpadded; the grouped GEMM saves no stacked copy of the experts' weights); the fused loss keeps the gradients

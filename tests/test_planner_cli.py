@@ -12,7 +12,7 @@ import sys
 
 import head_start
 import pytest
-from test_planner import GBS, ROOT, SEQ, _tool, moe_llama
+from test_planner import GBS, LLAMA3_8B_TOP1, ROOT, SEQ, _tool, moe_llama
 
 from megatron_lite.planner.layout import Layout
 
@@ -110,7 +110,6 @@ def test_plan_from_pretrain_flags_takes_the_planners_sizes_and_the_vocabulary(ca
             _tool().main(flags)
 
 
-_8B = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
 _MODEL = (
     "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
     "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope --vocab-size 128256 "
@@ -130,8 +129,8 @@ _FOUR = ["--nodes", "1", "--gpus-per-node", "4", "--top", "1", "--"]
 _HIERARCHICAL = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"]
 # the plans test_the_plan_is_of_the_job_the_flags_describe reads (15 s: started ahead, tests/head_start.py)
 _JOB_PLANS = {
-    "torch": [*_8B, "--", "--kernel-impl", "torch"],
-    "triton": _8B,
+    "torch": [*LLAMA3_8B_TOP1, "--", "--kernel-impl", "torch"],
+    "triton": LLAMA3_8B_TOP1,
     "uniform": [*_BATCH, *_MODEL],
     # (a script's --recompute-method block N)
     "block": [*_BATCH, *[x if x != "uniform" else "block" for x in _MODEL]],
@@ -149,11 +148,11 @@ _JOB_PLANS = {
     "hierarchical": ["--top", "1", "--", *[f for f in _WINDOW if f not in ("--window-size", "255,0")], *_HIERARCHICAL],
     "lora": ["--script", str(ROOT / "pretrain" / "finetune_llama3_8b_lora.sh")],
     **{
-        f"bad{i}": [*_8B, *flags]
+        f"bad{i}": [*LLAMA3_8B_TOP1, *flags]
         for i, flags in enumerate(
             (["--nodes", "0"], ["--top", "0"], ["--network-bandwidth", "0"], ["--global-batch-size", "-64"])
         )
-    },  # fmt: skip
+    },
     "seventy": ["--script", str(ROOT / "pretrain" / "llama3_70b_multinode.sh"), "--nodes", "1"],
 }
 head_start.register_call("plans_of_the_job", "test_planner", "plans", *_JOB_PLANS.values())

@@ -12,7 +12,18 @@ import dataclasses
 
 import head_start
 import pytest
-from test_planner import GBS, MODELS, ROOT, _check, measure, moe_llama
+from test_planner import (
+    GBS,
+    LLAMA3_8B_TOP1,
+    MODELS,
+    ROOT,
+    _check,
+    measure,
+    measure_triton,  # noqa: F401 - the background's call (triton_key) finds it here
+    moe_llama,
+    triton_case,
+    triton_key,
+)
 
 from megatron_lite.planner.layout import Layout
 
@@ -126,25 +137,7 @@ def test_memory_estimate_of_the_gates_under_tp(dist):
         _check(name, layout, dist(2, measure_precision, name, layout), tol=0.03)
 
 
-def measure_triton(name: str, recompute: str) -> dict:
-    """One step of one micro-batch through the Triton kernels (the interpreter on CPU), no timed steps."""
-    return measure(name, Layout(micro_batch_size=2, recompute=recompute), "triton", iters=0, gbs=2)
-
-
-def _triton_key(name: str, recompute: str = "none") -> str:
-    """The key of `name`'s measurement, started ahead in the background (tests/head_start.py): the interpreter's
-    5-15 s each."""
-    key = f"planner_precision_triton:{name}:{recompute}"
-    head_start.register_call(key, "test_planner_precision", "measure_triton", name, recompute)
-    return key
-
-
-def _triton_case(name: str, recompute: str):
-    key = _triton_key(name, recompute)
-    return pytest.param(name, key, id=name, marks=pytest.mark.head_start(key))
-
-
-VARIANTS = _triton_key("llama_variants")
+VARIANTS = triton_key("llama_variants", module="test_planner_precision")
 
 
 @pytest.mark.head_start(VARIANTS)
@@ -155,7 +148,11 @@ def test_memory_estimate_of_the_variants_with_the_triton_kernels():
 
 
 @pytest.mark.parametrize(
-    "name,key", [_triton_case(n, ONE_PROCESS[n].recompute) for n in ("llama_qgeglu", "gptoss_moe_act", "moe_pad_fp8")]
+    "name,key",
+    [
+        triton_case(n, ONE_PROCESS[n].recompute, "test_planner_precision")
+        for n in ("llama_qgeglu", "gptoss_moe_act", "moe_pad_fp8")
+    ],
 )
 def test_memory_estimate_of_the_activation_kernels_in_every_mlp(name, key):
     """Under --kernel-impl triton quick-GEGLU's kernel keeps fc1's output alone (as SwiGLU's does), in the dense
@@ -210,15 +207,14 @@ def test_fp8_gemms_are_priced_at_the_fp8_peak():
     assert compute("A100", fp8="hybrid") == pytest.approx(compute("A100"))
 
 
-_SCRIPT = ["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"]
 # (three shipped scripts' plans, 15 s: started ahead in the background, tests/head_start.py)
 head_start.register_call(
     "plans_unmodelled",
     "test_planner",
     "plans",
     ["--script", str(ROOT / "pretrain" / "gpt_oss_20b.sh"), "--top", "1"],
-    [*_SCRIPT, "--", "--attention-dropout", "0.1"],
-    [*_SCRIPT, "--gpu", "A100", "--", "--fp8-format", "hybrid"],
+    [*LLAMA3_8B_TOP1, "--", "--attention-dropout", "0.1"],
+    [*LLAMA3_8B_TOP1, "--gpu", "A100", "--", "--fp8-format", "hybrid"],
 )
 
 
@@ -238,6 +234,5 @@ def test_the_plan_says_what_its_estimate_leaves_out():
     )
     assert a100["value"]["unmodelled"] == []
     assert "bf16, fp8 GEMMs (hybrid, delayed)" in a100["out"]
-    assert (
-        "warning: the A100 SXM 80GB has no fp8 tensor cores: the fp8 GEMMs are priced at its bf16 rate" in (a100["out"])
-    )
+    no_fp8 = "warning: the A100 SXM 80GB has no fp8 tensor cores: the fp8 GEMMs are priced at its bf16 rate"
+    assert no_fp8 in a100["out"]
