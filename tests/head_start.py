@@ -7,7 +7,11 @@ A long check that is a subprocess of its own (a shipped script's dry run, a tool
 kernel for Hopper) runs there instead, under the idle scheduling policy (`chrt --idle 0`), so it takes the idle
 core and nothing of a busy one. (At nice 10 it still took its share of a busy core, and a rank of a multi-rank
 test woken by a collective could wait behind it: with more work in the background, the rest of the suite ran
-minutes slower.)
+minutes slower.) The idle policy only ranks processes within one autogroup, the scheduler's group per session
+(/proc/PID/autogroup): a background process that starts a session of its own (torchrun starts each worker in
+one) would compete with the foreground's at full weight again, so the background's new sessions are given
+autogroup nice 19 as they appear. (Without that, test_fault_tolerance's torchrun jobs, whose workers are in
+sessions of their own too, took 240 s in the suite instead of 100.)
 The test still runs the real command and asserts on its output; only the moment it starts changes. A check whose
 test comes before the background reached it is taken off the queue and run by the test itself, at normal
 priority. The tests that own a check run after all the others (tests/conftest.py), so the background has the
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -105,6 +110,46 @@ def _idle_priority() -> list[str]:
     return ["nice", "-n", "19"] if shutil.which("nice") else []
 
 
+def _autogroup(pid: int | str) -> tuple[str, str] | None:
+    """(the autogroup's name, its nice) of process `pid`; None where there is none (no such process, or a
+    kernel without autogroups)."""
+    try:
+        name, _, nice = pathlib.Path(f"/proc/{pid}/autogroup").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return name, nice
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rfind(")") + 2 :].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.extend(kids := children.get(todo.pop(), []))
+        todo.extend(kids)
+    return found
+
+
+def _keep_sessions_idle(job: Job) -> None:
+    """Until `job` is done: give each new session among its processes (a torchrun worker's) autogroup nice 19,
+    so the session competes with the foreground's only for an idle core, as the idle policy meant."""
+    own = _autogroup("self")
+    while own is not None and not job.done.wait(0.5):
+        for pid in _descendants(job.proc.pid):
+            group = _autogroup(pid)
+            if group is not None and group[0] != own[0] and group[1] != "19":
+                try:
+                    pathlib.Path(f"/proc/{pid}/autogroup").write_text("19")
+                except OSError:  # (it exited, or this kernel refuses: the policy alone then)
+                    pass
+
+
 def _execute(job: Job, background: bool) -> None:
     """Run `job` to its end: in the background at idle priority with no time limit (it may wait long for an idle
     core; the test that waits for it sets the limit), else at normal priority within the job's timeout."""
@@ -118,6 +163,8 @@ def _execute(job: Job, background: bool) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
+        if background:
+            threading.Thread(target=_keep_sessions_idle, args=(job,), name="head-start-idle", daemon=True).start()
         try:
             out, err = job.proc.communicate(timeout=None if background else job.timeout)
         except subprocess.TimeoutExpired:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import head_start
 import pytest
@@ -33,6 +35,43 @@ def test_a_call_gives_the_same_value_from_the_background_and_from_the_test():
     same = {"pid": 0, "policy": 0}
     assert {**background, **same} == {**here, **same} == {"n": 3, "pair": [1, 2], **same}
     assert head_start.call_result("test_head_start:here") == here  # asked again: the value made
+
+
+def sessions() -> list[str]:
+    """The nice of the autogroup of a child that starts a session of its own (as torchrun starts each worker),
+    once it is 19 or after 5 s; and of a child beside it that stays in this session, after 1 s."""
+    code = (
+        "import pathlib, sys, time\n"
+        "for _ in range(50 if sys.argv[1] == 'own' else 10):\n"
+        "    nice = pathlib.Path('/proc/self/autogroup').read_text().split()[-1]\n"
+        "    if nice == '19' and sys.argv[1] == 'own':\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "print(nice)"
+    )
+    kids = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, which],
+            start_new_session=which == "own",
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for which in ("own", "this")
+    ]
+    return [kid.communicate()[0].strip() for kid in kids]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="this kernel has no autogroups")
+def test_a_session_started_in_the_background_is_given_autogroup_nice_19():
+    """The idle policy ranks processes only within an autogroup (one per session): a torchrun worker started by
+    the background, in a session of its own, would otherwise take a busy core's share at full weight. A process
+    of the background left in the foreground's session keeps the foreground's group as it was."""
+    foreground = head_start._autogroup("self")
+    head_start.register_call("test_head_start:sessions", "test_head_start", "sessions")
+    head_start._execute(head_start._take("test_head_start:sessions"), background=True)
+    assert head_start.call_result("test_head_start:sessions") == ["19", foreground[1]]
+    assert head_start._autogroup("self") == foreground
 
 
 def test_a_failed_call_says_why_wherever_it_ran():
