@@ -7,11 +7,12 @@ A long check that is a subprocess of its own (a shipped script's dry run, a tool
 kernel for Hopper) runs there instead, under the idle scheduling policy (`chrt --idle 0`), so it takes the idle
 core and nothing of a busy one. (At nice 10 it still took its share of a busy core, and a rank of a multi-rank
 test woken by a collective could wait behind it: with more work in the background, the rest of the suite ran
-minutes slower.) The idle policy only ranks processes within one autogroup, the scheduler's group per session
-(/proc/PID/autogroup): a background process that starts a session of its own (torchrun starts each worker in
-one) would compete with the foreground's at full weight again, so the background's new sessions are given
-autogroup nice 19 as they appear. (Without that, test_fault_tolerance's torchrun jobs, whose workers are in
-sessions of their own too, took 240 s in the suite instead of 100.)
+minutes slower.) The policy ranks processes only within one autogroup, though: the scheduler first shares the
+cores among autogroups (one per session, /proc/PID/autogroup), at equal weight. A foreground torchrun job's
+workers are each in a session of their own, so the background's idle processes, in the session of pytest,
+took a third of the cores from them: test_fault_tolerance took 240 s in the suite instead of 100. So each check
+runs in a session of its own, and that session, like every other one that starts among its processes (a
+torchrun worker's), is given autogroup nice 19 as it appears.
 The test still runs the real command and asserts on its output; only the moment it starts changes. A check whose
 test comes before the background reached it is taken off the queue and run by the test itself, at normal
 priority. The tests that own a check run after all the others (tests/conftest.py), so the background has the
@@ -137,17 +138,20 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _keep_sessions_idle(job: Job) -> None:
-    """Until `job` is done: give each new session among its processes (a torchrun worker's) autogroup nice 19,
-    so the session competes with the foreground's only for an idle core, as the idle policy meant."""
+    """Until `job` is done: give its session, and each new one among its processes (a torchrun worker's),
+    autogroup nice 19, so they compete with the foreground's only for an idle core, as the idle policy meant.
+    (Never the foreground's own group: that would slow the whole suite.)"""
     own = _autogroup("self")
-    while own is not None and not job.done.wait(0.5):
-        for pid in _descendants(job.proc.pid):
+    while own is not None:
+        for pid in [job.proc.pid, *_descendants(job.proc.pid)]:
             group = _autogroup(pid)
             if group is not None and group[0] != own[0] and group[1] != "19":
                 try:
                     pathlib.Path(f"/proc/{pid}/autogroup").write_text("19")
                 except OSError:  # (it exited, or this kernel refuses: the policy alone then)
                     pass
+        if job.done.wait(0.5):
+            return
 
 
 def _execute(job: Job, background: bool) -> None:
@@ -162,6 +166,7 @@ def _execute(job: Job, background: bool) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=background,  # (an autogroup of its own, niced below)
         )
         if background:
             threading.Thread(target=_keep_sessions_idle, args=(job,), name="head-start-idle", daemon=True).start()

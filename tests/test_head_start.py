@@ -5,12 +5,17 @@ tests that own a head start run after all the others."""
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import head_start
 import pytest
+
+# (at collection, before the background starts)
+FOREGROUND = head_start._autogroup("self")
 
 
 def sample(n: int) -> dict:
@@ -37,41 +42,43 @@ def test_a_call_gives_the_same_value_from_the_background_and_from_the_test():
     assert head_start.call_result("test_head_start:here") == here  # asked again: the value made
 
 
+def settled_nice() -> str:
+    """The nice of this process's autogroup once it is 19, or after 3 s."""
+    for _ in range(30):
+        nice = pathlib.Path("/proc/self/autogroup").read_text().split()[-1]
+        if nice == "19":
+            break
+        time.sleep(0.1)
+    return nice
+
+
 def sessions() -> list[str]:
-    """The nice of the autogroup of a child that starts a session of its own (as torchrun starts each worker),
-    once it is 19 or after 5 s; and of a child beside it that stays in this session, after 1 s."""
-    code = (
-        "import pathlib, sys, time\n"
-        "for _ in range(50 if sys.argv[1] == 'own' else 10):\n"
-        "    nice = pathlib.Path('/proc/self/autogroup').read_text().split()[-1]\n"
-        "    if nice == '19' and sys.argv[1] == 'own':\n"
-        "        break\n"
-        "    time.sleep(0.1)\n"
-        "print(nice)"
-    )
+    """The settled nice of this process's autogroup and of two children's: one that starts a session of its own
+    (as torchrun starts each worker) and one that stays in this session."""
+    mine = settled_nice()  # (before the children: a check that starts none is given nice 19 too)
     kids = [
         subprocess.Popen(
-            [sys.executable, "-c", code, which],
-            start_new_session=which == "own",
+            [sys.executable, "-c", "import test_head_start as t; print(t.settled_nice())"],
+            start_new_session=own,
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        for which in ("own", "this")
+        for own in (True, False)
     ]
-    return [kid.communicate()[0].strip() for kid in kids]
+    return [mine, *(kid.communicate()[0].strip() for kid in kids)]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="this kernel has no autogroups")
-def test_a_session_started_in_the_background_is_given_autogroup_nice_19():
-    """The idle policy ranks processes only within an autogroup (one per session): a torchrun worker started by
-    the background, in a session of its own, would otherwise take a busy core's share at full weight. A process
-    of the background left in the foreground's session keeps the foreground's group as it was."""
-    foreground = head_start._autogroup("self")
+def test_the_background_runs_in_autogroups_at_nice_19_and_the_foreground_s_is_left_alone():
+    """The idle policy ranks processes only within an autogroup (one per session), and the cores are first shared
+    among autogroups at equal weight: the background's sessions, its own and those its processes start (a
+    torchrun worker's), run at autogroup nice 19, so a foreground torchrun worker in a session of its own has
+    the cores it wants. The foreground's own group is left as it was."""
     head_start.register_call("test_head_start:sessions", "test_head_start", "sessions")
     head_start._execute(head_start._take("test_head_start:sessions"), background=True)
-    assert head_start.call_result("test_head_start:sessions") == ["19", foreground[1]]
-    assert head_start._autogroup("self") == foreground
+    assert head_start.call_result("test_head_start:sessions") == ["19", "19", "19"]
+    assert head_start._autogroup("self") == FOREGROUND
 
 
 def test_a_failed_call_says_why_wherever_it_ran():
