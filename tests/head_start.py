@@ -35,10 +35,12 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -166,14 +168,14 @@ def _execute(job: Job, background: bool) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            start_new_session=background,  # (an autogroup of its own, niced below)
+            start_new_session=True,  # (an autogroup of its own, niced below; a process group to stop: _kill)
         )
         if background:
             threading.Thread(target=_keep_sessions_idle, args=(job,), name="head-start-idle", daemon=True).start()
         try:
             out, err = job.proc.communicate(timeout=None if background else job.timeout)
         except subprocess.TimeoutExpired:
-            job.proc.kill()
+            _kill(job.proc)
             out, err = job.proc.communicate()
             err += f"\n(head_start: killed after {job.timeout} s)"
         job.result = subprocess.CompletedProcess(job.proc.args, job.proc.returncode, out, err)
@@ -181,6 +183,19 @@ def _execute(job: Job, background: bool) -> None:
         job.error = e
     finally:
         job.done.set()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Stop a check's processes, all of them: SIGTERM to its process group (it leads a session of its own), so a
+    torchrun agent among them stops its workers (each in a session of its own); SIGKILL to what is left 5 s on."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:  # (no process of the group is left)
+            return
+        deadline = time.monotonic() + 5
+        while sig == signal.SIGTERM and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _run_queue() -> None:
@@ -199,7 +214,7 @@ def result(key: str) -> tuple[subprocess.CompletedProcess, str]:
     job = _JOBS[key]
     if not job.done.wait(job.timeout):
         if job.proc is not None:
-            job.proc.kill()  # (the background's thread then finishes the job, its output kept for the report)
+            _kill(job.proc)  # (the background's thread then finishes the job, its output kept for the report)
             job.done.wait(10)
         raise TimeoutError(f"head_start: {key} did not finish within {job.timeout} s of its test's wait")
     if job.error is not None:
@@ -267,7 +282,7 @@ def stop() -> None:
     _STOPPED.set()
     for job in _JOBS.values():
         if job.proc is not None and job.proc.poll() is None:
-            job.proc.kill()
+            _kill(job.proc)
             job.done.wait(10)
         if job.out_dir:
             shutil.rmtree(job.out_dir, ignore_errors=True)

@@ -9,6 +9,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import head_start
@@ -79,6 +80,45 @@ def test_the_background_runs_in_autogroups_at_nice_19_and_the_foreground_s_is_le
     head_start._execute(head_start._take("test_head_start:sessions"), background=True)
     assert head_start.call_result("test_head_start:sessions") == ["19", "19", "19"]
     assert head_start._autogroup("self") == FOREGROUND
+
+
+def tree(pid_file: str) -> None:
+    """A check with a child: the child's pid written to `pid_file`, then both sleep."""
+    child = subprocess.Popen(["sleep", "600"])
+    pathlib.Path(pid_file + ".tmp").write_text(str(child.pid))
+    os.replace(pid_file + ".tmp", pid_file)
+    time.sleep(600)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2] == "Z"  # (exited; its parent, killed too, left it unreaped)
+
+
+def test_a_check_stopped_stops_its_children_too(tmp_path):
+    """A check killed (past its test's wait, or at the session's end) takes its children with it: a demo's
+    torchrun and its workers do not run on into the next tests."""
+    pid_file = tmp_path / "child"
+    head_start.register_call("test_head_start:tree", "test_head_start", "tree", str(pid_file))
+    job = head_start._take("test_head_start:tree")
+    threading.Thread(target=head_start._execute, args=(job, True), daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    try:
+        head_start._kill(job.proc)
+        assert job.done.wait(10) and job.result.returncode != 0
+        deadline = time.monotonic() + 5
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), "the check's child outlived it"
+    finally:
+        if not _gone(child):
+            os.kill(child, 9)
 
 
 def test_a_failed_call_says_why_wherever_it_ran():
