@@ -38,8 +38,9 @@ def test_workers_leave_when_their_pytest_is_killed(tmp_path):
     parent is gone now exits."""
     # (output to files: the workers inherit the parent's pipes, which a run capturing them waits to see closed)
     with open(tmp_path / "log", "w") as log:
+        env = {**os.environ, "TMPDIR": str(tmp_path)}  # (where the killed parent leaves its pool's rendezvous file)
         done = subprocess.run([sys.executable, "-c", KILLED_PARENT, str(HERE), str(tmp_path / "pids")], stdout=log,
-                              stderr=subprocess.STDOUT, timeout=120)  # fmt: skip
+                              stderr=subprocess.STDOUT, timeout=120, env=env)  # fmt: skip
     assert done.returncode == -9, (tmp_path / "log").read_text()[-2000:]
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     assert len(pids) == 2
