@@ -168,7 +168,7 @@ def _execute(job: Job, background: bool) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            start_new_session=True,  # (an autogroup of its own, niced below; a process group to stop: _kill)
+            start_new_session=True,  # (an autogroup of its own, niced in the background; a group to stop: _kill)
         )
         if background:
             threading.Thread(target=_keep_sessions_idle, args=(job,), name="head-start-idle", daemon=True).start()

@@ -14,6 +14,7 @@ import time
 
 import head_start
 import pytest
+from test_dist_pool import _alive
 
 # (at collection, before the background starts)
 FOREGROUND = head_start._autogroup("self")
@@ -90,14 +91,6 @@ def tree(pid_file: str) -> None:
     time.sleep(600)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rfind(")") + 2] == "Z"  # (exited; its parent, killed too, left it unreaped)
-
-
 def test_a_check_stopped_stops_its_children_too(tmp_path):
     """A check killed (past its test's wait, or at the session's end) takes its children with it: a demo's
     torchrun and its workers do not run on into the next tests."""
@@ -113,11 +106,11 @@ def test_a_check_stopped_stops_its_children_too(tmp_path):
         head_start._kill(job.proc)
         assert job.done.wait(10) and job.result.returncode != 0
         deadline = time.monotonic() + 5
-        while not _gone(child) and time.monotonic() < deadline:
+        while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(child), "the check's child outlived it"
+        assert not _alive(child), "the check's child outlived it"
     finally:
-        if not _gone(child):
+        if _alive(child):
             os.kill(child, 9)
 
 
