@@ -4,6 +4,7 @@ tests that own a head start run after all the others."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import shutil
@@ -71,7 +72,34 @@ def sessions() -> list[str]:
     return [mine, *(kid.communicate()[0].strip() for kid in kids)]
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="this kernel has no autogroups")
+def autogroup_nice_refused() -> str | None:
+    """Why this machine does not let this process set a new session's autogroup nice; None where it does."""
+    if FOREGROUND is None:
+        return "this kernel has no autogroups"
+    probe = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    path = pathlib.Path(f"/proc/{probe.pid}/autogroup")
+    try:
+        group = head_start._autogroup(probe.pid)
+        if group is None or group[0] == FOREGROUND[0]:
+            return f"a new session gets no autogroup of its own here ({path.name}: {group})"
+        for _ in range(20):  # (unprivileged writes are limited to one per 100 ms, machine-wide: EAGAIN)
+            try:
+                path.write_text("19")
+            except OSError as e:
+                why = f"this machine refuses an autogroup nice: writing 19 to {path}: {e}"
+                if e.errno != errno.EAGAIN:
+                    return why
+                time.sleep(0.1)
+                continue
+            nice = head_start._autogroup(probe.pid)
+            return None if nice is not None and nice[1] == "19" else f"19 written to {path}, {nice} read back"
+        return why
+    finally:
+        probe.kill()
+        probe.wait()
+
+
+@pytest.mark.skipif(bool(REFUSED := autogroup_nice_refused()), reason=str(REFUSED))
 def test_the_background_runs_in_autogroups_at_nice_19_and_the_foreground_s_is_left_alone():
     """The idle policy ranks processes only within an autogroup (one per session), and the cores are first shared
     among autogroups at equal weight: the background's sessions, its own and those its processes start (a
@@ -83,6 +111,26 @@ def test_the_background_runs_in_autogroups_at_nice_19_and_the_foreground_s_is_le
     assert head_start._autogroup("self") == FOREGROUND
 
 
+def test_checks_are_given_sessions_of_their_own_where_this_machine_lets_them_be_niced():
+    head_start._process_group()
+    assert head_start._NICED_SESSIONS == [REFUSED is None], REFUSED
+
+
+def placement() -> dict:
+    return {"pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0), "group": head_start._autogroup("self")}
+
+
+def test_where_sessions_cannot_be_niced_a_check_stays_in_pytests(monkeypatch):
+    """There, a session of its own would be an autogroup at full weight, where the idle policy ranks nothing below
+    the check: it stays in pytest's session and autogroup, in a process group of its own (to stop it whole)."""
+    monkeypatch.setattr(head_start, "_NICED_SESSIONS", [False])
+    head_start.register_call("test_head_start:placement", "test_head_start", "placement")
+    head_start._execute(head_start._take("test_head_start:placement"), background=True)
+    check = head_start.call_result("test_head_start:placement")
+    assert check["sid"] == os.getsid(0) and check["pgid"] == check["pid"] != os.getpgid(0)
+    assert check["group"] == (None if FOREGROUND is None else list(FOREGROUND))
+
+
 def tree(pid_file: str) -> None:
     """A check with a child: the child's pid written to `pid_file`, then both sleep."""
     child = subprocess.Popen(["sleep", "600"])
@@ -91,12 +139,14 @@ def tree(pid_file: str) -> None:
     time.sleep(600)
 
 
-def test_a_check_stopped_stops_its_children_too(tmp_path):
+@pytest.mark.parametrize("sessions", [True, False], ids=["own-session", "pytests-session"])
+def test_a_check_stopped_stops_its_children_too(tmp_path, monkeypatch, sessions):
     """A check killed (past its test's wait, or at the session's end) takes its children with it: a demo's
     torchrun and its workers do not run on into the next tests."""
+    monkeypatch.setattr(head_start, "_NICED_SESSIONS", [sessions])
     pid_file = tmp_path / "child"
-    head_start.register_call("test_head_start:tree", "test_head_start", "tree", str(pid_file))
-    job = head_start._take("test_head_start:tree")
+    head_start.register_call(f"test_head_start:tree-{sessions}", "test_head_start", "tree", str(pid_file))
+    job = head_start._take(f"test_head_start:tree-{sessions}")
     threading.Thread(target=head_start._execute, args=(job, True), daemon=True).start()
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline:
