@@ -23,6 +23,7 @@ import zlib
 
 from megatron_lite.config import ConfigError
 from megatron_lite.data.config import TOKENIZER_TYPES, tokenizer_type_flag
+from megatron_lite.data.indexed import IndexedDatasetWriter
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.training.configs import check_output_path
@@ -131,10 +132,6 @@ def _file_items(args: argparse.Namespace, path: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    # (here, not at the top: a --workers process imports this file anew, and the writer's module imports torch,
-    # seconds of each worker's start on a small machine where the tokenizer needs none of it)
-    from megatron_lite.data.indexed import IndexedDatasetWriter
-
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True, help="files or globs")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_lite.checkpoint.atomic import atomic_write, atomic_write_json
 from megatron_lite.checkpoint.boxes import flat_parts
 from megatron_lite.checkpoint.compatibility import (
     check_adapters_have_a_home,
@@ -28,16 +29,7 @@ from megatron_lite.checkpoint.compatibility import (
     check_optimizer_state,
 )
 from megatron_lite.checkpoint.compatibility import model_config_from_dict as model_config_from_dict
-from megatron_lite.checkpoint.format import (
-    FORMAT,
-    atomic_write,
-    atomic_write_json,
-    cpu_contiguous,
-    file_digest,
-    full_shape,
-    iteration_dir,
-    publish,
-)
+from megatron_lite.checkpoint.format import FORMAT, cpu_contiguous, file_digest, full_shape, iteration_dir, publish
 
 # (find_checkpoint, read_metadata and same_directory are imported from here too)
 from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata, same_directory  # noqa: F401

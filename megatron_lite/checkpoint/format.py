@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import re
 import shutil
-import socket
 from dataclasses import dataclass
 
 import torch
 
+from megatron_lite.checkpoint.atomic import atomic_write_json, atomic_write_text, replace_dir
 from megatron_lite.parameters import ParamMeta
 
 FORMAT = "megatron_lite/3"
@@ -118,61 +117,6 @@ def local_pieces(shape: tuple[int, ...], meta: ParamMeta) -> list[Piece]:
 
 def full_shape(shape: tuple[int, ...], meta: ParamMeta) -> list[int]:
     return list(shape) if meta.shard is None else list(meta.shard.full_shape(shape))
-
-
-# Atomic file writes -----------------------------------------------------------------------------
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def private_temp(path: str) -> str:
-    """A temporary name for `path` of this writer's own: where file locks hold on one node only, nodes writing
-    one cache at once truncated each other's one shared temporary file (a review of multi-node runs)."""
-    return f"{path}.{socket.gethostname()}.{os.getpid()}.partial"
-
-
-def atomic_write(path: str, write) -> None:
-    """Write through `write(tmp_path)`, fsync, then rename into place: a reader sees the old file or the
-    complete new one, never a torn one (and two writers of one path never share a temporary file)."""
-    tmp = private_temp(path)
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def atomic_write_json(path: str, obj) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-
-    atomic_write(path, write)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    atomic_write(path, write)
-
-
-def replace_dir(tmp: str, final: str) -> None:
-    """Move a fully written directory into place (replacing an older copy of the same iteration)."""
-    if os.path.exists(final):
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final))
 
 
 def read_tracker(root: str) -> int | None:

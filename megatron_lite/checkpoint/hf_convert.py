@@ -22,21 +22,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from megatron_lite.checkpoint.atomic import atomic_write, atomic_write_json, replace_dir
 from megatron_lite.checkpoint.checkpointing import (
     find_checkpoint,
     model_config_from_dict,
     publish,
     read_metadata,
 )
-from megatron_lite.checkpoint.format import (
-    FORMAT,
-    atomic_write,
-    atomic_write_json,
-    complete_iterations,
-    file_digest,
-    iteration_dir,
-    replace_dir,
-)
+from megatron_lite.checkpoint.format import FORMAT, complete_iterations, file_digest, iteration_dir
 from megatron_lite.checkpoint.hf_checks import (
     EXPORT_CAUSE,
     check_not_quantised,

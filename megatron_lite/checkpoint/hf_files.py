@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_lite.checkpoint.format import atomic_write, atomic_write_json
+from megatron_lite.checkpoint.atomic import atomic_write, atomic_write_json
 from megatron_lite.config import ConfigError
 
 SHARD_BYTES = 5 * 1024**3

@@ -24,16 +24,14 @@ import dataclasses
 import os
 
 from megatron_lite.checkpoint import checkpointing as ckpt
+from megatron_lite.checkpoint.atomic import atomic_write_json, atomic_write_text, replace_dir
 from megatron_lite.checkpoint.format import (
     TRACKER,
     _delete,
     _sweep_leftovers,
-    atomic_write_json,
-    atomic_write_text,
     complete_iterations,
     file_digest,
     iteration_dir,
-    replace_dir,
 )
 from megatron_lite.checkpoint.lookup import _whole, find_checkpoint, read_metadata
 from megatron_lite.config import ConfigError

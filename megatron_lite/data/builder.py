@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from megatron_lite.checkpoint.format import atomic_write
+from megatron_lite.checkpoint.atomic import atomic_write
 from megatron_lite.config import ConfigError
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus

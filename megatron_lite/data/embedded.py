@@ -14,7 +14,7 @@ import sys
 import sysconfig
 import time
 
-from megatron_lite.checkpoint.format import atomic_write, atomic_write_json
+from megatron_lite.checkpoint.atomic import atomic_write, atomic_write_json
 from megatron_lite.data.gpt_dataset import file_lock
 from megatron_lite.data.indexed import IndexedDatasetWriter
 

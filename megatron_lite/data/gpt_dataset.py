@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from megatron_lite.checkpoint.format import atomic_write
+from megatron_lite.checkpoint.atomic import atomic_write
 from megatron_lite.config import ConfigError
 from megatron_lite.data import native_blend
 from megatron_lite.data.documents import document_ids, document_position_ids

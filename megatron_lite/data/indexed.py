@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from megatron_lite.checkpoint.format import private_temp
+from megatron_lite.checkpoint.atomic import private_temp
 from megatron_lite.config import ConfigError
 
 HEADER = b"MMIDIDX\x00\x00"

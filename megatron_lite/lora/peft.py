@@ -159,7 +159,7 @@ def to_peft(
 def write_peft(directory: str, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
     from safetensors.torch import save_file
 
-    from megatron_lite.checkpoint.format import atomic_write, atomic_write_json
+    from megatron_lite.checkpoint.atomic import atomic_write, atomic_write_json
 
     os.makedirs(directory, exist_ok=True)  # (each file whole or absent: a cut-short export is never half a file)
     atomic_write(os.path.join(directory, "adapter_model.safetensors"),

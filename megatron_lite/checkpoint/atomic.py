@@ -1,0 +1,64 @@
+"""Atomic file writes: a reader sees the old file (or directory) or the complete new one, never a torn one.
+Plain file operations, apart from the tensor format (format.py), so a writer of other files (the data tools'
+indexed datasets and caches) does not import torch for them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def private_temp(path: str) -> str:
+    """A temporary name for `path` of this writer's own: where file locks hold on one node only, nodes writing
+    one cache at once truncated each other's one shared temporary file (a review of multi-node runs)."""
+    return f"{path}.{socket.gethostname()}.{os.getpid()}.partial"
+
+
+def atomic_write(path: str, write) -> None:
+    """Write through `write(tmp_path)`, fsync, then rename into place: a reader sees the old file or the
+    complete new one, never a torn one (and two writers of one path never share a temporary file)."""
+    tmp = private_temp(path)
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_write_json(path: str, obj) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+
+    atomic_write(path, write)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Move a fully written directory into place (replacing an older copy of the same iteration)."""
+    if os.path.exists(final):
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final))
