@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import importlib
 import json
 import os
@@ -70,7 +71,6 @@ _QUEUE: list[str] = []
 _LOCK = threading.Lock()
 _RUNNER: threading.Thread | None = None
 _STOPPED = threading.Event()
-_NICED_SESSIONS: list[bool] = []  # (decided once, by the first check: _sessions_can_be_niced)
 
 
 def register(
@@ -127,6 +127,7 @@ def _autogroup(pid: int | str) -> tuple[str, str] | None:
     return name, nice
 
 
+@functools.cache  # (decided once, by the first check)
 def _sessions_can_be_niced() -> bool:
     """Whether a session started here gets an autogroup of its own whose nice this process may set."""
     own = _autogroup("self")
@@ -152,12 +153,10 @@ def _sessions_can_be_niced() -> bool:
         probe.wait()
 
 
-def _process_group() -> dict:
+def _process_group(own_session: bool) -> dict:
     """Popen's arguments that make a check a process group of its own (to stop it whole: _kill): in a session of
-    its own where its autogroup can be niced, else in pytest's."""
-    if not _NICED_SESSIONS:
-        _NICED_SESSIONS.append(_sessions_can_be_niced())
-    if _NICED_SESSIONS[0]:
+    its own, or in pytest's."""
+    if own_session:
         return {"start_new_session": True}
     # (Python 3.10 has no process_group: setpgid in the child, a call that takes no lock)
     return {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
@@ -201,6 +200,7 @@ def _execute(job: Job, background: bool) -> None:
     core; the test that waits for it sets the limit), else at normal priority within the job's timeout."""
     job.out_dir = tempfile.mkdtemp(prefix="head_start_")
     try:
+        niced = _sessions_can_be_niced()  # (else a session of its own would be an autogroup at full weight)
         job.proc = subprocess.Popen(
             [*(_idle_priority() if background else []), *job.argv(job.out_dir)],
             env=job.env,
@@ -208,9 +208,9 @@ def _execute(job: Job, background: bool) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            **_process_group(),
+            **_process_group(own_session=niced),
         )
-        if background and _NICED_SESSIONS[0]:
+        if background and niced:
             threading.Thread(target=_keep_sessions_idle, args=(job,), name="head-start-idle", daemon=True).start()
         try:
             out, err = job.proc.communicate(timeout=None if background else job.timeout)

@@ -112,8 +112,7 @@ def test_the_background_runs_in_autogroups_at_nice_19_and_the_foreground_s_is_le
 
 
 def test_checks_are_given_sessions_of_their_own_where_this_machine_lets_them_be_niced():
-    head_start._process_group()
-    assert head_start._NICED_SESSIONS == [REFUSED is None], REFUSED
+    assert head_start._sessions_can_be_niced() == (REFUSED is None), REFUSED
 
 
 def placement() -> dict:
@@ -123,7 +122,7 @@ def placement() -> dict:
 def test_where_sessions_cannot_be_niced_a_check_stays_in_pytests(monkeypatch):
     """There, a session of its own would be an autogroup at full weight, where the idle policy ranks nothing below
     the check: it stays in pytest's session and autogroup, in a process group of its own (to stop it whole)."""
-    monkeypatch.setattr(head_start, "_NICED_SESSIONS", [False])
+    monkeypatch.setattr(head_start, "_sessions_can_be_niced", lambda: False)
     head_start.register_call("test_head_start:placement", "test_head_start", "placement")
     head_start._execute(head_start._take("test_head_start:placement"), background=True)
     check = head_start.call_result("test_head_start:placement")
@@ -143,7 +142,7 @@ def tree(pid_file: str) -> None:
 def test_a_check_stopped_stops_its_children_too(tmp_path, monkeypatch, sessions):
     """A check killed (past its test's wait, or at the session's end) takes its children with it: a demo's
     torchrun and its workers do not run on into the next tests."""
-    monkeypatch.setattr(head_start, "_NICED_SESSIONS", [sessions])
+    monkeypatch.setattr(head_start, "_sessions_can_be_niced", lambda: sessions)
     pid_file = tmp_path / "child"
     head_start.register_call(f"test_head_start:tree-{sessions}", "test_head_start", "tree", str(pid_file))
     job = head_start._take(f"test_head_start:tree-{sessions}")
