@@ -79,6 +79,32 @@ def test_delayed_scaling_quantizes_with_the_scale_of_the_iterations_before(algo)
     assert holder.fp8_state.scale[2].item() > 448.0  # (the gradients' column: e5m2's 57344 over their amax)
 
 
+@pytest.mark.parametrize("shape", [(7, 40, 24), (32, 64, 352), (1, 1000, 3)])
+def test_cpu_products_are_the_fp32_products_that_scaled_mm_also_gives(shape, monkeypatch):
+    """On a CPU fp8_mm multiplies the fp8 values in fp32 and never calls torch._scaled_mm, whose CPU kernel is a
+    plain loop (100-200x slower at these shapes; fp8 under every layout took a minute of the suite). The GPU's
+    call, scaled_mm (b transposed, the inverse scales), is checked here where CPU builds run it: both give the
+    product of the dequantized operands, to fp32's and bf16's rounding."""
+    from megatron_lite.tensor_parallel import fp8
+
+    m, k, n = shape
+    torch.manual_seed(0)
+    a, b = torch.randn(m, k) * 3, torch.randn(n, k) * 0.1
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        aq, a_inv = quantize(a, dtype, a.abs().amax(), 0)
+        bq, b_inv = quantize(b, fp8.E4M3, b.abs().amax(), 0)
+        oracle = (aq.float() * a_inv) @ (bq.float() * b_inv).t()
+        for out_dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+            mine = fp8.fp8_mm(aq, a_inv, bq, b_inv, out_dtype)
+            assert mine.dtype == out_dtype and _rel(mine.float(), oracle) < tol, (dtype, out_dtype)
+            if fp8._scaled_mm_runs("cpu"):
+                gpu_call = fp8.scaled_mm(aq, a_inv, bq, b_inv, out_dtype)
+                assert gpu_call.dtype == out_dtype and _rel(gpu_call.float(), oracle) < tol, (dtype, out_dtype)
+    monkeypatch.setattr(torch, "_scaled_mm", None)  # (a call would raise TypeError)
+    x, w = torch.randn(2, 16, 32, requires_grad=True), torch.randn(48, 32, requires_grad=True)
+    fp8_linear(x, w, Fp8Setting()).sum().backward()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch._scaled_mm on Hopper or newer)")
 @pytest.mark.parametrize("shape", [(4, 32, 64, 48), (3, 7, 40, 24)], ids=["fits-scaled-mm", "odd-emulated"])
 def test_gpu_fp8_linear_in_bf16_is_the_product_of_the_quantized_operands(shape):

@@ -100,8 +100,8 @@ class Fp8State:
 
 @functools.cache
 def _scaled_mm_runs(device_type: str) -> bool:
-    """Whether torch._scaled_mm computes on this kind of device (CPU builds have it from PyTorch 2.5 or so; on a
-    GPU it needs Hopper or newer). Asked once: a run never mixes the two paths."""
+    """Whether torch._scaled_mm computes on this kind of device (on a GPU it needs Hopper or newer). Asked once:
+    a run never mixes the two paths."""
     try:
         a = torch.ones(16, 16, device=device_type).to(E4M3)
         one = torch.ones((), device=device_type)
@@ -111,15 +111,26 @@ def _scaled_mm_runs(device_type: str) -> bool:
         return False
 
 
+def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype) -> torch.Tensor:
+    """fp8_mm's product through torch._scaled_mm (the GPU's fp8 GEMM; b is [N, K], so it goes in transposed)."""
+    return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
+def emulated_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype) -> torch.Tensor:
+    """fp8_mm's product of the fp8 values in fp32 (each fp8 value, and the product of two, is exact there)."""
+    return ((a.float() @ b.float().t()) * (a_inv * b_inv)).to(out_dtype)
+
+
 def fp8_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype) -> torch.Tensor:
-    """a @ b^T for fp8 a [M, K] and b [N, K], each times its inverse scale, accumulated in fp32. torch._scaled_mm
-    where it runs and the shapes suit it (a GPU's needs multiples of 16); else the same product of the fp8
-    values in fp32."""
-    fits = a.device.type == "cpu" or all(n % 16 == 0 for n in (*a.shape, b.shape[0]))
+    """a @ b^T for fp8 a [M, K] and b [N, K], each times its inverse scale, accumulated in fp32. On a GPU
+    torch._scaled_mm where it runs and the shapes suit it (multiples of 16); else the same product of the fp8
+    values in fp32. Never _scaled_mm on a CPU: its CPU kernel is a plain loop, 100-200x slower than the fp32
+    GEMM at a small model's shapes and no more exact (tests/test_fp8.py checks the two agree there)."""
+    fits = a.device.type != "cpu" and all(n % 16 == 0 for n in (*a.shape, b.shape[0]))
     fits = fits and a.numel() > 0 and b.numel() > 0  # (an expert sent no tokens: the empty product in fp32)
     if fits and _scaled_mm_runs(a.device.type):
-        return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
-    return ((a.float() @ b.float().t()) * (a_inv * b_inv)).to(out_dtype)
+        return scaled_mm(a, a_inv, b, b_inv, out_dtype)
+    return emulated_mm(a, a_inv, b, b_inv, out_dtype)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
