@@ -393,6 +393,19 @@ class ModelConfig:
             return False
         return self._moe_layer_kinds[min(layer, self.num_layers - 1)]
 
+    def __hash__(self) -> int:
+        # Hashed once: the planner's caches take the config as a key, and a search's hundreds of thousands of
+        # lookups each hashed its hundred fields again (an eighth of a large MoE search's time)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # (a string's hash differs between processes: an unpickled copy hashes itself again)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @functools.cached_property  # (the planner asks millions of times a search)
     def _moe_layer_kinds(self) -> tuple[bool, ...]:
         if self.hybrid:  # (the pattern's E layers)

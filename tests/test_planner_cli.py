@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pickle
 import re
 import subprocess
 import sys
@@ -477,3 +479,53 @@ def test_a_jobs_expert_tensor_parallel_size_is_priced_and_searched(capsys):
     moe = llama_config(num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
     assert any(lay.etp == 1 and lay.tp == 2 for lay in layouts(moe, 8, 8, 16)), "the search tries expert TP 1"
     assert not any(lay.etp for lay in layouts(llama_config(num_layers=2), 8, 8, 16))
+
+
+def test_a_long_search_says_what_was_asked_first_and_then_how_far_it_has_got(capsys, monkeypatch):
+    """A large MoE cluster's search costs some 80,000 layouts, a minute here, and said nothing until it ended: the
+    model and cluster lines now come before the search, and a search running past `every` seconds (10 by default)
+    puts a line on stderr now and then (here every 256 layouts, at every=0)."""
+    tool = _tool()
+    progress = tool.SearchProgress
+    monkeypatch.setattr(tool, "SearchProgress", lambda: progress(every=0.0))
+    before_search = []
+
+    def plan(*args, **kwargs):  # (what stdout held when the search began)
+        before_search.append(capsys.readouterr().out)
+        return search_plan(*args, **kwargs)
+
+    search_plan = tool.plan
+    monkeypatch.setattr(tool, "plan", plan)
+    result = tool.main(["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"])
+    assert len(before_search) == 1 and before_search[0].startswith("model: 8.03B parameters"), before_search
+    assert "cluster: 1 x 8 H100" in before_search[0] and "memory per GPU" not in before_search[0]
+    lines = capsys.readouterr().err.splitlines()
+    counts = [re.fullmatch(r"searching: (\d+) layouts costed, (\d+) fit so far \(\d+ s\)", line) for line in lines]
+    assert len(lines) >= 2 and all(counts), lines
+    counts = [(int(m[1]), int(m[2])) for m in counts]
+    costed = result["fitting"] + result["rejected"]
+    assert [c for c, _ in counts] == list(range(0, costed, 256))[: len(counts)] and counts[-1][0] < costed
+    assert all(fit <= c for c, fit in counts) and counts[-1][1] <= result["fitting"]
+    # at the default interval a search of a few seconds prints nothing there
+    monkeypatch.undo()
+    _tool().main(["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--top", "1"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_model_config_hashes_itself_again_in_another_process(tmp_path):
+    """ModelConfig keeps its hash after the first (the planner's caches hash it hundreds of thousands of times a
+    search), but a string's hash differs between processes: a copy unpickled in another carries no stale one and
+    finds itself as a key there."""
+    config = llama_config()
+    assert hash(config) == hash(dataclasses.replace(config)) != hash(dataclasses.replace(config, num_layers=3))
+    (tmp_path / "config.pkl").write_bytes(pickle.dumps(config))
+    probe = (
+        "import dataclasses, pickle, sys; c = pickle.loads(open(sys.argv[1], 'rb').read()); "
+        "fresh = dataclasses.replace(c); print(hash(c) == hash(fresh), {fresh: 1}.get(c))"
+    )
+    for seed in ("1", "2"):
+        run = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path / "config.pkl")],
+            capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed},
+        )  # fmt: skip
+        assert run.returncode == 0 and run.stdout.split() == ["True", "1"], run

@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.data.config import _number  # (a blend's weights, as --data-path reads them)
@@ -178,6 +179,25 @@ MUON_SHARDING = (
 )
 
 
+class SearchProgress:
+    """A line on stderr every `every` seconds of a long search (layouts costed, how many fit so far); none for a
+    search that ends sooner."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every, self.start = every, time.monotonic()
+        self.next = self.start + every
+
+    def __call__(self, searched: int, fitting: int) -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + self.every
+            print(
+                f"searching: {searched} layouts costed, {fitting} fit so far ({now - self.start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def print_plan(
     model, cl, seq, gbs, precision, tp_comm_overlap, top, yours: Layout | None, grads_bf16=False, state_bytes=8,
     uneven=False, optimizer: str = "adam", muon: MuonSettings | None = None,
@@ -186,13 +206,6 @@ def print_plan(
 
     # (dist_muon's layer-wise split of the state over data parallelism in place of DDP's whole state a rank)
     shardings = ("layer-wise", *SHARDINGS[1:]) if optimizer == "dist_muon" else SHARDINGS
-    fits, rejected = plan(
-        model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven, shardings, muon
-    )
-    if optimizer in MUON:  # (pretrain refuses the sharded optimizers with Muon, as Megatron does)
-        sharded = [c for c in fits if c.layout.sharding not in ("none", "layer-wise")]
-        rejected += [dataclasses.replace(c, reason=MUON_SHARDING.format(optimizer)) for c in sharded]
-        fits = [c for c in fits if c.layout.sharding in ("none", "layer-wise")]
     g = cl.gpu
     whole = stage_params(model, Layout(), 0)  # (one rank holding everything: the model's parameter count)
     k, e = model.moe_router_topk, model.num_experts or 1
@@ -257,6 +270,16 @@ def print_plan(
         print(f"warning: the {g.name} has no fp8 tensor cores: the fp8 GEMMs are priced at its bf16 rate")
     if unpriced:
         print("warning: the memory estimate leaves out " + "; ".join(unpriced) + ": activations may be higher")
+    # (what was asked is printed before the search, which takes a minute on a large MoE cluster)
+    sys.stdout.flush()
+    fits, rejected = plan(
+        model, cl, seq, gbs, precision, tp_comm_overlap, grads_bf16, state_bytes, uneven, shardings, muon,
+        progress=SearchProgress(),
+    )  # fmt: skip
+    if optimizer in MUON:  # (pretrain refuses the sharded optimizers with Muon, as Megatron does)
+        sharded = [c for c in fits if c.layout.sharding not in ("none", "layer-wise")]
+        rejected += [dataclasses.replace(c, reason=MUON_SHARDING.format(optimizer)) for c in sharded]
+        fits = [c for c in fits if c.layout.sharding in ("none", "layer-wise")]
     # (the layout column as wide as the longest shown: CP's kind, an uneven split or a block recomputation)
     shown = [c.layout for c in fits[:top]] + ([yours] if yours is not None else [])
     width = max([52] + [len(layout.describe()) for layout in shown])

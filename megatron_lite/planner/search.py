@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError, ModelConfig, divisors
@@ -274,12 +275,15 @@ def plan(
     uneven: bool = False,
     shardings: tuple[str, ...] = SHARDINGS,
     muon: MuonSettings | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """(layouts that fit, fastest first; layouts refused or too big). `uneven`, `shardings`: see `layouts`;
-    `muon`: see `evaluate`."""
+    `muon`: see `evaluate`; `progress`: called as the search goes with (layouts costed, how many fit)."""
     fits, rejected = [], []
     unrecomputed: dict[Layout, bool] = {}  # whether each layout fits without recomputation (searched first)
-    for layout in layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven, shardings):
+    for i, layout in enumerate(layouts(model, cl.world, cl.gpus_per_node, global_batch_size, uneven, shardings)):
+        if progress is not None and i % 256 == 0:
+            progress(i, len(fits))
         c = evaluate(
             model, layout, seq_length, global_batch_size, cl, precision, tp_comm_overlap, grads_bf16, state_bytes, muon
         )
