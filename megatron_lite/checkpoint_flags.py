@@ -405,14 +405,18 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
 
 
 def tokenizer_beside(recorded: str | None, path: str) -> str | None:
-    """A converted checkpoint's tokenizer travels in its hf/ directory, recorded by its absolute path: once the
-    checkpoint is moved or copied, the same file under this one's hf/ (`path`: the checkpoint or its root)."""
-    if not recorded or os.path.exists(recorded):
+    """A converted checkpoint's tokenizer travels in its hf/ directory, recorded by its absolute path: the same
+    file under this checkpoint's own hf/ (`path`: the checkpoint or its root) where it has one, so a copy or a
+    moved checkpoint reads its own (a copy read the original's while that existed: another model converted into
+    the original's directory since would have lent the copy its tokenizer); else the recorded one."""
+    if not recorded:
         return recorded
-    for root in (path, os.path.dirname(os.path.normpath(path))):
-        moved = os.path.join(root, "hf", os.path.basename(recorded))
-        if os.path.isfile(moved):
-            return moved
+    side = os.path.basename(os.path.dirname(os.path.normpath(recorded))) == "hf"  # (a tokenizer given by flag: kept)
+    if side or not os.path.exists(recorded):
+        for root in (path, os.path.dirname(os.path.normpath(path))):
+            own = os.path.join(root, "hf", os.path.basename(recorded))
+            if os.path.isfile(own):
+                return own
     return recorded
 
 

@@ -371,6 +371,19 @@ def validate_layout(
     ):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
+    # (found by an exploratory run: a negative --exit-interval exited at its multiples, Python's modulo; a seed numpy
+    # cannot take failed at the first dataset build. A negative --eval-iters is Megatron's "no evaluation", as 0:
+    # its examples/llama/train_llama3.sh passes -1)
+    for flag, value, off in (
+        ("--exit-interval", training.exit_interval, "leave it out to train to the end"),
+        ("--exit-duration-in-mins", training.exit_duration_in_mins, "0, or leaving it out, sets no limit"),
+    ):
+        if value is not None and value < 0:
+            raise ConfigError(f"{flag} {value:g} must be >= 0 ({off})")
+    if not 0 <= training.seed < 2**32:  # (the dataset's shuffle is numpy's RandomState(seed), as Megatron's)
+        raise ConfigError(f"--seed {training.seed} is out of range: give an integer from 0 to {2**32 - 1}")
+    if training.global_batch_size is not None and training.global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size {training.global_batch_size} must be positive")
     if seq < 1 or training.micro_batch_size < 1:
         raise ConfigError(f"--seq-length {seq} and --micro-batch-size {training.micro_batch_size} must be positive")
     if training.ddp_bucket_size is not None and training.ddp_bucket_size < 1:  # (it made a bucket per parameter)

@@ -330,3 +330,35 @@ def test_megatrons_report_memory_line_on_a_gpu(monkeypatch):
     assert line == (
         "(after 5 iterations) memory (MB) | allocated: 1.0 | max allocated: 2.0 | reserved: 3.0 | max reserved: 4.0"
     )
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    "flags, bad",
+    [
+        (["--log-jsonl", "/proc/nope/x.jsonl"], "--log-jsonl /proc/nope"),
+        (["--wandb-project", "p", "--wandb-save-dir", "/proc/nope"], "--wandb-save-dir /proc/nope"),
+        (["--wandb-project", "p", "--save", "/proc/nope", "--skip-train"], "--wandb-save-dir /proc/nope/wandb"),
+    ],
+)
+def test_a_log_directory_that_cannot_be_written_is_refused_at_start_up(capsys, monkeypatch, flags, bad):
+    """(From an exploratory run) the logs passed the permission bits as --save did: the logging rank failed
+    opening them with a FileNotFoundError traceback, the other ranks then in a collective. The rank that logs now
+    makes and writes their directories at start-up (W&B's default one beside --save included)."""
+    from test_pretrain_cli import _one_line_error
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rc, out, err = _run(["--mock-data", "--vocab-size", "100", *flags], capsys, monkeypatch)
+    _one_line_error(rc, err, f"{bad} cannot be written: making the directory failed: ", "(ENOENT)")
+    assert "iteration " not in out, out
+
+
+def test_the_logging_rank_alone_probes_the_logs_and_every_rank_says_why(tmp_path, pretrain_job):
+    """Under PP=2 rank 1 logs (the last stage): its failed probe is every rank's one line, no traceback."""
+    args = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32"]
+    args += ["--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16"]
+    args += ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2"]
+    args += ["--pipeline-model-parallel-size", "2", "--log-jsonl", "/proc/nope/x.jsonl"]
+    out = pretrain_job(2, args, exit_code=2)
+    assert "Traceback" not in out, out
+    assert out.count("--log-jsonl /proc/nope cannot be written: making the directory failed") == 2, out

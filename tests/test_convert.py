@@ -605,7 +605,8 @@ def test_a_qwen2_sliding_window_on_no_layer_converts(converted, tmp_path):
         ),
         ("gpt2", {"activation_function": "relu"}, "activation_function"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scaling"),
-        ("llama", {"architectures": ["FalconForCausalLM"], "model_type": "llama"}, "FalconForCausalLM"),
+        # (a class of none of ours; its model_type decides, as in transformers: a llama one listing Gemma is a Llama)
+        ("llama", {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
         # transformers renormalises a top-1 sigmoid weight to 1; Megatron's router (ours) leaves a top-1 alone
         ("deepseek_v3", {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "num_experts_per_tok=1"),
         ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=false"),

@@ -22,9 +22,10 @@ spec.loader.exec_module(convert)
 
 
 def _llama(path: pathlib.Path, **changes) -> str:
+    changes = {"tie_word_embeddings": False, **changes}
     cfg = transformers.LlamaConfig(vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False, initializer_range=0.05, **changes)  # fmt: skip
+                                   initializer_range=0.05, **changes)  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return str(path)
@@ -319,3 +320,101 @@ def test_converter_command_lines_a_megatron_user_writes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--target-tensor-parallel-size has no effect here: a megatron_lite checkpoint loads under any layout" in out
     assert "--max-queue-size has no effect here" in out
+
+
+@pytest.mark.parametrize(
+    "model_type, listed, window",
+    [("mistral", "LlamaForCausalLM", 5), ("llama", "MistralForCausalLM", 4)],
+)
+def test_the_model_type_decides_the_class_as_in_transformers(tmp_path, capsys, model_type, listed, window):
+    """(From an exploratory run) transformers' AutoModelForCausalLM builds the model_type's class whatever
+    config.json's architectures lists; the converter went by architectures: a Mistral listing Llama lost its
+    window, a Llama listing Mistral gained one, each without a word (logits 98-100% apart)."""
+    from test_convert import _hf_logits, _load_ours, _rel
+
+    from megatron_lite.config import ParallelConfig
+
+    src = _rewrite(
+        _llama(tmp_path / "hf"), tmp_path / "edited", model_type=model_type, architectures=[listed],
+        sliding_window=window,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    rc, out, err = _to_ours(src, tmp_path / "ours", capsys)
+    assert rc == 0, err
+    built = type(model).__name__
+    assert f"config.json lists {listed} but its model_type {model_type} builds {built}: converted as {built}" in out
+    ours, _, config = _load_ours(str(tmp_path / "ours"), ParallelConfig())
+    assert config.sliding_window == (window if model_type == "mistral" else None)
+    ids = [(7 * i + 3) % 250 for i in range(24)]  # (longer than either window)
+    with torch.no_grad():
+        logits = ours(torch.tensor([ids]))[0].float()[..., :250]
+    assert _rel(logits, _hf_logits(model, ids)) <= 1e-5
+
+
+def test_a_tied_models_differing_lm_head_is_refused_and_an_equal_one_converts(tmp_path, capsys):
+    """tie_word_embeddings with an lm_head.weight of other values: transformers 5 unties them and computes with it;
+    the converter dropped it without a word (logits 132% apart). The embedding's exact copy is redundant."""
+    src = _llama(tmp_path / "hf", tie_word_embeddings=True)
+
+    def head(scale):
+        return lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"] * scale}
+
+    rc, _, err = _to_ours(_rewrite(src, tmp_path / "other", head(0.5)), tmp_path / "a", capsys)
+    _one_line(rc, err, "ties the output layer to the word embeddings (tie_word_embeddings true) but its lm_head.weight "
+              "differs from them")  # fmt: skip
+    rc, _, err = _to_ours(_rewrite(src, tmp_path / "copy", head(1.0)), tmp_path / "b", capsys)
+    assert rc == 0, err
+
+
+def test_damaged_json_beside_the_weights_is_one_line_naming_the_file(tmp_path, capsys):
+    """(From an exploratory run) a truncated model.safetensors.index.json, one without its weight_map, a config.json
+    that is JSON but not an object, and a converted checkpoint's damaged hf/config.json or generation_config.json
+    were tracebacks (JSONDecodeError, KeyError, AttributeError) or errors naming no file."""
+    from megatron_lite.checkpoint.hf_convert import generation_eos_ids
+    from megatron_lite.checkpoint.lookup import read_metadata
+    from megatron_lite.config import ConfigError
+
+    src = _llama(tmp_path / "hf")
+    for name, text, fragment in (
+        ("model.safetensors.index.json", "{", "model.safetensors.index.json is not JSON"),
+        ("model.safetensors.index.json", '{"metadata": {}}', "has no weight_map of tensor names to files"),
+        ("config.json", "[1, 2]", "config.json is not a JSON object of the model's settings"),
+    ):
+        bad = tmp_path / f"bad_{len(text)}"
+        shutil.copytree(src, bad)
+        (bad / name).write_text(text)
+        rc, _, err = _to_ours(str(bad), tmp_path / f"o_{len(text)}", capsys)
+        _one_line(rc, err, str(bad / name), fragment)
+    ours = tmp_path / "ours"
+    assert _to_ours(src, ours, capsys)[0] == 0
+    (ours / "hf" / "config.json").write_text("{")
+    rc, _, err = _to_hf(ours, tmp_path / "back", capsys)
+    _one_line(rc, err, f"{ours / 'hf' / 'config.json'} is not JSON")
+    shutil.copyfile(src + "/config.json", ours / "hf" / "config.json")
+    saved = read_metadata(str(ours / "iter_0000000"))
+    for text, fragment in (("{", "generation_config.json is not JSON"), ('{"eos_token_id": "x"}', "eos_token_id 'x'")):
+        (ours / "hf" / "generation_config.json").write_text(text)
+        with pytest.raises(ConfigError, match="generation_config.json") as e:
+            generation_eos_ids(str(ours), saved)
+        assert fragment in str(e.value), str(e.value)
+
+
+def test_a_copied_checkpoint_reads_its_own_tokenizer(tmp_path):
+    """A converted checkpoint records its hf/tokenizer.json by absolute path: a copy read the original's while it
+    existed (found by an exploratory run), so another model converted into the original's directory since would
+    have lent the copy its tokenizer. The checkpoint's own hf/ comes first; a tokenizer given by flag stays."""
+    from megatron_lite.checkpoint_flags import tokenizer_beside
+
+    for name in ("a", "b", "c"):
+        (tmp_path / name / "hf").mkdir(parents=True)
+        (tmp_path / name / "hf" / "tokenizer.json").write_text(name)
+    recorded = str(tmp_path / "a" / "hf" / "tokenizer.json")
+    own = str(tmp_path / "b" / "hf" / "tokenizer.json")
+    assert tokenizer_beside(recorded, str(tmp_path / "b")) == own
+    assert tokenizer_beside(recorded, str(tmp_path / "b" / "iter_0000000")) == own  # (the iteration given)
+    assert tokenizer_beside(recorded, str(tmp_path / "a")) == recorded
+    assert tokenizer_beside(recorded, str(tmp_path / "elsewhere")) == recorded  # (a copy without hf/)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("flag")
+    given = str(tmp_path / "tok" / "tokenizer.json")  # (--tokenizer-model of a run trained from scratch)
+    assert tokenizer_beside(given, str(tmp_path / "c")) == given

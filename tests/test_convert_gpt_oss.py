@@ -46,7 +46,9 @@ def _random_model(config) -> transformers.GptOssForCausalLM:
 
 def test_gpt_oss_converts_both_ways_with_transformers_logits(tmp_path):
     fields = ("layer_types", "sliding_window", "swiglu_limit", "head_dim", "num_local_experts", "attention_bias")
-    config, _ = converts_both_ways(_random_model(_config()), tmp_path, fields)
+    # (the export wrote our 0 over router_aux_loss_coef, transformers' training setting: kept as the others keep it)
+    fields += ("router_aux_loss_coef",)
+    config, _ = converts_both_ways(_random_model(_config(router_aux_loss_coef=0.02)), tmp_path, fields)
     assert (config.softmax_type, config.activation, config.glu_linear_offset) == ("learnable", "quick_geglu", 1.0)
     assert config.activation_func_clamp_value == 1.5 and config.add_bias_linear and config.num_experts == 4
     # layer_types alternate sliding / full from the first layer: Megatron's --window-attn-skip-freq 2

@@ -145,3 +145,38 @@ def test_a_constant_loss_scale_given_on_resume_is_the_scale():
     fresh = DynamicGradScaler(2.0**16, 1.0, 1000, 2)
     fresh.load_state_dict(ConstantGradScaler(128).state_dict())
     assert fresh.scale == 128 and fresh.state_dict() == {"scale": 128, "growth_tracker": 0, "hysteresis_tracker": 2}
+
+
+@pytest.mark.parametrize(
+    "flags, iters, samples, message",
+    [
+        # (an exploratory run's: the decay's length was named as a flag never given, and 0 suggested where 1 and 2 work)
+        (
+            dict(lr_warmup_iters=3),
+            3,
+            None,
+            "--lr-warmup-iters 3 must be below the decay's 3 iters (--train-iters: no "
+            "--lr-decay-iters); use --lr-warmup-iters 1",
+        ),  # fmt: skip
+        (
+            dict(lr_warmup_iters=30, lr_decay_iters=20),
+            40,
+            None,
+            "--lr-warmup-iters 30 must be below --lr-decay-iters 20; use --lr-warmup-iters 2",
+        ),  # fmt: skip
+        (
+            dict(lr_warmup_samples=64),
+            None,
+            64,
+            "--lr-warmup-samples 64 must be below the decay's 64 samples "
+            "(--train-samples: no --lr-decay-samples); use --lr-warmup-samples 6",
+        ),  # fmt: skip
+    ],
+)
+def test_a_warmup_as_long_as_the_decay_is_refused_naming_what_was_given(flags, iters, samples, message):
+    """Megatron asserts warmup < decay steps; the line names the decay's length as the flags give it."""
+    from megatron_lite.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        OptimizerConfig(lr=1e-3, lr_decay_style="cosine", **flags).validate_schedule(iters or 1, samples)
+    assert message in str(e.value), str(e.value)

@@ -212,6 +212,9 @@ def test_moe_flags_megatron_refuses_or_reads_its_own_way():
         ),
         (["--kv-channels", "0"], "--kv-channels 0 must be a positive integer"),
         (["--init-method-std", "-1"], "--init-method-std -1.0 must be >= 0"),
+        # (an exploratory run's: both trained to a NaN loss at iteration 1)
+        (["--norm-epsilon", "-1"], "--norm-epsilon -1 must be >= 0"),
+        (["--position-embedding-type", "rope", "--rotary-base", "0"], "--rotary-base 0 must be positive"),
         (
             ["--disable-bias-linear", "--num-experts", "4", "--moe-ffn-hidden-size", "0"],
             "--moe-ffn-hidden-size 0 must be a positive integer",

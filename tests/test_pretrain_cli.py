@@ -188,6 +188,10 @@ def test_load_directory_that_is_not_a_checkpoint(tmp_path, capsys, monkeypatch):
     (tmp_path / "ckpt" / "notes.txt").write_text("hello")
     rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--load", str(tmp_path / "ckpt")], capsys, monkeypatch)
     _one_line_error(rc, err, "--load", "not a megatron_lite checkpoint")
+    # a file (a checkpoint's tensors, say) was said not to exist, and the run trained from scratch
+    load = str(tmp_path / "ckpt" / "notes.txt")
+    rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--load", load], capsys, monkeypatch)
+    _one_line_error(rc, err, f"--load {load} is a file; give the directory of checkpoints that holds it")
 
 
 def test_missing_load_dir_starts_from_scratch_unless_told_otherwise(tmp_path, capsys, monkeypatch):

@@ -55,6 +55,36 @@ def test_exit_duration_counts_the_start_up(tmp_path, capsys, monkeypatch):
     assert "exiting at iteration 1 " in out and "iteration       20/      20 |" not in out, out
 
 
+def test_an_exit_duration_of_zero_sets_no_limit(tmp_path, capsys, monkeypatch):
+    """Megatron tests `if args.exit_duration_in_mins:`, so 0 (launch scripts' default) is off; it exited after
+    iteration 1 here, having saved. Negative values, and a negative --exit-interval (which exited at its
+    multiples), are refused in one line (a negative --eval-iters is Megatron's "no evaluation": its examples pass
+    -1, tests/test_cli_megatron_scripts.py)."""
+    from test_pretrain_cli import _one_line_error
+
+    argv = [*DATA, "--train-iters", "3", "--eval-iters", "1", "--exit-duration-in-mins", "0"]
+    rc, out, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    assert "exiting at iteration" not in out and "iteration        3/       3 |" in out, out
+    for flag, value in (("--exit-duration-in-mins", "-1"), ("--exit-interval", "-2")):
+        rc, _, err = _run([*DATA, "--train-iters", "3", flag, value], capsys, monkeypatch)
+        _one_line_error(rc, err, f"{flag} {value} must be >= 0")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_seed_numpy_cannot_take_is_refused_at_start_up(tmp_path, capsys, monkeypatch, seed):
+    """The dataset's shuffle is numpy's RandomState(seed), as Megatron's: a seed outside 0 .. 2**32 - 1 was a
+    numpy traceback on every rank once the process groups were up."""
+    from test_pretrain_cli import _dataset, _one_line_error
+
+    data = ["--data-path", _dataset(tmp_path), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    data += ["--train-iters", "2"]
+    rc, _, err = _run([*data, "--seed", seed], capsys, monkeypatch)
+    _one_line_error(rc, err, f"--seed {seed} is out of range: give an integer from 0 to 4294967295")
+    rc, _, err = _run([*data, "--seed", str(2**32 - 1), "--eval-iters", "1"], capsys, monkeypatch)
+    assert rc == 0, err
+
+
 def test_a_skipped_step_is_not_averaged_into_the_logged_loss(tmp_path, capsys, monkeypatch):
     """--nan-policy skip: the non-finite step's loss stays out of the window's lm_loss (it made the whole
     window's NaN), and is counted as skipped (Megatron's training_log)."""

@@ -51,13 +51,29 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     write_hf_dir,
 )
 from megatron_lite.checkpoint.lora_base import lora_base_checkpoint
-from megatron_lite.checkpoint.origin import HF_DIR, ORIGIN, checkpoint_origin, has_hf_config, hf_side, read_hf_config
+from megatron_lite.checkpoint.origin import (
+    HF_DIR,
+    ORIGIN,
+    checkpoint_origin,
+    has_hf_config,
+    hf_side,
+    read_hf_config,
+    read_json_object,
+)
 from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.embedded import build_embedded_corpus, trained_on_embedded_corpus
 from megatron_lite.data.tokenizers import tokenizer_from_saved
-from megatron_lite.models.hf import MTP, _arch, architecture_for, check_exportable, config_from_hf, hf_config_dict
+from megatron_lite.models.hf import (
+    MTP,
+    _arch,
+    architecture_for,
+    check_exportable,
+    config_from_hf,
+    hf_config_dict,
+    listed_architecture,
+)
 from megatron_lite.models.hf_decilm import DECILM, exported_auto_map, remote_code_files
 from megatron_lite.models.hf_decilm import MODEL_TYPE as DECILM_TYPE
 from megatron_lite.models.hf_deepseek import rope_interleave_of
@@ -78,6 +94,8 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
         raw = json.load(open(cfg_path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # (a saved HTML page, a truncated download)
         raise ConfigError(f"{cfg_path} is not JSON ({e}); download it again") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg_path} is not a JSON object of the model's settings; download it again")
     archs = raw.get("architectures") or [None]
     if archs[0] == DECILM or raw.get("model_type") == DECILM_TYPE:
         # Llama-Nemotron's DeciLM is remote code only, and a download names it (auto_map, configuration_decilm.py):
@@ -180,6 +198,9 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     arch = _arch(hf_config)
     config = config_from_hf(hf_config)
     log(f"{load_dir}: {arch}, {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {config.vocab_size}")
+    if (listed := listed_architecture(hf_config)) is not None:  # (transformers builds the model_type's class too)
+        log(f"{load_dir}: config.json lists {listed} but its model_type {hf_config.model_type} builds {arch}: "
+            f"converted as {arch}, as transformers' AutoModelForCausalLM loads it")  # fmt: skip
     hf = normalize_hf_names(read_hf_tensors(load_dir), arch)
     arch = LLAMA4 if arch == LLAMA4_VLM else arch  # (its text model, which exports as Llama4ForCausalLM)
     if arch == GPT_OSS:  # (the Hub's gpt-oss experts are MXFP4: dequantised exactly)
@@ -203,6 +224,7 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
     with mapping_errors(load_dir):
         ours = state_dict_from_hf(hf, config, arch, interleave)
     ours = check_state_dict(ours, config, load_dir, log)
+    _check_tied_output(hf, ours, config, load_dir)
     _check_mtp_copies(hf, config, load_dir, log)
     unused = set(hf) - _used_hf_names(hf, config, arch, interleave)
     if unused:
@@ -259,6 +281,21 @@ def _check_mtp_copies(hf: dict, config: ModelConfig, load_dir: str, log) -> None
                 log(f"{load_dir}: {copy} differs from the model's own; multi-token prediction uses the model's")
 
 
+def _check_tied_output(hf: dict, ours: dict, config: ModelConfig, load_dir: str) -> None:
+    """A tied model's files may hold lm_head.weight too: the embedding's copy, which the tie makes redundant. One
+    that differs was dropped without a word, yet transformers 5 then unties them and computes with it (4.x tied
+    over it): which output layer was meant, only the user knows."""
+    head, embedding = hf.get("lm_head.weight"), ours.get("embedding.word_embeddings.weight")
+    if config.untie_embeddings_and_output_weights or head is None or embedding is None:
+        return
+    if head.shape != embedding.shape or not torch.equal(head.to(embedding.dtype), embedding):
+        raise ConfigError(
+            f"{load_dir}: config.json ties the output layer to the word embeddings (tie_word_embeddings true) but "
+            "its lm_head.weight differs from them (transformers 5 then computes with lm_head, untied); set "
+            "tie_word_embeddings to false to convert both, or drop lm_head.weight from the files to tie them"
+        )
+
+
 def _used_hf_names(hf: dict, config: ModelConfig, arch: str, interleave: bool = True) -> set[str]:
     """The HF names the mapping reads: the inverse mapping's names, plus the fused-module alternatives."""
     ours = state_dict_from_hf(hf, config, arch, interleave)
@@ -288,7 +325,7 @@ def _original_hf_config(load_dir: str, saved: dict) -> tuple[dict, str | None]:
 
 def _generation_json(side: str | None) -> dict | None:
     path = os.path.join(side, "generation_config.json") if side else None
-    return json.load(open(path)) if path and os.path.isfile(path) else None
+    return read_json_object(path) if path and os.path.isfile(path) else None
 
 
 def generation_config(load_dir: str, saved: dict) -> dict | None:
@@ -302,7 +339,14 @@ def generation_eos_ids(load_dir: str, saved: dict) -> list[int]:
     config, side = _original_hf_config(load_dir, saved)
     gen = _generation_json(side)
     eos = (gen if gen is not None else config).get("eos_token_id")
-    return [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        where = "generation_config.json" if gen is not None else "config.json"
+        raise ConfigError(
+            f"{os.path.join(side or load_dir, where)}: eos_token_id {eos!r} is not a token id or a list of them; "
+            "restore it from the model it came from"
+        )
+    return list(ids)
 
 
 def megatron_lite_to_peft(

@@ -68,7 +68,7 @@ def copy_side_files(side_from: list[tuple[str, tuple[str, ...]]], path: str) -> 
 def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
+        files = sorted(set(_weight_map(index).values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     elif any(f.endswith(".bin") for f in os.listdir(path)):
@@ -87,6 +87,20 @@ def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
         except Exception as e:
             raise ConfigError(f"{full} cannot be read ({type(e).__name__}: {e})") from None
     return out
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """The index's tensor -> file map; one line where it is not one (a truncated download, a saved HTML page:
+    they were JSONDecodeError and KeyError tracebacks)."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        why = "not a JSON object" if isinstance(e, AttributeError) else f"not JSON ({e})"
+        raise ConfigError(f"{index} is {why}; download it again") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{index} has no weight_map of tensor names to files; download it again")
+    return weight_map
 
 
 def shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -148,4 +148,17 @@ def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool, save: str | N
 
 
 def read_hf_config(side: str | None) -> dict:
-    return json.load(open(os.path.join(side, "config.json"))) if has_hf_config(side) else {}
+    return read_json_object(os.path.join(side, "config.json")) if has_hf_config(side) else {}
+
+
+def read_json_object(path: str) -> dict:
+    """A JSON object from `path`, or one line naming the file (a damaged one in a checkpoint's hf/ was a
+    JSONDecodeError traceback at the export, or an error that named no file)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not JSON ({e}); restore it from the model it came from") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path} is not a JSON object; restore it from the model it came from")
+    return out

@@ -26,6 +26,11 @@ def validate_model(c: ModelConfig) -> None:
             raise ConfigError(f"{flag} {value} must be a positive integer")
     if not c.init_method_std >= 0:
         raise ConfigError(f"--init-method-std {c.init_method_std} must be >= 0")
+    # (an exploratory run's: both trained into a NaN loss at iteration 1, blamed on a gradient, not the flag)
+    if not c.norm_epsilon >= 0:
+        raise ConfigError(f"--norm-epsilon {c.norm_epsilon:g} must be >= 0 (Megatron's default: 1e-5)")
+    if not c.rotary_base > 0:
+        raise ConfigError(f"--rotary-base {c.rotary_base:g} must be positive (Megatron's default: 10000)")
     if c.kv_channels is None and c.hidden_size % c.num_attention_heads and not c.multi_latent_attention:
         raise ConfigError(
             f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "

@@ -55,28 +55,21 @@ PARTIAL_ROTARY = ("NemotronForCausalLM", "Phi3ForCausalLM", GLM4_MOE)
 
 
 def _arch(hf_config: Any) -> str:
+    """The class transformers' AutoModelForCausalLM builds from this config: its model_type's (config.json's
+    architectures does not decide there: a Mistral model_type listing LlamaForCausalLM is built as Mistral, with
+    its window, and was converted as Llama without it). A model_type of none of ours (Kimi-K2's kimi_k2, remote
+    code of a DeepSeek class; DeciLM's) goes by its architectures."""
+    by_type = _BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None))
+    if by_type is not None:
+        return by_type
     archs = getattr(hf_config, "architectures", None) or []
-    if archs:
-        return archs[0]
-    return {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM",
-        "qwen2_moe": QWEN2_MOE,
-        "nemotron": "NemotronForCausalLM",
-        "phi3": "Phi3ForCausalLM",
-        "mixtral": "MixtralForCausalLM",
-        "deepseek_v3": "DeepseekV3ForCausalLM",
-        "deepseek_v2": "DeepseekV2ForCausalLM",
-        "gpt_oss": GPT_OSS,
-        "glm4_moe": GLM4_MOE,
-        "llama4_text": LLAMA4,
-        "llama4": LLAMA4_VLM,
-        "gpt2": "GPT2LMHeadModel",
-        "nemotron_h": NEMOTRON_H,
-    }.get(hf_config.model_type, hf_config.model_type)
+    return archs[0] if archs else hf_config.model_type
+
+
+def listed_architecture(hf_config: Any) -> str | None:
+    """config.json's first architecture where it is not the class the model_type builds (None where it is)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return archs[0] if archs and archs[0] != _arch(hf_config) else None
 
 
 def _gqa_fields(c: Any, rope: tuple[float, RopeScaling | None], eps: float | None = None) -> dict:
@@ -433,6 +426,8 @@ MODEL_TYPES = {
     LLAMA4: "llama4_text",
     "GPT2LMHeadModel": "gpt2",
 }
+# (and back: the class each model_type builds; Llama 4's multimodal one, whose text model converts)
+_BY_MODEL_TYPE = {kind: arch for arch, kind in MODEL_TYPES.items()} | {"llama4": LLAMA4_VLM}
 
 
 def hf_config_dict(config: ModelConfig, arch: str, base: dict | None = None, dtype: str = "float32") -> dict:

@@ -128,7 +128,9 @@ def export_problems(c: ModelConfig) -> list[str]:
 
 
 def config_fields(c: ModelConfig) -> dict:
-    """config.json fields of GptOssForCausalLM beyond the Llama family's."""
+    """config.json fields of GptOssForCausalLM beyond the Llama family's. (Not router_aux_loss_coef: a training
+    setting of transformers', kept from the weights' own config.json as the other MoE exports keep it; the import
+    zeroes ours, and an exploratory run found the export writing that 0 over the original's 0.001.)"""
     layers = ["sliding_attention" if c.layer_window(i) is not None else "full_attention" for i in range(c.num_layers)]
     return dict(
         head_dim=c.head_dim,
@@ -140,7 +142,6 @@ def config_fields(c: ModelConfig) -> dict:
         attention_bias=True,
         swiglu_limit=c.activation_func_clamp_value,
         swiglu_alpha=QUICK_GELU_ALPHA,
-        router_aux_loss_coef=c.moe_aux_loss_coeff,
         output_router_logits=False,
     )
 

@@ -301,9 +301,17 @@ class OptimizerConfig:
             raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N (the length of the final decay)")
         unit, warmup, decay, wsd = self.schedule(train_iters, train_samples)
         if self.lr_decay_style != "constant" and warmup >= decay:
+            # (named as given: the decay's length defaults to the run's; a --lr-warmup-fraction is below 1)
+            explicit = self.lr_decay_samples if unit == "samples" else self.lr_decay_iters
+            run = "--train-samples" if unit == "samples" else "--train-iters"
+            length = (
+                f"--lr-decay-{unit} {decay}"
+                if explicit
+                else f"the decay's {decay} {unit} ({run}: no --lr-decay-{unit})"
+            )
             raise ConfigError(
-                f"--lr-warmup-{unit} {warmup} must be below --lr-decay-{unit} {decay}; "
-                f"use --lr-warmup-{unit} {max(decay // 10, 0)}"
+                f"--lr-warmup-{unit} {warmup} must be below {length}; use --lr-warmup-{unit} "
+                f"{max(decay // 10, 1) if decay > 1 else 0}"
             )
         if self.lr_decay_style == "WSD" and (wsd or 0) > decay:
             raise ConfigError(f"--lr-wsd-decay-{unit} {wsd} exceeds --lr-decay-{unit} {decay}")

@@ -122,7 +122,7 @@ def should_exit(t, iteration: int, job_start: float, ctx) -> bool:
     """--exit-interval and --exit-duration-in-mins (`t`: the TrainingConfig), decided by all ranks together."""
     if t.exit_interval and iteration % t.exit_interval == 0:
         return True
-    return t.exit_duration_in_mins is not None and over_time(t, job_start, ctx)
+    return bool(t.exit_duration_in_mins) and over_time(t, job_start, ctx)  # (0 sets no limit, as in Megatron)
 
 
 def over_time(t, job_start: float, ctx) -> bool:

@@ -312,25 +312,36 @@ def check_writable_dir(flag: str, path: str) -> None:
         ) from None
 
 
-def output_dirs(job: JobConfig, rank: int) -> list[tuple[str, str]]:
-    """(flag, directory) this rank writes checkpoints into, probed at start-up (check_writable_dir): --save, and
-    the non-persistent checkpoints' own directory where one is given (a local one: this rank's)."""
+def output_dirs(job: JobConfig, rank: int, logging_rank: bool = False) -> list[tuple[str, str]]:
+    """(flag, directory) this rank writes into, probed at start-up (check_writable_dir): --save, and the
+    non-persistent checkpoints' own directory where one is given (a local one: this rank's); on the rank that
+    logs (`logging_rank`), the logs' directories; on a profiled rank, --profile-dir."""
     from megatron_lite.checkpoint.non_persistent import local_dir
 
-    ck = job.checkpoint
-    if job.training.skip_train:  # (nothing is trained, so nothing saved: check_output_paths)
-        return []
-    out = [("--save", ck.save)] if ck.save else []
-    if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
-        out.append(("--non-persistent-local-ckpt-dir", local_dir(ck, rank)))
-    elif ck.non_persistent_ckpt_type == "global" and ck.non_persistent_global_ckpt_dir:
-        out.append(("--non-persistent-global-ckpt-dir", ck.non_persistent_global_ckpt_dir))
+    ck, lg = job.checkpoint, job.logging
+    out = []
+    if not job.training.skip_train:  # (nothing is trained, so nothing saved: check_output_paths)
+        out += [("--save", ck.save)] if ck.save else []
+        if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
+            out.append(("--non-persistent-local-ckpt-dir", local_dir(ck, rank)))
+        elif ck.non_persistent_ckpt_type == "global" and ck.non_persistent_global_ckpt_dir:
+            out.append(("--non-persistent-global-ckpt-dir", ck.non_persistent_global_ckpt_dir))
+    # The logs' permission bits alone (check_output_paths) passed a directory under /proc or on a read-only
+    # mount for root: the logging rank failed opening them with a traceback, the others then in a collective
+    if logging_rank and lg.log_jsonl:
+        out.append(("--log-jsonl", os.path.dirname(os.path.abspath(lg.log_jsonl))))
+    if logging_rank and lg.tensorboard_dir:
+        out.append(("--tensorboard-dir", lg.tensorboard_dir))
+    if logging_rank and lg.wandb_project:  # (as the logger places it: beside the checkpoints, else here)
+        out.append(("--wandb-save-dir", lg.wandb_save_dir or os.path.join(ck.save or os.getcwd(), "wandb")))
+    if lg.profile and lg.use_pytorch_profiler and lg.profile_dir and rank in lg.profile_ranks:
+        out.append(("--profile-dir", lg.profile_dir))
     return out
 
 
-def probe_output_dirs(job: JobConfig, rank: int) -> str | None:
+def probe_output_dirs(job: JobConfig, rank: int, logging_rank: bool = False) -> str | None:
     """check_writable_dir on each of output_dirs: the first failure's one line, or None."""
-    for flag, path in output_dirs(job, rank):
+    for flag, path in output_dirs(job, rank, logging_rank):
         try:
             check_writable_dir(flag, path)
         except ConfigError as e:

@@ -135,7 +135,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
     try:
         # The output directories are made and probed now: every rank has looked for --load (one that does not exist
         # is said so); a directory one node cannot write is said by every rank at the agreement, not a hang there
-        probe_error = probe_output_dirs(job, rank)
+        probe_error = probe_output_dirs(job, rank, _logging_rank(ctx))
         if (agreed := non_persistent.agree(job, ckpt_path, ctx.rank, say)) != ckpt_path:  # (local ones: each its own)
             ckpt_path, upcycling = agreed, check_upcycling(job, agreed)  # (what was read from the other, again)
             job, base_path = start_from(job, ckpt_path, source.vocab_size, world_size, say)
@@ -330,7 +330,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 log.info(f"saved {path}")
 
         # (its time limit: every rank asks at the same point, as Megatron's evaluate())
-        timed = t.exit_duration_in_mins is not None
+        timed = bool(t.exit_duration_in_mins)  # (0 sets no limit, as Megatron's truth test)
         evaluator = Evaluator(job, ctx, model, ddp, optimizer, log, lambda: timed and over_time(t, job_start, ctx))
 
         def evaluate(dataset, kind: str, final: bool = False) -> bool:

@@ -68,6 +68,11 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
         )
         if ck.no_save_optim:  # its own checkpoints hold no optimizer state
             say("--no-save-optim: resuming from the weights with fresh optimizer state and LR schedule")
+    if job.checkpoint.load and os.path.isfile(job.checkpoint.load):  # (it said "does not exist" and trained anew)
+        raise ConfigError(
+            f"--load {job.checkpoint.load} is a file; give the directory of checkpoints that holds it (the one with "
+            "latest_checkpointed_iteration.txt)"
+        )
     if job.checkpoint.load:
         own = same_directory(job.checkpoint.load, ck.save)  # (Megatron's --load X --save X: logs may lie in X)
         step = job.checkpoint.ckpt_step  # (it names a persistent checkpoint)
