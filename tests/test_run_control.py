@@ -69,6 +69,9 @@ def test_an_exit_duration_of_zero_sets_no_limit(tmp_path, capsys, monkeypatch):
     for flag, value in (("--exit-duration-in-mins", "-1"), ("--exit-interval", "-2")):
         rc, _, err = _run([*DATA, "--train-iters", "3", flag, value], capsys, monkeypatch)
         _one_line_error(rc, err, f"{flag} {value} must be >= 0")
+    # (and a global batch of 0 was "not divisible by" micro-batch x DP, which 0 is)
+    rc, _, err = _run([*DATA, "--train-iters", "3", "--global-batch-size", "0"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--global-batch-size 0 must be positive")
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**32)])
