@@ -97,8 +97,20 @@ CASES = {
     "missing_lm_head": (_drop("lm_head.weight"), {}, "lacks the tensor lm_head.weight"),
     # config.json that does not describe the files: KeyError and RuntimeError tracebacks, or silently accepted
     "more_layers": (None, {"num_hidden_layers": 3}, "lacks the tensor model.layers.2."),
-    "kv_heads": (None, {"num_key_value_heads": 4}, "linear_qkv.weight (64, 32) (expected (96, 32))"),
-    "vocab": (None, {"vocab_size": 256}, "embedding.word_embeddings.weight (250, 32) (expected (256, 32))"),
+    # (named as the files name them: they were named as ours, decoder.layers.0.self_attention.linear_qkv.weight)
+    "kv_heads": (
+        None,
+        {"num_key_value_heads": 4},
+        "model.layers.0.self_attn.k_proj.weight (16, 32) (expected (32, 32))",
+    ),
+    "vocab": (None, {"vocab_size": 256}, "model.embed_tokens.weight (250, 32) (expected (256, 32))"),
+    "ffn": (None, {"intermediate_size": 47}, "model.layers.0.mlp.down_proj.weight (32, 48) (expected (32, 47))"),
+    # an integer weight was cast without a word
+    "int32": (
+        lambda t: {**t, "model.norm.weight": t["model.norm.weight"].to(torch.int32)},
+        {},
+        "model.norm.weight in int32",
+    ),
     "bias_in_files": (
         lambda t: {**t, **{f"model.layers.0.self_attn.{p}_proj.bias": torch.zeros(n) for p, n in QKV}},
         {},
@@ -418,3 +430,23 @@ def test_a_copied_checkpoint_reads_its_own_tokenizer(tmp_path):
     (tmp_path / "tok" / "tokenizer.json").write_text("flag")
     given = str(tmp_path / "tok" / "tokenizer.json")  # (--tokenizer-model of a run trained from scratch)
     assert tokenizer_beside(given, str(tmp_path / "c")) == given
+
+
+def test_a_deepseek_v3_without_shared_experts_converts(tmp_path, capsys):
+    """n_shared_experts 0: transformers saves the shared expert's zero-width tensors, which were refused as
+    "tensors the mapping does not use" (an exploratory run's). Empty tensors hold nothing; the logits are
+    transformers'."""
+    from test_convert import PROMPT, V, _configs, _hf_logits, _rel, ours_at
+
+    from megatron_lite.config import ParallelConfig
+
+    cfg = _configs()["deepseek_v3"]
+    cfg.n_shared_experts = 0
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    assert any(t.numel() == 0 for k, t in model.state_dict().items() if "shared_experts" in k)
+    model.save_pretrained(tmp_path / "hf")
+    rc, _, err = _to_ours(str(tmp_path / "hf"), tmp_path / "ours", capsys)
+    assert rc == 0, err
+    logits, _ = ours_at(str(tmp_path / "ours"), ParallelConfig(), PROMPT)
+    assert _rel(logits[0, :, :V] if logits.dim() == 3 else logits[:, :V], _hf_logits(model, PROMPT)) < 1e-5

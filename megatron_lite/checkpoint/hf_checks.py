@@ -56,6 +56,39 @@ def check_not_quantised(hf: dict[str, torch.Tensor], raw: dict, where: str, log)
     if method:
         log(f"{where}: config.json names quantization {method!r} but the weights are not quantised: converted as they "
             "are (the quantization_config is dropped)")  # fmt: skip
+    # any other integer weight (an int32 one was accepted and cast without a word; GPT-2's mask buffers aside)
+    ints = sorted(
+        k
+        for k, t in hf.items()
+        if not t.is_floating_point() and k.endswith(("weight", "bias")) and not k.endswith(("attn.bias", "masked_bias"))
+    )
+    if ints:
+        raise ConfigError(
+            f"{where} holds {len(ints)} weight(s) of an integer dtype, e.g. {ints[0]} in "
+            f"{str(hf[ints[0]].dtype).removeprefix('torch.')}: a model's weights are floating point ({CAUSE})"
+        )
+
+
+def check_hf_shapes(
+    hf: dict[str, torch.Tensor], config: ModelConfig, arch: str, where: str, rope_interleave: bool = True
+) -> None:
+    """Each Hugging Face tensor against the shape config.json gives it, named as the files name it: our expected
+    tensors, on the meta device, through the export's mapping (either form of a fused module). A wrong one was
+    named as ours after the mapping (`decoder.layers.0.mlp.linear_fc1.weight`), not `up_proj`."""
+    from megatron_lite.models.hf_weights import state_dict_to_hf
+
+    meta = {k: torch.empty(shape, device="meta") for k, shape in expected_tensors(config).items()}
+    expected = {}
+    for on_disk in (True, False):
+        mapped = state_dict_to_hf(meta, config, arch, on_disk=on_disk, rope_interleave=rope_interleave)
+        expected.update({k: tuple(t.shape) for k, t in mapped.items()})
+    wrong = [
+        f"{k} {tuple(hf[k].shape)} (expected {expected[k]})"
+        for k in sorted(hf)
+        if k in expected and tuple(hf[k].shape) != expected[k]
+    ]
+    if wrong:
+        raise ConfigError(f"{where}: {len(wrong)} tensor(s) of the wrong shape, e.g. {'; '.join(wrong[:2])} ({CAUSE})")
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:

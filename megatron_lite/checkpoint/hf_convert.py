@@ -32,6 +32,7 @@ from megatron_lite.checkpoint.checkpointing import (
 from megatron_lite.checkpoint.format import FORMAT, complete_iterations, file_digest, iteration_dir
 from megatron_lite.checkpoint.hf_checks import (
     EXPORT_CAUSE,
+    check_hf_shapes,
     check_not_quantised,
     check_state_dict,
     mapping_errors,
@@ -221,12 +222,14 @@ def hf_to_megatron_lite(load_dir: str, save_dir: str, log=print) -> str:
         )
     config = dataclasses.replace(config, mtp_num_layers=mtp)
     interleave = bool(getattr(hf_config, "rope_interleave", True))  # (DeepSeek-V3's RoPE row layout)
+    check_hf_shapes(hf, config, arch, load_dir, interleave)
     with mapping_errors(load_dir):
         ours = state_dict_from_hf(hf, config, arch, interleave)
     ours = check_state_dict(ours, config, load_dir, log)
     _check_tied_output(hf, ours, config, load_dir)
     _check_mtp_copies(hf, config, load_dir, log)
-    unused = set(hf) - _used_hf_names(hf, config, arch, interleave)
+    # (empty tensors hold nothing: transformers saves DeepSeek-V3's zero-width shared expert at n_shared_experts 0)
+    unused = {k for k in set(hf) - _used_hf_names(hf, config, arch, interleave) if hf[k].numel()}
     if unused:
         raise ConfigError(f"{load_dir} holds tensors the {arch} mapping does not use: {sorted(unused)[:5]}")
     trained = [i for i in complete_iterations(save_dir) if i != 0] if os.path.isdir(save_dir) else []
