@@ -449,6 +449,9 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     )
 
 
+PER_SPLIT_DESTS = ("train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
     """Parse the flags. With --load pointing at a checkpoint, flags not given take the checkpoint's values,
     so `--load DIR` alone rebuilds and continues the run."""
@@ -478,6 +481,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         )
     ns.schedule_notes = []
     given = explicit_dests(parser, argv)
+    per_split = [d for d in PER_SPLIT_DESTS if d in given]
+    if "split" in given and per_split:  # (Megatron asserts "split and blend_per_split are incompatible")
+        raise ConfigError(
+            f"--split {ns.split} divides --data-path; with --{per_split[0].replace('_', '-')} each split has its own "
+            "datasets, used whole: drop --split (or give --data-path instead)"
+        )
     if "accumulate_allreduce_grads_in_fp32" in given and getattr(ns, "main_grads_dtype", None) == "bf16" and ns.bf16:
         raise ConfigError(
             "--accumulate-allreduce-grads-in-fp32 needs fp32 main gradients (as Megatron asserts), not "

@@ -159,6 +159,10 @@ def test_a_split_shorter_than_one_sample_repeats_its_documents_as_megatrons_does
     assert "validation loss at iteration 2" in out, out
     rc, _, err = _run([*per_split, "--valid-data-path", str(tmp_path / "nope")], capsys, monkeypatch)
     _one_line_error(rc, err, f"--valid-data-path {tmp_path / 'nope'}: missing")
+    # --split with per-split paths (Megatron asserts they are incompatible) trained on the whole of the train path
+    # and evaluated nothing, saying only that the validation split was empty
+    rc, _, err = _run([*per_split, "--split", "90,10,0"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--split 90,10,0 divides --data-path; with --train-data-path each split has its own")
     empty = str(tmp_path / "empty_text_document")
     _write(empty, [[], []])
     rc, _, err = _run([*flags, "--data-path", empty, "--split", "100,0,0"], capsys, monkeypatch)

@@ -376,6 +376,11 @@ def test_inputs_keep_their_order_and_megatrons_other_flags_are_said(tmp_path, ca
     assert [bytes(ds.get(i).tolist()).decode() for i in range(len(ds))] == ["from b", "from a"]
     assert preprocess_data.main(["--input", files[0], *argv, "--split-sentences"]) == 2
     assert "--split-sentences: Megatron's NLTK sentence split is not implemented here" in capsys.readouterr().err
+    # --lang and --keep-newlines shape that split alone: without it Megatron ignores them, and its scripts pass
+    # --lang english (its default); they were refused as if the split had been asked for
+    assert preprocess_data.main(["--input", files[0], *argv, "--lang", "english", "--keep-newlines"]) == 0
+    again = IndexedDataset(prefix + "_text_document")
+    assert [bytes(again.get(i).tolist()).decode() for i in range(len(again))] == ["from b"]
 
 
 def test_gzipped_inputs_are_read_and_an_error_leaves_no_partial_files(tmp_path, capsys):

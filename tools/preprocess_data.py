@@ -191,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     args = p.parse_args(argv)
     try:
-        if args.split_sentences or args.keep_newlines or args.lang:
-            flag = next(f for f, on in (("--split-sentences", args.split_sentences), ("--keep-newlines",
-                        args.keep_newlines), ("--lang", args.lang)) if on)  # fmt: skip
+        # (--keep-newlines and --lang only shape Megatron's split: without it they do nothing there, and its
+        # scripts pass --lang english, its default, anyway)
+        if args.split_sentences:
+            flag = "--split-sentences"
             raise ConfigError(
                 f"{flag}: Megatron's NLTK sentence split is not implemented here; split the text yourself and give "
                 'each document\'s sentences as a JSON list ({"text": ["First.", "Second."]}): one sequence each, in '
