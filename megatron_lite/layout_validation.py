@@ -244,6 +244,15 @@ def _check_expert_slices(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"{flag} with --moe-expert-capacity-factor is not supported yet; use dropless MoE")
 
 
+def _seq_lengths(seq: int, step: int, model: ModelConfig) -> str:
+    """The multiples of `step` nearest --seq-length, those learned positions have room for (68 was suggested past
+    --max-position-embeddings 66, then refused for it)."""
+    lo, hi = (seq // step) * step, (seq // step + 1) * step
+    cap = model.max_position_embeddings if model.position_embedding_type == "learned_absolute" else None
+    options = [str(n) for n in (lo, hi) if n > 0 and (cap is None or n <= cap)]
+    return " or ".join(options) if options else f"{hi} with --max-position-embeddings {hi}"
+
+
 def validate_layout(
     model: ModelConfig, parallel: ParallelConfig, world_size: int, training: TrainingConfig | None = None
 ) -> None:
@@ -404,19 +413,19 @@ def validate_layout(
     if cp > 1 and seq % (2 * cp):
         raise ConfigError(
             f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} (the zigzag "
-            f"split cuts the sequence into 2 x CP chunks); use --seq-length {_nearest_multiples(seq, 2 * cp)}"
+            f"split cuts the sequence into 2 x CP chunks); use --seq-length {_seq_lengths(seq, 2 * cp, model)}"
         )
     if cp > 1 and parallel.sequence_parallel and tp > 1 and (seq // cp) % tp:
         step = cp * math.lcm(2, tp)  # both splits: 2 x CP chunks, and each CP rank's part over TP
         raise ConfigError(
             f"--seq-length {seq} / --context-parallel-size {cp} = {seq // cp} tokens per CP rank is not divisible "
             f"by --tensor-model-parallel-size {tp} with --sequence-parallel; use --seq-length "
-            f"{_nearest_multiples(seq, step)}"
+            f"{_seq_lengths(seq, step, model)}"
         )
     if parallel.sequence_parallel and tp > 1 and seq % tp:
         raise ConfigError(
             f"--seq-length {seq} is not divisible by --tensor-model-parallel-size {tp} with "
-            f"--sequence-parallel; use --seq-length {_nearest_multiples(seq, tp)} or drop --sequence-parallel"
+            f"--sequence-parallel; use --seq-length {_seq_lengths(seq, tp, model)} or drop --sequence-parallel"
         )
     dp = parallel.data_parallel_size(world_size)
     mbs = training.micro_batch_size

@@ -131,6 +131,14 @@ CASES = {
         r"^--seq-length 20 is not divisible by 2 x --context-parallel-size 4 = 8 .*use --seq-length 16 or 24",
         ("training", T(seq_length=24)),
     ),
+    "a sequence length learned positions have room for": (  # (68 was offered past 66, then refused for it)
+        2,
+        {"position_embedding_type": "learned_absolute", "max_position_embeddings": 66},
+        P(context_parallel_size=2),
+        T(seq_length=66),
+        r"^--seq-length 66 is not divisible by 2 x --context-parallel-size 2 = 4 .*use --seq-length 64$",
+        ("training", T(seq_length=64)),
+    ),
     "bucket size not positive": (  # (from the overlap review: it made one bucket per parameter)
         1,
         {},

@@ -436,7 +436,11 @@ def hang_report(
             )  # fmt: skip
         )
     if unresponsive:
-        lines[-1] += f"; rank(s) {unresponsive} stopped responding (their last state is where they stopped)"
+        # (republished once a second: a rank still computing may have gone on for up to a second after it)
+        lines[-1] += (
+            f"; rank(s) {unresponsive} stopped responding (their last state was published up to a second before "
+            "they stopped)"
+        )
     # (a peer in a point-to-point exchange of its own may itself wait on a third rank: followed too)
     follow = missing + elsewhere + ([r for r in waiting if r != who] if entry.op in P2P else [])
     return "\n".join(lines + _chain(entry, follow, peers, frozen))
