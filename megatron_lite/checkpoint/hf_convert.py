@@ -14,7 +14,6 @@ pytorch_model.bin is refused, because loading it could run code.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from typing import Any
@@ -47,6 +46,7 @@ from megatron_lite.checkpoint.hf_files import (  # noqa: F401 - re-exported
     check_save_dir,
     copy_side_files,
     read_hf_tensors,
+    read_json_object,
     shards,
     tiktoken_side_files,
     write_hf_dir,
@@ -59,7 +59,6 @@ from megatron_lite.checkpoint.origin import (
     has_hf_config,
     hf_side,
     read_hf_config,
-    read_json_object,
 )
 from megatron_lite.checkpoint.reader import Reader
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
@@ -91,12 +90,7 @@ def load_hf_config(path: str) -> tuple[Any, dict]:
     own config class reads the file (exact defaults); without it, config.json over hf_defaults.HF_DEFAULTS."""
     check_hf_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
-    try:
-        raw = json.load(open(cfg_path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # (a saved HTML page, a truncated download)
-        raise ConfigError(f"{cfg_path} is not JSON ({e}); download it again") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{cfg_path} is not a JSON object of the model's settings; download it again")
+    raw = read_json_object(cfg_path, "download it again", "a JSON object of the model's settings")
     archs = raw.get("architectures") or [None]
     if archs[0] == DECILM or raw.get("model_type") == DECILM_TYPE:
         # Llama-Nemotron's DeciLM is remote code only, and a download names it (auto_map, configuration_decilm.py):

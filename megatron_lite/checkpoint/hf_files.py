@@ -89,15 +89,25 @@ def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _weight_map(index: str) -> dict[str, str]:
-    """The index's tensor -> file map; one line where it is not one (a truncated download, a saved HTML page:
-    they were JSONDecodeError and KeyError tracebacks)."""
+def read_json_object(
+    path: str, fix: str = "restore it from the model it came from", what: str = "a JSON object"
+) -> dict:
+    """A JSON object from `path`, or one line naming the file and `fix` (a truncated download, a saved HTML page,
+    a damaged file in a checkpoint's hf/: they were JSONDecodeError, KeyError and AttributeError tracebacks, or
+    errors that named no file). `what`: the object, as the line names it."""
     try:
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        why = "not a JSON object" if isinstance(e, AttributeError) else f"not JSON ({e})"
-        raise ConfigError(f"{index} is {why}; download it again") from None
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not JSON ({e}); {fix}") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path} is not {what}; {fix}")
+    return out
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """The index's tensor -> file map; one line where it is not one."""
+    weight_map = read_json_object(index, "download it again").get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConfigError(f"{index} has no weight_map of tensor names to files; download it again")
     return weight_map

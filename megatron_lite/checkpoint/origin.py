@@ -13,10 +13,10 @@ back to the converted checkpoint."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from megatron_lite.checkpoint.format import _ITER_DIR, complete_iterations
+from megatron_lite.checkpoint.hf_files import read_json_object
 from megatron_lite.checkpoint.lookup import find_checkpoint, read_metadata
 from megatron_lite.config import ConfigError
 
@@ -149,16 +149,3 @@ def run_origin(ckpt_path: str | None, lora: bool, upcycling: bool, save: str | N
 
 def read_hf_config(side: str | None) -> dict:
     return read_json_object(os.path.join(side, "config.json")) if has_hf_config(side) else {}
-
-
-def read_json_object(path: str) -> dict:
-    """A JSON object from `path`, or one line naming the file (a damaged one in a checkpoint's hf/ was a
-    JSONDecodeError traceback at the export, or an error that named no file)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            out = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not JSON ({e}); restore it from the model it came from") from None
-    if not isinstance(out, dict):
-        raise ConfigError(f"{path} is not a JSON object; restore it from the model it came from")
-    return out
