@@ -312,6 +312,12 @@ def check_writable_dir(flag: str, path: str) -> None:
         ) from None
 
 
+def wandb_dir(job: JobConfig) -> str:
+    """Where the W&B run goes: --wandb-save-dir, else beside the checkpoints (as Megatron), not in every node's
+    working directory (the working directory without --save)."""
+    return job.logging.wandb_save_dir or os.path.join(job.checkpoint.save or os.getcwd(), "wandb")
+
+
 def output_dirs(job: JobConfig, rank: int, logging_rank: bool = False) -> list[tuple[str, str]]:
     """(flag, directory) this rank writes into, probed at start-up (check_writable_dir): --save, and the
     non-persistent checkpoints' own directory where one is given (a local one: this rank's); on the rank that
@@ -332,8 +338,8 @@ def output_dirs(job: JobConfig, rank: int, logging_rank: bool = False) -> list[t
         out.append(("--log-jsonl", os.path.dirname(os.path.abspath(lg.log_jsonl))))
     if logging_rank and lg.tensorboard_dir:
         out.append(("--tensorboard-dir", lg.tensorboard_dir))
-    if logging_rank and lg.wandb_project:  # (as the logger places it: beside the checkpoints, else here)
-        out.append(("--wandb-save-dir", lg.wandb_save_dir or os.path.join(ck.save or os.getcwd(), "wandb")))
+    if logging_rank and lg.wandb_project:
+        out.append(("--wandb-save-dir", wandb_dir(job)))
     if lg.profile and lg.use_pytorch_profiler and lg.profile_dir and rank in lg.profile_ranks:
         out.append(("--profile-dir", lg.profile_dir))
     return out

@@ -17,7 +17,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from megatron_lite.training.configs import JobConfig, LoggingConfig
+from megatron_lite.training.configs import JobConfig, LoggingConfig, wandb_dir
 
 
 def _wandb_mode() -> str:
@@ -174,8 +174,7 @@ class MetricsLogger:
             import wandb  # only when asked for: W&B is heavy and absent from some images
 
             mode = _wandb_mode()
-            # (as Megatron: beside the checkpoints, not in every node's working directory)
-            save_dir = self.config.wandb_save_dir or os.path.join(job.checkpoint.save or os.getcwd(), "wandb")
+            save_dir = wandb_dir(job)
             os.makedirs(save_dir, exist_ok=True)
             self._wandb = wandb.init(
                 project=self.config.wandb_project,
