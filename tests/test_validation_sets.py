@@ -229,3 +229,30 @@ def test_exhaustive_blend_order_worked_out_by_hand():
     # [1, 3]: i=0 0.25 vs 0.75 -> 1; i=1 0.25 vs -0.25 -> 0 (spent); then 1, 1
     datasets, samples = exhaustive_blending_indices([1, 3])
     assert datasets.tolist() == [1, 0, 1, 1] and samples.tolist() == [0, 0, 1, 2]
+
+
+def test_fewer_eval_iters_on_resume_read_on_instead_of_wrapping(tmp_path, capsys, monkeypatch):
+    """A checkpoint's evaluations read 6 validation batches (--eval-iters 3 at iterations 2 and 4); resumed to 6
+    with --eval-iters 1, Megatron's size, (6 // 2 + 1) x 1 batches, ends before the batch the next evaluation
+    reads (Megatron's sampler asserts there). The split is sized for the reads ahead instead: the evaluation at
+    iteration 6 reads batch 7 of the weighted blend, as a run sized long enough by its --train-iters (12, ended
+    at 6 by --exit-interval) reads it. (Every size here keeps each part of the blend within one epoch of its
+    dataset, so the blend's order does not depend on the size.)"""
+    common, (va, _), (vb, _) = _data(tmp_path)
+    common += ["--valid-data-path", "1", va, "1", vb, "--lr-decay-style", "constant", "--eval-interval", "2",
+               "--micro-batch-size", "2", "--global-batch-size", "2"]  # fmt: skip
+    ck = str(tmp_path / "ck")
+    rc, _, err = _run([*common, "--train-iters", "4", "--eval-iters", "3", "--save", ck], capsys, monkeypatch)
+    assert rc == 0, err
+    assert json.load(open(os.path.join(ck, "iter_0000004", "metadata.json")))["consumed_valid_samples"] == 12
+    losses = {}
+    for name, flags in (("resumed", ["--train-iters", "6"]), ("long", ["--train-iters", "12", "--exit-interval", "6"])):
+        log = str(tmp_path / f"{name}.jsonl")
+        argv = [*common, *flags, "--eval-iters", "1", "--load", ck, "--log-jsonl", log]
+        rc, out, err = _run(argv, capsys, monkeypatch)
+        assert rc == 0, err
+        evals = [json.loads(line) for line in open(log)]
+        losses[name] = next(r["validation"]["lm_loss"] for r in evals if r["iteration"] == 6 and "validation" in r)
+        if name == "resumed":
+            assert "the validation split is sized for the checkpoint's 12 samples read and the 4 ahead" in out, out
+    assert losses["resumed"] == losses["long"], losses

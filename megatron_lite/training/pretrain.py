@@ -254,11 +254,24 @@ def run(job: JobConfig, notes: list[str]) -> int:
         gbs = t.global_batch(ctx.dp.size)
         # (Megatron's get_train_valid_test_num_samples: one evaluation's batches under --skip-train)
         evals = t.eval_iters if t.skip_train else (t.train_iters // t.eval_interval + 1) * t.eval_iters
+        valid_n = evals * gbs
+        if not t.skip_train and state.consumed_valid_samples:
+            # A resume whose --eval-iters or --eval-interval differ from the checkpoint's can need more than that:
+            # Megatron's sampler then asserts at an evaluation, and reading on from the split's first samples
+            # would repeat them unsaid. The evaluations left: each interval's past this iteration, and the last.
+            ahead = (t.train_iters // t.eval_interval - state.iteration // t.eval_interval + 1) * t.eval_iters * gbs
+            if state.consumed_valid_samples + ahead > valid_n:
+                valid_n = state.consumed_valid_samples + ahead
+                log.info(
+                    f"the validation split is sized for the checkpoint's {state.consumed_valid_samples} samples read "
+                    f"and the {ahead} ahead ({valid_n}), not for --eval-iters {t.eval_iters} x the evaluations "
+                    f"of --train-iters {t.train_iters} ({evals * gbs}): the checkpoint's evaluations read more"
+                )
         # (--train-samples asks for that many, as Megatron: a ramped-up run's train_iters x the final batch asked
         # for more, and a split's epochs, hence its sample order, depend on the count asked for)
         train_n = t.train_samples if t.train_samples is not None else t.train_iters * gbs
         train_ds, valid_ds, test_ds = build_datasets(
-            source, job.data, (train_n, evals * gbs, t.eval_iters * gbs), t.seq_length, t.seed, data_log
+            source, job.data, (train_n, valid_n, t.eval_iters * gbs), t.seq_length, t.seed, data_log
         )
         prompts, responses = getattr(train_ds, "cut", (0, 0))
         if prompts or responses:
