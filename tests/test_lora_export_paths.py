@@ -129,7 +129,21 @@ def test_qwen3_moe_dense_layer_adapters_are_refused_for_peft():
     state = {"decoder.layers.0.mlp.linear_fc1.lora.pairs.gate.A": torch.zeros(4, 8)}
     with pytest.raises(ConfigError, match="PEFT cannot target Qwen3MoeForCausalLM's dense"):
         to_peft(state, config, LoraConfig(rank=4), "Qwen3MoeForCausalLM")
-    # Qwen2-MoE's shared expert too (it would have been written as DeepSeek's mlp.shared_experts.*)
+
+
+def test_without_peft_tables_qwen2_moe_shared_expert_adapters_are_refused(monkeypatch):
+    """Where PEFT's conversion tables cannot be read (no PEFT, transformers 4, tables renamed), the export assumes
+    Qwen2-MoE's gate/up/down targets may be moved onto its experts, as its versions do for Qwen3-MoE."""
+    import sys
+
+    from megatron_lite.config import ConfigError
+    from megatron_lite.lora.config import LoraConfig
+    from megatron_lite.lora.peft import to_peft
+
+    from models import qwen3_config
+
+    monkeypatch.setitem(sys.modules, "peft.utils.transformers_weight_conversion", None)  # (an ImportError)
+    config = qwen3_config(num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1), num_layers=2)
     state = {"decoder.layers.1.mlp.shared_expert.linear_fc1.lora.pairs.gate.A": torch.zeros(4, 8)}
     with pytest.raises(ConfigError, match="PEFT cannot target Qwen2MoeForCausalLM's dense or shared-expert"):
         to_peft(state, config, LoraConfig(rank=4), "Qwen2MoeForCausalLM")

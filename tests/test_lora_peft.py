@@ -345,3 +345,28 @@ def test_adapters_on_multi_token_prediction_layers_are_not_exported_to_peft():
     adapters = {f"{key}.A.weight": torch.zeros(4, 40), f"{key}.B.weight": torch.zeros(64, 4)}
     with pytest.raises(ConfigError, match="multi-token-prediction layers .*mtp.layers.0.*--merge-lora"):
         to_peft(adapters, config, DEEPSEEK_PEFT_LORA, "DeepseekV3ForCausalLM")
+
+
+def test_qwen2_moe_dense_and_shared_expert_adapters_load_in_peft_with_our_logits(tmp_path):
+    """Qwen2-MoE's dense layer, its shared expert (one module, mlp.shared_expert.*) and its routed experts: where
+    the installed PEFT leaves its gate/up/down targets on those modules (0.21 with transformers 5.25), PEFT loads
+    the adapter and gives our logits; where it would move them onto the experts, the export refuses them."""
+    from megatron_lite.lora.peft import peft_moves_mlp_targets
+
+    hf_cfg = transformers.Qwen2MoeConfig(
+        vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=2,
+        shared_expert_intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, mlp_only_layers=[0], tie_word_embeddings=False,
+    )  # fmt: skip
+    hf, model, state, config = fine_tune(hf_cfg, DEEPSEEK_LORA)
+    adapters = split_lora(state)[1]
+    assert any(".shared_expert.linear_fc2.lora." in k for k in adapters) and any(
+        k.startswith("decoder.layers.0.mlp.linear_fc1.lora.") for k in adapters
+    )
+    if peft_moves_mlp_targets("Qwen2MoeForCausalLM"):
+        with pytest.raises(ConfigError, match="PEFT cannot target Qwen2MoeForCausalLM's dense or shared-expert"):
+            to_peft(adapters, config, DEEPSEEK_LORA, "Qwen2MoeForCausalLM")
+        return
+    tensors, adapter_config = to_peft(adapters, config, DEEPSEEK_LORA, "Qwen2MoeForCausalLM")
+    assert any(".mlp.shared_expert.down_proj.lora_B" in k for k in tensors), sorted(tensors)
+    peft_gives_our_logits(hf, model, tensors, adapter_config, tmp_path / "adapter")

@@ -20,7 +20,8 @@ import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.lora.config import LoraConfig
-from megatron_lite.models.hf import LLAMA_LIKE
+from megatron_lite.models.hf import LLAMA_LIKE, MODEL_TYPES
+from megatron_lite.models.hf_qwen2moe import QWEN2_MOE
 from megatron_lite.models.hf_weights import _group_qkv, mla_rope_rows
 
 # our (layer, adapter) -> the Hugging Face module inside a decoder layer
@@ -49,8 +50,9 @@ _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(linear_fc1
 HF_EXPERT_PARAMS = {"linear_fc1": ("experts.gate_up_proj", "base_layer."), "linear_fc2": ("experts.down_proj", "")}
 
 
-# Classes whose MLP targets PEFT converts onto fused expert parameters (its transformers weight conversions:
-# DeepSeek's, and qwen2_moe's, which Qwen3-MoE and GLM-4-MoE share)
+# Classes whose MLP targets PEFT may convert onto fused expert parameters (its transformers weight conversions:
+# qwen2_moe's pattern, which DeepSeek, Qwen3-MoE and GLM-4-MoE use): what the export assumes without PEFT.
+# PEFT 0.21 with transformers 5.25 leaves Qwen2-MoE's own targets alone (no model_type maps to itself there).
 FUSED_EXPERT_CONVERSIONS = (
     "DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM",
@@ -58,6 +60,19 @@ FUSED_EXPERT_CONVERSIONS = (
     "Qwen2MoeForCausalLM",
     "Glm4MoeForCausalLM",
 )
+
+
+def peft_moves_mlp_targets(arch: str) -> bool:
+    """Whether PEFT, loading an adapter onto `arch`, turns gate_proj/up_proj/down_proj targets into the routed
+    experts' fused parameters, so that dense and shared-expert adapters would land there. The installed PEFT's
+    own tables say; without them (no PEFT, transformers 4, or tables renamed) the classes it may convert."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except Exception:
+        return arch in FUSED_EXPERT_CONVERSIONS
+    pattern = _MODEL_TO_CONVERSION_PATTERN.get(MODEL_TYPES.get(arch))
+    return bool({"gate_proj", "up_proj", "down_proj"} & set(_MOE_TARGET_MODULE_MAPPING.get(pattern) or ()))
+
 
 # MLA projections whose output holds RoPE dims
 _ROPE_ROWS = ("self_attention.linear_q_proj", "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj")
@@ -86,7 +101,7 @@ def to_peft(
             "weights with --saver hf --merge-lora"
         )
     mlp = sorted({k.split(".lora.")[0] for k in lora_state if ".mlp." in k and ".mlp.experts." not in k})
-    if arch in FUSED_EXPERT_CONVERSIONS and mlp:
+    if mlp and peft_moves_mlp_targets(arch):
         # PEFT rewrites gate_proj / up_proj / down_proj targets of a model with fused experts into the routed
         # experts' parameters: the dense and shared-expert adapters would land on the experts instead.
         raise ConfigError(
@@ -125,6 +140,8 @@ def to_peft(
         if m is None or (m.group(2), m.group(3)) not in HF_MODULES:
             raise ConfigError(f"{key} is not a LoRA adapter of a projection PEFT knows")
         layer, hf = m.group(1), HF_MODULES[(m.group(2), m.group(3))]
+        if arch == QWEN2_MOE:  # (one shared expert module, not DeepSeek's shared_experts)
+            hf = hf.replace("mlp.shared_experts.", "mlp.shared_expert.")
         modules.add(hf.split(".")[-1])
         if m.group(4) == "B" and m.group(2) in _ROPE_ROWS and rope_interleave:  # B's rows: the base's RoPE order
             value = value[_rope_rows_of(m.group(2), config)]
