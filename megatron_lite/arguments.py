@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 
 from megatron_lite import flag_values
-from megatron_lite.checkpoint_flags import explicit_dests, flags_from_checkpoint
+from megatron_lite.checkpoint_flags import explicit_dests, flags_from_checkpoint, with_origin
 from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, RopeScaling, TrainingConfig
 from megatron_lite.data.config import DataConfig
 from megatron_lite.data.tokenizers import tokenizer_file
@@ -502,9 +502,19 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         # whose architecture the flags must agree with (a changed --rotary-base there trained other math)
         own = find_checkpoint(ns.save, own=True, flag="--save")
         path, resumed = own or path, own is not None
-    if path is not None:
-        meta = read_metadata(path)
-        ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed)
+    if path is None:
+        return _finish(ns, argv, given)
+    meta = read_metadata(path)
+    ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed)
+    try:
+        return _finish(ns, argv, given)
+    except ConfigError as e:
+        raise with_origin(e, ns) from None
+
+
+def _finish(ns: argparse.Namespace, argv: Sequence[str], given: set[str]) -> tuple[argparse.Namespace, JobConfig]:
+    """parse_args past the checkpoint's flags: the rules that read the flags as they now stand, and the job."""
+    if getattr(ns, "from_checkpoint", None):
         if ns.rampup_batch_size and ns.train_samples is None and not given & {"rampup_batch_size", "train_iters"}:
             ns.old_rampup = True  # (saved before the refusal: it resumes as it ran)
             ns.schedule_notes.append(

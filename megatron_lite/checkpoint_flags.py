@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
 from megatron_lite.data.config import TOKENIZER_FIELDS
 from megatron_lite.flag_values import heterogeneous_json
 from megatron_lite.models.heterogeneous import check_given_blocks
+from megatron_lite.schedule_flags import RUN_LENGTH, in_other_unit, schedule_notes
 
 SHARDING = (
     "use_distributed_optimizer",
@@ -252,127 +254,14 @@ def _check_yarn(ns: argparse.Namespace, saved: dict, given: set[str], path: str)
             )
 
 
-# The run's length and schedule lengths in each unit: a length given in the other unit replaces these.
-RUN_LENGTH = {
-    "iters": ("train_iters", "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"),
-    "samples": ("train_samples", "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"),
-}
-
-# The schedule a checkpoint's scheduler state continues (Megatron's OptimizerParamScheduler values): on resume,
-# given flags that differ from the checkpoint's win (with a note), or not with --use-checkpoint-opt_param-scheduler.
-SCHEDULE_DESTS = (
-    "lr",
-    "min_lr",
-    "lr_decay_style",
-    "lr_decay_iters",
-    "lr_decay_samples",
-    "lr_warmup_iters",
-    "lr_warmup_samples",
-    "lr_warmup_fraction",
-    "lr_warmup_init",
-    "lr_wsd_decay_style",
-    "lr_wsd_decay_iters",
-    "lr_wsd_decay_samples",
-    "decoupled_lr",
-    "decoupled_min_lr",
-    "weight_decay",
-    "start_weight_decay",
-    "end_weight_decay",
-    "weight_decay_incr_style",
-)
-
-
-# Those --use-checkpoint-opt_param-scheduler takes from the checkpoint: Megatron's OptimizerParamScheduler restores its
-# lr, min lr, warmup and decay lengths, decay style and weight decay; the WSD decay and the warmup's starting lr
-# (--lr-warmup-init) are the flags' there too (a resume with another --lr-wsd-decay-iters kept the checkpoint's)
-CHECKPOINT_SCHEDULE_DESTS = tuple(d for d in SCHEDULE_DESTS if not d.startswith(("lr_wsd_", "lr_warmup_init")))
-
-
-def _schedule_notes(
-    ns: argparse.Namespace,
-    saved: dict,
-    given: set[str],
-    full: dict,
-    has_lengths: bool = True,
-    has_schedule: bool = True,
-    resumed: bool = False,
-) -> list[str]:
-    """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those
-    this run takes as defaults); returns the notes to log. Nothing to reconcile where no schedule state is
-    loaded (--finetune, --no-load-optim, or a checkpoint that holds none, as a conversion's): the flags are the
-    schedule (the notes had compared them with a conversion's placeholder values). A job `resumed` from its own
-    --save loads its schedule whatever those flags say (they were for its starting checkpoint), unless it saved
-    none (--no-save-optim)."""
-    fresh = ns.no_save_optim if resumed else ns.finetune or ns.no_load_optim
-    if not has_schedule or fresh:
-        return []
-    changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
-    old_gbs, gbs = full.get("global_batch_size"), ns.global_batch_size
-    new_batch = None not in (old_gbs, gbs) and gbs != old_gbs
-    if ns.use_checkpoint_opt_param_scheduler:
-        changed = [d for d in changed if d in CHECKPOINT_SCHEDULE_DESTS]
-        for d in changed:
-            setattr(ns, d, saved[d])
-        _keep_decay_length(ns, full)
-        # (the scheduler's state holds the lengths in samples: LRScheduler's keep_saved_lengths; a checkpoint saved
-        # before they were counts its iteration lengths in the new batches)
-        lost = new_batch and not has_lengths and ns.train_samples is None
-        kept = changed + (
-            [f"warmup and decay lengths in samples (batches of {old_gbs})"] if new_batch and not lost else []
-        )
-        notes = [f"--use-checkpoint-opt_param-scheduler: the checkpoint's {', '.join(kept)} kept"] if kept else []
-        if lost:
-            notes.append(
-                f"--global-batch-size {gbs} differs from the checkpoint's {old_gbs}, which predates schedule lengths "
-                f"in samples: its iteration lengths now count batches of {gbs}"
-            )
-        return notes
-    if ns.override_opt_param_scheduler:
-        return []
-    notes = [
-        f"--{d.replace('_', '-')} {getattr(ns, d)} differs from the checkpoint's {saved[d]}: the schedule follows "
-        "the flag (Megatron stops unless --override-opt_param-scheduler; --use-checkpoint-opt_param-scheduler keeps "
-        "the checkpoint's)"
-        for d in changed
-    ]
-    notes += _run_length_note(ns, full)
-    if new_batch and ns.train_samples is None:  # the position is in samples: the lengths move under it
-        notes.append(
-            f"--global-batch-size {gbs} differs from the checkpoint's {old_gbs}: the schedule's iteration lengths "
-            f"now count batches of {gbs}, from the samples consumed so far (--use-checkpoint-opt_param-scheduler "
-            "keeps the checkpoint's lengths in samples)"
-        )
-    return notes
-
-
-def _run_length_note(ns: argparse.Namespace, full: dict) -> list[str]:
-    """A decay with no length of its own runs over the run: a new --train-iters / --train-samples moves its end,
-    and the LR jumps from where the checkpoint left it (Megatron stops on the changed total)."""
-    unit = "samples" if ns.train_samples is not None else "iters"
-    now, was = getattr(ns, f"train_{unit}"), full.get(f"train_{unit}")
-    if ns.lr_decay_style == "constant" or getattr(ns, f"lr_decay_{unit}") is not None or was in (None, now):
-        return []
-    return [
-        f"--train-{unit} {now} differs from the checkpoint's {was} and the LR decay, given no --lr-decay-{unit}, "
-        f"runs over the run: it now ends at {now}, so the LR moves from where the checkpoint left it (Megatron "
-        "stops unless --override-opt_param-scheduler; --use-checkpoint-opt_param-scheduler keeps the checkpoint's "
-        "decay)"
-    ]
-
-
-def _keep_decay_length(ns: argparse.Namespace, full: dict) -> None:
-    """--use-checkpoint-opt_param-scheduler: the decay runs over the checkpoint's length (its --lr-decay-iters or
-    -samples, else the run length it was saved with), whatever length this run is given, in this run's unit."""
-    by_samples = full.get("lr_decay_samples") or full.get("train_samples")
-    by_iters = full.get("lr_decay_iters") or full.get("train_iters")
-    if ns.train_samples is not None:
-        if by_samples is None and by_iters:
-            by_samples = by_iters * full["global_batch_size"]
-        ns.lr_decay_samples = by_samples or ns.lr_decay_samples
-    elif by_iters is not None or by_samples is None:
-        ns.lr_decay_iters = by_iters or ns.lr_decay_iters
-    else:  # a sample-based checkpoint continued by iterations: its length in whole batches
-        ns.lr_decay_iters = max(1, round(by_samples / ns.global_batch_size))
+def with_origin(e: ConfigError, ns: argparse.Namespace | None) -> ConfigError:
+    """`e`, saying which of the flags it names the user did not give: their values came from the checkpoint (a
+    resume on more ranks was refused for "--global-batch-size 2", a flag never typed)."""
+    path, flags = getattr(ns, "from_checkpoint", (None, ()))
+    named = [f for f in flags if re.search(rf"{re.escape(f)}(?![\w-])", str(e))]
+    if not named:
+        return e
+    return ConfigError(f"{e} ({', '.join(named)}: not given, the checkpoint's value, {path})")
 
 
 def _flag(parser: argparse.ArgumentParser, dest: str, value) -> str:
@@ -547,10 +436,14 @@ def flags_from_checkpoint(
                 saved.pop(k, None)
     # `full` keeps the checkpoint's own schedule (--use-checkpoint-opt_param-scheduler); `saved` is trimmed below
     full, saved = saved, dict(saved)
-    # a run's length given in the other unit than the checkpoint's replaces it, schedule lengths included
+    # a run's length given in the other unit than the checkpoint's replaces it; its schedule lengths are carried
+    # over into the run's unit (a sample-based warmup had become none when resumed with --train-iters)
     for dest, other in (("train_iters", "samples"), ("train_samples", "iters")):
         if dest in given:
-            saved = {k: v for k, v in saved.items() if k not in RUN_LENGTH[other]}
+            new_gbs = ns.global_batch_size if "global_batch_size" in given else full.get("global_batch_size")
+            carried = in_other_unit(saved, "iters" if other == "samples" else "samples", full.get("global_batch_size"),
+                                     new_gbs)  # fmt: skip
+            saved = {k: v for k, v in saved.items() if k not in RUN_LENGTH[other]} | carried
     if given & {"lr_warmup_iters", "lr_warmup_samples"}:  # a warmup length given replaces the saved fraction
         saved.pop("lr_warmup_fraction", None)
     sources = ("mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path")
@@ -571,14 +464,13 @@ def flags_from_checkpoint(
     parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
+    ns.from_checkpoint = (path, [f"--{k.replace('_', '-')}" for k in taken])  # (for with_origin)
     if not finetune and (listed := [_flag(parser, k, v) for k, v in taken.items() if k not in ARCH_DESTS]):
         # (Megatron takes nothing but --use-checkpoint-args' model flags: say what came over, as a switch left
         # on there, --eod-mask-loss say, is not turned off by leaving its flag out here)
         notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
-    ns.schedule_notes = notes + _schedule_notes(
-        ns, saved, given, full, scheduler is None or "lengths" in scheduler, scheduler is not None, resumed
-    )
+    ns.schedule_notes = notes + schedule_notes(ns, saved, given, full, scheduler, scheduler is not None, resumed)
     if ns.use_checkpoint_args:
         for d in (d for d in ARCH_DESTS if d not in upcycled):
             setattr(ns, d, saved.get(d, getattr(ns, d)))

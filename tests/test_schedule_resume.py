@@ -95,6 +95,11 @@ def test_a_run_that_loads_no_schedule_is_not_told_its_flags_differ(tmp_path, cap
         (dict(weight_decay=-0.1), "--weight-decay -0.1 must be >= 0"),
         (dict(adam_eps=-1.0), "--adam-eps -1.0 must be >= 0"),
         (dict(lr_decay_iters=0), "--lr-decay-iters 0 must be >= 1"),
+        # (a NaN passed the range checks: the run trained at a NaN rate, or lost its clipping, or the scale's error
+        # named --min-loss-scale)
+        (dict(min_lr=float("nan")), "--min-lr nan must be in [0, --lr"),
+        (dict(clip_grad=float("nan")), "--clip-grad nan must be >= 0"),
+        (dict(fp16=True, initial_loss_scale=float("nan")), "--initial-loss-scale nan must be a finite number > 0"),
     ],
 )
 def test_optimizer_values_megatron_asserts_on_are_one_line(kw, fragment):
@@ -122,10 +127,10 @@ def test_optimizer_flags_megatron_reads_its_own_way(tmp_path, capsys, monkeypatc
     ckpt = str(tmp_path / "ckpt")
     _job([*RUN, "--train-iters", "4", "--save", ckpt], tmp_path / "c.jsonl", capsys, monkeypatch)
     _, out = _job([*RUN, "--load", ckpt, "--train-iters", "6"], tmp_path / "d.jsonl", capsys, monkeypatch)
-    assert "--train-iters 6 differs from the checkpoint's 4 and the LR decay, given no --lr-decay-iters" in out
+    assert "the LR decay 24 (--train-iters 6 x --global-batch-size 4; the checkpoint's 16)" in out
     _, out = _job([*RUN, "--load", ckpt, "--train-iters", "8", "--lr-decay-iters", "8"], tmp_path / "e.jsonl", capsys,
                   monkeypatch)  # fmt: skip
-    assert "and the LR decay, given no" not in out
+    assert "the LR decay 32 (--lr-decay-iters 8 x --global-batch-size 4; the checkpoint's 16)" in out
 
 
 def test_a_batch_ramp_needs_a_sample_based_run(capsys, monkeypatch):
@@ -276,7 +281,7 @@ def test_a_finetune_restarted_from_its_own_save_notes_a_changed_schedule(tmp_pat
     assert [r["iteration"] for r in first] == [1, 2, 3, 4]
     longer, out = _job([*tune, "--train-iters", "6"], tmp_path / "c.jsonl", capsys, monkeypatch)
     assert [r["iteration"] for r in longer] == [5, 6]  # (resumed at 4, not fine-tuned from the base again)
-    assert "--train-iters 6 differs from the checkpoint's 4 and the LR decay, given no --lr-decay-iters" in out
+    assert "the LR decay 24 (--train-iters 6 x --global-batch-size 4; the checkpoint's 16)" in out
     _, out = _job([*tune, "--train-iters", "8", "--lr", "5e-4"], tmp_path / "d.jsonl", capsys, monkeypatch)
     assert "--lr 0.0005 differs from the checkpoint's 0.001" in out
     # a fresh fine-tune (no checkpoint of its own yet) has no schedule to compare with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError
@@ -136,7 +137,7 @@ class OptimizerConfig:
         ):
             if value is not None and not value >= 0:
                 raise ConfigError(f"{flag} {value} must be >= 0")
-        if self.min_lr < 0 or self.min_lr > self.lr:
+        if not 0 <= self.min_lr <= self.lr:  # (a NaN too: it had trained at a NaN rate, blamed on the gradients)
             raise ConfigError(f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:
             raise ConfigError("--decoupled-min-lr sets the floor of --decoupled-lr: add --decoupled-lr")
@@ -179,7 +180,7 @@ class OptimizerConfig:
             raise ConfigError(
                 f"--lr-warmup-iters/-samples {self.lr_warmup_iters or self.lr_warmup_samples} must be >= 0"
             )
-        if self.clip_grad < 0:
+        if not self.clip_grad >= 0:  # (a NaN turned clipping off)
             raise ConfigError(f"--clip-grad {self.clip_grad} must be >= 0 (0 disables clipping)")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"--adam-beta1 {self.adam_beta1} / --adam-beta2 {self.adam_beta2} must be in [0, 1)")
@@ -258,6 +259,8 @@ class OptimizerConfig:
         # the dynamic loss scaler's (Megatron's DynamicGradScaler asserts these)
         if self.loss_scale is not None and not self.loss_scale > 0:
             raise ConfigError(f"--loss-scale {self.loss_scale} must be > 0 (omit it for dynamic scaling)")
+        if self.fp16 and not 0 < self.initial_loss_scale < math.inf:  # (a NaN read as a --min-loss-scale fault)
+            raise ConfigError(f"--initial-loss-scale {self.initial_loss_scale} must be a finite number > 0")
         if self.fp16 and not 0 < self.min_loss_scale <= self.initial_loss_scale:  # (only fp16 scales dynamically)
             raise ConfigError(
                 f"--min-loss-scale {self.min_loss_scale} must be in (0, --initial-loss-scale {self.initial_loss_scale}]"

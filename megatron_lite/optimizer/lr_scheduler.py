@@ -16,6 +16,17 @@ import math
 from megatron_lite.optimizer.config import OptimizerConfig
 
 
+def schedule_lengths(config, train_iters: int | None, train_samples: int | None, samples_per_step: int) -> dict:
+    """The warmup, decay, WSD decay and weight-decay ramp in samples, as a checkpoint's scheduler state keeps them
+    (Megatron's OptimizerParamScheduler counts them so): an iteration-based run's lengths are iterations of the
+    (final) global batch `samples_per_step`. `config`: an OptimizerConfig, or the parsed flags (the same names)."""
+    _, warmup, decay, wsd = OptimizerConfig.schedule(config, train_iters, train_samples)
+    if train_samples is not None:
+        return dict(warmup=warmup, decay=decay, wsd=wsd, weight_decay=train_samples)
+    return dict(warmup=warmup * samples_per_step, decay=decay * samples_per_step,
+                wsd=wsd * samples_per_step if wsd else wsd, weight_decay=train_iters * samples_per_step)  # fmt: skip
+
+
 class LRScheduler:
     def __init__(
         self,
@@ -33,13 +44,11 @@ class LRScheduler:
         (so a new global batch or run length leaves them as they were)."""
         config.validate_schedule(train_iters, train_samples)
         self.config = config
-        _, self.warmup, self.decay_steps, self.wsd_steps = config.schedule(train_iters, train_samples)
-        if train_samples is None:  # iteration lengths in samples of the (final) global batch
-            self.warmup, self.decay_steps = self.warmup * samples_per_step, self.decay_steps * samples_per_step
-            self.wsd_steps = self.wsd_steps * samples_per_step if self.wsd_steps else self.wsd_steps
+        lengths = schedule_lengths(config, train_iters, train_samples, samples_per_step)
+        self.warmup, self.decay_steps, self.wsd_steps = lengths["warmup"], lengths["decay"], lengths["wsd"]
+        self.wd_steps = lengths["weight_decay"]
         self.unit = samples_per_step  # schedule positions per (full) step
         self.count_batches = train_samples is not None or rampup
-        self.wd_steps = train_samples if train_samples is not None else train_iters * self.unit
         self.keep_saved_lengths = keep_saved_lengths
         self.num_steps = 0
         self.position = 0  # samples consumed

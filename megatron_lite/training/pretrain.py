@@ -29,6 +29,7 @@ from megatron_lite.checkpoint.checkpointing import (
     save_checkpoint,
     saved_under_this_layout,
 )
+from megatron_lite.checkpoint_flags import with_origin
 from megatron_lite.config import ConfigError
 from megatron_lite.data.builder import build_datasets, check_data, resolve_data
 from megatron_lite.layout_validation import validate_layout
@@ -96,9 +97,20 @@ def run(job: JobConfig, notes: list[str]) -> int:
         job = dataclasses.replace(
             job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world_size))
         )
-        t = job.training
-        notes = [*notes, f"--train-samples {t.train_samples}: {t.train_iters} iterations of "
-                 f"{t.global_batch(job.parallel.data_parallel_size(world_size))} samples"]  # fmt: skip
+        t, dp = job.training, job.parallel.data_parallel_size(world_size)
+        ramp, consumed = 0, 0  # (the iterations of a --rampup-batch-size ramp, in smaller batches)
+        while (
+            t.rampup_batch_size is not None
+            and ramp < t.train_iters
+            and t.batch_size_at(consumed, dp) < t.global_batch(dp)
+        ):
+            consumed, ramp = consumed + t.batch_size_at(consumed, dp), ramp + 1
+        batches = f"of {t.global_batch(dp)} samples"
+        if ramp:
+            batches = (
+                f"({ramp} ramping up from {t.rampup_batch_size[0]} samples, then {t.train_iters - ramp} {batches})"
+            )
+        notes = [*notes, f"--train-samples {t.train_samples}: {t.train_iters} iterations {batches}"]
     job.optimizer.validate_schedule(job.training.train_iters, job.training.train_samples)
     validate_profile(job.logging, world_size, torch.cuda.is_available() and job.distributed_backend != "gloo")
     if job.distributed_backend == "nccl" and not torch.cuda.is_available():
@@ -570,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    ns = None
     try:
         ns, job = parse_args(argv)
         inject.parse(os.environ.get(inject.ENV))  # (a malformed fault to inject: one line, before any group)
@@ -589,7 +602,9 @@ def _main(argv: list[str] | None) -> int:
             return dry_run(job, ckpt)
         return run(job, accepted_no_ops(ns))
     except ConfigError as e:
-        report_error(e, dist.is_initialized())  # (once per node: it was said by every rank, twice in two forms)
+        # (once per node: it was said by every rank, twice in two forms; a value it names that came from the
+        # checkpoint is said to, as the layout's checks run past parse_args)
+        report_error(with_origin(e, ns), dist.is_initialized())
         return 2
     except SaveFailed as e:  # (every rank failed at the same point: none waits in a collective)
         print(line := f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
