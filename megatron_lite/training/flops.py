@@ -2,13 +2,13 @@
 
 Per token and layer, the forward pass multiplies by every weight once (2 FLOPs per multiply-add):
     QKV           2 * h * (heads + 2 * groups) * d    (2 * heads with --attention-output-gate: its gate rows,
-                                                     which Megatron's num_floating_point_operations leaves out)
+                                                     as Megatron's num_floating_point_operations counts them)
     attention     2 * 2 * s * heads * d / 2    (q.k^T and p.v; causal: half the scores are masked out,
                                                 as Megatron's num_floating_point_operations counts them)
     projection    2 * heads * d * h
     MLP           2 * h * f * (3 if SwiGLU else 2)
-and once per token the output layer, 2 * h * V. A MoE layer counts its router, its top-k experts and its shared
-expert (a hybrid model's Mamba layer Megatron's in_proj + 7 d N scan + out_proj, its attention and MLP layers each
+and once per token the output layer, 2 * h * V. A MoE layer counts its router (2 * h * E, which Megatron's count
+leaves out), its top-k experts and its shared expert (a hybrid model's Mamba layer Megatron's in_proj + 7 d N scan + out_proj, its attention and MLP layers each
 their own half; a heterogeneous layer its own query groups and FFN size, a linear in place of its attention or MLP 2
 h^2, a no-op nothing); multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims, p.v over
 v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward (backward
