@@ -52,6 +52,7 @@ ARCH_DESTS = (
     "glu_linear_offset",
     "activation_func_clamp_value",
     "rotary_percent",
+    "rotary_interleaved",
     "position_embedding_type",
     "rotary_base",
     "use_rope_scaling",
@@ -170,6 +171,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["glu_linear_offset"] = m.get("glu_linear_offset", 0.0)  # (absent from older checkpoints)
     out["activation_func_clamp_value"] = m.get("activation_func_clamp_value")
     out["rotary_percent"] = m.get("rotary_percent", 1.0)
+    out["rotary_interleaved"] = m.get("rotary_interleaved", False)  # (Llama 4's: a resume rotated halves instead)
     out["use_rope_scaling"] = m["rope_scaling"] is not None and not m.get("multi_latent_attention")
     if m["rope_scaling"] is not None:
         out["rope_scaling_factor"] = m["rope_scaling"]["factor"]
