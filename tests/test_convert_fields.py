@@ -267,7 +267,41 @@ REFUSED = {
         "layer_types ['sliding_attention'] are not supported for Qwen3ForCausalLM; supported: full_attention on "
         "every layer (use_sliding_window=false)",
     ),
+    # Llama 4 normalises q and k after RoPE, cancelling YaRN's attention factor in transformers; ours kept it
+    "llama4_yarn_qk_norm": lambda: (
+        cfg := transformers.Llama4TextConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size_mlp=96,
+            num_local_experts=2,
+            rope_parameters=dict(YARN),
+            **dict(SMALL, intermediate_size=32),
+        ),
+        _without(cfg, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        "YaRN RoPE scaling (attention_factor 1.139) with use_qk_norm=true is not supported for Llama4ForCausalLM",
+    ),
 }
+
+
+def test_a_top_level_original_length_wins_over_the_rope_dicts_as_in_transformers(tmp_path):
+    """Phi-3's rule, which transformers 5 applies to every class: config.json's top-level
+    original_max_position_embeddings overrides the one in rope_parameters (it was read from the dict: 22% off)."""
+    import json
+
+    model = _model(transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, rope_parameters=YARN,
+                                            **SMALL))  # fmt: skip
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config["original_max_position_embeddings"] = 4096
+    path.write_text(json.dumps(config))
+    ref = _logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval())
+    assert _rel(ref, _logits(model)) > 1e-4  # (the top-level value matters in transformers)
+    rc, err = _convert("--loader", "hf", "--saver", "megatron_lite", "--load-dir", str(tmp_path / "hf"), "--save-dir",
+                       str(tmp_path / "ours"))  # fmt: skip
+    assert rc == 0, err
+    assert _rel(_ours(str(tmp_path / "ours")), ref) < 1e-5
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

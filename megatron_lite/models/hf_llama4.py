@@ -30,6 +30,7 @@ import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.models.hf_deepseek import check_activation
+from megatron_lite.models.hf_rope import rope_fields
 
 LLAMA4 = "Llama4ForCausalLM"
 LLAMA4_VLM = "Llama4ForConditionalGeneration"  # (its text model converts; the vision tower is not ours)
@@ -80,6 +81,15 @@ def config_kwargs(c: Any) -> dict:
     interval = int(getattr(c, "no_rope_layer_interval", 4) or 4)
     every = n % interval == 0 and nope == tuple(int((i + 1) % interval == 0) for i in range(n))
     qk_norm = bool(getattr(c, "use_qk_norm", True))
+    scaling = rope_fields(c)[1]
+    if qk_norm and scaling is not None and scaling.rope_type == "yarn" and scaling.attention_factor != 1.0:
+        # (transformers normalises q and k after RoPE, which undoes the factor YaRN scales cos and sin by; ours
+        # keeps it: logits 22% apart)
+        raise ConfigError(
+            f"config.json YaRN RoPE scaling (attention_factor {scaling.attention_factor:.4g}) with use_qk_norm=true "
+            f"is not supported for {LLAMA4}: its q/k norm after RoPE cancels the factor; use llama3 scaling, or "
+            "YaRN with attention_factor 1.0"
+        )
     types = list(getattr(c, "layer_types", None) or [])
     chunk = getattr(c, "attention_chunk_size", None)
     if not types:  # (transformers' rule: the RoPE layers chunked when there is a chunk size)

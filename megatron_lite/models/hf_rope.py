@@ -26,9 +26,11 @@ def rope_fields(hf_config: Any) -> tuple[float, RopeScaling | None]:
     if kind == "default":
         return base, None
     # (transformers 5 moves a missing original length in from max_position_embeddings; its absence from the
-    # config object, without transformers, means the same)
-    original = params.get("original_max_position_embeddings") or getattr(
-        hf_config, "original_max_position_embeddings", None
+    # config object, without transformers, means the same. One at the top level of config.json wins over the
+    # RoPE dict's, as transformers 5's standardize_rope_params gives it priority (Phi-3's rule): the dict's had
+    # been read, logits 22% off)
+    original = getattr(hf_config, "original_max_position_embeddings", None) or params.get(
+        "original_max_position_embeddings"
     )
     original = int(original or hf_config.max_position_embeddings)
     if kind == "llama3":

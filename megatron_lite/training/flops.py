@@ -8,14 +8,15 @@ Per token and layer, the forward pass multiplies by every weight once (2 FLOPs p
     projection    2 * heads * d * h
     MLP           2 * h * f * (3 if SwiGLU else 2)
 and once per token the output layer, 2 * h * V. A MoE layer counts its router (2 * h * E, which Megatron's count
-leaves out), its top-k experts and its shared expert (a hybrid model's Mamba layer Megatron's in_proj + 7 d N scan + out_proj, its attention and MLP layers each
-their own half; a heterogeneous layer its own query groups and FFN size, a linear in place of its attention or MLP 2
-h^2, a no-op nothing); multi-latent attention its down- and up-projections and q.k^T over (qk + RoPE) dims, p.v over
-v dims; multi-token prediction its layers, projections and output-layer passes. Training is 3x the forward (backward
-= 2x forward); recomputation is not counted (model FLOPs, as MFU requires). For a GPT with f = 4h and heads * d = h
-this is 72 B s L h^2 (1 + s / (12h) + V / (12 L h)) per batch, and in general 6 N + 6 L s heads d per token with N
-the matmul parameters. With causal=False, attention over the full sequence: Megatron's earlier 72 B s L h^2 (1 + s /
-(6h) + V / (12 L h)) and torchtitan's 6 N + 12 L s heads d, the convention of the throughput figures they published.
+leaves out), its top-k experts and its shared expert (a hybrid model's Mamba layer Megatron's in_proj + 7 d N scan +
+out_proj, its attention and MLP layers each their own half; a heterogeneous layer its own query groups and FFN size,
+a linear in place of its attention or MLP 2 h^2, a no-op nothing); multi-latent attention its down- and
+up-projections and q.k^T over (qk + RoPE) dims, p.v over v dims; multi-token prediction its layers, projections and
+output-layer passes. Training is 3x the forward (backward = 2x forward); recomputation is not counted (model FLOPs,
+as MFU requires). For a GPT with f = 4h and heads * d = h this is 72 B s L h^2 (1 + s / (12h) + V / (12 L h)) per
+batch, and in general 6 N + 6 L s heads d per token with N the matmul parameters. With causal=False, attention over
+the full sequence: Megatron's earlier 72 B s L h^2 (1 + s / (6h) + V / (12 L h)) and torchtitan's 6 N + 12 L s heads
+d, the convention of the throughput figures they published.
 All are checked in tests/test_flops.py. (Megatron counts the padded vocabulary's logits too; padding is no real
 work, so it is not counted here.)
 """
