@@ -161,3 +161,12 @@ def test_a_peft_export_of_gpt_oss_expert_adapters_is_refused():
     expert = {f"decoder.layers.0.mlp.experts.1.linear_fc1.lora.pairs.fc1.{w}": torch.zeros(2, 2) for w in "AB"}
     with pytest.raises(ConfigError, match="gpt-oss's experts hold gate_up_proj as .experts, hidden, 2 x ffn."):
         to_peft({**attention, **expert}, config, lora, "GptOssForCausalLM")
+
+
+def test_a_gpt_oss_without_windowed_layers_exports_a_model_transformers_runs(tmp_path):
+    """Every layer full attention: the export wrote sliding_window null over the original's 5, and transformers'
+    GptOss forward then raised ("Could not find a sliding_window argument"). The value unused by any layer stays."""
+    config, _ = converts_both_ways(
+        _random_model(_config(layer_types=["full_attention"] * 4)), tmp_path, ("layer_types", "sliding_window")
+    )
+    assert [config.layer_window(i) for i in range(4)] == [None] * 4

@@ -132,12 +132,14 @@ def config_fields(c: ModelConfig) -> dict:
     setting of transformers', kept from the weights' own config.json as the other MoE exports keep it; the import
     zeroes ours, and an exploratory run found the export writing that 0 over the original's 0.001.)"""
     layers = ["sliding_attention" if c.layer_window(i) is not None else "full_attention" for i in range(c.num_layers)]
+    # (no windowed layer: the original's window, or transformers' default, stays; a null one stopped its forward)
+    window = {} if c.sliding_window is None else dict(sliding_window=c.sliding_window)
     return dict(
         head_dim=c.head_dim,
         intermediate_size=c.moe_ffn_size,
         num_local_experts=c.num_experts,
         num_experts_per_tok=c.moe_router_topk,
-        sliding_window=c.sliding_window,
+        **window,
         layer_types=layers,
         attention_bias=True,
         swiglu_limit=c.activation_func_clamp_value,
