@@ -88,6 +88,18 @@ BAD_FLAGS = [  # (script, flags, how its error line starts)
      "--hidden-size 32: the layer's 32 heads need an even size each (RoPE); use --hidden-size 64"),
     ("bench_comm_overlap.py", "--tp 3 --seq-length 30", "--tp 3: the layer is timed under tensor parallelism"),
     ("bench_attention_tiles.py", "--device cpu --tiles 64xax4x3", "--tiles '64xax4x3': each tile is"),
+    # (a StatisticsError after the whole warm-up; transformers' or our config's traceback; a reshape's RuntimeError)
+    ("bench_train_step.py", "--iters 0", "--iters 0: must be 1 or more"),
+    ("bench_train_step.py", "--hidden-size 63 --num-attention-heads 4",
+     "--hidden-size 63: not divisible by --num-attention-heads 4"),
+    ("bench_train_step.py", "--num-query-groups 3", "--num-query-groups 3: does not divide --num-attention-heads 8"),
+    ("bench_decode.py", "--context 0", "--context 0: must be 1 or more"),
+    ("bench_decode.py", "--steps 0", "--steps 0: must be 1 or more"),
+    # (a misspelt kernel ran none, exit 0; --reps 0 wrote each row as a StatisticsError)
+    ("bench_kernels.py", "--device cpu --kernels rms_norm,rms_nrom", "--kernels: no kernel named rms_nrom; the "
+     "kernels: flash_attention, fused_linear_cross_entropy, rms_norm,"),
+    ("bench_kernels.py", "--device cpu --reps 0", "--reps 0: must be 1 or more"),
+    ("bench_max_logit.py", "0", "--seq 0: must be 1 or more"),  # (an IndexError)
 ]  # fmt: skip
 
 

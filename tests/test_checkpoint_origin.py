@@ -138,6 +138,10 @@ def test_the_origin_survives_resumes_into_the_same_save(tmp_path, capsys, monkey
     capsys.readouterr()
     assert inspect.main([lo]) == 0
     assert f"origin       {tmp_path / 'hf'} (hf/ files {ckpt}/hf; the weights as converted)" in capsys.readouterr().out
+    # the conversion itself trained nothing: no training or optimizer settings shown as if a run had used them
+    assert inspect.main([ckpt]) == 0
+    out = capsys.readouterr().out
+    assert "training     none: converted weights" in out and "optimizer    " not in out, out
     # the base moved: no tokenizer to copy, said with the path and the fix
     shutil.move(ckpt, tmp_path / "moved")
     capsys.readouterr()

@@ -119,6 +119,8 @@ def test_ranks_that_find_different_checkpoints_are_refused(tiny_checkpoint, tmp_
         (["--ignore-eos", "--stop-ids", "5"], "--ignore-eos generates --max-new-tokens whatever comes"),
         # torch's 'Overflow when unpacking long long', naming no flag
         (["--seed", str(2**64)], f"--seed {2**64} is outside the range a generator takes"),
+        # the permission bits passed (root), then the write failed after the generation: a traceback, no output
+        (["--output-json", "/proc/x/y.json"], "--output-json /proc/x/y.json: its directory /proc/x cannot be written"),
     ],
 )
 def test_flags_that_would_do_nothing_or_fail_are_one_line(tiny_checkpoint, capsys, extra, said):

@@ -60,6 +60,15 @@ def check_sizes(minimum: int = 1, **flags: int | list[int]) -> None:
                 usage_error(f"--{name.replace('_', '-')} {v}: must be {minimum} or more")
 
 
+def check_heads(hidden: int, heads: int, groups: int | None = None) -> None:
+    """A Llama-shaped model's heads: they divide the hidden size, and query groups divide them (transformers'
+    config, or ours, refused these with a traceback, after the benchmark's imports)."""
+    if hidden % heads:
+        usage_error(f"--hidden-size {hidden}: not divisible by --num-attention-heads {heads}")
+    if groups is not None and heads % groups:
+        usage_error(f"--num-query-groups {groups}: does not divide --num-attention-heads {heads}")
+
+
 def check_device(device: str, world: int = 1, world_flag: str = "") -> None:
     """--device as the benchmarks can use it: cpu, or cuda on a machine with CUDA and one GPU for each of `world`
     ranks (`world_flag`: the flag that sets them, e.g. "--ep"). Otherwise torch fails at its first CUDA call, deep

@@ -203,7 +203,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--hidden-size", type=int, help="override Llama-3-8B's 4096 (smaller for quick runs)")
+    ap.add_argument(
+        "--hidden-size",
+        type=int,
+        help="override Llama-3-8B's 4096 in the timed layer (smaller for quick runs; --gemm keeps Llama-3-8B's GEMM "
+        "shapes)",
+    )
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -20,7 +20,7 @@ import time
 import warnings
 
 import torch
-from _world import check_device, check_outputs  # tools/_world.py, beside this script
+from _world import check_device, check_heads, check_outputs, check_sizes  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     check_outputs(args)
     check_device(args.device)
+    sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_lora_rank", "vocab_size")
+    check_sizes(**{k: getattr(args, k) for k in (*sizes, "context", "steps")})
+    if args.model == "llama":  # (DeepSeek-V3's heads have their own sizes)
+        check_heads(args.hidden_size, args.num_attention_heads, args.num_query_groups)
 
     import transformers
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from _kernel_report import TARGETS, verdicts, write_report
 from _kernel_timing import copy_ms, fwd_bwd, peak_bytes, profile_calls, rel_err, time_in_turn, time_ms
-from _world import check_device, check_outputs  # tools/_world.py, beside this script
+from _world import check_device, check_outputs, check_sizes, usage_error  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -381,6 +381,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     check_outputs(args)
     check_device(args.device)
+    check_sizes(reps=args.reps)  # (--reps 0 wrote every row as a StatisticsError, and exited 0)
+    if args.chunks:
+        try:
+            check_sizes(chunks=[int(c) for c in args.chunks.split(",")])
+        except ValueError:
+            usage_error(f"--chunks {args.chunks}: comma-separated whole numbers of rows, e.g. --chunks 1024,4096")
     device = torch.device(args.device)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -413,7 +419,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     CHUNKS[:] = [int(c) for c in args.chunks.split(",")] if args.chunks else []
     rows: list[dict] = []
     wanted = None if args.kernels is None else set(args.kernels.split(","))
-    selected = [c for c in cases(SIZES[args.size], dtype, device) if wanted is None or c["name"] in wanted]
+    every = cases(SIZES[args.size], dtype, device)
+    names = [c["name"] for c in every]
+    for flag, given in (("--kernels", wanted), ("--compile-kernels", compile_only), ("--profile", args.profile)):
+        given = set(given.split(",")) if isinstance(given, str) and given != "all" else given
+        unknown = sorted(set(given or ()) - set(names))
+        if unknown:  # (a misspelt name ran nothing, or dropped that kernel, without a word)
+            usage_error(f"{flag}: no kernel named {', '.join(unknown)}; the kernels: {', '.join(names)}")
+    selected = [c for c in every if wanted is None or c["name"] in wanted]
     # Two phases: first every kernel beside its eager reference, then torch.compile (cold compiles take the most
     # time; the fused cross-entropy's, which a target needs, goes first), so a run cut short loses the least.
     # Cases with no target (last=True) go after both phases.

@@ -9,7 +9,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _world import check_sizes, usage_error  # tools/_world.py, beside this script
 
+from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.models.qk_clip import max_attention_logits
 
 
@@ -27,16 +29,20 @@ def best_ms(fn, n: int = 3) -> float:
     return min(times) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("seq", type=int, nargs="*", default=[1024, 4096])
+def main(argv: list[str] | None = None) -> None:
+    ap = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("seq", type=int, nargs="*", default=[1024, 4096], help="sequence lengths to time")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    # (a sequence of 0 ended in an IndexError)
+    check_sizes(seq=a.seq, threads=a.threads, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim)
+    if a.heads % a.kv_heads:
+        usage_error(f"--kv-heads {a.kv_heads}: does not divide --heads {a.heads}")
     torch.set_num_threads(a.threads)
     dev = "cuda" if a.cuda else "cpu"
     b, h, g, d = a.batch, a.heads, a.kv_heads, a.head_dim

@@ -16,7 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _world import check_device, check_outputs  # tools/_world.py, beside this script
+from _world import check_device, check_heads, check_outputs, check_sizes  # tools/_world.py, beside this script
 
 from megatron_lite.flag_parser import OneLineErrorParser
 
@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     check_outputs(args)
     check_device(args.device)
+    sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "seq_length")
+    check_sizes(**{k: getattr(args, k) for k in (*sizes, "micro_batch_size", "iters")})
+    check_sizes(0, warmup=args.warmup)
+    if args.ffn_hidden_size is not None:
+        check_sizes(ffn_hidden_size=args.ffn_hidden_size)
+    check_heads(args.hidden_size, args.num_attention_heads, args.num_query_groups)
 
     import dataclasses
 

@@ -51,7 +51,7 @@ from megatron_lite.models.gpt_model import build_model
 from megatron_lite.parallel_context import initialize
 from megatron_lite.resilience.supervisor import check_config_agreement
 from megatron_lite.start_up_error import report_error
-from megatron_lite.training.configs import check_output_path
+from megatron_lite.training.configs import check_output_path, check_writable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,6 +373,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-n-logprobs {args.top_n_logprobs} must be >= 0")
     if args.output_json:  # (before the model loads and generates, not after)
         check_output_path("--output-json", args.output_json)
+        # (the permission bits passed /proc/x/y.json, which then failed after the generation, its output lost)
+        check_writable_dir("--output-json", os.path.dirname(os.path.abspath(args.output_json)), args.output_json)
     if args.top_n_logprobs and not args.output_json:
         raise ConfigError("--top-n-logprobs is written to --output-json: add --output-json FILE")
     if args.max_new_tokens == 0 and not args.output_json:  # (it printed an empty line and dropped the scores)

@@ -79,6 +79,11 @@ def file_digest(path: str) -> dict:
     return {"bytes": size, "sha256": h.hexdigest()}
 
 
+# (how to: pretrain_gpt.py takes --ckpt-step, the tools take the iteration's directory, which had been told to use
+# a flag they do not have)
+_OLDER = " (its iter_NNNNNNN directory as the path, or --ckpt-step N in pretrain_gpt.py)"
+
+
 def verify_file(path: str, expected: dict, checksum: bool = True) -> None:
     """A one-line error naming the file when its size or (`checksum`) its sha256 is not what the writer recorded."""
     from megatron_lite.config import ConfigError
@@ -89,12 +94,11 @@ def verify_file(path: str, expected: dict, checksum: bool = True) -> None:
     if size != expected["bytes"]:
         raise ConfigError(
             f"checkpoint file {path} is {size} bytes, the writer recorded {expected['bytes']}: the file is "
-            "truncated or was overwritten; load an older checkpoint (--ckpt-step N loads iteration N)"
+            f"truncated or was overwritten; load an older checkpoint{_OLDER}"
         )
     if checksum and file_digest(path)["sha256"] != expected["sha256"]:
         raise ConfigError(
-            f"checkpoint file {path} fails its sha256 check: the file is corrupted; load an older checkpoint "
-            "(--ckpt-step N loads iteration N)"
+            f"checkpoint file {path} fails its sha256 check: the file is corrupted; load an older checkpoint{_OLDER}"
         )
 
 

@@ -288,11 +288,12 @@ def check_output_path(flag: str, path: str, is_dir: bool = False) -> None:
         raise ConfigError(f"{flag} {path} cannot be written: {parent} is not writable by this user")
 
 
-def check_writable_dir(flag: str, path: str) -> None:
+def check_writable_dir(flag: str, path: str, value: str | None = None) -> None:
     """`path` is made (with its parents) and a file written into it and removed: the permission bits alone
     passed a --save under /proc (root may write everywhere, yet nothing can be made there) or on a read-only
     mount, which then failed at the first save, after the training before it. Each rank probes with a file of
-    its own (made exclusively: a host name and pid repeat across containers), so ranks sharing it do not race."""
+    its own (made exclusively: a host name and pid repeat across containers), so ranks sharing it do not race.
+    `value`: the flag's, where `path` is the directory of the file it names."""
     import errno
     import tempfile
 
@@ -306,9 +307,10 @@ def check_writable_dir(flag: str, path: str) -> None:
         os.remove(probe)
     except OSError as e:
         why = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+        said = f"{flag} {path}" if value is None else f"{flag} {value}: its directory {path}"
+        where = "a directory" if value is None else "a path in a directory"
         raise ConfigError(
-            f"{flag} {path} cannot be written: {doing} failed: {why}; give {flag} a directory this user can "
-            "create and write"
+            f"{said} cannot be written: {doing} failed: {why}; give {flag} {where} this user can create and write"
         ) from None
 
 

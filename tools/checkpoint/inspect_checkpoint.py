@@ -167,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     elif o:
         kept = "the weights as converted" if o.get("converted_weights") else "weights trained since the conversion"
         print(f"origin       {o.get('converted_from')} (hf/ files {o.get('hf_dir')}; {kept})")
+    # (a conversion trained nothing: its training and optimizer values are placeholders, shown as a run's settings)
     for label, key in (("training", "training"), ("optimizer", "optimizer"), ("data", "data")):
-        if d[key]:
+        if d[key] and not (src and key != "data"):
             print(f"{label:<13}{_flags(d[key])}")
+    if src:
+        print("training     none: converted weights (a run's flags set its training and optimizer)")
     arch = ", ".join(
         f"{k}={m[k]}"
         for k in (
