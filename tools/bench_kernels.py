@@ -421,9 +421,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     every = cases(SIZES[args.size], dtype, device)
     names = [c["name"] for c in every]
-    for flag, given in (("--kernels", wanted), ("--compile-kernels", compile_only), ("--profile", args.profile)):
-        given = set(given.split(",")) if isinstance(given, str) and given != "all" else given
-        unknown = sorted(set(given or ()) - set(names))
+    named = (("--kernels", args.kernels, ()), ("--compile-kernels", args.compile_kernels, ("all",)))
+    for flag, given, also in (*named, ("--profile", args.profile, ())):
+        unknown = sorted(set((given or "").split(",")) - {*names, *also, ""})
         if unknown:  # (a misspelt name ran nothing, or dropped that kernel, without a word)
             usage_error(f"{flag}: no kernel named {', '.join(unknown)}; the kernels: {', '.join(names)}")
     selected = [c for c in every if wanted is None or c["name"] in wanted]
