@@ -9,6 +9,7 @@ device (nothing allocated), so the error names the tensor and the likely cause.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -93,6 +94,13 @@ def check_hf_shapes(
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our full, unpadded tensor names and shapes for `config` (one process: every expert and layer)."""
+    return dict(_expected_tensors(config))  # (a copy: the caller may change it)
+
+
+@functools.lru_cache(maxsize=2)
+def _expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """(Cached: a conversion asks twice, and a DeepSeek-V3-sized model builds its 15k tensors on the meta
+    device in seconds each time.)"""
     from megatron_lite.models.gpt_model import build_model
     from megatron_lite.models.weights import full_shape
     from megatron_lite.parallel_context import ParallelContext
