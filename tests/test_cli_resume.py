@@ -457,3 +457,18 @@ def test_every_model_setting_with_a_flag_comes_back_with_the_checkpoint(tmp_path
     restored = defaults_from_checkpoint(job.to_dict())
     missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name in dests and f.name not in restored]
     assert set(missing) == NOT_RESTORED, sorted(set(missing) ^ NOT_RESTORED)
+
+
+def test_a_checkpoints_model_config_reads_back_equal_and_hashable():
+    """Through JSON every tuple field comes back a list; the reader turned three of them back, so a config with a
+    window pattern or fp8's bf16 layers read back unequal and unhashable (a conversion's cached lookups failed)."""
+    import dataclasses
+    import json
+
+    from megatron_lite.checkpoint.compatibility import model_config_from_dict
+
+    from models import llama_config
+
+    config = llama_config(sliding_window=4, window_attn_skip_freq=(1, 0), fp8_bf16_layers=(1, 0), no_rope_freq=(0, 1))
+    back = model_config_from_dict(json.loads(json.dumps(dataclasses.asdict(config))))
+    assert back == config and hash(back) == hash(config)

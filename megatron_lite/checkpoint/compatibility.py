@@ -20,9 +20,9 @@ def model_config_from_dict(d: dict) -> ModelConfig:
     d = dict(d)
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    for key in ("recompute_modules", "moe_layer_freq", "no_rope_freq"):
-        if isinstance(d.get(key), list):
-            d[key] = tuple(d[key])
+    for key, value in d.items():  # (JSON's lists: the config's tuples, so that it hashes as the flags' does)
+        if isinstance(value, list):
+            d[key] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in d.items() if k in known})
 
