@@ -148,17 +148,41 @@ def _llama2_style_tokenizer(folder) -> str:
     hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     hf.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer.model").write_bytes(b"")
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
-                "' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% if not loop.last %}"
-                "{{ bos_token }}{% endif %}{% endif %}{% endfor %}")  # fmt: skip
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template,
-              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    _llama2_style_tokenizer_config(folder, tokenizer_class="PreTrainedTokenizerFast")
     return str(folder)
 
 
+def _llama2_style_tokenizer_config(folder, **fields) -> None:
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                "' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% if not loop.last %}"
+                "{{ bos_token }}{% endif %}{% endif %}{% endfor %}")  # fmt: skip
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template, **fields}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _llama2_bpe_tokenizer(folder) -> str:
+    """Llama-2's tokenizer as its repositories ship it: a byte-fallback BPE tokenizer.json as SentencePiece's
+    conversion writes it (Prepend("▁") + spaces as "▁"), and tokenizer_config.json naming LlamaTokenizerFast with
+    legacy false, whose pipeline transformers 5 builds its own way (no normalizer, "▁" before the first piece)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
+    hf.train_from_iterator(["hello again [INST] yes answer [/INST] " * 3, "the quick brown fox jumps"], trainer)
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])  # fmt: skip
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.model").write_bytes(b"")
+    _llama2_style_tokenizer_config(folder, tokenizer_class="LlamaTokenizerFast", legacy=False)
+    return str(folder)
+
+
+@pytest.mark.parametrize("style", ["unigram", "bpe"])
 @pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "Llama2Tokenizer"])
-def test_a_chat_rendered_record_tokenizes_as_transformers_chat_template(tmp_path, kind):
+def test_a_chat_rendered_record_tokenizes_as_transformers_chat_template(tmp_path, kind, style):
     """From the SFT review: prompt and response were encoded apart, so SentencePiece opened every response with a
     lone "▁" token (its dummy prefix), trained on; and Llama2Tokenizer read the template's "</s>" and "<s>" as
     text ("</", "s", ">"), training the model to write a literal "</s>". The sample's ids must be those of
@@ -167,7 +191,7 @@ def test_a_chat_rendered_record_tokenizes_as_transformers_chat_template(tmp_path
 
     from megatron_lite.data.tokenizers import build_tokenizer
 
-    folder = _llama2_style_tokenizer(tmp_path)
+    folder = (_llama2_style_tokenizer if style == "unigram" else _llama2_bpe_tokenizer)(tmp_path)
     reference = AutoTokenizer.from_pretrained(folder)
     chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "answer"},
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "yes"}]  # fmt: skip
@@ -175,8 +199,9 @@ def test_a_chat_rendered_record_tokenizes_as_transformers_chat_template(tmp_path
     prompt = reference.apply_chat_template(chat[:3], tokenize=False, add_generation_prompt=True)
     assert text.startswith(prompt)
     expected = reference.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
-    answer = len(reference.apply_chat_template(chat[:3], tokenize=True, add_generation_prompt=True, return_dict=True)
-                 ["input_ids"])  # fmt: skip
+    alone = reference.apply_chat_template(chat[:3], tokenize=True, add_generation_prompt=True, return_dict=True)
+    # (the answer: what follows the prompt's own tokens; a merge across the boundary, BPE's "]▁", goes to it)
+    answer = next(i for i, (a, b) in enumerate(zip([*alone["input_ids"], -1], expected)) if a != b)
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": prompt, "response": text[len(prompt) :]}) + "\n")
     model = folder + ("/tokenizer.json" if kind == "HuggingFaceTokenizer" else "/tokenizer.model")
@@ -201,3 +226,21 @@ def test_records_are_held_compactly(tmp_path):
     tokens = 200 * 201
     assert held < 8 * tokens, held / tokens
     assert d.record(199) == ([i % 50 + 1000 for i in range(100)], [i % 50 + 1000 for i in range(100)] + [0])
+
+
+def test_a_llama_tokenizer_encodes_text_as_the_installed_transformers_does(tmp_path):
+    """--tokenizer-type HuggingFaceTokenizer is Megatron's AutoTokenizer: for a tokenizer_config.json naming
+    LlamaTokenizerFast (legacy false, as Llama-2's), transformers 5 reads no "▁" after a <s> or </s> in the text,
+    nor a doubled one before a leading space, where tokenizer.json's pipeline as written does."""
+    from transformers import AutoTokenizer
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    folder = _llama2_bpe_tokenizer(tmp_path)
+    reference = AutoTokenizer.from_pretrained(folder)
+    ours = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    for text in ("<s>[INST] hello [/INST]", "yes</s>again", " hello", "héllo\nthe fox", ""):
+        assert ours.encode(text) == reference(text).input_ids, (
+            text,
+            reference.convert_ids_to_tokens(ours.encode(text)),
+        )

@@ -73,8 +73,6 @@ class SFTDataset:
         # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
         # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
         prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
-        # a chat template's rendered BOS ("<s>[INST] ..."): SentencePiece reads it as text, not as the BOS
-        bos_text = tokenizer.token(prefix[0]) if len(prefix) == 1 and hasattr(tokenizer, "token") else None
         encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
         separate = getattr(tokenizer, "separate_texts", False)
         with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
@@ -98,8 +96,6 @@ class SFTDataset:
                 if not isinstance(prompt, str) or not isinstance(response, str):
                     kinds = f"{type(prompt).__name__} and {type(response).__name__}"
                     raise ConfigError(f"{path}:{n}: expected {expected}, got {kinds}")
-                if bos_text and prompt.startswith(bos_text):
-                    prompt = prompt[len(bos_text) :]
                 try:
                     p, other = encode(prompt), encode(response if separate else prompt + response)
                 except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)

@@ -65,6 +65,30 @@ def _config_token(path: str, key: str = "eos_token") -> str | None:
     return None
 
 
+def _as_transformers_reads(path: str):
+    """The tokenizers pipeline the installed transformers' AutoTokenizer builds for the tokenizer.json at `path`
+    (its backend tokenizer), where tokenizer_config.json beside it names a class of its own: transformers 5
+    rebuilds a LlamaTokenizer's from the file's vocabulary and merges (no normalizer; a Metaspace that prepends
+    "▁" to the text's first piece only, unless legacy), so Llama-2's tokenizer.json as written put a "▁" after
+    every <s> that transformers' ids (and apply_chat_template's) do not have. None where transformers reads the
+    file as written (PreTrainedTokenizerFast, no config), or is not installed (transformers 4 reads it so)."""
+    folder = os.path.dirname(path) or "."
+    try:
+        config = json.load(open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("tokenizer_class") in (None, "PreTrainedTokenizerFast"):
+        return None
+    if os.path.basename(path) != "tokenizer.json":  # (AutoTokenizer reads the folder's tokenizer.json)
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True).backend_tokenizer
+    except Exception:  # (no transformers, or a config it cannot build: the file as written, as before)
+        return None
+
+
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
@@ -107,7 +131,9 @@ class HuggingFaceTokenizer:
     # id and reads it as id 0 (gpt_dataset.GPTDataset.__getitem__); None where there is none, or it is the EOD
     pad: int | None = None
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, as_transformers: bool = True) -> None:
+        """`as_transformers`: the pipeline the installed transformers builds (_as_transformers_reads), where it
+        differs from the file's; else the file's as written."""
         from tokenizers import Tokenizer
 
         path = tokenizer_file(path)
@@ -129,6 +155,8 @@ class HuggingFaceTokenizer:
             raise ConfigError(
                 f"--tokenizer-model {path} is not a tokenizer.json the tokenizers library reads: {msg}"
             ) from None
+        if as_transformers:
+            self._tok = _as_transformers_reads(path) or self._tok
         eos = _config_token(path)
         if eos is not None and eos not in self._tok.get_vocab(with_added_tokens=True):
             # transformers (so Megatron's HuggingFaceTokenizer) adds a configured eos_token the file lacks as a new
@@ -191,7 +219,7 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
                 f"and found none at {json_path}; put the model's tokenizer.json there (Llama and Mistral "
                 "repositories ship one) or use --tokenizer-type HuggingFaceTokenizer"
             )
-        super().__init__(json_path)
+        super().__init__(json_path, as_transformers=False)  # (SentencePiece's pieces for documents, as Megatron's)
         # Megatron's vocabulary is the SentencePiece model's pieces, which the tokenizer.json's model holds; a token
         # added beside them (a fine-tune's <pad> at 32000) made Llama-2's 32001, padded to 32128 instead of 32000.
         # Such tokens are not the model's: dropped, so text holding one is read as SentencePiece reads it (a
@@ -199,9 +227,17 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
         from tokenizers import Tokenizer
 
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=False)
-        spec = json.loads(self._tok.to_str())
-        spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < self.vocab_size]
-        self._tok = Tokenizer.from_str(json.dumps(spec))
+
+        def pieces_only(tok):
+            spec = json.loads(tok.to_str())
+            spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < self.vocab_size]
+            return Tokenizer.from_str(json.dumps(spec))
+
+        self._tok = pieces_only(self._tok)
+        # a rendered chat is read as transformers reads it (apply_chat_template's ids), which for a LlamaTokenizer
+        # transformers 5 builds its own way
+        chat = _as_transformers_reads(json_path)
+        self._chat = None if chat is None else pieces_only(chat)
         # SentencePiece never reads a control symbol from text: "</s>" in a document (HTML's strikethrough) is
         # text, where the tokenizers library would match it as the special token (an EOD mid-document)
         self._tok.encode_special_tokens = True
@@ -234,8 +270,11 @@ class SentencePieceFamilyTokenizer(HuggingFaceTokenizer):
 
     def encode_chat(self, text: str) -> list[int]:
         """Text a chat template rendered ("answer</s><s>[INST] ..."): its special tokens read as the tokens they
-        name, as transformers' tokenizer (and so apply_chat_template) reads them; plain documents keep
-        SentencePiece's rule, `encode`."""
+        name, as transformers' tokenizer (and so apply_chat_template) reads them, through transformers' pipeline
+        where it builds its own; plain documents keep SentencePiece's rule, `encode`."""
+        if self._chat is not None:
+            ids = self._chat.encode(text, add_special_tokens=False).ids
+            return ids if self.bos is None else [self.bos, *ids]
         self._tok.encode_special_tokens = False
         try:
             return self.encode(text)
