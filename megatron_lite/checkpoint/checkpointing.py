@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     consumed_valid_samples: int = 0  # validation samples evaluated so far: the next evaluation goes on from there
+    # the training loop's guards' state (resilience/supervisor.py: the loss-spike check's history), so a restart
+    # checks the iterations after the checkpoint as the run that saved it would have
+    guards: dict = field(default_factory=dict)
 
 
 # (a tensor each replica holds whole, fp8 scaling state: a dense layer's, an expert's)
@@ -175,6 +178,7 @@ def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
+        "guards": state.guards,
         "config": job_dict,
         "layout": {"world_size": ctx.world_size, **{k: g.size for k, g in ctx.groups.items()}},
         "scheduler": scheduler.state_dict() if scheduler else None,
@@ -462,4 +466,9 @@ def load_checkpoint(
     if finetune:
         return TrainState(0, 0, 0)
     # (a checkpoint saved before the validation samples were counted starts them again)
-    return TrainState(int(meta["iteration"]), int(meta["consumed_samples"]), int(meta.get("consumed_valid_samples", 0)))
+    return TrainState(
+        int(meta["iteration"]),
+        int(meta["consumed_samples"]),
+        int(meta.get("consumed_valid_samples", 0)),
+        dict(meta.get("guards") or {}),
+    )

@@ -265,6 +265,21 @@ class Supervisor:
     def should_exit(self) -> bool:
         return self.exit is not None and self.exit.should_exit(self.ctx)
 
-    def after_rollback(self) -> None:
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the guards: the loss-spike check's history, so that a run restarted from it
+        checks the next iterations as the run that saved it did (with an empty history it missed a spike the
+        uninterrupted run rolled back from, and checked nothing for the window's first half)."""
+        if self.spikes is None:
+            return {}
+        return {"spike_losses": list(self.spikes.losses), "spike_in_a_row": list(self.spikes.in_a_row)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's guard state (state_dict); an older checkpoint's none: an empty history."""
         if self.spikes is not None:
             self.spikes.reset()
+            self.spikes.losses.extend(float(x) for x in state.get("spike_losses", []))  # (the newest `window`)
+            self.spikes.in_a_row = [float(x) for x in state.get("spike_in_a_row", [])]
+
+    def after_rollback(self, state: dict) -> None:
+        """Back at a checkpoint: its guard state, as a run restarted from it has (not the iterations rolled back)."""
+        self.load_state_dict(state)

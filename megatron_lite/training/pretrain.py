@@ -54,8 +54,11 @@ from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
 from megatron_lite.training.profiling import ProfileWindow, validate_profile
 from megatron_lite.training.resume import (
+    SKIPS,
     check_qlora_base,
     mark_halted,
+    record_skips,
+    recorded_skips,
     rollback,
     start_from,
     start_load,
@@ -322,6 +325,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
         ck = job.checkpoint
         signalled = exiting = False
         guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log, exit_signal, ddp)
+        guard.load_state_dict(state.guards)
+        if skips := recorded_skips(job.checkpoint.save):  # (a restart after a rollback, before or after a save)
+            guard.skip_samples.update(skips)
+            log.info(f"earlier rollbacks of this job skip the batches at samples {skips} ({SKIPS} in --save)")
         saver = (
             AsyncSaver(ck.save, ctx, ck.ckpt_keep_last, ck.save_retain_interval) if ck.save and ck.async_save else None
         )
@@ -335,6 +342,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
 
         def _save() -> None:
             saved.add(state.iteration)
+            state.guards = guard.state_dict()
             if saver is not None:
                 if previous := saver.save(state, model, optimizer, scheduler, job.checkpoint_dict(), **parts):
                     log.info(f"saved {previous} (async)")
@@ -411,12 +419,13 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 finish_async_save(saver, log)
                 raise
             if action == ROLLBACK:
+                record_skips(ck.save, guard.skip_samples, ctx.rank)
                 finish_async_save(saver, log)  # it may be the checkpoint to go back to
                 state = rollback(
                     job, model, optimizer, scheduler, ctx, log, state, ckpt_path, base_path, saved, np_saver
                 )
                 batch_was = train_batches.gbs(state.consumed_samples)  # (the batch it went back to: no growth)
-                guard.after_rollback()
+                guard.after_rollback(state.guards)
                 continue
             step_gbs = train_batches.gbs(state.consumed_samples)
             state.iteration += 1
@@ -502,6 +511,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 save()
             elif np_saver is not None and non_persistent.save_due(ck, state.iteration):
                 with saving(np_saver.root, np_saver.flag):
+                    state.guards = guard.state_dict()
                     np_saver.save(state, model, optimizer, scheduler, job.checkpoint_dict(), log, **parts)
             if should_exit(t, state.iteration, job_start, ctx):
                 # saved and gone, as Megatron's checkpoint_and_decide_exit: no final evaluation to outlast a time limit

@@ -4,9 +4,11 @@ and which it goes back to in a rollback (its own newest, or that start, read as 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from megatron_lite.checkpoint import non_persistent
+from megatron_lite.checkpoint.atomic import atomic_write_json
 from megatron_lite.checkpoint.checkpointing import (
     TrainState,
     find_checkpoint,
@@ -262,6 +264,32 @@ def start_load(job: JobConfig, base_path: str | None) -> dict:
         skip_missing_frozen=base_path is not None,
         fully_parallel_load=ck.ckpt_fully_parallel_load,
     )
+
+
+SKIPS = "rollback_skips.json"  # in --save: the batches rollbacks skipped
+
+
+def record_skips(save: str | None, skips: set[int], rank: int) -> None:
+    """The batches the rollbacks skipped (by consumed-samples position), written beside the checkpoints when one
+    is decided: a restart before the next save (a preemption, a crash) went back to the checkpoint and trained
+    the skipped batch after all, without a word."""
+    if save and rank == 0:
+        atomic_write_json(os.path.join(save, SKIPS), {"skip_samples": sorted(skips)})
+
+
+def recorded_skips(save: str | None) -> list[int]:
+    """The batches earlier rollbacks of the job in --save skipped (record_skips); none without the file."""
+    path = os.path.join(save, SKIPS) if save else None
+    if path is None or not os.path.isfile(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [int(x) for x in json.load(f)["skip_samples"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{path} is not the list of skipped batches a rollback writes ({type(e).__name__}: {e}); remove it "
+            "(the batches earlier rollbacks skipped are then trained)"
+        ) from None
 
 
 def rollback(
