@@ -18,12 +18,11 @@ from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
-from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.config import OptimizerConfig
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.training.step import eval_step, train_step
-from megatron_lite.training.wrap import wrap_for_training
+from megatron_lite.training.wrap import build_training_model, wrap_for_training
 
 from dist_pool import get_context
 from models import CONFIGS
@@ -87,7 +86,7 @@ def train_run(
         config = dataclasses.replace(config, vocab_size=EMBEDDED_VOCAB)
     ctx.seed(1234)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    model = build_model(config, ctx, seed=1234, dtype=torch.float32 if fsdp2 else dtype)
+    model = build_training_model(config, ctx, 1234, dtype, fsdp2)
     flags = dict(
         bf16=bf16,
         use_distributed_optimizer=distributed_optimizer,

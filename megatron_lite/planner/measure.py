@@ -12,7 +12,6 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.data.mock import MockGPTDataset, collate
 from megatron_lite.data.samplers import micro_batch_indices
-from megatron_lite.models.gpt_model import build_model
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext
 from megatron_lite.planner.layout import Layout
@@ -21,7 +20,7 @@ from megatron_lite.planner.search import optimizer_config
 from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import memory
 from megatron_lite.training.step import train_step
-from megatron_lite.training.wrap import wrap_for_training
+from megatron_lite.training.wrap import build_training_model, wrap_for_training
 
 
 def measure_layout(
@@ -43,7 +42,7 @@ def measure_layout(
     cfg = layout.model_config(model)
     dtype = torch.bfloat16 if bf16 else torch.float32
     fsdp2 = layout.sharding == "fsdp2"
-    net = build_model(cfg, ctx, seed=1, dtype=torch.float32 if fsdp2 else dtype)
+    net = build_training_model(cfg, ctx, 1, dtype, fsdp2)
     if cfg.fp8 is not None:  # (as pretrain switches the linears: their fp8 copies are what the backward keeps)
         describe_fp8(net, cfg, ctx, fsdp2)
     optim = optimizer_config(layout, bf16, grads_bf16, optimizer)

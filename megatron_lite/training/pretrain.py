@@ -36,7 +36,6 @@ from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.config import adapted_targets
 from megatron_lite.megatron_flags import accepted_no_ops
-from megatron_lite.models.gpt_model import build_model
 from megatron_lite.moe import stats as moe_stats
 from megatron_lite.optimizer.lr_scheduler import LRScheduler
 from megatron_lite.parallel_context import ParallelContext, destroy_process_groups, initialize
@@ -68,7 +67,7 @@ from megatron_lite.training.saving import SaveFailed, finish_async_save, peer_lo
 from megatron_lite.training.skipping import skip_iteration
 from megatron_lite.training.step import train_step
 from megatron_lite.training.upcycling import check_upcycling, upcycle
-from megatron_lite.training.wrap import wrap_for_training
+from megatron_lite.training.wrap import build_training_model, wrap_for_training
 
 
 def backend_timeout(backend: str | None, timeout_s: float, recorder_on: bool) -> float:
@@ -190,8 +189,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
 
         dtype = torch.bfloat16 if job.optimizer.bf16 else torch.float16 if job.optimizer.fp16 else torch.float32
         fsdp2 = job.optimizer.use_torch_fsdp2
-        # FSDP2 keeps fp32 sharded weights (the main weights) and computes in bf16 through its policy.
-        model = build_model(job.model, ctx, seed=model_seed, dtype=torch.float32 if fsdp2 else dtype)
+        model = build_training_model(job.model, ctx, model_seed, dtype, fsdp2)
         if job.model.fp8 is not None:
             log.info(describe_fp8(model, job.model, ctx, fsdp2))
         n_params = sum(p.numel() for p in model.parameters())

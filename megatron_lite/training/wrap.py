@@ -15,6 +15,22 @@ from megatron_lite.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_lite.parallel_context import ParallelContext
 
 
+def build_training_model(config, ctx: ParallelContext, seed: int, dtype: torch.dtype, fsdp2: bool) -> nn.Module:
+    """The model a run trains, in `dtype` (--bf16: bf16 weights, fp32 main weights beside them). FSDP2 keeps fp32
+    sharded weights, its main weights, and computes in bf16 through its policy: they start as the other layouts'
+    main weights do, from the bf16 weights built (from the unrounded initial ones, FSDP2 trained apart from every
+    other bf16 layout, by more than bf16 from fp32 does)."""
+    from megatron_lite.models.gpt_model import build_model
+
+    model = build_model(config, ctx, seed=seed, dtype=dtype)
+    if fsdp2 and dtype != torch.float32:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype == dtype:  # (those kept in fp32, gpt-oss's sinks, are as built)
+                    p.data = p.data.float()
+    return model
+
+
 def wrap_for_training(
     model: nn.Module,
     ctx: ParallelContext,
