@@ -121,6 +121,22 @@ def _fp8_notes(ns: argparse.Namespace) -> list[str]:
     return out
 
 
+def _without_their_switch(ns: argparse.Namespace) -> list[str]:
+    """Settings of a feature that is off: --qk-clip-threshold / -alpha without --qk-clip, the --muon-* flags with
+    another --optimizer (they changed nothing, unsaid; Megatron says nothing either)."""
+    from megatron_lite.flag_parser import build_parser
+
+    parser = build_parser()
+    muon = getattr(ns, "optimizer", "adam") in ("muon", "dist_muon")
+    switches = [(not getattr(ns, "qk_clip", False), "qk_clip_", "--qk-clip"), (not muon, "muon_", "--optimizer muon")]
+    out = []
+    for off, prefix, switch in switches:
+        for dest in sorted(d for d in vars(ns) if d.startswith(prefix)):
+            if off and getattr(ns, dest) != parser.get_default(dest):
+                out.append(f"--{dest.replace('_', '-')} has no effect without {switch}")
+    return out
+
+
 def _fp32_accumulation_notes(ns: argparse.Namespace) -> list[str]:
     """--ddp-reduce-scatter-with-fp32-accumulation acts on the distributed optimizer's reduce-scatters only (as in
     Megatron, which takes it silently elsewhere)."""
@@ -158,6 +174,7 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
     ):
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     lines += _fp8_notes(ns)
+    lines += _without_their_switch(ns)
     lines += _fp32_accumulation_notes(ns)
     if getattr(ns, "check_for_large_grads", False):
         lines = [x for x in lines if not x.startswith("--rerun-mode has no effect")]
