@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -274,7 +275,8 @@ def test_bench_attention_tiles_forces_each_tile_and_checks_it():
     assert set(rows) == {"32x32x4x3", "16x64x4x3", "24x32x4x3"}
     assert "error" in rows["24x32x4x3"]
     for tile in ("32x32x4x3", "16x64x4x3"):
-        assert rows[tile]["deterministic"] and rows[tile]["ms"] > 0, rows[tile]
+        # (the backward's ms is a difference of two timings, below zero at times on a loaded CPU: the CI saw -1699)
+        assert rows[tile]["deterministic"] and rows[tile]["call_ms"] > 0 and math.isfinite(rows[tile]["ms"]), rows[tile]
         assert set(rows[tile]["max_rel_err"]) == {"o", "dq", "dk", "dv"}
         assert max(rows[tile]["max_rel_err"].values()) < 1e-4, rows[tile]
 

@@ -291,7 +291,7 @@ class AsyncSaver:
             tmp, meta = self._pending
             self._pending = None
             mine = f": {type(self._error).__name__}: {self._error}" if self._error else ""
-            raise RuntimeError(f"async save of iteration {meta['iteration']} into {tmp} failed on a rank{mine}")
+            raise RuntimeError(f"the save of iteration {meta['iteration']} into {tmp} failed on a rank{mine}")
         if flags[0].item() < 1:
             return None
         tmp, meta = self._pending

@@ -24,7 +24,6 @@ logits of every pair, masked after, 64 MiB tiles) took 7x and 14-16x.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -49,16 +48,8 @@ def validate_qk_clip(c: ModelConfig) -> None:
         )
     if c.qk_clip and not c.qk_clip_threshold > 0:
         raise ConfigError(f"--qk-clip-threshold {c.qk_clip_threshold} must be > 0 (Megatron's default is 100)")
-    norm = "--qk-layernorm" if c.qk_layernorm else "--qk-l2-norm" if c.qk_l2_norm else None
-    if c.qk_clip and norm and not c.multi_latent_attention:
-        # Accepted, as Megatron accepts it (Megatron users run the pair), but the per-head norm undoes any row
-        # scale: the clipped rows shrink at every step over the threshold while the logits stay. (MLA's norms sit
-        # on the latents, before the clipped up-projections: unaffected.)
-        warnings.warn(
-            f"--qk-clip with {norm}: the norm undoes the clip's row scale, so it bounds no logit (the query and key "
-            "rows shrink at each clipped step instead); Megatron does the same",
-            stacklevel=2,
-        )
+    # (with --qk-layernorm or --qk-l2-norm it is accepted, as Megatron accepts it, and said once at start-up:
+    # megatron_flags.accepted_no_ops)
 
 
 @torch.no_grad()
