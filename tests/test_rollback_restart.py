@@ -76,3 +76,17 @@ def test_a_restart_checks_for_spikes_with_the_checkpoints_history(tmp_path, caps
     again, out = _job(argv, tmp_path / "b.jsonl", capsys, monkeypatch)
     assert out.count("iteration 6: loss spike") == 2, out
     assert (again[6]["lm_loss"], again[6]["grad_norm"]) == (first[6]["lm_loss"], first[6]["grad_norm"])
+
+
+def test_the_halt_after_three_rollbacks_is_not_announced_as_a_fourth(tmp_path, capsys, monkeypatch):
+    """A NaN that comes back whatever the batch (the fault given for four tries of iteration 4): three rollbacks,
+    each said, then the halt. The fourth was said as "rolling back ... skipping the batch" too, before the halt."""
+    argv = [*ARGS, "--lr", "3e-3", "--train-iters", "6", "--nan-policy", "rollback", "--save", str(tmp_path / "ck"),
+            "--save-interval", "2"]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", ";".join(["nan,rank=0,iteration=4"] * 4))
+    assert main(argv) == 3
+    captured = capsys.readouterr()
+    assert captured.out.count("rolling back to the last checkpoint") == 3, captured.out
+    assert "again after 3 rollbacks" in captured.err, captured.err

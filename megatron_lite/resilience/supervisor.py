@@ -220,11 +220,12 @@ class Supervisor:
             self.log.info(f"iteration {iteration}: non-finite {what}: update skipped on every rank (--nan-policy skip)")
             return SKIPPED
         if policy == "rollback":
+            action = self._rollback(iteration, consumed_before, f"non-finite {what}")  # (or the halt: said alone)
             self.log.info(
                 f"iteration {iteration}: non-finite {what}: rolling back to the last checkpoint and skipping the "
                 f"batch at sample {consumed_before} (--nan-policy rollback)"
             )
-            return self._rollback(iteration, consumed_before, f"non-finite {what}")
+            return action
         raise TrainingHalted(self.halt_message(iteration, what, ddp))
 
     def halt_message(self, iteration: int, what: str, ddp) -> str:
