@@ -472,7 +472,7 @@ def flags_from_checkpoint(
         # on there, --eod-mask-loss say, is not turned off by leaving its flag out here)
         notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
-    ns.schedule_notes = notes + schedule_notes(ns, saved, given, full, scheduler, scheduler is not None, resumed)
+    ns.schedule_notes = notes + schedule_notes(ns, saved, given, full, scheduler, resumed)
     if ns.use_checkpoint_args:
         for d in (d for d in ARCH_DESTS if d not in upcycled):
             setattr(ns, d, saved.get(d, getattr(ns, d)))

@@ -576,9 +576,15 @@ class TrainingConfig:
         gbs = self.global_batch(dp)
         if self.rampup_batch_size is None and self.train_samples < gbs:
             raise ConfigError(f"--train-samples {self.train_samples} is less than one global batch ({gbs} samples)")
+        iters, consumed = self.rampup_iterations(dp)
+        return dataclasses.replace(self, train_iters=iters + max(0, self.train_samples - consumed) // gbs)
+
+    def rampup_iterations(self, dp: int) -> tuple[int, int]:
+        """(iterations, samples) of a --train-samples run's ramp-up: the steps that start within its SAMPLES
+        (Megatron's update_train_iters); (0, 0) without one."""
         iters = consumed = 0
         ramp = self.rampup_batch_size[2] if self.rampup_batch_size else -1
         while consumed <= ramp and consumed <= self.train_samples:
             consumed += self.batch_size_at(consumed, dp)
             iters += 1
-        return dataclasses.replace(self, train_iters=iters + max(0, self.train_samples - consumed) // gbs)
+        return iters, consumed

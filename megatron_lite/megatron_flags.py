@@ -175,20 +175,14 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
         lines.append("--grad-reduce-in-bf16 has no effect without --bf16: fp32 gradients are reduced in fp32")
     lines += _fp8_notes(ns)
     lines += _without_their_switch(ns)
-    norm = (
-        "--qk-layernorm"
-        if getattr(ns, "qk_layernorm", False)
-        else "--qk-l2-norm"
-        if getattr(ns, "qk_l2_norm", False)
-        else None
-    )
-    if getattr(ns, "qk_clip", False) and norm and not getattr(ns, "multi_latent_attention", False):
+    norms = [f"--{d.replace('_', '-')}" for d in ("qk_layernorm", "qk_l2_norm") if getattr(ns, d, False)]
+    if getattr(ns, "qk_clip", False) and norms and not getattr(ns, "multi_latent_attention", False):
         # Accepted, as Megatron accepts it (its users run the pair), but the per-head norm undoes any row scale:
         # the clipped rows shrink at every step over the threshold while the logits stay. (MLA's norms sit on the
         # latents, before the clipped up-projections: unaffected.) It was a Python warning, printed twice.
         lines.append(
-            f"--qk-clip with {norm}: the norm undoes the clip's row scale, so it bounds no logit (the query and key "
-            "rows shrink at each clipped step instead); Megatron does the same"
+            f"--qk-clip with {norms[0]}: the norm undoes the clip's row scale, so it bounds no logit (the query and "
+            "key rows shrink at each clipped step instead); Megatron does the same"
         )
     lines += _fp32_accumulation_notes(ns)
     if getattr(ns, "check_for_large_grads", False):

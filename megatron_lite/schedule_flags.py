@@ -64,20 +64,19 @@ def schedule_notes(
     saved: dict,
     given: set[str],
     full: dict,
-    scheduler: dict | None = None,
-    has_schedule: bool = True,
+    scheduler: dict | None,
     resumed: bool = False,
 ) -> list[str]:
-    """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those
-    this run takes as defaults); returns the notes to log. Nothing to reconcile where no schedule state is
-    loaded (--finetune, --no-load-optim, or a checkpoint that holds none, as a conversion's): the flags are the
-    schedule (the notes had compared them with a conversion's placeholder values). A job `resumed` from its own
-    --save loads its schedule whatever those flags say (they were for its starting checkpoint), unless it saved
-    none (--no-save-optim)."""
+    """Reconcile the schedule flags given on resume with the checkpoint's (`full`: all its values, `saved`: those this
+    run takes as defaults, `scheduler` its schedule state); returns the notes to log. Nothing to reconcile where no
+    schedule state is loaded (--finetune, --no-load-optim, or a checkpoint that holds none, as a conversion's): the
+    flags are the schedule (the notes had compared them with a conversion's placeholder values). A job `resumed`
+    from its own --save loads its schedule whatever those flags say (they were for its starting checkpoint), unless
+    it saved none (--no-save-optim)."""
     fresh = ns.no_save_optim if resumed else ns.finetune or ns.no_load_optim
-    if not has_schedule or fresh:
+    if scheduler is None or fresh:
         return []
-    has_lengths = scheduler is None or "lengths" in scheduler  # (older checkpoints' state holds none)
+    lengths = scheduler.get("lengths")  # (in samples; older checkpoints' state holds none)
     changed = [d for d in SCHEDULE_DESTS if d in given and d in saved and getattr(ns, d) != saved[d]]
     old_gbs, gbs = full.get("global_batch_size"), ns.global_batch_size
     new_batch = None not in (old_gbs, gbs) and gbs != old_gbs
@@ -88,7 +87,7 @@ def schedule_notes(
         _keep_decay_length(ns, full)
         # (the scheduler's state holds the lengths in samples: LRScheduler's keep_saved_lengths; a checkpoint saved
         # before they were counts its iteration lengths in the new batches)
-        lost = new_batch and not has_lengths and ns.train_samples is None
+        lost = new_batch and lengths is None and ns.train_samples is None
         kept = changed + (
             [f"warmup and decay lengths in samples (batches of {old_gbs})"] if new_batch and not lost else []
         )
@@ -102,8 +101,8 @@ def schedule_notes(
     if ns.override_opt_param_scheduler:
         return []
     # (the lengths in samples the flags give, against the state's: comparable once the global batch is known)
-    lengths = (scheduler or {}).get("lengths")
-    by_length = lengths is not None and (ns.train_samples is not None or _global_batch(ns)[0] is not None)
+    batch = _global_batch(ns)
+    by_length = lengths is not None and (ns.train_samples is not None or batch[0] is not None)
     if by_length:
         changed = [d for d in changed if d not in LENGTH_DESTS]
     notes = [
@@ -112,7 +111,7 @@ def schedule_notes(
         "the checkpoint's)"
         for d in changed
     ]
-    notes += _length_notes(ns, lengths) if by_length else _run_length_note(ns, full)
+    notes += _length_notes(ns, lengths, batch) if by_length else _run_length_note(ns, full)
     if new_batch and ns.train_samples is None:  # the position is in samples: the lengths move under it
         notes.append(
             f"--global-batch-size {gbs} differs from the checkpoint's {old_gbs}: the schedule's iteration lengths "
@@ -122,12 +121,13 @@ def schedule_notes(
     return notes
 
 
-def _length_notes(ns: argparse.Namespace, saved: dict) -> list[str]:
+def _length_notes(ns: argparse.Namespace, saved: dict, batch: tuple[int | None, str]) -> list[str]:
     """The schedule's lengths in samples that differ from those of the checkpoint's scheduler state (`saved`),
     each with the flags that give it: a changed run length moves the decay and weight-decay ramp's end, a resume
-    in the other unit or with another global batch can change a warmup (Megatron stops on any of these)."""
+    in the other unit or with another global batch can change a warmup (Megatron stops on any of these).
+    `batch`: the run's global batch and how to say it (_global_batch)."""
     samples = ns.train_samples is not None
-    gbs, said_gbs = _global_batch(ns)
+    gbs, said_gbs = batch
     unit, per = ("samples", "") if samples else ("iters", f" x {said_gbs}")
     now = schedule_lengths(ns, ns.train_iters, ns.train_samples, gbs)
     run = f"--train-{unit} {getattr(ns, f'train_{unit}')}{per}"

@@ -40,15 +40,15 @@ def test_the_final_save_comes_before_the_final_evaluation(tmp_path, capsys, monk
 def test_exit_duration_counts_the_start_up(tmp_path, capsys, monkeypatch):
     """--exit-duration-in-mins is measured from the start of the job (Megatron's _TRAIN_START_TIME), not from
     the first iteration: a start-up longer than the limit exits after one iteration (it trained them all)."""
-    import megatron_lite.training.pretrain as pretrain
+    import megatron_lite.training.datasets as datasets
 
-    real = pretrain.build_datasets
+    real = datasets.build_datasets
 
     def slow(*a, **kw):
         time.sleep(2.0)
         return real(*a, **kw)
 
-    monkeypatch.setattr(pretrain, "build_datasets", slow)
+    monkeypatch.setattr(datasets, "build_datasets", slow)
     argv = [*DATA, "--train-iters", "20", "--exit-duration-in-mins", "0.02", "--save", str(tmp_path / "c")]
     rc, out, err = _run(argv, capsys, monkeypatch)
     assert rc == 0, err

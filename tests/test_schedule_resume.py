@@ -196,11 +196,11 @@ def test_use_checkpoint_schedule_takes_the_wsd_decay_from_the_flags(tmp_path, ca
 def test_a_sample_based_ramp_asks_the_data_for_its_train_samples(tmp_path, capsys, monkeypatch):
     """The train split was asked for train_iters x the final batch (1296 samples for a --train-samples 1000 ramp),
     where Megatron asks for --train-samples: a split's epochs, and so the order of its samples, depend on it."""
-    import megatron_lite.training.pretrain as pretrain
+    import megatron_lite.training.datasets as datasets
 
     from models import record_calls
 
-    calls = record_calls(monkeypatch, pretrain, "build_datasets")  # (source, data, num_samples, ...)
+    calls = record_calls(monkeypatch, datasets, "build_datasets")  # (source, data, num_samples, ...)
     ramp = _without(RUN, "--train-iters", "--lr-warmup-iters", "--global-batch-size")
     ramp += ["--global-batch-size", "8", "--train-samples", "100", "--rampup-batch-size", "4", "4", "20",
              "--exit-interval", "1"]  # fmt: skip

@@ -72,14 +72,14 @@ def _as_transformers_reads(path: str):
     "▁" to the text's first piece only, unless legacy), so Llama-2's tokenizer.json as written put a "▁" after
     every <s> that transformers' ids (and apply_chat_template's) do not have. None where transformers reads the
     file as written (PreTrainedTokenizerFast, no config), or is not installed (transformers 4 reads it so)."""
+    if os.path.basename(path) != "tokenizer.json":  # (AutoTokenizer reads the folder's tokenizer.json)
+        return None
     folder = os.path.dirname(path) or "."
     try:
         config = json.load(open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(config, dict) or config.get("tokenizer_class") in (None, "PreTrainedTokenizerFast"):
-        return None
-    if os.path.basename(path) != "tokenizer.json":  # (AutoTokenizer reads the folder's tokenizer.json)
         return None
     try:
         from transformers import AutoTokenizer

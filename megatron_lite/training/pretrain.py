@@ -31,7 +31,7 @@ from megatron_lite.checkpoint.checkpointing import (
 )
 from megatron_lite.checkpoint_flags import with_origin
 from megatron_lite.config import ConfigError
-from megatron_lite.data.builder import build_datasets, check_data, resolve_data
+from megatron_lite.data.builder import check_data, resolve_data
 from megatron_lite.layout_validation import validate_layout
 from megatron_lite.lora.apply import apply_lora
 from megatron_lite.lora.config import adapted_targets
@@ -48,6 +48,7 @@ from megatron_lite.tensor_parallel.fp8 import describe_fp8
 from megatron_lite.training import determinism, memory
 from megatron_lite.training.batches import Batches
 from megatron_lite.training.configs import JobConfig, check_output_paths, probe_output_dirs
+from megatron_lite.training.datasets import run_datasets
 from megatron_lite.training.evaluation import Evaluator
 from megatron_lite.training.flops import flops_per_token, peak_flops
 from megatron_lite.training.logger import MetricsLogger
@@ -100,13 +101,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             job, training=job.training.resolve_train_iters(job.parallel.data_parallel_size(world_size))
         )
         t, dp = job.training, job.parallel.data_parallel_size(world_size)
-        ramp, consumed = 0, 0  # (the iterations of a --rampup-batch-size ramp, in smaller batches)
-        while (
-            t.rampup_batch_size is not None
-            and ramp < t.train_iters
-            and t.batch_size_at(consumed, dp) < t.global_batch(dp)
-        ):
-            consumed, ramp = consumed + t.batch_size_at(consumed, dp), ramp + 1
+        ramp = t.rampup_iterations(dp)[0]
         batches = f"of {t.global_batch(dp)} samples"
         if ramp:
             batches = (
@@ -264,51 +259,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 )
 
         t = job.training
-        gbs = t.global_batch(ctx.dp.size)
-        # (Megatron's get_train_valid_test_num_samples: one evaluation's batches under --skip-train)
-        evals = t.eval_iters if t.skip_train else (t.train_iters // t.eval_interval + 1) * t.eval_iters
-        valid_n = evals * gbs
-        if not t.skip_train and state.consumed_valid_samples:
-            # A resume whose --eval-iters or --eval-interval differ from the checkpoint's can need more than that:
-            # Megatron's sampler then asserts at an evaluation, and reading on from the split's first samples
-            # would repeat them unsaid. The evaluations left: each interval's past this iteration, and the last.
-            ahead = (t.train_iters // t.eval_interval - state.iteration // t.eval_interval + 1) * t.eval_iters * gbs
-            if state.consumed_valid_samples + ahead > valid_n:
-                valid_n = state.consumed_valid_samples + ahead
-                log.info(
-                    f"the validation split is sized for the checkpoint's {state.consumed_valid_samples} samples read "
-                    f"and the {ahead} ahead ({valid_n}), not for --eval-iters {t.eval_iters} x the evaluations "
-                    f"of --train-iters {t.train_iters} ({evals * gbs}): the checkpoint's evaluations read more"
-                )
-        # (--train-samples asks for that many, as Megatron: a ramped-up run's train_iters x the final batch asked
-        # for more, and a split's epochs, hence its sample order, depend on the count asked for)
-        train_n = t.train_samples if t.train_samples is not None else t.train_iters * gbs
-        train_ds, valid_ds, test_ds = build_datasets(
-            source, job.data, (train_n, valid_n, t.eval_iters * gbs), t.seq_length, t.seed, data_log
-        )
-        prompts, responses = getattr(train_ds, "cut", (0, 0))
-        if prompts or responses:
-            log.info(
-                f"--sft: {prompts} of the train split's {train_ds.num_records} records longer than --seq-length "
-                f"{t.seq_length} + 1 lost the start of their prompt; {responses} (a response alone too long) lost the "
-                "end of theirs"
-            )
-        if train_ds is None and not t.skip_train:  # (every rank finds the same: none waits in a collective)
-            raise ConfigError(
-                f"the train split holds no documents (--split {job.data.split} of --data-path, or "
-                "--train-data-path): give it some, or --skip-train to evaluate only"
-            )
-        validates = t.eval_iters > 0 or job.data.full_validation  # (Megatron's do_valid)
-        if validates:  # (evaluation was skipped without a word)
-            # (the test set is read --eval-iters batches: none with --full-validation --eval-iters 0, as Megatron)
-            for ds, name, flag in [(valid_ds, "validation", "--valid-data-path")] + (
-                [(test_ds, "test", "--test-data-path")] if t.eval_iters > 0 else []
-            ):
-                if ds is None:
-                    # (--split cuts --data-path's datasets and the embedded corpus; per-split paths are whole)
-                    given = f"no {flag}" if job.data.train_data_path else f"--split {job.data.split}"
-                    what = "records" if job.data.sft else "documents"
-                    log.info(f"no {name} evaluation: the {name} split holds no {what} ({given})")
+        train_ds, valid_ds, test_ds, validates = run_datasets(source, job, ctx.dp.size, state, log, data_log)
         rampup = t.rampup_batch_size is not None
         train_batches = Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
         flops_per_sample = flops_per_token(job.model, t.seq_length, frozen=job.lora is not None) * t.seq_length

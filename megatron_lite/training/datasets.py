@@ -1,0 +1,63 @@
+"""The run's train, validation and test datasets: sized as Megatron sizes them (get_train_valid_test_num_samples),
+the validation split past that where a resumed run's evaluations read more, and what they lack said."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megatron_lite.checkpoint.checkpointing import TrainState
+from megatron_lite.config import ConfigError
+from megatron_lite.data.builder import build_datasets
+from megatron_lite.training.configs import JobConfig
+
+
+def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_log: Callable[[str], None]) -> tuple:
+    """(train, validation, test, whether the run evaluates: Megatron's do_valid); a split with no samples asked
+    for, or none to give, is None. `state`: where the run starts (a resume's validation reads so far)."""
+    t = job.training
+    gbs = t.global_batch(dp)
+    # (Megatron's get_train_valid_test_num_samples: one evaluation's batches under --skip-train)
+    evals = t.eval_iters if t.skip_train else (t.train_iters // t.eval_interval + 1) * t.eval_iters
+    valid_n = evals * gbs
+    if not t.skip_train and state.consumed_valid_samples:
+        # A resume whose --eval-iters or --eval-interval differ from the checkpoint's can need more than that:
+        # Megatron's sampler then asserts at an evaluation, and reading on from the split's first samples
+        # would repeat them unsaid. The evaluations left: each interval's past this iteration, and the last.
+        ahead = (t.train_iters // t.eval_interval - state.iteration // t.eval_interval + 1) * t.eval_iters * gbs
+        if state.consumed_valid_samples + ahead > valid_n:
+            valid_n = state.consumed_valid_samples + ahead
+            log.info(
+                f"the validation split is sized for the checkpoint's {state.consumed_valid_samples} samples read "
+                f"and the {ahead} ahead ({valid_n}), not for --eval-iters {t.eval_iters} x the evaluations "
+                f"of --train-iters {t.train_iters} ({evals * gbs}): the checkpoint's evaluations read more"
+            )
+    # (--train-samples asks for that many, as Megatron: a ramped-up run's train_iters x the final batch asked
+    # for more, and a split's epochs, hence its sample order, depend on the count asked for)
+    train_n = t.train_samples if t.train_samples is not None else t.train_iters * gbs
+    train_ds, valid_ds, test_ds = build_datasets(
+        source, job.data, (train_n, valid_n, t.eval_iters * gbs), t.seq_length, t.seed, data_log
+    )
+    prompts, responses = getattr(train_ds, "cut", (0, 0))
+    if prompts or responses:
+        log.info(
+            f"--sft: {prompts} of the train split's {train_ds.num_records} records longer than --seq-length "
+            f"{t.seq_length} + 1 lost the start of their prompt; {responses} (a response alone too long) lost the "
+            "end of theirs"
+        )
+    if train_ds is None and not t.skip_train:  # (every rank finds the same: none waits in a collective)
+        raise ConfigError(
+            f"the train split holds no documents (--split {job.data.split} of --data-path, or "
+            "--train-data-path): give it some, or --skip-train to evaluate only"
+        )
+    validates = t.eval_iters > 0 or job.data.full_validation  # (Megatron's do_valid)
+    if validates:  # (evaluation was skipped without a word)
+        # (the test set is read --eval-iters batches: none with --full-validation --eval-iters 0, as Megatron)
+        for ds, name, flag in [(valid_ds, "validation", "--valid-data-path")] + (
+            [(test_ds, "test", "--test-data-path")] if t.eval_iters > 0 else []
+        ):
+            if ds is None:
+                # (--split cuts --data-path's datasets and the embedded corpus; per-split paths are whole)
+                given = f"no {flag}" if job.data.train_data_path else f"--split {job.data.split}"
+                what = "records" if job.data.sft else "documents"
+                log.info(f"no {name} evaluation: the {name} split holds no {what} ({given})")
+    return train_ds, valid_ds, test_ds, validates
