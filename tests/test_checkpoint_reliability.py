@@ -283,7 +283,24 @@ def test_a_killed_first_save_does_not_block_a_restart(tmp_path, capsys, monkeypa
     rc, out, err = _run(["--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt)], capsys, monkeypatch)
     assert rc == 0, err
     assert "starting from scratch" in out
+    assert "iter_0000002.tmp is a save that did not finish (stopped before publication; not loaded)" in out, out
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_a_resume_names_the_save_a_kill_left_unfinished(tmp_path, capsys, monkeypatch):
+    """An exploratory run's finding: a job killed while saving iteration 6 resumed from iteration 4 with
+    iter_0000006.tmp beside it, and nothing said why two iterations were trained again."""
+    ckpt = tmp_path / "ckpt"
+    rc, _, err = _run(["--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    (ckpt / "iter_0000006.tmp").mkdir()
+    (ckpt / "iter_0000001.tmp").mkdir()  # (older than the checkpoint loaded: not this restart's concern)
+    rc, out, err = _run(["--train-iters", "6", "--save", str(ckpt), "--save-interval", "2"], capsys, monkeypatch)
+    assert rc == 0, err
+    line = f"{ckpt}: iter_0000006.tmp is a save that did not finish (stopped before publication; starting from "
+    assert f"{line}{ckpt / 'iter_0000004'}, the newest complete checkpoint)" in out, out
+    assert "iter_0000001.tmp" not in out
+    assert sorted(os.listdir(ckpt))[-2:] == ["iter_0000006", "latest_checkpointed_iteration.txt"]  # (as said)
 
 
 @pytest.mark.parametrize("ckpt_step", [None, 3])

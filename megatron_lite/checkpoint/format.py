@@ -184,6 +184,19 @@ def _delete(directory: str) -> None:
 _LEFTOVER = re.compile(r"^iter_(\d{7,})(\.old|\.tmp|\.old\.del|\.del)$")
 
 
+def unfinished_saves(root: str | None, after: int) -> list[str]:
+    """The iter_N.tmp directories under `root` of iterations after `after`: saves stopped before they were
+    published (a kill, a crash, a full disk), so never loaded; publishing N or a later iteration removes them."""
+    names = sorted(os.listdir(root)) if root and os.path.isdir(root) else []
+    return [n for n in names if (m := _LEFTOVER.match(n)) and m[2] == ".tmp" and int(m[1]) > after]
+
+
+def iteration_of(path: str) -> int | None:
+    """The iteration of a persistent checkpoint directory (iter_N or its .old copy), None for another path."""
+    m = _ITER_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(m[1]) if m else None
+
+
 def _sweep_leftovers(root: str, upto: int) -> None:
     """What saves and deletions killed part-way left at or below the checkpoint just published (from a review:
     nothing removed them): unpublished .tmp directories of earlier iterations, the .old copy of a re-saved one,

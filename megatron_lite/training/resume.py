@@ -15,7 +15,7 @@ from megatron_lite.checkpoint.checkpointing import (
     load_checkpoint,
     same_directory,
 )
-from megatron_lite.checkpoint.format import complete_iterations, iteration_dir
+from megatron_lite.checkpoint.format import complete_iterations, iteration_dir, iteration_of, unfinished_saves
 from megatron_lite.checkpoint.lookup import read_metadata
 from megatron_lite.checkpoint.lora_base import checkpoint_fingerprint, lora_base_checkpoint
 from megatron_lite.checkpoint.origin import run_origin
@@ -118,7 +118,26 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
                 "checkpoint; drop it for the restart, or give --save another directory (whose checkpoints a restart "
                 "resumes whole)"
             )
+    _say_unfinished_saves(job, ckpt_path, say)
     return job, ckpt_path
+
+
+def _say_unfinished_saves(job: JobConfig, ckpt_path: str | None, say) -> None:
+    """Name the saves a killed run left unpublished past the checkpoint this run starts from (an exploratory
+    run's finding: a restart went back to iteration 50 with iter_0000060.tmp beside it, unsaid)."""
+    loaded = -1 if ckpt_path is None else iteration_of(ckpt_path)
+    if loaded is None:  # (a non-persistent checkpoint: numbered apart from --save's)
+        return
+    roots = dict.fromkeys(r for r in (job.checkpoint.load, job.checkpoint.save) if r)
+    for root in roots:
+        after = loaded if ckpt_path is not None and same_directory(root, os.path.dirname(ckpt_path)) else -1
+        if names := unfinished_saves(root, after):
+            start = f"starting from {ckpt_path}, the newest complete checkpoint" if after >= 0 else "not loaded"
+            say(
+                f"{root}: {', '.join(names)} {'is a save' if len(names) == 1 else 'are saves'} that did not finish "
+                f"(stopped before publication; {start}); publishing that iteration or a later one removes "
+                f"{'it' if len(names) == 1 else 'them'}"
+            )
 
 
 def _non_persistent(job: JobConfig, root: str | None, say) -> str | None:
