@@ -256,3 +256,17 @@ def test_fewer_eval_iters_on_resume_read_on_instead_of_wrapping(tmp_path, capsys
         if name == "resumed":
             assert "the validation split is sized for the checkpoint's 12 samples read and the 4 ahead" in out, out
     assert losses["resumed"] == losses["long"], losses
+
+
+def test_mock_data_evaluates_no_split_that_split_gives_no_weight(capsys, monkeypatch):
+    """An exploratory port of Megatron's Llama-3 example (--mock-data --split 99,1,0) found a test evaluation
+    Megatron does not run: our mock builder made all three splits whatever --split said (Megatron's makes none
+    for a split without weight)."""
+    argv = ["--mock-data", "--vocab-size", "100", "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1"]
+    rc, out, err = _run([*argv, "--split", "99,1,0"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "no test evaluation: the test split holds no documents (--split 99,1,0)" in out, out
+    assert "on validation set" in out and "on test set" not in out, out
+    rc, out, err = _run([*argv, "--split", "99,0,1"], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "no validation evaluation" in out and "on validation set" not in out and "on test set" in out, out

@@ -180,10 +180,11 @@ def build_datasets(
         from megatron_lite.data.sft import build_sft_datasets
 
         return build_sft_datasets(source, data, num_samples, seq_length, seed, log)
-    if not source.prefixes:
+    if not source.prefixes:  # (a split --split gives no weight has none, as Megatron's mock builder: it was
+        # evaluated anyway, an exploratory run found)
         return tuple(
-            MockGPTDataset(source.vocab_size, seq_length, seed=seed + 1000 * i) if n else None
-            for i, n in enumerate(num_samples)
+            MockGPTDataset(source.vocab_size, seq_length, seed=seed + 1000 * i) if n and weight > 0 else None
+            for i, (n, weight) in enumerate(zip(num_samples, data.split_weights))
         )
     eod_mask = data.eod_mask_loss
     # Each split's blend: (weight, prefix, use the --split part of it) — or, per split, whole datasets.
