@@ -287,11 +287,13 @@ def test_wandb_and_tensorboard_get_a_skipped_iterations_loss(capsys, monkeypatch
     real = MetricsLogger.step
     monkeypatch.setattr(MetricsLogger, "step", lambda self, i, m: (steps.append((i, dict(m))), real(self, i, m)))
     argv = ["--mock-data", "--vocab-size", "100", "--fp16", "--initial-loss-scale", "1e30"]  # (every step overflows)
-    rc, out, err = _run(argv, capsys, monkeypatch)
+    rc, out, err = _run([*argv, "--log-num-zeros-in-grad"], capsys, monkeypatch)
     assert rc == 0, err
     assert out.count("number of skipped iterations:   1 |") == 3 and "lm loss:" not in out
     assert [i for i, m in steps if "lm_loss" in m] == [1, 2, 3], steps
     assert all(math.isfinite(m["lm_loss"]) and m["grad_norm"] is None for _, m in steps)
+    # (an exploratory run: the zeros of a skipped step's inf/NaN gradients were logged; Megatron's step gives none)
+    assert "num zeros" not in out and all(m.get("num_zeros_in_grad") is None for _, m in steps), out
 
 
 @pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])

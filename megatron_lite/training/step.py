@@ -222,7 +222,9 @@ def train_step(
     if result.updated:
         scheduler.step(samples)
     max_logit = clip_qk(_chunks(model), optimizer, config, ctx)  # (after every step, as Megatron's train_step)
-    zeros = optimizer.grad_zeros() if log_num_zeros_in_grad else None  # the reduced gradients, still in buffers
+    # the reduced gradients, still in buffers; none for a skipped step (Megatron's step returns no count: an
+    # overflowed fp16 step logged the zeros of its inf/NaN gradients)
+    zeros = optimizer.grad_zeros() if log_num_zeros_in_grad and result.updated else None
     params_norm = optimizer.params_norm() if log_params_norm else None
     lm_loss = float(all_reduce(loss_sum.reshape(1), ctx.dp_cp)[0] / num_tokens) if num_tokens > 0 else math.nan
     if ctx.device.type == "cuda":
