@@ -225,6 +225,11 @@ def test_tensorboard_plots_an_evaluation_at_the_samples_consumed_by_then():
     logger.log(4, {"lm_loss": 1.0, "consumed_samples": 16})
     logger.log(6, {"lm_loss": 1.0, "ppl": 2.7}, kind="validation", samples=24)  # (no training line at 6)
     assert ("lm loss validation vs samples", 24) in Writer.calls and ("lm loss vs samples", 16) in Writer.calls
+    # (an exploratory run: the peak went to train/peak_memory_bytes, where a dashboard or golden-value tool ported
+    # from Megatron reads mem-max-allocated-bytes, as --log-memory-to-tensorboard writes it, with no "vs samples")
+    logger.log(8, {"peak_memory_bytes": 123, "max_rss_bytes": 5})
+    assert {("mem-max-allocated-bytes", 8), ("train/max_rss_bytes", 8)} <= set(Writer.calls), Writer.calls
+    assert not [k for k, _ in Writer.calls if k.startswith(("train/peak", "mem-max-allocated-bytes vs"))]
 
 
 def test_tensorboard_gets_each_iterations_values(tmp_path, capsys, monkeypatch):

@@ -74,13 +74,14 @@ MEGATRON_KEYS = {
     "moe_seq_aux_loss": "seq_load_balancing_loss",
     "moe_z_loss": "z_loss",
     "consumed_samples": "samples vs steps",
+    "peak_memory_bytes": "mem-max-allocated-bytes",  # (--log-memory-to-tensorboard's; the largest over all ranks)
 }
 
 
 # Of Megatron's metrics these are the --log-interval window's (times); the rest go to W&B and TensorBoard each
 # --tensorboard-log-interval iterations as that iteration's value (MetricsLogger.step). Ours-only metrics
 # (under train/) go with the window.
-WINDOW_METRICS = ("iteration_time", "tflops_per_gpu")
+WINDOW_METRICS = ("iteration_time", "tflops_per_gpu", "peak_memory_bytes")
 
 
 def _per_step(key: str) -> bool:
@@ -259,7 +260,7 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, iteration)
-                if not k.startswith("train/") and k != "samples vs steps":
+                if not k.startswith(("train/", "mem-")) and k != "samples vs steps":  # (Megatron's has none)
                     self._tb.add_scalar(f"{k} vs samples", v, self._samples)
 
     def close(self, exit_code: int = 0) -> None:
