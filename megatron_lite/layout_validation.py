@@ -353,12 +353,6 @@ def validate_layout(
             "a --pipeline-model-parallel-layout with more stages than ranks) need --pipeline-model-parallel-size > 1"
         )
     stage_layer_counts(model.num_layers, parallel, world_size, tp * cp)  # raises on a split that cannot be made
-    if model.mtp_num_layers and pp > 1 and model.position_embedding_type == "learned_absolute":
-        raise ConfigError(
-            f"--mtp-num-layers {model.mtp_num_layers} with learned absolute positions and "
-            f"--pipeline-model-parallel-size {pp} is not supported (the last stage would need its own position "
-            "table); use --position-embedding-type rope or pipeline size 1"
-        )
     _validate_context_parallel(model, parallel)
     if parallel.tp_comm_overlap and not (tp > 1 and parallel.sequence_parallel):
         raise ConfigError(

@@ -512,3 +512,7 @@ def test_save_retain_interval_keeps_the_multiples_and_the_newest(tmp_path, capsy
     assert complete_iterations(save) == [2, 4, 6, 7]  # (5 went when 6 was saved; 6 is a multiple)
     rc, out, err = _run([*flags, "--train-iters", "8", "--ckpt-keep-last", "2"], capsys, monkeypatch)
     assert rc == 2 and "--save-retain-interval 2 and --ckpt-keep-last 2 would each delete what the other keeps" in err
+    # (as Megatron asserts: an exploratory port saving every 2 and retaining every 3 kept only the last two)
+    rc, out, err = _run([*DATA, "--save", save, "--save-interval", "2", "--save-retain-interval", "3"], capsys,
+                        monkeypatch)  # fmt: skip
+    assert rc == 2 and "--save-retain-interval 3 is not a multiple of --save-interval 2" in err, err

@@ -91,6 +91,12 @@ def validate_model(c: ModelConfig) -> None:
     validate_heterogeneous(c)
     if c.mtp_num_layers < 0:
         raise ConfigError(f"--mtp-num-layers {c.mtp_num_layers} must be >= 0")
+    if c.mtp_num_layers and c.position_embedding_type == "learned_absolute":  # (Megatron asserts the same; ours
+        # fed a depth the shifted positions, 0 past the end: a rule no reference shares)
+        raise ConfigError(
+            f"--mtp-num-layers {c.mtp_num_layers} with learned absolute positions (Megatron's default "
+            "--position-embedding-type, which it refuses with MTP): add --position-embedding-type rope"
+        )
     if c.mtp_num_layers and c.mtp_loss_scaling_factor < 0:
         raise ConfigError(f"--mtp-loss-scaling-factor {c.mtp_loss_scaling_factor} must be >= 0")
     if c.kernel_impl not in ("torch", "triton"):

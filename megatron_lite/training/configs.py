@@ -64,6 +64,11 @@ class CheckpointConfig:
             raise ConfigError(f"--ckpt-keep-last {self.ckpt_keep_last} must be >= 1 (omit it to keep every checkpoint)")
         if self.save_retain_interval is not None and self.save_retain_interval < 1:
             raise ConfigError(f"--save-retain-interval {self.save_retain_interval} must be >= 1 (iterations)")
+        if self.save_retain_interval and self.save_interval and self.save_retain_interval % self.save_interval:
+            raise ConfigError(  # (Megatron asserts it; ours kept no checkpoint between the last two)
+                f"--save-retain-interval {self.save_retain_interval} is not a multiple of --save-interval "
+                f"{self.save_interval}: the checkpoints it keeps are saved ones; give a multiple (as Megatron asks)"
+            )
         if self.save_retain_interval and self.ckpt_keep_last:
             raise ConfigError(
                 f"--save-retain-interval {self.save_retain_interval} and --ckpt-keep-last {self.ckpt_keep_last} "
