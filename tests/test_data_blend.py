@@ -304,3 +304,28 @@ def test_datasets_pickle_as_paths_not_contents(tmp_path):
     again = pickle.loads(blob)
     for i in (0, 1, 1234, 2999):
         assert torch.equal(again[i]["tokens"], train[i]["tokens"])
+
+
+def test_a_weighted_part_without_documents_in_a_split_is_named(tmp_path):
+    """An exploratory run's finding: a weighted --data-path part with no documents in the train split (one document
+    cut by --split 50,50,0; an empty shard) was left out, the others' weights filling its share, unsaid: one empty
+    shard of a many-shard blend changed the mixture. The job now says so, once per part and split."""
+    a = _corpus(str(tmp_path / "a"), 40, 0, 80, seed=1)
+    one = _corpus(str(tmp_path / "one"), 1, 80, 160, seed=2)
+    data = DataConfig(tokenizer_type="ByteLevelTokenizer", data_path=("0.7", a, "0.3", one), split="50,50,0")
+    t = ByteLevelTokenizer()
+    notes = []
+    train, valid, _ = build_datasets(
+        DataSource(t, t.vocab_size, data.blend, ""), data, (20, 4, 0), 8, 1234, None, notes
+    )
+    assert notes == [
+        f"--data-path {one} (weight 0.3) has no documents in the train split (--split 50,50,0): the other parts' "
+        "weights fill its share"
+    ]
+    ranges = {"a": (0, 80), "one": (80, 160)}
+    assert {_origin(train[i], ranges) for i in range(20)} == {"a"}  # (as said)
+    assert "one" in {_origin(valid[i], ranges) for i in range(4)}  # (its validation document is used)
+    notes.clear()
+    data = DataConfig(tokenizer_type="ByteLevelTokenizer", data_path=("0.7", a, "0.3", one), split="100,0,0")
+    build_datasets(DataSource(t, t.vocab_size, data.blend, ""), data, (20, 0, 0), 8, 1234, None, notes)
+    assert notes == []

@@ -171,9 +171,16 @@ def check_data(source: DataSource, data: DataConfig, log=None, scan: bool = True
 
 
 def build_datasets(
-    source: DataSource, data: DataConfig, num_samples: tuple[int, int, int], seq_length: int, seed: int, log=None
+    source: DataSource,
+    data: DataConfig,
+    num_samples: tuple[int, int, int],
+    seq_length: int,
+    seed: int,
+    log=None,
+    notes: list[str] | None = None,
 ) -> tuple:
-    """(train, valid, test); a split with no samples requested is None. `log`: says what takes long.
+    """(train, valid, test); a split with no samples requested is None. `log`: says what takes long (any rank);
+    `notes` gets what the job should say once (a weighted part left out of a split it has no documents in).
     --full-validation: the validation split is one epoch of each of its datasets, blended exhaustively (each
     sample once); with --multiple-validation-sets it is a list, one whole dataset per --valid-data-path prefix."""
     if data.sft:
@@ -209,6 +216,14 @@ def build_datasets(
             indexed, cache_dir, ranges = opened[prefix]
             lo, hi = ranges[s] if by_split else (0, len(indexed))
             if (num_samples[s] == 0 and not full) or hi <= lo:
+                if num_samples[s] and w and len(blend) > 1 and notes is not None:  # (its share went to the others
+                    # unsaid, an exploratory run found: one empty shard of a weighted blend changed the mixture)
+                    where = f"--split {data.split}" if by_split else "an empty dataset"
+                    notes.append(
+                        f"{flags[s] if source.per_split is not None else '--data-path'} {prefix} (weight {w:g}) has no "
+                        f"documents in the {('train', 'validation', 'test')[s]} split ({where}): the other parts' "
+                        "weights fill its share"
+                    )
                 continue
             if full:  # its samples in one epoch (Megatron's GPTDataset built without a size); weights refused
                 w = _one_epoch(indexed, (lo, hi), seq_length, flags[s] if source.per_split else "--data-path")

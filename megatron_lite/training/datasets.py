@@ -34,9 +34,12 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
     # (--train-samples asks for that many, as Megatron: a ramped-up run's train_iters x the final batch asked
     # for more, and a split's epochs, hence its sample order, depend on the count asked for)
     train_n = t.train_samples if t.train_samples is not None else t.train_iters * gbs
+    notes: list[str] = []
     train_ds, valid_ds, test_ds = build_datasets(
-        source, job.data, (train_n, valid_n, t.eval_iters * gbs), t.seq_length, t.seed, data_log
+        source, job.data, (train_n, valid_n, t.eval_iters * gbs), t.seq_length, t.seed, data_log, notes
     )
+    for note in notes:
+        log.info(note)
     prompts, responses = getattr(train_ds, "cut", (0, 0))
     if prompts or responses:
         log.info(
