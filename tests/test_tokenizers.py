@@ -5,6 +5,7 @@ the configured eos, and GPT-2's merges file read as Megatron (and transformers) 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors
@@ -67,6 +68,23 @@ def test_gpt2_merges_are_read_as_megatron_reads_them(tmp_path, trailing_newline)
                           merge_file=str(tmp_path / "merges.txt"))  # fmt: skip
     # with the newline both merges apply (abc); without it Megatron drops "ab c": ab, c
     assert tok.encode("abc") == ([6] if trailing_newline else [5, 3])
+
+
+def test_gpt2_files_swapped_or_mismatched_are_one_line_errors(tmp_path):
+    """An exploratory run's finding: --vocab-file and --merge-file given the wrong way round, or a merges.txt whose
+    merge the vocab.json lacks, were a JSONDecodeError and a tokenizers exception, tracebacks at start-up."""
+    from megatron_lite.config import ConfigError
+
+    (tmp_path / "vocab.json").write_text(json.dumps({"<|endoftext|>": 0, "a": 1, "b": 2}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    vocab, merges = str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
+    cases = [
+        (dict(vocab_file=merges, merge_file=vocab), f"--vocab-file {merges} is not GPT-2's vocab.json: "),
+        (dict(vocab_file=vocab, merge_file=merges), f"--vocab-file {vocab} and --merge-file {merges} do not belong"),
+    ]
+    for files, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build_tokenizer("GPT2BPETokenizer", **files)
 
 
 def test_a_sentencepiece_tokenizer_reads_tokens_beside_its_pieces_as_text(tmp_path):

@@ -291,12 +291,32 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
                 raise ConfigError(f"GPT2BPETokenizer needs --vocab-file and --merge-file: {flag} is not given")
             if not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file (GPT2BPETokenizer needs --vocab-file and --merge-file)")
-        vocab = json.load(open(vocab_file, encoding="utf-8"))  # (GPT-2's byte-level symbols: not ASCII)
+        # (swapped or damaged files were tracebacks, an exploratory run found: each is one line naming its flag)
+        swapped = " (are --vocab-file and --merge-file swapped?)"
+        try:
+            vocab = json.load(open(vocab_file, encoding="utf-8"))  # (GPT-2's byte-level symbols: not ASCII)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"--vocab-file {vocab_file} is not GPT-2's vocab.json: {e}{swapped}") from None
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+            raise ConfigError(f"--vocab-file {vocab_file} is not GPT-2's vocab.json (a JSON object of token: id)")
         # (as Megatron's and transformers' GPT-2 tokenizers read it: split("\n")[1:-1], the first line a version
         # header and the last dropped, which is the final merge itself in a file without a trailing newline)
-        lines = open(merge_file, encoding="utf-8").read().split("\n")[1:-1]
+        try:
+            lines = open(merge_file, encoding="utf-8").read().split("\n")[1:-1]
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--merge-file {merge_file} is not GPT-2's merges.txt: {e}") from None
         merges = [tuple(line.split()) for line in lines if line.strip()]
-        tok = Tokenizer(models.BPE(vocab, merges))
+        if bad := next((m for m in merges if len(m) != 2), None):
+            raise ConfigError(
+                f"--merge-file {merge_file} is not GPT-2's merges.txt: a line holds {' '.join(bad)[:60]!r}, not two "
+                f"symbols{swapped if merge_file.endswith('.json') or bad[0].startswith('{') else ''}"
+            )
+        try:
+            tok = Tokenizer(models.BPE(vocab, merges))
+        except Exception as e:  # (the tokenizers library's own type: a merge whose parts or result it lacks)
+            raise ConfigError(
+                f"--vocab-file {vocab_file} and --merge-file {merge_file} do not belong together: {e}"
+            ) from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         self.path = vocab_file
