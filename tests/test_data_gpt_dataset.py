@@ -432,6 +432,16 @@ def test_the_index_cache_is_written_and_read_safely_by_many_nodes(tmp_path):
     wide.tofile(prefix + ".bin")
     with pytest.raises(ConfigError, match=r"c.bin does not match .*c.idx: .* 2 times .*another dtype"):
         IndexedDataset(prefix)
+    # (an exploratory run: an unknown dtype code was called an unsupported version 1, and old Megatron's
+    # lazy/cached index was "a bad header" with no way out)
+    head = bytearray(open(prefix + ".idx", "rb").read())
+    head[17] = 9
+    open(prefix + ".idx", "wb").write(bytes(head))
+    with pytest.raises(ConfigError, match=r"c.idx: dtype code 9 is none of Megatron's \(1, 2, 3, 4, 5, 6, 7, 8\)"):
+        IndexedDataset(prefix)
+    open(prefix + ".idx", "wb").write(b"TNTIDX\x00\x00" + bytes(head[8:]))
+    with pytest.raises(ConfigError, match=r"old Megatron's lazy/cached format \(TNTIDX\).*preprocess the data again"):
+        IndexedDataset(prefix)
 
 
 def test_a_cached_dataset_starts_without_copying_the_document_lengths(tmp_path):

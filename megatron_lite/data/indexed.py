@@ -124,11 +124,18 @@ class IndexedDataset:
         size = os.path.getsize(idx)
         with open(idx, "rb") as f:
             head = f.read(34)
+        if head[:8] == b"TNTIDX\x00\x00":  # (old Megatron's --dataset-impl lazy/cached: read by nothing current)
+            raise ConfigError(
+                f"{idx} is an index of old Megatron's lazy/cached format (TNTIDX), not the mmap format Megatron-Core "
+                "reads: preprocess the data again (tools/preprocess_data.py)"
+            )
         if len(head) < 34 or head[:9] != HEADER:
             raise ConfigError(f"{idx} is not a Megatron indexed-dataset index (bad header)")
         version, code = struct.unpack("<Q", head[9:17])[0], head[17]
-        if version != 1 or code not in DTYPES:
-            raise ConfigError(f"{idx}: unsupported version {version} or dtype code {code}")
+        if version != 1:
+            raise ConfigError(f"{idx}: index version {version}, where Megatron's format is version 1")
+        if code not in DTYPES:
+            raise ConfigError(f"{idx}: dtype code {code} is none of Megatron's ({', '.join(map(str, DTYPES))})")
         n_seq, n_doc = struct.unpack("<Q", head[18:26])[0], struct.unpack("<Q", head[26:34])[0]
         expected = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
         # (Megatron's multimodal builder appends an int8 mode per sequence, which its text reader skips too)
