@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 
+import pytest
 import torch
 import transformers
 from convert_flow import IDS, randomised
 from safetensors.torch import save_file
 from test_convert import V, _hf_logits, _load_ours, _rel, _tensors, convert
-from test_heterogeneous import MIXED
+from test_heterogeneous import MIXED as TRAINED
 
 from megatron_lite.checkpoint.hf_convert import read_model_tensors
 from megatron_lite.config import ParallelConfig
 
 from models import decilm_block
 
+# test_heterogeneous.MIXED as a DeciLM checkpoint holds it: every FFN sized by ffn_mult (DeciLM reads no other size;
+# 7.0 at hidden 64 is int(298.7) rounded up to 512), not by Megatron's ffn_hidden_size
+MIXED = [decilm_block("normal", 2, "normal", ffn_mult=7.0), *TRAINED[1:]]
 LLAMA = dict(vocab_size=V, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=256,
              num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0)  # fmt: skip
 
@@ -80,7 +85,7 @@ def _decilm_tensors(blocks: list[dict]) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g)
 
     out = {"model.embed_tokens.weight": w(V, 64), "model.norm.weight": w(64), "lm_head.weight": w(V, 64)}
-    ffn = {0: 64, 2: 256}
+    ffn = {0: 512, 2: 256}
     for i, b in enumerate(blocks):
         p, attention, mlp = f"model.layers.{i}.", b["attention"], b["ffn"]
         if not attention["no_op"]:
@@ -165,3 +170,73 @@ def test_the_export_carries_the_downloads_remote_code(tmp_path):
     _, back = _to_ours_and_back(str(hf_dir), tmp_path, "remote")
     assert json.loads((pathlib.Path(back) / "config.json").read_text())["auto_map"] == auto_map
     assert {name: (pathlib.Path(back) / name).read_text() for name in code} == code
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        (dict(normalization="LayerNorm"), "LayerNorm (DeciLM's norms are RMSNorm)"),
+        (dict(activation="squared_relu"), "activation squared_relu (DeciLM's MLPs are SwiGLU)"),
+        (dict(position_embedding_type="none"), "--position-embedding-type none (rope)"),
+        (dict(rotary_percent=0.5), "--rotary-percent 0.5"),
+        (dict(ffn_hidden_size=96), "block 0's FFN size 96 (DeciLM's ffn_mult gives multiples of 256 only)"),
+    ],
+)
+def test_what_decilm_cannot_compute_is_refused_on_export(changes, fragment):
+    """An exploratory run's finding: the DeciLM export checked none of these, and wrote a model DeciLM computes
+    otherwise (0.16 off in the logits for LayerNorm; squared ReLU's fc1 split into a gate and an up half)."""
+    from megatron_lite.config import ConfigError
+    from megatron_lite.models.hf import hf_config_dict
+    from megatron_lite.models.hf_decilm import DECILM
+
+    from models import hetero_json, llama_config
+
+    blocks = hetero_json([decilm_block("normal", None, "normal")] * 2)  # (the model's sizes)
+    make = lambda **kw: llama_config(heterogeneous_layers_config_encoded_json=blocks, **{"ffn_hidden_size": 256, **kw})
+    hf_config_dict(make(), DECILM)  # (the model without the change exports)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        hf_config_dict(make(**changes), DECILM)
+
+
+def test_blocks_sized_by_the_model_or_megatrons_keys_export_as_decilm_reads_them():
+    """An exploratory run's finding: a block's null n_heads_in_group / ffn_mult (the model's --num-query-groups and
+    --ffn-hidden-size) and Megatron's num_query_groups / ffn_hidden_size keys went into config.json as they were,
+    which DeciLM does not read: the export converted back to other shapes and loaded nowhere. Each block's sizes are
+    now written in DeciLM's keys, and read back as the same layers."""
+    from megatron_lite.models.hf import config_from_hf, hf_config_dict
+    from megatron_lite.models.hf_decilm import DECILM
+
+    from models import hetero_json, llama_config
+
+    blocks = [decilm_block("normal", None, "normal"), decilm_block("normal", 4, "normal", ffn_hidden_size=512)]
+    blocks[1]["attention"] = {"num_query_groups": 4, "no_op": False, "replace_with_linear": False}
+    config = llama_config(heterogeneous_layers_config_encoded_json=hetero_json(blocks), ffn_hidden_size=256)
+    out = hf_config_dict(config, DECILM)
+    exported = out["block_configs"]
+    assert [b["attention"]["n_heads_in_group"] for b in exported] == [2, 2]  # (8 heads in 4 groups)
+    assert [b["ffn"]["ffn_mult"] for b in exported] == [6.0, 12.0]
+    assert not [
+        k for b in exported for part in b.values() for k in part if k in ("num_query_groups", "ffn_hidden_size")
+    ]
+    back = config_from_hf(transformers.PretrainedConfig(**out))
+    sizes = lambda c: [(c.layer_config(i).query_groups, c.layer_config(i).ffn_size) for i in range(2)]
+    assert sizes(back) == sizes(config) == [(4, 256), (4, 512)]
+
+
+def test_layernorm_1p_norms_are_exported_as_gamma():
+    """An exploratory run's finding: under --apply-layernorm-1p (gamma - 1 stored) the DeciLM export wrote the norms
+    as stored, where DeciLM's hold gamma (0.75 off in the logits); the other Llama classes' exports add the 1."""
+    from megatron_lite.models.hf_decilm import DECILM
+    from megatron_lite.models.hf_weights import state_dict_to_hf
+
+    from models import hetero_config, perturbed_full_state
+
+    config = hetero_config(apply_layernorm_1p=True)
+    ours = perturbed_full_state(config)
+    hf = state_dict_to_hf(ours, config, DECILM)
+    for our_key, hf_key in (
+        ("decoder.layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight"),
+        ("decoder.layers.0.pre_mlp_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"),
+        ("decoder.final_layernorm.weight", "model.norm.weight"),
+    ):
+        torch.testing.assert_close(hf[hf_key], ours[our_key] + 1, msg=hf_key)

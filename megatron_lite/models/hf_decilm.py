@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig, RopeScaling
-from megatron_lite.models.heterogeneous import LINEAR, NORMAL, parse_block_configs
+from megatron_lite.models.heterogeneous import LINEAR, NORMAL, ffn_mult_to_intermediate_size, parse_block_configs
 
 DECILM = "DeciLMForCausalLM"
 MODEL_TYPE = "nemotron-nas"
@@ -66,9 +66,16 @@ def config_kwargs(c: Any, rope: tuple[float, RopeScaling | None]) -> dict:
 
 
 def export_problems(c: ModelConfig) -> list[str]:
-    """What DeciLM's Llama layers cannot compute."""
-    problems = [] if c.heterogeneous_blocks is not None else ["no block configs (--heterogeneous-layers-config-path)"]
+    """What DeciLM's Llama layers cannot compute (an exploratory run: a LayerNorm, squared-ReLU or position-free model
+    was written as a DeciLM one, which computes something else)."""
+    if c.heterogeneous_blocks is None:
+        return ["no block configs (--heterogeneous-layers-config-path)"]
+    problems = []
     for bad, what in (
+        (c.normalization != "RMSNorm", f"{c.normalization} (DeciLM's norms are RMSNorm)"),
+        (c.activation != "swiglu", f"activation {c.activation} (DeciLM's MLPs are SwiGLU)"),
+        (c.position_embedding_type != "rope", f"--position-embedding-type {c.position_embedding_type} (rope)"),
+        (c.rotary_percent != 1.0, f"--rotary-percent {c.rotary_percent} (DeciLM rotates every dim)"),
         (c.qk_layernorm, "q/k norms"),
         (c.add_qkv_bias or c.add_bias_linear, "biases"),
         (c.sliding_window, "a sliding window"),
@@ -76,15 +83,43 @@ def export_problems(c: ModelConfig) -> list[str]:
     ):
         if bad:
             problems.append(what)
+    for i, b in enumerate(c.heterogeneous_blocks):  # (DeciLM sizes an FFN by ffn_mult alone: a multiple of 256)
+        ffn = c.layer_config(i).ffn_size
+        if b.mlp == NORMAL and ffn_mult_to_intermediate_size(_ffn_mult(ffn, c.hidden_size), c.hidden_size) != ffn:
+            # (a size from a block's own ffn_mult always passes: that mult gives it, so does this one)
+            problems.append(f"block {i}'s FFN size {ffn} (DeciLM's ffn_mult gives multiples of 256 only)")
     return problems
+
+
+def _ffn_mult(ffn: int, hidden: int) -> float:
+    """An ffn_mult DeciLM turns into `ffn` (int(2 ffn_mult hidden / 3) rounded up to 256) where one does."""
+    return round(1.5 * ffn / hidden, 12)
+
+
+def _decilm_blocks(c: ModelConfig) -> list[dict]:
+    """The block configs in DeciLM's keys, each size written out: a block's null size (the model's
+    --num-query-groups or --ffn-hidden-size) and Megatron's num_query_groups / ffn_hidden_size keys, which DeciLM
+    does not read, became sizes it does (null went through, and the export loaded nowhere)."""
+    blocks = json.loads(c.heterogeneous_layers_config_encoded_json)["block_configs"]
+    out = []
+    for i, (block, b) in enumerate(zip(blocks, c.heterogeneous_blocks)):
+        own = c.layer_config(i)
+        attention = {k: v for k, v in block["attention"].items() if k != "num_query_groups"}
+        per_group = c.num_attention_heads // own.query_groups if b.attention == NORMAL else None
+        ffn = {k: v for k, v in (block.get("ffn") or block.get("mlp")).items() if k != "ffn_hidden_size"}
+        mult = ffn.get("ffn_mult") if b.mlp == NORMAL else None  # (a given one as it is: 1.0 is 256 at hidden 64)
+        mult = _ffn_mult(own.ffn_size, c.hidden_size) if b.mlp == NORMAL and mult is None else mult
+        rest = {k: v for k, v in block.items() if k not in ("attention", "ffn", "mlp")}
+        out.append({**rest, "attention": {**attention, "n_heads_in_group": per_group},
+                    "ffn": {**ffn, "ffn_mult": mult}})  # fmt: skip
+    return out
 
 
 def config_fields(c: ModelConfig, out: dict) -> dict:
     """config.json for DECILM from the Llama fields hf.hf_config_dict wrote (`out`): the block configs in place of
     the model-wide key/value heads and intermediate size, which DeciLM does not read."""
     out = {k: v for k, v in out.items() if k not in ("num_key_value_heads", "intermediate_size", "head_dim")}
-    blocks = json.loads(c.heterogeneous_layers_config_encoded_json)["block_configs"]
-    return out | dict(model_type=MODEL_TYPE, block_configs=blocks, attention_bias=False, mlp_bias=False)
+    return out | dict(model_type=MODEL_TYPE, block_configs=_decilm_blocks(c), attention_bias=False, mlp_bias=False)
 
 
 def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

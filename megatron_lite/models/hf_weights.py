@@ -269,16 +269,16 @@ def state_dict_to_hf(
     as block_sparse_moe.experts.{e}.w1/w3/w2, and no `lm_head.weight` when the embeddings are tied."""
     hf: dict[str, torch.Tensor] = {}
     L = "decoder.layers"
-    if arch == hf_nemotron_h.NEMOTRON_H:
-        return hf_nemotron_h.state_dict_to_hf(ours, config, on_disk)
-    if arch == hf_decilm.DECILM:
-        return hf_decilm.state_dict_to_hf(ours, config, on_disk)
     # Hugging Face norms hold gamma itself, except Nemotron's LayerNorm1P, which holds gamma - 1 as we do with
-    # --apply-layernorm-1p
+    # --apply-layernorm-1p (DeciLM's too: its export wrote gamma - 1, an exploratory run found)
     shift = int(config.apply_layernorm_1p) - int(arch == "NemotronForCausalLM")
     if shift:  # (every norm: the layers', the latents', the final one, and MTP's enorm and hnorm)
         norm = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")
         ours = {k: v + shift if k.endswith(norm) else v for k, v in ours.items()}
+    if arch == hf_nemotron_h.NEMOTRON_H:
+        return hf_nemotron_h.state_dict_to_hf(ours, config, on_disk)
+    if arch == hf_decilm.DECILM:
+        return hf_decilm.state_dict_to_hf(ours, config, on_disk)
     if arch in LLAMA_LIKE:
         hf["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
         for i in range(config.num_layers + config.mtp_num_layers):
