@@ -91,3 +91,14 @@ def test_what_nemotron_h_computes_differently_is_refused(field, message):
     config.architectures = ["NemotronHForCausalLM"]
     with pytest.raises(ConfigError, match=message):
         config_from_hf(config)
+
+
+def test_a_tied_nemotron_h_exports_its_output_layer(tmp_path):
+    """An exploratory run's finding: a Nemotron-H trained with tied embeddings (our default) exported without
+    lm_head.weight, as tied checkpoints are; transformers 5's NemotronHForCausalLM ties nothing, so it loaded a random
+    output layer (logits 140% off). The export writes it, and transformers computes our logits."""
+    model = _random_model(_config(tie_word_embeddings=True))
+    with torch.no_grad():  # (transformers' class keeps its own lm_head: the tied model is the one it equals)
+        model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    config, _ = converts_both_ways(model, tmp_path)
+    assert config.tied_embeddings

@@ -289,7 +289,9 @@ def _check_tied_output(hf: dict, ours: dict, config: ModelConfig, load_dir: str)
         raise ConfigError(
             f"{load_dir}: config.json ties the output layer to the word embeddings (tie_word_embeddings true) but "
             "its lm_head.weight differs from them (transformers 5 then computes with lm_head, untied); set "
-            "tie_word_embeddings to false to convert both, or drop lm_head.weight from the files to tie them"
+            "tie_word_embeddings to false to convert both"
+            + ("" if config.hybrid else ", or drop lm_head.weight from the files to tie them")
+            + (" (NemotronHForCausalLM computes with lm_head.weight, tied or not)" if config.hybrid else "")
         )
 
 

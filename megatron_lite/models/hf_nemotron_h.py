@@ -231,8 +231,11 @@ def state_dict_to_hf(ours: dict[str, torch.Tensor], c: ModelConfig, on_disk: boo
                 else:
                     hf[f"{p}mixer.experts.{proj}"] = torch.stack(w)
     hf["model.norm_f.weight"] = ours["decoder.final_layernorm.weight"]
-    if not (on_disk and c.tied_embeddings):
-        hf["lm_head.weight"] = ours.get("output_layer.weight", ours["embedding.word_embeddings.weight"])
+    # (lm_head.weight tied or not: transformers 5's NemotronHForCausalLM ties nothing, and an export of a tied model
+    # without it loaded a random output layer, an exploratory run found)
+    head = ours.get("output_layer.weight")
+    hf["lm_head.weight"] = head if head is not None else ours["embedding.word_embeddings.weight"].clone()  # (a file
+    # holds no two names of one tensor)
     if on_disk:
         hf = {("backbone." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in hf.items()}
     return {k: v.contiguous() for k, v in hf.items()}
