@@ -326,3 +326,25 @@ def test_parallel_sizes_under_plain_python_say_how_to_launch(tmp_path, capsys, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --tensor-model-parallel-size 2 splits the model over 2 "), err
     assert "launch with torchrun --nproc-per-node 2 tools/generate.py" in err[0] and "does not fit" not in err[0], err
+
+
+def test_experts_that_need_more_ranks_than_launched_name_this_tools_flags(tmp_path, capsys, monkeypatch):
+    """An exploratory run's finding: TP=2 with EP=2 on 2 ranks said "world size 2 is not divisible by
+    --expert-tensor-parallel-size 2 x --expert-model-parallel-size 2", a training flag this tool has not (a smaller
+    expert-TP needs sequence parallelism, which decoding has not)."""
+    from test_pretrain_cli import TINY
+
+    from megatron_lite.training.pretrain import main as pretrain
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    ckpt = str(tmp_path / "ckpt")
+    moe = ["--num-experts", "4", "--moe-router-topk", "2"]
+    assert pretrain([*TINY, *moe, "--mock-data", "--vocab-size", "100", "--train-iters", "1", "--save", ckpt]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--load", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy"]
+    assert generate_cli.main([*argv, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the experts take 4 ranks, which the 2 launched do not divide" in err[0], err
+    assert "--expert-tensor-parallel-size" not in err[0], err

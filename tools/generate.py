@@ -426,6 +426,16 @@ def run(args: argparse.Namespace) -> int:
     sizes = args.tensor_model_parallel_size * pp * args.expert_model_parallel_size
     if world == 1 and sizes > 1:  # (plain python: it said "world size 1 is not divisible by ...")
         _one_process(model_cfg, parallel, training, sizes)
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if model_cfg.num_experts and world > 1 and world % (tp * ep * pp):  # (an exploratory run: the layout check named
+        # --expert-tensor-parallel-size, a training flag; generation splits each expert over all TP ranks, as
+        # Megatron's default, since a smaller expert-TP needs sequence parallelism, which decoding has not)
+        stages = f" x --pipeline-model-parallel-size {pp}" if pp > 1 else ""
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep}{stages}: generation splits each "
+            f"expert over the {tp} tensor-parallel ranks, so the experts take {tp * ep * pp} ranks, which the {world} "
+            "launched do not divide; launch a multiple of that, or lower one of the sizes"
+        )
     try:
         validate_layout(model_cfg, parallel, world, training)
     except ConfigError as e:  # (its model flags are the checkpoint's, which the user did not give here)
