@@ -390,7 +390,8 @@ def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, capsys, monkey
     from megatron_lite.parallel_context import ParallelContext
 
     ckpt = str(tmp_path / "ckpt")
-    rc, _, err = _run(["--train-iters", "1", "--save", ckpt, "--qk-layernorm"], capsys, monkeypatch)
+    rope = ["--position-embedding-type", "rope"]  # (an MTP depth needs it, as Megatron's)
+    rc, _, err = _run(["--train-iters", "1", "--save", ckpt, "--qk-layernorm", *rope], capsys, monkeypatch)
     assert rc == 0, err
     path = find_checkpoint(ckpt)
     config = model_config_from_dict(read_metadata(path)["config"]["model"])

@@ -109,7 +109,7 @@ def test_dry_run_prices_dist_muons_weight_gather(capsys, monkeypatch):
     assert gather > saved and saved + extra == pytest.approx(gather, abs=2), line
 
 
-LLAMA_LIKE = "--swiglu --normalization RMSNorm --disable-bias-linear"
+LLAMA_LIKE = "--swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope"
 ALL_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
 # Heterogeneous layers (4 heads): 2 query groups and an FFN of 64; a no-op attention and a linear MLP; two identities;
 # 1 query group and a no-op MLP; a linear attention and the model's MLP; an identity. In runs of two under uniform
@@ -118,7 +118,7 @@ _N, _I = decilm_block("normal", 2, "normal", ffn_hidden_size=64), decilm_block("
 BLOCKS = [_N, decilm_block("no_op", None, "linear"), _I, _I, _I, decilm_block("normal", 4, "no_op"),
           decilm_block("linear", None, "normal"), _I]  # fmt: skip
 HETERO = (
-    f"{LLAMA_LIKE} --position-embedding-type rope --num-layers 8 --group-query-attention --num-query-groups 2 "
+    f"{LLAMA_LIKE} --num-layers 8 --group-query-attention --num-query-groups 2 "
     f"--heterogeneous-layers-config-encoded-json {json.dumps({'block_configs': BLOCKS}, separators=(',', ':'))}"
 )
 
