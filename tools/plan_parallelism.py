@@ -45,11 +45,20 @@ def script_args(path: str) -> tuple[list[str], int, int | None]:
     block = re.search(r"^ARGS=\($.*?^\)$", text, re.S | re.M)
     if block is None:
         raise SystemExit(f"error: --script {path}: no ARGS=( ... ) array found; pass the model flags after --")
-    defaults = "\n".join(re.findall(r"^[A-Z_]+=(?:\$\{[A-Z_]+:-[^\n]*\}|\d+)$", text, re.M))
+    # The script's top-level assignments (an exploratory run: only VAR=${VAR:-...} and numbers were read, so
+    # PRECISION="--bf16" in ARGS planned fp32 unsaid), not those running a command, nor arrays; an ARGS entry
+    # naming a variable left unread is one line (set -u)
+    assign = re.findall(r"^(?:export\s+)?([A-Za-z_]\w*=(?!\()[^\n]*)$", text, re.M)
+    defaults = "\n".join(a for a in assign if "$(" not in a and "`" not in a)
     # (the CPU demos launch NPROC ranks)
     world = 'echo -n "${NPROC:-$((${GPUS_PER_NODE:-8} * ${NNODES:-1}))} ${GPUS_PER_NODE:-8} ${NPROC:+nproc}"'
-    program = f"{defaults}\n{block.group(0)}\nprintf '%s\\0' \"${{ARGS[@]}}\"\n{world}"
-    out = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout
+    program = f"set -u\n{defaults}\n{block.group(0)}\nprintf '%s\\0' \"${{ARGS[@]}}\"\n{world}"
+    run = subprocess.run(["bash", "-c", program], capture_output=True, text=True)
+    if run.returncode:
+        unread = re.search(r"(\w+): unbound variable", run.stderr)
+        why = f"its ARGS use ${unread[1]}, which it sets by running a command" if unread else run.stderr.strip()[-200:]
+        raise SystemExit(f"error: --script {path}: {why}; set it in the environment, or pass the flags after --")
+    out = run.stdout
     *argv, sizes = out.split("\0")
     world, gpn, *nproc = sizes.split()
     # The shipped scripts `cd "$(dirname "$0")/.."` first: their relative paths (TOKENIZER=tokenizer.json) are the

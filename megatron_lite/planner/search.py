@@ -145,19 +145,21 @@ def layouts(
     uneven: bool = False,
     shardings: tuple[str, ...] = SHARDINGS,
 ) -> list[Layout]:
-    """Every combination worth trying: TP inside a node, CP and EP in powers of two, PP dividing the rest,
-    2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8 dividing each data-
-    parallel rank's share of the batch (a DP size that does not divide it once per TP x CP x PP, refused); CP as
-    the ring and as all-to-all (all-gather too for a sliding window, which the ring refuses). `uneven`: pipeline
-    sizes whose stages the layers do not divide are tried with lighter end stages (`uneven_stages`). `shardings`:
-    those tried (--optimizer dist_muon's "layer-wise" in place of DDP's "none")."""
+    """Every combination worth trying: TP inside a node (dividing its GPUs), CP and EP in powers of two, PP dividing the
+    rest, 2 or 4 virtual stages with PP, each sharding and recomputation, micro-batches of 1 to 8 dividing each data-
+    parallel rank's share of the batch (a DP size that does not divide it once per TP x CP x PP, refused); CP as the
+    ring and as all-to-all (all-gather too for a sliding window, which the ring refuses). `uneven`: pipeline sizes whose
+    stages the layers do not divide are tried with lighter end stages (`uneven_stages`). `shardings`: those tried
+    (--optimizer dist_muon's "layer-wise" in place of DDP's "none")."""
     out = []
     pow2 = [1, 2, 4, 8, 16, 32]
     experts = divisors(model.num_experts) if model.num_experts else [1]
     # expert TP = TP (None), and under TP also 1: whole experts, spread over TP x DP ranks by EP (Megatron's usual
     # --expert-tensor-parallel-size 1 for fine-grained experts)
     cp_types = PRICED_CP if model.sliding_window is not None else PRICED_CP[:2]
-    for tp, cp in itertools.product([d for d in pow2 if d <= gpus_per_node], pow2):
+    # (TP dividing the GPUs of a node: 4 on nodes of 6 put a group across two nodes, which an exploratory run found
+    # priced as NVLink)
+    for tp, cp in itertools.product([d for d in pow2 if gpus_per_node % d == 0], pow2):
         if world % (tp * cp):
             continue
         for pp in divisors(world // (tp * cp)):
@@ -216,7 +218,7 @@ def evaluate(
         state_bytes=state_bytes,
         muon=muon,
     )
-    tps, tflops, mfu = throughput(cfg, layout, seq_length, global_batch_size, t, cl)
+    tps, tflops, mfu = throughput(cfg, layout, seq_length, global_batch_size, t, cl, bf16)
     return Candidate(layout, None, mem, t, tps, tflops, mfu)
 
 
