@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from megatron_lite.comm_timer import CommTimer
-from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.layout_validation import stage_layer_counts, validate_layout
 from megatron_lite.tensor_parallel.random import RNGStatesTracker
 
@@ -300,17 +300,22 @@ class ParallelContext:
         return cls._make(parallel, world_size, rank, {}, device)
 
     @classmethod
-    def build(cls, parallel: ParallelConfig, device: torch.device | None = None) -> ParallelContext:
+    def build(
+        cls, parallel: ParallelConfig, device: torch.device | None = None, timeout: timedelta | None = None
+    ) -> ParallelContext:
         """Create every process group of the layout. The default group must already be initialised.
 
         All ranks call `new_group` for every group in the same order (a requirement of
-        torch.distributed); groups with one member, and repeats of a rank set, are not created."""
+        torch.distributed); groups with one member, and repeats of a rank set, are not created. `timeout`: each
+        group's (--distributed-timeout-minutes, as Megatron passes it to every group; without it a subgroup took
+        torch's default, 30 minutes on gloo, whatever the flag said, an exploratory run found)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         handles: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for members in all_groups(parallel, world_size).values():
             for ranks in members:
                 if len(ranks) > 1 and ranks not in handles:
-                    handles[ranks] = dist.group.WORLD if len(ranks) == world_size else dist.new_group(list(ranks))
+                    whole = len(ranks) == world_size
+                    handles[ranks] = dist.group.WORLD if whole else dist.new_group(list(ranks), timeout=timeout)
         return cls._make(parallel, world_size, rank, handles, device)
 
     def describe(self) -> str:
@@ -324,6 +329,23 @@ def _default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() != "nccl":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_restarts_across_nodes() -> None:
+    """torchrun --max-restarts across nodes on its shared store cannot restart us: the store keeps a failed
+    attempt's keys (so each attempt's go under its restart count), and each node counts only its own workers'
+    failures, so after one the nodes' counts differ and they never meet (an exploratory run: "Connection refused",
+    or a silent hang). A store of its own per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, c10d rendezvous)
+    needs no count. Refused before any collective, on every rank."""
+    env = os.environ
+    nodes, restarts = int(env.get("GROUP_WORLD_SIZE", "1")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and nodes > 1 and restarts > 0:
+        raise ConfigError(
+            f"torchrun --max-restarts {restarts} across {nodes} nodes on its shared rendezvous store: a restart "
+            "would never meet (each node counts only its own failures, and the store keeps a failed attempt's "
+            "keys); launch with --rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's "
+            "environment (a fresh store per attempt; pretrain/*multinode.sh set it), or --max-restarts 0"
+        )
 
 
 def _attempt_store(timeout_s: float):
@@ -368,11 +390,12 @@ def initialize(
             # Workers restarted by torchrun (--max-restarts) fail to form gloo's full mesh eagerly
             # ("connectFullMesh failed"); connecting pairs on first use works.
             os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+        check_restarts_across_nodes()
         store = _attempt_store(timeout_s)
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), store=store
         )
-    return ParallelContext.build(parallel)
+    return ParallelContext.build(parallel, timeout=timedelta(seconds=timeout_s))
 
 
 # The device meshes FSDP2 was given over our groups (distributed/fsdp.py): see destroy_process_groups.

@@ -41,6 +41,9 @@ ARGS=(
 if [[ -n "${DRY_RUN:-}" ]]; then
     WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
 fi
+# A rendezvous store of its own for each attempt: torchrun --max-restarts across nodes never meets on the shared one
+# (each node counts only its own failures, and the shared store keeps a failed attempt's keys)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$MASTER_PORT" --rdzv-id "${RDZV_ID:-llama3_70b}" \
     pretrain/pretrain_gpt.py "${ARGS[@]}"

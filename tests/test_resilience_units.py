@@ -450,6 +450,7 @@ def test_the_recorder_finds_a_frozen_rank_by_its_unchanging_state_not_by_clocks(
     rec = fr.FlightRecorder.__new__(fr.FlightRecorder)
     rec.rank, rec.timeout_s, rec.history = 0, 15.0, []
     monkeypatch.setattr(rec, "_publish", lambda: None, raising=False)
+    monkeypatch.setattr(rec, "_snapshot", lambda: {"time": 7.0}, raising=False)
     monkeypatch.setattr(rec, "_peers", lambda: next(reads), raising=False)
     monkeypatch.setattr(fr, "hang_report", lambda *a: seen.setdefault("frozen", a[5]) and "" or "")
     rec.build_report(fr.Entry("0,1,2", 1, "all_reduce", [[1]], "x.py:1 (f)", 0.0), 16.0)

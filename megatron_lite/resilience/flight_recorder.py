@@ -130,7 +130,11 @@ def _own_store():
     if not (host and port):
         return dist.distributed_c10d._get_default_store()
     client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # (torchrun's shared store outlives an attempt: its keys go under the restart count, which multi-node restarts
+    # cannot use and are refused on; a store of its own per attempt, as TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # makes, holds this attempt's alone, and nodes' counts differ there after a restart)
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
     return dist.PrefixStore(
         f"megatron_lite/flight_recorder/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt}", client
     )
@@ -274,27 +278,47 @@ class FlightRecorder:
                     os._exit(1)
                 return
 
-    def _peers(self) -> dict[int, dict]:
-        out = {}
-        for r in range(self.world):
-            try:
-                if self.store.check([f"megatron_lite/flight_recorder/{r}"]):
-                    out[r] = json.loads(self.store.get(f"megatron_lite/flight_recorder/{r}"))
-            except Exception:
-                continue
-        return out
+    def _peers(self) -> dict[int, dict] | None:
+        """Every rank's published state; None where the store failed or did not answer within STORE_WAIT_S (an
+        exploratory run: with the store's host frozen, a read held the watchdog, and the job, forever; with it
+        gone, every rank, this one too, was reported as having published nothing)."""
+        out: dict[int, dict] = {}
+        failed: list[BaseException] = []
+
+        def read() -> None:
+            for r in range(self.world):
+                try:
+                    if self.store.check([f"megatron_lite/flight_recorder/{r}"]):
+                        out[r] = json.loads(self.store.get(f"megatron_lite/flight_recorder/{r}"))
+                except Exception as e:  # (the store, not a rank: every later read would fail the same way)
+                    failed.append(e)
+                    return
+
+        reader = threading.Thread(target=read, name="megatron_lite-flight-recorder-read", daemon=True)
+        reader.start()
+        reader.join(STORE_WAIT_S)
+        return None if reader.is_alive() or failed else out
 
     def build_report(self, entry: Entry, waited: float) -> str:
         """Who waits in `entry`, who has not reached it and who went past it, from every rank's state. The peers'
         states are read twice, LIVENESS_S apart: one that did not change comes from a rank that stopped publishing
-        (hosts' clocks are never compared)."""
+        (hosts' clocks are never compared). This rank's own is the one it had when the hang was found (read back
+        later, after a peer's exit aborted its collective, it contradicted the report's first line)."""
+        mine = self._snapshot()
         self._publish()
         first = self._peers()
-        time.sleep(LIVENESS_S)
-        self._publish()
-        peers = self._peers()
-        frozen = {r for r, p in peers.items() if r != self.rank and first.get(r, {}).get("time") == p["time"]}
+        peers = None
+        if first is not None:
+            time.sleep(LIVENESS_S)
+            self._publish()
+            peers = self._peers()
         recent = "; ".join(e.describe() for e in list(self.history)[-5:])
+        if peers is None:
+            return store_lost_report(self.rank, self.timeout_s, entry, waited, mine) + (
+                f"\nrank {self.rank}'s last collectives: {recent}"
+            )
+        peers[self.rank] = mine
+        frozen = {r for r, p in peers.items() if r != self.rank and first.get(r, {}).get("time") == p["time"]}
         return hang_report(self.rank, self.timeout_s, entry, waited, peers, frozen) + (
             f"\nrank {self.rank}'s last collectives: {recent}"
         )
@@ -318,6 +342,26 @@ def leave(recorder: FlightRecorder | None, together: bool) -> None:
 
 # A live rank's watchdog publishes every second: a state unchanged over this long is a frozen or lost rank's
 LIVENESS_S = 3.0
+# A store read that takes longer is a store whose host is frozen or lost
+STORE_WAIT_S = 10.0
+
+
+def store_lost_report(rank: int, timeout_s: float, entry: Entry, waited: float, mine: dict) -> str:
+    """The report of a rank stuck in `entry` that cannot read the other ranks' states: the job's store failed or
+    did not answer, so its host is frozen, lost or gone (under torchrun the first node's agent hosts it, and
+    exits when a rank there fails)."""
+    where = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    at = f" at {where[0]}:{where[1]}" if all(where) else ""
+    during = mine.get("where")
+    return (
+        f"hang: rank {rank} has waited {waited:.0f} s (--distributed-timeout-minutes {timeout_s / 60:g}) in "
+        f"collective {entry.describe()}" + (f", in {during}" if during else "") + "\n"
+        f"  the job's store{at} did not answer within {STORE_WAIT_S:g} s or failed: its host is frozen, lost or "
+        "gone (under torchrun, the first node's agent hosts it and exits when a rank there fails: that node's log "
+        "says why); the other ranks' states cannot be read\n"
+        f"summary: rank {rank} waits in {entry.op} #{entry.seq} on ranks [{entry.group}]; whoever has not reached "
+        "it is on a node whose store or ranks stopped"
+    )
 
 
 def _root(
