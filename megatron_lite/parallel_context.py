@@ -372,6 +372,7 @@ def initialize(
     *,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    start_timeout_s: float | None = None,
 ) -> ParallelContext:
     """The start-up path of every job: validate the whole layout first (so a bad configuration stops with
     one line on every rank and no collective is ever started), then join the default group (NCCL on
@@ -391,7 +392,12 @@ def initialize(
             # ("connectFullMesh failed"); connecting pairs on first use works.
             os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         check_restarts_across_nodes()
-        store = _attempt_store(timeout_s)
+        from megatron_lite.start_up_error import job_store, wait_for_every_rank
+
+        store = job_store(timeout_s, host=rank == 0)
+        # (a start-up error on another node stops this one; `start_timeout_s`: the flag's own, where the backend's
+        # is pushed back for the flight recorder)
+        wait_for_every_rank(store, world_size, timeout_s if start_timeout_s is None else start_timeout_s)
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), store=store
         )

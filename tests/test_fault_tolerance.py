@@ -130,9 +130,10 @@ sys.exit(pretrain.main(sys.argv[1:]))
 
 
 def test_a_rank_held_up_at_start_up_is_reported_at_the_timeout(tmp_path):
-    """Rank 0 waits for rank 1 in the start-up configuration check: the flight recorder reports it at
-    --distributed-timeout-minutes (3 s here), naming rank 1 (it was gloo's own timeout, 2 x 3 + 60 s, and a
-    DistStoreError traceback naming a store key)."""
+    """Rank 0 waits for rank 1 to start: it is said at --distributed-timeout-minutes (3 s here), in one line (it
+    was gloo's own timeout, 2 x 3 + 60 s, and a DistStoreError traceback naming a store key; then the flight
+    recorder's report of the configuration check, naming rank 1; now every rank waits for every other to start
+    before its process group, where a start-up error on another node stops it at once)."""
     (tmp_path / "wrapper.py").write_text(SLOW_START)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(tmp_path / "wrapper.py"), *ARGS, "--train-iters", "2",
@@ -141,7 +142,7 @@ def test_a_rank_held_up_at_start_up_is_reported_at_the_timeout(tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     err = out.stderr[-3000:]
     assert out.returncode != 0 and "DistStoreError" not in out.stderr and time.time() - start < 60, err
-    assert "in start-up" in err and "rank 1: no state published (still starting up" in err, err
+    assert "error: 1 of the 2 ranks never started within 3 s (--distributed-timeout-minutes 0.05)" in err, err
 
 
 def _sigterm_after_three_iterations(tmp_path, ck, log, extra=()):
@@ -310,3 +311,53 @@ def test_a_checkpoint_from_another_layout_says_its_random_states_stay(tmp_path, 
     assert "random-number states are not restored" not in out
     out = pretrain_job(2, [*base.split(), "--train-iters", "2"])
     assert "saved under another layout: its random-number states are not restored" in out, out[-2000:]
+
+
+BAD_RANK = """import os, sys
+from megatron_lite.training.pretrain import main
+extra = ["--num-attention-heads", "3"] if os.environ["RANK"] == os.environ["BAD_RANK"] else []
+sys.exit(main([*sys.argv[1:], "--distributed-timeout-minutes", "5", *extra]))  # (3 heads: not dividing 64)
+"""
+
+
+@pytest.mark.parametrize("own_store", [False, True], ids=["shared-store", "store-per-attempt"])
+@pytest.mark.parametrize("bad_node", [1, 0])
+def test_a_node_stopped_at_start_up_stops_the_others_at_once(tmp_path, own_store, bad_node):
+    """An exploratory run's finding: a node whose flags failed validation exited with its line, and the other node
+    waited in its first collective for --distributed-timeout-minutes (30 in the shipped scripts), then called its
+    ranks silent. Every rank now waits for every other to start, and stops at the first start-up error left in
+    the job's store, naming it: on torchrun's shared store and on a store per attempt (rank 0's, which a rank 0
+    stopped at start-up serves a while for the others)."""
+    import torch.distributed as dist
+
+    # (the rendezvous store served here, as by a node that stays up: a launcher serving it took it down on exit, and
+    # the other launcher then died in torch's RendezvousConnectionError before its ranks could say anything)
+    port = free_port()
+    rendezvous = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "BAD_RANK": str(bad_node),
+        **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if own_store else {}),
+    }
+    wrapper = tmp_path / "bad_rank.py"  # (the rendezvous picks which launcher is node 0: the rank decides)
+    wrapper.write_text(BAD_RANK)
+    cmd = [
+        str(wrapper) if a.endswith("pretrain_gpt.py") else a
+        for a in launcher(1, ["--train-iters", "2"], nodes=(2, endpoint))
+    ]
+    cmd[cmd.index("--rdzv-id") : cmd.index("--rdzv-id")] = ["--rdzv-conf", "is_host=false"]
+    start = time.time()
+    procs = [
+        subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    # (before: the other node waited --distributed-timeout-minutes, here 5, x 2 + 1 under the flight recorder)
+    assert all(p.returncode != 0 for p in procs) and time.time() - start < 240, outputs
+    said = "stopped at start-up: --hidden-size 64 is not divisible by --num-attention-heads 3"
+    if bad_node == 0 and not own_store:  # (torchrun's own store goes with the first node's agent: gone, not read)
+        said = "which the first node's torchrun serves, did not answer within 60 s"
+    assert any(said in out for out in outputs), outputs[0][-2000:] + outputs[1][-2000:]
+    assert not any("no state published" in out for out in outputs), outputs
+    del rendezvous

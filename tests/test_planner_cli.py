@@ -48,6 +48,7 @@ def test_plan_outputs_and_nodes_are_checked_first(tmp_path, capsys, monkeypatch)
     takes minutes), and --gpus-per-node that does not divide the script's GPUs is refused: it planned 2 x 3."""
     for argv, fragment in (
         (["--json", str(tmp_path)], f"--json {tmp_path} is a directory; give a file path"),
+        (["--json", "/proc/x/y.json"], "--json /proc/x/y.json: its directory cannot be made"),  # (a traceback after)
         (["--gpus-per-node", "3"], "--gpus-per-node 3 does not divide the script's 8 GPUs into nodes: give --nodes"),
         (["--gpus-per-node", "16"], "--gpus-per-node 16 does not divide the script's 8 GPUs into nodes"),  # (1 x 16)
     ):

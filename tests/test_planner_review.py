@@ -55,3 +55,11 @@ def test_tp_groups_stay_inside_a_node_of_any_size():
     six = {lay.tp for lay in layouts(llama_config(), 12, 6, 12)}
     four = {lay.tp for lay in layouts(llama_config(), 12, 4, 12)}
     assert 4 not in six and {1, 2} <= six and 4 in four, (six, four)
+
+
+def test_a_scripts_layout_the_cluster_cannot_hold_is_said(capsys):
+    """Llama-3-8B's script (TP 4) on one node of 2 GPUs planned with no word of the script's own layout."""
+    _tool().main(["--script", str(ROOT / "pretrain" / "llama3_8b.sh"), "--gpus-per-node", "2", "--nodes", "1",
+                  "--top", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "your layout (TP4 PP1 CP1) needs a multiple of 4 GPUs; the cluster's 2 is not one" in out, out

@@ -467,8 +467,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         try:
             check_output_path("--json", args.json)
-        except ConfigError as e:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)  # (under /proc: a traceback
+        except ConfigError as e:  # after the plan, an exploratory run found)
             p.error(str(e))
+        except OSError as e:
+            p.error(f"--json {args.json}: its directory cannot be made ({e.strerror})")
 
     if args.published:
         from megatron_lite.planner.published import compare
@@ -510,6 +513,12 @@ def main(argv: list[str] | None = None) -> dict:
             if job is not None and cl.world % (job.parallel.tp * job.parallel.pp * job.parallel.cp) == 0
             else None
         )
+        if job is not None and yours is None:  # (it was left out of the plan without a word)
+            par = job.parallel
+            print(
+                f"your layout (TP{par.tp} PP{par.pp} CP{par.cp}) needs a multiple of {par.tp * par.pp * par.cp} "
+                f"GPUs; the cluster's {cl.world} is not one"
+            )
         grads_bf16 = args.grad_reduce_in_bf16 or bool(job and job.optimizer.grad_reduce_in_bf16)
         # the optimizer's state per parameter: the script's (--optimizer sgd keeps one momentum buffer), else Adam's
         state_bytes = state_bytes_per_param(job.optimizer) if job is not None else 8

@@ -135,6 +135,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         job.training,
         backend=job.distributed_backend,
         timeout_s=backend_timeout(job.distributed_backend, timeout_s, recorder_on),
+        start_timeout_s=timeout_s,
     )
     # The recorder watches the configuration check too: a rank still starting up (a slow index build, a stuck
     # file) left the others in its all-gather until gloo's longer timeout, then a DistStoreError traceback
