@@ -21,11 +21,10 @@ def test_an_fp32_plan_runs_at_the_fp32_rate(tmp_path, capsys):
     """Every GEMM and the attention were priced at the bf16 tensor-core peak whatever the precision: Llama-3-8B in
     fp32 on H100s came out at 384 TFLOP/s a GPU and 39% MFU, 1.2x the bf16 step, where the plain fp32 peak, which
     pretrain's fp32 matmuls run at (no TF32), is 67 TFLOP/s."""
-    from megatron_lite.planner.cost import fp32_rate
     from megatron_lite.planner.hardware import ACCELERATORS
 
     bf16, fp32 = _top([], tmp_path, "bf16"), _top(["--fp32"], tmp_path, "fp32")
-    peak = fp32_rate(ACCELERATORS["H100"])
+    peak = ACCELERATORS["H100"].fp32_rate
     assert peak == 67e12  # (the training log's fp32 peak of an H100, training/flops.py)
     assert fp32["tflops_per_gpu"] * 1e12 < peak and 0 < fp32["mfu"] < 1, fp32
     assert fp32["mfu"] == pytest.approx(fp32["tflops_per_gpu"] * 1e12 / peak)  # (against the fp32 peak)

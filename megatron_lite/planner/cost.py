@@ -46,7 +46,7 @@ from megatron_lite.planner.muon_cost import MuonSettings, optimizer_seconds
 from megatron_lite.planner.params import layer_params, stage_params
 from megatron_lite.planner.precision import fp8_layer
 from megatron_lite.planner.schedule import schedule_marks
-from megatron_lite.training.flops import PEAKS, flops_per_token
+from megatron_lite.training.flops import flops_per_token
 
 
 @dataclass(frozen=True)
@@ -143,20 +143,6 @@ def _mla_gemms(model: ModelConfig, m: float, tp: int, a: int, cl: Cluster, eff: 
     return t + _gemm(m, heads * model.v_head_dim / tp, h, a, cl, eff, fp8=fp8)
 
 
-def fp32_rate(g) -> float:
-    """Plain fp32 FLOP/s off the tensor cores: what an fp32 run's matmuls reach (pretrain turns on no TF32)."""
-    if g.measured:
-        return g.peak_flops
-    # (pretrain's fp32 MFU peak first: the training log's table)
-    return next((f for key, _, f in PEAKS if key in g.name), g.fp32_flops or g.peak_flops / 15)
-
-
-def matmul_rate(g, a: int) -> float:
-    """The peak a GEMM or attention of `a`-byte values runs against: the tensor cores' in bf16/fp16, the plain
-    fp32 rate in fp32 (an exploratory run: fp32 plans were priced at the bf16 peak, 6x too fast, at 39% MFU)."""
-    return g.peak_flops if a < 4 else fp32_rate(g)
-
-
 def _gemm(
     m: float, k: float, n: float, a: int, cl: Cluster, eff: Efficiency, weights: int = 1, fp8: str | None = None
 ) -> float:
@@ -167,7 +153,7 @@ def _gemm(
     priced as bf16 where there are no fp8 tensor cores (the planner warns)."""
     g = cl.gpu
     moved = m * k + weights * k * n + m * n
-    t = 2 * m * k * n / (matmul_rate(g, a) * eff.gemm) + a * moved / (g.memory_bandwidth * eff.memory)
+    t = 2 * m * k * n / (g.matmul_rate(a) * eff.gemm) + a * moved / (g.memory_bandwidth * eff.memory)
     if fp8 is None or not g.fp8_flops:
         return t
     moved = m * k + weights * k * n + a * m * n + (a + 1) * m * k
@@ -186,7 +172,7 @@ def _mixer_terms(
     g, tp, h, seq = cl.gpu, layout.tp, model.hidden_size, m / layout.micro_batch_size
     d, gn, heads, _ = mixer_dims(model, tp)
     gemms = _gemm(m, h, 2 * d + 2 * gn + heads, a, cl, eff) + _gemm(m, d, h, a, cl, eff)
-    scan = m * scan_flops(model, int(seq)) / tp / (fp32_rate(g) * eff.attention)
+    scan = m * scan_flops(model, int(seq)) / tp / (g.fp32_rate * eff.attention)
     moved = elementwise_values(model, tp, layout.sp, impl, MAMBA_MIXER, NO_OP) * a
     moved += 2 * mixer_activation_bytes(model, tp, a, int(seq), layout.micro_batch_size)
     elem = m * moved / (g.memory_bandwidth * eff.memory)
@@ -324,7 +310,7 @@ def step_time(
             mlp = _gemm(m, h, f * (2 if swiglu else 1) / tp, a, cl, eff, fp8=fp8)
             mlp += _gemm(m, f / tp, h, a, cl, eff, fp8=fp8)
         # causal attention over the whole sequence (this rank's queries see all earlier keys)
-        core = 2 * m * seq_length * core_q / tp / (matmul_rate(g, a) * eff.attention)
+        core = 2 * m * seq_length * core_q / tp / (g.matmul_rate(a) * eff.attention)
         if model.sliding_window:  # (the windowed share of the layers: --window-attn-skip-freq spares some)
             windowed = sum(model.layer_window(i) is not None for i in range(model.num_layers)) / model.num_layers
             core *= 1.0 - windowed * (1.0 - min(1.0, 2 * model.sliding_window / seq_length))
@@ -454,7 +440,7 @@ def step_time(
         mla, heads = model.multi_latent_attention, model.num_attention_heads
         core_q = heads * (model.mla_q_head_dim + model.v_head_dim) / 2 if mla else q
         out = heads * model.v_head_dim if mla else q
-        attn_time = 3.5 * 2 * m * seq_length * core_q / tp / (matmul_rate(g, a) * eff.attention)
+        attn_time = 3.5 * 2 * m * seq_length * core_q / tp / (g.matmul_rate(a) * eff.attention)
         # each ring step launches its own attention kernels and merges its partial output by log-sum-exp
         merge = 3 * (cp - 1) * 3 * m * out / tp * a / (g.memory_bandwidth * eff.memory) + 4 * cp * g.launch_seconds
         cp_comm += micro * n * (max(0.0, ring - attn_time) + merge)
@@ -597,7 +583,7 @@ def throughput(
     # (in the convention of the published figures the model is held against: full, not causally halved,
     # attention, as Megatron counted it when it published them and as torchtitan counts it)
     flops = _model_flops_per_token(model, seq_length) * tps
-    return tps, flops / 1e12, flops / (cl.gpu.mfu_peak if bf16 else fp32_rate(cl.gpu))
+    return tps, flops / 1e12, flops / (cl.gpu.mfu_peak if bf16 else cl.gpu.fp32_rate)
 
 
 @functools.lru_cache(maxsize=1024)

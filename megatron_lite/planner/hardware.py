@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_lite.training.flops import PEAKS
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -22,6 +24,19 @@ class Accelerator:
     @property
     def mfu_peak(self) -> float:
         return self.mfu_peak_flops or self.peak_flops
+
+    @property
+    def fp32_rate(self) -> float:
+        """Plain fp32 FLOP/s off the tensor cores: what an fp32 run's matmuls reach (pretrain turns on no TF32);
+        the training log's fp32 MFU peak first."""
+        if self.measured:
+            return self.peak_flops
+        return next((f for key, _, f in PEAKS if key in self.name), self.fp32_flops or self.peak_flops / 15)
+
+    def matmul_rate(self, a: int) -> float:
+        """The peak a GEMM or attention of `a`-byte values runs against: the tensor cores' in bf16/fp16, the plain
+        fp32 rate in fp32 (an exploratory run: fp32 plans were priced at the bf16 peak, 6x too fast, at 39% MFU)."""
+        return self.peak_flops if a < 4 else self.fp32_rate
 
 
 GIB = 2**30
