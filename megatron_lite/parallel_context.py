@@ -348,21 +348,31 @@ def check_restarts_across_nodes() -> None:
         )
 
 
-def _attempt_store(timeout_s: float):
+def attempt_id() -> str:
+    """The restart attempt whose keys go apart in a store: torchrun's shared store outlives attempts (their keys
+    go under the restart count, which multi-node restarts cannot use and are refused on); a store of its own per
+    attempt, as TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes, holds one attempt's alone (nodes' counts differ there
+    after a restart)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
+
+
+def _attempt_store(timeout_s: float, connect_s: float | None = None):
     """Under torchrun, the launcher's store with keys of this restart attempt only. The store outlives a
     failed attempt, and the process-group keys are the same in every attempt: a restarted worker could
     read a dead peer's address before the peer rewrote it ("failed to connect ... Connection refused").
-    None (the default env:// path) outside torchrun."""
+    None (the default env:// path) outside torchrun. `connect_s`: how long connecting may take, where less."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
         return None
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=timeout_s if connect_s is None else connect_s),
         wait_for_workers=False,
     )
-    return dist.PrefixStore(f"megatron_lite/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    client.set_timeout(timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"megatron_lite/attempt_{attempt_id()}", client)
 
 
 def initialize(

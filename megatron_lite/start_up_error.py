@@ -112,14 +112,12 @@ def job_store(timeout_s: float, host: bool = False):
         # torchrun's agent serves it before starting any worker: one that does not answer soon has stopped (the
         # first node's, its worker failed at start-up: a client waited the whole timeout to connect, unsaid)
         try:
-            dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, AGENT_STORE_S)),
-                          wait_for_workers=False)  # fmt: skip
+            return _attempt_store(timeout_s, connect_s=min(timeout_s, AGENT_STORE_S))
         except Exception as e:
             raise ConfigError(
                 f"the job's store at {addr}:{port}, which the first node's torchrun serves, did not answer within "
                 f"{min(timeout_s, AGENT_STORE_S):g} s ({type(e).__name__}): that node stopped (its log says why)"
             ) from None
-        return _attempt_store(timeout_s)
     try:
         return dist.TCPStore(addr, port, world, is_master=host, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False, multi_tenant=True)  # fmt: skip

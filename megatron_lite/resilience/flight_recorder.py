@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel_context import attempt_id
+
 WRAPPED = (
     "all_reduce",
     "all_gather_into_tensor",
@@ -130,13 +132,8 @@ def _own_store():
     if not (host and port):
         return dist.distributed_c10d._get_default_store()
     client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
-    # (torchrun's shared store outlives an attempt: its keys go under the restart count, which multi-node restarts
-    # cannot use and are refused on; a store of its own per attempt, as TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    # makes, holds this attempt's alone, and nodes' counts differ there after a restart)
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
     return dist.PrefixStore(
-        f"megatron_lite/flight_recorder/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt}", client
+        f"megatron_lite/flight_recorder/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt_id()}", client
     )
 
 
