@@ -1,5 +1,5 @@
 """An exploratory review of the planner as a user booking a cluster would run it: fp32 plans priced at the fp32
-rate, a script's plain assignments read, TP groups kept inside a node of any size."""
+rate, a script's plain assignments read (and nothing else run), TP groups kept inside a node of any size."""
 
 from __future__ import annotations
 
@@ -62,3 +62,25 @@ def test_a_scripts_layout_the_cluster_cannot_hold_is_said(capsys):
                   "--top", "1"])  # fmt: skip
     out = capsys.readouterr().out
     assert "your layout (TP4 PP1 CP1) needs a multiple of 4 GPUs; the cluster's 2 is not one" in out, out
+
+
+def test_a_scripts_command_lines_are_not_run(tmp_path):
+    """`CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun ...` passed for a plain assignment: planning a script launched its
+    training job (and waited for it). Only lines that are nothing but assignments are read now."""
+    marker = tmp_path / "launched"
+    script = tmp_path / "run.sh"
+    body = "GPUS_PER_NODE=2\nNNODES=1\nARGS=(\n    --num-layers 2 --seq-length 512\n)\n"
+    body += f"CUDA_DEVICE_MAX_CONNECTIONS=1 touch {marker}\nX=1; touch {marker}\nY=2 && touch {marker}\n"
+    body += f"Z=3 >{marker}\nA=1 B=2\n"
+    script.write_text(body)
+    argv, world, per_node = _tool().script_args(str(script))
+    assert not marker.exists()
+    assert argv == ["--num-layers", "2", "--seq-length", "512"] and (world, per_node) == (2, 2), argv
+
+
+def test_a_variable_the_script_never_sets_is_said_so(tmp_path):
+    """A variable ARGS uses that the script does not set at all was said to be "set by running a command"."""
+    script = tmp_path / "run.sh"
+    script.write_text('ARGS=(\n    --num-layers 2 --data-path "$DATA_PATH_NEVER_SET"\n)\n')
+    with pytest.raises(SystemExit, match=r"its ARGS use \$DATA_PATH_NEVER_SET, which it does not set; set it in the"):
+        _tool().script_args(str(script))

@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -49,14 +50,18 @@ def script_args(path: str) -> tuple[list[str], int, int | None]:
     # PRECISION="--bf16" in ARGS planned fp32 unsaid), not those running a command, nor arrays; an ARGS entry
     # naming a variable left unread is one line (set -u)
     assign = re.findall(r"^(?:export\s+)?([A-Za-z_]\w*=(?!\()[^\n]*)$", text, re.M)
-    defaults = "\n".join(a for a in assign if "$(" not in a and "`" not in a)
+    defaults = "\n".join(a for a in assign if "$(" not in a and "`" not in a and _only_assignments(a))
     # (the CPU demos launch NPROC ranks)
     world = 'echo -n "${NPROC:-$((${GPUS_PER_NODE:-8} * ${NNODES:-1}))} ${GPUS_PER_NODE:-8} ${NPROC:+nproc}"'
     program = f"set -u\n{defaults}\n{block.group(0)}\nprintf '%s\\0' \"${{ARGS[@]}}\"\n{world}"
     run = subprocess.run(["bash", "-c", program], capture_output=True, text=True)
     if run.returncode:
         unread = re.search(r"(\w+): unbound variable", run.stderr)
-        why = f"its ARGS use ${unread[1]}, which it sets by running a command" if unread else run.stderr.strip()[-200:]
+        if unread:
+            sets = re.search(rf"^(?:export\s+)?{unread[1]}=", text, re.M)
+            why = f"its ARGS use ${unread[1]}, which it {'sets by running a command' if sets else 'does not set'}"
+        else:
+            why = run.stderr.strip()[-200:]
         raise SystemExit(f"error: --script {path}: {why}; set it in the environment, or pass the flags after --")
     out = run.stdout
     *argv, sizes = out.split("\0")
@@ -72,6 +77,18 @@ def script_args(path: str) -> tuple[list[str], int, int | None]:
             elif flag in SCRIPT_PATH_FLAGS and not os.path.isabs(tok) and _number(tok) is None:
                 argv[i] = os.path.join(root, tok)
     return argv, int(world), None if nproc else int(gpn)
+
+
+def _only_assignments(line: str) -> bool:
+    """Whether a script's line does nothing but assign (`A=1 B="x y"`): not `VAR=1 torchrun ...`, which runs its
+    command with VAR set (the planner ran the training job), nor `X=1; cmd`, `X=1 && cmd`, `X=1 > file`."""
+    try:
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = list(lexer)
+    except ValueError:  # (an unclosed quote: a line continued, not read)
+        return False
+    return all(re.match(r"[A-Za-z_]\w*=", w) for w in words)
 
 
 # flags of a launch script whose values are paths (a blend's weights among them stay numbers)
