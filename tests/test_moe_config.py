@@ -75,6 +75,17 @@ P = ParallelConfig
             2,
             "--moe-router-load-balancing-type sinkhorn with --context-parallel-size 2 is not supported",
         ),
+        (  # (an exploratory review: accepted, the tokens dropped; Megatron's config refuses it)
+            {
+                "moe_router_load_balancing_type": "sinkhorn",
+                "moe_aux_loss_coeff": 0.0,
+                "moe_expert_capacity_factor": 1.0,
+            },
+            P(),
+            1,
+            "--moe-expert-capacity-factor 1.0 with --moe-router-load-balancing-type sinkhorn: Megatron drops tokens "
+            "only with aux_loss, seq_aux_loss, global_aux_loss or none balancing",
+        ),
         (
             {"moe_expert_capacity_factor": 1.0},
             P(context_parallel_size=2),

@@ -114,6 +114,12 @@ def _validate_sinkhorn(c: ModelConfig) -> None:
             f"--moe-router-load-balancing-type sinkhorn with --moe-aux-loss-coeff {c.moe_aux_loss_coeff}: Sinkhorn "
             "routing balances the experts itself and has no auxiliary loss (Megatron asserts it); drop the coefficient"
         )
+    if c.moe_expert_capacity_factor is not None:
+        raise ConfigError(
+            f"--moe-expert-capacity-factor {c.moe_expert_capacity_factor} with --moe-router-load-balancing-type "
+            "sinkhorn: Megatron drops tokens only with aux_loss, seq_aux_loss, global_aux_loss or none balancing (its "
+            "config asserts it); drop the capacity factor or pick one of those"
+        )
     for flag, given in (
         ("--moe-router-score-function sigmoid", c.moe_router_score_function != "softmax"),
         ("--moe-router-enable-expert-bias", c.moe_router_enable_expert_bias),
