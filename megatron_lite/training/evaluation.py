@@ -67,8 +67,11 @@ class Evaluator:
                 # per token over the whole evaluation (Megatron's evaluate()), not a mean of the batches' means
                 loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1.0)
                 # (Megatron's "lm loss PPL"; capped as Megatron does, so a diverged run still logs a number)
+                # (--skip-train's evaluation, of a draw from the set's start, is kept out of the training run's W&B
+                # and TensorBoard curves: Megatron's write_to_tensorboard=not args.skip_train)
                 self.log.log(state.iteration, {"lm_loss": loss, "ppl": math.exp(min(20.0, loss))}, kind=name,
-                             final=final, samples=state.consumed_samples)  # fmt: skip
+                             final=final, samples=state.consumed_samples,
+                             trackers=not self.job.training.skip_train)  # fmt: skip
         finally:
             self.model.train()
         return True

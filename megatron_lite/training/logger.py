@@ -203,9 +203,11 @@ class MetricsLogger:
         kind: str = "train",
         final: bool = False,
         samples: int | None = None,
+        trackers: bool = True,
     ) -> None:
         """One record: `kind` train, or validation / test with lm_loss and ppl (`final`: the evaluation at the
-        end of the run, which Megatron's line says; `samples`: the training samples consumed by then)."""
+        end of the run, which Megatron's line says; `samples`: the training samples consumed by then; `trackers`
+        False: the console and JSONL only, not W&B and TensorBoard, as Megatron's --skip-train evaluations)."""
         if not self.enabled:
             return
         record = {"iteration": iteration, **metrics} if kind == "train" else {"iteration": iteration, kind: metrics}
@@ -225,7 +227,7 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record) + "\n")
         if kind == "train":  # (the per-iteration metrics went out in step())
             self._emit(iteration, {k: v for k, v in metrics.items() if not _per_step(k)}, new_step=False)
-        else:  # Megatron's "lm loss validation", "lm loss validation-0" (its test set's too; ours: "lm loss test")
+        elif trackers:  # Megatron's "lm loss validation", "lm loss validation-0" (its test set's; ours: "lm loss test")
             flat = {f"lm loss {kind}": metrics["lm_loss"], f"lm loss {kind} ppl": metrics["ppl"]}
             self._emit(iteration, flat, new_step=False, named=True)
 
@@ -256,18 +258,38 @@ class MetricsLogger:
             if new_step:
                 self._opened = iteration
             self._last_iteration, self._wandb_step = iteration, iteration + self._step_offset
-            self._wandb.log({**flat, "iteration": iteration}, step=self._wandb_step)
+            self._wandb_call(lambda: self._wandb.log({**flat, "iteration": iteration}, step=self._wandb_step))
         if self._tb is not None:
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, iteration)
                 if not k.startswith(("train/", "mem-")) and k != "samples vs steps":  # (Megatron's has none)
                     self._tb.add_scalar(f"{k} vs samples", v, self._samples)
 
+    def _wandb_call(self, call) -> None:
+        """A W&B call; W&B gone (Slurm's preemption signal reaches its service process too: the next call raised
+        ConnectionResetError, and the run died without its save) is one warning, the run going on without it."""
+        try:
+            call()
+        except Exception as e:
+            self._wandb = None
+            try:  # (its exit hook would try the service again: a traceback as the process ends)
+                import wandb
+
+                wandb.teardown(exit_code=1)
+            except Exception:
+                pass
+            print(
+                f"warning: W&B stopped answering ({type(e).__name__}: {str(e)[:200]}); the run goes on without it "
+                "(the console and --log-jsonl keep the metrics)",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def close(self, exit_code: int = 0) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._wandb is not None:
-            self._wandb.finish(exit_code=exit_code)  # (a halted or failed run is not marked finished)
+        if self._wandb is not None:  # (a halted or failed run is not marked finished)
+            self._wandb_call(lambda: self._wandb.finish(exit_code=exit_code))
         if self._tb is not None:
             self._tb.close()
         self._jsonl = self._wandb = self._tb = None  # (closed once)
