@@ -506,6 +506,9 @@ class TrainingConfig:
     # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by INCREMENT
     # in even steps over the first SAMPLES samples, then stays at --global-batch-size (batch_size_at)
     rampup_batch_size: tuple[int, int, int] | None = None
+    # not a flag: the samples the checkpoint it resumes had consumed (0 from scratch, or with --finetune): the
+    # ramp's batches before them are not run again, so another data-parallel size need not divide them
+    resumed_samples: int = 0
     seed: int = 1234
     log_interval: int = 100
     eval_interval: int = 1000
@@ -542,7 +545,9 @@ class TrainingConfig:
                 f"{flag}: START must be below --global-batch-size {final}, which START + k x INCREMENT must reach, "
                 "and SAMPLES must be positive"
             )
-        for consumed, batch in self.rampup_batches(dp):
+        now = self.batch_size_at(self.resumed_samples, dp)  # (a ramp's batches only grow)
+        ahead = [(consumed, batch) for consumed, batch in self.rampup_batches(dp) if batch >= now]
+        for consumed, batch in ahead:
             if batch % unit:  # (Megatron checks the batch of each step it runs, not START and INCREMENT)
                 raise ConfigError(
                     f"{flag}: the ramp's global batch of {batch} samples (after {consumed} samples) is not a "

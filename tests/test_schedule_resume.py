@@ -305,3 +305,29 @@ def test_no_auto_resume_starts_from_load_as_its_help_says(tmp_path, capsys, monk
     fresh, _ = _job([*RUN, "--load", base, "--save", own, "--no-auto-resume"], tmp_path / "d.jsonl", capsys,
                     monkeypatch)  # fmt: skip
     assert [r["iteration"] for r in fresh] == [4, 5, 6, 7, 8]  # (base's iteration 3)
+
+
+def test_a_ramp_resumed_past_a_batch_needs_only_the_batches_ahead_to_split(tmp_path, capsys, monkeypatch):
+    """From an exploratory review: a ramp 2 2 24 run resumed at DP=2 after its ramp was refused ("the ramp's
+    global batch of 2 samples (after 0 samples) is not a multiple of ... 4"), every batch left being 8; Megatron
+    checks each step's batch as it runs. The batches the resumed run still takes must split; a resume inside the
+    ramp is refused at the first of those that does not."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.layout_validation import validate_layout
+
+    argv = _without(RUN, "--train-iters", "--lr-warmup-iters", "--global-batch-size")
+    argv += ["--global-batch-size", "8", "--train-samples", "64", "--rampup-batch-size", "2", "2", "24"]
+    ckpt = str(tmp_path / "ckpt")
+    _job([*argv, "--save", ckpt, "--save-interval", "3", "--exit-interval", "10"], tmp_path / "a.jsonl", capsys,
+         monkeypatch)  # fmt: skip
+    # (batches 2 x4, 4 x2, 6 x1, then 8: saved as each grows; resumed at 4, the 4s split into 4 and the 6 not)
+    for step, refused in ((10, None), (4, r"global batch of 6 samples \(after 16 samples\)")):
+        _, job = parse_args([*argv, "--load", ckpt, "--ckpt-step", str(step)])
+        if refused is None:
+            validate_layout(job.model, job.parallel, 2, job.training)
+        else:
+            with pytest.raises(ConfigError, match=refused):
+                validate_layout(job.model, job.parallel, 2, job.training)
+    _, job = parse_args([*argv, "--load", ckpt, "--ckpt-step", "10", "--finetune"])  # (from sample 0 again)
+    with pytest.raises(ConfigError, match=r"global batch of 2 samples \(after 0 samples\)"):
+        validate_layout(job.model, job.parallel, 2, job.training)
