@@ -51,6 +51,20 @@ class _Store:
         return self.published[key]
 
 
+def test_a_gone_store_is_tried_less_and_less_often():
+    """With the first node's agent gone, the recorder's publishing failed every second, each a torch C++ stack
+    trace in every rank's log for the rest of the run (an exploratory run: 40 in 10 s)."""
+    store = _Store("fail")
+    tries = []
+    store.set = lambda key, value: (tries.append(key), _Store("fail").check([key]))
+    rec = _recorder(store)
+    end = time.monotonic() + 3.5
+    while time.monotonic() < end:  # (the watchdog publishes every second; here as often as it can)
+        rec._publish()
+        time.sleep(0.01)
+    assert 2 <= len(tries) <= 3, len(tries)  # (at 0, 1 and 3 s)
+
+
 @pytest.mark.parametrize("reads", ["block", "fail"])
 def test_a_frozen_or_gone_store_is_reported_as_such_in_bounded_time(monkeypatch, reads):
     """With the store's host frozen the watchdog's read blocked it, and the job, for good (6 minutes, then killed);

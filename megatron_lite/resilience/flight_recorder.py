@@ -258,10 +258,16 @@ class FlightRecorder:
             }
 
     def _publish(self) -> None:
+        now = time.monotonic()
+        if now < getattr(self, "_publish_after", 0.0):
+            return
         try:
             self.store.set(f"megatron_lite/flight_recorder/{self.rank}", json.dumps(self._snapshot()))
-        except Exception:  # the store may be gone at shutdown: nothing to report then
-            pass
+            self._publish_wait = 0.5
+        except Exception:  # the store gone (at shutdown, or with the first node's agent): tried again less and
+            # less often, each failed try being torch's C++ stack trace in the log (one a second, a whole run)
+            self._publish_wait = min(2 * getattr(self, "_publish_wait", 0.5), 60.0)
+            self._publish_after = now + self._publish_wait
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
