@@ -65,8 +65,8 @@ def _recomputing(base: str, modules: tuple[str, ...]):
 # --recompute-modules under selective recomputation: "model/module+module"
 SELECTIVE = [
     "llama/layernorm", "llama/mlp", "llama/core_attn+layernorm+mlp", "gpt2/layernorm", "moe/moe", "moe/moe_act",
-    "deepseek/shared_experts", "deepseek/mla_up_proj", "deepseek/mla_up_proj+core_attn", "mla/mla_up_proj",
-    "deepseek/core_attn+layernorm+moe_act+shared_experts+mla_up_proj",
+    "moe/layernorm", "deepseek/shared_experts", "deepseek/mla_up_proj", "deepseek/mla_up_proj+core_attn",
+    "mla/mla_up_proj", "deepseek/core_attn+layernorm+moe_act+shared_experts+mla_up_proj",
 ]  # fmt: skip
 for _key in SELECTIVE:
     MODELS[_key] = _recomputing(_key.split("/")[0], tuple(_key.split("/")[1].split("+")))
@@ -253,7 +253,15 @@ def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name, key)
 
 
 @pytest.mark.parametrize(
-    "name", ["llama/core_attn+layernorm+mlp", "deepseek/mla_up_proj", "moe/moe", "llama/layernorm", "llama/mlp"]
+    "name",
+    [
+        "llama/core_attn+layernorm+mlp",
+        "deepseek/mla_up_proj",
+        "moe/moe",
+        "llama/layernorm",
+        "llama/mlp",
+        "moe/layernorm",
+    ],
 )
 def test_memory_estimate_of_recompute_modules_under_sequence_parallelism(dist, name):
     """Under TP with SP the GEMMs' gathered inputs are not the norms' outputs: they are kept."""

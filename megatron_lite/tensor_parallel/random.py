@@ -160,8 +160,9 @@ class Regenerated:
 
     def _pack(self, t: torch.Tensor):
         i = self.index.get(t.untyped_storage().data_ptr())
-        if i is None:
-            return None, self.outer[0](t) if self.outer else t
+        if i is None:  # (detached: an output packed with its grad_fn would hold its own node, a cycle through
+            # C++ that outlives the step where the node never runs in the backward, e.g. unused router scores)
+            return None, self.outer[0](t) if self.outer else t.detach()
         return i, t.size(), t.stride(), t.storage_offset()
 
     def _unpack(self, packed) -> torch.Tensor:

@@ -30,7 +30,7 @@ class ActivationMeter:
                 self._params.add(t.untyped_storage().data_ptr())
             except RuntimeError:  # a resharded FSDP2 parameter has no storage of its own
                 continue
-        self._live: dict[int, int] = {}
+        self._live: dict[int, list[int]] = {}  # storage -> [bytes, references to it]
         self.current = 0
         self.peak = 0
 
@@ -41,16 +41,29 @@ class ActivationMeter:
             return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._params or ptr in self._live or storage.nbytes() == 0:
+        if ptr in self._params or storage.nbytes() == 0:
             return t
-        self._live[ptr] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
+        # Kept detached: an output packed with its grad_fn holds its own node, a cycle through C++ that outlives
+        # the step where the node never runs in the backward (unused router scores). The storage counts until both
+        # the tensor (a pipeline stage's received input, held by its schedule) and what autograd keeps of it go.
+        saved = t.detach()
+        if ptr in self._live:
+            self._live[ptr][1] += 2
+        else:
+            self._live[ptr] = [storage.nbytes(), 2]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(saved, self._free, ptr)
         weakref.finalize(t, self._free, ptr)
-        return t
+        return saved
 
     def _free(self, ptr: int) -> None:
-        self.current -= self._live.pop(ptr, 0)
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= self._live.pop(ptr)[0]
 
     def measuring(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
