@@ -404,10 +404,11 @@ def initialize(
         check_restarts_across_nodes()
         from megatron_lite.start_up_error import job_store, wait_for_every_rank
 
-        store = job_store(timeout_s, host=rank == 0)
         # (a start-up error on another node stops this one; `start_timeout_s`: the flag's own, where the backend's
-        # is pushed back for the flight recorder)
-        wait_for_every_rank(store, world_size, timeout_s if start_timeout_s is None else start_timeout_s)
+        # is pushed back for the flight recorder: rank 0's store, where it serves one, was waited for that long)
+        start_s = timeout_s if start_timeout_s is None else start_timeout_s
+        store = job_store(timeout_s, host=rank == 0, connect_s=start_s)
+        wait_for_every_rank(store, world_size, start_s)
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), store=store
         )

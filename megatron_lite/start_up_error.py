@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -16,6 +17,7 @@ from megatron_lite.config import ConfigError
 
 STARTED = "megatron_lite/started"  # how many ranks of this attempt reached their process group
 FAILED = "megatron_lite/start_up_error/any"  # the first start-up error any rank left
+GAVE_UP = -(1 << 40)  # STARTED once a rank gave up waiting (any later add leaves it negative)
 LINGER_S = 10.0  # how long rank 0, stopped at start-up, serves its store for the other nodes to read why
 AGENT_STORE_S = 60.0  # how long torchrun's own store may take to answer a worker it started
 
@@ -34,26 +36,27 @@ def report_error(error: Exception, initialized: bool) -> None:
     # keeps quiet only where that is its own error. One only it found (a file its own copy lacks, a cache
     # directory of its own) was never said, torchrun showing its exit code 2 alone.
     # Rank 0 serves a store of its own per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) from its process group
-    # on: stopped before it, it serves one a while for the other nodes to read why
-    own = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
-    host = rank == "0" and own
-    store = _launcher_store(host)
+    # on: stopped before it, it serves one a while for the other nodes to read why. On one node with a store per
+    # attempt no store is served yet (reaching for one was 5 s and a C++ stack trace a rank).
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    own = not agent and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+    host, first_local = rank == "0" and own, os.environ.get("LOCAL_RANK", "0") == "0"
+    if first_local:  # (said before the store is reached: rank 0's may take a while to come)
+        print(line, file=sys.stderr, flush=True)
+    store = _launcher_store(host) if agent or own else None
     key = f"megatron_lite/start_up_error/{os.environ.get('GROUP_RANK', '0')}"
     if store is not None:  # (for the other nodes' ranks, waiting for this one: the first error wins)
         where = f"rank {rank} (node {os.environ.get('GROUP_RANK', '0')})"
         _try(lambda: store.compare_set(FAILED, "", f"{where} stopped at start-up: {error}"))
+        if first_local:
+            _try(lambda: store.set(key, str(error)))
         if host:
             time.sleep(LINGER_S)
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
-        if store is not None:
-            _try(lambda: store.set(key, str(error)))
+    if first_local:
         return
     if store is None:  # a moment for the first local rank to say it: torchrun stops the others at the first exit
         time.sleep(1.0)
         return
-    from datetime import timedelta
-
     try:
         store.wait([key], timedelta(seconds=3))
         said = store.get(key).decode()
@@ -89,17 +92,20 @@ def _try(fn) -> None:
 
 
 def _launcher_store(host: bool = False):
-    """This attempt's store under torchrun, or None outside torchrun or where it cannot be reached."""
+    """This attempt's store under torchrun, or None outside torchrun or where it cannot be reached. Rank 0's (a
+    store per attempt) is waited for a minute: rank 0 may still be at its own start-up (an index build), and
+    the other nodes wait for it (5 s: the line was lost and they waited the whole timeout)."""
     try:
-        return job_store(5.0, host)
+        return job_store(5.0, host, connect_s=AGENT_STORE_S)
     except Exception:
         return None
 
 
-def job_store(timeout_s: float, host: bool = False):
+def job_store(timeout_s: float, host: bool = False, connect_s: float | None = None):
     """This attempt's store under torchrun (None outside it): the launcher's shared one (this attempt's keys,
     parallel_context._attempt_store), or, where each attempt has a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_
-    STORE=1), rank 0's at MASTER_ADDR:MASTER_PORT, which rank 0 serves (`host`) from before the process group."""
+    STORE=1), rank 0's at MASTER_ADDR:MASTER_PORT, which rank 0 serves (`host`) from before the process group.
+    `connect_s`: how long the store may take to answer (the start-up timeout), `timeout_s` each request's."""
     import torch.distributed as dist
 
     from megatron_lite.parallel_context import _attempt_store
@@ -111,23 +117,44 @@ def job_store(timeout_s: float, host: bool = False):
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent serves it before starting any worker: one that does not answer soon has stopped (the
         # first node's, its worker failed at start-up: a client waited the whole timeout to connect, unsaid)
+        agent_s = min(timeout_s if connect_s is None else connect_s, AGENT_STORE_S)
         try:
-            return _attempt_store(timeout_s, connect_s=min(timeout_s, AGENT_STORE_S))
+            return _attempt_store(timeout_s, connect_s=agent_s)
         except Exception as e:
             raise ConfigError(
                 f"the job's store at {addr}:{port}, which the first node's torchrun serves, did not answer within "
-                f"{min(timeout_s, AGENT_STORE_S):g} s ({type(e).__name__}): that node stopped (its log says why)"
+                f"{agent_s:g} s ({type(e).__name__}): that node stopped (its log says why)"
             ) from None
-    try:
-        return dist.TCPStore(addr, port, world, is_master=host, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False, multi_tenant=True)  # fmt: skip
-    except Exception as e:
-        if host:
-            raise
-        raise ConfigError(
-            f"the job's store at {addr}:{port}, which rank 0 serves, did not answer within {timeout_s:g} s "
-            f"({type(e).__name__}): rank 0's node stopped before it started (its log says why), or cannot be reached"
-        ) from None
+    wait_s = timeout_s if connect_s is None else connect_s
+    # (the port is polled here, quietly: torch's client, retrying, printed a C++ stack trace at every try)
+    if host or _port_opens(addr, port, wait_s):
+        try:
+            return dist.TCPStore(addr, port, world, is_master=host, timeout=timedelta(seconds=timeout_s),
+                                 wait_for_workers=False, multi_tenant=True)  # fmt: skip
+        except Exception as e:
+            if host:
+                raise
+            why = type(e).__name__
+    else:
+        why = "nothing listens there"
+    raise ConfigError(
+        f"the job's store at {addr}:{port}, which rank 0 serves, did not answer within {wait_s:g} s ({why}): "
+        "rank 0 is held up before its process group, or its node stopped before it started (its log says why), or "
+        "cannot be reached"
+    )
+
+
+def _port_opens(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something listens at addr:port within `timeout_s` (a connection made and closed at once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(min(2.0, deadline - time.monotonic()), 0.1)).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 def wait_for_every_rank(store, world_size: int, timeout_s: float) -> None:
@@ -147,12 +174,22 @@ def wait_for_every_rank(store, world_size: int, timeout_s: float) -> None:
 
 
 def _wait(store, world_size: int, timeout_s: float) -> None:
-    store.add(STARTED, 1)
+    """A rank that gives up swaps the count for GAVE_UP, atomically and only while it is short: a rank arriving
+    later (its add leaves it negative) stops too, where it passed the barrier, the count complete, and waited in
+    its process group for a whole timeout more; and no rank gives up once every one has started."""
+    started = store.add(STARTED, 1)
     deadline, pause = time.monotonic() + timeout_s, 0.02
-    while (started := store.add(STARTED, 0)) < world_size:
+    while True:
+        if started < 0:
+            raise ConfigError(_gave_up(store, timeout_s))
         if store.check([FAILED]) and (said := store.get(FAILED).decode()):
             raise ConfigError(f"{said} (so does every rank)")
-        if time.monotonic() > deadline:
+        if started >= world_size:
+            return
+        if (
+            time.monotonic() > deadline
+            and store.compare_set(STARTED, str(started), str(GAVE_UP)) == str(GAVE_UP).encode()
+        ):
             raise ConfigError(
                 f"{world_size - started} of the {world_size} ranks never started within {timeout_s:g} s "
                 f"(--distributed-timeout-minutes {timeout_s / 60:g}): held up before their process group (a long "
@@ -160,3 +197,17 @@ def _wait(store, world_size: int, timeout_s: float) -> None:
             )
         time.sleep(pause)
         pause = min(2 * pause, 1.0)
+        started = store.add(STARTED, 0)
+
+
+def _gave_up(store, timeout_s: float) -> str:
+    """The line of the rank that gave up waiting for the others (it leaves it as it stops), or a line of ours."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if store.check([FAILED]) and (said := store.get(FAILED).decode()):
+            return f"{said} (so does every rank)"
+        time.sleep(0.2)
+    return (
+        f"another rank stopped waiting for every rank to start (within {timeout_s:g} s, --distributed-timeout-"
+        "minutes) before this one started: this rank is late (its start-up was held up), or others never started"
+    )

@@ -120,8 +120,8 @@ def test_a_rank_that_finds_another_newest_checkpoint_stops_every_rank_at_start_u
 SLOW_START = """import os, sys, time
 import megatron_lite.training.pretrain as pretrain
 initialize = pretrain.initialize
-def slow(*args, **kwargs):  # rank 1 is held up before it joins (a long index build, a stuck mount)
-    if os.environ["RANK"] == "1":
+def slow(*args, **kwargs):  # a rank is held up before it joins (a long index build, a stuck mount)
+    if os.environ["RANK"] == os.environ.get("SLOW_RANK", "1"):
         time.sleep(600)
     return initialize(*args, **kwargs)
 pretrain.initialize = slow
@@ -129,20 +129,31 @@ sys.exit(pretrain.main(sys.argv[1:]))
 """
 
 
-def test_a_rank_held_up_at_start_up_is_reported_at_the_timeout(tmp_path):
+@pytest.mark.parametrize("own_store", [False, True], ids=["shared-store", "store-per-attempt"])
+def test_a_rank_held_up_at_start_up_is_reported_at_the_timeout(tmp_path, own_store):
     """Rank 0 waits for rank 1 to start: it is said at --distributed-timeout-minutes (3 s here), in one line (it
     was gloo's own timeout, 2 x 3 + 60 s, and a DistStoreError traceback naming a store key; then the flight
     recorder's report of the configuration check, naming rank 1; now every rank waits for every other to start
-    before its process group, where a start-up error on another node stops it at once)."""
+    before its process group, where a start-up error on another node stops it at once). With a store per
+    attempt, rank 0 held up: rank 1 waited for its store gloo's longer timeout, a C++ stack trace at each try."""
     (tmp_path / "wrapper.py").write_text(SLOW_START)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(tmp_path / "wrapper.py"), *ARGS, "--train-iters", "2",
            "--distributed-timeout-minutes", "0.05"]  # fmt: skip
+    env = {**os.environ, "SLOW_RANK": "0" if own_store else "1"}
+    if own_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     start = time.time()
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     err = out.stderr[-3000:]
     assert out.returncode != 0 and "DistStoreError" not in out.stderr and time.time() - start < 60, err
-    assert "error: 1 of the 2 ranks never started within 3 s (--distributed-timeout-minutes 0.05)" in err, err
+    assert "frame #" not in out.stderr, err
+    if own_store:
+        assert re.search(
+            r"error \(rank 1\): the job's store at \S+, which rank 0 serves, did not answer within 3 s", err
+        )
+    else:
+        assert "error: 1 of the 2 ranks never started within 3 s (--distributed-timeout-minutes 0.05)" in err, err
 
 
 def _sigterm_after_three_iterations(tmp_path, ck, log, extra=()):
