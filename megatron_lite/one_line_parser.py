@@ -13,6 +13,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
     never abbreviated (Megatron's allow_abbrev=False): `--save-d` would read as `--save-dir` until a new flag
     made it ambiguous and broke the script."""
 
+    renamed: dict[str, str] = {}  # a flag of Megatron's older tools -> what to use here instead
+
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
@@ -42,6 +44,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
         known = [o for o in self._option_string_actions if o.startswith("--")]
         name = flag.split("=", 1)[0]
+        if name in self.renamed:
+            return f"use {self.renamed[name]}"
         dashed = "--" + name[2:].replace("_", "-")
         if dashed in known:
             return f"did you mean {dashed}?"

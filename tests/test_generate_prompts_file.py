@@ -348,3 +348,15 @@ def test_experts_that_need_more_ranks_than_launched_name_this_tools_flags(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the experts take 4 ranks, which the 2 launched do not divide" in err[0], err
     assert "--expert-tensor-parallel-size" not in err[0], err
+
+
+def test_megatrons_other_names_for_the_batch_are_taken(tiny_checkpoint, tmp_path, capsys):
+    """Megatron's --inference-max-batch-size (the dest of --inference-max-requests there) and its server's older
+    --max-batch-size were "no such flag (Megatron-LM flags we implement keep their names)"; --out-seq-length, its
+    older generation flag, now names the one to use."""
+    for flag in ("--inference-max-batch-size", "--max-batch-size"):
+        args = generate_cli.build_parser().parse_args(["--load", tiny_checkpoint, "--prompt-ids", "1", flag, "3"])
+        assert args.inference_max_requests == 3
+    with pytest.raises(SystemExit):
+        generate_cli.main(["--load", tiny_checkpoint, "--prompt-ids", "1", "--out-seq-length", "8"])
+    assert "--out-seq-length: no such flag in" in (err := capsys.readouterr().err) and "use --max-new-tokens" in err

@@ -56,6 +56,8 @@ from megatron_lite.training.configs import check_output_path, check_writable_dir
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # (Megatron's older generation flag: the tokens generated, which --max-new-tokens counts here)
+    p.renamed = {"--out-seq-length": "--max-new-tokens (the tokens generated after the prompt)"}
     p.add_argument("--load", required=True, help="a megatron_lite checkpoint directory (its --save)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
@@ -83,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--inference-max-requests",
+        "--inference-max-batch-size",  # (Megatron's other name for it, the same dest there)
+        "--max-batch-size",  # (its text generation server's older name)
+        dest="inference_max_requests",
         type=int,
         default=8,
         help="prompts of --prompts-file generated together, as one batch (Megatron's flag); each gets what it "
