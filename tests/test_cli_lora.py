@@ -193,3 +193,20 @@ def test_lora_on_a_pretraining_checkpoint_resumes_exactly(tmp_path, capsys, monk
 
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == list(range(8, 13)) and all(a[it] == b[it] for it in b), (a, b)
+
+
+def test_a_corrupted_base_is_named_as_the_lora_runs_base(tmp_path, capsys, monkeypatch):
+    """A byte flipped in the base's tensors: "fails its sha256 check ... load an older checkpoint (... --ckpt-step
+    N)", advice for the adapters' checkpoint, not its base, which it did not name as such."""
+    data = ["--mock-data", "--vocab-size", "100"]
+    base, lora = str(tmp_path / "base"), str(tmp_path / "lora")
+    assert _run([*data, "--train-iters", "1", "--save", base], capsys, monkeypatch)[0] == 0
+    adapt = [*data, "--lora-rank", "4", "--train-iters", "2", "--load", base, "--finetune", "--save", lora]
+    assert _run(adapt, capsys, monkeypatch)[0] == 0
+    tensors = next((tmp_path / "base").glob("iter_*/tensors_r00000.safetensors"))
+    data_bytes = bytearray(tensors.read_bytes())
+    data_bytes[-5] ^= 0xFF
+    tensors.write_bytes(bytes(data_bytes))
+    rc, _, err = _run(["--load", lora, "--train-iters", "3"], capsys, monkeypatch)
+    _one_line_error(rc, err, f"the frozen base of the LoRA checkpoint {lora}/iter_0000002, {base}/iter_0000001, cannot")
+    assert "--ckpt-step" not in err and "restore the base's files" in err, err

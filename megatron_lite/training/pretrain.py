@@ -225,7 +225,14 @@ def run(job: JobConfig, notes: list[str]) -> int:
         elif ckpt_path is not None:
             if base_path is not None:
                 base_how = dict(finetune=True, fully_parallel_load=job.checkpoint.ckpt_fully_parallel_load)
-                load_checkpoint(base_path, model, None, None, ctx, **base_how)
+                try:
+                    load_checkpoint(base_path, model, None, None, ctx, **base_how)
+                except ConfigError as e:  # (its advice, --ckpt-step, is the adapters' checkpoint's, not the base's)
+                    why = str(e).split("; load an older checkpoint")[0]
+                    raise ConfigError(
+                        f"the frozen base of the LoRA checkpoint {ckpt_path}, {base_path}, cannot be loaded: {why}; "
+                        "restore the base's files (the adapters were trained on its very weights)"
+                    ) from None
                 log.info(f"loaded the LoRA base {base_path}")
             how = start_load(job, base_path)
             state = load_checkpoint(ckpt_path, model, optimizer, scheduler, ctx, **how)
