@@ -34,7 +34,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
                         f"{', '.join(flags)}: no such flag in {self.prog} (Megatron-LM flags we implement keep "
                         "their names; remove it)"
                     )
-        print(f"error: {message}; {self.prog} --help lists the flags", file=sys.stderr)
+        print(line := f"error: {message}; {self.prog} --help lists the flags", file=sys.stderr)
+        from megatron_lite.start_up_error import record_for_launcher
+
+        record_for_launcher(line)  # (torchrun's summary showed "To enable traceback see: ..." instead)
         sys.exit(2)
 
     def spelled_as(self, flag: str) -> str | None:

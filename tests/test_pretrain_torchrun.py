@@ -157,14 +157,15 @@ def test_mixtral_demo_logs_expert_load_to_jsonl_and_wandb():
         assert key in blob, key
 
 
-def test_a_start_up_error_is_torchruns_root_cause(tmp_path):
+@pytest.mark.parametrize("bad_flag", [["--num-layers", "-1"], ["--num-layers", "2", "--bogus", "1"]])
+def test_a_start_up_error_is_torchruns_root_cause(tmp_path, bad_flag):
     """torchrun's summary of a failed start-up said only "traceback : To enable traceback see: https://pytorch.org/
     docs/stable/elastic/errors.html" under "Root Cause", 45-53 lines burying our one line: each rank leaves its
-    line in torch elastic's error file, which the summary shows."""
+    line in torch elastic's error file, which the summary shows (an unknown flag's too, from the parser)."""
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    bad = [str(ROOT / "pretrain" / "pretrain_gpt.py"), "--mock-data", "--vocab-size", "100", "--num-layers", "-1"]
+    bad = [str(ROOT / "pretrain" / "pretrain_gpt.py"), "--mock-data", "--vocab-size", "100", *bad_flag]
     bad += "--hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 1".split()
     res = subprocess.run([*cmd, *bad], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
@@ -173,4 +174,5 @@ def test_a_start_up_error_is_torchruns_root_cause(tmp_path):
     # sent when the other rank exited first, reached it after it wrote the file and before it exited; seen under load)
     assert re.search(r"exitcode  : (2|-15) ", root_cause), res.stderr[-3000:]
     assert "To enable traceback" not in root_cause, res.stderr[-3000:]
-    assert re.search(r"traceback : error( \(rank 1\))?: --num-layers -1 must be", root_cause), res.stderr[-3000:]
+    said = "--num-layers -1 must be" if "-1" in bad_flag else "--bogus: no such flag in"
+    assert re.search(rf"traceback : error( \(rank 1\))?: {said}", root_cause), res.stderr[-3000:]
