@@ -99,6 +99,29 @@ def require(ok: torch.Tensor, message) -> None:
         raise ValueError(message())
 
 
+def no_interpreted_bf16_dot(name: str, *tensors: torch.Tensor) -> None:
+    """The interpreter's tl.dot on bf16 returns garbage without an error (flash attention ~1e9 off): the kernels
+    that multiply refuse bf16 there. The element-wise kernels compute bf16 right under it."""
+    if interpreting() and any(t.dtype == torch.bfloat16 for t in tensors):
+        raise ValueError(
+            f"{name}: the Triton interpreter (TRITON_INTERPRET=1) computes bf16 dot products wrongly; run bf16 on a "
+            "GPU, or fp32 here"
+        )
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory `a` spans may meet `b`'s (by their extents in one storage: conservative)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def launched(name: str) -> None:
     LAUNCHES[name] += 1
 

@@ -33,6 +33,7 @@ from megatron_lite.kernels._common import (
     HAVE_TRITON,
     launched,
     next_pow2,
+    no_interpreted_bf16_dot,
     on_tensor_device,
     require,
     rows_per_program,
@@ -459,9 +460,22 @@ def fused_linear_cross_entropy(
             f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and labels "
             f"{tuple(labels.shape)} must be [tokens, hidden], [vocab, hidden] and [tokens] (flatten batch and sequence)"
         )
+    if chunk_size is not None and chunk_size < 1:  # (no chunk ran: -inf from an unwritten buffer, no gradient)
+        raise ValueError(f"fused_linear_cross_entropy: chunk_size {chunk_size} must be >= 1 (or None: sized here)")
+    if not 0.0 <= label_smoothing <= 1.0:  # (F.cross_entropy's range)
+        raise ValueError(f"fused_linear_cross_entropy: label_smoothing {label_smoothing} must be in [0, 1]")
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     v_local = weight.shape[0]
+    # (a label past the rows had no column: its loss the log-sum-exp alone. Checked where every rank finds the
+    # same, so none is left in the all-reduces: one shard, or equal shards; trimmed ones are the caller's)
+    if vocab_size is not None and vocab_size > (vocab_start or 0) + v_local * (tp if vocab_start is None else 1):
+        if tp == 1 or vocab_start is None:
+            raise ValueError(
+                f"fused_linear_cross_entropy: vocab_size {vocab_size} is past the weight's {v_local} rows"
+                + (f" x {tp} TP ranks" if tp > 1 else f" from vocab_start {vocab_start or 0}")
+                + " (the columns beyond vocab_size are padding; none may be missing)"
+            )
     vocab_start = rank * v_local if vocab_start is None else vocab_start
     vocab_size = v_local * tp if vocab_size is None else vocab_size
     if not triton_usable(hidden):
@@ -479,6 +493,7 @@ def fused_linear_cross_entropy(
             vocab_start,
             vocab_size,
         )
+    no_interpreted_bf16_dot("fused_linear_cross_entropy", hidden, weight)
     # (a label outside the vocabulary matched no column: its loss was the log-sum-exp alone, counted in the mean)
     require(
         (labels == ignore_index) | ((labels >= 0) & (labels < vocab_size)),

@@ -34,6 +34,7 @@ from megatron_lite.kernels._common import (
     interpreting,
     launched,
     next_pow2,
+    no_interpreted_bf16_dot,
     on_tensor_device,
     require,
     triton_usable,
@@ -140,6 +141,13 @@ def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
 
 
 def _check(q, k, v, causal, window_size=None, document_ids=None, document_spans=None):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch, seq, "
+            "heads, head_dim]"
+        )
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"flash_attention: q, k and v must be floating point, got {q.dtype}")
     b, sq, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or h % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
@@ -206,6 +214,7 @@ def _spans(spans, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 def _check_offsets(q, k, v) -> None:
     """The kernels address a batch entry and head in int64 but the positions inside one sequence in int32."""
+    no_interpreted_bf16_dot("flash_attention", q, k, v)
     sq, h = q.shape[1], q.shape[2]
     one = [("q", q.shape[1:].numel()), ("k", k.shape[1:].numel()), ("v", v.shape[1:].numel())]  # (batch 0 too)
     for name, n in [*one, ("the output", sq * h * v.shape[3])]:

@@ -14,8 +14,10 @@ from megatron_lite.kernels._common import (
     HAVE_TRITON,
     interpreting,
     launched,
+    no_interpreted_bf16_dot,
     offsets_fit_int32,
     on_tensor_device,
+    overlaps,
     triton_usable,
 )
 
@@ -82,11 +84,13 @@ def _config() -> dict:
 def matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """out[:] = x @ w^T for x [M, K], w [N, K], out [M, N] (any strides); the Triton kernel where it can
     run, torch.matmul(out=...) elsewhere (which needs `out` contiguous)."""
+    _check(out, x, w)
     if not triton_usable(x, w, out) or not offsets_fit_int32(x, w, out):
         # (past 2^31 elements the kernel's int32 offsets would wrap; out= needs a contiguous output)
         if out.is_contiguous():
             return torch.matmul(x, w.t(), out=out)
         return out.copy_(x @ w.t())
+    no_interpreted_bf16_dot("matmul_into", x, w)
     m, k = x.shape
     n = w.shape[0]
     cfg = _config()
@@ -94,6 +98,20 @@ def matmul_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Te
     _mm[grid](x, w, out, m, n, k, *x.stride(), *w.stride(), *out.stride(), **cfg)
     launched("gemm")
     return out
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    # (the kernel walks w with x's width and writes out as [M, N] by its strides: another K gave a plausible wrong
+    # product, a smaller out was written past its end, an out over x or w read values it had already written)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or out.shape != (x.shape[0], w.shape[0]):
+        raise ValueError(
+            f"matmul_into: out {tuple(out.shape)}, x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, N], [M, K] "
+            "and [N, K]"
+        )
+    if not out.dtype == x.dtype == w.dtype:
+        raise ValueError(f"matmul_into: out, x and w must share a dtype, got {out.dtype}, {x.dtype}, {w.dtype}")
+    if overlaps(out, x) or overlaps(out, w):
+        raise ValueError("matmul_into: out must not overlap x or w (the product reads what it has written)")
 
 
 class _Linear(torch.autograd.Function):
@@ -117,6 +135,8 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @on_tensor_device
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T, differentiable."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")
     if triton_usable(x, w):
         return _Linear.apply(x, w)
     return linear_reference(x, w)

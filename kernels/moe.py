@@ -21,6 +21,7 @@ from megatron_lite.kernels._common import (
     interpreting,
     launched,
     next_pow2,
+    no_interpreted_bf16_dot,
     on_tensor_device,
     require,
     triton_usable,
@@ -260,6 +261,11 @@ def moe_unpermute_reference(out, row_map, probs):
 
 @on_tensor_device
 def moe_permute(x: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | None = None):
+    if x.dim() != 2 or indices.dim() != 2 or indices.shape[0] != x.shape[0]:
+        # (more tokens than x's rows gathered rows past x; fewer, and the backward walked the map past its end)
+        raise ValueError(
+            f"moe_permute: indices {tuple(indices.shape)} must be [tokens, k] for x's {tuple(x.shape)} [tokens, hidden]"
+        )
     if keep is not None and (keep.dtype != torch.bool or keep.shape != indices.shape):
         # (an integer 0/1 mask indexed the pairs instead of masking them: other rows, without an error)
         raise ValueError(
@@ -278,6 +284,8 @@ def moe_unpermute(out: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor)
         raise ValueError(
             f"moe_unpermute: probs {tuple(probs.shape)} must be row_map's [tokens, k] {tuple(row_map.shape)}"
         )
+    if row_map.dtype.is_floating_point or row_map.dtype.is_complex or row_map.dtype == torch.bool:
+        raise ValueError(f"moe_unpermute: row_map must be integer row numbers (moe_permute's), got {row_map.dtype}")
     if triton_usable(out):
         # The kernels read row_map as a contiguous [tokens, k] (a transposed view gave other rows) and gather the
         # rows it names (one past out's read beyond it; the reference raises an IndexError there)
@@ -287,6 +295,12 @@ def moe_unpermute(out: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor)
             require(
                 (lo >= -1) & (hi < out.shape[0]),
                 lambda: f"moe_unpermute: row_map names rows outside [-1, {out.shape[0]}) of out's {out.shape[0]} rows",
+            )
+            # (the backward stores each token's gradient to its row: of a row named twice, the last one won)
+            named = torch.bincount(row_map.reshape(-1) + 1, minlength=out.shape[0] + 1)[1:]
+            require(
+                named.amax() <= 1 if named.numel() else torch.ones((), dtype=torch.bool, device=out.device),
+                lambda: "moe_unpermute: row_map names a row twice (each row is one token's pair, as moe_permute maps)",
             )
         return _Unpermute.apply(out, row_map, probs)
     return moe_unpermute_reference(out, row_map, probs)
@@ -439,6 +453,9 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor | list[torch.Tensor], counts: 
             counts.sum() == x.shape[0],
             lambda: f"grouped_gemm: counts sum to {int(counts.sum())}, not x's {x.shape[0]} rows",
         )
+        # (negative ones summing to the rows started a tile before x)
+        require((counts >= 0).all(), lambda: f"grouped_gemm: counts must be >= 0, got {counts.tolist()}")
+        no_interpreted_bf16_dot("grouped_gemm", x, *(w if per_expert else [w]))
         if per_expert:
             return _GroupedGemmPerExpert.apply(x, counts, *w)
         return _GroupedGemm.apply(x, w, counts)

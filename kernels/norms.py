@@ -404,6 +404,8 @@ def layer_norm_reference(x, weight, bias, eps, residual=None):
 # Functional entries ----------------------------------------------------------------------------------
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual) -> None:
     # (the kernel reads weight[:N] whatever its length: a shorter one was read past its end)
+    if x.dim() == 0:
+        raise ValueError("norm x must be [..., hidden], got a 0-dim tensor")
     n = x.shape[-1]
     if weight is None:  # (an AttributeError deep in the launcher)
         raise ValueError(f"norm weight is None: pass a ({n},) weight (ones for a norm without an affine scale)")

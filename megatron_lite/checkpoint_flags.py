@@ -96,6 +96,10 @@ ARCH_DESTS = (
 # The architecture flags in which an upcycled MoE run differs from the dense checkpoint it starts from
 UPCYCLED_DESTS = ("ffn_hidden_size", *(d for d in ARCH_DESTS if d == "num_experts" or d.startswith("moe_")))
 
+# fp8's flags: a precision given (--bf16, --fp16) without --fp8-format replaces the checkpoint's fp8 too
+FP8_DESTS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "no_fp8_wgrad",
+             "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")  # fmt: skip
+
 # What --finetune takes from the checkpoint besides ARCH_DESTS: what else makes the model compute what it was
 # trained to (its routing, RoPE, tokenizer, adapters). Megatron's --finetune reads no flag from a checkpoint; the
 # schedule, optimizer, batch, seed, dropout and data are the flags' (and their defaults) here too.
@@ -189,6 +193,17 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["attention_output_gate"] = m.get("attention_output_gate", False)
     out["softmax_type"] = m.get("softmax_type", "vanilla")
     out["disable_bias_linear"] = not m["add_bias_linear"]
+    # the run's precision and training behaviour, not its weights (a resume dropped them without a word: fp8's
+    # amax histories ignored, an fp32 residual stream in bf16, --qk-clip off, the embedding's weight decay back on)
+    for k in (*FP8_DESTS[:5], "fp32_residual_connection", "qk_clip", "qk_clip_alpha", "qk_clip_threshold",
+              "log_max_attention_logit", "embedding_init_method_std"):  # fmt: skip
+        if k in m:  # (absent from older checkpoints: the flags' defaults)
+            out[k] = m[k]
+    if "fp8_wgrad" in m:
+        out["no_fp8_wgrad"] = not m["fp8_wgrad"]
+    if any(m.get("fp8_bf16_layers") or ()):
+        out["first_last_layers_bf16"] = True
+        out["num_layers_at_start_in_bf16"], out["num_layers_at_end_in_bf16"] = m["fp8_bf16_layers"]
     # (a hybrid Mamba model's layer kinds and mixer sizes; absent from older checkpoints: the flags' defaults)
     hybrid_defaults = (False, 0.0, 0.0, None, 128, 64, 8, None)
     out.update({k: m.get(k, default) for k, default in zip((*HYBRID, *MAMBA), hybrid_defaults)})
@@ -434,7 +449,7 @@ def flags_from_checkpoint(
     bf16_only = ("grad_reduce_in_bf16", "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype")
     for flag, drop in (("bf16", ("fp16",)), ("fp16", ("bf16", *bf16_only))):
         if flag in given:
-            for k in drop:
+            for k in (*drop, *(FP8_DESTS if "fp8" not in given else ())):
                 saved.pop(k, None)
     # `full` keeps the checkpoint's own schedule (--use-checkpoint-opt_param-scheduler); `saved` is trimmed below
     full, saved = saved, dict(saved)

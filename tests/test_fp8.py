@@ -367,8 +367,8 @@ def test_fp8_delayed_moe_under_expert_parallelism_equals_one_process(tmp_path, p
 
 
 def test_a_resume_with_another_amax_history_length_keeps_the_newest(tmp_path, capsys, monkeypatch):
-    """From the fp8 review: a checkpoint saved with --fp8-amax-history-len 4, resumed (or fine-tuned) without the
-    flag, was refused; Transformer Engine keeps the checkpoint's history. The run now keeps as many of its newest
+    """From the fp8 review: a checkpoint saved with --fp8-amax-history-len 4, resumed (or fine-tuned) with another
+    length, was refused; Transformer Engine keeps the checkpoint's history. The run now keeps as many of its newest
     iterations as its own length: at the next save, the second row is the checkpoint's first."""
     import glob
 
@@ -388,7 +388,10 @@ def test_a_resume_with_another_amax_history_length_keeps_the_newest(tmp_path, ca
     run += "--global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data --vocab-size 100 "
     run += f"--fp8-format hybrid --save {tmp_path / 'ck'} --save-interval 1"
     assert main([*run.split(), "--train-iters", "2", "--fp8-amax-history-len", "4"]) == 0
-    assert main([*run.split(), "--train-iters", "3", "--load", str(tmp_path / "ck")]) == 0
+    # (another length given: without the flag the checkpoint's own comes back with the run)
+    assert (
+        main([*run.split(), "--train-iters", "3", "--load", str(tmp_path / "ck"), "--fp8-amax-history-len", "1"]) == 0
+    )
     before, after = history(2), history(3)
     assert len(before) == len(after) == 8  # (2 layers x 4 linears)
     for key, old in before.items():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_lite import kernels as K
+from megatron_lite.kernels._common import interpreting
 
 from models import DEVICE, rel
 
@@ -199,3 +200,103 @@ def test_an_op_on_the_second_gpu_runs_there():
     with torch.cuda.device(0):
         y = K.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(y, K.rms_norm_reference(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+# From a second review (2026-12-07): the GEMM, the MoE permutation and the fused loss took inputs that read or
+# wrote past their tensors, or returned plausible wrong numbers.
+@pytest.mark.parametrize("case", ["K", "out rows", "out aliases x", "x 3-D", "dtypes"])
+def test_matmul_into_refuses_what_does_not_fit(case):
+    """Another K was read with x's width (a plausible wrong product); a smaller `out` was written past its end
+    (the heap corrupted); `out` over x gave a wrong product (~116 off); a 3-D x an unpacking error."""
+    x, w, out = _r(40, 8), _r(6, 8, seed=1), torch.zeros(40, 6, device=DEVICE)
+    if case == "K":
+        w = _r(6, 5, seed=1)
+    elif case == "out rows":
+        out = torch.zeros(100, 6, device=DEVICE)[:2]
+    elif case == "out aliases x":
+        x, w = _r(40, 40), _r(40, 40, seed=1)
+        out = x
+    elif case == "x 3-D":
+        x = _r(2, 20, 8)
+    else:
+        w = w.double()
+    with pytest.raises(ValueError, match="matmul_into: "):
+        K.matmul_into(out, x, w)
+    if case == "K":
+        with pytest.raises(ValueError, match=r"linear: x \(40, 8\) and w \(6, 5\) must be"):
+            K.linear(x, w)
+
+
+def test_moe_permute_refuses_indices_of_other_tokens():
+    """Indices for more tokens than x's rows gathered rows past x (values like -1e33); for fewer, the backward
+    walked its row map past the end (a segmentation fault)."""
+    for x, indices in (
+        (_r(4, 8), torch.zeros(6, 2, dtype=torch.long)),
+        (_r(600, 8), torch.zeros(4, 2, dtype=torch.long)),
+    ):
+        with pytest.raises(ValueError, match=r"moe_permute: indices .* must be \[tokens, k\] for x's"):
+            K.moe_permute(x.requires_grad_(), indices.to(DEVICE))
+    with pytest.raises(ValueError, match=r"moe_permute: indices .* must be \[tokens, k\]"):
+        K.moe_permute(_r(4, 8), torch.zeros(4, dtype=torch.long, device=DEVICE))
+
+
+def test_grouped_gemm_refuses_negative_counts():
+    """[-2, 9] summed to x's 7 rows: a tile started two rows before x, expert 0's gradient was zero."""
+    with pytest.raises(ValueError, match=r"grouped_gemm: counts must be >= 0"):
+        K.grouped_gemm(_r(7, 16), _r(2, 8, 16, seed=1), torch.tensor([-2, 9], device=DEVICE))
+
+
+def test_moe_unpermute_refuses_a_row_named_twice():
+    """The combine's backward stores each token's gradient to its row: the last one written won (0.125 where the
+    sum is 0.625). moe_permute's maps name each row once."""
+    out, row_map = _r(3, 4).requires_grad_(), torch.tensor([[0, 1], [0, 2]], device=DEVICE)
+    with pytest.raises(ValueError, match="moe_unpermute: row_map names a row twice"):
+        K.moe_unpermute(out, row_map, torch.tensor([[0.5, 0.5], [0.125, 0.875]], device=DEVICE))
+
+
+@pytest.mark.parametrize("case", ["chunk", "smoothing above", "smoothing below", "vocab past the rows"])
+def test_fused_cross_entropy_refuses_arguments_out_of_range(case):
+    """chunk_size -1 ran no chunk (loss -inf from an unwritten buffer, no gradient); label smoothing outside
+    [0, 1] (F.cross_entropy refuses it) gave a number; a vocabulary past the weight's rows let a label without
+    a column through (its loss the log-sum-exp alone)."""
+    hidden, weight, labels = _r(6, 16).requires_grad_(), _r(5, 16, seed=1), torch.tensor([0, 1, 2, 3, 4, 0])
+    kw = {
+        "chunk": dict(chunk_size=-1),
+        "smoothing above": dict(label_smoothing=1.5),
+        "smoothing below": dict(label_smoothing=-0.1),
+        "vocab past the rows": dict(vocab_size=9),
+    }[case]
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy: "):
+        K.fused_linear_cross_entropy(hidden, weight, labels.to(DEVICE), **kw)
+
+
+@pytest.mark.parametrize("case", ["flash 3-D", "flash int", "norm 0-D", "unpermute float map"])
+def test_more_inputs_of_the_wrong_form_are_one_line(case):
+    with pytest.raises(ValueError, match=r"must be"):
+        if case == "flash 3-D":
+            K.flash_attention(_r(8, 2, 16), _r(8, 2, 16), _r(8, 2, 16))
+        elif case == "flash int":
+            q = torch.ones(1, 8, 2, 16, dtype=torch.long, device=DEVICE)
+            K.flash_attention(q, q, q)
+        elif case == "norm 0-D":
+            K.rms_norm(torch.tensor(1.0, device=DEVICE), _r(1), 1e-5)
+        else:
+            K.moe_unpermute(_r(4, 8), torch.zeros(2, 2, device=DEVICE), torch.ones(2, 2, device=DEVICE))
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's bf16 dots")
+@pytest.mark.parametrize("op", ["linear", "grouped_gemm", "flash", "cross_entropy"])
+def test_bf16_dots_are_refused_under_the_interpreter(op):
+    """The interpreter's tl.dot on bf16 returns garbage (flash attention ~1e9 off, no error): the kernels that
+    multiply refuse bf16 there (the element-wise ones compute it right); --kernel-impl triton --bf16 was refused
+    already."""
+    b = torch.bfloat16
+    with pytest.raises(ValueError, match="the Triton interpreter .* bf16"):
+        if op == "linear":
+            K.linear(_r(4, 8, dtype=b), _r(6, 8, dtype=b))
+        elif op == "grouped_gemm":
+            K.grouped_gemm(_r(4, 8, dtype=b), _r(2, 6, 8, dtype=b), torch.tensor([2, 2], device=DEVICE))
+        elif op == "flash":
+            K.flash_attention(*(_r(1, 8, 2, 16, seed=s, dtype=b) for s in range(3)))
+        else:
+            K.fused_linear_cross_entropy(_r(4, 8, dtype=b), _r(6, 8, dtype=b), torch.zeros(4, dtype=torch.long))
