@@ -9,6 +9,7 @@ accepted and reported at start-up.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 
 from megatron_lite import flag_values
@@ -48,12 +49,16 @@ def _rope_scaling(ns: argparse.Namespace) -> RopeScaling | None:
             return RopeScaling(**saved)
         return flag_values.mla_yarn(ns)
     if ns.use_rope_scaling:
+        if not ns.rope_scaling_factor > 0:  # (0 and NaN trained into a NaN loss; -1 trained on, unsaid)
+            raise ConfigError(f"--rope-scaling-factor {ns.rope_scaling_factor} must be > 0 (Llama 3.1's: 8)")
         return RopeScaling(**{**saved, "factor": ns.rope_scaling_factor})
     return flag_values.mla_yarn(ns)  # (None: its checks of --rope-type and --rotary-scaling-factor without MLA)
 
 
 def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     refuse_unsupported(ns)
+    if ns.seq_length is not None and ns.seq_length < 1:  # (it was said as --max-position-embeddings, its default)
+        raise ConfigError(f"--seq-length {ns.seq_length} must be a positive integer")
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     check_run_length(ns)
     if ns.overlap_p2p_comm and ns.no_overlap_p2p_communication:
@@ -80,7 +85,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         ffn_hidden_size=flag_values.ffn_hidden_size(ns),
         num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
         kv_channels=ns.kv_channels,
-        max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
+        max_position_embeddings=ns.seq_length if ns.max_position_embeddings is None else ns.max_position_embeddings,
         make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
         normalization=ns.normalization,
         apply_layernorm_1p=ns.apply_layernorm_1p,
@@ -482,6 +487,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         )
     ns.schedule_notes = []
     given = explicit_dests(parser, argv)
+    ns.given_dests = given  # (the notes of flags that have no effect name only those given)
     per_split = [d for d in PER_SPLIT_DESTS if d in given]
     if "split" in given and per_split:  # (Megatron asserts "split and blend_per_split are incompatible")
         raise ConfigError(
@@ -508,6 +514,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     meta = read_metadata(path)
     ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed)
     ns.resumed_samples = int(meta.get("consumed_samples", 0))  # (the ramp's batches before them are not run again)
+    ns.given_dests = given
     try:
         return _finish(ns, argv, given)
     except ConfigError as e:
@@ -541,7 +548,27 @@ def _finish(ns: argparse.Namespace, argv: Sequence[str], given: set[str]) -> tup
     lora_only = [d for d in ("lora_alpha", "lora_dropout", "lora_target_modules") if d in given]
     if lora_only and not ns.lora_rank:  # (without a rank there are no adapters: every weight would train)
         raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA adapters: add --lora-rank R, or drop it")
-    return ns, job_config_from_args(ns)
+    # A number that must be finite, given inf or NaN, was let through by checks written as "> 0" (--loss-scale inf
+    # skipped every step, exit 0), or raised converting it (--rotary-percent nan, --moe-expert-capacity-factor
+    # inf): the flags' own checks first, then this line for any left
+    try:
+        job = job_config_from_args(ns)
+    except ConfigError:  # (a ValueError too: the flags' own lines stand)
+        raise
+    except (ValueError, OverflowError) as e:
+        raise ConfigError(_non_finite(ns, given) or f"{type(e).__name__}: {e}") from None
+    if said := _non_finite(ns, given):
+        raise ConfigError(said)
+    return ns, job
+
+
+def _non_finite(ns: argparse.Namespace, given: set[str]) -> str | None:
+    for dest in sorted(given):
+        value = getattr(ns, dest, None)
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                return f"--{dest.replace('_', '-')} {v} must be a finite number"
+    return None
 
 
 def _check_fp32_residual(optimizer) -> None:

@@ -4,6 +4,8 @@ defaults (the SwiGLU width, MLA's YaRN), and the list forms of flags that take o
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import re
 
 from megatron_lite.config import ConfigError, RopeScaling, yarn_mscale
@@ -195,8 +197,15 @@ def heterogeneous_json(ns: argparse.Namespace) -> str | None:
     """The block configs' text: --heterogeneous-layers-config-encoded-json, else the file of
     --heterogeneous-layers-config-path (Megatron's HeterogeneousTransformerConfig reads the path only when the
     text is empty), else None (a homogeneous model)."""
-    if ns.heterogeneous_layers_config_encoded_json:
-        return ns.heterogeneous_layers_config_encoded_json
+    if text := ns.heterogeneous_layers_config_encoded_json:
+        try:  # (its errors below name the path flag, the usual source)
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"--heterogeneous-layers-config-encoded-json is not JSON ({e}): give a config.json's text with a "
+                "block_configs list"
+            ) from None
+        return text
     path = ns.heterogeneous_layers_config_path
     if path is None:
         return None
@@ -275,7 +284,7 @@ def data_paths(ns: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 def whole(flag: str, value: float) -> int:
     """A count Megatron's argparse reads as a float ("1000.0"): taken when it is a whole number."""
-    if value != int(value):
+    if not math.isfinite(value) or value != int(value):
         raise ConfigError(f"{flag} {value:g} must be a whole number of iterations")
     return int(value)
 

@@ -134,6 +134,28 @@ def _without_their_switch(ns: argparse.Namespace) -> list[str]:
         for dest in sorted(d for d in vars(ns) if d.startswith(prefix)):
             if off and getattr(ns, dest) != parser.get_default(dest):
                 out.append(f"--{dest.replace('_', '-')} has no effect without {switch}")
+    # Whole families, given while their feature is off (a fuzzing round: each was taken without a word); only the
+    # flags given, a checkpoint's values of a dense model's MoE settings say nothing
+    given = getattr(ns, "given_dests", set()) - {*ACCEPTED_NO_OPS, *REFUSED, *NO_OP_CHOICES}  # (said on their own)
+    hybrid = getattr(ns, "hybrid_override_pattern", None) or getattr(ns, "is_hybrid_model", False)
+    families = [
+        (not getattr(ns, "num_experts", None), lambda d: d.startswith("moe_") and d != "moe_use_upcycling",
+         "--num-experts"),
+        (not getattr(ns, "multi_latent_attention", False),
+         lambda d: d in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mscale",
+                         "mscale_all_dim"), "--multi-latent-attention"),
+        (not hybrid, lambda d: d.startswith("mamba_"), "--hybrid-override-pattern (a hybrid Mamba model)"),
+        (getattr(ns, "lr_decay_style", None) != "WSD", lambda d: d.startswith("lr_wsd_"), "--lr-decay-style WSD"),
+        (not getattr(ns, "fp16", False),
+         lambda d: d in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"),
+         "--fp16 (bf16 and fp32 scale no loss)"),
+    ]  # fmt: skip
+    for off, member, switch in families:
+        out += [
+            f"--{d.replace('_', '-')} has no effect without {switch}"
+            for d in sorted(given)
+            if off and member(d) and getattr(ns, d) != parser.get_default(d)  # (a script's defaults say nothing)
+        ]
     return out
 
 

@@ -57,6 +57,13 @@ def check_vocabulary_flags(data: DataConfig) -> None:
             f"{flag} without data: with no --data-path or --mock-data the job trains on the embedded corpus with "
             "its own 4096-token tokenizer; add --mock-data (random tokens) or --data-path, or drop the flag"
         )
+    files = [f for f in ("tokenizer_model", "vocab_file", "merge_file") if getattr(data, f, None)]
+    if files and data.tokenizer_type is None:  # (dropped without a word: the job used another tokenizer)
+        flag = f"--{files[0].replace('_', '-')} {getattr(data, files[0])}"
+        raise ConfigError(
+            f"{flag} needs --tokenizer-type to be read (HuggingFaceTokenizer for a tokenizer.json, GPT2BPETokenizer "
+            "for --vocab-file and --merge-file); add it, or drop the flag"
+        )
 
 
 def _tokenizers_vocabulary(data: DataConfig, tok, log) -> int:

@@ -97,7 +97,7 @@ def _validate_llama4_extras(config) -> None:
     from megatron_lite.config import ConfigError
 
     if config.qk_l2_norm_rope_only and not config.qk_l2_norm:
-        raise ConfigError("qk_l2_norm_rope_only (Llama 4) limits --qk-l2-norm to the RoPE layers: add --qk-l2-norm")
+        raise ConfigError("--qk-l2-norm-rope-only (Llama 4's) limits --qk-l2-norm to the RoPE layers: add --qk-l2-norm")
     for name, value in (
         ("--attention-chunk-size", config.attention_chunk_size),
         ("--attn-temperature-floor-scale", config.attn_temperature_floor_scale),

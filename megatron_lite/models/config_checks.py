@@ -26,6 +26,8 @@ def validate_model(c: ModelConfig) -> None:
             raise ConfigError(f"{flag} {value} must be a positive integer")
     if not c.init_method_std >= 0:
         raise ConfigError(f"--init-method-std {c.init_method_std} must be >= 0")
+    if c.embedding_init_method_std is not None and not c.embedding_init_method_std >= 0:  # (a traceback at init)
+        raise ConfigError(f"--embedding-init-method-std {c.embedding_init_method_std} must be >= 0")
     # (an exploratory run's: both trained into a NaN loss at iteration 1, blamed on a gradient, not the flag)
     if not c.norm_epsilon >= 0:
         raise ConfigError(f"--norm-epsilon {c.norm_epsilon:g} must be >= 0 (Megatron's default: 1e-5)")

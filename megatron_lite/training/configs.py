@@ -125,6 +125,13 @@ class LoggingConfig:
         ):
             if value and importlib.util.find_spec(package) is None:
                 raise ConfigError(f"{flag} {value} needs the {package} package: pip install {package} or drop {flag}")
+        # (W&B refuses these in wandb.init, after the process groups: a traceback on rank 0, the others "a peer left")
+        bad = [c for c in "/\\#?%:" if c in (self.wandb_project or "")]
+        if bad:
+            fix = " (the team goes in --wandb-entity)" if "/" in bad else ""
+            raise ConfigError(
+                f"--wandb-project {self.wandb_project}: W&B project names cannot contain {' '.join(bad)}{fix}"
+            )
 
 
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
