@@ -141,13 +141,11 @@ def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
 
 
 def _check(q, k, v, causal, window_size=None, document_ids=None, document_spans=None):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not q.dtype.is_floating_point:
         raise ValueError(
-            f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch, seq, "
-            "heads, head_dim]"
+            f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} ({q.dtype}) must be "
+            "floating point [batch, seq, heads, head_dim]"
         )
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"flash_attention: q, k and v must be floating point, got {q.dtype}")
     b, sq, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or h % k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")

@@ -252,17 +252,8 @@ def test_memory_estimate_of_recompute_modules_with_the_triton_kernels(name, key)
     _check(name, layout, [head_start.call_result(key)], "triton", tol=0.03)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "llama/core_attn+layernorm+mlp",
-        "deepseek/mla_up_proj",
-        "moe/moe",
-        "llama/layernorm",
-        "llama/mlp",
-        "moe/layernorm",
-    ],
-)
+@pytest.mark.parametrize("name", ["llama/core_attn+layernorm+mlp", "deepseek/mla_up_proj", "moe/moe",
+                                  "llama/layernorm", "llama/mlp", "moe/layernorm"])  # fmt: skip
 def test_memory_estimate_of_recompute_modules_under_sequence_parallelism(dist, name):
     """Under TP with SP the GEMMs' gathered inputs are not the norms' outputs: they are kept."""
     layout = Layout(tp=2, micro_batch_size=2, recompute="selective")
