@@ -43,7 +43,7 @@ def report_error(error: Exception, initialized: bool) -> None:
     host, first_local = rank == "0" and own, os.environ.get("LOCAL_RANK", "0") == "0"
     if first_local:  # (said before the store is reached: rank 0's may take a while to come)
         print(line, file=sys.stderr, flush=True)
-    store = _launcher_store(host) if agent or own else None
+    store = _launcher_store(host, wait_s=5.0 if agent else AGENT_STORE_S) if agent or own else None
     key = f"megatron_lite/start_up_error/{os.environ.get('GROUP_RANK', '0')}"
     if store is not None:  # (for the other nodes' ranks, waiting for this one: the first error wins)
         where = f"rank {rank} (node {os.environ.get('GROUP_RANK', '0')})"
@@ -91,12 +91,12 @@ def _try(fn) -> None:
         pass
 
 
-def _launcher_store(host: bool = False):
-    """This attempt's store under torchrun, or None outside torchrun or where it cannot be reached. Rank 0's (a
-    store per attempt) is waited for a minute: rank 0 may still be at its own start-up (an index build), and
-    the other nodes wait for it (5 s: the line was lost and they waited the whole timeout)."""
+def _launcher_store(host: bool = False, wait_s: float = 5.0):
+    """This attempt's store under torchrun, or None outside torchrun or where it cannot be reached within `wait_s`:
+    torchrun's own is up before any worker (gone, it went with its node), rank 0's (a store per attempt) is waited
+    for a minute, rank 0 being maybe still at its own start-up (an index build; 5 s: the line was lost)."""
     try:
-        return job_store(5.0, host, connect_s=AGENT_STORE_S)
+        return job_store(5.0, host, connect_s=wait_s)
     except Exception:
         return None
 
@@ -118,13 +118,16 @@ def job_store(timeout_s: float, host: bool = False, connect_s: float | None = No
         # torchrun's agent serves it before starting any worker: one that does not answer soon has stopped (the
         # first node's, its worker failed at start-up: a client waited the whole timeout to connect, unsaid)
         agent_s = min(timeout_s if connect_s is None else connect_s, AGENT_STORE_S)
-        try:
-            return _attempt_store(timeout_s, connect_s=agent_s)
+        try:  # (polled quietly first: torch's client tried twice, 60 s each and a pause, a C++ trace at each)
+            if _port_opens(addr, port, agent_s):
+                return _attempt_store(timeout_s, connect_s=agent_s)
+            why = "nothing listens there"
         except Exception as e:
-            raise ConfigError(
-                f"the job's store at {addr}:{port}, which the first node's torchrun serves, did not answer within "
-                f"{agent_s:g} s ({type(e).__name__}): that node stopped (its log says why)"
-            ) from None
+            why = type(e).__name__
+        raise ConfigError(
+            f"the job's store at {addr}:{port}, which the first node's torchrun serves, did not answer within "
+            f"{agent_s:g} s ({why}): that node stopped (its log says why)"
+        )
     wait_s = timeout_s if connect_s is None else connect_s
     # (the port is polled here, quietly: torch's client, retrying, printed a C++ stack trace at every try)
     if host or _port_opens(addr, port, wait_s):

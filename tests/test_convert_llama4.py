@@ -214,7 +214,7 @@ def test_a_llama4_config_json_without_transformers_reads_as_with_it():
         ({"rotary_interleaved": False}, "RoPE rotating halves"),
         ({"moe_apply_probs_on_input": False}, "routing weights on the experts' outputs"),
         ({"moe_shared_expert_intermediate_size": 64}, "a shared expert of 64"),
-        ({"qk_l2_norm": False}, "qk_l2_norm_rope_only (Llama 4) limits --qk-l2-norm to the RoPE layers"),
+        ({"qk_l2_norm": False}, "--qk-l2-norm-rope-only (Llama 4's) limits --qk-l2-norm to the RoPE layers"),
     ],
 )
 def test_what_llama4_cannot_compute_is_refused_on_export(changes, fragment):
