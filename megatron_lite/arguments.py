@@ -487,7 +487,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         )
     ns.schedule_notes = []
     given = explicit_dests(parser, argv)
-    ns.given_dests = given  # (the notes of flags that have no effect name only those given)
     per_split = [d for d in PER_SPLIT_DESTS if d in given]
     if "split" in given and per_split:  # (Megatron asserts "split and blend_per_split are incompatible")
         raise ConfigError(
@@ -514,7 +513,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     meta = read_metadata(path)
     ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed)
     ns.resumed_samples = int(meta.get("consumed_samples", 0))  # (the ramp's batches before them are not run again)
-    ns.given_dests = given
     try:
         return _finish(ns, argv, given)
     except ConfigError as e:
@@ -523,6 +521,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
 
 def _finish(ns: argparse.Namespace, argv: Sequence[str], given: set[str]) -> tuple[argparse.Namespace, JobConfig]:
     """parse_args past the checkpoint's flags: the rules that read the flags as they now stand, and the job."""
+    ns.given_dests = given  # (the notes of flags that have no effect name only those given)
     if getattr(ns, "from_checkpoint", None):
         if ns.rampup_batch_size and ns.train_samples is None and not given & {"rampup_batch_size", "train_iters"}:
             ns.old_rampup = True  # (saved before the refusal: it resumes as it ran)

@@ -96,9 +96,11 @@ ARCH_DESTS = (
 # The architecture flags in which an upcycled MoE run differs from the dense checkpoint it starts from
 UPCYCLED_DESTS = ("ffn_hidden_size", *(d for d in ARCH_DESTS if d == "num_experts" or d.startswith("moe_")))
 
-# fp8's flags: a precision given (--bf16, --fp16) without --fp8-format replaces the checkpoint's fp8 too
-FP8_DESTS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "no_fp8_wgrad",
-             "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")  # fmt: skip
+# fp8's flags: a precision given (--bf16, --fp16) without --fp8-format replaces the checkpoint's fp8 too. The first
+# are ModelConfig's fields of the same names; the others its fp8_wgrad and fp8_bf16_layers
+FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+FP8_DESTS = (*FP8_FIELDS, "no_fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+             "num_layers_at_end_in_bf16")  # fmt: skip
 
 # What --finetune takes from the checkpoint besides ARCH_DESTS: what else makes the model compute what it was
 # trained to (its routing, RoPE, tokenizer, adapters). Megatron's --finetune reads no flag from a checkpoint; the
@@ -195,7 +197,7 @@ def defaults_from_checkpoint(saved: dict) -> dict:
     out["disable_bias_linear"] = not m["add_bias_linear"]
     # the run's precision and training behaviour, not its weights (a resume dropped them without a word: fp8's
     # amax histories ignored, an fp32 residual stream in bf16, --qk-clip off, the embedding's weight decay back on)
-    for k in (*FP8_DESTS[:5], "fp32_residual_connection", "qk_clip", "qk_clip_alpha", "qk_clip_threshold",
+    for k in (*FP8_FIELDS, "fp32_residual_connection", "qk_clip", "qk_clip_alpha", "qk_clip_threshold",
               "log_max_attention_logit", "embedding_init_method_std"):  # fmt: skip
         if k in m:  # (absent from older checkpoints: the flags' defaults)
             out[k] = m[k]
