@@ -20,6 +20,7 @@ FAILED = "megatron_lite/start_up_error/any"  # the first start-up error any rank
 GAVE_UP = -(1 << 40)  # STARTED once a rank gave up waiting (any later add leaves it negative)
 LINGER_S = 10.0  # how long rank 0, stopped at start-up, serves its store for the other nodes to read why
 AGENT_STORE_S = 60.0  # how long torchrun's own store may take to answer a worker it started
+REFUSED_S = 5.0  # how long torchrun's own store may refuse connections before it is taken as gone with its node
 
 
 def report_error(error: Exception, initialized: bool) -> None:
@@ -118,15 +119,20 @@ def job_store(timeout_s: float, host: bool = False, connect_s: float | None = No
         # torchrun's agent serves it before starting any worker: one that does not answer soon has stopped (the
         # first node's, its worker failed at start-up: a client waited the whole timeout to connect, unsaid)
         agent_s = min(timeout_s if connect_s is None else connect_s, AGENT_STORE_S)
+        # Refused for a few seconds, it is gone: it was up before any worker started (the other node's ranks
+        # waited a minute to say so); a timeout (packets dropped) may be a slow network, waited for longer.
+        waited_s, why = agent_s, "nothing listens there"
         try:  # (polled quietly first: torch's client tried twice, 60 s each and a pause, a C++ trace at each)
-            if _port_opens(addr, port, agent_s):
+            refused = _refused_for(addr, port, agent_s, REFUSED_S)
+            if refused is None:
                 return _attempt_store(timeout_s, connect_s=agent_s)
-            why = "nothing listens there"
+            if refused:
+                waited_s, why = min(REFUSED_S, agent_s), "connection refused"
         except Exception as e:
             why = type(e).__name__
         raise ConfigError(
             f"the job's store at {addr}:{port}, which the first node's torchrun serves, did not answer within "
-            f"{agent_s:g} s ({why}): that node stopped (its log says why)"
+            f"{waited_s:g} s ({why}): that node stopped (its log says why)"
         )
     wait_s = timeout_s if connect_s is None else connect_s
     # (the port is polled here, quietly: torch's client, retrying, printed a C++ stack trace at every try)
@@ -149,15 +155,28 @@ def job_store(timeout_s: float, host: bool = False, connect_s: float | None = No
 
 def _port_opens(addr: str, port: int, timeout_s: float) -> bool:
     """Whether something listens at addr:port within `timeout_s` (a connection made and closed at once)."""
-    deadline = time.monotonic() + timeout_s
+    return _refused_for(addr, port, timeout_s) is None
+
+
+def _refused_for(addr: str, port: int, timeout_s: float, refused_s: float | None = None) -> bool | None:
+    """Polls addr:port for up to `timeout_s`: None once something listens there (a connection made and closed at
+    once), True when every try for `refused_s` was refused, False when the time ran out otherwise."""
+    start = time.monotonic()
+    deadline, refused_since = start + timeout_s, None
     while True:
         try:
             socket.create_connection((addr, port), timeout=max(min(2.0, deadline - time.monotonic()), 0.1)).close()
+            return None
+        except ConnectionRefusedError:
+            refused_since = time.monotonic() if refused_since is None else refused_since
+        except OSError:  # (a timeout, unreachable: the refusals so far are no longer in a row)
+            refused_since = None
+        now = time.monotonic()
+        if refused_s is not None and refused_since is not None and now - refused_since >= refused_s:
             return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
+        if now >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def wait_for_every_rank(store, world_size: int, timeout_s: float) -> None:

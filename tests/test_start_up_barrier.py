@@ -90,3 +90,21 @@ def test_one_node_with_a_store_per_attempt_reaches_for_none(store_per_attempt, m
     report_error(ConfigError("--hidden-size 64 is not divisible by --num-attention-heads 3"), False)
     assert time.monotonic() - start < 3
     assert capfd.readouterr().err == "error (rank 1): --hidden-size 64 is not divisible by --num-attention-heads 3\n"
+
+
+def test_torchruns_own_store_refusing_connections_is_taken_as_gone_in_seconds(store_per_attempt, monkeypatch):
+    """torchrun's own store (TORCHELASTIC_USE_AGENT_STORE) is up before any worker starts, on every node: refused,
+    its node stopped. The other node's ranks waited a minute to say so (now 5 s); a store answering late is still
+    reached."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    start = time.monotonic()
+    with pytest.raises(
+        ConfigError, match=r"which the first node's torchrun serves, did not answer within 5 s \(connection refused\)"
+    ):
+        job_store(300.0, connect_s=300.0)
+    assert time.monotonic() - start < 15
+    servers = []
+    threading.Timer(2.0, lambda: servers.append(_store(store_per_attempt))).start()
+    client = job_store(300.0, connect_s=300.0)  # (this attempt's keys, under a prefix: read back through it)
+    client.set("k", "v")
+    assert client.get("k") == b"v" and servers
