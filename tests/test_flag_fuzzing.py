@@ -32,6 +32,11 @@ MOE = ["--num-experts", "4", "--moe-router-pre-softmax", "--disable-bias-linear"
         (["--max-position-embeddings", "0"], "--max-position-embeddings 0 must be a positive integer"),  # (unset)
         (["--tokenizer-model", "/nonexistent/tok.json"], "--tokenizer-model /nonexistent/tok.json needs --tokenizer"),
         (["--wandb-project", "team/proj"], "--wandb-project team/proj: W&B project names cannot contain /"),
+        # (a storage overflow's traceback in the build; a loop over the layers that never ended)
+        (["--hidden-size", "1000000000000"], "--hidden-size 1000000000000, --ffn-hidden-size 4000000000000 make"),
+        (["--num-layers", "1000000000000"], "--num-layers 1000000000000 is beyond any model (at most 100000)"),
+        (["--vocab-size", "10000000000000"], "--vocab-size 10000000000000 and --hidden-size 32 make about"),
+        ([*MOE, "--num-experts", "40000000000"], "--num-experts 40000000000 make about 6.6e+14 parameters, beyond"),
     ],  # fmt: skip
 )
 def test_values_let_through_or_raising_are_one_line(argv, said, capsys, monkeypatch):

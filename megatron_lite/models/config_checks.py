@@ -8,6 +8,40 @@ import math
 
 from megatron_lite.config import ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDINGS, ConfigError, ModelConfig, divisors
 
+MAX_LAYERS = 100_000  # the deepest models trained have a few hundred; a per-layer loop over 1e12 never ended
+MAX_PARAMETERS = 10**14  # 100 trillion, fifty times the largest published models
+
+
+def _check_size(c: ModelConfig) -> None:
+    """A size no model has (a typo's extra digits): one line here, where it was a storage overflow's traceback
+    in the build, or a loop over every layer that never ended (a flag fuzzer's finding). The count is rough (a
+    layer's largest MLP, learned positions, input and output embeddings), a sanity bound, not the planner's."""
+    if c.num_layers > MAX_LAYERS:
+        raise ConfigError(f"--num-layers {c.num_layers} is beyond any model (at most {MAX_LAYERS}): check the flag")
+    h, glu = c.hidden_size, 3 if c.activation in ("swiglu", "quick_geglu") else 2
+    attention = 2 * h * c.head_dim * (c.num_attention_heads + c.query_groups)
+    mlp = glu * h * c.ffn_size
+    if c.num_experts:
+        moe_ffn = c.moe_ffn_hidden_size if c.moe_ffn_hidden_size is not None else c.ffn_size
+        mlp = max(mlp, glu * h * (c.num_experts * moe_ffn + (c.moe_shared_expert_intermediate_size or 0)))
+    experts = f", --num-experts {c.num_experts}" if c.num_experts else ""
+    layers = f"--num-layers {c.num_layers}, --hidden-size {h}, --ffn-hidden-size {c.ffn_size}{experts}"
+    learned = c.position_embedding_type == "learned_absolute"
+    parts = {  # (the flags each part's size comes from: the largest part's are named)
+        layers: c.num_layers * (attention + mlp),
+        f"--vocab-size {c.vocab_size} and --hidden-size {h}": 2 * c.vocab_size * h,
+        f"--max-position-embeddings {c.max_position_embeddings} and --hidden-size {h}": learned
+        * c.max_position_embeddings
+        * h,
+    }
+    total = sum(parts.values())
+    if total > MAX_PARAMETERS:
+        flags = max(parts, key=parts.get)
+        raise ConfigError(
+            f"{flags} make about {total:.1e} parameters, beyond any model (at most {MAX_PARAMETERS:.0e}): "
+            "check the flags"
+        )
+
 
 def validate_model(c: ModelConfig) -> None:
     """Every start-up check of the model alone (ModelConfig.validate)."""
@@ -24,6 +58,7 @@ def validate_model(c: ModelConfig) -> None:
     ):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be a positive integer")
+    _check_size(c)
     if not c.init_method_std >= 0:
         raise ConfigError(f"--init-method-std {c.init_method_std} must be >= 0")
     if c.embedding_init_method_std is not None and not c.embedding_init_method_std >= 0:  # (a traceback at init)
