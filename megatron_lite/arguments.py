@@ -266,7 +266,7 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
         train_iters=ns.train_iters or 0,  # with --train-samples: resolved at start-up
         train_samples=ns.train_samples,
         rampup_batch_size=tuple(ns.rampup_batch_size) if ns.rampup_batch_size else None,
-        resumed_samples=0 if ns.finetune else getattr(ns, "resumed_samples", 0),
+        resumed_samples=getattr(ns, "resumed_samples", 0),
         seed=ns.seed,
         log_interval=ns.log_interval,
         eval_interval=ns.eval_interval,
@@ -512,7 +512,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
         return _finish(ns, argv, given)
     meta = read_metadata(path)
     ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed)
-    ns.resumed_samples = int(meta.get("consumed_samples", 0))  # (the ramp's batches before them are not run again)
+    # (the ramp's batches before them are not run again; --finetune starts at 0 but where it resumes its own --save)
+    ns.resumed_samples = 0 if ns.finetune and not resumed else int(meta.get("consumed_samples", 0))
     try:
         return _finish(ns, argv, given)
     except ConfigError as e:

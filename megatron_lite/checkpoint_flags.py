@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
 from megatron_lite.data.config import TOKENIZER_FIELDS
+from megatron_lite.flag_parser import off_switch
 from megatron_lite.flag_values import heterogeneous_json
 from megatron_lite.models.heterogeneous import check_given_blocks
 from megatron_lite.schedule_flags import RUN_LENGTH, in_other_unit, schedule_notes
@@ -276,11 +277,13 @@ def _check_yarn(ns: argparse.Namespace, saved: dict, given: set[str], path: str)
 def with_origin(e: ConfigError, ns: argparse.Namespace | None) -> ConfigError:
     """`e`, saying which of the flags it names the user did not give: their values came from the checkpoint (a
     resume on more ranks was refused for "--global-batch-size 2", a flag never typed)."""
-    path, flags = getattr(ns, "from_checkpoint", (None, ()))
+    path, flags, offs = getattr(ns, "from_checkpoint", (None, (), {}))
     named = [f for f in flags if re.search(rf"{re.escape(f)}(?![\w-])", str(e))]
     if not named:
         return e
-    return ConfigError(f"{e} ({', '.join(named)}: not given, the checkpoint's value, {path})")
+    off = [offs[f] for f in named if f in offs]  # (a switch on there: its off form, which --help does not list)
+    off_text = f"; {' / '.join(off)} turns it off" if off else ""
+    return ConfigError(f"{e} ({', '.join(named)}: not given, the checkpoint's value, {path}{off_text})")
 
 
 def _flag(parser: argparse.ArgumentParser, dest: str, value) -> str:
@@ -483,11 +486,15 @@ def flags_from_checkpoint(
     parser.set_defaults(**{k: v for k, v in saved.items() if hasattr(ns, k)})
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
-    ns.from_checkpoint = (path, [f"--{k.replace('_', '-')}" for k in taken])  # (for with_origin)
+    # (for with_origin: the flags taken, and each switch's off form)
+    offs = {f"--{k.replace('_', '-')}": off_switch(_flag(parser, k, True)) for k, v in taken.items() if v is True}
+    ns.from_checkpoint = (path, [f"--{k.replace('_', '-')}" for k in taken], offs)
     if not finetune and (listed := [_flag(parser, k, v) for k, v in taken.items() if k not in ARCH_DESTS]):
         # (Megatron takes nothing but --use-checkpoint-args' model flags: say what came over, as a switch left
-        # on there, --eod-mask-loss say, is not turned off by leaving its flag out here)
+        # on there, --eod-mask-loss say, is not turned off by leaving its flag out here: its --no- form does)
         notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
+        if off := [offs[f"--{k.replace('_', '-')}"] for k, v in taken.items() if v is True and k not in ARCH_DESTS]:
+            notes.append(f"a switch taken from the checkpoint is turned off by its off form: {', '.join(off)}")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
     ns.schedule_notes = notes + schedule_notes(ns, saved, given, full, scheduler, resumed)
     if ns.use_checkpoint_args:

@@ -579,7 +579,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_megatron_flag_groups(parser)
     add_missing_help(parser)
     _say_defaults(parser)
+    _add_off_switches(parser)
     return parser
+
+
+def off_switch(flag: str) -> str:
+    """The flag that turns switch `flag` off: --no-X, or for a --no-X switch, --X."""
+    return "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
+
+
+def _add_off_switches(parser: argparse.ArgumentParser) -> None:
+    """Each switch without one gets an off form (--no-X; --X for a --no-X switch), not in --help: `--load` alone
+    takes the checkpoint's switches (--eod-mask-loss, --fp32-residual-connection, --qk-clip...), and one left on
+    there could never be turned off (a checkpoint with an fp32 residual stream could not resume under FSDP2)."""
+    names = parser._option_string_actions
+    have_off = {a.dest for a in parser._actions if isinstance(a, argparse._StoreFalseAction)}
+    for action in list(parser._actions):
+        if isinstance(action, argparse._StoreTrueAction) and action.dest not in have_off:
+            flag = max(action.option_strings, key=len)
+            if off_switch(flag) not in names:
+                parser.add_argument(off_switch(flag), dest=action.dest, action="store_false", help=argparse.SUPPRESS)
 
 
 def _say_defaults(parser: argparse.ArgumentParser) -> None:

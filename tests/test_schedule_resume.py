@@ -328,6 +328,11 @@ def test_a_ramp_resumed_past_a_batch_needs_only_the_batches_ahead_to_split(tmp_p
         else:
             with pytest.raises(ConfigError, match=refused):
                 validate_layout(job.model, job.parallel, 2, job.training)
-    _, job = parse_args([*argv, "--load", ckpt, "--ckpt-step", "10", "--finetune"])  # (from sample 0 again)
+    finetune = [*argv, "--load", ckpt, "--ckpt-step", "10", "--finetune", "--save", str(tmp_path / "ft")]
+    _, job = parse_args(finetune)  # (from sample 0 again)
     with pytest.raises(ConfigError, match=r"global batch of 2 samples \(after 0 samples\)"):
         validate_layout(job.model, job.parallel, 2, job.training)
+    # (a review's: the fine-tune restarted from its own --save goes on from its samples, not 0: it was refused)
+    _job([*finetune, "--exit-interval", "10"], tmp_path / "e.jsonl", capsys, monkeypatch)
+    _, job = parse_args(finetune)
+    validate_layout(job.model, job.parallel, 2, job.training)
