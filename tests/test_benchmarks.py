@@ -453,6 +453,36 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
     lines = verdicts(rows)
     assert lines[0].startswith("WRONG: rms_norm / megatron_lite differs from the reference by 3.0e-01")
     assert not any(line.startswith("rms_norm fwd:") for line in lines), lines
+    # (a review's: an output with a NaN had a NaN error, which no "> tolerance" check caught: its times met targets)
+    from _kernel_timing import rel_err
+
+    rows[0]["rel_err"] = rel_err(torch.tensor([float("nan"), 1.0]), torch.ones(2))
+    assert verdicts(rows)[0].startswith("WRONG: rms_norm / megatron_lite differs from the reference by inf")
+    assert max(0.0, rel_err(torch.tensor([1.0, float("inf")]), torch.ones(2))) == math.inf  # (the tile tools' max)
+
+
+def test_fwd_bwd_gives_each_output_its_own_gradient():
+    """A review's: the residual norm's two outputs got the same gradient tensor, so its backward read one buffer
+    twice while its GB/s counted two."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from _kernel_timing import fwd_bwd
+
+    seen = []
+
+    class TwoOutputs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 1.0, a * 2.0
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            seen.append((g1, g2))
+            return g1 + g2
+
+    grad = torch.randn(4, 8)
+    fwd_bwd(TwoOutputs.apply, [torch.randn(4, 8)], grad)()
+    ((g1, g2),) = seen
+    assert g1.data_ptr() != g2.data_ptr() and not torch.equal(g1, g2) and torch.equal(g1, grad)
 
 
 def test_device_checks_explains_itself_and_refuses_a_machine_without_cuda(tmp_path):
