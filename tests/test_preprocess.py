@@ -403,6 +403,15 @@ def test_gzipped_inputs_are_read_and_an_error_leaves_no_partial_files(tmp_path, 
     text_gz.write_bytes(gzip.compress(b"a text file"))
     assert preprocess_data.main(["--input", str(text_gz), *argv[:1], prefix + "2", *argv[2:], "--text-files"]) == 0
     assert bytes(IndexedDataset(prefix + "2_text_document").get(0).tolist()).decode() == "a text file"
+    # (an exploratory run's: a text file's bytes that are not UTF-8 became U+FFFD without a word, a BOM was text)
+    bom, latin1 = tmp_path / "bom.txt", tmp_path / "latin1.txt"
+    bom.write_bytes(b"\xef\xbb\xbfbom text\r\n")
+    latin1.write_bytes(b"first line\ncaf\xe9 latin1\n")
+    assert preprocess_data.main(["--input", str(bom), *argv[:1], prefix + "_bom", *argv[2:], "--text-files"]) == 0
+    assert bytes(IndexedDataset(prefix + "_bom_text_document").get(0).tolist()).decode() == "bom text\r\n"
+    capsys.readouterr()
+    assert preprocess_data.main(["--input", str(latin1), *argv[:1], prefix + "_latin", *argv[2:], "--text-files"]) == 2
+    assert f"{latin1}:2: not UTF-8 (byte 0xe9 at column 4); convert the file to UTF-8" in capsys.readouterr().err
     capsys.readouterr()
 
     damaged = tmp_path / "c.jsonl.gz"
@@ -488,3 +497,48 @@ def test_an_empty_input_is_warned_of(tmp_path):
             str(tmp_path / "o"), "--tokenizer-type", "ByteLevelTokenizer"]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True)
     assert out.returncode == 0 and f"warning: --input {src} held no documents" in out.stderr, out.stderr
+
+
+def test_sigterm_removes_the_partial_output_and_a_killed_runs_leftovers_are_removed(tmp_path, capsys, monkeypatch):
+    """An exploratory run's: SIGTERM (a scheduler's time limit) or SIGKILL midway left PREFIX.bin.HOST.PID.partial,
+    as large as the output so far, and no later run removed it (each retry of a multi-TB corpus one more)."""
+    import os
+    import signal
+    import socket
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import preprocess_data
+
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(50)))
+    prefix = str(tmp_path / "o")
+    argv = ["--input", str(src), "--output-prefix", prefix, "--tokenizer-type", "ByteLevelTokenizer"]
+    added = IndexedDatasetWriter.add_document
+
+    def signalled(self, *a, **kw):  # (the signal arrives midway, once a document is written)
+        added(self, *a, **kw)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_document", signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        preprocess_data.main(argv)
+    assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+    assert "stopped by SIGTERM: the partial output is removed" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    monkeypatch.setattr(IndexedDatasetWriter, "add_document", added)
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    killed = tmp_path / f"o_text_document.bin.{host}.{int(gone.stdout)}.partial"  # (its writer's process is gone)
+    running = tmp_path / f"o_text_document.bin.{host}.{os.getppid()}.partial"  # (a writer still running)
+    elsewhere = tmp_path / f"o_text_document.bin.otherhost.{int(gone.stdout)}.partial"  # (not seen from here)
+    for path in (killed, running, elsewhere):
+        path.write_bytes(b"x" * 100)
+    assert preprocess_data.main(argv) == 0
+    assert f"removed {killed}, left by an earlier run that was killed" in capsys.readouterr().err
+    assert not killed.exists() and running.exists() and elsewhere.exists()
+    ds = IndexedDataset(prefix + "_text_document")
+    assert len(ds) == 50

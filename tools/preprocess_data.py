@@ -17,6 +17,7 @@ import gzip
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import zlib
@@ -117,7 +118,16 @@ def _file_items(args: argparse.Namespace, path: str):
     opener = gzip.open if path.endswith(".gz") else open  # (Megatron's reads gzipped JSONL too)
     if args.text_files:
         with opener(path, "rb") as f:
-            yield path, "text", f.read().decode("utf-8", errors="replace")
+            raw = f.read()
+        try:  # (bytes that are not UTF-8 became U+FFFD without a word, and a BOM was tokenized as text)
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+            why = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {column}); convert the file to UTF-8"
+            yield f"{path}:{line}", "error", why
+            return
+        yield path, "text", text
         return
     with opener(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -129,6 +139,11 @@ def _file_items(args: argparse.Namespace, path: str):
                 yield f"{path}:{n}", "error", why
                 return
             yield f"{path}:{n}", "json" if line.strip() else "blank", line
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    print("stopped by SIGTERM: the partial output is removed", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +257,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for w in writers.values():
+        for path in w.removed_stale:
+            print(f"removed {path}, left by an earlier run that was killed", file=sys.stderr)
+    # SIGTERM (a scheduler's time limit) stops like Ctrl-C: the partial output is removed, the workers stopped
+    # (the default action left a file as large as the output so far and the pool's semaphores)
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # (main thread: the tool's, or a test's)
+    try:
+        return _write(args, writers)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # (main() called in-process leaves its caller's handler)
+
+
+def _write(args: argparse.Namespace, writers: dict) -> int:
+    """Tokenize every input into `writers`, then finalize them: 0, or 2 on an input's error (nothing written)."""
     start, docs, nbytes = time.time(), 0, 0
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_init, initargs=(args,)) if args.workers > 1 else None
     finished = False

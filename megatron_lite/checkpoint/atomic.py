@@ -24,6 +24,35 @@ def private_temp(path: str) -> str:
     return f"{path}.{socket.gethostname()}.{os.getpid()}.partial"
 
 
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove `path`'s temporary files that writers on this host left when killed (their process is gone): a
+    preprocessing run stopped by SIGKILL or a time limit left a file as large as its output, every retry one
+    more. Other hosts' files are left: their writers cannot be seen from here. Returns the paths removed."""
+    host, removed = socket.gethostname(), []
+    folder = os.path.dirname(path) or "."
+    start = f"{os.path.basename(path)}.{host}."
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        pid = name[len(start) : -len(".partial")]
+        if not (name.startswith(start) and name.endswith(".partial") and pid.isdigit()) or _alive(int(pid)):
+            continue
+        try:
+            os.remove(os.path.join(folder, name))
+            removed.append(os.path.join(folder, name))
+        except OSError:  # (another process removed it first, or no permission: not this writer's concern)
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process)
+        return True
+    return True
+
+
 def atomic_write(path: str, write) -> None:
     """Write through `write(tmp_path)`, fsync, then rename into place: a reader sees the old file or the
     complete new one, never a torn one (and two writers of one path never share a temporary file)."""

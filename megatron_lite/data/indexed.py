@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from megatron_lite.checkpoint.atomic import private_temp
+from megatron_lite.checkpoint.atomic import private_temp, remove_stale_temps
 from megatron_lite.config import ConfigError
 
 HEADER = b"MMIDIDX\x00\x00"
@@ -42,6 +42,8 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = token_dtype(vocab_size)
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        # (what a killed writer of this prefix on this host left: said by the preprocessing tool)
+        self.removed_stale = [p for ext in (".bin", ".idx") for p in remove_stale_temps(prefix + ext)]
         self._tmp = {ext: private_temp(prefix + ext) for ext in (".bin", ".idx")}
         self._bin = open(self._tmp[".bin"], "wb")
         self._lengths: list[int] = []
