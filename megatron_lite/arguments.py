@@ -553,10 +553,15 @@ def _finish(ns: argparse.Namespace, argv: Sequence[str], given: set[str]) -> tup
     # inf): the flags' own checks first, then this line for any left
     try:
         job = job_config_from_args(ns)
-    except ConfigError:  # (a ValueError too: the flags' own lines stand)
+    except ConfigError as e:  # (a ValueError too: the flags' own lines stand)
+        path, text = "--heterogeneous-layers-config-path:", "--heterogeneous-layers-config-encoded-json:"
+        if str(e).startswith(path) and ns.heterogeneous_layers_config_encoded_json:  # (the blocks' checks name
+            raise ConfigError(text + str(e)[len(path) :]) from None  # the path, their usual source)
         raise
-    except (ValueError, OverflowError) as e:
-        raise ConfigError(_non_finite(ns, given) or f"{type(e).__name__}: {e}") from None
+    except (ValueError, OverflowError):
+        if said := _non_finite(ns, given):
+            raise ConfigError(said) from None
+        raise  # (no flag to blame: a fault of ours, its traceback kept for a report, not a line naming nothing)
     if said := _non_finite(ns, given):
         raise ConfigError(said)
     return ns, job

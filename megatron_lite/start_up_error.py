@@ -18,6 +18,7 @@ from megatron_lite.config import ConfigError
 STARTED = "megatron_lite/started"  # how many ranks of this attempt reached their process group
 FAILED = "megatron_lite/start_up_error/any"  # the first start-up error any rank left
 GAVE_UP = -(1 << 40)  # STARTED once a rank gave up waiting (any later add leaves it negative)
+GAVE_UP_LINE_S = 10.0  # how long a rank waits for the line of the rank that gave up
 LINGER_S = 10.0  # how long rank 0, stopped at start-up, serves its store for the other nodes to read why
 AGENT_STORE_S = 60.0  # how long torchrun's own store may take to answer a worker it started
 REFUSED_S = 5.0  # how long torchrun's own store may refuse connections before it is taken as gone with its node
@@ -200,10 +201,10 @@ def _wait(store, world_size: int, timeout_s: float) -> None:
     later (its add leaves it negative) stops too, where it passed the barrier, the count complete, and waited in
     its process group for a whole timeout more; and no rank gives up once every one has started."""
     started = store.add(STARTED, 1)
-    deadline, pause = time.monotonic() + timeout_s, 0.02
+    deadline, pause, late = time.monotonic() + timeout_s, 0.02, started < 0
     while True:
         if started < 0:
-            raise ConfigError(_gave_up(store, timeout_s))
+            raise ConfigError(_gave_up(store, late))
         if store.check([FAILED]) and (said := store.get(FAILED).decode()):
             raise ConfigError(f"{said} (so does every rank)")
         if started >= world_size:
@@ -222,14 +223,21 @@ def _wait(store, world_size: int, timeout_s: float) -> None:
         started = store.add(STARTED, 0)
 
 
-def _gave_up(store, timeout_s: float) -> str:
-    """The line of the rank that gave up waiting for the others (it leaves it as it stops), or a line of ours."""
-    deadline = time.monotonic() + 10.0
+def _gave_up(store, late: bool) -> str:
+    """The line of the rank that gave up waiting for the others (it leaves it as it stops), or a line of ours:
+    `late`, this rank arrived after it gave up; else this one was waiting too (a review's: an on-time rank was
+    told it was late, quoting its own timeout as the one that ran out)."""
+    deadline = time.monotonic() + GAVE_UP_LINE_S
     while time.monotonic() < deadline:
         if store.check([FAILED]) and (said := store.get(FAILED).decode()):
             return f"{said} (so does every rank)"
         time.sleep(0.2)
+    if late:
+        return (
+            "another rank stopped waiting for every rank to start (at its --distributed-timeout-minutes) before "
+            "this one started: this rank is late (its start-up was held up), or others never started"
+        )
     return (
-        f"another rank stopped waiting for every rank to start (within {timeout_s:g} s, --distributed-timeout-"
-        "minutes) before this one started: this rank is late (its start-up was held up), or others never started"
+        "another rank stopped waiting for every rank to start (at its --distributed-timeout-minutes) while this "
+        "one waited too: some rank never started (held up before its process group, or stopped: its log says why)"
     )

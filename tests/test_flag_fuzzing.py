@@ -16,7 +16,11 @@ MOE = ["--num-experts", "4", "--moe-router-pre-softmax", "--disable-bias-linear"
     [
         (["--fp16", "--loss-scale", "inf"], "--loss-scale inf must be a finite number"),  # (every step skipped, exit 0)
         (["--loss-scale-window", "inf"], "--loss-scale-window inf must be a whole number"),  # (OverflowError)
-        (["--position-embedding-type", "rope", "--rotary-percent", "nan"], "--rotary-percent nan must be a finite"),
+        (["--position-embedding-type", "rope", "--rotary-percent", "nan"], "--rotary-percent nan must be in (0, 1]"),
+        (
+            ["--position-embedding-type", "rope", "--rotary-percent", "1e308"],
+            "--rotary-percent 1e+308 must be in (0, 1]",
+        ),
         ([*MOE, "--moe-expert-capacity-factor", "nan"], "--moe-expert-capacity-factor nan must be a finite number"),
         ([*MOE, "--moe-expert-capacity-factor", "inf"], "--moe-expert-capacity-factor inf must be a finite number"),
         ([*MOE, "--moe-aux-loss-coeff", "nan"], "--moe-aux-loss-coeff nan must be a finite number"),  # (halted at 1)
@@ -28,6 +32,10 @@ MOE = ["--num-experts", "4", "--moe-router-pre-softmax", "--disable-bias-linear"
         (["--embedding-init-method-std", "-1"], "--embedding-init-method-std -1.0 must be >= 0"),  # (a traceback)
         (["--qk-l2-norm-rope-only"], "--qk-l2-norm-rope-only (Llama 4's) limits --qk-l2-norm"),  # (its field's name)
         (["--heterogeneous-layers-config-encoded-json", "abc"], "--heterogeneous-layers-config-encoded-json is not"),
+        (
+            ["--heterogeneous-layers-config-encoded-json", '{"block_configs": [{}]}'],
+            "--heterogeneous-layers-config-encoded-json: block 0 needs an 'attention' and an 'ffn' object",
+        ),
         (["--seq-length", "0"], "--seq-length 0 must be a positive integer"),  # (said as --max-position-embeddings)
         (["--max-position-embeddings", "0"], "--max-position-embeddings 0 must be a positive integer"),  # (unset)
         (["--tokenizer-model", "/nonexistent/tok.json"], "--tokenizer-model /nonexistent/tok.json needs --tokenizer"),
@@ -64,3 +72,10 @@ def test_families_of_flags_given_while_their_feature_is_off_are_said(capsys, mon
     rc, out, err = _run(["--mock-data", "--vocab-size", "64", *MOE, "--moe-router-topk", "2", "--dry-run"], capsys,
                         monkeypatch)  # fmt: skip
     assert rc == 0 and "has no effect without --num-experts" not in out + err, out + err
+
+
+def test_a_tokenizer_file_without_data_says_so_rather_than_ask_for_its_type(capsys, monkeypatch):
+    """A review's: `--tokenizer-model t.json` alone asked for --tokenizer-type, which, added, was refused as a
+    tokenizer without data: each line sent the user to the other."""
+    rc, _, err = _run(["--tokenizer-model", "t.json"], capsys, monkeypatch)
+    _one_line_error(rc, err, "--tokenizer-model t.json without data", "add --data-path or --mock-data")

@@ -173,10 +173,12 @@ def test_a_constant_loss_scale_given_on_resume_is_the_scale():
         ),  # fmt: skip
     ],
 )
-def test_a_warmup_as_long_as_the_decay_is_refused_naming_what_was_given(flags, iters, samples, message):
-    """Megatron asserts warmup < decay steps; the line names the decay's length as the flags give it."""
+@pytest.mark.parametrize("style", ["cosine", "constant"])
+def test_a_warmup_as_long_as_the_decay_is_refused_naming_what_was_given(flags, iters, samples, message, style):
+    """Megatron asserts warmup < decay steps, for every style; the line names the decay's length as the flags give
+    it. (An exploratory run's: under constant a warmup past the run was taken, the rate never reaching --lr.)"""
     from megatron_lite.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        OptimizerConfig(lr=1e-3, lr_decay_style="cosine", **flags).validate_schedule(iters or 1, samples)
+        OptimizerConfig(lr=1e-3, lr_decay_style=style, **flags).validate_schedule(iters or 1, samples)
     assert message in str(e.value), str(e.value)

@@ -32,6 +32,30 @@ def test_a_rank_arriving_after_another_gave_up_stops_too():
         wait_for_every_rank(store, 2, 60.0)
 
 
+def test_a_rank_on_time_is_not_told_it_was_late(monkeypatch):
+    """A review's: where the rank that gave up left no line, a rank that had waited on time was told "this rank is
+    late", quoting its own timeout as the one that ran out; one arriving after is late."""
+    import megatron_lite.start_up_error as sue
+
+    monkeypatch.setattr(sue, "GAVE_UP_LINE_S", 0.3)
+    store, said = _store(), {}
+
+    def wait(name, timeout_s):
+        try:
+            wait_for_every_rank(store, 3, timeout_s)
+        except ConfigError as e:
+            said[name] = str(e)
+
+    waiting = threading.Thread(target=wait, args=("on time", 30.0))
+    waiting.start()
+    wait("gave up", 0.5)
+    waiting.join(30)
+    wait("late", 30.0)
+    assert said["gave up"].startswith("1 of the 3 ranks never started within 0.5 s"), said
+    assert "while this one waited too: some rank never started" in said["on time"], said
+    assert "this rank is late" in said["late"] and "late" not in said["on time"], said
+
+
 def test_ranks_that_all_start_pass_and_none_gives_up_after():
     store = _store()
     done = []

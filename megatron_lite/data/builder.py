@@ -60,6 +60,12 @@ def check_vocabulary_flags(data: DataConfig) -> None:
     files = [f for f in ("tokenizer_model", "vocab_file", "merge_file") if getattr(data, f, None)]
     if files and data.tokenizer_type is None:  # (dropped without a word: the job used another tokenizer)
         flag = f"--{files[0].replace('_', '-')} {getattr(data, files[0])}"
+        if not (data.mock_data or data.data_path or data.train_data_path):  # (adding --tokenizer-type was then
+            raise ConfigError(  # refused as a tokenizer without data: a loop)
+                f"{flag} without data: with no --data-path or --mock-data the job trains on the embedded corpus "
+                "with its own 4096-token tokenizer; add --data-path or --mock-data with --tokenizer-type, or drop "
+                "the flag"
+            )
         raise ConfigError(
             f"{flag} needs --tokenizer-type to be read (HuggingFaceTokenizer for a tokenizer.json, GPT2BPETokenizer "
             "for --vocab-file and --merge-file); add it, or drop the flag"

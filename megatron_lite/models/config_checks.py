@@ -90,8 +90,9 @@ def validate_model(c: ModelConfig) -> None:
         )
     if c.position_embedding_type == "rope" and c.head_dim % 2 and not c.multi_latent_attention:
         raise ConfigError(f"rotary embeddings need an even head dim, got --kv-channels {c.head_dim}")
-    odd_rotary = c.position_embedding_type == "rope" and c.rotary_dim % 2 and not c.multi_latent_attention
-    if not 0.0 < c.rotary_percent <= 1.0 or odd_rotary:
+    in_range = 0.0 < c.rotary_percent <= 1.0  # (first: 1e308 overflowed the rotary dims' int, a bare OverflowError)
+    odd_rotary = in_range and c.position_embedding_type == "rope" and c.rotary_dim % 2 and not c.multi_latent_attention
+    if not in_range or odd_rotary:
         raise ConfigError(
             f"--rotary-percent {c.rotary_percent} must be in (0, 1] and rotate an even number of dims "
             f"(head dim {c.head_dim} x {c.rotary_percent} = {c.head_dim * c.rotary_percent:g})"

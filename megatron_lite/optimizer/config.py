@@ -303,7 +303,7 @@ class OptimizerConfig:
             unit = "samples" if train_samples is not None else "iters"  # (the form the run's length takes)
             raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N (the length of the final decay)")
         unit, warmup, decay, wsd = self.schedule(train_iters, train_samples)
-        if self.lr_decay_style != "constant" and warmup >= decay:
+        if warmup >= decay and (warmup or self.lr_decay_style != "constant"):  # (Megatron asserts it for every style)
             # (named as given: the decay's length defaults to the run's; a --lr-warmup-fraction is below 1)
             explicit = self.lr_decay_samples if unit == "samples" else self.lr_decay_iters
             run = "--train-samples" if unit == "samples" else "--train-iters"
