@@ -98,6 +98,7 @@ def test_mla_and_moe_count_the_work_each_token_does(mtp):
         n += p.numel() * (c.moe_router_topk / c.num_experts if ".experts." in name else 1)
     n -= (c.padded_vocab_size(1) - c.vocab_size) * c.hidden_size
     n += mtp * c.hidden_size * c.vocab_size  # the output layer, once more per depth
+    n += mtp * 3 * c.hidden_size  # (Megatron's "MTP eh norm + final norm": 3h a depth, as a matmul's)
     attention = 6 * (c.num_layers + mtp) * s * c.num_attention_heads * (c.mla_q_head_dim + c.v_head_dim)
     assert flops_per_token(c, s, causal=False) == pytest.approx(6 * n + attention, rel=1e-12)
     assert flops_per_token(c, s) == pytest.approx(6 * n + attention / 2, rel=1e-12)

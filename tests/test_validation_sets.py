@@ -175,6 +175,7 @@ def test_a_skipped_iteration_equals_a_run_without_its_batch(tmp_path, capsys, mo
     rc, out, err = _run([*common, "--train-iters", "5", "--iterations-to-skip", "3", "9", "--log-jsonl", a],
                         capsys, monkeypatch)  # fmt: skip
     assert rc == 0 and "iteration 3 skipped (--iterations-to-skip): its 4 samples dropped" in out, err
+    console = out
     ck = tmp_path / "ck"
     rc, _, err = _run([*common, "--train-iters", "2", "--save", str(ck)], capsys, monkeypatch)
     assert rc == 0, err
@@ -192,6 +193,10 @@ def test_a_skipped_iteration_equals_a_run_without_its_batch(tmp_path, capsys, mo
     for s, w in zip(skipped[2:], without):
         assert (s["iteration"] - 1, s["consumed_samples"]) == (w["iteration"], w["consumed_samples"])
         assert (s["lm_loss"], s["grad_norm"], s["lr"]) == (w["lm_loss"], w["grad_norm"], w["lr"]), (s, w)
+    # (an exploratory run's: Megatron's log line says "skipped samples" once any were dropped; ours said nothing)
+    assert [r.get("skipped_samples") for r in skipped] == [None, None, 4, 4]
+    assert "consumed samples:           16 | skipped samples:            4 |" in console, console
+    assert "skipped samples" not in console.split("iteration 3 skipped")[0], console
 
 
 @pytest.mark.parametrize(

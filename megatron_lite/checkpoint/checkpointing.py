@@ -50,6 +50,7 @@ class TrainState:
     # the training loop's guards' state (resilience/supervisor.py: the loss-spike check's history), so a restart
     # checks the iterations after the checkpoint as the run that saved it would have
     guards: dict = field(default_factory=dict)
+    skipped_samples: int = 0  # of consumed_samples, those --iterations-to-skip dropped (Megatron's skipped samples)
 
 
 # (a tensor each replica holds whole, fp8 scaling state: a dense layer's, an expert's)
@@ -179,6 +180,7 @@ def _metadata(state: TrainState, optimizer, scheduler, ctx: ParallelContext, job
         "consumed_samples": state.consumed_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
         "guards": state.guards,
+        "skipped_samples": state.skipped_samples,
         "config": job_dict,
         "layout": {"world_size": ctx.world_size, **{k: g.size for k, g in ctx.groups.items()}},
         "scheduler": scheduler.state_dict() if scheduler else None,
@@ -471,4 +473,5 @@ def load_checkpoint(
         int(meta["consumed_samples"]),
         int(meta.get("consumed_valid_samples", 0)),
         dict(meta.get("guards") or {}),
+        int(meta.get("skipped_samples", 0)),
     )

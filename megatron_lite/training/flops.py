@@ -128,7 +128,8 @@ def _chunk(config: ModelConfig, layer: int) -> int | None:
 
 def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, frozen: bool = False) -> float:
     """Training FLOPs per token; each multi-token-prediction depth adds its projection of [embedding, hidden]
-    (2 * 2h * h), its transformer layer and another pass through the output layer. `causal`: a token's attention
+    (2 * 2h * h), its three norms (Megatron's 2 * 3h), its transformer layer and another pass through the output
+    layer. `causal`: a token's attention
     counts half the sequence (Megatron's current convention; within a sliding window, what the window leaves);
     False: twice that, the whole sequence without a window (see the module's docstring). `frozen` (LoRA): the
     weights get no gradient, so their backward is the input gradient alone (2x the forward, not 3x); attention's
@@ -140,7 +141,8 @@ def flops_per_token(config: ModelConfig, seq_length: int, causal: bool = True, f
     keys = [_keys_per_query(seq_length, config.layer_window(i), _chunk(config, i)) * (1 if causal else 2)
             for i in range(n)]  # fmt: skip
     layers = sum(_layer_flops(config, i, keys[i]) for i in range(n))
-    forward = layers + depths * 4 * h * h + (1 + depths) * 2 * h * config.vocab_size
+    # (a depth's eh_proj, 2 x 2h x h, and Megatron's "MTP eh norm + final norm" term, 2 x 3h)
+    forward = layers + depths * (4 * h * h + 6 * h) + (1 + depths) * 2 * h * config.vocab_size
     if config.hybrid:  # (the core attention of the attention layers only)
         keys = [x for i, x in enumerate(keys) if i >= config.num_layers or config.layer_types[i] == "*"]
     if config.heterogeneous_blocks is not None:  # (the layers with attention, not a linear or nothing in its place)

@@ -39,6 +39,7 @@ def _wandb_mode() -> str:
 # parser or dashboard written for Megatron's logs reads ours. Metrics Megatron has no field for follow.
 MEGATRON_CONSOLE = (
     ("consumed_samples", "consumed samples", "{:12d}"),
+    ("skipped_samples", "skipped samples", "{:12d}"),  # (once --iterations-to-skip dropped any, as Megatron's)
     ("iteration_time", "elapsed time per iteration (ms)", "ms"),  # (seconds in JSONL, as our other times)
     ("tflops_per_gpu", "throughput per GPU (TFLOP/s/GPU)", "{:.1f}"),
     ("lr", "learning rate", "{:.6E}"),
@@ -74,6 +75,7 @@ MEGATRON_KEYS = {
     "moe_seq_aux_loss": "seq_load_balancing_loss",
     "moe_z_loss": "z_loss",
     "consumed_samples": "samples vs steps",
+    "skipped_samples": "skipped-train-samples",
     "peak_memory_bytes": "mem-max-allocated-bytes",  # (--log-memory-to-tensorboard's; the largest over all ranks)
 }
 

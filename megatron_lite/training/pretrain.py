@@ -412,6 +412,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 "loss_scale": metrics.loss_scale,
                 "global_batch_size": step_gbs,
                 "consumed_samples": state.consumed_samples,
+                **({"skipped_samples": state.skipped_samples} if state.skipped_samples else {}),
                 **({"params_norm": metrics.params_norm} if metrics.params_norm is not None else {}),
                 **({"num_zeros_in_grad": metrics.num_zeros_in_grad} if metrics.num_zeros_in_grad is not None else {}),
                 **({"max_attention_logit": mal} if (mal := metrics.max_attention_logit) is not None else {}),

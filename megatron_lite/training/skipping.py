@@ -15,6 +15,7 @@ def skip_iteration(iterations_to_skip: tuple[int, ...], state: TrainState, globa
         return False
     state.iteration += 1
     state.consumed_samples += global_batch
+    state.skipped_samples += global_batch  # (Megatron's skipped_train_samples: logged once any were dropped)
     # (Megatron says nothing; a line here tells a reader of the log why the iteration has none)
     log.info(f"iteration {state.iteration} skipped (--iterations-to-skip): its {global_batch} samples dropped")
     return True
