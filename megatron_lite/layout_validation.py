@@ -277,10 +277,14 @@ def validate_layout(
         )
     etp, ep = parallel.etp, parallel.ep
     if world_size % (etp * ep * pp):
+        # (not given, it is TP's, as in Megatron: an exploratory run's line named a flag its user never typed)
+        default = " (not given: --tensor-model-parallel-size's)" if parallel.expert_tensor_parallel_size is None else ""
+        fits = [e for e in divisors(etp) if world_size % (e * ep * pp) == 0]
         raise ConfigError(
-            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp}{default} x "
             f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}; "
             f"choose sizes whose product divides {world_size}"
+            + (f" (--expert-tensor-parallel-size {fits[-1]} does)" if fits else "")
         )
     heads, groups = model.num_attention_heads, model.query_groups
     # TP sizes that would work with everything else unchanged.

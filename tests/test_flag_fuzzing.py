@@ -79,3 +79,13 @@ def test_a_tokenizer_file_without_data_says_so_rather_than_ask_for_its_type(caps
     tokenizer without data: each line sent the user to the other."""
     rc, _, err = _run(["--tokenizer-model", "t.json"], capsys, monkeypatch)
     _one_line_error(rc, err, "--tokenizer-model t.json without data", "add --data-path or --mock-data")
+
+
+def test_an_expert_grid_that_does_not_fit_names_the_default_it_took(capsys, monkeypatch):
+    """An exploratory run's: with --expert-tensor-parallel-size not given (TP's, as in Megatron), the line named it
+    as if typed, and said nothing of the size that fits."""
+    argv = ["--mock-data", "--vocab-size", "64", *MOE, "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--expert-model-parallel-size", "4"]  # fmt: skip
+    rc, _, err = _run(argv, capsys, monkeypatch, world=4)
+    _one_line_error(rc, err, "--expert-tensor-parallel-size 2 (not given: --tensor-model-parallel-size's) x "
+                    "--expert-model-parallel-size 4", "(--expert-tensor-parallel-size 1 does)")  # fmt: skip
