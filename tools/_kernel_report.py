@@ -69,7 +69,7 @@ def verdicts(rows: list[dict]) -> list[str]:
         # the verdict judges that, and both are printed.
         mem = r["peak_memory_bytes"] / eager["peak_memory_bytes"]
         work = r["working_bytes"] / max(1, eager["working_bytes"])
-        grads = 1 - eager["working_bytes"] / eager["peak_memory_bytes"]
+        grads = r.get("grad_bytes", 0) / eager["peak_memory_bytes"]
         speed = verdict = ""
         if comp:  # the GPU's work (graph replays) and launched one by one from Python, where both were timed
             both = comp.get("timing") == r.get("timing") == "cuda graph"

@@ -84,12 +84,26 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return err if math.isfinite(err) else math.inf
 
 
+# Where an implementation marks the moment its gradients start to be made (mark_before_grads, from an autograd
+# hook): the peak up to then, above the base of the call peak_bytes measures.
+BEFORE_GRADS: dict[str, int] = {}
+
+
+def mark_before_grads(grad):
+    """A tensor hook: notes the peak memory so far, before any gradient the op returns exists."""
+    if grad.is_cuda:
+        BEFORE_GRADS["peak"] = torch.cuda.max_memory_allocated(grad.device) - BEFORE_GRADS.get("base", 0)
+    return grad
+
+
 def peak_bytes(fn, device) -> int | None:
     if device.type != "cuda":
         return None
     sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
+    BEFORE_GRADS.clear()
+    BEFORE_GRADS["base"] = base
     fn()
     sync(device)
     return int(torch.cuda.max_memory_allocated(device) - base)
