@@ -414,7 +414,8 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
         row("flash_attention", "sdpa_flash", "fwd", 1.2, **{"TFLOP/s": 333.0}),
         row("flash_attention", "sdpa_flash", "fwd+bwd", 2.4, **{"TFLOP/s": 560.0}),
         row("fused_linear_cross_entropy", "eager", "fwd+bwd", 10.0, peak_memory_bytes=100, working_bytes=80),
-        row("fused_linear_cross_entropy", "megatron_lite", "fwd+bwd", 9.0, peak_memory_bytes=4, working_bytes=2),
+        row("fused_linear_cross_entropy", "megatron_lite", "fwd+bwd", 9.0, peak_memory_bytes=4, working_bytes=2,
+            grad_bytes=20),  # fmt: skip
         {"kernel": "fused_linear_cross_entropy", "impl": "torch.compile", "error": "OutOfMemoryError: ..."},
     ]
     lines = verdicts(rows)
