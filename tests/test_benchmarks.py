@@ -406,6 +406,7 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
     def row(kernel, impl, kind, ms, **kw):
         return {"kernel": kernel, "impl": impl, "pass": kind, "ms": ms, **kw}
 
+    ours_memory = {"peak_memory_bytes": 4, "working_bytes": 2, "grad_bytes": 20}
     rows = [
         row("rms_norm", "megatron_lite", "fwd", 1.0, fraction_of_copy_bw=0.9, fraction_of_same_size_copy=None),
         row("swiglu", "megatron_lite", "fwd+bwd", 1.0, fraction_of_copy_bw=0.5, fraction_of_same_size_copy=0.6),
@@ -414,8 +415,7 @@ def test_kernel_targets_are_judged_from_the_rows_and_survive_failed_rows():
         row("flash_attention", "sdpa_flash", "fwd", 1.2, **{"TFLOP/s": 333.0}),
         row("flash_attention", "sdpa_flash", "fwd+bwd", 2.4, **{"TFLOP/s": 560.0}),
         row("fused_linear_cross_entropy", "eager", "fwd+bwd", 10.0, peak_memory_bytes=100, working_bytes=80),
-        row("fused_linear_cross_entropy", "megatron_lite", "fwd+bwd", 9.0, peak_memory_bytes=4, working_bytes=2,
-            grad_bytes=20),  # fmt: skip
+        row("fused_linear_cross_entropy", "megatron_lite", "fwd+bwd", 9.0, **ours_memory),
         {"kernel": "fused_linear_cross_entropy", "impl": "torch.compile", "error": "OutOfMemoryError: ..."},
     ]
     lines = verdicts(rows)
