@@ -16,11 +16,13 @@
 # (Megatron's recipe; padding rows are masked, never stored).
 #   NNODES=128 RDZV_HOST=node0 TOKENIZER=... DATA_PATH=... bash pretrain/deepseek_v3.sh   (on every node)
 #   DRY_RUN=1 bash pretrain/deepseek_v3.sh
+#   bash pretrain/deepseek_v3.sh --train-iters 100   # more flags: the last given wins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-128}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-RDZV_HOST=${RDZV_HOST:-localhost}
+RDZV_GIVEN=${RDZV_HOST:-${MASTER_ADDR:-}}
+RDZV_HOST=${RDZV_GIVEN:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
 CKPT=${CKPT:-checkpoints/deepseek_v3}
 TOKENIZER=${TOKENIZER:-tokenizer.json}
@@ -52,16 +54,20 @@ ARGS=(
     --bf16 --grad-reduce-in-bf16 --distributed-timeout-minutes 60
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --vocab-size 129280
     --make-vocab-size-divisible-by 3232
-    --data-path "$DATA_PATH" --split 99,1,0
+    --data-path $DATA_PATH --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 500
     --log-interval 10 --eval-interval 1000 --eval-iters 10
     --wandb-project deepseek --wandb-exp-name "deepseek_v3_pp16_ep64_n${NNODES}"
     --exit-signal-handler
 )
 
-if [[ -n "${DRY_RUN:-}" ]]; then
-    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != 0 ]]; then
+    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec python pretrain/pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run
+fi
+if [[ "$NNODES" -gt 1 && -z "$RDZV_GIVEN" ]]; then  # (each node waited alone on its own localhost, unsaid)
+    echo "error: NNODES=$NNODES needs RDZV_HOST (or MASTER_ADDR): the first node's address, the same on every node" >&2
+    exit 2
 fi
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$MASTER_PORT" --rdzv-id "${RDZV_ID:-deepseek_v3}" \
-    pretrain/pretrain_gpt.py "${ARGS[@]}"
+    pretrain/pretrain_gpt.py "${ARGS[@]}" "$@"

@@ -5,6 +5,7 @@
 #
 #   bash pretrain/demo_cpu.sh            # TRAIN_ITERS=300 RUN_DIR=runs/demo by default
 #   DRY_RUN=1 bash pretrain/demo_cpu.sh  # validate and print memory per rank, allocate nothing
+#   bash pretrain/demo_cpu.sh --train-iters 100   # more flags: the last given wins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/demo}
@@ -29,8 +30,8 @@ ARGS=(
     --wandb-project megatron_lite_demo --wandb-exp-name demo_cpu --wandb-save-dir "$RUN_DIR"
 )
 
-if [[ -n "${DRY_RUN:-}" ]]; then
-    WORLD_SIZE=$NPROC exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != 0 ]]; then
+    WORLD_SIZE=$NPROC exec python pretrain/pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run
 fi
 mkdir -p "$RUN_DIR"
-exec torchrun --standalone --nproc-per-node "$NPROC" pretrain/pretrain_gpt.py "${ARGS[@]}"
+exec torchrun --standalone --nproc-per-node "$NPROC" pretrain/pretrain_gpt.py "${ARGS[@]}" "$@"

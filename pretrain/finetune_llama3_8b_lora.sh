@@ -4,6 +4,7 @@
 #   SFT_DATA=sft.jsonl BASE=ckpt/llama3_8b bash pretrain/finetune_llama3_8b_lora.sh      # QLORA=1 for an NF4 base
 #   python tools/checkpoint/convert.py --loader megatron_lite --saver hf-peft --load-dir ckpt/llama3_8b_lora --save-dir adapter
 #   DRY_RUN=1 bash pretrain/finetune_llama3_8b_lora.sh   # validate on any machine
+#   bash pretrain/finetune_llama3_8b_lora.sh --train-iters 100   # more flags: the last given wins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -37,7 +38,7 @@ if [[ -n "${QLORA:-}" ]]; then
     ARGS+=(--qlora)
 fi
 
-if [[ -n "${DRY_RUN:-}" ]]; then
-    WORLD_SIZE=$GPUS_PER_NODE exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != 0 ]]; then
+    WORLD_SIZE=$GPUS_PER_NODE exec python pretrain/pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run
 fi
-exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" pretrain/pretrain_gpt.py "${ARGS[@]}"
+exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" pretrain/pretrain_gpt.py "${ARGS[@]}" "$@"

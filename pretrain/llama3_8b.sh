@@ -4,6 +4,7 @@
 # decay 0.1, clipping 1.0); Meta has not published Llama 3's for the 8B.
 #   TOKENIZER=/path/to/llama3/tokenizer.json DATA_PATH=/data/llama3_text_document bash pretrain/llama3_8b.sh
 #   DRY_RUN=1 bash pretrain/llama3_8b.sh   # validate and print memory per rank on any machine
+#   bash pretrain/llama3_8b.sh --train-iters 100   # more flags: the last given wins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -26,13 +27,13 @@ ARGS=(
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8
     --bf16 --overlap-grad-reduce
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --vocab-size 128256
-    --data-path "$DATA_PATH" --split 99,1,0
+    --data-path $DATA_PATH --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 1000
     --log-interval 10 --eval-interval 1000 --eval-iters 10
     --wandb-project llama3_8b --wandb-exp-name "llama3_8b_tp4"
 )
 
-if [[ -n "${DRY_RUN:-}" ]]; then
-    WORLD_SIZE=$GPUS_PER_NODE exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != 0 ]]; then
+    WORLD_SIZE=$GPUS_PER_NODE exec python pretrain/pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run
 fi
-exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" pretrain/pretrain_gpt.py "${ARGS[@]}"
+exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" pretrain/pretrain_gpt.py "${ARGS[@]}" "$@"

@@ -5,11 +5,13 @@
 # example leaves Megatron's 0.999).
 #   NNODES=8 RDZV_HOST=node0 TOKENIZER=... DATA_PATH=... bash pretrain/mixtral_8x7b.sh   (on every node)
 #   DRY_RUN=1 bash pretrain/mixtral_8x7b.sh
+#   bash pretrain/mixtral_8x7b.sh --train-iters 100   # more flags: the last given wins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-8}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-RDZV_HOST=${RDZV_HOST:-localhost}
+RDZV_GIVEN=${RDZV_HOST:-${MASTER_ADDR:-}}
+RDZV_HOST=${RDZV_GIVEN:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
 CKPT=${CKPT:-checkpoints/mixtral_8x7b}
 TOKENIZER=${TOKENIZER:-tokenizer.json}
@@ -32,16 +34,20 @@ ARGS=(
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --distributed-timeout-minutes 30
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --vocab-size 32000
-    --data-path "$DATA_PATH" --split 99,1,0
+    --data-path $DATA_PATH --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 500
     --log-interval 10 --eval-interval 1000 --eval-iters 10
     --wandb-project mixtral --wandb-exp-name "mixtral_8x7b_pp4_ep8_n${NNODES}"
     --exit-signal-handler
 )
 
-if [[ -n "${DRY_RUN:-}" ]]; then
-    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != 0 ]]; then
+    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec python pretrain/pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run
+fi
+if [[ "$NNODES" -gt 1 && -z "$RDZV_GIVEN" ]]; then  # (each node waited alone on its own localhost, unsaid)
+    echo "error: NNODES=$NNODES needs RDZV_HOST (or MASTER_ADDR): the first node's address, the same on every node" >&2
+    exit 2
 fi
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$MASTER_PORT" --rdzv-id "${RDZV_ID:-mixtral_8x7b}" \
-    pretrain/pretrain_gpt.py "${ARGS[@]}"
+    pretrain/pretrain_gpt.py "${ARGS[@]}" "$@"

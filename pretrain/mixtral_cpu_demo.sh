@@ -5,6 +5,7 @@
 # console, runs/mixtral_demo/metrics.jsonl and the offline W&B run.
 #   bash pretrain/mixtral_cpu_demo.sh
 #   DRY_RUN=1 bash pretrain/mixtral_cpu_demo.sh
+#   bash pretrain/mixtral_cpu_demo.sh --train-iters 100   # more flags: the last given wins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/mixtral_demo}
@@ -31,8 +32,8 @@ ARGS=(
     --wandb-project megatron_lite_demo --wandb-exp-name mixtral_cpu --wandb-save-dir "$RUN_DIR"
 )
 
-if [[ -n "${DRY_RUN:-}" ]]; then
-    WORLD_SIZE=$NPROC exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != 0 ]]; then
+    WORLD_SIZE=$NPROC exec python pretrain/pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run
 fi
 mkdir -p "$RUN_DIR"
-exec torchrun --standalone --nproc-per-node "$NPROC" pretrain/pretrain_gpt.py "${ARGS[@]}"
+exec torchrun --standalone --nproc-per-node "$NPROC" pretrain/pretrain_gpt.py "${ARGS[@]}" "$@"

@@ -9,11 +9,13 @@
 # The schedule (lr 3e-4 to 3e-5, batch 512) is ours: Qwen has not published its.
 #   NNODES=4 RDZV_HOST=node0 TOKENIZER=... DATA_PATH=... bash pretrain/qwen3_30b_a3b.sh   (on every node)
 #   DRY_RUN=1 bash pretrain/qwen3_30b_a3b.sh
+#   bash pretrain/qwen3_30b_a3b.sh --train-iters 100   # more flags: the last given wins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-4}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-RDZV_HOST=${RDZV_HOST:-localhost}
+RDZV_GIVEN=${RDZV_HOST:-${MASTER_ADDR:-}}
+RDZV_HOST=${RDZV_GIVEN:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
 CKPT=${CKPT:-checkpoints/qwen3_30b_a3b}
 TOKENIZER=${TOKENIZER:-tokenizer.json}
@@ -38,16 +40,20 @@ ARGS=(
     --bf16 --grad-reduce-in-bf16 --distributed-timeout-minutes 30
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --vocab-size 151936
     --make-vocab-size-divisible-by 1187
-    --data-path "$DATA_PATH" --split 99,1,0
+    --data-path $DATA_PATH --split 99,1,0
     --save "$CKPT" --load "$CKPT" --save-interval 1000
     --log-interval 10 --eval-interval 1000 --eval-iters 10
     --wandb-project qwen3 --wandb-exp-name "qwen3_30b_a3b_pp2_ep8_n${NNODES}"
     --exit-signal-handler
 )
 
-if [[ -n "${DRY_RUN:-}" ]]; then
-    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec python pretrain/pretrain_gpt.py "${ARGS[@]}" --dry-run
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != 0 ]]; then
+    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec python pretrain/pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run
+fi
+if [[ "$NNODES" -gt 1 && -z "$RDZV_GIVEN" ]]; then  # (each node waited alone on its own localhost, unsaid)
+    echo "error: NNODES=$NNODES needs RDZV_HOST (or MASTER_ADDR): the first node's address, the same on every node" >&2
+    exit 2
 fi
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$MASTER_PORT" --rdzv-id "${RDZV_ID:-qwen3_30b_a3b}" \
-    pretrain/pretrain_gpt.py "${ARGS[@]}"
+    pretrain/pretrain_gpt.py "${ARGS[@]}" "$@"

@@ -154,7 +154,8 @@ def test_the_multinode_script_gives_each_restart_a_store_of_its_own(tmp_path):
     fake = tmp_path / "torchrun"
     fake.write_text('#!/bin/sh\necho "share=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE $*" > "$RECORD"\n')
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "RECORD": str(tmp_path / "rec"), "NNODES": "2"}
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "RECORD": str(tmp_path / "rec"), "NNODES": "2",
+           "RDZV_HOST": "node0"}  # fmt: skip
     out = subprocess.run(["bash", str(ROOT / "pretrain" / "llama3_70b_multinode.sh")], env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
