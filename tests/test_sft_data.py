@@ -72,6 +72,12 @@ def test_a_long_prompt_loses_its_start_not_the_response(tmp_path):
         ('{"prompt": "1"}', r"d.jsonl:1: expected a JSON object with \"prompt\" and \"response\""),
         ('{"prompt": "1", "response": null}', r"d.jsonl:1: expected .* strings, got str and NoneType"),
         ('{"prompt": "1", "response": "two"}', r"d.jsonl:1: the tokenizer cannot encode it \(ValueError"),
+        # (an exploratory run's: each ended in Python's own words, the last trained the turn's end alone)
+        ('{"prompt": "1"}', r'd.jsonl:1: .* it has no "response" key$'),
+        ('[{"prompt": "1", "response": "2"}]', r"d.jsonl:1: expected .* on each line, got a JSON list$"),
+        ('{"prompt": "1", "response": "2"', r"d.jsonl:1: expected .* \(not JSON: Expecting ',' delimiter at column"),
+        ('{"messages": [{"role": "user", "content": "1"}]}', r'd.jsonl:1: a "messages" conversation .* is not read'),
+        ('{"prompt": "1", "response": ""}', r"d.jsonl:1: the response is empty: drop the record or give its answer"),
     ],
 )
 def test_bad_records_are_refused(tmp_path, record, message):
@@ -103,6 +109,12 @@ def test_a_tokenizer_adding_bos_and_eos_around_every_text_gives_one_of_each(tmp_
     s = SFTDataset(str(path), tok, seq_length=8, seed=0)[0]
     assert s["tokens"].tolist() == [1, 3, 4, 5, 6, 2, 2, 2]
     assert [lab for lab, m in zip(s["labels"].tolist(), s["loss_mask"].tolist()) if m] == [5, 6, 2]
+    # generate.py prompts with the ids the prompt trained as (an exploratory run's: its plain encode doubled a
+    # rendered prompt's BOS and kept the tokenizer's </s>, ids the model never saw before its response)
+    from megatron_lite.data.sft import prompt_ids
+
+    assert tok.encode("<s> hello world") == [1, 1, 3, 4, 2]
+    assert prompt_ids(tok, "<s> hello world") == prompt_ids(tok, "hello world") == [1, 3, 4]
 
 
 def test_a_bos_adding_tokenizer_puts_one_bos_per_sample(tmp_path):

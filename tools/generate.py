@@ -41,6 +41,7 @@ from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import TOKENIZER_FIELDS
 from megatron_lite.data.embedded import trained_on_embedded_corpus
+from megatron_lite.data.sft import prompt_ids
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.inference.generation import SamplingConfig, generate_batch
@@ -364,7 +365,10 @@ def run(args: argparse.Namespace) -> int:
     texts = any(isinstance(r.get("prompt"), str) for r in records)
     # (token-id prompts with --tokenizer-model: it decodes the output; it was ignored, a missing path too)
     tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts or args.tokenizer_model else None
-    prompts = [tokenizer.encode(r["prompt"]) if isinstance(r.get("prompt"), str) else r["prompt_ids"] for r in records]
+    # (text is read as --sft reads a prompt: a chat template's special tokens as tokens, one BOS)
+    prompts = [
+        prompt_ids(tokenizer, r["prompt"]) if isinstance(r.get("prompt"), str) else r["prompt_ids"] for r in records
+    ]
     many = "--prompts-file line" if args.prompts_file else "--prompts prompt" if args.prompts else None
     where = lambda i: f" ({many} {records[i]['_line']})" if many else ""  # noqa: E731
     for i, prompt in enumerate(prompts):

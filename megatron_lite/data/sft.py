@@ -48,6 +48,16 @@ def _one_bos(ids: list[int], prefix: list[int]) -> list[int]:
     return ids[len(prefix) :] if prefix and ids[: 2 * len(prefix)] == prefix + prefix else ids
 
 
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A prompt's ids as --sft trains on them (tools/generate.py prompts with these): a chat template's special
+    tokens read as the tokens they name, one BOS where the text and the tokenizer both bring one, no end-of-text
+    the tokenizer appends. An exploratory run's: generate.py's plain encode read a Llama-2 chat prompt's <s> as
+    text, and doubled a Llama-3 one's BOS, so the model was prompted with ids it was never trained on."""
+    prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
+    encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
+    return _one_bos(_strip(encode(text), [], suffix), prefix)
+
+
 def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple[list[int], list[int], bool, bool]:
     """(prompt, response, prompt cut, response cut) within `length` tokens. The prompt keeps its first `bos`
     tokens and its end (which the response follows), and at least one token, whose label is the response's
@@ -87,15 +97,26 @@ class SFTDataset:
                 expected = 'a JSON object with "prompt" and "response" (or TRL\'s "completion") strings'
                 try:
                     r = json.loads(line)
-                    prompt, response = (
-                        r["prompt"],
-                        r["response"] if "response" in r or "completion" not in r else r["completion"],
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{n}: expected {expected} (not JSON: {e.msg} at column {e.colno})") from e
+                if not isinstance(r, dict):  # (a JSON array file, say: one record a line here)
+                    raise ConfigError(f"{path}:{n}: expected {expected} on each line, got a JSON {type(r).__name__}")
+                if "messages" in r and "prompt" not in r:  # (Megatron's SFTDataset's conversations)
+                    raise ConfigError(
+                        f'{path}:{n}: a "messages" conversation (Megatron\'s format) is not read here: render it '
+                        'with the chat template into a "prompt" (every turn before the last assistant\'s) and a '
+                        '"response" (that turn); only the response carries loss'
                     )
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ConfigError(f"{path}:{n}: expected {expected} ({e})") from e
+                if "prompt" not in r or not ({"response", "completion"} & set(r)):
+                    missing = "prompt" if "prompt" not in r else "response"
+                    raise ConfigError(f'{path}:{n}: expected {expected}; it has no "{missing}" key')
+                prompt = r["prompt"]
+                response = r["response"] if "response" in r or "completion" not in r else r["completion"]
                 if not isinstance(prompt, str) or not isinstance(response, str):
                     kinds = f"{type(prompt).__name__} and {type(response).__name__}"
                     raise ConfigError(f"{path}:{n}: expected {expected}, got {kinds}")
+                if not response:  # (it trained the turn's end alone; Megatron refuses an empty assistant turn)
+                    raise ConfigError(f"{path}:{n}: the response is empty: drop the record or give its answer")
                 try:
                     p, other = encode(prompt), encode(response if separate else prompt + response)
                 except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
