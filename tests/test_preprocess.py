@@ -535,10 +535,28 @@ def test_sigterm_removes_the_partial_output_and_a_killed_runs_leftovers_are_remo
     killed = tmp_path / f"o_text_document.bin.{host}.{int(gone.stdout)}.partial"  # (its writer's process is gone)
     running = tmp_path / f"o_text_document.bin.{host}.{os.getppid()}.partial"  # (a writer still running)
     elsewhere = tmp_path / f"o_text_document.bin.otherhost.{int(gone.stdout)}.partial"  # (not seen from here)
-    for path in (killed, running, elsewhere):
+    # (a review's: a writer in another PID namespace, a container on the host's network, looks gone: its lock)
+    held = tmp_path / f"o_text_document.idx.{host}.{int(gone.stdout)}.partial"
+    fresh = tmp_path / f"o_text_document.idx.{host}.{int(gone.stdout) + 1}.partial"  # (written a moment ago)
+    for path in (killed, running, elsewhere, held, fresh):
         path.write_bytes(b"x" * 100)
+        if path is not fresh:
+            os.utime(path, (1e9, 1e9))  # (untouched for years)
+    from megatron_lite.checkpoint.atomic import hold_temp
+
+    lock = hold_temp(str(held))
+    assert lock is not None
     assert preprocess_data.main(argv) == 0
     assert f"removed {killed}, left by an earlier run that was killed" in capsys.readouterr().err
-    assert not killed.exists() and running.exists() and elsewhere.exists()
+    assert not killed.exists() and running.exists() and elsewhere.exists() and held.exists() and fresh.exists()
+    lock.close()
     ds = IndexedDataset(prefix + "_text_document")
     assert len(ds) == 50
+    # (a review's: called from another thread, setting the SIGTERM handler raised and left the .partial files)
+    import threading
+
+    done = []
+    runner = threading.Thread(target=lambda: done.append(preprocess_data.main([*argv[:3], prefix + "_t", *argv[4:]])))
+    runner.start()
+    runner.join(60)
+    assert done == [0] and len(IndexedDataset(prefix + "_t_text_document")) == 50

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import zlib
 
@@ -262,11 +263,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed {path}, left by an earlier run that was killed", file=sys.stderr)
     # SIGTERM (a scheduler's time limit) stops like Ctrl-C: the partial output is removed, the workers stopped
     # (the default action left a file as large as the output so far and the pool's semaphores)
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # (main thread: the tool's, or a test's)
+    # (only the main thread may set it: main() called from another thread raised, its .partial files left)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if main_thread else None
     try:
         return _write(args, writers)
     finally:
-        signal.signal(signal.SIGTERM, previous)  # (main() called in-process leaves its caller's handler)
+        if main_thread:  # (main() called in-process leaves its caller's handler)
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _write(args: argparse.Namespace, writers: dict) -> int:
@@ -305,9 +309,14 @@ def _write(args: argparse.Namespace, writers: dict) -> int:
         if not finished:  # (no half-written .partial files left beside the output)
             for w in writers.values():
                 w.discard()
-    for key, w in writers.items():
-        w.finalize()
-        print(f"wrote {args.output_prefix}_{key}_document.bin/.idx: {docs} documents", file=sys.stderr)
+    try:  # (a signal during the final fsync, minutes on a large output: what is not yet in place goes too)
+        for key, w in writers.items():
+            w.finalize()
+            print(f"wrote {args.output_prefix}_{key}_document.bin/.idx: {docs} documents", file=sys.stderr)
+    except BaseException:
+        for w in writers.values():
+            w.discard()
+        raise
     if docs == 0:  # (training refuses an empty dataset: better said here, where the input is named)
         print(f"warning: --input {' '.join(args.files)} held no documents: the dataset written is empty",
               file=sys.stderr)  # fmt: skip

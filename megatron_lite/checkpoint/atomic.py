@@ -4,10 +4,12 @@ indexed datasets and caches) does not import torch for them."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import socket
+import time
 
 
 def _fsync_dir(path: str) -> None:
@@ -24,23 +26,49 @@ def private_temp(path: str) -> str:
     return f"{path}.{socket.gethostname()}.{os.getpid()}.partial"
 
 
-def remove_stale_temps(path: str) -> list[str]:
-    """Remove `path`'s temporary files that writers on this host left when killed (their process is gone): a
-    preprocessing run stopped by SIGKILL or a time limit left a file as large as its output, every retry one
-    more. Other hosts' files are left: their writers cannot be seen from here. Returns the paths removed."""
-    host, removed = socket.gethostname(), []
+def remove_stale_temps(path: str, age_s: float = 60.0) -> list[str]:
+    """Remove `path`'s temporary files that writers on this host left when killed: a preprocessing run stopped by
+    SIGKILL or a time limit left a file as large as its output, every retry one more. A file goes when its
+    process is gone, no writer holds a lock on it (hold_temp: a process in another PID namespace, a container on
+    the host's network, looks gone) and it has not changed for `age_s`. Other hosts' files are left: their
+    writers cannot be seen from here. Returns the paths removed."""
+    host, removed, now = socket.gethostname(), [], time.time()
     folder = os.path.dirname(path) or "."
     start = f"{os.path.basename(path)}.{host}."
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        pid = name[len(start) : -len(".partial")]
+        pid, full = name[len(start) : -len(".partial")], os.path.join(folder, name)
         if not (name.startswith(start) and name.endswith(".partial") and pid.isdigit()) or _alive(int(pid)):
             continue
         try:
-            os.remove(os.path.join(folder, name))
-            removed.append(os.path.join(folder, name))
-        except OSError:  # (another process removed it first, or no permission: not this writer's concern)
+            if now - os.path.getmtime(full) < age_s or _held(full):
+                continue
+            os.remove(full)
+            removed.append(full)
+        except OSError:  # (removed by another process first, no permission, no locks here: left alone)
             pass
     return removed
+
+
+def hold_temp(path: str):
+    """An open file holding a lock on `path` (a writer's temporary file) while it is open, or None where the file
+    system has no locks: remove_stale_temps leaves a held file alone."""
+    f = open(path, "rb")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def _held(path: str) -> bool:
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
 
 
 def _alive(pid: int) -> bool:

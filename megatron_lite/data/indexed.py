@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from megatron_lite.checkpoint.atomic import private_temp, remove_stale_temps
+from megatron_lite.checkpoint.atomic import hold_temp, private_temp, remove_stale_temps
 from megatron_lite.config import ConfigError
 
 HEADER = b"MMIDIDX\x00\x00"
@@ -46,6 +46,7 @@ class IndexedDatasetWriter:
         self.removed_stale = [p for ext in (".bin", ".idx") for p in remove_stale_temps(prefix + ext)]
         self._tmp = {ext: private_temp(prefix + ext) for ext in (".bin", ".idx")}
         self._bin = open(self._tmp[".bin"], "wb")
+        self._hold = hold_temp(self._tmp[".bin"])  # (until the files are in place: no other run takes it as stale)
         self._lengths: list[int] = []
         self._docs = [0]  # document boundaries, indices into the sequences
 
@@ -66,6 +67,12 @@ class IndexedDatasetWriter:
         for path in self._tmp.values():
             if os.path.exists(path):
                 os.remove(path)
+        self._release()
+
+    def _release(self) -> None:
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
 
     def finalize(self) -> None:
         self._bin.flush()
@@ -89,6 +96,7 @@ class IndexedDatasetWriter:
             os.fsync(f.fileno())
         os.replace(self._tmp[".bin"], self.prefix + ".bin")
         os.replace(self._tmp[".idx"], self.prefix + ".idx")
+        self._release()
 
 
 def _missing_hint(prefix: str, flag: str) -> str:
