@@ -493,12 +493,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
             f"--split {ns.split} divides --data-path; with --{per_split[0].replace('_', '-')} each split has its own "
             "datasets, used whole: drop --split (or give --data-path instead)"
         )
-    if "accumulate_allreduce_grads_in_fp32" in given and getattr(ns, "main_grads_dtype", None) == "bf16" and ns.bf16:
+    accumulate = "accumulate_allreduce_grads_in_fp32" in given and ns.accumulate_allreduce_grads_in_fp32  # (not --no-)
+    if accumulate and getattr(ns, "main_grads_dtype", None) == "bf16" and ns.bf16:
         raise ConfigError(
             "--accumulate-allreduce-grads-in-fp32 needs fp32 main gradients (as Megatron asserts), not "
             "--main-grads-dtype bf16; drop one"
         )
-    if {"grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"} <= given and ns.bf16:
+    if accumulate and "grad_reduce_in_bf16" in given and ns.grad_reduce_in_bf16 and ns.bf16:
         ns.accumulate_allreduce_grads_in_fp32 = False  # both given: bf16 wins, as in Megatron's validate_args
     lenient = same_directory(ns.load, ns.save) or bool(ns.non_persistent_ckpt_type)  # (see resume.py: --load S)
     path = find_checkpoint(ns.load, ns.ckpt_step, own=lenient) if ns.load else None
@@ -553,10 +554,7 @@ def _finish(ns: argparse.Namespace, argv: Sequence[str], given: set[str]) -> tup
     # inf): the flags' own checks first, then this line for any left
     try:
         job = job_config_from_args(ns)
-    except ConfigError as e:  # (a ValueError too: the flags' own lines stand)
-        path, text = "--heterogeneous-layers-config-path:", "--heterogeneous-layers-config-encoded-json:"
-        if str(e).startswith(path) and ns.heterogeneous_layers_config_encoded_json:  # (the blocks' checks name
-            raise ConfigError(text + str(e)[len(path) :]) from None  # the path, their usual source)
+    except ConfigError:  # (a ValueError too: the flags' own lines stand)
         raise
     except (ValueError, OverflowError):
         if said := _non_finite(ns, given):

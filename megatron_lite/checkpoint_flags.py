@@ -391,8 +391,9 @@ def flags_from_checkpoint(
         text = None if isinstance(value, bool) else _given_text(argv, flag)  # (a switch takes no text)
         if text is not None and not _same_number(text, value):
             value = f"{text} (read as {value})"  # (--window-size 7,0 is a window of 8 tokens)
+        given_as = _flag(parser, d, value) if isinstance(value, bool) else f"{flag} {value}"  # (as typed: --no-X)
         raise ConfigError(
-            f"{flag} {value} conflicts with the checkpoint in {path} "
+            f"{given_as} conflicts with the checkpoint in {path} "
             f"({saved.get(d)}); drop the flag, or pass --use-checkpoint-args to take the checkpoint's value"
         )
     if not ns.use_checkpoint_args:
@@ -453,7 +454,10 @@ def flags_from_checkpoint(
     # a precision given replaces the checkpoint's, and its bf16-only settings (an fp16 run was refused for them)
     bf16_only = ("grad_reduce_in_bf16", "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype")
     for flag, drop in (("bf16", ("fp16",)), ("fp16", ("bf16", *bf16_only))):
-        if flag in given:
+        if flag in given and getattr(ns, flag):  # (turned on: --no-bf16 given replaces nothing)
+            if saved.get("fp8") and "fp8" not in given:  # (dropped without a word: a review's)
+                notes.append(f"--{flag} replaces the checkpoint's fp8 (--fp8-format {saved['fp8']}): the run computes "
+                             f"in {flag} (--fp8-format {saved['fp8']} with --{flag} keeps it)")  # fmt: skip
             for k in (*drop, *(FP8_DESTS if "fp8" not in given else ())):
                 saved.pop(k, None)
     # `full` keeps the checkpoint's own schedule (--use-checkpoint-opt_param-scheduler); `saved` is trimmed below
@@ -469,8 +473,8 @@ def flags_from_checkpoint(
     if given & {"lr_warmup_iters", "lr_warmup_samples"}:  # a warmup length given replaces the saved fraction
         saved.pop("lr_warmup_fraction", None)
     sources = ("mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path")
-    if given & set(sources[:3]):  # a training data source given replaces the checkpoint's (--mock-data has no
-        saved = {k: v for k, v in saved.items() if k not in sources}  # off switch); a split's path only its own
+    if any(getattr(ns, d) for d in given & set(sources[:3])):  # a training data source given replaces the
+        saved = {k: v for k, v in saved.items() if k not in sources}  # checkpoint's; a split's path only its own
     # (an explicit other optimizer: no precision-aware Adam)
     if ns.optimizer in ("sgd", "muon", "dist_muon") or ns.use_apex_adam:
         for k in ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"):
@@ -487,13 +491,18 @@ def flags_from_checkpoint(
     ns = parser.parse_args(argv)
     ns.rope_scaling_params = saved.get("rope_scaling_params")
     # (for with_origin: the flags taken, and each switch's off form)
-    offs = {f"--{k.replace('_', '-')}": off_switch(_flag(parser, k, True)) for k, v in taken.items() if v is True}
+    offs = {  # (not an architecture's switch: its off form is refused as a conflict with the weights)
+        f"--{k.replace('_', '-')}": off_switch(_flag(parser, k, True))
+        for k, v in taken.items()
+        if v is True and k not in ARCH_DESTS
+    }
+    offs = {k: v for k, v in offs.items() if v in parser._option_string_actions}  # (a --no-X switch has none)
     ns.from_checkpoint = (path, [f"--{k.replace('_', '-')}" for k in taken], offs)
     if not finetune and (listed := [_flag(parser, k, v) for k, v in taken.items() if k not in ARCH_DESTS]):
         # (Megatron takes nothing but --use-checkpoint-args' model flags: say what came over, as a switch left
         # on there, --eod-mask-loss say, is not turned off by leaving its flag out here: its --no- form does)
         notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
-        if off := [offs[f"--{k.replace('_', '-')}"] for k, v in taken.items() if v is True and k not in ARCH_DESTS]:
+        if off := list(offs.values()):
             notes.append(f"a switch taken from the checkpoint is turned off by its off form: {', '.join(off)}")
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
     ns.schedule_notes = notes + schedule_notes(ns, saved, given, full, scheduler, resumed)

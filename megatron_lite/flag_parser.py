@@ -584,21 +584,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def off_switch(flag: str) -> str:
-    """The flag that turns switch `flag` off: --no-X, or for a --no-X switch, --X."""
-    return "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
+    """The flag that undoes switch `flag`: --no-X, or --A-B for --A-no-B."""
+    return flag.replace("-no-", "-", 1) if "-no-" in flag else "--no-" + flag[2:]
 
 
 def _add_off_switches(parser: argparse.ArgumentParser) -> None:
-    """Each switch without one gets an off form (--no-X; --X for a --no-X switch), not in --help: `--load` alone
-    takes the checkpoint's switches (--eod-mask-loss, --fp32-residual-connection, --qk-clip...), and one left on
-    there could never be turned off (a checkpoint with an fp32 residual stream could not resume under FSDP2)."""
+    """Each switch without one gets the form that undoes it (--no-X; --muon-split-qkv for --muon-no-split-qkv), for
+    each of its spellings, not in --help: `--load` alone takes the checkpoint's switches
+    (--eod-mask-loss, --fp32-residual-connection, --qk-clip...), and one left on there could never be turned off
+    (a checkpoint with an fp32 residual stream could not resume under FSDP2)."""
     names = parser._option_string_actions
-    have_off = {a.dest for a in parser._actions if isinstance(a, argparse._StoreFalseAction)}
+    kinds = (argparse._StoreTrueAction, argparse._StoreFalseAction)
+    have = {(a.dest, type(a)) for a in parser._actions if isinstance(a, kinds)}
     for action in list(parser._actions):
-        if isinstance(action, argparse._StoreTrueAction) and action.dest not in have_off:
-            flag = max(action.option_strings, key=len)
-            if off_switch(flag) not in names:
-                parser.add_argument(off_switch(flag), dest=action.dest, action="store_false", help=argparse.SUPPRESS)
+        # (not --X for a --no-X switch, an opt-out of a default: "--load-optim: no such flag, it is the default")
+        if not isinstance(action, kinds) or max(action.option_strings, key=len).startswith("--no-"):
+            continue
+        undo = (
+            argparse._StoreFalseAction if isinstance(action, argparse._StoreTrueAction) else argparse._StoreTrueAction
+        )
+        forms = [off_switch(f) for f in action.option_strings if f.startswith("--")]
+        forms = [f for f in dict.fromkeys(forms) if f not in names]
+        if (action.dest, undo) in have or not forms:
+            continue
+        kind = "store_false" if undo is argparse._StoreFalseAction else "store_true"
+        parser.add_argument(*forms, dest=action.dest, action=kind, default=action.default, help=argparse.SUPPRESS)
 
 
 def _say_defaults(parser: argparse.ArgumentParser) -> None:

@@ -122,19 +122,17 @@ def job_store(timeout_s: float, host: bool = False, connect_s: float | None = No
         agent_s = min(timeout_s if connect_s is None else connect_s, AGENT_STORE_S)
         # Refused for a few seconds, it is gone: it was up before any worker started (the other node's ranks
         # waited a minute to say so); a timeout (packets dropped) may be a slow network, waited for longer.
-        waited_s, why = agent_s, "nothing listens there"
+        why = "nothing listens there"
         try:  # (polled quietly first: torch's client tried twice, 60 s each and a pause, a C++ trace at each)
             refused = _refused_for(addr, port, agent_s, REFUSED_S)
             if refused is None:
                 return _attempt_store(timeout_s, connect_s=agent_s)
-            if refused:
-                waited_s, why = min(REFUSED_S, agent_s), "connection refused"
         except Exception as e:
-            why = type(e).__name__
-        raise ConfigError(
-            f"the job's store at {addr}:{port}, which the first node's torchrun serves, did not answer within "
-            f"{waited_s:g} s ({why}): that node stopped (its log says why)"
-        )
+            refused, why = False, type(e).__name__
+        store = f"the job's store at {addr}:{port}, which the first node's torchrun serves,"
+        if refused:  # (said as what happened: timeouts before the refusals may have made the wait longer)
+            raise ConfigError(f"{store} refused connections for {REFUSED_S:g} s: that node stopped (its log says why)")
+        raise ConfigError(f"{store} did not answer within {agent_s:g} s ({why}): that node stopped (its log says why)")
     wait_s = timeout_s if connect_s is None else connect_s
     # (the port is polled here, quietly: torch's client, retrying, printed a C++ stack trace at every try)
     if host or _port_opens(addr, port, wait_s):

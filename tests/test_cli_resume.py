@@ -504,5 +504,8 @@ def test_precision_and_training_settings_come_back_and_a_precision_given_replace
     )
     assert job.optimizer.skip_embedding_weight_decay
     assert any("--fp8-format hybrid" in n and "--qk-clip" in n for n in ns.schedule_notes), ns.schedule_notes
-    _, job = parse_args(["--load", ckpt, "--bf16"])
+    ns, job = parse_args(["--load", ckpt, "--bf16"])
     assert job.model.fp8 is None and job.model.fp8_bf16_layers == (0, 0) and job.model.fp32_residual_connection
+    # (a review's: dropped without a word)
+    said = " ".join(ns.schedule_notes)
+    assert "--bf16 replaces the checkpoint's fp8 (--fp8-format hybrid)" in said, said

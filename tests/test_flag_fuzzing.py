@@ -34,7 +34,7 @@ MOE = ["--num-experts", "4", "--moe-router-pre-softmax", "--disable-bias-linear"
         (["--heterogeneous-layers-config-encoded-json", "abc"], "--heterogeneous-layers-config-encoded-json is not"),
         (
             ["--heterogeneous-layers-config-encoded-json", '{"block_configs": [{}]}'],
-            "--heterogeneous-layers-config-encoded-json: block 0 needs an 'attention' and an 'ffn' object",
+            "--heterogeneous-layers-config-path (or -encoded-json): block 0 needs an 'attention' and an 'ffn' object",
         ),
         (["--seq-length", "0"], "--seq-length 0 must be a positive integer"),  # (said as --max-position-embeddings)
         (["--max-position-embeddings", "0"], "--max-position-embeddings 0 must be a positive integer"),  # (unset)
@@ -45,6 +45,7 @@ MOE = ["--num-experts", "4", "--moe-router-pre-softmax", "--disable-bias-linear"
         (["--num-layers", "1000000000000"], "--num-layers 1000000000000 is beyond any model (at most 100000)"),
         (["--vocab-size", "10000000000000"], "--vocab-size 10000000000000 and --hidden-size 32 make about"),
         ([*MOE, "--num-experts", "40000000000"], "--num-experts 40000000000 make about 6.6e+14 parameters, beyond"),
+        (["--ffn-hidden-size", "1" + "0" * 400], "make about 1e+402 parameters, beyond any model"),  # (no float)
     ],  # fmt: skip
 )
 def test_values_let_through_or_raising_are_one_line(argv, said, capsys, monkeypatch):

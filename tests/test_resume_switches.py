@@ -12,7 +12,7 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError
 from megatron_lite.flag_parser import build_parser
 
-SWITCHES = ["--fp32-residual-connection", "--qk-clip", "--eod-mask-loss"]
+SWITCHES = ["--fp32-residual-connection", "--qk-clip", "--eod-mask-loss", "--untie-embeddings-and-output-weights"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,7 @@ def test_the_checkpoints_switches_come_back_and_their_off_forms_turn_them_off(ch
     off = "a switch taken from the checkpoint is turned off by its off form: "
     assert any(n.startswith(off) and "--no-eod-mask-loss" in n and "--no-fp32-residual-connection" in n
                and "--no-qk-clip" in n for n in ns.schedule_notes), ns.schedule_notes  # fmt: skip
+    assert not any("--no-untie" in n for n in ns.schedule_notes), ns.schedule_notes  # (the weights' own: refused)
     off = ["--no-fp32-residual-connection", "--no-qk-clip", "--no-eod-mask-loss"]
     ns, job = parse_args([*TINY, "--load", checkpoint, *off])
     assert not (ns.fp32_residual_connection or ns.qk_clip or ns.eod_mask_loss)
@@ -55,5 +56,24 @@ def test_off_forms_are_out_of_help_and_a_no_switch_turns_off_by_its_plain_name()
     parser = build_parser()
     assert "--no-eod-mask-loss" not in parser.format_help()
     assert parser.parse_args(["--no-eod-mask-loss"]).eod_mask_loss is False
-    assert parser.parse_args(["--no-fp8-wgrad", "--fp8-wgrad"]).no_fp8_wgrad is False  # (the last one given wins)
+    assert parser.parse_args(["--no-eod-mask-loss", "--eod-mask-loss"]).eod_mask_loss is True  # (the last given wins)
     assert parser.parse_args([]).eod_mask_loss is False  # (the switch's own default stays)
+
+
+def test_an_off_form_is_not_taken_for_its_switch_turned_on(checkpoint):
+    """A review's: an off form counted as its switch given, so checks meant for the switch turned on fired (a
+    refusal of --accumulate-allreduce-grads-in-fp32 the user had turned off; --no-fp16 dropped the checkpoint's
+    bf16), and an architecture switch's off form was named as "--X False"."""
+    parse_args([*TINY, "--mock-data", "--vocab-size", "64", "--bf16", "--main-grads-dtype", "bf16",
+                "--use-precision-aware-optimizer", "--no-accumulate-allreduce-grads-in-fp32"])  # fmt: skip
+    ns, _ = parse_args([*TINY, "--load", checkpoint, "--no-fp16"])
+    assert ns.bf16 and not any("replaces the checkpoint" in n for n in ns.schedule_notes), ns.schedule_notes
+    with pytest.raises(ConfigError, match=r"^--no-untie-embeddings-and-output-weights conflicts with the checkpoint"):
+        parse_args([*TINY, "--load", checkpoint, "--no-untie-embeddings-and-output-weights"])
+
+
+def test_a_no_switch_in_the_middle_and_each_spelling_get_their_undoing_form():
+    parser = build_parser()
+    assert parser.parse_args(["--muon-no-split-qkv", "--muon-split-qkv"]).muon_split_qkv is True
+    ns = parser.parse_args(["--override-opt-param-scheduler", "--no-override-opt-param-scheduler"])
+    assert ns.override_opt_param_scheduler is False

@@ -325,7 +325,7 @@ def test_a_restart_resumes_its_own_optimizer_state_whatever_the_start_flags(tmp_
     LR schedule and RNG, and goes on as the uninterrupted job (its warmup started over, the loss diverged)."""
     base = str(tmp_path / "base")
     warm = ["--lr", "1e-2", "--lr-warmup-iters", "4", "--lr-decay-style", "constant", "--hidden-dropout", "0.1"]
-    rc, _, err = _run([*DATA, *warm, "--train-iters", "4", "--save", base], capsys, monkeypatch)
+    rc, _, err = _run([*DATA, *warm, "--train-iters", "5", "--save", base], capsys, monkeypatch)  # (warmup < decay)
     assert rc == 0, err
     tune = [
         *DATA,

@@ -37,9 +37,9 @@ def _check_size(c: ModelConfig) -> None:
     total = sum(parts.values())
     if total > MAX_PARAMETERS:
         flags = max(parts, key=parts.get)
+        about = f"{total:.1e}" if total < 10**300 else f"1e+{len(str(total)) - 1}"  # (a float holds up to 1.8e308)
         raise ConfigError(
-            f"{flags} make about {total:.1e} parameters, beyond any model (at most {MAX_PARAMETERS:.0e}): "
-            "check the flags"
+            f"{flags} make about {about} parameters, beyond any model (at most {MAX_PARAMETERS:.0e}): check the flags"
         )
 
 

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from megatron_lite.config import ModelConfig
 
 NORMAL, LINEAR, NO_OP = "normal", "linear", "no_op"
-FLAG = "--heterogeneous-layers-config-path"
+# (named for both: the model holds the blocks' text, not which flag gave it; naming the path alone blamed a flag
+# the user of -encoded-json never typed, a review's and a fuzzer's)
+FLAG = "--heterogeneous-layers-config-path (or -encoded-json)"
 # Keys a block's part may carry that have no effect when null / false (DeciLM writes them in every block)
 _ATTENTION_KEYS = {"no_op", "replace_with_linear", "n_heads_in_group", "num_query_groups"}
 _MLP_KEYS = {"no_op", "replace_with_linear", "ffn_mult", "ffn_hidden_size"}
