@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from megatron_lite.config import ConfigError, yarn_mscale
 from megatron_lite.data.config import TOKENIZER_FIELDS
-from megatron_lite.flag_parser import off_switch
+from megatron_lite.flag_help import off_switch
 from megatron_lite.flag_values import heterogeneous_json
 from megatron_lite.models.heterogeneous import check_given_blocks
 from megatron_lite.schedule_flags import RUN_LENGTH, in_other_unit, schedule_notes

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_lite.data.flags import add_data_flags
-from megatron_lite.flag_help import add_missing_help
+from megatron_lite.flag_help import add_missing_help, add_off_switches
 from megatron_lite.megatron_flags import add_megatron_flag_groups
 from megatron_lite.moe.flags import add_moe_flags
 from megatron_lite.one_line_parser import OneLineErrorParser  # (the tools import it from here too)
@@ -579,36 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_megatron_flag_groups(parser)
     add_missing_help(parser)
     _say_defaults(parser)
-    _add_off_switches(parser)
+    add_off_switches(parser)
     return parser
-
-
-def off_switch(flag: str) -> str:
-    """The flag that undoes switch `flag`: --no-X, or --A-B for --A-no-B."""
-    return flag.replace("-no-", "-", 1) if "-no-" in flag else "--no-" + flag[2:]
-
-
-def _add_off_switches(parser: argparse.ArgumentParser) -> None:
-    """Each switch without one gets the form that undoes it (--no-X; --muon-split-qkv for --muon-no-split-qkv), for
-    each of its spellings, not in --help: `--load` alone takes the checkpoint's switches
-    (--eod-mask-loss, --fp32-residual-connection, --qk-clip...), and one left on there could never be turned off
-    (a checkpoint with an fp32 residual stream could not resume under FSDP2)."""
-    names = parser._option_string_actions
-    kinds = (argparse._StoreTrueAction, argparse._StoreFalseAction)
-    have = {(a.dest, type(a)) for a in parser._actions if isinstance(a, kinds)}
-    for action in list(parser._actions):
-        # (not --X for a --no-X switch, an opt-out of a default: "--load-optim: no such flag, it is the default")
-        if not isinstance(action, kinds) or max(action.option_strings, key=len).startswith("--no-"):
-            continue
-        undo = (
-            argparse._StoreFalseAction if isinstance(action, argparse._StoreTrueAction) else argparse._StoreTrueAction
-        )
-        forms = [off_switch(f) for f in action.option_strings if f.startswith("--")]
-        forms = [f for f in dict.fromkeys(forms) if f not in names]
-        if (action.dest, undo) in have or not forms:
-            continue
-        kind = "store_false" if undo is argparse._StoreFalseAction else "store_true"
-        parser.add_argument(*forms, dest=action.dest, action=kind, default=action.default, help=argparse.SUPPRESS)
 
 
 def _say_defaults(parser: argparse.ArgumentParser) -> None:
