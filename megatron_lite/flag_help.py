@@ -1,5 +1,6 @@
 """--help text for the flags whose meaning is Megatron's and whose definition (flag_parser.py and the flag modules)
-gives none: what each sets, its default where it has one, and where ours differs from Megatron's."""
+gives none: what each sets, its default where it has one, and where ours differs from Megatron's; and the
+switches' off forms, kept out of it."""
 
 from __future__ import annotations
 

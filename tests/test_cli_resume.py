@@ -27,7 +27,7 @@ def test_flag_conflicting_with_checkpoint(tmp_path, capsys, monkeypatch):
     rc, _, err = _run([*argv, "--window-size", "7,0"], capsys, monkeypatch)
     _one_line_error(rc, err, "--window-size 7,0 (read as 8) conflicts with the checkpoint")
     rc, _, err = _run([*argv, "--swiglu", "--lr", "1e-3"], capsys, monkeypatch)
-    _one_line_error(rc, err, "--swiglu True conflicts with the checkpoint")
+    _one_line_error(rc, err, "--swiglu conflicts with the checkpoint")
     # another vocabulary padding is a layout, not an architecture: the same run continues (it was refused)
     curves = []
     for extra in ([], ["--make-vocab-size-divisible-by", "7"]):

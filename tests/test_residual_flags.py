@@ -242,7 +242,7 @@ def test_a_checkpoint_keeps_post_layernorm_residuals():
     assert ns.apply_residual_connection_post_layernorm
     pre = parse_args(argv)[1].to_dict()
     argv = [*argv, "--apply-residual-connection-post-layernorm"]
-    with pytest.raises(ConfigError, match="--apply-residual-connection-post-layernorm True conflicts with the check"):
+    with pytest.raises(ConfigError, match="--apply-residual-connection-post-layernorm conflicts with the check"):
         flags_from_checkpoint(build_parser(), argv, build_parser().parse_args(argv), pre, "ckpt")
 
 

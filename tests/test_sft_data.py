@@ -113,8 +113,12 @@ def test_a_tokenizer_adding_bos_and_eos_around_every_text_gives_one_of_each(tmp_
     # rendered prompt's BOS and kept the tokenizer's </s>, ids the model never saw before its response)
     from megatron_lite.data.sft import prompt_ids
 
-    assert tok.encode("<s> hello world") == [1, 1, 3, 4, 2]
-    assert prompt_ids(tok, "<s> hello world") == prompt_ids(tok, "hello world") == [1, 3, 4]
+    hf.add_special_tokens(["<s>", "</s>"])  # (as a real tokenizer.json lists them: "<s>" in a text is the token)
+    (tmp_path / "chat").mkdir()
+    hf.save(str(tmp_path / "chat" / "tokenizer.json"))
+    chat = build_tokenizer("HuggingFaceTokenizer", model=str(tmp_path / "chat" / "tokenizer.json"))
+    assert chat.encode("<s> hello world") == [1, 1, 3, 4, 2]
+    assert prompt_ids(chat, "<s> hello world") == prompt_ids(chat, "hello world") == [1, 3, 4]
 
 
 def test_a_bos_adding_tokenizer_puts_one_bos_per_sample(tmp_path):
