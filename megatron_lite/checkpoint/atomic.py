@@ -40,8 +40,12 @@ def remove_stale_temps(path: str, age_s: float = 60.0) -> list[str]:
         if not (name.startswith(start) and name.endswith(".partial") and pid.isdigit()) or _alive(int(pid)):
             continue
         try:
-            if now - os.path.getmtime(full) < age_s or _held(full):
+            if now - os.path.getmtime(full) < age_s:
                 continue
+            lock = hold_temp(full)
+            if lock is None:  # (a writer holds it, or this file system has no locks: left alone)
+                continue
+            lock.close()
             os.remove(full)
             removed.append(full)
         except OSError:  # (removed by another process first, no permission, no locks here: left alone)
@@ -59,16 +63,6 @@ def hold_temp(path: str):
         f.close()
         return None
     return f
-
-
-def _held(path: str) -> bool:
-    with open(path, "rb") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
 
 
 def _alive(pid: int) -> bool:
