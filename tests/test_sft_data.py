@@ -76,7 +76,12 @@ def test_a_long_prompt_loses_its_start_not_the_response(tmp_path):
         ('{"prompt": "1"}', r'd.jsonl:1: .* it has no "response" key$'),
         ('[{"prompt": "1", "response": "2"}]', r"d.jsonl:1: expected .* on each line, got a JSON list$"),
         ('{"prompt": "1", "response": "2"', r"d.jsonl:1: expected .* \(not JSON: Expecting ',' delimiter at column"),
-        ('{"messages": [{"role": "user", "content": "1"}]}', r'd.jsonl:1: a "messages" conversation .* is not read'),
+        # (Megatron's conversations need the chat template beside a tokenizer file)
+        (
+            '{"messages": [{"role": "user", "content": "1"}]}',
+            r'd.jsonl:1: "messages" records need a chat template, '
+            r"and the Words has none: use --tokenizer-type HuggingFaceTokenizer",
+        ),
         ('{"prompt": "1", "response": ""}', r"d.jsonl:1: the response is empty: drop the record or give its answer"),
     ],
 )

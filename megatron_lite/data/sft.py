@@ -1,5 +1,7 @@
 """Supervised fine-tuning data: a JSONL file of {"prompt": ..., "response": ...} records ("completion" for
-"response", as TRL's prompt-completion data). Only the response is trained: in a multi-turn conversation rendered
+"response", as TRL's prompt-completion data), or of Megatron's {"messages": [...]} conversations, rendered by
+the tokenizer's chat template with every assistant turn trained (data/sft_messages.py). Of a prompt/response
+record only the response is trained: in a multi-turn conversation rendered
 into the prompt, earlier assistant turns are context. Prompt and response are tokenized as one text, as
 transformers' chat template and TRL tokenize them, the response being what follows the prompt's own tokens (apart,
 SentencePiece would open every response with a lone space token); special tokens a chat template wrote ("</s>",
@@ -33,6 +35,7 @@ import torch
 
 from megatron_lite.config import ConfigError
 from megatron_lite.data.gpt_dataset import BlendedDataset, normalize, split_document_ranges
+from megatron_lite.data.sft_messages import ChatTemplate, check_messages, conversation_ids
 
 
 def _strip(ids: list[int], head: list[int], tail: list[int]) -> list[int]:
@@ -79,12 +82,18 @@ class SFTDataset:
         # every record's tokens in one int32 array, not lists of Python ints (33 bytes a token on every rank:
         # a billion-token set took 33 GB a rank, and DataLoader workers copied the pages the lists' counts touch)
         tokens, starts, prompt_lens = array("i"), array("q", [0]), array("i")
-        cuts = array("b")  # per record: 1 its prompt was cut, 2 its response (both: 3)
+        cuts = array("b")  # per record: 1 its prompt was cut, 2 its response (both: 3); 4 nothing is left trained
         # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
         # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
         prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
         encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
         separate = getattr(tokenizer, "separate_texts", False)
+        trained = array("b")  # per token: 1 where, as a label, it carries loss (a response's, an assistant turn's)
+        template = None  # (the chat template, read at the first "messages" record)
+
+        def read(text: str) -> list[int]:  # (a rendered text's ids as a prompt's: see prompt_ids)
+            return _one_bos(_strip(encode(text), [], suffix), prefix)
+
         with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
             for n, raw in enumerate(f, 1):
                 try:
@@ -95,21 +104,32 @@ class SFTDataset:
                 if not line.strip():
                     continue
                 expected = 'a JSON object with "prompt" and "response" (or TRL\'s "completion") strings'
+                either = expected + ' (or Megatron\'s "messages" list)'
                 try:
                     r = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: expected {expected} (not JSON: {e.msg} at column {e.colno})") from e
+                    raise ConfigError(f"{path}:{n}: expected {either} (not JSON: {e.msg} at column {e.colno})") from e
                 if not isinstance(r, dict):  # (a JSON array file, say: one record a line here)
-                    raise ConfigError(f"{path}:{n}: expected {expected} on each line, got a JSON {type(r).__name__}")
+                    raise ConfigError(f"{path}:{n}: expected {either} on each line, got a JSON {type(r).__name__}")
                 if "messages" in r and "prompt" not in r:  # (Megatron's SFTDataset's conversations)
-                    raise ConfigError(
-                        f'{path}:{n}: a "messages" conversation (Megatron\'s format) is not read here: render it '
-                        'with the chat template into a "prompt" (every turn before the last assistant\'s) and a '
-                        '"response" (that turn); only the response carries loss'
-                    )
+                    where = f"{path}:{n}"
+                    if template is None:
+                        template = ChatTemplate(tokenizer, where)
+                    ids, flags = conversation_ids(check_messages(r["messages"], where), template, read, where)
+                    if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
+                        ids, flags = ids + [tokenizer.eod], flags + [1]
+                    # (cut on the right, as Megatron's SFTDataset cuts a pack: the last replies lose their end)
+                    # (4: no reply is left within the sequence, a sample that trains nothing)
+                    cuts.append(2 * int(any(flags[seq_length + 1 :])) + 4 * int(not any(flags[1 : seq_length + 1])))
+                    ids, flags = ids[: seq_length + 1], flags[: seq_length + 1]
+                    tokens.extend(ids)
+                    trained.extend(flags)
+                    starts.append(len(tokens))
+                    prompt_lens.append(flags.index(1) if 1 in flags else len(flags))
+                    continue
                 if "prompt" not in r or not ({"response", "completion"} & set(r)):
                     missing = "prompt" if "prompt" not in r else "response"
-                    raise ConfigError(f'{path}:{n}: expected {expected}; it has no "{missing}" key')
+                    raise ConfigError(f'{path}:{n}: expected {either}; it has no "{missing}" key')
                 prompt = r["prompt"]
                 response = r["response"] if "response" in r or "completion" not in r else r["completion"]
                 if not isinstance(prompt, str) or not isinstance(response, str):
@@ -136,12 +156,14 @@ class SFTDataset:
                 )
                 cuts.append(int(cut_prompt) + 2 * int(cut_response))
                 tokens.extend(p + ids)
+                trained.extend([0] * len(p) + [1] * len(ids))
                 starts.append(len(tokens))
                 prompt_lens.append(len(p))
         if not prompt_lens:
-            raise ConfigError(f"{path} holds no prompt/response records")
+            raise ConfigError(f"{path} holds no prompt/response or messages records")
         self.tokens, self.starts = np.frombuffer(tokens, dtype=np.int32), np.frombuffer(starts, dtype=np.int64)
         self.prompt_lens = np.frombuffer(prompt_lens, dtype=np.int32)
+        self.trained = np.frombuffer(trained, dtype=np.int8)
         self._cuts = np.frombuffer(cuts, dtype=np.int8)
         self.first, self.count = 0, len(self.prompt_lens)  # the records this dataset reads: all, or a split's
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
@@ -161,6 +183,11 @@ class SFTDataset:
         part = self._cuts[self.first : self.first + self.count]
         return int(np.count_nonzero(part & 1)), int(np.count_nonzero(part & 2))
 
+    @property
+    def untrained(self) -> int:
+        """Records (conversations cut on the right) with no trained token left within the sequence."""
+        return int(np.count_nonzero(self._cuts[self.first : self.first + self.count] & 4))
+
     def part(self, lo: int, hi: int) -> SFTDataset:
         """Records [lo, hi) of the file, in an order of their own (the same seed: each split's own records), the
         tokens shared, not copied."""
@@ -175,17 +202,20 @@ class SFTDataset:
         return ids[:p], ids[p:]
 
     def _record(self, index: int) -> tuple[list[int], list[int]]:
+        """The index-th sample's record: its tokens and, per token, whether it is trained as a label."""
         n = self.num_records
         epoch, i = divmod(index, n)
         if self._order[0] != epoch:  # one permutation per epoch, drawn once
             self._order = (epoch, np.random.default_rng(self.seed + epoch).permutation(n))
-        return self.record(int(self._order[1][i]))
+        r = self.first + int(self._order[1][i])
+        lo, hi = self.starts[r], self.starts[r + 1]
+        return self.tokens[lo:hi].tolist(), self.trained[lo:hi].tolist()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        prompt, response = self._record(index)
-        ids = (prompt + response)[: self.seq_length + 1]
-        # label j is ids[j + 1]: a response token (or the closing end-of-document) when j + 1 >= len(prompt)
-        mask = [1.0 if j + 1 >= len(prompt) else 0.0 for j in range(len(ids) - 1)]
+        ids, trained = self._record(index)
+        ids = ids[: self.seq_length + 1]
+        # label j is ids[j + 1]: trained where that token is a response's (or the closing end-of-document)
+        mask = [float(t) for t in trained[1 : len(ids)]]
         pad = self.seq_length + 1 - len(ids)
         ids = ids + [self.pad] * pad
         mask = mask + [0.0] * pad
@@ -208,6 +238,10 @@ class _Blend(BlendedDataset):
     @property
     def cut(self) -> tuple[int, int]:
         return tuple(sum(c) for c in zip(*(d.cut for d in self.datasets)))
+
+    @property
+    def untrained(self) -> int:
+        return sum(d.untrained for d in self.datasets)
 
 
 def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_length: int, seed: int, log=None) -> tuple:

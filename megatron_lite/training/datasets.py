@@ -44,8 +44,14 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
     if prompts or responses:
         log.info(
             f"--sft: {prompts} of the train split's {train_ds.num_records} records longer than --seq-length "
-            f"{t.seq_length} + 1 lost the start of their prompt; {responses} (a response alone too long) lost the "
-            "end of theirs"
+            f"{t.seq_length} + 1 lost the start of their prompt; {responses} (a response alone too long, or a "
+            "messages conversation, cut on the right) lost the end of theirs"
+        )
+    untrained = getattr(train_ds, "untrained", 0)
+    if untrained:  # (their samples carry no loss at all: a batch of them logs no lm loss)
+        log.info(
+            f"--sft: {untrained} of the train split's {train_ds.num_records} conversations have no assistant "
+            f"reply within --seq-length {t.seq_length} + 1 tokens, so their samples train nothing: raise --seq-length"
         )
     if train_ds is None and not t.skip_train:  # (every rank finds the same: none waits in a collective)
         raise ConfigError(

@@ -1,0 +1,103 @@
+"""Megatron's SFT conversations: a JSONL record {"messages": [{"role": ..., "content": ...}, ...]} rendered by the
+tokenizer's own chat template (tokenizer_config.json's "chat_template", or chat_template.jinja, beside the
+tokenizer file), through transformers' apply_chat_template as Megatron's SFTTokenizer renders it. Every assistant
+turn carries loss, as in Megatron's SFTDataset; the system and user turns, and the assistant header the template
+writes before a reply (its generation prompt), do not. An assistant turn is the text the template adds for it:
+render(turns up to it) minus render(turns before it, with the generation prompt), the span transformers'
+return_assistant_tokens_mask marks in a template with {% generation %} blocks (a token merged across the boundary
+goes to the reply, as in prompt/response records). The end-of-document token closes the conversation and is
+trained (Megatron's SFTDataset, unless the template already ended on it).
+
+Not read here (refused, with the line): Megatron's several conversations packed into one line (each opened by a
+system turn; it packs them with separate attention), and a template that does not render a conversation turn by
+turn (an earlier turn's text changes once a later one follows), where no span is the reply's alone."""
+
+from __future__ import annotations
+
+import os
+
+from megatron_lite.config import ConfigError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplate:
+    """The chat template beside a tokenizer file, rendered by transformers (imported on first use)."""
+
+    def __init__(self, tokenizer, where: str) -> None:
+        path = getattr(tokenizer, "path", None)
+        kind = type(tokenizer).__name__
+        if not path:
+            raise ConfigError(
+                f'{where}: "messages" records need a chat template, and the {kind} has none: use '
+                '--tokenizer-type HuggingFaceTokenizer with a tokenizer_config.json holding "chat_template"'
+            )
+        self.folder = os.path.dirname(os.path.abspath(path))
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:  # (Megatron's SFTTokenizer needs it too)
+            msg = f'{where}: "messages" records are rendered by transformers: pip install transformers'
+            raise ConfigError(msg) from None
+        try:
+            self._hf = AutoTokenizer.from_pretrained(self.folder)
+        except Exception as e:  # (a folder transformers cannot read)
+            raise ConfigError(f"{where}: transformers cannot read the tokenizer in {self.folder} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None  # fmt: skip
+        if not getattr(self._hf, "chat_template", None):
+            raise ConfigError(
+                f'{where}: "messages" records need a chat template, and {self.folder} has none (tokenizer_config.json '
+                '"chat_template" or chat_template.jinja): add the model\'s, or give "prompt"/"response" records'
+            )
+
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        if not messages:
+            return ""
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """The conversation as a list of {"role", "content"} turns, or a one-line error naming the line."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} turns')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ConfigError(f'{where}: turn {i} of "messages" is not a {{"role": str, "content": str}} object')
+        if m["role"] not in ROLES:
+            raise ConfigError(f'{where}: turn {i} has role "{m["role"]}"; expected one of {", ".join(ROLES)}')
+        if m["role"] == "assistant" and not m["content"]:  # (Megatron's SFTTokenizer refuses it too)
+            raise ConfigError(f"{where}: turn {i} is an empty assistant turn: drop it or give its answer")
+        if m["role"] == "system" and i > 0:
+            raise ConfigError(
+                f"{where}: turn {i} is a second system turn: Megatron packs the conversations a system turn opens "
+                "into one sample; here each line holds one conversation (split the line)"
+            )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError(f"{where}: the conversation has no assistant turn, so nothing in it would be trained")
+    return messages
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def conversation_ids(messages: list[dict], template: ChatTemplate, encode, where: str) -> tuple[list[int], list[int]]:
+    """(ids, trained): the rendered conversation's ids (by `encode`, which reads a rendered text as --sft reads a
+    prompt) and, per token, 1 where it belongs to an assistant turn."""
+    text = template.render(messages)
+    ids = encode(text)
+    trained = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, upto = template.render(messages[:i], True), template.render(messages[: i + 1])
+        if not (upto.startswith(before) and text.startswith(upto)):
+            raise ConfigError(
+                f"{where}: the chat template does not render this conversation turn by turn (turn {i}'s text changes "
+                'once later turns follow), so its replies cannot be marked: give "prompt"/"response" records'
+            )
+        start = _common(encode(before), ids) if before else 0
+        head = encode(upto)
+        end = _common(head, ids)
+        end = end + 1 if end < len(head) else end  # (the token merged across the reply's end is the reply's)
+        trained[start:end] = [1] * (end - start)
+    return ids, trained

@@ -1,0 +1,202 @@
+"""--sft reads Megatron's {"messages": [...]} conversations (data/sft_messages.py): rendered by the tokenizer's
+chat template, every assistant turn trained and nothing else, checked against transformers' own
+apply_chat_template and its return_assistant_tokens_mask (a template with {% generation %} blocks marks the
+replies independently of our prefix rendering)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_lite.config import ConfigError
+from megatron_lite.data.sft import SFTDataset
+from megatron_lite.data.tokenizers import build_tokenizer
+
+CHATML = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama-2-chat's shape: a BOS the template writes, replies closed by the EOS (</s>) the tokenizer ends documents with
+LLAMA2 = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{% generation %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endgeneration %}{% if not loop.last %}"
+    "{{ bos_token }}{% endif %}{% endif %}{% endfor %}"
+)
+TALK = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "yes, hello"},
+    {"role": "user", "content": "again?"},
+    {"role": "assistant", "content": "the quick brown fox"},
+]
+
+
+def _tokenizer(folder, template: str, style: str = "chatml") -> str:
+    """A byte-level BPE tokenizer.json (as Qwen's and Llama-3's) with the template in tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<s>", "</s>"] if style == "llama2" else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    hf.train_from_iterator(["You are brief. hello there yes, hello again? the quick brown fox [INST] [/INST]"] * 4,
+                           trainer)  # fmt: skip
+    if style == "llama2":  # (Llama-2's "<s> $A": a BOS on every text the tokenizer encodes)
+        hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}
+    config |= {"bos_token": "<s>", "eos_token": "</s>"} if style == "llama2" else {"eos_token": "<|im_end|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def _oracle(folder: str, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """transformers' ids of the rendered conversation and its assistant mask from the {% generation %} blocks."""
+    from transformers import AutoTokenizer
+
+    out = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def _write(path, *conversations) -> str:
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    return str(path)
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama2", "ends-on-user"])
+def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path, style):
+    folder = _tokenizer(tmp_path / "tok", LLAMA2 if style == "llama2" else CHATML, style)
+    tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    messages = TALK[1:] if style == "llama2" else TALK  # (Llama-2's template has no system turn)
+    if style == "ends-on-user":  # (the EOD after it is trained all the same, as Megatron's SFTDataset has it)
+        messages = TALK + [{"role": "user", "content": "hello"}]
+    ids, replies = _oracle(folder, messages)
+    # (ChatML's last reply ends "<|im_end|>\n": an EOD follows; Llama-2's ends on the EOD itself)
+    assert sum(replies) > 0 and (ids[-1] == tok.eod) == (style == "llama2")
+    if ids[-1] != tok.eod:  # (Megatron's SFTDataset closes the conversation with a trained EOD)
+        ids, replies = ids + [tok.eod], replies + [1]
+    n = len(ids) - 1
+    s = SFTDataset(_write(tmp_path / "d.jsonl", messages), tok, seq_length=n + 3, seed=0)[0]
+    assert s["tokens"].tolist()[:n] == ids[:-1]  # the rendering, one BOS where the template writes one
+    assert s["labels"].tolist()[:n] == ids[1:]
+    assert s["loss_mask"].tolist() == [float(r) for r in replies[1:]] + [0.0] * 3  # (label j is token j + 1)
+
+
+class _Plain:
+    """A template with no markers between turns: a user turn is "?" + its text, a reply its text alone."""
+
+    def render(self, messages, generation_prompt=False):
+        return "".join(("?" if m["role"] == "user" else "") + m["content"] for m in messages)
+
+
+def _merging(text: str) -> list[int]:
+    """Characters' codes, "o?" merged into one token (100), as BPE merges across a reply's end."""
+    ids, i = [], 0
+    while i < len(text):
+        ids.append(100 if text[i : i + 2] == "o?" else ord(text[i]))
+        i += 2 if ids[-1] == 100 else 1
+    return ids
+
+
+def test_a_token_merged_across_a_replys_end_is_the_replys():
+    """As transformers' assistant mask marks a token that starts inside the reply (and as a prompt/response
+    record gives the merged token to the response)."""
+    from megatron_lite.data.sft_messages import conversation_ids
+
+    talk = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "go"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]  # fmt: skip
+    ids, trained = conversation_ids(talk, _Plain(), _merging, "x")
+    assert ids == [ord("?"), ord("a"), ord("g"), 100, ord("b"), ord("c")]
+    assert trained == [0, 0, 1, 1, 0, 1]
+
+
+def test_a_long_conversation_loses_its_end_as_megatrons_does(tmp_path):
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    ids, replies = _oracle(folder, TALK)
+    fits = len(_oracle(folder, TALK[:3])[0]) + 1  # (and its EOD)
+    assert fits < len(ids)
+    path = _write(tmp_path / "d.jsonl", TALK, TALK[:3])
+    d = SFTDataset(path, tok, seq_length=fits - 1, seed=0)
+    assert d.cut == (0, 1)  # (the first lost its last reply and EOD; the second fits exactly)
+    assert d.untrained == 0
+    prompt, response = d.record(0)
+    assert prompt + response == ids[:fits]
+    first = next(i for i, r in enumerate(replies) if r)
+    # (a sequence that ends before the first reply's first label: nothing trained in either)
+    assert SFTDataset(path, tok, seq_length=first - 1, seed=0).untrained == 2
+    assert len(prompt) == first
+
+
+def test_the_entry_point_trains_on_messages(tmp_path, capsys, monkeypatch):
+    """The whole entry point on a messages file, --tokenizer-model naming the tokenizer's folder."""
+    from test_pretrain_cli import _run
+
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    data = _write(tmp_path / "d.jsonl", *[TALK, TALK[:3], TALK[1:3]] * 4)
+    log = tmp_path / "log.jsonl"
+    rc, out, err = _run(
+        ["--sft", "--data-path", data, "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer",
+         "--tokenizer-model", folder, "--train-iters", "2", "--seq-length", "64", "--log-jsonl", str(log)],
+        capsys, monkeypatch,
+    )  # fmt: skip
+    assert rc == 0, err
+    assert f"--sft {data}: 12 records, 12 for training" in out
+    losses = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in losses] == [1, 2] and all(r["lm_loss"] > 0 for r in losses), losses
+
+
+@pytest.mark.parametrize(
+    "messages,message",
+    [
+        ([{"role": "user", "content": "hi"}], "the conversation has no assistant turn, so nothing in it would be"),
+        (TALK + [{"role": "system", "content": "next"}, {"role": "user", "content": "a"}],
+         "turn 5 is a second system turn: Megatron packs the conversations"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+         "turn 1 is an empty assistant turn"),
+        ([{"role": "bot", "content": "hi"}], 'turn 0 has role "bot"; expected one of system, user, assistant, tool'),
+        ([{"role": "user", "text": "hi"}], 'turn 0 of "messages" is not a {"role": str, "content": str} object'),
+        ([], '"messages" must be a non-empty list'),
+    ],
+)  # fmt: skip
+def test_bad_conversations_are_refused_with_their_line(tmp_path, messages, message):
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": TALK}) + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ConfigError, match="^" + str(path).replace(".", r"\.") + ":2: " + _escape(message)):
+        SFTDataset(str(path), build_tokenizer("HuggingFaceTokenizer", model=folder), seq_length=64, seed=0)
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    """A template that renders the last reply apart (as some strip earlier replies' reasoning): no span of the
+    whole is the reply's alone."""
+    template = CHATML.replace("{% generation %}", "{% if loop.last %}FINAL {% endif %}{% generation %}")
+    folder = _tokenizer(tmp_path / "tok", template)
+    path = _write(tmp_path / "d.jsonl", TALK)
+    with pytest.raises(ConfigError, match=r"d\.jsonl:1: the chat template does not render this conversation turn by"):
+        SFTDataset(path, build_tokenizer("HuggingFaceTokenizer", model=folder), seq_length=64, seed=0)
+
+
+def test_a_tokenizer_without_a_chat_template_is_named(tmp_path):
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    path = _write(tmp_path / "d.jsonl", TALK)
+    with pytest.raises(ConfigError, match=r'd\.jsonl:1: "messages" records need a chat template, and .*tok has none'):
+        SFTDataset(path, build_tokenizer("HuggingFaceTokenizer", model=folder), seq_length=64, seed=0)
