@@ -58,6 +58,7 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
             f"the train split holds no documents (--split {job.data.split} of --data-path, or "
             "--train-data-path): give it some, or --skip-train to evaluate only"
         )
+    _check_resumed_reads(train_ds, t, gbs, state, train_n)
     validates = t.eval_iters > 0 or job.data.full_validation  # (Megatron's do_valid)
     if validates:  # (evaluation was skipped without a word)
         # (the test set is read --eval-iters batches: none with --full-validation --eval-iters 0, as Megatron)
@@ -70,3 +71,24 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
                 what = "records" if job.data.sft else "documents"
                 log.info(f"no {name} evaluation: the {name} split holds no {what} ({given})")
     return train_ds, valid_ds, test_ds, validates
+
+
+def _check_resumed_reads(train_ds, t, gbs: int, state: TrainState, train_n: int) -> None:
+    """A resume with a smaller global batch than the checkpoint's (a relaunch on fewer data-parallel ranks, say)
+    reads past a split sized for this run's batch (a weighted blend is exactly that long), and the loop read the
+    split's first samples again without a word. Megatron's sampler asserts there (no samples left to consume);
+    here it is a start-up line. (A ramp's batch varies: not checked.)"""
+    if t.skip_train or train_ds is None or t.rampup_batch_size is not None or not state.consumed_samples:
+        return
+    need = state.consumed_samples + max(0, t.train_iters - state.iteration) * gbs
+    if need <= len(train_ds):
+        return
+    read = state.consumed_samples
+    was = f" ({read // state.iteration} a step)" if state.iteration and read % state.iteration == 0 else ""
+    raise ConfigError(
+        f"--load: the checkpoint read {read} training samples in {state.iteration} iterations{was}, and the "
+        f"{t.train_iters - state.iteration} left at --global-batch-size {gbs} read up to sample {need}, past the "
+        f"{len(train_ds)} this run's train split holds (sized for {train_n}: --train-iters x --global-batch-size, "
+        "or --train-samples), which would read its first samples again: resume with the checkpoint's global "
+        "batch size"
+    )
