@@ -512,7 +512,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, J
     if path is None:
         return _finish(ns, argv, given)
     meta = read_metadata(path)
-    ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed)
+    saved_dp = (meta.get("layout") or {}).get("dp")
+    ns = flags_from_checkpoint(parser, argv, ns, meta["config"], path, meta.get("scheduler"), resumed, saved_dp)
     # (the ramp's batches before them are not run again; --finetune starts at 0 but where it resumes its own --save)
     ns.resumed_samples = 0 if ns.finetune and not resumed else int(meta.get("consumed_samples", 0))
     try:

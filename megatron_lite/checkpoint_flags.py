@@ -18,7 +18,7 @@ from megatron_lite.data.config import TOKENIZER_FIELDS
 from megatron_lite.flag_help import off_switch
 from megatron_lite.flag_values import heterogeneous_json
 from megatron_lite.models.heterogeneous import check_given_blocks
-from megatron_lite.schedule_flags import RUN_LENGTH, in_other_unit, schedule_notes
+from megatron_lite.schedule_flags import RUN_LENGTH, global_batch, in_other_unit, schedule_notes
 
 SHARDING = (
     "use_distributed_optimizer",
@@ -356,11 +356,13 @@ def flags_from_checkpoint(
     path: str,
     scheduler: dict | None = None,
     resumed: bool = False,
+    saved_dp: int | None = None,
 ) -> argparse.Namespace:
     """The flags of `argv` parsed again with the checkpoint's values (its metadata's `config`) as the defaults of
     flags not given: an explicit flag that would change the weights' architecture is refused (unless
     --use-checkpoint-args), schedule flags that differ are noted (ns.schedule_notes). `resumed`: the checkpoint
-    is the job's own, in --save, which a restart resumes whole, also a --finetune job's (read as any resume)."""
+    is the job's own, in --save, which a restart resumes whole, also a --finetune job's (read as any resume).
+    `saved_dp`: the data-parallel size it was saved at (its global batch, where none was given)."""
     saved = defaults_from_checkpoint(config)
     if "tokenizer_model" in saved:
         saved["tokenizer_model"] = tokenizer_beside(saved["tokenizer_model"], path)
@@ -462,11 +464,16 @@ def flags_from_checkpoint(
                 saved.pop(k, None)
     # `full` keeps the checkpoint's own schedule (--use-checkpoint-opt_param-scheduler); `saved` is trimmed below
     full, saved = saved, dict(saved)
+    if full.get("global_batch_size") is None and saved_dp and full.get("micro_batch_size"):
+        # (its batch was Megatron's default, --micro-batch-size x data-parallel size: its schedule lengths, in
+        # the other unit, came over as none without it, or were a TypeError)
+        full["global_batch_size"] = full["micro_batch_size"] * saved_dp
     # a run's length given in the other unit than the checkpoint's replaces it; its schedule lengths are carried
     # over into the run's unit (a sample-based warmup had become none when resumed with --train-iters)
     for dest, other in (("train_iters", "samples"), ("train_samples", "iters")):
         if dest in given:
-            new_gbs = ns.global_batch_size if "global_batch_size" in given else full.get("global_batch_size")
+            new_gbs = ns.global_batch_size if "global_batch_size" in given else saved.get("global_batch_size")
+            new_gbs = new_gbs or global_batch(ns)[0]  # (neither given: this run's micro-batch x data-parallel size)
             carried = in_other_unit(saved, "iters" if other == "samples" else "samples", full.get("global_batch_size"),
                                      new_gbs)  # fmt: skip
             saved = {k: v for k, v in saved.items() if k not in RUN_LENGTH[other]} | carried

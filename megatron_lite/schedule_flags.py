@@ -101,7 +101,7 @@ def schedule_notes(
     if ns.override_opt_param_scheduler:
         return []
     # (the lengths in samples the flags give, against the state's: comparable once the global batch is known)
-    batch = _global_batch(ns)
+    batch = global_batch(ns)
     by_length = lengths is not None and (ns.train_samples is not None or batch[0] is not None)
     if by_length:
         changed = [d for d in changed if d not in LENGTH_DESTS]
@@ -125,7 +125,7 @@ def _length_notes(ns: argparse.Namespace, saved: dict, batch: tuple[int | None, 
     """The schedule's lengths in samples that differ from those of the checkpoint's scheduler state (`saved`),
     each with the flags that give it: a changed run length moves the decay and weight-decay ramp's end, a resume
     in the other unit or with another global batch can change a warmup (Megatron stops on any of these).
-    `batch`: the run's global batch and how to say it (_global_batch)."""
+    `batch`: the run's global batch and how to say it (global_batch)."""
     samples = ns.train_samples is not None
     gbs, said_gbs = batch
     unit, per = ("samples", "") if samples else ("iters", f" x {said_gbs}")
@@ -156,7 +156,7 @@ def _length_notes(ns: argparse.Namespace, saved: dict, batch: tuple[int | None, 
     ]
 
 
-def _global_batch(ns: argparse.Namespace) -> tuple[int | None, str]:
+def global_batch(ns: argparse.Namespace) -> tuple[int | None, str]:
     """The run's global batch and how to say it: --global-batch-size, else Megatron's --micro-batch-size x the
     data-parallel size this world gives (None where the layout does not divide it: validation says so later)."""
     if ns.global_batch_size is not None:
@@ -209,10 +209,11 @@ def _keep_decay_length(ns: argparse.Namespace, full: dict) -> None:
     by_samples = full.get("lr_decay_samples") or full.get("train_samples")
     by_iters = full.get("lr_decay_iters") or full.get("train_iters")
     if ns.train_samples is not None:
-        if by_samples is None and by_iters:
-            by_samples = by_iters * full["global_batch_size"]
+        old_gbs = full.get("global_batch_size") or global_batch(ns)[0]  # (a checkpoint with no layout recorded)
+        if by_samples is None and by_iters and old_gbs:
+            by_samples = by_iters * old_gbs
         ns.lr_decay_samples = by_samples or ns.lr_decay_samples
     elif by_iters is not None or by_samples is None:
         ns.lr_decay_iters = by_iters or ns.lr_decay_iters
     else:  # a sample-based checkpoint continued by iterations: its length in whole batches
-        ns.lr_decay_iters = max(1, round(by_samples / ns.global_batch_size))
+        ns.lr_decay_iters = max(1, round(by_samples / (ns.global_batch_size or global_batch(ns)[0] or 1)))

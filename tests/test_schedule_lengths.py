@@ -27,16 +27,24 @@ NOTE = "the schedule's lengths in samples differ from the checkpoint's"
     ],
     ids=["samples-then-iters", "iters-then-samples"],
 )  # fmt: skip
-def test_a_resume_in_the_other_unit_keeps_the_warmup_and_decay(first, resumed, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("batch", ["given", "implicit", "kept-scheduler"])
+def test_a_resume_in_the_other_unit_keeps_the_warmup_and_decay(first, resumed, batch, tmp_path, capsys, monkeypatch):
     """Saved at iteration 6 of 12, resumed giving the same run length in the other unit: iterations 7-12 take the
     unbroken run's learning rates (the warmup had become none and the decay the run's: 5.5e-4 for 7.75e-4), the
-    checkpoint's lengths are said to come over, and no length is said to differ."""
+    checkpoint's lengths are said to come over, and no length is said to differ. The same with the global batch
+    left to Megatron's default, --micro-batch-size x data-parallel size (an exploratory run's: the lengths came
+    over as none, and with --use-checkpoint-opt_param-scheduler it was a TypeError)."""
     ckpt = str(tmp_path / "ckpt")
-    straight, _ = _job([*BASE, *first, "--save", ckpt, "--save-interval", "6"], tmp_path / "a.jsonl", capsys,
+    base = BASE if batch == "given" else [*_without(_without(BASE, "--global-batch-size"), "--micro-batch-size"),
+                                          "--micro-batch-size", "4"]  # fmt: skip
+    resumed = resumed + ["--use-checkpoint-opt_param-scheduler"] * (batch == "kept-scheduler")
+    straight, _ = _job([*base, *first, "--save", ckpt, "--save-interval", "6"], tmp_path / "a.jsonl", capsys,
                        monkeypatch)  # fmt: skip
-    rows, out = _job([*BASE, *resumed, "--load", ckpt, "--ckpt-step", "6"], tmp_path / "b.jsonl", capsys, monkeypatch)
+    rows, out = _job([*base, *resumed, "--load", ckpt, "--ckpt-step", "6"], tmp_path / "b.jsonl", capsys, monkeypatch)
     assert [r["iteration"] for r in rows] == list(range(7, 13))
     assert [r["lr"] for r in rows] == pytest.approx([r["lr"] for r in straight[6:]], rel=1e-9)
+    if batch == "kept-scheduler":
+        return
     carried = "--lr-warmup-iters 3" if resumed[0] == "--train-iters" else "--lr-warmup-samples 12"
     assert "flags not given take the checkpoint's values" in out and carried in out, out
     assert NOTE not in out and "differs from the checkpoint's" not in out, out
