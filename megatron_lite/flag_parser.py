@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the distributed optimizer's gradient reduce-scatters send bf16 (--grad-reduce-in-bf16) but sum in fp32 "
         "(an all-to-all, then a local fp32 sum rounded once)",
     )
-    p.add_argument("--loss-scale", type=float, help="constant loss scale (fp16); dynamic when unset")
+    p.add_argument("--loss-scale", type=float, help="constant loss scale (--fp16, --bf16, the distributed "
+                   "optimizer: an inf/nan step is skipped, --nan-policy acts); fp16: dynamic when unset")  # fmt: skip
     p.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     p.add_argument("--min-loss-scale", type=float, default=1.0)
     p.add_argument("--loss-scale-window", type=float, default=1000)  # (a float in Megatron: "1000.0" is taken)

@@ -340,7 +340,8 @@ class OptimizerBase:
     ) -> tuple[float, StepResult | None]:
         """The step's fp32 gradients made ready in place: unscaled (fp16, or a constant --loss-scale), their norm
         taken (`norm_of`), then clipped. Or the result of a step every rank skips: an overflow under loss scaling
-        (any rank's), a non-finite norm under --check-for-nan-in-loss-and-grad (every rank computed the same)."""
+        (any rank's), a non-finite norm under --check-for-nan-in-loss-and-grad (every rank computed the same); an
+        overflow under a constant --loss-scale is that norm too while the check is on (--nan-policy acts)."""
         if self.scaler is not None:
             found = torch.zeros(1, dtype=torch.float32, device=self.ctx.device)
             if grads:
@@ -350,6 +351,10 @@ class OptimizerBase:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
             if any_rank(found, self.ctx):
                 self.scaler.update(True)
+                if self.config.check_for_nan_in_loss_and_grad and isinstance(self.scaler, ConstantGradScaler):
+                    # (a constant scale never adapts: Megatron keeps its NaN check on there, and its gradient
+                    # check stops the job; the skip alone trained nothing and exited 0 without a word)
+                    return math.nan, StepResult(False, math.nan, self.scaler.scale)
                 return math.nan, StepResult(False, None, self.scaler.scale)
         norm = norm_of()
         if self.config.check_for_nan_in_loss_and_grad and not math.isfinite(norm):

@@ -572,6 +572,9 @@ def _main(argv: list[str] | None) -> int:
     except ConfigError as e:
         # (once per node: it was said by every rank, twice in two forms; a value it names that came from the
         # checkpoint is said to, as the layout's checks run past parse_args)
+        if getattr(ns, "decrease_batch_size_if_needed", False) and "is not divisible by --micro-batch-size" in str(e):
+            # (the flag given for exactly this case: said to be unsupported, not only once the run goes ahead)
+            e = ConfigError(f"{e} (--decrease-batch-size-if-needed is not supported: the batch is never decreased)")
         report_error(with_origin(e, ns), dist.is_initialized())
         return 2
     except SaveFailed as e:  # (every rank failed at the same point: none waits in a collective)
