@@ -35,10 +35,11 @@ from megatron_lite.optimizer.optimizer import (
     OptimizerBase,
     StepResult,
     _inner_optimizer,
-    count_zeros,
+    count_real_zeros,
     group_name,
     load_inner_state,
     optimizer_groups,
+    padding_in,
     set_lr,
     squared_norm,
     state_entry,
@@ -237,11 +238,12 @@ class FSDP2Model(nn.Module):
 class FSDP2Optimizer(OptimizerBase):
     def __init__(self, model: FSDP2Model, config: OptimizerConfig, ctx: ParallelContext) -> None:
         self.config, self.ctx, self.model = config, ctx, model
-        self.params, counted, expert, entries = [], [], [], []
+        self.params, counted, expert, entries, self._metas = [], [], [], [], []
         for name, p, meta in named_param_meta(model.module):
             if not p.requires_grad:
                 continue
             self.params.append(p)
+            self._metas.append(meta)
             counted.append(hold_copy(meta, ctx))  # (experts: on expert-TP rank 0)
             expert.append(meta.expert)
             entries.append((p, group_name(name, meta), p.ndim))
@@ -254,13 +256,14 @@ class FSDP2Optimizer(OptimizerBase):
         dense over DP x CP and TP x PP, experts over expert-DP and expert-TP x EP x PP."""
         return self._counted_sum(lambda p: p.grad, squared_norm) ** 0.5
 
-    def _counted_sum(self, tensor_of, fn) -> float:
+    def _counted_sum(self, tensor_of, fn, pad: dict | None = None) -> float:
+        """fn over this rank's local shards (with `pad`: (shard, its padding elements) pairs)."""
         total = 0.0
         for want_expert, groups in ((False, (self.ctx.dp_cp, self.ctx.mp)), (True, (self.ctx.edp, self.ctx.emp))):
             if want_expert and not self.model.moe:
                 continue
             mine = [
-                _local(tensor_of(p))
+                _local(tensor_of(p)) if pad is None else (_local(tensor_of(p)), pad[id(p)])
                 for p, c, e in zip(self.params, self._counted, self._expert)
                 if c and e == want_expert and tensor_of(p) is not None
             ]
@@ -271,7 +274,8 @@ class FSDP2Optimizer(OptimizerBase):
         return self._counted_sum(lambda p: p, squared_norm) ** 0.5
 
     def grad_zeros(self) -> int:
-        return int(self._counted_sum(lambda p: p.grad, count_zeros))
+        pad = {id(p): padding_in(m, tuple(p.shape), *flat_range(p)) for p, m in zip(self.params, self._metas)}
+        return int(self._counted_sum(lambda p: p.grad, count_real_zeros, pad))
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:

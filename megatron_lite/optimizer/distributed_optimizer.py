@@ -24,12 +24,13 @@ from megatron_lite.optimizer.optimizer import (
     OptimizerBase,
     StepResult,
     _inner_optimizer,
-    count_zeros,
+    count_real_zeros,
     fp32,
     group_name,
     load_inner_state,
     make_scaler,
     optimizer_groups,
+    padding_in,
     set_lr,
     squared_norm,
     state_entry,
@@ -90,6 +91,7 @@ class DistributedOptimizer(OptimizerBase):
                         a, b = max(lo, offset), min(hi, offset + p.numel())
                         if b > a:
                             shard = _Shard(p, buffer, a - offset, b - offset, counted, meta.expert, fp32_bucket)
+                            shard.meta = meta
                             self.shards.append(shard)
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
         groups = optimizer_groups([(s.main, name_of[id(s.p)], s.p.ndim) for s in self.shards], config)
@@ -175,7 +177,8 @@ class DistributedOptimizer(OptimizerBase):
         return self._counted_sum(lambda s: s.main, squared_norm) ** 0.5
 
     def grad_zeros(self) -> int:
-        return int(self._counted_sum(lambda s: s.grad, count_zeros))
+        return int(self._counted_sum(lambda s: (s.grad, padding_in(s.meta, tuple(s.p.shape), s.lo, s.hi)),
+                                     count_real_zeros))  # fmt: skip
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:

@@ -226,9 +226,9 @@ def squared_norm(grads: list[torch.Tensor], device, *groups) -> float:
     return float(sq)
 
 
-def count_zeros(tensors: list[torch.Tensor], device, *groups) -> float:
-    """Zero entries of `tensors`, then summed over each group in turn (--log-num-zeros-in-grad)."""
-    n = torch.zeros((), dtype=torch.float64, device=device)
+def count_zeros(tensors: list[torch.Tensor], device, *groups, minus: int = 0) -> float:
+    """Zero entries of `tensors` (less `minus`), then summed over each group in turn (--log-num-zeros-in-grad)."""
+    n = torch.full((), -float(minus), dtype=torch.float64, device=device)
     for t in tensors:
         n += t.numel() - torch.count_nonzero(t)
     for group in groups:
@@ -236,6 +236,27 @@ def count_zeros(tensors: list[torch.Tensor], device, *groups) -> float:
             with group.blocked():
                 dist.all_reduce(n, group=group.pg)
     return float(n)
+
+
+def padding_in(meta, shape: tuple[int, ...], lo: int = 0, hi: int | None = None) -> int:
+    """Elements of the flat range [lo, hi) of a tensor-parallel shard of `shape` that are padding (a vocabulary
+    padded so TP divides it): their gradients are always zero, and --log-num-zeros-in-grad leaves them out, or
+    the count grew with the TP size (Megatron trains its padding rows, so they are no zeros there either)."""
+    spec = meta.shard
+    if spec is None or spec.sizes == spec.padded_sizes:
+        return 0
+    rows = (~spec.padding_mask(meta.shard_rank)).nonzero().flatten()
+    inner = math.prod(shape[spec.dim + 1 :])
+    outer = math.prod(shape[: spec.dim])
+    n = shape[spec.dim]
+    starts = ((torch.arange(outer)[:, None] * n + rows[None, :]) * inner).flatten()
+    hi = math.prod(shape) if hi is None else hi
+    return int(((starts + inner).clamp(max=hi) - starts.clamp(min=lo)).clamp(min=0).sum())
+
+
+def count_real_zeros(pairs: list[tuple[torch.Tensor, int]], device, *groups) -> float:
+    """count_zeros of (gradient, its padding elements) pairs, the padding left out."""
+    return count_zeros([t for t, _ in pairs], device, *groups, minus=sum(pad for _, pad in pairs))
 
 
 def any_rank(flag: bool | torch.Tensor, ctx: ParallelContext) -> bool:
@@ -402,6 +423,7 @@ class MixedPrecisionOptimizer(OptimizerBase):
         self.main_of = {id(p): main for p, main in zip(self.params, self.main_params)}  # by id(model param)
         self._counted = counted
         self._expert = expert
+        self._metas = metas
         # Decided from the config, not from this rank's parameters: a pipeline stage without MoE layers
         # must still join the expert group's reduction.
         self._moe = any(getattr(getattr(m, "config", None), "num_experts", None) for m in model.modules())
@@ -492,7 +514,8 @@ class MixedPrecisionOptimizer(OptimizerBase):
 
     def grad_zeros(self) -> int:
         """--log-num-zeros-in-grad: zero entries of the (reduced) gradients, each parameter counted once."""
-        return int(self._counted_sum([self.grad_of(p) for p in self.params], count_zeros))
+        pairs = [(self.grad_of(p), padding_in(m, tuple(p.shape))) for p, m in zip(self.params, self._metas)]
+        return int(self._counted_sum(pairs, count_real_zeros))
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
