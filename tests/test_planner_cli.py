@@ -530,3 +530,17 @@ def test_a_model_config_hashes_itself_again_in_another_process(tmp_path):
             capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed},
         )  # fmt: skip
         assert run.returncode == 0 and run.stdout.split() == ["True", "1"], run
+
+
+def test_the_cluster_line_names_the_peak_mfu_is_taken_against(capsys):
+    """An fp32 plan's MFU is against the plain fp32 rate: the cluster line said the bf16 peak (312 TFLOP/s on an
+    A100 for an MFU taken against 19.5), from a walk through the docs."""
+    from megatron_lite.planner.hardware import ACCELERATORS as GPUS
+
+    model = "--num-layers 2 --hidden-size 1024 --num-attention-heads 16 --vocab-size 32000".split()
+    for precision, peak in (([], GPUS["A100"].fp32_rate), (["--bf16"], GPUS["A100"].peak_flops)):
+        _tool().main(["--gpu", "A100", "--seq-length", "1024", "--global-batch-size", "8", "--top", "1", "--",
+                      *model, *precision])  # fmt: skip
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cluster:"))
+        assert f"({80} GiB, {peak / 1e12:.4g} TFLOP/s {'bf16' if precision else 'fp32'} peak)" in line, line
+    assert GPUS["A100"].fp32_rate < GPUS["A100"].peak_flops / 10

@@ -17,7 +17,8 @@ and 128 as in DeepSeek-V3); its TFLOP/s count q.k^T at 192 and p.v at 128, for t
 the boolean document mask; its TFLOP/s count only the documents' own causal squares, the work that is needed.
 The fused cross-entropy's memory is also given without the gradients it must return (the weight gradient
 alone is vocab x hidden). Every case first checks our output against the reference (relative error).
-Writes <out-dir>/kernels.json and <out-dir>/kernels.md after every case, and the targets of issue 6 last.
+Writes <out-dir>/kernels.json and <out-dir>/kernels.md (bench_out/ by default) after every case, and the targets
+of issue 6 last.
 """
 
 from __future__ import annotations
@@ -408,7 +409,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="comma-separated kernels whose forward+backward is also run once under torch.profiler, per "
         "implementation: the time of each GPU kernel inside it, printed (where the time goes, not only how much)",
     )
-    ap.add_argument("--out-dir", default=".")
+    ap.add_argument(
+        "--out-dir", default="bench_out", help="where kernels.json and kernels.md go (git ignores bench_out/)"
+    )
     args = ap.parse_args(argv)
     check_outputs(args)
     check_device(args.device)

@@ -262,9 +262,10 @@ def print_plan(
         + ("" if state_bytes == 8 else f", optimizer state {state_bytes:.3g} bytes per parameter")
         + f", --kernel-impl {model.kernel_impl}"
     )
+    peak = g.fp32_rate if precision == "fp32" else g.peak_flops  # (the one MFU is taken against)
     print(
         f"cluster: {cl.nodes} x {cl.gpus_per_node} {g.name} ({g.memory_bytes / GIB:.0f} GiB, "
-        f"{g.peak_flops / 1e12:.0f} TFLOP/s peak), NVLink {cl.nvlink_bandwidth / 1e9:.0f} GB/s, "
+        f"{peak / 1e12:.4g} TFLOP/s {precision} peak), NVLink {cl.nvlink_bandwidth / 1e9:.0f} GB/s, "
         f"network {cl.network_bandwidth / 1e9:.0f} GB/s per GPU"
     )
     usable = g.memory_bytes * USABLE_FRACTION - RESERVED_BYTES
