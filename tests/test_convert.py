@@ -525,7 +525,7 @@ def test_generation_scores_prompts_and_stops_as_transformers(converted, tmp_path
     assert "note: --greedy takes the most likely token: --top-k has no effect" in capsys.readouterr().err
     for argv, fragment in (
         (["--prompt-ids", ids, "--stop-ids", "99999"], "--stop-ids 99999 is outside the model's vocabulary [0, 250)"),
-        (["--prompt-ids", ","], "the prompt is empty"),
+        (["--prompt-ids", ","], "--prompt-ids ',' is not a comma-separated list of token ids"),
         (["--prompt-ids", ids, "--top-k", "0", "--temperature", "1e-310"], "--temperature 1e-310 is too small to"),
         # (checked before the model generates: it was an IsADirectoryError traceback after the work, from a review)
         (["--prompt-ids", ids, "--output-json", str(tmp_path)], f"--output-json {tmp_path} is a directory"),

@@ -117,6 +117,9 @@ def test_ranks_that_find_different_checkpoints_are_refused(tiny_checkpoint, tmp_
         (["--max-new-tokens", "0"], "--max-new-tokens 0 scores the prompt"),
         # the stop ids were dropped without a word
         (["--ignore-eos", "--stop-ids", "5"], "--ignore-eos generates --max-new-tokens whatever comes"),
+        # (an exploratory run's: an empty list replaced the stop ids with none, as --ignore-eos, without a word)
+        (["--stop-ids", ""], "--stop-ids '' is not a comma-separated list of token ids (one id between each comma)"),
+        (["--stop-ids", "5,,6"], "--stop-ids '5,,6' is not a comma-separated list of token ids"),
         # torch's 'Overflow when unpacking long long', naming no flag
         (["--seed", str(2**64)], f"--seed {2**64} is outside the range a generator takes"),
         # the permission bits passed (root), then the write failed after the generation: a traceback, no output

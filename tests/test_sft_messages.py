@@ -137,22 +137,38 @@ def test_a_long_conversation_loses_its_end_as_megatrons_does(tmp_path):
     assert len(prompt) == first
 
 
-def test_the_entry_point_trains_on_messages(tmp_path, capsys, monkeypatch):
-    """The whole entry point on a messages file, --tokenizer-model naming the tokenizer's folder."""
+def test_the_entry_point_trains_on_messages_and_generate_prompts_with_them(tmp_path, capsys, monkeypatch):
+    """The whole entry point on a messages file, --tokenizer-model naming the tokenizer's folder; then
+    tools/generate.py prompts the trained model with a conversation: the template's rendering with its
+    generation prompt, transformers' apply_chat_template(add_generation_prompt=True) ids."""
+    from test_convert import generate_cli
     from test_pretrain_cli import _run
+    from transformers import AutoTokenizer
 
     folder = _tokenizer(tmp_path / "tok", CHATML)
     data = _write(tmp_path / "d.jsonl", *[TALK, TALK[:3], TALK[1:3]] * 4)
-    log = tmp_path / "log.jsonl"
+    log, ckpt = tmp_path / "log.jsonl", str(tmp_path / "ckpt")
     rc, out, err = _run(
         ["--sft", "--data-path", data, "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer",
-         "--tokenizer-model", folder, "--train-iters", "2", "--seq-length", "64", "--log-jsonl", str(log)],
+         "--tokenizer-model", folder, "--train-iters", "2", "--seq-length", "64", "--log-jsonl", str(log),
+         "--save", ckpt],
         capsys, monkeypatch,
     )  # fmt: skip
     assert rc == 0, err
     assert f"--sft {data}: 12 records, 12 for training" in out
     losses = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["iteration"] for r in losses] == [1, 2] and all(r["lm_loss"] > 0 for r in losses), losses
+    asked = TALK[:2]
+    prompts, result = tmp_path / "p.jsonl", tmp_path / "out.json"
+    prompts.write_text(json.dumps({"messages": asked}) + "\n" + json.dumps({"messages": [{"role": "bot"}]}) + "\n")
+    argv = ["--load", ckpt, "--prompts-file", str(prompts), "--max-new-tokens", "2", "--output-json", str(result)]
+    assert generate_cli.main(argv) == 2  # (the second line's turn, named with its line)
+    assert f'--prompts-file {prompts} line 2: turn 0 of "messages" is not a' in capsys.readouterr().err
+    prompts.write_text(json.dumps({"messages": asked}) + "\n")
+    assert generate_cli.main(argv) == 0
+    want = AutoTokenizer.from_pretrained(folder).apply_chat_template(asked, tokenize=True, add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert json.loads(result.read_text())[0]["prompt_ids"] == want
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,8 @@ from megatron_lite.checkpoint_flags import tokenizer_beside
 from megatron_lite.config import ConfigError, ParallelConfig, TrainingConfig
 from megatron_lite.data.config import TOKENIZER_FIELDS
 from megatron_lite.data.embedded import trained_on_embedded_corpus
-from megatron_lite.data.sft import prompt_ids
+from megatron_lite.data.sft import chat_prompt_ids, prompt_ids
+from megatron_lite.data.sft_messages import ChatTemplate
 from megatron_lite.data.tokenizers import tokenizer_from_flags
 from megatron_lite.flag_parser import OneLineErrorParser
 from megatron_lite.inference.generation import SamplingConfig, generate_batch
@@ -72,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src.add_argument(
         "--prompts-file",
-        help='JSONL, one prompt a line ({"prompt": text} or {"prompt_ids": [ids]}), generated in batches '
+        help='JSONL, one prompt a line ({"prompt": text}, {"prompt_ids": [ids]}, or {"messages": [...]}, a '
+        "conversation the tokenizer's chat template renders with its generation prompt, as --sft reads them), "
+        "generated in batches "
         '(--inference-max-requests) by the model loaded once; printed as JSONL ({"line": its line in the file, '
         '"generated_ids": [...], "text": ...}), and --output-json then writes a list',
     )
@@ -284,10 +287,11 @@ def _records(args: argparse.Namespace) -> list[dict]:
             record = None
         ids = record.get("prompt_ids") if isinstance(record, dict) else None
         ids_ok = isinstance(ids, list) and all(type(t) is int for t in ids)  # (not JSON true/false: bool is int)
-        ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or ids_ok)
+        chat = isinstance(record, dict) and "messages" in record  # (checked turn by turn once a tokenizer reads it)
+        ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or ids_ok or chat)
         if not ok:
-            raise ConfigError(f'--prompts-file {args.prompts_file} line {n}: not {{"prompt": text}} or '
-                              '{"prompt_ids": [ids]}')  # fmt: skip
+            raise ConfigError(f'--prompts-file {args.prompts_file} line {n}: not {{"prompt": text}}, '
+                              '{"prompt_ids": [ids]} or {"messages": [...]}')  # fmt: skip
         records.append({**record, "_line": n})
     if not records:
         raise ConfigError(f"--prompts-file {args.prompts_file} holds no prompt")
@@ -295,8 +299,13 @@ def _records(args: argparse.Namespace) -> list[dict]:
 
 
 def _ids(text: str, flag: str) -> list[int]:
+    """A comma-separated list of ids, each one there (an empty --stop-ids replaced the stop ids with none, as
+    --ignore-eos, without a word; "1,,2" dropped a gap)."""
+    parts = text.split(",")
+    if not text.strip() or any(not x.strip() for x in parts):
+        raise ConfigError(f"{flag} {text!r} is not a comma-separated list of token ids (one id between each comma)")
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in parts]
     except ValueError:
         raise ConfigError(f"{flag} {text!r} is not a comma-separated list of token ids") from None
 
@@ -362,15 +371,24 @@ def run(args: argparse.Namespace) -> int:
         kernel_impl=kernel_impl,
     )
     records = _records(args)
-    texts = any(isinstance(r.get("prompt"), str) for r in records)
+    texts = any(isinstance(r.get("prompt"), str) or "messages" in r for r in records)
     # (token-id prompts with --tokenizer-model: it decodes the output; it was ignored, a missing path too)
     tokenizer = _tokenizer(args, meta, path, model_cfg.vocab_size) if texts or args.tokenizer_model else None
-    # (text is read as --sft reads a prompt: a chat template's special tokens as tokens, one BOS)
-    prompts = [
-        prompt_ids(tokenizer, r["prompt"]) if isinstance(r.get("prompt"), str) else r["prompt_ids"] for r in records
-    ]
     many = "--prompts-file line" if args.prompts_file else "--prompts prompt" if args.prompts else None
     where = lambda i: f" ({many} {records[i]['_line']})" if many else ""  # noqa: E731
+    template = None  # (the chat template beside the tokenizer, for {"messages": [...]} prompts: as --sft reads them)
+
+    def ids_of(i: int, r: dict) -> list[int]:
+        nonlocal template
+        if isinstance(r.get("prompt"), str):  # (text is read as --sft reads a prompt: special tokens, one BOS)
+            return prompt_ids(tokenizer, r["prompt"])
+        if "messages" in r:
+            at = f"--prompts-file {args.prompts_file} line {r['_line']}"
+            template = template or ChatTemplate(tokenizer, at)
+            return chat_prompt_ids(tokenizer, template, r["messages"], at)
+        return r["prompt_ids"]
+
+    prompts = [ids_of(i, r) for i, r in enumerate(records)]
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ConfigError(f"the prompt is empty{where(i)} (no ids; the tokenizer adds no BOS to an empty text)")

@@ -61,6 +61,12 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return _one_bos(_strip(encode(text), [], suffix), prefix)
 
 
+def chat_prompt_ids(tokenizer, template: ChatTemplate, messages, where: str) -> list[int]:
+    """A {"messages": [...]} conversation as a prompt for its next reply: rendered by the chat template with its
+    generation prompt (the assistant header), then read as prompt_ids reads a text."""
+    return prompt_ids(tokenizer, template.render(check_messages(messages, where, prompt=True), True))
+
+
 def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple[list[int], list[int], bool, bool]:
     """(prompt, response, prompt cut, response cut) within `length` tokens. The prompt keeps its first `bos`
     tokens and its end (which the response follows), and at least one token, whose label is the response's

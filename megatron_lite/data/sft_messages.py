@@ -55,8 +55,9 @@ class ChatTemplate:
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def check_messages(messages, where: str) -> list[dict]:
-    """The conversation as a list of {"role", "content"} turns, or a one-line error naming the line."""
+def check_messages(messages, where: str, prompt: bool = False) -> list[dict]:
+    """The conversation as a list of {"role", "content"} turns, or a one-line error naming the line. `prompt`: a
+    conversation to generate the next reply to (tools/generate.py), which needs no reply of its own."""
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} turns')
     for i, m in enumerate(messages):
@@ -66,12 +67,12 @@ def check_messages(messages, where: str) -> list[dict]:
             raise ConfigError(f'{where}: turn {i} has role "{m["role"]}"; expected one of {", ".join(ROLES)}')
         if m["role"] == "assistant" and not m["content"]:  # (Megatron's SFTTokenizer refuses it too)
             raise ConfigError(f"{where}: turn {i} is an empty assistant turn: drop it or give its answer")
-        if m["role"] == "system" and i > 0:
+        if m["role"] == "system" and i > 0 and not prompt:
             raise ConfigError(
                 f"{where}: turn {i} is a second system turn: Megatron packs the conversations a system turn opens "
                 "into one sample; here each line holds one conversation (split the line)"
             )
-    if not any(m["role"] == "assistant" for m in messages):
+    if not prompt and not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: the conversation has no assistant turn, so nothing in it would be trained")
     return messages
 
