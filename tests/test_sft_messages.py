@@ -175,8 +175,6 @@ def test_the_entry_point_trains_on_messages_and_generate_prompts_with_them(tmp_p
     "messages,message",
     [
         ([{"role": "user", "content": "hi"}], "the conversation has no assistant turn, so nothing in it would be"),
-        (TALK + [{"role": "system", "content": "next"}, {"role": "user", "content": "a"}],
-         "turn 5 is a second system turn: Megatron packs the conversations"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
          "turn 1 is an empty assistant turn"),
         ([{"role": "bot", "content": "hi"}], 'turn 0 has role "bot"; expected one of system, user, assistant, tool'),
@@ -216,3 +214,68 @@ def test_a_tokenizer_without_a_chat_template_is_named(tmp_path):
     path = _write(tmp_path / "d.jsonl", TALK)
     with pytest.raises(ConfigError, match=r'd\.jsonl:1: "messages" records need a chat template, and .*tok has none'):
         SFTDataset(path, build_tokenizer("HuggingFaceTokenizer", model=folder), seq_length=64, seed=0)
+
+
+OTHER = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "the fox?"},
+    {"role": "assistant", "content": "quick brown"},
+]
+
+
+def test_conversations_packed_into_a_line_keep_their_own_positions_and_attention(tmp_path):
+    """Megatron's SFTDataset splits a line at each system turn and packs the conversations into one sample, each
+    closed by its EOD, positions restarting, attention inside each (its cu_seqlens; here document ids)."""
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    (a, ra), (b, rb) = _oracle(folder, TALK), _oracle(folder, OTHER)
+    a, ra, b, rb = a + [tok.eod], ra + [1], b + [tok.eod], rb + [1]
+    ids, replies = a + b, ra + rb
+    n = len(ids) - 1
+    s = SFTDataset(_write(tmp_path / "d.jsonl", TALK + OTHER), tok, seq_length=n + 2, seed=0)[0]
+    assert s["tokens"].tolist()[:n] == ids[:-1]
+    assert s["loss_mask"].tolist() == [float(r) for r in replies[1:]] + [0.0] * 2
+    # (the padding goes with the last conversation, after its tokens: no real token attends to it)
+    assert s["document_ids"].tolist() == [0] * len(a) + [1] * (len(b) + 1)
+    assert s["position_ids"].tolist() == list(range(len(a))) + list(range(len(b) + 1))
+    # one conversation a line, in a file that packs none: no document ids (plain causal attention, as before)
+    assert "document_ids" not in SFTDataset(_write(tmp_path / "e.jsonl", TALK), tok, seq_length=n, seed=0)[0]
+
+
+def test_a_packed_line_trains_as_its_conversations_apart(tmp_path, capsys, monkeypatch):
+    """One step on a line packing two conversations (global batch 1) equals one step on the two as lines of
+    their own (global batch 2): the same trained tokens with the same logits, the loss per token over the batch."""
+    from test_pretrain_cli import _run
+
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    common = ["--sft", "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder,
+              "--train-iters", "1", "--seq-length", "128", "--micro-batch-size", "1", "--hidden-dropout", "0",
+              "--attention-dropout", "0"]  # fmt: skip
+    logged = []
+    for name, lines, gbs in (("packed", [TALK + OTHER], "1"), ("apart", [TALK, OTHER], "2")):
+        log = tmp_path / f"{name}.jsonl"
+        data = _write(tmp_path / f"{name}_d.jsonl", *lines)
+        argv = [*common, "--data-path", data, "--global-batch-size", gbs, "--log-jsonl", str(log)]
+        rc, _, err = _run(argv, capsys, monkeypatch)
+        assert rc == 0, err
+        logged.append(json.loads(log.read_text().splitlines()[0]))
+    packed, apart = logged
+    assert packed["lm_loss"] == pytest.approx(apart["lm_loss"], rel=1e-6), logged
+    assert packed["grad_norm"] == pytest.approx(apart["grad_norm"], rel=1e-5), logged
+
+
+def test_a_blend_with_one_packed_file_gives_every_sample_document_ids(tmp_path):
+    """Batches stack their samples' fields: a file of one conversation a line blended with a packed one gets
+    document ids too (one document a sample), in every split."""
+    from megatron_lite.data.builder import build_datasets, resolve_data
+    from megatron_lite.data.config import DataConfig
+
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    plain, packed = _write(tmp_path / "a.jsonl", *[TALK] * 6), _write(tmp_path / "b.jsonl", *[TALK + OTHER] * 6)
+    data = DataConfig(data_path=("1", plain, "1", packed), split="50,50,0", sft=True,
+                      tokenizer_type="HuggingFaceTokenizer", tokenizer_model=folder)  # fmt: skip
+    train, valid, _ = build_datasets(resolve_data(data, log=lambda m: None), data, (8, 8, 0), 128, 0)
+    for ds in (train, valid):
+        samples = [ds[i] for i in range(8)]
+        assert all("document_ids" in s for s in samples)
+        assert {int(s["document_ids"].max()) for s in samples} == {0, 1}  # (plain ones: one document)

@@ -35,7 +35,9 @@ import torch
 
 from megatron_lite.config import ConfigError
 from megatron_lite.data.gpt_dataset import BlendedDataset, normalize, split_document_ranges
-from megatron_lite.data.sft_messages import ChatTemplate, check_messages, conversation_ids
+from megatron_lite.data.sft_messages import ChatTemplate, check_messages, conversation_ids, split_conversations
+
+OPENS = 2  # (a flag beside "trained": this token opens a conversation packed into its line)
 
 
 def _strip(ids: list[int], head: list[int], tail: list[int]) -> list[int]:
@@ -94,7 +96,10 @@ class SFTDataset:
         prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
         encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
         separate = getattr(tokenizer, "separate_texts", False)
-        trained = array("b")  # per token: 1 where, as a label, it carries loss (a response's, an assistant turn's)
+        # per token: 1 where, as a label, it carries loss (a response's, an assistant turn's); OPENS where a
+        # conversation packed into a line after another starts (its own positions and attention)
+        trained = array("b")
+        self.packed = False  # (a line of several conversations: samples carry document ids; see build_sft_datasets)
         template = None  # (the chat template, read at the first "messages" record)
 
         def read(text: str) -> list[int]:  # (a rendered text's ids as a prompt's: see prompt_ids)
@@ -121,17 +126,25 @@ class SFTDataset:
                     where = f"{path}:{n}"
                     if template is None:
                         template = ChatTemplate(tokenizer, where)
-                    ids, flags = conversation_ids(check_messages(r["messages"], where), template, read, where)
-                    if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
-                        ids, flags = ids + [tokenizer.eod], flags + [1]
+                    ids, flags = [], []
+                    for conversation in split_conversations(check_messages(r["messages"], where)):
+                        more, marks = conversation_ids(conversation, template, read, where)
+                        if more[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
+                            more, marks = more + [tokenizer.eod], marks + [1]
+                        ids, flags = ids + more, flags + [marks[0] | OPENS] + marks[1:]
+                    self.packed = self.packed or flags.count(OPENS) + flags.count(OPENS | 1) > 1
                     # (cut on the right, as Megatron's SFTDataset cuts a pack: the last replies lose their end)
                     # (4: no reply is left within the sequence, a sample that trains nothing)
-                    cuts.append(2 * int(any(flags[seq_length + 1 :])) + 4 * int(not any(flags[1 : seq_length + 1])))
+                    lost, kept = (
+                        any(f & 1 for f in flags[seq_length + 1 :]),
+                        any(f & 1 for f in flags[1 : seq_length + 1]),
+                    )
+                    cuts.append(2 * int(lost) + 4 * int(not kept))
                     ids, flags = ids[: seq_length + 1], flags[: seq_length + 1]
                     tokens.extend(ids)
                     trained.extend(flags)
                     starts.append(len(tokens))
-                    prompt_lens.append(flags.index(1) if 1 in flags else len(flags))
+                    prompt_lens.append(next((i for i, f in enumerate(flags) if f & 1), len(flags)))
                     continue
                 if "prompt" not in r or not ({"response", "completion"} & set(r)):
                     missing = "prompt" if "prompt" not in r else "response"
@@ -221,17 +234,26 @@ class SFTDataset:
         ids, trained = self._record(index)
         ids = ids[: self.seq_length + 1]
         # label j is ids[j + 1]: trained where that token is a response's (or the closing end-of-document)
-        mask = [float(t) for t in trained[1 : len(ids)]]
+        mask = [float(t & 1) for t in trained[1 : len(ids)]]
         pad = self.seq_length + 1 - len(ids)
         ids = ids + [self.pad] * pad
         mask = mask + [0.0] * pad
         seq = torch.tensor(ids, dtype=torch.long)
-        return {
+        sample = {
             "tokens": seq[:-1].clone(),
             "labels": seq[1:].clone(),
             "loss_mask": torch.tensor(mask, dtype=torch.float32),
             "position_ids": torch.arange(self.seq_length),
         }
+        if self.packed:  # each conversation its own positions and attention (the padding goes with the last)
+            opens = torch.tensor([t & OPENS for t in trained[: self.seq_length]] + [0] * pad, dtype=torch.bool)[
+                : self.seq_length
+            ]
+            opens[0] = True
+            doc = torch.cumsum(opens.long(), 0) - 1
+            first = torch.cummax(torch.where(opens, torch.arange(self.seq_length), 0), 0).values
+            sample["document_ids"], sample["position_ids"] = doc, torch.arange(self.seq_length) - first
+        return sample
 
 
 class _Blend(BlendedDataset):
@@ -285,6 +307,10 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
             by_size = all(w is None for w, *_ in blend)
             weights = [w for w, _ in live]
             out.append(_Blend([d for _, d in live], weights if by_size else normalize(weights), num_samples[s]))
+    if any(d.packed for d in opened.values()):  # (every sample then has document ids: batches stack them)
+        for ds in out:
+            for d in getattr(ds, "datasets", [ds]) if ds is not None else []:
+                d.packed = True
     first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # (said once)
     if source.per_split is None and log is not None and first:  # (--split holds records back from training)
         for path, records in opened.items():

@@ -8,9 +8,11 @@ return_assistant_tokens_mask marks in a template with {% generation %} blocks (a
 goes to the reply, as in prompt/response records). The end-of-document token closes the conversation and is
 trained (Megatron's SFTDataset, unless the template already ended on it).
 
-Not read here (refused, with the line): Megatron's several conversations packed into one line (each opened by a
-system turn; it packs them with separate attention), and a template that does not render a conversation turn by
-turn (an earlier turn's text changes once a later one follows), where no span is the reply's alone."""
+A line may hold several conversations, each opened by a system turn, as Megatron's SFTDataset packs them: each is
+rendered alone and closed by its end-of-document token, and they share the sample with positions restarting and
+attention kept inside each (Megatron's cu_seqlens; here the sample's document ids). Refused, with the line: a
+template that does not render a conversation turn by turn (an earlier turn's text changes once a later one
+follows), where no span is the reply's alone."""
 
 from __future__ import annotations
 
@@ -67,14 +69,20 @@ def check_messages(messages, where: str, prompt: bool = False) -> list[dict]:
             raise ConfigError(f'{where}: turn {i} has role "{m["role"]}"; expected one of {", ".join(ROLES)}')
         if m["role"] == "assistant" and not m["content"]:  # (Megatron's SFTTokenizer refuses it too)
             raise ConfigError(f"{where}: turn {i} is an empty assistant turn: drop it or give its answer")
-        if m["role"] == "system" and i > 0 and not prompt:
-            raise ConfigError(
-                f"{where}: turn {i} is a second system turn: Megatron packs the conversations a system turn opens "
-                "into one sample; here each line holds one conversation (split the line)"
-            )
     if not prompt and not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: the conversation has no assistant turn, so nothing in it would be trained")
     return messages
+
+
+def split_conversations(messages: list[dict]) -> list[list[dict]]:
+    """Megatron's SFTDataset._split_conversations: a line holds conversations packed together, each opened by a
+    system turn (the first may have none)."""
+    out: list[list[dict]] = []
+    for m in messages:
+        if m["role"] == "system" or not out:
+            out.append([])
+        out[-1].append(m)
+    return out
 
 
 def _common(a: list[int], b: list[int]) -> int:
