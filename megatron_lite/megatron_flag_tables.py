@@ -460,7 +460,8 @@ REFUSED: dict[str, str] = {
     ),
     "yaml_cfg": "YAML configs are not read: give the flags",
     "sft_tokenizer_prompt_format": (
-        "--sft reads prompts as its JSONL records render them; Megatron's SFT prompt formats are not applied"
+        '--sft reads prompt/response records as written and renders "messages" with the tokenizer\'s own chat '
+        "template; Megatron's built-in Nemotron prompt formats are not applied"
     ),
 }
 

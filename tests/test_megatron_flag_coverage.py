@@ -73,7 +73,7 @@ REFUSED_HERE = {  # (the start of each reason: the flags)
     "deprecated in Megatron; use": "--moe-extended-tp",
     "custom layer specs are not implemented: the": "--spec",
     "YAML configs are not read: give the": "--yaml-cfg",
-    "--sft reads prompts as its JSONL records": "--sft-tokenizer-prompt-format",
+    "--sft reads prompt/response records as written": "--sft-tokenizer-prompt-format",
 }
 NO_EFFECT_HERE = (  # (with a value where the flag takes one)
     "--inference-batch-times-seqlen-threshold 1 --max-tokens-to-oom 1 --inference-max-requests 1 "

@@ -41,7 +41,9 @@ UNSUPPORTED_TOKENIZERS = {
     "BertWordPieceCase": "BERT's tokenizers are for BERT models, which megatron_lite does not train",
     "MultimodalTokenizer": "multimodal models are not supported",
     "NullMultimodalTokenizer": "multimodal models are not supported",
-    "SFTTokenizer": "use --sft with HuggingFaceTokenizer (prompt/response JSONL records)",
+    "SFTTokenizer": "use --sft with HuggingFaceTokenizer: prompt/response JSONL records, or Megatron's "
+    '"messages" conversations rendered by the chat template beside the tokenizer (Megatron\'s built-in Nemotron '
+    "prompt formats are not applied)",
 }
 
 
