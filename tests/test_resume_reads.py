@@ -38,3 +38,18 @@ def test_a_resume_reading_past_its_split_is_refused(tmp_path, capsys, monkeypatc
     rc, _, err = _run([*data, "--train-iters", "6", "--load", ckpt], capsys, monkeypatch)
     assert rc == 0, err
     assert TINY[TINY.index("--global-batch-size") + 1] == "4"
+
+
+def test_a_restart_after_a_rollback_is_not_refused(tmp_path, capsys, monkeypatch):
+    """A rollback skips a batch, so the checkpoint has read more samples than its iterations' batches, and the job
+    reads past its split on purpose (training/batches.py): a restart of the same job goes on (a review of the
+    check above: it refused every checkpoint after a rollback)."""
+    data, ckpt = _blend(tmp_path), str(tmp_path / "ckpt")
+    job = [*data, "--train-iters", "6", "--save", ckpt, "--save-interval", "1", "--nan-policy", "rollback"]
+    monkeypatch.setenv("MEGATRON_LITE_INJECT_FAULT", "nan,rank=0,iteration=3")
+    rc, _, err = _run([*job, "--exit-interval", "4"], capsys, monkeypatch)
+    assert rc == 0, err
+    monkeypatch.delenv("MEGATRON_LITE_INJECT_FAULT")
+    rc, out, err = _run([*job, "--load", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    assert "earlier rollbacks of this job skip the batches at samples [8]" in out, out

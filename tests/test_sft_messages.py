@@ -94,7 +94,7 @@ def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path, style):
 class _Plain:
     """A template with no markers between turns: a user turn is "?" + its text, a reply its text alone."""
 
-    def render(self, messages, generation_prompt=False):
+    def render(self, messages, generation_prompt=False, where=""):
         return "".join(("?" if m["role"] == "user" else "") + m["content"] for m in messages)
 
 
@@ -203,6 +203,16 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
     folder = _tokenizer(tmp_path / "tok", template)
     path = _write(tmp_path / "d.jsonl", TALK)
     with pytest.raises(ConfigError, match=r"d\.jsonl:1: the chat template does not render this conversation turn by"):
+        SFTDataset(path, build_tokenizer("HuggingFaceTokenizer", model=folder), seq_length=64, seed=0)
+
+
+def test_a_template_raising_on_a_conversation_is_one_line_naming_it(tmp_path):
+    """Gemma's and Llama-2's templates raise_exception on a system turn or roles that do not alternate: a jinja2
+    traceback naming no line, from a review."""
+    template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    folder = _tokenizer(tmp_path / "tok", template + CHATML)
+    path = _write(tmp_path / "d.jsonl", TALK[1:], TALK)
+    with pytest.raises(ConfigError, match=r"d\.jsonl:2: the chat template refuses this conversation: System role not"):
         SFTDataset(path, build_tokenizer("HuggingFaceTokenizer", model=folder), seq_length=64, seed=0)
 
 

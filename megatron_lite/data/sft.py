@@ -66,7 +66,7 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 def chat_prompt_ids(tokenizer, template: ChatTemplate, messages, where: str) -> list[int]:
     """A {"messages": [...]} conversation as a prompt for its next reply: rendered by the chat template with its
     generation prompt (the assistant header), then read as prompt_ids reads a text."""
-    return prompt_ids(tokenizer, template.render(check_messages(messages, where, prompt=True), True))
+    return prompt_ids(tokenizer, template.render(check_messages(messages, where, prompt=True), True, where))
 
 
 def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple[list[int], list[int], bool, bool]:

@@ -2,11 +2,13 @@
 tokenizer's own chat template (tokenizer_config.json's "chat_template", or chat_template.jinja, beside the
 tokenizer file), through transformers' apply_chat_template as Megatron's SFTTokenizer renders it. Every assistant
 turn carries loss, as in Megatron's SFTDataset; the system and user turns, and the assistant header the template
-writes before a reply (its generation prompt), do not. An assistant turn is the text the template adds for it:
-render(turns up to it) minus render(turns before it, with the generation prompt), the span transformers'
-return_assistant_tokens_mask marks in a template with {% generation %} blocks (a token merged across the boundary
-goes to the reply, as in prompt/response records). The end-of-document token closes the conversation and is
-trained (Megatron's SFTDataset, unless the template already ended on it).
+writes before a reply (its generation prompt), do not. An assistant turn is the whole text the template adds for
+it: render(turns up to it) minus render(turns before it, with the generation prompt), as Megatron's SFTTokenizer
+trains a turn's tokens; transformers' return_assistant_tokens_mask marks the same span where a template's
+{% generation %} block covers the whole turn (one that leaves the turn's closing newline out of it trains that
+newline here). A token merged across the boundary goes to the reply, as in prompt/response records. The
+end-of-document token closes the conversation and is trained (Megatron's SFTDataset, unless the template
+already ended on it).
 
 A line may hold several conversations, each opened by a system turn, as Megatron's SFTDataset packs them: each is
 rendered alone and closed by its end-of-document token, and they share the sample with positions restarting and
@@ -51,10 +53,15 @@ class ChatTemplate:
                 '"chat_template" or chat_template.jinja): add the model\'s, or give "prompt"/"response" records'
             )
 
-    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool = False, where: str = "") -> str:
         if not messages:
             return ""
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        try:
+            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # (a template's raise_exception: Gemma's on a system turn, Llama-2's on roles that
+            # do not alternate; it was a jinja2 traceback naming no line)
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"{where}: the chat template refuses this conversation: {msg}") from None
 
 
 def check_messages(messages, where: str, prompt: bool = False) -> list[dict]:
@@ -92,13 +99,13 @@ def _common(a: list[int], b: list[int]) -> int:
 def conversation_ids(messages: list[dict], template: ChatTemplate, encode, where: str) -> tuple[list[int], list[int]]:
     """(ids, trained): the rendered conversation's ids (by `encode`, which reads a rendered text as --sft reads a
     prompt) and, per token, 1 where it belongs to an assistant turn."""
-    text = template.render(messages)
+    text = template.render(messages, where=where)
     ids = encode(text)
     trained = [0] * len(ids)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before, upto = template.render(messages[:i], True), template.render(messages[: i + 1])
+        before, upto = template.render(messages[:i], True, where), template.render(messages[: i + 1], where=where)
         if not (upto.startswith(before) and text.startswith(upto)):
             raise ConfigError(
                 f"{where}: the chat template does not render this conversation turn by turn (turn {i}'s text changes "

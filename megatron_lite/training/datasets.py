@@ -9,6 +9,7 @@ from megatron_lite.checkpoint.checkpointing import TrainState
 from megatron_lite.config import ConfigError
 from megatron_lite.data.builder import build_datasets
 from megatron_lite.training.configs import JobConfig
+from megatron_lite.training.resume import recorded_skips
 
 
 def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_log: Callable[[str], None]) -> tuple:
@@ -58,7 +59,7 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
             f"the train split holds no documents (--split {job.data.split} of --data-path, or "
             "--train-data-path): give it some, or --skip-train to evaluate only"
         )
-    _check_resumed_reads(train_ds, t, gbs, state, train_n)
+    _check_resumed_reads(train_ds, t, gbs, state, train_n, job.checkpoint.save)
     validates = t.eval_iters > 0 or job.data.full_validation  # (Megatron's do_valid)
     if validates:  # (evaluation was skipped without a word)
         # (the test set is read --eval-iters batches: none with --full-validation --eval-iters 0, as Megatron)
@@ -73,18 +74,22 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
     return train_ds, valid_ds, test_ds, validates
 
 
-def _check_resumed_reads(train_ds, t, gbs: int, state: TrainState, train_n: int) -> None:
+def _check_resumed_reads(train_ds, t, gbs: int, state: TrainState, train_n: int, save: str | None) -> None:
     """A resume with a smaller global batch than the checkpoint's (a relaunch on fewer data-parallel ranks, say)
     reads past a split sized for this run's batch (a weighted blend is exactly that long), and the loop read the
     split's first samples again without a word. Megatron's sampler asserts there (no samples left to consume);
     here it is a start-up line. (A ramp's batch varies: not checked.)"""
     if t.skip_train or train_ds is None or t.rampup_batch_size is not None or not state.consumed_samples:
         return
+    # a rollback's skipped batches (rollback_skips.json in --save: those before the checkpoint, counted in its
+    # samples, and those after, skipped again) read past the split's end on purpose (training/batches.py)
+    skips = len(recorded_skips(save))
     need = state.consumed_samples + max(0, t.train_iters - state.iteration) * gbs
-    if need <= len(train_ds):
+    if need - skips * gbs <= len(train_ds):
         return
     read = state.consumed_samples
-    was = f" ({read // state.iteration} a step)" if state.iteration and read % state.iteration == 0 else ""
+    even = state.iteration and read % state.iteration == 0 and not skips
+    was = f" ({read // state.iteration} a step)" if even else ""
     raise ConfigError(
         f"--load: the checkpoint read {read} training samples in {state.iteration} iterations{was}, and the "
         f"{t.train_iters - state.iteration} left at --global-batch-size {gbs} read up to sample {need}, past the "
