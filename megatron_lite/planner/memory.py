@@ -58,7 +58,27 @@ def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:
     h = model.hidden_size
     if model.kernel_impl == "triton" or model.normalization != "RMSNorm":
         return h * a + 8
-    return (0 if frozen else h * a) + h * a + 4
+    # (the input upcast to fp32, which the reference saves in its place: kernels/norms.py; in fp32, the input)
+    return (0 if frozen else h * a) + h * 4 + 4
+
+
+def qk_norm_bytes(model: ModelConfig, a: int, q: int, kv: int, triton: bool, qkv_kept: bool) -> float:
+    """--qk-layernorm: what the per-head norms of q and k keep per token (values over head_dim, one row a head).
+    The Triton kernel: its input (a contiguous copy of q's and k's strided views) and 8 bytes of statistics a
+    row. PyTorch's RMSNorm: the normalised q and k, their inputs upcast to fp32 (in fp32 the inputs themselves: q
+    a copy where a group holds several heads, else a view of the QKV output, as k is, keeping that whole unless
+    the attention keeps it already) and 1/rms a row; PyTorch's LayerNorm its input, mean and rstd. Measured on
+    CPU (an exploratory run: 10-21% of the activations were missing; tests/test_planner_activations.py)."""
+    rows = model.num_attention_heads + model.query_groups
+    if triton:
+        return (q + kv) * a + rows * 8
+    if model.normalization != "RMSNorm":  # PyTorch's LayerNorm: its input, mean and rstd; its output attention's
+        return (2 * q + (kv if kv == q else 2 * kv)) * a + rows * 8  # input (fitted to the measured, on CPU)
+    own = (q + kv) * a + rows * 4  # the normalised q and k, 1/rms
+    if a < 4:  # their fp32 copies
+        return own + (q + kv) * 4
+    q_view = model.num_attention_heads == model.query_groups  # (one head a group: q a view of QKV's output)
+    return own + (0 if q_view else q * a) + (0 if qkv_kept else (q + 2 * kv) * a)
 
 
 def layer_activation_bytes(
@@ -110,8 +130,12 @@ def layer_activation_bytes(
         attn = ((q + kv if rope else 0) + (q + 2 * kv) + q) * a
     elif triton:
         attn = (3 * q + 2 * kv) * a + heads * 4
-    elif rope:
-        kv_saved = kv + (q + 2 * kv) if kv == q else 2 * q  # MHA: k roped, v a view of QKV; GQA: expanded
+    elif rope or kv != q:
+        # MHA: k roped, v a view of QKV; GQA: expanded to every head (without RoPE q a copy in place of the roped
+        # q), but for one group a rank, whose expanded k and v are views (three groups' worth kept, measured on
+        # CPU: two heads' worth each overestimated it)
+        one_group = kv != q and model.query_groups <= tp
+        kv_saved = kv + (q + 2 * kv) if kv == q else 3 * d * tp if one_group else 2 * q
         attn = (q + kv_saved + 2 * q) * a + heads * 4
     else:
         attn = (q + 2 * kv) * a + q * a + heads * 4  # q, k, v (views of QKV's output), the output, its LSE
@@ -126,6 +150,8 @@ def layer_activation_bytes(
         # (the attention's output is its own, not kept by the attention: the checkpoint's, the offset softmax's)
         fresh = core == "selective" or not (triton or rope) or model.softmax_type != "vanilla"
         attn += q * 4 + (q * a if qkv_kept else 0) + (q * a if fresh else 0)
+    if model.qk_layernorm and not model.multi_latent_attention:  # (MLA's latent norms: attention_memory.py)
+        attn += qk_norm_bytes(model, a, q, kv, triton, qkv_kept=kv == q and core == "none")
     nope = layer < model.num_layers and model.skips_rope(layer)  # (--no-rope-freq: saves alike here, but for l2)
     if model.qk_l2_norm and not (model.qk_l2_norm_rope_only and nope):
         attn += l2_norm_bytes(model, a, triton, rope, core)
@@ -164,6 +190,10 @@ def layer_activation_bytes(
         # the constant keep mask, keeps no output)
         outputs = model.moe_router_topk * (4 if model.moe_apply_probs_on_input else h * a)
         total += model.num_experts * 4 * 3 + share * (outputs + expert_rows(model, tokens)[1] * (h * a + per))
+        if model.moe_token_dispatcher_type == "allgather":
+            # the experts' outputs again, kept by their scaling with the routing weights, a routed pair's (measured
+            # on CPU, at TP 1 and 2 and EP 1 and 2: 11-15% of the activations were missing)
+            total += share * model.moe_router_topk * (h * a + 4)
         if model.moe_router_dtype == "fp64":  # the scores in fp64, and the router's fp64 copy of its input
             total += model.num_experts * 4 * 3 + h * (8 - a)
         if model.moe_input_jitter_eps is not None:  # the noise (the jittered input replaces the input)
@@ -310,7 +340,8 @@ def activation_bytes(
                 # the loss computed last makes its gradients in the forward and keeps them until its backward:
                 # the hidden gradient and the output layer's weight gradient
                 per_token += h * a
-                whole += 0 if lora is not None else vocab * h * a  # (none for a frozen output layer)
+                # (none for a frozen output layer; the padding rows' are not kept)
+                whole += 0 if lora is not None else min(vocab, model.vocab_size) * h * a
             else:
                 # logits (fp32), labels and masks; the output layer's input, unless it is frozen
                 loss = final_norm + (h * a if lora is None else 0) + vocab * 4 + 10
