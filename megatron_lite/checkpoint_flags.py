@@ -384,6 +384,8 @@ def flags_from_checkpoint(
     other = any(saved.get(k) for k in ("swiglu", "squared_relu", "quick_geglu", "openai_gelu"))
     if (saved.get("disable_bias_linear") and ns.disable_bias_linear) or other:
         conflicts = [d for d in conflicts if d != "no_bias_gelu_fusion"]
+    if saved.get("position_embedding_type") != "learned_absolute":  # (a table of no weights: RoPE's positions run
+        conflicts = [d for d in conflicts if d != "max_position_embeddings"]  # as far as asked; longer fine-tunes)
     if saved.get("multi_latent_attention"):  # (MLA's RoPE is its YaRN: these two do nothing there, as in Megatron)
         conflicts = [d for d in conflicts if d not in ("use_rope_scaling", "rope_scaling_factor")]
     if conflicts and not ns.use_checkpoint_args:

@@ -220,6 +220,13 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
                 "large gradient is reported and training goes on with it applied (Megatron re-runs the iteration "
                 "and applies the re-run's)"
             )
+    longest, seq = getattr(ns, "max_position_embeddings", None), getattr(ns, "seq_length", None)
+    if longest and seq and seq > longest and getattr(ns, "position_embedding_type", None) != "learned_absolute":
+        # (learned positions are refused past it; RoPE ran past a converted model's length without a word)
+        lines.append(
+            f"--seq-length {seq} is past --max-position-embeddings {longest} (the model's): positions past it were "
+            f"never trained; Megatron refuses this (--max-position-embeddings {seq} says the model is to learn them)"
+        )
     if getattr(ns, "apply_residual_connection_post_layernorm", False):
         lines.append(
             "--apply-residual-connection-post-layernorm takes each residual after its norm, as the flag's help and "

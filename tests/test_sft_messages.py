@@ -72,16 +72,32 @@ def _write(path, *conversations) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("style", ["chatml", "llama2", "ends-on-user"])
+# Qwen's shape: a default system turn where the conversation brings none
+QWEN = CHATML.replace(
+    "{% for m in messages %}",
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}",
+)
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama2", "ends-on-user", "qwen", "llama2-template-no-bos"])
 def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path, style):
-    folder = _tokenizer(tmp_path / "tok", LLAMA2 if style == "llama2" else CHATML, style)
+    """`qwen`: a template writing a default system turn; `llama2-template-no-bos`: a tokenizer adding a BOS to
+    every text under a template that writes none (TinyLlama-Chat's, Zephyr's): transformers' ids have no BOS (ours
+    had one, from an exploratory run)."""
+    template = {"llama2": LLAMA2, "llama2-template-no-bos": LLAMA2.replace("{{ bos_token }}{% for", "{% for", 1)}
+    folder = _tokenizer(tmp_path / "tok", template.get(style, QWEN if style == "qwen" else CHATML),
+                        "llama2" if style.startswith("llama2") else "chatml")  # fmt: skip
     tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
-    messages = TALK[1:] if style == "llama2" else TALK  # (Llama-2's template has no system turn)
+    messages = TALK[1:] if style.startswith("llama2") else TALK  # (Llama-2's template has no system turn)
     if style == "ends-on-user":  # (the EOD after it is trained all the same, as Megatron's SFTDataset has it)
         messages = TALK + [{"role": "user", "content": "hello"}]
+    if style == "qwen":
+        messages = TALK[1:]
     ids, replies = _oracle(folder, messages)
     # (ChatML's last reply ends "<|im_end|>\n": an EOD follows; Llama-2's ends on the EOD itself)
-    assert sum(replies) > 0 and (ids[-1] == tok.eod) == (style == "llama2")
+    assert sum(replies) > 0 and (ids[-1] == tok.eod) == style.startswith("llama2")
+    assert (ids[0] == tok.bos) == (style == "llama2")
     if ids[-1] != tok.eod:  # (Megatron's SFTDataset closes the conversation with a trained EOD)
         ids, replies = ids + [tok.eod], replies + [1]
     n = len(ids) - 1
@@ -175,6 +191,8 @@ def test_the_entry_point_trains_on_messages_and_generate_prompts_with_them(tmp_p
     "messages,message",
     [
         ([{"role": "user", "content": "hi"}], "the conversation has no assistant turn, so nothing in it would be"),
+        # (a default system turn and the assistant header before it were trained, from an exploratory run)
+        (TALK[2:], "the conversation opens with an assistant turn: give the user turn it answers"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
          "turn 1 is an empty assistant turn"),
         ([{"role": "bot", "content": "hi"}], 'turn 0 has role "bot"; expected one of system, user, assistant, tool'),
@@ -289,3 +307,22 @@ def test_a_blend_with_one_packed_file_gives_every_sample_document_ids(tmp_path):
         samples = [ds[i] for i in range(8)]
         assert all("document_ids" in s for s in samples)
         assert {int(s["document_ids"].max()) for s in samples} == {0, 1}  # (plain ones: one document)
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_a_prompt_conversation_is_what_transformers_renders(tmp_path, bos):
+    """tools/generate.py's {"messages": [...]} prompts: apply_chat_template(add_generation_prompt=True)'s ids,
+    whether the template writes the BOS or only the tokenizer would add one (it then had one transformers has not)."""
+    from transformers import AutoTokenizer
+
+    from megatron_lite.data.sft import chat_prompt_ids
+    from megatron_lite.data.sft_messages import ChatTemplate
+
+    folder = _tokenizer(tmp_path / "tok", LLAMA2 if bos else LLAMA2.replace("{{ bos_token }}{% for", "{% for", 1),
+                        "llama2")  # fmt: skip
+    tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    asked = TALK[1:4]
+    want = AutoTokenizer.from_pretrained(folder).apply_chat_template(asked, tokenize=True, add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert chat_prompt_ids(tok, ChatTemplate(tok, "x"), asked, "x") == want
+    assert (want[0] == tok.bos) == bos

@@ -63,10 +63,19 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return _one_bos(_strip(encode(text), [], suffix), prefix)
 
 
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """A conversation the chat template rendered, as transformers' apply_chat_template(tokenize=True) and
+    Megatron's SFTTokenizer read it: the template's text alone, its special tokens as tokens, none added (the BOS
+    is the template's to write: a tokenizer that adds one to every text, under a template that writes none, as
+    TinyLlama-Chat's and Zephyr's, put one before every conversation, which transformers never does)."""
+    encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
+    return _strip(encode(text), getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", []))
+
+
 def chat_prompt_ids(tokenizer, template: ChatTemplate, messages, where: str) -> list[int]:
     """A {"messages": [...]} conversation as a prompt for its next reply: rendered by the chat template with its
-    generation prompt (the assistant header), then read as prompt_ids reads a text."""
-    return prompt_ids(tokenizer, template.render(check_messages(messages, where, prompt=True), True, where))
+    generation prompt (the assistant header), then read as chat_ids reads it."""
+    return chat_ids(tokenizer, template.render(check_messages(messages, where, prompt=True), True, where))
 
 
 def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple[list[int], list[int], bool, bool]:
@@ -102,8 +111,8 @@ class SFTDataset:
         self.packed = False  # (a line of several conversations: samples carry document ids; see build_sft_datasets)
         template = None  # (the chat template, read at the first "messages" record)
 
-        def read(text: str) -> list[int]:  # (a rendered text's ids as a prompt's: see prompt_ids)
-            return _one_bos(_strip(encode(text), [], suffix), prefix)
+        def read(text: str) -> list[int]:  # (a rendered conversation: see chat_ids)
+            return chat_ids(tokenizer, text)
 
         with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
             for n, raw in enumerate(f, 1):
@@ -315,6 +324,7 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
     if source.per_split is None and log is not None and first:  # (--split holds records back from training)
         for path, records in opened.items():
             a, b, c = (hi - lo for lo, hi in split_document_ranges(records.num_records, data.split_weights))
+            keep = "; --split 100,0,0 trains on every record" if b or c else ""  # (not said when it does)
             log(f"--sft {path}: {records.num_records} records, {a} for training, {b} validation, {c} test "
-                f"(--split {data.split}; --split 100,0,0 trains on every record)")  # fmt: skip
+                f"(--split {data.split}{keep})")  # fmt: skip
     return tuple(out)

@@ -76,6 +76,10 @@ def check_messages(messages, where: str, prompt: bool = False) -> list[dict]:
             raise ConfigError(f'{where}: turn {i} has role "{m["role"]}"; expected one of {", ".join(ROLES)}')
         if m["role"] == "assistant" and not m["content"]:  # (Megatron's SFTTokenizer refuses it too)
             raise ConfigError(f"{where}: turn {i} is an empty assistant turn: drop it or give its answer")
+    if messages[0]["role"] == "assistant" and not prompt:
+        # (what the template puts before it, a default system turn or the assistant header, was trained: from an
+        # exploratory run; transformers renders no conversation of no turns, and Megatron asserts a user turn)
+        raise ConfigError(f"{where}: the conversation opens with an assistant turn: give the user turn it answers")
     if not prompt and not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: the conversation has no assistant turn, so nothing in it would be trained")
     return messages

@@ -177,8 +177,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
             )
         if (job.data.reset_attention_mask or job.data.reset_position_ids) and (not source.prefixes or job.data.sft):
             log.info(
-                "--reset-position-ids / --reset-attention-mask have no effect on mock or --sft data "
-                "(no packed documents)"
+                "--reset-position-ids / --reset-attention-mask have no effect on mock or --sft data (mock data packs "
+                "no documents; --sft keeps the conversations a line packs apart itself)"
             )
         log.info(f"kernels: {job.model.kernel_impl}")
         log.info(f"world {ctx.world_size} on {ctx.device}: {ctx.describe()}; data: {source.description}")
