@@ -62,13 +62,14 @@ def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:
     return (0 if frozen else h * a) + h * 4 + 4
 
 
-def qk_norm_bytes(model: ModelConfig, a: int, q: int, kv: int, triton: bool, qkv_kept: bool) -> float:
+def qk_norm_bytes(model: ModelConfig, a: int, q: int, kv: int, triton: bool, qkv_kept: bool, q_view: bool) -> float:
     """--qk-layernorm: what the per-head norms of q and k keep per token (values over head_dim, one row a head).
     The Triton kernel: its input (a contiguous copy of q's and k's strided views) and 8 bytes of statistics a
     row. PyTorch's RMSNorm: the normalised q and k, their inputs upcast to fp32 (in fp32 the inputs themselves: q
-    a copy where a group holds several heads, else a view of the QKV output, as k is, keeping that whole unless
-    the attention keeps it already) and 1/rms a row; PyTorch's LayerNorm its input, mean and rstd. Measured on
-    CPU (an exploratory run: 10-21% of the activations were missing; tests/test_planner_activations.py)."""
+    a copy where a rank's group holds several heads, else (`q_view`) a view of the QKV output, as k is, keeping
+    that whole unless the attention keeps it already) and 1/rms a row; PyTorch's LayerNorm its input, mean and
+    rstd. Measured on CPU (an exploratory run: 10-21% of the activations were missing;
+    tests/test_planner_activations.py)."""
     rows = model.num_attention_heads + model.query_groups
     if triton:
         return (q + kv) * a + rows * 8
@@ -77,7 +78,6 @@ def qk_norm_bytes(model: ModelConfig, a: int, q: int, kv: int, triton: bool, qkv
     own = (q + kv) * a + rows * 4  # the normalised q and k, 1/rms
     if a < 4:  # their fp32 copies
         return own + (q + kv) * 4
-    q_view = model.num_attention_heads == model.query_groups  # (one head a group: q a view of QKV's output)
     return own + (0 if q_view else q * a) + (0 if qkv_kept else (q + 2 * kv) * a)
 
 
@@ -126,15 +126,15 @@ def layer_activation_bytes(
         total += 0 if regen else h * a / norm_div
     elif mlp_kept:
         total += 0 if regen and not sp else h * a  # fc1's (the router's, the linear replacement's) input
+    one_group = kv != q and model.query_groups <= tp  # (one key/value head a rank: q and its expansions views)
     if core == "selective":  # the checkpoint keeps q, k, v (v, or all three, views of the QKV output)
         attn = ((q + kv if rope else 0) + (q + 2 * kv) + q) * a
     elif triton:
         attn = (3 * q + 2 * kv) * a + heads * 4
-    elif rope or kv != q:
+    elif rope or (kv != q and not one_group):
         # MHA: k roped, v a view of QKV; GQA: expanded to every head (without RoPE q a copy in place of the roped
         # q), but for one group a rank, whose expanded k and v are views (three groups' worth kept, measured on
-        # CPU: two heads' worth each overestimated it)
-        one_group = kv != q and model.query_groups <= tp
+        # CPU: two heads' worth each overestimated it; without RoPE they are views of QKV's output, below)
         kv_saved = kv + (q + 2 * kv) if kv == q else 3 * d * tp if one_group else 2 * q
         attn = (q + kv_saved + 2 * q) * a + heads * 4
     else:
@@ -145,13 +145,18 @@ def layer_activation_bytes(
         # the gate's sigmoid (fp32); its rows of the QKV output where that is kept whole (q, k or v views of it);
         # the gated output where the attention's output was the projection's input (SDPA's own without RoPE, or
         # the checkpoint's, or the offset softmax's), now kept by the gate's product instead
-        qkv_kept = core == "selective" or (not triton and (not rope or kv == q))
+        qkv_kept = core == "selective" or (not triton and (kv == q or (not rope and one_group)))
         qkv_kept = qkv_kept or (model.qk_l2_norm and a == 4)  # (fp32 --qk-l2-norm keeps k, a view of it)
         # (the attention's output is its own, not kept by the attention: the checkpoint's, the offset softmax's)
-        fresh = core == "selective" or not (triton or rope) or model.softmax_type != "vanilla"
+        fresh = core == "selective" or not (triton or rope or (kv != q and not one_group))
+        fresh = fresh or model.softmax_type != "vanilla"
         attn += q * 4 + (q * a if qkv_kept else 0) + (q * a if fresh else 0)
     if model.qk_layernorm and not model.multi_latent_attention:  # (MLA's latent norms: attention_memory.py)
-        attn += qk_norm_bytes(model, a, q, kv, triton, qkv_kept=kv == q and core == "none")
+        # (QKV's output kept already: MHA's v, one group's views, the selective checkpoint's q, k, v)
+        kept = kv == q or one_group or core == "selective"
+        attn += qk_norm_bytes(
+            model, a, q, kv, triton, qkv_kept=kept, q_view=model.num_attention_heads == model.query_groups or one_group
+        )
     nope = layer < model.num_layers and model.skips_rope(layer)  # (--no-rope-freq: saves alike here, but for l2)
     if model.qk_l2_norm and not (model.qk_l2_norm_rope_only and nope):
         attn += l2_norm_bytes(model, a, triton, rope, core)
