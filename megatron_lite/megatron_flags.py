@@ -293,7 +293,12 @@ def accepted_no_ops(ns: argparse.Namespace) -> list[str]:
             f"warning: with --exp-avg-sq-dtype bf16, --adam-beta2 {ns.adam_beta2} barely decays the second moment: "
             "v x beta2 rounds back to v in bf16's 8 bits (as in Transformer Engine); beta2 <= 0.996 avoids it"
         )
-    masked = [f for f in ("eod_mask_loss", "sft") if getattr(ns, f, False)]
+    if getattr(ns, "eod_mask_loss", False) and getattr(ns, "sft", False):  # (as Megatron's SFTDataset ignores it)
+        lines.append(
+            "--eod-mask-loss has no effect on --sft data: a conversation's closing end-of-document token is trained, "
+            "as Megatron's SFTDataset trains it"
+        )
+    masked = [f for f in ("sft", "eod_mask_loss") if getattr(ns, f, False)]
     if masked and not getattr(ns, "calculate_per_token_loss", False):  # (with the flag, its no-op line says so)
         lines.append(
             f"--{masked[0].replace('_', '-')}: micro-batches count different numbers of loss tokens; the loss is the "

@@ -326,3 +326,27 @@ def test_a_prompt_conversation_is_what_transformers_renders(tmp_path, bos):
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert chat_prompt_ids(tok, ChatTemplate(tok, "x"), asked, "x") == want
     assert (want[0] == tok.bos) == bos
+
+
+def test_a_record_with_both_forms_is_refused(tmp_path):
+    """A line with "messages" and "prompt"/"response" trained one of them without a word (an exploratory run)."""
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": TALK, "prompt": "a", "response": "b"}) + "\n")
+    with pytest.raises(ConfigError, match=r'd\.jsonl:1: the record has both "messages" and "prompt": give one'):
+        SFTDataset(str(path), build_tokenizer("HuggingFaceTokenizer", model=folder), seq_length=64, seed=0)
+
+
+def test_flags_sft_data_ignores_say_so_once(tmp_path, capsys, monkeypatch):
+    """--reset-attention-mask with --sft said attention ran through a document mask, then that the flag had no
+    effect (the latter is so); --eod-mask-loss read as if it acted (Megatron's SFTDataset ignores both)."""
+    from test_pretrain_cli import _run
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "1 2 3", "response": "4 5"}) + "\n" for _ in range(8)))
+    argv = ["--sft", "--data-path", str(data), "--split", "100,0,0", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100", "--train-iters", "1", "--reset-attention-mask", "--eod-mask-loss"]  # fmt: skip
+    rc, out, err = _run(argv, capsys, monkeypatch)
+    assert rc == 0, err
+    assert "document mask" not in out and "have no effect on mock or --sft data" in out, out
+    assert "--eod-mask-loss has no effect on --sft data" in out + err, out + err

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from array import array
 
 import numpy as np
@@ -95,7 +96,8 @@ def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple
 
 
 class SFTDataset:
-    def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None) -> None:
+    def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None, log=None) -> None:
+        """`log`: where a file that takes long to read says how far it got (every 30 s)."""
         # every record's tokens in one int32 array, not lists of Python ints (33 bytes a token on every rank:
         # a billion-token set took 33 GB a rank, and DataLoader workers copied the pages the lists' counts touch)
         tokens, starts, prompt_lens = array("i"), array("q", [0]), array("i")
@@ -115,7 +117,11 @@ class SFTDataset:
             return chat_ids(tokenizer, text)
 
         with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
+            began = said = time.monotonic()
             for n, raw in enumerate(f, 1):
+                if log is not None and time.monotonic() - said > 30:  # (20k chat lines took 35 s, unsaid)
+                    said = time.monotonic()
+                    log(f"--sft {path}: {n - 1} lines read and tokenized ({said - began:.0f} s)")
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -131,7 +137,11 @@ class SFTDataset:
                     raise ConfigError(f"{path}:{n}: expected {either} (not JSON: {e.msg} at column {e.colno})") from e
                 if not isinstance(r, dict):  # (a JSON array file, say: one record a line here)
                     raise ConfigError(f"{path}:{n}: expected {either} on each line, got a JSON {type(r).__name__}")
-                if "messages" in r and "prompt" not in r:  # (Megatron's SFTDataset's conversations)
+                if "messages" in r and ({"prompt", "response", "completion"} & set(r)):
+                    both = sorted({"prompt", "response", "completion"} & set(r))[0]
+                    raise ConfigError(f'{path}:{n}: the record has both "messages" and "{both}": give one of them '
+                                      '(a conversation, or a prompt/response record)')  # fmt: skip
+                if "messages" in r:  # (Megatron's SFTDataset's conversations)
                     where = f"{path}:{n}"
                     if template is None:
                         template = ChatTemplate(tokenizer, where)
@@ -289,6 +299,7 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
         blends = [[(w, p, False) for w, p in b] for b in source.per_split]
     else:
         blends = [[(w, p, True) for w, p in source.prefixes]] * 3
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # (said once)
     opened: dict[str, SFTDataset] = {}
     out = []
     for s, blend in enumerate(blends):
@@ -297,7 +308,7 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
             if not num_samples[s]:  # (a split never read: its own files are not tokenized, nor refused if empty)
                 continue
             if path not in opened:
-                opened[path] = SFTDataset(path, source.tokenizer, seq_length, seed)
+                opened[path] = SFTDataset(path, source.tokenizer, seq_length, seed, log=log if first else None)
             records = opened[path]
             lo, hi = (
                 split_document_ranges(records.num_records, data.split_weights)[s]
@@ -320,7 +331,6 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
         for ds in out:
             for d in getattr(ds, "datasets", [ds]) if ds is not None else []:
                 d.packed = True
-    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # (said once)
     if source.per_split is None and log is not None and first:  # (--split holds records back from training)
         for path, records in opened.items():
             a, b, c = (hi - lo for lo, hi in split_document_ranges(records.num_records, data.split_weights))

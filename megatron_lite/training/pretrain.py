@@ -168,7 +168,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.info(line)
         if job.model.kernel_impl == "triton" and job.model.attention_dropout > 0:
             log.info("--attention-dropout > 0: attention runs through PyTorch's SDPA (the flash kernel has no dropout)")
-        if job.data.reset_attention_mask:
+        if job.data.reset_attention_mask and source.prefixes and not job.data.sft:  # (else the line below)
             log.info(
                 "--reset-attention-mask: the flash kernel keeps attention inside each document, skipping other "
                 "documents' blocks"
