@@ -1,5 +1,6 @@
 """The saved tensors of attention variants per token, for planner/memory.py's layer count: multi-latent
-attention's (its latents whole on every TP rank), --qk-l2-norm's and --softmax-type's offsets."""
+attention's (its latents whole on every TP rank), --qk-l2-norm's and --qk-layernorm's norms, --softmax-type's
+offsets."""
 
 from __future__ import annotations
 
@@ -67,3 +68,22 @@ def softmax_offset_bytes(model: ModelConfig, a: int, triton: bool, vanilla: floa
     q = heads * d
     probs = heads * (seq + 1) * 4 + (heads * seq * a if a < 4 else 0)
     return 2 * q * 4 + 2 * q * a + probs + seq / layout.micro_batch_size * layout.tp
+
+
+def qk_norm_bytes(model: ModelConfig, a: int, q: int, kv: int, triton: bool, qkv_kept: bool, q_view: bool) -> float:
+    """--qk-layernorm: what the per-head norms of q and k keep per token (values over head_dim, one row a head).
+    The Triton kernel: its input (a contiguous copy of q's and k's strided views) and 8 bytes of statistics a
+    row. PyTorch's RMSNorm: the normalised q and k, their inputs upcast to fp32 (in fp32 the inputs themselves: q
+    a copy where a rank's group holds several heads, else (`q_view`) a view of the QKV output, as k is, keeping
+    that whole unless the attention keeps it already) and 1/rms a row; PyTorch's LayerNorm its input, mean and
+    rstd. Measured on CPU (an exploratory run: 10-21% of the activations were missing;
+    tests/test_planner_activations.py)."""
+    rows = model.num_attention_heads + model.query_groups
+    if triton:
+        return (q + kv) * a + rows * 8
+    if model.normalization != "RMSNorm":  # PyTorch's LayerNorm: its input, mean and rstd; its output attention's
+        return (2 * q + (kv if kv == q else 2 * kv)) * a + rows * 8  # input (fitted to the measured, on CPU)
+    own = (q + kv) * a + rows * 4  # the normalised q and k, 1/rms
+    if a < 4:  # their fp32 copies
+        return own + (q + kv) * 4
+    return own + (0 if q_view else q * a) + (0 if qkv_kept else (q + 2 * kv) * a)

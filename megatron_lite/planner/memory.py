@@ -31,7 +31,12 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.layout_validation import stage_layer_counts
 from megatron_lite.models.heterogeneous import NO_OP, NORMAL, BlockConfig, layer_kinds
-from megatron_lite.planner.attention_memory import l2_norm_bytes, mla_activation_bytes, softmax_offset_bytes
+from megatron_lite.planner.attention_memory import (
+    l2_norm_bytes,
+    mla_activation_bytes,
+    qk_norm_bytes,
+    softmax_offset_bytes,
+)
 from megatron_lite.planner.hybrid import MAMBA_MIXER, layer_block, mixer_activation_bytes
 from megatron_lite.planner.layout import Layout
 from megatron_lite.planner.lora_memory import adapted, lora_first_layer_bytes, lora_layer_bytes
@@ -60,25 +65,6 @@ def _norm_bytes(model: ModelConfig, a: int, frozen: bool = False) -> float:
         return h * a + 8
     # (the input upcast to fp32, which the reference saves in its place: kernels/norms.py; in fp32, the input)
     return (0 if frozen else h * a) + h * 4 + 4
-
-
-def qk_norm_bytes(model: ModelConfig, a: int, q: int, kv: int, triton: bool, qkv_kept: bool, q_view: bool) -> float:
-    """--qk-layernorm: what the per-head norms of q and k keep per token (values over head_dim, one row a head).
-    The Triton kernel: its input (a contiguous copy of q's and k's strided views) and 8 bytes of statistics a
-    row. PyTorch's RMSNorm: the normalised q and k, their inputs upcast to fp32 (in fp32 the inputs themselves: q
-    a copy where a rank's group holds several heads, else (`q_view`) a view of the QKV output, as k is, keeping
-    that whole unless the attention keeps it already) and 1/rms a row; PyTorch's LayerNorm its input, mean and
-    rstd. Measured on CPU (an exploratory run: 10-21% of the activations were missing;
-    tests/test_planner_activations.py)."""
-    rows = model.num_attention_heads + model.query_groups
-    if triton:
-        return (q + kv) * a + rows * 8
-    if model.normalization != "RMSNorm":  # PyTorch's LayerNorm: its input, mean and rstd; its output attention's
-        return (2 * q + (kv if kv == q else 2 * kv)) * a + rows * 8  # input (fitted to the measured, on CPU)
-    own = (q + kv) * a + rows * 4  # the normalised q and k, 1/rms
-    if a < 4:  # their fp32 copies
-        return own + (q + kv) * 4
-    return own + (0 if q_view else q * a) + (0 if qkv_kept else (q + 2 * kv) * a)
 
 
 def layer_activation_bytes(
