@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     where = lambda i: f" ({many} {records[i]['_line']})" if many else ""  # noqa: E731
     template = None  # (the chat template beside the tokenizer, for {"messages": [...]} prompts: as --sft reads them)
 
-    def ids_of(i: int, r: dict) -> list[int]:
+    def ids_of(r: dict) -> list[int]:
         nonlocal template
         if isinstance(r.get("prompt"), str):  # (text is read as --sft reads a prompt: special tokens, one BOS)
             return prompt_ids(tokenizer, r["prompt"])
@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
             return chat_prompt_ids(tokenizer, template, r["messages"], at)
         return r["prompt_ids"]
 
-    prompts = [ids_of(i, r) for i, r in enumerate(records)]
+    prompts = [ids_of(r) for r in records]
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ConfigError(f"the prompt is empty{where(i)} (no ids; the tokenizer adds no BOS to an empty text)")

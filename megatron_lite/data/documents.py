@@ -12,17 +12,29 @@ import torch
 def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """The document each token belongs to, numbered from 0 within the sample, shaped like `tokens` [..., seq]:
     the number of EOD tokens before it."""
-    ends = (tokens == eod).long()
-    return torch.cumsum(ends, dim=-1) - ends
+    return ids_from_starts(_starts(tokens, eod))
 
 
 def document_position_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """Each token's position inside its own document (0 at every document's first token)."""
-    seq = tokens.shape[-1]
-    pos = torch.arange(seq, device=tokens.device).expand_as(tokens)
+    return positions_from_starts(_starts(tokens, eod))
+
+
+def _starts(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """True where a document starts after an EOD (one past each EOD)."""
     ends = tokens == eod
-    # the first position of each token's document: one past the latest EOD before it (0 when there is none)
-    start = torch.where(ends, pos + 1, torch.zeros_like(pos))
-    start = torch.cummax(start, dim=-1).values
-    start = torch.cat([torch.zeros_like(start[..., :1]), start[..., :-1]], dim=-1)
-    return pos - start
+    return torch.cat([torch.zeros_like(ends[..., :1]), ends[..., :-1]], dim=-1)
+
+
+def ids_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's document, from a mask of where documents start [..., seq] (the first token opens one in any
+    case): the starts up to it after the first. (--sft marks the conversations a line packs so: an EOD may
+    stand inside one, as a Llama-2 chat's reply ends.)"""
+    return torch.cumsum(starts.long(), dim=-1) - starts[..., :1].long()
+
+
+def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its own document, from the mask of where documents start."""
+    pos = torch.arange(starts.shape[-1], device=starts.device).expand_as(starts)
+    # the first position of each token's document: the latest start up to it (0 when there is none)
+    return pos - torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), dim=-1).values

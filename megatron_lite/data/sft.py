@@ -27,6 +27,7 @@ order, cycling; ours in a seeded permutation per epoch, as before.)"""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import time
 from array import array
@@ -35,8 +36,15 @@ import numpy as np
 import torch
 
 from megatron_lite.config import ConfigError
+from megatron_lite.data.documents import ids_from_starts, positions_from_starts
 from megatron_lite.data.gpt_dataset import BlendedDataset, normalize, split_document_ranges
-from megatron_lite.data.sft_messages import ChatTemplate, check_messages, conversation_ids, split_conversations
+from megatron_lite.data.sft_messages import (
+    ChatTemplate,
+    check_messages,
+    common_prefix,
+    conversation_ids,
+    split_conversations,
+)
 
 OPENS = 2  # (a flag beside "trained": this token opens a conversation packed into its line)
 
@@ -112,9 +120,7 @@ class SFTDataset:
         trained = array("b")
         self.packed = False  # (a line of several conversations: samples carry document ids; see build_sft_datasets)
         template = None  # (the chat template, read at the first "messages" record)
-
-        def read(text: str) -> list[int]:  # (a rendered conversation: see chat_ids)
-            return chat_ids(tokenizer, text)
+        read = functools.partial(chat_ids, tokenizer)  # (a rendered conversation's ids)
 
         with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
             began = said = time.monotonic()
@@ -146,12 +152,13 @@ class SFTDataset:
                     if template is None:
                         template = ChatTemplate(tokenizer, where)
                     ids, flags = [], []
-                    for conversation in split_conversations(check_messages(r["messages"], where)):
+                    conversations = split_conversations(check_messages(r["messages"], where))
+                    for conversation in conversations:
                         more, marks = conversation_ids(conversation, template, read, where)
                         if more[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
                             more, marks = more + [tokenizer.eod], marks + [1]
                         ids, flags = ids + more, flags + [marks[0] | OPENS] + marks[1:]
-                    self.packed = self.packed or flags.count(OPENS) + flags.count(OPENS | 1) > 1
+                    self.packed = self.packed or len(conversations) > 1
                     # (cut on the right, as Megatron's SFTDataset cuts a pack: the last replies lose their end)
                     # (4: no reply is left within the sequence, a sample that trains nothing)
                     lost, kept = (
@@ -175,18 +182,16 @@ class SFTDataset:
                     raise ConfigError(f"{path}:{n}: expected {expected}, got {kinds}")
                 if not response:  # (it trained the turn's end alone; Megatron refuses an empty assistant turn)
                     raise ConfigError(f"{path}:{n}: the response is empty: drop the record or give its answer")
-                try:
-                    p, other = encode(prompt), encode(response if separate else prompt + response)
+                try:  # (the prompt, and the whole text, read as prompt_ids reads a prompt)
+                    p = prompt_ids(tokenizer, prompt)
+                    other = encode(response) if separate else prompt_ids(tokenizer, prompt + response)
                 except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
                     raise ConfigError(f"{path}:{n}: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
-                p = _one_bos(_strip(p, [], suffix), prefix)
                 if separate:
                     ids = _strip(other, prefix, suffix)
-                else:
-                    whole = _one_bos(_strip(other, [], suffix), prefix)
-                    # the response: what follows the prompt's tokens (a merge across the boundary goes to it)
-                    at = next((i for i, (a, b) in enumerate(zip(p, whole)) if a != b), min(len(p), len(whole)))
-                    p, ids = whole[:at], whole[at:]
+                else:  # the response: what follows the prompt's tokens (a merge across the boundary goes to it)
+                    at = common_prefix(p, other)
+                    p, ids = other[:at], other[at:]
                 if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
                     ids = ids + [tokenizer.eod]
                 p, ids, cut_prompt, cut_response = _fit(
@@ -265,13 +270,10 @@ class SFTDataset:
             "position_ids": torch.arange(self.seq_length),
         }
         if self.packed:  # each conversation its own positions and attention (the padding goes with the last)
-            opens = torch.tensor([t & OPENS for t in trained[: self.seq_length]] + [0] * pad, dtype=torch.bool)[
-                : self.seq_length
-            ]
-            opens[0] = True
-            doc = torch.cumsum(opens.long(), 0) - 1
-            first = torch.cummax(torch.where(opens, torch.arange(self.seq_length), 0), 0).values
-            sample["document_ids"], sample["position_ids"] = doc, torch.arange(self.seq_length) - first
+            opens = torch.zeros(self.seq_length, dtype=torch.bool)
+            marks = [t & OPENS > 0 for t in trained[: self.seq_length]]
+            opens[: len(marks)] = torch.tensor(marks, dtype=torch.bool)
+            sample["document_ids"], sample["position_ids"] = ids_from_starts(opens), positions_from_starts(opens)
         return sample
 
 

@@ -96,7 +96,8 @@ def split_conversations(messages: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids a and b share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -115,9 +116,9 @@ def conversation_ids(messages: list[dict], template: ChatTemplate, encode, where
                 f"{where}: the chat template does not render this conversation turn by turn (turn {i}'s text changes "
                 'once later turns follow), so its replies cannot be marked: give "prompt"/"response" records'
             )
-        start = _common(encode(before), ids) if before else 0
+        start = common_prefix(encode(before), ids) if before else 0
         head = encode(upto)
-        end = _common(head, ids)
+        end = common_prefix(head, ids)
         end = end + 1 if end < len(head) else end  # (the token merged across the reply's end is the reply's)
         trained[start:end] = [1] * (end - start)
     return ids, trained

@@ -9,12 +9,14 @@ from megatron_lite.checkpoint.checkpointing import TrainState
 from megatron_lite.config import ConfigError
 from megatron_lite.data.builder import build_datasets
 from megatron_lite.training.configs import JobConfig
-from megatron_lite.training.resume import recorded_skips
 
 
-def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_log: Callable[[str], None]) -> tuple:
+def run_datasets(
+    source, job: JobConfig, dp: int, state: TrainState, log, data_log: Callable[[str], None], skips=()
+) -> tuple:
     """(train, validation, test, whether the run evaluates: Megatron's do_valid); a split with no samples asked
-    for, or none to give, is None. `state`: where the run starts (a resume's validation reads so far)."""
+    for, or none to give, is None. `state`: where the run starts (a resume's validation reads so far); `skips`:
+    the batches earlier rollbacks of the job skipped (training/resume.py recorded_skips)."""
     t = job.training
     gbs = t.global_batch(dp)
     # (Megatron's get_train_valid_test_num_samples: one evaluation's batches under --skip-train)
@@ -59,7 +61,7 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
             f"the train split holds no documents (--split {job.data.split} of --data-path, or "
             "--train-data-path): give it some, or --skip-train to evaluate only"
         )
-    _check_resumed_reads(train_ds, t, gbs, state, train_n, job.checkpoint.save)
+    _check_resumed_reads(train_ds, t, gbs, state, train_n, len(skips))
     validates = t.eval_iters > 0 or job.data.full_validation  # (Megatron's do_valid)
     if validates:  # (evaluation was skipped without a word)
         # (the test set is read --eval-iters batches: none with --full-validation --eval-iters 0, as Megatron)
@@ -74,7 +76,7 @@ def run_datasets(source, job: JobConfig, dp: int, state: TrainState, log, data_l
     return train_ds, valid_ds, test_ds, validates
 
 
-def _check_resumed_reads(train_ds, t, gbs: int, state: TrainState, train_n: int, save: str | None) -> None:
+def _check_resumed_reads(train_ds, t, gbs: int, state: TrainState, train_n: int, skips: int) -> None:
     """A resume with a smaller global batch than the checkpoint's (a relaunch on fewer data-parallel ranks, say)
     reads past a split sized for this run's batch (a weighted blend is exactly that long), and the loop read the
     split's first samples again without a word. Megatron's sampler asserts there (no samples left to consume);
@@ -83,7 +85,6 @@ def _check_resumed_reads(train_ds, t, gbs: int, state: TrainState, train_n: int,
         return
     # a rollback's skipped batches (rollback_skips.json in --save: those before the checkpoint, counted in its
     # samples, and those after, skipped again) read past the split's end on purpose (training/batches.py)
-    skips = len(recorded_skips(save))
     need = state.consumed_samples + max(0, t.train_iters - state.iteration) * gbs
     if need - skips * gbs <= len(train_ds):
         return

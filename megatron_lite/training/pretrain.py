@@ -267,7 +267,8 @@ def run(job: JobConfig, notes: list[str]) -> int:
                 )
 
         t = job.training
-        train_ds, valid_ds, test_ds, validates = run_datasets(source, job, ctx.dp.size, state, log, data_log)
+        skips = recorded_skips(job.checkpoint.save)  # (a restart after a rollback, before or after a save)
+        train_ds, valid_ds, test_ds, validates = run_datasets(source, job, ctx.dp.size, state, log, data_log, skips)
         rampup = t.rampup_batch_size is not None
         train_batches = Batches(train_ds, job, ctx, job.data.num_workers, rampup=rampup)
         flops_per_sample = flops_per_token(job.model, t.seq_length, frozen=job.lora is not None) * t.seq_length
@@ -283,7 +284,7 @@ def run(job: JobConfig, notes: list[str]) -> int:
         signalled = exiting = False
         guard = Supervisor(job.resilience, job.optimizer.check_for_nan_in_loss_and_grad, ctx, log, exit_signal, ddp)
         guard.load_state_dict(state.guards)
-        if skips := recorded_skips(job.checkpoint.save):  # (a restart after a rollback, before or after a save)
+        if skips:
             guard.skip_samples.update(skips)
             log.info(f"earlier rollbacks of this job skip the batches at samples {skips} ({SKIPS} in --save)")
         saver = (
