@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import time
 from array import array
 
@@ -38,6 +39,7 @@ import torch
 from megatron_lite.config import ConfigError
 from megatron_lite.data.documents import ids_from_starts, positions_from_starts
 from megatron_lite.data.gpt_dataset import BlendedDataset, normalize, split_document_ranges
+from megatron_lite.data.sft_cache import cached_records
 from megatron_lite.data.sft_messages import (
     ChatTemplate,
     check_messages,
@@ -103,111 +105,131 @@ def _fit(prompt: list[int], response: list[int], length: int, bos: int) -> tuple
     return prompt, response[: length - len(prompt)], cut_prompt, len(prompt) + len(response) > length
 
 
-class SFTDataset:
-    def __init__(self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None, log=None) -> None:
-        """`log`: where a file that takes long to read says how far it got (every 30 s)."""
-        # every record's tokens in one int32 array, not lists of Python ints (33 bytes a token on every rank:
-        # a billion-token set took 33 GB a rank, and DataLoader workers copied the pages the lists' counts touch)
-        tokens, starts, prompt_lens = array("i"), array("q", [0]), array("i")
-        cuts = array("b")  # per record: 1 its prompt was cut, 2 its response (both: 3); 4 nothing is left trained
-        # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
-        # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
-        prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
-        encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
-        separate = getattr(tokenizer, "separate_texts", False)
-        # per token: 1 where, as a label, it carries loss (a response's, an assistant turn's); OPENS where a
-        # conversation packed into a line after another starts (its own positions and attention)
-        trained = array("b")
-        self.packed = False  # (a line of several conversations: samples carry document ids; see build_sft_datasets)
-        template = None  # (the chat template, read at the first "messages" record)
-        read = functools.partial(chat_ids, tokenizer)  # (a rendered conversation's ids)
+def read_records(path: str, tokenizer, seq_length: int, log=None) -> tuple[dict[str, np.ndarray], bool]:
+    """The file's records tokenized: (arrays, packed). arrays: every record's tokens in one array (tokens, starts),
+    per record its prompt's length and what was cut (prompt_lens, cuts), per token its flags (trained); packed:
+    a line holds several conversations. `log`: where a file that takes long to read says how far it got."""
+    # every record's tokens in one int32 array, not lists of Python ints (33 bytes a token on every rank:
+    # a billion-token set took 33 GB a rank, and DataLoader workers copied the pages the lists' counts touch)
+    tokens, starts, prompt_lens = array("i"), array("q", [0]), array("i")
+    cuts = array("b")  # per record: 1 its prompt was cut, 2 its response (both: 3); 4 nothing is left trained
+    # what the tokenizer puts around every text: one BOS per sequence, the prompt's (a mid-sequence <s>
+    # would be trained on), and no EOS after the prompt or doubling the closing end-of-document
+    prefix, suffix = getattr(tokenizer, "prefix", []), getattr(tokenizer, "suffix", [])
+    encode = getattr(tokenizer, "encode_chat", tokenizer.encode)
+    separate = getattr(tokenizer, "separate_texts", False)
+    # per token: 1 where, as a label, it carries loss (a response's, an assistant turn's); OPENS where a
+    # conversation packed into a line after another starts (its own positions and attention)
+    trained = array("b")
+    packed = False  # (a line of several conversations: samples carry document ids; see build_sft_datasets)
+    template = None  # (the chat template, read at the first "messages" record)
+    read = functools.partial(chat_ids, tokenizer)  # (a rendered conversation's ids)
 
-        with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
-            began = said = time.monotonic()
-            for n, raw in enumerate(f, 1):
-                if log is not None and time.monotonic() - said > 30:  # (20k chat lines took 35 s, unsaid)
-                    said = time.monotonic()
-                    log(f"--sft {path}: {n - 1} lines read and tokenized ({said - began:.0f} s)")
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
-                                      "SFT records are JSON lines in UTF-8") from None  # fmt: skip
-                if not line.strip():
-                    continue
-                expected = 'a JSON object with "prompt" and "response" (or TRL\'s "completion") strings'
-                either = expected + ' (or Megatron\'s "messages" list)'
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: expected {either} (not JSON: {e.msg} at column {e.colno})") from e
-                if not isinstance(r, dict):  # (a JSON array file, say: one record a line here)
-                    raise ConfigError(f"{path}:{n}: expected {either} on each line, got a JSON {type(r).__name__}")
-                if "messages" in r and ({"prompt", "response", "completion"} & set(r)):
-                    both = sorted({"prompt", "response", "completion"} & set(r))[0]
-                    raise ConfigError(f'{path}:{n}: the record has both "messages" and "{both}": give one of them '
-                                      '(a conversation, or a prompt/response record)')  # fmt: skip
-                if "messages" in r:  # (Megatron's SFTDataset's conversations)
-                    where = f"{path}:{n}"
-                    if template is None:
-                        template = ChatTemplate(tokenizer, where)
-                    ids, flags = [], []
-                    conversations = split_conversations(check_messages(r["messages"], where))
-                    for conversation in conversations:
-                        more, marks = conversation_ids(conversation, template, read, where)
-                        if more[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
-                            more, marks = more + [tokenizer.eod], marks + [1]
-                        ids, flags = ids + more, flags + [marks[0] | OPENS] + marks[1:]
-                    self.packed = self.packed or len(conversations) > 1
-                    # (cut on the right, as Megatron's SFTDataset cuts a pack: the last replies lose their end)
-                    # (4: no reply is left within the sequence, a sample that trains nothing)
-                    lost, kept = (
-                        any(f & 1 for f in flags[seq_length + 1 :]),
-                        any(f & 1 for f in flags[1 : seq_length + 1]),
-                    )
-                    cuts.append(2 * int(lost) + 4 * int(not kept))
-                    ids, flags = ids[: seq_length + 1], flags[: seq_length + 1]
-                    tokens.extend(ids)
-                    trained.extend(flags)
-                    starts.append(len(tokens))
-                    prompt_lens.append(next((i for i, f in enumerate(flags) if f & 1), len(flags)))
-                    continue
-                if "prompt" not in r or not ({"response", "completion"} & set(r)):
-                    missing = "prompt" if "prompt" not in r else "response"
-                    raise ConfigError(f'{path}:{n}: expected {either}; it has no "{missing}" key')
-                prompt = r["prompt"]
-                response = r["response"] if "response" in r or "completion" not in r else r["completion"]
-                if not isinstance(prompt, str) or not isinstance(response, str):
-                    kinds = f"{type(prompt).__name__} and {type(response).__name__}"
-                    raise ConfigError(f"{path}:{n}: expected {expected}, got {kinds}")
-                if not response:  # (it trained the turn's end alone; Megatron refuses an empty assistant turn)
-                    raise ConfigError(f"{path}:{n}: the response is empty: drop the record or give its answer")
-                try:  # (the prompt, and the whole text, read as prompt_ids reads a prompt)
-                    p = prompt_ids(tokenizer, prompt)
-                    other = encode(response) if separate else prompt_ids(tokenizer, prompt + response)
-                except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
-                    raise ConfigError(f"{path}:{n}: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
-                if separate:
-                    ids = _strip(other, prefix, suffix)
-                else:  # the response: what follows the prompt's tokens (a merge across the boundary goes to it)
-                    at = common_prefix(p, other)
-                    p, ids = other[:at], other[at:]
-                if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
-                    ids = ids + [tokenizer.eod]
-                p, ids, cut_prompt, cut_response = _fit(
-                    p, ids, seq_length + 1, len(prefix) if p[: len(prefix)] == prefix else 0
+    with open(path, "rb") as f:  # (decoded line by line: a byte that is not UTF-8 is named with its line)
+        began = said = time.monotonic()
+        for n, raw in enumerate(f, 1):
+            if log is not None and time.monotonic() - said > 30:  # (20k chat lines took 35 s, unsaid)
+                said = time.monotonic()
+                log(f"--sft {path}: {n - 1} lines read and tokenized ({said - began:.0f} s)")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
+                                  "SFT records are JSON lines in UTF-8") from None  # fmt: skip
+            if not line.strip():
+                continue
+            expected = 'a JSON object with "prompt" and "response" (or TRL\'s "completion") strings'
+            either = expected + ' (or Megatron\'s "messages" list)'
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: expected {either} (not JSON: {e.msg} at column {e.colno})") from e
+            if not isinstance(r, dict):  # (a JSON array file, say: one record a line here)
+                raise ConfigError(f"{path}:{n}: expected {either} on each line, got a JSON {type(r).__name__}")
+            if "messages" in r and ({"prompt", "response", "completion"} & set(r)):
+                both = sorted({"prompt", "response", "completion"} & set(r))[0]
+                raise ConfigError(f'{path}:{n}: the record has both "messages" and "{both}": give one of them '
+                                  '(a conversation, or a prompt/response record)')  # fmt: skip
+            if "messages" in r:  # (Megatron's SFTDataset's conversations)
+                where = f"{path}:{n}"
+                if template is None:
+                    template = ChatTemplate(tokenizer, where)
+                ids, flags = [], []
+                conversations = split_conversations(check_messages(r["messages"], where))
+                for conversation in conversations:
+                    more, marks = conversation_ids(conversation, template, read, where)
+                    if more[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
+                        more, marks = more + [tokenizer.eod], marks + [1]
+                    ids, flags = ids + more, flags + [marks[0] | OPENS] + marks[1:]
+                packed = packed or len(conversations) > 1
+                # (cut on the right, as Megatron's SFTDataset cuts a pack: the last replies lose their end)
+                # (4: no reply is left within the sequence, a sample that trains nothing)
+                lost, kept = (
+                    any(f & 1 for f in flags[seq_length + 1 :]),
+                    any(f & 1 for f in flags[1 : seq_length + 1]),
                 )
-                cuts.append(int(cut_prompt) + 2 * int(cut_response))
-                tokens.extend(p + ids)
-                trained.extend([0] * len(p) + [1] * len(ids))
+                cuts.append(2 * int(lost) + 4 * int(not kept))
+                ids, flags = ids[: seq_length + 1], flags[: seq_length + 1]
+                tokens.extend(ids)
+                trained.extend(flags)
                 starts.append(len(tokens))
-                prompt_lens.append(len(p))
-        if not prompt_lens:
-            raise ConfigError(f"{path} holds no prompt/response or messages records")
-        self.tokens, self.starts = np.frombuffer(tokens, dtype=np.int32), np.frombuffer(starts, dtype=np.int64)
-        self.prompt_lens = np.frombuffer(prompt_lens, dtype=np.int32)
-        self.trained = np.frombuffer(trained, dtype=np.int8)
-        self._cuts = np.frombuffer(cuts, dtype=np.int8)
+                prompt_lens.append(next((i for i, f in enumerate(flags) if f & 1), len(flags)))
+                continue
+            if "prompt" not in r or not ({"response", "completion"} & set(r)):
+                missing = "prompt" if "prompt" not in r else "response"
+                raise ConfigError(f'{path}:{n}: expected {either}; it has no "{missing}" key')
+            prompt = r["prompt"]
+            response = r["response"] if "response" in r or "completion" not in r else r["completion"]
+            if not isinstance(prompt, str) or not isinstance(response, str):
+                kinds = f"{type(prompt).__name__} and {type(response).__name__}"
+                raise ConfigError(f"{path}:{n}: expected {expected}, got {kinds}")
+            if not response:  # (it trained the turn's end alone; Megatron refuses an empty assistant turn)
+                raise ConfigError(f"{path}:{n}: the response is empty: drop the record or give its answer")
+            try:  # (the prompt, and the whole text, read as prompt_ids reads a prompt)
+                p = prompt_ids(tokenizer, prompt)
+                other = encode(response) if separate else prompt_ids(tokenizer, prompt + response)
+            except Exception as e:  # (NullTokenizer's ids, text the tokenizer rejects)
+                raise ConfigError(f"{path}:{n}: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
+            if separate:
+                ids = _strip(other, prefix, suffix)
+            else:  # the response: what follows the prompt's tokens (a merge across the boundary goes to it)
+                at = common_prefix(p, other)
+                p, ids = other[:at], other[at:]
+            if ids[-1:] != [tokenizer.eod]:  # (as Megatron's SFT dataset: unless it is already there)
+                ids = ids + [tokenizer.eod]
+            p, ids, cut_prompt, cut_response = _fit(
+                p, ids, seq_length + 1, len(prefix) if p[: len(prefix)] == prefix else 0
+            )
+            cuts.append(int(cut_prompt) + 2 * int(cut_response))
+            tokens.extend(p + ids)
+            trained.extend([0] * len(p) + [1] * len(ids))
+            starts.append(len(tokens))
+            prompt_lens.append(len(p))
+    if not prompt_lens:
+        raise ConfigError(f"{path} holds no prompt/response or messages records")
+    arrays = {
+        "tokens": np.frombuffer(tokens, dtype=np.int32),
+        "starts": np.frombuffer(starts, dtype=np.int64),
+        "prompt_lens": np.frombuffer(prompt_lens, dtype=np.int32),
+        "trained": np.frombuffer(trained, dtype=np.int8),
+        "cuts": np.frombuffer(cuts, dtype=np.int8),
+    }
+    return arrays, packed
+
+
+class SFTDataset:
+    def __init__(
+        self, path: str, tokenizer, seq_length: int, seed: int, pad_id: int | None = None, log=None, cache_dir=None
+    ) -> None:
+        """`log`: where a file that takes long to read says how far it got (every 30 s); `cache_dir`: where its
+        tokenized records are kept for the next run (data/sft_cache.py), None to tokenize every time."""
+        arrays, self.packed = (
+            read_records(path, tokenizer, seq_length, log)
+            if cache_dir is None
+            else cached_records(path, tokenizer, seq_length, cache_dir, read_records, log)
+        )
+        self.tokens, self.starts, self.prompt_lens = arrays["tokens"], arrays["starts"], arrays["prompt_lens"]
+        self.trained, self._cuts = arrays["trained"], arrays["cuts"]
         self.first, self.count = 0, len(self.prompt_lens)  # the records this dataset reads: all, or a split's
         self.seq_length, self.seed, self.eod = seq_length, seed, tokenizer.eod
         self.pad = self.eod if pad_id is None else pad_id
@@ -310,7 +332,10 @@ def build_sft_datasets(source, data, num_samples: tuple[int, int, int], seq_leng
             if not num_samples[s]:  # (a split never read: its own files are not tokenized, nor refused if empty)
                 continue
             if path not in opened:
-                opened[path] = SFTDataset(path, source.tokenizer, seq_length, seed, log=log if first else None)
+                # (kept where Megatron keeps a dataset's indices: --data-cache-path, else cache/ beside the data)
+                cache = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(path)), "cache")
+                said = log if first else None
+                opened[path] = SFTDataset(path, source.tokenizer, seq_length, seed, log=said, cache_dir=cache)
             records = opened[path]
             lo, hi = (
                 split_document_ranges(records.num_records, data.split_weights)[s]

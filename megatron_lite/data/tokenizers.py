@@ -319,7 +319,7 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
             ) from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        self.path = vocab_file
+        self.path, self.merge_file = vocab_file, merge_file  # (both name what it reads: data/sft_cache.py)
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
         if "<|endoftext|>" not in vocab:
