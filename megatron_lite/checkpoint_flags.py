@@ -513,6 +513,12 @@ def flags_from_checkpoint(
         notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
         if off := list(offs.values()):
             notes.append(f"a switch taken from the checkpoint is turned off by its off form: {', '.join(off)}")
+    if not finetune and "seq_length" in given and full.get("seq_length") not in (None, ns.seq_length):
+        # (accepted, as Megatron accepts it; said, as the schedule's changes are: an exploratory run)
+        notes.append(
+            f"--seq-length {ns.seq_length} differs from the checkpoint's {full['seq_length']}: training goes on after "
+            f"its consumed samples, which were of {full['seq_length']} tokens, with samples of {ns.seq_length}"
+        )
     # (`scheduler`: the checkpoint's schedule state; older ones hold no lengths in samples)
     ns.schedule_notes = notes + schedule_notes(ns, saved, given, full, scheduler, resumed)
     if ns.use_checkpoint_args:

@@ -509,3 +509,19 @@ def test_precision_and_training_settings_come_back_and_a_precision_given_replace
     # (a review's: dropped without a word)
     said = " ".join(ns.schedule_notes)
     assert "--bf16 replaces the checkpoint's fp8 (--fp8-format hybrid)" in said, said
+
+
+def test_a_resume_at_another_seq_length_is_said(tmp_path, capsys, monkeypatch):
+    """Accepted, as Megatron accepts it (the samples consumed go on, now of the new length), and said at start-up
+    as the schedule's changes are (an exploratory run: silent); not for --finetune, which starts the data over."""
+    from megatron_lite.arguments import parse_args
+
+    ckpt = str(tmp_path / "ckpt")
+    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", ckpt], capsys, monkeypatch)
+    assert rc == 0, err
+    ns, _ = parse_args(["--load", ckpt, "--train-iters", "5", "--seq-length", "8"])
+    said = " ".join(ns.schedule_notes)
+    assert "--seq-length 8 differs from the checkpoint's 16: training goes on after its consumed samples" in said
+    for same in (["--seq-length", "16"], ["--seq-length", "8", "--finetune"], []):
+        ns, _ = parse_args(["--load", ckpt, "--train-iters", "5", *same])
+        assert "differs from the checkpoint's 16" not in " ".join(ns.schedule_notes), same

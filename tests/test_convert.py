@@ -940,6 +940,7 @@ def test_inspect(converted, tmp_path):
         "converted    from MixtralForCausalLM at ",
         "training     none: converted weights",  # (not a conversion's placeholder settings, as if trained)
         "num_experts=4",
+        ", softmax router",  # (the router's kind: sigmoid with an expert bias for DeepSeek-V3's)
         "sliding_window=10",
         "in 1 file (checksums verified)",
     ):

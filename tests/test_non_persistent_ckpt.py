@@ -12,12 +12,29 @@ import pytest
 from test_pretrain_cli import TINY, _one_line_error, _run
 from test_pretrain_torchrun import records
 
+from megatron_lite.config import ConfigError
+
 
 def _stop_after_iteration_7(ckpt) -> None:
     """What a run killed in iteration 7 or 8 leaves: the persistent checkpoint of 4 and the non-persistent one of 6
     (iteration 8's persistent save never happened)."""
     shutil.rmtree(ckpt / "iter_0000008")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+
+
+def _inspect(argv: list[str]) -> str:
+    import contextlib
+    import importlib.util
+    import io
+
+    where = os.path.join(os.path.dirname(__file__), "..", "tools", "checkpoint", "inspect_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("inspect_checkpoint", where)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert tool.main(argv) == 0
+    return out.getvalue()
 
 
 def _same(a: list[dict], b: list[dict], rel: float = 0.0) -> None:
@@ -39,6 +56,14 @@ def test_global_resumes_from_the_newer_one_and_keeps_only_the_newest(tmp_path, c
     assert sorted(os.listdir(ckpt / "non_persistent")) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
     assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == ["iter_0000004", "iter_0000008"]
     _stop_after_iteration_7(ckpt)
+    # --ckpt-step 6 names the non-persistent checkpoint, which it does not look at under --save: said, and the
+    # command it gives loads it (an exploratory run: it said only that 6 was not there)
+    rc, _, err = _run([*flags, "--load", str(ckpt), "--ckpt-step", "6"], capsys, monkeypatch)
+    hint = f"--load {ckpt / 'non_persistent'} --ckpt-step 6 loads it"
+    _one_line_error(rc, err, "has no complete checkpoint of iteration 6 (it has [4])", hint)
+    given = [*flags, *hint.removesuffix(" loads it").split(), "--train-iters", "7", "--save", str(tmp_path / "o")]
+    rc, out, err = _run(given, capsys, monkeypatch)
+    assert rc == 0 and "iteration 6, 24 samples consumed" in out, err
     # the same command again: the non-persistent checkpoint of 6 is newer than the persistent one of 4
     rc, out, err = _run([*flags, "--log-jsonl", str(tmp_path / "resumed.jsonl")], capsys, monkeypatch)
     assert rc == 0, err
@@ -76,6 +101,25 @@ def test_local_at_dp2_resumes_and_another_layout_takes_the_persistent_one(tmp_pa
             f"tensors_r0000{rank}.safetensors",
         ]  # fmt: skip
     assert not (ckpt / "non_persistent").exists()
+    # inspected, a rank's own files say they are its part (the optimizer's shard), not a whole checkpoint (from an
+    # exploratory run: full shapes, parameters and 'checksums verified' were all it said)
+    shown = _inspect([str(local / "0" / "iter_0000006"), "--verify"])
+    assert "one rank's part of a local non-persistent checkpoint" in shown and "% held)" in shown, shown
+    assert "partial" not in _inspect([str(ckpt / "iter_0000008")])
+    from megatron_lite.checkpoint.checkpointing import read_metadata
+    from megatron_lite.checkpoint.reader import Reader
+
+    own = str(local / "0" / "iter_0000006")
+    reader = Reader(own, read_metadata(own))
+    import math
+
+    def held(rec) -> int:
+        return sum(math.prod(pc["box"][1]) for pc in rec["pieces"])
+
+    # (a moment the rank holds only part of: its shard of the distributed optimizer's buckets)
+    name, rec = next((n, r) for n, r in reader.index.items() if held(r) < math.prod(r["shape"]))
+    with pytest.raises(ConfigError, match="one rank's part of a local non-persistent checkpoint"):
+        reader.read_box(name, (0,) * len(rec["shape"]), tuple(rec["shape"]))
     _stop_after_iteration_7(ckpt)
     out = pretrain_job(2, [*args, "--log-jsonl", str(tmp_path / "resumed.jsonl")])
     assert "resuming from the non-persistent checkpoint" in out and "iteration 6, 24 samples consumed" in out

@@ -14,6 +14,15 @@ from megatron_lite.checkpoint.hf_files import peft_adapter
 from megatron_lite.config import ConfigError
 
 
+def _non_persistent(root: str, step: int) -> str:
+    """A hint where iteration `step` is one of the run's non-persistent checkpoints, which --ckpt-step does not
+    look at under the --save directory (an exploratory run: the error said it was not there)."""
+    other = os.path.join(root, "non_persistent")  # (the global ones' default: checkpoint/non_persistent.py)
+    if os.path.isdir(other) and _whole(iteration_dir(other, step)) is not None:
+        return f"; iteration {step} is a non-persistent checkpoint: --load {other} --ckpt-step {step} loads it"
+    return ""
+
+
 def find_checkpoint(root: str | None, step: int | None = None, own: bool = False, flag: str = "--load") -> str | None:
     """The newest complete checkpoint directory under `root` (iteration `step`'s with --ckpt-step); `root`
     itself when it is one iteration's directory; None when `root` is missing or empty. Without the tracker file
@@ -30,7 +39,7 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
         or all(n.endswith(leftovers) or n == "non_persistent" for n in os.listdir(root))
     ):
         if step is not None:
-            raise ConfigError(f"--ckpt-step {step}: --load {root} holds no checkpoint")
+            raise ConfigError(f"--ckpt-step {step}: --load {root} holds no checkpoint{_non_persistent(root, step)}")
         return None
     if step is not None:
         path = _whole(iteration_dir(root, step))
@@ -39,6 +48,7 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
             raise ConfigError(
                 f"--ckpt-step {step}: --load {root} has no complete checkpoint of iteration {step} "
                 f"(it has {have or 'none'}); pick one of those or drop --ckpt-step for the newest"
+                + _non_persistent(root, step)
             )
         return path
     try:

@@ -52,6 +52,7 @@ class Reader:
             for name, t in rec["tensors"].items():
                 self._add(name, t)
         self.checksummed = meta["format"] != FORMAT_V1
+        self.local = bool(meta.get("local"))  # (one rank's files of a local non-persistent checkpoint)
         if not self.checksummed:  # format 1 (before checksums): index files hold the tensor records only
             for f in sorted(glob.glob(os.path.join(path, "index_r*.json"))):
                 for name, t in _read_json(f).items():
@@ -127,7 +128,13 @@ class Reader:
             self.bytes_read += data.numel() * data.element_size()
         if covered != out.numel():
             box = ", ".join(f"[{s}, {s + n})" for s, n in zip(starts, lengths))
-            raise ConfigError(f"checkpoint {self.path}: {name} lacks part of the box {box} (pieces missing)")
+            why = (  # (a tool given one rank's local files named pieces missing, not what they are)
+                ": it is one rank's part of a local non-persistent checkpoint, which only its own job's layout loads; "
+                "give a persistent (--save) checkpoint"
+                if self.local
+                else " (pieces missing)"
+            )
+            raise ConfigError(f"checkpoint {self.path}: {name} lacks part of the box {box}{why}")
         return out
 
     def read_full(self, name: str) -> torch.Tensor:

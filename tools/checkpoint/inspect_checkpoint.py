@@ -43,6 +43,11 @@ def describe(path: str, verify: bool = False) -> dict:
     tensors = {}
     for name, rec in sorted(reader.index.items()):
         tensors[name] = {"shape": rec["shape"], "dtype": rec["dtype"], "pieces": len(rec["pieces"])}
+        # (elements the pieces hold: fewer than the full shape's where this is a rank's part, as a local
+        # non-persistent checkpoint is; it printed full shapes and parameters, as if whole)
+        held = sum(_numel(pc["box"][1]) for pc in rec["pieces"])
+        if held < _numel(rec["shape"]):
+            tensors[name]["held"] = held
     model = meta["config"].get("model", {})
     training, optim, data = (meta["config"].get(k) or {} for k in ("training", "optimizer", "data"))
     return {
@@ -66,6 +71,8 @@ def describe(path: str, verify: bool = False) -> dict:
         "total_bytes": sum(f.get("bytes") or os.path.getsize(os.path.join(path, n)) for n, f in reader.files.items()),
         "files": len(reader.files),
         "verified": verify and reader.checksummed,  # (format 1 recorded none)
+        "local": bool(meta.get("local")),  # (one rank's own files of a local non-persistent checkpoint)
+        "partial": sorted(n for n, t in tensors.items() if "held" in t),
     }
 
 
@@ -107,7 +114,16 @@ def _features(m: dict, lora: dict | None) -> list[str]:
             f"{m.get('moe_ffn_hidden_size') or m.get('ffn_hidden_size')}, moe_layer_freq "
             + (str(freq) if isinstance(freq, int) else f"[{','.join(map(str, freq))}]")
             + (f", shared expert {shared}" if shared else "")
+            + f", {m.get('moe_router_score_function', 'softmax')} router"
+            + (", expert bias" if m.get("moe_router_enable_expert_bias") else "")
         )
+    if m.get("hybrid_override_pattern"):
+        out.append(f"hybrid: layer pattern {m['hybrid_override_pattern']} (M Mamba-2, * attention, - MLP, E MoE)")
+    if m.get("heterogeneous_layers_config_encoded_json"):
+        out.append("heterogeneous layers: each layer's own sizes (its block_configs, in --json's model)")
+    if m.get("fp8"):
+        history = f", amax history {m.get('fp8_amax_history_len')}" if m.get("fp8_recipe") == "delayed" else ""
+        out.append(f"fp8: {m['fp8']}, recipe {m.get('fp8_recipe')}{history}")
     if m.get("mtp_num_layers"):
         out.append(f"MTP: {m['mtp_num_layers']} layer(s), loss scale {m.get('mtp_loss_scaling_factor')}")
     if m.get("rope_scaling"):
@@ -194,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     for line in _features(m, d["lora"]):
         print(f"             {line}")
     print(f"state        {', '.join(d['kinds'])}; {d['parameters'] / 1e6:.2f}M parameters")
+    if d["partial"]:
+        whose = (
+            "one rank's part of a local non-persistent checkpoint, which only its own job's layout loads (each "
+            "rank from its --non-persistent-local-ckpt-dir)"
+            if d["local"]
+            else "its pieces do not cover them: files are missing"
+        )
+        print(f"partial      {len(d['partial'])} of {len(d['tensors'])} tensors held in part: {whose}")
     verified = " (checksums verified)" if d["verified"] else ""
     if args.verify and not d["verified"]:
         verified = " (a format-1 checkpoint: it records no checksums to verify)"
@@ -202,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     print("tensors:")
     width = max((len(n) for n in d["tensors"]), default=0)
     for name, t in d["tensors"].items():
-        print(f"  {name:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {t['pieces']} piece(s)")
+        part = f" ({t['held'] / _numel(t['shape']):.0%} held)" if "held" in t else ""
+        print(f"  {name:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {t['pieces']} piece(s){part}")
     return 0
 
 
