@@ -134,6 +134,7 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
                 f"{vp} virtual stages = {stages}; use --num-layers {_nearest_multiples(num_layers, stages)}"
                 + (f" or a pipeline size in {ok_pp}" if ok_pp else " or fewer virtual stages")
+                + _uneven_hint(num_layers, pp, vp)
             )
         return [num_layers // stages] * stages
     if pp < 2:
@@ -176,6 +177,18 @@ def stage_layer_counts(num_layers: int, parallel: ParallelConfig, world_size: in
             )
             raise ConfigError(f"{what} ({n}) must be divisible by the {vp} virtual stages per pipeline rank")
     return [per_rank[r] // vp for _ in range(vp) for r in range(pp)]
+
+
+def _uneven_hint(num_layers: int, pp: int, vp: int) -> str:
+    """An uneven first stage that fits (an exploratory run: the even split's error did not name them, though
+    they ran): the size nearest an even share whose rest splits evenly over the other ranks and their chunks."""
+    if pp < 2:
+        return ""
+    fits = [f for f in range(vp, num_layers, vp) if (num_layers - f) % ((pp - 1) * vp) == 0]
+    if not fits:
+        return ""
+    first = min(fits, key=lambda f: abs(f - num_layers / pp))
+    return f", or an uneven first stage: --decoder-first-pipeline-num-layers {first}"
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")

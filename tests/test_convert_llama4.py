@@ -19,7 +19,7 @@ from convert_flow import IDS, converts_both_ways, randomised, tp2_equals_transfo
 from safetensors.torch import save_file
 from test_convert import V, _hf_logits, _load_ours, _rel, _tensors, convert
 
-from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.config import ConfigError, ParallelConfig, RopeScaling
 
 CASES = {
     # Scout/Maverick's shape: MoE every 2nd layer (1, 3), a NoPE layer every 4th (3), q/k L2 norms on the RoPE
@@ -33,6 +33,17 @@ CASES = {
     "listed-nope-tied": dict(
         no_rope_layers=[0, 1, 0, 1], use_qk_norm=False, tie_word_embeddings=True, attention_chunk_size=None,
         attn_temperature_tuning=False,
+    ),
+    # YaRN (exported too: it was refused on the way back, from an exploratory run), with the q/k norms at the
+    # attention factor they keep, and without them at the factor YaRN derives
+    "yarn-qk-norm": dict(
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                         "attention_factor": 1.0, "rope_theta": 500000.0},
+    ),
+    "yarn": dict(
+        use_qk_norm=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                         "rope_theta": 500000.0},
     ),
 }  # fmt: skip
 
@@ -215,6 +226,10 @@ def test_a_llama4_config_json_without_transformers_reads_as_with_it():
         ({"moe_apply_probs_on_input": False}, "routing weights on the experts' outputs"),
         ({"moe_shared_expert_intermediate_size": 64}, "a shared expert of 64"),
         ({"qk_l2_norm": False}, "--qk-l2-norm-rope-only (Llama 4's) limits --qk-l2-norm to the RoPE layers"),
+        (
+            {"rope_scaling": RopeScaling(rope_type="yarn", factor=4.0, attention_factor=1.2)},
+            "YaRN with an attention factor other than 1 under --qk-l2-norm",
+        ),
     ],
 )
 def test_what_llama4_cannot_compute_is_refused_on_export(changes, fragment):

@@ -75,6 +75,30 @@ CASES = {
         r"--num-layers 8 or 12 or a pipeline size in \[1, 2\]",
         ("model", {"num_layers": 12}),
     ),
+    "layers not divisible by PP: an uneven first stage": (  # (an exploratory run: not named, though it runs)
+        4,
+        {"num_layers": 10},
+        P(pipeline_model_parallel_size=4),
+        None,
+        r"^--num-layers 10 is not divisible by .* or a pipeline size in \[1, 2\], or an uneven first stage: "
+        r"--decoder-first-pipeline-num-layers 1$",
+        ("parallel", P(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=1)),
+    ),
+    "layers not divisible by PP x VP: an uneven first stage": (
+        4,
+        {"num_layers": 12},
+        P(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2),
+        None,
+        r"or an uneven first stage: --decoder-first-pipeline-num-layers 6$",
+        (
+            "parallel",
+            P(
+                pipeline_model_parallel_size=4,
+                virtual_pipeline_model_parallel_size=2,
+                decoder_first_pipeline_num_layers=6,
+            ),
+        ),
+    ),
     "layers not divisible by PP x VP": (
         4,
         {"num_layers": 12},

@@ -150,7 +150,17 @@ def export_problems(c: ModelConfig) -> list[str]:
         (c.qk_layernorm, "q/k norms with weights (--qk-layernorm; Llama 4's are weightless: --qk-l2-norm)"),
         (c.add_bias_linear or c.add_qkv_bias, "biases (Llama 4 has none)"),
         (c.sliding_window, "a sliding window (--window-size)"),
-        (c.rope_scaling is not None and c.rope_scaling.rope_type != "llama3", "RoPE scaling other than llama3"),
+        (
+            c.rope_scaling is not None and c.rope_scaling.rope_type not in ("llama3", "yarn"),
+            "RoPE scaling other than llama3 or YaRN",
+        ),
+        (  # (as on import: transformers' q/k norm after RoPE cancels the factor YaRN scales cos and sin by)
+            c.qk_l2_norm
+            and c.rope_scaling is not None
+            and c.rope_scaling.rope_type == "yarn"
+            and c.rope_scaling.attention_factor != 1.0,
+            "YaRN with an attention factor other than 1 under --qk-l2-norm (Llama 4's q/k norm after RoPE cancels it)",
+        ),
     ):
         if bad:
             problems.append(what)
