@@ -115,6 +115,12 @@ def balancing(ns: argparse.Namespace) -> tuple[str, float]:
 def capacity_factor(ns: argparse.Namespace) -> float | None:
     """--moe-expert-capacity-factor: a negative value means dropless in Megatron (its config sets None)."""
     cf = ns.moe_expert_capacity_factor
+    if cf is not None and cf < 0 and getattr(ns, "moe_pad_expert_input_to_capacity", False):
+        # (refused as Megatron refuses it; the refusal had asked for the factor that was given)
+        raise ConfigError(
+            f"--moe-expert-capacity-factor {cf:g} is dropless (a negative factor), so there is no capacity for "
+            "--moe-pad-expert-input-to-capacity to pad to: give a positive factor or drop the padding"
+        )
     return None if cf is not None and cf < 0 else cf
 
 

@@ -73,7 +73,9 @@ def schedule_notes(
     flags are the schedule (the notes had compared them with a conversion's placeholder values). A job `resumed`
     from its own --save loads its schedule whatever those flags say (they were for its starting checkpoint), unless
     it saved none (--no-save-optim)."""
-    fresh = ns.no_save_optim if resumed else ns.finetune or ns.no_load_optim
+    # (a first upcycling run starts a fresh optimizer and schedule, as Megatron's loads neither from the dense
+    # checkpoint: its schedule had been taken back and said as kept, an exploratory run found)
+    fresh = ns.no_save_optim if resumed else ns.finetune or ns.no_load_optim or ns.moe_use_upcycling
     if scheduler is None or fresh:
         return []
     lengths = scheduler.get("lengths")  # (in samples; older checkpoints' state holds none)

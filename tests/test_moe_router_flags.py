@@ -197,8 +197,11 @@ def test_megatrons_flags_reach_the_config():
     model = parse_args((base + flags + "--moe-apply-probs-on-input").split())[1].model
     assert (model.moe_input_jitter_eps, model.moe_router_force_load_balancing) == (0.01, True)
     assert model.moe_pad_expert_input_to_capacity and model.moe_apply_probs_on_input
-    with pytest.raises(ConfigError, match="needs --moe-expert-capacity-factor"):
+    # a negative (dropless) factor given: said so (it asked for the factor given, from an exploratory run)
+    with pytest.raises(ConfigError, match=r"--moe-expert-capacity-factor -1 is dropless \(a negative factor\)"):
         parse_args((base + " --moe-expert-capacity-factor -1" + flags).split())
+    with pytest.raises(ConfigError, match="needs --moe-expert-capacity-factor"):
+        parse_args((base.replace(" --moe-expert-capacity-factor 1", "") + flags).split())
 
 
 def test_resume_takes_the_flags_from_the_checkpoint_and_finetune_keeps_where_the_weight_applies():

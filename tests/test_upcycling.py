@@ -201,3 +201,29 @@ def test_dense_checkpoint_upcycling_refuses(tmp_path, capsys, monkeypatch):
     assert "holds an MoE model already (6 experts)" in run(up, f"--load {d}/up")
     assert f"--load {d}/new holds no checkpoint" in run(up, f"--load {d}/new --save {d}/new2")
     assert f"--save {d}/up, which holds a checkpoint already" in run(up, f"--save {d}/up --no-auto-resume")
+
+
+def test_the_upcycled_run_takes_its_schedule_from_the_flags(tmp_path, capsys, monkeypatch):
+    """As Megatron's upcycling branch loads no optimizer or scheduler from the dense checkpoint, the MoE run's LR
+    schedule is its flags' (an exploratory run: --use-checkpoint-opt_param-scheduler brought the dense run's lr and
+    decay back, said as kept, and any changed length was said to move on from the checkpoint's schedule)."""
+    from test_pretrain_torchrun import records
+
+    from megatron_lite.training.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    base = [*ARGS, "--mock-data", "--vocab-size", "100", "--num-layers", "1", "--seq-length", "16"]
+    dense = str(tmp_path / "dense")
+    assert main([*base, "--train-iters", "2", "--lr", "1e-3", "--lr-decay-style", "linear", "--save", dense]) == 0
+    capsys.readouterr()
+    up = [a if a != "dense" else dense for a in UPCYCLE]
+    for extra in ([], ["--use-checkpoint-opt_param-scheduler"]):
+        log = tmp_path / f"up{len(extra)}.jsonl"
+        flags = ["--train-iters", "4", "--lr", "5e-4", "--lr-decay-style", "constant", "--log-jsonl", str(log)]
+        assert main([*base, *up, *flags, *extra, "--save", str(tmp_path / f"up{len(extra)}")]) == 0
+        out = capsys.readouterr().out
+        # (the upcycled model is iteration 1, as Megatron's training.py sets it)
+        assert [(r["iteration"], r["lr"]) for r in records(log)] == [(2, 5e-4), (3, 5e-4), (4, 5e-4)], extra
+        said = ("kept", "moves on from where the checkpoint left it", "differs from the checkpoint's")
+        assert not [x for x in said if x in out], out
