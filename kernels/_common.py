@@ -101,7 +101,8 @@ def require(ok: torch.Tensor, message) -> None:
 
 def no_interpreted_bf16_dot(name: str, *tensors: torch.Tensor) -> None:
     """The interpreter's tl.dot on bf16 returns garbage without an error (flash attention ~1e9 off): the kernels
-    that multiply refuse bf16 there. The element-wise kernels compute bf16 right under it."""
+    that multiply refuse bf16 there. The element-wise kernels compute bf16 under it, but the interpreter stores
+    fp32 into bf16 by truncating, not rounding to nearest as a GPU does: one bf16 step apart at most."""
     if interpreting() and any(t.dtype == torch.bfloat16 for t in tensors):
         raise ValueError(
             f"{name}: the Triton interpreter (TRITON_INTERPRET=1) computes bf16 dot products wrongly; run bf16 on a "

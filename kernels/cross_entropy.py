@@ -460,6 +460,9 @@ def fused_linear_cross_entropy(
             f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and labels "
             f"{tuple(labels.shape)} must be [tokens, hidden], [vocab, hidden] and [tokens] (flatten batch and sequence)"
         )
+    if hidden.dtype != weight.dtype:  # (it was torch's own "expected m1 and m2 to have the same dtype", deep inside)
+        msg = f"fused_linear_cross_entropy: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype"
+        raise ValueError(msg)
     if chunk_size is not None and chunk_size < 1:  # (no chunk ran: -inf from an unwritten buffer, no gradient)
         raise ValueError(f"fused_linear_cross_entropy: chunk_size {chunk_size} must be >= 1 (or None: sized here)")
     if not 0.0 <= label_smoothing <= 1.0:  # (F.cross_entropy's range)

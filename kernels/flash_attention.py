@@ -34,11 +34,12 @@ from megatron_lite.kernels._common import (
     interpreting,
     launched,
     next_pow2,
-    no_interpreted_bf16_dot,
     on_tensor_device,
     require,
     triton_usable,
 )
+from megatron_lite.kernels.flash_attention_checks import _window, check_backward, check_offsets
+from megatron_lite.kernels.flash_attention_checks import check as _check
 
 if HAVE_TRITON:
     import triton
@@ -128,46 +129,6 @@ def _kernel(plain, tuned, dtype: torch.dtype):
     return tuned, {}
 
 
-def _window(window_size: int | None, causal: bool, seq_k: int) -> int:
-    """The kernels' WINDOW argument: the window clamped to seq_k (a window of seq_k or more hides no key), seq_k
-    when there is none. Raises on a window without causal masking or below 1."""
-    if window_size is None:
-        return seq_k
-    if not causal:
-        raise ValueError(f"window_size={window_size} needs causal=True (a sliding window looks back from the query)")
-    if window_size < 1:
-        raise ValueError(f"window_size must be >= 1 or None, got {window_size}")
-    return min(int(window_size), seq_k)
-
-
-def _check(q, k, v, causal, window_size=None, document_ids=None, document_spans=None):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not q.dtype.is_floating_point:
-        raise ValueError(
-            f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} ({q.dtype}) must be "
-            "floating point [batch, seq, heads, head_dim]"
-        )
-    b, sq, h, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or h % k.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)} do not fit together")
-    if not q.dtype == k.dtype == v.dtype:  # (the kernels' dots take one dtype: an interpreter error, else)
-        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if causal and sq > k.shape[1]:
-        raise ValueError(f"causal attention with bottom-right alignment needs seq_q {sq} <= seq_k {k.shape[1]}")
-    if document_spans is not None and (
-        tuple(document_spans[0].shape) != (b, sq) or tuple(document_spans[1].shape) != (b, k.shape[1])
-    ):
-        raise ValueError(
-            f"document_spans {tuple(document_spans[0].shape)}, {tuple(document_spans[1].shape)} must be "
-            f"[batch, seq_q] = {(b, sq)} and [batch, seq_k] = {(b, k.shape[1])}"
-        )
-    if document_ids is not None and (not causal or tuple(document_ids.shape) != (b, k.shape[1])):
-        raise ValueError(
-            f"document_ids {tuple(document_ids.shape)} need causal attention and the shape [batch, seq_k] = "
-            f"{(b, k.shape[1])}"
-        )
-    _window(window_size, causal, k.shape[1])
-
-
 def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's document as positions [start, end), int32 [batch, seq], for contiguous documents."""
     b, s = document_ids.shape
@@ -208,20 +169,6 @@ def _spans(spans, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     if none is None:  # one placeholder per device, not an allocation per call
         none = _NO_SPANS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return none, none, False
-
-
-def _check_offsets(q, k, v) -> None:
-    """The kernels address a batch entry and head in int64 but the positions inside one sequence in int32."""
-    no_interpreted_bf16_dot("flash_attention", q, k, v)
-    sq, h = q.shape[1], q.shape[2]
-    one = [("q", q.shape[1:].numel()), ("k", k.shape[1:].numel()), ("v", v.shape[1:].numel())]  # (batch 0 too)
-    for name, n in [*one, ("the output", sq * h * v.shape[3])]:
-        if n >= 2**31:
-            raise ValueError(
-                f"flash_attention: one sequence of {name} holds {n} values (q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                f"v {tuple(v.shape)}), past the kernels' 32-bit offsets inside a sequence (2^31): split it across "
-                "ranks with --context-parallel-size, or its heads with more --tensor-model-parallel-size"
-            )
 
 
 def _forward(q, k, v, causal, scale, window_size=None, spans=None, max_logit=False):
@@ -290,8 +237,10 @@ def flash_attention_backward(
     """dq, dk, dv of attention, given its output o and log-sum-exp lse [batch, heads, seq_q] (fp32). `dlse`: the
     gradient reaching lse itself, when a loss uses it (d lse / d score = the probability)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    _check(q, k, v, causal, window_size, document_ids, document_spans)
+    check_backward(q, k, v, o, lse, do, dlse)
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))  # (the kernels index lse as [b, h, sq])
-    _check_offsets(q, k, v)
+    check_offsets(q, k, v)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -486,7 +435,7 @@ def flash_attention(
             document_spans=document_spans,
             return_max_logit=return_max_logit,
         )
-    _check_offsets(q, k, v)  # (before the autograd Function copies them contiguous)
+    check_offsets(q, k, v)  # (before the autograd Function copies them contiguous)
     if document_ids is not None:
         document_spans = query_key_spans(document_ids, q.shape[1])
     starts, ends = document_spans if document_spans is not None else (None, None)

@@ -280,6 +280,8 @@ def moe_permute(x: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | Non
 
 @on_tensor_device
 def moe_unpermute(out: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    if out.dim() != 2:  # (a 3-D out was read with its second dimension as the row width: other elements)
+        raise ValueError(f"moe_unpermute: out {tuple(out.shape)} must be the experts' rows [rows, hidden]")
     if probs.shape != row_map.shape:
         raise ValueError(
             f"moe_unpermute: probs {tuple(probs.shape)} must be row_map's [tokens, k] {tuple(row_map.shape)}"

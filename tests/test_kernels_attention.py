@@ -75,6 +75,27 @@ def test_exposed_backward_reads_any_lse_layout_and_an_empty_batch():
     assert out.shape == (0, 12, 2, 16) and empty[0].grad.shape == (0, 12, 2, 16)
 
 
+@pytest.mark.parametrize("bad", ["lse heads", "lse transposed", "o shorter", "do shorter", "dlse"])
+def test_exposed_backward_refuses_inputs_that_do_not_fit(bad):
+    """o, do, lse and dlse are checked against q, k and v (an exploratory run: an lse of other heads or a shorter o
+    was read past its end, giving gradients 17.6 off or NaN, without a word)."""
+    q, k, v = _qkv(1, 8, 8, 4, 2, 16)
+    o, lse = K.flash_attention(q, k, v, causal=True, return_lse=True)
+    do, dlse = torch.randn_like(o), None
+    if bad == "lse heads":
+        lse = lse[:, :2]
+    elif bad == "lse transposed":  # (as many values: only its shape tells)
+        lse = lse.transpose(1, 2).contiguous()
+    elif bad == "o shorter":
+        o = o[:, :4]
+    elif bad == "do shorter":
+        do = do[:, :4]
+    else:
+        dlse = torch.ones(1, 4, 4)
+    with pytest.raises(ValueError, match=r"flash_attention_backward: .* must be \[batch, "):
+        K.flash_attention_backward(q, k, v, o, lse, do, dlse=dlse)
+
+
 def test_equals_torch_sdpa():
     q, k, v = _qkv(2, 24, 24, 4, 2, 16)
     ours = K.flash_attention(q, k, v, causal=True)

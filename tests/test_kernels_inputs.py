@@ -62,6 +62,17 @@ def test_moe_unpermute_refuses_probs_not_shaped_as_the_row_map():
     out, row_map = _r(6, 8), torch.tensor([[0, 1], [2, 3], [4, 5]], device=DEVICE)
     with pytest.raises(ValueError, match=r"probs \(3,\) must be row_map's"):
         K.moe_unpermute(out, row_map, torch.rand(3, device=DEVICE))
+    # (an exploratory run: a 3-D out was read with its second dimension as the row width, other elements)
+    for bad in (_r(6, 8).view(3, 2, 8), _r(6)):
+        with pytest.raises(ValueError, match=r"moe_unpermute: out .* must be the experts' rows \[rows, hidden\]"):
+            K.moe_unpermute(bad, row_map, torch.rand(3, 2, device=DEVICE))
+
+
+def test_fused_cross_entropy_refuses_hidden_and_weight_of_two_dtypes():
+    """(it was torch's own 'expected m1 and m2 to have the same dtype' from deep inside, naming no function)"""
+    hidden, weight = _r(4, 8).double(), _r(5, 8)
+    with pytest.raises(ValueError, match=r"hidden \(torch.float64\) and weight \(torch.float32\) must share"):
+        K.fused_linear_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.long, device=DEVICE))
 
 
 @pytest.mark.parametrize("counts", [[3, 2, 2], [5, 5, 5]])  # fewer rows than x's (left unwritten), more (past x)
