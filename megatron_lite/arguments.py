@@ -1,9 +1,10 @@
 """Command-line flags, with Megatron-LM's names (defined in flag_parser.py), turned into the config dataclasses.
 
-A Megatron script ports by changing its entry point: every flag here keeps Megatron's spelling and
-default. Flags that Megatron's example scripts use and we do not implement are refused with one line
-naming them (never silently ignored); flags that change nothing here (e.g. --use-mcore-models) are
-accepted and reported at start-up.
+A Megatron script ports by changing its entry point: every flag here keeps Megatron's spelling and, but for
+those docs/training.md lists (--lr, --micro-batch-size, --num-workers, --distributed-backend, the MoE
+dispatcher and router dtype), its default. Flags that Megatron's example scripts use and we do not implement
+are refused with one line naming them (never silently ignored); flags that change nothing here (e.g.
+--use-mcore-models) are accepted and reported at start-up.
 """
 
 from __future__ import annotations

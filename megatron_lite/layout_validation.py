@@ -310,8 +310,9 @@ def validate_layout(
             f"use --tensor-model-parallel-size in {ok_tp}"
         )
     if groups % tp:
+        implied = " (--group-query-attention's default without --num-query-groups)" if groups == 1 and heads > 1 else ""
         raise ConfigError(
-            f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+            f"--num-query-groups {groups}{implied} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --tensor-model-parallel-size in {ok_tp} or more query groups"
         )
     from megatron_lite.models.hybrid_pattern import validate_hybrid_layout

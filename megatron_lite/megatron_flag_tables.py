@@ -471,4 +471,9 @@ REFUSED_DEFAULTS = {
     "cpu_offloading_num_layers": "0",
     "vocab_extra_ids": "0",
     "spec": "local",  # (Megatron-Core's own, non-Transformer-Engine modules: the layer here)
+    # (scripts spelling out every default: a flag-defaults review found these refused at Megatron's own value)
+    "data_parallel_sharding_strategy": "no_shard",
+    "error_injection_rate": "0",
+    "error_injection_type": "transient_error",
+    "sft_tokenizer_prompt_format": "nemotron-h-aligned",  # (applied by --tokenizer-type SFTTokenizer only)
 }

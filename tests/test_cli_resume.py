@@ -517,8 +517,10 @@ def test_a_resume_at_another_seq_length_is_said(tmp_path, capsys, monkeypatch):
     from megatron_lite.arguments import parse_args
 
     ckpt = str(tmp_path / "ckpt")
-    rc, _, err = _run(["--mock-data", "--vocab-size", "100", "--save", ckpt], capsys, monkeypatch)
+    rc, out, err = _run(["--mock-data", "--vocab-size", "100", "--save", ckpt], capsys, monkeypatch)
     assert rc == 0, err
+    # (and the run says its padded vocabulary, as Megatron prints it: a flag-defaults review)
+    assert "vocabulary 101, padded to 128 (--make-vocab-size-divisible-by x TP)" in out, out
     ns, _ = parse_args(["--load", ckpt, "--train-iters", "5", "--seq-length", "8"])
     said = " ".join(ns.schedule_notes)
     assert "--seq-length 8 differs from the checkpoint's 16: training goes on after its consumed samples" in said

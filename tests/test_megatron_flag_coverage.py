@@ -160,10 +160,14 @@ def test_encoder_num_layers_is_num_layers_as_in_megatron():
 def test_megatrons_defaults_of_refused_flags_are_taken_silently():
     """A refused flag given as Megatron's default changes nothing: taken, and not said."""
     flags = ["--cpu-offloading-num-layers", "0", "--vocab-extra-ids", "0", "--glu-linear-offset", "0.0",
-             "--moe-upcycling-granularity", "1", "--spec", "local"]  # fmt: skip
+             "--moe-upcycling-granularity", "1", "--spec", "local", "--data-parallel-sharding-strategy", "no_shard",
+             "--error-injection-rate", "0", "--error-injection-type", "transient_error",
+             "--sft-tokenizer-prompt-format", "nemotron-h-aligned"]  # fmt: skip
     ns, _ = parse_args([*MOCK, *flags])
-    assert not [n for n in accepted_no_ops(ns) if re.search(r"offloading|extra-ids|glu|upcycling|--spec", n)]
-    for flag, value in (("--spec", "my.module"), ("--vocab-extra-ids", "100")):
+    said = r"offloading|extra-ids|glu|upcycling|--spec|sharding|injection|prompt-format"
+    assert not [n for n in accepted_no_ops(ns) if re.search(said, n)]
+    for flag, value in (("--spec", "my.module"), ("--vocab-extra-ids", "100"), ("--error-injection-rate", "5"),
+                        ("--data-parallel-sharding-strategy", "optim_grads_params")):  # fmt: skip
         with pytest.raises(ConfigError, match=f"^{flag} is not supported"):
             parse_args([*MOCK, flag, value])
 
@@ -174,3 +178,12 @@ def test_megatrons_list_flags_take_their_lists():
              "--high-priority-stream-groups", "dp", "tp"]  # fmt: skip
     notes = accepted_no_ops(parse_args([*MOCK, *flags])[0])
     assert all(any(n.startswith(f"{f} has no effect") for n in notes) for f in flags if f.startswith("--"))
+
+
+def test_zero_experts_is_a_dense_model_as_in_megatron():
+    """Megatron's validate_args reads --num-experts 0 as None (a dense model; scripts pass ${NUM_EXPERTS}): it was
+    refused here as below 1. A negative count is still refused."""
+    _, job = parse_args([*MOCK, "--num-experts", "0"])
+    assert job.model.num_experts is None
+    with pytest.raises(ConfigError, match=r"--num-experts -2 must be >= 1"):
+        parse_args([*MOCK, "--num-experts", "-2"])

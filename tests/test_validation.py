@@ -57,6 +57,14 @@ CASES = {
         r"--tensor-model-parallel-size in \[1, 2\]",
         ("parallel", P(tensor_model_parallel_size=2)),
     ),
+    "one query group (--group-query-attention's default) not divisible by TP": (
+        2,
+        {"num_query_groups": 1},
+        P(tensor_model_parallel_size=2),
+        None,
+        r"^--num-query-groups 1 \(--group-query-attention's default without --num-query-groups\) is not divisible",
+        ("model", {"num_query_groups": 2}),
+    ),
     "ffn hidden size not divisible by TP": (
         4,
         {"ffn_hidden_size": 90},
@@ -276,7 +284,8 @@ def test_bad_layout_one_line_before_any_collective(case, monkeypatch):
             {"recompute_granularity": "full", "recompute_method": "uniform"},
             r"--recompute-granularity full needs --recompute-num-layers >= 1",
         ),
-        ({"recompute_method": "block"}, r"apply only with --recompute-granularity full"),
+        # (the flag not given is not named as None: a flag-defaults review)
+        ({"recompute_method": "block"}, r"^--recompute-method block applies only with --recompute-granularity full"),
         (
             {"recompute_granularity": "selective", "recompute_modules": ("core_attn", "experts")},
             r"--recompute-modules experts not supported",

@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 
 
+def _num_experts(text: str) -> int | None:
+    """Megatron's validate_args reads --num-experts 0 as a dense model (scripts pass ${NUM_EXPERTS}); it was
+    refused here as below 1."""
+    n = int(text)
+    return None if n == 0 else n
+
+
+_num_experts.__name__ = "int"  # (argparse names the type in its error: "invalid int value")
+
+
 def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     e = parser.add_argument_group("mixture of experts")
-    e.add_argument("--num-experts", type=int)
+    e.add_argument("--num-experts", type=_num_experts)
     e.add_argument("--moe-router-topk", type=int, default=2)
     e.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
     e.add_argument("--moe-router-pre-softmax", action="store_true", help="softmax over all experts before top-k")

@@ -208,8 +208,11 @@ def validate_recompute_config(c: ModelConfig) -> None:
                 "e.g. --recompute-num-layers 1"
             )
     elif m is not None or n is not None:
+        given = " and ".join(
+            f"{f} {v}" for f, v in (("--recompute-method", m), ("--recompute-num-layers", n)) if v is not None
+        )  # fmt: skip  (a flag not given was named as None)
         raise ConfigError(
-            f"--recompute-method {m} / --recompute-num-layers {n} apply only with "
+            f"{given} {'apply' if m is not None and n is not None else 'applies'} only with "
             "--recompute-granularity full; add it or drop them"
         )
     bad = [x for x in c.recompute_modules if x not in RECOMPUTE_MODULES]

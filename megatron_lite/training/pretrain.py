@@ -190,10 +190,10 @@ def run(job: JobConfig, notes: list[str]) -> int:
             log.info(describe_fp8(model, job.model, ctx, fsdp2))
         n_params = sum(p.numel() for p in model.parameters())
         grads = str(job.optimizer.grad_dtype).removeprefix("torch.")
-        log.info(
-            f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}, gradients reduced in {grads}), "
-            f"vocabulary {job.model.vocab_size}"
-        )
+        padded = job.model.padded_vocab_size(ctx.tp.size)  # (Megatron prints it: a flag-defaults review)
+        pad = f", padded to {padded} (--make-vocab-size-divisible-by x TP)" if padded != job.model.vocab_size else ""
+        log.info(f"model: {n_params / 1e6:.2f}M parameters on this rank ({dtype}, gradients reduced in {grads}), "
+                 f"vocabulary {job.model.vocab_size}{pad}")  # fmt: skip
         if job.lora is not None:
             n = apply_lora(model, job.model, job.lora, ctx, seed=job.training.seed)
             on, absent = adapted_targets(job.lora, job.model)
