@@ -513,7 +513,9 @@ def flags_from_checkpoint(
         notes.append(f"flags not given take the checkpoint's values: {', '.join(listed)}")
         if off := list(offs.values()):
             notes.append(f"a switch taken from the checkpoint is turned off by its off form: {', '.join(off)}")
-    if not finetune and "seq_length" in given and full.get("seq_length") not in (None, ns.seq_length):
+    # (not for a checkpoint that trained nothing, a conversion's, whose --seq-length is a placeholder: a review)
+    trained = scheduler is not None
+    if trained and not finetune and "seq_length" in given and full.get("seq_length") not in (None, ns.seq_length):
         # (accepted, as Megatron accepts it; said, as the schedule's changes are: an exploratory run)
         notes.append(
             f"--seq-length {ns.seq_length} differs from the checkpoint's {full['seq_length']}: training goes on after "

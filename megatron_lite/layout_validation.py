@@ -188,7 +188,9 @@ def _uneven_hint(num_layers: int, pp: int, vp: int) -> str:
     if not fits:
         return ""
     first = min(fits, key=lambda f: abs(f - num_layers / pp))
-    return f", or an uneven first stage: --decoder-first-pipeline-num-layers {first}"
+    # (uneven stages take their virtual stages from --num-virtual-stages-per-pipeline-rank only, as in Megatron)
+    chunks = f" with --num-virtual-stages-per-pipeline-rank {vp}" if vp > 1 else ""
+    return f", or an uneven first stage: --decoder-first-pipeline-num-layers {first}{chunks}"
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
@@ -310,7 +312,7 @@ def validate_layout(
             f"use --tensor-model-parallel-size in {ok_tp}"
         )
     if groups % tp:
-        implied = " (--group-query-attention's default without --num-query-groups)" if groups == 1 and heads > 1 else ""
+        implied = " (1 is also --group-query-attention's default)" if groups == 1 and heads > 1 else ""
         raise ConfigError(
             f"--num-query-groups {groups}{implied} is not divisible by --tensor-model-parallel-size {tp}; "
             f"use --tensor-model-parallel-size in {ok_tp} or more query groups"

@@ -59,11 +59,18 @@ def test_global_resumes_from_the_newer_one_and_keeps_only_the_newest(tmp_path, c
     # --ckpt-step 6 names the non-persistent checkpoint, which it does not look at under --save: said, and the
     # command it gives loads it (an exploratory run: it said only that 6 was not there)
     rc, _, err = _run([*flags, "--load", str(ckpt), "--ckpt-step", "6"], capsys, monkeypatch)
-    hint = f"--load {ckpt / 'non_persistent'} --ckpt-step 6 loads it"
+    hint = f"--load {ckpt / 'non_persistent'} --ckpt-step 6 --no-auto-resume loads it"
     _one_line_error(rc, err, "has no complete checkpoint of iteration 6 (it has [4])", hint)
-    given = [*flags, *hint.removesuffix(" loads it").split(), "--train-iters", "7", "--save", str(tmp_path / "o")]
+    # (with the same --save, which holds checkpoints: a review found the hint without --no-auto-resume resumed
+    # from the --save's newest instead, --ckpt-step dropped unsaid)
+    given = [*flags, *hint.removesuffix(" loads it").split(), "--train-iters", "7", "--save-interval", "100"]
     rc, out, err = _run(given, capsys, monkeypatch)
     assert rc == 0 and "iteration 6, 24 samples consumed" in out, err
+    shutil.rmtree(ckpt / "iter_0000007")  # (its save at the end)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    given = [a for a in given if a != "--no-auto-resume"]
+    rc, out, err = _run([*given, "--train-iters", "5"], capsys, monkeypatch)
+    assert rc == 0 and "(--ckpt-step 6 was for --load: --no-auto-resume keeps it)" in out, err
     # the same command again: the non-persistent checkpoint of 6 is newer than the persistent one of 4
     rc, out, err = _run([*flags, "--log-jsonl", str(tmp_path / "resumed.jsonl")], capsys, monkeypatch)
     assert rc == 0, err

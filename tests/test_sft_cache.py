@@ -143,3 +143,46 @@ def test_the_job_keeps_it_in_data_cache_path_or_beside_the_file(tmp_path):
             train, valid, _ = build_datasets(resolve_data(data, log=said.append), data, (8, 8, 0), 16, 0, said.append)
             assert any(seen in m and str(where) in m for m in said), said
             assert train.num_records == 16 and valid.record(0) == ([16, 2, 3], [17, 5, 100])
+
+
+def test_a_tokenizer_setting_outside_its_files_is_in_the_key(tmp_path):
+    """Every plain setting the tokenizer holds names the cache (a review: TikTokenizer's special tokens, changed by
+    --tokenizer-special-tokens, read an old cache). Here one attribute stands for them."""
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    path = _write(tmp_path / "d.jsonl", TALK)
+    before = sft_cache.cache_key(path, tok, 64)
+    tok.specials = ["<unk>", "<s>", "</s>", "<|user|>"]
+    assert sft_cache.cache_key(path, tok, 64) != before
+
+
+def test_a_damaged_cache_is_said_and_built_again(tmp_path):
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    path = _write(tmp_path / "d.jsonl", TALK, OTHER)
+    _build(path, tok, tmp_path / "cache")
+    tokens = next((tmp_path / "cache").glob("*.tokens.npy"))
+    tokens.write_bytes(tokens.read_bytes()[:-8])  # (truncated: it was a traceback)
+    d, said = _build(path, tok, tmp_path / "cache")
+    assert any("is damaged" in m and "tokenizing again" in m for m in said), said
+    assert any("kept for the next run" in m for m in said), said
+    _same(d, SFTDataset(path, tok, seq_length=64, seed=0))
+
+
+def test_after_a_process_that_could_not_keep_it_the_others_tokenize_at_once(tmp_path):
+    """The process holding the lock left no cache (a full disk): one that waited for it tokenizes without
+    taking its turn to build (the node's ranks had tokenized one after another: a review)."""
+    import fcntl
+    import threading
+
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    tok = build_tokenizer("HuggingFaceTokenizer", model=folder)
+    path = _write(tmp_path / "d.jsonl", TALK, OTHER)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    lock = open(cache / f"sft_{sft_cache.cache_key(path, tok, 64)}.lock", "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (another process building: released with nothing kept)
+    threading.Timer(0.5, lock.close).start()
+    arrays, packed = sft_cache.cached_records(path, tok, 64, str(cache), read_records)
+    assert np.array_equal(arrays["tokens"], read_records(path, tok, 64)[0]["tokens"]) and not packed
+    assert not list(cache.glob("*.json"))  # (tokenized, not built in its turn)

@@ -62,7 +62,7 @@ CASES = {
         {"num_query_groups": 1},
         P(tensor_model_parallel_size=2),
         None,
-        r"^--num-query-groups 1 \(--group-query-attention's default without --num-query-groups\) is not divisible",
+        r"^--num-query-groups 1 \(1 is also --group-query-attention's default\) is not divisible",
         ("model", {"num_query_groups": 2}),
     ),
     "ffn hidden size not divisible by TP": (
@@ -97,7 +97,8 @@ CASES = {
         {"num_layers": 12},
         P(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2),
         None,
-        r"or an uneven first stage: --decoder-first-pipeline-num-layers 6$",
+        r"or an uneven first stage: --decoder-first-pipeline-num-layers 6 with "
+        r"--num-virtual-stages-per-pipeline-rank 2$",
         (
             "parallel",
             P(

@@ -19,7 +19,11 @@ def _non_persistent(root: str, step: int) -> str:
     look at under the --save directory (an exploratory run: the error said it was not there)."""
     other = os.path.join(root, "non_persistent")  # (the global ones' default: checkpoint/non_persistent.py)
     if os.path.isdir(other) and _whole(iteration_dir(other, step)) is not None:
-        return f"; iteration {step} is a non-persistent checkpoint: --load {other} --ckpt-step {step} loads it"
+        # (--no-auto-resume: the --save that holds it, holding checkpoints, would be resumed from instead)
+        return (
+            f"; iteration {step} is a non-persistent checkpoint: --load {other} --ckpt-step {step} --no-auto-resume "
+            "loads it"
+        )
     return ""
 
 

@@ -1,18 +1,19 @@
 """--sft's tokenized records kept for the next run, as Megatron keeps a dataset's sample indices: in
 --data-cache-path, or a cache/ folder beside the JSONL file. Tokenizing is most of an SFT job's start-up (20k
 chat lines took 35 s on every rank, every launch); the cache is read mapped, its pages shared by the ranks and
-the DataLoader workers of a node. One process builds it while the others wait on its lock (data/gpt_dataset.py
-file_lock), then all map it.
+the DataLoader workers of a node. One process builds it while the others wait on its lock, then all map it; where
+that process could not keep it (a full disk), the others tokenize at once, not one after another.
 
 A cache is found by what the records depend on: the file (path, size, modification time and inode), the
 sequence length, the tokenizer (its type, ids and the files it and its chat template come from), the installed
 transformers/tokenizers/jinja2, and the code that reads the records (a changed reading never meets an old
 cache). A folder that cannot be written or locked costs the cache only: the records are tokenized as before,
-said once."""
+said once; a damaged cache is said and built again. Not in the key: the file's bytes (a rewrite of the same size
+and modification time in place reads the old cache; hashing a large file on every start would cost a read)."""
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -22,8 +23,7 @@ from importlib import metadata
 import numpy as np
 
 from megatron_lite.checkpoint.atomic import atomic_write
-from megatron_lite.config import ConfigError
-from megatron_lite.data.gpt_dataset import _lock_unless, _save_npy
+from megatron_lite.data.gpt_dataset import _save_npy, _wait_for_lock
 
 ARRAYS = ("tokens", "starts", "prompt_lens", "trained", "cuts")
 # the code an SFT record's tokens come from, digested into the cache's name
@@ -64,7 +64,14 @@ def cache_key(path: str, tokenizer, seq_length: int) -> str:
     """The digest naming the cache of `path`'s records read with `tokenizer` at `seq_length`."""
     st = os.stat(path)
     h = hashlib.md5()
-    ids = {k: getattr(tokenizer, k, None) for k in ("vocab_size", "eod", "pad", "bos", "prefix", "suffix")}
+    # every plain setting the tokenizer holds (its ids, TikTokenizer's special tokens and legacy mode, ...: a
+    # review found a changed --tokenizer-special-tokens reading an old cache)
+    plain = (str, int, float, bool, type(None))
+    ids = {
+        k: v
+        for k, v in sorted(vars(tokenizer).items())
+        if isinstance(v, plain) or (isinstance(v, list | tuple) and all(isinstance(x, plain) for x in v))
+    }
     head = [os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino, seq_length, type(tokenizer).__name__, ids]
     versions = [_version(p) for p in ("transformers", "tokenizers", "jinja2")]
     h.update(json.dumps([head, versions], default=str).encode())
@@ -86,12 +93,34 @@ def _paths(cache_dir: str, key: str) -> tuple[str, dict[str, str]]:
     return base + ".json", {a: f"{base}.{a}.npy" for a in ARRAYS}
 
 
-def _load(meta_path: str, files: dict[str, str]) -> tuple[dict[str, np.ndarray], bool] | None:
+def _load(meta_path: str, files: dict[str, str], say) -> tuple[dict[str, np.ndarray], bool] | None:
+    """The cache, or None where it is missing or damaged (a truncated file: built again, said)."""
     if not (os.path.exists(meta_path) and all(os.path.exists(p) for p in files.values())):
         return None
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    return {a: np.load(p, mmap_mode="r", allow_pickle=False) for a, p in files.items()}, bool(meta["packed"])
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            packed = bool(json.load(f)["packed"])
+        arrays = {a: np.load(p, mmap_mode="r", allow_pickle=False) for a, p in files.items()}
+    except (OSError, ValueError, EOFError, KeyError, TypeError) as e:  # (it was a traceback: a review)
+        say(f"note: the tokenized cache {meta_path} is damaged ({type(e).__name__}: {e}); tokenizing again")
+        return None
+    return arrays, packed
+
+
+def _lock(path: str):
+    """(the open lock file, whether another process held it first), or OSError where the folder cannot be made,
+    written or locked."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    f = open(path, "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return f, False
+    except BlockingIOError:
+        _wait_for_lock(f, path)
+        return f, True
+    except OSError:
+        f.close()
+        raise
 
 
 def _save(meta_path: str, files: dict[str, str], arrays: dict[str, np.ndarray], packed: bool, source: str) -> None:
@@ -113,17 +142,23 @@ def cached_records(path: str, tokenizer, seq_length: int, cache_dir: str, read, 
     key = cache_key(path, tokenizer, seq_length)
     meta_path, files = _paths(cache_dir, key)
     say = log or (lambda _msg: None)
-    with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(_lock_unless([meta_path, *files.values()], os.path.join(cache_dir, f"sft_{key}.lock")))
-        except ConfigError:  # (a folder that cannot be made, written or locked)
-            say(f"note: --sft {path}: {cache_dir} cannot hold its tokenized records, so they are tokenized on every "
-                "start: pass --data-cache-path DIR, a writable directory on a file system with locks")  # fmt: skip
-            return read(path, tokenizer, seq_length, log)
-        found = _load(meta_path, files)
-        if found is not None:
+    if (found := _load(meta_path, files, say)) is not None:  # (complete: no lock, as a read-only folder needs)
+        say(f"--sft {path}: {len(found[0]['prompt_lens'])} records read from the tokenized cache {meta_path}")
+        return found
+    try:
+        held, waited = _lock(os.path.join(cache_dir, f"sft_{key}.lock"))
+    except OSError as e:  # (a folder that cannot be made, written or locked)
+        say(f"note: --sft {path}: {cache_dir} cannot hold its tokenized records ({e.strerror}), so they are "
+            "tokenized on every start: pass --data-cache-path DIR, a writable directory on a file system with "
+            "locks")  # fmt: skip
+        return read(path, tokenizer, seq_length, log)
+    try:
+        if (found := _load(meta_path, files, say)) is not None:  # (built while this process waited)
             say(f"--sft {path}: {len(found[0]['prompt_lens'])} records read from the tokenized cache {meta_path}")
             return found
+        if waited:  # (the process before could not keep them: tokenized here at once, not one rank after another)
+            held.close()
+            return read(path, tokenizer, seq_length, log)
         began = time.monotonic()
         arrays, packed = read(path, tokenizer, seq_length, log)
         try:
@@ -135,3 +170,5 @@ def cached_records(path: str, tokenizer, seq_length: int, cache_dir: str, read, 
         say(f"--sft {path}: {len(arrays['prompt_lens'])} records tokenized in {time.monotonic() - began:.1f} s, "
             f"kept for the next run in {meta_path}")  # fmt: skip
         return arrays, packed
+    finally:
+        held.close()  # (closing releases the lock)

@@ -31,7 +31,7 @@ def validate_moe(c: ModelConfig) -> None:
         return
     e, k = c.num_experts, c.moe_router_topk
     if e < 1:
-        raise ConfigError(f"--num-experts {e} must be >= 1")
+        raise ConfigError(f"--num-experts {e} must be >= 1 (0, or no flag, is a dense model)")
     for flag, value, fix in (
         ("--moe-ffn-hidden-size", c.moe_ffn_hidden_size, ""),
         ("--moe-shared-expert-intermediate-size", c.moe_shared_expert_intermediate_size,

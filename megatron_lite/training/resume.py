@@ -62,6 +62,8 @@ def starting_checkpoint(job: JobConfig, say) -> tuple[JobConfig, str | None]:
         # it was started from another checkpoint (--load BASE --finetune): that was only its starting point.
         start = f" instead of --load {ck.load}" if ck.load else ""
         again = " (--moe-use-upcycling is for the first run: not upcycled again)" if ck.moe_use_upcycling else ""
+        if ck.ckpt_step is not None:  # (dropped without a word: a review, following the --ckpt-step hint)
+            again += f" (--ckpt-step {ck.ckpt_step} was for --load: --no-auto-resume keeps it)"
         say(f"--save {ck.save} holds a checkpoint: resuming from it{start} (--no-auto-resume starts over){again}")
         # --no-load-optim / --no-load-rng were for the starting checkpoint: its own holds what it saved
         parts = dict(no_load_optim=ck.no_save_optim, no_load_rng=ck.no_save_rng, moe_use_upcycling=False)
