@@ -60,6 +60,8 @@ def job_config_from_args(ns: argparse.Namespace) -> JobConfig:
     refuse_unsupported(ns)
     if ns.seq_length is not None and ns.seq_length < 1:  # (it was said as --max-position-embeddings, its default)
         raise ConfigError(f"--seq-length {ns.seq_length} must be a positive integer")
+    if ns.num_layers is None and ns.hybrid_override_pattern:  # (Megatron's HybridModel: the pattern's length)
+        ns.num_layers = len(ns.hybrid_override_pattern)
     _require(ns, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     check_run_length(ns)
     if ns.overlap_p2p_comm and ns.no_overlap_p2p_communication:

@@ -364,6 +364,10 @@ def flags_from_checkpoint(
     is the job's own, in --save, which a restart resumes whole, also a --finetune job's (read as any resume).
     `saved_dp`: the data-parallel size it was saved at (its global batch, where none was given)."""
     saved = defaults_from_checkpoint(config)
+    if saved.get("fp16") and saved.get("loss_scale") is None and saved.get("check_for_nan_in_loss_and_grad") is False:
+        # (the check off is --fp16's dynamic scale's rule, re-derived on resume while the run is fp16: taken as a
+        # flag, a --bf16 resume trained on after a NaN step, an exploratory run found; Megatron's default is on)
+        saved.pop("check_for_nan_in_loss_and_grad")
     if "tokenizer_model" in saved:
         saved["tokenizer_model"] = tokenizer_beside(saved["tokenizer_model"], path)
     given = explicit_dests(parser, argv)

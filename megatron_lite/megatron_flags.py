@@ -11,7 +11,12 @@ from megatron_lite.layout_validation import standalone_mtp, unroll_layout
 from megatron_lite.megatron_flag_tables import ACCEPTED_NO_OPS, NO_OP_CHOICES, REFUSED, REFUSED_DEFAULTS
 
 # Megatron's other names for flags of ours: read as those (parse_args), both given is one line.
-OTHER_NAMES = {"--encoder-seq-length": "--seq-length", "--encoder-num-layers": "--num-layers"}
+OTHER_NAMES = {
+    "--encoder-seq-length": "--seq-length",
+    "--encoder-num-layers": "--num-layers",
+    # (Megatron-LM's newer name: its HybridModel scripts give it without --num-layers, the pattern's length)
+    "--hybrid-layer-pattern": "--hybrid-override-pattern",
+}
 
 
 def add_megatron_flag_groups(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +33,7 @@ def add_megatron_flag_groups(parser: argparse.ArgumentParser) -> None:
         r.add_argument("--" + name.replace("_", "-"), nargs="*", default=None, help=why)
     o = parser.add_argument_group("Megatron's other names for flags here")
     o.add_argument("--encoder-num-layers", type=int, help="Megatron's other name for --num-layers")
+    o.add_argument("--hybrid-layer-pattern", help="Megatron's newer name for --hybrid-override-pattern")
 
 
 DATALOADER_TYPES = ("single", "cyclic")
@@ -35,6 +41,7 @@ DATALOADER_TYPES = ("single", "cyclic")
 # The layer spec every Megatron Mamba script passes (its mamba_builder raises without a --spec): Megatron-Core's
 # MambaStack, which is the hybrid model here (--is-hybrid-model; all Mamba layers without a pattern or ratios)
 MAMBA_STACK_SPEC = ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+HYBRID_STACK_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]  # (its newer name)
 
 
 def _is_default(values: list[str] | None, default: str) -> bool:
@@ -61,7 +68,7 @@ def refuse_unsupported(ns: argparse.Namespace) -> None:
             f"--dataloader-type {ns.dataloader_type} is not supported: an external data loader cannot be plugged "
             f"in; use {' or '.join(DATALOADER_TYPES)} (remove the flag)"
         )
-    if getattr(ns, "spec", None) == MAMBA_STACK_SPEC:
+    if getattr(ns, "spec", None) in (MAMBA_STACK_SPEC, HYBRID_STACK_SPEC):
         ns.is_hybrid_model, ns.spec = True, None
     for name, default in REFUSED_DEFAULTS.items():  # (Megatron's default given: it changes nothing)
         if _is_default(getattr(ns, name, None), default):

@@ -187,3 +187,16 @@ def test_zero_experts_is_a_dense_model_as_in_megatron():
     assert job.model.num_experts is None
     with pytest.raises(ConfigError, match=r"--num-experts -2 must be >= 1"):
         parse_args([*MOCK, "--num-experts", "-2"])
+
+
+def test_megatrons_newer_hybrid_layer_pattern_reads_as_the_override_pattern():
+    """Megatron-LM's HybridModel scripts give --hybrid-layer-pattern (its newer name for --hybrid-override-pattern)
+    with its newer stack spec and no --num-layers, the pattern's length (an exploratory port: "no such flag")."""
+    flags = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16", "--train-iters", "1",
+             "--mock-data", "--vocab-size", "100", "--mamba-num-groups", "1", "--hybrid-layer-pattern", "M*-M",
+             "--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]  # fmt: skip
+    _, job = parse_args(flags)
+    assert (job.model.num_layers, job.model.hybrid_override_pattern) == (4, "M*-M")
+    assert job.model.layer_types == parse_args([*flags[:-3], "--num-layers", "4"])[1].model.layer_types
+    with pytest.raises(ConfigError, match="--hybrid-layer-pattern is Megatron's other name for"):
+        parse_args([*flags, "--hybrid-override-pattern", "M*-M"])

@@ -111,6 +111,12 @@ def test_validate_args_overrides_on_resume(monkeypatch):
     for kept in (["--nan-policy", "skip"], ["--loss-scale", "128"]):
         assert resume([*MOCK, "--fp16"], kept).optimizer.check_for_nan_in_loss_and_grad, kept
     assert not resume([*MOCK, "--fp16"], []).optimizer.check_for_nan_in_loss_and_grad
+    # an fp16 checkpoint resumed with --bf16: the check is on, as a fresh --bf16 run's (the rule's False came over
+    # as a flag, and a NaN step trained on into NaN weights: an exploratory run)
+    assert resume([*MOCK, "--fp16"], ["--bf16"]).optimizer.check_for_nan_in_loss_and_grad
+    assert not resume(
+        [*MOCK, "--fp16"], ["--bf16", "--no-check-for-nan-in-loss-and-grad"]
+    ).optimizer.check_for_nan_in_loss_and_grad
     taken = resume(MOCK, ["--use-checkpoint-args", "--use-rotary-position-embeddings"])
     assert taken.model.position_embedding_type == "learned_absolute"
 

@@ -140,3 +140,24 @@ def test_dense_and_expert_parameters_are_placed_and_named_by_global_expert():
     one = build_model(config, ParallelContext.virtual(P()), device="meta")
     assert names[0] | names[1] == {one.global_name(n) for n, _ in one.named_parameters() if "experts" in n}
     assert dataclasses.replace(config, num_experts=None).is_moe_layer(0) is False
+
+
+def test_every_group_chosen_routes_as_plain_top_k():
+    """--moe-router-group-topk equal to --moe-router-num-groups, above --moe-router-topk (Megatron's
+    deepseek-proxy functional test: 8 groups of 8, top-2): every group is chosen, so the routing is plain top-k,
+    which Megatron runs and which was refused here."""
+    import torch
+
+    from megatron_lite.moe.router import TopKRouter
+
+    plain = moe_config(hidden_size=16, num_experts=16, moe_router_topk=2, moe_aux_loss_coeff=0.0)
+    grouped = dataclasses.replace(plain, moe_router_num_groups=4, moe_router_group_topk=4)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    a, b = TopKRouter(plain, tp_size=1), TopKRouter(grouped, tp_size=1)
+    with torch.no_grad():
+        a.weight.copy_(torch.randn(a.weight.shape, generator=torch.Generator().manual_seed(1)))
+        b.weight.copy_(a.weight)
+    ra, rb = a(x, (32, 1)), b(x, (32, 1))
+    assert torch.equal(ra.indices, rb.indices) and torch.equal(ra.probs, rb.probs) and not ra.probs.isnan().any()
+    with pytest.raises(ConfigError, match="--moe-router-topk 2 must be between --moe-router-group-topk 3"):
+        dataclasses.replace(plain, moe_router_num_groups=4, moe_router_group_topk=3)
