@@ -142,7 +142,8 @@ def cached_records(path: str, tokenizer, seq_length: int, cache_dir: str, read, 
     key = cache_key(path, tokenizer, seq_length)
     meta_path, files = _paths(cache_dir, key)
     say = log or (lambda _msg: None)
-    if (found := _load(meta_path, files, say)) is not None:  # (complete: no lock, as a read-only folder needs)
+    # (complete: read without a lock, as a read-only folder needs; a damaged one is said once, under the lock)
+    if (found := _load(meta_path, files, lambda _m: None)) is not None:
         say(f"--sft {path}: {len(found[0]['prompt_lens'])} records read from the tokenized cache {meta_path}")
         return found
     try:
