@@ -366,10 +366,11 @@ def test_a_node_stopped_at_start_up_stops_the_others_at_once(tmp_path, own_store
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     # (before: the other node waited --distributed-timeout-minutes, here 5, x 2 + 1 under the flight recorder)
     assert all(p.returncode != 0 for p in procs) and time.time() - start < 240, outputs
-    said = "stopped at start-up: --hidden-size 64 is not divisible by --num-attention-heads 3"
-    if bad_node == 0 and not own_store:  # (torchrun's own store goes with the first node's agent: gone, not read)
-        said = "which the first node's torchrun serves, refused connections for 5 s: that node stopped"
-    assert any(said in out for out in outputs), outputs[0][-2000:] + outputs[1][-2000:]
+    said = ["stopped at start-up: --hidden-size 64 is not divisible by --num-attention-heads 3"]
+    if bad_node == 0 and not own_store:  # (torchrun's own store goes with the first node's agent: gone, not read;
+        # or read before it went, when the other node's rank polls in between: a clean-clone run saw that race)
+        said.append("which the first node's torchrun serves, refused connections for 5 s: that node stopped")
+    assert any(x in out for out in outputs for x in said), outputs[0][-2000:] + outputs[1][-2000:]
     assert not any("no state published" in out for out in outputs), outputs
     # (torch's client, reaching a store gone with its node, printed a C++ stack trace at each of its tries)
     assert not any("frame #" in out for out in outputs), [out[-2000:] for out in outputs]
