@@ -40,6 +40,7 @@ FORMAT_V2 = "megatron_lite/2"  # still read: pieces are ranges along one dimensi
 FORMAT_V1 = "megatron_lite/1"  # still read: no checksums, index files hold the tensor records only
 READABLE = (FORMAT, FORMAT_V2, FORMAT_V1)
 TRACKER = "latest_checkpointed_iteration.txt"
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron's _NON_PERSISTENT_CKPT_SUBDIR, under --save
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,15 @@ import json
 import os
 
 from megatron_lite.checkpoint.compatibility import megatron_lm
-from megatron_lite.checkpoint.format import FORMAT, READABLE, TRACKER, complete_iterations, iteration_dir, read_tracker
+from megatron_lite.checkpoint.format import (
+    FORMAT,
+    NON_PERSISTENT_SUBDIR,
+    READABLE,
+    TRACKER,
+    complete_iterations,
+    iteration_dir,
+    read_tracker,
+)
 from megatron_lite.checkpoint.hf_files import peft_adapter
 from megatron_lite.config import ConfigError
 
@@ -17,7 +25,7 @@ from megatron_lite.config import ConfigError
 def _non_persistent(root: str, step: int) -> str:
     """A hint where iteration `step` is one of the run's non-persistent checkpoints, which --ckpt-step does not
     look at under the --save directory (an exploratory run: the error said it was not there)."""
-    other = os.path.join(root, "non_persistent")  # (the global ones' default: checkpoint/non_persistent.py)
+    other = os.path.join(root, NON_PERSISTENT_SUBDIR)  # (the global ones' default: checkpoint/non_persistent.py)
     if os.path.isdir(other) and _whole(iteration_dir(other, step)) is not None:
         # (--no-auto-resume: the --save that holds it, holding checkpoints, would be resumed from instead)
         return (
@@ -40,7 +48,7 @@ def find_checkpoint(root: str | None, step: int | None = None, own: bool = False
     if (
         not root
         or not os.path.isdir(root)
-        or all(n.endswith(leftovers) or n == "non_persistent" for n in os.listdir(root))
+        or all(n.endswith(leftovers) or n == NON_PERSISTENT_SUBDIR for n in os.listdir(root))
     ):
         if step is not None:
             raise ConfigError(f"--ckpt-step {step}: --load {root} holds no checkpoint{_non_persistent(root, step)}")

@@ -26,6 +26,7 @@ import os
 from megatron_lite.checkpoint import checkpointing as ckpt
 from megatron_lite.checkpoint.atomic import atomic_write_json, atomic_write_text, replace_dir
 from megatron_lite.checkpoint.format import (
+    NON_PERSISTENT_SUBDIR,
     TRACKER,
     _delete,
     _sweep_leftovers,
@@ -36,7 +37,7 @@ from megatron_lite.checkpoint.format import (
 from megatron_lite.checkpoint.lookup import _whole, find_checkpoint, read_metadata
 from megatron_lite.config import ConfigError
 
-SUBDIR = "non_persistent"  # Megatron's _NON_PERSISTENT_CKPT_SUBDIR
+SUBDIR = NON_PERSISTENT_SUBDIR
 # what makes each rank's share of a local checkpoint its own: another value of any changes what a rank holds
 LAYOUT = (
     "tensor_model_parallel_size",

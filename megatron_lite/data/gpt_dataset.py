@@ -31,16 +31,18 @@ from megatron_lite.data.indexed import IndexedDataset
 LOCK_NOTE_AFTER_S = (60.0, 300.0)  # the first note on a held lock, then one every so often
 
 
-def _wait_for_lock(f, path: str) -> None:
+def _wait_for_lock(f, path: str) -> bool:
     """flock, saying so where it waits long (from a review: a lock another live process held, another job's on a
     shared --data-cache-path or a stuck build, kept every rank waiting without a word, forever). Ranks of one job
-    building a cache wait a moment for the first: they stay quiet."""
-    start, said = time.monotonic(), 0.0
+    building a cache wait a moment for the first: they stay quiet. Returns whether another process held it first
+    (data/sft_cache.py: then that one could not keep what it built)."""
+    start, said, other = time.monotonic(), 0.0, False
     while True:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return other
         except BlockingIOError:
+            other = True
             waited = time.monotonic() - start
             if waited >= (LOCK_NOTE_AFTER_S[0] if not said else said + LOCK_NOTE_AFTER_S[1]):
                 said = waited
@@ -54,27 +56,33 @@ def _wait_for_lock(f, path: str) -> None:
 
 
 @contextlib.contextmanager
+def held_lock(path: str):
+    """An exclusive lock across processes, yielding whether another process held it first; OSError where its
+    folder cannot be made, written or locked (file_lock says so for the index caches; data/sft_cache.py tokenizes
+    without one)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        other = _wait_for_lock(f, path)
+        try:
+            yield other
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def file_lock(path: str):
     """An exclusive lock across processes (ranks building the same cache wait for the first). A cache directory
     that cannot be made, written or locked (a read-only dataset directory, Lustre without flock) is one line
     naming it and --data-cache-path."""
-    folder, f = os.path.dirname(path), None
-    try:
-        os.makedirs(folder, exist_ok=True)
-        f = open(path, "a")
-        _wait_for_lock(f, path)
-    except OSError as e:
-        if f is not None:
-            f.close()
-        raise ConfigError(
-            f"cannot use the index cache in {folder} ({e.strerror}): pass --data-cache-path DIR, a writable "
-            "directory on a file system with locks (it holds the sample indices, built once)"
-        ) from None
-    try:
-        yield
-    finally:
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
+    with contextlib.ExitStack() as held:
+        try:
+            other = held.enter_context(held_lock(path))
+        except OSError as e:
+            raise ConfigError(
+                f"cannot use the index cache in {os.path.dirname(path)} ({e.strerror}): pass --data-cache-path DIR, "
+                "a writable directory on a file system with locks (it holds the sample indices, built once)"
+            ) from None
+        yield other
 
 
 def _lock_unless(paths: list[str], lock: str):

@@ -13,7 +13,7 @@ and modification time in place reads the old cache; hashing a large file on ever
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +23,7 @@ from importlib import metadata
 import numpy as np
 
 from megatron_lite.checkpoint.atomic import atomic_write
-from megatron_lite.data.gpt_dataset import _save_npy, _wait_for_lock
+from megatron_lite.data.gpt_dataset import _save_npy, held_lock
 
 ARRAYS = ("tokens", "starts", "prompt_lens", "trained", "cuts")
 # the code an SFT record's tokens come from, digested into the cache's name
@@ -107,22 +107,6 @@ def _load(meta_path: str, files: dict[str, str], say) -> tuple[dict[str, np.ndar
     return arrays, packed
 
 
-def _lock(path: str):
-    """(the open lock file, whether another process held it first), or OSError where the folder cannot be made,
-    written or locked."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    f = open(path, "a")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return f, False
-    except BlockingIOError:
-        _wait_for_lock(f, path)
-        return f, True
-    except OSError:
-        f.close()
-        raise
-
-
 def _save(meta_path: str, files: dict[str, str], arrays: dict[str, np.ndarray], packed: bool, source: str) -> None:
     for a, p in files.items():
         _save_npy(p, np.asarray(arrays[a]))
@@ -142,21 +126,24 @@ def cached_records(path: str, tokenizer, seq_length: int, cache_dir: str, read, 
     key = cache_key(path, tokenizer, seq_length)
     meta_path, files = _paths(cache_dir, key)
     say = log or (lambda _msg: None)
-    # (complete: read without a lock, as a read-only folder needs; a damaged one is said once, under the lock)
-    if (found := _load(meta_path, files, lambda _m: None)) is not None:
+
+    def hit(found):
         say(f"--sft {path}: {len(found[0]['prompt_lens'])} records read from the tokenized cache {meta_path}")
         return found
-    try:
-        held, waited = _lock(os.path.join(cache_dir, f"sft_{key}.lock"))
-    except OSError as e:  # (a folder that cannot be made, written or locked)
-        say(f"note: --sft {path}: {cache_dir} cannot hold its tokenized records ({e.strerror}), so they are "
-            "tokenized on every start: pass --data-cache-path DIR, a writable directory on a file system with "
-            "locks")  # fmt: skip
-        return read(path, tokenizer, seq_length, log)
-    try:
+
+    # (complete: read without a lock, as a read-only folder needs; a damaged one is said once, under the lock)
+    if (found := _load(meta_path, files, lambda _m: None)) is not None:
+        return hit(found)
+    with contextlib.ExitStack() as held:
+        try:
+            waited = held.enter_context(held_lock(os.path.join(cache_dir, f"sft_{key}.lock")))
+        except OSError as e:  # (a folder that cannot be made, written or locked)
+            say(f"note: --sft {path}: {cache_dir} cannot hold its tokenized records ({e.strerror}), so they are "
+                "tokenized on every start: pass --data-cache-path DIR, a writable directory on a file system with "
+                "locks")  # fmt: skip
+            return read(path, tokenizer, seq_length, log)
         if (found := _load(meta_path, files, say)) is not None:  # (built while this process waited)
-            say(f"--sft {path}: {len(found[0]['prompt_lens'])} records read from the tokenized cache {meta_path}")
-            return found
+            return hit(found)
         if waited:  # (the process before could not keep them: tokenized here at once, not one rank after another)
             held.close()
             return read(path, tokenizer, seq_length, log)
@@ -171,5 +158,3 @@ def cached_records(path: str, tokenizer, seq_length: int, cache_dir: str, read, 
         say(f"--sft {path}: {len(arrays['prompt_lens'])} records tokenized in {time.monotonic() - began:.1f} s, "
             f"kept for the next run in {meta_path}")  # fmt: skip
         return arrays, packed
-    finally:
-        held.close()  # (closing releases the lock)
